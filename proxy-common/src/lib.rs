@@ -1,0 +1,337 @@
+//! Every type the kernel programs and the agent share.
+//!
+//! Rules for anything in here: `#[repr(C)]`, explicit padding so that the
+//! compiler never inserts any (bytemuck's `Pod` derive refuses implicit
+//! padding), byte order stated in the field name (`_be` = network order,
+//! stored exactly as it appears on the wire), and no `bool`, `Option` or enum
+//! inside a map key or value.
+#![no_std]
+
+/// Layout version of every pinned map. It is part of the pin path
+/// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
+/// its layout: bump it whenever a key or value below changes.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// Map names, as they appear in the object file and under the pin directory.
+pub mod map_names {
+    pub const SERVICES: &str = "SERVICES";
+    pub const BACKEND_SLOTS: &str = "BACKEND_SLOTS";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const CONNTRACK: &str = "CONNTRACK";
+    pub const AFFINITY: &str = "AFFINITY";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const ALL: [&str; 6] = [
+        SERVICES,
+        BACKEND_SLOTS,
+        BACKENDS,
+        CONNTRACK,
+        AFFINITY,
+        COUNTERS,
+    ];
+}
+
+/// Program names in the object file.
+pub mod program_names {
+    pub const TC_INGRESS: &str = "tc_ingress";
+}
+
+/// Map capacities. Sized for 10,000 services x 10 endpoints with room for
+/// the double-buffered slot sets a replacement needs while it is applied.
+pub const MAX_SERVICES: u32 = 65_536;
+pub const MAX_BACKEND_SLOTS: u32 = 524_288;
+pub const MAX_BACKENDS: u32 = 262_144;
+pub const MAX_CONNTRACK: u32 = 262_144;
+pub const MAX_AFFINITY: u32 = 65_536;
+
+/// Largest backend set one frontend may have (a slot index is below this).
+pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_536;
+
+/// An IPv4 address in the IPv4-mapped IPv6 form (`::ffff:a.b.c.d`), as four
+/// words each holding 4 bytes in network order, so that v4 and v6 share one
+/// key layout.
+#[inline(always)]
+pub const fn v4_mapped(ip_be: u32) -> [u32; 4] {
+    [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff]), ip_be]
+}
+
+/// True when `addr` is an IPv4-mapped address; the IPv4 address is word 3.
+#[inline(always)]
+pub const fn is_v4_mapped(addr: &[u32; 4]) -> bool {
+    addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff])
+}
+
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_SCTP: u8 = 132;
+
+/// `ServiceKey::scope`: which clients a frontend entry is for.
+pub mod scope {
+    /// Every client. ClusterIPs have only this entry.
+    pub const ANY: u8 = 0;
+    /// In-cluster clients only; looked up first, for frontends whose
+    /// in-cluster backends differ from the external ones.
+    pub const INTERNAL: u8 = 1;
+}
+
+/// A frontend: (address, port, protocol, scope).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceKey {
+    pub addr_be: [u32; 4],
+    pub port_be: u16,
+    pub proto: u8,
+    pub scope: u8,
+}
+
+/// `ServiceValue::flags` bits.
+pub mod service_flags {
+    /// ClientIP session affinity; `affinity_timeout_s` is set.
+    pub const AFFINITY: u32 = 1 << 0;
+    /// With no backends, drop rather than reject (ITP/ETP Local with no
+    /// local endpoint, as kube-proxy does).
+    pub const NO_EP_DROP: u32 = 1 << 1;
+}
+
+/// What a frontend points at. A packet copies this once and only uses slots
+/// `0..count` of `slot_set`, so the agent can grow a set in place (slots
+/// first, then count) or swap in a whole new set (new `slot_set`, one update
+/// of this value) without a packet ever seeing half a backend set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceValue {
+    /// Stable id of the service port: keys affinity and reverse NAT.
+    pub service_id: u32,
+    /// Which generation of `BACKEND_SLOTS` entries is current.
+    pub slot_set: u32,
+    /// Number of usable slots; 0 means reject (or drop, see flags).
+    pub count: u32,
+    pub flags: u32,
+    pub affinity_timeout_s: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendSlotKey {
+    pub slot_set: u32,
+    pub slot: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendSlot {
+    pub backend_id: u32,
+}
+
+/// `Backend::flags` bits.
+pub mod backend_flags {
+    /// The endpoint runs on this node.
+    pub const LOCAL: u8 = 1 << 0;
+    /// The endpoint is serving but terminating (used only as a fallback).
+    pub const TERMINATING: u8 = 1 << 1;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend {
+    pub addr_be: [u32; 4],
+    pub port_be: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// `CtValue::dir`.
+pub mod ct_dir {
+    /// client -> frontend, as the client sent it.
+    pub const FORWARD: u8 = 0;
+    /// backend -> client, as the backend answers.
+    pub const REPLY: u8 = 1;
+}
+
+/// A flow as one direction of it appears on the wire. Both directions of a
+/// translated flow have an entry, told apart by `CtValue::dir`, so that any
+/// packet needs exactly one conntrack lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtKey {
+    pub src_be: [u32; 4],
+    pub dst_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `CtValue::flags` bits.
+pub mod ct_flags {
+    /// A FIN or RST was seen; the entry may be reaped after a short grace.
+    pub const CLOSING: u8 = 1 << 0;
+    /// A reply was seen: the flow is established.
+    pub const SEEN_REPLY: u8 = 1 << 1;
+}
+
+/// For a FORWARD entry, the backend the flow was sent to; for a REPLY entry,
+/// the frontend the client addressed (what replies are rewritten back to).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtValue {
+    pub nat_addr_be: [u32; 4],
+    pub nat_port_be: u16,
+    pub flags: u8,
+    pub dir: u8,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub _pad1: u32,
+    /// `bpf_ktime_get_ns` when the entry was created.
+    pub created_ns: u64,
+    /// `bpf_ktime_get_ns` of the last packet (updated at most once a second).
+    pub last_seen_ns: u64,
+}
+
+/// How long a conntrack entry lives without traffic (Cilium's defaults). An
+/// expired entry is treated as absent by the datapath and reaped by the agent.
+pub mod ct_timeout {
+    const S: u64 = 1_000_000_000;
+    /// TCP flow that has not seen a reply yet.
+    pub const TCP_SYN_NS: u64 = 60 * S;
+    pub const TCP_ESTABLISHED_NS: u64 = 21_600 * S;
+    /// After a FIN or RST: long enough for the closing handshake.
+    pub const TCP_CLOSING_NS: u64 = 10 * S;
+    pub const UDP_NS: u64 = 60 * S;
+    /// `last_seen_ns` is refreshed at most this often, to spare a map write
+    /// per packet.
+    pub const REFRESH_NS: u64 = S;
+}
+
+impl CtValue {
+    /// Idle timeout of this entry; the datapath and the agent's reaper share
+    /// it so that they never disagree on what is alive.
+    #[inline(always)]
+    pub fn idle_timeout_ns(&self, proto: u8) -> u64 {
+        if proto == PROTO_TCP {
+            if self.flags & ct_flags::CLOSING != 0 {
+                ct_timeout::TCP_CLOSING_NS
+            } else if self.flags & ct_flags::SEEN_REPLY != 0 {
+                ct_timeout::TCP_ESTABLISHED_NS
+            } else {
+                ct_timeout::TCP_SYN_NS
+            }
+        } else {
+            ct_timeout::UDP_NS
+        }
+    }
+
+    #[inline(always)]
+    pub fn expired(&self, proto: u8, now_ns: u64) -> bool {
+        now_ns.saturating_sub(self.last_seen_ns) > self.idle_timeout_ns(proto)
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityKey {
+    pub client_be: [u32; 4],
+    pub service_id: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns` of the last new connection that used this entry.
+    pub last_used_ns: u64,
+}
+
+/// Indexes into the per-CPU `COUNTERS` array.
+pub mod counter {
+    /// First packet of a flow to a frontend, DNATed to a backend.
+    pub const DNAT_NEW: u32 = 0;
+    /// Later packet of a known flow, DNATed by its conntrack entry.
+    pub const DNAT_ESTABLISHED: u32 = 1;
+    /// Reply rewritten back to the frontend address.
+    pub const REV_NAT: u32 = 2;
+    /// Frontend without backends: rejected with ICMP port unreachable.
+    pub const REJECT: u32 = 3;
+    /// Frontend without usable backends whose policy is to drop.
+    pub const DROP_NO_ENDPOINT: u32 = 4;
+    /// Packet that could not be parsed; passed untouched.
+    pub const PASS_MALFORMED: u32 = 5;
+    /// Conntrack insert failed; the packet was still translated.
+    pub const CT_INSERT_FAILED: u32 = 6;
+    /// A slot or backend lookup missed (agent mid-update); passed.
+    pub const LOOKUP_MISS: u32 = 7;
+    /// Packet to a frontend whose protocol the datapath does not handle.
+    pub const UNSUPPORTED_PROTO: u32 = 8;
+    pub const COUNT: u32 = 16;
+    pub const NAMES: [&str; 9] = [
+        "dnat_new",
+        "dnat_established",
+        "rev_nat",
+        "reject",
+        "drop_no_endpoint",
+        "pass_malformed",
+        "ct_insert_failed",
+        "lookup_miss",
+        "unsupported_proto",
+    ];
+}
+
+#[cfg(feature = "user")]
+mod pod_impls {
+    use super::*;
+    // SAFETY: all of these are #[repr(C)] with explicit padding and only
+    // integer fields; bytemuck's derive has already proven there is no
+    // implicit padding.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for BackendSlotKey {}
+    unsafe impl aya::Pod for BackendSlot {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_are_what_the_kernel_side_expects() {
+        assert_eq!(size_of::<ServiceKey>(), 20);
+        assert_eq!(size_of::<ServiceValue>(), 24);
+        assert_eq!(size_of::<BackendSlotKey>(), 8);
+        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<CtValue>(), 48);
+        assert_eq!(size_of::<AffinityKey>(), 20);
+        assert_eq!(size_of::<AffinityValue>(), 16);
+    }
+
+    #[test]
+    fn v4_mapped_is_the_ipv6_mapped_form() {
+        let ip = u32::from_ne_bytes([10, 96, 0, 1]);
+        let words = v4_mapped(ip);
+        let mut bytes = [0u8; 16];
+        for (i, w) in words.iter().enumerate() {
+            bytes[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        assert_eq!(
+            bytes,
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 96, 0, 1]
+        );
+        assert!(is_v4_mapped(&words));
+    }
+}

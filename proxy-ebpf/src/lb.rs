@@ -1,0 +1,86 @@
+//! Frontend lookup and backend selection.
+
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, ServiceKey, ServiceValue, backend_flags,
+    scope, service_flags, v4_mapped,
+};
+
+use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, SERVICES};
+
+#[inline(always)]
+pub fn lookup_service(addr_be: u32, port_be: u16, proto: u8) -> Option<ServiceValue> {
+    let key = ServiceKey {
+        addr_be: v4_mapped(addr_be),
+        port_be,
+        proto,
+        scope: scope::ANY,
+    };
+    // Copied once: the rest of this packet's decisions use this snapshot
+    // (see ServiceValue on how the agent keeps that consistent).
+    SERVICES.get_ptr(key).map(|p| unsafe { *p })
+}
+
+/// Slot for a uniform random `r`: `(r * count) >> 32`, nftables' `numgen
+/// random mod n`. Each slot gets floor or ceil of 2^32/count of the draws, so
+/// its probability is within 2^-32 of 1/count, the same distribution
+/// kube-proxy's iptables cascade gives to within 1e-9.
+#[inline(always)]
+pub fn slot_for(r: u32, count: u32) -> u32 {
+    ((r as u64 * count as u64) >> 32) as u32
+}
+
+#[inline(always)]
+fn backend(id: u32) -> Option<Backend> {
+    BACKENDS.get_ptr(id).map(|p| unsafe { *p })
+}
+
+/// The backend for a new flow of `client_be` to the service `svc` (which has
+/// `count > 0`): its affinity backend when that is still fresh and usable,
+/// else a uniformly random slot.
+#[inline(always)]
+pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Backend)> {
+    let affinity = svc.flags & service_flags::AFFINITY != 0;
+    let akey = AffinityKey {
+        client_be: v4_mapped(client_be),
+        service_id: svc.service_id,
+    };
+    if affinity {
+        if let Some(stuck) = AFFINITY.get_ptr(akey).map(|p| unsafe { *p }) {
+            let window = svc.affinity_timeout_s as u64 * 1_000_000_000;
+            if now.saturating_sub(stuck.last_used_ns) <= window {
+                if let Some(b) = backend(stuck.backend_id) {
+                    if b.flags & backend_flags::TERMINATING == 0 {
+                        remember(&akey, stuck.backend_id, now);
+                        return Some((stuck.backend_id, b));
+                    }
+                }
+            }
+        }
+    }
+    let slot = slot_for(unsafe { bpf_get_prandom_u32() }, svc.count);
+    let slot_key = BackendSlotKey {
+        slot_set: svc.slot_set,
+        slot,
+    };
+    let id = BACKEND_SLOTS
+        .get_ptr(slot_key)
+        .map(|p| unsafe { (*p).backend_id })?;
+    let b = backend(id)?;
+    if affinity {
+        remember(&akey, id, now);
+    }
+    Some((id, b))
+}
+
+/// Stamps the affinity entry: like kube-proxy's `recent --set`, every new
+/// connection refreshes it, later packets of a flow do not.
+#[inline(always)]
+fn remember(key: &AffinityKey, backend_id: u32, now: u64) {
+    let value = AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    let _ = AFFINITY.insert(key, value, 0);
+}

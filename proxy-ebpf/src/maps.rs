@@ -1,0 +1,40 @@
+//! Every map of the datapath. Declared with `#[btf_map]` so the object
+//! carries key and value types and `bpftool map dump` prints field names.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, MAX_AFFINITY,
+    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK, MAX_SERVICES, ServiceKey, ServiceValue,
+    counter,
+};
+
+#[btf_map]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICES as usize }> = HashMap::new();
+
+#[btf_map]
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlot, { MAX_BACKEND_SLOTS as usize }> =
+    HashMap::new();
+
+#[btf_map]
+pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap::new();
+
+#[btf_map]
+pub static CONNTRACK: LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+#[btf_map]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(c) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, no other writer while this program runs here.
+        unsafe { *c += 1 };
+    }
+}

@@ -1,0 +1,55 @@
+//! Address and port rewrites with incremental checksum updates.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::PROTO_UDP;
+
+use crate::packet::{ETH_HLEN, Flow};
+
+const IP_SRC_OFF: usize = ETH_HLEN + 12;
+const IP_DST_OFF: usize = ETH_HLEN + 16;
+const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+/// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
+/// 0xffff, as RFC 768 wants.
+const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+
+pub enum Side {
+    Source,
+    Destination,
+}
+
+/// Rewrites the source or destination address and port of `flow`.
+#[inline(always)]
+pub fn rewrite(
+    ctx: &TcContext,
+    flow: &Flow,
+    side: Side,
+    addr_be: u32,
+    port_be: u16,
+) -> Result<(), i64> {
+    let (addr_off, port_off, old_addr, old_port) = match side {
+        Side::Source => (IP_SRC_OFF, flow.l4_off, flow.src_be, flow.sport_be),
+        Side::Destination => (IP_DST_OFF, flow.l4_off + 2, flow.dst_be, flow.dport_be),
+    };
+    let csum_off = flow.l4_csum_off();
+    let mangled = if flow.proto == PROTO_UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    };
+    if old_addr != addr_be {
+        ctx.l4_csum_replace(
+            csum_off,
+            old_addr as u64,
+            addr_be as u64,
+            BPF_F_PSEUDO_HDR | mangled | 4,
+        )?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, old_addr as u64, addr_be as u64, 4)?;
+        ctx.store(addr_off, &addr_be, 0)?;
+    }
+    if old_port != port_be {
+        ctx.l4_csum_replace(csum_off, old_port as u64, port_be as u64, mangled | 2)?;
+        ctx.store(port_off, &port_be, 0)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! The agent: source events -> state -> model -> planner -> maps, one
+//! coalesced sync at a time, with interface attachment alongside.
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+};
+use tracing::{error, info, info_span, warn};
+
+use crate::{
+    datapath::{
+        Datapath, DatapathError, PinLayout,
+        interfaces::{self, Interfaces, Selection},
+    },
+    http::{self, Health, HttpError},
+    model::ModelConfig,
+    planner::Planner,
+    source::{Kind, ObjectKey, SourceEvent, manifest},
+    state::ClusterState,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    #[error("reading the pinned maps for adoption: {0}")]
+    Adopt(#[source] crate::datapath::maps::MapsError),
+    #[error("installing signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+}
+
+pub struct AgentConfig {
+    pub bpf_root: PathBuf,
+    pub manifests: PathBuf,
+    pub interfaces: Option<Vec<String>>,
+    pub healthz: SocketAddr,
+    pub node_name: String,
+    pub min_sync_period: Duration,
+    pub model: ModelConfig,
+}
+
+/// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
+/// pinned maps and links keep serving traffic, and the next start adopts them.
+pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
+    let pins = PinLayout::new(&config.bpf_root);
+    let mut datapath = Datapath::load(pins)?;
+    let stored = datapath
+        .maps
+        .read_service_state()
+        .map_err(AgentError::Adopt)?;
+    let (mut planner, garbage) = Planner::adopt(&stored);
+    info!(
+        frontends = planner.frontend_count(),
+        backends = planner.backend_count(),
+        bpf_root = %config.bpf_root.display(),
+        "datapath loaded; adopted what the pinned maps hold"
+    );
+    let outcome = planner.collect_garbage(garbage, &mut datapath.maps);
+    for e in outcome.errors {
+        warn!(error = %e, "garbage collection");
+    }
+
+    let health = Health::default();
+    let _http = http::serve(config.healthz, health.clone()).await?;
+
+    let (if_tx, mut if_rx) = mpsc::channel::<Interfaces>(4);
+    let selection = Selection {
+        only: config.interfaces.clone(),
+    };
+    tokio::spawn(async move {
+        if let Err(e) = interfaces::watch(selection, Duration::from_secs(5), if_tx).await {
+            error!(error = %e, "interface watcher stopped; attachments stay as they are");
+        }
+    });
+
+    let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
+    let manifests = config.manifests.clone();
+    tokio::spawn(async move {
+        if let Err(e) = manifest::watch(manifests, ev_tx).await {
+            error!(error = %e, "manifest source stopped; the datapath keeps its last state");
+        }
+    });
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+
+    let mut state = ClusterState::new(config.node_name.clone());
+    let mut sync = SyncLoop {
+        dirty: BTreeSet::new(),
+        listed: BTreeSet::new(),
+        initial_done: false,
+        sequence: 0,
+    };
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            Some(event) = ev_rx.recv() => {
+                sync.note(&event);
+                sync.dirty.extend(state.apply(event));
+                deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.min_sync_period);
+            }
+            Some(ifaces) = if_rx.recv() => attach_all(&mut datapath, &ifaces),
+            _ = async { tokio::time::sleep_until(deadline.unwrap()).await }, if deadline.is_some() => {
+                deadline = None;
+                sync.run(&state, &config.model, &mut planner, &mut datapath, &health);
+            }
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+        }
+    }
+    info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
+    Ok(())
+}
+
+fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
+    let gone: Vec<String> = datapath
+        .attached()
+        .filter(|name| !ifaces.contains_key(*name))
+        .map(str::to_string)
+        .collect();
+    for name in gone {
+        info!(interface = %name, "interface gone");
+        datapath.forget(&name);
+    }
+    for (name, index) in ifaces {
+        match datapath.attach(name, *index) {
+            Ok(()) => {}
+            Err(e) => error!(error = %e, "interface left without the datapath"),
+        }
+    }
+}
+
+struct SyncLoop {
+    dirty: BTreeSet<ObjectKey>,
+    /// Kinds a complete listing has been received for.
+    listed: BTreeSet<Kind>,
+    initial_done: bool,
+    sequence: u64,
+}
+
+impl SyncLoop {
+    fn note(&mut self, event: &SourceEvent) {
+        if let SourceEvent::Replace { kind, .. } = event {
+            self.listed.insert(*kind);
+        }
+    }
+
+    fn run(
+        &mut self,
+        state: &ClusterState,
+        model: &ModelConfig,
+        planner: &mut Planner,
+        datapath: &mut Datapath,
+        health: &Health,
+    ) {
+        self.sequence += 1;
+        let span = info_span!("sync", seq = self.sequence, services = self.dirty.len());
+        let _enter = span.enter();
+        let started = Instant::now();
+        let (mut ops, mut changed, mut failed) = (0, 0, 0);
+        for key in std::mem::take(&mut self.dirty) {
+            let desired = match state.frontends_for(&key, model) {
+                Ok(desired) => desired,
+                Err(e) => {
+                    // Whatever was programmed for it stays: an invalid
+                    // update never takes a working service down.
+                    error!(service = %key, error = %e, "service skipped");
+                    failed += 1;
+                    continue;
+                }
+            };
+            let outcome = planner.sync_service(&key, &desired, &mut datapath.maps);
+            ops += outcome.ops;
+            changed += outcome.frontends_changed;
+            for e in &outcome.errors {
+                error!(service = %key, error = %e, "frontend not programmed");
+            }
+            failed += outcome.errors.len();
+        }
+        let complete =
+            self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice);
+        if complete && !self.initial_done {
+            let outcome = planner.remove_unclaimed(&mut datapath.maps);
+            ops += outcome.ops;
+            changed += outcome.frontends_changed;
+            for e in &outcome.errors {
+                error!(error = %e, "stale frontend not removed");
+            }
+            self.initial_done = true;
+        }
+        if self.initial_done {
+            health.mark_synced();
+        }
+        info!(
+            ops,
+            frontends_changed = changed,
+            failed,
+            frontends = planner.frontend_count(),
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "synced"
+        );
+    }
+}
+
+/// NODE_NAME-less default, as kube-proxy: the hostname.
+pub fn default_node_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_default()
+}

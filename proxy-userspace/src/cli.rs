@@ -1,0 +1,90 @@
+//! Command line of the `ebpf-proxy` binary.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::datapath::pins::DEFAULT_BPF_ROOT;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ebpf-proxy",
+    version,
+    about = "eBPF replacement for kube-proxy"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Program the datapath and keep it in sync with the Services.
+    Run(RunArgs),
+    /// Detach from every interface and remove every pin.
+    Cleanup(PinArgs),
+    /// Print the frontends, backends and counters in the pinned maps.
+    Status(PinArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PinArgs {
+    /// Directory on bpffs holding the pinned maps and links.
+    #[arg(long, default_value = DEFAULT_BPF_ROOT)]
+    pub bpf_root: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Read Services and EndpointSlices from this YAML file or directory
+    /// (as `kubectl get -o yaml` prints them) and follow its changes.
+    #[arg(long)]
+    pub manifests: PathBuf,
+    /// Attach only to these interfaces (default: every non-loopback one,
+    /// including ones created later).
+    #[arg(long, value_delimiter = ',')]
+    pub interfaces: Option<Vec<String>>,
+    /// Where /healthz is served.
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: SocketAddr,
+    /// This node's name: decides which endpoints are local.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Changes arriving within this window are applied in one sync.
+    #[arg(long, default_value = "20ms", value_parser = parse_duration)]
+    pub min_sync_period: Duration,
+}
+
+/// "250ms", "2s", "1m" or a plain number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .map_or((s, "s"), |i| s.split_at(i));
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (try 250ms, 2s, 1m)"))?;
+    let secs = match unit {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("2h").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("fast").is_err());
+    }
+}

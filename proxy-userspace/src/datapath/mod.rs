@@ -1,0 +1,178 @@
+//! The kernel side as the agent sees it: loading the eBPF object with its
+//! maps pinned, attaching it to interfaces through pinned links, and the map
+//! handles the planner writes through.
+
+mod attach;
+pub mod interfaces;
+pub mod maps;
+pub mod pins;
+
+use std::path::Path;
+
+pub use attach::AttachError;
+use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use proxy_common::{map_names, program_names};
+
+pub use self::{maps::Maps, pins::PinLayout};
+
+/// The eBPF object built by build.rs from proxy-ebpf.
+pub static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    #[error(
+        "this binary carries no eBPF object (built with EBPF_PROXY_SKIP_EBPF_BUILD); rebuild with `cargo xtask build`"
+    )]
+    NoObject,
+    #[error(
+        "{0} is not on a bpf filesystem: mount one (`mount -t bpf bpf /sys/fs/bpf`) or pick another --bpf-root"
+    )]
+    NotBpffs(String),
+    #[error("creating pin directory {path}: {source}")]
+    PinDir {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("program {name}: {source}")]
+    Program {
+        name: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error(transparent)]
+    Maps(#[from] maps::MapsError),
+}
+
+/// A loaded datapath: program ready to attach, maps pinned.
+pub struct Datapath {
+    ebpf: Ebpf,
+    pins: PinLayout,
+    pub maps: Maps,
+    attached: std::collections::BTreeMap<String, attach::Attachment>,
+}
+
+impl Datapath {
+    /// Loads the object. Maps already pinned under `pins` (from an earlier
+    /// run) are reused as they are, entries included; missing ones are
+    /// created and pinned.
+    pub fn load(pins: PinLayout) -> Result<Self, DatapathError> {
+        if EBPF_OBJECT.is_empty() {
+            return Err(DatapathError::NoObject);
+        }
+        let parent = pins.root().parent().unwrap_or(Path::new("/"));
+        std::fs::create_dir_all(parent).ok();
+        if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
+            return Err(DatapathError::NotBpffs(parent.display().to_string()));
+        }
+        for dir in [pins.maps_dir(), pins.links_dir()] {
+            std::fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        let paths: Vec<(&'static str, std::path::PathBuf)> = map_names::ALL
+            .iter()
+            .map(|name| (*name, pins.map(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT)?;
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(program_names::TC_INGRESS)
+            .ok_or(DatapathError::Program {
+                name: program_names::TC_INGRESS,
+                source: aya::programs::ProgramError::UnexpectedProgramType,
+            })?
+            .try_into()
+            .map_err(|source| DatapathError::Program {
+                name: program_names::TC_INGRESS,
+                source,
+            })?;
+        program.load().map_err(|source| DatapathError::Program {
+            name: program_names::TC_INGRESS,
+            source,
+        })?;
+        let maps = Maps::take(&mut ebpf)?;
+        Ok(Self {
+            ebpf,
+            pins,
+            maps,
+            attached: Default::default(),
+        })
+    }
+
+    pub fn pins(&self) -> &PinLayout {
+        &self.pins
+    }
+
+    /// The loaded tc program, for BPF_PROG_TEST_RUN in tests and benchmarks.
+    pub fn tc_program(&self) -> &SchedClassifier {
+        self.ebpf
+            .program(program_names::TC_INGRESS)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc program is loaded in Datapath::load")
+    }
+
+    fn tc_program_mut(&mut self) -> &mut SchedClassifier {
+        self.ebpf
+            .program_mut(program_names::TC_INGRESS)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc program is loaded in Datapath::load")
+    }
+
+    /// Names of the interfaces the program is attached to.
+    pub fn attached(&self) -> impl Iterator<Item = &str> {
+        self.attached.keys().map(String::as_str)
+    }
+
+    /// Attaches at tc ingress of `ifname` (ifindex `ifindex`), taking over a
+    /// pinned link from an earlier run when there is one, so traffic is never
+    /// without a program.
+    pub fn attach(&mut self, ifname: &str, ifindex: u32) -> Result<(), AttachError> {
+        if self
+            .attached
+            .get(ifname)
+            .is_some_and(|a| a.ifindex == ifindex)
+        {
+            return Ok(());
+        }
+        let path = self.pins.tc_ingress_link(ifname);
+        let attachment = attach::attach_tc_ingress(self.tc_program_mut(), ifname, ifindex, &path)?;
+        self.attached.insert(ifname.to_string(), attachment);
+        Ok(())
+    }
+
+    /// Forgets an interface that is gone; its link died with it, and its pin
+    /// is removed.
+    pub fn forget(&mut self, ifname: &str) {
+        self.attached.remove(ifname);
+        let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
+    }
+}
+
+/// Detaches and unpins everything under `pins` (`ebpf-proxy cleanup`).
+/// Returns what was removed.
+pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
+    let mut removed = Vec::new();
+    if !pins.root().exists() {
+        return Ok(removed);
+    }
+    // Unpinning a link whose only reference is its pin detaches it.
+    for dir in [pins.links_dir(), pins.maps_dir()] {
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                std::fs::remove_file(entry.path())?;
+                removed.push(entry.path().display().to_string());
+            }
+        }
+    }
+    // Older layout versions and the directories themselves.
+    std::fs::remove_dir_all(pins.root())?;
+    Ok(removed)
+}

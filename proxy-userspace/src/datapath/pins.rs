@@ -1,0 +1,64 @@
+//! Where the datapath lives on bpffs.
+//!
+//! ```text
+//! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
+//! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
+//! ```
+//! The layout version is in the path because aya reuses a pin without
+//! checking its key and value sizes.
+
+use std::path::{Path, PathBuf};
+
+use proxy_common::LAYOUT_VERSION;
+
+/// Default `--bpf-root`.
+pub const DEFAULT_BPF_ROOT: &str = "/sys/fs/bpf/ebpf-proxy";
+
+#[derive(Clone, Debug)]
+pub struct PinLayout {
+    root: PathBuf,
+}
+
+impl PinLayout {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn versioned(&self) -> PathBuf {
+        self.root.join(format!("v{LAYOUT_VERSION}"))
+    }
+
+    pub fn maps_dir(&self) -> PathBuf {
+        self.versioned().join("maps")
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.maps_dir().join(name)
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.versioned().join("links")
+    }
+
+    pub fn tc_ingress_link(&self, ifname: &str) -> PathBuf {
+        self.links_dir().join(format!("tc-ingress-{ifname}"))
+    }
+
+    /// Interface name of a link pin, if `file_name` is one.
+    pub fn ifname_of_link(file_name: &str) -> Option<&str> {
+        file_name.strip_prefix("tc-ingress-")
+    }
+}
+
+/// True when `path` is on a bpf filesystem (pins elsewhere fail, and a
+/// plain directory at /sys/fs/bpf is a common setup mistake).
+pub fn is_bpffs(path: &Path) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    nix::sys::statfs::statfs(path)
+        .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
+        .unwrap_or(false)
+}

@@ -1,0 +1,15 @@
+//! ebpf-proxy's agent, as a library so that the integration tests and
+//! benchmarks drive the same code the binary runs.
+//!
+//! Data flow (design.md §1): [`source`] -> [`state`] -> [`model`] ->
+//! [`planner`] -> [`datapath`] maps, driven by [`agent`].
+
+pub mod agent;
+pub mod cli;
+pub mod datapath;
+pub mod http;
+pub mod model;
+pub mod planner;
+pub mod source;
+pub mod state;
+pub mod status;

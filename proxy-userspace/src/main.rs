@@ -1,0 +1,57 @@
+use anyhow::Context;
+use clap::Parser;
+use proxy_userspace::{
+    agent::{self, AgentConfig},
+    cli::{Cli, Command},
+    datapath::{self, PinLayout},
+    model::ModelConfig,
+    status,
+};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(args) => {
+            let config = AgentConfig {
+                bpf_root: args.pins.bpf_root,
+                manifests: args.manifests,
+                interfaces: args.interfaces,
+                healthz: args.healthz_bind_address,
+                node_name: args.node_name.unwrap_or_else(agent::default_node_name),
+                min_sync_period: args.min_sync_period,
+                model: ModelConfig::default(),
+            };
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(agent::run(config))?;
+        }
+        Command::Cleanup(args) => {
+            let pins = PinLayout::new(&args.bpf_root);
+            let removed = datapath::cleanup(&pins)
+                .with_context(|| format!("cleaning up {}", args.bpf_root.display()))?;
+            println!(
+                "removed {} pins under {}",
+                removed.len(),
+                args.bpf_root.display()
+            );
+        }
+        Command::Status(args) => {
+            let pins = PinLayout::new(&args.bpf_root);
+            let text = status::render(&pins).with_context(|| {
+                format!("reading the maps pinned under {}", args.bpf_root.display())
+            })?;
+            print!("{text}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! The model: a pure function from (Service, its EndpointSlices, the Node,
+//! config) to the frontends and ordered backend sets the datapath must have.
+//! All of kube-proxy's Service policy lives here; nothing here touches the
+//! kernel.
+//!
+//! - [`service`] reads a Service (skipping rules, ports, IPs, policies) and
+//!   assembles its frontends;
+//! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
+//!   port and picks the cluster and local sets from it;
+//! - [`topology`] applies kube-proxy's topology-hint rules;
+//! - [`probability`] holds the selection-probability proofs of design §4.
+
+mod endpoints;
+mod probability;
+mod service;
+#[cfg(test)]
+mod tests;
+mod topology;
+mod types;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+pub use probability::{
+    iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,
+};
+pub use types::*;
+
+/// Label naming the proxy that should program a Service; kube-proxy skips any
+/// Service (and EndpointSlice) that carries it.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Label marking a Service (and its EndpointSlices) as headless; kube-proxy
+/// skips it whatever the clusterIP says.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// Label tying an EndpointSlice to its Service (same namespace).
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Node label holding the node's zone, matched against endpoint zone hints.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+
+/// What the model needs to know about the node it runs on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+    /// `topology.kubernetes.io/zone` label of the Node, once known.
+    pub zone: Option<String>,
+}
+
+/// Agent configuration that changes what gets programmed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Value of our `service.kubernetes.io/service-proxy-name`, if any: a
+    /// Service carrying that label with a different value (or any value, when
+    /// this is None) is not ours to program.
+    pub service_proxy_name: Option<String>,
+}
+
+/// Why a Service could not be programmed. Each names the object.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ModelError {
+    #[error("service {service}: {reason}")]
+    InvalidService { service: String, reason: String },
+    #[error("endpointslice {slice}: {reason}")]
+    InvalidSlice { slice: String, reason: String },
+}
+
+/// Frontends of one Service. Skipped services (headless, ExternalName,
+/// another proxy's) yield an empty list.
+///
+/// `slices` may hold slices of other services: only those in the Service's
+/// namespace whose `kubernetes.io/service-name` label names it are used.
+///
+/// Frontends come out per service port (in spec order) and, within it, per
+/// IP family (in clusterIPs order): the ClusterIP, the NodePort, the
+/// externalIPs, the LoadBalancer IPs, each external one followed by its
+/// in-cluster (`Scope::Internal`) variant when externalTrafficPolicy is
+/// Local. External addresses of a family the Service has no ClusterIP in
+/// are ignored, as kube-proxy's per-family proxiers never see them. A key
+/// that would appear twice keeps its first frontend, as the first matching
+/// iptables rule wins.
+pub fn service_frontends(
+    service: &Service,
+    slices: &[&EndpointSlice],
+    node: &NodeInfo,
+    config: &ModelConfig,
+) -> Result<Vec<Frontend>, ModelError> {
+    service::frontends(service, slices, node, config)
+}
+
+/// Whether an object with these labels is for this proxy to program, by the
+/// rules kube-proxy applies to its informers (`!service-proxy-name`,
+/// `!headless`), with our own proxy name accepted.
+pub fn is_ours(labels: Option<&BTreeMap<String, String>>, config: &ModelConfig) -> bool {
+    let Some(labels) = labels else {
+        return true;
+    };
+    if labels.contains_key(LABEL_HEADLESS) {
+        return false;
+    }
+    match labels.get(LABEL_SERVICE_PROXY_NAME) {
+        None => true,
+        Some(name) => config.service_proxy_name.as_deref() == Some(name.as_str()),
+    }
+}

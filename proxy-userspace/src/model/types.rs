@@ -1,0 +1,155 @@
+//! The desired datapath state: what the model computes and the planner applies.
+
+use std::{fmt, net::IpAddr};
+
+/// L4 protocol of a frontend or backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// IANA protocol number, as in the IP header.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proxy_common::PROTO_TCP,
+            Protocol::Udp => proxy_common::PROTO_UDP,
+            Protocol::Sctp => proxy_common::PROTO_SCTP,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        })
+    }
+}
+
+/// Which clients a frontend entry applies to (see `proxy_common::scope`).
+///
+/// The model emits `Internal` entries only for external frontends
+/// (NodePort, ExternalIp, LoadBalancer) of a Service with
+/// externalTrafficPolicy Local: in-cluster clients (pods, the node itself)
+/// of those addresses get the Cluster endpoint set, as kube-proxy's EXT
+/// chain sends them to the service chain instead of the local one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scope {
+    Any,
+    Internal,
+}
+
+/// What kind of address a frontend is: it decides which traffic policy applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendKind {
+    /// An address of spec.clusterIPs; internalTrafficPolicy applies.
+    ClusterIp,
+    /// A spec.ports[].nodePort. Its key's `ip` is the unspecified address of
+    /// the family (0.0.0.0 or ::), meaning "every address of this node";
+    /// externalTrafficPolicy applies.
+    NodePort,
+    /// An address of spec.externalIPs; externalTrafficPolicy applies.
+    ExternalIp,
+    /// An `ip` of status.loadBalancer.ingress (ipMode VIP or unset);
+    /// externalTrafficPolicy applies.
+    LoadBalancer,
+}
+
+/// A (address, port, protocol, scope) the datapath matches packets on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FrontendKey {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+impl fmt::Display for FrontendKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.ip {
+            IpAddr::V4(ip) => write!(f, "{ip}:{}/{}", self.port, self.protocol)?,
+            IpAddr::V6(ip) => write!(f, "[{ip}]:{}/{}", self.port, self.protocol)?,
+        }
+        if self.scope == Scope::Internal {
+            f.write_str(" (internal)")?;
+        }
+        Ok(())
+    }
+}
+
+/// kube-proxy's ServicePortName: "namespace/name:port" (no ":port" when the
+/// port has no name), plus the protocol. Affinity and service ids are per
+/// ServicePort, shared by every frontend of it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortName {
+    pub namespace: String,
+    pub name: String,
+    pub port: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)?;
+        if !self.port.is_empty() {
+            write!(f, ":{}", self.port)?;
+        }
+        write!(f, "/{}", self.protocol)
+    }
+}
+
+/// One endpoint the datapath may send a frontend's traffic to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendAddr {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    /// The endpoint is on this node.
+    pub local: bool,
+    /// The endpoint is serving but terminating (a fallback set).
+    pub terminating: bool,
+}
+
+impl BackendAddr {
+    /// kube-proxy's endpoint string, `net.JoinHostPort(ip, port)`, which is
+    /// also the sort key of a backend set.
+    pub fn host_port(&self) -> String {
+        match self.ip {
+            IpAddr::V4(ip) => format!("{ip}:{}", self.port),
+            IpAddr::V6(ip) => format!("[{ip}]:{}", self.port),
+        }
+    }
+}
+
+/// What the datapath does with a packet to a frontend that has no backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NoEndpointAction {
+    /// ICMP port unreachable, so clients fail at once (kube-proxy's REJECT).
+    Reject,
+    /// Silently dropped (kube-proxy's DROP for ITP/ETP Local with no local
+    /// endpoints).
+    Drop,
+}
+
+/// The complete desired programming of one frontend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frontend {
+    pub key: FrontendKey,
+    pub kind: FrontendKind,
+    pub service: ServicePortName,
+    /// Ordered as kube-proxy orders them (by `host_port()` string); empty
+    /// means `no_endpoints` applies.
+    pub backends: Vec<BackendAddr>,
+    /// What to do when `backends` is empty: Reject when the Service has no
+    /// usable endpoint anywhere, Drop when a Local traffic policy leaves this
+    /// node without one. Always Reject when `backends` is not empty, so that
+    /// it changes only when it matters.
+    pub no_endpoints: NoEndpointAction,
+    /// ClientIP session affinity timeout, when affinity is on.
+    pub affinity_timeout_s: Option<u32>,
+}

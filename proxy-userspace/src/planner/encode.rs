@@ -1,0 +1,101 @@
+//! The model's types in the datapath's encoding, and back.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use proxy_common::{
+    Backend, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, backend_flags, is_v4_mapped, scope,
+    v4_mapped,
+};
+
+use crate::model::{BackendAddr, FrontendKey, Protocol, Scope};
+
+pub fn addr_words(ip: IpAddr) -> [u32; 4] {
+    match ip {
+        IpAddr::V4(v4) => v4_mapped(u32::from_ne_bytes(v4.octets())),
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            std::array::from_fn(|i| {
+                u32::from_ne_bytes([o[i * 4], o[i * 4 + 1], o[i * 4 + 2], o[i * 4 + 3]])
+            })
+        }
+    }
+}
+
+pub fn words_addr(words: &[u32; 4]) -> IpAddr {
+    if is_v4_mapped(words) {
+        IpAddr::V4(Ipv4Addr::from(words[3].to_ne_bytes()))
+    } else {
+        let mut o = [0u8; 16];
+        for (i, w) in words.iter().enumerate() {
+            o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        IpAddr::V6(Ipv6Addr::from(o))
+    }
+}
+
+pub fn protocol_from_number(n: u8) -> Option<Protocol> {
+    match n {
+        PROTO_TCP => Some(Protocol::Tcp),
+        PROTO_UDP => Some(Protocol::Udp),
+        PROTO_SCTP => Some(Protocol::Sctp),
+        _ => None,
+    }
+}
+
+pub fn service_key(key: &FrontendKey) -> ServiceKey {
+    ServiceKey {
+        addr_be: addr_words(key.ip),
+        port_be: key.port.to_be(),
+        proto: key.protocol.number(),
+        scope: match key.scope {
+            Scope::Any => scope::ANY,
+            Scope::Internal => scope::INTERNAL,
+        },
+    }
+}
+
+pub fn frontend_key(key: &ServiceKey) -> Option<FrontendKey> {
+    Some(FrontendKey {
+        ip: words_addr(&key.addr_be),
+        port: u16::from_be(key.port_be),
+        protocol: protocol_from_number(key.proto)?,
+        scope: match key.scope {
+            scope::ANY => Scope::Any,
+            scope::INTERNAL => Scope::Internal,
+            _ => return None,
+        },
+    })
+}
+
+pub fn backend(b: &BackendAddr) -> Backend {
+    let mut flags = 0;
+    if b.local {
+        flags |= backend_flags::LOCAL;
+    }
+    if b.terminating {
+        flags |= backend_flags::TERMINATING;
+    }
+    Backend {
+        addr_be: addr_words(b.ip),
+        port_be: b.port.to_be(),
+        proto: b.protocol.number(),
+        flags,
+    }
+}
+
+/// "ip:port/proto" of a stored frontend, for messages.
+pub fn service_key_string(key: &ServiceKey) -> String {
+    match frontend_key(key) {
+        Some(fk) => fk.to_string(),
+        None => format!("{key:?}"),
+    }
+}
+
+pub fn backend_string(b: &Backend) -> String {
+    let ip = words_addr(&b.addr_be);
+    let port = u16::from_be(b.port_be);
+    match ip {
+        IpAddr::V4(ip) => format!("{ip}:{port}"),
+        IpAddr::V6(ip) => format!("[{ip}]:{port}"),
+    }
+}

@@ -1,0 +1,614 @@
+//! The planner: diffs the desired frontends of a service against what the
+//! maps hold and applies the smallest ordered list of map operations, so that
+//! a sync costs O(what changed), never O(cluster).
+//!
+//! Order is what keeps packets consistent (design.md §3):
+//! 1. new backends, then new slots (nothing points at them yet);
+//! 2. one write of the service entry: grows `count` over slots already
+//!    written, or flips to a whole new slot set;
+//! 3. only then old slots and unreferenced backends are deleted.
+//!
+//! A failure before step 2 rolls back what step 1 wrote and leaves the
+//! frontend as it was; a failure in step 3 leaves only unreferenced garbage,
+//! retried on the next sync. Nothing is ever flushed.
+
+pub mod encode;
+mod ops;
+
+use std::collections::{BTreeSet, HashMap};
+
+pub use ops::{MapOp, MapStore, StoredState};
+use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
+
+use crate::{
+    model::{Frontend, FrontendKey, NoEndpointAction, ServicePortName},
+    source::ObjectKey,
+};
+
+/// Why a frontend could not be programmed.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError<E: std::error::Error + 'static> {
+    #[error("frontend {frontend} of {owner}: already programmed for {other}")]
+    Conflict {
+        frontend: FrontendKey,
+        owner: ObjectKey,
+        other: ObjectKey,
+    },
+    #[error("frontend {frontend} of {owner}: {source}")]
+    Write {
+        frontend: FrontendKey,
+        owner: ObjectKey,
+        #[source]
+        source: E,
+    },
+    #[error("frontend {frontend}: {backends} backends is more than one frontend may have")]
+    TooManyBackends {
+        frontend: FrontendKey,
+        backends: usize,
+    },
+}
+
+/// What one frontend has in the maps.
+#[derive(Clone, Debug)]
+struct Applied {
+    key: ServiceKey,
+    value: ServiceValue,
+    /// Backend id in each slot `0..value.count` of `value.slot_set`.
+    backend_ids: Vec<u32>,
+    /// None for a frontend adopted from pinned maps and not claimed since.
+    owner: Option<ObjectKey>,
+    service: Option<ServicePortName>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Refcounted {
+    id: u32,
+    refs: u32,
+}
+
+/// Result of applying plans: what was done, and what failed (others went on).
+#[derive(Debug, Default)]
+pub struct SyncOutcome<E: std::error::Error + 'static> {
+    pub ops: usize,
+    pub frontends_changed: usize,
+    pub errors: Vec<PlanError<E>>,
+}
+
+impl<E: std::error::Error + 'static> SyncOutcome<E> {
+    fn new() -> Self {
+        Self {
+            ops: 0,
+            frontends_changed: 0,
+            errors: Vec::new(),
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Planner {
+    frontends: HashMap<FrontendKey, Applied>,
+    owned: HashMap<ObjectKey, BTreeSet<FrontendKey>>,
+    backends: HashMap<Backend, Refcounted>,
+    backend_by_id: HashMap<u32, Backend>,
+    service_ids: HashMap<ServicePortName, Refcounted>,
+    service_ids_in_use: HashMap<u32, u32>,
+    slot_sets_in_use: BTreeSet<u32>,
+    next_backend_id: u32,
+    next_service_id: u32,
+    next_slot_set: u32,
+    /// Deletes of garbage that failed; retried on the next sync.
+    pending: Vec<MapOp>,
+}
+
+impl Planner {
+    pub fn new() -> Self {
+        Self {
+            next_backend_id: 1,
+            next_service_id: 1,
+            next_slot_set: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Takes over what pinned maps hold, from an earlier run of the agent:
+    /// every consistent frontend is kept as it is (traffic keeps flowing) and
+    /// will be diffed against the desired state; unreferenced slots and
+    /// backends are returned as deletes.
+    pub fn adopt(stored: &StoredState) -> (Self, Vec<MapOp>) {
+        let mut planner = Self::new();
+        let mut garbage = Vec::new();
+        let mut referenced_slots = BTreeSet::new();
+        for (key, value) in &stored.services {
+            let Some(fkey) = encode::frontend_key(key) else {
+                garbage.push(MapOp::DeleteService { key: *key });
+                continue;
+            };
+            // A missing slot (a crash mid-update) becomes backend 0, which
+            // is never allocated: the next plan sees a difference and
+            // rewrites the whole set.
+            let backend_ids: Vec<u32> = (0..value.count)
+                .map(|slot| {
+                    let sk = BackendSlotKey {
+                        slot_set: value.slot_set,
+                        slot,
+                    };
+                    referenced_slots.insert(sk);
+                    stored.slots.get(&sk).copied().unwrap_or(0)
+                })
+                .collect();
+            planner.slot_sets_in_use.insert(value.slot_set);
+            *planner
+                .service_ids_in_use
+                .entry(value.service_id)
+                .or_default() += 1;
+            for id in &backend_ids {
+                if let Some(b) = stored.backends.get(id) {
+                    let entry = planner
+                        .backends
+                        .entry(*b)
+                        .or_insert(Refcounted { id: *id, refs: 0 });
+                    entry.refs += 1;
+                    planner.backend_by_id.insert(*id, *b);
+                }
+            }
+            planner.frontends.insert(
+                fkey,
+                Applied {
+                    key: *key,
+                    value: *value,
+                    backend_ids,
+                    owner: None,
+                    service: None,
+                },
+            );
+        }
+        for key in stored.slots.keys() {
+            if !referenced_slots.contains(key) {
+                garbage.push(MapOp::DeleteSlot { key: *key });
+            }
+        }
+        for (id, b) in &stored.backends {
+            if planner.backends.get(b).map(|r| r.id) != Some(*id) {
+                garbage.push(MapOp::DeleteBackend { id: *id });
+            }
+        }
+        planner.next_backend_id = stored.backends.keys().max().map_or(1, |m| m + 1);
+        planner.next_slot_set = planner.slot_sets_in_use.last().map_or(1, |m| m + 1);
+        planner.next_service_id = planner.service_ids_in_use.keys().max().map_or(1, |m| m + 1);
+        (planner, garbage)
+    }
+
+    /// Number of frontends programmed.
+    pub fn frontend_count(&self) -> usize {
+        self.frontends.len()
+    }
+
+    /// Number of distinct backends programmed.
+    pub fn backend_count(&self) -> usize {
+        self.backend_by_id.len()
+    }
+
+    /// Makes the maps hold exactly `desired` for the service `owner`:
+    /// frontends it had and no longer has are removed.
+    pub fn sync_service<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        desired: &[Frontend],
+        store: &mut S,
+    ) -> SyncOutcome<S::Error> {
+        let mut outcome = SyncOutcome::new();
+        self.retry_pending(store, &mut outcome);
+        let previous = self.owned.remove(owner).unwrap_or_default();
+        let mut now_owned = BTreeSet::new();
+        for fe in desired {
+            match self.apply_frontend(owner, fe, store) {
+                Ok(ops) => {
+                    if ops > 0 {
+                        outcome.frontends_changed += 1;
+                    }
+                    outcome.ops += ops;
+                    now_owned.insert(fe.key);
+                }
+                // A conflict leaves the other owner's frontend alone; a write
+                // error leaves this one as it was, still ours.
+                Err(e @ PlanError::Conflict { .. }) => outcome.errors.push(e),
+                Err(e) => {
+                    if previous.contains(&fe.key) {
+                        now_owned.insert(fe.key);
+                    }
+                    outcome.errors.push(e)
+                }
+            }
+        }
+        let dropped: Vec<FrontendKey> = previous
+            .difference(&now_owned)
+            .filter(|key| !desired.iter().any(|fe| fe.key == **key))
+            .copied()
+            .collect();
+        for key in &dropped {
+            match self.remove_frontend(owner, key, store) {
+                Ok(ops) => {
+                    outcome.ops += ops;
+                    outcome.frontends_changed += 1;
+                }
+                Err(e) => {
+                    now_owned.insert(*key);
+                    outcome.errors.push(e);
+                }
+            }
+        }
+        if !now_owned.is_empty() {
+            self.owned.insert(owner.clone(), now_owned);
+        }
+        outcome
+    }
+
+    /// After a complete listing has been synced: frontends adopted from the
+    /// pinned maps that no service claimed are removed.
+    pub fn remove_unclaimed<S: MapStore>(&mut self, store: &mut S) -> SyncOutcome<S::Error> {
+        let mut outcome = SyncOutcome::new();
+        let unclaimed: Vec<FrontendKey> = self
+            .frontends
+            .iter()
+            .filter(|(_, a)| a.owner.is_none())
+            .map(|(k, _)| *k)
+            .collect();
+        let nobody = ObjectKey {
+            namespace: String::new(),
+            name: "(adopted)".into(),
+        };
+        for key in unclaimed {
+            match self.remove_frontend(&nobody, &key, store) {
+                Ok(ops) => {
+                    outcome.ops += ops;
+                    outcome.frontends_changed += 1;
+                }
+                Err(e) => outcome.errors.push(e),
+            }
+        }
+        outcome
+    }
+
+    /// Applies garbage deletes (from adoption or failed earlier cleanups).
+    pub fn collect_garbage<S: MapStore>(
+        &mut self,
+        garbage: Vec<MapOp>,
+        store: &mut S,
+    ) -> SyncOutcome<S::Error> {
+        self.pending.extend(garbage);
+        let mut outcome = SyncOutcome::new();
+        self.retry_pending(store, &mut outcome);
+        outcome
+    }
+
+    fn retry_pending<S: MapStore>(&mut self, store: &mut S, outcome: &mut SyncOutcome<S::Error>) {
+        let pending = std::mem::take(&mut self.pending);
+        for op in pending {
+            if store.apply(&op).is_ok() {
+                outcome.ops += 1;
+            } else {
+                self.pending.push(op);
+            }
+        }
+    }
+
+    fn apply_frontend<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        fe: &Frontend,
+        store: &mut S,
+    ) -> Result<usize, PlanError<S::Error>> {
+        if fe.backends.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize {
+            return Err(PlanError::TooManyBackends {
+                frontend: fe.key,
+                backends: fe.backends.len(),
+            });
+        }
+        let prev = self.frontends.get(&fe.key).cloned();
+        if let Some(other) = prev.as_ref().and_then(|p| p.owner.as_ref())
+            && other != owner
+        {
+            return Err(PlanError::Conflict {
+                frontend: fe.key,
+                owner: owner.clone(),
+                other: other.clone(),
+            });
+        }
+
+        // Backend ids: existing ones are reused; new ones are tentative
+        // until the plan is applied.
+        let mut ids = Vec::with_capacity(fe.backends.len());
+        let mut fresh: Vec<(u32, Backend)> = Vec::new();
+        for b in &fe.backends {
+            let enc = encode::backend(b);
+            let id = match self.backends.get(&enc) {
+                Some(r) => r.id,
+                None => match fresh.iter().find(|(_, f)| *f == enc) {
+                    Some((id, _)) => *id,
+                    None => {
+                        let id = self.alloc_backend_id(&fresh);
+                        fresh.push((id, enc));
+                        id
+                    }
+                },
+            };
+            ids.push(id);
+        }
+
+        let service_id = match self.service_ids.get(&fe.service) {
+            Some(r) => r.id,
+            // An adopted frontend keeps its id, so affinity survives a restart.
+            None => match prev.as_ref() {
+                Some(p) if p.service.is_none() => p.value.service_id,
+                _ => self.alloc_service_id(),
+            },
+        };
+        let mut flags = 0;
+        if fe.affinity_timeout_s.is_some() {
+            flags |= service_flags::AFFINITY;
+        }
+        if fe.no_endpoints == NoEndpointAction::Drop {
+            flags |= service_flags::NO_EP_DROP;
+        }
+        let key = encode::service_key(&fe.key);
+        let mut value = ServiceValue {
+            service_id,
+            slot_set: 0,
+            count: ids.len() as u32,
+            flags,
+            affinity_timeout_s: fe.affinity_timeout_s.unwrap_or(0),
+            _pad: 0,
+        };
+
+        let mut ops: Vec<MapOp> = fresh
+            .iter()
+            .map(|(id, backend)| MapOp::PutBackend {
+                id: *id,
+                backend: *backend,
+            })
+            .collect();
+        let mut old_slots = Vec::new();
+        let mut new_slot_set = None;
+        match prev.as_ref() {
+            Some(p) if ids.starts_with(&p.backend_ids) => {
+                // Same set, or grown at the end: new slots, then the count.
+                value.slot_set = p.value.slot_set;
+                for (slot, id) in ids.iter().enumerate().skip(p.backend_ids.len()) {
+                    ops.push(put_slot(value.slot_set, slot, *id));
+                }
+            }
+            _ => {
+                let set = self.alloc_slot_set();
+                new_slot_set = Some(set);
+                value.slot_set = set;
+                for (slot, id) in ids.iter().enumerate() {
+                    ops.push(put_slot(set, slot, *id));
+                }
+                if let Some(p) = prev.as_ref() {
+                    old_slots.extend((0..p.backend_ids.len()).map(|slot| BackendSlotKey {
+                        slot_set: p.value.slot_set,
+                        slot: slot as u32,
+                    }));
+                }
+            }
+        }
+        let changed = prev.as_ref().map(|p| p.value) != Some(value);
+        if changed {
+            ops.push(MapOp::PutService { key, value });
+        }
+        let flip = ops.len();
+
+        for (i, op) in ops.iter().enumerate() {
+            if let Err(source) = store.apply(op) {
+                self.roll_back(&ops[..i], store);
+                if let Some(set) = new_slot_set {
+                    self.slot_sets_in_use.remove(&set);
+                }
+                return Err(PlanError::Write {
+                    frontend: fe.key,
+                    owner: owner.clone(),
+                    source,
+                });
+            }
+        }
+
+        // Committed: the maps now serve the new set.
+        let mut applied_ops = flip;
+        for (id, backend) in &fresh {
+            self.backends
+                .insert(*backend, Refcounted { id: *id, refs: 0 });
+            self.backend_by_id.insert(*id, *backend);
+        }
+        for id in &ids {
+            if let Some(b) = self.backend_by_id.get(id).copied()
+                && let Some(r) = self.backends.get_mut(&b)
+            {
+                r.refs += 1;
+            }
+        }
+        self.acquire_service_id(&fe.service, service_id);
+        let mut cleanup: Vec<MapOp> = old_slots
+            .into_iter()
+            .map(|key| MapOp::DeleteSlot { key })
+            .collect();
+        if let Some(p) = prev {
+            if new_slot_set.is_some() {
+                self.slot_sets_in_use.remove(&p.value.slot_set);
+            }
+            cleanup.extend(self.release_backends(&p.backend_ids));
+            if let Some(name) = p.service.as_ref() {
+                self.release_service_id(name);
+            } else {
+                self.release_adopted_service_id(p.value.service_id);
+            }
+        }
+        applied_ops += self.apply_cleanup(cleanup, store);
+        self.frontends.insert(
+            fe.key,
+            Applied {
+                key,
+                value,
+                backend_ids: ids,
+                owner: Some(owner.clone()),
+                service: Some(fe.service.clone()),
+            },
+        );
+        Ok(applied_ops)
+    }
+
+    fn remove_frontend<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        key: &FrontendKey,
+        store: &mut S,
+    ) -> Result<usize, PlanError<S::Error>> {
+        let Some(prev) = self.frontends.get(key).cloned() else {
+            return Ok(0);
+        };
+        store
+            .apply(&MapOp::DeleteService { key: prev.key })
+            .map_err(|source| PlanError::Write {
+                frontend: *key,
+                owner: owner.clone(),
+                source,
+            })?;
+        self.frontends.remove(key);
+        self.slot_sets_in_use.remove(&prev.value.slot_set);
+        let mut cleanup: Vec<MapOp> = (0..prev.backend_ids.len())
+            .map(|slot| MapOp::DeleteSlot {
+                key: BackendSlotKey {
+                    slot_set: prev.value.slot_set,
+                    slot: slot as u32,
+                },
+            })
+            .collect();
+        cleanup.extend(self.release_backends(&prev.backend_ids));
+        match prev.service.as_ref() {
+            Some(name) => self.release_service_id(name),
+            None => self.release_adopted_service_id(prev.value.service_id),
+        }
+        Ok(1 + self.apply_cleanup(cleanup, store))
+    }
+
+    fn apply_cleanup<S: MapStore>(&mut self, cleanup: Vec<MapOp>, store: &mut S) -> usize {
+        let mut done = 0;
+        for op in cleanup {
+            match store.apply(&op) {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    tracing::warn!(error = %e, "{op} failed; retrying on the next sync");
+                    self.pending.push(op);
+                }
+            }
+        }
+        done
+    }
+
+    /// Best effort: whatever fails stays as unreferenced garbage for later.
+    fn roll_back<S: MapStore>(&mut self, done: &[MapOp], store: &mut S) {
+        let undo: Vec<MapOp> = done
+            .iter()
+            .rev()
+            .filter_map(|op| match op {
+                MapOp::PutBackend { id, .. } => Some(MapOp::DeleteBackend { id: *id }),
+                MapOp::PutSlot { key, .. } => Some(MapOp::DeleteSlot { key: *key }),
+                _ => None,
+            })
+            .collect();
+        self.apply_cleanup(undo, store);
+    }
+
+    /// Drops one reference to each id; deletes for those left unreferenced.
+    fn release_backends(&mut self, ids: &[u32]) -> Vec<MapOp> {
+        let mut deletes = Vec::new();
+        for id in ids {
+            let Some(b) = self.backend_by_id.get(id).copied() else {
+                continue;
+            };
+            let Some(r) = self.backends.get_mut(&b) else {
+                continue;
+            };
+            r.refs = r.refs.saturating_sub(1);
+            if r.refs == 0 {
+                self.backends.remove(&b);
+                self.backend_by_id.remove(id);
+                deletes.push(MapOp::DeleteBackend { id: *id });
+            }
+        }
+        deletes
+    }
+
+    fn acquire_service_id(&mut self, name: &ServicePortName, id: u32) {
+        self.service_ids
+            .entry(name.clone())
+            .or_insert(Refcounted { id, refs: 0 })
+            .refs += 1;
+        *self.service_ids_in_use.entry(id).or_default() += 1;
+    }
+
+    fn release_service_id(&mut self, name: &ServicePortName) {
+        if let Some(r) = self.service_ids.get_mut(name) {
+            r.refs = r.refs.saturating_sub(1);
+            let id = r.id;
+            if r.refs == 0 {
+                self.service_ids.remove(name);
+            }
+            self.release_adopted_service_id(id);
+        }
+    }
+
+    fn release_adopted_service_id(&mut self, id: u32) {
+        if let Some(n) = self.service_ids_in_use.get_mut(&id) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.service_ids_in_use.remove(&id);
+            }
+        }
+    }
+
+    fn alloc_backend_id(&mut self, fresh: &[(u32, Backend)]) -> u32 {
+        loop {
+            let id = self.next_backend_id;
+            self.next_backend_id = self.next_backend_id.checked_add(1).unwrap_or(1);
+            if id != 0
+                && !self.backend_by_id.contains_key(&id)
+                && !fresh.iter().any(|(f, _)| *f == id)
+            {
+                return id;
+            }
+        }
+    }
+
+    fn alloc_service_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_service_id;
+            self.next_service_id = self.next_service_id.checked_add(1).unwrap_or(1);
+            if id != 0 && !self.service_ids_in_use.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn alloc_slot_set(&mut self) -> u32 {
+        loop {
+            let set = self.next_slot_set;
+            self.next_slot_set = self.next_slot_set.checked_add(1).unwrap_or(1);
+            if set != 0 && self.slot_sets_in_use.insert(set) {
+                return set;
+            }
+        }
+    }
+}
+
+fn put_slot(slot_set: u32, slot: usize, backend_id: u32) -> MapOp {
+    MapOp::PutSlot {
+        key: BackendSlotKey {
+            slot_set,
+            slot: slot as u32,
+        },
+        backend_id,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,136 @@
+//! Map operations, and the one trait through which they reach a map.
+
+use std::{collections::BTreeMap, convert::Infallible, fmt};
+
+use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue};
+
+use super::encode::service_key_string;
+
+/// One write to the service maps. Plans are ordered lists of these.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    PutSlot {
+        key: BackendSlotKey,
+        backend_id: u32,
+    },
+    PutService {
+        key: ServiceKey,
+        value: ServiceValue,
+    },
+    DeleteService {
+        key: ServiceKey,
+    },
+    DeleteSlot {
+        key: BackendSlotKey,
+    },
+    DeleteBackend {
+        id: u32,
+    },
+}
+
+impl MapOp {
+    pub fn is_delete(&self) -> bool {
+        matches!(
+            self,
+            MapOp::DeleteService { .. } | MapOp::DeleteSlot { .. } | MapOp::DeleteBackend { .. }
+        )
+    }
+}
+
+impl fmt::Display for MapOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MapOp::PutBackend { id, .. } => write!(f, "write backend {id}"),
+            MapOp::PutSlot { key, backend_id } => write!(
+                f,
+                "write slot {}/{} -> backend {backend_id}",
+                key.slot_set, key.slot
+            ),
+            MapOp::PutService { key, .. } => write!(f, "write service {}", service_key_string(key)),
+            MapOp::DeleteService { key } => {
+                write!(f, "delete service {}", service_key_string(key))
+            }
+            MapOp::DeleteSlot { key } => write!(f, "delete slot {}/{}", key.slot_set, key.slot),
+            MapOp::DeleteBackend { id } => write!(f, "delete backend {id}"),
+        }
+    }
+}
+
+/// Something the planner's operations can be applied to: the real pinned
+/// maps, or [`StoredState`] in tests.
+pub trait MapStore {
+    type Error: std::error::Error + Send + Sync + 'static;
+    fn apply(&mut self, op: &MapOp) -> Result<(), Self::Error>;
+}
+
+/// The content of the service maps, as read back from the kernel (for
+/// adoption) or kept in memory (as a test double with the same semantics).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoredState {
+    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    pub slots: BTreeMap<BackendSlotKey, u32>,
+    pub backends: BTreeMap<u32, Backend>,
+}
+
+impl MapStore for StoredState {
+    type Error = Infallible;
+
+    fn apply(&mut self, op: &MapOp) -> Result<(), Infallible> {
+        match op {
+            MapOp::PutBackend { id, backend } => {
+                self.backends.insert(*id, *backend);
+            }
+            MapOp::PutSlot { key, backend_id } => {
+                self.slots.insert(*key, *backend_id);
+            }
+            MapOp::PutService { key, value } => {
+                self.services.insert(*key, *value);
+            }
+            MapOp::DeleteService { key } => {
+                self.services.remove(key);
+            }
+            MapOp::DeleteSlot { key } => {
+                self.slots.remove(key);
+            }
+            MapOp::DeleteBackend { id } => {
+                self.backends.remove(id);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StoredState {
+    /// What a packet would see: every frontend's slots `0..count` exist and
+    /// name an existing backend. Holds after every single operation of a
+    /// plan, not just at its end.
+    pub fn check_consistent(&self) -> Result<(), String> {
+        for (key, value) in &self.services {
+            for slot in 0..value.count {
+                let slot_key = BackendSlotKey {
+                    slot_set: value.slot_set,
+                    slot,
+                };
+                let Some(id) = self.slots.get(&slot_key) else {
+                    return Err(format!(
+                        "service {} (slot set {}, count {}) has no slot {slot}",
+                        service_key_string(key),
+                        value.slot_set,
+                        value.count
+                    ));
+                };
+                if !self.backends.contains_key(id) {
+                    return Err(format!(
+                        "service {} slot {slot} names backend {id}, which does not exist",
+                        service_key_string(key)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

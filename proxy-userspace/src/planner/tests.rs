@@ -1,0 +1,308 @@
+use std::net::{IpAddr, Ipv4Addr};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::model::{BackendAddr, FrontendKind, Protocol, Scope};
+
+/// A store that checks, after every single operation, that a packet would
+/// see a complete backend set, and that can be told to fail.
+#[derive(Default)]
+struct CheckingStore {
+    state: StoredState,
+    fail_at: Option<usize>,
+    applied: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("injected failure")]
+struct Injected;
+
+impl MapStore for CheckingStore {
+    type Error = Injected;
+    fn apply(&mut self, op: &MapOp) -> Result<(), Injected> {
+        if self.fail_at == Some(self.applied) {
+            self.fail_at = None;
+            return Err(Injected);
+        }
+        self.applied += 1;
+        let _ = self.state.apply(op);
+        if let Err(e) = self.state.check_consistent() {
+            panic!("after `{op}` a packet would see an inconsistent service: {e}");
+        }
+        Ok(())
+    }
+}
+
+fn owner(name: &str) -> ObjectKey {
+    ObjectKey {
+        namespace: "default".into(),
+        name: name.into(),
+    }
+}
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 0, last))
+}
+
+fn frontend(vip: u8, backends: &[u8]) -> Frontend {
+    let mut b: Vec<BackendAddr> = backends
+        .iter()
+        .map(|last| BackendAddr {
+            ip: ip(*last),
+            port: 8080,
+            protocol: Protocol::Tcp,
+            local: false,
+            terminating: false,
+        })
+        .collect();
+    b.sort_by_key(|x| x.host_port());
+    Frontend {
+        key: FrontendKey {
+            ip: IpAddr::V4(Ipv4Addr::new(10, 96, 0, vip)),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::Any,
+        },
+        kind: FrontendKind::ClusterIp,
+        service: ServicePortName {
+            namespace: "default".into(),
+            name: format!("svc{vip}"),
+            port: String::new(),
+            protocol: Protocol::Tcp,
+        },
+        backends: b,
+        no_endpoints: NoEndpointAction::Reject,
+        affinity_timeout_s: None,
+    }
+}
+
+/// What the maps say a frontend's backends are, in slot order.
+fn stored_backends(state: &StoredState, fe: &Frontend) -> Option<Vec<String>> {
+    let value = state.services.get(&encode::service_key(&fe.key))?;
+    Some(
+        (0..value.count)
+            .map(|slot| {
+                let id = state.slots[&BackendSlotKey {
+                    slot_set: value.slot_set,
+                    slot,
+                }];
+                encode::backend_string(&state.backends[&id])
+            })
+            .collect(),
+    )
+}
+
+fn expected_backends(fe: &Frontend) -> Vec<String> {
+    fe.backends.iter().map(|b| b.host_port()).collect()
+}
+
+fn sync(p: &mut Planner, s: &mut CheckingStore, name: &str, fes: &[Frontend]) -> usize {
+    let out = p.sync_service(&owner(name), fes, s);
+    assert!(
+        out.errors.is_empty(),
+        "sync of {name} failed: {:?}",
+        out.errors
+    );
+    out.ops
+}
+
+#[test]
+fn programs_grows_shrinks_and_removes_with_minimal_ops() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let fe = frontend(1, &[11, 12, 13]);
+    // 3 backends + 3 slots + 1 service.
+    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&fe)), 7);
+    assert_eq!(
+        stored_backends(&s.state, &fe).unwrap(),
+        expected_backends(&fe)
+    );
+
+    // 10.0.0.14 sorts last: grown in place with one backend, one slot and
+    // the count.
+    let grown = frontend(1, &[11, 12, 13, 14]);
+    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&grown)), 3);
+    assert_eq!(
+        stored_backends(&s.state, &grown).unwrap(),
+        expected_backends(&grown)
+    );
+
+    // Unchanged: nothing written.
+    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&grown)), 0);
+
+    // Removing one from the middle: a new slot set (3 slots), the flip, the
+    // old set's 4 slots and the one unreferenced backend deleted.
+    let shrunk = frontend(1, &[11, 13, 14]);
+    assert_eq!(
+        sync(&mut p, &mut s, "a", std::slice::from_ref(&shrunk)),
+        3 + 1 + 4 + 1
+    );
+    assert_eq!(
+        stored_backends(&s.state, &shrunk).unwrap(),
+        expected_backends(&shrunk)
+    );
+    assert_eq!(
+        s.state.slots.len(),
+        3,
+        "old slot set left behind: {:?}",
+        s.state.slots
+    );
+
+    sync(&mut p, &mut s, "a", &[]);
+    assert_eq!(
+        s.state,
+        StoredState::default(),
+        "removal left entries behind"
+    );
+}
+
+#[test]
+fn backends_shared_by_frontends_are_refcounted() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    sync(&mut p, &mut s, "a", &[frontend(1, &[11, 12])]);
+    sync(&mut p, &mut s, "b", &[frontend(2, &[12, 13])]);
+    assert_eq!(s.state.backends.len(), 3);
+    sync(&mut p, &mut s, "a", &[]);
+    assert_eq!(s.state.backends.len(), 2, "backend 12 is still used by b");
+    let b = frontend(2, &[12, 13]);
+    assert_eq!(
+        stored_backends(&s.state, &b).unwrap(),
+        expected_backends(&b)
+    );
+}
+
+#[test]
+fn empty_backend_set_is_programmed_for_reject() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let fe = frontend(1, &[]);
+    sync(&mut p, &mut s, "a", std::slice::from_ref(&fe));
+    let value = s.state.services[&encode::service_key(&fe.key)];
+    assert_eq!(
+        (value.count, value.flags & service_flags::NO_EP_DROP),
+        (0, 0)
+    );
+}
+
+#[test]
+fn one_endpoint_change_among_many_services_costs_a_few_ops() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    for svc in 0..200u8 {
+        sync(
+            &mut p,
+            &mut s,
+            &format!("s{svc}"),
+            &[frontend(svc, &[11, 12, 13])],
+        );
+    }
+    let ops = sync(&mut p, &mut s, "s7", &[frontend(7, &[11, 12, 13, 14])]);
+    assert_eq!(ops, 3, "one added endpoint must cost O(1) map writes");
+}
+
+#[test]
+fn a_failed_write_leaves_the_frontend_as_it_was_and_no_garbage() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let before = frontend(1, &[11, 12, 13]);
+    sync(&mut p, &mut s, "a", std::slice::from_ref(&before));
+    let snapshot = s.state.clone();
+    // Fail the third op of the replacement (a slot write, before the flip).
+    s.fail_at = Some(s.applied + 2);
+    let after = frontend(1, &[10, 12]);
+    let out = p.sync_service(&owner("a"), std::slice::from_ref(&after), &mut s);
+    assert_eq!(out.errors.len(), 1, "the injected failure must be reported");
+    assert!(
+        out.errors[0].to_string().contains("10.96.0.1:80/TCP"),
+        "error does not name the frontend: {}",
+        out.errors[0]
+    );
+    assert_eq!(s.state, snapshot, "a failed plan changed the maps");
+    // And the next sync gets there.
+    sync(&mut p, &mut s, "a", std::slice::from_ref(&after));
+    assert_eq!(
+        stored_backends(&s.state, &after).unwrap(),
+        expected_backends(&after)
+    );
+}
+
+#[test]
+fn adoption_keeps_what_is_programmed_and_removes_only_the_unclaimed() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let a = frontend(1, &[11, 12, 13]);
+    let b = frontend(2, &[12, 14]);
+    sync(&mut p, &mut s, "a", std::slice::from_ref(&a));
+    sync(&mut p, &mut s, "b", std::slice::from_ref(&b));
+    // A leftover slot from a crash mid-update.
+    s.state.slots.insert(
+        BackendSlotKey {
+            slot_set: 999,
+            slot: 0,
+        },
+        1,
+    );
+
+    let (mut adopted, garbage) = Planner::adopt(&s.state);
+    assert_eq!(
+        garbage.len(),
+        1,
+        "only the stray slot is garbage: {garbage:?}"
+    );
+    adopted.collect_garbage(garbage, &mut s);
+    // Re-syncing the same desired state writes nothing.
+    assert_eq!(sync(&mut adopted, &mut s, "a", std::slice::from_ref(&a)), 0);
+    adopted.remove_unclaimed(&mut s);
+    assert!(
+        stored_backends(&s.state, &b).is_none(),
+        "unclaimed frontend b survived"
+    );
+    assert_eq!(
+        stored_backends(&s.state, &a).unwrap(),
+        expected_backends(&a)
+    );
+    assert_eq!(s.state.backends.len(), 3, "b's own backend 14 must be gone");
+}
+
+#[test]
+fn two_services_claiming_one_frontend_is_a_conflict_not_a_takeover() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    sync(&mut p, &mut s, "a", &[frontend(1, &[11])]);
+    let out = p.sync_service(&owner("b"), &[frontend(1, &[12])], &mut s);
+    assert!(matches!(
+        out.errors.as_slice(),
+        [PlanError::Conflict { .. }]
+    ));
+    let a = frontend(1, &[11]);
+    assert_eq!(
+        stored_backends(&s.state, &a).unwrap(),
+        expected_backends(&a)
+    );
+}
+
+proptest! {
+    /// Any sequence of backend sets for a few services: every operation
+    /// keeps the maps consistent (CheckingStore panics otherwise) and each
+    /// sync ends with the maps encoding exactly the desired sets.
+    #[test]
+    fn any_sequence_converges(steps in prop::collection::vec(
+        (0u8..3, prop::collection::btree_set(10u8..20, 0..6)), 1..40)) {
+        let mut p = Planner::new();
+        let mut s = CheckingStore::default();
+        let mut current: std::collections::BTreeMap<u8, Frontend> = Default::default();
+        for (svc, set) in steps {
+            let backends: Vec<u8> = set.into_iter().collect();
+            let fe = frontend(svc, &backends);
+            sync(&mut p, &mut s, &format!("s{svc}"), std::slice::from_ref(&fe));
+            current.insert(svc, fe);
+            for fe in current.values() {
+                prop_assert_eq!(stored_backends(&s.state, fe).unwrap(), expected_backends(fe));
+            }
+            let live: usize = current.values().map(|f| f.backends.len()).sum();
+            prop_assert_eq!(s.state.slots.len(), live, "slots leaked");
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Where Services, EndpointSlices and the Node come from. Every source (the
+//! Kubernetes API, manifest files) turns what it sees into [`SourceEvent`]s;
+//! nothing downstream knows which source fed it.
+
+pub mod manifest;
+
+use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+
+/// The kinds of object a source delivers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+/// namespace/name of an object (namespace empty for cluster-scoped ones).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.namespace.is_empty() {
+            f.write_str(&self.name)
+        } else {
+            write!(f, "{}/{}", self.namespace, self.name)
+        }
+    }
+}
+
+/// One object from a source.
+#[derive(Clone, Debug)]
+pub enum Object {
+    Service(Box<Service>),
+    EndpointSlice(Box<EndpointSlice>),
+    Node(Box<Node>),
+}
+
+/// What a source reports.
+#[derive(Clone, Debug)]
+pub enum SourceEvent {
+    /// A complete listing of one kind: anything of that kind not in it is
+    /// gone (kube-rs `InitDone`, or a re-read of the manifest files).
+    Replace { kind: Kind, objects: Vec<Object> },
+    /// An object was added or changed.
+    Apply(Object),
+    /// An object was deleted.
+    Delete { kind: Kind, key: ObjectKey },
+}

@@ -1,0 +1,708 @@
+//! What the sources have told us: every Service, every EndpointSlice (grouped
+//! by the Service it belongs to) and the local Node. Applying an event
+//! answers which Services may now need reprogramming, so a sync costs what
+//! changed, not the cluster.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use k8s_openapi::{
+    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use tracing::{debug, warn};
+
+use crate::{
+    model::{self, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, NodeInfo},
+    source::{Kind, Object, ObjectKey, SourceEvent},
+};
+
+/// Services whose frontends may differ after an event. Deleted services are
+/// included: their frontends are now none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub services: BTreeSet<ObjectKey>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn extend(&mut self, other: Changes) {
+        self.services.extend(other.services);
+    }
+}
+
+impl IntoIterator for Changes {
+    type Item = ObjectKey;
+    type IntoIter = std::collections::btree_set::IntoIter<ObjectKey>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.services.into_iter()
+    }
+}
+
+/// A stored slice and the Service it belongs to.
+#[derive(Debug)]
+struct StoredSlice {
+    service: ObjectKey,
+    slice: EndpointSlice,
+}
+
+/// The cluster as the sources have described it so far.
+#[derive(Debug)]
+pub struct ClusterState {
+    node: NodeInfo,
+    services: BTreeMap<ObjectKey, Service>,
+    slices: HashMap<ObjectKey, StoredSlice>,
+    /// Service key → keys of its slices, sorted so the model sees them in a
+    /// stable order.
+    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+}
+
+impl ClusterState {
+    /// State for the agent on node `node_name`: endpoints on that node are
+    /// local, and only the Node of that name supplies the zone.
+    pub fn new(node_name: impl Into<String>) -> Self {
+        ClusterState {
+            node: NodeInfo {
+                name: node_name.into(),
+                zone: None,
+            },
+            services: BTreeMap::new(),
+            slices: HashMap::new(),
+            slices_by_service: HashMap::new(),
+        }
+    }
+
+    /// Records an event and says which services it may have changed.
+    pub fn apply(&mut self, event: SourceEvent) -> Changes {
+        let mut changes = Changes::default();
+        match event {
+            SourceEvent::Apply(object) => self.apply_object(object, &mut changes),
+            SourceEvent::Delete { kind, key } => self.delete(kind, &key, &mut changes),
+            SourceEvent::Replace { kind, objects } => self.replace(kind, objects, &mut changes),
+        }
+        changes
+    }
+
+    /// Keys of every known Service, sorted.
+    pub fn services(&self) -> impl Iterator<Item = &ObjectKey> {
+        self.services.keys()
+    }
+
+    pub fn service(&self, key: &ObjectKey) -> Option<&Service> {
+        self.services.get(key)
+    }
+
+    /// The slices of a Service, sorted by name.
+    pub fn slices_for(&self, key: &ObjectKey) -> Vec<&EndpointSlice> {
+        self.slices_by_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|slice_key| self.slices.get(slice_key))
+            .map(|stored| &stored.slice)
+            .collect()
+    }
+
+    pub fn node(&self) -> &NodeInfo {
+        &self.node
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn slice_count(&self) -> usize {
+        self.slices.len()
+    }
+
+    /// The frontends the Service should have now; none once it is gone.
+    pub fn frontends_for(
+        &self,
+        key: &ObjectKey,
+        config: &ModelConfig,
+    ) -> Result<Vec<Frontend>, ModelError> {
+        let Some(service) = self.services.get(key) else {
+            return Ok(Vec::new());
+        };
+        model::service_frontends(service, &self.slices_for(key), &self.node, config)
+    }
+
+    fn apply_object(&mut self, object: Object, changes: &mut Changes) {
+        match object {
+            Object::Service(service) => self.put_service(*service, changes),
+            Object::EndpointSlice(slice) => self.put_slice(*slice, changes),
+            Object::Node(node) => self.put_node(Some(&node), changes),
+        }
+    }
+
+    fn delete(&mut self, kind: Kind, key: &ObjectKey, changes: &mut Changes) {
+        match kind {
+            Kind::Service => {
+                if self.services.remove(key).is_some() {
+                    changes.services.insert(key.clone());
+                }
+            }
+            Kind::EndpointSlice => self.remove_slice(key, changes),
+            Kind::Node => {
+                if key.name == self.node.name {
+                    self.put_node(None, changes);
+                }
+            }
+        }
+    }
+
+    /// A complete listing: whatever of `kind` is not in it is gone. Only
+    /// objects that differ from what was stored count as changes, so a
+    /// re-list after a reconnect costs nothing when nothing moved.
+    fn replace(&mut self, kind: Kind, objects: Vec<Object>, changes: &mut Changes) {
+        let mut listed: BTreeSet<ObjectKey> = BTreeSet::new();
+        let mut ours: Option<Box<Node>> = None;
+        for object in objects {
+            match (kind, object) {
+                (Kind::Service, Object::Service(service)) => {
+                    if let Some(key) = key_of(&service.metadata) {
+                        listed.insert(key);
+                        self.put_service(*service, changes);
+                    }
+                }
+                (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
+                    if let Some(key) = key_of(&slice.metadata) {
+                        listed.insert(key);
+                        self.put_slice(*slice, changes);
+                    }
+                }
+                (Kind::Node, Object::Node(node)) => {
+                    if node.metadata.name.as_deref() == Some(self.node.name.as_str()) {
+                        ours = Some(node);
+                    }
+                }
+                (kind, object) => {
+                    warn!(?kind, object = %describe(&object), "object of another kind in a listing; ignored");
+                }
+            }
+        }
+        match kind {
+            Kind::Service => {
+                let gone: Vec<ObjectKey> = self
+                    .services
+                    .keys()
+                    .filter(|k| !listed.contains(*k))
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    self.services.remove(&key);
+                    changes.services.insert(key);
+                }
+            }
+            Kind::EndpointSlice => {
+                let gone: Vec<ObjectKey> = self
+                    .slices
+                    .keys()
+                    .filter(|k| !listed.contains(*k))
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    self.remove_slice(&key, changes);
+                }
+            }
+            Kind::Node => self.put_node(ours.as_deref(), changes),
+        }
+    }
+
+    fn put_service(&mut self, mut service: Service, changes: &mut Changes) {
+        let Some(key) = key_of(&service.metadata) else {
+            warn!("service without a name; ignored");
+            return;
+        };
+        trim(&mut service.metadata);
+        if self.services.get(&key) != Some(&service) {
+            self.services.insert(key.clone(), service);
+            changes.services.insert(key);
+        }
+    }
+
+    fn put_slice(&mut self, mut slice: EndpointSlice, changes: &mut Changes) {
+        let Some(key) = key_of(&slice.metadata) else {
+            warn!("endpointslice without a name; ignored");
+            return;
+        };
+        let owner = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+            .filter(|name| !name.is_empty())
+            .map(|name| ObjectKey {
+                namespace: key.namespace.clone(),
+                name: name.clone(),
+            });
+        let Some(owner) = owner else {
+            // kube-proxy cannot tell which Service such a slice serves
+            // either, and ignores it.
+            debug!(slice = %key, "endpointslice without the {LABEL_SERVICE_NAME} label; ignored");
+            self.remove_slice(&key, changes);
+            return;
+        };
+        trim(&mut slice.metadata);
+        if let Some(stored) = self.slices.get(&key)
+            && stored.service == owner
+            && stored.slice == slice
+        {
+            return;
+        }
+        // The label can change, moving the slice to another Service: both
+        // the old and the new one are affected.
+        self.remove_slice(&key, changes);
+        self.slices_by_service
+            .entry(owner.clone())
+            .or_default()
+            .insert(key.clone());
+        self.slices.insert(
+            key,
+            StoredSlice {
+                service: owner.clone(),
+                slice,
+            },
+        );
+        self.mark(owner, changes);
+    }
+
+    fn remove_slice(&mut self, key: &ObjectKey, changes: &mut Changes) {
+        let Some(stored) = self.slices.remove(key) else {
+            return;
+        };
+        if let Some(keys) = self.slices_by_service.get_mut(&stored.service) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.slices_by_service.remove(&stored.service);
+            }
+        }
+        self.mark(stored.service, changes);
+    }
+
+    /// Only a known Service can change: a slice that arrives before its
+    /// Service is picked up when the Service arrives.
+    fn mark(&self, service: ObjectKey, changes: &mut Changes) {
+        if self.services.contains_key(&service) {
+            changes.services.insert(service);
+        }
+    }
+
+    /// Our Node's zone feeds topology for every Service, so a change to it
+    /// marks them all. `None` means our Node is gone (or not listed).
+    fn put_node(&mut self, node: Option<&Node>, changes: &mut Changes) {
+        let Some(node) = node else {
+            self.set_zone(None, changes);
+            return;
+        };
+        if node.metadata.name.as_deref() != Some(self.node.name.as_str()) {
+            return;
+        }
+        let zone = node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_ZONE))
+            .cloned();
+        self.set_zone(zone, changes);
+    }
+
+    fn set_zone(&mut self, zone: Option<String>, changes: &mut Changes) {
+        if self.node.zone != zone {
+            debug!(node = %self.node.name, ?zone, "node zone changed; every service is re-evaluated");
+            self.node.zone = zone;
+            changes.services.extend(self.services.keys().cloned());
+        }
+    }
+}
+
+fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
+    let name = metadata.name.as_deref().filter(|n| !n.is_empty())?;
+    Some(ObjectKey {
+        namespace: metadata.namespace.clone().unwrap_or_default(),
+        name: name.to_owned(),
+    })
+}
+
+/// Drops what only the API server's bookkeeping uses (kube-rs's memory
+/// advice for reflectors); it can be most of an object's size.
+fn trim(metadata: &mut ObjectMeta) {
+    metadata.managed_fields = None;
+}
+
+fn describe(object: &Object) -> String {
+    let (kind, metadata) = match object {
+        Object::Service(s) => ("Service", &s.metadata),
+        Object::EndpointSlice(s) => ("EndpointSlice", &s.metadata),
+        Object::Node(n) => ("Node", &n.metadata),
+    };
+    match key_of(metadata) {
+        Some(key) => format!("{kind} {key}"),
+        None => format!("{kind} <unnamed>"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::core::v1::{ServicePort, ServiceSpec};
+
+    use super::*;
+
+    fn meta(namespace: &str, name: &str, labels: &[(&str, &str)]) -> ObjectMeta {
+        ObjectMeta {
+            namespace: (!namespace.is_empty()).then(|| namespace.to_owned()),
+            name: Some(name.to_owned()),
+            labels: (!labels.is_empty()).then(|| {
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect::<BTreeMap<_, _>>()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn service(name: &str, cluster_ip: &str) -> Object {
+        Object::Service(Box::new(Service {
+            metadata: meta("demo", name, &[]),
+            spec: Some(ServiceSpec {
+                cluster_ip: Some(cluster_ip.to_owned()),
+                ports: Some(vec![ServicePort {
+                    name: Some("http".into()),
+                    port: 80,
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    fn slice(name: &str, service: &str, ips: &[&str]) -> Object {
+        use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort};
+        let labels: Vec<(&str, &str)> = if service.is_empty() {
+            vec![]
+        } else {
+            vec![(LABEL_SERVICE_NAME, service)]
+        };
+        Object::EndpointSlice(Box::new(EndpointSlice {
+            metadata: meta("demo", name, &labels),
+            address_type: "IPv4".into(),
+            ports: Some(vec![EndpointPort {
+                name: Some("http".into()),
+                port: Some(8080),
+                ..Default::default()
+            }]),
+            endpoints: ips
+                .iter()
+                .map(|ip| Endpoint {
+                    addresses: vec![ip.to_string()],
+                    ..Default::default()
+                })
+                .collect(),
+        }))
+    }
+
+    fn node(name: &str, zone: Option<&str>) -> Object {
+        let labels: Vec<(&str, &str)> = zone.map(|z| (LABEL_ZONE, z)).into_iter().collect();
+        Object::Node(Box::new(Node {
+            metadata: meta("", name, &labels),
+            ..Default::default()
+        }))
+    }
+
+    fn key(name: &str) -> ObjectKey {
+        ObjectKey {
+            namespace: "demo".into(),
+            name: name.into(),
+        }
+    }
+
+    fn changed(names: &[&str]) -> Changes {
+        Changes {
+            services: names.iter().map(|n| key(n)).collect(),
+        }
+    }
+
+    fn backends(state: &ClusterState, name: &str) -> Vec<String> {
+        let frontends = state
+            .frontends_for(&key(name), &ModelConfig::default())
+            .expect("valid service");
+        frontends
+            .iter()
+            .flat_map(|f| f.backends.iter().map(|b| b.host_port()))
+            .collect()
+    }
+
+    #[test]
+    fn service_and_slice_lifecycle() {
+        let mut state = ClusterState::new("node-a");
+        let steps: Vec<(&str, SourceEvent, Changes, Vec<&str>)> = vec![
+            (
+                "slice before its service: nothing to reprogram yet",
+                SourceEvent::Apply(slice("web-1", "web", &["10.0.0.1"])),
+                changed(&[]),
+                vec![],
+            ),
+            (
+                "service arrives and picks up the slice",
+                SourceEvent::Apply(service("web", "10.96.0.10")),
+                changed(&["web"]),
+                vec!["10.0.0.1:8080"],
+            ),
+            (
+                "the same service again: no change",
+                SourceEvent::Apply(service("web", "10.96.0.10")),
+                changed(&[]),
+                vec!["10.0.0.1:8080"],
+            ),
+            (
+                "a second slice",
+                SourceEvent::Apply(slice("web-2", "web", &["10.0.0.2"])),
+                changed(&["web"]),
+                vec!["10.0.0.1:8080", "10.0.0.2:8080"],
+            ),
+            (
+                "the first slice changes",
+                SourceEvent::Apply(slice("web-1", "web", &["10.0.0.3"])),
+                changed(&["web"]),
+                vec!["10.0.0.2:8080", "10.0.0.3:8080"],
+            ),
+            (
+                "a slice is deleted",
+                SourceEvent::Delete {
+                    kind: Kind::EndpointSlice,
+                    key: key("web-2"),
+                },
+                changed(&["web"]),
+                vec!["10.0.0.3:8080"],
+            ),
+            (
+                "deleting an unknown slice changes nothing",
+                SourceEvent::Delete {
+                    kind: Kind::EndpointSlice,
+                    key: key("web-9"),
+                },
+                changed(&[]),
+                vec!["10.0.0.3:8080"],
+            ),
+            (
+                "the service is deleted",
+                SourceEvent::Delete {
+                    kind: Kind::Service,
+                    key: key("web"),
+                },
+                changed(&["web"]),
+                vec![],
+            ),
+        ];
+        for (what, event, want_changes, want_backends) in steps {
+            let got = state.apply(event);
+            assert_eq!(got, want_changes, "{what}: changed services");
+            assert_eq!(
+                backends(&state, "web"),
+                want_backends,
+                "{what}: backends of demo/web"
+            );
+        }
+        assert!(
+            state
+                .frontends_for(&key("web"), &ModelConfig::default())
+                .unwrap()
+                .is_empty(),
+            "a deleted service has no frontends"
+        );
+        assert_eq!(state.slice_count(), 1, "the slice outlives its service");
+    }
+
+    #[test]
+    fn slice_moving_between_services_marks_both() {
+        let mut state = ClusterState::new("node-a");
+        state.apply(SourceEvent::Apply(service("web", "10.96.0.10")));
+        state.apply(SourceEvent::Apply(service("api", "10.96.0.11")));
+        state.apply(SourceEvent::Apply(slice("s-1", "web", &["10.0.0.1"])));
+        let got = state.apply(SourceEvent::Apply(slice("s-1", "api", &["10.0.0.1"])));
+        assert_eq!(
+            got,
+            changed(&["api", "web"]),
+            "relabelled slice: old and new owner"
+        );
+        assert!(backends(&state, "web").is_empty(), "web lost the slice");
+        assert_eq!(
+            backends(&state, "api"),
+            ["10.0.0.1:8080"],
+            "api gained the slice"
+        );
+
+        let got = state.apply(SourceEvent::Apply(slice("s-1", "", &["10.0.0.1"])));
+        assert_eq!(got, changed(&["api"]), "slice losing its label leaves api");
+        assert_eq!(state.slice_count(), 0, "an unlabelled slice is not stored");
+    }
+
+    #[test]
+    fn replace_reports_only_differences() {
+        let mut state = ClusterState::new("node-a");
+        let got = state.apply(SourceEvent::Replace {
+            kind: Kind::Service,
+            objects: vec![service("web", "10.96.0.10"), service("api", "10.96.0.11")],
+        });
+        assert_eq!(
+            got,
+            changed(&["api", "web"]),
+            "first listing: everything is new"
+        );
+
+        let got = state.apply(SourceEvent::Replace {
+            kind: Kind::EndpointSlice,
+            objects: vec![
+                slice("web-1", "web", &["10.0.0.1"]),
+                slice("db-1", "db", &["10.0.0.9"]),
+            ],
+        });
+        assert_eq!(got, changed(&["web"]), "slices: only web's service exists");
+
+        let got = state.apply(SourceEvent::Replace {
+            kind: Kind::Service,
+            objects: vec![service("web", "10.96.0.10"), service("api", "10.96.0.12")],
+        });
+        assert_eq!(got, changed(&["api"]), "re-list: only api changed");
+
+        let got = state.apply(SourceEvent::Replace {
+            kind: Kind::Service,
+            objects: vec![service("api", "10.96.0.12")],
+        });
+        assert_eq!(got, changed(&["web"]), "web left the listing");
+        assert_eq!(
+            state.services().cloned().collect::<Vec<_>>(),
+            vec![key("api")],
+            "services() after the re-list"
+        );
+
+        let got = state.apply(SourceEvent::Replace {
+            kind: Kind::EndpointSlice,
+            objects: vec![],
+        });
+        assert_eq!(
+            got,
+            changed(&[]),
+            "web's slice went, but web is gone already"
+        );
+        assert_eq!(state.slice_count(), 0, "empty listing clears the slices");
+    }
+
+    #[test]
+    fn node_zone_changes_mark_every_service() {
+        let mut state = ClusterState::new("node-a");
+        state.apply(SourceEvent::Apply(service("web", "10.96.0.10")));
+        state.apply(SourceEvent::Apply(service("api", "10.96.0.11")));
+        let steps: Vec<(&str, SourceEvent, Changes, Option<&str>)> = vec![
+            (
+                "another node's zone is not ours",
+                SourceEvent::Apply(node("node-b", Some("zone-b"))),
+                changed(&[]),
+                None,
+            ),
+            (
+                "our node gets a zone",
+                SourceEvent::Apply(node("node-a", Some("zone-a"))),
+                changed(&["api", "web"]),
+                Some("zone-a"),
+            ),
+            (
+                "same zone again",
+                SourceEvent::Replace {
+                    kind: Kind::Node,
+                    objects: vec![node("node-b", None), node("node-a", Some("zone-a"))],
+                },
+                changed(&[]),
+                Some("zone-a"),
+            ),
+            (
+                "zone label removed",
+                SourceEvent::Apply(node("node-a", None)),
+                changed(&["api", "web"]),
+                None,
+            ),
+            (
+                "zone back, then our node deleted",
+                SourceEvent::Apply(node("node-a", Some("zone-c"))),
+                changed(&["api", "web"]),
+                Some("zone-c"),
+            ),
+            (
+                "our node deleted",
+                SourceEvent::Delete {
+                    kind: Kind::Node,
+                    key: ObjectKey {
+                        namespace: String::new(),
+                        name: "node-a".into(),
+                    },
+                },
+                changed(&["api", "web"]),
+                None,
+            ),
+        ];
+        for (what, event, want_changes, want_zone) in steps {
+            let got = state.apply(event);
+            assert_eq!(got, want_changes, "{what}: changed services");
+            assert_eq!(state.node().zone.as_deref(), want_zone, "{what}: zone");
+            assert_eq!(state.node().name, "node-a", "{what}: node name is fixed");
+        }
+    }
+
+    #[test]
+    fn local_endpoints_follow_the_constructor_node_name() {
+        use k8s_openapi::api::discovery::v1::Endpoint;
+        let mut state = ClusterState::new("node-a");
+        state.apply(SourceEvent::Apply(service("web", "10.96.0.10")));
+        let Object::EndpointSlice(mut s) = slice("web-1", "web", &["10.0.0.1", "10.0.0.2"]) else {
+            unreachable!()
+        };
+        s.endpoints[0].node_name = Some("node-a".into());
+        s.endpoints.push(Endpoint {
+            addresses: vec!["10.0.0.3".into()],
+            node_name: Some("node-b".into()),
+            ..Default::default()
+        });
+        state.apply(SourceEvent::Apply(Object::EndpointSlice(s)));
+        let frontends = state
+            .frontends_for(&key("web"), &ModelConfig::default())
+            .unwrap();
+        let local: Vec<(String, bool)> = frontends[0]
+            .backends
+            .iter()
+            .map(|b| (b.host_port(), b.local))
+            .collect();
+        assert_eq!(
+            local,
+            [
+                ("10.0.0.1:8080".to_string(), true),
+                ("10.0.0.2:8080".to_string(), false),
+                ("10.0.0.3:8080".to_string(), false),
+            ],
+            "only endpoints with nodeName node-a are local"
+        );
+    }
+
+    #[test]
+    fn changes_iterate_as_keys() {
+        let mut state = ClusterState::new("node-a");
+        let mut dirty: BTreeSet<ObjectKey> = BTreeSet::new();
+        dirty.extend(state.apply(SourceEvent::Apply(service("web", "10.96.0.10"))));
+        dirty.extend(state.apply(SourceEvent::Apply(service("api", "10.96.0.11"))));
+        assert_eq!(
+            dirty.into_iter().collect::<Vec<_>>(),
+            vec![key("api"), key("web")],
+            "Changes feed a set of dirty keys"
+        );
+    }
+}

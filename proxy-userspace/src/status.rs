@@ -1,0 +1,68 @@
+//! `ebpf-proxy status`: what the pinned maps hold, readable.
+
+use std::fmt::Write;
+
+use proxy_common::{BackendSlotKey, service_flags};
+
+use crate::{
+    datapath::{Maps, PinLayout, maps::MapsError},
+    planner::encode,
+};
+
+/// The frontends with their backends in slot order, and the counters.
+pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
+    let maps = Maps::open_pinned(pins)?;
+    let stored = maps.read_service_state()?;
+    let mut out = String::new();
+    let mut rows: Vec<_> = stored.services.iter().collect();
+    rows.sort_by_key(|(k, _)| encode::service_key_string(k));
+    let _ = writeln!(
+        out,
+        "{} frontends, {} backends",
+        rows.len(),
+        stored.backends.len()
+    );
+    for (key, value) in rows {
+        let mut notes = Vec::new();
+        if value.flags & service_flags::AFFINITY != 0 {
+            notes.push(format!("affinity {}s", value.affinity_timeout_s));
+        }
+        if value.count == 0 {
+            notes.push(if value.flags & service_flags::NO_EP_DROP != 0 {
+                "no endpoints: drop".to_string()
+            } else {
+                "no endpoints: reject".to_string()
+            });
+        }
+        let backends: Vec<String> = (0..value.count)
+            .map(|slot| {
+                let sk = BackendSlotKey {
+                    slot_set: value.slot_set,
+                    slot,
+                };
+                match stored.slots.get(&sk).and_then(|id| stored.backends.get(id)) {
+                    Some(b) => encode::backend_string(b),
+                    None => format!("<slot {slot} missing>"),
+                }
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{} (service id {}){}{} -> {}",
+            encode::service_key_string(key),
+            value.service_id,
+            if notes.is_empty() { "" } else { " " },
+            notes.join(", "),
+            if backends.is_empty() {
+                "-".to_string()
+            } else {
+                backends.join(" ")
+            }
+        );
+    }
+    let _ = writeln!(out, "conntrack entries: {}", maps.conntrack.keys().count());
+    for (name, value) in maps.counters()? {
+        let _ = writeln!(out, "counter {name}: {value}");
+    }
+    Ok(out)
+}

@@ -33,15 +33,25 @@ pub mod map_names {
 /// Program names in the object file.
 pub mod program_names {
     pub const TC_INGRESS: &str = "tc_ingress";
+    /// A tc program that only passes: the floor of per-packet cost
+    /// benchmarks on the machine they run on.
+    pub const TC_PASS: &str = "tc_pass";
 }
 
-/// Map capacities. Sized for 10,000 services x 10 endpoints with room for
-/// the double-buffered slot sets a replacement needs while it is applied.
-pub const MAX_SERVICES: u32 = 65_536;
-pub const MAX_BACKEND_SLOTS: u32 = 524_288;
-pub const MAX_BACKENDS: u32 = 262_144;
+/// Map capacities. The service, slot and backend maps are not preallocated
+/// (`BPF_F_NO_PREALLOC`), so these are ceilings that cost nothing until
+/// used: 100,000 services x 10 endpoints fit, with room for the
+/// double-buffered slot sets a replacement needs while it is applied. The
+/// LRU maps are preallocated (the kernel requires it) and sized for a busy
+/// node.
+pub const MAX_SERVICES: u32 = 262_144;
+pub const MAX_BACKEND_SLOTS: u32 = 2_097_152;
+pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
+
+/// `BPF_F_NO_PREALLOC`, for the map definitions.
+pub const MAP_F_NO_PREALLOC: usize = 1;
 
 /// Largest backend set one frontend may have (a slot index is below this).
 pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_536;
@@ -59,6 +69,22 @@ pub const fn v4_mapped(ip_be: u32) -> [u32; 4] {
 pub const fn is_v4_mapped(addr: &[u32; 4]) -> bool {
     addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff])
 }
+
+/// The backend slot for a uniform random `r` among `count` slots:
+/// `(r * count) >> 32`, nftables' `numgen random mod n`. Each slot gets
+/// floor or ceil of 2^32/count of the draws, so its probability is within
+/// 2^-32 of 1/count; kube-proxy's iptables cascade gives the same
+/// distribution to within 1e-9 (proven in the model's probability tests).
+#[inline(always)]
+pub const fn slot_for(r: u32, count: u32) -> u32 {
+    ((r as u64 * count as u64) >> 32) as u32
+}
+
+/// Source address given to hairpin flows (a pod reaching itself through its
+/// service): without it the pod would see a packet from itself to itself,
+/// which the kernel drops as martian. Link-local, never routed off the node;
+/// Cilium uses the same address for the same purpose.
+pub const HAIRPIN_ADDR: [u8; 4] = [169, 254, 42, 1];
 
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
@@ -174,6 +200,10 @@ pub mod ct_flags {
     pub const CLOSING: u8 = 1 << 0;
     /// A reply was seen: the flow is established.
     pub const SEEN_REPLY: u8 = 1 << 1;
+    /// Hairpin flow: the client is its own backend. FORWARD packets also get
+    /// the hairpin source address; REPLY packets go back to their own
+    /// source.
+    pub const HAIRPIN: u8 = 1 << 2;
 }
 
 /// For a FORWARD entry, the backend the flow was sent to; for a REPLY entry,
@@ -272,8 +302,10 @@ pub mod counter {
     pub const LOOKUP_MISS: u32 = 7;
     /// Packet to a frontend whose protocol the datapath does not handle.
     pub const UNSUPPORTED_PROTO: u32 = 8;
+    /// New hairpin flow (a backend reaching itself through its service).
+    pub const HAIRPIN: u32 = 9;
     pub const COUNT: u32 = 16;
-    pub const NAMES: [&str; 9] = [
+    pub const NAMES: [&str; 10] = [
         "dnat_new",
         "dnat_established",
         "rev_nat",
@@ -283,6 +315,7 @@ pub mod counter {
         "ct_insert_failed",
         "lookup_miss",
         "unsupported_proto",
+        "hairpin",
     ];
 }
 

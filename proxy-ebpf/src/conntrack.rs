@@ -2,7 +2,9 @@
 //! packet needs one lookup whichever way it goes.
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use proxy_common::{CtKey, CtValue, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, v4_mapped};
+use proxy_common::{
+    CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, v4_mapped,
+};
 
 use crate::{
     maps::{CONNTRACK, count},
@@ -88,10 +90,11 @@ pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
 fn mirror_flags(entry: &CtValue, flow: &Flow, flags: u8, now: u64) {
     // The other direction's tuple: the translated address and port swap in
     // for this packet's destination (forward) or source (reply).
+    let hairpin = entry.flags & ct_flags::HAIRPIN != 0;
     let peer = if entry.dir == ct_dir::FORWARD {
         CtKey {
             src_be: entry.nat_addr_be,
-            dst_be: v4_mapped(flow.src_be),
+            dst_be: v4_mapped(if hairpin { hairpin_addr() } else { flow.src_be }),
             sport_be: entry.nat_port_be,
             dport_be: flow.sport_be,
             proto: flow.proto,
@@ -99,7 +102,7 @@ fn mirror_flags(entry: &CtValue, flow: &Flow, flags: u8, now: u64) {
         }
     } else {
         CtKey {
-            src_be: v4_mapped(flow.dst_be),
+            src_be: v4_mapped(if hairpin { flow.src_be } else { flow.dst_be }),
             dst_be: entry.nat_addr_be,
             sport_be: flow.dport_be,
             dport_be: entry.nat_port_be,
@@ -115,8 +118,15 @@ fn mirror_flags(entry: &CtValue, flow: &Flow, flags: u8, now: u64) {
     }
 }
 
+/// The hairpin source address as it sits in a packet.
+#[inline(always)]
+pub fn hairpin_addr() -> u32 {
+    u32::from_ne_bytes(HAIRPIN_ADDR)
+}
+
 /// Creates both entries of a new flow from `flow` (client -> frontend) to
-/// the backend at `backend_addr`:`backend_port`.
+/// the backend at `backend_addr`:`backend_port`. A hairpin flow's backend
+/// answers the hairpin address instead of the client.
 #[inline(always)]
 pub fn create(
     flow: &Flow,
@@ -124,13 +134,14 @@ pub fn create(
     backend_port_be: u16,
     backend_id: u32,
     service_id: u32,
+    hairpin: bool,
     now: u64,
 ) {
-    let client = v4_mapped(flow.src_be);
+    let client = v4_mapped(if hairpin { hairpin_addr() } else { flow.src_be });
     let forward = CtValue {
         nat_addr_be: backend_addr_be,
         nat_port_be: backend_port_be,
-        flags: 0,
+        flags: if hairpin { ct_flags::HAIRPIN } else { 0 },
         dir: ct_dir::FORWARD,
         backend_id,
         service_id,

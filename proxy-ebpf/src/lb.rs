@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlotKey, ServiceKey, ServiceValue, backend_flags,
-    scope, service_flags, v4_mapped,
+    scope, service_flags, slot_for, v4_mapped,
 };
 
 use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, SERVICES};
@@ -19,15 +19,6 @@ pub fn lookup_service(addr_be: u32, port_be: u16, proto: u8) -> Option<ServiceVa
     // Copied once: the rest of this packet's decisions use this snapshot
     // (see ServiceValue on how the agent keeps that consistent).
     SERVICES.get_ptr(key).map(|p| unsafe { *p })
-}
-
-/// Slot for a uniform random `r`: `(r * count) >> 32`, nftables' `numgen
-/// random mod n`. Each slot gets floor or ceil of 2^32/count of the draws, so
-/// its probability is within 2^-32 of 1/count, the same distribution
-/// kube-proxy's iptables cascade gives to within 1e-9.
-#[inline(always)]
-pub fn slot_for(r: u32, count: u32) -> u32 {
-    ((r as u64 * count as u64) >> 32) as u32
 }
 
 #[inline(always)]

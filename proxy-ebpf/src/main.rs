@@ -20,6 +20,13 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     service::handle(&ctx)
 }
 
+/// Does nothing: the per-packet cost floor that benchmarks compare against.
+/// Never attached.
+#[classifier]
+pub fn tc_pass(_ctx: TcContext) -> i32 {
+    aya_ebpf::bindings::TC_ACT_OK
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

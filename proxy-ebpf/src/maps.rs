@@ -6,20 +6,30 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, MAX_AFFINITY,
-    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK, MAX_SERVICES, ServiceKey, ServiceValue,
-    counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
+    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK, MAX_SERVICES,
+    ServiceKey, ServiceValue, counter,
 };
 
 #[btf_map]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue, { MAX_SERVICES as usize }> = HashMap::new();
+pub static SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { MAX_SERVICES as usize },
+    MAP_F_NO_PREALLOC,
+> = HashMap::new();
 
 #[btf_map]
-pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlot, { MAX_BACKEND_SLOTS as usize }> =
+pub static BACKEND_SLOTS: HashMap<
+    BackendSlotKey,
+    BackendSlot,
+    { MAX_BACKEND_SLOTS as usize },
+    MAP_F_NO_PREALLOC,
+> = HashMap::new();
+
+#[btf_map]
+pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
-
-#[btf_map]
-pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }> = HashMap::new();
 
 #[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }> = LruHashMap::new();

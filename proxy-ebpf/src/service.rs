@@ -5,7 +5,7 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     programs::TcContext,
 };
-use proxy_common::{PROTO_TCP, counter, ct_dir, is_v4_mapped, service_flags};
+use proxy_common::{PROTO_TCP, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
 
 use crate::{
     conntrack, lb,
@@ -38,13 +38,23 @@ pub fn handle(ctx: &TcContext) -> i32 {
             return TC_ACT_OK;
         }
         count(which);
-        return verdict(nat::rewrite(
-            ctx,
-            &flow,
-            side,
-            entry.nat_addr_be[3],
-            entry.nat_port_be,
-        ));
+        let mut result = nat::rewrite(ctx, &flow, side, entry.nat_addr_be[3], entry.nat_port_be);
+        if result.is_ok() && entry.flags & ct_flags::HAIRPIN != 0 {
+            // The other address of a hairpin flow: the hairpin source on the
+            // way in, the pod itself on the way back.
+            result = if entry.dir == ct_dir::FORWARD {
+                nat::rewrite(
+                    ctx,
+                    &flow,
+                    Side::Source,
+                    conntrack::hairpin_addr(),
+                    flow.sport_be,
+                )
+            } else {
+                nat::rewrite(ctx, &flow, Side::Destination, flow.src_be, flow.dport_be)
+            };
+        }
+        return verdict(result);
     }
     let Some(svc) = lb::lookup_service(flow.dst_be, flow.dport_be, flow.proto) else {
         return TC_ACT_OK;
@@ -77,22 +87,35 @@ fn new_flow(ctx: &TcContext, flow: &Flow, svc: &proxy_common::ServiceValue, now:
         count(counter::LOOKUP_MISS);
         return TC_ACT_OK;
     }
+    let hairpin = backend.addr_be[3] == flow.src_be;
     conntrack::create(
         flow,
         backend.addr_be,
         backend.port_be,
         backend_id,
         svc.service_id,
+        hairpin,
         now,
     );
     count(counter::DNAT_NEW);
-    verdict(nat::rewrite(
+    let mut result = nat::rewrite(
         ctx,
         flow,
         Side::Destination,
         backend.addr_be[3],
         backend.port_be,
-    ))
+    );
+    if hairpin && result.is_ok() {
+        count(counter::HAIRPIN);
+        result = nat::rewrite(
+            ctx,
+            flow,
+            Side::Source,
+            conntrack::hairpin_addr(),
+            flow.sport_be,
+        );
+    }
+    verdict(result)
 }
 
 /// A rewrite that failed half-way leaves a packet with a wrong checksum:

@@ -119,6 +119,25 @@ impl Datapath {
             .expect("tc program is loaded in Datapath::load")
     }
 
+    /// The do-nothing tc program (loaded on first use), the floor that
+    /// per-packet costs are compared against.
+    pub fn floor_program(&mut self) -> Result<&SchedClassifier, DatapathError> {
+        let err = |source| DatapathError::Program {
+            name: program_names::TC_PASS,
+            source,
+        };
+        let program: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(program_names::TC_PASS)
+            .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
+            .try_into()
+            .map_err(err)?;
+        if program.fd().is_err() {
+            program.load().map_err(err)?;
+        }
+        Ok(program)
+    }
+
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
         self.ebpf
             .program_mut(program_names::TC_INGRESS)

@@ -93,6 +93,35 @@ mod tests {
         }
     }
 
+    /// slot_counts is a closed form; this ties it to the function the
+    /// datapath runs: the first draw of each slot's range maps to that slot,
+    /// the draw before it to the previous one.
+    #[test]
+    fn slot_counts_are_the_ranges_of_the_datapath_function() {
+        for n in 1..=1000u32 {
+            let mut first = 0u64;
+            for (slot, count) in slot_counts(n as usize).into_iter().enumerate() {
+                let slot = slot as u32;
+                assert_eq!(
+                    proxy_common::slot_for(first as u32, n),
+                    slot,
+                    "n={n}: draw {first} should start slot {slot}"
+                );
+                if first > 0 {
+                    assert_eq!(
+                        proxy_common::slot_for((first - 1) as u32, n),
+                        slot - 1,
+                        "n={n}: draw {} should end slot {}",
+                        first - 1,
+                        slot - 1
+                    );
+                }
+                first += count;
+            }
+            assert_eq!(proxy_common::slot_for(u32::MAX, n), n - 1, "n={n}: last draw");
+        }
+    }
+
     #[test]
     fn slot_counts_cover_every_draw_once() {
         for n in 1..=1000usize {

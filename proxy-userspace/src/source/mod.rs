@@ -2,6 +2,7 @@
 //! Kubernetes API, manifest files) turns what it sees into [`SourceEvent`]s;
 //! nothing downstream knows which source fed it.
 
+pub mod kube;
 pub mod manifest;
 
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};

@@ -10,7 +10,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout},
+    datapath::{Datapath, PinLayout, conntrack},
     model::{
         BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
         ServicePortName,
@@ -40,6 +40,7 @@ const BACKENDS: [Ipv4Addr; 3] = [
 struct Fixture {
     datapath: Datapath,
     pins: PinLayout,
+    planner: Planner,
 }
 
 impl Drop for Fixture {
@@ -72,8 +73,11 @@ fn fixture() -> Fixture {
     let pins = PinLayout::new(&root);
     let datapath = Datapath::load(pins.clone())
         .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", root.display()));
-    let mut fixture = Fixture { datapath, pins };
-    let mut planner = Planner::new();
+    let mut fixture = Fixture {
+        datapath,
+        pins,
+        planner: Planner::new(),
+    };
     let services = [
         frontend(
             VIP,
@@ -129,8 +133,11 @@ fn fixture() -> Fixture {
             namespace: "test".into(),
             name: format!("svc{i}"),
         };
-        let out =
-            planner.sync_service(&owner, std::slice::from_ref(fe), &mut fixture.datapath.maps);
+        let out = fixture.planner.sync_service(
+            &owner,
+            std::slice::from_ref(fe),
+            &mut fixture.datapath.maps,
+        );
         assert!(
             out.errors.is_empty(),
             "programming {}: {:?}",
@@ -420,7 +427,10 @@ fn hairpin_flows_are_snated_both_ways() {
         (HAIRPIN_SRC, 43000, pod, 8080),
         "hairpin SYN must reach the pod from the hairpin address"
     );
-    let (ret, out) = run(&fx, &tcp(pod, 8080, HAIRPIN_SRC, 43000, frame::SYN | frame::ACK));
+    let (ret, out) = run(
+        &fx,
+        &tcp(pod, 8080, HAIRPIN_SRC, 43000, frame::SYN | frame::ACK),
+    );
     assert_eq!(ret, TC_ACT_OK);
     let r = parse_checked(&out, "hairpin reply");
     assert_eq!(
@@ -432,6 +442,76 @@ fn hairpin_flows_are_snated_both_ways() {
     let p = parse_checked(&out, "established hairpin packet");
     assert_eq!((p.src, p.dst), (HAIRPIN_SRC, pod));
     assert_eq!(counter(&fx, "hairpin"), 1);
+}
+
+/// A backend leaving the service takes its UDP flows with it (the next
+/// datagram is balanced anew instead of blackholed), while a TCP connection
+/// to it keeps going until it ends.
+#[test]
+fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
+    let mut fx = fixture();
+    let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53, false));
+    let udp_backend = parse_checked(&out, "first datagram").dst;
+    // A TCP connection to the same backend, opened before it departs.
+    let tcp_sport = (44000..45000)
+        .find(|sport| {
+            let (_, out) = run(&fx, &tcp(CLIENT, *sport, VIP, 80, frame::SYN));
+            parse_checked(&out, "SYN").dst == udp_backend
+        })
+        .expect("some source port lands on the UDP flow's backend");
+
+    let remaining: Vec<Ipv4Addr> = BACKENDS
+        .iter()
+        .copied()
+        .filter(|b| *b != udp_backend)
+        .collect();
+    for (port, proto, target, name) in [
+        (53, Protocol::Udp, 5353, "svc1"),
+        (80, Protocol::Tcp, 8080, "svc0"),
+    ] {
+        let fe = frontend(
+            VIP,
+            port,
+            proto,
+            &remaining,
+            target,
+            NoEndpointAction::Reject,
+        );
+        let owner = ObjectKey {
+            namespace: "test".into(),
+            name: name.into(),
+        };
+        let out = fx
+            .planner
+            .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+    }
+    let departed = fx.planner.take_departed();
+    assert_eq!(
+        departed.len(),
+        2,
+        "one backend left two service ports: {departed:?}"
+    );
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    assert_eq!(
+        swept.conntrack, 2,
+        "the UDP flow's two entries must go, the TCP ones stay"
+    );
+
+    for _ in 0..5 {
+        let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53, false));
+        let now = parse_checked(&out, "datagram after removal").dst;
+        assert!(
+            remaining.contains(&now),
+            "UDP flow still sent to the departed backend {now}"
+        );
+    }
+    let (_, out) = run(&fx, &tcp(CLIENT, tcp_sport, VIP, 80, frame::ACK));
+    assert_eq!(
+        parse_checked(&out, "TCP after removal").dst,
+        udp_backend,
+        "an established TCP connection must keep its backend"
+    );
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! handles the planner writes through.
 
 mod attach;
+pub mod conntrack;
 pub mod interfaces;
 pub mod maps;
 pub mod pins;

@@ -98,6 +98,16 @@ pub struct Planner {
     next_slot_set: u32,
     /// Deletes of garbage that failed; retried on the next sync.
     pending: Vec<MapOp>,
+    /// (service id, backend id) pairs that left a backend set since the
+    /// last `take_departed`: their flows and affinity need cleaning.
+    departed: Vec<Departed>,
+}
+
+/// A backend that left a service's backend set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Departed {
+    pub service_id: u32,
+    pub backend_id: u32,
 }
 
 impl Planner {
@@ -176,6 +186,11 @@ impl Planner {
         planner.next_slot_set = planner.slot_sets_in_use.last().map_or(1, |m| m + 1);
         planner.next_service_id = planner.service_ids_in_use.keys().max().map_or(1, |m| m + 1);
         (planner, garbage)
+    }
+
+    /// Backends that left a service since the last call.
+    pub fn take_departed(&mut self) -> Vec<Departed> {
+        std::mem::take(&mut self.departed)
     }
 
     /// Number of frontends programmed.
@@ -435,6 +450,12 @@ impl Planner {
             if new_slot_set.is_some() {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
             }
+            for id in p.backend_ids.iter().filter(|id| !ids.contains(id)) {
+                self.departed.push(Departed {
+                    service_id: p.value.service_id,
+                    backend_id: *id,
+                });
+            }
             cleanup.extend(self.release_backends(&p.backend_ids));
             if let Some(name) = p.service.as_ref() {
                 self.release_service_id(name);
@@ -474,6 +495,11 @@ impl Planner {
             })?;
         self.frontends.remove(key);
         self.slot_sets_in_use.remove(&prev.value.slot_set);
+        self.departed
+            .extend(prev.backend_ids.iter().map(|id| Departed {
+                service_id: prev.value.service_id,
+                backend_id: *id,
+            }));
         let mut cleanup: Vec<MapOp> = (0..prev.backend_ids.len())
             .map(|slot| MapOp::DeleteSlot {
                 key: BackendSlotKey {

@@ -8,7 +8,7 @@ use proxy_common::{
 
 use crate::{
     maps::{CONNTRACK, count},
-    packet::{Flow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 #[inline(always)]
@@ -39,11 +39,15 @@ pub fn flow_key(flow: &Flow) -> CtKey {
     )
 }
 
-/// The live entry for this packet's tuple, if any. An expired entry, or a
-/// closed TCP entry that a new SYN reuses the ports of, counts as absent.
+/// The live entry for this packet's tuple, if any. An expired entry counts
+/// as absent. So does a closing TCP entry hit by a SYN or SYN-ACK: the ports
+/// are being reused by a new connection, which may not be ours at all (a
+/// client connecting straight to a pod from the port it just used for the
+/// service); the stale entry is removed so its replies go untranslated.
 #[inline(always)]
 pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
-    let ptr = CONNTRACK.get_ptr_mut(flow_key(flow))?;
+    let key = flow_key(flow);
+    let ptr = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
     let entry = unsafe { *ptr };
     if entry.expired(flow.proto, now) {
@@ -51,8 +55,9 @@ pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
     }
     if flow.proto == PROTO_TCP
         && entry.flags & ct_flags::CLOSING != 0
-        && flow.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
+        let _ = CONNTRACK.remove(key);
         return None;
     }
     Some((ptr, entry))

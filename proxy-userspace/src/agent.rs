@@ -16,13 +16,13 @@ use tracing::{error, info, info_span, warn};
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, PinLayout,
+        Datapath, DatapathError, PinLayout, conntrack,
         interfaces::{self, Interfaces, Selection},
     },
     http::{self, Health, HttpError},
     model::ModelConfig,
     planner::Planner,
-    source::{Kind, ObjectKey, SourceEvent, manifest},
+    source::{Kind, ObjectKey, SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
 };
 
@@ -36,11 +36,26 @@ pub enum AgentError {
     Adopt(#[source] crate::datapath::maps::MapsError),
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    KubeSource(#[from] kube_source::KubeSourceError),
+}
+
+/// Where Services, EndpointSlices and the Node come from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// YAML/JSON manifests: a file or a directory, followed as it changes.
+    Manifests(PathBuf),
+    /// The Kubernetes API (see [`kube_source::config`] for how the flags
+    /// pick the server and credentials).
+    Kube {
+        kubeconfig: Option<PathBuf>,
+        master: Option<String>,
+    },
 }
 
 pub struct AgentConfig {
     pub bpf_root: PathBuf,
-    pub manifests: PathBuf,
+    pub source: SourceConfig,
     pub interfaces: Option<Vec<String>>,
     pub healthz: SocketAddr,
     pub node_name: String,
@@ -83,12 +98,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     });
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
-    let manifests = config.manifests.clone();
-    tokio::spawn(async move {
-        if let Err(e) = manifest::watch(manifests, ev_tx).await {
-            error!(error = %e, "manifest source stopped; the datapath keeps its last state");
-        }
-    });
+    spawn_source(&config, ev_tx).await?;
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
@@ -101,6 +111,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         sequence: 0,
     };
     let mut deadline: Option<tokio::time::Instant> = None;
+    let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
     loop {
         tokio::select! {
             Some(event) = ev_rx.recv() => {
@@ -113,11 +124,52 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 deadline = None;
                 sync.run(&state, &config.model, &mut planner, &mut datapath, &health);
             }
+            _ = reap.tick() => reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
+    Ok(())
+}
+
+/// How often idle conntrack entries are reaped.
+const CONNTRACK_REAP_PERIOD: Duration = Duration::from_secs(10);
+
+fn reap_conntrack(datapath: &mut Datapath) {
+    match conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()) {
+        Ok(0) => {}
+        Ok(n) => tracing::debug!(entries = n, "reaped idle conntrack entries"),
+        Err(e) => warn!(error = %e, "reaping conntrack"),
+    }
+}
+
+/// Starts the configured source feeding `tx`. A Kubernetes client that
+/// cannot be configured is an error; once running, a source never stops the
+/// agent (API failures are retried inside it).
+async fn spawn_source(
+    config: &AgentConfig,
+    tx: mpsc::Sender<SourceEvent>,
+) -> Result<(), AgentError> {
+    match &config.source {
+        SourceConfig::Manifests(path) => {
+            let path = path.clone();
+            tokio::spawn(async move {
+                if let Err(e) = manifest::watch(path, tx).await {
+                    error!(error = %e, "manifest source stopped; the datapath keeps its last state");
+                }
+            });
+        }
+        SourceConfig::Kube { kubeconfig, master } => {
+            let client = kube_source::client(kubeconfig.clone(), master.clone()).await?;
+            let node_name = config.node_name.clone();
+            tokio::spawn(async move {
+                if let Err(e) = kube_source::watch(client, node_name, tx).await {
+                    error!(error = %e, "Kubernetes API source stopped; the datapath keeps its last state");
+                }
+            });
+        }
+    }
     Ok(())
 }
 
@@ -196,6 +248,16 @@ impl SyncLoop {
                 error!(error = %e, "stale frontend not removed");
             }
             self.initial_done = true;
+        }
+        let departed = planner.take_departed();
+        match conntrack::purge_departed(&mut datapath.maps, &departed) {
+            Ok(swept) if swept != Default::default() => info!(
+                udp_flows = swept.conntrack,
+                affinities = swept.affinity,
+                "removed flows and affinity of departed backends"
+            ),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
         }
         if self.initial_done {
             health.mark_synced();

@@ -38,10 +38,22 @@ pub struct PinArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Read Services and EndpointSlices from this YAML file or directory
-    /// (as `kubectl get -o yaml` prints them) and follow its changes.
+    /// Read Services, EndpointSlices and Nodes from this YAML file or
+    /// directory (as `kubectl get -o yaml` prints them) and follow its
+    /// changes, instead of watching the Kubernetes API.
     #[arg(long)]
-    pub manifests: PathBuf,
+    pub manifests: Option<PathBuf>,
+    /// kubeconfig file(s) for the API server (a `:`-separated list is
+    /// merged, as kubectl does). Without it: the in-cluster service account,
+    /// else `--master` without credentials, else ~/.kube/config.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The API server's URL, overriding the kubeconfig's or the in-cluster
+    /// one. Without kube-proxy the in-cluster address (the `kubernetes`
+    /// Service) is served by this proxy itself, so a DaemonSet points this
+    /// at the API server's real address.
+    #[arg(long, value_name = "URL", conflicts_with = "manifests")]
+    pub master: Option<String>,
     /// Attach only to these interfaces (default: every non-loopback one,
     /// including ones created later).
     #[arg(long, value_delimiter = ',')]
@@ -78,6 +90,28 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn manifests_are_optional_and_master_excludes_them() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {
+                match cli.command {
+                    Command::Run(run) => run,
+                    other => panic!("not a run command: {other:?}"),
+                }
+            })
+        };
+        let run = parse(&["--master", "http://127.0.0.1:8080"]).expect("API source");
+        assert_eq!(run.manifests, None, "no manifests: the API source");
+        assert_eq!(run.master.as_deref(), Some("http://127.0.0.1:8080"));
+        let run = parse(&["--kubeconfig", "/k/a:/k/b"]).expect("kubeconfig list");
+        assert_eq!(run.kubeconfig, Some(PathBuf::from("/k/a:/k/b")));
+        let run = parse(&["--manifests", "/m"]).expect("manifest source");
+        assert_eq!(run.manifests, Some(PathBuf::from("/m")));
+        let err = parse(&["--manifests", "/m", "--master", "http://x"])
+            .expect_err("--master with --manifests is a mistake");
+        assert!(err.to_string().contains("cannot be used with"), "{err}");
+    }
 
     #[test]
     fn durations_parse_with_units() {

@@ -1,7 +1,7 @@
 use anyhow::Context;
 use clap::Parser;
 use proxy_userspace::{
-    agent::{self, AgentConfig},
+    agent::{self, AgentConfig, SourceConfig},
     cli::{Cli, Command},
     datapath::{self, PinLayout},
     model::ModelConfig,
@@ -21,7 +21,13 @@ fn main() -> anyhow::Result<()> {
         Command::Run(args) => {
             let config = AgentConfig {
                 bpf_root: args.pins.bpf_root,
-                manifests: args.manifests,
+                source: match args.manifests {
+                    Some(path) => SourceConfig::Manifests(path),
+                    None => SourceConfig::Kube {
+                        kubeconfig: args.kubeconfig,
+                        master: args.master,
+                    },
+                },
                 interfaces: args.interfaces,
                 healthz: args.healthz_bind_address,
                 node_name: args.node_name.unwrap_or_else(agent::default_node_name),

@@ -4,6 +4,7 @@
 
 mod attach;
 pub mod conntrack;
+mod detach;
 pub mod interfaces;
 pub mod maps;
 pub mod pins;
@@ -183,7 +184,15 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     if !pins.root().exists() {
         return Ok(removed);
     }
-    // Unpinning a link whose only reference is its pin detaches it.
+    // Links are detached before their pins go, so that no packet is
+    // translated once this returns (see detach.rs).
+    if let Ok(entries) = std::fs::read_dir(pins.links_dir()) {
+        for entry in entries.flatten() {
+            if let Err(e) = detach::detach_pinned_link(&entry.path()) {
+                tracing::warn!(pin = %entry.path().display(), error = %e, "detaching link");
+            }
+        }
+    }
     for dir in [pins.links_dir(), pins.maps_dir()] {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {

@@ -118,7 +118,11 @@ mod tests {
                 }
                 first += count;
             }
-            assert_eq!(proxy_common::slot_for(u32::MAX, n), n - 1, "n={n}: last draw");
+            assert_eq!(
+                proxy_common::slot_for(u32::MAX, n),
+                n - 1,
+                "n={n}: last draw"
+            );
         }
     }
 

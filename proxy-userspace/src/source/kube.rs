@@ -262,7 +262,10 @@ impl Watched for Node {
 #[derive(Clone, Debug)]
 enum Lenient<K> {
     Valid(Box<K>),
-    Malformed { metadata: ObjectMeta, reason: String },
+    Malformed {
+        metadata: Box<ObjectMeta>,
+        reason: String,
+    },
 }
 
 impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
@@ -276,7 +279,7 @@ impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
         Ok(match K::deserialize(&value) {
             Ok(object) => Lenient::Valid(Box::new(object)),
             Err(e) => Lenient::Malformed {
-                metadata: lenient_metadata(&value),
+                metadata: Box::new(lenient_metadata(&value)),
                 reason: e.to_string(),
             },
         })
@@ -624,7 +627,10 @@ mod tests {
         let Lenient::Valid(service) = lenient(service_json("web", "10.96.0.10", "7")) else {
             panic!("a valid Service must decode");
         };
-        assert_eq!(service.metadata.managed_fields, None, "managedFields dropped");
+        assert_eq!(
+            service.metadata.managed_fields, None,
+            "managedFields dropped"
+        );
         assert_eq!(
             service.spec.as_ref().and_then(|s| s.cluster_ip.as_deref()),
             Some("10.96.0.10"),
@@ -676,7 +682,11 @@ mod tests {
             .iter()
             .map(|o| matches!(o, Lenient::Valid(_)))
             .collect();
-        assert_eq!(verdicts, [true, false, true], "only the bad item is malformed");
+        assert_eq!(
+            verdicts,
+            [true, false, true],
+            "only the bad item is malformed"
+        );
     }
 
     fn apply(value: Value) -> Event<Lenient<Service>> {
@@ -763,11 +773,7 @@ mod tests {
         assert_eq!(
             feed(
                 &mut f,
-                listing(vec![
-                    service_json("a", "10.96.0.1", "1"),
-                    bad_b,
-                    bad_new,
-                ])
+                listing(vec![service_json("a", "10.96.0.1", "1"), bad_b, bad_new,])
             ),
             ["Delete Service demo/c", "Apply demo/a"],
             "demo/b (bad now, good before) keeps its old version; demo/c is gone; demo/n was never good"
@@ -913,7 +919,10 @@ mod tests {
                 .await
                 .expect("--master alone");
             assert_eq!(c.cluster_url.to_string(), "http://127.0.0.1:8080/");
-            assert!(c.auth_info.token.is_none(), "no credentials with --master alone");
+            assert!(
+                c.auth_info.token.is_none(),
+                "no credentials with --master alone"
+            );
         }
         for bad in ["127.0.0.1:8080", "ftp://x", "http://", "not a url"] {
             let err = config(None, Some(bad.into()))

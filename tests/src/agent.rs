@@ -1,0 +1,328 @@
+//! The agent under test: `ebpf-proxy run` started in a node namespace with its own
+//! bpffs root, its health endpoint polled until the first sync is in the maps, and
+//! everything (process, attachments, pins) removed on drop.
+
+use std::{
+    fs::{self, File},
+    io::{Read, Write},
+    net::{SocketAddr, SocketAddrV4, TcpStream},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+
+use crate::{
+    describe,
+    netns::{NetNs, command_in, owner_pid, pid_alive, run_in, unique_stem},
+    run_cmd,
+};
+
+/// Environment variable naming the agent binary; `cargo xtask test` sets it.
+pub const BIN_ENV: &str = "EBPF_PROXY_BIN";
+
+/// Where per-test bpffs roots go: `/sys/fs/bpf/ebpf-proxy-test-<stem>`.
+const BPF_ROOT_PREFIX: &str = "/sys/fs/bpf/ebpf-proxy-test-";
+
+/// The agent's health endpoint inside its namespace (each namespace has its own
+/// loopback, so every agent can use the same one).
+pub const HEALTHZ: SocketAddrV4 = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 10256);
+
+/// How long the agent may take from start to a healthy /healthz.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the agent may take to exit after SIGTERM.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The agent binary: `$EBPF_PROXY_BIN`, else `release/ebpf-proxy` in
+/// `$CARGO_TARGET_DIR` or in the workspace's `target/`.
+pub fn binary() -> Result<PathBuf> {
+    let path = match std::env::var_os(BIN_ENV) {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+            target.join("release/ebpf-proxy")
+        }
+    };
+    if !path.is_file() {
+        bail!(
+            "the agent binary {} does not exist: run `cargo xtask build` first (or point {BIN_ENV} at it)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Removes bpffs roots left by test processes that are gone: runs `ebpf-proxy cleanup`
+/// on each (when `bin` is known) and deletes the directory. Returns what it removed.
+pub fn remove_stale_bpf_roots(bin: Option<&Path>) -> Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let parent = Path::new(BPF_ROOT_PREFIX)
+        .parent()
+        .expect("prefix has a parent");
+    let prefix = Path::new(BPF_ROOT_PREFIX)
+        .file_name()
+        .expect("prefix has a file name")
+        .to_string_lossy()
+        .into_owned();
+    let entries = match fs::read_dir(parent) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(removed),
+        Err(e) => return Err(e).context(parent.display().to_string()),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        if owner_pid(stem).is_some_and(|pid| !pid_alive(pid)) {
+            let path = entry.path();
+            if let Some(bin) = bin {
+                // Best effort: the directory goes below whatever cleanup manages.
+                let _ = Command::new(bin)
+                    .arg("cleanup")
+                    .arg("--bpf-root")
+                    .arg(&path)
+                    .output();
+            }
+            if path.exists() {
+                fs::remove_dir_all(&path).with_context(|| format!("remove {}", path.display()))?;
+            }
+            removed.push(path);
+        }
+    }
+    Ok(removed)
+}
+
+/// A running `ebpf-proxy run`. Declare it after the topology it runs in, so it is
+/// dropped (stopped and cleaned up) while the node namespace still exists.
+#[derive(Debug)]
+pub struct Agent {
+    bin: PathBuf,
+    child: Option<Child>,
+    netns_path: PathBuf,
+    bpf_root: PathBuf,
+    log_path: PathBuf,
+    cleaned_up: bool,
+}
+
+impl Agent {
+    /// Starts the agent in `node` on the manifests at `manifests` and waits until
+    /// /healthz says 200.
+    pub fn start(node: &NetNs, manifests: &Path) -> Result<Agent> {
+        Self::start_with(node, manifests, &[])
+    }
+
+    /// [`Agent::start`] with extra arguments for `ebpf-proxy run`.
+    pub fn start_with(node: &NetNs, manifests: &Path, extra_args: &[&str]) -> Result<Agent> {
+        let bin = binary()?;
+        let stem = unique_stem();
+        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{stem}"));
+        let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
+        let log =
+            File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;
+        // nsenter --net (not `ip netns exec`, which would hide /sys/fs/bpf) and then
+        // execs the agent, so the child's pid is the agent's.
+        let mut cmd = node.command(&bin);
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--bpf-root")
+            .arg(&bpf_root)
+            .arg("--healthz-bind-address")
+            .arg(HEALTHZ.to_string())
+            .arg("--node-name")
+            .arg(node.name())
+            .args(extra_args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // Its own process group: a Ctrl-C at the terminal reaches only the harness,
+            // which then stops the agent and cleans up in order.
+            .process_group(0);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info");
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", describe(&cmd)))?;
+        let mut agent = Agent {
+            bin,
+            child: Some(child),
+            netns_path: node.path(),
+            bpf_root,
+            log_path,
+            cleaned_up: false,
+        };
+        agent.wait_ready(READY_TIMEOUT)?;
+        Ok(agent)
+    }
+
+    /// Polls /healthz until it answers 200; fails early if the agent exits.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut last = String::from("no answer yet");
+        while start.elapsed() < timeout {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!(
+                    "the agent exited ({status}) before becoming healthy; its output:\n{}",
+                    self.log()
+                );
+            }
+            match self.healthz() {
+                Ok(200) => return Ok(()),
+                Ok(code) => last = format!("HTTP {code}"),
+                Err(e) => last = format!("{e:#}"),
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "the agent was not healthy after {timeout:?} (last /healthz: {last}); its output:\n{}",
+            self.log()
+        )
+    }
+
+    /// The status code of `GET /healthz`.
+    pub fn healthz(&self) -> Result<u16> {
+        run_in(&self.netns_path, || http_status(HEALTHZ, "/healthz"))?
+    }
+
+    /// The agent's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn bpf_root(&self) -> &Path {
+        &self.bpf_root
+    }
+
+    /// Every pin (file) below the agent's bpffs root, sorted.
+    pub fn pins(&self) -> Vec<PathBuf> {
+        let mut pins = files_below(&self.bpf_root);
+        pins.sort();
+        pins
+    }
+
+    /// Everything the agent printed so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log_path)
+            .unwrap_or_else(|e| format!("(cannot read {}: {e})", self.log_path.display()))
+    }
+
+    /// Sends SIGTERM and waits for the agent to exit (SIGKILL after a grace period,
+    /// reported as an error).
+    pub fn terminate(&mut self) -> Result<ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow!("the agent is not running"))?;
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).context("SIGTERM the agent")?;
+        let start = Instant::now();
+        while start.elapsed() < EXIT_TIMEOUT {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("the agent did not exit within {EXIT_TIMEOUT:?} of SIGTERM; killed it")
+    }
+
+    /// Runs `ebpf-proxy cleanup` for this agent's bpffs root, in its namespace.
+    pub fn cleanup(&mut self) -> Result<()> {
+        let mut cmd = if self.netns_path.exists() {
+            command_in(&self.netns_path, &self.bin)
+        } else {
+            // The namespace is gone, and with it every interface the agent attached
+            // to; the pins are what is left.
+            Command::new(&self.bin)
+        };
+        cmd.arg("cleanup").arg("--bpf-root").arg(&self.bpf_root);
+        let output = run_cmd(&mut cmd)?;
+        self.cleaned_up = true;
+        if let Ok(mut log) = fs::OpenOptions::new().append(true).open(&self.log_path) {
+            let _ = writeln!(log, "--- {}:\n{output}", describe(&cmd));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if self.child.is_some()
+            && let Err(e) = self.terminate()
+        {
+            eprintln!("warning: {e:#}");
+        }
+        if !self.cleaned_up
+            && let Err(e) = self.cleanup()
+        {
+            eprintln!("warning: agent cleanup failed: {e:#}");
+        }
+        if self.bpf_root.exists()
+            && let Err(e) = fs::remove_dir_all(&self.bpf_root)
+        {
+            eprintln!("warning: cannot remove {}: {e}", self.bpf_root.display());
+        }
+        if thread::panicking() {
+            eprintln!(
+                "----- agent output ({}) -----\n{}----- end of agent output -----",
+                self.log_path.display(),
+                self.log()
+            );
+        }
+        let _ = fs::remove_file(&self.log_path);
+    }
+}
+
+fn files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                out.extend(files_below(&path));
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
+/// `GET path` over plain HTTP/1.1 from the calling thread's namespace; returns the
+/// status code.
+pub fn http_status(addr: SocketAddrV4, path: &str) -> Result<u16> {
+    let timeout = Duration::from_secs(2);
+    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
+        .with_context(|| format!("connect to {addr}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let response = String::from_utf8_lossy(&response);
+    let status_line = response.lines().next().unwrap_or_default();
+    status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| anyhow!("not an HTTP response: {status_line:?}"))
+}

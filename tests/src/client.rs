@@ -1,0 +1,328 @@
+//! Clients that talk to the backends of [`crate::servers`] from inside a namespace and
+//! say what happened: a reply (and from whom), a refusal, a timeout or another error.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    io::{self, BufRead, BufReader, ErrorKind, Write},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
+    time::Duration,
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+
+use crate::netns::NetNs;
+
+/// A backend's greeting: `<name> <peer ip>:<peer port>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// The backend that answered.
+    pub backend: String,
+    /// The client address the backend saw.
+    pub peer: SocketAddrV4,
+}
+
+impl Reply {
+    pub fn parse(line: &str) -> Result<Reply> {
+        let line = line.trim_end();
+        let (backend, peer) = line
+            .split_once(' ')
+            .ok_or_else(|| anyhow!("malformed reply {line:?}"))?;
+        let peer = peer
+            .parse()
+            .with_context(|| format!("malformed peer address in reply {line:?}"))?;
+        Ok(Reply {
+            backend: backend.to_owned(),
+            peer,
+        })
+    }
+}
+
+/// What one request came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Reply(Reply),
+    /// ECONNREFUSED: a TCP RST, or ICMP port unreachable for TCP or UDP.
+    Refused,
+    /// Nothing came back in time.
+    Timeout,
+    /// Anything else (unreachable, reset, a garbled reply, a harness failure).
+    Failed(String),
+}
+
+impl Outcome {
+    fn from_io(e: &io::Error) -> Outcome {
+        match e.kind() {
+            ErrorKind::ConnectionRefused => Outcome::Refused,
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => Outcome::Timeout,
+            kind => Outcome::Failed(format!("{kind:?}: {e}")),
+        }
+    }
+
+    fn from_line(line: &str) -> Outcome {
+        match Reply::parse(line) {
+            Ok(reply) => Outcome::Reply(reply),
+            Err(e) => Outcome::Failed(format!("{e:#}")),
+        }
+    }
+
+    /// The reply; panics with the outcome otherwise (for tests).
+    #[track_caller]
+    pub fn expect_reply(self, what: &str) -> Reply {
+        match self {
+            Outcome::Reply(reply) => reply,
+            other => panic!("{what}: expected a reply from a backend, got {other}"),
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Outcome::Reply(r) => write!(f, "reply from {} (saw peer {})", r.backend, r.peer),
+            Outcome::Refused => f.write_str("connection refused"),
+            Outcome::Timeout => f.write_str("timeout"),
+            Outcome::Failed(e) => write!(f, "failure: {e}"),
+        }
+    }
+}
+
+/// One TCP request from the calling thread's namespace: connect, read the greeting,
+/// close.
+pub fn tcp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    match TcpStream::connect_timeout(&addr.into(), timeout) {
+        Ok(stream) => read_greeting(stream, timeout),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+/// [`tcp_request_here`] from a fixed local port. The socket has SO_REUSEADDR, so a
+/// port whose previous connection (also made here) waits in TIME_WAIT can be used
+/// again towards another destination, as the kernel itself may do.
+pub fn tcp_request_from_port_here(
+    local_port: u16,
+    addr: SocketAddrV4,
+    timeout: Duration,
+) -> Outcome {
+    use std::os::fd::AsRawFd;
+
+    use nix::sys::{
+        socket::{
+            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
+            sockopt,
+        },
+        time::{TimeVal, TimeValLike},
+    };
+    let attempt = || -> io::Result<TcpStream> {
+        let fd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
+        setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+        // A blocking connect gives up after SO_SNDTIMEO (with EINPROGRESS).
+        setsockopt(
+            &fd,
+            sockopt::SendTimeout,
+            &TimeVal::milliseconds(timeout.as_millis() as i64),
+        )?;
+        bind(
+            fd.as_raw_fd(),
+            &SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, local_port)),
+        )?;
+        match connect(fd.as_raw_fd(), &SockaddrIn::from(addr)) {
+            Ok(()) => {}
+            Err(nix::errno::Errno::EINPROGRESS) => {
+                return Err(io::Error::new(ErrorKind::TimedOut, "connect timed out"));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(TcpStream::from(fd))
+    };
+    match attempt() {
+        Ok(stream) => read_greeting(stream, timeout),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+fn read_greeting(stream: TcpStream, timeout: Duration) -> Outcome {
+    if let Err(e) = stream.set_read_timeout(Some(timeout)) {
+        return Outcome::from_io(&e);
+    }
+    let mut line = String::new();
+    match BufReader::new(stream).read_line(&mut line) {
+        Ok(0) => Outcome::Failed("connection closed without a greeting".into()),
+        Ok(_) => Outcome::from_line(&line),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+/// One UDP request from the calling thread's namespace, on a connected socket, so
+/// that an ICMP port unreachable surfaces as ECONNREFUSED and only a reply from `addr`
+/// itself (i.e. correctly reverse-NATed) is accepted.
+pub fn udp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    let attempt = || -> io::Result<String> {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        socket.connect(addr)?;
+        socket.set_read_timeout(Some(timeout))?;
+        socket.send(b"hello\n")?;
+        let mut buf = [0u8; 2048];
+        let n = socket.recv(&mut buf)?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    match attempt() {
+        Ok(line) => Outcome::from_line(&line),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+/// [`tcp_request_here`] from inside `ns`.
+pub fn tcp_request(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    ns.run(|| tcp_request_here(addr, timeout))
+        .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
+}
+
+/// [`udp_request_here`] from inside `ns`.
+pub fn udp_request(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    ns.run(|| udp_request_here(addr, timeout))
+        .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
+}
+
+/// Counts of many requests: which backend answered how often, which peer addresses the
+/// backends saw, and everything that was not a reply.
+#[derive(Debug, Clone, Default)]
+pub struct Tally {
+    pub counts: BTreeMap<String, u64>,
+    pub peers_seen: BTreeSet<Ipv4Addr>,
+    pub failures: Vec<Outcome>,
+}
+
+impl Tally {
+    pub fn record(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::Reply(r) => {
+                *self.counts.entry(r.backend).or_default() += 1;
+                self.peers_seen.insert(*r.peer.ip());
+            }
+            other => self.failures.push(other),
+        }
+    }
+
+    pub fn replies(&self) -> u64 {
+        self.counts.values().sum()
+    }
+
+    /// Counts for `backends` in that order, 0 for a backend that never answered.
+    pub fn counts_for(&self, backends: &[&str]) -> Vec<u64> {
+        backends
+            .iter()
+            .map(|b| self.counts.get(*b).copied().unwrap_or(0))
+            .collect()
+    }
+}
+
+/// A batch stops after this many failures: enough to see what goes wrong, while a
+/// broken datapath would otherwise cost `n` times the timeout.
+pub const TALLY_MAX_FAILURES: usize = 10;
+
+/// `n` TCP requests to `addr` from inside `ns`, one new connection each (fewer if
+/// [`TALLY_MAX_FAILURES`] is reached).
+pub fn tcp_tally(ns: &NetNs, addr: SocketAddrV4, n: usize, timeout: Duration) -> Result<Tally> {
+    tally(ns, n, || tcp_request_here(addr, timeout))
+}
+
+/// `n` UDP requests to `addr` from inside `ns`, a new socket (source port) each.
+pub fn udp_tally(ns: &NetNs, addr: SocketAddrV4, n: usize, timeout: Duration) -> Result<Tally> {
+    tally(ns, n, || udp_request_here(addr, timeout))
+}
+
+fn tally(ns: &NetNs, n: usize, request: impl Fn() -> Outcome + Send + Sync) -> Result<Tally> {
+    // One thread in the namespace for the whole batch.
+    ns.run(|| {
+        let mut tally = Tally::default();
+        for _ in 0..n {
+            tally.record(request());
+            if tally.failures.len() >= TALLY_MAX_FAILURES {
+                break;
+            }
+        }
+        tally
+    })
+}
+
+/// A TCP connection kept open, to check that established flows survive changes.
+#[derive(Debug)]
+pub struct TcpSession {
+    stream: TcpStream,
+    reader: BufReader<TcpStream>,
+    pub greeting: Reply,
+}
+
+impl TcpSession {
+    /// Connects from inside `ns` and reads the greeting.
+    pub fn open(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Result<TcpSession> {
+        let stream = ns
+            .run(|| TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout))?
+            .with_context(|| format!("connect to {addr} from {}", ns.name()))?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        if reader.read_line(&mut line).context("read greeting")? == 0 {
+            bail!("{addr} closed the connection without a greeting");
+        }
+        Ok(TcpSession {
+            stream,
+            reader,
+            greeting: Reply::parse(&line)?,
+        })
+    }
+
+    /// Sends `text` as one line and returns the answer line (`<backend> <text>`).
+    pub fn exchange(&mut self, text: &str) -> Result<String> {
+        self.stream
+            .write_all(format!("{text}\n").as_bytes())
+            .context("send on established connection")?;
+        let mut line = String::new();
+        if self
+            .reader
+            .read_line(&mut line)
+            .context("receive on established connection")?
+            == 0
+        {
+            bail!("the backend closed the established connection");
+        }
+        Ok(line.trim_end().to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_greetings() {
+        assert_eq!(
+            Reply::parse("backend-a 10.200.0.2:40000\n").unwrap(),
+            Reply {
+                backend: "backend-a".into(),
+                peer: "10.200.0.2:40000".parse().unwrap()
+            }
+        );
+        assert!(Reply::parse("garbage").is_err());
+        assert!(Reply::parse("backend-a nowhere").is_err());
+    }
+
+    #[test]
+    fn tally_counts_replies_and_failures() {
+        let mut t = Tally::default();
+        t.record(Outcome::from_line("a 10.0.0.1:1"));
+        t.record(Outcome::from_line("a 10.0.0.1:2"));
+        t.record(Outcome::from_line("b 10.0.0.2:1"));
+        t.record(Outcome::Timeout);
+        assert_eq!(t.counts_for(&["a", "b", "c"]), vec![2, 1, 0]);
+        assert_eq!(t.replies(), 3);
+        assert_eq!(t.failures, vec![Outcome::Timeout]);
+        assert_eq!(t.peers_seen.len(), 2);
+    }
+}

@@ -1,0 +1,466 @@
+//! kube-proxy's iptables mode, reproduced: the nat rules it writes for a ClusterIP
+//! service, loaded into a namespace with `iptables-restore`, so a test can measure the
+//! kernel's `statistic` cascade next to our datapath on the same endpoints.
+//!
+//! What is copied exactly (k/k `pkg/proxy/iptables/proxier.go`, see
+//! reference/kube-proxy-semantics.md §1 and §3.2):
+//! - chain names `KUBE-SVC-`/`KUBE-SEP-` + base32(sha256(...))[:16];
+//! - endpoints sorted by their `ip:port` string;
+//! - rule i of n has `-m statistic --mode random --probability` printed with `%0.10f`
+//!   from 1/(n-i), the last rule has none;
+//! - the KUBE-SEP chain marks hairpin traffic for masquerade and DNATs;
+//! - KUBE-SERVICES hooked from PREROUTING and OUTPUT, KUBE-POSTROUTING from POSTROUTING.
+//!
+//! Left out: the optional "masquerade off-cluster traffic" rule (needs a local-traffic
+//! detector; no client here is off-cluster), session affinity, NodePorts, and the filter
+//! table's REJECT for services without endpoints.
+
+use std::{
+    io::Write,
+    net::{Ipv4Addr, SocketAddrV4},
+    process::Stdio,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{Protocol, describe, netns::NetNs};
+
+/// kube-proxy's default masquerade mark (1 << 14).
+const MASQ_MARK: &str = "0x4000";
+
+/// One service port as kube-proxy's iptables mode sees it.
+#[derive(Debug, Clone)]
+pub struct KubeService {
+    pub namespace: String,
+    pub name: String,
+    /// The port's name; empty for an unnamed port.
+    pub port_name: String,
+    pub protocol: Protocol,
+    pub cluster_ip: Ipv4Addr,
+    pub port: u16,
+    /// Ready endpoints, in any order.
+    pub endpoints: Vec<SocketAddrV4>,
+}
+
+impl KubeService {
+    /// `ns/name:port` (or `ns/name` for an unnamed port), kube-proxy's ServicePortName.
+    pub fn service_port_name(&self) -> String {
+        if self.port_name.is_empty() {
+            format!("{}/{}", self.namespace, self.name)
+        } else {
+            format!("{}/{}:{}", self.namespace, self.name, self.port_name)
+        }
+    }
+
+    /// `KUBE-SVC-<hash>` (`servicePortChainName`).
+    pub fn svc_chain(&self) -> String {
+        format!(
+            "KUBE-SVC-{}",
+            chain_hash(&format!(
+                "{}{}",
+                self.service_port_name(),
+                self.protocol.lower()
+            ))
+        )
+    }
+
+    /// `KUBE-SEP-<hash>` (`servicePortEndpointChainName`).
+    pub fn sep_chain(&self, endpoint: SocketAddrV4) -> String {
+        format!(
+            "KUBE-SEP-{}",
+            chain_hash(&format!(
+                "{}{}{endpoint}",
+                self.service_port_name(),
+                self.protocol.lower()
+            ))
+        )
+    }
+
+    /// Endpoints in kube-proxy's order: sorted by the `ip:port` string, which is
+    /// lexicographic (`10.0.0.10:80` before `10.0.0.2:80`).
+    pub fn sorted_endpoints(&self) -> Vec<SocketAddrV4> {
+        let mut eps = self.endpoints.clone();
+        eps.sort_by_key(|ep| ep.to_string());
+        eps.dedup();
+        eps
+    }
+}
+
+/// `fmt.Sprintf("%0.10f", 1.0/float64(n))`. Rust's `{:.10}` rounds the exact binary
+/// value correctly, like Go's formatter, so the strings are identical.
+pub fn probability(n: usize) -> String {
+    format!("{:.10}", 1.0 / n as f64)
+}
+
+/// The kernel's threshold for a `--probability` string: iptables parses it with strtod
+/// and stores `lround(0x80000000 * p)`; xt_statistic matches when
+/// `(get_random_u32() & 0x7fffffff) < threshold`.
+pub fn statistic_threshold(probability: &str) -> u32 {
+    let p: f64 = probability.parse().expect("a decimal probability");
+    // f64::round rounds half away from zero, as lround does.
+    (p * 2_147_483_648.0).round() as u32
+}
+
+/// The exact probability with which kube-proxy's cascade for `n` endpoints picks each
+/// one (in sorted order): rule i matches with T(n-i)/2^31 given that no earlier rule
+/// matched, and the last rule always matches.
+pub fn cascade_probabilities(n: usize) -> Vec<f64> {
+    assert!(n > 0);
+    let mut remaining = 1.0f64;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let p = if i + 1 == n {
+            1.0
+        } else {
+            statistic_threshold(&probability(n - i)) as f64 / 2_147_483_648.0
+        };
+        out.push(remaining * p);
+        remaining *= 1.0 - p;
+    }
+    out
+}
+
+/// The nat table kube-proxy would write for `services`, in `iptables-restore` format.
+pub fn nat_table(services: &[KubeService]) -> Result<String> {
+    let mut chains = vec![
+        "KUBE-SERVICES".to_owned(),
+        "KUBE-POSTROUTING".to_owned(),
+        "KUBE-MARK-MASQ".to_owned(),
+    ];
+    let mut rules = vec![
+        r#"-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#
+            .to_owned(),
+        r#"-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#
+            .to_owned(),
+        r#"-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING"#
+            .to_owned(),
+        format!("-A KUBE-POSTROUTING -m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN"),
+        format!("-A KUBE-POSTROUTING -j MARK --xor-mark {MASQ_MARK}"),
+        r#"-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE"#
+            .to_owned(),
+        format!("-A KUBE-MARK-MASQ -j MARK --or-mark {MASQ_MARK}"),
+    ];
+    for svc in services {
+        let endpoints = svc.sorted_endpoints();
+        if endpoints.is_empty() {
+            bail!(
+                "{}: a service without endpoints gets a filter-table REJECT in kube-proxy, \
+                 which this writer does not produce",
+                svc.service_port_name()
+            );
+        }
+        let spn = svc.service_port_name();
+        let proto = svc.protocol.lower();
+        let svc_chain = svc.svc_chain();
+        chains.push(svc_chain.clone());
+        rules.push(format!(
+            "-A KUBE-SERVICES -m comment --comment {} -m {proto} -p {proto} -d {} --dport {} -j {svc_chain}",
+            quote(&format!("{spn} cluster IP")),
+            svc.cluster_ip,
+            svc.port
+        ));
+        let n = endpoints.len();
+        for (i, ep) in endpoints.iter().enumerate() {
+            let sep = svc.sep_chain(*ep);
+            let statistic = if i + 1 < n {
+                format!(
+                    " -m statistic --mode random --probability {}",
+                    probability(n - i)
+                )
+            } else {
+                // The final rule is a guaranteed match.
+                String::new()
+            };
+            rules.push(format!(
+                "-A {svc_chain} -m comment --comment {}{statistic} -j {sep}",
+                quote(&format!("{spn} -> {ep}"))
+            ));
+        }
+        for ep in &endpoints {
+            let sep = svc.sep_chain(*ep);
+            chains.push(sep.clone());
+            rules.push(format!(
+                "-A {sep} -m comment --comment {} -s {} -j KUBE-MARK-MASQ",
+                quote(&spn),
+                ep.ip()
+            ));
+            rules.push(format!(
+                "-A {sep} -m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {ep}",
+                quote(&spn)
+            ));
+        }
+    }
+    let mut out = String::from("*nat\n");
+    for chain in chains {
+        out.push_str(&format!(":{chain} - [0:0]\n"));
+    }
+    for rule in rules {
+        out.push_str(&rule);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    Ok(out)
+}
+
+/// Replaces the nat table of `ns` with kube-proxy's rules for `services`.
+pub fn apply(ns: &NetNs, services: &[KubeService]) -> Result<()> {
+    let input = nat_table(services)?;
+    let mut cmd = ns.command("iptables-restore");
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {}", describe(&cmd)))?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(input.as_bytes())?;
+    let output = child.wait_with_output()?;
+    if !output.status.success() {
+        bail!(
+            "iptables-restore in {} failed ({}): {}\ninput was:\n{input}",
+            ns.name(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Quotes a comment the way kube-proxy's rule writer does: only when it has spaces.
+fn quote(s: &str) -> String {
+    if s.contains(' ') {
+        format!("\"{s}\"")
+    } else {
+        s.to_owned()
+    }
+}
+
+/// `base32.StdEncoding.EncodeToString(sha256.Sum256(s))[:16]`, kube-proxy's
+/// `portProtoHash`.
+fn chain_hash(s: &str) -> String {
+    let digest = sha256(s.as_bytes());
+    base32(&digest)[..16].to_owned()
+}
+
+/// RFC 4648 base32 (standard alphabet); padding is irrelevant for a 16-char prefix.
+fn base32(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    let mut out = String::new();
+    let mut buffer = 0u32;
+    let mut bits = 0;
+    for &byte in data {
+        buffer = (buffer << 8) | byte as u32;
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            out.push(ALPHABET[((buffer >> bits) & 31) as usize] as char);
+        }
+    }
+    if bits > 0 {
+        out.push(ALPHABET[((buffer << (5 - bits)) & 31) as usize] as char);
+    }
+    out
+}
+
+/// FIPS 180-4 SHA-256, only for chain names (a crypto crate would be the harness's
+/// heaviest dependency for a few hashes per test).
+fn sha256(data: &[u8]) -> [u8; 32] {
+    const K: [u32; 64] = [
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2,
+    ];
+    let mut h: [u32; 8] = [
+        0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
+        0x5be0cd19,
+    ];
+    let mut msg = data.to_vec();
+    msg.push(0x80);
+    while msg.len() % 64 != 56 {
+        msg.push(0);
+    }
+    msg.extend_from_slice(&((data.len() as u64) * 8).to_be_bytes());
+    for block in msg.chunks_exact(64) {
+        let mut w = [0u32; 64];
+        for (i, word) in block.chunks_exact(4).enumerate() {
+            w[i] = u32::from_be_bytes(word.try_into().expect("4 bytes"));
+        }
+        for i in 16..64 {
+            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
+            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16]
+                .wrapping_add(s0)
+                .wrapping_add(w[i - 7])
+                .wrapping_add(s1);
+        }
+        let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut hh] = h;
+        for i in 0..64 {
+            let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
+            let ch = (e & f) ^ (!e & g);
+            let t1 = hh
+                .wrapping_add(s1)
+                .wrapping_add(ch)
+                .wrapping_add(K[i])
+                .wrapping_add(w[i]);
+            let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
+            let maj = (a & b) ^ (a & c) ^ (b & c);
+            let t2 = s0.wrapping_add(maj);
+            hh = g;
+            g = f;
+            f = e;
+            e = d.wrapping_add(t1);
+            d = c;
+            c = b;
+            b = a;
+            a = t1.wrapping_add(t2);
+        }
+        for (acc, v) in h.iter_mut().zip([a, b, c, d, e, f, g, hh]) {
+            *acc = acc.wrapping_add(v);
+        }
+    }
+    let mut out = [0u8; 32];
+    for (chunk, word) in out.chunks_exact_mut(4).zip(h) {
+        chunk.copy_from_slice(&word.to_be_bytes());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn sha256_matches_fips_vectors() {
+        assert_eq!(
+            hex(&sha256(b"")),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        assert_eq!(
+            hex(&sha256(b"abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(
+            hex(&sha256(
+                b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"
+            )),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"
+        );
+    }
+
+    #[test]
+    fn base32_matches_rfc4648_vectors() {
+        assert_eq!(base32(b"f"), "MY");
+        assert_eq!(base32(b"foob"), "MZXW6YQ");
+        assert_eq!(base32(b"foobar"), "MZXW6YTBOI");
+    }
+
+    fn svc1() -> KubeService {
+        KubeService {
+            namespace: "ns1".into(),
+            name: "svc1".into(),
+            port_name: "p80".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(10, 20, 30, 41),
+            port: 80,
+            endpoints: vec!["10.180.0.1:80".parse().unwrap()],
+        }
+    }
+
+    #[test]
+    fn chain_names_match_kube_proxy() {
+        // From kube-proxy's own test data (pkg/proxy/iptables/proxier_test.go).
+        let svc = svc1();
+        assert_eq!(svc.svc_chain(), "KUBE-SVC-XPGD46QRK7WJZT7O");
+        assert_eq!(
+            svc.sep_chain("10.180.0.1:80".parse().unwrap()),
+            "KUBE-SEP-SXIVWICOYRO3J4NJ"
+        );
+    }
+
+    #[test]
+    fn rules_match_kube_proxy_for_one_endpoint() {
+        let table = nat_table(&[svc1()]).unwrap();
+        for line in [
+            r#"-A KUBE-SERVICES -m comment --comment "ns1/svc1:p80 cluster IP" -m tcp -p tcp -d 10.20.30.41 --dport 80 -j KUBE-SVC-XPGD46QRK7WJZT7O"#,
+            r#"-A KUBE-SVC-XPGD46QRK7WJZT7O -m comment --comment "ns1/svc1:p80 -> 10.180.0.1:80" -j KUBE-SEP-SXIVWICOYRO3J4NJ"#,
+            "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment ns1/svc1:p80 -s 10.180.0.1 -j KUBE-MARK-MASQ",
+            "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment ns1/svc1:p80 -m tcp -p tcp -j DNAT --to-destination 10.180.0.1:80",
+            ":KUBE-SEP-SXIVWICOYRO3J4NJ - [0:0]",
+        ] {
+            assert!(
+                table.lines().any(|l| l == line),
+                "missing {line}\nin\n{table}"
+            );
+        }
+    }
+
+    #[test]
+    fn cascade_is_sorted_as_strings_with_decreasing_denominators() {
+        let mut svc = svc1();
+        svc.endpoints = ["10.0.0.2:80", "10.0.0.10:80", "10.0.0.3:80"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let table = nat_table(&[svc.clone()]).unwrap();
+        let svc_rules: Vec<&str> = table
+            .lines()
+            .filter(|l| l.starts_with(&format!("-A {}", svc.svc_chain())))
+            .collect();
+        assert_eq!(svc_rules.len(), 3, "{table}");
+        assert!(svc_rules[0].contains(
+            "-> 10.0.0.10:80\" -m statistic --mode random --probability 0.3333333333 -j"
+        ));
+        assert!(
+            svc_rules[1].contains(
+                "-> 10.0.0.2:80\" -m statistic --mode random --probability 0.5000000000 -j"
+            )
+        );
+        assert!(svc_rules[2].contains("-> 10.0.0.3:80\" -j"));
+    }
+
+    #[test]
+    fn thresholds_match_the_reference_table() {
+        // reference/kube-proxy-semantics.md §1.3.
+        let expected = [
+            (2, 0x40000000),
+            (3, 0x2aaaaaab),
+            (4, 0x20000000),
+            (5, 0x1999999a),
+            (6, 0x15555555),
+            (7, 0x12492492),
+            (8, 0x10000000),
+            (9, 0x0e38e38e),
+            (10, 0x0ccccccd),
+        ];
+        for (n, t) in expected {
+            assert_eq!(statistic_threshold(&probability(n)), t, "n = {n}");
+        }
+        assert_eq!(probability(3), "0.3333333333");
+        assert_eq!(probability(6), "0.1666666667");
+    }
+
+    #[test]
+    fn cascade_is_uniform_to_1e_9() {
+        for n in 1..=64 {
+            let p = cascade_probabilities(n);
+            assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+            for (i, pi) in p.iter().enumerate() {
+                assert!((pi - 1.0 / n as f64).abs() < 1e-9, "n {n} slot {i}: {pi}");
+            }
+        }
+    }
+}

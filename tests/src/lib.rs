@@ -1,0 +1,110 @@
+//! Harness for ebpf-proxy's privileged integration tests and for `cargo xtask run`'s
+//! demo: network namespaces, the routed one-node topology of design.md §6, small TCP
+//! and UDP backends that report the peer they saw, clients that classify what
+//! happened, the agent process, kube-proxy-style iptables rules, a chi-square test, and
+//! [`sandbox::Sandbox`], which bundles them the way the tests and the demo use them.
+//!
+//! Namespaces, servers, iptables and the agent need root and the real kernel. Every
+//! resource is owned by a value whose `Drop` removes it, so a panicking test leaves
+//! nothing behind.
+
+pub mod agent;
+pub mod client;
+pub mod iptables;
+pub mod manifest;
+pub mod netns;
+pub mod sandbox;
+pub mod servers;
+pub mod stats;
+pub mod topology;
+
+use std::{path::Path, process::Command};
+
+use anyhow::{Context, Result, bail};
+
+/// Fails with a clear message unless the process is root: namespaces, veths, BPF and
+/// iptables all need it, and a permission error deep inside `ip` helps nobody.
+pub fn require_root() -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("this needs root (network namespaces, BPF, iptables): run it as root");
+    }
+    Ok(())
+}
+
+/// Removes what harness processes that died without running their `Drop`s (SIGKILL,
+/// a crash) left: network namespaces, bpffs roots (after `ebpf-proxy cleanup` on them
+/// when `bin` is given) and temporary files. Everything the harness creates carries
+/// its creator's pid, so live runs are left alone. Says what it removed.
+pub fn remove_stale_state(bin: Option<&Path>) -> Result<()> {
+    for ns in netns::remove_stale()? {
+        eprintln!("removed stale network namespace {ns}");
+    }
+    for root in agent::remove_stale_bpf_roots(bin)? {
+        eprintln!("removed stale bpffs directory {}", root.display());
+    }
+    let tmp = std::env::temp_dir();
+    for entry in std::fs::read_dir(&tmp).with_context(|| tmp.display().to_string())? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if netns::owner_pid(&name).is_some_and(|pid| !netns::pid_alive(pid)) {
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.with_context(|| format!("remove {}", path.display()))?;
+            eprintln!("removed stale {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Runs a command to completion; an error carries the command line and its stderr.
+pub fn run_cmd(cmd: &mut Command) -> Result<String> {
+    let output = cmd
+        .output()
+        .with_context(|| format!("cannot start {}", describe(cmd)))?;
+    if !output.status.success() {
+        bail!(
+            "{} failed ({}): {}",
+            describe(cmd),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `program arg arg ...`, for error messages.
+pub fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|s| s.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A service port's transport protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    /// As Kubernetes spells it (`TCP`).
+    pub fn upper(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        }
+    }
+
+    /// As iptables and kube-proxy's chain hashes spell it (`tcp`).
+    pub fn lower(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        }
+    }
+}

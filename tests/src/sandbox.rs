@@ -1,0 +1,107 @@
+//! The fixture shared by the integration tests and `cargo xtask run`'s demo: a routed
+//! node with a client pod and backend pods that each run a TCP and a UDP server, a
+//! manifest directory, and (once started) the agent.
+
+use std::{net::Ipv4Addr, path::Path};
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::{
+    agent::Agent,
+    manifest::ManifestDir,
+    servers::{TcpServer, UdpServer},
+    topology::{Pod, Topology},
+};
+
+/// Everything one test (or the demo) needs; dropped in a safe order: the agent while
+/// its namespace exists, then the servers, the manifests and the namespaces.
+#[derive(Debug)]
+pub struct Sandbox {
+    agent: Option<Agent>,
+    tcp: Vec<TcpServer>,
+    udp: Vec<UdpServer>,
+    manifests: ManifestDir,
+    topology: Topology,
+}
+
+impl Sandbox {
+    /// A routed topology with `clients` and `backends` as pods; each backend answers
+    /// on TCP `tcp_port` and UDP `udp_port` under its pod name.
+    pub fn new(
+        clients: &[(&str, Ipv4Addr)],
+        backends: &[(&str, Ipv4Addr)],
+        tcp_port: u16,
+        udp_port: u16,
+    ) -> Result<Sandbox> {
+        if clients.is_empty() {
+            return Err(anyhow!("a sandbox needs a client"));
+        }
+        let mut pods = clients.to_vec();
+        pods.extend_from_slice(backends);
+        let topology = Topology::routed(&pods).context("build the routed topology")?;
+        let manifests = ManifestDir::create(topology.stem())?;
+        let mut sandbox = Sandbox {
+            agent: None,
+            tcp: Vec::new(),
+            udp: Vec::new(),
+            manifests,
+            topology,
+        };
+        for (name, _) in backends {
+            let ns = &sandbox.topology.pod(name).ns;
+            sandbox.tcp.push(TcpServer::start(ns, name, tcp_port)?);
+            sandbox.udp.push(UdpServer::start(ns, name, udp_port)?);
+        }
+        Ok(sandbox)
+    }
+
+    /// Starts the agent in the node on `manifests` (a file or directory) and waits
+    /// until it is healthy.
+    pub fn start_agent(&mut self, manifests: &Path) -> Result<&mut Agent> {
+        if self.agent.is_some() {
+            return Err(anyhow!("the agent is already running"));
+        }
+        let agent = Agent::start(&self.topology.node, manifests)?;
+        Ok(self.agent.insert(agent))
+    }
+
+    /// Starts the agent on this sandbox's own manifest directory.
+    pub fn start_agent_on_manifests(&mut self) -> Result<&mut Agent> {
+        let dir = self.manifests.path().to_owned();
+        self.start_agent(&dir)
+    }
+
+    /// The agent; panics if none was started (a bug in the caller).
+    pub fn agent(&self) -> &Agent {
+        self.agent.as_ref().expect("start_agent first")
+    }
+
+    /// The agent, to stop it or clean up; panics if none was started.
+    pub fn agent_mut(&mut self) -> &mut Agent {
+        self.agent.as_mut().expect("start_agent first")
+    }
+
+    pub fn manifests(&self) -> &ManifestDir {
+        &self.manifests
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// The first client pod.
+    pub fn client(&self) -> &Pod {
+        &self.topology.pods()[0]
+    }
+
+    /// The pod called `name`; panics if there is none.
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.topology.pod(name)
+    }
+
+    /// Adds a pod (without servers) to the running sandbox: an interface that appears
+    /// after the agent started.
+    pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<&Pod> {
+        self.topology.add_pod(name, ip)
+    }
+}

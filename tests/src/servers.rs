@@ -1,0 +1,185 @@
+//! Backends: small TCP and UDP servers inside a pod's namespace that say who they are
+//! and which peer address they saw, so a test can tell which backend a connection
+//! reached and whether the client's source address survived the trip.
+//!
+//! Protocol (see [`crate::client::Reply`]):
+//! - TCP: on accept the server sends `<name> <peer ip>:<peer port>\n`; afterwards every
+//!   line it receives is answered with `<name> <line>\n` until the peer closes.
+//! - UDP: every datagram is answered with `<name> <peer ip>:<peer port>\n`.
+//!
+//! Servers stop when dropped.
+
+use std::{
+    io::{BufRead, BufReader, ErrorKind, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsFd,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
+use crate::netns::{NetNs, NsThread};
+
+/// How often blocked server threads look at their stop flag.
+const TICK: Duration = Duration::from_millis(50);
+
+/// A TCP backend; see the module doc for what it answers.
+#[derive(Debug)]
+pub struct TcpServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<NsThread<()>>,
+}
+
+impl TcpServer {
+    /// Listens on `0.0.0.0:port` inside `ns`; returns once the socket is listening.
+    pub fn start(ns: &NetNs, name: &str, port: u16) -> Result<TcpServer> {
+        let listener = ns
+            .run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))?
+            .with_context(|| format!("{name}: bind TCP port {port} in {}", ns.name()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            let name = name.to_owned();
+            // The listener already belongs to the namespace; the thread enters it too
+            // so that anything it creates later does as well.
+            ns.spawn(&format!("tcp-{name}"), move || {
+                accept_loop(&listener, &name, &stop)
+            })?
+        };
+        Ok(TcpServer {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn accept_loop(listener: &TcpListener, name: &str, stop: &Arc<AtomicBool>) {
+    let mut connections = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        // poll with a timeout instead of a blocking accept, so a stop request is
+        // seen within one tick.
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(TICK.as_millis() as u16)) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => {
+                eprintln!("{name}: poll: {e}");
+                break;
+            }
+        }
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let name = name.to_owned();
+                let stop = stop.clone();
+                connections.push(thread::spawn(move || {
+                    if let Err(e) = serve_connection(stream, peer, &name, &stop) {
+                        // Clients that close early are normal; anything else is worth
+                        // seeing in a failing test's output.
+                        if !matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) {
+                            eprintln!("{name}: connection from {peer}: {e}");
+                        }
+                    }
+                }));
+                connections.retain(|c| !c.is_finished());
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => eprintln!("{name}: accept: {e}"),
+        }
+    }
+    for c in connections {
+        let _ = c.join();
+    }
+}
+
+fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    name: &str,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    stream.write_all(format!("{name} {peer}\n").as_bytes())?;
+    stream.set_read_timeout(Some(TICK))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    while !stop.load(Ordering::Relaxed) {
+        match reader.read_line(&mut line) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {
+                stream.write_all(format!("{name} {}\n", line.trim_end()).as_bytes())?;
+                line.clear();
+            }
+            // A timeout keeps what was read so far in `line`; keep reading.
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A UDP backend; see the module doc for what it answers.
+#[derive(Debug)]
+pub struct UdpServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<NsThread<()>>,
+}
+
+impl UdpServer {
+    /// Binds `0.0.0.0:port` inside `ns`; returns once the socket is bound.
+    pub fn start(ns: &NetNs, name: &str, port: u16) -> Result<UdpServer> {
+        let socket = ns
+            .run(|| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)))?
+            .with_context(|| format!("{name}: bind UDP port {port} in {}", ns.name()))?;
+        socket.set_read_timeout(Some(TICK))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            let name = name.to_owned();
+            ns.spawn(&format!("udp-{name}"), move || {
+                let mut buf = [0u8; 2048];
+                while !stop.load(Ordering::Relaxed) {
+                    match socket.recv_from(&mut buf) {
+                        Ok((_, peer)) => {
+                            if let Err(e) =
+                                socket.send_to(format!("{name} {peer}\n").as_bytes(), peer)
+                            {
+                                eprintln!("{name}: reply to {peer}: {e}");
+                            }
+                        }
+                        Err(e)
+                            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                        Err(e) => eprintln!("{name}: recv: {e}"),
+                    }
+                }
+            })?
+        };
+        Ok(UdpServer {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for UdpServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

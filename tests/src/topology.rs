@@ -1,0 +1,155 @@
+//! design.md §6 "one node, routed" (Calico style): a node namespace and one namespace
+//! per pod, each pod joined to the node by a veth pair.
+//!
+//! A pod has its address as a /32 on `eth0` and `default via 169.254.1.1 dev eth0
+//! onlink`; nothing owns 169.254.1.1. The node has a /32 route per pod through the
+//! pod's host-side veth, answers ARP for the gateway by proxy ARP on that veth, and
+//! forwards between pods. The agent runs in the node namespace and sees every pod's
+//! packets at tc ingress of that pod's host-side veth.
+
+use std::net::Ipv4Addr;
+
+use anyhow::{Context, Result, bail};
+
+use crate::netns::{NetNs, unique_stem};
+
+/// The pods' default gateway. Link-local and owned by nobody: the node answers ARP for
+/// it by proxy ARP, which is all a pod needs to send it every packet.
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+
+/// The node's own address (on its loopback): the source of its ARP requests to pods and
+/// of anything it sends itself.
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+
+/// Longest interface name Linux takes (IFNAMSIZ - 1).
+const IFNAME_MAX: usize = 15;
+
+/// One pod: its namespace, address, and the node-side end of its veth.
+#[derive(Debug)]
+pub struct Pod {
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// Name of the host-side veth in the node namespace.
+    pub host_if: String,
+    pub ns: NetNs,
+}
+
+/// A node namespace with routed pods. Dropping it deletes every namespace, and with
+/// them the veths.
+#[derive(Debug)]
+pub struct Topology {
+    stem: String,
+    // Pods first: fields drop in declaration order, so pods go before their node.
+    pods: Vec<Pod>,
+    pub node: NetNs,
+}
+
+impl Topology {
+    /// Builds the node and one pod per `(name, address)`. Namespace names are
+    /// `ebpf-<pid>-<n>-node` and `ebpf-<pid>-<n>-<pod name>`, so tests can run in parallel.
+    pub fn routed(pods: &[(&str, Ipv4Addr)]) -> Result<Topology> {
+        let stem = unique_stem();
+        let node = NetNs::create(&format!("{stem}-node"))?;
+        let mut topology = Topology {
+            stem,
+            pods: Vec::new(),
+            node,
+        };
+        topology.setup_node().context("node setup")?;
+        for &(name, ip) in pods {
+            topology
+                .add_pod(name, ip)
+                .with_context(|| format!("pod {name} ({ip})"))?;
+        }
+        Ok(topology)
+    }
+
+    fn setup_node(&self) -> Result<()> {
+        let node = &self.node;
+        node.ip(&["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"])?;
+        // Proxy ARP answers only for addresses the node would route out of another
+        // interface than the one the request came in on. A real node's default route
+        // through its uplink covers the gateway; this sandbox has no uplink, so the
+        // gateway gets a route of its own.
+        node.ip(&["route", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        // Replies from a backend arrive reverse-NATed from the ClusterIP, an address
+        // the node has no route back through that veth for; strict reverse-path
+        // filtering would drop them.
+        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+        Ok(())
+    }
+
+    /// Adds a pod to a running topology (an interface the agent has to pick up later).
+    pub fn add_pod(&mut self, name: &str, ip: Ipv4Addr) -> Result<&Pod> {
+        if self.pods.iter().any(|p| p.name == name || p.ip == ip) {
+            bail!("a pod named {name} or with address {ip} exists already");
+        }
+        let host_if: String = format!("v{}-{name}", self.pods.len())
+            .chars()
+            .take(IFNAME_MAX)
+            .collect();
+        let ns = NetNs::create(&format!("{}-{name}", self.stem))?;
+        let node = &self.node;
+        // Created straight into the node and pod namespaces, so parallel tests never
+        // see each other's interface names.
+        node.ip(&[
+            "link",
+            "add",
+            &host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ])?;
+        node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
+        node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
+        // Proxy ARP replies to broadcast requests are delayed by up to proxy_delay
+        // (0.8 s by default); Calico sets it to 0 as well.
+        node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
+        node.ip(&["link", "set", &host_if, "up"])?;
+        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+
+        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &GATEWAY.to_string(),
+            "dev",
+            "eth0",
+            "onlink",
+        ])?;
+        self.pods.push(Pod {
+            name: name.to_owned(),
+            ip,
+            host_if,
+            ns,
+        });
+        Ok(self.pods.last().expect("just pushed"))
+    }
+
+    /// The pod called `name`; panics if there is none (a bug in the test).
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod named {name} in this topology"))
+    }
+
+    pub fn pods(&self) -> &[Pod] {
+        &self.pods
+    }
+
+    /// The `ebpf-<pid>-<n>` stem shared by this topology's namespace names; handy for
+    /// naming other per-test resources.
+    pub fn stem(&self) -> &str {
+        &self.stem
+    }
+}

@@ -1,0 +1,151 @@
+//! `cargo xtask`: the way to set up, build, run and test ebpf-proxy on a fresh machine
+//! (Debian 12, root). See toolchain.md for why the eBPF side needs Debian's rustc-web
+//! and bpf-linker rather than rustup components.
+
+mod demo;
+mod setup;
+
+use std::{
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use ebpf_proxy_tests::{agent, describe, require_root};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Set up, build, run and test ebpf-proxy")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what the build and the tests need (Debian packages, bpf-linker, a bpffs
+    /// mount); idempotent, says what it installs.
+    Setup,
+    /// Set up, then build the agent (eBPF object embedded) into target/release/ebpf-proxy.
+    Build,
+    /// Build, then run the demo: a sandbox of network namespaces with a client and
+    /// three backends behind the ClusterIP of deploy/examples/demo.yaml, and a live
+    /// table of who served how many connections. Ctrl-C removes the sandbox.
+    /// With `-- ARGS`, runs `ebpf-proxy run ARGS` instead.
+    Run {
+        /// End the demo after this many seconds.
+        #[arg(long)]
+        seconds: Option<u64>,
+        /// Arguments for `ebpf-proxy run` (instead of the demo).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Set up, build, and run every unit and integration test (needs root).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Setup => setup::run(),
+        Cmd::Build => build().map(|_| ()),
+        Cmd::Run { seconds, args } => {
+            if args.is_empty() {
+                // Before the build, not minutes after it.
+                require_root()
+                    .context("the demo builds network namespaces and loads BPF programs")?;
+            }
+            let bin = build()?;
+            if args.is_empty() {
+                demo::run(&bin, seconds)
+            } else {
+                if seconds.is_some() {
+                    bail!("--seconds is for the demo; it does not go with `-- ARGS`");
+                }
+                let err = Command::new(&bin).arg("run").args(&args).exec();
+                Err(err).with_context(|| format!("exec {}", bin.display()))
+            }
+        }
+        Cmd::Test { args } => test(&args),
+    }
+}
+
+/// The workspace root (xtask lives one level below it).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask is inside the workspace")
+        .to_owned()
+}
+
+/// The cargo target directory: this binary runs from `<target>/<profile>/xtask`, which
+/// also covers a CARGO_TARGET_DIR set elsewhere.
+fn target_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_owned()))
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// The cargo that runs us (so the same toolchain builds everything).
+fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+fn run_status(cmd: &mut Command) -> Result<()> {
+    println!("+ {}", describe(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {}", describe(cmd)))?;
+    if !status.success() {
+        bail!("{} failed ({status})", describe(cmd));
+    }
+    Ok(())
+}
+
+/// Setup, then the release build of the agent; returns the binary's path.
+fn build() -> Result<PathBuf> {
+    setup::run()?;
+    // proxy-userspace's build script builds the eBPF object with /usr/bin/rustc and
+    // bpf-linker and embeds it.
+    run_status(cargo().args(["build", "--release", "-p", "proxy-userspace"]))?;
+    let bin = target_dir().join("release/ebpf-proxy");
+    if !bin.is_file() {
+        bail!(
+            "the build succeeded but {} does not exist; has the binary another name?",
+            bin.display()
+        );
+    }
+    println!("agent binary: {}", bin.display());
+    Ok(bin)
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    require_root()
+        .context("the integration tests build network namespaces and load BPF programs")?;
+    let bin = build()?;
+    ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
+    // proxy-ebpf targets bpfel-unknown-none (no_std, no_main) and is built by
+    // proxy-userspace's build script; it cannot be compiled for the host.
+    // --no-fail-fast: one failing test binary must not hide the results of the others.
+    run_status(
+        cargo()
+            .args([
+                "test",
+                "--workspace",
+                "--exclude",
+                "proxy-ebpf",
+                "--release",
+                "--no-fail-fast",
+            ])
+            .args(extra)
+            .env(agent::BIN_ENV, &bin),
+    )
+}

@@ -41,6 +41,14 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Set up, build, and run the benchmarks (needs root): per-packet cost of the
+    /// datapath, and control-plane cost against kube-proxy's iptables mode. Writes
+    /// markdown tables and a plot to bench/results/ and prints the tables.
+    Bench {
+        /// Smaller sizes and fewer repeats (about two minutes).
+        #[arg(long)]
+        quick: bool,
+    },
     /// Set up, build, and run every unit and integration test (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -72,6 +80,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Test { args } => test(&args),
+        Cmd::Bench { quick } => bench(quick),
     }
 }
 
@@ -125,6 +134,39 @@ fn build() -> Result<PathBuf> {
     }
     println!("agent binary: {}", bin.display());
     Ok(bin)
+}
+
+fn bench(quick: bool) -> Result<()> {
+    require_root().context("the benchmarks build network namespaces and load BPF programs")?;
+    let bin = build()?;
+    ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
+    let out = workspace_root().join("bench/results");
+    for name in ["datapath", "control_plane", "e2e"] {
+        let mut cmd = cargo();
+        cmd.args(["bench", "-p", "ebpf-proxy-tests", "--bench", name, "--"])
+            .arg("--out")
+            .arg(&out)
+            .env(agent::BIN_ENV, &bin);
+        if quick {
+            cmd.arg("--quick");
+        }
+        run_status(&mut cmd)?;
+    }
+    let has_matplotlib = Command::new("python3")
+        .args(["-c", "import matplotlib"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_matplotlib {
+        println!("installing python3-matplotlib for the plot");
+        run_status(Command::new("apt-get").args(["install", "-y", "-q", "python3-matplotlib"]))?;
+    }
+    run_status(
+        Command::new("python3")
+            .arg(workspace_root().join("xtask/plot_bench.py"))
+            .arg(&out),
+    )?;
+    println!("results in {}", out.display());
+    Ok(())
 }
 
 fn test(extra: &[String]) -> Result<()> {

@@ -1,0 +1,241 @@
+//! Control-plane cost at scale, side by side with kube-proxy's iptables mode
+//! in the same kernel and the same run:
+//!
+//! - the agent binary from start to a fully programmed datapath (/healthz
+//!   200) on S Services x 10 endpoints read from manifests, and its resident
+//!   memory then;
+//! - the map writes of one endpoint change (p50/p99 over 200 changes),
+//!   through the planner and the real pinned maps;
+//! - `iptables-restore` of the same Services written the way kube-proxy's
+//!   iptables mode writes them (full load, and the full re-sync a change
+//!   triggers when not partial).
+//!
+//! Usage: `cargo bench -p ebpf-proxy-tests --bench control_plane -- [--quick] [--out DIR]`
+//! (root).
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol as HarnessProtocol,
+    agent::Agent,
+    iptables::{self, KubeService},
+    manifest::{ManifestDir, Service},
+    netns::{NetNs, unique_stem},
+};
+use proxy_userspace::{
+    datapath::{Datapath, PinLayout},
+    model::{
+        BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
+        ServicePortName,
+    },
+    planner::Planner,
+    source::ObjectKey,
+};
+
+const ENDPOINTS: u32 = 10;
+
+fn vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a60_0000 + i)
+}
+
+fn endpoint(service: u32, k: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a80_0000 + service * (ENDPOINTS + 1) + k)
+}
+
+fn endpoints(service: u32, n: u32) -> Vec<Ipv4Addr> {
+    (0..n).map(|k| endpoint(service, k)).collect()
+}
+
+fn frontend(i: u32, n: u32) -> Frontend {
+    let mut backends: Vec<BackendAddr> = endpoints(i, n)
+        .into_iter()
+        .map(|ip| BackendAddr {
+            ip: IpAddr::V4(ip),
+            port: 8080,
+            protocol: Protocol::Tcp,
+            local: false,
+            terminating: false,
+        })
+        .collect();
+    backends.sort_by_key(|b| b.host_port());
+    Frontend {
+        key: FrontendKey {
+            ip: IpAddr::V4(vip(i)),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::Any,
+        },
+        kind: FrontendKind::ClusterIp,
+        service: ServicePortName {
+            namespace: "bench".into(),
+            name: format!("svc-{i}"),
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+        },
+        backends,
+        no_endpoints: NoEndpointAction::Reject,
+        affinity_timeout_s: None,
+    }
+}
+
+fn kube_service(i: u32) -> KubeService {
+    KubeService {
+        namespace: "bench".into(),
+        name: format!("svc-{i}"),
+        port_name: "http".into(),
+        protocol: HarnessProtocol::Tcp,
+        cluster_ip: vip(i),
+        port: 80,
+        endpoints: endpoints(i, ENDPOINTS)
+            .into_iter()
+            .map(|ip| SocketAddrV4::new(ip, 8080))
+            .collect(),
+        affinity_timeout: None,
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let out_dir = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("bench/results"));
+    let services: u32 = if quick { 1_000 } else { 10_000 };
+    let changes = 200;
+
+    // 1. The agent binary, from start to healthy, on manifests.
+    let stem = unique_stem();
+    let node = NetNs::create(&format!("{stem}-cp")).expect("creating the node namespace");
+    node.ip(&["link", "set", "lo", "up"]).expect("lo up");
+    let manifests = ManifestDir::create(&stem).expect("manifest directory");
+    let mut yaml = String::new();
+    for i in 0..services {
+        let svc = Service::new("bench", &format!("svc-{i}"), vip(i)).port(
+            "http",
+            80,
+            HarnessProtocol::Tcp,
+            8080,
+        );
+        yaml.push_str(&svc.yaml(Some(&endpoints(i, ENDPOINTS))));
+    }
+    manifests
+        .write("services.yaml", &yaml)
+        .expect("writing manifests");
+    let started = Instant::now();
+    let mut agent = Agent::start(&node, manifests.path()).expect("starting the agent");
+    let agent_ready = started.elapsed();
+    let pid = agent.pid().expect("agent pid");
+    let agent_rss_mib = rss_kib(pid) as f64 / 1024.0;
+    agent.cleanup().expect("agent cleanup");
+    drop(agent);
+    eprintln!(
+        "agent: {services} services healthy after {agent_ready:?}, RSS {agent_rss_mib:.1} MiB"
+    );
+
+    // 2. Map writes: full programming and one-endpoint changes.
+    let root = PathBuf::from(format!(
+        "/sys/fs/bpf/ebpf-proxy-bench-cp-{}",
+        std::process::id()
+    ));
+    let pins = PinLayout::new(&root);
+    let mut datapath = Datapath::load(pins.clone()).expect("loading the datapath");
+    let mut planner = Planner::new();
+    let owner = |i: u32| ObjectKey {
+        namespace: "bench".into(),
+        name: format!("svc-{i}"),
+    };
+    let started = Instant::now();
+    for i in 0..services {
+        let out = planner.sync_service(&owner(i), &[frontend(i, ENDPOINTS)], &mut datapath.maps);
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+    }
+    let maps_full = started.elapsed();
+    let mut latencies = Vec::with_capacity(changes);
+    let mut state = vec![ENDPOINTS; services as usize];
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..changes {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let i = (rng % services as u64) as u32;
+        // Alternate one endpoint in and out.
+        let n = if state[i as usize] == ENDPOINTS {
+            ENDPOINTS + 1
+        } else {
+            ENDPOINTS
+        };
+        state[i as usize] = n;
+        let fe = frontend(i, n);
+        let t = Instant::now();
+        let out = planner.sync_service(&owner(i), &[fe], &mut datapath.maps);
+        latencies.push(t.elapsed());
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+    }
+    latencies.sort();
+    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+    drop(datapath);
+    let _ = proxy_userspace::datapath::cleanup(&pins);
+
+    // 3. iptables-restore of the same Services in a namespace of their own.
+    let ipt_ns = NetNs::create(&format!("{stem}-ipt")).expect("iptables namespace");
+    let kube: Vec<KubeService> = (0..services).map(kube_service).collect();
+    let started = Instant::now();
+    iptables::apply(&ipt_ns, &kube).expect("iptables-restore, full load");
+    let ipt_full = started.elapsed();
+    // kube-proxy without partial sync rewrites the whole table on a change.
+    let mut kube_changed = kube.clone();
+    kube_changed[0]
+        .endpoints
+        .push(SocketAddrV4::new(endpoint(0, ENDPOINTS), 8080));
+    let started = Instant::now();
+    iptables::apply(&ipt_ns, &kube_changed).expect("iptables-restore, re-sync");
+    let ipt_resync = started.elapsed();
+    let rules = iptables::nat_table(&kube)
+        .map(|t| t.lines().count())
+        .unwrap_or(0);
+
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let table = format!(
+        "Control plane, {services} Services x {ENDPOINTS} endpoints ({} backends), one run on this machine\n\n\
+         | measurement | ebpf-proxy | kube-proxy iptables mode | ratio |\n\
+         |---|---:|---:|---:|\n\
+         | full programming (agent start to healthy / iptables-restore of {rules} lines) | {:.0} ms | {:.0} ms | {:.1}x faster |\n\
+         | map writes alone, full programming | {:.0} ms | | {:.1}x faster |\n\
+         | one endpoint change, p50 | {:.3} ms | {:.0} ms (full re-sync) | {:.0}x faster |\n\
+         | one endpoint change, p99 | {:.3} ms | | |\n\
+         | agent resident memory after full sync | {agent_rss_mib:.1} MiB | | |\n",
+        services * ENDPOINTS,
+        ms(agent_ready),
+        ms(ipt_full),
+        ipt_full.as_secs_f64() / agent_ready.as_secs_f64(),
+        ms(maps_full),
+        ipt_full.as_secs_f64() / maps_full.as_secs_f64(),
+        ms(p50),
+        ms(ipt_resync),
+        ipt_resync.as_secs_f64() / p50.as_secs_f64(),
+        ms(p99),
+    );
+    println!("{table}");
+    std::fs::create_dir_all(&out_dir).expect("creating the output directory");
+    std::fs::write(out_dir.join("control_plane.md"), &table).expect("writing control_plane.md");
+}

@@ -2,8 +2,8 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, ServiceKey, ServiceValue, backend_flags,
-    scope, service_flags, slot_for, v4_mapped,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, ServiceKey, ServiceValue, scope,
+    service_flags, slot_for, v4_mapped,
 };
 
 use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, SERVICES};
@@ -27,8 +27,16 @@ fn backend(id: u32) -> Option<Backend> {
 }
 
 /// The backend for a new flow of `client_be` to the service `svc` (which has
-/// `count > 0`): its affinity backend when that is still fresh and usable,
-/// else a uniformly random slot.
+/// `count > 0`): its affinity backend when that is still fresh and still
+/// programmed, else a uniformly random slot.
+///
+/// A stuck backend counts whatever its flags say. A backend id never changes
+/// its flags (a ready endpoint that turns terminating gets a new id), so an
+/// entry can only name a terminating backend that was picked from a set of
+/// terminating ones: kube-proxy's fallback to serving-terminating endpoints,
+/// or ready-and-terminating ones (publishNotReadyAddresses), where kube-proxy
+/// keeps affinity too. A backend that leaves the set loses its affinity
+/// entries when the agent purges departed backends, right after the sync.
 #[inline(always)]
 pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Backend)> {
     let affinity = svc.flags & service_flags::AFFINITY != 0;
@@ -41,10 +49,8 @@ pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Back
             let window = svc.affinity_timeout_s as u64 * 1_000_000_000;
             if now.saturating_sub(stuck.last_used_ns) <= window {
                 if let Some(b) = backend(stuck.backend_id) {
-                    if b.flags & backend_flags::TERMINATING == 0 {
-                        remember(&akey, stuck.backend_id, now);
-                        return Some((stuck.backend_id, b));
-                    }
+                    remember(&akey, stuck.backend_id, now);
+                    return Some((stuck.backend_id, b));
                 }
             }
         }

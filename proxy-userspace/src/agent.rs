@@ -248,6 +248,11 @@ impl SyncLoop {
                 error!(error = %e, "stale frontend not removed");
             }
             self.initial_done = true;
+            // The initial listing peaks memory (documents, parsed objects,
+            // event copies) and is then freed; hand it back to the system
+            // rather than keep it as resident heap.
+            // SAFETY: malloc_trim only releases free heap pages.
+            unsafe { libc::malloc_trim(0) };
         }
         let departed = planner.take_departed();
         match conntrack::purge_departed(&mut datapath.maps, &departed) {

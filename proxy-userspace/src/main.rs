@@ -10,6 +10,11 @@ use proxy_userspace::{
 use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
+    // One malloc arena: the agent is a handful of threads doing little
+    // allocation after the initial listing, and per-thread arenas would keep
+    // that listing's freed memory resident several times over.
+    // SAFETY: called before any thread exists.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),

@@ -9,11 +9,14 @@
 //! - rule i of n has `-m statistic --mode random --probability` printed with `%0.10f`
 //!   from 1/(n-i), the last rule has none;
 //! - the KUBE-SEP chain marks hairpin traffic for masquerade and DNATs;
+//! - sessionAffinity ClientIP (§2.1): one `-m recent --rcheck --seconds N --reap` rule
+//!   per endpoint at the head of the KUBE-SVC chain, in the same sorted order, before
+//!   the statistic rules, and `-m recent --set` in each KUBE-SEP chain before its DNAT;
 //! - KUBE-SERVICES hooked from PREROUTING and OUTPUT, KUBE-POSTROUTING from POSTROUTING.
 //!
 //! Left out: the optional "masquerade off-cluster traffic" rule (needs a local-traffic
-//! detector; no client here is off-cluster), session affinity, NodePorts, and the filter
-//! table's REJECT for services without endpoints.
+//! detector; no client here is off-cluster), NodePorts, and the filter table's REJECT
+//! for services without endpoints.
 
 use std::{
     io::Write,
@@ -38,8 +41,12 @@ pub struct KubeService {
     pub protocol: Protocol,
     pub cluster_ip: Ipv4Addr,
     pub port: u16,
-    /// Ready endpoints, in any order.
+    /// The endpoints its service chain uses, in any order: the ready ones, or the
+    /// serving-terminating fallback when none is ready.
     pub endpoints: Vec<SocketAddrV4>,
+    /// sessionAffinity ClientIP with this `timeoutSeconds` (kube-proxy's
+    /// `StickyMaxAgeSeconds`); None for no affinity.
+    pub affinity_timeout: Option<u32>,
 }
 
 impl KubeService {
@@ -159,6 +166,18 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
             svc.cluster_ip,
             svc.port
         ));
+        if let Some(seconds) = svc.affinity_timeout {
+            // Clients seen recently by an endpoint's chain go straight back to it; the
+            // first match in sorted endpoint order wins (`writeServiceToEndpointRules`).
+            for ep in &endpoints {
+                let sep = svc.sep_chain(*ep);
+                rules.push(format!(
+                    "-A {svc_chain} -m comment --comment {} -m recent --name {sep} \
+                     --rcheck --seconds {seconds} --reap -j {sep}",
+                    quote(&format!("{spn} -> {ep}"))
+                ));
+            }
+        }
         let n = endpoints.len();
         for (i, ep) in endpoints.iter().enumerate() {
             let sep = svc.sep_chain(*ep);
@@ -184,8 +203,15 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
                 quote(&spn),
                 ep.ip()
             ));
+            // nat chains see only the first packet of a connection, so `--set` stamps
+            // the client once per new connection to this endpoint.
+            let recent = if svc.affinity_timeout.is_some() {
+                format!(" -m recent --name {sep} --set")
+            } else {
+                String::new()
+            };
             rules.push(format!(
-                "-A {sep} -m comment --comment {} -m {proto} -p {proto} -j DNAT --to-destination {ep}",
+                "-A {sep} -m comment --comment {}{recent} -m {proto} -p {proto} -j DNAT --to-destination {ep}",
                 quote(&spn)
             ));
         }
@@ -246,7 +272,8 @@ fn chain_hash(s: &str) -> String {
 }
 
 /// RFC 4648 base32 (standard alphabet); padding is irrelevant for a 16-char prefix.
-fn base32(data: &[u8]) -> String {
+/// Shared with [`crate::nftables`], whose chain names hash the same way.
+pub(crate) fn base32(data: &[u8]) -> String {
     const ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
     let mut out = String::new();
     let mut buffer = 0u32;
@@ -267,7 +294,7 @@ fn base32(data: &[u8]) -> String {
 
 /// FIPS 180-4 SHA-256, only for chain names (a crypto crate would be the harness's
 /// heaviest dependency for a few hashes per test).
-fn sha256(data: &[u8]) -> [u8; 32] {
+pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
     const K: [u32; 64] = [
         0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
         0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
@@ -377,6 +404,7 @@ mod tests {
             cluster_ip: Ipv4Addr::new(10, 20, 30, 41),
             port: 80,
             endpoints: vec!["10.180.0.1:80".parse().unwrap()],
+            affinity_timeout: None,
         }
     }
 
@@ -406,6 +434,62 @@ mod tests {
                 "missing {line}\nin\n{table}"
             );
         }
+    }
+
+    #[test]
+    fn affinity_rules_match_kube_proxy() {
+        // kube-proxy's own expectations (pkg/proxy/iptables/proxier_test.go, the
+        // terminating-endpoints table with sessionAffinity ClientIP), minus the
+        // off-cluster masquerade rule this writer leaves out.
+        let svc = KubeService {
+            namespace: "ns1".into(),
+            name: "svc1".into(),
+            port_name: String::new(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(172, 30, 1, 1),
+            port: 80,
+            endpoints: ["10.0.1.5:80", "10.0.1.1:80", "10.0.1.2:80"]
+                .iter()
+                .map(|s| s.parse().unwrap())
+                .collect(),
+            affinity_timeout: Some(10_800),
+        };
+        let table = nat_table(std::slice::from_ref(&svc)).unwrap();
+        let svc_rules: Vec<&str> = table
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-SVC-AQI2S6QIMU7PVVRP "))
+            .collect();
+        assert_eq!(
+            svc_rules,
+            [
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.1:80" -m recent --name KUBE-SEP-3JOIVZTXZZRGORX4 --rcheck --seconds 10800 --reap -j KUBE-SEP-3JOIVZTXZZRGORX4"#,
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.2:80" -m recent --name KUBE-SEP-IO5XOSKPAXIFQXAJ --rcheck --seconds 10800 --reap -j KUBE-SEP-IO5XOSKPAXIFQXAJ"#,
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.5:80" -m recent --name KUBE-SEP-EQCHZ7S2PJ72OHAY --rcheck --seconds 10800 --reap -j KUBE-SEP-EQCHZ7S2PJ72OHAY"#,
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.1:80" -m statistic --mode random --probability 0.3333333333 -j KUBE-SEP-3JOIVZTXZZRGORX4"#,
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.2:80" -m statistic --mode random --probability 0.5000000000 -j KUBE-SEP-IO5XOSKPAXIFQXAJ"#,
+                r#"-A KUBE-SVC-AQI2S6QIMU7PVVRP -m comment --comment "ns1/svc1 -> 10.0.1.5:80" -j KUBE-SEP-EQCHZ7S2PJ72OHAY"#,
+            ],
+            "in\n{table}"
+        );
+        let sep_rules: Vec<&str> = table
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-SEP-IO5XOSKPAXIFQXAJ "))
+            .collect();
+        assert_eq!(
+            sep_rules,
+            [
+                "-A KUBE-SEP-IO5XOSKPAXIFQXAJ -m comment --comment ns1/svc1 -s 10.0.1.2 -j KUBE-MARK-MASQ",
+                "-A KUBE-SEP-IO5XOSKPAXIFQXAJ -m comment --comment ns1/svc1 -m recent --name KUBE-SEP-IO5XOSKPAXIFQXAJ --set -m tcp -p tcp -j DNAT --to-destination 10.0.1.2:80",
+            ],
+            "in\n{table}"
+        );
+        // Without affinity, no `recent` anywhere.
+        let plain = KubeService {
+            affinity_timeout: None,
+            ..svc
+        };
+        let table = nat_table(&[plain]).unwrap();
+        assert!(!table.contains("recent"), "{table}");
     }
 
     #[test]

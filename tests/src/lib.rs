@@ -1,8 +1,9 @@
 //! Harness for ebpf-proxy's privileged integration tests and for `cargo xtask run`'s
 //! demo: network namespaces, the routed one-node topology of design.md §6, small TCP
 //! and UDP backends that report the peer they saw, clients that classify what
-//! happened, the agent process, kube-proxy-style iptables rules, a chi-square test, and
-//! [`sandbox::Sandbox`], which bundles them the way the tests and the demo use them.
+//! happened, the agent process, kube-proxy-style iptables and nftables rules, a
+//! chi-square test, and [`sandbox::Sandbox`], which bundles them the way the tests and
+//! the demo use them.
 //!
 //! Namespaces, servers, iptables and the agent need root and the real kernel. Every
 //! resource is owned by a value whose `Drop` removes it, so a panicking test leaves
@@ -13,6 +14,7 @@ pub mod client;
 pub mod iptables;
 pub mod manifest;
 pub mod netns;
+pub mod nftables;
 pub mod sandbox;
 pub mod servers;
 pub mod stats;

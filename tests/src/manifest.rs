@@ -22,6 +22,75 @@ pub struct ServicePort {
     pub target_port: u16,
 }
 
+/// `DefaultClientIPServiceAffinitySeconds` (k8s.io/api): what the API server fills in
+/// when a ClientIP Service leaves `timeoutSeconds` out.
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+
+/// `spec.sessionAffinity` (and its `sessionAffinityConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SessionAffinity {
+    #[default]
+    None,
+    /// `ClientIP`, with `timeoutSeconds` when given; without it the field is left out
+    /// of the manifest and the API default ([`DEFAULT_AFFINITY_TIMEOUT_S`]) applies.
+    ClientIp { timeout_seconds: Option<u32> },
+}
+
+impl SessionAffinity {
+    /// The stickiness window a proxy applies, if affinity is on.
+    pub fn timeout_seconds(self) -> Option<u32> {
+        match self {
+            SessionAffinity::None => None,
+            SessionAffinity::ClientIp { timeout_seconds } => {
+                Some(timeout_seconds.unwrap_or(DEFAULT_AFFINITY_TIMEOUT_S))
+            }
+        }
+    }
+}
+
+/// One endpoint of an EndpointSlice with its conditions (what the EndpointSlice
+/// controller publishes for a pod: reference/kube-proxy-semantics.md §3.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Endpoint {
+    pub ip: Ipv4Addr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl Endpoint {
+    /// A running pod that passes its readiness probe.
+    pub fn ready(ip: Ipv4Addr) -> Endpoint {
+        Endpoint {
+            ip,
+            ready: true,
+            serving: true,
+            terminating: false,
+        }
+    }
+
+    /// A pod being deleted that still passes its readiness probe: `ready` turns false
+    /// (`ready = serving && !terminating`), `serving` stays true.
+    pub fn terminating_serving(ip: Ipv4Addr) -> Endpoint {
+        Endpoint {
+            ip,
+            ready: false,
+            serving: true,
+            terminating: true,
+        }
+    }
+
+    /// A pod being deleted that no longer passes its readiness probe.
+    pub fn terminating_not_serving(ip: Ipv4Addr) -> Endpoint {
+        Endpoint {
+            ip,
+            ready: false,
+            serving: false,
+            terminating: true,
+        }
+    }
+}
+
 /// A ClusterIP Service; its endpoints are given when writing its EndpointSlice.
 #[derive(Debug, Clone)]
 pub struct Service {
@@ -29,6 +98,7 @@ pub struct Service {
     pub name: String,
     pub cluster_ip: Ipv4Addr,
     pub ports: Vec<ServicePort>,
+    pub session_affinity: SessionAffinity,
 }
 
 impl Service {
@@ -38,7 +108,14 @@ impl Service {
             name: name.to_owned(),
             cluster_ip,
             ports: Vec::new(),
+            session_affinity: SessionAffinity::None,
         }
+    }
+
+    /// Sets `spec.sessionAffinity` (builder style).
+    pub fn session_affinity(mut self, affinity: SessionAffinity) -> Service {
+        self.session_affinity = affinity;
+        self
     }
 
     /// Adds a port (builder style).
@@ -77,13 +154,31 @@ impl Service {
                 p.target_port
             );
         }
-        y.push_str("  sessionAffinity: None\n  type: ClusterIP\n");
+        match self.session_affinity {
+            SessionAffinity::None => y.push_str("  sessionAffinity: None\n"),
+            SessionAffinity::ClientIp { timeout_seconds } => {
+                y.push_str("  sessionAffinity: ClientIP\n");
+                if let Some(t) = timeout_seconds {
+                    let _ = write!(
+                        y,
+                        "  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {t}\n"
+                    );
+                }
+            }
+        }
+        y.push_str("  type: ClusterIP\n");
         y
     }
 
     /// An EndpointSlice for this Service with `endpoints` ready (none is valid: a
     /// Service whose pods are all gone).
     pub fn endpoint_slice_yaml(&self, endpoints: &[Ipv4Addr]) -> String {
+        let endpoints: Vec<Endpoint> = endpoints.iter().map(|ip| Endpoint::ready(*ip)).collect();
+        self.endpoint_slice_yaml_with(&endpoints)
+    }
+
+    /// An EndpointSlice for this Service with `endpoints` and their conditions.
+    pub fn endpoint_slice_yaml_with(&self, endpoints: &[Endpoint]) -> String {
         let mut y = String::new();
         let _ = write!(
             y,
@@ -100,11 +195,12 @@ impl Service {
             y.push_str("endpoints: []\n");
         } else {
             y.push_str("endpoints:\n");
-            for ip in endpoints {
+            for ep in endpoints {
                 let _ = write!(
                     y,
-                    "- addresses:\n  - {ip}\n  conditions:\n    ready: true\n    \
-                     serving: true\n    terminating: false\n"
+                    "- addresses:\n  - {}\n  conditions:\n    ready: {}\n    \
+                     serving: {}\n    terminating: {}\n",
+                    ep.ip, ep.ready, ep.serving, ep.terminating
                 );
             }
         }
@@ -134,8 +230,19 @@ impl Service {
         }
     }
 
+    /// The Service and an EndpointSlice with `endpoints` and their conditions, as one
+    /// multi-document file.
+    pub fn yaml_with(&self, endpoints: &[Endpoint]) -> String {
+        format!(
+            "{}---\n{}",
+            self.service_yaml(),
+            self.endpoint_slice_yaml_with(endpoints)
+        )
+    }
+
     /// The same service port as kube-proxy's iptables mode would see it, with its
-    /// ClusterIP replaced by `cluster_ip` (to run both datapaths side by side).
+    /// ClusterIP replaced by `cluster_ip` (to run both datapaths side by side) and
+    /// `endpoints` as the endpoints its service chain uses.
     pub fn kube_service(
         &self,
         port_name: &str,
@@ -158,6 +265,7 @@ impl Service {
                 .iter()
                 .map(|ip| SocketAddrV4::new(*ip, port.target_port))
                 .collect(),
+            affinity_timeout: self.session_affinity.timeout_seconds(),
         }
     }
 }
@@ -232,5 +340,52 @@ mod tests {
         }
         assert!(svc.yaml(Some(&[])).contains("endpoints: []\n"));
         assert!(!svc.yaml(None).contains("EndpointSlice"));
+        assert!(y.contains("  sessionAffinity: None\n"));
+        assert!(!y.contains("sessionAffinityConfig"));
+        assert_eq!(
+            svc.kube_service("http", svc.cluster_ip, &[])
+                .affinity_timeout,
+            None
+        );
+    }
+
+    #[test]
+    fn affinity_and_conditions_are_written() {
+        let ip = Ipv4Addr::new(10, 200, 0, 11);
+        let sticky = Service::new("demo", "web", Ipv4Addr::new(10, 96, 0, 10))
+            .port("http", 80, Protocol::Tcp, 8080)
+            .session_affinity(SessionAffinity::ClientIp {
+                timeout_seconds: Some(3),
+            });
+        let y = sticky.yaml_with(&[Endpoint::terminating_serving(ip)]);
+        for needle in [
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      \
+             timeoutSeconds: 3\n  type: ClusterIP\n",
+            "- addresses:\n  - 10.200.0.11\n  conditions:\n    ready: false\n    \
+             serving: true\n    terminating: true\n",
+        ] {
+            assert!(y.contains(needle), "missing {needle:?} in\n{y}");
+        }
+        assert_eq!(
+            sticky
+                .kube_service("http", sticky.cluster_ip, &[ip])
+                .affinity_timeout,
+            Some(3)
+        );
+        // Without timeoutSeconds the field is left out, and the API default applies.
+        let default = sticky.session_affinity(SessionAffinity::ClientIp {
+            timeout_seconds: None,
+        });
+        let y = default.service_yaml();
+        assert!(
+            y.contains("  sessionAffinity: ClientIP\n  type: ClusterIP\n"),
+            "{y}"
+        );
+        assert_eq!(
+            default
+                .kube_service("http", default.cluster_ip, &[ip])
+                .affinity_timeout,
+            Some(DEFAULT_AFFINITY_TIMEOUT_S)
+        );
     }
 }

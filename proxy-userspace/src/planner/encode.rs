@@ -67,6 +67,11 @@ pub fn frontend_key(key: &ServiceKey) -> Option<FrontendKey> {
     })
 }
 
+/// The map encoding of a backend. The flags are part of a backend's identity
+/// (the planner dedups backends by this whole value): an endpoint that turns
+/// terminating becomes a new backend id, so its old id departs from the
+/// service and its flows and affinity entries are purged, while the datapath
+/// can trust that an id's flags never change under an affinity entry.
 pub fn backend(b: &BackendAddr) -> Backend {
     let mut flags = 0;
     if b.local {

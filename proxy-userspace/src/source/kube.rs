@@ -66,6 +66,8 @@ pub enum KubeSourceError {
         #[source]
         source: KubeconfigError,
     },
+    #[error("--kubeconfig {}: names no file", paths.display())]
+    NoKubeconfigFile { paths: PathBuf },
     #[error(
         "no API server to talk to: not in a cluster ({incluster}) and no usable default kubeconfig ({kubeconfig}); pass --kubeconfig or --master"
     )]
@@ -111,10 +113,7 @@ pub async fn config(
     kubeconfig: Option<PathBuf>,
     master: Option<String>,
 ) -> Result<Config, KubeSourceError> {
-    let master = master
-        .as_deref()
-        .map(|url| parse_master(url).map(|uri| (url, uri)))
-        .transpose()?;
+    let master = master.as_deref().map(parse_master).transpose()?;
     let (mut config, origin) = match kubeconfig {
         Some(paths) => (
             from_kubeconfig(&paths).await?,
@@ -123,7 +122,7 @@ pub async fn config(
         None => match Config::incluster() {
             Ok(config) => (config, "in-cluster service account".to_owned()),
             Err(incluster) => match &master {
-                Some((_, uri)) => (Config::new(uri.clone()), "--master".to_owned()),
+                Some(uri) => (Config::new(uri.clone()), "--master".to_owned()),
                 None => match Config::from_kubeconfig(&KubeConfigOptions::default()).await {
                     Ok(config) => (config, "default kubeconfig".to_owned()),
                     Err(kubeconfig) => {
@@ -136,7 +135,7 @@ pub async fn config(
             },
         },
     };
-    if let Some((_, uri)) = master {
+    if let Some(uri) = master {
         config.cluster_url = uri;
     }
     info!(server = %config.cluster_url, from = %origin, "API server");
@@ -182,14 +181,15 @@ async fn from_kubeconfig(paths: &Path) -> Result<Config, KubeSourceError> {
             Some(earlier) => earlier.merge(file).map_err(error)?,
         });
     }
-    let error = |source| KubeSourceError::Kubeconfig {
-        path: paths.to_owned(),
-        source,
-    };
-    let merged = merged.ok_or_else(|| error(KubeconfigError::CurrentContextNotSet))?;
+    let merged = merged.ok_or_else(|| KubeSourceError::NoKubeconfigFile {
+        paths: paths.to_owned(),
+    })?;
     Config::from_custom_kubeconfig(merged, &KubeConfigOptions::default())
         .await
-        .map_err(error)
+        .map_err(|source| KubeSourceError::Kubeconfig {
+            path: paths.to_owned(),
+            source,
+        })
 }
 
 /// Follows Services and EndpointSlices in every namespace and the Node
@@ -268,21 +268,37 @@ enum Lenient<K> {
     },
 }
 
-impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
+/// The first decoding attempt: straight to `K` (from serde's buffer of the
+/// object, which borrows strings from the input), else the raw JSON. About
+/// 1.5x the cost of decoding `K` alone, half that of going through a
+/// [`Value`] every time.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Raw<K> {
+    Valid(Box<K>),
+    Malformed(Value),
+}
+
+impl<'de, K: DeserializeOwned + Resource> Deserialize<'de> for Lenient<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let mut value = Value::deserialize(deserializer)?;
+        let mut object = match Raw::<K>::deserialize(deserializer)? {
+            Raw::Valid(object) => object,
+            // Decoded again from the JSON for the reason (the buffered
+            // attempt only says that it failed).
+            Raw::Malformed(value) => match K::deserialize(&value) {
+                Ok(object) => Box::new(object),
+                Err(e) => {
+                    return Ok(Lenient::Malformed {
+                        metadata: Box::new(lenient_metadata(&value)),
+                        reason: e.to_string(),
+                    });
+                }
+            },
+        };
         // The API server's field ownership bookkeeping: often most of an
         // object's bytes and of no use to a proxy.
-        if let Some(metadata) = value.get_mut("metadata").and_then(Value::as_object_mut) {
-            metadata.remove("managedFields");
-        }
-        Ok(match K::deserialize(&value) {
-            Ok(object) => Lenient::Valid(Box::new(object)),
-            Err(e) => Lenient::Malformed {
-                metadata: Box::new(lenient_metadata(&value)),
-                reason: e.to_string(),
-            },
-        })
+        object.meta_mut().managed_fields = None;
+        Ok(Lenient::Valid(object))
     }
 }
 
@@ -545,8 +561,10 @@ async fn follow<K: Watched>(
                     failing = true;
                     if restart {
                         warn!("the API server refused the watch as expired; listing again");
-                        tokio::time::sleep(RESTART_DELAY).await;
-                        break;
+                        tokio::select! {
+                            _ = tx.closed() => return,
+                            _ = tokio::time::sleep(RESTART_DELAY) => break,
+                        }
                     }
                     continue;
                 }

@@ -6,7 +6,8 @@
 //! - `GET /api/v1/services`, `/apis/discovery.k8s.io/v1/endpointslices`,
 //!   `/api/v1/nodes`: a `…List` with `metadata.resourceVersion`, paged by
 //!   `limit` and `continue` (pages are served from the snapshot the first
-//!   page was cut from; an unknown token is `410 Gone`).
+//!   page was cut from; an unknown token is `410 Gone`). Items keep their
+//!   `kind` and `apiVersion`, which the API server leaves out.
 //! - `?watch=true&resourceVersion=N`: `200` and a chunked stream of
 //!   newline-delimited `{"type":"ADDED|MODIFIED|DELETED|BOOKMARK|ERROR",
 //!   "object":{…}}`: first every change after N still in the history, then
@@ -156,13 +157,21 @@ pub struct RequestRecord {
     pub fault: Option<Fault>,
 }
 
-/// One change in the history.
+/// One change in the history, as the watch event line it was sent as.
 #[derive(Clone, Debug)]
 struct Change {
     rv: u64,
     resource: Resource,
-    type_: &'static str,
+    name: String,
+    line: Arc<str>,
+}
+
+/// An object in the store, and its JSON as lists serve it (encoded once:
+/// large listings are then mostly copying).
+#[derive(Clone, Debug)]
+struct Stored {
     object: Value,
+    json: Arc<str>,
 }
 
 /// An open watch stream.
@@ -177,13 +186,13 @@ struct Sink {
 }
 
 impl Sink {
-    fn wants(&self, resource: Resource, object: &Value) -> bool {
-        self.resource == resource && self.name.as_deref().is_none_or(|n| name_of(object) == n)
+    fn wants(&self, resource: Resource, name: &str) -> bool {
+        self.resource == resource && self.name.as_deref().is_none_or(|n| n == name)
     }
 
     /// False once the client is gone.
-    fn send(&self, line: String) -> bool {
-        self.tx.unbounded_send(Ok(line)).is_ok()
+    fn send(&self, line: &str) -> bool {
+        self.tx.unbounded_send(Ok(line.to_owned())).is_ok()
     }
 }
 
@@ -191,13 +200,13 @@ impl Sink {
 struct Page {
     resource: Resource,
     rv: u64,
-    items: VecDeque<Value>,
+    items: VecDeque<Arc<str>>,
 }
 
 #[derive(Default)]
 struct Store {
     rv: u64,
-    objects: BTreeMap<(Resource, String, String), Value>,
+    objects: BTreeMap<(Resource, String, String), Stored>,
     history: VecDeque<Change>,
     history_limit: usize,
     /// Changes up to this resourceVersion are no longer in the history.
@@ -326,7 +335,7 @@ impl ApiServer {
         let key = (resource, namespace, name);
         let type_ = match store.objects.get(&key) {
             Some(old) => {
-                object["metadata"]["uid"] = old["metadata"]["uid"].clone();
+                object["metadata"]["uid"] = old.object["metadata"]["uid"].clone();
                 "MODIFIED"
             }
             None => {
@@ -335,8 +344,9 @@ impl ApiServer {
                 "ADDED"
             }
         };
-        store.objects.insert(key, object.clone());
-        store.record(resource, type_, object);
+        let json: Arc<str> = object.to_string().into();
+        store.record(resource, type_, &object);
+        store.objects.insert(key, Stored { object, json });
         rv
     }
 
@@ -345,20 +355,24 @@ impl ApiServer {
     pub fn delete(&self, resource: Resource, namespace: &str, name: &str) -> u64 {
         let mut store = self.shared.store();
         let key = (resource, namespace.to_owned(), name.to_owned());
-        let Some(mut object) = store.objects.remove(&key) else {
+        let Some(Stored { mut object, .. }) = store.objects.remove(&key) else {
             panic!("no {} {namespace}/{name} to delete", resource.kind());
         };
         store.rv += 1;
         let rv = store.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        store.record(resource, "DELETED", object);
+        store.record(resource, "DELETED", &object);
         rv
     }
 
     /// The stored object, as a client would get it.
     pub fn get(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
         let key = (resource, namespace.to_owned(), name.to_owned());
-        self.shared.store().objects.get(&key).cloned()
+        self.shared
+            .store()
+            .objects
+            .get(&key)
+            .map(|stored| stored.object.clone())
     }
 
     /// Forgets the history: a watch resuming from any resourceVersion
@@ -500,19 +514,20 @@ impl ApiServer {
 }
 
 impl Store {
-    fn record(&mut self, resource: Resource, type_: &'static str, object: Value) {
-        let line = event_line(type_, &object);
+    fn record(&mut self, resource: Resource, type_: &'static str, object: &Value) {
+        let line: Arc<str> = event_line(type_, object).into();
+        let name = name_of(object);
         self.sinks.retain(|sink| {
-            if !sink.wants(resource, &object) || sink.stalled {
+            if !sink.wants(resource, name) || sink.stalled {
                 return !sink.tx.is_closed();
             }
-            sink.send(line.clone())
+            sink.send(&line)
         });
         self.history.push_back(Change {
             rv: self.rv,
             resource,
-            type_,
-            object,
+            name: name.to_owned(),
+            line,
         });
         self.trim_history();
     }
@@ -576,14 +591,6 @@ fn reason_for(code: u16) -> &'static str {
         504 => "Timeout",
         _ => "InternalError",
     }
-}
-
-fn json_response(body: &Value) -> Response {
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body.to_string()))
-        .expect("a valid response")
 }
 
 /// Decodes `a=b&c=d` with percent-escapes (and `+` as a space).
@@ -729,19 +736,14 @@ fn list(
         None => Page {
             resource,
             rv: store.rv,
+            // Items keep their kind and apiVersion (the API server leaves
+            // them out of lists; clients accept both).
             items: store
                 .objects
-                .iter()
-                .filter(|((r, _, n), _)| *r == resource && name.as_deref().is_none_or(|x| x == n))
-                .map(|(_, object)| {
-                    // List items carry no kind or apiVersion; the List does.
-                    let mut item = object.clone();
-                    if let Some(map) = item.as_object_mut() {
-                        map.remove("kind");
-                        map.remove("apiVersion");
-                    }
-                    item
-                })
+                .range((resource, String::new(), String::new())..)
+                .take_while(|((r, _, _), _)| *r == resource)
+                .filter(|((_, _, n), _)| name.as_deref().is_none_or(|x| x == n))
+                .map(|(_, stored)| Arc::clone(&stored.json))
                 .collect(),
         },
     };
@@ -765,12 +767,25 @@ fn list(
             },
         );
     }
-    json_response(&json!({
-        "apiVersion": resource.api_version(),
-        "kind": format!("{}List", resource.kind()),
-        "metadata": metadata,
-        "items": Vec::from(items),
-    }))
+    drop(store);
+    let mut body = String::with_capacity(items.iter().map(|i| i.len() + 1).sum::<usize>() + 200);
+    body.push_str(&format!(
+        r#"{{"apiVersion":"{}","kind":"{}List","metadata":{metadata},"items":["#,
+        resource.api_version(),
+        resource.kind()
+    ));
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(item);
+    }
+    body.push_str("]}");
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+        .expect("a valid response")
 }
 
 fn watch_stream(
@@ -806,22 +821,22 @@ fn watch_stream(
     };
     let mut open = true;
     if from == 0 {
-        for ((r, _, _), object) in &store.objects {
-            if *r == resource && sink.wants(resource, object) {
-                open &= sink.send(event_line("ADDED", object));
+        for ((r, _, name), stored) in &store.objects {
+            if *r == resource && sink.wants(resource, name) {
+                open &= sink.send(&event_line("ADDED", &stored.object));
             }
         }
     } else if from < store.compacted {
         let message = format!("too old resource version: {from} ({})", store.compacted + 1);
-        sink.send(event_line(
+        sink.send(&event_line(
             "ERROR",
             &status_object(410, "Expired", &message),
         ));
         open = false;
     } else {
         for change in &store.history {
-            if change.rv > from && sink.wants(change.resource, &change.object) {
-                open &= sink.send(event_line(change.type_, &change.object));
+            if change.rv > from && sink.wants(change.resource, &change.name) {
+                open &= sink.send(&change.line);
             }
         }
     }
@@ -856,7 +871,7 @@ async fn tick(shared: Arc<Shared>) {
                     "apiVersion": sink.resource.api_version(),
                     "metadata": {"resourceVersion": rv.to_string()},
                 });
-                return sink.send(event_line("BOOKMARK", &bookmark));
+                return sink.send(&event_line("BOOKMARK", &bookmark));
             }
             true
         });

@@ -57,7 +57,15 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
         }
     }
     for key in doomed {
-        if maps.conntrack.remove(&key).is_ok() {
+        // Looked at again: the datapath may have replaced the entry with a new
+        // flow's on the same tuple since the pass above.
+        let still = maps.conntrack.get(&key, 0).is_ok_and(|v| {
+            gone.contains(&Departed {
+                service_id: v.service_id,
+                backend_id: v.backend_id,
+            })
+        });
+        if still && maps.conntrack.remove(&key).is_ok() {
             swept.conntrack += 1;
         }
     }
@@ -88,8 +96,15 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
             doomed.push(key);
         }
     }
+    // Each is looked at again just before it goes: a new connection reusing
+    // the tuple since the pass above has replaced the entry with a live one.
     Ok(doomed
         .into_iter()
-        .filter(|key| maps.conntrack.remove(key).is_ok())
+        .filter(|key| {
+            maps.conntrack
+                .get(key, 0)
+                .is_ok_and(|v| v.expired(key.proto, now_ns))
+                && maps.conntrack.remove(key).is_ok()
+        })
         .count())
 }

@@ -3,7 +3,7 @@
 //! checksum helpers move the data).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::{PROTO_TCP, PROTO_UDP};
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
@@ -83,7 +83,7 @@ pub fn parse(ctx: &TcContext) -> Result<Flow, Skip> {
     if ihl_bytes < IPV4_MIN_HLEN || tot_len < ihl_bytes || ETH_HLEN + tot_len > ctx.len() as usize {
         return Err(Skip::Malformed);
     }
-    if ip.proto != PROTO_TCP && ip.proto != PROTO_UDP {
+    if ip.proto != PROTO_TCP && ip.proto != PROTO_UDP && ip.proto != PROTO_SCTP {
         return Err(Skip::NotOurs);
     }
     // Fragments carry no (or only some) L4 header; the datapath leaves them
@@ -102,6 +102,8 @@ pub fn parse(ctx: &TcContext) -> Result<Flow, Skip> {
             return Err(Skip::Malformed);
         }
         tcp_flags = ctx.load(l4_off + 13).map_err(|_| Skip::Malformed)?;
+    } else if ip.proto == PROTO_SCTP {
+        // Only its ports are read: SCTP frontends are counted, not translated.
     } else {
         let udp_len: u16 = ctx.load(l4_off + 4).map_err(|_| Skip::Malformed)?;
         let udp_len = u16::from_be(udp_len) as usize;

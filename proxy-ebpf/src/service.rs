@@ -5,7 +5,7 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     programs::TcContext,
 };
-use proxy_common::{PROTO_TCP, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
+use proxy_common::{PROTO_SCTP, PROTO_TCP, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
 
 use crate::{
     conntrack, lb,
@@ -25,6 +25,15 @@ pub fn handle(ctx: &TcContext) -> i32 {
             return TC_ACT_OK;
         }
     };
+    if flow.proto == PROTO_SCTP {
+        // SCTP needs its CRC32c recomputed on every rewrite, which the
+        // datapath does not do yet: such packets are counted and passed, and
+        // the agent says so when it programs an SCTP frontend.
+        if lb::lookup_service(flow.dst_be, flow.dport_be, flow.proto).is_some() {
+            count(counter::UNSUPPORTED_PROTO);
+        }
+        return TC_ACT_OK;
+    }
     let now = conntrack::now_ns();
     if let Some((ptr, entry)) = conntrack::lookup(&flow, now) {
         conntrack::touch(ptr, &entry, &flow, now);

@@ -20,7 +20,7 @@ use crate::{
         interfaces::{self, Interfaces, Selection},
     },
     http::{self, Health, HttpError},
-    model::ModelConfig,
+    model::{ModelConfig, Protocol},
     planner::Planner,
     source::{Kind, ObjectKey, SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
@@ -109,6 +109,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         listed: BTreeSet::new(),
         initial_done: false,
         sequence: 0,
+        sctp_reported: BTreeSet::new(),
     };
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
@@ -197,6 +198,8 @@ struct SyncLoop {
     listed: BTreeSet<Kind>,
     initial_done: bool,
     sequence: u64,
+    /// SCTP frontends already reported as not translated by the datapath.
+    sctp_reported: BTreeSet<crate::model::FrontendKey>,
 }
 
 impl SyncLoop {
@@ -230,6 +233,19 @@ impl SyncLoop {
                     continue;
                 }
             };
+            for fe in desired
+                .iter()
+                .filter(|fe| fe.key.protocol == Protocol::Sctp)
+            {
+                if self.sctp_reported.insert(fe.key) {
+                    warn!(
+                        service = %key,
+                        frontend = %fe.key,
+                        "SCTP frontend programmed, but the datapath does not translate SCTP yet: \
+                         its packets pass untranslated (counter unsupported_proto)"
+                    );
+                }
+            }
             let outcome = planner.sync_service(&key, &desired, &mut datapath.maps);
             ops += outcome.ops;
             changed += outcome.frontends_changed;

@@ -120,6 +120,14 @@ fn fixture() -> Fixture {
             NoEndpointAction::Drop,
         ),
         frontend(
+            VIP,
+            9000,
+            Protocol::Sctp,
+            &BACKENDS,
+            9000,
+            NoEndpointAction::Reject,
+        ),
+        frontend(
             HAIRPIN_VIP,
             80,
             Protocol::Tcp,
@@ -512,6 +520,27 @@ fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
         udp_backend,
         "an established TCP connection must keep its backend"
     );
+}
+
+/// SCTP frontends are programmed but not translated (no CRC32c rewrite
+/// yet): their packets pass untouched and are counted, never silently.
+#[test]
+fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
+    let fx = fixture();
+    let mut sctp = udp(CLIENT, 9000, VIP, 9000, false);
+    sctp[14 + 9] = 132;
+    sctp[24..26].copy_from_slice(&[0, 0]);
+    let c = frame::csum(&sctp[14..34], 0);
+    sctp[24..26].copy_from_slice(&c.to_be_bytes());
+    let (ret, out) = run(&fx, &sctp);
+    assert_eq!(ret, TC_ACT_OK, "SCTP verdict");
+    assert_eq!(out, sctp, "an SCTP packet was modified");
+    assert_eq!(
+        counter(&fx, "unsupported_proto"),
+        1,
+        "SCTP to a frontend not counted"
+    );
+    assert_eq!(counter(&fx, "dnat_new"), 0);
 }
 
 #[test]

@@ -20,13 +20,15 @@ pub mod map_names {
     pub const CONNTRACK: &str = "CONNTRACK";
     pub const AFFINITY: &str = "AFFINITY";
     pub const COUNTERS: &str = "COUNTERS";
-    pub const ALL: [&str; 6] = [
+    pub const CT_TIMEOUTS: &str = "CT_TIMEOUTS";
+    pub const ALL: [&str; 7] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
         CONNTRACK,
         AFFINITY,
         COUNTERS,
+        CT_TIMEOUTS,
     ];
 }
 
@@ -225,8 +227,9 @@ pub struct CtValue {
     pub last_seen_ns: u64,
 }
 
-/// How long a conntrack entry lives without traffic (Cilium's defaults). An
-/// expired entry is treated as absent by the datapath and reaped by the agent.
+/// Default idle timeouts of conntrack entries (Cilium's defaults); the agent
+/// may set others in the `CT_TIMEOUTS` map. An expired entry is treated as
+/// absent by the datapath and reaped by the agent.
 pub mod ct_timeout {
     const S: u64 = 1_000_000_000;
     /// TCP flow that has not seen a reply yet.
@@ -240,27 +243,67 @@ pub mod ct_timeout {
     pub const REFRESH_NS: u64 = S;
 }
 
+/// Conntrack idle timeouts in force: the single entry of the `CT_TIMEOUTS`
+/// array, written by the agent at start (kube-proxy's `--conntrack-*` flags).
+/// An entry of zeros (never written) means the defaults.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtTimeouts {
+    /// TCP flow that has not seen a reply yet.
+    pub tcp_syn_ns: u64,
+    pub tcp_established_ns: u64,
+    /// After a FIN or RST.
+    pub tcp_closing_ns: u64,
+    pub udp_ns: u64,
+}
+
+impl CtTimeouts {
+    pub const DEFAULT: CtTimeouts = CtTimeouts {
+        tcp_syn_ns: ct_timeout::TCP_SYN_NS,
+        tcp_established_ns: ct_timeout::TCP_ESTABLISHED_NS,
+        tcp_closing_ns: ct_timeout::TCP_CLOSING_NS,
+        udp_ns: ct_timeout::UDP_NS,
+    };
+
+    /// The defaults when the map entry was never written.
+    #[inline(always)]
+    pub fn or_default(self) -> CtTimeouts {
+        if self.udp_ns == 0 {
+            CtTimeouts::DEFAULT
+        } else {
+            self
+        }
+    }
+}
+
+impl Default for CtTimeouts {
+    fn default() -> Self {
+        CtTimeouts::DEFAULT
+    }
+}
+
 impl CtValue {
     /// Idle timeout of this entry; the datapath and the agent's reaper share
     /// it so that they never disagree on what is alive.
     #[inline(always)]
-    pub fn idle_timeout_ns(&self, proto: u8) -> u64 {
+    pub fn idle_timeout_ns(&self, proto: u8, timeouts: &CtTimeouts) -> u64 {
         if proto == PROTO_TCP {
             if self.flags & ct_flags::CLOSING != 0 {
-                ct_timeout::TCP_CLOSING_NS
+                timeouts.tcp_closing_ns
             } else if self.flags & ct_flags::SEEN_REPLY != 0 {
-                ct_timeout::TCP_ESTABLISHED_NS
+                timeouts.tcp_established_ns
             } else {
-                ct_timeout::TCP_SYN_NS
+                timeouts.tcp_syn_ns
             }
         } else {
-            ct_timeout::UDP_NS
+            timeouts.udp_ns
         }
     }
 
     #[inline(always)]
-    pub fn expired(&self, proto: u8, now_ns: u64) -> bool {
-        now_ns.saturating_sub(self.last_seen_ns) > self.idle_timeout_ns(proto)
+    pub fn expired(&self, proto: u8, now_ns: u64, timeouts: &CtTimeouts) -> bool {
+        now_ns.saturating_sub(self.last_seen_ns) > self.idle_timeout_ns(proto, timeouts)
     }
 }
 
@@ -334,6 +377,7 @@ mod pod_impls {
     unsafe impl aya::Pod for CtValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for CtTimeouts {}
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{CONNTRACK, count},
+    maps::{CONNTRACK, count, ct_timeouts},
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
@@ -50,7 +50,7 @@ pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
     let ptr = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
     let entry = unsafe { *ptr };
-    if entry.expired(flow.proto, now) {
+    if entry.expired(flow.proto, now, &ct_timeouts()) {
         return None;
     }
     if flow.proto == PROTO_TCP

@@ -2,11 +2,11 @@
 //! carries key and value types and `bpftool map dump` prints field names.
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
     MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK, MAX_SERVICES,
     ServiceKey, ServiceValue, counter,
 };
@@ -37,6 +37,17 @@ pub static CONNTRACK: LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }> = L
 #[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =
     LruHashMap::new();
+
+#[btf_map]
+pub static CT_TIMEOUTS: Array<CtTimeouts, 1> = Array::new();
+
+/// The conntrack timeouts in force (the defaults until the agent sets them).
+#[inline(always)]
+pub fn ct_timeouts() -> CtTimeouts {
+    CT_TIMEOUTS
+        .get_ptr(0)
+        .map_or(CtTimeouts::DEFAULT, |p| unsafe { *p }.or_default())
+}
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -32,6 +32,8 @@ pub enum AgentError {
     Datapath(#[from] DatapathError),
     #[error(transparent)]
     Http(#[from] HttpError),
+    #[error("setting the conntrack timeouts: {0}")]
+    Timeouts(#[source] crate::datapath::maps::MapsError),
     #[error("reading the pinned maps for adoption: {0}")]
     Adopt(#[source] crate::datapath::maps::MapsError),
     #[error("installing signal handlers: {0}")]
@@ -61,6 +63,7 @@ pub struct AgentConfig {
     pub node_name: String,
     pub min_sync_period: Duration,
     pub model: ModelConfig,
+    pub ct_timeouts: proxy_common::CtTimeouts,
 }
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
@@ -68,6 +71,10 @@ pub struct AgentConfig {
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
     let mut datapath = Datapath::load(pins)?;
+    datapath
+        .maps
+        .set_ct_timeouts(config.ct_timeouts)
+        .map_err(AgentError::Timeouts)?;
     let stored = datapath
         .maps
         .read_service_state()

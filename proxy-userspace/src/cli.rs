@@ -20,7 +20,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Program the datapath and keep it in sync with the Services.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Detach from every interface and remove every pin.
     Cleanup(PinArgs),
     /// Print the frontends, backends and counters in the pinned maps.
@@ -67,9 +67,32 @@ pub struct RunArgs {
     /// Changes arriving within this window are applied in one sync.
     #[arg(long, default_value = "20ms", value_parser = parse_duration)]
     pub min_sync_period: Duration,
+    /// Idle timeout of an established TCP flow (kube-proxy's flag of the
+    /// same name).
+    #[arg(long, default_value = "6h", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_established: Duration,
+    /// How long a TCP flow lives after its FIN or RST.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// Idle timeout of a UDP flow.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub conntrack_udp_timeout: Duration,
 }
 
-/// "250ms", "2s", "1m" or a plain number of seconds.
+impl RunArgs {
+    /// The conntrack timeouts these flags ask for.
+    pub fn ct_timeouts(&self) -> proxy_common::CtTimeouts {
+        proxy_common::CtTimeouts {
+            tcp_syn_ns: proxy_common::ct_timeout::TCP_SYN_NS,
+            tcp_established_ns: self.conntrack_tcp_timeout_established.as_nanos() as u64,
+            tcp_closing_ns: self.conntrack_tcp_timeout_close_wait.as_nanos() as u64,
+            // Zero means "never written" in the map; a second is the floor.
+            udp_ns: self.conntrack_udp_timeout.as_nanos().max(1_000_000_000) as u64,
+        }
+    }
+}
+
+/// "250ms", "2s", "1m", "6h" or a plain number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (num, unit) = s
@@ -82,7 +105,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "ms" => value / 1000.0,
         "s" => value,
         "m" => value * 60.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
+        "h" => value * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
     Ok(Duration::from_secs_f64(secs))
 }
@@ -118,7 +142,8 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
-        assert!(parse_duration("2h").unwrap_err().contains("unknown unit"));
+        assert_eq!(parse_duration("6h"), Ok(Duration::from_secs(21_600)));
+        assert!(parse_duration("2d").unwrap_err().contains("unknown unit"));
         assert!(parse_duration("fast").is_err());
     }
 }

@@ -24,6 +24,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => {
+            let ct_timeouts = args.ct_timeouts();
             let config = AgentConfig {
                 bpf_root: args.pins.bpf_root,
                 source: match args.manifests {
@@ -37,6 +38,7 @@ fn main() -> anyhow::Result<()> {
                 healthz: args.healthz_bind_address,
                 node_name: args.node_name.unwrap_or_else(agent::default_node_name),
                 min_sync_period: args.min_sync_period,
+                ct_timeouts,
                 model: ModelConfig::default(),
             };
             let runtime = tokio::runtime::Builder::new_multi_thread()

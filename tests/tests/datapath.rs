@@ -543,6 +543,41 @@ fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
     assert_eq!(counter(&fx, "dnat_new"), 0);
 }
 
+/// Configured conntrack timeouts rule both the datapath (an idle flow is
+/// balanced anew) and the agent's reaper (it removes the idle entries).
+#[test]
+fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
+    let mut fx = fixture();
+    let timeouts = proxy_common::CtTimeouts {
+        udp_ns: 1_000_000_000,
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    fx.datapath
+        .maps
+        .set_ct_timeouts(timeouts)
+        .expect("setting timeouts");
+    run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
+    run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
+    assert_eq!(
+        (counter(&fx, "dnat_new"), counter(&fx, "dnat_established")),
+        (1, 1),
+        "second datagram must use the flow"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1_300));
+    let reaped =
+        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    assert_eq!(
+        reaped, 2,
+        "both entries of the idle UDP flow must be reaped"
+    );
+    run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        2,
+        "after the timeout the flow starts anew"
+    );
+}
+
 #[test]
 fn udp_checksums_stay_valid_and_zero_stays_zero() {
     let fx = fixture();

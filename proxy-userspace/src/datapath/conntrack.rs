@@ -89,10 +89,11 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
 
 /// Removes conntrack entries idle past their timeout.
 pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
+    let timeouts = maps.ct_timeouts()?;
     let mut doomed = Vec::new();
     for item in maps.conntrack.iter() {
         let (key, value) = item.map_err(wrap(map_names::CONNTRACK))?;
-        if value.expired(key.proto, now_ns) {
+        if value.expired(key.proto, now_ns, &timeouts) {
             doomed.push(key);
         }
     }
@@ -103,7 +104,7 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
         .filter(|key| {
             maps.conntrack
                 .get(key, 0)
-                .is_ok_and(|v| v.expired(key.proto, now_ns))
+                .is_ok_and(|v| v.expired(key.proto, now_ns, &timeouts))
                 && maps.conntrack.remove(key).is_ok()
         })
         .count())

@@ -1,10 +1,10 @@
 //! Typed handles on the pinned maps, and the only code that writes the
 //! service maps (through the planner's [`MapStore`]).
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, ServiceKey,
-    ServiceValue, counter, map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
+    ServiceKey, ServiceValue, counter, map_names,
 };
 
 use super::pins::PinLayout;
@@ -41,6 +41,7 @@ pub struct Maps {
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
+    pub ct_timeouts: Array<MapData, CtTimeouts>,
 }
 
 impl Maps {
@@ -56,6 +57,7 @@ impl Maps {
             take(map_names::CONNTRACK)?,
             take(map_names::AFFINITY)?,
             take(map_names::COUNTERS)?,
+            take(map_names::CT_TIMEOUTS)?,
         )
     }
 
@@ -73,6 +75,7 @@ impl Maps {
             open(map_names::CONNTRACK)?,
             open(map_names::AFFINITY)?,
             open(map_names::COUNTERS)?,
+            open(map_names::CT_TIMEOUTS)?,
         )
     }
 
@@ -83,6 +86,7 @@ impl Maps {
         conntrack: Map,
         affinity: Map,
         counters: Map,
+        ct_timeouts: Map,
     ) -> Result<Self, MapsError> {
         Ok(Self {
             services: HashMap::try_from(services).map_err(wrap(map_names::SERVICES))?,
@@ -91,7 +95,23 @@ impl Maps {
             conntrack: HashMap::try_from(conntrack).map_err(wrap(map_names::CONNTRACK))?,
             affinity: HashMap::try_from(affinity).map_err(wrap(map_names::AFFINITY))?,
             counters: PerCpuArray::try_from(counters).map_err(wrap(map_names::COUNTERS))?,
+            ct_timeouts: Array::try_from(ct_timeouts).map_err(wrap(map_names::CT_TIMEOUTS))?,
         })
+    }
+
+    /// Sets the conntrack timeouts the datapath and the reaper use.
+    pub fn set_ct_timeouts(&mut self, timeouts: CtTimeouts) -> Result<(), MapsError> {
+        self.ct_timeouts
+            .set(0, timeouts, 0)
+            .map_err(wrap(map_names::CT_TIMEOUTS))
+    }
+
+    /// The conntrack timeouts in force.
+    pub fn ct_timeouts(&self) -> Result<CtTimeouts, MapsError> {
+        self.ct_timeouts
+            .get(&0, 0)
+            .map(CtTimeouts::or_default)
+            .map_err(wrap(map_names::CT_TIMEOUTS))
     }
 
     /// Counter totals over all CPUs, by name.

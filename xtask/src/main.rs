@@ -136,6 +136,8 @@ fn build() -> Result<PathBuf> {
     Ok(bin)
 }
 
+const DEBIAN_PYTHON: &str = "/usr/bin/python3";
+
 fn bench(quick: bool) -> Result<()> {
     require_root().context("the benchmarks build network namespaces and load BPF programs")?;
     let bin = build()?;
@@ -152,7 +154,9 @@ fn bench(quick: bool) -> Result<()> {
         }
         run_status(&mut cmd)?;
     }
-    let has_matplotlib = Command::new("python3")
+    // Debian's interpreter, which is the one python3-matplotlib installs for
+    // (a python3 earlier on PATH, e.g. pyenv's, would not see it).
+    let has_matplotlib = Command::new(DEBIAN_PYTHON)
         .args(["-c", "import matplotlib"])
         .status()
         .is_ok_and(|s| s.success());
@@ -161,7 +165,7 @@ fn bench(quick: bool) -> Result<()> {
         run_status(Command::new("apt-get").args(["install", "-y", "-q", "python3-matplotlib"]))?;
     }
     run_status(
-        Command::new("python3")
+        Command::new(DEBIAN_PYTHON)
             .arg(workspace_root().join("xtask/plot_bench.py"))
             .arg(&out),
     )?;

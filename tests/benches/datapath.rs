@@ -20,6 +20,7 @@ use std::{
 };
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use ebpf_proxy_tests::frames;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     model::{
@@ -72,37 +73,18 @@ fn frontend(i: u32) -> Frontend {
     }
 }
 
-fn csum(data: &[u8], mut sum: u32) -> u16 {
-    for c in data.chunks(2) {
-        sum += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32;
-    }
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
 /// A TCP segment with valid checksums.
 fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u8> {
-    let mut l4 = Vec::with_capacity(20);
-    l4.extend_from_slice(&sport.to_be_bytes());
-    l4.extend_from_slice(&dport.to_be_bytes());
-    l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xfa, 0xf0, 0, 0, 0, 0]);
-    let mut pseudo = 6u32 + 20;
-    for o in [src.octets(), dst.octets()] {
-        pseudo += u16::from_be_bytes([o[0], o[1]]) as u32 + u16::from_be_bytes([o[2], o[3]]) as u32;
-    }
-    let c = csum(&l4, pseudo);
-    l4[16..18].copy_from_slice(&c.to_be_bytes());
-    let mut ip = vec![0x45, 0, 0, 40, 0, 1, 0x40, 0, 64, 6, 0, 0];
-    ip.extend_from_slice(&src.octets());
-    ip.extend_from_slice(&dst.octets());
-    let c = csum(&ip, 0);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 8, 0];
-    f.extend_from_slice(&ip);
-    f.extend_from_slice(&l4);
-    f
+    frames::build(&frames::Spec {
+        src,
+        dst,
+        sport,
+        dport,
+        proto: frames::TCP,
+        tcp_flags: flags,
+        payload: vec![],
+        udp_no_csum: false,
+    })
 }
 
 fn run(program: &SchedClassifier, frame: &[u8], repeat: u32) -> Duration {

@@ -11,6 +11,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod frames;
 pub mod iptables;
 pub mod manifest;
 pub mod netns;

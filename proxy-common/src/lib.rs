@@ -10,7 +10,7 @@
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
 /// its layout: bump it whenever a key or value below changes.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Map names, as they appear in the object file and under the pin directory.
 pub mod map_names {
@@ -21,7 +21,10 @@ pub mod map_names {
     pub const AFFINITY: &str = "AFFINITY";
     pub const COUNTERS: &str = "COUNTERS";
     pub const CT_TIMEOUTS: &str = "CT_TIMEOUTS";
-    pub const ALL: [&str; 7] = [
+    pub const NODE_ADDRS: &str = "NODE_ADDRS";
+    pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
+    pub const ALL: [&str; 10] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -29,6 +32,9 @@ pub mod map_names {
         AFFINITY,
         COUNTERS,
         CT_TIMEOUTS,
+        NODE_ADDRS,
+        NODE_CONFIG,
+        SOURCE_RANGES,
     ];
 }
 
@@ -38,6 +44,12 @@ pub mod program_names {
     /// A tc program that only passes: the floor of per-packet cost
     /// benchmarks on the machine they run on.
     pub const TC_PASS: &str = "tc_pass";
+    /// XDP on uplinks: the fast path of north-south traffic. Anything it
+    /// does not finish (rejects, unresolved neighbours, fragments) it passes
+    /// on untouched to `tc_ingress`, which runs the same logic.
+    pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// The XDP floor, as `TC_PASS` is for tc.
+    pub const XDP_PASS: &str = "xdp_pass";
 }
 
 /// Map capacities. The service, slot and backend maps are not preallocated
@@ -51,6 +63,8 @@ pub const MAX_BACKEND_SLOTS: u32 = 2_097_152;
 pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
+pub const MAX_NODE_ADDRS: u32 = 256;
+pub const MAX_SOURCE_RANGES: u32 = 65_536;
 
 /// `BPF_F_NO_PREALLOC`, for the map definitions.
 pub const MAP_F_NO_PREALLOC: usize = 1;
@@ -119,6 +133,14 @@ pub mod service_flags {
     /// With no backends, drop rather than reject (ITP/ETP Local with no
     /// local endpoint, as kube-proxy does).
     pub const NO_EP_DROP: u32 = 1 << 1;
+    /// A NodePort, ExternalIP or LoadBalancer frontend: a backend on another
+    /// node is reached with SNAT to this node's address, so that its replies
+    /// come back through here to be reverse-translated (kube-proxy
+    /// masquerades the same traffic).
+    pub const EXTERNAL: u32 = 1 << 2;
+    /// loadBalancerSourceRanges are set: a new flow is served only if its
+    /// client is in `SOURCE_RANGES` for this frontend, else dropped.
+    pub const SOURCE_RANGES: u32 = 1 << 3;
 }
 
 /// What a frontend points at. A packet copies this once and only uses slots
@@ -202,14 +224,25 @@ pub mod ct_flags {
     pub const CLOSING: u8 = 1 << 0;
     /// A reply was seen: the flow is established.
     pub const SEEN_REPLY: u8 = 1 << 1;
-    /// Hairpin flow: the client is its own backend. FORWARD packets also get
-    /// the hairpin source address; REPLY packets go back to their own
-    /// source.
+    /// Hairpin flow: the client is its own backend, and the flow is SNATed
+    /// to the hairpin address (`alt_*` is in use).
     pub const HAIRPIN: u8 = 1 << 2;
+    /// External flow to a backend on another node, SNATed to this node's
+    /// address (`alt_*` is in use).
+    pub const SNAT: u8 = 1 << 3;
+    /// After translation the packet's source is an address of this node,
+    /// which the stack would drop as martian: it is routed by a FIB lookup
+    /// and redirected instead.
+    pub const REDIRECT: u8 = 1 << 4;
+    /// `alt_*` is in use: the other address of the packet is rewritten too.
+    pub const TWO_SIDED: u8 = HAIRPIN | SNAT;
 }
 
-/// For a FORWARD entry, the backend the flow was sent to; for a REPLY entry,
-/// the frontend the client addressed (what replies are rewritten back to).
+/// For a FORWARD entry, `nat_*` is the backend the flow was sent to and
+/// `alt_*` the source it is given (SNAT or hairpin); for a REPLY entry,
+/// `nat_*` is the frontend the client addressed (what replies are rewritten
+/// back to) and `alt_*` the client's own address and port (where SNATed
+/// replies go back to). `alt_*` is used only when a `TWO_SIDED` flag is set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -218,9 +251,11 @@ pub struct CtValue {
     pub nat_port_be: u16,
     pub flags: u8,
     pub dir: u8,
+    pub alt_addr_be: [u32; 4],
+    pub alt_port_be: u16,
+    pub _pad1: u16,
     pub backend_id: u32,
     pub service_id: u32,
-    pub _pad1: u32,
     /// `bpf_ktime_get_ns` when the entry was created.
     pub created_ns: u64,
     /// `bpf_ktime_get_ns` of the last packet (updated at most once a second).
@@ -307,8 +342,75 @@ impl CtValue {
     }
 }
 
+/// `NodeAddr::flags` bits.
+pub mod node_addr_flags {
+    /// NodePorts are served on this address (it matches
+    /// `--nodeport-addresses`).
+    pub const NODEPORT: u32 = 1 << 0;
+}
+
+/// An address of this node (key of `NODE_ADDRS`), IPv4-mapped like every
+/// address here.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct NodeAddrKey {
+    pub addr_be: [u32; 4],
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct NodeAddr {
+    pub flags: u32,
+}
+
+/// The node-wide settings of the datapath: the single entry of the
+/// `NODE_CONFIG` array. Zeros (never written) mean no SNAT address, so
+/// external flows to remote backends are passed untranslated.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct NodeConfig {
+    /// The address external flows to remote backends are SNATed to.
+    pub snat_addr_be: [u32; 4],
+    /// SNAT source ports are drawn from `snat_port_min..=snat_port_max`
+    /// (host order).
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _pad: u32,
+}
+
+/// Default SNAT source port range: below the NodePort range (30000-32767)
+/// and Linux's ephemeral range (32768-60999), so a SNATed flow never takes
+/// the 4-tuple of a connection of the node itself.
+pub const SNAT_PORT_MIN: u16 = 1024;
+pub const SNAT_PORT_MAX: u16 = 29_999;
+
+/// Key of the `SOURCE_RANGES` LPM trie: the frontend (a LoadBalancer IP,
+/// port and protocol) is matched in full, then the client address by the
+/// range's prefix. Each frontend owns its entries, as each LoadBalancer IP
+/// has its own firewall chain in kube-proxy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SourceRangeKey {
+    pub frontend: ServiceKey,
+    pub client_be: [u32; 4],
+}
+
+/// Bits of a `SourceRangeKey` before the client address: the whole
+/// frontend.
+pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 8 * core::mem::size_of::<ServiceKey>() as u32;
+
+/// Prefix length of a `SOURCE_RANGES` entry for a client range of
+/// `prefix` bits of its 128-bit (IPv4-mapped for IPv4) address.
+pub const fn source_range_prefix(prefix128: u32) -> u32 {
+    SOURCE_RANGE_FRONTEND_BITS + prefix128
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AffinityKey {
     pub client_be: [u32; 4],
@@ -347,8 +449,23 @@ pub mod counter {
     pub const UNSUPPORTED_PROTO: u32 = 8;
     /// New hairpin flow (a backend reaching itself through its service).
     pub const HAIRPIN: u32 = 9;
+    /// New external flow SNATed to this node's address.
+    pub const SNAT_NEW: u32 = 10;
+    /// No free SNAT source port for a new flow: dropped.
+    pub const SNAT_EXHAUSTED: u32 = 11;
+    /// New flow to a LoadBalancer IP from outside its source ranges: dropped.
+    pub const DROP_SOURCE_RANGE: u32 = 12;
+    /// Packet routed by a FIB lookup and redirected (its new source is a node
+    /// address the stack would refuse).
+    pub const REDIRECT: u32 = 13;
+    /// XDP left a packet it could have translated to tc (no neighbour entry
+    /// yet, another egress interface, or a reject).
+    pub const XDP_TO_TC: u32 = 14;
+    /// Packet translated at XDP and sent back out of the interface it came
+    /// in on (by XDP_REDIRECT).
+    pub const XDP_TX: u32 = 15;
     pub const COUNT: u32 = 16;
-    pub const NAMES: [&str; 10] = [
+    pub const NAMES: [&str; 16] = [
         "dnat_new",
         "dnat_established",
         "rev_nat",
@@ -359,6 +476,12 @@ pub mod counter {
         "lookup_miss",
         "unsupported_proto",
         "hairpin",
+        "snat_new",
+        "snat_exhausted",
+        "drop_source_range",
+        "redirect",
+        "xdp_to_tc",
+        "xdp_tx",
     ];
 }
 
@@ -378,6 +501,10 @@ mod pod_impls {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtTimeouts {}
+    unsafe impl aya::Pod for NodeAddrKey {}
+    unsafe impl aya::Pod for NodeAddr {}
+    unsafe impl aya::Pod for NodeConfig {}
+    unsafe impl aya::Pod for SourceRangeKey {}
 }
 
 #[cfg(test)]
@@ -392,7 +519,9 @@ mod tests {
         assert_eq!(size_of::<BackendSlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 48);
+        assert_eq!(size_of::<CtValue>(), 64);
+        assert_eq!(size_of::<NodeConfig>(), 24);
+        assert_eq!(size_of::<SourceRangeKey>(), 36);
         assert_eq!(size_of::<AffinityKey>(), 20);
         assert_eq!(size_of::<AffinityValue>(), 16);
     }

@@ -1,19 +1,29 @@
 //! Per-flow state: both directions of a translated flow have an entry, so a
 //! packet needs one lookup whichever way it goes.
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, v4_mapped,
+    CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, slot_for,
+    v4_mapped,
 };
 
 use crate::{
     maps::{CONNTRACK, count, ct_timeouts},
+    nat::Nat,
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
+const BPF_ANY: u64 = 0;
+const BPF_NOEXIST: u64 = 1;
+/// Tries at a free SNAT port before a new flow is dropped.
+const SNAT_TRIES: u32 = 16;
+
+/// The clock of conntrack and affinity timestamps. The coarse clock (a tick
+/// behind at most) is cheaper per packet and ample for timeouts of seconds;
+/// the agent's reaper reads the same CLOCK_MONOTONIC base.
 #[inline(always)]
 pub fn now_ns() -> u64 {
-    unsafe { bpf_ktime_get_ns() }
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 #[inline(always)]
@@ -63,6 +73,30 @@ pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
     Some((ptr, entry))
 }
 
+/// What a packet of a known flow becomes.
+#[inline(always)]
+pub fn translation(entry: &CtValue, flow: &Flow) -> Nat {
+    let two_sided = entry.flags & ct_flags::TWO_SIDED != 0;
+    let mut nat = Nat::identity(flow);
+    if entry.dir == ct_dir::FORWARD {
+        nat.dst_be = entry.nat_addr_be[3];
+        nat.dport_be = entry.nat_port_be;
+        if two_sided {
+            nat.src_be = entry.alt_addr_be[3];
+            nat.sport_be = entry.alt_port_be;
+        }
+    } else {
+        nat.src_be = entry.nat_addr_be[3];
+        nat.sport_be = entry.nat_port_be;
+        if two_sided {
+            nat.dst_be = entry.alt_addr_be[3];
+            nat.dport_be = entry.alt_port_be;
+        }
+    }
+    nat.redirect = entry.flags & ct_flags::REDIRECT != 0;
+    nat
+}
+
 /// Records what this packet tells about the flow: a reply makes it
 /// established, FIN/RST starts closing. Timestamps are refreshed at most once
 /// a second to spare a write per packet.
@@ -85,39 +119,31 @@ pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
         }
     }
     if flags != entry.flags {
-        mirror_flags(entry, flow, flags, now);
+        mirror_flags(
+            entry,
+            flow,
+            flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY),
+            now,
+        );
     }
 }
 
 /// Copies state changes to the entry of the other direction, so that both
 /// age the same way.
 #[inline(always)]
-fn mirror_flags(entry: &CtValue, flow: &Flow, flags: u8, now: u64) {
-    // The other direction's tuple: the translated address and port swap in
-    // for this packet's destination (forward) or source (reply).
-    let hairpin = entry.flags & ct_flags::HAIRPIN != 0;
-    let peer = if entry.dir == ct_dir::FORWARD {
-        CtKey {
-            src_be: entry.nat_addr_be,
-            dst_be: v4_mapped(if hairpin { hairpin_addr() } else { flow.src_be }),
-            sport_be: entry.nat_port_be,
-            dport_be: flow.sport_be,
-            proto: flow.proto,
-            _pad: [0; 3],
-        }
-    } else {
-        CtKey {
-            src_be: v4_mapped(if hairpin { flow.src_be } else { flow.dst_be }),
-            dst_be: entry.nat_addr_be,
-            sport_be: flow.dport_be,
-            dport_be: entry.nat_port_be,
-            proto: flow.proto,
-            _pad: [0; 3],
-        }
-    };
+fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) {
+    // The other direction's tuple is this packet's translation, reversed.
+    let nat = translation(entry, flow);
+    let peer = key(
+        nat.dst_be,
+        nat.src_be,
+        nat.dport_be,
+        nat.sport_be,
+        flow.proto,
+    );
     if let Some(p) = CONNTRACK.get_ptr_mut(peer) {
         unsafe {
-            (*p).flags |= flags;
+            (*p).flags |= state;
             (*p).last_seen_ns = now;
         }
     }
@@ -129,50 +155,110 @@ pub fn hairpin_addr() -> u32 {
     u32::from_ne_bytes(HAIRPIN_ADDR)
 }
 
-/// Creates both entries of a new flow from `flow` (client -> frontend) to
-/// the backend at `backend_addr`:`backend_port`. A hairpin flow's backend
-/// answers the hairpin address instead of the client.
+/// A new flow, as decided: `nat` is what its first packet becomes.
+pub struct NewFlow {
+    pub nat: Nat,
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// HAIRPIN or SNAT for a two-sided flow, else 0.
+    pub kind: u8,
+    /// Replies leave with a source that is an address of this node.
+    pub reply_redirect: bool,
+}
+
+/// Creates both entries of a new flow of `flow` (client -> frontend). The
+/// backend answers `nf.nat`'s source (the client, the hairpin address, or
+/// this node for SNAT), and its replies are rewritten back to the frontend
+/// and the client.
 #[inline(always)]
-pub fn create(
-    flow: &Flow,
-    backend_addr_be: [u32; 4],
-    backend_port_be: u16,
-    backend_id: u32,
-    service_id: u32,
-    hairpin: bool,
-    now: u64,
-) {
-    let client = v4_mapped(if hairpin { hairpin_addr() } else { flow.src_be });
+fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
     let forward = CtValue {
-        nat_addr_be: backend_addr_be,
-        nat_port_be: backend_port_be,
-        flags: if hairpin { ct_flags::HAIRPIN } else { 0 },
+        nat_addr_be: v4_mapped(nf.nat.dst_be),
+        nat_port_be: nf.nat.dport_be,
+        flags: nf.kind
+            | if nf.nat.redirect {
+                ct_flags::REDIRECT
+            } else {
+                0
+            },
         dir: ct_dir::FORWARD,
-        backend_id,
-        service_id,
+        alt_addr_be: v4_mapped(nf.nat.src_be),
+        alt_port_be: nf.nat.sport_be,
         _pad1: 0,
+        backend_id: nf.backend_id,
+        service_id: nf.service_id,
         created_ns: now,
         last_seen_ns: now,
     };
     let reply = CtValue {
         nat_addr_be: v4_mapped(flow.dst_be),
         nat_port_be: flow.dport_be,
+        flags: nf.kind
+            | if nf.reply_redirect {
+                ct_flags::REDIRECT
+            } else {
+                0
+            },
         dir: ct_dir::REPLY,
+        alt_addr_be: v4_mapped(flow.src_be),
+        alt_port_be: flow.sport_be,
         ..forward
     };
-    let reply_key = CtKey {
-        src_be: backend_addr_be,
-        dst_be: client,
-        sport_be: backend_port_be,
-        dport_be: flow.sport_be,
-        proto: flow.proto,
-        _pad: [0; 3],
-    };
+    let reply_key = key(
+        nf.nat.dst_be,
+        nf.nat.src_be,
+        nf.nat.dport_be,
+        nf.nat.sport_be,
+        flow.proto,
+    );
+    (reply_key, forward, reply)
+}
+
+/// Creates both entries of a new flow whose source port is kept.
+#[inline(always)]
+pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
+    let (reply_key, forward, reply) = entries(flow, nf, now);
     // Reply entry first: once the forward entry exists, packets are
     // translated, and their answers must already find their way back.
-    if CONNTRACK.insert(reply_key, reply, 0).is_err()
-        || CONNTRACK.insert(flow_key(flow), forward, 0).is_err()
+    if CONNTRACK.insert(reply_key, reply, BPF_ANY).is_err()
+        || CONNTRACK.insert(flow_key(flow), forward, BPF_ANY).is_err()
     {
         count(counter::CT_INSERT_FAILED);
     }
+}
+
+/// Creates both entries of a SNATed flow, choosing its source port in
+/// `min..=max` (host order): the reply entry is inserted only if no live
+/// flow holds that (backend, node address, port) tuple, so two flows never
+/// share one. Returns the port (network order), or None when every try was
+/// taken.
+#[inline(always)]
+pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) -> Option<u16> {
+    let span = (max as u32).saturating_sub(min as u32) + 1;
+    let timeouts = ct_timeouts();
+    for _ in 0..SNAT_TRIES {
+        let port = min as u32 + slot_for(unsafe { bpf_get_prandom_u32() }, span);
+        nf.nat.sport_be = (port as u16).to_be();
+        let (reply_key, forward, reply) = entries(flow, nf, now);
+        let mut taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
+        if taken {
+            // An expired flow gives its port up. Removing and inserting
+            // again (not overwriting) keeps two racing CPUs from both
+            // winning it.
+            let expired = CONNTRACK
+                .get_ptr(reply_key)
+                .is_some_and(|p| unsafe { (*p).expired(flow.proto, now, &timeouts) });
+            if expired {
+                let _ = CONNTRACK.remove(reply_key);
+                taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
+            }
+        }
+        if !taken {
+            if CONNTRACK.insert(flow_key(flow), forward, BPF_ANY).is_err() {
+                count(counter::CT_INSERT_FAILED);
+            }
+            return Some(nf.nat.sport_be);
+        }
+    }
+    None
 }

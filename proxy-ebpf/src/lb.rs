@@ -1,21 +1,79 @@
 //! Frontend lookup and backend selection.
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
+use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, ServiceKey, ServiceValue, scope,
-    service_flags, slot_for, v4_mapped,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, NodeAddrKey, ServiceKey, ServiceValue,
+    SourceRangeKey, node_addr_flags, scope, service_flags, slot_for, v4_mapped,
 };
 
-use crate::maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, SERVICES};
+use crate::{
+    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, NODE_ADDRS, SERVICES, SOURCE_RANGES},
+    packet::Flow,
+};
+
+/// A frontend a new flow matched.
+pub struct Frontend {
+    pub svc: ServiceValue,
+    /// The flow's destination is an address of this node (a NodePort, or an
+    /// external address the node holds): replies leave from it.
+    pub on_node: bool,
+}
+
+/// The frontend `flow` is addressed to: its own (address, port), else a
+/// NodePort when the address is one NodePorts are served on.
+#[inline(always)]
+pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
+    if let Some(svc) = lookup_service(flow.dst_be, flow.dport_be, flow.proto) {
+        let on_node =
+            svc.flags & service_flags::EXTERNAL != 0 && node_addr_flags(flow.dst_be).is_some();
+        return Some(Frontend { svc, on_node });
+    }
+    let flags = node_addr_flags(flow.dst_be)?;
+    if flags & node_addr_flags::NODEPORT == 0 {
+        return None;
+    }
+    // NodePorts are programmed once, on the unspecified address.
+    let svc = lookup_service(0, flow.dport_be, flow.proto)?;
+    Some(Frontend { svc, on_node: true })
+}
+
+/// Flags of `addr_be` when it is an address of this node.
+#[inline(always)]
+pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
+    let key = NodeAddrKey {
+        addr_be: v4_mapped(addr_be),
+    };
+    NODE_ADDRS.get_ptr(key).map(|p| unsafe { (*p).flags })
+}
+
+/// Whether `client_be` is inside one of the loadBalancerSourceRanges of
+/// the frontend `flow` is addressed to.
+#[inline(always)]
+pub fn source_allowed(flow: &Flow) -> bool {
+    let key = Key::new(
+        proxy_common::source_range_prefix(128),
+        SourceRangeKey {
+            frontend: service_key(flow.dst_be, flow.dport_be, flow.proto),
+            client_be: v4_mapped(flow.src_be),
+        },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
 
 #[inline(always)]
-pub fn lookup_service(addr_be: u32, port_be: u16, proto: u8) -> Option<ServiceValue> {
-    let key = ServiceKey {
+fn service_key(addr_be: u32, port_be: u16, proto: u8) -> ServiceKey {
+    ServiceKey {
         addr_be: v4_mapped(addr_be),
         port_be,
         proto,
         scope: scope::ANY,
-    };
+    }
+}
+
+#[inline(always)]
+pub fn lookup_service(addr_be: u32, port_be: u16, proto: u8) -> Option<ServiceValue> {
+    let key = service_key(addr_be, port_be, proto);
     // Copied once: the rest of this packet's decisions use this snapshot
     // (see ServiceValue on how the agent keeps that consistent).
     SERVICES.get_ptr(key).map(|p| unsafe { *p })

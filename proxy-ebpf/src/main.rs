@@ -1,30 +1,81 @@
-//! ebpf-proxy kernel programs. Entry points are thin; the logic lives in the
-//! modules, shared by every hook.
+//! ebpf-proxy kernel programs. Entry points are thin: they run the shared
+//! pipeline (`service`) and carry out its decision in their hook's terms.
 #![no_std]
 #![no_main]
 
+mod checksum;
 mod conntrack;
+mod hook;
 mod lb;
 mod maps;
 mod nat;
 mod packet;
 mod reject;
+mod route;
 mod service;
 
-use aya_ebpf::{macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::PROTO_TCP;
+use service::Action;
 
-/// tc ingress on pod-facing interfaces and uplinks: DNAT of packets to
-/// frontends, reverse NAT of their replies.
+/// tc ingress on pod-facing interfaces and uplinks: every translation,
+/// east-west and north-south; on uplinks also what XDP left to it.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    service::handle(&ctx)
+    match service::handle(&ctx) {
+        Action::Pass => TC_ACT_OK,
+        Action::Drop => TC_ACT_SHOT,
+        Action::Reject(flow) => {
+            let rejected = if flow.proto == PROTO_TCP {
+                reject::tcp_reset(&ctx, &flow)
+            } else {
+                reject::icmp_port_unreachable(&ctx, &flow)
+            };
+            rejected.unwrap_or(TC_ACT_SHOT)
+        }
+        Action::Redirect(flow, nat) => {
+            route::redirect_tc(&ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)
+        }
+        // Not produced at tc.
+        Action::Tx | Action::ToTc => TC_ACT_OK,
+    }
+}
+
+/// XDP on uplinks: the north-south fast path, before any socket buffer
+/// exists.
+#[xdp]
+pub fn xdp_ingress(ctx: XdpContext) -> u32 {
+    match service::handle(&ctx) {
+        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
+        Action::Drop => xdp_action::XDP_DROP,
+        Action::Tx => {
+            // A redirect to the interface the packet came in on, rather than
+            // XDP_TX: the same on a NIC, and on a veth it also works when
+            // the peer runs no XDP program (XDP_TX frames then wait in the
+            // peer's queue until other traffic flushes it).
+            maps::count(proxy_common::counter::XDP_TX);
+            unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
+        }
+        // Not produced at XDP.
+        Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
+    }
 }
 
 /// Does nothing: the per-packet cost floor that benchmarks compare against.
 /// Never attached.
 #[classifier]
 pub fn tc_pass(_ctx: TcContext) -> i32 {
-    aya_ebpf::bindings::TC_ACT_OK
+    TC_ACT_OK
+}
+
+/// The XDP floor, as `tc_pass` is for tc.
+#[xdp]
+pub fn xdp_pass(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
 }
 
 #[cfg(not(test))]

@@ -2,13 +2,14 @@
 //! carries key and value types and `bpftool map dump` prints field names.
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
-    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK, MAX_SERVICES,
-    ServiceKey, ServiceValue, counter,
+    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK,
+    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
+    ServiceValue, SourceRangeKey, counter,
 };
 
 #[btf_map]
@@ -48,6 +49,24 @@ pub fn ct_timeouts() -> CtTimeouts {
         .get_ptr(0)
         .map_or(CtTimeouts::DEFAULT, |p| unsafe { *p }.or_default())
 }
+
+#[btf_map]
+pub static NODE_ADDRS: HashMap<NodeAddrKey, NodeAddr, { MAX_NODE_ADDRS as usize }> = HashMap::new();
+
+#[btf_map]
+pub static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+/// The node settings in force (zeros until the agent writes them).
+#[inline(always)]
+pub fn node_config() -> NodeConfig {
+    NODE_CONFIG
+        .get_ptr(0)
+        .map_or(NodeConfig::default(), |p| unsafe { *p })
+}
+
+#[btf_map]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =
+    LpmTrie::new();
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -1,13 +1,17 @@
-//! Address and port rewrites with incremental checksum updates.
+//! Address and port rewrites: what a packet becomes, and the tc way of
+//! writing it (the XDP way is in `checksum`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::PROTO_UDP;
 
-use crate::packet::{ETH_HLEN, Flow};
+use crate::{
+    hook::Hook,
+    packet::{ETH_HLEN, Flow},
+};
 
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
 const IP_DST_OFF: usize = ETH_HLEN + 16;
-const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
 /// 0xffff, as RFC 768 wants.
@@ -18,9 +22,49 @@ pub enum Side {
     Destination,
 }
 
-/// Rewrites the source or destination address and port of `flow`.
+/// The addresses and ports a packet leaves with.
+#[derive(Clone, Copy)]
+pub struct Nat {
+    pub src_be: u32,
+    pub sport_be: u16,
+    pub dst_be: u32,
+    pub dport_be: u16,
+    /// The new source is an address of this node: the packet must be routed
+    /// by a FIB lookup and redirected, as the stack would drop it.
+    pub redirect: bool,
+}
+
+impl Nat {
+    /// The packet as it is.
+    #[inline(always)]
+    pub fn identity(flow: &Flow) -> Nat {
+        Nat {
+            src_be: flow.src_be,
+            sport_be: flow.sport_be,
+            dst_be: flow.dst_be,
+            dport_be: flow.dport_be,
+            redirect: false,
+        }
+    }
+
+    /// Writes this translation into the packet.
+    #[inline(always)]
+    pub fn apply<H: Hook>(&self, ctx: &H, flow: &Flow) -> Result<(), ()> {
+        if self.dst_be != flow.dst_be || self.dport_be != flow.dport_be {
+            ctx.rewrite(flow, Side::Destination, self.dst_be, self.dport_be)?;
+        }
+        if self.src_be != flow.src_be || self.sport_be != flow.sport_be {
+            ctx.rewrite(flow, Side::Source, self.src_be, self.sport_be)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rewrites the source or destination address and port of `flow` through
+/// the kernel's helpers, which keep the socket buffer's checksum state
+/// (partial or complete) right.
 #[inline(always)]
-pub fn rewrite(
+pub fn rewrite_skb(
     ctx: &TcContext,
     flow: &Flow,
     side: Side,

@@ -1,9 +1,10 @@
-//! Parsing of the headers the datapath acts on, through bounds-checked
-//! `bpf_skb_load_bytes` loads (no packet pointers to re-validate after the
-//! checksum helpers move the data).
+//! Parsing of the headers the datapath acts on, read in place (direct
+//! packet access: no helper call per field). The result holds offsets, not
+//! pointers, so it stays valid after helpers that move packet data.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+
+use crate::hook::Hook;
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
@@ -24,6 +25,8 @@ pub struct Flow {
     pub l4_off: usize,
     pub proto: u8,
     pub ihl_bytes: usize,
+    /// IPv4 total length (host order).
+    pub tot_len: u16,
     pub src_be: u32,
     pub dst_be: u32,
     pub sport_be: u16,
@@ -44,6 +47,7 @@ impl Flow {
 }
 
 /// Why a packet was not parsed into a [`Flow`].
+#[derive(Clone, Copy)]
 pub enum Skip {
     /// Not something the datapath translates (not IPv4, not TCP/UDP, a
     /// fragment): passed silently.
@@ -51,6 +55,9 @@ pub enum Skip {
     /// Headers shorter or inconsistent with what they claim: passed, and
     /// counted.
     Malformed,
+    /// The headers are not (all) in the linear area; pulling this many
+    /// bytes may bring them in.
+    Truncated(u32),
 }
 
 #[repr(C)]
@@ -68,19 +75,50 @@ struct Ipv4Head {
     dst_be: u32,
 }
 
+/// Bytes the parser needs in the linear area: Ethernet, the longest IPv4
+/// header, and a TCP header without options.
+const PARSE_LEN: u32 = (ETH_HLEN + 60 + TCP_MIN_HLEN) as u32;
+
+/// Reads a `T` at `off` when the packet has it in its linear area.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Result<Flow, Skip> {
-    let eth_type: u16 = ctx.load(12).map_err(|_| Skip::NotOurs)?;
+fn read<T: Copy>(data: usize, data_end: usize, off: usize) -> Option<T> {
+    let at = data + off;
+    if at + core::mem::size_of::<T>() > data_end {
+        return None;
+    }
+    // SAFETY: inside the packet, as just checked.
+    Some(unsafe { (at as *const T).read_unaligned() })
+}
+
+/// Parses the packet's headers, reading them in place. A tc packet whose
+/// headers are not all in the linear area is pulled once and read again.
+#[inline(always)]
+pub fn parse<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
+    match parse_linear(ctx) {
+        Err(Skip::Truncated(need)) if !H::XDP && ctx.pull(need) => match parse_linear(ctx) {
+            Err(Skip::Truncated(_)) => Err(Skip::Malformed),
+            other => other,
+        },
+        Err(Skip::Truncated(_)) => Err(Skip::Malformed),
+        other => other,
+    }
+}
+
+#[inline(always)]
+fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
+    let (data, data_end) = ctx.bounds();
+    let short = Skip::Truncated(PARSE_LEN);
+    let eth_type: u16 = read(data, data_end, 12).ok_or(Skip::NotOurs)?;
     if eth_type != ETH_P_IP_BE {
         return Err(Skip::NotOurs);
     }
-    let ip: Ipv4Head = ctx.load(ETH_HLEN).map_err(|_| Skip::Malformed)?;
+    let ip: Ipv4Head = read(data, data_end, ETH_HLEN).ok_or(short)?;
     if ip.ver_ihl >> 4 != 4 {
         return Err(Skip::Malformed);
     }
     let ihl_bytes = ((ip.ver_ihl & 0x0f) as usize) * 4;
     let tot_len = u16::from_be(ip.tot_len_be) as usize;
-    if ihl_bytes < IPV4_MIN_HLEN || tot_len < ihl_bytes || ETH_HLEN + tot_len > ctx.len() as usize {
+    if ihl_bytes < IPV4_MIN_HLEN || tot_len < ihl_bytes || ETH_HLEN + tot_len > ctx.wire_len() {
         return Err(Skip::Malformed);
     }
     if ip.proto != PROTO_TCP && ip.proto != PROTO_UDP && ip.proto != PROTO_SCTP {
@@ -93,19 +131,19 @@ pub fn parse(ctx: &TcContext) -> Result<Flow, Skip> {
     }
     let l4_off = ETH_HLEN + ihl_bytes;
     let l4_len = tot_len - ihl_bytes;
-    let ports: [u16; 2] = ctx.load(l4_off).map_err(|_| Skip::Malformed)?;
+    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(short)?;
     let mut tcp_flags = 0;
     if ip.proto == PROTO_TCP {
-        let doff: u8 = ctx.load(l4_off + 12).map_err(|_| Skip::Malformed)?;
-        let doff_bytes = ((doff >> 4) as usize) * 4;
+        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(short)?;
+        let doff_bytes = ((head[0] >> 4) as usize) * 4;
         if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
             return Err(Skip::Malformed);
         }
-        tcp_flags = ctx.load(l4_off + 13).map_err(|_| Skip::Malformed)?;
+        tcp_flags = head[1];
     } else if ip.proto == PROTO_SCTP {
         // Only its ports are read: SCTP frontends are counted, not translated.
     } else {
-        let udp_len: u16 = ctx.load(l4_off + 4).map_err(|_| Skip::Malformed)?;
+        let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(short)?;
         let udp_len = u16::from_be(udp_len) as usize;
         if l4_len < UDP_HLEN || udp_len < UDP_HLEN || udp_len > l4_len {
             return Err(Skip::Malformed);
@@ -115,6 +153,7 @@ pub fn parse(ctx: &TcContext) -> Result<Flow, Skip> {
         l4_off,
         proto: ip.proto,
         ihl_bytes,
+        tot_len: tot_len as u16,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
         sport_be: ports[0],

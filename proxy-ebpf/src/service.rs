@@ -1,138 +1,208 @@
 //! The per-packet pipeline shared by every hook: conntrack, then frontend
-//! lookup, then translation or reject.
+//! lookup, then a decision on what the packet becomes. The hooks carry the
+//! decision out (see `Action`).
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    programs::TcContext,
+use proxy_common::{
+    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags,
 };
-use proxy_common::{PROTO_SCTP, PROTO_TCP, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
 
 use crate::{
-    conntrack, lb,
-    maps::count,
-    nat::{self, Side},
+    conntrack::{self, NewFlow},
+    hook::Hook,
+    lb,
+    maps::{count, node_config},
+    nat::Nat,
     packet::{self, Flow, Skip},
-    reject,
+    route::{self, NextHop},
 };
 
+/// What the hook does with the packet.
+pub enum Action {
+    /// Leave it to the stack, translated or not.
+    Pass,
+    Drop,
+    /// Answer with a TCP reset or ICMP port unreachable.
+    Reject(Flow),
+    /// Translated; the stack would refuse its source, so route it here.
+    Redirect(Flow, Nat),
+    /// XDP only: translated and routed back out of the interface it came in
+    /// on.
+    Tx,
+    /// XDP only: left untouched for tc, which runs the same pipeline and can
+    /// do what XDP cannot (rejects, neighbour resolution, other egress).
+    ToTc,
+}
+
 #[inline(always)]
-pub fn handle(ctx: &TcContext) -> i32 {
+pub fn handle<H: Hook>(ctx: &H) -> Action {
     let flow = match packet::parse(ctx) {
         Ok(flow) => flow,
-        Err(Skip::NotOurs) => return TC_ACT_OK,
-        Err(Skip::Malformed) => {
+        Err(Skip::NotOurs) => return Action::Pass,
+        Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
-            return TC_ACT_OK;
+            return Action::Pass;
         }
     };
     if flow.proto == PROTO_SCTP {
         // SCTP needs its CRC32c recomputed on every rewrite, which the
         // datapath does not do yet: such packets are counted and passed, and
         // the agent says so when it programs an SCTP frontend.
-        if lb::lookup_service(flow.dst_be, flow.dport_be, flow.proto).is_some() {
+        if lb::lookup_frontend(&flow).is_some() {
             count(counter::UNSUPPORTED_PROTO);
         }
-        return TC_ACT_OK;
+        return Action::Pass;
     }
     let now = conntrack::now_ns();
     if let Some((ptr, entry)) = conntrack::lookup(&flow, now) {
-        conntrack::touch(ptr, &entry, &flow, now);
-        let (side, which) = if entry.dir == ct_dir::FORWARD {
-            (Side::Destination, counter::DNAT_ESTABLISHED)
-        } else {
-            (Side::Source, counter::REV_NAT)
-        };
         if !is_v4_mapped(&entry.nat_addr_be) {
             count(counter::LOOKUP_MISS);
-            return TC_ACT_OK;
+            return Action::Pass;
         }
-        count(which);
-        let mut result = nat::rewrite(ctx, &flow, side, entry.nat_addr_be[3], entry.nat_port_be);
-        if result.is_ok() && entry.flags & ct_flags::HAIRPIN != 0 {
-            // The other address of a hairpin flow: the hairpin source on the
-            // way in, the pod itself on the way back.
-            result = if entry.dir == ct_dir::FORWARD {
-                nat::rewrite(
-                    ctx,
-                    &flow,
-                    Side::Source,
-                    conntrack::hairpin_addr(),
-                    flow.sport_be,
-                )
-            } else {
-                nat::rewrite(ctx, &flow, Side::Destination, flow.src_be, flow.dport_be)
-            };
-        }
-        return verdict(result);
+        let nat = conntrack::translation(&entry, &flow);
+        // XDP routes before it writes anything, so that a packet it cannot
+        // send is left to tc as it came.
+        let hop = if H::XDP && nat.redirect {
+            match xdp_next_hop(ctx, &flow, &nat) {
+                Some(hop) => Some(hop),
+                None => return Action::ToTc,
+            }
+        } else {
+            None
+        };
+        conntrack::touch(ptr, &entry, &flow, now);
+        count(if entry.dir == ct_dir::FORWARD {
+            counter::DNAT_ESTABLISHED
+        } else {
+            counter::REV_NAT
+        });
+        return finish(ctx, &flow, &nat, hop);
     }
-    let Some(svc) = lb::lookup_service(flow.dst_be, flow.dport_be, flow.proto) else {
-        return TC_ACT_OK;
+    let Some(frontend) = lb::lookup_frontend(&flow) else {
+        return Action::Pass;
     };
-    new_flow(ctx, &flow, &svc, now)
+    new_flow(ctx, &flow, &frontend, now)
 }
 
 #[inline(always)]
-fn new_flow(ctx: &TcContext, flow: &Flow, svc: &proxy_common::ServiceValue, now: u64) -> i32 {
+fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) -> Action {
+    let svc = &frontend.svc;
+    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(flow) {
+        count(counter::DROP_SOURCE_RANGE);
+        return Action::Drop;
+    }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
-            return TC_ACT_SHOT;
+            return Action::Drop;
+        }
+        if H::XDP {
+            count(counter::XDP_TO_TC);
+            return Action::ToTc;
         }
         count(counter::REJECT);
-        let rejected = if flow.proto == PROTO_TCP {
-            reject::tcp_reset(ctx, flow)
-        } else {
-            reject::icmp_port_unreachable(ctx, flow)
-        };
-        return rejected.unwrap_or(TC_ACT_SHOT);
+        return Action::Reject(*flow);
     }
     let Some((backend_id, backend)) = lb::select(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);
-        return TC_ACT_OK;
+        return Action::Pass;
     };
     if !is_v4_mapped(&backend.addr_be) {
         count(counter::LOOKUP_MISS);
-        return TC_ACT_OK;
+        return Action::Pass;
     }
-    let hairpin = backend.addr_be[3] == flow.src_be;
-    conntrack::create(
-        flow,
-        backend.addr_be,
-        backend.port_be,
+    let mut nf = NewFlow {
+        nat: Nat {
+            dst_be: backend.addr_be[3],
+            dport_be: backend.port_be,
+            ..Nat::identity(flow)
+        },
         backend_id,
-        svc.service_id,
-        hairpin,
-        now,
-    );
-    count(counter::DNAT_NEW);
-    let mut result = nat::rewrite(
-        ctx,
-        flow,
-        Side::Destination,
-        backend.addr_be[3],
-        backend.port_be,
-    );
-    if hairpin && result.is_ok() {
-        count(counter::HAIRPIN);
-        result = nat::rewrite(
-            ctx,
-            flow,
-            Side::Source,
-            conntrack::hairpin_addr(),
-            flow.sport_be,
-        );
+        service_id: svc.service_id,
+        kind: 0,
+        reply_redirect: frontend.on_node,
+    };
+    let hairpin = backend.addr_be[3] == flow.src_be;
+    let config = node_config();
+    let snat = !hairpin
+        && svc.flags & service_flags::EXTERNAL != 0
+        && backend.flags & backend_flags::LOCAL == 0
+        && config.snat_addr_be[3] != 0;
+    if hairpin {
+        nf.kind = ct_flags::HAIRPIN;
+        nf.nat.src_be = conntrack::hairpin_addr();
+    } else if snat {
+        nf.kind = ct_flags::SNAT;
+        nf.nat.src_be = config.snat_addr_be[3];
+        nf.nat.redirect = true;
     }
-    verdict(result)
+    let hop = if H::XDP && nf.nat.redirect {
+        match xdp_next_hop(ctx, flow, &nf.nat) {
+            Some(hop) => Some(hop),
+            None => return Action::ToTc,
+        }
+    } else {
+        None
+    };
+    if snat {
+        if conntrack::create_snat(
+            flow,
+            &mut nf,
+            config.snat_port_min,
+            config.snat_port_max,
+            now,
+        )
+        .is_none()
+        {
+            count(counter::SNAT_EXHAUSTED);
+            return Action::Drop;
+        }
+        count(counter::SNAT_NEW);
+    } else {
+        conntrack::create(flow, &nf, now);
+    }
+    count(counter::DNAT_NEW);
+    if hairpin {
+        count(counter::HAIRPIN);
+    }
+    finish(ctx, flow, &nf.nat, hop)
 }
 
-/// A rewrite that failed half-way leaves a packet with a wrong checksum:
-/// drop it rather than send garbage.
+/// Where XDP can send a packet that needs routing: only a resolved next hop
+/// out of the interface it came in on. Anything else is tc's.
 #[inline(always)]
-fn verdict(result: Result<(), i64>) -> i32 {
-    match result {
-        Ok(()) => TC_ACT_OK,
-        Err(_) => TC_ACT_SHOT,
+fn xdp_next_hop<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Option<NextHop> {
+    let hop = route::lookup(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)?;
+    if hop.resolved && hop.ifindex == ctx.ingress_ifindex() {
+        Some(hop)
+    } else {
+        count(counter::XDP_TO_TC);
+        None
+    }
+}
+
+/// Writes the translation and says how the packet leaves.
+#[inline(always)]
+fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>) -> Action {
+    if nat.apply(ctx, flow).is_err() {
+        // A rewrite that failed half-way leaves a packet with a wrong
+        // checksum: drop it rather than send garbage.
+        return Action::Drop;
+    }
+    if !nat.redirect {
+        return Action::Pass;
+    }
+    count(counter::REDIRECT);
+    match hop {
+        Some(hop) => {
+            let (data, data_end) = ctx.bounds();
+            if crate::checksum::forward_direct(data, data_end, &hop.dmac, &hop.smac) {
+                Action::Tx
+            } else {
+                Action::Drop
+            }
+        }
+        None => Action::Redirect(*flow, *nat),
     }
 }

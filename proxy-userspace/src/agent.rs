@@ -2,8 +2,8 @@
 //! coalesced sync at a time, with interface attachment alongside.
 
 use std::{
-    collections::BTreeSet,
-    net::SocketAddr,
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
 };
@@ -16,11 +16,12 @@ use tracing::{error, info, info_span, warn};
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, PinLayout, conntrack,
-        interfaces::{self, Interfaces, Selection},
+        Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack,
+        interfaces::{self, Interfaces, Selection, Snapshot},
     },
+    healthcheck::HealthCheckServer,
     http::{self, Health, HttpError},
-    model::{ModelConfig, Protocol},
+    model::{self, Cidr, HealthCheck, ModelConfig, Protocol},
     planner::Planner,
     source::{Kind, ObjectKey, SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
@@ -64,6 +65,12 @@ pub struct AgentConfig {
     pub min_sync_period: Duration,
     pub model: ModelConfig,
     pub ct_timeouts: proxy_common::CtTimeouts,
+    /// CIDRs of the node addresses NodePorts are served on; empty = all.
+    pub nodeport_addresses: Vec<Cidr>,
+    pub xdp_mode: XdpModeSetting,
+    /// SNAT address for external flows to remote backends; default: the
+    /// first address of the first uplink.
+    pub node_ip: Option<Ipv4Addr>,
 }
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
@@ -94,7 +101,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let health = Health::default();
     let _http = http::serve(config.healthz, health.clone()).await?;
 
-    let (if_tx, mut if_rx) = mpsc::channel::<Interfaces>(4);
+    // On every address, as kube-proxy does without nodePortAddresses; with
+    // them it would follow the matching addresses as they come and go.
+    let health_checks = HealthCheckServer::new(Vec::new(), health.clone());
+
+    let (if_tx, mut if_rx) = mpsc::channel::<Snapshot>(4);
     let selection = Selection {
         only: config.interfaces.clone(),
     };
@@ -117,6 +128,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         initial_done: false,
         sequence: 0,
         sctp_reported: BTreeSet::new(),
+        health_checks: BTreeMap::new(),
+        health_checks_changed: false,
     };
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
@@ -127,10 +140,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 sync.dirty.extend(state.apply(event));
                 deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.min_sync_period);
             }
-            Some(ifaces) = if_rx.recv() => attach_all(&mut datapath, &ifaces),
+            Some(snapshot) = if_rx.recv() => apply_snapshot(&mut datapath, &snapshot, &config),
             _ = async { tokio::time::sleep_until(deadline.unwrap()).await }, if deadline.is_some() => {
                 deadline = None;
                 sync.run(&state, &config.model, &mut planner, &mut datapath, &health);
+                if std::mem::take(&mut sync.health_checks_changed) {
+                    health_checks.update(sync.health_checks.values().cloned().collect()).await;
+                }
             }
             _ = reap.tick() => reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
@@ -181,6 +197,87 @@ async fn spawn_source(
     Ok(())
 }
 
+/// Follows the node's interfaces and addresses: tc everywhere, XDP on
+/// uplinks, the node addresses NodePorts are served on, the SNAT address.
+fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentConfig) {
+    attach_all(datapath, &snapshot.interfaces);
+    let stale: Vec<String> = datapath
+        .xdp_attached()
+        .filter(|(name, _)| !snapshot.uplinks.contains(*name))
+        .map(|(name, _)| name.to_string())
+        .collect();
+    for name in stale {
+        datapath.forget_xdp(&name);
+    }
+    if config.xdp_mode != XdpModeSetting::Off {
+        for name in &snapshot.uplinks {
+            let Some(&index) = snapshot.interfaces.get(name) else {
+                continue;
+            };
+            match datapath.attach_xdp(name, index, config.xdp_mode) {
+                Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
+                Err(e) => warn!(
+                    error = %e,
+                    "XDP not attached; tc ingress handles this interface's north-south traffic"
+                ),
+            }
+        }
+    }
+    let wanted = node_addrs(&snapshot.addrs, &config.nodeport_addresses);
+    if let Err(e) = datapath.maps.sync_node_addrs(&wanted) {
+        error!(error = %e, "node addresses not updated; NodePorts follow the previous ones");
+    }
+    let snat = config.node_ip.or_else(|| snapshot.addrs.first().copied());
+    let node = proxy_common::NodeConfig {
+        snat_addr_be: snat.map_or([0; 4], |ip| {
+            proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets()))
+        }),
+        snat_port_min: proxy_common::SNAT_PORT_MIN,
+        snat_port_max: proxy_common::SNAT_PORT_MAX,
+        _pad: 0,
+    };
+    if let Err(e) = datapath.maps.set_node_config(node) {
+        error!(error = %e, "SNAT address not set");
+    }
+    info!(
+        interfaces = snapshot.interfaces.len(),
+        uplinks = ?snapshot.uplinks,
+        xdp = ?datapath.xdp_attached().collect::<Vec<_>>(),
+        node_addrs = ?snapshot.addrs,
+        snat = ?snat,
+        "interfaces and addresses"
+    );
+}
+
+/// `NODE_ADDRS` for these addresses: each is a node address; those inside
+/// `--nodeport-addresses` (all, when it is empty) serve NodePorts.
+pub fn node_addrs(
+    addrs: &[Ipv4Addr],
+    nodeport_addresses: &[Cidr],
+) -> BTreeMap<proxy_common::NodeAddrKey, proxy_common::NodeAddr> {
+    addrs
+        .iter()
+        .map(|ip| {
+            let serves = nodeport_addresses.is_empty()
+                || nodeport_addresses
+                    .iter()
+                    .any(|c| c.contains(IpAddr::V4(*ip)));
+            (
+                proxy_common::NodeAddrKey {
+                    addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
+                },
+                proxy_common::NodeAddr {
+                    flags: if serves {
+                        proxy_common::node_addr_flags::NODEPORT
+                    } else {
+                        0
+                    },
+                },
+            )
+        })
+        .collect()
+}
+
 fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
     let gone: Vec<String> = datapath
         .attached()
@@ -207,9 +304,42 @@ struct SyncLoop {
     sequence: u64,
     /// SCTP frontends already reported as not translated by the datapath.
     sctp_reported: BTreeSet<crate::model::FrontendKey>,
+    /// healthCheckNodePort of each Service that has one.
+    health_checks: BTreeMap<ObjectKey, HealthCheck>,
+    health_checks_changed: bool,
 }
 
 impl SyncLoop {
+    fn refresh_health_check(
+        &mut self,
+        state: &ClusterState,
+        key: &ObjectKey,
+        config: &ModelConfig,
+    ) {
+        let check = match state.service(key) {
+            None => None,
+            Some(service) => {
+                match model::service_health_check(
+                    service,
+                    &state.slices_for(key),
+                    state.node(),
+                    config,
+                ) {
+                    Ok(check) => check,
+                    Err(e) => {
+                        warn!(service = %key, error = %e, "health check node port left as it was");
+                        return;
+                    }
+                }
+            }
+        };
+        let changed = match check {
+            Some(check) => self.health_checks.insert(key.clone(), check.clone()) != Some(check),
+            None => self.health_checks.remove(key).is_some(),
+        };
+        self.health_checks_changed |= changed;
+    }
+
     fn note(&mut self, event: &SourceEvent) {
         if let SourceEvent::Replace { kind, .. } = event {
             self.listed.insert(*kind);
@@ -230,6 +360,7 @@ impl SyncLoop {
         let started = Instant::now();
         let (mut ops, mut changed, mut failed) = (0, 0, 0);
         for key in std::mem::take(&mut self.dirty) {
+            self.refresh_health_check(state, &key, model);
             let desired = match state.frontends_for(&key, model) {
                 Ok(desired) => desired,
                 Err(e) => {

@@ -1,10 +1,17 @@
 //! Command line of the `ebpf-proxy` binary.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::datapath::pins::DEFAULT_BPF_ROOT;
+use crate::{
+    datapath::{XdpModeSetting, pins::DEFAULT_BPF_ROOT},
+    model::Cidr,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -77,6 +84,19 @@ pub struct RunArgs {
     /// Idle timeout of a UDP flow.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// NodePorts are served on the node addresses inside these CIDRs
+    /// (kube-proxy's flag); default: every address of the node.
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    pub nodeport_addresses: Vec<Cidr>,
+    /// XDP on uplinks (interfaces with a global address): native where the
+    /// driver has it, generic otherwise (auto), or off, leaving north-south
+    /// traffic to tc ingress.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub xdp_mode: XdpModeSetting,
+    /// Address external flows to backends on other nodes are SNATed to
+    /// (default: the first global address of the first uplink).
+    #[arg(long)]
+    pub node_ip: Option<Ipv4Addr>,
 }
 
 impl RunArgs {
@@ -90,6 +110,11 @@ impl RunArgs {
             udp_ns: self.conntrack_udp_timeout.as_nanos().max(1_000_000_000) as u64,
         }
     }
+}
+
+/// "10.0.0.0/8" and the like.
+pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    Cidr::parse(s).ok_or_else(|| format!("{s:?} is not a CIDR (like 192.168.0.0/16)"))
 }
 
 /// "250ms", "2s", "1m", "6h" or a plain number of seconds.

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod cli;
 pub mod datapath;
+pub mod healthcheck;
 pub mod http;
 pub mod model;
 pub mod planner;

@@ -40,6 +40,9 @@ fn main() -> anyhow::Result<()> {
                 min_sync_period: args.min_sync_period,
                 ct_timeouts,
                 model: ModelConfig::default(),
+                nodeport_addresses: args.nodeport_addresses,
+                xdp_mode: args.xdp_mode,
+                node_ip: args.node_ip,
             };
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

@@ -70,6 +70,7 @@ fn frontend(i: u32) -> Frontend {
         backends,
         no_endpoints: NoEndpointAction::Reject,
         affinity_timeout_s: None,
+        source_ranges: Vec::new(),
     }
 }
 

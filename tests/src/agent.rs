@@ -309,6 +309,12 @@ fn files_below(dir: &Path) -> Vec<PathBuf> {
 /// `GET path` over plain HTTP/1.1 from the calling thread's namespace; returns the
 /// status code.
 pub fn http_status(addr: SocketAddrV4, path: &str) -> Result<u16> {
+    http_get(addr, path).map(|(status, _)| status)
+}
+
+/// `GET path` over plain HTTP/1.1 from the calling thread's namespace; returns the
+/// status code and the whole response (status line, headers and body).
+pub fn http_get(addr: SocketAddrV4, path: &str) -> Result<(u16, String)> {
     let timeout = Duration::from_secs(2);
     let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
         .with_context(|| format!("connect to {addr}"))?;
@@ -318,11 +324,12 @@ pub fn http_status(addr: SocketAddrV4, path: &str) -> Result<u16> {
     )?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response)?;
-    let response = String::from_utf8_lossy(&response);
+    let response = String::from_utf8_lossy(&response).into_owned();
     let status_line = response.lines().next().unwrap_or_default();
-    status_line
+    let status = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|code| code.parse().ok())
-        .ok_or_else(|| anyhow!("not an HTTP response: {status_line:?}"))
+        .ok_or_else(|| anyhow!("not an HTTP response: {status_line:?}"))?;
+    Ok((status, response))
 }

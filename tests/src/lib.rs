@@ -1,5 +1,6 @@
 //! Harness for ebpf-proxy's privileged integration tests and for `cargo xtask run`'s
-//! demo: network namespaces, the routed one-node topology of design.md §6, small TCP
+//! demo: network namespaces, the routed one-node topology of design.md §6 and its
+//! two-node cluster with outside clients on a bridge ([`cluster`]), small TCP
 //! and UDP backends that report the peer they saw, clients that classify what
 //! happened, the agent process, kube-proxy-style iptables and nftables rules, a
 //! chi-square test, and [`sandbox::Sandbox`], which bundles them the way the tests and
@@ -11,6 +12,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod cluster;
 pub mod frames;
 pub mod iptables;
 pub mod manifest;

@@ -20,6 +20,46 @@ pub struct ServicePort {
     pub port: u16,
     pub protocol: Protocol,
     pub target_port: u16,
+    /// `nodePort`, for NodePort and LoadBalancer Services ([`Service::node_port`]).
+    pub node_port: Option<u16>,
+}
+
+/// `spec.type` (ExternalName is left out: a proxy has nothing to do for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServiceType {
+    #[default]
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+}
+
+impl ServiceType {
+    /// As Kubernetes spells it (`ClusterIP`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServiceType::ClusterIp => "ClusterIP",
+            ServiceType::NodePort => "NodePort",
+            ServiceType::LoadBalancer => "LoadBalancer",
+        }
+    }
+}
+
+/// `spec.externalTrafficPolicy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrafficPolicy {
+    #[default]
+    Cluster,
+    Local,
+}
+
+impl TrafficPolicy {
+    /// As Kubernetes spells it (`Cluster`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrafficPolicy::Cluster => "Cluster",
+            TrafficPolicy::Local => "Local",
+        }
+    }
 }
 
 /// `DefaultClientIPServiceAffinitySeconds` (k8s.io/api): what the API server fills in
@@ -89,9 +129,37 @@ impl Endpoint {
             terminating: true,
         }
     }
+
+    /// This endpoint on node `node` (`endpoints[].nodeName`, which
+    /// externalTrafficPolicy Local goes by).
+    pub fn on_node(self, node: &str) -> SliceEndpoint {
+        SliceEndpoint {
+            endpoint: self,
+            node_name: Some(node.to_owned()),
+        }
+    }
 }
 
-/// A ClusterIP Service; its endpoints are given when writing its EndpointSlice.
+/// One entry of an EndpointSlice's `endpoints`: an [`Endpoint`] and, if known, the
+/// node its pod runs on. The `yaml_with` methods take these or plain [`Endpoint`]s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    pub endpoint: Endpoint,
+    /// `nodeName`; left out of the manifest when None.
+    pub node_name: Option<String>,
+}
+
+impl From<Endpoint> for SliceEndpoint {
+    fn from(endpoint: Endpoint) -> SliceEndpoint {
+        SliceEndpoint {
+            endpoint,
+            node_name: None,
+        }
+    }
+}
+
+/// A Service; its endpoints are given when writing its EndpointSlice. ClusterIP unless
+/// [`Service::type_`] says otherwise.
 #[derive(Debug, Clone)]
 pub struct Service {
     pub namespace: String,
@@ -99,6 +167,20 @@ pub struct Service {
     pub cluster_ip: Ipv4Addr,
     pub ports: Vec<ServicePort>,
     pub session_affinity: SessionAffinity,
+    /// `spec.type`.
+    pub type_: ServiceType,
+    /// `spec.externalIPs`.
+    pub external_ips: Vec<Ipv4Addr>,
+    /// `status.loadBalancer.ingress[].ip` (what a load-balancer controller publishes).
+    pub load_balancer_ingress: Vec<Ipv4Addr>,
+    /// `spec.loadBalancerSourceRanges`, CIDRs as written (`203.0.113.0/24`).
+    pub load_balancer_source_ranges: Vec<String>,
+    /// `spec.externalTrafficPolicy`; None writes what the API server defaults to:
+    /// `Cluster` for an externally reachable Service (NodePort, LoadBalancer or with
+    /// externalIPs), nothing otherwise.
+    pub external_traffic_policy: Option<TrafficPolicy>,
+    /// `spec.healthCheckNodePort` (LoadBalancer with externalTrafficPolicy Local).
+    pub health_check_node_port: Option<u16>,
 }
 
 impl Service {
@@ -109,7 +191,76 @@ impl Service {
             cluster_ip,
             ports: Vec::new(),
             session_affinity: SessionAffinity::None,
+            type_: ServiceType::ClusterIp,
+            external_ips: Vec::new(),
+            load_balancer_ingress: Vec::new(),
+            load_balancer_source_ranges: Vec::new(),
+            external_traffic_policy: None,
+            health_check_node_port: None,
         }
+    }
+
+    /// Sets `spec.type` (builder style).
+    pub fn type_(mut self, type_: ServiceType) -> Service {
+        self.type_ = type_;
+        self
+    }
+
+    /// Gives the port named `port_name` the `nodePort` `node_port` (builder style);
+    /// panics if there is no such port (add it first).
+    pub fn node_port(mut self, port_name: &str, node_port: u16) -> Service {
+        let name = self.name.clone();
+        self.ports
+            .iter_mut()
+            .find(|p| p.name == port_name)
+            .unwrap_or_else(|| panic!("service {name} has no port {port_name}"))
+            .node_port = Some(node_port);
+        self
+    }
+
+    /// Adds an address to `spec.externalIPs` (builder style).
+    pub fn external_ip(mut self, ip: Ipv4Addr) -> Service {
+        self.external_ips.push(ip);
+        self
+    }
+
+    /// Adds an `ip` to `status.loadBalancer.ingress` (builder style).
+    pub fn load_balancer_ingress(mut self, ip: Ipv4Addr) -> Service {
+        self.load_balancer_ingress.push(ip);
+        self
+    }
+
+    /// Adds a CIDR (`"203.0.113.0/24"`) to `spec.loadBalancerSourceRanges` (builder
+    /// style).
+    pub fn load_balancer_source_range(mut self, cidr: &str) -> Service {
+        self.load_balancer_source_ranges.push(cidr.to_owned());
+        self
+    }
+
+    /// Sets `spec.externalTrafficPolicy` (builder style).
+    pub fn external_traffic_policy(mut self, policy: TrafficPolicy) -> Service {
+        self.external_traffic_policy = Some(policy);
+        self
+    }
+
+    /// Sets `spec.healthCheckNodePort` (builder style).
+    pub fn health_check_node_port(mut self, port: u16) -> Service {
+        self.health_check_node_port = Some(port);
+        self
+    }
+
+    /// True for what the API server calls externally accessible: NodePort,
+    /// LoadBalancer, or any externalIPs.
+    pub fn is_externally_accessible(&self) -> bool {
+        self.type_ != ServiceType::ClusterIp || !self.external_ips.is_empty()
+    }
+
+    /// The externalTrafficPolicy written to the manifest: the one set, else the API
+    /// default (`Cluster` when externally accessible).
+    pub fn effective_external_traffic_policy(&self) -> Option<TrafficPolicy> {
+        self.external_traffic_policy.or(self
+            .is_externally_accessible()
+            .then_some(TrafficPolicy::Cluster))
     }
 
     /// Sets `spec.sessionAffinity` (builder style).
@@ -125,11 +276,12 @@ impl Service {
             port,
             protocol,
             target_port,
+            node_port: None,
         });
         self
     }
 
-    /// The Service object.
+    /// The Service object, its fields in `kubectl get -o yaml`'s (alphabetical) order.
     pub fn service_yaml(&self) -> String {
         let mut y = String::new();
         let ip = self.cluster_ip;
@@ -138,17 +290,41 @@ impl Service {
             "apiVersion: v1\n\
              kind: Service\n\
              metadata:\n  name: {name}\n  namespace: {ns}\n\
-             spec:\n  clusterIP: {ip}\n  clusterIPs:\n  - {ip}\n  \
-             internalTrafficPolicy: Cluster\n  ipFamilies:\n  - IPv4\n  \
-             ipFamilyPolicy: SingleStack\n  ports:\n",
+             spec:\n  clusterIP: {ip}\n  clusterIPs:\n  - {ip}\n",
             name = self.name,
             ns = self.namespace,
         );
+        if !self.external_ips.is_empty() {
+            y.push_str("  externalIPs:\n");
+            for ip in &self.external_ips {
+                let _ = writeln!(y, "  - {ip}");
+            }
+        }
+        if let Some(policy) = self.effective_external_traffic_policy() {
+            let _ = writeln!(y, "  externalTrafficPolicy: {}", policy.as_str());
+        }
+        if let Some(port) = self.health_check_node_port {
+            let _ = writeln!(y, "  healthCheckNodePort: {port}");
+        }
+        y.push_str(
+            "  internalTrafficPolicy: Cluster\n  ipFamilies:\n  - IPv4\n  \
+             ipFamilyPolicy: SingleStack\n",
+        );
+        if !self.load_balancer_source_ranges.is_empty() {
+            y.push_str("  loadBalancerSourceRanges:\n");
+            for cidr in &self.load_balancer_source_ranges {
+                let _ = writeln!(y, "  - {cidr}");
+            }
+        }
+        y.push_str("  ports:\n");
         for p in &self.ports {
+            let _ = writeln!(y, "  - name: {}", p.name);
+            if let Some(node_port) = p.node_port {
+                let _ = writeln!(y, "    nodePort: {node_port}");
+            }
             let _ = write!(
                 y,
-                "  - name: {}\n    port: {}\n    protocol: {}\n    targetPort: {}\n",
-                p.name,
+                "    port: {}\n    protocol: {}\n    targetPort: {}\n",
                 p.port,
                 p.protocol.upper(),
                 p.target_port
@@ -166,7 +342,13 @@ impl Service {
                 }
             }
         }
-        y.push_str("  type: ClusterIP\n");
+        let _ = writeln!(y, "  type: {}", self.type_.as_str());
+        if !self.load_balancer_ingress.is_empty() {
+            y.push_str("status:\n  loadBalancer:\n    ingress:\n");
+            for ip in &self.load_balancer_ingress {
+                let _ = writeln!(y, "    - ip: {ip}");
+            }
+        }
         y
     }
 
@@ -177,8 +359,12 @@ impl Service {
         self.endpoint_slice_yaml_with(&endpoints)
     }
 
-    /// An EndpointSlice for this Service with `endpoints` and their conditions.
-    pub fn endpoint_slice_yaml_with(&self, endpoints: &[Endpoint]) -> String {
+    /// An EndpointSlice for this Service with `endpoints` and their conditions, and
+    /// their nodes when given as [`SliceEndpoint`]s ([`Endpoint::on_node`]).
+    pub fn endpoint_slice_yaml_with<E>(&self, endpoints: &[E]) -> String
+    where
+        E: Clone + Into<SliceEndpoint>,
+    {
         let mut y = String::new();
         let _ = write!(
             y,
@@ -196,12 +382,19 @@ impl Service {
         } else {
             y.push_str("endpoints:\n");
             for ep in endpoints {
+                let SliceEndpoint {
+                    endpoint: ep,
+                    node_name,
+                } = ep.clone().into();
                 let _ = write!(
                     y,
                     "- addresses:\n  - {}\n  conditions:\n    ready: {}\n    \
                      serving: {}\n    terminating: {}\n",
                     ep.ip, ep.ready, ep.serving, ep.terminating
                 );
+                if let Some(node) = node_name {
+                    let _ = writeln!(y, "  nodeName: {node}");
+                }
             }
         }
         y.push_str("ports:\n");
@@ -230,9 +423,12 @@ impl Service {
         }
     }
 
-    /// The Service and an EndpointSlice with `endpoints` and their conditions, as one
-    /// multi-document file.
-    pub fn yaml_with(&self, endpoints: &[Endpoint]) -> String {
+    /// The Service and an EndpointSlice with `endpoints` and their conditions (and
+    /// nodes, for [`SliceEndpoint`]s), as one multi-document file.
+    pub fn yaml_with<E>(&self, endpoints: &[E]) -> String
+    where
+        E: Clone + Into<SliceEndpoint>,
+    {
         format!(
             "{}---\n{}",
             self.service_yaml(),
@@ -240,8 +436,9 @@ impl Service {
         )
     }
 
-    /// The same service port as kube-proxy's iptables mode would see it, with its
-    /// ClusterIP replaced by `cluster_ip` (to run both datapaths side by side) and
+    /// The same service port as kube-proxy's iptables mode would see it (its ClusterIP
+    /// part only: [`KubeService`] has no NodePorts, externalIPs or load-balancer IPs),
+    /// with its ClusterIP replaced by `cluster_ip` (to run both datapaths side by side) and
     /// `endpoints` as the endpoints its service chain uses.
     pub fn kube_service(
         &self,
@@ -387,5 +584,153 @@ mod tests {
                 .affinity_timeout,
             Some(DEFAULT_AFFINITY_TIMEOUT_S)
         );
+    }
+
+    /// Parses `yaml` with the agent's own manifest reader (serde_yaml into
+    /// k8s-openapi's types), failing on any object it rejects.
+    fn parse(
+        yaml: &str,
+    ) -> (
+        Vec<k8s_openapi::api::core::v1::Service>,
+        Vec<k8s_openapi::api::discovery::v1::EndpointSlice>,
+    ) {
+        let (parsed, errors) =
+            proxy_userspace::source::manifest::parse_manifest(Path::new("test.yaml"), yaml)
+                .unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+        assert!(errors.is_empty(), "{errors:?}\n{yaml}");
+        (parsed.services, parsed.endpoint_slices)
+    }
+
+    #[test]
+    fn cluster_ip_yaml_parses_as_kubernetes_objects() {
+        let svc = Service::new("demo", "web", Ipv4Addr::new(10, 96, 0, 10))
+            .port("http", 80, Protocol::Tcp, 8080)
+            .session_affinity(SessionAffinity::ClientIp {
+                timeout_seconds: Some(3),
+            });
+        let (services, slices) = parse(&svc.yaml(Some(&[Ipv4Addr::new(10, 200, 0, 11)])));
+        assert_eq!(services.len(), 1);
+        assert_eq!(slices.len(), 1);
+        let spec = services[0].spec.clone().expect("spec");
+        assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
+        assert_eq!(spec.external_traffic_policy, None);
+        assert_eq!(spec.external_ips, None);
+        assert!(services[0].status.is_none());
+        let port = &spec.ports.expect("ports")[0];
+        assert_eq!((port.port, port.node_port), (80, None));
+        assert_eq!(slices[0].endpoints[0].node_name, None);
+    }
+
+    #[test]
+    fn north_south_fields_parse_as_kubernetes_objects() {
+        let (a, b) = (Ipv4Addr::new(10, 1, 1, 10), Ipv4Addr::new(10, 1, 2, 10));
+        let svc = Service::new("demo", "web", Ipv4Addr::new(10, 96, 0, 10))
+            .type_(ServiceType::LoadBalancer)
+            .port("http", 80, Protocol::Tcp, 8080)
+            .port("dns", 53, Protocol::Udp, 5353)
+            .node_port("http", 30080)
+            .external_ip(Ipv4Addr::new(192, 168, 60, 20))
+            .load_balancer_ingress(Ipv4Addr::new(192, 168, 60, 10))
+            .load_balancer_ingress(Ipv4Addr::new(192, 168, 60, 11))
+            .load_balancer_source_range("192.168.50.100/32")
+            .load_balancer_source_range("203.0.113.0/24")
+            .external_traffic_policy(TrafficPolicy::Local)
+            .health_check_node_port(32000);
+        let y = svc.yaml_with(&[
+            Endpoint::ready(a).on_node("a"),
+            Endpoint::terminating_serving(b).on_node("b"),
+            Endpoint::ready(Ipv4Addr::new(10, 1, 2, 11)).into(),
+        ]);
+        for needle in [
+            "  - name: http\n    nodePort: 30080\n    port: 80\n",
+            "  - name: dns\n    port: 53\n",
+            "  type: LoadBalancer\nstatus:\n  loadBalancer:\n    ingress:\n    \
+             - ip: 192.168.60.10\n    - ip: 192.168.60.11\n",
+            "    terminating: false\n  nodeName: a\n",
+        ] {
+            assert!(y.contains(needle), "missing {needle:?} in\n{y}");
+        }
+        let (services, slices) = parse(&y);
+        let spec = services[0].spec.clone().expect("spec");
+        assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+        assert_eq!(spec.external_traffic_policy.as_deref(), Some("Local"));
+        assert_eq!(spec.health_check_node_port, Some(32000));
+        assert_eq!(spec.external_ips, Some(vec!["192.168.60.20".to_owned()]));
+        assert_eq!(
+            spec.load_balancer_source_ranges,
+            Some(vec![
+                "192.168.50.100/32".to_owned(),
+                "203.0.113.0/24".to_owned()
+            ])
+        );
+        let ports = spec.ports.expect("ports");
+        assert_eq!(
+            ports
+                .iter()
+                .map(|p| (p.name.as_deref(), p.port, p.node_port))
+                .collect::<Vec<_>>(),
+            vec![(Some("http"), 80, Some(30080)), (Some("dns"), 53, None)]
+        );
+        let ingress: Vec<Option<String>> = services[0]
+            .status
+            .clone()
+            .and_then(|s| s.load_balancer)
+            .and_then(|lb| lb.ingress)
+            .expect("status.loadBalancer.ingress")
+            .into_iter()
+            .map(|i| i.ip)
+            .collect();
+        assert_eq!(
+            ingress,
+            vec![
+                Some("192.168.60.10".to_owned()),
+                Some("192.168.60.11".to_owned())
+            ]
+        );
+        let endpoints = &slices[0].endpoints;
+        assert_eq!(
+            endpoints
+                .iter()
+                .map(|e| (e.addresses[0].as_str(), e.node_name.as_deref()))
+                .collect::<Vec<_>>(),
+            vec![
+                ("10.1.1.10", Some("a")),
+                ("10.1.2.10", Some("b")),
+                ("10.1.2.11", None)
+            ]
+        );
+        let conditions = endpoints[1].conditions.clone().expect("conditions");
+        assert_eq!(
+            (conditions.ready, conditions.serving, conditions.terminating),
+            (Some(false), Some(true), Some(true))
+        );
+    }
+
+    #[test]
+    fn external_traffic_policy_defaults_like_the_api_server() {
+        let cluster_ip = Service::new("demo", "web", Ipv4Addr::new(10, 96, 0, 10)).port(
+            "http",
+            80,
+            Protocol::Tcp,
+            8080,
+        );
+        assert_eq!(cluster_ip.effective_external_traffic_policy(), None);
+        let node_port = cluster_ip
+            .clone()
+            .type_(ServiceType::NodePort)
+            .node_port("http", 30080);
+        let external = cluster_ip.external_ip(Ipv4Addr::new(192, 168, 60, 20));
+        for svc in [node_port, external] {
+            let (services, _) = parse(&svc.service_yaml());
+            assert_eq!(
+                services[0]
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.external_traffic_policy.as_deref()),
+                Some("Cluster"),
+                "{}",
+                svc.service_yaml()
+            );
+        }
     }
 }

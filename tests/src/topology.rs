@@ -22,7 +22,7 @@ pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
 
 /// Longest interface name Linux takes (IFNAMSIZ - 1).
-const IFNAME_MAX: usize = 15;
+pub(crate) const IFNAME_MAX: usize = 15;
 
 /// One pod: its namespace, address, and the node-side end of its veth.
 #[derive(Debug)]
@@ -65,20 +65,9 @@ impl Topology {
     }
 
     fn setup_node(&self) -> Result<()> {
-        let node = &self.node;
-        node.ip(&["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"])?;
-        // Proxy ARP answers only for addresses the node would route out of another
-        // interface than the one the request came in on. A real node's default route
-        // through its uplink covers the gateway; this sandbox has no uplink, so the
-        // gateway gets a route of its own.
-        node.ip(&["route", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
-        node.sysctl("net.ipv4.ip_forward", "1")?;
-        // Replies from a backend arrive reverse-NATed from the ClusterIP, an address
-        // the node has no route back through that veth for; strict reverse-path
-        // filtering would drop them.
-        node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
-        node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
-        Ok(())
+        self.node
+            .ip(&["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"])?;
+        prepare_routed_node(&self.node)
     }
 
     /// Adds a pod to a running topology (an interface the agent has to pick up later).
@@ -86,52 +75,8 @@ impl Topology {
         if self.pods.iter().any(|p| p.name == name || p.ip == ip) {
             bail!("a pod named {name} or with address {ip} exists already");
         }
-        let host_if: String = format!("v{}-{name}", self.pods.len())
-            .chars()
-            .take(IFNAME_MAX)
-            .collect();
-        let ns = NetNs::create(&format!("{}-{name}", self.stem))?;
-        let node = &self.node;
-        // Created straight into the node and pod namespaces, so parallel tests never
-        // see each other's interface names.
-        node.ip(&[
-            "link",
-            "add",
-            &host_if,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
-        node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
-        node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
-        // Proxy ARP replies to broadcast requests are delayed by up to proxy_delay
-        // (0.8 s by default); Calico sets it to 0 as well.
-        node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
-        node.ip(&["link", "set", &host_if, "up"])?;
-        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
-
-        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&[
-            "route",
-            "add",
-            "default",
-            "via",
-            &GATEWAY.to_string(),
-            "dev",
-            "eth0",
-            "onlink",
-        ])?;
-        self.pods.push(Pod {
-            name: name.to_owned(),
-            ip,
-            host_if,
-            ns,
-        });
+        let pod = create_pod(&self.node, &self.stem, self.pods.len(), name, ip)?;
+        self.pods.push(pod);
         Ok(self.pods.last().expect("just pushed"))
     }
 
@@ -152,4 +97,78 @@ impl Topology {
     pub fn stem(&self) -> &str {
         &self.stem
     }
+}
+
+/// Readies `node` for routed pods: the gateway route proxy ARP needs, forwarding, and
+/// no reverse-path filtering. Shared by [`Topology`] and [`crate::cluster::Cluster`].
+pub(crate) fn prepare_routed_node(node: &NetNs) -> Result<()> {
+    // Proxy ARP answers only for addresses the node would route out of another
+    // interface than the one the request came in on. A real node's default route
+    // through its uplink covers the gateway; these sandboxes have no default route, so
+    // the gateway gets a route of its own.
+    node.ip(&["route", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
+    node.sysctl("net.ipv4.ip_forward", "1")?;
+    // Replies from a backend arrive reverse-NATed from the ClusterIP, an address
+    // the node has no route back through that veth for; strict reverse-path
+    // filtering would drop them.
+    node.sysctl("net.ipv4.conf.all.rp_filter", "0")?;
+    node.sysctl("net.ipv4.conf.default.rp_filter", "0")?;
+    Ok(())
+}
+
+/// Creates the pod `name` with address `ip` as the namespace `<stem>-<name>`, joined to
+/// `node` by a veth whose node end is `v<index>-<name>` (cut to 15 characters) and the
+/// pod end `eth0`; routes and proxy ARP as the module doc describes.
+pub(crate) fn create_pod(
+    node: &NetNs,
+    stem: &str,
+    index: usize,
+    name: &str,
+    ip: Ipv4Addr,
+) -> Result<Pod> {
+    let host_if: String = format!("v{index}-{name}")
+        .chars()
+        .take(IFNAME_MAX)
+        .collect();
+    let ns = NetNs::create(&format!("{stem}-{name}"))?;
+    // Created straight into the node and pod namespaces, so parallel tests never
+    // see each other's interface names.
+    node.ip(&[
+        "link",
+        "add",
+        &host_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        ns.name(),
+    ])?;
+    node.sysctl(&format!("net.ipv4.conf.{host_if}.proxy_arp"), "1")?;
+    node.sysctl(&format!("net.ipv4.conf.{host_if}.rp_filter"), "0")?;
+    // Proxy ARP replies to broadcast requests are delayed by up to proxy_delay
+    // (0.8 s by default); Calico sets it to 0 as well.
+    node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
+    node.ip(&["link", "set", &host_if, "up"])?;
+    node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+
+    ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    ns.ip(&[
+        "route",
+        "add",
+        "default",
+        "via",
+        &GATEWAY.to_string(),
+        "dev",
+        "eth0",
+        "onlink",
+    ])?;
+    Ok(Pod {
+        name: name.to_owned(),
+        ip,
+        host_if,
+        ns,
+    })
 }

@@ -190,6 +190,7 @@ fn frontend(
             .collect(),
         no_endpoints,
         affinity_timeout_s: None,
+        source_ranges: Vec::new(),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Checks of the harness itself, without the agent: the routed topology forwards
-//! between pods with source addresses intact, and kube-proxy's iptables rules spread
-//! connections evenly. When these fail, the sandbox is broken, not ebpf-proxy.
+//! between pods with source addresses intact, the two-node cluster routes between
+//! nodes, pods and outside clients, and kube-proxy's iptables rules spread connections
+//! evenly. When these fail, the sandbox is broken, not ebpf-proxy.
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
@@ -9,11 +10,13 @@ use std::{
 
 use ebpf_proxy_tests::{
     Protocol,
-    client::{tcp_request, tcp_tally, udp_request},
+    client::{Outcome, tcp_request, tcp_tally, udp_request},
+    cluster::{CLIENT1, Cluster, NODE_A_IP, NODE_B_IP},
     iptables,
     manifest::Service,
-    require_root,
+    require_root, run_cmd,
     sandbox::Sandbox,
+    servers::{TcpServer, UdpServer},
     stats::chi_square_uniform,
 };
 
@@ -78,4 +81,111 @@ fn kube_proxy_iptables_rules_spread_connections_uniformly() {
         chi.passes(0.001),
         "iptables counts {counts:?} are not uniform: {chi}"
     );
+}
+
+#[test]
+fn cluster_routes_between_nodes_pods_and_outside_clients() {
+    require_root().expect("privileged test");
+    let pod_a1 = Ipv4Addr::new(10, 1, 1, 10);
+    let pod_b1 = Ipv4Addr::new(10, 1, 2, 10);
+    let cluster = Cluster::new(&[("a", &[("pod-a1", pod_a1)]), ("b", &[("pod-b1", pod_b1)])])
+        .expect("cluster");
+    let (a, b) = (cluster.node("a"), cluster.node("b"));
+    assert_eq!((a.ip, b.ip), (NODE_A_IP, NODE_B_IP));
+    assert_eq!(
+        (a.pod_cidr().as_str(), b.pod_cidr().as_str()),
+        ("10.1.1.0/24", "10.1.2.0/24")
+    );
+    assert_eq!(cluster.pod_node("pod-b1").name, "b");
+    let _tcp = TcpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 8080).expect("server");
+    let _udp = UdpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 5353).expect("server");
+    let _node_a = TcpServer::start(&a.ns, "node-a", 8081).expect("server");
+
+    // Node A reaches a pod on node B through node B, from its uplink address.
+    let reply = tcp_request(&a.ns, SocketAddrV4::new(pod_b1, 8080), TIMEOUT)
+        .expect_reply("TCP from node a to pod-b1");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("pod-b1", NODE_A_IP)
+    );
+    let reply = udp_request(&a.ns, SocketAddrV4::new(pod_b1, 5353), TIMEOUT)
+        .expect_reply("UDP from node a to pod-b1");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("pod-b1", NODE_A_IP)
+    );
+    // Pod to pod across nodes keeps the source address.
+    let reply = tcp_request(
+        &cluster.pod("pod-a1").ns,
+        SocketAddrV4::new(pod_b1, 8080),
+        TIMEOUT,
+    )
+    .expect_reply("TCP from pod-a1 to pod-b1");
+    assert_eq!(*reply.peer.ip(), pod_a1);
+
+    // An outside client reaches a node's address, but has no route to pods.
+    let client1 = cluster.client("client1");
+    assert_eq!(client1.ip, CLIENT1.1);
+    let reply = tcp_request(&client1.ns, SocketAddrV4::new(NODE_A_IP, 8081), TIMEOUT)
+        .expect_reply("TCP from client1 to node a");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("node-a", CLIENT1.1)
+    );
+    let unroutable = tcp_request(&client1.ns, SocketAddrV4::new(pod_b1, 8080), TIMEOUT);
+    assert!(
+        !matches!(unroutable, Outcome::Reply(_)),
+        "client1 reached a pod without a route: {unroutable}"
+    );
+
+    // An extra address (a LoadBalancer IP, say) routed through node a.
+    let lb_ip = Ipv4Addr::new(192, 168, 60, 10);
+    a.ns.ip(&["addr", "add", &format!("{lb_ip}/32"), "dev", "lo"])
+        .expect("address on node a");
+    cluster
+        .route_via("client1", &format!("{lb_ip}/32"), "a")
+        .expect("route");
+    let reply = tcp_request(&client1.ns, SocketAddrV4::new(lb_ip, 8081), TIMEOUT)
+        .expect_reply("TCP from client1 to an address routed via node a");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("node-a", CLIENT1.1)
+    );
+
+    // Bridge ports have GRO on (for XDP_TX into the nodes' uplinks).
+    for port in cluster
+        .nodes()
+        .iter()
+        .map(|n| &n.bridge_port)
+        .chain(cluster.clients().iter().map(|c| &c.bridge_port))
+    {
+        let features = run_cmd(
+            cluster
+                .bridge()
+                .command("/usr/sbin/ethtool")
+                .args(["-k", port]),
+        )
+        .expect("ethtool -k");
+        assert!(
+            features.contains("generic-receive-offload: on"),
+            "{port}: {features}"
+        );
+    }
+
+    // Dropping the cluster removes every namespace.
+    let names: Vec<String> = std::iter::once(cluster.bridge())
+        .chain(cluster.nodes().iter().map(|n| &n.ns))
+        .chain(cluster.clients().iter().map(|c| &c.ns))
+        .chain(cluster.all_pods().map(|p| &p.ns))
+        .map(|ns| ns.name().to_owned())
+        .collect();
+    assert_eq!(names.len(), 7, "{names:?}");
+    drop((_tcp, _udp, _node_a));
+    drop(cluster);
+    for name in names {
+        assert!(
+            !std::path::Path::new("/run/netns").join(&name).exists(),
+            "{name} is left behind"
+        );
+    }
 }

@@ -1,18 +1,19 @@
-//! tc attachment through pinned bpf links (TCX, kernel >= 6.6): a pinned link
-//! keeps the program attached after the agent exits, and the next agent swaps
-//! its own program into the same link atomically.
+//! tc (TCX, kernel >= 6.6) and XDP attachment through pinned bpf links: a
+//! pinned link keeps the program attached after the agent exits, and the
+//! next agent swaps its own program into the same link atomically.
 
 use std::{io, path::Path};
 
 use aya::programs::{
-    LinkOrder, SchedClassifier, TcAttachType,
+    LinkOrder, SchedClassifier, TcAttachType, Xdp,
     links::{FdLink, LinkError, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
+    xdp::{XdpLink, XdpMode},
 };
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    #[error("attaching to tc ingress of {ifname}: {source}")]
+    #[error("attaching to {ifname}: {source}")]
     Attach {
         ifname: String,
         #[source]
@@ -107,6 +108,90 @@ fn take_over(
         }
         Err(e) => {
             tracing::warn!(pin = %pin.display(), error = %e, "pinned link is dead; attaching anew");
+            let _ = std::fs::remove_file(pin);
+            None
+        }
+    }
+}
+
+/// How the XDP program is attached (`--xdp-mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum XdpModeSetting {
+    /// Native where the driver has it, generic otherwise.
+    Auto,
+    /// In the driver only; an interface whose driver lacks it gets tc only.
+    Native,
+    /// Generic (in the stack, after the socket buffer is built).
+    Generic,
+    /// No XDP: north-south traffic is handled at tc ingress.
+    Off,
+}
+
+/// Attaches XDP to `ifindex` through a pinned bpf link, taking over the
+/// pinned link of an earlier run when there is one. Returns the mode used.
+pub fn attach_xdp(
+    program: &mut Xdp,
+    ifname: &str,
+    ifindex: u32,
+    setting: XdpModeSetting,
+    pin: &Path,
+) -> Result<&'static str, AttachError> {
+    let err = |source| AttachError::Attach {
+        ifname: ifname.to_string(),
+        source,
+    };
+    if let Some(id) = take_over_xdp(program, pin) {
+        let link = program.take_link(id).map_err(err)?;
+        pin_link(link.try_into(), ifname, pin)?;
+        return Ok("adopted");
+    }
+    let tries: &[(XdpMode, &'static str)] = match setting {
+        XdpModeSetting::Auto => &[(XdpMode::Driver, "native"), (XdpMode::Skb, "generic")],
+        XdpModeSetting::Native => &[(XdpMode::Driver, "native")],
+        XdpModeSetting::Generic => &[(XdpMode::Skb, "generic")],
+        XdpModeSetting::Off => &[],
+    };
+    let mut last = None;
+    for (mode, name) in tries {
+        match program.attach_to_if_index(ifindex, *mode) {
+            Ok(id) => {
+                let link = program.take_link(id).map_err(err)?;
+                pin_link(link.try_into(), ifname, pin)?;
+                return Ok(name);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(err(last.unwrap_or(
+        aya::programs::ProgramError::UnexpectedProgramType,
+    )))
+}
+
+fn pin_link(link: Result<FdLink, LinkError>, ifname: &str, pin: &Path) -> Result<(), AttachError> {
+    let fd_link = link.map_err(|source| AttachError::Link {
+        ifname: ifname.to_string(),
+        source,
+    })?;
+    let _ = std::fs::remove_file(pin);
+    let pinned = fd_link.pin(pin).map_err(|source| AttachError::Pin {
+        ifname: ifname.to_string(),
+        path: pin.display().to_string(),
+        source,
+    })?;
+    drop(pinned);
+    Ok(())
+}
+
+fn take_over_xdp(program: &mut Xdp, pin: &Path) -> Option<aya::programs::xdp::XdpLinkId> {
+    let old = PinnedLink::from_pin(pin).ok()?;
+    let link = XdpLink::try_from(FdLink::from(old)).ok()?;
+    match program.attach_to_link(link) {
+        Ok(id) => {
+            tracing::info!(pin = %pin.display(), "took over pinned XDP link");
+            Some(id)
+        }
+        Err(e) => {
+            tracing::warn!(pin = %pin.display(), error = %e, "pinned XDP link is dead; attaching anew");
             let _ = std::fs::remove_file(pin);
             None
         }

@@ -1,20 +1,41 @@
-//! Which interfaces of this network namespace to attach to, followed through
-//! rtnetlink (netns-aware; /sys/class/net shows the namespace that mounted
-//! sysfs, not ours).
+//! Which interfaces of this network namespace to attach to, and the node's
+//! addresses, followed through rtnetlink (netns-aware; /sys/class/net shows
+//! the namespace that mounted sysfs, not ours).
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
 
 use futures::{StreamExt, TryStreamExt};
 use rtnetlink::{
-    constants::RTMGRP_LINK,
+    constants::{RTMGRP_IPV4_IFADDR, RTMGRP_LINK},
     new_connection,
-    packet_route::link::{LinkAttribute, LinkFlags},
+    packet_route::{
+        address::{AddressAttribute, AddressScope},
+        link::{LinkAttribute, LinkFlags},
+    },
     sys::{AsyncSocket, SocketAddr},
 };
 use tokio::sync::mpsc;
 
 /// Interface name -> ifindex.
 pub type Interfaces = BTreeMap<String, u32>;
+
+/// What the agent attaches to and serves NodePorts on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The selected interfaces: tc on each.
+    pub interfaces: Interfaces,
+    /// Selected interfaces holding a global IPv4 address: the uplinks,
+    /// where north-south traffic arrives and XDP goes.
+    pub uplinks: BTreeSet<String>,
+    /// Every global IPv4 address of this namespace, in ifindex order of the
+    /// interface holding it (the first is the SNAT address unless one is
+    /// configured).
+    pub addrs: Vec<Ipv4Addr>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum InterfacesError {
@@ -41,13 +62,50 @@ impl Selection {
     }
 }
 
-/// Lists the selected interfaces now.
-pub async fn list(selection: &Selection) -> Result<Interfaces, InterfacesError> {
+/// Lists the selected interfaces and the addresses now.
+pub async fn list(selection: &Selection) -> Result<Snapshot, InterfacesError> {
     let (connection, handle, _) = new_connection().map_err(InterfacesError::Socket)?;
     let task = tokio::spawn(connection);
-    let result = dump(&handle, selection).await;
+    let result = snapshot(&handle, selection).await;
     task.abort();
     result
+}
+
+async fn snapshot(
+    handle: &rtnetlink::Handle,
+    selection: &Selection,
+) -> Result<Snapshot, InterfacesError> {
+    let interfaces = dump(handle, selection).await?;
+    let mut by_index: BTreeMap<u32, Vec<Ipv4Addr>> = BTreeMap::new();
+    let mut addrs = handle.address().get().execute();
+    while let Some(msg) = addrs.try_next().await? {
+        // Host-scope (127/8) and link-local addresses are not where
+        // NodePorts are served, as in kube-proxy.
+        if msg.header.scope != AddressScope::Universe {
+            continue;
+        }
+        let local = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+            _ => None,
+        });
+        let address = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(IpAddr::V4(ip)) => Some(*ip),
+            _ => None,
+        });
+        if let Some(ip) = local.or(address) {
+            by_index.entry(msg.header.index).or_default().push(ip);
+        }
+    }
+    let uplinks = interfaces
+        .iter()
+        .filter(|(_, index)| by_index.contains_key(index))
+        .map(|(name, _)| name.clone())
+        .collect();
+    Ok(Snapshot {
+        interfaces,
+        uplinks,
+        addrs: by_index.into_values().flatten().collect(),
+    })
 }
 
 async fn dump(
@@ -70,25 +128,25 @@ async fn dump(
     Ok(out)
 }
 
-/// Sends the selected interfaces now and after every link change (and every
+/// Sends a snapshot now and after every link or address change (and every
 /// `resync` as a safety net against lost netlink messages).
 pub async fn watch(
     selection: Selection,
     resync: Duration,
-    tx: mpsc::Sender<Interfaces>,
+    tx: mpsc::Sender<Snapshot>,
 ) -> Result<(), InterfacesError> {
     let (mut connection, handle, mut messages) =
         new_connection().map_err(InterfacesError::Socket)?;
     connection
         .socket_mut()
         .socket_mut()
-        .bind(&SocketAddr::new(0, RTMGRP_LINK))
+        .bind(&SocketAddr::new(0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR))
         .map_err(InterfacesError::Subscribe)?;
     let task = tokio::spawn(connection);
-    let mut last: Option<Interfaces> = None;
+    let mut last: Option<Snapshot> = None;
     let mut ticker = tokio::time::interval(resync);
     loop {
-        let current = dump(&handle, &selection).await?;
+        let current = snapshot(&handle, &selection).await?;
         if last.as_ref() != Some(&current) {
             if tx.send(current.clone()).await.is_err() {
                 break;

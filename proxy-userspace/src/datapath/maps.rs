@@ -1,10 +1,14 @@
 //! Typed handles on the pinned maps, and the only code that writes the
 //! service maps (through the planner's [`MapStore`]).
 
-use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{
+    Array, HashMap, Map, MapData, MapError, PerCpuArray,
+    lpm_trie::{Key, LpmTrie},
+};
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
-    ServiceKey, ServiceValue, counter, map_names,
+    NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, counter,
+    map_names,
 };
 
 use super::pins::PinLayout;
@@ -42,23 +46,18 @@ pub struct Maps {
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub ct_timeouts: Array<MapData, CtTimeouts>,
+    pub node_addrs: HashMap<MapData, NodeAddrKey, NodeAddr>,
+    pub node_config: Array<MapData, NodeConfig>,
+    pub source_ranges: LpmTrie<MapData, SourceRangeKey, u32>,
 }
 
 impl Maps {
     /// Takes the maps out of a loaded object.
     pub fn take(ebpf: &mut aya::Ebpf) -> Result<Self, MapsError> {
-        let mut take = |name: &'static str| -> Result<Map, MapsError> {
+        let take = |name: &'static str| -> Result<Map, MapsError> {
             ebpf.take_map(name).ok_or(MapsError::Missing { name })
         };
-        Self::from_maps(
-            take(map_names::SERVICES)?,
-            take(map_names::BACKEND_SLOTS)?,
-            take(map_names::BACKENDS)?,
-            take(map_names::CONNTRACK)?,
-            take(map_names::AFFINITY)?,
-            take(map_names::COUNTERS)?,
-            take(map_names::CT_TIMEOUTS)?,
-        )
+        Self::from_maps(take)
     }
 
     /// Opens the pinned maps of a running (or exited) agent, without loading
@@ -68,35 +67,57 @@ impl Maps {
             let data = MapData::from_pin(pins.map(name)).map_err(wrap(name))?;
             Map::from_map_data(data).map_err(wrap(name))
         };
-        Self::from_maps(
-            open(map_names::SERVICES)?,
-            open(map_names::BACKEND_SLOTS)?,
-            open(map_names::BACKENDS)?,
-            open(map_names::CONNTRACK)?,
-            open(map_names::AFFINITY)?,
-            open(map_names::COUNTERS)?,
-            open(map_names::CT_TIMEOUTS)?,
-        )
+        Self::from_maps(open)
     }
 
     fn from_maps(
-        services: Map,
-        slots: Map,
-        backends: Map,
-        conntrack: Map,
-        affinity: Map,
-        counters: Map,
-        ct_timeouts: Map,
+        mut get: impl FnMut(&'static str) -> Result<Map, MapsError>,
     ) -> Result<Self, MapsError> {
+        use map_names::*;
         Ok(Self {
-            services: HashMap::try_from(services).map_err(wrap(map_names::SERVICES))?,
-            slots: HashMap::try_from(slots).map_err(wrap(map_names::BACKEND_SLOTS))?,
-            backends: HashMap::try_from(backends).map_err(wrap(map_names::BACKENDS))?,
-            conntrack: HashMap::try_from(conntrack).map_err(wrap(map_names::CONNTRACK))?,
-            affinity: HashMap::try_from(affinity).map_err(wrap(map_names::AFFINITY))?,
-            counters: PerCpuArray::try_from(counters).map_err(wrap(map_names::COUNTERS))?,
-            ct_timeouts: Array::try_from(ct_timeouts).map_err(wrap(map_names::CT_TIMEOUTS))?,
+            services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
+            slots: HashMap::try_from(get(BACKEND_SLOTS)?).map_err(wrap(BACKEND_SLOTS))?,
+            backends: HashMap::try_from(get(BACKENDS)?).map_err(wrap(BACKENDS))?,
+            conntrack: HashMap::try_from(get(CONNTRACK)?).map_err(wrap(CONNTRACK))?,
+            affinity: HashMap::try_from(get(AFFINITY)?).map_err(wrap(AFFINITY))?,
+            counters: PerCpuArray::try_from(get(COUNTERS)?).map_err(wrap(COUNTERS))?,
+            ct_timeouts: Array::try_from(get(CT_TIMEOUTS)?).map_err(wrap(CT_TIMEOUTS))?,
+            node_addrs: HashMap::try_from(get(NODE_ADDRS)?).map_err(wrap(NODE_ADDRS))?,
+            node_config: Array::try_from(get(NODE_CONFIG)?).map_err(wrap(NODE_CONFIG))?,
+            source_ranges: LpmTrie::try_from(get(SOURCE_RANGES)?).map_err(wrap(SOURCE_RANGES))?,
         })
+    }
+
+    /// Sets the node-wide datapath settings (SNAT address and ports).
+    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), MapsError> {
+        self.node_config
+            .set(0, config, 0)
+            .map_err(wrap(map_names::NODE_CONFIG))
+    }
+
+    /// Makes `NODE_ADDRS` hold exactly `wanted`: new entries first, then
+    /// stale ones removed, so an address that stays is never missing.
+    pub fn sync_node_addrs(
+        &mut self,
+        wanted: &std::collections::BTreeMap<NodeAddrKey, NodeAddr>,
+    ) -> Result<(), MapsError> {
+        for (key, value) in wanted {
+            self.node_addrs
+                .insert(key, value, 0)
+                .map_err(wrap(map_names::NODE_ADDRS))?;
+        }
+        let stale: Vec<NodeAddrKey> = self
+            .node_addrs
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !wanted.contains_key(k))
+            .collect();
+        for key in stale {
+            self.node_addrs
+                .remove(&key)
+                .map_err(wrap(map_names::NODE_ADDRS))?;
+        }
+        Ok(())
     }
 
     /// Sets the conntrack timeouts the datapath and the reaper use.
@@ -142,6 +163,10 @@ impl Maps {
             let (k, v) = item.map_err(wrap(map_names::BACKENDS))?;
             state.backends.insert(k, v);
         }
+        for key in self.source_ranges.keys() {
+            let key = key.map_err(wrap(map_names::SOURCE_RANGES))?;
+            state.source_ranges.insert((key.prefix_len(), key.data()));
+        }
         Ok(state)
     }
 }
@@ -163,6 +188,12 @@ impl MapStore for Maps {
             MapOp::DeleteService { key } => self.services.remove(key),
             MapOp::DeleteSlot { key } => self.slots.remove(key),
             MapOp::DeleteBackend { id } => self.backends.remove(id),
+            MapOp::PutSourceRange { entry } => {
+                self.source_ranges.insert(&Key::new(entry.0, entry.1), 1, 0)
+            }
+            MapOp::DeleteSourceRange { entry } => {
+                self.source_ranges.remove(&Key::new(entry.0, entry.1))
+            }
         };
         match result {
             Ok(()) => Ok(()),

@@ -11,8 +11,11 @@ pub mod pins;
 
 use std::path::Path;
 
-pub use attach::AttachError;
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+pub use attach::{AttachError, XdpModeSetting};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{SchedClassifier, Xdp},
+};
 use proxy_common::{map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout};
@@ -55,6 +58,8 @@ pub struct Datapath {
     pins: PinLayout,
     pub maps: Maps,
     attached: std::collections::BTreeMap<String, attach::Attachment>,
+    /// Interfaces with XDP: name -> (ifindex, mode).
+    xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
 }
 
 impl Datapath {
@@ -100,12 +105,23 @@ impl Datapath {
             name: program_names::TC_INGRESS,
             source,
         })?;
+        let xdp_err = |source| DatapathError::Program {
+            name: program_names::XDP_INGRESS,
+            source,
+        };
+        let xdp: &mut Xdp = ebpf
+            .program_mut(program_names::XDP_INGRESS)
+            .ok_or(xdp_err(aya::programs::ProgramError::UnexpectedProgramType))?
+            .try_into()
+            .map_err(xdp_err)?;
+        xdp.load().map_err(xdp_err)?;
         let maps = Maps::take(&mut ebpf)?;
         Ok(Self {
             ebpf,
             pins,
             maps,
             attached: Default::default(),
+            xdp_attached: Default::default(),
         })
     }
 
@@ -169,11 +185,80 @@ impl Datapath {
         Ok(())
     }
 
-    /// Forgets an interface that is gone; its link died with it, and its pin
-    /// is removed.
+    /// Forgets an interface that is gone; its links died with it, and their
+    /// pins are removed.
     pub fn forget(&mut self, ifname: &str) {
         self.attached.remove(ifname);
         let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
+        self.forget_xdp(ifname);
+    }
+
+    /// The loaded XDP program, for BPF_PROG_TEST_RUN in tests and benchmarks.
+    pub fn xdp_program(&self) -> &Xdp {
+        self.ebpf
+            .program(program_names::XDP_INGRESS)
+            .and_then(|p| p.try_into().ok())
+            .expect("XDP program is loaded in Datapath::load")
+    }
+
+    /// The do-nothing XDP program (loaded on first use).
+    pub fn xdp_floor_program(&mut self) -> Result<&Xdp, DatapathError> {
+        let err = |source| DatapathError::Program {
+            name: program_names::XDP_PASS,
+            source,
+        };
+        let program: &mut Xdp = self
+            .ebpf
+            .program_mut(program_names::XDP_PASS)
+            .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
+            .try_into()
+            .map_err(err)?;
+        if program.fd().is_err() {
+            program.load().map_err(err)?;
+        }
+        Ok(program)
+    }
+
+    /// Interfaces with XDP, and the mode it runs in.
+    pub fn xdp_attached(&self) -> impl Iterator<Item = (&str, &'static str)> {
+        self.xdp_attached.iter().map(|(n, (_, m))| (n.as_str(), *m))
+    }
+
+    /// Attaches XDP to an uplink (`setting` says in which mode). Returns the
+    /// mode it runs in. When this fails, tc ingress (attached to every
+    /// interface) handles the same traffic.
+    pub fn attach_xdp(
+        &mut self,
+        ifname: &str,
+        ifindex: u32,
+        setting: XdpModeSetting,
+    ) -> Result<&'static str, AttachError> {
+        if let Some((index, mode)) = self.xdp_attached.get(ifname)
+            && *index == ifindex
+        {
+            return Ok(mode);
+        }
+        let path = self.pins.xdp_link(ifname);
+        let program: &mut Xdp = self
+            .ebpf
+            .program_mut(program_names::XDP_INGRESS)
+            .and_then(|p| p.try_into().ok())
+            .expect("XDP program is loaded in Datapath::load");
+        let mode = attach::attach_xdp(program, ifname, ifindex, setting, &path)?;
+        self.xdp_attached
+            .insert(ifname.to_string(), (ifindex, mode));
+        Ok(mode)
+    }
+
+    /// Takes XDP off an interface that is no longer an uplink.
+    pub fn forget_xdp(&mut self, ifname: &str) {
+        if self.xdp_attached.remove(ifname).is_some() {
+            let path = self.pins.xdp_link(ifname);
+            if let Err(e) = detach::detach_pinned_link(&path) {
+                tracing::debug!(pin = %path.display(), error = %e, "detaching XDP");
+            }
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

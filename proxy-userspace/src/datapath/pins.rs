@@ -48,6 +48,10 @@ impl PinLayout {
         self.links_dir().join(format!("tc-ingress-{ifname}"))
     }
 
+    pub fn xdp_link(&self, ifname: &str) -> PathBuf {
+        self.links_dir().join(format!("xdp-{ifname}"))
+    }
+
     /// Interface name of a link pin, if `file_name` is one.
     pub fn ifname_of_link(file_name: &str) -> Option<&str> {
         file_name.strip_prefix("tc-ingress-")

@@ -11,6 +11,7 @@
 //! - [`probability`] holds the selection-probability proofs of design §4.
 
 mod endpoints;
+mod health;
 mod probability;
 mod service;
 #[cfg(test)]
@@ -20,6 +21,7 @@ mod types;
 
 use std::collections::BTreeMap;
 
+pub use health::{HealthCheck, service_health_check};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 pub use probability::{
     iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,

@@ -14,8 +14,8 @@ use k8s_openapi::{
 };
 
 use super::{
-    BackendAddr, Frontend, FrontendKey, FrontendKind, LABEL_SERVICE_NAME, ModelConfig, ModelError,
-    NoEndpointAction, NodeInfo, Protocol, Scope, ServicePortName,
+    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, LABEL_SERVICE_NAME, ModelConfig,
+    ModelError, NoEndpointAction, NodeInfo, Protocol, Scope, ServicePortName,
     endpoints::{self, Categorized, Family, ParsedSlice, parse_ip, parse_protocol},
     is_ours,
 };
@@ -39,6 +39,7 @@ struct Parsed<'a> {
     ports: Vec<Port<'a>>,
     external_ips: Vec<IpAddr>,
     load_balancer_ips: Vec<IpAddr>,
+    source_ranges: Vec<Cidr>,
     internal_local: bool,
     external_local: bool,
     affinity_timeout_s: Option<u32>,
@@ -104,6 +105,7 @@ pub(super) fn frontends(
         frontends: Vec::new(),
         seen: HashSet::new(),
         affinity_timeout_s: parsed.affinity_timeout_s,
+        source_ranges: parsed.source_ranges.clone(),
     };
     for port in &parsed.ports {
         let service_port = ServicePortName {
@@ -216,6 +218,7 @@ struct Output {
     frontends: Vec<Frontend>,
     seen: HashSet<FrontendKey>,
     affinity_timeout_s: Option<u32>,
+    source_ranges: Vec<Cidr>,
 }
 
 impl Output {
@@ -242,6 +245,16 @@ impl Output {
                 NoEndpointAction::Reject
             },
             affinity_timeout_s: self.affinity_timeout_s,
+            // The firewall of a LoadBalancer IP: ranges of its own family.
+            source_ranges: if kind == FrontendKind::LoadBalancer {
+                self.source_ranges
+                    .iter()
+                    .filter(|r| r.ip.is_ipv4() == key.ip.is_ipv4())
+                    .copied()
+                    .collect()
+            } else {
+                Vec::new()
+            },
         });
     }
 }
@@ -297,11 +310,22 @@ fn parse<'a>(service: &'a Service, spec: &'a ServiceSpec) -> Result<Option<Parse
         }
     }
 
+    let source_ranges = spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .map(|text| {
+            Cidr::parse(text)
+                .ok_or_else(|| format!("loadBalancerSourceRanges: {text:?} is not a CIDR"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
     Ok(Some(Parsed {
         cluster_ips,
         ports,
         external_ips,
         load_balancer_ips,
+        source_ranges,
         internal_local: is_local_policy(
             spec.internal_traffic_policy.as_deref(),
             "internalTrafficPolicy",

@@ -152,4 +152,67 @@ pub struct Frontend {
     pub no_endpoints: NoEndpointAction,
     /// ClientIP session affinity timeout, when affinity is on.
     pub affinity_timeout_s: Option<u32>,
+    /// loadBalancerSourceRanges of the address's family, for LoadBalancer
+    /// frontends that have them: only clients inside one are served, the
+    /// rest are dropped (kube-proxy's firewall chain). Empty means everyone.
+    pub source_ranges: Vec<Cidr>,
+}
+
+/// An address range (loadBalancerSourceRanges, `--nodeport-addresses`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    /// The network address (host bits cleared).
+    pub ip: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    /// Parses "a.b.c.d/n" or "v6::/n"; host bits are cleared.
+    pub fn parse(text: &str) -> Option<Cidr> {
+        let (ip, prefix) = text.trim().split_once('/')?;
+        let ip: IpAddr = ip.parse().ok()?;
+        let prefix: u8 = prefix.parse().ok()?;
+        let ip = match ip {
+            IpAddr::V4(v4) if prefix <= 32 => {
+                let mask = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
+                IpAddr::V4((u32::from(v4) & mask).into())
+            }
+            IpAddr::V6(v6) if prefix <= 128 => {
+                let mask = u128::MAX.checked_shl(128 - prefix as u32).unwrap_or(0);
+                IpAddr::V6((u128::from(v6) & mask).into())
+            }
+            _ => return None,
+        };
+        Some(Cidr { ip, prefix })
+    }
+
+    /// Whether `ip` is inside the range.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.ip, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                u32::from(ip) & mask == u32::from(net)
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                u128::from(ip) & mask == u128::from(net)
+            }
+            _ => false,
+        }
+    }
+
+    /// The prefix over the 128-bit datapath form of the address (IPv4 is
+    /// IPv4-mapped, so its prefix sits 96 bits in).
+    pub fn prefix128(&self) -> u32 {
+        match self.ip {
+            IpAddr::V4(_) => 96 + self.prefix as u32,
+            IpAddr::V6(_) => self.prefix as u32,
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.ip, self.prefix)
+    }
 }

@@ -3,11 +3,12 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
-    Backend, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, backend_flags, is_v4_mapped, scope,
-    v4_mapped,
+    Backend, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, SourceRangeKey, backend_flags,
+    is_v4_mapped, scope, source_range_prefix, v4_mapped,
 };
 
-use crate::model::{BackendAddr, FrontendKey, Protocol, Scope};
+use super::ops::SourceRangeEntry;
+use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope};
 
 pub fn addr_words(ip: IpAddr) -> [u32; 4] {
     match ip {
@@ -103,4 +104,27 @@ pub fn backend_string(b: &Backend) -> String {
         IpAddr::V4(ip) => format!("{ip}:{port}"),
         IpAddr::V6(ip) => format!("[{ip}]:{port}"),
     }
+}
+
+/// The `SOURCE_RANGES` entry letting clients of `range` reach `frontend`.
+pub fn source_range(frontend: &ServiceKey, range: &Cidr) -> SourceRangeEntry {
+    (
+        source_range_prefix(range.prefix128()),
+        SourceRangeKey {
+            frontend: *frontend,
+            client_be: addr_words(range.ip),
+        },
+    )
+}
+
+/// "frontend from cidr", for messages.
+pub fn source_range_string((prefix_len, key): &SourceRangeEntry) -> String {
+    let prefix128 = prefix_len.saturating_sub(source_range_prefix(0));
+    let ip = words_addr(&key.client_be);
+    let prefix = if ip.is_ipv4() {
+        prefix128.saturating_sub(96)
+    } else {
+        prefix128
+    };
+    format!("{} from {ip}/{prefix}", service_key_string(&key.frontend))
 }

@@ -17,11 +17,11 @@ mod ops;
 
 use std::collections::{BTreeSet, HashMap};
 
-pub use ops::{MapOp, MapStore, StoredState};
+pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
 use crate::{
-    model::{Frontend, FrontendKey, NoEndpointAction, ServicePortName},
+    model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, ServicePortName},
     source::ObjectKey,
 };
 
@@ -58,6 +58,8 @@ struct Applied {
     /// None for a frontend adopted from pinned maps and not claimed since.
     owner: Option<ObjectKey>,
     service: Option<ServicePortName>,
+    /// Its `SOURCE_RANGES` entries.
+    source_ranges: BTreeSet<SourceRangeEntry>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -169,8 +171,19 @@ impl Planner {
                     backend_ids,
                     owner: None,
                     service: None,
+                    source_ranges: stored
+                        .source_ranges
+                        .iter()
+                        .filter(|(_, k)| k.frontend == *key)
+                        .copied()
+                        .collect(),
                 },
             );
+        }
+        for entry in &stored.source_ranges {
+            if !stored.services.contains_key(&entry.1.frontend) {
+                garbage.push(MapOp::DeleteSourceRange { entry: *entry });
+            }
         }
         for key in stored.slots.keys() {
             if !referenced_slots.contains(key) {
@@ -365,7 +378,20 @@ impl Planner {
         if fe.no_endpoints == NoEndpointAction::Drop {
             flags |= service_flags::NO_EP_DROP;
         }
+        if fe.kind != FrontendKind::ClusterIp {
+            flags |= service_flags::EXTERNAL;
+        }
         let key = encode::service_key(&fe.key);
+        let ranges: BTreeSet<SourceRangeEntry> = fe
+            .source_ranges
+            .iter()
+            .map(|r| encode::source_range(&key, r))
+            .collect();
+        if !ranges.is_empty() {
+            flags |= service_flags::SOURCE_RANGES;
+        }
+        let no_ranges = BTreeSet::new();
+        let prev_ranges = prev.as_ref().map_or(&no_ranges, |p| &p.source_ranges);
         let mut value = ServiceValue {
             service_id,
             slot_set: 0,
@@ -375,13 +401,20 @@ impl Planner {
             _pad: 0,
         };
 
-        let mut ops: Vec<MapOp> = fresh
-            .iter()
-            .map(|(id, backend)| MapOp::PutBackend {
-                id: *id,
-                backend: *backend,
-            })
+        // New source ranges go in before the service entry that turns the
+        // firewall on; ranges no longer wanted go after it (cleanup below).
+        let mut ops: Vec<MapOp> = ranges
+            .difference(prev_ranges)
+            .map(|entry| MapOp::PutSourceRange { entry: *entry })
             .collect();
+        let stale_ranges: Vec<MapOp> = prev_ranges
+            .difference(&ranges)
+            .map(|entry| MapOp::DeleteSourceRange { entry: *entry })
+            .collect();
+        ops.extend(fresh.iter().map(|(id, backend)| MapOp::PutBackend {
+            id: *id,
+            backend: *backend,
+        }));
         let mut old_slots = Vec::new();
         let mut new_slot_set = None;
         match prev.as_ref() {
@@ -446,6 +479,7 @@ impl Planner {
             .into_iter()
             .map(|key| MapOp::DeleteSlot { key })
             .collect();
+        cleanup.extend(stale_ranges);
         if let Some(p) = prev {
             if new_slot_set.is_some() {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
@@ -472,6 +506,7 @@ impl Planner {
                 backend_ids: ids,
                 owner: Some(owner.clone()),
                 service: Some(fe.service.clone()),
+                source_ranges: ranges,
             },
         );
         Ok(applied_ops)
@@ -508,6 +543,11 @@ impl Planner {
                 },
             })
             .collect();
+        cleanup.extend(
+            prev.source_ranges
+                .iter()
+                .map(|entry| MapOp::DeleteSourceRange { entry: *entry }),
+        );
         cleanup.extend(self.release_backends(&prev.backend_ids));
         match prev.service.as_ref() {
             Some(name) => self.release_service_id(name),
@@ -538,6 +578,7 @@ impl Planner {
             .filter_map(|op| match op {
                 MapOp::PutBackend { id, .. } => Some(MapOp::DeleteBackend { id: *id }),
                 MapOp::PutSlot { key, .. } => Some(MapOp::DeleteSlot { key: *key }),
+                MapOp::PutSourceRange { entry } => Some(MapOp::DeleteSourceRange { entry: *entry }),
                 _ => None,
             })
             .collect();

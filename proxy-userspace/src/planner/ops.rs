@@ -1,10 +1,17 @@
 //! Map operations, and the one trait through which they reach a map.
 
-use std::{collections::BTreeMap, convert::Infallible, fmt};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    convert::Infallible,
+    fmt,
+};
 
-use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue};
+use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, SourceRangeKey};
 
-use super::encode::service_key_string;
+use super::encode::{service_key_string, source_range_string};
+
+/// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
+pub type SourceRangeEntry = (u32, SourceRangeKey);
 
 /// One write to the service maps. Plans are ordered lists of these.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,13 +37,22 @@ pub enum MapOp {
     DeleteBackend {
         id: u32,
     },
+    PutSourceRange {
+        entry: SourceRangeEntry,
+    },
+    DeleteSourceRange {
+        entry: SourceRangeEntry,
+    },
 }
 
 impl MapOp {
     pub fn is_delete(&self) -> bool {
         matches!(
             self,
-            MapOp::DeleteService { .. } | MapOp::DeleteSlot { .. } | MapOp::DeleteBackend { .. }
+            MapOp::DeleteService { .. }
+                | MapOp::DeleteSlot { .. }
+                | MapOp::DeleteBackend { .. }
+                | MapOp::DeleteSourceRange { .. }
         )
     }
 }
@@ -56,6 +72,12 @@ impl fmt::Display for MapOp {
             }
             MapOp::DeleteSlot { key } => write!(f, "delete slot {}/{}", key.slot_set, key.slot),
             MapOp::DeleteBackend { id } => write!(f, "delete backend {id}"),
+            MapOp::PutSourceRange { entry } => {
+                write!(f, "write source range {}", source_range_string(entry))
+            }
+            MapOp::DeleteSourceRange { entry } => {
+                write!(f, "delete source range {}", source_range_string(entry))
+            }
         }
     }
 }
@@ -74,6 +96,7 @@ pub struct StoredState {
     pub services: BTreeMap<ServiceKey, ServiceValue>,
     pub slots: BTreeMap<BackendSlotKey, u32>,
     pub backends: BTreeMap<u32, Backend>,
+    pub source_ranges: BTreeSet<SourceRangeEntry>,
 }
 
 impl MapStore for StoredState {
@@ -98,6 +121,12 @@ impl MapStore for StoredState {
             }
             MapOp::DeleteBackend { id } => {
                 self.backends.remove(id);
+            }
+            MapOp::PutSourceRange { entry } => {
+                self.source_ranges.insert(*entry);
+            }
+            MapOp::DeleteSourceRange { entry } => {
+                self.source_ranges.remove(entry);
             }
         }
         Ok(())
@@ -129,6 +158,15 @@ impl StoredState {
                         service_key_string(key)
                     ));
                 }
+            }
+            // A firewalled frontend without its ranges would drop everyone.
+            if value.flags & proxy_common::service_flags::SOURCE_RANGES != 0
+                && !self.source_ranges.iter().any(|(_, k)| k.frontend == *key)
+            {
+                return Err(format!(
+                    "service {} is firewalled but has no source range",
+                    service_key_string(key)
+                ));
             }
         }
         Ok(())

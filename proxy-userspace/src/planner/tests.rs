@@ -74,6 +74,7 @@ fn frontend(vip: u8, backends: &[u8]) -> Frontend {
         backends: b,
         no_endpoints: NoEndpointAction::Reject,
         affinity_timeout_s: None,
+        source_ranges: Vec::new(),
     }
 }
 

@@ -1,0 +1,106 @@
+//! What differs between the hooks the pipeline runs at: how packet bytes
+//! are reached and written, and how a packet is sent on. Everything else
+//! (parsing, lookups, conntrack, NAT decisions) is shared.
+
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    EbpfContext,
+    programs::{TcContext, XdpContext},
+};
+
+use crate::{
+    checksum,
+    nat::{self, Side},
+    packet::Flow,
+};
+
+/// A hook the per-packet pipeline runs at.
+pub trait Hook: EbpfContext {
+    /// True at XDP: no socket buffer, so every packet write is direct, and
+    /// whatever the fast path does not finish is left to tc.
+    const XDP: bool;
+
+    /// Start and end of the packet bytes reachable by pointer.
+    fn bounds(&self) -> (usize, usize);
+
+    /// Length of the whole packet, linear or not.
+    fn wire_len(&self) -> usize;
+
+    /// Makes the first `len` bytes reachable by pointer (tc packets may
+    /// keep headers in fragments). False when that is impossible.
+    fn pull(&self, len: u32) -> bool;
+
+    /// Rewrites the source or destination address and port of `flow`,
+    /// with checksums kept valid.
+    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()>;
+
+    fn ingress_ifindex(&self) -> u32;
+
+    #[inline(always)]
+    fn raw(&self) -> *mut c_void {
+        self.as_ptr()
+    }
+}
+
+impl Hook for TcContext {
+    const XDP: bool = false;
+
+    #[inline(always)]
+    fn bounds(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
+    }
+
+    #[inline(always)]
+    fn wire_len(&self) -> usize {
+        self.len() as usize
+    }
+
+    #[inline(always)]
+    fn pull(&self, len: u32) -> bool {
+        let len = if len > self.len() { self.len() } else { len };
+        self.pull_data(len).is_ok()
+    }
+
+    #[inline(always)]
+    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()> {
+        // The socket buffer's checksum state (a partial checksum offloaded
+        // to the device, or a complete one the stack re-validates) is only
+        // kept right by the kernel's own helpers.
+        nat::rewrite_skb(self, flow, side, addr_be, port_be).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        unsafe { (*self.skb.skb).ingress_ifindex }
+    }
+}
+
+impl Hook for XdpContext {
+    const XDP: bool = true;
+
+    #[inline(always)]
+    fn bounds(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
+    }
+
+    #[inline(always)]
+    fn wire_len(&self) -> usize {
+        self.data_end() - self.data()
+    }
+
+    #[inline(always)]
+    fn pull(&self, _len: u32) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()> {
+        checksum::rewrite_direct(self.data(), self.data_end(), flow, side, addr_be, port_be)
+    }
+
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        XdpContext::ingress_ifindex(self) as u32
+    }
+}

@@ -1,0 +1,110 @@
+//! Sending a translated packet on without the stack: a FIB lookup gives the
+//! egress interface and next hop, the packet is rewritten as a router
+//! would (MACs, TTL) and redirected. Used where the stack would refuse the
+//! packet: its new source is an address of this node (SNAT to the node, or
+//! a reply from a NodePort), which input routing drops as martian.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        bpf_fib_lookup,
+    },
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+
+use crate::{hook::Hook, nat::IP_CSUM_OFF, packet::ETH_HLEN};
+
+const AF_INET: u8 = 2;
+const IP_TTL_OFF: usize = ETH_HLEN + 8;
+
+/// Where a packet goes next.
+pub struct NextHop {
+    pub ifindex: u32,
+    /// Ethernet addresses, valid when `resolved`.
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
+    /// The neighbour is known; otherwise only tc can send the packet, by
+    /// `bpf_redirect_neigh`, which resolves it.
+    pub resolved: bool,
+}
+
+/// The FIB's answer for a packet from `src_be` to `dst_be`.
+#[inline(always)]
+pub fn lookup<H: Hook>(
+    ctx: &H,
+    proto: u8,
+    src_be: u32,
+    dst_be: u32,
+    tot_len: u16,
+) -> Option<NextHop> {
+    // SAFETY: a plain C struct; all-zeros is valid.
+    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    params.family = AF_INET;
+    params.l4_protocol = proto;
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ctx.ingress_ifindex();
+    params.__bindgen_anon_3.ipv4_src = src_be;
+    params.__bindgen_anon_4.ipv4_dst = dst_be;
+    let ret = unsafe {
+        fib_lookup(
+            ctx.raw(),
+            &mut params,
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    let resolved = ret == BPF_FIB_LKUP_RET_SUCCESS as i64;
+    if !resolved && ret != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+        return None;
+    }
+    Some(NextHop {
+        ifindex: params.ifindex,
+        smac: params.smac,
+        dmac: params.dmac,
+        resolved,
+    })
+}
+
+/// Routes and redirects a (translated) tc packet. The TTL is taken down by
+/// one as the stack would when forwarding. A spent TTL or no route drops
+/// the packet: the stack would drop it too, for its source.
+#[inline(always)]
+pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len: u16) -> i32 {
+    let Some(hop) = lookup(ctx, proto, src_be, dst_be, tot_len) else {
+        return TC_ACT_SHOT;
+    };
+    let Ok(word) = ctx.load::<[u8; 2]>(IP_TTL_OFF) else {
+        return TC_ACT_SHOT;
+    };
+    if word[0] <= 1 {
+        return TC_ACT_SHOT;
+    }
+    let old = u16::from_ne_bytes(word);
+    let new = u16::from_ne_bytes([word[0] - 1, word[1]]);
+    if ctx
+        .l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2)
+        .is_err()
+        || ctx.store(IP_TTL_OFF, &new, 0).is_err()
+    {
+        return TC_ACT_SHOT;
+    }
+    if hop.resolved {
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&hop.dmac);
+        macs[6..].copy_from_slice(&hop.smac);
+        if ctx.store(0, &macs, 0).is_err() {
+            return TC_ACT_SHOT;
+        }
+        unsafe { bpf_redirect(hop.ifindex, 0) as i32 }
+    } else {
+        let r = unsafe { bpf_redirect_neigh(hop.ifindex, core::ptr::null_mut(), 0, 0) };
+        if r == TC_ACT_REDIRECT as i64 {
+            TC_ACT_REDIRECT
+        } else {
+            TC_ACT_SHOT
+        }
+    }
+}

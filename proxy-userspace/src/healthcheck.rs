@@ -1,0 +1,577 @@
+//! The health check node ports of LoadBalancer Services with
+//! externalTrafficPolicy Local, served as kube-proxy serves them
+//! (`pkg/proxy/healthcheck/service_health.go`).
+//!
+//! The cloud load balancer probes spec.healthCheckNodePort on every node and
+//! sends traffic only to nodes answering 200, which are the nodes with a
+//! local Ready endpoint: traffic to the others would be dropped, since Local
+//! policy never forwards to another node. So each port answers, on any path,
+//! 200 when this node has local endpoints and the proxy is in sync, else
+//! 503, with the count in a JSON body and in a weight header.
+
+use std::{
+    collections::{BTreeMap, btree_map::Entry},
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use axum::{
+    Router,
+    extract::State,
+    http::{HeaderName, StatusCode, header},
+    response::IntoResponse,
+};
+use tokio::{
+    net::{TcpListener, TcpSocket},
+    sync::watch,
+    task::JoinHandle,
+};
+
+use crate::{http::Health, model::HealthCheck};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HealthCheckError {
+    #[error("binding the health check of {service} to {addr}: {source}")]
+    Bind {
+        service: String,
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Listen backlog, as tokio's `TcpListener::bind` uses.
+const BACKLOG: u32 = 1024;
+
+/// Where a health check port listens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BindAddr {
+    /// Every address of the node, both families: kube-proxy listens on
+    /// "0.0.0.0", which Go opens as a dual-stack `[::]` socket.
+    Any,
+    Ip(IpAddr),
+}
+
+/// The health check node port server. The agent calls [`update`] after every
+/// sync; listeners live until their port leaves the list or the server is
+/// dropped.
+///
+/// [`update`]: HealthCheckServer::update
+pub struct HealthCheckServer {
+    bind: Vec<BindAddr>,
+    health: Health,
+    /// By node port. A tokio mutex: updates await listeners being closed.
+    ports: tokio::sync::Mutex<BTreeMap<u16, PortServer>>,
+}
+
+/// What one port answers; shared with its handler so that a new count
+/// takes effect without reopening the port.
+#[derive(Debug)]
+struct Served {
+    namespace: String,
+    name: String,
+    local_endpoints: usize,
+}
+
+/// The listeners of one node port.
+struct PortServer {
+    served: Arc<Mutex<Served>>,
+    /// Dropping it shuts the port's servers down (gracefully, so in-flight
+    /// probes get their answer), also when the whole server is dropped.
+    shutdown: watch::Sender<()>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl PortServer {
+    fn serves(&self, check: &HealthCheck) -> bool {
+        let served = lock(&self.served);
+        served.namespace == check.namespace && served.name == check.name
+    }
+
+    /// Closes the listeners, and returns once they are closed so the port can
+    /// be reused at once. Open connections finish in the background.
+    async fn stop(self) {
+        drop(self.shutdown);
+        for task in self.tasks {
+            // Aborting drops the accept loop, and with it the listener, now
+            // rather than after the last keep-alive connection goes away.
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+#[derive(Clone)]
+struct HandlerState {
+    served: Arc<Mutex<Served>>,
+    health: Health,
+}
+
+impl HealthCheckServer {
+    /// `bind_addrs`: the node addresses to listen on, as kube-proxy uses the
+    /// node IPs matching nodePortAddresses; empty (or an unspecified
+    /// address) means every address of both families. `health` decides
+    /// "serviceProxyHealthy", as /healthz does.
+    pub fn new(bind_addrs: Vec<IpAddr>, health: Health) -> Self {
+        let mut bind: Vec<BindAddr> = Vec::new();
+        for ip in bind_addrs {
+            let addr = if ip.is_unspecified() {
+                BindAddr::Any
+            } else {
+                BindAddr::Ip(ip.to_canonical())
+            };
+            if !bind.contains(&addr) {
+                bind.push(addr);
+            }
+        }
+        // A wildcard listener already covers every specific address, and
+        // binding both would fail with "address in use".
+        if bind.is_empty() || bind.contains(&BindAddr::Any) {
+            bind = vec![BindAddr::Any];
+        }
+        Self {
+            bind,
+            health,
+            ports: tokio::sync::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Makes the served ports exactly those of `checks`: opens new ports,
+    /// closes ports no longer listed (they refuse connections once this
+    /// returns), and updates the others in place.
+    ///
+    /// A port that cannot be opened is logged and tried again on the next
+    /// update, as kube-proxy does; the other ports are unaffected. When two
+    /// checks name the same port, the Service already holding it keeps it
+    /// (else the first listed), as kube-proxy's second bind would fail.
+    pub async fn update(&self, checks: Vec<HealthCheck>) {
+        let mut ports = self.ports.lock().await;
+
+        let mut wanted: BTreeMap<u16, HealthCheck> = BTreeMap::new();
+        for check in checks {
+            match wanted.entry(check.node_port) {
+                Entry::Vacant(entry) => {
+                    entry.insert(check);
+                }
+                Entry::Occupied(mut entry) => {
+                    let holder = ports.get(&check.node_port);
+                    let mut loser = check;
+                    if holder.is_some_and(|p| p.serves(&loser) && !p.serves(entry.get())) {
+                        loser = entry.insert(loser);
+                    }
+                    let winner = entry.get();
+                    tracing::warn!(
+                        service = %format!("{}/{}", loser.namespace, loser.name),
+                        port = loser.node_port,
+                        "health check node port is already used by {}/{}",
+                        winner.namespace,
+                        winner.name,
+                    );
+                }
+            }
+        }
+
+        let stale: Vec<u16> = ports
+            .keys()
+            .filter(|port| !wanted.contains_key(port))
+            .copied()
+            .collect();
+        for port in stale {
+            if let Some(server) = ports.remove(&port) {
+                tracing::info!(port, "closing health check node port");
+                server.stop().await;
+            }
+        }
+
+        for (port, check) in wanted {
+            if let Some(server) = ports.get(&port) {
+                let mut served = lock(&server.served);
+                served.namespace = check.namespace;
+                served.name = check.name;
+                served.local_endpoints = check.local_endpoints;
+                continue;
+            }
+            match self.start(check) {
+                Ok(server) => {
+                    ports.insert(port, server);
+                }
+                Err(err) => {
+                    let HealthCheckError::Bind { service, .. } = &err;
+                    tracing::warn!(
+                        service = %service,
+                        port,
+                        error = %err,
+                        "could not open health check node port; retrying on the next sync"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The node ports currently listening, ascending.
+    pub async fn ports(&self) -> Vec<u16> {
+        self.ports.lock().await.keys().copied().collect()
+    }
+
+    /// Binds every address of the port, or none: kube-proxy too gives up on
+    /// the whole port when one address fails, and retries it later.
+    fn start(&self, check: HealthCheck) -> Result<PortServer, HealthCheckError> {
+        let service = format!("{}/{}", check.namespace, check.name);
+        let listeners = self
+            .bind
+            .iter()
+            .map(|&bind| listen(bind, check.node_port))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|(addr, source)| HealthCheckError::Bind {
+                service: service.clone(),
+                addr,
+                source,
+            })?;
+        tracing::info!(service = %service, port = check.node_port, "opened health check node port");
+
+        let served = Arc::new(Mutex::new(Served {
+            namespace: check.namespace,
+            name: check.name,
+            local_endpoints: check.local_endpoints,
+        }));
+        let app = Router::new().fallback(respond).with_state(HandlerState {
+            served: Arc::clone(&served),
+            health: self.health.clone(),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(());
+        let tasks = listeners
+            .into_iter()
+            .map(|listener| {
+                let app = app.clone();
+                let mut shutdown_rx = shutdown_rx.clone();
+                let port = check.node_port;
+                tokio::spawn(async move {
+                    let stopped = async move {
+                        // Nothing is ever sent: this resolves when the
+                        // sender is dropped.
+                        let _ = shutdown_rx.changed().await;
+                    };
+                    if let Err(err) = axum::serve(listener, app)
+                        .with_graceful_shutdown(stopped)
+                        .await
+                    {
+                        tracing::warn!(port, error = %err, "health check node port server failed");
+                    }
+                })
+            })
+            .collect();
+        Ok(PortServer {
+            served,
+            shutdown,
+            tasks,
+        })
+    }
+}
+
+/// Opens a listener; on failure, says on which address.
+fn listen(bind: BindAddr, port: u16) -> Result<TcpListener, (SocketAddr, io::Error)> {
+    match bind {
+        BindAddr::Ip(ip) => listen_on(SocketAddr::new(ip, port)),
+        BindAddr::Any => {
+            match listen_on(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port)) {
+                // No IPv6 on this node (Go checks the same before choosing
+                // a dual-stack socket): every address is an IPv4 one.
+                Err((_, e)) if e.kind() != io::ErrorKind::AddrInUse => {
+                    listen_on(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port))
+                }
+                result => result,
+            }
+        }
+    }
+}
+
+fn listen_on(addr: SocketAddr) -> Result<TcpListener, (SocketAddr, io::Error)> {
+    let open = || -> io::Result<TcpListener> {
+        let socket = match addr {
+            SocketAddr::V4(_) => TcpSocket::new_v4()?,
+            SocketAddr::V6(_) => TcpSocket::new_v6()?,
+        };
+        // As Go and tokio do: a port closed a moment ago (connections in
+        // TIME_WAIT) can be reopened.
+        socket.set_reuseaddr(true)?;
+        if addr.ip().is_unspecified() {
+            // Dual-stack whatever net.ipv6.bindv6only says, as Go sets it.
+            nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &false)
+                .map_err(io::Error::from)?;
+        }
+        socket.bind(addr)?;
+        socket.listen(BACKLOG)
+    };
+    open().map_err(|e| (addr, e))
+}
+
+fn lock(served: &Mutex<Served>) -> std::sync::MutexGuard<'_, Served> {
+    // The guarded data is always whole (plain assignments), so a panic
+    // elsewhere leaves nothing half-updated.
+    served.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// kube-proxy's `hcHandler.ServeHTTP`, for any method and path.
+async fn respond(State(state): State<HandlerState>) -> impl IntoResponse {
+    let (body, count, healthy) = {
+        let served = lock(&state.served);
+        let healthy = state.health.is_synced();
+        (
+            body(
+                &served.namespace,
+                &served.name,
+                served.local_endpoints,
+                healthy,
+            ),
+            served.local_endpoints,
+            healthy,
+        )
+    };
+    let status = if count != 0 && healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_owned()),
+            (
+                HeaderName::from_static("x-load-balancing-endpoint-weight"),
+                count.to_string(),
+            ),
+        ],
+        body,
+    )
+}
+
+/// The body kube-proxy writes: its dedented template with tabs, trimmed of
+/// newlines, so no trailing newline. Names are quoted as JSON strings, the
+/// same as Go's `%q` for the DNS labels Kubernetes names are.
+fn body(namespace: &str, name: &str, count: usize, healthy: bool) -> String {
+    let quote = |s: &str| serde_json::Value::from(s).to_string();
+    format!(
+        "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
+        quote(namespace),
+        quote(name),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use tokio::{
+        io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+        net::TcpStream,
+    };
+
+    use super::*;
+
+    const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+    /// A port nothing listens on right now.
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind((LOCALHOST, 0))
+            .and_then(|l| l.local_addr())
+            .expect("binding an ephemeral port")
+            .port()
+    }
+
+    fn check(name: &str, node_port: u16, local_endpoints: usize) -> HealthCheck {
+        HealthCheck {
+            namespace: "demo".into(),
+            name: name.into(),
+            node_port,
+            local_endpoints,
+        }
+    }
+
+    fn synced() -> Health {
+        let health = Health::default();
+        health.mark_synced();
+        health
+    }
+
+    #[derive(Debug)]
+    struct Response {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: String,
+    }
+
+    impl Response {
+        fn header(&self, name: &str) -> Option<&str> {
+            self.headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        }
+    }
+
+    /// One HTTP/1.1 request on an open connection, kept alive.
+    async fn request(conn: &mut BufReader<TcpStream>, path: &str) -> Response {
+        conn.get_mut()
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: node\r\n\r\n").as_bytes())
+            .await
+            .expect("sending the request");
+        let mut line = String::new();
+        conn.read_line(&mut line).await.expect("status line");
+        let status = line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            conn.read_line(&mut line).await.expect("header line");
+            let trimmed = line.trim_end_matches("\r\n");
+            if trimmed.is_empty() {
+                break;
+            }
+            let (name, value) = trimmed.split_once(':').expect("header has a colon");
+            headers.push((name.to_owned(), value.trim().to_owned()));
+        }
+        let length: usize = headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.parse().ok())
+            .expect("content-length");
+        let mut body = vec![0; length];
+        conn.read_exact(&mut body).await.expect("body");
+        Response {
+            status,
+            headers,
+            body: String::from_utf8(body).expect("UTF-8 body"),
+        }
+    }
+
+    async fn connect(port: u16) -> io::Result<BufReader<TcpStream>> {
+        TcpStream::connect((LOCALHOST, port))
+            .await
+            .map(BufReader::new)
+    }
+
+    async fn get(port: u16, path: &str) -> Response {
+        let mut conn = connect(port).await.expect("connecting");
+        request(&mut conn, path).await
+    }
+
+    fn expected_body(name: &str, count: usize, healthy: bool) -> String {
+        format!(
+            "{{\n\t\"service\": {{\n\t\t\"namespace\": \"demo\",\n\t\t\"name\": \"{name}\"\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}"
+        )
+    }
+
+    #[tokio::test]
+    async fn serves_counts_and_closes_removed_ports() {
+        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let port = free_port();
+
+        server.update(vec![check("web", port, 0)]).await;
+        assert_eq!(server.ports().await, vec![port]);
+        let mut conn = connect(port).await.expect("connecting");
+        let response = request(&mut conn, "/healthz").await;
+        assert_eq!(response.status, 503, "no local endpoints: {response:?}");
+        assert_eq!(response.body, expected_body("web", 0, true));
+        assert_eq!(
+            response.header("x-load-balancing-endpoint-weight"),
+            Some("0")
+        );
+
+        server.update(vec![check("web", port, 2)]).await;
+        // Same connection: the listener was updated, not reopened.
+        let response = request(&mut conn, "/any/path?at=all").await;
+        assert_eq!(response.status, 200, "{response:?}");
+        assert_eq!(response.body, expected_body("web", 2, true));
+        assert_eq!(response.header("content-type"), Some("application/json"));
+        assert_eq!(response.header("x-content-type-options"), Some("nosniff"));
+        assert_eq!(
+            response.header("x-load-balancing-endpoint-weight"),
+            Some("2")
+        );
+        drop(conn);
+
+        server.update(Vec::new()).await;
+        assert_eq!(server.ports().await, Vec::<u16>::new());
+        let err = connect(port)
+            .await
+            .expect_err("a removed port refuses connections");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    }
+
+    #[tokio::test]
+    async fn unhealthy_proxy_answers_503() {
+        let health = Health::default();
+        let server = HealthCheckServer::new(vec![LOCALHOST], health.clone());
+        let port = free_port();
+        server.update(vec![check("web", port, 2)]).await;
+
+        let response = get(port, "/").await;
+        assert_eq!(response.status, 503, "{response:?}");
+        assert_eq!(response.body, expected_body("web", 2, false));
+        assert_eq!(
+            response.header("x-load-balancing-endpoint-weight"),
+            Some("2")
+        );
+
+        health.mark_synced();
+        assert_eq!(get(port, "/").await.status, 200);
+    }
+
+    #[tokio::test]
+    async fn bind_failure_spares_other_ports_and_is_retried() {
+        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let taken = std::net::TcpListener::bind((LOCALHOST, 0)).expect("binding");
+        let busy = taken.local_addr().expect("local addr").port();
+        let free = free_port();
+        let checks = vec![check("busy", busy, 1), check("free", free, 1)];
+
+        server.update(checks.clone()).await;
+        assert_eq!(server.ports().await, vec![free]);
+        assert_eq!(get(free, "/").await.body, expected_body("free", 1, true));
+
+        drop(taken);
+        server.update(checks).await;
+        let mut want = vec![busy, free];
+        want.sort_unstable();
+        assert_eq!(server.ports().await, want);
+        assert_eq!(get(busy, "/").await.body, expected_body("busy", 1, true));
+    }
+
+    #[tokio::test]
+    async fn a_shared_port_stays_with_its_holder() {
+        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let port = free_port();
+
+        server.update(vec![check("b", port, 1)]).await;
+        server
+            .update(vec![check("a", port, 3), check("b", port, 1)])
+            .await;
+        assert_eq!(get(port, "/").await.body, expected_body("b", 1, true));
+
+        server.update(vec![check("a", port, 3)]).await;
+        assert_eq!(get(port, "/").await.body, expected_body("a", 3, true));
+    }
+
+    #[tokio::test]
+    async fn listens_on_every_address_by_default() {
+        let server = HealthCheckServer::new(Vec::new(), synced());
+        let port = free_port();
+        server.update(vec![check("web", port, 1)]).await;
+        assert_eq!(get(port, "/").await.status, 200);
+        server.update(Vec::new()).await;
+        assert!(connect(port).await.is_err(), "closed");
+    }
+
+    #[test]
+    fn body_is_kube_proxys() {
+        assert_eq!(
+            body("kube-system", "dns", 3, true),
+            "{\n\t\"service\": {\n\t\t\"namespace\": \"kube-system\",\n\t\t\"name\": \"dns\"\n\t},\n\t\"localEndpoints\": 3,\n\t\"serviceProxyHealthy\": true\n}"
+        );
+    }
+}

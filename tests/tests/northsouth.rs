@@ -1,0 +1,431 @@
+//! North-south traffic on real packets: NodePort, LoadBalancer IPs and ExternalIPs
+//! reached from clients outside the cluster, in the two-node topology of design.md
+//! §6 (`cluster`), with an agent on each node. Each scenario runs through XDP
+//! (native on these veths, and generic) and through tc alone (`--xdp-mode off`).
+
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddrV4},
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::{Agent, http_get},
+    client::{Outcome, TcpSession, tcp_request, udp_request},
+    cluster::{CLIENT1, CLIENT2, Cluster, NODE_A_IP, NODE_B_IP},
+    manifest::{Endpoint, ManifestDir, Service, ServiceType, TrafficPolicy},
+    require_root,
+    servers::{TcpServer, UdpServer},
+};
+use proxy_userspace::datapath::{Maps, PinLayout};
+
+const BACKEND: (&str, Ipv4Addr) = ("web-b1", Ipv4Addr::new(10, 1, 2, 10));
+const LOCAL_BACKEND: (&str, Ipv4Addr) = ("web-a1", Ipv4Addr::new(10, 1, 1, 10));
+const TCP_PORT: u16 = 8080;
+const UDP_PORT: u16 = 5353;
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 50);
+const NODE_PORT: u16 = 30080;
+const UDP_NODE_PORT: u16 = 30053;
+const HEALTH_PORT: u16 = 32100;
+const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
+const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 20);
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// A dropped connection attempt is given this long to (wrongly) succeed.
+const DROP_WAIT: Duration = Duration::from_millis(700);
+
+/// The XDP settings every scenario runs under.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Native,
+    Generic,
+    TcOnly,
+}
+
+impl Path {
+    fn arg(self) -> &'static str {
+        match self {
+            Path::Native => "native",
+            Path::Generic => "generic",
+            Path::TcOnly => "off",
+        }
+    }
+}
+
+/// Two nodes, two outside clients, a backend on each node serving TCP and UDP, and
+/// an agent on each node following one manifest directory.
+struct Fixture {
+    agents: Vec<Agent>,
+    _servers: Vec<(TcpServer, UdpServer)>,
+    manifests: ManifestDir,
+    cluster: Cluster,
+}
+
+impl Fixture {
+    fn new(path: Path) -> Fixture {
+        require_root().expect("privileged test");
+        let cluster =
+            Cluster::new(&[("a", &[LOCAL_BACKEND]), ("b", &[BACKEND])]).expect("two-node cluster");
+        let servers = [LOCAL_BACKEND, BACKEND]
+            .iter()
+            .map(|(name, _)| {
+                let ns = &cluster.pod(name).ns;
+                (
+                    TcpServer::start(ns, name, TCP_PORT).expect("TCP backend"),
+                    UdpServer::start(ns, name, UDP_PORT).expect("UDP backend"),
+                )
+            })
+            .collect();
+        let manifests = ManifestDir::create(cluster.stem()).expect("manifest dir");
+        Fixture {
+            agents: Vec::new(),
+            _servers: servers,
+            manifests,
+            cluster,
+        }
+        .with_agents(path)
+    }
+
+    fn with_agents(mut self, path: Path) -> Fixture {
+        for node in ["a", "b"] {
+            let ns = &self.cluster.node(node).ns;
+            let agent = Agent::start_with(ns, self.manifests.path(), &["--xdp-mode", path.arg()])
+                .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"));
+            self.agents.push(agent);
+        }
+        self
+    }
+
+    /// The node name an agent uses for node `n` (its namespace name).
+    fn node_name(&self, n: &str) -> String {
+        self.cluster.node(n).ns.name().to_owned()
+    }
+
+    /// Writes `service` with its endpoints (each on its node) and waits until
+    /// both agents have it.
+    fn publish(&self, service: &Service, endpoints: &[(Ipv4Addr, &str)]) {
+        let eps: Vec<_> = endpoints
+            .iter()
+            .map(|(ip, node)| Endpoint::ready(*ip).on_node(&self.node_name(node)))
+            .collect();
+        self.manifests
+            .write(&format!("{}.yaml", service.name), &service.yaml_with(&eps))
+            .expect("write manifest");
+    }
+
+    fn counter(&self, node: usize, name: &str) -> u64 {
+        let maps = Maps::open_pinned(&PinLayout::new(self.agents[node].bpf_root()))
+            .expect("open the agent's pinned maps");
+        maps.counters()
+            .expect("read counters")
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("no counter named {name}"))
+            .1
+    }
+
+    /// The non-zero counters of both nodes, for failure messages.
+    fn counters(&self) -> String {
+        let mut out = String::new();
+        for (n, agent) in self.agents.iter().enumerate() {
+            let maps = Maps::open_pinned(&PinLayout::new(agent.bpf_root()));
+            let counters: Vec<(&str, u64)> = maps
+                .and_then(|m| m.counters())
+                .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+                .unwrap_or_default();
+            out.push_str(&format!("node {}: {counters:?}; ", ["a", "b"][n]));
+        }
+        out
+    }
+
+    fn client(&self, name: &str) -> &ebpf_proxy_tests::netns::NetNs {
+        &self.cluster.client(name).ns
+    }
+}
+
+/// Polls a TCP request until it gets a reply (the agents pick up a manifest
+/// change within a sync), then returns it.
+#[track_caller]
+fn reply_within(
+    fx: &Fixture,
+    client: &str,
+    addr: SocketAddrV4,
+    what: &str,
+) -> ebpf_proxy_tests::client::Reply {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match tcp_request(fx.client(client), addr, TIMEOUT) {
+            Outcome::Reply(r) => return r,
+            other if Instant::now() > deadline => panic!(
+                "{what}: no reply from {addr} within 5 s, last outcome {other}; {}",
+                fx.counters()
+            ),
+            _ => thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+fn web(name: &str) -> Service {
+    Service::new("test", name, CLUSTER_IP)
+        .type_(ServiceType::NodePort)
+        .port("http", 80, Protocol::Tcp, TCP_PORT)
+        .port("dns", 53, Protocol::Udp, UDP_PORT)
+        .node_port("http", NODE_PORT)
+        .node_port("dns", UDP_NODE_PORT)
+}
+
+/// externalTrafficPolicy Cluster: node A, with no backend of its own, reaches the
+/// backend on node B with SNAT to its address (TCP and UDP); node B reaches it
+/// directly, keeping the client's address.
+fn nodeport_cluster_policy(path: Path) {
+    let fx = Fixture::new(path);
+    fx.publish(&web("web"), &[(BACKEND.1, "b")]);
+    let via_a = reply_within(
+        &fx,
+        "client1",
+        SocketAddrV4::new(NODE_A_IP, NODE_PORT),
+        "NodePort on A",
+    );
+    assert_eq!(
+        (via_a.backend.as_str(), *via_a.peer.ip()),
+        (BACKEND.0, NODE_A_IP),
+        "{path:?}: through node A the remote backend must see node A's address (SNAT)"
+    );
+    let port = via_a.peer.port();
+    assert!(
+        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&port),
+        "{path:?}: SNAT source port {port} outside the SNAT range"
+    );
+    let udp = udp_request(
+        fx.client("client1"),
+        SocketAddrV4::new(NODE_A_IP, UDP_NODE_PORT),
+        TIMEOUT,
+    );
+    let Outcome::Reply(udp) = udp else {
+        panic!("{path:?}: UDP NodePort on A: {udp}; {}", fx.counters());
+    };
+    assert_eq!(
+        (udp.backend.as_str(), *udp.peer.ip()),
+        (BACKEND.0, NODE_A_IP)
+    );
+
+    let via_b = tcp_request(
+        fx.client("client1"),
+        SocketAddrV4::new(NODE_B_IP, NODE_PORT),
+        TIMEOUT,
+    )
+    .expect_reply("NodePort on B");
+    assert_eq!(
+        (via_b.backend.as_str(), *via_b.peer.ip()),
+        (BACKEND.0, CLIENT1.1),
+        "{path:?}: a local backend is reached without SNAT"
+    );
+    // A long connection works both ways, packet after packet.
+    let mut session = TcpSession::open(
+        fx.client("client1"),
+        SocketAddrV4::new(NODE_A_IP, NODE_PORT),
+        TIMEOUT,
+    )
+    .expect("session through node A");
+    for i in 0..20 {
+        let answer = session.exchange(&format!("ping {i}")).expect("exchange");
+        assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
+    }
+    let snat = fx.counter(0, "snat_new");
+    assert!(
+        snat >= 3,
+        "{path:?}: node A counted {snat} SNATed flows, expected 3 or more"
+    );
+    let xdp_tx = fx.counter(0, "xdp_tx");
+    match path {
+        Path::TcOnly => assert_eq!(xdp_tx, 0, "no XDP: tc must do it all"),
+        _ => assert!(
+            xdp_tx > 0,
+            "{path:?}: XDP sent no packet itself (xdp_tx 0, xdp_to_tc {})",
+            fx.counter(0, "xdp_to_tc")
+        ),
+    }
+}
+
+#[test]
+fn nodeport_cluster_policy_native_xdp() {
+    nodeport_cluster_policy(Path::Native);
+}
+
+#[test]
+fn nodeport_cluster_policy_generic_xdp() {
+    nodeport_cluster_policy(Path::Generic);
+}
+
+#[test]
+fn nodeport_cluster_policy_tc_only() {
+    nodeport_cluster_policy(Path::TcOnly);
+}
+
+/// externalTrafficPolicy Local on a LoadBalancer Service: node A (no local
+/// endpoint) drops, node B serves with the client's own address, and the
+/// healthCheckNodePort says so (503 on A, 200 with the weight on B).
+fn local_policy(path: Path) {
+    let fx = Fixture::new(path);
+    let service = web("local")
+        .type_(ServiceType::LoadBalancer)
+        .external_traffic_policy(TrafficPolicy::Local)
+        .health_check_node_port(HEALTH_PORT);
+    fx.publish(&service, &[(BACKEND.1, "b")]);
+    let via_b = reply_within(
+        &fx,
+        "client1",
+        SocketAddrV4::new(NODE_B_IP, NODE_PORT),
+        "ETP Local on B",
+    );
+    assert_eq!(
+        (via_b.backend.as_str(), *via_b.peer.ip()),
+        (BACKEND.0, CLIENT1.1),
+        "{path:?}: ETP Local keeps the client's address"
+    );
+    let via_a = tcp_request(
+        fx.client("client1"),
+        SocketAddrV4::new(NODE_A_IP, NODE_PORT),
+        DROP_WAIT,
+    );
+    assert_eq!(
+        via_a,
+        Outcome::Timeout,
+        "{path:?}: node A has no local endpoint and must drop"
+    );
+    assert!(
+        fx.counter(0, "drop_no_endpoint") > 0,
+        "node A must count the drop"
+    );
+
+    let health = |node: Ipv4Addr| {
+        fx.client("client1")
+            .run(|| http_get(SocketAddrV4::new(node, HEALTH_PORT), "/"))
+            .expect("run in client")
+            .unwrap_or_else(|e| panic!("health check on {node}: {e:#}"))
+    };
+    let (status_a, body_a) = health(NODE_A_IP);
+    assert_eq!(
+        status_a, 503,
+        "health check on A (no local endpoint):\n{body_a}"
+    );
+    assert!(body_a.contains("\"localEndpoints\": 0"), "{body_a}");
+    let (status_b, body_b) = health(NODE_B_IP);
+    assert_eq!(
+        status_b, 200,
+        "health check on B (one local endpoint):\n{body_b}"
+    );
+    assert!(body_b.contains("\"localEndpoints\": 1"), "{body_b}");
+    assert!(
+        body_b
+            .to_ascii_lowercase()
+            .contains("x-load-balancing-endpoint-weight: 1"),
+        "{body_b}"
+    );
+    assert!(body_b.contains("\"name\": \"local\""), "{body_b}");
+}
+
+#[test]
+fn local_policy_native_xdp() {
+    local_policy(Path::Native);
+}
+
+#[test]
+fn local_policy_tc_only() {
+    local_policy(Path::TcOnly);
+}
+
+/// A LoadBalancer IP with loadBalancerSourceRanges: client1 (inside) is served,
+/// client2 (outside) is dropped. An ExternalIP is served too.
+fn load_balancer_and_external_ip(path: Path) {
+    let fx = Fixture::new(path);
+    let service = web("lb")
+        .type_(ServiceType::LoadBalancer)
+        .load_balancer_ingress(LB_IP)
+        .load_balancer_source_range(&format!("{}/32", CLIENT1.1))
+        .external_ip(EXTERNAL_IP);
+    fx.publish(&service, &[(BACKEND.1, "b")]);
+    for client in [CLIENT1.0, CLIENT2.0] {
+        for ip in [LB_IP, EXTERNAL_IP] {
+            fx.cluster
+                .route_via(client, &format!("{ip}/32"), "a")
+                .expect("route to the LB IP via node A");
+        }
+    }
+    let lb = reply_within(
+        &fx,
+        "client1",
+        SocketAddrV4::new(LB_IP, 80),
+        "LB IP from an allowed client",
+    );
+    assert_eq!((lb.backend.as_str(), *lb.peer.ip()), (BACKEND.0, NODE_A_IP));
+    let denied = tcp_request(
+        fx.client("client2"),
+        SocketAddrV4::new(LB_IP, 80),
+        DROP_WAIT,
+    );
+    assert_eq!(
+        denied,
+        Outcome::Timeout,
+        "{path:?}: client2 is outside the source ranges"
+    );
+    assert!(
+        fx.counter(0, "drop_source_range") > 0,
+        "node A must count the drop"
+    );
+    for client in ["client1", "client2"] {
+        let ext = tcp_request(
+            fx.client(client),
+            SocketAddrV4::new(EXTERNAL_IP, 80),
+            TIMEOUT,
+        )
+        .expect_reply("ExternalIP (no source ranges)");
+        assert_eq!(ext.backend, BACKEND.0, "{client} through the ExternalIP");
+    }
+}
+
+#[test]
+fn load_balancer_and_external_ip_native_xdp() {
+    load_balancer_and_external_ip(Path::Native);
+}
+
+#[test]
+fn load_balancer_and_external_ip_tc_only() {
+    load_balancer_and_external_ip(Path::TcOnly);
+}
+
+/// 300 connections held open at once from one client through node A's SNAT: every
+/// one is served, and the backend sees 300 distinct (node A, port) sources.
+#[test]
+fn concurrent_snat_flows_never_share_a_port() {
+    const SESSIONS: usize = 300;
+    let fx = Fixture::new(Path::Native);
+    fx.publish(&web("many"), &[(BACKEND.1, "b")]);
+    let addr = SocketAddrV4::new(NODE_A_IP, NODE_PORT);
+    reply_within(&fx, "client1", addr, "NodePort on A");
+    let sessions: Vec<TcpSession> = (0..SESSIONS)
+        .map(|i| {
+            TcpSession::open(fx.client("client1"), addr, TIMEOUT)
+                .unwrap_or_else(|e| panic!("session {i} of {SESSIONS}: {e:#}"))
+        })
+        .collect();
+    let sources: BTreeSet<SocketAddrV4> = sessions.iter().map(|s| s.greeting.peer).collect();
+    assert!(
+        sessions.iter().all(|s| *s.greeting.peer.ip() == NODE_A_IP),
+        "every session must be SNATed to node A"
+    );
+    assert_eq!(
+        sources.len(),
+        SESSIONS,
+        "the backend saw {} distinct SNAT sources for {SESSIONS} concurrent sessions",
+        sources.len()
+    );
+    for (i, mut s) in sessions.into_iter().enumerate() {
+        let answer = s
+            .exchange("still there")
+            .expect("exchange on an open session");
+        assert_eq!(answer, format!("{} still there", BACKEND.0), "session {i}");
+    }
+    assert_eq!(fx.counter(0, "snat_exhausted"), 0);
+}

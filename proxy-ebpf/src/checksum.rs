@@ -44,9 +44,19 @@ pub fn replace16(csum: u16, old: u16, new: u16) -> u16 {
     !fold(sum)
 }
 
+/// Who keeps the L4 checksum right after a rewrite.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum L4Csum {
+    /// Updated here, in place (XDP: checksums on the wire are complete).
+    Here,
+    /// Left to the caller (tc: only the kernel's helper knows whether the
+    /// socket buffer holds a partial or complete checksum).
+    Caller,
+}
+
 /// Rewrites one side of `flow` in the packet between `data` and `data_end`,
-/// fixing the IP and L4 checksums. A UDP checksum of 0 means "none" and
-/// stays 0; a computed 0 is sent as 0xffff (RFC 768).
+/// fixing the IP checksum, and the L4 one if `l4` says so. A UDP checksum of
+/// 0 means "none" and stays 0; a computed 0 is sent as 0xffff (RFC 768).
 #[inline(always)]
 pub fn rewrite_direct(
     data: usize,
@@ -55,6 +65,7 @@ pub fn rewrite_direct(
     side: Side,
     addr_be: u32,
     port_be: u16,
+    l4: L4Csum,
 ) -> Result<(), ()> {
     let ip = data + ETH_HLEN;
     if ip + IPV4_MIN_HLEN > data_end {
@@ -64,18 +75,18 @@ pub fn rewrite_direct(
     if l4_off > MAX_L4_OFF {
         return Err(());
     }
-    let l4 = data + l4_off;
+    let l4p = data + l4_off;
     // Per protocol, so that the verifier sees constant offsets.
     let csum_at = if flow.proto == PROTO_TCP {
-        if l4 + 20 > data_end {
+        if l4p + 20 > data_end {
             return Err(());
         }
-        l4 + 16
+        l4p + 16
     } else {
-        if l4 + 8 > data_end {
+        if l4p + 8 > data_end {
             return Err(());
         }
-        l4 + 6
+        l4p + 6
     };
     let (addr_at, port_at, old_addr, old_port) = match side {
         Side::Source => (IP_SRC_OFF, 0, flow.src_be, flow.sport_be),
@@ -94,8 +105,11 @@ pub fn rewrite_direct(
             l4c = replace32(l4c, old_addr, addr_be);
         }
         if old_port != port_be {
-            ((l4 + port_at) as *mut u16).write_unaligned(port_be);
+            ((l4p + port_at) as *mut u16).write_unaligned(port_be);
             l4c = replace16(l4c, old_port, port_be);
+        }
+        if l4 == L4Csum::Caller {
+            return Ok(());
         }
         if udp_none {
             l4c = 0;

@@ -96,7 +96,15 @@ impl Hook for XdpContext {
 
     #[inline(always)]
     fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()> {
-        checksum::rewrite_direct(self.data(), self.data_end(), flow, side, addr_be, port_be)
+        checksum::rewrite_direct(
+            self.data(),
+            self.data_end(),
+            flow,
+            side,
+            addr_be,
+            port_be,
+            checksum::L4Csum::Here,
+        )
     }
 
     #[inline(always)]

@@ -1,16 +1,15 @@
 //! Address and port rewrites: what a packet becomes, and the tc way of
-//! writing it (the XDP way is in `checksum`).
+//! writing it (XDP's is all in `checksum`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::PROTO_UDP;
 
 use crate::{
+    checksum::{self, L4Csum},
     hook::Hook,
     packet::{ETH_HLEN, Flow},
 };
 
-const IP_SRC_OFF: usize = ETH_HLEN + 12;
-const IP_DST_OFF: usize = ETH_HLEN + 16;
 pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
@@ -60,9 +59,12 @@ impl Nat {
     }
 }
 
-/// Rewrites the source or destination address and port of `flow` through
-/// the kernel's helpers, which keep the socket buffer's checksum state
-/// (partial or complete) right.
+/// Rewrites the source or destination address and port of `flow` at tc.
+/// Addresses, ports and the IP checksum (never offloaded) are written in
+/// place; the L4 checksum goes through the kernel's helper, the only code
+/// that knows whether the socket buffer holds a partial checksum (to be
+/// finished by the device: only the pseudo-header part changes) or a
+/// complete one (whose `skb->csum` must follow).
 #[inline(always)]
 pub fn rewrite_skb(
     ctx: &TcContext,
@@ -71,10 +73,20 @@ pub fn rewrite_skb(
     addr_be: u32,
     port_be: u16,
 ) -> Result<(), i64> {
-    let (addr_off, port_off, old_addr, old_port) = match side {
-        Side::Source => (IP_SRC_OFF, flow.l4_off, flow.src_be, flow.sport_be),
-        Side::Destination => (IP_DST_OFF, flow.l4_off + 2, flow.dst_be, flow.dport_be),
+    let (old_addr, old_port) = match side {
+        Side::Source => (flow.src_be, flow.sport_be),
+        Side::Destination => (flow.dst_be, flow.dport_be),
     };
+    checksum::rewrite_direct(
+        ctx.data(),
+        ctx.data_end(),
+        flow,
+        side,
+        addr_be,
+        port_be,
+        L4Csum::Caller,
+    )
+    .map_err(|()| -1i64)?;
     let csum_off = flow.l4_csum_off();
     let mangled = if flow.proto == PROTO_UDP {
         BPF_F_MARK_MANGLED_0
@@ -88,12 +100,9 @@ pub fn rewrite_skb(
             addr_be as u64,
             BPF_F_PSEUDO_HDR | mangled | 4,
         )?;
-        ctx.l3_csum_replace(IP_CSUM_OFF, old_addr as u64, addr_be as u64, 4)?;
-        ctx.store(addr_off, &addr_be, 0)?;
     }
     if old_port != port_be {
         ctx.l4_csum_replace(csum_off, old_port as u64, port_be as u64, mangled | 2)?;
-        ctx.store(port_off, &port_be, 0)?;
     }
     Ok(())
 }

@@ -214,7 +214,8 @@ fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentCo
             let Some(&index) = snapshot.interfaces.get(name) else {
                 continue;
             };
-            match datapath.attach_xdp(name, index, config.xdp_mode) {
+            let setting = xdp_setting(config.xdp_mode, snapshot.veths.contains(name));
+            match datapath.attach_xdp(name, index, setting) {
                 Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
                 Err(e) => warn!(
                     error = %e,
@@ -247,6 +248,19 @@ fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentCo
         snat = ?snat,
         "interfaces and addresses"
     );
+}
+
+/// The XDP mode for an uplink. `auto` takes native mode where the driver
+/// has it, except on a veth: frames sent by another namespace on this host
+/// reach it with the checksum still to be finished on transmit, which native
+/// XDP can neither see nor finish; generic XDP runs on the socket buffer
+/// and keeps it right. `--xdp-mode native` still forces native mode (for
+/// veths fed with complete checksums).
+pub fn xdp_setting(wanted: XdpModeSetting, veth: bool) -> XdpModeSetting {
+    match wanted {
+        XdpModeSetting::Auto if veth => XdpModeSetting::Generic,
+        other => other,
+    }
 }
 
 /// `NODE_ADDRS` for these addresses: each is a node address; those inside
@@ -438,4 +452,46 @@ pub fn default_node_name() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_xdp_is_generic_on_veths_only() {
+        use XdpModeSetting::*;
+        assert_eq!(xdp_setting(Auto, true), Generic);
+        assert_eq!(xdp_setting(Auto, false), Auto);
+        assert_eq!(xdp_setting(Native, true), Native);
+        assert_eq!(xdp_setting(Off, true), Off);
+    }
+
+    #[test]
+    fn nodeport_addresses_pick_which_node_addresses_serve_node_ports() {
+        let addrs: Vec<Ipv4Addr> = ["192.168.50.1", "10.244.0.1"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        let flags = |cidrs: &[&str]| -> Vec<u32> {
+            let cidrs: Vec<Cidr> = cidrs.iter().map(|c| Cidr::parse(c).unwrap()).collect();
+            node_addrs(&addrs, &cidrs)
+                .values()
+                .map(|v| v.flags)
+                .collect()
+        };
+        let np = proxy_common::node_addr_flags::NODEPORT;
+        // Map order is by address: 10.244.0.1, then 192.168.50.1.
+        assert_eq!(
+            flags(&[]),
+            [np, np],
+            "no --nodeport-addresses: every address"
+        );
+        assert_eq!(flags(&["192.168.0.0/16"]), [0, np]);
+        assert_eq!(
+            flags(&["172.16.0.0/12"]),
+            [0, 0],
+            "still node addresses, no NodePorts"
+        );
+    }
 }

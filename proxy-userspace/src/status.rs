@@ -27,6 +27,18 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         if value.flags & service_flags::AFFINITY != 0 {
             notes.push(format!("affinity {}s", value.affinity_timeout_s));
         }
+        if value.flags & service_flags::SOURCE_RANGES != 0 {
+            let ranges: Vec<String> = stored
+                .source_ranges
+                .iter()
+                .filter(|(_, k)| k.frontend == *key)
+                .map(|entry| {
+                    let text = encode::source_range_string(entry);
+                    text.rsplit(" from ").next().unwrap_or_default().to_string()
+                })
+                .collect();
+            notes.push(format!("from {}", ranges.join(" ")));
+        }
         if value.count == 0 {
             notes.push(if value.flags & service_flags::NO_EP_DROP != 0 {
                 "no endpoints: drop".to_string()
@@ -60,6 +72,38 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             }
         );
     }
+    let node: Vec<String> = maps
+        .node_addrs
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| {
+            let ip = encode::words_addr(&k.addr_be);
+            if v.flags & proxy_common::node_addr_flags::NODEPORT != 0 {
+                format!("{ip} (NodePorts)")
+            } else {
+                ip.to_string()
+            }
+        })
+        .collect();
+    let _ = writeln!(out, "node addresses: {}", node.join(", "));
+    if let Ok(config) = maps.node_config.get(&0, 0) {
+        let _ = writeln!(
+            out,
+            "SNAT to {} ports {}-{}",
+            encode::words_addr(&config.snat_addr_be),
+            config.snat_port_min,
+            config.snat_port_max
+        );
+    }
+    let mut links: Vec<String> = std::fs::read_dir(pins.links_dir())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    links.sort();
+    let _ = writeln!(out, "attached: {}", links.join(", "));
     let _ = writeln!(out, "conntrack entries: {}", maps.conntrack.keys().count());
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");

@@ -1,10 +1,15 @@
-//! Per-packet cost of the tc program, through BPF_PROG_TEST_RUN, at growing
-//! numbers of installed services (10 endpoints each), against a do-nothing
-//! program of the same hook measured in the same run.
+//! Per-packet cost of the tc and XDP programs, through BPF_PROG_TEST_RUN, at
+//! growing numbers of installed services (10 endpoints each), each against a
+//! do-nothing program of the same hook measured in the same run.
 //!
 //! Two methods, both reported:
 //! - `repeat`: one packet run `REPEAT` times in the kernel; the kernel's
-//!   average. Not possible for a new flow (the first run creates the flow).
+//!   average. The kernel runs the program on the same buffer each time, so a
+//!   packet the program rewrites would be a different packet on the next
+//!   run: established flows are measured as a "ping-pong" pair, the flow's
+//!   own conntrack entry plus a mirror entry that translates the rewritten
+//!   packet back, so that every run is a full established-flow translation.
+//!   Not possible for a new flow (the first run creates the flow).
 //! - `single`: each run is its own syscall on its own packet; the median of
 //!   the kernel's per-run time (which includes the kernel's timer reads, the
 //!   same for every case). The only way to measure a new flow.
@@ -19,8 +24,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use ebpf_proxy_tests::frames;
+use proxy_common::{CtKey, ct_dir, v4_mapped};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     model::{
@@ -88,31 +94,45 @@ fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u
     })
 }
 
-fn run(program: &SchedClassifier, frame: &[u8], repeat: u32) -> Duration {
-    let mut out = vec![0u8; frame.len() + 64];
-    let mut opts = TestRunOptions::new();
-    opts.data_in = Some(frame);
-    opts.data_out = Some(&mut out);
-    opts.repeat = repeat;
-    program.test_run(opts).expect("BPF_PROG_TEST_RUN").duration
+/// A program of either hook.
+#[derive(Clone, Copy)]
+enum Prog<'a> {
+    Tc(&'a SchedClassifier),
+    Xdp(&'a Xdp),
 }
 
-/// Kernel-measured ns per packet of one frame run `repeat` times; the
-/// median of `rounds` such measurements.
-fn repeated(program: &SchedClassifier, frame: &[u8], repeat: u32, rounds: usize) -> f64 {
-    let mut samples: Vec<f64> = (0..rounds)
-        .map(|_| run(program, frame, repeat).as_nanos() as f64)
-        .collect();
-    median(&mut samples)
-}
+impl Prog<'_> {
+    /// Runs `frame` `repeat` times; the kernel-measured time per run, and
+    /// the output frame.
+    fn run(self, frame: &[u8], repeat: u32) -> (Duration, Vec<u8>) {
+        let mut out = vec![0u8; frame.len() + 64];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.data_out = Some(&mut out);
+        opts.repeat = repeat;
+        let result = match self {
+            Prog::Tc(p) => p.test_run(opts),
+            Prog::Xdp(p) => p.test_run(opts),
+        }
+        .expect("BPF_PROG_TEST_RUN");
+        out.truncate(result.data_size_out as usize);
+        (result.duration, out)
+    }
 
-/// Median kernel-measured ns of single runs over the frames.
-fn single(program: &SchedClassifier, frames: &[Vec<u8>]) -> f64 {
-    let mut samples: Vec<f64> = frames
-        .iter()
-        .map(|f| run(program, f, 1).as_nanos() as f64)
-        .collect();
-    median(&mut samples)
+    /// Kernel-measured ns per packet of one frame run `repeat` times; the
+    /// median of `rounds` such measurements.
+    fn repeated(self, frame: &[u8], repeat: u32, rounds: usize) -> f64 {
+        let mut samples: Vec<f64> = (0..rounds)
+            .map(|_| self.run(frame, repeat).0.as_nanos() as f64)
+            .collect();
+        median(&mut samples)
+    }
+
+    /// Median kernel-measured ns of single runs over the frames.
+    fn single<'f>(self, frames: impl Iterator<Item = &'f [u8]>) -> f64 {
+        let mut samples: Vec<f64> = frames.map(|f| self.run(f, 1).0.as_nanos() as f64).collect();
+        median(&mut samples)
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -121,9 +141,103 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 struct Row {
+    hook: &'static str,
     services: u32,
     program_s: f64,
     cases: Vec<(&'static str, f64, Option<f64>)>,
+}
+
+/// Adds the mirror of conntrack entry `key`: the entry for the packet as
+/// `key`'s entry rewrites it, translating it back (see the module doc).
+fn add_mirror(datapath: &mut Datapath, key: CtKey) {
+    let entry = datapath
+        .maps
+        .conntrack
+        .get(&key, 0)
+        .expect("the flow's conntrack entry");
+    let mut mirror_key = key;
+    let mut mirror = entry;
+    if entry.dir == ct_dir::FORWARD {
+        mirror_key.dst_be = entry.nat_addr_be;
+        mirror_key.dport_be = entry.nat_port_be;
+        mirror.nat_addr_be = key.dst_be;
+        mirror.nat_port_be = key.dport_be;
+    } else {
+        mirror_key.src_be = entry.nat_addr_be;
+        mirror_key.sport_be = entry.nat_port_be;
+        mirror.nat_addr_be = key.src_be;
+        mirror.nat_port_be = key.sport_be;
+    }
+    datapath
+        .maps
+        .conntrack
+        .insert(mirror_key, mirror, 0)
+        .expect("inserting the mirror entry");
+}
+
+fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> CtKey {
+    let addr = |ip: Ipv4Addr| v4_mapped(u32::from_ne_bytes(ip.octets()));
+    CtKey {
+        src_be: addr(src),
+        dst_be: addr(dst),
+        sport_be: sport.to_be(),
+        dport_be: dport.to_be(),
+        proto: frames::TCP,
+        _pad: [0; 3],
+    }
+}
+
+/// The cases of one hook at one size: `program` against `floor`.
+fn measure_hook(
+    datapath: &mut Datapath,
+    hook: &'static str,
+    target: Ipv4Addr,
+    client_port: u16,
+    news: &[Vec<u8>],
+    (repeat, rounds, singles): (u32, usize, usize),
+) -> Vec<(&'static str, f64, Option<f64>)> {
+    // Loaded on first use; the references come after.
+    datapath.floor_program().expect("tc floor program");
+    datapath.xdp_floor_program().expect("XDP floor program");
+    let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
+    let (floor, program) = if hook == "tc" {
+        (Prog::Tc(tc_floor), Prog::Tc(datapath.tc_program()))
+    } else {
+        (Prog::Xdp(xdp_floor), Prog::Xdp(datapath.xdp_program()))
+    };
+    let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
+    let floor_rep = floor.repeated(&floor_frame, repeat, rounds);
+    let floor_single = floor.single(std::iter::repeat_n(floor_frame.as_slice(), singles));
+    let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);
+    let other_rep = program.repeated(&other, repeat, rounds);
+    let other_single = program.single(std::iter::repeat_n(other.as_slice(), singles));
+    let new_single = program.single(news.iter().map(Vec::as_slice));
+
+    // The first packet establishes the measured flow; its mirror entries
+    // make repeated runs ping-pong (see the module doc).
+    let est = tcp(CLIENT, client_port, target, 80, 0x10);
+    let (_, out) = program.run(&est, 1);
+    let backend = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
+    let reply = tcp(backend, 8080, CLIENT, client_port, 0x10);
+    program.run(&reply, 1);
+    add_mirror(datapath, ct_key(CLIENT, client_port, target, 80));
+    add_mirror(datapath, ct_key(backend, 8080, CLIENT, client_port));
+    let program = if hook == "tc" {
+        Prog::Tc(datapath.tc_program())
+    } else {
+        Prog::Xdp(datapath.xdp_program())
+    };
+    let est_rep = program.repeated(&est, repeat, rounds);
+    let est_single = program.single(std::iter::repeat_n(est.as_slice(), singles));
+    let reply_rep = program.repeated(&reply, repeat, rounds);
+    let reply_single = program.single(std::iter::repeat_n(reply.as_slice(), singles));
+    vec![
+        ("empty program", floor_single, Some(floor_rep)),
+        ("not a service", other_single, Some(other_rep)),
+        ("new flow", new_single, None),
+        ("established flow", est_single, Some(est_rep)),
+        ("reply (reverse NAT)", reply_single, Some(reply_rep)),
+    ]
 }
 
 fn main() {
@@ -180,51 +294,29 @@ fn main() {
         let program_s = started.elapsed().as_secs_f64();
         // Target a service in the middle of what is installed.
         let target = vip(size / 2);
-        let floor = datapath.floor_program().expect("loading the floor program");
-        let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
-        let floor_rep = repeated(floor, &floor_frame, repeat, rounds);
-        let floor_single = single(floor, &vec![floor_frame.clone(); singles]);
-        let program = datapath.tc_program();
-
-        let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);
-        let other_rep = repeated(program, &other, repeat, rounds);
-        let other_single = single(program, &vec![other.clone(); singles]);
-
-        // New flows: a distinct source port (and so a conntrack miss) each.
-        let news: Vec<Vec<u8>> = (0..singles)
-            .map(|i| {
-                let src = Ipv4Addr::from(u32::from(CLIENT) + 1 + (i as u32 / 60000) + size);
-                tcp(src, fresh_port(), target, 80, 0x02)
-            })
-            .collect();
-        let new_single = single(program, &news);
-
-        // Established: the first packet creates the flow, the rest hit it.
-        let est = tcp(CLIENT, 2000, target, 80, 0x10);
-        let mut out = vec![0u8; 128];
-        let mut opts = TestRunOptions::new();
-        opts.data_in = Some(&est);
-        opts.data_out = Some(&mut out);
-        program.test_run(opts).expect("first packet");
-        let backend = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
-        let est_rep = repeated(program, &est, repeat, rounds);
-        let est_single = single(program, &vec![est.clone(); singles]);
-
-        let reply = tcp(backend, 8080, CLIENT, 2000, 0x10);
-        let reply_rep = repeated(program, &reply, repeat, rounds);
-        let reply_single = single(program, &vec![reply.clone(); singles]);
-
-        rows.push(Row {
-            services: size,
-            program_s,
-            cases: vec![
-                ("empty program", floor_single, Some(floor_rep)),
-                ("not a service", other_single, Some(other_rep)),
-                ("new flow", new_single, None),
-                ("established flow", est_single, Some(est_rep)),
-                ("reply (reverse NAT)", reply_single, Some(reply_rep)),
-            ],
-        });
+        for (hook, client_port) in [("tc", 2000u16), ("xdp", 3000u16)] {
+            // New flows: a distinct source port (and so a conntrack miss) each.
+            let news: Vec<Vec<u8>> = (0..singles)
+                .map(|i| {
+                    let src = Ipv4Addr::from(u32::from(CLIENT) + 1 + (i as u32 / 60000) + size);
+                    tcp(src, fresh_port(), target, 80, 0x02)
+                })
+                .collect();
+            let cases = measure_hook(
+                &mut datapath,
+                hook,
+                target,
+                client_port,
+                &news,
+                (repeat, rounds, singles),
+            );
+            rows.push(Row {
+                hook,
+                services: size,
+                program_s,
+                cases,
+            });
+        }
         eprintln!("{size} services: programmed in {program_s:.2}s, measured");
     }
 
@@ -238,12 +330,13 @@ fn main() {
 fn render(rows: &[Row], repeat: u32) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "Per-packet cost of tc_ingress (BPF_PROG_TEST_RUN, ns per packet; `single` = median of \
-         one-packet runs, `x{repeat}` = kernel average over {repeat} runs of one packet; ratio = \
-         against the empty program, same method)\n\n"
+        "Per-packet cost of tc_ingress and xdp_ingress (BPF_PROG_TEST_RUN, ns per packet; \
+         `single` = median of one-packet runs, `x{repeat}` = kernel average over {repeat} runs of \
+         one packet, established flows as a ping-pong pair; ratio = against the empty program of \
+         the same hook, same method)\n\n"
     ));
-    s.push_str("| services | case | single ns | ratio | repeat ns | ratio |\n");
-    s.push_str("|---:|---|---:|---:|---:|---:|\n");
+    s.push_str("| hook | services | case | single ns | ratio | repeat ns | ratio |\n");
+    s.push_str("|---|---:|---|---:|---:|---:|---:|\n");
     for row in rows {
         let (floor_single, floor_rep) = (row.cases[0].1, row.cases[0].2.unwrap_or(f64::NAN));
         for (name, single, rep) in &row.cases {
@@ -252,28 +345,33 @@ fn render(rows: &[Row], repeat: u32) -> String {
                 None => "- | -".into(),
             };
             s.push_str(&format!(
-                "| {} | {name} | {single:.0} | {:.2}x | {rep_cells} |\n",
+                "| {} | {} | {name} | {single:.0} | {:.2}x | {rep_cells} |\n",
+                row.hook,
                 row.services,
                 single / floor_single
             ));
         }
     }
     s.push('\n');
-    for row in rows {
+    for row in rows.iter().filter(|r| r.hook == "tc") {
         s.push_str(&format!(
             "Programming {} services x {ENDPOINTS} endpoints (cumulative step): {:.2} s\n",
             row.services, row.program_s
         ));
     }
-    if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
-        let est = |r: &Row| r.cases[3].1;
-        s.push_str(&format!(
-            "\nEstablished-flow cost at {} vs {} services: {:+.1}%\n",
-            last.services,
-            first.services,
-            (est(last) / est(first) - 1.0) * 100.0
-        ));
+    for hook in ["tc", "xdp"] {
+        let of_hook: Vec<&Row> = rows.iter().filter(|r| r.hook == hook).collect();
+        if let (Some(first), Some(last)) = (of_hook.first(), of_hook.last()) {
+            let est = |r: &Row| r.cases[3].2.unwrap_or(f64::NAN);
+            s.push_str(&format!(
+                "\n{hook}: established-flow cost (repeat) at {} vs {} services: {:+.1}%",
+                last.services,
+                first.services,
+                (est(last) / est(first) - 1.0) * 100.0
+            ));
+        }
     }
+    s.push('\n');
     s
 }
 
@@ -292,7 +390,8 @@ fn json(rows: &[Row]) -> String {
                 })
                 .collect();
             format!(
-                "{{\"services\":{},\"program_s\":{:.3},\"cases\":[{}]}}",
+                "{{\"hook\":\"{}\",\"services\":{},\"program_s\":{:.3},\"cases\":[{}]}}",
+                r.hook,
                 r.services,
                 r.program_s,
                 cases.join(",")

@@ -168,6 +168,16 @@ impl Agent {
         Ok(agent)
     }
 
+    /// `ebpf-proxy status` on this agent's pins: what an operator sees.
+    pub fn status(&self) -> Result<String> {
+        run_cmd(
+            Command::new(&self.bin)
+                .arg("status")
+                .arg("--bpf-root")
+                .arg(&self.bpf_root),
+        )
+    }
+
     /// Polls /healthz until it answers 200; fails early if the agent exits.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         let start = Instant::now();

@@ -152,6 +152,17 @@ pub struct Client {
     pub ns: NetNs,
 }
 
+/// Turns transmit checksum offload of `ns`'s uplink on or off. On (the veth default),
+/// frames leave with the checksum still to be finished, as between containers of one
+/// host; off, they carry complete checksums, as on a physical wire.
+pub fn set_tx_checksum_offload(ns: &NetNs, on: bool) -> Result<()> {
+    run_cmd(
+        ns.command(ethtool())
+            .args(["-K", UPLINK, "tx", if on { "on" } else { "off" }]),
+    )?;
+    Ok(())
+}
+
 impl Client {
     /// `ip route add <dest> via <gateway>`: e.g. a LoadBalancer IP or ExternalIP
     /// (`"192.168.60.10/32"`) through a node's address.
@@ -419,7 +430,7 @@ impl Cluster {
         // (CHECKSUM_PARTIAL) where a physical NIC puts complete ones on the wire;
         // XDP sees no socket buffer and can only update complete checksums.
         // Checksumming on transmit makes this wire look like a real one.
-        run_cmd(ns.command(ethtool()).args(["-K", UPLINK, "tx", "off"]))?;
+        set_tx_checksum_offload(ns, false)?;
         ns.ip(&[
             "addr",
             "add",

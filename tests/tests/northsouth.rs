@@ -41,6 +41,8 @@ enum Path {
     Native,
     Generic,
     TcOnly,
+    /// The default: generic XDP on these veth uplinks.
+    Auto,
 }
 
 impl Path {
@@ -49,6 +51,7 @@ impl Path {
             Path::Native => "native",
             Path::Generic => "generic",
             Path::TcOnly => "off",
+            Path::Auto => "auto",
         }
     }
 }
@@ -232,6 +235,19 @@ fn nodeport_cluster_policy(path: Path) {
         let answer = session.exchange(&format!("ping {i}")).expect("exchange");
         assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
     }
+    let status = fx.agents[0].status().expect("ebpf-proxy status");
+    assert!(
+        status.contains("SNAT to 192.168.50.1 ports 1024-29999")
+            && status.contains("192.168.50.1 (NodePorts)")
+            && status.contains("0.0.0.0:30080/TCP"),
+        "status of node A:\n{status}"
+    );
+    let xdp_link = status.contains("xdp-eth0");
+    assert_eq!(
+        xdp_link,
+        !matches!(path, Path::TcOnly),
+        "{path:?}: XDP link in status:\n{status}"
+    );
     let snat = fx.counter(0, "snat_new");
     assert!(
         snat >= 3,
@@ -261,6 +277,44 @@ fn nodeport_cluster_policy_generic_xdp() {
 #[test]
 fn nodeport_cluster_policy_tc_only() {
     nodeport_cluster_policy(Path::TcOnly);
+}
+
+/// Veth uplinks fed with partial checksums (transmit offload on, as between
+/// containers of one host, kind-style): `--xdp-mode auto` picks generic XDP there,
+/// and translated traffic keeps valid checksums.
+#[test]
+fn nodeport_auto_xdp_with_partial_checksums() {
+    let fx = Fixture::new(Path::Auto);
+    for ns in [fx.client("client1"), &fx.cluster.node("b").ns] {
+        ebpf_proxy_tests::cluster::set_tx_checksum_offload(ns, true).expect("offload on");
+    }
+    let log = fx.agents[0].log();
+    assert!(
+        log.contains("(\"eth0\", \"generic\")"),
+        "auto on a veth uplink must pick generic XDP; agent log:\n{log}"
+    );
+    fx.publish(&web("web"), &[(BACKEND.1, "b")]);
+    let addr = SocketAddrV4::new(NODE_A_IP, NODE_PORT);
+    let first = reply_within(&fx, "client1", addr, "NodePort on A");
+    assert_eq!(*first.peer.ip(), NODE_A_IP);
+    for i in 0..20 {
+        tcp_request(fx.client("client1"), addr, TIMEOUT)
+            .expect_reply(&format!("connection {i} through generic XDP"));
+    }
+    let udp = udp_request(
+        fx.client("client1"),
+        SocketAddrV4::new(NODE_A_IP, UDP_NODE_PORT),
+        TIMEOUT,
+    );
+    let Outcome::Reply(udp) = udp else {
+        panic!("UDP through generic XDP: {udp}; {}", fx.counters());
+    };
+    assert_eq!(udp.backend, BACKEND.0);
+    assert!(
+        fx.counter(0, "xdp_tx") > 0,
+        "XDP must have done the work: {}",
+        fx.counters()
+    );
 }
 
 /// externalTrafficPolicy Local on a LoadBalancer Service: node A (no local

@@ -14,7 +14,7 @@ use rtnetlink::{
     new_connection,
     packet_route::{
         address::{AddressAttribute, AddressScope},
-        link::{LinkAttribute, LinkFlags},
+        link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo},
     },
     sys::{AsyncSocket, SocketAddr},
 };
@@ -31,6 +31,10 @@ pub struct Snapshot {
     /// Selected interfaces holding a global IPv4 address: the uplinks,
     /// where north-south traffic arrives and XDP goes.
     pub uplinks: BTreeSet<String>,
+    /// The selected interfaces that are veths. Their frames may carry
+    /// partial checksums (to be finished on transmit, which a veth never
+    /// does), which native XDP cannot see or finish.
+    pub veths: BTreeSet<String>,
     /// Every global IPv4 address of this namespace, in ifindex order of the
     /// interface holding it (the first is the SNAT address unless one is
     /// configured).
@@ -75,7 +79,7 @@ async fn snapshot(
     handle: &rtnetlink::Handle,
     selection: &Selection,
 ) -> Result<Snapshot, InterfacesError> {
-    let interfaces = dump(handle, selection).await?;
+    let (interfaces, veths) = dump(handle, selection).await?;
     let mut by_index: BTreeMap<u32, Vec<Ipv4Addr>> = BTreeMap::new();
     let mut addrs = handle.address().get().execute();
     while let Some(msg) = addrs.try_next().await? {
@@ -104,28 +108,40 @@ async fn snapshot(
     Ok(Snapshot {
         interfaces,
         uplinks,
+        veths,
         addrs: by_index.into_values().flatten().collect(),
     })
 }
 
+/// The selected interfaces, and which of them are veths.
 async fn dump(
     handle: &rtnetlink::Handle,
     selection: &Selection,
-) -> Result<Interfaces, InterfacesError> {
+) -> Result<(Interfaces, BTreeSet<String>), InterfacesError> {
     let mut out = Interfaces::new();
+    let mut veths = BTreeSet::new();
     let mut links = handle.link().get().execute();
     while let Some(msg) = links.try_next().await? {
         let name = msg.attributes.iter().find_map(|a| match a {
             LinkAttribute::IfName(n) => Some(n.clone()),
             _ => None,
         });
+        let veth = msg.attributes.iter().any(|a| match a {
+            LinkAttribute::LinkInfo(infos) => infos
+                .iter()
+                .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth))),
+            _ => false,
+        });
         if let Some(name) = name
             && selection.wants(&name, msg.header.flags)
         {
+            if veth {
+                veths.insert(name.clone());
+            }
             out.insert(name, msg.header.index);
         }
     }
-    Ok(out)
+    Ok((out, veths))
 }
 
 /// Sends a snapshot now and after every link or address change (and every

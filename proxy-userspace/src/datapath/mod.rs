@@ -219,6 +219,18 @@ impl Datapath {
         Ok(program)
     }
 
+    /// The floor programs once loaded (by `floor_program` and
+    /// `xdp_floor_program`), for use next to the real ones.
+    pub fn floors(&self) -> Option<(&SchedClassifier, &Xdp)> {
+        let tc: &SchedClassifier = self.ebpf.program(program_names::TC_PASS)?.try_into().ok()?;
+        let xdp: &Xdp = self
+            .ebpf
+            .program(program_names::XDP_PASS)?
+            .try_into()
+            .ok()?;
+        (tc.fd().is_ok() && xdp.fd().is_ok()).then_some((tc, xdp))
+    }
+
     /// Interfaces with XDP, and the mode it runs in.
     pub fn xdp_attached(&self) -> impl Iterator<Item = (&str, &'static str)> {
         self.xdp_attached.iter().map(|(n, (_, m))| (n.as_str(), *m))

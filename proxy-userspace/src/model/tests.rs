@@ -229,8 +229,14 @@ fn render(f: &Frontend) -> String {
         .affinity_timeout_s
         .map(|t| format!(" affinity={t}s"))
         .unwrap_or_default();
+    let from = if f.source_ranges.is_empty() {
+        String::new()
+    } else {
+        let ranges: Vec<String> = f.source_ranges.iter().map(ToString::to_string).collect();
+        format!(" from=[{}]", ranges.join(", "))
+    };
     format!(
-        "{:?} {} -> [{}] {:?}{affinity}",
+        "{:?} {} -> [{}] {:?}{affinity}{from}",
         f.kind,
         f.key,
         backends.join(", "),
@@ -1198,6 +1204,46 @@ fn external_frontends() {
             }),
             vec![http_slice("web-1", &[ep("10.0.0.1")])],
             Gives(&["ClusterIp 10.96.0.10:80/TCP -> [10.0.0.1:8080] Reject"]),
+        ),
+        Case::new(
+            "loadBalancerSourceRanges firewall the LoadBalancer IPs only, per family, host bits cleared",
+            svc(|s| {
+                spec(s).type_ = Some("LoadBalancer".into());
+                spec(s).ports.as_mut().unwrap()[0].node_port = Some(30080);
+                spec(s).external_ips = Some(vec!["203.0.113.20".into()]);
+                spec(s).load_balancer_source_ranges = Some(vec![
+                    "192.0.2.0/24".into(),
+                    " 198.51.100.7/16 ".into(),
+                    "2001:db8::/32".into(),
+                ]);
+                set_lb_ingress(
+                    s,
+                    vec![LoadBalancerIngress {
+                        ip: Some("203.0.113.7".into()),
+                        ..Default::default()
+                    }],
+                );
+            }),
+            vec![http_slice("web-1", &[ep("10.0.0.1")])],
+            Gives(&[
+                "ClusterIp 10.96.0.10:80/TCP -> [10.0.0.1:8080] Reject",
+                "NodePort 0.0.0.0:30080/TCP -> [10.0.0.1:8080] Reject",
+                "ExternalIp 203.0.113.20:80/TCP -> [10.0.0.1:8080] Reject",
+                "LoadBalancer 203.0.113.7:80/TCP -> [10.0.0.1:8080] Reject from=[192.0.2.0/24, 198.51.0.0/16]",
+            ]),
+        ),
+        Case::new(
+            "a source range that is not a CIDR is an error naming it",
+            svc(|s| {
+                spec(s).type_ = Some("LoadBalancer".into());
+                spec(s).load_balancer_source_ranges = Some(vec!["192.0.2.0/33".into()]);
+            }),
+            vec![http_slice("web-1", &[ep("10.0.0.1")])],
+            Fails(&[
+                "service demo/web",
+                "loadBalancerSourceRanges",
+                "192.0.2.0/33",
+            ]),
         ),
         Case::new(
             "an address listed twice keeps its first frontend",

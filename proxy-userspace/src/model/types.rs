@@ -216,3 +216,35 @@ impl fmt::Display for Cidr {
         write!(f, "{}/{}", self.ip, self.prefix)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_parse_clear_host_bits_and_match() {
+        let c = Cidr::parse(" 192.168.50.7/24 ").expect("a CIDR");
+        assert_eq!(c.to_string(), "192.168.50.0/24");
+        assert_eq!(c.prefix128(), 120);
+        assert!(c.contains("192.168.50.200".parse().unwrap()));
+        assert!(!c.contains("192.168.51.1".parse().unwrap()));
+        assert!(!c.contains("::ffff:192.168.50.1".parse().unwrap()));
+        assert!(
+            Cidr::parse("0.0.0.0/0")
+                .unwrap()
+                .contains("8.8.8.8".parse().unwrap())
+        );
+        let v6 = Cidr::parse("2001:db8::1/32").unwrap();
+        assert_eq!(v6.to_string(), "2001:db8::/32");
+        assert!(v6.contains("2001:db8:ffff::1".parse().unwrap()));
+        for bad in [
+            "192.168.0.0",
+            "192.168.0.0/33",
+            "fd00::/129",
+            "x/8",
+            "10.0.0.0/-1",
+        ] {
+            assert_eq!(Cidr::parse(bad), None, "{bad} is not a CIDR");
+        }
+    }
+}

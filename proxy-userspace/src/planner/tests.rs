@@ -307,3 +307,68 @@ proptest! {
         }
     }
 }
+
+fn source_ranges_of(state: &StoredState, fe: &Frontend) -> Vec<String> {
+    let key = encode::service_key(&fe.key);
+    state
+        .source_ranges
+        .iter()
+        .filter(|(_, k)| k.frontend == key)
+        .map(encode::source_range_string)
+        .collect()
+}
+
+#[test]
+fn source_ranges_follow_the_frontend_and_never_leave_it_firewalled_empty() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let mut fe = frontend(1, &[11]);
+    fe.kind = FrontendKind::LoadBalancer;
+    let cidr = |t: &str| crate::model::Cidr::parse(t).unwrap();
+    fe.source_ranges = vec![cidr("192.0.2.0/24"), cidr("198.51.100.7/32")];
+    sync(&mut p, &mut s, "a", std::slice::from_ref(&fe));
+    let value = s.state.services[&encode::service_key(&fe.key)];
+    assert_eq!(
+        value.flags & (service_flags::SOURCE_RANGES | service_flags::EXTERNAL),
+        service_flags::SOURCE_RANGES | service_flags::EXTERNAL
+    );
+    assert_eq!(
+        source_ranges_of(&s.state, &fe),
+        [
+            "10.96.0.1:80/TCP from 192.0.2.0/24",
+            "10.96.0.1:80/TCP from 198.51.100.7/32"
+        ]
+    );
+
+    // A range replaced: the new one is in before the old one goes.
+    fe.source_ranges = vec![cidr("192.0.2.0/24"), cidr("203.0.113.0/24")];
+    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&fe)), 2);
+    assert_eq!(
+        source_ranges_of(&s.state, &fe),
+        [
+            "10.96.0.1:80/TCP from 192.0.2.0/24",
+            "10.96.0.1:80/TCP from 203.0.113.0/24"
+        ]
+    );
+
+    // Adopted after a restart: nothing to write, nothing left behind.
+    let (mut adopted, garbage) = Planner::adopt(&s.state);
+    assert!(garbage.is_empty(), "adoption garbage: {garbage:?}");
+    assert_eq!(
+        sync(&mut adopted, &mut s, "a", std::slice::from_ref(&fe)),
+        0
+    );
+
+    // Firewall off: the flag goes first, then the ranges.
+    fe.source_ranges.clear();
+    sync(&mut adopted, &mut s, "a", std::slice::from_ref(&fe));
+    let value = s.state.services[&encode::service_key(&fe.key)];
+    assert_eq!(value.flags & service_flags::SOURCE_RANGES, 0);
+    assert!(s.state.source_ranges.is_empty());
+
+    // Removing a firewalled frontend removes its ranges.
+    fe.source_ranges = vec![cidr("192.0.2.0/24")];
+    sync(&mut adopted, &mut s, "a", std::slice::from_ref(&fe));
+    sync(&mut adopted, &mut s, "a", &[]);
+    assert!(s.state.source_ranges.is_empty() && s.state.services.is_empty());
+}

@@ -1,6 +1,8 @@
 //! Internet checksums updated in place (RFC 1624), for writes made straight
 //! into packet memory. Words are summed as they sit in memory, so no byte
-//! swapping is needed: the one's complement sum does not care.
+//! swapping is needed: the one's complement sum does not care. Loads and
+//! stores are of the field's width even where packet memory is misaligned
+//! for it (see `packet::read`).
 
 use proxy_common::{PROTO_TCP, PROTO_UDP};
 
@@ -96,16 +98,16 @@ pub fn rewrite_direct(
     unsafe {
         let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
         let l4_csum = csum_at as *mut u16;
-        let mut l4c = l4_csum.read_unaligned();
+        let mut l4c = l4_csum.read();
         let udp_none = flow.proto == PROTO_UDP && l4c == 0;
         if old_addr != addr_be {
-            ip_csum.write_unaligned(replace32(ip_csum.read_unaligned(), old_addr, addr_be));
-            ((ip + addr_at) as *mut u32).write_unaligned(addr_be);
+            ip_csum.write(replace32(ip_csum.read(), old_addr, addr_be));
+            ((ip + addr_at) as *mut u32).write(addr_be);
             // The address is in the L4 pseudo-header.
             l4c = replace32(l4c, old_addr, addr_be);
         }
         if old_port != port_be {
-            ((l4p + port_at) as *mut u16).write_unaligned(port_be);
+            ((l4p + port_at) as *mut u16).write(port_be);
             l4c = replace16(l4c, old_port, port_be);
         }
         if l4 == L4Csum::Caller {
@@ -116,7 +118,7 @@ pub fn rewrite_direct(
         } else if flow.proto == PROTO_UDP && l4c == 0 {
             l4c = 0xffff;
         }
-        l4_csum.write_unaligned(l4c);
+        l4_csum.write(l4c);
     }
     Ok(())
 }
@@ -133,17 +135,17 @@ pub fn forward_direct(data: usize, data_end: usize, dmac: &[u8; 6], smac: &[u8; 
     // SAFETY: inside the bounds checked above.
     unsafe {
         let ttl_word = (ip + IP_TTL_OFF) as *mut u16;
-        let old = ttl_word.read_unaligned();
+        let old = ttl_word.read();
         let ttl = *((ip + IP_TTL_OFF) as *const u8);
         if ttl <= 1 {
             return false;
         }
         *((ip + IP_TTL_OFF) as *mut u8) = ttl - 1;
-        let new = ttl_word.read_unaligned();
+        let new = ttl_word.read();
         let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
-        ip_csum.write_unaligned(replace16(ip_csum.read_unaligned(), old, new));
-        (data as *mut [u8; 6]).write_unaligned(*dmac);
-        ((data + 6) as *mut [u8; 6]).write_unaligned(*smac);
+        ip_csum.write(replace16(ip_csum.read(), old, new));
+        (data as *mut [u8; 6]).write(*dmac);
+        ((data + 6) as *mut [u8; 6]).write(*smac);
     }
     true
 }

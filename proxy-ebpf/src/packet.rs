@@ -80,14 +80,19 @@ struct Ipv4Head {
 const PARSE_LEN: u32 = (ETH_HLEN + 60 + TCP_MIN_HLEN) as u32;
 
 /// Reads a `T` at `off` when the packet has it in its linear area.
+///
+/// A plain load of the type's width, not `read_unaligned`, which the BPF
+/// target splits into single bytes: packet memory may be misaligned for
+/// `T`, which BPF allows on the architectures whose JIT this targets (the
+/// verifier refuses it elsewhere, at load time).
 #[inline(always)]
 fn read<T: Copy>(data: usize, data_end: usize, off: usize) -> Option<T> {
     let at = data + off;
     if at + core::mem::size_of::<T>() > data_end {
         return None;
     }
-    // SAFETY: inside the packet, as just checked.
-    Some(unsafe { (at as *const T).read_unaligned() })
+    // SAFETY: inside the packet, as just checked; see above on alignment.
+    Some(unsafe { (at as *const T).read() })
 }
 
 /// Parses the packet's headers, reading them in place. A tc packet whose

@@ -41,34 +41,26 @@
 //! xtask build` or $EBPF_PROXY_BIN). Prints markdown tables and writes `e2e.md` and
 //! `e2e.json` to DIR (default bench/results).
 
+mod common;
+
 use std::{
-    collections::BTreeMap,
-    io::{ErrorKind, Read, Write},
-    net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
-    path::PathBuf,
-    process::Command,
-    sync::{
-        Arc, Barrier,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::Path,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
+use common::{
+    Args, Backend, Load, Machine, Proto, Series, Spread, check_interrupted, interleaved,
+    load_average,
+};
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
     iptables::{self, KubeService},
     manifest::{ManifestDir, Service},
-    netns::{NetNs, NsThread},
-    nftables, require_root, run_cmd,
+    nftables, require_root,
     topology::{NODE_IP, Topology},
-};
-use nix::sys::{
-    signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction},
-    socket::{setsockopt, sockopt},
-    time::{TimeVal, TimeValLike},
 };
 use serde_json::json;
 
@@ -84,34 +76,10 @@ const TCP_SERVICE_PORT: u16 = 80;
 const UDP_SERVICE_PORT: u16 = 53;
 /// Endpoints of every Service (the measured one's are the backend pods).
 const ENDPOINTS: u32 = 3;
-const REQUEST: &[u8] = b"ping\n";
-/// Connect and read timeout of one TCP exchange, and the UDP reply timeout. Far above
-/// any healthy exchange (tens of microseconds), low enough that a lost packet costs a
-/// cell little time.
-const IO_TIMEOUT: Duration = Duration::from_secs(1);
-const UDP_TIMEOUT: Duration = Duration::from_millis(500);
-/// How often idle server threads look at their stop flag.
-const SERVER_TICK: Duration = Duration::from_millis(100);
 /// Exchanges per mode before measuring, one at a time: fills neighbour caches and
 /// checks that the mode works and spreads over all three backends (a miss of one of
 /// them in 60 tries has probability 3·(2/3)^60, about 1e-10).
 const WARMUP: usize = 60;
-/// Upper bound on exchanges per thread and segment, whatever the machine's speed.
-const MAX_PER_SEGMENT: usize = 2_000_000;
-
-/// Set by SIGINT/SIGTERM: the run stops at the next exchange and unwinds through the
-/// `Drop`s, which remove the namespaces and stop the agents.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: nix::libc::c_int) {
-    if INTERRUPTED.swap(true, Ordering::Relaxed) {
-        // A second signal: the user wants out now, even from a step that does not look
-        // at the flag (an agent starting on 10,000 Services). What is left behind
-        // carries this pid, and `cargo xtask` removes it on its next start.
-        // SAFETY: _exit is async-signal-safe.
-        unsafe { nix::libc::_exit(130) };
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -143,21 +111,6 @@ impl Mode {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Proto {
-    Tcp,
-    Udp,
-}
-
-impl Proto {
-    fn key(self) -> &'static str {
-        match self {
-            Proto::Tcp => "tcp",
-            Proto::Udp => "udp",
-        }
-    }
-}
-
 #[derive(Debug, Clone)]
 struct Config {
     quick: bool,
@@ -170,11 +123,7 @@ struct Config {
 
 impl Config {
     fn new(quick: bool) -> Config {
-        // Closed loop, one client thread per core: enough to keep the cores busy (a
-        // packet crosses the node in softirq on the sending core), few enough that
-        // latency is mostly the path and not the run queue.
-        let cores = thread::available_parallelism().map_or(2, |n| n.get());
-        let threads = cores.clamp(2, 4);
+        let threads = common::default_threads();
         // Many short rounds rather than a few long ones: on a shared machine the noise
         // comes in bursts of seconds, and interleaving the modes finely spreads each
         // burst over all of them.
@@ -209,60 +158,37 @@ impl Config {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let result = parse_args(&args).and_then(|(cfg, out_dir)| run(cfg, &out_dir));
-    if let Err(e) = result {
-        eprintln!("e2e benchmark failed: {e:#}");
-        std::process::exit(1);
-    }
+    common::main_with("e2e", |args| {
+        let (cfg, out_dir) = parse_args(args)?;
+        run(cfg, &out_dir)
+    });
 }
 
 /// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
 /// `--threads N`. Anything else (cargo passes `--bench`) is ignored.
-fn parse_args(args: &[String]) -> Result<(Config, PathBuf)> {
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .map(|i| {
-                args.get(i + 1)
-                    .ok_or_else(|| anyhow!("{flag} needs a value"))
-            })
-            .transpose()
-    };
-    let mut cfg = Config::new(args.iter().any(|a| a == "--quick"));
-    if let Some(sizes) = value("--sizes")? {
-        cfg.sizes = sizes
-            .split(',')
-            .map(|s| s.trim().parse().with_context(|| format!("--sizes: {s:?}")))
-            .collect::<Result<_>>()?;
+fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
+    let mut cfg = Config::new(args.flag("--quick"));
+    if let Some(sizes) = args.sizes()? {
+        cfg.sizes = sizes;
     }
-    if let Some(rounds) = value("--rounds")? {
-        cfg.rounds = rounds.parse().context("--rounds")?;
+    if let Some(rounds) = args.number("--rounds")? {
+        cfg.rounds = rounds;
     }
-    if let Some(threads) = value("--threads")? {
-        cfg.threads = threads.parse().context("--threads")?;
+    if let Some(threads) = args.number("--threads")? {
+        cfg.threads = threads;
     }
     if cfg.sizes.contains(&0) || cfg.rounds == 0 || !(1..=64).contains(&cfg.threads) {
         bail!("sizes and rounds must be positive and threads within 1..=64");
     }
-    let out_dir = value("--out")?.map_or_else(|| PathBuf::from("bench/results"), PathBuf::from);
-    Ok((cfg, out_dir))
+    Ok((cfg, args.out_dir()?))
 }
 
-fn run(cfg: Config, out_dir: &std::path::Path) -> Result<()> {
+fn run(cfg: Config, out_dir: &Path) -> Result<()> {
     require_root()?;
     // Before minutes of setup for the other modes, not after.
     let bin = agent::binary()?;
     eprintln!("agent binary: {}", bin.display());
-    let handler = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { sigaction(signal, &handler) }.context("install the signal handler")?;
-    }
+    common::install_signal_handlers()?;
     let machine = Machine::probe();
     let load_before = load_average();
     eprintln!(
@@ -279,24 +205,7 @@ fn run(cfg: Config, out_dir: &std::path::Path) -> Result<()> {
         results: &results,
         load: (load_before, load_average()),
     };
-    let markdown = report.markdown();
-    println!("{markdown}");
-    std::fs::create_dir_all(out_dir).with_context(|| format!("create {}", out_dir.display()))?;
-    let md_path = out_dir.join("e2e.md");
-    std::fs::write(&md_path, &markdown).with_context(|| format!("write {}", md_path.display()))?;
-    let json_path = out_dir.join("e2e.json");
-    let json = serde_json::to_string_pretty(&report.json())?;
-    std::fs::write(&json_path, json + "\n")
-        .with_context(|| format!("write {}", json_path.display()))?;
-    eprintln!("wrote {} and {}", md_path.display(), json_path.display());
-    Ok(())
-}
-
-fn check_interrupted() -> Result<()> {
-    if INTERRUPTED.load(Ordering::Relaxed) {
-        bail!("interrupted");
-    }
-    Ok(())
+    common::write_results(out_dir, "e2e", &report.markdown(), &report.json())
 }
 
 // ---------------------------------------------------------------------------
@@ -374,122 +283,6 @@ impl ServiceSet {
 }
 
 // ---------------------------------------------------------------------------
-// Backends
-
-/// A backend pod's TCP and UDP servers, made for speed: a fixed pool of threads
-/// serving one exchange each inline (the harness's servers spawn a thread per
-/// connection, which on a small machine would cost more than the load balancers being
-/// compared). TCP: read the request, answer `<name>\n`, close. UDP: answer every
-/// datagram with `<name>\n`.
-struct Backend {
-    stop: Arc<AtomicBool>,
-    threads: Vec<NsThread<()>>,
-}
-
-impl Backend {
-    fn start(ns: &NetNs, name: &str, threads: usize) -> Result<Backend> {
-        let (listener, udp) = ns
-            .run(|| -> std::io::Result<_> {
-                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, TCP_TARGET_PORT))?;
-                let udp = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, UDP_TARGET_PORT))?;
-                Ok((listener, udp))
-            })?
-            .with_context(|| format!("{name}: bind the servers in {}", ns.name()))?;
-        // accept() honours SO_RCVTIMEO on Linux, so threads blocked in it wake up to see
-        // the stop flag; a blocking accept shared by several threads wakes one of them
-        // per connection, where poll() would wake them all.
-        setsockopt(
-            &listener,
-            sockopt::ReceiveTimeout,
-            &TimeVal::milliseconds(SERVER_TICK.as_millis() as i64),
-        )
-        .with_context(|| format!("{name}: SO_RCVTIMEO on the listener"))?;
-        udp.set_read_timeout(Some(SERVER_TICK))?;
-        let listener = Arc::new(listener);
-        let udp = Arc::new(udp);
-        let reply: Arc<[u8]> = format!("{name}\n").into_bytes().into();
-        let mut backend = Backend {
-            stop: Arc::new(AtomicBool::new(false)),
-            threads: Vec::new(),
-        };
-        for i in 0..threads {
-            let (listener, stop, tcp_reply) =
-                (listener.clone(), backend.stop.clone(), reply.clone());
-            backend
-                .threads
-                .push(ns.spawn(&format!("tcp-{name}-{i}"), move || {
-                    tcp_serve(&listener, &tcp_reply, &stop)
-                })?);
-            let (udp, stop, udp_reply) = (udp.clone(), backend.stop.clone(), reply.clone());
-            backend
-                .threads
-                .push(ns.spawn(&format!("udp-{name}-{i}"), move || {
-                    udp_serve(&udp, &udp_reply, &stop)
-                })?);
-        }
-        Ok(backend)
-    }
-}
-
-impl Drop for Backend {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn tcp_serve(listener: &TcpListener, reply: &[u8], stop: &AtomicBool) {
-    let mut buf = [0u8; 256];
-    while !stop.load(Ordering::Relaxed) {
-        match listener.accept() {
-            Ok((mut stream, _)) => {
-                // Errors are the client's business (it counts them); a server that gives
-                // up on one connection goes on with the next.
-                let _ = (|| -> std::io::Result<()> {
-                    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-                    let mut len = 0;
-                    while !buf[..len].ends_with(b"\n") {
-                        match stream.read(&mut buf[len..])? {
-                            0 => return Ok(()),
-                            n => len += n,
-                        }
-                        if len == buf.len() {
-                            return Ok(());
-                        }
-                    }
-                    // Then close: the FIN goes first, and the client's RST (it closes
-                    // with SO_LINGER 0) ends the socket, so neither side keeps TIME_WAIT.
-                    stream.write_all(reply)
-                })();
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) => {
-                eprintln!("warning: accept: {e}");
-                thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-}
-
-fn udp_serve(socket: &UdpSocket, reply: &[u8], stop: &AtomicBool) {
-    let mut buf = [0u8; 256];
-    while !stop.load(Ordering::Relaxed) {
-        match socket.recv_from(&mut buf) {
-            Ok((_, peer)) => {
-                let _ = socket.send_to(reply, peer);
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) => {
-                eprintln!("warning: udp recv: {e}");
-                thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------
 // One mode's world
 
 /// A topology with its backends and whatever load balancer the mode has. Fields drop
@@ -506,6 +299,8 @@ struct World {
     programming: Option<Duration>,
     tcp_targets: Vec<SocketAddrV4>,
     udp_targets: Vec<SocketAddrV4>,
+    /// What the backends answer, in [`BACKENDS`] order.
+    backend_names: Vec<String>,
 }
 
 impl World {
@@ -515,7 +310,13 @@ impl World {
         let topology = Topology::routed(&pods).context("build the routed topology")?;
         let mut backends = Vec::new();
         for (name, _) in BACKENDS {
-            backends.push(Backend::start(&topology.pod(name).ns, name, threads)?);
+            backends.push(Backend::start(
+                &topology.pod(name).ns,
+                name,
+                TCP_TARGET_PORT,
+                Some(UDP_TARGET_PORT),
+                threads,
+            )?);
         }
         let mut world = World {
             mode,
@@ -526,6 +327,7 @@ impl World {
             programming: None,
             tcp_targets: Vec::new(),
             udp_targets: Vec::new(),
+            backend_names: BACKENDS.iter().map(|b| b.0.to_owned()).collect(),
         };
         let node = &world.topology.node;
         let started = Instant::now();
@@ -566,41 +368,23 @@ impl World {
         Ok(world)
     }
 
-    fn client(&self) -> &NetNs {
-        &self.topology.pod(CLIENT.0).ns
-    }
-
-    fn targets(&self, proto: Proto) -> &[SocketAddrV4] {
-        match proto {
-            Proto::Tcp => &self.tcp_targets,
-            Proto::Udp => &self.udp_targets,
-        }
-    }
-
-    /// The agent's last lines of output, to go with an error.
-    fn agent_log_tail(&self) -> String {
-        match &self.agent {
-            Some(agent) => {
-                let log = agent.log();
-                let lines: Vec<&str> = log.lines().collect();
-                format!(
-                    "\nlast lines of the agent's output:\n{}",
-                    lines[lines.len().saturating_sub(20)..].join("\n")
-                )
-            }
-            None => String::new(),
+    /// What the client sends where for `proto`.
+    fn load(&self, proto: Proto) -> Load<'_> {
+        Load {
+            ns: &self.topology.pod(CLIENT.0).ns,
+            proto,
+            targets: match proto {
+                Proto::Tcp => &self.tcp_targets,
+                Proto::Udp => &self.udp_targets,
+            },
+            backends: &self.backend_names,
         }
     }
 
     /// One exchange at a time: the mode must answer every one and reach all three
     /// backends.
     fn warm_up(&self, proto: Proto) -> Result<()> {
-        let targets = self.targets(proto).to_vec();
-        // Bounded by the count: at most WARMUP times the I/O timeouts.
-        let stop = Instant::now() + Duration::from_secs(3600);
-        let sample = self
-            .client()
-            .run(move || worker(proto, &targets, 0, stop, WARMUP))?;
+        let sample = self.load(proto).sequential(WARMUP)?;
         if sample.ok as usize != WARMUP || sample.backends.contains(&0) {
             bail!(
                 "{} {}: warm-up of {WARMUP} exchanges got {} answers (per backend {:?}), \
@@ -610,188 +394,18 @@ impl World {
                 sample.ok,
                 sample.backends,
                 sample.errors,
-                self.agent_log_tail()
+                self.agent
+                    .as_ref()
+                    .map(common::log_tail)
+                    .unwrap_or_default()
             );
         }
         Ok(())
     }
-
-    /// `threads` closed-loop clients for `segment`.
-    fn measure(&self, proto: Proto, threads: usize, segment: Duration) -> Result<Sample> {
-        let barrier = Arc::new(Barrier::new(threads + 1));
-        let mut workers = Vec::new();
-        for i in 0..threads {
-            let targets = self.targets(proto).to_vec();
-            let barrier = barrier.clone();
-            workers.push(self.client().spawn(&format!("e2e-client-{i}"), move || {
-                barrier.wait();
-                worker(
-                    proto,
-                    &targets,
-                    i,
-                    Instant::now() + segment,
-                    MAX_PER_SEGMENT,
-                )
-            })?);
-        }
-        barrier.wait();
-        let mut total = Sample::default();
-        for w in workers {
-            let sample = w
-                .join()
-                .map_err(|_| anyhow!("a client thread of {} panicked", self.mode.label()))?;
-            total.merge(sample);
-        }
-        Ok(total)
-    }
-}
-
-// ---------------------------------------------------------------------------
-// The client
-
-/// What some exchanges came to.
-#[derive(Debug, Default)]
-struct Sample {
-    /// Latency of every successful exchange, in nanoseconds.
-    latencies: Vec<u32>,
-    ok: u64,
-    /// Failures by `stage: kind`.
-    errors: BTreeMap<String, u64>,
-    /// Answers per backend, in [`BACKENDS`] order.
-    backends: [u64; 3],
-    /// Wall time; for threads merged into one sample, the longest thread's.
-    elapsed: Duration,
-}
-
-impl Sample {
-    fn merge(&mut self, other: Sample) {
-        self.latencies.extend(other.latencies);
-        self.ok += other.ok;
-        for (k, v) in other.errors {
-            *self.errors.entry(k).or_default() += v;
-        }
-        for (a, b) in self.backends.iter_mut().zip(other.backends) {
-            *a += b;
-        }
-        self.elapsed = self.elapsed.max(other.elapsed);
-    }
-
-    fn failed(&self) -> u64 {
-        self.errors.values().sum()
-    }
-}
-
-type Failure = (&'static str, ErrorKind);
-
-/// Exchanges one after the other until `until` or `max` attempts; runs on a thread
-/// inside the client's namespace. `first` staggers the threads over `targets` when
-/// there are several (the no-LB mode round-robins over the backends).
-fn worker(
-    proto: Proto,
-    targets: &[SocketAddrV4],
-    first: usize,
-    until: Instant,
-    max: usize,
-) -> Sample {
-    let mut sample = Sample {
-        latencies: Vec::with_capacity(max.min(1 << 16)),
-        ..Sample::default()
-    };
-    let start = Instant::now();
-    let mut buf = [0u8; 64];
-    // Attempts, not successes, are bounded: a broken mode must end its turn too.
-    for i in first..first + max {
-        let t0 = Instant::now();
-        if t0 >= until || INTERRUPTED.load(Ordering::Relaxed) {
-            break;
-        }
-        let target = targets[i % targets.len()];
-        let result = match proto {
-            Proto::Tcp => tcp_exchange(target, &mut buf),
-            Proto::Udp => udp_exchange(target, &mut buf),
-        };
-        let latency = t0.elapsed();
-        match result.and_then(|len| backend_of(&buf[..len])) {
-            Ok(b) => {
-                sample.ok += 1;
-                sample.backends[b] += 1;
-                sample
-                    .latencies
-                    .push(latency.as_nanos().min(u32::MAX as u128) as u32);
-            }
-            Err((stage, kind)) => {
-                *sample
-                    .errors
-                    .entry(format!("{stage}: {kind:?}"))
-                    .or_default() += 1;
-            }
-        }
-    }
-    sample.elapsed = start.elapsed();
-    sample
-}
-
-/// Connect, send the request, read the one-line answer, close with a RST. The RST
-/// (SO_LINGER 0) keeps the client's sockets out of TIME_WAIT, where tens of thousands
-/// of short connections would otherwise exhaust its ephemeral ports within seconds.
-fn tcp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> {
-    let mut stream = TcpStream::connect_timeout(&target.into(), IO_TIMEOUT)
-        .map_err(|e| ("connect", e.kind()))?;
-    let linger = nix::libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    setsockopt(&stream, sockopt::Linger, &linger)
-        .map_err(|e| ("SO_LINGER", std::io::Error::from(e).kind()))?;
-    stream
-        .set_read_timeout(Some(IO_TIMEOUT))
-        .map_err(|e| ("SO_RCVTIMEO", e.kind()))?;
-    stream.write_all(REQUEST).map_err(|e| ("send", e.kind()))?;
-    let mut len = 0;
-    while !buf[..len].ends_with(b"\n") {
-        match stream.read(&mut buf[len..]) {
-            Ok(0) => return Err(("receive", ErrorKind::UnexpectedEof)),
-            Ok(n) => len += n,
-            Err(e) => return Err(("receive", e.kind())),
-        }
-        if len == buf.len() {
-            return Err(("receive", ErrorKind::InvalidData));
-        }
-    }
-    Ok(len)
-}
-
-/// A new socket (so a new source port and a new flow), one request, one answer. The
-/// socket is connected, so only an answer from the address it sent to is accepted: a
-/// reply that escaped reverse NAT counts as lost.
-fn udp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| ("bind", e.kind()))?;
-    socket.connect(target).map_err(|e| ("connect", e.kind()))?;
-    socket
-        .set_read_timeout(Some(UDP_TIMEOUT))
-        .map_err(|e| ("SO_RCVTIMEO", e.kind()))?;
-    socket.send(REQUEST).map_err(|e| ("send", e.kind()))?;
-    socket.recv(buf).map_err(|e| ("receive", e.kind()))
-}
-
-fn backend_of(reply: &[u8]) -> Result<usize, Failure> {
-    let name = reply.strip_suffix(b"\n").unwrap_or(reply);
-    BACKENDS
-        .iter()
-        .position(|b| b.0.as_bytes() == name)
-        .ok_or(("reply", ErrorKind::InvalidData))
 }
 
 // ---------------------------------------------------------------------------
 // Measuring
-
-/// One segment: a mode's threads for one protocol, in one round.
-#[derive(Debug, Clone, Copy)]
-struct Segment {
-    rate: f64,
-    /// Microseconds.
-    p99: f64,
-}
 
 /// Everything measured for one mode, protocol and S, over all rounds.
 struct Stats {
@@ -799,35 +413,10 @@ struct Stats {
     mode: Mode,
     proto: Proto,
     programming: Option<Duration>,
-    ok: u64,
-    failed: u64,
-    errors: BTreeMap<String, u64>,
-    backends: [u64; 3],
-    seconds: f64,
-    /// Each round's segment, in round order.
-    rounds: Vec<Segment>,
-    /// Sorted latencies in nanoseconds.
-    latencies: Vec<u32>,
+    series: Series,
 }
 
-impl Stats {
-    fn rate(&self) -> f64 {
-        self.ok as f64 / self.seconds
-    }
-
-    fn percentile_us(&self, p: f64) -> f64 {
-        percentile_us(&self.latencies, p)
-    }
-}
-
-/// Nearest-rank percentile of sorted nanoseconds, in microseconds.
-fn percentile_us(sorted: &[u32], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1] as f64 / 1000.0
-}
+const PROTOS: [Proto; 2] = [Proto::Tcp, Proto::Udp];
 
 fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     let set = ServiceSet::new(services);
@@ -846,66 +435,39 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
         worlds.push(world);
     }
     for world in &worlds {
-        for proto in [Proto::Tcp, Proto::Udp] {
+        for proto in PROTOS {
             world
                 .warm_up(proto)
                 .with_context(|| format!("warm up {}", world.mode.label()))?;
         }
     }
-    // [world][proto]
-    let mut totals: Vec<[(Sample, f64, Vec<Segment>); 2]> =
-        worlds.iter().map(|_| Default::default()).collect();
-    for round in 0..cfg.rounds {
-        for (p, proto) in [Proto::Tcp, Proto::Udp].into_iter().enumerate() {
-            for k in 0..worlds.len() {
-                // Rotate the order each round so no mode always runs first or last.
-                let w = (k + round) % worlds.len();
-                check_interrupted()?;
-                let world = &worlds[w];
-                let mut sample = world
-                    .measure(proto, cfg.threads, cfg.segment(proto))
-                    .with_context(|| format!("measure {} {}", world.mode.label(), proto.key()))?;
-                sample.latencies.sort_unstable();
-                let seconds = sample.elapsed.as_secs_f64();
-                let (total, total_seconds, segments) = &mut totals[w][p];
-                segments.push(Segment {
-                    rate: sample.ok as f64 / seconds,
-                    p99: percentile_us(&sample.latencies, 0.99),
-                });
-                *total_seconds += seconds;
-                total.merge(sample);
-            }
-        }
-    }
+    let series = interleaved(cfg.rounds, worlds.len(), PROTOS.len(), |w, p| {
+        let (world, proto) = (&worlds[w], PROTOS[p]);
+        world
+            .load(proto)
+            .closed_loop(cfg.threads, cfg.segment(proto))
+            .with_context(|| format!("measure {} {}", world.mode.label(), proto.key()))
+    })?;
     let mut out = Vec::new();
-    for (world, pair) in worlds.iter().zip(totals) {
-        for (proto, (mut sample, seconds, rounds)) in [Proto::Tcp, Proto::Udp].into_iter().zip(pair)
-        {
-            sample.latencies.sort_unstable();
-            let stats = Stats {
-                services,
-                mode: world.mode,
-                proto,
-                programming: world.programming,
-                ok: sample.ok,
-                failed: sample.failed(),
-                errors: sample.errors,
-                backends: sample.backends,
-                seconds,
-                rounds,
-                latencies: sample.latencies,
-            };
-            if stats.failed > 0 {
+    for (world, pair) in worlds.iter().zip(series) {
+        for (proto, series) in PROTOS.into_iter().zip(pair) {
+            if series.failed > 0 {
                 eprintln!(
                     "warning: S = {services}, {} {}: {} of {} exchanges failed: {:?}",
                     world.mode.label(),
                     proto.key(),
-                    stats.failed,
-                    stats.failed + stats.ok,
-                    stats.errors
+                    series.failed,
+                    series.failed + series.ok,
+                    series.errors
                 );
             }
-            out.push(stats);
+            out.push(Stats {
+                services,
+                mode: world.mode,
+                proto,
+                programming: world.programming,
+                series,
+            });
         }
     }
     eprintln!("S = {services}: measured");
@@ -915,84 +477,6 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
 
 // ---------------------------------------------------------------------------
 // Reporting
-
-struct Machine {
-    cpu: String,
-    cores: usize,
-    kernel: String,
-    iptables: String,
-    nft: String,
-}
-
-impl Machine {
-    fn probe() -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu = cpuinfo
-            .lines()
-            .find_map(|l| l.strip_prefix("model name"))
-            .and_then(|l| l.split_once(':'))
-            .map_or("unknown CPU".into(), |(_, v)| v.trim().to_owned());
-        let version = |program: &str, arg: &str| {
-            run_cmd(Command::new(program).arg(arg))
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_else(|e| format!("{program}: {e:#}"))
-        };
-        Machine {
-            cpu,
-            cores: thread::available_parallelism().map_or(0, |n| n.get()),
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .map_or("unknown".into(), |s| s.trim().to_owned()),
-            iptables: version("iptables", "--version"),
-            nft: version("nft", "--version"),
-        }
-    }
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "?".into())
-}
-
-/// Median and quartiles of some ratios.
-#[derive(Debug, Clone, Copy)]
-struct Spread {
-    median: f64,
-    q1: f64,
-    q3: f64,
-}
-
-impl Spread {
-    fn of(mut values: Vec<f64>) -> Spread {
-        values.retain(|v| v.is_finite());
-        values.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            if values.is_empty() {
-                return f64::NAN;
-            }
-            // Linear interpolation between closest ranks.
-            let pos = q * (values.len() - 1) as f64;
-            let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
-            values[lo] + (values[hi] - values[lo]) * (pos - lo as f64)
-        };
-        Spread {
-            median: at(0.5),
-            q1: at(0.25),
-            q3: at(0.75),
-        }
-    }
-}
-
-impl std::fmt::Display for Spread {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{:.2}x (quartiles {:.2}–{:.2})",
-            self.median, self.q1, self.q3
-        )
-    }
-}
 
 struct Report<'a> {
     cfg: &'a Config,
@@ -1009,29 +493,20 @@ impl Report<'_> {
             .find(|s| s.services == services && s.mode == mode && s.proto == proto)
     }
 
-    /// `s` against `base` round by round, through `f` (rate or p99). The two segments
-    /// of a round ran within a second of each other, so their ratio is spared most of
-    /// the machine's drift and of other tenants' bursts, which hit whole seconds; the
-    /// median over rounds is what the tables show.
-    fn paired(&self, s: &Stats, base: Mode, f: fn(&Segment) -> f64) -> Spread {
-        let ratios = self
-            .find(s.services, base, s.proto)
-            .map_or(Vec::new(), |b| {
-                s.rounds
-                    .iter()
-                    .zip(&b.rounds)
-                    .map(|(x, y)| f(x) / f(y))
-                    .collect()
-            });
-        Spread::of(ratios)
-    }
-
+    /// `s` against the same S and protocol in mode `base`, round by round: see
+    /// [`Series::paired`].
     fn rate_vs(&self, s: &Stats, base: Mode) -> Spread {
-        self.paired(s, base, |seg| seg.rate)
+        match self.find(s.services, base, s.proto) {
+            Some(b) => s.series.rate_vs(&b.series),
+            None => Spread::of(Vec::new()),
+        }
     }
 
     fn p99_vs(&self, s: &Stats, base: Mode) -> Spread {
-        self.paired(s, base, |seg| seg.p99)
+        match self.find(s.services, base, s.proto) {
+            Some(b) => s.series.p99_vs(&b.series),
+            None => Spread::of(Vec::new()),
+        }
     }
 
     fn markdown(&self) -> String {
@@ -1081,12 +556,12 @@ impl Report<'_> {
                     "| {} | {} | {:.0} | {:.2}x | {:.2}x | {:.1} | {:.1} | {} |\n",
                     s.services,
                     s.mode.label(),
-                    s.rate(),
+                    s.series.rate(),
                     self.rate_vs(s, Mode::Iptables).median,
                     self.rate_vs(s, Mode::Direct).median,
-                    s.percentile_us(0.50),
-                    s.percentile_us(0.99),
-                    s.failed
+                    s.series.percentile_us(0.50),
+                    s.series.percentile_us(0.99),
+                    s.series.failed
                 ));
             }
         }
@@ -1142,14 +617,14 @@ impl Report<'_> {
              - p99 latency below iptables' ({:.1} vs {:.1} µs): {p99_vs_ipt} of it: {}\n\
              - within 10% of the no-LB limit ({:.0} vs {:.0} conn/s): {vs_direct}: {}\n\
              - for reference, kube-proxy nftables: {} iptables' rate, {} the no-LB limit\n",
-            ebpf.rate(),
-            ipt.rate(),
+            ebpf.series.rate(),
+            ipt.series.rate(),
             verdict(vs_ipt.median >= 2.0),
-            ebpf.percentile_us(0.99),
-            ipt.percentile_us(0.99),
+            ebpf.series.percentile_us(0.99),
+            ipt.series.percentile_us(0.99),
             verdict(p99_vs_ipt.median < 1.0),
-            ebpf.rate(),
-            direct.rate(),
+            ebpf.series.rate(),
+            direct.series.rate(),
             verdict(vs_direct.median >= 0.9),
             self.rate_vs(nft, Mode::Iptables),
             self.rate_vs(nft, Mode::Direct),
@@ -1160,7 +635,7 @@ impl Report<'_> {
             "- ceiling: the no-LB limit itself is {} iptables' rate here\n",
             self.rate_vs(direct, Mode::Iptables)
         ));
-        let failed: u64 = self.results.iter().map(|s| s.failed).sum();
+        let failed: u64 = self.results.iter().map(|s| s.series.failed).sum();
         if failed > 0 {
             out.push_str(&format!(
                 "- {failed} exchanges failed in this run (see the tables and e2e.json)\n"
@@ -1171,8 +646,6 @@ impl Report<'_> {
 
     fn json(&self) -> serde_json::Value {
         let cfg = self.cfg;
-        let m = self.machine;
-        let spread = |s: Spread| json!({"median": s.median, "q1": s.q1, "q3": s.q3});
         let rows: Vec<serde_json::Value> = self
             .results
             .iter()
@@ -1182,32 +655,26 @@ impl Report<'_> {
                     "mode": s.mode.key(),
                     "label": s.mode.label(),
                     "proto": s.proto.key(),
-                    "per_second": s.rate(),
-                    "vs_iptables": spread(self.rate_vs(s, Mode::Iptables)),
-                    "vs_direct": spread(self.rate_vs(s, Mode::Direct)),
-                    "p99_vs_iptables": spread(self.p99_vs(s, Mode::Iptables)),
-                    "p50_us": s.percentile_us(0.50),
-                    "p90_us": s.percentile_us(0.90),
-                    "p99_us": s.percentile_us(0.99),
-                    "ok": s.ok,
-                    "failed": s.failed,
-                    "errors": s.errors,
-                    "per_backend": s.backends,
-                    "seconds": s.seconds,
-                    "round_rates": s.rounds.iter().map(|r| r.rate).collect::<Vec<_>>(),
-                    "round_p99_us": s.rounds.iter().map(|r| r.p99).collect::<Vec<_>>(),
+                    "per_second": s.series.rate(),
+                    "vs_iptables": self.rate_vs(s, Mode::Iptables).json(),
+                    "vs_direct": self.rate_vs(s, Mode::Direct).json(),
+                    "p99_vs_iptables": self.p99_vs(s, Mode::Iptables).json(),
+                    "p50_us": s.series.percentile_us(0.50),
+                    "p90_us": s.series.percentile_us(0.90),
+                    "p99_us": s.series.percentile_us(0.99),
+                    "ok": s.series.ok,
+                    "failed": s.series.failed,
+                    "errors": s.series.errors,
+                    "per_backend": s.series.backends,
+                    "seconds": s.series.seconds,
+                    "round_rates": s.series.rounds.iter().map(|r| r.rate).collect::<Vec<_>>(),
+                    "round_p99_us": s.series.rounds.iter().map(|r| r.p99).collect::<Vec<_>>(),
                     "programming_s": s.programming.map(|d| d.as_secs_f64()),
                 })
             })
             .collect();
         json!({
-            "machine": {
-                "cpu": m.cpu,
-                "cores": m.cores,
-                "kernel": m.kernel,
-                "iptables": m.iptables,
-                "nft": m.nft,
-            },
+            "machine": self.machine.json(),
             "load_average_before_after": [self.load.0, self.load.1],
             "quick": cfg.quick,
             "client_threads": cfg.threads,

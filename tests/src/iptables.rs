@@ -12,11 +12,18 @@
 //! - sessionAffinity ClientIP (§2.1): one `-m recent --rcheck --seconds N --reap` rule
 //!   per endpoint at the head of the KUBE-SVC chain, in the same sorted order, before
 //!   the statistic rules, and `-m recent --set` in each KUBE-SEP chain before its DNAT;
-//! - KUBE-SERVICES hooked from PREROUTING and OUTPUT, KUBE-POSTROUTING from POSTROUTING.
+//! - KUBE-SERVICES hooked from PREROUTING and OUTPUT, KUBE-POSTROUTING from POSTROUTING;
+//! - NodePorts with externalTrafficPolicy Cluster (§3.2, [`nat_table_with_node_ports`]):
+//!   KUBE-SERVICES ends with `-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` (the
+//!   default `localhostNodePorts`, so no `! -d 127.0.0.0/8`), which kube-proxy writes
+//!   whether or not any Service has a NodePort; KUBE-NODEPORTS has one
+//!   `--dport <nodePort> -j KUBE-EXT-<hash>` rule per node port, and the KUBE-EXT chain
+//!   marks for masquerade (`-j KUBE-MARK-MASQ`) and then jumps to the KUBE-SVC chain.
 //!
 //! Left out: the optional "masquerade off-cluster traffic" rule (needs a local-traffic
-//! detector; no client here is off-cluster), NodePorts, and the filter table's REJECT
-//! for services without endpoints.
+//! detector; no client here is off-cluster), externalTrafficPolicy Local, externalIPs
+//! and load-balancer IPs, and the filter table (the REJECT for services without
+//! endpoints, KUBE-FORWARD's ACCEPTs, which a namespace's ACCEPT policy makes moot).
 
 use std::{
     io::Write,
@@ -63,6 +70,19 @@ impl KubeService {
     pub fn svc_chain(&self) -> String {
         format!(
             "KUBE-SVC-{}",
+            chain_hash(&format!(
+                "{}{}",
+                self.service_port_name(),
+                self.protocol.lower()
+            ))
+        )
+    }
+
+    /// `KUBE-EXT-<hash>` (`servicePortExternalChainName`): the same hash as the
+    /// KUBE-SVC chain's.
+    pub fn ext_chain(&self) -> String {
+        format!(
+            "KUBE-EXT-{}",
             chain_hash(&format!(
                 "{}{}",
                 self.service_port_name(),
@@ -129,8 +149,19 @@ pub fn cascade_probabilities(n: usize) -> Vec<f64> {
 
 /// The nat table kube-proxy would write for `services`, in `iptables-restore` format.
 pub fn nat_table(services: &[KubeService]) -> Result<String> {
+    nat_rules(services.iter().map(|svc| (svc, None)))
+}
+
+/// [`nat_table`] for service ports that may have a `nodePort` (externalTrafficPolicy
+/// Cluster): `(port, Some(nodePort))`, or `(port, None)` for a ClusterIP-only one.
+pub fn nat_table_with_node_ports(services: &[(KubeService, Option<u16>)]) -> Result<String> {
+    nat_rules(services.iter().map(|(svc, node_port)| (svc, *node_port)))
+}
+
+fn nat_rules<'a>(services: impl Iterator<Item = (&'a KubeService, Option<u16>)>) -> Result<String> {
     let mut chains = vec![
         "KUBE-SERVICES".to_owned(),
+        "KUBE-NODEPORTS".to_owned(),
         "KUBE-POSTROUTING".to_owned(),
         "KUBE-MARK-MASQ".to_owned(),
     ];
@@ -147,7 +178,7 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
             .to_owned(),
         format!("-A KUBE-MARK-MASQ -j MARK --or-mark {MASQ_MARK}"),
     ];
-    for svc in services {
+    for (svc, node_port) in services {
         let endpoints = svc.sorted_endpoints();
         if endpoints.is_empty() {
             bail!(
@@ -166,6 +197,24 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
             svc.cluster_ip,
             svc.port
         ));
+        if let Some(node_port) = node_port {
+            // externalTrafficPolicy Cluster: whatever comes in on the node port may go
+            // to another node's endpoint, so it is masqueraded, then load-balanced
+            // like the ClusterIP.
+            let ext_chain = svc.ext_chain();
+            chains.push(ext_chain.clone());
+            rules.push(format!(
+                "-A KUBE-NODEPORTS -m comment --comment {} -m {proto} -p {proto} --dport {node_port} -j {ext_chain}",
+                quote(&spn)
+            ));
+            rules.push(format!(
+                "-A {ext_chain} -m comment --comment {} -j KUBE-MARK-MASQ",
+                quote(&format!(
+                    "masquerade traffic for {spn} external destinations"
+                ))
+            ));
+            rules.push(format!("-A {ext_chain} -j {svc_chain}"));
+        }
         if let Some(seconds) = svc.affinity_timeout {
             // Clients seen recently by an endpoint's chain go straight back to it; the
             // first match in sorted endpoint order wins (`writeServiceToEndpointRules`).
@@ -216,6 +265,12 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
             ));
         }
     }
+    // After every service's rules: whatever is addressed to the node itself may be
+    // for a node port.
+    rules.push(
+        r#"-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#
+            .to_owned(),
+    );
     let mut out = String::from("*nat\n");
     for chain in chains {
         out.push_str(&format!(":{chain} - [0:0]\n"));
@@ -230,7 +285,16 @@ pub fn nat_table(services: &[KubeService]) -> Result<String> {
 
 /// Replaces the nat table of `ns` with kube-proxy's rules for `services`.
 pub fn apply(ns: &NetNs, services: &[KubeService]) -> Result<()> {
-    let input = nat_table(services)?;
+    restore(ns, &nat_table(services)?)
+}
+
+/// [`apply`] with node ports ([`nat_table_with_node_ports`]).
+pub fn apply_with_node_ports(ns: &NetNs, services: &[(KubeService, Option<u16>)]) -> Result<()> {
+    restore(ns, &nat_table_with_node_ports(services)?)
+}
+
+/// `iptables-restore` of `input` in `ns`.
+fn restore(ns: &NetNs, input: &str) -> Result<()> {
     let mut cmd = ns.command("iptables-restore");
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -434,6 +498,80 @@ mod tests {
                 "missing {line}\nin\n{table}"
             );
         }
+    }
+
+    #[test]
+    fn node_port_rules_match_kube_proxy() {
+        // kube-proxy's own expectations for an externalTrafficPolicy Cluster NodePort
+        // (pkg/proxy/iptables/proxier_test.go, TestOverallIPTablesRules' ns3/svc3),
+        // next to a ClusterIP-only Service (ns1/svc1), minus the off-cluster
+        // masquerade rule this writer leaves out.
+        let svc3 = KubeService {
+            namespace: "ns3".into(),
+            name: "svc3".into(),
+            port_name: "p80".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: Ipv4Addr::new(172, 30, 0, 43),
+            port: 80,
+            endpoints: vec!["10.180.0.3:80".parse().unwrap()],
+            affinity_timeout: None,
+        };
+        assert_eq!(svc3.ext_chain(), "KUBE-EXT-X27LE4BHSL4DOUIK");
+        let table = nat_table_with_node_ports(&[(svc1(), None), (svc3, Some(3003))]).unwrap();
+        for line in [
+            ":KUBE-NODEPORTS - [0:0]",
+            ":KUBE-EXT-X27LE4BHSL4DOUIK - [0:0]",
+            r#"-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
+            r#"-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
+            r#"-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING"#,
+            "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000",
+            "-A KUBE-NODEPORTS -m comment --comment ns3/svc3:p80 -m tcp -p tcp --dport 3003 -j KUBE-EXT-X27LE4BHSL4DOUIK",
+            r#"-A KUBE-SVC-X27LE4BHSL4DOUIK -m comment --comment "ns3/svc3:p80 -> 10.180.0.3:80" -j KUBE-SEP-OYPFS5VJICHGATKP"#,
+            "-A KUBE-SEP-OYPFS5VJICHGATKP -m comment --comment ns3/svc3:p80 -m tcp -p tcp -j DNAT --to-destination 10.180.0.3:80",
+        ] {
+            assert!(
+                table.lines().any(|l| l == line),
+                "missing {line}\nin\n{table}"
+            );
+        }
+        let chain = |name: &str| -> Vec<&str> {
+            table
+                .lines()
+                .filter(|l| l.starts_with(&format!("-A {name} ")))
+                .collect()
+        };
+        assert_eq!(
+            chain("KUBE-EXT-X27LE4BHSL4DOUIK"),
+            [
+                r#"-A KUBE-EXT-X27LE4BHSL4DOUIK -m comment --comment "masquerade traffic for ns3/svc3:p80 external destinations" -j KUBE-MARK-MASQ"#,
+                "-A KUBE-EXT-X27LE4BHSL4DOUIK -j KUBE-SVC-X27LE4BHSL4DOUIK",
+            ],
+            "in\n{table}"
+        );
+        // Masquerade only what was marked, and clear the mark first.
+        assert_eq!(
+            chain("KUBE-POSTROUTING"),
+            [
+                "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
+                "-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000",
+                r#"-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE"#,
+            ],
+            "in\n{table}"
+        );
+        // Only the NodePort Service has a node port rule, and the jump to
+        // KUBE-NODEPORTS comes after every ClusterIP rule.
+        assert_eq!(chain("KUBE-NODEPORTS").len(), 1, "{table}");
+        let services = chain("KUBE-SERVICES");
+        assert_eq!(services.len(), 3, "{table}");
+        assert_eq!(
+            services[2],
+            r#"-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"#
+        );
+        // A table without node ports is what nat_table writes.
+        assert_eq!(
+            nat_table_with_node_ports(&[(svc1(), None)]).unwrap(),
+            nat_table(&[svc1()]).unwrap()
+        );
     }
 
     #[test]

@@ -235,6 +235,38 @@ fn nodeport_cluster_policy(path: Path) {
         let answer = session.exchange(&format!("ping {i}")).expect("exchange");
         assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
     }
+    // No endpoints at all: refused at once, as kube-proxy's REJECT (XDP leaves
+    // the reset to tc).
+    let empty = Service::new("test", "empty", Ipv4Addr::new(10, 96, 0, 51))
+        .type_(ServiceType::NodePort)
+        .port("http", 80, Protocol::Tcp, TCP_PORT)
+        .node_port("http", NODE_PORT + 10);
+    fx.publish(&empty, &[]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        let outcome = tcp_request(
+            fx.client("client1"),
+            SocketAddrV4::new(NODE_A_IP, NODE_PORT + 10),
+            TIMEOUT,
+        );
+        // The node's own stack refuses too until the agent has the Service:
+        // only the datapath's count says who did.
+        if (outcome == Outcome::Refused && fx.counter(0, "reject") > 0) || Instant::now() > deadline
+        {
+            break outcome;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        refused,
+        Outcome::Refused,
+        "{path:?}: a NodePort without endpoints"
+    );
+    assert!(
+        fx.counter(0, "reject") > 0,
+        "{path:?}: node A's datapath must have rejected"
+    );
+
     let status = fx.agents[0].status().expect("ebpf-proxy status");
     assert!(
         status.contains("SNAT to 192.168.50.1 ports 1024-29999")

@@ -42,10 +42,12 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Set up, build, and run the benchmarks (needs root): per-packet cost of the
-    /// datapath, and control-plane cost against kube-proxy's iptables mode. Writes
-    /// markdown tables and a plot to bench/results/ and prints the tables.
+    /// datapath, control-plane cost against kube-proxy's iptables mode, end to end
+    /// through a ClusterIP, and NodePort connections from outside the cluster through
+    /// XDP, tc and kube-proxy's iptables mode. Writes markdown tables and a plot to
+    /// bench/results/ and prints the tables.
     Bench {
-        /// Smaller sizes and fewer repeats (about two minutes).
+        /// Smaller sizes and fewer repeats (about two and a half minutes).
         #[arg(long)]
         quick: bool,
     },
@@ -143,7 +145,7 @@ fn bench(quick: bool) -> Result<()> {
     let bin = build()?;
     ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
     let out = workspace_root().join("bench/results");
-    for name in ["datapath", "control_plane", "e2e"] {
+    for name in ["datapath", "control_plane", "e2e", "nodeport"] {
         let mut cmd = cargo();
         cmd.args(["bench", "-p", "ebpf-proxy-tests", "--bench", name, "--"])
             .arg("--out")

@@ -1,0 +1,806 @@
+//! NodePort new-connection rate and latency on real packets, through XDP, through tc
+//! and through kube-proxy's iptables rules, with S Services installed, in the two-node
+//! topology of design.md §6 (tests/src/cluster.rs).
+//!
+//! `client1` (192.168.50.100, outside the cluster) opens short TCP connections to node
+//! a's address 192.168.50.1 on the measured Service's nodePort. Node a has no endpoint
+//! of its own (externalTrafficPolicy Cluster): it translates to the one backend pod,
+//! on node b (10.1.2.10:8080), with SNAT to its own address, and the replies come back
+//! the same way. Four datapaths, side by side in one run:
+//!
+//! - `ebpf-proxy XDP`: the agent on both nodes with `--xdp-mode native`;
+//! - `ebpf-proxy tc`: the same with `--xdp-mode off`;
+//! - `kube-proxy iptables`: kube-proxy's iptables-mode nat table with NodePorts
+//!   (tests/src/iptables.rs: KUBE-NODEPORTS, KUBE-EXT, KUBE-MARK-MASQ and the
+//!   masquerade in KUBE-POSTROUTING) loaded on both nodes with `iptables-restore`, no
+//!   agent: node a DNATs and masquerades;
+//! - `no LB (routed)`: no translation at all, the limit of routing alone. client1 has
+//!   a route to node b's pod CIDR via node a, node b a route back to client1 via node
+//!   a, and client1 connects to the pod's own address: the packets take the same hops
+//!   (client1, node a, node b, the pod, and back through node a) with nothing but
+//!   forwarding on the way.
+//!
+//! The Services: S of them (10 and 10,000; `--quick`: 10 and 1,000), each with a
+//! ClusterIP and port 80 to 8080. The default NodePort range 30000-32767 holds only
+//! 2,768 ports, so min(S, 2,768) Services are NodePorts, a band of consecutive Services
+//! centred on the measured one (which sits in the middle of the S, as in e2e.rs), and
+//! the others are ClusterIP only. For kube-proxy that is the cost that matters: a
+//! NodePort packet walks every ClusterIP rule of KUBE-SERVICES before its last rule
+//! sends it to KUBE-NODEPORTS, where it walks half of the NodePort rules. Every Service
+//! but the measured one has three endpoints at addresses that exist nowhere.
+//!
+//! ICMP redirects are off on the nodes and ignored by the client, in every mode: node a
+//! forwards the no-LB mode's packets out of the interface they came in on, and a
+//! redirect would send client1 straight to node b.
+//!
+//! The rest is e2e.rs's method (shared in benches/common): a closed loop of T client
+//! threads in client1, each exchange a connect, one request, one response and a close
+//! with RST, its latency from the start of connect to the response; the modes built
+//! first, then measured in interleaved rounds (the order rotating each round); rates
+//! and percentiles over all rounds, ratios the median of per-round ratios. After the
+//! rounds, node a's counters of the ebpf-proxy modes are read and reported: the XDP
+//! mode must show packets XDP sent itself (`xdp_tx`), or the run fails; so it does
+//! when an ebpf-proxy mode loses more than 1% of its connections (after the result
+//! files are written).
+//!
+//! Everything is bounded: fixed durations, a cap on exchanges per thread, 1 s I/O
+//! timeouts; traffic only ever goes to addresses inside the benchmark's namespaces.
+//! Namespaces, servers and agents are removed on drop, also on an error or Ctrl-C.
+//!
+//! Usage: `cargo bench -p ebpf-proxy-tests --bench nodeport -- [--quick] [--out DIR]
+//! [--sizes 10,10000] [--rounds N] [--threads N]` (root; the agent binary from `cargo
+//! xtask build` or $EBPF_PROXY_BIN). Prints a markdown table and writes `nodeport.md`
+//! and `nodeport.json` to DIR (default bench/results).
+
+mod common;
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use common::{
+    Args, Backend, Load, Machine, Proto, Series, Spread, check_interrupted, interleaved,
+    load_average,
+};
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::{self, Agent},
+    cluster::{CLIENT1, Cluster, NODE_A_IP, UPLINK},
+    iptables::{self, KubeService},
+    manifest::{Endpoint, ManifestDir, Service, ServiceType},
+    require_root,
+};
+use proxy_userspace::datapath::{Maps, PinLayout};
+use serde_json::json;
+
+/// The one backend pod, on node b.
+const BACKEND: (&str, Ipv4Addr) = ("web-b1", Ipv4Addr::new(10, 1, 2, 10));
+const TARGET_PORT: u16 = 8080;
+const SERVICE_PORT: u16 = 80;
+/// The default `--service-node-port-range`, 30000-32767.
+const NODE_PORT_MIN: u16 = 30_000;
+const NODE_PORT_MAX: u16 = 32_767;
+/// How many Services can be NodePorts: 2,768.
+const NODE_PORT_SLOTS: u32 = (NODE_PORT_MAX - NODE_PORT_MIN) as u32 + 1;
+/// Endpoints of every Service but the measured one.
+const FILLER_ENDPOINTS: u32 = 3;
+/// Server threads of the backend pod.
+const BACKEND_THREADS: usize = 4;
+/// Connections per mode before measuring, one at a time: fills neighbour caches and
+/// checks that the mode works.
+const WARMUP: usize = 60;
+/// How long a mode has to answer its first connection.
+const FIRST_ANSWER: Duration = Duration::from_secs(10);
+/// An ebpf-proxy mode losing more connections than this fails the run.
+const MAX_FAILURE_RATE: f64 = 0.01;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Xdp,
+    Tc,
+    Iptables,
+    Direct,
+}
+
+impl Mode {
+    const ALL: [Mode; 4] = [Mode::Direct, Mode::Iptables, Mode::Tc, Mode::Xdp];
+
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Xdp => "ebpf-proxy XDP",
+            Mode::Tc => "ebpf-proxy tc",
+            Mode::Iptables => "kube-proxy iptables",
+            Mode::Direct => "no LB (routed)",
+        }
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            Mode::Xdp => "xdp",
+            Mode::Tc => "tc",
+            Mode::Iptables => "iptables",
+            Mode::Direct => "direct",
+        }
+    }
+
+    /// The agent's `--xdp-mode`, for the ebpf-proxy modes.
+    fn xdp_mode(self) -> Option<&'static str> {
+        match self {
+            Mode::Xdp => Some("native"),
+            Mode::Tc => Some("off"),
+            Mode::Iptables | Mode::Direct => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    quick: bool,
+    sizes: Vec<u32>,
+    rounds: usize,
+    segment: Duration,
+    threads: usize,
+}
+
+impl Config {
+    fn new(quick: bool) -> Config {
+        let threads = common::default_threads();
+        if quick {
+            // About half a minute in all.
+            Config {
+                quick,
+                sizes: vec![10, 1_000],
+                rounds: 8,
+                segment: Duration::from_millis(150),
+                threads,
+            }
+        } else {
+            Config {
+                quick,
+                sizes: vec![10, 10_000],
+                rounds: 16,
+                segment: Duration::from_millis(300),
+                threads,
+            }
+        }
+    }
+}
+
+fn main() {
+    common::main_with("nodeport", |args| {
+        let (cfg, out_dir) = parse_args(args)?;
+        run(cfg, &out_dir)
+    });
+}
+
+/// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
+/// `--threads N`. Anything else (cargo passes `--bench`) is ignored.
+fn parse_args(args: &Args) -> Result<(Config, PathBuf)> {
+    let mut cfg = Config::new(args.flag("--quick"));
+    if let Some(sizes) = args.sizes()? {
+        cfg.sizes = sizes;
+    }
+    if let Some(rounds) = args.number("--rounds")? {
+        cfg.rounds = rounds;
+    }
+    if let Some(threads) = args.number("--threads")? {
+        cfg.threads = threads;
+    }
+    if cfg.sizes.contains(&0) || cfg.rounds == 0 || !(1..=64).contains(&cfg.threads) {
+        bail!("sizes and rounds must be positive and threads within 1..=64");
+    }
+    Ok((cfg, args.out_dir()?))
+}
+
+fn run(cfg: Config, out_dir: &Path) -> Result<()> {
+    require_root()?;
+    let started = Instant::now();
+    let bin = agent::binary()?;
+    eprintln!("agent binary: {}", bin.display());
+    common::install_signal_handlers()?;
+    let machine = Machine::probe();
+    let load_before = load_average();
+    eprintln!(
+        "nodeport: {} threads, sizes {:?}, {} rounds of {:?} per mode",
+        cfg.threads, cfg.sizes, cfg.rounds, cfg.segment
+    );
+    let mut results = Vec::new();
+    for &services in &cfg.sizes {
+        results.extend(measure_size(&cfg, services).with_context(|| format!("S = {services}"))?);
+    }
+    let report = Report {
+        cfg: &cfg,
+        machine: &machine,
+        results: &results,
+        load: (load_before, load_average()),
+        elapsed: started.elapsed(),
+    };
+    common::write_results(out_dir, "nodeport", &report.markdown(), &report.json())?;
+    report.check()
+}
+
+// ---------------------------------------------------------------------------
+// The Services
+
+fn vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 10)) + i) // 10.96.0.0/12
+}
+
+/// Endpoints of the Services nobody talks to: addresses that exist nowhere.
+fn filler_endpoint(service: u32, k: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + service * FILLER_ENDPOINTS + k)
+}
+
+/// S Services, each with its endpoints; the one at index S/2 is the measured one, and
+/// the `node_ports` Services around it are NodePorts.
+struct ServiceSet {
+    services: Vec<(Service, Vec<Ipv4Addr>)>,
+    measured: usize,
+    node_ports: u32,
+}
+
+impl ServiceSet {
+    fn new(count: u32) -> ServiceSet {
+        let measured = count / 2;
+        let node_ports = count.min(NODE_PORT_SLOTS);
+        // measured >= node_ports / 2 and first + node_ports <= count, since
+        // node_ports <= count.
+        let first = measured - node_ports / 2;
+        let services = (0..count)
+            .map(|i| {
+                let svc = Service::new("bench", &format!("svc-{i}"), vip(i)).port(
+                    "http",
+                    SERVICE_PORT,
+                    Protocol::Tcp,
+                    TARGET_PORT,
+                );
+                let svc = if (first..first + node_ports).contains(&i) {
+                    svc.type_(ServiceType::NodePort)
+                        .node_port("http", NODE_PORT_MIN + (i - first) as u16)
+                } else {
+                    svc
+                };
+                let endpoints = if i == measured {
+                    vec![BACKEND.1]
+                } else {
+                    (0..FILLER_ENDPOINTS)
+                        .map(|k| filler_endpoint(i, k))
+                        .collect()
+                };
+                (svc, endpoints)
+            })
+            .collect();
+        ServiceSet {
+            services,
+            measured: measured as usize,
+            node_ports,
+        }
+    }
+
+    fn node_port(&self) -> u16 {
+        self.services[self.measured].0.ports[0]
+            .node_port
+            .expect("the measured Service is a NodePort")
+    }
+
+    /// One multi-document file with every Service and its EndpointSlice; the measured
+    /// Service's endpoint is on node `backend_node` (the agents' node name).
+    fn yaml(&self, backend_node: &str) -> String {
+        let mut out = String::new();
+        for (i, (svc, eps)) in self.services.iter().enumerate() {
+            if i == self.measured {
+                let eps: Vec<_> = eps
+                    .iter()
+                    .map(|ip| Endpoint::ready(*ip).on_node(backend_node))
+                    .collect();
+                out.push_str(&svc.yaml_with(&eps));
+            } else {
+                out.push_str(&svc.yaml(Some(eps)));
+            }
+            out.push_str("---\n");
+        }
+        out
+    }
+
+    /// Every service port as kube-proxy sees it, with its nodePort, in Service order.
+    fn kube(&self) -> Vec<(KubeService, Option<u16>)> {
+        let mut out = Vec::new();
+        for (svc, eps) in &self.services {
+            for port in &svc.ports {
+                out.push((
+                    svc.kube_service(&port.name, svc.cluster_ip, eps),
+                    port.node_port,
+                ));
+            }
+        }
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------
+// One mode's world
+
+/// A cluster with its backend and whatever load balancer the mode has. Fields drop in
+/// declaration order: the agents while their namespaces exist, then the server, the
+/// manifests and the namespaces.
+struct World {
+    mode: Mode,
+    /// Node a's agent first.
+    agents: Vec<Agent>,
+    _backend: Backend,
+    _manifests: Option<ManifestDir>,
+    cluster: Cluster,
+    /// Time to program the Services on node a: agent start to healthy, or
+    /// `iptables-restore`.
+    programming: Option<Duration>,
+    targets: Vec<SocketAddrV4>,
+    backend_names: Vec<String>,
+}
+
+impl World {
+    fn build(mode: Mode, set: &ServiceSet) -> Result<World> {
+        let cluster = Cluster::with_clients(&[("a", &[]), ("b", &[BACKEND])], &[CLIENT1])
+            .context("build the two-node cluster")?;
+        for node in cluster.nodes() {
+            for iface in ["all", UPLINK] {
+                node.ns
+                    .sysctl(&format!("net.ipv4.conf.{iface}.send_redirects"), "0")?;
+            }
+        }
+        let client = cluster.client(CLIENT1.0);
+        for iface in ["all", UPLINK] {
+            client
+                .ns
+                .sysctl(&format!("net.ipv4.conf.{iface}.accept_redirects"), "0")?;
+        }
+        let backend = Backend::start(
+            &cluster.pod(BACKEND.0).ns,
+            BACKEND.0,
+            TARGET_PORT,
+            None,
+            BACKEND_THREADS,
+        )?;
+        let mut world = World {
+            mode,
+            agents: Vec::new(),
+            _backend: backend,
+            _manifests: None,
+            cluster,
+            programming: None,
+            targets: vec![SocketAddrV4::new(NODE_A_IP, set.node_port())],
+            backend_names: vec![BACKEND.0.to_owned()],
+        };
+        let (node_a, node_b) = (world.cluster.node("a"), world.cluster.node("b"));
+        match mode {
+            Mode::Direct => {
+                world
+                    .cluster
+                    .route_via(CLIENT1.0, &node_b.pod_cidr(), "a")?;
+                node_b
+                    .ns
+                    .ip(&[
+                        "route",
+                        "add",
+                        &format!("{}/32", CLIENT1.1),
+                        "via",
+                        &node_a.ip.to_string(),
+                    ])
+                    .context("route back to client1 via node a")?;
+                world.targets = vec![SocketAddrV4::new(BACKEND.1, TARGET_PORT)];
+            }
+            Mode::Xdp | Mode::Tc => {
+                let manifests = ManifestDir::create(world.cluster.stem())?;
+                manifests.write("services.yaml", &set.yaml(node_b.ns.name()))?;
+                let args = ["--xdp-mode", mode.xdp_mode().expect("an ebpf-proxy mode")];
+                for node in [node_a, node_b] {
+                    let started = Instant::now();
+                    let agent = Agent::start_with(&node.ns, manifests.path(), &args)
+                        .with_context(|| format!("start the agent on node {}", node.name))?;
+                    if node.name == "a" {
+                        world.programming = Some(started.elapsed());
+                    }
+                    world.agents.push(agent);
+                }
+                world._manifests = Some(manifests);
+            }
+            Mode::Iptables => {
+                let kube = set.kube();
+                for node in [node_a, node_b] {
+                    let started = Instant::now();
+                    iptables::apply_with_node_ports(&node.ns, &kube).with_context(|| {
+                        format!("load kube-proxy's iptables rules on node {}", node.name)
+                    })?;
+                    if node.name == "a" {
+                        world.programming = Some(started.elapsed());
+                    }
+                }
+            }
+        }
+        Ok(world)
+    }
+
+    fn load(&self) -> Load<'_> {
+        Load {
+            ns: &self.cluster.client(CLIENT1.0).ns,
+            proto: Proto::Tcp,
+            targets: &self.targets,
+            backends: &self.backend_names,
+        }
+    }
+
+    /// The agents' last lines of output, to go with an error.
+    fn agent_logs(&self) -> String {
+        self.agents.iter().map(common::log_tail).collect()
+    }
+
+    /// Waits for a first answer (the agents program the Services right after they
+    /// report healthy), then one connection at a time: the mode must answer every one.
+    fn warm_up(&self) -> Result<()> {
+        let deadline = Instant::now() + FIRST_ANSWER;
+        loop {
+            let sample = self.load().sequential(1)?;
+            if sample.ok == 1 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{}: no answer from {} within {FIRST_ANSWER:?}: {:?}{}",
+                    self.mode.label(),
+                    self.targets[0],
+                    sample.errors,
+                    self.agent_logs()
+                );
+            }
+            check_interrupted()?;
+            thread::sleep(Duration::from_millis(100));
+        }
+        let sample = self.load().sequential(WARMUP)?;
+        if sample.ok as usize != WARMUP {
+            bail!(
+                "{}: warm-up of {WARMUP} connections got {} answers, failures {:?}{}",
+                self.mode.label(),
+                sample.ok,
+                sample.errors,
+                self.agent_logs()
+            );
+        }
+        Ok(())
+    }
+
+    /// Node a's non-zero datapath counters, for the ebpf-proxy modes.
+    fn counters(&self) -> Result<Option<Vec<(&'static str, u64)>>> {
+        let Some(agent) = self.agents.first() else {
+            return Ok(None);
+        };
+        let maps = Maps::open_pinned(&PinLayout::new(agent.bpf_root()))
+            .context("open node a's pinned maps")?;
+        let counters = maps.counters().context("read node a's counters")?;
+        Ok(Some(counters.into_iter().filter(|(_, v)| *v > 0).collect()))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Measuring
+
+/// Everything measured for one mode and S, over all rounds.
+struct Stats {
+    services: u32,
+    node_ports: u32,
+    mode: Mode,
+    programming: Option<Duration>,
+    /// Node a's non-zero counters after the rounds (warm-up included), for the
+    /// ebpf-proxy modes.
+    counters: Option<Vec<(&'static str, u64)>>,
+    series: Series,
+}
+
+impl Stats {
+    fn counter(&self, name: &str) -> u64 {
+        self.counters
+            .iter()
+            .flatten()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |c| c.1)
+    }
+}
+
+fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
+    let set = ServiceSet::new(services);
+    let mut worlds = Vec::new();
+    for mode in Mode::ALL {
+        check_interrupted()?;
+        let world = World::build(mode, &set).with_context(|| format!("set up {}", mode.label()))?;
+        match world.programming {
+            Some(d) => eprintln!(
+                "S = {services}: {} ready, Services programmed on node a in {d:.2?}",
+                mode.label()
+            ),
+            None => eprintln!("S = {services}: {} ready", mode.label()),
+        }
+        worlds.push(world);
+    }
+    for world in &worlds {
+        world
+            .warm_up()
+            .with_context(|| format!("warm up {}", world.mode.label()))?;
+    }
+    let series = interleaved(cfg.rounds, worlds.len(), 1, |w, _| {
+        worlds[w]
+            .load()
+            .closed_loop(cfg.threads, cfg.segment)
+            .with_context(|| format!("measure {}", worlds[w].mode.label()))
+    })?;
+    let mut out = Vec::new();
+    for (world, mut series) in worlds.iter().zip(series) {
+        let series = series.pop().expect("one kind of exchange");
+        if series.failed > 0 {
+            eprintln!(
+                "warning: S = {services}, {}: {} of {} connections failed: {:?}",
+                world.mode.label(),
+                series.failed,
+                series.failed + series.ok,
+                series.errors
+            );
+        }
+        let counters = world
+            .counters()
+            .with_context(|| format!("{} counters", world.mode.label()))?;
+        if let Some(counters) = &counters {
+            eprintln!(
+                "S = {services}, {}: node a's counters {counters:?}",
+                world.mode.label()
+            );
+        }
+        out.push(Stats {
+            services,
+            node_ports: set.node_ports,
+            mode: world.mode,
+            programming: world.programming,
+            counters,
+            series,
+        });
+    }
+    eprintln!("S = {services}: measured");
+    // The worlds drop here, agents and namespaces with them, before the next S is
+    // built.
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------
+// Reporting
+
+struct Report<'a> {
+    cfg: &'a Config,
+    machine: &'a Machine,
+    results: &'a [Stats],
+    /// /proc/loadavg's 1-minute figure before and after the run.
+    load: (String, String),
+    elapsed: Duration,
+}
+
+impl Report<'_> {
+    fn find(&self, services: u32, mode: Mode) -> Option<&Stats> {
+        self.results
+            .iter()
+            .find(|s| s.services == services && s.mode == mode)
+    }
+
+    /// `s` against mode `base` at the same S, round by round ([`Series::paired`]).
+    fn rate_vs(&self, s: &Stats, base: Mode) -> Spread {
+        match self.find(s.services, base) {
+            Some(b) => s.series.rate_vs(&b.series),
+            None => Spread::of(Vec::new()),
+        }
+    }
+
+    fn p99_vs(&self, s: &Stats, base: Mode) -> Spread {
+        match self.find(s.services, base) {
+            Some(b) => s.series.p99_vs(&b.series),
+            None => Spread::of(Vec::new()),
+        }
+    }
+
+    fn markdown(&self) -> String {
+        let cfg = self.cfg;
+        let m = self.machine;
+        let mut out = format!(
+            "NodePort, externalTrafficPolicy Cluster, in the two-node topology of design.md §6: \
+             client1 (outside the cluster) connects to node a's address on the nodePort; node \
+             a translates to the backend pod on node b with SNAT to itself. One run on this \
+             machine: {}, {} cores, kernel {}; {}. Load average (1 min) before / after: \
+             {} / {}; the run took {:.0} s.\n\n\
+             Closed loop, {} client threads; each connection is connect, one request, one \
+             response, close (RST), its latency from connect to the response. Each mode runs \
+             {} rounds of {} ms, the modes interleaved; rates and percentiles are over all \
+             rounds, the ratios medians of per-round ratios.\n\n\
+             Modes: `ebpf-proxy XDP` and `ebpf-proxy tc` are the agent on both nodes with \
+             `--xdp-mode native` and `off`; `kube-proxy iptables` is kube-proxy's nat table \
+             with NodePorts (KUBE-NODEPORTS, KUBE-EXT, masquerade) on both nodes, no agent; \
+             `no LB (routed)` is client1 connecting to the pod's own address through a route \
+             via node a (node b routes back via node a): the same hops, no translation, the \
+             limit.\n\n\
+             Services: all S have a ClusterIP; the NodePort range 30000-32767 holds 2,768 \
+             ports, so min(S, 2,768) of them (a band around the measured one, which sits in \
+             the middle of the S) are NodePorts and the rest ClusterIP only. kube-proxy's \
+             NodePort packets walk every ClusterIP rule of KUBE-SERVICES before its last rule \
+             jumps to KUBE-NODEPORTS. All but the measured Service have {FILLER_ENDPOINTS} \
+             endpoints at addresses that exist nowhere.{}\n\n\
+             | Services | NodePorts | mode | conn/s | vs iptables | vs no LB | p50 µs | p99 µs | failed |\n\
+             |---:|---:|---|---:|---:|---:|---:|---:|---:|\n",
+            m.cpu,
+            m.cores,
+            m.kernel,
+            m.iptables,
+            self.load.0,
+            self.load.1,
+            self.elapsed.as_secs_f64(),
+            cfg.threads,
+            cfg.rounds,
+            cfg.segment.as_millis(),
+            if cfg.quick {
+                " Quick mode: short segments, S up to 1,000."
+            } else {
+                ""
+            }
+        );
+        for s in self.results {
+            out.push_str(&format!(
+                "| {} | {} | {} | {:.0} | {:.2}x | {:.2}x | {:.1} | {:.1} | {} |\n",
+                s.services,
+                s.node_ports,
+                s.mode.label(),
+                s.series.rate(),
+                self.rate_vs(s, Mode::Iptables).median,
+                self.rate_vs(s, Mode::Direct).median,
+                s.series.percentile_us(0.50),
+                s.series.percentile_us(0.99),
+                s.series.failed
+            ));
+        }
+        out.push_str("\nPaired per-round ratios (median, quartiles):\n\n");
+        for &services in &cfg.sizes {
+            let (Some(xdp), Some(tc)) = (
+                self.find(services, Mode::Xdp),
+                self.find(services, Mode::Tc),
+            ) else {
+                continue;
+            };
+            out.push_str(&format!(
+                "- S = {services}: XDP rate {} iptables', {} tc's, {} the no-LB limit; \
+                 XDP p99 {} iptables'; tc rate {} iptables'\n",
+                self.rate_vs(xdp, Mode::Iptables),
+                self.rate_vs(xdp, Mode::Tc),
+                self.rate_vs(xdp, Mode::Direct),
+                self.p99_vs(xdp, Mode::Iptables),
+                self.rate_vs(tc, Mode::Iptables),
+            ));
+        }
+        out.push_str(
+            "\nTime to program the Services on node a (agent start to healthy / \
+             iptables-restore):\n\n",
+        );
+        for &services in &cfg.sizes {
+            let cells: Vec<String> = [Mode::Xdp, Mode::Tc, Mode::Iptables]
+                .iter()
+                .filter_map(|&mode| {
+                    let s = self.find(services, mode)?;
+                    Some(format!(
+                        "{} {:.2} s",
+                        mode.label(),
+                        s.programming?.as_secs_f64()
+                    ))
+                })
+                .collect();
+            out.push_str(&format!("- S = {services}: {}\n", cells.join(", ")));
+        }
+        out.push_str(
+            "\nNode a's datapath counters after the rounds (warm-up included; non-zero \
+             ones). `xdp_tx` counts packets XDP translated and sent on itself, both \
+             directions; `snat_new` the connections SNATed:\n\n",
+        );
+        for s in self.results {
+            let Some(counters) = &s.counters else {
+                continue;
+            };
+            let list: Vec<String> = counters.iter().map(|(n, v)| format!("{n} {v}")).collect();
+            let per_conn = match s.counter("snat_new") {
+                0 => String::new(),
+                snat => format!(
+                    " ({:.1} XDP packets per connection)",
+                    s.counter("xdp_tx") as f64 / snat as f64
+                ),
+            };
+            out.push_str(&format!(
+                "- S = {}, {}: {}{}\n",
+                s.services,
+                s.mode.label(),
+                list.join(", "),
+                if s.mode == Mode::Xdp { &per_conn } else { "" }
+            ));
+        }
+        out
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let cfg = self.cfg;
+        let rows: Vec<serde_json::Value> = self
+            .results
+            .iter()
+            .map(|s| {
+                json!({
+                    "services": s.services,
+                    "node_ports": s.node_ports,
+                    "mode": s.mode.key(),
+                    "label": s.mode.label(),
+                    "per_second": s.series.rate(),
+                    "vs_iptables": self.rate_vs(s, Mode::Iptables).json(),
+                    "vs_direct": self.rate_vs(s, Mode::Direct).json(),
+                    "vs_tc": self.rate_vs(s, Mode::Tc).json(),
+                    "p99_vs_iptables": self.p99_vs(s, Mode::Iptables).json(),
+                    "p50_us": s.series.percentile_us(0.50),
+                    "p90_us": s.series.percentile_us(0.90),
+                    "p99_us": s.series.percentile_us(0.99),
+                    "ok": s.series.ok,
+                    "failed": s.series.failed,
+                    "errors": s.series.errors,
+                    "seconds": s.series.seconds,
+                    "round_rates": s.series.rounds.iter().map(|r| r.rate).collect::<Vec<_>>(),
+                    "round_p99_us": s.series.rounds.iter().map(|r| r.p99).collect::<Vec<_>>(),
+                    "programming_s": s.programming.map(|d| d.as_secs_f64()),
+                    "node_a_counters": s.counters.as_ref().map(|c| {
+                        c.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>()
+                    }),
+                })
+            })
+            .collect();
+        json!({
+            "machine": self.machine.json(),
+            "load_average_before_after": [self.load.0, self.load.1],
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "quick": cfg.quick,
+            "client_threads": cfg.threads,
+            "rounds": cfg.rounds,
+            "segment_s": cfg.segment.as_secs_f64(),
+            "filler_endpoints_per_service": FILLER_ENDPOINTS,
+            "node_port_range": [NODE_PORT_MIN, NODE_PORT_MAX],
+            "node_ports": "min(S, 2768) Services, a band around the measured one; the rest ClusterIP only",
+            "results": rows,
+        })
+    }
+
+    /// Fails the run when XDP did not do the XDP mode's work or an ebpf-proxy mode
+    /// lost more than [`MAX_FAILURE_RATE`] of its connections.
+    fn check(&self) -> Result<()> {
+        let mut problems = Vec::new();
+        for s in self.results {
+            if matches!(s.mode, Mode::Xdp | Mode::Tc) && s.series.failure_rate() > MAX_FAILURE_RATE
+            {
+                problems.push(format!(
+                    "S = {}, {}: {:.2}% of connections failed ({} of {}: {:?})",
+                    s.services,
+                    s.mode.label(),
+                    100.0 * s.series.failure_rate(),
+                    s.series.failed,
+                    s.series.failed + s.series.ok,
+                    s.series.errors
+                ));
+            }
+            if s.mode == Mode::Xdp && s.counter("xdp_tx") == 0 {
+                problems.push(format!(
+                    "S = {}, {}: XDP sent no packet itself (xdp_tx 0; counters {:?})",
+                    s.services,
+                    s.mode.label(),
+                    s.counters
+                ));
+            }
+        }
+        if !problems.is_empty() {
+            bail!("{}", problems.join("\n"));
+        }
+        Ok(())
+    }
+}

@@ -1,6 +1,10 @@
-"""Plots bench/results/datapath.json: per-packet cost against the number of
-installed Services, one line per case. Called by `cargo xtask bench`."""
+"""Plots the benchmark results in bench/results: datapath.png (per-packet cost
+against the number of installed Services, one panel per hook, one line per
+case), e2e.png and nodeport.png (connections per second against the number of
+Services, one line per mode). Called by `cargo xtask bench`; a result file that
+is missing is skipped."""
 import json
+import os
 import sys
 
 import matplotlib
@@ -9,20 +13,59 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 results_dir = sys.argv[1]
-rows = json.load(open(f"{results_dir}/datapath.json"))
-services = [r["services"] for r in rows]
-cases = [c["case"] for c in rows[0]["cases"]]
-fig, ax = plt.subplots(figsize=(8, 5))
-for case in cases:
-    ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in rows]
-    ax.plot(services, ns, marker="o", label=case)
-ax.set_xscale("log")
-ax.set_xlabel("Services installed (10 endpoints each)")
-ax.set_ylabel("ns per packet (median, BPF_PROG_TEST_RUN)")
-ax.set_title("ebpf-proxy tc_ingress per-packet cost")
-ax.set_ylim(bottom=0)
-ax.grid(True, which="both", alpha=0.3)
-ax.legend()
-fig.tight_layout()
-fig.savefig(f"{results_dir}/datapath.png", dpi=110)
-print(f"wrote {results_dir}/datapath.png")
+
+
+def load(name):
+    path = f"{results_dir}/{name}.json"
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def finish(fig, ax, title, name):
+    ax.set_xscale("log")
+    ax.set_xlabel("Services installed")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(f"{results_dir}/{name}.png", dpi=110)
+    print(f"wrote {results_dir}/{name}.png")
+
+
+rows = load("datapath")
+if rows:
+    hooks = sorted({r.get("hook", "tc") for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(hooks), figsize=(6 * len(hooks), 5), squeeze=False)
+    for ax, hook in zip(axes[0], hooks):
+        of_hook = [r for r in rows if r.get("hook", "tc") == hook]
+        services = [r["services"] for r in of_hook]
+        for case in [c["case"] for c in of_hook[0]["cases"]]:
+            ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
+            ax.plot(services, ns, marker="o", label=case)
+        ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
+        ax.set_xscale("log")
+        ax.set_xlabel("Services installed (10 endpoints each)")
+        ax.set_title(f"ebpf-proxy {hook}_ingress per-packet cost")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(f"{results_dir}/datapath.png", dpi=110)
+    print(f"wrote {results_dir}/datapath.png")
+
+for name, title, keep in [
+    ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
+     lambda r: r.get("proto") == "tcp"),
+    ("nodeport", "NodePort, short TCP connections (outside client, SNAT to node B)",
+     lambda r: True),
+]:
+    data = load(name)
+    if not data:
+        continue
+    results = [r for r in data["results"] if keep(r)]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in dict.fromkeys(r["label"] for r in results):
+        points = sorted((r["services"], r["per_second"]) for r in results if r["label"] == label)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_ylabel("connections per second")
+    finish(fig, ax, title, name)

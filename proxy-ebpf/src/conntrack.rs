@@ -17,6 +17,13 @@ const BPF_ANY: u64 = 0;
 const BPF_NOEXIST: u64 = 1;
 /// Tries at a free SNAT port before a new flow is dropped.
 const SNAT_TRIES: u32 = 16;
+/// A closed TCP flow (FIN or RST seen) gives its SNAT port up after this
+/// long without packets, well before its entry expires: otherwise every
+/// short connection would hold a port for the whole closing timeout, and a
+/// few thousand connections a second to one backend would use the range up.
+/// The same trade as Linux's `tcp_tw_reuse` (1 s): a straggler of the old
+/// flow arriving later than this could be taken for the new one.
+const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
 
 /// The clock of conntrack and affinity timestamps. The coarse clock (a tick
 /// behind at most) is cheaper per packet and ample for timeouts of seconds;
@@ -242,13 +249,27 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
         let (reply_key, forward, reply) = entries(flow, nf, now);
         let mut taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
         if taken {
-            // An expired flow gives its port up. Removing and inserting
-            // again (not overwriting) keeps two racing CPUs from both
-            // winning it.
-            let expired = CONNTRACK
-                .get_ptr(reply_key)
-                .is_some_and(|p| unsafe { (*p).expired(flow.proto, now, &timeouts) });
-            if expired {
+            // An expired flow, or a closed one quiet for a while, gives its
+            // port up. Removing and inserting again (not overwriting) keeps
+            // two racing CPUs from both winning it.
+            let old = CONNTRACK.get_ptr(reply_key).map(|p| unsafe { *p });
+            let free = old.is_some_and(|old| {
+                old.expired(flow.proto, now, &timeouts)
+                    || (old.flags & ct_flags::CLOSING != 0
+                        && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS)
+            });
+            if let (true, Some(old)) = (free, old) {
+                // The old flow goes whole: its forward entry would still
+                // send a straggler to this port.
+                if old.dir == ct_dir::REPLY {
+                    let _ = CONNTRACK.remove(key(
+                        old.alt_addr_be[3],
+                        old.nat_addr_be[3],
+                        old.alt_port_be,
+                        old.nat_port_be,
+                        flow.proto,
+                    ));
+                }
                 let _ = CONNTRACK.remove(reply_key);
                 taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
             }

@@ -976,3 +976,74 @@ fn nodeport_addresses_outside_the_flag_serve_no_node_ports() {
         "the LB IP is served whatever the flag says"
     );
 }
+
+/// SNAT ports run out, and come back once their flows close: a closed flow
+/// frees its port after a second without packets, long before its entry
+/// would expire.
+#[test]
+fn snat_ports_exhaust_then_come_back_from_closed_flows() {
+    let mut nf = node_fixture();
+    nf.fx
+        .datapath
+        .maps
+        .set_node_config(proxy_common::NodeConfig {
+            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
+            snat_port_min: 1024,
+            snat_port_max: 1027,
+            _pad: 0,
+        })
+        .expect("a four-port SNAT range");
+    let mut ports = std::collections::BTreeSet::new();
+    let mut client_port = 45000u16;
+    // Random tries can miss the last free port: keep opening flows until
+    // all four are taken.
+    while ports.len() < 4 && client_port < 45200 {
+        let (ret, out) = run_xdp(
+            &nf,
+            &tcp(OUTSIDE, client_port, NODE_IP, NODE_PORT, frame::SYN),
+        );
+        if ret == XDP_REDIRECT {
+            ports.insert(parse_checked(&out, "SNATed SYN").sport);
+        }
+        client_port += 1;
+    }
+    assert_eq!(
+        ports,
+        (1024..=1027).collect(),
+        "the four ports of the range"
+    );
+    let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 46000, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, XDP_DROP, "no free SNAT port: dropped");
+    assert!(counter(&nf.fx, "snat_exhausted") > 0);
+
+    // Every flow that got a port is reset by its client.
+    for p in 45000..client_port {
+        run_xdp(
+            &nf,
+            &tcp(OUTSIDE, p, NODE_IP, NODE_PORT, frame::RST | frame::ACK),
+        );
+    }
+    let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 46001, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(
+        ret, XDP_DROP,
+        "closed only just now: the ports are still held"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 46002, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, XDP_REDIRECT, "a closed flow's port is free again");
+    let p = parse_checked(&out, "SNATed SYN on a reused port");
+    assert!(
+        ports.contains(&p.sport),
+        "port {} not from the range",
+        p.sport
+    );
+    let reply = tcp(REMOTE_POD, 8080, NODE_IP, p.sport, frame::SYN | frame::ACK);
+    let (ret, out) = run_xdp(&nf, &reply);
+    assert_eq!(ret, XDP_REDIRECT);
+    let r = parse_checked(&out, "reply on the reused port");
+    assert_eq!(
+        (r.dst, r.dport),
+        (OUTSIDE, 46002),
+        "the reused port's replies must go to the new flow's client"
+    );
+}

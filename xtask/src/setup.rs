@@ -10,7 +10,8 @@ use crate::run_status;
 
 /// Debian packages: rustc-web and its prebuilt BPF `core` compile the eBPF crate;
 /// bpftool inspects maps; iproute2, iptables and nftables build and check the test
-/// sandboxes (iptables for kube-proxy's reference rules).
+/// sandboxes (iptables for kube-proxy's reference rules); ethtool sets the checksum
+/// offload and GRO of the two-node sandbox's veths.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -18,6 +19,7 @@ const APT_PACKAGES: &[&str] = &[
     "iproute2",
     "iptables",
     "nftables",
+    "ethtool",
 ];
 
 const BPF_LINKER: &str = "bpf-linker@0.10.0";

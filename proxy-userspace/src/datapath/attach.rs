@@ -59,20 +59,7 @@ pub fn attach_tc_ingress(
             .map_err(err)?,
     };
     let link = program.take_link(link_id).map_err(err)?;
-    let fd_link: FdLink = link.try_into().map_err(|source| AttachError::Link {
-        ifname: ifname.to_string(),
-        source,
-    })?;
-    // The link is pinned anew each time: the earlier pin is replaced by a
-    // pin of the same link, or by the fresh one when taking over failed.
-    let _ = std::fs::remove_file(pin);
-    let pinned = fd_link.pin(pin).map_err(|source| AttachError::Pin {
-        ifname: ifname.to_string(),
-        path: pin.display().to_string(),
-        source,
-    })?;
-    // Dropping our fd leaves the pin as the link's holder; it stays attached.
-    drop(pinned);
+    pin_link(link.try_into(), ifname, pin)?;
     Ok(Attachment { ifindex })
 }
 

@@ -90,31 +90,8 @@ impl Datapath {
             loader.map_pin_path(name, path.as_path());
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(program_names::TC_INGRESS)
-            .ok_or(DatapathError::Program {
-                name: program_names::TC_INGRESS,
-                source: aya::programs::ProgramError::UnexpectedProgramType,
-            })?
-            .try_into()
-            .map_err(|source| DatapathError::Program {
-                name: program_names::TC_INGRESS,
-                source,
-            })?;
-        program.load().map_err(|source| DatapathError::Program {
-            name: program_names::TC_INGRESS,
-            source,
-        })?;
-        let xdp_err = |source| DatapathError::Program {
-            name: program_names::XDP_INGRESS,
-            source,
-        };
-        let xdp: &mut Xdp = ebpf
-            .program_mut(program_names::XDP_INGRESS)
-            .ok_or(xdp_err(aya::programs::ProgramError::UnexpectedProgramType))?
-            .try_into()
-            .map_err(xdp_err)?;
-        xdp.load().map_err(xdp_err)?;
+        loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
+        loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
         let maps = Maps::take(&mut ebpf)?;
         Ok(Self {
             ebpf,
@@ -140,20 +117,7 @@ impl Datapath {
     /// The do-nothing tc program (loaded on first use), the floor that
     /// per-packet costs are compared against.
     pub fn floor_program(&mut self) -> Result<&SchedClassifier, DatapathError> {
-        let err = |source| DatapathError::Program {
-            name: program_names::TC_PASS,
-            source,
-        };
-        let program: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(program_names::TC_PASS)
-            .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
-            .try_into()
-            .map_err(err)?;
-        if program.fd().is_err() {
-            program.load().map_err(err)?;
-        }
-        Ok(program)
+        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS).map(|p| &*p)
     }
 
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
@@ -203,20 +167,7 @@ impl Datapath {
 
     /// The do-nothing XDP program (loaded on first use).
     pub fn xdp_floor_program(&mut self) -> Result<&Xdp, DatapathError> {
-        let err = |source| DatapathError::Program {
-            name: program_names::XDP_PASS,
-            source,
-        };
-        let program: &mut Xdp = self
-            .ebpf
-            .program_mut(program_names::XDP_PASS)
-            .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
-            .try_into()
-            .map_err(err)?;
-        if program.fd().is_err() {
-            program.load().map_err(err)?;
-        }
-        Ok(program)
+        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS).map(|p| &*p)
     }
 
     /// The floor programs once loaded (by `floor_program` and
@@ -272,6 +223,44 @@ impl Datapath {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// A program type `loaded` can load.
+trait Load {
+    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError>;
+}
+
+impl Load for SchedClassifier {
+    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
+        if self.fd().is_err() {
+            self.load()?;
+        }
+        Ok(())
+    }
+}
+
+impl Load for Xdp {
+    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
+        if self.fd().is_err() {
+            self.load()?;
+        }
+        Ok(())
+    }
+}
+
+/// The object's program `name` as a `P`, loaded into the kernel (once).
+fn loaded<'a, P: Load>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, DatapathError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    let err = |source| DatapathError::Program { name, source };
+    let program: &mut P = ebpf
+        .program_mut(name)
+        .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
+        .try_into()
+        .map_err(err)?;
+    program.load_once().map_err(err)?;
+    Ok(program)
 }
 
 /// Detaches and unpins everything under `pins` (`ebpf-proxy cleanup`).

@@ -108,6 +108,13 @@ pub(super) struct ParsedSlice<'a> {
     endpoints: Vec<SliceEndpoint<'a>>,
 }
 
+impl<'a> ParsedSlice<'a> {
+    /// The service ports, by name and protocol, the slice has endpoints for.
+    pub(super) fn service_ports(&self) -> impl Iterator<Item = (&'a str, Protocol)> + '_ {
+        self.ports.iter().map(|p| (p.name, p.protocol))
+    }
+}
+
 /// Checks a slice. FQDN slices are of no use to a proxy and yield None.
 pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice<'_>>, ModelError> {
     let id = format!(

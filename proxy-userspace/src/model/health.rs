@@ -12,9 +12,9 @@ use std::collections::{BTreeSet, HashSet};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 use super::{
-    LABEL_SERVICE_NAME, ModelConfig, ModelError, NodeInfo, Protocol,
-    endpoints::{self, Family, ParsedSlice, parse_ip, parse_protocol},
-    is_ours,
+    ModelConfig, ModelError, NodeInfo, Protocol,
+    endpoints::{self, Family, ParsedSlice},
+    service,
 };
 
 /// What the health check node port of one Service must serve.
@@ -48,66 +48,39 @@ pub fn service_health_check(
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Option<HealthCheck>, ModelError> {
-    let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
-    let Some(name) = service.metadata.name.as_deref() else {
-        return Err(ModelError::InvalidService {
-            service: format!("{namespace}/<unnamed>"),
-            reason: "metadata.name is missing".into(),
-        });
+    let Some(ours) = service::ours(service, config)? else {
+        return Ok(None);
     };
-    let invalid = |reason: String| ModelError::InvalidService {
-        service: format!("{namespace}/{name}"),
-        reason,
-    };
-
-    if !is_ours(service.metadata.labels.as_ref(), config) {
+    // Read before the spec is checked, so that a Service that can never
+    // need a health check (ExternalName among them) is not reported here
+    // for what its frontends already report.
+    if ours.spec.type_.as_deref() != Some("LoadBalancer") {
         return Ok(None);
     }
-    let Some(spec) = service.spec.as_ref() else {
-        return Err(invalid("spec is missing".into()));
-    };
-    // This also rules out ExternalName, which kube-proxy skips.
-    if spec.type_.as_deref() != Some("LoadBalancer") {
+    // kube-proxy skips a headless Service before it looks at anything else.
+    let Some(parsed) = ours.parse()? else {
         return Ok(None);
-    }
-    // kube-proxy skips a Service without a ClusterIP (headless) before it
-    // looks at anything else, so it never gets a health check.
-    let first_cluster_ip = match spec.cluster_ips.as_deref() {
-        Some([first, ..]) => Some(first.as_str()),
-        _ => spec.cluster_ip.as_deref(),
-    };
-    let primary = match first_cluster_ip {
-        None | Some("" | "None") => return Ok(None),
-        Some(text) => Family::of(
-            parse_ip(text)
-                .ok_or_else(|| invalid(format!("clusterIP {text:?} is not an IP address")))?,
-        ),
     };
     // The health check port hangs off kube-proxy's per-port service map: a
     // Service without ports has none.
-    if spec.ports.as_deref().unwrap_or_default().is_empty() {
+    if parsed.ports.is_empty() || !parsed.external_local {
         return Ok(None);
     }
-    match spec.external_traffic_policy.as_deref() {
-        None | Some("Cluster") => return Ok(None),
-        Some("Local") => {}
-        Some(other) => {
-            return Err(invalid(format!(
-                "externalTrafficPolicy {other:?} is not one of Cluster, Local"
-            )));
-        }
-    }
-    let node_port = match spec.health_check_node_port {
+    let node_port = match parsed.health_check_node_port {
         None | Some(0) => return Ok(None),
-        Some(n) => u16::try_from(n)
-            .map_err(|_| invalid(format!("healthCheckNodePort {n} is out of range 1-65535")))?,
+        Some(n) => u16::try_from(n).map_err(|_| {
+            ours.invalid(format!("healthCheckNodePort {n} is out of range 1-65535"))
+        })?,
+    };
+    let Some(&primary) = parsed.cluster_ips.first() else {
+        return Ok(None);
     };
 
     Ok(Some(HealthCheck {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
+        namespace: ours.namespace.to_owned(),
+        name: ours.name.to_owned(),
         node_port,
-        local_endpoints: local_ready_ips(namespace, name, slices, primary, node, config)?,
+        local_endpoints: local_ready_ips(&ours.slices(slices, config)?, Family::of(primary), node),
     }))
 }
 
@@ -121,59 +94,18 @@ pub fn service_health_check(
 /// is judged the way the datapath judges it. The Ready condition is taken
 /// as published: with publishNotReadyAddresses it is true even for
 /// not-ready or terminating pods, and kube-proxy counts those too.
-fn local_ready_ips(
-    namespace: &str,
-    name: &str,
-    slices: &[&EndpointSlice],
-    family: Family,
-    node: &NodeInfo,
-    config: &ModelConfig,
-) -> Result<usize, ModelError> {
-    let mut own_slices: Vec<&EndpointSlice> = slices
-        .iter()
-        .copied()
-        .filter(|s| {
-            s.metadata.namespace.as_deref().unwrap_or("default") == namespace
-                && s.metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                    .is_some_and(|n| n == name)
-                && is_ours(s.metadata.labels.as_ref(), config)
-        })
-        .collect();
-    // The same stable order as for frontends, so the same copy of a
-    // duplicated endpoint wins.
-    own_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-
-    let mut parsed: Vec<ParsedSlice<'_>> = Vec::with_capacity(own_slices.len());
-    let mut ports: BTreeSet<(&str, Protocol)> = BTreeSet::new();
-    for slice in own_slices {
-        let Some(p) = endpoints::parse_slice(slice)? else {
-            continue;
-        };
-        parsed.push(p);
-        // The ports parse_slice keeps: named, numbered, non-zero (it has
-        // already rejected a bad protocol).
-        for port in slice.ports.iter().flatten() {
-            if let (Some(name), Some(number)) = (port.name.as_deref(), port.port)
-                && number != 0
-                && let Ok(protocol) = parse_protocol(port.protocol.as_deref())
-            {
-                ports.insert((name, protocol));
-            }
-        }
-    }
-
+fn local_ready_ips(slices: &[ParsedSlice<'_>], family: Family, node: &NodeInfo) -> usize {
+    let ports: BTreeSet<(&str, Protocol)> =
+        slices.iter().flat_map(ParsedSlice::service_ports).collect();
     let mut ips = HashSet::new();
     for (port_name, protocol) in ports {
-        for endpoint in endpoints::endpoints_for_port(&parsed, family, port_name, protocol, node) {
+        for endpoint in endpoints::endpoints_for_port(slices, family, port_name, protocol, node) {
             if endpoint.addr.local && endpoint.ready() {
                 ips.insert(endpoint.addr.ip);
             }
         }
     }
-    Ok(ips.len())
+    ips.len()
 }
 
 #[cfg(test)]
@@ -189,7 +121,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+    use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
 
     const NODE: &str = "node-a";
 
@@ -270,6 +202,11 @@ mod tests {
         }
     }
 
+    /// The Service's one IPv4 slice.
+    fn web_a(eps: &[Ep]) -> Vec<EndpointSlice> {
+        vec![slice("web", "web-a", "IPv4", eps)]
+    }
+
     const READY: Option<(bool, bool, bool)> = Some((true, true, false));
     const NOT_READY: Option<(bool, bool, bool)> = Some((false, false, false));
     const TERMINATING: Option<(bool, bool, bool)> = Some((false, true, true));
@@ -288,7 +225,7 @@ mod tests {
             (
                 "not a LoadBalancer",
                 svc(|s| spec(s).type_ = Some("NodePort".into())),
-                vec![slice("web", "web-a", "IPv4", &local2)],
+                web_a(&local2),
                 Ok(None),
             ),
             (
@@ -300,7 +237,7 @@ mod tests {
             (
                 "ETP Cluster",
                 svc(|s| spec(s).external_traffic_policy = Some("Cluster".into())),
-                vec![slice("web", "web-a", "IPv4", &local2)],
+                web_a(&local2),
                 Ok(None),
             ),
             (
@@ -355,66 +292,46 @@ mod tests {
             (
                 "one local ready IP on two ports counts once",
                 svc(|_| {}),
-                vec![slice("web", "web-a", "IPv4", &[("10.0.0.1", NODE, READY)])],
+                web_a(&[("10.0.0.1", NODE, READY)]),
                 Ok(Some(1)),
             ),
             (
                 "two local ready IPs",
                 svc(|_| {}),
-                vec![slice("web", "web-a", "IPv4", &local2)],
+                web_a(&local2),
                 Ok(Some(2)),
             ),
             (
                 "nil conditions are ready",
                 svc(|_| {}),
-                vec![slice("web", "web-a", "IPv4", &[("10.0.0.1", NODE, None)])],
+                web_a(&[("10.0.0.1", NODE, None)]),
                 Ok(Some(1)),
             ),
             (
                 "remote only",
                 svc(|_| {}),
-                vec![slice(
-                    "web",
-                    "web-a",
-                    "IPv4",
-                    &[("10.0.0.1", "node-b", READY), ("10.0.0.2", "node-c", READY)],
-                )],
+                web_a(&[("10.0.0.1", "node-b", READY), ("10.0.0.2", "node-c", READY)]),
                 Ok(Some(0)),
             ),
             (
                 "local terminating and serving only",
                 svc(|_| {}),
-                vec![slice(
-                    "web",
-                    "web-a",
-                    "IPv4",
-                    &[("10.0.0.1", NODE, TERMINATING)],
-                )],
+                web_a(&[("10.0.0.1", NODE, TERMINATING)]),
                 Ok(Some(0)),
             ),
             (
                 "local not ready",
                 svc(|_| {}),
-                vec![slice(
-                    "web",
-                    "web-a",
-                    "IPv4",
-                    &[("10.0.0.1", NODE, NOT_READY)],
-                )],
+                web_a(&[("10.0.0.1", NODE, NOT_READY)]),
                 Ok(Some(0)),
             ),
             (
                 "publishNotReadyAddresses: ready as published, even terminating",
                 svc(|s| spec(s).publish_not_ready_addresses = Some(true)),
-                vec![slice(
-                    "web",
-                    "web-a",
-                    "IPv4",
-                    &[
-                        ("10.0.0.1", NODE, PNRA_TERMINATING),
-                        ("10.0.0.2", NODE, PNRA_NOT_READY),
-                    ],
-                )],
+                web_a(&[
+                    ("10.0.0.1", NODE, PNRA_TERMINATING),
+                    ("10.0.0.2", NODE, PNRA_NOT_READY),
+                ]),
                 Ok(Some(2)),
             ),
             (
@@ -495,7 +412,7 @@ mod tests {
             (
                 "bad slice",
                 svc(|_| {}),
-                vec![slice("web", "web-a", "IPv4", &[("fd00::1", NODE, READY)])],
+                web_a(&[("fd00::1", NODE, READY)]),
                 Err(ModelError::InvalidSlice {
                     slice: "demo/web-a".into(),
                     reason: "endpoint 0: fd00::1 is not an IPv4 address".into(),
@@ -525,7 +442,7 @@ mod tests {
     #[test]
     fn no_endpoint_is_local_to_an_unnamed_node() {
         let service = svc(|_| {});
-        let slices = [slice("web", "web-a", "IPv4", &[("10.0.0.1", "", READY)])];
+        let slices = web_a(&[("10.0.0.1", "", READY)]);
         let refs: Vec<&EndpointSlice> = slices.iter().collect();
         let got = service_health_check(
             &service,

@@ -5,6 +5,8 @@
 //!
 //! - [`service`] reads a Service (skipping rules, ports, IPs, policies) and
 //!   assembles its frontends;
+//! - [`health`] decides a Service's health check node port from that same
+//!   reading;
 //! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
 //!   port and picks the cluster and local sets from it;
 //! - [`topology`] applies kube-proxy's topology-hint rules;

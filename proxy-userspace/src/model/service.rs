@@ -26,7 +26,7 @@ const DEFAULT_AFFINITY_TIMEOUT_S: i32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
 
 /// A service port, checked.
-struct Port<'a> {
+pub(super) struct Port<'a> {
     name: &'a str,
     port: u16,
     protocol: Protocol,
@@ -34,15 +34,97 @@ struct Port<'a> {
 }
 
 /// What the Service asks for, checked.
-struct Parsed<'a> {
-    cluster_ips: Vec<IpAddr>,
-    ports: Vec<Port<'a>>,
+pub(super) struct Parsed<'a> {
+    /// In spec order, so the first is of the primary family.
+    pub(super) cluster_ips: Vec<IpAddr>,
+    pub(super) ports: Vec<Port<'a>>,
     external_ips: Vec<IpAddr>,
     load_balancer_ips: Vec<IpAddr>,
     source_ranges: Vec<Cidr>,
     internal_local: bool,
-    external_local: bool,
+    pub(super) external_local: bool,
     affinity_timeout_s: Option<u32>,
+    /// Unchecked: only the health check uses it, and a bad one must not
+    /// cost the Service its frontends.
+    pub(super) health_check_node_port: Option<i32>,
+}
+
+/// A Service that is this proxy's to program, with a name and a spec.
+pub(super) struct Ours<'a> {
+    service: &'a Service,
+    pub(super) namespace: &'a str,
+    pub(super) name: &'a str,
+    pub(super) spec: &'a ServiceSpec,
+}
+
+/// The Service if it is ours (kube-proxy's informer label filters), None if
+/// not.
+pub(super) fn ours<'a>(
+    service: &'a Service,
+    config: &ModelConfig,
+) -> Result<Option<Ours<'a>>, ModelError> {
+    let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
+    let Some(name) = service.metadata.name.as_deref() else {
+        return Err(ModelError::InvalidService {
+            service: format!("{namespace}/<unnamed>"),
+            reason: "metadata.name is missing".into(),
+        });
+    };
+    if !is_ours(service.metadata.labels.as_ref(), config) {
+        return Ok(None);
+    }
+    let Some(spec) = service.spec.as_ref() else {
+        return Err(ModelError::InvalidService {
+            service: format!("{namespace}/{name}"),
+            reason: "spec is missing".into(),
+        });
+    };
+    Ok(Some(Ours {
+        service,
+        namespace,
+        name,
+        spec,
+    }))
+}
+
+impl<'a> Ours<'a> {
+    pub(super) fn invalid(&self, reason: String) -> ModelError {
+        ModelError::InvalidService {
+            service: format!("{}/{}", self.namespace, self.name),
+            reason,
+        }
+    }
+
+    pub(super) fn parse(&self) -> Result<Option<Parsed<'a>>, ModelError> {
+        parse(self.service, self.spec).map_err(|reason| self.invalid(reason))
+    }
+
+    /// The Service's own slices among `slices`, checked, FQDN ones left out.
+    pub(super) fn slices<'s>(
+        &self,
+        slices: &[&'s EndpointSlice],
+        config: &ModelConfig,
+    ) -> Result<Vec<ParsedSlice<'s>>, ModelError> {
+        let mut own: Vec<&EndpointSlice> = slices
+            .iter()
+            .copied()
+            .filter(|s| {
+                s.metadata.namespace.as_deref().unwrap_or("default") == self.namespace
+                    && s.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                        .is_some_and(|n| n == self.name)
+                    && is_ours(s.metadata.labels.as_ref(), config)
+            })
+            .collect();
+        // Stable order, so which copy of a duplicated endpoint is kept does
+        // not depend on the order the caller happened to hold the slices in.
+        own.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        own.into_iter()
+            .filter_map(|s| endpoints::parse_slice(s).transpose())
+            .collect()
+    }
 }
 
 pub(super) fn frontends(
@@ -51,48 +133,14 @@ pub(super) fn frontends(
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Vec<Frontend>, ModelError> {
-    let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
-    let Some(name) = service.metadata.name.as_deref() else {
-        return Err(ModelError::InvalidService {
-            service: format!("{namespace}/<unnamed>"),
-            reason: "metadata.name is missing".into(),
-        });
-    };
-    let invalid = |reason: String| ModelError::InvalidService {
-        service: format!("{namespace}/{name}"),
-        reason,
-    };
-
-    if !is_ours(service.metadata.labels.as_ref(), config) {
-        return Ok(Vec::new());
-    }
-    let Some(spec) = service.spec.as_ref() else {
-        return Err(invalid("spec is missing".into()));
-    };
-    let Some(parsed) = parse(service, spec).map_err(invalid)? else {
+    let Some(ours) = ours(service, config)? else {
         return Ok(Vec::new());
     };
-
-    let mut own_slices: Vec<&EndpointSlice> = slices
-        .iter()
-        .copied()
-        .filter(|s| {
-            s.metadata.namespace.as_deref().unwrap_or("default") == namespace
-                && s.metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                    .is_some_and(|n| n == name)
-                && is_ours(s.metadata.labels.as_ref(), config)
-        })
-        .collect();
-    // Stable order, so which copy of a duplicated endpoint is kept does not
-    // depend on the order the caller happened to hold the slices in.
-    own_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-    let parsed_slices: Vec<ParsedSlice<'_>> = own_slices
-        .into_iter()
-        .filter_map(|s| endpoints::parse_slice(s).transpose())
-        .collect::<Result<_, _>>()?;
+    let Some(parsed) = ours.parse()? else {
+        return Ok(Vec::new());
+    };
+    let parsed_slices = ours.slices(slices, config)?;
+    let (namespace, name) = (ours.namespace, ours.name);
 
     let mut families: Vec<Family> = Vec::new();
     for ip in &parsed.cluster_ips {
@@ -335,6 +383,7 @@ fn parse<'a>(service: &'a Service, spec: &'a ServiceSpec) -> Result<Option<Parse
             "externalTrafficPolicy",
         )?,
         affinity_timeout_s: affinity_timeout(spec)?,
+        health_check_node_port: spec.health_check_node_port,
     }))
 }
 

@@ -24,7 +24,8 @@ pub mod map_names {
     pub const NODE_ADDRS: &str = "NODE_ADDRS";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
-    pub const ALL: [&str; 10] = [
+    pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
+    pub const ALL: [&str; 11] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -35,6 +36,7 @@ pub mod map_names {
         NODE_ADDRS,
         NODE_CONFIG,
         SOURCE_RANGES,
+        CLUSTER_CIDRS,
     ];
 }
 
@@ -65,6 +67,7 @@ pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
+pub const MAX_CLUSTER_CIDRS: u32 = 64;
 
 /// `BPF_F_NO_PREALLOC`, for the map definitions.
 pub const MAP_F_NO_PREALLOC: usize = 1;
@@ -110,9 +113,21 @@ pub const PROTO_SCTP: u8 = 132;
 pub mod scope {
     /// Every client. ClusterIPs have only this entry.
     pub const ANY: u8 = 0;
-    /// In-cluster clients only; looked up first, for frontends whose
-    /// in-cluster backends differ from the external ones.
+    /// In-cluster clients only (sources in `CLUSTER_CIDRS`); looked up
+    /// first, for frontends whose in-cluster backends differ from the
+    /// external ones.
     pub const INTERNAL: u8 = 1;
+}
+
+/// Key of the `CLUSTER_CIDRS` LPM trie: a pod address (IPv4-mapped, so an
+/// IPv4 CIDR's prefix length is 96 more than its own). A source inside one
+/// is an in-cluster client, as kube-proxy's `--cluster-cidr` local detector
+/// decides.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ClusterCidrKey {
+    pub addr_be: [u32; 4],
 }
 
 /// A frontend: (address, port, protocol, scope).
@@ -505,6 +520,7 @@ mod pod_impls {
     unsafe impl aya::Pod for NodeAddr {}
     unsafe impl aya::Pod for NodeConfig {}
     unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl aya::Pod for ClusterCidrKey {}
 }
 
 #[cfg(test)]

@@ -3,12 +3,12 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, NodeAddrKey, ServiceKey, ServiceValue,
-    SourceRangeKey, node_addr_flags, scope, service_flags, slot_for, v4_mapped,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, ClusterCidrKey, NodeAddrKey, ServiceKey,
+    ServiceValue, SourceRangeKey, node_addr_flags, scope, service_flags, slot_for, v4_mapped,
 };
 
 use crate::{
-    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, NODE_ADDRS, SERVICES, SOURCE_RANGES},
+    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES},
     packet::Flow,
 };
 
@@ -21,12 +21,18 @@ pub struct Frontend {
 }
 
 /// The frontend `flow` is addressed to: its own (address, port), else a
-/// NodePort when the address is one NodePorts are served on.
+/// NodePort when the address is one NodePorts are served on. An in-cluster
+/// client gets the frontend's in-cluster entry where it has one.
 #[inline(always)]
 pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
     if let Some(svc) = lookup_service(flow.dst_be, flow.dport_be, flow.proto) {
         let on_node =
             svc.flags & service_flags::EXTERNAL != 0 && node_addr_flags(flow.dst_be).is_some();
+        let svc = if svc.flags & service_flags::EXTERNAL != 0 {
+            internal_variant(flow, flow.dst_be).unwrap_or(svc)
+        } else {
+            svc
+        };
         return Some(Frontend { svc, on_node });
     }
     let flags = node_addr_flags(flow.dst_be)?;
@@ -35,7 +41,27 @@ pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
     }
     // NodePorts are programmed once, on the unspecified address.
     let svc = lookup_service(0, flow.dport_be, flow.proto)?;
+    let svc = internal_variant(flow, 0).unwrap_or(svc);
     Some(Frontend { svc, on_node: true })
+}
+
+/// The in-cluster entry of an external frontend at `addr_be` (the
+/// externalTrafficPolicy Local short-circuit), when the client is in the
+/// cluster and the frontend has one.
+#[inline(always)]
+fn internal_variant(flow: &Flow, addr_be: u32) -> Option<ServiceValue> {
+    let key = Key::new(
+        128,
+        ClusterCidrKey {
+            addr_be: v4_mapped(flow.src_be),
+        },
+    );
+    CLUSTER_CIDRS.get(&key)?;
+    let key = ServiceKey {
+        scope: scope::INTERNAL,
+        ..service_key(addr_be, flow.dport_be, flow.proto)
+    };
+    SERVICES.get_ptr(key).map(|p| unsafe { *p })
 }
 
 /// Flags of `addr_be` when it is an address of this node.

@@ -6,10 +6,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
-    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CONNTRACK,
-    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SourceRangeKey, counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, ClusterCidrKey, CtKey,
+    CtTimeouts, CtValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
+    MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
+    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, counter,
 };
 
 #[btf_map]
@@ -66,6 +66,10 @@ pub fn node_config() -> NodeConfig {
 
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+
+#[btf_map]
+pub static CLUSTER_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_CLUSTER_CIDRS as usize }> =
     LpmTrie::new();
 
 #[btf_map]

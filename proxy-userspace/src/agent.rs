@@ -35,6 +35,8 @@ pub enum AgentError {
     Http(#[from] HttpError),
     #[error("setting the conntrack timeouts: {0}")]
     Timeouts(#[source] crate::datapath::maps::MapsError),
+    #[error("setting the cluster CIDRs: {0}")]
+    ClusterCidrs(#[source] crate::datapath::maps::MapsError),
     #[error("reading the pinned maps for adoption: {0}")]
     Adopt(#[source] crate::datapath::maps::MapsError),
     #[error("installing signal handlers: {0}")]
@@ -67,6 +69,8 @@ pub struct AgentConfig {
     pub ct_timeouts: proxy_common::CtTimeouts,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
     pub nodeport_addresses: Vec<Cidr>,
+    /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
+    pub cluster_cidrs: Vec<Cidr>,
     pub xdp_mode: XdpModeSetting,
     /// SNAT address for external flows to remote backends; default: the
     /// first address of the first uplink.
@@ -82,6 +86,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .maps
         .set_ct_timeouts(config.ct_timeouts)
         .map_err(AgentError::Timeouts)?;
+    datapath
+        .maps
+        .set_cluster_cidrs(&config.cluster_cidrs)
+        .map_err(AgentError::ClusterCidrs)?;
     let stored = datapath
         .maps
         .read_service_state()

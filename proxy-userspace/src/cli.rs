@@ -93,6 +93,13 @@ pub struct RunArgs {
     /// traffic to tc ingress.
     #[arg(long, value_enum, default_value = "auto")]
     pub xdp_mode: XdpModeSetting,
+    /// Pod CIDRs of the cluster (kube-proxy's flag; comma-separated for
+    /// dual stack): clients inside them are in-cluster, and reach the
+    /// NodePorts, LoadBalancer IPs and ExternalIPs of externalTrafficPolicy
+    /// Local Services through every endpoint, as kube-proxy's local detector
+    /// sends them. Without it every client of those addresses is external.
+    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
+    pub cluster_cidr: Vec<Cidr>,
     /// Address external flows to backends on other nodes are SNATed to
     /// (default: the first global address of the first uplink).
     #[arg(long)]

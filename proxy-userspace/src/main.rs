@@ -41,6 +41,7 @@ fn main() -> anyhow::Result<()> {
                 ct_timeouts,
                 model: ModelConfig::default(),
                 nodeport_addresses: args.nodeport_addresses,
+                cluster_cidrs: args.cluster_cidr,
                 xdp_mode: args.xdp_mode,
                 node_ip: args.node_ip,
             };

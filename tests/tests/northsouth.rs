@@ -67,6 +67,10 @@ struct Fixture {
 
 impl Fixture {
     fn new(path: Path) -> Fixture {
+        Fixture::with_args(path, &[])
+    }
+
+    fn with_args(path: Path, args: &[&str]) -> Fixture {
         require_root().expect("privileged test");
         let cluster =
             Cluster::new(&[("a", &[LOCAL_BACKEND]), ("b", &[BACKEND])]).expect("two-node cluster");
@@ -87,13 +91,15 @@ impl Fixture {
             manifests,
             cluster,
         }
-        .with_agents(path)
+        .with_agents(path, args)
     }
 
-    fn with_agents(mut self, path: Path) -> Fixture {
+    fn with_agents(mut self, path: Path, args: &[&str]) -> Fixture {
         for node in ["a", "b"] {
             let ns = &self.cluster.node(node).ns;
-            let agent = Agent::start_with(ns, self.manifests.path(), &["--xdp-mode", path.arg()])
+            let mut all = vec!["--xdp-mode", path.arg()];
+            all.extend_from_slice(args);
+            let agent = Agent::start_with(ns, self.manifests.path(), &all)
                 .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"));
             self.agents.push(agent);
         }
@@ -351,9 +357,17 @@ fn nodeport_auto_xdp_with_partial_checksums() {
 
 /// externalTrafficPolicy Local on a LoadBalancer Service: node A (no local
 /// endpoint) drops, node B serves with the client's own address, and the
-/// healthCheckNodePort says so (503 on A, 200 with the weight on B).
-fn local_policy(path: Path) {
-    let fx = Fixture::new(path);
+/// healthCheckNodePort says so (503 on A, 200 with the weight on B). A pod on
+/// node A is an in-cluster client when the agents know the cluster CIDR:
+/// then it is served through every endpoint, unmasqueraded (kube-proxy's
+/// short-circuit); without it, it is external and dropped like client1.
+fn local_policy(path: Path, cluster_cidr: bool) {
+    let args: &[&str] = if cluster_cidr {
+        &["--cluster-cidr", "10.1.0.0/16"]
+    } else {
+        &[]
+    };
+    let fx = Fixture::with_args(path, args);
     let service = web("local")
         .type_(ServiceType::LoadBalancer)
         .external_traffic_policy(TrafficPolicy::Local)
@@ -410,16 +424,38 @@ fn local_policy(path: Path) {
         "{body_b}"
     );
     assert!(body_b.contains("\"name\": \"local\""), "{body_b}");
+
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let from_pod = tcp_request(pod, SocketAddrV4::new(NODE_A_IP, NODE_PORT), DROP_WAIT);
+    if cluster_cidr {
+        let Outcome::Reply(r) = from_pod else {
+            panic!(
+                "{path:?}: a pod with --cluster-cidr: {from_pod}; {}",
+                fx.counters()
+            );
+        };
+        assert_eq!(
+            (r.backend.as_str(), *r.peer.ip()),
+            (BACKEND.0, LOCAL_BACKEND.1),
+            "{path:?}: an in-cluster client reaches the remote endpoint with its own address"
+        );
+    } else {
+        assert_eq!(
+            from_pod,
+            Outcome::Timeout,
+            "{path:?}: without --cluster-cidr a pod is external"
+        );
+    }
 }
 
 #[test]
 fn local_policy_native_xdp() {
-    local_policy(Path::Native);
+    local_policy(Path::Native, true);
 }
 
 #[test]
 fn local_policy_tc_only() {
-    local_policy(Path::TcOnly);
+    local_policy(Path::TcOnly, false);
 }
 
 /// A LoadBalancer IP with loadBalancerSourceRanges: client1 (inside) is served,

@@ -6,9 +6,9 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtTimeouts, CtValue,
-    NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, counter,
-    map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, ClusterCidrKey, CtKey,
+    CtTimeouts, CtValue, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
+    SourceRangeKey, counter, map_names,
 };
 
 use super::pins::PinLayout;
@@ -49,6 +49,7 @@ pub struct Maps {
     pub node_addrs: HashMap<MapData, NodeAddrKey, NodeAddr>,
     pub node_config: Array<MapData, NodeConfig>,
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u32>,
+    pub cluster_cidrs: LpmTrie<MapData, ClusterCidrKey, u32>,
 }
 
 impl Maps {
@@ -85,6 +86,7 @@ impl Maps {
             node_addrs: HashMap::try_from(get(NODE_ADDRS)?).map_err(wrap(NODE_ADDRS))?,
             node_config: Array::try_from(get(NODE_CONFIG)?).map_err(wrap(NODE_CONFIG))?,
             source_ranges: LpmTrie::try_from(get(SOURCE_RANGES)?).map_err(wrap(SOURCE_RANGES))?,
+            cluster_cidrs: LpmTrie::try_from(get(CLUSTER_CIDRS)?).map_err(wrap(CLUSTER_CIDRS))?,
         })
     }
 
@@ -93,6 +95,43 @@ impl Maps {
         self.node_config
             .set(0, config, 0)
             .map_err(wrap(map_names::NODE_CONFIG))
+    }
+
+    /// Makes `CLUSTER_CIDRS` hold exactly `cidrs` (`--cluster-cidr`): new
+    /// entries first, then stale ones removed.
+    pub fn set_cluster_cidrs(&mut self, cidrs: &[crate::model::Cidr]) -> Result<(), MapsError> {
+        let wanted: Vec<Key<ClusterCidrKey>> = cidrs
+            .iter()
+            .map(|c| {
+                Key::new(
+                    c.prefix128(),
+                    ClusterCidrKey {
+                        addr_be: crate::planner::encode::addr_words(c.ip),
+                    },
+                )
+            })
+            .collect();
+        for key in &wanted {
+            self.cluster_cidrs
+                .insert(key, 1, 0)
+                .map_err(wrap(map_names::CLUSTER_CIDRS))?;
+        }
+        let stale: Vec<Key<ClusterCidrKey>> = self
+            .cluster_cidrs
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| {
+                !wanted
+                    .iter()
+                    .any(|w| w.prefix_len() == k.prefix_len() && w.data() == k.data())
+            })
+            .collect();
+        for key in stale {
+            self.cluster_cidrs
+                .remove(&key)
+                .map_err(wrap(map_names::CLUSTER_CIDRS))?;
+        }
+        Ok(())
     }
 
     /// Makes `NODE_ADDRS` hold exactly `wanted`: new entries first, then

@@ -21,7 +21,7 @@ pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
 use crate::{
-    model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, ServicePortName},
+    model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, Scope, ServicePortName},
     source::ObjectKey,
 };
 
@@ -378,7 +378,10 @@ impl Planner {
         if fe.no_endpoints == NoEndpointAction::Drop {
             flags |= service_flags::NO_EP_DROP;
         }
-        if fe.kind != FrontendKind::ClusterIp {
+        // In-cluster clients of an external address are not masqueraded
+        // (kube-proxy's EXT chain sends them to the service chain before its
+        // masquerade mark), so the in-cluster entry is not external.
+        if fe.kind != FrontendKind::ClusterIp && fe.key.scope == Scope::Any {
             flags |= service_flags::EXTERNAL;
         }
         let key = encode::service_key(&fe.key);

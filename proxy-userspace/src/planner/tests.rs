@@ -372,3 +372,25 @@ fn source_ranges_follow_the_frontend_and_never_leave_it_firewalled_empty() {
     sync(&mut adopted, &mut s, "a", &[]);
     assert!(s.state.source_ranges.is_empty() && s.state.services.is_empty());
 }
+
+#[test]
+fn external_frontends_are_flagged_and_their_in_cluster_entries_are_not() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let mut node_port = frontend(1, &[11]);
+    node_port.kind = FrontendKind::NodePort;
+    let mut internal = node_port.clone();
+    internal.key.scope = Scope::Internal;
+    let cluster_ip = frontend(2, &[11]);
+    sync(&mut p, &mut s, "np", &[node_port.clone(), internal.clone()]);
+    sync(&mut p, &mut s, "cip", std::slice::from_ref(&cluster_ip));
+    let external = |fe: &Frontend| {
+        s.state.services[&encode::service_key(&fe.key)].flags & service_flags::EXTERNAL != 0
+    };
+    assert!(external(&node_port), "a NodePort SNATs remote backends");
+    assert!(
+        !external(&internal),
+        "in-cluster clients are not masqueraded"
+    );
+    assert!(!external(&cluster_ip));
+}

@@ -241,6 +241,17 @@ fn nodeport_cluster_policy(path: Path) {
         let answer = session.exchange(&format!("ping {i}")).expect("exchange");
         assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
     }
+    // East-west across nodes: a pod on A to the ClusterIP, the backend on B; the
+    // reply enters A through its uplink (and XDP, when on) to be reverse-NATed.
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let east_west = tcp_request(pod, SocketAddrV4::new(CLUSTER_IP, 80), TIMEOUT)
+        .expect_reply("ClusterIP from a pod on A to the backend on B");
+    assert_eq!(
+        (east_west.backend.as_str(), *east_west.peer.ip()),
+        (BACKEND.0, LOCAL_BACKEND.1),
+        "{path:?}: ClusterIP traffic keeps the pod's address across nodes"
+    );
+
     // No endpoints at all: refused at once, as kube-proxy's REJECT (XDP leaves
     // the reset to tc).
     let empty = Service::new("test", "empty", Ipv4Addr::new(10, 96, 0, 51))

@@ -51,7 +51,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use common::{
-    Args, Backend, Load, Machine, Proto, Series, Spread, check_interrupted, interleaved,
+    Args, Backend, BenchMode, Load, Machine, Proto, Rows, check_interrupted, interleaved,
     load_average,
 };
 use ebpf_proxy_tests::{
@@ -91,6 +91,11 @@ enum Mode {
 
 impl Mode {
     const ALL: [Mode; 4] = [Mode::Direct, Mode::Iptables, Mode::Nftables, Mode::Ebpf];
+}
+
+impl BenchMode for Mode {
+    const IPTABLES: Mode = Mode::Iptables;
+    const DIRECT: Mode = Mode::Direct;
 
     fn label(self) -> &'static str {
         match self {
@@ -168,18 +173,7 @@ fn main() {
 /// `--threads N`. Anything else (cargo passes `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
-    if let Some(sizes) = args.sizes()? {
-        cfg.sizes = sizes;
-    }
-    if let Some(rounds) = args.number("--rounds")? {
-        cfg.rounds = rounds;
-    }
-    if let Some(threads) = args.number("--threads")? {
-        cfg.threads = threads;
-    }
-    if cfg.sizes.contains(&0) || cfg.rounds == 0 || !(1..=64).contains(&cfg.threads) {
-        bail!("sizes and rounds must be positive and threads within 1..=64");
-    }
+    args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
     Ok((cfg, args.out_dir()?))
 }
 
@@ -408,13 +402,7 @@ impl World {
 // Measuring
 
 /// Everything measured for one mode, protocol and S, over all rounds.
-struct Stats {
-    services: u32,
-    mode: Mode,
-    proto: Proto,
-    programming: Option<Duration>,
-    series: Series,
-}
+type Stats = common::Stats<Mode, Proto>;
 
 const PROTOS: [Proto; 2] = [Proto::Tcp, Proto::Udp];
 
@@ -464,9 +452,9 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             out.push(Stats {
                 services,
                 mode: world.mode,
-                proto,
                 programming: world.programming,
                 series,
+                detail: proto,
             });
         }
     }
@@ -490,23 +478,7 @@ impl Report<'_> {
     fn find(&self, services: u32, mode: Mode, proto: Proto) -> Option<&Stats> {
         self.results
             .iter()
-            .find(|s| s.services == services && s.mode == mode && s.proto == proto)
-    }
-
-    /// `s` against the same S and protocol in mode `base`, round by round: see
-    /// [`Series::paired`].
-    fn rate_vs(&self, s: &Stats, base: Mode) -> Spread {
-        match self.find(s.services, base, s.proto) {
-            Some(b) => s.series.rate_vs(&b.series),
-            None => Spread::of(Vec::new()),
-        }
-    }
-
-    fn p99_vs(&self, s: &Stats, base: Mode) -> Spread {
-        match self.find(s.services, base, s.proto) {
-            Some(b) => s.series.p99_vs(&b.series),
-            None => Spread::of(Vec::new()),
-        }
+            .find(|s| s.services == services && s.mode == mode && s.detail == proto)
     }
 
     fn markdown(&self) -> String {
@@ -551,38 +523,19 @@ impl Report<'_> {
                  | Services | mode | {unit} | vs iptables | vs no LB | p50 µs | p99 µs | failed |\n\
                  |---:|---|---:|---:|---:|---:|---:|---:|\n"
             ));
-            for s in self.results.iter().filter(|s| s.proto == proto) {
-                out.push_str(&format!(
-                    "| {} | {} | {:.0} | {:.2}x | {:.2}x | {:.1} | {:.1} | {} |\n",
-                    s.services,
-                    s.mode.label(),
-                    s.series.rate(),
-                    self.rate_vs(s, Mode::Iptables).median,
-                    self.rate_vs(s, Mode::Direct).median,
-                    s.series.percentile_us(0.50),
-                    s.series.percentile_us(0.99),
-                    s.series.failed
-                ));
+            for s in self.results.iter().filter(|s| s.detail == proto) {
+                out.push_str(&format!("| {} {}\n", s.services, self.results.cells(s)));
             }
         }
         out.push_str(
             "\nTime to program the Services (agent start to healthy / iptables-restore / \
              nft -f):\n\n",
         );
-        for &services in &cfg.sizes {
-            let cells: Vec<String> = [Mode::Ebpf, Mode::Iptables, Mode::Nftables]
-                .iter()
-                .filter_map(|&mode| {
-                    let s = self.find(services, mode, Proto::Tcp)?;
-                    Some(format!(
-                        "{} {:.2} s",
-                        mode.label(),
-                        s.programming?.as_secs_f64()
-                    ))
-                })
-                .collect();
-            out.push_str(&format!("- S = {services}: {}\n", cells.join(", ")));
-        }
+        out.push_str(
+            &self
+                .results
+                .programming_markdown(&cfg.sizes, &[Mode::Ebpf, Mode::Iptables, Mode::Nftables]),
+        );
         out.push_str(&self.targets_markdown());
         out
     }
@@ -609,9 +562,9 @@ impl Report<'_> {
             return out + "missing results\n";
         };
         let verdict = |met: bool| if met { "met" } else { "NOT met" };
-        let vs_ipt = self.rate_vs(ebpf, Mode::Iptables);
-        let vs_direct = self.rate_vs(ebpf, Mode::Direct);
-        let p99_vs_ipt = self.p99_vs(ebpf, Mode::Iptables);
+        let vs_ipt = self.results.rate_vs(ebpf, Mode::Iptables);
+        let vs_direct = self.results.rate_vs(ebpf, Mode::Direct);
+        let p99_vs_ipt = self.results.p99_vs(ebpf, Mode::Iptables);
         out.push_str(&format!(
             "- connection rate at least 2x iptables' ({:.0} vs {:.0} conn/s): {vs_ipt}: {}\n\
              - p99 latency below iptables' ({:.1} vs {:.1} µs): {p99_vs_ipt} of it: {}\n\
@@ -626,14 +579,14 @@ impl Report<'_> {
             ebpf.series.rate(),
             direct.series.rate(),
             verdict(vs_direct.median >= 0.9),
-            self.rate_vs(nft, Mode::Iptables),
-            self.rate_vs(nft, Mode::Direct),
+            self.results.rate_vs(nft, Mode::Iptables),
+            self.results.rate_vs(nft, Mode::Direct),
         ));
         // No load balancer can beat the client talking straight to the pods, so this
         // is the most any of them can reach against iptables on this machine.
         out.push_str(&format!(
             "- ceiling: the no-LB limit itself is {} iptables' rate here\n",
-            self.rate_vs(direct, Mode::Iptables)
+            self.results.rate_vs(direct, Mode::Iptables)
         ));
         let failed: u64 = self.results.iter().map(|s| s.series.failed).sum();
         if failed > 0 {
@@ -650,27 +603,13 @@ impl Report<'_> {
             .results
             .iter()
             .map(|s| {
-                json!({
-                    "services": s.services,
-                    "mode": s.mode.key(),
-                    "label": s.mode.label(),
-                    "proto": s.proto.key(),
-                    "per_second": s.series.rate(),
-                    "vs_iptables": self.rate_vs(s, Mode::Iptables).json(),
-                    "vs_direct": self.rate_vs(s, Mode::Direct).json(),
-                    "p99_vs_iptables": self.p99_vs(s, Mode::Iptables).json(),
-                    "p50_us": s.series.percentile_us(0.50),
-                    "p90_us": s.series.percentile_us(0.90),
-                    "p99_us": s.series.percentile_us(0.99),
-                    "ok": s.series.ok,
-                    "failed": s.series.failed,
-                    "errors": s.series.errors,
-                    "per_backend": s.series.backends,
-                    "seconds": s.series.seconds,
-                    "round_rates": s.series.rounds.iter().map(|r| r.rate).collect::<Vec<_>>(),
-                    "round_p99_us": s.series.rounds.iter().map(|r| r.p99).collect::<Vec<_>>(),
-                    "programming_s": s.programming.map(|d| d.as_secs_f64()),
-                })
+                self.results.json(
+                    s,
+                    json!({
+                        "proto": s.detail.key(),
+                        "per_backend": s.series.backends,
+                    }),
+                )
             })
             .collect();
         json!({

@@ -63,7 +63,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use common::{
-    Args, Backend, Load, Machine, Proto, Series, Spread, check_interrupted, interleaved,
+    Args, Backend, BenchMode, Load, Machine, Proto, Rows, check_interrupted, interleaved,
     load_average,
 };
 use ebpf_proxy_tests::{
@@ -109,6 +109,20 @@ enum Mode {
 impl Mode {
     const ALL: [Mode; 4] = [Mode::Direct, Mode::Iptables, Mode::Tc, Mode::Xdp];
 
+    /// The agent's `--xdp-mode`, for the ebpf-proxy modes.
+    fn xdp_mode(self) -> Option<&'static str> {
+        match self {
+            Mode::Xdp => Some("native"),
+            Mode::Tc => Some("off"),
+            Mode::Iptables | Mode::Direct => None,
+        }
+    }
+}
+
+impl BenchMode for Mode {
+    const IPTABLES: Mode = Mode::Iptables;
+    const DIRECT: Mode = Mode::Direct;
+
     fn label(self) -> &'static str {
         match self {
             Mode::Xdp => "ebpf-proxy XDP",
@@ -124,15 +138,6 @@ impl Mode {
             Mode::Tc => "tc",
             Mode::Iptables => "iptables",
             Mode::Direct => "direct",
-        }
-    }
-
-    /// The agent's `--xdp-mode`, for the ebpf-proxy modes.
-    fn xdp_mode(self) -> Option<&'static str> {
-        match self {
-            Mode::Xdp => Some("native"),
-            Mode::Tc => Some("off"),
-            Mode::Iptables | Mode::Direct => None,
         }
     }
 }
@@ -181,18 +186,7 @@ fn main() {
 /// `--threads N`. Anything else (cargo passes `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
-    if let Some(sizes) = args.sizes()? {
-        cfg.sizes = sizes;
-    }
-    if let Some(rounds) = args.number("--rounds")? {
-        cfg.rounds = rounds;
-    }
-    if let Some(threads) = args.number("--threads")? {
-        cfg.threads = threads;
-    }
-    if cfg.sizes.contains(&0) || cfg.rounds == 0 || !(1..=64).contains(&cfg.threads) {
-        bail!("sizes and rounds must be positive and threads within 1..=64");
-    }
+    args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
     Ok((cfg, args.out_dir()?))
 }
 
@@ -487,20 +481,29 @@ impl World {
 // Measuring
 
 /// Everything measured for one mode and S, over all rounds.
-struct Stats {
-    services: u32,
+type Stats = common::Stats<Mode, NodeA>;
+
+/// What the nodeport bench keeps with each result.
+#[derive(Debug)]
+struct NodeA {
+    /// How many of the S Services are NodePorts.
     node_ports: u32,
-    mode: Mode,
-    programming: Option<Duration>,
     /// Node a's non-zero counters after the rounds (warm-up included), for the
     /// ebpf-proxy modes.
     counters: Option<Vec<(&'static str, u64)>>,
-    series: Series,
+}
+
+/// All modes at one S ran interleaved.
+impl common::Detail for NodeA {
+    fn same_cell(&self, _: &NodeA) -> bool {
+        true
+    }
 }
 
 impl Stats {
     fn counter(&self, name: &str) -> u64 {
-        self.counters
+        self.detail
+            .counters
             .iter()
             .flatten()
             .find(|(n, _)| *n == name)
@@ -557,11 +560,13 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
         }
         out.push(Stats {
             services,
-            node_ports: set.node_ports,
             mode: world.mode,
             programming: world.programming,
-            counters,
             series,
+            detail: NodeA {
+                node_ports: set.node_ports,
+                counters,
+            },
         });
     }
     eprintln!("S = {services}: measured");
@@ -583,27 +588,6 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
-    fn find(&self, services: u32, mode: Mode) -> Option<&Stats> {
-        self.results
-            .iter()
-            .find(|s| s.services == services && s.mode == mode)
-    }
-
-    /// `s` against mode `base` at the same S, round by round ([`Series::paired`]).
-    fn rate_vs(&self, s: &Stats, base: Mode) -> Spread {
-        match self.find(s.services, base) {
-            Some(b) => s.series.rate_vs(&b.series),
-            None => Spread::of(Vec::new()),
-        }
-    }
-
-    fn p99_vs(&self, s: &Stats, base: Mode) -> Spread {
-        match self.find(s.services, base) {
-            Some(b) => s.series.p99_vs(&b.series),
-            None => Spread::of(Vec::new()),
-        }
-    }
-
     fn markdown(&self) -> String {
         let cfg = self.cfg;
         let m = self.machine;
@@ -649,61 +633,46 @@ impl Report<'_> {
         );
         for s in self.results {
             out.push_str(&format!(
-                "| {} | {} | {} | {:.0} | {:.2}x | {:.2}x | {:.1} | {:.1} | {} |\n",
+                "| {} | {} {}\n",
                 s.services,
-                s.node_ports,
-                s.mode.label(),
-                s.series.rate(),
-                self.rate_vs(s, Mode::Iptables).median,
-                self.rate_vs(s, Mode::Direct).median,
-                s.series.percentile_us(0.50),
-                s.series.percentile_us(0.99),
-                s.series.failed
+                s.detail.node_ports,
+                self.results.cells(s)
             ));
         }
         out.push_str("\nPaired per-round ratios (median, quartiles):\n\n");
         for &services in &cfg.sizes {
             let (Some(xdp), Some(tc)) = (
-                self.find(services, Mode::Xdp),
-                self.find(services, Mode::Tc),
+                self.results.find(services, Mode::Xdp),
+                self.results.find(services, Mode::Tc),
             ) else {
                 continue;
             };
             out.push_str(&format!(
                 "- S = {services}: XDP rate {} iptables', {} tc's, {} the no-LB limit; \
                  XDP p99 {} iptables'; tc rate {} iptables'\n",
-                self.rate_vs(xdp, Mode::Iptables),
-                self.rate_vs(xdp, Mode::Tc),
-                self.rate_vs(xdp, Mode::Direct),
-                self.p99_vs(xdp, Mode::Iptables),
-                self.rate_vs(tc, Mode::Iptables),
+                self.results.rate_vs(xdp, Mode::Iptables),
+                self.results.rate_vs(xdp, Mode::Tc),
+                self.results.rate_vs(xdp, Mode::Direct),
+                self.results.p99_vs(xdp, Mode::Iptables),
+                self.results.rate_vs(tc, Mode::Iptables),
             ));
         }
         out.push_str(
             "\nTime to program the Services on node a (agent start to healthy / \
              iptables-restore):\n\n",
         );
-        for &services in &cfg.sizes {
-            let cells: Vec<String> = [Mode::Xdp, Mode::Tc, Mode::Iptables]
-                .iter()
-                .filter_map(|&mode| {
-                    let s = self.find(services, mode)?;
-                    Some(format!(
-                        "{} {:.2} s",
-                        mode.label(),
-                        s.programming?.as_secs_f64()
-                    ))
-                })
-                .collect();
-            out.push_str(&format!("- S = {services}: {}\n", cells.join(", ")));
-        }
+        out.push_str(
+            &self
+                .results
+                .programming_markdown(&cfg.sizes, &[Mode::Xdp, Mode::Tc, Mode::Iptables]),
+        );
         out.push_str(
             "\nNode a's datapath counters after the rounds (warm-up included; non-zero \
              ones). `xdp_tx` counts packets XDP translated and sent on itself, both \
              directions; `snat_new` the connections SNATed:\n\n",
         );
         for s in self.results {
-            let Some(counters) = &s.counters else {
+            let Some(counters) = &s.detail.counters else {
                 continue;
             };
             let list: Vec<String> = counters.iter().map(|(n, v)| format!("{n} {v}")).collect();
@@ -731,30 +700,18 @@ impl Report<'_> {
             .results
             .iter()
             .map(|s| {
-                json!({
-                    "services": s.services,
-                    "node_ports": s.node_ports,
-                    "mode": s.mode.key(),
-                    "label": s.mode.label(),
-                    "per_second": s.series.rate(),
-                    "vs_iptables": self.rate_vs(s, Mode::Iptables).json(),
-                    "vs_direct": self.rate_vs(s, Mode::Direct).json(),
-                    "vs_tc": self.rate_vs(s, Mode::Tc).json(),
-                    "p99_vs_iptables": self.p99_vs(s, Mode::Iptables).json(),
-                    "p50_us": s.series.percentile_us(0.50),
-                    "p90_us": s.series.percentile_us(0.90),
-                    "p99_us": s.series.percentile_us(0.99),
-                    "ok": s.series.ok,
-                    "failed": s.series.failed,
-                    "errors": s.series.errors,
-                    "seconds": s.series.seconds,
-                    "round_rates": s.series.rounds.iter().map(|r| r.rate).collect::<Vec<_>>(),
-                    "round_p99_us": s.series.rounds.iter().map(|r| r.p99).collect::<Vec<_>>(),
-                    "programming_s": s.programming.map(|d| d.as_secs_f64()),
-                    "node_a_counters": s.counters.as_ref().map(|c| {
-                        c.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>()
+                self.results.json(
+                    s,
+                    json!({
+                        "node_ports": s.detail.node_ports,
+                        "vs_tc": self.results.rate_vs(s, Mode::Tc).json(),
+                        "node_a_counters": s.detail.counters.as_ref().map(|c| {
+                            c.iter()
+                                .map(|(n, v)| (n.to_string(), json!(v)))
+                                .collect::<serde_json::Map<_, _>>()
+                        }),
                     }),
-                })
+                )
             })
             .collect();
         json!({
@@ -794,7 +751,7 @@ impl Report<'_> {
                     "S = {}, {}: XDP sent no packet itself (xdp_tx 0; counters {:?})",
                     s.services,
                     s.mode.label(),
-                    s.counters
+                    s.detail.counters
                 ));
             }
         }

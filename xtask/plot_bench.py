@@ -20,13 +20,16 @@ def load(name):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
-def finish(fig, ax, title, name):
+def style(ax, title, xlabel="Services installed"):
     ax.set_xscale("log")
-    ax.set_xlabel("Services installed")
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def save(fig, name):
     fig.tight_layout()
     fig.savefig(f"{results_dir}/{name}.png", dpi=110)
     print(f"wrote {results_dir}/{name}.png")
@@ -34,7 +37,7 @@ def finish(fig, ax, title, name):
 
 rows = load("datapath")
 if rows:
-    hooks = sorted({r.get("hook", "tc") for r in rows}, reverse=True)
+    hooks = list(dict.fromkeys(r.get("hook", "tc") for r in rows))
     fig, axes = plt.subplots(1, len(hooks), figsize=(6 * len(hooks), 5), squeeze=False)
     for ax, hook in zip(axes[0], hooks):
         of_hook = [r for r in rows if r.get("hook", "tc") == hook]
@@ -43,15 +46,9 @@ if rows:
             ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
             ax.plot(services, ns, marker="o", label=case)
         ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
-        ax.set_xscale("log")
-        ax.set_xlabel("Services installed (10 endpoints each)")
-        ax.set_title(f"ebpf-proxy {hook}_ingress per-packet cost")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(f"{results_dir}/datapath.png", dpi=110)
-    print(f"wrote {results_dir}/datapath.png")
+        style(ax, f"ebpf-proxy {hook}_ingress per-packet cost",
+              "Services installed (10 endpoints each)")
+    save(fig, "datapath")
 
 for name, title, keep in [
     ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
@@ -68,4 +65,5 @@ for name, title, keep in [
         points = sorted((r["services"], r["per_second"]) for r in results if r["label"] == label)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     ax.set_ylabel("connections per second")
-    finish(fig, ax, title, name)
+    style(ax, title)
+    save(fig, name)

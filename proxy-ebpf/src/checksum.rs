@@ -97,21 +97,25 @@ pub fn rewrite_direct(
     // SAFETY: every access below is inside the bounds checked above.
     unsafe {
         let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
+        if old_addr != addr_be {
+            ip_csum.write(replace32(ip_csum.read(), old_addr, addr_be));
+            ((ip + addr_at) as *mut u32).write(addr_be);
+        }
+        if old_port != port_be {
+            ((l4p + port_at) as *mut u16).write(port_be);
+        }
+        if l4 == L4Csum::Caller {
+            return Ok(());
+        }
         let l4_csum = csum_at as *mut u16;
         let mut l4c = l4_csum.read();
         let udp_none = flow.proto == PROTO_UDP && l4c == 0;
         if old_addr != addr_be {
-            ip_csum.write(replace32(ip_csum.read(), old_addr, addr_be));
-            ((ip + addr_at) as *mut u32).write(addr_be);
             // The address is in the L4 pseudo-header.
             l4c = replace32(l4c, old_addr, addr_be);
         }
         if old_port != port_be {
-            ((l4p + port_at) as *mut u16).write(port_be);
             l4c = replace16(l4c, old_port, port_be);
-        }
-        if l4 == L4Csum::Caller {
-            return Ok(());
         }
         if udp_none {
             l4c = 0;
@@ -123,11 +127,10 @@ pub fn rewrite_direct(
     Ok(())
 }
 
-/// Writes the Ethernet addresses and takes one off the TTL, as a router
-/// does, for a packet sent on without the stack. False when the TTL is
-/// spent: the stack must answer with ICMP time exceeded.
+/// Takes one off the TTL, as a router does, for a packet sent on without
+/// the stack. False when the TTL is spent: the packet is not to be sent on.
 #[inline(always)]
-pub fn forward_direct(data: usize, data_end: usize, dmac: &[u8; 6], smac: &[u8; 6]) -> bool {
+pub fn decrement_ttl(data: usize, data_end: usize) -> bool {
     let ip = data + ETH_HLEN;
     if ip + IPV4_MIN_HLEN > data_end {
         return false;
@@ -144,6 +147,19 @@ pub fn forward_direct(data: usize, data_end: usize, dmac: &[u8; 6], smac: &[u8; 
         let new = ttl_word.read();
         let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
         ip_csum.write(replace16(ip_csum.read(), old, new));
+    }
+    true
+}
+
+/// Writes the next hop's Ethernet addresses. False when the packet has no
+/// room for an Ethernet header.
+#[inline(always)]
+pub fn write_macs(data: usize, data_end: usize, dmac: &[u8; 6], smac: &[u8; 6]) -> bool {
+    if data + ETH_HLEN > data_end {
+        return false;
+    }
+    // SAFETY: inside the bounds checked above.
+    unsafe {
         (data as *mut [u8; 6]).write(*dmac);
         ((data + 6) as *mut [u8; 6]).write(*smac);
     }

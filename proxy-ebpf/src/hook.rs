@@ -2,8 +2,6 @@
 //! are reached and written, and how a packet is sent on. Everything else
 //! (parsing, lookups, conntrack, NAT decisions) is shared.
 
-use core::ffi::c_void;
-
 use aya_ebpf::{
     EbpfContext,
     programs::{TcContext, XdpContext},
@@ -36,11 +34,6 @@ pub trait Hook: EbpfContext {
     fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()>;
 
     fn ingress_ifindex(&self) -> u32;
-
-    #[inline(always)]
-    fn raw(&self) -> *mut c_void {
-        self.as_ptr()
-    }
 }
 
 impl Hook for TcContext {

@@ -14,6 +14,9 @@ use crate::{
 
 /// A frontend a new flow matched.
 pub struct Frontend {
+    /// The entry that matched: its own address, or the unspecified address
+    /// of NodePorts; scope `INTERNAL` for an in-cluster client's entry.
+    pub key: ServiceKey,
     pub svc: ServiceValue,
     /// The flow's destination is an address of this node (a NodePort, or an
     /// external address the node holds): replies leave from it.
@@ -25,43 +28,48 @@ pub struct Frontend {
 /// client gets the frontend's in-cluster entry where it has one.
 #[inline(always)]
 pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
-    if let Some(svc) = lookup_service(flow.dst_be, flow.dport_be, flow.proto) {
-        let on_node =
-            svc.flags & service_flags::EXTERNAL != 0 && node_addr_flags(flow.dst_be).is_some();
-        let svc = if svc.flags & service_flags::EXTERNAL != 0 {
-            internal_variant(flow, flow.dst_be).unwrap_or(svc)
-        } else {
-            svc
+    let own = service_key(flow.dst_be, flow.dport_be, flow.proto);
+    let (key, svc, on_node) = match lookup(own) {
+        Some(svc) if svc.flags & service_flags::EXTERNAL == 0 => (own, svc, false),
+        Some(svc) => (own, svc, node_addr_flags(flow.dst_be).is_some()),
+        None => {
+            let flags = node_addr_flags(flow.dst_be)?;
+            if flags & node_addr_flags::NODEPORT == 0 {
+                return None;
+            }
+            // NodePorts are programmed once, on the unspecified address.
+            let key = service_key(0, flow.dport_be, flow.proto);
+            (key, lookup(key)?, true)
+        }
+    };
+    // The in-cluster entry exists only where it differs
+    // (externalTrafficPolicy Local).
+    if svc.flags & service_flags::EXTERNAL != 0 && in_cluster(flow) {
+        let internal = ServiceKey {
+            scope: scope::INTERNAL,
+            ..key
         };
-        return Some(Frontend { svc, on_node });
+        if let Some(svc) = lookup(internal) {
+            return Some(Frontend {
+                key: internal,
+                svc,
+                on_node,
+            });
+        }
     }
-    let flags = node_addr_flags(flow.dst_be)?;
-    if flags & node_addr_flags::NODEPORT == 0 {
-        return None;
-    }
-    // NodePorts are programmed once, on the unspecified address.
-    let svc = lookup_service(0, flow.dport_be, flow.proto)?;
-    let svc = internal_variant(flow, 0).unwrap_or(svc);
-    Some(Frontend { svc, on_node: true })
+    Some(Frontend { key, svc, on_node })
 }
 
-/// The in-cluster entry of an external frontend at `addr_be` (the
-/// externalTrafficPolicy Local short-circuit), when the client is in the
-/// cluster and the frontend has one.
+/// Whether the client of `flow` is in the cluster (`CLUSTER_CIDRS`).
 #[inline(always)]
-fn internal_variant(flow: &Flow, addr_be: u32) -> Option<ServiceValue> {
+fn in_cluster(flow: &Flow) -> bool {
     let key = Key::new(
         128,
         ClusterCidrKey {
             addr_be: v4_mapped(flow.src_be),
         },
     );
-    CLUSTER_CIDRS.get(&key)?;
-    let key = ServiceKey {
-        scope: scope::INTERNAL,
-        ..service_key(addr_be, flow.dport_be, flow.proto)
-    };
-    SERVICES.get_ptr(key).map(|p| unsafe { *p })
+    CLUSTER_CIDRS.get(&key).is_some()
 }
 
 /// Flags of `addr_be` when it is an address of this node.
@@ -73,14 +81,14 @@ pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
     NODE_ADDRS.get_ptr(key).map(|p| unsafe { (*p).flags })
 }
 
-/// Whether `client_be` is inside one of the loadBalancerSourceRanges of
-/// the frontend `flow` is addressed to.
+/// Whether the client of `flow` is inside one of the
+/// loadBalancerSourceRanges of the frontend entry it matched.
 #[inline(always)]
-pub fn source_allowed(flow: &Flow) -> bool {
+pub fn source_allowed(frontend: &Frontend, flow: &Flow) -> bool {
     let key = Key::new(
         proxy_common::source_range_prefix(128),
         SourceRangeKey {
-            frontend: service_key(flow.dst_be, flow.dport_be, flow.proto),
+            frontend: frontend.key,
             client_be: v4_mapped(flow.src_be),
         },
     );
@@ -98,8 +106,7 @@ fn service_key(addr_be: u32, port_be: u16, proto: u8) -> ServiceKey {
 }
 
 #[inline(always)]
-pub fn lookup_service(addr_be: u32, port_be: u16, proto: u8) -> Option<ServiceValue> {
-    let key = service_key(addr_be, port_be, proto);
+fn lookup(key: ServiceKey) -> Option<ServiceValue> {
     // Copied once: the rest of this packet's decisions use this snapshot
     // (see ServiceValue on how the agent keeps that consistent).
     SERVICES.get_ptr(key).map(|p| unsafe { *p })

@@ -7,10 +7,9 @@ use proxy_common::PROTO_UDP;
 use crate::{
     checksum::{self, L4Csum},
     hook::Hook,
-    packet::{ETH_HLEN, Flow},
+    packet::Flow,
 };
 
-pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
 /// 0xffff, as RFC 768 wants.

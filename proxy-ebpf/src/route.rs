@@ -15,10 +15,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
-use crate::{hook::Hook, nat::IP_CSUM_OFF, packet::ETH_HLEN};
+use crate::{checksum, hook::Hook};
 
 const AF_INET: u8 = 2;
-const IP_TTL_OFF: usize = ETH_HLEN + 8;
 
 /// Where a packet goes next.
 pub struct NextHop {
@@ -50,7 +49,7 @@ pub fn lookup<H: Hook>(
     params.__bindgen_anon_4.ipv4_dst = dst_be;
     let ret = unsafe {
         fib_lookup(
-            ctx.raw(),
+            ctx.as_ptr(),
             &mut params,
             size_of::<bpf_fib_lookup>() as i32,
             0,
@@ -76,26 +75,14 @@ pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len
     let Some(hop) = lookup(ctx, proto, src_be, dst_be, tot_len) else {
         return TC_ACT_SHOT;
     };
-    let Ok(word) = ctx.load::<[u8; 2]>(IP_TTL_OFF) else {
-        return TC_ACT_SHOT;
-    };
-    if word[0] <= 1 {
-        return TC_ACT_SHOT;
-    }
-    let old = u16::from_ne_bytes(word);
-    let new = u16::from_ne_bytes([word[0] - 1, word[1]]);
-    if ctx
-        .l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2)
-        .is_err()
-        || ctx.store(IP_TTL_OFF, &new, 0).is_err()
-    {
+    // Headers written in place: the IP checksum is never offloaded, and the
+    // L4 checksum does not cover the TTL or the MACs.
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    if !checksum::decrement_ttl(data, data_end) {
         return TC_ACT_SHOT;
     }
     if hop.resolved {
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&hop.dmac);
-        macs[6..].copy_from_slice(&hop.smac);
-        if ctx.store(0, &macs, 0).is_err() {
+        if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
             return TC_ACT_SHOT;
         }
         unsafe { bpf_redirect(hop.ifindex, 0) as i32 }

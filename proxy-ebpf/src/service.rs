@@ -7,6 +7,7 @@ use proxy_common::{
 };
 
 use crate::{
+    checksum,
     conntrack::{self, NewFlow},
     hook::Hook,
     lb,
@@ -59,15 +60,8 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
             return Action::Pass;
         }
         let nat = conntrack::translation(&entry, &flow);
-        // XDP routes before it writes anything, so that a packet it cannot
-        // send is left to tc as it came.
-        let hop = if H::XDP && nat.redirect {
-            match xdp_next_hop(ctx, &flow, &nat) {
-                Some(hop) => Some(hop),
-                None => return Action::ToTc,
-            }
-        } else {
-            None
+        let Ok(hop) = xdp_next_hop(ctx, &flow, &nat) else {
+            return Action::ToTc;
         };
         conntrack::touch(ptr, &entry, &flow, now);
         count(if entry.dir == ct_dir::FORWARD {
@@ -86,7 +80,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
 #[inline(always)]
 fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) -> Action {
     let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(flow) {
+    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(frontend, flow) {
         count(counter::DROP_SOURCE_RANGE);
         return Action::Drop;
     }
@@ -137,13 +131,8 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
         nf.nat.src_be = config.snat_addr_be[3];
         nf.nat.redirect = true;
     }
-    let hop = if H::XDP && nf.nat.redirect {
-        match xdp_next_hop(ctx, flow, &nf.nat) {
-            Some(hop) => Some(hop),
-            None => return Action::ToTc,
-        }
-    } else {
-        None
+    let Ok(hop) = xdp_next_hop(ctx, flow, &nf.nat) else {
+        return Action::ToTc;
     };
     if snat {
         if conntrack::create_snat(
@@ -169,16 +158,21 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
     finish(ctx, flow, &nf.nat, hop)
 }
 
-/// Where XDP can send a packet that needs routing: only a resolved next hop
-/// out of the interface it came in on. Anything else is tc's.
+/// Where XDP sends a packet it routes itself: only a resolved next hop out
+/// of the interface it came in on. XDP routes before it writes anything, so
+/// that a packet it cannot send (`Err`) is left to tc as it came. `Ok(None)`
+/// when there is nothing to route here (tc, or no redirect needed).
 #[inline(always)]
-fn xdp_next_hop<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Option<NextHop> {
-    let hop = route::lookup(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)?;
-    if hop.resolved && hop.ifindex == ctx.ingress_ifindex() {
-        Some(hop)
-    } else {
-        count(counter::XDP_TO_TC);
-        None
+fn xdp_next_hop<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<Option<NextHop>, ()> {
+    if !H::XDP || !nat.redirect {
+        return Ok(None);
+    }
+    match route::lookup(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len) {
+        Some(hop) if hop.resolved && hop.ifindex == ctx.ingress_ifindex() => Ok(Some(hop)),
+        _ => {
+            count(counter::XDP_TO_TC);
+            Err(())
+        }
     }
 }
 
@@ -197,7 +191,9 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>) -> Act
     match hop {
         Some(hop) => {
             let (data, data_end) = ctx.bounds();
-            if crate::checksum::forward_direct(data, data_end, &hop.dmac, &hop.smac) {
+            if checksum::decrement_ttl(data, data_end)
+                && checksum::write_macs(data, data_end, &hop.dmac, &hop.smac)
+            {
                 Action::Tx
             } else {
                 Action::Drop

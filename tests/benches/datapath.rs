@@ -196,9 +196,8 @@ fn measure_hook(
     news: &[Vec<u8>],
     (repeat, rounds, singles): (u32, usize, usize),
 ) -> Vec<(&'static str, f64, Option<f64>)> {
-    // Loaded on first use; the references come after.
-    datapath.floor_program().expect("tc floor program");
-    datapath.xdp_floor_program().expect("XDP floor program");
+    // Loaded first; the references to them come after.
+    datapath.load_floors().expect("loading the floor programs");
     let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
     let (floor, program) = if hook == "tc" {
         (Prog::Tc(tc_floor), Prog::Tc(datapath.tc_program()))

@@ -114,10 +114,12 @@ impl Datapath {
             .expect("tc program is loaded in Datapath::load")
     }
 
-    /// The do-nothing tc program (loaded on first use), the floor that
-    /// per-packet costs are compared against.
-    pub fn floor_program(&mut self) -> Result<&SchedClassifier, DatapathError> {
-        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS).map(|p| &*p)
+    /// Loads the do-nothing tc and XDP programs, the floors that per-packet
+    /// costs are compared against (see `floors`).
+    pub fn load_floors(&mut self) -> Result<(), DatapathError> {
+        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS)?;
+        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS)?;
+        Ok(())
     }
 
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
@@ -165,13 +167,8 @@ impl Datapath {
             .expect("XDP program is loaded in Datapath::load")
     }
 
-    /// The do-nothing XDP program (loaded on first use).
-    pub fn xdp_floor_program(&mut self) -> Result<&Xdp, DatapathError> {
-        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS).map(|p| &*p)
-    }
-
-    /// The floor programs once loaded (by `floor_program` and
-    /// `xdp_floor_program`), for use next to the real ones.
+    /// The floor programs once `load_floors` has loaded them, for use next
+    /// to the real ones.
     pub fn floors(&self) -> Option<(&SchedClassifier, &Xdp)> {
         let tc: &SchedClassifier = self.ebpf.program(program_names::TC_PASS)?.try_into().ok()?;
         let xdp: &Xdp = self

@@ -5,12 +5,14 @@
 //! padding), byte order stated in the field name (`_be` = network order,
 //! stored exactly as it appears on the wire), and no `bool`, `Option` or enum
 //! inside a map key or value.
-#![no_std]
+#![cfg_attr(not(test), no_std)]
+
+pub mod csum;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
 /// its layout: bump it whenever a key or value below changes.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Map names, as they appear in the object file and under the pin directory.
 pub mod map_names {
@@ -25,7 +27,8 @@ pub mod map_names {
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
-    pub const ALL: [&str; 11] = [
+    pub const CLOCK: &str = "CLOCK";
+    pub const ALL: [&str; 12] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -37,6 +40,7 @@ pub mod map_names {
         NODE_CONFIG,
         SOURCE_RANGES,
         CLUSTER_CIDRS,
+        CLOCK,
     ];
 }
 
@@ -52,6 +56,9 @@ pub mod program_names {
     pub const XDP_INGRESS: &str = "xdp_ingress";
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
+    /// Samples both kernel clocks into `CLOCK[SAMPLE]`, run by the agent
+    /// through BPF_PROG_TEST_RUN to calibrate the datapath clock.
+    pub const CLOCK_PROBE: &str = "clock_probe";
 }
 
 /// Map capacities. The service, slot and backend maps are not preallocated
@@ -218,19 +225,40 @@ pub mod ct_dir {
     pub const REPLY: u8 = 1;
 }
 
-/// A flow as one direction of it appears on the wire. Both directions of a
-/// translated flow have an entry, told apart by `CtValue::dir`, so that any
-/// packet needs exactly one conntrack lookup.
+/// An IPv4 flow as one direction of it appears on the wire. Both directions
+/// of a translated flow have an entry, told apart by `CtValue::dir`, so that
+/// any packet needs exactly one conntrack lookup.
+///
+/// Conntrack is per address family (design §3 allows separate v4/v6 maps):
+/// every packet hashes this key, and 16 bytes hash in one jhash round where
+/// IPv6-wide addresses took four. IPv6 flows will get a map of their own.
+/// The padding is two fields, not a byte array, so that building a key is
+/// plain stores (a `[u8; 3]` compiled to a call to `memset`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct CtKey {
-    pub src_be: [u32; 4],
-    pub dst_be: [u32; 4],
+    pub src_be: u32,
+    pub dst_be: u32,
     pub sport_be: u16,
     pub dport_be: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+impl CtKey {
+    pub const fn new(src_be: u32, dst_be: u32, sport_be: u16, dport_be: u16, proto: u8) -> Self {
+        CtKey {
+            src_be,
+            dst_be,
+            sport_be,
+            dport_be,
+            proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
 }
 
 /// `CtValue::flags` bits.
@@ -262,18 +290,19 @@ pub mod ct_flags {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct CtValue {
-    pub nat_addr_be: [u32; 4],
+    pub nat_addr_be: u32,
+    pub alt_addr_be: u32,
     pub nat_port_be: u16,
+    pub alt_port_be: u16,
     pub flags: u8,
     pub dir: u8,
-    pub alt_addr_be: [u32; 4],
-    pub alt_port_be: u16,
-    pub _pad1: u16,
+    pub _pad: u16,
     pub backend_id: u32,
     pub service_id: u32,
-    /// `bpf_ktime_get_ns` when the entry was created.
+    /// `bpf_ktime_get_coarse_ns` when the entry was created.
     pub created_ns: u64,
-    /// `bpf_ktime_get_ns` of the last packet (updated at most once a second).
+    /// `bpf_ktime_get_coarse_ns` of the last packet (updated at most once a
+    /// second).
     pub last_seen_ns: u64,
 }
 
@@ -291,6 +320,42 @@ pub mod ct_timeout {
     /// `last_seen_ns` is refreshed at most this often, to spare a map write
     /// per packet.
     pub const REFRESH_NS: u64 = S;
+}
+
+/// The datapath's clock. `bpf_ktime_get_coarse_ns` is a helper call on every
+/// packet; `bpf_jiffies64` the JIT reads inline. Jiffies advance once a
+/// kernel tick, kept in step with the monotonic clock, so
+/// `ns + (jiffies64 - jiffies) * tick_ns` is CLOCK_MONOTONIC to within a
+/// tick, the precision of the coarse clock itself. `CLOCK[IN_FORCE]` holds
+/// the scale the agent calibrated (all zeros: not calibrated, the datapath
+/// reads the coarse clock); `CLOCK[SAMPLE]` is where `clock_probe` leaves a
+/// reading of both clocks (`tick_ns` 0) for the agent to calibrate from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Clock {
+    pub jiffies: u64,
+    pub ns: u64,
+    pub tick_ns: u64,
+}
+
+/// Slots of the `CLOCK` array.
+pub mod clock_slot {
+    pub const IN_FORCE: u32 = 0;
+    pub const SAMPLE: u32 = 1;
+    pub const COUNT: u32 = 2;
+}
+
+impl Clock {
+    /// This clock's reading at `jiffies` (when calibrated).
+    #[inline(always)]
+    pub fn at(&self, jiffies: u64) -> u64 {
+        self.ns.wrapping_add(
+            jiffies
+                .wrapping_sub(self.jiffies)
+                .wrapping_mul(self.tick_ns),
+        )
+    }
 }
 
 /// Conntrack idle timeouts in force: the single entry of the `CT_TIMEOUTS`
@@ -513,6 +578,7 @@ mod pod_impls {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for CtTimeouts {}
@@ -534,8 +600,9 @@ mod tests {
         assert_eq!(size_of::<ServiceValue>(), 24);
         assert_eq!(size_of::<BackendSlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
-        assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 64);
+        assert_eq!(size_of::<CtKey>(), 16);
+        assert_eq!(size_of::<CtValue>(), 40);
+        assert_eq!(size_of::<Clock>(), 24);
         assert_eq!(size_of::<NodeConfig>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 36);
         assert_eq!(size_of::<AffinityKey>(), 20);

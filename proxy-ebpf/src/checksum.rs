@@ -1,13 +1,15 @@
-//! Internet checksums updated in place (RFC 1624), for writes made straight
-//! into packet memory. Words are summed as they sit in memory, so no byte
-//! swapping is needed: the one's complement sum does not care. Loads and
-//! stores are of the field's width even where packet memory is misaligned
-//! for it (see `packet::read`).
+//! Writes made straight into packet memory, with their checksums updated
+//! in place (the arithmetic is `proxy_common::csum`, tested on the host).
+//! Loads and stores are of the field's width even where packet memory is
+//! misaligned for it (see `packet::read`).
 
-use proxy_common::{PROTO_TCP, PROTO_UDP};
+use proxy_common::{
+    PROTO_TCP, PROTO_UDP,
+    csum::{apply, delta16, delta32, fold, replace16},
+};
 
 use crate::{
-    nat::Side,
+    nat::Nat,
     packet::{ETH_HLEN, Flow},
 };
 
@@ -20,32 +22,6 @@ const IPV4_MIN_HLEN: usize = 20;
 /// 60-byte IPv4 header); bounds the offsets the verifier sees.
 const MAX_L4_OFF: usize = ETH_HLEN + 60;
 
-#[inline(always)]
-fn fold(mut sum: u64) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum as u16
-}
-
-/// The checksum after a 32-bit word of the covered data went from `old` to
-/// `new`: HC' = ~(~HC + ~m + m').
-#[inline(always)]
-pub fn replace32(csum: u16, old: u32, new: u32) -> u16 {
-    let sum = (!csum) as u64
-        + ((!old) >> 16) as u64
-        + ((!old) & 0xffff) as u64
-        + (new >> 16) as u64
-        + (new & 0xffff) as u64;
-    !fold(sum)
-}
-
-#[inline(always)]
-pub fn replace16(csum: u16, old: u16, new: u16) -> u16 {
-    let sum = (!csum) as u64 + (!old) as u64 + new as u64;
-    !fold(sum)
-}
-
 /// Who keeps the L4 checksum right after a rewrite.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum L4Csum {
@@ -56,75 +32,84 @@ pub enum L4Csum {
     Caller,
 }
 
-/// Rewrites one side of `flow` in the packet between `data` and `data_end`,
-/// fixing the IP checksum, and the L4 one if `l4` says so. A UDP checksum of
-/// 0 means "none" and stays 0; a computed 0 is sent as 0xffff (RFC 768).
+/// What a rewrite changed in the L4 checksum's coverage, for a caller that
+/// updates it (`L4Csum::Caller`): folded one's complement sums, as the
+/// kernel's checksum helpers take them, split because only addresses are
+/// in the pseudo-header; and the checksum field as it was.
+pub struct L4Deltas {
+    pub addrs: u32,
+    pub ports: u32,
+    pub csum: u16,
+}
+
+/// The L4 checksum field of `flow` in the packet between `data` and
+/// `data_end`, if it is inside.
+#[inline(always)]
+pub fn l4_csum_field(data: usize, data_end: usize, flow: &Flow) -> Option<*mut u16> {
+    let l4_off = flow.l4_off;
+    if l4_off > MAX_L4_OFF {
+        return None;
+    }
+    let l4p = data + l4_off;
+    // Per protocol, so that the verifier sees constant offsets.
+    if flow.proto == PROTO_TCP {
+        (l4p + 20 <= data_end).then_some((l4p + 16) as *mut u16)
+    } else {
+        (l4p + 8 <= data_end).then_some((l4p + 6) as *mut u16)
+    }
+}
+
+/// Writes `nat` over `flow`'s addresses and ports in the packet between
+/// `data` and `data_end` in one pass, with one checksum update for all of
+/// it: the IP checksum, and the L4 one if `l4` says so. A UDP checksum of 0
+/// means "none" and stays 0; a computed 0 is sent as 0xffff (RFC 768).
 #[inline(always)]
 pub fn rewrite_direct(
     data: usize,
     data_end: usize,
     flow: &Flow,
-    side: Side,
-    addr_be: u32,
-    port_be: u16,
+    nat: &Nat,
     l4: L4Csum,
-) -> Result<(), ()> {
+) -> Result<L4Deltas, ()> {
     let ip = data + ETH_HLEN;
     if ip + IPV4_MIN_HLEN > data_end {
         return Err(());
     }
-    let l4_off = flow.l4_off;
-    if l4_off > MAX_L4_OFF {
-        return Err(());
-    }
-    let l4p = data + l4_off;
-    // Per protocol, so that the verifier sees constant offsets.
-    let csum_at = if flow.proto == PROTO_TCP {
-        if l4p + 20 > data_end {
-            return Err(());
-        }
-        l4p + 16
-    } else {
-        if l4p + 8 > data_end {
-            return Err(());
-        }
-        l4p + 6
-    };
-    let (addr_at, port_at, old_addr, old_port) = match side {
-        Side::Source => (IP_SRC_OFF, 0, flow.src_be, flow.sport_be),
-        Side::Destination => (IP_DST_OFF, 2, flow.dst_be, flow.dport_be),
-    };
+    let l4_csum = l4_csum_field(data, data_end, flow).ok_or(())?;
+    let l4p = data + flow.l4_off;
+    let addrs = delta32(flow.src_be, nat.src_be) + delta32(flow.dst_be, nat.dst_be);
+    let ports = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
     // SAFETY: every access below is inside the bounds checked above.
     unsafe {
+        ((ip + IP_SRC_OFF) as *mut u32).write(nat.src_be);
+        ((ip + IP_DST_OFF) as *mut u32).write(nat.dst_be);
         let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
-        if old_addr != addr_be {
-            ip_csum.write(replace32(ip_csum.read(), old_addr, addr_be));
-            ((ip + addr_at) as *mut u32).write(addr_be);
-        }
-        if old_port != port_be {
-            ((l4p + port_at) as *mut u16).write(port_be);
-        }
+        ip_csum.write(apply(ip_csum.read(), addrs));
+        (l4p as *mut u16).write(nat.sport_be);
+        ((l4p + 2) as *mut u16).write(nat.dport_be);
+        let old = l4_csum.read();
         if l4 == L4Csum::Caller {
-            return Ok(());
+            return Ok(L4Deltas {
+                addrs: fold(addrs) as u32,
+                ports: fold(ports) as u32,
+                csum: old,
+            });
         }
-        let l4_csum = csum_at as *mut u16;
-        let mut l4c = l4_csum.read();
-        let udp_none = flow.proto == PROTO_UDP && l4c == 0;
-        if old_addr != addr_be {
-            // The address is in the L4 pseudo-header.
-            l4c = replace32(l4c, old_addr, addr_be);
+        let mut new = apply(old, addrs + ports);
+        if flow.proto == PROTO_UDP {
+            if old == 0 {
+                new = 0;
+            } else if new == 0 {
+                new = 0xffff;
+            }
         }
-        if old_port != port_be {
-            l4c = replace16(l4c, old_port, port_be);
-        }
-        if udp_none {
-            l4c = 0;
-        } else if flow.proto == PROTO_UDP && l4c == 0 {
-            l4c = 0xffff;
-        }
-        l4_csum.write(l4c);
+        l4_csum.write(new);
+        Ok(L4Deltas {
+            addrs: 0,
+            ports: 0,
+            csum: old,
+        })
     }
-    Ok(())
 }
 
 /// Takes one off the TTL, as a router does, for a packet sent on without

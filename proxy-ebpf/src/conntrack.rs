@@ -1,14 +1,14 @@
 //! Per-flow state: both directions of a translated flow have an entry, so a
 //! packet needs one lookup whichever way it goes.
 
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, slot_for,
-    v4_mapped,
+    Clock, CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir, ct_flags,
+    ct_timeout, slot_for,
 };
 
 use crate::{
-    maps::{CONNTRACK, count, ct_timeouts},
+    maps::{CLOCK, CONNTRACK, count, ct_timeouts},
     nat::Nat,
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -25,24 +25,39 @@ const SNAT_TRIES: u32 = 16;
 /// flow arriving later than this could be taken for the new one.
 const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
 
-/// The clock of conntrack and affinity timestamps. The coarse clock (a tick
-/// behind at most) is cheaper per packet and ample for timeouts of seconds;
-/// the agent's reaper reads the same CLOCK_MONOTONIC base.
+/// The clock of conntrack and affinity timestamps: CLOCK_MONOTONIC to
+/// within a kernel tick, ample for timeouts of seconds and the same base the
+/// agent's reaper reads. Scaled from jiffies, which the JIT reads inline,
+/// once the agent has calibrated the scale (see `Clock`); until then the
+/// coarse clock, a helper call.
 #[inline(always)]
 pub fn now_ns() -> u64 {
-    unsafe { bpf_ktime_get_coarse_ns() }
+    match CLOCK.get_ptr(clock_slot::IN_FORCE) {
+        // SAFETY: a valid array value pointer for this program's run.
+        Some(clock) if unsafe { (*clock).tick_ns } != 0 => unsafe { (*clock).at(bpf_jiffies64()) },
+        _ => unsafe { bpf_ktime_get_coarse_ns() },
+    }
+}
+
+/// Leaves a reading of both clocks in `CLOCK[SAMPLE]` (see `Clock`).
+#[inline(always)]
+pub fn sample_clocks() {
+    let sample = Clock {
+        // Jiffies first: the coarse clock is read as of the tick that set
+        // them or a later one, never an earlier one.
+        jiffies: unsafe { bpf_jiffies64() },
+        ns: unsafe { bpf_ktime_get_coarse_ns() },
+        tick_ns: 0,
+    };
+    if let Some(slot) = CLOCK.get_ptr_mut(clock_slot::SAMPLE) {
+        // SAFETY: as above; only the agent's probe runs write this slot.
+        unsafe { *slot = sample };
+    }
 }
 
 #[inline(always)]
 pub fn key(src_be: u32, dst_be: u32, sport_be: u16, dport_be: u16, proto: u8) -> CtKey {
-    CtKey {
-        src_be: v4_mapped(src_be),
-        dst_be: v4_mapped(dst_be),
-        sport_be,
-        dport_be,
-        proto,
-        _pad: [0; 3],
-    }
+    CtKey::new(src_be, dst_be, sport_be, dport_be, proto)
 }
 
 #[inline(always)]
@@ -86,17 +101,17 @@ pub fn translation(entry: &CtValue, flow: &Flow) -> Nat {
     let two_sided = entry.flags & ct_flags::TWO_SIDED != 0;
     let mut nat = Nat::identity(flow);
     if entry.dir == ct_dir::FORWARD {
-        nat.dst_be = entry.nat_addr_be[3];
+        nat.dst_be = entry.nat_addr_be;
         nat.dport_be = entry.nat_port_be;
         if two_sided {
-            nat.src_be = entry.alt_addr_be[3];
+            nat.src_be = entry.alt_addr_be;
             nat.sport_be = entry.alt_port_be;
         }
     } else {
-        nat.src_be = entry.nat_addr_be[3];
+        nat.src_be = entry.nat_addr_be;
         nat.sport_be = entry.nat_port_be;
         if two_sided {
-            nat.dst_be = entry.alt_addr_be[3];
+            nat.dst_be = entry.alt_addr_be;
             nat.dport_be = entry.alt_port_be;
         }
     }
@@ -180,7 +195,7 @@ pub struct NewFlow {
 #[inline(always)]
 fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
     let forward = CtValue {
-        nat_addr_be: v4_mapped(nf.nat.dst_be),
+        nat_addr_be: nf.nat.dst_be,
         nat_port_be: nf.nat.dport_be,
         flags: nf.kind
             | if nf.nat.redirect {
@@ -189,16 +204,16 @@ fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
                 0
             },
         dir: ct_dir::FORWARD,
-        alt_addr_be: v4_mapped(nf.nat.src_be),
+        alt_addr_be: nf.nat.src_be,
         alt_port_be: nf.nat.sport_be,
-        _pad1: 0,
+        _pad: 0,
         backend_id: nf.backend_id,
         service_id: nf.service_id,
         created_ns: now,
         last_seen_ns: now,
     };
     let reply = CtValue {
-        nat_addr_be: v4_mapped(flow.dst_be),
+        nat_addr_be: flow.dst_be,
         nat_port_be: flow.dport_be,
         flags: nf.kind
             | if nf.reply_redirect {
@@ -207,7 +222,7 @@ fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
                 0
             },
         dir: ct_dir::REPLY,
-        alt_addr_be: v4_mapped(flow.src_be),
+        alt_addr_be: flow.src_be,
         alt_port_be: flow.sport_be,
         ..forward
     };
@@ -263,8 +278,8 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
                 // send a straggler to this port.
                 if old.dir == ct_dir::REPLY {
                     let _ = CONNTRACK.remove(key(
-                        old.alt_addr_be[3],
-                        old.nat_addr_be[3],
+                        old.alt_addr_be,
+                        old.nat_addr_be,
                         old.alt_port_be,
                         old.nat_port_be,
                         flow.proto,

@@ -9,7 +9,7 @@ use aya_ebpf::{
 
 use crate::{
     checksum,
-    nat::{self, Side},
+    nat::{self, Nat},
     packet::Flow,
 };
 
@@ -29,9 +29,9 @@ pub trait Hook: EbpfContext {
     /// keep headers in fragments). False when that is impossible.
     fn pull(&self, len: u32) -> bool;
 
-    /// Rewrites the source or destination address and port of `flow`,
-    /// with checksums kept valid.
-    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()>;
+    /// Writes the translation `nat` over `flow`'s addresses and ports, with
+    /// checksums kept valid.
+    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()>;
 
     fn ingress_ifindex(&self) -> u32;
 }
@@ -56,11 +56,11 @@ impl Hook for TcContext {
     }
 
     #[inline(always)]
-    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()> {
+    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()> {
         // The socket buffer's checksum state (a partial checksum offloaded
         // to the device, or a complete one the stack re-validates) is only
         // kept right by the kernel's own helpers.
-        nat::rewrite_skb(self, flow, side, addr_be, port_be).map_err(|_| ())
+        nat::rewrite_skb(self, flow, nat).map_err(|_| ())
     }
 
     #[inline(always)]
@@ -88,16 +88,15 @@ impl Hook for XdpContext {
     }
 
     #[inline(always)]
-    fn rewrite(&self, flow: &Flow, side: Side, addr_be: u32, port_be: u16) -> Result<(), ()> {
+    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()> {
         checksum::rewrite_direct(
             self.data(),
             self.data_end(),
             flow,
-            side,
-            addr_be,
-            port_be,
+            nat,
             checksum::L4Csum::Here,
         )
+        .map(|_| ())
     }
 
     #[inline(always)]

@@ -78,6 +78,14 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// Samples the kernel clocks for the agent (see `proxy_common::Clock`).
+/// Never attached: run through BPF_PROG_TEST_RUN.
+#[xdp]
+pub fn clock_probe(_ctx: XdpContext) -> u32 {
+    conntrack::sample_clocks();
+    xdp_action::XDP_PASS
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

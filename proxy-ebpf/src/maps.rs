@@ -6,10 +6,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, ClusterCidrKey, CtKey,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
     MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
-    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, counter,
+    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, clock_slot, counter,
 };
 
 #[btf_map]
@@ -49,6 +49,9 @@ pub fn ct_timeouts() -> CtTimeouts {
         .get_ptr(0)
         .map_or(CtTimeouts::DEFAULT, |p| unsafe { *p }.or_default())
 }
+
+#[btf_map]
+pub static CLOCK: Array<Clock, { clock_slot::COUNT as usize }> = Array::new();
 
 #[btf_map]
 pub static NODE_ADDRS: HashMap<NodeAddrKey, NodeAddr, { MAX_NODE_ADDRS as usize }> = HashMap::new();

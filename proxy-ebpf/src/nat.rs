@@ -2,7 +2,10 @@
 //! writing it (XDP's is all in `checksum`).
 
 use aya_ebpf::programs::TcContext;
-use proxy_common::PROTO_UDP;
+use proxy_common::{
+    PROTO_UDP,
+    csum::{self, SkbCsum},
+};
 
 use crate::{
     checksum::{self, L4Csum},
@@ -14,11 +17,6 @@ const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
 /// 0xffff, as RFC 768 wants.
 const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
-
-pub enum Side {
-    Source,
-    Destination,
-}
 
 /// The addresses and ports a packet leaves with.
 #[derive(Clone, Copy)]
@@ -48,60 +46,51 @@ impl Nat {
     /// Writes this translation into the packet.
     #[inline(always)]
     pub fn apply<H: Hook>(&self, ctx: &H, flow: &Flow) -> Result<(), ()> {
-        if self.dst_be != flow.dst_be || self.dport_be != flow.dport_be {
-            ctx.rewrite(flow, Side::Destination, self.dst_be, self.dport_be)?;
-        }
-        if self.src_be != flow.src_be || self.sport_be != flow.sport_be {
-            ctx.rewrite(flow, Side::Source, self.src_be, self.sport_be)?;
-        }
-        Ok(())
+        ctx.rewrite(flow, self)
+    }
+
+    #[inline(always)]
+    fn moves_addrs(&self, flow: &Flow) -> bool {
+        self.src_be != flow.src_be || self.dst_be != flow.dst_be
+    }
+
+    #[inline(always)]
+    fn moves_ports(&self, flow: &Flow) -> bool {
+        self.sport_be != flow.sport_be || self.dport_be != flow.dport_be
     }
 }
 
-/// Rewrites the source or destination address and port of `flow` at tc.
-/// Addresses, ports and the IP checksum (never offloaded) are written in
-/// place; the L4 checksum goes through the kernel's helper, the only code
-/// that knows whether the socket buffer holds a partial checksum (to be
-/// finished by the device: only the pseudo-header part changes) or a
-/// complete one (whose `skb->csum` must follow).
+/// Writes `nat` over `flow` at tc. Addresses, ports and the IP checksum
+/// (never offloaded) are written in place. The L4 checksum depends on the
+/// socket buffer's checksum state, which only the kernel's helper can read:
+/// a partial checksum (to be finished by the device) changes only with the
+/// pseudo-header, a complete one also needs `skb->csum` to follow. So the
+/// address change goes through the helper, and the helper's result tells
+/// which state the buffer is in (`proxy_common::csum::state_after_pseudo`); the port
+/// change is then written in place, saving a second helper call, or left
+/// to the helper when the state cannot be told.
 #[inline(always)]
-pub fn rewrite_skb(
-    ctx: &TcContext,
-    flow: &Flow,
-    side: Side,
-    addr_be: u32,
-    port_be: u16,
-) -> Result<(), i64> {
-    let (old_addr, old_port) = match side {
-        Side::Source => (flow.src_be, flow.sport_be),
-        Side::Destination => (flow.dst_be, flow.dport_be),
-    };
-    checksum::rewrite_direct(
-        ctx.data(),
-        ctx.data_end(),
-        flow,
-        side,
-        addr_be,
-        port_be,
-        L4Csum::Caller,
-    )
-    .map_err(|()| -1i64)?;
+pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
+    let deltas = checksum::rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, L4Csum::Caller)
+        .map_err(|()| -1i64)?;
     let csum_off = flow.l4_csum_off();
-    let mangled = if flow.proto == PROTO_UDP {
-        BPF_F_MARK_MANGLED_0
-    } else {
-        0
-    };
-    if old_addr != addr_be {
-        ctx.l4_csum_replace(
-            csum_off,
-            old_addr as u64,
-            addr_be as u64,
-            BPF_F_PSEUDO_HDR | mangled | 4,
-        )?;
+    let udp = flow.proto == PROTO_UDP;
+    let mangled = if udp { BPF_F_MARK_MANGLED_0 } else { 0 };
+    let mut state = SkbCsum::Unknown;
+    // Size 0: `to` is a difference to add, not a field's new value.
+    if nat.moves_addrs(flow) {
+        ctx.l4_csum_replace(csum_off, 0, deltas.addrs as u64, BPF_F_PSEUDO_HDR | mangled)?;
+        // The helper may have moved packet data: pointers are taken anew.
+        let field = checksum::l4_csum_field(ctx.data(), ctx.data_end(), flow).ok_or(-1i64)?;
+        // SAFETY: inside the packet, as `l4_csum_field` checked.
+        let after = unsafe { field.read() };
+        state = csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp);
+        if nat.moves_ports(flow) && state == SkbCsum::Full {
+            unsafe { field.write(csum::add_ports(after, deltas.ports, udp)) };
+        }
     }
-    if old_port != port_be {
-        ctx.l4_csum_replace(csum_off, old_port as u64, port_be as u64, mangled | 2)?;
+    if nat.moves_ports(flow) && state == SkbCsum::Unknown {
+        ctx.l4_csum_replace(csum_off, 0, deltas.ports as u64, mangled)?;
     }
     Ok(())
 }

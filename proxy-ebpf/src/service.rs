@@ -55,10 +55,6 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     }
     let now = conntrack::now_ns();
     if let Some((ptr, entry)) = conntrack::lookup(&flow, now) {
-        if !is_v4_mapped(&entry.nat_addr_be) {
-            count(counter::LOOKUP_MISS);
-            return Action::Pass;
-        }
         let nat = conntrack::translation(&entry, &flow);
         let Ok(hop) = xdp_next_hop(ctx, &flow, &nat) else {
             return Action::ToTc;

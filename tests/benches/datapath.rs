@@ -14,7 +14,7 @@
 //!   the kernel's per-run time (which includes the kernel's timer reads, the
 //!   same for every case). The only way to measure a new flow.
 //!
-//! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--out DIR]`
+//! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
 //! (root). Prints a markdown table and writes `datapath.md` and
 //! `datapath.json` to DIR.
 
@@ -26,7 +26,7 @@ use std::{
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use ebpf_proxy_tests::frames;
-use proxy_common::{CtKey, ct_dir, v4_mapped};
+use proxy_common::{CtKey, ct_dir};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     model::{
@@ -118,21 +118,6 @@ impl Prog<'_> {
         out.truncate(result.data_size_out as usize);
         (result.duration, out)
     }
-
-    /// Kernel-measured ns per packet of one frame run `repeat` times; the
-    /// median of `rounds` such measurements.
-    fn repeated(self, frame: &[u8], repeat: u32, rounds: usize) -> f64 {
-        let mut samples: Vec<f64> = (0..rounds)
-            .map(|_| self.run(frame, repeat).0.as_nanos() as f64)
-            .collect();
-        median(&mut samples)
-    }
-
-    /// Median kernel-measured ns of single runs over the frames.
-    fn single<'f>(self, frames: impl Iterator<Item = &'f [u8]>) -> f64 {
-        let mut samples: Vec<f64> = frames.map(|f| self.run(f, 1).0.as_nanos() as f64).collect();
-        median(&mut samples)
-    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -140,11 +125,52 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// One case measured against the empty program of its hook. Every sample of
+/// the case is taken right after a sample of the floor, and the ratio is the
+/// median of those pairs' ratios: this machine's speed drifts by tens of
+/// percent over seconds (shared cores), which pairing cancels.
+#[derive(Clone, Copy)]
+struct Measured {
+    ns: f64,
+    floor_ns: f64,
+    ratio: f64,
+}
+
+/// `rounds` pairs of (floor sample, case sample), in ns.
+fn paired(
+    rounds: usize,
+    mut floor: impl FnMut(usize) -> f64,
+    mut case: impl FnMut(usize) -> f64,
+) -> Measured {
+    let (mut floors, mut cases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..rounds {
+        let f = floor(i);
+        let c = case(i);
+        floors.push(f);
+        cases.push(c);
+        ratios.push(c / f);
+    }
+    Measured {
+        ns: median(&mut cases),
+        floor_ns: median(&mut floors),
+        ratio: median(&mut ratios),
+    }
+}
+
+struct Case {
+    name: &'static str,
+    /// One-packet runs.
+    single: Measured,
+    /// The kernel's average over `repeat` runs of one packet (not for new
+    /// flows).
+    repeated: Option<Measured>,
+}
+
 struct Row {
     hook: &'static str,
     services: u32,
     program_s: f64,
-    cases: Vec<(&'static str, f64, Option<f64>)>,
+    cases: Vec<Case>,
 }
 
 /// Adds the mirror of conntrack entry `key`: the entry for the packet as
@@ -176,15 +202,14 @@ fn add_mirror(datapath: &mut Datapath, key: CtKey) {
 }
 
 fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> CtKey {
-    let addr = |ip: Ipv4Addr| v4_mapped(u32::from_ne_bytes(ip.octets()));
-    CtKey {
-        src_be: addr(src),
-        dst_be: addr(dst),
-        sport_be: sport.to_be(),
-        dport_be: dport.to_be(),
-        proto: frames::TCP,
-        _pad: [0; 3],
-    }
+    let addr = |ip: Ipv4Addr| u32::from_ne_bytes(ip.octets());
+    CtKey::new(
+        addr(src),
+        addr(dst),
+        sport.to_be(),
+        dport.to_be(),
+        frames::TCP,
+    )
 }
 
 /// The cases of one hook at one size: `program` against `floor`.
@@ -195,7 +220,7 @@ fn measure_hook(
     client_port: u16,
     news: &[Vec<u8>],
     (repeat, rounds, singles): (u32, usize, usize),
-) -> Vec<(&'static str, f64, Option<f64>)> {
+) -> Vec<Case> {
     // Loaded first; the references to them come after.
     datapath.load_floors().expect("loading the floor programs");
     let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
@@ -205,12 +230,36 @@ fn measure_hook(
         (Prog::Xdp(xdp_floor), Prog::Xdp(datapath.xdp_program()))
     };
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
-    let floor_rep = floor.repeated(&floor_frame, repeat, rounds);
-    let floor_single = floor.single(std::iter::repeat_n(floor_frame.as_slice(), singles));
-    let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);
-    let other_rep = program.repeated(&other, repeat, rounds);
-    let other_single = program.single(std::iter::repeat_n(other.as_slice(), singles));
-    let new_single = program.single(news.iter().map(Vec::as_slice));
+    let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
+    // Both methods for a case whose packet is the same every run.
+    let both = |name, program: Prog, frame: &[u8]| Case {
+        name,
+        single: paired(
+            singles,
+            |_| ns(floor, &floor_frame, 1),
+            |_| ns(program, frame, 1),
+        ),
+        repeated: Some(paired(
+            rounds,
+            |_| ns(floor, &floor_frame, repeat),
+            |_| ns(program, frame, repeat),
+        )),
+    };
+    let empty = both("empty program", floor, &floor_frame);
+    let other = both(
+        "not a service",
+        program,
+        &tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10),
+    );
+    let new = Case {
+        name: "new flow",
+        single: paired(
+            news.len(),
+            |_| ns(floor, &floor_frame, 1),
+            |i| ns(program, &news[i], 1),
+        ),
+        repeated: None,
+    };
 
     // The first packet establishes the measured flow; its mirror entries
     // make repeated runs ping-pong (see the module doc).
@@ -221,22 +270,34 @@ fn measure_hook(
     program.run(&reply, 1);
     add_mirror(datapath, ct_key(CLIENT, client_port, target, 80));
     add_mirror(datapath, ct_key(backend, 8080, CLIENT, client_port));
-    let program = if hook == "tc" {
-        Prog::Tc(datapath.tc_program())
+    let (floor, program) = if hook == "tc" {
+        (
+            Prog::Tc(datapath.floors().unwrap().0),
+            Prog::Tc(datapath.tc_program()),
+        )
     } else {
-        Prog::Xdp(datapath.xdp_program())
+        (
+            Prog::Xdp(datapath.floors().unwrap().1),
+            Prog::Xdp(datapath.xdp_program()),
+        )
     };
-    let est_rep = program.repeated(&est, repeat, rounds);
-    let est_single = program.single(std::iter::repeat_n(est.as_slice(), singles));
-    let reply_rep = program.repeated(&reply, repeat, rounds);
-    let reply_single = program.single(std::iter::repeat_n(reply.as_slice(), singles));
-    vec![
-        ("empty program", floor_single, Some(floor_rep)),
-        ("not a service", other_single, Some(other_rep)),
-        ("new flow", new_single, None),
-        ("established flow", est_single, Some(est_rep)),
-        ("reply (reverse NAT)", reply_single, Some(reply_rep)),
-    ]
+    let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
+    let both = |name, frame: &[u8]| Case {
+        name,
+        single: paired(
+            singles,
+            |_| ns(floor, &floor_frame, 1),
+            |_| ns(program, frame, 1),
+        ),
+        repeated: Some(paired(
+            rounds,
+            |_| ns(floor, &floor_frame, repeat),
+            |_| ns(program, frame, repeat),
+        )),
+    };
+    let established = both("established flow", &est);
+    let reply = both("reply (reverse NAT)", &reply);
+    vec![empty, other, new, established, reply]
 }
 
 fn main() {
@@ -248,15 +309,23 @@ fn main() {
         .and_then(|i| args.get(i + 1))
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("bench/results"));
-    let sizes: &[u32] = if quick {
-        &[10, 1_000, 10_000]
-    } else {
-        &[10, 1_000, 10_000, 100_000]
+    // `--sizes 10,1000` measures only those sizes (for profiling one case).
+    let sizes: Vec<u32> = match args.iter().position(|a| a == "--sizes") {
+        Some(i) => args
+            .get(i + 1)
+            .expect("--sizes needs a comma-separated list")
+            .split(',')
+            .map(|n| n.parse().expect("--sizes: a number of services"))
+            .collect(),
+        None if quick => vec![10, 1_000, 10_000],
+        None => vec![10, 1_000, 10_000, 100_000],
     };
+    // Many short rounds rather than a few long ones: the pairing with the
+    // floor (see `paired`) cancels drift only over the span of one pair.
     let (repeat, rounds, singles) = if quick {
-        (20_000, 5, 2_000)
+        (10_000, 25, 2_000)
     } else {
-        (100_000, 9, 10_000)
+        (20_000, 51, 10_000)
     };
 
     let root = PathBuf::from(format!(
@@ -279,7 +348,7 @@ fn main() {
         next_port
     };
 
-    for &size in sizes {
+    for &size in &sizes {
         let started = Instant::now();
         while installed < size {
             let owner = ObjectKey {
@@ -330,24 +399,22 @@ fn render(rows: &[Row], repeat: u32) -> String {
     let mut s = String::new();
     s.push_str(&format!(
         "Per-packet cost of tc_ingress and xdp_ingress (BPF_PROG_TEST_RUN, ns per packet; \
-         `single` = median of one-packet runs, `x{repeat}` = kernel average over {repeat} runs of \
-         one packet, established flows as a ping-pong pair; ratio = against the empty program of \
-         the same hook, same method)\n\n"
+         `single` = median of one-packet runs, `x{repeat}` = median of kernel averages over \
+         {repeat} runs of one packet, established flows as a ping-pong pair; ratio = median of \
+         (case / empty program of the same hook) over samples taken in pairs, same method; \
+         the empty program's own row shows the noise of that pairing)\n\n"
     ));
     s.push_str("| hook | services | case | single ns | ratio | repeat ns | ratio |\n");
     s.push_str("|---|---:|---|---:|---:|---:|---:|\n");
     for row in rows {
-        let (floor_single, floor_rep) = (row.cases[0].1, row.cases[0].2.unwrap_or(f64::NAN));
-        for (name, single, rep) in &row.cases {
-            let rep_cells = match rep {
-                Some(r) => format!("{r:.1} | {:.2}x", r / floor_rep),
+        for case in &row.cases {
+            let rep_cells = match case.repeated {
+                Some(r) => format!("{:.1} | {:.2}x", r.ns, r.ratio),
                 None => "- | -".into(),
             };
             s.push_str(&format!(
-                "| {} | {} | {name} | {single:.0} | {:.2}x | {rep_cells} |\n",
-                row.hook,
-                row.services,
-                single / floor_single
+                "| {} | {} | {} | {:.0} | {:.2}x | {rep_cells} |\n",
+                row.hook, row.services, case.name, case.single.ns, case.single.ratio
             ));
         }
     }
@@ -361,12 +428,15 @@ fn render(rows: &[Row], repeat: u32) -> String {
     for hook in ["tc", "xdp"] {
         let of_hook: Vec<&Row> = rows.iter().filter(|r| r.hook == hook).collect();
         if let (Some(first), Some(last)) = (of_hook.first(), of_hook.last()) {
-            let est = |r: &Row| r.cases[3].2.unwrap_or(f64::NAN);
+            let est = |r: &Row| r.cases[3].repeated.expect("established is repeated");
+            let (a, b) = (est(first), est(last));
             s.push_str(&format!(
-                "\n{hook}: established-flow cost (repeat) at {} vs {} services: {:+.1}%",
+                "\n{hook}: established flow (repeat) at {} vs {} services: {:+.1}% in ns, \
+                 {:+.1}% relative to the empty program measured alongside",
                 last.services,
                 first.services,
-                (est(last) / est(first) - 1.0) * 100.0
+                (b.ns / a.ns - 1.0) * 100.0,
+                (b.ratio / a.ratio - 1.0) * 100.0
             ));
         }
     }
@@ -375,16 +445,28 @@ fn render(rows: &[Row], repeat: u32) -> String {
 }
 
 fn json(rows: &[Row]) -> String {
+    let measured = |m: &Measured| {
+        format!(
+            "{{\"ns\":{:.2},\"floor_ns\":{:.2},\"ratio\":{:.3}}}",
+            m.ns, m.floor_ns, m.ratio
+        )
+    };
     let rows: Vec<String> = rows
         .iter()
         .map(|r| {
             let cases: Vec<String> = r
                 .cases
                 .iter()
-                .map(|(n, single, rep)| {
+                .map(|c| {
                     format!(
-                        "{{\"case\":\"{n}\",\"single_ns\":{single:.1},\"repeat_ns\":{}}}",
-                        rep.map_or("null".to_string(), |v| format!("{v:.2}"))
+                        "{{\"case\":\"{}\",\"single_ns\":{:.1},\"repeat_ns\":{},\
+                         \"single\":{},\"repeat\":{}}}",
+                        c.name,
+                        c.single.ns,
+                        c.repeated
+                            .map_or("null".to_string(), |m| format!("{:.2}", m.ns)),
+                        measured(&c.single),
+                        c.repeated.as_ref().map_or("null".to_string(), measured)
                     )
                 })
                 .collect();

@@ -412,6 +412,51 @@ fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
     assert_eq!(counter(&fx, "dnat_new"), 0);
 }
 
+/// The datapath's clock (jiffies scaled by the calibration `Datapath::load`
+/// makes) reads CLOCK_MONOTONIC, the reaper's clock, to within two ticks:
+/// a new flow's conntrack timestamps fall between readings taken around it.
+#[test]
+fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
+    let fx = fixture();
+    let scale = fx
+        .datapath
+        .maps
+        .clock
+        .get(&proxy_common::clock_slot::IN_FORCE, 0)
+        .expect("reading CLOCK");
+    assert!(
+        [10_000_000, 4_000_000, 3_333_333, 1_000_000].contains(&scale.tick_ns),
+        "calibrated tick is {} ns, not a kernel tick length",
+        scale.tick_ns
+    );
+    for sport in 41000..41005 {
+        let before = conntrack::monotonic_ns();
+        run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        let after = conntrack::monotonic_ns();
+        let key = proxy_common::CtKey::new(
+            u32::from_ne_bytes(CLIENT.octets()),
+            u32::from_ne_bytes(VIP.octets()),
+            sport.to_be(),
+            80u16.to_be(),
+            proxy_common::PROTO_TCP,
+        );
+        let entry = fx
+            .datapath
+            .maps
+            .conntrack
+            .get(&key, 0)
+            .expect("the new flow's conntrack entry");
+        let slack = 2 * scale.tick_ns;
+        assert!(
+            entry.created_ns + slack >= before && entry.created_ns <= after + slack,
+            "flow created at {} ns by the datapath clock, outside [{before}, {after}] \
+             monotonic (+-{slack} ns)",
+            entry.created_ns
+        );
+        std::thread::sleep(std::time::Duration::from_millis(30));
+    }
+}
+
 /// Configured conntrack timeouts rule both the datapath (an idle flow is
 /// balanced anew) and the agent's reaper (it removes the idle entries).
 #[test]

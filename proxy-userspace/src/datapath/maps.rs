@@ -6,7 +6,7 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, ClusterCidrKey, CtKey,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
     SourceRangeKey, counter, map_names,
 };
@@ -50,6 +50,7 @@ pub struct Maps {
     pub node_config: Array<MapData, NodeConfig>,
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u32>,
     pub cluster_cidrs: LpmTrie<MapData, ClusterCidrKey, u32>,
+    pub clock: Array<MapData, Clock>,
 }
 
 impl Maps {
@@ -87,6 +88,7 @@ impl Maps {
             node_config: Array::try_from(get(NODE_CONFIG)?).map_err(wrap(NODE_CONFIG))?,
             source_ranges: LpmTrie::try_from(get(SOURCE_RANGES)?).map_err(wrap(SOURCE_RANGES))?,
             cluster_cidrs: LpmTrie::try_from(get(CLUSTER_CIDRS)?).map_err(wrap(CLUSTER_CIDRS))?,
+            clock: Array::try_from(get(CLOCK)?).map_err(wrap(CLOCK))?,
         })
     }
 

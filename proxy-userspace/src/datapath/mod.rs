@@ -3,6 +3,7 @@
 //! handles the planner writes through.
 
 mod attach;
+pub mod clock;
 pub mod conntrack;
 mod detach;
 pub mod interfaces;
@@ -50,6 +51,8 @@ pub enum DatapathError {
     },
     #[error(transparent)]
     Maps(#[from] maps::MapsError),
+    #[error("calibrating the datapath clock: {0}")]
+    Clock(#[from] clock::ClockError),
 }
 
 /// A loaded datapath: program ready to attach, maps pinned.
@@ -92,7 +95,15 @@ impl Datapath {
         let mut ebpf = loader.load(EBPF_OBJECT)?;
         loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
         loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
-        let maps = Maps::take(&mut ebpf)?;
+        loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
+        let mut maps = Maps::take(&mut ebpf)?;
+        let probe: &Xdp = ebpf
+            .program(program_names::CLOCK_PROBE)
+            .and_then(|p| p.try_into().ok())
+            .expect("clock_probe was loaded above");
+        // Programs read the coarse clock until this is in force: correct,
+        // a helper call per packet slower.
+        clock::calibrate(probe, &mut maps.clock)?;
         Ok(Self {
             ebpf,
             pins,

@@ -1,0 +1,186 @@
+//! Internet checksum arithmetic for packets rewritten in place (RFC 1624),
+//! shared by the kernel programs and the host tests that check it against
+//! the kernel's own formulas. Words are summed as they sit in memory, so no
+//! byte swapping is needed: the one's complement sum does not care.
+
+/// Folds a sum of 16-bit words into 16 bits with end-around carry.
+#[inline(always)]
+pub fn fold(mut sum: u64) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum as u16
+}
+
+/// What the change of a 32-bit word from `old` to `new` adds to a
+/// checksum's one's complement sum (RFC 1624 eqn. 3: ~m + m', per 16-bit
+/// word). An unchanged word adds 0xffff per half, which is zero in one's
+/// complement, so unchanged fields need no branch.
+#[inline(always)]
+pub fn delta32(old: u32, new: u32) -> u64 {
+    ((!old) >> 16) as u64 + ((!old) & 0xffff) as u64 + (new >> 16) as u64 + (new & 0xffff) as u64
+}
+
+#[inline(always)]
+pub fn delta16(old: u16, new: u16) -> u64 {
+    (!old) as u64 + new as u64
+}
+
+/// The checksum `csum` after changes summing to `delta`: HC' = ~(~HC + delta).
+#[inline(always)]
+pub fn apply(csum: u16, delta: u64) -> u16 {
+    !fold((!csum) as u64 + delta)
+}
+
+#[inline(always)]
+pub fn replace16(csum: u16, old: u16, new: u16) -> u16 {
+    apply(csum, delta16(old, new))
+}
+
+/// A socket buffer's checksum state, as far as a tc program can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SkbCsum {
+    /// CHECKSUM_PARTIAL: the field holds the pseudo-header sum and the
+    /// device finishes it; only pseudo-header fields change it.
+    Partial,
+    /// Any other state: the field holds the full checksum.
+    Full,
+    /// Not told apart (see `state_after_pseudo`).
+    Unknown,
+}
+
+/// Which formula `bpf_l4_csum_replace` applied when it added the
+/// pseudo-header difference `delta` (folded) to an L4 checksum that went
+/// from `before` to `after`. Programs cannot read `skb->ip_summed`, but the
+/// helper's result shows it: a full checksum becomes ~(~before + delta), a
+/// partial one before + delta. The two differ unless `delta` is zero in
+/// one's complement, which is then `Unknown`; so is a UDP checksum of 0
+/// ("none", which the helper leaves alone) and anything matching neither.
+#[inline(always)]
+pub fn state_after_pseudo(before: u16, delta: u32, after: u16, udp: bool) -> SkbCsum {
+    let delta = fold(delta as u64);
+    if delta == 0 || delta == 0xffff || (udp && before == 0) {
+        return SkbCsum::Unknown;
+    }
+    // As the helper writes them for UDP, where 0 means "none".
+    let mangle = |c: u16| if udp && c == 0 { 0xffff } else { c };
+    let full = mangle(apply(before, delta as u64));
+    let partial = mangle(fold(before as u64 + delta as u64));
+    if after == full && after != partial {
+        SkbCsum::Full
+    } else if after == partial && after != full {
+        SkbCsum::Partial
+    } else {
+        SkbCsum::Unknown
+    }
+}
+
+/// A full L4 checksum `csum` after port changes summing to `ports`, kept
+/// valid for UDP (where 0 means "none", so a computed 0 is sent as 0xffff).
+#[inline(always)]
+pub fn add_ports(csum: u16, ports: u32, udp: bool) -> u16 {
+    let new = apply(csum, ports as u64);
+    if udp && new == 0 { 0xffff } else { new }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The kernel's side, transcribed from include/net/checksum.h and
+    //! net/core/utils.c (`inet_proto_csum_replace_by_diff`) with
+    //! `BPF_F_MARK_MANGLED_0` as `bpf_l4_csum_replace` applies it.
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn k_csum_add(a: u32, b: u32) -> u32 {
+        let (res, carry) = a.overflowing_add(b);
+        res + carry as u32
+    }
+
+    fn k_csum_fold(sum: u32) -> u16 {
+        let sum = (sum & 0xffff) + (sum >> 16);
+        let sum = (sum & 0xffff) + (sum >> 16);
+        !(sum as u16)
+    }
+
+    /// `bpf_l4_csum_replace(skb, off, 0, diff, BPF_F_PSEUDO_HDR | mangle)`.
+    fn kernel_pseudo(csum: u16, diff: u32, partial: bool, udp: bool) -> u16 {
+        if udp && csum == 0 {
+            return 0;
+        }
+        let new = if partial {
+            !k_csum_fold(k_csum_add(csum as u32, diff))
+        } else {
+            k_csum_fold(k_csum_add(diff, !(csum as u32)))
+        };
+        if udp && new == 0 { 0xffff } else { new }
+    }
+
+    /// The checksum of `words` (pseudo-header and segment, check field 0).
+    fn checksum(words: &[u16]) -> u16 {
+        !fold(words.iter().map(|w| *w as u64).sum())
+    }
+
+    proptest! {
+        /// The state told is never the wrong one.
+        #[test]
+        fn state_is_never_misread(
+            before: u16, diff: u32, partial: bool, udp: bool,
+        ) {
+            let diff = fold(diff as u64) as u32;
+            let after = kernel_pseudo(before, diff, partial, udp);
+            let told = state_after_pseudo(before, diff, after, udp);
+            let truth = if partial { SkbCsum::Partial } else { SkbCsum::Full };
+            prop_assert!(
+                told == truth || told == SkbCsum::Unknown,
+                "before {before:#x} diff {diff:#x} after {after:#x}: told {told:?}, was {truth:?}"
+            );
+        }
+
+        /// A full checksum rewritten as tc does it (addresses through the
+        /// kernel's helper, ports in place once the state is told) equals
+        /// the checksum computed afresh over the rewritten packet; a partial
+        /// one equals the new pseudo-header sum and ignores the ports.
+        #[test]
+        fn tc_rewrite_matches_a_fresh_checksum(
+            addrs in prop::array::uniform4(any::<u16>()),
+            new_addrs in prop::array::uniform4(any::<u16>()),
+            ports in prop::array::uniform2(any::<u16>()),
+            new_ports in prop::array::uniform2(any::<u16>()),
+            rest in prop::collection::vec(any::<u16>(), 1..16),
+            partial: bool,
+        ) {
+            // Pseudo-header: addresses, protocol (TCP), length.
+            let len = (20 + rest.len() * 2) as u16;
+            let packet = |a: [u16; 4], p: [u16; 2]| {
+                let mut w = a.to_vec();
+                w.extend([6u16.to_be(), len.to_be()]);
+                w.extend(p);
+                w.extend(&rest);
+                w
+            };
+            let pseudo_sum = |a: [u16; 4]| fold(a.iter().map(|w| *w as u64).sum::<u64>()
+                + 6u16.to_be() as u64 + len.to_be() as u64);
+            let before = if partial { pseudo_sum(addrs) } else { checksum(&packet(addrs, ports)) };
+            let d_addrs = fold((0..4).map(|i| delta16(addrs[i], new_addrs[i])).sum()) as u32;
+            let d_ports = fold((0..2).map(|i| delta16(ports[i], new_ports[i])).sum()) as u32;
+            let mut csum = kernel_pseudo(before, d_addrs, partial, false);
+            match state_after_pseudo(before, d_addrs, csum, false) {
+                SkbCsum::Full => csum = add_ports(csum, d_ports, false),
+                SkbCsum::Partial => {}
+                SkbCsum::Unknown => {
+                    // The helper again, without the pseudo-header flag.
+                    if !partial {
+                        csum = k_csum_fold(k_csum_add(d_ports, !(csum as u32)));
+                    }
+                }
+            }
+            let want = if partial { pseudo_sum(new_addrs) } else { checksum(&packet(new_addrs, new_ports)) };
+            // 0 and 0xffff are the same number in one's complement.
+            prop_assert!(
+                csum == want || (csum | want) == 0xffff && (csum & want) == 0,
+                "partial {partial}: got {csum:#x}, want {want:#x}"
+            );
+        }
+    }
+}

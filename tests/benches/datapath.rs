@@ -14,6 +14,11 @@
 //!   the kernel's per-run time (which includes the kernel's timer reads, the
 //!   same for every case). The only way to measure a new flow.
 //!
+//! Every sample of a case is taken right after a sample of the empty
+//! program, and the ratio reported is the median of those pairs' ratios
+//! (see `paired`); the empty program paired with itself shows what that
+//! pairing leaves of the machine's noise.
+//!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
 //! (root). Prints a markdown table and writes `datapath.md` and
 //! `datapath.json` to DIR.
@@ -38,6 +43,8 @@ use proxy_userspace::{
 };
 
 const ENDPOINTS: u32 = 10;
+/// Established flows measured per hook and size, in turn.
+const FLOWS: u16 = 8;
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
 
 fn vip(i: u32) -> Ipv4Addr {
@@ -136,25 +143,33 @@ struct Measured {
     ratio: f64,
 }
 
-/// `rounds` pairs of (floor sample, case sample), in ns.
+/// `rounds` rounds of (floor sample, case sample) pairs, one pair per case
+/// per round: the cases take turns, so a slow spell of the machine falls on
+/// all of them alike rather than on whichever ran then. Sample `i` of a
+/// case is `case(i)`, in ns.
 fn paired(
     rounds: usize,
-    mut floor: impl FnMut(usize) -> f64,
-    mut case: impl FnMut(usize) -> f64,
-) -> Measured {
-    let (mut floors, mut cases, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    mut floor: impl FnMut() -> f64,
+    cases: &mut [&mut dyn FnMut(usize) -> f64],
+) -> Vec<Measured> {
+    let mut samples = vec![(Vec::new(), Vec::new(), Vec::new()); cases.len()];
     for i in 0..rounds {
-        let f = floor(i);
-        let c = case(i);
-        floors.push(f);
-        cases.push(c);
-        ratios.push(c / f);
+        for (case, (floors, values, ratios)) in cases.iter_mut().zip(samples.iter_mut()) {
+            let f = floor();
+            let c = case(i);
+            floors.push(f);
+            values.push(c);
+            ratios.push(c / f);
+        }
     }
-    Measured {
-        ns: median(&mut cases),
-        floor_ns: median(&mut floors),
-        ratio: median(&mut ratios),
-    }
+    samples
+        .into_iter()
+        .map(|(mut floors, mut values, mut ratios)| Measured {
+            ns: median(&mut values),
+            floor_ns: median(&mut floors),
+            ratio: median(&mut ratios),
+        })
+        .collect()
 }
 
 struct Case {
@@ -212,6 +227,15 @@ fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> CtKey {
     )
 }
 
+/// The program of `hook`.
+fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
+    if hook == "tc" {
+        Prog::Tc(datapath.tc_program())
+    } else {
+        Prog::Xdp(datapath.xdp_program())
+    }
+}
+
 /// The cases of one hook at one size: `program` against `floor`.
 fn measure_hook(
     datapath: &mut Datapath,
@@ -221,83 +245,81 @@ fn measure_hook(
     news: &[Vec<u8>],
     (repeat, rounds, singles): (u32, usize, usize),
 ) -> Vec<Case> {
-    // Loaded first; the references to them come after.
     datapath.load_floors().expect("loading the floor programs");
-    let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
-    let (floor, program) = if hook == "tc" {
-        (Prog::Tc(tc_floor), Prog::Tc(datapath.tc_program()))
-    } else {
-        (Prog::Xdp(xdp_floor), Prog::Xdp(datapath.xdp_program()))
-    };
-    let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
-    let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
-    // Both methods for a case whose packet is the same every run.
-    let both = |name, program: Prog, frame: &[u8]| Case {
-        name,
-        single: paired(
-            singles,
-            |_| ns(floor, &floor_frame, 1),
-            |_| ns(program, frame, 1),
-        ),
-        repeated: Some(paired(
-            rounds,
-            |_| ns(floor, &floor_frame, repeat),
-            |_| ns(program, frame, repeat),
-        )),
-    };
-    let empty = both("empty program", floor, &floor_frame);
-    let other = both(
-        "not a service",
-        program,
-        &tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10),
-    );
-    let new = Case {
-        name: "new flow",
-        single: paired(
-            news.len(),
-            |_| ns(floor, &floor_frame, 1),
-            |i| ns(program, &news[i], 1),
-        ),
-        repeated: None,
-    };
+    // Established flows: several, taken in turn, since one flow's cost
+    // depends on what else shares its conntrack hash bucket. The first
+    // packet of each establishes it; its mirror entries make repeated runs
+    // ping-pong (see the module doc).
+    let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
+    for port in client_port..client_port + FLOWS {
+        let est = tcp(CLIENT, port, target, 80, 0x10);
+        let (_, out) = program(datapath, hook).run(&est, 1);
+        let backend = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
+        let reply = tcp(backend, 8080, CLIENT, port, 0x10);
+        program(datapath, hook).run(&reply, 1);
+        ests.push(est);
+        replies.push(reply);
+        mirrors.push(ct_key(CLIENT, port, target, 80));
+        mirrors.push(ct_key(backend, 8080, CLIENT, port));
+    }
+    for key in mirrors {
+        add_mirror(datapath, key);
+    }
 
-    // The first packet establishes the measured flow; its mirror entries
-    // make repeated runs ping-pong (see the module doc).
-    let est = tcp(CLIENT, client_port, target, 80, 0x10);
-    let (_, out) = program.run(&est, 1);
-    let backend = Ipv4Addr::new(out[30], out[31], out[32], out[33]);
-    let reply = tcp(backend, 8080, CLIENT, client_port, 0x10);
-    program.run(&reply, 1);
-    add_mirror(datapath, ct_key(CLIENT, client_port, target, 80));
-    add_mirror(datapath, ct_key(backend, 8080, CLIENT, client_port));
-    let (floor, program) = if hook == "tc" {
-        (
-            Prog::Tc(datapath.floors().unwrap().0),
-            Prog::Tc(datapath.tc_program()),
-        )
+    let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
+    let floor = if hook == "tc" {
+        Prog::Tc(tc_floor)
     } else {
-        (
-            Prog::Xdp(datapath.floors().unwrap().1),
-            Prog::Xdp(datapath.xdp_program()),
-        )
+        Prog::Xdp(xdp_floor)
     };
+    let program = program(datapath, hook);
+    let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
+    let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
-    let both = |name, frame: &[u8]| Case {
-        name,
-        single: paired(
-            singles,
-            |_| ns(floor, &floor_frame, 1),
-            |_| ns(program, frame, 1),
-        ),
-        repeated: Some(paired(
-            rounds,
-            |_| ns(floor, &floor_frame, repeat),
-            |_| ns(program, frame, repeat),
-        )),
-    };
-    let established = both("established flow", &est);
-    let reply = both("reply (reverse NAT)", &reply);
-    vec![empty, other, new, established, reply]
+
+    let singles_of = paired(
+        singles,
+        || ns(floor, &floor_frame, 1),
+        &mut [
+            &mut |_| ns(floor, &floor_frame, 1),
+            &mut |_| ns(program, &other, 1),
+            &mut |i| ns(program, &news[i], 1),
+            &mut |i| ns(program, &ests[i % ests.len()], 1),
+            &mut |i| ns(program, &replies[i % replies.len()], 1),
+        ],
+    );
+    let repeated_of = paired(
+        rounds,
+        || ns(floor, &floor_frame, repeat),
+        &mut [
+            &mut |_| ns(floor, &floor_frame, repeat),
+            &mut |_| ns(program, &other, repeat),
+            &mut |i| ns(program, &ests[i % ests.len()], repeat),
+            &mut |i| ns(program, &replies[i % replies.len()], repeat),
+        ],
+    );
+    let names = [
+        "empty program",
+        "not a service",
+        "new flow",
+        "established flow",
+        "reply (reverse NAT)",
+    ];
+    // New flows have no repeated measurement (the first run creates them).
+    let mut repeated = repeated_of.into_iter();
+    names
+        .into_iter()
+        .zip(singles_of)
+        .map(|(name, single)| Case {
+            name,
+            single,
+            repeated: if name == "new flow" {
+                None
+            } else {
+                repeated.next()
+            },
+        })
+        .collect()
 }
 
 fn main() {

@@ -141,6 +141,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     };
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
+    let mut older_layouts_retired = false;
     loop {
         tokio::select! {
             Some(event) = ev_rx.recv() => {
@@ -159,6 +160,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = reap.tick() => reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+        }
+        if !older_layouts_retired && sync.initial_done && datapath.attached().next().is_some() {
+            older_layouts_retired = true;
+            for dir in crate::datapath::retire_older_layouts(datapath.pins()) {
+                info!(dir = %dir.display(), "retired the datapath of an older layout version");
+            }
         }
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");

@@ -95,6 +95,16 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             config.snat_port_max
         );
     }
+    if let Ok(clock) = maps.clock.get(&proxy_common::clock_slot::IN_FORCE, 0) {
+        let _ = match clock.tick_ns {
+            0 => writeln!(out, "datapath clock: coarse monotonic (not calibrated)"),
+            tick => writeln!(
+                out,
+                "datapath clock: jiffies x {tick} ns (HZ {})",
+                (1_000_000_000 + tick / 2) / tick
+            ),
+        };
+    }
     let mut links: Vec<String> = std::fs::read_dir(pins.links_dir())
         .map(|d| {
             d.flatten()

@@ -125,9 +125,20 @@ impl Agent {
 
     /// [`Agent::start`] with extra arguments for `ebpf-proxy run`.
     pub fn start_with(node: &NetNs, manifests: &Path, extra_args: &[&str]) -> Result<Agent> {
+        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{}", unique_stem()));
+        Self::start_on_root(node, manifests, extra_args, bpf_root)
+    }
+
+    /// [`Agent::start_with`] on a given bpffs root, such as an earlier agent's (an
+    /// agent restarted or upgraded in place).
+    pub fn start_on_root(
+        node: &NetNs,
+        manifests: &Path,
+        extra_args: &[&str],
+        bpf_root: PathBuf,
+    ) -> Result<Agent> {
         let bin = binary()?;
         let stem = unique_stem();
-        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{stem}"));
         let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
         let log =
             File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;

@@ -354,6 +354,69 @@ fn pinned_datapath_outlives_the_agent_until_cleanup() {
     );
 }
 
+/// An agent of a newer layout version on the root an older one left (an upgrade in
+/// place) retires the older datapath once its own serves: the older program, still
+/// attached through its pinned links, would otherwise go on translating first with
+/// maps nobody updates. Here the older datapath balances over all three backends and
+/// the newer one's Service has only backend-a: after the handover every connection
+/// must reach backend-a, and the older layout's pins must be gone.
+#[test]
+fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
+    let mut sb = cluster_with_web(&[CLIENT]);
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(
+        status.success(),
+        "the agent exited with {status} on SIGTERM"
+    );
+    let root = sb.agent().bpf_root().to_owned();
+    let current = format!("v{}", proxy_common::LAYOUT_VERSION);
+    let older = root.join(format!("v{}", proxy_common::LAYOUT_VERSION - 1));
+    std::fs::rename(root.join(&current), &older).expect("making the pins an older layout's");
+    let stale = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("old datapath");
+    assert_eq!(
+        stale.counts.len(),
+        3,
+        "the older datapath should still balance over every backend: {:?}",
+        stale.counts
+    );
+
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&[BACKENDS[0].1])),
+        )
+        .expect("write manifest");
+    let upgraded = ebpf_proxy_tests::agent::Agent::start_on_root(
+        &sb.topology().node,
+        sb.manifests().path(),
+        &[],
+        root.clone(),
+    )
+    .expect("start the newer agent on the same root");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while older.exists() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !older.exists(),
+        "{} still there 5 s after the newer agent started; its log:\n{}",
+        older.display(),
+        upgraded.log()
+    );
+    assert!(
+        root.join(&current).exists(),
+        "the newer agent's own layout {current} must stay"
+    );
+    let after = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("new datapath");
+    assert_all_replied_from(CLIENT.1, "after the handover", &after);
+    assert_eq!(
+        after.counts.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["backend-a"],
+        "after the handover only the newer datapath's backend may answer: {:?}",
+        after.counts
+    );
+}
+
 /// A closed flow through the ClusterIP leaves conntrack state behind for a while. A
 /// new, unrelated connection from the same client port straight to the same backend's
 /// pod address (the kernel may pick that port: the destination differs) must not be

@@ -288,7 +288,8 @@ fn nodeport_cluster_policy(path: Path) {
     assert!(
         status.contains("SNAT to 192.168.50.1 ports 1024-29999")
             && status.contains("192.168.50.1 (NodePorts)")
-            && status.contains("0.0.0.0:30080/TCP"),
+            && status.contains("0.0.0.0:30080/TCP")
+            && status.contains("datapath clock: jiffies x"),
         "status of node A:\n{status}"
     );
     let xdp_link = status.contains("xdp-eth0");

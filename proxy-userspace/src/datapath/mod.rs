@@ -51,8 +51,6 @@ pub enum DatapathError {
     },
     #[error(transparent)]
     Maps(#[from] maps::MapsError),
-    #[error("calibrating the datapath clock: {0}")]
-    Clock(#[from] clock::ClockError),
 }
 
 /// A loaded datapath: program ready to attach, maps pinned.
@@ -101,9 +99,16 @@ impl Datapath {
             .program(program_names::CLOCK_PROBE)
             .and_then(|p| p.try_into().ok())
             .expect("clock_probe was loaded above");
-        // Programs read the coarse clock until this is in force: correct,
-        // a helper call per packet slower.
-        clock::calibrate(probe, &mut maps.clock)?;
+        // Programs read the coarse clock until a scale is in force: correct,
+        // a helper call per packet slower. So a failed calibration is only
+        // worth a warning.
+        match clock::calibrate(probe, &mut maps.clock) {
+            Ok(scale) => tracing::debug!(tick_ns = scale.tick_ns, "datapath clock calibrated"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "datapath clock not calibrated: the datapath reads the kernel's coarse clock instead"
+            ),
+        }
         Ok(Self {
             ebpf,
             pins,
@@ -269,6 +274,44 @@ where
         .map_err(err)?;
     program.load_once().map_err(err)?;
     Ok(program)
+}
+
+/// Detaches and removes what agents of older layout versions left pinned
+/// under the same root (an upgrade): their programs stay attached through
+/// their pinned links and would go on translating ahead of this agent's,
+/// with maps nobody updates any more. Meant for once this agent's datapath
+/// is attached and programmed, so that traffic is never without one. Their
+/// conntrack is not carried over: flows they translated are balanced anew.
+/// Returns the directories removed.
+pub fn retire_older_layouts(pins: &PinLayout) -> Vec<std::path::PathBuf> {
+    let current = pins.versioned();
+    let mut retired = Vec::new();
+    let Ok(entries) = std::fs::read_dir(pins.root()) else {
+        return retired;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let is_layout = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix('v'))
+            .is_some_and(|v| v.parse::<u32>().is_ok());
+        if !is_layout || dir == current {
+            continue;
+        }
+        if let Ok(links) = std::fs::read_dir(dir.join("links")) {
+            for link in links.flatten() {
+                if let Err(e) = detach::detach_pinned_link(&link.path()) {
+                    tracing::warn!(pin = %link.path().display(), error = %e, "detaching an older layout's link");
+                }
+            }
+        }
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => retired.push(dir),
+            Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "removing an older layout"),
+        }
+    }
+    retired
 }
 
 /// Detaches and unpins everything under `pins` (`ebpf-proxy cleanup`).

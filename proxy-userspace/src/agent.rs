@@ -163,8 +163,14 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         }
         if !older_layouts_retired && sync.initial_done && datapath.attached().next().is_some() {
             older_layouts_retired = true;
-            for dir in crate::datapath::retire_older_layouts(datapath.pins()) {
-                info!(dir = %dir.display(), "retired the datapath of an older layout version");
+            let pins = datapath.pins().clone();
+            for retired in crate::datapath::upgrade::retire_older_layouts(&pins, &mut datapath.maps)
+            {
+                info!(
+                    dir = %retired.dir.display(),
+                    flows_carried_over = retired.flows,
+                    "retired the datapath of an older layout version"
+                );
             }
         }
     }

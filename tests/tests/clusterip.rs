@@ -358,8 +358,10 @@ fn pinned_datapath_outlives_the_agent_until_cleanup() {
 /// place) retires the older datapath once its own serves: the older program, still
 /// attached through its pinned links, would otherwise go on translating first with
 /// maps nobody updates. Here the older datapath balances over all three backends and
-/// the newer one's Service has only backend-a: after the handover every connection
-/// must reach backend-a, and the older layout's pins must be gone.
+/// the newer one's Service has only backend-a: after the handover every new
+/// connection must reach backend-a, and the older layout's pins must be gone. A
+/// connection the older datapath sent to another backend keeps it: conntrack is
+/// carried over.
 #[test]
 fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
     let mut sb = cluster_with_web(&[CLIENT]);
@@ -379,6 +381,16 @@ fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
         "the older datapath should still balance over every backend: {:?}",
         stale.counts
     );
+
+    // A connection of the older datapath's to a backend the newer one drops.
+    let mut session = (0..20)
+        .map(|_| {
+            TcpSession::open(&sb.client().ns, http(CLUSTER_IP), TIMEOUT)
+                .expect("connect through the older datapath")
+        })
+        .find(|session| session.greeting.backend != BACKENDS[0].0)
+        .expect("20 connections through the older datapath all reached backend-a");
+    let backend = session.greeting.backend.clone();
 
     sb.manifests()
         .write(
@@ -414,6 +426,14 @@ fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
         ["backend-a"],
         "after the handover only the newer datapath's backend may answer: {:?}",
         after.counts
+    );
+    let answer = session
+        .exchange("after")
+        .expect("the connection made before the upgrade, after it");
+    assert_eq!(
+        answer,
+        format!("{backend} after"),
+        "the connection made before the upgrade changed backend"
     );
 }
 

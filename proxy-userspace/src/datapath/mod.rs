@@ -9,6 +9,7 @@ mod detach;
 pub mod interfaces;
 pub mod maps;
 pub mod pins;
+pub mod upgrade;
 
 use std::path::Path;
 
@@ -274,44 +275,6 @@ where
         .map_err(err)?;
     program.load_once().map_err(err)?;
     Ok(program)
-}
-
-/// Detaches and removes what agents of older layout versions left pinned
-/// under the same root (an upgrade): their programs stay attached through
-/// their pinned links and would go on translating ahead of this agent's,
-/// with maps nobody updates any more. Meant for once this agent's datapath
-/// is attached and programmed, so that traffic is never without one. Their
-/// conntrack is not carried over: flows they translated are balanced anew.
-/// Returns the directories removed.
-pub fn retire_older_layouts(pins: &PinLayout) -> Vec<std::path::PathBuf> {
-    let current = pins.versioned();
-    let mut retired = Vec::new();
-    let Ok(entries) = std::fs::read_dir(pins.root()) else {
-        return retired;
-    };
-    for entry in entries.flatten() {
-        let dir = entry.path();
-        let is_layout = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.strip_prefix('v'))
-            .is_some_and(|v| v.parse::<u32>().is_ok());
-        if !is_layout || dir == current {
-            continue;
-        }
-        if let Ok(links) = std::fs::read_dir(dir.join("links")) {
-            for link in links.flatten() {
-                if let Err(e) = detach::detach_pinned_link(&link.path()) {
-                    tracing::warn!(pin = %link.path().display(), error = %e, "detaching an older layout's link");
-                }
-            }
-        }
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => retired.push(dir),
-            Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "removing an older layout"),
-        }
-    }
-    retired
 }
 
 /// Detaches and unpins everything under `pins` (`ebpf-proxy cleanup`).

@@ -134,6 +134,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         dirty: BTreeSet::new(),
         listed: BTreeSet::new(),
         initial_done: false,
+        interfaces_applied: false,
         sequence: 0,
         sctp_reported: BTreeSet::new(),
         health_checks: BTreeMap::new(),
@@ -149,7 +150,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 sync.dirty.extend(state.apply(event));
                 deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.min_sync_period);
             }
-            Some(snapshot) = if_rx.recv() => apply_snapshot(&mut datapath, &snapshot, &config),
+            Some(snapshot) = if_rx.recv() => {
+                apply_snapshot(&mut datapath, &snapshot, &config);
+                sync.interfaces_applied = true;
+                if sync.initial_done {
+                    health.mark_synced();
+                }
+            }
             _ = async { tokio::time::sleep_until(deadline.unwrap()).await }, if deadline.is_some() => {
                 deadline = None;
                 sync.run(&state, &config.model, &mut planner, &mut datapath, &health);
@@ -336,6 +343,9 @@ struct SyncLoop {
     /// Kinds a complete listing has been received for.
     listed: BTreeSet<Kind>,
     initial_done: bool,
+    /// The datapath has been attached to the interfaces there were at least
+    /// once: until then it serves nothing, so the agent is not ready.
+    interfaces_applied: bool,
     sequence: u64,
     /// SCTP frontends already reported as not translated by the datapath.
     sctp_reported: BTreeSet<crate::model::FrontendKey>,
@@ -453,7 +463,7 @@ impl SyncLoop {
             Ok(_) => {}
             Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
         }
-        if self.initial_done {
+        if self.initial_done && self.interfaces_applied {
             health.mark_synced();
         }
         info!(

@@ -299,9 +299,9 @@ pub struct CtValue {
     pub _pad: u16,
     pub backend_id: u32,
     pub service_id: u32,
-    /// `bpf_ktime_get_coarse_ns` when the entry was created.
+    /// The datapath clock (`Clock`) when the entry was created.
     pub created_ns: u64,
-    /// `bpf_ktime_get_coarse_ns` of the last packet (updated at most once a
+    /// The datapath clock at the last packet (updated at most once a
     /// second).
     pub last_seen_ns: u64,
 }
@@ -503,7 +503,8 @@ pub struct AffinityKey {
 pub struct AffinityValue {
     pub backend_id: u32,
     pub _pad: u32,
-    /// `bpf_ktime_get_ns` of the last new connection that used this entry.
+    /// The datapath clock (`Clock`) at the last new connection that used
+    /// this entry.
     pub last_used_ns: u64,
 }
 

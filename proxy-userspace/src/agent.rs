@@ -153,7 +153,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &snapshot, &config);
                 sync.interfaces_applied = true;
-                if sync.initial_done {
+                if sync.serving() {
                     health.mark_synced();
                 }
             }
@@ -168,7 +168,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if !older_layouts_retired && sync.initial_done && datapath.attached().next().is_some() {
+        if !older_layouts_retired && sync.serving() && datapath.attached().next().is_some() {
             older_layouts_retired = true;
             let pins = datapath.pins().clone();
             for retired in crate::datapath::upgrade::retire_older_layouts(&pins, &mut datapath.maps)
@@ -355,6 +355,11 @@ struct SyncLoop {
 }
 
 impl SyncLoop {
+    /// Synced and attached: what readiness means.
+    fn serving(&self) -> bool {
+        self.initial_done && self.interfaces_applied
+    }
+
     fn refresh_health_check(
         &mut self,
         state: &ClusterState,
@@ -463,7 +468,7 @@ impl SyncLoop {
             Ok(_) => {}
             Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
         }
-        if self.initial_done && self.interfaces_applied {
+        if self.serving() {
             health.mark_synced();
         }
         info!(

@@ -13,6 +13,8 @@
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench control_plane -- [--quick] [--out DIR]`
 //! (root).
 
+mod common;
+
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddrV4},
     path::PathBuf,
@@ -114,14 +116,9 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let out_dir = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("bench/results"));
+    let args = common::Args::from_env();
+    let quick = args.flag("--quick");
+    let out_dir = args.out_dir().expect("--out");
     let services: u32 = if quick { 1_000 } else { 10_000 };
     let changes = 200;
 

@@ -23,6 +23,8 @@
 //! (root). Prints a markdown table and writes `datapath.md` and
 //! `datapath.json` to DIR.
 
+mod common;
+
 use std::{
     net::{IpAddr, Ipv4Addr},
     path::PathBuf,
@@ -323,25 +325,17 @@ fn measure_hook(
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let out_dir = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("bench/results"));
+    let args = common::Args::from_env();
+    let quick = args.flag("--quick");
+    let out_dir = args.out_dir().expect("--out");
     // `--sizes 10,1000` measures only those sizes (for profiling one case).
-    let sizes: Vec<u32> = match args.iter().position(|a| a == "--sizes") {
-        Some(i) => args
-            .get(i + 1)
-            .expect("--sizes needs a comma-separated list")
-            .split(',')
-            .map(|n| n.parse().expect("--sizes: a number of services"))
-            .collect(),
-        None if quick => vec![10, 1_000, 10_000],
-        None => vec![10, 1_000, 10_000, 100_000],
-    };
+    let sizes = args.sizes().expect("--sizes").unwrap_or_else(|| {
+        if quick {
+            vec![10, 1_000, 10_000]
+        } else {
+            vec![10, 1_000, 10_000, 100_000]
+        }
+    });
     // Many short rounds rather than a few long ones: the pairing with the
     // floor (see `paired`) cancels drift only over the span of one pair.
     let (repeat, rounds, singles) = if quick {

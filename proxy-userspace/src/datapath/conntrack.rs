@@ -29,7 +29,8 @@ fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
     move |source| MapsError::Map { name, source }
 }
 
-/// CLOCK_MONOTONIC in ns: the clock of `bpf_ktime_get_ns`.
+/// CLOCK_MONOTONIC in ns: what the datapath clock (`proxy_common::Clock`)
+/// reads.
 pub fn monotonic_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)

@@ -52,3 +52,17 @@ pub fn detach_pinned_link(path: &Path) -> io::Result<()> {
     bpf(BPF_LINK_DETACH, &mut attr)?;
     Ok(())
 }
+
+/// Detaches every link pinned in `dir` (a layout's `links/`), so that none
+/// acts on packets once this returns. A link that cannot be detached is
+/// logged; it goes when its pin does.
+pub fn detach_links_in(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if let Err(e) = detach_pinned_link(&entry.path()) {
+            tracing::warn!(pin = %entry.path().display(), error = %e, "detaching link");
+        }
+    }
+}

@@ -286,13 +286,7 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     }
     // Links are detached before their pins go, so that no packet is
     // translated once this returns (see detach.rs).
-    if let Ok(entries) = std::fs::read_dir(pins.links_dir()) {
-        for entry in entries.flatten() {
-            if let Err(e) = detach::detach_pinned_link(&entry.path()) {
-                tracing::warn!(pin = %entry.path().display(), error = %e, "detaching link");
-            }
-        }
-    }
+    detach::detach_links_in(&pins.links_dir());
     for dir in [pins.links_dir(), pins.maps_dir()] {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {

@@ -32,8 +32,38 @@ impl PinLayout {
         self.root.join(format!("v{LAYOUT_VERSION}"))
     }
 
+    /// The layout directories under the root other than this version's:
+    /// left by agents of other versions.
+    pub fn other_layouts(&self) -> Vec<PathBuf> {
+        let current = self.versioned();
+        let Ok(entries) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_prefix('v'))
+                    .is_some_and(|v| v.parse::<u32>().is_ok())
+            })
+            .map(|e| e.path())
+            .filter(|dir| *dir != current)
+            .collect()
+    }
+
+    /// Where the layout directory `layout` keeps its maps.
+    pub fn maps_in(layout: &Path) -> PathBuf {
+        layout.join("maps")
+    }
+
+    /// Where the layout directory `layout` keeps its links.
+    pub fn links_in(layout: &Path) -> PathBuf {
+        layout.join("links")
+    }
+
     pub fn maps_dir(&self) -> PathBuf {
-        self.versioned().join("maps")
+        Self::maps_in(&self.versioned())
     }
 
     pub fn map(&self, name: &str) -> PathBuf {
@@ -41,7 +71,7 @@ impl PinLayout {
     }
 
     pub fn links_dir(&self) -> PathBuf {
-        self.versioned().join("links")
+        Self::links_in(&self.versioned())
     }
 
     pub fn tc_ingress_link(&self, ifname: &str) -> PathBuf {

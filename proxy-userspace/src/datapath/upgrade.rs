@@ -91,37 +91,20 @@ pub struct Retired {
     pub flows: usize,
 }
 
-/// Retires every older layout under `pins`' root (see the module doc).
+/// Retires every other layout under `pins`' root (see the module doc): the
+/// older ones of an upgrade, or a newer one after a downgrade.
 pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
-    let current = pins.versioned();
     let mut retired = Vec::new();
-    let Ok(entries) = std::fs::read_dir(pins.root()) else {
-        return retired;
-    };
-    for entry in entries.flatten() {
-        let dir = entry.path();
-        let is_layout = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.strip_prefix('v'))
-            .is_some_and(|v| v.parse::<u32>().is_ok());
-        if !is_layout || dir == current {
-            continue;
-        }
-        let flows = match carry_conntrack(&dir.join("maps").join(map_names::CONNTRACK), maps) {
+    for dir in pins.other_layouts() {
+        let conntrack = PinLayout::maps_in(&dir).join(map_names::CONNTRACK);
+        let flows = match carry_conntrack(&conntrack, maps) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "older conntrack not carried over; its connections are balanced anew");
                 0
             }
         };
-        if let Ok(links) = std::fs::read_dir(dir.join("links")) {
-            for link in links.flatten() {
-                if let Err(e) = detach::detach_pinned_link(&link.path()) {
-                    tracing::warn!(pin = %link.path().display(), error = %e, "detaching an older layout's link");
-                }
-            }
-        }
+        detach::detach_links_in(&PinLayout::links_in(&dir));
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => retired.push(Retired { dir, flows }),
             Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "removing an older layout"),

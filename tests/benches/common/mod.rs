@@ -1,7 +1,7 @@
-//! What the end-to-end benchmarks (`e2e`, `nodeport`) share: Ctrl-C handling, the
-//! backend servers, the closed-loop client, interleaved rounds and the per-round
-//! series they give, paired ratios, the machine's description, the command line and
-//! the result files.
+//! What the benchmarks share: the command line and where results go (all of them),
+//! and for the end-to-end ones (`e2e`, `nodeport`) Ctrl-C handling, the backend
+//! servers, the closed-loop client, interleaved rounds and the per-round series they
+//! give, paired ratios, the machine's description and the result files.
 //!
 //! Each bench includes it with `mod common;`. It is a directory with a `mod.rs`, so
 //! cargo does not take it for a bench target of its own; not every bench uses every

@@ -28,7 +28,9 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
     pub const CLOCK: &str = "CLOCK";
-    pub const ALL: [&str; 12] = [
+    pub const FLOW_CACHE: &str = "FLOW_CACHE";
+    pub const FLOW_GEN: &str = "FLOW_GEN";
+    pub const ALL: [&str; 14] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -41,6 +43,8 @@ pub mod map_names {
         SOURCE_RANGES,
         CLUSTER_CIDRS,
         CLOCK,
+        FLOW_CACHE,
+        FLOW_GEN,
     ];
 }
 
@@ -339,6 +343,49 @@ pub struct Clock {
     pub tick_ns: u64,
 }
 
+/// A per-CPU copy of a live conntrack entry, in `FLOW_CACHE` slot
+/// `flow_cache_slot(&key)`, so that a packet of an established flow is
+/// translated with an inline array lookup instead of a hash lookup (a call
+/// into the kernel, which hashes and compares the key).
+///
+/// A copy is only good while nothing that could have changed its entry has
+/// happened since it was taken; `FLOW_GEN` counts those events. Its slot
+/// `s < FLOW_CACHE_SLOTS` is bumped by the datapath whenever it removes or
+/// overwrites a conntrack entry whose key falls in cache slot `s`; slot
+/// `FLOW_GEN_EPOCH` by the agent after it removes entries. A copy records
+/// both counters as they were read *before* the conntrack lookup it copies,
+/// and is used only while both are unchanged, for at most
+/// `ct_timeout::REFRESH_NS` (so the entry's own timestamp keeps being
+/// refreshed), and never for a packet with SYN, FIN or RST (which change a
+/// flow's state and so always take the conntrack path).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FlowCacheEntry {
+    pub key: CtKey,
+    /// The entry as it was read; `last_seen_ns` is when it was copied.
+    pub value: CtValue,
+    /// `FLOW_GEN[flow_cache_slot(&key)]` before the lookup (its low half:
+    /// a copy lives far too short for that to wrap round).
+    pub slot_gen: u32,
+    /// `FLOW_GEN[FLOW_GEN_EPOCH]` before the lookup (its low half).
+    pub epoch: u32,
+}
+
+/// Slots of the per-CPU flow cache (a power of two).
+pub const FLOW_CACHE_SLOTS: u32 = 4096;
+/// The `FLOW_GEN` slot the agent bumps (the others are the datapath's).
+pub const FLOW_GEN_EPOCH: u32 = FLOW_CACHE_SLOTS;
+
+/// The flow cache slot of `key`: a multiplicative hash of its words, cheap
+/// enough to compute inline on every packet.
+#[inline(always)]
+pub fn flow_cache_slot(key: &CtKey) -> u32 {
+    let ports = (key.sport_be as u32) | ((key.dport_be as u32) << 16);
+    let mixed = key.src_be.rotate_left(7) ^ key.dst_be ^ ports.rotate_left(19) ^ key.proto as u32;
+    mixed.wrapping_mul(0x9e37_79b1) >> (32 - FLOW_CACHE_SLOTS.trailing_zeros())
+}
+
 /// Slots of the `CLOCK` array.
 pub mod clock_slot {
     pub const IN_FORCE: u32 = 0;
@@ -579,6 +626,7 @@ mod pod_impls {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for FlowCacheEntry {}
     unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}

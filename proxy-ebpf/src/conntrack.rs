@@ -8,6 +8,7 @@ use proxy_common::{
 };
 
 use crate::{
+    flow_cache,
     maps::{CLOCK, CONNTRACK, count, ct_timeouts},
     nat::Nat,
     packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
@@ -77,8 +78,7 @@ pub fn flow_key(flow: &Flow) -> CtKey {
 /// client connecting straight to a pod from the port it just used for the
 /// service); the stale entry is removed so its replies go untranslated.
 #[inline(always)]
-pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
-    let key = flow_key(flow);
+pub fn lookup(key: &CtKey, flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
     let ptr = CONNTRACK.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
     let entry = unsafe { *ptr };
@@ -89,7 +89,7 @@ pub fn lookup(flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
-        let _ = CONNTRACK.remove(key);
+        remove(key);
         return None;
     }
     Some((ptr, entry))
@@ -171,6 +171,34 @@ fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) {
     }
 }
 
+/// Removes `key`'s entry, and every CPU's cached copy of it.
+#[inline(always)]
+fn remove(key: &CtKey) {
+    let _ = CONNTRACK.remove(key);
+    flow_cache::invalidate(key);
+}
+
+/// Inserts the entry of a key that has no live one: the packet's own key,
+/// which its lookup just found absent, expired (never copied: see
+/// `flow_cache::put`) or removed. No CPU holds a copy of what it replaces.
+#[inline(always)]
+fn insert_new(key: &CtKey, value: &CtValue) -> Result<(), ()> {
+    CONNTRACK.insert(key, value, BPF_ANY).map_err(|_| ())
+}
+
+/// Inserts `key`'s entry if it has none. Otherwise (a live flow of another
+/// client port clashing on the backend side) overwrites it, and voids the
+/// copies of what it replaced: the uncommon case pays for the invalidation.
+#[inline(always)]
+fn insert_over(key: &CtKey, value: &CtValue) -> Result<(), ()> {
+    if CONNTRACK.insert(key, value, BPF_NOEXIST).is_ok() {
+        return Ok(());
+    }
+    CONNTRACK.insert(key, value, BPF_ANY).map_err(|_| ())?;
+    flow_cache::invalidate(key);
+    Ok(())
+}
+
 /// The hairpin source address as it sits in a packet.
 #[inline(always)]
 pub fn hairpin_addr() -> u32 {
@@ -242,9 +270,7 @@ pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
     let (reply_key, forward, reply) = entries(flow, nf, now);
     // Reply entry first: once the forward entry exists, packets are
     // translated, and their answers must already find their way back.
-    if CONNTRACK.insert(reply_key, reply, BPF_ANY).is_err()
-        || CONNTRACK.insert(flow_key(flow), forward, BPF_ANY).is_err()
-    {
+    if insert_over(&reply_key, &reply).is_err() || insert_new(&flow_key(flow), &forward).is_err() {
         count(counter::CT_INSERT_FAILED);
     }
 }
@@ -277,7 +303,7 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
                 // The old flow goes whole: its forward entry would still
                 // send a straggler to this port.
                 if old.dir == ct_dir::REPLY {
-                    let _ = CONNTRACK.remove(key(
+                    remove(&key(
                         old.alt_addr_be,
                         old.nat_addr_be,
                         old.alt_port_be,
@@ -285,12 +311,12 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
                         flow.proto,
                     ));
                 }
-                let _ = CONNTRACK.remove(reply_key);
+                remove(&reply_key);
                 taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
             }
         }
         if !taken {
-            if CONNTRACK.insert(flow_key(flow), forward, BPF_ANY).is_err() {
+            if insert_new(&flow_key(flow), &forward).is_err() {
                 count(counter::CT_INSERT_FAILED);
             }
             return Some(nf.nat.sport_be);

@@ -2,9 +2,13 @@
 //! pipeline (`service`) and carry out its decision in their hook's terms.
 #![no_std]
 #![no_main]
+// For one atomic add (see `flow_cache::invalidate`).
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod checksum;
 mod conntrack;
+mod flow_cache;
 mod hook;
 mod lb;
 mod maps;

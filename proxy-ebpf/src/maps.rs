@@ -7,9 +7,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
-    CtTimeouts, CtValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
-    MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
-    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SourceRangeKey, clock_slot, counter,
+    CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, MAP_F_NO_PREALLOC, MAX_AFFINITY,
+    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS,
+    MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
+    SourceRangeKey, clock_slot, counter,
 };
 
 #[btf_map]
@@ -34,6 +35,16 @@ pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_P
 
 #[btf_map]
 pub static CONNTRACK: LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+
+/// See `proxy_common::FlowCacheEntry`.
+#[btf_map]
+pub static FLOW_CACHE: PerCpuArray<FlowCacheEntry, { FLOW_CACHE_SLOTS as usize }> =
+    PerCpuArray::new();
+
+/// Invalidation counters of `FLOW_CACHE`: one per cache slot, then the
+/// agent's epoch.
+#[btf_map]
+pub static FLOW_GEN: Array<u64, { FLOW_CACHE_SLOTS as usize + 1 }> = Array::new();
 
 #[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as usize }> =

@@ -9,6 +9,7 @@ use proxy_common::{
 use crate::{
     checksum,
     conntrack::{self, NewFlow},
+    flow_cache,
     hook::Hook,
     lb,
     maps::{count, node_config},
@@ -54,12 +55,23 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         return Action::Pass;
     }
     let now = conntrack::now_ns();
-    if let Some((ptr, entry)) = conntrack::lookup(&flow, now) {
+    let key = conntrack::flow_key(&flow);
+    let stamp = flow_cache::stamp(&key);
+    // The entry's address, or null for a cached copy (not an `Option`: the
+    // unused payload of a `None` is an undefined register to the verifier).
+    let known = match flow_cache::get(&key, &stamp, &flow, now) {
+        Some(copy) => Some((core::ptr::null_mut(), copy)),
+        None => conntrack::lookup(&key, &flow, now),
+    };
+    if let Some((ptr, entry)) = known {
         let nat = conntrack::translation(&entry, &flow);
         let Ok(hop) = xdp_next_hop(ctx, &flow, &nat) else {
             return Action::ToTc;
         };
-        conntrack::touch(ptr, &entry, &flow, now);
+        if !ptr.is_null() {
+            conntrack::touch(ptr, &entry, &flow, now);
+            flow_cache::put(&key, &stamp, &entry, now);
+        }
         count(if entry.dir == ct_dir::FORWARD {
             counter::DNAT_ESTABLISHED
         } else {

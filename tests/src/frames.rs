@@ -8,6 +8,7 @@ pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
+pub const FIN: u8 = 0x01;
 pub const RST: u8 = 0x04;
 
 pub fn csum(data: &[u8], initial: u32) -> u16 {

@@ -327,8 +327,19 @@ fn hairpin_flows_are_snated_both_ways() {
 #[test]
 fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
     let mut fx = fixture();
+    // One CPU throughout, so that the flow's cached copy (taken by its
+    // second datagram) is the one later datagrams would find.
+    let _cpu = stay_on_this_cpu();
     let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53, false));
     let udp_backend = parse_checked(&out, "first datagram").dst;
+    for _ in 0..2 {
+        let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53, false));
+        assert_eq!(
+            parse_checked(&out, "datagram of the flow").dst,
+            udp_backend,
+            "a datagram of an established UDP flow changed backend"
+        );
+    }
     // A TCP connection to the same backend, opened before it departs.
     let tcp_sport = (44000..45000)
         .find(|sport| {
@@ -388,6 +399,117 @@ fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
         parse_checked(&out, "TCP after removal").dst,
         udp_backend,
         "an established TCP connection must keep its backend"
+    );
+}
+
+/// Pins the calling thread to the CPU it is on (per-CPU state such as the
+/// flow cache is then the same from one test run to the next), until the
+/// guard drops.
+fn stay_on_this_cpu() -> CpuGuard {
+    use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+    use nix::unistd::Pid;
+    let before = sched_getaffinity(Pid::from_raw(0)).expect("sched_getaffinity");
+    let cpu = unsafe { nix::libc::sched_getcpu() };
+    assert!(cpu >= 0, "sched_getcpu failed");
+    let mut one = CpuSet::new();
+    one.set(cpu as usize).expect("CPU number within a CpuSet");
+    sched_setaffinity(Pid::from_raw(0), &one).expect("sched_setaffinity");
+    CpuGuard(before)
+}
+
+struct CpuGuard(nix::sched::CpuSet);
+
+impl Drop for CpuGuard {
+    fn drop(&mut self) {
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &self.0);
+    }
+}
+
+fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> proxy_common::CtKey {
+    proxy_common::CtKey::new(
+        u32::from_ne_bytes(src.octets()),
+        u32::from_ne_bytes(dst.octets()),
+        sport.to_be(),
+        dport.to_be(),
+        proto,
+    )
+}
+
+/// Established packets are translated from this CPU's copy of their
+/// conntrack entry, and a copy is never used once its entry may have
+/// changed: after the agent bumps the epoch, or after the datapath removes
+/// or replaces the entry.
+#[test]
+fn flow_cache_serves_established_packets_until_its_entry_changes() {
+    let mut fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let sport = 41500;
+    let dst = |fx: &Fixture, flags: u8, what: &str| {
+        let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, flags));
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        parse_checked(&out, what).dst
+    };
+    let first = dst(&fx, frame::SYN, "SYN");
+    assert_eq!(dst(&fx, frame::ACK, "ACK taking the copy"), first);
+    assert_eq!(dst(&fx, frame::ACK, "ACK from the copy"), first);
+
+    // The entry is pointed at another backend behind the datapath's back:
+    // the copy still serves (which shows there is one) until the agent
+    // bumps the epoch, as it does after removing entries.
+    let other = *BACKENDS.iter().find(|b| **b != first).expect("3 backends");
+    let key = ct_key(CLIENT, sport, VIP, 80, proxy_common::PROTO_TCP);
+    let mut entry = fx.datapath.maps.conntrack.get(&key, 0).expect("flow entry");
+    entry.nat_addr_be = u32::from_ne_bytes(other.octets());
+    fx.datapath
+        .maps
+        .conntrack
+        .insert(key, entry, 0)
+        .expect("rewriting the entry");
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK with a rewritten entry"),
+        first,
+        "an established packet did not come from the flow cache"
+    );
+    fx.datapath
+        .maps
+        .bump_flow_epoch()
+        .expect("bumping the epoch");
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK after the epoch bump"),
+        other,
+        "a cached copy was used after the agent voided them"
+    );
+    assert_eq!(dst(&fx, frame::ACK, "ACK, copied again"), other);
+
+    // The connection closes and the client reuses its port for a new one,
+    // which the service now sends to a third backend: the datapath removes
+    // the closed entry, and the old copy must not outlive it.
+    let third = *BACKENDS
+        .iter()
+        .find(|b| **b != first && **b != other)
+        .expect("3 backends");
+    let fe = frontend(
+        VIP,
+        80,
+        Protocol::Tcp,
+        &[third],
+        8080,
+        NoEndpointAction::Reject,
+    );
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: "svc0".into(),
+    };
+    let out = fx
+        .planner
+        .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
+    assert_eq!(dst(&fx, frame::SYN, "SYN reusing the port"), third);
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK of the new connection"),
+        third,
+        "a copy of the closed connection's entry outlived it"
     );
 }
 

@@ -9,6 +9,9 @@
 //!   keeps its backend.
 //! - Entries idle past their timeout (`CtValue::expired`, shared with the
 //!   datapath) are reaped periodically, so the LRU maps hold live flows.
+//!
+//! Either removal is followed by a bump of the flow cache's epoch, which
+//! voids the copies of entries that CPUs keep (`proxy_common::FlowCacheEntry`).
 
 use std::collections::HashSet;
 
@@ -80,6 +83,9 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
             doomed.push(key);
         }
     }
+    if swept.conntrack > 0 {
+        maps.bump_flow_epoch()?;
+    }
     for key in doomed {
         if maps.affinity.remove(&key).is_ok() {
             swept.affinity += 1;
@@ -100,7 +106,7 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     }
     // Each is looked at again just before it goes: a new connection reusing
     // the tuple since the pass above has replaced the entry with a live one.
-    Ok(doomed
+    let reaped = doomed
         .into_iter()
         .filter(|key| {
             maps.conntrack
@@ -108,5 +114,9 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
                 .is_ok_and(|v| v.expired(key.proto, now_ns, &timeouts))
                 && maps.conntrack.remove(key).is_ok()
         })
-        .count())
+        .count();
+    if reaped > 0 {
+        maps.bump_flow_epoch()?;
+    }
+    Ok(reaped)
 }

@@ -7,8 +7,8 @@ use aya::maps::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
-    CtTimeouts, CtValue, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
-    SourceRangeKey, counter, map_names,
+    CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
+    ServiceValue, SourceRangeKey, counter, map_names,
 };
 
 use super::pins::PinLayout;
@@ -51,6 +51,9 @@ pub struct Maps {
     pub source_ranges: LpmTrie<MapData, SourceRangeKey, u32>,
     pub cluster_cidrs: LpmTrie<MapData, ClusterCidrKey, u32>,
     pub clock: Array<MapData, Clock>,
+    /// Invalidation counters of the datapath's flow cache
+    /// (`proxy_common::FlowCacheEntry`).
+    pub flow_gen: Array<MapData, u64>,
 }
 
 impl Maps {
@@ -89,7 +92,22 @@ impl Maps {
             source_ranges: LpmTrie::try_from(get(SOURCE_RANGES)?).map_err(wrap(SOURCE_RANGES))?,
             cluster_cidrs: LpmTrie::try_from(get(CLUSTER_CIDRS)?).map_err(wrap(CLUSTER_CIDRS))?,
             clock: Array::try_from(get(CLOCK)?).map_err(wrap(CLOCK))?,
+            flow_gen: Array::try_from(get(FLOW_GEN)?).map_err(wrap(FLOW_GEN))?,
         })
+    }
+
+    /// Voids every copy the datapath's flow cache holds: called after
+    /// conntrack entries were removed from here, so that no CPU goes on
+    /// translating a removed flow from its copy. The agent is the epoch's
+    /// only writer, so read-then-write is enough.
+    pub fn bump_flow_epoch(&mut self) -> Result<(), MapsError> {
+        let epoch = self
+            .flow_gen
+            .get(&FLOW_GEN_EPOCH, 0)
+            .map_err(wrap(map_names::FLOW_GEN))?;
+        self.flow_gen
+            .set(FLOW_GEN_EPOCH, epoch.wrapping_add(1), 0)
+            .map_err(wrap(map_names::FLOW_GEN))
     }
 
     /// Sets the node-wide datapath settings (SNAT address and ports).
@@ -165,7 +183,10 @@ impl Maps {
     pub fn set_ct_timeouts(&mut self, timeouts: CtTimeouts) -> Result<(), MapsError> {
         self.ct_timeouts
             .set(0, timeouts, 0)
-            .map_err(wrap(map_names::CT_TIMEOUTS))
+            .map_err(wrap(map_names::CT_TIMEOUTS))?;
+        // The flow cache copies only entries that outlive a copy by the
+        // timeouts it saw; shorter ones void that promise.
+        self.bump_flow_epoch()
     }
 
     /// The conntrack timeouts in force.

@@ -141,19 +141,26 @@ pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
         }
     }
     if flags != entry.flags {
-        mirror_flags(
+        let peer = mirror_flags(
             entry,
             flow,
             flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY),
             now,
         );
+        if flags & ct_flags::CLOSING != 0 && entry.flags & ct_flags::CLOSING == 0 {
+            // A closing flow's packets must keep its timestamps true: its
+            // SNAT port is given back after it has been quiet for a while.
+            // So copies taken before it closed go (later ones are refused).
+            flow_cache::invalidate(&flow_key(flow));
+            flow_cache::invalidate(&peer);
+        }
     }
 }
 
 /// Copies state changes to the entry of the other direction, so that both
-/// age the same way.
+/// age the same way. Returns that entry's key.
 #[inline(always)]
-fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) {
+fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
     // The other direction's tuple is this packet's translation, reversed.
     let nat = translation(entry, flow);
     let peer = key(
@@ -169,6 +176,7 @@ fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) {
             (*p).last_seen_ns = now;
         }
     }
+    peer
 }
 
 /// Removes `key`'s entry, and every CPU's cached copy of it.

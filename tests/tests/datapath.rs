@@ -505,6 +505,21 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         .sync_service(&owner, &[fe], &mut fx.datapath.maps);
     assert!(out.errors.is_empty(), "{:?}", out.errors);
     assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
+    // Closing voids the copies (a closing flow's packets keep its timestamp
+    // true, which decides when its SNAT port is free): an ACK after the FIN
+    // follows the entry, rewritten again behind the datapath's back.
+    let mut entry = fx.datapath.maps.conntrack.get(&key, 0).expect("flow entry");
+    entry.nat_addr_be = u32::from_ne_bytes(first.octets());
+    fx.datapath
+        .maps
+        .conntrack
+        .insert(key, entry, 0)
+        .expect("rewriting the entry");
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK after the FIN"),
+        first,
+        "a copy taken before the flow closed served a packet after it"
+    );
     assert_eq!(dst(&fx, frame::SYN, "SYN reusing the port"), third);
     assert_eq!(
         dst(&fx, frame::ACK, "ACK of the new connection"),

@@ -435,6 +435,17 @@ fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> pr
     )
 }
 
+/// Rewrites a forward conntrack entry to translate to `backend`, behind the
+/// datapath's back (no invalidation), as only a test would.
+fn point_entry_at(fx: &mut Fixture, key: &proxy_common::CtKey, backend: Ipv4Addr) {
+    let conntrack = &mut fx.datapath.maps.conntrack;
+    let mut entry = conntrack.get(key, 0).expect("flow entry");
+    entry.nat_addr_be = u32::from_ne_bytes(backend.octets());
+    conntrack
+        .insert(key, entry, 0)
+        .expect("rewriting the entry");
+}
+
 /// Established packets are translated from this CPU's copy of their
 /// conntrack entry, and a copy is never used once its entry may have
 /// changed: after the agent bumps the epoch, or after the datapath removes
@@ -458,13 +469,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
     // bumps the epoch, as it does after removing entries.
     let other = *BACKENDS.iter().find(|b| **b != first).expect("3 backends");
     let key = ct_key(CLIENT, sport, VIP, 80, proxy_common::PROTO_TCP);
-    let mut entry = fx.datapath.maps.conntrack.get(&key, 0).expect("flow entry");
-    entry.nat_addr_be = u32::from_ne_bytes(other.octets());
-    fx.datapath
-        .maps
-        .conntrack
-        .insert(key, entry, 0)
-        .expect("rewriting the entry");
+    point_entry_at(&mut fx, &key, other);
     assert_eq!(
         dst(&fx, frame::ACK, "ACK with a rewritten entry"),
         first,
@@ -508,13 +513,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
     // Closing voids the copies (a closing flow's packets keep its timestamp
     // true, which decides when its SNAT port is free): an ACK after the FIN
     // follows the entry, rewritten again behind the datapath's back.
-    let mut entry = fx.datapath.maps.conntrack.get(&key, 0).expect("flow entry");
-    entry.nat_addr_be = u32::from_ne_bytes(first.octets());
-    fx.datapath
-        .maps
-        .conntrack
-        .insert(key, entry, 0)
-        .expect("rewriting the entry");
+    point_entry_at(&mut fx, &key, first);
     assert_eq!(
         dst(&fx, frame::ACK, "ACK after the FIN"),
         first,

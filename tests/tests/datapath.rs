@@ -365,14 +365,7 @@ fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
             target,
             NoEndpointAction::Reject,
         );
-        let owner = ObjectKey {
-            namespace: "test".into(),
-            name: name.into(),
-        };
-        let out = fx
-            .planner
-            .sync_service(&owner, &[fe], &mut fx.datapath.maps);
-        assert!(out.errors.is_empty(), "{:?}", out.errors);
+        reprogram(&mut fx, name, fe);
     }
     let departed = fx.planner.take_departed();
     assert_eq!(
@@ -423,6 +416,23 @@ impl Drop for CpuGuard {
     fn drop(&mut self) {
         let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &self.0);
     }
+}
+
+/// Replaces the frontends of the fixture's Service `name` (`svcN`, the N-th
+/// of `fixture`'s list) with `fe`, as a sync after an edit would.
+fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: name.into(),
+    };
+    let out = fx
+        .planner
+        .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+    assert!(
+        out.errors.is_empty(),
+        "reprogramming {name}: {:?}",
+        out.errors
+    );
 }
 
 fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> proxy_common::CtKey {
@@ -501,14 +511,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         8080,
         NoEndpointAction::Reject,
     );
-    let owner = ObjectKey {
-        namespace: "test".into(),
-        name: "svc0".into(),
-    };
-    let out = fx
-        .planner
-        .sync_service(&owner, &[fe], &mut fx.datapath.maps);
-    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    reprogram(&mut fx, "svc0", fe);
     assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
     // Closing voids the copies (a closing flow's packets keep its timestamp
     // true, which decides when its SNAT port is free): an ACK after the FIN
@@ -569,13 +572,7 @@ fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
         let before = conntrack::monotonic_ns();
         run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
         let after = conntrack::monotonic_ns();
-        let key = proxy_common::CtKey::new(
-            u32::from_ne_bytes(CLIENT.octets()),
-            u32::from_ne_bytes(VIP.octets()),
-            sport.to_be(),
-            80u16.to_be(),
-            proxy_common::PROTO_TCP,
-        );
+        let key = ct_key(CLIENT, sport, VIP, 80, proxy_common::PROTO_TCP);
         let entry = fx
             .datapath
             .maps

@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
+pub mod ip_summed;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking

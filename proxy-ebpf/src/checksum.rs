@@ -5,7 +5,7 @@
 
 use proxy_common::{
     PROTO_TCP, PROTO_UDP,
-    csum::{apply, delta16, delta32, fold, replace16},
+    csum::{apply, delta16, delta32, fold, pseudo_partial, replace16},
 };
 
 use crate::{
@@ -22,13 +22,19 @@ const IPV4_MIN_HLEN: usize = 20;
 /// 60-byte IPv4 header); bounds the offsets the verifier sees.
 const MAX_L4_OFF: usize = ETH_HLEN + 60;
 
-/// Who keeps the L4 checksum right after a rewrite.
+/// What the L4 checksum field holds, and so who keeps it right after a
+/// rewrite.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum L4Csum {
-    /// Updated here, in place (XDP: checksums on the wire are complete).
-    Here,
-    /// Left to the caller (tc: only the kernel's helper knows whether the
-    /// socket buffer holds a partial or complete checksum).
+    /// The full checksum, with nothing else to follow it (XDP, where
+    /// checksums are as on the wire; tc with `CHECKSUM_NONE` or
+    /// `CHECKSUM_UNNECESSARY`): updated here, in place.
+    Full,
+    /// The pseudo-header sum a device finishes (tc, `CHECKSUM_PARTIAL`):
+    /// updated here for the addresses only, as the kernel does.
+    Partial,
+    /// Left to the caller (tc, when the state is `CHECKSUM_COMPLETE`, whose
+    /// `skb->csum` only the kernel's helper can update, or unknown).
     Caller,
 }
 
@@ -61,8 +67,9 @@ pub fn l4_csum_field(data: usize, data_end: usize, flow: &Flow) -> Option<*mut u
 
 /// Writes `nat` over `flow`'s addresses and ports in the packet between
 /// `data` and `data_end` in one pass, with one checksum update for all of
-/// it: the IP checksum, and the L4 one if `l4` says so. A UDP checksum of 0
-/// means "none" and stays 0; a computed 0 is sent as 0xffff (RFC 768).
+/// it: the IP checksum, and the L4 one unless `l4` leaves it to the caller.
+/// A UDP checksum of 0 means "none" and stays 0; a computed 0 is sent as
+/// 0xffff (RFC 768).
 #[inline(always)]
 pub fn rewrite_direct(
     data: usize,
@@ -96,7 +103,9 @@ pub fn rewrite_direct(
             });
         }
         let mut new = apply(old, addrs + ports);
-        if flow.proto == PROTO_UDP {
+        if l4 == L4Csum::Partial {
+            new = pseudo_partial(old, addrs, flow.proto == PROTO_UDP);
+        } else if flow.proto == PROTO_UDP {
             if old == 0 {
                 new = 0;
             } else if new == 0 {

@@ -57,9 +57,6 @@ impl Hook for TcContext {
 
     #[inline(always)]
     fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()> {
-        // The socket buffer's checksum state (a partial checksum offloaded
-        // to the device, or a complete one the stack re-validates) is only
-        // kept right by the kernel's own helpers.
         nat::rewrite_skb(self, flow, nat).map_err(|_| ())
     }
 
@@ -94,7 +91,7 @@ impl Hook for XdpContext {
             self.data_end(),
             flow,
             nat,
-            checksum::L4Csum::Here,
+            checksum::L4Csum::Full,
         )
         .map(|_| ())
     }

@@ -5,11 +5,14 @@
 // For one atomic add (see `flow_cache::invalidate`).
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
+// For the kfunc call that reads `skb->ip_summed` (see `ip_summed`).
+#![feature(asm_experimental_arch)]
 
 mod checksum;
 mod conntrack;
 mod flow_cache;
 mod hook;
+mod ip_summed;
 mod lb;
 mod maps;
 mod nat;

@@ -5,11 +5,13 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_UDP,
     csum::{self, SkbCsum},
+    ip_summed::{CHECKSUM_NONE, CHECKSUM_PARTIAL, CHECKSUM_UNNECESSARY},
 };
 
 use crate::{
     checksum::{self, L4Csum},
     hook::Hook,
+    ip_summed,
     packet::Flow,
 };
 
@@ -61,18 +63,30 @@ impl Nat {
 }
 
 /// Writes `nat` over `flow` at tc. Addresses, ports and the IP checksum
-/// (never offloaded) are written in place. The L4 checksum depends on the
-/// socket buffer's checksum state, which only the kernel's helper can read:
-/// a partial checksum (to be finished by the device) changes only with the
-/// pseudo-header, a complete one also needs `skb->csum` to follow. So the
-/// address change goes through the helper, and the helper's result tells
-/// which state the buffer is in (`proxy_common::csum::state_after_pseudo`); the port
-/// change is then written in place, saving a second helper call, or left
-/// to the helper when the state cannot be told.
+/// (never offloaded) are written in place. How the L4 checksum changes
+/// depends on the socket buffer's checksum state (`ip_summed`):
+/// - none or unnecessary: the field holds the full checksum, updated in
+///   place as at XDP;
+/// - partial (every packet a local socket sends with offload, so all pod
+///   traffic): the field holds the pseudo-header sum the device finishes,
+///   updated in place for the addresses only;
+/// - complete (`skb->csum` covers the packet and must follow), or not read:
+///   the address change goes through the kernel's helper, whose result also
+///   tells a partial field from a full one
+///   (`proxy_common::csum::state_after_pseudo`); the port change is then
+///   written in place, or left to the helper when the state cannot be told.
 #[inline(always)]
 pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
-    let deltas = checksum::rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, L4Csum::Caller)
-        .map_err(|()| -1i64)?;
+    let l4 = match ip_summed::read(ctx) {
+        CHECKSUM_NONE | CHECKSUM_UNNECESSARY => L4Csum::Full,
+        CHECKSUM_PARTIAL => L4Csum::Partial,
+        _ => L4Csum::Caller,
+    };
+    let deltas =
+        checksum::rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, l4).map_err(|()| -1i64)?;
+    if l4 != L4Csum::Caller {
+        return Ok(());
+    }
     let csum_off = flow.l4_csum_off();
     let udp = flow.proto == PROTO_UDP;
     let mangled = if udp { BPF_F_MARK_MANGLED_0 } else { 0 };

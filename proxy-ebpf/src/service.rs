@@ -56,10 +56,10 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     }
     let now = conntrack::now_ns();
     let key = conntrack::flow_key(&flow);
-    let stamp = flow_cache::stamp(&key);
+    let stamp = flow_cache::stamp(&key, &flow);
     // The entry's address, or null for a cached copy (not an `Option`: the
     // unused payload of a `None` is an undefined register to the verifier).
-    let known = match flow_cache::get(&key, &stamp, &flow, now) {
+    let known = match flow_cache::get(&key, &stamp, now) {
         Some(copy) => Some((core::ptr::null_mut(), copy)),
         None => conntrack::lookup(&key, &flow, now),
     };

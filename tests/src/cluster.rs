@@ -84,7 +84,7 @@ pub fn pod_net(index: usize) -> Ipv4Addr {
 }
 
 /// `ethtool`, which is in /usr/sbin, not always on a test's PATH.
-fn ethtool() -> &'static str {
+pub fn ethtool() -> &'static str {
     const SBIN: &str = "/usr/sbin/ethtool";
     if std::path::Path::new(SBIN).exists() {
         SBIN
@@ -156,10 +156,17 @@ pub struct Client {
 /// frames leave with the checksum still to be finished, as between containers of one
 /// host; off, they carry complete checksums, as on a physical wire.
 pub fn set_tx_checksum_offload(ns: &NetNs, on: bool) -> Result<()> {
+    set_offload(ns, UPLINK, "tx", on)
+}
+
+/// `ethtool -K <ifname> <feature> on|off` in `ns`: e.g. `rx` off makes the stack
+/// check received checksums itself, where a veth would otherwise vouch for them.
+pub fn set_offload(ns: &NetNs, ifname: &str, feature: &str, on: bool) -> Result<()> {
     run_cmd(
         ns.command(ethtool())
-            .args(["-K", UPLINK, "tx", if on { "on" } else { "off" }]),
-    )?;
+            .args(["-K", ifname, feature, if on { "on" } else { "off" }]),
+    )
+    .with_context(|| format!("ethtool -K {ifname} {feature} {on}"))?;
     Ok(())
 }
 

@@ -190,6 +190,45 @@ fn udp_reaches_backends_with_client_address() {
     );
 }
 
+/// Translated packets carry valid checksums whatever state the kernel keeps them
+/// in: partial (offloaded, what pods send), unnecessary (vouched for by the veth),
+/// and none. tc reads the state and updates checksums in place; a wrong update must
+/// cost a lost packet here, not pass unseen, so every receiver checks checksums
+/// itself (`rx off` on the pods' `eth0`) and the node finishes partial ones before
+/// they leave it (`tx off` on its pod-side veths).
+#[test]
+fn translated_packets_keep_valid_checksums_in_every_checksum_state() {
+    use ebpf_proxy_tests::cluster::set_offload;
+    let sb = cluster_with_web(&[CLIENT]);
+    let log = sb.agent().log();
+    assert!(
+        log.contains("Kfunc"),
+        "the agent must read socket buffers' checksum state on this kernel; its log:\n{log}"
+    );
+    let node = &sb.topology().node;
+    for pod in sb.topology().pods() {
+        set_offload(&pod.ns, "eth0", "rx", false).expect("pod rx checksumming off");
+        set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
+    }
+    // Senders' transmit offload and the node's receive offload decide the state
+    // tc sees: offload on gives partial; off, the veth marks the packet
+    // unnecessary if the node's side has receive offload, else none.
+    for (sender_tx, node_rx, state) in [
+        (true, true, "partial"),
+        (false, true, "unnecessary"),
+        (false, false, "none"),
+    ] {
+        for pod in sb.topology().pods() {
+            set_offload(&pod.ns, "eth0", "tx", sender_tx).expect("pod tx");
+            set_offload(node, &pod.host_if, "rx", node_rx).expect("node rx");
+        }
+        let tcp = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("tcp run");
+        assert_all_replied_from(CLIENT.1, &format!("TCP, {state} checksums"), &tcp);
+        let udp = udp_tally(&sb.client().ns, dns(CLUSTER_IP), 30, TIMEOUT).expect("udp run");
+        assert_all_replied_from(CLIENT.1, &format!("UDP, {state} checksums"), &udp);
+    }
+}
+
 /// (c) Removing an endpoint from the manifest stops new connections to it within a
 /// second, while a connection established to it before keeps working.
 #[test]

@@ -7,6 +7,8 @@ pub mod clock;
 pub mod conntrack;
 mod detach;
 pub mod interfaces;
+pub mod ip_summed;
+pub mod kernel_btf;
 pub mod maps;
 pub mod pins;
 pub mod upgrade;
@@ -52,6 +54,26 @@ pub enum DatapathError {
     },
     #[error(transparent)]
     Maps(#[from] maps::MapsError),
+    #[error("completing the eBPF object for this kernel: {0}")]
+    Patch(#[from] ip_summed::PatchError),
+}
+
+/// Loads the object with its ip_summed reads completed as `read` says, maps
+/// pinned at `paths`, and its programs.
+fn load_object(
+    paths: &[(&'static str, std::path::PathBuf)],
+    read: ip_summed::Read,
+) -> Result<Ebpf, DatapathError> {
+    let (object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
+    let mut loader = EbpfLoader::new();
+    for (name, path) in paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(object.bytes())?;
+    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
+    loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
+    loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
+    Ok(ebpf)
 }
 
 /// A loaded datapath: program ready to attach, maps pinned.
@@ -62,6 +84,7 @@ pub struct Datapath {
     attached: std::collections::BTreeMap<String, attach::Attachment>,
     /// Interfaces with XDP: name -> (ifindex, mode).
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
+    ip_summed: ip_summed::Read,
 }
 
 impl Datapath {
@@ -87,14 +110,28 @@ impl Datapath {
             .iter()
             .map(|name| (*name, pins.map(name)))
             .collect();
-        let mut loader = EbpfLoader::new();
-        for (name, path) in &paths {
-            loader.map_pin_path(name, path.as_path());
-        }
-        let mut ebpf = loader.load(EBPF_OBJECT)?;
-        loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
-        loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
-        loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
+        let read = ip_summed::Read::for_this_kernel().unwrap_or_else(|e| {
+            tracing::warn!(
+                error = %e,
+                "tc cannot read socket buffers' checksum state: it updates every L4 checksum through the kernel's helper"
+            );
+            ip_summed::Read::Unknown
+        });
+        let (mut ebpf, read) = match load_object(&paths, read) {
+            // A kernel whose verifier refuses the kfunc call for tc programs.
+            Err(e @ DatapathError::Program { .. }) if read != ip_summed::Read::Unknown => {
+                tracing::warn!(
+                    error = %e,
+                    "loading with the checksum state read failed: loading again without it"
+                );
+                (
+                    load_object(&paths, ip_summed::Read::Unknown)?,
+                    ip_summed::Read::Unknown,
+                )
+            }
+            loaded => (loaded?, read),
+        };
+        tracing::info!(?read, "tc's read of socket buffers' checksum state");
         let mut maps = Maps::take(&mut ebpf)?;
         let probe: &Xdp = ebpf
             .program(program_names::CLOCK_PROBE)
@@ -116,7 +153,13 @@ impl Datapath {
             maps,
             attached: Default::default(),
             xdp_attached: Default::default(),
+            ip_summed: read,
         })
+    }
+
+    /// How tc reads socket buffers' checksum state on this kernel.
+    pub fn ip_summed_read(&self) -> ip_summed::Read {
+        self.ip_summed
     }
 
     pub fn pins(&self) -> &PinLayout {

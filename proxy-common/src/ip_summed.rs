@@ -32,8 +32,6 @@ pub const LEN: usize = 7;
 pub const LOAD_AT: usize = 2;
 /// Index of the shift whose amount the agent sets.
 pub const SHIFT_AT: usize = 3;
-/// Index of the instruction that yields `UNKNOWN`.
-pub const UNKNOWN_AT: usize = 6;
 
 /// The values of `skb->ip_summed` (include/linux/skbuff.h), and what the
 /// sequence yields when it cannot read it.
@@ -42,3 +40,15 @@ pub const CHECKSUM_UNNECESSARY: u64 = 1;
 pub const CHECKSUM_COMPLETE: u64 = 2;
 pub const CHECKSUM_PARTIAL: u64 = 3;
 pub const UNKNOWN: u64 = 4;
+
+/// Slots of the `CSUM_STATES` per-CPU array, which counts packets tc
+/// translated by the state it read (the values above), and their names
+/// among the datapath's counters.
+pub const STATES: u32 = 5;
+pub const STATE_NAMES: [&str; STATES as usize] = [
+    "tc_csum_none",
+    "tc_csum_unnecessary",
+    "tc_csum_complete",
+    "tc_csum_partial",
+    "tc_csum_unknown",
+];

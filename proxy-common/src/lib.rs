@@ -31,7 +31,8 @@ pub mod map_names {
     pub const CLOCK: &str = "CLOCK";
     pub const FLOW_CACHE: &str = "FLOW_CACHE";
     pub const FLOW_GEN: &str = "FLOW_GEN";
-    pub const ALL: [&str; 14] = [
+    pub const CSUM_STATES: &str = "CSUM_STATES";
+    pub const ALL: [&str; 15] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -46,6 +47,7 @@ pub mod map_names {
         CLOCK,
         FLOW_CACHE,
         FLOW_GEN,
+        CSUM_STATES,
     ];
 }
 

@@ -5,7 +5,7 @@
 
 use proxy_common::{
     PROTO_TCP, PROTO_UDP,
-    csum::{apply, delta16, delta32, fold, pseudo_partial, replace16},
+    csum::{apply, delta16, delta32, fold, full_update, pseudo_partial, replace16},
 };
 
 use crate::{
@@ -95,27 +95,16 @@ pub fn rewrite_direct(
         (l4p as *mut u16).write(nat.sport_be);
         ((l4p + 2) as *mut u16).write(nat.dport_be);
         let old = l4_csum.read();
-        if l4 == L4Csum::Caller {
-            return Ok(L4Deltas {
-                addrs: fold(addrs) as u32,
-                ports: fold(ports) as u32,
-                csum: old,
-            });
+        let udp = flow.proto == PROTO_UDP;
+        match l4 {
+            L4Csum::Full => l4_csum.write(full_update(old, addrs + ports, udp)),
+            // Ports are not in the pseudo-header: the device sums them.
+            L4Csum::Partial => l4_csum.write(pseudo_partial(old, addrs, udp)),
+            L4Csum::Caller => {}
         }
-        let mut new = apply(old, addrs + ports);
-        if l4 == L4Csum::Partial {
-            new = pseudo_partial(old, addrs, flow.proto == PROTO_UDP);
-        } else if flow.proto == PROTO_UDP {
-            if old == 0 {
-                new = 0;
-            } else if new == 0 {
-                new = 0xffff;
-            }
-        }
-        l4_csum.write(new);
         Ok(L4Deltas {
-            addrs: 0,
-            ports: 0,
+            addrs: fold(addrs) as u32,
+            ports: fold(ports) as u32,
             csum: old,
         })
     }

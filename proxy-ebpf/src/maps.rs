@@ -10,7 +10,7 @@ use proxy_common::{
     CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, MAP_F_NO_PREALLOC, MAX_AFFINITY,
     MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS,
     MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
-    SourceRangeKey, clock_slot, counter,
+    SourceRangeKey, clock_slot, counter, ip_summed,
 };
 
 #[btf_map]
@@ -88,6 +88,20 @@ pub static CLUSTER_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_CLUSTER_CIDRS as us
 
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+
+/// Packets tc translated, by the checksum state it read
+/// (`proxy_common::ip_summed::STATE_NAMES`). A map of its own rather than
+/// more `COUNTERS` slots, whose size is part of the pinned layout.
+#[btf_map]
+pub static CSUM_STATES: PerCpuArray<u64, { ip_summed::STATES as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count_csum_state(state: u64) {
+    if let Some(c) = CSUM_STATES.get_ptr_mut(state as u32) {
+        // SAFETY: as in `count`.
+        unsafe { *c += 1 };
+    }
+}
 
 #[inline(always)]
 pub fn count(index: u32) {

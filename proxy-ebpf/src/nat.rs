@@ -5,13 +5,13 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_UDP,
     csum::{self, SkbCsum},
-    ip_summed::{CHECKSUM_NONE, CHECKSUM_PARTIAL, CHECKSUM_UNNECESSARY},
+    ip_summed::{CHECKSUM_COMPLETE, CHECKSUM_NONE, CHECKSUM_PARTIAL, CHECKSUM_UNNECESSARY},
 };
 
 use crate::{
     checksum::{self, L4Csum},
     hook::Hook,
-    ip_summed,
+    ip_summed, maps,
     packet::Flow,
 };
 
@@ -70,14 +70,19 @@ impl Nat {
 /// - partial (every packet a local socket sends with offload, so all pod
 ///   traffic): the field holds the pseudo-header sum the device finishes,
 ///   updated in place for the addresses only;
-/// - complete (`skb->csum` covers the packet and must follow), or not read:
-///   the address change goes through the kernel's helper, whose result also
-///   tells a partial field from a full one
-///   (`proxy_common::csum::state_after_pseudo`); the port change is then
-///   written in place, or left to the helper when the state cannot be told.
+/// - complete (`skb->csum` covers the packet and must follow the address
+///   change): the address change goes through the kernel's helper, the port
+///   change (which the checksum field balances within `skb->csum`'s
+///   coverage) is written in place;
+/// - not read (a kernel without the kfunc): as complete, except that the
+///   helper's result must tell a partial field from a full one
+///   (`proxy_common::csum::state_after_pseudo`), and where it cannot, the
+///   port change goes through the helper too.
 #[inline(always)]
 pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
-    let l4 = match ip_summed::read(ctx) {
+    let read = ip_summed::read(ctx);
+    maps::count_csum_state(read);
+    let l4 = match read {
         CHECKSUM_NONE | CHECKSUM_UNNECESSARY => L4Csum::Full,
         CHECKSUM_PARTIAL => L4Csum::Partial,
         _ => L4Csum::Caller,
@@ -98,7 +103,11 @@ pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
         let field = checksum::l4_csum_field(ctx.data(), ctx.data_end(), flow).ok_or(-1i64)?;
         // SAFETY: inside the packet, as `l4_csum_field` checked.
         let after = unsafe { field.read() };
-        state = csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp);
+        state = if read == CHECKSUM_COMPLETE && !(udp && after == 0) {
+            SkbCsum::Full
+        } else {
+            csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp)
+        };
         if nat.moves_ports(flow) && state == SkbCsum::Full {
             unsafe { field.write(csum::add_ports(after, deltas.ports, udp)) };
         }

@@ -191,41 +191,68 @@ fn udp_reaches_backends_with_client_address() {
 }
 
 /// Translated packets carry valid checksums whatever state the kernel keeps them
-/// in: partial (offloaded, what pods send), unnecessary (vouched for by the veth),
-/// and none. tc reads the state and updates checksums in place; a wrong update must
-/// cost a lost packet here, not pass unseen, so every receiver checks checksums
-/// itself (`rx off` on the pods' `eth0`) and the node finishes partial ones before
-/// they leave it (`tx off` on its pod-side veths).
+/// in: partial (offloaded, what pods send), unnecessary (already verified, here by
+/// GRO on the node's side of the veth) and none. tc reads the state and updates
+/// checksums in place; a wrong update must cost a lost packet here, not pass
+/// unseen, so every receiver checks checksums itself (`rx off` on the pods'
+/// `eth0`) and the node finishes partial ones before they leave it (`tx off` on
+/// its pod-side veths). The datapath's per-state counters show that each state
+/// was the one tc read.
 #[test]
 fn translated_packets_keep_valid_checksums_in_every_checksum_state() {
     use ebpf_proxy_tests::cluster::set_offload;
     let sb = cluster_with_web(&[CLIENT]);
-    let log = sb.agent().log();
-    assert!(
-        log.contains("Kfunc"),
-        "the agent must read socket buffers' checksum state on this kernel; its log:\n{log}"
-    );
     let node = &sb.topology().node;
     for pod in sb.topology().pods() {
         set_offload(&pod.ns, "eth0", "rx", false).expect("pod rx checksumming off");
         set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
     }
-    // Senders' transmit offload and the node's receive offload decide the state
-    // tc sees: offload on gives partial; off, the veth marks the packet
-    // unnecessary if the node's side has receive offload, else none.
-    for (sender_tx, node_rx, state) in [
-        (true, true, "partial"),
-        (false, true, "unnecessary"),
+    let states = || -> Vec<(&'static str, u64)> {
+        let pins = proxy_userspace::datapath::PinLayout::new(sb.agent().bpf_root());
+        proxy_userspace::datapath::Maps::open_pinned(&pins)
+            .and_then(|maps| maps.counters())
+            .expect("reading the agent's counters")
+            .into_iter()
+            .filter(|(name, _)| name.starts_with("tc_csum_"))
+            .collect()
+    };
+    // The senders' transmit offload decides between partial and none; GRO on
+    // the node's side validates checksums on receipt and marks packets
+    // unnecessary.
+    for (sender_tx, node_gro, state) in [
+        (true, false, "partial"),
         (false, false, "none"),
+        (false, true, "unnecessary"),
     ] {
         for pod in sb.topology().pods() {
             set_offload(&pod.ns, "eth0", "tx", sender_tx).expect("pod tx");
-            set_offload(node, &pod.host_if, "rx", node_rx).expect("node rx");
+            set_offload(node, &pod.host_if, "gro", node_gro).expect("node gro");
         }
+        let before = states();
         let tcp = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("tcp run");
         assert_all_replied_from(CLIENT.1, &format!("TCP, {state} checksums"), &tcp);
         let udp = udp_tally(&sb.client().ns, dns(CLUSTER_IP), 30, TIMEOUT).expect("udp run");
         assert_all_replied_from(CLIENT.1, &format!("UDP, {state} checksums"), &udp);
+        let after = states();
+        let delta: Vec<(&str, u64)> = after
+            .iter()
+            .zip(&before)
+            .map(|((name, a), (_, b))| (*name, a - b))
+            .collect();
+        // A few control packets the kernel builds itself (a reset, say) carry
+        // a software checksum whatever the offload: "most", not "all".
+        let total: u64 = delta.iter().map(|d| d.1).sum();
+        let seen = |name: &str| delta.iter().find(|(n, _)| *n == name).map_or(0, |d| d.1);
+        let named = seen(&format!("tc_csum_{state}"));
+        assert!(
+            named >= 60 && named * 10 >= total * 9,
+            "{state}: tc must have read that state for nearly every translated packet of the 60 exchanges; states read: {delta:?}"
+        );
+        assert_eq!(
+            seen("tc_csum_complete") + seen("tc_csum_unknown"),
+            0,
+            "{state}: no packet may need the helper here; states read: {delta:?}"
+        );
     }
 }
 

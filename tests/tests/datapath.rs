@@ -10,7 +10,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout, conntrack},
+    datapath::{Datapath, PinLayout, conntrack, ip_summed},
     model::{
         BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
         ServicePortName,
@@ -63,6 +63,12 @@ fn ensure_bpffs() {
 }
 
 fn fixture() -> Fixture {
+    fixture_reading(None)
+}
+
+/// A fixture whose tc program reads checksum states as `read` says (`None`:
+/// as this kernel allows).
+fn fixture_reading(read: Option<ip_summed::Read>) -> Fixture {
     static N: AtomicU32 = AtomicU32::new(0);
     ensure_bpffs();
     let root = PathBuf::from(format!(
@@ -71,8 +77,12 @@ fn fixture() -> Fixture {
         N.fetch_add(1, Ordering::Relaxed)
     ));
     let pins = PinLayout::new(&root);
-    let datapath = Datapath::load(pins.clone())
-        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", root.display()));
+    let loaded = match read {
+        Some(read) => Datapath::load_reading(pins.clone(), read),
+        None => Datapath::load(pins.clone()),
+    };
+    let datapath =
+        loaded.unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", root.display()));
     let mut fixture = Fixture {
         datapath,
         pins,
@@ -248,11 +258,44 @@ fn counter(fx: &Fixture, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no counter {name}"))
 }
 
+/// Counts of translated packets by the checksum state tc read: BPF_PROG_TEST_RUN
+/// builds socket buffers without a checksum state (`CHECKSUM_NONE`).
+fn csum_states(fx: &Fixture) -> (u64, u64) {
+    (counter(fx, "tc_csum_none"), counter(fx, "tc_csum_unknown"))
+}
+
 #[test]
 fn dnat_then_established_then_reverse_nat_with_valid_checksums() {
     let fx = fixture();
+    assert!(
+        matches!(fx.datapath.ip_summed_read(), ip_summed::Read::Kfunc { .. }),
+        "this kernel has the kfunc, so tc must read checksum states: {}",
+        fx.datapath.ip_summed_read()
+    );
+    dnat_established_reverse_nat(&fx);
+    assert_eq!(
+        csum_states(&fx),
+        (22, 0),
+        "(none, unknown) states tc read for 22 translated packets"
+    );
+}
+
+/// The same through the kernel's checksum helper, as on a kernel where tc
+/// cannot read checksum states (and for `CHECKSUM_COMPLETE` buffers).
+#[test]
+fn dnat_then_established_then_reverse_nat_through_the_checksum_helper() {
+    let fx = fixture_reading(Some(ip_summed::Read::Unknown));
+    dnat_established_reverse_nat(&fx);
+    assert_eq!(
+        csum_states(&fx),
+        (0, 22),
+        "(none, unknown) states tc read for 22 translated packets"
+    );
+}
+
+fn dnat_established_reverse_nat(fx: &Fixture) {
     let syn = tcp(CLIENT, 40000, VIP, 80, frame::SYN);
-    let (ret, out) = run(&fx, &syn);
+    let (ret, out) = run(fx, &syn);
     assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
     let p = parse_checked(&out, "DNATed SYN");
     assert!(
@@ -269,16 +312,16 @@ fn dnat_then_established_then_reverse_nat_with_valid_checksums() {
 
     // Every later packet of the flow goes to the same backend.
     for _ in 0..20 {
-        let (ret, out) = run(&fx, &tcp(CLIENT, 40000, VIP, 80, frame::ACK));
+        let (ret, out) = run(fx, &tcp(CLIENT, 40000, VIP, 80, frame::ACK));
         assert_eq!(ret, TC_ACT_OK);
         let q = parse_checked(&out, "established packet");
         assert_eq!(q.dst, backend, "an established flow changed backend");
     }
-    assert_eq!(counter(&fx, "dnat_established"), 20);
+    assert_eq!(counter(fx, "dnat_established"), 20);
 
     // The backend's reply is rewritten to come from the ClusterIP.
     let reply = tcp(backend, 8080, CLIENT, 40000, frame::SYN | frame::ACK);
-    let (ret, out) = run(&fx, &reply);
+    let (ret, out) = run(fx, &reply);
     assert_eq!(ret, TC_ACT_OK);
     let r = parse_checked(&out, "reverse-NATed reply");
     assert_eq!(
@@ -286,7 +329,7 @@ fn dnat_then_established_then_reverse_nat_with_valid_checksums() {
         (VIP, 80, CLIENT, 40000),
         "reply not rewritten back to the frontend"
     );
-    assert_eq!(counter(&fx, "rev_nat"), 1);
+    assert_eq!(counter(fx, "rev_nat"), 1);
 }
 
 /// A backend that reaches its own service and is picked as the backend:
@@ -627,8 +670,18 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
 
 #[test]
 fn udp_checksums_stay_valid_and_zero_stays_zero() {
-    let fx = fixture();
-    let (ret, out) = run(&fx, &udp(CLIENT, 5000, VIP, 53, false));
+    udp_checksums(&fixture());
+}
+
+#[test]
+fn udp_checksums_stay_valid_and_zero_stays_zero_through_the_checksum_helper() {
+    let fx = fixture_reading(Some(ip_summed::Read::Unknown));
+    udp_checksums(&fx);
+    assert_eq!(csum_states(&fx), (0, 2), "(none, unknown) states tc read");
+}
+
+fn udp_checksums(fx: &Fixture) {
+    let (ret, out) = run(fx, &udp(CLIENT, 5000, VIP, 53, false));
     assert_eq!(ret, TC_ACT_OK);
     let p = parse_checked(&out, "DNATed UDP");
     assert!(
@@ -638,7 +691,7 @@ fn udp_checksums_stay_valid_and_zero_stays_zero() {
         p.dport
     );
 
-    let (ret, out) = run(&fx, &udp(CLIENT, 5001, VIP, 53, true));
+    let (ret, out) = run(fx, &udp(CLIENT, 5001, VIP, 53, true));
     assert_eq!(ret, TC_ACT_OK);
     let p = parse_checked(&out, "DNATed UDP without checksum");
     assert!(BACKENDS.contains(&p.dst));

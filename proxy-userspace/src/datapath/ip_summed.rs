@@ -8,12 +8,30 @@
 use object::{Object, ObjectSection, SectionKind};
 use proxy_common::ip_summed::{CALL_MAGIC, LEN, LOAD_AT, SHIFT_AT, UNKNOWN};
 
-use super::kernel_btf::{self, Btf, BtfError};
+use super::kernel_btf::{self, Btf, BtfError, Field};
 
 const KFUNC: &str = "bpf_cast_to_kern_ctx";
 const INSN: usize = 8;
-/// `src_reg` of a call whose immediate is a kfunc's BTF id.
-const BPF_PSEUDO_KFUNC_CALL: u8 = 2;
+
+/// The opcodes of the sequence (include/uapi/linux/bpf.h: class | op | source).
+mod op {
+    /// BPF_JMP | BPF_CALL
+    pub const CALL: u8 = 0x85;
+    /// BPF_JMP | BPF_JEQ | BPF_K
+    pub const JEQ_IMM: u8 = 0x15;
+    /// BPF_LDX | BPF_MEM | BPF_B
+    pub const LOAD_BYTE: u8 = 0x71;
+    /// BPF_ALU64 | BPF_RSH | BPF_K
+    pub const RSH_IMM: u8 = 0x77;
+    /// BPF_ALU64 | BPF_AND | BPF_K
+    pub const AND_IMM: u8 = 0x57;
+    /// BPF_JMP | BPF_JA
+    pub const JA: u8 = 0x05;
+    /// BPF_ALU64 | BPF_MOV | BPF_K
+    pub const MOV_IMM: u8 = 0xb7;
+    /// `src_reg` of a call whose immediate is a kfunc's BTF id.
+    pub const PSEUDO_KFUNC_CALL: u8 = 2;
+}
 
 /// How the reads are completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,10 +43,33 @@ pub enum Read {
     Unknown,
 }
 
+impl std::fmt::Display for Read {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Read::Kfunc { kfunc, byte, shift } => write!(
+                f,
+                "read through {KFUNC} (BTF id {kfunc}): sk_buff byte {byte}, bits {shift}-{}",
+                shift + 1
+            ),
+            Read::Unknown => f.write_str("not read: every L4 checksum goes through the helper"),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Btf(#[from] BtfError),
+    #[error("sk_buff.ip_summed is {0:?} in this kernel, not two bits inside one byte")]
+    Layout(Field),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PatchError {
     #[error("the eBPF object is not a readable ELF file: {0}")]
     Elf(#[from] object::Error),
+    #[error("section {section} lies outside the eBPF object")]
+    Section { section: String },
     #[error(
         "section {section}, instruction {index}: an ip_summed read is not the sequence proxy_common::ip_summed describes"
     )]
@@ -39,19 +80,16 @@ pub enum PatchError {
 
 impl Read {
     /// What the running kernel allows, or why it allows nothing.
-    pub fn for_this_kernel() -> Result<Read, BtfError> {
+    pub fn for_this_kernel() -> Result<Read, ReadError> {
         Self::from_btf(&Btf::vmlinux()?)
     }
 
-    pub fn from_btf(btf: &Btf) -> Result<Read, BtfError> {
+    pub fn from_btf(btf: &Btf) -> Result<Read, ReadError> {
         let kfunc = btf.id_of(kernel_btf::kind::FUNC, KFUNC)?;
         let field = btf.field("sk_buff", "ip_summed")?;
-        let byte = field.bit_offset / 8;
-        let shift = field.bit_offset % 8;
-        if field.bits != 2 || shift + 2 > 8 || byte > i16::MAX as u32 {
-            return Err(BtfError::Malformed(
-                format!("sk_buff.ip_summed is {field:?}, not two bits inside one byte").into(),
-            ));
+        let (byte, shift) = (field.bit_offset / 8, field.bit_offset % 8);
+        if field.bits != 2 || shift + field.bits > 8 || byte > i16::MAX as u32 {
+            return Err(ReadError::Layout(field));
         }
         Ok(Read::Kfunc {
             kfunc,
@@ -65,25 +103,22 @@ impl Read {
 /// there were. The copy is 8-byte aligned, as the ELF parser wants.
 pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), PatchError> {
     let mut out = AlignedObject::copy_of(object);
-    let file = object::File::parse(object)?;
-    let mut found = 0;
-    for section in file.sections() {
+    let mut code_sections = Vec::new();
+    for section in object::File::parse(out.bytes())?.sections() {
         if section.kind() != SectionKind::Text {
             continue;
         }
-        let Some((start, size)) = section.file_range() else {
-            continue;
+        if let Some((start, size)) = section.file_range() {
+            let name = section.name().unwrap_or("?").to_owned();
+            code_sections.push((name, start as usize, size as usize));
+        }
+    }
+    let mut found = 0;
+    for (section, start, size) in code_sections {
+        let Some(code) = out.bytes_mut().get_mut(start..start.saturating_add(size)) else {
+            return Err(PatchError::Section { section });
         };
-        let (start, size) = (start as usize, size as usize);
-        let code = out
-            .bytes_mut()
-            .get_mut(start..start + size)
-            .ok_or(PatchError::Sequence {
-                section: section.name().unwrap_or("?").into(),
-                index: 0,
-            })?;
-        let count = code.len() / INSN;
-        for index in 0..count {
+        for index in 0..code.len() / INSN {
             if code[index * INSN..][..INSN] != call(0, CALL_MAGIC) {
                 continue;
             }
@@ -91,7 +126,7 @@ pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), Pat
                 .get_mut(index * INSN..(index + LEN) * INSN)
                 .filter(|seq| is_template(seq))
                 .ok_or_else(|| PatchError::Sequence {
-                    section: section.name().unwrap_or("?").into(),
+                    section: section.clone(),
                     index,
                 })?;
             fill(seq, read);
@@ -114,19 +149,20 @@ fn insn(code: u8, regs: u8, off: i16, imm: i32) -> [u8; INSN] {
 }
 
 fn call(src: u8, imm: i32) -> [u8; INSN] {
-    insn(0x85, src << 4, 0, imm)
+    insn(op::CALL, src << 4, 0, imm)
 }
 
-/// The sequence as the compiler leaves it (see `proxy_common::ip_summed`).
+/// The sequence as the compiler leaves it (see `proxy_common::ip_summed`;
+/// every register is r0, so the register bytes are 0).
 fn template() -> [[u8; INSN]; LEN] {
     [
         call(0, CALL_MAGIC),
-        insn(0x15, 0, 4, 0),              // if r0 == 0 goto +4
-        insn(0x71, 0, 0, 0),              // r0 = *(u8 *)(r0 + 0)
-        insn(0x77, 0, 0, 0),              // r0 >>= 0
-        insn(0x57, 0, 0, 3),              // r0 &= 3
-        insn(0x05, 0, 1, 0),              // goto +1
-        insn(0xb7, 0, 0, UNKNOWN as i32), // r0 = UNKNOWN
+        insn(op::JEQ_IMM, 0, 4, 0),
+        insn(op::LOAD_BYTE, 0, 0, 0),
+        insn(op::RSH_IMM, 0, 0, 0),
+        insn(op::AND_IMM, 0, 0, 3),
+        insn(op::JA, 0, 1, 0),
+        insn(op::MOV_IMM, 0, 0, UNKNOWN as i32),
     ]
 }
 
@@ -138,13 +174,13 @@ fn fill(seq: &mut [u8], read: Read) {
     let mut put = |at: usize, i: [u8; INSN]| seq[at * INSN..][..INSN].copy_from_slice(&i);
     match read {
         Read::Kfunc { kfunc, byte, shift } => {
-            put(0, call(BPF_PSEUDO_KFUNC_CALL, kfunc as i32));
-            put(LOAD_AT, insn(0x71, 0, byte, 0));
-            put(SHIFT_AT, insn(0x77, 0, 0, shift));
+            put(0, call(op::PSEUDO_KFUNC_CALL, kfunc as i32));
+            put(LOAD_AT, insn(op::LOAD_BYTE, 0, byte, 0));
+            put(SHIFT_AT, insn(op::RSH_IMM, 0, 0, shift));
         }
         // r0 = 0: the branch after it then always yields UNKNOWN, and the
         // verifier never looks at the load it skips.
-        Read::Unknown => put(0, insn(0xb7, 0, 0, 0)),
+        Read::Unknown => put(0, insn(op::MOV_IMM, 0, 0, 0)),
     }
 }
 
@@ -207,8 +243,11 @@ mod tests {
         );
         for at in before {
             assert_eq!(&out[at..at + INSN], &call(2, 12345), "call at {at}");
-            assert_eq!(&out[at + 2 * INSN..][..INSN], &insn(0x71, 0, 0x81, 0));
-            assert_eq!(&out[at + 3 * INSN..][..INSN], &insn(0x77, 0, 0, 5));
+            assert_eq!(
+                &out[at + 2 * INSN..][..INSN],
+                &insn(op::LOAD_BYTE, 0, 0x81, 0)
+            );
+            assert_eq!(&out[at + 3 * INSN..][..INSN], &insn(op::RSH_IMM, 0, 0, 5));
         }
         // Nothing else changed.
         let changed = EBPF_OBJECT.iter().zip(out).filter(|(a, b)| a != b).count();

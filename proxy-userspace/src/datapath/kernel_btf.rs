@@ -17,7 +17,12 @@ pub mod kind {
     pub const INT: u8 = 1;
     pub const STRUCT: u8 = 4;
     pub const UNION: u8 = 5;
+    pub const TYPEDEF: u8 = 8;
+    pub const VOLATILE: u8 = 9;
+    pub const CONST: u8 = 10;
+    pub const RESTRICT: u8 = 11;
     pub const FUNC: u8 = 12;
+    pub const TYPE_TAG: u8 = 18;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +79,9 @@ impl Btf {
         if u16_at(0) != Some(MAGIC) {
             return Err(malformed("no BTF magic (or not little-endian)"));
         }
+        if data[2] != 1 {
+            return Err(malformed(format!("version {}, not 1", data[2])));
+        }
         let header =
             |i: usize| read_u32(&data, 4 + 4 * i).ok_or_else(|| malformed("header cut short"));
         let hdr_len = header(0)? as usize;
@@ -112,6 +120,24 @@ impl Btf {
                     )));
                 }
             };
+            // Names are checked once here, so lookups can trust them.
+            let k = ((info >> 24) & 0x1f) as u8;
+            let members = if k == kind::STRUCT || k == kind::UNION {
+                vlen
+            } else {
+                0
+            };
+            for name_at in std::iter::once(at).chain((0..members).map(|i| at + TYPE_LEN + 12 * i)) {
+                match read_u32(&data, name_at) {
+                    Some(off) if (off as usize) < strings.len() => {}
+                    _ => {
+                        return Err(malformed(format!(
+                            "type {} names past the strings",
+                            types.len()
+                        )));
+                    }
+                }
+            }
             types.push(at);
             at += TYPE_LEN + extra;
         }
@@ -170,8 +196,23 @@ impl Btf {
             })
     }
 
+    /// `id` with typedefs and qualifiers skipped, as the kernel's own walk
+    /// does (`btf_type_skip_modifiers`).
+    fn skip_modifiers(&self, mut id: u32) -> u32 {
+        for _ in 0..16 {
+            match self.kind(id) {
+                Some((
+                    kind::TYPEDEF | kind::VOLATILE | kind::CONST | kind::RESTRICT | kind::TYPE_TAG,
+                    at,
+                )) => id = self.u32_at(at + 8),
+                _ => break,
+            }
+        }
+        id
+    }
+
     fn find_member(&self, id: u32, member: &[u8], base: u32, depth: u8) -> Option<Field> {
-        let (k, at) = self.kind(id)?;
+        let (k, at) = self.kind(self.skip_modifiers(id))?;
         if !(k == kind::STRUCT || k == kind::UNION) || depth > 8 {
             return None;
         }
@@ -234,11 +275,13 @@ mod tests {
         types.extend([s("flag"), 1, 2 << 24 | 5]);
         // 3: anonymous union { struct inner; }
         types.extend([0, info(5, 1, false), 1, 0, 2, 0]);
-        // 4: struct outer { int other; <anonymous union> at bit 64 }
+        // 4: struct outer { int other; <anonymous const union> at bit 64 }
         types.extend([s("outer"), info(4, 2, false), 16]);
-        types.extend([s("other"), 1, 0, 0, 3, 64]);
+        types.extend([s("other"), 1, 0, 0, 6, 64]);
         // 5: func f
         types.extend([s("f"), info(12, 0, false), 0]);
+        // 6: const <3>, which the walk looks through
+        types.extend([0, info(10, 0, false), 3]);
         let type_bytes: Vec<u8> = types.iter().flat_map(|w| w.to_le_bytes()).collect();
         let mut blob = Vec::new();
         blob.extend(MAGIC.to_le_bytes());

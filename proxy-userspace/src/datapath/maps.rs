@@ -8,7 +8,7 @@ use aya::maps::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SourceRangeKey, counter, map_names,
+    ServiceValue, SourceRangeKey, counter, ip_summed, map_names,
 };
 
 use super::pins::PinLayout;
@@ -54,6 +54,9 @@ pub struct Maps {
     /// Invalidation counters of the datapath's flow cache
     /// (`proxy_common::FlowCacheEntry`).
     pub flow_gen: Array<MapData, u64>,
+    /// Packets tc translated, by checksum state. Absent from the pins of an
+    /// agent built before it existed, which `open_pinned` may be looking at.
+    pub csum_states: Option<PerCpuArray<MapData, u64>>,
 }
 
 impl Maps {
@@ -69,7 +72,11 @@ impl Maps {
     /// anything: for inspection and tests.
     pub fn open_pinned(pins: &PinLayout) -> Result<Self, MapsError> {
         let open = |name: &'static str| -> Result<Map, MapsError> {
-            let data = MapData::from_pin(pins.map(name)).map_err(wrap(name))?;
+            let path = pins.map(name);
+            if name == map_names::CSUM_STATES && !path.exists() {
+                return Err(MapsError::Missing { name });
+            }
+            let data = MapData::from_pin(path).map_err(wrap(name))?;
             Map::from_map_data(data).map_err(wrap(name))
         };
         Self::from_maps(open)
@@ -93,6 +100,11 @@ impl Maps {
             cluster_cidrs: LpmTrie::try_from(get(CLUSTER_CIDRS)?).map_err(wrap(CLUSTER_CIDRS))?,
             clock: Array::try_from(get(CLOCK)?).map_err(wrap(CLOCK))?,
             flow_gen: Array::try_from(get(FLOW_GEN)?).map_err(wrap(FLOW_GEN))?,
+            csum_states: match get(CSUM_STATES) {
+                Ok(map) => Some(PerCpuArray::try_from(map).map_err(wrap(CSUM_STATES))?),
+                Err(MapsError::Missing { .. }) => None,
+                Err(e) => return Err(e),
+            },
         })
     }
 
@@ -206,6 +218,14 @@ impl Maps {
                 .get(&(index as u32), 0)
                 .map_err(wrap(map_names::COUNTERS))?;
             out.push((*name, per_cpu.iter().sum()));
+        }
+        if let Some(states) = &self.csum_states {
+            for (index, name) in ip_summed::STATE_NAMES.iter().enumerate() {
+                let per_cpu = states
+                    .get(&(index as u32), 0)
+                    .map_err(wrap(map_names::CSUM_STATES))?;
+                out.push((*name, per_cpu.iter().sum()));
+            }
         }
         Ok(out)
     }

@@ -92,6 +92,19 @@ impl Datapath {
     /// run) are reused as they are, entries included; missing ones are
     /// created and pinned.
     pub fn load(pins: PinLayout) -> Result<Self, DatapathError> {
+        let read = ip_summed::Read::for_this_kernel().unwrap_or_else(|e| {
+            tracing::warn!(
+                error = %e,
+                "tc cannot read socket buffers' checksum state: it updates every L4 checksum through the kernel's helper"
+            );
+            ip_summed::Read::Unknown
+        });
+        Self::load_reading(pins, read)
+    }
+
+    /// `load`, with tc's reads of the checksum state completed as `read`
+    /// says: tests run the helper path with `Read::Unknown`.
+    pub fn load_reading(pins: PinLayout, read: ip_summed::Read) -> Result<Self, DatapathError> {
         if EBPF_OBJECT.is_empty() {
             return Err(DatapathError::NoObject);
         }
@@ -110,16 +123,11 @@ impl Datapath {
             .iter()
             .map(|name| (*name, pins.map(name)))
             .collect();
-        let read = ip_summed::Read::for_this_kernel().unwrap_or_else(|e| {
-            tracing::warn!(
-                error = %e,
-                "tc cannot read socket buffers' checksum state: it updates every L4 checksum through the kernel's helper"
-            );
-            ip_summed::Read::Unknown
-        });
         let (mut ebpf, read) = match load_object(&paths, read) {
-            // A kernel whose verifier refuses the kfunc call for tc programs.
-            Err(e @ DatapathError::Program { .. }) if read != ip_summed::Read::Unknown => {
+            // A kernel whose verifier refuses the kfunc call (no JIT, say).
+            Err(e @ DatapathError::Program { name, .. })
+                if name == program_names::TC_INGRESS && read != ip_summed::Read::Unknown =>
+            {
                 tracing::warn!(
                     error = %e,
                     "loading with the checksum state read failed: loading again without it"
@@ -131,7 +139,7 @@ impl Datapath {
             }
             loaded => (loaded?, read),
         };
-        tracing::info!(?read, "tc's read of socket buffers' checksum state");
+        tracing::info!("tc's read of socket buffers' checksum state: {read}");
         let mut maps = Maps::take(&mut ebpf)?;
         let probe: &Xdp = ebpf
             .program(program_names::CLOCK_PROBE)

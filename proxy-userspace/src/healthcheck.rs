@@ -380,6 +380,18 @@ mod tests {
             .port()
     }
 
+    /// A listener below the kernel's ephemeral port range (32768 up by
+    /// default): once it is dropped, no `bind(0)` or outgoing connection of
+    /// a concurrent test can take its port before the test binds it again.
+    fn listener_below_ephemeral_range() -> std::net::TcpListener {
+        let offset = (std::process::id() % 10_000) as u16;
+        (0..10_000u16)
+            .find_map(|i| {
+                std::net::TcpListener::bind((LOCALHOST, 20_000 + (offset + i) % 10_000)).ok()
+            })
+            .expect("a free port in 20000-29999")
+    }
+
     fn check(name: &str, node_port: u16, local_endpoints: usize) -> HealthCheck {
         HealthCheck {
             namespace: "demo".into(),
@@ -525,7 +537,7 @@ mod tests {
     #[tokio::test]
     async fn bind_failure_spares_other_ports_and_is_retried() {
         let server = HealthCheckServer::new(vec![LOCALHOST], synced());
-        let taken = std::net::TcpListener::bind((LOCALHOST, 0)).expect("binding");
+        let taken = listener_below_ephemeral_range();
         let busy = taken.local_addr().expect("local addr").port();
         let free = free_port();
         let checks = vec![check("busy", busy, 1), check("free", free, 1)];

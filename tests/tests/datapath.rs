@@ -1278,3 +1278,60 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         "the reused port's replies must go to the new flow's client"
     );
 }
+
+/// The reaper reads and deletes conntrack in batches. Over more entries than a
+/// batch holds, expired and live interleaved, exactly the expired ones go; and
+/// a batch delete naming keys already gone skips them and deletes the rest.
+#[test]
+fn reaper_removes_exactly_the_expired_entries_of_a_large_table() {
+    use aya::maps::IterableMap;
+    use proxy_userspace::datapath::batch;
+    let mut fx = fixture();
+    let now = conntrack::monotonic_ns();
+    let key = |i: u32| ct_key(Ipv4Addr::from(0x0a64_0000 + i), 40000, VIP, 80, 6);
+    const N: u32 = 10_000;
+    for i in 0..N {
+        let seen = if i % 2 == 0 { 1 } else { now };
+        let value = proxy_common::CtValue {
+            created_ns: seen,
+            last_seen_ns: seen,
+            ..Default::default()
+        };
+        fx.datapath
+            .maps
+            .conntrack
+            .insert(key(i), value, 0)
+            .expect("insert");
+    }
+    let reaped = conntrack::reap_expired(&mut fx.datapath.maps, now).expect("reaping");
+    assert_eq!(
+        reaped,
+        N as usize / 2,
+        "entries reaped of {N}, half expired"
+    );
+    let left: std::collections::HashSet<proxy_common::CtKey> = fx
+        .datapath
+        .maps
+        .conntrack
+        .keys()
+        .map(|k| k.expect("key"))
+        .collect();
+    let live: std::collections::HashSet<proxy_common::CtKey> =
+        (0..N).filter(|i| i % 2 == 1).map(key).collect();
+    assert!(
+        left == live,
+        "{} entries left, {} live ones expected",
+        left.len(),
+        live.len()
+    );
+
+    let map = fx.datapath.maps.conntrack.map();
+    let deleted = batch::delete(map, &[key(1), key(0), key(3), key(2)]).expect("delete");
+    assert_eq!(deleted, 2, "keys 1 and 3 exist, 0 and 2 were reaped");
+    for i in [1, 3] {
+        assert!(
+            fx.datapath.maps.conntrack.get(&key(i), 0).is_err(),
+            "key {i} not deleted"
+        );
+    }
+}

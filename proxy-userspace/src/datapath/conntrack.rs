@@ -15,10 +15,13 @@
 
 use std::collections::HashSet;
 
-use aya::maps::MapError;
-use proxy_common::{PROTO_TCP, map_names};
+use aya::maps::{IterableMap, MapError};
+use proxy_common::{CtKey, CtValue, PROTO_TCP, map_names};
 
-use super::maps::{Maps, MapsError};
+use super::{
+    batch,
+    maps::{Maps, MapsError},
+};
 use crate::planner::Departed;
 
 /// What a sweep removed.
@@ -94,29 +97,45 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     Ok(swept)
 }
 
-/// Removes conntrack entries idle past their timeout.
+/// Entries read per batch while reaping.
+const REAP_CHUNK: usize = 4096;
+
+/// Removes conntrack entries idle past their timeout. The map is read in
+/// chunks and each chunk's expired entries are deleted at once, before the
+/// next chunk is read: a new connection that reuses an expired entry's tuple
+/// in that window (one system call wide) would lose its fresh entry, so the
+/// window is kept that narrow rather than the whole pass wide.
 pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
-    let mut doomed = Vec::new();
-    for item in maps.conntrack.iter() {
-        let (key, value) = item.map_err(wrap(map_names::CONNTRACK))?;
-        if value.expired(key.proto, now_ns, &timeouts) {
-            doomed.push(key);
+    let map = maps.conntrack.map();
+    let mut doomed: Vec<CtKey> = Vec::with_capacity(REAP_CHUNK);
+    let mut reaped = 0;
+    let mut failed = None;
+    batch::for_each_chunk(map, REAP_CHUNK, |keys: &[CtKey], values: &[CtValue]| {
+        doomed.clear();
+        doomed.extend(
+            keys.iter()
+                .zip(values)
+                .filter(|(k, v)| v.expired(k.proto, now_ns, &timeouts))
+                .map(|(k, _)| *k),
+        );
+        match batch::delete(map, &doomed) {
+            Ok(n) => reaped += n,
+            Err(e) => failed = Some(e),
         }
-    }
-    // Each is looked at again just before it goes: a new connection reusing
-    // the tuple since the pass above has replaced the entry with a live one.
-    let reaped = doomed
-        .into_iter()
-        .filter(|key| {
-            maps.conntrack
-                .get(key, 0)
-                .is_ok_and(|v| v.expired(key.proto, now_ns, &timeouts))
-                && maps.conntrack.remove(key).is_ok()
-        })
-        .count();
+    })
+    .map_err(|e| MapsError::Batch {
+        name: map_names::CONNTRACK,
+        source: e,
+    })?;
     if reaped > 0 {
         maps.bump_flow_epoch()?;
     }
-    Ok(reaped)
+    match failed {
+        Some(e) => Err(MapsError::Batch {
+            name: map_names::CONNTRACK,
+            source: e,
+        }),
+        None => Ok(reaped),
+    }
 }

@@ -25,6 +25,12 @@ pub enum MapsError {
         #[source]
         source: MapError,
     },
+    #[error("map {name}: {source}")]
+    Batch {
+        name: &'static str,
+        #[source]
+        source: super::batch::BatchError,
+    },
     #[error("{op}: {source}")]
     Write {
         op: String,

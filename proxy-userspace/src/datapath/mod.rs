@@ -3,6 +3,7 @@
 //! handles the planner writes through.
 
 mod attach;
+pub mod batch;
 pub mod clock;
 pub mod conntrack;
 mod detach;

@@ -1,0 +1,153 @@
+//! Batched reads and deletes of hash maps (`BPF_MAP_LOOKUP_BATCH`,
+//! `BPF_MAP_DELETE_BATCH`, kernel 5.6+), which aya does not wrap. Reading a
+//! map of 240,000 conntrack entries one by one takes two system calls per
+//! entry (next key, then value): about 0.8 s of CPU on a 2-core node, every
+//! reap period, taken from the traffic it serves. In chunks it is a few
+//! dozen calls.
+
+use std::os::fd::{AsFd, AsRawFd};
+
+use aya::maps::MapData;
+use bytemuck::Pod;
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error("{op} on map fd {fd}: {source}")]
+    Syscall {
+        op: &'static str,
+        fd: u32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), std::io::Error> {
+    // SAFETY: `attr` is a valid `batch` attribute whose pointers the caller
+    // set to buffers of `count` keys and values of the map's sizes.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if ret < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn fd_of(map: &MapData) -> u32 {
+    map.fd().as_fd().as_raw_fd() as u32
+}
+
+/// Calls `f` with every entry of the hash map `map` (keys `K`, values `V`),
+/// `chunk` at a time. `f` may delete entries it has been given.
+pub fn for_each_chunk<K: Pod, V: Pod>(
+    map: &MapData,
+    chunk: usize,
+    mut f: impl FnMut(&[K], &[V]),
+) -> Result<(), BatchError> {
+    let fd = fd_of(map);
+    let mut keys = vec![K::zeroed(); chunk];
+    let mut values = vec![V::zeroed(); chunk];
+    // The kernel's position in the map between calls: a bucket index for
+    // hash maps.
+    let (mut position, mut next) = (0u64, 0u64);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                &position as *const u64 as u64
+            },
+            out_batch: &mut next as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: keys.len() as u32,
+            map_fd: fd,
+            ..Default::default()
+        };
+        let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let n = (attr.count as usize).min(keys.len());
+        match result {
+            Ok(()) => {}
+            // The last chunk (possibly empty).
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                f(&keys[..n], &values[..n]);
+                return Ok(());
+            }
+            // A bucket with more entries than the buffers hold.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && n == 0 => {
+                let bigger = keys.len() * 2;
+                keys.resize(bigger, K::zeroed());
+                values.resize(bigger, V::zeroed());
+                continue;
+            }
+            Err(source) => {
+                return Err(BatchError::Syscall {
+                    op: "BPF_MAP_LOOKUP_BATCH",
+                    fd,
+                    source,
+                });
+            }
+        }
+        f(&keys[..n], &values[..n]);
+        position = next;
+        first = false;
+    }
+}
+
+/// Deletes `keys` from the hash map `map`; keys already gone are skipped.
+/// Returns how many were deleted.
+pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
+    let fd = fd_of(map);
+    let mut deleted = 0;
+    let mut rest = keys;
+    while !rest.is_empty() {
+        let mut attr = BatchAttr {
+            keys: rest.as_ptr() as u64,
+            count: rest.len() as u32,
+            map_fd: fd,
+            ..Default::default()
+        };
+        let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
+        let done = (attr.count as usize).min(rest.len());
+        deleted += done;
+        match result {
+            Ok(()) => return Ok(deleted),
+            // The kernel stops at a key that is not there: skip it.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                rest = rest.get(done + 1..).unwrap_or_default()
+            }
+            Err(source) => {
+                return Err(BatchError::Syscall {
+                    op: "BPF_MAP_DELETE_BATCH",
+                    fd,
+                    source,
+                });
+            }
+        }
+    }
+    Ok(deleted)
+}

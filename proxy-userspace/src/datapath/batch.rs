@@ -10,6 +10,8 @@ use std::os::fd::{AsFd, AsRawFd};
 use aya::maps::MapData;
 use bytemuck::Pod;
 
+use super::sys;
+
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 
@@ -36,24 +38,6 @@ pub enum BatchError {
         #[source]
         source: std::io::Error,
     },
-}
-
-fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), std::io::Error> {
-    // SAFETY: `attr` is a valid `batch` attribute whose pointers the caller
-    // set to buffers of `count` keys and values of the map's sizes.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>(),
-        )
-    };
-    if ret < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
 }
 
 fn fd_of(map: &MapData) -> u32 {
@@ -88,10 +72,11 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
             map_fd: fd,
             ..Default::default()
         };
-        let result = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        // SAFETY: the buffers hold `count` keys and values of the map's types.
+        let result = unsafe { sys::bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let n = (attr.count as usize).min(keys.len());
         match result {
-            Ok(()) => {}
+            Ok(_) => {}
             // The last chunk (possibly empty).
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 f(&keys[..n], &values[..n]);
@@ -131,11 +116,12 @@ pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
             map_fd: fd,
             ..Default::default()
         };
-        let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
+        // SAFETY: `keys` holds `count` keys of the map's key type.
+        let result = unsafe { sys::bpf(BPF_MAP_DELETE_BATCH, &mut attr) };
         let done = (attr.count as usize).min(rest.len());
         deleted += done;
         match result {
-            Ok(()) => return Ok(deleted),
+            Ok(_) => return Ok(deleted),
             // The kernel stops at a key that is not there: skip it.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 rest = rest.get(done + 1..).unwrap_or_default()

@@ -11,30 +11,14 @@ use std::{
     path::Path,
 };
 
+use super::sys;
+
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_DETACH: libc::c_long = 34;
 
 /// `union bpf_attr`, large enough for the two commands used here.
 #[repr(C, align(8))]
 struct Attr([u8; 128]);
-
-fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
-    // SAFETY: attr is a zeroed bpf_attr of the size passed; the kernel reads
-    // no more than that.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            attr as *mut Attr,
-            std::mem::size_of::<Attr>(),
-        )
-    };
-    if ret < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
 
 /// Opens the link pinned at `path` and detaches it from its hook.
 pub fn detach_pinned_link(path: &Path) -> io::Result<()> {
@@ -43,13 +27,15 @@ pub fn detach_pinned_link(path: &Path) -> io::Result<()> {
     let mut attr = Attr([0; 128]);
     // bpf_attr.pathname (u64) at offset 0.
     attr.0[..8].copy_from_slice(&(c_path.as_ptr() as u64).to_ne_bytes());
-    let fd = bpf(BPF_OBJ_GET, &mut attr)? as i32;
+    // SAFETY: a zeroed bpf_attr carrying a valid path pointer.
+    let fd = unsafe { sys::bpf(BPF_OBJ_GET, &mut attr)? } as i32;
     // SAFETY: a new fd returned by the kernel, owned here.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut attr = Attr([0; 128]);
     // bpf_attr.link_detach.link_fd (u32) at offset 0.
     attr.0[..4].copy_from_slice(&(std::os::fd::AsRawFd::as_raw_fd(&fd) as u32).to_ne_bytes());
-    bpf(BPF_LINK_DETACH, &mut attr)?;
+    // SAFETY: a zeroed bpf_attr carrying the link's fd.
+    unsafe { sys::bpf(BPF_LINK_DETACH, &mut attr)? };
     Ok(())
 }
 

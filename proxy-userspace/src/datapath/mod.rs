@@ -12,6 +12,7 @@ pub mod ip_summed;
 pub mod kernel_btf;
 pub mod maps;
 pub mod pins;
+mod sys;
 pub mod upgrade;
 
 use std::path::Path;

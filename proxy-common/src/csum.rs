@@ -75,14 +75,6 @@ pub fn state_after_pseudo(before: u16, delta: u32, after: u16, udp: bool) -> Skb
     }
 }
 
-/// A full L4 checksum `csum` after port changes summing to `ports`, kept
-/// valid for UDP (where 0 means "none", so a computed 0 is sent as 0xffff).
-#[inline(always)]
-pub fn add_ports(csum: u16, ports: u32, udp: bool) -> u16 {
-    let new = apply(csum, ports as u64);
-    if udp && new == 0 { 0xffff } else { new }
-}
-
 /// A full L4 checksum `csum` after changes summing to `delta`, as the
 /// kernel's helper with `BPF_F_MARK_MANGLED_0` (for UDP) writes it: a UDP
 /// checksum of 0 ("none") stays 0, a computed 0 is sent as 0xffff.
@@ -223,7 +215,7 @@ mod tests {
             let d_ports = fold((0..2).map(|i| delta16(ports[i], new_ports[i])).sum()) as u32;
             let mut csum = kernel_pseudo(before, d_addrs, partial, false);
             match state_after_pseudo(before, d_addrs, csum, false) {
-                SkbCsum::Full => csum = add_ports(csum, d_ports, false),
+                SkbCsum::Full => csum = full_update(csum, d_ports as u64, false),
                 SkbCsum::Partial => {}
                 SkbCsum::Unknown => {
                     // The helper again, without the pseudo-header flag.

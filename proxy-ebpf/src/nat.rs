@@ -109,7 +109,7 @@ pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
             csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp)
         };
         if nat.moves_ports(flow) && state == SkbCsum::Full {
-            unsafe { field.write(csum::add_ports(after, deltas.ports, udp)) };
+            unsafe { field.write(csum::full_update(after, deltas.ports as u64, udp)) };
         }
     }
     if nat.moves_ports(flow) && state == SkbCsum::Unknown {

@@ -162,11 +162,9 @@ pub fn set_tx_checksum_offload(ns: &NetNs, on: bool) -> Result<()> {
 /// `ethtool -K <ifname> <feature> on|off` in `ns`: e.g. `rx` off makes the stack
 /// check received checksums itself, where a veth would otherwise vouch for them.
 pub fn set_offload(ns: &NetNs, ifname: &str, feature: &str, on: bool) -> Result<()> {
-    run_cmd(
-        ns.command(ethtool())
-            .args(["-K", ifname, feature, if on { "on" } else { "off" }]),
-    )
-    .with_context(|| format!("ethtool -K {ifname} {feature} {on}"))?;
+    let state = if on { "on" } else { "off" };
+    run_cmd(ns.command(ethtool()).args(["-K", ifname, feature, state]))
+        .with_context(|| format!("ethtool -K {ifname} {feature} {state}"))?;
     Ok(())
 }
 

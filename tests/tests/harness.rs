@@ -162,7 +162,7 @@ fn cluster_routes_between_nodes_pods_and_outside_clients() {
         let features = run_cmd(
             cluster
                 .bridge()
-                .command("/usr/sbin/ethtool")
+                .command(ebpf_proxy_tests::cluster::ethtool())
                 .args(["-k", port]),
         )
         .expect("ethtool -k");

@@ -108,6 +108,10 @@ const REAP_CHUNK: usize = 4096;
 pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
     let map = maps.conntrack.map();
+    let batch_error = |source| MapsError::Batch {
+        name: map_names::CONNTRACK,
+        source,
+    };
     let mut doomed: Vec<CtKey> = Vec::with_capacity(REAP_CHUNK);
     let mut reaped = 0;
     let mut failed = None;
@@ -124,18 +128,9 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
             Err(e) => failed = Some(e),
         }
     })
-    .map_err(|e| MapsError::Batch {
-        name: map_names::CONNTRACK,
-        source: e,
-    })?;
+    .map_err(batch_error)?;
     if reaped > 0 {
         maps.bump_flow_epoch()?;
     }
-    match failed {
-        Some(e) => Err(MapsError::Batch {
-            name: map_names::CONNTRACK,
-            source: e,
-        }),
-        None => Ok(reaped),
-    }
+    failed.map_or(Ok(reaped), |e| Err(batch_error(e)))
 }

@@ -373,21 +373,25 @@ mod tests {
     const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
     /// A port nothing listens on right now.
+    /// A port free when called, below the kernel's ephemeral range (32768
+    /// up by default) and never handed out twice in this process: once a
+    /// test releases it, no `bind(0)` or outgoing connection of a
+    /// concurrent test can take it.
     fn free_port() -> u16 {
-        std::net::TcpListener::bind((LOCALHOST, 0))
-            .and_then(|l| l.local_addr())
-            .expect("binding an ephemeral port")
+        listener_below_ephemeral_range()
+            .local_addr()
+            .expect("local addr")
             .port()
     }
 
-    /// A listener below the kernel's ephemeral port range (32768 up by
-    /// default): once it is dropped, no `bind(0)` or outgoing connection of
-    /// a concurrent test can take its port before the test binds it again.
     fn listener_below_ephemeral_range() -> std::net::TcpListener {
+        static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
         let offset = (std::process::id() % 10_000) as u16;
         (0..10_000u16)
-            .find_map(|i| {
-                std::net::TcpListener::bind((LOCALHOST, 20_000 + (offset + i) % 10_000)).ok()
+            .find_map(|_| {
+                let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let port = 20_000 + offset.wrapping_add(n) % 10_000;
+                std::net::TcpListener::bind((LOCALHOST, port)).ok()
             })
             .expect("a free port in 20000-29999")
     }

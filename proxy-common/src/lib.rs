@@ -63,6 +63,13 @@ pub mod program_names {
     pub const XDP_INGRESS: &str = "xdp_ingress";
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
+    /// Only the conntrack work of a new flow: the packet parsed and the two
+    /// entries every new flow makes, nothing else. What benchmarks set the
+    /// new-flow case against: no pipeline that keeps an entry per direction
+    /// in a kernel hash map can start a flow for less. Never attached.
+    pub const TC_CT_PAIR: &str = "tc_ct_pair";
+    /// The XDP twin of `TC_CT_PAIR`.
+    pub const XDP_CT_PAIR: &str = "xdp_ct_pair";
     /// Samples both kernel clocks into `CLOCK[SAMPLE]`, run by the agent
     /// through BPF_PROG_TEST_RUN to calibrate the datapath clock.
     pub const CLOCK_PROBE: &str = "clock_probe";

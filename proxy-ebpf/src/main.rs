@@ -85,6 +85,21 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// The conntrack work of a new flow alone (see
+/// `proxy_common::program_names::TC_CT_PAIR`). Never attached.
+#[classifier]
+pub fn tc_ct_pair(ctx: TcContext) -> i32 {
+    service::conntrack_pair(&ctx);
+    TC_ACT_OK
+}
+
+/// The XDP twin of `tc_ct_pair`.
+#[xdp]
+pub fn xdp_ct_pair(ctx: XdpContext) -> u32 {
+    service::conntrack_pair(&ctx);
+    xdp_action::XDP_PASS
+}
+
 /// Samples the kernel clocks for the agent (see `proxy_common::Clock`).
 /// Never attached: run through BPF_PROG_TEST_RUN.
 #[xdp]

@@ -48,6 +48,11 @@ const ENDPOINTS: u32 = 10;
 /// Established flows measured per hook and size, in turn.
 const FLOWS: u16 = 8;
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
+const NEW_FLOW: &str = "new flow";
+/// `program_names::TC_CT_PAIR` on new flows of its own: the part of a new
+/// flow's cost that its two conntrack inserts take by themselves.
+const CT_PAIR: &str = "its 2 conntrack inserts alone";
+const ESTABLISHED: &str = "established flow";
 
 fn vip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a60_0000 + i) // 10.96.0.0/12
@@ -244,7 +249,7 @@ fn measure_hook(
     hook: &'static str,
     target: Ipv4Addr,
     client_port: u16,
-    news: &[Vec<u8>],
+    (news, pairs): (&[Vec<u8>], &[Vec<u8>]),
     (repeat, rounds, singles): (u32, usize, usize),
 ) -> Vec<Case> {
     datapath.load_floors().expect("loading the floor programs");
@@ -274,6 +279,12 @@ fn measure_hook(
     } else {
         Prog::Xdp(xdp_floor)
     };
+    let (tc_pair, xdp_pair) = datapath.ct_pairs().expect("conntrack pair programs loaded");
+    let ct_pair = if hook == "tc" {
+        Prog::Tc(tc_pair)
+    } else {
+        Prog::Xdp(xdp_pair)
+    };
     let program = program(datapath, hook);
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
     let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);
@@ -286,6 +297,7 @@ fn measure_hook(
             &mut |_| ns(floor, &floor_frame, 1),
             &mut |_| ns(program, &other, 1),
             &mut |i| ns(program, &news[i], 1),
+            &mut |i| ns(ct_pair, &pairs[i], 1),
             &mut |i| ns(program, &ests[i % ests.len()], 1),
             &mut |i| ns(program, &replies[i % replies.len()], 1),
         ],
@@ -300,11 +312,24 @@ fn measure_hook(
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
         ],
     );
+    // The pair program's entries go again, so that the conntrack map fills
+    // only with the pipeline's own, as before that case existed (a full LRU
+    // map would make later inserts evict).
+    for pair in pairs {
+        let p = frames::parse_checked(pair, "conntrack pair frame");
+        for key in [
+            ct_key(p.src, p.sport, p.dst, p.dport),
+            ct_key(p.dst, p.dport, p.src, p.sport),
+        ] {
+            let _ = datapath.maps.conntrack.remove(&key);
+        }
+    }
     let names = [
         "empty program",
         "not a service",
-        "new flow",
-        "established flow",
+        NEW_FLOW,
+        CT_PAIR,
+        ESTABLISHED,
         "reply (reverse NAT)",
     ];
     // New flows have no repeated measurement (the first run creates them).
@@ -315,7 +340,7 @@ fn measure_hook(
         .map(|(name, single)| Case {
             name,
             single,
-            repeated: if name == "new flow" {
+            repeated: if name == NEW_FLOW || name == CT_PAIR {
                 None
             } else {
                 repeated.next()
@@ -379,19 +404,25 @@ fn main() {
         // Target a service in the middle of what is installed.
         let target = vip(size / 2);
         for (hook, client_port) in [("tc", 2000u16), ("xdp", 3000u16)] {
-            // New flows: a distinct source port (and so a conntrack miss) each.
-            let news: Vec<Vec<u8>> = (0..singles)
-                .map(|i| {
-                    let src = Ipv4Addr::from(u32::from(CLIENT) + 1 + (i as u32 / 60000) + size);
-                    tcp(src, fresh_port(), target, 80, 0x02)
-                })
-                .collect();
+            // New flows: a distinct source port (and so a conntrack miss) each;
+            // the conntrack pair program's from other client addresses, so
+            // that neither case finds the other's entries.
+            let mut flows = |first_client: u32| -> Vec<Vec<u8>> {
+                (0..singles)
+                    .map(|i| {
+                        let src = Ipv4Addr::from(first_client + (i as u32 / 60000) + size);
+                        tcp(src, fresh_port(), target, 80, 0x02)
+                    })
+                    .collect()
+            };
+            let news = flows(u32::from(CLIENT) + 1);
+            let pairs = flows(u32::from(CLIENT) + 0x0001_0000);
             let cases = measure_hook(
                 &mut datapath,
                 hook,
                 target,
                 client_port,
-                &news,
+                (&news, &pairs),
                 (repeat, rounds, singles),
             );
             rows.push(Row {
@@ -444,7 +475,13 @@ fn render(rows: &[Row], repeat: u32) -> String {
     for hook in ["tc", "xdp"] {
         let of_hook: Vec<&Row> = rows.iter().filter(|r| r.hook == hook).collect();
         if let (Some(first), Some(last)) = (of_hook.first(), of_hook.last()) {
-            let est = |r: &Row| r.cases[3].repeated.expect("established is repeated");
+            let est = |r: &Row| {
+                r.cases
+                    .iter()
+                    .find(|c| c.name == ESTABLISHED)
+                    .and_then(|c| c.repeated)
+                    .expect("established is repeated")
+            };
             let (a, b) = (est(first), est(last));
             s.push_str(&format!(
                 "\n{hook}: established flow (repeat) at {} vs {} services: {:+.1}% in ns, \

@@ -575,6 +575,56 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
 
 /// SCTP frontends are programmed but not translated (no CRC32c rewrite
 /// yet): their packets pass untouched and are counted, never silently.
+/// The benchmarks set new flows against the conntrack pair programs, so
+/// those must do a new flow's conntrack work and nothing else: both entries
+/// of the packet's flow, the packet itself untouched, at either hook, and
+/// on a packet to a frontend no translation and no counter moved.
+#[test]
+fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
+    let mut fx = fixture();
+    fx.datapath
+        .load_floors()
+        .expect("loading the benchmark reference programs");
+    let dnat_before = counter(&fx, "dnat_new");
+    let (tc_pair, xdp_pair) = fx.datapath.ct_pairs().expect("conntrack pair programs");
+    for (hook, sport) in [("tc", 41_000u16), ("xdp", 41_001)] {
+        let input = tcp(CLIENT, sport, VIP, 80, 0x02);
+        let mut out = vec![0u8; input.len() + 256];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(&input);
+        opts.data_out = Some(&mut out);
+        let result = if hook == "tc" {
+            tc_pair.test_run(opts)
+        } else {
+            xdp_pair.test_run(opts)
+        }
+        .unwrap_or_else(|e| panic!("{hook} conntrack pair program: {e}"));
+        out.truncate(result.data_size_out as usize);
+        let pass = if hook == "tc" { TC_ACT_OK } else { 2 };
+        assert_eq!(result.return_value, pass, "{hook}: verdict");
+        assert_eq!(out, input, "{hook}: the packet was changed");
+        let conntrack = &fx.datapath.maps.conntrack;
+        let forward = ct_key(CLIENT, sport, VIP, 80, frame::TCP);
+        let reply = ct_key(VIP, 80, CLIENT, sport, frame::TCP);
+        for (what, key) in [("forward", forward), ("reply", reply)] {
+            let entry = conntrack
+                .get(&key, 0)
+                .unwrap_or_else(|e| panic!("{hook}: no {what} entry for {key:?}: {e}"));
+            let dir = if what == "forward" {
+                proxy_common::ct_dir::FORWARD
+            } else {
+                proxy_common::ct_dir::REPLY
+            };
+            assert_eq!(entry.dir, dir, "{hook}: {what} entry {entry:?}");
+        }
+    }
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        dnat_before,
+        "the pair programs counted a new flow"
+    );
+}
+
 #[test]
 fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
     let fx = fixture();

@@ -184,11 +184,15 @@ impl Datapath {
             .expect("tc program is loaded in Datapath::load")
     }
 
-    /// Loads the do-nothing tc and XDP programs, the floors that per-packet
-    /// costs are compared against (see `floors`).
+    /// Loads the programs benchmarks measure the datapath against: the
+    /// do-nothing tc and XDP programs, the floors of per-packet cost (see
+    /// `floors`), and the conntrack work of a new flow alone (see
+    /// `ct_pairs`).
     pub fn load_floors(&mut self) -> Result<(), DatapathError> {
         loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS)?;
         loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS)?;
+        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_CT_PAIR)?;
+        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_CT_PAIR)?;
         Ok(())
     }
 
@@ -240,13 +244,22 @@ impl Datapath {
     /// The floor programs once `load_floors` has loaded them, for use next
     /// to the real ones.
     pub fn floors(&self) -> Option<(&SchedClassifier, &Xdp)> {
-        let tc: &SchedClassifier = self.ebpf.program(program_names::TC_PASS)?.try_into().ok()?;
-        let xdp: &Xdp = self
-            .ebpf
-            .program(program_names::XDP_PASS)?
-            .try_into()
-            .ok()?;
+        self.loaded_pair(program_names::TC_PASS, program_names::XDP_PASS)
+    }
+
+    /// The tc program `tc` and the XDP program `xdp`, when both are loaded.
+    fn loaded_pair(&self, tc: &str, xdp: &str) -> Option<(&SchedClassifier, &Xdp)> {
+        let tc: &SchedClassifier = self.ebpf.program(tc)?.try_into().ok()?;
+        let xdp: &Xdp = self.ebpf.program(xdp)?.try_into().ok()?;
         (tc.fd().is_ok() && xdp.fd().is_ok()).then_some((tc, xdp))
+    }
+
+    /// The programs that only create a flow's two conntrack entries
+    /// (`program_names::TC_CT_PAIR`), once `load_floors` has loaded them.
+    /// They write the live conntrack map: for benchmarks on a datapath of
+    /// their own.
+    pub fn ct_pairs(&self) -> Option<(&SchedClassifier, &Xdp)> {
+        self.loaded_pair(program_names::TC_CT_PAIR, program_names::XDP_CT_PAIR)
     }
 
     /// Interfaces with XDP, and the mode it runs in.

@@ -283,6 +283,17 @@ pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
     }
 }
 
+/// Whether the SNATed flow of forward entry `forward` is the one whose
+/// replies have the tuple `reply_key` (backend -> node address, SNAT port).
+#[inline(always)]
+fn replies_to(forward: &CtValue, reply_key: &CtKey) -> bool {
+    forward.dir == ct_dir::FORWARD
+        && forward.nat_addr_be == reply_key.src_be
+        && forward.nat_port_be == reply_key.sport_be
+        && forward.alt_addr_be == reply_key.dst_be
+        && forward.alt_port_be == reply_key.dport_be
+}
+
 /// Creates both entries of a SNATed flow, choosing its source port in
 /// `min..=max` (host order): the reply entry is inserted only if no live
 /// flow holds that (backend, node address, port) tuple, so two flows never
@@ -309,15 +320,24 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
             });
             if let (true, Some(old)) = (free, old) {
                 // The old flow goes whole: its forward entry would still
-                // send a straggler to this port.
+                // send a straggler to this port. Only while that entry is
+                // still the old flow's, though: the old client may have
+                // opened a newer connection from the same port since, whose
+                // forward entry has the same key and another SNAT port.
                 if old.dir == ct_dir::REPLY {
-                    remove(&key(
+                    let forward_key = key(
                         old.alt_addr_be,
                         old.nat_addr_be,
                         old.alt_port_be,
                         old.nat_port_be,
                         flow.proto,
-                    ));
+                    );
+                    let still_old = CONNTRACK
+                        .get_ptr(forward_key)
+                        .is_some_and(|f| replies_to(unsafe { &*f }, &reply_key));
+                    if still_old {
+                        remove(&forward_key);
+                    }
                 }
                 remove(&reply_key);
                 taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();

@@ -1329,6 +1329,79 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
     );
 }
 
+/// Taking a closed flow's SNAT port back removes that flow's forward entry
+/// too, but only while the entry is still that flow's: the old reply entry
+/// names the client's port, which the client may have opened a newer
+/// connection from since (a client cycles through its ports in a second or
+/// two at a few thousand connections a second), and that connection's entry
+/// has the same key. One SNAT port at a time makes every choice certain.
+#[test]
+fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
+    let mut nf = node_fixture();
+    let only_port = |nf: &mut NodeFixture, port: u16| {
+        nf.fx
+            .datapath
+            .maps
+            .set_node_config(proxy_common::NodeConfig {
+                snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
+                snat_port_min: port,
+                snat_port_max: port,
+                _pad: 0,
+            })
+            .expect("a one-port SNAT range");
+    };
+    let snat_port_of = |nf: &NodeFixture, frame: &[u8], what: &str| {
+        let (ret, out) = run_xdp(nf, frame);
+        assert_eq!(ret, XDP_REDIRECT, "{what}: not SNATed and sent on");
+        parse_checked(&out, what).sport
+    };
+    // The first connection from client port 45000 gets SNAT port 1024 and is
+    // reset; a second later its port is free to take back.
+    only_port(&mut nf, 1024);
+    let first = snat_port_of(
+        &nf,
+        &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::SYN),
+        "first connection's SYN",
+    );
+    assert_eq!(first, 1024);
+    run_xdp(
+        &nf,
+        &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::RST | frame::ACK),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    // The client opens its next connection from the same port: SNAT port 1025.
+    only_port(&mut nf, 1025);
+    let newer = snat_port_of(
+        &nf,
+        &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::SYN),
+        "newer connection's SYN",
+    );
+    assert_eq!(newer, 1025);
+    // Another client's connection takes port 1024 back.
+    only_port(&mut nf, 1024);
+    let other = snat_port_of(
+        &nf,
+        &tcp(OUTSIDE, 45001, NODE_IP, NODE_PORT, frame::SYN),
+        "other client's SYN",
+    );
+    assert_eq!(other, 1024, "the first connection's port, free again");
+    // The newer connection goes on from its own port.
+    let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::ACK));
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "the newer connection's ACK was not translated (its forward entry went with the first connection's port)"
+    );
+    let ack = parse_checked(&out, "newer connection's ACK");
+    assert_eq!(
+        (ack.dst, ack.sport),
+        (REMOTE_POD, 1025),
+        "the newer connection's ACK left for {}:{} from SNAT port {}",
+        ack.dst,
+        ack.dport,
+        ack.sport
+    );
+}
+
 /// The reaper reads and deletes conntrack in batches. Over more entries than a
 /// batch holds, expired and live interleaved, exactly the expired ones go; and
 /// a batch delete naming keys already gone skips them and deletes the rest.

@@ -234,13 +234,18 @@ fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> CtKey {
     )
 }
 
+/// The one of a (tc, XDP) pair of programs that runs at `hook`.
+fn of_hook<'a>(hook: &str, (tc, xdp): (&'a SchedClassifier, &'a Xdp)) -> Prog<'a> {
+    if hook == "tc" {
+        Prog::Tc(tc)
+    } else {
+        Prog::Xdp(xdp)
+    }
+}
+
 /// The program of `hook`.
 fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
-    if hook == "tc" {
-        Prog::Tc(datapath.tc_program())
-    } else {
-        Prog::Xdp(datapath.xdp_program())
-    }
+    of_hook(hook, (datapath.tc_program(), datapath.xdp_program()))
 }
 
 /// The cases of one hook at one size: `program` against `floor`.
@@ -273,18 +278,11 @@ fn measure_hook(
         add_mirror(datapath, key);
     }
 
-    let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
-    let floor = if hook == "tc" {
-        Prog::Tc(tc_floor)
-    } else {
-        Prog::Xdp(xdp_floor)
-    };
-    let (tc_pair, xdp_pair) = datapath.ct_pairs().expect("conntrack pair programs loaded");
-    let ct_pair = if hook == "tc" {
-        Prog::Tc(tc_pair)
-    } else {
-        Prog::Xdp(xdp_pair)
-    };
+    let floor = of_hook(hook, datapath.floors().expect("floor programs loaded"));
+    let ct_pair = of_hook(
+        hook,
+        datapath.ct_pairs().expect("conntrack pair programs loaded"),
+    );
     let program = program(datapath, hook);
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
     let other = tcp(CLIENT, 1000, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10);

@@ -573,8 +573,6 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
     );
 }
 
-/// SCTP frontends are programmed but not translated (no CRC32c rewrite
-/// yet): their packets pass untouched and are counted, never silently.
 /// The benchmarks set new flows against the conntrack pair programs, so
 /// those must do a new flow's conntrack work and nothing else: both entries
 /// of the packet's flow, the packet itself untouched, at either hook, and
@@ -600,7 +598,7 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
         }
         .unwrap_or_else(|e| panic!("{hook} conntrack pair program: {e}"));
         out.truncate(result.data_size_out as usize);
-        let pass = if hook == "tc" { TC_ACT_OK } else { 2 };
+        let pass = if hook == "tc" { TC_ACT_OK } else { XDP_PASS };
         assert_eq!(result.return_value, pass, "{hook}: verdict");
         assert_eq!(out, input, "{hook}: the packet was changed");
         let conntrack = &fx.datapath.maps.conntrack;
@@ -625,6 +623,8 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
     );
 }
 
+/// SCTP frontends are programmed but not translated (no CRC32c rewrite
+/// yet): their packets pass untouched and are counted, never silently.
 #[test]
 fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
     let fx = fixture();

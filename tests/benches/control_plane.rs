@@ -29,8 +29,9 @@ use ebpf_proxy_tests::{
     netns::{NetNs, unique_stem},
     nftables,
 };
+use proxy_common::{CtKey, CtValue, PROTO_UDP, ct_dir};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout},
+    datapath::{Datapath, PinLayout, conntrack},
     model::{
         BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
         ServicePortName,
@@ -115,6 +116,89 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// What one departure costs the agent when conntrack is full of flows.
+struct Purge {
+    flows: u32,
+    departed_flows: u32,
+    /// `purge_departed` after the endpoint left.
+    purge: Duration,
+    /// One reaper pass over the same table, nothing expired: the cost of
+    /// reading it once, for scale.
+    reap_pass: Duration,
+}
+
+/// Service 0 loses an endpoint while conntrack holds `flows` live UDP flows,
+/// `departed_flows` of them the leaving endpoint's: the sync after it
+/// removes those, and only those.
+fn departure_with_flows(
+    planner: &mut Planner,
+    datapath: &mut Datapath,
+    owner: &ObjectKey,
+    flows: u32,
+) -> Purge {
+    let _ = planner.take_departed();
+    let out = planner.sync_service(owner, &[frontend(0, ENDPOINTS - 1)], &mut datapath.maps);
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    let departed = planner.take_departed();
+    let [gone] = departed[..] else {
+        panic!("one endpoint left service 0, but the planner reports {departed:?}");
+    };
+    let departed_flows = flows / 100;
+    let now = conntrack::monotonic_ns();
+    for i in 0..flows {
+        // Distinct clients on one frontend; the leaving backend's flows
+        // spread through the table.
+        let (service_id, backend_id) = if i % 100 == 0 {
+            (gone.service_id, gone.backend_id)
+        } else {
+            (gone.service_id, gone.backend_id ^ 0x8000_0000)
+        };
+        let key = CtKey::new(
+            u32::from(Ipv4Addr::from(0x0b00_0000 + i)).to_be(),
+            u32::from(vip(0)).to_be(),
+            1234u16.to_be(),
+            53u16.to_be(),
+            PROTO_UDP,
+        );
+        let value = CtValue {
+            nat_addr_be: u32::from(endpoint(0, 0)).to_be(),
+            nat_port_be: 8080u16.to_be(),
+            dir: ct_dir::FORWARD,
+            backend_id,
+            service_id,
+            created_ns: now,
+            last_seen_ns: now,
+            ..Default::default()
+        };
+        datapath
+            .maps
+            .conntrack
+            .insert(key, value, 0)
+            .unwrap_or_else(|e| panic!("filling conntrack, entry {i} of {flows}: {e}"));
+    }
+    let t = Instant::now();
+    let swept = conntrack::purge_departed(&mut datapath.maps, &departed).expect("purging");
+    let purge = t.elapsed();
+    assert_eq!(
+        swept.conntrack, departed_flows as usize,
+        "the purge must remove the leaving endpoint's flows and no other"
+    );
+    let t = Instant::now();
+    let reaped =
+        conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    let reap_pass = t.elapsed();
+    assert_eq!(
+        reaped, 0,
+        "no flow had expired, yet the reaper removed some"
+    );
+    Purge {
+        flows,
+        departed_flows,
+        purge,
+        reap_pass,
+    }
+}
+
 fn main() {
     let args = common::Args::from_env();
     let quick = args.flag("--quick");
@@ -192,6 +276,12 @@ fn main() {
     }
     latencies.sort();
     let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+    let purge = departure_with_flows(
+        &mut planner,
+        &mut datapath,
+        &owner(0),
+        if quick { 50_000 } else { 200_000 },
+    );
     drop(datapath);
     let _ = proxy_userspace::datapath::cleanup(&pins);
 
@@ -235,6 +325,7 @@ fn main() {
          | map writes alone, full programming | {:.0} ms | | |\n\
          | one endpoint change, p50 (ebpf-proxy: planner + map writes; others: full re-apply) | {:.3} ms | {:.0} ms | {:.0} ms |\n\
          | one endpoint change, p99 | {:.3} ms | | |\n\
+         | one endpoint leaving with {} UDP flows in conntrack: removing its {} (one reaper pass over the table: {:.0} ms) | {:.0} ms | | |\n\
          | agent resident memory after full sync | {agent_rss_mib:.1} MiB | | |\n",
         services * ENDPOINTS,
         ms(agent_ready),
@@ -247,6 +338,10 @@ fn main() {
         ms(ipt_resync),
         ms(nft_resync),
         ms(p99),
+        purge.flows,
+        purge.departed_flows,
+        ms(purge.reap_pass),
+        ms(purge.purge),
     );
     println!("{table}");
     std::fs::create_dir_all(&out_dir).expect("creating the output directory");

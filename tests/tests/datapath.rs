@@ -463,6 +463,66 @@ impl Drop for CpuGuard {
 
 /// Replaces the frontends of the fixture's Service `name` (`svcN`, the N-th
 /// of `fixture`'s list) with `fe`, as a sync after an edit would.
+/// A backend leaving a ClientIP-affinity service takes the affinity entries
+/// that name it, and only those: clients stuck to the other backends stay
+/// stuck, and the TCP connections to it are left to finish.
+#[test]
+fn departed_backend_takes_its_affinity_entries_and_only_those() {
+    let mut fx = fixture();
+    let sticky = |backends: &[Ipv4Addr]| Frontend {
+        affinity_timeout_s: Some(10_800),
+        ..frontend(
+            VIP,
+            8443,
+            Protocol::Tcp,
+            backends,
+            8443,
+            NoEndpointAction::Reject,
+        )
+    };
+    reprogram(&mut fx, "sticky", sticky(&BACKENDS));
+    let leaving = BACKENDS[0];
+    let mut picks = Vec::new();
+    for i in 1..=30u8 {
+        let client = Ipv4Addr::new(10, 200, 1, i);
+        let (_, out) = run(&fx, &tcp(client, 40000, VIP, 8443, frame::SYN));
+        picks.push((client, parse_checked(&out, "sticky SYN").dst));
+    }
+    let stuck_to_leaving = picks.iter().filter(|(_, b)| *b == leaving).count();
+    assert!(
+        stuck_to_leaving > 0 && stuck_to_leaving < picks.len(),
+        "30 clients should spread over 3 backends: {picks:?}"
+    );
+    let affinity_entries = |fx: &Fixture| fx.datapath.maps.affinity.keys().count();
+    assert_eq!(
+        affinity_entries(&fx),
+        picks.len(),
+        "each client's first connection records its pick"
+    );
+
+    reprogram(&mut fx, "sticky", sticky(&BACKENDS[1..]));
+    let departed = fx.planner.take_departed();
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    assert_eq!(
+        (swept.affinity, swept.conntrack),
+        (stuck_to_leaving, 0),
+        "the leaving backend's affinity entries go, its TCP flows stay: {picks:?}"
+    );
+    assert_eq!(
+        affinity_entries(&fx),
+        picks.len() - stuck_to_leaving,
+        "affinity entries of the remaining backends were removed too"
+    );
+    for (client, backend) in picks.iter().filter(|(_, b)| *b != leaving) {
+        let (_, out) = run(&fx, &tcp(*client, 40001, VIP, 8443, frame::SYN));
+        assert_eq!(
+            parse_checked(&out, "new connection of a stuck client").dst,
+            *backend,
+            "client {client} lost its affinity when another backend left"
+        );
+    }
+}
+
 fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {
     let owner = ObjectKey {
         namespace: "test".into(),

@@ -103,6 +103,25 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
     }
 }
 
+/// The keys of the entries of the hash map `map` that `pick` chooses, read
+/// `chunk` at a time.
+pub fn keys_where<K: Pod, V: Pod>(
+    map: &MapData,
+    chunk: usize,
+    mut pick: impl FnMut(&K, &V) -> bool,
+) -> Result<Vec<K>, BatchError> {
+    let mut picked = Vec::new();
+    for_each_chunk(map, chunk, |keys: &[K], values: &[V]| {
+        picked.extend(
+            keys.iter()
+                .zip(values)
+                .filter(|(k, v)| pick(k, v))
+                .map(|(k, _)| *k),
+        );
+    })?;
+    Ok(picked)
+}
+
 /// Deletes `keys` from the hash map `map`; keys already gone are skipped.
 /// Returns how many were deleted.
 pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {

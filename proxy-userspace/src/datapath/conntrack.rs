@@ -15,8 +15,8 @@
 
 use std::collections::HashSet;
 
-use aya::maps::{IterableMap, MapError};
-use proxy_common::{CtKey, CtValue, PROTO_TCP, map_names};
+use aya::maps::IterableMap;
+use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, map_names};
 
 use super::{
     batch,
@@ -31,10 +31,6 @@ pub struct Swept {
     pub affinity: usize,
 }
 
-fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
-    move |source| MapsError::Map { name, source }
-}
-
 /// CLOCK_MONOTONIC in ns: what the datapath clock (`proxy_common::Clock`)
 /// reads.
 pub fn monotonic_ns() -> u64 {
@@ -43,62 +39,63 @@ pub fn monotonic_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// Entries read per batch in a pass over a map.
+const PASS_CHUNK: usize = 4096;
+
 /// Removes the UDP conntrack entries and the affinity entries of departed
-/// backends. One pass over each map, only when something departed.
+/// backends. One pass over each map, only when something departed, read in
+/// chunks: the sync that reports the departure waits for it, and a table of
+/// 200,000 flows read an entry at a time (two system calls each) held it
+/// for most of a second.
 pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, MapsError> {
     let mut swept = Swept::default();
     if departed.is_empty() {
         return Ok(swept);
     }
     let gone: HashSet<Departed> = departed.iter().copied().collect();
-    let mut doomed = Vec::new();
-    for item in maps.conntrack.iter() {
-        let (key, value) = item.map_err(wrap(map_names::CONNTRACK))?;
-        if key.proto != PROTO_TCP
-            && gone.contains(&Departed {
-                service_id: value.service_id,
-                backend_id: value.backend_id,
-            })
-        {
-            doomed.push(key);
-        }
-    }
+    let departed_flow = |v: &CtValue| {
+        gone.contains(&Departed {
+            service_id: v.service_id,
+            backend_id: v.backend_id,
+        })
+    };
+    let doomed = batch::keys_where(
+        maps.conntrack.map(),
+        PASS_CHUNK,
+        |k: &CtKey, v: &CtValue| k.proto != PROTO_TCP && departed_flow(v),
+    )
+    .map_err(batch_error(map_names::CONNTRACK))?;
     for key in doomed {
         // Looked at again: the datapath may have replaced the entry with a new
-        // flow's on the same tuple since the pass above.
-        let still = maps.conntrack.get(&key, 0).is_ok_and(|v| {
-            gone.contains(&Departed {
-                service_id: v.service_id,
-                backend_id: v.backend_id,
-            })
-        });
+        // flow's on the same tuple since the pass above. Few are doomed, so
+        // this costs little next to the pass.
+        let still = maps.conntrack.get(&key, 0).is_ok_and(|v| departed_flow(&v));
         if still && maps.conntrack.remove(&key).is_ok() {
             swept.conntrack += 1;
         }
     }
-    let mut doomed = Vec::new();
-    for item in maps.affinity.iter() {
-        let (key, value) = item.map_err(wrap(map_names::AFFINITY))?;
-        if gone.contains(&Departed {
-            service_id: key.service_id,
-            backend_id: value.backend_id,
-        }) {
-            doomed.push(key);
-        }
-    }
+    let doomed = batch::keys_where(
+        maps.affinity.map(),
+        PASS_CHUNK,
+        |k: &AffinityKey, v: &AffinityValue| {
+            gone.contains(&Departed {
+                service_id: k.service_id,
+                backend_id: v.backend_id,
+            })
+        },
+    )
+    .map_err(batch_error(map_names::AFFINITY))?;
     if swept.conntrack > 0 {
         maps.bump_flow_epoch()?;
     }
-    for key in doomed {
-        if maps.affinity.remove(&key).is_ok() {
-            swept.affinity += 1;
-        }
-    }
+    swept.affinity =
+        batch::delete(maps.affinity.map(), &doomed).map_err(batch_error(map_names::AFFINITY))?;
     Ok(swept)
 }
 
-/// Entries read per batch while reaping.
-const REAP_CHUNK: usize = 4096;
+fn batch_error(name: &'static str) -> impl Fn(batch::BatchError) -> MapsError {
+    move |source| MapsError::Batch { name, source }
+}
 
 /// Removes conntrack entries idle past their timeout. The map is read in
 /// chunks and each chunk's expired entries are deleted at once, before the
@@ -108,14 +105,11 @@ const REAP_CHUNK: usize = 4096;
 pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
     let map = maps.conntrack.map();
-    let batch_error = |source| MapsError::Batch {
-        name: map_names::CONNTRACK,
-        source,
-    };
-    let mut doomed: Vec<CtKey> = Vec::with_capacity(REAP_CHUNK);
+    let batch_error = batch_error(map_names::CONNTRACK);
+    let mut doomed: Vec<CtKey> = Vec::with_capacity(PASS_CHUNK);
     let mut reaped = 0;
     let mut failed = None;
-    batch::for_each_chunk(map, REAP_CHUNK, |keys: &[CtKey], values: &[CtValue]| {
+    batch::for_each_chunk(map, PASS_CHUNK, |keys: &[CtKey], values: &[CtValue]| {
         doomed.clear();
         doomed.extend(
             keys.iter()
@@ -128,7 +122,7 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
             Err(e) => failed = Some(e),
         }
     })
-    .map_err(batch_error)?;
+    .map_err(&batch_error)?;
     if reaped > 0 {
         maps.bump_flow_epoch()?;
     }

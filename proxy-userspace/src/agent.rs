@@ -67,6 +67,8 @@ pub struct AgentConfig {
     pub min_sync_period: Duration,
     pub model: ModelConfig,
     pub ct_timeouts: proxy_common::CtTimeouts,
+    /// Capacity of the conntrack map (`--conntrack-max`, two a connection).
+    pub conntrack_entries: u32,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
     pub nodeport_addresses: Vec<Cidr>,
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
@@ -81,7 +83,7 @@ pub struct AgentConfig {
 /// pinned maps and links keep serving traffic, and the next start adopts them.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
-    let mut datapath = Datapath::load(pins)?;
+    let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
     datapath
         .maps
         .set_ct_timeouts(config.ct_timeouts)
@@ -170,6 +172,14 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         }
         if !older_layouts_retired && sync.serving() && datapath.attached().next().is_some() {
             older_layouts_retired = true;
+            match datapath.finish_resize() {
+                Some(Ok(flows)) => info!(
+                    flows_carried_over = flows,
+                    "the conntrack map of the former size is gone"
+                ),
+                Some(Err(e)) => warn!(error = %e, "finishing the conntrack resize"),
+                None => {}
+            }
             let pins = datapath.pins().clone();
             for retired in crate::datapath::upgrade::retire_older_layouts(&pins, &mut datapath.maps)
             {

@@ -84,6 +84,17 @@ pub struct RunArgs {
     /// Idle timeout of a UDP flow.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// Connections conntrack holds, two map entries each (kube-proxy's
+    /// default `conntrack.min`). The map is allocated whole when it is
+    /// created; a new value on a node that already has one replaces it at
+    /// start, its flows carried over. When it is full, the least recently
+    /// used flows make room.
+    #[arg(
+        long,
+        default_value_t = proxy_common::MAX_CONNTRACK / 2,
+        value_parser = clap::value_parser!(u32).range(1024..=1 << 30)
+    )]
+    pub conntrack_max: u32,
     /// NodePorts are served on the node addresses inside these CIDRs
     /// (kube-proxy's flag); default: every address of the node.
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
@@ -107,6 +118,11 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// Conntrack map entries for `--conntrack-max` connections.
+    pub fn conntrack_entries(&self) -> u32 {
+        self.conntrack_max * 2
+    }
+
     /// The conntrack timeouts these flags ask for.
     pub fn ct_timeouts(&self) -> proxy_common::CtTimeouts {
         proxy_common::CtTimeouts {
@@ -167,6 +183,25 @@ mod tests {
         let err = parse(&["--manifests", "/m", "--master", "http://x"])
             .expect_err("--master with --manifests is a mistake");
         assert!(err.to_string().contains("cannot be used with"), "{err}");
+    }
+
+    #[test]
+    fn conntrack_max_counts_connections_of_two_entries() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {
+                match cli.command {
+                    Command::Run(run) => run.conntrack_entries(),
+                    other => panic!("not a run command: {other:?}"),
+                }
+            })
+        };
+        assert_eq!(parse(&[]).expect("default"), proxy_common::MAX_CONNTRACK);
+        assert_eq!(
+            parse(&["--conntrack-max", "524288"]).expect("a larger table"),
+            1 << 20
+        );
+        let err = parse(&["--conntrack-max", "10"]).expect_err("too small a table");
+        assert!(err.to_string().contains("1024"), "{err}");
     }
 
     #[test]

@@ -25,6 +25,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => {
             let ct_timeouts = args.ct_timeouts();
+            let conntrack_entries = args.conntrack_entries();
             let config = AgentConfig {
                 bpf_root: args.pins.bpf_root,
                 source: match args.manifests {
@@ -39,6 +40,7 @@ fn main() -> anyhow::Result<()> {
                 node_name: args.node_name.unwrap_or_else(agent::default_node_name),
                 min_sync_period: args.min_sync_period,
                 ct_timeouts,
+                conntrack_entries,
                 model: ModelConfig::default(),
                 nodeport_addresses: args.nodeport_addresses,
                 cluster_cidrs: args.cluster_cidr,

@@ -114,7 +114,15 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         .unwrap_or_default();
     links.sort();
     let _ = writeln!(out, "attached: {}", links.join(", "));
-    let _ = writeln!(out, "conntrack entries: {}", maps.conntrack.keys().count());
+    let entries = maps.conntrack.keys().count();
+    let _ = match crate::datapath::resize::capacity(&pins.maps_dir()) {
+        Ok(capacity) => writeln!(
+            out,
+            "conntrack entries: {entries} of {capacity} ({} connections)",
+            capacity / 2
+        ),
+        Err(_) => writeln!(out, "conntrack entries: {entries}"),
+    };
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");
     }

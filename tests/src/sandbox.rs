@@ -67,8 +67,17 @@ impl Sandbox {
 
     /// Starts the agent on this sandbox's own manifest directory.
     pub fn start_agent_on_manifests(&mut self) -> Result<&mut Agent> {
-        let dir = self.manifests.path().to_owned();
-        self.start_agent(&dir)
+        self.start_agent_with(&[])
+    }
+
+    /// [`Sandbox::start_agent_on_manifests`] with extra arguments for
+    /// `ebpf-proxy run`.
+    pub fn start_agent_with(&mut self, extra_args: &[&str]) -> Result<&mut Agent> {
+        if self.agent.is_some() {
+            return Err(anyhow!("the agent is already running"));
+        }
+        let agent = Agent::start_with(&self.topology.node, self.manifests.path(), extra_args)?;
+        Ok(self.agent.insert(agent))
     }
 
     /// The agent; panics if none was started (a bug in the caller).

@@ -503,6 +503,85 @@ fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
     );
 }
 
+/// `--conntrack-max` sizes the conntrack map, two entries a connection. An agent
+/// started with another value on a node whose map has the former size replaces the
+/// map: a connection made before keeps its backend (its entries were carried over),
+/// the former map's pin goes, and `status` shows the new capacity.
+#[test]
+fn a_new_conntrack_max_resizes_the_map_and_keeps_its_flows() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    sb.start_agent_with(&["--conntrack-max", "4096"])
+        .expect("start the agent");
+    let root = sb.agent().bpf_root().to_owned();
+    let maps = root
+        .join(format!("v{}", proxy_common::LAYOUT_VERSION))
+        .join("maps");
+    let capacity = || {
+        aya::maps::MapInfo::from_pin(maps.join("CONNTRACK"))
+            .expect("the pinned conntrack map")
+            .max_entries()
+    };
+    assert_eq!(capacity(), 8192, "--conntrack-max 4096: two entries each");
+    // Six: a connection without its entries would land on its own backend by chance
+    // one time in three.
+    let mut sessions: Vec<TcpSession> = (0..6)
+        .map(|_| {
+            TcpSession::open(&sb.client().ns, http(CLUSTER_IP), TIMEOUT)
+                .expect("connect through the ClusterIP")
+        })
+        .collect();
+
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let resized = ebpf_proxy_tests::agent::Agent::start_on_root(
+        &sb.topology().node,
+        sb.manifests().path(),
+        &["--conntrack-max", "16384"],
+        root.clone(),
+    )
+    .expect("start the agent again with a larger table");
+    let aside = maps.join("CONNTRACK-resizing");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while aside.exists() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !aside.exists(),
+        "the former conntrack map is still pinned 5 s after the start; the log:\n{}",
+        resized.log()
+    );
+    assert_eq!(capacity(), 32768, "--conntrack-max 16384 after the restart");
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let backend = session.greeting.backend.clone();
+        let answer = session.exchange("after").unwrap_or_else(|e| {
+            panic!(
+                "connection {i} made before the resize, after it: {e}; the log:\n{}",
+                resized.log()
+            )
+        });
+        assert_eq!(
+            answer,
+            format!("{backend} after"),
+            "connection {i} made before the resize changed backend; the log:\n{}",
+            resized.log()
+        );
+    }
+    let status = resized.status().expect("ebpf-proxy status");
+    assert!(
+        status.contains(" of 32768 (16384 connections)"),
+        "status does not show the new capacity:\n{status}"
+    );
+    let after = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("after");
+    assert_all_replied_from(CLIENT.1, "after the resize", &after);
+}
+
 /// A closed flow through the ClusterIP leaves conntrack state behind for a while. A
 /// new, unrelated connection from the same client port straight to the same backend's
 /// pod address (the kernel may pick that port: the destination differs) must not be

@@ -463,6 +463,113 @@ impl Drop for CpuGuard {
 
 /// Replaces the frontends of the fixture's Service `name` (`svcN`, the N-th
 /// of `fixture`'s list) with `fe`, as a sync after an edit would.
+/// A conntrack map pinned with another capacity than the load asks for
+/// (`--conntrack-max` changed) is replaced by one of the asked size, its flows
+/// carried over: at the load, and at `finish_resize` for the flows the older
+/// programs made in between. So is a map that a load which stopped half-way set
+/// aside.
+#[test]
+fn a_conntrack_map_of_another_size_is_replaced_with_its_flows() {
+    use aya::maps::{HashMap, MapData, MapInfo};
+    use proxy_common::{CtKey, CtValue, ct_dir};
+
+    static N: AtomicU32 = AtomicU32::new(0);
+    ensure_bpffs();
+    let pins = PinLayout::new(format!(
+        "/sys/fs/bpf/ebpf-proxy-resize-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    struct Unpin(PinLayout);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = proxy_userspace::datapath::cleanup(&self.0);
+        }
+    }
+    let _unpin = Unpin(pins.clone());
+    let pin = pins.map("CONNTRACK");
+    let aside = pins.map("CONNTRACK-resizing");
+    let capacity = || {
+        MapInfo::from_pin(&pin)
+            .expect("conntrack pin")
+            .max_entries()
+    };
+    let flow = |port: u16| {
+        let key = CtKey::new(
+            u32::from_ne_bytes(CLIENT.octets()),
+            u32::from_ne_bytes(VIP.octets()),
+            port.to_be(),
+            80u16.to_be(),
+            frame::TCP,
+        );
+        let value = CtValue {
+            nat_addr_be: u32::from_ne_bytes(BACKENDS[1].octets()),
+            nat_port_be: 8080u16.to_be(),
+            dir: ct_dir::FORWARD,
+            backend_id: 7,
+            service_id: 3,
+            ..Default::default()
+        };
+        (key, value)
+    };
+    let load = |entries: u32| {
+        Datapath::load_sized(pins.clone(), entries)
+            .unwrap_or_else(|e| panic!("loading with {entries} conntrack entries: {e}"))
+    };
+
+    let mut first = load(8192);
+    assert!(
+        first.finish_resize().is_none(),
+        "a map created anew has nothing to carry over"
+    );
+    let (k1, v1) = flow(40001);
+    first.maps.conntrack.insert(k1, v1, 0).expect("a flow");
+    drop(first);
+    assert_eq!(capacity(), 8192);
+
+    let mut resized = load(16384);
+    assert_eq!(capacity(), 16384, "the map was not replaced");
+    assert_eq!(
+        resized.maps.conntrack.get(&k1, 0).ok(),
+        Some(v1),
+        "the flow was not carried over at the load"
+    );
+    // A flow the older programs make before this datapath takes over.
+    let (k2, v2) = flow(40002);
+    let mut older: HashMap<_, CtKey, CtValue> = HashMap::try_from(aya::maps::Map::LruHashMap(
+        MapData::from_pin(&aside).expect("the set-aside map"),
+    ))
+    .expect("the set-aside map as conntrack");
+    older
+        .insert(k2, v2, 0)
+        .expect("a flow of the older programs");
+    let carried = resized.finish_resize().map(|r| r.expect("finishing"));
+    assert_eq!(carried, Some(1), "only the newer flow is left to carry");
+    assert_eq!(
+        resized.maps.conntrack.get(&k2, 0).ok(),
+        Some(v2),
+        "the older programs' late flow was not carried over"
+    );
+    assert!(!aside.exists(), "the set-aside map is still pinned");
+    drop(resized);
+
+    // A load that stopped right after setting the map aside.
+    std::fs::rename(&pin, &aside).expect("setting the map aside by hand");
+    let mut again = load(16384);
+    for (k, v) in [(k1, v1), (k2, v2)] {
+        assert_eq!(
+            again.maps.conntrack.get(&k, 0).ok(),
+            Some(v),
+            "a flow of the map left aside was lost"
+        );
+    }
+    assert_eq!(
+        again.finish_resize().map(|r| r.expect("finishing")),
+        Some(0)
+    );
+    assert!(!aside.exists(), "the map left aside is still pinned");
+}
+
 /// A backend leaving a ClientIP-affinity service takes the affinity entries
 /// that name it, and only those: clients stuck to the other backends stay
 /// stuck, and the TCP connections to it are left to finish.

@@ -12,6 +12,7 @@ pub mod ip_summed;
 pub mod kernel_btf;
 pub mod maps;
 pub mod pins;
+pub mod resize;
 mod sys;
 pub mod upgrade;
 
@@ -22,7 +23,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{SchedClassifier, Xdp},
 };
-use proxy_common::{map_names, program_names};
+use proxy_common::{MAX_CONNTRACK, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout};
 
@@ -58,19 +59,24 @@ pub enum DatapathError {
     Maps(#[from] maps::MapsError),
     #[error("completing the eBPF object for this kernel: {0}")]
     Patch(#[from] ip_summed::PatchError),
+    #[error(transparent)]
+    Resize(#[from] resize::ResizeError),
 }
 
 /// Loads the object with its ip_summed reads completed as `read` says, maps
-/// pinned at `paths`, and its programs.
+/// pinned at `paths` (a conntrack map created anew holds
+/// `conntrack_entries`), and its programs.
 fn load_object(
     paths: &[(&'static str, std::path::PathBuf)],
     read: ip_summed::Read,
+    conntrack_entries: u32,
 ) -> Result<Ebpf, DatapathError> {
     let (object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
     let mut loader = EbpfLoader::new();
     for (name, path) in paths {
         loader.map_pin_path(name, path.as_path());
     }
+    loader.map_max_entries(map_names::CONNTRACK, conntrack_entries);
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
@@ -87,13 +93,23 @@ pub struct Datapath {
     /// Interfaces with XDP: name -> (ifindex, mode).
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
     ip_summed: ip_summed::Read,
+    /// A conntrack map of another size, until its flows are all over.
+    resize: Option<resize::Resize>,
 }
 
 impl Datapath {
     /// Loads the object. Maps already pinned under `pins` (from an earlier
     /// run) are reused as they are, entries included; missing ones are
-    /// created and pinned.
+    /// created and pinned. Conntrack holds `MAX_CONNTRACK` entries.
     pub fn load(pins: PinLayout) -> Result<Self, DatapathError> {
+        Self::load_sized(pins, MAX_CONNTRACK)
+    }
+
+    /// `load`, with a conntrack map of `conntrack_entries` entries: a pinned
+    /// one of another size is replaced, and its flows carried over (see
+    /// `resize`; `finish_resize` completes that once this datapath is
+    /// attached).
+    pub fn load_sized(pins: PinLayout, conntrack_entries: u32) -> Result<Self, DatapathError> {
         let read = ip_summed::Read::for_this_kernel().unwrap_or_else(|e| {
             tracing::warn!(
                 error = %e,
@@ -101,12 +117,20 @@ impl Datapath {
             );
             ip_summed::Read::Unknown
         });
-        Self::load_reading(pins, read)
+        Self::load_with(pins, read, conntrack_entries)
     }
 
     /// `load`, with tc's reads of the checksum state completed as `read`
     /// says: tests run the helper path with `Read::Unknown`.
     pub fn load_reading(pins: PinLayout, read: ip_summed::Read) -> Result<Self, DatapathError> {
+        Self::load_with(pins, read, MAX_CONNTRACK)
+    }
+
+    fn load_with(
+        pins: PinLayout,
+        read: ip_summed::Read,
+        conntrack_entries: u32,
+    ) -> Result<Self, DatapathError> {
         if EBPF_OBJECT.is_empty() {
             return Err(DatapathError::NoObject);
         }
@@ -125,7 +149,8 @@ impl Datapath {
             .iter()
             .map(|name| (*name, pins.map(name)))
             .collect();
-        let (mut ebpf, read) = match load_object(&paths, read) {
+        let resize = resize::set_aside(&pins.map(map_names::CONNTRACK), conntrack_entries)?;
+        let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries) {
             // A kernel whose verifier refuses the kfunc call (no JIT, say).
             Err(e @ DatapathError::Program { name, .. })
                 if name == program_names::TC_INGRESS && read != ip_summed::Read::Unknown =>
@@ -135,7 +160,7 @@ impl Datapath {
                     "loading with the checksum state read failed: loading again without it"
                 );
                 (
-                    load_object(&paths, ip_summed::Read::Unknown)?,
+                    load_object(&paths, ip_summed::Read::Unknown, conntrack_entries)?,
                     ip_summed::Read::Unknown,
                 )
             }
@@ -143,6 +168,19 @@ impl Datapath {
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         let mut maps = Maps::take(&mut ebpf)?;
+        if let Some(resize) = &resize {
+            match resize.carry(&mut maps) {
+                Ok(flows) => tracing::info!(
+                    from = ?resize.from,
+                    to = resize.to,
+                    flows,
+                    "conntrack resized; its flows carried over"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "conntrack resized; its flows not carried over")
+                }
+            }
+        }
         let probe: &Xdp = ebpf
             .program(program_names::CLOCK_PROBE)
             .and_then(|p| p.try_into().ok())
@@ -164,7 +202,16 @@ impl Datapath {
             attached: Default::default(),
             xdp_attached: Default::default(),
             ip_summed: read,
+            resize,
         })
+    }
+
+    /// Once this datapath's programs have taken over the links: copies the
+    /// flows the older programs made into a resized conntrack since the load,
+    /// and lets the older map go. None when nothing was resized.
+    pub fn finish_resize(&mut self) -> Option<Result<usize, resize::ResizeError>> {
+        let resize = self.resize.take()?;
+        Some(resize.finish(&mut self.maps))
     }
 
     /// How tc reads socket buffers' checksum state on this kernel.

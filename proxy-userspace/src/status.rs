@@ -2,10 +2,11 @@
 
 use std::fmt::Write;
 
-use proxy_common::{BackendSlotKey, service_flags};
+use aya::maps::IterableMap;
+use proxy_common::{BackendSlotKey, CtKey, CtValue, map_names, service_flags};
 
 use crate::{
-    datapath::{Maps, PinLayout, maps::MapsError},
+    datapath::{Maps, PinLayout, batch, maps::MapsError},
     planner::encode,
 };
 
@@ -114,7 +115,14 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         .unwrap_or_default();
     links.sort();
     let _ = writeln!(out, "attached: {}", links.join(", "));
-    let entries = maps.conntrack.keys().count();
+    // In chunks: a table of a million entries read one at a time would take
+    // seconds.
+    let entries = batch::count::<CtKey, CtValue>(maps.conntrack.map(), 4096).map_err(|source| {
+        MapsError::Batch {
+            name: map_names::CONNTRACK,
+            source,
+        }
+    })?;
     let _ = match crate::datapath::resize::capacity(&pins.maps_dir()) {
         Ok(capacity) => writeln!(
             out,

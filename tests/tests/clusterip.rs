@@ -574,9 +574,16 @@ fn a_new_conntrack_max_resizes_the_map_and_keeps_its_flows() {
         );
     }
     let status = resized.status().expect("ebpf-proxy status");
+    let entries: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("conntrack entries: "))
+        .and_then(|l| l.strip_suffix(" of 32768 (16384 connections)"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("status does not show the new capacity:\n{status}"));
     assert!(
-        status.contains(" of 32768 (16384 connections)"),
-        "status does not show the new capacity:\n{status}"
+        entries >= 2 * sessions.len(),
+        "status counts {entries} conntrack entries with {} connections open",
+        sessions.len()
     );
     let after = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 30, TIMEOUT).expect("after");
     assert_all_replied_from(CLIENT.1, "after the resize", &after);

@@ -103,6 +103,14 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
     }
 }
 
+/// How many entries the hash map `map` (keys `K`, values `V`) holds, read
+/// `chunk` at a time.
+pub fn count<K: Pod, V: Pod>(map: &MapData, chunk: usize) -> Result<usize, BatchError> {
+    let mut n = 0;
+    for_each_chunk(map, chunk, |keys: &[K], _: &[V]| n += keys.len())?;
+    Ok(n)
+}
+
 /// The keys of the entries of the hash map `map` that `pick` chooses, read
 /// `chunk` at a time.
 pub fn keys_where<K: Pod, V: Pod>(

@@ -79,6 +79,15 @@ fn cluster_with_web(clients: &[(&str, Ipv4Addr)]) -> Sandbox {
     sb
 }
 
+/// Whether `path` is gone, or goes within `timeout`.
+fn gone_within(path: &std::path::Path, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while path.exists() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    !path.exists()
+}
+
 fn http(ip: Ipv4Addr) -> SocketAddrV4 {
     SocketAddrV4::new(ip, 80)
 }
@@ -471,12 +480,8 @@ fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
         root.clone(),
     )
     .expect("start the newer agent on the same root");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while older.exists() && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(50));
-    }
     assert!(
-        !older.exists(),
+        gone_within(&older, Duration::from_secs(5)),
         "{} still there 5 s after the newer agent started; its log:\n{}",
         older.display(),
         upgraded.log()
@@ -548,12 +553,8 @@ fn a_new_conntrack_max_resizes_the_map_and_keeps_its_flows() {
     )
     .expect("start the agent again with a larger table");
     let aside = maps.join("CONNTRACK-resizing");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while aside.exists() && Instant::now() < deadline {
-        thread::sleep(Duration::from_millis(50));
-    }
     assert!(
-        !aside.exists(),
+        gone_within(&aside, Duration::from_secs(5)),
         "the former conntrack map is still pinned 5 s after the start; the log:\n{}",
         resized.log()
     );

@@ -68,14 +68,19 @@ fn fixture() -> Fixture {
 
 /// A fixture whose tc program reads checksum states as `read` says (`None`:
 /// as this kernel allows).
-fn fixture_reading(read: Option<ip_summed::Read>) -> Fixture {
+/// A bpffs root of its own for one test, `prefix` naming what it is for.
+fn unique_root(prefix: &str) -> PathBuf {
     static N: AtomicU32 = AtomicU32::new(0);
     ensure_bpffs();
-    let root = PathBuf::from(format!(
-        "/sys/fs/bpf/ebpf-proxy-trun-{}-{}",
+    PathBuf::from(format!(
+        "/sys/fs/bpf/{prefix}-{}-{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
-    ));
+    ))
+}
+
+fn fixture_reading(read: Option<ip_summed::Read>) -> Fixture {
+    let root = unique_root("ebpf-proxy-trun");
     let pins = PinLayout::new(&root);
     let loaded = match read {
         Some(read) => Datapath::load_reading(pins.clone(), read),
@@ -473,13 +478,7 @@ fn a_conntrack_map_of_another_size_is_replaced_with_its_flows() {
     use aya::maps::{HashMap, MapData, MapInfo};
     use proxy_common::{CtKey, CtValue, ct_dir};
 
-    static N: AtomicU32 = AtomicU32::new(0);
-    ensure_bpffs();
-    let pins = PinLayout::new(format!(
-        "/sys/fs/bpf/ebpf-proxy-resize-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
+    let pins = PinLayout::new(unique_root("ebpf-proxy-resize"));
     struct Unpin(PinLayout);
     impl Drop for Unpin {
         fn drop(&mut self) {

@@ -32,7 +32,12 @@ pub mod map_names {
     pub const FLOW_CACHE: &str = "FLOW_CACHE";
     pub const FLOW_GEN: &str = "FLOW_GEN";
     pub const CSUM_STATES: &str = "CSUM_STATES";
-    pub const ALL: [&str; 15] = [
+    pub const HOST_NETNS: &str = "HOST_NETNS";
+    pub const SOCK_COUNTERS: &str = "SOCK_COUNTERS";
+    /// Maps added to this layout after its first agents: pins of such an
+    /// agent lack them, and readers of its pins do without.
+    pub const LATER: [&str; 3] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS];
+    pub const ALL: [&str; 17] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -48,6 +53,8 @@ pub mod map_names {
         FLOW_CACHE,
         FLOW_GEN,
         CSUM_STATES,
+        HOST_NETNS,
+        SOCK_COUNTERS,
     ];
 }
 
@@ -73,6 +80,20 @@ pub mod program_names {
     /// Samples both kernel clocks into `CLOCK[SAMPLE]`, run by the agent
     /// through BPF_PROG_TEST_RUN to calibrate the datapath clock.
     pub const CLOCK_PROBE: &str = "clock_probe";
+    /// cgroup `connect4` hook: connections that start on the node itself
+    /// (host-network pods, node agents), which never cross tc ingress, get
+    /// their frontend replaced by a backend at `connect()`.
+    pub const SOCK_CONNECT4: &str = "sock_connect4";
+}
+
+/// Indexes into the per-CPU `SOCK_COUNTERS` array (the `connect4` hook).
+pub mod sock_counter {
+    /// A connect() to a frontend, sent to a backend instead.
+    pub const TRANSLATED: u32 = 0;
+    /// A connect() to a frontend without endpoints, refused.
+    pub const REFUSED: u32 = 1;
+    pub const COUNT: u32 = 2;
+    pub const NAMES: [&str; 2] = ["sock_connect_translated", "sock_connect_refused"];
 }
 
 /// Map capacities. The service, slot and backend maps are not preallocated

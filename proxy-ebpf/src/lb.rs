@@ -28,23 +28,35 @@ pub struct Frontend {
 /// client gets the frontend's in-cluster entry where it has one.
 #[inline(always)]
 pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
-    let own = service_key(flow.dst_be, flow.dport_be, flow.proto);
+    lookup_frontend_of(flow.dst_be, flow.dport_be, flow.proto, || in_cluster(flow))
+}
+
+/// `lookup_frontend` for a destination, with `in_cluster` saying whether
+/// its client counts as in the cluster (asked only where it matters).
+#[inline(always)]
+pub fn lookup_frontend_of(
+    dst_be: u32,
+    dport_be: u16,
+    proto: u8,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<Frontend> {
+    let own = service_key(dst_be, dport_be, proto);
     let (key, svc, on_node) = match lookup(own) {
         Some(svc) if svc.flags & service_flags::EXTERNAL == 0 => (own, svc, false),
-        Some(svc) => (own, svc, node_addr_flags(flow.dst_be).is_some()),
+        Some(svc) => (own, svc, node_addr_flags(dst_be).is_some()),
         None => {
-            let flags = node_addr_flags(flow.dst_be)?;
+            let flags = node_addr_flags(dst_be)?;
             if flags & node_addr_flags::NODEPORT == 0 {
                 return None;
             }
             // NodePorts are programmed once, on the unspecified address.
-            let key = service_key(0, flow.dport_be, flow.proto);
+            let key = service_key(0, dport_be, proto);
             (key, lookup(key)?, true)
         }
     };
     // The in-cluster entry exists only where it differs
     // (externalTrafficPolicy Local).
-    if svc.flags & service_flags::EXTERNAL != 0 && in_cluster(flow) {
+    if svc.flags & service_flags::EXTERNAL != 0 && in_cluster() {
         let internal = ServiceKey {
             scope: scope::INTERNAL,
             ..key
@@ -85,11 +97,17 @@ pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
 /// loadBalancerSourceRanges of the frontend entry it matched.
 #[inline(always)]
 pub fn source_allowed(frontend: &Frontend, flow: &Flow) -> bool {
+    source_allowed_for(frontend, flow.src_be)
+}
+
+/// `source_allowed` for the client `client_be`.
+#[inline(always)]
+pub fn source_allowed_for(frontend: &Frontend, client_be: u32) -> bool {
     let key = Key::new(
         proxy_common::source_range_prefix(128),
         SourceRangeKey {
             frontend: frontend.key,
-            client_be: v4_mapped(flow.src_be),
+            client_be: v4_mapped(client_be),
         },
     );
     SOURCE_RANGES.get(&key).is_some()

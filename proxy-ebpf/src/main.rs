@@ -20,11 +20,12 @@ mod packet;
 mod reject;
 mod route;
 mod service;
+mod sock;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::PROTO_TCP;
 use service::Action;
@@ -70,6 +71,13 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
         // Not produced at XDP.
         Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
     }
+}
+
+/// cgroup `connect4`: the node's own connections to frontends go to a
+/// backend from the start (see `sock`).
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::connect4(&ctx)
 }
 
 /// Does nothing: the per-packet cost floor that benchmarks compare against.

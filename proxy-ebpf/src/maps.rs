@@ -10,7 +10,7 @@ use proxy_common::{
     CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, MAP_F_NO_PREALLOC, MAX_AFFINITY,
     MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS,
     MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
-    SourceRangeKey, clock_slot, counter, ip_summed,
+    SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -98,6 +98,23 @@ pub static CSUM_STATES: PerCpuArray<u64, { ip_summed::STATES as usize }> = PerCp
 #[inline(always)]
 pub fn count_csum_state(state: u64) {
     if let Some(c) = CSUM_STATES.get_ptr_mut(state as u32) {
+        // SAFETY: as in `count`.
+        unsafe { *c += 1 };
+    }
+}
+
+/// The network namespace cookie of the agent's namespace, the node's: the
+/// socket hook translates only sockets there (0 until the agent writes it).
+#[btf_map]
+pub static HOST_NETNS: Array<u64, 1> = Array::new();
+
+/// See `proxy_common::sock_counter`.
+#[btf_map]
+pub static SOCK_COUNTERS: PerCpuArray<u64, { sock_counter::COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count_sock(index: u32) {
+    if let Some(c) = SOCK_COUNTERS.get_ptr_mut(index) {
         // SAFETY: as in `count`.
         unsafe { *c += 1 };
     }

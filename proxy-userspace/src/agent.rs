@@ -77,6 +77,8 @@ pub struct AgentConfig {
     /// SNAT address for external flows to remote backends; default: the
     /// first address of the first uplink.
     pub node_ip: Option<Ipv4Addr>,
+    /// Where the connect() hook attaches (`--cgroup-root`); None: nowhere.
+    pub cgroup_root: Option<PathBuf>,
 }
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
@@ -92,6 +94,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .maps
         .set_cluster_cidrs(&config.cluster_cidrs)
         .map_err(AgentError::ClusterCidrs)?;
+    attach_socket_hook(&mut datapath, config.cgroup_root.as_deref());
     let stored = datapath
         .maps
         .read_service_state()
@@ -193,6 +196,39 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// The node's own connections to Services go through the connect() hook:
+/// without it they would reach no backend, so a failure is loud, but the
+/// pods' traffic does not depend on it.
+fn attach_socket_hook(datapath: &mut Datapath, cgroup_root: Option<&std::path::Path>) {
+    let Some(cgroup) = cgroup_root else {
+        warn!(
+            "no cgroup v2 hierarchy found: the node's own connections to Services are not translated (--cgroup-root)"
+        );
+        return;
+    };
+    let attached = host_netns_cookie()
+        .and_then(|cookie| {
+            datapath
+                .maps
+                .set_host_netns(cookie)
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|()| datapath.attach_cgroup(cgroup).map_err(|e| e.to_string()));
+    match attached {
+        Ok(()) => {
+            info!(cgroup = %cgroup.display(), "connect() hook attached: the node's own connections to Services are translated")
+        }
+        Err(e) => {
+            error!(cgroup = %cgroup.display(), error = %e, "connect() hook not attached: the node's own connections to Services are not translated")
+        }
+    }
+}
+
+fn host_netns_cookie() -> Result<u64, String> {
+    crate::datapath::host::netns_cookie()
+        .map_err(|e| format!("reading this network namespace's cookie: {e}"))
 }
 
 /// How often idle conntrack entries are reaped.

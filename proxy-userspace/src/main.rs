@@ -46,6 +46,9 @@ fn main() -> anyhow::Result<()> {
                 cluster_cidrs: args.cluster_cidr,
                 xdp_mode: args.xdp_mode,
                 node_ip: args.node_ip,
+                cgroup_root: args
+                    .cgroup_root
+                    .or_else(proxy_userspace::datapath::host::default_cgroup_root),
             };
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

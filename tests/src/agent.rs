@@ -189,6 +189,17 @@ impl Agent {
         )
     }
 
+    /// The datapath counter `name` (summed over CPUs), as `status` shows it.
+    pub fn counter(&self, name: &str) -> Result<u64> {
+        let status = self.status()?;
+        let prefix = format!("counter {name}: ");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| anyhow!("no counter {name} in the status:\n{status}"))
+    }
+
     /// Polls /healthz until it answers 200; fails early if the agent exits.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         let start = Instant::now();

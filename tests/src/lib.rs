@@ -11,6 +11,7 @@
 //! nothing behind.
 
 pub mod agent;
+pub mod cgroup;
 pub mod client;
 pub mod cluster;
 pub mod frames;

@@ -16,12 +16,14 @@ use std::{
 
 use ebpf_proxy_tests::{
     Protocol,
+    cgroup::TestCgroup,
     client::{
         Outcome, TALLY_MAX_FAILURES, Tally, TcpSession, tcp_request, tcp_request_from_port_here,
         tcp_tally, udp_request, udp_tally,
     },
     iptables,
     manifest::Service,
+    netns::NetNs,
     require_root,
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
@@ -383,6 +385,185 @@ fn service_without_endpoints_is_refused_at_once() {
             "UDP to {ip}:53 ({what}) took {took:?} to be refused"
         );
     }
+}
+
+/// A counter of the agent's pinned datapath, by name.
+fn counter_of(sb: &Sandbox, name: &str) -> u64 {
+    sb.agent()
+        .counter(name)
+        .unwrap_or_else(|e| panic!("counter {name}: {e:#}"))
+}
+
+/// `script` run by bash (whose `/dev/tcp` and `/dev/udp` open connected sockets) in
+/// `ns`, inside `cgroup` when given, for at most 3 s.
+fn bash_in(ns: &NetNs, cgroup: Option<&TestCgroup>, script: &str) -> std::process::Output {
+    let mut cmd = match cgroup {
+        Some(cgroup) => cgroup.command_in(ns, "timeout"),
+        None => ns.command("timeout"),
+    };
+    cmd.args(["3", "bash", "-c", script])
+        .output()
+        .expect("running bash")
+}
+
+/// The `<backend> <peer>` greeting a bash client printed, or a panic that says what
+/// went wrong.
+fn greeting(sb: &Sandbox, out: &std::process::Output, what: &str) -> (String, String) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    match (out.status.success(), words.next(), words.next()) {
+        (true, Some(name), Some(peer)) => (name.to_string(), peer.to_string()),
+        _ => panic!(
+            "{what}: {} stdout {text:?} stderr {:?}; agent log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            sb.agent().log()
+        ),
+    }
+}
+
+/// (f) Connections that start on the node itself (host-network pods, node agents)
+/// never cross tc ingress: the agent's connect() hook on the cgroup sends them to a
+/// backend. TCP connections spread over the backends and reach them from the node's
+/// address; a connected UDP socket gets its answer; a Service without endpoints refuses
+/// at once. Pods' sockets in the same cgroup are left to tc, and processes outside the
+/// cgroup are not translated at all. `cleanup` takes the hook away.
+#[test]
+fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let empty_ip = Ipv4Addr::new(10, 96, 0, 30);
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    sb.manifests()
+        .write(
+            "empty.yaml",
+            &Service::new("test", "empty", empty_ip)
+                .port("http", 80, Protocol::Tcp, TCP_PORT)
+                .yaml(Some(&[])),
+        )
+        .expect("write manifest");
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    let tcp = format!("exec 3<>/dev/tcp/{CLUSTER_IP}/80 && head -n1 <&3");
+    let udp = format!("exec 3<>/dev/udp/{CLUSTER_IP}/53 && echo hi >&3 && head -n1 <&3");
+
+    let tc_new_before = counter_of(&sb, "dnat_new");
+    let mut backends = BTreeSet::new();
+    for i in 0..30 {
+        let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+        let (backend, peer) = greeting(&sb, &out, &format!("TCP connection {i} from the node"));
+        assert!(
+            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "the backend saw {peer}, not the node's address"
+        );
+        backends.insert(backend);
+    }
+    assert!(
+        backends.len() >= 2,
+        "30 connections from the node all reached {backends:?}"
+    );
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &udp);
+    let (backend, _) = greeting(&sb, &out, "UDP request from the node");
+    assert!(backend_names().contains(&backend.as_str()), "{backend}");
+    let out = bash_in(
+        &sb.topology().node,
+        Some(&cgroup),
+        &format!("exec 3<>/dev/tcp/{empty_ip}/80"),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("refused"),
+        "a connection from the node to a Service without endpoints: {} {stderr:?}",
+        out.status
+    );
+    assert_eq!(
+        counter_of(&sb, "sock_connect_translated"),
+        31,
+        "30 TCP connections and a UDP socket from the node"
+    );
+    assert_eq!(
+        counter_of(&sb, "sock_connect_refused"),
+        1,
+        "one connection to a Service without endpoints"
+    );
+    assert_eq!(
+        counter_of(&sb, "dnat_new"),
+        tc_new_before,
+        "the node's connections went through tc's translation as well"
+    );
+
+    // A pod's socket in the same cgroup: translated by tc, not by the hook.
+    let out = bash_in(&sb.client().ns, Some(&cgroup), &tcp);
+    let (_, peer) = greeting(&sb, &out, "TCP connection from a pod in the cgroup");
+    assert!(
+        peer.starts_with(&format!("{}:", CLIENT.1)),
+        "the backend saw {peer}, not the pod's address"
+    );
+    assert_eq!(
+        counter_of(&sb, "sock_connect_translated"),
+        31,
+        "the hook translated a pod's connection, which is tc's to translate"
+    );
+    assert_eq!(
+        counter_of(&sb, "dnat_new"),
+        tc_new_before + 1,
+        "tc did not translate the pod's connection"
+    );
+
+    // Outside the cgroup the hook sees nothing: the ClusterIP leads nowhere.
+    let out = bash_in(&sb.topology().node, None, &tcp);
+    assert!(
+        !out.status.success(),
+        "a process of the node outside the hook's cgroup reached the ClusterIP: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // The hook outlives the agent through its pinned link, and the next agent
+    // swaps its own program into that link.
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    greeting(
+        &sb,
+        &out,
+        "TCP connection from the node after the agent exited",
+    );
+    let mut again = ebpf_proxy_tests::agent::Agent::start_on_root(
+        &sb.topology().node,
+        sb.manifests().path(),
+        &["--cgroup-root", &root],
+        sb.agent().bpf_root().to_owned(),
+    )
+    .expect("start the agent again");
+    assert!(
+        again.log().contains("took over pinned cgroup link"),
+        "the restarted agent did not take the pinned link over; its log:\n{}",
+        again.log()
+    );
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    greeting(&sb, &out, "TCP connection from the node after the restart");
+    assert_eq!(
+        counter_of(&sb, "sock_connect_translated"),
+        33,
+        "the connections before and after the restart"
+    );
+    let status = again.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
+
+    sb.agent_mut().cleanup().expect("ebpf-proxy cleanup");
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    assert!(
+        !out.status.success(),
+        "the node still reaches the ClusterIP after `ebpf-proxy cleanup`: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
 
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new

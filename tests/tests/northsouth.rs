@@ -124,14 +124,9 @@ impl Fixture {
     }
 
     fn counter(&self, node: usize, name: &str) -> u64 {
-        let maps = Maps::open_pinned(&PinLayout::new(self.agents[node].bpf_root()))
-            .expect("open the agent's pinned maps");
-        maps.counters()
-            .expect("read counters")
-            .into_iter()
-            .find(|(n, _)| *n == name)
-            .unwrap_or_else(|| panic!("no counter named {name}"))
-            .1
+        self.agents[node]
+            .counter(name)
+            .unwrap_or_else(|e| panic!("counter {name}: {e:#}"))
     }
 
     /// The non-zero counters of both nodes, for failure messages.

@@ -2,10 +2,10 @@
 //! pinned link keeps the program attached after the agent exits, and the
 //! next agent swaps its own program into the same link atomically.
 
-use std::{io, path::Path};
+use std::{io, os::fd::AsFd, path::Path};
 
 use aya::programs::{
-    LinkOrder, SchedClassifier, TcAttachType, Xdp,
+    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, Xdp,
     links::{FdLink, LinkError, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
     xdp::{XdpLink, XdpMode},
@@ -26,12 +26,60 @@ pub enum AttachError {
         #[source]
         source: aya::pin::PinError,
     },
+    #[error("opening {path}: {source}")]
+    Open {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("the link of {ifname} cannot be pinned: {source}")]
     Link {
         ifname: String,
         #[source]
         source: LinkError,
     },
+}
+
+/// Attaches the `connect4` socket hook to the cgroup directory `cgroup`
+/// through a pinned bpf link at `pin`. A link pinned by an earlier run gets
+/// this program swapped in, in one step; a dead one is replaced. Other
+/// programs on the cgroup (another agent's, systemd's) stay: the link allows
+/// several.
+pub fn attach_cgroup_connect4(
+    program: &mut CgroupSockAddr,
+    cgroup: &Path,
+    pin: &Path,
+) -> Result<(), AttachError> {
+    let what = format!("cgroup {}", cgroup.display());
+    let err = |source| AttachError::Attach {
+        ifname: what.clone(),
+        source,
+    };
+    if pin.exists() {
+        let prog_fd = program.fd().map_err(err)?;
+        match super::detach::update_pinned_link(pin, prog_fd.as_fd()) {
+            Ok(()) => {
+                tracing::info!(pin = %pin.display(), "took over pinned cgroup link");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(pin = %pin.display(), error = %e, "pinned cgroup link unusable; attaching anew");
+                let _ = std::fs::remove_file(pin);
+            }
+        }
+    }
+    let dir = std::fs::File::open(cgroup).map_err(|source| AttachError::Open {
+        path: cgroup.display().to_string(),
+        source,
+    })?;
+    // A bpf link on a cgroup always lets others attach beside it; the
+    // kernel refuses any attach flags with one, so the mode stays the
+    // default (no flags).
+    let link_id = program
+        .attach(&dir, CgroupAttachMode::Single)
+        .map_err(err)?;
+    let link = program.take_link(link_id).map_err(err)?;
+    pin_link(link.try_into(), &what, pin)
 }
 
 pub struct Attachment {

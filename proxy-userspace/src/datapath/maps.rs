@@ -8,7 +8,7 @@ use aya::maps::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SourceRangeKey, counter, ip_summed, map_names,
+    ServiceValue, SourceRangeKey, counter, ip_summed, map_names, sock_counter,
 };
 
 use super::pins::PinLayout;
@@ -43,6 +43,19 @@ fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
     move |source| MapsError::Map { name, source }
 }
 
+/// A map of `map_names::LATER`: None where the pins lack it.
+fn later<T>(
+    map: Result<Map, MapsError>,
+    name: &'static str,
+    convert: impl FnOnce(Map) -> Result<T, MapError>,
+) -> Result<Option<T>, MapsError> {
+    match map {
+        Ok(map) => convert(map).map(Some).map_err(wrap(name)),
+        Err(MapsError::Missing { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Every map of the datapath.
 pub struct Maps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
@@ -63,6 +76,12 @@ pub struct Maps {
     /// Packets tc translated, by checksum state. Absent from the pins of an
     /// agent built before it existed, which `open_pinned` may be looking at.
     pub csum_states: Option<PerCpuArray<MapData, u64>>,
+    /// The node's network namespace cookie, for the socket hook; absent
+    /// like `csum_states`.
+    pub host_netns: Option<Array<MapData, u64>>,
+    /// The socket hook's counters (`proxy_common::sock_counter`); absent
+    /// like `csum_states`.
+    pub sock_counters: Option<PerCpuArray<MapData, u64>>,
 }
 
 impl Maps {
@@ -79,7 +98,7 @@ impl Maps {
     pub fn open_pinned(pins: &PinLayout) -> Result<Self, MapsError> {
         let open = |name: &'static str| -> Result<Map, MapsError> {
             let path = pins.map(name);
-            if name == map_names::CSUM_STATES && !path.exists() {
+            if map_names::LATER.contains(&name) && !path.exists() {
                 return Err(MapsError::Missing { name });
             }
             let data = MapData::from_pin(path).map_err(wrap(name))?;
@@ -106,12 +125,18 @@ impl Maps {
             cluster_cidrs: LpmTrie::try_from(get(CLUSTER_CIDRS)?).map_err(wrap(CLUSTER_CIDRS))?,
             clock: Array::try_from(get(CLOCK)?).map_err(wrap(CLOCK))?,
             flow_gen: Array::try_from(get(FLOW_GEN)?).map_err(wrap(FLOW_GEN))?,
-            csum_states: match get(CSUM_STATES) {
-                Ok(map) => Some(PerCpuArray::try_from(map).map_err(wrap(CSUM_STATES))?),
-                Err(MapsError::Missing { .. }) => None,
-                Err(e) => return Err(e),
-            },
+            csum_states: later(get(CSUM_STATES), CSUM_STATES, PerCpuArray::try_from)?,
+            host_netns: later(get(HOST_NETNS), HOST_NETNS, Array::try_from)?,
+            sock_counters: later(get(SOCK_COUNTERS), SOCK_COUNTERS, PerCpuArray::try_from)?,
         })
+    }
+
+    /// Tells the socket hook which network namespace is the node's.
+    pub fn set_host_netns(&mut self, cookie: u64) -> Result<(), MapsError> {
+        let map = self.host_netns.as_mut().ok_or(MapsError::Missing {
+            name: map_names::HOST_NETNS,
+        })?;
+        map.set(0, cookie, 0).map_err(wrap(map_names::HOST_NETNS))
     }
 
     /// Voids every copy the datapath's flow cache holds: called after
@@ -225,11 +250,22 @@ impl Maps {
                 .map_err(wrap(map_names::COUNTERS))?;
             out.push((*name, per_cpu.iter().sum()));
         }
-        if let Some(states) = &self.csum_states {
-            for (index, name) in ip_summed::STATE_NAMES.iter().enumerate() {
-                let per_cpu = states
-                    .get(&(index as u32), 0)
-                    .map_err(wrap(map_names::CSUM_STATES))?;
+        let optional = [
+            (
+                &self.csum_states,
+                map_names::CSUM_STATES,
+                &ip_summed::STATE_NAMES[..],
+            ),
+            (
+                &self.sock_counters,
+                map_names::SOCK_COUNTERS,
+                &sock_counter::NAMES[..],
+            ),
+        ];
+        for (map, map_name, names) in optional {
+            let Some(map) = map else { continue };
+            for (index, name) in names.iter().enumerate() {
+                let per_cpu = map.get(&(index as u32), 0).map_err(wrap(map_name))?;
                 out.push((*name, per_cpu.iter().sum()));
             }
         }

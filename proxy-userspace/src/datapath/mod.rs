@@ -7,6 +7,7 @@ pub mod batch;
 pub mod clock;
 pub mod conntrack;
 mod detach;
+pub mod host;
 pub mod interfaces;
 pub mod ip_summed;
 pub mod kernel_btf;
@@ -21,7 +22,7 @@ use std::path::Path;
 pub use attach::{AttachError, XdpModeSetting};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{SchedClassifier, Xdp},
+    programs::{CgroupSockAddr, SchedClassifier, Xdp},
 };
 use proxy_common::{MAX_CONNTRACK, map_names, program_names};
 
@@ -81,6 +82,7 @@ fn load_object(
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
+    loaded::<CgroupSockAddr>(&mut ebpf, program_names::SOCK_CONNECT4)?;
     Ok(ebpf)
 }
 
@@ -340,6 +342,20 @@ impl Datapath {
         Ok(mode)
     }
 
+    /// Attaches the socket hook (`program_names::SOCK_CONNECT4`) to the
+    /// cgroup v2 directory `cgroup`, so that the node's own connections to
+    /// frontends reach backends; `set_host_netns` says which sockets are the
+    /// node's.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), AttachError> {
+        let path = self.pins.cgroup_connect4_link();
+        let program: &mut CgroupSockAddr = self
+            .ebpf
+            .program_mut(program_names::SOCK_CONNECT4)
+            .and_then(|p| p.try_into().ok())
+            .expect("sock_connect4 is loaded in Datapath::load");
+        attach::attach_cgroup_connect4(program, cgroup, &path)
+    }
+
     /// Takes XDP off an interface that is no longer an uplink.
     pub fn forget_xdp(&mut self, ifname: &str) {
         if self.xdp_attached.remove(ifname).is_some() {
@@ -358,6 +374,15 @@ trait Load {
 }
 
 impl Load for SchedClassifier {
+    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
+        if self.fd().is_err() {
+            self.load()?;
+        }
+        Ok(())
+    }
+}
+
+impl Load for CgroupSockAddr {
     fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
         if self.fd().is_err() {
             self.load()?;

@@ -3,6 +3,7 @@
 //! ```text
 //! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
 //! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
+//! <root>/v<LAYOUT_VERSION>/links/cgroup-connect4 the socket hook's link
 //! ```
 //! The layout version is in the path because aya reuses a pin without
 //! checking its key and value sizes.
@@ -72,6 +73,11 @@ impl PinLayout {
 
     pub fn links_dir(&self) -> PathBuf {
         Self::links_in(&self.versioned())
+    }
+
+    /// The link of the socket hook on the cgroup root.
+    pub fn cgroup_connect4_link(&self) -> PathBuf {
+        self.links_dir().join("cgroup-connect4")
     }
 
     pub fn tc_ingress_link(&self, ifname: &str) -> PathBuf {

@@ -1,0 +1,79 @@
+//! A cgroup v2 directory of one test's own, for the agent's connect() hook
+//! (`--cgroup-root`), and processes started inside it: "the node's own
+//! sockets" without touching the host's root cgroup, whose hook would see
+//! every other test's sockets too.
+
+use std::{
+    ffi::{CString, OsStr},
+    io,
+    os::unix::{ffi::OsStringExt, process::CommandExt},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::netns::NetNs;
+
+/// Removed on drop (once the processes started in it have exited).
+#[derive(Debug)]
+pub struct TestCgroup {
+    path: PathBuf,
+}
+
+impl TestCgroup {
+    /// Creates `<cgroup v2 mount>/ebpf-proxy-<stem>`.
+    pub fn create(stem: &str) -> Result<TestCgroup> {
+        // Where the agent looks by default: a unified host's mount, or a
+        // hybrid host's `unified` directory.
+        let root = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+            .into_iter()
+            .find(|p| {
+                nix::sys::statfs::statfs(*p)
+                    .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+            })
+            .map(PathBuf::from)
+            .ok_or_else(|| anyhow!("no cgroup v2 hierarchy at /sys/fs/cgroup(/unified)"))?;
+        let path = root.join(format!("ebpf-proxy-{stem}"));
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(TestCgroup { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `program` in `ns`, as a process of this cgroup from its first
+    /// instruction: the child moves itself in before it execs.
+    pub fn command_in(&self, ns: &NetNs, program: impl AsRef<OsStr>) -> Command {
+        let mut cmd = ns.command(program);
+        let procs = CString::new(self.path.join("cgroup.procs").into_os_string().into_vec())
+            .expect("a cgroup path has no NUL");
+        // SAFETY: between fork and exec only open, write and close, which
+        // are async-signal-safe; nothing allocates there.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd =
+                    nix::libc::open(procs.as_ptr(), nix::libc::O_WRONLY | nix::libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // "0" moves the writing process.
+                let written = nix::libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                let error = io::Error::last_os_error();
+                nix::libc::close(fd);
+                if written != 2 {
+                    return Err(error);
+                }
+                Ok(())
+            });
+        }
+        cmd
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}

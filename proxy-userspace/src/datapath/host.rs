@@ -13,7 +13,9 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 
 /// The cookie of the network namespace this process is in.
 pub fn netns_cookie() -> io::Result<u64> {
-    let socket = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    // Any socket of the namespace will do; the wildcard address binds even
+    // where the loopback is down.
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0")?;
     let mut cookie = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size passed.

@@ -34,10 +34,11 @@ pub mod map_names {
     pub const CSUM_STATES: &str = "CSUM_STATES";
     pub const HOST_NETNS: &str = "HOST_NETNS";
     pub const SOCK_COUNTERS: &str = "SOCK_COUNTERS";
+    pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 3] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS];
-    pub const ALL: [&str; 17] = [
+    pub const LATER: [&str; 4] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS, SOCK_REVNAT];
+    pub const ALL: [&str; 18] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -55,6 +56,7 @@ pub mod map_names {
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
+        SOCK_REVNAT,
     ];
 }
 
@@ -84,6 +86,11 @@ pub mod program_names {
     /// (host-network pods, node agents), which never cross tc ingress, get
     /// their frontend replaced by a backend at `connect()`.
     pub const SOCK_CONNECT4: &str = "sock_connect4";
+    /// cgroup `sendmsg4` hook: datagrams the node sends to a frontend from
+    /// an unconnected UDP socket go to a backend instead.
+    pub const SOCK_SENDMSG4: &str = "sock_sendmsg4";
+    /// cgroup `recvmsg4` hook: their answers show the frontend as source.
+    pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
 }
 
 /// Indexes into the per-CPU `SOCK_COUNTERS` array (the `connect4` hook).
@@ -92,8 +99,37 @@ pub mod sock_counter {
     pub const TRANSLATED: u32 = 0;
     /// A connect() to a frontend without endpoints, refused.
     pub const REFUSED: u32 = 1;
-    pub const COUNT: u32 = 2;
-    pub const NAMES: [&str; 2] = ["sock_connect_translated", "sock_connect_refused"];
+    /// A datagram of an unconnected UDP socket to a frontend, sent to a
+    /// backend instead.
+    pub const SENDMSG_TRANSLATED: u32 = 2;
+    pub const COUNT: u32 = 3;
+    pub const NAMES: [&str; 3] = [
+        "sock_connect_translated",
+        "sock_connect_refused",
+        "sock_sendmsg_translated",
+    ];
+}
+
+/// Key of `SOCK_REVNAT`: a UDP socket of the node (its cookie) and the
+/// backend it was sent to, for the answers to show the frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevKey {
+    pub cookie: u64,
+    pub backend_be: u32,
+    pub port_be: u16,
+    pub _pad: u16,
+}
+
+/// Value of `SOCK_REVNAT`: the frontend the socket addressed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevValue {
+    pub frontend_be: u32,
+    pub port_be: u16,
+    pub _pad: u16,
 }
 
 /// Map capacities. The service, slot and backend maps are not preallocated
@@ -107,6 +143,7 @@ pub const MAX_BACKEND_SLOTS: u32 = 2_097_152;
 pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 262_144;
 pub const MAX_AFFINITY: u32 = 65_536;
+pub const MAX_SOCK_REVNAT: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_CLUSTER_CIDRS: u32 = 64;

@@ -80,6 +80,18 @@ pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
     sock::connect4(&ctx)
 }
 
+/// cgroup `sendmsg4`: the same for datagrams of unconnected UDP sockets.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::sendmsg4(&ctx)
+}
+
+/// cgroup `recvmsg4`: their answers show the frontend they were sent to.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::recvmsg4(&ctx)
+}
+
 /// Does nothing: the per-packet cost floor that benchmarks compare against.
 /// Never attached.
 #[classifier]

@@ -1,21 +1,27 @@
 //! Connections that start on the node itself: host-network pods, the
 //! kubelet, node agents. Their packets leave through the stack's output path
 //! and never cross tc ingress, so the frontend is replaced by a backend at
-//! `connect()` instead, as kube-proxy's `OUTPUT` chain DNATs them. A
-//! connected socket keeps its backend for its whole life, so no conntrack
-//! entry is needed, and the packets carry the backend's address from the
-//! first one.
+//! `connect()` instead (and at each `sendmsg()` of an unconnected UDP
+//! socket), as kube-proxy's `OUTPUT` chain DNATs them. A connected socket
+//! keeps its backend for its whole life, so no conntrack entry is needed,
+//! and the packets carry the backend's address from the first one.
 //!
 //! Only sockets of the node's own network namespace: pods' sockets sit in
 //! cgroups below the same root, but their packets are translated at tc, with
 //! the client address kept.
 
-use aya_ebpf::{EbpfContext, helpers::bpf_get_netns_cookie, programs::SockAddrContext};
-use proxy_common::{PROTO_TCP, PROTO_UDP, is_v4_mapped, service_flags, sock_counter};
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    PROTO_TCP, PROTO_UDP, SockRevKey, SockRevValue, is_v4_mapped, service_flags, sock_counter,
+};
 
 use crate::{
     conntrack, lb,
-    maps::{HOST_NETNS, count_sock, node_config},
+    maps::{HOST_NETNS, SOCK_REVNAT, count_sock, node_config},
 };
 
 /// `connect()` goes ahead (with its destination as this left it).
@@ -27,6 +33,58 @@ const ECONNREFUSED: i32 = 111;
 /// An IPv4 `connect()` of a TCP or UDP socket.
 #[inline(always)]
 pub fn connect4(ctx: &SockAddrContext) -> i32 {
+    translate(ctx, sock_counter::TRANSLATED)
+}
+
+/// A datagram an unconnected UDP socket sends with an address: each one is
+/// balanced anew, as each DNS query of a resolver that does not connect.
+#[inline(always)]
+pub fn sendmsg4(ctx: &SockAddrContext) -> i32 {
+    translate(ctx, sock_counter::SENDMSG_TRANSLATED)
+}
+
+/// A datagram a UDP socket of the node receives: from a backend it was
+/// sent to in a frontend's place, it shows the frontend as its source, so
+/// that a resolver that checks whom it asked takes the answer.
+#[inline(always)]
+pub fn recvmsg4(ctx: &SockAddrContext) -> i32 {
+    if !node_socket(ctx) {
+        return ALLOW;
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: the kernel's context of this program, valid for its run.
+    let (src_be, sport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    let key = SockRevKey {
+        // SAFETY: a sock_addr context is a valid argument of this helper.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_be: src_be,
+        port_be: sport_be,
+        _pad: 0,
+    };
+    // SAFETY: a valid map value pointer for this program's run.
+    if let Some(frontend) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) {
+        // SAFETY: as above; recvmsg4 may rewrite the source it reports.
+        unsafe {
+            (*sa).user_ip4 = frontend.frontend_be;
+            (*sa).user_port = frontend.port_be as u32;
+        }
+    }
+    ALLOW
+}
+
+/// Whether the socket is in the node's network namespace (never, until the
+/// agent has said which that is).
+#[inline(always)]
+fn node_socket(ctx: &SockAddrContext) -> bool {
+    let host = HOST_NETNS.get(0).copied().unwrap_or(0);
+    // SAFETY: a sock_addr context is a valid argument of this helper.
+    host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
+}
+
+/// Replaces a frontend destination of the node's own socket by a backend;
+/// counts it at `counted`.
+#[inline(always)]
+fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     let sa = ctx.sock_addr;
     // SAFETY: the kernel's context of this program, valid for its run.
     let (proto, dst_be, dport_be) = unsafe {
@@ -42,9 +100,7 @@ pub fn connect4(ctx: &SockAddrContext) -> i32 {
         p if p == PROTO_UDP as u32 => PROTO_UDP,
         _ => return ALLOW,
     };
-    let host = HOST_NETNS.get(0).copied().unwrap_or(0);
-    // SAFETY: a sock_addr context is a valid argument of this helper.
-    if host == 0 || unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } != host {
+    if !node_socket(ctx) {
         return ALLOW;
     }
     // The node is its own client: in the cluster, as kube-proxy sends locally
@@ -76,11 +132,27 @@ pub fn connect4(ctx: &SockAddrContext) -> i32 {
     if !is_v4_mapped(&backend.addr_be) {
         return ALLOW;
     }
-    // SAFETY: as above; connect4 may rewrite the destination.
+    if proto == PROTO_UDP {
+        // Answers come from the backend; `recvmsg4` shows the frontend.
+        let key = SockRevKey {
+            // SAFETY: as above.
+            cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+            backend_be: backend.addr_be[3],
+            port_be: backend.port_be,
+            _pad: 0,
+        };
+        let value = SockRevValue {
+            frontend_be: dst_be,
+            port_be: dport_be,
+            _pad: 0,
+        };
+        let _ = SOCK_REVNAT.insert(&key, &value, 0);
+    }
+    // SAFETY: as above; connect4 and sendmsg4 may rewrite the destination.
     unsafe {
         (*sa).user_ip4 = backend.addr_be[3];
         (*sa).user_port = backend.port_be as u32;
     }
-    count_sock(sock_counter::TRANSLATED);
+    count_sock(counted);
     ALLOW
 }

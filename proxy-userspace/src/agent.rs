@@ -77,7 +77,7 @@ pub struct AgentConfig {
     /// SNAT address for external flows to remote backends; default: the
     /// first address of the first uplink.
     pub node_ip: Option<Ipv4Addr>,
-    /// Where the connect() hook attaches (`--cgroup-root`); None: nowhere.
+    /// Where the socket hooks attach (`--cgroup-root`); None: nowhere.
     pub cgroup_root: Option<PathBuf>,
 }
 
@@ -94,7 +94,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .maps
         .set_cluster_cidrs(&config.cluster_cidrs)
         .map_err(AgentError::ClusterCidrs)?;
-    attach_socket_hook(&mut datapath, config.cgroup_root.as_deref());
+    attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
     let stored = datapath
         .maps
         .read_service_state()
@@ -198,10 +198,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// The node's own connections to Services go through the connect() hook:
-/// without it they would reach no backend, so a failure is loud, but the
+/// The node's own connections to Services go through the socket hooks:
+/// without them they would reach no backend, so a failure is loud, but the
 /// pods' traffic does not depend on it.
-fn attach_socket_hook(datapath: &mut Datapath, cgroup_root: Option<&std::path::Path>) {
+fn attach_socket_hooks(datapath: &mut Datapath, cgroup_root: Option<&std::path::Path>) {
     let Some(cgroup) = cgroup_root else {
         warn!(
             "no cgroup v2 hierarchy found: the node's own connections to Services are not translated (--cgroup-root)"
@@ -218,10 +218,10 @@ fn attach_socket_hook(datapath: &mut Datapath, cgroup_root: Option<&std::path::P
         .and_then(|()| datapath.attach_cgroup(cgroup).map_err(|e| e.to_string()));
     match attached {
         Ok(()) => {
-            info!(cgroup = %cgroup.display(), "connect() hook attached: the node's own connections to Services are translated")
+            info!(cgroup = %cgroup.display(), "socket hooks attached: the node's own connections to Services are translated")
         }
         Err(e) => {
-            error!(cgroup = %cgroup.display(), error = %e, "connect() hook not attached: the node's own connections to Services are not translated")
+            error!(cgroup = %cgroup.display(), error = %e, "socket hooks not attached: the node's own connections to Services are not translated")
         }
     }
 }

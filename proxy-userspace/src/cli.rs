@@ -115,7 +115,7 @@ pub struct RunArgs {
     /// (default: the first global address of the first uplink).
     #[arg(long)]
     pub node_ip: Option<Ipv4Addr>,
-    /// cgroup v2 directory whose sockets the connect() hook sees: the
+    /// cgroup v2 directory whose sockets the socket hooks see: the
     /// node's own connections to Services (host-network pods, node agents)
     /// are sent to a backend there. Default: the host's cgroup v2 mount
     /// (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts).

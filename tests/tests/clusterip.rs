@@ -425,8 +425,9 @@ fn greeting(sb: &Sandbox, out: &std::process::Output, what: &str) -> (String, St
 /// (f) Connections that start on the node itself (host-network pods, node agents)
 /// never cross tc ingress: the agent's connect() hook on the cgroup sends them to a
 /// backend. TCP connections spread over the backends and reach them from the node's
-/// address; a connected UDP socket gets its answer; a Service without endpoints refuses
-/// at once. Pods' sockets in the same cgroup are left to tc, and processes outside the
+/// address; a connected UDP socket gets its answer; datagrams of unconnected sockets
+/// spread too, their answers showing the ClusterIP as source; a Service without
+/// endpoints refuses at once. Pods' sockets in the same cgroup are left to tc, and processes outside the
 /// cgroup are not translated at all. `cleanup` takes the hook away.
 #[test]
 fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
@@ -472,6 +473,42 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
     let out = bash_in(&sb.topology().node, Some(&cgroup), &udp);
     let (backend, _) = greeting(&sb, &out, "UDP request from the node");
     assert!(backend_names().contains(&backend.as_str()), "{backend}");
+    // Unconnected: every datagram balanced anew, every answer from the frontend.
+    let mut udp_backends = BTreeSet::new();
+    for i in 0..12 {
+        let out = cgroup
+            .command_in(&sb.topology().node, env!("CARGO_BIN_EXE_udp-sendto"))
+            .arg(dns(CLUSTER_IP).to_string())
+            .output()
+            .expect("running udp-sendto");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (backend, from) = match text.trim().split_once(" from ") {
+            Some((answer, from)) if out.status.success() => (
+                answer
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+                from.to_string(),
+            ),
+            _ => panic!(
+                "unconnected UDP datagram {i} from the node: {} {text:?} {:?}; agent log:\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr),
+                sb.agent().log()
+            ),
+        };
+        assert_eq!(
+            from,
+            dns(CLUSTER_IP).to_string(),
+            "the answer to a datagram sent to the ClusterIP came from elsewhere"
+        );
+        udp_backends.insert(backend);
+    }
+    assert!(
+        udp_backends.len() >= 2,
+        "12 datagrams from unconnected sockets all reached {udp_backends:?}"
+    );
     let out = bash_in(
         &sb.topology().node,
         Some(&cgroup),
@@ -492,6 +529,11 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
         counter_of(&sb, "sock_connect_refused"),
         1,
         "one connection to a Service without endpoints"
+    );
+    assert_eq!(
+        counter_of(&sb, "sock_sendmsg_translated"),
+        12,
+        "12 datagrams from unconnected sockets"
     );
     assert_eq!(
         counter_of(&sb, "dnat_new"),

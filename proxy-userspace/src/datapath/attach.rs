@@ -40,12 +40,12 @@ pub enum AttachError {
     },
 }
 
-/// Attaches the `connect4` socket hook to the cgroup directory `cgroup`
-/// through a pinned bpf link at `pin`. A link pinned by an earlier run gets
+/// Attaches a socket hook (`connect4`, `sendmsg4`, `recvmsg4`) to the
+/// cgroup directory `cgroup` through a pinned bpf link at `pin`. A link pinned by an earlier run gets
 /// this program swapped in, in one step; a dead one is replaced. Other
 /// programs on the cgroup (another agent's, systemd's) stay: the link allows
 /// several.
-pub fn attach_cgroup_connect4(
+pub fn attach_cgroup_hook(
     program: &mut CgroupSockAddr,
     cgroup: &Path,
     pin: &Path,

@@ -82,9 +82,19 @@ fn load_object(
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
-    loaded::<CgroupSockAddr>(&mut ebpf, program_names::SOCK_CONNECT4)?;
+    for (name, _) in SOCKET_HOOKS {
+        loaded::<CgroupSockAddr>(&mut ebpf, name)?;
+    }
     Ok(ebpf)
 }
+
+/// The socket hooks of the node's own connections (proxy-ebpf `sock`), and
+/// the names their links are pinned under.
+const SOCKET_HOOKS: [(&str, &str); 3] = [
+    (program_names::SOCK_CONNECT4, "connect4"),
+    (program_names::SOCK_SENDMSG4, "sendmsg4"),
+    (program_names::SOCK_RECVMSG4, "recvmsg4"),
+];
 
 /// A loaded datapath: program ready to attach, maps pinned.
 pub struct Datapath {
@@ -342,18 +352,20 @@ impl Datapath {
         Ok(mode)
     }
 
-    /// Attaches the socket hook (`program_names::SOCK_CONNECT4`) to the
-    /// cgroup v2 directory `cgroup`, so that the node's own connections to
-    /// frontends reach backends; `set_host_netns` says which sockets are the
-    /// node's.
+    /// Attaches the socket hooks (`SOCKET_HOOKS`) to the cgroup v2 directory
+    /// `cgroup`, so that the node's own connections to frontends reach
+    /// backends; `set_host_netns` says which sockets are the node's.
     pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), AttachError> {
-        let path = self.pins.cgroup_connect4_link();
-        let program: &mut CgroupSockAddr = self
-            .ebpf
-            .program_mut(program_names::SOCK_CONNECT4)
-            .and_then(|p| p.try_into().ok())
-            .expect("sock_connect4 is loaded in Datapath::load");
-        attach::attach_cgroup_connect4(program, cgroup, &path)
+        for (name, hook) in SOCKET_HOOKS {
+            let path = self.pins.cgroup_link(hook);
+            let program: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .and_then(|p| p.try_into().ok())
+                .expect("the socket hooks are loaded in Datapath::load");
+            attach::attach_cgroup_hook(program, cgroup, &path)?;
+        }
+        Ok(())
     }
 
     /// Takes XDP off an interface that is no longer an uplink.

@@ -3,7 +3,7 @@
 //! ```text
 //! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
 //! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
-//! <root>/v<LAYOUT_VERSION>/links/cgroup-connect4 the socket hook's link
+//! <root>/v<LAYOUT_VERSION>/links/cgroup-<hook>  the socket hooks' links
 //! ```
 //! The layout version is in the path because aya reuses a pin without
 //! checking its key and value sizes.
@@ -75,9 +75,9 @@ impl PinLayout {
         Self::links_in(&self.versioned())
     }
 
-    /// The link of the socket hook on the cgroup root.
-    pub fn cgroup_connect4_link(&self) -> PathBuf {
-        self.links_dir().join("cgroup-connect4")
+    /// The link of socket hook `hook` (`connect4`, ...) on the cgroup root.
+    pub fn cgroup_link(&self, hook: &str) -> PathBuf {
+        self.links_dir().join(format!("cgroup-{hook}"))
     }
 
     pub fn tc_ingress_link(&self, ifname: &str) -> PathBuf {

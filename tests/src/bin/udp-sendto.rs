@@ -1,0 +1,40 @@
+//! `udp-sendto ADDR`: sends one datagram to ADDR (`a.b.c.d:port`) from an
+//! unconnected UDP socket, as musl's resolver does, and prints the first
+//! answer and whom it came from: `<answer> from <source>`. The socket hooks'
+//! test runs it inside a cgroup, which a thread of the test process cannot
+//! join on its own.
+
+use std::{
+    net::{SocketAddrV4, UdpSocket},
+    process::ExitCode,
+    time::Duration,
+};
+
+fn main() -> ExitCode {
+    let Some(addr) = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse::<SocketAddrV4>().ok())
+    else {
+        eprintln!("usage: udp-sendto a.b.c.d:port");
+        return ExitCode::from(2);
+    };
+    match exchange(addr) {
+        Ok((answer, from)) => {
+            println!("{} from {from}", answer.trim());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("udp-sendto {addr}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn exchange(addr: SocketAddrV4) -> std::io::Result<(String, std::net::SocketAddr)> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+    socket.send_to(b"hi\n", addr)?;
+    let mut buf = [0u8; 512];
+    let (n, from) = socket.recv_from(&mut buf)?;
+    Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from))
+}

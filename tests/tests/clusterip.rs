@@ -520,26 +520,30 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
         "a connection from the node to a Service without endpoints: {} {stderr:?}",
         out.status
     );
-    assert_eq!(
-        counter_of(&sb, "sock_connect_translated"),
-        31,
-        "30 TCP connections and a UDP socket from the node"
-    );
-    assert_eq!(
-        counter_of(&sb, "sock_connect_refused"),
-        1,
-        "one connection to a Service without endpoints"
-    );
-    assert_eq!(
-        counter_of(&sb, "sock_sendmsg_translated"),
-        12,
-        "12 datagrams from unconnected sockets"
-    );
-    assert_eq!(
-        counter_of(&sb, "dnat_new"),
-        tc_new_before,
-        "the node's connections went through tc's translation as well"
-    );
+    for (name, want, what) in [
+        (
+            "sock_connect_translated",
+            31,
+            "30 TCP connections and a UDP socket from the node",
+        ),
+        (
+            "sock_connect_refused",
+            1,
+            "one connection to a Service without endpoints",
+        ),
+        (
+            "sock_sendmsg_translated",
+            12,
+            "12 datagrams from unconnected sockets",
+        ),
+        (
+            "dnat_new",
+            tc_new_before,
+            "none: the node's connections must not go through tc's translation",
+        ),
+    ] {
+        assert_eq!(counter_of(&sb, name), want, "counter {name}: {what}");
+    }
 
     // A pod's socket in the same cgroup: translated by tc, not by the hook.
     let out = bash_in(&sb.client().ns, Some(&cgroup), &tcp);

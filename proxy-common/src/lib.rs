@@ -93,7 +93,7 @@ pub mod program_names {
     pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
 }
 
-/// Indexes into the per-CPU `SOCK_COUNTERS` array (the `connect4` hook).
+/// Indexes into the per-CPU `SOCK_COUNTERS` array (the socket hooks).
 pub mod sock_counter {
     /// A connect() to a frontend, sent to a backend instead.
     pub const TRANSLATED: u32 = 0;

@@ -98,10 +98,7 @@ pub static CSUM_STATES: PerCpuArray<u64, { ip_summed::STATES as usize }> = PerCp
 
 #[inline(always)]
 pub fn count_csum_state(state: u64) {
-    if let Some(c) = CSUM_STATES.get_ptr_mut(state as u32) {
-        // SAFETY: as in `count`.
-        unsafe { *c += 1 };
-    }
+    bump(&CSUM_STATES, state as u32);
 }
 
 /// The network namespace cookie of the agent's namespace, the node's: the
@@ -120,15 +117,18 @@ pub static SOCK_REVNAT: LruHashMap<SockRevKey, SockRevValue, { MAX_SOCK_REVNAT a
 
 #[inline(always)]
 pub fn count_sock(index: u32) {
-    if let Some(c) = SOCK_COUNTERS.get_ptr_mut(index) {
-        // SAFETY: as in `count`.
-        unsafe { *c += 1 };
-    }
+    bump(&SOCK_COUNTERS, index);
 }
 
 #[inline(always)]
 pub fn count(index: u32) {
-    if let Some(c) = COUNTERS.get_ptr_mut(index) {
+    bump(&COUNTERS, index);
+}
+
+/// Adds one to slot `index` of a per-CPU counter array.
+#[inline(always)]
+fn bump<const N: usize>(counters: &PerCpuArray<u64, N>, index: u32) {
+    if let Some(c) = counters.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no other writer while this program runs here.
         unsafe { *c += 1 };
     }

@@ -6,7 +6,10 @@ use aya::maps::IterableMap;
 use proxy_common::{BackendSlotKey, CtKey, CtValue, map_names, service_flags};
 
 use crate::{
-    datapath::{Maps, PinLayout, batch, maps::MapsError},
+    datapath::{
+        Maps, PinLayout, batch,
+        maps::{MapsError, batch_error},
+    },
     planner::encode,
 };
 
@@ -117,12 +120,8 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
     let _ = writeln!(out, "attached: {}", links.join(", "));
     // In chunks: a table of a million entries read one at a time would take
     // seconds.
-    let entries = batch::count::<CtKey, CtValue>(maps.conntrack.map(), 4096).map_err(|source| {
-        MapsError::Batch {
-            name: map_names::CONNTRACK,
-            source,
-        }
-    })?;
+    let entries = batch::count::<CtKey, CtValue>(maps.conntrack.map(), batch::CHUNK)
+        .map_err(batch_error(map_names::CONNTRACK))?;
     let _ = match crate::datapath::resize::capacity(&pins.maps_dir()) {
         Ok(capacity) => writeln!(
             out,

@@ -44,6 +44,10 @@ fn fd_of(map: &MapData) -> u32 {
     map.fd().as_fd().as_raw_fd() as u32
 }
 
+/// Entries read per call in a pass over a map: a few dozen calls for a full
+/// conntrack table.
+pub const CHUNK: usize = 4096;
+
 /// Calls `f` with every entry of the hash map `map` (keys `K`, values `V`),
 /// `chunk` at a time. `f` may delete entries it has been given.
 pub fn for_each_chunk<K: Pod, V: Pod>(

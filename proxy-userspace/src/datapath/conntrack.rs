@@ -20,7 +20,7 @@ use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, map_na
 
 use super::{
     batch,
-    maps::{Maps, MapsError},
+    maps::{Maps, MapsError, batch_error},
 };
 use crate::planner::Departed;
 
@@ -38,9 +38,6 @@ pub fn monotonic_ns() -> u64 {
         .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
         .unwrap_or(0)
 }
-
-/// Entries read per batch in a pass over a map.
-const PASS_CHUNK: usize = 4096;
 
 /// Removes the UDP conntrack entries and the affinity entries of departed
 /// backends. One pass over each map, only when something departed, read in
@@ -61,7 +58,7 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     };
     let doomed = batch::keys_where(
         maps.conntrack.map(),
-        PASS_CHUNK,
+        batch::CHUNK,
         |k: &CtKey, v: &CtValue| k.proto != PROTO_TCP && departed_flow(v),
     )
     .map_err(batch_error(map_names::CONNTRACK))?;
@@ -76,7 +73,7 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     }
     let doomed = batch::keys_where(
         maps.affinity.map(),
-        PASS_CHUNK,
+        batch::CHUNK,
         |k: &AffinityKey, v: &AffinityValue| {
             gone.contains(&Departed {
                 service_id: k.service_id,
@@ -93,8 +90,15 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     Ok(swept)
 }
 
-fn batch_error(name: &'static str) -> impl Fn(batch::BatchError) -> MapsError {
-    move |source| MapsError::Batch { name, source }
+/// Inserts `flows` into this agent's conntrack, each only where the
+/// datapath has no entry of its own for the tuple yet (carried over from an
+/// older map: a resized one, or an older layout's). Returns how many went in.
+pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
+    const BPF_NOEXIST: u64 = 1;
+    flows
+        .into_iter()
+        .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
+        .count()
 }
 
 /// Removes conntrack entries idle past their timeout. The map is read in
@@ -106,10 +110,10 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
     let map = maps.conntrack.map();
     let batch_error = batch_error(map_names::CONNTRACK);
-    let mut doomed: Vec<CtKey> = Vec::with_capacity(PASS_CHUNK);
+    let mut doomed: Vec<CtKey> = Vec::with_capacity(batch::CHUNK);
     let mut reaped = 0;
     let mut failed = None;
-    batch::for_each_chunk(map, PASS_CHUNK, |keys: &[CtKey], values: &[CtValue]| {
+    batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
         doomed.clear();
         doomed.extend(
             keys.iter()

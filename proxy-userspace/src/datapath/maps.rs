@@ -43,6 +43,11 @@ fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
     move |source| MapsError::Map { name, source }
 }
 
+/// `wrap` for a batched read or delete of map `name`.
+pub fn batch_error(name: &'static str) -> impl Fn(super::batch::BatchError) -> MapsError {
+    move |source| MapsError::Batch { name, source }
+}
+
 /// A map of `map_names::LATER`: None where the pins lack it.
 fn later<T>(
     map: Result<Map, MapsError>,

@@ -385,32 +385,21 @@ trait Load {
     fn load_once(&mut self) -> Result<(), aya::programs::ProgramError>;
 }
 
-impl Load for SchedClassifier {
-    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
-        if self.fd().is_err() {
-            self.load()?;
+/// aya gives each program type its own `load`, with no trait over them.
+macro_rules! impl_load {
+    ($($program:ty),*) => {$(
+        impl Load for $program {
+            fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
+                if self.fd().is_err() {
+                    self.load()?;
+                }
+                Ok(())
+            }
         }
-        Ok(())
-    }
+    )*};
 }
 
-impl Load for CgroupSockAddr {
-    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
-        if self.fd().is_err() {
-            self.load()?;
-        }
-        Ok(())
-    }
-}
-
-impl Load for Xdp {
-    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
-        if self.fd().is_err() {
-            self.load()?;
-        }
-        Ok(())
-    }
-}
+impl_load!(SchedClassifier, Xdp, CgroupSockAddr);
 
 /// The object's program `name` as a `P`, loaded into the kernel (once).
 fn loaded<'a, P: Load>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, DatapathError>

@@ -13,6 +13,7 @@ use proxy_common::{CtKey, CtValue, map_names};
 
 use super::{
     batch::{self, BatchError},
+    conntrack,
     maps::Maps,
 };
 
@@ -69,12 +70,7 @@ pub fn set_aside(pin: &Path, entries: u32) -> Result<Option<Resize>, ResizeError
     let aside = aside_path(pin);
     let mut from = None;
     if pin.exists() {
-        let capacity = MapInfo::from_pin(pin)
-            .map_err(|source| ResizeError::Info {
-                path: pin.display().to_string(),
-                source,
-            })?
-            .max_entries();
+        let capacity = pinned_capacity(pin)?;
         if capacity != entries {
             // A set-aside map still there is older than the pinned one,
             // whose flows it would overwrite: the pinned one's win.
@@ -105,15 +101,15 @@ impl Resize {
             source,
         })?;
         let mut entries: Vec<(CtKey, CtValue)> = Vec::new();
-        batch::for_each_chunk(&older, 4096, |keys: &[CtKey], values: &[CtValue]| {
-            entries.extend(keys.iter().copied().zip(values.iter().copied()));
-        })
+        batch::for_each_chunk(
+            &older,
+            batch::CHUNK,
+            |keys: &[CtKey], values: &[CtValue]| {
+                entries.extend(keys.iter().copied().zip(values.iter().copied()));
+            },
+        )
         .map_err(|source| ResizeError::Read { path, source })?;
-        const BPF_NOEXIST: u64 = 1;
-        Ok(entries
-            .into_iter()
-            .filter(|(k, v)| maps.conntrack.insert(k, v, BPF_NOEXIST).is_ok())
-            .count())
+        Ok(conntrack::carry_in(maps, entries))
     }
 
     /// Copies what the older programs added since `carry`, then unpins the
@@ -129,8 +125,12 @@ impl Resize {
 
 /// The capacity in entries of the conntrack map pinned under `maps_dir`.
 pub fn capacity(maps_dir: &Path) -> Result<u32, ResizeError> {
-    let pin = maps_dir.join(map_names::CONNTRACK);
-    MapInfo::from_pin(&pin)
+    pinned_capacity(&maps_dir.join(map_names::CONNTRACK))
+}
+
+/// The capacity in entries of the map pinned at `pin`.
+fn pinned_capacity(pin: &Path) -> Result<u32, ResizeError> {
+    MapInfo::from_pin(pin)
         .map(|info| info.max_entries())
         .map_err(|source| ResizeError::Info {
             path: pin.display().to_string(),

@@ -143,14 +143,7 @@ fn carry_conntrack(path: &Path, maps: &mut Maps) -> Result<usize, MapError> {
                 .filter_map(|(k, v)| from_v2(&k, &v))
                 .collect()
         };
-    let mut carried = 0;
-    for (key, value) in entries {
-        const BPF_NOEXIST: u64 = 1;
-        if maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok() {
-            carried += 1;
-        }
-    }
-    Ok(carried)
+    Ok(super::conntrack::carry_in(maps, entries))
 }
 
 #[cfg(test)]

@@ -148,10 +148,10 @@ fn departure_with_flows(
     for i in 0..flows {
         // Distinct clients on one frontend; the leaving backend's flows
         // spread through the table.
-        let (service_id, backend_id) = if i % 100 == 0 {
-            (gone.service_id, gone.backend_id)
+        let backend_id = if i % 100 == 0 {
+            gone.backend_id
         } else {
-            (gone.service_id, gone.backend_id ^ 0x8000_0000)
+            gone.backend_id ^ 0x8000_0000
         };
         let key = CtKey::new(
             u32::from(Ipv4Addr::from(0x0b00_0000 + i)).to_be(),
@@ -165,7 +165,7 @@ fn departure_with_flows(
             nat_port_be: 8080u16.to_be(),
             dir: ct_dir::FORWARD,
             backend_id,
-            service_id,
+            service_id: gone.service_id,
             created_ns: now,
             last_seen_ns: now,
             ..Default::default()

@@ -217,11 +217,19 @@ fn run(fx: &Fixture, input: &[u8]) -> (u32, Vec<u8>) {
 }
 
 fn try_run(fx: &Fixture, input: &[u8]) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
+    run_program(fx.datapath.tc_program(), input)
+}
+
+/// `program` on one frame: its verdict and the frame it left.
+fn run_program<P>(program: &P, input: &[u8]) -> Result<(u32, Vec<u8>), aya::programs::ProgramError>
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = aya::programs::TestRunResult>,
+{
     let mut out = vec![0u8; input.len() + 256];
     let mut opts = TestRunOptions::new();
     opts.data_in = Some(input);
     opts.data_out = Some(&mut out);
-    let result = fx.datapath.tc_program().test_run(opts)?;
+    let result = program.test_run(opts)?;
     out.truncate(result.data_size_out as usize);
     Ok((result.return_value, out))
 }
@@ -753,19 +761,14 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
     let (tc_pair, xdp_pair) = fx.datapath.ct_pairs().expect("conntrack pair programs");
     for (hook, sport) in [("tc", 41_000u16), ("xdp", 41_001)] {
         let input = tcp(CLIENT, sport, VIP, 80, 0x02);
-        let mut out = vec![0u8; input.len() + 256];
-        let mut opts = TestRunOptions::new();
-        opts.data_in = Some(&input);
-        opts.data_out = Some(&mut out);
-        let result = if hook == "tc" {
-            tc_pair.test_run(opts)
+        let (verdict, out) = if hook == "tc" {
+            run_program(tc_pair, &input)
         } else {
-            xdp_pair.test_run(opts)
+            run_program(xdp_pair, &input)
         }
         .unwrap_or_else(|e| panic!("{hook} conntrack pair program: {e}"));
-        out.truncate(result.data_size_out as usize);
         let pass = if hook == "tc" { TC_ACT_OK } else { XDP_PASS };
-        assert_eq!(result.return_value, pass, "{hook}: verdict");
+        assert_eq!(verdict, pass, "{hook}: verdict");
         assert_eq!(out, input, "{hook}: the packet was changed");
         let conntrack = &fx.datapath.maps.conntrack;
         let forward = ct_key(CLIENT, sport, VIP, 80, frame::TCP);

@@ -13,6 +13,7 @@ use std::{
     collections::{BTreeMap, btree_map::Entry},
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     sync::{Arc, Mutex, PoisonError},
 };
 
@@ -81,6 +82,11 @@ struct PortServer {
     /// probes get their answer), also when the whole server is dropped.
     shutdown: watch::Sender<()>,
     tasks: Vec<JoinHandle<()>>,
+    /// A second descriptor of each listening socket. Closing the server's
+    /// descriptor does not close a socket that a child process, forked by
+    /// another thread and not yet at its exec, still holds a copy of; a
+    /// shutdown through this one takes the socket itself out of listening.
+    listening: Vec<OwnedFd>,
 }
 
 impl PortServer {
@@ -98,6 +104,13 @@ impl PortServer {
             // rather than after the last keep-alive connection goes away.
             task.abort();
             let _ = task.await;
+        }
+        for socket in self.listening {
+            if let Err(err) =
+                nix::sys::socket::shutdown(socket.as_raw_fd(), nix::sys::socket::Shutdown::Both)
+            {
+                tracing::warn!(error = %err, "could not shut a health check listener down");
+            }
         }
     }
 }
@@ -218,7 +231,7 @@ impl HealthCheckServer {
     /// the whole port when one address fails, and retries it later.
     fn start(&self, check: HealthCheck) -> Result<PortServer, HealthCheckError> {
         let service = format!("{}/{}", check.namespace, check.name);
-        let listeners = self
+        let (listeners, listening): (Vec<_>, Vec<_>) = self
             .bind
             .iter()
             .map(|&bind| listen(bind, check.node_port))
@@ -227,7 +240,9 @@ impl HealthCheckServer {
                 service: service.clone(),
                 addr,
                 source,
-            })?;
+            })?
+            .into_iter()
+            .unzip();
         tracing::info!(service = %service, port = check.node_port, "opened health check node port");
 
         let served = Arc::new(Mutex::new(Served {
@@ -265,12 +280,17 @@ impl HealthCheckServer {
             served,
             shutdown,
             tasks,
+            listening,
         })
     }
 }
 
-/// Opens a listener; on failure, says on which address.
-fn listen(bind: BindAddr, port: u16) -> Result<TcpListener, (SocketAddr, io::Error)> {
+/// A listener, with a second descriptor of its socket for
+/// [`PortServer::stop`]; on failure, on which address.
+type Listen = Result<(TcpListener, OwnedFd), (SocketAddr, io::Error)>;
+
+/// Opens a listener.
+fn listen(bind: BindAddr, port: u16) -> Listen {
     match bind {
         BindAddr::Ip(ip) => listen_on(SocketAddr::new(ip, port)),
         BindAddr::Any => {
@@ -286,8 +306,8 @@ fn listen(bind: BindAddr, port: u16) -> Result<TcpListener, (SocketAddr, io::Err
     }
 }
 
-fn listen_on(addr: SocketAddr) -> Result<TcpListener, (SocketAddr, io::Error)> {
-    let open = || -> io::Result<TcpListener> {
+fn listen_on(addr: SocketAddr) -> Listen {
+    let open = || -> io::Result<(TcpListener, OwnedFd)> {
         let socket = match addr {
             SocketAddr::V4(_) => TcpSocket::new_v4()?,
             SocketAddr::V6(_) => TcpSocket::new_v6()?,
@@ -301,7 +321,9 @@ fn listen_on(addr: SocketAddr) -> Result<TcpListener, (SocketAddr, io::Error)> {
                 .map_err(io::Error::from)?;
         }
         socket.bind(addr)?;
-        socket.listen(BACKLOG)
+        let listener = socket.listen(BACKLOG)?;
+        let second = listener.as_fd().try_clone_to_owned()?;
+        Ok((listener, second))
     };
     open().map_err(|e| (addr, e))
 }
@@ -581,6 +603,26 @@ mod tests {
         assert_eq!(get(port, "/").await.status, 200);
         server.update(Vec::new()).await;
         assert!(connect(port).await.is_err(), "closed");
+    }
+
+    /// A process forked by another thread holds a copy of every descriptor
+    /// until its exec closes them; closing ours alone would leave the port
+    /// accepting meanwhile (CI saw it while a test ran bpftool).
+    #[tokio::test]
+    async fn a_closed_port_refuses_while_another_descriptor_holds_its_socket() {
+        let server = HealthCheckServer::new(Vec::new(), synced());
+        let port = free_port();
+        server.update(vec![check("web", port, 1)]).await;
+        let copy = server.ports.lock().await[&port].listening[0]
+            .try_clone()
+            .expect("a copy of the listening socket, as a fork would hold");
+        server.update(Vec::new()).await;
+        let result = connect(port).await;
+        assert!(
+            result.is_err(),
+            "port {port} still accepts once closed, while a copy of its socket is open"
+        );
+        drop(copy);
     }
 
     #[test]

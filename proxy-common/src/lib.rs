@@ -573,7 +573,17 @@ pub struct NodeConfig {
     /// (host order).
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _pad: u32,
+    /// `node_config_flags`. Was padding: an older agent wrote zeros.
+    pub flags: u32,
+}
+
+/// Bits of `NodeConfig::flags`.
+pub mod node_config_flags {
+    /// The node's own connections to `127.0.0.0/8` reach NodePorts, as
+    /// kube-proxy's `--iptables-localhost-nodeports`. Only its sockets: a
+    /// packet from outside addressed to a loopback address is never
+    /// translated (CVE-2020-8558).
+    pub const LOCALHOST_NODEPORTS: u32 = 1 << 0;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)

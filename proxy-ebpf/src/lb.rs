@@ -41,35 +41,64 @@ pub fn lookup_frontend_of(
     in_cluster: impl FnOnce() -> bool,
 ) -> Option<Frontend> {
     let own = service_key(dst_be, dport_be, proto);
-    let (key, svc, on_node) = match lookup(own) {
-        Some(svc) if svc.flags & service_flags::EXTERNAL == 0 => (own, svc, false),
-        Some(svc) => (own, svc, node_addr_flags(dst_be).is_some()),
+    let frontend = match lookup(own) {
+        Some(svc) if svc.flags & service_flags::EXTERNAL == 0 => Frontend {
+            key: own,
+            svc,
+            on_node: false,
+        },
+        Some(svc) => Frontend {
+            key: own,
+            svc,
+            on_node: node_addr_flags(dst_be).is_some(),
+        },
         None => {
             let flags = node_addr_flags(dst_be)?;
             if flags & node_addr_flags::NODEPORT == 0 {
                 return None;
             }
-            // NodePorts are programmed once, on the unspecified address.
-            let key = service_key(0, dport_be, proto);
-            (key, lookup(key)?, true)
+            return lookup_nodeport(dport_be, proto, in_cluster);
         }
     };
-    // The in-cluster entry exists only where it differs
-    // (externalTrafficPolicy Local).
-    if svc.flags & service_flags::EXTERNAL != 0 && in_cluster() {
+    Some(for_client(frontend, in_cluster))
+}
+
+/// The NodePort `dport_be` of `proto`, for a destination known to serve
+/// NodePorts.
+#[inline(always)]
+pub fn lookup_nodeport(
+    dport_be: u16,
+    proto: u8,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<Frontend> {
+    // NodePorts are programmed once, on the unspecified address.
+    let key = service_key(0, dport_be, proto);
+    let frontend = Frontend {
+        key,
+        svc: lookup(key)?,
+        on_node: true,
+    };
+    Some(for_client(frontend, in_cluster))
+}
+
+/// The frontend's in-cluster entry for an in-cluster client, where it has
+/// one: it exists only where it differs (externalTrafficPolicy Local).
+#[inline(always)]
+fn for_client(frontend: Frontend, in_cluster: impl FnOnce() -> bool) -> Frontend {
+    if frontend.svc.flags & service_flags::EXTERNAL != 0 && in_cluster() {
         let internal = ServiceKey {
             scope: scope::INTERNAL,
-            ..key
+            ..frontend.key
         };
         if let Some(svc) = lookup(internal) {
-            return Some(Frontend {
+            return Frontend {
                 key: internal,
                 svc,
-                on_node,
-            });
+                ..frontend
+            };
         }
     }
-    Some(Frontend { key, svc, on_node })
+    frontend
 }
 
 /// Whether the client of `flow` is in the cluster (`CLUSTER_CIDRS`).

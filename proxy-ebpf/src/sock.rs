@@ -6,6 +6,11 @@
 //! keeps its backend for its whole life, so no conntrack entry is needed,
 //! and the packets carry the backend's address from the first one.
 //!
+//! A connection to a loopback address and a NodePort is that NodePort's
+//! when the agent says so (`LOCALHOST_NODEPORTS`), as kube-proxy's iptables
+//! mode serves `127.0.0.1:<nodePort>`. It is read here only: a packet that
+//! arrives addressed to a loopback address is never translated.
+//!
 //! Only sockets of the node's own network namespace: pods' sockets sit in
 //! cgroups below the same root, but their packets are translated at tc, with
 //! the client address kept.
@@ -16,7 +21,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP, SockRevKey, SockRevValue, is_v4_mapped, service_flags, sock_counter,
+    PROTO_TCP, PROTO_UDP, SockRevKey, SockRevValue, is_v4_mapped, node_config_flags, service_flags,
+    sock_counter,
 };
 
 use crate::{
@@ -81,6 +87,12 @@ fn node_socket(ctx: &SockAddrContext) -> bool {
     host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
 }
 
+/// Whether `addr_be` is in `127.0.0.0/8`.
+#[inline(always)]
+fn loopback(addr_be: u32) -> bool {
+    u32::from_be(addr_be) >> 24 == 127
+}
+
 /// Replaces a frontend destination of the node's own socket by a backend;
 /// counts it at `counted`.
 #[inline(always)]
@@ -106,10 +118,18 @@ fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     // The node is its own client: in the cluster, as kube-proxy sends locally
     // started connections to every endpoint (`--src-type LOCAL`), and one
     // client to session affinity and source ranges, by the node's address.
-    let Some(frontend) = lb::lookup_frontend_of(dst_be, dport_be, proto, || true) else {
-        return ALLOW;
+    let node = node_config();
+    let frontend = match lb::lookup_frontend_of(dst_be, dport_be, proto, || true) {
+        Some(frontend) => frontend,
+        None if loopback(dst_be) && node.flags & node_config_flags::LOCALHOST_NODEPORTS != 0 => {
+            match lb::lookup_nodeport(dport_be, proto, || true) {
+                Some(frontend) => frontend,
+                None => return ALLOW,
+            }
+        }
+        None => return ALLOW,
     };
-    let node_be = node_config().snat_addr_be[3];
+    let node_be = node.snat_addr_be[3];
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed_for(&frontend, node_be)
     {

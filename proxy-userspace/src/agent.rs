@@ -71,6 +71,8 @@ pub struct AgentConfig {
     pub conntrack_entries: u32,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
     pub nodeport_addresses: Vec<Cidr>,
+    /// The node's own connections to 127.0.0.0/8 reach NodePorts.
+    pub localhost_nodeports: bool,
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
     pub cluster_cidrs: Vec<Cidr>,
     pub xdp_mode: XdpModeSetting,
@@ -309,7 +311,11 @@ fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentCo
         }),
         snat_port_min: proxy_common::SNAT_PORT_MIN,
         snat_port_max: proxy_common::SNAT_PORT_MAX,
-        _pad: 0,
+        flags: if config.localhost_nodeports {
+            proxy_common::node_config_flags::LOCALHOST_NODEPORTS
+        } else {
+            0
+        },
     };
     if let Err(e) = datapath.maps.set_node_config(node) {
         error!(error = %e, "SNAT address not set");
@@ -335,6 +341,16 @@ pub fn xdp_setting(wanted: XdpModeSetting, veth: bool) -> XdpModeSetting {
         XdpModeSetting::Auto if veth => XdpModeSetting::Generic,
         other => other,
     }
+}
+
+/// Whether `--nodeport-addresses` lets NodePorts be served on loopback
+/// addresses: when it is unset, or one of its CIDRs holds 127.0.0.1, as
+/// kube-proxy's `ContainsIPv4Loopback`.
+pub fn serves_loopback(nodeport_addresses: &[Cidr]) -> bool {
+    nodeport_addresses.is_empty()
+        || nodeport_addresses
+            .iter()
+            .any(|c| c.contains(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
 /// `NODE_ADDRS` for these addresses: each is a node address; those inside
@@ -575,5 +591,18 @@ mod tests {
             [0, 0],
             "still node addresses, no NodePorts"
         );
+    }
+
+    #[test]
+    fn localhost_node_ports_follow_nodeport_addresses() {
+        let serves = |cidrs: &[&str]| {
+            let cidrs: Vec<Cidr> = cidrs.iter().map(|c| Cidr::parse(c).unwrap()).collect();
+            serves_loopback(&cidrs)
+        };
+        assert!(serves(&[]), "no --nodeport-addresses: loopback too");
+        assert!(serves(&["192.168.0.0/16", "127.0.0.0/8"]));
+        assert!(serves(&["127.0.0.1/32"]));
+        assert!(!serves(&["192.168.0.0/16"]), "loopback not listed");
+        assert!(!serves(&["127.0.0.2/32"]), "a CIDR without 127.0.0.1");
     }
 }

@@ -99,6 +99,18 @@ pub struct RunArgs {
     /// (kube-proxy's flag); default: every address of the node.
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
     pub nodeport_addresses: Vec<Cidr>,
+    /// The node's own connections to 127.0.0.0/8 reach NodePorts, where
+    /// --nodeport-addresses is unset or includes 127.0.0.1 (kube-proxy's
+    /// --iptables-localhost-nodeports). Only the node's sockets, through the
+    /// socket hooks: packets from elsewhere to a loopback address are left
+    /// alone.
+    #[arg(
+        long,
+        alias = "iptables-localhost-nodeports",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub localhost_nodeports: bool,
     /// XDP on uplinks (interfaces with a global address): native where the
     /// driver has it, generic otherwise (auto), or off, leaving north-south
     /// traffic to tc ingress.

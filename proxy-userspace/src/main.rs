@@ -42,6 +42,8 @@ fn main() -> anyhow::Result<()> {
                 ct_timeouts,
                 conntrack_entries,
                 model: ModelConfig::default(),
+                localhost_nodeports: args.localhost_nodeports
+                    && agent::serves_loopback(&args.nodeport_addresses),
                 nodeport_addresses: args.nodeport_addresses,
                 cluster_cidrs: args.cluster_cidr,
                 xdp_mode: args.xdp_mode,

@@ -98,6 +98,12 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             config.snat_port_min,
             config.snat_port_max
         );
+        let localhost = config.flags & proxy_common::node_config_flags::LOCALHOST_NODEPORTS != 0;
+        let _ = writeln!(
+            out,
+            "localhost NodePorts: {}",
+            if localhost { "on" } else { "off" }
+        );
     }
     if let Ok(clock) = maps.clock.get(&proxy_common::clock_slot::IN_FORCE, 0) {
         let _ = match clock.tick_ns {

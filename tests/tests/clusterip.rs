@@ -22,7 +22,7 @@ use ebpf_proxy_tests::{
         tcp_tally, udp_request, udp_tally,
     },
     iptables,
-    manifest::Service,
+    manifest::{Service, ServiceType},
     netns::NetNs,
     require_root,
     sandbox::Sandbox,
@@ -610,6 +610,114 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
         "the node still reaches the ClusterIP after `ebpf-proxy cleanup`: {:?}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// (g) The node's own connections to 127.0.0.0/8 reach NodePorts, as with kube-proxy's
+/// `--iptables-localhost-nodeports` (its default): TCP and connected UDP, from the
+/// node's address, spread over the backends. `--localhost-nodeports=false`, or
+/// `--nodeport-addresses` without 127.0.0.1, turns them off.
+#[test]
+fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP)
+                .type_(ServiceType::NodePort)
+                .node_port("http", 30080)
+                .node_port("dns", 30053)
+                .yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    let node = &sb.topology().node;
+    let tcp = |ip: &str| format!("exec 3<>/dev/tcp/{ip}/30080 && head -n1 <&3");
+
+    let mut backends = BTreeSet::new();
+    for i in 0..20 {
+        let ip = if i % 2 == 0 { "127.0.0.1" } else { "127.1.2.3" };
+        let out = bash_in(node, Some(&cgroup), &tcp(ip));
+        let (backend, peer) = greeting(&sb, &out, &format!("TCP connection {i} to {ip}:30080"));
+        assert!(
+            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "the backend saw {peer}, not the node's address"
+        );
+        backends.insert(backend);
+    }
+    assert!(
+        backends.len() >= 2,
+        "20 connections to localhost NodePorts all reached {backends:?}"
+    );
+    let out = bash_in(
+        node,
+        Some(&cgroup),
+        "exec 3<>/dev/udp/127.0.0.1/30053 && echo hi >&3 && head -n1 <&3",
+    );
+    let (backend, _) = greeting(&sb, &out, "UDP request to 127.0.0.1:30053");
+    assert!(backend_names().contains(&backend.as_str()), "{backend}");
+    assert_eq!(
+        counter_of(&sb, "sock_connect_translated"),
+        21,
+        "20 TCP connections and a UDP socket to localhost NodePorts"
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("localhost NodePorts: on"),
+        "status does not show localhost NodePorts on:\n{status}"
+    );
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+
+    for args in [
+        &["--localhost-nodeports=false"][..],
+        &["--nodeport-addresses", "10.0.0.0/8"][..],
+    ] {
+        let node = &sb.topology().node;
+        let mut agent = ebpf_proxy_tests::agent::Agent::start_on_root(
+            node,
+            sb.manifests().path(),
+            &[&["--cgroup-root", &root][..], args].concat(),
+            sb.agent().bpf_root().to_owned(),
+        )
+        .expect("start the agent again");
+        let status = agent.status().expect("status");
+        assert!(
+            status.contains("localhost NodePorts: off"),
+            "with {args:?}, status does not show localhost NodePorts off:\n{status}"
+        );
+        let before = counter_of(&sb, "sock_connect_translated");
+        let out = bash_in(node, Some(&cgroup), &tcp("127.0.0.1"));
+        assert!(
+            !out.status.success(),
+            "with {args:?}, 127.0.0.1:30080 still reached {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        // The node's own address still serves the NodePort.
+        let out = bash_in(
+            node,
+            Some(&cgroup),
+            &tcp(&ebpf_proxy_tests::topology::NODE_IP.to_string()),
+        );
+        greeting(
+            &sb,
+            &out,
+            &format!("TCP connection to the node's NodePort with {args:?}"),
+        );
+        assert_eq!(
+            counter_of(&sb, "sock_connect_translated"),
+            before + 1,
+            "with {args:?}: only the connection to the node's address is translated; \
+             status:\n{}\nagent log:\n{}",
+            agent.status().unwrap_or_default(),
+            agent.log()
+        );
+        let status = agent.terminate().expect("stop the agent");
+        assert!(status.success(), "the agent exited with {status}");
+    }
 }
 
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new

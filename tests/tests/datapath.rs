@@ -1153,7 +1153,7 @@ fn node_fixture() -> NodeFixture {
             snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
             snat_port_min: proxy_common::SNAT_PORT_MIN,
             snat_port_max: proxy_common::SNAT_PORT_MAX,
-            _pad: 0,
+            flags: 0,
         })
         .expect("node config");
     let remote = |fe: &mut Frontend| {
@@ -1427,6 +1427,47 @@ fn nodeport_addresses_outside_the_flag_serve_no_node_ports() {
     );
 }
 
+/// Localhost NodePorts are for the node's own sockets: a packet from outside
+/// addressed to a loopback address is the stack's to drop as martian, never a
+/// NodePort (CVE-2020-8558), whatever `--localhost-nodeports` says.
+#[test]
+fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
+    let mut nf = node_fixture();
+    nf.fx
+        .datapath
+        .maps
+        .set_node_config(proxy_common::NodeConfig {
+            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
+            snat_port_min: proxy_common::SNAT_PORT_MIN,
+            snat_port_max: proxy_common::SNAT_PORT_MAX,
+            flags: proxy_common::node_config_flags::LOCALHOST_NODEPORTS,
+        })
+        .expect("node config with localhost NodePorts");
+    for (i, dst) in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 1, 2, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let syn = tcp(OUTSIDE, 44000 + i as u16, dst, NODE_PORT, frame::SYN);
+        let (ret, out) = run_xdp(&nf, &syn);
+        assert_eq!(
+            (ret, out.as_slice()),
+            (XDP_PASS, syn.as_slice()),
+            "XDP translated a packet from outside to {dst}:{NODE_PORT}"
+        );
+        let (ret, out) = run_tc_on_uplink(&nf, &syn);
+        assert_eq!(
+            (ret, out.as_slice()),
+            (TC_ACT_OK, syn.as_slice()),
+            "tc translated a packet from outside to {dst}:{NODE_PORT}"
+        );
+    }
+    let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 44010, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "the node's address still serves the NodePort"
+    );
+}
+
 /// SNAT ports run out, and come back once their flows close: a closed flow
 /// frees its port after a second without packets, long before its entry
 /// would expire.
@@ -1440,7 +1481,7 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
             snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
             snat_port_min: 1024,
             snat_port_max: 1027,
-            _pad: 0,
+            flags: 0,
         })
         .expect("a four-port SNAT range");
     let mut ports = std::collections::BTreeSet::new();
@@ -1515,7 +1556,7 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
                 snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
                 snat_port_min: port,
                 snat_port_max: port,
-                _pad: 0,
+                flags: 0,
             })
             .expect("a one-port SNAT range");
     };

@@ -52,7 +52,7 @@ if rows:
 
 for name, title, keep in [
     ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
-     lambda r: r.get("proto") == "tcp"),
+     lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"),
     ("nodeport", "NodePort, short TCP connections (outside client, SNAT to node B)",
      lambda r: True),
 ]:

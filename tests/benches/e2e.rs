@@ -1,6 +1,8 @@
 //! End-to-end speed on real packets: a client pod opening short TCP connections and
-//! making UDP request/responses to a ClusterIP, with S Services installed, through
-//! four datapaths side by side in one run:
+//! making UDP request/responses to a ClusterIP, and the node itself doing the same (a
+//! host-network pod or node agent: its connections never cross tc ingress; ebpf-proxy
+//! translates them at connect() with its socket hooks, kube-proxy in its OUTPUT
+//! chain), with S Services installed, through four datapaths side by side in one run:
 //!
 //! - `ebpf-proxy`: the agent binary on a manifest directory with the S Services;
 //! - `kube-proxy iptables`: the same Services as kube-proxy's iptables mode writes them
@@ -115,6 +117,62 @@ impl BenchMode for Mode {
         }
     }
 }
+
+/// Where the client runs: a pod, whose packets tc ingress translates, or the node
+/// itself (a host-network pod, a node agent), whose connections the socket hooks
+/// translate (kube-proxy: its OUTPUT chain).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Client {
+    Pod,
+    Node,
+}
+
+/// One kind of exchange: who opens it, over what.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Exchange {
+    client: Client,
+    proto: Proto,
+}
+
+impl Client {
+    fn key(self) -> &'static str {
+        match self {
+            Client::Pod => "pod",
+            Client::Node => "node",
+        }
+    }
+}
+
+impl Exchange {
+    fn key(self) -> String {
+        format!("{}-{}", self.client.key(), self.proto.key())
+    }
+}
+
+impl common::Detail for Exchange {
+    fn same_cell(&self, other: &Exchange) -> bool {
+        self == other
+    }
+}
+
+const EXCHANGES: [Exchange; 4] = [
+    Exchange {
+        client: Client::Pod,
+        proto: Proto::Tcp,
+    },
+    Exchange {
+        client: Client::Pod,
+        proto: Proto::Udp,
+    },
+    Exchange {
+        client: Client::Node,
+        proto: Proto::Tcp,
+    },
+    Exchange {
+        client: Client::Node,
+        proto: Proto::Udp,
+    },
+];
 
 #[derive(Debug, Clone)]
 struct Config {
@@ -324,14 +382,27 @@ impl World {
             backend_names: BACKENDS.iter().map(|b| b.0.to_owned()).collect(),
         };
         let node = &world.topology.node;
+        // A real node's default route covers the service CIDR, so that its own
+        // connections to a ClusterIP get as far as the OUTPUT hook that DNATs them
+        // (the socket hook translates before any route is looked up).
+        node.ip(&["route", "add", "10.96.0.0/12", "dev", "lo"])
+            .context("a route for the service CIDR")?;
         let started = Instant::now();
         match mode {
             Mode::Direct => {}
             Mode::Ebpf => {
                 let manifests = ManifestDir::create(world.topology.stem())?;
                 manifests.write("services.yaml", &set.yaml())?;
-                let agent =
-                    Agent::start(node, manifests.path()).context("start the ebpf-proxy agent")?;
+                // The client threads are this process's: its cgroup is where a
+                // node's processes would be, below the root the agent hooks by
+                // default. The pods' sockets run the hooks too, and are left to tc.
+                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?;
+                let agent = Agent::start_with(
+                    node,
+                    manifests.path(),
+                    &["--cgroup-root", &cgroup.display().to_string()],
+                )
+                .context("start the ebpf-proxy agent")?;
                 world.agent = Some(agent);
                 world._manifests = Some(manifests);
             }
@@ -362,10 +433,14 @@ impl World {
         Ok(world)
     }
 
-    /// What the client sends where for `proto`.
-    fn load(&self, proto: Proto) -> Load<'_> {
+    /// What the client sends where for `exchange`.
+    fn load(&self, exchange: Exchange) -> Load<'_> {
+        let proto = exchange.proto;
         Load {
-            ns: &self.topology.pod(CLIENT.0).ns,
+            ns: match exchange.client {
+                Client::Pod => &self.topology.pod(CLIENT.0).ns,
+                Client::Node => &self.topology.node,
+            },
             proto,
             targets: match proto {
                 Proto::Tcp => &self.tcp_targets,
@@ -377,14 +452,14 @@ impl World {
 
     /// One exchange at a time: the mode must answer every one and reach all three
     /// backends.
-    fn warm_up(&self, proto: Proto) -> Result<()> {
-        let sample = self.load(proto).sequential(WARMUP)?;
+    fn warm_up(&self, exchange: Exchange) -> Result<()> {
+        let sample = self.load(exchange).sequential(WARMUP)?;
         if sample.ok as usize != WARMUP || sample.backends.contains(&0) {
             bail!(
                 "{} {}: warm-up of {WARMUP} exchanges got {} answers (per backend {:?}), \
                  failures {:?}{}",
                 self.mode.label(),
-                proto.key(),
+                exchange.key(),
                 sample.ok,
                 sample.backends,
                 sample.errors,
@@ -402,9 +477,7 @@ impl World {
 // Measuring
 
 /// Everything measured for one mode, protocol and S, over all rounds.
-type Stats = common::Stats<Mode, Proto>;
-
-const PROTOS: [Proto; 2] = [Proto::Tcp, Proto::Udp];
+type Stats = common::Stats<Mode, Exchange>;
 
 fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     let set = ServiceSet::new(services);
@@ -423,27 +496,27 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
         worlds.push(world);
     }
     for world in &worlds {
-        for proto in PROTOS {
+        for exchange in EXCHANGES {
             world
-                .warm_up(proto)
+                .warm_up(exchange)
                 .with_context(|| format!("warm up {}", world.mode.label()))?;
         }
     }
-    let series = interleaved(cfg.rounds, worlds.len(), PROTOS.len(), |w, p| {
-        let (world, proto) = (&worlds[w], PROTOS[p]);
+    let series = interleaved(cfg.rounds, worlds.len(), EXCHANGES.len(), |w, x| {
+        let (world, exchange) = (&worlds[w], EXCHANGES[x]);
         world
-            .load(proto)
-            .closed_loop(cfg.threads, cfg.segment(proto))
-            .with_context(|| format!("measure {} {}", world.mode.label(), proto.key()))
+            .load(exchange)
+            .closed_loop(cfg.threads, cfg.segment(exchange.proto))
+            .with_context(|| format!("measure {} {}", world.mode.label(), exchange.key()))
     })?;
     let mut out = Vec::new();
-    for (world, pair) in worlds.iter().zip(series) {
-        for (proto, series) in PROTOS.into_iter().zip(pair) {
+    for (world, kinds) in worlds.iter().zip(series) {
+        for (exchange, series) in EXCHANGES.into_iter().zip(kinds) {
             if series.failed > 0 {
                 eprintln!(
                     "warning: S = {services}, {} {}: {} of {} exchanges failed: {:?}",
                     world.mode.label(),
-                    proto.key(),
+                    exchange.key(),
                     series.failed,
                     series.failed + series.ok,
                     series.errors
@@ -454,7 +527,7 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
                 mode: world.mode,
                 programming: world.programming,
                 series,
-                detail: proto,
+                detail: exchange,
             });
         }
     }
@@ -475,10 +548,10 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
-    fn find(&self, services: u32, mode: Mode, proto: Proto) -> Option<&Stats> {
+    fn find(&self, services: u32, mode: Mode, exchange: Exchange) -> Option<&Stats> {
         self.results
             .iter()
-            .find(|s| s.services == services && s.mode == mode && s.detail == proto)
+            .find(|s| s.services == services && s.mode == mode && s.detail == exchange)
     }
 
     fn markdown(&self) -> String {
@@ -487,13 +560,14 @@ impl Report<'_> {
         let mut out = String::new();
         out.push_str(&format!(
             "End to end through a ClusterIP (routed topology of design.md §6: a client pod \
-             and three backend pods on one node), one run on this machine: {}, {} cores, \
+             and three backend pods on one node; the node itself is a client too), one run on \
+             this machine: {}, {} cores, \
              kernel {}; {}; {}. Load average (1 min) before / after: {} / {}.\n\n\
              Closed loop, {} client threads. TCP: connect, one request, one response, close \
              (RST); latency from connect to the response. UDP: a new socket (a new flow) per \
              request/response. The measured Service sits in the middle of the S Services; all \
-             have {ENDPOINTS} endpoints. Each mode runs {} rounds of {} ms TCP + {} ms UDP, \
-             the modes interleaved. Rates and percentiles are over all rounds; the ratios are \
+             have {ENDPOINTS} endpoints. Each mode runs {} rounds of {} ms TCP + {} ms UDP \
+             for each client, the modes interleaved. Rates and percentiles are over all rounds; the ratios are \
              medians of per-round ratios (rate against kube-proxy's iptables mode and against \
              the client talking straight to the pods), which cancels most of the noise of a \
              shared machine.{}\n",
@@ -514,16 +588,27 @@ impl Report<'_> {
                 ""
             }
         ));
-        for (proto, title, unit) in [
-            (Proto::Tcp, "Short TCP connections", "conn/s"),
-            (Proto::Udp, "UDP request/response", "req/s"),
+        for (exchange, title, unit) in [
+            (EXCHANGES[0], "Short TCP connections from a pod", "conn/s"),
+            (EXCHANGES[1], "UDP request/response from a pod", "req/s"),
+            (
+                EXCHANGES[2],
+                "Short TCP connections from the node itself (host network; ebpf-proxy: the \
+                 connect() socket hook, kube-proxy: its OUTPUT chain)",
+                "conn/s",
+            ),
+            (
+                EXCHANGES[3],
+                "UDP request/response from the node itself (a connected socket per request)",
+                "req/s",
+            ),
         ] {
             out.push_str(&format!(
                 "\n### {title}\n\n\
                  | Services | mode | {unit} | vs iptables | vs no LB | p50 µs | p99 µs | failed |\n\
                  |---:|---|---:|---:|---:|---:|---:|---:|\n"
             ));
-            for s in self.results.iter().filter(|s| s.detail == proto) {
+            for s in self.results.iter().filter(|s| s.detail == exchange) {
                 out.push_str(&format!("| {} {}\n", s.services, self.results.cells(s)));
             }
         }
@@ -552,7 +637,7 @@ impl Report<'_> {
             out.push_str(" (the targets are set at 10,000; this run stops earlier)");
         }
         out.push_str("\n\n");
-        let get = |mode| self.find(largest, mode, Proto::Tcp);
+        let get = |mode| self.find(largest, mode, EXCHANGES[0]);
         let (Some(ebpf), Some(ipt), Some(nft), Some(direct)) = (
             get(Mode::Ebpf),
             get(Mode::Iptables),
@@ -606,7 +691,8 @@ impl Report<'_> {
                 self.results.json(
                     s,
                     json!({
-                        "proto": s.detail.key(),
+                        "proto": s.detail.proto.key(),
+                        "client": s.detail.client.key(),
                         "per_backend": s.series.backends,
                     }),
                 )

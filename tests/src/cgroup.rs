@@ -24,17 +24,7 @@ pub struct TestCgroup {
 impl TestCgroup {
     /// Creates `<cgroup v2 mount>/ebpf-proxy-<stem>`.
     pub fn create(stem: &str) -> Result<TestCgroup> {
-        // Where the agent looks by default: a unified host's mount, or a
-        // hybrid host's `unified` directory.
-        let root = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
-            .into_iter()
-            .find(|p| {
-                nix::sys::statfs::statfs(*p)
-                    .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
-            })
-            .map(PathBuf::from)
-            .ok_or_else(|| anyhow!("no cgroup v2 hierarchy at /sys/fs/cgroup(/unified)"))?;
-        let path = root.join(format!("ebpf-proxy-{stem}"));
+        let path = v2_mount()?.join(format!("ebpf-proxy-{stem}"));
         std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
         Ok(TestCgroup { path })
     }
@@ -70,6 +60,38 @@ impl TestCgroup {
         }
         cmd
     }
+}
+
+/// The cgroup v2 hierarchy where the agent looks by default: a unified
+/// host's mount, or a hybrid host's `unified` directory.
+fn v2_mount() -> Result<PathBuf> {
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .into_iter()
+        .find(|p| {
+            nix::sys::statfs::statfs(*p)
+                .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+        })
+        .map(PathBuf::from)
+        .ok_or_else(|| anyhow!("no cgroup v2 hierarchy at /sys/fs/cgroup(/unified)"))
+}
+
+/// The cgroup v2 directory this process is in (`0::<path>` of
+/// `/proc/self/cgroup`): a hook attached there sees the sockets of every
+/// thread of it, whichever namespace the thread has entered.
+pub fn own_cgroup() -> Result<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
+    let path = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .ok_or_else(|| anyhow!("/proc/self/cgroup has no cgroup v2 line: {text:?}"))?;
+    let dir = v2_mount()?.join(path.trim_start_matches('/'));
+    if !dir.is_dir() {
+        return Err(anyhow!(
+            "this process's cgroup {} is not there",
+            dir.display()
+        ));
+    }
+    Ok(dir)
 }
 
 impl Drop for TestCgroup {

@@ -714,6 +714,8 @@ mod pod_impls {
     unsafe impl aya::Pod for NodeConfig {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for ClusterCidrKey {}
+    unsafe impl aya::Pod for SockRevKey {}
+    unsafe impl aya::Pod for SockRevValue {}
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use crate::{
     datapath::{
         Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack,
         interfaces::{self, Interfaces, Selection, Snapshot},
+        sock_diag,
     },
     healthcheck::HealthCheckServer,
     http::{self, Health, HttpError},
@@ -529,6 +530,13 @@ impl SyncLoop {
             ),
             Ok(_) => {}
             Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
+        }
+        match sock_diag::close_departed(&datapath.maps, &departed) {
+            Ok(0) => {}
+            Ok(closed) => {
+                info!("closed {closed} UDP sockets of the node connected to departed backends")
+            }
+            Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
         }
         if self.serving() {
             health.mark_synced();

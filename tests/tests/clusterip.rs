@@ -720,6 +720,156 @@ fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
     }
 }
 
+/// `udp-connected` in `cgroup` in `ns`: one UDP socket connected to `target` for the
+/// process's life, one exchange per line. Killed on drop.
+struct ConnectedUdp {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl ConnectedUdp {
+    fn start(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddrV4) -> ConnectedUdp {
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-connected"))
+            .arg(target.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-connected");
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        ConnectedUdp {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// One datagram and its answer (`<backend> <peer>`), or `error: ...`; within the
+    /// client's 1 s receive timeout.
+    fn exchange(&mut self) -> String {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "hi").expect("writing to udp-connected");
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .expect("reading from udp-connected");
+        line.trim().to_owned()
+    }
+
+    /// The backend that answered, or None for an error.
+    fn backend(&mut self) -> Option<String> {
+        let answer = self.exchange();
+        (!answer.starts_with("error")).then(|| {
+            answer
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+    }
+}
+
+impl Drop for ConnectedUdp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// (h) A UDP socket of the node that the hook connected to a backend stays connected
+/// to it (no conntrack entry stands between), so when the backend leaves the Service
+/// the agent closes the socket, as kube-proxy's conntrack cleanup moves such a flow
+/// and Cilium closes such sockets: its owner reads an error and reconnects. The
+/// node's sockets the hook sent elsewhere, and one connected straight to the
+/// departed pod's address, are left alone.
+#[test]
+fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    let node = &sb.topology().node;
+
+    let mut clients: Vec<(ConnectedUdp, String)> = (0..12)
+        .map(|i| {
+            let mut client = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP));
+            let backend = client.backend().unwrap_or_else(|| {
+                panic!(
+                    "connected UDP client {i} of the node got no answer; agent log:\n{}",
+                    sb.agent().log()
+                )
+            });
+            (client, backend)
+        })
+        .collect();
+    let departing = clients[0].1.clone();
+    let (_, departing_ip) = *BACKENDS
+        .iter()
+        .find(|b| b.0 == departing)
+        .unwrap_or_else(|| panic!("answer from {departing}, no backend of the test"));
+    let mut direct = ConnectedUdp::start(node, &cgroup, SocketAddrV4::new(departing_ip, UDP_PORT));
+    assert_eq!(direct.backend().as_deref(), Some(departing.as_str()));
+
+    let remaining: Vec<Ipv4Addr> = backend_ips()
+        .into_iter()
+        .filter(|ip| *ip != departing_ip)
+        .collect();
+    sb.manifests()
+        .write("web.yaml", &web_service(CLUSTER_IP).yaml(Some(&remaining)))
+        .expect("rewrite manifest");
+    let written = Instant::now();
+    let deadline = SYNC_DEADLINE + Duration::from_secs(1);
+    while clients[0].0.backend().is_some() && written.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    let mut closed = 0;
+    for (i, (client, backend)) in clients.iter_mut().enumerate() {
+        let now = client.backend();
+        if *backend == departing {
+            assert_eq!(
+                now, None,
+                "client {i}: {deadline:?} after {departing} left, its socket still reaches it"
+            );
+            closed += 1;
+        } else {
+            assert_eq!(
+                now.as_ref(),
+                Some(&*backend),
+                "client {i} of {backend}, which stays, lost its socket"
+            );
+        }
+    }
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "a socket connected straight to the pod's address, not through the hook, was closed"
+    );
+    assert!(
+        sb.agent()
+            .log()
+            .contains(&format!("closed {closed} UDP sockets")),
+        "the agent's log does not say it closed {closed} sockets:\n{}",
+        sb.agent().log()
+    );
+    for i in 0..10 {
+        let backend = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP)).backend();
+        assert!(
+            backend.as_ref().is_some_and(|b| *b != departing),
+            "new connected UDP socket {i} after {departing} left: {backend:?}"
+        );
+    }
+}
+
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new
 /// connections; `ebpf-proxy cleanup` then removes it and the ClusterIP goes dark.
 #[test]

@@ -49,13 +49,11 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     if departed.is_empty() {
         return Ok(swept);
     }
-    let gone: HashSet<Departed> = departed.iter().copied().collect();
-    let departed_flow = |v: &CtValue| {
-        gone.contains(&Departed {
-            service_id: v.service_id,
-            backend_id: v.backend_id,
-        })
-    };
+    let gone: HashSet<(u32, u32)> = departed
+        .iter()
+        .map(|d| (d.service_id, d.backend_id))
+        .collect();
+    let departed_flow = |v: &CtValue| gone.contains(&(v.service_id, v.backend_id));
     let doomed = batch::keys_where(
         maps.conntrack.map(),
         batch::CHUNK,
@@ -74,12 +72,7 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     let doomed = batch::keys_where(
         maps.affinity.map(),
         batch::CHUNK,
-        |k: &AffinityKey, v: &AffinityValue| {
-            gone.contains(&Departed {
-                service_id: k.service_id,
-                backend_id: v.backend_id,
-            })
-        },
+        |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
     )
     .map_err(batch_error(map_names::AFFINITY))?;
     if swept.conntrack > 0 {

@@ -8,7 +8,8 @@ use aya::maps::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SourceRangeKey, counter, ip_summed, map_names, sock_counter,
+    ServiceValue, SockRevKey, SockRevValue, SourceRangeKey, counter, ip_summed, map_names,
+    sock_counter,
 };
 
 use super::pins::PinLayout;
@@ -87,6 +88,9 @@ pub struct Maps {
     /// The socket hook's counters (`proxy_common::sock_counter`); absent
     /// like `csum_states`.
     pub sock_counters: Option<PerCpuArray<MapData, u64>>,
+    /// UDP sockets of the node the socket hooks sent to a backend, and the
+    /// frontend they addressed; absent like `csum_states`.
+    pub sock_revnat: Option<HashMap<MapData, SockRevKey, SockRevValue>>,
 }
 
 impl Maps {
@@ -133,6 +137,7 @@ impl Maps {
             csum_states: later(get(CSUM_STATES), CSUM_STATES, PerCpuArray::try_from)?,
             host_netns: later(get(HOST_NETNS), HOST_NETNS, Array::try_from)?,
             sock_counters: later(get(SOCK_COUNTERS), SOCK_COUNTERS, PerCpuArray::try_from)?,
+            sock_revnat: later(get(SOCK_REVNAT), SOCK_REVNAT, HashMap::try_from)?,
         })
     }
 

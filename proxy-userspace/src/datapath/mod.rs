@@ -14,6 +14,7 @@ pub mod kernel_btf;
 pub mod maps;
 pub mod pins;
 pub mod resize;
+pub mod sock_diag;
 mod sys;
 pub mod upgrade;
 

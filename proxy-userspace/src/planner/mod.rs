@@ -110,6 +110,10 @@ pub struct Planner {
 pub struct Departed {
     pub service_id: u32,
     pub backend_id: u32,
+    /// Its address, port and protocol, taken before the id is released and
+    /// perhaps given to another backend; None for an id the planner holds
+    /// no entry of.
+    pub backend: Option<Backend>,
 }
 
 impl Planner {
@@ -491,6 +495,7 @@ impl Planner {
                 self.departed.push(Departed {
                     service_id: p.value.service_id,
                     backend_id: *id,
+                    backend: self.backend_by_id.get(id).copied(),
                 });
             }
             cleanup.extend(self.release_backends(&p.backend_ids));
@@ -533,11 +538,12 @@ impl Planner {
             })?;
         self.frontends.remove(key);
         self.slot_sets_in_use.remove(&prev.value.slot_set);
-        self.departed
-            .extend(prev.backend_ids.iter().map(|id| Departed {
-                service_id: prev.value.service_id,
-                backend_id: *id,
-            }));
+        let departed = prev.backend_ids.iter().map(|id| Departed {
+            service_id: prev.value.service_id,
+            backend_id: *id,
+            backend: self.backend_by_id.get(id).copied(),
+        });
+        self.departed.extend(departed);
         let mut cleanup: Vec<MapOp> = (0..prev.backend_ids.len())
             .map(|slot| MapOp::DeleteSlot {
                 key: BackendSlotKey {

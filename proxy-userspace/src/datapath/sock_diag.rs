@@ -1,0 +1,356 @@
+//! The node's UDP sockets, listed and closed through the kernel's socket
+//! diagnostics (`NETLINK_SOCK_DIAG`: `SOCK_DIAG_BY_FAMILY`, `SOCK_DESTROY`).
+//!
+//! A UDP socket of the node that the connect() hook sent to a backend stays
+//! connected to that backend's address for its life: no conntrack entry
+//! stands between, so removing the backend's flows does not move it, where
+//! kube-proxy's conntrack cleanup would send its next datagram elsewhere.
+//! Closing it (its owner reads `ECONNABORTED` and opens a new one, which the
+//! hook sends to a live backend) is what Cilium does for the same reason.
+
+use std::{
+    collections::HashSet,
+    io,
+    net::{Ipv4Addr, SocketAddrV4},
+    os::fd::{AsRawFd, OwnedFd},
+};
+
+use bytemuck::{Pod, Zeroable};
+use nix::sys::socket::{AddressFamily, SockFlag, SockProtocol, SockType, recv, send, socket};
+use proxy_common::{PROTO_UDP, SockRevKey, is_v4_mapped};
+
+use super::maps::Maps;
+use crate::planner::Departed;
+
+/// Closes the node's UDP sockets that the socket hooks connected to a
+/// departed backend: those connected to its address and port for which
+/// `SOCK_REVNAT` holds the hook's note. A socket connected to the backend's
+/// address by its owner is left alone. Returns how many were closed.
+pub fn close_departed(maps: &Maps, departed: &[Departed]) -> Result<usize, SockDiagError> {
+    let Some(notes) = maps.sock_revnat.as_ref() else {
+        return Ok(0);
+    };
+    // (address, port), both in network order, as the hooks note them.
+    let gone: HashSet<(u32, u16)> = departed
+        .iter()
+        .filter_map(|d| d.backend)
+        .filter(|b| b.proto == PROTO_UDP && is_v4_mapped(&b.addr_be))
+        .map(|b| (b.addr_be[3], b.port_be))
+        .collect();
+    if gone.is_empty() {
+        return Ok(0);
+    }
+    let mut diag = SockDiag::open()?;
+    let mut closed = 0;
+    for socket in diag.connected_udp()? {
+        let peer = (socket.id.dst_be[0], socket.id.dport_be);
+        if !gone.contains(&peer) {
+            continue;
+        }
+        let note = SockRevKey {
+            cookie: socket.cookie,
+            backend_be: peer.0,
+            port_be: peer.1,
+            _pad: 0,
+        };
+        if notes.get(&note, 0).is_ok() && diag.destroy(&socket)? {
+            closed += 1;
+        }
+    }
+    Ok(closed)
+}
+
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+const AF_INET: u8 = 2;
+const IPPROTO_UDP: u8 = 17;
+/// Every TCP state bit: UDP sockets report ESTABLISHED (connected) or CLOSE.
+const ALL_STATES: u32 = u32::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SockDiagError {
+    #[error("opening a NETLINK_SOCK_DIAG socket: {0}")]
+    Open(#[source] io::Error),
+    #[error("sending a socket diagnostics request: {0}")]
+    Send(#[source] io::Error),
+    #[error("reading the socket diagnostics answer: {0}")]
+    Receive(#[source] io::Error),
+    #[error("the kernel refused to list UDP sockets: {0}")]
+    Dump(#[source] io::Error),
+    #[error("a socket diagnostics message of {len} bytes is cut short")]
+    Truncated { len: usize },
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct NlMsgHdr {
+    len: u32,
+    kind: u16,
+    flags: u16,
+    seq: u32,
+    pid: u32,
+}
+
+/// `struct inet_diag_sockid`: ports and addresses in network order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+struct InetDiagSockId {
+    sport_be: u16,
+    dport_be: u16,
+    src_be: [u32; 4],
+    dst_be: [u32; 4],
+    interface: u32,
+    /// Low word first, as the kernel splits the socket cookie.
+    cookie: [u32; 2],
+}
+
+/// `struct inet_diag_req_v2`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct InetDiagReqV2 {
+    family: u8,
+    protocol: u8,
+    ext: u8,
+    pad: u8,
+    states: u32,
+    id: InetDiagSockId,
+}
+
+/// `struct inet_diag_msg`, the head of every socket the dump lists.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct InetDiagMsg {
+    family: u8,
+    state: u8,
+    timer: u8,
+    retrans: u8,
+    id: InetDiagSockId,
+    expires: u32,
+    rqueue: u32,
+    wqueue: u32,
+    uid: u32,
+    inode: u32,
+}
+
+/// A connected IPv4 UDP socket of this network namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UdpSocket {
+    /// The cookie `bpf_get_socket_cookie` gives the hooks.
+    pub cookie: u64,
+    pub local: SocketAddrV4,
+    pub peer: SocketAddrV4,
+    id: InetDiagSockId,
+}
+
+/// A `NETLINK_SOCK_DIAG` socket of the calling thread's network namespace.
+pub struct SockDiag {
+    fd: OwnedFd,
+    seq: u32,
+}
+
+impl SockDiag {
+    pub fn open() -> Result<Self, SockDiagError> {
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkSockDiag,
+        )
+        .map_err(|e| SockDiagError::Open(e.into()))?;
+        Ok(Self { fd, seq: 0 })
+    }
+
+    /// The connected IPv4 UDP sockets of this namespace.
+    pub fn connected_udp(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
+        self.request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, InetDiagSockId::default())?;
+        let mut sockets = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let len = recv(
+                self.fd.as_raw_fd(),
+                &mut buf,
+                nix::sys::socket::MsgFlags::empty(),
+            )
+            .map_err(|e| SockDiagError::Receive(e.into()))?;
+            for (kind, payload) in messages(&buf[..len])? {
+                match kind {
+                    NLMSG_DONE => return Ok(sockets),
+                    NLMSG_ERROR => match error_of(payload)? {
+                        None => {}
+                        Some(e) => return Err(SockDiagError::Dump(e)),
+                    },
+                    SOCK_DIAG_BY_FAMILY => {
+                        let msg: InetDiagMsg = read(payload)?;
+                        if let Some(socket) = UdpSocket::of(&msg) {
+                            sockets.push(socket);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Closes `socket`; Ok(false) when it is already gone.
+    pub fn destroy(&mut self, socket: &UdpSocket) -> Result<bool, SockDiagError> {
+        self.request(SOCK_DESTROY, NLM_F_ACK, socket.id)?;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let len = recv(
+                self.fd.as_raw_fd(),
+                &mut buf,
+                nix::sys::socket::MsgFlags::empty(),
+            )
+            .map_err(|e| SockDiagError::Receive(e.into()))?;
+            for (kind, payload) in messages(&buf[..len])? {
+                if kind == NLMSG_ERROR {
+                    return match error_of(payload)? {
+                        None => Ok(true),
+                        Some(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => Ok(false),
+                        Some(e) => Err(SockDiagError::Send(e)),
+                    };
+                }
+            }
+        }
+    }
+
+    fn request(&mut self, kind: u16, flags: u16, id: InetDiagSockId) -> Result<(), SockDiagError> {
+        self.seq = self.seq.wrapping_add(1);
+        let req = InetDiagReqV2 {
+            family: AF_INET,
+            protocol: IPPROTO_UDP,
+            ext: 0,
+            pad: 0,
+            states: ALL_STATES,
+            id,
+        };
+        let hdr = NlMsgHdr {
+            len: (size_of::<NlMsgHdr>() + size_of::<InetDiagReqV2>()) as u32,
+            kind,
+            flags: NLM_F_REQUEST | flags,
+            seq: self.seq,
+            pid: 0,
+        };
+        let mut msg = bytemuck::bytes_of(&hdr).to_vec();
+        msg.extend_from_slice(bytemuck::bytes_of(&req));
+        send(
+            self.fd.as_raw_fd(),
+            &msg,
+            nix::sys::socket::MsgFlags::empty(),
+        )
+        .map_err(|e| SockDiagError::Send(e.into()))?;
+        Ok(())
+    }
+}
+
+impl UdpSocket {
+    /// A connected IPv4 socket with a cookie; None for the others.
+    fn of(msg: &InetDiagMsg) -> Option<Self> {
+        let id = msg.id;
+        if msg.family != AF_INET || id.dport_be == 0 {
+            return None;
+        }
+        let addr = |words: [u32; 4]| Ipv4Addr::from(u32::from_be(words[0]));
+        let cookie = u64::from(id.cookie[0]) | (u64::from(id.cookie[1]) << 32);
+        Some(Self {
+            cookie,
+            local: SocketAddrV4::new(addr(id.src_be), u16::from_be(id.sport_be)),
+            peer: SocketAddrV4::new(addr(id.dst_be), u16::from_be(id.dport_be)),
+            id,
+        })
+    }
+}
+
+/// The netlink messages of one datagram: (type, payload).
+fn messages(mut buf: &[u8]) -> Result<Vec<(u16, &[u8])>, SockDiagError> {
+    let mut out = Vec::new();
+    while buf.len() >= size_of::<NlMsgHdr>() {
+        let hdr: NlMsgHdr = read(buf)?;
+        let len = hdr.len as usize;
+        if len < size_of::<NlMsgHdr>() || len > buf.len() {
+            return Err(SockDiagError::Truncated { len });
+        }
+        out.push((hdr.kind, &buf[size_of::<NlMsgHdr>()..len]));
+        // Messages are 4-byte aligned.
+        buf = &buf[len.next_multiple_of(4).min(buf.len())..];
+    }
+    Ok(out)
+}
+
+/// An NLMSG_ERROR's error: None for an acknowledgement (error 0).
+fn error_of(payload: &[u8]) -> Result<Option<io::Error>, SockDiagError> {
+    let code = payload
+        .get(..4)
+        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .ok_or(SockDiagError::Truncated { len: payload.len() })?;
+    Ok((code != 0).then(|| io::Error::from_raw_os_error(-code)))
+}
+
+fn read<T: Pod>(buf: &[u8]) -> Result<T, SockDiagError> {
+    buf.get(..size_of::<T>())
+        .map(bytemuck::pod_read_unaligned)
+        .ok_or(SockDiagError::Truncated { len: buf.len() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn structs_have_the_kernels_sizes() {
+        assert_eq!(size_of::<NlMsgHdr>(), 16);
+        assert_eq!(size_of::<InetDiagSockId>(), 48);
+        assert_eq!(size_of::<InetDiagReqV2>(), 56);
+        assert_eq!(size_of::<InetDiagMsg>(), 72);
+    }
+
+    #[test]
+    fn lists_and_closes_a_connected_socket_of_this_process() {
+        let peer = std::net::UdpSocket::bind("127.0.0.1:0").expect("peer socket");
+        let client = std::net::UdpSocket::bind("127.0.0.1:0").expect("client socket");
+        client.connect(peer.local_addr().unwrap()).expect("connect");
+        let local = match client.local_addr().unwrap() {
+            std::net::SocketAddr::V4(a) => a,
+            other => panic!("{other}"),
+        };
+        let mut diag = SockDiag::open().expect("sock_diag socket");
+        let listed = diag.connected_udp().expect("listing UDP sockets");
+        let found = listed
+            .iter()
+            .find(|s| s.local == local)
+            .unwrap_or_else(|| panic!("{local} is not among the {} listed", listed.len()));
+        assert_eq!(
+            std::net::SocketAddr::V4(found.peer),
+            peer.local_addr().unwrap()
+        );
+        assert!(
+            !listed.iter().any(|s| s.local
+                == match peer.local_addr().unwrap() {
+                    std::net::SocketAddr::V4(a) => a,
+                    _ => unreachable!(),
+                }),
+            "an unconnected socket was listed"
+        );
+        assert!(
+            diag.destroy(found).expect("destroy"),
+            "the socket was not found"
+        );
+        let err = client.send(b"x").expect_err("a closed socket still sends");
+        assert!(
+            matches!(
+                err.raw_os_error(),
+                Some(nix::libc::ECONNABORTED | nix::libc::EDESTADDRREQ)
+            ),
+            "after the close: {err}"
+        );
+        assert!(
+            !diag.destroy(found).expect("second destroy"),
+            "closed twice"
+        );
+    }
+}

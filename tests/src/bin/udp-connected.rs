@@ -1,0 +1,56 @@
+//! `udp-connected ADDR`: one UDP socket connected to ADDR (`a.b.c.d:port`)
+//! for the process's whole life, as a long-lived client keeps it. Each line
+//! read from stdin is sent as a datagram and answered on stdout by one line:
+//! the first answer (trimmed), or `error: <what>` when the send or the
+//! receive fails (within 1 s). The socket hooks' test runs it inside a
+//! cgroup, which a thread of the test process cannot join on its own.
+
+use std::{
+    io::{BufRead, Write},
+    net::{SocketAddrV4, UdpSocket},
+    process::ExitCode,
+    time::Duration,
+};
+
+fn main() -> ExitCode {
+    let Some(addr) = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse::<SocketAddrV4>().ok())
+    else {
+        eprintln!("usage: udp-connected a.b.c.d:port");
+        return ExitCode::from(2);
+    };
+    let socket = match connect(addr) {
+        Ok(socket) => socket,
+        Err(e) => {
+            eprintln!("udp-connected {addr}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let answer = exchange(&socket, line.as_bytes()).unwrap_or_else(|e| format!("error: {e}"));
+        if writeln!(out, "{answer}")
+            .and_then(|()| out.flush())
+            .is_err()
+        {
+            break;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn connect(addr: SocketAddrV4) -> std::io::Result<UdpSocket> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(Duration::from_secs(1)))?;
+    socket.connect(addr)?;
+    Ok(socket)
+}
+
+fn exchange(socket: &UdpSocket, datagram: &[u8]) -> std::io::Result<String> {
+    socket.send(datagram)?;
+    let mut buf = [0u8; 512];
+    let n = socket.recv(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_owned())
+}

@@ -91,6 +91,9 @@ pub mod program_names {
     pub const SOCK_SENDMSG4: &str = "sock_sendmsg4";
     /// cgroup `recvmsg4` hook: their answers show the frontend as source.
     pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
+    /// cgroup `getpeername4` hook: a socket the connect() hook sent to a
+    /// backend shows the frontend as its peer, as a DNATed one does.
+    pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
 }
 
 /// Indexes into the per-CPU `SOCK_COUNTERS` array (the socket hooks).
@@ -110,8 +113,9 @@ pub mod sock_counter {
     ];
 }
 
-/// Key of `SOCK_REVNAT`: a UDP socket of the node (its cookie) and the
-/// backend it was sent to, for the answers to show the frontend.
+/// Key of `SOCK_REVNAT`: a socket of the node (its cookie) and the backend
+/// the socket hooks sent it to, for its answers (UDP) and its peer
+/// (`getpeername()`) to show the frontend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]

@@ -92,6 +92,13 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
     sock::recvmsg4(&ctx)
 }
 
+/// cgroup `getpeername4`: a socket connected to a backend in a frontend's
+/// place shows the frontend as its peer.
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::getpeername4(&ctx)
+}
+
 /// Does nothing: the per-packet cost floor that benchmarks compare against.
 /// Never attached.
 #[classifier]

@@ -54,22 +54,37 @@ pub fn sendmsg4(ctx: &SockAddrContext) -> i32 {
 /// that a resolver that checks whom it asked takes the answer.
 #[inline(always)]
 pub fn recvmsg4(ctx: &SockAddrContext) -> i32 {
+    show_frontend(ctx)
+}
+
+/// `getpeername()` of a socket of the node that `connect4` sent to a
+/// backend: the frontend, as a connection DNATed by kube-proxy shows.
+#[inline(always)]
+pub fn getpeername4(ctx: &SockAddrContext) -> i32 {
+    show_frontend(ctx)
+}
+
+/// Replaces the address the kernel reports, a backend this socket was
+/// sent to in a frontend's place (`SOCK_REVNAT`), by that frontend.
+#[inline(always)]
+fn show_frontend(ctx: &SockAddrContext) -> i32 {
     if !node_socket(ctx) {
         return ALLOW;
     }
     let sa = ctx.sock_addr;
     // SAFETY: the kernel's context of this program, valid for its run.
-    let (src_be, sport_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
+    let (addr_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     let key = SockRevKey {
         // SAFETY: a sock_addr context is a valid argument of this helper.
         cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_be: src_be,
-        port_be: sport_be,
+        backend_be: addr_be,
+        port_be,
         _pad: 0,
     };
     // SAFETY: a valid map value pointer for this program's run.
     if let Some(frontend) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) {
-        // SAFETY: as above; recvmsg4 may rewrite the source it reports.
+        // SAFETY: as above; recvmsg4 and getpeername4 may rewrite the
+        // address they report.
         unsafe {
             (*sa).user_ip4 = frontend.frontend_be;
             (*sa).user_port = frontend.port_be as u32;
@@ -152,22 +167,21 @@ fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     if !is_v4_mapped(&backend.addr_be) {
         return ALLOW;
     }
-    if proto == PROTO_UDP {
-        // Answers come from the backend; `recvmsg4` shows the frontend.
-        let key = SockRevKey {
-            // SAFETY: as above.
-            cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-            backend_be: backend.addr_be[3],
-            port_be: backend.port_be,
-            _pad: 0,
-        };
-        let value = SockRevValue {
-            frontend_be: dst_be,
-            port_be: dport_be,
-            _pad: 0,
-        };
-        let _ = SOCK_REVNAT.insert(&key, &value, 0);
-    }
+    // Answers come from the backend and the socket's peer is the backend;
+    // `recvmsg4` and `getpeername4` show the frontend.
+    let key = SockRevKey {
+        // SAFETY: as above.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_be: backend.addr_be[3],
+        port_be: backend.port_be,
+        _pad: 0,
+    };
+    let value = SockRevValue {
+        frontend_be: dst_be,
+        port_be: dport_be,
+        _pad: 0,
+    };
+    let _ = SOCK_REVNAT.insert(&key, &value, 0);
     // SAFETY: as above; connect4 and sendmsg4 may rewrite the destination.
     unsafe {
         (*sa).user_ip4 = backend.addr_be[3];

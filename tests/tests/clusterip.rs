@@ -720,6 +720,76 @@ fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
     }
 }
 
+/// (i) A socket of the node that the hook connected to a backend shows the frontend as
+/// its peer (`getpeername()`), as a connection DNATed by kube-proxy does, while the
+/// backend sees the node's address; a socket connected straight to a pod shows the pod.
+#[test]
+fn the_nodes_sockets_show_the_frontend_as_their_peer() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    let node = &sb.topology().node;
+    let tcp_peer = |target: SocketAddrV4| {
+        let out = cgroup
+            .command_in(node, env!("CARGO_BIN_EXE_tcp-peer"))
+            .arg(target.to_string())
+            .output()
+            .expect("running tcp-peer");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "tcp-peer {target}: {} {text:?} {:?}; agent log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            sb.agent().log()
+        );
+        // `<peer> <backend> <address the backend saw>`
+        let words: Vec<String> = text.split_whitespace().map(str::to_owned).collect();
+        assert_eq!(words.len(), 3, "tcp-peer {target} printed {text:?}");
+        words
+    };
+    for i in 0..6 {
+        let words = tcp_peer(http(CLUSTER_IP));
+        assert_eq!(
+            words[0],
+            http(CLUSTER_IP).to_string(),
+            "TCP connection {i} to the ClusterIP (reached {}): getpeername() shows another peer",
+            words[1]
+        );
+        assert!(
+            words[2].starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "the backend saw {}, not the node's address",
+            words[2]
+        );
+    }
+    let pod = SocketAddrV4::new(BACKENDS[0].1, TCP_PORT);
+    let words = tcp_peer(pod);
+    assert_eq!(
+        (words[0].as_str(), words[1].as_str()),
+        (pod.to_string().as_str(), BACKENDS[0].0),
+        "a connection straight to a pod"
+    );
+    let mut udp = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP));
+    assert!(
+        udp.backend().is_some(),
+        "connected UDP to the ClusterIP got no answer"
+    );
+    assert_eq!(
+        udp.peer(),
+        dns(CLUSTER_IP).to_string(),
+        "getpeername() of a connected UDP socket to the ClusterIP"
+    );
+}
+
 /// `udp-connected` in `cgroup` in `ns`: one UDP socket connected to `target` for the
 /// process's life, one exchange per line. Killed on drop.
 struct ConnectedUdp {
@@ -749,13 +819,22 @@ impl ConnectedUdp {
     /// One datagram and its answer (`<backend> <peer>`), or `error: ...`; within the
     /// client's 1 s receive timeout.
     fn exchange(&mut self) -> String {
+        self.send_line("hi")
+    }
+
+    fn send_line(&mut self, line: &str) -> String {
         use std::io::{BufRead, Write};
-        writeln!(self.stdin, "hi").expect("writing to udp-connected");
+        writeln!(self.stdin, "{line}").expect("writing to udp-connected");
         let mut line = String::new();
         self.stdout
             .read_line(&mut line)
             .expect("reading from udp-connected");
         line.trim().to_owned()
+    }
+
+    /// What `getpeername()` says the socket is connected to.
+    fn peer(&mut self) -> String {
+        self.send_line("peer")
     }
 
     /// The backend that answered, or None for an error.

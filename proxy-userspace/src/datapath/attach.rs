@@ -40,7 +40,7 @@ pub enum AttachError {
     },
 }
 
-/// Attaches a socket hook (`connect4`, `sendmsg4`, `recvmsg4`) to the
+/// Attaches a socket hook (`connect4`, `sendmsg4`, `recvmsg4`, `getpeername4`) to the
 /// cgroup directory `cgroup` through a pinned bpf link at `pin`. A link pinned by an earlier run gets
 /// this program swapped in, in one step; a dead one is replaced. Other
 /// programs on the cgroup (another agent's, systemd's) stay: the link allows

@@ -91,10 +91,11 @@ fn load_object(
 
 /// The socket hooks of the node's own connections (proxy-ebpf `sock`), and
 /// the names their links are pinned under.
-const SOCKET_HOOKS: [(&str, &str); 3] = [
+const SOCKET_HOOKS: [(&str, &str); 4] = [
     (program_names::SOCK_CONNECT4, "connect4"),
     (program_names::SOCK_SENDMSG4, "sendmsg4"),
     (program_names::SOCK_RECVMSG4, "recvmsg4"),
+    (program_names::SOCK_GETPEERNAME4, "getpeername4"),
 ];
 
 /// A loaded datapath: program ready to attach, maps pinned.

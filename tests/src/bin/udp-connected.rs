@@ -2,7 +2,8 @@
 //! for the process's whole life, as a long-lived client keeps it. Each line
 //! read from stdin is sent as a datagram and answered on stdout by one line:
 //! the first answer (trimmed), or `error: <what>` when the send or the
-//! receive fails (within 1 s). The socket hooks' test runs it inside a
+//! receive fails (within 1 s). The line `peer` is not sent: it is answered
+//! with what `getpeername()` says. The socket hooks' test runs it inside a
 //! cgroup, which a thread of the test process cannot join on its own.
 
 use std::{
@@ -30,7 +31,12 @@ fn main() -> ExitCode {
     let mut out = std::io::stdout().lock();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
-        let answer = exchange(&socket, line.as_bytes()).unwrap_or_else(|e| format!("error: {e}"));
+        let answer = if line == "peer" {
+            socket.peer_addr().map(|a| a.to_string())
+        } else {
+            exchange(&socket, line.as_bytes())
+        }
+        .unwrap_or_else(|e| format!("error: {e}"));
         if writeln!(out, "{answer}")
             .and_then(|()| out.flush())
             .is_err()

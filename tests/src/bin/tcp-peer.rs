@@ -1,0 +1,40 @@
+//! `tcp-peer ADDR`: connects to ADDR (`a.b.c.d:port`) and prints what
+//! `getpeername()` says the socket is connected to, then the first line the
+//! server sends: `<peer> <line>`. The socket hooks' test runs it inside a
+//! cgroup, which a thread of the test process cannot join on its own.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{SocketAddrV4, TcpStream},
+    process::ExitCode,
+    time::Duration,
+};
+
+fn main() -> ExitCode {
+    let Some(addr) = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse::<SocketAddrV4>().ok())
+    else {
+        eprintln!("usage: tcp-peer a.b.c.d:port");
+        return ExitCode::from(2);
+    };
+    match exchange(addr) {
+        Ok((peer, line)) => {
+            println!("{peer} {}", line.trim());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tcp-peer {addr}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn exchange(addr: SocketAddrV4) -> std::io::Result<(std::net::SocketAddr, String)> {
+    let stream = TcpStream::connect_timeout(&addr.into(), Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let peer = stream.peer_addr()?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    Ok((peer, line))
+}

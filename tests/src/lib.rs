@@ -28,6 +28,16 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
+/// The `a.b.c.d:port` first argument of the tests' small client binaries
+/// (`udp-sendto`, `udp-connected`, `tcp-peer`), or their usage on stderr.
+pub fn addr_arg(program: &str) -> Option<std::net::SocketAddrV4> {
+    let addr = std::env::args().nth(1).and_then(|a| a.parse().ok());
+    if addr.is_none() {
+        eprintln!("usage: {program} a.b.c.d:port");
+    }
+    addr
+}
+
 /// Fails with a clear message unless the process is root: namespaces, veths, BPF and
 /// iptables all need it, and a permission error deep inside `ip` helps nobody.
 pub fn require_root() -> Result<()> {

@@ -422,6 +422,47 @@ fn greeting(sb: &Sandbox, out: &std::process::Output, what: &str) -> (String, St
     }
 }
 
+/// A sandbox with `manifests` written and the agent running with its socket hooks on
+/// a cgroup of the test's own, returned with the cgroup.
+fn hooked_sandbox(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    for (name, yaml) in manifests {
+        sb.manifests().write(name, yaml).expect("write manifest");
+    }
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    (sb, cgroup)
+}
+
+/// `n` bash clients of the node in `cgroup`, the `i`th running the script `client(i)`
+/// gives with its description: each must reach a backend, which sees the node's
+/// address, and they must reach at least two backends in all.
+fn spread_from_the_node(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    n: usize,
+    client: impl Fn(usize) -> (String, String),
+) {
+    let mut backends = BTreeSet::new();
+    for i in 0..n {
+        let (script, what) = client(i);
+        let out = bash_in(&sb.topology().node, Some(cgroup), &script);
+        let (backend, peer) = greeting(sb, &out, &what);
+        assert!(
+            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "{what}: the backend saw {peer}, not the node's address"
+        );
+        backends.insert(backend);
+    }
+    assert!(
+        backends.len() >= 2,
+        "{n} connections from the node all reached {backends:?}"
+    );
+}
+
 /// (f) Connections that start on the node itself (host-network pods, node agents)
 /// never cross tc ingress: the agent's connect() hook on the cgroup sends them to a
 /// backend. TCP connections spread over the backends and reach them from the node's
@@ -431,45 +472,27 @@ fn greeting(sb: &Sandbox, out: &std::process::Output, what: &str) -> (String, St
 /// cgroup are not translated at all. `cleanup` takes the hook away.
 #[test]
 fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
-    require_root().expect("privileged test");
-    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
     let empty_ip = Ipv4Addr::new(10, 96, 0, 30);
-    sb.manifests()
-        .write(
+    let (mut sb, cgroup) = hooked_sandbox(&[
+        (
             "web.yaml",
-            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
-        )
-        .expect("write manifest");
-    sb.manifests()
-        .write(
+            web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        ),
+        (
             "empty.yaml",
-            &Service::new("test", "empty", empty_ip)
+            Service::new("test", "empty", empty_ip)
                 .port("http", 80, Protocol::Tcp, TCP_PORT)
                 .yaml(Some(&[])),
-        )
-        .expect("write manifest");
-    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+        ),
+    ]);
     let root = cgroup.path().display().to_string();
-    sb.start_agent_with(&["--cgroup-root", &root])
-        .expect("start the agent");
     let tcp = format!("exec 3<>/dev/tcp/{CLUSTER_IP}/80 && head -n1 <&3");
     let udp = format!("exec 3<>/dev/udp/{CLUSTER_IP}/53 && echo hi >&3 && head -n1 <&3");
 
     let tc_new_before = counter_of(&sb, "dnat_new");
-    let mut backends = BTreeSet::new();
-    for i in 0..30 {
-        let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
-        let (backend, peer) = greeting(&sb, &out, &format!("TCP connection {i} from the node"));
-        assert!(
-            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
-            "the backend saw {peer}, not the node's address"
-        );
-        backends.insert(backend);
-    }
-    assert!(
-        backends.len() >= 2,
-        "30 connections from the node all reached {backends:?}"
-    );
+    spread_from_the_node(&sb, &cgroup, 30, |i| {
+        (tcp.clone(), format!("TCP connection {i} from the node"))
+    });
     let out = bash_in(&sb.topology().node, Some(&cgroup), &udp);
     let (backend, _) = greeting(&sb, &out, "UDP request from the node");
     assert!(backend_names().contains(&backend.as_str()), "{backend}");
@@ -618,40 +641,22 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
 /// `--nodeport-addresses` without 127.0.0.1, turns them off.
 #[test]
 fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
-    require_root().expect("privileged test");
-    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    sb.manifests()
-        .write(
-            "web.yaml",
-            &web_service(CLUSTER_IP)
-                .type_(ServiceType::NodePort)
-                .node_port("http", 30080)
-                .node_port("dns", 30053)
-                .yaml(Some(&backend_ips())),
-        )
-        .expect("write manifest");
-    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let (mut sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP)
+            .type_(ServiceType::NodePort)
+            .node_port("http", 30080)
+            .node_port("dns", 30053)
+            .yaml(Some(&backend_ips())),
+    )]);
     let root = cgroup.path().display().to_string();
-    sb.start_agent_with(&["--cgroup-root", &root])
-        .expect("start the agent");
     let node = &sb.topology().node;
     let tcp = |ip: &str| format!("exec 3<>/dev/tcp/{ip}/30080 && head -n1 <&3");
 
-    let mut backends = BTreeSet::new();
-    for i in 0..20 {
+    spread_from_the_node(&sb, &cgroup, 20, |i| {
         let ip = if i % 2 == 0 { "127.0.0.1" } else { "127.1.2.3" };
-        let out = bash_in(node, Some(&cgroup), &tcp(ip));
-        let (backend, peer) = greeting(&sb, &out, &format!("TCP connection {i} to {ip}:30080"));
-        assert!(
-            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
-            "the backend saw {peer}, not the node's address"
-        );
-        backends.insert(backend);
-    }
-    assert!(
-        backends.len() >= 2,
-        "20 connections to localhost NodePorts all reached {backends:?}"
-    );
+        (tcp(ip), format!("TCP connection {i} to {ip}:30080"))
+    });
     let out = bash_in(
         node,
         Some(&cgroup),
@@ -725,18 +730,10 @@ fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
 /// backend sees the node's address; a socket connected straight to a pod shows the pod.
 #[test]
 fn the_nodes_sockets_show_the_frontend_as_their_peer() {
-    require_root().expect("privileged test");
-    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    sb.manifests()
-        .write(
-            "web.yaml",
-            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
-        )
-        .expect("write manifest");
-    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
-    let root = cgroup.path().display().to_string();
-    sb.start_agent_with(&["--cgroup-root", &root])
-        .expect("start the agent");
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
     let node = &sb.topology().node;
     let tcp_peer = |target: SocketAddrV4| {
         let out = cgroup
@@ -865,18 +862,10 @@ impl Drop for ConnectedUdp {
 /// departed pod's address, are left alone.
 #[test]
 fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
-    require_root().expect("privileged test");
-    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    sb.manifests()
-        .write(
-            "web.yaml",
-            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
-        )
-        .expect("write manifest");
-    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
-    let root = cgroup.path().display().to_string();
-    sb.start_agent_with(&["--cgroup-root", &root])
-        .expect("start the agent");
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
     let node = &sb.topology().node;
 
     let mut clients: Vec<(ConnectedUdp, String)> = (0..12)

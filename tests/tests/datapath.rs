@@ -1089,6 +1089,17 @@ fn mac_text(mac: &[u8; 6]) -> String {
         .join(":")
 }
 
+/// SNAT to `NODE_IP` from ports `min..=max`, with `flags`
+/// (`proxy_common::node_config_flags`).
+fn node_config(min: u16, max: u16, flags: u32) -> proxy_common::NodeConfig {
+    proxy_common::NodeConfig {
+        snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
+        snat_port_min: min,
+        snat_port_max: max,
+        flags,
+    }
+}
+
 fn node_fixture() -> NodeFixture {
     let mut fx = fixture();
     let ns = ebpf_proxy_tests::netns::NetNs::create(&format!(
@@ -1149,12 +1160,11 @@ fn node_fixture() -> NodeFixture {
         .expect("node addresses");
     fx.datapath
         .maps
-        .set_node_config(proxy_common::NodeConfig {
-            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
-            snat_port_min: proxy_common::SNAT_PORT_MIN,
-            snat_port_max: proxy_common::SNAT_PORT_MAX,
-            flags: 0,
-        })
+        .set_node_config(node_config(
+            proxy_common::SNAT_PORT_MIN,
+            proxy_common::SNAT_PORT_MAX,
+            0,
+        ))
         .expect("node config");
     let remote = |fe: &mut Frontend| {
         for b in &mut fe.backends {
@@ -1436,12 +1446,11 @@ fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
     nf.fx
         .datapath
         .maps
-        .set_node_config(proxy_common::NodeConfig {
-            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
-            snat_port_min: proxy_common::SNAT_PORT_MIN,
-            snat_port_max: proxy_common::SNAT_PORT_MAX,
-            flags: proxy_common::node_config_flags::LOCALHOST_NODEPORTS,
-        })
+        .set_node_config(node_config(
+            proxy_common::SNAT_PORT_MIN,
+            proxy_common::SNAT_PORT_MAX,
+            proxy_common::node_config_flags::LOCALHOST_NODEPORTS,
+        ))
         .expect("node config with localhost NodePorts");
     for (i, dst) in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 1, 2, 3)]
         .into_iter()
@@ -1477,12 +1486,7 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
     nf.fx
         .datapath
         .maps
-        .set_node_config(proxy_common::NodeConfig {
-            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
-            snat_port_min: 1024,
-            snat_port_max: 1027,
-            flags: 0,
-        })
+        .set_node_config(node_config(1024, 1027, 0))
         .expect("a four-port SNAT range");
     let mut ports = std::collections::BTreeSet::new();
     let mut client_port = 45000u16;
@@ -1552,12 +1556,7 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
         nf.fx
             .datapath
             .maps
-            .set_node_config(proxy_common::NodeConfig {
-                snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
-                snat_port_min: port,
-                snat_port_max: port,
-                flags: 0,
-            })
+            .set_node_config(node_config(port, port, 0))
             .expect("a one-port SNAT range");
     };
     let snat_port_of = |nf: &NodeFixture, frame: &[u8], what: &str| {

@@ -171,12 +171,7 @@ impl SockDiag {
         let mut sockets = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let len = recv(
-                self.fd.as_raw_fd(),
-                &mut buf,
-                nix::sys::socket::MsgFlags::empty(),
-            )
-            .map_err(|e| SockDiagError::Receive(e.into()))?;
+            let len = self.receive(&mut buf)?;
             for (kind, payload) in messages(&buf[..len])? {
                 match kind {
                     NLMSG_DONE => return Ok(sockets),
@@ -201,12 +196,7 @@ impl SockDiag {
         self.request(SOCK_DESTROY, NLM_F_ACK, socket.id)?;
         let mut buf = vec![0u8; 4096];
         loop {
-            let len = recv(
-                self.fd.as_raw_fd(),
-                &mut buf,
-                nix::sys::socket::MsgFlags::empty(),
-            )
-            .map_err(|e| SockDiagError::Receive(e.into()))?;
+            let len = self.receive(&mut buf)?;
             for (kind, payload) in messages(&buf[..len])? {
                 if kind == NLMSG_ERROR {
                     return match error_of(payload)? {
@@ -217,6 +207,16 @@ impl SockDiag {
                 }
             }
         }
+    }
+
+    /// One datagram of the kernel's answer; its length.
+    fn receive(&self, buf: &mut [u8]) -> Result<usize, SockDiagError> {
+        recv(
+            self.fd.as_raw_fd(),
+            buf,
+            nix::sys::socket::MsgFlags::empty(),
+        )
+        .map_err(|e| SockDiagError::Receive(e.into()))
     }
 
     fn request(&mut self, kind: u16, flags: u16, id: InetDiagSockId) -> Result<(), SockDiagError> {

@@ -11,11 +11,7 @@ use std::{
 };
 
 fn main() -> ExitCode {
-    let Some(addr) = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse::<SocketAddrV4>().ok())
-    else {
-        eprintln!("usage: tcp-peer a.b.c.d:port");
+    let Some(addr) = ebpf_proxy_tests::addr_arg("tcp-peer") else {
         return ExitCode::from(2);
     };
     match exchange(addr) {

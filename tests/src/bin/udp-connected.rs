@@ -14,11 +14,7 @@ use std::{
 };
 
 fn main() -> ExitCode {
-    let Some(addr) = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse::<SocketAddrV4>().ok())
-    else {
-        eprintln!("usage: udp-connected a.b.c.d:port");
+    let Some(addr) = ebpf_proxy_tests::addr_arg("udp-connected") else {
         return ExitCode::from(2);
     };
     let socket = match connect(addr) {

@@ -71,26 +71,46 @@ fn show_frontend(ctx: &SockAddrContext) -> i32 {
     if !node_socket(ctx) {
         return ALLOW;
     }
-    let sa = ctx.sock_addr;
-    // SAFETY: the kernel's context of this program, valid for its run.
-    let (addr_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
-    let key = SockRevKey {
-        // SAFETY: a sock_addr context is a valid argument of this helper.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_be: addr_be,
-        port_be,
-        _pad: 0,
-    };
+    let (addr_be, port_be) = user_addr(ctx);
     // SAFETY: a valid map value pointer for this program's run.
-    if let Some(frontend) = SOCK_REVNAT.get_ptr(&key).map(|p| unsafe { *p }) {
-        // SAFETY: as above; recvmsg4 and getpeername4 may rewrite the
-        // address they report.
-        unsafe {
-            (*sa).user_ip4 = frontend.frontend_be;
-            (*sa).user_port = frontend.port_be as u32;
-        }
+    if let Some(frontend) = SOCK_REVNAT
+        .get_ptr(&revnat_key(ctx, addr_be, port_be))
+        .map(|p| unsafe { *p })
+    {
+        set_user_addr(ctx, frontend.frontend_be, frontend.port_be);
     }
     ALLOW
+}
+
+/// The address and port (both in network order) the program may rewrite.
+#[inline(always)]
+fn user_addr(ctx: &SockAddrContext) -> (u32, u16) {
+    // SAFETY: the kernel's context of this program, valid for its run; the
+    // port sits in network order in the low 16 bits.
+    unsafe { ((*ctx.sock_addr).user_ip4, (*ctx.sock_addr).user_port as u16) }
+}
+
+/// Rewrites the address: the destination in connect4 and sendmsg4, the
+/// reported peer in recvmsg4 and getpeername4.
+#[inline(always)]
+fn set_user_addr(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
+    // SAFETY: as in `user_addr`; these hooks may rewrite the address.
+    unsafe {
+        (*ctx.sock_addr).user_ip4 = addr_be;
+        (*ctx.sock_addr).user_port = port_be as u32;
+    }
+}
+
+/// This socket's `SOCK_REVNAT` key for the backend `backend_be:port_be`.
+#[inline(always)]
+fn revnat_key(ctx: &SockAddrContext, backend_be: u32, port_be: u16) -> SockRevKey {
+    SockRevKey {
+        // SAFETY: a sock_addr context is a valid argument of this helper.
+        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
+        backend_be,
+        port_be,
+        _pad: 0,
+    }
 }
 
 /// Whether the socket is in the node's network namespace (never, until the
@@ -112,16 +132,9 @@ fn loopback(addr_be: u32) -> bool {
 /// counts it at `counted`.
 #[inline(always)]
 fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
-    let sa = ctx.sock_addr;
     // SAFETY: the kernel's context of this program, valid for its run.
-    let (proto, dst_be, dport_be) = unsafe {
-        (
-            (*sa).protocol,
-            (*sa).user_ip4,
-            // The port in network order, in the low 16 bits.
-            (*sa).user_port as u16,
-        )
-    };
+    let proto = unsafe { (*ctx.sock_addr).protocol };
+    let (dst_be, dport_be) = user_addr(ctx);
     let proto = match proto {
         p if p == PROTO_TCP as u32 => PROTO_TCP,
         p if p == PROTO_UDP as u32 => PROTO_UDP,
@@ -134,15 +147,15 @@ fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     // started connections to every endpoint (`--src-type LOCAL`), and one
     // client to session affinity and source ranges, by the node's address.
     let node = node_config();
-    let frontend = match lb::lookup_frontend_of(dst_be, dport_be, proto, || true) {
-        Some(frontend) => frontend,
-        None if loopback(dst_be) && node.flags & node_config_flags::LOCALHOST_NODEPORTS != 0 => {
-            match lb::lookup_nodeport(dport_be, proto, || true) {
-                Some(frontend) => frontend,
-                None => return ALLOW,
-            }
-        }
-        None => return ALLOW,
+    let localhost_nodeport =
+        loopback(dst_be) && node.flags & node_config_flags::LOCALHOST_NODEPORTS != 0;
+    let frontend = lb::lookup_frontend_of(dst_be, dport_be, proto, || true).or_else(|| {
+        localhost_nodeport
+            .then(|| lb::lookup_nodeport(dport_be, proto, || true))
+            .flatten()
+    });
+    let Some(frontend) = frontend else {
+        return ALLOW;
     };
     let node_be = node.snat_addr_be[3];
     let svc = &frontend.svc;
@@ -169,24 +182,14 @@ fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     }
     // Answers come from the backend and the socket's peer is the backend;
     // `recvmsg4` and `getpeername4` show the frontend.
-    let key = SockRevKey {
-        // SAFETY: as above.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_be: backend.addr_be[3],
-        port_be: backend.port_be,
-        _pad: 0,
-    };
+    let key = revnat_key(ctx, backend.addr_be[3], backend.port_be);
     let value = SockRevValue {
         frontend_be: dst_be,
         port_be: dport_be,
         _pad: 0,
     };
     let _ = SOCK_REVNAT.insert(&key, &value, 0);
-    // SAFETY: as above; connect4 and sendmsg4 may rewrite the destination.
-    unsafe {
-        (*sa).user_ip4 = backend.addr_be[3];
-        (*sa).user_port = backend.port_be as u32;
-    }
+    set_user_addr(ctx, backend.addr_be[3], backend.port_be);
     count_sock(counted);
     ALLOW
 }

@@ -149,6 +149,7 @@ impl Exchange {
     }
 }
 
+/// Only results of the same kind of exchange are paired.
 impl common::Detail for Exchange {
     fn same_cell(&self, other: &Exchange) -> bool {
         self == other

@@ -80,6 +80,18 @@ impl Sandbox {
         Ok(self.agent.insert(agent))
     }
 
+    /// Another agent on this sandbox's node, manifests and bpf root, with
+    /// `extra_args` (a restart, an upgrade, a new flag), once it is healthy.
+    /// Dropping it cleans the root up, as for the first one.
+    pub fn agent_on_the_same_root(&self, extra_args: &[&str]) -> Result<Agent> {
+        Agent::start_on_root(
+            &self.topology.node,
+            self.manifests.path(),
+            extra_args,
+            self.agent().bpf_root().to_owned(),
+        )
+    }
+
     /// The agent; panics if none was started (a bug in the caller).
     pub fn agent(&self) -> &Agent {
         self.agent.as_ref().expect("start_agent first")

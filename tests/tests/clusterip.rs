@@ -604,13 +604,9 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
         &out,
         "TCP connection from the node after the agent exited",
     );
-    let mut again = ebpf_proxy_tests::agent::Agent::start_on_root(
-        &sb.topology().node,
-        sb.manifests().path(),
-        &["--cgroup-root", &root],
-        sb.agent().bpf_root().to_owned(),
-    )
-    .expect("start the agent again");
+    let mut again = sb
+        .agent_on_the_same_root(&["--cgroup-root", &root])
+        .expect("start the agent again");
     assert!(
         again.log().contains("took over pinned cgroup link"),
         "the restarted agent did not take the pinned link over; its log:\n{}",
@@ -682,13 +678,9 @@ fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
         &["--nodeport-addresses", "10.0.0.0/8"][..],
     ] {
         let node = &sb.topology().node;
-        let mut agent = ebpf_proxy_tests::agent::Agent::start_on_root(
-            node,
-            sb.manifests().path(),
-            &[&["--cgroup-root", &root][..], args].concat(),
-            sb.agent().bpf_root().to_owned(),
-        )
-        .expect("start the agent again");
+        let mut agent = sb
+            .agent_on_the_same_root(&[&["--cgroup-root", &root][..], args].concat())
+            .expect("start the agent again");
         let status = agent.status().expect("status");
         assert!(
             status.contains("localhost NodePorts: off"),
@@ -1026,13 +1018,9 @@ fn an_older_layouts_datapath_is_retired_once_this_one_serves() {
             &web_service(CLUSTER_IP).yaml(Some(&[BACKENDS[0].1])),
         )
         .expect("write manifest");
-    let upgraded = ebpf_proxy_tests::agent::Agent::start_on_root(
-        &sb.topology().node,
-        sb.manifests().path(),
-        &[],
-        root.clone(),
-    )
-    .expect("start the newer agent on the same root");
+    let upgraded = sb
+        .agent_on_the_same_root(&[])
+        .expect("start the newer agent on the same root");
     assert!(
         gone_within(&older, Duration::from_secs(5)),
         "{} still there 5 s after the newer agent started; its log:\n{}",
@@ -1098,13 +1086,9 @@ fn a_new_conntrack_max_resizes_the_map_and_keeps_its_flows() {
 
     let status = sb.agent_mut().terminate().expect("stop the agent");
     assert!(status.success(), "the agent exited with {status}");
-    let resized = ebpf_proxy_tests::agent::Agent::start_on_root(
-        &sb.topology().node,
-        sb.manifests().path(),
-        &["--conntrack-max", "16384"],
-        root.clone(),
-    )
-    .expect("start the agent again with a larger table");
+    let resized = sb
+        .agent_on_the_same_root(&["--conntrack-max", "16384"])
+        .expect("start the agent again with a larger table");
     let aside = maps.join("CONNTRACK-resizing");
     assert!(
         gone_within(&aside, Duration::from_secs(5)),

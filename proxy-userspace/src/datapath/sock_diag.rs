@@ -43,14 +43,14 @@ pub fn close_departed(maps: &Maps, departed: &[Departed]) -> Result<usize, SockD
     let mut diag = SockDiag::open()?;
     let mut closed = 0;
     for socket in diag.connected_udp()? {
-        let peer = (socket.id.dst_be[0], socket.id.dport_be);
-        if !gone.contains(&peer) {
+        let (backend_be, port_be) = socket.peer_be();
+        if !gone.contains(&(backend_be, port_be)) {
             continue;
         }
         let note = SockRevKey {
-            cookie: socket.cookie,
-            backend_be: peer.0,
-            port_be: peer.1,
+            cookie: socket.cookie(),
+            backend_be,
+            port_be,
             _pad: 0,
         };
         if notes.get(&note, 0).is_ok() && diag.destroy(&socket)? {
@@ -82,6 +82,8 @@ pub enum SockDiagError {
     Receive(#[source] io::Error),
     #[error("the kernel refused to list UDP sockets: {0}")]
     Dump(#[source] io::Error),
+    #[error("the kernel refused to close a UDP socket: {0}")]
+    Destroy(#[source] io::Error),
     #[error("a socket diagnostics message of {len} bytes is cut short")]
     Truncated { len: usize },
 }
@@ -137,13 +139,10 @@ struct InetDiagMsg {
     inode: u32,
 }
 
-/// A connected IPv4 UDP socket of this network namespace.
+/// A connected IPv4 UDP socket of this network namespace, as the kernel
+/// names it to list and to close it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UdpSocket {
-    /// The cookie `bpf_get_socket_cookie` gives the hooks.
-    pub cookie: u64,
-    pub local: SocketAddrV4,
-    pub peer: SocketAddrV4,
     id: InetDiagSockId,
 }
 
@@ -202,7 +201,7 @@ impl SockDiag {
                     return match error_of(payload)? {
                         None => Ok(true),
                         Some(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => Ok(false),
-                        Some(e) => Err(SockDiagError::Send(e)),
+                        Some(e) => Err(SockDiagError::Destroy(e)),
                     };
                 }
             }
@@ -249,21 +248,34 @@ impl SockDiag {
 }
 
 impl UdpSocket {
-    /// A connected IPv4 socket with a cookie; None for the others.
+    /// A connected IPv4 socket; None for the others.
     fn of(msg: &InetDiagMsg) -> Option<Self> {
-        let id = msg.id;
-        if msg.family != AF_INET || id.dport_be == 0 {
-            return None;
-        }
-        let addr = |words: [u32; 4]| Ipv4Addr::from(u32::from_be(words[0]));
-        let cookie = u64::from(id.cookie[0]) | (u64::from(id.cookie[1]) << 32);
-        Some(Self {
-            cookie,
-            local: SocketAddrV4::new(addr(id.src_be), u16::from_be(id.sport_be)),
-            peer: SocketAddrV4::new(addr(id.dst_be), u16::from_be(id.dport_be)),
-            id,
-        })
+        (msg.family == AF_INET && msg.id.dport_be != 0).then_some(Self { id: msg.id })
     }
+
+    /// The cookie `bpf_get_socket_cookie` gives the hooks.
+    pub fn cookie(&self) -> u64 {
+        u64::from(self.id.cookie[0]) | (u64::from(self.id.cookie[1]) << 32)
+    }
+
+    /// The peer's address and port, in network order, as the hooks note
+    /// them.
+    pub fn peer_be(&self) -> (u32, u16) {
+        (self.id.dst_be[0], self.id.dport_be)
+    }
+
+    pub fn local(&self) -> SocketAddrV4 {
+        v4(self.id.src_be[0], self.id.sport_be)
+    }
+
+    pub fn peer(&self) -> SocketAddrV4 {
+        let (addr_be, port_be) = self.peer_be();
+        v4(addr_be, port_be)
+    }
+}
+
+fn v4(addr_be: u32, port_be: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
 }
 
 /// The netlink messages of one datagram: (type, payload).
@@ -314,26 +326,20 @@ mod tests {
         let peer = std::net::UdpSocket::bind("127.0.0.1:0").expect("peer socket");
         let client = std::net::UdpSocket::bind("127.0.0.1:0").expect("client socket");
         client.connect(peer.local_addr().unwrap()).expect("connect");
-        let local = match client.local_addr().unwrap() {
+        let addr_of = |socket: &std::net::UdpSocket| match socket.local_addr().unwrap() {
             std::net::SocketAddr::V4(a) => a,
             other => panic!("{other}"),
         };
+        let (local, peer_addr) = (addr_of(&client), addr_of(&peer));
         let mut diag = SockDiag::open().expect("sock_diag socket");
         let listed = diag.connected_udp().expect("listing UDP sockets");
         let found = listed
             .iter()
-            .find(|s| s.local == local)
+            .find(|s| s.local() == local)
             .unwrap_or_else(|| panic!("{local} is not among the {} listed", listed.len()));
-        assert_eq!(
-            std::net::SocketAddr::V4(found.peer),
-            peer.local_addr().unwrap()
-        );
+        assert_eq!(found.peer(), peer_addr);
         assert!(
-            !listed.iter().any(|s| s.local
-                == match peer.local_addr().unwrap() {
-                    std::net::SocketAddr::V4(a) => a,
-                    _ => unreachable!(),
-                }),
+            !listed.iter().any(|s| s.local() == peer_addr),
             "an unconnected socket was listed"
         );
         assert!(

@@ -205,6 +205,16 @@ impl Planner {
         (planner, garbage)
     }
 
+    /// Backend `backend_id` leaving service `service_id`, with its address
+    /// while the id still names it.
+    fn departure(&self, service_id: u32, backend_id: u32) -> Departed {
+        Departed {
+            service_id,
+            backend_id,
+            backend: self.backend_by_id.get(&backend_id).copied(),
+        }
+    }
+
     /// Backends that left a service since the last call.
     pub fn take_departed(&mut self) -> Vec<Departed> {
         std::mem::take(&mut self.departed)
@@ -492,11 +502,7 @@ impl Planner {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
             }
             for id in p.backend_ids.iter().filter(|id| !ids.contains(id)) {
-                self.departed.push(Departed {
-                    service_id: p.value.service_id,
-                    backend_id: *id,
-                    backend: self.backend_by_id.get(id).copied(),
-                });
+                self.departed.push(self.departure(p.value.service_id, *id));
             }
             cleanup.extend(self.release_backends(&p.backend_ids));
             if let Some(name) = p.service.as_ref() {
@@ -538,12 +544,10 @@ impl Planner {
             })?;
         self.frontends.remove(key);
         self.slot_sets_in_use.remove(&prev.value.slot_set);
-        let departed = prev.backend_ids.iter().map(|id| Departed {
-            service_id: prev.value.service_id,
-            backend_id: *id,
-            backend: self.backend_by_id.get(id).copied(),
-        });
-        self.departed.extend(departed);
+        for id in &prev.backend_ids {
+            self.departed
+                .push(self.departure(prev.value.service_id, *id));
+        }
         let mut cleanup: Vec<MapOp> = (0..prev.backend_ids.len())
             .map(|slot| MapOp::DeleteSlot {
                 key: BackendSlotKey {

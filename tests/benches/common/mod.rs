@@ -747,13 +747,6 @@ pub trait Detail {
     fn same_cell(&self, other: &Self) -> bool;
 }
 
-/// Only results of the same kind of exchange are paired.
-impl Detail for Proto {
-    fn same_cell(&self, other: &Proto) -> bool {
-        self == other
-    }
-}
-
 /// What a report takes from a bench's results.
 pub trait Rows<M, X> {
     /// The first result of `mode` at S `services`.

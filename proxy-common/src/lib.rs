@@ -13,7 +13,7 @@ pub mod ip_summed;
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
 /// its layout: bump it whenever a key or value below changes.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Map names, as they appear in the object file and under the pin directory.
 pub mod map_names {
@@ -35,10 +35,12 @@ pub mod map_names {
     pub const HOST_NETNS: &str = "HOST_NETNS";
     pub const SOCK_COUNTERS: &str = "SOCK_COUNTERS";
     pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
+    pub const FRAGMENTS: &str = "FRAGMENTS";
+    pub const CT_NEW: &str = "CT_NEW";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
     pub const LATER: [&str; 4] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS, SOCK_REVNAT];
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 20] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -57,6 +59,8 @@ pub mod map_names {
         HOST_NETNS,
         SOCK_COUNTERS,
         SOCK_REVNAT,
+        FRAGMENTS,
+        CT_NEW,
     ];
 }
 
@@ -146,11 +150,20 @@ pub const MAX_SERVICES: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 2_097_152;
 pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 262_144;
+/// Entries of `CT_NEW`, the flows not yet assured (two entries each): a
+/// flood of new flows turns it over, never `CONNTRACK`. Fixed rather than
+/// tied to `--conntrack-max`: it only has to hold the flows whose handshake
+/// or first exchange is under way, 32,768 at a time.
+pub const MAX_CT_NEW: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_SOCK_REVNAT: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_CLUSTER_CIDRS: u32 = 64;
+/// Fragmented datagrams in flight whose ports `FRAGMENTS` remembers (an
+/// LRU map: the oldest go first; a datagram's fragments arrive within
+/// microseconds of each other).
+pub const MAX_FRAGMENTS: u32 = 8192;
 
 /// `BPF_F_NO_PREALLOC`, for the map definitions.
 pub const MAP_F_NO_PREALLOC: usize = 1;
@@ -444,6 +457,43 @@ pub struct FlowCacheEntry {
     pub epoch: u32,
 }
 
+/// Key of `FRAGMENTS`: what identifies one fragmented datagram on the wire
+/// (RFC 791: source, destination, protocol and identification). Addresses
+/// are IPv4-mapped IPv6 and the id 32 bits wide, so that IPv6's fragment
+/// header (a 32-bit identification) fits the same map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragKey {
+    pub src_be: [u32; 4],
+    pub dst_be: [u32; 4],
+    /// The identification as on the wire: IPv4's 16 bits in the low-address
+    /// half, 0 in the other.
+    pub id_be: u32,
+    pub proto: u8,
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+/// Value of `FRAGMENTS`: the ports a datagram's first fragment carried,
+/// which its later fragments (no L4 header) are translated by.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragValue {
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub _pad: u32,
+    /// The datapath clock when the first fragment was seen.
+    pub seen_ns: u64,
+}
+
+/// How long a first fragment's ports serve its later fragments: Linux's
+/// reassembly timeout (`ipfrag_time`, 30 s), after which the receiver has
+/// given the datagram up anyway. Bounds how long a stale entry could hand
+/// its ports to an unrelated datagram reusing the identification.
+pub const FRAG_TIMEOUT_NS: u64 = 30_000_000_000;
+
 /// Slots of the per-CPU flow cache (a power of two).
 pub const FLOW_CACHE_SLOTS: u32 = 4096;
 /// The `FLOW_GEN` slot the agent bumps (the others are the datapath's).
@@ -674,8 +724,19 @@ pub mod counter {
     /// Packet translated at XDP and sent back out of the interface it came
     /// in on (by XDP_REDIRECT).
     pub const XDP_TX: u32 = 15;
-    pub const COUNT: u32 = 16;
-    pub const NAMES: [&str; 16] = [
+    /// A later fragment of a datagram whose first fragment was translated
+    /// (no L4 header of its own: translated by the first one's ports).
+    pub const FRAG_TRANSLATED: u32 = 16;
+    /// A later fragment of a datagram whose first fragment this datapath
+    /// did not translate (not a Service's, or it arrived before its first
+    /// fragment, or the first one's entry expired): passed as it is.
+    pub const FRAG_UNTRACKED: u32 = 17;
+    /// A new flow's entries made (in `CT_NEW`).
+    pub const CT_NEW_FLOW: u32 = 18;
+    /// A flow assured and moved to `CONNTRACK`.
+    pub const CT_ASSURED: u32 = 19;
+    pub const COUNT: u32 = 20;
+    pub const NAMES: [&str; 20] = [
         "dnat_new",
         "dnat_established",
         "rev_nat",
@@ -692,6 +753,10 @@ pub mod counter {
         "redirect",
         "xdp_to_tc",
         "xdp_tx",
+        "frag_translated",
+        "frag_untracked",
+        "ct_new_flow",
+        "ct_assured",
     ];
 }
 
@@ -720,6 +785,8 @@ mod pod_impls {
     unsafe impl aya::Pod for ClusterCidrKey {}
     unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SockRevValue {}
+    unsafe impl aya::Pod for FragKey {}
+    unsafe impl aya::Pod for FragValue {}
 }
 
 #[cfg(test)]
@@ -740,6 +807,8 @@ mod tests {
         assert_eq!(size_of::<SourceRangeKey>(), 36);
         assert_eq!(size_of::<AffinityKey>(), 20);
         assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(size_of::<FragKey>(), 40);
+        assert_eq!(size_of::<FragValue>(), 16);
     }
 
     #[test]

@@ -78,20 +78,13 @@ pub fn rewrite_direct(
     nat: &Nat,
     l4: L4Csum,
 ) -> Result<L4Deltas, ()> {
-    let ip = data + ETH_HLEN;
-    if ip + IPV4_MIN_HLEN > data_end {
-        return Err(());
-    }
     let l4_csum = l4_csum_field(data, data_end, flow).ok_or(())?;
     let l4p = data + flow.l4_off;
-    let addrs = delta32(flow.src_be, nat.src_be) + delta32(flow.dst_be, nat.dst_be);
+    let addrs = rewrite_ip(data, data_end, flow, nat)?;
     let ports = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
-    // SAFETY: every access below is inside the bounds checked above.
+    // SAFETY: every access below is inside the bounds `l4_csum_field`
+    // checked.
     unsafe {
-        ((ip + IP_SRC_OFF) as *mut u32).write(nat.src_be);
-        ((ip + IP_DST_OFF) as *mut u32).write(nat.dst_be);
-        let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
-        ip_csum.write(apply(ip_csum.read(), addrs));
         (l4p as *mut u16).write(nat.sport_be);
         ((l4p + 2) as *mut u16).write(nat.dport_be);
         let old = l4_csum.read();
@@ -108,6 +101,28 @@ pub fn rewrite_direct(
             csum: old,
         })
     }
+}
+
+/// Writes `nat`'s addresses into the IP header, with its checksum updated;
+/// returns the change to the sum of the addresses (unfolded), which the L4
+/// checksum's pseudo-header follows. All a later fragment needs: its L4
+/// header, and the checksum that covers the whole datagram, are in the
+/// first fragment.
+#[inline(always)]
+pub fn rewrite_ip(data: usize, data_end: usize, flow: &Flow, nat: &Nat) -> Result<u64, ()> {
+    let ip = data + ETH_HLEN;
+    if ip + IPV4_MIN_HLEN > data_end {
+        return Err(());
+    }
+    let addrs = delta32(flow.src_be, nat.src_be) + delta32(flow.dst_be, nat.dst_be);
+    // SAFETY: inside the bounds checked above.
+    unsafe {
+        ((ip + IP_SRC_OFF) as *mut u32).write(nat.src_be);
+        ((ip + IP_DST_OFF) as *mut u32).write(nat.dst_be);
+        let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
+        ip_csum.write(apply(ip_csum.read(), addrs));
+    }
+    Ok(addrs)
 }
 
 /// Takes one off the TTL, as a router does, for a packet sent on without

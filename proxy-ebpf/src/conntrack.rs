@@ -1,17 +1,28 @@
 //! Per-flow state: both directions of a translated flow have an entry, so a
 //! packet needs one lookup whichever way it goes.
+//!
+//! A flow's entries live in one of two LRU maps, so that a flood of new
+//! flows cannot push established ones out: `CT_NEW` holds flows not yet
+//! assured, `CONNTRACK` the assured ones. A flow is created in `CT_NEW` and
+//! moved to `CONNTRACK` by the first packet of its client's direction after
+//! a reply (the ACK of a TCP handshake; a UDP flow's second request), as
+//! netfilter marks a flow assured. A flood of SYNs or one-shot datagrams
+//! thus only ever evicts other unassured flows; what evicts an assured flow
+//! is more assured flows than `CONNTRACK` holds, as netfilter's table full
+//! of assured flows refuses new ones. Lookups try `CONNTRACK` first, so an
+//! established flow's packets cost what they did with one map.
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    Clock, CtKey, CtValue, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir, ct_flags,
-    ct_timeout, slot_for,
+    Clock, CtKey, CtTimeouts, CtValue, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
+    ct_flags, ct_timeout, slot_for,
 };
 
 use crate::{
     flow_cache,
-    maps::{CLOCK, CONNTRACK, count, ct_timeouts},
+    maps::{CLOCK, CONNTRACK, CT_NEW, Conntrack, count, ct_timeouts},
     nat::Nat,
-    packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
+    packet::{Flow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 const BPF_ANY: u64 = 0;
@@ -72,14 +83,47 @@ pub fn flow_key(flow: &Flow) -> CtKey {
     )
 }
 
-/// The live entry for this packet's tuple, if any. An expired entry counts
-/// as absent. So does a closing TCP entry hit by a SYN or SYN-ACK: the ports
-/// are being reused by a new connection, which may not be ours at all (a
-/// client connecting straight to a pod from the port it just used for the
-/// service); the stale entry is removed so its replies go untranslated.
+/// A live entry found for a packet's tuple.
+pub struct Found {
+    /// The entry in its map, or null for a flow cache copy (not an
+    /// `Option`: the unused payload of a `None` is an undefined register to
+    /// the verifier).
+    pub ptr: *mut CtValue,
+    pub entry: CtValue,
+    /// The entry is in `CT_NEW`: its flow is not assured yet.
+    pub unassured: bool,
+}
+
+/// The live entry for this packet's tuple, if any: assured flows first.
 #[inline(always)]
-pub fn lookup(key: &CtKey, flow: &Flow, now: u64) -> Option<(*mut CtValue, CtValue)> {
-    let ptr = CONNTRACK.get_ptr_mut(key)?;
+pub fn lookup(key: &CtKey, flow: &Flow, now: u64) -> Option<Found> {
+    if let Some((ptr, entry)) = lookup_in(&CONNTRACK, key, flow, now) {
+        return Some(Found {
+            ptr,
+            entry,
+            unassured: false,
+        });
+    }
+    lookup_in(&CT_NEW, key, flow, now).map(|(ptr, entry)| Found {
+        ptr,
+        entry,
+        unassured: true,
+    })
+}
+
+/// `lookup` in one map. An expired entry counts as absent. So does a
+/// closing TCP entry hit by a SYN or SYN-ACK: the ports are being reused by
+/// a new connection, which may not be ours at all (a client connecting
+/// straight to a pod from the port it just used for the service); the stale
+/// entry is removed so its replies go untranslated.
+#[inline(always)]
+fn lookup_in(
+    map: &Conntrack,
+    key: &CtKey,
+    flow: &Flow,
+    now: u64,
+) -> Option<(*mut CtValue, CtValue)> {
+    let ptr = map.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
     let entry = unsafe { *ptr };
     if entry.expired(flow.proto, now, &ct_timeouts()) {
@@ -89,7 +133,7 @@ pub fn lookup(key: &CtKey, flow: &Flow, now: u64) -> Option<(*mut CtValue, CtVal
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
-        remove(key);
+        remove(map, key);
         return None;
     }
     Some((ptr, entry))
@@ -119,11 +163,58 @@ pub fn translation(entry: &CtValue, flow: &Flow) -> Nat {
     nat
 }
 
+/// Records what this packet tells about an unassured flow (`touch`), and
+/// moves the flow to `CONNTRACK` when this packet assures it: its client's
+/// direction after a reply, not a SYN, FIN or RST (a TCP flow is assured by
+/// the ACK that completes its handshake).
+#[inline(always)]
+pub fn touch_unassured(key: &CtKey, found: &Found, flow: &Flow, now: u64) {
+    let entry = &found.entry;
+    let assures = entry.dir == ct_dir::FORWARD
+        && entry.flags & ct_flags::SEEN_REPLY != 0
+        && flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+        && (flow.proto != PROTO_TCP || flow.tcp_flags & TCP_ACK != 0);
+    if !assures || !promote(key, entry, flow, now) {
+        touch(&CT_NEW, found.ptr, entry, flow, now);
+    }
+}
+
+/// Moves both entries of the flow whose forward entry is `entry` (at `key`)
+/// from `CT_NEW` to `CONNTRACK`, reply entry first (as `create` orders
+/// them). False when the flow stays where it was.
+#[inline(always)]
+fn promote(key: &CtKey, entry: &CtValue, flow: &Flow, now: u64) -> bool {
+    let peer = peer_key(entry, flow);
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let Some(reply) = CT_NEW.get_ptr(&peer).map(|p| unsafe { *p }) else {
+        // Its reply entry was evicted: the flow could not go on anyway.
+        return false;
+    };
+    let reply = CtValue {
+        last_seen_ns: now,
+        ..reply
+    };
+    let forward = CtValue {
+        last_seen_ns: now,
+        ..*entry
+    };
+    if insert_over(&peer, &reply).is_err() || insert_over(key, &forward).is_err() {
+        count(counter::CT_INSERT_FAILED);
+        return false;
+    }
+    // Never copied into the flow cache (`handle` caches assured entries
+    // only), so nothing to invalidate.
+    let _ = CT_NEW.remove(key);
+    let _ = CT_NEW.remove(&peer);
+    count(counter::CT_ASSURED);
+    true
+}
+
 /// Records what this packet tells about the flow: a reply makes it
 /// established, FIN/RST starts closing. Timestamps are refreshed at most once
 /// a second to spare a write per packet.
 #[inline(always)]
-pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
+pub fn touch(map: &Conntrack, ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
     let mut flags = entry.flags;
     if entry.dir == ct_dir::REPLY {
         flags |= ct_flags::SEEN_REPLY;
@@ -142,6 +233,7 @@ pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
     }
     if flags != entry.flags {
         let peer = mirror_flags(
+            map,
             entry,
             flow,
             flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY),
@@ -157,20 +249,27 @@ pub fn touch(ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
     }
 }
 
-/// Copies state changes to the entry of the other direction, so that both
-/// age the same way. Returns that entry's key.
+/// The key of the other direction's entry: this packet's translation,
+/// reversed.
 #[inline(always)]
-fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
-    // The other direction's tuple is this packet's translation, reversed.
+fn peer_key(entry: &CtValue, flow: &Flow) -> CtKey {
     let nat = translation(entry, flow);
-    let peer = key(
+    key(
         nat.dst_be,
         nat.src_be,
         nat.dport_be,
         nat.sport_be,
         flow.proto,
-    );
-    if let Some(p) = CONNTRACK.get_ptr_mut(peer) {
+    )
+}
+
+/// Copies state changes to the entry of the other direction (in the same
+/// map: a flow's entries move together), so that both age the same way.
+/// Returns that entry's key.
+#[inline(always)]
+fn mirror_flags(map: &Conntrack, entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
+    let peer = peer_key(entry, flow);
+    if let Some(p) = map.get_ptr_mut(peer) {
         unsafe {
             (*p).flags |= state;
             (*p).last_seen_ns = now;
@@ -179,24 +278,17 @@ fn mirror_flags(entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
     peer
 }
 
-/// Removes `key`'s entry, and every CPU's cached copy of it.
+/// Removes `key`'s entry from `map`, and every CPU's cached copy of it.
 #[inline(always)]
-fn remove(key: &CtKey) {
-    let _ = CONNTRACK.remove(key);
+fn remove(map: &Conntrack, key: &CtKey) {
+    let _ = map.remove(key);
     flow_cache::invalidate(key);
 }
 
-/// Inserts the entry of a key that has no live one: the packet's own key,
-/// which its lookup just found absent, expired (never copied: see
-/// `flow_cache::put`) or removed. No CPU holds a copy of what it replaces.
-#[inline(always)]
-fn insert_new(key: &CtKey, value: &CtValue) -> Result<(), ()> {
-    CONNTRACK.insert(key, value, BPF_ANY).map_err(|_| ())
-}
-
-/// Inserts `key`'s entry if it has none. Otherwise (a live flow of another
-/// client port clashing on the backend side) overwrites it, and voids the
-/// copies of what it replaced: the uncommon case pays for the invalidation.
+/// Inserts `key`'s entry into `CONNTRACK` if it has none. Otherwise (a live
+/// flow of another client port clashing on the backend side, or an expired
+/// one) overwrites it, and voids the copies of what it replaced: the
+/// uncommon case pays for the invalidation.
 #[inline(always)]
 fn insert_over(key: &CtKey, value: &CtValue) -> Result<(), ()> {
     if CONNTRACK.insert(key, value, BPF_NOEXIST).is_ok() {
@@ -205,6 +297,17 @@ fn insert_over(key: &CtKey, value: &CtValue) -> Result<(), ()> {
     CONNTRACK.insert(key, value, BPF_ANY).map_err(|_| ())?;
     flow_cache::invalidate(key);
     Ok(())
+}
+
+/// Makes way in `CONNTRACK` for a new flow's reply entry at `reply_key`:
+/// an assured flow there would shadow it (lookups try `CONNTRACK` first).
+/// One lookup, a miss but for a clash on the backend side, where the older
+/// flow loses, as one map overwrote it.
+#[inline(always)]
+fn unshadow(reply_key: &CtKey) {
+    if CONNTRACK.get_ptr(reply_key).is_some() {
+        remove(&CONNTRACK, reply_key);
+    }
 }
 
 /// The hairpin source address as it sits in a packet.
@@ -276,11 +379,19 @@ fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
 #[inline(always)]
 pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
     let (reply_key, forward, reply) = entries(flow, nf, now);
+    unshadow(&reply_key);
     // Reply entry first: once the forward entry exists, packets are
-    // translated, and their answers must already find their way back.
-    if insert_over(&reply_key, &reply).is_err() || insert_new(&flow_key(flow), &forward).is_err() {
+    // translated, and their answers must already find their way back. Both
+    // overwrite what `CT_NEW` holds for their keys: the packet's own key,
+    // which its lookup just found absent, expired or removed, and an
+    // unassured flow of another client port clashing on the backend side.
+    // Neither was ever copied into the flow cache.
+    if CT_NEW.insert(&reply_key, &reply, BPF_ANY).is_err()
+        || CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err()
+    {
         count(counter::CT_INSERT_FAILED);
     }
+    count(counter::CT_NEW_FLOW);
 }
 
 /// Whether the SNATed flow of forward entry `forward` is the one whose
@@ -296,9 +407,9 @@ fn replies_to(forward: &CtValue, reply_key: &CtKey) -> bool {
 
 /// Creates both entries of a SNATed flow, choosing its source port in
 /// `min..=max` (host order): the reply entry is inserted only if no live
-/// flow holds that (backend, node address, port) tuple, so two flows never
-/// share one. Returns the port (network order), or None when every try was
-/// taken.
+/// flow holds that (backend, node address, port) tuple, assured or not, so
+/// two flows never share one. Returns the port (network order), or None
+/// when every try was taken.
 #[inline(always)]
 pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) -> Option<u16> {
     let span = (max as u32).saturating_sub(min as u32) + 1;
@@ -307,48 +418,65 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
         let port = min as u32 + slot_for(unsafe { bpf_get_prandom_u32() }, span);
         nf.nat.sport_be = (port as u16).to_be();
         let (reply_key, forward, reply) = entries(flow, nf, now);
-        let mut taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
-        if taken {
-            // An expired flow, or a closed one quiet for a while, gives its
-            // port up. Removing and inserting again (not overwriting) keeps
-            // two racing CPUs from both winning it.
-            let old = CONNTRACK.get_ptr(reply_key).map(|p| unsafe { *p });
-            let free = old.is_some_and(|old| {
-                old.expired(flow.proto, now, &timeouts)
-                    || (old.flags & ct_flags::CLOSING != 0
-                        && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS)
-            });
-            if let (true, Some(old)) = (free, old) {
-                // The old flow goes whole: its forward entry would still
-                // send a straggler to this port. Only while that entry is
-                // still the old flow's, though: the old client may have
-                // opened a newer connection from the same port since, whose
-                // forward entry has the same key and another SNAT port.
-                if old.dir == ct_dir::REPLY {
-                    let forward_key = key(
-                        old.alt_addr_be,
-                        old.nat_addr_be,
-                        old.alt_port_be,
-                        old.nat_port_be,
-                        flow.proto,
-                    );
-                    let still_old = CONNTRACK
-                        .get_ptr(forward_key)
-                        .is_some_and(|f| replies_to(unsafe { &*f }, &reply_key));
-                    if still_old {
-                        remove(&forward_key);
-                    }
-                }
-                remove(&reply_key);
-                taken = CONNTRACK.insert(reply_key, reply, BPF_NOEXIST).is_err();
-            }
+        if !port_free(&CONNTRACK, &reply_key, flow.proto, now, &timeouts) {
+            continue;
+        }
+        // Claimed with NOEXIST, so that two racing CPUs never both win it.
+        let mut taken = CT_NEW.insert(reply_key, reply, BPF_NOEXIST).is_err();
+        if taken && port_free(&CT_NEW, &reply_key, flow.proto, now, &timeouts) {
+            taken = CT_NEW.insert(reply_key, reply, BPF_NOEXIST).is_err();
         }
         if !taken {
-            if insert_new(&flow_key(flow), &forward).is_err() {
+            if CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err() {
                 count(counter::CT_INSERT_FAILED);
             }
+            count(counter::CT_NEW_FLOW);
             return Some(nf.nat.sport_be);
         }
     }
     None
+}
+
+/// Whether no live flow in `map` holds the SNAT tuple `reply_key`. An
+/// expired flow, or a closed one quiet for a while, gives its port up: it
+/// is removed whole (its forward entry would still send a straggler to this
+/// port), so that the caller can claim the port.
+#[inline(always)]
+fn port_free(
+    map: &Conntrack,
+    reply_key: &CtKey,
+    proto: u8,
+    now: u64,
+    timeouts: &CtTimeouts,
+) -> bool {
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let Some(old) = map.get_ptr(reply_key).map(|p| unsafe { *p }) else {
+        return true;
+    };
+    let free = old.expired(proto, now, timeouts)
+        || (old.flags & ct_flags::CLOSING != 0
+            && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS);
+    if !free {
+        return false;
+    }
+    // Its forward entry goes only while it is still the old flow's: the old
+    // client may have opened a newer connection from the same port since,
+    // whose forward entry has the same key and another SNAT port.
+    if old.dir == ct_dir::REPLY {
+        let forward_key = key(
+            old.alt_addr_be,
+            old.nat_addr_be,
+            old.alt_port_be,
+            old.nat_port_be,
+            proto,
+        );
+        let still_old = map
+            .get_ptr(forward_key)
+            .is_some_and(|f| replies_to(unsafe { &*f }, reply_key));
+        if still_old {
+            remove(map, &forward_key);
+        }
+    }
+    remove(map, reply_key);
+    true
 }

@@ -11,6 +11,7 @@
 mod checksum;
 mod conntrack;
 mod flow_cache;
+mod frag;
 mod hook;
 mod ip_summed;
 mod lb;

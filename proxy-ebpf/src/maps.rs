@@ -7,11 +7,11 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
-    CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, MAP_F_NO_PREALLOC, MAX_AFFINITY,
-    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_NODE_ADDRS,
-    MAX_SERVICES, MAX_SOCK_REVNAT, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig,
-    ServiceKey, ServiceValue, SockRevKey, SockRevValue, SourceRangeKey, clock_slot, counter,
-    ip_summed, sock_counter,
+    CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC,
+    MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS,
+    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOCK_REVNAT, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey,
+    NodeConfig, ServiceKey, ServiceValue, SockRevKey, SockRevValue, SourceRangeKey, clock_slot,
+    counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -34,8 +34,16 @@ pub static BACKEND_SLOTS: HashMap<
 pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
 
+/// Either conntrack map (see `crate::conntrack`).
+pub type Conntrack = LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }>;
+
+/// Assured flows. The agent sets its size (`--conntrack-max`).
 #[btf_map]
-pub static CONNTRACK: LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+pub static CONNTRACK: Conntrack = LruHashMap::new();
+
+/// Flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
+#[btf_map]
+pub static CT_NEW: Conntrack = LruHashMap::new();
 
 /// See `proxy_common::FlowCacheEntry`.
 #[btf_map]
@@ -113,6 +121,11 @@ pub static SOCK_COUNTERS: PerCpuArray<u64, { sock_counter::COUNT as usize }> = P
 /// See `proxy_common::SockRevKey`.
 #[btf_map]
 pub static SOCK_REVNAT: LruHashMap<SockRevKey, SockRevValue, { MAX_SOCK_REVNAT as usize }> =
+    LruHashMap::new();
+
+/// See `crate::frag`.
+#[btf_map]
+pub static FRAGMENTS: LruHashMap<FragKey, FragValue, { MAX_FRAGMENTS as usize }> =
     LruHashMap::new();
 
 #[inline(always)]

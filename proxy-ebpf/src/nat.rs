@@ -12,7 +12,7 @@ use crate::{
     checksum::{self, L4Csum},
     hook::Hook,
     ip_summed, maps,
-    packet::Flow,
+    packet::{Flow, frag},
 };
 
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
@@ -48,6 +48,13 @@ impl Nat {
     /// Writes this translation into the packet.
     #[inline(always)]
     pub fn apply<H: Hook>(&self, ctx: &H, flow: &Flow) -> Result<(), ()> {
+        if flow.frag == frag::LATER {
+            // The IP header alone, at either hook: it is never offloaded,
+            // and its sum stays the same, so a `CHECKSUM_COMPLETE`
+            // `skb->csum` still holds.
+            let (data, data_end) = ctx.bounds();
+            return checksum::rewrite_ip(data, data_end, flow, self).map(|_| ());
+        }
         ctx.rewrite(flow, self)
     }
 

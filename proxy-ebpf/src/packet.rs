@@ -13,6 +13,19 @@ const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 /// More-fragments flag and fragment offset, in host order after `from_be`.
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
+/// The fragment offset alone.
+const IP_OFFSET_MASK: u16 = 0x1fff;
+
+/// `Flow::frag`: where the packet sits in its datagram.
+pub mod frag {
+    /// A whole datagram.
+    pub const NONE: u8 = 0;
+    /// The first fragment: it carries the L4 header, ports included.
+    pub const FIRST: u8 = 1;
+    /// A later fragment: no L4 header; its ports are the first fragment's
+    /// (`crate::frag`).
+    pub const LATER: u8 = 2;
+}
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
@@ -32,6 +45,11 @@ pub struct Flow {
     pub sport_be: u16,
     pub dport_be: u16,
     pub tcp_flags: u8,
+    /// `frag::NONE`, `FIRST` or `LATER`.
+    pub frag: u8,
+    /// The IPv4 identification, as on the wire (what ties fragments
+    /// together).
+    pub ip_id_be: u16,
 }
 
 impl Flow {
@@ -49,8 +67,8 @@ impl Flow {
 /// Why a packet was not parsed into a [`Flow`].
 #[derive(Clone, Copy)]
 pub enum Skip {
-    /// Not something the datapath translates (not IPv4, not TCP/UDP, a
-    /// fragment): passed silently.
+    /// Not something the datapath translates (not IPv4, not TCP/UDP/SCTP):
+    /// passed silently.
     NotOurs,
     /// Headers shorter or inconsistent with what they claim: passed, and
     /// counted.
@@ -129,13 +147,33 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     if ip.proto != PROTO_TCP && ip.proto != PROTO_UDP && ip.proto != PROTO_SCTP {
         return Err(Skip::NotOurs);
     }
-    // Fragments carry no (or only some) L4 header; the datapath leaves them
-    // to the stack rather than translating half a datagram.
-    if u16::from_be(ip.frag_be) & IP_MF_OFFSET_MASK != 0 {
-        return Err(Skip::NotOurs);
-    }
+    let frag_field = u16::from_be(ip.frag_be);
+    let frag = if frag_field & IP_MF_OFFSET_MASK == 0 {
+        frag::NONE
+    } else if frag_field & IP_OFFSET_MASK == 0 {
+        frag::FIRST
+    } else {
+        frag::LATER
+    };
     let l4_off = ETH_HLEN + ihl_bytes;
     let l4_len = tot_len - ihl_bytes;
+    if frag == frag::LATER {
+        // No L4 header here: the ports are filled in from the datagram's
+        // first fragment, if it was translated (`crate::frag`).
+        return Ok(Flow {
+            l4_off,
+            proto: ip.proto,
+            ihl_bytes,
+            tot_len: tot_len as u16,
+            src_be: ip.src_be,
+            dst_be: ip.dst_be,
+            sport_be: 0,
+            dport_be: 0,
+            tcp_flags: 0,
+            frag,
+            ip_id_be: ip.id_be,
+        });
+    }
     let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(short)?;
     let mut tcp_flags = 0;
     if ip.proto == PROTO_TCP {
@@ -150,7 +188,9 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     } else {
         let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(short)?;
         let udp_len = u16::from_be(udp_len) as usize;
-        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || udp_len > l4_len {
+        // A first fragment holds part of the datagram its UDP length counts.
+        let whole = frag == frag::NONE;
+        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
             return Err(Skip::Malformed);
         }
     }
@@ -164,5 +204,7 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
         sport_be: ports[0],
         dport_be: ports[1],
         tcp_flags,
+        frag,
+        ip_id_be: ip.id_be,
     })
 }

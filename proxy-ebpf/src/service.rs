@@ -9,12 +9,12 @@ use proxy_common::{
 use crate::{
     checksum,
     conntrack::{self, NewFlow},
-    flow_cache,
+    flow_cache, frag,
     hook::Hook,
     lb,
-    maps::{count, node_config},
+    maps::{CONNTRACK, count, node_config},
     nat::Nat,
-    packet::{self, Flow, Skip},
+    packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     route::{self, NextHop},
 };
 
@@ -37,7 +37,7 @@ pub enum Action {
 
 #[inline(always)]
 pub fn handle<H: Hook>(ctx: &H) -> Action {
-    let flow = match packet::parse(ctx) {
+    let mut flow = match packet::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip::NotOurs) => return Action::Pass,
         Err(Skip::Malformed | Skip::Truncated(_)) => {
@@ -45,6 +45,16 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
             return Action::Pass;
         }
     };
+    let now = conntrack::now_ns();
+    if flow.frag == LATER {
+        // Translated as its datagram's first fragment was, or not at all.
+        let Some((sport_be, dport_be)) = frag::ports(&flow, now) else {
+            count(counter::FRAG_UNTRACKED);
+            return Action::Pass;
+        };
+        flow.sport_be = sport_be;
+        flow.dport_be = dport_be;
+    }
     if flow.proto == PROTO_SCTP {
         // SCTP needs its CRC32c recomputed on every rewrite, which the
         // datapath does not do yet: such packets are counted and passed, and
@@ -54,22 +64,27 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         }
         return Action::Pass;
     }
-    let now = conntrack::now_ns();
     let key = conntrack::flow_key(&flow);
     let stamp = flow_cache::stamp(&key, &flow);
-    // The entry's address, or null for a cached copy (not an `Option`: the
-    // unused payload of a `None` is an undefined register to the verifier).
     let known = match flow_cache::get(&key, &stamp, now) {
-        Some(copy) => Some((core::ptr::null_mut(), copy)),
+        Some(entry) => Some(conntrack::Found {
+            ptr: core::ptr::null_mut(),
+            entry,
+            unassured: false,
+        }),
         None => conntrack::lookup(&key, &flow, now),
     };
-    if let Some((ptr, entry)) = known {
+    if let Some(found) = known {
+        let entry = found.entry;
         let nat = conntrack::translation(&entry, &flow);
         let Ok(hop) = xdp_next_hop(ctx, &flow, &nat) else {
             return Action::ToTc;
         };
-        if !ptr.is_null() {
-            conntrack::touch(ptr, &entry, &flow, now);
+        if found.unassured {
+            // Not cached: such a flow's entries move when it is assured.
+            conntrack::touch_unassured(&key, &found, &flow, now);
+        } else if !found.ptr.is_null() {
+            conntrack::touch(&CONNTRACK, found.ptr, &entry, &flow, now);
             flow_cache::put(&key, &stamp, &entry, now);
         }
         count(if entry.dir == ct_dir::FORWARD {
@@ -77,7 +92,13 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         } else {
             counter::REV_NAT
         });
-        return finish(ctx, &flow, &nat, hop);
+        return finish(ctx, &flow, &nat, hop, now);
+    }
+    if flow.frag == LATER {
+        // Its first fragment made no flow (rejected, dropped, or its
+        // conntrack entry gone since): a later fragment never starts one.
+        count(counter::FRAG_UNTRACKED);
+        return Action::Pass;
     }
     let Some(frontend) = lb::lookup_frontend(&flow) else {
         return Action::Pass;
@@ -182,7 +203,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
     if hairpin {
         count(counter::HAIRPIN);
     }
-    finish(ctx, flow, &nf.nat, hop)
+    finish(ctx, flow, &nf.nat, hop, now)
 }
 
 /// Where XDP sends a packet it routes itself: only a resolved next hop out
@@ -203,9 +224,16 @@ fn xdp_next_hop<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<Option<NextH
     }
 }
 
-/// Writes the translation and says how the packet leaves.
+/// Writes the translation and says how the packet leaves. A first
+/// fragment leaves its ports for the later ones first (keyed by its header
+/// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>) -> Action {
+fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u64) -> Action {
+    match flow.frag {
+        FIRST => frag::remember(flow, now),
+        LATER => count(counter::FRAG_TRANSLATED),
+        _ => {}
+    }
     if nat.apply(ctx, flow).is_err() {
         // A rewrite that failed half-way leaves a packet with a wrong
         // checksum: drop it rather than send garbage.

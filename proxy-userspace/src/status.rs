@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use aya::maps::IterableMap;
-use proxy_common::{BackendSlotKey, CtKey, CtValue, map_names, service_flags};
+use proxy_common::{BackendSlotKey, CtKey, CtValue, MAX_CT_NEW, map_names, service_flags};
 
 use crate::{
     datapath::{
@@ -136,6 +136,12 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         ),
         Err(_) => writeln!(out, "conntrack entries: {entries}"),
     };
+    let unassured = batch::count::<CtKey, CtValue>(maps.ct_new.map(), batch::CHUNK)
+        .map_err(batch_error(map_names::CT_NEW))?;
+    let _ = writeln!(
+        out,
+        "unassured conntrack entries: {unassured} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)"
+    );
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");
     }

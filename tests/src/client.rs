@@ -177,6 +177,68 @@ pub fn udp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
     }
 }
 
+/// A UDP request of `request_len` bytes on a connected socket, asking the backend
+/// for an answer of `answer_len` bytes (see [`crate::servers`]): either may be larger
+/// than one packet, so that the datagrams travel as IP fragments. The answer must
+/// be whole, its padding intact.
+pub fn udp_sized_request_here(
+    addr: SocketAddrV4,
+    request_len: usize,
+    answer_len: usize,
+    timeout: Duration,
+) -> Outcome {
+    let attempt = || -> io::Result<Vec<u8>> {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        socket.connect(addr)?;
+        socket.set_read_timeout(Some(timeout))?;
+        let mut request = format!("size {answer_len}\n").into_bytes();
+        let at = request.len();
+        request.extend(crate::servers::padding(at, request_len.saturating_sub(at)));
+        socket.send(&request)?;
+        let mut buf = vec![0u8; 65_536];
+        let n = socket.recv(&mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    };
+    let answer = match attempt() {
+        Ok(answer) => answer,
+        Err(e) => return Outcome::from_io(&e),
+    };
+    let Some(end) = answer.iter().position(|&b| b == b'\n') else {
+        return Outcome::Failed(format!(
+            "an answer of {} bytes without a line",
+            answer.len()
+        ));
+    };
+    let line = String::from_utf8_lossy(&answer[..=end]);
+    if answer.len() != answer_len.max(end + 1) {
+        return Outcome::Failed(format!(
+            "an answer of {} bytes where {answer_len} were asked for ({line:?})",
+            answer.len()
+        ));
+    }
+    let padding_ok = answer[end + 1..]
+        .iter()
+        .copied()
+        .eq(crate::servers::padding(end + 1, answer.len() - end - 1));
+    if !padding_ok {
+        return Outcome::Failed(format!("the padding of the answer {line:?} is corrupt"));
+    }
+    Outcome::from_line(&line)
+}
+
+/// [`udp_sized_request_here`] from inside `ns`.
+pub fn udp_sized_request(
+    ns: &NetNs,
+    addr: SocketAddrV4,
+    request_len: usize,
+    answer_len: usize,
+    timeout: Duration,
+) -> Outcome {
+    ns.run(|| udp_sized_request_here(addr, request_len, answer_len, timeout))
+        .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
+}
+
 /// [`tcp_request_here`] from inside `ns`.
 pub fn tcp_request(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
     ns.run(|| tcp_request_here(addr, timeout))

@@ -129,3 +129,70 @@ pub fn parse_checked(f: &[u8], what: &str) -> Parsed {
         dport: u16::from_be_bytes([l4[2], l4[3]]),
     }
 }
+
+/// Splits the IPv4 datagram in `frame` into fragments carrying at most `chunk` bytes
+/// of its payload each (a multiple of 8, as the fragment offset counts 8-byte units),
+/// under the identification `id`, each a frame with a valid header checksum.
+pub fn fragment(frame: &[u8], chunk: usize, id: u16) -> Vec<Vec<u8>> {
+    assert!(chunk % 8 == 0 && chunk > 0, "fragment size {chunk}");
+    let ihl = ((frame[14] & 0x0f) as usize) * 4;
+    let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
+    let payload = &frame[14 + ihl..14 + tot];
+    let pieces: Vec<&[u8]> = payload.chunks(chunk).collect();
+    pieces
+        .iter()
+        .enumerate()
+        .map(|(i, piece)| {
+            let mut f = frame[..14 + ihl].to_vec();
+            f.extend_from_slice(piece);
+            let ip = &mut f[14..];
+            ip[2..4].copy_from_slice(&((ihl + piece.len()) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&id.to_be_bytes());
+            let more = if i + 1 < pieces.len() { 0x2000 } else { 0 };
+            ip[6..8].copy_from_slice(&(more | (i * chunk / 8) as u16).to_be_bytes());
+            ip[10..12].copy_from_slice(&[0, 0]);
+            let c = csum(&ip[..ihl], 0);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            f
+        })
+        .collect()
+}
+
+/// The datagram that `fragments` (in order, as [`fragment`] makes them) carry, as one
+/// frame: the first one's headers, the payloads joined, with a valid header checksum.
+/// Panics when a fragment's header checksum is wrong, or when they disagree on what a
+/// receiver reassembles by (addresses, protocol, identification).
+pub fn reassemble(fragments: &[Vec<u8>], what: &str) -> Vec<u8> {
+    let first = &fragments[0];
+    let ihl = ((first[14] & 0x0f) as usize) * 4;
+    let mut f = first[..14 + ihl].to_vec();
+    for (i, frag) in fragments.iter().enumerate() {
+        assert_eq!(
+            csum(&frag[14..14 + ihl], 0),
+            0,
+            "{what}: fragment {i}: IPv4 header checksum is wrong"
+        );
+        let tie = |f: &[u8]| {
+            (
+                f[14 + 4..14 + 6].to_vec(),
+                f[14 + 9],
+                f[14 + 12..14 + 20].to_vec(),
+            )
+        };
+        assert_eq!(
+            tie(frag),
+            tie(first),
+            "{what}: fragment {i} differs from the first in (id, protocol, addresses)"
+        );
+        let tot = u16::from_be_bytes([frag[16], frag[17]]) as usize;
+        f.extend_from_slice(&frag[14 + ihl..14 + tot]);
+    }
+    let tot = (f.len() - 14) as u16;
+    let ip = &mut f[14..];
+    ip[2..4].copy_from_slice(&tot.to_be_bytes());
+    ip[6..8].copy_from_slice(&[0, 0]);
+    ip[10..12].copy_from_slice(&[0, 0]);
+    let c = csum(&ip[..ihl], 0);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    f
+}

@@ -5,7 +5,9 @@
 //! Protocol (see [`crate::client::Reply`]):
 //! - TCP: on accept the server sends `<name> <peer ip>:<peer port>\n`; afterwards every
 //!   line it receives is answered with `<name> <line>\n` until the peer closes.
-//! - UDP: every datagram is answered with `<name> <peer ip>:<peer port>\n`.
+//! - UDP: every datagram is answered with `<name> <peer ip>:<peer port>\n`; one that
+//!   starts with `size <n>\n` gets that line padded to `n` bytes with
+//!   [`padding`], so that a test can ask for an answer too large for one packet.
 //!
 //! Servers stop when dropped.
 
@@ -151,13 +153,12 @@ impl UdpServer {
             let stop = stop.clone();
             let name = name.to_owned();
             ns.spawn(&format!("udp-{name}"), move || {
-                let mut buf = [0u8; 2048];
+                let mut buf = vec![0u8; 65_536];
                 while !stop.load(Ordering::Relaxed) {
                     match socket.recv_from(&mut buf) {
-                        Ok((_, peer)) => {
-                            if let Err(e) =
-                                socket.send_to(format!("{name} {peer}\n").as_bytes(), peer)
-                            {
+                        Ok((n, peer)) => {
+                            let answer = udp_answer(&name, peer, &buf[..n]);
+                            if let Err(e) = socket.send_to(&answer, peer) {
                                 eprintln!("{name}: reply to {peer}: {e}");
                             }
                         }
@@ -173,6 +174,29 @@ impl UdpServer {
             thread: Some(thread),
         })
     }
+}
+
+/// What the UDP backend `name` answers `request` from `peer` (see the module doc).
+fn udp_answer(name: &str, peer: SocketAddr, request: &[u8]) -> Vec<u8> {
+    let mut answer = format!("{name} {peer}\n").into_bytes();
+    let asked = std::str::from_utf8(request).ok().and_then(|r| {
+        r.lines()
+            .next()?
+            .strip_prefix("size ")?
+            .parse::<usize>()
+            .ok()
+    });
+    if let Some(size) = asked.filter(|&n| n > answer.len() && n <= 65_000) {
+        let at = answer.len();
+        answer.extend(padding(at, size - at));
+    }
+    answer
+}
+
+/// `len` filler bytes for offset `at` of a padded datagram: a pattern that a lost,
+/// duplicated or misplaced fragment would break, checked by [`crate::client`].
+pub fn padding(at: usize, len: usize) -> impl Iterator<Item = u8> {
+    (at..at + len).map(|i| b'a' + (i % 26) as u8)
 }
 
 impl Drop for UdpServer {

@@ -19,7 +19,7 @@ use ebpf_proxy_tests::{
     cgroup::TestCgroup,
     client::{
         Outcome, TALLY_MAX_FAILURES, Tally, TcpSession, tcp_request, tcp_request_from_port_here,
-        tcp_tally, udp_request, udp_tally,
+        tcp_tally, udp_request, udp_sized_request, udp_tally,
     },
     iptables,
     manifest::{Service, ServiceType},
@@ -28,6 +28,7 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
 };
+use proxy_userspace::datapath::{Maps, PinLayout};
 
 const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
 /// The client of the iptables half of the distribution test. A client of its own, so
@@ -199,6 +200,76 @@ fn udp_reaches_backends_with_client_address() {
         "90 datagrams should reach all three backends, got {:?}",
         tally.counts
     );
+}
+
+/// Fragmented UDP through a ClusterIP, both ways, as kube-proxy's rules serve it (netfilter
+/// reassembles before NAT): a 4,000-byte request, which the client sends as three
+/// fragments on the 1,500-byte MTU, and a 100-byte request whose 4,000-byte answer
+/// comes back in fragments. Each answer must be whole and from the ClusterIP, side by
+/// side with the same Service behind kube-proxy's iptables rules; the datapath's
+/// counters show the later fragments translated by their first one's ports.
+#[test]
+fn fragmented_udp_is_translated_both_ways_as_iptables_does() {
+    const EXCHANGES: usize = 20;
+    let sb = cluster_with_web(&[CLIENT, IPT_CLIENT]);
+    let ipt_vip = Ipv4Addr::new(10, 96, 0, 20);
+    let kube = web_service(CLUSTER_IP).kube_service("dns", ipt_vip, &backend_ips());
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy rules");
+    let mut table = String::new();
+    for (what, request, answer) in [
+        ("4,000-byte requests", 4000, 100),
+        ("4,000-byte answers", 100, 4000),
+    ] {
+        let mut answered = [0usize; 2];
+        let mut failures = Vec::new();
+        for (i, (client, vip)) in [(CLIENT, CLUSTER_IP), (IPT_CLIENT, ipt_vip)]
+            .iter()
+            .enumerate()
+        {
+            for _ in 0..EXCHANGES {
+                match udp_sized_request(&sb.pod(client.0).ns, dns(*vip), request, answer, TIMEOUT) {
+                    Outcome::Reply(r) if *r.peer.ip() == client.1 => answered[i] += 1,
+                    other => failures.push(format!("{}: {other}", ["ebpf-proxy", "iptables"][i])),
+                }
+            }
+        }
+        let _ = writeln!(
+            table,
+            "{what}: ebpf-proxy {}/{EXCHANGES}, iptables {}/{EXCHANGES}",
+            answered[0], answered[1]
+        );
+        assert_eq!(
+            answered[1], EXCHANGES,
+            "the iptables reference lost {what} (sandbox problem?): {failures:?}"
+        );
+        assert_eq!(
+            answered[0],
+            EXCHANGES,
+            "{what} through the ClusterIP: {table}first failures: {:?}; counters: {}",
+            &failures[..failures.len().min(5)],
+            counters_text(&sb)
+        );
+    }
+    eprintln!("{table}");
+    // Three fragments a datagram, two of them later ones, in each direction.
+    let translated = counter_of(&sb, "frag_translated");
+    assert!(
+        translated >= (4 * EXCHANGES) as u64,
+        "{translated} later fragments translated for {} fragmented datagrams of three \
+         fragments; counters: {}",
+        2 * EXCHANGES,
+        counters_text(&sb)
+    );
+}
+
+/// The agent's non-zero counters, for failure messages.
+fn counters_text(sb: &Sandbox) -> String {
+    let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));
+    let counters: Vec<(&str, u64)> = maps
+        .and_then(|m| m.counters())
+        .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+        .unwrap_or_default();
+    format!("{counters:?}")
 }
 
 /// Translated packets carry valid checksums whatever state the kernel keeps them

@@ -688,6 +688,14 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         parse_checked(&out, what).dst
     };
     let first = dst(&fx, frame::SYN, "SYN");
+    // The backend answers and the client's ACK assures the flow: only an
+    // assured flow's entries are copied.
+    let (ret, _) = run(
+        &fx,
+        &tcp(first, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+    );
+    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    assert_eq!(dst(&fx, frame::ACK, "ACK assuring the flow"), first);
     assert_eq!(dst(&fx, frame::ACK, "ACK taking the copy"), first);
     assert_eq!(dst(&fx, frame::ACK, "ACK from the copy"), first);
 
@@ -770,7 +778,8 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
         let pass = if hook == "tc" { TC_ACT_OK } else { XDP_PASS };
         assert_eq!(verdict, pass, "{hook}: verdict");
         assert_eq!(out, input, "{hook}: the packet was changed");
-        let conntrack = &fx.datapath.maps.conntrack;
+        // A new flow's entries, not assured yet.
+        let conntrack = &fx.datapath.maps.ct_new;
         let forward = ct_key(CLIENT, sport, VIP, 80, frame::TCP);
         let reply = ct_key(VIP, 80, CLIENT, sport, frame::TCP);
         for (what, key) in [("forward", forward), ("reply", reply)] {
@@ -838,9 +847,9 @@ fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
         let entry = fx
             .datapath
             .maps
-            .conntrack
+            .ct_new
             .get(&key, 0)
-            .expect("the new flow's conntrack entry");
+            .expect("the new flow's conntrack entry (not assured yet)");
         let slack = 2 * scale.tick_ns;
         assert!(
             entry.created_ns + slack >= before && entry.created_ns <= after + slack,
@@ -986,8 +995,11 @@ fn non_service_and_malformed_packets_pass_untouched() {
         bad_doff[14 + 20 + 12] = 0x40;
         let mut arp = good.clone();
         arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        // A later fragment (offset 1,480) whose first fragment never came.
         let mut fragment = good.clone();
-        fragment[20..22].copy_from_slice(&[0x20, 0x00]);
+        fragment[20..22].copy_from_slice(&[0x00, 0xb9]);
+        let c = frame::csum(&[&fragment[14..24], &[0, 0], &fragment[26..34]].concat(), 0);
+        fragment[24..26].copy_from_slice(&c.to_be_bytes());
         vec![
             (
                 "other destination",
@@ -1002,7 +1014,7 @@ fn non_service_and_malformed_packets_pass_untouched() {
             ("total length beyond the frame", long_tot),
             ("TCP data offset below 5", bad_doff),
             ("ARP ethertype", arp),
-            ("first fragment", fragment),
+            ("a later fragment without its first one", fragment),
         ]
     };
     for (what, input) in cases {
@@ -1666,4 +1678,190 @@ fn reaper_removes_exactly_the_expired_entries_of_a_large_table() {
             "key {i} not deleted"
         );
     }
+}
+
+/// A datagram of `len` payload bytes from `src` to `dst`, as fragments of at most
+/// 1,480 payload bytes (a 1,500-byte MTU) under identification `id`.
+fn fragmented(
+    proto: u8,
+    (src, sport): (Ipv4Addr, u16),
+    (dst, dport): (Ipv4Addr, u16),
+    len: usize,
+    id: u16,
+) -> Vec<Vec<u8>> {
+    let whole = build(&Spec {
+        src,
+        dst,
+        sport,
+        dport,
+        proto,
+        tcp_flags: frame::ACK,
+        payload: (0..len).map(|i| (i % 251) as u8).collect(),
+        udp_no_csum: false,
+    });
+    frame::fragment(&whole, 1480, id)
+}
+
+/// Runs `fragments` in order through `run_one`, each expected to be passed on with
+/// `verdict` at its own length; returns what left.
+fn run_fragments(
+    fragments: &[Vec<u8>],
+    verdict: u32,
+    what: &str,
+    run_one: impl Fn(&[u8]) -> (u32, Vec<u8>),
+) -> Vec<Vec<u8>> {
+    fragments
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let (ret, out) = run_one(f);
+            assert_eq!(ret, verdict, "{what}: fragment {i}: verdict");
+            assert_eq!(out.len(), f.len(), "{what}: fragment {i}: length changed");
+            out
+        })
+        .collect()
+}
+
+/// Fragmented UDP through a ClusterIP, both ways (tc): every fragment of the request
+/// goes to the one backend its first fragment chose, every fragment of the answer
+/// comes back from the ClusterIP, and the datagrams the receivers reassemble carry
+/// valid UDP checksums (updated in the first fragment for the whole datagram).
+#[test]
+fn fragmented_udp_is_translated_by_its_first_fragment_both_ways() {
+    let fx = fixture();
+    let request = fragmented(frame::UDP, (CLIENT, 40000), (VIP, 53), 3000, 0x4242);
+    assert_eq!(request.len(), 3, "3,000 bytes in 1,480-byte fragments");
+    let out = run_fragments(&request, TC_ACT_OK, "request", |f| run(&fx, f));
+    let p = parse_checked(&frame::reassemble(&out, "request"), "reassembled request");
+    assert!(BACKENDS.contains(&p.dst), "request sent to {}", p.dst);
+    assert_eq!((p.src, p.sport, p.dport), (CLIENT, 40000, 5353));
+
+    let answer = fragmented(frame::UDP, (p.dst, 5353), (CLIENT, 40000), 3000, 0x0077);
+    let out = run_fragments(&answer, TC_ACT_OK, "answer", |f| run(&fx, f));
+    let r = parse_checked(&frame::reassemble(&out, "answer"), "reassembled answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, 53, CLIENT, 40000),
+        "the answer must come from the ClusterIP"
+    );
+    assert_eq!(
+        counter(&fx, "frag_translated"),
+        4,
+        "later fragments translated"
+    );
+    assert_eq!(counter(&fx, "frag_untracked"), 0);
+}
+
+/// A later fragment is never translated by a guess: one that arrives before its
+/// first fragment, or belongs to a datagram that is no Service's, passes untouched
+/// and is counted; once its first fragment has been translated, it follows.
+#[test]
+fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted() {
+    let fx = fixture();
+    let early = fragmented(frame::UDP, (CLIENT, 40001), (VIP, 53), 3000, 0x4343);
+    let (ret, out) = run(&fx, &early[1]);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &early[1]),
+        "a later fragment before its first one"
+    );
+    assert_eq!(counter(&fx, "frag_untracked"), 1);
+    let (_, first) = run(&fx, &early[0]);
+    let backend = &first[14 + 16..14 + 20];
+    assert!(
+        BACKENDS.iter().any(|b| b.octets() == backend),
+        "first fragment sent to {backend:?}"
+    );
+    let (_, late) = run(&fx, &early[1]);
+    assert_eq!(
+        &late[14 + 16..14 + 20],
+        backend,
+        "the same fragment once its first one was translated"
+    );
+
+    let elsewhere = Ipv4Addr::new(10, 200, 0, 99);
+    let other = fragmented(frame::UDP, (CLIENT, 40002), (elsewhere, 53), 3000, 0x4444);
+    for (i, f) in other.iter().enumerate() {
+        let (ret, out) = run(&fx, f);
+        assert_eq!(
+            (ret, &out),
+            (TC_ACT_OK, f),
+            "fragment {i} of a datagram to no Service"
+        );
+    }
+    assert_eq!(counter(&fx, "frag_untracked"), 3);
+    assert_eq!(counter(&fx, "frag_translated"), 1);
+}
+
+/// A backend reaching itself through its Service with a fragmented datagram: every
+/// fragment gets the hairpin source and the backend's address, both ways.
+#[test]
+fn fragmented_hairpin_flows_are_snated_both_ways() {
+    let fx = fixture();
+    let pod = BACKENDS[0];
+    let request = fragmented(frame::TCP, (pod, 40100), (HAIRPIN_VIP, 80), 3000, 0x5151);
+    let out = run_fragments(&request, TC_ACT_OK, "hairpin request", |f| run(&fx, f));
+    let p = parse_checked(
+        &frame::reassemble(&out, "hairpin request"),
+        "hairpin request",
+    );
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (HAIRPIN_SRC, pod, 8080),
+        "hairpin request"
+    );
+    let answer = fragmented(
+        frame::TCP,
+        (pod, 8080),
+        (HAIRPIN_SRC, p.sport),
+        3000,
+        0x5252,
+    );
+    let out = run_fragments(&answer, TC_ACT_OK, "hairpin answer", |f| run(&fx, f));
+    let r = parse_checked(&frame::reassemble(&out, "hairpin answer"), "hairpin answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (HAIRPIN_VIP, 80, pod, 40100)
+    );
+}
+
+/// Fragmented traffic from outside to a NodePort whose backend is on another node,
+/// through XDP: SNAT on the first fragment, the later ones translated and routed
+/// alike (same next hop, TTL down by one), and the answer's fragments back to the
+/// client from the NodePort.
+#[test]
+fn xdp_translates_and_routes_every_fragment_of_a_snated_flow() {
+    let nf = node_fixture();
+    let request = fragmented(
+        frame::TCP,
+        (OUTSIDE, 43000),
+        (NODE_IP, NODE_PORT),
+        3000,
+        0x6161,
+    );
+    let out = run_fragments(&request, XDP_REDIRECT, "request through XDP", |f| {
+        run_xdp(&nf, f)
+    });
+    for (i, f) in out.iter().enumerate() {
+        assert_eq!(macs(f), (PEER_MAC, UPLINK_MAC), "fragment {i}: next hop");
+        assert_eq!(f[22], request[i][22] - 1, "fragment {i}: TTL");
+    }
+    let p = parse_checked(&frame::reassemble(&out, "SNATed request"), "SNATed request");
+    assert_eq!((p.src, p.dst, p.dport), (NODE_IP, REMOTE_POD, 8080));
+    let answer = fragmented(
+        frame::TCP,
+        (REMOTE_POD, 8080),
+        (NODE_IP, p.sport),
+        3000,
+        0x6262,
+    );
+    let out = run_fragments(&answer, XDP_REDIRECT, "answer through XDP", |f| {
+        run_xdp(&nf, f)
+    });
+    let r = parse_checked(&frame::reassemble(&out, "answer"), "answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 43000)
+    );
+    assert_eq!(counter(&nf.fx, "frag_translated"), 4);
 }

@@ -13,7 +13,7 @@ use std::{
 use ebpf_proxy_tests::{
     Protocol,
     agent::{Agent, http_get},
-    client::{Outcome, TcpSession, tcp_request, udp_request},
+    client::{Outcome, TcpSession, tcp_request, udp_request, udp_sized_request},
     cluster::{CLIENT1, CLIENT2, Cluster, NODE_A_IP, NODE_B_IP},
     manifest::{Endpoint, ManifestDir, Service, ServiceType, TrafficPolicy},
     require_root,
@@ -307,6 +307,57 @@ fn nodeport_cluster_policy(path: Path) {
             fx.counter(0, "xdp_to_tc")
         ),
     }
+}
+
+/// Fragmented UDP from outside through node A's NodePort to the backend on node B
+/// (SNAT to node A, the source port chosen by the datapath): 4,000-byte requests
+/// and 4,000-byte answers, every fragment of both translated, answers whole and
+/// from the NodePort, with the client's own address seen by no one but node A.
+fn nodeport_fragments(path: Path) {
+    const EXCHANGES: usize = 10;
+    let fx = Fixture::new(path);
+    fx.publish(&web("web"), &[(BACKEND.1, "b")]);
+    reply_within(
+        &fx,
+        "client1",
+        SocketAddrV4::new(NODE_A_IP, NODE_PORT),
+        "NodePort on A",
+    );
+    let addr = SocketAddrV4::new(NODE_A_IP, UDP_NODE_PORT);
+    for (what, request, answer) in [("requests", 4000, 100), ("answers", 100, 4000)] {
+        for i in 0..EXCHANGES {
+            let outcome = udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            let Outcome::Reply(reply) = outcome else {
+                panic!(
+                    "{path:?}: fragmented {what}, exchange {i}: {outcome}; {}",
+                    fx.counters()
+                );
+            };
+            assert_eq!(
+                (reply.backend.as_str(), *reply.peer.ip()),
+                (BACKEND.0, NODE_A_IP),
+                "{path:?}: fragmented {what}: the remote backend must see node A (SNAT)"
+            );
+        }
+    }
+    let translated = fx.counter(0, "frag_translated");
+    assert!(
+        translated >= (4 * EXCHANGES) as u64,
+        "{path:?}: {translated} later fragments translated on node A for {} datagrams of \
+         three fragments; {}",
+        2 * EXCHANGES,
+        fx.counters()
+    );
+}
+
+#[test]
+fn nodeport_fragments_native_xdp() {
+    nodeport_fragments(Path::Native);
+}
+
+#[test]
+fn nodeport_fragments_tc_only() {
+    nodeport_fragments(Path::TcOnly);
 }
 
 #[test]

@@ -10,6 +10,9 @@
 //! - Entries idle past their timeout (`CtValue::expired`, shared with the
 //!   datapath) are reaped periodically, so the LRU maps hold live flows.
 //!
+//! Both apply to both conntrack maps: `CONNTRACK`, the assured flows, and
+//! `CT_NEW`, those not assured yet.
+//!
 //! Either removal is followed by a bump of the flow cache's epoch, which
 //! voids the copies of entries that CPUs keep (`proxy_common::FlowCacheEntry`).
 
@@ -54,19 +57,22 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
         .map(|d| (d.service_id, d.backend_id))
         .collect();
     let departed_flow = |v: &CtValue| gone.contains(&(v.service_id, v.backend_id));
-    let doomed = batch::keys_where(
-        maps.conntrack.map(),
-        batch::CHUNK,
-        |k: &CtKey, v: &CtValue| k.proto != PROTO_TCP && departed_flow(v),
-    )
-    .map_err(batch_error(map_names::CONNTRACK))?;
-    for key in doomed {
-        // Looked at again: the datapath may have replaced the entry with a new
-        // flow's on the same tuple since the pass above. Few are doomed, so
-        // this costs little next to the pass.
-        let still = maps.conntrack.get(&key, 0).is_ok_and(|v| departed_flow(&v));
-        if still && maps.conntrack.remove(&key).is_ok() {
-            swept.conntrack += 1;
+    for (name, map) in [
+        (map_names::CONNTRACK, &mut maps.conntrack),
+        (map_names::CT_NEW, &mut maps.ct_new),
+    ] {
+        let doomed = batch::keys_where(map.map(), batch::CHUNK, |k: &CtKey, v: &CtValue| {
+            k.proto != PROTO_TCP && departed_flow(v)
+        })
+        .map_err(batch_error(name))?;
+        for key in doomed {
+            // Looked at again: the datapath may have replaced the entry with
+            // a new flow's on the same tuple since the pass above. Few are
+            // doomed, so this costs little next to the pass.
+            let still = map.get(&key, 0).is_ok_and(|v| departed_flow(&v));
+            if still && map.remove(&key).is_ok() {
+                swept.conntrack += 1;
+            }
         }
     }
     let doomed = batch::keys_where(
@@ -94,34 +100,39 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
         .count()
 }
 
-/// Removes conntrack entries idle past their timeout. The map is read in
-/// chunks and each chunk's expired entries are deleted at once, before the
-/// next chunk is read: a new connection that reuses an expired entry's tuple
-/// in that window (one system call wide) would lose its fresh entry, so the
-/// window is kept that narrow rather than the whole pass wide.
+/// Removes conntrack entries idle past their timeout, assured or not. Each
+/// map is read in chunks and each chunk's expired entries are deleted at
+/// once, before the next chunk is read: a new connection that reuses an
+/// expired entry's tuple in that window (one system call wide) would lose
+/// its fresh entry, so the window is kept that narrow rather than the whole
+/// pass wide.
 pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
-    let map = maps.conntrack.map();
-    let batch_error = batch_error(map_names::CONNTRACK);
-    let mut doomed: Vec<CtKey> = Vec::with_capacity(batch::CHUNK);
     let mut reaped = 0;
     let mut failed = None;
-    batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
-        doomed.clear();
-        doomed.extend(
-            keys.iter()
-                .zip(values)
-                .filter(|(k, v)| v.expired(k.proto, now_ns, &timeouts))
-                .map(|(k, _)| *k),
-        );
-        match batch::delete(map, &doomed) {
-            Ok(n) => reaped += n,
-            Err(e) => failed = Some(e),
-        }
-    })
-    .map_err(&batch_error)?;
+    for (name, map) in [
+        (map_names::CONNTRACK, maps.conntrack.map()),
+        (map_names::CT_NEW, maps.ct_new.map()),
+    ] {
+        let batch_error = batch_error(name);
+        let mut doomed: Vec<CtKey> = Vec::with_capacity(batch::CHUNK);
+        batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
+            doomed.clear();
+            doomed.extend(
+                keys.iter()
+                    .zip(values)
+                    .filter(|(k, v)| v.expired(k.proto, now_ns, &timeouts))
+                    .map(|(k, _)| *k),
+            );
+            match batch::delete(map, &doomed) {
+                Ok(n) => reaped += n,
+                Err(e) => failed = Some(batch_error(e)),
+            }
+        })
+        .map_err(&batch_error)?;
+    }
     if reaped > 0 {
         maps.bump_flow_epoch()?;
     }
-    failed.map_or(Ok(reaped), |e| Err(batch_error(e)))
+    failed.map_or(Ok(reaped), Err)
 }

@@ -67,7 +67,10 @@ pub struct Maps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     pub backends: HashMap<MapData, u32, Backend>,
+    /// Assured flows (see proxy-ebpf's `conntrack`).
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
+    /// Flows not assured yet.
+    pub ct_new: HashMap<MapData, CtKey, CtValue>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub ct_timeouts: Array<MapData, CtTimeouts>,
@@ -125,6 +128,7 @@ impl Maps {
             slots: HashMap::try_from(get(BACKEND_SLOTS)?).map_err(wrap(BACKEND_SLOTS))?,
             backends: HashMap::try_from(get(BACKENDS)?).map_err(wrap(BACKENDS))?,
             conntrack: HashMap::try_from(get(CONNTRACK)?).map_err(wrap(CONNTRACK))?,
+            ct_new: HashMap::try_from(get(CT_NEW)?).map_err(wrap(CT_NEW))?,
             affinity: HashMap::try_from(get(AFFINITY)?).map_err(wrap(AFFINITY))?,
             counters: PerCpuArray::try_from(get(COUNTERS)?).map_err(wrap(COUNTERS))?,
             ct_timeouts: Array::try_from(get(CT_TIMEOUTS)?).map_err(wrap(CT_TIMEOUTS))?,

@@ -25,7 +25,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{CgroupSockAddr, SchedClassifier, Xdp},
 };
-use proxy_common::{MAX_CONNTRACK, map_names, program_names};
+use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout};
 
@@ -79,6 +79,7 @@ fn load_object(
         loader.map_pin_path(name, path.as_path());
     }
     loader.map_max_entries(map_names::CONNTRACK, conntrack_entries);
+    loader.map_max_entries(map_names::CT_NEW, MAX_CT_NEW);
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;

@@ -1,0 +1,54 @@
+//! IP fragments. Only a datagram's first fragment carries the L4 header, so
+//! only it shows the ports that conntrack and the frontends are keyed by.
+//! When the datapath translates a first fragment, it notes the datagram's
+//! ports in `FRAGMENTS`, keyed by what ties the fragments together on the
+//! wire (addresses, protocol, identification) as they arrived; the later
+//! fragments look their ports up there and take the flow's translation, at
+//! the IP header only (the L4 checksum sits in the first fragment and was
+//! updated there, for the whole datagram). A later fragment whose first one
+//! was not translated here (another flow's, or one that arrives first) is
+//! passed as it is, and counted: never translated by a guess.
+//!
+//! Keyed by IPv4-mapped addresses and a 32-bit id, so that IPv6 (whose
+//! fragment header has a 32-bit identification) can share the map.
+
+use proxy_common::{FRAG_TIMEOUT_NS, FragKey, FragValue, v4_mapped};
+
+use crate::{maps::FRAGMENTS, packet::Flow};
+
+#[inline(always)]
+fn key(flow: &Flow) -> FragKey {
+    FragKey {
+        src_be: v4_mapped(flow.src_be),
+        dst_be: v4_mapped(flow.dst_be),
+        id_be: flow.ip_id_be as u32,
+        proto: flow.proto,
+        _pad0: 0,
+        _pad1: 0,
+    }
+}
+
+/// Notes the ports of a first fragment about to be translated, for its
+/// datagram's later fragments.
+#[inline(always)]
+pub fn remember(flow: &Flow, now: u64) {
+    let value = FragValue {
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        _pad: 0,
+        seen_ns: now,
+    };
+    let _ = FRAGMENTS.insert(&key(flow), &value, 0);
+}
+
+/// The ports of a later fragment's datagram, as its first fragment showed
+/// them, if that was translated here within the reassembly timeout.
+#[inline(always)]
+pub fn ports(flow: &Flow, now: u64) -> Option<(u16, u16)> {
+    // SAFETY: a valid map value pointer for this program's run.
+    let seen = FRAGMENTS.get_ptr(&key(flow)).map(|p| unsafe { *p })?;
+    if now.saturating_sub(seen.seen_ns) > FRAG_TIMEOUT_NS {
+        return None;
+    }
+    Some((seen.sport_be, seen.dport_be))
+}

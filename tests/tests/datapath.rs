@@ -80,12 +80,19 @@ fn unique_root(prefix: &str) -> PathBuf {
 }
 
 fn fixture_reading(read: Option<ip_summed::Read>) -> Fixture {
+    fixture_loaded(|pins| match read {
+        Some(read) => Datapath::load_reading(pins, read),
+        None => Datapath::load(pins),
+    })
+}
+
+/// The fixture on a datapath `load` loads onto its pins.
+fn fixture_loaded(
+    load: impl FnOnce(PinLayout) -> Result<Datapath, proxy_userspace::datapath::DatapathError>,
+) -> Fixture {
     let root = unique_root("ebpf-proxy-trun");
     let pins = PinLayout::new(&root);
-    let loaded = match read {
-        Some(read) => Datapath::load_reading(pins.clone(), read),
-        None => Datapath::load(pins.clone()),
-    };
+    let loaded = load(pins.clone());
     let datapath =
         loaded.unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", root.display()));
     let mut fixture = Fixture {
@@ -1864,4 +1871,129 @@ fn xdp_translates_and_routes_every_fragment_of_a_snated_flow() {
         (NODE_IP, NODE_PORT, OUTSIDE, 43000)
     );
     assert_eq!(counter(&nf.fx, "frag_translated"), 4);
+}
+
+/// A flood of new flows cannot push established ones out of conntrack: with a
+/// conntrack of 1,024 entries (`--conntrack-max 512`), 100 established TCP
+/// connections and 50 UDP flows that exchanged twice (assured) all keep their
+/// backends through a flood of 100,000 new flows (SYNs that are never answered, and
+/// one-shot UDP exchanges), 200 times what conntrack holds and more than `CT_NEW`
+/// holds too; a connection opened in the middle of the flood is served and assured.
+#[test]
+fn a_flood_of_new_flows_leaves_established_flows_alone() {
+    const CAPACITY: u32 = 1024;
+    let mut fx = fixture_loaded(|pins| Datapath::load_sized(pins, CAPACITY));
+    let _cpu = stay_on_this_cpu();
+    let backend_of = |out: &[u8], what: &str| parse_checked(out, what).dst;
+    // Opens a TCP connection (handshake through the datapath); its backend.
+    let connect = |sport: u16| {
+        let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        let backend = backend_of(&out, "SYN");
+        let (_, out) = run(
+            &fx,
+            &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+        );
+        assert_eq!(
+            parse_checked(&out, "SYN-ACK").src,
+            VIP,
+            "SYN-ACK of {sport}"
+        );
+        let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+        assert_eq!(backend_of(&out, "ACK"), backend, "ACK of {sport}");
+        backend
+    };
+    // A UDP flow that exchanges twice; its backend.
+    let exchange_twice = |sport: u16| {
+        let (_, out) = run(&fx, &udp(CLIENT, sport, VIP, 53, false));
+        let backend = backend_of(&out, "request");
+        run(&fx, &udp(backend, 5353, CLIENT, sport, false));
+        let (_, out) = run(&fx, &udp(CLIENT, sport, VIP, 53, false));
+        assert_eq!(backend_of(&out, "second request"), backend);
+        backend
+    };
+    let tcp_flows: Vec<(u16, Ipv4Addr)> = (20_000..20_100).map(|p| (p, connect(p))).collect();
+    let udp_flows: Vec<(u16, Ipv4Addr)> =
+        (21_000..21_050).map(|p| (p, exchange_twice(p))).collect();
+    assert_eq!(
+        counter(&fx, "ct_assured"),
+        150,
+        "flows assured before the flood"
+    );
+
+    const FLOOD: u32 = 100_000;
+    let mut during = None;
+    for i in 0..FLOOD {
+        // Clients all over 10.201.0.0/16, ports all over the range.
+        let client = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 201, 0, 0)) + (i >> 4));
+        let sport = 1024 + (i % 60_000) as u16;
+        if i % 4 == 0 {
+            let (_, out) = run(&fx, &udp(client, sport, VIP, 53, false));
+            let backend = backend_of(&out, "flood datagram");
+            run(&fx, &udp(backend, 5353, client, sport, false));
+        } else {
+            run(&fx, &tcp(client, sport, VIP, 80, frame::SYN));
+        }
+        if i == FLOOD / 2 {
+            during = Some(connect(30_000));
+        }
+    }
+    // Copies in the flow cache would hide an evicted entry for up to a second.
+    fx.datapath
+        .maps
+        .bump_flow_epoch()
+        .expect("voiding the flow cache");
+    let mut lost = Vec::new();
+    for (sport, backend) in &tcp_flows {
+        let (_, out) = run(&fx, &tcp(CLIENT, *sport, VIP, 80, frame::ACK));
+        let (_, back) = run(&fx, &tcp(*backend, 8080, CLIENT, *sport, frame::ACK));
+        let now = (
+            backend_of(&out, "ACK after"),
+            parse_checked(&back, "answer after").src,
+        );
+        if now != (*backend, VIP) {
+            lost.push(format!(
+                "TCP {sport}: {now:?} instead of ({backend}, {VIP})"
+            ));
+        }
+    }
+    for (sport, backend) in &udp_flows {
+        let (_, out) = run(&fx, &udp(CLIENT, *sport, VIP, 53, false));
+        let now = backend_of(&out, "UDP after");
+        if now != *backend {
+            lost.push(format!("UDP {sport}: {now} instead of {backend}"));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of 150 established flows lost their entries to a flood of {FLOOD} new flows \
+         (conntrack of {CAPACITY} entries): {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    let during = during.expect("a connection during the flood");
+    assert!(
+        BACKENDS.contains(&during),
+        "connection during the flood: {during}"
+    );
+    assert_eq!(
+        counter(&fx, "ct_assured"),
+        151,
+        "the flood assured flows, or the connection made during it was not"
+    );
+    assert!(
+        counter(&fx, "ct_new_flow") >= (150 + FLOOD) as u64,
+        "new flows counted: {}",
+        counter(&fx, "ct_new_flow")
+    );
+    let assured =
+        proxy_userspace::datapath::batch::count::<proxy_common::CtKey, proxy_common::CtValue>(
+            aya::maps::IterableMap::map(&fx.datapath.maps.conntrack),
+            proxy_userspace::datapath::batch::CHUNK,
+        )
+        .expect("counting CONNTRACK");
+    assert_eq!(
+        assured,
+        2 * 151,
+        "CONNTRACK holds the assured flows' entries and nothing else"
+    );
 }

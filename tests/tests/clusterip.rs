@@ -262,6 +262,118 @@ fn fragmented_udp_is_translated_both_ways_as_iptables_does() {
     );
 }
 
+/// A pod that floods the ClusterIP with new flows cannot cut anyone's established
+/// connections: with `--conntrack-max 1024` (the least it takes), 50 idle TCP connections and
+/// 10 UDP flows inside their timeout (each has exchanged twice) keep their backends
+/// while another pod sends 64,000 datagrams from 64,000 source ports, each a new flow
+/// the backends answer once: 62 times the connections conntrack holds, and twice
+/// what its unassured half (`CT_NEW`) holds. New connections made during the flood are served.
+#[test]
+fn a_pods_flood_of_new_flows_leaves_established_connections_alone() {
+    const FLOODER: (&str, Ipv4Addr) = ("flooder", Ipv4Addr::new(10, 200, 0, 4));
+    const FLOOD_PORTS: std::ops::Range<u16> = 1024..65_024;
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT, FLOODER], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    sb.start_agent_with(&["--conntrack-max", "1024"])
+        .expect("start the agent");
+    let client = &sb.client().ns;
+    let mut sessions: Vec<TcpSession> = (0..50)
+        .map(|i| {
+            TcpSession::open(client, http(CLUSTER_IP), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect();
+    let udp_flows: Vec<(std::net::UdpSocket, String)> = (0..10)
+        .map(|i| {
+            let socket = client
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+                    s.connect(dns(CLUSTER_IP))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    std::io::Result::Ok(s)
+                })
+                .and_then(|s| Ok(s?))
+                .unwrap_or_else(|e| panic!("UDP flow {i}: {e:#}"));
+            let first = udp_exchange(&socket, &format!("UDP flow {i}"));
+            assert_eq!(
+                udp_exchange(&socket, &format!("UDP flow {i}, again")),
+                first,
+                "UDP flow {i} changed backend between two exchanges"
+            );
+            (socket, first)
+        })
+        .collect();
+
+    let flood = sb
+        .pod(FLOODER.0)
+        .ns
+        .spawn("flood", || {
+            let mut sent = 0u32;
+            for port in FLOOD_PORTS {
+                let Ok(socket) = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)) else {
+                    continue;
+                };
+                if socket.send_to(b"flood\n", dns(CLUSTER_IP)).is_ok() {
+                    sent += 1;
+                }
+            }
+            sent
+        })
+        .expect("flooding from the flooder pod");
+    let during =
+        tcp_tally(client, http(CLUSTER_IP), 30, TIMEOUT).expect("connections during the flood");
+    let sent = flood.join().expect("the flood thread");
+    assert!(sent >= 60_000, "only {sent} flood datagrams sent");
+    assert_all_replied_from(CLIENT.1, "new connections during the flood", &during);
+
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            other => broken.push(format!("TCP {i}: {other:?}, expected {expected:?}")),
+        }
+    }
+    for (i, (socket, backend)) in udp_flows.iter().enumerate() {
+        let now = udp_exchange(socket, &format!("UDP flow {i} after the flood"));
+        if &now != backend {
+            broken.push(format!("UDP {i}: answered by {now}, before by {backend}"));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{} of 60 established flows broken by a flood of {sent} new flows; counters: {}; {:?}",
+        broken.len(),
+        counters_text(&sb),
+        &broken[..broken.len().min(10)]
+    );
+    let new_flows = counter_of(&sb, "ct_new_flow");
+    assert!(
+        new_flows >= sent as u64,
+        "{new_flows} new flows counted for {sent} flood datagrams"
+    );
+}
+
+/// One exchange on a connected UDP socket; the backend that answered.
+fn udp_exchange(socket: &std::net::UdpSocket, what: &str) -> String {
+    socket
+        .send(b"hello\n")
+        .unwrap_or_else(|e| panic!("{what}: send: {e}"));
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
+    ebpf_proxy_tests::client::Reply::parse(&String::from_utf8_lossy(&buf[..n]))
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+        .backend
+}
+
 /// The agent's non-zero counters, for failure messages.
 fn counters_text(sb: &Sandbox) -> String {
     let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));

@@ -14,6 +14,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod client;
 pub mod cluster;
+pub mod flood;
 pub mod frames;
 pub mod iptables;
 pub mod manifest;

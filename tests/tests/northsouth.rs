@@ -360,6 +360,83 @@ fn nodeport_fragments_tc_only() {
     nodeport_fragments(Path::TcOnly);
 }
 
+/// From outside, a SYN flood to a NodePort whose backend is on the other node (SNAT)
+/// cannot cut the connections already established through it: with `--conntrack-max
+/// 1024`, 30 idle connections through node A keep their backend while another client
+/// sends 30,000 SYNs from ever new ports (at least ten times the connections conntrack
+/// holds reach node A;
+/// the backend answers each, the flooding client's kernel resets each), and new
+/// connections made during the flood are served.
+fn nodeport_syn_flood(path: Path) {
+    const SYNS: u32 = 30_000;
+    let fx = Fixture::with_args(path, &["--conntrack-max", "1024"]);
+    fx.publish(&web("web"), &[(BACKEND.1, "b")]);
+    let addr = SocketAddrV4::new(NODE_A_IP, NODE_PORT);
+    reply_within(&fx, "client1", addr, "NodePort on A");
+    let mut sessions: Vec<TcpSession> = (0..30)
+        .map(|i| {
+            TcpSession::open(fx.client("client1"), addr, TIMEOUT)
+                .unwrap_or_else(|e| panic!("{path:?}: connection {i}: {e:#}"))
+        })
+        .collect();
+    let flood = fx
+        .client("client2")
+        .spawn("syn-flood", move || {
+            ebpf_proxy_tests::flood::syn_flood_here(CLIENT2.1, addr, SYNS)
+        })
+        .expect("flooding from client2");
+    let mut during = 0;
+    for _ in 0..20 {
+        if matches!(
+            tcp_request(fx.client("client1"), addr, TIMEOUT),
+            Outcome::Reply(_)
+        ) {
+            during += 1;
+        }
+    }
+    let sent = flood
+        .join()
+        .expect("the flood thread")
+        .expect("raw socket flood");
+    assert_eq!(sent, SYNS, "{path:?}: SYNs sent");
+    assert_eq!(
+        during,
+        20,
+        "{path:?}: new connections during the flood; {}",
+        fx.counters()
+    );
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let answer = session.exchange("after").unwrap_or_else(|e| {
+            panic!(
+                "{path:?}: connection {i} after the flood: {e:#}; {}",
+                fx.counters()
+            )
+        });
+        assert_eq!(
+            answer,
+            format!("{} after", BACKEND.0),
+            "{path:?}: connection {i}"
+        );
+    }
+    let new_flows = fx.counter(0, "ct_new_flow");
+    eprintln!("{path:?}: {new_flows} new flows on node A from {SYNS} SYNs sent");
+    assert!(
+        new_flows >= 10 * 1024,
+        "{path:?}: only {new_flows} new flows reached node A's datapath from {SYNS} SYNs, \
+         less than ten times what conntrack holds"
+    );
+}
+
+#[test]
+fn nodeport_syn_flood_native_xdp() {
+    nodeport_syn_flood(Path::Native);
+}
+
+#[test]
+fn nodeport_syn_flood_tc_only() {
+    nodeport_syn_flood(Path::TcOnly);
+}
+
 #[test]
 fn nodeport_cluster_policy_native_xdp() {
     nodeport_cluster_policy(Path::Native);

@@ -1,0 +1,64 @@
+//! Floods of new flows, as a hostile or broken client sends them: TCP SYNs from
+//! ever new source ports that never complete a handshake, written through a raw
+//! socket so that no local socket state limits their rate.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::{Result, bail};
+use nix::libc;
+
+use crate::frames::{self, Spec};
+
+/// Sends `count` TCP SYNs from `src` to `dst` from the calling thread's network
+/// namespace, source ports cycling over 1024-65535; returns how many the kernel took.
+pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u32> {
+    // SAFETY: plain system calls on a descriptor this function owns.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        bail!("raw socket: {}", std::io::Error::last_os_error());
+    }
+    let to = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(dst.ip().octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let mut sent = 0;
+    for i in 0..count {
+        let frame = frames::build(&Spec {
+            src,
+            dst: *dst.ip(),
+            sport: 1024 + (i % 64_512) as u16,
+            dport: dst.port(),
+            proto: frames::TCP,
+            tcp_flags: frames::SYN,
+            payload: Vec::new(),
+            udp_no_csum: false,
+        });
+        let packet = &frame[14..];
+        // SAFETY: `packet` and `to` outlive the call; the lengths are theirs.
+        let n = unsafe {
+            libc::sendto(
+                fd,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&to as *const libc::sockaddr_in).cast(),
+                size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        };
+        if n == packet.len() as isize {
+            sent += 1;
+        }
+        // Paced in bursts that a veth's queue (256 frames under XDP) takes whole:
+        // faster, most of the flood would be dropped before any datapath saw it.
+        if i % 64 == 63 {
+            std::thread::sleep(std::time::Duration::from_micros(500));
+        }
+    }
+    // SAFETY: closes the descriptor opened above, once.
+    unsafe { libc::close(fd) };
+    Ok(sent)
+}

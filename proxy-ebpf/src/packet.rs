@@ -157,43 +157,13 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     };
     let l4_off = ETH_HLEN + ihl_bytes;
     let l4_len = tot_len - ihl_bytes;
-    if frag == frag::LATER {
-        // No L4 header here: the ports are filled in from the datagram's
-        // first fragment, if it was translated (`crate::frag`).
-        return Ok(Flow {
-            l4_off,
-            proto: ip.proto,
-            ihl_bytes,
-            tot_len: tot_len as u16,
-            src_be: ip.src_be,
-            dst_be: ip.dst_be,
-            sport_be: 0,
-            dport_be: 0,
-            tcp_flags: 0,
-            frag,
-            ip_id_be: ip.id_be,
-        });
-    }
-    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(short)?;
-    let mut tcp_flags = 0;
-    if ip.proto == PROTO_TCP {
-        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(short)?;
-        let doff_bytes = ((head[0] >> 4) as usize) * 4;
-        if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
-            return Err(Skip::Malformed);
-        }
-        tcp_flags = head[1];
-    } else if ip.proto == PROTO_SCTP {
-        // Only its ports are read: SCTP frontends are counted, not translated.
+    // A later fragment has no L4 header: its ports are filled in from the
+    // datagram's first fragment, if that was translated (`crate::frag`).
+    let (ports, tcp_flags) = if frag == frag::LATER {
+        ([0u16; 2], 0)
     } else {
-        let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(short)?;
-        let udp_len = u16::from_be(udp_len) as usize;
-        // A first fragment holds part of the datagram its UDP length counts.
-        let whole = frag == frag::NONE;
-        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
-            return Err(Skip::Malformed);
-        }
-    }
+        l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE)?
+    };
     Ok(Flow {
         l4_off,
         proto: ip.proto,
@@ -207,4 +177,39 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
         frag,
         ip_id_be: ip.id_be,
     })
+}
+
+/// The ports and TCP flags of the L4 header at `l4_off`, checked against the
+/// `l4_len` bytes the IP header gives it (all of the datagram's when `whole`,
+/// else a first fragment's part of it).
+#[inline(always)]
+fn l4_header(
+    data: usize,
+    data_end: usize,
+    proto: u8,
+    l4_off: usize,
+    l4_len: usize,
+    whole: bool,
+) -> Result<([u16; 2], u8), Skip> {
+    let short = Skip::Truncated(PARSE_LEN);
+    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(short)?;
+    let mut tcp_flags = 0;
+    if proto == PROTO_TCP {
+        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(short)?;
+        let doff_bytes = ((head[0] >> 4) as usize) * 4;
+        if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
+            return Err(Skip::Malformed);
+        }
+        tcp_flags = head[1];
+    } else if proto == PROTO_SCTP {
+        // Only its ports are read: SCTP frontends are counted, not translated.
+    } else {
+        let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(short)?;
+        let udp_len = u16::from_be(udp_len) as usize;
+        // A first fragment holds part of the datagram its UDP length counts.
+        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
+            return Err(Skip::Malformed);
+        }
+    }
+    Ok((ports, tcp_flags))
 }

@@ -1211,6 +1211,11 @@ fn the_hooks_notes_live_in_their_sockets() {
         12,
         "sockets holding notes in SOCK_NOTES: {notes:?}"
     );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("sockets with socket hook notes: 12 "),
+        "status does not count the 12 sockets with notes:\n{status}"
+    );
     let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod).collect();
     assert!(
         straight

@@ -1131,10 +1131,11 @@ fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
 /// backend it went to, in the slot of that backend, the ClusterIP, sent), each socket
 /// the hook connected holds one for its peer (connected), a socket connected straight
 /// to a pod holds none, and the map holds nothing else. Once sockets close, the map's
-/// entries for them are gone, and the others' stay.
+/// entries for them are gone, and the others' stay. The `SOCK_REVNAT` table an earlier
+/// agent kept its notes in is unpinned by the next agent.
 #[test]
 fn the_hooks_notes_live_in_their_sockets() {
-    let (sb, cgroup) = hooked_sandbox(&[(
+    let (mut sb, cgroup) = hooked_sandbox(&[(
         "web.yaml",
         web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
     )]);
@@ -1242,6 +1243,40 @@ fn the_hooks_notes_live_in_their_sockets() {
         clients[0].0.backend().is_some(),
         "the socket left open lost its backend"
     );
+
+    // An agent that kept its notes in the SOCK_REVNAT table left it pinned; the next
+    // agent unpins it.
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let revnat = PinLayout::new(sb.agent().bpf_root()).map("SOCK_REVNAT");
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&revnat)
+        .args([
+            "type", "lru_hash", "key", "16", "value", "8", "entries", "16",
+        ])
+        .args(["name", "SOCK_REVNAT"])
+        .output()
+        .expect("running bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let root = cgroup.path().display().to_string();
+    let mut again = sb
+        .agent_on_the_same_root(&["--cgroup-root", &root])
+        .expect("start the agent again");
+    assert!(
+        !revnat.exists()
+            && again
+                .log()
+                .contains("unpinned a map this release no longer has"),
+        "a SOCK_REVNAT pin left by an earlier agent stays; log:\n{}",
+        again.log()
+    );
+    let status = again.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
 }
 
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new

@@ -452,7 +452,7 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     // Links are detached before their pins go, so that no packet is
     // translated once this returns (see detach.rs).
     detach::detach_links_in(&pins.links_dir());
-    for dir in [pins.links_dir(), pins.maps_dir()] {
+    for dir in [pins.links_dir(), pins.maps_dir(), pins.iters_dir()] {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 std::fs::remove_file(entry.path())?;

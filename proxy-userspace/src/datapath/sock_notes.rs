@@ -189,3 +189,58 @@ pub fn read(path: &Path) -> Result<Notes, SockNotesError> {
             .collect(),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{SockNote, sock_note_slot};
+
+    use super::*;
+
+    #[test]
+    fn reads_whole_records_and_refuses_torn_ones() {
+        let note = SockNote {
+            backend_be: u32::from_ne_bytes([10, 200, 0, 12]),
+            frontend_be: u32::from_ne_bytes([10, 96, 0, 10]),
+            backend_port_be: 5353u16.to_be(),
+            frontend_port_be: 53u16.to_be(),
+            how: sock_note::SENT,
+        };
+        let mut notes = SockNotes::default();
+        notes.notes[sock_note_slot(note.backend_be, note.backend_port_be)] = note;
+        let records = [
+            SockNotesRecord { cookie: 7, notes },
+            SockNotesRecord {
+                cookie: 9,
+                notes: SockNotes::default(),
+            },
+        ];
+        let dir = std::env::temp_dir().join(format!("sock-notes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("records");
+        std::fs::write(&path, bytemuck::cast_slice(&records)).expect("write records");
+        let read_back = read(&path).expect("two whole records");
+        assert_eq!(read_back.len(), 2);
+        assert_eq!(read_back.of(7), Some(&notes));
+        assert_eq!(
+            read_back
+                .of(7)
+                .and_then(|n| n.find(note.backend_be, note.backend_port_be)),
+            Some(&note)
+        );
+        assert_eq!(read_back.of(8), None, "a cookie never written");
+
+        let mut torn = bytemuck::cast_slice::<_, u8>(&records).to_vec();
+        torn.pop();
+        std::fs::write(&path, &torn).expect("write a torn record");
+        let err = read(&path).expect_err("a torn record");
+        assert!(
+            matches!(err, SockNotesError::Torn { len, .. } if len == torn.len()),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(
+            matches!(read(&path), Err(SockNotesError::Read { .. })),
+            "a missing pin"
+        );
+    }
+}

@@ -34,12 +34,16 @@ pub mod map_names {
     pub const CSUM_STATES: &str = "CSUM_STATES";
     pub const HOST_NETNS: &str = "HOST_NETNS";
     pub const SOCK_COUNTERS: &str = "SOCK_COUNTERS";
-    pub const SOCK_REVNAT: &str = "SOCK_REVNAT";
+    pub const SOCK_NOTES: &str = "SOCK_NOTES";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const CT_NEW: &str = "CT_NEW";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 4] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS, SOCK_REVNAT];
+    pub const LATER: [&str; 4] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS, SOCK_NOTES];
+    /// Maps earlier agents of this layout pinned and this one has no more:
+    /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
+    /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
+    pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
     pub const ALL: [&str; 20] = [
         SERVICES,
         BACKEND_SLOTS,
@@ -58,7 +62,7 @@ pub mod map_names {
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
-        SOCK_REVNAT,
+        SOCK_NOTES,
         FRAGMENTS,
         CT_NEW,
     ];
@@ -98,6 +102,11 @@ pub mod program_names {
     /// cgroup `getpeername4` hook: a socket the connect() hook sent to a
     /// backend shows the frontend as its peer, as a DNATed one does.
     pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+    /// Iterator over `SOCK_NOTES` (`iter/bpf_sk_storage_map`): writes a
+    /// `SockNotesRecord` for every socket holding notes. The kernel's socket
+    /// diagnostics report socket-local storage of TCP sockets only, so this
+    /// is how the agent reads the notes of UDP sockets.
+    pub const SOCK_NOTES_DUMP: &str = "sock_notes_dump";
 }
 
 /// Indexes into the per-CPU `SOCK_COUNTERS` array (the socket hooks).
@@ -117,27 +126,77 @@ pub mod sock_counter {
     ];
 }
 
-/// Key of `SOCK_REVNAT`: a socket of the node (its cookie) and the backend
-/// the socket hooks sent it to, for its answers (UDP) and its peer
-/// (`getpeername()`) to show the frontend.
+/// One backend a socket of the node was sent to in a frontend's place by
+/// the socket hooks, for its answers (UDP) and its peer (`getpeername()`)
+/// to show the frontend, and for the agent to know which connected UDP
+/// sockets the hook connected. `backend_be` 0 is an empty note (no backend
+/// has the address 0.0.0.0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockRevKey {
-    pub cookie: u64,
+pub struct SockNote {
     pub backend_be: u32,
-    pub port_be: u16,
-    pub _pad: u16,
+    pub frontend_be: u32,
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// `sock_note` bits: how the hooks sent the socket there.
+    pub how: u32,
 }
 
-/// Value of `SOCK_REVNAT`: the frontend the socket addressed.
+/// `SockNote::how` bits.
+pub mod sock_note {
+    /// `connect()`: the socket is connected to the backend.
+    pub const CONNECTED: u32 = 1;
+    /// `sendmsg()` with an address: a datagram of an unconnected socket.
+    pub const SENT: u32 = 2;
+}
+
+/// Notes a socket keeps (`SockNotes`). An unconnected UDP socket may send to
+/// several backends of several frontends; a connected one needs one note.
+pub const SOCK_NOTE_SLOTS: usize = 8;
+
+/// Value of `SOCK_NOTES`, socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`):
+/// the kernel keeps it in the socket itself and frees it with the socket,
+/// so no other socket can evict it and nothing outlives its socket. A note
+/// sits at `sock_note_slot` of its backend; a later backend hashing to the
+/// same slot overwrites it (an unconnected socket talking to more than one
+/// backend per slot at once may then see an answer with the backend's
+/// address, as it would have without the hooks' rewrite).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockRevValue {
-    pub frontend_be: u32,
-    pub port_be: u16,
-    pub _pad: u16,
+pub struct SockNotes {
+    pub notes: [SockNote; SOCK_NOTE_SLOTS],
+}
+
+impl SockNotes {
+    /// The note for backend `backend_be:port_be`, if the socket has one.
+    #[inline(always)]
+    pub fn find(&self, backend_be: u32, port_be: u16) -> Option<&SockNote> {
+        let note = &self.notes[sock_note_slot(backend_be, port_be)];
+        (backend_be != 0 && note.backend_be == backend_be && note.backend_port_be == port_be)
+            .then_some(note)
+    }
+}
+
+/// What `program_names::SOCK_NOTES_DUMP` writes per socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockNotesRecord {
+    /// The socket's cookie, as socket diagnostics show it.
+    pub cookie: u64,
+    pub notes: SockNotes,
+}
+
+/// Where in `SockNotes` the note of backend `backend_be:port_be` sits: the
+/// top bits of a multiplicative hash, so that backends of one subnet and
+/// port spread over the slots.
+#[inline(always)]
+pub const fn sock_note_slot(backend_be: u32, port_be: u16) -> usize {
+    let port = port_be as u32;
+    let h = (backend_be ^ (port << 16 | port)).wrapping_mul(0x9E37_79B9);
+    (h >> 29) as usize & (SOCK_NOTE_SLOTS - 1)
 }
 
 /// Map capacities. The service, slot and backend maps are not preallocated
@@ -156,7 +215,6 @@ pub const MAX_CONNTRACK: u32 = 262_144;
 /// or first exchange is under way, 32,768 at a time.
 pub const MAX_CT_NEW: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
-pub const MAX_SOCK_REVNAT: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_CLUSTER_CIDRS: u32 = 64;
@@ -783,8 +841,7 @@ mod pod_impls {
     unsafe impl aya::Pod for NodeConfig {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for ClusterCidrKey {}
-    unsafe impl aya::Pod for SockRevKey {}
-    unsafe impl aya::Pod for SockRevValue {}
+    unsafe impl aya::Pod for SockNotes {}
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragValue {}
 }
@@ -809,6 +866,40 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<FragKey>(), 40);
         assert_eq!(size_of::<FragValue>(), 16);
+        assert_eq!(size_of::<SockNote>(), 16);
+        assert_eq!(size_of::<SockNotes>(), 16 * SOCK_NOTE_SLOTS);
+        assert_eq!(size_of::<SockNotesRecord>(), 8 + 16 * SOCK_NOTE_SLOTS);
+    }
+
+    #[test]
+    fn a_subnets_backends_spread_over_the_note_slots() {
+        let mut used = [0u32; SOCK_NOTE_SLOTS];
+        for host in 1..=64u8 {
+            let addr = u32::from_ne_bytes([10, 200, 0, host]);
+            used[sock_note_slot(addr, 5353u16.to_be())] += 1;
+        }
+        assert!(
+            used.iter().all(|n| (4..=12).contains(n)),
+            "64 backends of one /24 and port over the slots: {used:?}"
+        );
+    }
+
+    #[test]
+    fn a_note_is_found_only_for_its_own_backend() {
+        let (backend, port) = (u32::from_ne_bytes([10, 200, 0, 11]), 5353u16.to_be());
+        let mut notes = SockNotes::default();
+        assert_eq!(notes.find(backend, port), None, "an empty table");
+        let note = SockNote {
+            backend_be: backend,
+            frontend_be: u32::from_ne_bytes([10, 96, 0, 10]),
+            backend_port_be: port,
+            frontend_port_be: 53u16.to_be(),
+            how: sock_note::SENT,
+        };
+        notes.notes[sock_note_slot(backend, port)] = note;
+        assert_eq!(notes.find(backend, port), Some(&note));
+        assert_eq!(notes.find(backend, 5354u16.to_be()), None, "another port");
+        assert_eq!(notes.find(0, 0), None, "the empty address");
     }
 
     #[test]

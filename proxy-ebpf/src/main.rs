@@ -100,6 +100,15 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::getpeername4(&ctx)
 }
 
+/// Run by the agent, never attached to a hook: see
+/// `proxy_common::program_names::SOCK_NOTES_DUMP`. Written out by hand, as
+/// aya-ebpf has no macro for iterators.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "iter/bpf_sk_storage_map")]
+pub fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
+    sock::dump_notes(ctx)
+}
+
 /// Does nothing: the per-packet cost floor that benchmarks compare against.
 /// Never attached.
 #[classifier]

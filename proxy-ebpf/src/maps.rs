@@ -2,16 +2,15 @@
 //! carries key and value types and `bpftool map dump` prints field names.
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC,
     MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS,
-    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOCK_REVNAT, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceKey, ServiceValue, SockRevKey, SockRevValue, SourceRangeKey, clock_slot,
-    counter, ip_summed, sock_counter,
+    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
+    ServiceValue, SockNotes, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -118,10 +117,10 @@ pub static HOST_NETNS: Array<u64, 1> = Array::new();
 #[btf_map]
 pub static SOCK_COUNTERS: PerCpuArray<u64, { sock_counter::COUNT as usize }> = PerCpuArray::new();
 
-/// See `proxy_common::SockRevKey`.
+/// See `proxy_common::SockNotes`: socket-local storage, freed by the
+/// kernel with its socket.
 #[btf_map]
-pub static SOCK_REVNAT: LruHashMap<SockRevKey, SockRevValue, { MAX_SOCK_REVNAT as usize }> =
-    LruHashMap::new();
+pub static SOCK_NOTES: SkStorage<SockNotes> = SkStorage::new();
 
 /// See `crate::frag`.
 #[btf_map]

@@ -11,23 +11,32 @@
 //! mode serves `127.0.0.1:<nodePort>`. It is read here only: a packet that
 //! arrives addressed to a loopback address is never translated.
 //!
+//! What the hooks remember about a socket (which backend it was sent to in
+//! which frontend's place) lives in the socket's own storage (`SOCK_NOTES`,
+//! `BPF_MAP_TYPE_SK_STORAGE`): the kernel frees it with the socket, so the
+//! node's TCP churn can neither evict a long-lived UDP socket's notes nor
+//! leave its own behind.
+//!
 //! Only sockets of the node's own network namespace: pods' sockets sit in
 //! cgroups below the same root, but their packets are translated at tc, with
 //! the client address kept.
 
+use core::ffi::c_void;
+
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    bindings::seq_file,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_seq_write},
     programs::SockAddrContext,
 };
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP, SockRevKey, SockRevValue, is_v4_mapped, node_config_flags, service_flags,
-    sock_counter,
+    PROTO_TCP, PROTO_UDP, SockNote, SockNotes, SockNotesRecord, is_v4_mapped, node_config_flags,
+    service_flags, sock_counter, sock_note, sock_note_slot,
 };
 
 use crate::{
     conntrack, lb,
-    maps::{HOST_NETNS, SOCK_REVNAT, count_sock, node_config},
+    maps::{HOST_NETNS, SOCK_NOTES, count_sock, node_config},
 };
 
 /// `connect()` goes ahead (with its destination as this left it).
@@ -39,14 +48,14 @@ const ECONNREFUSED: i32 = 111;
 /// An IPv4 `connect()` of a TCP or UDP socket.
 #[inline(always)]
 pub fn connect4(ctx: &SockAddrContext) -> i32 {
-    translate(ctx, sock_counter::TRANSLATED)
+    translate(ctx, sock_counter::TRANSLATED, sock_note::CONNECTED)
 }
 
 /// A datagram an unconnected UDP socket sends with an address: each one is
 /// balanced anew, as each DNS query of a resolver that does not connect.
 #[inline(always)]
 pub fn sendmsg4(ctx: &SockAddrContext) -> i32 {
-    translate(ctx, sock_counter::SENDMSG_TRANSLATED)
+    translate(ctx, sock_counter::SENDMSG_TRANSLATED, sock_note::SENT)
 }
 
 /// A datagram a UDP socket of the node receives: from a backend it was
@@ -65,21 +74,50 @@ pub fn getpeername4(ctx: &SockAddrContext) -> i32 {
 }
 
 /// Replaces the address the kernel reports, a backend this socket was
-/// sent to in a frontend's place (`SOCK_REVNAT`), by that frontend.
+/// sent to in a frontend's place (a note in its `SOCK_NOTES`), by that
+/// frontend.
 #[inline(always)]
 fn show_frontend(ctx: &SockAddrContext) -> i32 {
     if !node_socket(ctx) {
         return ALLOW;
     }
     let (addr_be, port_be) = user_addr(ctx);
-    // SAFETY: a valid map value pointer for this program's run.
-    if let Some(frontend) = SOCK_REVNAT
-        .get_ptr(&revnat_key(ctx, addr_be, port_be))
-        .map(|p| unsafe { *p })
-    {
-        set_user_addr(ctx, frontend.frontend_be, frontend.port_be);
+    // SAFETY: the context's socket, valid for this run; without the create
+    // flag the helper only looks (null: the socket has no notes).
+    let notes = unsafe { SOCK_NOTES.get_ptr_mut(ctx) };
+    if notes.is_null() {
+        return ALLOW;
+    }
+    // SAFETY: not null, so the socket's storage, valid for this run.
+    if let Some(note) = unsafe { (*notes).find(addr_be, port_be) }.copied() {
+        set_user_addr(ctx, note.frontend_be, note.frontend_port_be);
     }
     ALLOW
+}
+
+/// Notes in the socket's own storage (created on its first note) that the
+/// hooks sent it to `note`'s backend in its frontend's place. The kernel
+/// refuses storage only when the socket's option memory is used up: the
+/// socket is still translated, and only its answers and peer then show the
+/// backend, which is why a failure here is not worth a refusal.
+#[inline(always)]
+fn remember(ctx: &SockAddrContext, note: SockNote) {
+    // SAFETY: the context's socket, valid for this run; the helper creates
+    // zeroed storage when the socket has none.
+    let notes = unsafe { SOCK_NOTES.get_or_insert_ptr_mut(ctx, None) };
+    if notes.is_null() {
+        return;
+    }
+    let slot = sock_note_slot(note.backend_be, note.backend_port_be);
+    // SAFETY: not null, so the socket's storage, valid for this run; the
+    // slot is below SOCK_NOTE_SLOTS.
+    let kept = unsafe { &mut (*notes).notes[slot] };
+    let same = kept.backend_be == note.backend_be
+        && kept.backend_port_be == note.backend_port_be
+        && kept.frontend_be == note.frontend_be
+        && kept.frontend_port_be == note.frontend_port_be;
+    let how = if same { kept.how | note.how } else { note.how };
+    *kept = SockNote { how, ..note };
 }
 
 /// The address and port (both in network order) the program may rewrite.
@@ -101,18 +139,6 @@ fn set_user_addr(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
     }
 }
 
-/// This socket's `SOCK_REVNAT` key for the backend `backend_be:port_be`.
-#[inline(always)]
-fn revnat_key(ctx: &SockAddrContext, backend_be: u32, port_be: u16) -> SockRevKey {
-    SockRevKey {
-        // SAFETY: a sock_addr context is a valid argument of this helper.
-        cookie: unsafe { bpf_get_socket_cookie(ctx.as_ptr()) },
-        backend_be,
-        port_be,
-        _pad: 0,
-    }
-}
-
 /// Whether the socket is in the node's network namespace (never, until the
 /// agent has said which that is).
 #[inline(always)]
@@ -129,9 +155,9 @@ fn loopback(addr_be: u32) -> bool {
 }
 
 /// Replaces a frontend destination of the node's own socket by a backend;
-/// counts it at `counted`.
+/// counts it at `counted` and notes it as `how` (`sock_note`).
 #[inline(always)]
-fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
+fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     // SAFETY: the kernel's context of this program, valid for its run.
     let proto = unsafe { (*ctx.sock_addr).protocol };
     let (dst_be, dport_be) = user_addr(ctx);
@@ -182,14 +208,65 @@ fn translate(ctx: &SockAddrContext, counted: u32) -> i32 {
     }
     // Answers come from the backend and the socket's peer is the backend;
     // `recvmsg4` and `getpeername4` show the frontend.
-    let key = revnat_key(ctx, backend.addr_be[3], backend.port_be);
-    let value = SockRevValue {
-        frontend_be: dst_be,
-        port_be: dport_be,
-        _pad: 0,
-    };
-    let _ = SOCK_REVNAT.insert(&key, &value, 0);
+    remember(
+        ctx,
+        SockNote {
+            backend_be: backend.addr_be[3],
+            frontend_be: dst_be,
+            backend_port_be: backend.port_be,
+            frontend_port_be: dport_be,
+            how,
+        },
+    );
     set_user_addr(ctx, backend.addr_be[3], backend.port_be);
     count_sock(counted);
     ALLOW
+}
+
+/// `struct bpf_iter_meta` (include/linux/bpf.h): the head of every
+/// iterator context.
+#[repr(C)]
+struct IterMeta {
+    seq: *mut seq_file,
+    session_id: u64,
+    seq_num: u64,
+}
+
+/// `struct bpf_iter__bpf_sk_storage_map` (net/core/bpf_sk_storage.c): one
+/// socket holding storage in the map and its value; `sk` and `value` are
+/// null in the last call, after the last socket.
+#[repr(C)]
+struct SkStorageIter {
+    meta: *const IterMeta,
+    map: *const c_void,
+    sk: *mut c_void,
+    value: *const SockNotes,
+}
+
+/// One iteration over `SOCK_NOTES`: writes the socket's cookie and notes.
+#[inline(always)]
+pub fn dump_notes(ctx: *mut c_void) -> i32 {
+    // SAFETY: the context of an iterator over a socket-local storage map,
+    // laid out as `SkStorageIter`, valid for this run.
+    let iter = unsafe { &*(ctx as *const SkStorageIter) };
+    let (sk, value) = (iter.sk, iter.value);
+    if sk.is_null() || value.is_null() {
+        return 0;
+    }
+    let record = SockNotesRecord {
+        // SAFETY: a socket the kernel holds for this run.
+        cookie: unsafe { bpf_get_socket_cookie(sk) },
+        // SAFETY: not null, so the socket's value of this map.
+        notes: unsafe { *value },
+    };
+    // SAFETY: the iterator's own output, valid for this run; the record is
+    // on this program's stack.
+    unsafe {
+        bpf_seq_write(
+            (*iter.meta).seq,
+            (&record as *const SockNotesRecord).cast(),
+            size_of::<SockNotesRecord>() as u32,
+        )
+    };
+    0
 }

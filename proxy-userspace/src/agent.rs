@@ -531,7 +531,7 @@ impl SyncLoop {
             Ok(_) => {}
             Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
         }
-        match sock_diag::close_departed(&datapath.maps, &departed) {
+        match sock_diag::close_departed(&datapath.pins().sock_notes(), &departed) {
             Ok(0) => {}
             Ok(closed) => {
                 info!("closed {closed} UDP sockets of the node connected to departed backends")

@@ -9,6 +9,7 @@ use crate::{
     datapath::{
         Maps, PinLayout, batch,
         maps::{MapsError, batch_error},
+        sock_diag, sock_notes,
     },
     planner::encode,
 };
@@ -142,8 +143,31 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         out,
         "unassured conntrack entries: {unassured} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)"
     );
+    let _ = writeln!(out, "{}", socket_notes(pins));
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");
     }
     Ok(out)
+}
+
+/// How many sockets hold the socket hooks' notes (in every network
+/// namespace: the notes live in the sockets themselves, `SOCK_NOTES`), and
+/// how many UDP sockets of this one (the node's, where status is run) the
+/// connect() hook connected.
+fn socket_notes(pins: &PinLayout) -> String {
+    let notes = match sock_notes::read(&pins.sock_notes()) {
+        Ok(notes) => notes,
+        Err(e) => return format!("sockets with socket hook notes: unknown ({e})"),
+    };
+    let connected = sock_diag::SockDiag::open()
+        .and_then(|mut diag| diag.connected_udp())
+        .map(|sockets| {
+            let n = sockets.iter().filter(|s| notes.hook_connected(s)).count();
+            n.to_string()
+        })
+        .unwrap_or_else(|e| format!("unknown ({e})"));
+    format!(
+        "sockets with socket hook notes: {} (connected UDP sockets here connected by the hook: {connected})",
+        notes.len()
+    )
 }

@@ -28,7 +28,12 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
 };
-use proxy_userspace::datapath::{Maps, PinLayout};
+use proxy_common::{SockNote, sock_note};
+use proxy_userspace::datapath::{
+    Maps, PinLayout,
+    sock_diag::{SockDiag, UdpSocket},
+    sock_notes::{self, Notes},
+};
 
 const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
 /// The client of the iptables half of the distribution test. A client of its own, so
@@ -1029,23 +1034,16 @@ impl Drop for ConnectedUdp {
     }
 }
 
-/// (h) A UDP socket of the node that the hook connected to a backend stays connected
-/// to it (no conntrack entry stands between), so when the backend leaves the Service
-/// the agent closes the socket, as kube-proxy's conntrack cleanup moves such a flow
-/// and Cilium closes such sockets: its owner reads an error and reconnects. The
-/// node's sockets the hook sent elsewhere, and one connected straight to the
-/// departed pod's address, are left alone.
-#[test]
-fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
-    let (sb, cgroup) = hooked_sandbox(&[(
-        "web.yaml",
-        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
-    )]);
-    let node = &sb.topology().node;
-
-    let mut clients: Vec<(ConnectedUdp, String)> = (0..12)
+/// `n` connected UDP sockets of the node to the ClusterIP, each with the backend that
+/// answered its first datagram.
+fn connected_udp_clients(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    n: usize,
+) -> Vec<(ConnectedUdp, String)> {
+    (0..n)
         .map(|i| {
-            let mut client = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP));
+            let mut client = ConnectedUdp::start(&sb.topology().node, cgroup, dns(CLUSTER_IP));
             let backend = client.backend().unwrap_or_else(|| {
                 panic!(
                     "connected UDP client {i} of the node got no answer; agent log:\n{}",
@@ -1054,13 +1052,26 @@ fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
             });
             (client, backend)
         })
-        .collect();
+        .collect()
+}
+
+/// Takes the backend of `clients[0]` out of the Service and checks that the agent
+/// closes exactly the clients' sockets connected to it, within the sync deadline,
+/// while the others, and a socket connected straight to the departing pod, keep
+/// theirs; new sockets then reach the remaining backends. `what` says when.
+fn departed_backends_sockets_are_closed(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    clients: &mut [(ConnectedUdp, String)],
+    what: &str,
+) {
+    let node = &sb.topology().node;
     let departing = clients[0].1.clone();
     let (_, departing_ip) = *BACKENDS
         .iter()
         .find(|b| b.0 == departing)
         .unwrap_or_else(|| panic!("answer from {departing}, no backend of the test"));
-    let mut direct = ConnectedUdp::start(node, &cgroup, SocketAddrV4::new(departing_ip, UDP_PORT));
+    let mut direct = ConnectedUdp::start(node, cgroup, SocketAddrV4::new(departing_ip, UDP_PORT));
     assert_eq!(direct.backend().as_deref(), Some(departing.as_str()));
 
     let remaining: Vec<Ipv4Addr> = backend_ips()
@@ -1081,36 +1092,373 @@ fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
         if *backend == departing {
             assert_eq!(
                 now, None,
-                "client {i}: {deadline:?} after {departing} left, its socket still reaches it"
+                "{what}: client {i}: {deadline:?} after {departing} left, its socket still reaches it"
             );
             closed += 1;
         } else {
             assert_eq!(
                 now.as_ref(),
                 Some(&*backend),
-                "client {i} of {backend}, which stays, lost its socket"
+                "{what}: client {i} of {backend}, which stays, lost its socket"
             );
         }
     }
     assert_eq!(
         direct.backend().as_deref(),
         Some(departing.as_str()),
-        "a socket connected straight to the pod's address, not through the hook, was closed"
+        "{what}: a socket connected straight to the pod's address, not through the hook, was closed"
     );
     assert!(
         sb.agent()
             .log()
             .contains(&format!("closed {closed} UDP sockets")),
-        "the agent's log does not say it closed {closed} sockets:\n{}",
+        "{what}: the agent's log does not say it closed {closed} sockets:\n{}",
         sb.agent().log()
     );
     for i in 0..10 {
-        let backend = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP)).backend();
+        let backend = ConnectedUdp::start(node, cgroup, dns(CLUSTER_IP)).backend();
         assert!(
             backend.as_ref().is_some_and(|b| *b != departing),
-            "new connected UDP socket {i} after {departing} left: {backend:?}"
+            "{what}: new connected UDP socket {i} after {departing} left: {backend:?}"
         );
     }
+}
+
+/// (h) A UDP socket of the node that the hook connected to a backend stays connected
+/// to it (no conntrack entry stands between), so when the backend leaves the Service
+/// the agent closes the socket, as kube-proxy's conntrack cleanup moves such a flow
+/// and Cilium closes such sockets: its owner reads an error and reconnects. The
+/// node's sockets the hook sent elsewhere, and one connected straight to the
+/// departed pod's address, are left alone.
+#[test]
+fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let mut clients = connected_udp_clients(&sb, &cgroup, 12);
+    departed_backends_sockets_are_closed(&sb, &cgroup, &mut clients, "the backend leaving");
+}
+
+/// `udp-sendto --hold` in `cgroup` in `ns`: an unconnected UDP socket that has sent
+/// one datagram to `target` and reads the answer only when told. Killed on drop.
+struct HeldDatagram {
+    child: Option<std::process::Child>,
+}
+
+impl HeldDatagram {
+    fn send(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddrV4) -> HeldDatagram {
+        use std::io::BufRead;
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-sendto"))
+            .args([&target.to_string(), "--hold"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-sendto --hold");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().expect("piped stdout"))
+            .read_line(&mut line)
+            .expect("reading from udp-sendto");
+        assert_eq!(line.trim(), "sent", "udp-sendto {target} --hold");
+        HeldDatagram { child: Some(child) }
+    }
+
+    /// Reads the answer: `(<answer's first word>, <source>)`.
+    fn receive(mut self) -> (String, String) {
+        use std::io::Write;
+        let mut child = self.child.take().expect("a held datagram is received once");
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        writeln!(stdin).expect("writing to udp-sendto");
+        drop(stdin);
+        let out = child.wait_with_output().expect("waiting for udp-sendto");
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text.trim().split_once(" from ") {
+            Some((answer, from)) if out.status.success() => (
+                answer
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned(),
+                from.to_owned(),
+            ),
+            _ => panic!(
+                "udp-sendto --hold: {} {text:?} {:?}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    }
+}
+
+impl Drop for HeldDatagram {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Connections `tcp-churn` opens: more than the 65,536 entries of the table the socket
+/// hooks once kept their notes in, so that no table of theirs could have held them all.
+const CHURN: u64 = 100_000;
+
+/// (j) What the socket hooks remember about a socket lives with the socket: after
+/// 100,000 TCP connections of the node through the hook, an unconnected UDP socket's
+/// answer to a datagram it sent to the ClusterIP before them still shows the
+/// ClusterIP as its source, and UDP sockets connected through the hook before them are
+/// still closed when their backend leaves.
+#[test]
+fn the_nodes_socket_notes_outlive_tcp_churn() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let node = &sb.topology().node;
+    let mut clients = connected_udp_clients(&sb, &cgroup, 12);
+    let held = HeldDatagram::send(node, &cgroup, dns(CLUSTER_IP));
+    let before = counter_of(&sb, "sock_connect_translated");
+
+    let out = cgroup
+        .command_in(node, env!("CARGO_BIN_EXE_tcp-churn"))
+        .args([http(CLUSTER_IP).to_string(), CHURN.to_string()])
+        .output()
+        .expect("running tcp-churn");
+    assert!(
+        out.status.success(),
+        "tcp-churn: {} {:?} {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let translated = counter_of(&sb, "sock_connect_translated") - before;
+    assert_eq!(
+        translated, CHURN,
+        "connect() calls of tcp-churn the hook sent to a backend"
+    );
+
+    let (backend, from) = held.receive();
+    assert_eq!(
+        from,
+        dns(CLUSTER_IP).to_string(),
+        "after {CHURN} TCP connections, the answer (from {backend}) to a datagram sent to \
+         the ClusterIP before them shows another source"
+    );
+    departed_backends_sockets_are_closed(
+        &sb,
+        &cgroup,
+        &mut clients,
+        &format!("after {CHURN} TCP connections"),
+    );
+    // Over 100,000 sockets got notes; only the 12 still open keep them.
+    notes_down_to(
+        &sb,
+        clients.len(),
+        &format!("after {CHURN} TCP connections"),
+    );
+}
+
+/// The node's IPv4 UDP sockets, as the kernel's socket dump lists them.
+fn node_udp_sockets(sb: &Sandbox) -> Vec<UdpSocket> {
+    sb.topology()
+        .node
+        .run(|| SockDiag::open().and_then(|mut diag| diag.udp()))
+        .expect("entering the node's namespace")
+        .expect("listing the node's UDP sockets")
+}
+
+/// What the socket hooks have noted in every socket that holds notes, read out of
+/// `SOCK_NOTES` by the agent's pinned iterator.
+fn hooks_notes(sb: &Sandbox) -> Notes {
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    sock_notes::read(&pins.sock_notes()).expect("reading the socket hooks' notes")
+}
+
+/// The hooks' notes once at most `most` sockets hold some, or a panic after 5 s: the
+/// kernel frees a closed socket's storage after an RCU grace period.
+fn notes_down_to(sb: &Sandbox, most: usize, what: &str) -> Notes {
+    let start = Instant::now();
+    loop {
+        let notes = hooks_notes(sb);
+        if notes.len() <= most {
+            return notes;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{what}: {} sockets still hold notes, {most} expected",
+            notes.len()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The notes of `socket` that are not empty.
+fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
+    notes
+        .of(socket.cookie())
+        .map(|n| {
+            n.notes
+                .iter()
+                .copied()
+                .filter(|n| n.backend_be != 0)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// (k) What the socket hooks remember about a socket is kept in the socket itself
+/// (socket-local storage), as the agent's pinned iterator over the map lists it: each
+/// unconnected socket that sent a datagram to the ClusterIP holds one note (the
+/// backend it went to, in the slot of that backend, the ClusterIP, sent), each socket
+/// the hook connected holds one for its peer (connected), a socket connected straight
+/// to a pod holds none, and the map holds nothing else. Once sockets close, the map's
+/// entries for them are gone, and the others' stay. The `SOCK_REVNAT` table an earlier
+/// agent kept its notes in is unpinned by the next agent.
+#[test]
+fn the_hooks_notes_live_in_their_sockets() {
+    let (mut sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let node = &sb.topology().node;
+    let held: Vec<HeldDatagram> = (0..8)
+        .map(|_| HeldDatagram::send(node, &cgroup, dns(CLUSTER_IP)))
+        .collect();
+    let mut clients = connected_udp_clients(&sb, &cgroup, 4);
+    let pod = SocketAddrV4::new(BACKENDS[0].1, UDP_PORT);
+    let mut direct = ConnectedUdp::start(node, &cgroup, pod);
+    assert_eq!(direct.backend().as_deref(), Some(BACKENDS[0].0));
+
+    let frontend = dns(CLUSTER_IP);
+    let backends: BTreeSet<SocketAddrV4> = backend_ips()
+        .into_iter()
+        .map(|ip| SocketAddrV4::new(ip, UDP_PORT))
+        .collect();
+    let addr = |addr_be: u32, port_be: u16| {
+        SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
+    };
+    let notes = hooks_notes(&sb);
+    let sockets = node_udp_sockets(&sb);
+    let (mut sent, mut connected) = (0, 0);
+    for socket in &sockets {
+        let kept = notes_of(&notes, socket);
+        if kept.is_empty() {
+            continue;
+        }
+        assert_eq!(
+            kept.len(),
+            1,
+            "{socket:?}: one socket, one backend: {kept:?}"
+        );
+        let note = kept[0];
+        let backend = addr(note.backend_be, note.backend_port_be);
+        assert!(
+            backends.contains(&backend),
+            "{socket:?}: {backend} is no backend"
+        );
+        assert_eq!(
+            addr(note.frontend_be, note.frontend_port_be),
+            frontend,
+            "{socket:?}: the frontend noted"
+        );
+        assert_eq!(
+            notes
+                .of(socket.cookie())
+                .and_then(|n| n.find(note.backend_be, note.backend_port_be)),
+            Some(&note),
+            "{socket:?}: the note is not in its backend's slot"
+        );
+        if socket.connected() {
+            assert_eq!(socket.peer(), backend, "{socket:?}: noted another backend");
+            assert_eq!(
+                note.how,
+                sock_note::CONNECTED,
+                "{socket:?}: how it was sent"
+            );
+            assert!(notes.hook_connected(socket), "{socket:?}");
+            connected += 1;
+        } else {
+            assert_eq!(note.how, sock_note::SENT, "{socket:?}: how it was sent");
+            sent += 1;
+        }
+    }
+    assert_eq!(
+        (sent, connected),
+        (8, 4),
+        "sockets with notes (unconnected, connected) among the node's {} UDP sockets: {sockets:#?}",
+        sockets.len()
+    );
+    assert_eq!(
+        notes.len(),
+        12,
+        "sockets holding notes in SOCK_NOTES: {notes:?}"
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("sockets with socket hook notes: 12 "),
+        "status does not count the 12 sockets with notes:\n{status}"
+    );
+    let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod).collect();
+    assert!(
+        straight
+            .iter()
+            .filter(|s| notes.of(s.cookie()).is_none())
+            .count()
+            == 1,
+        "the socket connected straight to {pod} holds notes, or is not listed: {straight:#?}"
+    );
+
+    // The map's own entries go with their sockets, not just the sockets.
+    drop(held);
+    clients.truncate(1);
+    let notes = notes_down_to(&sb, 1, "11 of the 12 sockets with notes closed");
+    let left = node_udp_sockets(&sb)
+        .into_iter()
+        .filter(|s| notes.hook_connected(s))
+        .count();
+    assert!(
+        notes.len() == 1 && left == 1,
+        "after 11 of the 12 sockets with notes closed: {notes:?}, {left} connected by the hook"
+    );
+    assert!(
+        clients[0].0.backend().is_some(),
+        "the socket left open lost its backend"
+    );
+
+    // An agent that kept its notes in the SOCK_REVNAT table left it pinned; the next
+    // agent unpins it.
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let revnat = PinLayout::new(sb.agent().bpf_root()).map("SOCK_REVNAT");
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&revnat)
+        .args([
+            "type", "lru_hash", "key", "16", "value", "8", "entries", "16",
+        ])
+        .args(["name", "SOCK_REVNAT"])
+        .output()
+        .expect("running bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let root = cgroup.path().display().to_string();
+    let mut again = sb
+        .agent_on_the_same_root(&["--cgroup-root", &root])
+        .expect("start the agent again");
+    assert!(
+        !revnat.exists()
+            && again
+                .log()
+                .contains("unpinned a map this release no longer has"),
+        "a SOCK_REVNAT pin left by an earlier agent stays; log:\n{}",
+        again.log()
+    );
+    let status = again.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
 }
 
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new
@@ -1385,14 +1733,17 @@ fn pinned_maps_dump_with_field_names() {
     let mut dumped = Vec::new();
     for pin in &pins {
         // Links are pinned too; only maps have a `map show`.
-        let is_map = Command::new("bpftool")
+        let show = Command::new("bpftool")
             .args(["-j", "map", "show", "pinned"])
             .arg(pin)
             .output()
-            .expect("run bpftool")
-            .status
-            .success();
-        if !is_map {
+            .expect("run bpftool");
+        if !show.status.success() {
+            continue;
+        }
+        // Socket-local storage has no keys to walk: the agent's pinned iterator
+        // reads it (see the socket hook tests).
+        if String::from_utf8_lossy(&show.stdout).contains("\"type\":\"sk_storage\"") {
             continue;
         }
         let out = Command::new("bpftool")

@@ -2,14 +2,13 @@
 //! service maps (through the planner's [`MapStore`]).
 
 use aya::maps::{
-    Array, HashMap, Map, MapData, MapError, PerCpuArray,
+    Array, HashMap, Map, MapData, MapError, PerCpuArray, SkStorage,
     lpm_trie::{Key, LpmTrie},
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
     CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SockRevKey, SockRevValue, SourceRangeKey, counter, ip_summed, map_names,
-    sock_counter,
+    ServiceValue, SockNotes, SourceRangeKey, counter, ip_summed, map_names, sock_counter,
 };
 
 use super::pins::PinLayout;
@@ -62,6 +61,15 @@ fn later<T>(
     }
 }
 
+/// `map`'s data, once checked to be socket-local storage of `SockNotes`.
+fn socket_storage(map: Map) -> Result<MapData, MapError> {
+    SkStorage::<&MapData, SockNotes>::try_from(&map)?;
+    match map {
+        Map::SkStorage(data) => Ok(data),
+        _ => unreachable!("SkStorage::try_from accepted a map of another type"),
+    }
+}
+
 /// Every map of the datapath.
 pub struct Maps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
@@ -91,9 +99,11 @@ pub struct Maps {
     /// The socket hook's counters (`proxy_common::sock_counter`); absent
     /// like `csum_states`.
     pub sock_counters: Option<PerCpuArray<MapData, u64>>,
-    /// UDP sockets of the node the socket hooks sent to a backend, and the
-    /// frontend they addressed; absent like `csum_states`.
-    pub sock_revnat: Option<HashMap<MapData, SockRevKey, SockRevValue>>,
+    /// What the socket hooks noted in each socket of the node they sent to
+    /// a backend (`proxy_common::SockNotes`), socket-local storage; absent
+    /// like `csum_states`. Read back through an iterator (`sock_notes`),
+    /// which needs only the map's descriptor.
+    pub sock_notes: Option<MapData>,
 }
 
 impl Maps {
@@ -141,7 +151,7 @@ impl Maps {
             csum_states: later(get(CSUM_STATES), CSUM_STATES, PerCpuArray::try_from)?,
             host_netns: later(get(HOST_NETNS), HOST_NETNS, Array::try_from)?,
             sock_counters: later(get(SOCK_COUNTERS), SOCK_COUNTERS, PerCpuArray::try_from)?,
-            sock_revnat: later(get(SOCK_REVNAT), SOCK_REVNAT, HashMap::try_from)?,
+            sock_notes: later(get(SOCK_NOTES), SOCK_NOTES, socket_storage)?,
         })
     }
 

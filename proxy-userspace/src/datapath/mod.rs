@@ -15,6 +15,7 @@ pub mod maps;
 pub mod pins;
 pub mod resize;
 pub mod sock_diag;
+pub mod sock_notes;
 mod sys;
 pub mod upgrade;
 
@@ -154,7 +155,7 @@ impl Datapath {
         if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
             return Err(DatapathError::NotBpffs(parent.display().to_string()));
         }
-        for dir in [pins.maps_dir(), pins.links_dir()] {
+        for dir in [pins.maps_dir(), pins.links_dir(), pins.iters_dir()] {
             std::fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir {
                 path: dir.display().to_string(),
                 source,
@@ -182,7 +183,16 @@ impl Datapath {
             loaded => (loaded?, read),
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
+        unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
+        if let Some(notes) = &maps.sock_notes
+            && let Err(e) = sock_notes::pin_iterator(&mut ebpf, notes, &pins.sock_notes())
+        {
+            tracing::warn!(
+                error = %e,
+                "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
+            );
+        }
         if let Some(resize) = &resize {
             match resize.carry(&mut maps) {
                 Ok(flows) => tracing::info!(
@@ -383,6 +393,20 @@ impl Datapath {
     }
 }
 
+/// Unpins the maps of `map_names::RETIRED` an earlier agent of this layout
+/// left. Programs still attached that use one keep it until this agent's
+/// replace them; nothing reads it after.
+fn unpin_retired(pins: &PinLayout) {
+    for name in map_names::RETIRED {
+        let path = pins.map(name);
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(map = name, "unpinned a map this release no longer has"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(pin = %path.display(), error = %e, "unpinning a retired map"),
+        }
+    }
+}
+
 /// A program type `loaded` can load.
 trait Load {
     fn load_once(&mut self) -> Result<(), aya::programs::ProgramError>;
@@ -429,7 +453,7 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     // Links are detached before their pins go, so that no packet is
     // translated once this returns (see detach.rs).
     detach::detach_links_in(&pins.links_dir());
-    for dir in [pins.links_dir(), pins.maps_dir()] {
+    for dir in [pins.links_dir(), pins.maps_dir(), pins.iters_dir()] {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 std::fs::remove_file(entry.path())?;

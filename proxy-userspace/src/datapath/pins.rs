@@ -4,6 +4,8 @@
 //! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
 //! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
 //! <root>/v<LAYOUT_VERSION>/links/cgroup-<hook>  the socket hooks' links
+//! <root>/v<LAYOUT_VERSION>/iters/SOCK_NOTES      reading it lists the socket
+//!                                                hooks' notes (`sock_notes`)
 //! ```
 //! The layout version is in the path because aya reuses a pin without
 //! checking its key and value sizes.
@@ -73,6 +75,15 @@ impl PinLayout {
 
     pub fn links_dir(&self) -> PathBuf {
         Self::links_in(&self.versioned())
+    }
+
+    pub fn iters_dir(&self) -> PathBuf {
+        self.versioned().join("iters")
+    }
+
+    /// The pinned iterator over the socket hooks' notes (`sock_notes`).
+    pub fn sock_notes(&self) -> PathBuf {
+        self.iters_dir().join(proxy_common::map_names::SOCK_NOTES)
     }
 
     /// The link of socket hook `hook` (`connect4`, ...) on the cgroup root.

@@ -13,23 +13,23 @@ use std::{
     io,
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::{AsRawFd, OwnedFd},
+    path::Path,
 };
 
 use bytemuck::{Pod, Zeroable};
 use nix::sys::socket::{AddressFamily, SockFlag, SockProtocol, SockType, recv, send, socket};
-use proxy_common::{PROTO_UDP, SockRevKey, is_v4_mapped};
+use proxy_common::{PROTO_UDP, is_v4_mapped};
 
-use super::maps::Maps;
+use super::sock_notes::{self, SockNotesError};
 use crate::planner::Departed;
 
 /// Closes the node's UDP sockets that the socket hooks connected to a
-/// departed backend: those connected to its address and port for which
-/// `SOCK_REVNAT` holds the hook's note. A socket connected to the backend's
-/// address by its owner is left alone. Returns how many were closed.
-pub fn close_departed(maps: &Maps, departed: &[Departed]) -> Result<usize, SockDiagError> {
-    let Some(notes) = maps.sock_revnat.as_ref() else {
-        return Ok(0);
-    };
+/// departed backend: those connected to its address and port whose own
+/// notes (`SOCK_NOTES`, read through the iterator pinned at `notes`) say
+/// the connect() hook connected them there. A socket connected to the
+/// backend's address by its owner is left alone. Returns how many were
+/// closed.
+pub fn close_departed(notes: &Path, departed: &[Departed]) -> Result<usize, SockDiagError> {
     // (address, port), both in network order, as the hooks note them.
     let gone: HashSet<(u32, u16)> = departed
         .iter()
@@ -41,19 +41,18 @@ pub fn close_departed(maps: &Maps, departed: &[Departed]) -> Result<usize, SockD
         return Ok(0);
     }
     let mut diag = SockDiag::open()?;
+    let candidates: Vec<UdpSocket> = diag
+        .connected_udp()?
+        .into_iter()
+        .filter(|s| gone.contains(&s.peer_be()))
+        .collect();
+    if candidates.is_empty() {
+        return Ok(0);
+    }
+    let notes = sock_notes::read(notes)?;
     let mut closed = 0;
-    for socket in diag.connected_udp()? {
-        let (backend_be, port_be) = socket.peer_be();
-        if !gone.contains(&(backend_be, port_be)) {
-            continue;
-        }
-        let note = SockRevKey {
-            cookie: socket.cookie(),
-            backend_be,
-            port_be,
-            _pad: 0,
-        };
-        if notes.get(&note, 0).is_ok() && diag.destroy(&socket)? {
+    for socket in candidates {
+        if notes.hook_connected(&socket) && diag.destroy(&socket)? {
             closed += 1;
         }
     }
@@ -86,6 +85,8 @@ pub enum SockDiagError {
     Destroy(#[source] io::Error),
     #[error("a socket diagnostics message of {len} bytes is cut short")]
     Truncated { len: usize },
+    #[error(transparent)]
+    Notes(#[from] SockNotesError),
 }
 
 #[repr(C)]
@@ -139,8 +140,8 @@ struct InetDiagMsg {
     inode: u32,
 }
 
-/// A connected IPv4 UDP socket of this network namespace, as the kernel
-/// names it to list and to close it.
+/// An IPv4 UDP socket of this network namespace, as the kernel names it to
+/// list and to close it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UdpSocket {
     id: InetDiagSockId,
@@ -166,6 +167,13 @@ impl SockDiag {
 
     /// The connected IPv4 UDP sockets of this namespace.
     pub fn connected_udp(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
+        let mut sockets = self.udp()?;
+        sockets.retain(UdpSocket::connected);
+        Ok(sockets)
+    }
+
+    /// Every IPv4 UDP socket of this namespace, connected or not.
+    pub fn udp(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
         self.request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, InetDiagSockId::default())?;
         let mut sockets = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
@@ -180,8 +188,8 @@ impl SockDiag {
                     },
                     SOCK_DIAG_BY_FAMILY => {
                         let msg: InetDiagMsg = read(payload)?;
-                        if let Some(socket) = UdpSocket::of(&msg) {
-                            sockets.push(socket);
+                        if msg.family == AF_INET {
+                            sockets.push(UdpSocket { id: msg.id });
                         }
                     }
                     _ => {}
@@ -248,9 +256,9 @@ impl SockDiag {
 }
 
 impl UdpSocket {
-    /// A connected IPv4 socket; None for the others.
-    fn of(msg: &InetDiagMsg) -> Option<Self> {
-        (msg.family == AF_INET && msg.id.dport_be != 0).then_some(Self { id: msg.id })
+    /// Whether the socket is connected (has a peer).
+    pub fn connected(&self) -> bool {
+        self.id.dport_be != 0
     }
 
     /// The cookie `bpf_get_socket_cookie` gives the hooks.

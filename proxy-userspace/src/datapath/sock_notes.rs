@@ -1,0 +1,246 @@
+//! The socket hooks' notes (`SOCK_NOTES`), read back by the agent, `status`
+//! and the tests. They live in each socket's own storage, which the kernel's
+//! socket diagnostics report for TCP sockets only (`inet_sk_diag_fill` is
+//! done before it for a socket without connection state, as UDP's are), so
+//! they are read through an iterator over the map instead
+//! (`program_names::SOCK_NOTES_DUMP`), which visits every socket holding
+//! notes, in every network namespace. Its link is pinned
+//! (`PinLayout::sock_notes`): reading that file runs the iterator, for
+//! whoever reads it.
+
+use std::{
+    collections::HashMap,
+    ffi::CString,
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Btf, BtfError, Ebpf,
+    maps::MapData,
+    programs::{Iter, ProgramError},
+};
+use proxy_common::{SockNotes, SockNotesRecord, program_names, sock_note};
+
+use super::{sock_diag::UdpSocket, sys};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SockNotesError {
+    #[error("the socket notes iterator needs the kernel's BTF: {0}")]
+    Btf(#[source] BtfError),
+    #[error("loading the socket notes iterator: {0}")]
+    Load(#[source] ProgramError),
+    #[error("creating the socket notes iterator's link: {0}")]
+    Link(#[source] io::Error),
+    #[error("pinning the socket notes iterator at {path}: {source}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading the socket hooks' notes through {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the socket notes iterator wrote {len} bytes, not whole {record}-byte records")]
+    Torn { len: usize, record: usize },
+}
+
+/// `enum bpf_attach_type`: BPF_TRACE_ITER.
+const BPF_TRACE_ITER: u32 = 28;
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_LINK_CREATE: libc::c_long = 28;
+
+/// `bpf_attr.link_create` of an iterator link.
+#[repr(C)]
+struct LinkCreate {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    /// Points at `union bpf_iter_link_info`, whose first member is the map.
+    iter_info: u64,
+    iter_info_len: u32,
+    _pad: u32,
+}
+
+/// `bpf_attr.obj_pin`.
+#[repr(C)]
+struct ObjPin {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+/// Loads the iterator over `notes` (the object's `SOCK_NOTES`) and pins its
+/// link at `path`, in place of an earlier agent's. aya attaches iterators
+/// without a map, which a map iterator needs, hence the two raw bpf(2)
+/// calls.
+pub fn pin_iterator(ebpf: &mut Ebpf, notes: &MapData, path: &Path) -> Result<(), SockNotesError> {
+    let btf = Btf::from_sys_fs().map_err(SockNotesError::Btf)?;
+    let program: &mut Iter = ebpf
+        .program_mut(program_names::SOCK_NOTES_DUMP)
+        .ok_or(SockNotesError::Load(ProgramError::UnexpectedProgramType))?
+        .try_into()
+        .map_err(SockNotesError::Load)?;
+    if program.fd().is_err() {
+        program
+            .load("bpf_sk_storage_map", &btf)
+            .map_err(SockNotesError::Load)?;
+    }
+    let prog = program.fd().map_err(SockNotesError::Load)?;
+    let link = link_create(prog.as_fd(), notes.fd().as_fd()).map_err(SockNotesError::Link)?;
+    let pin_error = |source| SockNotesError::Pin {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(pin_error(e)),
+        _ => {}
+    }
+    obj_pin(link.as_fd(), path).map_err(pin_error)
+}
+
+fn link_create(prog: BorrowedFd<'_>, map: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let map_fd = map.as_raw_fd() as u32;
+    let mut attr = LinkCreate {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: 0,
+        attach_type: BPF_TRACE_ITER,
+        flags: 0,
+        iter_info: &map_fd as *const u32 as u64,
+        iter_info_len: size_of::<u32>() as u32,
+        _pad: 0,
+    };
+    // SAFETY: `link_create` as the kernel lays it out; `iter_info` points at
+    // `map_fd`, alive across the call, and the kernel reads only its length.
+    let fd = unsafe { sys::bpf(BPF_LINK_CREATE, &mut attr)? } as i32;
+    // SAFETY: a new fd returned by the kernel, owned here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut attr = ObjPin {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        file_flags: 0,
+    };
+    // SAFETY: `obj_pin` as the kernel lays it out; the path outlives the call.
+    unsafe { sys::bpf(BPF_OBJ_PIN, &mut attr)? };
+    Ok(())
+}
+
+/// The notes of every socket holding some, by socket cookie.
+#[derive(Debug, Default)]
+pub struct Notes(HashMap<u64, SockNotes>);
+
+impl Notes {
+    /// The notes of the socket with `cookie`.
+    pub fn of(&self, cookie: u64) -> Option<&SockNotes> {
+        self.0.get(&cookie)
+    }
+
+    /// How many sockets hold notes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether the connect() hook connected `socket` to its peer, in a
+    /// frontend's place.
+    pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
+        let (addr_be, port_be) = socket.peer_be();
+        socket.connected()
+            && self
+                .of(socket.cookie())
+                .and_then(|n| n.find(addr_be, port_be))
+                .is_some_and(|n| n.how & sock_note::CONNECTED != 0)
+    }
+}
+
+/// Every socket's notes as the iterator pinned at `path` reads them now.
+pub fn read(path: &Path) -> Result<Notes, SockNotesError> {
+    let bytes = std::fs::read(path).map_err(|source| SockNotesError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let record = size_of::<SockNotesRecord>();
+    if bytes.len() % record != 0 {
+        return Err(SockNotesError::Torn {
+            len: bytes.len(),
+            record,
+        });
+    }
+    Ok(Notes(
+        bytes
+            .chunks_exact(record)
+            .map(|chunk| {
+                let r: SockNotesRecord = bytemuck::pod_read_unaligned(chunk);
+                (r.cookie, r.notes)
+            })
+            .collect(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{SockNote, sock_note_slot};
+
+    use super::*;
+
+    #[test]
+    fn reads_whole_records_and_refuses_torn_ones() {
+        let note = SockNote {
+            backend_be: u32::from_ne_bytes([10, 200, 0, 12]),
+            frontend_be: u32::from_ne_bytes([10, 96, 0, 10]),
+            backend_port_be: 5353u16.to_be(),
+            frontend_port_be: 53u16.to_be(),
+            how: sock_note::SENT,
+        };
+        let mut notes = SockNotes::default();
+        notes.notes[sock_note_slot(note.backend_be, note.backend_port_be)] = note;
+        let records = [
+            SockNotesRecord { cookie: 7, notes },
+            SockNotesRecord {
+                cookie: 9,
+                notes: SockNotes::default(),
+            },
+        ];
+        let dir = std::env::temp_dir().join(format!("sock-notes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("records");
+        std::fs::write(&path, bytemuck::cast_slice(&records)).expect("write records");
+        let read_back = read(&path).expect("two whole records");
+        assert_eq!(read_back.len(), 2);
+        assert_eq!(read_back.of(7), Some(&notes));
+        assert_eq!(
+            read_back
+                .of(7)
+                .and_then(|n| n.find(note.backend_be, note.backend_port_be)),
+            Some(&note)
+        );
+        assert_eq!(read_back.of(8), None, "a cookie never written");
+
+        let mut torn = bytemuck::cast_slice::<_, u8>(&records).to_vec();
+        torn.pop();
+        std::fs::write(&path, &torn).expect("write a torn record");
+        let err = read(&path).expect_err("a torn record");
+        assert!(
+            matches!(err, SockNotesError::Torn { len, .. } if len == torn.len()),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(
+            matches!(read(&path), Err(SockNotesError::Read { .. })),
+            "a missing pin"
+        );
+    }
+}

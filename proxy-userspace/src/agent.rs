@@ -1,8 +1,10 @@
 //! The agent: source events -> state -> model -> planner -> maps, one
-//! coalesced sync at a time, with interface attachment alongside.
+//! coalesced sync at a time ([`sync`]), with interface attachment alongside.
+
+pub mod sync;
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
@@ -12,21 +14,23 @@ use tokio::{
     signal::unix::{SignalKind, signal},
     sync::mpsc,
 };
-use tracing::{error, info, info_span, warn};
+use tracing::{error, info, warn};
 
 use crate::{
     datapath::{
         Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack,
         interfaces::{self, Interfaces, Selection, Snapshot},
+        maps::Maps,
         sock_diag,
     },
     healthcheck::HealthCheckServer,
     http::{self, Health, HttpError},
-    model::{self, Cidr, HealthCheck, ModelConfig, Protocol},
-    planner::Planner,
-    source::{Kind, ObjectKey, SourceEvent, kube as kube_source, manifest},
+    model::{Cidr, ModelConfig},
+    planner::{Departed, Planner},
+    source::{SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
 };
+use sync::{SyncLoop, SyncTarget};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -66,6 +70,9 @@ pub struct AgentConfig {
     pub healthz: SocketAddr,
     pub node_name: String,
     pub min_sync_period: Duration,
+    /// `--sync-period`: /healthz turns unhealthy when a change has waited
+    /// twice this long, as kube-proxy's.
+    pub sync_period: Duration,
     pub model: ModelConfig,
     pub ct_timeouts: proxy_common::CtTimeouts,
     /// Capacity of the conntrack map (`--conntrack-max`, two a connection).
@@ -110,11 +117,14 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         "datapath loaded; adopted what the pinned maps hold"
     );
     let outcome = planner.collect_garbage(garbage, &mut datapath.maps);
+    if outcome.ops > 0 {
+        info!(ops = outcome.ops, "removed unreferenced map entries");
+    }
     for e in outcome.errors {
-        warn!(error = %e, "garbage collection");
+        warn!(error = %e, "garbage collection; retried by the sync loop");
     }
 
-    let health = Health::default();
+    let health = Health::new(config.sync_period.saturating_mul(2));
     let _http = http::serve(config.healthz, health.clone()).await?;
 
     // On every address, as kube-proxy does without nodePortAddresses; with
@@ -138,38 +148,21 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
     let mut state = ClusterState::new(config.node_name.clone());
-    let mut sync = SyncLoop {
-        dirty: BTreeSet::new(),
-        listed: BTreeSet::new(),
-        initial_done: false,
-        interfaces_applied: false,
-        sequence: 0,
-        sctp_reported: BTreeSet::new(),
-        health_checks: BTreeMap::new(),
-        health_checks_changed: false,
-    };
-    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut sync = SyncLoop::new(config.min_sync_period, health.clone(), Instant::now());
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
     let mut older_layouts_retired = false;
     loop {
+        let wakeup = sync.wakeup();
         tokio::select! {
-            Some(event) = ev_rx.recv() => {
-                sync.note(&event);
-                sync.dirty.extend(state.apply(event));
-                deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.min_sync_period);
-            }
+            Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &snapshot, &config);
-                sync.interfaces_applied = true;
-                if sync.serving() {
-                    health.mark_synced();
-                }
+                sync.interfaces_applied(Instant::now());
             }
-            _ = async { tokio::time::sleep_until(deadline.unwrap()).await }, if deadline.is_some() => {
-                deadline = None;
-                sync.run(&state, &config.model, &mut planner, &mut datapath, &health);
-                if std::mem::take(&mut sync.health_checks_changed) {
-                    health_checks.update(sync.health_checks.values().cloned().collect()).await;
+            _ = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
+                sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
+                if let Some(checks) = sync.take_health_checks() {
+                    health_checks.update(checks).await;
                 }
             }
             _ = reap.tick() => reap_conntrack(&mut datapath),
@@ -232,6 +225,33 @@ fn attach_socket_hooks(datapath: &mut Datapath, cgroup_root: Option<&std::path::
 fn host_netns_cookie() -> Result<u64, String> {
     crate::datapath::host::netns_cookie()
         .map_err(|e| format!("reading this network namespace's cookie: {e}"))
+}
+
+impl SyncTarget for Datapath {
+    type Store = Maps;
+
+    fn store(&mut self) -> &mut Maps {
+        &mut self.maps
+    }
+
+    fn clean_departed(&mut self, departed: &[Departed]) {
+        match conntrack::purge_departed(&mut self.maps, departed) {
+            Ok(swept) if swept != Default::default() => info!(
+                udp_flows = swept.conntrack,
+                affinities = swept.affinity,
+                "removed flows and affinity of departed backends"
+            ),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
+        }
+        match sock_diag::close_departed(&self.pins().sock_notes(), departed) {
+            Ok(0) => {}
+            Ok(closed) => {
+                info!("closed {closed} UDP sockets of the node connected to departed backends")
+            }
+            Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
+        }
+    }
 }
 
 /// How often idle conntrack entries are reaped.
@@ -398,157 +418,6 @@ fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
             Ok(()) => {}
             Err(e) => error!(error = %e, "interface left without the datapath"),
         }
-    }
-}
-
-struct SyncLoop {
-    dirty: BTreeSet<ObjectKey>,
-    /// Kinds a complete listing has been received for.
-    listed: BTreeSet<Kind>,
-    initial_done: bool,
-    /// The datapath has been attached to the interfaces there were at least
-    /// once: until then it serves nothing, so the agent is not ready.
-    interfaces_applied: bool,
-    sequence: u64,
-    /// SCTP frontends already reported as not translated by the datapath.
-    sctp_reported: BTreeSet<crate::model::FrontendKey>,
-    /// healthCheckNodePort of each Service that has one.
-    health_checks: BTreeMap<ObjectKey, HealthCheck>,
-    health_checks_changed: bool,
-}
-
-impl SyncLoop {
-    /// Synced and attached: what readiness means.
-    fn serving(&self) -> bool {
-        self.initial_done && self.interfaces_applied
-    }
-
-    fn refresh_health_check(
-        &mut self,
-        state: &ClusterState,
-        key: &ObjectKey,
-        config: &ModelConfig,
-    ) {
-        let check = match state.service(key) {
-            None => None,
-            Some(service) => {
-                match model::service_health_check(
-                    service,
-                    &state.slices_for(key),
-                    state.node(),
-                    config,
-                ) {
-                    Ok(check) => check,
-                    Err(e) => {
-                        warn!(service = %key, error = %e, "health check node port left as it was");
-                        return;
-                    }
-                }
-            }
-        };
-        let changed = match check {
-            Some(check) => self.health_checks.insert(key.clone(), check.clone()) != Some(check),
-            None => self.health_checks.remove(key).is_some(),
-        };
-        self.health_checks_changed |= changed;
-    }
-
-    fn note(&mut self, event: &SourceEvent) {
-        if let SourceEvent::Replace { kind, .. } = event {
-            self.listed.insert(*kind);
-        }
-    }
-
-    fn run(
-        &mut self,
-        state: &ClusterState,
-        model: &ModelConfig,
-        planner: &mut Planner,
-        datapath: &mut Datapath,
-        health: &Health,
-    ) {
-        self.sequence += 1;
-        let span = info_span!("sync", seq = self.sequence, services = self.dirty.len());
-        let _enter = span.enter();
-        let started = Instant::now();
-        let (mut ops, mut changed, mut failed) = (0, 0, 0);
-        for key in std::mem::take(&mut self.dirty) {
-            self.refresh_health_check(state, &key, model);
-            let desired = match state.frontends_for(&key, model) {
-                Ok(desired) => desired,
-                Err(e) => {
-                    // Whatever was programmed for it stays: an invalid
-                    // update never takes a working service down.
-                    error!(service = %key, error = %e, "service skipped");
-                    failed += 1;
-                    continue;
-                }
-            };
-            for fe in desired
-                .iter()
-                .filter(|fe| fe.key.protocol == Protocol::Sctp)
-            {
-                if self.sctp_reported.insert(fe.key) {
-                    warn!(
-                        service = %key,
-                        frontend = %fe.key,
-                        "SCTP frontend programmed, but the datapath does not translate SCTP yet: \
-                         its packets pass untranslated (counter unsupported_proto)"
-                    );
-                }
-            }
-            let outcome = planner.sync_service(&key, &desired, &mut datapath.maps);
-            ops += outcome.ops;
-            changed += outcome.frontends_changed;
-            for e in &outcome.errors {
-                error!(service = %key, error = %e, "frontend not programmed");
-            }
-            failed += outcome.errors.len();
-        }
-        let complete =
-            self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice);
-        if complete && !self.initial_done {
-            let outcome = planner.remove_unclaimed(&mut datapath.maps);
-            ops += outcome.ops;
-            changed += outcome.frontends_changed;
-            for e in &outcome.errors {
-                error!(error = %e, "stale frontend not removed");
-            }
-            self.initial_done = true;
-            // The initial listing peaks memory (documents, parsed objects,
-            // event copies) and is then freed; hand it back to the system
-            // rather than keep it as resident heap.
-            // SAFETY: malloc_trim only releases free heap pages.
-            unsafe { libc::malloc_trim(0) };
-        }
-        let departed = planner.take_departed();
-        match conntrack::purge_departed(&mut datapath.maps, &departed) {
-            Ok(swept) if swept != Default::default() => info!(
-                udp_flows = swept.conntrack,
-                affinities = swept.affinity,
-                "removed flows and affinity of departed backends"
-            ),
-            Ok(_) => {}
-            Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
-        }
-        match sock_diag::close_departed(&datapath.pins().sock_notes(), &departed) {
-            Ok(0) => {}
-            Ok(closed) => {
-                info!("closed {closed} UDP sockets of the node connected to departed backends")
-            }
-            Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
-        }
-        if self.serving() {
-            health.mark_synced();
-        }
-        info!(
-            ops,
-            frontends_changed = changed,
-            failed,
-            frontends = planner.frontend_count(),
-            elapsed_us = started.elapsed().as_micros() as u64,
-            "synced"
-        );
     }
 }
 

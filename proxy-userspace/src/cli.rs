@@ -74,6 +74,10 @@ pub struct RunArgs {
     /// Changes arriving within this window are applied in one sync.
     #[arg(long, default_value = "20ms", value_parser = parse_duration)]
     pub min_sync_period: Duration,
+    /// kube-proxy's flag: /healthz turns unhealthy when a change has not
+    /// been programmed within twice this period.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub sync_period: Duration,
     /// Idle timeout of an established TCP flow (kube-proxy's flag of the
     /// same name).
     #[arg(long, default_value = "6h", value_parser = parse_duration)]

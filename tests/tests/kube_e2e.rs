@@ -9,17 +9,21 @@
 mod apiserver;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs::{self, File},
     net::{Ipv4Addr, SocketAddrV4},
     os::unix::process::CommandExt,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     thread,
     time::{Duration, Instant},
 };
 
-use apiserver::{ApiServer, Resource, node, service, slice};
+use apiserver::{ApiServer, Fault, Resource, Verb, node, service, slice};
 use ebpf_proxy_tests::{
     agent::{self, HEALTHZ},
     client::{Outcome, tcp_request, tcp_tally},
@@ -30,6 +34,11 @@ use ebpf_proxy_tests::{
 use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
+};
+use proxy_common::{AffinityKey, AffinityValue, ServiceKey};
+use proxy_userspace::{
+    datapath::{Maps, PinLayout},
+    planner::{StoredState, encode::service_key_string},
 };
 use serde_json::json;
 
@@ -59,30 +68,56 @@ struct KubeAgent {
     child: Option<Child>,
     bin: PathBuf,
     netns_path: PathBuf,
+    node_name: String,
+    master: String,
+    extra_args: Vec<String>,
     bpf_root: PathBuf,
     log_path: PathBuf,
 }
 
 impl KubeAgent {
     fn start(node: &NetNs, master: &str) -> KubeAgent {
+        Self::start_with(node, master, &[])
+    }
+
+    fn start_with(node: &NetNs, master: &str, extra_args: &[&str]) -> KubeAgent {
         let bin = agent::binary().expect("the agent binary");
         let stem = unique_stem();
         // The harness's prefix, so its stale-state sweep knows these.
         let bpf_root = PathBuf::from(format!("/sys/fs/bpf/ebpf-proxy-test-{stem}"));
         let log_path = std::env::temp_dir().join(format!("{stem}-kube-agent.log"));
-        let log = File::create(&log_path).expect("agent log file");
-        let mut cmd = node.command(&bin);
+        let mut agent = KubeAgent {
+            child: None,
+            bin,
+            netns_path: node.path(),
+            node_name: node.name().to_owned(),
+            master: master.to_owned(),
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            bpf_root,
+            log_path,
+        };
+        agent.spawn();
+        agent.wait_healthy(Duration::from_secs(60));
+        agent
+    }
+
+    /// Starts the agent process, its log written afresh.
+    fn spawn(&mut self) {
+        let log = File::create(&self.log_path).expect("agent log file");
+        let mut cmd = command_in(&self.netns_path, &self.bin);
         cmd.arg("run")
             .arg("--master")
-            .arg(master)
+            .arg(&self.master)
             .arg("--bpf-root")
-            .arg(&bpf_root)
+            .arg(&self.bpf_root)
             .arg("--healthz-bind-address")
             .arg(HEALTHZ.to_string())
             .arg("--node-name")
-            .arg(node.name())
+            .arg(&self.node_name)
+            .args(&self.extra_args)
             .env_remove("KUBECONFIG")
             .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log)
@@ -90,16 +125,18 @@ impl KubeAgent {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let child = cmd.spawn().expect("start the agent");
-        let mut agent = KubeAgent {
-            child: Some(child),
-            bin,
-            netns_path: node.path(),
-            bpf_root,
-            log_path,
-        };
-        agent.wait_healthy(Duration::from_secs(60));
-        agent
+        self.child = Some(cmd.spawn().expect("start the agent"));
+    }
+
+    /// Kills the agent as a crash would (SIGKILL: nothing tidied up) and
+    /// starts another on the same pins; returns once it is healthy.
+    fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+            child.wait().expect("wait for the killed agent");
+        }
+        self.spawn();
+        self.wait_healthy(Duration::from_secs(60));
     }
 
     fn wait_healthy(&mut self, timeout: Duration) {
@@ -343,6 +380,415 @@ fn traffic_follows_services_through_the_api() {
     });
 
     assert_eq!(agent.healthz(), "HTTP 200", "the agent stayed healthy");
+    drop(agent);
+    drop(server);
+    drop(runtime);
+}
+
+/// What the agent programmed, as the pinned maps hold it.
+fn pinned_state(bpf_root: &Path) -> (StoredState, BTreeMap<AffinityKey, AffinityValue>) {
+    let maps = Maps::open_pinned(&PinLayout::new(bpf_root)).expect("the pinned maps");
+    let services = maps.read_service_state().expect("reading the service maps");
+    let affinity = maps
+        .affinity
+        .iter()
+        .map(|entry| entry.expect("an AFFINITY entry"))
+        .collect();
+    (services, affinity)
+}
+
+/// The map operations each sync of an agent's log made, and those of
+/// the garbage collection at its start.
+fn logged_ops(log: &str) -> Vec<u64> {
+    log.lines()
+        .map(strip_ansi)
+        .filter(|line| line.contains(" synced ") || line.contains("removed unreferenced"))
+        .map(|line| {
+            let ops = line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("ops="))
+                .unwrap_or_else(|| panic!("a sync logged without ops=: {line}"));
+            ops.parse()
+                .unwrap_or_else(|e| panic!("ops={ops} in {line:?}: {e}"))
+        })
+        .collect()
+}
+
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Watches the pinned SERVICES map until stopped: every frontend of
+/// `before` seen with fewer backends than it had there (or none).
+fn watch_for_fewer_endpoints(
+    bpf_root: PathBuf,
+    before: BTreeMap<ServiceKey, u32>,
+    stop: Arc<AtomicBool>,
+) -> thread::JoinHandle<(usize, BTreeSet<String>)> {
+    thread::spawn(move || {
+        let (mut reads, mut fewer) = (0, BTreeSet::new());
+        while !stop.load(Ordering::Relaxed) {
+            let maps = Maps::open_pinned(&PinLayout::new(&bpf_root)).expect("the pinned maps");
+            let now: BTreeMap<ServiceKey, u32> = maps
+                .services
+                .iter()
+                .map(|entry| entry.expect("a SERVICES entry"))
+                .map(|(key, value)| (key, value.count))
+                .collect();
+            reads += 1;
+            for (key, count) in &before {
+                let seen = now.get(key).copied();
+                if seen.is_none_or(|n| n < *count) {
+                    fewer.insert(format!(
+                        "{}: {count} backends, then {}",
+                        service_key_string(key),
+                        seen.map_or("none".to_owned(), |n| n.to_string())
+                    ));
+                }
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+        (reads, fewer)
+    })
+}
+
+/// A restart on what an agent of the same version programmed makes no map
+/// write, whichever initial listing arrives first, and passes through no
+/// state with fewer endpoints: backend ids, service ids and the affinity
+/// entries real traffic made stay as they were.
+#[test]
+fn restarts_are_diffs_whichever_list_comes_first() {
+    require_root().expect("privileged test");
+    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let server = {
+        let _context = runtime.enter();
+        let listener = tokio::net::TcpListener::from_std(bind_in(node_ns)).expect("listener");
+        ApiServer::serve(listener)
+    };
+    server.apply(node(&node_name, Some("zone-a")));
+    // Session affinity, so that traffic leaves AFFINITY entries.
+    let mut web = service("test", "web", CLUSTER_IP);
+    web["spec"]["sessionAffinity"] = json!("ClientIP");
+    server.apply(web);
+    server.apply(web_slice(
+        &node_name,
+        &["backend-a", "backend-b", "backend-c"],
+    ));
+    // Topology hints: this node's zone has two of the three endpoints, so
+    // the Service reads differently before the Node is known.
+    server.apply(service("test", "zoned", "10.96.0.20"));
+    let mut zoned = slice(
+        "test",
+        "zoned-1",
+        "zoned",
+        &node_name,
+        &["10.200.0.11", "10.200.0.12", "10.200.0.13"],
+    );
+    for (endpoint, zone) in ["zone-a", "zone-b", "zone-a"].iter().enumerate() {
+        zoned["endpoints"][endpoint]["hints"] = json!({"forZones": [{"name": zone}]});
+    }
+    server.apply(zoned);
+    // More Services, so that a restart has work to redo if it redoes any.
+    for n in 1..=50u8 {
+        let name = format!("filler-{n}");
+        server.apply(service("test", &name, &format!("10.96.1.{n}")));
+        let ips: Vec<String> = (1..=4).map(|i| format!("10.201.{n}.{i}")).collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        server.apply(slice(
+            "test",
+            &format!("{name}-1"),
+            &name,
+            "node-elsewhere",
+            &ips,
+        ));
+    }
+
+    let mut agent = KubeAgent::start(node_ns, server.url());
+    let context =
+        |what: &str, agent: &KubeAgent| format!("{what} (agent /healthz: {})", agent.healthz());
+    let mut sticky = String::new();
+    eventually(&context("programmed", &agent), CONVERGE, || {
+        let counts = backends_answering(client, 10)?;
+        match counts.keys().collect::<Vec<_>>()[..] {
+            [one] => {
+                sticky = one.clone();
+                Ok(())
+            }
+            _ => Err(format!(
+                "session affinity: one backend should answer, not {counts:?}"
+            )),
+        }
+    });
+    let fresh_ops = logged_ops(&agent.log());
+    eprintln!(
+        "fresh start: {} map operations in {} syncs",
+        fresh_ops.iter().sum::<u64>(),
+        fresh_ops.len()
+    );
+    let (services, affinity) = pinned_state(&agent.bpf_root);
+    assert!(
+        !affinity.is_empty(),
+        "the client's connections left no AFFINITY entry"
+    );
+    let counts: BTreeMap<ServiceKey, u32> = services
+        .services
+        .iter()
+        .map(|(key, value)| (*key, value.count))
+        .collect();
+    assert_eq!(
+        counts.len(),
+        52,
+        "web, zoned and 50 fillers: one frontend each"
+    );
+    let zoned_count = counts.values().filter(|c| **c == 2).count();
+    assert_eq!(
+        zoned_count, 1,
+        "zoned has its zone's two endpoints: {counts:?}"
+    );
+
+    // Every order is tried before any verdict, so that a failure shows
+    // which orders go wrong.
+    let mut wrong = Vec::new();
+    for delayed in [
+        Resource::EndpointSlices,
+        Resource::Services,
+        Resource::Nodes,
+    ] {
+        let what = format!("restart with the {} listing late", delayed.kind());
+        let (services, affinity) = pinned_state(&agent.bpf_root);
+        let counts: BTreeMap<ServiceKey, u32> = services
+            .services
+            .iter()
+            .map(|(key, value)| (*key, value.count))
+            .collect();
+        let first_request = server.requests().len();
+        server.fail_next(delayed, Verb::List, Fault::Delay(Duration::from_secs(2)), 1);
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = watch_for_fewer_endpoints(agent.bpf_root.clone(), counts, Arc::clone(&stop));
+        agent.restart();
+        // Healthy: past the first sync. Then past the late listing, and a
+        // little longer for any sync that would follow it.
+        eventually(
+            &format!("{what}: the late listing answered"),
+            RECOVERY,
+            || {
+                let answered = server.requests()[first_request..].iter().any(|r| {
+                    r.resource == Some(delayed) && r.verb == Some(Verb::List) && r.status == 200
+                });
+                answered.then_some(()).ok_or_else(|| "not yet".to_owned())
+            },
+        );
+        thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+        let (reads, fewer) = watcher.join().expect("the map watcher");
+
+        let lists: Vec<Resource> = server.requests()[first_request..]
+            .iter()
+            .filter(|r| r.verb == Some(Verb::List) && r.status == 200)
+            .filter_map(|r| r.resource)
+            .collect();
+        assert!(
+            lists.len() == 3 && lists.last() == Some(&delayed),
+            "{what}: the listings were answered in the order {lists:?}"
+        );
+
+        let ops = logged_ops(&agent.log());
+        assert!(!ops.is_empty(), "{what}: no sync logged:\n{}", agent.log());
+        eprintln!(
+            "{what}: map operations per sync {ops:?}; {reads} reads of the maps, {} saw a frontend with fewer backends",
+            if fewer.is_empty() { "none" } else { "some" }
+        );
+        let mut differs = Vec::new();
+        if ops.iter().any(|n| *n > 0) {
+            differs.push(format!("map operations per sync {ops:?}, want 0"));
+        }
+        if !fewer.is_empty() {
+            differs.push(format!("frontends seen with fewer backends: {fewer:?}"));
+        }
+        let (services_now, affinity_now) = pinned_state(&agent.bpf_root);
+        if services_now != services {
+            differs.push("the service maps changed (backend or service ids reassigned)".into());
+        }
+        if affinity_now != affinity {
+            differs.push(format!(
+                "AFFINITY changed from {affinity:?} to {affinity_now:?}"
+            ));
+        }
+        if !differs.is_empty() {
+            wrong.push(format!("{what}: {}", differs.join("; ")));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "restarts on unchanged state were not diffs:\n{}",
+        wrong.join("\n")
+    );
+    eventually(&context("after the restarts", &agent), CONVERGE, || {
+        let counts = backends_answering(client, 10)?;
+        if counts.keys().eq([&sticky]) {
+            Ok(())
+        } else {
+            Err(format!(
+                "affinity kept: {sticky} should answer alone, not {counts:?}"
+            ))
+        }
+    });
+    drop(agent);
+    drop(server);
+    drop(runtime);
+}
+
+/// A Service whose backends the kernel refuses (BACKENDS full: E2BIG) waits,
+/// counted, while /healthz turns 503 once it is overdue; when the map has
+/// room again the agent's own retry programs it, with no event from the
+/// API, and /healthz is 200 again.
+#[test]
+fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
+    require_root().expect("privileged test");
+    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let server = {
+        let _context = runtime.enter();
+        let listener = tokio::net::TcpListener::from_std(bind_in(node_ns)).expect("listener");
+        ApiServer::serve(listener)
+    };
+    server.apply(node(&node_name, None));
+    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(web_slice(&node_name, &["backend-a"]));
+    // Health timeout 2 x 1 s.
+    let agent = KubeAgent::start_with(node_ns, server.url(), &["--sync-period", "1s"]);
+    let context = |what: &str| format!("{what} (agent /healthz: {})", agent.healthz());
+    eventually(&context("web programmed"), CONVERGE, || {
+        served_by(client, 5, &["backend-a"])
+    });
+
+    // Fill BACKENDS with entries of ids the agent does not use, until the
+    // kernel refuses one.
+    let pins = PinLayout::new(&agent.bpf_root);
+    let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
+    let filler = proxy_common::Backend {
+        addr_be: [
+            0,
+            0,
+            0xffff_u32.to_be(),
+            u32::from_ne_bytes([10, 254, 0, 1]),
+        ],
+        port_be: 9u16.to_be(),
+        proto: 6,
+        flags: 0,
+    };
+    let first_filler = 0x8000_0000u32;
+    let mut id = first_filler;
+    let refusal = loop {
+        match maps.backends.insert(id, filler, 0) {
+            Ok(()) => id += 1,
+            Err(e) => break e,
+        }
+        assert!(
+            id - first_filler <= proxy_common::MAX_BACKENDS,
+            "BACKENDS took more than its capacity"
+        );
+    };
+    eprintln!(
+        "BACKENDS full after {} filler entries: {refusal}",
+        id - first_filler
+    );
+
+    let api_vip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 30), 80);
+    server.apply(service("test", "api", "10.96.0.30"));
+    server.apply(slice(
+        "test",
+        "api-1",
+        "api",
+        &node_name,
+        &["10.200.0.12", "10.200.0.13"],
+    ));
+    eventually(
+        "/healthz 503 once the change is overdue",
+        CONVERGE,
+        || match agent.healthz().as_str() {
+            "HTTP 503" => Ok(()),
+            other => Err(format!("/healthz: {other}")),
+        },
+    );
+    eventually(&context("the write refused and pending"), CONVERGE, || {
+        let log = strip_ansi(&agent.log());
+        if log.contains("write failed; retrying") && log.contains("pending=1") {
+            Ok(())
+        } else {
+            Err("no failed write logged yet".into())
+        }
+    });
+    served_by(client, 5, &["backend-a"])
+        .unwrap_or_else(|e| panic!("{}: {e}", context("web while api waits")));
+    let log = strip_ansi(&agent.log());
+    let attempts = log.matches("write failed; retrying").count();
+    assert!(
+        attempts >= 2,
+        "retried by the agent's timer, with no API event: {attempts} attempts\n{log}"
+    );
+
+    // Room for the two backends of api.
+    for id in first_filler..first_filler + 2 {
+        maps.backends.remove(&id).expect("remove a filler entry");
+    }
+    let took = eventually(
+        &context("api programmed once there is room"),
+        RECOVERY,
+        || {
+            let tally = tcp_tally(client, api_vip, 20, TIMEOUT).map_err(|e| format!("{e:#}"))?;
+            let seen: Vec<&str> = tally.counts.keys().map(String::as_str).collect();
+            if tally.failures.is_empty() && seen == ["backend-b", "backend-c"] {
+                Ok(())
+            } else {
+                Err(format!(
+                    "answered by {:?}, failures {:?}",
+                    tally.counts, tally.failures
+                ))
+            }
+        },
+    );
+    eprintln!("{attempts} failed attempts; landed {took:?} after the room was made");
+    eventually("/healthz 200 again", CONVERGE, || {
+        match agent.healthz().as_str() {
+            "HTTP 200" => Ok(()),
+            other => Err(format!("/healthz: {other}")),
+        }
+    });
+    let log = strip_ansi(&agent.log());
+    assert!(
+        log.contains("programmed after retrying"),
+        "the landing is logged:\n{log}"
+    );
+    drop(maps);
     drop(agent);
     drop(server);
     drop(runtime);

@@ -311,6 +311,11 @@ impl Planner {
         outcome
     }
 
+    /// Deletes that failed are waiting for another try.
+    pub fn has_garbage(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Applies garbage deletes (from adoption or failed earlier cleanups).
     pub fn collect_garbage<S: MapStore>(
         &mut self,

@@ -21,7 +21,7 @@
 //!   are refused (`400`), so a client sending one fails loudly.
 //! - Errors as `Status` objects with the HTTP code.
 //!
-//! Faults: [`ApiServer::fail_next`] (a status code, a stall, a `410`) for the
+//! Faults: [`ApiServer::fail_next`] (a status code, a stall, a delay, a `410`) for the
 //! next requests of a resource and verb; [`ApiServer::drop_watches`] (the
 //! connection breaks mid-stream), [`ApiServer::end_watches`] (a clean end,
 //! as a server-side timeout), [`ApiServer::stall_watches`] (streams go
@@ -138,6 +138,9 @@ pub enum Fault {
     Status(u16),
     /// Never answer (until [`STALL_LIMIT`]): a hung API server.
     Stall,
+    /// Answer normally, but this much later (from the store as it is
+    /// then): a slow listing, which lets another kind's arrive first.
+    Delay(Duration),
     /// `410 Gone`, reason `Expired`, as the HTTP answer to the request
     /// itself (API servers report an expired watch inside the stream
     /// instead; that is [`ApiServer::compact`]).
@@ -698,17 +701,31 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
             tokio::time::sleep(STALL_LIMIT).await;
             return status_response(504, "Timeout", "fault injected: stalled request gave up");
         }
-        None => match name_selector(&query) {
-            Err(message) => status_response(400, "BadRequest", &message),
-            Ok(name) => match verb {
-                Verb::List => list(&shared, resource, name, &query),
-                Verb::Watch => watch_stream(&shared, resource, name, &query),
-            },
-        },
+        Some(Fault::Delay(delay)) => {
+            tokio::time::sleep(delay).await;
+            serve(&shared, resource, verb, &query)
+        }
+        None => serve(&shared, resource, verb, &query),
     };
     record.status = response.status().as_u16();
     shared.store().requests.push(record);
     response
+}
+
+/// A list or watch answered from the store.
+fn serve(
+    shared: &Shared,
+    resource: Resource,
+    verb: Verb,
+    query: &HashMap<String, String>,
+) -> Response {
+    match name_selector(query) {
+        Err(message) => status_response(400, "BadRequest", &message),
+        Ok(name) => match verb {
+            Verb::List => list(shared, resource, name, query),
+            Verb::Watch => watch_stream(shared, resource, name, query),
+        },
+    }
 }
 
 fn list(

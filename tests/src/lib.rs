@@ -15,6 +15,7 @@ pub mod cgroup;
 pub mod client;
 pub mod cluster;
 pub mod frames;
+pub mod fuzz;
 pub mod iptables;
 pub mod manifest;
 pub mod netns;

@@ -82,6 +82,9 @@ pub struct Universe {
     pub hairpin_src: Ipv4Addr,
     /// Addresses the generator sends from (besides the backends).
     pub clients: Vec<Ipv4Addr>,
+    /// Prefixes the node has routes to, for the packets the datapath
+    /// routes itself.
+    pub routes: Vec<(Ipv4Addr, u8)>,
 }
 
 impl Universe {
@@ -89,6 +92,13 @@ impl Universe {
         self.frontends
             .iter()
             .find(|f| f.proto == proto && f.addr == addr && f.port == port)
+    }
+
+    fn routable(&self, dst: Ipv4Addr) -> bool {
+        self.routes.iter().any(|(net, len)| {
+            let mask = u32::MAX.checked_shl(32 - *len as u32).unwrap_or(0);
+            u32::from(dst) & mask == u32::from(*net) & mask
+        })
     }
 
     /// Frontends `addr:port` is a backend of.
@@ -174,6 +184,9 @@ pub enum DropReason {
     RejectImpossible,
     /// A packet the datapath routes itself, with its TTL spent.
     TtlSpent,
+    /// A packet the datapath routes itself, to where the FIB has no route
+    /// (the answer to a client no route leads back to).
+    Unroutable,
 }
 
 /// What a program did to one frame.
@@ -1052,8 +1065,17 @@ fn explain_drop(
     let t = v
         .tuple(input)
         .ok_or("dropped a frame whose ports cannot be read")?;
-    if v.ttl <= 1 && ct.translation(&t).is_some_and(|(_, routed)| routed) {
-        return Ok(DropReason::TtlSpent);
+    if let Some((to, true)) = ct.translation(&t) {
+        if v.ttl <= 1 {
+            return Ok(DropReason::TtlSpent);
+        }
+        if !u.routable(to.dst) {
+            return Ok(DropReason::Unroutable);
+        }
+        return Err(format!(
+            "dropped {t}, routed to {to}, which has a route (TTL {})",
+            v.ttl
+        ));
     }
     let Some(fe) = u.frontend(t.proto, t.dst, t.dport) else {
         return Err(format!("dropped {t}, which addresses no frontend"));
@@ -1349,6 +1371,7 @@ mod tests {
             snat_ports: 1024..=29999,
             hairpin_src: Ipv4Addr::new(169, 254, 42, 1),
             clients: vec![CLIENT],
+            routes: Vec::new(),
         }
     }
 

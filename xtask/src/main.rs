@@ -44,7 +44,8 @@ enum Cmd {
     /// Set up, build, and run the benchmarks (needs root): per-packet cost of the
     /// datapath, control-plane cost against kube-proxy's iptables mode, end to end
     /// through a ClusterIP, and NodePort connections from outside the cluster through
-    /// XDP, tc and kube-proxy's iptables mode. Writes markdown tables and a plot to
+    /// XDP, tc and kube-proxy's iptables mode; then the datapath on a million random
+    /// and mutated frames, every output checked. Writes markdown tables and a plot to
     /// bench/results/ and prints the tables.
     Bench {
         /// Smaller sizes and fewer repeats (about two and a half minutes).

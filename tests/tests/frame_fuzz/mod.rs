@@ -206,6 +206,13 @@ pub fn universe() -> Universe {
         snat_ports: proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX,
         hairpin_src: HAIRPIN_SRC,
         clients: vec![CLIENT, OUTSIDE, OUTSIDE_DENIED],
+        // As `fixture` sets them up in the node's namespace.
+        routes: vec![
+            (Ipv4Addr::new(192, 168, 50, 0), 24),
+            (Ipv4Addr::new(10, 1, 2, 0), 24),
+            (Ipv4Addr::new(192, 168, 60, 0), 24),
+            (Ipv4Addr::new(10, 200, 0, 0), 24),
+        ],
     }
 }
 

@@ -36,7 +36,7 @@ impl Rng {
 
     /// Uniform in `0..n` (`n` > 0).
     pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() >> 32) * n as u64 >> 32) as usize
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
 
     pub fn chance(&mut self, percent: usize) -> bool {
@@ -1212,8 +1212,7 @@ fn translation(
     let ports_move = vi.frag_offset == 0;
     let csum_off = vi.l4_csum_off().filter(|_| ports_move);
     for i in (0..input.len()).filter(|&i| input[i] != output[i]) {
-        let allowed = (i < 12 && routed)
-            || (i == 22 && routed)
+        let allowed = ((i < 12 || i == 22) && routed)
             || (24..34).contains(&i)
             || (ports_move && (vi.l4..vi.l4 + 4).contains(&i))
             || csum_off.is_some_and(|o| (o..o + 2).contains(&i));

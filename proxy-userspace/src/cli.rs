@@ -63,7 +63,7 @@ pub struct RunArgs {
     pub master: Option<String>,
     /// Attach only to these interfaces (default: every non-loopback one,
     /// including ones created later).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', value_parser = parse_interface)]
     pub interfaces: Option<Vec<String>>,
     /// Where /healthz is served.
     #[arg(long, default_value = "0.0.0.0:10256")]
@@ -162,6 +162,31 @@ pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
     Cidr::parse(s).ok_or_else(|| format!("{s:?} is not a CIDR (like 192.168.0.0/16)"))
 }
 
+/// A name the kernel could give an interface (its `dev_valid_name`): one
+/// that could never match would leave the datapath attached nowhere, silently.
+pub fn parse_interface(s: &str) -> Result<String, String> {
+    let valid = !s.is_empty()
+        && s.len() < IFNAMSIZ
+        && s != "."
+        && s != ".."
+        && !s.chars().any(|c| c == '/' || c == ':' || c.is_whitespace());
+    if valid {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not an interface name (1 to {} bytes, no '/', ':' or spaces)",
+            IFNAMSIZ - 1
+        ))
+    }
+}
+
+const IFNAMSIZ: usize = 16;
+
+/// The longest duration a flag takes: timeouts reach the datapath as u64
+/// nanoseconds (about 584 years), and a deadline this far out still fits
+/// the clock.
+const MAX_DURATION: Duration = Duration::from_nanos(u64::MAX);
+
 /// "250ms", "2s", "1m", "6h" or a plain number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -178,7 +203,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => value * 3600.0,
         _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     };
-    Ok(Duration::from_secs_f64(secs))
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| *d <= MAX_DURATION)
+        .ok_or_else(|| {
+            format!(
+                "{s:?} is too long (at most {}h)",
+                MAX_DURATION.as_secs() / 3600
+            )
+        })
 }
 
 #[cfg(test)]
@@ -224,6 +257,130 @@ mod tests {
         );
         let err = parse(&["--conntrack-max", "10"]).expect_err("too small a table");
         assert!(err.to_string().contains("1024"), "{err}");
+    }
+
+    /// Values a flag may be given by mistake or malice: every one must be
+    /// taken or refused with an error naming the flag, never a panic.
+    const HOSTILE: &[&str] = &[
+        "",
+        " ",
+        ",",
+        "a,,b",
+        "99999999999999999999h",
+        "99999999999999999999",
+        "18446744073709551616",
+        "4294967296",
+        "-1",
+        "-5s",
+        "1e400s",
+        "1e400",
+        "inf",
+        "NaN",
+        "0",
+        "0x10",
+        "1.5.5s",
+        ".",
+        "5d",
+        "584942417356h",
+        "9999999999999999999999999999999999999999999999999999999999999999999ms",
+        "1/33",
+        "10.0.0.0/33",
+        "300.1.2.3/8",
+        "10.0.0.0/-1",
+        "::/129",
+        "256.256.256.256",
+        "1.2.3.4:99999",
+        "[::1]:0",
+        "\u{0}",
+        "ñ\u{202e}鍵🦀",
+        "a\u{0}b",
+        "//..//",
+        "true",
+        "maybe",
+        "eth0:1",
+        "a-name-longer-than-fifteen",
+    ];
+
+    /// Every flag of every subcommand, found through clap's own definition
+    /// (so that a new flag is covered without a change here), with every
+    /// hostile value.
+    #[test]
+    fn no_value_of_any_flag_panics_and_refusals_name_the_flag() {
+        use clap::CommandFactory;
+        let command = Cli::command();
+        let mut tried = 0;
+        let mut refused = 0;
+        for sub in command.get_subcommands() {
+            let subname = sub.get_name();
+            for arg in sub.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if !arg.get_action().takes_values() {
+                    continue;
+                }
+                for value in HOSTILE {
+                    let flag = format!("--{long}={value}");
+                    let argv = ["ebpf-proxy", subname, &flag];
+                    let parsed = std::panic::catch_unwind(|| {
+                        Cli::try_parse_from(argv).map(|cli| {
+                            // What the agent derives from the flags at start.
+                            if let Command::Run(run) = &cli.command {
+                                let _ = (run.ct_timeouts(), run.conntrack_entries());
+                            }
+                        })
+                    })
+                    .unwrap_or_else(|_| panic!("`ebpf-proxy {subname} {flag}` panicked"));
+                    tried += 1;
+                    if let Err(err) = parsed {
+                        refused += 1;
+                        let text = err.to_string();
+                        assert!(
+                            text.contains(&format!("--{long}")),
+                            "`ebpf-proxy {subname} {flag}` was refused without naming --{long}: {text}"
+                        );
+                    }
+                }
+            }
+        }
+        let flags = tried / HOSTILE.len();
+        assert!(
+            flags >= 20,
+            "only {flags} flags found in the command's definition"
+        );
+        assert!(refused > 0, "no hostile value was ever refused");
+    }
+
+    #[test]
+    fn huge_and_malformed_durations_are_errors() {
+        for bad in [
+            "99999999999999999999h",
+            "1e400s",
+            "-1s",
+            "inf",
+            "NaN",
+            "1.5.5s",
+        ] {
+            assert!(
+                parse_duration(bad).is_err(),
+                "{bad:?} parsed as {:?}",
+                parse_duration(bad)
+            );
+        }
+        assert_eq!(
+            parse_duration("5124095h"),
+            Ok(Duration::from_secs(5_124_095 * 3600)),
+            "the longest whole number of hours that fits"
+        );
+        assert!(parse_duration("5124096h").unwrap_err().contains("too long"));
+    }
+
+    #[test]
+    fn interface_names_are_what_the_kernel_allows() {
+        for good in ["eth0", "veth-a.100", "abcdefghijklmno"] {
+            assert_eq!(parse_interface(good).as_deref(), Ok(good));
+        }
+        for bad in ["", ".", "..", "a/b", "eth0:1", "a b", "abcdefghijklmnop"] {
+            assert!(parse_interface(bad).is_err(), "{bad:?} was accepted");
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod client;
 pub mod cluster;
 pub mod flood;
 pub mod frames;
+pub mod fuzz;
 pub mod iptables;
 pub mod manifest;
 pub mod netns;

@@ -44,7 +44,8 @@ enum Cmd {
     /// Set up, build, and run the benchmarks (needs root): per-packet cost of the
     /// datapath, control-plane cost against kube-proxy's iptables mode, end to end
     /// through a ClusterIP, and NodePort connections from outside the cluster through
-    /// XDP, tc and kube-proxy's iptables mode. Writes markdown tables and a plot to
+    /// XDP, tc and kube-proxy's iptables mode; then the datapath on a million random
+    /// and mutated frames, every output checked. Writes markdown tables and a plot to
     /// bench/results/ and prints the tables.
     Bench {
         /// Smaller sizes and fewer repeats (about two and a half minutes).
@@ -145,7 +146,7 @@ fn bench(quick: bool) -> Result<()> {
     let bin = build()?;
     ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
     let out = workspace_root().join("bench/results");
-    for name in ["datapath", "control_plane", "e2e", "nodeport"] {
+    for name in ["datapath", "control_plane", "e2e", "nodeport", "fuzz"] {
         let mut cmd = cargo();
         cmd.args(["bench", "-p", "ebpf-proxy-tests", "--bench", name, "--"])
             .arg("--out")

@@ -1,0 +1,326 @@
+//! The property every output of the programs must have, checked on one
+//! run: what the program did, or what was wrong with it.
+
+use super::{
+    Conntrack, DropReason, Hook, ICMP, Outcome, Tuple, Universe,
+    frame::{ETH_HLEN, View, be16, ip_residual, l4_residual, view},
+    verdict,
+};
+use crate::frames::{TCP, UDP, csum};
+
+/// Checks one run of `hook` on `input`: what it did, or what was wrong.
+pub fn check(
+    u: &Universe,
+    ct: &dyn Conntrack,
+    hook: Hook,
+    input: &[u8],
+    verdict: u32,
+    output: &[u8],
+) -> Result<Outcome, String> {
+    use verdict::*;
+    let (pass, drop, redirect) = match hook {
+        Hook::Tc => (TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT),
+        Hook::Xdp => (XDP_PASS, XDP_DROP, XDP_REDIRECT),
+    };
+    if verdict == drop {
+        return explain_drop(u, ct, hook, input).map(Outcome::Dropped);
+    }
+    if verdict != pass && verdict != redirect {
+        return Err(format!("verdict {verdict} is not one {hook:?} may give"));
+    }
+    if output == input {
+        return if verdict == pass {
+            Ok(Outcome::Untouched)
+        } else {
+            Err("redirected without a change (routing always takes one off the TTL)".into())
+        };
+    }
+    if hook == Hook::Tc && verdict == redirect && is_reject(u, input, output)? {
+        return Ok(if output.len() == input.len() {
+            Outcome::Reset
+        } else {
+            Outcome::PortUnreachable
+        });
+    }
+    translation(u, ct, input, output, verdict == redirect)
+}
+
+/// The drop is one the datapath is meant to make.
+fn explain_drop(
+    u: &Universe,
+    ct: &dyn Conntrack,
+    hook: Hook,
+    input: &[u8],
+) -> Result<DropReason, String> {
+    let v = view(input).ok_or("dropped a frame that is not IPv4")?;
+    let t = v
+        .tuple(input)
+        .ok_or("dropped a frame whose ports cannot be read")?;
+    if let Some((to, true)) = ct.translation(&t) {
+        if v.ttl <= 1 {
+            return Ok(DropReason::TtlSpent);
+        }
+        if !u.routable(to.dst) {
+            return Ok(DropReason::Unroutable);
+        }
+        return Err(format!(
+            "dropped {t}, routed to {to}, which has a route (TTL {})",
+            v.ttl
+        ));
+    }
+    let Some(fe) = u.frontend(t.proto, t.dst, t.dport) else {
+        return Err(format!("dropped {t}, which addresses no frontend"));
+    };
+    if let Some(allowed) = &fe.allowed
+        && !allowed.contains(&t.src)
+    {
+        return Ok(DropReason::SourceRange);
+    }
+    if fe.backends.is_empty() {
+        return Ok(if fe.drop_when_empty {
+            DropReason::NoEndpoint
+        } else if hook == Hook::Tc {
+            DropReason::RejectImpossible
+        } else {
+            return Err(format!(
+                "XDP dropped {t}, to a frontend without endpoints that rejects (XDP leaves rejects to tc)"
+            ));
+        });
+    }
+    if v.ttl <= 1 && fe.snat {
+        return Ok(DropReason::TtlSpent);
+    }
+    Err(format!(
+        "dropped {t}, a packet to a frontend with endpoints (TTL {})",
+        v.ttl
+    ))
+}
+
+/// Whether `output` is the reject of `input`; an error when it tries to
+/// be one and is wrong.
+fn is_reject(u: &Universe, input: &[u8], output: &[u8]) -> Result<bool, String> {
+    let (Some(vi), Some(vo)) = (view(input), view(output)) else {
+        return Ok(false);
+    };
+    let reversed = vo.src == vi.dst && vo.dst == vi.src;
+    let rst = vo.proto == TCP
+        && output.len() == input.len()
+        && vo.l4 + 14 <= output.len()
+        && output[vo.l4 + 13] & 0x04 != 0;
+    let icmp = vo.proto == ICMP && vi.proto != ICMP;
+    if !reversed || !(rst || icmp) {
+        return Ok(false);
+    }
+    let t = vi.tuple(input).ok_or("a reject of a frame without ports")?;
+    let fe = u
+        .frontend(t.proto, t.dst, t.dport)
+        .ok_or_else(|| format!("a reject of {t}, which addresses no frontend"))?;
+    if !fe.backends.is_empty() || fe.drop_when_empty {
+        return Err(format!(
+            "a reject of {t}, whose frontend has endpoints or drops"
+        ));
+    }
+    if output[0..6] != input[6..12] || output[6..12] != input[0..6] {
+        return Err("the reject's Ethernet addresses are not the sender's swapped".into());
+    }
+    if rst {
+        let l4 = vi.l4;
+        if input[l4 + 13] & 0x16 != 0x02 {
+            return Err(format!(
+                "a RST answering flags {:#04x}, not a bare SYN",
+                input[l4 + 13]
+            ));
+        }
+        let seq = u32::from_be_bytes(input[l4 + 4..l4 + 8].try_into().unwrap());
+        let ack = u32::from_be_bytes(output[l4 + 8..l4 + 12].try_into().unwrap());
+        if output[l4 + 13] != 0x14 || ack != seq.wrapping_add(1) {
+            return Err(format!(
+                "RST flags {:#04x} ack {ack:#x}: want RST|ACK acknowledging {seq:#x} + 1",
+                output[l4 + 13]
+            ));
+        }
+        if be16(output, l4) != t.dport || be16(output, l4 + 2) != t.sport {
+            return Err("the RST's ports are not the SYN's swapped".into());
+        }
+        if ip_residual(output, &vo) != ip_residual(input, &vi) {
+            return Err("the RST's IP header checksum is wrong".into());
+        }
+        if l4_residual(output, &vo) != l4_residual(input, &vi) {
+            return Err(format!(
+                "the RST's TCP checksum is wrong (residual {:?}, the SYN's {:?})",
+                l4_residual(output, &vo),
+                l4_residual(input, &vi)
+            ));
+        }
+    } else {
+        if output.len() != ETH_HLEN + 20 + 8 + 28 || vo.tot_len != 56 || vo.ihl != 20 {
+            return Err(format!(
+                "an ICMP error of {} bytes (IP total length {}): want 70 and 56",
+                output.len(),
+                vo.tot_len
+            ));
+        }
+        if output[34] != 3 || output[35] != 3 {
+            return Err(format!(
+                "ICMP type {} code {}: want 3/3 (port unreachable)",
+                output[34], output[35]
+            ));
+        }
+        if ip_residual(output, &vo) != 0 {
+            return Err("the ICMP error's IP header checksum is wrong".into());
+        }
+        if csum(&output[34..70], 0) != 0 {
+            return Err("the ICMP checksum is wrong".into());
+        }
+        if output[42..70] != input[14..42] {
+            return Err("the ICMP error does not quote the IP header and 8 bytes".into());
+        }
+    }
+    Ok(true)
+}
+
+/// A translation: the same frame with only addresses, ports, checksums and
+/// (when routed) TTL and MACs changed, to where the maps say.
+fn translation(
+    u: &Universe,
+    ct: &dyn Conntrack,
+    input: &[u8],
+    output: &[u8],
+    routed: bool,
+) -> Result<Outcome, String> {
+    if output.len() != input.len() {
+        return Err(format!(
+            "a {}-byte frame came out as {} bytes, and is no reject",
+            input.len(),
+            output.len()
+        ));
+    }
+    let vi = view(input).ok_or("changed a frame that is not IPv4")?;
+    if vi.proto != TCP && vi.proto != UDP {
+        return Err(format!("changed a packet of protocol {}", vi.proto));
+    }
+    let vo = view(output).ok_or("made an IPv4 frame unreadable")?;
+    let ports_move = vi.frag_offset == 0;
+    let csum_off = vi.l4_csum_off().filter(|_| ports_move);
+    for i in (0..input.len()).filter(|&i| input[i] != output[i]) {
+        let allowed = ((i < 12 || i == 22) && routed)
+            || (24..34).contains(&i)
+            || (ports_move && (vi.l4..vi.l4 + 4).contains(&i))
+            || csum_off.is_some_and(|o| (o..o + 2).contains(&i));
+        if !allowed {
+            return Err(format!(
+                "byte {i} changed ({:#04x} -> {:#04x}), outside addresses, ports, checksums{}",
+                input[i],
+                output[i],
+                if routed { ", TTL and MACs" } else { "" }
+            ));
+        }
+    }
+    let want_ttl = if routed {
+        vi.ttl.wrapping_sub(1)
+    } else {
+        vi.ttl
+    };
+    if vo.ttl != want_ttl || (routed && vi.ttl <= 1) {
+        return Err(format!(
+            "TTL {} -> {} ({})",
+            vi.ttl,
+            vo.ttl,
+            if routed { "routed" } else { "not routed" }
+        ));
+    }
+    if ip_residual(output, &vo) != ip_residual(input, &vi) {
+        return Err(format!(
+            "IP header checksum: residual {:#06x}, the input's {:#06x}",
+            ip_residual(output, &vo),
+            ip_residual(input, &vi)
+        ));
+    }
+    if vi.fragment() {
+        return fragment(u, ct, input, output, &vi, &vo);
+    }
+    let l4_in = l4_residual(input, &vi);
+    let l4_out = l4_residual(output, &vo);
+    if l4_in.is_none() {
+        return Err("translated a segment that is not inside the frame".into());
+    }
+    let off = csum_off.ok_or("no L4 checksum")?;
+    let (cin, cout) = (be16(input, off), be16(output, off));
+    if vi.proto == UDP && (cin == 0) != (cout == 0) {
+        return Err(format!(
+            "UDP checksum {cin:#06x} -> {cout:#06x}: 0 (none) must stay 0, and only 0"
+        ));
+    }
+    if !(vi.proto == UDP && cin == 0) && l4_out != l4_in {
+        return Err(format!(
+            "L4 checksum: residual {l4_out:?}, the input's {l4_in:?} (valid: Some(0))"
+        ));
+    }
+    let ti = vi.tuple(input).ok_or("no ports")?;
+    let to = vo.tuple(output).ok_or("no ports")?;
+    match ct.translation(&ti) {
+        Some((want, want_routed)) if want == to && want_routed == routed => {}
+        other => {
+            return Err(format!(
+                "{ti} became {to} (routed: {routed}); its conntrack entry says {other:?}"
+            ));
+        }
+    }
+    consistent(u, &ti, &to)
+}
+
+/// The translation `ti` -> `to` follows the programmed frontends.
+fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
+    if let Some(fe) = u.frontend(ti.proto, ti.dst, ti.dport) {
+        let hairpin = to.src == u.hairpin_src && to.dst == ti.src && to.sport == ti.sport;
+        let snat = fe.snat && to.src == u.node_ip && u.snat_ports.contains(&to.sport);
+        let plain = to.src == ti.src && to.sport == ti.sport;
+        if fe.backends.contains(&(to.dst, to.dport)) && (plain || hairpin || snat) {
+            return Ok(Outcome::Forward { snat, hairpin });
+        }
+    }
+    for fe in u.served_by(ti.proto, ti.src, ti.sport) {
+        if (to.src, to.sport) != (fe.addr, fe.port) {
+            continue;
+        }
+        let hairpin = ti.dst == u.hairpin_src && to.dst == ti.src && to.dport == ti.dport;
+        let snat = fe.snat && ti.dst == u.node_ip && u.snat_ports.contains(&ti.dport);
+        let plain = to.dst == ti.dst && to.dport == ti.dport;
+        if plain || hairpin || snat {
+            return Ok(Outcome::Reply { snat, hairpin });
+        }
+    }
+    Err(format!(
+        "{ti} became {to}: neither a frontend to one of its backends nor a backend's reply"
+    ))
+}
+
+/// A fragment may be left alone or translated at the IP level, as a
+/// conntrack entry between its addresses says; its L4 checksum covers the
+/// whole datagram and cannot be checked from one piece.
+fn fragment(
+    u: &Universe,
+    ct: &dyn Conntrack,
+    input: &[u8],
+    output: &[u8],
+    vi: &View,
+    vo: &View,
+) -> Result<Outcome, String> {
+    if let (Some(ti), Some(to)) = (vi.tuple(input), vo.tuple(output))
+        && ti != to
+    {
+        consistent(u, &ti, &to)?;
+    }
+    let got = (vo.src, vo.dst);
+    if got != (vi.src, vi.dst)
+        && !ct
+            .address_translations(vi.proto, vi.src, vi.dst)
+            .contains(&got)
+    {
+        return Err(format!(
+            "fragment {} -> {} became {} -> {}, which no conntrack entry between them says",
+            vi.src, vi.dst, vo.src, vo.dst
+        ));
+    }
+    Ok(Outcome::Fragment)
+}

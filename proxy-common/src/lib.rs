@@ -793,8 +793,20 @@ pub mod counter {
     pub const CT_NEW_FLOW: u32 = 18;
     /// A flow assured and moved to `CONNTRACK`.
     pub const CT_ASSURED: u32 = 19;
-    pub const COUNT: u32 = 20;
-    pub const NAMES: [&str; 20] = [
+    /// A packet the datapath routes itself (see `REDIRECT`) whose TTL was
+    /// spent: dropped, as a router drops it.
+    pub const DROP_TTL: u32 = 20;
+    /// A packet the datapath routes itself with no route, or no way to its
+    /// next hop: dropped (the stack would drop it for its source anyway).
+    pub const DROP_NO_ROUTE: u32 = 21;
+    /// A rewrite that could not be finished (headers out of reach): the
+    /// packet is dropped rather than sent with wrong checksums.
+    pub const DROP_REWRITE: u32 = 22;
+    /// A reject (RST or ICMP) that could not be built from the packet: the
+    /// packet is dropped instead.
+    pub const DROP_REJECT_FAILED: u32 = 23;
+    pub const COUNT: u32 = 24;
+    pub const NAMES: [&str; 24] = [
         "dnat_new",
         "dnat_established",
         "rev_nat",
@@ -815,6 +827,10 @@ pub mod counter {
         "frag_untracked",
         "ct_new_flow",
         "ct_assured",
+        "drop_ttl",
+        "drop_no_route",
+        "drop_rewrite",
+        "drop_reject_failed",
     ];
 }
 

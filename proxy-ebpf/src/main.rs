@@ -44,7 +44,10 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
             } else {
                 reject::icmp_port_unreachable(&ctx, &flow)
             };
-            rejected.unwrap_or(TC_ACT_SHOT)
+            rejected.unwrap_or_else(|_| {
+                maps::count(proxy_common::counter::DROP_REJECT_FAILED);
+                TC_ACT_SHOT
+            })
         }
         Action::Redirect(flow, nat) => {
             route::redirect_tc(&ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)

@@ -15,7 +15,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
-use crate::{checksum, hook::Hook};
+use proxy_common::counter;
+
+use crate::{checksum, hook::Hook, maps::count};
 
 const AF_INET: u8 = 2;
 
@@ -72,18 +74,23 @@ pub fn lookup<H: Hook>(
 /// the packet: the stack would drop it too, for its source.
 #[inline(always)]
 pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len: u16) -> i32 {
+    let no_route = || {
+        count(counter::DROP_NO_ROUTE);
+        TC_ACT_SHOT
+    };
     let Some(hop) = lookup(ctx, proto, src_be, dst_be, tot_len) else {
-        return TC_ACT_SHOT;
+        return no_route();
     };
     // Headers written in place: the IP checksum is never offloaded, and the
     // L4 checksum does not cover the TTL or the MACs.
     let (data, data_end) = (ctx.data(), ctx.data_end());
     if !checksum::decrement_ttl(data, data_end) {
+        count(counter::DROP_TTL);
         return TC_ACT_SHOT;
     }
     if hop.resolved {
         if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
-            return TC_ACT_SHOT;
+            return no_route();
         }
         unsafe { bpf_redirect(hop.ifindex, 0) as i32 }
     } else {
@@ -91,7 +98,7 @@ pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len
         if r == TC_ACT_REDIRECT as i64 {
             TC_ACT_REDIRECT
         } else {
-            TC_ACT_SHOT
+            no_route()
         }
     }
 }

@@ -237,6 +237,7 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
     if nat.apply(ctx, flow).is_err() {
         // A rewrite that failed half-way leaves a packet with a wrong
         // checksum: drop it rather than send garbage.
+        count(counter::DROP_REWRITE);
         return Action::Drop;
     }
     if !nat.redirect {
@@ -246,12 +247,14 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
     match hop {
         Some(hop) => {
             let (data, data_end) = ctx.bounds();
-            if checksum::decrement_ttl(data, data_end)
-                && checksum::write_macs(data, data_end, &hop.dmac, &hop.smac)
-            {
-                Action::Tx
-            } else {
+            if !checksum::decrement_ttl(data, data_end) {
+                count(counter::DROP_TTL);
                 Action::Drop
+            } else if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
+                count(counter::DROP_NO_ROUTE);
+                Action::Drop
+            } else {
+                Action::Tx
             }
         }
         None => Action::Redirect(*flow, *nat),

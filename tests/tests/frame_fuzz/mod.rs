@@ -379,7 +379,14 @@ fn translate(t: &Tuple, entry: &CtValue) -> (Tuple, bool) {
 
 impl Conntrack for Table<'_> {
     fn translation(&self, t: &Tuple) -> Option<(Tuple, bool)> {
-        let entry = self.0.maps.conntrack.get(&ct_key(t), 0).ok()?;
+        // Assured flows first, as the datapath looks them up.
+        let maps = &self.0.maps;
+        let key = ct_key(t);
+        let entry = maps
+            .conntrack
+            .get(&key, 0)
+            .or_else(|_| maps.ct_new.get(&key, 0))
+            .ok()?;
         Some(translate(t, &entry))
     }
 
@@ -393,10 +400,10 @@ impl Conntrack for Table<'_> {
             u32::from_ne_bytes(src.octets()),
             u32::from_ne_bytes(dst.octets()),
         );
-        self.0
-            .maps
-            .conntrack
+        let maps = &self.0.maps;
+        maps.conntrack
             .iter()
+            .chain(maps.ct_new.iter())
             .filter_map(Result::ok)
             .filter(|(k, _)| k.proto == proto && k.src_be == src_be && k.dst_be == dst_be)
             .map(|(k, v)| {
@@ -450,17 +457,13 @@ impl Fixture {
         self.datapath.maps.counters().expect("reading counters")
     }
 
-    /// Empties conntrack (and voids every CPU's cached copies of it).
+    /// Empties both conntrack maps (and voids every CPU's cached copies).
     fn reset_conntrack(&mut self) {
-        let keys: Vec<CtKey> = self
-            .datapath
-            .maps
-            .conntrack
-            .keys()
-            .filter_map(Result::ok)
-            .collect();
-        proxy_userspace::datapath::batch::delete(self.datapath.maps.conntrack.map(), &keys)
-            .expect("emptying conntrack");
+        let maps = &self.datapath.maps;
+        for map in [&maps.conntrack, &maps.ct_new] {
+            let keys: Vec<CtKey> = map.keys().filter_map(Result::ok).collect();
+            proxy_userspace::datapath::batch::delete(map.map(), &keys).expect("emptying conntrack");
+        }
         self.datapath
             .maps
             .bump_flow_epoch()
@@ -542,6 +545,18 @@ fn check_drop_counters(report: &mut Report) {
             t.get(Hook::Tc, Outcome::Reset)
                 + t.get(Hook::Tc, Outcome::PortUnreachable)
                 + t.get(Hook::Tc, Outcome::Dropped(DropReason::RejectImpossible)),
+        ),
+        (
+            counter::NAMES[counter::DROP_REJECT_FAILED as usize],
+            t.get(Hook::Tc, Outcome::Dropped(DropReason::RejectImpossible)),
+        ),
+        (
+            counter::NAMES[counter::DROP_TTL as usize],
+            both(Outcome::Dropped(DropReason::TtlSpent)),
+        ),
+        (
+            counter::NAMES[counter::DROP_NO_ROUTE as usize],
+            both(Outcome::Dropped(DropReason::Unroutable)),
         ),
     ];
     for (name, want) in expected {

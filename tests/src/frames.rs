@@ -134,7 +134,10 @@ pub fn parse_checked(f: &[u8], what: &str) -> Parsed {
 /// of its payload each (a multiple of 8, as the fragment offset counts 8-byte units),
 /// under the identification `id`, each a frame with a valid header checksum.
 pub fn fragment(frame: &[u8], chunk: usize, id: u16) -> Vec<Vec<u8>> {
-    assert!(chunk.is_multiple_of(8) && chunk > 0, "fragment size {chunk}");
+    assert!(
+        chunk.is_multiple_of(8) && chunk > 0,
+        "fragment size {chunk}"
+    );
     let ihl = ((frame[14] & 0x0f) as usize) * 4;
     let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
     let payload = &frame[14 + ihl..14 + tot];

@@ -426,6 +426,11 @@ pub mod ct_flags {
     pub const REDIRECT: u8 = 1 << 4;
     /// `alt_*` is in use: the other address of the packet is rewritten too.
     pub const TWO_SIDED: u8 = HAIRPIN | SNAT;
+    /// The flow is assured (its client spoke again after a reply) and lives
+    /// in `CONNTRACK`. Until then a TCP flow that has seen a reply keeps the
+    /// handshake's timeout, as netfilter's SYN_RECV: a half-open flow (a
+    /// SYN-ACK to a spoofed client) is not kept for hours.
+    pub const ASSURED: u8 = 1 << 5;
 }
 
 /// For a FORWARD entry, `nat_*` is the backend the flow was sent to and
@@ -633,7 +638,9 @@ impl CtValue {
         if proto == PROTO_TCP {
             if self.flags & ct_flags::CLOSING != 0 {
                 timeouts.tcp_closing_ns
-            } else if self.flags & ct_flags::SEEN_REPLY != 0 {
+            } else if self.flags & (ct_flags::SEEN_REPLY | ct_flags::ASSURED)
+                == ct_flags::SEEN_REPLY | ct_flags::ASSURED
+            {
                 timeouts.tcp_established_ns
             } else {
                 timeouts.tcp_syn_ns

@@ -191,10 +191,12 @@ fn promote(key: &CtKey, entry: &CtValue, flow: &Flow, now: u64) -> bool {
         return false;
     };
     let reply = CtValue {
+        flags: reply.flags | ct_flags::ASSURED,
         last_seen_ns: now,
         ..reply
     };
     let forward = CtValue {
+        flags: entry.flags | ct_flags::ASSURED,
         last_seen_ns: now,
         ..*entry
     };

@@ -519,6 +519,8 @@ fn a_conntrack_map_of_another_size_is_replaced_with_its_flows() {
         let value = CtValue {
             nat_addr_be: u32::from_ne_bytes(BACKENDS[1].octets()),
             nat_port_be: 8080u16.to_be(),
+            // An established flow, as CONNTRACK holds them.
+            flags: proxy_common::ct_flags::SEEN_REPLY | proxy_common::ct_flags::ASSURED,
             dir: ct_dir::FORWARD,
             backend_id: 7,
             service_id: 3,
@@ -1995,5 +1997,59 @@ fn a_flood_of_new_flows_leaves_established_flows_alone() {
         assured,
         2 * 151,
         "CONNTRACK holds the assured flows' entries and nothing else"
+    );
+}
+
+/// A TCP flow that saw its SYN-ACK but never the client's ACK (a half-open
+/// flow, as a SYN flood from spoofed clients leaves) keeps the handshake's
+/// timeout, not the established one: with a 1 s SYN timeout its entries are
+/// gone from `CT_NEW` after it, while an assured flow's stay.
+#[test]
+fn a_half_open_flow_expires_with_the_handshake_timeout() {
+    let mut fx = fixture();
+    let timeouts = proxy_common::CtTimeouts {
+        tcp_syn_ns: 1_000_000_000,
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    fx.datapath
+        .maps
+        .set_ct_timeouts(timeouts)
+        .expect("setting the timeouts");
+    let handshake = |fx: &Fixture, sport: u16, ack: bool| {
+        let (_, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        let backend = parse_checked(&out, "SYN").dst;
+        run(
+            fx,
+            &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+        );
+        if ack {
+            run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+        }
+    };
+    handshake(&fx, 44_000, false);
+    handshake(&fx, 44_001, true);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let reaped =
+        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    assert_eq!(
+        reaped, 2,
+        "the half-open flow's two entries, and only those"
+    );
+    let half_open = ct_key(CLIENT, 44_000, VIP, 80, proxy_common::PROTO_TCP);
+    assert!(
+        fx.datapath.maps.ct_new.get(&half_open, 0).is_err(),
+        "the half-open flow outlived the handshake timeout"
+    );
+    let assured = ct_key(CLIENT, 44_001, VIP, 80, proxy_common::PROTO_TCP);
+    let entry = fx
+        .datapath
+        .maps
+        .conntrack
+        .get(&assured, 0)
+        .expect("the assured flow's entry");
+    assert_ne!(
+        entry.flags & proxy_common::ct_flags::ASSURED,
+        0,
+        "{entry:?}"
     );
 }

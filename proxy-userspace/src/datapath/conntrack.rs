@@ -19,7 +19,7 @@
 use std::collections::HashSet;
 
 use aya::maps::IterableMap;
-use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, map_names};
+use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, ct_flags, map_names};
 
 use super::{
     batch,
@@ -89,13 +89,21 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     Ok(swept)
 }
 
-/// Inserts `flows` into this agent's conntrack, each only where the
-/// datapath has no entry of its own for the tuple yet (carried over from an
-/// older map: a resized one, or an older layout's). Returns how many went in.
+/// Inserts `flows` into this agent's conntrack of assured flows, each only
+/// where the datapath has no entry of its own for the tuple yet (carried
+/// over from an older map: a resized one, or an older layout's, which knew
+/// no unassured flows). Returns how many went in.
 pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
     const BPF_NOEXIST: u64 = 1;
     flows
         .into_iter()
+        .map(|(key, value)| {
+            let assured = CtValue {
+                flags: value.flags | ct_flags::ASSURED,
+                ..value
+            };
+            (key, assured)
+        })
         .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
         .count()
 }

@@ -11,7 +11,6 @@ mod apiserver;
 mod object_mutation;
 
 use std::{
-    io::Write,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -37,18 +36,6 @@ struct Logs(Arc<Mutex<Vec<u8>>>);
 impl Logs {
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-struct LogWriter(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 
@@ -111,7 +98,7 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
     let logs = Logs::default();
     let sink = Arc::clone(&logs.0);
     let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || LogWriter(Arc::clone(&sink)))
+        .with_writer(move || apiserver::LogWriter(Arc::clone(&sink)))
         .with_ansi(false)
         .with_max_level(tracing::Level::INFO)
         .finish();

@@ -11,7 +11,6 @@ mod apiserver;
 
 use std::{
     collections::VecDeque,
-    io::Write,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -62,18 +61,6 @@ impl Logs {
     }
 }
 
-struct LogWriter(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// `source::kube::watch` running against a fake server, and what it sent.
 struct Source {
     rx: Option<mpsc::Receiver<SourceEvent>>,
@@ -97,7 +84,7 @@ impl Source {
         let logs = Logs::default();
         let sink = Arc::clone(&logs.0);
         let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || LogWriter(Arc::clone(&sink)))
+            .with_writer(move || apiserver::LogWriter(Arc::clone(&sink)))
             .with_ansi(false)
             .with_max_level(tracing::Level::INFO)
             .finish();

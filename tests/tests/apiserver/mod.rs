@@ -1041,3 +1041,17 @@ pub fn node(name: &str, zone: Option<&str>) -> Value {
         "metadata": {"name": name, "labels": labels},
     })
 }
+
+/// A `tracing` writer into a shared buffer, so that a test can read what the
+/// code under test logged (the errors that name a skipped object, say).
+pub struct LogWriter(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

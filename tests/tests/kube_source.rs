@@ -794,8 +794,8 @@ async fn malformed_objects_are_skipped_and_named() {
     source.expect_listings(&server, LISTED).await;
     let log = source.logs.text();
     for needle in [
-        "Service demo/broken: invalid type: string \"not-a-list\", expected a sequence; skipped",
-        "EndpointSlice demo/bad-slice: invalid type: map, expected a sequence; skipped",
+        "Service demo/broken: spec.ports: invalid type: string \"not-a-list\", expected a sequence; skipped",
+        "EndpointSlice demo/bad-slice: endpoints: invalid type: map, expected a sequence; skipped",
     ] {
         assert!(
             log.contains(needle),
@@ -821,7 +821,7 @@ async fn malformed_objects_are_skipped_and_named() {
     source
         .logs
         .wait_for(
-            "Service demo/web: invalid type: integer `7`, expected a sequence; skipped, its last good version stays",
+            "Service demo/web: spec.ports: invalid type: integer `7`, expected a sequence; skipped, its last good version stays",
             PROMPT,
         )
         .await;

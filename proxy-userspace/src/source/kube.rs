@@ -46,7 +46,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use serde::{Deserialize, Deserializer, de::DeserializeOwned};
-use serde_json::Value;
+use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 use tracing::{Instrument, error, info, info_span, warn};
 
@@ -268,60 +268,90 @@ enum Lenient<K> {
     },
 }
 
-/// The first decoding attempt: straight to `K` (from serde's buffer of the
-/// object, which borrows strings from the input), else the raw JSON. About
-/// 1.5x the cost of decoding `K` alone, half that of going through a
-/// [`Value`] every time.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Raw<K> {
-    Valid(Box<K>),
-    Malformed(Value),
-}
-
 impl<'de, K: DeserializeOwned + Resource> Deserialize<'de> for Lenient<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let mut object = match Raw::<K>::deserialize(deserializer)? {
-            Raw::Valid(object) => object,
-            // Decoded again from the JSON for the reason (the buffered
-            // attempt only says that it failed).
-            Raw::Malformed(value) => match K::deserialize(&value) {
-                Ok(object) => Box::new(object),
-                Err(e) => {
-                    return Ok(Lenient::Malformed {
-                        metadata: Box::new(lenient_metadata(&value)),
-                        reason: e.to_string(),
-                    });
-                }
-            },
-        };
-        // The API server's field ownership bookkeeping: often most of an
-        // object's bytes and of no use to a proxy.
-        object.meta_mut().managed_fields = None;
-        Ok(Lenient::Valid(object))
+        // Taken as raw text first: serde_json skips a raw value without its
+        // 128-level nesting limit, so an object nested deeper than that fails
+        // alone here instead of failing its whole listing or watch stream.
+        let raw = Box::<RawValue>::deserialize(deserializer)?;
+        match serde_json::from_str::<K>(raw.get()) {
+            Ok(mut object) => {
+                // The API server's field ownership bookkeeping: often most of
+                // an object's bytes and of no use to a proxy.
+                object.meta_mut().managed_fields = None;
+                Ok(Lenient::Valid(Box::new(object)))
+            }
+            Err(_) => Ok(Lenient::Malformed {
+                metadata: Box::new(lenient_metadata(raw.get())),
+                reason: decode_error::<K>(raw.get()),
+            }),
+        }
     }
 }
 
+/// Why `raw` does not decode as `K`, with the path of the field at fault
+/// ("spec.ports: invalid type: ..."). Decoded again to learn it: only bad
+/// objects pay for tracking the path.
+fn decode_error<K: DeserializeOwned>(raw: &str) -> String {
+    let mut deserializer = serde_json::Deserializer::from_str(raw);
+    let Err(e) = serde_path_to_error::deserialize::<_, K>(&mut deserializer) else {
+        return "does not decode".into();
+    };
+    let inner = e.inner();
+    // The position is in the text as the API sent it, which an operator
+    // does not have; the path says where instead.
+    let message = inner.to_string();
+    let position = format!(" at line {} column {}", inner.line(), inner.column());
+    let message = message.strip_suffix(&position).unwrap_or(&message);
+    match e.path().to_string().as_str() {
+        "." => message.to_owned(),
+        path => format!("{path}: {message}"),
+    }
+}
+
+/// Only the metadata of an object, the rest skipped unparsed.
+#[derive(Deserialize)]
+struct MetadataOf<'a> {
+    #[serde(borrow, default)]
+    metadata: Option<&'a RawValue>,
+}
+
+/// The identifying strings of metadata that does not decode as a whole.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NamesOf<'a> {
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    namespace: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    resource_version: Option<&'a RawValue>,
+}
+
 /// The metadata of an object that does not decode: all of it if that part
-/// decodes, else the name, namespace and resourceVersion strings.
-fn lenient_metadata(value: &Value) -> ObjectMeta {
-    let metadata = value.get("metadata");
-    if let Some(Ok(parsed)) = metadata.map(ObjectMeta::deserialize) {
+/// decodes, else whichever of the name, namespace and resourceVersion are
+/// strings.
+fn lenient_metadata(raw: &str) -> ObjectMeta {
+    let Some(metadata) = serde_json::from_str::<MetadataOf>(raw)
+        .ok()
+        .and_then(|o| o.metadata)
+    else {
+        return ObjectMeta::default();
+    };
+    if let Ok(parsed) = serde_json::from_str::<ObjectMeta>(metadata.get()) {
         return ObjectMeta {
             managed_fields: None,
             ..parsed
         };
     }
-    let field = |name: &str| {
-        metadata
-            .and_then(|m| m.get(name))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
+    let Ok(names) = serde_json::from_str::<NamesOf>(metadata.get()) else {
+        return ObjectMeta::default();
     };
+    let string = |field: Option<&RawValue>| field.and_then(|v| serde_json::from_str(v.get()).ok());
     ObjectMeta {
-        name: field("name"),
-        namespace: field("namespace"),
-        resource_version: field("resourceVersion"),
+        name: string(names.name),
+        namespace: string(names.namespace),
+        resource_version: string(names.resource_version),
         ..Default::default()
     }
 }
@@ -590,7 +620,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use k8s_openapi::api::core::v1::ServiceSpec;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 
@@ -671,7 +701,7 @@ mod tests {
         assert_eq!(metadata.resource_version.as_deref(), Some("8"));
         assert_eq!(metadata.managed_fields, None, "managedFields dropped");
         assert!(
-            reason.contains("invalid type: string \"not-a-list\""),
+            reason == "spec.ports: invalid type: string \"not-a-list\", expected a sequence",
             "the decoder's reason: {reason}"
         );
 
@@ -705,6 +735,57 @@ mod tests {
             [true, false, true],
             "only the bad item is malformed"
         );
+    }
+
+    /// `depth` arrays around a number: deeper than serde_json's 128-level
+    /// limit when `depth` is over 127.
+    fn nested(depth: usize) -> String {
+        format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    #[test]
+    fn an_object_nested_past_the_parser_limit_fails_alone() {
+        let item = |name: &str| service_json(name, "10.96.0.1", "1").to_string();
+        let deep = format!(
+            r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"deep","namespace":"demo"}},"spec":{{"clusterIPs":{}}}}}"#,
+            nested(300)
+        );
+        let list = format!(
+            r#"{{"apiVersion":"v1","kind":"ServiceList","metadata":{{"resourceVersion":"10"}},"items":[{},{deep},{}]}}"#,
+            item("a"),
+            item("b")
+        );
+        let list: ::kube::core::ObjectList<Lenient<Service>> =
+            serde_json::from_str(&list).expect("a list with a deeply nested item still decodes");
+        let verdicts: Vec<_> = list
+            .items
+            .iter()
+            .map(|o| match o {
+                Lenient::Valid(s) => format!("valid {:?}", s.metadata.name),
+                Lenient::Malformed { metadata, reason } => {
+                    format!("malformed {:?}: {reason}", metadata.name)
+                }
+            })
+            .collect();
+        assert_eq!(verdicts.len(), 3, "{verdicts:?}");
+        assert_eq!(verdicts[0], "valid Some(\"a\")");
+        assert!(
+            verdicts[1].starts_with("malformed Some(\"deep\"): "),
+            "the deep item is skipped by name: {verdicts:?}"
+        );
+        assert_eq!(verdicts[2], "valid Some(\"b\")");
+
+        // A watch line as the API server writes it, and deep metadata.
+        let line = format!(
+            r#"{{"type":"ADDED","object":{{"metadata":{{"name":"x","namespace":"demo","labels":{{"a":{}}}}}}}}}"#,
+            nested(300)
+        );
+        let event: ::kube::core::WatchEvent<Lenient<Service>> =
+            serde_json::from_str(&line).expect("a deep watch event decodes");
+        let ::kube::core::WatchEvent::Added(Lenient::Malformed { metadata, .. }) = event else {
+            panic!("deep labels must not decode: {event:?}");
+        };
+        assert_eq!(key_of(&metadata), Some(key("x")), "named from its strings");
     }
 
     fn apply(value: Value) -> Event<Lenient<Service>> {

@@ -562,10 +562,10 @@ fn name_of(object: &Value) -> &str {
     object["metadata"]["name"].as_str().unwrap_or_default()
 }
 
+/// `type` before `object`, as the API server's encoder writes it (a map
+/// would sort `object` first).
 fn event_line(type_: &str, object: &Value) -> String {
-    let mut line = json!({"type": type_, "object": object}).to_string();
-    line.push('\n');
-    line
+    format!("{{\"type\":{},\"object\":{object}}}\n", json!(type_))
 }
 
 fn status_object(code: u16, reason: &str, message: &str) -> Value {

@@ -812,8 +812,15 @@ pub mod counter {
     /// A reject (RST or ICMP) that could not be built from the packet: the
     /// packet is dropped instead.
     pub const DROP_REJECT_FAILED: u32 = 23;
-    pub const COUNT: u32 = 24;
-    pub const NAMES: [&str; 24] = [
+    /// An ICMP error about a translated flow (destination unreachable, time
+    /// exceeded, parameter problem), its quoted header and its addresses
+    /// translated back as the flow's packets are.
+    pub const ICMP_ERROR_TRANSLATED: u32 = 24;
+    pub const COUNT: u32 = 25;
+    /// Entries of the `COUNTERS` map: room for counters added later without
+    /// a new layout version.
+    pub const SLOTS: u32 = 64;
+    pub const NAMES: [&str; COUNT as usize] = [
         "dnat_new",
         "dnat_established",
         "rev_nat",
@@ -838,6 +845,7 @@ pub mod counter {
         "drop_no_route",
         "drop_rewrite",
         "drop_reject_failed",
+        "icmp_error_translated",
     ];
 }
 

@@ -8,9 +8,10 @@ use aya_ebpf::{
 };
 
 use crate::{
-    checksum,
+    checksum, icmp_error,
     nat::{self, Nat},
     packet::Flow,
+    service::Action,
 };
 
 /// A hook the per-packet pipeline runs at.
@@ -34,6 +35,10 @@ pub trait Hook: EbpfContext {
     fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()>;
 
     fn ingress_ifindex(&self) -> u32;
+
+    /// An ICMP packet: translated if it is an error about a translated flow
+    /// (`crate::icmp_error`).
+    fn icmp_error(&self) -> Action;
 }
 
 impl Hook for TcContext {
@@ -63,6 +68,11 @@ impl Hook for TcContext {
     #[inline(always)]
     fn ingress_ifindex(&self) -> u32 {
         unsafe { (*self.skb.skb).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn icmp_error(&self) -> Action {
+        icmp_error::handle(self)
     }
 }
 
@@ -99,5 +109,12 @@ impl Hook for XdpContext {
     #[inline(always)]
     fn ingress_ifindex(&self) -> u32 {
         XdpContext::ingress_ifindex(self) as u32
+    }
+
+    /// Left to tc, which runs on the same interface and can route what it
+    /// rewrites.
+    #[inline(always)]
+    fn icmp_error(&self) -> Action {
+        Action::Pass
     }
 }

@@ -13,6 +13,7 @@ mod conntrack;
 mod flow_cache;
 mod frag;
 mod hook;
+mod icmp_error;
 mod ip_summed;
 mod lb;
 mod maps;

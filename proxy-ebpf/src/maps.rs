@@ -95,7 +95,7 @@ pub static CLUSTER_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_CLUSTER_CIDRS as us
     LpmTrie::new();
 
 #[btf_map]
-pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
+pub static COUNTERS: PerCpuArray<u64, { counter::SLOTS as usize }> = PerCpuArray::new();
 
 /// Packets tc translated, by the checksum state it read
 /// (`proxy_common::ip_summed::STATE_NAMES`). A map of its own rather than

@@ -4,7 +4,7 @@
 
 use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
-use crate::hook::Hook;
+use crate::{hook::Hook, icmp_error::IPPROTO_ICMP};
 
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
@@ -76,21 +76,24 @@ pub enum Skip {
     /// The headers are not (all) in the linear area; pulling this many
     /// bytes may bring them in.
     Truncated(u32),
+    /// ICMP: an error among them may be about a translated flow
+    /// (`crate::icmp_error`).
+    Icmp,
 }
 
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ipv4Head {
-    ver_ihl: u8,
-    tos: u8,
-    tot_len_be: u16,
-    id_be: u16,
-    frag_be: u16,
-    ttl: u8,
-    proto: u8,
-    csum: u16,
-    src_be: u32,
-    dst_be: u32,
+pub struct Ipv4Head {
+    pub ver_ihl: u8,
+    pub tos: u8,
+    pub tot_len_be: u16,
+    pub id_be: u16,
+    pub frag_be: u16,
+    pub ttl: u8,
+    pub proto: u8,
+    pub csum: u16,
+    pub src_be: u32,
+    pub dst_be: u32,
 }
 
 /// Bytes the parser needs in the linear area: Ethernet, the longest IPv4
@@ -143,6 +146,9 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     let tot_len = u16::from_be(ip.tot_len_be) as usize;
     if ihl_bytes < IPV4_MIN_HLEN || tot_len < ihl_bytes || ETH_HLEN + tot_len > ctx.wire_len() {
         return Err(Skip::Malformed);
+    }
+    if ip.proto == IPPROTO_ICMP {
+        return Err(Skip::Icmp);
     }
     if ip.proto != PROTO_TCP && ip.proto != PROTO_UDP && ip.proto != PROTO_SCTP {
         return Err(Skip::NotOurs);

@@ -40,6 +40,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     let mut flow = match packet::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip::NotOurs) => return Action::Pass,
+        Err(Skip::Icmp) => return ctx.icmp_error(),
         Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
             return Action::Pass;

@@ -199,3 +199,92 @@ pub fn reassemble(fragments: &[Vec<u8>], what: &str) -> Vec<u8> {
     ip[10..12].copy_from_slice(&c.to_be_bytes());
     f
 }
+
+/// An ICMP error from `from` to `to` of `icmp_type`/`code` (with `mtu` in
+/// the next-hop MTU field, for "fragmentation needed"), quoting the first
+/// `quote_len` bytes past the IP header of the IPv4 packet in `frame` (8 is
+/// what RFC 792 asks a router for; Linux quotes as much as fits).
+pub fn icmp_error(
+    from: Ipv4Addr,
+    to: Ipv4Addr,
+    (icmp_type, code, mtu): (u8, u8, u16),
+    frame: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let ihl = ((frame[14] & 0x0f) as usize) * 4;
+    let tot = u16::from_be_bytes([frame[16], frame[17]]) as usize;
+    let quote = &frame[14..14 + ihl + quote_len.min(tot - ihl)];
+    let mut icmp = vec![icmp_type, code, 0, 0, 0, 0];
+    icmp.extend_from_slice(&mtu.to_be_bytes());
+    icmp.extend_from_slice(quote);
+    let c = csum(&icmp, 0);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+
+    let mut ip = vec![0x45, 0xc0];
+    ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0x56, 0x78, 0, 0, 64, 1, 0, 0]);
+    ip.extend_from_slice(&from.octets());
+    ip.extend_from_slice(&to.octets());
+    let c = csum(&ip, 0);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+
+    let mut f = frame[..14].to_vec();
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&icmp);
+    f
+}
+
+/// An ICMP error as [`parse_checked_icmp_error`] reads it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct IcmpError {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub icmp_type: u8,
+    pub code: u8,
+    /// The quoted packet: protocol, source and destination address and port.
+    pub quoted: (u8, Ipv4Addr, u16, Ipv4Addr, u16),
+}
+
+/// Parses an ICMP error frame and panics if any checksum it carries is
+/// wrong: its IP header's, its ICMP checksum, the quoted IP header's, and
+/// the quoted TCP or UDP checksum when the quote holds the whole segment.
+pub fn parse_checked_icmp_error(f: &[u8], what: &str) -> IcmpError {
+    let ip = &f[14..34];
+    assert_eq!(csum(ip, 0), 0, "{what}: IPv4 header checksum is wrong");
+    assert_eq!(ip[9], 1, "{what}: not ICMP");
+    let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    let icmp = &f[34..14 + tot];
+    assert_eq!(csum(icmp, 0), 0, "{what}: ICMP checksum is wrong");
+    let quote = &icmp[8..];
+    let qihl = ((quote[0] & 0x0f) as usize) * 4;
+    assert_eq!(
+        csum(&quote[..qihl], 0),
+        0,
+        "{what}: the quoted IPv4 header's checksum is wrong"
+    );
+    let addr = |o: usize| Ipv4Addr::new(quote[o], quote[o + 1], quote[o + 2], quote[o + 3]);
+    let (qsrc, qdst, proto) = (addr(12), addr(16), quote[9]);
+    let l4 = &quote[qihl..];
+    let qtot = u16::from_be_bytes([quote[2], quote[3]]) as usize;
+    let whole = qtot == quote.len() && u16::from_be_bytes([quote[6], quote[7]]) & 0x3fff == 0;
+    if whole && !(proto == UDP && l4[6] == 0 && l4[7] == 0) {
+        assert_eq!(
+            csum(l4, pseudo(qsrc, qdst, proto, l4.len())),
+            0,
+            "{what}: the quoted segment's checksum is wrong"
+        );
+    }
+    IcmpError {
+        src: Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
+        dst: Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]),
+        icmp_type: icmp[0],
+        code: icmp[1],
+        quoted: (
+            proto,
+            qsrc,
+            u16::from_be_bytes([l4[0], l4[1]]),
+            qdst,
+            u16::from_be_bytes([l4[2], l4[3]]),
+        ),
+    }
+}

@@ -267,6 +267,84 @@ fn fragmented_udp_is_translated_both_ways_as_iptables_does() {
     );
 }
 
+/// A UDP port that no backend listens on, behind a ClusterIP: the backend's kernel
+/// answers with ICMP port unreachable quoting the backend, which the client's socket,
+/// connected to the ClusterIP, would not recognise. Translated back it quotes the
+/// ClusterIP, so the client fails at once with "connection refused", as with
+/// kube-proxy's iptables rules (netfilter translates "related" ICMP errors). Without
+/// the translation each request waits out its timeout.
+#[test]
+fn a_closed_udp_port_behind_a_clusterip_is_refused_as_iptables_does() {
+    const EXCHANGES: usize = 10;
+    const CLOSED_PORT: u16 = 5999;
+    let vips = [Ipv4Addr::new(10, 96, 0, 50), Ipv4Addr::new(10, 96, 0, 51)];
+    require_root().expect("privileged test");
+    let mut sb =
+        Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let closed =
+        Service::new("test", "closed", vips[0]).port("dns", 54, Protocol::Udp, CLOSED_PORT);
+    sb.manifests()
+        .write("closed.yaml", &closed.yaml(Some(&backend_ips())))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let kube = closed.kube_service("dns", vips[1], &backend_ips());
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy rules");
+    for (name, _) in BACKENDS {
+        // Every request gets its error, however fast they come.
+        sb.pod(name)
+            .ns
+            .run(|| std::fs::write("/proc/sys/net/ipv4/icmp_ratelimit", "0"))
+            .and_then(|r| Ok(r?))
+            .unwrap_or_else(|e| panic!("{name}: lifting the ICMP rate limit: {e:#}"));
+    }
+    let mut refused = [0usize; 2];
+    let mut failures = Vec::new();
+    for (i, (client, vip)) in [(CLIENT, vips[0]), (IPT_CLIENT, vips[1])]
+        .iter()
+        .enumerate()
+    {
+        for _ in 0..EXCHANGES {
+            let answer = sb
+                .pod(client.0)
+                .ns
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+                    s.connect(SocketAddrV4::new(*vip, 54))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    s.send(b"anyone there?")?;
+                    s.recv(&mut [0u8; 64])
+                })
+                .unwrap_or_else(|e| panic!("{}: {e:#}", client.0));
+            match answer {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused[i] += 1,
+                other => failures.push(format!("{}: {other:?}", ["ebpf-proxy", "iptables"][i])),
+            }
+        }
+    }
+    let table = format!(
+        "refused at once: ebpf-proxy {}/{EXCHANGES}, iptables {}/{EXCHANGES}",
+        refused[0], refused[1]
+    );
+    eprintln!("{table}");
+    assert_eq!(
+        refused[1], EXCHANGES,
+        "the iptables reference was not refused (sandbox problem?): {failures:?}"
+    );
+    assert_eq!(
+        refused[0],
+        EXCHANGES,
+        "{table}; first failures: {:?}; counters: {}",
+        &failures[..failures.len().min(5)],
+        counters_text(&sb)
+    );
+    let translated = counter_of(&sb, "icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{translated} ICMP errors translated for {EXCHANGES} refusals; counters: {}",
+        counters_text(&sb)
+    );
+}
+
 /// A pod that floods the ClusterIP with new flows cannot cut anyone's established
 /// connections: with `--conntrack-max 1024` (the least it takes), 50 idle TCP connections and
 /// 10 UDP flows inside their timeout (each has exchanged twice) keep their backends

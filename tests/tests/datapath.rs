@@ -2053,3 +2053,216 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
         "{entry:?}"
     );
 }
+
+const ROUTER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+const ICMP_PORT_UNREACHABLE: (u8, u8, u16) = (3, 3, 0);
+const ICMP_FRAG_NEEDED: (u8, u8, u16) = (3, 4, 1400);
+const ICMP_TTL_EXCEEDED: (u8, u8, u16) = (11, 0, 0);
+
+/// Entries in both conntrack maps.
+fn ct_len(fx: &Fixture) -> usize {
+    fx.datapath.maps.conntrack.keys().count() + fx.datapath.maps.ct_new.keys().count()
+}
+
+/// ICMP errors about a ClusterIP flow, from its backend and from a router on
+/// the way, quote the backend: translated back, they quote the flow as its
+/// client sent it (the ClusterIP), so the client's socket finds them. The
+/// error's source becomes the ClusterIP where the backend sent it, and stays
+/// the router's otherwise; every checksum stays valid, the quoted segment's
+/// too when it is quoted whole. Errors neither create nor change flows.
+#[test]
+fn icmp_errors_about_a_clusterip_flow_quote_the_clusterip() {
+    let fx = fixture();
+    let (_, out) = run(&fx, &tcp(CLIENT, 40100, VIP, 80, frame::SYN));
+    let backend = parse_checked(&out, "DNATed SYN").dst;
+    let (_, dnated_udp) = run(&fx, &udp(CLIENT, 40101, VIP, 53, false));
+    let udp_backend = parse_checked(&dnated_udp, "DNATed datagram").dst;
+    let entries = ct_len(&fx);
+
+    let cases = [
+        (
+            "port unreachable from the backend, the whole segment quoted",
+            icmp_error_frame(backend, ICMP_PORT_UNREACHABLE, &out, 1000),
+            (VIP, (frame::TCP, CLIENT, 40100, VIP, 80)),
+        ),
+        (
+            "fragmentation needed from a router, 8 bytes quoted",
+            frame::icmp_error(ROUTER, CLIENT, ICMP_FRAG_NEEDED, &out, 8),
+            (ROUTER, (frame::TCP, CLIENT, 40100, VIP, 80)),
+        ),
+        (
+            "TTL exceeded from a router, 28 bytes quoted",
+            frame::icmp_error(ROUTER, CLIENT, ICMP_TTL_EXCEEDED, &out, 28),
+            (ROUTER, (frame::TCP, CLIENT, 40100, VIP, 80)),
+        ),
+        (
+            "port unreachable for a datagram, quoted whole",
+            icmp_error_frame(udp_backend, ICMP_PORT_UNREACHABLE, &dnated_udp, 1000),
+            (VIP, (frame::UDP, CLIENT, 40101, VIP, 53)),
+        ),
+    ];
+    for (i, (what, input, (src, quoted))) in cases.iter().enumerate() {
+        let (ret, out) = run(&fx, input);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(out.len(), input.len(), "{what}: length changed");
+        let e = frame::parse_checked_icmp_error(&out, what);
+        assert_eq!(
+            (e.src, e.dst, e.quoted),
+            (*src, CLIENT, *quoted),
+            "{what}: translated error"
+        );
+        assert_eq!(
+            counter(&fx, "icmp_error_translated"),
+            i as u64 + 1,
+            "{what}: counted"
+        );
+    }
+
+    // The client's error about a reply it got (its port closed since): it
+    // quotes the ClusterIP, and goes to the backend quoting the backend.
+    let reply = tcp(backend, 8080, CLIENT, 40100, frame::SYN | frame::ACK);
+    let (_, reply) = run(&fx, &reply);
+    let input = frame::icmp_error(CLIENT, VIP, ICMP_PORT_UNREACHABLE, &reply, 1000);
+    let (ret, out) = run(&fx, &input);
+    assert_eq!(ret, TC_ACT_OK, "the client's error: verdict");
+    let e = frame::parse_checked_icmp_error(&out, "the client's error");
+    assert_eq!(
+        (e.src, e.dst, e.quoted),
+        (CLIENT, backend, (frame::TCP, backend, 8080, CLIENT, 40100)),
+        "the client's error about a reply"
+    );
+    assert_eq!(ct_len(&fx), entries, "errors made or removed entries");
+}
+
+/// `frame::icmp_error` from `from` back to the source of the packet in `frame`.
+fn icmp_error_frame(from: Ipv4Addr, kind: (u8, u8, u16), frame: &[u8], quote: usize) -> Vec<u8> {
+    let to = Ipv4Addr::new(frame[26], frame[27], frame[28], frame[29]);
+    frame::icmp_error(from, to, kind, frame, quote)
+}
+
+/// What is not an ICMP error about a translated flow passes untouched and
+/// uncounted: an echo request, an error about a flow of no Service, an error
+/// not addressed to the quoted packet's sender, one quoting a later fragment
+/// (no ports to find the flow by), and one whose quote is cut before the
+/// ports. An error quoting a first fragment is translated like any other.
+#[test]
+fn other_icmp_passes_untouched() {
+    let fx = fixture();
+    let (_, out) = run(&fx, &udp(CLIENT, 40200, VIP, 53, false));
+    let backend = parse_checked(&out, "DNATed datagram").dst;
+    let elsewhere = Ipv4Addr::new(10, 200, 0, 99);
+    let mut echo = frame::icmp_error(CLIENT, VIP, (8, 0, 0), &out, 8);
+    // An echo request's payload is free: make it the same bytes, recomputed.
+    let icmp_len = echo.len() - 34;
+    echo[36..38].copy_from_slice(&[0, 0]);
+    let c = frame::csum(&echo[34..34 + icmp_len], 0);
+    echo[36..38].copy_from_slice(&c.to_be_bytes());
+    let big = fragmented(frame::UDP, (CLIENT, 40201), (VIP, 53), 3000, 0x5151);
+    let (_, first) = run(&fx, &big[0]);
+    let (_, later) = run(&fx, &big[1]);
+    let untouched = [
+        ("an echo request", echo),
+        (
+            "an error about a flow of no Service",
+            frame::icmp_error(
+                elsewhere,
+                CLIENT,
+                ICMP_PORT_UNREACHABLE,
+                &udp(CLIENT, 40202, elsewhere, 53, false),
+                1000,
+            ),
+        ),
+        (
+            "an error to someone else than the quoted sender",
+            frame::icmp_error(backend, elsewhere, ICMP_PORT_UNREACHABLE, &out, 1000),
+        ),
+        (
+            "an error quoting a later fragment",
+            icmp_error_frame(backend, ICMP_PORT_UNREACHABLE, &later, 8),
+        ),
+        (
+            "an error quoting 2 bytes of the segment",
+            icmp_error_frame(backend, ICMP_PORT_UNREACHABLE, &out, 2),
+        ),
+    ];
+    for (what, input) in &untouched {
+        let (ret, out) = run(&fx, input);
+        assert_eq!(
+            (ret, &out),
+            (TC_ACT_OK, input),
+            "{what}: must pass untouched"
+        );
+    }
+    assert_eq!(counter(&fx, "icmp_error_translated"), 0, "nothing counted");
+
+    let first_backend = Ipv4Addr::new(first[30], first[31], first[32], first[33]);
+    let input = icmp_error_frame(first_backend, ICMP_FRAG_NEEDED, &first, 8);
+    let (_, out) = run(&fx, &input);
+    let e = frame::parse_checked_icmp_error(&out, "error quoting a first fragment");
+    assert_eq!(
+        (e.src, e.quoted),
+        (VIP, (frame::UDP, CLIENT, 40201, VIP, 53)),
+        "an error quoting a first fragment"
+    );
+}
+
+/// NodePort with SNAT to a remote backend: a router between this node and the
+/// backend says "fragmentation needed" to this node, quoting its SNAT port; tc
+/// on the uplink hands the error on to the outside client quoting the NodePort,
+/// the router's address kept (the stack forwards it). The backend's own port
+/// unreachable comes back from the NodePort, an address of this node, so it is
+/// routed here as the flow's replies are. XDP leaves errors to tc.
+#[test]
+fn icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
+    let nf = node_fixture();
+    let (_, out) = run_xdp(&nf, &tcp(OUTSIDE, 41100, NODE_IP, NODE_PORT, frame::SYN));
+    let p = parse_checked(&out, "SNATed SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, REMOTE_POD), "SNATed SYN");
+
+    let from_router = frame::icmp_error(ROUTER, NODE_IP, ICMP_FRAG_NEEDED, &out, 8);
+    let (ret, xdp_out) = run_xdp(&nf, &from_router);
+    assert_eq!(
+        (ret, &xdp_out),
+        (XDP_PASS, &from_router),
+        "XDP leaves the error to tc"
+    );
+    let (ret, tc_out) = run_tc_on_uplink(&nf, &from_router);
+    assert_eq!(ret, TC_ACT_OK, "the router's error: tc verdict");
+    let e = frame::parse_checked_icmp_error(&tc_out, "the router's error");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+        (
+            ROUTER,
+            OUTSIDE,
+            3,
+            4,
+            (frame::TCP, OUTSIDE, 41100, NODE_IP, NODE_PORT)
+        ),
+        "the router's error, translated"
+    );
+    assert_eq!(
+        &tc_out[34 + 6..34 + 8],
+        &1400u16.to_be_bytes(),
+        "the next-hop MTU is kept"
+    );
+
+    let from_backend = icmp_error_frame(REMOTE_POD, ICMP_PORT_UNREACHABLE, &out, 1000);
+    let (ret, tc_out) = run_tc_on_uplink(&nf, &from_backend);
+    assert_eq!(ret, TC_ACT_REDIRECT, "the backend's error is routed here");
+    let e = frame::parse_checked_icmp_error(&tc_out, "the backend's error");
+    assert_eq!(
+        (e.src, e.dst, e.quoted),
+        (
+            NODE_IP,
+            OUTSIDE,
+            (frame::TCP, OUTSIDE, 41100, NODE_IP, NODE_PORT)
+        ),
+        "the backend's error, translated"
+    );
+    assert_eq!(
+        macs(&tc_out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "routed to the client"
+    );
+    assert_eq!(counter(&nf.fx, "icmp_error_translated"), 2);
+}

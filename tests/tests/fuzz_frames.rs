@@ -53,6 +53,7 @@ fn random_and_mutated_frames_are_passed_dropped_rejected_or_translated_right() {
         (Hook::Tc, Outcome::Dropped(DropReason::SourceRange)),
         (Hook::Xdp, Outcome::Dropped(DropReason::SourceRange)),
         (Hook::Tc, Outcome::Dropped(DropReason::RejectImpossible)),
+        (Hook::Tc, Outcome::IcmpError),
     ] {
         assert!(
             t.get(hook, outcome) > 0,

@@ -360,6 +360,80 @@ fn nodeport_fragments_tc_only() {
     nodeport_fragments(Path::TcOnly);
 }
 
+/// From outside, a UDP NodePort whose backend, on the other node (SNAT), listens on
+/// no such port: the backend's kernel sends ICMP port unreachable to node A quoting
+/// node A's SNAT port; node A's uplink translates it back (quoting the NodePort, from
+/// the NodePort address) and routes it to the client, whose connected socket fails
+/// at once with "connection refused" instead of waiting out its timeout.
+fn nodeport_closed_port_is_refused(path: Path) {
+    const EXCHANGES: usize = 10;
+    const CLOSED_NODE_PORT: u16 = 30054;
+    let fx = Fixture::new(path);
+    let closed = Service::new("test", "closed", Ipv4Addr::new(10, 96, 0, 51))
+        .type_(ServiceType::NodePort)
+        .port("dns", 53, Protocol::Udp, 5999)
+        .node_port("dns", CLOSED_NODE_PORT);
+    fx.publish(&web("web"), &[(BACKEND.1, "b")]);
+    fx.publish(&closed, &[(BACKEND.1, "b")]);
+    reply_within(
+        &fx,
+        "client1",
+        SocketAddrV4::new(NODE_A_IP, NODE_PORT),
+        "NodePort on A",
+    );
+    fx.cluster
+        .pod(BACKEND.0)
+        .ns
+        .run(|| std::fs::write("/proc/sys/net/ipv4/icmp_ratelimit", "0"))
+        .and_then(|r| Ok(r?))
+        .expect("lifting the backend's ICMP rate limit");
+    let addr = SocketAddrV4::new(NODE_A_IP, CLOSED_NODE_PORT);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = 0;
+    let mut outcomes = Vec::new();
+    while refused < EXCHANGES {
+        let answer = fx
+            .client("client1")
+            .run(|| {
+                let s = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+                s.connect(addr)?;
+                s.set_read_timeout(Some(Duration::from_millis(500)))?;
+                s.send(b"anyone there?")?;
+                s.recv(&mut [0u8; 64])
+            })
+            .expect("client1");
+        match answer {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
+            // The agents may not have the Service yet.
+            other if refused == 0 && Instant::now() < deadline => {
+                outcomes.push(format!("{other:?}"));
+                thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!(
+                "{path:?}: exchange {refused}: {other:?} instead of connection refused \
+                 (earlier: {outcomes:?}); {}",
+                fx.counters()
+            ),
+        }
+    }
+    let translated = fx.counter(0, "icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{path:?}: {translated} ICMP errors translated on node A for {EXCHANGES} refusals; {}",
+        fx.counters()
+    );
+}
+
+#[test]
+fn nodeport_closed_port_is_refused_native_xdp() {
+    nodeport_closed_port_is_refused(Path::Native);
+}
+
+#[test]
+fn nodeport_closed_port_is_refused_tc_only() {
+    nodeport_closed_port_is_refused(Path::TcOnly);
+}
+
 /// From outside, a SYN flood to a NodePort whose backend is on the other node (SNAT)
 /// cannot cut the connections already established through it: with `--conntrack-max
 /// 1024`, 30 idle connections through node A keep their backend while another client

@@ -23,7 +23,12 @@ pub fn check(
         Hook::Xdp => (XDP_PASS, XDP_DROP, XDP_REDIRECT),
     };
     if verdict == drop {
-        return explain_drop(u, ct, hook, input).map(Outcome::Dropped);
+        let reason = explain_drop(u, ct, hook, input)?;
+        return Ok(if view(input).is_some_and(|v| v.proto == ICMP) {
+            Outcome::IcmpErrorDropped(reason)
+        } else {
+            Outcome::Dropped(reason)
+        });
     }
     if verdict != pass && verdict != redirect {
         return Err(format!("verdict {verdict} is not one {hook:?} may give"));
@@ -42,7 +47,137 @@ pub fn check(
             Outcome::PortUnreachable
         });
     }
+    if view(input).is_some_and(|v| v.proto == ICMP) {
+        return icmp_error(ct, input, output, verdict == redirect);
+    }
     translation(u, ct, input, output, verdict == redirect)
+}
+
+/// The TCP or UDP tuple an ICMP error frame quotes, and where the quote's
+/// L4 header starts in the frame.
+fn icmp_quote(f: &[u8]) -> Option<(Tuple, usize)> {
+    let v = view(f)?;
+    let end = ETH_HLEN + v.tot_len;
+    let q = v.l4 + 8;
+    if end > f.len() || q > end {
+        return None;
+    }
+    let frame = [&f[..ETH_HLEN], &f[q..end]].concat();
+    let qv = view(&frame)?;
+    let t = qv
+        .tuple(&frame)
+        .filter(|t| t.proto == TCP || t.proto == UDP)?;
+    Some((t, q + qv.ihl))
+}
+
+/// An ICMP error about a translated flow, translated: its quote reversed is
+/// a tuple conntrack translates; the quote becomes that translation
+/// reversed, the error goes to the translation's destination (from its
+/// source when the quoted peer sent it, else from where it came), and only
+/// those addresses, ports and checksums change, each checksum still right.
+fn icmp_error(
+    ct: &dyn Conntrack,
+    input: &[u8],
+    output: &[u8],
+    routed: bool,
+) -> Result<Outcome, String> {
+    if output.len() != input.len() {
+        return Err(format!(
+            "an ICMP {}-byte frame came out as {} bytes",
+            input.len(),
+            output.len()
+        ));
+    }
+    let vi = view(input).ok_or("no IPv4")?;
+    let vo = view(output).ok_or("made an ICMP error unreadable")?;
+    let end = ETH_HLEN + vi.tot_len;
+    if vi.fragment() || end > input.len() || ![3, 11, 12].contains(&input[vi.l4]) {
+        return Err(format!(
+            "changed ICMP type {} (fragment: {}), which is no error it translates",
+            input[vi.l4],
+            vi.fragment()
+        ));
+    }
+    let q = vi.l4 + 8;
+    let (qt, ql4) =
+        icmp_quote(input).ok_or("changed an error whose quote has no TCP or UDP ports")?;
+    let quote_of = |f: &[u8]| [&f[..ETH_HLEN], &f[q..end]].concat();
+    let qout = quote_of(output);
+    let back = qt.reversed();
+    let Some((want, want_routed)) = ct.translation(&back) else {
+        return Err(format!(
+            "changed an error quoting {qt}, a flow conntrack has not"
+        ));
+    };
+    let from_peer = vi.src == qt.dst;
+    let (want_src, want_dst) = (if from_peer { want.src } else { vi.src }, want.dst);
+    let got = view(&qout)
+        .and_then(|v| v.tuple(&qout))
+        .ok_or("made the quote unreadable")?;
+    let want_quote = want.reversed();
+    if vi.dst != qt.src
+        || (vo.src, vo.dst) != (want_src, want_dst)
+        || got != want_quote
+        || routed != (from_peer && want_routed)
+    {
+        return Err(format!(
+            "an error {} -> {} quoting {qt} became {} -> {} quoting {got} (routed: {routed}); \
+             its flow's translation {back} -> {want} (routed: {want_routed}) wants {want_src} -> \
+             {want_dst} quoting {want_quote}",
+            vi.src, vi.dst, vo.src, vo.dst
+        ));
+    }
+    let l4_csum = ql4 + if qt.proto == TCP { 16 } else { 6 };
+    let l4_csum = Some(l4_csum).filter(|o| o + 2 <= end);
+    for i in (0..input.len()).filter(|&i| input[i] != output[i]) {
+        let allowed = ((i < 12 || i == 22) && routed)
+            || (24..34).contains(&i)
+            || (vi.l4 + 2..vi.l4 + 4).contains(&i)
+            || (q + 10..q + 20).contains(&i)
+            || (ql4..ql4 + 4).contains(&i)
+            || l4_csum.is_some_and(|o| (o..o + 2).contains(&i));
+        if !allowed {
+            return Err(format!(
+                "byte {i} of an ICMP error changed ({:#04x} -> {:#04x}), outside the \
+                 addresses, ports and checksums",
+                input[i], output[i]
+            ));
+        }
+    }
+    // Each checksum balances its header's change: the residuals stay.
+    let icmp = |f: &[u8]| csum(&f[vi.l4..end], 0);
+    let quoted_ip = |f: &[u8]| csum(&f[q..ql4], 0);
+    if ip_residual(output, &vo) != ip_residual(input, &vi)
+        || icmp(output) != icmp(input)
+        || quoted_ip(output) != quoted_ip(input)
+    {
+        return Err(format!(
+            "ICMP error checksum residuals (IP, ICMP, quoted IP) {:?}, the input's {:?}",
+            (ip_residual(output, &vo), icmp(output), quoted_ip(output)),
+            (ip_residual(input, &vi), icmp(input), quoted_ip(input))
+        ));
+    }
+    // The quoted L4 checksum covers the pseudo-header's addresses and the
+    // ports: their sum with it stays (0 and 0xffff being one).
+    if let Some(o) = l4_csum {
+        let covered = |f: &[u8]| {
+            let mut b = f[q + 12..q + 20].to_vec();
+            b.extend_from_slice(&f[ql4..ql4 + 4]);
+            b.extend_from_slice(&f[o..o + 2]);
+            match csum(&b, 0) {
+                0xffff => 0,
+                c => c,
+            }
+        };
+        let zero = |f: &[u8]| be16(f, o) == 0;
+        if qt.proto == UDP && zero(input) != zero(output) {
+            return Err("a quoted UDP checksum of 0 (none) must stay 0, and only 0".into());
+        }
+        if !(qt.proto == UDP && zero(input)) && covered(output) != covered(input) {
+            return Err("the quoted L4 checksum does not follow its addresses and ports".into());
+        }
+    }
+    Ok(Outcome::IcmpError)
 }
 
 /// The drop is one the datapath is meant to make.
@@ -53,6 +188,15 @@ fn explain_drop(
     input: &[u8],
 ) -> Result<DropReason, String> {
     let v = view(input).ok_or("dropped a frame that is not IPv4")?;
+    if v.proto == ICMP {
+        // Only an error the datapath routes, from the quoted peer, is
+        // dropped: for its TTL or for want of a route, as a flow's packet.
+        return match icmp_quote(input).and_then(|(qt, _)| ct.translation(&qt.reversed())) {
+            Some((_, true)) if v.ttl <= 1 => Ok(DropReason::TtlSpent),
+            Some((to, true)) if !u.routable(to.dst) => Ok(DropReason::Unroutable),
+            other => Err(format!("dropped an ICMP frame (its flow: {other:?})")),
+        };
+    }
     let t = v
         .tuple(input)
         .ok_or("dropped a frame whose ports cannot be read")?;

@@ -216,6 +216,12 @@ pub enum Outcome {
     },
     /// An IP fragment translated at the IP level.
     Fragment,
+    /// An ICMP error about a translated flow, its quote and addresses
+    /// translated as the flow's packets going its way are.
+    IcmpError,
+    /// Such an error, translated, then dropped by the routing that its new
+    /// source (an address of this node) takes.
+    IcmpErrorDropped(DropReason),
 }
 
 impl fmt::Display for Outcome {
@@ -225,6 +231,8 @@ impl fmt::Display for Outcome {
             Outcome::Untouched => f.write_str("untouched"),
             Outcome::Dropped(r) => write!(f, "dropped: {r:?}"),
             Outcome::Reset => f.write_str("rejected: TCP RST"),
+            Outcome::IcmpError => f.write_str("an ICMP error about a flow, translated"),
+            Outcome::IcmpErrorDropped(r) => write!(f, "an ICMP error, translated, dropped: {r:?}"),
             Outcome::PortUnreachable => f.write_str("rejected: ICMP port unreachable"),
             Outcome::Forward { snat, hairpin } => write!(
                 f,

@@ -552,11 +552,19 @@ fn check_drop_counters(report: &mut Report) {
         ),
         (
             counter::NAMES[counter::DROP_TTL as usize],
-            both(Outcome::Dropped(DropReason::TtlSpent)),
+            both(Outcome::Dropped(DropReason::TtlSpent))
+                + t.get(Hook::Tc, Outcome::IcmpErrorDropped(DropReason::TtlSpent)),
         ),
         (
             counter::NAMES[counter::DROP_NO_ROUTE as usize],
-            both(Outcome::Dropped(DropReason::Unroutable)),
+            both(Outcome::Dropped(DropReason::Unroutable))
+                + t.get(Hook::Tc, Outcome::IcmpErrorDropped(DropReason::Unroutable)),
+        ),
+        (
+            counter::NAMES[counter::ICMP_ERROR_TRANSLATED as usize],
+            t.get(Hook::Tc, Outcome::IcmpError)
+                + t.get(Hook::Tc, Outcome::IcmpErrorDropped(DropReason::TtlSpent))
+                + t.get(Hook::Tc, Outcome::IcmpErrorDropped(DropReason::Unroutable)),
         ),
     ];
     for (name, want) in expected {

@@ -2134,6 +2134,27 @@ fn icmp_errors_about_a_clusterip_flow_quote_the_clusterip() {
     assert_eq!(ct_len(&fx), entries, "errors made or removed entries");
 }
 
+/// Hairpin: a pod that reached itself through its Service gets the error its own
+/// kernel sent about the hairpinned segment (to the hairpin address, quoting it) from
+/// the frontend, quoting the frontend.
+#[test]
+fn icmp_errors_about_a_hairpin_flow_come_back_from_the_frontend() {
+    let fx = fixture();
+    let pod = BACKENDS[0];
+    let (_, out) = run(&fx, &tcp(pod, 43100, HAIRPIN_VIP, 80, frame::SYN));
+    let p = parse_checked(&out, "hairpin SYN");
+    assert_eq!((p.src, p.dst), (HAIRPIN_SRC, pod), "hairpin SYN");
+    let input = frame::icmp_error(pod, HAIRPIN_SRC, ICMP_FRAG_NEEDED, &out, 1000);
+    let (ret, out) = run(&fx, &input);
+    assert_eq!(ret, TC_ACT_OK, "the hairpin error: verdict");
+    let e = frame::parse_checked_icmp_error(&out, "the hairpin error");
+    assert_eq!(
+        (e.src, e.dst, e.quoted),
+        (HAIRPIN_VIP, pod, (frame::TCP, pod, 43100, HAIRPIN_VIP, 80)),
+        "the hairpin error, translated"
+    );
+}
+
 /// `frame::icmp_error` from `from` back to the source of the packet in `frame`.
 fn icmp_error_frame(from: Ipv4Addr, kind: (u8, u8, u16), frame: &[u8], quote: usize) -> Vec<u8> {
     let to = Ipv4Addr::new(frame[26], frame[27], frame[28], frame[29]);

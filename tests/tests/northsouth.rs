@@ -324,9 +324,19 @@ fn nodeport_fragments(path: Path) {
         "NodePort on A",
     );
     let addr = SocketAddrV4::new(NODE_A_IP, UDP_NODE_PORT);
+    let mut retried = Vec::new();
     for (what, request, answer) in [("requests", 4000, 100), ("answers", 100, 4000)] {
         for i in 0..EXCHANGES {
-            let outcome = udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            let mut outcome =
+                udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            if !matches!(outcome, Outcome::Reply(_)) {
+                // One retry, as a UDP client makes, and said: the flood tests
+                // running beside this one share the kernel's per-CPU backlog,
+                // and a datagram of three fragments has three chances to be
+                // dropped there. A datapath that drops fragments loses both.
+                retried.push(format!("{what} {i}: {outcome}"));
+                outcome = udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            }
             let Outcome::Reply(reply) = outcome else {
                 panic!(
                     "{path:?}: fragmented {what}, exchange {i}: {outcome}; {}",
@@ -339,6 +349,9 @@ fn nodeport_fragments(path: Path) {
                 "{path:?}: fragmented {what}: the remote backend must see node A (SNAT)"
             );
         }
+    }
+    if !retried.is_empty() {
+        eprintln!("{path:?}: exchanges answered on their retry: {retried:?}");
     }
     let translated = fx.counter(0, "frag_translated");
     assert!(

@@ -47,6 +47,13 @@ pub fn check(
             Outcome::PortUnreachable
         });
     }
+    if output.len() != input.len() {
+        return Err(format!(
+            "a {}-byte frame came out as {} bytes, and is no reject",
+            input.len(),
+            output.len()
+        ));
+    }
     if view(input).is_some_and(|v| v.proto == ICMP) {
         return icmp_error(ct, input, output, verdict == redirect);
     }
@@ -81,13 +88,6 @@ fn icmp_error(
     output: &[u8],
     routed: bool,
 ) -> Result<Outcome, String> {
-    if output.len() != input.len() {
-        return Err(format!(
-            "an ICMP {}-byte frame came out as {} bytes",
-            input.len(),
-            output.len()
-        ));
-    }
     let vi = view(input).ok_or("no IPv4")?;
     let vo = view(output).ok_or("made an ICMP error unreadable")?;
     let end = ETH_HLEN + vi.tot_len;
@@ -332,13 +332,6 @@ fn translation(
     output: &[u8],
     routed: bool,
 ) -> Result<Outcome, String> {
-    if output.len() != input.len() {
-        return Err(format!(
-            "a {}-byte frame came out as {} bytes, and is no reject",
-            input.len(),
-            output.len()
-        ));
-    }
     let vi = view(input).ok_or("changed a frame that is not IPv4")?;
     if vi.proto != TCP && vi.proto != UDP {
         return Err(format!("changed a packet of protocol {}", vi.proto));

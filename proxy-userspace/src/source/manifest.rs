@@ -26,7 +26,7 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
-use tracing::{debug, error, info, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use super::{Kind, Object, SourceEvent};
 
@@ -524,6 +524,11 @@ fn log_errors(errors: &[ManifestError]) {
 /// read at start or cannot be watched. Later read problems are logged and
 /// the last good objects stay.
 pub async fn watch(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), ManifestError> {
+    let span = info_span!("manifest_source", path = %path.display());
+    follow(path, tx).instrument(span).await
+}
+
+async fn follow(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), ManifestError> {
     let (watched_dir, file_name) = watched_directory(&path)?;
     let (event_tx, mut event_rx) = mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {

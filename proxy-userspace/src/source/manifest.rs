@@ -52,6 +52,8 @@ const RESCAN_PERIOD: Duration = Duration::from_secs(2);
 /// filesystems), so its content is checked again until it is older.
 const RACY_WINDOW: Duration = Duration::from_secs(3);
 
+const ALL_KINDS: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("{}: {source}", path.display())]
@@ -105,7 +107,7 @@ pub struct Manifests {
 impl Manifests {
     /// One `Replace` per kind: together a complete listing.
     pub fn into_events(self) -> Vec<SourceEvent> {
-        self.into_events_of(&[Kind::Service, Kind::EndpointSlice, Kind::Node])
+        self.into_events_of(&ALL_KINDS)
     }
 
     /// A `Replace` of each of `kinds` (in the order Service, EndpointSlice,
@@ -145,21 +147,6 @@ impl Manifests {
             });
         }
         events
-    }
-
-    /// The kinds whose objects differ between `self` and `other`.
-    fn kinds_differing(&self, other: &Manifests) -> Vec<Kind> {
-        let mut kinds = Vec::new();
-        if self.services != other.services {
-            kinds.push(Kind::Service);
-        }
-        if self.endpoint_slices != other.endpoint_slices {
-            kinds.push(Kind::EndpointSlice);
-        }
-        if self.nodes != other.nodes {
-            kinds.push(Kind::Node);
-        }
-        kinds
     }
 
     /// A `Replace` for each kind whose objects differ from `sent` (every
@@ -441,6 +428,69 @@ fn digest(content: &[u8]) -> (u64, usize) {
     (hasher.finish(), content.len())
 }
 
+/// A file's last good objects, each kept as its JSON encoding: a fraction
+/// of the memory of the decoded objects, which the agent's state already
+/// holds once. They are decoded only to send a listing of their kind after
+/// some file's objects of that kind changed.
+#[derive(Debug, Default, PartialEq)]
+struct Encoded {
+    services: Vec<Box<[u8]>>,
+    endpoint_slices: Vec<Box<[u8]>>,
+    nodes: Vec<Box<[u8]>>,
+}
+
+impl Encoded {
+    fn of(manifests: &Manifests) -> Encoded {
+        Encoded {
+            services: encode_all(&manifests.services),
+            endpoint_slices: encode_all(&manifests.endpoint_slices),
+            nodes: encode_all(&manifests.nodes),
+        }
+    }
+
+    /// The kinds whose objects differ between `self` and `other` (the
+    /// encoding of a decoded object is canonical: maps are ordered).
+    fn kinds_differing(&self, other: &Encoded) -> Vec<Kind> {
+        let mut kinds = Vec::new();
+        if self.services != other.services {
+            kinds.push(Kind::Service);
+        }
+        if self.endpoint_slices != other.endpoint_slices {
+            kinds.push(Kind::EndpointSlice);
+        }
+        if self.nodes != other.nodes {
+            kinds.push(Kind::Node);
+        }
+        kinds
+    }
+}
+
+fn encode_all<T: serde::Serialize>(objects: &[T]) -> Vec<Box<[u8]>> {
+    objects
+        .iter()
+        .filter_map(|object| match serde_json::to_vec(object) {
+            Ok(json) => Some(json.into_boxed_slice()),
+            // Only a map with keys that are not strings fails, and the
+            // Kubernetes types have none.
+            Err(e) => {
+                error!(error = %e, "manifest object not kept");
+                None
+            }
+        })
+        .collect()
+}
+
+fn decode<T: serde::de::DeserializeOwned>(json: &[u8]) -> Option<T> {
+    match serde_json::from_slice(json) {
+        Ok(object) => Some(object),
+        // What `encode_all` wrote decodes: the same types both ways.
+        Err(e) => {
+            error!(error = %e, "manifest object not decoded");
+            None
+        }
+    }
+}
+
 /// One file as last seen.
 #[derive(Debug)]
 struct CachedFile {
@@ -452,7 +502,7 @@ struct CachedFile {
     /// parsed or reported again.
     digest: (u64, usize),
     /// Objects of the last content that parsed.
-    objects: Manifests,
+    objects: Encoded,
 }
 
 /// What one [`ManifestReader::refresh`] found.
@@ -518,7 +568,7 @@ impl ManifestReader {
     /// duplicates reported when anything changed).
     pub fn scan(&mut self) -> Scan {
         let refresh = self.refresh();
-        let (manifests, duplicates) = self.merge();
+        let (manifests, duplicates) = self.manifests(&ALL_KINDS);
         let mut errors = refresh.errors;
         // Unchanged files had their duplicates reported when they appeared.
         if refresh.changed {
@@ -534,9 +584,61 @@ impl ManifestReader {
         }
     }
 
-    /// Every object of every file, and the duplicates left out.
-    pub fn manifests(&self) -> (Manifests, Vec<ManifestError>) {
-        self.merge()
+    /// Every object of `kinds` of every file, and the duplicates left out:
+    /// of two objects with one kind and key, the one from the first file (by
+    /// path) wins.
+    pub fn manifests(&self, kinds: &[Kind]) -> (Manifests, Vec<ManifestError>) {
+        let mut merged = Manifests::default();
+        let mut duplicates = Vec::new();
+        let mut seen: BTreeMap<(&'static str, String), &Path> = BTreeMap::new();
+        for (path, cached) in &self.files {
+            let mut first_time = |kind: &'static str, meta: &ObjectMeta| {
+                let object = match &meta.namespace {
+                    Some(namespace) => {
+                        format!("{namespace}/{}", meta.name.as_deref().unwrap_or(""))
+                    }
+                    None => meta.name.clone().unwrap_or_default(),
+                };
+                if let Some(first) = seen.get(&(kind, object.clone())) {
+                    duplicates.push(ManifestError::Duplicate {
+                        path: path.clone(),
+                        kind,
+                        object,
+                        first: first.to_path_buf(),
+                    });
+                    return false;
+                }
+                seen.insert((kind, object), path);
+                true
+            };
+            if kinds.contains(&Kind::Service) {
+                for service in cached.objects.services.iter().filter_map(|j| decode::<Service>(j)) {
+                    if first_time("Service", &service.metadata) {
+                        merged.services.push(service);
+                    }
+                }
+            }
+            if kinds.contains(&Kind::EndpointSlice) {
+                for slice in cached
+                    .objects
+                    .endpoint_slices
+                    .iter()
+                    .filter_map(|j| decode::<EndpointSlice>(j))
+                {
+                    if first_time("EndpointSlice", &slice.metadata) {
+                        merged.endpoint_slices.push(slice);
+                    }
+                }
+            }
+            if kinds.contains(&Kind::Node) {
+                for node in cached.objects.nodes.iter().filter_map(|j| decode::<Node>(j)) {
+                    if first_time("Node", &node.metadata) {
+                        merged.nodes.push(node);
+                    }
+                }
+            }
+        }
+        (merged, duplicates)
     }
 
     /// Checks every file: a file whose stamp is unchanged costs one `stat`;
@@ -562,7 +664,7 @@ impl ManifestReader {
                 refresh.changed = true;
                 add_kinds(
                     &mut refresh.kinds,
-                    cached.objects.kinds_differing(&Manifests::default()),
+                    cached.objects.kinds_differing(&Encoded::default()),
                 );
             }
         }
@@ -628,10 +730,8 @@ impl ManifestReader {
             let objects = match parsed {
                 Ok((objects, errors)) => {
                     refresh.errors.extend(errors);
-                    let kinds = match &previous {
-                        Some(previous) => objects.kinds_differing(previous),
-                        None => objects.kinds_differing(&Manifests::default()),
-                    };
+                    let objects = Encoded::of(&objects);
+                    let kinds = objects.kinds_differing(&previous.unwrap_or_default());
                     add_kinds(&mut refresh.kinds, kinds);
                     objects
                 }
@@ -673,50 +773,6 @@ impl ManifestReader {
         Ok(paths)
     }
 
-    /// All cached objects and the duplicates left out: of two objects with
-    /// one kind and key, the one from the first file (by path) wins.
-    fn merge(&self) -> (Manifests, Vec<ManifestError>) {
-        let mut merged = Manifests::default();
-        let mut duplicates = Vec::new();
-        let mut seen: BTreeMap<(&'static str, String), &Path> = BTreeMap::new();
-        for (path, cached) in &self.files {
-            let mut first_time = |kind: &'static str, meta: &ObjectMeta| {
-                let object = match &meta.namespace {
-                    Some(namespace) => {
-                        format!("{namespace}/{}", meta.name.as_deref().unwrap_or(""))
-                    }
-                    None => meta.name.clone().unwrap_or_default(),
-                };
-                if let Some(first) = seen.get(&(kind, object.clone())) {
-                    duplicates.push(ManifestError::Duplicate {
-                        path: path.clone(),
-                        kind,
-                        object,
-                        first: first.to_path_buf(),
-                    });
-                    return false;
-                }
-                seen.insert((kind, object), path);
-                true
-            };
-            for service in &cached.objects.services {
-                if first_time("Service", &service.metadata) {
-                    merged.services.push(service.clone());
-                }
-            }
-            for slice in &cached.objects.endpoint_slices {
-                if first_time("EndpointSlice", &slice.metadata) {
-                    merged.endpoint_slices.push(slice.clone());
-                }
-            }
-            for node in &cached.objects.nodes {
-                if first_time("Node", &node.metadata) {
-                    merged.nodes.push(node.clone());
-                }
-            }
-        }
-        (merged, duplicates)
-    }
 }
 
 fn is_manifest_file(path: &Path) -> bool {
@@ -839,9 +895,10 @@ async fn follow(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), Mani
             continue;
         }
         info!(
-            services = manifests.services.len(),
-            endpoint_slices = manifests.endpoint_slices.len(),
-            nodes = manifests.nodes.len(),
+            kinds = ?refresh.kinds,
+            objects = manifests.services.len()
+                + manifests.endpoint_slices.len()
+                + manifests.nodes.len(),
             parsed = ?refresh.parsed,
             "manifests changed"
         );
@@ -894,8 +951,9 @@ fn relevant(event: &notify::Result<notify::Event>, file_name: Option<&OsStr>) ->
 }
 
 /// [`ManifestReader::refresh`] off the async threads, and the merged objects
-/// (with the duplicates left out) when anything changed or `merge` says so:
-/// merging copies every object, which an unchanged tree must not cost.
+/// (with the duplicates left out) of the kinds that changed, or of every
+/// kind when `merge` says so: merging decodes every object of a kind, which
+/// an unchanged tree must not cost.
 async fn refresh_blocking(
     mut reader: ManifestReader,
     merge: bool,
@@ -906,7 +964,11 @@ async fn refresh_blocking(
 ) {
     let task = tokio::task::spawn_blocking(move || {
         let refresh = reader.refresh();
-        let merged = (merge || refresh.changed).then(|| reader.manifests());
+        let merged = if merge {
+            Some(reader.manifests(&ALL_KINDS))
+        } else {
+            (!refresh.kinds.is_empty()).then(|| reader.manifests(&refresh.kinds))
+        };
         (reader, refresh, merged)
     });
     match task.await {
@@ -1286,7 +1348,7 @@ ports:
             "one changed file of twenty is the only one read and parsed"
         );
         assert_eq!(changed.kinds, [Kind::Service], "only Services changed");
-        let (merged, _) = reader.manifests();
+        let (merged, _) = reader.manifests(&ALL_KINDS);
         let ip = |name: &str| {
             merged
                 .services
@@ -1351,6 +1413,18 @@ ports:
         assert!(at(1_000_000 - window + 1).racy(read_at), "inside the window");
         assert!(!at(1_000_000 - window - 1).racy(read_at), "older than the window");
         assert!(at(1_000_010).racy(read_at), "an mtime in the future (clock set back)");
+    }
+
+    #[test]
+    fn kept_objects_decode_to_what_was_parsed() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/demo.yaml");
+        let text = fs::read_to_string(&path).expect("demo.yaml");
+        let (parsed, _) = parse_manifest(&path, &text).expect("demo.yaml parses");
+        let scan = ManifestReader::new(&path).scan();
+        assert_eq!(
+            scan.manifests, parsed,
+            "the objects kept encoded between scans come back as parsed"
+        );
     }
 
     #[test]

@@ -77,10 +77,7 @@ pub fn init(format: LogFormat) -> Result<(), LoggingError> {
 
 /// The reason `RUST_LOG` was refused, or `None` when it is merely unset.
 fn unparsable(error: FromEnvError) -> Option<String> {
-    match std::env::var_os(EnvFilter::DEFAULT_ENV) {
-        None => None,
-        Some(_) => Some(error.to_string()),
-    }
+    std::env::var_os(EnvFilter::DEFAULT_ENV).map(|_| error.to_string())
 }
 
 #[cfg(test)]

@@ -154,8 +154,7 @@ impl ApiAgent {
                     fs::read_to_string(&agent.log_path).unwrap_or_default()
                 );
             }
-            if run_in(&node.path(), || agent::http_status(HEALTHZ, "/healthz"))?.ok() == Some(200)
-            {
+            if run_in(&node.path(), || agent::http_status(HEALTHZ, "/healthz"))?.ok() == Some(200) {
                 return Ok(agent);
             }
             thread::sleep(Duration::from_millis(100));
@@ -192,8 +191,12 @@ fn from_manifests(services: u32, window: Duration) -> Result<Idle> {
     let manifests = ManifestDir::create(&stem)?;
     let mut yaml = String::new();
     for i in 0..services {
-        let svc =
-            Service::new("bench", &format!("svc-{i}"), vip(i)).port("http", 80, Protocol::Tcp, 8080);
+        let svc = Service::new("bench", &format!("svc-{i}"), vip(i)).port(
+            "http",
+            80,
+            Protocol::Tcp,
+            8080,
+        );
         yaml.push_str(&svc.yaml(Some(&endpoints(i))));
         yaml.push_str("---\n");
     }
@@ -211,8 +214,7 @@ fn from_api(services: u32, window: Duration) -> Result<Idle> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let listener = node
-        .run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
+    let listener = node.run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
     listener.set_nonblocking(true)?;
     let server = {
         let _context = runtime.enter();
@@ -248,7 +250,13 @@ fn main() {
         eprintln!("manifests: {manifests:?}");
         let api = from_api(services, window)?;
         eprintln!("API: {api:?}");
-        let ratio = |m: f64, a: f64| if a > 0.0 { format!("{:.2}x", m / a) } else { "-".into() };
+        let ratio = |m: f64, a: f64| {
+            if a > 0.0 {
+                format!("{:.2}x", m / a)
+            } else {
+                "-".into()
+            }
+        };
         let markdown = format!(
             "The agent at rest, {services} Services x {ENDPOINTS} endpoints, one run on this machine \
              (CPU: user + system time over {} s, after {} s of settling)\n\n\

@@ -132,7 +132,11 @@ fn warn_and_fail(args: &[&str], on_terminal: bool, no_color: Option<&str>) -> St
     let missing = std::env::temp_dir().join(format!("{}-no-pins", unique_stem()));
     let mut argv = vec![bin.display().to_string()];
     argv.extend(args.iter().map(|a| a.to_string()));
-    argv.extend(["status".into(), "--bpf-root".into(), missing.display().to_string()]);
+    argv.extend([
+        "status".into(),
+        "--bpf-root".into(),
+        missing.display().to_string(),
+    ]);
     let mut cmd = if on_terminal {
         let quoted: Vec<String> = argv
             .iter()

@@ -612,7 +612,12 @@ impl ManifestReader {
                 true
             };
             if kinds.contains(&Kind::Service) {
-                for service in cached.objects.services.iter().filter_map(|j| decode::<Service>(j)) {
+                for service in cached
+                    .objects
+                    .services
+                    .iter()
+                    .filter_map(|j| decode::<Service>(j))
+                {
                     if first_time("Service", &service.metadata) {
                         merged.services.push(service);
                     }
@@ -631,7 +636,12 @@ impl ManifestReader {
                 }
             }
             if kinds.contains(&Kind::Node) {
-                for node in cached.objects.nodes.iter().filter_map(|j| decode::<Node>(j)) {
+                for node in cached
+                    .objects
+                    .nodes
+                    .iter()
+                    .filter_map(|j| decode::<Node>(j))
+                {
                     if first_time("Node", &node.metadata) {
                         merged.nodes.push(node);
                     }
@@ -772,7 +782,6 @@ impl ManifestReader {
         }
         Ok(paths)
     }
-
 }
 
 fn is_manifest_file(path: &Path) -> bool {
@@ -1374,7 +1383,7 @@ ports:
         let dir = TempDir::new("racy");
         let file = dir.write("web.yaml", &service_yaml("web", "10.96.0.10"));
         let mut reader = ManifestReader::new(&dir.0);
-        assert_eq!(reader.refresh().parsed, [file.clone()], "first read");
+        assert_eq!(reader.refresh().parsed, [file.as_path()], "first read");
         // Its mtime is within the window: a write in the same timestamp tick
         // would leave the stamp as it is, so the content is checked again.
         let again = reader.refresh();
@@ -1389,7 +1398,11 @@ ports:
             .open(&file)
             .and_then(|f| f.set_modified(old))
             .expect("set mtime");
-        assert_eq!(reader.refresh().read, [file.clone()], "the new stamp is read");
+        assert_eq!(
+            reader.refresh().read,
+            [file.as_path()],
+            "the new stamp is read"
+        );
         let settled = reader.refresh();
         assert!(
             settled.read.is_empty(),
@@ -1410,9 +1423,18 @@ ports:
         let read_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
         let window = RACY_WINDOW.as_secs() as i64;
         assert!(at(1_000_000).racy(read_at), "written at the read");
-        assert!(at(1_000_000 - window + 1).racy(read_at), "inside the window");
-        assert!(!at(1_000_000 - window - 1).racy(read_at), "older than the window");
-        assert!(at(1_000_010).racy(read_at), "an mtime in the future (clock set back)");
+        assert!(
+            at(1_000_000 - window + 1).racy(read_at),
+            "inside the window"
+        );
+        assert!(
+            !at(1_000_000 - window - 1).racy(read_at),
+            "older than the window"
+        );
+        assert!(
+            at(1_000_010).racy(read_at),
+            "an mtime in the future (clock set back)"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::{
     datapath::{XdpModeSetting, pins::DEFAULT_BPF_ROOT},
+    logging::LogFormat,
     model::Cidr,
 };
 
@@ -22,6 +23,11 @@ use crate::{
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// How the log (on standard error) is written: `text`, coloured only
+    /// on a terminal and never with NO_COLOR set, or `json`, one object per
+    /// line with the same fields, for log collectors.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 #[derive(Debug, Subcommand)]

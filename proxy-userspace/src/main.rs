@@ -4,10 +4,10 @@ use proxy_userspace::{
     agent::{self, AgentConfig, SourceConfig},
     cli::{Cli, Command},
     datapath::{self, PinLayout},
+    logging,
     model::ModelConfig,
     status,
 };
-use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
     // One malloc arena: the agent is a handful of threads doing little
@@ -15,13 +15,8 @@ fn main() -> anyhow::Result<()> {
     // that listing's freed memory resident several times over.
     // SAFETY: called before any thread exists.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    logging::init(cli.log_format)?;
     match cli.command {
         Command::Run(args) => {
             let ct_timeouts = args.ct_timeouts();

@@ -146,7 +146,14 @@ fn bench(quick: bool) -> Result<()> {
     let bin = build()?;
     ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
     let out = workspace_root().join("bench/results");
-    for name in ["datapath", "control_plane", "e2e", "nodeport", "fuzz"] {
+    for name in [
+        "datapath",
+        "control_plane",
+        "source_idle",
+        "e2e",
+        "nodeport",
+        "fuzz",
+    ] {
         let mut cmd = cargo();
         cmd.args(["bench", "-p", "ebpf-proxy-tests", "--bench", name, "--"])
             .arg("--out")

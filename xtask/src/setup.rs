@@ -20,6 +20,8 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "nftables",
     "ethtool",
+    // `script`: the log tests give the agent a terminal with it.
+    "bsdutils",
 ];
 
 const BPF_LINKER: &str = "bpf-linker@0.10.0";

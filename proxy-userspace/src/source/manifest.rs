@@ -9,13 +9,21 @@
 //! reported while the rest of its file loads; a file that does not parse at
 //! all keeps its last good content, so a half-saved edit never takes
 //! services down.
+//!
+//! At rest a file costs one `stat` per rescan: it is read again only when its
+//! device, inode, size, mtime or ctime change (or its mtime is so recent that
+//! a write in the same timestamp tick could hide behind it), and parsed again
+//! only when what was read differs from what was last parsed.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::{OsStr, OsString},
-    fs, io,
+    fs,
+    hash::{DefaultHasher, Hasher},
+    io,
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use k8s_openapi::{
@@ -26,17 +34,25 @@ use notify::{EventKind, RecursiveMode, Watcher};
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
-use tracing::{debug, error, info, warn};
+use tracing::{Instrument, debug, error, info, info_span, warn};
 
 use super::{Kind, Object, SourceEvent};
 
 /// How long to wait after a file event for the rest of an editor's save
 /// (write temp, rename, chmod...) before reading.
 const DEBOUNCE: Duration = Duration::from_millis(50);
-/// Re-read everything this often whatever the watcher says: inotify misses
+/// Check every file this often whatever the watcher says: inotify misses
 /// changes on some filesystems and behind some symlink swaps (ConfigMap
-/// volumes), and a missed event must not leave stale services forever.
+/// volumes), and a missed event must not leave stale services forever. A
+/// check of an unchanged file is one `stat`.
 const RESCAN_PERIOD: Duration = Duration::from_secs(2);
+/// A file whose mtime is this close to the moment it was read may have been
+/// written again within the same timestamp tick without changing its stamp
+/// (filesystems with coarse timestamps: FAT's 2 s, 1 s on some network
+/// filesystems), so its content is checked again until it is older.
+const RACY_WINDOW: Duration = Duration::from_secs(3);
+
+const ALL_KINDS: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
@@ -91,7 +107,46 @@ pub struct Manifests {
 impl Manifests {
     /// One `Replace` per kind: together a complete listing.
     pub fn into_events(self) -> Vec<SourceEvent> {
-        self.events_since(None)
+        self.into_events_of(&ALL_KINDS)
+    }
+
+    /// A `Replace` of each of `kinds` (in the order Service, EndpointSlice,
+    /// Node), the objects moved into them rather than copied.
+    pub fn into_events_of(self, kinds: &[Kind]) -> Vec<SourceEvent> {
+        let Manifests {
+            services,
+            endpoint_slices,
+            nodes,
+        } = self;
+        let mut events = Vec::new();
+        if kinds.contains(&Kind::Service) {
+            events.push(SourceEvent::Replace {
+                kind: Kind::Service,
+                objects: services
+                    .into_iter()
+                    .map(|s| Object::Service(Box::new(s)))
+                    .collect(),
+            });
+        }
+        if kinds.contains(&Kind::EndpointSlice) {
+            events.push(SourceEvent::Replace {
+                kind: Kind::EndpointSlice,
+                objects: endpoint_slices
+                    .into_iter()
+                    .map(|s| Object::EndpointSlice(Box::new(s)))
+                    .collect(),
+            });
+        }
+        if kinds.contains(&Kind::Node) {
+            events.push(SourceEvent::Replace {
+                kind: Kind::Node,
+                objects: nodes
+                    .into_iter()
+                    .map(|n| Object::Node(Box::new(n)))
+                    .collect(),
+            });
+        }
+        events
     }
 
     /// A `Replace` for each kind whose objects differ from `sent` (every
@@ -139,15 +194,18 @@ pub fn parse_manifest(
     path: &Path,
     text: &str,
 ) -> Result<(Manifests, Vec<ManifestError>), ManifestError> {
-    let documents = if is_json(path) {
-        parse_json_documents(path, text)?
-    } else {
-        parse_yaml_documents(path, text)?
-    };
     let mut out = Manifests::default();
     let mut errors = Vec::new();
-    for (index, document) in documents.into_iter().enumerate() {
+    // Each document becomes objects as soon as it is read, so that only one
+    // document's generic tree exists at a time (a file of 10,000 Services
+    // would otherwise be held whole, as trees, several times its size).
+    let mut add = |index: usize, document: Value| {
         add_document(path, index, document, &mut out, &mut errors);
+    };
+    if is_json(path) {
+        parse_json_documents(path, text, &mut add)?;
+    } else {
+        parse_yaml_documents(path, text, &mut add)?;
     }
     Ok((out, errors))
 }
@@ -168,30 +226,43 @@ fn is_json(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "json")
 }
 
-fn parse_yaml_documents(path: &Path, text: &str) -> Result<Vec<Value>, ManifestError> {
-    let mut documents = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(text) {
-        // A syntax error anywhere makes the whole file suspect (it is most
-        // likely being edited), so no document of it is taken.
+/// Hands each document of a YAML stream to `add`, in order. A syntax error
+/// anywhere makes the whole file suspect (it is most likely being edited):
+/// the caller then drops whatever `add` built from it.
+fn parse_yaml_documents(
+    path: &Path,
+    text: &str,
+    add: &mut impl FnMut(usize, Value),
+) -> Result<(), ManifestError> {
+    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let value = Value::deserialize(document).map_err(|e| ManifestError::Parse {
             path: path.to_owned(),
             format: "YAML",
             message: e.to_string(),
         })?;
-        documents.push(value);
+        add(index, value);
     }
-    Ok(documents)
+    Ok(())
 }
 
-fn parse_json_documents(path: &Path, text: &str) -> Result<Vec<Value>, ManifestError> {
-    serde_json::Deserializer::from_str(text)
+/// [`parse_yaml_documents`] for a stream of JSON values.
+fn parse_json_documents(
+    path: &Path,
+    text: &str,
+    add: &mut impl FnMut(usize, Value),
+) -> Result<(), ManifestError> {
+    for (index, value) in serde_json::Deserializer::from_str(text)
         .into_iter::<Value>()
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ManifestError::Parse {
+        .enumerate()
+    {
+        let value = value.map_err(|e| ManifestError::Parse {
             path: path.to_owned(),
             format: "JSON",
             message: e.to_string(),
-        })
+        })?;
+        add(index, value);
+    }
+    Ok(())
 }
 
 fn add_document(
@@ -308,14 +379,149 @@ where
     Some(object)
 }
 
-/// One file as last read.
+/// What `stat` says of a file: when none of it changed, neither did the file
+/// (unless it was written within the timestamp tick it was read in; see
+/// [`RACY_WINDOW`]). A rename over the file changes the inode, an in-place
+/// write the mtime, anything else done to it the ctime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(metadata: &fs::Metadata) -> Stamp {
+        Stamp {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+            size: metadata.size(),
+            mtime: (metadata.mtime(), metadata.mtime_nsec()),
+            ctime: (metadata.ctime(), metadata.ctime_nsec()),
+        }
+    }
+
+    /// Whether a write in the same tick as this mtime could still have gone
+    /// unseen by a read at `read_at`.
+    fn racy(&self, read_at: SystemTime) -> bool {
+        let mtime = SystemTime::UNIX_EPOCH
+            .checked_add(Duration::new(
+                self.mtime.0.max(0) as u64,
+                self.mtime.1.clamp(0, 999_999_999) as u32,
+            ))
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        // A clock set back makes every file look new: checked each time,
+        // which costs a read, never a missed change.
+        read_at
+            .duration_since(mtime)
+            .map_or(true, |age| age < RACY_WINDOW)
+    }
+}
+
+/// A digest of a file's bytes: two reads with the same digest are the same
+/// content, so a file touched but not changed is not parsed again.
+fn digest(content: &[u8]) -> (u64, usize) {
+    let mut hasher = DefaultHasher::new();
+    hasher.write(content);
+    (hasher.finish(), content.len())
+}
+
+/// A file's last good objects, each kept as its JSON encoding: a fraction
+/// of the memory of the decoded objects, which the agent's state already
+/// holds once. They are decoded only to send a listing of their kind after
+/// some file's objects of that kind changed.
+#[derive(Debug, Default, PartialEq)]
+struct Encoded {
+    services: Vec<Box<[u8]>>,
+    endpoint_slices: Vec<Box<[u8]>>,
+    nodes: Vec<Box<[u8]>>,
+}
+
+impl Encoded {
+    fn of(manifests: &Manifests) -> Encoded {
+        Encoded {
+            services: encode_all(&manifests.services),
+            endpoint_slices: encode_all(&manifests.endpoint_slices),
+            nodes: encode_all(&manifests.nodes),
+        }
+    }
+
+    /// The kinds whose objects differ between `self` and `other` (the
+    /// encoding of a decoded object is canonical: maps are ordered).
+    fn kinds_differing(&self, other: &Encoded) -> Vec<Kind> {
+        let mut kinds = Vec::new();
+        if self.services != other.services {
+            kinds.push(Kind::Service);
+        }
+        if self.endpoint_slices != other.endpoint_slices {
+            kinds.push(Kind::EndpointSlice);
+        }
+        if self.nodes != other.nodes {
+            kinds.push(Kind::Node);
+        }
+        kinds
+    }
+}
+
+fn encode_all<T: serde::Serialize>(objects: &[T]) -> Vec<Box<[u8]>> {
+    objects
+        .iter()
+        .filter_map(|object| match serde_json::to_vec(object) {
+            Ok(json) => Some(json.into_boxed_slice()),
+            // Only a map with keys that are not strings fails, and the
+            // Kubernetes types have none.
+            Err(e) => {
+                error!(error = %e, "manifest object not kept");
+                None
+            }
+        })
+        .collect()
+}
+
+fn decode<T: serde::de::DeserializeOwned>(json: &[u8]) -> Option<T> {
+    match serde_json::from_slice(json) {
+        Ok(object) => Some(object),
+        // What `encode_all` wrote decodes: the same types both ways.
+        Err(e) => {
+            error!(error = %e, "manifest object not decoded");
+            None
+        }
+    }
+}
+
+/// One file as last seen.
 #[derive(Debug)]
 struct CachedFile {
-    /// Bytes as last read, good or not: an unchanged file is not parsed or
-    /// reported again.
-    content: Vec<u8>,
+    /// Its stamp when last read.
+    stamp: Stamp,
+    /// The stamp may hide a later write: read again at the next scan.
+    racy: bool,
+    /// Digest of the bytes last read, good or not: unchanged content is not
+    /// parsed or reported again.
+    digest: (u64, usize),
     /// Objects of the last content that parsed.
-    objects: Manifests,
+    objects: Encoded,
+}
+
+/// What one [`ManifestReader::refresh`] found.
+#[derive(Debug, Default)]
+pub struct Refresh {
+    /// Problems found in files that changed since the previous refresh
+    /// (duplicates are found by [`ManifestReader::manifests`]).
+    pub errors: Vec<ManifestError>,
+    /// The path given could not be read at all (missing, unreadable
+    /// directory); every cached file was kept.
+    pub root_error: Option<ManifestError>,
+    /// Some file was added, removed or changed since the previous refresh.
+    pub changed: bool,
+    /// The kinds whose objects (of some file) changed.
+    pub kinds: Vec<Kind>,
+    /// Files whose bytes were read (their stamp changed, or was racy).
+    pub read: Vec<PathBuf>,
+    /// Files whose content was parsed (it differed from the last parsed).
+    pub parsed: Vec<PathBuf>,
 }
 
 /// The outcome of one [`ManifestReader::scan`].
@@ -332,10 +538,14 @@ pub struct Scan {
     pub root_error: Option<ManifestError>,
     /// Some file was added, removed or changed since the previous scan.
     pub changed: bool,
+    /// Files whose bytes were read.
+    pub read: Vec<PathBuf>,
+    /// Files whose content was parsed.
+    pub parsed: Vec<PathBuf>,
 }
 
-/// Reads the manifests under a path, remembering each file's last content
-/// and last good objects between scans.
+/// Reads the manifests under a path, remembering each file's stamp, the
+/// digest of its last content and its last good objects between scans.
 #[derive(Debug)]
 pub struct ManifestReader {
     root: PathBuf,
@@ -354,104 +564,30 @@ impl ManifestReader {
         &self.root
     }
 
-    /// Re-reads every file and merges their objects.
+    /// [`ManifestReader::refresh`], then every object merged (and the
+    /// duplicates reported when anything changed).
     pub fn scan(&mut self) -> Scan {
-        let mut scan = Scan::default();
-        let paths = match self.list() {
-            Ok(paths) => paths,
-            Err(e) => {
-                scan.root_error = Some(e);
-                scan.manifests = self.merge().0;
-                return scan;
-            }
-        };
-
-        let before = self.files.len();
-        self.files.retain(|path, _| paths.contains(path));
-        scan.changed = self.files.len() != before;
-
-        for path in paths {
-            let content = match fs::read(&path) {
-                Ok(content) => content,
-                Err(e) => {
-                    // Gone between listing and reading, or unreadable: keep
-                    // what we had; the next scan settles it.
-                    scan.errors.push(ManifestError::Io { path, source: e });
-                    continue;
-                }
-            };
-            if self
-                .files
-                .get(&path)
-                .is_some_and(|cached| cached.content == content)
-            {
-                continue;
-            }
-            scan.changed = true;
-            let parsed = match std::str::from_utf8(&content) {
-                // An in-place save truncates before it writes; reading in
-                // between must not make every object of the file vanish.
-                // (A file with only a comment still clears them.)
-                Ok("") => Err(ManifestError::Parse {
-                    path: path.clone(),
-                    format: if is_json(&path) { "JSON" } else { "YAML" },
-                    message: "the file is empty (still being written?)".into(),
-                }),
-                Ok(text) => parse_manifest(&path, text),
-                Err(e) => Err(ManifestError::Parse {
-                    path: path.clone(),
-                    format: if is_json(&path) { "JSON" } else { "YAML" },
-                    message: format!("not UTF-8: {e}"),
-                }),
-            };
-            let objects = match parsed {
-                Ok((objects, errors)) => {
-                    scan.errors.extend(errors);
-                    objects
-                }
-                Err(e) => {
-                    scan.errors.push(e);
-                    self.files
-                        .remove(&path)
-                        .map(|cached| cached.objects)
-                        .unwrap_or_default()
-                }
-            };
-            self.files.insert(path, CachedFile { content, objects });
-        }
-
-        let (manifests, duplicates) = self.merge();
-        scan.manifests = manifests;
+        let refresh = self.refresh();
+        let (manifests, duplicates) = self.manifests(&ALL_KINDS);
+        let mut errors = refresh.errors;
         // Unchanged files had their duplicates reported when they appeared.
-        if scan.changed {
-            scan.errors.extend(duplicates);
+        if refresh.changed {
+            errors.extend(duplicates);
         }
-        scan
+        Scan {
+            manifests,
+            errors,
+            root_error: refresh.root_error,
+            changed: refresh.changed,
+            read: refresh.read,
+            parsed: refresh.parsed,
+        }
     }
 
-    /// The files to read: the root itself, or the manifest files in it.
-    fn list(&self) -> Result<BTreeSet<PathBuf>, ManifestError> {
-        let io_error = |source| ManifestError::Io {
-            path: self.root.clone(),
-            source,
-        };
-        let metadata = fs::metadata(&self.root).map_err(io_error)?;
-        if !metadata.is_dir() {
-            return Ok(BTreeSet::from([self.root.clone()]));
-        }
-        let mut paths = BTreeSet::new();
-        for entry in fs::read_dir(&self.root).map_err(io_error)? {
-            let path = entry.map_err(io_error)?.path();
-            if is_manifest_file(&path) && path.is_file() {
-                paths.insert(path);
-            }
-        }
-        Ok(paths)
-    }
-
-    /// All cached objects and the duplicates left out: of two objects with
-    /// one kind and key, the one from the first file (by path) wins.
-    fn merge(&self) -> (Manifests, Vec<ManifestError>) {
+    /// Every object of `kinds` of every file, and the duplicates left out:
+    /// of two objects with one kind and key, the one from the first file (by
+    /// path) wins.
+    pub fn manifests(&self, kinds: &[Kind]) -> (Manifests, Vec<ManifestError>) {
         let mut merged = Manifests::default();
         let mut duplicates = Vec::new();
         let mut seen: BTreeMap<(&'static str, String), &Path> = BTreeMap::new();
@@ -475,23 +611,176 @@ impl ManifestReader {
                 seen.insert((kind, object), path);
                 true
             };
-            for service in &cached.objects.services {
-                if first_time("Service", &service.metadata) {
-                    merged.services.push(service.clone());
+            if kinds.contains(&Kind::Service) {
+                for service in cached
+                    .objects
+                    .services
+                    .iter()
+                    .filter_map(|j| decode::<Service>(j))
+                {
+                    if first_time("Service", &service.metadata) {
+                        merged.services.push(service);
+                    }
                 }
             }
-            for slice in &cached.objects.endpoint_slices {
-                if first_time("EndpointSlice", &slice.metadata) {
-                    merged.endpoint_slices.push(slice.clone());
+            if kinds.contains(&Kind::EndpointSlice) {
+                for slice in cached
+                    .objects
+                    .endpoint_slices
+                    .iter()
+                    .filter_map(|j| decode::<EndpointSlice>(j))
+                {
+                    if first_time("EndpointSlice", &slice.metadata) {
+                        merged.endpoint_slices.push(slice);
+                    }
                 }
             }
-            for node in &cached.objects.nodes {
-                if first_time("Node", &node.metadata) {
-                    merged.nodes.push(node.clone());
+            if kinds.contains(&Kind::Node) {
+                for node in cached
+                    .objects
+                    .nodes
+                    .iter()
+                    .filter_map(|j| decode::<Node>(j))
+                {
+                    if first_time("Node", &node.metadata) {
+                        merged.nodes.push(node);
+                    }
                 }
             }
         }
         (merged, duplicates)
+    }
+
+    /// Checks every file: a file whose stamp is unchanged costs one `stat`;
+    /// one whose stamp changed is read, and parsed if its bytes changed.
+    pub fn refresh(&mut self) -> Refresh {
+        let mut refresh = Refresh::default();
+        let paths = match self.list() {
+            Ok(paths) => paths,
+            Err(e) => {
+                refresh.root_error = Some(e);
+                return refresh;
+            }
+        };
+
+        let gone: Vec<PathBuf> = self
+            .files
+            .keys()
+            .filter(|path| !paths.contains(*path))
+            .cloned()
+            .collect();
+        for path in gone {
+            if let Some(cached) = self.files.remove(&path) {
+                refresh.changed = true;
+                add_kinds(
+                    &mut refresh.kinds,
+                    cached.objects.kinds_differing(&Encoded::default()),
+                );
+            }
+        }
+
+        for path in paths {
+            let stamp = match fs::metadata(&path) {
+                Ok(metadata) => Stamp::of(&metadata),
+                Err(e) => {
+                    // Gone between listing and reading, or unreadable: keep
+                    // what we had; the next scan settles it.
+                    refresh.errors.push(ManifestError::Io { path, source: e });
+                    continue;
+                }
+            };
+            if let Some(cached) = self.files.get(&path)
+                && cached.stamp == stamp
+                && !cached.racy
+            {
+                continue;
+            }
+            let read_at = SystemTime::now();
+            let content = match fs::read(&path) {
+                Ok(content) => content,
+                Err(e) => {
+                    refresh.errors.push(ManifestError::Io { path, source: e });
+                    continue;
+                }
+            };
+            refresh.read.push(path.clone());
+            let digest = digest(&content);
+            // The stamp of what was read: taken before the read, a write in
+            // between leaves it older than the content, and the next scan
+            // reads again.
+            let racy = stamp.racy(read_at);
+            if let Some(cached) = self.files.get_mut(&path)
+                && cached.digest == digest
+            {
+                cached.stamp = stamp;
+                cached.racy = racy;
+                continue;
+            }
+            refresh.changed = true;
+            refresh.parsed.push(path.clone());
+            debug!(path = %path.display(), bytes = content.len(), "parsing");
+            let parsed = match std::str::from_utf8(&content) {
+                // An in-place save truncates before it writes; reading in
+                // between must not make every object of the file vanish.
+                // (A file with only a comment still clears them.)
+                Ok("") => Err(ManifestError::Parse {
+                    path: path.clone(),
+                    format: if is_json(&path) { "JSON" } else { "YAML" },
+                    message: "the file is empty (still being written?)".into(),
+                }),
+                Ok(text) => parse_manifest(&path, text),
+                Err(e) => Err(ManifestError::Parse {
+                    path: path.clone(),
+                    format: if is_json(&path) { "JSON" } else { "YAML" },
+                    message: format!("not UTF-8: {e}"),
+                }),
+            };
+            drop(content);
+            let previous = self.files.remove(&path).map(|cached| cached.objects);
+            let objects = match parsed {
+                Ok((objects, errors)) => {
+                    refresh.errors.extend(errors);
+                    let objects = Encoded::of(&objects);
+                    let kinds = objects.kinds_differing(&previous.unwrap_or_default());
+                    add_kinds(&mut refresh.kinds, kinds);
+                    objects
+                }
+                Err(e) => {
+                    refresh.errors.push(e);
+                    previous.unwrap_or_default()
+                }
+            };
+            self.files.insert(
+                path,
+                CachedFile {
+                    stamp,
+                    racy,
+                    digest,
+                    objects,
+                },
+            );
+        }
+        refresh
+    }
+
+    /// The files to read: the root itself, or the manifest files in it.
+    fn list(&self) -> Result<BTreeSet<PathBuf>, ManifestError> {
+        let io_error = |source| ManifestError::Io {
+            path: self.root.clone(),
+            source,
+        };
+        let metadata = fs::metadata(&self.root).map_err(io_error)?;
+        if !metadata.is_dir() {
+            return Ok(BTreeSet::from([self.root.clone()]));
+        }
+        let mut paths = BTreeSet::new();
+        for entry in fs::read_dir(&self.root).map_err(io_error)? {
+            let path = entry.map_err(io_error)?.path();
+            if is_manifest_file(&path) && path.is_file() {
+                paths.insert(path);
+            }
+        }
+        Ok(paths)
     }
 }
 
@@ -503,6 +792,13 @@ fn is_manifest_file(path: &Path) -> bool {
         && [".yaml", ".yml", ".json"]
             .iter()
             .any(|ext| name.ends_with(ext))
+}
+
+/// Adds `kinds` to `to`, each once, in the order of [`Kind`].
+fn add_kinds(to: &mut Vec<Kind>, kinds: Vec<Kind>) {
+    to.extend(kinds);
+    to.sort();
+    to.dedup();
 }
 
 fn log_errors(errors: &[ManifestError]) {
@@ -524,6 +820,11 @@ fn log_errors(errors: &[ManifestError]) {
 /// read at start or cannot be watched. Later read problems are logged and
 /// the last good objects stay.
 pub async fn watch(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), ManifestError> {
+    let span = info_span!("manifest_source", path = %path.display());
+    follow(path, tx).instrument(span).await
+}
+
+async fn follow(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), ManifestError> {
     let (watched_dir, file_name) = watched_directory(&path)?;
     let (event_tx, mut event_rx) = mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
@@ -544,26 +845,27 @@ pub async fn watch(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), M
             source,
         })?;
 
-    // Scanning after the watch starts means no change can fall between the
+    // Reading after the watch starts means no change can fall between the
     // two.
-    let (mut reader, scan) = scan_blocking(ManifestReader::new(&path)).await;
-    if let Some(e) = scan.root_error {
+    let (mut reader, first, merged) = refresh_blocking(ManifestReader::new(&path), true).await;
+    if let Some(e) = first.root_error {
         return Err(e);
     }
-    log_errors(&scan.errors);
+    let (manifests, duplicates) = merged.unwrap_or_default();
+    log_errors(&first.errors);
+    log_errors(&duplicates);
     info!(
-        path = %path.display(),
-        services = scan.manifests.services.len(),
-        endpoint_slices = scan.manifests.endpoint_slices.len(),
-        nodes = scan.manifests.nodes.len(),
+        services = manifests.services.len(),
+        endpoint_slices = manifests.endpoint_slices.len(),
+        nodes = manifests.nodes.len(),
+        files = first.parsed.len(),
         "manifests loaded"
     );
-    for event in scan.manifests.events_since(None) {
+    for event in manifests.into_events() {
         if tx.send(event).await.is_err() {
             return Ok(());
         }
     }
-    let mut sent = scan.manifests;
     let mut root_failing = false;
 
     let mut rescan = tokio::time::interval(RESCAN_PERIOD);
@@ -582,33 +884,34 @@ pub async fn watch(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), M
                 while event_rx.try_recv().is_ok() {}
             }
         }
-        let (next, scan) = scan_blocking(reader).await;
+        let (next, refresh, merged) = refresh_blocking(reader, false).await;
         reader = next;
         // Reported when it starts and stops, not on every re-scan.
-        match (&scan.root_error, root_failing) {
+        match (&refresh.root_error, root_failing) {
             (Some(e), false) => {
                 error!(error = %e, "manifests unreadable; keeping the last good objects")
             }
-            (None, true) => info!(path = %path.display(), "manifests readable again"),
+            (None, true) => info!("manifests readable again"),
             _ => {}
         }
-        root_failing = scan.root_error.is_some();
-        log_errors(&scan.errors);
-        if !scan.changed {
+        root_failing = refresh.root_error.is_some();
+        log_errors(&refresh.errors);
+        let Some((manifests, duplicates)) = merged else {
+            continue;
+        };
+        log_errors(&duplicates);
+        if refresh.kinds.is_empty() {
             continue;
         }
-        let events = scan.manifests.events_since(Some(&sent));
-        if !events.is_empty() {
-            info!(
-                path = %path.display(),
-                services = scan.manifests.services.len(),
-                endpoint_slices = scan.manifests.endpoint_slices.len(),
-                nodes = scan.manifests.nodes.len(),
-                "manifests changed"
-            );
-        }
-        sent = scan.manifests;
-        for event in events {
+        info!(
+            kinds = ?refresh.kinds,
+            objects = manifests.services.len()
+                + manifests.endpoint_slices.len()
+                + manifests.nodes.len(),
+            parsed = ?refresh.parsed,
+            "manifests changed"
+        );
+        for event in manifests.into_events_of(&refresh.kinds) {
             if tx.send(event).await.is_err() {
                 return Ok(());
             }
@@ -656,14 +959,30 @@ fn relevant(event: &notify::Result<notify::Event>, file_name: Option<&OsStr>) ->
     }
 }
 
-async fn scan_blocking(mut reader: ManifestReader) -> (ManifestReader, Scan) {
+/// [`ManifestReader::refresh`] off the async threads, and the merged objects
+/// (with the duplicates left out) of the kinds that changed, or of every
+/// kind when `merge` says so: merging decodes every object of a kind, which
+/// an unchanged tree must not cost.
+async fn refresh_blocking(
+    mut reader: ManifestReader,
+    merge: bool,
+) -> (
+    ManifestReader,
+    Refresh,
+    Option<(Manifests, Vec<ManifestError>)>,
+) {
     let task = tokio::task::spawn_blocking(move || {
-        let scan = reader.scan();
-        (reader, scan)
+        let refresh = reader.refresh();
+        let merged = if merge {
+            Some(reader.manifests(&ALL_KINDS))
+        } else {
+            (!refresh.kinds.is_empty()).then(|| reader.manifests(&refresh.kinds))
+        };
+        (reader, refresh, merged)
     });
     match task.await {
         Ok(done) => done,
-        // Only a bug in `scan` (a panic) or a runtime shutting down gets
+        // Only a bug in `refresh` (a panic) or a runtime shutting down gets
         // here; neither leaves a reader to carry on with.
         Err(e) => std::panic::resume_unwind(
             e.try_into_panic()
@@ -988,6 +1307,145 @@ ports:
             names(&fixed.manifests).0,
             strings(&["demo/web2"]),
             "the fixed content replaces the old"
+        );
+    }
+
+    #[test]
+    fn an_unchanged_tree_is_not_read_and_one_changed_file_is_the_only_one_parsed() {
+        let dir = TempDir::new("many");
+        // Stamps old enough not to be racy, as files are after their first seconds.
+        let settle = |path: &Path| {
+            let old = SystemTime::now() - 2 * RACY_WINDOW;
+            fs::File::options()
+                .write(true)
+                .open(path)
+                .and_then(|f| f.set_modified(old))
+                .expect("set mtime");
+        };
+        let mut files = Vec::new();
+        for i in 0..20 {
+            let path = dir.write(
+                &format!("svc-{i:02}.yaml"),
+                &service_yaml(&format!("svc-{i}"), &format!("10.96.1.{i}")),
+            );
+            settle(&path);
+            files.push(path);
+        }
+        let mut reader = ManifestReader::new(&dir.0);
+        let first = reader.scan();
+        assert_eq!(first.parsed.len(), 20, "the first scan parses every file");
+        assert_eq!(first.manifests.services.len(), 20);
+
+        for round in 0..3 {
+            let again = reader.scan();
+            assert!(
+                again.read.is_empty() && again.parsed.is_empty() && !again.changed,
+                "round {round}: an unchanged tree is neither read nor parsed: read {:?}, parsed {:?}",
+                again.read,
+                again.parsed
+            );
+            assert_eq!(again.manifests.services.len(), 20, "round {round}");
+        }
+
+        // Same size, other content: only the stamp's mtime and ctime tell.
+        fs::write(&files[7], service_yaml("svc-7", "10.96.2.7")).expect("rewrite");
+        settle(&files[7]);
+        let changed = reader.refresh();
+        assert_eq!(
+            (&changed.read, &changed.parsed),
+            (&vec![files[7].clone()], &vec![files[7].clone()]),
+            "one changed file of twenty is the only one read and parsed"
+        );
+        assert_eq!(changed.kinds, [Kind::Service], "only Services changed");
+        let (merged, _) = reader.manifests(&ALL_KINDS);
+        let ip = |name: &str| {
+            merged
+                .services
+                .iter()
+                .find(|s| s.metadata.name.as_deref() == Some(name))
+                .and_then(|s| s.spec.as_ref()?.cluster_ip.clone())
+        };
+        assert_eq!(ip("svc-7").as_deref(), Some("10.96.2.7"), "the new content");
+        assert_eq!(ip("svc-8").as_deref(), Some("10.96.1.8"), "the others kept");
+
+        // Touched, not changed: read again, not parsed, not a change.
+        settle(&files[3]);
+        let touched = reader.refresh();
+        assert_eq!(
+            (&touched.read, touched.parsed.len(), touched.changed),
+            (&vec![files[3].clone()], 0, false),
+            "a touched file is read but, its bytes the same, not parsed"
+        );
+    }
+
+    #[test]
+    fn a_file_written_moments_ago_is_read_again_until_its_stamp_is_old() {
+        let dir = TempDir::new("racy");
+        let file = dir.write("web.yaml", &service_yaml("web", "10.96.0.10"));
+        let mut reader = ManifestReader::new(&dir.0);
+        assert_eq!(reader.refresh().parsed, [file.as_path()], "first read");
+        // Its mtime is within the window: a write in the same timestamp tick
+        // would leave the stamp as it is, so the content is checked again.
+        let again = reader.refresh();
+        assert_eq!(
+            (&again.read, again.parsed.len()),
+            (&vec![file.clone()], 0),
+            "a racy file is read again (and, unchanged, not parsed)"
+        );
+        let old = SystemTime::now() - 2 * RACY_WINDOW;
+        fs::File::options()
+            .write(true)
+            .open(&file)
+            .and_then(|f| f.set_modified(old))
+            .expect("set mtime");
+        assert_eq!(
+            reader.refresh().read,
+            [file.as_path()],
+            "the new stamp is read"
+        );
+        let settled = reader.refresh();
+        assert!(
+            settled.read.is_empty(),
+            "a file whose mtime is old is trusted to its stamp: read {:?}",
+            settled.read
+        );
+    }
+
+    #[test]
+    fn racy_means_written_within_the_window_before_the_read() {
+        let at = |secs: i64| Stamp {
+            dev: 1,
+            ino: 1,
+            size: 1,
+            mtime: (secs, 0),
+            ctime: (secs, 0),
+        };
+        let read_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let window = RACY_WINDOW.as_secs() as i64;
+        assert!(at(1_000_000).racy(read_at), "written at the read");
+        assert!(
+            at(1_000_000 - window + 1).racy(read_at),
+            "inside the window"
+        );
+        assert!(
+            !at(1_000_000 - window - 1).racy(read_at),
+            "older than the window"
+        );
+        assert!(
+            at(1_000_010).racy(read_at),
+            "an mtime in the future (clock set back)"
+        );
+    }
+
+    #[test]
+    fn kept_objects_decode_to_what_was_parsed() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/demo.yaml");
+        let text = fs::read_to_string(&path).expect("demo.yaml");
+        let (parsed, _) = parse_manifest(&path, &text).expect("demo.yaml parses");
+        let scan = ManifestReader::new(&path).scan();
+        assert_eq!(
+            scan.manifests, parsed,
+            "the objects kept encoded between scans come back as parsed"
         );
     }
 

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod datapath;
 pub mod healthcheck;
 pub mod http;
+pub mod metrics;
 pub mod model;
 pub mod planner;
 pub mod source;

@@ -445,3 +445,268 @@ pub async fn count_probes(
     metrics.probe(probe, response.status().as_u16());
     response
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use k8s_openapi::{
+        api::core::v1::ServiceSpec, apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+
+    use super::*;
+    use crate::model::{BackendAddr, FrontendKey, NoEndpointAction, Protocol, ServicePortName};
+
+    /// The sample `series` of the exposition of a registry holding only
+    /// `metrics`.
+    fn sample(metrics: &ProxyMetrics, series: &str) -> f64 {
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry)
+            .expect("encode");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
+    }
+
+    fn key(name: &str) -> ObjectKey {
+        ObjectKey {
+            namespace: "ns".into(),
+            name: name.into(),
+        }
+    }
+
+    fn trigger(service: &str, slice: &str, time: SystemTime) -> Trigger {
+        Trigger {
+            service: key(service),
+            slice: key(slice),
+            time,
+        }
+    }
+
+    #[test]
+    fn a_trigger_time_is_timed_once_when_its_service_is_programmed() {
+        let metrics = ProxyMetrics::default();
+        let t = SystemTime::now() + Duration::from_millis(10);
+        let changed = BTreeSet::from([key("web")]);
+        let count = "kubeproxy_network_programming_duration_seconds_count";
+        metrics.triggered(
+            vec![
+                trigger("web", "web-1", t),
+                trigger("web", "web-old", t - Duration::from_secs(3600)),
+                trigger("other", "other-1", t),
+            ],
+            &changed,
+        );
+        metrics.programmed_at(&key("other"), t + Duration::from_secs(1));
+        assert_eq!(
+            sample(&metrics, count),
+            0.0,
+            "a slice whose Service the event did not change is not timed"
+        );
+        metrics.programmed_at(&key("web"), t + Duration::from_millis(1500));
+        assert_eq!(
+            sample(&metrics, count),
+            1.0,
+            "one change after the start, timed; the one from before the start not"
+        );
+        let bucket = |le: &str| {
+            sample(
+                &metrics,
+                &format!("kubeproxy_network_programming_duration_seconds_bucket{{le=\"{le}\"}}"),
+            )
+        };
+        assert_eq!((bucket("1"), bucket("2")), (0.0, 1.0), "1.5 s");
+
+        // Relisted unchanged (after a reconnect, say): not timed again.
+        metrics.triggered(vec![trigger("web", "web-1", t)], &changed);
+        metrics.programmed_at(&key("web"), t + Duration::from_secs(5));
+        assert_eq!(sample(&metrics, count), 1.0, "the same trigger time twice");
+        let later = t + Duration::from_secs(10);
+        metrics.triggered(vec![trigger("web", "web-1", later)], &changed);
+        metrics.programmed_at(&key("web"), later + Duration::from_secs(70));
+        assert_eq!(sample(&metrics, count), 2.0, "a newer change of the slice");
+        assert_eq!((bucket("65"), bucket("70")), (1.0, 2.0), "70 s");
+    }
+
+    #[test]
+    fn changes_are_pending_until_a_sync_and_counted_for_good() {
+        let metrics = ProxyMetrics::default();
+        metrics.queued(Kind::Service, &BTreeSet::from([key("a"), key("b")]));
+        metrics.queued(Kind::Service, &BTreeSet::from([key("a")]));
+        metrics.queued(Kind::EndpointSlice, &BTreeSet::from([key("a")]));
+        metrics.queued(Kind::Node, &BTreeSet::from([key("a")]));
+        let pending = |kind: &str| {
+            sample(
+                &metrics,
+                &format!("kubeproxy_sync_proxy_rules_{kind}_changes_pending"),
+            )
+        };
+        let total = |kind: &str| {
+            sample(
+                &metrics,
+                &format!("kubeproxy_sync_proxy_rules_{kind}_changes_total"),
+            )
+        };
+        assert_eq!(pending("service"), 2.0, "two distinct Services");
+        assert_eq!(total("service"), 3.0);
+        assert_eq!((pending("endpoint"), total("endpoint")), (1.0, 1.0));
+        let queued = sample(
+            &metrics,
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        );
+        assert!(queued > 1.6e9, "last queued at {queued}");
+
+        let last = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
+        metrics.synced(true, Duration::from_millis(3), false);
+        assert_eq!(
+            sample(&metrics, last),
+            0.0,
+            "a sync with failed writes is not a successful one"
+        );
+        assert_eq!((pending("service"), pending("endpoint")), (0.0, 0.0));
+        assert_eq!(total("service"), 3.0);
+        metrics.synced(false, Duration::from_millis(20), true);
+        assert!(sample(&metrics, last) >= queued);
+        let count = |which: &str| {
+            sample(
+                &metrics,
+                &format!("kubeproxy_sync_{which}proxy_rules_duration_seconds_count"),
+            )
+        };
+        assert_eq!((count(""), count("full_"), count("partial_")), (2.0, 1.0, 1.0));
+        assert_eq!(
+            sample(
+                &metrics,
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds_bucket{le=\"0.016\"}"
+            ),
+            0.0,
+            "20 ms is above the 16 ms bucket"
+        );
+    }
+
+    fn service(itp: Option<&str>, etp: Option<&str>) -> Service {
+        Service {
+            metadata: ObjectMeta::default(),
+            spec: Some(ServiceSpec {
+                internal_traffic_policy: itp.map(Into::into),
+                external_traffic_policy: etp.map(Into::into),
+                ..Default::default()
+            }),
+            status: None,
+        }
+    }
+
+    fn frontend(port: &str, kind: FrontendKind, backends: usize) -> Frontend {
+        Frontend {
+            key: FrontendKey {
+                ip: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)),
+                port: 80,
+                protocol: Protocol::Tcp,
+                scope: Scope::Any,
+            },
+            kind,
+            service: ServicePortName {
+                namespace: "ns".into(),
+                name: "web".into(),
+                port: port.into(),
+                protocol: Protocol::Tcp,
+            },
+            backends: (0..backends)
+                .map(|i| BackendAddr {
+                    ip: IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1)),
+                    port: 8080,
+                    protocol: Protocol::Tcp,
+                    local: true,
+                    terminating: false,
+                })
+                .collect(),
+            no_endpoints: if backends == 0 {
+                NoEndpointAction::Drop
+            } else {
+                NoEndpointAction::Reject
+            },
+            affinity_timeout_s: None,
+            source_ranges: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn service_ports_without_local_endpoints_by_policy() {
+        use FrontendKind::*;
+        let metrics = ProxyMetrics::default();
+        let gauge = |policy: &str| {
+            sample(
+                &metrics,
+                &format!(
+                    "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}}"
+                ),
+            )
+        };
+        // Two ports without local endpoints, one with; internal policy Local.
+        let desired = [
+            frontend("a", ClusterIp, 0),
+            frontend("b", ClusterIp, 0),
+            frontend("c", ClusterIp, 2),
+        ];
+        let local = service(Some("Local"), None);
+        metrics.local_endpoints(&key("web"), Some(&local), &desired);
+        assert_eq!((gauge("internal"), gauge("external")), (2.0, 0.0));
+        let cluster = service(None, None);
+        metrics.local_endpoints(&key("other"), Some(&cluster), &desired);
+        assert_eq!(gauge("internal"), 2.0, "Cluster policy: not counted");
+
+        // externalTrafficPolicy Local: the NodePort (per port, not per frontend).
+        let desired = [
+            frontend("a", ClusterIp, 2),
+            frontend("a", NodePort, 0),
+            frontend("a", LoadBalancer, 0),
+            frontend("b", ClusterIp, 2),
+            frontend("b", NodePort, 1),
+        ];
+        let external = service(None, Some("Local"));
+        metrics.local_endpoints(&key("lb"), Some(&external), &desired);
+        assert_eq!((gauge("internal"), gauge("external")), (2.0, 1.0));
+
+        metrics.local_endpoints(&key("web"), None, &[]);
+        assert_eq!(
+            (gauge("internal"), gauge("external")),
+            (0.0, 1.0),
+            "a deleted Service leaves the count"
+        );
+    }
+
+    #[test]
+    fn trigger_times_come_from_the_annotation_of_labelled_slices() {
+        let slice = |annotation: Option<&str>, service: Option<&str>| EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some("web-1".into()),
+                namespace: Some("ns".into()),
+                annotations: annotation
+                    .map(|a| [(LAST_CHANGE_TRIGGER_TIME.to_owned(), a.to_owned())].into()),
+                labels: service.map(|s| [(SERVICE_NAME_LABEL.to_owned(), s.to_owned())].into()),
+                ..Default::default()
+            },
+            address_type: "IPv4".into(),
+            endpoints: Vec::new(),
+            ports: None,
+        };
+        let found = Trigger::from_slice(&slice(Some("2026-01-02T03:04:05.5Z"), Some("web")))
+            .expect("a trigger time");
+        assert_eq!(found.service, key("web"));
+        assert_eq!(found.slice, key("web-1"));
+        assert_eq!(
+            found.time.duration_since(UNIX_EPOCH).expect("after 1970"),
+            Duration::from_millis(1_767_323_045_500)
+        );
+        assert_eq!(Trigger::from_slice(&slice(None, Some("web"))), None);
+        assert_eq!(Trigger::from_slice(&slice(Some("yesterday"), Some("web"))), None);
+        assert_eq!(
+            Trigger::from_slice(&slice(Some("2026-01-02T03:04:05Z"), None)),
+            None,
+            "a slice of no Service"
+        );
+    }
+}

@@ -164,3 +164,74 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::future::Ready;
+
+    use super::*;
+
+    /// An API server that answers `status`, or fails to answer at all.
+    struct Answer(Option<u16>);
+
+    impl Service<http::Request<()>> for Answer {
+        type Response = http::Response<()>;
+        type Error = &'static str;
+        type Future = Ready<Result<http::Response<()>, &'static str>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<()>) -> Self::Future {
+            std::future::ready(match self.0 {
+                Some(status) => Ok(http::Response::builder()
+                    .status(status)
+                    .body(())
+                    .expect("a response")),
+                None => Err("connection refused"),
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_are_counted_by_code_method_and_host() {
+        let metrics = RestClientMetrics::default();
+        let host = "10.0.0.1:6443";
+        let layer = metrics.layer(host);
+        let request = |method: &str| {
+            http::Request::builder()
+                .method(method)
+                .uri("/api/v1/services")
+                .body(())
+                .expect("a request")
+        };
+        let mut ok = layer.layer(Answer(Some(200)));
+        for _ in 0..3 {
+            ok.call(request("GET")).await.expect("answered");
+        }
+        let mut gone = layer.layer(Answer(Some(410)));
+        gone.call(request("GET")).await.expect("answered");
+        let mut down = layer.layer(Answer(None));
+        assert!(down.call(request("POST")).await.is_err(), "the error passes through");
+
+        assert_eq!(metrics.requests("200", "GET", host), 3);
+        assert_eq!(metrics.requests("410", "GET", host), 1);
+        assert_eq!(metrics.requests(NO_ANSWER, "POST", host), 1);
+        assert_eq!(metrics.requests("200", "GET", "elsewhere:443"), 0);
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry)
+            .expect("encode");
+        let timed = |verb: &str| {
+            let series = format!(
+                "rest_client_request_duration_seconds_count{{verb=\"{verb}\",host=\"{host}\"}} "
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+        };
+        assert_eq!((timed("GET"), timed("POST")), (4, 1), "every request timed");
+    }
+}

@@ -665,6 +665,8 @@ mod tests {
             frontend("a", LoadBalancer, 0),
             frontend("b", ClusterIp, 2),
             frontend("b", NodePort, 1),
+            // Not reachable from outside: externalTrafficPolicy does not apply.
+            frontend("c", ClusterIp, 0),
         ];
         let external = service(None, Some("Local"));
         metrics.local_endpoints(&key("lb"), Some(&external), &desired);

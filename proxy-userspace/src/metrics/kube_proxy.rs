@@ -450,9 +450,7 @@ pub async fn count_probes(
 mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
-    use k8s_openapi::{
-        api::core::v1::ServiceSpec, apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    };
+    use k8s_openapi::{api::core::v1::ServiceSpec, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 
     use super::*;
     use crate::model::{BackendAddr, FrontendKey, NoEndpointAction, Protocol, ServicePortName};
@@ -463,8 +461,7 @@ mod tests {
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         let mut text = String::new();
-        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry)
-            .expect("encode");
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).expect("encode");
         text.lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
             .and_then(|v| v.parse().ok())
@@ -576,7 +573,10 @@ mod tests {
                 &format!("kubeproxy_sync_{which}proxy_rules_duration_seconds_count"),
             )
         };
-        assert_eq!((count(""), count("full_"), count("partial_")), (2.0, 1.0, 1.0));
+        assert_eq!(
+            (count(""), count("full_"), count("partial_")),
+            (2.0, 1.0, 1.0)
+        );
         assert_eq!(
             sample(
                 &metrics,
@@ -704,7 +704,10 @@ mod tests {
             Duration::from_millis(1_767_323_045_500)
         );
         assert_eq!(Trigger::from_slice(&slice(None, Some("web"))), None);
-        assert_eq!(Trigger::from_slice(&slice(Some("yesterday"), Some("web"))), None);
+        assert_eq!(
+            Trigger::from_slice(&slice(Some("yesterday"), Some("web"))),
+            None
+        );
         assert_eq!(
             Trigger::from_slice(&slice(Some("2026-01-02T03:04:05Z"), None)),
             None,

@@ -213,7 +213,10 @@ mod tests {
         let mut gone = layer.layer(Answer(Some(410)));
         gone.call(request("GET")).await.expect("answered");
         let mut down = layer.layer(Answer(None));
-        assert!(down.call(request("POST")).await.is_err(), "the error passes through");
+        assert!(
+            down.call(request("POST")).await.is_err(),
+            "the error passes through"
+        );
 
         assert_eq!(metrics.requests("200", "GET", host), 3);
         assert_eq!(metrics.requests("410", "GET", host), 1);
@@ -222,8 +225,7 @@ mod tests {
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         let mut text = String::new();
-        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry)
-            .expect("encode");
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).expect("encode");
         let timed = |verb: &str| {
             let series = format!(
                 "rest_client_request_duration_seconds_count{{verb=\"{verb}\",host=\"{host}\"}} "

@@ -25,6 +25,11 @@ use crate::{
     },
     healthcheck::HealthCheckServer,
     http::{self, Health, HttpError},
+    metrics::{
+        Metrics,
+        datapath::{DatapathCollector, InterfaceModes},
+        server::MetricsError,
+    },
     model::{Cidr, ModelConfig},
     planner::{Departed, Planner},
     source::{SourceEvent, kube as kube_source, manifest},
@@ -47,6 +52,8 @@ pub enum AgentError {
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
     #[error(transparent)]
+    Metrics(#[from] MetricsError),
+    #[error(transparent)]
     KubeSource(#[from] kube_source::KubeSourceError),
 }
 
@@ -68,6 +75,8 @@ pub struct AgentConfig {
     pub source: SourceConfig,
     pub interfaces: Option<Vec<String>>,
     pub healthz: SocketAddr,
+    /// Where `/metrics` is served; None: nowhere.
+    pub metrics: Option<SocketAddr>,
     pub node_name: String,
     pub min_sync_period: Duration,
     /// `--sync-period`: /healthz turns unhealthy when a change has waited
@@ -125,7 +134,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
 
     let health = Health::new(config.sync_period.saturating_mul(2));
-    let _http = http::serve(config.healthz, health.clone()).await?;
+    let mut sync = SyncLoop::new(config.min_sync_period, health.clone(), Instant::now());
+    let interface_modes = InterfaceModes::default();
+    let metrics = start_metrics(&config, &datapath, &mut sync, &interface_modes).await?;
+    let _http = http::serve(config.healthz, health.clone(), metrics.proxy.clone()).await?;
 
     // On every address, as kube-proxy does without nodePortAddresses; with
     // them it would follow the matching addresses as they come and go.
@@ -142,13 +154,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     });
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
-    spawn_source(&config, ev_tx).await?;
+    spawn_source(&config, ev_tx, &metrics).await?;
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
     let mut state = ClusterState::new(config.node_name.clone());
-    let mut sync = SyncLoop::new(config.min_sync_period, health.clone(), Instant::now());
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
     let mut older_layouts_retired = false;
     loop {
@@ -157,6 +168,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &snapshot, &config);
+                interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
             }
             _ = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
@@ -192,6 +204,27 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// The metrics, wired to the sync loop, and their server when
+/// `--metrics-bind-address` asks for one. Without the datapath's maps (an
+/// unreadable pin) the other metrics are still served.
+async fn start_metrics(
+    config: &AgentConfig,
+    datapath: &Datapath,
+    sync: &mut SyncLoop,
+    interfaces: &InterfaceModes,
+) -> Result<Metrics, AgentError> {
+    let collector = DatapathCollector::open(datapath.pins(), sync.stats(), interfaces.clone())
+        .inspect_err(|e| warn!(error = %e, "datapath metrics not served"))
+        .ok();
+    let metrics = Metrics::new(collector);
+    sync.set_metrics(metrics.proxy.clone());
+    if let Some(addr) = config.metrics {
+        crate::metrics::server::serve(addr, metrics.clone()).await?;
+        info!(%addr, "serving metrics at /metrics");
+    }
+    Ok(metrics)
 }
 
 /// The node's own connections to Services go through the socket hooks:
@@ -271,6 +304,7 @@ fn reap_conntrack(datapath: &mut Datapath) {
 async fn spawn_source(
     config: &AgentConfig,
     tx: mpsc::Sender<SourceEvent>,
+    metrics: &Metrics,
 ) -> Result<(), AgentError> {
     match &config.source {
         SourceConfig::Manifests(path) => {
@@ -282,7 +316,12 @@ async fn spawn_source(
             });
         }
         SourceConfig::Kube { kubeconfig, master } => {
-            let client = kube_source::client(kubeconfig.clone(), master.clone()).await?;
+            let client = kube_source::client_measured(
+                kubeconfig.clone(),
+                master.clone(),
+                &metrics.rest_client,
+            )
+            .await?;
             let node_name = config.node_name.clone();
             tokio::spawn(async move {
                 if let Err(e) = kube_source::watch(client, node_name, tx).await {

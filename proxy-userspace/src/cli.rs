@@ -74,6 +74,14 @@ pub struct RunArgs {
     /// Where /healthz is served.
     #[arg(long, default_value = "0.0.0.0:10256")]
     pub healthz_bind_address: SocketAddr,
+    /// Where Prometheus metrics are served (`/metrics`), as kube-proxy's
+    /// flag: IP:port, or an IP (port 10249); empty or 0 turns them off.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:10249",
+        value_parser = crate::metrics::parse_bind_address
+    )]
+    pub metrics_bind_address: std::option::Option<SocketAddr>,
     /// This node's name: decides which endpoints are local.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,

@@ -162,6 +162,7 @@ async fn healthz(State(health): State<Health>) -> impl IntoResponse {
 pub async fn serve(
     addr: SocketAddr,
     health: Health,
+    metrics: crate::metrics::ProxyMetrics,
 ) -> Result<tokio::task::JoinHandle<Result<(), HttpError>>, HttpError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -169,6 +170,10 @@ pub async fn serve(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(healthz))
+        .route_layer(axum::middleware::from_fn_with_state(
+            metrics,
+            crate::metrics::kube_proxy::count_probes,
+        ))
         .with_state(health);
     Ok(tokio::spawn(async move {
         axum::serve(listener, app).await.map_err(HttpError::Serve)

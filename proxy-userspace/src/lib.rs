@@ -10,6 +10,7 @@ pub mod datapath;
 pub mod healthcheck;
 pub mod http;
 pub mod logging;
+pub mod metrics;
 pub mod model;
 pub mod planner;
 pub mod source;

@@ -32,6 +32,7 @@ fn main() -> anyhow::Result<()> {
                 },
                 interfaces: args.interfaces,
                 healthz: args.healthz_bind_address,
+                metrics: args.metrics_bind_address,
                 node_name: args.node_name.unwrap_or_else(agent::default_node_name),
                 min_sync_period: args.min_sync_period,
                 sync_period: args.sync_period,

@@ -3,6 +3,7 @@
 //! everything (process, attachments, pins) removed on drop.
 
 use std::{
+    ffi::OsStr,
     fs::{self, File},
     io::{Read, Write},
     net::{SocketAddr, SocketAddrV4, TcpStream},
@@ -137,6 +138,24 @@ impl Agent {
         extra_args: &[&str],
         bpf_root: PathBuf,
     ) -> Result<Agent> {
+        let source = [OsStr::new("--manifests"), manifests.as_os_str()];
+        Self::spawn(node, &source, extra_args, bpf_root)
+    }
+
+    /// [`Agent::start_with`] on the Kubernetes API at `master` (`--master URL`)
+    /// instead of manifests.
+    pub fn start_on_api(node: &NetNs, master: &str, extra_args: &[&str]) -> Result<Agent> {
+        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{}", unique_stem()));
+        let source = [OsStr::new("--master"), OsStr::new(master)];
+        Self::spawn(node, &source, extra_args, bpf_root)
+    }
+
+    fn spawn(
+        node: &NetNs,
+        source: &[&OsStr],
+        extra_args: &[&str],
+        bpf_root: PathBuf,
+    ) -> Result<Agent> {
         let bin = binary()?;
         let stem = unique_stem();
         let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
@@ -146,8 +165,7 @@ impl Agent {
         // execs the agent, so the child's pid is the agent's.
         let mut cmd = node.command(&bin);
         cmd.arg("run")
-            .arg("--manifests")
-            .arg(manifests)
+            .args(source)
             .arg("--bpf-root")
             .arg(&bpf_root)
             .arg("--healthz-bind-address")
@@ -155,6 +173,8 @@ impl Agent {
             .arg("--node-name")
             .arg(node.name())
             .args(extra_args)
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

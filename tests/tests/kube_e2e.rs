@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use apiserver::{ApiServer, Fault, Resource, Verb, node, service, slice};
+use apiserver::{Fault, Resource, Verb, node, service, slice};
 use ebpf_proxy_tests::{
     agent::{self, HEALTHZ},
     client::{Outcome, tcp_request, tcp_tally},
@@ -274,32 +274,6 @@ fn web_slice(node_name: &str, backends: &[&str]) -> serde_json::Value {
     slice("test", "web-1", "web", node_name, &ips)
 }
 
-/// The fake API server, listening in the node's namespace, and its runtime: one
-/// worker thread, while the test's thread drives the (blocking) traffic. The
-/// server lives as long as the runtime.
-fn api_server_in(node: &NetNs) -> (tokio::runtime::Runtime, ApiServer) {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    let server = {
-        let _context = runtime.enter();
-        let listener = tokio::net::TcpListener::from_std(bind_in(node)).expect("listener");
-        ApiServer::serve(listener)
-    };
-    (runtime, server)
-}
-
-fn bind_in(node: &NetNs) -> std::net::TcpListener {
-    let listener = node
-        .run(|| std::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("enter the node namespace")
-        .expect("bind the fake API server in the node namespace");
-    listener.set_nonblocking(true).expect("non-blocking");
-    listener
-}
-
 #[test]
 fn traffic_follows_services_through_the_api() {
     require_root().expect("privileged test");
@@ -308,7 +282,7 @@ fn traffic_follows_services_through_the_api() {
     let client = &sb.client().ns;
     let node_name = node_ns.name().to_owned();
 
-    let (runtime, server) = api_server_in(node_ns);
+    let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, Some("zone-a")));
     server.apply(service("test", "web", CLUSTER_IP));
     server.apply(web_slice(&node_name, &["backend-a"]));
@@ -482,7 +456,7 @@ fn restarts_are_diffs_whichever_list_comes_first() {
     let node_ns = &sb.topology().node;
     let client = &sb.client().ns;
     let node_name = node_ns.name().to_owned();
-    let (runtime, server) = api_server_in(node_ns);
+    let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, Some("zone-a")));
     // Session affinity, so that traffic leaves AFFINITY entries.
     let mut web = service("test", "web", CLUSTER_IP);
@@ -667,7 +641,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     let node_ns = &sb.topology().node;
     let client = &sb.client().ns;
     let node_name = node_ns.name().to_owned();
-    let (runtime, server) = api_server_in(node_ns);
+    let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, None));
     server.apply(service("test", "web", CLUSTER_IP));
     server.apply(web_slice(&node_name, &["backend-a"]));

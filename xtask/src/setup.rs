@@ -11,7 +11,8 @@ use crate::run_status;
 /// Debian packages: rustc-web and its prebuilt BPF `core` compile the eBPF crate;
 /// bpftool inspects maps; iproute2, iptables and nftables build and check the test
 /// sandboxes (iptables for kube-proxy's reference rules); ethtool sets the checksum
-/// offload and GRO of the two-node sandbox's veths.
+/// offload and GRO of the two-node sandbox's veths; prometheus brings `promtool`,
+/// which checks the agent's metrics exposition.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -22,6 +23,7 @@ const APT_PACKAGES: &[&str] = &[
     "ethtool",
     // `script`: the log tests give the agent a terminal with it.
     "bsdutils",
+    "prometheus",
 ];
 
 const BPF_LINKER: &str = "bpf-linker@0.10.0";

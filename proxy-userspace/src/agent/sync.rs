@@ -20,6 +20,7 @@ use tracing::{error, info, info_span, warn};
 
 use crate::{
     http::Health,
+    metrics::{ProxyMetrics, kube_proxy::Trigger},
     model::{self, FrontendKey, HealthCheck, ModelConfig, Protocol},
     planner::{Departed, MapStore, PlanError, Planner},
     source::{Kind, ObjectKey, SourceEvent},
@@ -120,6 +121,7 @@ pub struct SyncLoop {
     unclaimed_left: bool,
     health: Health,
     stats: Arc<SyncStats>,
+    metrics: ProxyMetrics,
 }
 
 impl SyncLoop {
@@ -141,7 +143,13 @@ impl SyncLoop {
             unclaimed_left: false,
             health,
             stats: Arc::default(),
+            metrics: ProxyMetrics::default(),
         }
+    }
+
+    /// Reports to these metrics (kube-proxy's) from now on.
+    pub fn set_metrics(&mut self, metrics: ProxyMetrics) {
+        self.metrics = metrics;
     }
 
     pub fn stats(&self) -> Arc<SyncStats> {
@@ -179,7 +187,10 @@ impl SyncLoop {
             SourceEvent::Replace { kind, .. } => self.listed.insert(*kind),
             _ => false,
         };
+        let (kind, triggers) = Trigger::of(&event);
         let changes = state.apply(event);
+        self.metrics.queued(kind, &changes.services);
+        self.metrics.triggered(triggers, &changes.services);
         // The first sync also removes what no Service claims, so the last
         // listing to arrive starts it even when it changed nothing.
         let first = listing && !self.initial_done;
@@ -288,6 +299,11 @@ impl SyncLoop {
                 }
             }
             write_failures += writes_failed;
+            if outcome.errors.is_empty() {
+                self.metrics.programmed(&key);
+            }
+            self.metrics
+                .local_endpoints(&key, state.service(&key), &desired);
             if writes_failed > 0 {
                 let retry = Retry::after(self.retries.get(&key), now, writes_failed);
                 warn!(
@@ -346,6 +362,8 @@ impl SyncLoop {
         if self.programmed() {
             self.health.mark_synced_at(now);
         }
+        self.metrics
+            .synced(first, started.elapsed(), write_failures == 0);
         info!(
             ops,
             frontends_changed = changed,

@@ -989,6 +989,28 @@ impl AsyncWrite for Conn {
     }
 }
 
+/// The fake API server, listening in `node`'s namespace, and its runtime: one
+/// worker thread, while the test's thread drives the (blocking) traffic. The
+/// server lives as long as the runtime.
+pub fn serve_in(node: &ebpf_proxy_tests::netns::NetNs) -> (tokio::runtime::Runtime, ApiServer) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let listener = node
+        .run(|| std::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("enter the node namespace")
+        .expect("bind the fake API server in the node namespace");
+    listener.set_nonblocking(true).expect("non-blocking");
+    let server = {
+        let _context = runtime.enter();
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        ApiServer::serve(listener)
+    };
+    (runtime, server)
+}
+
 // ---- Objects, as `kubectl get -o json` shows them. ----
 
 /// `namespace/name`: ClusterIP `cluster_ip`, port `http` 80/TCP to the

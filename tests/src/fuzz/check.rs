@@ -192,20 +192,38 @@ fn explain_drop(
         // Only an error the datapath routes, from the quoted peer, is
         // dropped: for its TTL or for want of a route, as a flow's packet.
         return match icmp_quote(input).and_then(|(qt, _)| ct.translation(&qt.reversed())) {
-            Some((_, true)) if v.ttl <= 1 => Ok(DropReason::TtlSpent),
             Some((to, true)) if !u.routable(to.dst) => Ok(DropReason::Unroutable),
+            Some((_, true)) if v.ttl <= 1 => Ok(DropReason::TtlSpent),
             other => Err(format!("dropped an ICMP frame (its flow: {other:?})")),
         };
+    }
+    if v.frag_offset != 0 {
+        // A later fragment, translated at its IP header as an entry between
+        // its addresses says, then routed: the route is looked up first (at
+        // tc; XDP leaves what it cannot route to tc), then the TTL taken.
+        let to = ct.address_translations(v.proto, v.src, v.dst);
+        if hook == Hook::Tc && to.iter().any(|(_, dst)| !u.routable(*dst)) {
+            return Ok(DropReason::Unroutable);
+        }
+        if v.ttl <= 1 && !to.is_empty() {
+            return Ok(DropReason::TtlSpent);
+        }
+        return Err(format!(
+            "dropped a later fragment {} -> {} (TTL {}), translations {to:?}",
+            v.src, v.dst, v.ttl
+        ));
     }
     let t = v
         .tuple(input)
         .ok_or("dropped a frame whose ports cannot be read")?;
     if let Some((to, true)) = ct.translation(&t) {
-        if v.ttl <= 1 {
-            return Ok(DropReason::TtlSpent);
-        }
+        // The route is looked up before the TTL is taken down (XDP, which
+        // cannot route it, leaves it to tc).
         if !u.routable(to.dst) {
             return Ok(DropReason::Unroutable);
+        }
+        if v.ttl <= 1 {
+            return Ok(DropReason::TtlSpent);
         }
         return Err(format!(
             "dropped {t}, routed to {to}, which has a route (TTL {})",

@@ -98,11 +98,16 @@ impl Universe {
             .find(|f| f.proto == proto && f.addr == addr && f.port == port)
     }
 
+    /// Whether a packet the datapath routes itself to `dst` has somewhere to
+    /// go: a host of one of the routes, not this node's own address or a
+    /// route's broadcast address (the FIB forwards to neither).
     fn routable(&self, dst: Ipv4Addr) -> bool {
-        self.routes.iter().any(|(net, len)| {
-            let mask = u32::MAX.checked_shl(32 - *len as u32).unwrap_or(0);
-            u32::from(dst) & mask == u32::from(*net) & mask
-        })
+        dst != self.node_ip
+            && self.routes.iter().any(|(net, len)| {
+                let mask = u32::MAX.checked_shl(32 - *len as u32).unwrap_or(0);
+                let broadcast = *len <= 30 && u32::from(dst) | mask == u32::MAX;
+                u32::from(dst) & mask == u32::from(*net) & mask && !broadcast
+            })
     }
 
     /// Frontends `addr:port` is a backend of.

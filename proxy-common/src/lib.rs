@@ -376,7 +376,7 @@ pub mod ct_dir {
 /// of a translated flow have an entry, told apart by `CtValue::dir`, so that
 /// any packet needs exactly one conntrack lookup.
 ///
-/// Conntrack is per address family (design §3 allows separate v4/v6 maps):
+/// Conntrack is per address family:
 /// every packet hashes this key, and 16 bytes hash in one jhash round where
 /// IPv6-wide addresses took four. IPv6 flows will get a map of their own.
 /// The padding is two fields, not a byte array, so that building a key is

@@ -1,7 +1,7 @@
 //! ebpf-proxy's agent, as a library so that the integration tests and
 //! benchmarks drive the same code the binary runs.
 //!
-//! Data flow (design.md §1): [`source`] -> [`state`] -> [`model`] ->
+//! Data flow (docs/architecture.md, "Data flow"): [`source`] -> [`state`] -> [`model`] ->
 //! [`planner`] -> [`datapath`] maps, driven by [`agent`].
 
 pub mod agent;

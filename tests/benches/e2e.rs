@@ -12,7 +12,7 @@
 //! - `no LB (pod IP)`: the client talking straight to the backend pods, nothing in
 //!   between: the limit.
 //!
-//! Each mode gets its own routed topology (design.md §6: a client pod and three backend
+//! Each mode gets its own routed topology (docs/architecture.md (test topologies): a client pod and three backend
 //! pods on one node), so no mode's rules or conntrack state touch another's. All four
 //! are built before measuring and measured in interleaved rounds (the order rotating
 //! each round), so a drift in the machine's speed spreads over all modes instead of
@@ -560,7 +560,7 @@ impl Report<'_> {
         let m = self.machine;
         let mut out = String::new();
         out.push_str(&format!(
-            "End to end through a ClusterIP (routed topology of design.md §6: a client pod \
+            "End to end through a ClusterIP (routed topology of docs/architecture.md (test topologies): a client pod \
              and three backend pods on one node; the node itself is a client too), one run on \
              this machine: {}, {} cores, \
              kernel {}; {}; {}. Load average (1 min) before / after: {} / {}.\n\n\

@@ -1,6 +1,6 @@
 //! NodePort new-connection rate and latency on real packets, through XDP, through tc
 //! and through kube-proxy's iptables rules, with S Services installed, in the two-node
-//! topology of design.md §6 (tests/src/cluster.rs).
+//! topology of docs/architecture.md (test topologies) (tests/src/cluster.rs).
 //!
 //! `client1` (192.168.50.100, outside the cluster) opens short TCP connections to node
 //! a's address 192.168.50.1 on the measured Service's nodePort. Node a has no endpoint
@@ -592,7 +592,7 @@ impl Report<'_> {
         let cfg = self.cfg;
         let m = self.machine;
         let mut out = format!(
-            "NodePort, externalTrafficPolicy Cluster, in the two-node topology of design.md §6: \
+            "NodePort, externalTrafficPolicy Cluster, in the two-node topology of docs/architecture.md (test topologies): \
              client1 (outside the cluster) connects to node a's address on the nodePort; node \
              a translates to the backend pod on node b with SNAT to itself. One run on this \
              machine: {}, {} cores, kernel {}; {}. Load average (1 min) before / after: \

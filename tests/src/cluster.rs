@@ -1,4 +1,4 @@
-//! design.md §6 "two nodes + outside clients", for north-south tests (NodePort,
+//! docs/architecture.md ("Test topologies"): two nodes and outside clients, for north-south tests (NodePort,
 //! LoadBalancer, ExternalIP): node namespaces and client namespaces on one Linux
 //! bridge, the bridge in a namespace of its own.
 //!

@@ -3,7 +3,7 @@
 //! kernel's `statistic` cascade next to our datapath on the same endpoints.
 //!
 //! What is copied exactly (k/k `pkg/proxy/iptables/proxier.go`, see
-//! reference/kube-proxy-semantics.md §1 and §3.2):
+//! docs/kube-proxy-semantics.md §1 and §2):
 //! - chain names `KUBE-SVC-`/`KUBE-SEP-` + base32(sha256(...))[:16];
 //! - endpoints sorted by their `ip:port` string;
 //! - rule i of n has `-m statistic --mode random --probability` printed with `%0.10f`
@@ -13,7 +13,7 @@
 //!   per endpoint at the head of the KUBE-SVC chain, in the same sorted order, before
 //!   the statistic rules, and `-m recent --set` in each KUBE-SEP chain before its DNAT;
 //! - KUBE-SERVICES hooked from PREROUTING and OUTPUT, KUBE-POSTROUTING from POSTROUTING;
-//! - NodePorts with externalTrafficPolicy Cluster (§3.2, [`nat_table_with_node_ports`]):
+//! - NodePorts with externalTrafficPolicy Cluster (§2, [`nat_table_with_node_ports`]):
 //!   KUBE-SERVICES ends with `-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS` (the
 //!   default `localhostNodePorts`, so no `! -d 127.0.0.0/8`), which kube-proxy writes
 //!   whether or not any Service has a NodePort; KUBE-NODEPORTS has one
@@ -656,7 +656,7 @@ mod tests {
 
     #[test]
     fn thresholds_match_the_reference_table() {
-        // reference/kube-proxy-semantics.md §1.3.
+        // docs/kube-proxy-semantics.md §1.
         let expected = [
             (2, 0x40000000),
             (3, 0x2aaaaaab),

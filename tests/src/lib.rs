@@ -1,5 +1,5 @@
 //! Harness for ebpf-proxy's privileged integration tests and for `cargo xtask run`'s
-//! demo: network namespaces, the routed one-node topology of design.md §6 and its
+//! demo: network namespaces, the routed one-node topology of docs/architecture.md (test topologies) and its
 //! two-node cluster with outside clients on a bridge ([`cluster`]), small TCP
 //! and UDP backends that report the peer they saw, clients that classify what
 //! happened, the agent process, kube-proxy-style iptables and nftables rules, a

@@ -89,7 +89,7 @@ impl SessionAffinity {
 }
 
 /// One endpoint of an EndpointSlice with its conditions (what the EndpointSlice
-/// controller publishes for a pod: reference/kube-proxy-semantics.md §3.4).
+/// controller publishes for a pod: docs/kube-proxy-semantics.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Endpoint {
     pub ip: Ipv4Addr,

@@ -8,7 +8,7 @@
 //!
 //! Processes go in with `nsenter --net=...`, never `ip netns exec`: the latter also
 //! unshares the mount namespace and remounts /sys, which hides the host's bpffs at
-//! /sys/fs/bpf (design.md §6).
+//! /sys/fs/bpf (docs/architecture.md, "Test topologies").
 
 use std::{
     fs::File,

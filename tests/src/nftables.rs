@@ -4,7 +4,7 @@
 //! cascade on the same endpoints.
 //!
 //! What is copied (k/k `pkg/proxy/nftables/proxier.go` @b0f823e6, `setupNFTables`,
-//! `syncProxyRules`, `writeServiceToEndpointRules`; reference/kube-proxy-semantics.md
+//! `syncProxyRules`, `writeServiceToEndpointRules`; docs/kube-proxy-semantics.md
 //! §1.4 and §2.2), in the text form knftables hands to `nft -f`:
 //! - the base chains with their hooks and numeric priorities (knftables turns
 //!   `dstnat-10` into `-110` because older nft refuses some named priorities), and the

@@ -1,4 +1,4 @@
-//! design.md §6 "one node, routed" (Calico style): a node namespace and one namespace
+//! docs/architecture.md ("Test topologies"): one node, routed (Calico style): a node namespace and one namespace
 //! per pod, each pod joined to the node by a veth pair.
 //!
 //! A pod has its address as a /32 on `eth0` and `default via 169.254.1.1 dev eth0

@@ -1,4 +1,4 @@
-//! ClusterIP load balancing on real packets: a routed node (design.md §6) with a
+//! ClusterIP load balancing on real packets: a routed node (docs/architecture.md, "Test topologies") with a
 //! client pod and three backend pods, ebpf-proxy in the node namespace, and real TCP
 //! and UDP traffic from the client to the ClusterIP.
 //!
@@ -55,7 +55,7 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 const ALPHA: f64 = 0.001;
 /// The issue asks for at least 900 new connections per distribution.
 const CONNECTIONS: usize = 900;
-/// How fast the agent must apply a manifest change (the issue: within one second).
+/// How fast the agent must apply a manifest change (within one second).
 const SYNC_DEADLINE: Duration = Duration::from_secs(1);
 
 /// `test/web` with `http` 80/TCP -> 8080 and `dns` 53/UDP -> 5353.
@@ -1813,7 +1813,7 @@ fn pod_created_after_the_agent_started_is_served() {
 }
 
 /// The maps are pinned with their BTF, so `bpftool map dump pinned` prints keys and
-/// values by field name (the issue's way to inspect the datapath).
+/// values by field name (the documented way to inspect the datapath).
 #[test]
 fn pinned_maps_dump_with_field_names() {
     let sb = cluster_with_web(&[CLIENT]);

@@ -1,5 +1,5 @@
 //! Session affinity, connection lifecycle, terminating endpoints and hairpin on real
-//! packets (issue 4): a routed node (design.md §6) with client and backend pods,
+//! packets: a routed node (docs/architecture.md, "Test topologies") with client and backend pods,
 //! ebpf-proxy in the node namespace on a manifest directory the tests rewrite, and,
 //! where kube-proxy's behaviour is the reference, kube-proxy's own iptables rules on
 //! another VIP of the same node.
@@ -44,7 +44,7 @@ const IPT_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const HAIRPIN_SRC: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
 /// Per request; generous, as a loaded CI machine runs several tests at once.
 const TIMEOUT: Duration = Duration::from_secs(2);
-/// How long the agent may take to apply a manifest change: the issue's one second,
+/// How long the agent may take to apply a manifest change: within one second,
 /// which clusterip.rs holds it to. Checks that must only see the new state wait this
 /// long after a write instead of guessing when the change landed.
 const SETTLE: Duration = Duration::from_secs(1);

@@ -1,6 +1,6 @@
 //! North-south traffic on real packets: NodePort, LoadBalancer IPs and ExternalIPs
-//! reached from clients outside the cluster, in the two-node topology of design.md
-//! §6 (`cluster`), with an agent on each node. Each scenario runs through XDP
+//! reached from clients outside the cluster, in the two-node topology of docs/architecture.md,
+//! "Test topologies" (`cluster`), with an agent on each node. Each scenario runs through XDP
 //! (native on these veths, and generic) and through tc alone (`--xdp-mode off`).
 
 use std::{

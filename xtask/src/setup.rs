@@ -1,5 +1,5 @@
 //! Installs what a fresh machine lacks, idempotently, saying what it does
-//! (toolchain.md "Install").
+//! (docs/toolchain.md, "Install").
 
 use std::{path::Path, process::Command};
 

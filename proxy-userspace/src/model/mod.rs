@@ -10,7 +10,7 @@
 //! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
 //!   port and picks the cluster and local sets from it;
 //! - [`topology`] applies kube-proxy's topology-hint rules;
-//! - [`probability`] holds the selection-probability proofs of design §4.
+//! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
 
 mod endpoints;
 mod health;

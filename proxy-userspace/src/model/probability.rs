@@ -1,7 +1,7 @@
 //! Per-endpoint selection probabilities: kube-proxy's iptables cascade, and
 //! our datapath's single-draw slot choice. Both are computed exactly from the
-//! code that makes the decision, so tests can prove the two agree (design §4,
-//! reference §1).
+//! code that makes the decision, so tests can prove the two agree (docs/architecture.md,
+//! "Backend selection"; docs/kube-proxy-semantics.md §1).
 
 /// 2^31: the range of `random_u32 & 0x7fffffff` that xt_statistic compares
 /// against a rule's threshold.
@@ -70,7 +70,7 @@ pub fn slot_probabilities(n: usize) -> Vec<f64> {
 mod tests {
     use super::*;
 
-    /// The thresholds of reference §1.3, computed there with Go.
+    /// The thresholds of docs/kube-proxy-semantics.md §1.
     #[test]
     fn thresholds_match_reference_table() {
         let table: [(usize, u32); 9] = [

@@ -2,7 +2,7 @@
 //! maps hold and applies the smallest ordered list of map operations, so that
 //! a sync costs O(what changed), never O(cluster).
 //!
-//! Order is what keeps packets consistent (design.md §3):
+//! Order is what keeps packets consistent (docs/architecture.md, "Map update order"):
 //! 1. new backends, then new slots (nothing points at them yet);
 //! 2. one write of the service entry: grows `count` over slots already
 //!    written, or flips to a whole new slot set;

@@ -1,5 +1,5 @@
 //! `cargo xtask`: the way to set up, build, run and test ebpf-proxy on a fresh machine
-//! (Debian 12, root). See docs/toolchain.md for why the eBPF side needs Debian's rustc-web
+//! (Debian 12, root). See docs/building.md for why the eBPF side needs Debian's rustc-web
 //! and bpf-linker rather than rustup components.
 
 mod demo;

@@ -1,5 +1,5 @@
 //! Installs what a fresh machine lacks, idempotently, saying what it does
-//! (docs/toolchain.md, "Install").
+//! (docs/building.md, "Install").
 
 use std::{path::Path, process::Command};
 

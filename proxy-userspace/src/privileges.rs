@@ -268,28 +268,46 @@ mod tests {
         effective().is_ok_and(|e| missing_from(&REQUIRED, &e).is_empty())
     }
 
+    /// A pin directory of a test's own, emptied and removed on drop, also when
+    /// the test fails.
+    struct TestPins {
+        root: std::path::PathBuf,
+        pins: crate::datapath::PinLayout,
+    }
+
+    impl TestPins {
+        fn new() -> TestPins {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let root = std::path::PathBuf::from(format!(
+                "/sys/fs/bpf/ebpf-proxy-unit-privileges-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            let pins = crate::datapath::PinLayout::new(&root);
+            TestPins { root, pins }
+        }
+    }
+
+    impl Drop for TestPins {
+        fn drop(&mut self) {
+            let _ = crate::datapath::cleanup(&self.pins);
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
     /// The agent's own load of the datapath on a pin directory of its own, on
     /// a thread without `drop`; the refusal explained.
     fn load_without(drop: &[Capability]) -> Option<String> {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let root = std::path::PathBuf::from(format!(
-            "/sys/fs/bpf/ebpf-proxy-unit-privileges-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        let pins = crate::datapath::PinLayout::new(&root);
-        let explained = without(drop, || {
-            match crate::datapath::Datapath::load(pins.clone()) {
+        let pins = TestPins::new();
+        without(drop, || {
+            match crate::datapath::Datapath::load(pins.pins.clone()) {
                 Ok(_) => panic!("the datapath loaded without {drop:?}"),
                 Err(e) => match explain(&e) {
                     Some(explained) => Some(explained.to_string()),
                     None => panic!("not explained: {e:?}"),
                 },
             }
-        });
-        let _ = crate::datapath::cleanup(&pins);
-        let _ = std::fs::remove_dir_all(&root);
-        explained
+        })
     }
 
     /// A real refusal by the kernel, without CAP_BPF: the object's BTF, the

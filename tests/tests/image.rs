@@ -308,8 +308,7 @@ fn podman_flags(
     // machine's hard limits, which it cannot raise without CAP_SYS_RESOURCE.
     // The container gets limits below them: the test's own open files, and a
     // process count runc can apply under conmon.
-    let (files, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .expect("RLIMIT_NOFILE");
+    let files = open_files_limit();
     flags.push(format!("--ulimit=nofile={files}:{files}"));
     flags.push("--ulimit=nproc=32768:32768".to_owned());
     let command = container.command.as_ref().expect("the container's command");
@@ -318,6 +317,17 @@ fn podman_flags(
         serde_json::to_string(command).expect("JSON")
     ));
     flags
+}
+
+/// This process's soft limit on open files, from /proc/self/limits.
+fn open_files_limit() -> u64 {
+    let limits = fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
+    limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|soft| soft.parse().ok())
+        .unwrap_or_else(|| panic!("no open files limit in /proc/self/limits:\n{limits}"))
 }
 
 /// Polls the probe's httpGet from the node's namespace as the kubelet does:

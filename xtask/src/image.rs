@@ -2,12 +2,13 @@
 //! `scratch`, without a container daemon and without downloading anything.
 //!
 //! The root filesystem is the release binary (debug info stripped) and exactly
-//! the shared libraries `ldd` says it links, glibc's loader among them; no
-//! Debian root. The agent execs nothing and reads no file of its own
-//! beyond what the pod mounts, so a shell, a package manager or CA bundles
-//! would only be more to patch and more to exploit in a process that holds
-//! CAP_BPF and CAP_NET_ADMIN; and the libraries come from this machine, where
-//! the binary was linked against them, so they cannot drift apart. Name
+//! the shared libraries `ldd` says it links, glibc's loader among them, and
+//! Debian's CA bundle (the API client will not start without one, even when
+//! the cluster's own CA comes from the kubeconfig); no Debian root. The agent
+//! execs nothing, so a shell or a package manager would only be more to patch
+//! and more to exploit in a process that holds CAP_BPF and CAP_NET_ADMIN; and
+//! the libraries come from this machine, where the binary was linked against
+//! them, so they cannot drift apart. Name
 //! lookups need nothing more: glibc 2.34 and later carry the `files` and `dns`
 //! NSS modules inside libc.so.6, and the kubelet mounts /etc/hosts and
 //! /etc/resolv.conf.
@@ -34,6 +35,10 @@ use crate::{cargo, run_status, target_dir};
 
 /// Where the agent lives in the image; deploy/daemonset.yaml's `command` names it.
 const BIN_IN_IMAGE: &str = "/usr/local/bin/ebpf-proxy";
+
+/// Debian's CA bundle (package ca-certificates), where rustls's native
+/// certificate loader looks first.
+const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Builds the image from the agent binary `bin`; returns the OCI archive's path.
 pub fn build(bin: &Path) -> Result<PathBuf> {
@@ -100,8 +105,13 @@ fn assemble_rootfs(bin: &Path, rootfs: &Path) -> Result<()> {
             .with_context(|| format!("copy {} to {}", lib.display(), dest.display()))?;
         fs::set_permissions(&dest, fs::Permissions::from_mode(0o755))?;
     }
+    let dest = within(rootfs, Path::new(CA_BUNDLE));
+    fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
+    fs::copy(CA_BUNDLE, &dest).with_context(|| {
+        format!("copy {CA_BUNDLE} (Debian package ca-certificates; `cargo xtask setup`)")
+    })?;
     println!(
-        "image root: {BIN_IN_IMAGE} and {}",
+        "image root: {BIN_IN_IMAGE}, {CA_BUNDLE} and {}",
         libs.iter()
             .map(|l| l.display().to_string())
             .collect::<Vec<_>>()

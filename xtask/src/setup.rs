@@ -31,6 +31,8 @@ const APT_PACKAGES: &[&str] = &[
     // tests/capabilities.rs starts the agent under setpriv (util-linux).
     "buildah",
     "binutils",
+    // The CA bundle the image carries for the API client.
+    "ca-certificates",
     "podman",
     "crun",
     "runc",

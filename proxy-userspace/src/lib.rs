@@ -13,6 +13,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod planner;
+pub mod privileges;
 pub mod source;
 pub mod state;
 pub mod status;

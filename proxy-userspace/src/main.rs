@@ -6,7 +6,7 @@ use proxy_userspace::{
     datapath::{self, PinLayout},
     logging,
     model::ModelConfig,
-    status,
+    privileges, status,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -19,6 +19,7 @@ fn main() -> anyhow::Result<()> {
     logging::init(cli.log_format)?;
     match cli.command {
         Command::Run(args) => {
+            privileges::check()?;
             let ct_timeouts = args.ct_timeouts();
             let conntrack_entries = args.conntrack_entries();
             let config = AgentConfig {
@@ -54,7 +55,12 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            runtime.block_on(agent::run(config))?;
+            runtime
+                .block_on(agent::run(config))
+                .map_err(|e| match privileges::explain(&e) {
+                    Some(refused) => anyhow::Error::new(refused),
+                    None => e.into(),
+                })?;
         }
         Command::Cleanup(args) => {
             let pins = PinLayout::new(&args.bpf_root);

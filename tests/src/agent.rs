@@ -142,6 +142,19 @@ impl Agent {
         Self::spawn(node, &source, extra_args, bpf_root)
     }
 
+    /// [`Agent::start_with`] with the agent started by `launcher` (a program and
+    /// its arguments that exec the agent's command line, such as `setpriv ... --`).
+    pub fn start_under(
+        node: &NetNs,
+        manifests: &Path,
+        launcher: &[&str],
+        extra_args: &[&str],
+    ) -> Result<Agent> {
+        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{}", unique_stem()));
+        let source = [OsStr::new("--manifests"), manifests.as_os_str()];
+        Self::spawn_under(node, launcher, &source, extra_args, bpf_root)
+    }
+
     /// [`Agent::start_with`] on the Kubernetes API at `master` (`--master URL`)
     /// instead of manifests.
     pub fn start_on_api(node: &NetNs, master: &str, extra_args: &[&str]) -> Result<Agent> {
@@ -156,6 +169,16 @@ impl Agent {
         extra_args: &[&str],
         bpf_root: PathBuf,
     ) -> Result<Agent> {
+        Self::spawn_under(node, &[], source, extra_args, bpf_root)
+    }
+
+    fn spawn_under(
+        node: &NetNs,
+        launcher: &[&str],
+        source: &[&OsStr],
+        extra_args: &[&str],
+        bpf_root: PathBuf,
+    ) -> Result<Agent> {
         let bin = binary()?;
         let stem = unique_stem();
         let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
@@ -163,7 +186,14 @@ impl Agent {
             File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;
         // nsenter --net (not `ip netns exec`, which would hide /sys/fs/bpf) and then
         // execs the agent, so the child's pid is the agent's.
-        let mut cmd = node.command(&bin);
+        let mut cmd = match launcher.split_first() {
+            None => node.command(&bin),
+            Some((program, args)) => {
+                let mut cmd = node.command(program);
+                cmd.args(args).arg(&bin);
+                cmd
+            }
+        };
         cmd.arg("run")
             .args(source)
             .arg("--bpf-root")

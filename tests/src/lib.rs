@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod flood;
 pub mod frames;
 pub mod fuzz;
+pub mod image;
 pub mod iptables;
 pub mod manifest;
 pub mod netns;

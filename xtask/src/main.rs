@@ -3,6 +3,7 @@
 //! and bpf-linker rather than rustup components.
 
 mod demo;
+mod image;
 mod setup;
 
 use std::{
@@ -52,6 +53,10 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
     },
+    /// Build, then the agent's OCI image `ebpf-proxy:<version>` (buildah, no
+    /// daemon, nothing downloaded): target/image/ebpf-proxy-<version>.oci.tar and
+    /// .docker.tar (needs root).
+    Image,
     /// Set up, build, and run every unit and integration test (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -81,6 +86,10 @@ fn main() -> Result<()> {
                 let err = Command::new(&bin).arg("run").args(&args).exec();
                 Err(err).with_context(|| format!("exec {}", bin.display()))
             }
+        }
+        Cmd::Image => {
+            require_root().context("buildah builds the image as root")?;
+            image::build(&build()?).map(|_| ())
         }
         Cmd::Test { args } => test(&args),
         Cmd::Bench { quick } => bench(quick),
@@ -188,6 +197,8 @@ fn test(extra: &[String]) -> Result<()> {
         .context("the integration tests build network namespaces and load BPF programs")?;
     let bin = build()?;
     ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
+    // tests/image.rs runs the image of this binary.
+    image::build(&bin)?;
     // proxy-ebpf targets bpfel-unknown-none (no_std, no_main) and is built by
     // proxy-userspace's build script; it cannot be compiled for the host.
     // --no-fail-fast: one failing test binary must not hide the results of the others.

@@ -12,7 +12,8 @@ use crate::run_status;
 /// bpftool inspects maps; iproute2, iptables and nftables build and check the test
 /// sandboxes (iptables for kube-proxy's reference rules); ethtool sets the checksum
 /// offload and GRO of the two-node sandbox's veths; prometheus brings `promtool`,
-/// which checks the agent's metrics exposition.
+/// which checks the agent's metrics exposition; the image's tools are listed
+/// with them.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -24,6 +25,19 @@ const APT_PACKAGES: &[&str] = &[
     // `script`: the log tests give the agent a terminal with it.
     "bsdutils",
     "prometheus",
+    // `cargo xtask image`: buildah builds the image (objcopy, in binutils, strips
+    // the binary's debug info); tests/image.rs runs it with podman on crun, or on
+    // runc where the host's cgroups are hybrid (crun refuses those), and
+    // tests/capabilities.rs starts the agent under setpriv (util-linux).
+    "buildah",
+    "binutils",
+    // The CA bundle the image carries for the API client.
+    "ca-certificates",
+    "podman",
+    "crun",
+    "runc",
+    "skopeo",
+    "util-linux",
 ];
 
 const BPF_LINKER: &str = "bpf-linker@0.10.0";

@@ -1,0 +1,374 @@
+//! The capabilities the agent runs with, and naming the one that is missing.
+//!
+//! deploy/daemonset.yaml drops every capability and adds back exactly
+//! [`REQUIRED`]; docs/building.md ("Least privilege") says what each is for on
+//! a current kernel and why nothing else is needed. A container started with
+//! fewer would otherwise fail deep inside a syscall with a bare EPERM, or
+//! with a verifier log that says "!root"; so the agent checks its effective
+//! set at start, and an operation refused later is reported with the
+//! capability that operation lacked.
+
+use std::{collections::HashSet, error::Error, io};
+
+use caps::{CapSet, Capability};
+
+/// One capability the agent needs, and what for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Requirement {
+    pub capability: Capability,
+    /// Also grants it: the kernel accepts CAP_SYS_ADMIN in place of
+    /// CAP_BPF and CAP_PERFMON (bpf_capable, perfmon_capable), which is
+    /// how a privileged container passes.
+    pub or: Option<Capability>,
+    pub needed_for: &'static str,
+}
+
+pub const BPF: Requirement = Requirement {
+    capability: Capability::CAP_BPF,
+    or: Some(Capability::CAP_SYS_ADMIN),
+    needed_for: "creating the maps and loading the programs",
+};
+
+pub const PERFMON: Requirement = Requirement {
+    capability: Capability::CAP_PERFMON,
+    or: Some(Capability::CAP_SYS_ADMIN),
+    needed_for: "the verifier to accept the tc and XDP programs' pointer arithmetic on packets",
+};
+
+pub const NET_ADMIN: Requirement = Requirement {
+    capability: Capability::CAP_NET_ADMIN,
+    or: None,
+    needed_for: "loading and attaching the tc, XDP and socket hook programs, and closing sockets to removed backends",
+};
+
+/// Exactly what deploy/daemonset.yaml grants.
+pub const REQUIRED: [Requirement; 3] = [BPF, PERFMON, NET_ADMIN];
+
+/// What a kernel operation the agent performs needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    /// The object's type information (BPF_BTF_LOAD), before its maps.
+    LoadBtf,
+    CreateMap,
+    LoadProgram,
+    /// Attaching programs, netlink changes, socket destruction.
+    Network,
+}
+
+impl Operation {
+    fn needs(self) -> &'static [Requirement] {
+        match self {
+            Operation::LoadBtf | Operation::CreateMap => &[BPF],
+            Operation::LoadProgram => &[BPF, NET_ADMIN, PERFMON],
+            Operation::Network => &[NET_ADMIN],
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Operation::LoadBtf => "loading the object's BTF",
+            Operation::CreateMap => "creating a map",
+            Operation::LoadProgram => "loading a program",
+            Operation::Network => "attaching or a network change",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrivilegeError {
+    #[error("reading the effective capabilities: {0}")]
+    Read(#[from] caps::errors::CapsError),
+    #[error(
+        "missing {}; grant {} (deploy/daemonset.yaml: securityContext.capabilities.add: [{}])",
+        describe_missing(.0),
+        if .0.len() == 1 { "it" } else { "them" },
+        short_names(&REQUIRED)
+    )]
+    Missing(Vec<Requirement>),
+    #[error(
+        "{} was refused ({source}): missing {}; grant {} (deploy/daemonset.yaml: securityContext.capabilities.add: [{}])",
+        .operation.describe(),
+        describe_missing(.missing),
+        if .missing.len() == 1 { "it" } else { "them" },
+        short_names(&REQUIRED)
+    )]
+    Refused {
+        operation: Operation,
+        missing: Vec<Requirement>,
+        source: io::Error,
+    },
+    #[error(
+        "{} was refused ({source}) although every capability it needs is effective: a seccomp filter is in force, and container runtimes' default profiles refuse bpf() without CAP_SYS_ADMIN; run the agent with seccompProfile type Unconfined, as deploy/daemonset.yaml does"
+    , .operation.describe())]
+    Seccomp {
+        operation: Operation,
+        source: io::Error,
+    },
+}
+
+fn describe_missing(missing: &[Requirement]) -> String {
+    missing
+        .iter()
+        .map(|r| format!("{} ({})", r.capability, r.needed_for))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn short_names(reqs: &[Requirement]) -> String {
+    reqs.iter()
+        .map(|r| {
+            r.capability
+                .to_string()
+                .trim_start_matches("CAP_")
+                .to_owned()
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The calling thread's effective capabilities (capabilities are per thread;
+/// the agent sets none of its own, so every thread has the process's).
+pub fn effective() -> Result<HashSet<Capability>, PrivilegeError> {
+    Ok(caps::read(None, CapSet::Effective)?)
+}
+
+/// Those of `reqs` that `effective` does not grant.
+pub fn missing_from(reqs: &[Requirement], effective: &HashSet<Capability>) -> Vec<Requirement> {
+    reqs.iter()
+        .copied()
+        .filter(|r| {
+            !effective.contains(&r.capability) && !r.or.is_some_and(|or| effective.contains(&or))
+        })
+        .collect()
+}
+
+/// The start-up check: every one of [`REQUIRED`] is effective.
+pub fn check() -> Result<(), PrivilegeError> {
+    let missing = missing_from(&REQUIRED, &effective()?);
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(PrivilegeError::Missing(missing))
+    }
+}
+
+/// When `err` comes from a kernel operation refused for want of privilege
+/// (EPERM, or EACCES from the verifier), the capabilities that operation
+/// needs and the thread lacks, as an error that names them. None when the
+/// error has another cause, or every capability is there (the refusal is then
+/// not about capabilities: a seccomp filter, an LSM, a read-only mount).
+pub fn explain(err: &(dyn Error + 'static)) -> Option<PrivilegeError> {
+    let mut operation = Operation::Network;
+    let mut refused = None;
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if let Some(map) = e.downcast_ref::<aya::maps::MapError>()
+            && matches!(map, aya::maps::MapError::CreateError { .. })
+        {
+            operation = Operation::CreateMap;
+        }
+        if let Some(aya::BtfError::LoadError { .. }) = e.downcast_ref::<aya::BtfError>() {
+            operation = Operation::LoadBtf;
+        }
+        if let Some(aya::programs::ProgramError::LoadError { .. }) =
+            e.downcast_ref::<aya::programs::ProgramError>()
+        {
+            operation = Operation::LoadProgram;
+        }
+        if let Some(io) = e.downcast_ref::<io::Error>()
+            && matches!(io.raw_os_error(), Some(libc::EPERM | libc::EACCES))
+        {
+            refused = Some(io);
+        }
+        next = e.source();
+    }
+    let source = io::Error::from_raw_os_error(refused?.raw_os_error().unwrap_or(libc::EPERM));
+    let missing = missing_from(operation.needs(), &effective().ok()?);
+    if !missing.is_empty() {
+        return Some(PrivilegeError::Refused {
+            operation,
+            missing,
+            source,
+        });
+    }
+    if operation != Operation::Network && seccomp_filtered() {
+        return Some(PrivilegeError::Seccomp { operation, source });
+    }
+    None
+}
+
+/// Whether a seccomp filter is in force on this process (`Seccomp: 2` in
+/// /proc/self/status).
+fn seccomp_filtered() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .any(|l| l.strip_prefix("Seccomp:").is_some_and(|v| v.trim() == "2"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datapath::EBPF_OBJECT;
+
+    fn all() -> HashSet<Capability> {
+        caps::all()
+    }
+
+    #[test]
+    fn sys_admin_stands_in_for_bpf_and_perfmon_but_not_net_admin() {
+        let mut set: HashSet<_> = [Capability::CAP_SYS_ADMIN].into();
+        assert_eq!(missing_from(&REQUIRED, &set), vec![NET_ADMIN]);
+        set.insert(Capability::CAP_NET_ADMIN);
+        assert_eq!(missing_from(&REQUIRED, &set), vec![]);
+        assert_eq!(missing_from(&REQUIRED, &all()), vec![]);
+    }
+
+    #[test]
+    fn each_missing_one_is_named() {
+        for req in REQUIRED {
+            let mut set = all();
+            set.remove(&req.capability);
+            if let Some(or) = req.or {
+                set.remove(&or);
+            }
+            let missing = missing_from(&REQUIRED, &set);
+            assert_eq!(missing, vec![req], "without {}", req.capability);
+            let text = PrivilegeError::Missing(missing).to_string();
+            assert!(
+                text.contains(&format!("missing {} (", req.capability)),
+                "the message names {}: {text}",
+                req.capability
+            );
+        }
+    }
+
+    /// Runs `f` on a thread of its own whose effective set lacks `drop`
+    /// (capabilities are per thread, so the test process keeps its own).
+    fn without<T: Send>(drop: &[Capability], f: impl FnOnce() -> T + Send) -> T {
+        // aya probes the kernel's features once per process; probed on a
+        // thread without CAP_BPF they would all read as missing, for every
+        // other test too.
+        aya::features();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for cap in drop {
+                    caps::drop(None, CapSet::Effective, *cap).expect("dropping a capability");
+                }
+                f()
+            })
+            .join()
+            .expect("the thread ran")
+        })
+    }
+
+    /// Whether this process may run the tests that need the kernel to refuse.
+    fn root() -> bool {
+        effective().is_ok_and(|e| missing_from(&REQUIRED, &e).is_empty())
+    }
+
+    /// A pin directory of a test's own, emptied and removed on drop, also when
+    /// the test fails.
+    struct TestPins {
+        root: std::path::PathBuf,
+        pins: crate::datapath::PinLayout,
+    }
+
+    impl TestPins {
+        fn new() -> TestPins {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let root = std::path::PathBuf::from(format!(
+                "/sys/fs/bpf/ebpf-proxy-unit-privileges-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            let pins = crate::datapath::PinLayout::new(&root);
+            TestPins { root, pins }
+        }
+    }
+
+    impl Drop for TestPins {
+        fn drop(&mut self) {
+            let _ = crate::datapath::cleanup(&self.pins);
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
+    /// The agent's own load of the datapath on a pin directory of its own, on
+    /// a thread without `drop`; the refusal explained.
+    fn load_without(drop: &[Capability]) -> Option<String> {
+        let pins = TestPins::new();
+        without(drop, || {
+            match crate::datapath::Datapath::load(pins.pins.clone()) {
+                Ok(_) => panic!("the datapath loaded without {drop:?}"),
+                Err(e) => match explain(&e) {
+                    Some(explained) => Some(explained.to_string()),
+                    None => panic!("not explained: {e:?}"),
+                },
+            }
+        })
+    }
+
+    /// A real refusal by the kernel, without CAP_BPF: the object's BTF, the
+    /// first thing loaded.
+    #[test]
+    fn a_refused_btf_load_names_cap_bpf() {
+        if !root() || EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+            return;
+        }
+        let err = load_without(&[Capability::CAP_BPF, Capability::CAP_SYS_ADMIN])
+            .expect("the refusal is explained");
+        assert!(
+            err.starts_with("loading the object's BTF was refused")
+                && err.contains("missing CAP_BPF ("),
+            "{err}"
+        );
+        assert!(!err.contains("missing CAP_PERFMON"), "{err}");
+    }
+
+    /// A real refusal by the verifier, without CAP_PERFMON: the tc program.
+    #[test]
+    fn a_refused_program_load_names_cap_perfmon() {
+        if !root() || EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+            return;
+        }
+        let err = load_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN])
+            .expect("the refusal is explained");
+        assert!(
+            err.starts_with("loading a program was refused")
+                && err.contains("missing CAP_PERFMON ("),
+            "{err}"
+        );
+        assert!(!err.contains("missing CAP_BPF"), "{err}");
+    }
+
+    /// Without CAP_NET_ADMIN the kernel refuses to load a tc program at all.
+    #[test]
+    fn a_refused_program_load_names_cap_net_admin() {
+        if !root() || EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+            return;
+        }
+        let err = load_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN])
+            .expect("the refusal is explained");
+        assert!(
+            err.starts_with("loading a program was refused")
+                && err.contains("missing CAP_NET_ADMIN ("),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn other_errors_are_not_explained() {
+        let err = io::Error::from_raw_os_error(libc::ENOENT);
+        assert!(explain(&err).is_none());
+        // Refused, but with every capability there: something else refused it.
+        let err = io::Error::from_raw_os_error(libc::EPERM);
+        if root() {
+            assert!(explain(&err).is_none());
+        }
+    }
+}

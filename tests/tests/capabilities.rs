@@ -1,0 +1,154 @@
+//! Least privilege, proven on the agent binary: started under `setpriv` with
+//! exactly the capabilities deploy/daemonset.yaml adds (root's uid, every other
+//! capability gone, as in a container that drops ALL) it serves a ClusterIP;
+//! without any one of them it stops at start with an error naming it.
+//!
+//! Needs root and the release binary (`cargo xtask build`).
+
+mod daemonset;
+
+use std::{net::Ipv4Addr, net::SocketAddrV4, time::Duration};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::Agent,
+    client::tcp_tally,
+    manifest::{ManifestDir, Service},
+    require_root,
+    servers::TcpServer,
+    topology::Topology,
+};
+
+const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
+const BACKEND: (&str, Ipv4Addr) = ("backend", Ipv4Addr::new(10, 200, 0, 11));
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const TCP_PORT: u16 = 8080;
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// setpriv's spelling of a manifest's capability (`NET_ADMIN` -> `net_admin`).
+fn setpriv_name(cap: &str) -> String {
+    cap.trim_start_matches("CAP_").to_ascii_lowercase()
+}
+
+/// `setpriv` that leaves exactly `caps` (manifest spelling) effective: the
+/// bounding set limits what root's exec gains, inheritable and ambient carry
+/// them across the exec, as a container runtime sets them up.
+fn setpriv(caps: &[String]) -> Vec<String> {
+    let list: String = caps
+        .iter()
+        .map(|c| format!(",+{}", setpriv_name(c)))
+        .collect();
+    vec![
+        "setpriv".to_owned(),
+        format!("--inh-caps=-all{list}"),
+        format!("--ambient-caps=-all{list}"),
+        format!("--bounding-set=-all{list}"),
+        "--".to_owned(),
+    ]
+}
+
+struct Fixture {
+    // Declared in drop order: servers and manifests before the namespaces.
+    _server: TcpServer,
+    manifests: ManifestDir,
+    topology: Topology,
+}
+
+fn fixture() -> Fixture {
+    require_root().expect("privileged test");
+    let topology = Topology::routed(&[CLIENT, BACKEND]).expect("topology");
+    let server =
+        TcpServer::start(&topology.pod(BACKEND.0).ns, BACKEND.0, TCP_PORT).expect("backend");
+    let manifests = ManifestDir::create(topology.stem()).expect("manifest directory");
+    manifests
+        .write(
+            "web.yaml",
+            &Service::new("test", "web", CLUSTER_IP)
+                .port("http", 80, Protocol::Tcp, TCP_PORT)
+                .yaml(Some(&[BACKEND.1])),
+        )
+        .expect("write manifest");
+    Fixture {
+        _server: server,
+        manifests,
+        topology,
+    }
+}
+
+fn start_with_caps(fx: &Fixture, caps: &[String]) -> anyhow::Result<Agent> {
+    let launcher = setpriv(caps);
+    let launcher: Vec<&str> = launcher.iter().map(String::as_str).collect();
+    Agent::start_under(&fx.topology.node, fx.manifests.path(), &launcher, &[])
+}
+
+#[test]
+fn the_daemonsets_capabilities_suffice_to_serve() {
+    let fx = fixture();
+    let caps = daemonset::added_capabilities(daemonset::container(&daemonset::load()));
+    let agent = start_with_caps(&fx, &caps)
+        .unwrap_or_else(|e| panic!("the agent with only {caps:?} did not start: {e:#}"));
+    let pid = agent.pid().expect("running");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .expect("CapEff")
+        .trim()
+        .to_owned();
+    let want: u64 = caps
+        .iter()
+        .map(|c| {
+            1u64 << match c.as_str() {
+                "BPF" => 39,
+                "PERFMON" => 38,
+                "NET_ADMIN" => 12,
+                "SYS_RESOURCE" => 24,
+                "SYS_ADMIN" => 21,
+                other => panic!("no bit known for capability {other}"),
+            }
+        })
+        .sum();
+    assert_eq!(
+        u64::from_str_radix(&eff, 16).expect("hex"),
+        want,
+        "the agent runs with exactly {caps:?} (CapEff {eff})"
+    );
+    let tally = tcp_tally(
+        &fx.topology.pod(CLIENT.0).ns,
+        SocketAddrV4::new(CLUSTER_IP, 80),
+        20,
+        TIMEOUT,
+    )
+    .expect("connections");
+    assert!(
+        tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [20],
+        "with {caps:?} every connection to the ClusterIP is served by {}: {tally:?}",
+        BACKEND.0
+    );
+}
+
+#[test]
+fn without_each_capability_the_agent_stops_naming_it() {
+    let fx = fixture();
+    let caps = daemonset::added_capabilities(daemonset::container(&daemonset::load()));
+    for lacking in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != lacking).cloned().collect();
+        let err = match start_with_caps(&fx, &fewer) {
+            Ok(agent) => panic!(
+                "the agent started without CAP_{lacking}; its log:\n{}",
+                agent.log()
+            ),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            err.contains("exited") && err.contains(&format!("missing CAP_{lacking} (")),
+            "without CAP_{lacking} the agent stops at start and names it; got: {err}"
+        );
+        for other in fewer {
+            assert!(
+                !err.contains(&format!("CAP_{other} (")),
+                "without CAP_{lacking} the error names only it, not CAP_{other}: {err}"
+            );
+        }
+    }
+}

@@ -13,6 +13,7 @@
 //! retried on the next sync. Nothing is ever flushed.
 
 pub mod encode;
+pub mod node;
 mod ops;
 
 use std::collections::{BTreeSet, HashMap};

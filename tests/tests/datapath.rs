@@ -11,10 +11,7 @@ use std::{
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, conntrack, ip_summed},
-    model::{
-        BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
-        ServicePortName,
-    },
+    model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
     planner::{MapOp, MapStore, Planner},
     source::ObjectKey,
 };
@@ -186,33 +183,17 @@ fn frontend(
     target: u16,
     no_endpoints: NoEndpointAction,
 ) -> Frontend {
+    let backends = backends
+        .iter()
+        .map(|ip| BackendAddr {
+            local: true,
+            ..BackendAddr::remote(IpAddr::V4(*ip), target, protocol)
+        })
+        .collect();
+    let service = ServicePortName::new("test", &vip.to_string(), &port.to_string(), protocol);
     Frontend {
-        key: FrontendKey {
-            ip: IpAddr::V4(vip),
-            port,
-            protocol,
-            scope: Scope::Any,
-        },
-        kind: FrontendKind::ClusterIp,
-        service: ServicePortName {
-            namespace: "test".into(),
-            name: format!("{vip}"),
-            port: port.to_string(),
-            protocol,
-        },
-        backends: backends
-            .iter()
-            .map(|ip| BackendAddr {
-                ip: IpAddr::V4(*ip),
-                port: target,
-                protocol,
-                local: true,
-                terminating: false,
-            })
-            .collect(),
         no_endpoints,
-        affinity_timeout_s: None,
-        source_ranges: Vec::new(),
+        ..Frontend::cluster_ip(service, IpAddr::V4(vip), port, backends)
     }
 }
 

@@ -1,10 +1,10 @@
 //! The agent: source events -> state -> model -> planner -> maps, one
 //! coalesced sync at a time ([`sync`]), with interface attachment alongside.
 
+mod node;
 pub mod sync;
 
 use std::{
-    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
@@ -31,10 +31,11 @@ use crate::{
         server::MetricsError,
     },
     model::{Cidr, ModelConfig},
-    planner::{Departed, Planner},
+    planner::{Departed, Planner, node::DesiredNode},
     source::{SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
 };
+use node::NodeMaps;
 use sync::{SyncLoop, SyncTarget};
 
 #[derive(Debug, thiserror::Error)]
@@ -43,10 +44,6 @@ pub enum AgentError {
     Datapath(#[from] DatapathError),
     #[error(transparent)]
     Http(#[from] HttpError),
-    #[error("setting the conntrack timeouts: {0}")]
-    Timeouts(#[source] crate::datapath::maps::MapsError),
-    #[error("setting the cluster CIDRs: {0}")]
-    ClusterCidrs(#[source] crate::datapath::maps::MapsError),
     #[error("reading the pinned maps for adoption: {0}")]
     Adopt(#[source] crate::datapath::maps::MapsError),
     #[error("installing signal handlers: {0}")]
@@ -105,14 +102,11 @@ pub struct AgentConfig {
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
     let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
-    datapath
-        .maps
-        .set_ct_timeouts(config.ct_timeouts)
-        .map_err(AgentError::Timeouts)?;
-    datapath
-        .maps
-        .set_cluster_cidrs(&config.cluster_cidrs)
-        .map_err(AgentError::ClusterCidrs)?;
+    let mut node = NodeMaps::new(
+        datapath.maps.read_node_state().map_err(AgentError::Adopt)?,
+        DesiredNode::new(config.ct_timeouts, &config.cluster_cidrs),
+    );
+    node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
     let stored = datapath
         .maps
@@ -167,7 +161,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         tokio::select! {
             Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
-                apply_snapshot(&mut datapath, &snapshot, &config);
+                apply_snapshot(&mut datapath, &mut node, &snapshot, &config);
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
             }
@@ -176,6 +170,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 if let Some(checks) = sync.take_health_checks() {
                     health_checks.update(checks).await;
                 }
+            }
+            _ = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
+                node.sync(&mut datapath.maps, Instant::now());
             }
             _ = reap.tick() => reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
@@ -335,7 +332,12 @@ async fn spawn_source(
 
 /// Follows the node's interfaces and addresses: tc everywhere, XDP on
 /// uplinks, the node addresses NodePorts are served on, the SNAT address.
-fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentConfig) {
+fn apply_snapshot(
+    datapath: &mut Datapath,
+    node: &mut NodeMaps,
+    snapshot: &Snapshot,
+    config: &AgentConfig,
+) {
     attach_all(datapath, &snapshot.interfaces);
     let stale: Vec<String> = datapath
         .xdp_attached()
@@ -360,26 +362,14 @@ fn apply_snapshot(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentCo
             }
         }
     }
-    let wanted = node_addrs(&snapshot.addrs, &config.nodeport_addresses);
-    if let Err(e) = datapath.maps.sync_node_addrs(&wanted) {
-        error!(error = %e, "node addresses not updated; NodePorts follow the previous ones");
-    }
     let snat = config.node_ip.or_else(|| snapshot.addrs.first().copied());
-    let node = proxy_common::NodeConfig {
-        snat_addr_be: snat.map_or([0; 4], |ip| {
-            proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets()))
-        }),
-        snat_port_min: proxy_common::SNAT_PORT_MIN,
-        snat_port_max: proxy_common::SNAT_PORT_MAX,
-        flags: if config.localhost_nodeports {
-            proxy_common::node_config_flags::LOCALHOST_NODEPORTS
-        } else {
-            0
-        },
-    };
-    if let Err(e) = datapath.maps.set_node_config(node) {
-        error!(error = %e, "SNAT address not set");
-    }
+    node.set_interfaces(
+        &snapshot.addrs,
+        &config.nodeport_addresses,
+        snat,
+        config.localhost_nodeports,
+    );
+    node.sync(&mut datapath.maps, Instant::now());
     info!(
         interfaces = snapshot.interfaces.len(),
         uplinks = ?snapshot.uplinks,
@@ -411,35 +401,6 @@ pub fn serves_loopback(nodeport_addresses: &[Cidr]) -> bool {
         || nodeport_addresses
             .iter()
             .any(|c| c.contains(IpAddr::V4(Ipv4Addr::LOCALHOST)))
-}
-
-/// `NODE_ADDRS` for these addresses: each is a node address; those inside
-/// `--nodeport-addresses` (all, when it is empty) serve NodePorts.
-pub fn node_addrs(
-    addrs: &[Ipv4Addr],
-    nodeport_addresses: &[Cidr],
-) -> BTreeMap<proxy_common::NodeAddrKey, proxy_common::NodeAddr> {
-    addrs
-        .iter()
-        .map(|ip| {
-            let serves = nodeport_addresses.is_empty()
-                || nodeport_addresses
-                    .iter()
-                    .any(|c| c.contains(IpAddr::V4(*ip)));
-            (
-                proxy_common::NodeAddrKey {
-                    addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
-                },
-                proxy_common::NodeAddr {
-                    flags: if serves {
-                        proxy_common::node_addr_flags::NODEPORT
-                    } else {
-                        0
-                    },
-                },
-            )
-        })
-        .collect()
 }
 
 fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
@@ -479,34 +440,6 @@ mod tests {
         assert_eq!(xdp_setting(Auto, false), Auto);
         assert_eq!(xdp_setting(Native, true), Native);
         assert_eq!(xdp_setting(Off, true), Off);
-    }
-
-    #[test]
-    fn nodeport_addresses_pick_which_node_addresses_serve_node_ports() {
-        let addrs: Vec<Ipv4Addr> = ["192.168.50.1", "10.244.0.1"]
-            .iter()
-            .map(|a| a.parse().unwrap())
-            .collect();
-        let flags = |cidrs: &[&str]| -> Vec<u32> {
-            let cidrs: Vec<Cidr> = cidrs.iter().map(|c| Cidr::parse(c).unwrap()).collect();
-            node_addrs(&addrs, &cidrs)
-                .values()
-                .map(|v| v.flags)
-                .collect()
-        };
-        let np = proxy_common::node_addr_flags::NODEPORT;
-        // Map order is by address: 10.244.0.1, then 192.168.50.1.
-        assert_eq!(
-            flags(&[]),
-            [np, np],
-            "no --nodeport-addresses: every address"
-        );
-        assert_eq!(flags(&["192.168.0.0/16"]), [0, np]);
-        assert_eq!(
-            flags(&["172.16.0.0/12"]),
-            [0, 0],
-            "still node addresses, no NodePorts"
-        );
     }
 
     #[test]

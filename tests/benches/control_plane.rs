@@ -32,10 +32,7 @@ use ebpf_proxy_tests::{
 use proxy_common::{CtKey, CtValue, PROTO_UDP, ct_dir};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, conntrack},
-    model::{
-        BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
-        ServicePortName,
-    },
+    model::{BackendAddr, Frontend, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,
 };
@@ -55,36 +52,12 @@ fn endpoints(service: u32, n: u32) -> Vec<Ipv4Addr> {
 }
 
 fn frontend(i: u32, n: u32) -> Frontend {
-    let mut backends: Vec<BackendAddr> = endpoints(i, n)
+    let backends = endpoints(i, n)
         .into_iter()
-        .map(|ip| BackendAddr {
-            ip: IpAddr::V4(ip),
-            port: 8080,
-            protocol: Protocol::Tcp,
-            local: false,
-            terminating: false,
-        })
+        .map(|ip| BackendAddr::remote(IpAddr::V4(ip), 8080, Protocol::Tcp))
         .collect();
-    backends.sort_by_key(|b| b.host_port());
-    Frontend {
-        key: FrontendKey {
-            ip: IpAddr::V4(vip(i)),
-            port: 80,
-            protocol: Protocol::Tcp,
-            scope: Scope::Any,
-        },
-        kind: FrontendKind::ClusterIp,
-        service: ServicePortName {
-            namespace: "bench".into(),
-            name: format!("svc-{i}"),
-            port: "http".into(),
-            protocol: Protocol::Tcp,
-        },
-        backends,
-        no_endpoints: NoEndpointAction::Reject,
-        affinity_timeout_s: None,
-        source_ranges: Vec::new(),
-    }
+    let service = ServicePortName::new("bench", &format!("svc-{i}"), "http", Protocol::Tcp);
+    Frontend::cluster_ip(service, IpAddr::V4(vip(i)), 80, backends)
 }
 
 fn kube_service(i: u32) -> KubeService {

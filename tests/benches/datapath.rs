@@ -36,10 +36,7 @@ use ebpf_proxy_tests::frames;
 use proxy_common::{CtKey, ct_dir};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
-    model::{
-        BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
-        ServicePortName,
-    },
+    model::{BackendAddr, Frontend, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,
 };
@@ -63,35 +60,11 @@ fn backend_ip(service: u32, k: u32) -> Ipv4Addr {
 }
 
 fn frontend(i: u32) -> Frontend {
-    let mut backends: Vec<BackendAddr> = (0..ENDPOINTS)
-        .map(|k| BackendAddr {
-            ip: IpAddr::V4(backend_ip(i, k)),
-            port: 8080,
-            protocol: Protocol::Tcp,
-            local: false,
-            terminating: false,
-        })
+    let backends = (0..ENDPOINTS)
+        .map(|k| BackendAddr::remote(IpAddr::V4(backend_ip(i, k)), 8080, Protocol::Tcp))
         .collect();
-    backends.sort_by_key(|b| b.host_port());
-    Frontend {
-        key: FrontendKey {
-            ip: IpAddr::V4(vip(i)),
-            port: 80,
-            protocol: Protocol::Tcp,
-            scope: Scope::Any,
-        },
-        kind: FrontendKind::ClusterIp,
-        service: ServicePortName {
-            namespace: "bench".into(),
-            name: format!("svc-{i}"),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        },
-        backends,
-        no_endpoints: NoEndpointAction::Reject,
-        affinity_timeout_s: None,
-        source_ranges: Vec::new(),
-    }
+    let service = ServicePortName::new("bench", &format!("svc-{i}"), "", Protocol::Tcp);
+    Frontend::cluster_ip(service, IpAddr::V4(vip(i)), 80, backends)
 }
 
 /// A TCP segment with valid checksums.

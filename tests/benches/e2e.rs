@@ -66,16 +66,9 @@ use ebpf_proxy_tests::{
 };
 use serde_json::json;
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
-const TCP_TARGET_PORT: u16 = 8080;
-const UDP_TARGET_PORT: u16 = 5353;
-const TCP_SERVICE_PORT: u16 = 80;
-const UDP_SERVICE_PORT: u16 = 53;
+use ebpf_proxy_tests::topology::one_node::{
+    BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT,
+};
 /// Endpoints of every Service (the measured one's are the backend pods).
 const ENDPOINTS: u32 = 3;
 /// Exchanges per mode before measuring, one at a time: fills neighbour caches and
@@ -293,10 +286,10 @@ impl ServiceSet {
                     "http",
                     TCP_SERVICE_PORT,
                     Protocol::Tcp,
-                    TCP_TARGET_PORT,
+                    TCP_PORT,
                 );
                 if i == measured {
-                    let svc = svc.port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_TARGET_PORT);
+                    let svc = svc.port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_PORT);
                     (svc, backend_ips())
                 } else {
                     (svc, (0..ENDPOINTS).map(|k| filler_endpoint(i, k)).collect())
@@ -366,8 +359,8 @@ impl World {
             backends.push(Backend::start(
                 &topology.pod(name).ns,
                 name,
-                TCP_TARGET_PORT,
-                Some(UDP_TARGET_PORT),
+                TCP_PORT,
+                Some(UDP_PORT),
                 threads,
             )?);
         }
@@ -419,11 +412,11 @@ impl World {
             Mode::Direct => (
                 BACKENDS
                     .iter()
-                    .map(|b| SocketAddrV4::new(b.1, TCP_TARGET_PORT))
+                    .map(|b| SocketAddrV4::new(b.1, TCP_PORT))
                     .collect(),
                 BACKENDS
                     .iter()
-                    .map(|b| SocketAddrV4::new(b.1, UDP_TARGET_PORT))
+                    .map(|b| SocketAddrV4::new(b.1, UDP_PORT))
                     .collect(),
             ),
             _ => (

@@ -7,7 +7,7 @@
 //! forwards between pods. The agent runs in the node namespace and sees every pod's
 //! packets at tc ingress of that pod's host-side veth.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use anyhow::{Context, Result, bail};
 
@@ -20,6 +20,31 @@ pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 /// The node's own address (on its loopback): the source of its ARP requests to pods and
 /// of anything it sends itself.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+
+/// The one-node world the ClusterIP tests, the benches and the demo share: a client pod,
+/// a second client for side-by-side references (so that neither conntrack holds the
+/// other half's flows), and three backends serving TCP and UDP behind one ClusterIP.
+pub mod one_node {
+    use super::*;
+
+    pub const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
+    /// The client of a side-by-side reference (kube-proxy's rules) in the same test.
+    pub const IPT_CLIENT: (&str, Ipv4Addr) = ("client-ipt", Ipv4Addr::new(10, 200, 0, 3));
+    pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
+        ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
+        ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
+        ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
+    ];
+    /// The backends' ports (the Services' target ports).
+    pub const TCP_PORT: u16 = 8080;
+    pub const UDP_PORT: u16 = 5353;
+    pub const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+    /// The Service's ports.
+    pub const TCP_SERVICE_PORT: u16 = 80;
+    pub const UDP_SERVICE_PORT: u16 = 53;
+    /// The ClusterIP's TCP frontend.
+    pub const VIP: SocketAddrV4 = SocketAddrV4::new(CLUSTER_IP, TCP_SERVICE_PORT);
+}
 
 /// Longest interface name Linux takes (IFNAMSIZ - 1).
 pub(crate) const IFNAME_MAX: usize = 15;

@@ -35,19 +35,9 @@ use proxy_userspace::datapath::{
     sock_notes::{self, Notes},
 };
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-/// The client of the iptables half of the distribution test. A client of its own, so
-/// that neither conntrack (the datapath's nor netfilter's) holds entries of the other
-/// half's flows when a source port comes round again.
-const IPT_CLIENT: (&str, Ipv4Addr) = ("client-ipt", Ipv4Addr::new(10, 200, 0, 3));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+use ebpf_proxy_tests::topology::one_node::{
+    BACKENDS, CLIENT, CLUSTER_IP, IPT_CLIENT, TCP_PORT, UDP_PORT,
+};
 /// Per request; generous, as a loaded CI machine runs several tests at once.
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// Significance level of the distribution tests: a correct datapath fails its

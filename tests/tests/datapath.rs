@@ -11,11 +11,8 @@ use std::{
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, conntrack, ip_summed},
-    model::{
-        BackendAddr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
-        ServicePortName,
-    },
-    planner::Planner,
+    model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
+    planner::{MapOp, MapStore, Planner},
     source::ObjectKey,
 };
 
@@ -186,33 +183,17 @@ fn frontend(
     target: u16,
     no_endpoints: NoEndpointAction,
 ) -> Frontend {
+    let backends = backends
+        .iter()
+        .map(|ip| BackendAddr {
+            local: true,
+            ..BackendAddr::remote(IpAddr::V4(*ip), target, protocol)
+        })
+        .collect();
+    let service = ServicePortName::new("test", &vip.to_string(), &port.to_string(), protocol);
     Frontend {
-        key: FrontendKey {
-            ip: IpAddr::V4(vip),
-            port,
-            protocol,
-            scope: Scope::Any,
-        },
-        kind: FrontendKind::ClusterIp,
-        service: ServicePortName {
-            namespace: "test".into(),
-            name: format!("{vip}"),
-            port: port.to_string(),
-            protocol,
-        },
-        backends: backends
-            .iter()
-            .map(|ip| BackendAddr {
-                ip: IpAddr::V4(*ip),
-                port: target,
-                protocol,
-                local: true,
-                terminating: false,
-            })
-            .collect(),
         no_endpoints,
-        affinity_timeout_s: None,
-        source_ranges: Vec::new(),
+        ..Frontend::cluster_ip(service, IpAddr::V4(vip), port, backends)
     }
 }
 
@@ -881,7 +862,7 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     };
     fx.datapath
         .maps
-        .set_ct_timeouts(timeouts)
+        .apply(&MapOp::SetCtTimeouts { timeouts })
         .expect("setting timeouts");
     run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
     run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
@@ -1174,18 +1155,18 @@ fn node_fixture() -> NodeFixture {
         .expect("run in namespace")
         .expect("uplink ifindex");
 
-    let addrs = proxy_userspace::agent::node_addrs(&[NODE_IP], &[]);
+    let addrs = proxy_userspace::planner::node::node_addrs(&[NODE_IP], &[]);
+    for (&key, &value) in &addrs {
+        fx.datapath
+            .maps
+            .apply(&MapOp::PutNodeAddr { key, value })
+            .expect("node addresses");
+    }
     fx.datapath
         .maps
-        .sync_node_addrs(&addrs)
-        .expect("node addresses");
-    fx.datapath
-        .maps
-        .set_node_config(node_config(
-            proxy_common::SNAT_PORT_MIN,
-            proxy_common::SNAT_PORT_MAX,
-            0,
-        ))
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX, 0),
+        })
         .expect("node config");
     let remote = |fe: &mut Frontend| {
         for b in &mut fe.backends {
@@ -1440,12 +1421,14 @@ fn xdp_drops_and_defers() {
 fn nodeport_addresses_outside_the_flag_serve_no_node_ports() {
     let mut nf = node_fixture();
     let only = [proxy_userspace::model::Cidr::parse("10.0.0.0/8").unwrap()];
-    let addrs = proxy_userspace::agent::node_addrs(&[NODE_IP], &only);
-    nf.fx
-        .datapath
-        .maps
-        .sync_node_addrs(&addrs)
-        .expect("node addresses");
+    let addrs = proxy_userspace::planner::node::node_addrs(&[NODE_IP], &only);
+    for (&key, &value) in &addrs {
+        nf.fx
+            .datapath
+            .maps
+            .apply(&MapOp::PutNodeAddr { key, value })
+            .expect("node addresses");
+    }
     let syn = tcp(OUTSIDE, 44000, NODE_IP, NODE_PORT, frame::SYN);
     let (ret, out) = run_xdp(&nf, &syn);
     assert_eq!((ret, out.as_slice()), (XDP_PASS, syn.as_slice()), "XDP");
@@ -1467,11 +1450,13 @@ fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
     nf.fx
         .datapath
         .maps
-        .set_node_config(node_config(
-            proxy_common::SNAT_PORT_MIN,
-            proxy_common::SNAT_PORT_MAX,
-            proxy_common::node_config_flags::LOCALHOST_NODEPORTS,
-        ))
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(
+                proxy_common::SNAT_PORT_MIN,
+                proxy_common::SNAT_PORT_MAX,
+                proxy_common::node_config_flags::LOCALHOST_NODEPORTS,
+            ),
+        })
         .expect("node config with localhost NodePorts");
     for (i, dst) in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 1, 2, 3)]
         .into_iter()
@@ -1507,7 +1492,9 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
     nf.fx
         .datapath
         .maps
-        .set_node_config(node_config(1024, 1027, 0))
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(1024, 1027, 0),
+        })
         .expect("a four-port SNAT range");
     let mut ports = std::collections::BTreeSet::new();
     let mut client_port = 45000u16;
@@ -1577,7 +1564,9 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
         nf.fx
             .datapath
             .maps
-            .set_node_config(node_config(port, port, 0))
+            .apply(&MapOp::SetNodeConfig {
+                config: node_config(port, port, 0),
+            })
             .expect("a one-port SNAT range");
     };
     let snat_port_of = |nf: &NodeFixture, frame: &[u8], what: &str| {
@@ -2013,7 +2002,7 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
     };
     fx.datapath
         .maps
-        .set_ct_timeouts(timeouts)
+        .apply(&MapOp::SetCtTimeouts { timeouts })
         .expect("setting the timeouts");
     let handshake = |fx: &Fixture, sport: u16, ack: bool| {
         let (_, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));

@@ -18,14 +18,9 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     servers::{TcpServer, UdpServer},
     stats::chi_square_uniform,
+    topology::one_node::{BACKENDS, CLIENT},
 };
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 fn sandbox() -> Sandbox {

@@ -42,17 +42,7 @@ use proxy_userspace::{
 };
 use serde_json::json;
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
-/// The backends' port; the fake's Services name it `http` (targetPort by name).
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
-const CLUSTER_IP: &str = "10.96.0.10";
-const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP};
 /// Per request.
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// How long an API change may take to show in the traffic. The agent's own path is
@@ -284,7 +274,7 @@ fn traffic_follows_services_through_the_api() {
 
     let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, Some("zone-a")));
-    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
     server.apply(web_slice(&node_name, &["backend-a"]));
 
     let agent = KubeAgent::start(node_ns, server.url());
@@ -303,7 +293,7 @@ fn traffic_follows_services_through_the_api() {
     });
     eprintln!("scale-up visible in the traffic after {took:?}");
 
-    let mut other_proxy = service("test", "web", CLUSTER_IP);
+    let mut other_proxy = service("test", "web", &CLUSTER_IP.to_string());
     other_proxy["metadata"]["labels"] =
         json!({"service.kubernetes.io/service-proxy-name": "other-proxy"});
     server.apply(other_proxy);
@@ -316,7 +306,7 @@ fn traffic_follows_services_through_the_api() {
         },
     );
 
-    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
     eventually(&context("label removed"), CONVERGE, || {
         served_by(client, 60, &["backend-a", "backend-b", "backend-c"])
     });
@@ -459,7 +449,7 @@ fn restarts_are_diffs_whichever_list_comes_first() {
     let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, Some("zone-a")));
     // Session affinity, so that traffic leaves AFFINITY entries.
-    let mut web = service("test", "web", CLUSTER_IP);
+    let mut web = service("test", "web", &CLUSTER_IP.to_string());
     web["spec"]["sessionAffinity"] = json!("ClientIP");
     server.apply(web);
     server.apply(web_slice(
@@ -643,7 +633,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     let node_name = node_ns.name().to_owned();
     let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, None));
-    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
     server.apply(web_slice(&node_name, &["backend-a"]));
     // Health timeout 2 x 1 s.
     let agent = KubeAgent::start_with(node_ns, server.url(), &["--sync-period", "1s"]);

@@ -25,18 +25,9 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
 };
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-/// The client of the iptables half of the side-by-side test: affinity is keyed by
-/// client address, so each datapath gets a client of its own.
-const IPT_CLIENT: (&str, Ipv4Addr) = ("client-ipt", Ipv4Addr::new(10, 200, 0, 3));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+use ebpf_proxy_tests::topology::one_node::{
+    BACKENDS, CLIENT, CLUSTER_IP, IPT_CLIENT, TCP_PORT, UDP_PORT,
+};
 /// The iptables reference's VIP; the agent does not know it, so its program passes
 /// that traffic to netfilter untouched.
 const IPT_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);

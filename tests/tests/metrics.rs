@@ -30,16 +30,7 @@ use ebpf_proxy_tests::{
 use k8s_openapi::jiff::Timestamp;
 use serde_json::json;
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-    ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
-];
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
-const CLUSTER_IP: &str = "10.96.0.10";
-const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP};
 /// Not kube-proxy's default port, so the test shows the flag is honoured.
 const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10349);
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -202,7 +193,7 @@ fn metrics_move_with_traffic_and_changes() {
 
     let (_runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, None));
-    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
     server.apply(slice("test", "web-1", "web", &node_name, &["10.200.0.11"]));
     let api_host = server
         .url()

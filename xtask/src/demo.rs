@@ -23,17 +23,18 @@ use ebpf_proxy_tests::{
 };
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 
+use ebpf_proxy_tests::topology::one_node::{self, CLIENT, CLUSTER_IP};
+
 use crate::workspace_root;
 
 /// deploy/examples/demo.yaml: namespace `demo`, Service `web` at 10.96.0.10 with
 /// 80/TCP -> 8080 and 53/UDP (`dns`) -> 5353, endpoints 10.200.0.11-13.
 const MANIFEST: &str = "deploy/examples/demo.yaml";
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
+/// The tests' one-node world, with the demo's pod names.
 const BACKENDS: [(&str, Ipv4Addr); 3] = [
-    ("web-1", Ipv4Addr::new(10, 200, 0, 11)),
-    ("web-2", Ipv4Addr::new(10, 200, 0, 12)),
-    ("web-3", Ipv4Addr::new(10, 200, 0, 13)),
+    ("web-1", one_node::BACKENDS[0].1),
+    ("web-2", one_node::BACKENDS[1].1),
+    ("web-3", one_node::BACKENDS[2].1),
 ];
 /// Pause between two connections: about a hundred a second, enough to watch the
 /// shares settle without keeping a core busy.

@@ -1,5 +1,5 @@
 //! Typed handles on the pinned maps, and the only code that writes the
-//! service maps (through the planner's [`MapStore`]).
+//! service and node-level maps (through the planners' [`MapStore`]).
 
 use aya::maps::{
     Array, HashMap, Map, MapData, MapError, PerCpuArray, SkStorage,
@@ -12,7 +12,7 @@ use proxy_common::{
 };
 
 use super::pins::PinLayout;
-use crate::planner::{MapOp, MapStore};
+use crate::planner::{MapOp, MapStore, node::NodeState};
 
 /// Why a map could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -168,92 +168,12 @@ impl Maps {
     /// translating a removed flow from its copy. The agent is the epoch's
     /// only writer, so read-then-write is enough.
     pub fn bump_flow_epoch(&mut self) -> Result<(), MapsError> {
-        let epoch = self
-            .flow_gen
-            .get(&FLOW_GEN_EPOCH, 0)
-            .map_err(wrap(map_names::FLOW_GEN))?;
-        self.flow_gen
-            .set(FLOW_GEN_EPOCH, epoch.wrapping_add(1), 0)
-            .map_err(wrap(map_names::FLOW_GEN))
+        self.bump_epoch().map_err(wrap(map_names::FLOW_GEN))
     }
 
-    /// Sets the node-wide datapath settings (SNAT address and ports).
-    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), MapsError> {
-        self.node_config
-            .set(0, config, 0)
-            .map_err(wrap(map_names::NODE_CONFIG))
-    }
-
-    /// Makes `CLUSTER_CIDRS` hold exactly `cidrs` (`--cluster-cidr`): new
-    /// entries first, then stale ones removed.
-    pub fn set_cluster_cidrs(&mut self, cidrs: &[crate::model::Cidr]) -> Result<(), MapsError> {
-        let wanted: Vec<Key<ClusterCidrKey>> = cidrs
-            .iter()
-            .map(|c| {
-                Key::new(
-                    c.prefix128(),
-                    ClusterCidrKey {
-                        addr_be: crate::planner::encode::addr_words(c.ip),
-                    },
-                )
-            })
-            .collect();
-        for key in &wanted {
-            self.cluster_cidrs
-                .insert(key, 1, 0)
-                .map_err(wrap(map_names::CLUSTER_CIDRS))?;
-        }
-        let stale: Vec<Key<ClusterCidrKey>> = self
-            .cluster_cidrs
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| {
-                !wanted
-                    .iter()
-                    .any(|w| w.prefix_len() == k.prefix_len() && w.data() == k.data())
-            })
-            .collect();
-        for key in stale {
-            self.cluster_cidrs
-                .remove(&key)
-                .map_err(wrap(map_names::CLUSTER_CIDRS))?;
-        }
-        Ok(())
-    }
-
-    /// Makes `NODE_ADDRS` hold exactly `wanted`: new entries first, then
-    /// stale ones removed, so an address that stays is never missing.
-    pub fn sync_node_addrs(
-        &mut self,
-        wanted: &std::collections::BTreeMap<NodeAddrKey, NodeAddr>,
-    ) -> Result<(), MapsError> {
-        for (key, value) in wanted {
-            self.node_addrs
-                .insert(key, value, 0)
-                .map_err(wrap(map_names::NODE_ADDRS))?;
-        }
-        let stale: Vec<NodeAddrKey> = self
-            .node_addrs
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !wanted.contains_key(k))
-            .collect();
-        for key in stale {
-            self.node_addrs
-                .remove(&key)
-                .map_err(wrap(map_names::NODE_ADDRS))?;
-        }
-        Ok(())
-    }
-
-    /// Sets the conntrack timeouts the datapath and the reaper use.
-    pub fn set_ct_timeouts(&mut self, timeouts: CtTimeouts) -> Result<(), MapsError> {
-        self.ct_timeouts
-            .set(0, timeouts, 0)
-            .map_err(wrap(map_names::CT_TIMEOUTS))?;
-        // The flow cache copies only entries that outlive a copy by the
-        // timeouts it saw; shorter ones void that promise.
-        self.bump_flow_epoch()
+    fn bump_epoch(&mut self) -> Result<(), MapError> {
+        let epoch = self.flow_gen.get(&FLOW_GEN_EPOCH, 0)?;
+        self.flow_gen.set(FLOW_GEN_EPOCH, epoch.wrapping_add(1), 0)
     }
 
     /// The conntrack timeouts in force.
@@ -317,6 +237,28 @@ impl Maps {
         }
         Ok(state)
     }
+
+    /// What the node-level maps hold, for the node planner to start from.
+    pub fn read_node_state(&self) -> Result<NodeState, MapsError> {
+        let mut state = NodeState::default();
+        for item in self.node_addrs.iter() {
+            let (k, v) = item.map_err(wrap(map_names::NODE_ADDRS))?;
+            state.addrs.insert(k, v);
+        }
+        state.config = self
+            .node_config
+            .get(&0, 0)
+            .map_err(wrap(map_names::NODE_CONFIG))?;
+        state.ct_timeouts = self
+            .ct_timeouts
+            .get(&0, 0)
+            .map_err(wrap(map_names::CT_TIMEOUTS))?;
+        for key in self.cluster_cidrs.keys() {
+            let key = key.map_err(wrap(map_names::CLUSTER_CIDRS))?;
+            state.cluster_cidrs.insert((key.prefix_len(), key.data()));
+        }
+        Ok(state)
+    }
 }
 
 impl MapStore for Maps {
@@ -341,6 +283,22 @@ impl MapStore for Maps {
             }
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(&Key::new(entry.0, entry.1))
+            }
+            MapOp::PutNodeAddr { key, value } => self.node_addrs.insert(key, value, 0),
+            MapOp::DeleteNodeAddr { key } => self.node_addrs.remove(key),
+            MapOp::SetNodeConfig { config } => self.node_config.set(0, config, 0),
+            MapOp::SetCtTimeouts { timeouts } => {
+                // The flow cache copies only entries that outlive a copy by
+                // the timeouts it saw; shorter ones void that promise.
+                self.ct_timeouts
+                    .set(0, timeouts, 0)
+                    .and_then(|()| self.bump_epoch())
+            }
+            MapOp::PutClusterCidr { entry } => {
+                self.cluster_cidrs.insert(&Key::new(entry.0, entry.1), 1, 0)
+            }
+            MapOp::DeleteClusterCidr { entry } => {
+                self.cluster_cidrs.remove(&Key::new(entry.0, entry.1))
             }
         };
         match result {

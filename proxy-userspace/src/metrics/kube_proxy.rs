@@ -453,7 +453,7 @@ mod tests {
     use k8s_openapi::{api::core::v1::ServiceSpec, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 
     use super::*;
-    use crate::model::{BackendAddr, FrontendKey, NoEndpointAction, Protocol, ServicePortName};
+    use crate::model::{BackendAddr, NoEndpointAction, Protocol, ServicePortName};
 
     /// The sample `series` of the exposition of a registry holding only
     /// `metrics`.
@@ -600,36 +600,31 @@ mod tests {
     }
 
     fn frontend(port: &str, kind: FrontendKind, backends: usize) -> Frontend {
+        let backends = (0..backends)
+            .map(|i| BackendAddr {
+                local: true,
+                ..BackendAddr::remote(
+                    IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1)),
+                    8080,
+                    Protocol::Tcp,
+                )
+            })
+            .collect::<Vec<_>>();
+        let no_endpoints = if backends.is_empty() {
+            NoEndpointAction::Drop
+        } else {
+            NoEndpointAction::Reject
+        };
+        let service = ServicePortName::new("ns", "web", port, Protocol::Tcp);
         Frontend {
-            key: FrontendKey {
-                ip: IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)),
-                port: 80,
-                protocol: Protocol::Tcp,
-                scope: Scope::Any,
-            },
             kind,
-            service: ServicePortName {
-                namespace: "ns".into(),
-                name: "web".into(),
-                port: port.into(),
-                protocol: Protocol::Tcp,
-            },
-            backends: (0..backends)
-                .map(|i| BackendAddr {
-                    ip: IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1)),
-                    port: 8080,
-                    protocol: Protocol::Tcp,
-                    local: true,
-                    terminating: false,
-                })
-                .collect(),
-            no_endpoints: if backends == 0 {
-                NoEndpointAction::Drop
-            } else {
-                NoEndpointAction::Reject
-            },
-            affinity_timeout_s: None,
-            source_ranges: Vec::new(),
+            no_endpoints,
+            ..Frontend::cluster_ip(
+                service,
+                IpAddr::V4(Ipv4Addr::new(10, 96, 0, 1)),
+                80,
+                backends,
+            )
         }
     }
 

@@ -93,6 +93,17 @@ pub struct ServicePortName {
     pub protocol: Protocol,
 }
 
+impl ServicePortName {
+    pub fn new(namespace: &str, name: &str, port: &str, protocol: Protocol) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            port: port.into(),
+            protocol,
+        }
+    }
+}
+
 impl fmt::Display for ServicePortName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)?;
@@ -116,6 +127,17 @@ pub struct BackendAddr {
 }
 
 impl BackendAddr {
+    /// A ready endpoint on another node.
+    pub fn remote(ip: IpAddr, port: u16, protocol: Protocol) -> Self {
+        Self {
+            ip,
+            port,
+            protocol,
+            local: false,
+            terminating: false,
+        }
+    }
+
     /// kube-proxy's endpoint string, `net.JoinHostPort(ip, port)`, which is
     /// also the sort key of a backend set.
     pub fn host_port(&self) -> String {
@@ -156,6 +178,34 @@ pub struct Frontend {
     /// frontends that have them: only clients inside one are served, the
     /// rest are dropped (kube-proxy's firewall chain). Empty means everyone.
     pub source_ranges: Vec<Cidr>,
+}
+
+impl Frontend {
+    /// A ClusterIP frontend `ip:port` of `service` (and of its protocol) with
+    /// `backends` put in kube-proxy's order, rejecting when there are none:
+    /// what tests and benches program without a Service object.
+    pub fn cluster_ip(
+        service: ServicePortName,
+        ip: IpAddr,
+        port: u16,
+        mut backends: Vec<BackendAddr>,
+    ) -> Self {
+        backends.sort_by_key(BackendAddr::host_port);
+        Self {
+            key: FrontendKey {
+                ip,
+                port,
+                protocol: service.protocol,
+                scope: Scope::Any,
+            },
+            kind: FrontendKind::ClusterIp,
+            service,
+            backends,
+            no_endpoints: NoEndpointAction::Reject,
+            affinity_timeout_s: None,
+            source_ranges: Vec::new(),
+        }
+    }
 }
 
 /// An address range (loadBalancerSourceRanges, `--nodeport-addresses`).

@@ -13,6 +13,7 @@
 //! retried on the next sync. Nothing is ever flushed.
 
 pub mod encode;
+pub mod node;
 mod ops;
 
 use std::collections::{BTreeSet, HashMap};
@@ -339,12 +340,37 @@ impl Planner {
         }
     }
 
+    /// Programs one frontend in the steps the update order needs: check it
+    /// may be ours, resolve its backend ids and service id, plan the writes
+    /// up to the flip of its service entry, write them (rolled back on
+    /// failure), then commit the bookkeeping and clean up what the flip
+    /// left unreferenced.
     fn apply_frontend<S: MapStore>(
         &mut self,
         owner: &ObjectKey,
         fe: &Frontend,
         store: &mut S,
     ) -> Result<usize, PlanError<S::Error>> {
+        let prev = self.claim(owner, fe)?;
+        let (ids, fresh) = self.backend_ids(fe);
+        let service_id = self.service_id(fe, prev.as_ref());
+        let plan = self.plan(fe, prev.as_ref(), service_id, ids, fresh);
+        if let Err(source) = self.write(&plan, store) {
+            return Err(PlanError::Write {
+                frontend: fe.key,
+                owner: owner.clone(),
+                source,
+            });
+        }
+        Ok(self.commit(owner, fe, prev, plan, store))
+    }
+
+    /// What the maps hold for `fe` now, if `owner` may program it.
+    fn claim<E: std::error::Error + 'static>(
+        &self,
+        owner: &ObjectKey,
+        fe: &Frontend,
+    ) -> Result<Option<Applied>, PlanError<E>> {
         if fe.backends.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize {
             return Err(PlanError::TooManyBackends {
                 frontend: fe.key,
@@ -361,9 +387,12 @@ impl Planner {
                 other: other.clone(),
             });
         }
+        Ok(prev)
+    }
 
-        // Backend ids: existing ones are reused; new ones are tentative
-        // until the plan is applied.
+    /// The id of each backend in slot order: existing ones are reused; new
+    /// ones (returned apart) are tentative until the plan is committed.
+    fn backend_ids(&mut self, fe: &Frontend) -> (Vec<u32>, Vec<(u32, Backend)>) {
         let mut ids = Vec::with_capacity(fe.backends.len());
         let mut fresh: Vec<(u32, Backend)> = Vec::new();
         for b in &fe.backends {
@@ -381,70 +410,66 @@ impl Planner {
             };
             ids.push(id);
         }
+        (ids, fresh)
+    }
 
-        let service_id = match self.service_ids.get(&fe.service) {
+    fn service_id(&mut self, fe: &Frontend, prev: Option<&Applied>) -> u32 {
+        match self.service_ids.get(&fe.service) {
             Some(r) => r.id,
             // An adopted frontend keeps its id, so affinity survives a restart.
-            None => match prev.as_ref() {
+            None => match prev {
                 Some(p) if p.service.is_none() => p.value.service_id,
                 _ => self.alloc_service_id(),
             },
-        };
-        let mut flags = 0;
-        if fe.affinity_timeout_s.is_some() {
-            flags |= service_flags::AFFINITY;
         }
-        if fe.no_endpoints == NoEndpointAction::Drop {
-            flags |= service_flags::NO_EP_DROP;
-        }
-        // In-cluster clients of an external address are not masqueraded
-        // (kube-proxy's EXT chain sends them to the service chain before its
-        // masquerade mark), so the in-cluster entry is not external.
-        if fe.kind != FrontendKind::ClusterIp && fe.key.scope == Scope::Any {
-            flags |= service_flags::EXTERNAL;
-        }
+    }
+
+    /// The writes that bring the maps from `prev` to `fe`, in the update
+    /// order: new source ranges, new backends and new slots, then the service
+    /// entry (the flip); and the deletes that may follow it.
+    fn plan(
+        &mut self,
+        fe: &Frontend,
+        prev: Option<&Applied>,
+        service_id: u32,
+        ids: Vec<u32>,
+        fresh: Vec<(u32, Backend)>,
+    ) -> FrontendPlan {
         let key = encode::service_key(&fe.key);
         let ranges: BTreeSet<SourceRangeEntry> = fe
             .source_ranges
             .iter()
             .map(|r| encode::source_range(&key, r))
             .collect();
-        if !ranges.is_empty() {
-            flags |= service_flags::SOURCE_RANGES;
-        }
-        let no_ranges = BTreeSet::new();
-        let prev_ranges = prev.as_ref().map_or(&no_ranges, |p| &p.source_ranges);
         let mut value = ServiceValue {
             service_id,
             slot_set: 0,
             count: ids.len() as u32,
-            flags,
+            flags: service_flags_of(fe, !ranges.is_empty()),
             affinity_timeout_s: fe.affinity_timeout_s.unwrap_or(0),
             _pad: 0,
         };
+        let no_ranges = BTreeSet::new();
+        let prev_ranges = prev.map_or(&no_ranges, |p| &p.source_ranges);
 
         // New source ranges go in before the service entry that turns the
-        // firewall on; ranges no longer wanted go after it (cleanup below).
-        let mut ops: Vec<MapOp> = ranges
+        // firewall on; ranges no longer wanted go after it.
+        let mut writes: Vec<MapOp> = ranges
             .difference(prev_ranges)
             .map(|entry| MapOp::PutSourceRange { entry: *entry })
             .collect();
-        let stale_ranges: Vec<MapOp> = prev_ranges
-            .difference(&ranges)
-            .map(|entry| MapOp::DeleteSourceRange { entry: *entry })
-            .collect();
-        ops.extend(fresh.iter().map(|(id, backend)| MapOp::PutBackend {
+        let mut cleanup: Vec<MapOp> = Vec::new();
+        writes.extend(fresh.iter().map(|(id, backend)| MapOp::PutBackend {
             id: *id,
             backend: *backend,
         }));
-        let mut old_slots = Vec::new();
         let mut new_slot_set = None;
-        match prev.as_ref() {
+        match prev {
             Some(p) if ids.starts_with(&p.backend_ids) => {
                 // Same set, or grown at the end: new slots, then the count.
                 value.slot_set = p.value.slot_set;
                 for (slot, id) in ids.iter().enumerate().skip(p.backend_ids.len()) {
-                    ops.push(put_slot(value.slot_set, slot, *id));
+                    writes.push(put_slot(value.slot_set, slot, *id));
                 }
             }
             _ => {
@@ -452,38 +477,76 @@ impl Planner {
                 new_slot_set = Some(set);
                 value.slot_set = set;
                 for (slot, id) in ids.iter().enumerate() {
-                    ops.push(put_slot(set, slot, *id));
+                    writes.push(put_slot(set, slot, *id));
                 }
-                if let Some(p) = prev.as_ref() {
-                    old_slots.extend((0..p.backend_ids.len()).map(|slot| BackendSlotKey {
-                        slot_set: p.value.slot_set,
-                        slot: slot as u32,
+                if let Some(p) = prev {
+                    cleanup.extend((0..p.backend_ids.len()).map(|slot| MapOp::DeleteSlot {
+                        key: BackendSlotKey {
+                            slot_set: p.value.slot_set,
+                            slot: slot as u32,
+                        },
                     }));
                 }
             }
         }
-        let changed = prev.as_ref().map(|p| p.value) != Some(value);
-        if changed {
-            ops.push(MapOp::PutService { key, value });
+        cleanup.extend(
+            prev_ranges
+                .difference(&ranges)
+                .map(|entry| MapOp::DeleteSourceRange { entry: *entry }),
+        );
+        if prev.map(|p| p.value) != Some(value) {
+            writes.push(MapOp::PutService { key, value });
         }
-        let flip = ops.len();
+        FrontendPlan {
+            key,
+            value,
+            ids,
+            fresh,
+            ranges,
+            writes,
+            cleanup,
+            new_slot_set,
+        }
+    }
 
-        for (i, op) in ops.iter().enumerate() {
+    /// Applies a plan's writes in order; on a failure undoes those already
+    /// made and gives back the slot set it took, so the frontend stays as it
+    /// was.
+    fn write<S: MapStore>(&mut self, plan: &FrontendPlan, store: &mut S) -> Result<(), S::Error> {
+        for (i, op) in plan.writes.iter().enumerate() {
             if let Err(source) = store.apply(op) {
-                self.roll_back(&ops[..i], store);
-                if let Some(set) = new_slot_set {
+                self.roll_back(&plan.writes[..i], store);
+                if let Some(set) = plan.new_slot_set {
                     self.slot_sets_in_use.remove(&set);
                 }
-                return Err(PlanError::Write {
-                    frontend: fe.key,
-                    owner: owner.clone(),
-                    source,
-                });
+                return Err(source);
             }
         }
+        Ok(())
+    }
 
-        // Committed: the maps now serve the new set.
-        let mut applied_ops = flip;
+    /// The maps now serve the new set: takes the references it holds, lets go
+    /// of those `prev` held (departed backends noted for conntrack cleanup)
+    /// and deletes what nothing references any more. Returns the operations
+    /// done.
+    fn commit<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        fe: &Frontend,
+        prev: Option<Applied>,
+        plan: FrontendPlan,
+        store: &mut S,
+    ) -> usize {
+        let FrontendPlan {
+            key,
+            value,
+            ids,
+            fresh,
+            ranges,
+            writes,
+            mut cleanup,
+            new_slot_set,
+        } = plan;
         for (id, backend) in &fresh {
             self.backends
                 .insert(*backend, Refcounted { id: *id, refs: 0 });
@@ -496,12 +559,7 @@ impl Planner {
                 r.refs += 1;
             }
         }
-        self.acquire_service_id(&fe.service, service_id);
-        let mut cleanup: Vec<MapOp> = old_slots
-            .into_iter()
-            .map(|key| MapOp::DeleteSlot { key })
-            .collect();
-        cleanup.extend(stale_ranges);
+        self.acquire_service_id(&fe.service, value.service_id);
         if let Some(p) = prev {
             if new_slot_set.is_some() {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
@@ -516,7 +574,7 @@ impl Planner {
                 self.release_adopted_service_id(p.value.service_id);
             }
         }
-        applied_ops += self.apply_cleanup(cleanup, store);
+        let cleaned = self.apply_cleanup(cleanup, store);
         self.frontends.insert(
             fe.key,
             Applied {
@@ -528,7 +586,7 @@ impl Planner {
                 source_ranges: ranges,
             },
         );
-        Ok(applied_ops)
+        writes.len() + cleaned
     }
 
     fn remove_frontend<S: MapStore>(
@@ -683,6 +741,43 @@ impl Planner {
             }
         }
     }
+}
+
+/// One frontend's change, planned before anything is written.
+struct FrontendPlan {
+    key: ServiceKey,
+    value: ServiceValue,
+    /// Backend id of each slot.
+    ids: Vec<u32>,
+    /// Backends that get a new id (and a `BACKENDS` entry) with this plan.
+    fresh: Vec<(u32, Backend)>,
+    ranges: BTreeSet<SourceRangeEntry>,
+    /// Up to and including the flip of the service entry.
+    writes: Vec<MapOp>,
+    /// Old slots and stale source ranges, deleted once the flip is in.
+    cleanup: Vec<MapOp>,
+    /// A slot set taken for this plan, given back if the writes fail.
+    new_slot_set: Option<u32>,
+}
+
+fn service_flags_of(fe: &Frontend, has_source_ranges: bool) -> u32 {
+    let mut flags = 0;
+    if fe.affinity_timeout_s.is_some() {
+        flags |= service_flags::AFFINITY;
+    }
+    if fe.no_endpoints == NoEndpointAction::Drop {
+        flags |= service_flags::NO_EP_DROP;
+    }
+    // In-cluster clients of an external address are not masqueraded
+    // (kube-proxy's EXT chain sends them to the service chain before its
+    // masquerade mark), so the in-cluster entry is not external.
+    if fe.kind != FrontendKind::ClusterIp && fe.key.scope == Scope::Any {
+        flags |= service_flags::EXTERNAL;
+    }
+    if has_source_ranges {
+        flags |= service_flags::SOURCE_RANGES;
+    }
+    flags
 }
 
 fn put_slot(slot_set: u32, slot: usize, backend_id: u32) -> MapOp {

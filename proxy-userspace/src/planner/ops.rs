@@ -6,14 +6,22 @@ use std::{
     fmt,
 };
 
-use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, SourceRangeKey};
+use proxy_common::{
+    Backend, BackendSlotKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
+    ServiceValue, SourceRangeKey,
+};
 
-use super::encode::{service_key_string, source_range_string};
+use super::{
+    encode::{service_key_string, source_range_string, words_addr},
+    node::{ClusterCidrEntry, NodeState},
+};
 
 /// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
 pub type SourceRangeEntry = (u32, SourceRangeKey);
 
-/// One write to the service maps. Plans are ordered lists of these.
+/// One write to the maps the agent programs: the service maps (planned by
+/// [`super::Planner`]) and the node-level maps (by [`super::node::NodePlanner`]).
+/// Plans are ordered lists of these; every write the agent makes is one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
     PutBackend {
@@ -43,6 +51,27 @@ pub enum MapOp {
     DeleteSourceRange {
         entry: SourceRangeEntry,
     },
+    PutNodeAddr {
+        key: NodeAddrKey,
+        value: NodeAddr,
+    },
+    DeleteNodeAddr {
+        key: NodeAddrKey,
+    },
+    SetNodeConfig {
+        config: NodeConfig,
+    },
+    /// Also voids the flow cache's copies, which were taken under the old
+    /// timeouts.
+    SetCtTimeouts {
+        timeouts: CtTimeouts,
+    },
+    PutClusterCidr {
+        entry: ClusterCidrEntry,
+    },
+    DeleteClusterCidr {
+        entry: ClusterCidrEntry,
+    },
 }
 
 impl MapOp {
@@ -53,6 +82,8 @@ impl MapOp {
                 | MapOp::DeleteSlot { .. }
                 | MapOp::DeleteBackend { .. }
                 | MapOp::DeleteSourceRange { .. }
+                | MapOp::DeleteNodeAddr { .. }
+                | MapOp::DeleteClusterCidr { .. }
         )
     }
 }
@@ -78,8 +109,42 @@ impl fmt::Display for MapOp {
             MapOp::DeleteSourceRange { entry } => {
                 write!(f, "delete source range {}", source_range_string(entry))
             }
+            MapOp::PutNodeAddr { key, value } => write!(
+                f,
+                "write node address {} (flags {:#x})",
+                words_addr(&key.addr_be),
+                value.flags
+            ),
+            MapOp::DeleteNodeAddr { key } => {
+                write!(f, "delete node address {}", words_addr(&key.addr_be))
+            }
+            MapOp::SetNodeConfig { config } => write!(
+                f,
+                "write node config (SNAT {} ports {}-{}, flags {:#x})",
+                words_addr(&config.snat_addr_be),
+                config.snat_port_min,
+                config.snat_port_max,
+                config.flags
+            ),
+            MapOp::SetCtTimeouts { .. } => write!(f, "write conntrack timeouts"),
+            MapOp::PutClusterCidr { entry } => {
+                write!(f, "write cluster CIDR {}", cluster_cidr_string(entry))
+            }
+            MapOp::DeleteClusterCidr { entry } => {
+                write!(f, "delete cluster CIDR {}", cluster_cidr_string(entry))
+            }
         }
     }
+}
+
+fn cluster_cidr_string((prefix_len, key): &ClusterCidrEntry) -> String {
+    let ip = words_addr(&key.addr_be);
+    let prefix = if ip.is_ipv4() {
+        prefix_len.saturating_sub(96)
+    } else {
+        *prefix_len
+    };
+    format!("{ip}/{prefix}")
 }
 
 /// Something the planner's operations can be applied to: the real pinned
@@ -97,6 +162,7 @@ pub struct StoredState {
     pub slots: BTreeMap<BackendSlotKey, u32>,
     pub backends: BTreeMap<u32, Backend>,
     pub source_ranges: BTreeSet<SourceRangeEntry>,
+    pub node: NodeState,
 }
 
 impl MapStore for StoredState {
@@ -127,6 +193,20 @@ impl MapStore for StoredState {
             }
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(entry);
+            }
+            MapOp::PutNodeAddr { key, value } => {
+                self.node.addrs.insert(*key, *value);
+            }
+            MapOp::DeleteNodeAddr { key } => {
+                self.node.addrs.remove(key);
+            }
+            MapOp::SetNodeConfig { config } => self.node.config = *config,
+            MapOp::SetCtTimeouts { timeouts } => self.node.ct_timeouts = *timeouts,
+            MapOp::PutClusterCidr { entry } => {
+                self.node.cluster_cidrs.insert(*entry);
+            }
+            MapOp::DeleteClusterCidr { entry } => {
+                self.node.cluster_cidrs.remove(entry);
             }
         }
         Ok(())

@@ -46,36 +46,17 @@ fn ip(last: u8) -> IpAddr {
 }
 
 fn frontend(vip: u8, backends: &[u8]) -> Frontend {
-    let mut b: Vec<BackendAddr> = backends
+    let backends = backends
         .iter()
-        .map(|last| BackendAddr {
-            ip: ip(*last),
-            port: 8080,
-            protocol: Protocol::Tcp,
-            local: false,
-            terminating: false,
-        })
+        .map(|last| BackendAddr::remote(ip(*last), 8080, Protocol::Tcp))
         .collect();
-    b.sort_by_key(|x| x.host_port());
-    Frontend {
-        key: FrontendKey {
-            ip: IpAddr::V4(Ipv4Addr::new(10, 96, 0, vip)),
-            port: 80,
-            protocol: Protocol::Tcp,
-            scope: Scope::Any,
-        },
-        kind: FrontendKind::ClusterIp,
-        service: ServicePortName {
-            namespace: "default".into(),
-            name: format!("svc{vip}"),
-            port: String::new(),
-            protocol: Protocol::Tcp,
-        },
-        backends: b,
-        no_endpoints: NoEndpointAction::Reject,
-        affinity_timeout_s: None,
-        source_ranges: Vec::new(),
-    }
+    let service = ServicePortName::new("default", &format!("svc{vip}"), "", Protocol::Tcp);
+    Frontend::cluster_ip(
+        service,
+        IpAddr::V4(Ipv4Addr::new(10, 96, 0, vip)),
+        80,
+        backends,
+    )
 }
 
 /// What the maps say a frontend's backends are, in slot order.

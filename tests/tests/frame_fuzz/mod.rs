@@ -33,7 +33,7 @@ use proxy_userspace::{
         BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, NoEndpointAction, Protocol, Scope,
         ServicePortName,
     },
-    planner::Planner,
+    planner::{MapOp, MapStore, Planner},
     source::ObjectKey,
 };
 
@@ -312,13 +312,17 @@ pub fn fixture() -> Fixture {
         .expect("run in namespace")
         .expect("uplink ifindex");
     let maps = &mut datapath.maps;
-    maps.sync_node_addrs(&proxy_userspace::agent::node_addrs(&[NODE_IP], &[]))
-        .expect("node addresses");
-    maps.set_node_config(proxy_common::NodeConfig {
-        snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
-        snat_port_min: proxy_common::SNAT_PORT_MIN,
-        snat_port_max: proxy_common::SNAT_PORT_MAX,
-        flags: 0,
+    for (key, value) in proxy_userspace::planner::node::node_addrs(&[NODE_IP], &[]) {
+        maps.apply(&MapOp::PutNodeAddr { key, value })
+            .expect("node addresses");
+    }
+    maps.apply(&MapOp::SetNodeConfig {
+        config: proxy_common::NodeConfig {
+            snat_addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(NODE_IP.octets())),
+            snat_port_min: proxy_common::SNAT_PORT_MIN,
+            snat_port_max: proxy_common::SNAT_PORT_MAX,
+            flags: 0,
+        },
     })
     .expect("node config");
     let mut planner = Planner::new();

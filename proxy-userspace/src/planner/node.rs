@@ -1,0 +1,244 @@
+//! The node-level maps (`NODE_ADDRS`, `NODE_CONFIG`, `CT_TIMEOUTS`,
+//! `CLUSTER_CIDRS`) under the service maps' discipline: a desired state, a diff
+//! against what the maps hold, ordered writes through the same [`MapStore`],
+//! and what failed left pending for the next try. Nothing is flushed.
+//!
+//! Order: every entry that is wanted is written before any stale one is
+//! deleted, so an address or CIDR that stays is never missing; the first
+//! failure stops the writes, so a delete never runs ahead of a put that did
+//! not land. Each op that lands is recorded at once, so a retry writes only
+//! what is still missing.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+};
+
+use proxy_common::{
+    ClusterCidrKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, node_addr_flags,
+    node_config_flags,
+};
+
+use super::{MapOp, MapStore, encode::addr_words};
+use crate::model::Cidr;
+
+/// One entry of the `CLUSTER_CIDRS` trie: (prefix length, key).
+pub type ClusterCidrEntry = (u32, ClusterCidrKey);
+
+/// What the node-level maps hold, or should.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeState {
+    pub addrs: BTreeMap<NodeAddrKey, NodeAddr>,
+    pub config: NodeConfig,
+    /// Zeros until first written (the datapath then uses the defaults).
+    pub ct_timeouts: CtTimeouts,
+    pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
+}
+
+/// What the agent wants the node-level maps to hold. `None` leaves a map as
+/// it is: until the first look at the interfaces, the node addresses and
+/// SNAT address adopted from the pins keep serving NodePorts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredNode {
+    pub addrs: Option<BTreeMap<NodeAddrKey, NodeAddr>>,
+    pub config: Option<NodeConfig>,
+    pub ct_timeouts: CtTimeouts,
+    pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
+}
+
+impl DesiredNode {
+    pub fn new(ct_timeouts: CtTimeouts, cluster_cidrs: &[Cidr]) -> Self {
+        Self {
+            addrs: None,
+            config: None,
+            ct_timeouts,
+            cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
+        }
+    }
+
+    /// The node's addresses as the interfaces show them now, those inside
+    /// `nodeport_addresses` (all, when it is empty) serving NodePorts; SNAT
+    /// to `snat`.
+    pub fn set_interfaces(
+        &mut self,
+        addrs: &[Ipv4Addr],
+        nodeport_addresses: &[Cidr],
+        snat: Option<Ipv4Addr>,
+        localhost_nodeports: bool,
+    ) {
+        self.addrs = Some(node_addrs(addrs, nodeport_addresses));
+        self.config = Some(node_config(snat, localhost_nodeports));
+    }
+}
+
+/// Keeps the node-level maps at the desired state.
+#[derive(Debug, Default)]
+pub struct NodePlanner {
+    applied: NodeState,
+}
+
+/// What a sync did, and the write that stopped it.
+#[derive(Debug)]
+pub struct NodeOutcome<E> {
+    pub ops: usize,
+    pub failed: Option<(MapOp, E)>,
+}
+
+impl NodePlanner {
+    /// Starts from what the pinned maps hold.
+    pub fn adopt(stored: NodeState) -> Self {
+        Self { applied: stored }
+    }
+
+    pub fn applied(&self) -> &NodeState {
+        &self.applied
+    }
+
+    /// The writes that bring the maps to `desired`: puts first, deletes last.
+    pub fn plan(&self, desired: &DesiredNode) -> Vec<MapOp> {
+        let applied = &self.applied;
+        let mut puts = Vec::new();
+        let mut deletes = Vec::new();
+        if applied.ct_timeouts != desired.ct_timeouts {
+            puts.push(MapOp::SetCtTimeouts {
+                timeouts: desired.ct_timeouts,
+            });
+        }
+        puts.extend(
+            desired
+                .cluster_cidrs
+                .difference(&applied.cluster_cidrs)
+                .map(|entry| MapOp::PutClusterCidr { entry: *entry }),
+        );
+        deletes.extend(
+            applied
+                .cluster_cidrs
+                .difference(&desired.cluster_cidrs)
+                .map(|entry| MapOp::DeleteClusterCidr { entry: *entry }),
+        );
+        if let Some(addrs) = &desired.addrs {
+            puts.extend(
+                addrs
+                    .iter()
+                    .filter(|(key, value)| applied.addrs.get(key) != Some(value))
+                    .map(|(key, value)| MapOp::PutNodeAddr {
+                        key: *key,
+                        value: *value,
+                    }),
+            );
+            deletes.extend(
+                applied
+                    .addrs
+                    .keys()
+                    .filter(|key| !addrs.contains_key(key))
+                    .map(|key| MapOp::DeleteNodeAddr { key: *key }),
+            );
+        }
+        if let Some(config) = desired.config
+            && config != applied.config
+        {
+            puts.push(MapOp::SetNodeConfig { config });
+        }
+        puts.extend(deletes);
+        puts
+    }
+
+    /// Whether the maps hold `desired`.
+    pub fn in_sync(&self, desired: &DesiredNode) -> bool {
+        self.plan(desired).is_empty()
+    }
+
+    /// Applies the plan in order, up to the first write that fails.
+    pub fn sync<S: MapStore>(
+        &mut self,
+        desired: &DesiredNode,
+        store: &mut S,
+    ) -> NodeOutcome<S::Error> {
+        let mut ops = 0;
+        for op in self.plan(desired) {
+            if let Err(e) = store.apply(&op) {
+                return NodeOutcome {
+                    ops,
+                    failed: Some((op, e)),
+                };
+            }
+            self.record(&op);
+            ops += 1;
+        }
+        NodeOutcome { ops, failed: None }
+    }
+
+    fn record(&mut self, op: &MapOp) {
+        let applied = &mut self.applied;
+        match op {
+            MapOp::SetCtTimeouts { timeouts } => applied.ct_timeouts = *timeouts,
+            MapOp::PutClusterCidr { entry } => {
+                applied.cluster_cidrs.insert(*entry);
+            }
+            MapOp::DeleteClusterCidr { entry } => {
+                applied.cluster_cidrs.remove(entry);
+            }
+            MapOp::PutNodeAddr { key, value } => {
+                applied.addrs.insert(*key, *value);
+            }
+            MapOp::DeleteNodeAddr { key } => {
+                applied.addrs.remove(key);
+            }
+            MapOp::SetNodeConfig { config } => applied.config = *config,
+            _ => {}
+        }
+    }
+}
+
+/// `NODE_ADDRS` for these addresses: each is a node address; those inside
+/// `nodeport_addresses` (all, when it is empty) serve NodePorts.
+pub fn node_addrs(
+    addrs: &[Ipv4Addr],
+    nodeport_addresses: &[Cidr],
+) -> BTreeMap<NodeAddrKey, NodeAddr> {
+    addrs
+        .iter()
+        .map(|ip| {
+            let serves = nodeport_addresses.is_empty()
+                || nodeport_addresses
+                    .iter()
+                    .any(|c| c.contains(IpAddr::V4(*ip)));
+            (
+                NodeAddrKey {
+                    addr_be: addr_words(IpAddr::V4(*ip)),
+                },
+                NodeAddr {
+                    flags: if serves { node_addr_flags::NODEPORT } else { 0 },
+                },
+            )
+        })
+        .collect()
+}
+
+/// `NODE_CONFIG`: SNAT to `snat` (none: external flows to remote backends
+/// pass untranslated) from the default port range.
+pub fn node_config(snat: Option<Ipv4Addr>, localhost_nodeports: bool) -> NodeConfig {
+    NodeConfig {
+        snat_addr_be: snat.map_or([0; 4], |ip| addr_words(IpAddr::V4(ip))),
+        snat_port_min: proxy_common::SNAT_PORT_MIN,
+        snat_port_max: proxy_common::SNAT_PORT_MAX,
+        flags: if localhost_nodeports {
+            node_config_flags::LOCALHOST_NODEPORTS
+        } else {
+            0
+        },
+    }
+}
+
+/// The `CLUSTER_CIDRS` entry of a pod CIDR.
+pub fn cluster_cidr(cidr: &Cidr) -> ClusterCidrEntry {
+    (
+        cidr.prefix128(),
+        ClusterCidrKey {
+            addr_be: addr_words(cidr.ip),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests;

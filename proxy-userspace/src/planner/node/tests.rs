@@ -1,0 +1,275 @@
+use std::net::Ipv4Addr;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::planner::StoredState;
+
+/// A store that can be told to fail its n-th write, and that checks after
+/// every write that the addresses and CIDRs named in `keep` are present.
+#[derive(Default)]
+struct CheckingStore {
+    state: StoredState,
+    fail_at: Option<usize>,
+    writes: usize,
+    keep: NodeState,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("injected failure")]
+struct Injected;
+
+impl MapStore for CheckingStore {
+    type Error = Injected;
+    fn apply(&mut self, op: &MapOp) -> Result<(), Injected> {
+        if self.fail_at == Some(self.writes) {
+            self.fail_at = None;
+            return Err(Injected);
+        }
+        self.writes += 1;
+        let _ = self.state.apply(op);
+        for key in self.keep.addrs.keys() {
+            assert!(
+                self.state.node.addrs.contains_key(key),
+                "after `{op}` node address {:?} is missing, though both the old and the new state have it",
+                key
+            );
+        }
+        for entry in &self.keep.cluster_cidrs {
+            assert!(
+                self.state.node.cluster_cidrs.contains(entry),
+                "after `{op}` cluster CIDR {entry:?} is missing, though both states have it"
+            );
+        }
+        Ok(())
+    }
+}
+
+fn ip(last: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 0, 0, last)
+}
+
+fn cidr(s: &str) -> Cidr {
+    Cidr::parse(s).unwrap()
+}
+
+fn desired(addrs: &[u8], nodeports: &[&str], cidrs: &[&str], udp_s: u64) -> DesiredNode {
+    let cidrs: Vec<Cidr> = cidrs.iter().map(|c| cidr(c)).collect();
+    let timeouts = CtTimeouts {
+        udp_ns: udp_s * 1_000_000_000,
+        ..CtTimeouts::DEFAULT
+    };
+    let mut d = DesiredNode::new(timeouts, &cidrs);
+    let addrs: Vec<Ipv4Addr> = addrs.iter().map(|a| ip(*a)).collect();
+    let nodeports: Vec<Cidr> = nodeports.iter().map(|c| cidr(c)).collect();
+    d.set_interfaces(&addrs, &nodeports, addrs.first().copied(), true);
+    d
+}
+
+/// The state `desired` describes, with `base`'s entries where it leaves a map alone.
+fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
+    NodeState {
+        addrs: d.addrs.clone().unwrap_or_else(|| base.addrs.clone()),
+        config: d.config.unwrap_or(base.config),
+        ct_timeouts: d.ct_timeouts,
+        cluster_cidrs: d.cluster_cidrs.clone(),
+    }
+}
+
+#[test]
+fn a_sync_writes_the_desired_state_and_then_nothing() {
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    // 30 s: not the default timeouts a never-written planner starts from.
+    let want = desired(&[1, 2], &[], &["10.244.0.0/16"], 30);
+    let outcome = planner.sync(&want, &mut store);
+    assert!(outcome.failed.is_none());
+    // Timeouts, one CIDR, two addresses, the config.
+    assert_eq!(outcome.ops, 5, "ops of a first sync");
+    assert_eq!(store.state.node, expected(&NodeState::default(), &want));
+    assert_eq!(planner.applied(), &store.state.node);
+    assert!(planner.in_sync(&want));
+    let again = planner.sync(&want, &mut store);
+    assert_eq!(again.ops, 0, "an unchanged state writes nothing");
+}
+
+#[test]
+fn puts_come_before_deletes_so_what_stays_is_never_missing() {
+    let before = desired(&[1, 2, 3], &[], &["10.244.0.0/16", "10.245.0.0/16"], 60);
+    let after = desired(
+        &[2, 3, 4],
+        &["10.0.0.3/32"],
+        &["10.245.0.0/16", "10.246.0.0/16"],
+        30,
+    );
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    planner.sync(&before, &mut store);
+    store.keep = NodeState {
+        addrs: node_addrs(&[ip(2), ip(3)], &[]),
+        cluster_cidrs: [cluster_cidr(&cidr("10.245.0.0/16"))].into(),
+        ..Default::default()
+    };
+    let plan = planner.plan(&after);
+    let first_delete = plan
+        .iter()
+        .position(MapOp::is_delete)
+        .expect("stale entries go");
+    assert!(
+        plan[first_delete..].iter().all(MapOp::is_delete),
+        "a put after a delete: {plan:?}"
+    );
+    let outcome = planner.sync(&after, &mut store);
+    assert!(outcome.failed.is_none());
+    assert_eq!(store.state.node, expected(&NodeState::default(), &after));
+    // 10.0.0.2 changes its flags (no NodePorts any more) and is rewritten in place.
+    let two = NodeAddrKey {
+        addr_be: addr_words(IpAddr::V4(ip(2))),
+    };
+    assert_eq!(store.state.node.addrs[&two].flags, 0);
+}
+
+#[test]
+fn before_the_interfaces_are_known_the_adopted_addresses_stay() {
+    let adopted = expected(
+        &NodeState::default(),
+        &desired(&[7, 8], &[], &["10.244.0.0/16"], 60),
+    );
+    let mut store = CheckingStore {
+        state: StoredState {
+            node: adopted.clone(),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut planner = NodePlanner::adopt(adopted.clone());
+    let start = DesiredNode::new(CtTimeouts::DEFAULT, &[cidr("10.244.0.0/16")]);
+    let outcome = planner.sync(&start, &mut store);
+    assert!(outcome.failed.is_none());
+    assert_eq!(store.state.node.addrs, adopted.addrs, "node addresses kept");
+    assert_eq!(store.state.node.config, adopted.config, "SNAT kept");
+}
+
+#[test]
+fn a_failed_write_stops_the_sync_and_the_retry_writes_only_the_rest() {
+    let before = desired(&[1, 2, 3], &[], &["10.244.0.0/16"], 60);
+    let after = desired(&[3, 4, 5], &[], &["10.246.0.0/16"], 30);
+    for fail_at in 0..9 {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        planner.sync(&before, &mut store);
+        let planned = planner.plan(&after).len();
+        store.fail_at = Some(store.writes + fail_at);
+        let first = planner.sync(&after, &mut store);
+        if fail_at >= planned {
+            assert!(first.failed.is_none());
+            continue;
+        }
+        let (op, _) = first.failed.as_ref().expect("the injected failure");
+        assert_eq!(first.ops, fail_at, "writes before the failed `{op}`");
+        assert_eq!(
+            planner.applied(),
+            &store.state.node,
+            "the record follows what landed"
+        );
+        let retry = planner.sync(&after, &mut store);
+        assert!(retry.failed.is_none());
+        assert_eq!(
+            retry.ops,
+            planned - fail_at,
+            "the retry rewrote what had landed"
+        );
+        assert_eq!(store.state.node, expected(&NodeState::default(), &after));
+    }
+}
+
+#[test]
+fn nodeport_addresses_pick_which_node_addresses_serve_node_ports() {
+    let addrs: Vec<Ipv4Addr> = ["192.168.50.1", "10.244.0.1"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let flags = |cidrs: &[&str]| -> Vec<u32> {
+        let cidrs: Vec<Cidr> = cidrs.iter().map(|c| cidr(c)).collect();
+        node_addrs(&addrs, &cidrs)
+            .values()
+            .map(|v| v.flags)
+            .collect()
+    };
+    let np = node_addr_flags::NODEPORT;
+    // Map order is by address: 10.244.0.1, then 192.168.50.1.
+    assert_eq!(
+        flags(&[]),
+        [np, np],
+        "no --nodeport-addresses: every address"
+    );
+    assert_eq!(flags(&["192.168.0.0/16"]), [0, np]);
+    assert_eq!(
+        flags(&["172.16.0.0/12"]),
+        [0, 0],
+        "still node addresses, no NodePorts"
+    );
+}
+
+#[test]
+fn one_address_encoding_for_every_node_map() {
+    let config = node_config(Some(ip(9)), false);
+    let addrs = node_addrs(&[ip(9)], &[]);
+    let key = addrs.keys().next().unwrap();
+    assert_eq!(config.snat_addr_be, key.addr_be);
+    assert_eq!(
+        config.snat_addr_be,
+        proxy_common::v4_mapped(u32::from_ne_bytes(ip(9).octets())),
+        "IPv4-mapped, network byte order"
+    );
+    let (prefix, cidr_key) = cluster_cidr(&cidr("10.0.0.0/8"));
+    assert_eq!(prefix, 96 + 8);
+    assert_eq!(cidr_key.addr_be[..3], key.addr_be[..3], "the same mapping");
+}
+
+fn arb_desired() -> impl Strategy<Value = DesiredNode> {
+    (
+        proptest::collection::btree_set(1u8..8, 0..5),
+        proptest::collection::btree_set(0u8..4, 0..3),
+        prop_oneof![Just(30u64), Just(60)],
+        any::<bool>(),
+    )
+        .prop_map(|(addrs, cidrs, udp, known)| {
+            let cidrs: Vec<String> = cidrs
+                .iter()
+                .map(|c| format!("10.{}.0.0/16", 240 + c))
+                .collect();
+            let cidrs: Vec<&str> = cidrs.iter().map(String::as_str).collect();
+            let addrs: Vec<u8> = addrs.into_iter().collect();
+            let mut d = desired(&addrs, &["10.0.0.0/30"], &cidrs, udp);
+            if !known {
+                d.addrs = None;
+                d.config = None;
+            }
+            d
+        })
+}
+
+proptest! {
+    /// Any sequence of desired states, with a failure injected anywhere,
+    /// ends, after retries, with the maps holding the last one.
+    #[test]
+    fn any_sequence_with_failures_converges(
+        steps in proptest::collection::vec((arb_desired(), proptest::option::of(0usize..6)), 1..8)
+    ) {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        let mut base = NodeState::default();
+        for (want, fail) in &steps {
+            store.fail_at = fail.map(|f| store.writes + f);
+            let mut tries = 0;
+            while planner.sync(want, &mut store).failed.is_some() {
+                tries += 1;
+                prop_assert!(tries < 3, "a single injected failure needs one retry");
+            }
+            base = expected(&base, want);
+            prop_assert_eq!(&store.state.node, &base);
+            prop_assert_eq!(planner.applied(), &base);
+        }
+    }
+}

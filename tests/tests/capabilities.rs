@@ -7,7 +7,7 @@
 
 mod daemonset;
 
-use std::{net::Ipv4Addr, net::SocketAddrV4, time::Duration};
+use std::{net::Ipv4Addr, time::Duration};
 
 use ebpf_proxy_tests::{
     Protocol,
@@ -16,13 +16,13 @@ use ebpf_proxy_tests::{
     manifest::{ManifestDir, Service},
     require_root,
     servers::TcpServer,
-    topology::Topology,
+    topology::{
+        Topology,
+        one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, VIP},
+    },
 };
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKEND: (&str, Ipv4Addr) = ("backend", Ipv4Addr::new(10, 200, 0, 11));
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const TCP_PORT: u16 = 8080;
+const BACKEND: (&str, Ipv4Addr) = BACKENDS[0];
 const TIMEOUT: Duration = Duration::from_secs(2);
 
 /// setpriv's spelling of a manifest's capability (`NET_ADMIN` -> `net_admin`).
@@ -64,7 +64,7 @@ fn fixture() -> Fixture {
         .write(
             "web.yaml",
             &Service::new("test", "web", CLUSTER_IP)
-                .port("http", 80, Protocol::Tcp, TCP_PORT)
+                .port("http", VIP.port(), Protocol::Tcp, TCP_PORT)
                 .yaml(Some(&[BACKEND.1])),
         )
         .expect("write manifest");
@@ -113,13 +113,7 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
         want,
         "the agent runs with exactly {caps:?} (CapEff {eff})"
     );
-    let tally = tcp_tally(
-        &fx.topology.pod(CLIENT.0).ns,
-        SocketAddrV4::new(CLUSTER_IP, 80),
-        20,
-        TIMEOUT,
-    )
-    .expect("connections");
+    let tally = tcp_tally(&fx.topology.pod(CLIENT.0).ns, VIP, 20, TIMEOUT).expect("connections");
     assert!(
         tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [20],
         "with {caps:?} every connection to the ClusterIP is served by {}: {tally:?}",

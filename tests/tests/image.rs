@@ -32,21 +32,15 @@ use ebpf_proxy_tests::{
     netns::{NetNs, command_in, unique_stem},
     require_root, run_cmd,
     sandbox::Sandbox,
+    topology::one_node::{self, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP},
 };
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
     core::v1::{Container, HTTPGetAction, Probe},
 };
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 2] = [
-    ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-    ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-];
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
-const CLUSTER_IP: &str = "10.96.0.10";
-const VIP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+/// Two of the one-node world's backends.
+const BACKENDS: [(&str, Ipv4Addr); 2] = [one_node::BACKENDS[0], one_node::BACKENDS[1]];
 const TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECTIONS: usize = 40;
 /// Where the DaemonSet mounts the host's bpffs, and the host's cgroup root.
@@ -387,7 +381,7 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     let node_name = node_ns.name().to_owned();
     let (_runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, None));
-    server.apply(service("test", "web", CLUSTER_IP));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
     let ips: Vec<String> = BACKENDS.iter().map(|b| b.1.to_string()).collect();
     let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
     server.apply(slice("test", "web-1", "web", &node_name, &ips));

@@ -1,6 +1,7 @@
 //! `--config FILE`: kube-proxy's `KubeProxyConfiguration`
 //! (`kubeproxy.config.k8s.io/v1alpha1`), as kubeadm stores it in the
-//! `kube-proxy` ConfigMap, so that the same file configures this agent.
+//! `kube-proxy` ConfigMap, so that the same file configures this agent
+//! (docs/kube-proxy-semantics.md, "Configuration file").
 //!
 //! Every field kube-proxy knows is accepted. Those that map onto a flag of
 //! `ebpf-proxy run` set it, unless that flag (or the environment variable

@@ -19,6 +19,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod iptables;
 pub mod manifest;
+pub mod manifest_check;
 pub mod netns;
 pub mod nftables;
 pub mod sandbox;

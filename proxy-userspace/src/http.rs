@@ -509,7 +509,7 @@ mod tests {
         Node {
             metadata: ObjectMeta {
                 name: Some("node-a".into()),
-                deletion_timestamp: deleting.then(|| Time(Timestamp::UNIX_EPOCH)),
+                deletion_timestamp: deleting.then_some(Time(Timestamp::UNIX_EPOCH)),
                 ..Default::default()
             },
             spec: Some(NodeSpec {

@@ -51,6 +51,11 @@ pub struct PinArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub pins: PinArgs,
+    /// kube-proxy's configuration file (a KubeProxyConfiguration, as
+    /// kubeadm keeps it in the `kube-proxy` ConfigMap): its fields set the
+    /// flags they correspond to; flags given here override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Read Services, EndpointSlices and Nodes from this YAML file or
     /// directory (as `kubectl get -o yaml` prints them) and follow its
     /// changes, instead of watching the Kubernetes API.

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod config;
 pub mod datapath;
 pub mod healthcheck;
 pub mod http;

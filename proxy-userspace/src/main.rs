@@ -1,8 +1,9 @@
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use proxy_userspace::{
     agent::{self, AgentConfig, SourceConfig},
     cli::{Cli, Command},
+    config,
     datapath::{self, PinLayout},
     logging,
     model::ModelConfig,
@@ -15,8 +16,16 @@ fn main() -> anyhow::Result<()> {
     // that listing's freed memory resident several times over.
     // SAFETY: called before any thread exists.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let merged = match &mut cli.command {
+        Command::Run(args) => config::merge(args, &mut cli.log_format, &matches)?,
+        _ => None,
+    };
     logging::init(cli.log_format)?;
+    if let Some(merged) = merged {
+        merged.log();
+    }
     match cli.command {
         Command::Run(args) => {
             privileges::check()?;

@@ -57,6 +57,9 @@ struct StoredSlice {
 #[derive(Debug)]
 pub struct ClusterState {
     node: NodeInfo,
+    /// Whether our Node, as last seen, takes traffic (kube-proxy's
+    /// `nodeEligible`); true until it is seen.
+    node_eligible: bool,
     services: BTreeMap<ObjectKey, Service>,
     slices: HashMap<ObjectKey, StoredSlice>,
     /// Service key → keys of its slices, sorted so the model sees them in a
@@ -73,6 +76,7 @@ impl ClusterState {
                 name: node_name.into(),
                 zone: None,
             },
+            node_eligible: true,
             services: BTreeMap::new(),
             slices: HashMap::new(),
             slices_by_service: HashMap::new(),
@@ -112,6 +116,12 @@ impl ClusterState {
 
     pub fn node(&self) -> &NodeInfo {
         &self.node
+    }
+
+    /// Our Node is neither being deleted nor tainted for deletion, as last
+    /// seen. A Node that is gone keeps its last answer, as kube-proxy's does.
+    pub fn node_eligible(&self) -> bool {
+        self.node_eligible
     }
 
     pub fn service_count(&self) -> usize {
@@ -305,6 +315,7 @@ impl ClusterState {
         if node.metadata.name.as_deref() != Some(self.node.name.as_str()) {
             return;
         }
+        self.node_eligible = crate::http::node_eligible(node);
         let zone = node
             .metadata
             .labels

@@ -163,6 +163,14 @@ impl Agent {
         Self::spawn(node, &source, extra_args, bpf_root)
     }
 
+    /// [`Agent::start_with`] on a kube-proxy configuration file (`--config
+    /// FILE`), which names the API server through its kubeconfig.
+    pub fn start_with_config(node: &NetNs, config: &Path, extra_args: &[&str]) -> Result<Agent> {
+        let bpf_root = PathBuf::from(format!("{BPF_ROOT_PREFIX}{}", unique_stem()));
+        let source = [OsStr::new("--config"), config.as_os_str()];
+        Self::spawn(node, &source, extra_args, bpf_root)
+    }
+
     fn spawn(
         node: &NetNs,
         source: &[&OsStr],

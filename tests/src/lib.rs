@@ -20,6 +20,7 @@ pub mod fuzz;
 pub mod image;
 pub mod iptables;
 pub mod manifest;
+pub mod manifest_check;
 pub mod netns;
 pub mod nftables;
 pub mod sandbox;

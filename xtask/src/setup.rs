@@ -4,7 +4,10 @@
 use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
-use ebpf_proxy_tests::require_root;
+use ebpf_proxy_tests::{
+    manifest_check::{KUBERNETES_VALIDATE, KUBERNETES_VALIDATE_VENV, KUBERNETES_VALIDATE_VERSION},
+    require_root,
+};
 
 use crate::run_status;
 
@@ -12,8 +15,9 @@ use crate::run_status;
 /// bpftool inspects maps; iproute2, iptables and nftables build and check the test
 /// sandboxes (iptables for kube-proxy's reference rules); ethtool sets the checksum
 /// offload and GRO of the two-node sandbox's veths; prometheus brings `promtool`,
-/// which checks the agent's metrics exposition; the image's tools are listed
-/// with them.
+/// which checks the agent's metrics exposition; python3-venv holds the pinned
+/// `kubernetes-validate` that checks the manifests in deploy/; the image's tools
+/// are listed with them.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -38,6 +42,7 @@ const APT_PACKAGES: &[&str] = &[
     "runc",
     "skopeo",
     "util-linux",
+    "python3-venv",
 ];
 
 const BPF_LINKER: &str = "bpf-linker@0.10.0";
@@ -53,8 +58,9 @@ pub fn run() -> Result<()> {
         .collect();
     let linker_missing = !bpf_linker_works();
     let bpffs_missing = !bpffs_mounted()?;
-    if missing_debs.is_empty() && !linker_missing && !bpffs_missing {
-        println!("setup: Debian packages, bpf-linker and bpffs are in place");
+    let validator_missing = !Path::new(KUBERNETES_VALIDATE).is_file();
+    if missing_debs.is_empty() && !linker_missing && !bpffs_missing && !validator_missing {
+        println!("setup: Debian packages, bpf-linker, kubernetes-validate and bpffs are in place");
         return Ok(());
     }
     let mut todo = Vec::new();
@@ -66,6 +72,11 @@ pub fn run() -> Result<()> {
     }
     if bpffs_missing {
         todo.push(format!("a bpffs mount on {BPFFS}"));
+    }
+    if validator_missing {
+        todo.push(format!(
+            "kubernetes-validate {KUBERNETES_VALIDATE_VERSION} in {KUBERNETES_VALIDATE_VENV}"
+        ));
     }
     require_root().with_context(|| {
         format!(
@@ -89,6 +100,23 @@ pub fn run() -> Result<()> {
     if linker_missing {
         println!("setup: installing {BPF_LINKER} (about a minute and a half)");
         run_status(crate::cargo().args(["install", BPF_LINKER, "--locked"]))?;
+    }
+    if validator_missing {
+        println!(
+            "setup: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} (PyPI) into {KUBERNETES_VALIDATE_VENV}"
+        );
+        run_status(Command::new(crate::DEBIAN_PYTHON).args([
+            "-m",
+            "venv",
+            KUBERNETES_VALIDATE_VENV,
+        ]))?;
+        run_status(
+            Command::new(format!("{KUBERNETES_VALIDATE_VENV}/bin/pip"))
+                .args(["install", "--quiet"])
+                .arg(format!(
+                    "kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"
+                )),
+        )?;
     }
     if bpffs_missing {
         println!("setup: mounting bpffs on {BPFFS}");

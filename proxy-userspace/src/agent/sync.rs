@@ -189,6 +189,12 @@ impl SyncLoop {
         };
         let (kind, triggers) = Trigger::of(&event);
         let changes = state.apply(event);
+        if self.health.set_node_eligible(state.node_eligible()) {
+            info!(
+                node_eligible = state.node_eligible(),
+                "this node's eligibility for traffic changed (/healthz)"
+            );
+        }
         self.metrics.queued(kind, &changes.services);
         self.metrics.triggered(triggers, &changes.services);
         // The first sync also removes what no Service claims, so the last

@@ -1,0 +1,364 @@
+use clap::CommandFactory;
+
+use super::*;
+use crate::cli::{Cli, Command};
+
+/// `kubeadm config print init-defaults --component-configs
+/// KubeProxyConfiguration`, the KubeProxyConfiguration document (kubeadm
+/// 1.32): what the `kube-proxy` ConfigMap's `config.conf` holds on a
+/// kubeadm cluster whose ClusterConfiguration sets nothing for the proxy.
+const KUBEADM_DEFAULTS: &str = include_str!("testdata/kubeadm-init-defaults.yaml");
+
+fn parsed(text: &str) -> FileConfig {
+    parse(text, "test.yaml").unwrap_or_else(|e| panic!("{e}\nin:\n{text}"))
+}
+
+fn refused(text: &str) -> String {
+    match parse(text, "test.yaml") {
+        Ok(config) => panic!("accepted, as {config:?}:\n{text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// kubeadm's defaults with `edit` applied: each (field, value) replaces the
+/// line of that field (top level or two-space indented), `+` lines are added.
+fn kubeadm_with(edits: &[(&str, &str)]) -> String {
+    // A newline first, so that every field's line starts with one.
+    let mut text = format!("\n{KUBEADM_DEFAULTS}");
+    for (field, value) in edits {
+        if let Some(line) = field.strip_prefix('+') {
+            text.push_str(line);
+            text.push('\n');
+            continue;
+        }
+        let (from, indent, name) = match field.split_once('.') {
+            Some((block, name)) => {
+                let block_start = text
+                    .find(&format!("\n{block}:\n"))
+                    .unwrap_or_else(|| panic!("no block {block}"));
+                (block_start, "  ", name)
+            }
+            None => (0, "", *field),
+        };
+        let prefix = format!("\n{indent}{name}: ");
+        let start = from
+            + text[from..]
+                .find(&prefix)
+                .unwrap_or_else(|| panic!("no field {field} in kubeadm's defaults"));
+        let end = start + 1 + text[start + 1..].find('\n').expect("line end");
+        text.replace_range(start..end, &format!("{prefix}{value}"));
+    }
+    text
+}
+
+#[test]
+fn kubeadms_default_configuration_asks_only_for_its_kubeconfig() {
+    let config = parsed(KUBEADM_DEFAULTS);
+    assert_eq!(
+        config.settings,
+        Settings {
+            kubeconfig: Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")),
+            ..Settings::default()
+        },
+        "every other field is kube-proxy's default (0.0.0.0 binds nothing in particular)"
+    );
+    assert_eq!(
+        config.ignored,
+        Vec::<Ignored>::new(),
+        "zero values ask for nothing, so nothing is warned about"
+    );
+}
+
+#[test]
+fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
+    let text = kubeadm_with(&[
+        ("clusterCIDR", "10.244.0.0/16,fd00:10:244::/56"),
+        ("metricsBindAddress", "0.0.0.0:10249"),
+        ("healthzBindAddress", "127.0.0.1"),
+        ("bindAddress", "192.168.1.10"),
+        ("hostnameOverride", " Worker-1 "),
+        ("nodePortAddresses", "[10.0.0.0/8, localhost]"),
+        ("conntrack.maxPerCore", "0"),
+        ("conntrack.min", "200000"),
+        ("conntrack.tcpEstablishedTimeout", "24h0m0s"),
+        ("conntrack.tcpCloseWaitTimeout", "1h0m0s"),
+        ("conntrack.udpTimeout", "30s"),
+        ("iptables.syncPeriod", "1m30s"),
+        ("iptables.minSyncPeriod", "1s"),
+        ("iptables.localhostNodePorts", "false"),
+        ("detectLocalMode", "ClusterCIDR"),
+        ("bindAddressHardFail", "true"),
+    ]);
+    let config = parsed(&text);
+    let cidrs = |list: &[&str]| Some(list.iter().map(|c| Cidr::parse(c).unwrap()).collect());
+    assert_eq!(
+        config.settings,
+        Settings {
+            cluster_cidr: cidrs(&["10.244.0.0/16", "fd00:10:244::/56"]),
+            nodeport_addresses: cidrs(&["10.0.0.0/8", "127.0.0.0/8", "::1/128"]),
+            conntrack_max: None,
+            conntrack_tcp_timeout_established: Some(Duration::from_secs(24 * 3600)),
+            conntrack_tcp_timeout_close_wait: Some(Duration::from_secs(3600)),
+            conntrack_udp_timeout: Some(Duration::from_secs(30)),
+            node_ip: Some(Ipv4Addr::new(192, 168, 1, 10)),
+            healthz_bind_address: Some("127.0.0.1:10256".parse().unwrap()),
+            metrics_bind_address: Some(Some("0.0.0.0:10249".parse().unwrap())),
+            kubeconfig: Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")),
+            node_name: Some("worker-1".into()),
+            min_sync_period: Some(Duration::from_secs(1)),
+            sync_period: Some(Duration::from_secs(90)),
+            localhost_nodeports: Some(false),
+            log_format: None,
+        },
+        "maxPerCore 0 leaves the table size alone, as kube-proxy does"
+    );
+    assert_eq!(config.ignored, Vec::<Ignored>::new());
+}
+
+#[test]
+fn conntrack_size_is_kube_proxys_per_core_rule() {
+    let cpus = std::thread::available_parallelism().unwrap().get() as u32;
+    let size = |per_core: &str, min: &str| {
+        parsed(&kubeadm_with(&[
+            ("conntrack.maxPerCore", per_core),
+            ("conntrack.min", min),
+        ]))
+        .settings
+        .conntrack_max
+    };
+    assert_eq!(size("null", "null"), None, "unset: the flag's default");
+    assert_eq!(size("65536", "1024"), Some(65536 * cpus));
+    assert_eq!(
+        size("1", "131072"),
+        Some(131_072),
+        "min wins over a small per-core value"
+    );
+    assert_eq!(
+        size("null", "1024"),
+        Some(32_768 * cpus),
+        "maxPerCore defaults to kube-proxy's 32768"
+    );
+    let error = refused(&kubeadm_with(&[("conntrack.maxPerCore", "-1")]));
+    assert!(error.contains("conntrack.maxPerCore"), "{error}");
+    let error = refused(&kubeadm_with(&[("conntrack.min", "2000000000")]));
+    assert!(
+        error.contains("conntrack.maxPerCore") && error.contains("1073741824"),
+        "too large a table: {error}"
+    );
+}
+
+#[test]
+fn fields_that_do_not_apply_are_warned_about_once_each_when_set() {
+    let text = kubeadm_with(&[
+        ("mode", "ipvs"),
+        ("ipvs.strictARP", "true"),
+        ("ipvs.syncPeriod", "45s"),
+        ("iptables.masqueradeAll", "true"),
+        ("iptables.syncPeriod", "10s"),
+        ("clientConnection.qps", "50"),
+        ("oomScoreAdj", "-999"),
+        ("conntrack.udpStreamTimeout", "300s"),
+        ("+featureGates: {Foo: true, Bar: false}", ""),
+    ]);
+    let config = parsed(&text);
+    let fields: Vec<&str> = config.ignored.iter().map(|i| i.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "clientConnection.qps",
+            "conntrack.udpStreamTimeout",
+            "iptables.masqueradeAll",
+            "iptables.syncPeriod",
+            "ipvs.strictARP",
+            "mode",
+            "oomScoreAdj",
+            "featureGates.Foo",
+        ],
+        "each set field that does not apply, once (ipvs.syncPeriod applies in ipvs mode)"
+    );
+    assert_eq!(config.settings.sync_period, Some(Duration::from_secs(45)));
+    let mode = &config.ignored[5];
+    assert_eq!(mode.value, "ipvs");
+    assert!(mode.why.contains("one datapath"), "{mode:?}");
+}
+
+#[test]
+fn an_unknown_field_is_an_error_naming_it() {
+    for (text, field) in [
+        (kubeadm_with(&[("+fooBar: 1", "")]), "fooBar"),
+        (
+            kubeadm_with(&[("+  maxPerCor: 1", "")]),
+            "winkernel.maxPerCor",
+        ),
+        (
+            KUBEADM_DEFAULTS.replace("  maxPerCore: null", "  maxPerCor: 1"),
+            "conntrack.maxPerCor",
+        ),
+        (
+            KUBEADM_DEFAULTS.replace("clusterCIDR", "clusterCidr"),
+            "clusterCidr",
+        ),
+    ] {
+        let error = refused(&text);
+        assert!(
+            error.starts_with(&format!("test.yaml: {field}: unknown field")),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+fn an_invalid_value_is_an_error_naming_its_field() {
+    for (edit, field) in [
+        (("clusterCIDR", "10.0.0.0/33"), "clusterCIDR"),
+        (("nodePortAddresses", "[primary]"), "nodePortAddresses"),
+        (("nodePortAddresses", "[10.0.0.0]"), "nodePortAddresses"),
+        (
+            ("conntrack.tcpEstablishedTimeout", "1d"),
+            "conntrack.tcpEstablishedTimeout",
+        ),
+        (("conntrack.udpTimeout", "-5s"), "conntrack.udpTimeout"),
+        (("iptables.masqueradeBit", "lots"), "iptables.masqueradeBit"),
+        (("ipvs.tcpTimeout", "5 minutes"), "ipvs.tcpTimeout"),
+        (("bindAddress", "node-1"), "bindAddress"),
+        (("bindAddress", "fd00::1"), "bindAddress"),
+        (
+            ("healthzBindAddress", "localhost:10256"),
+            "healthzBindAddress",
+        ),
+        (
+            ("metricsBindAddress", "0.0.0.0:99999"),
+            "metricsBindAddress",
+        ),
+        (("detectLocalMode", "NodeCIDR"), "detectLocalMode"),
+        (("mode", "userspace"), "mode"),
+        (
+            ("apiVersion", "kubeproxy.config.k8s.io/v1beta1"),
+            "apiVersion",
+        ),
+        (("kind", "KubeletConfiguration"), "kind"),
+        (("enableProfiling", "maybe"), "enableProfiling"),
+    ] {
+        let error = refused(&kubeadm_with(&[edit]));
+        assert!(
+            error.starts_with(&format!("test.yaml: {field}: ")),
+            "{edit:?}: {error}"
+        );
+    }
+    for (text, what) in [
+        ("", "empty"),
+        ("- a list", "a list"),
+        ("kind: [unclosed", "not YAML"),
+    ] {
+        let error = refused(text);
+        assert!(error.contains(what), "{text:?}: {error}");
+    }
+}
+
+#[test]
+fn go_durations_parse_as_go_does() {
+    for (text, want) in [
+        ("0", Duration::ZERO),
+        ("0s", Duration::ZERO),
+        ("1h0m0s", Duration::from_secs(3600)),
+        ("24h0m0s", Duration::from_secs(86_400)),
+        ("1m30s", Duration::from_secs(90)),
+        ("250ms", Duration::from_millis(250)),
+        ("1.5h", Duration::from_secs(5400)),
+        ("300us", Duration::from_micros(300)),
+        ("300µs", Duration::from_micros(300)),
+        ("10ns", Duration::from_nanos(10)),
+        ("2h45m", Duration::from_secs(9900)),
+    ] {
+        assert_eq!(parse_go_duration(text), Ok(want), "{text:?}");
+    }
+    for bad in [
+        "",
+        "5",
+        "1d",
+        "s",
+        "1..5s",
+        ".s",
+        "-1s",
+        "1h-5m",
+        "9999999999h",
+    ] {
+        assert!(parse_go_duration(bad).is_err(), "{bad:?} was accepted");
+    }
+}
+
+fn run_args(argv: &[&str]) -> (RunArgs, LogFormat, ArgMatches) {
+    let matches = Cli::command()
+        .try_get_matches_from(["ebpf-proxy", "run"].iter().chain(argv))
+        .expect("arguments");
+    let cli = Cli::from_arg_matches(&matches).expect("arguments");
+    match cli.command {
+        Command::Run(run) => (*run, cli.log_format, matches),
+        other => panic!("not a run command: {other:?}"),
+    }
+}
+
+use clap::FromArgMatches;
+
+#[test]
+fn flags_override_the_file_and_the_file_overrides_defaults() {
+    let dir = std::env::temp_dir().join(format!("ebpf-proxy-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.conf");
+    std::fs::write(
+        &file,
+        kubeadm_with(&[
+            ("clusterCIDR", "10.244.0.0/16"),
+            ("metricsBindAddress", "0.0.0.0:10249"),
+            ("healthzBindAddress", "127.0.0.1:10266"),
+            ("iptables.syncPeriod", "45s"),
+            ("logging.flushFrequency", "0\n  format: json"),
+        ]),
+    )
+    .unwrap();
+    let path = file.to_str().unwrap();
+
+    let (mut run, mut format, matches) = run_args(&[
+        "--config",
+        path,
+        "--cluster-cidr",
+        "10.1.0.0/16",
+        "--sync-period=20s",
+    ]);
+    let merged = merge(&mut run, &mut format, &matches)
+        .expect("merge")
+        .expect("a file");
+    let cidr = |c: &str| Cidr::parse(c).unwrap();
+    assert_eq!(run.cluster_cidr, [cidr("10.1.0.0/16")], "the flag wins");
+    assert_eq!(run.sync_period, Duration::from_secs(20), "the flag wins");
+    assert_eq!(
+        run.metrics_bind_address,
+        Some("0.0.0.0:10249".parse().unwrap()),
+        "the file overrides the default 127.0.0.1:10249"
+    );
+    assert_eq!(run.healthz_bind_address, "127.0.0.1:10266".parse().unwrap());
+    assert_eq!(format, LogFormat::Json, "logging.format sets --log-format");
+    assert_eq!(merged.overridden, ["cluster_cidr", "sync_period"]);
+    if std::env::var_os("KUBECONFIG").is_none() {
+        assert_eq!(
+            run.kubeconfig.as_deref(),
+            Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
+    }
+
+    let (mut run, mut format, matches) = run_args(&["--config", path, "--log-format", "text"]);
+    merge(&mut run, &mut format, &matches).expect("merge");
+    assert_eq!(run.cluster_cidr, [cidr("10.244.0.0/16")], "from the file");
+    assert_eq!(run.sync_period, Duration::from_secs(45), "from the file");
+    assert_eq!(format, LogFormat::Text, "--log-format wins");
+
+    let (mut run, mut format, matches) = run_args(&["--config", "/nonexistent/config.conf"]);
+    let error = merge(&mut run, &mut format, &matches).expect_err("no such file");
+    assert!(
+        error.to_string().contains("/nonexistent/config.conf"),
+        "{error}"
+    );
+    let (mut run, mut format, matches) = run_args(&[]);
+    assert!(merge(&mut run, &mut format, &matches).unwrap().is_none());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -2,10 +2,11 @@
 //! exactly as deploy/daemonset.yaml specifies it: its command and args, its
 //! environment, only the capabilities it adds after dropping ALL, its seccomp
 //! profile and privilege escalation setting, a read-only root filesystem, the
-//! bpffs and host cgroup mounts, and the host network of a test node (the
-//! node's network namespace). The startup probe is polled as the kubelet
-//! would; Services come from the fake API server (tests/apiserver/) through
-//! `--master`, the flag the manifest tells operators to add. A pod's
+//! bpffs and host cgroup mounts, kubeadm's `kube-proxy` ConfigMap (the
+//! example's `config.conf`, and a kubeconfig naming the fake API server in
+//! tests/apiserver/, as a cluster's names its own), and the host network of a
+//! test node (the node's network namespace). The startup probe is polled as
+//! the kubelet would. A pod's
 //! connections through a ClusterIP are served, and keep being served after
 //! `podman rm -f`: the datapath lives in the pins.
 //!
@@ -213,16 +214,48 @@ impl Drop for Running<'_> {
     }
 }
 
-/// The `hostPath` of the pod volume `name`.
+/// Removes a test directory, also when the test fails.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What the pod volume `name` holds: its `hostPath`, or `configMap:NAME`.
 fn host_path(ds: &DaemonSet, name: &str) -> String {
-    ds.spec
+    let volume = ds
+        .spec
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
         .and_then(|p| p.volumes.as_ref())
         .and_then(|v| v.iter().find(|v| v.name == name))
-        .and_then(|v| v.host_path.as_ref())
-        .map(|h| h.path.clone())
-        .unwrap_or_else(|| panic!("the DaemonSet has no hostPath volume {name}"))
+        .unwrap_or_else(|| panic!("the DaemonSet has no volume {name}"));
+    match (&volume.host_path, &volume.config_map) {
+        (Some(h), None) => h.path.clone(),
+        (None, Some(c)) => format!("configMap:{}", c.name),
+        _ => panic!("volume {name} is of a kind this test does not know"),
+    }
+}
+
+/// The `kube-proxy` ConfigMap's files as a cluster would hold them: the
+/// example's `config.conf`, and a `kubeconfig.conf` naming this test's API
+/// server (plain HTTP, no credentials: the loopback server asks for none).
+fn write_kube_proxy_configmap(dir: &Path, server: &str) {
+    let text = fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/kube-proxy-configmap.yaml"),
+    )
+    .expect("the example ConfigMap");
+    let configmap: k8s_openapi::api::core::v1::ConfigMap =
+        serde_yaml::from_str(&text).expect("the example ConfigMap parses");
+    let data = configmap.data.expect("the ConfigMap's data");
+    fs::create_dir_all(dir).expect("the ConfigMap's directory");
+    fs::write(dir.join("config.conf"), &data["config.conf"]).expect("config.conf");
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: default\n  cluster:\n    server: {server}\ncontexts:\n- name: default\n  context:\n    cluster: default\n    user: default\ncurrent-context: default\nusers:\n- name: default\n  user: {{}}\n"
+    );
+    fs::write(dir.join("kubeconfig.conf"), kubeconfig).expect("kubeconfig.conf");
 }
 
 /// `podman run` flags for `container` as the DaemonSet specifies it, on this
@@ -265,7 +298,7 @@ fn podman_flags(
             .iter()
             .find(|(h, _)| *h == host)
             .map(|(_, d)| d.display().to_string())
-            .unwrap_or_else(|| panic!("no test directory stands for the hostPath {host}"));
+            .unwrap_or_else(|| panic!("no test directory stands for the volume {host}"));
         let mut options = vec![if mount.read_only == Some(true) {
             "ro"
         } else {
@@ -427,6 +460,12 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     let cgroup_host = proxy_userspace::datapath::host::default_cgroup_root()
         .expect("this host has a cgroup v2 hierarchy");
 
+    // kubeadm's ConfigMap, which the DaemonSet mounts: the agent's --config
+    // and the API server's address.
+    let configmap_dir = PathBuf::from(format!("/tmp/ebpf-proxy-test-{stem}-kube-proxy"));
+    write_kube_proxy_configmap(&configmap_dir, server.url());
+    let _configmap_cleanup = RemoveOnDrop(configmap_dir.clone());
+
     let name = format!("{stem}-ebpf-proxy");
     let mut run_args = vec![
         "run".to_owned(),
@@ -441,12 +480,11 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
         &[
             (BPFFS_HOST_PATH, &bpffs_dir),
             (CGROUP_HOST_PATH, &cgroup_host),
+            ("configMap:kube-proxy", &configmap_dir),
         ],
     ));
     run_args.push(image_ref.clone());
     run_args.extend(container.args.iter().flatten().cloned());
-    // What the DaemonSet's comment has operators add: the API server's address.
-    run_args.push(format!("--master={}", server.url()));
     let run_args: Vec<&str> = run_args.iter().map(String::as_str).collect();
     eprintln!("podman {}", run_args.join(" "));
     podman.run(&run_args);

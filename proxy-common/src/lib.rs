@@ -37,14 +37,26 @@ pub mod map_names {
     pub const SOCK_NOTES: &str = "SOCK_NOTES";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const CT_NEW: &str = "CT_NEW";
+    /// The datapath log's level (see `datapath_log`).
+    pub const DATAPATH_LOG: &str = "DATAPATH_LOG";
+    /// aya-log's ring buffer of the datapath's log records: pinned, so that
+    /// records written while no agent runs reach the next one.
+    pub const AYA_LOGS: &str = "AYA_LOGS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 4] = [CSUM_STATES, HOST_NETNS, SOCK_COUNTERS, SOCK_NOTES];
+    pub const LATER: [&str; 6] = [
+        CSUM_STATES,
+        HOST_NETNS,
+        SOCK_COUNTERS,
+        SOCK_NOTES,
+        DATAPATH_LOG,
+        AYA_LOGS,
+    ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 22] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -65,7 +77,28 @@ pub mod map_names {
         SOCK_NOTES,
         FRAGMENTS,
         CT_NEW,
+        DATAPATH_LOG,
+        AYA_LOGS,
     ];
+}
+
+/// The datapath's log of rare events (a reject sent, a drop, a full map),
+/// through aya-log: the level the agent writes into `DATAPATH_LOG`, and
+/// the rate limit the datapath keeps on each CPU.
+pub mod datapath_log {
+    /// Nothing is logged: the default, and the value of a map never written.
+    pub const OFF: u32 = 0;
+    /// aya-log's level numbers, so that a record's level and the map's
+    /// compare directly.
+    pub const ERROR: u32 = 1;
+    pub const WARN: u32 = 2;
+    pub const INFO: u32 = 3;
+    pub const DEBUG: u32 = 4;
+    /// Records each CPU may write in one second (a window of
+    /// `WINDOW_NS`); the rest are counted under
+    /// `counter::LOG_RATE_LIMITED`.
+    pub const PER_CPU_PER_WINDOW: u32 = 20;
+    pub const WINDOW_NS: u64 = 1_000_000_000;
 }
 
 /// Program names in the object file.
@@ -816,7 +849,10 @@ pub mod counter {
     /// exceeded, parameter problem), its quoted header and its addresses
     /// translated back as the flow's packets are.
     pub const ICMP_ERROR_TRANSLATED: u32 = 24;
-    pub const COUNT: u32 = 25;
+    /// A datapath log record not written: its CPU had used its share of
+    /// the rate limit (`datapath_log::PER_CPU_PER_WINDOW`).
+    pub const LOG_RATE_LIMITED: u32 = 25;
+    pub const COUNT: u32 = 26;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -846,6 +882,7 @@ pub mod counter {
         "drop_rewrite",
         "drop_reject_failed",
         "icmp_error_translated",
+        "log_rate_limited",
     ];
 }
 

@@ -19,6 +19,7 @@ use proxy_common::{
 };
 
 use crate::{
+    event_log::{self, Event},
     flow_cache,
     maps::{CLOCK, CONNTRACK, CT_NEW, Conntrack, count, ct_timeouts},
     nat::Nat,
@@ -202,6 +203,7 @@ fn promote(key: &CtKey, entry: &CtValue, flow: &Flow, now: u64) -> bool {
     };
     if insert_over(&peer, &reply).is_err() || insert_over(key, &forward).is_err() {
         count(counter::CT_INSERT_FAILED);
+        event_log::log(Event::CtInsertFailed, flow);
         return false;
     }
     // Never copied into the flow cache (`handle` caches assured entries
@@ -392,6 +394,7 @@ pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
         || CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err()
     {
         count(counter::CT_INSERT_FAILED);
+        event_log::log(Event::CtInsertFailed, flow);
     }
     count(counter::CT_NEW_FLOW);
 }
@@ -431,6 +434,7 @@ pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) 
         if !taken {
             if CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err() {
                 count(counter::CT_INSERT_FAILED);
+                event_log::log(Event::CtInsertFailed, flow);
             }
             count(counter::CT_NEW_FLOW);
             return Some(nf.nat.sport_be);

@@ -10,6 +10,7 @@
 
 mod checksum;
 mod conntrack;
+mod event_log;
 mod flow_cache;
 mod frag;
 mod hook;
@@ -29,6 +30,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
+use event_log::Event;
 use proxy_common::PROTO_TCP;
 use service::Action;
 
@@ -45,10 +47,17 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
             } else {
                 reject::icmp_port_unreachable(&ctx, &flow)
             };
-            rejected.unwrap_or_else(|_| {
-                maps::count(proxy_common::counter::DROP_REJECT_FAILED);
-                TC_ACT_SHOT
-            })
+            match rejected {
+                Ok(verdict) => {
+                    event_log::log(Event::Reject, &flow);
+                    verdict
+                }
+                Err(_) => {
+                    maps::count(proxy_common::counter::DROP_REJECT_FAILED);
+                    event_log::log(Event::RejectFailed, &flow);
+                    TC_ACT_SHOT
+                }
+            }
         }
         Action::Redirect(flow, nat) => {
             route::redirect_tc(&ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)

@@ -94,6 +94,11 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as us
 pub static CLUSTER_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_CLUSTER_CIDRS as usize }> =
     LpmTrie::new();
 
+/// The datapath log's level (see `crate::event_log`); off until the agent
+/// writes it.
+#[btf_map]
+pub static DATAPATH_LOG: Array<u32, 1> = Array::new();
+
 #[btf_map]
 pub static COUNTERS: PerCpuArray<u64, { counter::SLOTS as usize }> = PerCpuArray::new();
 

@@ -83,7 +83,12 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     let doff: u8 = ctx.load(l4 + 12)?;
     let tcp_len = ((doff >> 4) as usize) * 4;
     let tot_len_be: u16 = ctx.load(ETH_HLEN + 2)?;
-    if flow.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
+    // Read where it is used: hoisted into code `tc_ingress` shares with
+    // other actions, it would read a register those never set, which the
+    // verifier refuses.
+    // SAFETY: a reference to an initialised field.
+    let tcp_flags = unsafe { core::ptr::read_volatile(&flow.tcp_flags) };
+    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
         || u16::from_be(tot_len_be) as usize != flow.ihl_bytes + tcp_len
     {
         return Err(0);

@@ -17,7 +17,12 @@ use aya_ebpf::{
 
 use proxy_common::counter;
 
-use crate::{checksum, hook::Hook, maps::count};
+use crate::{
+    checksum,
+    event_log::{self, Event},
+    hook::Hook,
+    maps::count,
+};
 
 const AF_INET: u8 = 2;
 
@@ -76,6 +81,7 @@ pub fn lookup<H: Hook>(
 pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len: u16) -> i32 {
     let no_route = || {
         count(counter::DROP_NO_ROUTE);
+        event_log::log_addrs(Event::NoRoute, proto, src_be, dst_be);
         TC_ACT_SHOT
     };
     let Some(hop) = lookup(ctx, proto, src_be, dst_be, tot_len) else {
@@ -86,6 +92,7 @@ pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len
     let (data, data_end) = (ctx.data(), ctx.data_end());
     if !checksum::decrement_ttl(data, data_end) {
         count(counter::DROP_TTL);
+        event_log::log_addrs(Event::Ttl, proto, src_be, dst_be);
         return TC_ACT_SHOT;
     }
     if hop.resolved {

@@ -9,6 +9,7 @@ use proxy_common::{
 use crate::{
     checksum,
     conntrack::{self, NewFlow},
+    event_log::{self, Event},
     flow_cache, frag,
     hook::Hook,
     lb,
@@ -51,6 +52,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be)) = frag::ports(&flow, now) else {
             count(counter::FRAG_UNTRACKED);
+            event_log::log(Event::FragUntracked, &flow);
             return Action::Pass;
         };
         flow.sport_be = sport_be;
@@ -99,6 +101,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
         count(counter::FRAG_UNTRACKED);
+        event_log::log(Event::FragUntracked, &flow);
         return Action::Pass;
     }
     let Some(frontend) = lb::lookup_frontend(&flow) else {
@@ -131,11 +134,13 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(frontend, flow) {
         count(counter::DROP_SOURCE_RANGE);
+        event_log::log(Event::SourceRange, flow);
         return Action::Drop;
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
+            event_log::log(Event::NoEndpoint, flow);
             return Action::Drop;
         }
         if H::XDP {
@@ -194,6 +199,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
         .is_none()
         {
             count(counter::SNAT_EXHAUSTED);
+            event_log::log(Event::SnatExhausted, flow);
             return Action::Drop;
         }
         count(counter::SNAT_NEW);
@@ -239,6 +245,7 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
         // A rewrite that failed half-way leaves a packet with a wrong
         // checksum: drop it rather than send garbage.
         count(counter::DROP_REWRITE);
+        event_log::log(Event::Rewrite, flow);
         return Action::Drop;
     }
     if !nat.redirect {
@@ -250,9 +257,11 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
             let (data, data_end) = ctx.bounds();
             if !checksum::decrement_ttl(data, data_end) {
                 count(counter::DROP_TTL);
+                event_log::log(Event::Ttl, flow);
                 Action::Drop
             } else if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
                 count(counter::DROP_NO_ROUTE);
+                event_log::log(Event::NoRoute, flow);
                 Action::Drop
             } else {
                 Action::Tx

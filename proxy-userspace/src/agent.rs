@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack,
+        Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
         sock_diag,
@@ -95,6 +95,8 @@ pub struct AgentConfig {
     pub node_ip: Option<Ipv4Addr>,
     /// Where the socket hooks attach (`--cgroup-root`); None: nowhere.
     pub cgroup_root: Option<PathBuf>,
+    /// The datapath's log level (`--datapath-log`).
+    pub datapath_log: event_log::Level,
 }
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
@@ -108,6 +110,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     );
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
+    start_event_log(&mut datapath, config.datapath_log);
     let stored = datapath
         .maps
         .read_service_state()
@@ -222,6 +225,27 @@ async fn start_metrics(
         info!(%addr, "serving metrics at /metrics");
     }
     Ok(metrics)
+}
+
+/// The datapath's log: its level written, its records forwarded into this
+/// log. A failure leaves the datapath serving, without a log of its own.
+fn start_event_log(datapath: &mut Datapath, level: event_log::Level) {
+    let logger = match datapath.event_logger() {
+        Ok(logger) => logger,
+        Err(e) => {
+            error!(error = %e, "the datapath's log records cannot be read: its log is turned off");
+            if let Err(e) = event_log::set_level(datapath.pins(), event_log::Level::Off) {
+                warn!(error = %e, "turning the datapath's log off");
+            }
+            return;
+        }
+    };
+    let pins = datapath.pins().clone();
+    tokio::spawn(async move {
+        if let Err(e) = event_log::run(pins, level, logger).await {
+            error!(error = %e, "the datapath's log records are no longer read");
+        }
+    });
 }
 
 /// The node's own connections to Services go through the socket hooks:

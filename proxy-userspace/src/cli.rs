@@ -9,7 +9,7 @@ use std::{
 use clap::{Args, Parser, Subcommand};
 
 use crate::{
-    datapath::{XdpModeSetting, pins::DEFAULT_BPF_ROOT},
+    datapath::{XdpModeSetting, event_log::Level as DatapathLogLevel, pins::DEFAULT_BPF_ROOT},
     logging::LogFormat,
     model::Cidr,
 };
@@ -38,6 +38,19 @@ pub enum Command {
     Cleanup(PinArgs),
     /// Print the frontends, backends and counters in the pinned maps.
     Status(PinArgs),
+    /// Set the level of the datapath's log in the pinned maps: a running
+    /// agent forwards what the datapath logs from then on (until its next
+    /// start, which writes its --datapath-log).
+    DatapathLog(DatapathLogArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DatapathLogArgs {
+    /// off, error, warn, info or debug.
+    #[arg(value_enum)]
+    pub level: DatapathLogLevel,
+    #[command(flatten)]
+    pub pins: PinArgs,
 }
 
 #[derive(Debug, Args)]
@@ -156,6 +169,13 @@ pub struct RunArgs {
     /// (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts).
     #[arg(long)]
     pub cgroup_root: Option<PathBuf>,
+    /// The datapath's log of rare events (rejects sent, drops by source
+    /// range or for want of endpoints, full maps, untracked fragments),
+    /// with addresses and ports, in this log under the target `datapath`,
+    /// rate limited: off, error, warn, info or debug. `ebpf-proxy
+    /// datapath-log LEVEL` changes it while the agent runs.
+    #[arg(long, value_enum, default_value = "off")]
+    pub datapath_log: DatapathLogLevel,
 }
 
 impl RunArgs {

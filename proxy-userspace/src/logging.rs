@@ -47,7 +47,7 @@ pub fn init(format: LogFormat) -> Result<(), LoggingError> {
         Err(e) => (EnvFilter::new(DEFAULT_FILTER), unparsable(e)),
     };
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(passing_datapath(filter))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder
@@ -73,6 +73,21 @@ pub fn init(format: LogFormat) -> Result<(), LoggingError> {
         );
     }
     Ok(())
+}
+
+/// The datapath's records are filtered where they are made (by
+/// `--datapath-log`): unless the filter says otherwise of their target, it
+/// lets them all through, so that `--datapath-log debug` shows debug
+/// records in an agent logging at info.
+fn passing_datapath(filter: EnvFilter) -> EnvFilter {
+    let target = crate::datapath::event_log::TARGET;
+    if filter.to_string().contains(target) {
+        return filter;
+    }
+    match format!("{target}=trace").parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    }
 }
 
 /// The reason `RUST_LOG` was refused, or `None` when it is merely unset.

@@ -58,6 +58,7 @@ fn main() -> anyhow::Result<()> {
                 cgroup_root: args
                     .cgroup_root
                     .or_else(proxy_userspace::datapath::host::default_cgroup_root),
+                datapath_log: args.datapath_log,
             };
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -87,6 +88,16 @@ fn main() -> anyhow::Result<()> {
                 format!("reading the maps pinned under {}", args.bpf_root.display())
             })?;
             print!("{text}");
+        }
+        Command::DatapathLog(args) => {
+            let pins = PinLayout::new(&args.pins.bpf_root);
+            datapath::event_log::set_level(&pins, args.level).with_context(|| {
+                format!(
+                    "setting the datapath log level under {}",
+                    args.pins.bpf_root.display()
+                )
+            })?;
+            println!("datapath log level: {}", args.level.name());
         }
     }
     Ok(())

@@ -204,7 +204,7 @@ impl AlignedObject {
         &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..self.len]
     }
 }

@@ -4,9 +4,11 @@
 
 mod attach;
 pub mod batch;
+mod btf_names;
 pub mod clock;
 pub mod conntrack;
 mod detach;
+pub mod event_log;
 pub mod host;
 pub mod interfaces;
 pub mod ip_summed;
@@ -64,6 +66,8 @@ pub enum DatapathError {
     Patch(#[from] ip_summed::PatchError),
     #[error(transparent)]
     Resize(#[from] resize::ResizeError),
+    #[error("completing the eBPF object's BTF: {0}")]
+    BtfNames(#[from] btf_names::BtfNamesError),
 }
 
 /// Loads the object with its ip_summed reads completed as `read` says, maps
@@ -74,7 +78,8 @@ fn load_object(
     read: ip_summed::Read,
     conntrack_entries: u32,
 ) -> Result<Ebpf, DatapathError> {
-    let (object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
+    let (mut object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
+    btf_names::sanitize(object.bytes_mut())?;
     let mut loader = EbpfLoader::new();
     for (name, path) in paths {
         loader.map_pin_path(name, path.as_path());
@@ -237,6 +242,15 @@ impl Datapath {
     pub fn finish_resize(&mut self) -> Option<Result<usize, resize::ResizeError>> {
         let resize = self.resize.take()?;
         Some(resize.finish(&mut self.maps))
+    }
+
+    /// A reader of the datapath's log records (see `event_log`), from the
+    /// pinned ring buffer the programs write to. Once only: it takes the
+    /// map out of the object.
+    pub fn event_logger(
+        &mut self,
+    ) -> Result<aya_log::EbpfLogger<event_log::ToTracing>, aya_log::Error> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, event_log::ToTracing)
     }
 
     /// How tc reads socket buffers' checksum state on this kernel.

@@ -1,0 +1,354 @@
+//! The datapath's log of rare events, in aya-log's records: the agent
+//! reads them from aya-log-ebpf's ring buffer with aya-log and forwards
+//! each into its own log. Every event here is also a counter; the log adds
+//! who was involved (addresses and ports).
+//!
+//! Off unless the agent writes a level into `DATAPATH_LOG`. A site costs,
+//! when its level is off, one array lookup on its own (rare) path and
+//! nothing on any other. What is on goes through `emit`, out of line.
+//! Each CPU writes at most `datapath_log::PER_CPU_PER_WINDOW` records a
+//! second, so that a flood of rejects cannot flood the log; the rest are
+//! counted.
+//!
+//! The records are laid out here, at compile time, rather than by
+//! aya-log-ebpf's macros: those build a record in about 230 bytes of stack
+//! and many verifier steps per site, and `tc_ingress` already uses 448 of
+//! the 512 bytes a program's call chain may. Here a record is one
+//! constant-size copy into the ring buffer and a few stores at constant
+//! offsets: every record has the same fields, the event's text last.
+
+use aya_ebpf::{btf_maps::PerCpuArray, helpers::bpf_ktime_get_coarse_ns, macros::btf_map};
+use aya_log_common::{ArgumentKind, Level, LogValueLength, RecordFieldKind};
+use aya_log_ebpf::macro_support::AYA_LOGS;
+use proxy_common::{PROTO_TCP, PROTO_UDP, counter, datapath_log};
+
+use crate::{
+    maps::{DATAPATH_LOG, count},
+    packet::Flow,
+};
+
+/// Each CPU's use of the rate limit: the window it counts in, and the
+/// records written in it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LogBudget {
+    pub window: u64,
+    pub used: u64,
+}
+
+#[btf_map]
+static LOG_BUDGET: PerCpuArray<LogBudget, 1> = PerCpuArray::new();
+
+/// What happened. The number is what `emit` is passed.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum Event {
+    /// A TCP reset or ICMP port unreachable sent for a frontend without
+    /// endpoints.
+    Reject = 0,
+    /// The same, when the reply could not be built: the packet was dropped.
+    RejectFailed = 1,
+    /// A new flow from outside a LoadBalancer's source ranges.
+    SourceRange = 2,
+    /// A frontend without endpoints whose policy is to drop.
+    NoEndpoint = 3,
+    /// No free SNAT port for a new flow.
+    SnatExhausted = 4,
+    /// A conntrack insert failed: the map is full.
+    CtInsertFailed = 5,
+    /// A later fragment that no translated first fragment explains.
+    FragUntracked = 6,
+    /// A packet the datapath routes itself with its TTL spent.
+    Ttl = 7,
+    /// A packet the datapath routes itself with no route.
+    NoRoute = 8,
+    /// A rewrite that could not be finished.
+    Rewrite = 9,
+}
+
+impl Event {
+    /// The least level of `DATAPATH_LOG` that logs this event.
+    #[inline(always)]
+    const fn level(self) -> u32 {
+        match self {
+            Event::Rewrite => datapath_log::ERROR,
+            Event::RejectFailed | Event::SnatExhausted | Event::CtInsertFailed | Event::NoRoute => {
+                datapath_log::WARN
+            }
+            Event::Reject | Event::SourceRange | Event::NoEndpoint => datapath_log::INFO,
+            Event::FragUntracked | Event::Ttl => datapath_log::DEBUG,
+        }
+    }
+}
+
+/// Logs `event` about `flow`'s packet, if the level asks for it.
+#[inline(always)]
+pub fn log(event: Event, flow: &Flow) {
+    // SAFETY: a valid array value pointer for this program's run.
+    let level = DATAPATH_LOG
+        .get_ptr(0)
+        .map_or(datapath_log::OFF, |p| unsafe { *p });
+    if level >= event.level() {
+        emit(
+            event as u32,
+            flow.src_be,
+            flow.dst_be,
+            ((flow.sport_be as u32) << 16) | flow.dport_be as u32,
+            flow.proto as u32,
+        );
+    }
+}
+
+/// `log` for a packet known by its addresses only; its ports show as 0.
+#[inline(always)]
+pub fn log_addrs(event: Event, proto: u8, src_be: u32, dst_be: u32) {
+    // SAFETY: as in `log`.
+    let level = DATAPATH_LOG
+        .get_ptr(0)
+        .map_or(datapath_log::OFF, |p| unsafe { *p });
+    if level >= event.level() {
+        emit(event as u32, src_be, dst_be, 0, proto as u32);
+    }
+}
+
+/// Whether this CPU may write one more record in the current window.
+#[inline(always)]
+fn within_rate() -> bool {
+    let Some(budget) = LOG_BUDGET.get_ptr_mut(0) else {
+        return false;
+    };
+    let window = unsafe { bpf_ktime_get_coarse_ns() } / datapath_log::WINDOW_NS;
+    // SAFETY: this CPU's slot; nothing else runs on it meanwhile.
+    let budget = unsafe { &mut *budget };
+    if budget.window != window {
+        budget.window = window;
+        budget.used = 0;
+    }
+    if budget.used >= datapath_log::PER_CPU_PER_WINDOW as u64 {
+        return false;
+    }
+    budget.used += 1;
+    true
+}
+
+/// Bytes reserved for a record: its fields and the longest text.
+const RECORD: usize = 192;
+const _: () = assert!(RECORD % 8 == 0);
+/// Room for an event's text.
+const TEXT_MAX: usize = 64;
+const EVENTS: usize = 10;
+
+/// What each event says after `proto src:port -> dst:port`, by `Event`.
+const TEXTS: [&str; EVENTS] = [
+    ": reject sent, no endpoints",
+    ": reject could not be built, dropped",
+    ": dropped, source outside loadBalancerSourceRanges",
+    ": dropped, no endpoints",
+    ": dropped, SNAT ports exhausted",
+    ": conntrack full, flow not tracked",
+    ": later fragment without a translated first one, passed",
+    ": dropped, TTL spent",
+    ": dropped, no route",
+    ": dropped, rewrite not finished",
+];
+
+/// aya-log's level of each event, by `Event`.
+const LEVELS: [u8; EVENTS] = {
+    let events = [
+        Event::Reject,
+        Event::RejectFailed,
+        Event::SourceRange,
+        Event::NoEndpoint,
+        Event::SnatExhausted,
+        Event::CtInsertFailed,
+        Event::FragUntracked,
+        Event::Ttl,
+        Event::NoRoute,
+        Event::Rewrite,
+    ];
+    let mut levels = [0u8; EVENTS];
+    let mut i = 0;
+    while i < EVENTS {
+        assert!(events[i] as usize == i, "events in discriminant order");
+        levels[i] = match events[i].level() {
+            datapath_log::ERROR => Level::Error as u8,
+            datapath_log::WARN => Level::Warn as u8,
+            datapath_log::INFO => Level::Info as u8,
+            _ => Level::Debug as u8,
+        };
+        i += 1;
+    }
+    levels
+};
+
+/// The texts, each padded to `TEXT_MAX`, so that one copy of constant
+/// size takes any of them.
+static PADDED_TEXTS: [[u8; TEXT_MAX]; EVENTS] = {
+    let mut out = [[0u8; TEXT_MAX]; EVENTS];
+    let mut e = 0;
+    while e < EVENTS {
+        let text = TEXTS[e].as_bytes();
+        assert!(text.len() <= TEXT_MAX, "an event's text is too long");
+        let mut i = 0;
+        while i < text.len() {
+            out[e][i] = text[i];
+            i += 1;
+        }
+        e += 1;
+    }
+    out
+};
+
+static TEXT_LENS: [u8; EVENTS] = {
+    let mut out = [0u8; EVENTS];
+    let mut e = 0;
+    while e < EVENTS {
+        out[e] = TEXTS[e].len() as u8;
+        e += 1;
+    }
+    out
+};
+
+/// A record with every field but the event's, and where the fields that
+/// change go.
+struct Template {
+    bytes: Record,
+    level_at: usize,
+    proto_at: usize,
+    src_at: usize,
+    sport_at: usize,
+    dst_at: usize,
+    dport_at: usize,
+    /// Where the text field starts (its kind, then its length, then it).
+    text_at: usize,
+}
+
+/// A record's bytes, aligned so that a copy of them is 8-byte words (a
+/// copy the compiler writes out, where an unaligned one of this size
+/// becomes a call to a byte loop the verifier walks byte by byte).
+#[repr(C, align(8))]
+struct Record([u8; RECORD]);
+
+/// Writes one aya-log field (kind, native-order u16 length, value) at
+/// `at`; returns where its value starts and where the next field does.
+const fn field(out: &mut [u8; RECORD], at: usize, kind: u8, value: &[u8]) -> (usize, usize) {
+    out[at] = kind;
+    let len = (value.len() as LogValueLength).to_ne_bytes();
+    out[at + 1] = len[0];
+    out[at + 2] = len[1];
+    let mut i = 0;
+    while i < value.len() {
+        out[at + 3 + i] = value[i];
+        i += 1;
+    }
+    (at + 3, at + 3 + value.len())
+}
+
+const TEMPLATE: Template = {
+    let mut b = [0u8; RECORD];
+    let str_kind = ArgumentKind::Str as u8;
+    // The size field comes first; it is written per record.
+    let at = core::mem::size_of::<LogValueLength>();
+    let (_, at) = field(&mut b, at, RecordFieldKind::Target as u8, b"datapath");
+    let (level_at, at) = field(
+        &mut b,
+        at,
+        RecordFieldKind::Level as u8,
+        &[Level::Info as u8],
+    );
+    let (_, at) = field(
+        &mut b,
+        at,
+        RecordFieldKind::Module as u8,
+        b"proxy_ebpf::event_log",
+    );
+    let (_, at) = field(&mut b, at, RecordFieldKind::File as u8, b"event_log.rs");
+    let (_, at) = field(&mut b, at, RecordFieldKind::Line as u8, &0u32.to_ne_bytes());
+    let (_, at) = field(
+        &mut b,
+        at,
+        RecordFieldKind::NumArgs as u8,
+        &10u32.to_ne_bytes(),
+    );
+    let (proto_at, at) = field(&mut b, at, str_kind, b"tcp");
+    let (_, at) = field(&mut b, at, str_kind, b" ");
+    let (src_at, at) = field(&mut b, at, ArgumentKind::Ipv4Addr as u8, &[0; 4]);
+    let (_, at) = field(&mut b, at, str_kind, b":");
+    let (sport_at, at) = field(&mut b, at, ArgumentKind::U16 as u8, &[0; 2]);
+    let (_, at) = field(&mut b, at, str_kind, b" -> ");
+    let (dst_at, at) = field(&mut b, at, ArgumentKind::Ipv4Addr as u8, &[0; 4]);
+    let (_, at) = field(&mut b, at, str_kind, b":");
+    let (dport_at, at) = field(&mut b, at, ArgumentKind::U16 as u8, &[0; 2]);
+    assert!(at + 3 + TEXT_MAX <= RECORD, "RECORD too small");
+    b[at] = str_kind;
+    Template {
+        bytes: Record(b),
+        level_at,
+        proto_at,
+        src_at,
+        sport_at,
+        dst_at,
+        dport_at,
+        text_at: at,
+    }
+};
+
+/// Three letters, the length of the template's protocol field.
+#[inline(always)]
+fn proto_name(proto: u32) -> [u8; 3] {
+    match proto as u8 {
+        PROTO_TCP => *b"tcp",
+        PROTO_UDP => *b"udp",
+        _ => *b"ip ",
+    }
+}
+
+/// Writes one record, within the rate limit. Out of line: one copy of it
+/// serves every site. Addresses and ports come as the packet carries them
+/// (network order), the ports as source << 16 | destination.
+#[inline(never)]
+fn emit(event: u32, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
+    let event = event as usize;
+    if event >= EVENTS {
+        return;
+    }
+    if !within_rate() {
+        count(counter::LOG_RATE_LIMITED);
+        return;
+    }
+    let Some(mut buf) = AYA_LOGS.reserve_bytes(RECORD, 0) else {
+        // The agent is behind by 128 KiB of records: this one is lost.
+        return;
+    };
+    let Some(out) = buf.get_mut(..RECORD) else {
+        buf.discard(0);
+        return;
+    };
+    let t = &TEMPLATE;
+    // SAFETY: `out` is RECORD bytes; ring buffer records start 8-aligned,
+    // and RECORD is a multiple of 8.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            t.bytes.0.as_ptr().cast::<u64>(),
+            out.as_mut_ptr().cast::<u64>(),
+            RECORD / 8,
+        )
+    };
+    out[t.level_at] = LEVELS[event];
+    out[t.proto_at..t.proto_at + 3].copy_from_slice(&proto_name(proto));
+    out[t.src_at..t.src_at + 4].copy_from_slice(&src_be.to_ne_bytes());
+    let sport = u16::from_be((ports_be >> 16) as u16);
+    out[t.sport_at..t.sport_at + 2].copy_from_slice(&sport.to_ne_bytes());
+    out[t.dst_at..t.dst_at + 4].copy_from_slice(&dst_be.to_ne_bytes());
+    let dport = u16::from_be(ports_be as u16);
+    out[t.dport_at..t.dport_at + 2].copy_from_slice(&dport.to_ne_bytes());
+    let len = TEXT_LENS[event] as usize;
+    let len_bytes = (len as LogValueLength).to_ne_bytes();
+    out[t.text_at + 1] = len_bytes[0];
+    out[t.text_at + 2] = len_bytes[1];
+    out[t.text_at + 3..t.text_at + 3 + TEXT_MAX].copy_from_slice(&PADDED_TEXTS[event]);
+    let size = ((t.text_at + 3 + len) as LogValueLength).to_ne_bytes();
+    out[0] = size[0];
+    out[1] = size[1];
+    buf.submit(0);
+}

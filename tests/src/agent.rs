@@ -381,7 +381,8 @@ impl Drop for Agent {
     }
 }
 
-fn files_below(dir: &Path) -> Vec<PathBuf> {
+/// Every file below `dir`, sorted (none where it cannot be read).
+pub fn files_below(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Ok(entries) = fs::read_dir(dir) {
         for entry in entries.flatten() {

@@ -104,6 +104,23 @@ pub fn describe(cmd: &Command) -> String {
         .join(" ")
 }
 
+/// Retries `check` every 50 ms until it passes; panics with its last complaint
+/// after `within`. Returns how long it took.
+pub fn eventually(
+    what: &str,
+    within: std::time::Duration,
+    mut check: impl FnMut() -> std::result::Result<(), String>,
+) -> std::time::Duration {
+    let start = std::time::Instant::now();
+    loop {
+        match check() {
+            Ok(()) => return start.elapsed(),
+            Err(e) if start.elapsed() > within => panic!("{what}: still after {within:?}: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+        }
+    }
+}
+
 /// A service port's transport protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {

@@ -27,7 +27,7 @@ use std::{
 
 use apiserver::{node, service, slice};
 use ebpf_proxy_tests::{
-    agent::{self, http_status},
+    agent::{self, files_below, http_status},
     client::tcp_tally,
     describe, image,
     netns::{NetNs, command_in, unique_stem},
@@ -553,20 +553,4 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     eprintln!("served after the container was removed: {after:?}");
     drop(running);
     drop(bpffs);
-}
-
-fn files_below(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(entries) = fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                out.extend(files_below(&path));
-            } else {
-                out.push(path);
-            }
-        }
-    }
-    out.sort();
-    out
 }

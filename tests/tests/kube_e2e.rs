@@ -27,6 +27,7 @@ use apiserver::{Fault, Resource, Verb, node, service, slice};
 use ebpf_proxy_tests::{
     agent::{self, HEALTHZ},
     client::{Outcome, tcp_request, tcp_tally},
+    eventually,
     netns::{NetNs, command_in, run_in, unique_stem},
     require_root, run_cmd,
     sandbox::Sandbox,
@@ -202,23 +203,6 @@ impl Drop for KubeAgent {
             );
         }
         let _ = fs::remove_file(&self.log_path);
-    }
-}
-
-/// Retries `check` until it passes; panics with its last complaint after `within`.
-/// Returns how long it took.
-fn eventually(
-    what: &str,
-    within: Duration,
-    mut check: impl FnMut() -> Result<(), String>,
-) -> Duration {
-    let start = Instant::now();
-    loop {
-        match check() {
-            Ok(()) => return start.elapsed(),
-            Err(e) if start.elapsed() > within => panic!("{what}: still after {within:?}: {e}"),
-            Err(_) => thread::sleep(Duration::from_millis(50)),
-        }
     }
 }
 

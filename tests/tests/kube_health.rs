@@ -11,13 +11,13 @@ use std::{
     fs,
     net::{Ipv4Addr, SocketAddrV4},
     path::PathBuf,
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use apiserver::{node, service, slice};
 use ebpf_proxy_tests::{
     agent::{self, Agent, HEALTHZ},
+    eventually,
     netns::{NetNs, run_in, unique_stem},
     require_root,
     sandbox::Sandbox,
@@ -91,18 +91,6 @@ fn probe(node: &NetNs, path: &str) -> Result<(u16, Value), String> {
     let json = serde_json::from_str(body)
         .map_err(|e| format!("GET {path}: body {body:?} is not JSON: {e}"))?;
     Ok((code, json))
-}
-
-/// Retries `check` until it passes; panics with its last complaint after `within`.
-fn eventually(what: &str, within: Duration, mut check: impl FnMut() -> Result<(), String>) {
-    let start = Instant::now();
-    loop {
-        match check() {
-            Ok(()) => return,
-            Err(e) if start.elapsed() > within => panic!("{what}: still after {within:?}: {e}"),
-            Err(_) => thread::sleep(Duration::from_millis(50)),
-        }
-    }
 }
 
 /// /healthz and /livez answer `healthz` and `livez`, /healthz's body saying

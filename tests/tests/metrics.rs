@@ -15,14 +15,14 @@ use std::{
     io::Write,
     net::{Ipv4Addr, SocketAddrV4},
     process::{Command, Stdio},
-    thread,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use apiserver::{node, service, slice};
 use ebpf_proxy_tests::{
     agent::{Agent, http_get},
     client::tcp_tally,
+    eventually,
     netns::NetNs,
     require_root,
     sandbox::Sandbox,
@@ -151,17 +151,6 @@ fn promtool_accepts(scrape: &Scrape) {
         String::from_utf8_lossy(&out.stderr),
         scrape.text
     );
-}
-
-fn eventually(what: &str, within: Duration, mut check: impl FnMut() -> Result<(), String>) {
-    let start = Instant::now();
-    loop {
-        match check() {
-            Ok(()) => return,
-            Err(e) if start.elapsed() > within => panic!("{what}: still after {within:?}: {e}"),
-            Err(_) => thread::sleep(Duration::from_millis(50)),
-        }
-    }
 }
 
 /// Answers to `n` new connections to the VIP, by backend; an error if any failed.

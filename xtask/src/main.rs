@@ -197,21 +197,25 @@ fn test(extra: &[String]) -> Result<()> {
         .context("the integration tests build network namespaces and load BPF programs")?;
     let bin = build()?;
     ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
-    // tests/image.rs runs the image of this binary.
-    image::build(&bin)?;
     // proxy-ebpf targets bpfel-unknown-none (no_std, no_main) and is built by
     // proxy-userspace's build script; it cannot be compiled for the host.
+    const TEST: [&str; 5] = [
+        "test",
+        "--workspace",
+        "--exclude",
+        "proxy-ebpf",
+        "--release",
+    ];
+    // Everything the tests run is built first: with the workspace's test
+    // dependencies in the build, cargo links the agent binary again, and
+    // tests/image.rs must find the image of that binary, not of the one above.
+    run_status(cargo().args(TEST).arg("--no-run"))?;
+    image::build(&bin)?;
     // --no-fail-fast: one failing test binary must not hide the results of the others.
     run_status(
         cargo()
-            .args([
-                "test",
-                "--workspace",
-                "--exclude",
-                "proxy-ebpf",
-                "--release",
-                "--no-fail-fast",
-            ])
+            .args(TEST)
+            .arg("--no-fail-fast")
             .args(extra)
             .env(agent::BIN_ENV, &bin),
     )

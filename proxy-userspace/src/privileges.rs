@@ -310,16 +310,24 @@ mod tests {
         })
     }
 
+    /// The explained refusal of the datapath's load without `drop`; None,
+    /// said on standard error, where this process cannot take capabilities
+    /// away (not root) or the agent was built without its eBPF object.
+    fn refusal_without(drop: &[Capability]) -> Option<String> {
+        if !root() || EBPF_OBJECT.is_empty() {
+            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+            return None;
+        }
+        Some(load_without(drop).expect("the refusal is explained"))
+    }
+
     /// A real refusal by the kernel, without CAP_BPF: the object's BTF, the
     /// first thing loaded.
     #[test]
     fn a_refused_btf_load_names_cap_bpf() {
-        if !root() || EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+        let Some(err) = refusal_without(&[Capability::CAP_BPF, Capability::CAP_SYS_ADMIN]) else {
             return;
-        }
-        let err = load_without(&[Capability::CAP_BPF, Capability::CAP_SYS_ADMIN])
-            .expect("the refusal is explained");
+        };
         assert!(
             err.starts_with("loading the object's BTF was refused")
                 && err.contains("missing CAP_BPF ("),
@@ -331,12 +339,10 @@ mod tests {
     /// A real refusal by the verifier, without CAP_PERFMON: the tc program.
     #[test]
     fn a_refused_program_load_names_cap_perfmon() {
-        if !root() || EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+        let Some(err) = refusal_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN])
+        else {
             return;
-        }
-        let err = load_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN])
-            .expect("the refusal is explained");
+        };
         assert!(
             err.starts_with("loading a program was refused")
                 && err.contains("missing CAP_PERFMON ("),
@@ -348,12 +354,10 @@ mod tests {
     /// Without CAP_NET_ADMIN the kernel refuses to load a tc program at all.
     #[test]
     fn a_refused_program_load_names_cap_net_admin() {
-        if !root() || EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
+        let Some(err) = refusal_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN])
+        else {
             return;
-        }
-        let err = load_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN])
-            .expect("the refusal is explained");
+        };
         assert!(
             err.starts_with("loading a program was refused")
                 && err.contains("missing CAP_NET_ADMIN ("),

@@ -210,7 +210,6 @@ fn seccomp_filtered() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::EBPF_OBJECT;
 
     fn all() -> HashSet<Capability> {
         caps::all()
@@ -244,135 +243,12 @@ mod tests {
         }
     }
 
-    /// Runs `f` on a thread of its own whose effective set lacks `drop`
-    /// (capabilities are per thread, so the test process keeps its own).
-    fn without<T: Send>(drop: &[Capability], f: impl FnOnce() -> T + Send) -> T {
-        // aya probes the kernel's features once per process; probed on a
-        // thread without CAP_BPF they would all read as missing, for every
-        // other test too.
-        aya::features();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                for cap in drop {
-                    caps::drop(None, CapSet::Effective, *cap).expect("dropping a capability");
-                }
-                f()
-            })
-            .join()
-            .expect("the thread ran")
-        })
-    }
-
-    /// Whether this process may run the tests that need the kernel to refuse.
-    fn root() -> bool {
-        effective().is_ok_and(|e| missing_from(&REQUIRED, &e).is_empty())
-    }
-
-    /// A pin directory of a test's own, emptied and removed on drop, also when
-    /// the test fails.
-    struct TestPins {
-        root: std::path::PathBuf,
-        pins: crate::datapath::PinLayout,
-    }
-
-    impl TestPins {
-        fn new() -> TestPins {
-            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-            let root = std::path::PathBuf::from(format!(
-                "/sys/fs/bpf/ebpf-proxy-unit-privileges-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            ));
-            let pins = crate::datapath::PinLayout::new(&root);
-            TestPins { root, pins }
-        }
-    }
-
-    impl Drop for TestPins {
-        fn drop(&mut self) {
-            let _ = crate::datapath::cleanup(&self.pins);
-            let _ = std::fs::remove_dir_all(&self.root);
-        }
-    }
-
-    /// The agent's own load of the datapath on a pin directory of its own, on
-    /// a thread without `drop`; the refusal explained.
-    fn load_without(drop: &[Capability]) -> Option<String> {
-        let pins = TestPins::new();
-        without(drop, || {
-            match crate::datapath::Datapath::load(pins.pins.clone()) {
-                Ok(_) => panic!("the datapath loaded without {drop:?}"),
-                Err(e) => match explain(&e) {
-                    Some(explained) => Some(explained.to_string()),
-                    None => panic!("not explained: {e:?}"),
-                },
-            }
-        })
-    }
-
-    /// The explained refusal of the datapath's load without `drop`; None,
-    /// said on standard error, where this process cannot take capabilities
-    /// away (not root) or the agent was built without its eBPF object.
-    fn refusal_without(drop: &[Capability]) -> Option<String> {
-        if !root() || EBPF_OBJECT.is_empty() {
-            eprintln!("skipped: needs root with BPF, PERFMON and NET_ADMIN, and the eBPF object");
-            return None;
-        }
-        Some(load_without(drop).expect("the refusal is explained"))
-    }
-
-    /// A real refusal by the kernel, without CAP_BPF: the object's BTF, the
-    /// first thing loaded.
-    #[test]
-    fn a_refused_btf_load_names_cap_bpf() {
-        let Some(err) = refusal_without(&[Capability::CAP_BPF, Capability::CAP_SYS_ADMIN]) else {
-            return;
-        };
-        assert!(
-            err.starts_with("loading the object's BTF was refused")
-                && err.contains("missing CAP_BPF ("),
-            "{err}"
-        );
-        assert!(!err.contains("missing CAP_PERFMON"), "{err}");
-    }
-
-    /// A real refusal by the verifier, without CAP_PERFMON: the tc program.
-    #[test]
-    fn a_refused_program_load_names_cap_perfmon() {
-        let Some(err) = refusal_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN])
-        else {
-            return;
-        };
-        assert!(
-            err.starts_with("loading a program was refused")
-                && err.contains("missing CAP_PERFMON ("),
-            "{err}"
-        );
-        assert!(!err.contains("missing CAP_BPF"), "{err}");
-    }
-
-    /// Without CAP_NET_ADMIN the kernel refuses to load a tc program at all.
-    #[test]
-    fn a_refused_program_load_names_cap_net_admin() {
-        let Some(err) = refusal_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN])
-        else {
-            return;
-        };
-        assert!(
-            err.starts_with("loading a program was refused")
-                && err.contains("missing CAP_NET_ADMIN ("),
-            "{err}"
-        );
-    }
+    // The refusals of a real load without each capability need root: they are
+    // in tests/tests/capabilities.rs with the agent's other capability tests.
 
     #[test]
     fn other_errors_are_not_explained() {
         let err = io::Error::from_raw_os_error(libc::ENOENT);
         assert!(explain(&err).is_none());
-        // Refused, but with every capability there: something else refused it.
-        let err = io::Error::from_raw_os_error(libc::EPERM);
-        if root() {
-            assert!(explain(&err).is_none());
-        }
     }
 }

@@ -52,22 +52,21 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use common::{
-    Args, Backend, BenchMode, Load, Machine, Proto, Rows, check_interrupted, interleaved,
-    load_average,
-};
+use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
     iptables::{self, KubeService},
+    load::Load,
     manifest::{ManifestDir, Service},
     nftables, require_root,
+    servers::PooledBackend,
     topology::{NODE_IP, Topology},
 };
 use serde_json::json;
 
 use ebpf_proxy_tests::topology::one_node::{
-    BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT,
+    self, BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT, backend_ips,
 };
 /// Endpoints of every Service (the measured one's are the backend pods).
 const ENDPOINTS: u32 = 3;
@@ -124,7 +123,7 @@ enum Client {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Exchange {
     client: Client,
-    proto: Proto,
+    proto: Protocol,
 }
 
 impl Client {
@@ -138,7 +137,7 @@ impl Client {
 
 impl Exchange {
     fn key(self) -> String {
-        format!("{}-{}", self.client.key(), self.proto.key())
+        format!("{}-{}", self.client.key(), self.proto.lower())
     }
 }
 
@@ -152,19 +151,19 @@ impl common::Detail for Exchange {
 const EXCHANGES: [Exchange; 4] = [
     Exchange {
         client: Client::Pod,
-        proto: Proto::Tcp,
+        proto: Protocol::Tcp,
     },
     Exchange {
         client: Client::Pod,
-        proto: Proto::Udp,
+        proto: Protocol::Udp,
     },
     Exchange {
         client: Client::Node,
-        proto: Proto::Tcp,
+        proto: Protocol::Tcp,
     },
     Exchange {
         client: Client::Node,
-        proto: Proto::Udp,
+        proto: Protocol::Udp,
     },
 ];
 
@@ -206,10 +205,10 @@ impl Config {
         }
     }
 
-    fn segment(&self, proto: Proto) -> Duration {
+    fn segment(&self, proto: Protocol) -> Duration {
         match proto {
-            Proto::Tcp => self.tcp_segment,
-            Proto::Udp => self.udp_segment,
+            Protocol::Tcp => self.tcp_segment,
+            Protocol::Udp => self.udp_segment,
         }
     }
 }
@@ -258,16 +257,12 @@ fn run(cfg: Config, out_dir: &Path) -> Result<()> {
 // The Services
 
 fn vip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 10)) + i) // 10.96.0.0/12
+    one_node::cluster_ip(i)
 }
 
-/// Endpoints of the Services nobody talks to: addresses that exist nowhere.
+/// Endpoints of the Services nobody talks to.
 fn filler_endpoint(service: u32, k: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + service * ENDPOINTS + k)
-}
-
-fn backend_ips() -> Vec<Ipv4Addr> {
-    BACKENDS.iter().map(|b| b.1).collect()
+    one_node::filler_endpoint(service, ENDPOINTS, k)
 }
 
 /// S Services, each with its endpoints; the one at index S/2 is the measured one.
@@ -337,7 +332,7 @@ impl ServiceSet {
 struct World {
     mode: Mode,
     agent: Option<Agent>,
-    _backends: Vec<Backend>,
+    _backends: Vec<PooledBackend>,
     _manifests: Option<ManifestDir>,
     topology: Topology,
     /// Time to program the Services: agent start to healthy, `iptables-restore` or
@@ -356,7 +351,7 @@ impl World {
         let topology = Topology::routed(&pods).context("build the routed topology")?;
         let mut backends = Vec::new();
         for (name, _) in BACKENDS {
-            backends.push(Backend::start(
+            backends.push(PooledBackend::start(
                 &topology.pod(name).ns,
                 name,
                 TCP_PORT,
@@ -437,8 +432,8 @@ impl World {
             },
             proto,
             targets: match proto {
-                Proto::Tcp => &self.tcp_targets,
-                Proto::Udp => &self.udp_targets,
+                Protocol::Tcp => &self.tcp_targets,
+                Protocol::Udp => &self.udp_targets,
             },
             backends: &self.backend_names,
         }
@@ -685,7 +680,7 @@ impl Report<'_> {
                 self.results.json(
                     s,
                     json!({
-                        "proto": s.detail.proto.key(),
+                        "proto": s.detail.proto.lower(),
                         "client": s.detail.client.key(),
                         "per_backend": s.series.backends,
                     }),

@@ -62,17 +62,17 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use common::{
-    Args, Backend, BenchMode, Load, Machine, Proto, Rows, check_interrupted, interleaved,
-    load_average,
-};
+use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
     cluster::{CLIENT1, Cluster, NODE_A_IP, UPLINK},
     iptables::{self, KubeService},
+    load::Load,
     manifest::{Endpoint, ManifestDir, Service, ServiceType},
     require_root,
+    servers::PooledBackend,
+    topology::one_node,
 };
 use proxy_userspace::datapath::{Maps, PinLayout};
 use serde_json::json;
@@ -221,12 +221,12 @@ fn run(cfg: Config, out_dir: &Path) -> Result<()> {
 // The Services
 
 fn vip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 10)) + i) // 10.96.0.0/12
+    one_node::cluster_ip(i)
 }
 
-/// Endpoints of the Services nobody talks to: addresses that exist nowhere.
+/// Endpoints of the Services nobody talks to.
 fn filler_endpoint(service: u32, k: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + service * FILLER_ENDPOINTS + k)
+    one_node::filler_endpoint(service, FILLER_ENDPOINTS, k)
 }
 
 /// S Services, each with its endpoints; the one at index S/2 is the measured one, and
@@ -325,7 +325,7 @@ struct World {
     mode: Mode,
     /// Node a's agent first.
     agents: Vec<Agent>,
-    _backend: Backend,
+    _backend: PooledBackend,
     _manifests: Option<ManifestDir>,
     cluster: Cluster,
     /// Time to program the Services on node a: agent start to healthy, or
@@ -351,7 +351,7 @@ impl World {
                 .ns
                 .sysctl(&format!("net.ipv4.conf.{iface}.accept_redirects"), "0")?;
         }
-        let backend = Backend::start(
+        let backend = PooledBackend::start(
             &cluster.pod(BACKEND.0).ns,
             BACKEND.0,
             TARGET_PORT,
@@ -420,7 +420,7 @@ impl World {
     fn load(&self) -> Load<'_> {
         Load {
             ns: &self.cluster.client(CLIENT1.0).ns,
-            proto: Proto::Tcp,
+            proto: Protocol::Tcp,
             targets: &self.targets,
             backends: &self.backend_names,
         }
@@ -500,10 +500,10 @@ impl common::Detail for NodeA {
     }
 }
 
-impl Stats {
+impl NodeA {
+    /// Node a's counter `name`, 0 when it was not read or stayed 0.
     fn counter(&self, name: &str) -> u64 {
-        self.detail
-            .counters
+        self.counters
             .iter()
             .flatten()
             .find(|(n, _)| *n == name)
@@ -676,11 +676,11 @@ impl Report<'_> {
                 continue;
             };
             let list: Vec<String> = counters.iter().map(|(n, v)| format!("{n} {v}")).collect();
-            let per_conn = match s.counter("snat_new") {
+            let per_conn = match s.detail.counter("snat_new") {
                 0 => String::new(),
                 snat => format!(
                     " ({:.1} XDP packets per connection)",
-                    s.counter("xdp_tx") as f64 / snat as f64
+                    s.detail.counter("xdp_tx") as f64 / snat as f64
                 ),
             };
             out.push_str(&format!(
@@ -746,7 +746,7 @@ impl Report<'_> {
                     s.series.errors
                 ));
             }
-            if s.mode == Mode::Xdp && s.counter("xdp_tx") == 0 {
+            if s.mode == Mode::Xdp && s.detail.counter("xdp_tx") == 0 {
                 problems.push(format!(
                     "S = {}, {}: XDP sent no packet itself (xdp_tx 0; counters {:?})",
                     s.services,

@@ -9,8 +9,7 @@
 
 mod common;
 
-#[path = "../tests/apiserver/mod.rs"]
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     fs::{self, File},

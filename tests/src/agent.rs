@@ -26,6 +26,9 @@ use crate::{
     run_cmd,
 };
 
+/// How fast the agent must apply a manifest change: within one second.
+pub const SYNC_DEADLINE: Duration = Duration::from_secs(1);
+
 /// Environment variable naming the agent binary; `cargo xtask test` sets it.
 pub const BIN_ENV: &str = "EBPF_PROXY_BIN";
 

@@ -284,6 +284,32 @@ impl Tally {
     }
 }
 
+/// Per request; generous, as a loaded CI machine runs several tests at once.
+pub const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Panics, saying how, unless every request of `tally` got a reply and every backend
+/// saw `client`'s address.
+#[track_caller]
+pub fn assert_all_replied_from(client: Ipv4Addr, what: &str, tally: &Tally) {
+    assert!(
+        tally.failures.is_empty(),
+        "{what}: {} of {} requests failed{}; first failures: {:?}",
+        tally.failures.len(),
+        tally.failures.len() as u64 + tally.replies(),
+        if tally.failures.len() >= TALLY_MAX_FAILURES {
+            " (the batch stopped there)"
+        } else {
+            ""
+        },
+        &tally.failures[..tally.failures.len().min(5)]
+    );
+    let expected: BTreeSet<Ipv4Addr> = [client].into();
+    assert_eq!(
+        tally.peers_seen, expected,
+        "{what}: backends saw these client addresses instead of only the client's {client}"
+    );
+}
+
 /// A batch stops after this many failures: enough to see what goes wrong, while a
 /// broken datapath would otherwise cost `n` times the timeout.
 pub const TALLY_MAX_FAILURES: usize = 10;

@@ -45,27 +45,9 @@ use crate::{
     topology::{IFNAME_MAX, Pod, create_pod, prepare_routed_node},
 };
 
-/// The bridge in the bridge namespace.
-pub const BRIDGE: &str = "br0";
-/// The uplink of every node and client (the bridge port is its veth peer).
-pub const UPLINK: &str = "eth0";
-/// The network nodes and clients share.
-pub const NODE_NET: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 0);
-pub const NODE_NET_PREFIX: u8 = 24;
-/// Prefix length of every node's pod CIDR.
-pub const POD_CIDR_PREFIX: u8 = 24;
-/// The first node's address (node "a" in `Cluster::new(&[("a", ..), ("b", ..)])`).
-pub const NODE_A_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
-/// The second node's address.
-pub const NODE_B_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 2);
-/// The first node's pod CIDR, 10.1.1.0/24.
-pub const NODE_A_POD_NET: Ipv4Addr = Ipv4Addr::new(10, 1, 1, 0);
-/// The second node's pod CIDR, 10.1.2.0/24.
-pub const NODE_B_POD_NET: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 0);
-pub const CLIENT1: (&str, Ipv4Addr) = ("client1", Ipv4Addr::new(192, 168, 50, 100));
-pub const CLIENT2: (&str, Ipv4Addr) = ("client2", Ipv4Addr::new(192, 168, 50, 101));
-/// The clients [`Cluster::new`] adds.
-pub const DEFAULT_CLIENTS: [(&str, Ipv4Addr); 2] = [CLIENT1, CLIENT2];
+// The two-node world's names and addresses live with the one-node world's in
+// crate::topology; re-exported here, where the cluster that builds it lives.
+pub use crate::topology::two_node::*;
 
 /// Node addresses are .1 upwards; keep them below the clients' .100.
 const MAX_NODES: usize = 99;

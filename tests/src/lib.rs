@@ -11,6 +11,7 @@
 //! nothing behind.
 
 pub mod agent;
+pub mod bench;
 pub mod cgroup;
 pub mod client;
 pub mod cluster;
@@ -19,6 +20,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod image;
 pub mod iptables;
+pub mod load;
 pub mod manifest;
 pub mod manifest_check;
 pub mod netns;
@@ -119,6 +121,15 @@ pub fn eventually(
             Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
         }
     }
+}
+
+/// Whether `path` is gone, or goes within `within`.
+pub fn gone_within(path: &Path, within: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while path.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    !path.exists()
 }
 
 /// A service port's transport protocol.

@@ -9,8 +9,9 @@ use anyhow::{Context, Result, anyhow};
 use crate::{
     agent::Agent,
     manifest::ManifestDir,
+    require_root,
     servers::{TcpServer, UdpServer},
-    topology::{Pod, Topology},
+    topology::{Pod, Topology, one_node},
 };
 
 /// Everything one test (or the demo) needs; dropped in a safe order: the agent while
@@ -55,6 +56,25 @@ impl Sandbox {
         Ok(sandbox)
     }
 
+    /// The one-node world ([`one_node`]): `clients` and every backend as pods, `test/web`
+    /// on all three backends behind [`one_node::CLUSTER_IP`], and the agent on it with
+    /// `extra_args`, healthy.
+    pub fn serving_web(clients: &[(&str, Ipv4Addr)], extra_args: &[&str]) -> Result<Sandbox> {
+        require_root()?;
+        let mut sandbox = Sandbox::new(
+            clients,
+            &one_node::BACKENDS,
+            one_node::TCP_PORT,
+            one_node::UDP_PORT,
+        )?;
+        sandbox.manifests.write(
+            "web.yaml",
+            &one_node::web_service(one_node::CLUSTER_IP).yaml(Some(&one_node::backend_ips())),
+        )?;
+        sandbox.start_agent_with(extra_args)?;
+        Ok(sandbox)
+    }
+
     /// Starts the agent in the node on `manifests` (a file or directory) and waits
     /// until it is healthy.
     pub fn start_agent(&mut self, manifests: &Path) -> Result<&mut Agent> {
@@ -95,6 +115,13 @@ impl Sandbox {
     /// The agent; panics if none was started (a bug in the caller).
     pub fn agent(&self) -> &Agent {
         self.agent.as_ref().expect("start_agent first")
+    }
+
+    /// The agent's datapath counter `name`; panics, saying why, if it cannot be read.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.agent()
+            .counter(name)
+            .unwrap_or_else(|e| panic!("counter {name}: {e:#}"))
     }
 
     /// The agent, to stop it or clean up; panics if none was started.

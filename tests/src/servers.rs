@@ -9,10 +9,13 @@
 //!   starts with `size <n>\n` gets that line padded to `n` bytes with
 //!   [`padding`], so that a test can ask for an answer too large for one packet.
 //!
+//! [`PooledBackend`] is the benchmarks' backend, made for speed, with a protocol of its
+//! own (see its doc).
+//!
 //! Servers stop when dropped.
 
 use std::{
-    io::{BufRead, BufReader, ErrorKind, Write},
+    io::{BufRead, BufReader, ErrorKind, Read, Write},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsFd,
     sync::{
@@ -24,9 +27,18 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::{
+    poll::{PollFd, PollFlags, PollTimeout, poll},
+    sys::{
+        socket::{setsockopt, sockopt},
+        time::{TimeVal, TimeValLike},
+    },
+};
 
-use crate::netns::{NetNs, NsThread};
+use crate::{
+    load::IO_TIMEOUT,
+    netns::{NetNs, NsThread},
+};
 
 /// How often blocked server threads look at their stop flag.
 const TICK: Duration = Duration::from_millis(50);
@@ -204,6 +216,138 @@ impl Drop for UdpServer {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+    }
+}
+
+/// How often idle [`PooledBackend`] threads look at their stop flag.
+const POOL_TICK: Duration = Duration::from_millis(100);
+
+/// A backend pod's TCP (and optionally UDP) server, made for speed: a fixed pool of
+/// threads serving one exchange each inline (the harness's servers spawn a thread per
+/// connection, which on a small machine would cost more than the load balancers being
+/// compared). TCP: read the request, answer `<name>\n`, close. UDP: answer every
+/// datagram with `<name>\n`.
+pub struct PooledBackend {
+    stop: Arc<AtomicBool>,
+    threads: Vec<NsThread<()>>,
+}
+
+impl PooledBackend {
+    /// `threads` TCP server threads on `tcp_port` and, with a `udp_port`, as many UDP
+    /// ones, in `ns`.
+    pub fn start(
+        ns: &NetNs,
+        name: &str,
+        tcp_port: u16,
+        udp_port: Option<u16>,
+        threads: usize,
+    ) -> Result<PooledBackend> {
+        let (listener, udp) = ns
+            .run(|| -> std::io::Result<_> {
+                let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, tcp_port))?;
+                let udp = udp_port
+                    .map(|port| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)))
+                    .transpose()?;
+                Ok((listener, udp))
+            })?
+            .with_context(|| format!("{name}: bind the servers in {}", ns.name()))?;
+        // accept() honours SO_RCVTIMEO on Linux, so threads blocked in it wake up to see
+        // the stop flag; a blocking accept shared by several threads wakes one of them
+        // per connection, where poll() would wake them all.
+        setsockopt(
+            &listener,
+            sockopt::ReceiveTimeout,
+            &TimeVal::milliseconds(POOL_TICK.as_millis() as i64),
+        )
+        .with_context(|| format!("{name}: SO_RCVTIMEO on the listener"))?;
+        let listener = Arc::new(listener);
+        let udp = udp
+            .map(|udp| -> Result<_> {
+                udp.set_read_timeout(Some(POOL_TICK))?;
+                Ok(Arc::new(udp))
+            })
+            .transpose()?;
+        let reply: Arc<[u8]> = format!("{name}\n").into_bytes().into();
+        let mut backend = PooledBackend {
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Vec::new(),
+        };
+        for i in 0..threads {
+            let (listener, stop, tcp_reply) =
+                (listener.clone(), backend.stop.clone(), reply.clone());
+            backend
+                .threads
+                .push(ns.spawn(&format!("tcp-{name}-{i}"), move || {
+                    tcp_serve(&listener, &tcp_reply, &stop)
+                })?);
+            if let Some(udp) = &udp {
+                let (udp, stop, udp_reply) = (udp.clone(), backend.stop.clone(), reply.clone());
+                backend
+                    .threads
+                    .push(ns.spawn(&format!("udp-{name}-{i}"), move || {
+                        udp_serve(&udp, &udp_reply, &stop)
+                    })?);
+            }
+        }
+        Ok(backend)
+    }
+}
+
+impl Drop for PooledBackend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn tcp_serve(listener: &TcpListener, reply: &[u8], stop: &AtomicBool) {
+    let mut buf = [0u8; 256];
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                // Errors are the client's business (it counts them); a server that gives
+                // up on one connection goes on with the next.
+                let _ = (|| -> std::io::Result<()> {
+                    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+                    let mut len = 0;
+                    while !buf[..len].ends_with(b"\n") {
+                        match stream.read(&mut buf[len..])? {
+                            0 => return Ok(()),
+                            n => len += n,
+                        }
+                        if len == buf.len() {
+                            return Ok(());
+                        }
+                    }
+                    // Then close: the FIN goes first, and the client's RST (it closes
+                    // with SO_LINGER 0) ends the socket, so neither side keeps TIME_WAIT.
+                    stream.write_all(reply)
+                })();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => {
+                eprintln!("warning: accept: {e}");
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn udp_serve(socket: &UdpSocket, reply: &[u8], stop: &AtomicBool) {
+    let mut buf = [0u8; 256];
+    while !stop.load(Ordering::Relaxed) {
+        match socket.recv_from(&mut buf) {
+            Ok((_, peer)) => {
+                let _ = socket.send_to(reply, peer);
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => {
+                eprintln!("warning: udp recv: {e}");
+                thread::sleep(Duration::from_millis(10));
+            }
         }
     }
 }

@@ -11,7 +11,11 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use anyhow::{Context, Result, bail};
 
-use crate::netns::{NetNs, unique_stem};
+use crate::{
+    Protocol,
+    manifest::Service,
+    netns::{NetNs, unique_stem},
+};
 
 /// The pods' default gateway. Link-local and owned by nobody: the node answers ARP for
 /// it by proxy ARP, which is all a pod needs to send it every packet.
@@ -31,9 +35,15 @@ pub mod one_node {
     /// The client of a side-by-side reference (kube-proxy's rules) in the same test.
     pub const IPT_CLIENT: (&str, Ipv4Addr) = ("client-ipt", Ipv4Addr::new(10, 200, 0, 3));
     pub const BACKENDS: [(&str, Ipv4Addr); 3] = [
-        ("backend-a", Ipv4Addr::new(10, 200, 0, 11)),
-        ("backend-b", Ipv4Addr::new(10, 200, 0, 12)),
-        ("backend-c", Ipv4Addr::new(10, 200, 0, 13)),
+        ("backend-a", BACKEND_IPS[0]),
+        ("backend-b", BACKEND_IPS[1]),
+        ("backend-c", BACKEND_IPS[2]),
+    ];
+    /// The backends' addresses (the datapath's frame tests, which have no pods).
+    pub const BACKEND_IPS: [Ipv4Addr; 3] = [
+        Ipv4Addr::new(10, 200, 0, 11),
+        Ipv4Addr::new(10, 200, 0, 12),
+        Ipv4Addr::new(10, 200, 0, 13),
     ];
     /// The backends' ports (the Services' target ports).
     pub const TCP_PORT: u16 = 8080;
@@ -44,6 +54,76 @@ pub mod one_node {
     pub const UDP_SERVICE_PORT: u16 = 53;
     /// The ClusterIP's TCP frontend.
     pub const VIP: SocketAddrV4 = SocketAddrV4::new(CLUSTER_IP, TCP_SERVICE_PORT);
+
+    /// `test/web` with `http` 80/TCP -> 8080 and `dns` 53/UDP -> 5353.
+    pub fn web_service(cluster_ip: Ipv4Addr) -> Service {
+        Service::new("test", "web", cluster_ip)
+            .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+            .port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_PORT)
+    }
+
+    /// The backends' pod names, in [`BACKENDS`] order.
+    pub fn backend_names() -> Vec<&'static str> {
+        BACKENDS.iter().map(|b| b.0).collect()
+    }
+
+    /// The backends' addresses, in [`BACKENDS`] order.
+    pub fn backend_ips() -> Vec<Ipv4Addr> {
+        BACKENDS.iter().map(|b| b.1).collect()
+    }
+
+    /// The `i`th ClusterIP from [`CLUSTER_IP`] up (10.96.0.0/12 holds a million): the
+    /// benches' sets of S Services.
+    pub fn cluster_ip(i: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(CLUSTER_IP) + i)
+    }
+
+    /// The `k`th of `per_service` endpoints of the `service`th Service nobody talks to:
+    /// addresses in 10.128.0.0/9 that exist nowhere.
+    pub fn filler_endpoint(service: u32, per_service: u32, k: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 128, 0, 0)) + service * per_service + k)
+    }
+
+    /// The `http` port of `test/web` on `ip`.
+    pub fn http(ip: Ipv4Addr) -> SocketAddrV4 {
+        SocketAddrV4::new(ip, TCP_SERVICE_PORT)
+    }
+
+    /// The `dns` port of `test/web` on `ip`.
+    pub fn dns(ip: Ipv4Addr) -> SocketAddrV4 {
+        SocketAddrV4::new(ip, UDP_SERVICE_PORT)
+    }
+}
+
+/// The two-node world the north-south tests, the NodePort bench and the datapath's
+/// NodePort frames share ([`crate::cluster::Cluster`] builds it): nodes on one network
+/// with outside clients, joined by a bridge, each node with pod CIDR of its own.
+pub mod two_node {
+    use std::net::Ipv4Addr;
+
+    /// The bridge in the bridge namespace.
+    pub const BRIDGE: &str = "br0";
+    /// The uplink of every node and client (the bridge port is its veth peer).
+    pub const UPLINK: &str = "eth0";
+    /// The network nodes and clients share.
+    pub const NODE_NET: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 0);
+    pub const NODE_NET_PREFIX: u8 = 24;
+    /// Prefix length of every node's pod CIDR.
+    pub const POD_CIDR_PREFIX: u8 = 24;
+    /// The first node's address (node "a" in `crate::cluster::Cluster::new(&[("a", ..), ("b", ..)])`).
+    pub const NODE_A_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
+    /// The second node's address.
+    pub const NODE_B_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 2);
+    /// The first node's pod CIDR, 10.1.1.0/24.
+    pub const NODE_A_POD_NET: Ipv4Addr = Ipv4Addr::new(10, 1, 1, 0);
+    /// The second node's pod CIDR, 10.1.2.0/24.
+    pub const NODE_B_POD_NET: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 0);
+    pub const CLIENT1: (&str, Ipv4Addr) = ("client1", Ipv4Addr::new(192, 168, 50, 100));
+    pub const CLIENT2: (&str, Ipv4Addr) = ("client2", Ipv4Addr::new(192, 168, 50, 101));
+    /// The clients [`crate::cluster::Cluster::new`] adds.
+    pub const DEFAULT_CLIENTS: [(&str, Ipv4Addr); 2] = [CLIENT1, CLIENT2];
+    /// A pod of node b (the second node's pod CIDR).
+    pub const NODE_B_POD: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 10);
 }
 
 /// Longest interface name Linux takes (IFNAMSIZ - 1).

@@ -9,6 +9,8 @@ mod daemonset;
 
 use std::{net::Ipv4Addr, time::Duration};
 
+use caps::{CapSet, Capability};
+
 use ebpf_proxy_tests::{
     Protocol,
     agent::Agent,
@@ -20,6 +22,10 @@ use ebpf_proxy_tests::{
         Topology,
         one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, VIP},
     },
+};
+use proxy_userspace::{
+    datapath::EBPF_OBJECT,
+    privileges::{REQUIRED, effective, explain, missing_from},
 };
 
 const BACKEND: (&str, Ipv4Addr) = BACKENDS[0];
@@ -145,4 +151,128 @@ fn without_each_capability_the_agent_stops_naming_it() {
             );
         }
     }
+}
+
+// The agent's explanation of a refused load (proxy_userspace::privileges::explain),
+// on real refusals: the datapath loaded on a thread whose effective set lacks a
+// capability.
+
+/// Runs `f` on a thread of its own whose effective set lacks `drop`
+/// (capabilities are per thread, so the test process keeps its own).
+fn without<T: Send>(drop: &[Capability], f: impl FnOnce() -> T + Send) -> T {
+    // aya probes the kernel's features once per process; probed on a
+    // thread without CAP_BPF they would all read as missing, for every
+    // other test too.
+    aya::features();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for cap in drop {
+                caps::drop(None, CapSet::Effective, *cap).expect("dropping a capability");
+            }
+            f()
+        })
+        .join()
+        .expect("the thread ran")
+    })
+}
+
+/// A pin directory of a test's own, emptied and removed on drop, also when
+/// the test fails.
+struct TestPins {
+    root: std::path::PathBuf,
+    pins: proxy_userspace::datapath::PinLayout,
+}
+
+impl TestPins {
+    fn new() -> TestPins {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let root = std::path::PathBuf::from(format!(
+            "/sys/fs/bpf/ebpf-proxy-unit-privileges-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let pins = proxy_userspace::datapath::PinLayout::new(&root);
+        TestPins { root, pins }
+    }
+}
+
+impl Drop for TestPins {
+    fn drop(&mut self) {
+        let _ = proxy_userspace::datapath::cleanup(&self.pins);
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// The agent's own load of the datapath on a pin directory of its own, on
+/// a thread without `drop`; the refusal explained.
+fn load_without(drop: &[Capability]) -> Option<String> {
+    let pins = TestPins::new();
+    without(drop, || {
+        match proxy_userspace::datapath::Datapath::load(pins.pins.clone()) {
+            Ok(_) => panic!("the datapath loaded without {drop:?}"),
+            Err(e) => match explain(&e) {
+                Some(explained) => Some(explained.to_string()),
+                None => panic!("not explained: {e:?}"),
+            },
+        }
+    })
+}
+
+/// The explained refusal of the datapath's load without `drop`.
+fn refusal_without(drop: &[Capability]) -> String {
+    require_root().expect("privileged test");
+    let effective = effective().expect("reading this process's capabilities");
+    assert!(
+        missing_from(&REQUIRED, &effective).is_empty(),
+        "these tests take capabilities away and need them all to start with; missing {:?}",
+        missing_from(&REQUIRED, &effective)
+    );
+    assert!(
+        !EBPF_OBJECT.is_empty(),
+        "the agent was built without its eBPF object"
+    );
+    load_without(drop).expect("the refusal is explained")
+}
+
+/// The agent's own explanation of a real refusal by the kernel, without CAP_BPF: the object's BTF, the
+/// first thing loaded.
+#[test]
+fn a_refused_btf_load_names_cap_bpf() {
+    let err = refusal_without(&[Capability::CAP_BPF, Capability::CAP_SYS_ADMIN]);
+    assert!(
+        err.starts_with("loading the object's BTF was refused")
+            && err.contains("missing CAP_BPF ("),
+        "{err}"
+    );
+    assert!(!err.contains("missing CAP_PERFMON"), "{err}");
+}
+
+/// A real refusal by the verifier, without CAP_PERFMON: the tc program.
+#[test]
+fn a_refused_program_load_names_cap_perfmon() {
+    let err = refusal_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN]);
+    assert!(
+        err.starts_with("loading a program was refused") && err.contains("missing CAP_PERFMON ("),
+        "{err}"
+    );
+    assert!(!err.contains("missing CAP_BPF"), "{err}");
+}
+
+/// Without CAP_NET_ADMIN the kernel refuses to load a tc program at all.
+#[test]
+fn a_refused_program_load_names_cap_net_admin() {
+    let err = refusal_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN]);
+    assert!(
+        err.starts_with("loading a program was refused") && err.contains("missing CAP_NET_ADMIN ("),
+        "{err}"
+    );
+}
+
+/// An EPERM with every capability there was refused by something else: the agent
+/// does not blame a capability.
+#[test]
+fn a_refusal_with_every_capability_there_is_not_explained() {
+    require_root().expect("privileged test");
+    let err = std::io::Error::from_raw_os_error(libc::EPERM);
+    assert!(explain(&err).is_none(), "explained as {:?}", explain(&err));
 }

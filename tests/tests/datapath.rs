@@ -20,17 +20,13 @@ const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const CLIENT: Ipv4Addr = one_node::CLIENT.1;
+const VIP: Ipv4Addr = one_node::CLUSTER_IP;
 const EMPTY_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const LOCAL_ONLY_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const HAIRPIN_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
 const HAIRPIN_SRC: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
-const BACKENDS: [Ipv4Addr; 3] = [
-    Ipv4Addr::new(10, 200, 0, 11),
-    Ipv4Addr::new(10, 200, 0, 12),
-    Ipv4Addr::new(10, 200, 0, 13),
-];
+const BACKENDS: [Ipv4Addr; 3] = one_node::BACKEND_IPS;
 
 /// A loaded datapath on its own pin directory, removed on drop even when the
 /// test panics.
@@ -197,7 +193,10 @@ fn frontend(
     }
 }
 
-use ebpf_proxy_tests::frames::{self as frame, Spec, build, parse_checked};
+use ebpf_proxy_tests::{
+    frames::{self as frame, Spec, build, parse_checked},
+    topology::{one_node, two_node},
+};
 
 fn run(fx: &Fixture, input: &[u8]) -> (u32, Vec<u8>) {
     try_run(fx, input)
@@ -1064,11 +1063,11 @@ fn new_flows_spread_uniformly_in_the_kernel() {
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_REDIRECT: u32 = 4;
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
-const PEER_NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 2);
-const OUTSIDE: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
-const OUTSIDE_DENIED: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 101);
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 10);
+const NODE_IP: Ipv4Addr = two_node::NODE_A_IP;
+const PEER_NODE: Ipv4Addr = two_node::NODE_B_IP;
+const OUTSIDE: Ipv4Addr = two_node::CLIENT1.1;
+const OUTSIDE_DENIED: Ipv4Addr = two_node::CLIENT2.1;
+const REMOTE_POD: Ipv4Addr = two_node::NODE_B_POD;
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
 const NODE_PORT: u16 = 30080;
 const LOCAL_ONLY_NODE_PORT: u16 = 30081;

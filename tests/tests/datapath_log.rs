@@ -24,10 +24,9 @@ use ebpf_proxy_tests::{
 };
 use proxy_common::datapath_log::PER_CPU_PER_WINDOW;
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKEND: (&str, Ipv4Addr) = ("backend-a", Ipv4Addr::new(10, 200, 0, 11));
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
+use ebpf_proxy_tests::topology::one_node::{CLIENT, TCP_PORT, UDP_PORT};
+
+const BACKEND: (&str, Ipv4Addr) = ebpf_proxy_tests::topology::one_node::BACKENDS[0];
 /// `test/empty`: a ClusterIP without endpoints, whose packets are rejected.
 const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 /// `test/lb`'s load-balancer IP; its source ranges leave the client out.

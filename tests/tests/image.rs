@@ -13,7 +13,7 @@
 //! Needs root, the image (`cargo xtask image`, which `cargo xtask test` runs)
 //! and podman with crun or runc.
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 mod daemonset;
 
 use std::{

@@ -4,7 +4,7 @@
 //! without a panic and with errors naming it, or skipped with an error that
 //! names it; the source keeps going. No BPF and no root.
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 // Shared with proxy-userspace's manifest test, which also uses its Node.
 #[allow(dead_code)]
 #[path = "../../proxy-userspace/tests/object_mutation/mod.rs"]

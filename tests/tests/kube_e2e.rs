@@ -6,7 +6,7 @@
 //!
 //! Needs root (namespaces, BPF) and the release binary (`cargo xtask build`).
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -5,7 +5,7 @@
 //!
 //! Needs root (namespaces, BPF) and the release binary (`cargo xtask build`).
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     fs,
@@ -24,10 +24,9 @@ use ebpf_proxy_tests::{
 };
 use serde_json::{Value, json};
 
-const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
-const BACKENDS: [(&str, Ipv4Addr); 1] = [("backend-a", Ipv4Addr::new(10, 200, 0, 11))];
-const TCP_PORT: u16 = 8080;
-const UDP_PORT: u16 = 5353;
+use ebpf_proxy_tests::topology::one_node::{CLIENT, TCP_PORT, UDP_PORT};
+
+const BACKENDS: [(&str, Ipv4Addr); 1] = [ebpf_proxy_tests::topology::one_node::BACKENDS[0]];
 /// Set by the file (kube-proxy's default is 127.0.0.1:10249).
 const METRICS_FROM_FILE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10359);
 /// Set by the file, and overridden by the harness's --healthz-bind-address.

@@ -7,10 +7,7 @@
 //! The terminal cases run the binary under `script` (util-linux's, in Debian's
 //! essential `bsdutils`), which gives it a pseudo-terminal.
 
-use std::{
-    net::Ipv4Addr,
-    process::{Command, Output},
-};
+use std::process::{Command, Output};
 
 use ebpf_proxy_tests::{
     Protocol,
@@ -18,6 +15,7 @@ use ebpf_proxy_tests::{
     manifest::{ManifestDir, Service},
     netns::{NetNs, unique_stem},
     require_root,
+    topology::one_node,
 };
 use serde_json::Value;
 
@@ -30,20 +28,10 @@ fn node_with_one_service() -> (NetNs, ManifestDir) {
     let node = NetNs::create(&format!("{stem}-logs")).expect("creating the node namespace");
     node.ip(&["link", "set", "lo", "up"]).expect("lo up");
     let manifests = ManifestDir::create(&stem).expect("manifest directory");
-    let svc = Service::new("logs", "web", Ipv4Addr::new(10, 96, 0, 10)).port(
-        "http",
-        80,
-        Protocol::Tcp,
-        8080,
-    );
+    let svc =
+        Service::new("logs", "web", one_node::CLUSTER_IP).port("http", 80, Protocol::Tcp, 8080);
     manifests
-        .write(
-            "web.yaml",
-            &svc.yaml(Some(&[
-                Ipv4Addr::new(10, 200, 0, 11),
-                Ipv4Addr::new(10, 200, 0, 12),
-            ])),
-        )
+        .write("web.yaml", &svc.yaml(Some(&one_node::BACKEND_IPS[..2])))
         .expect("writing the manifest");
     (node, manifests)
 }

@@ -8,7 +8,7 @@
 //! Needs root (namespaces, BPF), the release binary (`cargo xtask build`) and
 //! `promtool` (Debian's `prometheus`, which `cargo xtask setup` installs).
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     collections::BTreeMap,

@@ -315,12 +315,15 @@ mod tests {
         frame::{be16, ip_residual, l4_residual, put16, view},
         *,
     };
-    use crate::frames::TCP;
+    use crate::{
+        frames::TCP,
+        topology::{one_node, two_node},
+    };
 
-    const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
-    const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+    const CLIENT: Ipv4Addr = one_node::CLIENT.1;
+    const VIP: Ipv4Addr = one_node::CLUSTER_IP;
     const EMPTY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
-    const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 11);
+    const BACKEND: Ipv4Addr = one_node::BACKEND_IPS[0];
 
     fn universe() -> Universe {
         let fe = |addr, backends: Vec<(Ipv4Addr, u16)>| Frontend {
@@ -334,7 +337,7 @@ mod tests {
         };
         Universe {
             frontends: vec![fe(VIP, vec![(BACKEND, 8080)]), fe(EMPTY, vec![])],
-            node_ip: Ipv4Addr::new(192, 168, 50, 1),
+            node_ip: two_node::NODE_A_IP,
             snat_ports: 1024..=29999,
             hairpin_src: Ipv4Addr::new(169, 254, 42, 1),
             clients: vec![CLIENT],

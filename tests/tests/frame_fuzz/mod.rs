@@ -25,6 +25,7 @@ use ebpf_proxy_tests::{
         Universe,
     },
     netns::{NetNs, unique_stem},
+    topology::{one_node, two_node},
 };
 use proxy_common::{CtKey, CtValue, counter, ct_dir, ct_flags};
 use proxy_userspace::{
@@ -37,23 +38,19 @@ use proxy_userspace::{
     source::ObjectKey,
 };
 
-const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 2);
-const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const CLIENT: Ipv4Addr = one_node::CLIENT.1;
+const VIP: Ipv4Addr = one_node::CLUSTER_IP;
 const EMPTY_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const DROP_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 const HAIRPIN_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
 const AFFINITY_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 50);
 const HAIRPIN_SRC: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
-const BACKENDS: [Ipv4Addr; 3] = [
-    Ipv4Addr::new(10, 200, 0, 11),
-    Ipv4Addr::new(10, 200, 0, 12),
-    Ipv4Addr::new(10, 200, 0, 13),
-];
-const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 1);
-const PEER_NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 2);
-const OUTSIDE: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 100);
-const OUTSIDE_DENIED: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 101);
-const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 10);
+const BACKENDS: [Ipv4Addr; 3] = one_node::BACKEND_IPS;
+const NODE_IP: Ipv4Addr = two_node::NODE_A_IP;
+const PEER_NODE: Ipv4Addr = two_node::NODE_B_IP;
+const OUTSIDE: Ipv4Addr = two_node::CLIENT1.1;
+const OUTSIDE_DENIED: Ipv4Addr = two_node::CLIENT2.1;
+const REMOTE_POD: Ipv4Addr = two_node::NODE_B_POD;
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
 const NODE_PORT: u16 = 30080;
 const UDP_NODE_PORT: u16 = 30053;

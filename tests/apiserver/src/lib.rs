@@ -33,11 +33,6 @@
 //! validated beyond `kind` and `metadata.name`, so malformed objects go out
 //! as they are.
 
-#![allow(
-    dead_code,
-    reason = "every test binary includes this module and uses a different part of it"
-)]
-
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     io,

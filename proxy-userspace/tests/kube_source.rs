@@ -1,5 +1,5 @@
-//! The Kubernetes API source against a fake API server (tests/apiserver/):
-//! the real kube-rs client and watcher, list and watch over loopback HTTP,
+//! The Kubernetes API source against the loopback API server (`ebpf-proxy-apiserver`,
+//! tests/apiserver/): the real kube-rs client and watcher, list and watch over loopback HTTP,
 //! and the faults an API server has (dropped and stalled streams, expired
 //! resource versions, 5xx, outages, malformed objects). No BPF and no root:
 //! what comes out is the stream of `SourceEvent`s, and, in the last tests,
@@ -7,7 +7,7 @@
 //!
 //! Each test has its own server on 127.0.0.1:0, so they run in parallel.
 
-mod apiserver;
+use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     collections::VecDeque,

@@ -1,0 +1,916 @@
+//! The node's own connections through the agent's socket hooks, on real sockets: a
+//! routed node (docs/architecture.md, "Test topologies") with three backend pods and
+//! the agent's cgroup hooks on a cgroup of each test's own. Connections from the node
+//! never cross tc ingress; the hooks translate them at connect() and sendmsg(), close
+//! the node's UDP sockets whose backend leaves, and keep what they remember about a
+//! socket in the socket itself.
+//!
+//! Every test builds its own namespaces, cgroup, bpffs root and manifest directory, so
+//! they run in parallel; everything is removed on drop, also when a test fails.
+
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddrV4},
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::SYNC_DEADLINE,
+    cgroup::TestCgroup,
+    manifest::{Service, ServiceType},
+    netns::NetNs,
+    require_root,
+    sandbox::Sandbox,
+    topology::one_node::{
+        BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, backend_ips, backend_names, dns, http,
+        web_service,
+    },
+};
+use proxy_common::{SockNote, sock_note};
+use proxy_userspace::datapath::{
+    PinLayout,
+    sock_diag::{SockDiag, UdpSocket},
+    sock_notes::{self, Notes},
+};
+
+/// `script` run by bash (whose `/dev/tcp` and `/dev/udp` open connected sockets) in
+/// `ns`, inside `cgroup` when given, for at most 3 s.
+fn bash_in(ns: &NetNs, cgroup: Option<&TestCgroup>, script: &str) -> std::process::Output {
+    let mut cmd = match cgroup {
+        Some(cgroup) => cgroup.command_in(ns, "timeout"),
+        None => ns.command("timeout"),
+    };
+    cmd.args(["3", "bash", "-c", script])
+        .output()
+        .expect("running bash")
+}
+
+/// The `<backend> <peer>` greeting a bash client printed, or a panic that says what
+/// went wrong.
+fn greeting(sb: &Sandbox, out: &std::process::Output, what: &str) -> (String, String) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    match (out.status.success(), words.next(), words.next()) {
+        (true, Some(name), Some(peer)) => (name.to_string(), peer.to_string()),
+        _ => panic!(
+            "{what}: {} stdout {text:?} stderr {:?}; agent log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            sb.agent().log()
+        ),
+    }
+}
+
+/// A sandbox with `manifests` written and the agent running with its socket hooks on
+/// a cgroup of the test's own, returned with the cgroup.
+fn hooked_sandbox(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    for (name, yaml) in manifests {
+        sb.manifests().write(name, yaml).expect("write manifest");
+    }
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    (sb, cgroup)
+}
+
+/// `n` bash clients of the node in `cgroup`, the `i`th running the script `client(i)`
+/// gives with its description: each must reach a backend, which sees the node's
+/// address, and they must reach at least two backends in all.
+fn spread_from_the_node(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    n: usize,
+    client: impl Fn(usize) -> (String, String),
+) {
+    let mut backends = BTreeSet::new();
+    for i in 0..n {
+        let (script, what) = client(i);
+        let out = bash_in(&sb.topology().node, Some(cgroup), &script);
+        let (backend, peer) = greeting(sb, &out, &what);
+        assert!(
+            peer.starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "{what}: the backend saw {peer}, not the node's address"
+        );
+        backends.insert(backend);
+    }
+    assert!(
+        backends.len() >= 2,
+        "{n} connections from the node all reached {backends:?}"
+    );
+}
+
+/// (f) Connections that start on the node itself (host-network pods, node agents)
+/// never cross tc ingress: the agent's connect() hook on the cgroup sends them to a
+/// backend. TCP connections spread over the backends and reach them from the node's
+/// address; a connected UDP socket gets its answer; datagrams of unconnected sockets
+/// spread too, their answers showing the ClusterIP as source; a Service without
+/// endpoints refuses at once. Pods' sockets in the same cgroup are left to tc, and processes outside the
+/// cgroup are not translated at all. `cleanup` takes the hook away.
+#[test]
+fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
+    let empty_ip = Ipv4Addr::new(10, 96, 0, 30);
+    let (mut sb, cgroup) = hooked_sandbox(&[
+        (
+            "web.yaml",
+            web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        ),
+        (
+            "empty.yaml",
+            Service::new("test", "empty", empty_ip)
+                .port("http", 80, Protocol::Tcp, TCP_PORT)
+                .yaml(Some(&[])),
+        ),
+    ]);
+    let root = cgroup.path().display().to_string();
+    let tcp = format!("exec 3<>/dev/tcp/{CLUSTER_IP}/80 && head -n1 <&3");
+    let udp = format!("exec 3<>/dev/udp/{CLUSTER_IP}/53 && echo hi >&3 && head -n1 <&3");
+
+    let tc_new_before = sb.counter("dnat_new");
+    spread_from_the_node(&sb, &cgroup, 30, |i| {
+        (tcp.clone(), format!("TCP connection {i} from the node"))
+    });
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &udp);
+    let (backend, _) = greeting(&sb, &out, "UDP request from the node");
+    assert!(backend_names().contains(&backend.as_str()), "{backend}");
+    // Unconnected: every datagram balanced anew, every answer from the frontend.
+    let mut udp_backends = BTreeSet::new();
+    for i in 0..12 {
+        let out = cgroup
+            .command_in(&sb.topology().node, env!("CARGO_BIN_EXE_udp-sendto"))
+            .arg(dns(CLUSTER_IP).to_string())
+            .output()
+            .expect("running udp-sendto");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (backend, from) = match text.trim().split_once(" from ") {
+            Some((answer, from)) if out.status.success() => (
+                answer
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string(),
+                from.to_string(),
+            ),
+            _ => panic!(
+                "unconnected UDP datagram {i} from the node: {} {text:?} {:?}; agent log:\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr),
+                sb.agent().log()
+            ),
+        };
+        assert_eq!(
+            from,
+            dns(CLUSTER_IP).to_string(),
+            "the answer to a datagram sent to the ClusterIP came from elsewhere"
+        );
+        udp_backends.insert(backend);
+    }
+    assert!(
+        udp_backends.len() >= 2,
+        "12 datagrams from unconnected sockets all reached {udp_backends:?}"
+    );
+    let out = bash_in(
+        &sb.topology().node,
+        Some(&cgroup),
+        &format!("exec 3<>/dev/tcp/{empty_ip}/80"),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("refused"),
+        "a connection from the node to a Service without endpoints: {} {stderr:?}",
+        out.status
+    );
+    for (name, want, what) in [
+        (
+            "sock_connect_translated",
+            31,
+            "30 TCP connections and a UDP socket from the node",
+        ),
+        (
+            "sock_connect_refused",
+            1,
+            "one connection to a Service without endpoints",
+        ),
+        (
+            "sock_sendmsg_translated",
+            12,
+            "12 datagrams from unconnected sockets",
+        ),
+        (
+            "dnat_new",
+            tc_new_before,
+            "none: the node's connections must not go through tc's translation",
+        ),
+    ] {
+        assert_eq!(sb.counter(name), want, "counter {name}: {what}");
+    }
+
+    // A pod's socket in the same cgroup: translated by tc, not by the hook.
+    let out = bash_in(&sb.client().ns, Some(&cgroup), &tcp);
+    let (_, peer) = greeting(&sb, &out, "TCP connection from a pod in the cgroup");
+    assert!(
+        peer.starts_with(&format!("{}:", CLIENT.1)),
+        "the backend saw {peer}, not the pod's address"
+    );
+    assert_eq!(
+        sb.counter("sock_connect_translated"),
+        31,
+        "the hook translated a pod's connection, which is tc's to translate"
+    );
+    assert_eq!(
+        sb.counter("dnat_new"),
+        tc_new_before + 1,
+        "tc did not translate the pod's connection"
+    );
+
+    // Outside the cgroup the hook sees nothing: the ClusterIP leads nowhere.
+    let out = bash_in(&sb.topology().node, None, &tcp);
+    assert!(
+        !out.status.success(),
+        "a process of the node outside the hook's cgroup reached the ClusterIP: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // The hook outlives the agent through its pinned link, and the next agent
+    // swaps its own program into that link.
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    greeting(
+        &sb,
+        &out,
+        "TCP connection from the node after the agent exited",
+    );
+    let mut again = sb
+        .agent_on_the_same_root(&["--cgroup-root", &root])
+        .expect("start the agent again");
+    assert!(
+        again.log().contains("took over pinned cgroup link"),
+        "the restarted agent did not take the pinned link over; its log:\n{}",
+        again.log()
+    );
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    greeting(&sb, &out, "TCP connection from the node after the restart");
+    assert_eq!(
+        sb.counter("sock_connect_translated"),
+        33,
+        "the connections before and after the restart"
+    );
+    let status = again.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
+
+    sb.agent_mut().cleanup().expect("ebpf-proxy cleanup");
+    let out = bash_in(&sb.topology().node, Some(&cgroup), &tcp);
+    assert!(
+        !out.status.success(),
+        "the node still reaches the ClusterIP after `ebpf-proxy cleanup`: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// (g) The node's own connections to 127.0.0.0/8 reach NodePorts, as with kube-proxy's
+/// `--iptables-localhost-nodeports` (its default): TCP and connected UDP, from the
+/// node's address, spread over the backends. `--localhost-nodeports=false`, or
+/// `--nodeport-addresses` without 127.0.0.1, turns them off.
+#[test]
+fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
+    let (mut sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP)
+            .type_(ServiceType::NodePort)
+            .node_port("http", 30080)
+            .node_port("dns", 30053)
+            .yaml(Some(&backend_ips())),
+    )]);
+    let root = cgroup.path().display().to_string();
+    let node = &sb.topology().node;
+    let tcp = |ip: &str| format!("exec 3<>/dev/tcp/{ip}/30080 && head -n1 <&3");
+
+    spread_from_the_node(&sb, &cgroup, 20, |i| {
+        let ip = if i % 2 == 0 { "127.0.0.1" } else { "127.1.2.3" };
+        (tcp(ip), format!("TCP connection {i} to {ip}:30080"))
+    });
+    let out = bash_in(
+        node,
+        Some(&cgroup),
+        "exec 3<>/dev/udp/127.0.0.1/30053 && echo hi >&3 && head -n1 <&3",
+    );
+    let (backend, _) = greeting(&sb, &out, "UDP request to 127.0.0.1:30053");
+    assert!(backend_names().contains(&backend.as_str()), "{backend}");
+    assert_eq!(
+        sb.counter("sock_connect_translated"),
+        21,
+        "20 TCP connections and a UDP socket to localhost NodePorts"
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("localhost NodePorts: on"),
+        "status does not show localhost NodePorts on:\n{status}"
+    );
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+
+    for args in [
+        &["--localhost-nodeports=false"][..],
+        &["--nodeport-addresses", "10.0.0.0/8"][..],
+    ] {
+        let node = &sb.topology().node;
+        let mut agent = sb
+            .agent_on_the_same_root(&[&["--cgroup-root", &root][..], args].concat())
+            .expect("start the agent again");
+        let status = agent.status().expect("status");
+        assert!(
+            status.contains("localhost NodePorts: off"),
+            "with {args:?}, status does not show localhost NodePorts off:\n{status}"
+        );
+        let before = sb.counter("sock_connect_translated");
+        let out = bash_in(node, Some(&cgroup), &tcp("127.0.0.1"));
+        assert!(
+            !out.status.success(),
+            "with {args:?}, 127.0.0.1:30080 still reached {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        // The node's own address still serves the NodePort.
+        let out = bash_in(
+            node,
+            Some(&cgroup),
+            &tcp(&ebpf_proxy_tests::topology::NODE_IP.to_string()),
+        );
+        greeting(
+            &sb,
+            &out,
+            &format!("TCP connection to the node's NodePort with {args:?}"),
+        );
+        assert_eq!(
+            sb.counter("sock_connect_translated"),
+            before + 1,
+            "with {args:?}: only the connection to the node's address is translated; \
+             status:\n{}\nagent log:\n{}",
+            agent.status().unwrap_or_default(),
+            agent.log()
+        );
+        let status = agent.terminate().expect("stop the agent");
+        assert!(status.success(), "the agent exited with {status}");
+    }
+}
+
+/// (i) A socket of the node that the hook connected to a backend shows the frontend as
+/// its peer (`getpeername()`), as a connection DNATed by kube-proxy does, while the
+/// backend sees the node's address; a socket connected straight to a pod shows the pod.
+#[test]
+fn the_nodes_sockets_show_the_frontend_as_their_peer() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let node = &sb.topology().node;
+    let tcp_peer = |target: SocketAddrV4| {
+        let out = cgroup
+            .command_in(node, env!("CARGO_BIN_EXE_tcp-peer"))
+            .arg(target.to_string())
+            .output()
+            .expect("running tcp-peer");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "tcp-peer {target}: {} {text:?} {:?}; agent log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            sb.agent().log()
+        );
+        // `<peer> <backend> <address the backend saw>`
+        let words: Vec<String> = text.split_whitespace().map(str::to_owned).collect();
+        assert_eq!(words.len(), 3, "tcp-peer {target} printed {text:?}");
+        words
+    };
+    for i in 0..6 {
+        let words = tcp_peer(http(CLUSTER_IP));
+        assert_eq!(
+            words[0],
+            http(CLUSTER_IP).to_string(),
+            "TCP connection {i} to the ClusterIP (reached {}): getpeername() shows another peer",
+            words[1]
+        );
+        assert!(
+            words[2].starts_with(&format!("{}:", ebpf_proxy_tests::topology::NODE_IP)),
+            "the backend saw {}, not the node's address",
+            words[2]
+        );
+    }
+    let pod = SocketAddrV4::new(BACKENDS[0].1, TCP_PORT);
+    let words = tcp_peer(pod);
+    assert_eq!(
+        (words[0].as_str(), words[1].as_str()),
+        (pod.to_string().as_str(), BACKENDS[0].0),
+        "a connection straight to a pod"
+    );
+    let mut udp = ConnectedUdp::start(node, &cgroup, dns(CLUSTER_IP));
+    assert!(
+        udp.backend().is_some(),
+        "connected UDP to the ClusterIP got no answer"
+    );
+    assert_eq!(
+        udp.peer(),
+        dns(CLUSTER_IP).to_string(),
+        "getpeername() of a connected UDP socket to the ClusterIP"
+    );
+}
+
+/// `udp-connected` in `cgroup` in `ns`: one UDP socket connected to `target` for the
+/// process's life, one exchange per line. Killed on drop.
+struct ConnectedUdp {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl ConnectedUdp {
+    fn start(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddrV4) -> ConnectedUdp {
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-connected"))
+            .arg(target.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-connected");
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        ConnectedUdp {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// One datagram and its answer (`<backend> <peer>`), or `error: ...`; within the
+    /// client's 1 s receive timeout.
+    fn exchange(&mut self) -> String {
+        self.send_line("hi")
+    }
+
+    fn send_line(&mut self, line: &str) -> String {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{line}").expect("writing to udp-connected");
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .expect("reading from udp-connected");
+        line.trim().to_owned()
+    }
+
+    /// What `getpeername()` says the socket is connected to.
+    fn peer(&mut self) -> String {
+        self.send_line("peer")
+    }
+
+    /// The backend that answered, or None for an error.
+    fn backend(&mut self) -> Option<String> {
+        let answer = self.exchange();
+        (!answer.starts_with("error")).then(|| {
+            answer
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+    }
+}
+
+impl Drop for ConnectedUdp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `n` connected UDP sockets of the node to the ClusterIP, each with the backend that
+/// answered its first datagram.
+fn connected_udp_clients(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    n: usize,
+) -> Vec<(ConnectedUdp, String)> {
+    (0..n)
+        .map(|i| {
+            let mut client = ConnectedUdp::start(&sb.topology().node, cgroup, dns(CLUSTER_IP));
+            let backend = client.backend().unwrap_or_else(|| {
+                panic!(
+                    "connected UDP client {i} of the node got no answer; agent log:\n{}",
+                    sb.agent().log()
+                )
+            });
+            (client, backend)
+        })
+        .collect()
+}
+
+/// Takes the backend of `clients[0]` out of the Service and checks that the agent
+/// closes exactly the clients' sockets connected to it, within the sync deadline,
+/// while the others, and a socket connected straight to the departing pod, keep
+/// theirs; new sockets then reach the remaining backends. `what` says when.
+fn departed_backends_sockets_are_closed(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    clients: &mut [(ConnectedUdp, String)],
+    what: &str,
+) {
+    let node = &sb.topology().node;
+    let departing = clients[0].1.clone();
+    let (_, departing_ip) = *BACKENDS
+        .iter()
+        .find(|b| b.0 == departing)
+        .unwrap_or_else(|| panic!("answer from {departing}, no backend of the test"));
+    let mut direct = ConnectedUdp::start(node, cgroup, SocketAddrV4::new(departing_ip, UDP_PORT));
+    assert_eq!(direct.backend().as_deref(), Some(departing.as_str()));
+
+    let remaining: Vec<Ipv4Addr> = backend_ips()
+        .into_iter()
+        .filter(|ip| *ip != departing_ip)
+        .collect();
+    sb.manifests()
+        .write("web.yaml", &web_service(CLUSTER_IP).yaml(Some(&remaining)))
+        .expect("rewrite manifest");
+    let written = Instant::now();
+    let deadline = SYNC_DEADLINE + Duration::from_secs(1);
+    while clients[0].0.backend().is_some() && written.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    let mut closed = 0;
+    for (i, (client, backend)) in clients.iter_mut().enumerate() {
+        let now = client.backend();
+        if *backend == departing {
+            assert_eq!(
+                now, None,
+                "{what}: client {i}: {deadline:?} after {departing} left, its socket still reaches it"
+            );
+            closed += 1;
+        } else {
+            assert_eq!(
+                now.as_ref(),
+                Some(&*backend),
+                "{what}: client {i} of {backend}, which stays, lost its socket"
+            );
+        }
+    }
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "{what}: a socket connected straight to the pod's address, not through the hook, was closed"
+    );
+    assert!(
+        sb.agent()
+            .log()
+            .contains(&format!("closed {closed} UDP sockets")),
+        "{what}: the agent's log does not say it closed {closed} sockets:\n{}",
+        sb.agent().log()
+    );
+    for i in 0..10 {
+        let backend = ConnectedUdp::start(node, cgroup, dns(CLUSTER_IP)).backend();
+        assert!(
+            backend.as_ref().is_some_and(|b| *b != departing),
+            "{what}: new connected UDP socket {i} after {departing} left: {backend:?}"
+        );
+    }
+}
+
+/// (h) A UDP socket of the node that the hook connected to a backend stays connected
+/// to it (no conntrack entry stands between), so when the backend leaves the Service
+/// the agent closes the socket, as kube-proxy's conntrack cleanup moves such a flow
+/// and Cilium closes such sockets: its owner reads an error and reconnects. The
+/// node's sockets the hook sent elsewhere, and one connected straight to the
+/// departed pod's address, are left alone.
+#[test]
+fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let mut clients = connected_udp_clients(&sb, &cgroup, 12);
+    departed_backends_sockets_are_closed(&sb, &cgroup, &mut clients, "the backend leaving");
+}
+
+/// `udp-sendto --hold` in `cgroup` in `ns`: an unconnected UDP socket that has sent
+/// one datagram to `target` and reads the answer only when told. Killed on drop.
+struct HeldDatagram {
+    child: Option<std::process::Child>,
+}
+
+impl HeldDatagram {
+    fn send(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddrV4) -> HeldDatagram {
+        use std::io::BufRead;
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-sendto"))
+            .args([&target.to_string(), "--hold"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-sendto --hold");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().expect("piped stdout"))
+            .read_line(&mut line)
+            .expect("reading from udp-sendto");
+        assert_eq!(line.trim(), "sent", "udp-sendto {target} --hold");
+        HeldDatagram { child: Some(child) }
+    }
+
+    /// Reads the answer: `(<answer's first word>, <source>)`.
+    fn receive(mut self) -> (String, String) {
+        use std::io::Write;
+        let mut child = self.child.take().expect("a held datagram is received once");
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        writeln!(stdin).expect("writing to udp-sendto");
+        drop(stdin);
+        let out = child.wait_with_output().expect("waiting for udp-sendto");
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text.trim().split_once(" from ") {
+            Some((answer, from)) if out.status.success() => (
+                answer
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned(),
+                from.to_owned(),
+            ),
+            _ => panic!(
+                "udp-sendto --hold: {} {text:?} {:?}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    }
+}
+
+impl Drop for HeldDatagram {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Connections `tcp-churn` opens: more than the 65,536 entries of the table the socket
+/// hooks once kept their notes in, so that no table of theirs could have held them all.
+const CHURN: u64 = 100_000;
+
+/// (j) What the socket hooks remember about a socket lives with the socket: after
+/// 100,000 TCP connections of the node through the hook, an unconnected UDP socket's
+/// answer to a datagram it sent to the ClusterIP before them still shows the
+/// ClusterIP as its source, and UDP sockets connected through the hook before them are
+/// still closed when their backend leaves.
+#[test]
+fn the_nodes_socket_notes_outlive_tcp_churn() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let node = &sb.topology().node;
+    let mut clients = connected_udp_clients(&sb, &cgroup, 12);
+    let held = HeldDatagram::send(node, &cgroup, dns(CLUSTER_IP));
+    let before = sb.counter("sock_connect_translated");
+
+    let out = cgroup
+        .command_in(node, env!("CARGO_BIN_EXE_tcp-churn"))
+        .args([http(CLUSTER_IP).to_string(), CHURN.to_string()])
+        .output()
+        .expect("running tcp-churn");
+    assert!(
+        out.status.success(),
+        "tcp-churn: {} {:?} {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let translated = sb.counter("sock_connect_translated") - before;
+    assert_eq!(
+        translated, CHURN,
+        "connect() calls of tcp-churn the hook sent to a backend"
+    );
+
+    let (backend, from) = held.receive();
+    assert_eq!(
+        from,
+        dns(CLUSTER_IP).to_string(),
+        "after {CHURN} TCP connections, the answer (from {backend}) to a datagram sent to \
+         the ClusterIP before them shows another source"
+    );
+    departed_backends_sockets_are_closed(
+        &sb,
+        &cgroup,
+        &mut clients,
+        &format!("after {CHURN} TCP connections"),
+    );
+    // Over 100,000 sockets got notes; only the 12 still open keep them.
+    notes_down_to(
+        &sb,
+        clients.len(),
+        &format!("after {CHURN} TCP connections"),
+    );
+}
+
+/// The node's IPv4 UDP sockets, as the kernel's socket dump lists them.
+fn node_udp_sockets(sb: &Sandbox) -> Vec<UdpSocket> {
+    sb.topology()
+        .node
+        .run(|| SockDiag::open().and_then(|mut diag| diag.udp()))
+        .expect("entering the node's namespace")
+        .expect("listing the node's UDP sockets")
+}
+
+/// What the socket hooks have noted in every socket that holds notes, read out of
+/// `SOCK_NOTES` by the agent's pinned iterator.
+fn hooks_notes(sb: &Sandbox) -> Notes {
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    sock_notes::read(&pins.sock_notes()).expect("reading the socket hooks' notes")
+}
+
+/// The hooks' notes once at most `most` sockets hold some, or a panic after 5 s: the
+/// kernel frees a closed socket's storage after an RCU grace period.
+fn notes_down_to(sb: &Sandbox, most: usize, what: &str) -> Notes {
+    let start = Instant::now();
+    loop {
+        let notes = hooks_notes(sb);
+        if notes.len() <= most {
+            return notes;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{what}: {} sockets still hold notes, {most} expected",
+            notes.len()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The notes of `socket` that are not empty.
+fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
+    notes
+        .of(socket.cookie())
+        .map(|n| {
+            n.notes
+                .iter()
+                .copied()
+                .filter(|n| n.backend_be != 0)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// (k) What the socket hooks remember about a socket is kept in the socket itself
+/// (socket-local storage), as the agent's pinned iterator over the map lists it: each
+/// unconnected socket that sent a datagram to the ClusterIP holds one note (the
+/// backend it went to, in the slot of that backend, the ClusterIP, sent), each socket
+/// the hook connected holds one for its peer (connected), a socket connected straight
+/// to a pod holds none, and the map holds nothing else. Once sockets close, the map's
+/// entries for them are gone, and the others' stay. The `SOCK_REVNAT` table an earlier
+/// agent kept its notes in is unpinned by the next agent.
+#[test]
+fn the_hooks_notes_live_in_their_sockets() {
+    let (mut sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    let node = &sb.topology().node;
+    let held: Vec<HeldDatagram> = (0..8)
+        .map(|_| HeldDatagram::send(node, &cgroup, dns(CLUSTER_IP)))
+        .collect();
+    let mut clients = connected_udp_clients(&sb, &cgroup, 4);
+    let pod = SocketAddrV4::new(BACKENDS[0].1, UDP_PORT);
+    let mut direct = ConnectedUdp::start(node, &cgroup, pod);
+    assert_eq!(direct.backend().as_deref(), Some(BACKENDS[0].0));
+
+    let frontend = dns(CLUSTER_IP);
+    let backends: BTreeSet<SocketAddrV4> = backend_ips()
+        .into_iter()
+        .map(|ip| SocketAddrV4::new(ip, UDP_PORT))
+        .collect();
+    let addr = |addr_be: u32, port_be: u16| {
+        SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
+    };
+    let notes = hooks_notes(&sb);
+    let sockets = node_udp_sockets(&sb);
+    let (mut sent, mut connected) = (0, 0);
+    for socket in &sockets {
+        let kept = notes_of(&notes, socket);
+        if kept.is_empty() {
+            continue;
+        }
+        assert_eq!(
+            kept.len(),
+            1,
+            "{socket:?}: one socket, one backend: {kept:?}"
+        );
+        let note = kept[0];
+        let backend = addr(note.backend_be, note.backend_port_be);
+        assert!(
+            backends.contains(&backend),
+            "{socket:?}: {backend} is no backend"
+        );
+        assert_eq!(
+            addr(note.frontend_be, note.frontend_port_be),
+            frontend,
+            "{socket:?}: the frontend noted"
+        );
+        assert_eq!(
+            notes
+                .of(socket.cookie())
+                .and_then(|n| n.find(note.backend_be, note.backend_port_be)),
+            Some(&note),
+            "{socket:?}: the note is not in its backend's slot"
+        );
+        if socket.connected() {
+            assert_eq!(socket.peer(), backend, "{socket:?}: noted another backend");
+            assert_eq!(
+                note.how,
+                sock_note::CONNECTED,
+                "{socket:?}: how it was sent"
+            );
+            assert!(notes.hook_connected(socket), "{socket:?}");
+            connected += 1;
+        } else {
+            assert_eq!(note.how, sock_note::SENT, "{socket:?}: how it was sent");
+            sent += 1;
+        }
+    }
+    assert_eq!(
+        (sent, connected),
+        (8, 4),
+        "sockets with notes (unconnected, connected) among the node's {} UDP sockets: {sockets:#?}",
+        sockets.len()
+    );
+    assert_eq!(
+        notes.len(),
+        12,
+        "sockets holding notes in SOCK_NOTES: {notes:?}"
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("sockets with socket hook notes: 12 "),
+        "status does not count the 12 sockets with notes:\n{status}"
+    );
+    let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod).collect();
+    assert!(
+        straight
+            .iter()
+            .filter(|s| notes.of(s.cookie()).is_none())
+            .count()
+            == 1,
+        "the socket connected straight to {pod} holds notes, or is not listed: {straight:#?}"
+    );
+
+    // The map's own entries go with their sockets, not just the sockets.
+    drop(held);
+    clients.truncate(1);
+    let notes = notes_down_to(&sb, 1, "11 of the 12 sockets with notes closed");
+    let left = node_udp_sockets(&sb)
+        .into_iter()
+        .filter(|s| notes.hook_connected(s))
+        .count();
+    assert!(
+        notes.len() == 1 && left == 1,
+        "after 11 of the 12 sockets with notes closed: {notes:?}, {left} connected by the hook"
+    );
+    assert!(
+        clients[0].0.backend().is_some(),
+        "the socket left open lost its backend"
+    );
+
+    // An agent that kept its notes in the SOCK_REVNAT table left it pinned; the next
+    // agent unpins it.
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let revnat = PinLayout::new(sb.agent().bpf_root()).map("SOCK_REVNAT");
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&revnat)
+        .args([
+            "type", "lru_hash", "key", "16", "value", "8", "entries", "16",
+        ])
+        .args(["name", "SOCK_REVNAT"])
+        .output()
+        .expect("running bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let root = cgroup.path().display().to_string();
+    let mut again = sb
+        .agent_on_the_same_root(&["--cgroup-root", &root])
+        .expect("start the agent again");
+    assert!(
+        !revnat.exists()
+            && again
+                .log()
+                .contains("unpinned a map this release no longer has"),
+        "a SOCK_REVNAT pin left by an earlier agent stays; log:\n{}",
+        again.log()
+    );
+    let status = again.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
+}

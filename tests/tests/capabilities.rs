@@ -273,6 +273,12 @@ fn a_refused_program_load_names_cap_net_admin() {
 #[test]
 fn a_refusal_with_every_capability_there_is_not_explained() {
     require_root().expect("privileged test");
+    let effective = effective().expect("reading this process's capabilities");
+    assert!(
+        missing_from(&REQUIRED, &effective).is_empty(),
+        "this test needs every capability the agent needs; missing {:?}",
+        missing_from(&REQUIRED, &effective)
+    );
     let err = std::io::Error::from_raw_os_error(libc::EPERM);
     assert!(explain(&err).is_none(), "explained as {:?}", explain(&err));
 }

@@ -26,7 +26,7 @@ use ebpf_proxy_tests::{
 };
 
 use ebpf_proxy_tests::topology::one_node::{
-    BACKENDS, CLIENT, CLUSTER_IP, IPT_CLIENT, TCP_PORT, UDP_PORT,
+    BACKENDS, CLIENT, CLUSTER_IP, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips, dns, http,
 };
 /// The iptables reference's VIP; the agent does not know it, so its program passes
 /// that traffic to netfilter untouched.
@@ -68,18 +68,6 @@ fn service(name: &str, cluster_ip: Ipv4Addr, affinity: SessionAffinity) -> Servi
 
 fn client_ip(timeout_seconds: Option<u32>) -> SessionAffinity {
     SessionAffinity::ClientIp { timeout_seconds }
-}
-
-fn backend_ips() -> Vec<Ipv4Addr> {
-    BACKENDS.iter().map(|b| b.1).collect()
-}
-
-fn http(ip: Ipv4Addr) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, 80)
-}
-
-fn dns(ip: Ipv4Addr) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, 53)
 }
 
 /// A sandbox with `clients` and `backends`, `yaml` as `web.yaml`, and the agent on it.

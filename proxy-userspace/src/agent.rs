@@ -3,6 +3,7 @@
 
 mod node;
 pub mod sync;
+mod takeover;
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -37,6 +38,7 @@ use crate::{
 };
 use node::NodeMaps;
 use sync::{SyncLoop, SyncTarget};
+use takeover::Takeover;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -158,7 +160,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let mut state = ClusterState::new(config.node_name.clone());
     let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
-    let mut older_layouts_retired = false;
+    let mut takeover = Takeover::default();
     loop {
         let wakeup = sync.wakeup();
         tokio::select! {
@@ -169,8 +171,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 sync.interfaces_applied(Instant::now());
             }
             _ = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
-                sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
-                if let Some(checks) = sync.take_health_checks() {
+                let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
+                if let Some(checks) = follow_ups.health_checks {
                     health_checks.update(checks).await;
                 }
             }
@@ -181,26 +183,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if !older_layouts_retired && sync.serving() && datapath.attached().next().is_some() {
-            older_layouts_retired = true;
-            match datapath.finish_resize() {
-                Some(Ok(flows)) => info!(
-                    flows_carried_over = flows,
-                    "the conntrack map of the former size is gone"
-                ),
-                Some(Err(e)) => warn!(error = %e, "finishing the conntrack resize"),
-                None => {}
-            }
-            let pins = datapath.pins().clone();
-            for retired in crate::datapath::upgrade::retire_older_layouts(&pins, &mut datapath.maps)
-            {
-                info!(
-                    dir = %retired.dir.display(),
-                    flows_carried_over = retired.flows,
-                    "retired the datapath of an older layout version"
-                );
-            }
-        }
+        let attached = datapath.attached().next().is_some();
+        takeover.poll(sync.serving(), attached, || takeover::finish(&mut datapath));
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())

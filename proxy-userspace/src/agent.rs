@@ -19,13 +19,14 @@ use tracing::{error, info, warn};
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack, event_log,
+        Datapath, DatapathError, PinLayout, XdpModeSetting, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
-        sock_diag,
     },
-    healthcheck::HealthCheckServer,
-    http::{self, Health, HttpError},
+    health_check_server::HealthCheckServer,
+    healthz::Health,
+    housekeeping,
+    http::{self, HttpError},
     metrics::{
         Metrics,
         datapath::{DatapathCollector, InterfaceModes},
@@ -159,7 +160,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
     let mut state = ClusterState::new(config.node_name.clone());
-    let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
+    let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
     let mut takeover = Takeover::default();
     loop {
         let wakeup = sync.wakeup();
@@ -179,7 +180,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
                 node.sync(&mut datapath.maps, Instant::now());
             }
-            _ = reap.tick() => reap_conntrack(&mut datapath),
+            _ = reap.tick() => housekeeping::reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
@@ -273,33 +274,7 @@ impl SyncTarget for Datapath {
     }
 
     fn clean_departed(&mut self, departed: &[Departed]) {
-        match conntrack::purge_departed(&mut self.maps, departed) {
-            Ok(swept) if swept != Default::default() => info!(
-                udp_flows = swept.conntrack,
-                affinities = swept.affinity,
-                "removed flows and affinity of departed backends"
-            ),
-            Ok(_) => {}
-            Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
-        }
-        match sock_diag::close_departed(&self.pins().sock_notes(), departed) {
-            Ok(0) => {}
-            Ok(closed) => {
-                info!("closed {closed} UDP sockets of the node connected to departed backends")
-            }
-            Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
-        }
-    }
-}
-
-/// How often idle conntrack entries are reaped.
-const CONNTRACK_REAP_PERIOD: Duration = Duration::from_secs(10);
-
-fn reap_conntrack(datapath: &mut Datapath) {
-    match conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()) {
-        Ok(0) => {}
-        Ok(n) => tracing::debug!(entries = n, "reaped idle conntrack entries"),
-        Err(e) => warn!(error = %e, "reaping conntrack"),
+        housekeeping::clean_departed(self, departed);
     }
 }
 

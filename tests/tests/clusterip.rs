@@ -29,10 +29,12 @@ use ebpf_proxy_tests::{
     stats::{ChiSquare, chi_square_uniform},
 };
 use proxy_common::{SockNote, sock_note};
-use proxy_userspace::datapath::{
-    Maps, PinLayout,
-    sock_diag::{SockDiag, UdpSocket},
-    sock_notes::{self, Notes},
+use proxy_userspace::{
+    datapath::{Maps, PinLayout},
+    housekeeping::{
+        sock_diag::{SockDiag, UdpSocket},
+        sock_notes::{self, Notes},
+    },
 };
 
 use ebpf_proxy_tests::topology::one_node::{

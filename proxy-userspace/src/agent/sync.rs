@@ -41,7 +41,7 @@ use self::{
     sweep::{Sweeper, Swept},
 };
 use crate::{
-    http::Health,
+    healthz::Health,
     metrics::{ProxyMetrics, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
     planner::{Departed, MapStore, Planner},

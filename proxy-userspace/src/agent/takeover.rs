@@ -6,7 +6,7 @@
 
 use tracing::{info, warn};
 
-use crate::datapath::{Datapath, upgrade};
+use crate::{datapath::Datapath, housekeeping::upgrade};
 
 /// Whether the takeover's work has been done.
 #[derive(Debug, Default)]

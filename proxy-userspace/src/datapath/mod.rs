@@ -1,13 +1,15 @@
 //! The kernel side as the agent sees it: loading the eBPF object with its
 //! maps pinned, attaching it to interfaces through pinned links, and the map
-//! handles the planner writes through.
+//! handles the planner writes through. What is done with the maps' flows
+//! and the node's sockets beyond that is policy, in `housekeeping`; the load
+//! calls two of its parts, as they must run around it (a resized conntrack
+//! set aside before, the socket notes' iterator pinned after).
 
 mod attach;
 pub mod batch;
 mod btf_names;
 pub mod clock;
-pub mod conntrack;
-mod detach;
+pub(crate) mod detach;
 pub mod event_log;
 pub mod host;
 pub mod interfaces;
@@ -15,11 +17,7 @@ pub mod ip_summed;
 pub mod kernel_btf;
 pub mod maps;
 pub mod pins;
-pub mod resize;
-pub mod sock_diag;
-pub mod sock_notes;
-mod sys;
-pub mod upgrade;
+pub(crate) mod sys;
 
 use std::path::Path;
 
@@ -31,6 +29,7 @@ use aya::{
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout};
+use crate::housekeeping::{resize, sock_notes};
 
 /// The eBPF object built by build.rs from proxy-ebpf.
 pub static EBPF_OBJECT: &[u8] =

@@ -23,7 +23,8 @@ use aya::{
 };
 use proxy_common::{SockNotes, SockNotesRecord, program_names, sock_note};
 
-use super::{sock_diag::UdpSocket, sys};
+use super::sock_diag::UdpSocket;
+use crate::datapath::sys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SockNotesError {

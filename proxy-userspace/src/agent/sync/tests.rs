@@ -127,6 +127,15 @@ impl Agent {
         self.sync.on_event(&mut self.state, event, self.now);
     }
 
+    /// Given every listing of [`cluster`], and a second to sync them.
+    fn listed(mut self) -> Agent {
+        for event in cluster() {
+            self.event(event);
+        }
+        self.advance(Duration::from_secs(1));
+        self
+    }
+
     /// Lets `by` pass: the loop runs at each wakeup it asks for, as the
     /// agent's timer runs it.
     fn advance(&mut self, by: Duration) {
@@ -522,15 +531,20 @@ fn due_services_are_the_dirty_ones_and_the_retries_that_are_due() {
     );
 }
 
-#[test]
-fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
-    let state = state_with(vec![
+/// `web`; `twin`, on web's ClusterIP; `bogus`, whose ClusterIP is invalid.
+fn web_twin_and_bogus() -> ClusterState {
+    state_with(vec![
         service("web", "10.96.0.10"),
         slice("web-1", "web", &plain(&["10.0.0.1"])),
         service("twin", "10.96.0.10"),
         slice("twin-1", "twin", &plain(&["10.0.0.2"])),
         service("bogus", "10.96.0.999"),
-    ]);
+    ])
+}
+
+#[test]
+fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
+    let state = web_twin_and_bogus();
     let model = ModelConfig::default();
     let mut planner = Planner::new();
     let mut maps = TestMaps::default();
@@ -570,25 +584,22 @@ fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
 
 #[test]
 fn settling_a_service_retries_failed_writes_only() {
-    let state = state_with(vec![
-        service("web", "10.96.0.10"),
-        slice("web-1", "web", &plain(&["10.0.0.1"])),
-        service("bogus", "10.96.0.999"),
-    ]);
+    let state = web_twin_and_bogus();
     let mut agent = Agent::fresh();
     let now = agent.now;
-    agent.target.maps.failing = true;
-    for attempt in 1..=2 {
+    let program = |agent: &mut Agent, name: &str| {
         let outcome = program_service(
-            &key("web"),
+            &key(name),
             &state,
             &agent.model,
             &mut agent.planner,
             &mut agent.target.maps,
         );
-        agent
-            .sync
-            .settle_service(&key("web"), &outcome, &state, now);
+        agent.sync.settle_service(&key(name), &outcome, &state, now);
+    };
+    agent.target.maps.failing = true;
+    for attempt in 1..=2 {
+        program(&mut agent, "web");
         assert_eq!(
             agent.sync.retries.next_due(),
             Some(now + backoff(attempt)),
@@ -598,29 +609,11 @@ fn settling_a_service_retries_failed_writes_only() {
     assert_eq!(agent.sync.retries.pending_frontends(), 1);
 
     agent.target.maps.failing = false;
-    let outcome = program_service(
-        &key("web"),
-        &state,
-        &agent.model,
-        &mut agent.planner,
-        &mut agent.target.maps,
-    );
-    agent
-        .sync
-        .settle_service(&key("web"), &outcome, &state, now);
+    program(&mut agent, "web");
     assert!(agent.sync.retries.is_empty(), "landed: nothing to retry");
 
     agent.sync.retries.failed(&key("bogus"), now, 1);
-    let outcome = program_service(
-        &key("bogus"),
-        &state,
-        &agent.model,
-        &mut agent.planner,
-        &mut agent.target.maps,
-    );
-    agent
-        .sync
-        .settle_service(&key("bogus"), &outcome, &state, now);
+    program(&mut agent, "bogus");
     assert!(
         agent.sync.retries.is_empty(),
         "objects gone invalid are not retried: they must change first"
@@ -708,11 +701,7 @@ fn health_checks_are_handed_on_when_they_change() {
 
 /// Maps a first agent programmed with `web`, for another agent to adopt.
 fn pinned_web() -> StoredState {
-    let mut first = Agent::fresh();
-    for event in cluster() {
-        first.event(event);
-    }
-    first.advance(Duration::from_secs(1));
+    let first = Agent::fresh().listed();
     assert_eq!(first.served("10.96.0.10").map(|b| b.len()), Some(2));
     first.target.maps.maps.clone()
 }
@@ -762,11 +751,7 @@ fn the_sweep_removes_unclaimed_frontends_and_retries_until_it_lands() {
 
 #[test]
 fn follow_ups_hand_departed_backends_to_the_target_once() {
-    let mut agent = Agent::fresh();
-    for event in cluster() {
-        agent.event(event);
-    }
-    agent.advance(Duration::from_secs(1));
+    let mut agent = Agent::fresh().listed();
     assert!(agent.target.departed.is_empty(), "nothing departed yet");
 
     agent.event(SourceEvent::Apply(slice(
@@ -805,11 +790,7 @@ fn follow_ups_hand_departed_backends_to_the_target_once() {
 
 #[test]
 fn readiness_waits_for_the_interfaces_and_for_every_write() {
-    let mut agent = Agent::adopting(&StoredState::default());
-    for event in cluster() {
-        agent.event(event);
-    }
-    agent.advance(Duration::from_secs(1));
+    let mut agent = Agent::adopting(&StoredState::default()).listed();
     assert_eq!(agent.served("10.96.0.10").map(|b| b.len()), Some(2));
     assert!(!agent.healthy(), "synced, but attached to no interface yet");
     agent.sync.interfaces_applied(agent.now);
@@ -817,10 +798,7 @@ fn readiness_waits_for_the_interfaces_and_for_every_write() {
 
     let mut agent = Agent::fresh();
     agent.target.maps.failing = true;
-    for event in cluster() {
-        agent.event(event);
-    }
-    agent.advance(Duration::from_secs(1));
+    let agent = agent.listed();
     assert!(agent.sync.serving(), "the first sync ran");
     agent.sync.mark_readiness(agent.now);
     assert!(!agent.healthy(), "writes pending: never marked programmed");

@@ -1,5 +1,6 @@
 //! ebpf-proxy kernel programs. Entry points are thin: they run the shared
-//! pipeline (`service`) and carry out its decision in their hook's terms.
+//! pipeline (`pipeline`) and carry out its decision in their hook's terms
+//! (`verdict`).
 #![no_std]
 #![no_main]
 // For one atomic add (see `flow_cache::invalidate`).
@@ -13,78 +14,37 @@ mod conntrack;
 mod event_log;
 mod flow_cache;
 mod frag;
+mod frontend;
 mod hook;
 mod icmp_error;
 mod ip_summed;
-mod lb;
 mod maps;
 mod nat;
 mod packet;
+mod pipeline;
 mod reject;
 mod route;
-mod service;
 mod sock;
+mod verdict;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    bindings::{TC_ACT_OK, xdp_action},
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use event_log::Event;
-use proxy_common::PROTO_TCP;
-use service::Action;
 
 /// tc ingress on pod-facing interfaces and uplinks: every translation,
 /// east-west and north-south; on uplinks also what XDP left to it.
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    match service::handle(&ctx) {
-        Action::Pass => TC_ACT_OK,
-        Action::Drop => TC_ACT_SHOT,
-        Action::Reject(flow) => {
-            let rejected = if flow.proto == PROTO_TCP {
-                reject::tcp_reset(&ctx, &flow)
-            } else {
-                reject::icmp_port_unreachable(&ctx, &flow)
-            };
-            match rejected {
-                Ok(verdict) => {
-                    event_log::log(Event::Reject, &flow);
-                    verdict
-                }
-                Err(_) => {
-                    maps::count(proxy_common::counter::DROP_REJECT_FAILED);
-                    event_log::log(Event::RejectFailed, &flow);
-                    TC_ACT_SHOT
-                }
-            }
-        }
-        Action::Redirect(flow, nat) => {
-            route::redirect_tc(&ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)
-        }
-        // Not produced at tc.
-        Action::Tx | Action::ToTc => TC_ACT_OK,
-    }
+    verdict::tc(&ctx, pipeline::handle(&ctx))
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
 /// exists.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-    match service::handle(&ctx) {
-        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
-        Action::Drop => xdp_action::XDP_DROP,
-        Action::Tx => {
-            // A redirect to the interface the packet came in on, rather than
-            // XDP_TX: the same on a NIC, and on a veth it also works when
-            // the peer runs no XDP program (XDP_TX frames then wait in the
-            // peer's queue until other traffic flushes it).
-            maps::count(proxy_common::counter::XDP_TX);
-            unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
-        }
-        // Not produced at XDP.
-        Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
-    }
+    verdict::xdp(&ctx, pipeline::handle(&ctx))
 }
 
 /// cgroup `connect4`: the node's own connections to frontends go to a
@@ -139,14 +99,14 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
 /// `proxy_common::program_names::TC_CT_PAIR`). Never attached.
 #[classifier]
 pub fn tc_ct_pair(ctx: TcContext) -> i32 {
-    service::conntrack_pair(&ctx);
+    pipeline::conntrack_pair(&ctx);
     TC_ACT_OK
 }
 
 /// The XDP twin of `tc_ct_pair`.
 #[xdp]
 pub fn xdp_ct_pair(ctx: XdpContext) -> u32 {
-    service::conntrack_pair(&ctx);
+    pipeline::conntrack_pair(&ctx);
     xdp_action::XDP_PASS
 }
 

@@ -151,7 +151,7 @@ fn within_rate() -> bool {
 
 /// Bytes reserved for a record: its fields and the longest text.
 const RECORD: usize = 192;
-const _: () = assert!(RECORD % 8 == 0);
+const _: () = assert!(RECORD.is_multiple_of(8));
 /// Room for an event's text.
 const TEXT_MAX: usize = 64;
 const EVENTS: usize = 10;

@@ -41,6 +41,13 @@ use aya_ebpf::{
 
 /// tc ingress on pod-facing interfaces and uplinks: every translation,
 /// east-west and north-south; on uplinks also what XDP left to it.
+///
+/// Linux 6.6: attached through a tcx link. It calls `bpf_redirect_neigh`
+/// (5.10) and `bpf_ktime_get_coarse_ns` (5.11), writes the ring buffer of
+/// the datapath log (5.8), and reads the checksum state through the
+/// `bpf_cast_to_kern_ctx` kfunc where the kernel has it (6.2; the agent
+/// loads it without that read otherwise). The agent checks these at start
+/// (proxy-userspace's `datapath::kernel_version`).
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     verdict::tc(&ctx, pipeline::handle(&ctx))
@@ -48,6 +55,9 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
 /// exists.
+///
+/// Linux 5.9 for its bpf link; generic XDP works on any interface, native
+/// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     verdict::xdp(&ctx, pipeline::handle(&ctx))
@@ -55,18 +65,25 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
 
 /// cgroup `connect4`: the node's own connections to frontends go to a
 /// backend from the start (see `sock`).
+///
+/// Linux 4.17 for the hook, 5.7 for the cgroup bpf link it is attached
+/// through.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
     sock::connect4(&ctx)
 }
 
 /// cgroup `sendmsg4`: the same for datagrams of unconnected UDP sockets.
+///
+/// Linux 4.18 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
     sock::sendmsg4(&ctx)
 }
 
 /// cgroup `recvmsg4`: their answers show the frontend they were sent to.
+///
+/// Linux 5.2 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
     sock::recvmsg4(&ctx)
@@ -74,6 +91,8 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 
 /// cgroup `getpeername4`: a socket connected to a backend in a frontend's
 /// place shows the frontend as its peer.
+///
+/// Linux 5.8 for the hook.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::getpeername4(&ctx)
@@ -82,6 +101,10 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
 /// Run by the agent, never attached to a hook: see
 /// `proxy_common::program_names::SOCK_NOTES_DUMP`. Written out by hand, as
 /// aya-ebpf has no macro for iterators.
+///
+/// Linux 5.9 for iterators over `bpf_sk_storage` maps; without it the agent
+/// runs on, and does not close the node's UDP sockets connected to departed
+/// backends.
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "iter/bpf_sk_storage_map")]
 pub fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {

@@ -6,19 +6,19 @@
 //! Off unless the agent writes a level into `DATAPATH_LOG`. Every site is
 //! on a rare path, and is there one call of `record`, which holds the
 //! level's lookup and the writing of the record, out of line and marked
-//! cold. Both matter to the paths that pass no site, above all tc's
-//! established flows: `tc_ingress` is one body whose registers the
-//! compiler allocates as a whole, and with the sites inlined, or merely
-//! not known to be rare, it kept the context and packet fields in stack
-//! slots instead of registers on every packet (bench/README.md has the
-//! numbers).
+//! cold, so that the paths that pass no site, above all tc's established
+//! flows, compile as if there were none: `tc_ingress` is one body whose
+//! registers the compiler allocates as a whole, and with the sites inlined,
+//! or out of line but not known to be rare, it kept the context pointer in
+//! a stack slot from the first helper call on. What that cost is below what
+//! the datapath bench can tell apart (bench/README.md).
 //! Each CPU writes at most `datapath_log::PER_CPU_PER_WINDOW` records a
 //! second, so that a flood of rejects cannot flood the log; the rest are
 //! counted.
 //!
 //! The records are laid out here, at compile time, rather than by
 //! aya-log-ebpf's macros: those build a record in about 230 bytes of stack
-//! and many verifier steps per site, and `tc_ingress` already uses 448 of
+//! and many verifier steps per site, and `tc_ingress` already uses 472 of
 //! the 512 bytes a program's call chain may. Here a record is one
 //! constant-size copy into the ring buffer and a few stores at constant
 //! offsets: every record has the same fields, the event's text last.

@@ -15,6 +15,7 @@ pub mod host;
 pub mod interfaces;
 pub mod ip_summed;
 pub mod kernel_btf;
+pub mod kernel_version;
 pub mod maps;
 pub mod pins;
 pub(crate) mod sys;
@@ -67,6 +68,8 @@ pub enum DatapathError {
     Resize(#[from] resize::ResizeError),
     #[error("completing the eBPF object's BTF: {0}")]
     BtfNames(#[from] btf_names::BtfNamesError),
+    #[error(transparent)]
+    Kernel(#[from] kernel_version::KernelVersionError),
 }
 
 /// Loads the object with its ip_summed reads completed as `read` says, maps
@@ -154,6 +157,7 @@ impl Datapath {
         if EBPF_OBJECT.is_empty() {
             return Err(DatapathError::NoObject);
         }
+        kernel_version::check()?;
         let parent = pins.root().parent().unwrap_or(Path::new("/"));
         std::fs::create_dir_all(parent).ok();
         if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
@@ -244,7 +248,7 @@ impl Datapath {
     }
 
     /// A reader of the datapath's log records (see `event_log`), from the
-    /// pinned ring buffer the programs write to. Once only: it takes the
+    /// pinned ring buffer the programs write to (Linux 5.8). Once only: it takes the
     /// map out of the object.
     pub fn event_logger(
         &mut self,

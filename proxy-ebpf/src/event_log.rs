@@ -3,16 +3,22 @@
 //! each into its own log. Every event here is also a counter; the log adds
 //! who was involved (addresses and ports).
 //!
-//! Off unless the agent writes a level into `DATAPATH_LOG`. A site costs,
-//! when its level is off, one array lookup on its own (rare) path and
-//! nothing on any other. What is on goes through `emit`, out of line.
+//! Off unless the agent writes a level into `DATAPATH_LOG`. Every site is
+//! on a rare path, and is there one call of `record`, which holds the
+//! level's lookup and the writing of the record, out of line and marked
+//! cold, so that the paths that pass no site, above all tc's established
+//! flows, compile as if there were none: `tc_ingress` is one body whose
+//! registers the compiler allocates as a whole, and with the sites inlined,
+//! or out of line but not known to be rare, it kept the context pointer in
+//! a stack slot from the first helper call on. What that cost is below what
+//! the datapath bench can tell apart (bench/README.md).
 //! Each CPU writes at most `datapath_log::PER_CPU_PER_WINDOW` records a
 //! second, so that a flood of rejects cannot flood the log; the rest are
 //! counted.
 //!
 //! The records are laid out here, at compile time, rather than by
 //! aya-log-ebpf's macros: those build a record in about 230 bytes of stack
-//! and many verifier steps per site, and `tc_ingress` already uses 448 of
+//! and many verifier steps per site, and `tc_ingress` already uses 472 of
 //! the 512 bytes a program's call chain may. Here a record is one
 //! constant-size copy into the ring buffer and a few stores at constant
 //! offsets: every record has the same fields, the event's text last.
@@ -81,34 +87,46 @@ impl Event {
     }
 }
 
-/// Logs `event` about `flow`'s packet, if the level asks for it.
+/// Logs `event` about `flow`'s packet, if the level asks for it. The
+/// fields go by value: a pointer would pin the flow to a stack slot of its
+/// own at every site.
 #[inline(always)]
 pub fn log(event: Event, flow: &Flow) {
-    // SAFETY: a valid array value pointer for this program's run.
-    let level = DATAPATH_LOG
-        .get_ptr(0)
-        .map_or(datapath_log::OFF, |p| unsafe { *p });
-    if level >= event.level() {
-        emit(
-            event as u32,
-            flow.src_be,
-            flow.dst_be,
-            ((flow.sport_be as u32) << 16) | flow.dport_be as u32,
-            flow.proto as u32,
-        );
-    }
+    record(
+        event,
+        flow.src_be,
+        flow.dst_be,
+        ((flow.sport_be as u32) << 16) | flow.dport_be as u32,
+        flow.proto as u32,
+    );
 }
 
 /// `log` for a packet known by its addresses only; its ports show as 0.
 #[inline(always)]
 pub fn log_addrs(event: Event, proto: u8, src_be: u32, dst_be: u32) {
-    // SAFETY: as in `log`.
+    record(event, src_be, dst_be, 0, proto as u32);
+}
+
+/// The one body of every site (see the module's documentation). In
+/// `.text`, with the other functions the programs call, rather than the
+/// `.text.unlikely.` the compiler gives cold ones.
+#[cold]
+#[inline(never)]
+#[unsafe(link_section = ".text")]
+fn record(event: Event, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
+    if enabled(event) {
+        emit(event as u32, src_be, dst_be, ports_be, proto);
+    }
+}
+
+/// Whether the level in `DATAPATH_LOG` asks for `event`.
+#[inline(always)]
+fn enabled(event: Event) -> bool {
+    // SAFETY: a valid array value pointer for this program's run.
     let level = DATAPATH_LOG
         .get_ptr(0)
         .map_or(datapath_log::OFF, |p| unsafe { *p });
-    if level >= event.level() {
-        emit(event as u32, src_be, dst_be, 0, proto as u32);
-    }
+    level >= event.level()
 }
 
 /// Whether this CPU may write one more record in the current window.
@@ -133,7 +151,7 @@ fn within_rate() -> bool {
 
 /// Bytes reserved for a record: its fields and the longest text.
 const RECORD: usize = 192;
-const _: () = assert!(RECORD % 8 == 0);
+const _: () = assert!(RECORD.is_multiple_of(8));
 /// Room for an event's text.
 const TEXT_MAX: usize = 64;
 const EVENTS: usize = 10;
@@ -303,10 +321,12 @@ fn proto_name(proto: u32) -> [u8; 3] {
     }
 }
 
-/// Writes one record, within the rate limit. Out of line: one copy of it
-/// serves every site. Addresses and ports come as the packet carries them
-/// (network order), the ports as source << 16 | destination.
-#[inline(never)]
+/// Writes one record, within the rate limit. Inlined into `record`, so
+/// that a record costs one frame below the site's, not two: `tc_ingress`
+/// leaves `record` 32 of the 512 bytes of stack a call chain may use.
+/// Addresses and ports come as the packet carries them (network order),
+/// the ports as source << 16 | destination.
+#[inline(always)]
 fn emit(event: u32, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
     let event = event as usize;
     if event >= EVENTS {

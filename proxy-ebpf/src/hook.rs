@@ -11,7 +11,7 @@ use crate::{
     checksum, icmp_error,
     nat::{self, Nat},
     packet::Flow,
-    service::Action,
+    pipeline::Action,
 };
 
 /// A hook the per-packet pipeline runs at.

@@ -34,7 +34,7 @@ use crate::{
     maps::count,
     nat::Nat,
     packet::{ETH_HLEN, Flow, Ipv4Head, frag},
-    service::Action,
+    pipeline::Action,
 };
 
 pub const IPPROTO_ICMP: u8 = 1;

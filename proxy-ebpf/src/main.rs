@@ -1,5 +1,6 @@
 //! ebpf-proxy kernel programs. Entry points are thin: they run the shared
-//! pipeline (`service`) and carry out its decision in their hook's terms.
+//! pipeline (`pipeline`) and carry out its decision in their hook's terms
+//! (`verdict`).
 #![no_std]
 #![no_main]
 // For one atomic add (see `flow_cache::invalidate`).
@@ -7,100 +8,82 @@
 #![feature(core_intrinsics)]
 // For the kfunc call that reads `skb->ip_summed` (see `ip_summed`).
 #![feature(asm_experimental_arch)]
+#![expect(
+    clippy::needless_borrows_for_generic_args,
+    reason = "map keys and values passed by value to aya's `impl Borrow<K>` are copied into the \
+              caller's frame first: 27 more instructions in tc_ingress and 28 in xdp_ingress, \
+              where the stack has 32 bytes to spare"
+)]
 
 mod checksum;
 mod conntrack;
 mod event_log;
 mod flow_cache;
 mod frag;
+mod frontend;
 mod hook;
 mod icmp_error;
 mod ip_summed;
-mod lb;
 mod maps;
 mod nat;
 mod packet;
+mod pipeline;
 mod reject;
 mod route;
-mod service;
 mod sock;
+mod verdict;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    bindings::{TC_ACT_OK, xdp_action},
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use event_log::Event;
-use proxy_common::PROTO_TCP;
-use service::Action;
 
 /// tc ingress on pod-facing interfaces and uplinks: every translation,
 /// east-west and north-south; on uplinks also what XDP left to it.
+///
+/// Linux 6.6: attached through a tcx link. It calls `bpf_redirect_neigh`
+/// (5.10) and `bpf_ktime_get_coarse_ns` (5.11), writes the ring buffer of
+/// the datapath log (5.8), and reads the checksum state through the
+/// `bpf_cast_to_kern_ctx` kfunc where the kernel has it (6.2; the agent
+/// loads it without that read otherwise). The agent checks these at start
+/// (proxy-userspace's `datapath::kernel_version`).
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    match service::handle(&ctx) {
-        Action::Pass => TC_ACT_OK,
-        Action::Drop => TC_ACT_SHOT,
-        Action::Reject(flow) => {
-            let rejected = if flow.proto == PROTO_TCP {
-                reject::tcp_reset(&ctx, &flow)
-            } else {
-                reject::icmp_port_unreachable(&ctx, &flow)
-            };
-            match rejected {
-                Ok(verdict) => {
-                    event_log::log(Event::Reject, &flow);
-                    verdict
-                }
-                Err(_) => {
-                    maps::count(proxy_common::counter::DROP_REJECT_FAILED);
-                    event_log::log(Event::RejectFailed, &flow);
-                    TC_ACT_SHOT
-                }
-            }
-        }
-        Action::Redirect(flow, nat) => {
-            route::redirect_tc(&ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)
-        }
-        // Not produced at tc.
-        Action::Tx | Action::ToTc => TC_ACT_OK,
-    }
+    verdict::tc(&ctx, pipeline::handle(&ctx))
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
 /// exists.
+///
+/// Linux 5.9 for its bpf link; generic XDP works on any interface, native
+/// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-    match service::handle(&ctx) {
-        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
-        Action::Drop => xdp_action::XDP_DROP,
-        Action::Tx => {
-            // A redirect to the interface the packet came in on, rather than
-            // XDP_TX: the same on a NIC, and on a veth it also works when
-            // the peer runs no XDP program (XDP_TX frames then wait in the
-            // peer's queue until other traffic flushes it).
-            maps::count(proxy_common::counter::XDP_TX);
-            unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
-        }
-        // Not produced at XDP.
-        Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
-    }
+    verdict::xdp(&ctx, pipeline::handle(&ctx))
 }
 
 /// cgroup `connect4`: the node's own connections to frontends go to a
 /// backend from the start (see `sock`).
+///
+/// Linux 4.17 for the hook, 5.7 for the cgroup bpf link it is attached
+/// through.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
     sock::connect4(&ctx)
 }
 
 /// cgroup `sendmsg4`: the same for datagrams of unconnected UDP sockets.
+///
+/// Linux 4.18 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
     sock::sendmsg4(&ctx)
 }
 
 /// cgroup `recvmsg4`: their answers show the frontend they were sent to.
+///
+/// Linux 5.2 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
     sock::recvmsg4(&ctx)
@@ -108,6 +91,8 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 
 /// cgroup `getpeername4`: a socket connected to a backend in a frontend's
 /// place shows the frontend as its peer.
+///
+/// Linux 5.8 for the hook.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::getpeername4(&ctx)
@@ -116,6 +101,10 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
 /// Run by the agent, never attached to a hook: see
 /// `proxy_common::program_names::SOCK_NOTES_DUMP`. Written out by hand, as
 /// aya-ebpf has no macro for iterators.
+///
+/// Linux 5.9 for iterators over `bpf_sk_storage` maps; without it the agent
+/// runs on, and does not close the node's UDP sockets connected to departed
+/// backends.
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "iter/bpf_sk_storage_map")]
 pub fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
@@ -139,14 +128,14 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
 /// `proxy_common::program_names::TC_CT_PAIR`). Never attached.
 #[classifier]
 pub fn tc_ct_pair(ctx: TcContext) -> i32 {
-    service::conntrack_pair(&ctx);
+    pipeline::conntrack_pair(&ctx);
     TC_ACT_OK
 }
 
 /// The XDP twin of `tc_ct_pair`.
 #[xdp]
 pub fn xdp_ct_pair(ctx: XdpContext) -> u32 {
-    service::conntrack_pair(&ctx);
+    pipeline::conntrack_pair(&ctx);
     xdp_action::XDP_PASS
 }
 

@@ -35,7 +35,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack, lb,
+    conntrack, frontend,
     maps::{HOST_NETNS, SOCK_NOTES, count_sock, node_config},
 };
 
@@ -175,9 +175,9 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     let node = node_config();
     let localhost_nodeport =
         loopback(dst_be) && node.flags & node_config_flags::LOCALHOST_NODEPORTS != 0;
-    let frontend = lb::lookup_frontend_of(dst_be, dport_be, proto, || true).or_else(|| {
+    let frontend = frontend::lookup_frontend_of(dst_be, dport_be, proto, || true).or_else(|| {
         localhost_nodeport
-            .then(|| lb::lookup_nodeport(dport_be, proto, || true))
+            .then(|| frontend::lookup_nodeport(dport_be, proto, || true))
             .flatten()
     });
     let Some(frontend) = frontend else {
@@ -185,7 +185,8 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     };
     let node_be = node.snat_addr_be[3];
     let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed_for(&frontend, node_be)
+    if svc.flags & service_flags::SOURCE_RANGES != 0
+        && !frontend::source_allowed_for(&frontend, node_be)
     {
         return ALLOW;
     }
@@ -200,7 +201,7 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
         unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
         return REFUSE;
     }
-    let Some((_, backend)) = lb::select(svc, node_be, conntrack::now_ns()) else {
+    let Some((_, backend)) = frontend::select(svc, node_be, conntrack::now_ns()) else {
         return ALLOW;
     };
     if !is_v4_mapped(&backend.addr_be) {

@@ -3,6 +3,7 @@
 
 mod node;
 pub mod sync;
+mod takeover;
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -18,13 +19,14 @@ use tracing::{error, info, warn};
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, PinLayout, XdpModeSetting, conntrack, event_log,
+        Datapath, DatapathError, PinLayout, XdpModeSetting, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
-        sock_diag,
     },
-    healthcheck::HealthCheckServer,
-    http::{self, Health, HttpError},
+    health_check_server::HealthCheckServer,
+    healthz::Health,
+    housekeeping,
+    http::{self, HttpError},
     metrics::{
         Metrics,
         datapath::{DatapathCollector, InterfaceModes},
@@ -37,6 +39,7 @@ use crate::{
 };
 use node::NodeMaps;
 use sync::{SyncLoop, SyncTarget};
+use takeover::Takeover;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -157,8 +160,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
     let mut state = ClusterState::new(config.node_name.clone());
-    let mut reap = tokio::time::interval(CONNTRACK_REAP_PERIOD);
-    let mut older_layouts_retired = false;
+    let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
+    let mut takeover = Takeover::default();
     loop {
         let wakeup = sync.wakeup();
         tokio::select! {
@@ -169,38 +172,20 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 sync.interfaces_applied(Instant::now());
             }
             _ = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
-                sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
-                if let Some(checks) = sync.take_health_checks() {
+                let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
+                if let Some(checks) = follow_ups.health_checks {
                     health_checks.update(checks).await;
                 }
             }
             _ = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
                 node.sync(&mut datapath.maps, Instant::now());
             }
-            _ = reap.tick() => reap_conntrack(&mut datapath),
+            _ = reap.tick() => housekeeping::reap_conntrack(&mut datapath),
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if !older_layouts_retired && sync.serving() && datapath.attached().next().is_some() {
-            older_layouts_retired = true;
-            match datapath.finish_resize() {
-                Some(Ok(flows)) => info!(
-                    flows_carried_over = flows,
-                    "the conntrack map of the former size is gone"
-                ),
-                Some(Err(e)) => warn!(error = %e, "finishing the conntrack resize"),
-                None => {}
-            }
-            let pins = datapath.pins().clone();
-            for retired in crate::datapath::upgrade::retire_older_layouts(&pins, &mut datapath.maps)
-            {
-                info!(
-                    dir = %retired.dir.display(),
-                    flows_carried_over = retired.flows,
-                    "retired the datapath of an older layout version"
-                );
-            }
-        }
+        let attached = datapath.attached().next().is_some();
+        takeover.poll(sync.serving(), attached, || takeover::finish(&mut datapath));
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
@@ -289,33 +274,7 @@ impl SyncTarget for Datapath {
     }
 
     fn clean_departed(&mut self, departed: &[Departed]) {
-        match conntrack::purge_departed(&mut self.maps, departed) {
-            Ok(swept) if swept != Default::default() => info!(
-                udp_flows = swept.conntrack,
-                affinities = swept.affinity,
-                "removed flows and affinity of departed backends"
-            ),
-            Ok(_) => {}
-            Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
-        }
-        match sock_diag::close_departed(&self.pins().sock_notes(), departed) {
-            Ok(0) => {}
-            Ok(closed) => {
-                info!("closed {closed} UDP sockets of the node connected to departed backends")
-            }
-            Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
-        }
-    }
-}
-
-/// How often idle conntrack entries are reaped.
-const CONNTRACK_REAP_PERIOD: Duration = Duration::from_secs(10);
-
-fn reap_conntrack(datapath: &mut Datapath) {
-    match conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()) {
-        Ok(0) => {}
-        Ok(n) => tracing::debug!(entries = n, "reaped idle conntrack entries"),
-        Err(e) => warn!(error = %e, "reaping conntrack"),
+        housekeeping::clean_departed(self, departed);
     }
 }
 

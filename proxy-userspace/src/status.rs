@@ -9,8 +9,8 @@ use crate::{
     datapath::{
         Maps, PinLayout, batch,
         maps::{MapsError, batch_error},
-        sock_diag, sock_notes,
     },
+    housekeeping::{resize, sock_diag, sock_notes},
     planner::encode,
 };
 
@@ -129,7 +129,7 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
     // seconds.
     let entries = batch::count::<CtKey, CtValue>(maps.conntrack.map(), batch::CHUNK)
         .map_err(batch_error(map_names::CONNTRACK))?;
-    let _ = match crate::datapath::resize::capacity(&pins.maps_dir()) {
+    let _ = match resize::capacity(&pins.maps_dir()) {
         Ok(capacity) => writeln!(
             out,
             "conntrack entries: {entries} of {capacity} ({} connections)",

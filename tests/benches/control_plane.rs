@@ -31,7 +31,8 @@ use ebpf_proxy_tests::{
 };
 use proxy_common::{CtKey, CtValue, PROTO_UDP, ct_dir};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout, conntrack},
+    datapath::{Datapath, PinLayout},
+    housekeeping::conntrack,
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,

@@ -10,7 +10,8 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout, conntrack, ip_summed},
+    datapath::{Datapath, PinLayout, ip_summed},
+    housekeeping::conntrack,
     model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
     planner::{MapOp, MapStore, Planner},
     source::ObjectKey,

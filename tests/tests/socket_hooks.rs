@@ -30,10 +30,12 @@ use ebpf_proxy_tests::{
     },
 };
 use proxy_common::{SockNote, sock_note};
-use proxy_userspace::datapath::{
-    PinLayout,
-    sock_diag::{SockDiag, UdpSocket},
-    sock_notes::{self, Notes},
+use proxy_userspace::{
+    datapath::PinLayout,
+    housekeeping::{
+        sock_diag::{SockDiag, UdpSocket},
+        sock_notes::{self, Notes},
+    },
 };
 
 /// `script` run by bash (whose `/dev/tcp` and `/dev/udp` open connected sockets) in

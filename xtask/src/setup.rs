@@ -21,6 +21,9 @@ use crate::run_status;
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
+    // clippy for rustc-web: the only clippy that can check the eBPF crate against
+    // that prebuilt `core` (docs/building.md, "Lint").
+    "rust-web-clippy",
     "bpftool",
     "iproute2",
     "iptables",

@@ -41,7 +41,8 @@ pub enum AttachError {
 }
 
 /// Attaches a socket hook (`connect4`, `sendmsg4`, `recvmsg4`, `getpeername4`) to the
-/// cgroup directory `cgroup` through a pinned bpf link at `pin`. A link pinned by an earlier run gets
+/// cgroup directory `cgroup` through a pinned bpf link at `pin`. Linux 5.7 for cgroup
+/// links; the hooks themselves 4.17, 4.18, 5.2 and 5.8 (`kernel_version`). A link pinned by an earlier run gets
 /// this program swapped in, in one step; a dead one is replaced. Other
 /// programs on the cgroup (another agent's, systemd's) stay: the link allows
 /// several.
@@ -86,6 +87,8 @@ pub struct Attachment {
     pub ifindex: u32,
 }
 
+/// Attaches tc ingress on `ifname` through a tcx link pinned at `pin` (Linux 6.6,
+/// `kernel_version`), or takes over the one an earlier run pinned there.
 pub fn attach_tc_ingress(
     program: &mut SchedClassifier,
     ifname: &str,
@@ -162,8 +165,9 @@ pub enum XdpModeSetting {
     Off,
 }
 
-/// Attaches XDP to `ifindex` through a pinned bpf link, taking over the
-/// pinned link of an earlier run when there is one. Returns the mode used.
+/// Attaches XDP to `ifindex` through a pinned bpf link (Linux 5.9), taking over the
+/// pinned link of an earlier run when there is one. Returns the mode used: native
+/// where the driver has XDP, generic (any interface) otherwise.
 pub fn attach_xdp(
     program: &mut Xdp,
     ifname: &str,

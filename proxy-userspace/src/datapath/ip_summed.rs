@@ -79,7 +79,8 @@ pub enum PatchError {
 }
 
 impl Read {
-    /// What the running kernel allows, or why it allows nothing.
+    /// What the running kernel allows, or why it allows nothing (the
+    /// kfunc is Linux 6.2's).
     pub fn for_this_kernel() -> Result<Read, ReadError> {
         Self::from_btf(&Btf::vmlinux()?)
     }

@@ -1,25 +1,24 @@
 //! The kernel side as the agent sees it: loading the eBPF object with its
 //! maps pinned, attaching it to interfaces through pinned links, and the map
-//! handles the planner writes through.
+//! handles the planner writes through. What is done with the maps' flows
+//! and the node's sockets beyond that is policy, in `housekeeping`; the load
+//! calls two of its parts, as they must run around it (a resized conntrack
+//! set aside before, the socket notes' iterator pinned after).
 
 mod attach;
 pub mod batch;
 mod btf_names;
 pub mod clock;
-pub mod conntrack;
-mod detach;
+pub(crate) mod detach;
 pub mod event_log;
 pub mod host;
 pub mod interfaces;
 pub mod ip_summed;
 pub mod kernel_btf;
+pub mod kernel_version;
 pub mod maps;
 pub mod pins;
-pub mod resize;
-pub mod sock_diag;
-pub mod sock_notes;
-mod sys;
-pub mod upgrade;
+pub(crate) mod sys;
 
 use std::path::Path;
 
@@ -31,6 +30,7 @@ use aya::{
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout};
+use crate::housekeeping::{resize, sock_notes};
 
 /// The eBPF object built by build.rs from proxy-ebpf.
 pub static EBPF_OBJECT: &[u8] =
@@ -68,6 +68,8 @@ pub enum DatapathError {
     Resize(#[from] resize::ResizeError),
     #[error("completing the eBPF object's BTF: {0}")]
     BtfNames(#[from] btf_names::BtfNamesError),
+    #[error(transparent)]
+    Kernel(#[from] kernel_version::KernelVersionError),
 }
 
 /// Loads the object with its ip_summed reads completed as `read` says, maps
@@ -155,6 +157,7 @@ impl Datapath {
         if EBPF_OBJECT.is_empty() {
             return Err(DatapathError::NoObject);
         }
+        kernel_version::check()?;
         let parent = pins.root().parent().unwrap_or(Path::new("/"));
         std::fs::create_dir_all(parent).ok();
         if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
@@ -245,7 +248,7 @@ impl Datapath {
     }
 
     /// A reader of the datapath's log records (see `event_log`), from the
-    /// pinned ring buffer the programs write to. Once only: it takes the
+    /// pinned ring buffer the programs write to (Linux 5.8). Once only: it takes the
     /// map out of the object.
     pub fn event_logger(
         &mut self,

@@ -5,7 +5,7 @@
 //!
 //! - [`service`] reads a Service (skipping rules, ports, IPs, policies) and
 //!   assembles its frontends;
-//! - [`health`] decides a Service's health check node port from that same
+//! - [`health_check`] decides a Service's health check node port from that same
 //!   reading;
 //! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
 //!   port and picks the cluster and local sets from it;
@@ -13,7 +13,7 @@
 //! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
 
 mod endpoints;
-mod health;
+mod health_check;
 mod probability;
 mod service;
 #[cfg(test)]
@@ -23,7 +23,7 @@ mod types;
 
 use std::collections::BTreeMap;
 
-pub use health::{HealthCheck, service_health_check};
+pub use health_check::{HealthCheck, service_health_check};
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 pub use probability::{
     iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,

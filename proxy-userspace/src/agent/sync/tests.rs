@@ -2,6 +2,7 @@
 //! events go in, and the clock jumps to each wakeup the loop asks for.
 
 use std::{
+    collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
     time::{Duration, Instant},
 };
@@ -11,8 +12,9 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::{
-    model::Scope,
+    model::{FrontendKey, Protocol, Scope},
     planner::{MapOp, StoredState, encode},
+    source::Kind,
     source::Object,
 };
 
@@ -123,6 +125,15 @@ impl Agent {
 
     fn event(&mut self, event: SourceEvent) {
         self.sync.on_event(&mut self.state, event, self.now);
+    }
+
+    /// Given every listing of [`cluster`], and a second to sync them.
+    fn listed(mut self) -> Agent {
+        for event in cluster() {
+            self.event(event);
+        }
+        self.advance(Duration::from_secs(1));
+        self
     }
 
     /// Lets `by` pass: the loop runs at each wakeup it asks for, as the
@@ -477,4 +488,346 @@ fn without_a_node_listing_the_first_sync_waits_a_bounded_time() {
         "no zone known: every endpoint"
     );
     assert!(agent.healthy());
+}
+
+// The steps of a sync, one at a time.
+
+fn state_with(objects: Vec<Object>) -> ClusterState {
+    let mut state = ClusterState::new(NODE);
+    for object in objects {
+        state.apply(SourceEvent::Apply(object));
+    }
+    state
+}
+
+fn object_service(name: &str, spec: Value) -> Object {
+    Object::Service(Box::new(decode::<Service>(json!({
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": spec,
+    }))))
+}
+
+#[test]
+fn due_services_are_the_dirty_ones_and_the_retries_that_are_due() {
+    let mut agent = Agent::fresh();
+    let now = agent.now;
+    agent.sync.dirty.insert(key("edited"));
+    agent.sync.deadline = Some(now);
+    agent.sync.retries.failed(&key("failed-once"), now, 1);
+    agent.sync.retries.failed(&key("failed-twice"), now, 1);
+    agent.sync.retries.failed(&key("failed-twice"), now, 1);
+    let due = agent.sync.due_services(now + RETRY_INITIAL);
+    assert_eq!(
+        due,
+        BTreeSet::from([key("edited"), key("failed-once")]),
+        "at {RETRY_INITIAL:?}: the dirty Service and the first retry, not the backed-off one"
+    );
+    assert!(agent.sync.dirty.is_empty(), "taken: {:?}", agent.sync.dirty);
+    assert_eq!(agent.sync.deadline, None, "the coalescing window closed");
+    assert_eq!(
+        agent.sync.due_services(now + backoff(2)),
+        BTreeSet::from([key("failed-once"), key("failed-twice")]),
+        "a retry stays due until its Service is settled"
+    );
+}
+
+/// `web`; `twin`, on web's ClusterIP; `bogus`, whose ClusterIP is invalid.
+fn web_twin_and_bogus() -> ClusterState {
+    state_with(vec![
+        service("web", "10.96.0.10"),
+        slice("web-1", "web", &plain(&["10.0.0.1"])),
+        service("twin", "10.96.0.10"),
+        slice("twin-1", "twin", &plain(&["10.0.0.2"])),
+        service("bogus", "10.96.0.999"),
+    ])
+}
+
+#[test]
+fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
+    let state = web_twin_and_bogus();
+    let model = ModelConfig::default();
+    let mut planner = Planner::new();
+    let mut maps = TestMaps::default();
+
+    let invalid = program_service(&key("bogus"), &state, &model, &mut planner, &mut maps);
+    assert!(
+        matches!(invalid, ServiceOutcome::Invalid),
+        "an unparsable clusterIP: {invalid:?}"
+    );
+    assert_eq!((invalid.failed(), invalid.write_failures()), (1, 0));
+
+    maps.failing = true;
+    let failed = program_service(&key("web"), &state, &model, &mut planner, &mut maps);
+    assert_eq!(
+        (failed.failed(), failed.write_failures()),
+        (1, 1),
+        "one frontend, its write failed: {failed:?}"
+    );
+    assert_eq!(maps.maps, StoredState::default(), "nothing landed");
+
+    maps.failing = false;
+    let landed = program_service(&key("web"), &state, &model, &mut planner, &mut maps);
+    let ServiceOutcome::Planned { desired, planned } = &landed else {
+        panic!("web is valid: {landed:?}");
+    };
+    assert_eq!(desired.len(), 1, "one ClusterIP frontend: {desired:?}");
+    assert!(planned.errors.is_empty(), "{:?}", planned.errors);
+    assert!(planned.ops > 0, "written");
+
+    let conflict = program_service(&key("twin"), &state, &model, &mut planner, &mut maps);
+    assert_eq!(
+        (conflict.failed(), conflict.write_failures()),
+        (1, 0),
+        "a frontend another Service holds is the objects' doing, no write to retry: {conflict:?}"
+    );
+}
+
+#[test]
+fn settling_a_service_retries_failed_writes_only() {
+    let state = web_twin_and_bogus();
+    let mut agent = Agent::fresh();
+    let now = agent.now;
+    let program = |agent: &mut Agent, name: &str| {
+        let outcome = program_service(
+            &key(name),
+            &state,
+            &agent.model,
+            &mut agent.planner,
+            &mut agent.target.maps,
+        );
+        agent.sync.settle_service(&key(name), &outcome, &state, now);
+    };
+    agent.target.maps.failing = true;
+    for attempt in 1..=2 {
+        program(&mut agent, "web");
+        assert_eq!(
+            agent.sync.retries.next_due(),
+            Some(now + backoff(attempt)),
+            "failed write number {attempt}: retried after the backoff"
+        );
+    }
+    assert_eq!(agent.sync.retries.pending_frontends(), 1);
+
+    agent.target.maps.failing = false;
+    program(&mut agent, "web");
+    assert!(agent.sync.retries.is_empty(), "landed: nothing to retry");
+
+    agent.sync.retries.failed(&key("bogus"), now, 1);
+    program(&mut agent, "bogus");
+    assert!(
+        agent.sync.retries.is_empty(),
+        "objects gone invalid are not retried: they must change first"
+    );
+}
+
+#[test]
+fn each_sctp_frontend_is_reported_once() {
+    let sctp = |name: &str, ip: &str, ports: &[u16]| {
+        let ports: Vec<Value> = ports
+            .iter()
+            .map(|p| json!({"name": format!("p{p}"), "port": p, "protocol": "SCTP"}))
+            .collect();
+        object_service(
+            name,
+            json!({"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ports": ports}),
+        )
+    };
+    let model = ModelConfig::default();
+    let frontends = |service: Object, name: &str| {
+        state_with(vec![service, service_tcp_too()])
+            .frontends_for(&key(name), &model)
+            .expect("valid")
+    };
+    let mut warnings = SctpWarnings::default();
+    let one = frontends(sctp("sig", "10.96.0.30", &[3868]), "sig");
+    assert_eq!(warnings.report(&key("sig"), &one), 1, "{one:?}");
+    assert_eq!(warnings.report(&key("sig"), &one), 0, "reported already");
+    let two = frontends(sctp("sig", "10.96.0.30", &[3868, 3869]), "sig");
+    assert_eq!(warnings.report(&key("sig"), &two), 1, "the new port only");
+    let tcp = frontends(service_tcp_too(), "web");
+    assert_eq!(warnings.report(&key("web"), &tcp), 0, "TCP is translated");
+}
+
+fn service_tcp_too() -> Object {
+    service("web", "10.96.0.10")
+}
+
+#[test]
+fn health_checks_are_handed_on_when_they_change() {
+    let load_balancer = |node_port: u32| {
+        object_service(
+            "lb",
+            json!({
+                "type": "LoadBalancer", "clusterIP": "10.96.0.40", "clusterIPs": ["10.96.0.40"],
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": node_port,
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": 30080}],
+            }),
+        )
+    };
+    let model = ModelConfig::default();
+    let mut checks = HealthChecks::default();
+    let mut state = state_with(vec![load_balancer(30500)]);
+    checks.refresh(&state, &key("lb"), &model);
+    let ports = |checks: Option<Vec<HealthCheck>>| {
+        checks.map(|c| c.iter().map(|c| c.node_port).collect::<Vec<_>>())
+    };
+    assert_eq!(ports(checks.take_changed()), Some(vec![30500]));
+    checks.refresh(&state, &key("lb"), &model);
+    assert_eq!(
+        ports(checks.take_changed()),
+        None,
+        "unchanged: nothing to do"
+    );
+
+    state.apply(SourceEvent::Apply(load_balancer(70000)));
+    checks.refresh(&state, &key("lb"), &model);
+    assert_eq!(
+        ports(checks.take_changed()),
+        None,
+        "an out-of-range port leaves the check as it was"
+    );
+
+    state.apply(SourceEvent::Delete {
+        kind: Kind::Service,
+        key: key("lb"),
+    });
+    checks.refresh(&state, &key("lb"), &model);
+    assert_eq!(
+        ports(checks.take_changed()),
+        Some(vec![]),
+        "the Service left: its port closes"
+    );
+}
+
+/// Maps a first agent programmed with `web`, for another agent to adopt.
+fn pinned_web() -> StoredState {
+    let first = Agent::fresh().listed();
+    assert_eq!(first.served("10.96.0.10").map(|b| b.len()), Some(2));
+    first.target.maps.maps.clone()
+}
+
+#[test]
+fn the_sweep_removes_unclaimed_frontends_and_retries_until_it_lands() {
+    let mut agent = Agent::adopting(&pinned_web());
+    let now = agent.now;
+    agent.target.maps.failing = true;
+    let swept = agent
+        .sync
+        .sweeper
+        .run(now, true, &mut agent.planner, &mut agent.target.maps);
+    assert_eq!(
+        swept.failures, 2,
+        "both frontends' removals failed: {swept:?}"
+    );
+    assert!(agent.sync.sweeper.unclaimed_left());
+    assert_eq!(agent.sync.sweeper.wakeup(), Some(now + RETRY_INITIAL));
+
+    agent.target.maps.failing = false;
+    let early = agent.sync.sweeper.run(
+        now + RETRY_INITIAL / 2,
+        false,
+        &mut agent.planner,
+        &mut agent.target.maps,
+    );
+    assert_eq!(early, Swept::default(), "not due yet: nothing done");
+    assert!(agent.served("10.96.0.10").is_some());
+
+    let due = agent.sync.sweeper.run(
+        now + RETRY_INITIAL,
+        false,
+        &mut agent.planner,
+        &mut agent.target.maps,
+    );
+    assert_eq!((due.frontends_changed, due.failures), (2, 0), "{due:?}");
+    assert_eq!(agent.served("10.96.0.10"), None, "removed on the retry");
+    assert_eq!(
+        agent.target.maps.maps,
+        StoredState::default(),
+        "nothing left"
+    );
+    assert!(!agent.sync.sweeper.unclaimed_left());
+    assert_eq!(agent.sync.sweeper.wakeup(), None, "done: no timer");
+}
+
+#[test]
+fn follow_ups_hand_departed_backends_to_the_target_once() {
+    let mut agent = Agent::fresh().listed();
+    assert!(agent.target.departed.is_empty(), "nothing departed yet");
+
+    agent.event(SourceEvent::Apply(slice(
+        "web-1",
+        "web",
+        &plain(&["10.0.0.1"]),
+    )));
+    let wakeup = agent.sync.wakeup().expect("a sync due");
+    let follow_ups = agent.sync.run(
+        wakeup,
+        &agent.state,
+        &agent.model,
+        &mut agent.planner,
+        &mut agent.target,
+    );
+    assert_eq!(
+        follow_ups,
+        FollowUps {
+            departed: 1,
+            health_checks: None
+        }
+    );
+    let gone: Vec<String> = agent
+        .target
+        .departed
+        .iter()
+        .filter_map(|d| d.backend)
+        .map(|b| Ipv4Addr::from(b.addr_be[3].to_ne_bytes()).to_string())
+        .collect();
+    assert_eq!(gone, ["10.0.0.2"], "the backend that left web");
+
+    let again = agent.sync.follow_ups(&mut agent.planner, &mut agent.target);
+    assert_eq!(again.departed, 0, "handed on once");
+    assert_eq!(agent.target.departed.len(), 1);
+}
+
+#[test]
+fn readiness_waits_for_the_interfaces_and_for_every_write() {
+    let mut agent = Agent::adopting(&StoredState::default()).listed();
+    assert_eq!(agent.served("10.96.0.10").map(|b| b.len()), Some(2));
+    assert!(!agent.healthy(), "synced, but attached to no interface yet");
+    agent.sync.interfaces_applied(agent.now);
+    assert!(agent.healthy(), "synced and attached");
+
+    let mut agent = Agent::fresh();
+    agent.target.maps.failing = true;
+    let agent = agent.listed();
+    assert!(agent.sync.serving(), "the first sync ran");
+    agent.sync.mark_readiness(agent.now);
+    assert!(!agent.healthy(), "writes pending: never marked programmed");
+}
+
+#[test]
+fn the_first_sync_waits_for_the_listings() {
+    use first_sync::{FirstSync, Gate};
+    let start = Instant::now();
+    let mut first = FirstSync::new(start);
+    assert_eq!(first.gate(), Gate::Closed);
+    assert!(first.listed(Kind::EndpointSlice), "a first listing");
+    assert!(!first.listed(Kind::EndpointSlice), "listed again");
+    assert_eq!(first.gate(), Gate::Closed, "Services not listed");
+    assert!(first.listed(Kind::Service));
+    let gate = first.gate();
+    assert_eq!(
+        gate,
+        Gate::At(start + NODE_LISTING_WAIT),
+        "the Node is waited for"
+    );
+    assert!(!gate.open_at(start + NODE_LISTING_WAIT - Duration::from_millis(1)));
+    assert!(gate.open_at(start + NODE_LISTING_WAIT));
+    assert!(first.listed(Kind::Node));
+    assert_eq!(first.gate(), Gate::Open, "every listing in");
+    first.finish();
+    assert!(first.done());
+    assert!(
+        !first.listed(Kind::Node),
+        "after the first sync a listing starts nothing by itself"
+    );
 }

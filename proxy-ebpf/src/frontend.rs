@@ -182,15 +182,13 @@ pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Back
         client_be: v4_mapped(client_be),
         service_id: svc.service_id,
     };
-    if affinity {
-        if let Some(stuck) = AFFINITY.get_ptr(akey).map(|p| unsafe { *p }) {
-            let window = svc.affinity_timeout_s as u64 * 1_000_000_000;
-            if now.saturating_sub(stuck.last_used_ns) <= window {
-                if let Some(b) = backend(stuck.backend_id) {
-                    remember(&akey, stuck.backend_id, now);
-                    return Some((stuck.backend_id, b));
-                }
-            }
+    if affinity && let Some(stuck) = AFFINITY.get_ptr(akey).map(|p| unsafe { *p }) {
+        let window = svc.affinity_timeout_s as u64 * 1_000_000_000;
+        if now.saturating_sub(stuck.last_used_ns) <= window
+            && let Some(b) = backend(stuck.backend_id)
+        {
+            remember(&akey, stuck.backend_id, now);
+            return Some((stuck.backend_id, b));
         }
     }
     let slot = slot_for(unsafe { bpf_get_prandom_u32() }, svc.count);

@@ -21,11 +21,13 @@ use std::collections::HashSet;
 use aya::maps::IterableMap;
 use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, ct_flags, map_names};
 
-use super::{
-    batch,
-    maps::{Maps, MapsError, batch_error},
+use crate::{
+    datapath::{
+        batch,
+        maps::{Maps, MapsError, batch_error},
+    },
+    planner::Departed,
 };
-use crate::planner::Departed;
 
 /// What a sweep removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

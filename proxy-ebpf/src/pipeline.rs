@@ -11,8 +11,8 @@ use crate::{
     conntrack::{self, NewFlow},
     event_log::{self, Event},
     flow_cache, frag,
+    frontend::{self, Frontend},
     hook::Hook,
-    lb,
     maps::{CONNTRACK, count, node_config},
     nat::Nat,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
@@ -62,7 +62,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // SCTP needs its CRC32c recomputed on every rewrite, which the
         // datapath does not do yet: such packets are counted and passed, and
         // the agent says so when it programs an SCTP frontend.
-        if lb::lookup_frontend(&flow).is_some() {
+        if frontend::lookup_frontend(&flow).is_some() {
             count(counter::UNSUPPORTED_PROTO);
         }
         return Action::Pass;
@@ -104,7 +104,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         event_log::log(Event::FragUntracked, &flow);
         return Action::Pass;
     }
-    let Some(frontend) = lb::lookup_frontend(&flow) else {
+    let Some(frontend) = frontend::lookup_frontend(&flow) else {
         return Action::Pass;
     };
     new_flow(ctx, &flow, &frontend, now)
@@ -130,9 +130,9 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
 }
 
 #[inline(always)]
-fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) -> Action {
+fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Action {
     let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(frontend, flow) {
+    if svc.flags & service_flags::SOURCE_RANGES != 0 && !frontend::source_allowed(frontend, flow) {
         count(counter::DROP_SOURCE_RANGE);
         event_log::log(Event::SourceRange, flow);
         return Action::Drop;
@@ -150,7 +150,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &lb::Frontend, now: u64) ->
         count(counter::REJECT);
         return Action::Reject(*flow);
     }
-    let Some((backend_id, backend)) = lb::select(svc, flow.src_be, now) else {
+    let Some((backend_id, backend)) = frontend::select(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);

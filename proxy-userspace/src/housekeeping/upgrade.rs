@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common::{CtKey, CtValue, is_v4_mapped, map_names};
 
-use super::{detach, maps::Maps, pins::PinLayout};
+use crate::datapath::{detach, maps::Maps, pins::PinLayout};
 
 /// Backend and service ids of carried-over entries: the older agent's ids
 /// mean nothing to this one's planner, so such flows are never swept as a

@@ -23,7 +23,8 @@ use aya::{
 };
 use proxy_common::{SockNotes, SockNotesRecord, program_names, sock_note};
 
-use super::{sock_diag::UdpSocket, sys};
+use super::sock_diag::UdpSocket;
+use crate::datapath::sys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SockNotesError {
@@ -76,7 +77,8 @@ struct ObjPin {
 }
 
 /// Loads the iterator over `notes` (the object's `SOCK_NOTES`) and pins its
-/// link at `path`, in place of an earlier agent's. aya attaches iterators
+/// link at `path`, in place of an earlier agent's (Linux 5.9 for iterators
+/// over `bpf_sk_storage` maps). aya attaches iterators
 /// without a map, which a map iterator needs, hence the two raw bpf(2)
 /// calls.
 pub fn pin_iterator(ebpf: &mut Ebpf, notes: &MapData, path: &Path) -> Result<(), SockNotesError> {

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use aya::maps::{MapData, MapError, MapInfo};
 use proxy_common::{CtKey, CtValue, map_names};
 
-use super::{
+use super::conntrack;
+use crate::datapath::{
     batch::{self, BatchError},
-    conntrack,
     maps::Maps,
 };
 

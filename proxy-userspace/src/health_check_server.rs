@@ -29,7 +29,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{http::Health, model::HealthCheck};
+use crate::{healthz::Health, model::HealthCheck};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthCheckError {

@@ -1,0 +1,66 @@
+//! The pipeline's decision (`pipeline::Action`) in each hook's terms: the
+//! return code, and the replies and redirects only that hook can send.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::{PROTO_TCP, counter};
+
+use crate::{
+    event_log::{self, Event},
+    maps::count,
+    pipeline::Action,
+    reject, route,
+};
+
+/// tc's return code for `action`, after the reply or redirect it asks for.
+#[inline(always)]
+pub fn tc(ctx: &TcContext, action: Action) -> i32 {
+    match action {
+        Action::Pass => TC_ACT_OK,
+        Action::Drop => TC_ACT_SHOT,
+        Action::Reject(flow) => {
+            let rejected = if flow.proto == PROTO_TCP {
+                reject::tcp_reset(ctx, &flow)
+            } else {
+                reject::icmp_port_unreachable(ctx, &flow)
+            };
+            match rejected {
+                Ok(verdict) => {
+                    event_log::log(Event::Reject, &flow);
+                    verdict
+                }
+                Err(_) => {
+                    count(counter::DROP_REJECT_FAILED);
+                    event_log::log(Event::RejectFailed, &flow);
+                    TC_ACT_SHOT
+                }
+            }
+        }
+        Action::Redirect(flow, nat) => {
+            route::redirect_tc(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)
+        }
+        // Not produced at tc.
+        Action::Tx | Action::ToTc => TC_ACT_OK,
+    }
+}
+
+/// XDP's return code for `action`.
+#[inline(always)]
+pub fn xdp(ctx: &XdpContext, action: Action) -> u32 {
+    match action {
+        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
+        Action::Drop => xdp_action::XDP_DROP,
+        Action::Tx => {
+            // A redirect to the interface the packet came in on, rather than
+            // XDP_TX: the same on a NIC, and on a veth it also works when
+            // the peer runs no XDP program (XDP_TX frames then wait in the
+            // peer's queue until other traffic flushes it).
+            count(counter::XDP_TX);
+            unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
+        }
+        // Not produced at XDP.
+        Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
+    }
+}

@@ -1,0 +1,59 @@
+//! Keeping the kernel state the datapath leaves behind in order: policy over
+//! the maps and sockets, not loading them (that is `datapath`). One module,
+//! because every part answers the same question, what may go now that
+//! something changed, and each is found by its job:
+//!
+//! - `conntrack`: the flows and affinity of departed backends purged, idle
+//!   flows reaped, flows carried into this agent's conntrack;
+//! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
+//!   connected to a departed backend, found through the hooks' notes and
+//!   closed;
+//! - `resize`: a conntrack map of another size replaced, its flows kept;
+//! - `upgrade`: the datapaths of other layout versions retired, their flows
+//!   kept.
+
+pub mod conntrack;
+pub mod resize;
+pub mod sock_diag;
+pub mod sock_notes;
+pub mod upgrade;
+
+use std::time::Duration;
+
+use tracing::{debug, info, warn};
+
+use crate::{datapath::Datapath, planner::Departed};
+
+/// How often idle conntrack entries are reaped.
+pub const REAP_PERIOD: Duration = Duration::from_secs(10);
+
+/// Backends left their Services: their UDP flows and affinity entries go,
+/// and the node's sockets the hooks connected to them are closed, so the
+/// next datagram finds a live backend. A failure is logged.
+pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
+    match conntrack::purge_departed(&mut datapath.maps, departed) {
+        Ok(swept) if swept != Default::default() => info!(
+            udp_flows = swept.conntrack,
+            affinities = swept.affinity,
+            "removed flows and affinity of departed backends"
+        ),
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
+    }
+    match sock_diag::close_departed(&datapath.pins().sock_notes(), departed) {
+        Ok(0) => {}
+        Ok(closed) => {
+            info!("closed {closed} UDP sockets of the node connected to departed backends")
+        }
+        Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
+    }
+}
+
+/// Removes conntrack entries idle past their timeout.
+pub fn reap_conntrack(datapath: &mut Datapath) {
+    match conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()) {
+        Ok(0) => {}
+        Ok(n) => debug!(entries = n, "reaped idle conntrack entries"),
+        Err(e) => warn!(error = %e, "reaping conntrack"),
+    }
+}

@@ -87,7 +87,10 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+            LIVE.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
         }
         p
     }
@@ -127,8 +130,13 @@ fn slice_json(i: u32, node: &str, generation: u32) -> Value {
         .map(|k| endpoint(i, k, generation).to_string())
         .collect();
     let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
-    let mut slice =
-        apiserver::slice(NAMESPACE, &format!("{}-x7k2p", name(i)), &name(i), node, &ips);
+    let mut slice = apiserver::slice(
+        NAMESPACE,
+        &format!("{}-x7k2p", name(i)),
+        &name(i),
+        node,
+        &ips,
+    );
     // What a real API server adds to every object.
     slice["metadata"]["uid"] = json!(format!("0b5c1f7e-2d4a-4e8b-9c3f-{i:012}"));
     slice["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
@@ -268,7 +276,9 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     for c in 0..changes {
         let i = (c * (services / changes).max(1)) % services;
         let key = frontend_key(i);
-        let old = map.get(&key, 0).context("the frontend is not in SERVICES")?;
+        let old = map
+            .get(&key, 0)
+            .context("the frontend is not in SERVICES")?;
         let at = Instant::now();
         server.apply(slice_json(i, node.name(), 1 + c / services));
         let seen = wait_changed(&map, &[(key, old)], at, Duration::from_secs(10))?;
@@ -287,7 +297,9 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     // The burst: a rolling update of BURST Services' endpoints.
     let burst = BURST.min(services);
     let synced_before = syncs(&agent.log()).len();
-    let targets: Vec<u32> = (0..burst).map(|b| (b * (services / burst)) % services).collect();
+    let targets: Vec<u32> = (0..burst)
+        .map(|b| (b * (services / burst)) % services)
+        .collect();
     let before: Vec<(ServiceKey, ServiceValue)> = targets
         .iter()
         .map(|&i| {
@@ -389,15 +401,20 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
         })
         .collect();
     let start = live();
-    let mut svc_objects = Vec::with_capacity(services as usize);
-    let mut slice_objects = Vec::with_capacity(services as usize);
+    let mut decoded_objects = Vec::with_capacity(services as usize);
     for (svc, slice) in &texts {
         let svc: Service = serde_json::from_str(svc)?;
         let slice: EndpointSlice = serde_json::from_str(slice)?;
-        svc_objects.push(Object::Service(Box::new(svc)));
-        slice_objects.push(Object::EndpointSlice(Box::new(slice)));
+        decoded_objects.push((svc, slice));
     }
     let decoded = sub(live(), start);
+    // As the source hands them on.
+    let mut svc_objects = Vec::with_capacity(services as usize);
+    let mut slice_objects = Vec::with_capacity(services as usize);
+    for (svc, slice) in decoded_objects {
+        svc_objects.push(Object::service(svc));
+        slice_objects.push(Object::slice(&slice));
+    }
 
     let mut state = ClusterState::new(node);
     state.apply(SourceEvent::Replace {
@@ -510,7 +527,7 @@ fn main() {
              process, live bytes requested from the allocator; each block costs the \
              allocator about 16 bytes more):\n\n\
              | structure | per Service |\n|---|---:|\n\
-             | a listing's decoded objects (transient) | {} |\n\
+             | the objects as decoded from the API's JSON (transient) | {} |\n\
              | cluster state (Services and EndpointSlices kept) | {} |\n\
              | planner's bookkeeping of the programmed frontends | {} |\n\
              | the source's keys of what it sent | {} |\n",

@@ -257,11 +257,17 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     let start_to_programmed = started.elapsed();
     let pid = agent.pid().context("agent pid")?;
     let map = services_map(agent.bpf_root())?;
-    let initial = syncs(&agent.log());
-    let initial_sync = initial
-        .first()
-        .map(|(_, us)| *us as f64 / 1e6)
-        .context("no synced line in the agent's log")?;
+    // /healthz turns 200 as the sync ends, just before its log line.
+    let waited = Instant::now();
+    let initial_sync = loop {
+        if let Some((_, us)) = syncs(&agent.log()).first() {
+            break *us as f64 / 1e6;
+        }
+        if waited.elapsed() > Duration::from_secs(30) {
+            bail!("no synced line in the agent's log:\n{}", agent.log());
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
     // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
     thread::sleep(Duration::from_secs(2));
     let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;

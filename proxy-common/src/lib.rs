@@ -939,6 +939,23 @@ mod tests {
         assert_eq!(size_of::<SockNotesRecord>(), 8 + 16 * SOCK_NOTE_SLOTS);
     }
 
+    /// The sizes docs/maps.md promises: 100,000 Services of one port and
+    /// 10 endpoints each, every endpoint its own backend, and a second
+    /// slot set for each frontend while a replacement is applied.
+    #[test]
+    fn default_capacities_hold_100000_services_of_10_endpoints() {
+        let (services, endpoints) = (100_000u32, 10u32);
+        assert!(MAX_SERVICES >= services, "SERVICES: {MAX_SERVICES}");
+        assert!(
+            MAX_BACKENDS >= services * endpoints,
+            "BACKENDS: {MAX_BACKENDS}"
+        );
+        assert!(
+            MAX_BACKEND_SLOTS >= 2 * services * endpoints,
+            "BACKEND_SLOTS: {MAX_BACKEND_SLOTS}"
+        );
+    }
+
     #[test]
     fn a_subnets_backends_spread_over_the_note_slots() {
         let mut used = [0u32; SOCK_NOTE_SLOTS];

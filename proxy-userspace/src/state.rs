@@ -6,13 +6,15 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::{
-    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
+    api::{core::v1::Node, core::v1::Service},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use tracing::{debug, warn};
 
 use crate::{
-    model::{self, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, NodeInfo},
+    model::{
+        self, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, NodeInfo, Slice,
+    },
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
 
@@ -50,7 +52,7 @@ impl IntoIterator for Changes {
 #[derive(Debug)]
 struct StoredSlice {
     service: ObjectKey,
-    slice: EndpointSlice,
+    slice: Slice,
 }
 
 /// The cluster as the sources have described it so far.
@@ -60,11 +62,14 @@ pub struct ClusterState {
     /// Whether our Node, as last seen, takes traffic (kube-proxy's
     /// `nodeEligible`); true until it is seen.
     node_eligible: bool,
-    services: BTreeMap<ObjectKey, Service>,
+    /// Boxed: a map node holds eleven values, mostly empty room.
+    services: BTreeMap<ObjectKey, Box<Service>>,
     slices: HashMap<ObjectKey, StoredSlice>,
     /// Service key → keys of its slices, sorted so the model sees them in a
     /// stable order.
-    slices_by_service: HashMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// A sorted boxed slice rather than a set: most Services have one
+    /// slice, and a set's first node has room for eleven.
+    slices_by_service: HashMap<ObjectKey, Box<[ObjectKey]>>,
 }
 
 impl ClusterState {
@@ -100,15 +105,15 @@ impl ClusterState {
     }
 
     pub fn service(&self, key: &ObjectKey) -> Option<&Service> {
-        self.services.get(key)
+        self.services.get(key).map(|s| &**s)
     }
 
     /// The slices of a Service, sorted by name.
-    pub fn slices_for(&self, key: &ObjectKey) -> Vec<&EndpointSlice> {
+    pub fn slices_for(&self, key: &ObjectKey) -> Vec<&Slice> {
         self.slices_by_service
             .get(key)
             .into_iter()
-            .flatten()
+            .flat_map(|keys| keys.iter())
             .filter_map(|slice_key| self.slices.get(slice_key))
             .map(|stored| &stored.slice)
             .collect()
@@ -183,7 +188,7 @@ impl ClusterState {
                     }
                 }
                 (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
-                    if let Some(key) = key_of(&slice.metadata) {
+                    if let Some(key) = slice_key(&slice) {
                         listed.insert(key);
                         self.put_slice(*slice, changes);
                     }
@@ -224,35 +229,32 @@ impl ClusterState {
             }
             Kind::Node => self.put_node(ours.as_deref(), changes),
         }
+        // Strings only the departed objects held.
+        model::forget_unused_strings();
     }
 
-    fn put_service(&mut self, mut service: Service, changes: &mut Changes) {
+    fn put_service(&mut self, service: Service, changes: &mut Changes) {
         let Some(key) = key_of(&service.metadata) else {
             warn!("service without a name; ignored");
             return;
         };
-        trim(&mut service.metadata);
-        if self.services.get(&key) != Some(&service) {
-            self.services.insert(key.clone(), service);
+        // Sources reduce Services already; one reduced twice is the same.
+        let service = model::compact_service(service);
+        if self.services.get(&key).map(|s| &**s) != Some(&service) {
+            self.services.insert(key.clone(), Box::new(service));
             changes.services.insert(key);
         }
     }
 
-    fn put_slice(&mut self, mut slice: EndpointSlice, changes: &mut Changes) {
-        let Some(key) = key_of(&slice.metadata) else {
+    fn put_slice(&mut self, slice: Slice, changes: &mut Changes) {
+        let Some(key) = slice_key(&slice) else {
             warn!("endpointslice without a name; ignored");
             return;
         };
-        let owner = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-            .filter(|name| !name.is_empty())
-            .map(|name| ObjectKey {
-                namespace: key.namespace.clone(),
-                name: name.clone(),
-            });
+        let owner = slice.service.as_deref().map(|name| ObjectKey {
+            namespace: key.namespace.clone(),
+            name: name.to_owned(),
+        });
         let Some(owner) = owner else {
             // kube-proxy cannot tell which Service such a slice serves
             // either, and ignores it.
@@ -260,7 +262,6 @@ impl ClusterState {
             self.remove_slice(&key, changes);
             return;
         };
-        trim(&mut slice.metadata);
         if let Some(stored) = self.slices.get(&key)
             && stored.service == owner
             && stored.slice == slice
@@ -270,10 +271,12 @@ impl ClusterState {
         // The label can change, moving the slice to another Service: both
         // the old and the new one are affected.
         self.remove_slice(&key, changes);
-        self.slices_by_service
-            .entry(owner.clone())
-            .or_default()
-            .insert(key.clone());
+        let keys = self.slices_by_service.entry(owner.clone()).or_default();
+        let mut grown: Vec<ObjectKey> = std::mem::take(keys).into_vec();
+        if let Err(at) = grown.binary_search(&key) {
+            grown.insert(at, key.clone());
+        }
+        *keys = grown.into_boxed_slice();
         self.slices.insert(
             key,
             StoredSlice {
@@ -289,7 +292,7 @@ impl ClusterState {
             return;
         };
         if let Some(keys) = self.slices_by_service.get_mut(&stored.service) {
-            keys.remove(key);
+            *keys = keys.iter().filter(|k| *k != key).cloned().collect();
             if keys.is_empty() {
                 self.slices_by_service.remove(&stored.service);
             }
@@ -334,6 +337,13 @@ impl ClusterState {
     }
 }
 
+fn slice_key(slice: &Slice) -> Option<ObjectKey> {
+    (!slice.name.is_empty()).then(|| ObjectKey {
+        namespace: slice.namespace.to_string(),
+        name: slice.name.to_string(),
+    })
+}
+
 fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
     let name = metadata.name.as_deref().filter(|n| !n.is_empty())?;
     Some(ObjectKey {
@@ -342,19 +352,13 @@ fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
     })
 }
 
-/// Drops what only the API server's bookkeeping uses (kube-rs's memory
-/// advice for reflectors); it can be most of an object's size.
-fn trim(metadata: &mut ObjectMeta) {
-    metadata.managed_fields = None;
-}
-
 fn describe(object: &Object) -> String {
-    let (kind, metadata) = match object {
-        Object::Service(s) => ("Service", &s.metadata),
-        Object::EndpointSlice(s) => ("EndpointSlice", &s.metadata),
-        Object::Node(n) => ("Node", &n.metadata),
+    let (kind, key) = match object {
+        Object::Service(s) => ("Service", key_of(&s.metadata)),
+        Object::EndpointSlice(s) => ("EndpointSlice", slice_key(s)),
+        Object::Node(n) => ("Node", key_of(&n.metadata)),
     };
-    match key_of(metadata) {
+    match key {
         Some(key) => format!("{kind} {key}"),
         None => format!("{kind} <unnamed>"),
     }
@@ -364,7 +368,10 @@ fn describe(object: &Object) -> String {
 mod tests {
     use std::collections::BTreeMap;
 
-    use k8s_openapi::api::core::v1::{ServicePort, ServiceSpec};
+    use k8s_openapi::api::{
+        core::v1::{ServicePort, ServiceSpec},
+        discovery::v1::EndpointSlice,
+    };
 
     use super::*;
 
@@ -399,13 +406,17 @@ mod tests {
     }
 
     fn slice(name: &str, service: &str, ips: &[&str]) -> Object {
+        Object::slice(&k8s_slice(name, service, ips))
+    }
+
+    fn k8s_slice(name: &str, service: &str, ips: &[&str]) -> EndpointSlice {
         use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort};
         let labels: Vec<(&str, &str)> = if service.is_empty() {
             vec![]
         } else {
             vec![(LABEL_SERVICE_NAME, service)]
         };
-        Object::EndpointSlice(Box::new(EndpointSlice {
+        EndpointSlice {
             metadata: meta("demo", name, &labels),
             address_type: "IPv4".into(),
             ports: Some(vec![EndpointPort {
@@ -420,7 +431,7 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
-        }))
+        }
     }
 
     fn node(name: &str, zone: Option<&str>) -> Object {
@@ -675,16 +686,14 @@ mod tests {
         use k8s_openapi::api::discovery::v1::Endpoint;
         let mut state = ClusterState::new("node-a");
         state.apply(SourceEvent::Apply(service("web", "10.96.0.10")));
-        let Object::EndpointSlice(mut s) = slice("web-1", "web", &["10.0.0.1", "10.0.0.2"]) else {
-            unreachable!()
-        };
+        let mut s = k8s_slice("web-1", "web", &["10.0.0.1", "10.0.0.2"]);
         s.endpoints[0].node_name = Some("node-a".into());
         s.endpoints.push(Endpoint {
             addresses: vec!["10.0.0.3".into()],
             node_name: Some("node-b".into()),
             ..Default::default()
         });
-        state.apply(SourceEvent::Apply(Object::EndpointSlice(s)));
+        state.apply(SourceEvent::Apply(Object::slice(&s)));
         let frontends = state
             .frontends_for(&key("web"), &ModelConfig::default())
             .unwrap();

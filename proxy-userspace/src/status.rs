@@ -2,8 +2,11 @@
 
 use std::fmt::Write;
 
-use aya::maps::IterableMap;
-use proxy_common::{BackendSlotKey, CtKey, CtValue, MAX_CT_NEW, map_names, service_flags};
+use aya::maps::{IterableMap, MapInfo};
+use proxy_common::{
+    AffinityKey, AffinityValue, BackendSlotKey, CtKey, CtValue, MAX_CT_NEW, map_names,
+    service_flags,
+};
 
 use crate::{
     datapath::{
@@ -144,10 +147,36 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         "unassured conntrack entries: {unassured} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)"
     );
     let _ = writeln!(out, "{}", socket_notes(pins));
+    let affinity = batch::count::<AffinityKey, AffinityValue>(maps.affinity.map(), batch::CHUNK)
+        .map_err(batch_error(map_names::AFFINITY))?;
+    for (name, entries) in [
+        (map_names::SERVICES, stored.services.len()),
+        (map_names::BACKEND_SLOTS, stored.slots.len()),
+        (map_names::BACKENDS, stored.backends.len()),
+        (map_names::SOURCE_RANGES, stored.source_ranges.len()),
+        (map_names::AFFINITY, affinity),
+        (map_names::CONNTRACK, entries),
+        (map_names::CT_NEW, unassured),
+    ] {
+        let _ = writeln!(out, "{}", fill(pins, name, entries));
+    }
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");
     }
     Ok(out)
+}
+
+/// `map fill NAME: entries of capacity (percent)`: how close a map is to
+/// refusing writes (docs/maps.md, "Sizes").
+fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
+    match MapInfo::from_pin(pins.map(name)).map(|info| info.max_entries()) {
+        Ok(capacity) if capacity > 0 => format!(
+            "map fill {name}: {entries} of {capacity} ({:.1}%)",
+            100.0 * entries as f64 / f64::from(capacity)
+        ),
+        Ok(_) => format!("map fill {name}: {entries}"),
+        Err(e) => format!("map fill {name}: {entries} of unknown capacity ({e})"),
+    }
 }
 
 /// How many sockets hold the socket hooks' notes (in every network

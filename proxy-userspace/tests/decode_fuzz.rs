@@ -87,7 +87,12 @@ fn read_and_model(path: &Path, text: &str, documents: &[Value]) -> Reached {
         zone: Some("z1".into()),
     };
     let config = ModelConfig::default();
-    let slices: Vec<&EndpointSlice> = manifests.endpoint_slices.iter().collect();
+    let slices: Vec<model::Slice> = manifests
+        .endpoint_slices
+        .iter()
+        .map(model::Slice::from)
+        .collect();
+    let slices: Vec<&model::Slice> = slices.iter().collect();
     for service in &manifests.services {
         let name = service_name(service);
         let modelled = std::panic::catch_unwind(|| {
@@ -104,9 +109,10 @@ fn read_and_model(path: &Path, text: &str, documents: &[Value]) -> Reached {
             let text = e.to_string();
             let names_it = match &e {
                 model::ModelError::InvalidService { service, .. } => *service == name,
-                model::ModelError::InvalidSlice { slice, .. } => {
-                    slices.iter().any(|s| *slice == slice_name(s))
-                }
+                model::ModelError::InvalidSlice { slice, .. } => manifests
+                    .endpoint_slices
+                    .iter()
+                    .any(|s| *slice == slice_name(s)),
             };
             assert!(
                 names_it,

@@ -150,9 +150,7 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
                 {
                     break;
                 }
-                SourceEvent::Apply(Object::EndpointSlice(s))
-                    if s.metadata.name.as_deref() == Some(mark.as_str()) =>
-                {
+                SourceEvent::Apply(Object::EndpointSlice(s)) if *s.name == *mark => {
                     break;
                 }
                 SourceEvent::Apply(o) => got = Some(o),
@@ -192,9 +190,9 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
                         ModelError::InvalidService { service, .. } => {
                             *service == format!("demo/{name}")
                         }
-                        ModelError::InvalidSlice { slice, .. } => slices.iter().any(|s| {
-                            *slice == format!("demo/{}", s.metadata.name.as_deref().unwrap_or(""))
-                        }),
+                        ModelError::InvalidSlice { slice, .. } => {
+                            slices.iter().any(|s| *slice == format!("demo/{}", s.name))
+                        }
                     };
                     assert!(names_it, "seed {seed}: {e} does not name its object");
                 }

@@ -657,6 +657,16 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
         "BACKENDS full after {} filler entries: {refusal}",
         id - first_filler
     );
+    // `status` shows how full each map is: this one is.
+    let status = proxy_userspace::status::render(&pins).expect("ebpf-proxy status");
+    let fill = status
+        .lines()
+        .find(|l| l.starts_with("map fill BACKENDS: "))
+        .unwrap_or_else(|| panic!("no BACKENDS fill in the status:\n{status}"));
+    assert!(
+        fill.ends_with(&format!("of {} (100.0%)", proxy_common::MAX_BACKENDS)),
+        "BACKENDS is full, the status says {fill:?}"
+    );
 
     let api_vip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 30), 80);
     server.apply(service("test", "api", "10.96.0.30"));

@@ -159,6 +159,7 @@ fn bench(quick: bool) -> Result<()> {
         "datapath",
         "control_plane",
         "source_idle",
+        "scale",
         "e2e",
         "nodeport",
         "fuzz",

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::{api::core::v1::Service, api::discovery::v1::EndpointSlice, jiff::Timestamp};
+use k8s_openapi::api::core::v1::Service;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{
@@ -22,14 +22,13 @@ use prometheus_client::{
 
 use super::Untyped;
 use crate::{
-    model::{Frontend, FrontendKind, Scope},
+    model::{Frontend, FrontendKind, Scope, Slice},
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
 
 /// The annotation the EndpointSlice controller sets to when the change it
 /// reflects happened (a Pod turning ready, say).
-pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub use crate::model::LAST_CHANGE_TRIGGER_TIME;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
@@ -376,20 +375,17 @@ impl Trigger {
 
     /// The slice's Service, its own key and its trigger time, when it has
     /// one that parses (RFC 3339, as the controller writes it).
-    pub fn from_slice(slice: &EndpointSlice) -> Option<Trigger> {
-        let meta = &slice.metadata;
-        let text = meta.annotations.as_ref()?.get(LAST_CHANGE_TRIGGER_TIME)?;
-        let time = SystemTime::from(text.parse::<Timestamp>().ok()?);
-        let namespace = meta.namespace.clone().unwrap_or_default();
-        let service = meta.labels.as_ref()?.get(SERVICE_NAME_LABEL)?.clone();
+    pub fn from_slice(slice: &Slice) -> Option<Trigger> {
+        let time = slice.trigger_time?;
+        let service = slice.service.as_deref()?;
         Some(Trigger {
             slice: ObjectKey {
-                namespace: namespace.clone(),
-                name: meta.name.clone()?,
+                namespace: slice.namespace.to_string(),
+                name: slice.name.to_string(),
             },
             service: ObjectKey {
-                namespace,
-                name: service,
+                namespace: slice.namespace.to_string(),
+                name: service.to_owned(),
             },
             time,
         })
@@ -450,10 +446,16 @@ pub async fn count_probes(
 mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
-    use k8s_openapi::{api::core::v1::ServiceSpec, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+    use k8s_openapi::{
+        api::{core::v1::ServiceSpec, discovery::v1::EndpointSlice},
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
 
     use super::*;
-    use crate::model::{BackendAddr, NoEndpointAction, Protocol, ServicePortName};
+    use crate::model::{
+        BackendAddr, LABEL_SERVICE_NAME as SERVICE_NAME_LABEL, NoEndpointAction, Protocol,
+        ServicePortName,
+    };
 
     /// The sample `series` of the exposition of a registry holding only
     /// `metrics`.
@@ -690,21 +692,27 @@ mod tests {
             endpoints: Vec::new(),
             ports: None,
         };
-        let found = Trigger::from_slice(&slice(Some("2026-01-02T03:04:05.5Z"), Some("web")))
-            .expect("a trigger time");
+        let found = Trigger::from_slice(&Slice::from(slice(
+            Some("2026-01-02T03:04:05.5Z"),
+            Some("web"),
+        )))
+        .expect("a trigger time");
         assert_eq!(found.service, key("web"));
         assert_eq!(found.slice, key("web-1"));
         assert_eq!(
             found.time.duration_since(UNIX_EPOCH).expect("after 1970"),
             Duration::from_millis(1_767_323_045_500)
         );
-        assert_eq!(Trigger::from_slice(&slice(None, Some("web"))), None);
         assert_eq!(
-            Trigger::from_slice(&slice(Some("yesterday"), Some("web"))),
+            Trigger::from_slice(&Slice::from(slice(None, Some("web")))),
             None
         );
         assert_eq!(
-            Trigger::from_slice(&slice(Some("2026-01-02T03:04:05Z"), None)),
+            Trigger::from_slice(&Slice::from(slice(Some("yesterday"), Some("web")))),
+            None
+        );
+        assert_eq!(
+            Trigger::from_slice(&Slice::from(slice(Some("2026-01-02T03:04:05Z"), None))),
             None,
             "a slice of no Service"
         );

@@ -5,11 +5,12 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr},
+    sync::Arc,
 };
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use super::{BackendAddr, ModelError, NodeInfo, Protocol, topology};
+use super::{BackendAddr, ModelError, NodeInfo, Protocol, compact::intern, topology};
 
 /// An IP family: each one is proxied on its own, as kube-proxy runs one
 /// proxier per family.
@@ -81,42 +82,59 @@ pub(super) fn parse_protocol(protocol: Option<&str>) -> Result<Protocol, String>
 
 /// A port of an EndpointSlice: every endpoint of the slice serves the
 /// service port of this name and protocol on this number.
-#[derive(Debug)]
-struct SlicePort<'a> {
-    name: &'a str,
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlicePort {
+    name: Arc<str>,
     protocol: Protocol,
     port: u16,
 }
 
-/// An endpoint of a slice, conditions defaulted as kube-proxy does.
-#[derive(Debug)]
-pub(super) struct SliceEndpoint<'a> {
+/// An endpoint of a slice, conditions defaulted as kube-proxy does. Kept
+/// for every endpoint of the cluster, so it is small: 48 bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct SliceEndpoint {
     ip: IpAddr,
     pub(super) ready: bool,
     pub(super) serving: bool,
     pub(super) terminating: bool,
-    node_name: Option<&'a str>,
-    pub(super) zone_hints: Vec<&'a str>,
-    pub(super) node_hints: Vec<&'a str>,
+    node_name: Option<Arc<str>>,
+    /// Topology hints, which most endpoints do not have.
+    hints: Option<Box<Hints>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Hints {
+    zones: Box<[Arc<str>]>,
+    nodes: Box<[Arc<str>]>,
+}
+
+impl SliceEndpoint {
+    pub(super) fn zone_hints(&self) -> &[Arc<str>] {
+        self.hints.as_ref().map_or(&[], |h| &h.zones)
+    }
+
+    pub(super) fn node_hints(&self) -> &[Arc<str>] {
+        self.hints.as_ref().map_or(&[], |h| &h.nodes)
+    }
 }
 
 /// An EndpointSlice checked and reduced to what the model uses.
-#[derive(Debug)]
-pub(super) struct ParsedSlice<'a> {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct ParsedSlice {
     family: Family,
-    ports: Vec<SlicePort<'a>>,
-    endpoints: Vec<SliceEndpoint<'a>>,
+    ports: Box<[SlicePort]>,
+    pub(super) endpoints: Box<[SliceEndpoint]>,
 }
 
-impl<'a> ParsedSlice<'a> {
+impl ParsedSlice {
     /// The service ports, by name and protocol, the slice has endpoints for.
-    pub(super) fn service_ports(&self) -> impl Iterator<Item = (&'a str, Protocol)> + '_ {
-        self.ports.iter().map(|p| (p.name, p.protocol))
+    pub(super) fn service_ports(&self) -> impl Iterator<Item = (&str, Protocol)> + '_ {
+        self.ports.iter().map(|p| (&*p.name, p.protocol))
     }
 }
 
 /// Checks a slice. FQDN slices are of no use to a proxy and yield None.
-pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice<'_>>, ModelError> {
+pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice>, ModelError> {
     let id = format!(
         "{}/{}",
         slice.metadata.namespace.as_deref().unwrap_or("default"),
@@ -152,7 +170,7 @@ pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice<'_
         let protocol = parse_protocol(port.protocol.as_deref())
             .map_err(|e| err(format!("port {name:?}: {e}")))?;
         ports.push(SlicePort {
-            name,
+            name: intern(name),
             protocol,
             port: number,
         });
@@ -183,26 +201,31 @@ pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice<'_
             ready: conditions.and_then(|c| c.ready).unwrap_or(true),
             serving: conditions.and_then(|c| c.serving).unwrap_or(true),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-            node_name: endpoint.node_name.as_deref(),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .into_iter()
-                .flatten()
-                .map(|z| z.name.as_str())
-                .collect(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .into_iter()
-                .flatten()
-                .map(|n| n.name.as_str())
-                .collect(),
+            node_name: endpoint.node_name.as_deref().map(intern),
+            hints: hints
+                .map(|h| Hints {
+                    zones: h
+                        .for_zones
+                        .iter()
+                        .flatten()
+                        .map(|z| intern(&z.name))
+                        .collect(),
+                    nodes: h
+                        .for_nodes
+                        .iter()
+                        .flatten()
+                        .map(|n| intern(&n.name))
+                        .collect(),
+                })
+                .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                .map(Box::new),
         });
     }
 
     Ok(Some(ParsedSlice {
         family,
-        ports,
-        endpoints,
+        ports: ports.into(),
+        endpoints: endpoints.into(),
     }))
 }
 
@@ -210,7 +233,7 @@ pub(super) fn parse_slice(slice: &EndpointSlice) -> Result<Option<ParsedSlice<'_
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Endpoint<'a> {
     pub(super) addr: BackendAddr,
-    pub(super) source: &'a SliceEndpoint<'a>,
+    pub(super) source: &'a SliceEndpoint,
 }
 
 impl Endpoint<'_> {
@@ -241,7 +264,7 @@ impl Endpoint<'_> {
 /// `slices` should be in a stable order (by name): when two copies of an
 /// endpoint are equally good, the first is kept.
 pub(super) fn endpoints_for_port<'a>(
-    slices: &'a [ParsedSlice<'a>],
+    slices: &[&'a ParsedSlice],
     family: Family,
     port_name: &str,
     protocol: Protocol,
@@ -252,10 +275,11 @@ pub(super) fn endpoints_for_port<'a>(
         for port in slice
             .ports
             .iter()
-            .filter(|p| p.name == port_name && p.protocol == protocol)
+            .filter(|p| &*p.name == port_name && p.protocol == protocol)
         {
             for source in &slice.endpoints {
-                let local = !node.name.is_empty() && source.node_name == Some(node.name.as_str());
+                let local = !node.name.is_empty()
+                    && source.node_name.as_deref() == Some(node.name.as_str());
                 let endpoint = Endpoint {
                     addr: BackendAddr {
                         ip: source.ip,

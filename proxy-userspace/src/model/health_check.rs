@@ -9,10 +9,11 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::core::v1::Service;
 
 use super::{
     ModelConfig, ModelError, NodeInfo, Protocol,
+    compact::Slice,
     endpoints::{self, Family, ParsedSlice},
     service,
 };
@@ -44,7 +45,7 @@ pub struct HealthCheck {
 /// count once, not once per address.
 pub fn service_health_check(
     service: &Service,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Option<HealthCheck>, ModelError> {
@@ -94,9 +95,8 @@ pub fn service_health_check(
 /// is judged the way the datapath judges it. The Ready condition is taken
 /// as published: with publishNotReadyAddresses it is true even for
 /// not-ready or terminating pods, and kube-proxy counts those too.
-fn local_ready_ips(slices: &[ParsedSlice<'_>], family: Family, node: &NodeInfo) -> usize {
-    let ports: BTreeSet<(&str, Protocol)> =
-        slices.iter().flat_map(ParsedSlice::service_ports).collect();
+fn local_ready_ips(slices: &[&ParsedSlice], family: Family, node: &NodeInfo) -> usize {
+    let ports: BTreeSet<(&str, Protocol)> = slices.iter().flat_map(|s| s.service_ports()).collect();
     let mut ips = HashSet::new();
     for (port_name, protocol) in ports {
         for endpoint in endpoints::endpoints_for_port(slices, family, port_name, protocol, node) {
@@ -115,7 +115,7 @@ mod tests {
     use k8s_openapi::{
         api::{
             core::v1::{ServicePort, ServiceSpec},
-            discovery::v1::{Endpoint, EndpointConditions, EndpointPort},
+            discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
         },
         apimachinery::pkg::apis::meta::v1::ObjectMeta,
     };
@@ -425,7 +425,8 @@ mod tests {
             zone: None,
         };
         for (label, service, slices, want) in cases {
-            let refs: Vec<&EndpointSlice> = slices.iter().collect();
+            let slices: Vec<Slice> = slices.iter().map(Slice::from).collect();
+            let refs: Vec<&Slice> = slices.iter().collect();
             let got = service_health_check(&service, &refs, &node, &ModelConfig::default());
             let want = want.map(|w| {
                 w.map(|local_endpoints| HealthCheck {
@@ -443,7 +444,8 @@ mod tests {
     fn no_endpoint_is_local_to_an_unnamed_node() {
         let service = svc(|_| {});
         let slices = web_a(&[("10.0.0.1", "", READY)]);
-        let refs: Vec<&EndpointSlice> = slices.iter().collect();
+        let slices: Vec<Slice> = slices.iter().map(Slice::from).collect();
+        let refs: Vec<&Slice> = slices.iter().collect();
         let got = service_health_check(
             &service,
             &refs,

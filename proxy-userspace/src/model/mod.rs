@@ -10,8 +10,11 @@
 //! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
 //!   port and picks the cluster and local sets from it;
 //! - [`topology`] applies kube-proxy's topology-hint rules;
+//! - [`compact`] keeps what the model reads of each object, shared strings
+//!   once;
 //! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
 
+mod compact;
 mod endpoints;
 mod health_check;
 mod probability;
@@ -23,8 +26,11 @@ mod types;
 
 use std::collections::BTreeMap;
 
+pub use compact::{
+    LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service, forget_unused_strings, intern,
+};
 pub use health_check::{HealthCheck, service_health_check};
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::core::v1::Service;
 pub use probability::{
     iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,
 };
@@ -59,7 +65,7 @@ pub struct ModelConfig {
 }
 
 /// Why a Service could not be programmed. Each names the object.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModelError {
     #[error("service {service}: {reason}")]
     InvalidService { service: String, reason: String },
@@ -83,7 +89,7 @@ pub enum ModelError {
 /// iptables rule wins.
 pub fn service_frontends(
     service: &Service,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Vec<Frontend>, ModelError> {
@@ -94,14 +100,16 @@ pub fn service_frontends(
 /// rules kube-proxy applies to its informers (`!service-proxy-name`,
 /// `!headless`), with our own proxy name accepted.
 pub fn is_ours(labels: Option<&BTreeMap<String, String>>, config: &ModelConfig) -> bool {
-    let Some(labels) = labels else {
-        return true;
-    };
-    if labels.contains_key(LABEL_HEADLESS) {
+    is_ours_by(&ProxyLabels::of(labels), config)
+}
+
+/// [`is_ours`] on the labels an object was kept with.
+pub fn is_ours_by(labels: &ProxyLabels, config: &ModelConfig) -> bool {
+    if labels.headless {
         return false;
     }
-    match labels.get(LABEL_SERVICE_PROXY_NAME) {
+    match &labels.service_proxy_name {
         None => true,
-        Some(name) => config.service_proxy_name.as_deref() == Some(name.as_str()),
+        Some(name) => config.service_proxy_name.as_deref() == Some(&**name),
     }
 }

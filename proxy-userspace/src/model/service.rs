@@ -6,18 +6,16 @@
 use std::{collections::HashSet, net::IpAddr};
 
 use k8s_openapi::{
-    api::{
-        core::v1::{Service, ServicePort, ServiceSpec},
-        discovery::v1::EndpointSlice,
-    },
+    api::core::v1::{Service, ServicePort, ServiceSpec},
     apimachinery::pkg::util::intstr::IntOrString,
 };
 
 use super::{
-    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, LABEL_SERVICE_NAME, ModelConfig,
-    ModelError, NoEndpointAction, NodeInfo, Protocol, Scope, ServicePortName,
+    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError,
+    NoEndpointAction, NodeInfo, Protocol, Scope, ServicePortName,
+    compact::Slice,
     endpoints::{self, Categorized, Family, ParsedSlice, parse_ip, parse_protocol},
-    is_ours,
+    is_ours, is_ours_by,
 };
 
 /// `DefaultClientIPServiceAffinitySeconds` in k8s.io/api.
@@ -102,34 +100,37 @@ impl<'a> Ours<'a> {
     /// The Service's own slices among `slices`, checked, FQDN ones left out.
     pub(super) fn slices<'s>(
         &self,
-        slices: &[&'s EndpointSlice],
+        slices: &[&'s Slice],
         config: &ModelConfig,
-    ) -> Result<Vec<ParsedSlice<'s>>, ModelError> {
-        let mut own: Vec<&EndpointSlice> = slices
+    ) -> Result<Vec<&'s ParsedSlice>, ModelError> {
+        let mut own: Vec<&Slice> = slices
             .iter()
             .copied()
             .filter(|s| {
-                s.metadata.namespace.as_deref().unwrap_or("default") == self.namespace
-                    && s.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(LABEL_SERVICE_NAME))
-                        .is_some_and(|n| n == self.name)
-                    && is_ours(s.metadata.labels.as_ref(), config)
+                (if s.namespace.is_empty() {
+                    "default"
+                } else {
+                    &*s.namespace
+                }) == self.namespace
+                    && s.service.as_deref() == Some(self.name)
+                    && is_ours_by(&s.labels, config)
             })
             .collect();
         // Stable order, so which copy of a duplicated endpoint is kept does
         // not depend on the order the caller happened to hold the slices in.
-        own.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        own.sort_by(|a, b| a.name.cmp(&b.name));
         own.into_iter()
-            .filter_map(|s| endpoints::parse_slice(s).transpose())
+            .filter_map(|s| match &s.parsed {
+                Ok(parsed) => parsed.as_ref().map(Ok),
+                Err(e) => Some(Err(e.clone())),
+            })
             .collect()
     }
 }
 
 pub(super) fn frontends(
     service: &Service,
-    slices: &[&EndpointSlice],
+    slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Vec<Frontend>, ModelError> {

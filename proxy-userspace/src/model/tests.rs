@@ -288,7 +288,8 @@ use Want::{Error as Fails, Frontends as Gives};
 fn run(cases: Vec<Case>) {
     let mut failures = Vec::new();
     for case in cases {
-        let slices: Vec<&EndpointSlice> = case.slices.iter().collect();
+        let slices: Vec<Slice> = case.slices.iter().map(Slice::from).collect();
+        let slices: Vec<&Slice> = slices.iter().collect();
         let got = service_frontends(&case.service, &slices, &case.node, &case.config);
         match (&case.want, got) {
             (Gives(want), Ok(frontends)) => {
@@ -1523,8 +1524,9 @@ fn slice_order_does_not_change_the_result() {
     ];
     let service = svc(|_| {});
     let node = node("node-a", None);
-    let forward: Vec<&EndpointSlice> = slices.iter().collect();
-    let backward: Vec<&EndpointSlice> = slices.iter().rev().collect();
+    let slices: Vec<Slice> = slices.iter().map(Slice::from).collect();
+    let forward: Vec<&Slice> = slices.iter().collect();
+    let backward: Vec<&Slice> = slices.iter().rev().collect();
     let a = service_frontends(&service, &forward, &node, &ModelConfig::default()).unwrap();
     let b = service_frontends(&service, &backward, &node, &ModelConfig::default()).unwrap();
     assert_eq!(

@@ -32,14 +32,14 @@ pub(super) fn mode(endpoints: &[Endpoint<'_>], node: &NodeInfo) -> Mode {
     for endpoint in endpoints.iter().filter(|e| e.ready()) {
         any_ready = true;
         let source = endpoint.source;
-        if source.node_hints.is_empty() {
+        if source.node_hints().is_empty() {
             all_node_hints = false;
-        } else if source.node_hints.contains(&node.name.as_str()) {
+        } else if source.node_hints().iter().any(|h| **h == *node.name) {
             hint_for_node = true;
         }
-        if source.zone_hints.is_empty() {
+        if source.zone_hints().is_empty() {
             all_zone_hints = false;
-        } else if zone.is_some_and(|z| source.zone_hints.contains(&z)) {
+        } else if zone.is_some_and(|z| source.zone_hints().iter().any(|h| &**h == z)) {
             hint_for_zone = true;
         }
     }
@@ -58,10 +58,14 @@ pub(super) fn mode(endpoints: &[Endpoint<'_>], node: &NodeInfo) -> Mode {
 pub(super) fn allows(mode: Mode, endpoint: &Endpoint<'_>, node: &NodeInfo) -> bool {
     match mode {
         Mode::All => true,
-        Mode::SameNode => endpoint.source.node_hints.contains(&node.name.as_str()),
+        Mode::SameNode => endpoint
+            .source
+            .node_hints()
+            .iter()
+            .any(|h| **h == *node.name),
         Mode::SameZone => node
             .zone
             .as_deref()
-            .is_some_and(|z| endpoint.source.zone_hints.contains(&z)),
+            .is_some_and(|z| endpoint.source.zone_hints().iter().any(|h| &**h == z)),
     }
 }

@@ -90,7 +90,9 @@ impl<E: std::error::Error + 'static> SyncOutcome<E> {
 #[derive(Default)]
 pub struct Planner {
     frontends: HashMap<FrontendKey, Applied>,
-    owned: HashMap<ObjectKey, BTreeSet<FrontendKey>>,
+    /// Boxed slices, not sets: a Service has a frontend or two, and a set's
+    /// first node has room for eleven.
+    owned: HashMap<ObjectKey, Box<[FrontendKey]>>,
     backends: HashMap<Backend, Refcounted>,
     backend_by_id: HashMap<u32, Backend>,
     service_ids: HashMap<ServicePortName, Refcounted>,
@@ -241,7 +243,11 @@ impl Planner {
     ) -> SyncOutcome<S::Error> {
         let mut outcome = SyncOutcome::new();
         self.retry_pending(store, &mut outcome);
-        let previous = self.owned.remove(owner).unwrap_or_default();
+        let previous: BTreeSet<FrontendKey> = self
+            .owned
+            .remove(owner)
+            .map(|keys| keys.into_vec().into_iter().collect())
+            .unwrap_or_default();
         let mut now_owned = BTreeSet::new();
         for fe in desired {
             match self.apply_frontend(owner, fe, store) {
@@ -281,7 +287,8 @@ impl Planner {
             }
         }
         if !now_owned.is_empty() {
-            self.owned.insert(owner.clone(), now_owned);
+            self.owned
+                .insert(owner.clone(), now_owned.into_iter().collect());
         }
         outcome
     }

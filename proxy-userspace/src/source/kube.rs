@@ -55,6 +55,10 @@ use super::{Kind, Object, ObjectKey, SourceEvent};
 /// How long to wait before starting a watcher over when the API server
 /// answered a watch request itself with `410 Gone` (see [`restart_needed`]).
 const RESTART_DELAY: Duration = Duration::from_secs(1);
+/// Objects per page of a listing (client-go's reflectors use 500 too): the
+/// agent's peak memory during a listing grows with it, not with the
+/// cluster.
+pub const LIST_PAGE_SIZE: u32 = 500;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSourceError {
@@ -224,14 +228,13 @@ pub async fn watch(
     if node_name.is_empty() {
         return Err(KubeSourceError::EmptyNodeName);
     }
-    // Listed from the API server's watch cache (resourceVersion=0) in one
-    // request, as client-go's reflectors are in practice: every node lists
-    // everything when it starts, and a paged quorum read from etcd per node
-    // (kube-rs's default, which drops resourceVersion=0 when paging) would
-    // not scale with nodes. Watch events bring whatever the cache was behind
-    // on. The price is one response holding a whole kind in memory briefly.
+    // Listed in pages of LIST_PAGE_SIZE, as client-go's reflectors ask: a
+    // kind is never held whole as the API sent it, only as the model keeps
+    // it (docs/operations.md, "Memory"). kube-rs does not send
+    // resourceVersion=0 with a limit, so the pages are read from etcd, at
+    // the revision of the first.
     let list = || watcher::Config {
-        page_size: None,
+        page_size: Some(LIST_PAGE_SIZE),
         ..watcher::Config::default().any_semantic()
     };
     let node_selector = format!("metadata.name={node_name}");
@@ -257,14 +260,14 @@ trait Watched:
 impl Watched for Service {
     const KIND: Kind = Kind::Service;
     fn into_object(self: Box<Self>) -> Object {
-        Object::Service(self)
+        Object::service(*self)
     }
 }
 
 impl Watched for EndpointSlice {
     const KIND: Kind = Kind::EndpointSlice;
     fn into_object(self: Box<Self>) -> Object {
-        Object::EndpointSlice(self)
+        Object::slice(&self)
     }
 }
 
@@ -671,7 +674,7 @@ mod tests {
         fn name(object: &Object) -> String {
             let meta = match object {
                 Object::Service(s) => &s.metadata,
-                Object::EndpointSlice(s) => &s.metadata,
+                Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
                 Object::Node(n) => &n.metadata,
             };
             key_of(meta).map(|k| k.to_string()).unwrap_or_default()

@@ -122,10 +122,7 @@ impl Manifests {
         if kinds.contains(&Kind::Service) {
             events.push(SourceEvent::Replace {
                 kind: Kind::Service,
-                objects: services
-                    .into_iter()
-                    .map(|s| Object::Service(Box::new(s)))
-                    .collect(),
+                objects: services.into_iter().map(Object::service).collect(),
             });
         }
         if kinds.contains(&Kind::EndpointSlice) {
@@ -133,7 +130,7 @@ impl Manifests {
                 kind: Kind::EndpointSlice,
                 objects: endpoint_slices
                     .into_iter()
-                    .map(|s| Object::EndpointSlice(Box::new(s)))
+                    .map(|s| Object::slice(&s))
                     .collect(),
             });
         }
@@ -160,18 +157,14 @@ impl Manifests {
                 objects: self
                     .services
                     .iter()
-                    .map(|s| Object::Service(Box::new(s.clone())))
+                    .map(|s| Object::service(s.clone()))
                     .collect(),
             });
         }
         if sent.is_none_or(|s| s.endpoint_slices != self.endpoint_slices) {
             events.push(SourceEvent::Replace {
                 kind: Kind::EndpointSlice,
-                objects: self
-                    .endpoint_slices
-                    .iter()
-                    .map(|s| Object::EndpointSlice(Box::new(s.clone())))
-                    .collect(),
+                objects: self.endpoint_slices.iter().map(Object::slice).collect(),
             });
         }
         if sent.is_none_or(|s| s.nodes != self.nodes) {

@@ -7,6 +7,8 @@ pub mod manifest;
 
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 
+use crate::model::{Slice, compact_service};
+
 /// The kinds of object a source delivers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
@@ -32,12 +34,26 @@ impl std::fmt::Display for ObjectKey {
     }
 }
 
-/// One object from a source.
+/// One object from a source, in the form the agent keeps it (see
+/// `model::compact`): sources reduce each object as it arrives, so a whole
+/// listing is never held in the API's form.
 #[derive(Clone, Debug)]
 pub enum Object {
     Service(Box<Service>),
-    EndpointSlice(Box<EndpointSlice>),
+    EndpointSlice(Box<Slice>),
     Node(Box<Node>),
+}
+
+impl Object {
+    /// A Service, reduced to what the model reads.
+    pub fn service(service: Service) -> Object {
+        Object::Service(Box::new(compact_service(service)))
+    }
+
+    /// An EndpointSlice, reduced to what the model reads.
+    pub fn slice(slice: &EndpointSlice) -> Object {
+        Object::EndpointSlice(Box::new(Slice::from(slice)))
+    }
 }
 
 /// What a source reports.

@@ -220,7 +220,7 @@ fn slice(name: &str, service: &str, ips: &[(&str, Option<&str>)]) -> Object {
             endpoint
         })
         .collect();
-    Object::EndpointSlice(Box::new(decode::<EndpointSlice>(json!({
+    Object::slice(&decode::<EndpointSlice>(json!({
         "metadata": {
             "name": name, "namespace": "demo",
             "labels": {"kubernetes.io/service-name": service},
@@ -228,7 +228,7 @@ fn slice(name: &str, service: &str, ips: &[(&str, Option<&str>)]) -> Object {
         "addressType": "IPv4",
         "endpoints": endpoints,
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }))))
+    })))
 }
 
 fn node(zone: &str) -> Object {

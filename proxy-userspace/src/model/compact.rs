@@ -1,0 +1,169 @@
+//! What the agent keeps of each object: an EndpointSlice reduced to the
+//! endpoints the model reads (checked once, when it arrives), and a Service
+//! with only the fields the model and the metrics read. Strings that repeat
+//! across objects (namespaces, port names, node names, zones) are shared.
+//!
+//! An EndpointSlice as k8s-openapi decodes it holds about 340 bytes per
+//! endpoint before any of its strings; kept this way it is 48. The numbers
+//! per Service are in bench/results/scale.md.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    sync::{Arc, Mutex},
+    time::SystemTime,
+};
+
+use k8s_openapi::{
+    api::{
+        core::v1::{LoadBalancerStatus, Service, ServiceStatus},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    jiff::Timestamp,
+};
+
+use super::{
+    LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, ModelError,
+    endpoints::{self, ParsedSlice},
+};
+
+/// The annotation the EndpointSlice controller stamps with the time of the
+/// change a slice reflects (kube-proxy's network programming latency).
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+static STRINGS: Mutex<Option<HashSet<Arc<str>>>> = Mutex::new(None);
+
+/// One shared copy of `text`: node names, namespaces, port names and zones
+/// repeat across every slice, so each is kept once for the agent.
+pub fn intern(text: &str) -> Arc<str> {
+    let mut strings = STRINGS.lock().unwrap_or_else(|e| e.into_inner());
+    let strings = strings.get_or_insert_with(HashSet::new);
+    if let Some(shared) = strings.get(text) {
+        return Arc::clone(shared);
+    }
+    let shared: Arc<str> = Arc::from(text);
+    strings.insert(Arc::clone(&shared));
+    shared
+}
+
+/// Forgets the strings no object holds any more (after a listing replaced
+/// a kind, say), so departed nodes and namespaces do not stay forever.
+pub fn forget_unused_strings() {
+    let mut strings = STRINGS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(strings) = strings.as_mut() {
+        strings.retain(|s| Arc::strong_count(s) > 1);
+    }
+}
+
+/// The labels kube-proxy's informers filter objects by.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ProxyLabels {
+    pub headless: bool,
+    pub service_proxy_name: Option<Arc<str>>,
+}
+
+impl ProxyLabels {
+    pub fn of(labels: Option<&BTreeMap<String, String>>) -> Self {
+        let Some(labels) = labels else {
+            return Self::default();
+        };
+        ProxyLabels {
+            headless: labels.contains_key(LABEL_HEADLESS),
+            service_proxy_name: labels.get(LABEL_SERVICE_PROXY_NAME).map(|n| intern(n)),
+        }
+    }
+}
+
+/// An EndpointSlice as the agent keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slice {
+    pub namespace: Arc<str>,
+    /// Empty when the slice has no name.
+    pub name: Box<str>,
+    /// Its `kubernetes.io/service-name` label, non-empty.
+    pub service: Option<Box<str>>,
+    pub labels: ProxyLabels,
+    /// Its `last-change-trigger-time`, when that parses.
+    pub trigger_time: Option<SystemTime>,
+    /// The slice checked: None for an FQDN slice, the error for one the
+    /// model cannot use (reported whenever its Service is programmed).
+    pub(super) parsed: Result<Option<ParsedSlice>, ModelError>,
+}
+
+impl Slice {
+    /// Number of endpoints of a usable slice.
+    pub fn endpoint_count(&self) -> usize {
+        match &self.parsed {
+            Ok(Some(parsed)) => parsed.endpoints.len(),
+            _ => 0,
+        }
+    }
+}
+
+impl From<&EndpointSlice> for Slice {
+    fn from(slice: &EndpointSlice) -> Self {
+        let meta = &slice.metadata;
+        let labels = meta.labels.as_ref();
+        Slice {
+            namespace: intern(meta.namespace.as_deref().unwrap_or_default()),
+            name: meta.name.as_deref().unwrap_or_default().into(),
+            service: labels
+                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                .filter(|n| !n.is_empty())
+                .map(|n| n.as_str().into()),
+            labels: ProxyLabels::of(labels),
+            trigger_time: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
+                .and_then(|text| text.parse::<Timestamp>().ok())
+                .map(SystemTime::from),
+            parsed: endpoints::parse_slice(slice),
+        }
+    }
+}
+
+impl From<EndpointSlice> for Slice {
+    fn from(slice: EndpointSlice) -> Self {
+        Slice::from(&slice)
+    }
+}
+
+/// The Service with only what the model and the metrics read: its name,
+/// namespace and proxy labels, its spec less the pod selector, and its
+/// load balancer ingress. The rest (annotations, owner references,
+/// conditions, the API server's bookkeeping) can be most of its size.
+pub fn compact_service(service: Service) -> Service {
+    let Service {
+        metadata,
+        mut spec,
+        status,
+    } = service;
+    let labels: BTreeMap<String, String> = metadata
+        .labels
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k == LABEL_HEADLESS || k == LABEL_SERVICE_PROXY_NAME)
+        .collect();
+    if let Some(spec) = spec.as_mut() {
+        spec.selector = None;
+    }
+    Service {
+        metadata: ObjectMeta {
+            name: metadata.name,
+            namespace: metadata.namespace,
+            labels: (!labels.is_empty()).then_some(labels),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: status.and_then(|s| {
+            let ingress = s.load_balancer.and_then(|lb| lb.ingress)?;
+            Some(ServiceStatus {
+                load_balancer: Some(LoadBalancerStatus {
+                    ingress: Some(ingress),
+                }),
+                ..ServiceStatus::default()
+            })
+        }),
+    }
+}

@@ -1,0 +1,574 @@
+//! The agent at scale: S Services x 10 endpoints (S = 1,000, 10,000 and
+//! 100,000; `--quick` stops at 10,000) served by the loopback API server to
+//! the agent binary through the real kube-rs client and watch.
+//!
+//! For each size: time from the agent's start to programmed (`/healthz` 200),
+//! the initial sync's own time (its `synced` log line), resident memory after
+//! the sync and its peak (VmRSS, VmHWM), one endpoint change from the API
+//! server's store to the frontend's map entry (polled in the pinned
+//! `SERVICES` map) and the sync's own time for it, p50 and p99, and a burst
+//! (the endpoints of 1,000 Services changed at once) until every one of them
+//! is in the maps, with the number of syncs it took. Beside them,
+//! `iptables-restore` of kube-proxy's rules for the same Services, at the
+//! sizes where it finishes within minutes.
+//!
+//! Then, in this process, where the agent's heap goes per Service: the same
+//! objects decoded, held in the cluster state, and programmed by the planner
+//! into an in-memory store, each step's live bytes counted by a counting
+//! global allocator.
+//!
+//! Usage: `cargo bench -p ebpf-proxy-tests --bench scale -- [--quick] [--out DIR]
+//! [--sizes 1000,10000]` (root).
+
+mod common;
+
+use ebpf_proxy_apiserver as apiserver;
+
+use std::{
+    alloc::{GlobalAlloc, Layout, System},
+    collections::BTreeSet,
+    fs,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::Path,
+    sync::atomic::{AtomicIsize, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use ebpf_proxy_tests::{
+    Protocol as HarnessProtocol,
+    agent::Agent,
+    iptables::{self, KubeService},
+    netns::{NetNs, unique_stem},
+};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
+use proxy_userspace::{
+    model::ModelConfig,
+    planner::{Planner, StoredState},
+    source::{Kind, Object, ObjectKey, SourceEvent},
+    state::ClusterState,
+};
+use serde_json::{Value, json};
+
+const ENDPOINTS: u32 = 10;
+const NAMESPACE: &str = "bench";
+/// Services whose endpoints change together in the burst.
+const BURST: u32 = 1_000;
+/// iptables-restore runs only up to this size: at 10,000 Services it already
+/// takes seconds, and it grows faster than the rules do.
+const IPTABLES_MAX: u32 = 10_000;
+
+/// Bytes currently allocated through the global allocator, by anyone.
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+/// Blocks currently allocated (each costs the allocator a header too).
+static BLOCKS: AtomicIsize = AtomicIsize::new(0);
+
+struct Counting;
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+            BLOCKS.fetch_add(1, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        BLOCKS.fetch_sub(1, Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn live() -> (isize, isize) {
+    (LIVE.load(Ordering::Relaxed), BLOCKS.load(Ordering::Relaxed))
+}
+
+fn vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a60_0000 + i)
+}
+
+/// Endpoint `k` of Service `i`; generation `g` moves endpoint 0 to an address
+/// no other endpoint has.
+fn endpoint(i: u32, k: u32, g: u32) -> Ipv4Addr {
+    if k == 0 && g > 0 {
+        Ipv4Addr::from(0x0b00_0000 + i * 64 + g)
+    } else {
+        Ipv4Addr::from(0x0a80_0000 + i * (ENDPOINTS + 1) + k)
+    }
+}
+
+fn name(i: u32) -> String {
+    format!("svc-{i}")
+}
+
+fn service_json(i: u32) -> Value {
+    apiserver::service(NAMESPACE, &name(i), &vip(i).to_string())
+}
+
+fn slice_json(i: u32, node: &str, generation: u32) -> Value {
+    let ips: Vec<String> = (0..ENDPOINTS)
+        .map(|k| endpoint(i, k, generation).to_string())
+        .collect();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    let mut slice = apiserver::slice(
+        NAMESPACE,
+        &format!("{}-x7k2p", name(i)),
+        &name(i),
+        node,
+        &ips,
+    );
+    // What a real API server adds to every object.
+    slice["metadata"]["uid"] = json!(format!("0b5c1f7e-2d4a-4e8b-9c3f-{i:012}"));
+    slice["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    slice["metadata"]["generation"] = json!(1);
+    slice
+}
+
+fn frontend_key(i: u32) -> ServiceKey {
+    ServiceKey {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(vip(i).octets())),
+        port_be: 80u16.to_be(),
+        proto: proxy_common::PROTO_TCP,
+        scope: proxy_common::scope::ANY,
+    }
+}
+
+fn status_kib(pid: u32, field: &str) -> Result<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// The `synced` lines of the agent's JSON log, in order: (frontends changed,
+/// elapsed µs).
+fn syncs(log: &str) -> Vec<(u64, u64)> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == "synced")
+        .map(|v| {
+            (
+                v["frontends_changed"].as_u64().unwrap_or(0),
+                v["elapsed_us"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// The pinned SERVICES map of an agent.
+fn services_map(bpf_root: &Path) -> Result<BpfHashMap<MapData, ServiceKey, ServiceValue>> {
+    let pin = bpf_root
+        .join(format!("v{}", proxy_common::LAYOUT_VERSION))
+        .join("maps")
+        .join(SERVICES);
+    let data = MapData::from_pin(&pin).with_context(|| format!("open {}", pin.display()))?;
+    Ok(BpfHashMap::try_from(Map::HashMap(data))?)
+}
+
+/// Polls until every key's entry differs from `before`; the time each was
+/// first seen changed, from `since`.
+fn wait_changed(
+    map: &BpfHashMap<MapData, ServiceKey, ServiceValue>,
+    before: &[(ServiceKey, ServiceValue)],
+    since: Instant,
+    timeout: Duration,
+) -> Result<Vec<Duration>> {
+    let mut seen: Vec<Option<Duration>> = vec![None; before.len()];
+    let mut left = before.len();
+    while left > 0 {
+        for (i, (key, old)) in before.iter().enumerate() {
+            if seen[i].is_some() {
+                continue;
+            }
+            if map.get(key, 0).ok().is_some_and(|now| now != *old) {
+                seen[i] = Some(since.elapsed());
+                left -= 1;
+            }
+        }
+        if since.elapsed() > timeout {
+            bail!(
+                "{left} of {} frontends were not reprogrammed within {timeout:?}",
+                before.len()
+            );
+        }
+    }
+    Ok(seen.into_iter().flatten().collect())
+}
+
+#[derive(Debug, Default)]
+struct Row {
+    services: u32,
+    start_to_programmed_s: f64,
+    initial_sync_s: f64,
+    rss_mib: f64,
+    hwm_mib: f64,
+    change_p50_ms: f64,
+    change_p99_ms: f64,
+    change_sync_p50_ms: f64,
+    change_sync_p99_ms: f64,
+    burst_s: f64,
+    burst_syncs: usize,
+    burst_hwm_mib: f64,
+    iptables_restore_s: Option<f64>,
+}
+
+fn measure(services: u32, changes: u32) -> Result<Row> {
+    let stem = unique_stem();
+    let node = NetNs::create(&format!("{stem}-scale"))?;
+    node.ip(&["link", "set", "lo", "up"])?;
+    let (runtime, server) = apiserver::serve_in(&node);
+    server.set_history_limit(100_000);
+    server.apply(apiserver::node(node.name(), None));
+    for i in 0..services {
+        server.apply(service_json(i));
+        server.apply(slice_json(i, node.name(), 0));
+    }
+    let started = Instant::now();
+    let agent = Agent::start_on_api(&node, server.url(), &["--log-format", "json"])?;
+    let start_to_programmed = started.elapsed();
+    let pid = agent.pid().context("agent pid")?;
+    let map = services_map(agent.bpf_root())?;
+    // /healthz turns 200 as the sync ends, just before its log line.
+    let waited = Instant::now();
+    let initial_sync = loop {
+        if let Some((_, us)) = syncs(&agent.log()).first() {
+            break *us as f64 / 1e6;
+        }
+        if waited.elapsed() > Duration::from_secs(30) {
+            bail!("no synced line in the agent's log:\n{}", agent.log());
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
+    // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
+    thread::sleep(Duration::from_secs(2));
+    let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;
+    let hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
+    eprintln!(
+        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
+    );
+
+    // One change at a time, spread over the Services.
+    let synced_before = syncs(&agent.log()).len();
+    let mut latencies = Vec::new();
+    for c in 0..changes {
+        let i = (c * (services / changes).max(1)) % services;
+        let key = frontend_key(i);
+        let old = map
+            .get(&key, 0)
+            .context("the frontend is not in SERVICES")?;
+        let at = Instant::now();
+        server.apply(slice_json(i, node.name(), 1 + c / services));
+        let seen = wait_changed(&map, &[(key, old)], at, Duration::from_secs(10))?;
+        latencies.push(seen[0].as_secs_f64() * 1e3);
+    }
+    latencies.sort_by(f64::total_cmp);
+    // Each change's own sync, from the agent's log.
+    thread::sleep(Duration::from_millis(200));
+    let mut change_syncs: Vec<f64> = syncs(&agent.log())[synced_before..]
+        .iter()
+        .filter(|(changed, _)| *changed > 0)
+        .map(|(_, us)| *us as f64 / 1e3)
+        .collect();
+    change_syncs.sort_by(f64::total_cmp);
+
+    // The burst: a rolling update of BURST Services' endpoints.
+    let burst = BURST.min(services);
+    let synced_before = syncs(&agent.log()).len();
+    let targets: Vec<u32> = (0..burst)
+        .map(|b| (b * (services / burst)) % services)
+        .collect();
+    let before: Vec<(ServiceKey, ServiceValue)> = targets
+        .iter()
+        .map(|&i| {
+            let key = frontend_key(i);
+            map.get(&key, 0).map(|v| (key, v))
+        })
+        .collect::<Result<_, _>>()?;
+    let at = Instant::now();
+    for &i in &targets {
+        server.apply(slice_json(i, node.name(), 1000));
+    }
+    let seen = wait_changed(&map, &before, at, Duration::from_secs(60))?;
+    let burst_time = seen.iter().max().copied().unwrap_or_default();
+    thread::sleep(Duration::from_millis(200));
+    let burst_syncs = syncs(&agent.log())[synced_before..]
+        .iter()
+        .filter(|(changed, _)| *changed > 0)
+        .count();
+    let burst_hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
+    drop(map);
+    drop(agent);
+    drop(server);
+    drop(runtime);
+
+    let iptables_restore = if services <= IPTABLES_MAX {
+        let kube: Vec<KubeService> = (0..services)
+            .map(|i| KubeService {
+                namespace: NAMESPACE.into(),
+                name: name(i),
+                port_name: "http".into(),
+                protocol: HarnessProtocol::Tcp,
+                cluster_ip: vip(i),
+                port: 80,
+                endpoints: (0..ENDPOINTS)
+                    .map(|k| SocketAddrV4::new(endpoint(i, k, 0), 8080))
+                    .collect(),
+                affinity_timeout: None,
+            })
+            .collect();
+        let started = Instant::now();
+        iptables::apply(&node, &kube).context("iptables-restore of kube-proxy's rules")?;
+        Some(started.elapsed().as_secs_f64())
+    } else {
+        None
+    };
+    drop(node);
+
+    Ok(Row {
+        services,
+        start_to_programmed_s: start_to_programmed.as_secs_f64(),
+        initial_sync_s: initial_sync,
+        rss_mib: rss,
+        hwm_mib: hwm,
+        change_p50_ms: percentile(&latencies, 0.5),
+        change_p99_ms: percentile(&latencies, 0.99),
+        change_sync_p50_ms: percentile(&change_syncs, 0.5),
+        change_sync_p99_ms: percentile(&change_syncs, 0.99),
+        burst_s: burst_time.as_secs_f64(),
+        burst_syncs,
+        burst_hwm_mib: burst_hwm,
+        iptables_restore_s: iptables_restore,
+    })
+}
+
+/// Live heap bytes (and blocks) per Service at each step the agent takes.
+#[derive(Debug, Default)]
+struct Heap {
+    services: u32,
+    /// The decoded objects of one listing, before the state takes them.
+    decoded: (f64, f64),
+    /// What the cluster state keeps of them.
+    state: (f64, f64),
+    /// The planner's bookkeeping of the programmed frontends.
+    planner: (f64, f64),
+    /// The source's keys of what it has sent (one set per kind).
+    source_keys: (f64, f64),
+}
+
+fn per_service(delta: (isize, isize), services: u32) -> (f64, f64) {
+    (
+        delta.0 as f64 / services as f64,
+        delta.1 as f64 / services as f64,
+    )
+}
+
+fn sub(a: (isize, isize), b: (isize, isize)) -> (isize, isize) {
+    (a.0 - b.0, a.1 - b.1)
+}
+
+fn heap_by_structure(services: u32) -> Result<Heap> {
+    let node = "node-a";
+    // The JSON as the API server sends it, decoded as the source does.
+    let texts: Vec<(String, String)> = (0..services)
+        .map(|i| {
+            (
+                service_json(i).to_string(),
+                slice_json(i, node, 0).to_string(),
+            )
+        })
+        .collect();
+    let start = live();
+    let mut decoded_objects = Vec::with_capacity(services as usize);
+    for (svc, slice) in &texts {
+        let svc: Service = serde_json::from_str(svc)?;
+        let slice: EndpointSlice = serde_json::from_str(slice)?;
+        decoded_objects.push((svc, slice));
+    }
+    let decoded = sub(live(), start);
+    // As the source hands them on.
+    let mut svc_objects = Vec::with_capacity(services as usize);
+    let mut slice_objects = Vec::with_capacity(services as usize);
+    for (svc, slice) in decoded_objects {
+        svc_objects.push(Object::service(svc));
+        slice_objects.push(Object::slice(&slice));
+    }
+
+    let mut state = ClusterState::new(node);
+    state.apply(SourceEvent::Replace {
+        kind: Kind::Service,
+        objects: svc_objects,
+    });
+    state.apply(SourceEvent::Replace {
+        kind: Kind::EndpointSlice,
+        objects: slice_objects,
+    });
+    // Everything since the decoding is the state's now (the listing's
+    // objects moved into it, its Vec freed).
+    let state_bytes = sub(live(), start);
+    drop(texts);
+
+    let config = ModelConfig::default();
+    let keys: Vec<ObjectKey> = state.services().cloned().collect();
+    let mut store = StoredState::default();
+    let mut planner = Planner::new();
+    for key in &keys {
+        let frontends = state.frontends_for(key, &config)?;
+        let outcome = planner.sync_service(key, &frontends, &mut store);
+        if !outcome.errors.is_empty() {
+            bail!("programming {key}: {:?}", outcome.errors);
+        }
+    }
+    let with_planner = live();
+    drop(planner);
+    let planner_bytes = sub(with_planner, live());
+    drop(store);
+
+    let start_keys = live();
+    let known: [BTreeSet<ObjectKey>; 2] = [
+        keys.iter().cloned().collect(),
+        keys.iter()
+            .map(|k| ObjectKey {
+                namespace: k.namespace.clone(),
+                name: format!("{}-x7k2p", k.name),
+            })
+            .collect(),
+    ];
+    let source_keys = sub(live(), start_keys);
+    drop(known);
+    Ok(Heap {
+        services,
+        decoded: per_service(decoded, services),
+        state: per_service(state_bytes, services),
+        planner: per_service(planner_bytes, services),
+        source_keys: per_service(source_keys, services),
+    })
+}
+
+fn main() {
+    common::main_with("scale", |args| {
+        let quick = args.flag("--quick");
+        let sizes: Vec<u32> = match args.value("--sizes")? {
+            Some(list) => list
+                .split(',')
+                .map(|s| s.trim().parse().context("--sizes: a comma-separated list"))
+                .collect::<Result<_>>()?,
+            None if quick => vec![1_000, 10_000],
+            None => vec![1_000, 10_000, 100_000],
+        };
+        let changes = if quick { 100 } else { 300 };
+        let heap = heap_by_structure(if quick { 2_000 } else { 10_000 })?;
+        eprintln!("heap: {heap:?}");
+        let mut rows = Vec::new();
+        for &services in &sizes {
+            rows.push(measure(services, changes)?);
+            eprintln!("{:?}", rows.last());
+        }
+
+        let mut markdown = format!(
+            "The agent on the loopback API server (real kube-rs list and watch), S Services x \
+             {ENDPOINTS} endpoints, one run on this machine. One change: an EndpointSlice \
+             stored in the API server until its frontend's entry in the pinned `SERVICES` \
+             map changes ({changes} changes, one at a time; includes the watch and the \
+             20 ms coalescing window), and the sync's own time (model, planner, map \
+             writes) from the agent's log. Burst: {BURST} Services' slices changed at \
+             once, until the last of them is in the maps.\n\n\
+             | Services | start to programmed | initial sync | RSS after sync | peak RSS | \
+             RSS per Service | one change p50 / p99 | its sync p50 / p99 | burst | burst syncs | \
+             peak after burst | iptables-restore (kube-proxy) |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        );
+        for r in &rows {
+            markdown.push_str(&format!(
+                "| {} | {:.2} s | {:.2} s | {:.0} MiB | {:.0} MiB | {:.1} KiB | {:.2} / {:.2} ms | \
+                 {:.3} / {:.3} ms | {:.3} s | {} | {:.0} MiB | {} |\n",
+                r.services,
+                r.start_to_programmed_s,
+                r.initial_sync_s,
+                r.rss_mib,
+                r.hwm_mib,
+                r.rss_mib * 1024.0 / r.services as f64,
+                r.change_p50_ms,
+                r.change_p99_ms,
+                r.change_sync_p50_ms,
+                r.change_sync_p99_ms,
+                r.burst_s,
+                r.burst_syncs,
+                r.burst_hwm_mib,
+                r.iptables_restore_s
+                    .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
+            ));
+        }
+        let kib = |b: (f64, f64)| format!("{:.2} KiB in {:.1} blocks", b.0 / 1024.0, b.1);
+        markdown.push_str(&format!(
+            "\nWhere the heap goes, per Service ({} Services x {ENDPOINTS} endpoints in this \
+             process, live bytes requested from the allocator; each block costs the \
+             allocator about 16 bytes more):\n\n\
+             | structure | per Service |\n|---|---:|\n\
+             | the objects as decoded from the API's JSON (transient) | {} |\n\
+             | cluster state (Services and EndpointSlices kept) | {} |\n\
+             | planner's bookkeeping of the programmed frontends | {} |\n\
+             | the source's keys of what it sent | {} |\n",
+            heap.services,
+            kib(heap.decoded),
+            kib(heap.state),
+            kib(heap.planner),
+            kib(heap.source_keys),
+        ));
+        let json = json!({
+            "endpoints_per_service": ENDPOINTS,
+            "changes": changes,
+            "burst": BURST,
+            "rows": rows.iter().map(|r| json!({
+                "services": r.services,
+                "start_to_programmed_s": r.start_to_programmed_s,
+                "initial_sync_s": r.initial_sync_s,
+                "rss_mib": r.rss_mib,
+                "peak_rss_mib": r.hwm_mib,
+                "change_p50_ms": r.change_p50_ms,
+                "change_p99_ms": r.change_p99_ms,
+                "change_sync_p50_ms": r.change_sync_p50_ms,
+                "change_sync_p99_ms": r.change_sync_p99_ms,
+                "burst_s": r.burst_s,
+                "burst_syncs": r.burst_syncs,
+                "peak_rss_after_burst_mib": r.burst_hwm_mib,
+                "iptables_restore_s": r.iptables_restore_s,
+            })).collect::<Vec<_>>(),
+            "heap_per_service_bytes": {
+                "services": heap.services,
+                "decoded_listing": heap.decoded.0,
+                "state": heap.state.0,
+                "planner": heap.planner.0,
+                "source_keys": heap.source_keys.0,
+            },
+        });
+        common::write_results(&args.out_dir()?, "scale", &markdown, &json)
+    });
+}

@@ -614,14 +614,15 @@ impl Report<'_> {
         out
     }
 
-    /// The issue's targets at 10,000 Services, or at the largest S measured with a
+    /// The end-to-end targets (twice iptables' connection rate, a lower p99, within
+    /// 10% of no load balancer) at 10,000 Services, or at the largest S measured with a
     /// note that it is not 10,000. Judged on the paired per-round medians; the
     /// quartiles say how firm each verdict is.
     fn targets_markdown(&self) -> String {
         let Some(&largest) = self.cfg.sizes.iter().max() else {
             return String::new();
         };
-        let mut out = format!("\n### Targets (issue 6), TCP at S = {largest}");
+        let mut out = format!("\n### Targets, TCP at S = {largest}");
         if largest < 10_000 {
             out.push_str(" (the targets are set at 10,000; this run stops earlier)");
         }

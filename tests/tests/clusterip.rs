@@ -36,7 +36,8 @@ use proxy_userspace::datapath::{Maps, PinLayout};
 /// Significance level of the distribution tests: a correct datapath fails its
 /// check about once in a thousand runs (and so does the iptables reference).
 const ALPHA: f64 = 0.001;
-/// The issue asks for at least 900 new connections per distribution.
+/// New connections per distribution: at least 900, so that each of the chi-square
+/// test's cells expects enough of them.
 const CONNECTIONS: usize = 900;
 
 fn side_by_side(ebpf: (&[u64], &ChiSquare), ipt: (&[u64], &ChiSquare)) -> String {

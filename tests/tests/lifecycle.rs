@@ -42,7 +42,7 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// Consecutive connections that must land on one backend: the Kubernetes e2e suite's
 /// `AffinityConfirmCount`.
 const STICKY_RUN: usize = 15;
-/// The affinity timeout for the expiry checks: short enough to wait out.
+/// The affinity timeout of the expiry checks: short enough to wait out.
 const AFFINITY_TIMEOUT_S: u32 = 3;
 /// How far past the timeout a client waits before it expects a fresh pick. The last
 /// stamp is taken before the wait starts and a sleep only ever overshoots, so this

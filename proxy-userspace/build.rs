@@ -1,4 +1,4 @@
-//! Builds the eBPF object (proxy-ebpf) and leaves it in OUT_DIR for
+//! Builds the eBPF object (proxy-ebpf) and leaves it in `OUT_DIR` for
 //! `include_bytes_aligned!`. aya-build cannot be used here: it needs
 //! `-Z build-std`, and no rust-src can be had on these machines. Debian's
 //! `rustc-web` ships a prebuilt `core` for bpfel-unknown-none instead
@@ -35,13 +35,12 @@ fn main() {
         println!("cargo:warning=EBPF_PROXY_SKIP_EBPF_BUILD set: the agent has no eBPF object");
         return;
     }
-    if !Path::new(BPF_RUSTC).exists() {
-        panic!(
-            "{BPF_RUSTC} not found: the eBPF object is built with Debian's rustc-web and its \
-             prebuilt BPF core. Run `cargo xtask setup` (or apt-get install rustc-web \
-             libstd-rust-web-dev-bpf; cargo install bpf-linker@0.10.0 --locked)."
-        );
-    }
+    assert!(
+        Path::new(BPF_RUSTC).exists(),
+        "{BPF_RUSTC} not found: the eBPF object is built with Debian's rustc-web and its \
+         prebuilt BPF core. Run `cargo xtask setup` (or apt-get install rustc-web \
+         libstd-rust-web-dev-bpf; cargo install bpf-linker@0.10.0 --locked)."
+    );
 
     let target_dir = out_dir.join("ebpf-target");
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -78,12 +77,11 @@ fn main() {
     let status = cmd
         .status()
         .unwrap_or_else(|e| panic!("running cargo for the eBPF crate: {e}"));
-    if !status.success() {
-        panic!(
-            "building proxy-ebpf for {TARGET} failed ({status}); is bpf-linker installed? \
-             (`cargo xtask setup`)"
-        );
-    }
+    assert!(
+        status.success(),
+        "building proxy-ebpf for {TARGET} failed ({status}); is bpf-linker installed? \
+         (`cargo xtask setup`)"
+    );
     let built = target_dir.join(TARGET).join("release").join("proxy-ebpf");
     std::fs::copy(&built, &object)
         .unwrap_or_else(|e| panic!("copying {} to {}: {e}", built.display(), object.display()));

@@ -18,18 +18,21 @@ pub fn fold(mut sum: u64) -> u16 {
 /// complement, so unchanged fields need no branch.
 #[inline(always)]
 pub fn delta32(old: u32, new: u32) -> u64 {
-    ((!old) >> 16) as u64 + ((!old) & 0xffff) as u64 + (new >> 16) as u64 + (new & 0xffff) as u64
+    u64::from((!old) >> 16)
+        + u64::from((!old) & 0xffff)
+        + u64::from(new >> 16)
+        + u64::from(new & 0xffff)
 }
 
 #[inline(always)]
 pub fn delta16(old: u16, new: u16) -> u64 {
-    (!old) as u64 + new as u64
+    u64::from(!old) + u64::from(new)
 }
 
 /// The checksum `csum` after changes summing to `delta`: HC' = ~(~HC + delta).
 #[inline(always)]
 pub fn apply(csum: u16, delta: u64) -> u16 {
-    !fold((!csum) as u64 + delta)
+    !fold(u64::from(!csum) + delta)
 }
 
 #[inline(always)]
@@ -40,7 +43,7 @@ pub fn replace16(csum: u16, old: u16, new: u16) -> u16 {
 /// A socket buffer's checksum state, as far as a tc program can tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SkbCsum {
-    /// CHECKSUM_PARTIAL: the field holds the pseudo-header sum and the
+    /// `CHECKSUM_PARTIAL`: the field holds the pseudo-header sum and the
     /// device finishes it; only pseudo-header fields change it.
     Partial,
     /// Any other state: the field holds the full checksum.
@@ -58,14 +61,14 @@ pub enum SkbCsum {
 /// ("none", which the helper leaves alone) and anything matching neither.
 #[inline(always)]
 pub fn state_after_pseudo(before: u16, delta: u32, after: u16, udp: bool) -> SkbCsum {
-    let delta = fold(delta as u64);
+    let delta = fold(u64::from(delta));
     if delta == 0 || delta == 0xffff || (udp && before == 0) {
         return SkbCsum::Unknown;
     }
     // As the helper writes them for UDP, where 0 means "none".
     let mangle = |c: u16| if udp && c == 0 { 0xffff } else { c };
-    let full = mangle(apply(before, delta as u64));
-    let partial = mangle(fold(before as u64 + delta as u64));
+    let full = mangle(apply(before, u64::from(delta)));
+    let partial = mangle(fold(u64::from(before) + u64::from(delta)));
     if after == full && after != partial {
         SkbCsum::Full
     } else if after == partial && after != full {
@@ -96,7 +99,7 @@ pub fn pseudo_partial(csum: u16, delta: u64, udp: bool) -> u16 {
     if udp && csum == 0 {
         return 0;
     }
-    let new = fold(csum as u64 + delta);
+    let new = fold(u64::from(csum) + delta);
     if udp && new == 0 { 0xffff } else { new }
 }
 
@@ -111,7 +114,7 @@ mod tests {
 
     fn k_csum_add(a: u32, b: u32) -> u32 {
         let (res, carry) = a.overflowing_add(b);
-        res + carry as u32
+        res + u32::from(carry)
     }
 
     fn k_csum_fold(sum: u32) -> u16 {
@@ -126,16 +129,16 @@ mod tests {
             return 0;
         }
         let new = if partial {
-            !k_csum_fold(k_csum_add(csum as u32, diff))
+            !k_csum_fold(k_csum_add(u32::from(csum), diff))
         } else {
-            k_csum_fold(k_csum_add(diff, !(csum as u32)))
+            k_csum_fold(k_csum_add(diff, !u32::from(csum)))
         };
         if udp && new == 0 { 0xffff } else { new }
     }
 
     /// The checksum of `words` (pseudo-header and segment, check field 0).
     fn checksum(words: &[u16]) -> u16 {
-        !fold(words.iter().map(|w| *w as u64).sum())
+        !fold(words.iter().map(|w| u64::from(*w)).sum())
     }
 
     proptest! {
@@ -144,7 +147,7 @@ mod tests {
         fn state_is_never_misread(
             before: u16, diff: u32, partial: bool, udp: bool,
         ) {
-            let diff = fold(diff as u64) as u32;
+            let diff = u32::from(fold(u64::from(diff)));
             let after = kernel_pseudo(before, diff, partial, udp);
             let told = state_after_pseudo(before, diff, after, udp);
             let truth = if partial { SkbCsum::Partial } else { SkbCsum::Full };
@@ -173,8 +176,8 @@ mod tests {
         fn in_place_updates_equal_the_helper(
             before: u16, words in prop::collection::vec(any::<u16>(), 1..8), udp: bool,
         ) {
-            let delta: u64 = words.iter().map(|w| *w as u64).sum();
-            let diff = fold(delta) as u32;
+            let delta: u64 = words.iter().map(|w| u64::from(*w)).sum();
+            let diff = u32::from(fold(delta));
             let helper = kernel_pseudo(before, diff, true, udp);
             let ours = pseudo_partial(before, delta, udp);
             prop_assert_eq!(ours, helper, "partial, before {:#x} delta {:#x}", before, delta);
@@ -208,19 +211,19 @@ mod tests {
                 w.extend(&rest);
                 w
             };
-            let pseudo_sum = |a: [u16; 4]| fold(a.iter().map(|w| *w as u64).sum::<u64>()
-                + 6u16.to_be() as u64 + len.to_be() as u64);
+            let pseudo_sum = |a: [u16; 4]| fold(a.iter().map(|w| u64::from(*w)).sum::<u64>()
+                + u64::from(6u16.to_be()) + u64::from(len.to_be()));
             let before = if partial { pseudo_sum(addrs) } else { checksum(&packet(addrs, ports)) };
-            let d_addrs = fold((0..4).map(|i| delta16(addrs[i], new_addrs[i])).sum()) as u32;
-            let d_ports = fold((0..2).map(|i| delta16(ports[i], new_ports[i])).sum()) as u32;
+            let d_addrs = u32::from(fold((0..4).map(|i| delta16(addrs[i], new_addrs[i])).sum()));
+            let d_ports = u32::from(fold((0..2).map(|i| delta16(ports[i], new_ports[i])).sum()));
             let mut csum = kernel_pseudo(before, d_addrs, partial, false);
             match state_after_pseudo(before, d_addrs, csum, false) {
-                SkbCsum::Full => csum = full_update(csum, d_ports as u64, false),
+                SkbCsum::Full => csum = full_update(csum, u64::from(d_ports), false),
                 SkbCsum::Partial => {}
                 SkbCsum::Unknown => {
                     // The helper again, without the pseudo-header flag.
                     if !partial {
-                        csum = k_csum_fold(k_csum_add(d_ports, !(csum as u32)));
+                        csum = k_csum_fold(k_csum_add(d_ports, !u32::from(csum)));
                     }
                 }
             }

@@ -121,7 +121,7 @@ pub mod program_names {
     /// The XDP twin of `TC_CT_PAIR`.
     pub const XDP_CT_PAIR: &str = "xdp_ct_pair";
     /// Samples both kernel clocks into `CLOCK[SAMPLE]`, run by the agent
-    /// through BPF_PROG_TEST_RUN to calibrate the datapath clock.
+    /// through `BPF_PROG_TEST_RUN` to calibrate the datapath clock.
     pub const CLOCK_PROBE: &str = "clock_probe";
     /// cgroup `connect4` hook: connections that start on the node itself
     /// (host-network pods, node agents), which never cross tc ingress, get
@@ -132,7 +132,7 @@ pub mod program_names {
     pub const SOCK_SENDMSG4: &str = "sock_sendmsg4";
     /// cgroup `recvmsg4` hook: their answers show the frontend as source.
     pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
-    /// cgroup `getpeername4` hook: a socket the connect() hook sent to a
+    /// cgroup `getpeername4` hook: a socket the `connect()` hook sent to a
     /// backend shows the frontend as its peer, as a DNATed one does.
     pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
     /// Iterator over `SOCK_NOTES` (`iter/bpf_sk_storage_map`): writes a
@@ -144,9 +144,9 @@ pub mod program_names {
 
 /// Indexes into the per-CPU `SOCK_COUNTERS` array (the socket hooks).
 pub mod sock_counter {
-    /// A connect() to a frontend, sent to a backend instead.
+    /// A `connect()` to a frontend, sent to a backend instead.
     pub const TRANSLATED: u32 = 0;
-    /// A connect() to a frontend without endpoints, refused.
+    /// A `connect()` to a frontend without endpoints, refused.
     pub const REFUSED: u32 = 1;
     /// A datagram of an unconnected UDP socket to a frontend, sent to a
     /// backend instead.
@@ -461,7 +461,7 @@ pub mod ct_flags {
     pub const TWO_SIDED: u8 = HAIRPIN | SNAT;
     /// The flow is assured (its client spoke again after a reply) and lives
     /// in `CONNTRACK`. Until then a TCP flow that has seen a reply keeps the
-    /// handshake's timeout, as netfilter's SYN_RECV: a half-open flow (a
+    /// handshake's timeout, as netfilter's `SYN_RECV`: a half-open flow (a
     /// SYN-ACK to a spoofed client) is not kept for hours.
     pub const ASSURED: u8 = 1 << 5;
 }
@@ -510,7 +510,7 @@ pub mod ct_timeout {
 /// The datapath's clock. `bpf_ktime_get_coarse_ns` is a helper call on every
 /// packet; `bpf_jiffies64` the JIT reads inline. Jiffies advance once a
 /// kernel tick, kept in step with the monotonic clock, so
-/// `ns + (jiffies64 - jiffies) * tick_ns` is CLOCK_MONOTONIC to within a
+/// `ns + (jiffies64 - jiffies) * tick_ns` is `CLOCK_MONOTONIC` to within a
 /// tick, the precision of the coarse clock itself. `CLOCK[IN_FORCE]` holds
 /// the scale the agent calibrated (all zeros: not calibrated, the datapath
 /// reads the coarse clock); `CLOCK[SAMPLE]` is where `clock_probe` leaves a
@@ -599,8 +599,9 @@ pub const FLOW_GEN_EPOCH: u32 = FLOW_CACHE_SLOTS;
 /// enough to compute inline on every packet.
 #[inline(always)]
 pub fn flow_cache_slot(key: &CtKey) -> u32 {
-    let ports = (key.sport_be as u32) | ((key.dport_be as u32) << 16);
-    let mixed = key.src_be.rotate_left(7) ^ key.dst_be ^ ports.rotate_left(19) ^ key.proto as u32;
+    let ports = u32::from(key.sport_be) | (u32::from(key.dport_be) << 16);
+    let mixed =
+        key.src_be.rotate_left(7) ^ key.dst_be ^ ports.rotate_left(19) ^ u32::from(key.proto);
     mixed.wrapping_mul(0x9e37_79b1) >> (32 - FLOW_CACHE_SLOTS.trailing_zeros())
 }
 
@@ -758,7 +759,7 @@ pub struct SourceRangeKey {
 
 /// Bits of a `SourceRangeKey` before the client address: the whole
 /// frontend.
-pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 8 * core::mem::size_of::<ServiceKey>() as u32;
+pub const SOURCE_RANGE_FRONTEND_BITS: u32 = 8 * size_of::<ServiceKey>() as u32;
 
 /// Prefix length of a `SOURCE_RANGES` entry for a client range of
 /// `prefix` bits of its 128-bit (IPv4-mapped for IPv4) address.
@@ -820,7 +821,7 @@ pub mod counter {
     /// yet, another egress interface, or a reject).
     pub const XDP_TO_TC: u32 = 14;
     /// Packet translated at XDP and sent back out of the interface it came
-    /// in on (by XDP_REDIRECT).
+    /// in on (by `XDP_REDIRECT`).
     pub const XDP_TX: u32 = 15;
     /// A later fragment of a datagram whose first fragment was translated
     /// (no L4 header of its own: translated by the first one's ports).
@@ -888,30 +889,41 @@ pub mod counter {
 
 #[cfg(feature = "user")]
 mod pod_impls {
-    use super::*;
-    // SAFETY: all of these are #[repr(C)] with explicit padding and only
-    // integer fields; bytemuck's derive has already proven there is no
-    // implicit padding.
-    unsafe impl aya::Pod for ServiceKey {}
-    unsafe impl aya::Pod for ServiceValue {}
-    unsafe impl aya::Pod for BackendSlotKey {}
-    unsafe impl aya::Pod for BackendSlot {}
-    unsafe impl aya::Pod for Backend {}
-    unsafe impl aya::Pod for CtKey {}
-    unsafe impl aya::Pod for CtValue {}
-    unsafe impl aya::Pod for FlowCacheEntry {}
-    unsafe impl aya::Pod for Clock {}
-    unsafe impl aya::Pod for AffinityKey {}
-    unsafe impl aya::Pod for AffinityValue {}
-    unsafe impl aya::Pod for CtTimeouts {}
-    unsafe impl aya::Pod for NodeAddrKey {}
-    unsafe impl aya::Pod for NodeAddr {}
-    unsafe impl aya::Pod for NodeConfig {}
-    unsafe impl aya::Pod for SourceRangeKey {}
-    unsafe impl aya::Pod for ClusterCidrKey {}
-    unsafe impl aya::Pod for SockNotes {}
-    unsafe impl aya::Pod for FragKey {}
-    unsafe impl aya::Pod for FragValue {}
+    use super::{
+        AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
+        CtKey, CtTimeouts, CtValue, FlowCacheEntry, FragKey, FragValue, NodeAddr, NodeAddrKey,
+        NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey,
+    };
+    macro_rules! pod {
+        ($($t:ty),+ $(,)?) => {$(
+            // SAFETY: all of these are #[repr(C)] with explicit padding and only
+            // integer fields; bytemuck's derive has already proven there is no
+            // implicit padding.
+            unsafe impl aya::Pod for $t {}
+        )+};
+    }
+    pod!(
+        ServiceKey,
+        ServiceValue,
+        BackendSlotKey,
+        BackendSlot,
+        Backend,
+        CtKey,
+        CtValue,
+        FlowCacheEntry,
+        Clock,
+        AffinityKey,
+        AffinityValue,
+        CtTimeouts,
+        NodeAddrKey,
+        NodeAddr,
+        NodeConfig,
+        SourceRangeKey,
+        ClusterCidrKey,
+        SockNotes,
+        FragKey,
+        FragValue
+    );
 }
 
 #[cfg(test)]

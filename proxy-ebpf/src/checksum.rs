@@ -96,8 +96,8 @@ pub fn rewrite_direct(
             L4Csum::Caller => {}
         }
         Ok(L4Deltas {
-            addrs: fold(addrs) as u32,
-            ports: fold(ports) as u32,
+            addrs: u32::from(fold(addrs)),
+            ports: u32::from(fold(ports)),
             csum: old,
         })
     }

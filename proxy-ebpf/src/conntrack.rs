@@ -38,7 +38,7 @@ const SNAT_TRIES: u32 = 16;
 /// flow arriving later than this could be taken for the new one.
 const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
 
-/// The clock of conntrack and affinity timestamps: CLOCK_MONOTONIC to
+/// The clock of conntrack and affinity timestamps: `CLOCK_MONOTONIC` to
 /// within a kernel tick, ample for timeouts of seconds and the same base the
 /// agent's reaper reads. Scaled from jiffies, which the JIT reads inline,
 /// once the agent has calibrated the scale (see `Clock`); until then the
@@ -48,6 +48,7 @@ pub fn now_ns() -> u64 {
     match CLOCK.get_ptr(clock_slot::IN_FORCE) {
         // SAFETY: a valid array value pointer for this program's run.
         Some(clock) if unsafe { (*clock).tick_ns } != 0 => unsafe { (*clock).at(bpf_jiffies64()) },
+        // SAFETY: a helper that takes no pointers and has no preconditions.
         _ => unsafe { bpf_ktime_get_coarse_ns() },
     }
 }
@@ -58,7 +59,9 @@ pub fn sample_clocks() {
     let sample = Clock {
         // Jiffies first: the coarse clock is read as of the tick that set
         // them or a later one, never an earlier one.
+        // SAFETY: a helper that takes no pointers and has no preconditions.
         jiffies: unsafe { bpf_jiffies64() },
+        // SAFETY: a helper that takes no pointers and has no preconditions.
         ns: unsafe { bpf_ktime_get_coarse_ns() },
         tick_ns: 0,
     };
@@ -274,6 +277,7 @@ fn peer_key(entry: &CtValue, flow: &Flow) -> CtKey {
 fn mirror_flags(map: &Conntrack, entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
     let peer = peer_key(entry, flow);
     if let Some(p) = map.get_ptr_mut(peer) {
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
         unsafe {
             (*p).flags |= state;
             (*p).last_seen_ns = now;
@@ -417,10 +421,11 @@ fn replies_to(forward: &CtValue, reply_key: &CtKey) -> bool {
 /// when every try was taken.
 #[inline(always)]
 pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) -> Option<u16> {
-    let span = (max as u32).saturating_sub(min as u32) + 1;
+    let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
     let timeouts = ct_timeouts();
     for _ in 0..SNAT_TRIES {
-        let port = min as u32 + slot_for(unsafe { bpf_get_prandom_u32() }, span);
+        // SAFETY: a helper that takes no pointers and has no preconditions.
+        let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
         nf.nat.sport_be = (port as u16).to_be();
         let (reply_key, forward, reply) = entries(flow, nf, now);
         if !port_free(&CONNTRACK, &reply_key, flow.proto, now, &timeouts) {
@@ -478,6 +483,7 @@ fn port_free(
         );
         let still_old = map
             .get_ptr(forward_key)
+            // SAFETY: a pointer the map lookup returned, valid for this program's run.
             .is_some_and(|f| replies_to(unsafe { &*f }, reply_key));
         if still_old {
             remove(map, &forward_key);

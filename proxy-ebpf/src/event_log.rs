@@ -96,15 +96,15 @@ pub fn log(event: Event, flow: &Flow) {
         event,
         flow.src_be,
         flow.dst_be,
-        ((flow.sport_be as u32) << 16) | flow.dport_be as u32,
-        flow.proto as u32,
+        (u32::from(flow.sport_be) << 16) | u32::from(flow.dport_be),
+        u32::from(flow.proto),
     );
 }
 
 /// `log` for a packet known by its addresses only; its ports show as 0.
 #[inline(always)]
 pub fn log_addrs(event: Event, proto: u8, src_be: u32, dst_be: u32) {
-    record(event, src_be, dst_be, 0, proto as u32);
+    record(event, src_be, dst_be, 0, u32::from(proto));
 }
 
 /// The one body of every site (see the module's documentation). In
@@ -135,6 +135,7 @@ fn within_rate() -> bool {
     let Some(budget) = LOG_BUDGET.get_ptr_mut(0) else {
         return false;
     };
+    // SAFETY: a helper that takes no pointers and has no preconditions.
     let window = unsafe { bpf_ktime_get_coarse_ns() } / datapath_log::WINDOW_NS;
     // SAFETY: this CPU's slot; nothing else runs on it meanwhile.
     let budget = unsafe { &mut *budget };
@@ -142,7 +143,7 @@ fn within_rate() -> bool {
         budget.window = window;
         budget.used = 0;
     }
-    if budget.used >= datapath_log::PER_CPU_PER_WINDOW as u64 {
+    if budget.used >= u64::from(datapath_log::PER_CPU_PER_WINDOW) {
         return false;
     }
     budget.used += 1;
@@ -266,7 +267,7 @@ const TEMPLATE: Template = {
     let mut b = [0u8; RECORD];
     let str_kind = ArgumentKind::Str as u8;
     // The size field comes first; it is written per record.
-    let at = core::mem::size_of::<LogValueLength>();
+    let at = size_of::<LogValueLength>();
     let (_, at) = field(&mut b, at, RecordFieldKind::Target as u8, b"datapath");
     let (level_at, at) = field(
         &mut b,
@@ -345,6 +346,10 @@ fn emit(event: u32, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
         return;
     };
     let t = &TEMPLATE;
+    #[expect(
+        clippy::cast_ptr_alignment,
+        reason = "`Template` is `align(8)` and ring buffer records start 8-aligned"
+    )]
     // SAFETY: `out` is RECORD bytes; ring buffer records start 8-aligned,
     // and RECORD is a multiple of 8.
     unsafe {
@@ -352,7 +357,7 @@ fn emit(event: u32, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
             t.bytes.0.as_ptr().cast::<u64>(),
             out.as_mut_ptr().cast::<u64>(),
             RECORD / 8,
-        )
+        );
     };
     out[t.level_at] = LEVELS[event];
     out[t.proto_at..t.proto_at + 3].copy_from_slice(&proto_name(proto));

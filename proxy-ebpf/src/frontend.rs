@@ -119,6 +119,7 @@ pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
     let key = NodeAddrKey {
         addr_be: v4_mapped(addr_be),
     };
+    // SAFETY: a pointer the map lookup returned, valid for this program's run.
     NODE_ADDRS.get_ptr(key).map(|p| unsafe { (*p).flags })
 }
 
@@ -156,11 +157,13 @@ fn service_key(addr_be: u32, port_be: u16, proto: u8) -> ServiceKey {
 fn lookup(key: ServiceKey) -> Option<ServiceValue> {
     // Copied once: the rest of this packet's decisions use this snapshot
     // (see ServiceValue on how the agent keeps that consistent).
+    // SAFETY: a pointer the map lookup returned, valid for this program's run.
     SERVICES.get_ptr(key).map(|p| unsafe { *p })
 }
 
 #[inline(always)]
 fn backend(id: u32) -> Option<Backend> {
+    // SAFETY: a pointer the map lookup returned, valid for this program's run.
     BACKENDS.get_ptr(id).map(|p| unsafe { *p })
 }
 
@@ -182,8 +185,9 @@ pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Back
         client_be: v4_mapped(client_be),
         service_id: svc.service_id,
     };
+    // SAFETY: a pointer the map lookup returned, valid for this program's run.
     if affinity && let Some(stuck) = AFFINITY.get_ptr(akey).map(|p| unsafe { *p }) {
-        let window = svc.affinity_timeout_s as u64 * 1_000_000_000;
+        let window = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
         if now.saturating_sub(stuck.last_used_ns) <= window
             && let Some(b) = backend(stuck.backend_id)
         {
@@ -191,6 +195,7 @@ pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Back
             return Some((stuck.backend_id, b));
         }
     }
+    // SAFETY: a helper that takes no pointers and has no preconditions.
     let slot = slot_for(unsafe { bpf_get_prandom_u32() }, svc.count);
     let slot_key = BackendSlotKey {
         slot_set: svc.slot_set,
@@ -198,6 +203,7 @@ pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Back
     };
     let id = BACKEND_SLOTS
         .get_ptr(slot_key)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
         .map(|p| unsafe { (*p).backend_id })?;
     let b = backend(id)?;
     if affinity {

@@ -67,6 +67,7 @@ impl Hook for TcContext {
 
     #[inline(always)]
     fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: `skb` is the context the kernel passed this program, valid for its run.
         unsafe { (*self.skb.skb).ingress_ifindex }
     }
 

@@ -66,6 +66,7 @@ pub static CT_TIMEOUTS: Array<CtTimeouts, 1> = Array::new();
 pub fn ct_timeouts() -> CtTimeouts {
     CT_TIMEOUTS
         .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
         .map_or(CtTimeouts::DEFAULT, |p| unsafe { *p }.or_default())
 }
 
@@ -83,6 +84,7 @@ pub static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 pub fn node_config() -> NodeConfig {
     NODE_CONFIG
         .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
         .map_or(NodeConfig::default(), |p| unsafe { *p })
 }
 

@@ -105,7 +105,12 @@ pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
     let mut state = SkbCsum::Unknown;
     // Size 0: `to` is a difference to add, not a field's new value.
     if nat.moves_addrs(flow) {
-        ctx.l4_csum_replace(csum_off, 0, deltas.addrs as u64, BPF_F_PSEUDO_HDR | mangled)?;
+        ctx.l4_csum_replace(
+            csum_off,
+            0,
+            u64::from(deltas.addrs),
+            BPF_F_PSEUDO_HDR | mangled,
+        )?;
         // The helper may have moved packet data: pointers are taken anew.
         let field = checksum::l4_csum_field(ctx.data(), ctx.data_end(), flow).ok_or(-1i64)?;
         // SAFETY: inside the packet, as `l4_csum_field` checked.
@@ -116,11 +121,13 @@ pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
             csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp)
         };
         if nat.moves_ports(flow) && state == SkbCsum::Full {
-            unsafe { field.write(csum::full_update(after, deltas.ports as u64, udp)) };
+            // SAFETY: inside the packet, as `l4_csum_field` checked; nothing moved
+            // packet data since.
+            unsafe { field.write(csum::full_update(after, u64::from(deltas.ports), udp)) };
         }
     }
     if nat.moves_ports(flow) && state == SkbCsum::Unknown {
-        ctx.l4_csum_replace(csum_off, 0, deltas.ports as u64, mangled)?;
+        ctx.l4_csum_replace(csum_off, 0, u64::from(deltas.ports), mangled)?;
     }
     Ok(())
 }

@@ -109,7 +109,7 @@ const PARSE_LEN: u32 = (ETH_HLEN + 60 + TCP_MIN_HLEN) as u32;
 #[inline(always)]
 fn read<T: Copy>(data: usize, data_end: usize, off: usize) -> Option<T> {
     let at = data + off;
-    if at + core::mem::size_of::<T>() > data_end {
+    if at + size_of::<T>() > data_end {
         return None;
     }
     // SAFETY: inside the packet, as just checked; see above on alignment.

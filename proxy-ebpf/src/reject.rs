@@ -4,7 +4,7 @@
 //! sent back out of the interface it came in on.
 //!
 //! A TCP SYN is turned into its RST by incremental checksum updates rather
-//! than rebuilt: a SYN from a local socket is CHECKSUM_PARTIAL, which forbids
+//! than rebuilt: a SYN from a local socket is `CHECKSUM_PARTIAL`, which forbids
 //! cutting it below its checksum field (what an ICMP quote would need) and
 //! leaves the final checksum to the device, and the incremental helpers do
 //! the right thing in both cases.
@@ -67,7 +67,7 @@ fn fold(mut sum: u32) -> u16 {
 fn sum_words(words: &[u16]) -> u32 {
     let mut sum = 0u32;
     for w in words {
-        sum += *w as u32;
+        sum += u32::from(*w);
     }
     sum
 }
@@ -86,8 +86,8 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     // Read where it is used: hoisted into code `tc_ingress` shares with
     // other actions, it would read a register those never set, which the
     // verifier refuses.
-    // SAFETY: a reference to an initialised field.
-    let tcp_flags = unsafe { core::ptr::read_volatile(&flow.tcp_flags) };
+    // SAFETY: points at an initialised field of a live reference.
+    let tcp_flags = unsafe { core::ptr::read_volatile(&raw const flow.tcp_flags) };
     if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
         || u16::from_be(tot_len_be) as usize != flow.ihl_bytes + tcp_len
     {
@@ -104,10 +104,15 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     let csum = flow.l4_csum_off();
     // Swapping addresses or ports leaves every checksum as it is (one's
     // complement sums commute); only the changed fields are accounted for.
-    ctx.l4_csum_replace(csum, seq_be as u64, 0, 4)?;
-    ctx.l4_csum_replace(csum, ack_be as u64, new_ack_be as u64, 4)?;
-    ctx.l4_csum_replace(csum, flags_word_be as u64, new_flags_word_be as u64, 2)?;
-    ctx.l4_csum_replace(csum, window_be as u64, 0, 2)?;
+    ctx.l4_csum_replace(csum, u64::from(seq_be), 0, 4)?;
+    ctx.l4_csum_replace(csum, u64::from(ack_be), u64::from(new_ack_be), 4)?;
+    ctx.l4_csum_replace(
+        csum,
+        u64::from(flags_word_be),
+        u64::from(new_flags_word_be),
+        2,
+    )?;
+    ctx.l4_csum_replace(csum, u64::from(window_be), 0, 2)?;
     let seq_ack: [u32; 2] = [0, new_ack_be];
     ctx.store(l4 + 4, &seq_ack, 0)?;
     ctx.store(l4 + 12, &new_flags_word_be, 0)?;
@@ -126,7 +131,9 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
 
 #[inline(always)]
 fn redirect_back(ctx: &TcContext) -> i32 {
+    // SAFETY: `skb` is the context the kernel passed this program, valid for its run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: takes an interface index and flags, no pointers.
     unsafe { helpers::bpf_redirect(ifindex, 0) };
     TC_ACT_REDIRECT
 }
@@ -145,6 +152,8 @@ pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     // The quote must be exactly one IPv4 header and 8 bytes: cut the rest,
     // then open room for the new IP and ICMP headers before it.
     let quoted_end = (ETH_HLEN + QUOTE_LEN) as u32;
+    // SAFETY: this program's own skb; no packet pointer is held across the
+    // call (the quote and the headers are loaded afresh after it).
     let ret = unsafe { helpers::bpf_skb_change_tail(ctx.skb.skb, quoted_end, 0) };
     if ret != 0 {
         return Err(ret);
@@ -176,7 +185,7 @@ pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     let (ip_sum, icmp_sum) = {
         // SAFETY: Reply is repr(C) and 42 bytes with no padding; reading it
         // as u16 words is how the Internet checksum is defined.
-        let words: &[u16; 21] = unsafe { &*(&reply as *const Reply).cast::<[u16; 21]>() };
+        let words: &[u16; 21] = unsafe { &*(&raw const reply).cast::<[u16; 21]>() };
         (sum_words(&words[7..17]), sum_words(&words[17..21]))
     };
     reply.ip_csum = fold(ip_sum);

@@ -54,16 +54,18 @@ pub fn lookup<H: Hook>(
     params.ifindex = ctx.ingress_ifindex();
     params.__bindgen_anon_3.ipv4_src = src_be;
     params.__bindgen_anon_4.ipv4_dst = dst_be;
+    // SAFETY: the context's own skb and a `bpf_fib_lookup` on this stack, with
+    // its size.
     let ret = unsafe {
         fib_lookup(
             ctx.as_ptr(),
-            &mut params,
+            &raw mut params,
             size_of::<bpf_fib_lookup>() as i32,
             0,
         )
     };
-    let resolved = ret == BPF_FIB_LKUP_RET_SUCCESS as i64;
-    if !resolved && ret != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+    let resolved = ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
+    if !resolved && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
         return None;
     }
     Some(NextHop {
@@ -99,10 +101,13 @@ pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len
         if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
             return no_route();
         }
+        // SAFETY: takes an interface index and flags, no pointers.
         unsafe { bpf_redirect(hop.ifindex, 0) as i32 }
     } else {
+        // SAFETY: a null `params` is allowed: the kernel then looks the neighbour
+        // up itself.
         let r = unsafe { bpf_redirect_neigh(hop.ifindex, core::ptr::null_mut(), 0, 0) };
-        if r == TC_ACT_REDIRECT as i64 {
+        if r == i64::from(TC_ACT_REDIRECT) {
             TC_ACT_REDIRECT
         } else {
             no_route()

@@ -135,7 +135,7 @@ fn set_user_addr(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
     // SAFETY: as in `user_addr`; these hooks may rewrite the address.
     unsafe {
         (*ctx.sock_addr).user_ip4 = addr_be;
-        (*ctx.sock_addr).user_port = port_be as u32;
+        (*ctx.sock_addr).user_port = u32::from(port_be);
     }
 }
 
@@ -162,8 +162,8 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     let proto = unsafe { (*ctx.sock_addr).protocol };
     let (dst_be, dport_be) = user_addr(ctx);
     let proto = match proto {
-        p if p == PROTO_TCP as u32 => PROTO_TCP,
-        p if p == PROTO_UDP as u32 => PROTO_UDP,
+        p if p == u32::from(PROTO_TCP) => PROTO_TCP,
+        p if p == u32::from(PROTO_UDP) => PROTO_UDP,
         _ => return ALLOW,
     };
     if !node_socket(ctx) {
@@ -233,7 +233,7 @@ struct IterMeta {
     seq_num: u64,
 }
 
-/// `struct bpf_iter__bpf_sk_storage_map` (net/core/bpf_sk_storage.c): one
+/// `struct bpf_iter__bpf_sk_storage_map` (`net/core/bpf_sk_storage.c)`: one
 /// socket holding storage in the map and its value; `sk` and `value` are
 /// null in the last call, after the last socket.
 #[repr(C)]
@@ -265,7 +265,7 @@ pub fn dump_notes(ctx: *mut c_void) -> i32 {
     unsafe {
         bpf_seq_write(
             (*iter.meta).seq,
-            (&record as *const SockNotesRecord).cast(),
+            (&raw const record).cast(),
             size_of::<SockNotesRecord>() as u32,
         )
     };

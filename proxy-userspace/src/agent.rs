@@ -171,13 +171,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
             }
-            _ = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
+            () = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
                 let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
                 if let Some(checks) = follow_ups.health_checks {
                     health_checks.update(checks).await;
                 }
             }
-            _ = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
+            () = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
                 node.sync(&mut datapath.maps, Instant::now());
             }
             _ = reap.tick() => housekeeping::reap_conntrack(&mut datapath),
@@ -253,10 +253,10 @@ fn attach_socket_hooks(datapath: &mut Datapath, cgroup_root: Option<&std::path::
         .and_then(|()| datapath.attach_cgroup(cgroup).map_err(|e| e.to_string()));
     match attached {
         Ok(()) => {
-            info!(cgroup = %cgroup.display(), "socket hooks attached: the node's own connections to Services are translated")
+            info!(cgroup = %cgroup.display(), "socket hooks attached: the node's own connections to Services are translated");
         }
         Err(e) => {
-            error!(cgroup = %cgroup.display(), error = %e, "socket hooks not attached: the node's own connections to Services are not translated")
+            error!(cgroup = %cgroup.display(), error = %e, "socket hooks not attached: the node's own connections to Services are not translated");
         }
     }
 }

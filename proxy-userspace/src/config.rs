@@ -244,13 +244,17 @@ fn invalid(field: &str, message: impl Into<String>) -> FieldError {
 impl KubeProxyConfiguration {
     /// The flags' values, and the fields that gave them (besides the ones
     /// every configuration has).
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one line per KubeProxyConfiguration field, in the order the file gives them"
+    )]
     fn settings(&self) -> Result<(Settings, Vec<String>), FieldError> {
         let mut s = Settings::default();
-        fn non_empty(v: &Option<String>) -> Option<&str> {
-            v.as_deref().map(str::trim).filter(|v| !v.is_empty())
+        fn non_empty(v: Option<&str>) -> Option<&str> {
+            v.map(str::trim).filter(|v| !v.is_empty())
         }
 
-        if let Some(cidrs) = non_empty(&self.cluster_cidr) {
+        if let Some(cidrs) = non_empty(self.cluster_cidr.as_deref()) {
             s.cluster_cidr = Some(
                 cidrs
                     .split(',')
@@ -272,7 +276,7 @@ impl KubeProxyConfiguration {
             s.conntrack_tcp_timeout_close_wait = positive(&conntrack.tcp_close_wait_timeout);
             s.conntrack_udp_timeout = positive(&conntrack.udp_timeout);
         }
-        if let Some(text) = non_empty(&self.bind_address) {
+        if let Some(text) = non_empty(self.bind_address.as_deref()) {
             let ip: IpAddr = text
                 .parse()
                 .map_err(|_| invalid("bindAddress", format!("{text:?} is not an IP address")))?;
@@ -289,7 +293,7 @@ impl KubeProxyConfiguration {
                 }
             };
         }
-        if let Some(text) = non_empty(&self.healthz_bind_address) {
+        if let Some(text) = non_empty(self.healthz_bind_address.as_deref()) {
             s.healthz_bind_address = Some(listen_address(text, HEALTHZ_PORT).ok_or_else(|| {
                 invalid(
                     "healthzBindAddress",
@@ -297,18 +301,18 @@ impl KubeProxyConfiguration {
                 )
             })?);
         }
-        if let Some(text) = non_empty(&self.metrics_bind_address) {
+        if let Some(text) = non_empty(self.metrics_bind_address.as_deref()) {
             s.metrics_bind_address = Some(
                 crate::metrics::parse_bind_address(text)
                     .map_err(|e| invalid("metricsBindAddress", e))?,
             );
         }
         if let Some(connection) = &self.client_connection {
-            s.kubeconfig = non_empty(&connection.kubeconfig).map(PathBuf::from);
+            s.kubeconfig = non_empty(connection.kubeconfig.as_deref()).map(PathBuf::from);
         }
         // As kube-proxy takes it (its GetHostname).
-        s.node_name = non_empty(&self.hostname_override).map(str::to_lowercase);
-        match non_empty(&self.detect_local_mode) {
+        s.node_name = non_empty(self.hostname_override.as_deref()).map(str::to_lowercase);
+        match non_empty(self.detect_local_mode.as_deref()) {
             None | Some("ClusterCIDR") => {}
             Some(other) => {
                 return Err(invalid(
@@ -320,7 +324,7 @@ impl KubeProxyConfiguration {
             }
         }
         if let Some(logging) = &self.logging {
-            s.log_format = match non_empty(&logging.format) {
+            s.log_format = match non_empty(logging.format.as_deref()) {
                 None => None,
                 Some("text") => Some(LogFormat::Text),
                 Some("json") => Some(LogFormat::Json),
@@ -335,7 +339,7 @@ impl KubeProxyConfiguration {
 
         // The sync periods of the mode kube-proxy would run in: they mean
         // what --sync-period and --min-sync-period mean here.
-        let mode = non_empty(&self.mode).unwrap_or("iptables");
+        let mode = non_empty(self.mode.as_deref()).unwrap_or("iptables");
         let periods = match mode {
             "iptables" => self
                 .iptables
@@ -397,7 +401,7 @@ impl Conntrack {
         if per_core == 0 {
             return Ok(None);
         }
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as u64;
         let max = (per_core as u64 * cpus).max(min as u64);
         let range = 1024..=(1u64 << 30);
         if !range.contains(&max) {
@@ -628,7 +632,10 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
 struct KubeProxyConfiguration {
     api_version: Option<String>,
     kind: Option<String>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     feature_gates: Option<BTreeMap<String, bool>>,
     client_connection: Option<ClientConnection>,
     logging: Option<Logging>,
@@ -636,36 +643,66 @@ struct KubeProxyConfiguration {
     bind_address: Option<String>,
     healthz_bind_address: Option<String>,
     metrics_bind_address: Option<String>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     bind_address_hard_fail: Option<bool>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     enable_profiling: Option<bool>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     show_hidden_metrics_for_version: Option<String>,
     mode: Option<String>,
     iptables: Option<IpTables>,
     ipvs: Option<Ipvs>,
     nftables: Option<NfTables>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     winkernel: Option<Winkernel>,
     detect_local_mode: Option<String>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     detect_local: Option<DetectLocal>,
     #[serde(rename = "clusterCIDR")]
     cluster_cidr: Option<String>,
     node_port_addresses: Option<Vec<String>>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     oom_score_adj: Option<i32>,
     conntrack: Option<Conntrack>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     config_sync_period: Option<GoDuration>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     port_range: Option<String>,
-    #[allow(dead_code)]
+    #[expect(
+        dead_code,
+        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
+    )]
     windows_run_as_service: Option<bool>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ClientConnection {
@@ -676,7 +713,10 @@ struct ClientConnection {
     burst: Option<i32>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Logging {
@@ -688,7 +728,10 @@ struct Logging {
     options: Option<Value>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct IpTables {
@@ -701,7 +744,10 @@ struct IpTables {
     min_sync_period: Option<GoDuration>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Ipvs {
@@ -717,7 +763,10 @@ struct Ipvs {
     udp_timeout: Option<GoDuration>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct NfTables {
@@ -727,7 +776,10 @@ struct NfTables {
     min_sync_period: Option<GoDuration>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Winkernel {
@@ -739,7 +791,10 @@ struct Winkernel {
     forward_health_check_vip: Option<bool>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct DetectLocal {
@@ -747,7 +802,10 @@ struct DetectLocal {
     interface_name_prefix: Option<String>,
 }
 
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
+)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct Conntrack {

@@ -23,7 +23,7 @@ use axum::http::StatusCode;
 use k8s_openapi::{api::core::v1::Node, jiff::Timestamp};
 
 /// kube-proxy's health timeout for its default `--sync-period` of 30 s.
-pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
+pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_mins(1);
 
 /// The taint the cluster autoscaler puts on a node it is about to remove.
 pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
@@ -117,7 +117,9 @@ impl Health {
 
     fn progress(&self) -> MutexGuard<'_, Progress> {
         // Plain fields: whatever a panicking holder left is still usable.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A change arrived that the maps do not hold yet (kube-proxy's
@@ -338,7 +340,7 @@ mod tests {
 
     #[test]
     fn unhealthy_before_the_first_sync_and_while_a_change_is_overdue() {
-        let health = Health::new(Duration::from_secs(60));
+        let health = Health::new(Duration::from_mins(1));
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         assert!(!health.status_at(t0).healthy, "never synced: 503");
@@ -371,7 +373,7 @@ mod tests {
 
     #[test]
     fn each_transition_answers_as_kube_proxy() {
-        let health = Health::new(Duration::from_secs(60));
+        let health = Health::new(Duration::from_mins(1));
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let ok = StatusCode::OK;

@@ -20,7 +20,7 @@ pub enum HttpError {
     Serve(#[source] std::io::Error),
 }
 
-async fn answer(health: &Health, probe: Probe) -> impl IntoResponse + use<> {
+fn answer(health: &Health, probe: Probe) -> impl IntoResponse + use<> {
     let (code, body) = health.answer_at(probe, Instant::now());
     (
         code,
@@ -33,11 +33,11 @@ async fn answer(health: &Health, probe: Probe) -> impl IntoResponse + use<> {
 }
 
 async fn healthz(State(health): State<Health>) -> impl IntoResponse {
-    answer(&health, Probe::Healthz).await
+    answer(&health, Probe::Healthz)
 }
 
 async fn livez(State(health): State<Health>) -> impl IntoResponse {
-    answer(&health, Probe::Livez).await
+    answer(&health, Probe::Livez)
 }
 
 /// Binds now (so a bad address fails start-up), serves in the background.
@@ -72,7 +72,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_routes_send_kube_proxys_headers() {
-        let health = Health::new(Duration::from_secs(60));
+        let health = Health::new(Duration::from_mins(1));
         health.mark_synced();
         let response = healthz(State(health.clone())).await.into_response();
         assert_eq!(response.status(), StatusCode::OK);

@@ -44,7 +44,7 @@ pub fn use_colour(stream_is_terminal: bool, no_color: Option<&OsStr>) -> bool {
 pub fn init(format: LogFormat) -> Result<(), LoggingError> {
     let (filter, bad_filter) = match EnvFilter::try_from_default_env() {
         Ok(filter) => (filter, None),
-        Err(e) => (EnvFilter::new(DEFAULT_FILTER), unparsable(e)),
+        Err(e) => (EnvFilter::new(DEFAULT_FILTER), unparsable(&e)),
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(passing_datapath(filter))
@@ -91,7 +91,7 @@ fn passing_datapath(filter: EnvFilter) -> EnvFilter {
 }
 
 /// The reason `RUST_LOG` was refused, or `None` when it is merely unset.
-fn unparsable(error: FromEnvError) -> Option<String> {
+fn unparsable(error: &FromEnvError) -> Option<String> {
     std::env::var_os(EnvFilter::DEFAULT_ENV).map(|_| error.to_string())
 }
 

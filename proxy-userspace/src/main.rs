@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
                 node_ip: args.node_ip,
                 cgroup_root: args
                     .cgroup_root
-                    .or_else(proxy_userspace::datapath::host::default_cgroup_root),
+                    .or_else(datapath::host::default_cgroup_root),
                 datapath_log: args.datapath_log,
             };
             let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -16,8 +16,8 @@ use caps::{CapSet, Capability};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Requirement {
     pub capability: Capability,
-    /// Also grants it: the kernel accepts CAP_SYS_ADMIN in place of
-    /// CAP_BPF and CAP_PERFMON (bpf_capable, perfmon_capable), which is
+    /// Also grants it: the kernel accepts `CAP_SYS_ADMIN` in place of
+    /// `CAP_BPF` and `CAP_PERFMON` (`bpf_capable`, `perfmon_capable`), which is
     /// how a privileged container passes.
     pub or: Option<Capability>,
     pub needed_for: &'static str,
@@ -47,7 +47,7 @@ pub const REQUIRED: [Requirement; 3] = [BPF, PERFMON, NET_ADMIN];
 /// What a kernel operation the agent performs needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Operation {
-    /// The object's type information (BPF_BTF_LOAD), before its maps.
+    /// The object's type information (`BPF_BTF_LOAD`), before its maps.
     LoadBtf,
     CreateMap,
     LoadProgram,
@@ -133,7 +133,10 @@ pub fn effective() -> Result<HashSet<Capability>, PrivilegeError> {
 }
 
 /// Those of `reqs` that `effective` does not grant.
-pub fn missing_from(reqs: &[Requirement], effective: &HashSet<Capability>) -> Vec<Requirement> {
+pub fn missing_from<S: std::hash::BuildHasher>(
+    reqs: &[Requirement],
+    effective: &HashSet<Capability, S>,
+) -> Vec<Requirement> {
     reqs.iter()
         .copied()
         .filter(|r| {

@@ -461,7 +461,7 @@ mod tests {
             .expect("valid service");
         frontends
             .iter()
-            .flat_map(|f| f.backends.iter().map(|b| b.host_port()))
+            .flat_map(|f| f.backends.iter().map(model::BackendAddr::host_port))
             .collect()
     }
 

@@ -18,6 +18,10 @@ use crate::{
 };
 
 /// The frontends with their backends in slot order, and the counters.
+#[expect(
+    clippy::too_many_lines,
+    reason = "the report, section by section in the order it is printed"
+)]
 pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
     let maps = Maps::open_pinned(pins)?;
     let stored = maps.read_service_state()?;
@@ -182,7 +186,7 @@ fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
 /// How many sockets hold the socket hooks' notes (in every network
 /// namespace: the notes live in the sockets themselves, `SOCK_NOTES`), and
 /// how many UDP sockets of this one (the node's, where status is run) the
-/// connect() hook connected.
+/// `connect()` hook connected.
 fn socket_notes(pins: &PinLayout) -> String {
     let notes = match sock_notes::read(&pins.sock_notes()) {
         Ok(notes) => notes,
@@ -190,11 +194,13 @@ fn socket_notes(pins: &PinLayout) -> String {
     };
     let connected = sock_diag::SockDiag::open()
         .and_then(|mut diag| diag.connected_udp())
-        .map(|sockets| {
-            let n = sockets.iter().filter(|s| notes.hook_connected(s)).count();
-            n.to_string()
-        })
-        .unwrap_or_else(|e| format!("unknown ({e})"));
+        .map_or_else(
+            |e| format!("unknown ({e})"),
+            |sockets| {
+                let n = sockets.iter().filter(|s| notes.hook_connected(s)).count();
+                n.to_string()
+            },
+        );
     format!(
         "sockets with socket hook notes: {} (connected UDP sockets here connected by the hook: {connected})",
         notes.len()

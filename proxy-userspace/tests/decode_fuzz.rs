@@ -104,7 +104,7 @@ fn read_and_model(path: &Path, text: &str, documents: &[Value]) -> Reached {
         .unwrap_or_else(|_| panic!("the model panicked on Service {name}: {service:?}"));
         reached.services += 1;
         reached.frontends += modelled.0.as_ref().map_or(0, Vec::len);
-        reached.model_errors += modelled.0.is_err() as usize + modelled.1.is_err() as usize;
+        reached.model_errors += usize::from(modelled.0.is_err()) + usize::from(modelled.1.is_err());
         for e in [modelled.0.err(), modelled.1.err()].into_iter().flatten() {
             let text = e.to_string();
             let names_it = match &e {

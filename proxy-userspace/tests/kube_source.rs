@@ -50,12 +50,11 @@ impl Logs {
     async fn wait_for(&self, needle: &str, within: Duration) {
         let deadline = Instant::now() + within;
         while !self.text().contains(needle) {
-            if Instant::now() > deadline {
-                panic!(
-                    "the source did not log {needle:?} within {within:?}; its log:\n{}",
-                    self.text()
-                );
-            }
+            assert!(
+                Instant::now() <= deadline,
+                "the source did not log {needle:?} within {within:?}; its log:\n{}",
+                self.text()
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -138,7 +137,7 @@ impl Source {
                     "the source stopped while waiting for a {kind:?} event\n{}",
                     self.failure_context(server)
                 ),
-                Err(_) => panic!(
+                Err(tokio::time::error::Elapsed { .. }) => panic!(
                     "no {kind:?} event within {within:?}\n{}",
                     self.failure_context(server)
                 ),
@@ -158,12 +157,11 @@ impl Source {
     ) -> SourceEvent {
         let event = self.next_of(server, kind, within).await;
         let got = describe(&event);
-        if got != want {
-            panic!(
-                "{what}: the next {kind:?} event differs\n  want: {want}\n  got:  {got}\n{}",
-                self.failure_context(server)
-            );
-        }
+        assert!(
+            got == want,
+            "{what}: the next {kind:?} event differs\n  want: {want}\n  got:  {got}\n{}",
+            self.failure_context(server)
+        );
         event
     }
 
@@ -299,6 +297,10 @@ async fn behind_the_services_watch(server: &ApiServer, change: impl FnOnce()) {
 }
 
 #[tokio::test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the API server it sets up"
+)]
 async fn lists_each_kind_then_follows_changes() {
     let server = ApiServer::start().await;
     populate(&server);
@@ -437,7 +439,7 @@ async fn large_listings_come_in_pages_and_one_replace() {
     let mut source = Source::start(&server, None).await;
     match source.next_of(&server, Kind::Service, PROMPT).await {
         SourceEvent::Replace { objects, .. } => {
-            assert_eq!(objects.len(), N, "every Service in one Replace")
+            assert_eq!(objects.len(), N, "every Service in one Replace");
         }
         other => panic!("expected the Service listing, got {}", describe(&other)),
     }
@@ -915,7 +917,11 @@ fn frontends(state: &ClusterState, namespace: &str, name: &str) -> Vec<String> {
             if f.backends.is_empty() {
                 format!("{} -> none ({:?})", f.key, f.no_endpoints)
             } else {
-                let backends: Vec<String> = f.backends.iter().map(|b| b.host_port()).collect();
+                let backends: Vec<String> = f
+                    .backends
+                    .iter()
+                    .map(proxy_userspace::model::BackendAddr::host_port)
+                    .collect();
                 format!("{} -> {}", f.key, backends.join(" "))
             }
         })
@@ -939,12 +945,11 @@ async fn converge(
             return;
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            panic!(
-                "{what}: demo/web's frontends differ after {within:?}\n  want: {want:?}\n  got:  {got:?}\n{}",
-                source.failure_context(server)
-            );
-        }
+        assert!(
+            !left.is_zero(),
+            "{what}: demo/web's frontends differ after {within:?}\n  want: {want:?}\n  got:  {got:?}\n{}",
+            source.failure_context(server)
+        );
         let Some(event) = source.try_next(server, left).await else {
             panic!(
                 "{what}: no more events within {within:?} and demo/web's frontends differ\n  want: {want:?}\n  got:  {got:?}\n{}",
@@ -956,6 +961,10 @@ async fn converge(
 }
 
 #[tokio::test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the API server it sets up"
+)]
 async fn frontends_follow_create_scale_relabel_and_delete() {
     let server = ApiServer::start().await;
     server.apply(node(NODE, Some("zone-a")));

@@ -91,6 +91,10 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 /// What one departure costs the agent when conntrack is full of flows.
+#[expect(
+    clippy::struct_field_names,
+    reason = "`purge` is the time of the purge the struct reports on"
+)]
 struct Purge {
     flows: u32,
     departed_flows: u32,
@@ -173,6 +177,10 @@ fn departure_with_flows(
     }
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "the bench's steps in the order they run, sharing one agent and its namespaces"
+)]
 fn main() {
     let args = common::Args::from_env();
     let quick = args.flag("--quick");
@@ -234,7 +242,7 @@ fn main() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let i = (rng % services as u64) as u32;
+        let i = (rng % u64::from(services)) as u32;
         // Alternate one endpoint in and out.
         let n = if state[i as usize] == ENDPOINTS {
             ENDPOINTS + 1
@@ -273,9 +281,7 @@ fn main() {
     let started = Instant::now();
     iptables::apply(&ipt_ns, &kube_changed).expect("iptables-restore, re-sync");
     let ipt_resync = started.elapsed();
-    let rules = iptables::nat_table(&kube)
-        .map(|t| t.lines().count())
-        .unwrap_or(0);
+    let rules = iptables::nat_table(&kube).map_or(0, |t| t.lines().count());
     drop(ipt_ns);
 
     // 4. nft -f of the same Services, written as kube-proxy's nftables mode

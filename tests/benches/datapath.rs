@@ -1,4 +1,4 @@
-//! Per-packet cost of the tc and XDP programs, through BPF_PROG_TEST_RUN, at
+//! Per-packet cost of the tc and XDP programs, through `BPF_PROG_TEST_RUN`, at
 //! growing numbers of installed services (10 endpoints each), each against a
 //! do-nothing program of the same hook measured in the same run.
 //!
@@ -465,7 +465,7 @@ fn flood(datapath: &mut Datapath, times: u32) -> String {
          kept their backend\n",
         proxy_common::MAX_CONNTRACK / 2,
         ESTABLISHED_FLOWS,
-        kernel.as_nanos() as f64 / syns as f64,
+        kernel.as_nanos() as f64 / f64::from(syns),
         wall.as_secs_f64(),
         ESTABLISHED_FLOWS
     )

@@ -1,7 +1,7 @@
 //! End-to-end speed on real packets: a client pod opening short TCP connections and
 //! making UDP request/responses to a ClusterIP, and the node itself doing the same (a
 //! host-network pod or node agent: its connections never cross tc ingress; ebpf-proxy
-//! translates them at connect() with its socket hooks, kube-proxy in its OUTPUT
+//! translates them at `connect()` with its socket hooks, kube-proxy in its OUTPUT
 //! chain), with S Services installed, through four datapaths side by side in one run:
 //!
 //! - `ebpf-proxy`: the agent binary on a manifest directory with the S Services;
@@ -40,7 +40,7 @@
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench e2e -- [--quick] [--out DIR]
 //! [--sizes 10,1000] [--rounds N] [--threads N]` (root; the agent binary from `cargo
-//! xtask build` or $EBPF_PROXY_BIN). Prints markdown tables and writes `e2e.md` and
+//! xtask build` or $`EBPF_PROXY_BIN`). Prints markdown tables and writes `e2e.md` and
 //! `e2e.json` to DIR (default bench/results).
 
 mod common;
@@ -216,7 +216,7 @@ impl Config {
 fn main() {
     common::main_with("e2e", |args| {
         let (cfg, out_dir) = parse_args(args)?;
-        run(cfg, &out_dir)
+        run(&cfg, &out_dir)
     });
 }
 
@@ -228,7 +228,7 @@ fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     Ok((cfg, args.out_dir()?))
 }
 
-fn run(cfg: Config, out_dir: &Path) -> Result<()> {
+fn run(cfg: &Config, out_dir: &Path) -> Result<()> {
     require_root()?;
     // Before minutes of setup for the other modes, not after.
     let bin = agent::binary()?;
@@ -242,10 +242,10 @@ fn run(cfg: Config, out_dir: &Path) -> Result<()> {
     );
     let mut results = Vec::new();
     for &services in &cfg.sizes {
-        results.extend(measure_size(&cfg, services).with_context(|| format!("S = {services}"))?);
+        results.extend(measure_size(cfg, services).with_context(|| format!("S = {services}"))?);
     }
     let report = Report {
-        cfg: &cfg,
+        cfg,
         machine: &machine,
         results: &results,
         load: (load_before, load_average()),
@@ -333,7 +333,7 @@ struct World {
     mode: Mode,
     agent: Option<Agent>,
     _backends: Vec<PooledBackend>,
-    _manifests: Option<ManifestDir>,
+    manifests: Option<ManifestDir>,
     topology: Topology,
     /// Time to program the Services: agent start to healthy, `iptables-restore` or
     /// `nft -f`.
@@ -363,7 +363,7 @@ impl World {
             mode,
             agent: None,
             _backends: backends,
-            _manifests: None,
+            manifests: None,
             topology,
             programming: None,
             tcp_targets: Vec::new(),
@@ -393,7 +393,7 @@ impl World {
                 )
                 .context("start the ebpf-proxy agent")?;
                 world.agent = Some(agent);
-                world._manifests = Some(manifests);
+                world.manifests = Some(manifests);
             }
             Mode::Iptables => iptables::apply(node, &set.kube())
                 .context("load kube-proxy's iptables rules (iptables-restore)")?,

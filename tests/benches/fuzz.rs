@@ -1,5 +1,5 @@
 //! The datapath's tc and XDP programs on a million seeded random and mutated
-//! frames (see tests/fuzz_frames.rs for the property each output is
+//! frames (see `tests/fuzz_frames.rs` for the property each output is
 //! checked against), with the count of each outcome.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench fuzz -- [--quick]
@@ -27,7 +27,7 @@ fn main() {
             "--frames" => {
                 frames = value("--frames")
                     .parse()
-                    .expect("--frames: a number of frames")
+                    .expect("--frames: a number of frames");
             }
             "--seed" => {
                 let s = value("--seed");
@@ -35,7 +35,7 @@ fn main() {
                     s.strip_prefix("0x")
                         .map_or_else(|| s.parse(), |h| u64::from_str_radix(h, 16))
                         .expect("--seed: a number"),
-                )
+                );
             }
             "--out" => out = Some(PathBuf::from(value("--out"))),
             // What `cargo bench` itself passes.

@@ -49,7 +49,7 @@
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench nodeport -- [--quick] [--out DIR]
 //! [--sizes 10,10000] [--rounds N] [--threads N]` (root; the agent binary from `cargo
-//! xtask build` or $EBPF_PROXY_BIN). Prints a markdown table and writes `nodeport.md`
+//! xtask build` or $`EBPF_PROXY_BIN`). Prints a markdown table and writes `nodeport.md`
 //! and `nodeport.json` to DIR (default bench/results).
 
 mod common;
@@ -178,7 +178,7 @@ impl Config {
 fn main() {
     common::main_with("nodeport", |args| {
         let (cfg, out_dir) = parse_args(args)?;
-        run(cfg, &out_dir)
+        run(&cfg, &out_dir)
     });
 }
 
@@ -190,7 +190,7 @@ fn parse_args(args: &Args) -> Result<(Config, PathBuf)> {
     Ok((cfg, args.out_dir()?))
 }
 
-fn run(cfg: Config, out_dir: &Path) -> Result<()> {
+fn run(cfg: &Config, out_dir: &Path) -> Result<()> {
     require_root()?;
     let started = Instant::now();
     let bin = agent::binary()?;
@@ -204,10 +204,10 @@ fn run(cfg: Config, out_dir: &Path) -> Result<()> {
     );
     let mut results = Vec::new();
     for &services in &cfg.sizes {
-        results.extend(measure_size(&cfg, services).with_context(|| format!("S = {services}"))?);
+        results.extend(measure_size(cfg, services).with_context(|| format!("S = {services}"))?);
     }
     let report = Report {
-        cfg: &cfg,
+        cfg,
         machine: &machine,
         results: &results,
         load: (load_before, load_average()),
@@ -326,7 +326,7 @@ struct World {
     /// Node a's agent first.
     agents: Vec<Agent>,
     _backend: PooledBackend,
-    _manifests: Option<ManifestDir>,
+    manifests: Option<ManifestDir>,
     cluster: Cluster,
     /// Time to program the Services on node a: agent start to healthy, or
     /// `iptables-restore`.
@@ -362,7 +362,7 @@ impl World {
             mode,
             agents: Vec::new(),
             _backend: backend,
-            _manifests: None,
+            manifests: None,
             cluster,
             programming: None,
             targets: vec![SocketAddrV4::new(NODE_A_IP, set.node_port())],
@@ -399,7 +399,7 @@ impl World {
                     }
                     world.agents.push(agent);
                 }
-                world._manifests = Some(manifests);
+                world.manifests = Some(manifests);
             }
             Mode::Iptables => {
                 let kube = set.kube();
@@ -588,6 +588,10 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
+    #[expect(
+        clippy::too_many_lines,
+        reason = "the result document, section by section in the order it is printed"
+    )]
     fn markdown(&self) -> String {
         let cfg = self.cfg;
         let m = self.machine;

@@ -4,7 +4,7 @@
 //!
 //! For each size: time from the agent's start to programmed (`/healthz` 200),
 //! the initial sync's own time (its `synced` log line), resident memory after
-//! the sync and its peak (VmRSS, VmHWM), one endpoint change from the API
+//! the sync and its peak (`VmRSS`, `VmHWM`), one endpoint change from the API
 //! server's store to the frontend's map entry (polled in the pinned
 //! `SERVICES` map) and the sync's own time for it, p50 and p99, and a burst
 //! (the endpoints of 1,000 Services changed at once) until every one of them
@@ -71,6 +71,7 @@ struct Counting;
 // SAFETY: forwards to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `alloc` is the one `System` needs.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
@@ -79,11 +80,13 @@ unsafe impl GlobalAlloc for Counting {
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` through `alloc`/`realloc` above, with `layout`.
         unsafe { System.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
         BLOCKS.fetch_sub(1, Ordering::Relaxed);
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `System` with `layout`, as the caller promises.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             LIVE.fetch_add(
@@ -240,6 +243,10 @@ struct Row {
     iptables_restore_s: Option<f64>,
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "one measurement's steps in the order they run, sharing one agent and its API server"
+)]
 fn measure(services: u32, changes: u32) -> Result<Row> {
     let stem = unique_stem();
     let node = NetNs::create(&format!("{stem}-scale"))?;
@@ -316,7 +323,7 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     for &i in &targets {
         server.apply(slice_json(i, node.name(), 1000));
     }
-    let seen = wait_changed(&map, &before, at, Duration::from_secs(60))?;
+    let seen = wait_changed(&map, &before, at, Duration::from_mins(1))?;
     let burst_time = seen.iter().max().copied().unwrap_or_default();
     thread::sleep(Duration::from_millis(200));
     let burst_syncs = syncs(&agent.log())[synced_before..]
@@ -385,8 +392,8 @@ struct Heap {
 
 fn per_service(delta: (isize, isize), services: u32) -> (f64, f64) {
     (
-        delta.0 as f64 / services as f64,
-        delta.1 as f64 / services as f64,
+        delta.0 as f64 / f64::from(services),
+        delta.1 as f64 / f64::from(services),
     )
 }
 
@@ -514,7 +521,7 @@ fn main() {
                 r.initial_sync_s,
                 r.rss_mib,
                 r.hwm_mib,
-                r.rss_mib * 1024.0 / r.services as f64,
+                r.rss_mib * 1024.0 / f64::from(r.services),
                 r.change_p50_ms,
                 r.change_p99_ms,
                 r.change_sync_p50_ms,

@@ -146,7 +146,7 @@ impl ApiAgent {
             log_path,
         };
         let started = Instant::now();
-        while started.elapsed() < Duration::from_secs(120) {
+        while started.elapsed() < Duration::from_mins(2) {
             if let Some(status) = agent.child.try_wait()? {
                 bail!(
                     "the agent exited ({status}); its log:\n{}",

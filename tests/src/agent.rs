@@ -40,7 +40,7 @@ const BPF_ROOT_PREFIX: &str = "/sys/fs/bpf/ebpf-proxy-test-";
 pub const HEALTHZ: SocketAddrV4 = SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 10256);
 
 /// How long the agent may take from start to a healthy /healthz.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const READY_TIMEOUT: Duration = Duration::from_mins(1);
 
 /// How long the agent may take to exit after SIGTERM.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -48,14 +48,14 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The agent binary: `$EBPF_PROXY_BIN`, else `release/ebpf-proxy` in
 /// `$CARGO_TARGET_DIR` or in the workspace's `target/`.
 pub fn binary() -> Result<PathBuf> {
-    let path = match std::env::var_os(BIN_ENV) {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-            target.join("release/ebpf-proxy")
-        }
+    let path = if let Some(p) = std::env::var_os(BIN_ENV) {
+        PathBuf::from(p)
+    } else {
+        let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+            || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
+            PathBuf::from,
+        );
+        target.join("release/ebpf-proxy")
     };
     if !path.is_file() {
         bail!(

@@ -1,4 +1,4 @@
-//! A cgroup v2 directory of one test's own, for the agent's connect() hook
+//! A cgroup v2 directory of one test's own, for the agent's `connect()` hook
 //! (`--cgroup-root`), and processes started inside it: "the node's own
 //! sockets" without touching the host's root cgroup, whose hook would see
 //! every other test's sockets too.
@@ -12,6 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow};
+use nix::libc;
 
 use crate::netns::NetNs;
 
@@ -43,15 +44,14 @@ impl TestCgroup {
         // are async-signal-safe; nothing allocates there.
         unsafe {
             cmd.pre_exec(move || {
-                let fd =
-                    nix::libc::open(procs.as_ptr(), nix::libc::O_WRONLY | nix::libc::O_CLOEXEC);
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if fd < 0 {
                     return Err(io::Error::last_os_error());
                 }
                 // "0" moves the writing process.
-                let written = nix::libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                let written = libc::write(fd, b"0\n".as_ptr().cast(), 2);
                 let error = io::Error::last_os_error();
-                nix::libc::close(fd);
+                libc::close(fd);
                 if written != 2 {
                     return Err(error);
                 }

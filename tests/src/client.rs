@@ -96,8 +96,8 @@ pub fn tcp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
     }
 }
 
-/// [`tcp_request_here`] from a fixed local port. The socket has SO_REUSEADDR, so a
-/// port whose previous connection (also made here) waits in TIME_WAIT can be used
+/// [`tcp_request_here`] from a fixed local port. The socket has `SO_REUSEADDR`, so a
+/// port whose previous connection (also made here) waits in `TIME_WAIT` can be used
 /// again towards another destination, as the kernel itself may do.
 pub fn tcp_request_from_port_here(
     local_port: u16,

@@ -27,7 +27,7 @@
 //!   has no socket buffer, can only update complete ones.
 //! - Each bridge port has GRO on (`ethtool -K <port> gro on`): that enables the veth's
 //!   NAPI, without which frames an XDP redirect sends out of the node's `eth0` (into
-//!   its peer, the bridge port) are dropped. (XDP_TX would also need an XDP program on
+//!   its peer, the bridge port) are dropped. (`XDP_TX` would also need an XDP program on
 //!   the bridge port, or its frames wait until other traffic flushes the queue; the
 //!   datapath redirects instead.)
 //!
@@ -75,7 +75,7 @@ pub fn ethtool() -> &'static str {
     }
 }
 
-fn if_name(s: String) -> String {
+fn if_name(s: &str) -> String {
     s.chars().take(IFNAME_MAX).collect()
 }
 
@@ -389,7 +389,7 @@ impl Cluster {
     /// `ip`/24, and whose other end (`port`, cut to 15 characters) is a bridge port
     /// with GRO on. Returns the port's name.
     fn plug(&self, ns: &NetNs, port: &str, ip: Ipv4Addr) -> Result<String> {
-        let port = if_name(port.to_owned());
+        let port = if_name(port);
         let bridge = &self.bridge;
         if bridge.ip(&["link", "show", &port]).is_ok() {
             bail!("bridge port {port} exists already (names cut to {IFNAME_MAX} characters)");
@@ -440,9 +440,6 @@ mod tests {
         assert_eq!(node_ip(1), NODE_B_IP);
         assert_eq!(pod_net(0), NODE_A_POD_NET);
         assert_eq!(pod_net(1), NODE_B_POD_NET);
-        assert_eq!(
-            if_name("c1-a-very-long-client-name".into()),
-            "c1-a-very-long-"
-        );
+        assert_eq!(if_name("c1-a-very-long-client-name"), "c1-a-very-long-");
     }
 }

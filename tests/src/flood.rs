@@ -45,7 +45,7 @@ pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u3
                 packet.as_ptr().cast(),
                 packet.len(),
                 0,
-                (&to as *const libc::sockaddr_in).cast(),
+                (&raw const to).cast(),
                 size_of::<libc::sockaddr_in>() as libc::socklen_t,
             )
         };

@@ -1,6 +1,6 @@
 //! Hand-built Ethernet/IPv4/TCP-or-UDP frames with valid checksums, and
 //! checks that recompute them from scratch: the input of the datapath's
-//! BPF_PROG_TEST_RUN tests and per-packet benchmarks.
+//! `BPF_PROG_TEST_RUN` tests and per-packet benchmarks.
 
 use std::net::Ipv4Addr;
 
@@ -19,7 +19,7 @@ pub fn csum(data: &[u8], initial: u32) -> u16 {
         } else {
             u16::from_be_bytes([chunk[0], 0])
         };
-        sum += word as u32;
+        sum += u32::from(word);
     }
     while sum >> 16 != 0 {
         sum = (sum & 0xffff) + (sum >> 16);
@@ -30,9 +30,10 @@ pub fn csum(data: &[u8], initial: u32) -> u16 {
 fn pseudo(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> u32 {
     let mut sum = 0u32;
     for o in [src.octets(), dst.octets()] {
-        sum += u16::from_be_bytes([o[0], o[1]]) as u32 + u16::from_be_bytes([o[2], o[3]]) as u32;
+        sum += u32::from(u16::from_be_bytes([o[0], o[1]]))
+            + u32::from(u16::from_be_bytes([o[2], o[3]]));
     }
-    sum + proto as u32 + len as u32
+    sum + u32::from(proto) + len as u32
 }
 
 pub struct Spec {
@@ -266,6 +267,10 @@ pub fn parse_checked_icmp_error(f: &[u8], what: &str) -> IcmpError {
     let (qsrc, qdst, proto) = (addr(12), addr(16), quote[9]);
     let l4 = &quote[qihl..];
     let qtot = u16::from_be_bytes([quote[2], quote[3]]) as usize;
+    #[expect(
+        clippy::verbose_bit_mask,
+        reason = "the More Fragments flag and the fragment offset, masked as RFC 791 lays them out"
+    )]
     let whole = qtot == quote.len() && u16::from_be_bytes([quote[6], quote[7]]) & 0x3fff == 0;
     if whole && !(proto == UDP && l4[6] == 0 && l4[7] == 0) {
         assert_eq!(

@@ -12,6 +12,7 @@ use std::{
 };
 
 use anyhow::{Result, anyhow};
+use nix::libc;
 use nix::sys::socket::{setsockopt, sockopt};
 
 use crate::{Protocol, bench::interrupt::INTERRUPTED, netns::NetNs};
@@ -75,7 +76,7 @@ impl Load<'_> {
     /// `count` exchanges one at a time (a warm-up); bounded by the count, at most
     /// `count` times the I/O timeouts.
     pub fn sequential(&self, count: usize) -> Result<Sample> {
-        let stop = Instant::now() + Duration::from_secs(3600);
+        let stop = Instant::now() + Duration::from_hours(1);
         self.ns
             .run(|| worker(self.proto, self.targets, self.backends, 0, stop, count))
     }
@@ -148,7 +149,7 @@ fn worker(
                 sample.backends[b] += 1;
                 sample
                     .latencies
-                    .push(latency.as_nanos().min(u32::MAX as u128) as u32);
+                    .push(latency.as_nanos().min(u128::from(u32::MAX)) as u32);
             }
             Err((stage, kind)) => {
                 *sample
@@ -163,12 +164,12 @@ fn worker(
 }
 
 /// Connect, send the request, read the one-line answer, close with a RST. The RST
-/// (SO_LINGER 0) keeps the client's sockets out of TIME_WAIT, where tens of thousands
+/// (`SO_LINGER` 0) keeps the client's sockets out of `TIME_WAIT`, where tens of thousands
 /// of short connections would otherwise exhaust its ephemeral ports within seconds.
 fn tcp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> {
     let mut stream = TcpStream::connect_timeout(&target.into(), IO_TIMEOUT)
         .map_err(|e| ("connect", e.kind()))?;
-    let linger = nix::libc::linger {
+    let linger = libc::linger {
         l_onoff: 1,
         l_linger: 0,
     };

@@ -586,7 +586,7 @@ mod tests {
         );
     }
 
-    /// Parses `yaml` with the agent's own manifest reader (serde_yaml into
+    /// Parses `yaml` with the agent's own manifest reader (`serde_yaml` into
     /// k8s-openapi's types), failing on any object it rejects.
     fn parse(
         yaml: &str,

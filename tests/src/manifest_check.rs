@@ -1,5 +1,5 @@
-//! `kubernetes-validate` (PyPI), which checks manifests against the
-//! Kubernetes API's OpenAPI schemas offline. `cargo xtask setup` installs
+//! `kubernetes-validate` (`PyPI`), which checks manifests against the
+//! Kubernetes API's `OpenAPI` schemas offline. `cargo xtask setup` installs
 //! this pinned version into its own virtual environment, so neither the
 //! system's Python packages nor the version a test sees can drift.
 

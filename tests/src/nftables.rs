@@ -144,6 +144,10 @@ pub fn affinity_set(svc: &KubeService, ep: SocketAddrV4) -> String {
 /// input. It starts by deleting any previous `ip kube-proxy` table (the `add` first
 /// makes the `delete` valid when there is none), so applying it twice replaces.
 /// `node_ips` fill `nodeport-ips`.
+#[expect(
+    clippy::too_many_lines,
+    reason = "the ruleset, written in the order nft prints it"
+)]
 pub fn ruleset(services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<String> {
     let mut out = String::new();
     let mut w = |line: String| {

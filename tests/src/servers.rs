@@ -63,7 +63,7 @@ impl TcpServer {
             // The listener already belongs to the namespace; the thread enters it too
             // so that anything it creates later does as well.
             ns.spawn(&format!("tcp-{name}"), move || {
-                accept_loop(&listener, &name, &stop)
+                accept_loop(&listener, &name, &stop);
             })?
         };
         Ok(TcpServer {
@@ -89,9 +89,8 @@ fn accept_loop(listener: &TcpListener, name: &str, stop: &Arc<AtomicBool>) {
         // seen within one tick.
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, PollTimeout::from(TICK.as_millis() as u16)) {
-            Ok(0) => continue,
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
             Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => {
                 eprintln!("{name}: poll: {e}");
                 break;
@@ -279,14 +278,14 @@ impl PooledBackend {
             backend
                 .threads
                 .push(ns.spawn(&format!("tcp-{name}-{i}"), move || {
-                    tcp_serve(&listener, &tcp_reply, &stop)
+                    tcp_serve(&listener, &tcp_reply, &stop);
                 })?);
             if let Some(udp) = &udp {
                 let (udp, stop, udp_reply) = (udp.clone(), backend.stop.clone(), reply.clone());
                 backend
                     .threads
                     .push(ns.spawn(&format!("udp-{name}-{i}"), move || {
-                        udp_serve(&udp, &udp_reply, &stop)
+                        udp_serve(&udp, &udp_reply, &stop);
                     })?);
             }
         }

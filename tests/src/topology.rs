@@ -29,7 +29,7 @@ pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
 /// a second client for side-by-side references (so that neither conntrack holds the
 /// other half's flows), and three backends serving TCP and UDP behind one ClusterIP.
 pub mod one_node {
-    use super::*;
+    use super::{Ipv4Addr, Protocol, Service, SocketAddrV4};
 
     pub const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
     /// The client of a side-by-side reference (kube-proxy's rules) in the same test.

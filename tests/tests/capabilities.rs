@@ -234,7 +234,7 @@ fn refusal_without(drop: &[Capability]) -> String {
     load_without(drop).expect("the refusal is explained")
 }
 
-/// The agent's own explanation of a real refusal by the kernel, without CAP_BPF: the object's BTF, the
+/// The agent's own explanation of a real refusal by the kernel, without `CAP_BPF`: the object's BTF, the
 /// first thing loaded.
 #[test]
 fn a_refused_btf_load_names_cap_bpf() {
@@ -247,7 +247,7 @@ fn a_refused_btf_load_names_cap_bpf() {
     assert!(!err.contains("missing CAP_PERFMON"), "{err}");
 }
 
-/// A real refusal by the verifier, without CAP_PERFMON: the tc program.
+/// A real refusal by the verifier, without `CAP_PERFMON`: the tc program.
 #[test]
 fn a_refused_program_load_names_cap_perfmon() {
     let err = refusal_without(&[Capability::CAP_PERFMON, Capability::CAP_SYS_ADMIN]);
@@ -258,7 +258,7 @@ fn a_refused_program_load_names_cap_perfmon() {
     assert!(!err.contains("missing CAP_BPF"), "{err}");
 }
 
-/// Without CAP_NET_ADMIN the kernel refuses to load a tc program at all.
+/// Without `CAP_NET_ADMIN` the kernel refuses to load a tc program at all.
 #[test]
 fn a_refused_program_load_names_cap_net_admin() {
     let err = refusal_without(&[Capability::CAP_NET_ADMIN, Capability::CAP_SYS_ADMIN]);

@@ -1,8 +1,8 @@
 //! ClusterIP load balancing on real packets: a routed node (docs/architecture.md, "Test topologies") with a
 //! client pod and three backend pods, ebpf-proxy in the node namespace, and real TCP
 //! and UDP traffic from the client to the ClusterIP. The node's own connections
-//! through the socket hooks are in socket_hooks.rs; the pinned datapath across
-//! agents (restarts, upgrades, resizes, cleanup) in pinned_datapath.rs.
+//! through the socket hooks are in `socket_hooks.rs`; the pinned datapath across
+//! agents (restarts, upgrades, resizes, cleanup) in `pinned_datapath.rs`.
 //!
 //! Every test builds its own namespaces, bpffs root and manifest directory, so they run
 //! in parallel; everything is removed on drop, also when a test fails.
@@ -354,7 +354,7 @@ fn a_pods_flood_of_new_flows_leaves_established_connections_alone() {
     );
     let new_flows = sb.counter("ct_new_flow");
     assert!(
-        new_flows >= sent as u64,
+        new_flows >= u64::from(sent),
         "{new_flows} new flows counted for {sent} flood datagrams"
     );
 }
@@ -401,8 +401,8 @@ fn translated_packets_keep_valid_checksums_in_every_checksum_state() {
         set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
     }
     let states = || -> Vec<(&'static str, u64)> {
-        let pins = proxy_userspace::datapath::PinLayout::new(sb.agent().bpf_root());
-        proxy_userspace::datapath::Maps::open_pinned(&pins)
+        let pins = PinLayout::new(sb.agent().bpf_root());
+        Maps::open_pinned(&pins)
             .and_then(|maps| maps.counters())
             .expect("reading the agent's counters")
             .into_iter()

@@ -1,4 +1,4 @@
-//! The tc program on hand-built frames through BPF_PROG_TEST_RUN: no
+//! The tc program on hand-built frames through `BPF_PROG_TEST_RUN`: no
 //! interface, no traffic, every byte of the output checked. Needs root (it
 //! loads BPF programs and pins maps).
 
@@ -255,11 +255,10 @@ fn counter(fx: &Fixture, name: &str) -> u64 {
         .expect("reading counters")
         .into_iter()
         .find(|(n, _)| *n == name)
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("no counter {name}"))
+        .map_or_else(|| panic!("no counter {name}"), |(_, v)| v)
 }
 
-/// Counts of translated packets by the checksum state tc read: BPF_PROG_TEST_RUN
+/// Counts of translated packets by the checksum state tc read: `BPF_PROG_TEST_RUN`
 /// builds socket buffers without a checksum state (`CHECKSUM_NONE`).
 fn csum_states(fx: &Fixture) -> (u64, u64) {
     (counter(fx, "tc_csum_none"), counter(fx, "tc_csum_unknown"))
@@ -446,7 +445,8 @@ fn stay_on_this_cpu() -> CpuGuard {
     use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
     use nix::unistd::Pid;
     let before = sched_getaffinity(Pid::from_raw(0)).expect("sched_getaffinity");
-    let cpu = unsafe { nix::libc::sched_getcpu() };
+    // SAFETY: sched_getcpu takes nothing and touches no memory of ours.
+    let cpu = unsafe { libc::sched_getcpu() };
     assert!(cpu >= 0, "sched_getcpu failed");
     let mut one = CpuSet::new();
     one.set(cpu as usize).expect("CPU number within a CpuSet");
@@ -791,7 +791,7 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
     );
 }
 
-/// SCTP frontends are programmed but not translated (no CRC32c rewrite
+/// SCTP frontends are programmed but not translated (no `CRC32c` rewrite
 /// yet): their packets pass untouched and are counted, never silently.
 #[test]
 fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
@@ -813,7 +813,7 @@ fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
 }
 
 /// The datapath's clock (jiffies scaled by the calibration `Datapath::load`
-/// makes) reads CLOCK_MONOTONIC, the reaper's clock, to within two ticks:
+/// makes) reads `CLOCK_MONOTONIC`, the reaper's clock, to within two ticks:
 /// a new flow's conntrack timestamps fall between readings taken around it.
 #[test]
 fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
@@ -1042,7 +1042,7 @@ fn new_flows_spread_uniformly_in_the_kernel() {
             .expect("a backend");
         counts[k] += 1;
     }
-    let expected = flows as f64 / 3.0;
+    let expected = f64::from(flows) / 3.0;
     let chi2: f64 = counts
         .iter()
         .map(|&c| (c as f64 - expected).powi(2) / expected)
@@ -1084,7 +1084,7 @@ struct NodeFixture {
     uplink_index: u32,
 }
 
-fn mac_text(mac: &[u8; 6]) -> String {
+fn mac_text(mac: [u8; 6]) -> String {
     mac.iter()
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
@@ -1102,6 +1102,10 @@ fn node_config(min: u16, max: u16, flags: u32) -> proxy_common::NodeConfig {
     }
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "the fixture's maps, filled in the order the datapath looks them up"
+)]
 fn node_fixture() -> NodeFixture {
     let mut fx = fixture();
     let ns = ebpf_proxy_tests::netns::NetNs::create(&format!(
@@ -1116,7 +1120,7 @@ fn node_fixture() -> NodeFixture {
             "add",
             "up0",
             "address",
-            &mac_text(&UPLINK_MAC),
+            &mac_text(UPLINK_MAC),
             "type",
             "veth",
             "peer",
@@ -1141,7 +1145,7 @@ fn node_fixture() -> NodeFixture {
             "add",
             &ip.to_string(),
             "lladdr",
-            &mac_text(&mac),
+            &mac_text(mac),
             "dev",
             "up0",
             "nud",
@@ -1871,6 +1875,10 @@ fn xdp_translates_and_routes_every_fragment_of_a_snated_flow() {
 /// one-shot UDP exchanges), 200 times what conntrack holds and more than `CT_NEW`
 /// holds too; a connection opened in the middle of the flood is served and assured.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom, over one loaded datapath"
+)]
 fn a_flood_of_new_flows_leaves_established_flows_alone() {
     const CAPACITY: u32 = 1024;
     let mut fx = fixture_loaded(|pins| Datapath::load_sized(pins, CAPACITY));
@@ -1972,7 +1980,7 @@ fn a_flood_of_new_flows_leaves_established_flows_alone() {
         "the flood assured flows, or the connection made during it was not"
     );
     assert!(
-        counter(&fx, "ct_new_flow") >= (150 + FLOOD) as u64,
+        counter(&fx, "ct_new_flow") >= u64::from(150 + FLOOD),
         "new flows counted: {}",
         counter(&fx, "ct_new_flow")
     );

@@ -125,12 +125,11 @@ fn expect_logged(agent: &Agent, parts: &[&str]) -> String {
         if let Some(line) = found {
             return line;
         }
-        if Instant::now() > deadline {
-            panic!(
-                "no datapath log line with {parts:?} within {LOG_WAIT:?}; the agent's datapath lines:\n{}",
-                datapath_lines(agent, "").join("\n")
-            );
-        }
+        assert!(
+            Instant::now() <= deadline,
+            "no datapath log line with {parts:?} within {LOG_WAIT:?}; the agent's datapath lines:\n{}",
+            datapath_lines(agent, "").join("\n")
+        );
         thread::sleep(Duration::from_millis(100));
     }
 }
@@ -269,7 +268,7 @@ fn a_flood_of_rejects_is_rate_limited() {
     let cpus = aya::util::nr_cpus().expect("CPU count") as u64;
     // The flood spans at most this many one-second windows.
     let windows = elapsed.as_secs() + 2;
-    let bound = PER_CPU_PER_WINDOW as u64 * cpus * windows;
+    let bound = u64::from(PER_CPU_PER_WINDOW) * cpus * windows;
     assert!(
         lines <= bound,
         "{lines} lines for {rejects} rejects in {elapsed:?}: more than {PER_CPU_PER_WINDOW} a second on each of {cpus} CPUs ({bound})"

@@ -1,5 +1,5 @@
 //! The tc and XDP programs on seeded random and mutated frames through
-//! BPF_PROG_TEST_RUN (truncated headers, IP options, bad lengths, fragments,
+//! `BPF_PROG_TEST_RUN` (truncated headers, IP options, bad lengths, fragments,
 //! ICMP errors quoting inner headers, VLAN tags, every TCP flag
 //! combination, other ethertypes): each output must be the frame untouched,
 //! a drop the datapath means (and counts), a reject addressed back to the
@@ -21,8 +21,9 @@ const FRAMES: u64 = 4000;
 fn random_and_mutated_frames_are_passed_dropped_rejected_or_translated_right() {
     let frames = std::env::var("EBPF_PROXY_FUZZ_FRAMES")
         .ok()
-        .map(|n| n.parse().expect("EBPF_PROXY_FUZZ_FRAMES: a number"))
-        .unwrap_or(FRAMES);
+        .map_or(FRAMES, |n| {
+            n.parse().expect("EBPF_PROXY_FUZZ_FRAMES: a number")
+        });
     let seed = frame_fuzz::seed();
     eprintln!("frame fuzz: seed {seed:#x}, {frames} frames");
     let report = frame_fuzz::run(seed, frames, true);

@@ -92,9 +92,9 @@ fn cluster_routes_between_nodes_pods_and_outside_clients() {
         ("10.1.1.0/24", "10.1.2.0/24")
     );
     assert_eq!(cluster.pod_node("pod-b1").name, "b");
-    let _tcp = TcpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 8080).expect("server");
-    let _udp = UdpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 5353).expect("server");
-    let _node_a = TcpServer::start(&a.ns, "node-a", 8081).expect("server");
+    let tcp = TcpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 8080).expect("server");
+    let udp = UdpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 5353).expect("server");
+    let node_a = TcpServer::start(&a.ns, "node-a", 8081).expect("server");
 
     // Node A reaches a pod on node B through node B, from its uplink address.
     let reply = tcp_request(&a.ns, SocketAddrV4::new(pod_b1, 8080), TIMEOUT)
@@ -175,7 +175,7 @@ fn cluster_routes_between_nodes_pods_and_outside_clients() {
         .map(|ns| ns.name().to_owned())
         .collect();
     assert_eq!(names.len(), 7, "{names:?}");
-    drop((_tcp, _udp, _node_a));
+    drop((tcp, udp, node_a));
     drop(cluster);
     for name in names {
         assert!(

@@ -50,9 +50,10 @@ const CGROUP_HOST_PATH: &str = "/sys/fs/cgroup";
 
 /// The cargo target directory, where `cargo xtask image` writes the archives.
 fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
+        PathBuf::from,
+    )
 }
 
 /// The OCI archive of the image the DaemonSet names; fails when it is missing or
@@ -183,9 +184,7 @@ impl Running<'_> {
     fn state(&self) -> String {
         let mut cmd = self.podman.command();
         cmd.args(["inspect", "--format", "{{.State.Status}}", &self.name]);
-        run_cmd(&mut cmd)
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_else(|e| format!("{e:#}"))
+        run_cmd(&mut cmd).map_or_else(|e| format!("{e:#}"), |s| s.trim().to_owned())
     }
 
     fn remove(&mut self) {
@@ -289,16 +288,16 @@ fn podman_flags(
         None | Some("RuntimeDefault") => {}
         Some(other) => panic!("seccompProfile {other} is not something this test knows"),
     }
-    if security.privileged == Some(true) || security.run_as_user.is_some_and(|u| u != 0) {
-        panic!("privileged or non-root containers are not something this test knows");
-    }
+    assert!(
+        !(security.privileged == Some(true) || security.run_as_user.is_some_and(|u| u != 0)),
+        "privileged or non-root containers are not something this test knows"
+    );
     for mount in container.volume_mounts.iter().flatten() {
         let host = host_path(ds, &mount.name);
-        let host = host_dirs
-            .iter()
-            .find(|(h, _)| *h == host)
-            .map(|(_, d)| d.display().to_string())
-            .unwrap_or_else(|| panic!("no test directory stands for the volume {host}"));
+        let host = host_dirs.iter().find(|(h, _)| *h == host).map_or_else(
+            || panic!("no test directory stands for the volume {host}"),
+            |(_, d)| d.display().to_string(),
+        );
         let mut options = vec![if mount.read_only == Some(true) {
             "ro"
         } else {
@@ -369,7 +368,9 @@ fn probe_until_healthy(netns: &NetNs, probe: &Probe, container: &Running) -> u32
         .expect("the probe's host is an IPv4 address");
     let port = match &get.port {
         k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => *p as u16,
-        other => panic!("probe port {other:?}: only numbers are known here"),
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(other) => {
+            panic!("probe port {other:?}: only numbers are known here")
+        }
     };
     let path = get.path.clone().unwrap_or_else(|| "/".to_owned());
     let period = Duration::from_secs(probe.period_seconds.unwrap_or(10) as u64);
@@ -380,8 +381,7 @@ fn probe_until_healthy(netns: &NetNs, probe: &Probe, container: &Running) -> u32
         match netns.run(|| http_status(addr, &path)) {
             Ok(Ok(200)) => return attempt,
             Ok(Ok(code)) => last = format!("HTTP {code}"),
-            Ok(Err(e)) => last = format!("{e:#}"),
-            Err(e) => last = format!("{e:#}"),
+            Ok(Err(e)) | Err(e) => last = format!("{e:#}"),
         }
         let state = container.state();
         assert!(
@@ -394,6 +394,10 @@ fn probe_until_healthy(netns: &NetNs, probe: &Probe, container: &Running) -> u32
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     require_root().expect("privileged test");
     let ds = daemonset::load();

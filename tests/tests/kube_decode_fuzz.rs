@@ -6,7 +6,10 @@
 
 use ebpf_proxy_apiserver as apiserver;
 // Shared with proxy-userspace's manifest test, which also uses its Node.
-#[allow(dead_code)]
+#[expect(
+    dead_code,
+    reason = "the module is shared with proxy-userspace's manifest test, which alone uses its Node mutations"
+)]
 #[path = "../../proxy-userspace/tests/object_mutation/mod.rs"]
 mod object_mutation;
 
@@ -43,7 +46,7 @@ impl Logs {
 /// the fake server files it under.
 fn mutated(template: Value, name: &str, rng: &mut Rng) -> Value {
     let mut object = template;
-    for _ in 0..1 + rng.below(4) {
+    for _ in 0..=rng.below(4) {
         let (place, op, pick) = (rng.next_u64(), rng.byte(), rng.next_u64());
         object_mutation::mutate(&mut object, place, op, pick);
     }
@@ -80,6 +83,10 @@ fn marker(kind: &str, name: &str) -> Value {
 }
 
 #[tokio::test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the API server it sets up"
+)]
 async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
     let seed = std::env::var("EBPF_PROXY_FUZZ_SEED")
         .ok()

@@ -83,12 +83,12 @@ impl KubeAgent {
             netns_path: node.path(),
             node_name: node.name().to_owned(),
             master: master.to_owned(),
-            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            extra_args: extra_args.iter().map(ToString::to_string).collect(),
             bpf_root,
             log_path,
         };
         agent.spawn();
-        agent.wait_healthy(Duration::from_secs(60));
+        agent.wait_healthy(Duration::from_mins(1));
         agent
     }
 
@@ -127,7 +127,7 @@ impl KubeAgent {
             child.wait().expect("wait for the killed agent");
         }
         self.spawn();
-        self.wait_healthy(Duration::from_secs(60));
+        self.wait_healthy(Duration::from_mins(1));
     }
 
     fn wait_healthy(&mut self, timeout: Duration) {
@@ -424,6 +424,10 @@ fn watch_for_fewer_endpoints(
 /// state with fewer endpoints: backend ids, service ids and the affinity
 /// entries real traffic made stay as they were.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn restarts_are_diffs_whichever_list_comes_first() {
     require_root().expect("privileged test");
     let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
@@ -609,6 +613,10 @@ fn restarts_are_diffs_whichever_list_comes_first() {
 /// room again the agent's own retry programs it, with no event from the
 /// API, and /healthz is 200 again.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     require_root().expect("privileged test");
     let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");

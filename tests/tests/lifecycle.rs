@@ -388,6 +388,10 @@ fn established_connection_survives_scaling_3_10_3() {
 ///    with the old backend instead of pinning the client to it (kube-proxy's stale UDP
 ///    conntrack problem).
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn udp_flow_moves_within_a_second_when_its_backend_is_removed() {
     let svc = service("web", CLUSTER_IP, SessionAffinity::None);
     let sb = sandbox_with(&[CLIENT], &BACKENDS, &svc.yaml(Some(&backend_ips())));
@@ -625,7 +629,7 @@ fn terminating_endpoints_drain_and_are_the_fallback() {
 }
 
 /// Affinity on a fallback set: with nothing ready, kube-proxy writes its affinity rules
-/// for the serving-terminating endpoints it falls back to (k/k proxier_test.go, "only
+/// for the serving-terminating endpoints it falls back to (k/k `proxier_test.go`, "only
 /// terminating endpoints exist": `-m recent --rcheck` for each of them), so a client
 /// stays on one of them; checked next to those rules. So does a pod whose endpoint is
 /// ready but also terminating (publishNotReadyAddresses).

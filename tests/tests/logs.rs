@@ -119,7 +119,7 @@ fn warn_and_fail(args: &[&str], on_terminal: bool, no_color: Option<&str>) -> St
     let bin = agent::binary().expect("the agent binary");
     let missing = std::env::temp_dir().join(format!("{}-no-pins", unique_stem()));
     let mut argv = vec![bin.display().to_string()];
-    argv.extend(args.iter().map(|a| a.to_string()));
+    argv.extend(args.iter().map(ToString::to_string));
     argv.extend([
         "status".into(),
         "--bpf-root".into(),

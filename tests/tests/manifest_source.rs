@@ -117,7 +117,7 @@ fn one_edited_file_of_many_is_parsed_alone_and_reaches_the_maps() {
     );
     assert_eq!(
         changed[0]["parsed"],
-        Value::from(format!("[{:?}]", edited)),
+        Value::from(format!("[{edited:?}]")),
         "only the edited file is parsed: {}",
         changed[0]
     );

@@ -182,6 +182,10 @@ fn web(name: &str) -> Service {
 /// externalTrafficPolicy Cluster: node A, with no backend of its own, reaches the
 /// backend on node B with SNAT to its address (TCP and UDP); node B reaches it
 /// directly, keeping the client's address.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn nodeport_cluster_policy(path: Path) {
     let fx = Fixture::new(path);
     fx.publish(&web("web"), &[(BACKEND.1, "b")]);

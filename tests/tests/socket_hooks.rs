@@ -1,7 +1,7 @@
 //! The node's own connections through the agent's socket hooks, on real sockets: a
 //! routed node (docs/architecture.md, "Test topologies") with three backend pods and
 //! the agent's cgroup hooks on a cgroup of each test's own. Connections from the node
-//! never cross tc ingress; the hooks translate them at connect() and sendmsg(), close
+//! never cross tc ingress; the hooks translate them at `connect()` and `sendmsg()`, close
 //! the node's UDP sockets whose backend leaves, and keep what they remember about a
 //! socket in the socket itself.
 //!
@@ -108,13 +108,17 @@ fn spread_from_the_node(
 }
 
 /// (f) Connections that start on the node itself (host-network pods, node agents)
-/// never cross tc ingress: the agent's connect() hook on the cgroup sends them to a
+/// never cross tc ingress: the agent's `connect()` hook on the cgroup sends them to a
 /// backend. TCP connections spread over the backends and reach them from the node's
 /// address; a connected UDP socket gets its answer; datagrams of unconnected sockets
 /// spread too, their answers showing the ClusterIP as source; a Service without
 /// endpoints refuses at once. Pods' sockets in the same cgroup are left to tc, and processes outside the
 /// cgroup are not translated at all. `cleanup` takes the hook away.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
     let empty_ip = Ipv4Addr::new(10, 96, 0, 30);
     let (mut sb, cgroup) = hooked_sandbox(&[
@@ -772,6 +776,10 @@ fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
 /// entries for them are gone, and the others' stay. The `SOCK_REVNAT` table an earlier
 /// agent kept its notes in is unpinned by the next agent.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn the_hooks_notes_live_in_their_sockets() {
     let (mut sb, cgroup) = hooked_sandbox(&[(
         "web.yaml",

@@ -6,7 +6,7 @@
 //! Debian's CA bundle (the API client will not start without one, even when
 //! the cluster's own CA comes from the kubeconfig); no Debian root. The agent
 //! execs nothing, so a shell or a package manager would only be more to patch
-//! and more to exploit in a process that holds CAP_BPF and CAP_NET_ADMIN; and
+//! and more to exploit in a process that holds `CAP_BPF` and `CAP_NET_ADMIN`; and
 //! the libraries come from this machine, where the binary was linked against
 //! them, so they cannot drift apart. Name
 //! lookups need nothing more: glibc 2.34 and later carry the `files` and `dns`

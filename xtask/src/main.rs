@@ -105,7 +105,7 @@ fn workspace_root() -> PathBuf {
 }
 
 /// The cargo target directory: this binary runs from `<target>/<profile>/xtask`, which
-/// also covers a CARGO_TARGET_DIR set elsewhere.
+/// also covers a `CARGO_TARGET_DIR` set elsewhere.
 fn target_dir() -> PathBuf {
     std::env::current_exe()
         .ok()

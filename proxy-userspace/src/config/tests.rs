@@ -6,7 +6,7 @@ use crate::cli::{Cli, Command};
 /// `kubeadm config print init-defaults --component-configs
 /// KubeProxyConfiguration`, the KubeProxyConfiguration document (kubeadm
 /// 1.32): what the `kube-proxy` ConfigMap's `config.conf` holds on a
-/// kubeadm cluster whose ClusterConfiguration sets nothing for the proxy.
+/// kubeadm cluster whose `ClusterConfiguration` sets nothing for the proxy.
 const KUBEADM_DEFAULTS: &str = include_str!("testdata/kubeadm-init-defaults.yaml");
 
 fn parsed(text: &str) -> FileConfig {
@@ -97,8 +97,8 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
             cluster_cidr: cidrs(&["10.244.0.0/16", "fd00:10:244::/56"]),
             nodeport_addresses: cidrs(&["10.0.0.0/8", "127.0.0.0/8", "::1/128"]),
             conntrack_max: None,
-            conntrack_tcp_timeout_established: Some(Duration::from_secs(24 * 3600)),
-            conntrack_tcp_timeout_close_wait: Some(Duration::from_secs(3600)),
+            conntrack_tcp_timeout_established: Some(Duration::from_hours(24)),
+            conntrack_tcp_timeout_close_wait: Some(Duration::from_hours(1)),
             conntrack_udp_timeout: Some(Duration::from_secs(30)),
             node_ip: Some(Ipv4Addr::new(192, 168, 1, 10)),
             healthz_bind_address: Some("127.0.0.1:10256".parse().unwrap()),
@@ -260,15 +260,15 @@ fn go_durations_parse_as_go_does() {
     for (text, want) in [
         ("0", Duration::ZERO),
         ("0s", Duration::ZERO),
-        ("1h0m0s", Duration::from_secs(3600)),
-        ("24h0m0s", Duration::from_secs(86_400)),
+        ("1h0m0s", Duration::from_hours(1)),
+        ("24h0m0s", Duration::from_hours(24)),
         ("1m30s", Duration::from_secs(90)),
         ("250ms", Duration::from_millis(250)),
-        ("1.5h", Duration::from_secs(5400)),
+        ("1.5h", Duration::from_mins(90)),
         ("300us", Duration::from_micros(300)),
         ("300µs", Duration::from_micros(300)),
         ("10ns", Duration::from_nanos(10)),
-        ("2h45m", Duration::from_secs(9900)),
+        ("2h45m", Duration::from_mins(165)),
     ] {
         assert_eq!(parse_go_duration(text), Ok(want), "{text:?}");
     }

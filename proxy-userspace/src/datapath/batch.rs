@@ -64,12 +64,8 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
     let mut first = true;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first {
-                0
-            } else {
-                &position as *const u64 as u64
-            },
-            out_batch: &mut next as *mut u64 as u64,
+            in_batch: if first { 0 } else { &raw const position as u64 },
+            out_batch: &raw mut next as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: keys.len() as u32,
@@ -155,7 +151,7 @@ pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
             Ok(_) => return Ok(deleted),
             // The kernel stops at a key that is not there: skip it.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                rest = rest.get(done + 1..).unwrap_or_default()
+                rest = rest.get(done + 1..).unwrap_or_default();
             }
             Err(source) => {
                 return Err(BatchError::Syscall {

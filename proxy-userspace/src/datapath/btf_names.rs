@@ -76,6 +76,10 @@ fn sanitize_btf(btf: &mut [u8]) -> Result<usize, BtfNamesError> {
         let info = u32_at(types, at + 4)?;
         let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
         at += 12;
+        #[expect(
+            clippy::match_same_arms,
+            reason = "one arm per BTF kind, as the kernel's documentation lists them"
+        )]
         let (member_size, name_members) = match kind {
             KIND_INT | KIND_VAR | KIND_DECL_TAG => (4, false),
             KIND_ARRAY => (12, false),

@@ -1,6 +1,6 @@
 //! Calibrates the datapath clock (see `proxy_common::Clock`): the jiffies
-//! counter the programs read inline, scaled to CLOCK_MONOTONIC nanoseconds.
-//! The kernel's tick length (CONFIG_HZ) is not readable from user space, so
+//! counter the programs read inline, scaled to `CLOCK_MONOTONIC` nanoseconds.
+//! The kernel's tick length (`CONFIG_HZ`) is not readable from user space, so
 //! it is measured: two readings of both clocks 100 ms apart, snapped to the
 //! tick lengths Linux can be built with.
 
@@ -18,7 +18,7 @@ use proxy_common::{Clock, clock_slot};
 const SPAN: Duration = Duration::from_millis(100);
 
 /// The tick lengths of the HZ values Linux offers (100, 250, 300, 1000), as
-/// the kernel rounds them (TICK_NSEC).
+/// the kernel rounds them (`TICK_NSEC`).
 const TICKS_NS: [u64; 4] = [10_000_000, 4_000_000, 3_333_333, 1_000_000];
 
 #[derive(Debug, thiserror::Error)]

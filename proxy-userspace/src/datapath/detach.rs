@@ -1,7 +1,7 @@
 //! Detaching a pinned bpf link synchronously. Removing a link's pin drops the
 //! last reference only once bpffs frees the inode, after an RCU grace period:
 //! traffic would still be translated for a moment after `ebpf-proxy cleanup`
-//! returned. BPF_LINK_DETACH cuts the link from its interface at once. aya
+//! returned. `BPF_LINK_DETACH` cuts the link from its interface at once. aya
 //! keeps a link's fd private, hence the raw bpf(2) calls here; one more swaps
 //! the program of a pinned cgroup link, which aya cannot take over.
 

@@ -172,7 +172,7 @@ async fn write_level_until_it_lands(pins: &PinLayout, level: Level) {
                 return;
             }
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?RETRY, "setting the datapath log level")
+                tracing::warn!(error = %e, retry_in = ?RETRY, "setting the datapath log level");
             }
         }
         tokio::time::sleep(RETRY).await;

@@ -17,15 +17,15 @@ pub fn netns_cookie() -> io::Result<u64> {
     // where the loopback is down.
     let socket = std::net::UdpSocket::bind("0.0.0.0:0")?;
     let mut cookie = 0u64;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    let mut len = size_of::<u64>() as libc::socklen_t;
     // SAFETY: a valid socket and an out-buffer of the size passed.
     let ret = unsafe {
         libc::getsockopt(
             socket.as_raw_fd(),
             libc::SOL_SOCKET,
             SO_NETNS_COOKIE,
-            (&mut cookie as *mut u64).cast(),
-            &mut len,
+            (&raw mut cookie).cast(),
+            &raw mut len,
         )
     };
     if ret != 0 {

@@ -15,19 +15,19 @@ const INSN: usize = 8;
 
 /// The opcodes of the sequence (include/uapi/linux/bpf.h: class | op | source).
 mod op {
-    /// BPF_JMP | BPF_CALL
+    /// `BPF_JMP` | `BPF_CALL`
     pub const CALL: u8 = 0x85;
-    /// BPF_JMP | BPF_JEQ | BPF_K
+    /// `BPF_JMP` | `BPF_JEQ` | `BPF_K`
     pub const JEQ_IMM: u8 = 0x15;
-    /// BPF_LDX | BPF_MEM | BPF_B
+    /// `BPF_LDX` | `BPF_MEM` | `BPF_B`
     pub const LOAD_BYTE: u8 = 0x71;
-    /// BPF_ALU64 | BPF_RSH | BPF_K
+    /// `BPF_ALU64` | `BPF_RSH` | `BPF_K`
     pub const RSH_IMM: u8 = 0x77;
-    /// BPF_ALU64 | BPF_AND | BPF_K
+    /// `BPF_ALU64` | `BPF_AND` | `BPF_K`
     pub const AND_IMM: u8 = 0x57;
-    /// BPF_JMP | BPF_JA
+    /// `BPF_JMP` | `BPF_JA`
     pub const JA: u8 = 0x05;
-    /// BPF_ALU64 | BPF_MOV | BPF_K
+    /// `BPF_ALU64` | `BPF_MOV` | `BPF_K`
     pub const MOV_IMM: u8 = 0xb7;
     /// `src_reg` of a call whose immediate is a kfunc's BTF id.
     pub const PSEUDO_KFUNC_CALL: u8 = 2;
@@ -100,7 +100,7 @@ impl Read {
     }
 }
 
-/// `object` with every ip_summed read completed as `read` says, and how many
+/// `object` with every `ip_summed` read completed as `read` says, and how many
 /// there were. The copy is 8-byte aligned, as the ELF parser wants.
 pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), PatchError> {
     let mut out = AlignedObject::copy_of(object);

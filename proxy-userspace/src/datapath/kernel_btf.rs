@@ -105,6 +105,10 @@ impl Btf {
         while at < type_range.end {
             let info = read_u32(&data, at + 4).ok_or_else(|| malformed("type record cut short"))?;
             let vlen = (info & 0xffff) as usize;
+            #[expect(
+                clippy::match_same_arms,
+                reason = "one arm per BTF kind, as the kernel's documentation lists them"
+            )]
             let extra = match ((info >> 24) & 0x1f) as u8 {
                 kind::INT => 4,
                 3 => 12,                                 // ARRAY
@@ -265,7 +269,7 @@ mod tests {
                 .position(|w| w == needle.as_slice() && !name.is_empty())
                 .unwrap() as u32
         };
-        let info = |kind: u32, vlen: u32, flag: bool| (flag as u32) << 31 | kind << 24 | vlen;
+        let info = |kind: u32, vlen: u32, flag: bool| u32::from(flag) << 31 | kind << 24 | vlen;
         let mut types: Vec<u32> = Vec::new();
         // 1: int, 1 byte
         types.extend([s("int"), info(1, 0, false), 1, 8]);

@@ -158,7 +158,8 @@ pub fn missing<'a>(
 pub fn running_release() -> Result<String, KernelVersionError> {
     // SAFETY: uname fills the struct it is given; a zeroed utsname is valid.
     let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-    if unsafe { libc::uname(&mut uts) } != 0 {
+    // SAFETY: `uts` is a valid, writable utsname that outlives the call.
+    if unsafe { libc::uname(&raw mut uts) } != 0 {
         return Err(KernelVersionError::Uname(
             std::io::Error::last_os_error().to_string(),
         ));

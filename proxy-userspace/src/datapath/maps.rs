@@ -132,7 +132,11 @@ impl Maps {
     fn from_maps(
         mut get: impl FnMut(&'static str) -> Result<Map, MapsError>,
     ) -> Result<Self, MapsError> {
-        use map_names::*;
+        use map_names::{
+            AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, COUNTERS,
+            CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS, NODE_CONFIG,
+            SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
+        };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
             slots: HashMap::try_from(get(BACKEND_SLOTS)?).map_err(wrap(BACKEND_SLOTS))?,
@@ -219,15 +223,15 @@ impl Maps {
     /// Everything the service maps hold, for adoption at start-up.
     pub fn read_service_state(&self) -> Result<crate::planner::StoredState, MapsError> {
         let mut state = crate::planner::StoredState::default();
-        for item in self.services.iter() {
+        for item in &self.services {
             let (k, v) = item.map_err(wrap(map_names::SERVICES))?;
             state.services.insert(k, v);
         }
-        for item in self.slots.iter() {
+        for item in &self.slots {
             let (k, v) = item.map_err(wrap(map_names::BACKEND_SLOTS))?;
             state.slots.insert(k, v.backend_id);
         }
-        for item in self.backends.iter() {
+        for item in &self.backends {
             let (k, v) = item.map_err(wrap(map_names::BACKENDS))?;
             state.backends.insert(k, v);
         }
@@ -241,7 +245,7 @@ impl Maps {
     /// What the node-level maps hold, for the node planner to start from.
     pub fn read_node_state(&self) -> Result<NodeState, MapsError> {
         let mut state = NodeState::default();
-        for item in self.node_addrs.iter() {
+        for item in &self.node_addrs {
             let (k, v) = item.map_err(wrap(map_names::NODE_ADDRS))?;
             state.addrs.insert(k, v);
         }

@@ -72,7 +72,7 @@ pub enum DatapathError {
     Kernel(#[from] kernel_version::KernelVersionError),
 }
 
-/// Loads the object with its ip_summed reads completed as `read` says, maps
+/// Loads the object with its `ip_summed` reads completed as `read` says, maps
 /// pinned at `paths` (a conntrack map created anew holds
 /// `conntrack_entries`), and its programs.
 fn load_object(
@@ -210,7 +210,7 @@ impl Datapath {
                     "conntrack resized; its flows carried over"
                 ),
                 Err(e) => {
-                    tracing::warn!(error = %e, "conntrack resized; its flows not carried over")
+                    tracing::warn!(error = %e, "conntrack resized; its flows not carried over");
                 }
             }
         }
@@ -232,8 +232,8 @@ impl Datapath {
             ebpf,
             pins,
             maps,
-            attached: Default::default(),
-            xdp_attached: Default::default(),
+            attached: std::collections::BTreeMap::default(),
+            xdp_attached: std::collections::BTreeMap::default(),
             ip_summed: read,
             resize,
         })
@@ -265,7 +265,7 @@ impl Datapath {
         &self.pins
     }
 
-    /// The loaded tc program, for BPF_PROG_TEST_RUN in tests and benchmarks.
+    /// The loaded tc program, for `BPF_PROG_TEST_RUN` in tests and benchmarks.
     pub fn tc_program(&self) -> &SchedClassifier {
         self.ebpf
             .program(program_names::TC_INGRESS)
@@ -322,7 +322,7 @@ impl Datapath {
         self.forget_xdp(ifname);
     }
 
-    /// The loaded XDP program, for BPF_PROG_TEST_RUN in tests and benchmarks.
+    /// The loaded XDP program, for `BPF_PROG_TEST_RUN` in tests and benchmarks.
     pub fn xdp_program(&self) -> &Xdp {
         self.ebpf
             .program(program_names::XDP_INGRESS)

@@ -109,7 +109,5 @@ impl PinLayout {
 /// plain directory at /sys/fs/bpf is a common setup mistake).
 pub fn is_bpffs(path: &Path) -> bool {
     const BPF_FS_MAGIC: i64 = 0xcafe4a11;
-    nix::sys::statfs::statfs(path)
-        .map(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
-        .unwrap_or(false)
+    nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
 }

@@ -13,8 +13,14 @@ use std::io;
 pub unsafe fn bpf<A>(cmd: libc::c_long, attr: &mut A) -> io::Result<libc::c_long> {
     // SAFETY: as the caller promised; the kernel reads no more than the
     // size passed.
-    let ret =
-        unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut A, std::mem::size_of::<A>()) };
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut::<A>(attr),
+            size_of::<A>(),
+        )
+    };
     if ret < 0 {
         Err(io::Error::last_os_error())
     } else {

@@ -36,12 +36,12 @@ pub struct Swept {
     pub affinity: usize,
 }
 
-/// CLOCK_MONOTONIC in ns: what the datapath clock (`proxy_common::Clock`)
+/// `CLOCK_MONOTONIC` in ns: what the datapath clock (`proxy_common::Clock`)
 /// reads.
 pub fn monotonic_ns() -> u64 {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
-        .unwrap_or(0)
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+    })
 }
 
 /// Removes the UDP conntrack entries and the affinity entries of departed

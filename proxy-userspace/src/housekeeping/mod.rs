@@ -32,7 +32,7 @@ pub const REAP_PERIOD: Duration = Duration::from_secs(10);
 /// next datagram finds a live backend. A failure is logged.
 pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
     match conntrack::purge_departed(&mut datapath.maps, departed) {
-        Ok(swept) if swept != Default::default() => info!(
+        Ok(swept) if swept != conntrack::Swept::default() => info!(
             udp_flows = swept.conntrack,
             affinities = swept.affinity,
             "removed flows and affinity of departed backends"
@@ -43,7 +43,7 @@ pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
     match sock_diag::close_departed(&datapath.pins().sock_notes(), departed) {
         Ok(0) => {}
         Ok(closed) => {
-            info!("closed {closed} UDP sockets of the node connected to departed backends")
+            info!("closed {closed} UDP sockets of the node connected to departed backends");
         }
         Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
     }

@@ -1,7 +1,7 @@
 //! The node's UDP sockets, listed and closed through the kernel's socket
 //! diagnostics (`NETLINK_SOCK_DIAG`: `SOCK_DIAG_BY_FAMILY`, `SOCK_DESTROY`).
 //!
-//! A UDP socket of the node that the connect() hook sent to a backend stays
+//! A UDP socket of the node that the `connect()` hook sent to a backend stays
 //! connected to that backend's address for its life: no conntrack entry
 //! stands between, so removing the backend's flows does not move it, where
 //! kube-proxy's conntrack cleanup would send its next datagram elsewhere.
@@ -26,7 +26,7 @@ use crate::planner::Departed;
 /// Closes the node's UDP sockets that the socket hooks connected to a
 /// departed backend: those connected to its address and port whose own
 /// notes (`SOCK_NOTES`, read through the iterator pinned at `notes`) say
-/// the connect() hook connected them there. A socket connected to the
+/// the `connect()` hook connected them there. A socket connected to the
 /// backend's address by its owner is left alone. Returns how many were
 /// closed.
 pub fn close_departed(notes: &Path, departed: &[Departed]) -> Result<usize, SockDiagError> {
@@ -208,7 +208,7 @@ impl SockDiag {
                 if kind == NLMSG_ERROR {
                     return match error_of(payload)? {
                         None => Ok(true),
-                        Some(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => Ok(false),
+                        Some(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
                         Some(e) => Err(SockDiagError::Destroy(e)),
                     };
                 }
@@ -302,7 +302,7 @@ fn messages(mut buf: &[u8]) -> Result<Vec<(u16, &[u8])>, SockDiagError> {
     Ok(out)
 }
 
-/// An NLMSG_ERROR's error: None for an acknowledgement (error 0).
+/// An `NLMSG_ERROR`'s error: None for an acknowledgement (error 0).
 fn error_of(payload: &[u8]) -> Result<Option<io::Error>, SockDiagError> {
     let code = payload
         .get(..4)
@@ -336,7 +336,7 @@ mod tests {
         client.connect(peer.local_addr().unwrap()).expect("connect");
         let addr_of = |socket: &std::net::UdpSocket| match socket.local_addr().unwrap() {
             std::net::SocketAddr::V4(a) => a,
-            other => panic!("{other}"),
+            std::net::SocketAddr::V6(other) => panic!("{other}"),
         };
         let (local, peer_addr) = (addr_of(&client), addr_of(&peer));
         let mut diag = SockDiag::open().expect("sock_diag socket");
@@ -358,7 +358,7 @@ mod tests {
         assert!(
             matches!(
                 err.raw_os_error(),
-                Some(nix::libc::ECONNABORTED | nix::libc::EDESTADDRREQ)
+                Some(libc::ECONNABORTED | libc::EDESTADDRREQ)
             ),
             "after the close: {err}"
         );

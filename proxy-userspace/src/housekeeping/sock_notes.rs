@@ -50,7 +50,7 @@ pub enum SockNotesError {
     Torn { len: usize, record: usize },
 }
 
-/// `enum bpf_attach_type`: BPF_TRACE_ITER.
+/// `enum bpf_attach_type`: `BPF_TRACE_ITER`.
 const BPF_TRACE_ITER: u32 = 28;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -113,7 +113,7 @@ fn link_create(prog: BorrowedFd<'_>, map: BorrowedFd<'_>) -> io::Result<OwnedFd>
         target_fd: 0,
         attach_type: BPF_TRACE_ITER,
         flags: 0,
-        iter_info: &map_fd as *const u32 as u64,
+        iter_info: &raw const map_fd as u64,
         iter_info_len: size_of::<u32>() as u32,
         _pad: 0,
     };
@@ -156,7 +156,7 @@ impl Notes {
         self.0.is_empty()
     }
 
-    /// Whether the connect() hook connected `socket` to its peer, in a
+    /// Whether the `connect()` hook connected `socket` to its peer, in a
     /// frontend's place.
     pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
         let (addr_be, port_be) = socket.peer_be();

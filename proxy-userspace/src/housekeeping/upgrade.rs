@@ -50,6 +50,7 @@ pub struct CtValueV2 {
 // SAFETY: plain `repr(C)` integers with explicit padding, as the kernel
 // side wrote them.
 unsafe impl aya::Pod for CtKeyV2 {}
+// SAFETY: as for `CtKeyV2`.
 unsafe impl aya::Pod for CtValueV2 {}
 
 /// A version 2 entry in today's layout; None for an IPv6 flow, which today's

@@ -40,11 +40,17 @@ impl InterfaceModes {
         let mut modes: BTreeMap<String, &'static str> =
             attached.map(|name| (name.to_owned(), "none")).collect();
         modes.extend(xdp.map(|(name, mode)| (name.to_owned(), mode)));
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = modes;
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = modes;
     }
 
     fn get(&self) -> BTreeMap<String, &'static str> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 

@@ -209,7 +209,9 @@ impl ProxyMetrics {
 
     fn tracker(&self) -> MutexGuard<'_, Tracker> {
         // Plain collections: whatever a panicking holder left is usable.
-        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+        self.tracker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// An event of `kind` changed `services`; a sync is queued.
@@ -443,6 +445,10 @@ pub async fn count_probes(
 }
 
 #[cfg(test)]
+#[expect(
+    clippy::float_cmp,
+    reason = "the samples compared are counts and gauges, whole numbers that f64 holds exactly"
+)]
 mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
@@ -494,7 +500,7 @@ mod tests {
         metrics.triggered(
             vec![
                 trigger("web", "web-1", t),
-                trigger("web", "web-old", t - Duration::from_secs(3600)),
+                trigger("web", "web-old", t - Duration::from_hours(1)),
                 trigger("other", "other-1", t),
             ],
             &changed,

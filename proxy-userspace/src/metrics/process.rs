@@ -107,7 +107,7 @@ impl Sample {
             rlim_max: 0,
         };
         // SAFETY: getrlimit writes the limit it reads into `limit`.
-        let max_fds = match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
+        let max_fds = match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) } {
             0 => limit.rlim_cur,
             _ => 0,
         };

@@ -49,23 +49,22 @@ impl Family {
 /// octets may carry leading zeros, which old API servers accepted and which
 /// Go reads as decimal; an IPv4-mapped IPv6 address is the IPv4 address.
 pub(super) fn parse_ip(text: &str) -> Option<IpAddr> {
-    let ip = match text.parse::<IpAddr>() {
-        Ok(ip) => ip,
-        Err(_) => {
-            let octets: Vec<&str> = text.split('.').collect();
-            if octets.len() != 4
-                || octets
-                    .iter()
-                    .any(|o| o.is_empty() || o.len() > 3 || !o.bytes().all(|b| b.is_ascii_digit()))
-            {
-                return None;
-            }
-            let mut bytes = [0u8; 4];
-            for (byte, octet) in bytes.iter_mut().zip(&octets) {
-                *byte = octet.parse().ok()?;
-            }
-            IpAddr::V4(Ipv4Addr::from(bytes))
+    let ip = if let Ok(ip) = text.parse::<IpAddr>() {
+        ip
+    } else {
+        let octets: Vec<&str> = text.split('.').collect();
+        if octets.len() != 4
+            || octets
+                .iter()
+                .any(|o| o.is_empty() || o.len() > 3 || !o.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return None;
         }
+        let mut bytes = [0u8; 4];
+        for (byte, octet) in bytes.iter_mut().zip(&octets) {
+            *byte = octet.parse().ok()?;
+        }
+        IpAddr::V4(Ipv4Addr::from(bytes))
     };
     Some(ip.to_canonical())
 }

@@ -219,6 +219,7 @@ mod tests {
     type Want = Result<Option<usize>, ModelError>;
 
     #[test]
+    #[expect(clippy::too_many_lines, reason = "a table of cases, one per line")]
     fn service_health_check_table() {
         let local2 = [("10.0.0.1", NODE, READY), ("10.0.0.2", NODE, READY)];
         let cases: Vec<(&str, Service, Vec<EndpointSlice>, Want)> = vec![

@@ -24,6 +24,10 @@ const DEFAULT_AFFINITY_TIMEOUT_S: i32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
 
 /// A service port, checked.
+#[expect(
+    clippy::struct_field_names,
+    reason = "the fields carry the names the Service API gives them"
+)]
 pub(super) struct Port<'a> {
     name: &'a str,
     port: u16,

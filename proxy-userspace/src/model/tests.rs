@@ -24,6 +24,10 @@ use super::*;
 
 type Labels = Option<BTreeMap<String, String>>;
 
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "builds the optional map the object's `labels` field holds"
+)]
 fn labels(pairs: &[(&str, &str)]) -> Labels {
     Some(
         pairs
@@ -70,8 +74,8 @@ fn spec(service: &mut Service) -> &mut ServiceSpec {
 
 fn set_cluster_ips(service: &mut Service, ips: &[&str]) {
     let spec = spec(service);
-    spec.cluster_ip = ips.first().map(|ip| ip.to_string());
-    spec.cluster_ips = Some(ips.iter().map(|ip| ip.to_string()).collect());
+    spec.cluster_ip = ips.first().map(ToString::to_string);
+    spec.cluster_ips = Some(ips.iter().map(ToString::to_string).collect());
 }
 
 fn set_lb_ingress(service: &mut Service, ingress: Vec<LoadBalancerIngress>) {
@@ -296,7 +300,7 @@ fn run(cases: Vec<Case>) {
                 let got: Vec<String> = frontends.iter().map(render).collect();
                 if got != *want {
                     let first = (0..want.len().max(got.len()))
-                        .find(|&i| want.get(i).map(|s| s.to_string()) != got.get(i).cloned())
+                        .find(|&i| want.get(i).map(ToString::to_string) != got.get(i).cloned())
                         .unwrap_or(0);
                     failures.push(format!(
                         "case {:?}: frontends differ from line {first}\n  want:\n    {}\n  got:\n    {}",
@@ -341,6 +345,10 @@ fn run(cases: Vec<Case>) {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "a table of cases for one aspect of the Service, read together"
+)]
 fn ports_protocols_and_ordering() {
     run(vec![
         Case::new(
@@ -377,7 +385,7 @@ fn ports_protocols_and_ordering() {
                 spec(s).ports = Some(vec![
                     port("dns", 53, "UDP", IntOrString::Int(5353)),
                     port("sig", 9, "SCTP", IntOrString::Int(9999)),
-                ])
+                ]);
             }),
             vec![slice(
                 "web-1",
@@ -398,7 +406,7 @@ fn ports_protocols_and_ordering() {
                     80,
                     "TCP",
                     IntOrString::String("web".into()),
-                )])
+                )]);
             }),
             vec![
                 http_slice("web-1", &[ep("10.0.0.1")]),
@@ -440,7 +448,7 @@ fn ports_protocols_and_ordering() {
                 spec(s).ports = Some(vec![
                     port("tcp", 80, "TCP", IntOrString::Int(8080)),
                     port("udp", 80, "UDP", IntOrString::Int(8081)),
-                ])
+                ]);
             }),
             vec![slice(
                 "web-1",
@@ -653,6 +661,10 @@ fn skipped_services() {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "a table of cases for one aspect of the Service, read together"
+)]
 fn endpoint_conditions() {
     run(vec![
         Case::new(
@@ -821,6 +833,10 @@ fn internal_traffic_policy() {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "a table of cases for one aspect of the Service, read together"
+)]
 fn topology_hints() {
     run(vec![
         Case::new(
@@ -1022,6 +1038,10 @@ fn etp_local(s: &mut Service) {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "a table of cases for one aspect of the Service, read together"
+)]
 fn external_frontends() {
     let mixed = || {
         vec![http_slice(
@@ -1133,7 +1153,7 @@ fn external_frontends() {
                     "192.0.2.1".into(),
                     "192.0.2.2".into(),
                     "2001:db8::1".into(),
-                ])
+                ]);
             }),
             vec![http_slice("web-1", &[ep("10.0.0.1")])],
             Gives(&[
@@ -1201,7 +1221,7 @@ fn external_frontends() {
                         ip: Some("203.0.113.7".into()),
                         ..Default::default()
                     }],
-                )
+                );
             }),
             vec![http_slice("web-1", &[ep("10.0.0.1")])],
             Gives(&["ClusterIp 10.96.0.10:80/TCP -> [10.0.0.1:8080] Reject"]),
@@ -1269,6 +1289,10 @@ fn external_frontends() {
 }
 
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "a table of cases for one aspect of the Service, read together"
+)]
 fn invalid_input() {
     let slices = || vec![http_slice("web-1", &[ep("10.0.0.1")])];
     let with_port = |p: ServicePort| move |s: &mut Service| spec(s).ports = Some(vec![p]);
@@ -1339,7 +1363,7 @@ fn invalid_input() {
                 spec(s).ports = Some(vec![
                     port("http", 80, "TCP", IntOrString::Int(8080)),
                     port("http", 81, "TCP", IntOrString::Int(8081)),
-                ])
+                ]);
             }),
             slices(),
             Fails(&["service demo/web", "two ports named \"http\""]),
@@ -1350,7 +1374,7 @@ fn invalid_input() {
                 spec(s).ports = Some(vec![
                     port("", 80, "TCP", IntOrString::Int(8080)),
                     port("", 81, "TCP", IntOrString::Int(8081)),
-                ])
+                ]);
             }),
             slices(),
             Fails(&["service demo/web", "without a name"]),
@@ -1361,7 +1385,7 @@ fn invalid_input() {
                 spec(s).ports = Some(vec![
                     port("a", 80, "TCP", IntOrString::Int(8080)),
                     port("b", 80, "TCP", IntOrString::Int(8081)),
-                ])
+                ]);
             }),
             slices(),
             Fails(&["service demo/web", "two ports are 80/TCP"]),
@@ -1485,7 +1509,7 @@ fn service_port_names() {
         spec(s).ports = Some(vec![
             port("http", 80, "TCP", IntOrString::Int(8080)),
             port("dns", 53, "UDP", IntOrString::Int(5353)),
-        ])
+        ]);
     });
     let got = service_frontends(
         &service,

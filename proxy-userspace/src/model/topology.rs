@@ -3,7 +3,7 @@
 //!
 //! kube-proxy reads only the hints, never `spec.trafficDistribution` or the
 //! topology-mode annotation: the EndpointSlice controller turns those into
-//! hints (PreferClose / PreferSameZone into zone hints, PreferSameNode into
+//! hints (`PreferClose` / `PreferSameZone` into zone hints, `PreferSameNode` into
 //! node hints as well), so hints present means the Service asked for them.
 //! The rule is all-or-nothing: hints are followed only when every ready
 //! endpoint carries them and at least one is for this node (or zone);
@@ -23,7 +23,7 @@ pub(super) enum Mode {
 }
 
 /// How to filter ready endpoints on this node. Node hints win over zone
-/// hints, as in kube-proxy with PreferSameTrafficDistribution on.
+/// hints, as in kube-proxy with `PreferSameTrafficDistribution` on.
 pub(super) fn mode(endpoints: &[Endpoint<'_>], node: &NodeInfo) -> Mode {
     let zone = node.zone.as_deref();
     let mut any_ready = false;

@@ -34,7 +34,7 @@ impl fmt::Display for Protocol {
 /// Which clients a frontend entry applies to (see `proxy_common::scope`).
 ///
 /// The model emits `Internal` entries only for external frontends
-/// (NodePort, ExternalIp, LoadBalancer) of a Service with
+/// (NodePort, `ExternalIp`, LoadBalancer) of a Service with
 /// externalTrafficPolicy Local: in-cluster clients (pods, the node itself)
 /// of those addresses get the Cluster endpoint set, as kube-proxy's EXT
 /// chain sends them to the service chain instead of the local one.
@@ -82,9 +82,9 @@ impl fmt::Display for FrontendKey {
     }
 }
 
-/// kube-proxy's ServicePortName: "namespace/name:port" (no ":port" when the
+/// kube-proxy's `ServicePortName`: "namespace/name:port" (no ":port" when the
 /// port has no name), plus the protocol. Affinity and service ids are per
-/// ServicePort, shared by every frontend of it.
+/// `ServicePort`, shared by every frontend of it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortName {
     pub namespace: String,
@@ -217,18 +217,18 @@ pub struct Cidr {
 }
 
 impl Cidr {
-    /// Parses "a.b.c.d/n" or "v6::/n"; host bits are cleared.
+    /// Parses "a.b.c.d/n" or "`v6::/n`"; host bits are cleared.
     pub fn parse(text: &str) -> Option<Cidr> {
         let (ip, prefix) = text.trim().split_once('/')?;
         let ip: IpAddr = ip.parse().ok()?;
         let prefix: u8 = prefix.parse().ok()?;
         let ip = match ip {
             IpAddr::V4(v4) if prefix <= 32 => {
-                let mask = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
+                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
                 IpAddr::V4((u32::from(v4) & mask).into())
             }
             IpAddr::V6(v6) if prefix <= 128 => {
-                let mask = u128::MAX.checked_shl(128 - prefix as u32).unwrap_or(0);
+                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
                 IpAddr::V6((u128::from(v6) & mask).into())
             }
             _ => return None,
@@ -240,11 +240,15 @@ impl Cidr {
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.ip, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 u32::from(ip) & mask == u32::from(net)
             }
             (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 u128::from(ip) & mask == u128::from(net)
             }
             _ => false,
@@ -255,8 +259,8 @@ impl Cidr {
     /// IPv4-mapped, so its prefix sits 96 bits in).
     pub fn prefix128(&self) -> u32 {
         match self.ip {
-            IpAddr::V4(_) => 96 + self.prefix as u32,
-            IpAddr::V6(_) => self.prefix as u32,
+            IpAddr::V4(_) => 96 + u32::from(self.prefix),
+            IpAddr::V6(_) => u32::from(self.prefix),
         }
     }
 }

@@ -265,7 +265,7 @@ impl Planner {
                     if previous.contains(&fe.key) {
                         now_owned.insert(fe.key);
                     }
-                    outcome.errors.push(e)
+                    outcome.errors.push(e);
                 }
             }
         }
@@ -406,14 +406,15 @@ impl Planner {
             let enc = encode::backend(b);
             let id = match self.backends.get(&enc) {
                 Some(r) => r.id,
-                None => match fresh.iter().find(|(_, f)| *f == enc) {
-                    Some((id, _)) => *id,
-                    None => {
+                None => {
+                    if let Some((id, _)) = fresh.iter().find(|(_, f)| *f == enc) {
+                        *id
+                    } else {
                         let id = self.alloc_backend_id(&fresh);
                         fresh.push((id, enc));
                         id
                     }
-                },
+                }
             };
             ids.push(id);
         }

@@ -76,7 +76,7 @@ fn stored_backends(state: &StoredState, fe: &Frontend) -> Option<Vec<String>> {
 }
 
 fn expected_backends(fe: &Frontend) -> Vec<String> {
-    fe.backends.iter().map(|b| b.host_port()).collect()
+    fe.backends.iter().map(BackendAddr::host_port).collect()
 }
 
 fn sync(p: &mut Planner, s: &mut CheckingStore, name: &str, fes: &[Frontend]) -> usize {
@@ -274,7 +274,7 @@ proptest! {
         (0u8..3, prop::collection::btree_set(10u8..20, 0..6)), 1..40)) {
         let mut p = Planner::new();
         let mut s = CheckingStore::default();
-        let mut current: std::collections::BTreeMap<u8, Frontend> = Default::default();
+        let mut current = std::collections::BTreeMap::<u8, Frontend>::new();
         for (svc, set) in steps {
             let backends: Vec<u8> = set.into_iter().collect();
             let fe = frontend(svc, &backends);

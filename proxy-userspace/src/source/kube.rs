@@ -168,7 +168,7 @@ pub async fn client_measured(
     let host = config
         .cluster_url
         .authority()
-        .map(|a| a.to_string())
+        .map(ToString::to_string)
         .unwrap_or_default();
     let builder = kube::client::ClientBuilder::try_from(config)
         .map_err(|source| KubeSourceError::Client { server, source })?;
@@ -598,7 +598,7 @@ async fn follow<K: Watched>(
         loop {
             let next = tokio::select! {
                 biased;
-                _ = tx.closed() => return,
+                () = tx.closed() => return,
                 next = stream.next() => next,
             };
             let event = match next {
@@ -614,8 +614,8 @@ async fn follow<K: Watched>(
                     if restart {
                         warn!("the API server refused the watch as expired; listing again");
                         tokio::select! {
-                            _ = tx.closed() => return,
-                            _ = tokio::time::sleep(RESTART_DELAY) => break,
+                            () = tx.closed() => return,
+                            () = tokio::time::sleep(RESTART_DELAY) => break,
                         }
                     }
                     continue;
@@ -759,7 +759,7 @@ mod tests {
         );
     }
 
-    /// `depth` arrays around a number: deeper than serde_json's 128-level
+    /// `depth` arrays around a number: deeper than `serde_json`'s 128-level
     /// limit when `depth` is over 127.
     fn nested(depth: usize) -> String {
         format!("{}1{}", "[".repeat(depth), "]".repeat(depth))

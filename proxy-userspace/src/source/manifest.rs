@@ -193,7 +193,7 @@ pub fn parse_manifest(
     // document's generic tree exists at a time (a file of 10,000 Services
     // would otherwise be held whole, as trees, several times its size).
     let mut add = |index: usize, document: Value| {
-        add_document(path, index, document, &mut out, &mut errors);
+        add_document(path, index, &document, &mut out, &mut errors);
     };
     if is_json(path) {
         parse_json_documents(path, text, &mut add)?;
@@ -261,7 +261,7 @@ fn parse_json_documents(
 fn add_document(
     path: &Path,
     index: usize,
-    document: Value,
+    document: &Value,
     out: &mut Manifests,
     errors: &mut Vec<ManifestError>,
 ) {
@@ -270,7 +270,7 @@ fn add_document(
         index,
         reason,
     };
-    let map = match &document {
+    let map = match document {
         // An empty document, e.g. after a trailing `---`.
         Value::Null => return,
         Value::Object(map) => map,
@@ -287,23 +287,20 @@ fn add_document(
     match (api_version, kind) {
         ("v1", "Service") => {
             if let Some(service) =
-                typed::<Service>(path, "Service", &document, errors, |s| &mut s.metadata)
+                typed::<Service>(path, "Service", document, errors, |s| &mut s.metadata)
             {
                 out.services.push(service);
             }
         }
         ("discovery.k8s.io/v1", "EndpointSlice") => {
             if let Some(slice) =
-                typed::<EndpointSlice>(path, "EndpointSlice", &document, errors, |s| {
-                    &mut s.metadata
-                })
+                typed::<EndpointSlice>(path, "EndpointSlice", document, errors, |s| &mut s.metadata)
             {
                 out.endpoint_slices.push(slice);
             }
         }
         ("v1", "Node") => {
-            if let Some(node) = typed::<Node>(path, "Node", &document, errors, |n| &mut n.metadata)
-            {
+            if let Some(node) = typed::<Node>(path, "Node", document, errors, |n| &mut n.metadata) {
                 out.nodes.push(node);
             }
         }
@@ -314,7 +311,7 @@ fn add_document(
             };
             for item in items {
                 // Items are numbered with their List: errors name the document.
-                add_document(path, index, item.clone(), out, errors);
+                add_document(path, index, item, out, errors);
             }
         }
         (api_version, kind) => {
@@ -798,7 +795,7 @@ fn log_errors(errors: &[ManifestError]) {
     for e in errors {
         match e {
             ManifestError::Io { .. } | ManifestError::Parse { .. } => {
-                error!(error = %e, "manifest")
+                error!(error = %e, "manifest");
             }
             _ => warn!(error = %e, "manifest"),
         }
@@ -866,7 +863,7 @@ async fn follow(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), Mani
     rescan.tick().await;
     loop {
         tokio::select! {
-            _ = tx.closed() => return Ok(()),
+            () = tx.closed() => return Ok(()),
             _ = rescan.tick() => {}
             event = event_rx.recv() => {
                 let Some(event) = event else { return Ok(()) };
@@ -882,7 +879,7 @@ async fn follow(path: PathBuf, tx: mpsc::Sender<SourceEvent>) -> Result<(), Mani
         // Reported when it starts and stops, not on every re-scan.
         match (&refresh.root_error, root_failing) {
             (Some(e), false) => {
-                error!(error = %e, "manifests unreadable; keeping the last good objects")
+                error!(error = %e, "manifests unreadable; keeping the last good objects");
             }
             (None, true) => info!("manifests readable again"),
             _ => {}
@@ -1081,7 +1078,7 @@ ports:
     }
 
     fn strings(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| s.to_string()).collect()
+        v.iter().map(ToString::to_string).collect()
     }
 
     fn error_texts(errors: &[ManifestError]) -> Vec<String> {
@@ -1547,7 +1544,11 @@ ports:
         let got: Vec<String> = frontends
             .iter()
             .map(|f| {
-                let backends: Vec<String> = f.backends.iter().map(|b| b.host_port()).collect();
+                let backends: Vec<String> = f
+                    .backends
+                    .iter()
+                    .map(crate::model::BackendAddr::host_port)
+                    .collect();
                 format!("{} -> {}", f.key, backends.join(" "))
             })
             .collect();

@@ -2,7 +2,7 @@
 //! them: fields deleted, replaced by wrong values of their own type (huge
 //! or negative numbers, bad addresses and protocols, unicode) or of another
 //! (nesting included), extra fields. Shared by the manifest decoding test
-//! (decode_fuzz.rs) and the API source's (tests/tests/kube_decode_fuzz.rs).
+//! (`decode_fuzz.rs`) and the API source's (`tests/tests/kube_decode_fuzz.rs`).
 
 use serde_json::{Value, json};
 

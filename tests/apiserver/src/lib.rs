@@ -63,7 +63,7 @@ use tokio::{
 };
 
 /// How long a [`Fault::Stall`] holds a request before giving up with a 504.
-const STALL_LIMIT: Duration = Duration::from_secs(60);
+const STALL_LIMIT: Duration = Duration::from_mins(1);
 /// How often watches are checked for bookmarks and timeouts.
 const TICK: Duration = Duration::from_millis(20);
 /// Changes kept for watches to resume from, by default.
@@ -230,7 +230,9 @@ impl Shared {
     fn store(&self) -> MutexGuard<'_, Store> {
         // A test that panicked while holding the lock already failed; the
         // others may carry on with the data.
-        self.store.lock().unwrap_or_else(|e| e.into_inner())
+        self.store
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -331,16 +333,13 @@ impl ApiServer {
         let rv = store.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
         let key = (resource, namespace, name);
-        let type_ = match store.objects.get(&key) {
-            Some(old) => {
-                object["metadata"]["uid"] = old.object["metadata"]["uid"].clone();
-                "MODIFIED"
-            }
-            None => {
-                store.next_uid += 1;
-                object["metadata"]["uid"] = json!(format!("uid-{}", store.next_uid));
-                "ADDED"
-            }
+        let type_ = if let Some(old) = store.objects.get(&key) {
+            object["metadata"]["uid"] = old.object["metadata"]["uid"].clone();
+            "MODIFIED"
+        } else {
+            store.next_uid += 1;
+            object["metadata"]["uid"] = json!(format!("uid-{}", store.next_uid));
+            "ADDED"
         };
         let json: Arc<str> = object.to_string().into();
         store.record(resource, type_, &object);
@@ -470,12 +469,11 @@ impl ApiServer {
     pub async fn wait_for_watchers(&self, resource: Resource, n: usize, timeout: Duration) {
         let start = Instant::now();
         while self.watchers(resource) < n {
-            if start.elapsed() > timeout {
-                panic!(
-                    "no {n} watch(es) of {resource:?} after {timeout:?}; requests so far:\n{}",
-                    self.request_log()
-                );
-            }
+            assert!(
+                start.elapsed() <= timeout,
+                "no {n} watch(es) of {resource:?} after {timeout:?}; requests so far:\n{}",
+                self.request_log()
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -717,7 +715,7 @@ fn serve(
     match name_selector(query) {
         Err(message) => status_response(400, "BadRequest", &message),
         Ok(name) => match verb {
-            Verb::List => list(shared, resource, name, query),
+            Verb::List => list(shared, resource, name.as_deref(), query),
             Verb::Watch => watch_stream(shared, resource, name, query),
         },
     }
@@ -726,7 +724,7 @@ fn serve(
 fn list(
     shared: &Shared,
     resource: Resource,
-    name: Option<String>,
+    name: Option<&str>,
     query: &HashMap<String, String>,
 ) -> Response {
     let limit = query
@@ -754,7 +752,7 @@ fn list(
                 .objects
                 .range((resource, String::new(), String::new())..)
                 .take_while(|((r, _, _), _)| *r == resource)
-                .filter(|((_, _, n), _)| name.as_deref().is_none_or(|x| x == n))
+                .filter(|((_, _, n), _)| name.is_none_or(|x| x == n))
                 .map(|(_, stored)| Arc::clone(&stored.json))
                 .collect(),
         },
@@ -902,13 +900,10 @@ impl Listener for FlakyListener {
 
     async fn accept(&mut self) -> (Conn, SocketAddr) {
         loop {
-            let (stream, addr) = match self.inner.accept().await {
-                Ok(accepted) => accepted,
-                Err(_) => {
-                    // Out of file descriptors and the like: try again.
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                }
+            let Ok((stream, addr)) = self.inner.accept().await else {
+                // Out of file descriptors and the like: try again.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
             };
             if self.shared.down.load(Ordering::SeqCst) {
                 drop(stream);
@@ -1000,7 +995,7 @@ pub fn serve_in(node: &ebpf_proxy_tests::netns::NetNs) -> (tokio::runtime::Runti
     listener.set_nonblocking(true).expect("non-blocking");
     let server = {
         let _context = runtime.enter();
-        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        let listener = TcpListener::from_std(listener).expect("listener");
         ApiServer::serve(listener)
     };
     (runtime, server)
@@ -1061,14 +1056,14 @@ pub fn node(name: &str, zone: Option<&str>) -> Value {
 
 /// A `tracing` writer into a shared buffer, so that a test can read what the
 /// code under test logged (the errors that name a skipped object, say).
-pub struct LogWriter(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+pub struct LogWriter(pub Arc<Mutex<Vec<u8>>>);
 
-impl std::io::Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+impl io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.0.lock().unwrap().extend_from_slice(buf);
         Ok(buf.len())
     }
-    fn flush(&mut self) -> std::io::Result<()> {
+    fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
 }

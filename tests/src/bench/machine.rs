@@ -22,12 +22,11 @@ impl Machine {
             .map_or("unknown CPU".into(), |(_, v)| v.trim().to_owned());
         let version = |program: &str, arg: &str| {
             run_cmd(Command::new(program).arg(arg))
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_else(|e| format!("{program}: {e:#}"))
+                .map_or_else(|e| format!("{program}: {e:#}"), |s| s.trim().to_owned())
         };
         Machine {
             cpu,
-            cores: thread::available_parallelism().map_or(0, |n| n.get()),
+            cores: thread::available_parallelism().map_or(0, std::num::NonZero::get),
             kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
                 .map_or("unknown".into(), |s| s.trim().to_owned()),
             iptables: version("iptables", "--version"),
@@ -63,7 +62,7 @@ pub fn load_average() -> String {
 /// threads no more than 8.
 pub fn default_threads() -> usize {
     thread::available_parallelism()
-        .map_or(2, |n| n.get())
+        .map_or(2, std::num::NonZero::get)
         .saturating_mul(4)
         .clamp(8, 32)
 }

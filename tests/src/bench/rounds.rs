@@ -146,7 +146,7 @@ pub fn percentile_us(sorted: &[u32], p: f64) -> f64 {
         return f64::NAN;
     }
     let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1] as f64 / 1000.0
+    f64::from(sorted[rank - 1]) / 1000.0
 }
 
 /// Median and quartiles of some ratios.

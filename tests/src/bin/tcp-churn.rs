@@ -4,7 +4,7 @@
 //! Prints `<started> <failed>`: connects that went out, and those the kernel
 //! refused (the first refusal on stderr). A node's churn of short
 //! connections, as the socket hooks see it: one `connect()` each. A socket
-//! closed before its handshake ends holds no port in TIME_WAIT, so any count
+//! closed before its handshake ends holds no port in `TIME_WAIT`, so any count
 //! fits the ephemeral range. The socket hooks' test runs it inside a cgroup,
 //! which a thread of the test process cannot join on its own.
 
@@ -30,7 +30,7 @@ fn main() -> ExitCode {
     };
     let next = AtomicU64::new(0);
     let failed = AtomicU64::new(0);
-    let threads = thread::available_parallelism().map_or(2, |n| n.get());
+    let threads = thread::available_parallelism().map_or(2, std::num::NonZero::get);
     thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {

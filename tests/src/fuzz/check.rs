@@ -17,7 +17,7 @@ pub fn check(
     verdict: u32,
     output: &[u8],
 ) -> Result<Outcome, String> {
-    use verdict::*;
+    use verdict::{TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS, XDP_REDIRECT};
     let (pass, drop, redirect) = match hook {
         Hook::Tc => (TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT),
         Hook::Xdp => (XDP_PASS, XDP_DROP, XDP_REDIRECT),

@@ -95,9 +95,10 @@ pub(super) fn view(f: &[u8]) -> Option<View> {
 pub(super) fn pseudo_sum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, len: usize) -> u32 {
     let mut sum = 0u32;
     for o in [src.octets(), dst.octets()] {
-        sum += u16::from_be_bytes([o[0], o[1]]) as u32 + u16::from_be_bytes([o[2], o[3]]) as u32;
+        sum += u32::from(u16::from_be_bytes([o[0], o[1]]))
+            + u32::from(u16::from_be_bytes([o[2], o[3]]));
     }
-    sum + proto as u32 + len as u32
+    sum + u32::from(proto) + len as u32
 }
 
 /// The IP header's checksum residual: 0 when valid.

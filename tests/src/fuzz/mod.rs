@@ -4,7 +4,7 @@
 //! consistent with the maps and with valid checksums.
 //!
 //! Pure: no BPF here. The test and the bench that feed the frames through
-//! BPF_PROG_TEST_RUN (tests/fuzz_frames.rs, benches/fuzz.rs) describe what
+//! `BPF_PROG_TEST_RUN` (`tests/fuzz_frames.rs`, benches/fuzz.rs) describe what
 //! they programmed as a [`Universe`] and answer conntrack questions through
 //! [`Conntrack`].
 
@@ -104,7 +104,7 @@ impl Universe {
     fn routable(&self, dst: Ipv4Addr) -> bool {
         dst != self.node_ip
             && self.routes.iter().any(|(net, len)| {
-                let mask = u32::MAX.checked_shl(32 - *len as u32).unwrap_or(0);
+                let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
                 let broadcast = *len <= 30 && u32::from(dst) | mask == u32::MAX;
                 u32::from(dst) & mask == u32::from(*net) & mask && !broadcast
             })
@@ -201,7 +201,7 @@ pub enum DropReason {
 /// What a program did to one frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Outcome {
-    /// BPF_PROG_TEST_RUN refused the frame before any program saw it (too
+    /// `BPF_PROG_TEST_RUN` refused the frame before any program saw it (too
     /// short for the hook).
     Refused,
     Untouched,

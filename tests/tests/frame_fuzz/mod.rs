@@ -1,6 +1,6 @@
 //! The datapath's tc and XDP programs on seeded random and mutated frames
-//! through BPF_PROG_TEST_RUN, every output checked against the property of
-//! `ebpf_proxy_tests::fuzz`. Shared by the test (tests/fuzz_frames.rs: a
+//! through `BPF_PROG_TEST_RUN`, every output checked against the property of
+//! `ebpf_proxy_tests::fuzz`. Shared by the test (`tests/fuzz_frames.rs`: a
 //! short run) and the bench (benches/fuzz.rs: a million frames and more).
 //!
 //! The programs run in a network namespace of their own holding the node's
@@ -148,7 +148,7 @@ fn unique_root() -> PathBuf {
     ))
 }
 
-fn mac_text(mac: &[u8; 6]) -> String {
+fn mac_text(mac: [u8; 6]) -> String {
     mac.iter()
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
@@ -269,7 +269,7 @@ pub fn fixture() -> Fixture {
     let mut datapath = Datapath::load(pins.clone())
         .unwrap_or_else(|e| panic!("loading the datapath under {pins:?}: {e}"));
     let ns = NetNs::create(&format!("{}-fuzz", unique_stem())).expect("namespace for the FIB");
-    let up = mac_text(&UPLINK_MAC);
+    let up = mac_text(UPLINK_MAC);
     for args in [
         vec![
             "link", "add", "up0", "address", &up, "type", "veth", "peer", "name", "up0p",
@@ -295,7 +295,7 @@ pub fn fixture() -> Fixture {
             "add",
             &ip.to_string(),
             "lladdr",
-            &mac_text(&mac),
+            &mac_text(mac),
             "dev",
             "up0",
             "nud",
@@ -424,7 +424,7 @@ impl Conntrack for Table<'_> {
 
 impl Fixture {
     /// `hook`'s verdict and output on `input`, run in the node's namespace
-    /// (the caller's thread must be in it); an error when BPF_PROG_TEST_RUN
+    /// (the caller's thread must be in it); an error when `BPF_PROG_TEST_RUN`
     /// refuses the frame.
     fn run(&self, hook: Hook, input: &[u8]) -> Result<(u32, Vec<u8>), String> {
         let mut out = vec![0u8; input.len() + 256];
@@ -704,7 +704,7 @@ impl Run {
             (BACKENDS[0], HAIRPIN_VIP, 80),
         ] {
             for flags in 0..=255u8 {
-                let sport = 50000 + flags as u16;
+                let sport = 50000 + u16::from(flags);
                 let packet = |src, sport, dst, dport, flags| {
                     fuzz::Packet {
                         src,

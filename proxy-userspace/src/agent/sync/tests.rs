@@ -80,7 +80,7 @@ impl SyncTarget for TestTarget {
 }
 
 const NODE: &str = "node-a";
-const TIMEOUT: Duration = Duration::from_secs(60);
+const TIMEOUT: Duration = Duration::from_mins(1);
 
 /// The loop and what it drives, on a clock of its own.
 struct Agent {
@@ -276,7 +276,7 @@ fn a_failed_write_stays_pending_and_lands_on_the_loops_own_timer() {
         "api",
         &plain(&["10.0.0.3"]),
     )));
-    agent.advance(TIMEOUT - Duration::from_millis(1));
+    agent.advance(TIMEOUT.saturating_sub(Duration::from_millis(1)));
     let retries: Vec<Duration> = agent
         .runs
         .iter()
@@ -340,7 +340,7 @@ fn a_failed_write_stays_pending_and_lands_on_the_loops_own_timer() {
         "no failure counted after the failure cleared"
     );
     let runs = agent.runs.len();
-    agent.advance(Duration::from_secs(600));
+    agent.advance(Duration::from_mins(10));
     assert_eq!(
         agent.runs.len(),
         runs,
@@ -473,7 +473,7 @@ fn without_a_node_listing_the_first_sync_waits_a_bounded_time() {
     let [services, slices, _] = cluster();
     agent.event(services);
     agent.event(slices);
-    agent.advance(NODE_LISTING_WAIT - Duration::from_millis(1));
+    agent.advance(NODE_LISTING_WAIT.saturating_sub(Duration::from_millis(1)));
     assert!(agent.runs.is_empty(), "waiting for the Node listing");
     assert!(!agent.healthy());
     agent.advance(Duration::from_millis(1));
@@ -500,7 +500,7 @@ fn state_with(objects: Vec<Object>) -> ClusterState {
     state
 }
 
-fn object_service(name: &str, spec: Value) -> Object {
+fn object_service(name: &str, spec: &Value) -> Object {
     Object::Service(Box::new(decode::<Service>(json!({
         "metadata": {"name": name, "namespace": "demo"},
         "spec": spec,
@@ -629,7 +629,7 @@ fn each_sctp_frontend_is_reported_once() {
             .collect();
         object_service(
             name,
-            json!({"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ports": ports}),
+            &json!({"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ports": ports}),
         )
     };
     let model = ModelConfig::default();
@@ -657,7 +657,7 @@ fn health_checks_are_handed_on_when_they_change() {
     let load_balancer = |node_port: u32| {
         object_service(
             "lb",
-            json!({
+            &json!({
                 "type": "LoadBalancer", "clusterIP": "10.96.0.40", "clusterIPs": ["10.96.0.40"],
                 "externalTrafficPolicy": "Local", "healthCheckNodePort": node_port,
                 "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": 30080}],
@@ -820,7 +820,7 @@ fn the_first_sync_waits_for_the_listings() {
         Gate::At(start + NODE_LISTING_WAIT),
         "the Node is waited for"
     );
-    assert!(!gate.open_at(start + NODE_LISTING_WAIT - Duration::from_millis(1)));
+    assert!(!gate.open_at(start + NODE_LISTING_WAIT.saturating_sub(Duration::from_millis(1))));
     assert!(gate.open_at(start + NODE_LISTING_WAIT));
     assert!(first.listed(Kind::Node));
     assert_eq!(first.gate(), Gate::Open, "every listing in");

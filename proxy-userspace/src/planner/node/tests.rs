@@ -31,8 +31,7 @@ impl MapStore for CheckingStore {
         for key in self.keep.addrs.keys() {
             assert!(
                 self.state.node.addrs.contains_key(key),
-                "after `{op}` node address {:?} is missing, though both the old and the new state have it",
-                key
+                "after `{op}` node address {key:?} is missing, though both the old and the new state have it"
             );
         }
         for entry in &self.keep.cluster_cidrs {

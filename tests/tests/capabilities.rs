@@ -7,7 +7,7 @@
 
 mod daemonset;
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::net::Ipv4Addr;
 
 use caps::{CapSet, Capability};
 
@@ -29,7 +29,7 @@ use proxy_userspace::{
 };
 
 const BACKEND: (&str, Ipv4Addr) = BACKENDS[0];
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 
 /// setpriv's spelling of a manifest's capability (`NET_ADMIN` -> `net_admin`).
 fn setpriv_name(cap: &str) -> String {

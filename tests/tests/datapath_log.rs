@@ -31,7 +31,7 @@ const BACKEND: (&str, Ipv4Addr) = ebpf_proxy_tests::topology::one_node::BACKENDS
 const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 30);
 /// `test/lb`'s load-balancer IP; its source ranges leave the client out.
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 70, 10);
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 /// A dropped connection attempt is given this long to (wrongly) succeed.
 const DROP_WAIT: Duration = Duration::from_millis(700);
 /// How long a record may take from the datapath to the agent's output.

@@ -3,10 +3,7 @@
 //! nodes, pods and outside clients, and kube-proxy's iptables rules spread connections
 //! evenly. When these fail, the sandbox is broken, not ebpf-proxy.
 
-use std::{
-    net::{Ipv4Addr, SocketAddrV4},
-    time::Duration,
-};
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use ebpf_proxy_tests::{
     Protocol,
@@ -21,7 +18,7 @@ use ebpf_proxy_tests::{
     topology::one_node::{BACKENDS, CLIENT},
 };
 
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 
 fn sandbox() -> Sandbox {
     require_root().expect("privileged test");

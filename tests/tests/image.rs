@@ -42,7 +42,7 @@ use k8s_openapi::api::{
 
 /// Two of the one-node world's backends.
 const BACKENDS: [(&str, Ipv4Addr); 2] = [one_node::BACKENDS[0], one_node::BACKENDS[1]];
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 const CONNECTIONS: usize = 40;
 /// Where the DaemonSet mounts the host's bpffs, and the host's cgroup root.
 const BPFFS_HOST_PATH: &str = "/sys/fs/bpf";

@@ -43,9 +43,8 @@ use proxy_userspace::{
 };
 use serde_json::json;
 
+use ebpf_proxy_tests::client::TIMEOUT;
 use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP};
-/// Per request.
-const TIMEOUT: Duration = Duration::from_secs(2);
 /// How long an API change may take to show in the traffic. The agent's own path is
 /// milliseconds; this is slack for a loaded machine.
 const CONVERGE: Duration = Duration::from_secs(5);

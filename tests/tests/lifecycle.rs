@@ -33,8 +33,7 @@ use ebpf_proxy_tests::topology::one_node::{
 const IPT_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 /// The source address the datapath gives hairpin flows (`proxy_common::HAIRPIN_ADDR`).
 const HAIRPIN_SRC: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
-/// Per request; generous, as a loaded CI machine runs several tests at once.
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 /// How long the agent may take to apply a manifest change: within one second,
 /// which clusterip.rs holds it to. Checks that must only see the new state wait this
 /// long after a write instead of guessing when the change landed.

@@ -33,7 +33,7 @@ use serde_json::json;
 use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP};
 /// Not kube-proxy's default port, so the test shows the flag is honoured.
 const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10349);
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 const CONVERGE: Duration = Duration::from_secs(10);
 
 /// One scrape: every sample by its series (`name{labels}` as exposed).

@@ -31,7 +31,7 @@ const UDP_NODE_PORT: u16 = 30053;
 const HEALTH_PORT: u16 = 32100;
 const LB_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 10);
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 20);
-const TIMEOUT: Duration = Duration::from_secs(2);
+use ebpf_proxy_tests::client::TIMEOUT;
 /// A dropped connection attempt is given this long to (wrongly) succeed.
 const DROP_WAIT: Duration = Duration::from_millis(700);
 

@@ -14,7 +14,7 @@ use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::{AsFd, AsRawFd, OwnedFd},
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError, Weak},
 };
 
 use axum::{
@@ -29,7 +29,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{healthz::Health, model::HealthCheck};
+use crate::{agent::sync::backoff, healthz::Health, model::HealthCheck};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthCheckError {
@@ -56,14 +56,34 @@ enum BindAddr {
 
 /// The health check node port server. The agent calls [`update`] after every
 /// sync; listeners live until their port leaves the list or the server is
-/// dropped.
+/// dropped. A port that fails to open is retried with backoff until it
+/// opens or leaves the list: the load balancer would otherwise take the
+/// node for one without endpoints until the list next changes, which may
+/// be never.
 ///
 /// [`update`]: HealthCheckServer::update
 pub struct HealthCheckServer {
+    inner: Arc<Inner>,
+}
+
+/// What the server and its retries share; the retries hold it weakly, so
+/// that dropping the server closes its ports.
+struct Inner {
     bind: Vec<BindAddr>,
     health: Health,
-    /// By node port. A tokio mutex: updates await listeners being closed.
-    ports: tokio::sync::Mutex<BTreeMap<u16, PortServer>>,
+    /// A tokio mutex: updates await listeners being closed.
+    ports: tokio::sync::Mutex<Ports>,
+}
+
+#[derive(Default)]
+struct Ports {
+    /// The listening ports.
+    open: BTreeMap<u16, PortServer>,
+    /// The wanted ports that failed to open.
+    failed: BTreeMap<u16, HealthCheck>,
+    /// A task retries `failed`; it clears this, under the lock, when it
+    /// ends.
+    retrying: bool,
 }
 
 /// What one port answers; shared with its handler so that a new count
@@ -144,9 +164,11 @@ impl HealthCheckServer {
             bind = vec![BindAddr::Any];
         }
         Self {
-            bind,
-            health,
-            ports: tokio::sync::Mutex::new(BTreeMap::new()),
+            inner: Arc::new(Inner {
+                bind,
+                health,
+                ports: tokio::sync::Mutex::new(Ports::default()),
+            }),
         }
     }
 
@@ -154,12 +176,14 @@ impl HealthCheckServer {
     /// closes ports no longer listed (they refuse connections once this
     /// returns), and updates the others in place.
     ///
-    /// A port that cannot be opened is logged and tried again on the next
-    /// update, as kube-proxy does; the other ports are unaffected. When two
-    /// checks name the same port, the Service already holding it keeps it
-    /// (else the first listed), as kube-proxy's second bind would fail.
+    /// A port that cannot be opened is logged and tried again with backoff
+    /// (and on every update) until it opens; the other ports are
+    /// unaffected. When two checks name the same port, the Service already
+    /// holding it keeps it (else the first listed), as kube-proxy's second
+    /// bind would fail.
     pub async fn update(&self, checks: Vec<HealthCheck>) {
-        let mut ports = self.ports.lock().await;
+        let mut guard = self.inner.ports.lock().await;
+        let ports = &mut *guard;
 
         let mut wanted: BTreeMap<u16, HealthCheck> = BTreeMap::new();
         for check in checks {
@@ -168,7 +192,7 @@ impl HealthCheckServer {
                     entry.insert(check);
                 }
                 Entry::Occupied(mut entry) => {
-                    let holder = ports.get(&check.node_port);
+                    let holder = ports.open.get(&check.node_port);
                     let mut loser = check;
                     if holder.is_some_and(|p| p.serves(&loser) && !p.serves(entry.get())) {
                         loser = entry.insert(loser);
@@ -186,45 +210,84 @@ impl HealthCheckServer {
         }
 
         let stale: Vec<u16> = ports
+            .open
             .keys()
             .filter(|port| !wanted.contains_key(port))
             .copied()
             .collect();
         for port in stale {
-            if let Some(server) = ports.remove(&port) {
+            if let Some(server) = ports.open.remove(&port) {
                 tracing::info!(port, "closing health check node port");
                 server.stop().await;
             }
         }
 
+        ports.failed.clear();
         for (port, check) in wanted {
-            if let Some(server) = ports.get(&port) {
+            if let Some(server) = ports.open.get(&port) {
                 let mut served = lock(&server.served);
                 served.namespace = check.namespace;
                 served.name = check.name;
                 served.local_endpoints = check.local_endpoints;
                 continue;
             }
-            match self.start(check) {
-                Ok(server) => {
-                    ports.insert(port, server);
-                }
-                Err(err) => {
-                    let HealthCheckError::Bind { service, .. } = &err;
-                    tracing::warn!(
-                        service = %service,
-                        port,
-                        error = %err,
-                        "could not open health check node port; retrying on the next sync"
-                    );
-                }
-            }
+            self.inner.open(ports, check, 0);
+        }
+        if !ports.failed.is_empty() && !ports.retrying {
+            ports.retrying = true;
+            tokio::spawn(retry(Arc::downgrade(&self.inner)));
         }
     }
 
     /// The node ports currently listening, ascending.
     pub async fn ports(&self) -> Vec<u16> {
-        self.ports.lock().await.keys().copied().collect()
+        self.inner.ports.lock().await.open.keys().copied().collect()
+    }
+}
+
+/// Tries the ports that failed to open again, with backoff, until each has
+/// opened or left the list, or the server is gone.
+async fn retry(inner: Weak<Inner>) {
+    for attempt in 1.. {
+        tokio::time::sleep(backoff(attempt)).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let mut ports = inner.ports.lock().await;
+        for (_, check) in std::mem::take(&mut ports.failed) {
+            inner.open(&mut ports, check, attempt);
+        }
+        if ports.failed.is_empty() {
+            ports.retrying = false;
+            return;
+        }
+    }
+}
+
+impl Inner {
+    /// Opens `check`'s port, or files it among the failed ones, after
+    /// `retries` retries.
+    fn open(&self, ports: &mut Ports, check: HealthCheck, retries: u32) {
+        let port = check.node_port;
+        match self.start(check.clone()) {
+            Ok(server) => {
+                if retries > 0 {
+                    tracing::info!(port, retries, "health check node port opened on a retry");
+                }
+                ports.open.insert(port, server);
+            }
+            Err(err) => {
+                let HealthCheckError::Bind { service, .. } = &err;
+                tracing::warn!(
+                    service = %service,
+                    port,
+                    error = %err,
+                    retries,
+                    "could not open health check node port; retrying with backoff"
+                );
+                ports.failed.insert(port, check);
+            }
+        }
     }
 
     /// Binds every address of the port, or none: kube-proxy too gives up on
@@ -580,6 +643,63 @@ mod tests {
         assert_eq!(get(busy, "/").await.body, expected_body("busy", 1, true));
     }
 
+    /// Waits until `port` answers; panics with `what` after `within`.
+    async fn answers_within(port: u16, within: std::time::Duration, what: &str) -> Response {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Ok(mut conn) = connect(port).await {
+                return request(&mut conn, "/").await;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: port {port} did not answer within {within:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// No update comes after the failure: the server's own retries open the
+    /// port once it is free, and stop for a port no longer listed.
+    #[tokio::test]
+    async fn a_port_that_failed_to_open_is_retried_until_it_opens() {
+        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let taken = listener_below_ephemeral_range();
+        let busy = taken.local_addr().expect("local addr").port();
+        server.update(vec![check("busy", busy, 1)]).await;
+        assert_eq!(
+            server.ports().await,
+            Vec::<u16>::new(),
+            "port {busy} is taken"
+        );
+        // A few retries fail while the port is still taken.
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        assert_eq!(
+            server.ports().await,
+            Vec::<u16>::new(),
+            "port {busy} is taken"
+        );
+
+        drop(taken);
+        let response = answers_within(busy, std::time::Duration::from_secs(10), "once freed").await;
+        assert_eq!(response.body, expected_body("busy", 1, true));
+        assert_eq!(server.ports().await, vec![busy]);
+
+        let taken = listener_below_ephemeral_range();
+        let unlisted = taken.local_addr().expect("local addr").port();
+        server
+            .update(vec![check("busy", busy, 1), check("gone", unlisted, 1)])
+            .await;
+        server.update(vec![check("busy", busy, 1)]).await;
+        drop(taken);
+        // Past several retries of a port still wanted (100 ms, then doubling).
+        tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+        assert_eq!(
+            server.ports().await,
+            vec![busy],
+            "a port that left the list before it could open stays closed"
+        );
+    }
+
     #[tokio::test]
     async fn a_shared_port_stays_with_its_holder() {
         let server = HealthCheckServer::new(vec![LOCALHOST], synced());
@@ -613,7 +733,7 @@ mod tests {
         let server = HealthCheckServer::new(Vec::new(), synced());
         let port = free_port();
         server.update(vec![check("web", port, 1)]).await;
-        let copy = server.ports.lock().await[&port].listening[0]
+        let copy = server.inner.ports.lock().await.open[&port].listening[0]
             .try_clone()
             .expect("a copy of the listening socket, as a fork would hold");
         server.update(Vec::new()).await;

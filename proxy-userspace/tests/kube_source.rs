@@ -9,13 +9,9 @@
 
 use ebpf_proxy_apiserver as apiserver;
 
-use std::{
-    collections::VecDeque,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{collections::VecDeque, time::Duration};
 
-use apiserver::{ApiServer, Fault, Resource, Verb, node, service, slice};
+use apiserver::{ApiServer, Fault, Logs, Resource, Verb, node, service, slice};
 use k8s_openapi::api::core::v1::Service;
 use proxy_userspace::{
     model::{ModelConfig, Slice},
@@ -36,29 +32,6 @@ const PROMPT: Duration = Duration::from_secs(5);
 /// How long recovery may take: a few rounds of kube-rs's backoff (0.8 s,
 /// 1.6 s, 3.2 s, each up to twice that with jitter) plus timeouts.
 const RECOVERY: Duration = Duration::from_secs(20);
-
-/// What the source logged, for assertions and failure messages.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-
-    /// Waits until the log holds `needle`; panics after `within`.
-    async fn wait_for(&self, needle: &str, within: Duration) {
-        let deadline = Instant::now() + within;
-        while !self.text().contains(needle) {
-            assert!(
-                Instant::now() <= deadline,
-                "the source did not log {needle:?} within {within:?}; its log:\n{}",
-                self.text()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-}
 
 /// `source::kube::watch` running against a fake server, and what it sent.
 struct Source {
@@ -81,15 +54,9 @@ impl Source {
         config.reset_reader_on_write = true;
         let client = kube::Client::try_from(config).expect("a kube client");
         let logs = Logs::default();
-        let sink = Arc::clone(&logs.0);
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || apiserver::LogWriter(Arc::clone(&sink)))
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .finish();
         let (tx, rx) = mpsc::channel(1024);
         let task = tokio::spawn(
-            kube_source::watch(client, NODE.to_owned(), tx).with_subscriber(subscriber),
+            kube_source::watch(client, NODE.to_owned(), tx).with_subscriber(logs.subscriber()),
         );
         Source {
             rx: Some(rx),

@@ -139,6 +139,20 @@ pub fn tcp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
     }
 }
 
+/// [`tcp_request_here`], the client speaking first as most protocols do: it sends a
+/// line (which the backend answers after its greeting) before it reads the greeting.
+/// Its data segment also completes a handshake whose last ACK was lost at a backend
+/// that answered with a SYN cookie; a client that waits for the greeting waits for a
+/// retransmission such a backend never sends.
+pub fn tcp_request_speaking_first_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    let stream = TcpStream::connect_timeout(&addr.into(), timeout)
+        .and_then(|mut stream| stream.write_all(b"hello\n").map(|()| stream));
+    match stream {
+        Ok(stream) => read_greeting(stream, timeout),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
 /// [`tcp_request_here`] from a fixed local port. The socket has `SO_REUSEADDR`, so a
 /// port whose previous connection (also made here) waits in `TIME_WAIT` can be used
 /// again towards another destination, as the kernel itself may do.
@@ -286,6 +300,12 @@ pub fn udp_sized_request(
 /// [`tcp_request_here`] from inside `ns`.
 pub fn tcp_request<A: Peer>(ns: &NetNs, addr: A, timeout: Duration) -> Outcome<A> {
     ns.run(|| tcp_request_here(addr, timeout))
+        .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
+}
+
+/// [`tcp_request_speaking_first_here`] from inside `ns`.
+pub fn tcp_request_speaking_first(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+    ns.run(|| tcp_request_speaking_first_here(addr, timeout))
         .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
 }
 

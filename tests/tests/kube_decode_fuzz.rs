@@ -13,12 +13,9 @@ use ebpf_proxy_apiserver as apiserver;
 #[path = "../../proxy-userspace/tests/object_mutation/mod.rs"]
 mod object_mutation;
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::time::Duration;
 
-use apiserver::ApiServer;
+use apiserver::{ApiServer, Logs};
 use ebpf_proxy_tests::fuzz::Rng;
 use proxy_userspace::{
     model::{self, ModelConfig, ModelError, NodeInfo},
@@ -32,15 +29,6 @@ const NODE: &str = "node-a";
 const PROMPT: Duration = Duration::from_secs(10);
 /// Objects of each kind served.
 const OBJECTS: usize = 150;
-
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
 
 /// `template` mutated one to four times, with the name, namespace and kind
 /// the fake server files it under.
@@ -103,15 +91,10 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
         .await
         .expect("a kube client");
     let logs = Logs::default();
-    let sink = Arc::clone(&logs.0);
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || apiserver::LogWriter(Arc::clone(&sink)))
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
     let (tx, mut rx) = mpsc::channel(4096);
-    let task =
-        tokio::spawn(kube_source::watch(client, NODE.to_owned(), tx).with_subscriber(subscriber));
+    let task = tokio::spawn(
+        kube_source::watch(client, NODE.to_owned(), tx).with_subscriber(logs.subscriber()),
+    );
     for _ in 0..3 {
         tokio::time::timeout(PROMPT, rx.recv())
             .await

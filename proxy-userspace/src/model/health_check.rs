@@ -113,50 +113,33 @@ mod tests {
     use std::collections::BTreeMap;
 
     use k8s_openapi::{
-        api::{
-            core::v1::{ServicePort, ServiceSpec},
-            discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
-        },
-        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
     };
 
     use super::*;
-    use crate::model::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
+    use crate::model::{
+        LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME,
+        tests::{self as model_tests, spec},
+    };
 
     const NODE: &str = "node-a";
 
-    /// demo/web: LoadBalancer, ETP Local, healthCheckNodePort 32000, ports
-    /// "http" 80 and "https" 443; then `edit`.
+    /// The model tests' demo/web made a LoadBalancer with ETP Local,
+    /// healthCheckNodePort 32000 and ports "http" 80 and "https" 443; then
+    /// `edit`.
     fn svc(edit: impl FnOnce(&mut Service)) -> Service {
-        let port = |name: &str, number: i32| ServicePort {
-            name: Some(name.into()),
-            port: number,
-            protocol: Some("TCP".into()),
-            ..Default::default()
-        };
-        let mut service = Service {
-            metadata: ObjectMeta {
-                namespace: Some("demo".into()),
-                name: Some("web".into()),
-                ..Default::default()
-            },
-            spec: Some(ServiceSpec {
-                type_: Some("LoadBalancer".into()),
-                cluster_ip: Some("10.96.0.10".into()),
-                cluster_ips: Some(vec!["10.96.0.10".into()]),
-                ports: Some(vec![port("http", 80), port("https", 443)]),
-                external_traffic_policy: Some("Local".into()),
-                health_check_node_port: Some(32000),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        edit(&mut service);
-        service
-    }
-
-    fn spec(service: &mut Service) -> &mut ServiceSpec {
-        service.spec.as_mut().expect("test services have a spec")
+        model_tests::svc(|service| {
+            let spec = spec(service);
+            spec.type_ = Some("LoadBalancer".into());
+            spec.ports = Some(vec![
+                model_tests::port("http", 80, "TCP", IntOrString::Int(8080)),
+                model_tests::port("https", 443, "TCP", IntOrString::Int(8443)),
+            ]);
+            spec.external_traffic_policy = Some("Local".into());
+            spec.health_check_node_port = Some(32000);
+            edit(service);
+        })
     }
 
     /// An endpoint: IP, node, (ready, serving, terminating) as published;

@@ -37,7 +37,7 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
     )
 }
 
-fn port(name: &str, number: i32, protocol: &str, target: IntOrString) -> ServicePort {
+pub(super) fn port(name: &str, number: i32, protocol: &str, target: IntOrString) -> ServicePort {
     ServicePort {
         name: (!name.is_empty()).then(|| name.to_owned()),
         port: number,
@@ -48,7 +48,8 @@ fn port(name: &str, number: i32, protocol: &str, target: IntOrString) -> Service
 }
 
 /// demo/web: ClusterIP 10.96.0.10, port "http" 80/TCP → 8080, then `edit`.
-fn svc(edit: impl FnOnce(&mut Service)) -> Service {
+/// The other model tests start from it too.
+pub(super) fn svc(edit: impl FnOnce(&mut Service)) -> Service {
     let mut service = Service {
         metadata: ObjectMeta {
             namespace: Some("demo".into()),
@@ -68,7 +69,7 @@ fn svc(edit: impl FnOnce(&mut Service)) -> Service {
     service
 }
 
-fn spec(service: &mut Service) -> &mut ServiceSpec {
+pub(super) fn spec(service: &mut Service) -> &mut ServiceSpec {
     service.spec.as_mut().expect("test services have a spec")
 }
 

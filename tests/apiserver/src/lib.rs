@@ -33,6 +33,10 @@
 //! validated beyond `kind` and `metadata.name`, so malformed objects go out
 //! as they are.
 
+mod logs;
+
+pub use logs::Logs;
+
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
     io,
@@ -1052,18 +1056,4 @@ pub fn node(name: &str, zone: Option<&str>) -> Value {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": labels},
     })
-}
-
-/// A `tracing` writer into a shared buffer, so that a test can read what the
-/// code under test logged (the errors that name a skipped object, say).
-pub struct LogWriter(pub Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for LogWriter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }

@@ -25,7 +25,7 @@ use std::path::Path;
 pub use attach::{AttachError, XdpModeSetting};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{CgroupSockAddr, SchedClassifier, Xdp},
+    programs::{CgroupSockAddr, LinkOrder, SchedClassifier, Xdp},
 };
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
@@ -88,8 +88,10 @@ fn load_object(
     }
     loader.map_max_entries(map_names::CONNTRACK, conntrack_entries);
     loader.map_max_entries(map_names::CT_NEW, MAX_CT_NEW);
+    loader.map_max_entries(map_names::CONNTRACK6, conntrack_entries);
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
+    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
     for (name, _) in SOCKET_HOOKS {
@@ -285,6 +287,21 @@ impl Datapath {
         Ok(())
     }
 
+    /// The loaded IPv6 tc program, for `BPF_PROG_TEST_RUN` in tests.
+    pub fn tc6_program(&self) -> &SchedClassifier {
+        self.ebpf
+            .program(program_names::TC_INGRESS6)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc6 program is loaded in Datapath::load")
+    }
+
+    fn tc6_program_mut(&mut self) -> &mut SchedClassifier {
+        self.ebpf
+            .program_mut(program_names::TC_INGRESS6)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc6 program is loaded in Datapath::load")
+    }
+
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
         self.ebpf
             .program_mut(program_names::TC_INGRESS)
@@ -309,7 +326,21 @@ impl Datapath {
             return Ok(());
         }
         let path = self.pins.tc_ingress_link(ifname);
-        let attachment = attach::attach_tc_ingress(self.tc_program_mut(), ifname, ifindex, &path)?;
+        let attachment = attach::attach_tc_ingress(
+            self.tc_program_mut(),
+            ifname,
+            ifindex,
+            &path,
+            LinkOrder::default(),
+        )?;
+        // After tc_ingress, which hands it what is not IPv4.
+        let after =
+            LinkOrder::after_program(self.tc_program()).map_err(|source| AttachError::Attach {
+                ifname: ifname.to_string(),
+                source,
+            })?;
+        let path6 = self.pins.tc_ingress6_link(ifname);
+        attach::attach_tc_ingress(self.tc6_program_mut(), ifname, ifindex, &path6, after)?;
         self.attached.insert(ifname.to_string(), attachment);
         Ok(())
     }
@@ -319,6 +350,7 @@ impl Datapath {
     pub fn forget(&mut self, ifname: &str) {
         self.attached.remove(ifname);
         let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
+        let _ = std::fs::remove_file(self.pins.tc_ingress6_link(ifname));
         self.forget_xdp(ifname);
     }
 

@@ -247,6 +247,21 @@ fn ipv6_udp_reaches_backends_with_client_address() {
         "90 datagrams should reach all three backends, got {:?}",
         tally.counts
     );
+    // Each datagram came from a socket of its own: a flow, two entries, each.
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let fill = status
+        .lines()
+        .find(|l| l.starts_with("map fill CONNTRACK6: "))
+        .unwrap_or_else(|| panic!("status shows no CONNTRACK6 fill:\n{status}"));
+    let entries: u64 = fill["map fill CONNTRACK6: ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable fill line {fill:?}"));
+    assert!(
+        entries >= 2 * 90,
+        "{fill}: fewer entries than the 90 flows make"
+    );
 }
 
 /// An IPv6 Service without endpoints is refused at once: TCP connect gets

@@ -14,6 +14,7 @@ use ebpf_proxy_tests::frames::{
 };
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
+    housekeeping::conntrack,
     model::{BackendAddr, Frontend, NoEndpointAction, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,
@@ -38,6 +39,7 @@ const BACKENDS: [Ipv6Addr; 3] = [
 struct Fixture {
     datapath: Datapath,
     pins: PinLayout,
+    planner: Planner,
 }
 
 impl Drop for Fixture {
@@ -64,7 +66,8 @@ fn frontend(
     }
 }
 
-fn fixture() -> Fixture {
+/// A pin directory of its own for one test.
+fn unique_pins() -> PinLayout {
     static N: AtomicU32 = AtomicU32::new(0);
     if !proxy_userspace::datapath::pins::is_bpffs(std::path::Path::new("/sys/fs/bpf")) {
         let status = std::process::Command::new("mount")
@@ -73,15 +76,18 @@ fn fixture() -> Fixture {
             .expect("running mount");
         assert!(status.success(), "mounting bpffs on /sys/fs/bpf failed");
     }
-    let root = format!(
+    PinLayout::new(format!(
         "/sys/fs/bpf/ebpf-proxy-trun6-{}-{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
-    );
-    let pins = PinLayout::new(&root);
-    let datapath = Datapath::load(pins.clone())
-        .unwrap_or_else(|e| panic!("loading the datapath under {root}: {e}"));
-    let mut fx = Fixture { datapath, pins };
+    ))
+}
+
+/// A datapath loaded on `pins` with conntrack maps of `entries`, the test's
+/// IPv6 Services programmed.
+fn load_programmed(pins: &PinLayout, entries: u32) -> (Datapath, Planner) {
+    let mut datapath = Datapath::load_sized(pins.clone(), entries)
+        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
     let mut planner = Planner::new();
     let services = [
         frontend(VIP, 80, Protocol::Tcp, 8080, &BACKENDS),
@@ -94,7 +100,7 @@ fn fixture() -> Fixture {
             namespace: "test".into(),
             name: format!("svc{i}"),
         };
-        let out = planner.sync_service(&owner, std::slice::from_ref(fe), &mut fx.datapath.maps);
+        let out = planner.sync_service(&owner, std::slice::from_ref(fe), &mut datapath.maps);
         assert!(
             out.errors.is_empty(),
             "programming {}: {:?}",
@@ -102,7 +108,17 @@ fn fixture() -> Fixture {
             out.errors
         );
     }
-    fx
+    (datapath, planner)
+}
+
+fn fixture() -> Fixture {
+    let pins = unique_pins();
+    let (datapath, planner) = load_programmed(&pins, proxy_common::MAX_CONNTRACK);
+    Fixture {
+        datapath,
+        pins,
+        planner,
+    }
 }
 
 /// `program` on one frame: its verdict and the frame it left.
@@ -407,4 +423,136 @@ fn tc_ingress_hands_ipv6_on_to_the_next_program() {
     let (ret, out) = run_on(fx.datapath.tc_program(), &syn);
     assert_eq!(ret, TCX_NEXT, "tc_ingress's verdict on IPv6");
     assert_eq!(out, syn, "tc_ingress modified an IPv6 packet");
+}
+
+/// `--conntrack-max` sizes `CONNTRACK6` as it sizes `CONNTRACK`: a pinned map
+/// of another size is replaced at load, its IPv6 flows carried over, and the
+/// new programs go on translating the carried flow.
+#[test]
+fn a_conntrack6_map_of_another_size_is_replaced_with_its_flows() {
+    struct Unpin(PinLayout);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = proxy_userspace::datapath::cleanup(&self.0);
+        }
+    }
+    let pins = unique_pins();
+    let _unpin = Unpin(pins.clone());
+    let capacity = || {
+        aya::maps::MapInfo::from_pin(pins.map("CONNTRACK6"))
+            .expect("CONNTRACK6 pin")
+            .max_entries()
+    };
+    let (first, _) = load_programmed(&pins, 8192);
+    assert_eq!(capacity(), 8192, "CONNTRACK6 not sized as asked");
+    let (_, out) = run_on(first.tc6_program(), &udp(CLIENT, 45000, VIP, 53));
+    let backend = parse_checked6(&out, "first datagram").dst;
+    drop(first);
+
+    let mut resized = Datapath::load_sized(pins.clone(), 16384)
+        .unwrap_or_else(|e| panic!("loading with 16384 conntrack entries: {e}"));
+    assert_eq!(capacity(), 16384, "CONNTRACK6 was not replaced");
+    let flows = resized
+        .maps
+        .conntrack6
+        .as_ref()
+        .expect("CONNTRACK6 is loaded")
+        .iter()
+        .count();
+    assert_eq!(flows, 2, "the flow's two entries were not carried over");
+    let (_, out) = run_on(resized.tc6_program(), &udp(backend, 5353, CLIENT, 45000));
+    let answer = parse_checked6(&out, "answer after the resize");
+    assert_eq!(
+        (answer.src, answer.sport),
+        (VIP, 53),
+        "the carried flow's answer was not reverse-translated"
+    );
+    assert_eq!(
+        resized.finish_resize().map(|r| r.expect("finishing")),
+        Some(0),
+        "nothing new to carry"
+    );
+    assert!(
+        !pins.map("CONNTRACK6-resizing").exists(),
+        "the set-aside map is still pinned"
+    );
+}
+
+/// The agent's housekeeping walks `CONNTRACK6` too: a departed backend loses
+/// its UDP flows there (not its TCP connections), and the reaper removes
+/// flows idle past their timeout.
+#[test]
+fn departed_backend_purge_and_reaper_walk_conntrack6() {
+    let mut fx = fixture();
+    let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53));
+    let gone = parse_checked6(&out, "first datagram").dst;
+    let tcp_sport = (44000..45000)
+        .find(|sport| {
+            let (_, out) = run(&fx, &tcp(CLIENT, *sport, VIP, 80, frame::SYN));
+            parse_checked6(&out, "SYN").dst == gone
+        })
+        .expect("some source port lands on the UDP flow's backend");
+    let remaining: Vec<Ipv6Addr> = BACKENDS.iter().copied().filter(|b| *b != gone).collect();
+    for (port, proto, target, name) in [
+        (80, Protocol::Tcp, 8080, "svc0"),
+        (53, Protocol::Udp, 5353, "svc1"),
+    ] {
+        let owner = ObjectKey {
+            namespace: "test".into(),
+            name: name.into(),
+        };
+        let fe = frontend(VIP, port, proto, target, &remaining);
+        let out = fx
+            .planner
+            .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "reprogramming {name}: {:?}",
+            out.errors
+        );
+    }
+    let departed = fx.planner.take_departed();
+    assert_eq!(
+        departed.len(),
+        2,
+        "one backend left two service ports: {departed:?}"
+    );
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    assert_eq!(
+        swept.conntrack, 2,
+        "the UDP flow's two entries must go, the TCP ones stay"
+    );
+    let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53));
+    let now = parse_checked6(&out, "datagram after the removal").dst;
+    assert!(
+        remaining.contains(&now),
+        "UDP flow still sent to the departed backend {now}"
+    );
+    let (_, out) = run(&fx, &tcp(CLIENT, tcp_sport, VIP, 80, frame::ACK));
+    assert_eq!(
+        parse_checked6(&out, "TCP after the removal").dst,
+        gone,
+        "an established TCP connection must keep its backend"
+    );
+
+    // Two flows now (the TCP one, the new UDP one), four entries: a minute
+    // and a bit later the UDP flow has expired, the unanswered TCP one too
+    // (the SYN timeout, 60 s).
+    let flows6 = |fx: &Fixture| {
+        fx.datapath
+            .maps
+            .conntrack6
+            .as_ref()
+            .expect("CONNTRACK6")
+            .iter()
+            .count()
+    };
+    assert_eq!(flows6(&fx), 4, "entries before reaping");
+    let reaped = conntrack::reap_expired(
+        &mut fx.datapath.maps,
+        conntrack::monotonic_ns() + 61_000_000_000,
+    )
+    .expect("reaping");
+    assert_eq!(reaped, 4, "expired IPv6 entries reaped");
+    assert_eq!(flows6(&fx), 0, "entries left after reaping");
 }

@@ -120,6 +120,8 @@ pub struct Datapath {
     ip_summed: ip_summed::Read,
     /// A conntrack map of another size, until its flows are all over.
     resize: Option<resize::Resize>,
+    /// The same for `CONNTRACK6`.
+    resize6: Option<resize::Resize>,
 }
 
 impl Datapath {
@@ -176,6 +178,7 @@ impl Datapath {
             .map(|name| (*name, pins.map(name)))
             .collect();
         let resize = resize::set_aside(&pins.map(map_names::CONNTRACK), conntrack_entries)?;
+        let resize6 = resize::set_aside6(&pins.map(map_names::CONNTRACK6), conntrack_entries)?;
         let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries) {
             // A kernel whose verifier refuses the kfunc call (no JIT, say).
             Err(e @ DatapathError::Program { name, .. })
@@ -203,7 +206,7 @@ impl Datapath {
                 "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
             );
         }
-        if let Some(resize) = &resize {
+        for resize in resize.iter().chain(&resize6) {
             match resize.carry(&mut maps) {
                 Ok(flows) => tracing::info!(
                     from = ?resize.from,
@@ -238,6 +241,7 @@ impl Datapath {
             xdp_attached: std::collections::BTreeMap::default(),
             ip_summed: read,
             resize,
+            resize6,
         })
     }
 
@@ -245,8 +249,12 @@ impl Datapath {
     /// flows the older programs made into a resized conntrack since the load,
     /// and lets the older map go. None when nothing was resized.
     pub fn finish_resize(&mut self) -> Option<Result<usize, resize::ResizeError>> {
-        let resize = self.resize.take()?;
-        Some(resize.finish(&mut self.maps))
+        let v6 = self.resize6.take().map(|r| r.finish(&mut self.maps));
+        let v4 = self.resize.take().map(|r| r.finish(&mut self.maps));
+        match (v4, v6) {
+            (Some(a), Some(b)) => Some(a.and_then(|a| b.map(|b| a + b))),
+            (one, other) => one.or(other),
+        }
     }
 
     /// A reader of the datapath's log records (see `event_log`), from the

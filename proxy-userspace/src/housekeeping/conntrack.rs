@@ -128,6 +128,19 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
         .count()
 }
 
+/// `carry_in` for IPv6 flows, into `CONNTRACK6`, where they keep their
+/// state (one map holds IPv6 flows assured or not).
+pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
+    const BPF_NOEXIST: u64 = 1;
+    let Some(map) = &mut maps.conntrack6 else {
+        return 0;
+    };
+    flows
+        .into_iter()
+        .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
+        .count()
+}
+
 /// Removes conntrack entries idle past their timeout, assured or not. Each
 /// map is read in chunks and each chunk's expired entries are deleted at
 /// once, before the next chunk is read: a new connection that reuses an

@@ -535,9 +535,10 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
         "an established TCP connection must keep its backend"
     );
 
-    // Two flows now (the TCP one, the new UDP one), four entries: a minute
-    // and a bit later the UDP flow has expired, the unanswered TCP one too
-    // (the SYN timeout, 60 s).
+    // The TCP flows of every source port tried, and the new UDP flow, two
+    // entries each: a minute and a bit later the UDP flow has expired, the
+    // unanswered TCP ones too (the SYN timeout, 60 s).
+    let expected = 2 * usize::from(tcp_sport - 44000 + 1) + 2;
     let flows6 = |fx: &Fixture| {
         fx.datapath
             .maps
@@ -547,12 +548,12 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
             .iter()
             .count()
     };
-    assert_eq!(flows6(&fx), 4, "entries before reaping");
+    assert_eq!(flows6(&fx), expected, "entries before reaping");
     let reaped = conntrack::reap_expired(
         &mut fx.datapath.maps,
         conntrack::monotonic_ns() + 61_000_000_000,
     )
     .expect("reaping");
-    assert_eq!(reaped, 4, "expired IPv6 entries reaped");
+    assert_eq!(reaped, expected, "expired IPv6 entries reaped");
     assert_eq!(flows6(&fx), 0, "entries left after reaping");
 }

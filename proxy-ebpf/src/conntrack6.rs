@@ -149,8 +149,8 @@ pub fn create(flow: &Flow6, nat: &Nat6, backend_id: u32, service_id: u32, now: u
         flags: 0,
         dir: ct_dir::REPLY,
         _pad: 0,
-        backend_id: backend_id,
-        service_id: service_id,
+        backend_id,
+        service_id,
         created_ns: now,
         last_seen_ns: now,
     };

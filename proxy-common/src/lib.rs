@@ -42,21 +42,24 @@ pub mod map_names {
     /// aya-log's ring buffer of the datapath's log records: pinned, so that
     /// records written while no agent runs reach the next one.
     pub const AYA_LOGS: &str = "AYA_LOGS";
+    /// IPv6 flows, assured or not (see `Ct6Key`).
+    pub const CONNTRACK6: &str = "CONNTRACK6";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 6] = [
+    pub const LATER: [&str; 7] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
         SOCK_NOTES,
         DATAPATH_LOG,
         AYA_LOGS,
+        CONNTRACK6,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 22] = [
+    pub const ALL: [&str; 23] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -79,6 +82,7 @@ pub mod map_names {
         CT_NEW,
         DATAPATH_LOG,
         AYA_LOGS,
+        CONNTRACK6,
     ];
 }
 
@@ -104,6 +108,9 @@ pub mod datapath_log {
 /// Program names in the object file.
 pub mod program_names {
     pub const TC_INGRESS: &str = "tc_ingress";
+    /// tc ingress for IPv6, attached after `TC_INGRESS` on the same
+    /// interfaces: `TC_INGRESS` hands on every frame that is not IPv4.
+    pub const TC_INGRESS6: &str = "tc_ingress6";
     /// A tc program that only passes: the floor of per-packet cost
     /// benchmarks on the machine they run on.
     pub const TC_PASS: &str = "tc_pass";
@@ -411,7 +418,8 @@ pub mod ct_dir {
 ///
 /// Conntrack is per address family:
 /// every packet hashes this key, and 16 bytes hash in one jhash round where
-/// IPv6-wide addresses took four. IPv6 flows will get a map of their own.
+/// IPv6-wide addresses took four. IPv6 flows have a map of their own
+/// (`Ct6Key`).
 /// The padding is two fields, not a byte array, so that building a key is
 /// plain stores (a `[u8; 3]` compiled to a call to `memset`).
 #[repr(C)]
@@ -489,6 +497,90 @@ pub struct CtValue {
     /// The datapath clock at the last packet (updated at most once a
     /// second).
     pub last_seen_ns: u64,
+}
+
+/// An IPv6 flow as one direction of it appears on the wire: `CtKey` with
+/// 16-byte addresses, in `CONNTRACK6`, a map of its own so that IPv4's
+/// 16-byte key keeps its one-round hash.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Ct6Key {
+    pub src_be: [u32; 4],
+    pub dst_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+impl Ct6Key {
+    pub const fn new(
+        src_be: [u32; 4],
+        dst_be: [u32; 4],
+        sport_be: u16,
+        dport_be: u16,
+        proto: u8,
+    ) -> Self {
+        Ct6Key {
+            src_be,
+            dst_be,
+            sport_be,
+            dport_be,
+            proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+}
+
+/// `CtValue` with 16-byte addresses: the value of `CONNTRACK6`. Fields mean
+/// what `CtValue`'s do; flags are `ct_flags`, `ASSURED` set in place (one
+/// map holds IPv6 flows assured or not).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Ct6Value {
+    pub nat_addr_be: [u32; 4],
+    pub alt_addr_be: [u32; 4],
+    pub nat_port_be: u16,
+    pub alt_port_be: u16,
+    pub flags: u8,
+    pub dir: u8,
+    pub _pad: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+impl Ct6Value {
+    /// As `CtValue::expired`: both families age by the same rules.
+    #[inline(always)]
+    pub fn expired(&self, proto: u8, now_ns: u64, timeouts: &CtTimeouts) -> bool {
+        now_ns.saturating_sub(self.last_seen_ns) > idle_timeout_ns(self.flags, proto, timeouts)
+    }
+}
+
+/// Idle timeout of a conntrack entry with `flags` (`ct_flags`) of a flow of
+/// `proto`; the datapath and the agent's reaper share it so that they never
+/// disagree on what is alive.
+#[inline(always)]
+pub fn idle_timeout_ns(flags: u8, proto: u8, timeouts: &CtTimeouts) -> u64 {
+    if proto == PROTO_TCP {
+        if flags & ct_flags::CLOSING != 0 {
+            timeouts.tcp_closing_ns
+        } else if flags & (ct_flags::SEEN_REPLY | ct_flags::ASSURED)
+            == ct_flags::SEEN_REPLY | ct_flags::ASSURED
+        {
+            timeouts.tcp_established_ns
+        } else {
+            timeouts.tcp_syn_ns
+        }
+    } else {
+        timeouts.udp_ns
+    }
 }
 
 /// Default idle timeouts of conntrack entries (Cilium's defaults); the agent
@@ -669,19 +761,7 @@ impl CtValue {
     /// it so that they never disagree on what is alive.
     #[inline(always)]
     pub fn idle_timeout_ns(&self, proto: u8, timeouts: &CtTimeouts) -> u64 {
-        if proto == PROTO_TCP {
-            if self.flags & ct_flags::CLOSING != 0 {
-                timeouts.tcp_closing_ns
-            } else if self.flags & (ct_flags::SEEN_REPLY | ct_flags::ASSURED)
-                == ct_flags::SEEN_REPLY | ct_flags::ASSURED
-            {
-                timeouts.tcp_established_ns
-            } else {
-                timeouts.tcp_syn_ns
-            }
-        } else {
-            timeouts.udp_ns
-        }
+        idle_timeout_ns(self.flags, proto, timeouts)
     }
 
     #[inline(always)]
@@ -853,7 +933,14 @@ pub mod counter {
     /// A datapath log record not written: its CPU had used its share of
     /// the rate limit (`datapath_log::PER_CPU_PER_WINDOW`).
     pub const LOG_RATE_LIMITED: u32 = 25;
-    pub const COUNT: u32 = 26;
+    /// An IPv6 packet whose extension headers could not be walked to its
+    /// transport header (more than the datapath walks, one it does not
+    /// know, or cut short): passed untouched.
+    pub const PASS_V6_EXT_HEADERS: u32 = 26;
+    /// A later fragment of an IPv6 datagram (no transport header): passed
+    /// untouched, as the datapath keeps no fragment state for IPv6 yet.
+    pub const PASS_V6_FRAGMENT: u32 = 27;
+    pub const COUNT: u32 = 28;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -884,6 +971,8 @@ pub mod counter {
         "drop_reject_failed",
         "icmp_error_translated",
         "log_rate_limited",
+        "pass_v6_ext_headers",
+        "pass_v6_fragment",
     ];
 }
 
@@ -891,8 +980,8 @@ pub mod counter {
 mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
-        CtKey, CtTimeouts, CtValue, FlowCacheEntry, FragKey, FragValue, NodeAddr, NodeAddrKey,
-        NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey,
+        Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCacheEntry, FragKey, FragValue, NodeAddr,
+        NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -910,6 +999,8 @@ mod pod_impls {
         Backend,
         CtKey,
         CtValue,
+        Ct6Key,
+        Ct6Value,
         FlowCacheEntry,
         Clock,
         AffinityKey,
@@ -939,6 +1030,8 @@ mod tests {
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<CtKey>(), 16);
         assert_eq!(size_of::<CtValue>(), 40);
+        assert_eq!(size_of::<Ct6Key>(), 40);
+        assert_eq!(size_of::<Ct6Value>(), 64);
         assert_eq!(size_of::<Clock>(), 24);
         assert_eq!(size_of::<NodeConfig>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 36);

@@ -153,6 +153,18 @@ fn service_key(addr_be: u32, port_be: u16, proto: u8) -> ServiceKey {
     }
 }
 
+/// The frontend entry of an IPv6 destination, for every client (scope
+/// `ANY`: the only one a ClusterIP has).
+#[inline(always)]
+pub fn lookup6(addr_be: [u32; 4], port_be: u16, proto: u8) -> Option<ServiceValue> {
+    lookup(ServiceKey {
+        addr_be,
+        port_be,
+        proto,
+        scope: scope::ANY,
+    })
+}
+
 #[inline(always)]
 fn lookup(key: ServiceKey) -> Option<ServiceValue> {
     // Copied once: the rest of this packet's decisions use this snapshot
@@ -180,9 +192,15 @@ fn backend(id: u32) -> Option<Backend> {
 /// entries when the agent purges departed backends, right after the sync.
 #[inline(always)]
 pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Backend)> {
+    select_for(svc, v4_mapped(client_be), now)
+}
+
+/// `select` for a client of either family (IPv4-mapped for IPv4).
+#[inline(always)]
+pub fn select_for(svc: &ServiceValue, client_be: [u32; 4], now: u64) -> Option<(u32, Backend)> {
     let affinity = svc.flags & service_flags::AFFINITY != 0;
     let akey = AffinityKey {
-        client_be: v4_mapped(client_be),
+        client_be,
         service_id: svc.service_id,
     };
     // SAFETY: a pointer the map lookup returned, valid for this program's run.

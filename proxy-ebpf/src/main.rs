@@ -25,6 +25,7 @@
 
 mod checksum;
 mod conntrack;
+mod conntrack6;
 mod event_log;
 mod flow_cache;
 mod frag;
@@ -34,9 +35,13 @@ mod icmp_error;
 mod ip_summed;
 mod maps;
 mod nat;
+mod nat6;
 mod packet;
+mod packet6;
 mod pipeline;
+mod pipeline6;
 mod reject;
+mod reject6;
 mod route;
 mod sock;
 mod verdict;
@@ -59,6 +64,17 @@ use aya_ebpf::{
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     verdict::tc(&ctx, pipeline::handle(&ctx))
+}
+
+/// tc ingress for IPv6, on the same interfaces as `tc_ingress` and after
+/// it in their tcx chains: `tc_ingress` hands on whatever is not IPv4
+/// (`pipeline::Action::Next`). A program of its own, so that IPv4's stack
+/// and instructions stay as they were (see `pipeline6`).
+///
+/// Linux 6.6 for tcx, as `tc_ingress`.
+#[classifier]
+pub fn tc_ingress6(ctx: TcContext) -> i32 {
+    pipeline6::handle(&ctx)
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer

@@ -6,11 +6,12 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
-    CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC,
-    MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS,
-    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SockNotes, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
+    Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey,
+    FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
+    MAX_CONNTRACK, MAX_FRAGMENTS, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
+    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey, clock_slot,
+    counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -43,6 +44,11 @@ pub static CONNTRACK: Conntrack = LruHashMap::new();
 /// Flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
 #[btf_map]
 pub static CT_NEW: Conntrack = LruHashMap::new();
+
+/// IPv6 flows (see `crate::conntrack6`). The agent sets its size
+/// (`--conntrack-max`).
+#[btf_map]
+pub static CONNTRACK6: LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }> = LruHashMap::new();
 
 /// See `proxy_common::FlowCacheEntry`.
 #[btf_map]

@@ -67,8 +67,11 @@ impl Flow {
 /// Why a packet was not parsed into a [`Flow`].
 #[derive(Clone, Copy)]
 pub enum Skip {
-    /// Not something the datapath translates (not IPv4, not TCP/UDP/SCTP):
-    /// passed silently.
+    /// Not IPv4: handed on to the next tc program (`tc_ingress6` for
+    /// IPv6), passed at XDP.
+    NotIpv4,
+    /// Not something the datapath translates (not TCP/UDP/SCTP): passed
+    /// silently.
     NotOurs,
     /// Headers shorter or inconsistent with what they claim: passed, and
     /// counted.
@@ -107,7 +110,7 @@ const PARSE_LEN: u32 = (ETH_HLEN + 60 + TCP_MIN_HLEN) as u32;
 /// `T`, which BPF allows on the architectures whose JIT this targets (the
 /// verifier refuses it elsewhere, at load time).
 #[inline(always)]
-fn read<T: Copy>(data: usize, data_end: usize, off: usize) -> Option<T> {
+pub fn read<T: Copy>(data: usize, data_end: usize, off: usize) -> Option<T> {
     let at = data + off;
     if at + size_of::<T>() > data_end {
         return None;
@@ -136,7 +139,7 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     let short = Skip::Truncated(PARSE_LEN);
     let eth_type: u16 = read(data, data_end, 12).ok_or(Skip::NotOurs)?;
     if eth_type != ETH_P_IP_BE {
-        return Err(Skip::NotOurs);
+        return Err(Skip::NotIpv4);
     }
     let ip: Ipv4Head = read(data, data_end, ETH_HLEN).ok_or(short)?;
     if ip.ver_ihl >> 4 != 4 {

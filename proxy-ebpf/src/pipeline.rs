@@ -23,6 +23,8 @@ use crate::{
 pub enum Action {
     /// Leave it to the stack, translated or not.
     Pass,
+    /// Not IPv4: leave it to the next program at the hook (tc: `tc_ingress6`).
+    Next,
     Drop,
     /// Answer with a TCP reset or ICMP port unreachable.
     Reject(Flow),
@@ -40,6 +42,7 @@ pub enum Action {
 pub fn handle<H: Hook>(ctx: &H) -> Action {
     let mut flow = match packet::parse(ctx) {
         Ok(flow) => flow,
+        Err(Skip::NotIpv4) => return Action::Next,
         Err(Skip::NotOurs) => return Action::Pass,
         Err(Skip::Icmp) => return ctx.icmp_error(),
         Err(Skip::Malformed | Skip::Truncated(_)) => {

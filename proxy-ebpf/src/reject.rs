@@ -130,7 +130,7 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
 }
 
 #[inline(always)]
-fn redirect_back(ctx: &TcContext) -> i32 {
+pub fn redirect_back(ctx: &TcContext) -> i32 {
     // SAFETY: `skb` is the context the kernel passed this program, valid for its run.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // SAFETY: takes an interface index and flags, no pointers.

@@ -14,6 +14,9 @@ use crate::{
     reject, route,
 };
 
+/// tcx: run the next program in the chain; from the last one, a pass.
+pub const TCX_NEXT: i32 = -1;
+
 /// tc's return code for `action`, after the reply or redirect it asks for.
 #[inline(always)]
 #[expect(
@@ -23,6 +26,8 @@ use crate::{
 pub fn tc(ctx: &TcContext, action: Action) -> i32 {
     match action {
         Action::Pass => TC_ACT_OK,
+        // `TC_ACT_OK` would end the tcx chain before `tc_ingress6`.
+        Action::Next => TCX_NEXT,
         Action::Drop => TC_ACT_SHOT,
         Action::Reject(flow) => {
             let rejected = if flow.proto == PROTO_TCP {
@@ -55,7 +60,8 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
 )]
 pub fn xdp(ctx: &XdpContext, action: Action) -> u32 {
     match action {
-        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
+        // IPv6 is left to tc (`tc_ingress6`).
+        Action::Pass | Action::Next | Action::ToTc => xdp_action::XDP_PASS,
         Action::Drop => xdp_action::XDP_DROP,
         Action::Tx => {
             // A redirect to the interface the packet came in on, rather than

@@ -4,8 +4,8 @@ use std::fmt::Write;
 
 use aya::maps::{IterableMap, MapInfo};
 use proxy_common::{
-    AffinityKey, AffinityValue, BackendSlotKey, CtKey, CtValue, MAX_CT_NEW, map_names,
-    service_flags,
+    AffinityKey, AffinityValue, BackendSlotKey, Ct6Key, Ct6Value, CtKey, CtValue, MAX_CT_NEW,
+    map_names, service_flags,
 };
 
 use crate::{
@@ -150,6 +150,11 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         out,
         "unassured conntrack entries: {unassured} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)"
     );
+    let flows6 = match &maps.conntrack6 {
+        Some(map) => batch::count::<Ct6Key, Ct6Value>(map.map(), batch::CHUNK)
+            .map_err(batch_error(map_names::CONNTRACK6))?,
+        None => 0,
+    };
     let _ = writeln!(out, "{}", socket_notes(pins));
     let affinity = batch::count::<AffinityKey, AffinityValue>(maps.affinity.map(), batch::CHUNK)
         .map_err(batch_error(map_names::AFFINITY))?;
@@ -161,6 +166,7 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         (map_names::AFFINITY, affinity),
         (map_names::CONNTRACK, entries),
         (map_names::CT_NEW, unassured),
+        (map_names::CONNTRACK6, flows6),
     ] {
         let _ = writeln!(out, "{}", fill(pins, name, entries));
     }

@@ -2,7 +2,7 @@
 //! checks that recompute them from scratch: the input of the datapath's
 //! `BPF_PROG_TEST_RUN` tests and per-packet benchmarks.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
@@ -291,5 +291,159 @@ pub fn parse_checked_icmp_error(f: &[u8], what: &str) -> IcmpError {
             qdst,
             u16::from_be_bytes([l4[2], l4[3]]),
         ),
+    }
+}
+
+/// The IPv6 pseudo-header's sum (RFC 8200 8.1): addresses, upper-layer
+/// length and next header.
+fn pseudo6(src: Ipv6Addr, dst: Ipv6Addr, next: u8, len: usize) -> u32 {
+    let mut sum = 0u32;
+    for o in [src.octets(), dst.octets()] {
+        for pair in o.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([pair[0], pair[1]]));
+        }
+    }
+    sum + (len as u32 >> 16) + (len as u32 & 0xffff) + u32::from(next)
+}
+
+pub const ICMPV6: u8 = 58;
+/// IPv6 extension headers (next-header values).
+pub const HOP_BY_HOP: u8 = 0;
+pub const DEST_OPTS: u8 = 60;
+pub const FRAGMENT: u8 = 44;
+
+pub struct Spec6 {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub payload: Vec<u8>,
+    /// Extension headers before the transport header, in order: each an
+    /// 8-byte header of this kind (options of padding; a fragment header
+    /// of offset 0 without more fragments).
+    pub ext: Vec<u8>,
+}
+
+/// An 8-byte extension header of `kind`, followed by `next`.
+fn ext_header(kind: u8, next: u8) -> [u8; 8] {
+    if kind == FRAGMENT {
+        // Offset 0, no more fragments (an atomic fragment), id 0x1234.
+        [next, 0, 0, 0, 0, 0, 0x12, 0x34]
+    } else {
+        // Length 0 (8 bytes): a PadN option of 4 bytes filling it.
+        [next, 0, 1, 4, 0, 0, 0, 0]
+    }
+}
+
+/// An Ethernet/IPv6 frame carrying `l4` (already checksummed) after the
+/// extension headers `ext`.
+fn frame6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, ext: &[u8], l4: &[u8]) -> Vec<u8> {
+    let mut chain = Vec::new();
+    for (i, kind) in ext.iter().enumerate() {
+        let next = ext.get(i + 1).copied().unwrap_or(proto);
+        chain.extend_from_slice(&ext_header(*kind, next));
+    }
+    let first = ext.first().copied().unwrap_or(proto);
+    let mut f = vec![0x02, 0, 0, 0, 0, 0xaa, 0x02, 0, 0, 0, 0, 0xbb, 0x86, 0xdd];
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&((chain.len() + l4.len()) as u16).to_be_bytes());
+    f.extend_from_slice(&[first, 64]);
+    f.extend_from_slice(&src.octets());
+    f.extend_from_slice(&dst.octets());
+    f.extend_from_slice(&chain);
+    f.extend_from_slice(l4);
+    f
+}
+
+pub fn build6(s: &Spec6) -> Vec<u8> {
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&s.sport.to_be_bytes());
+    l4.extend_from_slice(&s.dport.to_be_bytes());
+    if s.proto == TCP {
+        l4.extend_from_slice(&0x1234_5678u32.to_be_bytes()); // seq
+        l4.extend_from_slice(&0u32.to_be_bytes()); // ack
+        l4.push(5 << 4);
+        l4.push(s.tcp_flags);
+        l4.extend_from_slice(&64240u16.to_be_bytes());
+        l4.extend_from_slice(&[0, 0, 0, 0]); // csum, urgent
+    } else {
+        l4.extend_from_slice(&((8 + s.payload.len()) as u16).to_be_bytes());
+        l4.extend_from_slice(&[0, 0]);
+    }
+    l4.extend_from_slice(&s.payload);
+    let c = csum(&l4, pseudo6(s.src, s.dst, s.proto, l4.len()));
+    // UDP over IPv6 must carry a checksum: a computed 0 is sent as 0xffff.
+    let c = if s.proto == UDP && c == 0 { 0xffff } else { c };
+    let off = if s.proto == TCP { 16 } else { 6 };
+    l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
+    frame6(s.src, s.dst, s.proto, &s.ext, &l4)
+}
+
+/// An ICMPv6 message (`body` after the type, code and checksum) in a frame,
+/// its checksum over the pseudo-header.
+pub fn icmp6(src: Ipv6Addr, dst: Ipv6Addr, icmp_type: u8, code: u8, body: &[u8]) -> Vec<u8> {
+    let mut l4 = vec![icmp_type, code, 0, 0];
+    l4.extend_from_slice(body);
+    let c = csum(&l4, pseudo6(src, dst, ICMPV6, l4.len()));
+    l4[2..4].copy_from_slice(&c.to_be_bytes());
+    frame6(src, dst, ICMPV6, &[], &l4)
+}
+
+pub struct Parsed6 {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    /// The transport protocol, past any extension headers.
+    pub proto: u8,
+    /// The transport header and what follows it.
+    pub l4: Vec<u8>,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Parses an output IPv6 frame (walking 8-byte extension headers) and
+/// panics if its transport checksum, recomputed from scratch, is wrong.
+pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
+    assert!(f.len() >= 54, "{what}: frame of {} bytes", f.len());
+    assert_eq!(&f[12..14], &[0x86, 0xdd], "{what}: not an IPv6 frame");
+    let ip = &f[14..54];
+    assert_eq!(ip[0] >> 4, 6, "{what}: IP version {}", ip[0] >> 4);
+    let octets = |b: &[u8]| -> Ipv6Addr { <[u8; 16]>::try_from(b).expect("16 bytes").into() };
+    let src = octets(&ip[8..24]);
+    let dst = octets(&ip[24..40]);
+    let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+    assert_eq!(
+        f.len(),
+        54 + payload_len,
+        "{what}: frame length against the payload length"
+    );
+    let mut next = ip[6];
+    let mut off = 54;
+    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&next) {
+        let len = if next == FRAGMENT {
+            8
+        } else {
+            (f[off + 1] as usize + 1) * 8
+        };
+        next = f[off];
+        off += len;
+    }
+    let l4 = f[off..].to_vec();
+    assert_eq!(
+        csum(&l4, pseudo6(src, dst, next, l4.len())),
+        0,
+        "{what}: the checksum of protocol {next} is wrong"
+    );
+    if next == UDP {
+        assert_ne!(&l4[6..8], &[0, 0], "{what}: a UDP checksum of 0 over IPv6");
+    }
+    Parsed6 {
+        src,
+        dst,
+        proto: next,
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        l4,
     }
 }

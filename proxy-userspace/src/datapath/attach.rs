@@ -88,12 +88,14 @@ pub struct Attachment {
 }
 
 /// Attaches tc ingress on `ifname` through a tcx link pinned at `pin` (Linux 6.6,
-/// `kernel_version`), or takes over the one an earlier run pinned there.
+/// `kernel_version`), at `order` in the interface's chain, or takes over the
+/// one an earlier run pinned there (which keeps its place).
 pub fn attach_tc_ingress(
     program: &mut SchedClassifier,
     ifname: &str,
     ifindex: u32,
     pin: &Path,
+    order: LinkOrder,
 ) -> Result<Attachment, AttachError> {
     let err = |source| AttachError::Attach {
         ifname: ifname.to_string(),
@@ -105,7 +107,7 @@ pub fn attach_tc_ingress(
             .attach_with_options(
                 ifname,
                 TcAttachType::Ingress,
-                TcAttachOptions::TcxOrder(LinkOrder::default()),
+                TcAttachOptions::TcxOrder(order),
             )
             .map_err(err)?,
     };

@@ -6,9 +6,10 @@ use aya::maps::{
     lpm_trie::{Key, LpmTrie},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey, CtKey,
-    CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SockNotes, SourceRangeKey, counter, ip_summed, map_names, sock_counter,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
+    Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
+    NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey, counter, ip_summed, map_names,
+    sock_counter,
 };
 
 use super::pins::PinLayout;
@@ -79,6 +80,9 @@ pub struct Maps {
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     /// Flows not assured yet.
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
+    /// IPv6 flows (proxy-ebpf's `conntrack6`); absent from pins of an agent
+    /// older than it, like `csum_states`.
+    pub conntrack6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub ct_timeouts: Array<MapData, CtTimeouts>,
@@ -133,9 +137,9 @@ impl Maps {
         mut get: impl FnMut(&'static str) -> Result<Map, MapsError>,
     ) -> Result<Self, MapsError> {
         use map_names::{
-            AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, COUNTERS,
-            CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS, NODE_CONFIG,
-            SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
+            AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
+            COUNTERS, CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
+            NODE_CONFIG, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -143,6 +147,7 @@ impl Maps {
             backends: HashMap::try_from(get(BACKENDS)?).map_err(wrap(BACKENDS))?,
             conntrack: HashMap::try_from(get(CONNTRACK)?).map_err(wrap(CONNTRACK))?,
             ct_new: HashMap::try_from(get(CT_NEW)?).map_err(wrap(CT_NEW))?,
+            conntrack6: later(get(CONNTRACK6), CONNTRACK6, HashMap::try_from)?,
             affinity: HashMap::try_from(get(AFFINITY)?).map_err(wrap(AFFINITY))?,
             counters: PerCpuArray::try_from(get(COUNTERS)?).map_err(wrap(COUNTERS))?,
             ct_timeouts: Array::try_from(get(CT_TIMEOUTS)?).map_err(wrap(CT_TIMEOUTS))?,

@@ -25,7 +25,7 @@ use std::path::Path;
 pub use attach::{AttachError, XdpModeSetting};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{CgroupSockAddr, SchedClassifier, Xdp},
+    programs::{CgroupSockAddr, LinkOrder, SchedClassifier, Xdp},
 };
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
@@ -88,8 +88,10 @@ fn load_object(
     }
     loader.map_max_entries(map_names::CONNTRACK, conntrack_entries);
     loader.map_max_entries(map_names::CT_NEW, MAX_CT_NEW);
+    loader.map_max_entries(map_names::CONNTRACK6, conntrack_entries);
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
+    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
     loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
     for (name, _) in SOCKET_HOOKS {
@@ -118,6 +120,8 @@ pub struct Datapath {
     ip_summed: ip_summed::Read,
     /// A conntrack map of another size, until its flows are all over.
     resize: Option<resize::Resize>,
+    /// The same for `CONNTRACK6`.
+    resize6: Option<resize::Resize>,
 }
 
 impl Datapath {
@@ -174,6 +178,7 @@ impl Datapath {
             .map(|name| (*name, pins.map(name)))
             .collect();
         let resize = resize::set_aside(&pins.map(map_names::CONNTRACK), conntrack_entries)?;
+        let resize6 = resize::set_aside6(&pins.map(map_names::CONNTRACK6), conntrack_entries)?;
         let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries) {
             // A kernel whose verifier refuses the kfunc call (no JIT, say).
             Err(e @ DatapathError::Program { name, .. })
@@ -201,7 +206,7 @@ impl Datapath {
                 "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
             );
         }
-        if let Some(resize) = &resize {
+        for resize in resize.iter().chain(&resize6) {
             match resize.carry(&mut maps) {
                 Ok(flows) => tracing::info!(
                     from = ?resize.from,
@@ -236,6 +241,7 @@ impl Datapath {
             xdp_attached: std::collections::BTreeMap::default(),
             ip_summed: read,
             resize,
+            resize6,
         })
     }
 
@@ -243,8 +249,12 @@ impl Datapath {
     /// flows the older programs made into a resized conntrack since the load,
     /// and lets the older map go. None when nothing was resized.
     pub fn finish_resize(&mut self) -> Option<Result<usize, resize::ResizeError>> {
-        let resize = self.resize.take()?;
-        Some(resize.finish(&mut self.maps))
+        let v6 = self.resize6.take().map(|r| r.finish(&mut self.maps));
+        let v4 = self.resize.take().map(|r| r.finish(&mut self.maps));
+        match (v4, v6) {
+            (Some(a), Some(b)) => Some(a.and_then(|a| b.map(|b| a + b))),
+            (one, other) => one.or(other),
+        }
     }
 
     /// A reader of the datapath's log records (see `event_log`), from the
@@ -285,6 +295,21 @@ impl Datapath {
         Ok(())
     }
 
+    /// The loaded IPv6 tc program, for `BPF_PROG_TEST_RUN` in tests.
+    pub fn tc6_program(&self) -> &SchedClassifier {
+        self.ebpf
+            .program(program_names::TC_INGRESS6)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc6 program is loaded in Datapath::load")
+    }
+
+    fn tc6_program_mut(&mut self) -> &mut SchedClassifier {
+        self.ebpf
+            .program_mut(program_names::TC_INGRESS6)
+            .and_then(|p| p.try_into().ok())
+            .expect("tc6 program is loaded in Datapath::load")
+    }
+
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
         self.ebpf
             .program_mut(program_names::TC_INGRESS)
@@ -309,7 +334,21 @@ impl Datapath {
             return Ok(());
         }
         let path = self.pins.tc_ingress_link(ifname);
-        let attachment = attach::attach_tc_ingress(self.tc_program_mut(), ifname, ifindex, &path)?;
+        let attachment = attach::attach_tc_ingress(
+            self.tc_program_mut(),
+            ifname,
+            ifindex,
+            &path,
+            LinkOrder::default(),
+        )?;
+        // After tc_ingress, which hands it what is not IPv4.
+        let after =
+            LinkOrder::after_program(self.tc_program()).map_err(|source| AttachError::Attach {
+                ifname: ifname.to_string(),
+                source,
+            })?;
+        let path6 = self.pins.tc_ingress6_link(ifname);
+        attach::attach_tc_ingress(self.tc6_program_mut(), ifname, ifindex, &path6, after)?;
         self.attached.insert(ifname.to_string(), attachment);
         Ok(())
     }
@@ -319,6 +358,7 @@ impl Datapath {
     pub fn forget(&mut self, ifname: &str) {
         self.attached.remove(ifname);
         let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
+        let _ = std::fs::remove_file(self.pins.tc_ingress6_link(ifname));
         self.forget_xdp(ifname);
     }
 

@@ -95,6 +95,11 @@ impl PinLayout {
         self.links_dir().join(format!("tc-ingress-{ifname}"))
     }
 
+    /// The link of `tc_ingress6` on `ifname`, after `tc_ingress_link`'s.
+    pub fn tc_ingress6_link(&self, ifname: &str) -> PathBuf {
+        self.links_dir().join(format!("tc-ingress6-{ifname}"))
+    }
+
     pub fn xdp_link(&self, ifname: &str) -> PathBuf {
         self.links_dir().join(format!("xdp-{ifname}"))
     }

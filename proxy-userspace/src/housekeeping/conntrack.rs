@@ -10,8 +10,8 @@
 //! - Entries idle past their timeout (`CtValue::expired`, shared with the
 //!   datapath) are reaped periodically, so the LRU maps hold live flows.
 //!
-//! Both apply to both conntrack maps: `CONNTRACK`, the assured flows, and
-//! `CT_NEW`, those not assured yet.
+//! Both apply to every conntrack map: `CONNTRACK`, the assured flows, and
+//! `CT_NEW`, those not assured yet, and `CONNTRACK6`, IPv6's.
 //!
 //! Either removal is followed by a bump of the flow cache's epoch, which
 //! voids the copies of entries that CPUs keep (`proxy_common::FlowCacheEntry`).
@@ -19,7 +19,11 @@
 use std::collections::HashSet;
 
 use aya::maps::IterableMap;
-use proxy_common::{AffinityKey, AffinityValue, CtKey, CtValue, PROTO_TCP, ct_flags, map_names};
+use aya::maps::{HashMap, MapData};
+use proxy_common::{
+    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_flags,
+    map_names,
+};
 
 use crate::{
     datapath::{
@@ -77,6 +81,20 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
             }
         }
     }
+    if let Some(map) = &mut maps.conntrack6 {
+        let departed_flow = |v: &Ct6Value| gone.contains(&(v.service_id, v.backend_id));
+        let doomed = batch::keys_where(map.map(), batch::CHUNK, |k: &Ct6Key, v: &Ct6Value| {
+            k.proto != PROTO_TCP && departed_flow(v)
+        })
+        .map_err(batch_error(map_names::CONNTRACK6))?;
+        for key in doomed {
+            // Looked at again, as above.
+            let still = map.get(&key, 0).is_ok_and(|v| departed_flow(&v));
+            if still && map.remove(&key).is_ok() {
+                swept.conntrack += 1;
+            }
+        }
+    }
     let doomed = batch::keys_where(
         maps.affinity.map(),
         batch::CHUNK,
@@ -107,6 +125,19 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
             (key, assured)
         })
         .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
+        .count()
+}
+
+/// `carry_in` for IPv6 flows, into `CONNTRACK6`, where they keep their
+/// state (one map holds IPv6 flows assured or not).
+pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
+    const BPF_NOEXIST: u64 = 1;
+    let Some(map) = &mut maps.conntrack6 else {
+        return 0;
+    };
+    flows
+        .into_iter()
+        .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
         .count()
 }
 
@@ -141,8 +172,42 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
         })
         .map_err(&batch_error)?;
     }
+    if let Some(map) = &maps.conntrack6 {
+        match reap_expired6(map, now_ns, &timeouts) {
+            Ok(n) => reaped += n,
+            Err(e) => failed = Some(e),
+        }
+    }
     if reaped > 0 {
         maps.bump_flow_epoch()?;
     }
+    failed.map_or(Ok(reaped), Err)
+}
+
+/// `reap_expired` for `CONNTRACK6`.
+fn reap_expired6(
+    map: &HashMap<MapData, Ct6Key, Ct6Value>,
+    now_ns: u64,
+    timeouts: &CtTimeouts,
+) -> Result<usize, MapsError> {
+    let batch_error = batch_error(map_names::CONNTRACK6);
+    let map = map.map();
+    let mut reaped = 0;
+    let mut failed = None;
+    let mut doomed: Vec<Ct6Key> = Vec::with_capacity(batch::CHUNK);
+    batch::for_each_chunk(map, batch::CHUNK, |keys: &[Ct6Key], values: &[Ct6Value]| {
+        doomed.clear();
+        doomed.extend(
+            keys.iter()
+                .zip(values)
+                .filter(|(k, v)| v.expired(k.proto, now_ns, timeouts))
+                .map(|(k, _)| *k),
+        );
+        match batch::delete(map, &doomed) {
+            Ok(n) => reaped += n,
+            Err(e) => failed = Some(batch_error(e)),
+        }
+    })
+    .map_err(&batch_error)?;
     failed.map_or(Ok(reaped), Err)
 }

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use aya::maps::{MapData, MapError, MapInfo};
-use proxy_common::{CtKey, CtValue, map_names};
+use proxy_common::{Ct6Key, Ct6Value, CtKey, CtValue, map_names};
 
 use super::conntrack;
 use crate::datapath::{
@@ -57,6 +57,8 @@ fn aside_path(pin: &Path) -> PathBuf {
 #[derive(Debug)]
 pub struct Resize {
     aside: PathBuf,
+    /// `CONNTRACK6`'s rather than `CONNTRACK`'s.
+    v6: bool,
     /// Capacities in entries, before and after; `from` is None for a map
     /// set aside by an agent that stopped before it finished.
     pub from: Option<u32>,
@@ -84,9 +86,15 @@ pub fn set_aside(pin: &Path, entries: u32) -> Result<Option<Resize>, ResizeError
     }
     Ok(aside.exists().then_some(Resize {
         aside,
+        v6: false,
         from,
         to: entries,
     }))
+}
+
+/// `set_aside` for the IPv6 conntrack map pinned at `pin`.
+pub fn set_aside6(pin: &Path, entries: u32) -> Result<Option<Resize>, ResizeError> {
+    Ok(set_aside(pin, entries)?.map(|r| Resize { v6: true, ..r }))
 }
 
 impl Resize {
@@ -100,6 +108,18 @@ impl Resize {
             path: path.clone(),
             source,
         })?;
+        if self.v6 {
+            let mut entries: Vec<(Ct6Key, Ct6Value)> = Vec::new();
+            batch::for_each_chunk(
+                &older,
+                batch::CHUNK,
+                |keys: &[Ct6Key], values: &[Ct6Value]| {
+                    entries.extend(keys.iter().copied().zip(values.iter().copied()));
+                },
+            )
+            .map_err(|source| ResizeError::Read { path, source })?;
+            return Ok(conntrack::carry_in6(maps, entries));
+        }
         let mut entries: Vec<(CtKey, CtValue)> = Vec::new();
         batch::for_each_chunk(
             &older,

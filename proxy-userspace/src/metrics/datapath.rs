@@ -17,8 +17,8 @@ use prometheus_client::{
     metrics::{counter::ConstCounter, gauge::ConstGauge},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, CtKey, CtValue, ServiceKey,
-    ServiceValue, map_names,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Ct6Key, Ct6Value, CtKey,
+    CtValue, ServiceKey, ServiceValue, map_names,
 };
 
 use crate::{
@@ -107,6 +107,12 @@ impl DatapathCollector {
                 count::<CtKey, CtValue>(m.conntrack.map()),
             ),
             (map_names::CT_NEW, count::<CtKey, CtValue>(m.ct_new.map())),
+            (
+                map_names::CONNTRACK6,
+                m.conntrack6
+                    .as_ref()
+                    .and_then(|c| count::<Ct6Key, Ct6Value>(c.map())),
+            ),
             (
                 map_names::AFFINITY,
                 count::<AffinityKey, AffinityValue>(m.affinity.map()),

@@ -1,0 +1,81 @@
+//! Address and port rewrites of IPv6 packets at tc. IPv6 has no header
+//! checksum; the transport checksum covers the addresses through the
+//! pseudo-header (RFC 8200 8.1), so an address change is a pseudo-header
+//! change and a port change a change of the covered data.
+//!
+//! Both go through the kernel's `bpf_l4_csum_replace`, which applies each
+//! as the socket buffer's checksum state needs (a full checksum, a
+//! `CHECKSUM_PARTIAL` pseudo-header sum, `skb->csum` of `CHECKSUM_COMPLETE`),
+//! so this path does not read the state as IPv4's in-place one does
+//! (`nat::rewrite_skb`): two helper calls a packet, for a slice of code that
+//! is the same in every state.
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{
+    PROTO_UDP,
+    csum::{delta16, delta32, fold},
+};
+
+use crate::{
+    packet::ETH_HLEN,
+    packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF},
+};
+
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+
+/// The addresses and ports an IPv6 packet leaves with.
+#[derive(Clone, Copy)]
+#[expect(
+    clippy::struct_field_names,
+    reason = "named as `nat::Nat`'s fields, which the conntrack code of both families mirrors"
+)]
+pub struct Nat6 {
+    pub src_be: [u32; 4],
+    pub sport_be: u16,
+    pub dst_be: [u32; 4],
+    pub dport_be: u16,
+}
+
+impl Nat6 {
+    /// The packet as it is.
+    #[inline(always)]
+    pub fn identity(flow: &Flow6) -> Nat6 {
+        Nat6 {
+            src_be: flow.src_be,
+            sport_be: flow.sport_be,
+            dst_be: flow.dst_be,
+            dport_be: flow.dport_be,
+        }
+    }
+
+    /// Writes this translation into the packet, transport checksum updated.
+    #[inline(always)]
+    pub fn apply(&self, ctx: &TcContext, flow: &Flow6) -> Result<(), i64> {
+        let mut addrs = 0u64;
+        for i in 0..4 {
+            addrs +=
+                delta32(flow.src_be[i], self.src_be[i]) + delta32(flow.dst_be[i], self.dst_be[i]);
+        }
+        let ports = delta16(flow.sport_be, self.sport_be) + delta16(flow.dport_be, self.dport_be);
+        let csum_off = flow.l4_csum_off();
+        // Size 0: `to` is a difference to add, not a field's new value.
+        ctx.l4_csum_replace(csum_off, 0, u64::from(fold(addrs)), BPF_F_PSEUDO_HDR)?;
+        ctx.l4_csum_replace(csum_off, 0, u64::from(fold(ports)), 0)?;
+        if flow.proto == PROTO_UDP {
+            // A computed 0 is sent as 0xffff: 0 means "no checksum", which
+            // IPv6 forbids. The same sum in one's complement, so right for
+            // a `CHECKSUM_PARTIAL` field too.
+            let sum: u16 = ctx.load(csum_off)?;
+            if sum == 0 {
+                ctx.store(csum_off, &0xffffu16, 0)?;
+            }
+        }
+        // Stored from where they are: a copy of both would take 32 bytes
+        // of a stack that is nearly used up.
+        ctx.store(ETH_HLEN + IP6_SRC_OFF, &self.src_be, 0)?;
+        ctx.store(ETH_HLEN + IP6_DST_OFF, &self.dst_be, 0)?;
+        let ports: [u16; 2] = [self.sport_be, self.dport_be];
+        ctx.store(flow.l4_off, &ports, 0)?;
+        Ok(())
+    }
+}

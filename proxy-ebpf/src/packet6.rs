@@ -1,0 +1,221 @@
+//! Parsing of IPv6 packets, as `packet` parses IPv4 ones: read in place,
+//! offsets kept rather than pointers. The transport header may sit behind
+//! extension headers; a bounded number of them is walked, and a packet whose
+//! chain goes on longer, or holds one the datapath does not know, is left
+//! untouched (and counted by the caller).
+
+use aya_ebpf::programs::TcContext;
+use proxy_common::{PROTO_TCP, PROTO_UDP};
+
+use crate::{
+    hook::Hook,
+    packet::{ETH_HLEN, read},
+};
+
+const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
+pub const IPV6_HLEN: usize = 40;
+const TCP_MIN_HLEN: usize = 20;
+const UDP_HLEN: usize = 8;
+/// Offsets within the IPv6 header.
+pub const IP6_SRC_OFF: usize = 8;
+pub const IP6_DST_OFF: usize = 24;
+
+/// Next-header values (RFC 8200, 4302).
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+/// Extension headers walked before the transport header: hop-by-hop,
+/// destination options, routing and a fragment header make four, more than
+/// any packet between pods carries.
+const MAX_EXT_HEADERS: usize = 4;
+/// Deepest transport header start accepted: bounds the offsets the verifier
+/// sees, and what a tc packet is pulled to.
+pub const MAX_L4_OFF: usize = ETH_HLEN + IPV6_HLEN + 128;
+/// Bytes the parser may need in the linear area.
+const PARSE_LEN: u32 = (MAX_L4_OFF + TCP_MIN_HLEN) as u32;
+/// Fragment offset (in 8-byte units, shifted left by 3) and the
+/// more-fragments flag, in host order after `from_be`.
+const FRAG_OFFSET_MASK: u16 = 0xfff8;
+const FRAG_MORE: u16 = 1;
+
+/// The fields of an IPv6 TCP/UDP packet the datapath needs.
+#[derive(Clone, Copy)]
+pub struct Flow6 {
+    pub l4_off: usize,
+    pub src_be: [u32; 4],
+    pub dst_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub tcp_flags: u8,
+}
+
+impl Flow6 {
+    /// Offset of the L4 checksum field.
+    #[inline(always)]
+    pub fn l4_csum_off(&self) -> usize {
+        if self.proto == PROTO_TCP {
+            self.l4_off + 16
+        } else {
+            self.l4_off + 6
+        }
+    }
+}
+
+/// Why a packet was not parsed into a [`Flow6`].
+#[derive(Clone, Copy)]
+pub enum Skip6 {
+    /// Not IPv6 TCP or UDP (neighbour discovery and every other ICMPv6
+    /// message among them): passed silently.
+    NotOurs,
+    /// Headers shorter or inconsistent with what they claim: passed, and
+    /// counted.
+    Malformed,
+    /// Not all in the linear area; pulling may bring them in.
+    Truncated,
+    /// An extension header chain not walked to its end: passed, and counted.
+    ExtHeaders,
+    /// A later fragment, which carries no transport header: passed, and
+    /// counted.
+    LaterFragment,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Ipv6Head {
+    pub ver_tc_flow: [u16; 2],
+    pub payload_len_be: u16,
+    pub next_hdr: u8,
+    pub hop_limit: u8,
+    pub src_be: [u32; 4],
+    pub dst_be: [u32; 4],
+}
+
+/// Parses the packet's headers; a packet whose headers are not all in the
+/// linear area is pulled once and read again.
+#[inline(always)]
+pub fn parse(ctx: &TcContext) -> Result<Flow6, Skip6> {
+    match parse_linear(ctx) {
+        Err(Skip6::Truncated) if ctx.pull(PARSE_LEN) => match parse_linear(ctx) {
+            Err(Skip6::Truncated) => Err(Skip6::Malformed),
+            other => other,
+        },
+        Err(Skip6::Truncated) => Err(Skip6::Malformed),
+        other => other,
+    }
+}
+
+#[inline(always)]
+fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
+    let (data, data_end) = ctx.bounds();
+    let eth_type: u16 = read(data, data_end, 12).ok_or(Skip6::NotOurs)?;
+    if eth_type != ETH_P_IPV6_BE {
+        return Err(Skip6::NotOurs);
+    }
+    let ip: Ipv6Head = read(data, data_end, ETH_HLEN).ok_or(Skip6::Truncated)?;
+    if (u16::from_be(ip.ver_tc_flow[0]) >> 12) != 6 {
+        return Err(Skip6::Malformed);
+    }
+    let payload_len = u16::from_be(ip.payload_len_be) as usize;
+    // A jumbogram (payload length 0, RFC 2675) is malformed here too: no
+    // link between pods carries one.
+    if ETH_HLEN + IPV6_HLEN + payload_len > ctx.wire_len() {
+        return Err(Skip6::Malformed);
+    }
+    let mut next = ip.next_hdr;
+    let mut off = ETH_HLEN + IPV6_HLEN;
+    // A first fragment's transport header is read and translated; its
+    // datagram's later fragments are passed (see `Skip6::LaterFragment`).
+    let mut whole = true;
+    for _ in 0..MAX_EXT_HEADERS {
+        let len = match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+                let head: [u8; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
+                next = head[0];
+                if next == NEXTHDR_AUTH {
+                    // RFC 4302: AH counts 4-byte words, less 2.
+                    (head[1] as usize + 2) * 4
+                } else {
+                    (head[1] as usize + 1) * 8
+                }
+            }
+            NEXTHDR_FRAGMENT => {
+                let head: [u16; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
+                let field = u16::from_be(head[1]);
+                if field & FRAG_OFFSET_MASK != 0 {
+                    return Err(Skip6::LaterFragment);
+                }
+                if field & FRAG_MORE != 0 {
+                    whole = false;
+                }
+                next = head[0].to_ne_bytes()[0];
+                8
+            }
+            _ => break,
+        };
+        off += len;
+        if off > MAX_L4_OFF {
+            return Err(Skip6::ExtHeaders);
+        }
+    }
+    if next != PROTO_TCP && next != PROTO_UDP {
+        return match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_FRAGMENT | NEXTHDR_AUTH | NEXTHDR_DEST => {
+                Err(Skip6::ExtHeaders)
+            }
+            _ => Err(Skip6::NotOurs),
+        };
+    }
+    // Bytes the transport header and its payload have, by the IPv6 header.
+    let Some(l4_len) = (ETH_HLEN + IPV6_HLEN + payload_len).checked_sub(off) else {
+        return Err(Skip6::Malformed);
+    };
+    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, whole)?;
+    Ok(Flow6 {
+        l4_off: off,
+        src_be: ip.src_be,
+        dst_be: ip.dst_be,
+        sport_be: ports[0],
+        dport_be: ports[1],
+        proto: next,
+        tcp_flags,
+    })
+}
+
+/// The ports and TCP flags of the transport header at `l4_off`, checked
+/// against the `l4_len` bytes the IPv6 header leaves it (all of its
+/// datagram's when `whole`).
+#[inline(always)]
+fn l4_header(
+    data: usize,
+    data_end: usize,
+    proto: u8,
+    l4_off: usize,
+    l4_len: usize,
+    whole: bool,
+) -> Result<([u16; 2], u8), Skip6> {
+    if l4_off > MAX_L4_OFF {
+        return Err(Skip6::ExtHeaders);
+    }
+    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(Skip6::Truncated)?;
+    let mut tcp_flags = 0;
+    if proto == PROTO_TCP {
+        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(Skip6::Truncated)?;
+        let doff_bytes = ((head[0] >> 4) as usize) * 4;
+        if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
+            return Err(Skip6::Malformed);
+        }
+        // Past the header's fields read here: the checksum a rewrite updates.
+        read::<u16>(data, data_end, l4_off + 16).ok_or(Skip6::Truncated)?;
+        tcp_flags = head[1];
+    } else {
+        let udp: [u16; 4] = read(data, data_end, l4_off).ok_or(Skip6::Truncated)?;
+        let udp_len = u16::from_be(udp[2]) as usize;
+        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
+            return Err(Skip6::Malformed);
+        }
+    }
+    Ok((ports, tcp_flags))
+}

@@ -1,0 +1,366 @@
+//! IPv6 ClusterIP load balancing on real packets: the routed node of clusterip.rs,
+//! whose pods are dual-stack (tests/src/topology.rs), a Service of IPv6 alone, and
+//! real TCP and UDP over IPv6 from the client to its ClusterIP through
+//! `tc_ingress6`.
+//!
+//! Every test builds its own namespaces, bpffs root and manifest directory, so they run
+//! in parallel; everything is removed on drop, also when a test fails.
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead, BufReader, Write as _},
+    net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    process::Stdio,
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::SYNC_DEADLINE,
+    client::{
+        Outcome, Reply, TIMEOUT, assert_all_replied_from, tcp_request, tcp_tally, udp_request,
+        udp_tally,
+    },
+    iptables::probability,
+    manifest::Service,
+    netns::NetNs,
+    sandbox::Sandbox,
+    stats::{ChiSquare, chi_square_uniform},
+    topology::{
+        one_node::{
+            BACKENDS, CLIENT, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips6,
+            backend_names,
+        },
+        pod_ip6,
+    },
+};
+
+/// Significance level of the distribution tests: a correct datapath fails its
+/// check about once in a thousand runs (and so does the ip6tables reference).
+const ALPHA: f64 = 0.001;
+/// New connections per distribution, as in clusterip.rs.
+const CONNECTIONS: usize = 900;
+
+/// `test/web6`: `http` 80/TCP -> 8080 and `dns` 53/UDP -> 5353 on `vip`, IPv6 alone.
+fn web6(name: &str, vip: Ipv6Addr) -> Service {
+    Service::new_v6("test", name, vip)
+        .port("http", 80, Protocol::Tcp, TCP_PORT)
+        .port("dns", 53, Protocol::Udp, UDP_PORT)
+}
+
+/// A TCP connection kept open over IPv6, to check that an established flow
+/// survives a change (the harness's `TcpSession` is IPv4's).
+struct Session6 {
+    stream: TcpStream,
+    reader: BufReader<TcpStream>,
+    greeting: Reply<SocketAddrV6>,
+}
+
+impl Session6 {
+    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
+        let stream = ns
+            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
+            .expect("entering the client's namespace")
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        stream
+            .set_read_timeout(Some(TIMEOUT))
+            .expect("read timeout");
+        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("read the greeting");
+        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
+        Session6 {
+            stream,
+            reader,
+            greeting,
+        }
+    }
+
+    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
+    fn exchange(&mut self, text: &str) -> Result<String, String> {
+        self.stream
+            .write_all(format!("{text}\n").as_bytes())
+            .map_err(|e| format!("send: {e}"))?;
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => Err("the backend closed the connection".into()),
+            Ok(_) => Ok(line.trim_end().to_owned()),
+            Err(e) => Err(format!("receive: {e}")),
+        }
+    }
+}
+
+fn http6(ip: Ipv6Addr) -> SocketAddrV6 {
+    SocketAddrV6::new(ip, 80, 0, 0)
+}
+
+fn dns6(ip: Ipv6Addr) -> SocketAddrV6 {
+    SocketAddrV6::new(ip, 53, 0, 0)
+}
+
+/// The one-node world with `clients` and `test/web6` on all three backends' IPv6
+/// addresses, the agent running.
+fn serving_web6(clients: &[(&str, std::net::Ipv4Addr)]) -> Sandbox {
+    let mut sb = Sandbox::new(clients, &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web6.yaml",
+            &web6("web6", CLUSTER_IP6).yaml6(&backend_ips6()),
+        )
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    sb
+}
+
+/// kube-proxy's ip6tables rules for one TCP service port, reduced to what spreads
+/// connections: the `-m statistic` cascade over `backends` (sorted, as kube-proxy
+/// sorts them), with the probabilities its iptables mode writes.
+fn ip6tables_cascade(vip: Ipv6Addr, port: u16, backends: &[Ipv6Addr], target: u16) -> String {
+    let mut sorted: Vec<String> = backends.iter().map(|b| format!("[{b}]:{target}")).collect();
+    sorted.sort();
+    let mut rules = format!(
+        "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-WEB6 - [0:0]\n\
+         -A PREROUTING -d {vip}/128 -p tcp -m tcp --dport {port} -j KUBE-SVC-WEB6\n"
+    );
+    let n = sorted.len();
+    for (i, ep) in sorted.iter().enumerate() {
+        let statistic = if i + 1 < n {
+            format!(
+                "-m statistic --mode random --probability {} ",
+                probability(n - i)
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            rules,
+            "-A KUBE-SVC-WEB6 -p tcp {statistic}-j DNAT --to-destination {ep}"
+        );
+    }
+    rules.push_str("COMMIT\n");
+    rules
+}
+
+fn ip6tables_restore(sb: &Sandbox, rules: &str) {
+    let mut cmd = sb.topology().node.command("ip6tables-restore");
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("starting ip6tables-restore");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(rules.as_bytes())
+        .expect("writing the rules");
+    let out = child.wait_with_output().expect("ip6tables-restore");
+    assert!(
+        out.status.success(),
+        "ip6tables-restore failed: {}\nrules:\n{rules}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn side_by_side(ebpf: (&[u64], &ChiSquare), ipt: (&[u64], &ChiSquare)) -> String {
+    let pct = |c: u64, counts: &[u64]| 100.0 * c as f64 / counts.iter().sum::<u64>() as f64;
+    let mut out = format!(
+        "{:<12} {:>18} {:>18}\n",
+        "backend", "ebpf-proxy", "ip6tables statistic"
+    );
+    for (i, name) in backend_names().iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "{name:<12} {:>9} ({:>5.1}%) {:>9} ({:>5.1}%)",
+            ebpf.0[i],
+            pct(ebpf.0[i], ebpf.0),
+            ipt.0[i],
+            pct(ipt.0[i], ipt.0)
+        );
+    }
+    let _ = writeln!(out, "ebpf-proxy: {}\nip6tables:  {}", ebpf.1, ipt.1);
+    out
+}
+
+/// New TCP connections to an IPv6 ClusterIP spread over its three backends as
+/// kube-proxy's ip6tables cascade spreads them (each a chi-square test for
+/// uniformity, in the same run on the same endpoints), and the backends see the
+/// client's own IPv6 address.
+#[test]
+fn ipv6_distribution_matches_ip6tables_statistic_and_keeps_the_client_address() {
+    let sb = serving_web6(&[CLIENT, IPT_CLIENT]);
+    let names = backend_names();
+    let client6 = pod_ip6(CLIENT.1);
+
+    let ebpf =
+        tcp_tally(&sb.client().ns, http6(CLUSTER_IP6), CONNECTIONS, TIMEOUT).expect("ebpf run");
+    assert_all_replied_from(client6, "ebpf-proxy IPv6 ClusterIP", &ebpf);
+    let ebpf_counts = ebpf.counts_for(&names);
+    assert_eq!(
+        ebpf.replies(),
+        CONNECTIONS as u64,
+        "replies from unexpected backends: {:?}",
+        ebpf.counts
+    );
+
+    // The same endpoints behind ip6tables statistic rules, on a VIP the agent
+    // does not know (so tc_ingress6 passes it untouched).
+    let ipt_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
+    ip6tables_restore(
+        &sb,
+        &ip6tables_cascade(ipt_vip, 80, &backend_ips6(), TCP_PORT),
+    );
+    let ipt = tcp_tally(
+        &sb.pod(IPT_CLIENT.0).ns,
+        http6(ipt_vip),
+        CONNECTIONS,
+        TIMEOUT,
+    )
+    .expect("ip6tables run");
+    assert_all_replied_from(pod_ip6(IPT_CLIENT.1), "ip6tables VIP", &ipt);
+    let ipt_counts = ipt.counts_for(&names);
+
+    let ebpf_chi = chi_square_uniform(&ebpf_counts);
+    let ipt_chi = chi_square_uniform(&ipt_counts);
+    let table = side_by_side((&ebpf_counts, &ebpf_chi), (&ipt_counts, &ipt_chi));
+    eprintln!("{CONNECTIONS} new TCP connections over IPv6 each:\n{table}");
+    assert!(
+        ipt_chi.passes(ALPHA),
+        "the ip6tables reference itself is not uniform at alpha {ALPHA} (sandbox problem?):\n{table}"
+    );
+    assert!(
+        ebpf_chi.passes(ALPHA),
+        "ebpf-proxy's IPv6 distribution is not uniform at alpha {ALPHA}:\n{table}"
+    );
+}
+
+/// UDP to the IPv6 ClusterIP is answered by every backend, each answer from the
+/// ClusterIP (a connected socket accepts nothing else), the client's address kept.
+#[test]
+fn ipv6_udp_reaches_backends_with_client_address() {
+    let sb = serving_web6(&[CLIENT]);
+    let tally = udp_tally(&sb.client().ns, dns6(CLUSTER_IP6), 90, TIMEOUT).expect("udp run");
+    assert_all_replied_from(pod_ip6(CLIENT.1), "UDP to the IPv6 ClusterIP", &tally);
+    let counts = tally.counts_for(&backend_names());
+    assert!(
+        counts.iter().all(|&c| c > 0),
+        "90 datagrams should reach all three backends, got {:?}",
+        tally.counts
+    );
+    // Each datagram came from a socket of its own: a flow, two entries, each.
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let fill = status
+        .lines()
+        .find(|l| l.starts_with("map fill CONNTRACK6: "))
+        .unwrap_or_else(|| panic!("status shows no CONNTRACK6 fill:\n{status}"));
+    let entries: u64 = fill["map fill CONNTRACK6: ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable fill line {fill:?}"));
+    assert!(
+        entries >= 2 * 90,
+        "{fill}: fewer entries than the 90 flows make"
+    );
+}
+
+/// An IPv6 Service without endpoints is refused at once: TCP connect gets
+/// ECONNREFUSED (a RST) and a connected UDP socket ICMPv6 port unreachable.
+#[test]
+fn ipv6_service_without_endpoints_is_refused_at_once() {
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let empty_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x30);
+    sb.manifests()
+        .write("empty6.yaml", &web6("empty6", empty_vip).yaml6(&[]))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+    let limit = Duration::from_secs(1);
+
+    let start = Instant::now();
+    let tcp = tcp_request(client, http6(empty_vip), TIMEOUT);
+    let took = start.elapsed();
+    assert_eq!(
+        tcp,
+        Outcome::Refused,
+        "TCP to [{empty_vip}]:80 after {took:?}"
+    );
+    assert!(
+        took < limit,
+        "TCP to [{empty_vip}]:80 took {took:?} to be refused"
+    );
+
+    let start = Instant::now();
+    let udp = udp_request(client, dns6(empty_vip), TIMEOUT);
+    let took = start.elapsed();
+    assert_eq!(
+        udp,
+        Outcome::Refused,
+        "UDP to [{empty_vip}]:53 after {took:?}"
+    );
+    assert!(
+        took < limit,
+        "UDP to [{empty_vip}]:53 took {took:?} to be refused"
+    );
+    assert!(sb.counter("reject") >= 2, "rejects not counted");
+}
+
+/// Removing an endpoint of an IPv6 Service stops new connections to it within the
+/// sync deadline; a connection established to it before keeps its backend.
+#[test]
+fn ipv6_removed_endpoint_gets_no_new_connections_but_keeps_established_ones() {
+    let sb = serving_web6(&[CLIENT]);
+    let client = &sb.client().ns;
+    let (removed, removed_ip) = BACKENDS[2];
+    let removed_ip6 = pod_ip6(removed_ip);
+
+    let mut session = (0..200)
+        .map(|_| Session6::open(client, http6(CLUSTER_IP6)))
+        .find(|s| s.greeting.backend == removed)
+        .unwrap_or_else(|| panic!("200 connections never reached {removed}"));
+    assert_eq!(
+        session.exchange("before").expect("exchange before removal"),
+        format!("{removed} before")
+    );
+
+    let remaining: Vec<Ipv6Addr> = backend_ips6()
+        .into_iter()
+        .filter(|ip| *ip != removed_ip6)
+        .collect();
+    sb.manifests()
+        .write("web6.yaml", &web6("web6", CLUSTER_IP6).yaml6(&remaining))
+        .expect("rewrite manifest");
+    let written = Instant::now();
+    let mut last_hit: Option<Duration> = None;
+    while written.elapsed() < SYNC_DEADLINE {
+        if let Outcome::Reply(r) = tcp_request(client, http6(CLUSTER_IP6), TIMEOUT)
+            && r.backend == removed
+        {
+            last_hit = Some(written.elapsed());
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!("last new connection to {removed} after the edit: {last_hit:?}");
+
+    let after = tcp_tally(client, http6(CLUSTER_IP6), 150, TIMEOUT).expect("connections");
+    assert_all_replied_from(pod_ip6(CLIENT.1), "after the removal", &after);
+    assert_eq!(
+        after.counts.get(removed),
+        None,
+        "{SYNC_DEADLINE:?} after the endpoint was removed, new connections still reach it: {:?}",
+        after.counts
+    );
+    assert_eq!(
+        after.counts.len(),
+        2,
+        "both remaining backends should get new connections: {:?}",
+        after.counts
+    );
+    assert_eq!(
+        session
+            .exchange("after")
+            .expect("the established connection broke when its endpoint was removed"),
+        format!("{removed} after"),
+        "the established connection moved to another backend"
+    );
+}

@@ -1,0 +1,559 @@
+//! The IPv6 tc program (`tc_ingress6`) on hand-built frames through
+//! `BPF_PROG_TEST_RUN`, as tests/datapath.rs does for IPv4: every checksum
+//! of every output frame recomputed from scratch (tests/src/frames.rs).
+//! Needs root (it loads BPF programs and pins maps).
+
+use std::{
+    net::{IpAddr, Ipv6Addr},
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use ebpf_proxy_tests::frames::{
+    self as frame, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, icmp6, parse_checked6,
+};
+use proxy_userspace::{
+    datapath::{Datapath, PinLayout},
+    housekeeping::conntrack,
+    model::{BackendAddr, Frontend, NoEndpointAction, Protocol, ServicePortName},
+    planner::Planner,
+    source::ObjectKey,
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_REDIRECT: u32 = 7;
+/// tcx's "next program" (-1), as the kernel's test run reports it.
+const TCX_NEXT: u32 = u32::MAX;
+
+const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x11);
+const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
+const EMPTY_VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
+const BACKENDS: [Ipv6Addr; 3] = [
+    Ipv6Addr::new(0xfd00, 0x10, 0, 1, 0, 0, 0, 0x21),
+    Ipv6Addr::new(0xfd00, 0x10, 0, 1, 0, 0, 0, 0x22),
+    Ipv6Addr::new(0xfd00, 0x10, 0, 1, 0, 0, 0, 0x23),
+];
+
+/// A loaded datapath on its own pin directory, removed on drop even when the
+/// test panics.
+struct Fixture {
+    datapath: Datapath,
+    pins: PinLayout,
+    planner: Planner,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = proxy_userspace::datapath::cleanup(&self.pins);
+    }
+}
+
+fn frontend(
+    vip: Ipv6Addr,
+    port: u16,
+    protocol: Protocol,
+    target: u16,
+    backends: &[Ipv6Addr],
+) -> Frontend {
+    let backends = backends
+        .iter()
+        .map(|ip| BackendAddr::remote(IpAddr::V6(*ip), target, protocol))
+        .collect();
+    let service = ServicePortName::new("test", &format!("v6-{port}"), &port.to_string(), protocol);
+    Frontend {
+        no_endpoints: NoEndpointAction::Reject,
+        ..Frontend::cluster_ip(service, IpAddr::V6(vip), port, backends)
+    }
+}
+
+/// A pin directory of its own for one test.
+fn unique_pins() -> PinLayout {
+    static N: AtomicU32 = AtomicU32::new(0);
+    if !proxy_userspace::datapath::pins::is_bpffs(std::path::Path::new("/sys/fs/bpf")) {
+        let status = std::process::Command::new("mount")
+            .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+            .status()
+            .expect("running mount");
+        assert!(status.success(), "mounting bpffs on /sys/fs/bpf failed");
+    }
+    PinLayout::new(format!(
+        "/sys/fs/bpf/ebpf-proxy-trun6-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// A datapath loaded on `pins` with conntrack maps of `entries`, the test's
+/// IPv6 Services programmed.
+fn load_programmed(pins: &PinLayout, entries: u32) -> (Datapath, Planner) {
+    let mut datapath = Datapath::load_sized(pins.clone(), entries)
+        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
+    let mut planner = Planner::new();
+    let services = [
+        frontend(VIP, 80, Protocol::Tcp, 8080, &BACKENDS),
+        frontend(VIP, 53, Protocol::Udp, 5353, &BACKENDS),
+        frontend(EMPTY_VIP, 80, Protocol::Tcp, 0, &[]),
+        frontend(EMPTY_VIP, 53, Protocol::Udp, 0, &[]),
+    ];
+    for (i, fe) in services.iter().enumerate() {
+        let owner = ObjectKey {
+            namespace: "test".into(),
+            name: format!("svc{i}"),
+        };
+        let out = planner.sync_service(&owner, std::slice::from_ref(fe), &mut datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "programming {}: {:?}",
+            fe.key,
+            out.errors
+        );
+    }
+    (datapath, planner)
+}
+
+fn fixture() -> Fixture {
+    let pins = unique_pins();
+    let (datapath, planner) = load_programmed(&pins, proxy_common::MAX_CONNTRACK);
+    Fixture {
+        datapath,
+        pins,
+        planner,
+    }
+}
+
+/// `program` on one frame: its verdict and the frame it left.
+fn run_on(program: &SchedClassifier, input: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; input.len() + 256];
+    let mut opts = TestRunOptions::new();
+    opts.data_in = Some(input);
+    opts.data_out = Some(&mut out);
+    let result = program
+        .test_run(opts)
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN on a {}-byte frame: {e}", input.len()));
+    out.truncate(result.data_size_out as usize);
+    (result.return_value, out)
+}
+
+fn run(fx: &Fixture, input: &[u8]) -> (u32, Vec<u8>) {
+    run_on(fx.datapath.tc6_program(), input)
+}
+
+fn counter(fx: &Fixture, name: &str) -> u64 {
+    fx.datapath
+        .maps
+        .counters()
+        .expect("reading counters")
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map_or_else(|| panic!("no counter {name}"), |(_, v)| v)
+}
+
+fn spec(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, proto: u8, flags: u8) -> Spec6 {
+    Spec6 {
+        src,
+        dst,
+        sport,
+        dport,
+        proto,
+        tcp_flags: flags,
+        payload: if proto == frame::UDP {
+            b"hello, v6 service".to_vec()
+        } else {
+            vec![]
+        },
+        ext: vec![],
+    }
+}
+
+fn tcp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Vec<u8> {
+    build6(&spec(src, sport, dst, dport, frame::TCP, flags))
+}
+
+fn udp(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16) -> Vec<u8> {
+    build6(&spec(src, sport, dst, dport, frame::UDP, 0))
+}
+
+/// A client's packet, then the backend's answer, then the client's next:
+/// DNAT to one of the backends with the client's address kept, the answer
+/// from the frontend again, and the flow staying on its backend.
+fn round_trip(fx: &Fixture, proto: u8, port: u16, target: u16, sport: u16) {
+    let name = if proto == frame::TCP { "TCP" } else { "UDP" };
+    let first = if proto == frame::TCP {
+        tcp(CLIENT, sport, VIP, port, frame::SYN)
+    } else {
+        udp(CLIENT, sport, VIP, port)
+    };
+    let (ret, out) = run(fx, &first);
+    assert_eq!(ret, TC_ACT_OK, "{name} first packet: verdict {ret}");
+    let p = parse_checked6(&out, &format!("{name} first packet"));
+    assert!(
+        BACKENDS.contains(&p.dst),
+        "{name} first packet went to {}, not a backend",
+        p.dst
+    );
+    assert_eq!(p.dport, target, "{name} first packet's destination port");
+    assert_eq!(
+        p.src, CLIENT,
+        "{name} first packet lost the client's address"
+    );
+    assert_eq!(p.sport, sport, "{name} first packet's source port");
+    let backend = p.dst;
+
+    let answer = if proto == frame::TCP {
+        tcp(backend, target, CLIENT, sport, frame::SYN | frame::ACK)
+    } else {
+        udp(backend, target, CLIENT, sport)
+    };
+    let (ret, out) = run(fx, &answer);
+    assert_eq!(ret, TC_ACT_OK, "{name} answer: verdict {ret}");
+    let r = parse_checked6(&out, &format!("{name} answer"));
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, port, CLIENT, sport),
+        "{name} answer not reverse-translated to the frontend"
+    );
+
+    let next = if proto == frame::TCP {
+        tcp(CLIENT, sport, VIP, port, frame::ACK)
+    } else {
+        udp(CLIENT, sport, VIP, port)
+    };
+    let (_, out) = run(fx, &next);
+    let n = parse_checked6(&out, &format!("{name} next packet"));
+    assert_eq!(
+        (n.dst, n.dport),
+        (backend, target),
+        "{name} next packet left its flow's backend"
+    );
+}
+
+#[test]
+fn tcp_syn_is_dnated_and_the_reply_reverse_natted() {
+    let fx = fixture();
+    round_trip(&fx, frame::TCP, 80, 8080, 41000);
+    assert_eq!(counter(&fx, "dnat_new"), 1, "new flows");
+    assert_eq!(counter(&fx, "rev_nat"), 1, "reverse-translated answers");
+    assert_eq!(counter(&fx, "dnat_established"), 1, "established packets");
+    assert_eq!(
+        counter(&fx, "ct_assured"),
+        1,
+        "the ACK after the SYN-ACK assures the flow"
+    );
+    let flows = fx
+        .datapath
+        .maps
+        .conntrack6
+        .as_ref()
+        .expect("CONNTRACK6 is loaded")
+        .iter()
+        .count();
+    assert_eq!(flows, 2, "a flow has an entry per direction in CONNTRACK6");
+}
+
+#[test]
+fn udp_is_translated_both_ways() {
+    let fx = fixture();
+    round_trip(&fx, frame::UDP, 53, 5353, 41001);
+    assert_eq!(counter(&fx, "dnat_new"), 1, "new flows");
+    assert_eq!(counter(&fx, "rev_nat"), 1, "reverse-translated answers");
+}
+
+#[test]
+fn new_flows_spread_over_every_backend() {
+    let fx = fixture();
+    let mut seen = std::collections::BTreeMap::new();
+    for sport in 20000..20300u16 {
+        let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        *seen.entry(parse_checked6(&out, "SYN").dst).or_insert(0u32) += 1;
+    }
+    // 300 draws over 3 backends: each gets 100 +- 30 with probability
+    // above 1 - 1e-4 (binomial, p = 1/3).
+    assert_eq!(seen.len(), 3, "backends reached: {seen:?}");
+    assert!(
+        seen.values().all(|n| (70..=130).contains(n)),
+        "300 new flows over 3 backends: {seen:?}"
+    );
+}
+
+#[test]
+fn no_endpoints_rejects_tcp_with_rst_and_udp_with_icmpv6_port_unreachable() {
+    let fx = fixture();
+    let syn = tcp(CLIENT, 42000, EMPTY_VIP, 80, frame::SYN);
+    let (ret, out) = run(&fx, &syn);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "SYN to a frontend without endpoints: verdict {ret}"
+    );
+    let rst = parse_checked6(&out, "RST");
+    assert_eq!(rst.proto, frame::TCP, "the answer to a SYN");
+    assert_eq!(
+        (rst.src, rst.sport, rst.dst, rst.dport),
+        (EMPTY_VIP, 80, CLIENT, 42000),
+        "RST addressed from the frontend to the client"
+    );
+    assert_eq!(rst.l4[13], frame::RST | frame::ACK, "RST flags");
+    let ack = u32::from_be_bytes(rst.l4[8..12].try_into().expect("4 bytes"));
+    assert_eq!(ack, 0x1234_5679, "RST acknowledges the SYN's sequence + 1");
+    assert_eq!(&out[0..6], &syn[6..12], "RST goes back to the sender's MAC");
+
+    let datagram = udp(CLIENT, 42001, EMPTY_VIP, 53);
+    let (ret, out) = run(&fx, &datagram);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "datagram to a frontend without endpoints: verdict {ret}"
+    );
+    let icmp = parse_checked6(&out, "ICMPv6 port unreachable");
+    assert_eq!(icmp.proto, ICMPV6, "the answer to a datagram");
+    assert_eq!(
+        (icmp.src, icmp.dst),
+        (EMPTY_VIP, CLIENT),
+        "ICMPv6 error's addresses"
+    );
+    assert_eq!(
+        (icmp.l4[0], icmp.l4[1]),
+        (1, 4),
+        "destination unreachable, port unreachable"
+    );
+    assert_eq!(
+        &icmp.l4[8..],
+        &datagram[14..14 + 48],
+        "the error quotes the datagram's IPv6 and UDP headers"
+    );
+    assert_eq!(counter(&fx, "reject"), 2, "rejects counted");
+}
+
+#[test]
+fn extension_headers_before_tcp_are_walked() {
+    let fx = fixture();
+    let mut s = spec(CLIENT, 43000, VIP, 80, frame::TCP, frame::SYN);
+    s.ext = vec![HOP_BY_HOP, DEST_OPTS, FRAGMENT];
+    let (ret, out) = run(&fx, &build6(&s));
+    assert_eq!(ret, TC_ACT_OK, "verdict {ret}");
+    let p = parse_checked6(&out, "SYN behind three extension headers");
+    assert!(
+        BACKENDS.contains(&p.dst),
+        "went to {}, not a backend",
+        p.dst
+    );
+    assert_eq!(p.dport, 8080, "destination port");
+
+    // Five are more than the datapath walks: passed untouched, counted.
+    s.ext = vec![HOP_BY_HOP, DEST_OPTS, DEST_OPTS, DEST_OPTS, DEST_OPTS];
+    let long = build6(&s);
+    let (ret, out) = run(&fx, &long);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &long),
+        "a chain of five headers passes untouched"
+    );
+    assert_eq!(
+        counter(&fx, "pass_v6_ext_headers"),
+        1,
+        "the unwalked chain counted"
+    );
+
+    // A later fragment (offset 1,448 bytes) has no transport header.
+    s.ext = vec![FRAGMENT];
+    let mut later = build6(&s);
+    later[54 + 2..54 + 4].copy_from_slice(&(181u16 << 3).to_be_bytes());
+    let (ret, out) = run(&fx, &later);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &later),
+        "a later fragment passes untouched"
+    );
+    assert_eq!(
+        counter(&fx, "pass_v6_fragment"),
+        1,
+        "the later fragment counted"
+    );
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        1,
+        "only the walked SYN was translated"
+    );
+}
+
+#[test]
+fn neighbour_discovery_and_other_icmpv6_pass_untouched() {
+    let fx = fixture();
+    // A neighbour solicitation for the frontend's address, from the
+    // client's link-local address to the solicited-node multicast group.
+    let link_local = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0x11);
+    let solicited = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 1, 0xff00, 0x10);
+    let mut body = vec![0, 0, 0, 0];
+    body.extend_from_slice(&VIP.octets());
+    body.extend_from_slice(&[1, 1, 0x02, 0, 0, 0, 0, 0xaa]);
+    let cases = [
+        (
+            "neighbour solicitation",
+            icmp6(link_local, solicited, 135, 0, &body),
+        ),
+        (
+            "router advertisement",
+            icmp6(
+                link_local,
+                Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1),
+                134,
+                0,
+                &[64, 0, 0x07, 0x08, 0, 0, 0, 0, 0, 0, 0, 0],
+            ),
+        ),
+        (
+            "echo request to the frontend",
+            icmp6(CLIENT, VIP, 128, 0, &[0, 1, 0, 1]),
+        ),
+    ];
+    for (what, input) in cases {
+        let (ret, out) = run(&fx, &input);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict {ret}");
+        assert_eq!(out, input, "{what}: the packet was modified");
+    }
+    assert_eq!(
+        counter(&fx, "pass_malformed"),
+        0,
+        "ICMPv6 counted as malformed"
+    );
+}
+
+#[test]
+fn tc_ingress_hands_ipv6_on_to_the_next_program() {
+    let fx = fixture();
+    let syn = tcp(CLIENT, 44000, VIP, 80, frame::SYN);
+    let (ret, out) = run_on(fx.datapath.tc_program(), &syn);
+    assert_eq!(ret, TCX_NEXT, "tc_ingress's verdict on IPv6");
+    assert_eq!(out, syn, "tc_ingress modified an IPv6 packet");
+}
+
+/// `--conntrack-max` sizes `CONNTRACK6` as it sizes `CONNTRACK`: a pinned map
+/// of another size is replaced at load, its IPv6 flows carried over, and the
+/// new programs go on translating the carried flow.
+#[test]
+fn a_conntrack6_map_of_another_size_is_replaced_with_its_flows() {
+    struct Unpin(PinLayout);
+    impl Drop for Unpin {
+        fn drop(&mut self) {
+            let _ = proxy_userspace::datapath::cleanup(&self.0);
+        }
+    }
+    let pins = unique_pins();
+    let _unpin = Unpin(pins.clone());
+    let capacity = || {
+        aya::maps::MapInfo::from_pin(pins.map("CONNTRACK6"))
+            .expect("CONNTRACK6 pin")
+            .max_entries()
+    };
+    let (first, _) = load_programmed(&pins, 8192);
+    assert_eq!(capacity(), 8192, "CONNTRACK6 not sized as asked");
+    let (_, out) = run_on(first.tc6_program(), &udp(CLIENT, 45000, VIP, 53));
+    let backend = parse_checked6(&out, "first datagram").dst;
+    drop(first);
+
+    let mut resized = Datapath::load_sized(pins.clone(), 16384)
+        .unwrap_or_else(|e| panic!("loading with 16384 conntrack entries: {e}"));
+    assert_eq!(capacity(), 16384, "CONNTRACK6 was not replaced");
+    let flows = resized
+        .maps
+        .conntrack6
+        .as_ref()
+        .expect("CONNTRACK6 is loaded")
+        .iter()
+        .count();
+    assert_eq!(flows, 2, "the flow's two entries were not carried over");
+    let (_, out) = run_on(resized.tc6_program(), &udp(backend, 5353, CLIENT, 45000));
+    let answer = parse_checked6(&out, "answer after the resize");
+    assert_eq!(
+        (answer.src, answer.sport),
+        (VIP, 53),
+        "the carried flow's answer was not reverse-translated"
+    );
+    assert_eq!(
+        resized.finish_resize().map(|r| r.expect("finishing")),
+        Some(0),
+        "nothing new to carry"
+    );
+    assert!(
+        !pins.map("CONNTRACK6-resizing").exists(),
+        "the set-aside map is still pinned"
+    );
+}
+
+/// The agent's housekeeping walks `CONNTRACK6` too: a departed backend loses
+/// its UDP flows there (not its TCP connections), and the reaper removes
+/// flows idle past their timeout.
+#[test]
+fn departed_backend_purge_and_reaper_walk_conntrack6() {
+    let mut fx = fixture();
+    let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53));
+    let gone = parse_checked6(&out, "first datagram").dst;
+    let tcp_sport = (44000..45000)
+        .find(|sport| {
+            let (_, out) = run(&fx, &tcp(CLIENT, *sport, VIP, 80, frame::SYN));
+            parse_checked6(&out, "SYN").dst == gone
+        })
+        .expect("some source port lands on the UDP flow's backend");
+    let remaining: Vec<Ipv6Addr> = BACKENDS.iter().copied().filter(|b| *b != gone).collect();
+    for (port, proto, target, name) in [
+        (80, Protocol::Tcp, 8080, "svc0"),
+        (53, Protocol::Udp, 5353, "svc1"),
+    ] {
+        let owner = ObjectKey {
+            namespace: "test".into(),
+            name: name.into(),
+        };
+        let fe = frontend(VIP, port, proto, target, &remaining);
+        let out = fx
+            .planner
+            .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "reprogramming {name}: {:?}",
+            out.errors
+        );
+    }
+    let departed = fx.planner.take_departed();
+    assert_eq!(
+        departed.len(),
+        2,
+        "one backend left two service ports: {departed:?}"
+    );
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    assert_eq!(
+        swept.conntrack, 2,
+        "the UDP flow's two entries must go, the TCP ones stay"
+    );
+    let (_, out) = run(&fx, &udp(CLIENT, 7000, VIP, 53));
+    let now = parse_checked6(&out, "datagram after the removal").dst;
+    assert!(
+        remaining.contains(&now),
+        "UDP flow still sent to the departed backend {now}"
+    );
+    let (_, out) = run(&fx, &tcp(CLIENT, tcp_sport, VIP, 80, frame::ACK));
+    assert_eq!(
+        parse_checked6(&out, "TCP after the removal").dst,
+        gone,
+        "an established TCP connection must keep its backend"
+    );
+
+    // The TCP flows of every source port tried, and the new UDP flow, two
+    // entries each: a minute and a bit later the UDP flow has expired, the
+    // unanswered TCP ones too (the SYN timeout, 60 s).
+    let expected = 2 * usize::from(tcp_sport - 44000 + 1) + 2;
+    let flows6 = |fx: &Fixture| {
+        fx.datapath
+            .maps
+            .conntrack6
+            .as_ref()
+            .expect("CONNTRACK6")
+            .iter()
+            .count()
+    };
+    assert_eq!(flows6(&fx), expected, "entries before reaping");
+    let reaped = conntrack::reap_expired(
+        &mut fx.datapath.maps,
+        conntrack::monotonic_ns() + 61_000_000_000,
+    )
+    .expect("reaping");
+    assert_eq!(reaped, expected, "expired IPv6 entries reaped");
+    assert_eq!(flows6(&fx), 0, "entries left after reaping");
+}

@@ -5,7 +5,11 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     io::{self, BufRead, BufReader, ErrorKind, Write},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
+    net::{
+        AddrParseError, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpStream,
+        UdpSocket,
+    },
+    str::FromStr,
     time::Duration,
 };
 
@@ -13,17 +17,56 @@ use anyhow::{Context, Result, anyhow, bail};
 
 use crate::netns::NetNs;
 
-/// A backend's greeting: `<name> <peer ip>:<peer port>`.
+/// A socket address of one family: what requests go to and what a backend says
+/// it saw (`a.b.c.d:port` or `[addr]:port`).
+pub trait Peer:
+    Copy
+    + Eq
+    + Send
+    + Sync
+    + fmt::Debug
+    + fmt::Display
+    + FromStr<Err = AddrParseError>
+    + Into<SocketAddr>
+{
+    type Ip: Copy + Ord + Send + fmt::Debug + fmt::Display;
+    fn peer_ip(&self) -> Self::Ip;
+    /// The family's "any address", port 0: where a client socket binds.
+    fn any() -> SocketAddr;
+}
+
+impl Peer for SocketAddrV4 {
+    type Ip = Ipv4Addr;
+    fn peer_ip(&self) -> Ipv4Addr {
+        *self.ip()
+    }
+    fn any() -> SocketAddr {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    }
+}
+
+impl Peer for SocketAddrV6 {
+    type Ip = Ipv6Addr;
+    fn peer_ip(&self) -> Ipv6Addr {
+        *self.ip()
+    }
+    fn any() -> SocketAddr {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    }
+}
+
+/// A backend's greeting: `<name> <peer ip>:<peer port>`; the peer of the request's
+/// family (IPv4 unless said otherwise).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
+pub struct Reply<A = SocketAddrV4> {
     /// The backend that answered.
     pub backend: String,
     /// The client address the backend saw.
-    pub peer: SocketAddrV4,
+    pub peer: A,
 }
 
-impl Reply {
-    pub fn parse(line: &str) -> Result<Reply> {
+impl<A: Peer> Reply<A> {
+    pub fn parse(line: &str) -> Result<Reply<A>> {
         let line = line.trim_end();
         let (backend, peer) = line
             .split_once(' ')
@@ -40,8 +83,8 @@ impl Reply {
 
 /// What one request came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    Reply(Reply),
+pub enum Outcome<A = SocketAddrV4> {
+    Reply(Reply<A>),
     /// ECONNREFUSED: a TCP RST, or ICMP port unreachable for TCP or UDP.
     Refused,
     /// Nothing came back in time.
@@ -50,8 +93,8 @@ pub enum Outcome {
     Failed(String),
 }
 
-impl Outcome {
-    fn from_io(e: &io::Error) -> Outcome {
+impl<A: Peer> Outcome<A> {
+    fn from_io(e: &io::Error) -> Outcome<A> {
         match e.kind() {
             ErrorKind::ConnectionRefused => Outcome::Refused,
             ErrorKind::TimedOut | ErrorKind::WouldBlock => Outcome::Timeout,
@@ -59,7 +102,7 @@ impl Outcome {
         }
     }
 
-    fn from_line(line: &str) -> Outcome {
+    fn from_line(line: &str) -> Outcome<A> {
         match Reply::parse(line) {
             Ok(reply) => Outcome::Reply(reply),
             Err(e) => Outcome::Failed(format!("{e:#}")),
@@ -68,7 +111,7 @@ impl Outcome {
 
     /// The reply; panics with the outcome otherwise (for tests).
     #[track_caller]
-    pub fn expect_reply(self, what: &str) -> Reply {
+    pub fn expect_reply(self, what: &str) -> Reply<A> {
         match self {
             Outcome::Reply(reply) => reply,
             other => panic!("{what}: expected a reply from a backend, got {other}"),
@@ -76,7 +119,7 @@ impl Outcome {
     }
 }
 
-impl fmt::Display for Outcome {
+impl<A: fmt::Display> fmt::Display for Outcome<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Outcome::Reply(r) => write!(f, "reply from {} (saw peer {})", r.backend, r.peer),
@@ -89,7 +132,7 @@ impl fmt::Display for Outcome {
 
 /// One TCP request from the calling thread's namespace: connect, read the greeting,
 /// close.
-pub fn tcp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn tcp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
     match TcpStream::connect_timeout(&addr.into(), timeout) {
         Ok(stream) => read_greeting(stream, timeout),
         Err(e) => Outcome::from_io(&e),
@@ -146,7 +189,7 @@ pub fn tcp_request_from_port_here(
     }
 }
 
-fn read_greeting(stream: TcpStream, timeout: Duration) -> Outcome {
+fn read_greeting<A: Peer>(stream: TcpStream, timeout: Duration) -> Outcome<A> {
     if let Err(e) = stream.set_read_timeout(Some(timeout)) {
         return Outcome::from_io(&e);
     }
@@ -161,9 +204,10 @@ fn read_greeting(stream: TcpStream, timeout: Duration) -> Outcome {
 /// One UDP request from the calling thread's namespace, on a connected socket, so
 /// that an ICMP port unreachable surfaces as ECONNREFUSED and only a reply from `addr`
 /// itself (i.e. correctly reverse-NATed) is accepted.
-pub fn udp_request_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn udp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
     let attempt = || -> io::Result<String> {
-        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        let socket = UdpSocket::bind(A::any())?;
+        let addr: SocketAddr = addr.into();
         socket.connect(addr)?;
         socket.set_read_timeout(Some(timeout))?;
         socket.send(b"hello\n")?;
@@ -240,32 +284,42 @@ pub fn udp_sized_request(
 }
 
 /// [`tcp_request_here`] from inside `ns`.
-pub fn tcp_request(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn tcp_request<A: Peer>(ns: &NetNs, addr: A, timeout: Duration) -> Outcome<A> {
     ns.run(|| tcp_request_here(addr, timeout))
         .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
 }
 
 /// [`udp_request_here`] from inside `ns`.
-pub fn udp_request(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn udp_request<A: Peer>(ns: &NetNs, addr: A, timeout: Duration) -> Outcome<A> {
     ns.run(|| udp_request_here(addr, timeout))
         .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
 }
 
 /// Counts of many requests: which backend answered how often, which peer addresses the
 /// backends saw, and everything that was not a reply.
-#[derive(Debug, Clone, Default)]
-pub struct Tally {
+#[derive(Debug, Clone)]
+pub struct Tally<A: Peer = SocketAddrV4> {
     pub counts: BTreeMap<String, u64>,
-    pub peers_seen: BTreeSet<Ipv4Addr>,
-    pub failures: Vec<Outcome>,
+    pub peers_seen: BTreeSet<A::Ip>,
+    pub failures: Vec<Outcome<A>>,
 }
 
-impl Tally {
-    pub fn record(&mut self, outcome: Outcome) {
+impl<A: Peer> Default for Tally<A> {
+    fn default() -> Self {
+        Tally {
+            counts: BTreeMap::new(),
+            peers_seen: BTreeSet::new(),
+            failures: Vec::new(),
+        }
+    }
+}
+
+impl<A: Peer> Tally<A> {
+    pub fn record(&mut self, outcome: Outcome<A>) {
         match outcome {
             Outcome::Reply(r) => {
                 *self.counts.entry(r.backend).or_default() += 1;
-                self.peers_seen.insert(*r.peer.ip());
+                self.peers_seen.insert(r.peer.peer_ip());
             }
             other => self.failures.push(other),
         }
@@ -290,7 +344,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(2);
 /// Panics, saying how, unless every request of `tally` got a reply and every backend
 /// saw `client`'s address.
 #[track_caller]
-pub fn assert_all_replied_from(client: Ipv4Addr, what: &str, tally: &Tally) {
+pub fn assert_all_replied_from<A: Peer>(client: A::Ip, what: &str, tally: &Tally<A>) {
     assert!(
         tally.failures.is_empty(),
         "{what}: {} of {} requests failed{}; first failures: {:?}",
@@ -303,7 +357,7 @@ pub fn assert_all_replied_from(client: Ipv4Addr, what: &str, tally: &Tally) {
         },
         &tally.failures[..tally.failures.len().min(5)]
     );
-    let expected: BTreeSet<Ipv4Addr> = [client].into();
+    let expected: BTreeSet<A::Ip> = [client].into();
     assert_eq!(
         tally.peers_seen, expected,
         "{what}: backends saw these client addresses instead of only the client's {client}"
@@ -316,16 +370,20 @@ pub const TALLY_MAX_FAILURES: usize = 10;
 
 /// `n` TCP requests to `addr` from inside `ns`, one new connection each (fewer if
 /// [`TALLY_MAX_FAILURES`] is reached).
-pub fn tcp_tally(ns: &NetNs, addr: SocketAddrV4, n: usize, timeout: Duration) -> Result<Tally> {
+pub fn tcp_tally<A: Peer>(ns: &NetNs, addr: A, n: usize, timeout: Duration) -> Result<Tally<A>> {
     tally(ns, n, || tcp_request_here(addr, timeout))
 }
 
 /// `n` UDP requests to `addr` from inside `ns`, a new socket (source port) each.
-pub fn udp_tally(ns: &NetNs, addr: SocketAddrV4, n: usize, timeout: Duration) -> Result<Tally> {
+pub fn udp_tally<A: Peer>(ns: &NetNs, addr: A, n: usize, timeout: Duration) -> Result<Tally<A>> {
     tally(ns, n, || udp_request_here(addr, timeout))
 }
 
-fn tally(ns: &NetNs, n: usize, request: impl Fn() -> Outcome + Send + Sync) -> Result<Tally> {
+fn tally<A: Peer>(
+    ns: &NetNs,
+    n: usize,
+    request: impl Fn() -> Outcome<A> + Send + Sync,
+) -> Result<Tally<A>> {
     // One thread in the namespace for the whole batch.
     ns.run(|| {
         let mut tally = Tally::default();
@@ -391,19 +449,29 @@ mod tests {
     #[test]
     fn parses_greetings() {
         assert_eq!(
-            Reply::parse("backend-a 10.200.0.2:40000\n").unwrap(),
+            Reply::<SocketAddrV4>::parse("backend-a 10.200.0.2:40000\n").unwrap(),
             Reply {
                 backend: "backend-a".into(),
                 peer: "10.200.0.2:40000".parse().unwrap()
             }
         );
-        assert!(Reply::parse("garbage").is_err());
-        assert!(Reply::parse("backend-a nowhere").is_err());
+        assert!(Reply::<SocketAddrV4>::parse("garbage").is_err());
+        assert!(Reply::<SocketAddrV4>::parse("backend-a nowhere").is_err());
+    }
+
+    #[test]
+    fn parses_ipv6_greetings() {
+        let reply = Reply::<SocketAddrV6>::parse("backend-a [fd00:10::ac8:2]:40000\n").unwrap();
+        assert_eq!(
+            reply.peer.peer_ip(),
+            "fd00:10::ac8:2".parse::<Ipv6Addr>().unwrap()
+        );
+        assert!(Reply::<SocketAddrV6>::parse("backend-a 10.200.0.2:40000").is_err());
     }
 
     #[test]
     fn tally_counts_replies_and_failures() {
-        let mut t = Tally::default();
+        let mut t: Tally = Tally::default();
         t.record(Outcome::from_line("a 10.0.0.1:1"));
         t.record(Outcome::from_line("a 10.0.0.1:2"));
         t.record(Outcome::from_line("b 10.0.0.2:1"));

@@ -5,7 +5,7 @@
 use std::{
     fmt::Write as _,
     fs,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4},
     path::{Path, PathBuf},
 };
 
@@ -158,13 +158,29 @@ impl From<Endpoint> for SliceEndpoint {
     }
 }
 
+/// `spec.ipFamilies` of a [`Service`], in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IpFamilies {
+    V4,
+    V6,
+    /// Dual-stack, IPv4 primary.
+    V4V6,
+}
+
 /// A Service; its endpoints are given when writing its EndpointSlice. ClusterIP unless
 /// [`Service::type_`] says otherwise.
 #[derive(Debug, Clone)]
 pub struct Service {
     pub namespace: String,
     pub name: String,
+    /// The IPv4 ClusterIP; `0.0.0.0` (and unused) for a Service of IPv6 alone
+    /// ([`Service::new_v6`]).
     pub cluster_ip: Ipv4Addr,
+    /// Which families the Service has, in `spec.ipFamilies` order.
+    pub families: IpFamilies,
+    /// The IPv6 ClusterIP of a Service with IPv6 ([`Service::new_v6`],
+    /// [`Service::dual_stack`]).
+    pub cluster_ip6: Option<Ipv6Addr>,
     pub ports: Vec<ServicePort>,
     pub session_affinity: SessionAffinity,
     /// `spec.type`.
@@ -189,6 +205,8 @@ impl Service {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
             cluster_ip,
+            families: IpFamilies::V4,
+            cluster_ip6: None,
             ports: Vec::new(),
             session_affinity: SessionAffinity::None,
             type_: ServiceType::ClusterIp,
@@ -197,6 +215,34 @@ impl Service {
             load_balancer_source_ranges: Vec::new(),
             external_traffic_policy: None,
             health_check_node_port: None,
+        }
+    }
+
+    /// A Service of IPv6 alone (`ipFamilies: [IPv6]`, `SingleStack`).
+    pub fn new_v6(namespace: &str, name: &str, cluster_ip6: Ipv6Addr) -> Service {
+        Service {
+            families: IpFamilies::V6,
+            cluster_ip6: Some(cluster_ip6),
+            ..Service::new(namespace, name, Ipv4Addr::UNSPECIFIED)
+        }
+    }
+
+    /// Makes this IPv4 Service dual-stack (`RequireDualStack`), IPv4 first: its
+    /// `clusterIPs` are its IPv4 ClusterIP and `cluster_ip6`.
+    pub fn dual_stack(mut self, cluster_ip6: Ipv6Addr) -> Service {
+        self.families = IpFamilies::V4V6;
+        self.cluster_ip6 = Some(cluster_ip6);
+        self
+    }
+
+    /// `spec.clusterIPs`, the primary family's first.
+    pub fn cluster_ips(&self) -> Vec<IpAddr> {
+        let v4 = IpAddr::V4(self.cluster_ip);
+        let v6 = self.cluster_ip6.map(IpAddr::V6);
+        match self.families {
+            IpFamilies::V4 => vec![v4],
+            IpFamilies::V6 => v6.into_iter().collect(),
+            IpFamilies::V4V6 => std::iter::once(v4).chain(v6).collect(),
         }
     }
 
@@ -284,16 +330,20 @@ impl Service {
     /// The Service object, its fields in `kubectl get -o yaml`'s (alphabetical) order.
     pub fn service_yaml(&self) -> String {
         let mut y = String::new();
-        let ip = self.cluster_ip;
+        let ips = self.cluster_ips();
         let _ = write!(
             y,
             "apiVersion: v1\n\
              kind: Service\n\
              metadata:\n  name: {name}\n  namespace: {ns}\n\
-             spec:\n  clusterIP: {ip}\n  clusterIPs:\n  - {ip}\n",
+             spec:\n  clusterIP: {ip}\n  clusterIPs:\n",
             name = self.name,
             ns = self.namespace,
+            ip = ips[0],
         );
+        for ip in &ips {
+            let _ = writeln!(y, "  - {ip}");
+        }
         if !self.external_ips.is_empty() {
             y.push_str("  externalIPs:\n");
             for ip in &self.external_ips {
@@ -306,10 +356,16 @@ impl Service {
         if let Some(port) = self.health_check_node_port {
             let _ = writeln!(y, "  healthCheckNodePort: {port}");
         }
-        y.push_str(
-            "  internalTrafficPolicy: Cluster\n  ipFamilies:\n  - IPv4\n  \
-             ipFamilyPolicy: SingleStack\n",
-        );
+        y.push_str("  internalTrafficPolicy: Cluster\n  ipFamilies:\n");
+        for ip in &ips {
+            let family = if ip.is_ipv4() { "IPv4" } else { "IPv6" };
+            let _ = writeln!(y, "  - {family}");
+        }
+        let policy = match self.families {
+            IpFamilies::V4 | IpFamilies::V6 => "SingleStack",
+            IpFamilies::V4V6 => "RequireDualStack",
+        };
+        let _ = writeln!(y, "  ipFamilyPolicy: {policy}");
         if !self.load_balancer_source_ranges.is_empty() {
             y.push_str("  loadBalancerSourceRanges:\n");
             for cidr in &self.load_balancer_source_ranges {
@@ -365,18 +421,7 @@ impl Service {
     where
         E: Clone + Into<SliceEndpoint>,
     {
-        let mut y = String::new();
-        let _ = write!(
-            y,
-            "apiVersion: discovery.k8s.io/v1\n\
-             kind: EndpointSlice\n\
-             metadata:\n  name: {name}-x7k2p\n  namespace: {ns}\n  labels:\n    \
-             endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io\n    \
-             kubernetes.io/service-name: {name}\n\
-             addressType: IPv4\n",
-            name = self.name,
-            ns = self.namespace,
-        );
+        let mut y = self.slice_header("x7k2p", "IPv4");
         if endpoints.is_empty() {
             y.push_str("endpoints: []\n");
         } else {
@@ -397,6 +442,55 @@ impl Service {
                 }
             }
         }
+        self.slice_ports(&mut y);
+        y
+    }
+
+    /// An EndpointSlice of `addressType: IPv6` for this Service with `endpoints`
+    /// ready; named apart from the IPv4 one, as the EndpointSlice controller keeps
+    /// one slice per family.
+    pub fn endpoint_slice6_yaml(&self, endpoints: &[Ipv6Addr]) -> String {
+        let mut y = self.slice_header("v6q9r", "IPv6");
+        if endpoints.is_empty() {
+            y.push_str("endpoints: []\n");
+        } else {
+            y.push_str("endpoints:\n");
+            for ip in endpoints {
+                let _ = write!(
+                    y,
+                    "- addresses:\n  - {ip}\n  conditions:\n    ready: true\n    \
+                     serving: true\n    terminating: false\n",
+                );
+            }
+        }
+        self.slice_ports(&mut y);
+        y
+    }
+
+    /// The Service and an IPv6 EndpointSlice with `endpoints` ready, as one
+    /// multi-document file.
+    pub fn yaml6(&self, endpoints: &[Ipv6Addr]) -> String {
+        format!(
+            "{}---\n{}",
+            self.service_yaml(),
+            self.endpoint_slice6_yaml(endpoints)
+        )
+    }
+
+    fn slice_header(&self, suffix: &str, address_type: &str) -> String {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\n\
+             kind: EndpointSlice\n\
+             metadata:\n  name: {name}-{suffix}\n  namespace: {ns}\n  labels:\n    \
+             endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io\n    \
+             kubernetes.io/service-name: {name}\n\
+             addressType: {address_type}\n",
+            name = self.name,
+            ns = self.namespace,
+        )
+    }
+
+    fn slice_ports(&self, y: &mut String) {
         y.push_str("ports:\n");
         for p in &self.ports {
             let _ = write!(
@@ -407,7 +501,6 @@ impl Service {
                 p.protocol.upper()
             );
         }
-        y
     }
 
     /// The Service and, if `endpoints` is given, its EndpointSlice, as one
@@ -619,6 +712,43 @@ mod tests {
         let port = &spec.ports.expect("ports")[0];
         assert_eq!((port.port, port.node_port), (80, None));
         assert_eq!(slices[0].endpoints[0].node_name, None);
+    }
+
+    #[test]
+    fn ipv6_and_dual_stack_yaml_parse_as_kubernetes_objects() {
+        let ip6: Ipv6Addr = "fd00:96::10".parse().expect("literal");
+        let backend6: Ipv6Addr = "fd00:10::a00:b".parse().expect("literal");
+        let v6 = Service::new_v6("demo", "web6", ip6).port("http", 80, Protocol::Tcp, 8080);
+        let (services, slices) = parse(&v6.yaml6(&[backend6]));
+        let spec = services[0].spec.clone().expect("spec");
+        assert_eq!(spec.cluster_ips, Some(vec![ip6.to_string()]));
+        assert_eq!(spec.ip_families, Some(vec!["IPv6".to_owned()]));
+        assert_eq!(slices[0].address_type, "IPv6");
+        assert_eq!(slices[0].endpoints[0].addresses, vec![backend6.to_string()]);
+
+        let dual = Service::new("demo", "web", Ipv4Addr::new(10, 96, 0, 10))
+            .dual_stack(ip6)
+            .port("http", 80, Protocol::Tcp, 8080);
+        let both = format!(
+            "{}---\n{}",
+            dual.yaml(Some(&[Ipv4Addr::new(10, 200, 0, 11)])),
+            dual.endpoint_slice6_yaml(&[backend6])
+        );
+        let (services, slices) = parse(&both);
+        let spec = services[0].spec.clone().expect("spec");
+        assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.10"));
+        assert_eq!(
+            spec.cluster_ips,
+            Some(vec!["10.96.0.10".to_owned(), ip6.to_string()])
+        );
+        assert_eq!(
+            spec.ip_families,
+            Some(vec!["IPv4".to_owned(), "IPv6".to_owned()])
+        );
+        assert_eq!(spec.ip_family_policy.as_deref(), Some("RequireDualStack"));
+        let types: Vec<&str> = slices.iter().map(|s| s.address_type.as_str()).collect();
+        assert_eq!(types, ["IPv4", "IPv6"]);
+        assert_ne!(slices[0].metadata.name, slices[1].metadata.name);
     }
 
     #[test]

@@ -12,11 +12,14 @@
 //! [`PooledBackend`] is the benchmarks' backend, made for speed, with a protocol of its
 //! own (see its doc).
 //!
+//! [`TcpServer`] and [`UdpServer`] listen on both families (`[::]`, IPv4 clients
+//! arriving IPv4-mapped) and report an IPv4 peer in IPv4's form.
+//!
 //! Servers stop when dropped.
 
 use std::{
     io::{BufRead, BufReader, ErrorKind, Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsFd,
     sync::{
         Arc,
@@ -51,10 +54,11 @@ pub struct TcpServer {
 }
 
 impl TcpServer {
-    /// Listens on `0.0.0.0:port` inside `ns`; returns once the socket is listening.
+    /// Listens on `[::]:port` inside `ns` (both families: a namespace's
+    /// `net.ipv6.bindv6only` is 0); returns once the socket is listening.
     pub fn start(ns: &NetNs, name: &str, port: u16) -> Result<TcpServer> {
         let listener = ns
-            .run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)))?
+            .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, port)))?
             .with_context(|| format!("{name}: bind TCP port {port} in {}", ns.name()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -126,7 +130,7 @@ fn serve_connection(
     name: &str,
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
-    stream.write_all(format!("{name} {peer}\n").as_bytes())?;
+    stream.write_all(format!("{name} {}\n", canonical(peer)).as_bytes())?;
     stream.set_read_timeout(Some(TICK))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
@@ -153,10 +157,11 @@ pub struct UdpServer {
 }
 
 impl UdpServer {
-    /// Binds `0.0.0.0:port` inside `ns`; returns once the socket is bound.
+    /// Binds `[::]:port` inside `ns` (both families, as [`TcpServer::start`]);
+    /// returns once the socket is bound.
     pub fn start(ns: &NetNs, name: &str, port: u16) -> Result<UdpServer> {
         let socket = ns
-            .run(|| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port)))?
+            .run(|| UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port)))?
             .with_context(|| format!("{name}: bind UDP port {port} in {}", ns.name()))?;
         socket.set_read_timeout(Some(TICK))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -189,7 +194,7 @@ impl UdpServer {
 
 /// What the UDP backend `name` answers `request` from `peer` (see the module doc).
 fn udp_answer(name: &str, peer: SocketAddr, request: &[u8]) -> Vec<u8> {
-    let mut answer = format!("{name} {peer}\n").into_bytes();
+    let mut answer = format!("{name} {}\n", canonical(peer)).into_bytes();
     let asked = std::str::from_utf8(request).ok().and_then(|r| {
         r.lines()
             .next()?
@@ -202,6 +207,12 @@ fn udp_answer(name: &str, peer: SocketAddr, request: &[u8]) -> Vec<u8> {
         answer.extend(padding(at, size - at));
     }
     answer
+}
+
+/// `peer` with an IPv4-mapped address (an IPv4 client of a socket of both families)
+/// as the IPv4 address it is.
+fn canonical(peer: SocketAddr) -> SocketAddr {
+    SocketAddr::new(peer.ip().to_canonical(), peer.port())
 }
 
 /// `len` filler bytes for offset `at` of a padded datagram: a pattern that a lost,

@@ -6,8 +6,14 @@
 //! pod's host-side veth, answers ARP for the gateway by proxy ARP on that veth, and
 //! forwards between pods. The agent runs in the node namespace and sees every pod's
 //! packets at tc ingress of that pod's host-side veth.
+//!
+//! Every pod is dual-stack: next to its IPv4 address it has [`pod_ip6`] of it as a
+//! /128, and `default via fe80::1 dev eth0`; the node's end of each veth owns `fe80::1`
+//! (IPv6 has no proxy ARP to lean on, so the gateway is a real link-local address, as
+//! Calico gives it) and routes the pod's /128 through it. Duplicate address detection
+//! is off on both ends, so the addresses work the moment they exist.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4};
 
 use anyhow::{Context, Result, bail};
 
@@ -25,11 +31,24 @@ pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 /// of anything it sends itself.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
 
+/// The pods' IPv6 default gateway, owned by the node's end of every pod's veth.
+pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+
+/// The prefix of every pod's IPv6 address: `fd00:10::/96`, the IPv4 address in its low
+/// 32 bits.
+pub const POD_NET6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0);
+
+/// The IPv6 address of the pod whose IPv4 address is `ip` (10.200.0.11 ->
+/// `fd00:10::ac8:b`), so that each test's IPv4 plan gives its IPv6 one.
+pub fn pod_ip6(ip: Ipv4Addr) -> Ipv6Addr {
+    Ipv6Addr::from(u128::from(POD_NET6) | u128::from(u32::from(ip)))
+}
+
 /// The one-node world the ClusterIP tests, the benches and the demo share: a client pod,
 /// a second client for side-by-side references (so that neither conntrack holds the
 /// other half's flows), and three backends serving TCP and UDP behind one ClusterIP.
 pub mod one_node {
-    use super::{Ipv4Addr, Protocol, Service, SocketAddrV4};
+    use super::{Ipv4Addr, Ipv6Addr, Protocol, Service, SocketAddrV4};
 
     pub const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
     /// The client of a side-by-side reference (kube-proxy's rules) in the same test.
@@ -54,6 +73,13 @@ pub mod one_node {
     pub const UDP_SERVICE_PORT: u16 = 53;
     /// The ClusterIP's TCP frontend.
     pub const VIP: SocketAddrV4 = SocketAddrV4::new(CLUSTER_IP, TCP_SERVICE_PORT);
+    /// The IPv6 ClusterIP of an IPv6 or dual-stack `test/web`.
+    pub const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
+
+    /// The backends' IPv6 addresses, in [`BACKENDS`] order.
+    pub fn backend_ips6() -> Vec<Ipv6Addr> {
+        BACKENDS.iter().map(|b| super::pod_ip6(b.1)).collect()
+    }
 
     /// `test/web` with `http` 80/TCP -> 8080 and `dns` 53/UDP -> 5353.
     pub fn web_service(cluster_ip: Ipv4Addr) -> Service {
@@ -134,6 +160,8 @@ pub(crate) const IFNAME_MAX: usize = 15;
 pub struct Pod {
     pub name: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address, [`pod_ip6`] of `ip`.
+    pub ip6: Ipv6Addr,
     /// Name of the host-side veth in the node namespace.
     pub host_if: String,
     pub ns: NetNs,
@@ -213,6 +241,7 @@ pub(crate) fn prepare_routed_node(node: &NetNs) -> Result<()> {
     // the gateway gets a route of its own.
     node.ip(&["route", "add", &format!("{GATEWAY}/32"), "dev", "lo"])?;
     node.sysctl("net.ipv4.ip_forward", "1")?;
+    node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
     // Replies from a backend arrive reverse-NATed from the ClusterIP, an address
     // the node has no route back through that veth for; strict reverse-path
     // filtering would drop them.
@@ -255,10 +284,33 @@ pub(crate) fn create_pod(
     // Proxy ARP replies to broadcast requests are delayed by up to proxy_delay
     // (0.8 s by default); Calico sets it to 0 as well.
     node.sysctl(&format!("net.ipv4.neigh.{host_if}.proxy_delay"), "0")?;
+    node.sysctl(&format!("net.ipv6.conf.{host_if}.accept_dad"), "0")?;
     node.ip(&["link", "set", &host_if, "up"])?;
     node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_if])?;
+    let gateway6 = GATEWAY6.to_string();
+    node.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{gateway6}/64"),
+        "dev",
+        &host_if,
+        "nodad",
+    ])?;
+    let ip6 = pod_ip6(ip);
+    node.ip(&["-6", "route", "add", &format!("{ip6}/128"), "dev", &host_if])?;
 
+    ns.sysctl("net.ipv6.conf.eth0.accept_dad", "0")?;
     ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+    ns.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{ip6}/128"),
+        "dev",
+        "eth0",
+        "nodad",
+    ])?;
     ns.ip(&["link", "set", "eth0", "up"])?;
     ns.ip(&[
         "route",
@@ -270,9 +322,13 @@ pub(crate) fn create_pod(
         "eth0",
         "onlink",
     ])?;
+    ns.ip(&[
+        "-6", "route", "add", "default", "via", &gateway6, "dev", "eth0",
+    ])?;
     Ok(Pod {
         name: name.to_owned(),
         ip,
+        ip6,
         host_if,
         ns,
     })

@@ -368,7 +368,7 @@ fn udp_exchange(socket: &std::net::UdpSocket, what: &str) -> String {
     let n = socket
         .recv(&mut buf)
         .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
-    ebpf_proxy_tests::client::Reply::parse(&String::from_utf8_lossy(&buf[..n]))
+    ebpf_proxy_tests::client::Reply::<SocketAddrV4>::parse(&String::from_utf8_lossy(&buf[..n]))
         .unwrap_or_else(|e| panic!("{what}: {e:#}"))
         .backend
 }

@@ -3,7 +3,7 @@
 //! nodes, pods and outside clients, and kube-proxy's iptables rules spread connections
 //! evenly. When these fail, the sandbox is broken, not ebpf-proxy.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddrV4, SocketAddrV6};
 
 use ebpf_proxy_tests::{
     Protocol,
@@ -15,7 +15,10 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     servers::{TcpServer, UdpServer},
     stats::chi_square_uniform,
-    topology::one_node::{BACKENDS, CLIENT},
+    topology::{
+        one_node::{BACKENDS, CLIENT},
+        pod_ip6,
+    },
 };
 
 use ebpf_proxy_tests::client::TIMEOUT;
@@ -45,6 +48,30 @@ fn routed_topology_forwards_pod_to_pod_keeping_source_addresses() {
             *udp.peer.ip(),
             CLIENT.1,
             "{name} saw another source address"
+        );
+    }
+}
+
+#[test]
+fn routed_topology_forwards_ipv6_pod_to_pod_keeping_source_addresses() {
+    let sb = sandbox();
+    let client = sb.client();
+    assert_eq!(client.ip6, pod_ip6(CLIENT.1));
+    for (name, ip) in BACKENDS {
+        let ip6 = pod_ip6(ip);
+        let tcp = tcp_request(&client.ns, SocketAddrV6::new(ip6, 8080, 0, 0), TIMEOUT)
+            .expect_reply(&format!("TCP from client to {name} ([{ip6}]) directly"));
+        assert_eq!(
+            (tcp.backend.as_str(), *tcp.peer.ip()),
+            (name, client.ip6),
+            "TCP over IPv6: another backend or source address"
+        );
+        let udp = udp_request(&client.ns, SocketAddrV6::new(ip6, 5353, 0, 0), TIMEOUT)
+            .expect_reply(&format!("UDP from client to {name} ([{ip6}]) directly"));
+        assert_eq!(
+            (udp.backend.as_str(), *udp.peer.ip()),
+            (name, client.ip6),
+            "UDP over IPv6: another backend or source address"
         );
     }
 }

@@ -42,7 +42,15 @@ fn hooked_sandbox(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
     let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
     sb.topology()
         .node
-        .ip(&["-6", "addr", "add", &format!("{NODE_IP6}/128"), "dev", "lo", "nodad"])
+        .ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{NODE_IP6}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ])
         .expect("the node's IPv6 address");
     for (name, yaml) in manifests {
         sb.manifests().write(name, yaml).expect("write manifest");
@@ -240,7 +248,8 @@ fn an_ipv4_service_is_reached_through_an_ipv6_socket_at_its_mapped_address() {
 /// spread over its IPv6 backend pods, which see the node's IPv6 address, and
 /// `getpeername()` shows the ClusterIP; the answer to an unconnected UDP socket's
 /// datagram shows the ClusterIP as its source, and a connected one shows it as its
-/// peer; with ClientIP affinity every connection of the node reaches one backend; a
+/// peer; with ClientIP affinity every connection of the node reaches one backend;
+/// `ebpf-proxy status` shows the IPv6 frontends and backends as `[addr]:port`; a
 /// Service without endpoints refuses.
 #[test]
 fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
@@ -278,7 +287,14 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
 
     let tcp = |target: SocketAddr, i: usize| {
         // `<peer> <backend> <address the backend saw>`
-        let words = run_in(&sb, node, &cgroup, env!("CARGO_BIN_EXE_tcp-peer"), target, &[]);
+        let words = run_in(
+            &sb,
+            node,
+            &cgroup,
+            env!("CARGO_BIN_EXE_tcp-peer"),
+            target,
+            &[],
+        );
         assert_eq!(words.len(), 3, "tcp-peer {target} printed {words:?}");
         assert_eq!(
             words[0],
@@ -315,7 +331,14 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
     );
 
     // `<backend> <address the backend saw> from <source>`
-    let words = run_in(&sb, node, &cgroup, env!("CARGO_BIN_EXE_udp-sendto"), dns, &[]);
+    let words = run_in(
+        &sb,
+        node,
+        &cgroup,
+        env!("CARGO_BIN_EXE_udp-sendto"),
+        dns,
+        &[],
+    );
     assert_eq!(
         (words.len(), words[2].as_str(), words[3].as_str()),
         (4, "from", dns.to_string().as_str()),
@@ -336,6 +359,27 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
         udp.ask("peer"),
         dns.to_string(),
         "getpeername() of a connected IPv6 UDP socket to {dns}"
+    );
+
+    // `ebpf-proxy status` shows IPv6 frontends, backends and the node's IPv6 address
+    // as `[addr]:port`.
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let backends6: Vec<String> = backend_ips6()
+        .iter()
+        .map(|ip| format!("[{ip}]:{TCP_PORT}"))
+        .collect();
+    let web6 = status
+        .lines()
+        .find(|line| line.starts_with(&format!("{http}/TCP (service id")))
+        .unwrap_or_else(|| panic!("no line of {http}/TCP in the status:\n{status}"));
+    assert!(
+        backends6.iter().all(|b| web6.contains(b.as_str())),
+        "the status line of {http}/TCP lacks a backend of {backends6:?}: {web6}"
+    );
+    assert!(
+        status.contains(&format!("[{empty_ip6}]:{TCP_SERVICE_PORT}/TCP"))
+            && status.contains(&format!("node IPv6 address: {NODE_IP6}")),
+        "the status lacks the empty IPv6 frontend or the node's IPv6 address:\n{status}"
     );
 
     let empty = SocketAddr::new(empty_ip6.into(), TCP_SERVICE_PORT);

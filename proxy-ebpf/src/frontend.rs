@@ -123,25 +123,24 @@ pub fn lookup_frontend_of6(
             // SAFETY: a pointer the map lookup returned, valid for this program's run.
             .map(|p| unsafe { (*p).flags })
     };
-    let frontend = match lookup(own) {
-        Some(svc) => Frontend {
+    let frontend = if let Some(svc) = lookup(own) {
+        Frontend {
             key: own,
             on_node: svc.flags & service_flags::EXTERNAL != 0 && node_flags().is_some(),
             svc,
-        },
-        None => {
-            if node_flags()? & node_addr_flags::NODEPORT == 0 {
-                return None;
-            }
-            let key = ServiceKey {
-                addr_be: [0; 4],
-                ..own
-            };
-            Frontend {
-                key,
-                svc: lookup(key)?,
-                on_node: true,
-            }
+        }
+    } else {
+        if node_flags()? & node_addr_flags::NODEPORT == 0 {
+            return None;
+        }
+        let key = ServiceKey {
+            addr_be: [0; 4],
+            ..own
+        };
+        Frontend {
+            key,
+            svc: lookup(key)?,
+            on_node: true,
         }
     };
     Some(for_client(frontend, in_cluster))

@@ -138,6 +138,96 @@ fn mapped(ip: Ipv4Addr, port: u16) -> SocketAddr {
     SocketAddr::new(ip.to_ipv6_mapped().into(), port)
 }
 
+/// A TCP connection of the node to `target` (connection `i`): `getpeername()` must
+/// show `target`, and a backend answer that saw an address starting with `node`.
+/// Returns the backend.
+fn tcp_from_the_node(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    node: &str,
+    i: usize,
+) -> String {
+    // `<peer> <backend> <address the backend saw>`
+    let words = run_in(
+        sb,
+        &sb.topology().node,
+        cgroup,
+        env!("CARGO_BIN_EXE_tcp-peer"),
+        target,
+        &[],
+    );
+    assert_eq!(words.len(), 3, "tcp-peer {target} printed {words:?}");
+    assert_eq!(
+        words[0],
+        target.to_string(),
+        "TCP connection {i} to {target} (reached {}): getpeername() shows another peer",
+        words[1]
+    );
+    assert!(
+        backend_names().contains(&words[1].as_str()),
+        "connection {i} to {target} reached {words:?}, no backend"
+    );
+    assert!(
+        words[2].starts_with(node),
+        "connection {i} to {target}: the backend saw {}, not the node's address {node}",
+        words[2]
+    );
+    words[1].clone()
+}
+
+/// The node's UDP sockets to `target`: a backend answers the datagram of an
+/// unconnected socket, having seen an address starting with `node`, and the answer
+/// shows `target` as its source; a connected socket gets its answer and shows
+/// `target` as its peer.
+fn udp_from_the_node(sb: &Sandbox, cgroup: &TestCgroup, target: SocketAddr, node: &str) {
+    // `<backend> <address the backend saw> from <source>`
+    let words = run_in(
+        sb,
+        &sb.topology().node,
+        cgroup,
+        env!("CARGO_BIN_EXE_udp-sendto"),
+        target,
+        &[],
+    );
+    assert_eq!(
+        (words.len(), words[2].as_str(), words[3].as_str()),
+        (4, "from", target.to_string().as_str()),
+        "the answer to a datagram of an unconnected IPv6 socket to {target}: {words:?}"
+    );
+    assert!(
+        backend_names().contains(&words[0].as_str()) && words[1].starts_with(node),
+        "the datagram to {target} reached {words:?}"
+    );
+    let mut udp = ConnectedUdp::start(&sb.topology().node, cgroup, target);
+    let answer = udp.ask("hi");
+    assert!(
+        backend_names().contains(&answer.split_whitespace().next().unwrap_or_default()),
+        "a connected IPv6 UDP socket to {target} got {answer:?}"
+    );
+    assert_eq!(
+        udp.ask("peer"),
+        target.to_string(),
+        "getpeername() of a connected IPv6 UDP socket to {target}"
+    );
+}
+
+/// A TCP connection of the node to `target`, a Service without endpoints, is
+/// refused.
+fn refused(sb: &Sandbox, cgroup: &TestCgroup, target: SocketAddr) {
+    let out = cgroup
+        .command_in(&sb.topology().node, env!("CARGO_BIN_EXE_tcp-peer"))
+        .arg(target.to_string())
+        .output()
+        .expect("running tcp-peer");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("refused"),
+        "an IPv6 socket's connection to {target}, a Service without endpoints: {} {stderr:?}",
+        out.status
+    );
+}
+
 /// An IPv4 Service reached from an IPv6 socket of the node at the IPv4-mapped form of
 /// its ClusterIP is that Service: TCP connections spread over its IPv4 backends, which
 /// see the node's IPv4 address, and `getpeername()` shows the mapped ClusterIP; a
@@ -159,89 +249,17 @@ fn an_ipv4_service_is_reached_through_an_ipv6_socket_at_its_mapped_address() {
                 .yaml(Some(&[])),
         ),
     ]);
-    let node = &sb.topology().node;
-    let http = mapped(CLUSTER_IP, TCP_SERVICE_PORT);
-    let dns = mapped(CLUSTER_IP, UDP_SERVICE_PORT);
     let node_ip = format!("{NODE_IP}:");
-
-    let mut reached = BTreeSet::new();
-    for i in 0..8 {
-        // `<peer> <backend> <address the backend saw>`
-        let words = run_in(
-            &sb,
-            node,
-            &cgroup,
-            env!("CARGO_BIN_EXE_tcp-peer"),
-            http,
-            &[],
-        );
-        assert_eq!(words.len(), 3, "tcp-peer {http} printed {words:?}");
-        assert_eq!(
-            words[0],
-            http.to_string(),
-            "TCP connection {i} from an IPv6 socket to the mapped ClusterIP (reached {}): \
-             getpeername() shows another peer",
-            words[1]
-        );
-        assert!(
-            backend_names().contains(&words[1].as_str()),
-            "connection {i} reached {words:?}, no backend"
-        );
-        assert!(
-            words[2].starts_with(&node_ip),
-            "connection {i}: the backend saw {}, not the node's address",
-            words[2]
-        );
-        reached.insert(words[1].clone());
-    }
+    let http = mapped(CLUSTER_IP, TCP_SERVICE_PORT);
+    let reached: BTreeSet<String> = (0..8)
+        .map(|i| tcp_from_the_node(&sb, &cgroup, http, &node_ip, i))
+        .collect();
     assert!(
         reached.len() >= 2,
-        "8 connections from the node's IPv6 sockets all reached {reached:?}"
+        "8 connections from the node's IPv6 sockets to {http} all reached {reached:?}"
     );
-
-    // `<backend> <address the backend saw> from <source>`
-    let words = run_in(
-        &sb,
-        node,
-        &cgroup,
-        env!("CARGO_BIN_EXE_udp-sendto"),
-        dns,
-        &[],
-    );
-    assert_eq!(
-        (words.len(), words[2].as_str(), words[3].as_str()),
-        (4, "from", dns.to_string().as_str()),
-        "the answer to a datagram of an unconnected IPv6 socket to {dns}: {words:?}"
-    );
-    assert!(
-        backend_names().contains(&words[0].as_str()) && words[1].starts_with(&node_ip),
-        "the datagram to {dns} reached {words:?}"
-    );
-
-    let mut udp = ConnectedUdp::start(node, &cgroup, dns);
-    let answer = udp.ask("hi");
-    assert!(
-        backend_names().contains(&answer.split_whitespace().next().unwrap_or_default()),
-        "a connected IPv6 UDP socket to {dns} got {answer:?}"
-    );
-    assert_eq!(
-        udp.ask("peer"),
-        dns.to_string(),
-        "getpeername() of a connected IPv6 UDP socket to {dns}"
-    );
-
-    let empty = mapped(empty_ip, 80);
-    let out = cgroup
-        .command_in(node, env!("CARGO_BIN_EXE_tcp-peer"))
-        .arg(empty.to_string())
-        .output()
-        .expect("running tcp-peer");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("refused"),
-        "an IPv6 socket's connection to {empty}, a Service without endpoints: {} {stderr:?}",
-        out.status
-    );
+    udp_from_the_node(&sb, &cgroup, mapped(CLUSTER_IP, UDP_SERVICE_PORT), &node_ip);
+    refused(&sb, &cgroup, mapped(empty_ip, 80));
 }
 
 /// The node's IPv6 sockets reach an IPv6 Service: TCP connections to its ClusterIP
@@ -279,86 +297,34 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
                 .yaml6(&[]),
         ),
     ]);
-    let node = &sb.topology().node;
-    let http = SocketAddr::new(CLUSTER_IP6.into(), TCP_SERVICE_PORT);
-    let dns = SocketAddr::new(CLUSTER_IP6.into(), UDP_SERVICE_PORT);
     let node_ip6 = format!("[{NODE_IP6}]:");
+    let http = SocketAddr::new(CLUSTER_IP6.into(), TCP_SERVICE_PORT);
     let translated_before = sb.counter("sock_connect_translated");
-
-    let tcp = |target: SocketAddr, i: usize| {
-        // `<peer> <backend> <address the backend saw>`
-        let words = run_in(
-            &sb,
-            node,
-            &cgroup,
-            env!("CARGO_BIN_EXE_tcp-peer"),
-            target,
-            &[],
-        );
-        assert_eq!(words.len(), 3, "tcp-peer {target} printed {words:?}");
-        assert_eq!(
-            words[0],
-            target.to_string(),
-            "TCP connection {i} to {target} (reached {}): getpeername() shows another peer",
-            words[1]
-        );
-        assert!(
-            backend_names().contains(&words[1].as_str()),
-            "connection {i} to {target} reached {words:?}, no backend"
-        );
-        assert!(
-            words[2].starts_with(&node_ip6),
-            "connection {i} to {target}: the backend saw {}, not the node's IPv6 address",
-            words[2]
-        );
-        words[1].clone()
-    };
-    let reached: BTreeSet<String> = (0..8).map(|i| tcp(http, i)).collect();
+    let reached: BTreeSet<String> = (0..8)
+        .map(|i| tcp_from_the_node(&sb, &cgroup, http, &node_ip6, i))
+        .collect();
     assert!(
         reached.len() >= 2,
-        "8 connections from the node's IPv6 sockets all reached {reached:?}"
+        "8 connections from the node's IPv6 sockets to {http} all reached {reached:?}"
     );
     assert!(
         sb.counter("sock_connect_translated") >= translated_before + 8,
         "the connections were not counted as the hook's"
     );
     let sticky = SocketAddr::new(sticky_ip6.into(), TCP_SERVICE_PORT);
-    let stuck: BTreeSet<String> = (0..8).map(|i| tcp(sticky, i)).collect();
+    let stuck: BTreeSet<String> = (0..8)
+        .map(|i| tcp_from_the_node(&sb, &cgroup, sticky, &node_ip6, i))
+        .collect();
     assert_eq!(
         stuck.len(),
         1,
         "ClientIP affinity: the node's connections to {sticky} reached {stuck:?}"
     );
-
-    // `<backend> <address the backend saw> from <source>`
-    let words = run_in(
+    udp_from_the_node(
         &sb,
-        node,
         &cgroup,
-        env!("CARGO_BIN_EXE_udp-sendto"),
-        dns,
-        &[],
-    );
-    assert_eq!(
-        (words.len(), words[2].as_str(), words[3].as_str()),
-        (4, "from", dns.to_string().as_str()),
-        "the answer to a datagram of an unconnected IPv6 socket to {dns}: {words:?}"
-    );
-    assert!(
-        backend_names().contains(&words[0].as_str()) && words[1].starts_with(&node_ip6),
-        "the datagram to {dns} reached {words:?}"
-    );
-
-    let mut udp = ConnectedUdp::start(node, &cgroup, dns);
-    let answer = udp.ask("hi");
-    assert!(
-        backend_names().contains(&answer.split_whitespace().next().unwrap_or_default()),
-        "a connected IPv6 UDP socket to {dns} got {answer:?}"
-    );
-    assert_eq!(
-        udp.ask("peer"),
-        dns.to_string(),
-        "getpeername() of a connected IPv6 UDP socket to {dns}"
+        SocketAddr::new(CLUSTER_IP6.into(), UDP_SERVICE_PORT),
+        &node_ip6,
     );
 
     // `ebpf-proxy status` shows IPv6 frontends, backends and the node's IPv6 address
@@ -382,16 +348,9 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
         "the status lacks the empty IPv6 frontend or the node's IPv6 address:\n{status}"
     );
 
-    let empty = SocketAddr::new(empty_ip6.into(), TCP_SERVICE_PORT);
-    let out = cgroup
-        .command_in(node, env!("CARGO_BIN_EXE_tcp-peer"))
-        .arg(empty.to_string())
-        .output()
-        .expect("running tcp-peer");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && stderr.contains("refused"),
-        "an IPv6 socket's connection to {empty}, a Service without endpoints: {} {stderr:?}",
-        out.status
+    refused(
+        &sb,
+        &cgroup,
+        SocketAddr::new(empty_ip6.into(), TCP_SERVICE_PORT),
     );
 }

@@ -26,6 +26,8 @@ pub mod map_names {
     pub const CT_TIMEOUTS: &str = "CT_TIMEOUTS";
     pub const NODE_ADDRS: &str = "NODE_ADDRS";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    /// `NODE_CONFIG` for IPv6: the node's IPv6 address (`NodeConfig`).
+    pub const NODE_CONFIG6: &str = "NODE_CONFIG6";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
     pub const CLOCK: &str = "CLOCK";
@@ -35,6 +37,8 @@ pub mod map_names {
     pub const HOST_NETNS: &str = "HOST_NETNS";
     pub const SOCK_COUNTERS: &str = "SOCK_COUNTERS";
     pub const SOCK_NOTES: &str = "SOCK_NOTES";
+    /// The notes of IPv6 sockets sent to IPv6 backends (`SockNotes6`).
+    pub const SOCK_NOTES6: &str = "SOCK_NOTES6";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const CT_NEW: &str = "CT_NEW";
     /// The datapath log's level (see `datapath_log`).
@@ -46,11 +50,13 @@ pub mod map_names {
     pub const CONNTRACK6: &str = "CONNTRACK6";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 7] = [
+    pub const LATER: [&str; 9] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
         SOCK_NOTES,
+        SOCK_NOTES6,
+        NODE_CONFIG6,
         DATAPATH_LOG,
         AYA_LOGS,
         CONNTRACK6,
@@ -59,7 +65,7 @@ pub mod map_names {
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 25] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -78,6 +84,8 @@ pub mod map_names {
         HOST_NETNS,
         SOCK_COUNTERS,
         SOCK_NOTES,
+        SOCK_NOTES6,
+        NODE_CONFIG6,
         FRAGMENTS,
         CT_NEW,
         DATAPATH_LOG,
@@ -142,6 +150,13 @@ pub mod program_names {
     /// cgroup `getpeername4` hook: a socket the `connect()` hook sent to a
     /// backend shows the frontend as its peer, as a DNATed one does.
     pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+    /// The IPv6 twins of the four hooks above, for the node's IPv6 sockets.
+    /// An IPv4-mapped destination (`::ffff:a.b.c.d`) is the IPv4 frontend
+    /// it names, and goes to that frontend's backend, IPv4-mapped.
+    pub const SOCK_CONNECT6: &str = "sock_connect6";
+    pub const SOCK_SENDMSG6: &str = "sock_sendmsg6";
+    pub const SOCK_RECVMSG6: &str = "sock_recvmsg6";
+    pub const SOCK_GETPEERNAME6: &str = "sock_getpeername6";
     /// Iterator over `SOCK_NOTES` (`iter/bpf_sk_storage_map`): writes a
     /// `SockNotesRecord` for every socket holding notes. The kernel's socket
     /// diagnostics report socket-local storage of TCP sockets only, so this
@@ -217,6 +232,51 @@ impl SockNotes {
         (backend_be != 0 && note.backend_be == backend_be && note.backend_port_be == port_be)
             .then_some(note)
     }
+}
+
+/// `SockNote` for an IPv6 backend: the notes of `SOCK_NOTES6`, which only
+/// the IPv6 hooks keep (an IPv6 socket sent to an IPv4-mapped backend is
+/// noted in `SOCK_NOTES`, by the IPv4 address). `backend_be` all zeros is
+/// an empty note.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockNote6 {
+    pub backend_be: [u32; 4],
+    pub frontend_be: [u32; 4],
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// `sock_note` bits.
+    pub how: u32,
+}
+
+/// Value of `SOCK_NOTES6`: `SockNotes` for IPv6 backends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockNotes6 {
+    pub notes: [SockNote6; SOCK_NOTE_SLOTS],
+}
+
+impl SockNotes6 {
+    /// The note for backend `backend_be`, port `port_be`, if the socket has
+    /// one.
+    #[inline(always)]
+    pub fn find(&self, backend_be: &[u32; 4], port_be: u16) -> Option<&SockNote6> {
+        let note = &self.notes[sock_note_slot6(backend_be, port_be)];
+        (*backend_be != [0; 4] && note.backend_be == *backend_be && note.backend_port_be == port_be)
+            .then_some(note)
+    }
+}
+
+/// `sock_note_slot` of an IPv6 backend: its words folded into one, whose
+/// low word (the host part of most subnets) carries the spread.
+#[inline(always)]
+pub const fn sock_note_slot6(backend_be: &[u32; 4], port_be: u16) -> usize {
+    sock_note_slot(
+        backend_be[0] ^ backend_be[1] ^ backend_be[2] ^ backend_be[3],
+        port_be,
+    )
 }
 
 /// What `program_names::SOCK_NOTES_DUMP` writes per socket.
@@ -981,7 +1041,7 @@ mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCacheEntry, FragKey, FragValue, NodeAddr,
-        NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey,
+        NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1012,6 +1072,7 @@ mod pod_impls {
         SourceRangeKey,
         ClusterCidrKey,
         SockNotes,
+        SockNotes6,
         FragKey,
         FragValue
     );
@@ -1042,6 +1103,8 @@ mod tests {
         assert_eq!(size_of::<SockNote>(), 16);
         assert_eq!(size_of::<SockNotes>(), 16 * SOCK_NOTE_SLOTS);
         assert_eq!(size_of::<SockNotesRecord>(), 8 + 16 * SOCK_NOTE_SLOTS);
+        assert_eq!(size_of::<SockNote6>(), 40);
+        assert_eq!(size_of::<SockNotes6>(), 40 * SOCK_NOTE_SLOTS);
     }
 
     /// The sizes docs/maps.md promises: 100,000 Services of one port and

@@ -101,6 +101,64 @@ fn for_client(frontend: Frontend, in_cluster: impl FnOnce() -> bool) -> Frontend
     frontend
 }
 
+/// `lookup_frontend_of` for an IPv6 destination that is not IPv4-mapped:
+/// its own frontend, else a NodePort when it is a node address serving
+/// them (IPv6 NodePorts are programmed on `::`).
+#[inline(always)]
+pub fn lookup_frontend_of6(
+    dst_be: [u32; 4],
+    dport_be: u16,
+    proto: u8,
+    in_cluster: impl FnOnce() -> bool,
+) -> Option<Frontend> {
+    let own = ServiceKey {
+        addr_be: dst_be,
+        port_be: dport_be,
+        proto,
+        scope: scope::ANY,
+    };
+    let node_flags = || {
+        NODE_ADDRS
+            .get_ptr(NodeAddrKey { addr_be: dst_be })
+            // SAFETY: a pointer the map lookup returned, valid for this program's run.
+            .map(|p| unsafe { (*p).flags })
+    };
+    let frontend = if let Some(svc) = lookup(own) {
+        Frontend {
+            key: own,
+            on_node: svc.flags & service_flags::EXTERNAL != 0 && node_flags().is_some(),
+            svc,
+        }
+    } else {
+        if node_flags()? & node_addr_flags::NODEPORT == 0 {
+            return None;
+        }
+        let key = ServiceKey {
+            addr_be: [0; 4],
+            ..own
+        };
+        Frontend {
+            key,
+            svc: lookup(key)?,
+            on_node: true,
+        }
+    };
+    Some(for_client(frontend, in_cluster))
+}
+
+/// `source_allowed_for` a client of either family (IPv4-mapped for IPv4).
+#[inline(always)]
+pub fn source_allowed_for6(frontend: &Frontend, client_be: [u32; 4]) -> bool {
+    let key = Key::new(
+        proxy_common::source_range_prefix(128),
+        SourceRangeKey {
+            frontend: frontend.key,
+            client_be,
+        },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
+
 /// Whether the client of `flow` is in the cluster (`CLUSTER_CIDRS`).
 #[inline(always)]
 fn in_cluster(flow: &Flow) -> bool {

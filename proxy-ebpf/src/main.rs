@@ -44,6 +44,7 @@ mod reject;
 mod reject6;
 mod route;
 mod sock;
+mod sock6;
 mod verdict;
 
 use aya_ebpf::{
@@ -120,6 +121,39 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::getpeername4(&ctx)
+}
+
+/// cgroup `connect6`: `sock_connect4` for the node's IPv6 sockets, an
+/// IPv4-mapped destination as the IPv4 frontend it names (see `sock6`).
+///
+/// Linux 4.17 for the hook, 5.7 for its link.
+#[cgroup_sock_addr(connect6)]
+pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock6::connect6(&ctx)
+}
+
+/// cgroup `sendmsg6`: `sock_sendmsg4` for IPv6 sockets.
+///
+/// Linux 4.18 for the hook, 5.7 for its link.
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::sendmsg6(&ctx)
+}
+
+/// cgroup `recvmsg6`: `sock_recvmsg4` for IPv6 sockets.
+///
+/// Linux 5.2 for the hook, 5.7 for its link.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::recvmsg6(&ctx)
+}
+
+/// cgroup `getpeername6`: `sock_getpeername4` for IPv6 sockets.
+///
+/// Linux 5.8 for the hook.
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock6::getpeername6(&ctx)
 }
 
 /// Run by the agent, never attached to a hook: see

@@ -10,8 +10,8 @@ use proxy_common::{
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey,
     FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
     MAX_CONNTRACK, MAX_FRAGMENTS, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
-    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey, clock_slot,
-    counter, ip_summed, sock_counter,
+    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+    clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -94,6 +94,21 @@ pub fn node_config() -> NodeConfig {
         .map_or(NodeConfig::default(), |p| unsafe { *p })
 }
 
+/// The node's IPv6 settings: `snat_addr_be` is its IPv6 address, the
+/// client the socket hooks' IPv6 connections are made as (zeros until the
+/// node has one). The rest of the entry is unused.
+#[btf_map]
+pub static NODE_CONFIG6: Array<NodeConfig, 1> = Array::new();
+
+/// The node's IPv6 address (all zeros while it has none).
+#[inline(always)]
+pub fn node_addr6() -> [u32; 4] {
+    NODE_CONFIG6
+        .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
+        .map_or([0; 4], |p| unsafe { (*p).snat_addr_be })
+}
+
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =
     LpmTrie::new();
@@ -134,6 +149,11 @@ pub static SOCK_COUNTERS: PerCpuArray<u64, { sock_counter::COUNT as usize }> = P
 /// kernel with its socket.
 #[btf_map]
 pub static SOCK_NOTES: SkStorage<SockNotes> = SkStorage::new();
+
+/// See `proxy_common::SockNotes6`: the notes of IPv6 sockets sent to IPv6
+/// backends.
+#[btf_map]
+pub static SOCK_NOTES6: SkStorage<SockNotes6> = SkStorage::new();
 
 /// See `crate::frag`.
 #[btf_map]

@@ -43,7 +43,7 @@ use crate::{
 pub const ALLOW: i32 = 1;
 /// `connect()` fails (EPERM unless the program set another error).
 pub const REFUSE: i32 = 0;
-const ECONNREFUSED: i32 = 111;
+pub(crate) const ECONNREFUSED: i32 = 111;
 
 /// An IPv4 `connect()` of a TCP or UDP socket.
 #[inline(always)]
@@ -101,7 +101,7 @@ fn show_frontend(ctx: &SockAddrContext) -> i32 {
 /// socket is still translated, and only its answers and peer then show the
 /// backend, which is why a failure here is not worth a refusal.
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, note: SockNote) {
+pub(crate) fn remember(ctx: &SockAddrContext, note: SockNote) {
     // SAFETY: the context's socket, valid for this run; the helper creates
     // zeroed storage when the socket has none.
     let notes = unsafe { SOCK_NOTES.get_or_insert_ptr_mut(ctx, None) };
@@ -142,7 +142,7 @@ fn set_user_addr(ctx: &SockAddrContext, addr_be: u32, port_be: u16) {
 /// Whether the socket is in the node's network namespace (never, until the
 /// agent has said which that is).
 #[inline(always)]
-fn node_socket(ctx: &SockAddrContext) -> bool {
+pub(crate) fn node_socket(ctx: &SockAddrContext) -> bool {
     let host = HOST_NETNS.get(0).copied().unwrap_or(0);
     // SAFETY: a sock_addr context is a valid argument of this helper.
     host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
@@ -150,7 +150,7 @@ fn node_socket(ctx: &SockAddrContext) -> bool {
 
 /// Whether `addr_be` is in `127.0.0.0/8`.
 #[inline(always)]
-fn loopback(addr_be: u32) -> bool {
+pub(crate) fn loopback(addr_be: u32) -> bool {
     u32::from_be(addr_be) >> 24 == 127
 }
 

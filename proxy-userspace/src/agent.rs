@@ -93,9 +93,10 @@ pub struct AgentConfig {
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
     pub cluster_cidrs: Vec<Cidr>,
     pub xdp_mode: XdpModeSetting,
-    /// SNAT address for external flows to remote backends; default: the
-    /// first address of the first uplink.
-    pub node_ip: Option<Ipv4Addr>,
+    /// The node's address per family (`--node-ip`): the IPv4 one is the
+    /// SNAT address for external flows to remote backends; default, per
+    /// family: the first address of the first uplink that has one.
+    pub node_ip: crate::node_ip::NodeIps,
     /// Where the socket hooks attach (`--cgroup-root`); None: nowhere.
     pub cgroup_root: Option<PathBuf>,
     /// The datapath's log level (`--datapath-log`).
@@ -345,11 +346,11 @@ fn apply_snapshot(
             }
         }
     }
-    let snat = config.node_ip.or_else(|| snapshot.addrs.first().copied());
+    let ips = node::node_addresses(config.node_ip, &snapshot.addrs);
     node.set_interfaces(
         &snapshot.addrs,
         &config.nodeport_addresses,
-        snat,
+        ips,
         config.localhost_nodeports,
     );
     node.sync(&mut datapath.maps, Instant::now());
@@ -358,7 +359,8 @@ fn apply_snapshot(
         uplinks = ?snapshot.uplinks,
         xdp = ?datapath.xdp_attached().collect::<Vec<_>>(),
         node_addrs = ?snapshot.addrs,
-        snat = ?snat,
+        snat = ?ips.v4,
+        node_ip6 = ?ips.v6,
         "interfaces and addresses"
     );
 }

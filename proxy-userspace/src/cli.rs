@@ -1,10 +1,6 @@
 //! Command line of the `ebpf-proxy` binary.
 
-use std::{
-    net::{Ipv4Addr, SocketAddr},
-    path::PathBuf,
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -164,10 +160,13 @@ pub struct RunArgs {
     /// sends them. Without it every client of those addresses is external.
     #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
     pub cluster_cidr: Vec<Cidr>,
-    /// Address external flows to backends on other nodes are SNATed to
-    /// (default: the first global address of the first uplink).
+    /// The node's address, one per family, comma-separated for dual stack
+    /// (`10.0.0.5,fd00::5`): external IPv4 flows to backends on other nodes
+    /// are SNATed to the IPv4 one, and the node's IPv6 sockets reach
+    /// Services as the IPv6 one. Default, per family: the first global
+    /// address of the first interface that has one.
     #[arg(long)]
-    pub node_ip: Option<Ipv4Addr>,
+    pub node_ip: Option<crate::node_ip::NodeIps>,
     /// cgroup v2 directory whose sockets the socket hooks see: the
     /// node's own connections to Services (host-network pods, node agents)
     /// are sent to a backend there. Default: the host's cgroup v2 mount

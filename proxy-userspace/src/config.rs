@@ -14,7 +14,7 @@
 
 use std::{
     collections::BTreeMap,
-    net::{IpAddr, Ipv4Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -59,7 +59,7 @@ pub struct Settings {
     pub conntrack_tcp_timeout_established: Option<Duration>,
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
-    pub node_ip: Option<Ipv4Addr>,
+    pub node_ip: Option<crate::node_ip::NodeIps>,
     pub healthz_bind_address: Option<SocketAddr>,
     /// `Some(None)`: metrics off.
     pub metrics_bind_address: Option<Option<SocketAddr>>,
@@ -280,17 +280,15 @@ impl KubeProxyConfiguration {
             let ip: IpAddr = text
                 .parse()
                 .map_err(|_| invalid("bindAddress", format!("{text:?} is not an IP address")))?;
-            s.node_ip = match ip {
-                ip if ip.is_unspecified() => None,
-                IpAddr::V4(v4) => Some(v4),
-                IpAddr::V6(_) => {
-                    return Err(invalid(
-                        "bindAddress",
-                        format!(
-                            "{text:?}: the datapath serves IPv4; give this node's IPv4 address"
-                        ),
-                    ));
-                }
+            // kube-proxy's bindAddress overrides the node IP of its family.
+            s.node_ip = if ip.is_unspecified() {
+                None
+            } else {
+                Some(
+                    crate::node_ip::NodeIps::default()
+                        .with(ip)
+                        .map_err(|e| invalid("bindAddress", format!("{text:?}: {e}")))?,
+                )
             };
         }
         if let Some(text) = non_empty(self.healthz_bind_address.as_deref()) {

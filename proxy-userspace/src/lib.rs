@@ -15,6 +15,7 @@ pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod model;
+pub mod node_ip;
 pub mod planner;
 pub mod privileges;
 pub mod source;

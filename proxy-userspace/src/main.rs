@@ -54,7 +54,7 @@ fn main() -> anyhow::Result<()> {
                 nodeport_addresses: args.nodeport_addresses,
                 cluster_cidrs: args.cluster_cidr,
                 xdp_mode: args.xdp_mode,
-                node_ip: args.node_ip,
+                node_ip: args.node_ip.unwrap_or_default(),
                 cgroup_root: args
                     .cgroup_root
                     .or_else(datapath::host::default_cgroup_root),

@@ -113,6 +113,12 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             if localhost { "on" } else { "off" }
         );
     }
+    if let Some(Ok(config6)) = maps.node_config6.as_ref().map(|m| m.get(&0, 0)) {
+        let _ = match config6.snat_addr_be {
+            [0, 0, 0, 0] => writeln!(out, "node IPv6 address: none"),
+            addr => writeln!(out, "node IPv6 address: {}", encode::words_addr(&addr)),
+        };
+    }
     if let Ok(clock) = maps.clock.get(&proxy_common::clock_slot::IN_FORCE, 0) {
         let _ = match clock.tick_ns {
             0 => writeln!(out, "datapath clock: coarse monotonic (not calibrated)"),

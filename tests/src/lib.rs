@@ -44,6 +44,26 @@ pub fn addr_arg(program: &str) -> Option<std::net::SocketAddrV4> {
     addr
 }
 
+/// `addr_arg` for an address of either family (`a.b.c.d:port` or
+/// `[v6]:port`, IPv4-mapped included).
+pub fn sock_addr_arg(program: &str) -> Option<std::net::SocketAddr> {
+    let addr = std::env::args().nth(1).and_then(|a| a.parse().ok());
+    if addr.is_none() {
+        eprintln!("usage: {program} a.b.c.d:port|[v6]:port");
+    }
+    addr
+}
+
+/// The unspecified address of `addr`'s family, any port: where a client
+/// socket that talks to `addr` binds (`[::]` for IPv4-mapped too, so that the
+/// socket is an IPv6 one).
+pub fn any_addr_for(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    match addr {
+        std::net::SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
+        std::net::SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    }
+}
+
 /// Fails with a clear message unless the process is root: namespaces, veths, BPF and
 /// iptables all need it, and a permission error deep inside `ip` helps nobody.
 pub fn require_root() -> Result<()> {

@@ -3,13 +3,14 @@
 //! planner, and a write that failed retried with the sync loop's backoff until
 //! it lands.
 
-use std::{net::Ipv4Addr, time::Instant};
+use std::{net::IpAddr, time::Instant};
 
 use tracing::{info, warn};
 
 use super::sync::backoff;
 use crate::{
     model::Cidr,
+    node_ip::NodeIps,
     planner::{
         MapStore,
         node::{DesiredNode, NodePlanner, NodeState},
@@ -21,6 +22,7 @@ pub struct NodeMaps {
     planner: NodePlanner,
     failures: u32,
     retry_at: Option<Instant>,
+    families: FamilyNotice,
 }
 
 impl NodeMaps {
@@ -31,19 +33,37 @@ impl NodeMaps {
             planner: NodePlanner::adopt(applied),
             failures: 0,
             retry_at: None,
+            families: FamilyNotice::default(),
         }
     }
 
-    /// The interfaces as they are now: node addresses, and SNAT to `snat`.
+    /// The interfaces as they are now: node addresses of both families,
+    /// and the node's address of each family (`node_addresses`). A family
+    /// the node has no address of is said once, and again when that changes.
     pub fn set_interfaces(
         &mut self,
-        addrs: &[Ipv4Addr],
+        addrs: &[IpAddr],
         nodeport_addresses: &[Cidr],
-        snat: Option<Ipv4Addr>,
+        ips: NodeIps,
         localhost_nodeports: bool,
     ) {
-        self.desired
-            .set_interfaces(addrs, nodeport_addresses, snat, localhost_nodeports);
+        if let Some(missing) = self.families.update(ips) {
+            for family in missing {
+                warn!(
+                    family,
+                    "this node has no {family} address: {family} Services are served all the same \
+                     (their ClusterIPs, ExternalIPs and LoadBalancer IPs), their NodePorts on no \
+                     address, as kube-proxy's proxier of a family the node has no address of"
+                );
+            }
+        }
+        self.desired.set_interfaces(
+            addrs,
+            nodeport_addresses,
+            ips.v4,
+            ips.v6,
+            localhost_nodeports,
+        );
     }
 
     /// When a failed write is due for its retry.
@@ -75,5 +95,121 @@ impl NodeMaps {
                 self.retry_at = Some(now + wait);
             }
         }
+    }
+}
+
+/// The node's address of each family: the configured one (`--node-ip`),
+/// else the first of that family the interfaces show.
+pub fn node_addresses(configured: NodeIps, addrs: &[IpAddr]) -> NodeIps {
+    let first_v4 = addrs.iter().find_map(|ip| match ip {
+        IpAddr::V4(v4) => Some(*v4),
+        IpAddr::V6(_) => None,
+    });
+    let first_v6 = addrs.iter().find_map(|ip| match ip {
+        IpAddr::V6(v6) => Some(*v6),
+        IpAddr::V4(_) => None,
+    });
+    NodeIps {
+        v4: configured.v4.or(first_v4),
+        v6: configured.v6.or(first_v6),
+    }
+}
+
+/// Which families the node had no address of when last told.
+#[derive(Debug, Default)]
+struct FamilyNotice {
+    missing: Option<Vec<&'static str>>,
+}
+
+impl FamilyNotice {
+    /// The families `ips` lacks, when that is news: the first time, and
+    /// when the set changed since (empty: the node has both now).
+    fn update(&mut self, ips: NodeIps) -> Option<Vec<&'static str>> {
+        let missing: Vec<&'static str> = [(ips.v4.is_none(), "IPv4"), (ips.v6.is_none(), "IPv6")]
+            .into_iter()
+            .filter_map(|(lacks, family)| lacks.then_some(family))
+            .collect();
+        if self.missing.as_ref() == Some(&missing) {
+            return None;
+        }
+        if self
+            .missing
+            .as_ref()
+            .is_some_and(|before| !before.is_empty())
+            && missing.is_empty()
+        {
+            info!("this node has addresses of both families now");
+        }
+        self.missing = Some(missing.clone());
+        Some(missing)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use super::*;
+
+    #[test]
+    fn each_family_takes_the_configured_address_else_the_first_shown() {
+        let v4a = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
+        let v4b = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
+        let v6a: Ipv6Addr = "fd00::1".parse().unwrap();
+        let v6b: Ipv6Addr = "fd00::2".parse().unwrap();
+        let shown = [v4a, IpAddr::V6(v6a), v4b, IpAddr::V6(v6b)];
+        assert_eq!(
+            node_addresses(NodeIps::default(), &shown),
+            NodeIps {
+                v4: Some(Ipv4Addr::new(10, 0, 0, 1)),
+                v6: Some(v6a)
+            },
+            "nothing configured: the first of each family"
+        );
+        let configured = NodeIps {
+            v4: None,
+            v6: Some(v6b),
+        };
+        assert_eq!(
+            node_addresses(configured, &shown),
+            NodeIps {
+                v4: Some(Ipv4Addr::new(10, 0, 0, 1)),
+                v6: Some(v6b)
+            },
+            "the configured IPv6 address, the first IPv4 one shown"
+        );
+        assert_eq!(
+            node_addresses(NodeIps::default(), &[v4b]),
+            NodeIps {
+                v4: Some(Ipv4Addr::new(10, 0, 0, 2)),
+                v6: None
+            },
+            "an IPv4-only node"
+        );
+    }
+
+    #[test]
+    fn a_missing_family_is_said_once_and_again_when_it_changes() {
+        let mut notice = FamilyNotice::default();
+        let v4_only = NodeIps {
+            v4: Some(Ipv4Addr::new(10, 0, 0, 1)),
+            v6: None,
+        };
+        assert_eq!(notice.update(v4_only), Some(vec!["IPv6"]), "first look");
+        assert_eq!(notice.update(v4_only), None, "the same again: nothing new");
+        assert_eq!(notice.update(v4_only), None);
+        let both = NodeIps {
+            v6: Some("fd00::1".parse().unwrap()),
+            ..v4_only
+        };
+        assert_eq!(notice.update(both), Some(vec![]), "an IPv6 address came");
+        assert_eq!(notice.update(both), None);
+        assert_eq!(notice.update(v4_only), Some(vec!["IPv6"]), "and went");
+        let mut fresh = FamilyNotice::default();
+        assert_eq!(
+            fresh.update(both),
+            Some(vec![]),
+            "a dual-stack node says nothing"
+        );
     }
 }

@@ -100,7 +100,10 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
             conntrack_tcp_timeout_established: Some(Duration::from_hours(24)),
             conntrack_tcp_timeout_close_wait: Some(Duration::from_hours(1)),
             conntrack_udp_timeout: Some(Duration::from_secs(30)),
-            node_ip: Some(Ipv4Addr::new(192, 168, 1, 10)),
+            node_ip: Some(crate::node_ip::NodeIps {
+                v4: Some(std::net::Ipv4Addr::new(192, 168, 1, 10)),
+                v6: None,
+            }),
             healthz_bind_address: Some("127.0.0.1:10256".parse().unwrap()),
             metrics_bind_address: Some(Some("0.0.0.0:10249".parse().unwrap())),
             kubeconfig: Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")),
@@ -221,7 +224,7 @@ fn an_invalid_value_is_an_error_naming_its_field() {
         (("iptables.masqueradeBit", "lots"), "iptables.masqueradeBit"),
         (("ipvs.tcpTimeout", "5 minutes"), "ipvs.tcpTimeout"),
         (("bindAddress", "node-1"), "bindAddress"),
-        (("bindAddress", "fd00::1"), "bindAddress"),
+        (("bindAddress", "::1"), "bindAddress"),
         (
             ("healthzBindAddress", "localhost:10256"),
             "healthzBindAddress",
@@ -361,4 +364,60 @@ fn flags_override_the_file_and_the_file_overrides_defaults() {
     let (mut run, mut format, matches) = run_args(&[]);
     assert!(merge(&mut run, &mut format, &matches).unwrap().is_none());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_ipv6_bind_address_is_the_nodes_ipv6_address() {
+    let config = parsed(&kubeadm_with(&[("bindAddress", "\"fd00::10\"")]));
+    assert_eq!(
+        config.settings.node_ip,
+        Some(crate::node_ip::NodeIps {
+            v4: None,
+            v6: Some("fd00::10".parse().unwrap()),
+        })
+    );
+    let config = parsed(&kubeadm_with(&[("bindAddress", "\"::\"")]));
+    assert_eq!(
+        config.settings.node_ip, None,
+        "unspecified: no node address"
+    );
+}
+
+#[test]
+fn node_ip_takes_one_address_per_family() {
+    let (run, _, _) = run_args(&["--node-ip", "10.0.0.5,fd00::5"]);
+    assert_eq!(
+        run.node_ip,
+        Some(crate::node_ip::NodeIps {
+            v4: Some(std::net::Ipv4Addr::new(10, 0, 0, 5)),
+            v6: Some("fd00::5".parse().unwrap()),
+        })
+    );
+    let err = Cli::command()
+        .try_get_matches_from(["ebpf-proxy", "run", "--node-ip", "10.0.0.5,10.0.0.6"])
+        .expect_err("two IPv4 addresses");
+    let err = err.to_string();
+    assert!(
+        err.contains("--node-ip") && err.contains("at most one address per family"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cluster_cidr_and_nodeport_addresses_take_both_families() {
+    let (run, _, _) = run_args(&[
+        "--cluster-cidr",
+        "10.244.0.0/16,fd00:10:244::/56",
+        "--nodeport-addresses",
+        "192.168.0.0/16,fd00:1::/64",
+    ]);
+    let cidr = |c: &str| Cidr::parse(c).unwrap();
+    assert_eq!(
+        run.cluster_cidr,
+        [cidr("10.244.0.0/16"), cidr("fd00:10:244::/56")]
+    );
+    assert_eq!(
+        run.nodeport_addresses,
+        [cidr("192.168.0.0/16"), cidr("fd00:1::/64")]
+    );
 }

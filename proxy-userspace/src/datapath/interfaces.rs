@@ -4,13 +4,13 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::IpAddr,
     time::Duration,
 };
 
 use futures::{StreamExt, TryStreamExt};
 use rtnetlink::{
-    constants::{RTMGRP_IPV4_IFADDR, RTMGRP_LINK},
+    constants::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK},
     new_connection,
     packet_route::{
         address::{AddressAttribute, AddressScope},
@@ -28,17 +28,17 @@ pub type Interfaces = BTreeMap<String, u32>;
 pub struct Snapshot {
     /// The selected interfaces: tc on each.
     pub interfaces: Interfaces,
-    /// Selected interfaces holding a global IPv4 address: the uplinks,
+    /// Selected interfaces holding a global address: the uplinks,
     /// where north-south traffic arrives and XDP goes.
     pub uplinks: BTreeSet<String>,
     /// The selected interfaces that are veths. Their frames may carry
     /// partial checksums (to be finished on transmit, which a veth never
     /// does), which native XDP cannot see or finish.
     pub veths: BTreeSet<String>,
-    /// Every global IPv4 address of this namespace, in ifindex order of the
-    /// interface holding it (the first is the SNAT address unless one is
-    /// configured).
-    pub addrs: Vec<Ipv4Addr>,
+    /// Every global address of this namespace, of both families, in
+    /// ifindex order of the interface holding it (the first of each family
+    /// is the node's address of that family unless one is configured).
+    pub addrs: Vec<IpAddr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -80,20 +80,20 @@ async fn snapshot(
     selection: &Selection,
 ) -> Result<Snapshot, InterfacesError> {
     let (interfaces, veths) = dump(handle, selection).await?;
-    let mut by_index: BTreeMap<u32, Vec<Ipv4Addr>> = BTreeMap::new();
+    let mut by_index: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
     let mut addrs = handle.address().get().execute();
     while let Some(msg) = addrs.try_next().await? {
-        // Host-scope (127/8) and link-local addresses are not where
-        // NodePorts are served, as in kube-proxy.
+        // Host-scope (127/8, ::1) and link-local (169.254/16, fe80::/10)
+        // addresses are not where NodePorts are served, as in kube-proxy.
         if msg.header.scope != AddressScope::Universe {
             continue;
         }
         let local = msg.attributes.iter().find_map(|a| match a {
-            AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+            AddressAttribute::Local(ip) => Some(*ip),
             _ => None,
         });
         let address = msg.attributes.iter().find_map(|a| match a {
-            AddressAttribute::Address(IpAddr::V4(ip)) => Some(*ip),
+            AddressAttribute::Address(ip) => Some(*ip),
             _ => None,
         });
         if let Some(ip) = local.or(address) {
@@ -156,7 +156,10 @@ pub async fn watch(
     connection
         .socket_mut()
         .socket_mut()
-        .bind(&SocketAddr::new(0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR))
+        .bind(&SocketAddr::new(
+            0,
+            RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR,
+        ))
         .map_err(InterfacesError::Subscribe)?;
     let task = tokio::spawn(connection);
     let mut last: Option<Snapshot> = None;

@@ -108,6 +108,8 @@ pub struct Maps {
     /// like `csum_states`. Read back through an iterator (`sock_notes`),
     /// which needs only the map's descriptor.
     pub sock_notes: Option<MapData>,
+    /// The node's IPv6 address (`NODE_CONFIG6`); absent like `csum_states`.
+    pub node_config6: Option<Array<MapData, NodeConfig>>,
 }
 
 impl Maps {
@@ -139,7 +141,7 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
-            NODE_CONFIG, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
+            NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -161,6 +163,7 @@ impl Maps {
             host_netns: later(get(HOST_NETNS), HOST_NETNS, Array::try_from)?,
             sock_counters: later(get(SOCK_COUNTERS), SOCK_COUNTERS, PerCpuArray::try_from)?,
             sock_notes: later(get(SOCK_NOTES), SOCK_NOTES, socket_storage)?,
+            node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
         })
     }
 
@@ -258,6 +261,9 @@ impl Maps {
             .node_config
             .get(&0, 0)
             .map_err(wrap(map_names::NODE_CONFIG))?;
+        if let Some(map) = &self.node_config6 {
+            state.config6 = map.get(&0, 0).map_err(wrap(map_names::NODE_CONFIG6))?;
+        }
         state.ct_timeouts = self
             .ct_timeouts
             .get(&0, 0)
@@ -296,6 +302,14 @@ impl MapStore for Maps {
             MapOp::PutNodeAddr { key, value } => self.node_addrs.insert(key, value, 0),
             MapOp::DeleteNodeAddr { key } => self.node_addrs.remove(key),
             MapOp::SetNodeConfig { config } => self.node_config.set(0, config, 0),
+            MapOp::SetNodeConfig6 { config } => match &mut self.node_config6 {
+                Some(map) => map.set(0, config, 0),
+                None => {
+                    return Err(MapsError::Missing {
+                        name: map_names::NODE_CONFIG6,
+                    });
+                }
+            },
             MapOp::SetCtTimeouts { timeouts } => {
                 // The flow cache copies only entries that outlive a copy by
                 // the timeouts it saw; shorter ones void that promise.

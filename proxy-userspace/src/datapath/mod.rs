@@ -101,12 +101,16 @@ fn load_object(
 }
 
 /// The socket hooks of the node's own connections (proxy-ebpf `sock`), and
-/// the names their links are pinned under.
-const SOCKET_HOOKS: [(&str, &str); 4] = [
+/// the names their links are pinned under: each family's four.
+const SOCKET_HOOKS: [(&str, &str); 8] = [
     (program_names::SOCK_CONNECT4, "connect4"),
     (program_names::SOCK_SENDMSG4, "sendmsg4"),
     (program_names::SOCK_RECVMSG4, "recvmsg4"),
     (program_names::SOCK_GETPEERNAME4, "getpeername4"),
+    (program_names::SOCK_CONNECT6, "connect6"),
+    (program_names::SOCK_SENDMSG6, "sendmsg6"),
+    (program_names::SOCK_RECVMSG6, "recvmsg6"),
+    (program_names::SOCK_GETPEERNAME6, "getpeername6"),
 ];
 
 /// A loaded datapath: program ready to attach, maps pinned.

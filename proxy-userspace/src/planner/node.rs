@@ -1,5 +1,5 @@
-//! The node-level maps (`NODE_ADDRS`, `NODE_CONFIG`, `CT_TIMEOUTS`,
-//! `CLUSTER_CIDRS`) under the service maps' discipline: a desired state, a diff
+//! The node-level maps (`NODE_ADDRS`, `NODE_CONFIG`, `NODE_CONFIG6`,
+//! `CT_TIMEOUTS`, `CLUSTER_CIDRS`) under the service maps' discipline: a desired state, a diff
 //! against what the maps hold, ordered writes through the same [`MapStore`],
 //! and what failed left pending for the next try. Nothing is flushed.
 //!
@@ -11,7 +11,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
 use proxy_common::{
@@ -30,6 +30,8 @@ pub type ClusterCidrEntry = (u32, ClusterCidrKey);
 pub struct NodeState {
     pub addrs: BTreeMap<NodeAddrKey, NodeAddr>,
     pub config: NodeConfig,
+    /// The node's IPv6 address (`NODE_CONFIG6`); zeros while it has none.
+    pub config6: NodeConfig,
     /// Zeros until first written (the datapath then uses the defaults).
     pub ct_timeouts: CtTimeouts,
     pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
@@ -42,6 +44,7 @@ pub struct NodeState {
 pub struct DesiredNode {
     pub addrs: Option<BTreeMap<NodeAddrKey, NodeAddr>>,
     pub config: Option<NodeConfig>,
+    pub config6: Option<NodeConfig>,
     pub ct_timeouts: CtTimeouts,
     pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
 }
@@ -51,23 +54,27 @@ impl DesiredNode {
         Self {
             addrs: None,
             config: None,
+            config6: None,
             ct_timeouts,
             cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
         }
     }
 
-    /// The node's addresses as the interfaces show them now, those inside
-    /// `nodeport_addresses` (all, when it is empty) serving NodePorts; SNAT
-    /// to `snat`.
+    /// The node's addresses of both families as the interfaces show them
+    /// now, those `nodeport_addresses` lets serve NodePorts (see
+    /// `node_addrs`) serving them; SNAT to `snat`; the node's IPv6 address
+    /// `node6`.
     pub fn set_interfaces(
         &mut self,
-        addrs: &[Ipv4Addr],
+        addrs: &[IpAddr],
         nodeport_addresses: &[Cidr],
         snat: Option<Ipv4Addr>,
+        node6: Option<Ipv6Addr>,
         localhost_nodeports: bool,
     ) {
         self.addrs = Some(node_addrs(addrs, nodeport_addresses));
         self.config = Some(node_config(snat, localhost_nodeports));
+        self.config6 = Some(node_config6(node6));
     }
 }
 
@@ -139,6 +146,11 @@ impl NodePlanner {
         {
             puts.push(MapOp::SetNodeConfig { config });
         }
+        if let Some(config) = desired.config6
+            && config != applied.config6
+        {
+            puts.push(MapOp::SetNodeConfig6 { config });
+        }
         puts.extend(deletes);
         puts
     }
@@ -185,27 +197,33 @@ impl NodePlanner {
                 applied.addrs.remove(key);
             }
             MapOp::SetNodeConfig { config } => applied.config = *config,
+            MapOp::SetNodeConfig6 { config } => applied.config6 = *config,
             _ => {}
         }
     }
 }
 
-/// `NODE_ADDRS` for these addresses: each is a node address; those inside
-/// `nodeport_addresses` (all, when it is empty) serve NodePorts.
-pub fn node_addrs(
-    addrs: &[Ipv4Addr],
+/// `NODE_ADDRS` for these addresses: each is a node address; one serves
+/// NodePorts when it is inside one of the `nodeport_addresses` of its
+/// family, or that list has none of its family, as kube-proxy's proxier of
+/// each family keeps only the CIDRs of its own family and serves every
+/// address of the family without one.
+pub fn node_addrs<A: Copy + Into<IpAddr>>(
+    addrs: &[A],
     nodeport_addresses: &[Cidr],
 ) -> BTreeMap<NodeAddrKey, NodeAddr> {
     addrs
         .iter()
         .map(|ip| {
-            let serves = nodeport_addresses.is_empty()
-                || nodeport_addresses
-                    .iter()
-                    .any(|c| c.contains(IpAddr::V4(*ip)));
+            let ip: IpAddr = (*ip).into();
+            let mut of_family = nodeport_addresses
+                .iter()
+                .filter(|c| c.ip.is_ipv4() == ip.is_ipv4())
+                .peekable();
+            let serves = of_family.peek().is_none() || of_family.any(|c| c.contains(ip));
             (
                 NodeAddrKey {
-                    addr_be: addr_words(IpAddr::V4(*ip)),
+                    addr_be: addr_words(ip),
                 },
                 NodeAddr {
                     flags: if serves { node_addr_flags::NODEPORT } else { 0 },
@@ -227,6 +245,14 @@ pub fn node_config(snat: Option<Ipv4Addr>, localhost_nodeports: bool) -> NodeCon
         } else {
             0
         },
+    }
+}
+
+/// `NODE_CONFIG6`: the node's IPv6 address (zeros for none).
+pub fn node_config6(node6: Option<Ipv6Addr>) -> NodeConfig {
+    NodeConfig {
+        snat_addr_be: node6.map_or([0; 4], |ip| addr_words(IpAddr::V6(ip))),
+        ..NodeConfig::default()
     }
 }
 

@@ -61,6 +61,10 @@ pub enum MapOp {
     SetNodeConfig {
         config: NodeConfig,
     },
+    /// `NODE_CONFIG6`: the node's IPv6 address.
+    SetNodeConfig6 {
+        config: NodeConfig,
+    },
     /// Also voids the flow cache's copies, which were taken under the old
     /// timeouts.
     SetCtTimeouts {
@@ -125,6 +129,11 @@ impl fmt::Display for MapOp {
                 config.snat_port_min,
                 config.snat_port_max,
                 config.flags
+            ),
+            MapOp::SetNodeConfig6 { config } => write!(
+                f,
+                "write IPv6 node config (node address {})",
+                words_addr(&config.snat_addr_be)
             ),
             MapOp::SetCtTimeouts { .. } => write!(f, "write conntrack timeouts"),
             MapOp::PutClusterCidr { entry } => {
@@ -201,6 +210,7 @@ impl MapStore for StoredState {
                 self.node.addrs.remove(key);
             }
             MapOp::SetNodeConfig { config } => self.node.config = *config,
+            MapOp::SetNodeConfig6 { config } => self.node.config6 = *config,
             MapOp::SetCtTimeouts { timeouts } => self.node.ct_timeouts = *timeouts,
             MapOp::PutClusterCidr { entry } => {
                 self.node.cluster_cidrs.insert(*entry);

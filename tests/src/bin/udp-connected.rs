@@ -1,4 +1,4 @@
-//! `udp-connected ADDR`: one UDP socket connected to ADDR (`a.b.c.d:port`)
+//! `udp-connected ADDR`: one UDP socket connected to ADDR (`a.b.c.d:port` or `[v6]:port`)
 //! for the process's whole life, as a long-lived client keeps it. Each line
 //! read from stdin is sent as a datagram and answered on stdout by one line:
 //! the first answer (trimmed), or `error: <what>` when the send or the
@@ -8,13 +8,13 @@
 
 use std::{
     io::{BufRead, Write},
-    net::{SocketAddrV4, UdpSocket},
+    net::{SocketAddr, UdpSocket},
     process::ExitCode,
     time::Duration,
 };
 
 fn main() -> ExitCode {
-    let Some(addr) = ebpf_proxy_tests::addr_arg("udp-connected") else {
+    let Some(addr) = ebpf_proxy_tests::sock_addr_arg("udp-connected") else {
         return ExitCode::from(2);
     };
     let socket = match connect(addr) {
@@ -43,8 +43,8 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn connect(addr: SocketAddrV4) -> std::io::Result<UdpSocket> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+fn connect(addr: SocketAddr) -> std::io::Result<UdpSocket> {
+    let socket = UdpSocket::bind(ebpf_proxy_tests::any_addr_for(addr))?;
     socket.set_read_timeout(Some(Duration::from_secs(1)))?;
     socket.connect(addr)?;
     Ok(socket)

@@ -1,4 +1,4 @@
-//! `udp-sendto ADDR [--hold]`: sends one datagram to ADDR (`a.b.c.d:port`)
+//! `udp-sendto ADDR [--hold]`: sends one datagram to ADDR (`a.b.c.d:port` or `[v6]:port`)
 //! from an unconnected UDP socket, as musl's resolver does, and prints the
 //! first answer and whom it came from: `<answer> from <source>`. With
 //! `--hold` it prints `sent` once the datagram is out and reads the answer
@@ -9,13 +9,13 @@
 
 use std::{
     io::{BufRead, Write},
-    net::{SocketAddrV4, UdpSocket},
+    net::{SocketAddr, UdpSocket},
     process::ExitCode,
     time::Duration,
 };
 
 fn main() -> ExitCode {
-    let Some(addr) = ebpf_proxy_tests::addr_arg("udp-sendto") else {
+    let Some(addr) = ebpf_proxy_tests::sock_addr_arg("udp-sendto") else {
         return ExitCode::from(2);
     };
     let hold = std::env::args().nth(2).is_some_and(|a| a == "--hold");
@@ -31,8 +31,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn exchange(addr: SocketAddrV4, hold: bool) -> std::io::Result<(String, std::net::SocketAddr)> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+fn exchange(addr: SocketAddr, hold: bool) -> std::io::Result<(String, SocketAddr)> {
+    let socket = UdpSocket::bind(ebpf_proxy_tests::any_addr_for(addr))?;
     socket.set_read_timeout(Some(Duration::from_secs(2)))?;
     socket.send_to(b"hi\n", addr)?;
     if hold {

@@ -1,4 +1,4 @@
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use proptest::prelude::*;
 
@@ -59,9 +59,10 @@ fn desired(addrs: &[u8], nodeports: &[&str], cidrs: &[&str], udp_s: u64) -> Desi
         ..CtTimeouts::DEFAULT
     };
     let mut d = DesiredNode::new(timeouts, &cidrs);
-    let addrs: Vec<Ipv4Addr> = addrs.iter().map(|a| ip(*a)).collect();
+    let snat = addrs.first().map(|a| ip(*a));
+    let addrs: Vec<IpAddr> = addrs.iter().map(|a| IpAddr::V4(ip(*a))).collect();
     let nodeports: Vec<Cidr> = nodeports.iter().map(|c| cidr(c)).collect();
-    d.set_interfaces(&addrs, &nodeports, addrs.first().copied(), true);
+    d.set_interfaces(&addrs, &nodeports, snat, None, true);
     d
 }
 
@@ -70,6 +71,7 @@ fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
     NodeState {
         addrs: d.addrs.clone().unwrap_or_else(|| base.addrs.clone()),
         config: d.config.unwrap_or(base.config),
+        config6: d.config6.unwrap_or(base.config6),
         ct_timeouts: d.ct_timeouts,
         cluster_cidrs: d.cluster_cidrs.clone(),
     }
@@ -211,6 +213,107 @@ fn nodeport_addresses_pick_which_node_addresses_serve_node_ports() {
 }
 
 #[test]
+fn a_dual_stack_node_serves_node_ports_on_both_families() {
+    let addrs: Vec<IpAddr> = ["192.168.50.1", "fd00:1::1", "10.244.0.1", "fd00:2::1"]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let flags = |cidrs: &[&str]| -> Vec<(IpAddr, u32)> {
+        let cidrs: Vec<Cidr> = cidrs.iter().map(|c| cidr(c)).collect();
+        node_addrs(&addrs, &cidrs)
+            .iter()
+            .map(|(k, v)| (crate::planner::encode::words_addr(&k.addr_be), v.flags))
+            .collect()
+    };
+    let np = node_addr_flags::NODEPORT;
+    let at = |a: &str| -> IpAddr { a.parse().unwrap() };
+    // Map order is by the 16-byte key: IPv4-mapped (`::ffff:`) before `fd00:`.
+    assert_eq!(
+        flags(&[]),
+        [
+            (at("10.244.0.1"), np),
+            (at("192.168.50.1"), np),
+            (at("fd00:1::1"), np),
+            (at("fd00:2::1"), np)
+        ],
+        "no --nodeport-addresses: every address of both families"
+    );
+    assert_eq!(
+        flags(&["fd00:1::/64", "192.168.0.0/16"]),
+        [
+            (at("10.244.0.1"), 0),
+            (at("192.168.50.1"), np),
+            (at("fd00:1::1"), np),
+            (at("fd00:2::1"), 0)
+        ],
+        "a CIDR of each family picks within its family"
+    );
+    assert_eq!(
+        flags(&["192.168.0.0/16"]),
+        [
+            (at("10.244.0.1"), 0),
+            (at("192.168.50.1"), np),
+            (at("fd00:1::1"), np),
+            (at("fd00:2::1"), np)
+        ],
+        "IPv4 CIDRs only: every IPv6 address, as kube-proxy's IPv6 proxier keeps no CIDR"
+    );
+    assert_eq!(
+        flags(&["fd00:2::/64"]),
+        [
+            (at("10.244.0.1"), np),
+            (at("192.168.50.1"), np),
+            (at("fd00:1::1"), 0),
+            (at("fd00:2::1"), np)
+        ],
+        "IPv6 CIDRs only: every IPv4 address"
+    );
+}
+
+#[test]
+fn the_nodes_ipv6_address_goes_to_node_config6_and_its_cidrs_to_cluster_cidrs() {
+    let v6: Ipv6Addr = "fd00:1::1".parse().unwrap();
+    let mut want = DesiredNode::new(
+        CtTimeouts::DEFAULT,
+        &[cidr("10.244.0.0/16"), cidr("fd00:10:244::/56")],
+    );
+    want.set_interfaces(
+        &[IpAddr::V4(ip(1)), IpAddr::V6(v6)],
+        &[],
+        Some(ip(1)),
+        Some(v6),
+        true,
+    );
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    assert!(planner.sync(&want, &mut store).failed.is_none());
+    let node = &store.state.node;
+    assert_eq!(
+        node.config6.snat_addr_be,
+        addr_words(IpAddr::V6(v6)),
+        "NODE_CONFIG6 holds the node's IPv6 address"
+    );
+    assert_eq!(node.config.snat_addr_be, addr_words(IpAddr::V4(ip(1))));
+    assert!(
+        node.cluster_cidrs.contains(&(
+            56,
+            ClusterCidrKey {
+                addr_be: addr_words("fd00:10:244::".parse().unwrap())
+            }
+        )),
+        "the IPv6 pod CIDR, its own prefix length: {:?}",
+        node.cluster_cidrs
+    );
+    assert!(node.addrs.contains_key(&NodeAddrKey {
+        addr_be: addr_words(IpAddr::V6(v6))
+    }));
+    // The node loses its IPv6 address: NODE_CONFIG6 goes back to zeros.
+    want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+    assert!(planner.sync(&want, &mut store).failed.is_none());
+    assert_eq!(store.state.node.config6.snat_addr_be, [0; 4]);
+}
+
+#[test]
 fn one_address_encoding_for_every_node_map() {
     let config = node_config(Some(ip(9)), false);
     let addrs = node_addrs(&[ip(9)], &[]);
@@ -244,6 +347,7 @@ fn arb_desired() -> impl Strategy<Value = DesiredNode> {
             if !known {
                 d.addrs = None;
                 d.config = None;
+                d.config6 = None;
             }
             d
         })

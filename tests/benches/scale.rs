@@ -504,24 +504,14 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
 fn main() {
     common::main_with("scale", |args| {
         let quick = args.flag("--quick");
-        let sizes: Vec<u32> = match args.value("--sizes")? {
-            Some(list) => list
-                .split(',')
-                .map(|s| s.trim().parse().context("--sizes: a comma-separated list"))
-                .collect::<Result<_>>()?,
+        let sizes = match args.value("--sizes")? {
+            Some(list) => numbers(list, "--sizes")?,
             None if quick => vec![1_000, 10_000],
             None => vec![1_000, 10_000, 100_000],
         };
         let changes = if quick { 100 } else { 300 };
-        let heap_sizes: Vec<u32> = match args.value("--heap-sizes")? {
-            Some(list) => list
-                .split(',')
-                .map(|s| {
-                    s.trim()
-                        .parse()
-                        .context("--heap-sizes: a comma-separated list")
-                })
-                .collect::<Result<_>>()?,
+        let heap_sizes = match args.value("--heap-sizes")? {
+            Some(list) => numbers(list, "--heap-sizes")?,
             None if quick => vec![2_000],
             None => vec![10_000, 100_000],
         };
@@ -570,47 +560,9 @@ fn main() {
                     .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
             ));
         }
-        let kib = |b: (f64, f64)| format!("{:.2} KiB in {:.1} blocks", b.0 / 1024.0, b.1);
-        markdown.push_str(&format!(
-            "\nRSS after the initial sync and the sync's time against the number of \
-             Services: [scale.svg](scale.svg).\n\n![RSS and initial sync time against \
-             Services](scale.svg)\n\n\
-             Where the heap goes, per Service (S Services x {ENDPOINTS} endpoints in this \
-             process, live bytes requested from the allocator; each block costs the \
-             allocator about 16 bytes more):\n\n| structure |"
-        ));
-        for h in &heaps {
-            markdown.push_str(&format!(" S = {} |", h.services));
-        }
-        markdown.push_str("\n|---|");
-        markdown.push_str(&"---:|".repeat(heaps.len()));
-        markdown.push('\n');
-        type Pick = fn(&Heap) -> (f64, f64);
-        let lines: [(&str, Pick); 5] = [
-            (
-                "the objects as decoded from the API's JSON (transient)",
-                |h| h.decoded,
-            ),
-            ("cluster state: the Services kept", |h| h.state_services),
-            ("cluster state: the EndpointSlices kept", |h| h.state_slices),
-            ("planner's bookkeeping of the programmed frontends", |h| {
-                h.planner
-            }),
-            ("the source's keys of what it sent", |h| h.source_keys),
-        ];
-        for (what, pick) in lines {
-            markdown.push_str(&format!("| {what} |"));
-            for h in &heaps {
-                markdown.push_str(&format!(" {} |", kib(pick(h))));
-            }
-            markdown.push('\n');
-        }
+        markdown.push_str(&heap_table(&heaps));
         let out = args.out_dir()?;
-        fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
-        let svg_path = out.join("scale.svg");
-        fs::write(&svg_path, plot(&rows))
-            .with_context(|| format!("write {}", svg_path.display()))?;
-        eprintln!("wrote {}", svg_path.display());
+        write_plot(&out, &rows)?;
         let json = json!({
             "endpoints_per_service": ENDPOINTS,
             "changes": changes,
@@ -643,6 +595,66 @@ fn main() {
     });
 }
 
+/// A comma-separated list of numbers given to `option`.
+fn numbers(list: &str, option: &str) -> Result<Vec<u32>> {
+    list.split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .with_context(|| format!("{option}: {s:?} in a comma-separated list of numbers"))
+        })
+        .collect()
+}
+
+/// [`plot`] into `out`/scale.svg.
+fn write_plot(out: &Path, rows: &[Row]) -> Result<()> {
+    fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    let path = out.join("scale.svg");
+    fs::write(&path, plot(rows)).with_context(|| format!("write {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// The heap per structure, one column per size counted.
+fn heap_table(heaps: &[Heap]) -> String {
+    let kib = |b: (f64, f64)| format!("{:.2} KiB in {:.1} blocks", b.0 / 1024.0, b.1);
+    let mut markdown = format!(
+        "\nRSS after the initial sync and the sync's time against the number of \
+         Services: [scale.svg](scale.svg).\n\n![RSS and initial sync time against \
+         Services](scale.svg)\n\n\
+         Where the heap goes, per Service (S Services x {ENDPOINTS} endpoints in this \
+         process, live bytes requested from the allocator; each block costs the \
+         allocator about 16 bytes more):\n\n| structure |"
+    );
+    for h in heaps {
+        markdown.push_str(&format!(" S = {} |", h.services));
+    }
+    markdown.push_str("\n|---|");
+    markdown.push_str(&"---:|".repeat(heaps.len()));
+    markdown.push('\n');
+    type Pick = fn(&Heap) -> (f64, f64);
+    let lines: [(&str, Pick); 5] = [
+        (
+            "the objects as decoded from the API's JSON (transient)",
+            |h| h.decoded,
+        ),
+        ("cluster state: the Services kept", |h| h.state_services),
+        ("cluster state: the EndpointSlices kept", |h| h.state_slices),
+        ("planner's bookkeeping of the programmed frontends", |h| {
+            h.planner
+        }),
+        ("the source's keys of what it sent", |h| h.source_keys),
+    ];
+    for (what, pick) in lines {
+        markdown.push_str(&format!("| {what} |"));
+        for h in heaps {
+            markdown.push_str(&format!(" {} |", kib(pick(h))));
+        }
+        markdown.push('\n');
+    }
+    markdown
+}
+
 /// Two panels, RSS after the initial sync and the sync's own time, against
 /// the number of Services on a logarithmic axis: an SVG small enough to
 /// write by hand.
@@ -653,7 +665,8 @@ fn plot(rows: &[Row]) -> String {
     const RIGHT: f64 = 16.0;
     const TOP: f64 = 36.0;
     const BOTTOM: f64 = 48.0;
-    let panels: [(&str, &str, fn(&Row) -> f64); 2] = [
+    type Panel = (&'static str, &'static str, fn(&Row) -> f64);
+    let panels: [Panel; 2] = [
         ("RSS after the initial sync", "MiB", |r| r.rss_mib),
         ("Initial sync (lists complete to programmed)", "s", |r| {
             r.initial_sync_s
@@ -758,9 +771,7 @@ fn nice_ceiling(v: f64) -> f64 {
 
 /// A number as a label: whole when it is, else with two significant decimals.
 fn trim(v: f64) -> String {
-    if (v - v.round()).abs() < 1e-9 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
+    if (v - v.round()).abs() < 1e-9 || v >= 10.0 {
         format!("{v:.0}")
     } else {
         format!("{v:.2}")

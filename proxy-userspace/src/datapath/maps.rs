@@ -73,32 +73,29 @@ impl Maps {
     /// gets them one by one.
     fn write_run(&mut self, run: &[MapOp]) -> Result<(), (usize, MapsError)> {
         use aya::maps::IterableMap;
-        let result = match &run[0] {
-            MapOp::PutBackend { .. } => {
-                let (ids, backends): (Vec<u32>, Vec<Backend>) = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::PutBackend { id, backend } => Some((*id, *backend)),
-                        _ => None,
-                    })
-                    .unzip();
-                super::batch::update(self.backends.map(), &ids, &backends)
-            }
-            _ => {
-                let (keys, slots): (Vec<BackendSlotKey>, Vec<BackendSlot>) = run
-                    .iter()
-                    .filter_map(|op| match op {
-                        MapOp::PutSlot { key, backend_id } => Some((
-                            *key,
-                            BackendSlot {
-                                backend_id: *backend_id,
-                            },
-                        )),
-                        _ => None,
-                    })
-                    .unzip();
-                super::batch::update(self.slots.map(), &keys, &slots)
-            }
+        let result = if let MapOp::PutBackend { .. } = &run[0] {
+            let (ids, backends): (Vec<u32>, Vec<Backend>) = run
+                .iter()
+                .filter_map(|op| match op {
+                    MapOp::PutBackend { id, backend } => Some((*id, *backend)),
+                    _ => None,
+                })
+                .unzip();
+            super::batch::update(self.backends.map(), &ids, &backends)
+        } else {
+            let (keys, slots): (Vec<BackendSlotKey>, Vec<BackendSlot>) = run
+                .iter()
+                .filter_map(|op| match op {
+                    MapOp::PutSlot { key, backend_id } => Some((
+                        *key,
+                        BackendSlot {
+                            backend_id: *backend_id,
+                        },
+                    )),
+                    _ => None,
+                })
+                .unzip();
+            super::batch::update(self.slots.map(), &keys, &slots)
         };
         match result {
             Ok(()) => Ok(()),

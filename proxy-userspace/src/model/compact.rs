@@ -165,6 +165,11 @@ impl CompactService {
         }
     }
 
+    /// spec.type is LoadBalancer: no other Service has a health check.
+    pub fn is_load_balancer(&self) -> bool {
+        self.load_balancer
+    }
+
     /// Whether (internalTrafficPolicy, externalTrafficPolicy) say Local.
     pub fn local_policies(&self) -> (bool, bool) {
         self.local_policies

@@ -70,15 +70,12 @@ impl Backends {
             id,
             refs: 0,
         };
-        let at = match self.vacant.pop() {
-            Some(at) => {
-                self.entries[at as usize] = entry;
-                at
-            }
-            None => {
-                self.entries.push(entry);
-                (self.entries.len() - 1) as u32
-            }
+        let at = if let Some(at) = self.vacant.pop() {
+            self.entries[at as usize] = entry;
+            at
+        } else {
+            self.entries.push(entry);
+            (self.entries.len() - 1) as u32
         };
         let entries = &self.entries;
         let hasher = &self.hasher;

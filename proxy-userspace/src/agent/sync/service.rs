@@ -113,6 +113,8 @@ impl HealthChecks {
     /// valid health check keeps the one it had.
     pub fn refresh(&mut self, state: &ClusterState, key: &ObjectKey, config: &ModelConfig) {
         let check = match state.service(key) {
+            // Only a LoadBalancer has one: its slices need not be looked up.
+            Some(service) if !service.is_load_balancer() => None,
             None => None,
             Some(service) => {
                 match service.health_check(&state.slices_for(key), state.node(), config) {

@@ -137,9 +137,9 @@ impl From<EndpointSlice> for Slice {
 
 /// A Service as the agent keeps it: its name, namespace and proxy labels,
 /// whether it is of type LoadBalancer, and its spec (with its load balancer
-/// ingress) checked once when it arrives, as a slice's endpoints are. About
-/// 150 bytes and two or three small blocks, where the k8s-openapi `Service`
-/// is over a kilobyte of mostly empty fields.
+/// ingress) checked once when it arrives, as a slice's endpoints are. A
+/// few small blocks, where the k8s-openapi `Service` is over a kilobyte of
+/// mostly empty fields (bench/results/scale.md has the bytes per Service).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompactService {
     /// As given: empty when unset ("default" is applied where it is read).

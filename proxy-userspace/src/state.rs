@@ -3,8 +3,13 @@
 //! answers which Services may now need reprogramming, so a sync costs what
 //! changed, not the cluster.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    hash::BuildHasher,
+    sync::Arc,
+};
 
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use k8s_openapi::{
     api::{core::v1::Node, core::v1::Service},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -13,7 +18,8 @@ use tracing::{debug, warn};
 
 use crate::{
     model::{
-        self, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, NodeInfo, Slice,
+        self, CompactService, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError,
+        NodeInfo, Slice,
     },
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
@@ -48,11 +54,53 @@ impl IntoIterator for Changes {
     }
 }
 
-/// A stored slice and the Service it belongs to.
-#[derive(Debug)]
-struct StoredSlice {
-    service: ObjectKey,
-    slice: Slice,
+/// Every stored slice, found by its own namespace and name: a table of
+/// slices rather than a map from a key, so that no slice holds its name
+/// twice.
+#[derive(Default)]
+struct Slices {
+    table: HashTable<Slice>,
+    hasher: DefaultHashBuilder,
+}
+
+impl std::fmt::Debug for Slices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.table.iter()).finish()
+    }
+}
+
+impl Slices {
+    fn hash(&self, namespace: &str, name: &str) -> u64 {
+        self.hasher.hash_one((namespace, name))
+    }
+
+    fn get(&self, namespace: &str, name: &str) -> Option<&Slice> {
+        self.table.find(self.hash(namespace, name), |s| {
+            &*s.namespace == namespace && &*s.name == name
+        })
+    }
+
+    fn remove(&mut self, namespace: &str, name: &str) -> Option<Slice> {
+        let hash = self.hash(namespace, name);
+        let entry = self
+            .table
+            .find_entry(hash, |s| &*s.namespace == namespace && &*s.name == name)
+            .ok()?;
+        Some(entry.remove().0)
+    }
+
+    /// Stores `slice`, which is not stored yet.
+    fn insert(&mut self, slice: Slice) {
+        let hash = self.hash(&slice.namespace, &slice.name);
+        let hasher = self.hasher.clone();
+        self.table.insert_unique(hash, slice, move |s| {
+            hasher.hash_one((&*s.namespace, &*s.name))
+        });
+    }
+
+    fn len(&self) -> usize {
+        self.table.len()
+    }
 }
 
 /// The cluster as the sources have described it so far.
@@ -63,13 +111,12 @@ pub struct ClusterState {
     /// `nodeEligible`); true until it is seen.
     node_eligible: bool,
     /// Boxed: a map node holds eleven values, mostly empty room.
-    services: BTreeMap<ObjectKey, Box<Service>>,
-    slices: HashMap<ObjectKey, StoredSlice>,
-    /// Service key → keys of its slices, sorted so the model sees them in a
-    /// stable order.
-    /// A sorted boxed slice rather than a set: most Services have one
-    /// slice, and a set's first node has room for eleven.
-    slices_by_service: HashMap<ObjectKey, Box<[ObjectKey]>>,
+    services: BTreeMap<ObjectKey, Box<CompactService>>,
+    slices: Slices,
+    /// Service key → names of its slices (in its namespace), sorted so the
+    /// model sees them in a stable order. A sorted boxed slice rather than
+    /// a set: most Services have one slice. The names are the slices' own.
+    slices_by_service: HashMap<ObjectKey, Box<[Arc<str>]>>,
 }
 
 impl ClusterState {
@@ -83,7 +130,7 @@ impl ClusterState {
             },
             node_eligible: true,
             services: BTreeMap::new(),
-            slices: HashMap::new(),
+            slices: Slices::default(),
             slices_by_service: HashMap::new(),
         }
     }
@@ -104,7 +151,7 @@ impl ClusterState {
         self.services.keys()
     }
 
-    pub fn service(&self, key: &ObjectKey) -> Option<&Service> {
+    pub fn service(&self, key: &ObjectKey) -> Option<&CompactService> {
         self.services.get(key).map(|s| &**s)
     }
 
@@ -113,9 +160,8 @@ impl ClusterState {
         self.slices_by_service
             .get(key)
             .into_iter()
-            .flat_map(|keys| keys.iter())
-            .filter_map(|slice_key| self.slices.get(slice_key))
-            .map(|stored| &stored.slice)
+            .flat_map(|names| names.iter())
+            .filter_map(|name| self.slices.get(&key.namespace, name))
             .collect()
     }
 
@@ -146,12 +192,12 @@ impl ClusterState {
         let Some(service) = self.services.get(key) else {
             return Ok(Vec::new());
         };
-        model::service_frontends(service, &self.slices_for(key), &self.node, config)
+        service.frontends(&self.slices_for(key), &self.node, config)
     }
 
     fn apply_object(&mut self, object: Object, changes: &mut Changes) {
         match object {
-            Object::Service(service) => self.put_service(*service, changes),
+            Object::Service(service) => self.put_service(&service, changes),
             Object::EndpointSlice(slice) => self.put_slice(*slice, changes),
             Object::Node(node) => self.put_node(Some(&node), changes),
         }
@@ -184,7 +230,7 @@ impl ClusterState {
                 (Kind::Service, Object::Service(service)) => {
                     if let Some(key) = key_of(&service.metadata) {
                         listed.insert(key);
-                        self.put_service(*service, changes);
+                        self.put_service(&service, changes);
                     }
                 }
                 (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
@@ -219,9 +265,10 @@ impl ClusterState {
             Kind::EndpointSlice => {
                 let gone: Vec<ObjectKey> = self
                     .slices
-                    .keys()
-                    .filter(|k| !listed.contains(*k))
-                    .cloned()
+                    .table
+                    .iter()
+                    .filter_map(slice_key)
+                    .filter(|k| !listed.contains(k))
                     .collect();
                 for key in gone {
                     self.remove_slice(&key, changes);
@@ -233,13 +280,12 @@ impl ClusterState {
         model::forget_unused_strings();
     }
 
-    fn put_service(&mut self, service: Service, changes: &mut Changes) {
+    fn put_service(&mut self, service: &Service, changes: &mut Changes) {
         let Some(key) = key_of(&service.metadata) else {
             warn!("service without a name; ignored");
             return;
         };
-        // Sources reduce Services already; one reduced twice is the same.
-        let service = model::compact_service(service);
+        let service = CompactService::from(service);
         if self.services.get(&key).map(|s| &**s) != Some(&service) {
             self.services.insert(key.clone(), Box::new(service));
             changes.services.insert(key);
@@ -251,53 +297,48 @@ impl ClusterState {
             warn!("endpointslice without a name; ignored");
             return;
         };
-        let owner = slice.service.as_deref().map(|name| ObjectKey {
-            namespace: key.namespace.clone(),
-            name: name.to_owned(),
-        });
-        let Some(owner) = owner else {
+        let Some(owner) = owner_of(&slice) else {
             // kube-proxy cannot tell which Service such a slice serves
             // either, and ignores it.
             debug!(slice = %key, "endpointslice without the {LABEL_SERVICE_NAME} label; ignored");
             self.remove_slice(&key, changes);
             return;
         };
-        if let Some(stored) = self.slices.get(&key)
-            && stored.service == owner
-            && stored.slice == slice
-        {
+        // The same slice names the same Service: its label is part of it.
+        if self.slices.get(&key.namespace, &key.name) == Some(&slice) {
             return;
         }
         // The label can change, moving the slice to another Service: both
         // the old and the new one are affected.
         self.remove_slice(&key, changes);
-        let keys = self.slices_by_service.entry(owner.clone()).or_default();
-        let mut grown: Vec<ObjectKey> = std::mem::take(keys).into_vec();
-        if let Err(at) = grown.binary_search(&key) {
-            grown.insert(at, key.clone());
+        let names = self.slices_by_service.entry(owner.clone()).or_default();
+        let mut grown: Vec<Arc<str>> = std::mem::take(names).into_vec();
+        if let Err(at) = grown.binary_search(&slice.name) {
+            grown.insert(at, Arc::clone(&slice.name));
         }
-        *keys = grown.into_boxed_slice();
-        self.slices.insert(
-            key,
-            StoredSlice {
-                service: owner.clone(),
-                slice,
-            },
-        );
+        *names = grown.into_boxed_slice();
+        self.slices.insert(slice);
         self.mark(owner, changes);
     }
 
     fn remove_slice(&mut self, key: &ObjectKey, changes: &mut Changes) {
-        let Some(stored) = self.slices.remove(key) else {
+        let Some(stored) = self.slices.remove(&key.namespace, &key.name) else {
             return;
         };
-        if let Some(keys) = self.slices_by_service.get_mut(&stored.service) {
-            *keys = keys.iter().filter(|k| *k != key).cloned().collect();
-            if keys.is_empty() {
-                self.slices_by_service.remove(&stored.service);
+        let Some(owner) = owner_of(&stored) else {
+            return;
+        };
+        if let Some(names) = self.slices_by_service.get_mut(&owner) {
+            *names = names
+                .iter()
+                .filter(|n| ***n != *key.name)
+                .cloned()
+                .collect();
+            if names.is_empty() {
+                self.slices_by_service.remove(&owner);
             }
         }
-        self.mark(stored.service, changes);
+        self.mark(owner, changes);
     }
 
     /// Only a known Service can change: a slice that arrives before its
@@ -335,6 +376,14 @@ impl ClusterState {
             changes.services.extend(self.services.keys().cloned());
         }
     }
+}
+
+/// The Service a slice belongs to: its label's name, in its namespace.
+fn owner_of(slice: &Slice) -> Option<ObjectKey> {
+    Some(ObjectKey {
+        namespace: slice.namespace.to_string(),
+        name: slice.service.as_deref()?.to_owned(),
+    })
 }
 
 fn slice_key(slice: &Slice) -> Option<ObjectKey> {

@@ -13,12 +13,16 @@
 //! sizes where it finishes within minutes.
 //!
 //! Then, in this process, where the agent's heap goes per Service: the same
-//! objects decoded, held in the cluster state, and programmed by the planner
-//! into an in-memory store, each step's live bytes counted by a counting
-//! global allocator.
+//! objects decoded, held in the cluster state (Services, then slices), and
+//! programmed by the planner into an in-memory store, each step's live bytes
+//! counted by a counting global allocator, at 10,000 and 100,000 Services
+//! (2,000 with `--quick`): the tables' fill differs with their size.
+//!
+//! RSS and the initial sync's time against the number of Services are
+//! plotted into `scale.svg` beside the tables.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench scale -- [--quick] [--out DIR]
-//! [--sizes 1000,10000]` (root).
+//! [--sizes 1000,10000] [--heap-sizes 10000]` (root).
 
 mod common;
 
@@ -382,8 +386,9 @@ struct Heap {
     services: u32,
     /// The decoded objects of one listing, before the state takes them.
     decoded: (f64, f64),
-    /// What the cluster state keeps of them.
-    state: (f64, f64),
+    /// What the cluster state keeps of them: the Services, then the slices.
+    state_services: (f64, f64),
+    state_slices: (f64, f64),
     /// The planner's bookkeeping of the programmed frontends.
     planner: (f64, f64),
     /// The source's keys of what it has sent (one set per kind).
@@ -399,6 +404,13 @@ fn per_service(delta: (isize, isize), services: u32) -> (f64, f64) {
 
 fn sub(a: (isize, isize), b: (isize, isize)) -> (isize, isize) {
     (a.0 - b.0, a.1 - b.1)
+}
+
+/// What dropping `value` frees.
+fn dropped<T>(value: T) -> (isize, isize) {
+    let with = live();
+    drop(value);
+    sub(with, live())
 }
 
 fn heap_by_structure(services: u32) -> Result<Heap> {
@@ -428,6 +440,17 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
         slice_objects.push(Object::slice(&slice));
     }
 
+    // The Services alone, in a state of their own, then both kinds: each
+    // state's bytes are what dropping it frees.
+    let services_only = {
+        let mut state = ClusterState::new(node);
+        state.apply(SourceEvent::Replace {
+            kind: Kind::Service,
+            objects: svc_objects.clone(),
+        });
+        state
+    };
+    let services_bytes = dropped(services_only);
     let mut state = ClusterState::new(node);
     state.apply(SourceEvent::Replace {
         kind: Kind::Service,
@@ -437,9 +460,6 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
         kind: Kind::EndpointSlice,
         objects: slice_objects,
     });
-    // Everything since the decoding is the state's now (the listing's
-    // objects moved into it, its Vec freed).
-    let state_bytes = sub(live(), start);
     drop(texts);
 
     let config = ModelConfig::default();
@@ -470,10 +490,12 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
     ];
     let source_keys = sub(live(), start_keys);
     drop(known);
+    let slices_bytes = sub(dropped(state), services_bytes);
     Ok(Heap {
         services,
         decoded: per_service(decoded, services),
-        state: per_service(state_bytes, services),
+        state_services: per_service(services_bytes, services),
+        state_slices: per_service(slices_bytes, services),
         planner: per_service(planner_bytes, services),
         source_keys: per_service(source_keys, services),
     })
@@ -482,17 +504,22 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
 fn main() {
     common::main_with("scale", |args| {
         let quick = args.flag("--quick");
-        let sizes: Vec<u32> = match args.value("--sizes")? {
-            Some(list) => list
-                .split(',')
-                .map(|s| s.trim().parse().context("--sizes: a comma-separated list"))
-                .collect::<Result<_>>()?,
+        let sizes = match args.value("--sizes")? {
+            Some(list) => numbers(list, "--sizes")?,
             None if quick => vec![1_000, 10_000],
             None => vec![1_000, 10_000, 100_000],
         };
         let changes = if quick { 100 } else { 300 };
-        let heap = heap_by_structure(if quick { 2_000 } else { 10_000 })?;
-        eprintln!("heap: {heap:?}");
+        let heap_sizes = match args.value("--heap-sizes")? {
+            Some(list) => numbers(list, "--heap-sizes")?,
+            None if quick => vec![2_000],
+            None => vec![10_000, 100_000],
+        };
+        let mut heaps = Vec::new();
+        for &services in &heap_sizes {
+            heaps.push(heap_by_structure(services)?);
+            eprintln!("heap: {:?}", heaps.last());
+        }
         let mut rows = Vec::new();
         for &services in &sizes {
             rows.push(measure(services, changes)?);
@@ -533,22 +560,9 @@ fn main() {
                     .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
             ));
         }
-        let kib = |b: (f64, f64)| format!("{:.2} KiB in {:.1} blocks", b.0 / 1024.0, b.1);
-        markdown.push_str(&format!(
-            "\nWhere the heap goes, per Service ({} Services x {ENDPOINTS} endpoints in this \
-             process, live bytes requested from the allocator; each block costs the \
-             allocator about 16 bytes more):\n\n\
-             | structure | per Service |\n|---|---:|\n\
-             | the objects as decoded from the API's JSON (transient) | {} |\n\
-             | cluster state (Services and EndpointSlices kept) | {} |\n\
-             | planner's bookkeeping of the programmed frontends | {} |\n\
-             | the source's keys of what it sent | {} |\n",
-            heap.services,
-            kib(heap.decoded),
-            kib(heap.state),
-            kib(heap.planner),
-            kib(heap.source_keys),
-        ));
+        markdown.push_str(&heap_table(&heaps));
+        let out = args.out_dir()?;
+        write_plot(&out, &rows)?;
         let json = json!({
             "endpoints_per_service": ENDPOINTS,
             "changes": changes,
@@ -568,14 +582,198 @@ fn main() {
                 "peak_rss_after_burst_mib": r.burst_hwm_mib,
                 "iptables_restore_s": r.iptables_restore_s,
             })).collect::<Vec<_>>(),
-            "heap_per_service_bytes": {
-                "services": heap.services,
-                "decoded_listing": heap.decoded.0,
-                "state": heap.state.0,
-                "planner": heap.planner.0,
-                "source_keys": heap.source_keys.0,
-            },
+            "heap_per_service_bytes": heaps.iter().map(|h| json!({
+                "services": h.services,
+                "decoded_listing": h.decoded.0,
+                "state_services": h.state_services.0,
+                "state_slices": h.state_slices.0,
+                "planner": h.planner.0,
+                "source_keys": h.source_keys.0,
+            })).collect::<Vec<_>>(),
         });
-        common::write_results(&args.out_dir()?, "scale", &markdown, &json)
+        common::write_results(&out, "scale", &markdown, &json)
     });
+}
+
+/// A comma-separated list of numbers given to `option`.
+fn numbers(list: &str, option: &str) -> Result<Vec<u32>> {
+    list.split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .with_context(|| format!("{option}: {s:?} in a comma-separated list of numbers"))
+        })
+        .collect()
+}
+
+/// [`plot`] into `out`/scale.svg.
+fn write_plot(out: &Path, rows: &[Row]) -> Result<()> {
+    fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    let path = out.join("scale.svg");
+    fs::write(&path, plot(rows)).with_context(|| format!("write {}", path.display()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// The heap per structure, one column per size counted.
+fn heap_table(heaps: &[Heap]) -> String {
+    let kib = |b: (f64, f64)| format!("{:.2} KiB in {:.1} blocks", b.0 / 1024.0, b.1);
+    let mut markdown = format!(
+        "\nRSS after the initial sync and the sync's time against the number of \
+         Services: [scale.svg](scale.svg).\n\n![RSS and initial sync time against \
+         Services](scale.svg)\n\n\
+         Where the heap goes, per Service (S Services x {ENDPOINTS} endpoints in this \
+         process, live bytes requested from the allocator; each block costs the \
+         allocator about 16 bytes more):\n\n| structure |"
+    );
+    for h in heaps {
+        markdown.push_str(&format!(" S = {} |", h.services));
+    }
+    markdown.push_str("\n|---|");
+    markdown.push_str(&"---:|".repeat(heaps.len()));
+    markdown.push('\n');
+    type Pick = fn(&Heap) -> (f64, f64);
+    let lines: [(&str, Pick); 5] = [
+        (
+            "the objects as decoded from the API's JSON (transient)",
+            |h| h.decoded,
+        ),
+        ("cluster state: the Services kept", |h| h.state_services),
+        ("cluster state: the EndpointSlices kept", |h| h.state_slices),
+        ("planner's bookkeeping of the programmed frontends", |h| {
+            h.planner
+        }),
+        ("the source's keys of what it sent", |h| h.source_keys),
+    ];
+    for (what, pick) in lines {
+        markdown.push_str(&format!("| {what} |"));
+        for h in heaps {
+            markdown.push_str(&format!(" {} |", kib(pick(h))));
+        }
+        markdown.push('\n');
+    }
+    markdown
+}
+
+/// Two panels, RSS after the initial sync and the sync's own time, against
+/// the number of Services on a logarithmic axis: an SVG small enough to
+/// write by hand.
+fn plot(rows: &[Row]) -> String {
+    const W: f64 = 420.0;
+    const H: f64 = 300.0;
+    const LEFT: f64 = 64.0;
+    const RIGHT: f64 = 16.0;
+    const TOP: f64 = 36.0;
+    const BOTTOM: f64 = 48.0;
+    type Panel = (&'static str, &'static str, fn(&Row) -> f64);
+    let panels: [Panel; 2] = [
+        ("RSS after the initial sync", "MiB", |r| r.rss_mib),
+        ("Initial sync (lists complete to programmed)", "s", |r| {
+            r.initial_sync_s
+        }),
+    ];
+    let services: Vec<f64> = rows.iter().map(|r| f64::from(r.services)).collect();
+    let (lo, hi) = (
+        services
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min)
+            .log10()
+            .floor(),
+        services.iter().copied().fold(1.0, f64::max).log10().ceil(),
+    );
+    let span = (hi - lo).max(1.0);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{H}\" \
+         font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
+        W * 2.0
+    );
+    for (panel, (title, unit, value)) in panels.iter().enumerate() {
+        let x0 = panel as f64 * W;
+        let values: Vec<f64> = rows.iter().map(value).collect();
+        let top = nice_ceiling(values.iter().copied().fold(0.0, f64::max));
+        let x = |n: f64| x0 + LEFT + (n.log10() - lo) / span * (W - LEFT - RIGHT);
+        let y = |v: f64| TOP + (1.0 - v / top) * (H - TOP - BOTTOM);
+        svg.push_str(&format!(
+            "<text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"13\">{title}</text>\n",
+            x0 + W / 2.0
+        ));
+        for tick in 0..=4 {
+            let v = top * f64::from(tick) / 4.0;
+            svg.push_str(&format!(
+                "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\
+                 <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{} {unit}</text>\n",
+                x0 + LEFT,
+                x0 + W - RIGHT,
+                y(v),
+                y(v),
+                x0 + LEFT - 4.0,
+                y(v) + 4.0,
+                trim(v),
+            ));
+        }
+        let mut decade = lo;
+        while decade <= hi {
+            let n = 10f64.powf(decade);
+            svg.push_str(&format!(
+                "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\
+                 <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
+                x(n),
+                x(n),
+                TOP,
+                H - BOTTOM,
+                x(n),
+                H - BOTTOM + 16.0,
+                trim(n),
+            ));
+            decade += 1.0;
+        }
+        svg.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">Services ({ENDPOINTS} endpoints each)</text>\n",
+            x0 + LEFT + (W - LEFT - RIGHT) / 2.0,
+            H - 10.0
+        ));
+        let points: Vec<String> = services
+            .iter()
+            .zip(&values)
+            .map(|(n, v)| format!("{:.1},{:.1}", x(*n), y(*v)))
+            .collect();
+        svg.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n",
+            points.join(" ")
+        ));
+        for (v, point) in values.iter().zip(&points) {
+            let (px, py) = point.split_once(',').unwrap_or(("0", "0"));
+            svg.push_str(&format!(
+                "<circle cx=\"{px}\" cy=\"{py}\" r=\"3\" fill=\"#1f77b4\"/>\
+                 <text x=\"{px}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#1f77b4\">{} {unit}</text>\n",
+                py.parse::<f64>().unwrap_or(0.0) - 7.0,
+                trim(*v),
+            ));
+        }
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// 1, 2 or 5 times a power of ten, at least `v`.
+fn nice_ceiling(v: f64) -> f64 {
+    if v <= 0.0 {
+        return 1.0;
+    }
+    let power = 10f64.powf(v.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * power)
+        .find(|c| *c >= v)
+        .unwrap_or(10.0 * power)
+}
+
+/// A number as a label: whole when it is, else with two significant decimals.
+fn trim(v: f64) -> String {
+    if (v - v.round()).abs() < 1e-9 || v >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
 }

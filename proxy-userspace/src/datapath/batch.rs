@@ -13,6 +13,7 @@ use bytemuck::Pod;
 use super::sys;
 
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 
 /// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
@@ -38,6 +39,19 @@ pub enum BatchError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl BatchError {
+    /// The kernel has no such batch operation (before 5.6, or not for this
+    /// kind of map).
+    pub fn unsupported(&self) -> bool {
+        let BatchError::Syscall { source, .. } = self;
+        // ENOTSUPP, the kernel-internal 524 that reaches user space here.
+        matches!(
+            source.raw_os_error(),
+            Some(libc::EINVAL | libc::EOPNOTSUPP | 524)
+        )
+    }
 }
 
 fn fd_of(map: &MapData) -> u32 {
@@ -163,4 +177,36 @@ pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
         }
     }
     Ok(deleted)
+}
+
+/// Writes `keys[i]` → `values[i]` into the hash map `map` in one call
+/// (`BPF_MAP_UPDATE_BATCH`), in order. On a failure, how many were written
+/// before it: those, and only those, are in the map.
+pub fn update<K: Pod, V: Pod>(
+    map: &MapData,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), (usize, BatchError)> {
+    let fd = fd_of(map);
+    let n = keys.len().min(values.len());
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: n as u32,
+        map_fd: fd,
+        ..Default::default()
+    };
+    // SAFETY: `keys` and `values` hold `count` keys and values of the map's
+    // types, and the kernel only reads them.
+    match unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
+        Ok(_) => Ok(()),
+        Err(source) => Err((
+            (attr.count as usize).min(n),
+            BatchError::Syscall {
+                op: "BPF_MAP_UPDATE_BATCH",
+                fd,
+                source,
+            },
+        )),
+    }
 }

@@ -8,7 +8,6 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::api::core::v1::Service;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{
@@ -22,7 +21,7 @@ use prometheus_client::{
 
 use super::Untyped;
 use crate::{
-    model::{Frontend, FrontendKind, Scope, Slice},
+    model::{CompactService, Frontend, FrontendKind, Scope, Slice},
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
 
@@ -302,7 +301,7 @@ impl ProxyMetrics {
     pub fn local_endpoints(
         &self,
         key: &ObjectKey,
-        service: Option<&Service>,
+        service: Option<&CompactService>,
         desired: &[Frontend],
     ) {
         let counts = service.map_or((0, 0), |s| no_local_endpoints(s, desired));
@@ -394,17 +393,9 @@ impl Trigger {
     }
 }
 
-fn is_local(policy: Option<&str>) -> bool {
-    policy == Some("Local")
-}
-
 /// (internal, external) service ports without a local endpoint.
-fn no_local_endpoints(service: &Service, desired: &[Frontend]) -> (i64, i64) {
-    let Some(spec) = &service.spec else {
-        return (0, 0);
-    };
-    let internal_local = is_local(spec.internal_traffic_policy.as_deref());
-    let external_local = is_local(spec.external_traffic_policy.as_deref());
+fn no_local_endpoints(service: &CompactService, desired: &[Frontend]) -> (i64, i64) {
+    let (internal_local, external_local) = service.local_policies();
     // Per service port: whether its frontends of each kind have endpoints
     // (the policy already narrowed them to local ones).
     let mut ports: BTreeMap<&crate::model::ServicePortName, (Option<bool>, Option<bool>)> =
@@ -453,7 +444,10 @@ mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
     use k8s_openapi::{
-        api::{core::v1::ServiceSpec, discovery::v1::EndpointSlice},
+        api::{
+            core::v1::{Service, ServiceSpec},
+            discovery::v1::EndpointSlice,
+        },
         apimachinery::pkg::apis::meta::v1::ObjectMeta,
     };
 
@@ -595,8 +589,8 @@ mod tests {
         );
     }
 
-    fn service(itp: Option<&str>, etp: Option<&str>) -> Service {
-        Service {
+    fn service(itp: Option<&str>, etp: Option<&str>) -> CompactService {
+        CompactService::from(Service {
             metadata: ObjectMeta::default(),
             spec: Some(ServiceSpec {
                 internal_traffic_policy: itp.map(Into::into),
@@ -604,7 +598,7 @@ mod tests {
                 ..Default::default()
             }),
             status: None,
-        }
+        })
     }
 
     fn frontend(port: &str, kind: FrontendKind, backends: usize) -> Frontend {

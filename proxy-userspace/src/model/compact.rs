@@ -25,6 +25,7 @@ use k8s_openapi::{
 use super::{
     LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, ModelError,
     endpoints::{self, ParsedSlice},
+    service::{self, Parsed},
 };
 
 /// The annotation the EndpointSlice controller stamps with the time of the
@@ -82,8 +83,9 @@ impl ProxyLabels {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Slice {
     pub namespace: Arc<str>,
-    /// Empty when the slice has no name.
-    pub name: Box<str>,
+    /// Empty when the slice has no name. Shared with the cluster state's
+    /// index of the slices of each Service.
+    pub name: Arc<str>,
     /// Its `kubernetes.io/service-name` label, non-empty.
     pub service: Option<Box<str>>,
     pub labels: ProxyLabels,
@@ -130,6 +132,78 @@ impl From<&EndpointSlice> for Slice {
 impl From<EndpointSlice> for Slice {
     fn from(slice: EndpointSlice) -> Self {
         Slice::from(&slice)
+    }
+}
+
+/// A Service as the agent keeps it: its name, namespace and proxy labels,
+/// whether it is of type LoadBalancer, and its spec (with its load balancer
+/// ingress) checked once when it arrives, as a slice's endpoints are. A
+/// few small blocks, where the k8s-openapi `Service` is over a kilobyte of
+/// mostly empty fields (bench/results/scale.md has the bytes per Service).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompactService {
+    /// As given: empty when unset ("default" is applied where it is read).
+    namespace: Arc<str>,
+    pub(super) name: Option<Box<str>>,
+    pub(super) labels: ProxyLabels,
+    /// spec.type is LoadBalancer: only such a Service has a health check.
+    pub(super) load_balancer: bool,
+    /// Whether (internalTrafficPolicy, externalTrafficPolicy) say Local.
+    local_policies: (bool, bool),
+    /// None when the Service has no spec; the reason when it cannot be
+    /// programmed (reported whenever it is); `Ok(None)` when it has nothing
+    /// for a proxy to do.
+    pub(super) spec: Option<Result<Option<Parsed>, String>>,
+}
+
+impl CompactService {
+    pub(super) fn namespace_or_default(&self) -> &str {
+        if self.namespace.is_empty() {
+            "default"
+        } else {
+            &self.namespace
+        }
+    }
+
+    /// spec.type is LoadBalancer: no other Service has a health check.
+    pub fn is_load_balancer(&self) -> bool {
+        self.load_balancer
+    }
+
+    /// Whether (internalTrafficPolicy, externalTrafficPolicy) say Local.
+    pub fn local_policies(&self) -> (bool, bool) {
+        self.local_policies
+    }
+}
+
+impl From<&Service> for CompactService {
+    fn from(service: &Service) -> Self {
+        let meta = &service.metadata;
+        CompactService {
+            namespace: intern(meta.namespace.as_deref().unwrap_or_default()),
+            name: meta.name.as_deref().map(Box::from),
+            labels: ProxyLabels::of(meta.labels.as_ref()),
+            load_balancer: service
+                .spec
+                .as_ref()
+                .is_some_and(|s| s.type_.as_deref() == Some("LoadBalancer")),
+            local_policies: service.spec.as_ref().map_or((false, false), |s| {
+                (
+                    s.internal_traffic_policy.as_deref() == Some("Local"),
+                    s.external_traffic_policy.as_deref() == Some("Local"),
+                )
+            }),
+            spec: service
+                .spec
+                .as_ref()
+                .map(|spec| service::parse(service, spec)),
+        }
+    }
+}
+
+impl From<Service> for CompactService {
+    fn from(service: Service) -> Self {
+        CompactService::from(&service)
     }
 }
 

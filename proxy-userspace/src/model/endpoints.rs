@@ -269,7 +269,7 @@ pub(super) fn endpoints_for_port<'a>(
     protocol: Protocol,
     node: &NodeInfo,
 ) -> Vec<Endpoint<'a>> {
-    let mut by_host_port: BTreeMap<String, Endpoint<'a>> = BTreeMap::new();
+    let mut by_host_port: BTreeMap<[u8; 48], Endpoint<'a>> = BTreeMap::new();
     for slice in slices.iter().filter(|s| s.family == family) {
         for port in slice
             .ports
@@ -289,10 +289,10 @@ pub(super) fn endpoints_for_port<'a>(
                     },
                     source,
                 };
-                // A BTreeMap<String, _> iterates in byte order of the key,
+                // The map iterates in byte order of the "ip:port" key,
                 // which is Go's string order: the order kube-proxy sorts by.
                 by_host_port
-                    .entry(endpoint.addr.host_port())
+                    .entry(endpoint.addr.host_port_key())
                     .and_modify(|kept| {
                         if endpoint.preference() > kept.preference() {
                             *kept = endpoint;

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Service;
 
 use super::{
     ModelConfig, ModelError, NodeInfo, Protocol,
-    compact::Slice,
+    compact::{CompactService, Slice},
     endpoints::{self, Family, ParsedSlice},
     service,
 };
@@ -49,13 +49,23 @@ pub fn service_health_check(
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Option<HealthCheck>, ModelError> {
+    health_check(&CompactService::from(service), slices, node, config)
+}
+
+/// [`service_health_check`] of a Service as the agent keeps it.
+pub(super) fn health_check(
+    service: &CompactService,
+    slices: &[&Slice],
+    node: &NodeInfo,
+    config: &ModelConfig,
+) -> Result<Option<HealthCheck>, ModelError> {
     let Some(ours) = service::ours(service, config)? else {
         return Ok(None);
     };
     // Read before the spec is checked, so that a Service that can never
     // need a health check (ExternalName among them) is not reported here
     // for what its frontends already report.
-    if ours.spec.type_.as_deref() != Some("LoadBalancer") {
+    if !ours.service.load_balancer {
         return Ok(None);
     }
     // kube-proxy skips a headless Service before it looks at anything else.

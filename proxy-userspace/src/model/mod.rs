@@ -27,7 +27,8 @@ mod types;
 use std::collections::BTreeMap;
 
 pub use compact::{
-    LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service, forget_unused_strings, intern,
+    CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service,
+    forget_unused_strings, intern,
 };
 pub use health_check::{HealthCheck, service_health_check};
 use k8s_openapi::api::core::v1::Service;
@@ -93,7 +94,29 @@ pub fn service_frontends(
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Vec<Frontend>, ModelError> {
-    service::frontends(service, slices, node, config)
+    service::frontends(&CompactService::from(service), slices, node, config)
+}
+
+impl CompactService {
+    /// [`service_frontends`] of the Service as the agent keeps it.
+    pub fn frontends(
+        &self,
+        slices: &[&Slice],
+        node: &NodeInfo,
+        config: &ModelConfig,
+    ) -> Result<Vec<Frontend>, ModelError> {
+        service::frontends(self, slices, node, config)
+    }
+
+    /// [`service_health_check`] of the Service as the agent keeps it.
+    pub fn health_check(
+        &self,
+        slices: &[&Slice],
+        node: &NodeInfo,
+        config: &ModelConfig,
+    ) -> Result<Option<HealthCheck>, ModelError> {
+        health_check::health_check(self, slices, node, config)
+    }
 }
 
 /// Whether an object with these labels is for this proxy to program, by the

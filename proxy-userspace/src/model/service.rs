@@ -3,7 +3,7 @@
 //! `syncProxyRules`: which endpoint set each entry point uses, and REJECT
 //! versus DROP when it is empty).
 
-use std::{collections::HashSet, net::IpAddr};
+use std::{net::IpAddr, sync::Arc};
 
 use k8s_openapi::{
     api::core::v1::{Service, ServicePort, ServiceSpec},
@@ -13,9 +13,9 @@ use k8s_openapi::{
 use super::{
     BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError,
     NoEndpointAction, NodeInfo, Protocol, Scope, ServicePortName,
-    compact::Slice,
+    compact::{CompactService, Slice, intern},
     endpoints::{self, Categorized, Family, ParsedSlice, parse_ip, parse_protocol},
-    is_ours, is_ours_by,
+    is_ours_by,
 };
 
 /// `DefaultClientIPServiceAffinitySeconds` in k8s.io/api.
@@ -28,21 +28,25 @@ const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
     clippy::struct_field_names,
     reason = "the fields carry the names the Service API gives them"
 )]
-pub(super) struct Port<'a> {
-    name: &'a str,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Port {
+    /// Shared: most Services name their ports alike.
+    name: Arc<str>,
     port: u16,
     protocol: Protocol,
     node_port: Option<u16>,
 }
 
-/// What the Service asks for, checked.
-pub(super) struct Parsed<'a> {
+/// What the Service asks for, checked once when it arrives (and kept in
+/// its [`CompactService`]). Boxed slices: most of them are empty.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Parsed {
     /// In spec order, so the first is of the primary family.
-    pub(super) cluster_ips: Vec<IpAddr>,
-    pub(super) ports: Vec<Port<'a>>,
-    external_ips: Vec<IpAddr>,
-    load_balancer_ips: Vec<IpAddr>,
-    source_ranges: Vec<Cidr>,
+    pub(super) cluster_ips: Box<[IpAddr]>,
+    pub(super) ports: Box<[Port]>,
+    external_ips: Box<[IpAddr]>,
+    load_balancer_ips: Box<[IpAddr]>,
+    source_ranges: Box<[Cidr]>,
     internal_local: bool,
     pub(super) external_local: bool,
     affinity_timeout_s: Option<u32>,
@@ -53,26 +57,27 @@ pub(super) struct Parsed<'a> {
 
 /// A Service that is this proxy's to program, with a name and a spec.
 pub(super) struct Ours<'a> {
-    service: &'a Service,
+    pub(super) service: &'a CompactService,
     pub(super) namespace: &'a str,
     pub(super) name: &'a str,
-    pub(super) spec: &'a ServiceSpec,
+    /// Its spec as checked on arrival.
+    spec: &'a Result<Option<Parsed>, String>,
 }
 
 /// The Service if it is ours (kube-proxy's informer label filters), None if
 /// not.
 pub(super) fn ours<'a>(
-    service: &'a Service,
+    service: &'a CompactService,
     config: &ModelConfig,
 ) -> Result<Option<Ours<'a>>, ModelError> {
-    let namespace = service.metadata.namespace.as_deref().unwrap_or("default");
-    let Some(name) = service.metadata.name.as_deref() else {
+    let namespace = service.namespace_or_default();
+    let Some(name) = service.name.as_deref() else {
         return Err(ModelError::InvalidService {
             service: format!("{namespace}/<unnamed>"),
             reason: "metadata.name is missing".into(),
         });
     };
-    if !is_ours(service.metadata.labels.as_ref(), config) {
+    if !is_ours_by(&service.labels, config) {
         return Ok(None);
     }
     let Some(spec) = service.spec.as_ref() else {
@@ -97,8 +102,11 @@ impl<'a> Ours<'a> {
         }
     }
 
-    pub(super) fn parse(&self) -> Result<Option<Parsed<'a>>, ModelError> {
-        parse(self.service, self.spec).map_err(|reason| self.invalid(reason))
+    pub(super) fn parse(&self) -> Result<Option<&'a Parsed>, ModelError> {
+        match self.spec {
+            Ok(parsed) => Ok(parsed.as_ref()),
+            Err(reason) => Err(self.invalid(reason.clone())),
+        }
     }
 
     /// The Service's own slices among `slices`, checked, FQDN ones left out.
@@ -133,7 +141,7 @@ impl<'a> Ours<'a> {
 }
 
 pub(super) fn frontends(
-    service: &Service,
+    service: &CompactService,
     slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
@@ -156,22 +164,21 @@ pub(super) fn frontends(
 
     let mut out = Output {
         frontends: Vec::new(),
-        seen: HashSet::new(),
         affinity_timeout_s: parsed.affinity_timeout_s,
-        source_ranges: parsed.source_ranges.clone(),
+        source_ranges: parsed.source_ranges.to_vec(),
     };
     for port in &parsed.ports {
         let service_port = ServicePortName {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
-            port: port.name.to_owned(),
+            port: port.name.to_string(),
             protocol: port.protocol,
         };
         for &family in &families {
             let eps = endpoints::endpoints_for_port(
                 &parsed_slices,
                 family,
-                port.name,
+                &port.name,
                 port.protocol,
                 node,
             );
@@ -269,7 +276,6 @@ fn policy_set(sets: &Categorized, local: bool) -> PolicySet {
 
 struct Output {
     frontends: Vec<Frontend>,
-    seen: HashSet<FrontendKey>,
     affinity_timeout_s: Option<u32>,
     source_ranges: Vec<Cidr>,
 }
@@ -282,7 +288,8 @@ impl Output {
         service: &ServicePortName,
         set: &PolicySet,
     ) {
-        if !self.seen.insert(key) {
+        // A Service has a few frontends: a scan beats hashing them.
+        if self.frontends.iter().any(|f| f.key == key) {
             return;
         }
         self.frontends.push(Frontend {
@@ -314,7 +321,7 @@ impl Output {
 
 /// Checks the Service. `Ok(None)` means it has nothing for a proxy to do
 /// (ExternalName, headless).
-fn parse<'a>(service: &'a Service, spec: &'a ServiceSpec) -> Result<Option<Parsed<'a>>, String> {
+pub(super) fn parse(service: &Service, spec: &ServiceSpec) -> Result<Option<Parsed>, String> {
     let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
     match type_ {
         "ExternalName" => return Ok(None),
@@ -374,11 +381,11 @@ fn parse<'a>(service: &'a Service, spec: &'a ServiceSpec) -> Result<Option<Parse
         .collect::<Result<Vec<_>, _>>()?;
 
     Ok(Some(Parsed {
-        cluster_ips,
-        ports,
-        external_ips,
-        load_balancer_ips,
-        source_ranges,
+        cluster_ips: cluster_ips.into_boxed_slice(),
+        ports: ports.into_boxed_slice(),
+        external_ips: external_ips.into_boxed_slice(),
+        load_balancer_ips: load_balancer_ips.into_boxed_slice(),
+        source_ranges: source_ranges.into_boxed_slice(),
         internal_local: is_local_policy(
             spec.internal_traffic_policy.as_deref(),
             "internalTrafficPolicy",
@@ -422,8 +429,8 @@ fn cluster_ips(spec: &ServiceSpec) -> Result<Option<Vec<IpAddr>>, String> {
     Ok(Some(ips))
 }
 
-fn ports(ports: &[ServicePort]) -> Result<Vec<Port<'_>>, String> {
-    let mut out: Vec<Port<'_>> = Vec::with_capacity(ports.len());
+fn ports(ports: &[ServicePort]) -> Result<Vec<Port>, String> {
+    let mut out: Vec<Port> = Vec::with_capacity(ports.len());
     for port in ports {
         let name = port.name.as_deref().unwrap_or("");
         let label = if name.is_empty() {
@@ -456,7 +463,7 @@ fn ports(ports: &[ServicePort]) -> Result<Vec<Port<'_>>, String> {
         for other in &out {
             // Endpoints are matched to service ports by name, so names must
             // tell the ports apart; the API server enforces the same.
-            if other.name == name {
+            if &*other.name == name {
                 return Err(if name.is_empty() {
                     "more than one port without a name".to_owned()
                 } else {
@@ -474,7 +481,7 @@ fn ports(ports: &[ServicePort]) -> Result<Vec<Port<'_>>, String> {
             }
         }
         out.push(Port {
-            name,
+            name: intern(name),
             port: number,
             protocol,
             node_port,

@@ -146,6 +146,21 @@ impl BackendAddr {
             IpAddr::V6(ip) => format!("[{ip}]:{}", self.port),
         }
     }
+
+    /// [`host_port`](Self::host_port) as the sort key of a backend set,
+    /// without a heap string: zero-padded, so that the arrays order as the
+    /// strings do (the longest, `[v6]:port`, is 47 bytes).
+    pub fn host_port_key(&self) -> [u8; 48] {
+        use std::io::Write;
+        let mut key = [0u8; 48];
+        let mut rest = &mut key[..];
+        // Cannot run out of room: see above.
+        let _ = match self.ip {
+            IpAddr::V4(ip) => write!(rest, "{ip}:{}", self.port),
+            IpAddr::V6(ip) => write!(rest, "[{ip}]:{}", self.port),
+        };
+        key
+    }
 }
 
 /// What the datapath does with a packet to a frontend that has no backends.
@@ -190,7 +205,7 @@ impl Frontend {
         port: u16,
         mut backends: Vec<BackendAddr>,
     ) -> Self {
-        backends.sort_by_key(BackendAddr::host_port);
+        backends.sort_by_key(BackendAddr::host_port_key);
         Self {
             key: FrontendKey {
                 ip,
@@ -274,6 +289,51 @@ impl fmt::Display for Cidr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backends_sort_by_their_key_as_by_their_host_port_string() {
+        let mut backends: Vec<BackendAddr> = [
+            ("10.0.0.10", 80),
+            ("10.0.0.9", 8080),
+            ("10.0.0.9", 80),
+            ("10.0.0.1", 443),
+            ("192.168.1.1", 1),
+            ("2001:db8::1", 80),
+            ("2001:db8::10", 65535),
+            ("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 65535),
+            ("::ffff:255.255.255.255", 9),
+            ("fd00::", 443),
+        ]
+        .into_iter()
+        .map(|(ip, port)| BackendAddr::remote(ip.parse().unwrap(), port, Protocol::Tcp))
+        .collect();
+        let mut by_string = backends.clone();
+        by_string.sort_by_key(BackendAddr::host_port);
+        backends.sort_by_key(BackendAddr::host_port_key);
+        assert_eq!(
+            backends
+                .iter()
+                .map(BackendAddr::host_port)
+                .collect::<Vec<_>>(),
+            by_string
+                .iter()
+                .map(BackendAddr::host_port)
+                .collect::<Vec<_>>(),
+            "the key orders as the string"
+        );
+        let longest = BackendAddr::remote(
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff".parse().unwrap(),
+            65535,
+            Protocol::Tcp,
+        );
+        let key = longest.host_port_key();
+        let len = key.iter().position(|b| *b == 0).unwrap_or(key.len());
+        assert_eq!(
+            &key[..len],
+            longest.host_port().as_bytes(),
+            "the longest host:port fits"
+        );
+    }
 
     #[test]
     fn cidrs_parse_clear_host_bits_and_match() {

@@ -12,15 +12,18 @@
 //! frontend as it was; a failure in step 3 leaves only unreferenced garbage,
 //! retried on the next sync. Nothing is ever flushed.
 
+mod backends;
 pub mod encode;
 pub mod node;
 mod ops;
 
-use std::collections::{BTreeSet, HashMap};
+use std::{collections::BTreeSet, sync::Arc};
 
+use hashbrown::HashMap;
 pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
+use self::backends::Backends;
 use crate::{
     model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, Scope, ServicePortName},
     source::ObjectKey,
@@ -57,8 +60,10 @@ struct Applied {
     /// Backend id in each slot `0..value.count` of `value.slot_set`.
     backend_ids: Vec<u32>,
     /// None for a frontend adopted from pinned maps and not claimed since.
-    owner: Option<ObjectKey>,
-    service: Option<ServicePortName>,
+    /// Shared with the planner's index of what each Service owns.
+    owner: Option<Arc<ObjectKey>>,
+    /// Shared with the service id it holds.
+    service: Option<Arc<ServicePortName>>,
     /// Its `SOURCE_RANGES` entries.
     source_ranges: BTreeSet<SourceRangeEntry>,
 }
@@ -92,10 +97,9 @@ pub struct Planner {
     frontends: HashMap<FrontendKey, Applied>,
     /// Boxed slices, not sets: a Service has a frontend or two, and a set's
     /// first node has room for eleven.
-    owned: HashMap<ObjectKey, Box<[FrontendKey]>>,
-    backends: HashMap<Backend, Refcounted>,
-    backend_by_id: HashMap<u32, Backend>,
-    service_ids: HashMap<ServicePortName, Refcounted>,
+    owned: HashMap<Arc<ObjectKey>, Box<[FrontendKey]>>,
+    backends: Backends,
+    service_ids: HashMap<Arc<ServicePortName>, Refcounted>,
     service_ids_in_use: HashMap<u32, u32>,
     slot_sets_in_use: BTreeSet<u32>,
     next_backend_id: u32,
@@ -162,12 +166,8 @@ impl Planner {
                 .or_default() += 1;
             for id in &backend_ids {
                 if let Some(b) = stored.backends.get(id) {
-                    let entry = planner
-                        .backends
-                        .entry(*b)
-                        .or_insert(Refcounted { id: *id, refs: 0 });
-                    entry.refs += 1;
-                    planner.backend_by_id.insert(*id, *b);
+                    planner.backends.insert(*id, *b);
+                    planner.backends.acquire(*id);
                 }
             }
             planner.frontends.insert(
@@ -198,7 +198,7 @@ impl Planner {
             }
         }
         for (id, b) in &stored.backends {
-            if planner.backends.get(b).map(|r| r.id) != Some(*id) {
+            if planner.backends.id_of(b) != Some(*id) {
                 garbage.push(MapOp::DeleteBackend { id: *id });
             }
         }
@@ -214,7 +214,7 @@ impl Planner {
         Departed {
             service_id,
             backend_id,
-            backend: self.backend_by_id.get(&backend_id).copied(),
+            backend: self.backends.backend_of(backend_id),
         }
     }
 
@@ -230,7 +230,7 @@ impl Planner {
 
     /// Number of distinct backends programmed.
     pub fn backend_count(&self) -> usize {
-        self.backend_by_id.len()
+        self.backends.len()
     }
 
     /// Makes the maps hold exactly `desired` for the service `owner`:
@@ -243,14 +243,14 @@ impl Planner {
     ) -> SyncOutcome<S::Error> {
         let mut outcome = SyncOutcome::new();
         self.retry_pending(store, &mut outcome);
-        let previous: BTreeSet<FrontendKey> = self
-            .owned
-            .remove(owner)
-            .map(|keys| keys.into_vec().into_iter().collect())
-            .unwrap_or_default();
+        let (owner, previous): (Arc<ObjectKey>, BTreeSet<FrontendKey>) =
+            match self.owned.remove_entry(owner) {
+                Some((shared, keys)) => (shared, keys.into_vec().into_iter().collect()),
+                None => (Arc::new(owner.clone()), BTreeSet::new()),
+            };
         let mut now_owned = BTreeSet::new();
         for fe in desired {
-            match self.apply_frontend(owner, fe, store) {
+            match self.apply_frontend(&owner, fe, store) {
                 Ok(ops) => {
                     if ops > 0 {
                         outcome.frontends_changed += 1;
@@ -275,7 +275,7 @@ impl Planner {
             .copied()
             .collect();
         for key in &dropped {
-            match self.remove_frontend(owner, key, store) {
+            match self.remove_frontend(&owner, key, store) {
                 Ok(ops) => {
                     outcome.ops += ops;
                     outcome.frontends_changed += 1;
@@ -287,8 +287,7 @@ impl Planner {
             }
         }
         if !now_owned.is_empty() {
-            self.owned
-                .insert(owner.clone(), now_owned.into_iter().collect());
+            self.owned.insert(owner, now_owned.into_iter().collect());
         }
         outcome
     }
@@ -303,10 +302,10 @@ impl Planner {
             .filter(|(_, a)| a.owner.is_none())
             .map(|(k, _)| *k)
             .collect();
-        let nobody = ObjectKey {
+        let nobody = Arc::new(ObjectKey {
             namespace: String::new(),
             name: "(adopted)".into(),
-        };
+        });
         for key in unclaimed {
             match self.remove_frontend(&nobody, &key, store) {
                 Ok(ops) => {
@@ -354,7 +353,7 @@ impl Planner {
     /// left unreferenced.
     fn apply_frontend<S: MapStore>(
         &mut self,
-        owner: &ObjectKey,
+        owner: &Arc<ObjectKey>,
         fe: &Frontend,
         store: &mut S,
     ) -> Result<usize, PlanError<S::Error>> {
@@ -365,7 +364,7 @@ impl Planner {
         if let Err(source) = self.write(&plan, store) {
             return Err(PlanError::Write {
                 frontend: fe.key,
-                owner: owner.clone(),
+                owner: (**owner).clone(),
                 source,
             });
         }
@@ -385,7 +384,7 @@ impl Planner {
             });
         }
         let prev = self.frontends.get(&fe.key).cloned();
-        if let Some(other) = prev.as_ref().and_then(|p| p.owner.as_ref())
+        if let Some(other) = prev.as_ref().and_then(|p| p.owner.as_deref())
             && other != owner
         {
             return Err(PlanError::Conflict {
@@ -404,8 +403,8 @@ impl Planner {
         let mut fresh: Vec<(u32, Backend)> = Vec::new();
         for b in &fe.backends {
             let enc = encode::backend(b);
-            let id = match self.backends.get(&enc) {
-                Some(r) => r.id,
+            let id = match self.backends.id_of(&enc) {
+                Some(id) => id,
                 None => {
                     if let Some((id, _)) = fresh.iter().find(|(_, f)| *f == enc) {
                         *id
@@ -462,10 +461,12 @@ impl Planner {
 
         // New source ranges go in before the service entry that turns the
         // firewall on; ranges no longer wanted go after it.
-        let mut writes: Vec<MapOp> = ranges
-            .difference(prev_ranges)
-            .map(|entry| MapOp::PutSourceRange { entry: *entry })
-            .collect();
+        let mut writes: Vec<MapOp> = Vec::with_capacity(ranges.len() + fresh.len() + ids.len() + 1);
+        writes.extend(
+            ranges
+                .difference(prev_ranges)
+                .map(|entry| MapOp::PutSourceRange { entry: *entry }),
+        );
         let mut cleanup: Vec<MapOp> = Vec::new();
         writes.extend(fresh.iter().map(|(id, backend)| MapOp::PutBackend {
             id: *id,
@@ -521,16 +522,14 @@ impl Planner {
     /// made and gives back the slot set it took, so the frontend stays as it
     /// was.
     fn write<S: MapStore>(&mut self, plan: &FrontendPlan, store: &mut S) -> Result<(), S::Error> {
-        for (i, op) in plan.writes.iter().enumerate() {
-            if let Err(source) = store.apply(op) {
-                self.roll_back(&plan.writes[..i], store);
-                if let Some(set) = plan.new_slot_set {
-                    self.slot_sets_in_use.remove(&set);
-                }
-                return Err(source);
-            }
+        let Err((landed, source)) = store.apply_all(&plan.writes) else {
+            return Ok(());
+        };
+        self.roll_back(&plan.writes[..landed], store);
+        if let Some(set) = plan.new_slot_set {
+            self.slot_sets_in_use.remove(&set);
         }
-        Ok(())
+        Err(source)
     }
 
     /// The maps now serve the new set: takes the references it holds, lets go
@@ -539,7 +538,7 @@ impl Planner {
     /// done.
     fn commit<S: MapStore>(
         &mut self,
-        owner: &ObjectKey,
+        owner: &Arc<ObjectKey>,
         fe: &Frontend,
         prev: Option<Applied>,
         plan: FrontendPlan,
@@ -556,18 +555,12 @@ impl Planner {
             new_slot_set,
         } = plan;
         for (id, backend) in &fresh {
-            self.backends
-                .insert(*backend, Refcounted { id: *id, refs: 0 });
-            self.backend_by_id.insert(*id, *backend);
+            self.backends.insert(*id, *backend);
         }
         for id in &ids {
-            if let Some(b) = self.backend_by_id.get(id).copied()
-                && let Some(r) = self.backends.get_mut(&b)
-            {
-                r.refs += 1;
-            }
+            self.backends.acquire(*id);
         }
-        self.acquire_service_id(&fe.service, value.service_id);
+        let service = self.acquire_service_id(&fe.service, value.service_id);
         if let Some(p) = prev {
             if new_slot_set.is_some() {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
@@ -589,8 +582,8 @@ impl Planner {
                 key,
                 value,
                 backend_ids: ids,
-                owner: Some(owner.clone()),
-                service: Some(fe.service.clone()),
+                owner: Some(Arc::clone(owner)),
+                service: Some(service),
                 source_ranges: ranges,
             },
         );
@@ -599,7 +592,7 @@ impl Planner {
 
     fn remove_frontend<S: MapStore>(
         &mut self,
-        owner: &ObjectKey,
+        owner: &Arc<ObjectKey>,
         key: &FrontendKey,
         store: &mut S,
     ) -> Result<usize, PlanError<S::Error>> {
@@ -610,7 +603,7 @@ impl Planner {
             .apply(&MapOp::DeleteService { key: prev.key })
             .map_err(|source| PlanError::Write {
                 frontend: *key,
-                owner: owner.clone(),
+                owner: (**owner).clone(),
                 source,
             })?;
         self.frontends.remove(key);
@@ -671,30 +664,24 @@ impl Planner {
 
     /// Drops one reference to each id; deletes for those left unreferenced.
     fn release_backends(&mut self, ids: &[u32]) -> Vec<MapOp> {
-        let mut deletes = Vec::new();
-        for id in ids {
-            let Some(b) = self.backend_by_id.get(id).copied() else {
-                continue;
-            };
-            let Some(r) = self.backends.get_mut(&b) else {
-                continue;
-            };
-            r.refs = r.refs.saturating_sub(1);
-            if r.refs == 0 {
-                self.backends.remove(&b);
-                self.backend_by_id.remove(id);
-                deletes.push(MapOp::DeleteBackend { id: *id });
-            }
-        }
-        deletes
+        ids.iter()
+            .filter(|id| self.backends.release(**id))
+            .map(|id| MapOp::DeleteBackend { id: *id })
+            .collect()
     }
 
-    fn acquire_service_id(&mut self, name: &ServicePortName, id: u32) {
-        self.service_ids
-            .entry(name.clone())
-            .or_insert(Refcounted { id, refs: 0 })
-            .refs += 1;
+    /// Takes a reference to `name`'s service id (`id` if it has none yet);
+    /// returns the name as the planner holds it, shared.
+    fn acquire_service_id(&mut self, name: &ServicePortName, id: u32) -> Arc<ServicePortName> {
         *self.service_ids_in_use.entry(id).or_default() += 1;
+        if let Some((shared, r)) = self.service_ids.get_key_value_mut(name) {
+            r.refs += 1;
+            return Arc::clone(shared);
+        }
+        let shared = Arc::new(name.clone());
+        self.service_ids
+            .insert(Arc::clone(&shared), Refcounted { id, refs: 1 });
+        shared
     }
 
     fn release_service_id(&mut self, name: &ServicePortName) {
@@ -721,10 +708,7 @@ impl Planner {
         loop {
             let id = self.next_backend_id;
             self.next_backend_id = self.next_backend_id.checked_add(1).unwrap_or(1);
-            if id != 0
-                && !self.backend_by_id.contains_key(&id)
-                && !fresh.iter().any(|(f, _)| *f == id)
-            {
+            if id != 0 && !self.backends.has_id(id) && !fresh.iter().any(|(f, _)| *f == id) {
                 return id;
             }
         }

@@ -161,6 +161,17 @@ fn cluster_cidr_string((prefix_len, key): &ClusterCidrEntry) -> String {
 pub trait MapStore {
     type Error: std::error::Error + Send + Sync + 'static;
     fn apply(&mut self, op: &MapOp) -> Result<(), Self::Error>;
+
+    /// Applies `ops` in order, stopping at the first that fails: then says
+    /// how many landed before it, and why it did not. A store may write a
+    /// run of entries of one map in one call, as long as the order and
+    /// that count hold.
+    fn apply_all(&mut self, ops: &[MapOp]) -> Result<(), (usize, Self::Error)> {
+        for (landed, op) in ops.iter().enumerate() {
+            self.apply(op).map_err(|e| (landed, e))?;
+        }
+        Ok(())
+    }
 }
 
 /// The content of the service maps, as read back from the kernel (for

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, warn};
 
 use crate::{
-    model::{self, Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
+    model::{Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
     planner::{PlanError, Planner, SyncOutcome},
     source::ObjectKey,
     state::ClusterState,
@@ -113,14 +113,11 @@ impl HealthChecks {
     /// valid health check keeps the one it had.
     pub fn refresh(&mut self, state: &ClusterState, key: &ObjectKey, config: &ModelConfig) {
         let check = match state.service(key) {
+            // Only a LoadBalancer has one: its slices need not be looked up.
+            Some(service) if !service.is_load_balancer() => None,
             None => None,
             Some(service) => {
-                match model::service_health_check(
-                    service,
-                    &state.slices_for(key),
-                    state.node(),
-                    config,
-                ) {
+                match service.health_check(&state.slices_for(key), state.node(), config) {
                     Ok(check) => check,
                     Err(e) => {
                         warn!(service = %key, error = %e, "health check node port left as it was");

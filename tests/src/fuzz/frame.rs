@@ -7,7 +7,7 @@ use super::{ICMP, Tuple};
 use crate::frames::{TCP, UDP, csum};
 
 pub(super) const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
+pub(super) const ETH_P_IP: u16 = 0x0800;
 
 /// The IPv4 headers of a frame, as far as they can be read.
 #[derive(Clone, Copy, Debug)]

@@ -174,6 +174,9 @@ pub enum Hook {
 
 pub mod verdict {
     pub const TC_ACT_OK: u32 = 0;
+    /// `TCX_NEXT` (-1): on to the next program of the tcx chain, which is how
+    /// `tc_ingress` hands on whatever is not IPv4 (`tc_ingress6` follows it).
+    pub const TCX_NEXT: u32 = u32::MAX;
     pub const TC_ACT_SHOT: u32 = 2;
     pub const TC_ACT_REDIRECT: u32 = 7;
     pub const XDP_DROP: u32 = 1;
@@ -464,6 +467,17 @@ mod tests {
                 .unwrap_err()
                 .contains("frontend with endpoints")
         );
+        let next = verdict::TCX_NEXT;
+        assert!(
+            tc_check(&input, next, &input)
+                .unwrap_err()
+                .contains("IPv4 frame"),
+            "IPv4 handed on"
+        );
+        let mut ipv6 = input.clone();
+        ipv6[12..14].copy_from_slice(&0x86dd_u16.to_be_bytes());
+        assert_eq!(tc_check(&ipv6, next, &ipv6), Ok(Outcome::Untouched));
+        assert!(tc_check(&ipv6, next, &seq).unwrap_err().contains("changed"));
     }
 
     #[test]

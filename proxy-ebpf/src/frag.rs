@@ -47,13 +47,25 @@ fn key6(flow: &Flow6) -> FragKey {
 /// datagram's later fragments.
 #[inline(always)]
 pub fn remember(flow: &Flow, now: u64) {
-    insert(&key(flow), flow.sport_be, flow.dport_be, now);
+    let value = FragValue {
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        _pad: 0,
+        seen_ns: now,
+    };
+    let _ = FRAGMENTS.insert(&key(flow), &value, 0);
 }
 
 /// `remember` for IPv6.
 #[inline(always)]
 pub fn remember6(flow: &Flow6, now: u64) {
-    insert(&key6(flow), flow.sport_be, flow.dport_be, now);
+    let value = FragValue {
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        _pad: 0,
+        seen_ns: now,
+    };
+    let _ = FRAGMENTS.insert(&key6(flow), &value, 0);
 }
 
 /// The ports of a later fragment's datagram, as its first fragment showed
@@ -67,17 +79,6 @@ pub fn ports(flow: &Flow, now: u64) -> Option<(u16, u16)> {
 #[inline(always)]
 pub fn ports6(flow: &Flow6, now: u64) -> Option<(u16, u16)> {
     lookup(&key6(flow), now)
-}
-
-#[inline(always)]
-fn insert(key: &FragKey, sport_be: u16, dport_be: u16, now: u64) {
-    let value = FragValue {
-        sport_be,
-        dport_be,
-        _pad: 0,
-        seen_ns: now,
-    };
-    let _ = FRAGMENTS.insert(key, &value, 0);
 }
 
 #[inline(always)]

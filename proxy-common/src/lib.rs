@@ -997,10 +997,7 @@ pub mod counter {
     /// transport header (more than the datapath walks, one it does not
     /// know, or cut short): passed untouched.
     pub const PASS_V6_EXT_HEADERS: u32 = 26;
-    /// A later fragment of an IPv6 datagram (no transport header): passed
-    /// untouched, as the datapath keeps no fragment state for IPv6 yet.
-    pub const PASS_V6_FRAGMENT: u32 = 27;
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 27;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1032,7 +1029,6 @@ pub mod counter {
         "icmp_error_translated",
         "log_rate_limited",
         "pass_v6_ext_headers",
-        "pass_v6_fragment",
     ];
 }
 

@@ -9,12 +9,13 @@
 //! was not translated here (another flow's, or one that arrives first) is
 //! passed as it is, and counted: never translated by a guess.
 //!
-//! Keyed by IPv4-mapped addresses and a 32-bit id, so that IPv6 (whose
-//! fragment header has a 32-bit identification) can share the map.
+//! IPv4 and IPv6 share the map: IPv4 keyed by IPv4-mapped addresses and its
+//! 16-bit id widened, IPv6 by its addresses and its fragment header's 32-bit
+//! id. `tc_ingress6` follows the same rules as IPv4's pipeline.
 
 use proxy_common::{FRAG_TIMEOUT_NS, FragKey, FragValue, v4_mapped};
 
-use crate::{maps::FRAGMENTS, packet::Flow};
+use crate::{maps::FRAGMENTS, packet::Flow, packet6::Flow6};
 
 #[inline(always)]
 fn key(flow: &Flow) -> FragKey {
@@ -22,6 +23,20 @@ fn key(flow: &Flow) -> FragKey {
         src_be: v4_mapped(flow.src_be),
         dst_be: v4_mapped(flow.dst_be),
         id_be: u32::from(flow.ip_id_be),
+        proto: flow.proto,
+        _pad0: 0,
+        _pad1: 0,
+    }
+}
+
+/// IPv6's key: the fragment header's identification (RFC 8200 4.5) and the
+/// header after it, which is the same in every fragment of a datagram.
+#[inline(always)]
+fn key6(flow: &Flow6) -> FragKey {
+    FragKey {
+        src_be: flow.src_be,
+        dst_be: flow.dst_be,
+        id_be: flow.frag_id_be,
         proto: flow.proto,
         _pad0: 0,
         _pad1: 0,
@@ -41,12 +56,35 @@ pub fn remember(flow: &Flow, now: u64) {
     let _ = FRAGMENTS.insert(&key(flow), &value, 0);
 }
 
+/// `remember` for IPv6.
+#[inline(always)]
+pub fn remember6(flow: &Flow6, now: u64) {
+    let value = FragValue {
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        _pad: 0,
+        seen_ns: now,
+    };
+    let _ = FRAGMENTS.insert(&key6(flow), &value, 0);
+}
+
 /// The ports of a later fragment's datagram, as its first fragment showed
 /// them, if that was translated here within the reassembly timeout.
 #[inline(always)]
 pub fn ports(flow: &Flow, now: u64) -> Option<(u16, u16)> {
+    lookup(&key(flow), now)
+}
+
+/// `ports` for IPv6.
+#[inline(always)]
+pub fn ports6(flow: &Flow6, now: u64) -> Option<(u16, u16)> {
+    lookup(&key6(flow), now)
+}
+
+#[inline(always)]
+fn lookup(key: &FragKey, now: u64) -> Option<(u16, u16)> {
     // SAFETY: a valid map value pointer for this program's run.
-    let seen = FRAGMENTS.get_ptr(&key(flow)).map(|p| unsafe { *p })?;
+    let seen = FRAGMENTS.get_ptr(key).map(|p| unsafe { *p })?;
     if now.saturating_sub(seen.seen_ns) > FRAG_TIMEOUT_NS {
         return None;
     }

@@ -17,7 +17,7 @@ use proxy_common::{
 };
 
 use crate::{
-    packet::ETH_HLEN,
+    packet::{ETH_HLEN, frag},
     packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF},
 };
 
@@ -49,8 +49,14 @@ impl Nat6 {
     }
 
     /// Writes this translation into the packet, transport checksum updated.
+    /// A later fragment gets its addresses alone: it carries neither ports
+    /// nor checksum, and its first fragment's checksum update covered the
+    /// whole datagram's pseudo-header.
     #[inline(always)]
     pub fn apply(&self, ctx: &TcContext, flow: &Flow6) -> Result<(), i64> {
+        if flow.frag == frag::LATER {
+            return self.store_addrs(ctx);
+        }
         let mut addrs = 0u64;
         for i in 0..4 {
             addrs +=
@@ -70,12 +76,17 @@ impl Nat6 {
                 ctx.store(csum_off, &0xffffu16, 0)?;
             }
         }
-        // Stored from where they are: a copy of both would take 32 bytes
-        // of a stack that is nearly used up.
-        ctx.store(ETH_HLEN + IP6_SRC_OFF, &self.src_be, 0)?;
-        ctx.store(ETH_HLEN + IP6_DST_OFF, &self.dst_be, 0)?;
+        self.store_addrs(ctx)?;
         let ports: [u16; 2] = [self.sport_be, self.dport_be];
         ctx.store(flow.l4_off, &ports, 0)?;
         Ok(())
+    }
+
+    #[inline(always)]
+    fn store_addrs(&self, ctx: &TcContext) -> Result<(), i64> {
+        // Stored from where they are: a copy of both would take 32 bytes
+        // of a stack that is nearly used up.
+        ctx.store(ETH_HLEN + IP6_SRC_OFF, &self.src_be, 0)?;
+        ctx.store(ETH_HLEN + IP6_DST_OFF, &self.dst_be, 0)
     }
 }

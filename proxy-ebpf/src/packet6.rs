@@ -2,14 +2,16 @@
 //! offsets kept rather than pointers. The transport header may sit behind
 //! extension headers; a bounded number of them is walked, and a packet whose
 //! chain goes on longer, or holds one the datapath does not know, is left
-//! untouched (and counted by the caller).
+//! untouched (and counted by the caller). A later fragment has no transport
+//! header: it is parsed up to its fragment header, its ports left for the
+//! caller to fill in from its datagram's first fragment (`crate::frag`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{PROTO_TCP, PROTO_UDP};
 
 use crate::{
     hook::Hook,
-    packet::{ETH_HLEN, read},
+    packet::{ETH_HLEN, frag, read},
 };
 
 const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -50,6 +52,11 @@ pub struct Flow6 {
     pub dport_be: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    /// `packet::frag::NONE`, `FIRST` or `LATER`.
+    pub frag: u8,
+    /// The fragment header's identification, as on the wire (what ties
+    /// fragments together); 0 for a whole datagram.
+    pub frag_id_be: u32,
 }
 
 impl Flow6 {
@@ -77,9 +84,6 @@ pub enum Skip6 {
     Truncated,
     /// An extension header chain not walked to its end: passed, and counted.
     ExtHeaders,
-    /// A later fragment, which carries no transport header: passed, and
-    /// counted.
-    LaterFragment,
 }
 
 #[repr(C)]
@@ -126,9 +130,8 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
     }
     let mut next = ip.next_hdr;
     let mut off = ETH_HLEN + IPV6_HLEN;
-    // A first fragment's transport header is read and translated; its
-    // datagram's later fragments are passed (see `Skip6::LaterFragment`).
-    let mut whole = true;
+    let mut frag = frag::NONE;
+    let mut frag_id_be = 0;
     for _ in 0..MAX_EXT_HEADERS {
         let len = match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
@@ -142,15 +145,21 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
                 }
             }
             NEXTHDR_FRAGMENT => {
-                let head: [u16; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
-                let field = u16::from_be(head[1]);
+                let head: [u32; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
+                let [next_hdr, _, field_hi, field_lo] = head[0].to_ne_bytes();
+                let field = u16::from_be_bytes([field_hi, field_lo]);
+                next = next_hdr;
+                frag_id_be = head[1];
                 if field & FRAG_OFFSET_MASK != 0 {
-                    return Err(Skip6::LaterFragment);
+                    // What follows is the middle of the datagram: no header
+                    // of any kind to walk.
+                    frag = frag::LATER;
+                    off += 8;
+                    break;
                 }
                 if field & FRAG_MORE != 0 {
-                    whole = false;
+                    frag = frag::FIRST;
                 }
-                next = head[0].to_ne_bytes()[0];
                 8
             }
             _ => break,
@@ -172,7 +181,11 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
     let Some(l4_len) = (ETH_HLEN + IPV6_HLEN + payload_len).checked_sub(off) else {
         return Err(Skip6::Malformed);
     };
-    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, whole)?;
+    let (ports, tcp_flags) = if frag == frag::LATER {
+        ([0, 0], 0)
+    } else {
+        l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)?
+    };
     Ok(Flow6 {
         l4_off: off,
         src_be: ip.src_be,
@@ -181,6 +194,8 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
         dport_be: ports[1],
         proto: next,
         tcp_flags,
+        frag,
+        frag_id_be,
     })
 }
 

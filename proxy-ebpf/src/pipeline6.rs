@@ -7,7 +7,8 @@
 //! This covers the frontends in-cluster clients reach (ClusterIPs, TCP and
 //! UDP). Frontends of external traffic (`service_flags::EXTERNAL`) are
 //! passed untranslated; so are SCTP and ICMPv6, neighbour discovery among
-//! it.
+//! it. Fragments follow IPv4's rules (`crate::frag`): a later fragment takes
+//! its first fragment's ports and its flow's translation, or passes, counted.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -17,9 +18,10 @@ use proxy_common::{PROTO_TCP, counter, ct_dir, is_v4_mapped, service_flags};
 
 use crate::{
     conntrack::now_ns,
-    conntrack6, frontend,
+    conntrack6, frag, frontend,
     maps::count,
     nat6::Nat6,
+    packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
     reject6,
 };
@@ -28,7 +30,7 @@ use crate::{
 /// calls for.
 #[inline(always)]
 pub fn handle(ctx: &TcContext) -> i32 {
-    let flow = match packet6::parse(ctx) {
+    let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip6::NotOurs) => return TC_ACT_OK,
         Err(Skip6::Malformed | Skip6::Truncated) => {
@@ -39,12 +41,17 @@ pub fn handle(ctx: &TcContext) -> i32 {
             count(counter::PASS_V6_EXT_HEADERS);
             return TC_ACT_OK;
         }
-        Err(Skip6::LaterFragment) => {
-            count(counter::PASS_V6_FRAGMENT);
-            return TC_ACT_OK;
-        }
     };
     let now = now_ns();
+    if flow.frag == LATER {
+        // Translated as its datagram's first fragment was, or not at all.
+        let Some((sport_be, dport_be)) = frag::ports6(&flow, now) else {
+            count(counter::FRAG_UNTRACKED);
+            return TC_ACT_OK;
+        };
+        flow.sport_be = sport_be;
+        flow.dport_be = dport_be;
+    }
     let key = conntrack6::flow_key(&flow);
     if let Some(ptr) = conntrack6::lookup(&key, &flow, now) {
         // SAFETY: a valid map value pointer for the duration of this program.
@@ -57,7 +64,13 @@ pub fn handle(ctx: &TcContext) -> i32 {
         } else {
             counter::REV_NAT
         });
-        return finish(ctx, &flow, &nat);
+        return finish(ctx, &flow, &nat, now);
+    }
+    if flow.frag == LATER {
+        // Its first fragment made no flow (rejected, dropped, or its
+        // conntrack entry gone since): a later fragment never starts one.
+        count(counter::FRAG_UNTRACKED);
+        return TC_ACT_OK;
     }
     let Some(svc) = frontend::lookup6(flow.dst_be, flow.dport_be, flow.proto) else {
         return TC_ACT_OK;
@@ -93,13 +106,20 @@ pub fn handle(ctx: &TcContext) -> i32 {
     };
     conntrack6::create(&flow, &nat, backend_id, svc.service_id, now);
     count(counter::DNAT_NEW);
-    finish(ctx, &flow, &nat)
+    finish(ctx, &flow, &nat, now)
 }
 
 /// Writes the translation; a rewrite that failed half-way leaves a packet
-/// with a wrong checksum, which is dropped rather than sent.
+/// with a wrong checksum, which is dropped rather than sent. A first
+/// fragment leaves its ports for the later ones first (keyed by its header
+/// as it arrived, which they share).
 #[inline(always)]
-fn finish(ctx: &TcContext, flow: &Flow6, nat: &Nat6) -> i32 {
+fn finish(ctx: &TcContext, flow: &Flow6, nat: &Nat6, now: u64) -> i32 {
+    match flow.frag {
+        FIRST => frag::remember6(flow, now),
+        LATER => count(counter::FRAG_TRANSLATED),
+        _ => {}
+    }
     if nat.apply(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
         return TC_ACT_SHOT;

@@ -239,14 +239,15 @@ pub fn udp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
 /// for an answer of `answer_len` bytes (see [`crate::servers`]): either may be larger
 /// than one packet, so that the datagrams travel as IP fragments. The answer must
 /// be whole, its padding intact.
-pub fn udp_sized_request_here(
-    addr: SocketAddrV4,
+pub fn udp_sized_request_here<A: Peer>(
+    addr: A,
     request_len: usize,
     answer_len: usize,
     timeout: Duration,
-) -> Outcome {
+) -> Outcome<A> {
     let attempt = || -> io::Result<Vec<u8>> {
-        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        let socket = UdpSocket::bind(A::any())?;
+        let addr: SocketAddr = addr.into();
         socket.connect(addr)?;
         socket.set_read_timeout(Some(timeout))?;
         let mut request = format!("size {answer_len}\n").into_bytes();
@@ -286,13 +287,13 @@ pub fn udp_sized_request_here(
 }
 
 /// [`udp_sized_request_here`] from inside `ns`.
-pub fn udp_sized_request(
+pub fn udp_sized_request<A: Peer>(
     ns: &NetNs,
-    addr: SocketAddrV4,
+    addr: A,
     request_len: usize,
     answer_len: usize,
     timeout: Duration,
-) -> Outcome {
+) -> Outcome<A> {
     ns.run(|| udp_sized_request_here(addr, request_len, answer_len, timeout))
         .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
 }

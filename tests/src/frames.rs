@@ -447,3 +447,74 @@ pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
         l4,
     }
 }
+
+/// Splits the IPv6 datagram in `frame` (no extension headers) into fragments
+/// carrying at most `chunk` bytes of its payload each (a multiple of 8), each
+/// behind a fragment header of identification `id` (RFC 8200 4.5).
+pub fn fragment6(frame: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
+    assert!(
+        chunk.is_multiple_of(8) && chunk > 0,
+        "fragment size {chunk}"
+    );
+    let next = frame[14 + 6];
+    assert!(
+        ![HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&next),
+        "fragment6 takes a datagram without extension headers"
+    );
+    let payload = &frame[54..];
+    let pieces: Vec<&[u8]> = payload.chunks(chunk).collect();
+    pieces
+        .iter()
+        .enumerate()
+        .map(|(i, piece)| {
+            let mut f = frame[..54].to_vec();
+            f[14 + 4..14 + 6].copy_from_slice(&((8 + piece.len()) as u16).to_be_bytes());
+            f[14 + 6] = FRAGMENT;
+            let more = u16::from(i + 1 < pieces.len());
+            let field = ((i * chunk) as u16) | more;
+            f.extend_from_slice(&[next, 0]);
+            f.extend_from_slice(&field.to_be_bytes());
+            f.extend_from_slice(&id.to_be_bytes());
+            f.extend_from_slice(piece);
+            f
+        })
+        .collect()
+}
+
+/// The datagram that IPv6 `fragments` (in order, as [`fragment6`] makes them)
+/// carry, as one frame without a fragment header. Panics when they disagree on
+/// what a receiver reassembles by (addresses, identification, the header
+/// after the fragment header) or a fragment sits at the wrong offset.
+pub fn reassemble6(fragments: &[Vec<u8>], what: &str) -> Vec<u8> {
+    let first = &fragments[0];
+    let tie = |f: &[u8]| (f[14 + 8..14 + 40].to_vec(), f[54], f[58..62].to_vec());
+    let mut f = first[..54].to_vec();
+    f[14 + 6] = first[54];
+    for (i, frag) in fragments.iter().enumerate() {
+        assert_eq!(
+            frag[14 + 6],
+            FRAGMENT,
+            "{what}: fragment {i} has no fragment header"
+        );
+        assert_eq!(
+            tie(frag),
+            tie(first),
+            "{what}: fragment {i} differs from the first in (addresses, next header, id)"
+        );
+        let field = u16::from_be_bytes([frag[56], frag[57]]);
+        assert_eq!(
+            usize::from(field & 0xfff8),
+            f.len() - 54,
+            "{what}: fragment {i}'s offset"
+        );
+        assert_eq!(
+            field & 1 == 1,
+            i + 1 < fragments.len(),
+            "{what}: fragment {i}'s more-fragments flag"
+        );
+        f.extend_from_slice(&frag[62..]);
+    }
+    let len = (f.len() - 54) as u16;
+    f[14 + 4..14 + 6].copy_from_slice(&len.to_be_bytes());
+    f
+}

@@ -20,7 +20,7 @@ use ebpf_proxy_tests::{
     agent::SYNC_DEADLINE,
     client::{
         Outcome, Reply, TIMEOUT, assert_all_replied_from, tcp_request, tcp_tally, udp_request,
-        udp_tally,
+        udp_sized_request, udp_tally,
     },
     iptables::probability,
     manifest::Service,
@@ -261,6 +261,61 @@ fn ipv6_udp_reaches_backends_with_client_address() {
     assert!(
         entries >= 2 * 90,
         "{fill}: fewer entries than the 90 flows make"
+    );
+}
+
+/// Fragmented UDP through the IPv6 ClusterIP, both ways: a 4,000-byte request,
+/// which the client sends as three fragments on the 1,500-byte MTU, and a
+/// 100-byte request whose 4,000-byte answer comes back in fragments. Only a
+/// first fragment carries the UDP header; the later ones must follow its
+/// translation, or the backend (or the client) never reassembles the
+/// datagram. Each answer must be whole and from the ClusterIP, and the
+/// counters show the later fragments translated.
+#[test]
+fn ipv6_fragmented_udp_is_translated_both_ways() {
+    const EXCHANGES: usize = 20;
+    let sb = serving_web6(&[CLIENT]);
+    let client = &sb.client().ns;
+    let mut report = String::new();
+    for (what, request, answer) in [
+        ("4,000-byte requests", 4000, 100),
+        ("4,000-byte answers", 100, 4000),
+    ] {
+        let mut failures = Vec::new();
+        for _ in 0..EXCHANGES {
+            let exchange =
+                || udp_sized_request(client, dns6(CLUSTER_IP6), request, answer, TIMEOUT);
+            // One retry, as a UDP client makes: a datagram of three fragments
+            // has three chances to be dropped by a busy kernel. A datapath
+            // that breaks fragments loses both.
+            let outcome = match exchange() {
+                Outcome::Reply(r) => Outcome::Reply(r),
+                _ => exchange(),
+            };
+            match outcome {
+                Outcome::Reply(r) if *r.peer.ip() == pod_ip6(CLIENT.1) => {}
+                other => failures.push(other.to_string()),
+            }
+        }
+        let _ = writeln!(
+            report,
+            "{what}: {}/{EXCHANGES} answered",
+            EXCHANGES - failures.len()
+        );
+        assert!(
+            failures.is_empty(),
+            "{what} through the IPv6 ClusterIP: {report}first failures: {:?}",
+            &failures[..failures.len().min(5)]
+        );
+    }
+    eprintln!("{report}");
+    // Three fragments a datagram, two of them later ones, in each direction.
+    let translated = sb.counter("frag_translated");
+    assert!(
+        translated >= (4 * EXCHANGES) as u64,
+        "{translated} later fragments translated for {} fragmented datagrams of three \
+         fragments",
+        2 * EXCHANGES
     );
 }
 

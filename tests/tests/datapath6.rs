@@ -10,7 +10,8 @@ use std::{
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use ebpf_proxy_tests::frames::{
-    self as frame, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, icmp6, parse_checked6,
+    self as frame, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
+    parse_checked6, reassemble6,
 };
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
@@ -352,7 +353,8 @@ fn extension_headers_before_tcp_are_walked() {
         "the unwalked chain counted"
     );
 
-    // A later fragment (offset 1,448 bytes) has no transport header.
+    // A later fragment (offset 1,448 bytes) has no transport header, and
+    // no first fragment was translated for it.
     s.ext = vec![FRAGMENT];
     let mut later = build6(&s);
     later[54 + 2..54 + 4].copy_from_slice(&(181u16 << 3).to_be_bytes());
@@ -360,10 +362,10 @@ fn extension_headers_before_tcp_are_walked() {
     assert_eq!(
         (ret, &out),
         (TC_ACT_OK, &later),
-        "a later fragment passes untouched"
+        "a later fragment without its first passes untouched"
     );
     assert_eq!(
-        counter(&fx, "pass_v6_fragment"),
+        counter(&fx, "frag_untracked"),
         1,
         "the later fragment counted"
     );
@@ -372,6 +374,115 @@ fn extension_headers_before_tcp_are_walked() {
         1,
         "only the walked SYN was translated"
     );
+}
+
+/// A UDP datagram of `len` payload bytes from `src` to `dst`, in fragments of
+/// at most 1,448 payload bytes (a 1,500-byte MTU less the IPv6 and fragment
+/// headers, rounded down to 8) under `id`.
+fn fragmented(src: (Ipv6Addr, u16), dst: (Ipv6Addr, u16), len: usize, id: u32) -> Vec<Vec<u8>> {
+    let payload: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let whole = build6(&Spec6 {
+        payload,
+        ..spec(src.0, src.1, dst.0, dst.1, frame::UDP, 0)
+    });
+    fragment6(&whole, 1448, id)
+}
+
+/// Each of `fragments` through the program: the frames it left, all passed.
+fn run_fragments(fx: &Fixture, fragments: &[Vec<u8>], what: &str) -> Vec<Vec<u8>> {
+    fragments
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let (ret, out) = run(fx, f);
+            assert_eq!(ret, TC_ACT_OK, "{what} fragment {i}: verdict {ret}");
+            out
+        })
+        .collect()
+}
+
+/// Only a datagram's first fragment carries the UDP header; the later ones
+/// follow its translation, their addresses rewritten, so that the datagram
+/// the receiver reassembles has the translated addresses throughout and a
+/// checksum that is right for them (recomputed here from scratch).
+#[test]
+fn a_fragmented_udp_datagram_is_translated_whole_both_ways() {
+    let fx = fixture();
+    let request = fragmented((CLIENT, 42000), (VIP, 53), 3000, 0x1234_5678);
+    assert_eq!(request.len(), 3, "3,000 bytes in 1,448-byte fragments");
+    let out = run_fragments(&fx, &request, "request");
+    let p = parse_checked6(&reassemble6(&out, "request"), "reassembled request");
+    assert!(BACKENDS.contains(&p.dst), "request sent to {}", p.dst);
+    assert_eq!(
+        (p.src, p.sport, p.dport),
+        (CLIENT, 42000, 5353),
+        "the request's source and destination port"
+    );
+
+    let answer = fragmented((p.dst, 5353), (CLIENT, 42000), 3000, 0x0000_0077);
+    let out = run_fragments(&fx, &answer, "answer");
+    let r = parse_checked6(&reassemble6(&out, "answer"), "reassembled answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, 53, CLIENT, 42000),
+        "the answer must come from the ClusterIP"
+    );
+    assert_eq!(
+        counter(&fx, "frag_translated"),
+        4,
+        "later fragments translated"
+    );
+    assert_eq!(counter(&fx, "frag_untracked"), 0, "untracked fragments");
+}
+
+/// A later fragment is never translated by a guess: one that arrives before
+/// its first fragment, or belongs to a datagram that is no Service's, passes
+/// untouched and is counted; once its first fragment was translated, it
+/// follows. Fragments of another datagram (another id) are not taken for it.
+#[test]
+fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted() {
+    let fx = fixture();
+    let early = fragmented((CLIENT, 42001), (VIP, 53), 3000, 0x4343);
+    let (ret, out) = run(&fx, &early[1]);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &early[1]),
+        "a later fragment before its first one"
+    );
+    assert_eq!(counter(&fx, "frag_untracked"), 1, "the early fragment");
+    let (_, first) = run(&fx, &early[0]);
+    let backend = &first[14 + 24..14 + 40];
+    assert!(
+        BACKENDS.iter().any(|b| b.octets() == backend),
+        "first fragment sent to {backend:?}"
+    );
+    let (_, late) = run(&fx, &early[1]);
+    assert_eq!(
+        &late[14 + 24..14 + 40],
+        backend,
+        "the same fragment once its first one was translated"
+    );
+
+    let stranger = fragmented((CLIENT, 42001), (VIP, 53), 3000, 0x4344);
+    let (ret, out) = run(&fx, &stranger[1]);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &stranger[1]),
+        "a later fragment of another datagram between the same hosts"
+    );
+
+    let elsewhere = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99);
+    let other = fragmented((CLIENT, 42002), (elsewhere, 53), 3000, 0x4545);
+    for (i, f) in other.iter().enumerate() {
+        let (ret, out) = run(&fx, f);
+        assert_eq!(
+            (ret, &out),
+            (TC_ACT_OK, f),
+            "fragment {i} of a datagram to no Service"
+        );
+    }
+    assert_eq!(counter(&fx, "frag_untracked"), 4, "untracked fragments");
+    assert_eq!(counter(&fx, "frag_translated"), 1, "translated fragments");
 }
 
 #[test]

@@ -1000,7 +1000,11 @@ pub mod counter {
     /// A later fragment of an IPv6 datagram (no transport header): passed
     /// untouched, as the datapath keeps no fragment state for IPv6 yet.
     pub const PASS_V6_FRAGMENT: u32 = 27;
-    pub const COUNT: u32 = 28;
+    /// An IPv6 packet to an external frontend (NodePort, LoadBalancer IP,
+    /// ExternalIP: `service_flags::EXTERNAL`): passed untranslated, as IPv6
+    /// at tc covers ClusterIPs alone so far (docs/architecture.md, "IPv6").
+    pub const PASS_V6_EXTERNAL: u32 = 28;
+    pub const COUNT: u32 = 29;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1033,6 +1037,7 @@ pub mod counter {
         "log_rate_limited",
         "pass_v6_ext_headers",
         "pass_v6_fragment",
+        "pass_v6_external",
     ];
 }
 

@@ -6,7 +6,7 @@
 //!
 //! This covers the frontends in-cluster clients reach (ClusterIPs, TCP and
 //! UDP). Frontends of external traffic (`service_flags::EXTERNAL`) are
-//! passed untranslated; so are SCTP and ICMPv6, neighbour discovery among
+//! passed untranslated and counted (`pass_v6_external`); so are SCTP and ICMPv6, neighbour discovery among
 //! it.
 
 use aya_ebpf::{
@@ -63,6 +63,7 @@ pub fn handle(ctx: &TcContext) -> i32 {
         return TC_ACT_OK;
     };
     if svc.flags & service_flags::EXTERNAL != 0 {
+        count(counter::PASS_V6_EXTERNAL);
         return TC_ACT_OK;
     }
     if svc.count == 0 {

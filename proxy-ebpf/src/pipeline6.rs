@@ -6,9 +6,10 @@
 //!
 //! This covers the frontends in-cluster clients reach (ClusterIPs, TCP and
 //! UDP). Frontends of external traffic (`service_flags::EXTERNAL`) are
-//! passed untranslated; so are SCTP and ICMPv6, neighbour discovery among
-//! it. Fragments follow IPv4's rules (`crate::frag`): a later fragment takes
-//! its first fragment's ports and its flow's translation, or passes, counted.
+//! passed untranslated and counted (`pass_v6_external`); so are SCTP and
+//! ICMPv6, neighbour discovery among it. Fragments follow IPv4's rules
+//! (`crate::frag`): a later fragment takes its first fragment's ports and
+//! its flow's translation, or passes, counted.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -76,6 +77,7 @@ pub fn handle(ctx: &TcContext) -> i32 {
         return TC_ACT_OK;
     };
     if svc.flags & service_flags::EXTERNAL != 0 {
+        count(counter::PASS_V6_EXTERNAL);
         return TC_ACT_OK;
     }
     if svc.count == 0 {

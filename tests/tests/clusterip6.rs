@@ -7,6 +7,7 @@
 //! in parallel; everything is removed on drop, also when a test fails.
 
 use std::{
+    collections::BTreeSet,
     fmt::Write as _,
     io::{BufRead, BufReader, Write as _},
     net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
@@ -19,18 +20,18 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::SYNC_DEADLINE,
     client::{
-        Outcome, Reply, TIMEOUT, assert_all_replied_from, tcp_request, tcp_tally, udp_request,
-        udp_sized_request, udp_tally,
+        Outcome, Peer, Reply, TIMEOUT, Tally, assert_all_replied_from, tcp_request, tcp_tally,
+        udp_request, udp_sized_request, udp_tally,
     },
     iptables::probability,
-    manifest::Service,
+    manifest::{Service, SessionAffinity},
     netns::NetNs,
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
     topology::{
         one_node::{
-            BACKENDS, CLIENT, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips6,
-            backend_names,
+            BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips,
+            backend_ips6, backend_names, dns, http, web_service,
         },
         pod_ip6,
     },
@@ -239,7 +240,20 @@ fn ipv6_distribution_matches_ip6tables_statistic_and_keeps_the_client_address() 
 #[test]
 fn ipv6_udp_reaches_backends_with_client_address() {
     let sb = serving_web6(&[CLIENT]);
-    let tally = udp_tally(&sb.client().ns, dns6(CLUSTER_IP6), 90, TIMEOUT).expect("udp run");
+    let outcomes: Vec<Outcome<SocketAddrV6>> = (0..90)
+        .map(|_| udp_request(&sb.client().ns, dns6(CLUSTER_IP6), TIMEOUT))
+        .collect();
+    let ports_seen: BTreeSet<u16> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Reply(r) => Some(r.peer.port()),
+            _ => None,
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for outcome in outcomes {
+        tally.record(outcome);
+    }
     assert_all_replied_from(pod_ip6(CLIENT.1), "UDP to the IPv6 ClusterIP", &tally);
     let counts = tally.counts_for(&backend_names());
     assert!(
@@ -247,7 +261,10 @@ fn ipv6_udp_reaches_backends_with_client_address() {
         "90 datagrams should reach all three backends, got {:?}",
         tally.counts
     );
-    // Each datagram came from a socket of its own: a flow, two entries, each.
+    // Each datagram came from a socket of its own: a flow, two entries, each;
+    // but a socket may be given the port of an earlier one (the same flow
+    // again), so the count is of the distinct source ports the backends saw.
+    let flows = ports_seen.len() as u64;
     let status = sb.agent().status().expect("ebpf-proxy status");
     let fill = status
         .lines()
@@ -259,8 +276,8 @@ fn ipv6_udp_reaches_backends_with_client_address() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("unreadable fill line {fill:?}"));
     assert!(
-        entries >= 2 * 90,
-        "{fill}: fewer entries than the 90 flows make"
+        entries >= 2 * flows,
+        "{fill}: fewer entries than the {flows} flows (distinct client ports) make"
     );
 }
 
@@ -417,5 +434,175 @@ fn ipv6_removed_endpoint_gets_no_new_connections_but_keeps_established_ones() {
             .expect("the established connection broke when its endpoint was removed"),
         format!("{removed} after"),
         "the established connection moved to another backend"
+    );
+}
+
+/// `test/web` dual-stack: the IPv4 slice on every backend's IPv4 address, the
+/// IPv6 slice on `v6_backends`, in one file.
+fn dual_stack_web_yaml(v6_backends: &[Ipv6Addr]) -> String {
+    let web = web_service(CLUSTER_IP).dual_stack(CLUSTER_IP6);
+    format!(
+        "{}---\n{}---\n{}",
+        web.service_yaml(),
+        web.endpoint_slice_yaml(&backend_ips()),
+        web.endpoint_slice6_yaml(v6_backends)
+    )
+}
+
+/// Per backend, the TCP and UDP answers `client` gets from `test/web`'s ClusterIP of
+/// one family, with every backend seeing the client's address of that family (so
+/// the request reached the backend's address of that family).
+fn tally_both<A: Peer>(
+    client: &NetNs,
+    client_ip: A::Ip,
+    tcp: A,
+    udp: A,
+    n: usize,
+    what: &str,
+) -> (Vec<u64>, Vec<u64>) {
+    let names = backend_names();
+    let t = tcp_tally(client, tcp, n, TIMEOUT).expect("TCP run");
+    assert_all_replied_from(client_ip, &format!("TCP to {what}"), &t);
+    let u = udp_tally(client, udp, n, TIMEOUT).expect("UDP run");
+    assert_all_replied_from(client_ip, &format!("UDP to {what}"), &u);
+    for (proto, tally) in [("TCP", &t), ("UDP", &u)] {
+        assert_eq!(
+            tally.replies(),
+            n as u64,
+            "{proto} to {what}: replies from unexpected backends: {:?}",
+            tally.counts
+        );
+    }
+    (t.counts_for(&names), u.counts_for(&names))
+}
+
+/// A dual-stack Service is reached on both its ClusterIPs, each family's requests
+/// going to the backends' addresses of that family, spread over all three; an
+/// endpoint removed from the IPv6 slice alone leaves the IPv6 frontend and keeps
+/// its IPv4 twin.
+#[test]
+fn dual_stack_service_serves_each_family_from_its_own_slice() {
+    let mut sb =
+        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write("web.yaml", &dual_stack_web_yaml(&backend_ips6()))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+    let n = 60;
+
+    let (t4, u4) = tally_both(
+        client,
+        CLIENT.1,
+        http(CLUSTER_IP),
+        dns(CLUSTER_IP),
+        n,
+        "the IPv4 ClusterIP",
+    );
+    let (t6, u6) = tally_both(
+        client,
+        pod_ip6(CLIENT.1),
+        http6(CLUSTER_IP6),
+        dns6(CLUSTER_IP6),
+        n,
+        "the IPv6 ClusterIP",
+    );
+    eprintln!("{n} each, per backend: IPv4 TCP {t4:?} UDP {u4:?}, IPv6 TCP {t6:?} UDP {u6:?}");
+    for (what, counts) in [
+        ("IPv4 TCP", &t4),
+        ("IPv4 UDP", &u4),
+        ("IPv6 TCP", &t6),
+        ("IPv6 UDP", &u6),
+    ] {
+        assert!(
+            counts.iter().all(|&c| c > 0),
+            "{what}: {n} requests should reach all three backends, got {counts:?}"
+        );
+    }
+
+    let (removed, removed_ip) = BACKENDS[2];
+    let remaining6: Vec<Ipv6Addr> = backend_ips6()
+        .into_iter()
+        .filter(|ip| *ip != pod_ip6(removed_ip))
+        .collect();
+    sb.manifests()
+        .write("web.yaml", &dual_stack_web_yaml(&remaining6))
+        .expect("rewrite manifest");
+    thread::sleep(SYNC_DEADLINE);
+
+    let (t4, u4) = tally_both(
+        client,
+        CLIENT.1,
+        http(CLUSTER_IP),
+        dns(CLUSTER_IP),
+        n,
+        "the IPv4 ClusterIP after the edit",
+    );
+    let (t6, u6) = tally_both(
+        client,
+        pod_ip6(CLIENT.1),
+        http6(CLUSTER_IP6),
+        dns6(CLUSTER_IP6),
+        n,
+        "the IPv6 ClusterIP after the edit",
+    );
+    eprintln!(
+        "after removing {removed} from the IPv6 slice: IPv4 TCP {t4:?} UDP {u4:?}, IPv6 TCP {t6:?} UDP {u6:?}"
+    );
+    for (what, counts) in [("IPv4 TCP", &t4), ("IPv4 UDP", &u4)] {
+        assert!(
+            counts.iter().all(|&c| c > 0),
+            "{what}: the IPv4 frontend should keep all three backends after an IPv6-only edit, got {counts:?}"
+        );
+    }
+    for (what, counts) in [("IPv6 TCP", &t6), ("IPv6 UDP", &u6)] {
+        assert_eq!(
+            counts[2], 0,
+            "{what}: {SYNC_DEADLINE:?} after {removed} left the IPv6 slice, new requests still reach it: {counts:?}"
+        );
+        assert!(
+            counts[..2].iter().all(|&c| c > 0),
+            "{what}: both remaining backends should answer: {counts:?}"
+        );
+    }
+}
+
+/// ClientIP session affinity on an IPv6 ClusterIP: every new connection of one
+/// client goes to the backend its first went to; another client gets a backend
+/// of its own choosing, and keeps it too.
+#[test]
+fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
+    let mut sb = Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT)
+        .expect("the one-node world");
+    let sticky = web6("sticky6", CLUSTER_IP6).session_affinity(SessionAffinity::ClientIp {
+        timeout_seconds: None,
+    });
+    sb.manifests()
+        .write("sticky6.yaml", &sticky.yaml6(&backend_ips6()))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+
+    let mut chosen = Vec::new();
+    for (name, ip) in [CLIENT, IPT_CLIENT] {
+        let tally = tcp_tally(&sb.pod(name).ns, http6(CLUSTER_IP6), 20, TIMEOUT)
+            .unwrap_or_else(|e| panic!("connections from {name}: {e}"));
+        assert_all_replied_from(pod_ip6(ip), &format!("{name} with affinity"), &tally);
+        assert_eq!(
+            tally.replies(),
+            20,
+            "{name}: not every connection was answered: {:?}",
+            tally.counts
+        );
+        assert_eq!(
+            tally.counts.len(),
+            1,
+            "{name}: 20 connections with ClientIP affinity went to more than one backend: {:?}",
+            tally.counts
+        );
+        chosen.extend(tally.counts.into_keys());
+    }
+    eprintln!(
+        "20 connections each from {} and {}: backends {chosen:?}",
+        CLIENT.0, IPT_CLIENT.0
     );
 }

@@ -606,3 +606,134 @@ fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
         CLIENT.0, IPT_CLIENT.0
     );
 }
+
+/// Path MTU discovery through a ClusterIP: the backend sits behind a router
+/// pod whose route to it has a smaller MTU (1,280 bytes, locked, so that it
+/// holds for forwarded packets) than the links on both sides (1,500 bytes,
+/// so the backend's SYN-ACK announces a full-sized MSS). The router answers
+/// the client's full-sized segments with "packet too big" quoting the
+/// segment as it was on its way to the backend; only translated back to
+/// quote the ClusterIP does the client's socket lower its path MTU. A
+/// 256 KiB line sent through the ClusterIP and echoed back then completes;
+/// untranslated, the client keeps sending segments that never arrive.
+#[test]
+fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
+    const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
+    const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);
+    const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
+    let mut sb = Sandbox::new(&[CLIENT], &[], TCP_PORT, UDP_PORT).expect("the one-node world");
+    let router6 = sb.add_pod(ROUTER.0, ROUTER.1).expect("the router pod").ip6;
+    let far = NetNs::create(&format!("{}-far", sb.topology().stem())).expect("the far namespace");
+    let router = &sb.pod(ROUTER.0).ns;
+    let step = |ns: &NetNs, args: &[&str]| {
+        ns.ip(args)
+            .unwrap_or_else(|e| panic!("ip {} in {}: {e:#}", args.join(" "), ns.name()))
+    };
+    step(
+        router,
+        &[
+            "link",
+            "add",
+            "far0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            far.name(),
+        ],
+    );
+    for (ns, ifname, addr) in [(router, "far0", ROUTER_SIDE), (&far, "eth0", FAR)] {
+        ns.sysctl(&format!("net.ipv6.conf.{ifname}.accept_dad"), "0")
+            .expect("accept_dad");
+        step(
+            ns,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{addr}/64"),
+                "dev",
+                ifname,
+                "nodad",
+            ],
+        );
+        step(ns, &["link", "set", ifname, "up"]);
+    }
+    router
+        .sysctl("net.ipv6.conf.all.forwarding", "1")
+        .expect("forwarding in the router");
+    step(
+        router,
+        &[
+            "-6",
+            "route",
+            "replace",
+            &format!("{FAR}/128"),
+            "dev",
+            "far0",
+            "mtu",
+            "lock",
+            "1280",
+        ],
+    );
+    step(
+        &far,
+        &[
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &ROUTER_SIDE.to_string(),
+        ],
+    );
+    let node = &sb.topology().node;
+    let router_if = sb.pod(ROUTER.0).host_if.clone();
+    step(
+        node,
+        &[
+            "-6",
+            "route",
+            "add",
+            &format!("{FAR}/128"),
+            "via",
+            &router6.to_string(),
+            "dev",
+            &router_if,
+        ],
+    );
+    let _server = ebpf_proxy_tests::servers::TcpServer::start(&far, "far", TCP_PORT)
+        .expect("the backend behind the router");
+    sb.manifests()
+        .write("web6.yaml", &web6("web6", CLUSTER_IP6).yaml6(&[FAR]))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+
+    let client = &sb.client().ns;
+    let mut session = Session6::open(client, http6(CLUSTER_IP6));
+    assert_eq!(
+        session.greeting.backend, "far",
+        "greeting from the backend behind the router"
+    );
+    // Black-holed segments fill the send buffer: a write that blocks for good
+    // must fail the test, not hang it.
+    session
+        .stream
+        .set_write_timeout(Some(TIMEOUT))
+        .expect("write timeout");
+    let line: String = "0123456789abcdef".repeat(256 * 1024 / 16);
+    let answer = session
+        .exchange(&line)
+        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e}"));
+    assert_eq!(
+        answer.len(),
+        "far ".len() + line.len(),
+        "the echoed line's length"
+    );
+    assert!(
+        sb.counter("icmp_error_translated") >= 1,
+        "no ICMPv6 error was translated"
+    );
+}

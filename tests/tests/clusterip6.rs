@@ -607,103 +607,69 @@ fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
     );
 }
 
-/// Path MTU discovery through a ClusterIP: the backend sits behind a router
-/// pod whose route to it has a smaller MTU (1,280 bytes, locked, so that it
-/// holds for forwarded packets) than the links on both sides (1,500 bytes,
-/// so the backend's SYN-ACK announces a full-sized MSS). The router answers
-/// the client's full-sized segments with "packet too big" quoting the
-/// segment as it was on its way to the backend; only translated back to
-/// quote the ClusterIP does the client's socket lower its path MTU. A
-/// 256 KiB line sent through the ClusterIP and echoed back then completes;
-/// untranslated, the client keeps sending segments that never arrive.
-#[test]
-fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
-    const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
-    const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);
-    const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
-    let mut sb = Sandbox::new(&[CLIENT], &[], TCP_PORT, UDP_PORT).expect("the one-node world");
+/// The router pod of [`ipv6_path_mtu_discovery_works_through_the_cluster_ip`].
+const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
+/// The backend behind it, and the router's address on their link.
+const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
+const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);
+
+/// `ip` with `args` (split at spaces) in `ns`; panics with what failed.
+fn ip(ns: &NetNs, args: &str) {
+    let args: Vec<&str> = args.split(' ').collect();
+    ns.ip(&args)
+        .unwrap_or_else(|e| panic!("ip {} in {}: {e:#}", args.join(" "), ns.name()));
+}
+
+/// A namespace at [`FAR`] behind the router pod [`ROUTER`] of `sb`: 1,500-byte
+/// links on both sides of the router, its route to `FAR` locked at 1,280 bytes
+/// (a route MTU holds for forwarded packets only when locked), and the node's
+/// route to `FAR` through the router.
+fn far_behind_a_router(sb: &mut Sandbox) -> NetNs {
     let router6 = sb.add_pod(ROUTER.0, ROUTER.1).expect("the router pod").ip6;
     let far = NetNs::create(&format!("{}-far", sb.topology().stem())).expect("the far namespace");
     let router = &sb.pod(ROUTER.0).ns;
-    let step = |ns: &NetNs, args: &[&str]| {
-        ns.ip(args)
-            .unwrap_or_else(|e| panic!("ip {} in {}: {e:#}", args.join(" "), ns.name()))
-    };
-    step(
+    ip(
         router,
-        &[
-            "link",
-            "add",
-            "far0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            far.name(),
-        ],
+        &format!(
+            "link add far0 type veth peer name eth0 netns {}",
+            far.name()
+        ),
     );
     for (ns, ifname, addr) in [(router, "far0", ROUTER_SIDE), (&far, "eth0", FAR)] {
         ns.sysctl(&format!("net.ipv6.conf.{ifname}.accept_dad"), "0")
             .expect("accept_dad");
-        step(
-            ns,
-            &[
-                "-6",
-                "addr",
-                "add",
-                &format!("{addr}/64"),
-                "dev",
-                ifname,
-                "nodad",
-            ],
-        );
-        step(ns, &["link", "set", ifname, "up"]);
+        ip(ns, &format!("-6 addr add {addr}/64 dev {ifname} nodad"));
+        ip(ns, &format!("link set {ifname} up"));
     }
     router
         .sysctl("net.ipv6.conf.all.forwarding", "1")
         .expect("forwarding in the router");
-    step(
+    ip(
         router,
-        &[
-            "-6",
-            "route",
-            "replace",
-            &format!("{FAR}/128"),
-            "dev",
-            "far0",
-            "mtu",
-            "lock",
-            "1280",
-        ],
+        &format!("-6 route replace {FAR}/128 dev far0 mtu lock 1280"),
     );
-    step(
-        &far,
-        &[
-            "-6",
-            "route",
-            "add",
-            "default",
-            "via",
-            &ROUTER_SIDE.to_string(),
-        ],
+    ip(&far, &format!("-6 route add default via {ROUTER_SIDE}"));
+    let router_if = &sb.pod(ROUTER.0).host_if;
+    ip(
+        &sb.topology().node,
+        &format!("-6 route add {FAR}/128 via {router6} dev {router_if}"),
     );
-    let node = &sb.topology().node;
-    let router_if = sb.pod(ROUTER.0).host_if.clone();
-    step(
-        node,
-        &[
-            "-6",
-            "route",
-            "add",
-            &format!("{FAR}/128"),
-            "via",
-            &router6.to_string(),
-            "dev",
-            &router_if,
-        ],
-    );
+    far
+}
+
+/// Path MTU discovery through a ClusterIP: the backend sits behind a router
+/// pod whose route to it has a smaller MTU (1,280 bytes) than the links on
+/// both sides (1,500 bytes, so the backend's SYN-ACK announces a full-sized
+/// MSS). The router answers the client's full-sized segments with "packet
+/// too big" quoting the segment as it was on its way to the backend; only
+/// translated back to quote the ClusterIP does the client's socket lower
+/// its path MTU. A 256 KiB line sent through the ClusterIP and echoed back
+/// then completes; untranslated, the client keeps sending segments that
+/// never arrive.
+#[test]
+fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
+    let mut sb = Sandbox::new(&[CLIENT], &[], TCP_PORT, UDP_PORT).expect("the one-node world");
+    let far = far_behind_a_router(&mut sb);
     let _server = ebpf_proxy_tests::servers::TcpServer::start(&far, "far", TCP_PORT)
         .expect("the backend behind the router");
     sb.manifests()

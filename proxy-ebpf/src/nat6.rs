@@ -25,10 +25,6 @@ const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 
 /// The addresses and ports an IPv6 packet leaves with.
 #[derive(Clone, Copy)]
-#[expect(
-    clippy::struct_field_names,
-    reason = "named as `nat::Nat`'s fields, which the conntrack code of both families mirrors"
-)]
 pub struct Nat6 {
     pub src_be: [u32; 4],
     pub sport_be: u16,

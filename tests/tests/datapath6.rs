@@ -809,6 +809,34 @@ fn external(
 fn node_fixture() -> NodeFixture {
     use proxy_userspace::planner::{MapOp, MapStore, node};
     let mut fx = fixture();
+    let (ns, uplink_index) = uplink_namespace();
+    for (&key, &value) in &node::node_addrs(&[NODE_IP], &[]) {
+        fx.datapath
+            .maps
+            .apply(&MapOp::PutNodeAddr { key, value })
+            .expect("node addresses");
+    }
+    for op in [
+        MapOp::SetNodeConfig {
+            config: node::node_config(None, false),
+        },
+        MapOp::SetNodeConfig6 {
+            config: node::node_config6(Some(NODE_IP)),
+        },
+    ] {
+        fx.datapath.maps.apply(&op).expect("node config");
+    }
+    program_north_south(&mut fx);
+    NodeFixture {
+        fx,
+        ns,
+        uplink_index,
+    }
+}
+
+/// A namespace holding the node's uplink, its address, routes and
+/// neighbours; and the uplink's index.
+fn uplink_namespace() -> (ebpf_proxy_tests::netns::NetNs, u32) {
     let ns = ebpf_proxy_tests::netns::NetNs::create(&format!(
         "{}-v6ns",
         ebpf_proxy_tests::netns::unique_stem()
@@ -881,23 +909,11 @@ fn node_fixture() -> NodeFixture {
         .run(|| nix::net::if_::if_nametoindex("up0"))
         .expect("run in namespace")
         .expect("uplink ifindex");
+    (ns, uplink_index)
+}
 
-    for (&key, &value) in &node::node_addrs(&[NODE_IP], &[]) {
-        fx.datapath
-            .maps
-            .apply(&MapOp::PutNodeAddr { key, value })
-            .expect("node addresses");
-    }
-    for op in [
-        MapOp::SetNodeConfig {
-            config: node::node_config(None, false),
-        },
-        MapOp::SetNodeConfig6 {
-            config: node::node_config6(Some(NODE_IP)),
-        },
-    ] {
-        fx.datapath.maps.apply(&op).expect("node config");
-    }
+/// The north-south frontends of these tests.
+fn program_north_south(fx: &mut Fixture) {
     let unspecified = Ipv6Addr::UNSPECIFIED;
     let mut lb = external(FrontendKind::LoadBalancer, LB_IP, 80, &[REMOTE_POD], false);
     lb.source_ranges = vec![proxy_userspace::model::Cidr::parse("2001:db8:50::100/128").unwrap()];
@@ -936,12 +952,7 @@ fn node_fixture() -> NodeFixture {
         ("lb", lb),
         ("hairpin", hairpin),
     ] {
-        program(&mut fx, name, &fe);
-    }
-    NodeFixture {
-        fx,
-        ns,
-        uplink_index,
+        program(fx, name, &fe);
     }
 }
 

@@ -25,15 +25,14 @@ const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 
 /// The addresses and ports an IPv6 packet leaves with.
 #[derive(Clone, Copy)]
-#[expect(
-    clippy::struct_field_names,
-    reason = "named as `nat::Nat`'s fields, which the conntrack code of both families mirrors"
-)]
 pub struct Nat6 {
     pub src_be: [u32; 4],
     pub sport_be: u16,
     pub dst_be: [u32; 4],
     pub dport_be: u16,
+    /// The new source is an address of this node: routed and redirected
+    /// (`route6`), as `nat::Nat::redirect`.
+    pub redirect: bool,
 }
 
 impl Nat6 {
@@ -45,6 +44,7 @@ impl Nat6 {
             sport_be: flow.sport_be,
             dst_be: flow.dst_be,
             dport_be: flow.dport_be,
+            redirect: false,
         }
     }
 

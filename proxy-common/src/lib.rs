@@ -997,11 +997,7 @@ pub mod counter {
     /// transport header (more than the datapath walks, one it does not
     /// know, or cut short): passed untouched.
     pub const PASS_V6_EXT_HEADERS: u32 = 26;
-    /// An IPv6 packet to an external frontend (NodePort, LoadBalancer IP,
-    /// ExternalIP: `service_flags::EXTERNAL`): passed untranslated, as IPv6
-    /// at tc covers ClusterIPs alone so far (docs/architecture.md, "IPv6").
-    pub const PASS_V6_EXTERNAL: u32 = 27;
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 27;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1033,7 +1029,6 @@ pub mod counter {
         "icmp_error_translated",
         "log_rate_limited",
         "pass_v6_ext_headers",
-        "pass_v6_external",
     ];
 }
 

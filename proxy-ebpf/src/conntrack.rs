@@ -29,14 +29,14 @@ use crate::{
 const BPF_ANY: u64 = 0;
 const BPF_NOEXIST: u64 = 1;
 /// Tries at a free SNAT port before a new flow is dropped.
-const SNAT_TRIES: u32 = 16;
+pub const SNAT_TRIES: u32 = 16;
 /// A closed TCP flow (FIN or RST seen) gives its SNAT port up after this
 /// long without packets, well before its entry expires: otherwise every
 /// short connection would hold a port for the whole closing timeout, and a
 /// few thousand connections a second to one backend would use the range up.
 /// The same trade as Linux's `tcp_tw_reuse` (1 s): a straggler of the old
 /// flow arriving later than this could be taken for the new one.
-const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
+pub const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
 
 /// The clock of conntrack and affinity timestamps: `CLOCK_MONOTONIC` to
 /// within a kernel tick, ample for timeouts of seconds and the same base the

@@ -6,16 +6,19 @@
 //! flood guard is later work, and one map keeps this program's stack and
 //! instruction count small.
 
-use proxy_common::{Ct6Key, Ct6Value, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout};
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{Ct6Key, Ct6Value, PROTO_TCP, counter, ct_dir, ct_flags, ct_timeout, slot_for};
 
 use crate::{
-    maps::{CONNTRACK6, count, ct_timeouts},
+    conntrack::{SNAT_CLOSED_REUSE_NS, SNAT_TRIES},
+    maps::{CONNTRACK6, Scratch6, count, ct_timeouts, scratch6},
     nat6::Nat6,
     packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     packet6::Flow6,
 };
 
 const BPF_ANY: u64 = 0;
+const BPF_NOEXIST: u64 = 1;
 
 #[inline(always)]
 pub fn flow_key(flow: &Flow6) -> Ct6Key {
@@ -71,6 +74,7 @@ pub fn translation(entry: &Ct6Value, flow: &Flow6) -> Nat6 {
             nat.dport_be = entry.alt_port_be;
         }
     }
+    nat.redirect = entry.flags & ct_flags::REDIRECT != 0;
     nat
 }
 
@@ -130,47 +134,182 @@ pub fn touch(ptr: *mut Ct6Value, flow: &Flow6, nat: &Nat6, now: u64) {
     }
 }
 
-/// Creates both entries of a new flow of `flow` (client -> frontend), whose
-/// first packet becomes `nat`: the
-/// reply entry first, so that once packets are translated their answers
-/// already find their way back. Both overwrite what the map holds for their
-/// keys: the packet's own, which its lookup just found absent, expired or
-/// removed, and a flow of another client port clashing on the backend side,
-/// where the older flow loses.
+/// A new flow, as decided: `nat` is what its first packet becomes (as
+/// `conntrack::NewFlow`).
+pub struct NewFlow6 {
+    pub nat: Nat6,
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// `ct_flags::HAIRPIN` or `SNAT` for a two-sided flow, else 0.
+    pub kind: u8,
+    /// Replies leave with a source that is an address of this node.
+    pub reply_redirect: bool,
+}
+
+/// Writes the reply entry of the new flow `nf` of `flow` into `value`, and
+/// its key into `key`: the backend answers `nf.nat`'s source (the client,
+/// or this node for SNAT and hairpin), and its replies are rewritten back
+/// to the frontend and the client.
 #[inline(always)]
-pub fn create(flow: &Flow6, nat: &Nat6, backend_id: u32, service_id: u32, now: u64) {
-    // One value, made the reply entry and then the forward one: two would
-    // take 64 more bytes of stack.
-    let mut value = Ct6Value {
+fn reply_entry(flow: &Flow6, nf: &NewFlow6, now: u64, key: &mut Ct6Key, value: &mut Ct6Value) {
+    *key = Ct6Key::new(
+        nf.nat.dst_be,
+        nf.nat.src_be,
+        nf.nat.dport_be,
+        nf.nat.sport_be,
+        flow.proto,
+    );
+    *value = Ct6Value {
         nat_addr_be: flow.dst_be,
         alt_addr_be: flow.src_be,
         nat_port_be: flow.dport_be,
         alt_port_be: flow.sport_be,
-        flags: 0,
+        flags: nf.kind | redirect_flag(nf.reply_redirect),
         dir: ct_dir::REPLY,
         _pad: 0,
-        backend_id,
-        service_id,
+        backend_id: nf.backend_id,
+        service_id: nf.service_id,
         created_ns: now,
         last_seen_ns: now,
     };
-    let mut key = Ct6Key::new(
-        nat.dst_be,
-        nat.src_be,
-        nat.dport_be,
-        nat.sport_be,
-        flow.proto,
-    );
-    let mut failed = CONNTRACK6.insert(&key, &value, BPF_ANY).is_err();
-    value.nat_addr_be = nat.dst_be;
-    value.alt_addr_be = nat.src_be;
-    value.nat_port_be = nat.dport_be;
-    value.alt_port_be = nat.sport_be;
+}
+
+#[inline(always)]
+fn redirect_flag(redirect: bool) -> u8 {
+    if redirect { ct_flags::REDIRECT } else { 0 }
+}
+
+/// Turns `scratch.value`, the reply entry of `nf`, into its forward entry
+/// and inserts it at `flow`'s own key: one value made both entries.
+#[inline(always)]
+fn insert_forward(flow: &Flow6, nf: &NewFlow6, scratch: &mut Scratch6) -> bool {
+    let value = &mut scratch.value;
+    value.nat_addr_be = nf.nat.dst_be;
+    value.alt_addr_be = nf.nat.src_be;
+    value.nat_port_be = nf.nat.dport_be;
+    value.alt_port_be = nf.nat.sport_be;
+    value.flags = nf.kind | redirect_flag(nf.nat.redirect);
     value.dir = ct_dir::FORWARD;
-    key = flow_key(flow);
-    failed |= CONNTRACK6.insert(&key, &value, BPF_ANY).is_err();
+    scratch.other_key = flow_key(flow);
+    CONNTRACK6
+        .insert(&scratch.other_key, &scratch.value, BPF_ANY)
+        .is_ok()
+}
+
+/// This CPU's `SCRATCH6` entry, or None (never: the map has its one entry).
+#[inline(always)]
+fn scratch() -> Option<&'static mut Scratch6> {
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (see `Scratch6`).
+    scratch6().map(|p| unsafe { &mut *p })
+}
+
+/// Creates both entries of a new flow of `flow` (client -> frontend) whose
+/// source port is kept: the reply entry first, so that once packets are
+/// translated their answers already find their way back. Both overwrite
+/// what the map holds for their keys: the packet's own, which its lookup
+/// just found absent, expired or removed, and a flow of another client port
+/// clashing on the backend side, where the older flow loses.
+#[inline(always)]
+pub fn create(flow: &Flow6, nf: &NewFlow6, now: u64) {
+    let failed = match scratch() {
+        Some(scratch) => {
+            reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
+            let reply_failed = CONNTRACK6
+                .insert(&scratch.key, &scratch.value, BPF_ANY)
+                .is_err();
+            !insert_forward(flow, nf, scratch) || reply_failed
+        }
+        None => true,
+    };
     if failed {
         count(counter::CT_INSERT_FAILED);
     }
     count(counter::CT_NEW_FLOW);
+}
+
+/// Creates both entries of a flow whose source becomes this node's
+/// (SNAT, hairpin), choosing its source port in `min..=max` (host order)
+/// by `conntrack::create_snat`'s rules: the reply entry is inserted only if
+/// no live flow holds that (backend, node address, port) tuple, so two
+/// flows never share one. Keys and entry are built in `SCRATCH6`. Returns
+/// false when every try was taken.
+#[inline(always)]
+pub fn create_snat(flow: &Flow6, nf: &mut NewFlow6, min: u16, max: u16, now: u64) -> bool {
+    let Some(scratch) = scratch() else {
+        return false;
+    };
+    let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
+    // The reply entry is the same whatever the port.
+    reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
+    for _ in 0..SNAT_TRIES {
+        // SAFETY: a helper that takes no pointers and has no preconditions.
+        let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
+        nf.nat.sport_be = (port as u16).to_be();
+        scratch.key.dport_be = nf.nat.sport_be;
+        // Claimed with NOEXIST, so that two racing CPUs never both win it.
+        if !port_free(&scratch.key, &mut scratch.other_key, flow.proto, now)
+            || CONNTRACK6
+                .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
+                .is_err()
+        {
+            continue;
+        }
+        if !insert_forward(flow, nf, scratch) {
+            count(counter::CT_INSERT_FAILED);
+        }
+        count(counter::CT_NEW_FLOW);
+        return true;
+    }
+    false
+}
+
+/// Whether no live flow holds the SNAT tuple `reply_key`, as
+/// `conntrack::port_free`: an expired flow, or a closed one quiet for
+/// `SNAT_CLOSED_REUSE_NS`, gives its port up and is removed whole, its
+/// forward entry (looked up at `forward_key`) only while that still
+/// translates to this port.
+#[inline(always)]
+fn port_free(reply_key: &Ct6Key, forward_key: &mut Ct6Key, proto: u8, now: u64) -> bool {
+    let Some(old) = CONNTRACK6.get_ptr(reply_key) else {
+        return true;
+    };
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let old = unsafe { &*old };
+    let free = old.expired(proto, now, &ct_timeouts())
+        || (old.flags & ct_flags::CLOSING != 0
+            && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS);
+    if !free {
+        return false;
+    }
+    if old.dir == ct_dir::REPLY {
+        *forward_key = Ct6Key::new(
+            old.alt_addr_be,
+            old.nat_addr_be,
+            old.alt_port_be,
+            old.nat_port_be,
+            proto,
+        );
+        let still_old = CONNTRACK6
+            .get_ptr(&*forward_key)
+            // SAFETY: a pointer the map lookup returned, valid for this
+            // program's run.
+            .is_some_and(|f| replies_to(unsafe { &*f }, reply_key));
+        if still_old {
+            let _ = CONNTRACK6.remove(&*forward_key);
+        }
+    }
+    let _ = CONNTRACK6.remove(reply_key);
+    true
+}
+
+/// Whether the SNATed flow of forward entry `forward` is the one whose
+/// replies have the tuple `reply_key` (backend -> node address, SNAT port).
+#[inline(always)]
+fn replies_to(forward: &Ct6Value, reply_key: &Ct6Key) -> bool {
+    forward.dir == ct_dir::FORWARD
+        && forward.nat_addr_be == reply_key.src_be
+        && forward.nat_port_be == reply_key.sport_be
+        && forward.alt_addr_be == reply_key.dst_be
+        && forward.alt_port_be == reply_key.dport_be
 }

@@ -171,6 +171,15 @@ fn in_cluster(flow: &Flow) -> bool {
     CLUSTER_CIDRS.get(&key).is_some()
 }
 
+/// Whether the IPv6 client `src_be` is in the cluster (`CLUSTER_CIDRS`,
+/// where IPv6 pod CIDRs are kept as they are).
+#[inline(always)]
+pub fn in_cluster6(src_be: [u32; 4]) -> bool {
+    CLUSTER_CIDRS
+        .get(&Key::new(128, ClusterCidrKey { addr_be: src_be }))
+        .is_some()
+}
+
 /// Flags of `addr_be` when it is an address of this node.
 #[inline(always)]
 pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
@@ -209,18 +218,6 @@ fn service_key(addr_be: u32, port_be: u16, proto: u8) -> ServiceKey {
         proto,
         scope: scope::ANY,
     }
-}
-
-/// The frontend entry of an IPv6 destination, for every client (scope
-/// `ANY`: the only one a ClusterIP has).
-#[inline(always)]
-pub fn lookup6(addr_be: [u32; 4], port_be: u16, proto: u8) -> Option<ServiceValue> {
-    lookup(ServiceKey {
-        addr_be,
-        port_be,
-        proto,
-        scope: scope::ANY,
-    })
 }
 
 #[inline(always)]

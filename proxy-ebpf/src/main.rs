@@ -43,6 +43,7 @@ mod pipeline6;
 mod reject;
 mod reject6;
 mod route;
+mod route6;
 mod sock;
 mod sock6;
 mod verdict;

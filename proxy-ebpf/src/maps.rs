@@ -2,6 +2,7 @@
 //! carries key and value types and `bpftool map dump` prints field names.
 
 use aya_ebpf::{
+    bindings::bpf_fib_lookup,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
@@ -50,6 +51,30 @@ pub static CT_NEW: Conntrack = LruHashMap::new();
 #[btf_map]
 pub static CONNTRACK6: LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }> = LruHashMap::new();
 
+/// Room for the largest temporaries of `tc_ingress6`'s new flows (see
+/// `Scratch6`). Never pinned: it holds nothing from one packet to the next.
+#[btf_map]
+pub static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
+
+/// What `SCRATCH6` holds: the conntrack entry and keys a SNATed flow's
+/// port is claimed with (`conntrack6::create_snat`) and the FIB query of a
+/// redirect (`route6`). On the program's stack they would take it past
+/// the 512 bytes it may use; on this CPU's entry of a per-CPU map they are
+/// the packet's alone, as tc runs one program at a time on a CPU.
+#[repr(C)]
+pub struct Scratch6 {
+    pub key: Ct6Key,
+    pub other_key: Ct6Key,
+    pub value: Ct6Value,
+    pub fib: bpf_fib_lookup,
+}
+
+/// This CPU's `SCRATCH6` entry.
+#[inline(always)]
+pub fn scratch6() -> Option<*mut Scratch6> {
+    SCRATCH6.get_ptr_mut(0)
+}
+
 /// See `proxy_common::FlowCacheEntry`.
 #[btf_map]
 pub static FLOW_CACHE: PerCpuArray<FlowCacheEntry, { FLOW_CACHE_SLOTS as usize }> =
@@ -95,8 +120,10 @@ pub fn node_config() -> NodeConfig {
 }
 
 /// The node's IPv6 settings: `snat_addr_be` is its IPv6 address, the
-/// client the socket hooks' IPv6 connections are made as (zeros until the
-/// node has one). The rest of the entry is unused.
+/// client the socket hooks' IPv6 connections are made as and the source
+/// `tc_ingress6` SNATs to (zeros until the node has one). The rest of the
+/// entry is unused: SNAT ports come from `NODE_CONFIG`'s range, one range
+/// for both families.
 #[btf_map]
 pub static NODE_CONFIG6: Array<NodeConfig, 1> = Array::new();
 

@@ -34,6 +34,9 @@ pub struct Nat6 {
     pub sport_be: u16,
     pub dst_be: [u32; 4],
     pub dport_be: u16,
+    /// The new source is an address of this node: routed and redirected
+    /// (`route6`), as `nat::Nat::redirect`.
+    pub redirect: bool,
 }
 
 impl Nat6 {
@@ -45,6 +48,7 @@ impl Nat6 {
             sport_be: flow.sport_be,
             dst_be: flow.dst_be,
             dport_be: flow.dport_be,
+            redirect: false,
         }
     }
 

@@ -670,11 +670,11 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
 }
 
 /// A packet to an external IPv6 frontend (an ExternalIP, a LoadBalancer IP)
-/// passes untranslated, as IPv6 at tc covers ClusterIPs alone so far, and is
-/// counted (`pass_v6_external`), so that traffic this slice leaves alone
-/// shows in status and metrics; a ClusterIP packet does not move the count.
+/// is translated as a ClusterIP packet is; on a node without an IPv6
+/// address (this fixture writes none) there is no address to SNAT to, so
+/// the client's address is kept, as IPv4 keeps it without one.
 #[test]
-fn a_packet_to_an_external_ipv6_frontend_passes_untranslated_and_is_counted() {
+fn a_packet_to_an_external_ipv6_frontend_is_translated() {
     let mut fx = fixture();
     let external = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x80);
     let owner = ObjectKey {
@@ -699,42 +699,514 @@ fn a_packet_to_an_external_ipv6_frontend_passes_untranslated_and_is_counted() {
             fe.key,
             out.errors
         );
-        let before = counter(&fx, "pass_v6_external");
         let dnat_before = counter(&fx, "dnat_new");
-        let syn = tcp(CLIENT, 45000 + i as u16, external, 80, frame::SYN);
-        let (ret, out) = run(&fx, &syn);
+        let sport = 45000 + i as u16;
+        let (ret, out) = run(&fx, &tcp(CLIENT, sport, external, 80, frame::SYN));
         assert_eq!(ret, TC_ACT_OK, "{:?} frontend: verdict {ret}", fe.kind);
-        assert_eq!(
-            out, syn,
-            "{:?} frontend: the packet was translated",
-            fe.kind
+        let p = parse_checked6(&out, &format!("{:?} SYN", fe.kind));
+        assert!(
+            BACKENDS.contains(&p.dst) && p.dport == 8080,
+            "{:?} frontend: SYN sent to [{}]:{}, not a backend",
+            fe.kind,
+            p.dst,
+            p.dport
         );
         assert_eq!(
-            counter(&fx, "pass_v6_external"),
-            before + 1,
-            "{:?} frontend: the passed packet was not counted",
+            (p.src, p.sport),
+            (CLIENT, sport),
+            "{:?} frontend: the client's address changed without a node address",
             fe.kind
         );
         assert_eq!(
             counter(&fx, "dnat_new"),
-            dnat_before,
-            "{:?} frontend: counted as a translation",
+            dnat_before + 1,
+            "{:?} frontend: not counted as a new flow",
             fe.kind
         );
     }
+    assert_eq!(counter(&fx, "snat_new"), 0, "SNAT without a node address");
+}
 
-    let passed = counter(&fx, "pass_v6_external");
-    let (ret, out) = run(&fx, &tcp(CLIENT, 45100, VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "ClusterIP SYN: verdict {ret}");
-    let p = parse_checked6(&out, "ClusterIP SYN");
+// ---------------------------------------------------------------------------
+// North-south on hand-built frames, as tests/datapath.rs runs IPv4's: inside
+// a network namespace of its own holding the node's uplink (one end of a
+// veth pair) with permanent neighbour entries, so that the program's FIB
+// lookups have one fixed answer.
+
+const TC_ACT_SHOT: u32 = 2;
+const NODE_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 1);
+const PEER_NODE: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 2);
+const OUTSIDE: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 0x100);
+const OUTSIDE_DENIED: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 0x101);
+/// A pod on the peer node, routed through it.
+const REMOTE_POD: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 2, 0, 0, 0, 0, 5);
+/// A pod of this node (the fixture's `CLIENT`, on the uplink here).
+const LOCAL_POD: Ipv6Addr = CLIENT;
+const LB_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x60, 0, 0, 0, 0, 0x10);
+const HAIRPIN_VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x30);
+const NODE_PORT: u16 = 30080;
+const LOCAL_ONLY_NODE_PORT: u16 = 30081;
+const LOCAL_NODE_PORT: u16 = 30083;
+const UPLINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+const OUTSIDE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x64];
+const POD_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x21];
+/// Offset of the hop limit in a frame.
+const HOP_LIMIT: usize = 14 + 7;
+
+/// The datapath fixture plus a namespace with the node's uplink.
+struct NodeFixture {
+    fx: Fixture,
+    ns: ebpf_proxy_tests::netns::NetNs,
+    uplink_index: u32,
+}
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+fn program(fx: &mut Fixture, name: &str, fe: &Frontend) {
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: name.into(),
+    };
+    let out = fx
+        .planner
+        .sync_service(&owner, std::slice::from_ref(fe), &mut fx.datapath.maps);
     assert!(
-        BACKENDS.contains(&p.dst),
-        "ClusterIP SYN not translated: {}",
-        p.dst
+        out.errors.is_empty(),
+        "programming {}: {:?}",
+        fe.key,
+        out.errors
+    );
+}
+
+/// A frontend of `kind` on `ip:port` (TCP, to 8080) with `backends`, each
+/// on this node when `local`.
+fn external(
+    kind: FrontendKind,
+    ip: Ipv6Addr,
+    port: u16,
+    backends: &[Ipv6Addr],
+    local: bool,
+) -> Frontend {
+    let mut fe = Frontend {
+        kind,
+        ..frontend(ip, port, Protocol::Tcp, 8080, backends)
+    };
+    for b in &mut fe.backends {
+        b.local = local;
+    }
+    if backends.is_empty() {
+        fe.no_endpoints = NoEndpointAction::Drop;
+    }
+    fe
+}
+
+fn node_fixture() -> NodeFixture {
+    use proxy_userspace::planner::{MapOp, MapStore, node};
+    let mut fx = fixture();
+    let ns = ebpf_proxy_tests::netns::NetNs::create(&format!(
+        "{}-v6ns",
+        ebpf_proxy_tests::netns::unique_stem()
+    ))
+    .expect("namespace for the FIB");
+    // The FIB answers IPv6 lookups only for an interface that forwards.
+    ns.sysctl("net.ipv6.conf.all.forwarding", "1")
+        .expect("forwarding");
+    ns.sysctl("net.ipv6.conf.default.forwarding", "1")
+        .expect("forwarding");
+    for args in [
+        // A veth (this kernel has no dummy driver); its peer only keeps it up.
+        vec![
+            "link",
+            "add",
+            "up0",
+            "address",
+            &mac_text(UPLINK_MAC),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "up0p",
+        ],
+        vec!["link", "set", "up0p", "up"],
+        vec!["link", "set", "up0", "up"],
+        vec![
+            "-6",
+            "addr",
+            "add",
+            "2001:db8:50::1/64",
+            "dev",
+            "up0",
+            "nodad",
+        ],
+        vec![
+            "-6",
+            "route",
+            "add",
+            "fd00:10:2::/64",
+            "via",
+            "2001:db8:50::2",
+        ],
+        vec!["-6", "route", "add", "2001:db8:60::/64", "dev", "up0"],
+        vec!["-6", "route", "add", "fd00:10::/64", "dev", "up0"],
+    ] {
+        ns.ip(&args).expect("uplink setup");
+    }
+    for (ip, mac) in [
+        (PEER_NODE, PEER_MAC),
+        (OUTSIDE, OUTSIDE_MAC),
+        (OUTSIDE_DENIED, OUTSIDE_MAC),
+        (LOCAL_POD, POD_MAC),
+    ] {
+        ns.ip(&[
+            "-6",
+            "neigh",
+            "add",
+            &ip.to_string(),
+            "lladdr",
+            &mac_text(mac),
+            "dev",
+            "up0",
+            "nud",
+            "permanent",
+        ])
+        .expect("neighbour");
+    }
+    let uplink_index: u32 = ns
+        .run(|| nix::net::if_::if_nametoindex("up0"))
+        .expect("run in namespace")
+        .expect("uplink ifindex");
+
+    for (&key, &value) in &node::node_addrs(&[NODE_IP], &[]) {
+        fx.datapath
+            .maps
+            .apply(&MapOp::PutNodeAddr { key, value })
+            .expect("node addresses");
+    }
+    for op in [
+        MapOp::SetNodeConfig {
+            config: node::node_config(None, false),
+        },
+        MapOp::SetNodeConfig6 {
+            config: node::node_config6(Some(NODE_IP)),
+        },
+    ] {
+        fx.datapath.maps.apply(&op).expect("node config");
+    }
+    let unspecified = Ipv6Addr::UNSPECIFIED;
+    let mut lb = external(FrontendKind::LoadBalancer, LB_IP, 80, &[REMOTE_POD], false);
+    lb.source_ranges = vec![proxy_userspace::model::Cidr::parse("2001:db8:50::100/128").unwrap()];
+    let hairpin = frontend(HAIRPIN_VIP, 80, Protocol::Tcp, 8080, &[LOCAL_POD]);
+    for (name, fe) in [
+        (
+            "np-remote",
+            external(
+                FrontendKind::NodePort,
+                unspecified,
+                NODE_PORT,
+                &[REMOTE_POD],
+                false,
+            ),
+        ),
+        (
+            "np-local-only",
+            external(
+                FrontendKind::NodePort,
+                unspecified,
+                LOCAL_ONLY_NODE_PORT,
+                &[],
+                true,
+            ),
+        ),
+        (
+            "np-local",
+            external(
+                FrontendKind::NodePort,
+                unspecified,
+                LOCAL_NODE_PORT,
+                &[LOCAL_POD],
+                true,
+            ),
+        ),
+        ("lb", lb),
+        ("hairpin", hairpin),
+    ] {
+        program(&mut fx, name, &fe);
+    }
+    NodeFixture {
+        fx,
+        ns,
+        uplink_index,
+    }
+}
+
+/// `__sk_buff` with only the interfaces set (what tc sees on the uplink).
+fn skb_ctx(ifindex: u32) -> Vec<u8> {
+    // struct __sk_buff is 192 bytes; ifindex at 40, ingress_ifindex at 36.
+    let mut ctx = vec![0u8; 192];
+    ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+    ctx
+}
+
+/// `tc_ingress6` on one frame arriving on the uplink.
+fn run_on_uplink(nf: &NodeFixture, input: &[u8]) -> (u32, Vec<u8>) {
+    let program = nf.fx.datapath.tc6_program();
+    nf.ns
+        .run(|| {
+            let mut out = vec![0u8; input.len() + 256];
+            let ctx = skb_ctx(nf.uplink_index);
+            let mut opts = TestRunOptions::new();
+            opts.data_in = Some(input);
+            opts.data_out = Some(&mut out);
+            opts.ctx_in = Some(&ctx);
+            let result = program.test_run(opts).expect("tc test run");
+            out.truncate(result.data_size_out as usize);
+            (result.return_value, out)
+        })
+        .expect("run in the node namespace")
+}
+
+fn macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
+    (
+        frame[0..6].try_into().unwrap(),
+        frame[6..12].try_into().unwrap(),
+    )
+}
+
+fn ncounter(nf: &NodeFixture, name: &str) -> u64 {
+    counter(&nf.fx, name)
+}
+
+/// ETP Cluster, remote backend: the SYN is DNATed to the pod and SNATed to
+/// the node's IPv6 address (`NODE_CONFIG6`) from the SNAT port range, then
+/// routed by the program (the peer node's MAC, hop limit down by one); the
+/// reply is reverse-translated to the client, from the NodePort, and routed
+/// too; the next packet keeps the flow's port.
+#[test]
+fn nodeport_to_a_remote_backend_is_snated_to_the_node_and_the_reply_restored() {
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 41000, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "NodePort SYN with a remote backend: verdict"
+    );
+    let p = parse_checked6(&out, "SNATed SYN");
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (NODE_IP, REMOTE_POD, 8080),
+        "SYN not SNATed to the node and DNATed to the pod"
+    );
+    assert!(
+        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
+        "SNAT port {} outside the range",
+        p.sport
     );
     assert_eq!(
-        counter(&fx, "pass_v6_external"),
-        passed,
-        "a ClusterIP packet counted as passed to an external frontend"
+        macs(&out),
+        (PEER_MAC, UPLINK_MAC),
+        "not routed to the peer node"
     );
+    assert_eq!(
+        out[HOP_LIMIT],
+        syn[HOP_LIMIT] - 1,
+        "hop limit not taken down by one"
+    );
+    let snat_port = p.sport;
+
+    let reply = tcp(
+        REMOTE_POD,
+        8080,
+        NODE_IP,
+        snat_port,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, out) = run_on_uplink(&nf, &reply);
+    assert_eq!(ret, TC_ACT_REDIRECT, "reply: verdict");
+    let r = parse_checked6(&out, "reverse-translated reply");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 41000),
+        "the reply must come from the NodePort and go back to the client"
+    );
+    assert_eq!(
+        macs(&out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "reply not routed to the client"
+    );
+
+    let (ret, out) = run_on_uplink(&nf, &tcp(OUTSIDE, 41000, NODE_IP, NODE_PORT, frame::ACK));
+    assert_eq!(ret, TC_ACT_REDIRECT, "established packet: verdict");
+    let e = parse_checked6(&out, "established packet");
+    assert_eq!(
+        (e.src, e.sport, e.dst),
+        (NODE_IP, snat_port, REMOTE_POD),
+        "established packet left its flow's SNAT port"
+    );
+    assert_eq!(ncounter(&nf, "snat_new"), 1, "SNATed flows");
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        3,
+        "packets routed by the program"
+    );
+}
+
+/// A NodePort with a backend on this node: DNAT alone (the client's
+/// address kept, the stack delivers it), and the reply, whose source
+/// becomes the node's address, routed back to the client by the program.
+#[test]
+fn nodeport_to_a_local_backend_is_dnated_only() {
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 41001, NODE_IP, LOCAL_NODE_PORT, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_OK, "NodePort SYN with a local backend: verdict");
+    let p = parse_checked6(&out, "DNATed SYN");
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport),
+        (OUTSIDE, 41001, LOCAL_POD, 8080),
+        "SYN to a local backend must be DNATed only"
+    );
+    assert_eq!(
+        out[HOP_LIMIT], syn[HOP_LIMIT],
+        "the stack forwards it, not the program"
+    );
+
+    let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 41001, frame::SYN | frame::ACK);
+    let (ret, out) = run_on_uplink(&nf, &reply);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "reply from the node's address: verdict"
+    );
+    let r = parse_checked6(&out, "reply");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, LOCAL_NODE_PORT, OUTSIDE, 41001),
+        "reply not restored to the NodePort"
+    );
+    assert_eq!(
+        macs(&out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "reply not routed to the client"
+    );
+    assert_eq!(
+        ncounter(&nf, "snat_new"),
+        0,
+        "a local backend needs no SNAT"
+    );
+}
+
+/// externalTrafficPolicy Local with no endpoint on this node: dropped and
+/// counted, as IPv4's.
+#[test]
+fn etp_local_without_local_endpoints_drops_and_counts() {
+    let nf = node_fixture();
+    let (ret, _) = run_on_uplink(
+        &nf,
+        &tcp(OUTSIDE, 41002, NODE_IP, LOCAL_ONLY_NODE_PORT, frame::SYN),
+    );
+    assert_eq!(
+        ret, TC_ACT_SHOT,
+        "SYN to a NodePort without local endpoints: verdict"
+    );
+    assert_eq!(
+        ncounter(&nf, "drop_no_endpoint"),
+        1,
+        "the drop was not counted"
+    );
+    assert_eq!(ncounter(&nf, "reject"), 0, "rejected instead of dropped");
+    assert_eq!(
+        ncounter(&nf, "dnat_new"),
+        0,
+        "translated instead of dropped"
+    );
+}
+
+/// loadBalancerSourceRanges with an IPv6 prefix: a client inside it is
+/// served (SNATed to the remote backend), one outside is dropped and
+/// counted.
+#[test]
+fn source_ranges_admit_one_client_and_refuse_another() {
+    let nf = node_fixture();
+    let (ret, out) = run_on_uplink(&nf, &tcp(OUTSIDE, 41003, LB_IP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "allowed client to the LB IP: verdict");
+    let p = parse_checked6(&out, "allowed SYN");
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (NODE_IP, REMOTE_POD, 8080),
+        "allowed SYN"
+    );
+    let (ret, out) = run_on_uplink(&nf, &tcp(OUTSIDE_DENIED, 41003, LB_IP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "client outside the ranges: verdict");
+    assert_eq!(
+        ncounter(&nf, "drop_source_range"),
+        1,
+        "the refusal was not counted"
+    );
+    assert_eq!(
+        ncounter(&nf, "dnat_new"),
+        1,
+        "only the allowed client's flow is new"
+    );
+    drop(out);
+}
+
+/// A pod reaching its own Service and picked as its own backend: its
+/// source becomes the node's IPv6 address with a port of the SNAT range
+/// (routed back to the pod by the program), and the pod's answer is
+/// restored to come from the Service to its own address and port.
+#[test]
+fn hairpin_flows_take_the_node_address_and_the_reply_is_restored() {
+    let nf = node_fixture();
+    let syn = tcp(LOCAL_POD, 41004, HAIRPIN_VIP, 80, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_REDIRECT, "hairpin SYN: verdict");
+    let p = parse_checked6(&out, "hairpin SYN");
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (NODE_IP, LOCAL_POD, 8080),
+        "hairpin SYN must reach the pod from the node's address"
+    );
+    assert!(
+        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
+        "hairpin port {} outside the SNAT range",
+        p.sport
+    );
+    assert_eq!(
+        macs(&out),
+        (POD_MAC, UPLINK_MAC),
+        "not routed back to the pod"
+    );
+    let reply = tcp(LOCAL_POD, 8080, NODE_IP, p.sport, frame::SYN | frame::ACK);
+    let (ret, out) = run_on_uplink(&nf, &reply);
+    assert_eq!(ret, TC_ACT_OK, "hairpin reply: verdict");
+    let r = parse_checked6(&out, "hairpin reply");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (HAIRPIN_VIP, 80, LOCAL_POD, 41004),
+        "hairpin reply must come back from the Service"
+    );
+    assert_eq!(ncounter(&nf, "hairpin"), 1, "hairpin flows");
+    assert_eq!(
+        ncounter(&nf, "snat_new"),
+        0,
+        "a hairpin flow counted as SNAT"
+    );
+}
+
+/// A packet the program routes itself with a hop limit of 1 is dropped and
+/// counted, as a router drops it.
+#[test]
+fn a_spent_hop_limit_is_dropped_and_counted() {
+    let nf = node_fixture();
+    let mut syn = tcp(OUTSIDE, 41005, NODE_IP, NODE_PORT, frame::SYN);
+    syn[HOP_LIMIT] = 1;
+    let (ret, _) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_SHOT, "SYN with hop limit 1: verdict");
+    assert_eq!(ncounter(&nf, "drop_ttl"), 1, "the drop was not counted");
 }

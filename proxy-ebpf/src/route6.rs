@@ -1,0 +1,107 @@
+//! `route`'s redirect for IPv6 packets at tc: a FIB lookup of the
+//! translated addresses gives the egress interface and next hop, the packet
+//! is rewritten as a router would (MACs, hop limit) and redirected. Used
+//! where IPv4 redirects: the new source is an address of this node (SNAT,
+//! hairpin, a reply from a NodePort), which the stack would not forward.
+
+use core::mem::size_of;
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        bpf_fib_lookup,
+    },
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
+use proxy_common::counter;
+
+use crate::{
+    hook::Hook,
+    maps::{count, scratch6},
+    packet::ETH_HLEN,
+};
+
+const AF_INET6: u8 = 10;
+/// Offset of the hop limit in the IPv6 header.
+const IP6_HOP_LIMIT_OFF: usize = 7;
+
+/// Routes and redirects a translated IPv6 tc packet from `src_be` to
+/// `dst_be`. The hop limit is taken down by one as the stack would when
+/// forwarding; a spent one (1 or 0) or no route drops the packet, counted as
+/// IPv4's (`drop_ttl`, `drop_no_route`).
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]) -> i32 {
+    let Some(scratch) = scratch6() else {
+        count(counter::DROP_NO_ROUTE);
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (see `maps::Scratch6`); all-zeros is a valid `bpf_fib_lookup`.
+    let params = unsafe {
+        let params = &raw mut (*scratch).fib;
+        params.write(core::mem::zeroed());
+        &mut *params
+    };
+    params.family = AF_INET6;
+    params.l4_protocol = proto;
+    // `tot_len` stays 0: the kernel then checks the packet against the
+    // egress device's MTU itself, which knows a GSO packet from a large one
+    // (IPv4 passes its header's total length; `Flow6` keeps no length).
+    params.ifindex = ctx.ingress_ifindex();
+    params.__bindgen_anon_3.ipv6_src = *src_be;
+    params.__bindgen_anon_4.ipv6_dst = *dst_be;
+    // SAFETY: the context's own skb and a `bpf_fib_lookup` on this stack,
+    // with its size.
+    let ret = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            core::ptr::from_mut(params),
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    let resolved = ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
+    if !resolved && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        count(counter::DROP_NO_ROUTE);
+        return TC_ACT_SHOT;
+    }
+    // IPv6 has no header checksum, and the transport checksum covers
+    // neither the hop limit nor the MACs: plain stores.
+    let Ok(hop_limit) = ctx.load::<u8>(ETH_HLEN + IP6_HOP_LIMIT_OFF) else {
+        count(counter::DROP_NO_ROUTE);
+        return TC_ACT_SHOT;
+    };
+    if hop_limit <= 1 {
+        count(counter::DROP_TTL);
+        return TC_ACT_SHOT;
+    }
+    if ctx
+        .store(ETH_HLEN + IP6_HOP_LIMIT_OFF, &(hop_limit - 1), 0)
+        .is_err()
+    {
+        count(counter::DROP_NO_ROUTE);
+        return TC_ACT_SHOT;
+    }
+    if resolved {
+        let macs_written =
+            ctx.store(0, &params.dmac, 0).is_ok() && ctx.store(6, &params.smac, 0).is_ok();
+        if !macs_written {
+            count(counter::DROP_NO_ROUTE);
+            return TC_ACT_SHOT;
+        }
+        // SAFETY: takes an interface index and flags, no pointers.
+        unsafe { bpf_redirect(params.ifindex, 0) as i32 }
+    } else {
+        // SAFETY: a null `params` is allowed: the kernel then looks the
+        // neighbour up itself, from the packet's destination.
+        let r = unsafe { bpf_redirect_neigh(params.ifindex, core::ptr::null_mut(), 0, 0) };
+        if r == i64::from(TC_ACT_REDIRECT) {
+            TC_ACT_REDIRECT
+        } else {
+            count(counter::DROP_NO_ROUTE);
+            TC_ACT_SHOT
+        }
+    }
+}

@@ -172,7 +172,7 @@ pub mod two_node {
     /// at a glance.
     pub const fn uplink_ip6(ip: Ipv4Addr) -> Ipv6Addr {
         let host = ip.octets()[3] as u16;
-        let digits = (host / 100) << 8 | (host / 10 % 10) << 4 | host % 10;
+        let digits = ((host / 100) << 8) | ((host / 10 % 10) << 4) | (host % 10);
         let [a, b, ..] = NODE_NET6.segments();
         Ipv6Addr::new(a, b, 0, 0, 0, 0, 0, digits)
     }

@@ -610,7 +610,7 @@ fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
 /// Hairpin over IPv6: a pod that is the only endpoint of its IPv6 Service
 /// reaches itself through the ClusterIP (TCP, a longer TCP exchange, and UDP),
 /// and sees itself as the node's IPv6 address (`--node-ip`, on the node's
-/// loopback as NODE_IP is), as kube-proxy's masquerade shows it: from its own
+/// loopback as `NODE_IP` is), as kube-proxy's masquerade shows it: from its own
 /// address the kernel would take the answer for its own and never send it. Every
 /// other pod through the same Service keeps its own source address.
 #[test]

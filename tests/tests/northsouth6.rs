@@ -89,7 +89,7 @@ impl Fixture {
         require_root().expect("privileged test");
         let cluster =
             Cluster::new(&[("a", &[LOCAL_BACKEND]), ("b", &[BACKEND])]).expect("two-node cluster");
-        let _servers = [LOCAL_BACKEND, BACKEND]
+        let servers = [LOCAL_BACKEND, BACKEND]
             .iter()
             .map(|(name, _)| {
                 let ns = &cluster.pod(name).ns;
@@ -115,7 +115,7 @@ impl Fixture {
             .collect();
         Fixture {
             agents,
-            _servers,
+            _servers: servers,
             manifests,
             cluster,
         }
@@ -240,7 +240,6 @@ impl Session6 {
 /// address and a port of the SNAT range; UDP likewise; node B the other way round;
 /// and a long connection through node A works packet after packet.
 fn nodeport_cluster_policy(path: Path) {
-    const CONNECTIONS: usize = 400;
     let fx = Fixture::new(path);
     fx.publish(
         &web6("web"),
@@ -248,7 +247,69 @@ fn nodeport_cluster_policy(path: Path) {
     );
     let via_a = at(NODE_A_IP6, NODE_PORT);
     fx.reply_within("client1", via_a, "IPv6 NodePort on A");
+    let to_remote = spread_through_node_a(&fx, path);
 
+    // UDP, a new socket each: both backends answer, each seeing what TCP's did.
+    let mut udp_seen = BTreeMap::new();
+    for i in 0..40 {
+        let outcome = udp_request(fx.client("client1"), at(NODE_A_IP6, UDP_NODE_PORT), TIMEOUT);
+        let Outcome::Reply(r) = outcome else {
+            panic!(
+                "{path:?}: UDP NodePort on A, request {i}: {outcome}; {}",
+                fx.counters()
+            );
+        };
+        udp_seen.insert(r.backend, *r.peer.ip());
+    }
+    assert_eq!(
+        udp_seen,
+        BTreeMap::from([
+            (LOCAL_BACKEND.0.to_owned(), CLIENT1_IP6),
+            (BACKEND.0.to_owned(), NODE_A_IP6)
+        ]),
+        "{path:?}: UDP through node A: which backend saw which source"
+    );
+
+    // Through node B, the local and the remote backend swap places.
+    let mut via_b_seen = BTreeMap::new();
+    for i in 0..40 {
+        let r = tcp_request(fx.client("client2"), at(NODE_B_IP6, NODE_PORT), TIMEOUT)
+            .expect_reply(&format!("{path:?}: IPv6 NodePort on B, connection {i}"));
+        via_b_seen.insert(r.backend, *r.peer.ip());
+    }
+    assert_eq!(
+        via_b_seen,
+        BTreeMap::from([
+            (LOCAL_BACKEND.0.to_owned(), NODE_B_IP6),
+            (BACKEND.0.to_owned(), CLIENT2_IP6)
+        ]),
+        "{path:?}: TCP through node B: which backend saw which source"
+    );
+
+    // A long connection works both ways, packet after packet.
+    let mut session = Session6::open(fx.client("client1"), via_a);
+    let backend = session.greeting.backend.clone();
+    for i in 0..20 {
+        let answer = session
+            .exchange(&format!("ping {i}"))
+            .unwrap_or_else(|e| panic!("{path:?}: exchange {i} with {backend}: {e}"));
+        assert_eq!(answer, format!("{backend} ping {i}"));
+    }
+    let snat = fx.counter(0, "snat_new");
+    assert!(
+        snat >= to_remote,
+        "{path:?}: node A counted {snat} SNATed flows for {to_remote} connections to the \
+         remote backend"
+    );
+}
+
+/// New TCP connections from client1 to node A's IPv6 NodePort, checked one by one
+/// (the local backend sees client1, the remote one node A from a SNAT port) and as a
+/// spread (uniform over both, by a chi-square test); returns how many reached the
+/// remote backend.
+fn spread_through_node_a(fx: &Fixture, path: Path) -> u64 {
+    const CONNECTIONS: usize = 400;
+    let via_a = at(NODE_A_IP6, NODE_PORT);
     // One thread in the client for the whole batch.
     let replies: Vec<Outcome<SocketAddrV6>> = fx
         .client("client1")
@@ -307,59 +368,7 @@ fn nodeport_cluster_policy(path: Path) {
         "{path:?}: the spread over the local and the remote backend {counts:?} is not \
          uniform at alpha {ALPHA}: {chi}"
     );
-
-    // UDP, a new socket each: both backends answer, each seeing what TCP's did.
-    let mut udp_seen = BTreeMap::new();
-    for i in 0..40 {
-        let outcome = udp_request(fx.client("client1"), at(NODE_A_IP6, UDP_NODE_PORT), TIMEOUT);
-        let Outcome::Reply(r) = outcome else {
-            panic!(
-                "{path:?}: UDP NodePort on A, request {i}: {outcome}; {}",
-                fx.counters()
-            );
-        };
-        udp_seen.insert(r.backend, *r.peer.ip());
-    }
-    assert_eq!(
-        udp_seen,
-        BTreeMap::from([
-            (LOCAL_BACKEND.0.to_owned(), CLIENT1_IP6),
-            (BACKEND.0.to_owned(), NODE_A_IP6)
-        ]),
-        "{path:?}: UDP through node A: which backend saw which source"
-    );
-
-    // Through node B, the local and the remote backend swap places.
-    let mut via_b_seen = BTreeMap::new();
-    for i in 0..40 {
-        let r = tcp_request(fx.client("client2"), at(NODE_B_IP6, NODE_PORT), TIMEOUT)
-            .expect_reply(&format!("{path:?}: IPv6 NodePort on B, connection {i}"));
-        via_b_seen.insert(r.backend, *r.peer.ip());
-    }
-    assert_eq!(
-        via_b_seen,
-        BTreeMap::from([
-            (LOCAL_BACKEND.0.to_owned(), NODE_B_IP6),
-            (BACKEND.0.to_owned(), CLIENT2_IP6)
-        ]),
-        "{path:?}: TCP through node B: which backend saw which source"
-    );
-
-    // A long connection works both ways, packet after packet.
-    let mut session = Session6::open(fx.client("client1"), via_a);
-    let backend = session.greeting.backend.clone();
-    for i in 0..20 {
-        let answer = session
-            .exchange(&format!("ping {i}"))
-            .unwrap_or_else(|e| panic!("{path:?}: exchange {i} with {backend}: {e}"));
-        assert_eq!(answer, format!("{backend} ping {i}"));
-    }
-    let snat = fx.counter(0, "snat_new");
-    assert!(
-        snat >= spread[1],
-        "{path:?}: node A counted {snat} SNATed flows for {} connections to the remote backend",
-        spread[1]
-    );
+    spread[1]
 }
 
 #[test]

@@ -8,12 +8,18 @@
 //!             |         |             |               |
 //!   <stem>-nodea   <stem>-nodeb   <stem>-client1   <stem>-client2
 //!   eth0 .50.1     eth0 .50.2     eth0 .50.100     eth0 .50.101
+//!   fd00:50::1     fd00:50::2     fd00:50::100     fd00:50::101
 //!   pods 10.1.1/24 pods 10.1.2/24
 //! ```
 //!
 //! - Node `i` (0-based, in the order added) has `192.168.50.<i+1>/24` on its uplink
 //!   `eth0` and the pod CIDR `10.1.<i+1>.0/24`; every node routes every other node's pod
 //!   CIDR via that node's address. Nodes forward and have reverse-path filtering off.
+//! - Every node and client is dual-stack: its uplink also has [`uplink_ip6`] of its
+//!   IPv4 address in `fd00:50::/64` (node `i` `fd00:50::<i+1>`), duplicate address
+//!   detection off, so the address works the moment it exists. A node's IPv6 pod CIDR
+//!   is the /120 of its pods' [`pod_ip6`]s (`fd00:10::a01:<i+1>00/120`), and every node
+//!   routes every other node's through that node's IPv6 address.
 //! - Pods are built exactly like [`crate::topology`]'s (same code): a /32 on `eth0`,
 //!   `default via 169.254.1.1 dev eth0 onlink`, a /32 route and proxy ARP on the node's
 //!   `v<i>-<pod>` veth. Nodes keep the `169.254.1.1/32 dev lo` route proxy ARP needs,
@@ -21,7 +27,8 @@
 //! - Clients (`client1` 192.168.50.100 and `client2` 192.168.50.101 by default) have
 //!   their /24 on `eth0` and no route to the pod CIDRs, like hosts outside a cluster;
 //!   [`Client::route_via`] / [`Cluster::route_via`] give them a route to a
-//!   LoadBalancer IP or ExternalIP through a chosen node.
+//!   LoadBalancer IP or ExternalIP through a chosen node ([`Client::route_via6`] /
+//!   [`Cluster::route_via6`] for IPv6).
 //! - Node and client uplinks checksum on transmit (`ethtool -K eth0 tx off`), so
 //!   frames on the bridge carry complete checksums, as on a physical wire; XDP, which
 //!   has no socket buffer, can only update complete ones.
@@ -35,14 +42,14 @@
 //! `<stem>-<pod>`, with a fresh [`unique_stem`], so tests run in parallel. Dropping the
 //! [`Cluster`] deletes them all (pods before their node, the bridge last).
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::{Context, Result, bail};
 
 use crate::{
     netns::{NetNs, unique_stem},
     run_cmd,
-    topology::{IFNAME_MAX, Pod, create_pod, prepare_routed_node},
+    topology::{IFNAME_MAX, Pod, create_pod, pod_ip6, prepare_routed_node},
 };
 
 // The two-node world's names and addresses live with the one-node world's in
@@ -57,6 +64,12 @@ pub fn node_ip(index: usize) -> Ipv4Addr {
     assert!(index < MAX_NODES, "at most {MAX_NODES} nodes");
     let [a, b, c, _] = NODE_NET.octets();
     Ipv4Addr::new(a, b, c, index as u8 + 1)
+}
+
+/// The IPv6 uplink address of the node added `index`-th (0-based):
+/// `fd00:50::<index+1>`, [`uplink_ip6`] of [`node_ip`].
+pub fn node_ip6(index: usize) -> Ipv6Addr {
+    uplink_ip6(node_ip(index))
 }
 
 /// The pod network of the node added `index`-th (0-based): 10.1.<index+1>.0 (/24).
@@ -87,6 +100,8 @@ pub struct ClusterNode {
     pub name: String,
     /// The uplink's address (192.168.50.x).
     pub ip: Ipv4Addr,
+    /// The uplink's IPv6 address (`fd00:50::x`).
+    pub ip6: Ipv6Addr,
     /// The node's uplink interface in its namespace, `eth0`.
     pub uplink: String,
     /// The uplink's veth peer, a port of [`BRIDGE`] in the bridge namespace.
@@ -102,6 +117,11 @@ impl ClusterNode {
     /// The pod CIDR, `10.1.x.0/24`.
     pub fn pod_cidr(&self) -> String {
         format!("{}/{POD_CIDR_PREFIX}", self.pod_net)
+    }
+
+    /// The IPv6 pod CIDR, `fd00:10::a01:x00/120`: the [`pod_ip6`]s of the pod CIDR.
+    pub fn pod_cidr6(&self) -> String {
+        format!("{}/{POD_CIDR6_PREFIX}", pod_ip6(self.pod_net))
     }
 
     /// True when `ip` is in this node's pod CIDR.
@@ -127,6 +147,8 @@ pub struct Client {
     pub name: String,
     /// The uplink's address (192.168.50.x).
     pub ip: Ipv4Addr,
+    /// The uplink's IPv6 address, [`uplink_ip6`] of `ip` (`fd00:50::x`).
+    pub ip6: Ipv6Addr,
     /// The client's uplink interface in its namespace, `eth0`.
     pub uplink: String,
     /// The uplink's veth peer, a port of [`BRIDGE`] in the bridge namespace.
@@ -156,6 +178,16 @@ impl Client {
     pub fn route_via(&self, dest: &str, gateway: Ipv4Addr) -> Result<()> {
         self.ns
             .ip(&["route", "add", dest, "via", &gateway.to_string()])
+            .map(drop)
+            .with_context(|| format!("{}: route {dest} via {gateway}", self.name))
+    }
+
+    /// [`Client::route_via`] for IPv6: `ip -6 route add <dest> via <gateway>` (a
+    /// LoadBalancer IP or ExternalIP such as `"fd00:60::10/128"` through a node's IPv6
+    /// address).
+    pub fn route_via6(&self, dest: &str, gateway: Ipv6Addr) -> Result<()> {
+        self.ns
+            .ip(&["-6", "route", "add", dest, "via", &gateway.to_string()])
             .map(drop)
             .with_context(|| format!("{}: route {dest} via {gateway}", self.name))
     }
@@ -241,12 +273,14 @@ impl Cluster {
         self.check_ns_free(&ns_name)?;
         let ns = NetNs::create(&ns_name)?;
         let ip = node_ip(index);
+        let ip6 = node_ip6(index);
         let bridge_port = self.plug(&ns, &format!("n{index}-{name}"), ip)?;
         prepare_routed_node(&ns)?;
         ns.sysctl(&format!("net.ipv4.conf.{UPLINK}.rp_filter"), "0")?;
         let node = ClusterNode {
             name: name.to_owned(),
             ip,
+            ip6,
             uplink: UPLINK.to_owned(),
             bridge_port,
             pod_net: pod_net(index),
@@ -260,6 +294,17 @@ impl Cluster {
             other
                 .ns
                 .ip(&["route", "add", &node.pod_cidr(), "via", &ip.to_string()])?;
+            let there6 = other.pod_cidr6();
+            node.ns
+                .ip(&["-6", "route", "add", &there6, "via", &other.ip6.to_string()])?;
+            other.ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                &node.pod_cidr6(),
+                "via",
+                &ip6.to_string(),
+            ])?;
         }
         self.nodes.push(node);
         Ok(self.nodes.last().expect("just pushed"))
@@ -279,6 +324,7 @@ impl Cluster {
         self.clients.push(Client {
             name: name.to_owned(),
             ip,
+            ip6: uplink_ip6(ip),
             uplink: UPLINK.to_owned(),
             bridge_port,
             ns,
@@ -314,6 +360,12 @@ impl Cluster {
     /// through node `node`'s address.
     pub fn route_via(&self, client: &str, dest: &str, node: &str) -> Result<()> {
         self.client(client).route_via(dest, self.node(node).ip)
+    }
+
+    /// Gives client `client` a route to `dest` (an IPv6 CIDR such as
+    /// `fd00:60::10/128`) through node `node`'s IPv6 address.
+    pub fn route_via6(&self, client: &str, dest: &str, node: &str) -> Result<()> {
+        self.client(client).route_via6(dest, self.node(node).ip6)
     }
 
     /// The node called `name`; panics if there is none (a bug in the test).
@@ -386,8 +438,8 @@ impl Cluster {
     }
 
     /// Joins `ns` to the bridge: a veth whose end in `ns` is [`UPLINK`] with
-    /// `ip`/24, and whose other end (`port`, cut to 15 characters) is a bridge port
-    /// with GRO on. Returns the port's name.
+    /// `ip`/24 and [`uplink_ip6`] of it /64, and whose other end (`port`, cut to 15
+    /// characters) is a bridge port with GRO on. Returns the port's name.
     fn plug(&self, ns: &NetNs, port: &str, ip: Ipv4Addr) -> Result<String> {
         let port = if_name(port);
         let bridge = &self.bridge;
@@ -425,6 +477,18 @@ impl Cluster {
             "dev",
             UPLINK,
         ])?;
+        // Without duplicate address detection the addresses (the link-local one
+        // included) work at once instead of a second or two after the link is up.
+        ns.sysctl(&format!("net.ipv6.conf.{UPLINK}.accept_dad"), "0")?;
+        ns.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{}/{NODE_NET6_PREFIX}", uplink_ip6(ip)),
+            "dev",
+            UPLINK,
+            "nodad",
+        ])?;
         ns.ip(&["link", "set", UPLINK, "up"])?;
         Ok(port)
     }
@@ -440,6 +504,15 @@ mod tests {
         assert_eq!(node_ip(1), NODE_B_IP);
         assert_eq!(pod_net(0), NODE_A_POD_NET);
         assert_eq!(pod_net(1), NODE_B_POD_NET);
+        assert_eq!(node_ip6(0), NODE_A_IP6);
+        assert_eq!(NODE_A_IP6, "fd00:50::1".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(node_ip6(1), "fd00:50::2".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(CLIENT1_IP6, "fd00:50::100".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(CLIENT2_IP6, "fd00:50::101".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(
+            uplink_ip6(Ipv4Addr::new(192, 168, 50, 255)),
+            "fd00:50::255".parse::<Ipv6Addr>().unwrap()
+        );
         assert_eq!(if_name("c1-a-very-long-client-name"), "c1-a-very-long-");
     }
 }

@@ -186,9 +186,9 @@ pub struct Service {
     /// `spec.type`.
     pub type_: ServiceType,
     /// `spec.externalIPs`.
-    pub external_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<IpAddr>,
     /// `status.loadBalancer.ingress[].ip` (what a load-balancer controller publishes).
-    pub load_balancer_ingress: Vec<Ipv4Addr>,
+    pub load_balancer_ingress: Vec<IpAddr>,
     /// `spec.loadBalancerSourceRanges`, CIDRs as written (`203.0.113.0/24`).
     pub load_balancer_source_ranges: Vec<String>,
     /// `spec.externalTrafficPolicy`; None writes what the API server defaults to:
@@ -264,15 +264,16 @@ impl Service {
         self
     }
 
-    /// Adds an address to `spec.externalIPs` (builder style).
-    pub fn external_ip(mut self, ip: Ipv4Addr) -> Service {
-        self.external_ips.push(ip);
+    /// Adds an address (of either family) to `spec.externalIPs` (builder style).
+    pub fn external_ip(mut self, ip: impl Into<IpAddr>) -> Service {
+        self.external_ips.push(ip.into());
         self
     }
 
-    /// Adds an `ip` to `status.loadBalancer.ingress` (builder style).
-    pub fn load_balancer_ingress(mut self, ip: Ipv4Addr) -> Service {
-        self.load_balancer_ingress.push(ip);
+    /// Adds an `ip` (of either family) to `status.loadBalancer.ingress` (builder
+    /// style).
+    pub fn load_balancer_ingress(mut self, ip: impl Into<IpAddr>) -> Service {
+        self.load_balancer_ingress.push(ip.into());
         self
     }
 
@@ -475,6 +476,26 @@ impl Service {
             self.service_yaml(),
             self.endpoint_slice6_yaml(endpoints)
         )
+    }
+
+    /// [`Service::yaml6`] with each endpoint on its node (`nodeName`, which
+    /// externalTrafficPolicy Local and the SNAT of flows to other nodes go by).
+    pub fn yaml6_on_nodes(&self, endpoints: &[(Ipv6Addr, &str)]) -> String {
+        let mut y = self.slice_header("v6q9r", "IPv6");
+        if endpoints.is_empty() {
+            y.push_str("endpoints: []\n");
+        } else {
+            y.push_str("endpoints:\n");
+            for (ip, node) in endpoints {
+                let _ = write!(
+                    y,
+                    "- addresses:\n  - {ip}\n  conditions:\n    ready: true\n    \
+                     serving: true\n    terminating: false\n  nodeName: {node}\n",
+                );
+            }
+        }
+        self.slice_ports(&mut y);
+        format!("{}---\n{y}", self.service_yaml())
     }
 
     fn slice_header(&self, suffix: &str, address_type: &str) -> String {

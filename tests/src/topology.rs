@@ -125,7 +125,7 @@ pub mod one_node {
 /// NodePort frames share ([`crate::cluster::Cluster`] builds it): nodes on one network
 /// with outside clients, joined by a bridge, each node with pod CIDR of its own.
 pub mod two_node {
-    use std::net::Ipv4Addr;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     /// The bridge in the bridge namespace.
     pub const BRIDGE: &str = "br0";
@@ -150,6 +150,32 @@ pub mod two_node {
     pub const DEFAULT_CLIENTS: [(&str, Ipv4Addr); 2] = [CLIENT1, CLIENT2];
     /// A pod of node b (the second node's pod CIDR).
     pub const NODE_B_POD: Ipv4Addr = Ipv4Addr::new(10, 1, 2, 10);
+
+    /// The IPv6 network nodes and clients share, `fd00:50::/64`.
+    pub const NODE_NET6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x50, 0, 0, 0, 0, 0, 0);
+    pub const NODE_NET6_PREFIX: u8 = 64;
+    /// Prefix length of every node's IPv6 pod CIDR: the [`super::pod_ip6`]s of its
+    /// IPv4 pod CIDR's /24.
+    pub const POD_CIDR6_PREFIX: u8 = 120;
+    /// The first node's IPv6 address, [`uplink_ip6`] of [`NODE_A_IP`].
+    pub const NODE_A_IP6: Ipv6Addr = uplink_ip6(NODE_A_IP);
+    /// The second node's IPv6 address.
+    pub const NODE_B_IP6: Ipv6Addr = uplink_ip6(NODE_B_IP);
+    /// [`CLIENT1`]'s IPv6 address, `fd00:50::100`.
+    pub const CLIENT1_IP6: Ipv6Addr = uplink_ip6(CLIENT1.1);
+    /// [`CLIENT2`]'s IPv6 address, `fd00:50::101`.
+    pub const CLIENT2_IP6: Ipv6Addr = uplink_ip6(CLIENT2.1);
+
+    /// The IPv6 address of the node or client whose IPv4 address is `ip`: in
+    /// [`NODE_NET6`], with the IPv4 host number's decimal digits as its last group
+    /// (192.168.50.100 -> `fd00:50::100`), so that either address names the other
+    /// at a glance.
+    pub const fn uplink_ip6(ip: Ipv4Addr) -> Ipv6Addr {
+        let host = ip.octets()[3] as u16;
+        let digits = ((host / 100) << 8) | ((host / 10 % 10) << 4) | (host % 10);
+        let [a, b, ..] = NODE_NET6.segments();
+        Ipv6Addr::new(a, b, 0, 0, 0, 0, 0, digits)
+    }
 }
 
 /// Longest interface name Linux takes (IFNAMSIZ - 1).

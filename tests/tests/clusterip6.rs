@@ -703,3 +703,75 @@ fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
         "no ICMPv6 error was translated"
     );
 }
+
+/// Hairpin over IPv6: a pod that is the only endpoint of its IPv6 Service
+/// reaches itself through the ClusterIP (TCP, a longer TCP exchange, and UDP),
+/// and sees itself as the node's IPv6 address (`--node-ip`, on the node's
+/// loopback as `NODE_IP` is), as kube-proxy's masquerade shows it: from its own
+/// address the kernel would take the answer for its own and never send it. Every
+/// other pod through the same Service keeps its own source address.
+#[test]
+fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address() {
+    let node_ip6 = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
+    let (own, own_ip) = BACKENDS[0];
+    let (other, other_ip) = BACKENDS[1];
+    let own6 = pod_ip6(own_ip);
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS[..2], TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.topology()
+        .node
+        .ip(&["-6", "addr", "add", &format!("{node_ip6}/128"), "dev", "lo"])
+        .expect("the node's IPv6 address");
+    sb.manifests()
+        .write("self6.yaml", &web6("self6", CLUSTER_IP6).yaml6(&[own6]))
+        .expect("write manifest");
+    let node_ips = format!("{},{node_ip6}", ebpf_proxy_tests::topology::NODE_IP);
+    sb.start_agent_with(&["--node-ip", &node_ips])
+        .expect("start the agent");
+    let pod = &sb.pod(own).ns;
+
+    for i in 0..3 {
+        let reply = tcp_request(pod, http6(CLUSTER_IP6), TIMEOUT).expect_reply(&format!(
+            "hairpin TCP connection {i} from {own} to its own IPv6 Service"
+        ));
+        assert_eq!(
+            (reply.backend.as_str(), *reply.peer.ip()),
+            (own, node_ip6),
+            "a hairpin connection must reach the pod from the node's IPv6 address, not \
+             from its own {own6}"
+        );
+    }
+    let mut session = Session6::open(pod, http6(CLUSTER_IP6));
+    assert_eq!(*session.greeting.peer.ip(), node_ip6);
+    for line in ["one", "two", "three"] {
+        assert_eq!(
+            session.exchange(line),
+            Ok(format!("{own} {line}")),
+            "exchange on a long hairpin connection"
+        );
+    }
+    let udp = udp_request(pod, dns6(CLUSTER_IP6), TIMEOUT)
+        .expect_reply(&format!("hairpin UDP from {own} to its own IPv6 Service"));
+    assert_eq!((udp.backend.as_str(), *udp.peer.ip()), (own, node_ip6));
+    assert!(sb.counter("hairpin") >= 5, "hairpin flows not counted");
+
+    for (name, ns, ip) in [
+        (CLIENT.0, &sb.client().ns, CLIENT.1),
+        (other, &sb.pod(other).ns, other_ip),
+    ] {
+        let ip6 = pod_ip6(ip);
+        let tcp = tcp_request(ns, http6(CLUSTER_IP6), TIMEOUT)
+            .expect_reply(&format!("TCP from {name} to the IPv6 Service of {own}"));
+        assert_eq!(
+            (tcp.backend.as_str(), *tcp.peer.ip()),
+            (own, ip6),
+            "a flow from {name} that is not hairpin must keep its source address"
+        );
+        let udp = udp_request(ns, dns6(CLUSTER_IP6), TIMEOUT)
+            .expect_reply(&format!("UDP from {name} to the IPv6 Service of {own}"));
+        assert_eq!(
+            (udp.backend.as_str(), *udp.peer.ip()),
+            (own, ip6),
+            "a UDP flow from {name} that is not hairpin must keep its source address"
+        );
+    }
+}

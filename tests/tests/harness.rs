@@ -3,12 +3,12 @@
 //! nodes, pods and outside clients, and kube-proxy's iptables rules spread connections
 //! evenly. When these fail, the sandbox is broken, not ebpf-proxy.
 
-use std::net::{Ipv4Addr, SocketAddrV4, SocketAddrV6};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use ebpf_proxy_tests::{
     Protocol,
     client::{Outcome, tcp_request, tcp_tally, udp_request},
-    cluster::{CLIENT1, Cluster, NODE_A_IP, NODE_B_IP},
+    cluster::{CLIENT1, CLIENT1_IP6, Cluster, NODE_A_IP, NODE_A_IP6, NODE_B_IP, NODE_B_IP6},
     iptables,
     manifest::Service,
     require_root, run_cmd,
@@ -207,4 +207,94 @@ fn cluster_routes_between_nodes_pods_and_outside_clients() {
             "{name} is left behind"
         );
     }
+}
+
+/// The two-node cluster over IPv6: nodes reach each other's pods through each
+/// other's IPv6 addresses, pods reach pods across nodes and an outside client
+/// reaches a pod on the other node through a node (a route of its own, as to a
+/// LoadBalancer IP), all keeping their source addresses.
+#[test]
+fn cluster_routes_ipv6_between_nodes_pods_and_outside_clients() {
+    require_root().expect("privileged test");
+    let pod_a1 = Ipv4Addr::new(10, 1, 1, 10);
+    let pod_b1 = Ipv4Addr::new(10, 1, 2, 10);
+    let cluster = Cluster::new(&[("a", &[("pod-a1", pod_a1)]), ("b", &[("pod-b1", pod_b1)])])
+        .expect("cluster");
+    let (a, b) = (cluster.node("a"), cluster.node("b"));
+    assert_eq!((a.ip6, b.ip6), (NODE_A_IP6, NODE_B_IP6));
+    assert_eq!(
+        (a.pod_cidr6().as_str(), b.pod_cidr6().as_str()),
+        ("fd00:10::a01:100/120", "fd00:10::a01:200/120")
+    );
+    let (pod_a1_6, pod_b1_6) = (pod_ip6(pod_a1), pod_ip6(pod_b1));
+    assert_eq!(cluster.pod("pod-b1").ip6, pod_b1_6);
+    let _tcp = TcpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 8080).expect("server");
+    let _udp = UdpServer::start(&cluster.pod("pod-b1").ns, "pod-b1", 5353).expect("server");
+    let _node_a = TcpServer::start(&a.ns, "node-a", 8081).expect("server");
+    let pod_b1_tcp = SocketAddrV6::new(pod_b1_6, 8080, 0, 0);
+    let pod_b1_udp = SocketAddrV6::new(pod_b1_6, 5353, 0, 0);
+
+    let reply = tcp_request(&a.ns, pod_b1_tcp, TIMEOUT).expect_reply("TCP from node a to pod-b1");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("pod-b1", NODE_A_IP6),
+        "node a reaches a pod on node b from its uplink's IPv6 address"
+    );
+    let reply = tcp_request(&cluster.pod("pod-a1").ns, pod_b1_tcp, TIMEOUT)
+        .expect_reply("TCP from pod-a1 to pod-b1");
+    assert_eq!(
+        *reply.peer.ip(),
+        pod_a1_6,
+        "pod to pod across nodes keeps the source"
+    );
+
+    let client1 = cluster.client("client1");
+    assert_eq!(client1.ip6, CLIENT1_IP6);
+    let reply = tcp_request(
+        &client1.ns,
+        SocketAddrV6::new(NODE_A_IP6, 8081, 0, 0),
+        TIMEOUT,
+    )
+    .expect_reply("TCP from client1 to node a over IPv6");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("node-a", CLIENT1_IP6)
+    );
+    let unroutable = tcp_request(&client1.ns, pod_b1_tcp, TIMEOUT);
+    assert!(
+        !matches!(unroutable, Outcome::Reply(_)),
+        "client1 reached a pod over IPv6 without a route: {unroutable}"
+    );
+
+    // Through node a to the pod on node b, with a route of its own.
+    cluster
+        .route_via6("client1", &format!("{pod_b1_6}/128"), "a")
+        .expect("route to pod-b1 via node a");
+    let reply = tcp_request(&client1.ns, pod_b1_tcp, TIMEOUT)
+        .expect_reply("TCP from client1 via node a to pod-b1");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("pod-b1", CLIENT1_IP6),
+        "client1 -> node a -> node b -> pod-b1 keeps the client's address"
+    );
+    let reply = udp_request(&client1.ns, pod_b1_udp, TIMEOUT)
+        .expect_reply("UDP from client1 via node a to pod-b1");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("pod-b1", CLIENT1_IP6)
+    );
+
+    // An extra IPv6 address (a LoadBalancer IP, say) routed through node a.
+    let lb_ip6: Ipv6Addr = "fd00:60::10".parse().expect("address");
+    a.ns.ip(&["-6", "addr", "add", &format!("{lb_ip6}/128"), "dev", "lo"])
+        .expect("address on node a");
+    cluster
+        .route_via6("client1", &format!("{lb_ip6}/128"), "a")
+        .expect("route");
+    let reply = tcp_request(&client1.ns, SocketAddrV6::new(lb_ip6, 8081, 0, 0), TIMEOUT)
+        .expect_reply("TCP from client1 to an IPv6 address routed via node a");
+    assert_eq!(
+        (reply.backend.as_str(), *reply.peer.ip()),
+        ("node-a", CLIENT1_IP6)
+    );
 }

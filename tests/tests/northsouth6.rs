@@ -1,0 +1,570 @@
+//! North-south traffic over IPv6 on real packets: NodePorts on the nodes' IPv6
+//! addresses, IPv6 LoadBalancer IPs and ExternalIPs, reached from clients outside
+//! the cluster in the dual-stack two-node topology of docs/architecture.md, "Test
+//! topologies" (`cluster`), with an agent on each node told both its addresses
+//! (`--node-ip`). XDP hands IPv6 to tc ingress, so each scenario runs with native
+//! XDP on the uplinks (what passes through it must arrive at tc intact) or through
+//! tc alone (`--xdp-mode off`); the IPv4 twins of these scenarios are in
+//! northsouth.rs.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Write as _},
+    net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::Agent,
+    client::{
+        Outcome, Reply, TIMEOUT, tcp_request, tcp_request_here, udp_request, udp_sized_request,
+    },
+    cluster::{CLIENT1_IP6, CLIENT2_IP6, Cluster, NODE_A_IP6, NODE_B_IP6},
+    manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
+    netns::NetNs,
+    require_root,
+    servers::{TcpServer, UdpServer},
+    stats::chi_square_uniform,
+    topology::pod_ip6,
+};
+use proxy_userspace::datapath::{Maps, PinLayout};
+
+const BACKEND: (&str, std::net::Ipv4Addr) = ("web-b1", std::net::Ipv4Addr::new(10, 1, 2, 10));
+const LOCAL_BACKEND: (&str, std::net::Ipv4Addr) = ("web-a1", std::net::Ipv4Addr::new(10, 1, 1, 10));
+const TCP_PORT: u16 = 8080;
+const UDP_PORT: u16 = 5353;
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x50);
+const NODE_PORT: u16 = 30080;
+const UDP_NODE_PORT: u16 = 30053;
+const LB_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x60, 0, 0, 0, 0, 0, 0x10);
+const EXTERNAL_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x60, 0, 0, 0, 0, 0, 0x20);
+/// A dropped connection attempt is given this long to (wrongly) succeed.
+const DROP_WAIT: Duration = Duration::from_millis(700);
+/// Significance level of the spread's chi-square test: a correct datapath fails it
+/// about once in a thousand runs.
+const ALPHA: f64 = 0.001;
+
+/// The XDP settings the scenarios run under.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Native,
+    TcOnly,
+}
+
+impl Path {
+    fn arg(self) -> &'static str {
+        match self {
+            Path::Native => "native",
+            Path::TcOnly => "off",
+        }
+    }
+}
+
+fn backend_ip6() -> Ipv6Addr {
+    pod_ip6(BACKEND.1)
+}
+
+fn local_backend_ip6() -> Ipv6Addr {
+    pod_ip6(LOCAL_BACKEND.1)
+}
+
+fn at(ip: Ipv6Addr, port: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(ip, port, 0, 0)
+}
+
+/// Two dual-stack nodes, two outside clients, a backend on each node serving TCP
+/// and UDP on both families, and an agent on each node following one manifest
+/// directory.
+struct Fixture {
+    agents: Vec<Agent>,
+    _servers: Vec<(TcpServer, UdpServer)>,
+    manifests: ManifestDir,
+    cluster: Cluster,
+}
+
+impl Fixture {
+    fn new(path: Path) -> Fixture {
+        require_root().expect("privileged test");
+        let cluster =
+            Cluster::new(&[("a", &[LOCAL_BACKEND]), ("b", &[BACKEND])]).expect("two-node cluster");
+        let servers = [LOCAL_BACKEND, BACKEND]
+            .iter()
+            .map(|(name, _)| {
+                let ns = &cluster.pod(name).ns;
+                (
+                    TcpServer::start(ns, name, TCP_PORT).expect("TCP backend"),
+                    UdpServer::start(ns, name, UDP_PORT).expect("UDP backend"),
+                )
+            })
+            .collect();
+        let manifests = ManifestDir::create(cluster.stem()).expect("manifest dir");
+        let agents = ["a", "b"]
+            .iter()
+            .map(|node| {
+                let n = cluster.node(node);
+                let node_ip = format!("{},{}", n.ip, n.ip6);
+                Agent::start_with(
+                    &n.ns,
+                    manifests.path(),
+                    &["--xdp-mode", path.arg(), "--node-ip", &node_ip],
+                )
+                .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
+            })
+            .collect();
+        Fixture {
+            agents,
+            _servers: servers,
+            manifests,
+            cluster,
+        }
+    }
+
+    /// Writes `service` (IPv6) with its endpoints, each on its node.
+    fn publish(&self, service: &Service, endpoints: &[(Ipv6Addr, &str)]) {
+        let names: Vec<String> = endpoints
+            .iter()
+            .map(|(_, node)| self.cluster.node(node).ns.name().to_owned())
+            .collect();
+        let on_nodes: Vec<(Ipv6Addr, &str)> = endpoints
+            .iter()
+            .zip(&names)
+            .map(|((ip, _), name)| (*ip, name.as_str()))
+            .collect();
+        self.manifests
+            .write(
+                &format!("{}.yaml", service.name),
+                &service.yaml6_on_nodes(&on_nodes),
+            )
+            .expect("write manifest");
+    }
+
+    fn counter(&self, node: usize, name: &str) -> u64 {
+        self.agents[node]
+            .counter(name)
+            .unwrap_or_else(|e| panic!("counter {name}: {e:#}"))
+    }
+
+    /// The non-zero counters of both nodes, for failure messages.
+    fn counters(&self) -> String {
+        let mut out = String::new();
+        for (n, agent) in self.agents.iter().enumerate() {
+            let maps = Maps::open_pinned(&PinLayout::new(agent.bpf_root()));
+            let counters: Vec<(&str, u64)> = maps
+                .and_then(|m| m.counters())
+                .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+                .unwrap_or_default();
+            out.push_str(&format!("node {}: {counters:?}; ", ["a", "b"][n]));
+        }
+        out
+    }
+
+    fn client(&self, name: &str) -> &NetNs {
+        &self.cluster.client(name).ns
+    }
+
+    /// Polls a TCP request from `client` until it gets a reply (the agents pick up a
+    /// manifest change within a sync), then returns it.
+    #[track_caller]
+    fn reply_within(&self, client: &str, addr: SocketAddrV6, what: &str) -> Reply<SocketAddrV6> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match tcp_request(self.client(client), addr, TIMEOUT) {
+                Outcome::Reply(r) => return r,
+                other if Instant::now() > deadline => panic!(
+                    "{what}: no reply from {addr} within 5 s, last outcome {other}; {}",
+                    self.counters()
+                ),
+                _ => thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+}
+
+/// `test/<name>`, IPv6 alone: NodePort `http` 80/TCP -> 8080 on [`NODE_PORT`] and
+/// `dns` 53/UDP -> 5353 on [`UDP_NODE_PORT`].
+fn web6(name: &str) -> Service {
+    Service::new_v6("test", name, CLUSTER_IP6)
+        .type_(ServiceType::NodePort)
+        .port("http", 80, Protocol::Tcp, TCP_PORT)
+        .port("dns", 53, Protocol::Udp, UDP_PORT)
+        .node_port("http", NODE_PORT)
+        .node_port("dns", UDP_NODE_PORT)
+}
+
+/// A TCP connection kept open over IPv6 (the harness's `TcpSession` is IPv4's).
+struct Session6 {
+    stream: TcpStream,
+    reader: BufReader<TcpStream>,
+    greeting: Reply<SocketAddrV6>,
+}
+
+impl Session6 {
+    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
+        let stream = ns
+            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
+            .expect("entering the client's namespace")
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        stream
+            .set_read_timeout(Some(TIMEOUT))
+            .expect("read timeout");
+        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
+        let mut line = String::new();
+        reader.read_line(&mut line).expect("read the greeting");
+        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
+        Session6 {
+            stream,
+            reader,
+            greeting,
+        }
+    }
+
+    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
+    fn exchange(&mut self, text: &str) -> Result<String, String> {
+        self.stream
+            .write_all(format!("{text}\n").as_bytes())
+            .map_err(|e| format!("send: {e}"))?;
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => Err("the backend closed the connection".into()),
+            Ok(_) => Ok(line.trim_end().to_owned()),
+            Err(e) => Err(format!("receive: {e}")),
+        }
+    }
+}
+
+/// externalTrafficPolicy Cluster with a backend on each node: new connections from
+/// outside to node A's IPv6 NodePort spread evenly over both (a chi-square test),
+/// the local backend sees the client's own address, the remote one node A's IPv6
+/// address and a port of the SNAT range; UDP likewise; node B the other way round;
+/// and a long connection through node A works packet after packet.
+fn nodeport_cluster_policy(path: Path) {
+    let fx = Fixture::new(path);
+    fx.publish(
+        &web6("web"),
+        &[(local_backend_ip6(), "a"), (backend_ip6(), "b")],
+    );
+    let via_a = at(NODE_A_IP6, NODE_PORT);
+    fx.reply_within("client1", via_a, "IPv6 NodePort on A");
+    let to_remote = spread_through_node_a(&fx, path);
+
+    // UDP, a new socket each: both backends answer, each seeing what TCP's did.
+    let mut udp_seen = BTreeMap::new();
+    for i in 0..40 {
+        let outcome = udp_request(fx.client("client1"), at(NODE_A_IP6, UDP_NODE_PORT), TIMEOUT);
+        let Outcome::Reply(r) = outcome else {
+            panic!(
+                "{path:?}: UDP NodePort on A, request {i}: {outcome}; {}",
+                fx.counters()
+            );
+        };
+        udp_seen.insert(r.backend, *r.peer.ip());
+    }
+    assert_eq!(
+        udp_seen,
+        BTreeMap::from([
+            (LOCAL_BACKEND.0.to_owned(), CLIENT1_IP6),
+            (BACKEND.0.to_owned(), NODE_A_IP6)
+        ]),
+        "{path:?}: UDP through node A: which backend saw which source"
+    );
+
+    // Through node B, the local and the remote backend swap places.
+    let mut via_b_seen = BTreeMap::new();
+    for i in 0..40 {
+        let r = tcp_request(fx.client("client2"), at(NODE_B_IP6, NODE_PORT), TIMEOUT)
+            .expect_reply(&format!("{path:?}: IPv6 NodePort on B, connection {i}"));
+        via_b_seen.insert(r.backend, *r.peer.ip());
+    }
+    assert_eq!(
+        via_b_seen,
+        BTreeMap::from([
+            (LOCAL_BACKEND.0.to_owned(), NODE_B_IP6),
+            (BACKEND.0.to_owned(), CLIENT2_IP6)
+        ]),
+        "{path:?}: TCP through node B: which backend saw which source"
+    );
+
+    // A long connection works both ways, packet after packet.
+    let mut session = Session6::open(fx.client("client1"), via_a);
+    let backend = session.greeting.backend.clone();
+    for i in 0..20 {
+        let answer = session
+            .exchange(&format!("ping {i}"))
+            .unwrap_or_else(|e| panic!("{path:?}: exchange {i} with {backend}: {e}"));
+        assert_eq!(answer, format!("{backend} ping {i}"));
+    }
+    let snat = fx.counter(0, "snat_new");
+    assert!(
+        snat >= to_remote,
+        "{path:?}: node A counted {snat} SNATed flows for {to_remote} connections to the \
+         remote backend"
+    );
+}
+
+/// New TCP connections from client1 to node A's IPv6 NodePort, checked one by one
+/// (the local backend sees client1, the remote one node A from a SNAT port) and as a
+/// spread (uniform over both, by a chi-square test); returns how many reached the
+/// remote backend.
+fn spread_through_node_a(fx: &Fixture, path: Path) -> u64 {
+    const CONNECTIONS: usize = 400;
+    let via_a = at(NODE_A_IP6, NODE_PORT);
+    // One thread in the client for the whole batch.
+    let replies: Vec<Outcome<SocketAddrV6>> = fx
+        .client("client1")
+        .run(|| {
+            (0..CONNECTIONS)
+                .map(|_| tcp_request_here(via_a, TIMEOUT))
+                .collect()
+        })
+        .expect("client1");
+    let mut counts = BTreeMap::<String, u64>::new();
+    let mut wrong_peers = Vec::new();
+    let mut failures = Vec::new();
+    for outcome in replies {
+        let Outcome::Reply(r) = outcome else {
+            failures.push(outcome);
+            continue;
+        };
+        *counts.entry(r.backend.clone()).or_default() += 1;
+        let snat_range = proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX;
+        let right = match r.backend.as_str() {
+            b if b == LOCAL_BACKEND.0 => *r.peer.ip() == CLIENT1_IP6,
+            b if b == BACKEND.0 => {
+                *r.peer.ip() == NODE_A_IP6 && snat_range.contains(&r.peer.port())
+            }
+            _ => false,
+        };
+        if !right {
+            wrong_peers.push(format!("{} saw {}", r.backend, r.peer));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{path:?}: {} of {CONNECTIONS} connections through node A failed, first: {:?}; {}",
+        failures.len(),
+        &failures[..failures.len().min(5)],
+        fx.counters()
+    );
+    assert!(
+        wrong_peers.is_empty(),
+        "{path:?}: the local backend must see client1 ({CLIENT1_IP6}), the remote one node \
+         A ({NODE_A_IP6}) from a SNAT port; {} did not, first: {:?}",
+        wrong_peers.len(),
+        &wrong_peers[..wrong_peers.len().min(5)]
+    );
+    let spread = [
+        counts.get(LOCAL_BACKEND.0).copied().unwrap_or(0),
+        counts.get(BACKEND.0).copied().unwrap_or(0),
+    ];
+    let chi = chi_square_uniform(&spread);
+    eprintln!(
+        "{path:?}: {CONNECTIONS} connections through node A: {} (local) {}, {} (remote) {}; {chi}",
+        LOCAL_BACKEND.0, spread[0], BACKEND.0, spread[1]
+    );
+    assert!(
+        chi.passes(ALPHA),
+        "{path:?}: the spread over the local and the remote backend {counts:?} is not \
+         uniform at alpha {ALPHA}: {chi}"
+    );
+    spread[1]
+}
+
+#[test]
+fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_native_xdp() {
+    nodeport_cluster_policy(Path::Native);
+}
+
+#[test]
+fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_tc_only() {
+    nodeport_cluster_policy(Path::TcOnly);
+}
+
+/// externalTrafficPolicy Local: node B, with the endpoint, serves keeping the
+/// client's IPv6 address; node A, without one, drops (and counts it).
+fn local_policy(path: Path) {
+    let fx = Fixture::new(path);
+    let service = web6("local").external_traffic_policy(TrafficPolicy::Local);
+    fx.publish(&service, &[(backend_ip6(), "b")]);
+    let via_b = fx.reply_within("client1", at(NODE_B_IP6, NODE_PORT), "ETP Local on B");
+    assert_eq!(
+        (via_b.backend.as_str(), *via_b.peer.ip()),
+        (BACKEND.0, CLIENT1_IP6),
+        "{path:?}: ETP Local keeps the client's IPv6 address"
+    );
+    let via_a = tcp_request(fx.client("client1"), at(NODE_A_IP6, NODE_PORT), DROP_WAIT);
+    assert_eq!(
+        via_a,
+        Outcome::Timeout,
+        "{path:?}: node A has no local endpoint and must drop; {}",
+        fx.counters()
+    );
+    assert!(
+        fx.counter(0, "drop_no_endpoint") > 0,
+        "{path:?}: node A must count the drop; {}",
+        fx.counters()
+    );
+}
+
+#[test]
+fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_tc_only() {
+    local_policy(Path::TcOnly);
+}
+
+#[test]
+fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_native_xdp() {
+    local_policy(Path::Native);
+}
+
+/// An IPv6 LoadBalancer IP with an IPv6 loadBalancerSourceRanges prefix: client1
+/// (inside it) is served through node A, SNATed to the backend on node B; client2
+/// (outside it) is dropped, and counted. An IPv6 ExternalIP, without source ranges,
+/// serves both.
+fn load_balancer_and_external_ip(path: Path) {
+    let fx = Fixture::new(path);
+    let service = web6("lb")
+        .type_(ServiceType::LoadBalancer)
+        .load_balancer_ingress(LB_IP6)
+        .load_balancer_source_range(&format!("{CLIENT1_IP6}/128"))
+        .external_ip(EXTERNAL_IP6);
+    fx.publish(&service, &[(backend_ip6(), "b")]);
+    for client in ["client1", "client2"] {
+        for ip in [LB_IP6, EXTERNAL_IP6] {
+            fx.cluster
+                .route_via6(client, &format!("{ip}/128"), "a")
+                .expect("route to the LB IP via node A");
+        }
+    }
+    let lb = fx.reply_within(
+        "client1",
+        at(LB_IP6, 80),
+        "IPv6 LB IP from an allowed client",
+    );
+    assert_eq!(
+        (lb.backend.as_str(), *lb.peer.ip()),
+        (BACKEND.0, NODE_A_IP6),
+        "{path:?}: through node A the remote backend sees node A's IPv6 address (SNAT)"
+    );
+    let denied = tcp_request(fx.client("client2"), at(LB_IP6, 80), DROP_WAIT);
+    assert_eq!(
+        denied,
+        Outcome::Timeout,
+        "{path:?}: client2 ({CLIENT2_IP6}) is outside the source ranges; {}",
+        fx.counters()
+    );
+    assert!(
+        fx.counter(0, "drop_source_range") > 0,
+        "{path:?}: node A must count the drop; {}",
+        fx.counters()
+    );
+    for client in ["client1", "client2"] {
+        let ext = tcp_request(fx.client(client), at(EXTERNAL_IP6, 80), TIMEOUT)
+            .expect_reply(&format!("{path:?}: {client} to the IPv6 ExternalIP"));
+        assert_eq!(
+            (ext.backend.as_str(), *ext.peer.ip()),
+            (BACKEND.0, NODE_A_IP6),
+            "{path:?}: {client} through the ExternalIP"
+        );
+    }
+}
+
+#[test]
+fn ipv6_load_balancer_source_ranges_and_external_ip_tc_only() {
+    load_balancer_and_external_ip(Path::TcOnly);
+}
+
+#[test]
+fn ipv6_load_balancer_source_ranges_and_external_ip_native_xdp() {
+    load_balancer_and_external_ip(Path::Native);
+}
+
+/// An IPv6 NodePort whose Service has no endpoints is refused at once (a reset from
+/// node A's datapath, as kube-proxy's REJECT), while the NodePort next to it serves.
+#[test]
+fn ipv6_nodeport_without_endpoints_is_refused() {
+    let fx = Fixture::new(Path::TcOnly);
+    fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
+    fx.reply_within("client1", at(NODE_A_IP6, NODE_PORT), "IPv6 NodePort on A");
+    let closed_port = NODE_PORT + 10;
+    let empty = Service::new_v6(
+        "test",
+        "empty",
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x51),
+    )
+    .type_(ServiceType::NodePort)
+    .port("http", 80, Protocol::Tcp, TCP_PORT)
+    .node_port("http", closed_port);
+    fx.publish(&empty, &[]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        let outcome = tcp_request(fx.client("client1"), at(NODE_A_IP6, closed_port), TIMEOUT);
+        // The node's own stack refuses too until the agent has the Service: only
+        // the datapath's count says who did.
+        if (outcome == Outcome::Refused && fx.counter(0, "reject") > 0) || Instant::now() > deadline
+        {
+            break outcome;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        refused,
+        Outcome::Refused,
+        "an IPv6 NodePort without endpoints; {}",
+        fx.counters()
+    );
+    assert!(
+        fx.counter(0, "reject") > 0,
+        "node A's datapath must have rejected; {}",
+        fx.counters()
+    );
+}
+
+/// Fragmented UDP from outside through node A's IPv6 NodePort to the backend on
+/// node B (SNAT to node A's IPv6 address): 4,000-byte requests and 4,000-byte
+/// answers, every fragment of both translated, answers whole and from the NodePort.
+#[test]
+fn ipv6_nodeport_fragments_are_translated_both_ways() {
+    const EXCHANGES: usize = 10;
+    let fx = Fixture::new(Path::TcOnly);
+    fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
+    fx.reply_within("client1", at(NODE_A_IP6, NODE_PORT), "IPv6 NodePort on A");
+    let addr = at(NODE_A_IP6, UDP_NODE_PORT);
+    let mut retried = Vec::new();
+    for (what, request, answer) in [("requests", 4000, 100), ("answers", 100, 4000)] {
+        for i in 0..EXCHANGES {
+            let mut outcome =
+                udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            if !matches!(outcome, Outcome::Reply(_)) {
+                // One retry, as a UDP client makes, and said: a datagram of three
+                // fragments has three chances to be lost on a loaded machine; a
+                // datapath that drops fragments loses both tries.
+                retried.push(format!("{what} {i}: {outcome}"));
+                outcome = udp_sized_request(fx.client("client1"), addr, request, answer, TIMEOUT);
+            }
+            let Outcome::Reply(reply) = outcome else {
+                panic!(
+                    "fragmented {what} over IPv6, exchange {i}: {outcome}; {}",
+                    fx.counters()
+                );
+            };
+            assert_eq!(
+                (reply.backend.as_str(), *reply.peer.ip()),
+                (BACKEND.0, NODE_A_IP6),
+                "fragmented {what}: the remote backend must see node A (SNAT)"
+            );
+        }
+    }
+    if !retried.is_empty() {
+        eprintln!("exchanges answered on their retry: {retried:?}");
+    }
+    let translated = fx.counter(0, "frag_translated");
+    eprintln!("{translated} later fragments translated on node A");
+    assert!(
+        translated >= (4 * EXCHANGES) as u64,
+        "{translated} later fragments translated on node A for {} datagrams of three \
+         fragments; {}",
+        2 * EXCHANGES,
+        fx.counters()
+    );
+}

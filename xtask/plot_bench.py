@@ -46,13 +46,15 @@ if rows:
             ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
             ax.plot(services, ns, marker="o", label=case)
         ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
-        style(ax, f"ebpf-proxy {hook}_ingress per-packet cost",
+        program = {"tc6": "tc_ingress6 (IPv6)"}.get(hook, f"{hook}_ingress")
+        style(ax, f"ebpf-proxy {program} per-packet cost",
               "Services installed (10 endpoints each)")
     save(fig, "datapath")
 
 for name, title, keep in [
     ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
-     lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"),
+     lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"
+     and r.get("family", "ipv4") == "ipv4"),
     ("nodeport", "NodePort, short TCP connections (outside client, SNAT to node B)",
      lambda r: True),
 ]:

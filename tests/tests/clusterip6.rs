@@ -22,7 +22,7 @@ use ebpf_proxy_tests::{
         Outcome, Peer, Reply, TIMEOUT, Tally, assert_all_replied_from, tcp_request, tcp_tally,
         udp_request, udp_sized_request, udp_tally,
     },
-    iptables::{self, Family, KubeService6},
+    iptables::{self, KubeService6},
     manifest::{Service, SessionAffinity},
     netns::NetNs,
     sandbox::Sandbox,
@@ -117,29 +117,6 @@ fn serving_web6(clients: &[(&str, Ipv4Addr)]) -> Sandbox {
 /// `tc_ingress6` passes their traffic to netfilter untouched.
 const IPT_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
 
-/// `port_name` of `svc` as kube-proxy's IPv6 proxier sees it, on `vip` with
-/// `backends` (at the port's target port) as its endpoints.
-fn kube6(svc: &Service, port_name: &str, vip: Ipv6Addr, backends: &[Ipv6Addr]) -> KubeService6 {
-    let port = svc
-        .ports
-        .iter()
-        .find(|p| p.name == port_name)
-        .unwrap_or_else(|| panic!("{} has no port {port_name}", svc.name));
-    KubeService6 {
-        namespace: svc.namespace.clone(),
-        name: svc.name.clone(),
-        port_name: port_name.to_owned(),
-        protocol: port.protocol,
-        cluster_ip: vip,
-        port: port.port,
-        endpoints: backends
-            .iter()
-            .map(|ip| Ipv6Addr::endpoint(*ip, port.target_port))
-            .collect(),
-        affinity_timeout: svc.session_affinity.timeout_seconds(),
-    }
-}
-
 fn side_by_side(ebpf: (&[u64], &ChiSquare), ipt: (&[u64], &ChiSquare)) -> String {
     let pct = |c: u64, counts: &[u64]| 100.0 * c as f64 / counts.iter().sum::<u64>() as f64;
     let mut out = format!(
@@ -183,12 +160,7 @@ fn ipv6_distribution_matches_ip6tables_statistic_and_keeps_the_client_address() 
 
     // The same endpoints behind kube-proxy's ip6tables rules (its statistic
     // cascade), on a VIP the agent does not know.
-    let kube = kube6(
-        &web6("web6", CLUSTER_IP6),
-        "http",
-        IPT_VIP6,
-        &backend_ips6(),
-    );
+    let kube = web6("web6", CLUSTER_IP6).kube_service6("http", IPT_VIP6, &backend_ips6());
     iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
     let ipt = tcp_tally(
         &sb.pod(IPT_CLIENT.0).ns,
@@ -361,7 +333,7 @@ fn ipv6_service_without_endpoints_is_refused_at_once_as_ip6tables_refuses_it() {
         .expect("a route for the service CIDR");
     let kube: Vec<KubeService6> = ["http", "dns"]
         .iter()
-        .map(|port| kube6(&empty, port, IPT_VIP6, &[]))
+        .map(|port| empty.kube_service6(port, IPT_VIP6, &[]))
         .collect();
     iptables::apply_with_rejects(node, &kube).expect("load kube-proxy's ip6tables rules");
 
@@ -629,7 +601,7 @@ fn ipv6_client_ip_affinity_matches_ip6tables_recent_rules() {
         .write("sticky6.yaml", &sticky.yaml6(&backend_ips6()))
         .expect("write manifest");
     sb.start_agent_on_manifests().expect("start the agent");
-    let kube = kube6(&sticky, "http", IPT_VIP6, &backend_ips6());
+    let kube = sticky.kube_service6("http", IPT_VIP6, &backend_ips6());
     assert_eq!(kube.affinity_timeout, Some(10_800), "the default timeout");
     iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
 

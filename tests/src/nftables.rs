@@ -423,7 +423,11 @@ mod tests {
             chain.starts_with("endpoint-") && chain.ends_with("-ns1/svc1/tcp/p80__fd00.10..1/8080"),
             "{chain}"
         );
-        let rules = ruleset(&[svc.clone()], &["fd00:100::1".parse().unwrap()]).unwrap();
+        let rules = ruleset(
+            std::slice::from_ref(&svc),
+            &["fd00:100::1".parse().unwrap()],
+        )
+        .unwrap();
         assert_has(
             &rules,
             &[

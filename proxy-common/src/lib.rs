@@ -706,9 +706,10 @@ pub struct FlowCacheEntry {
 }
 
 /// Key of `FRAGMENTS`: what identifies one fragmented datagram on the wire
-/// (RFC 791: source, destination, protocol and identification). Addresses
-/// are IPv4-mapped IPv6 and the id 32 bits wide, so that IPv6's fragment
-/// header (a 32-bit identification) fits the same map.
+/// (RFC 791: source, destination, protocol and identification; RFC 8200:
+/// the same without the protocol, 0 here). Addresses are IPv4-mapped IPv6
+/// and the id 32 bits wide, so that IPv6's fragment header (a 32-bit
+/// identification) fits the same map.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -731,7 +732,11 @@ pub struct FragKey {
 pub struct FragValue {
     pub sport_be: u16,
     pub dport_be: u16,
-    pub _pad: u32,
+    /// An IPv6 datagram's transport protocol: its key has none (RFC 8200
+    /// 4.5 ties fragments by addresses and identification alone), and a
+    /// later fragment's fragment header may name an extension header
+    /// rather than it. 0 for IPv4, whose key holds the protocol.
+    pub proto6: u32,
     /// The datapath clock when the first fragment was seen.
     pub seen_ns: u64,
 }

@@ -11,7 +11,10 @@
 //!
 //! IPv4 and IPv6 share the map: IPv4 keyed by IPv4-mapped addresses and its
 //! 16-bit id widened, IPv6 by its addresses and its fragment header's 32-bit
-//! id. `tc_ingress6` follows the same rules as IPv4's pipeline.
+//! id. `tc_ingress6` follows the same rules as IPv4's pipeline; an IPv6
+//! first fragment's extension headers past its fragment header are walked
+//! to its transport header (`packet6`), whose protocol the later fragments
+//! take from here.
 
 use proxy_common::{FRAG_TIMEOUT_NS, FragKey, FragValue, v4_mapped};
 
@@ -29,15 +32,18 @@ fn key(flow: &Flow) -> FragKey {
     }
 }
 
-/// IPv6's key: the fragment header's identification (RFC 8200 4.5) and the
-/// header after it, which is the same in every fragment of a datagram.
+/// IPv6's key: the addresses and the fragment header's identification,
+/// what RFC 8200 4.5 reassembles by. Not the protocol: the header after
+/// the fragment header may be a destination options header, which a later
+/// fragment does not carry past; the first fragment's value holds the
+/// transport protocol its chain led to.
 #[inline(always)]
 fn key6(flow: &Flow6) -> FragKey {
     FragKey {
         src_be: flow.src_be,
         dst_be: flow.dst_be,
         id_be: flow.frag_id_be,
-        proto: flow.proto,
+        proto: 0,
         _pad0: 0,
         _pad1: 0,
     }
@@ -50,7 +56,7 @@ pub fn remember(flow: &Flow, now: u64) {
     let value = FragValue {
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
-        _pad: 0,
+        proto6: 0,
         seen_ns: now,
     };
     let _ = FRAGMENTS.insert(&key(flow), &value, 0);
@@ -62,7 +68,7 @@ pub fn remember6(flow: &Flow6, now: u64) {
     let value = FragValue {
         sport_be: flow.sport_be,
         dport_be: flow.dport_be,
-        _pad: 0,
+        proto6: u32::from(flow.proto),
         seen_ns: now,
     };
     let _ = FRAGMENTS.insert(&key6(flow), &value, 0);
@@ -75,10 +81,15 @@ pub fn ports(flow: &Flow, now: u64) -> Option<(u16, u16)> {
     lookup(&key(flow), now)
 }
 
-/// `ports` for IPv6.
+/// `ports` for IPv6, with the datagram's transport protocol.
 #[inline(always)]
-pub fn ports6(flow: &Flow6, now: u64) -> Option<(u16, u16)> {
-    lookup(&key6(flow), now)
+pub fn ports6(flow: &Flow6, now: u64) -> Option<(u16, u16, u8)> {
+    // SAFETY: a valid map value pointer for this program's run.
+    let seen = FRAGMENTS.get_ptr(&key6(flow)).map(|p| unsafe { *p })?;
+    if now.saturating_sub(seen.seen_ns) > FRAG_TIMEOUT_NS {
+        return None;
+    }
+    Some((seen.sport_be, seen.dport_be, seen.proto6 as u8))
 }
 
 #[inline(always)]

@@ -31,6 +31,7 @@ mod flow_cache;
 mod frag;
 mod frontend;
 mod hook;
+mod icmp6_error;
 mod icmp_error;
 mod ip_summed;
 mod maps;

@@ -3,8 +3,9 @@
 //! extension headers; a bounded number of them is walked, and a packet whose
 //! chain goes on longer, or holds one the datapath does not know, is left
 //! untouched (and counted by the caller). A later fragment has no transport
-//! header: it is parsed up to its fragment header, its ports left for the
-//! caller to fill in from its datagram's first fragment (`crate::frag`).
+//! header: it is parsed up to its fragment header, its protocol and ports
+//! left for the caller to fill in from its datagram's first fragment
+//! (`crate::frag`), whose chain may go on past the fragment header.
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{PROTO_TCP, PROTO_UDP};
@@ -28,6 +29,7 @@ const NEXTHDR_ROUTING: u8 = 43;
 const NEXTHDR_FRAGMENT: u8 = 44;
 const NEXTHDR_AUTH: u8 = 51;
 const NEXTHDR_DEST: u8 = 60;
+const NEXTHDR_ICMPV6: u8 = 58;
 /// Extension headers walked before the transport header: hop-by-hop,
 /// destination options, routing and a fragment header make four, more than
 /// any packet between pods carries.
@@ -74,8 +76,7 @@ impl Flow6 {
 /// Why a packet was not parsed into a [`Flow6`].
 #[derive(Clone, Copy)]
 pub enum Skip6 {
-    /// Not IPv6 TCP or UDP (neighbour discovery and every other ICMPv6
-    /// message among them): passed silently.
+    /// Not IPv6 TCP or UDP, nor a whole ICMPv6 message: passed silently.
     NotOurs,
     /// Headers shorter or inconsistent with what they claim: passed, and
     /// counted.
@@ -84,6 +85,9 @@ pub enum Skip6 {
     Truncated,
     /// An extension header chain not walked to its end: passed, and counted.
     ExtHeaders,
+    /// A whole ICMPv6 message, at this offset: an error among them may
+    /// quote a translated flow's packet (`crate::icmp6_error`).
+    Icmp6(usize),
 }
 
 #[repr(C)]
@@ -169,11 +173,33 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
             return Err(Skip6::ExtHeaders);
         }
     }
+    if frag == frag::LATER {
+        // The header after a later fragment's fragment header begins the
+        // datagram's fragmentable part: TCP, UDP, or an extension header
+        // (destination options) that only the first fragment carries. Its
+        // transport protocol, like its ports, is the first fragment's
+        // (`crate::frag::ports6`).
+        return match next {
+            PROTO_TCP | PROTO_UDP | NEXTHDR_DEST | NEXTHDR_AUTH => Ok(Flow6 {
+                l4_off: off,
+                src_be: ip.src_be,
+                dst_be: ip.dst_be,
+                sport_be: 0,
+                dport_be: 0,
+                proto: 0,
+                tcp_flags: 0,
+                frag,
+                frag_id_be,
+            }),
+            _ => Err(Skip6::NotOurs),
+        };
+    }
     if next != PROTO_TCP && next != PROTO_UDP {
         return match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_FRAGMENT | NEXTHDR_AUTH | NEXTHDR_DEST => {
                 Err(Skip6::ExtHeaders)
             }
+            NEXTHDR_ICMPV6 if frag == frag::NONE => Err(Skip6::Icmp6(off)),
             _ => Err(Skip6::NotOurs),
         };
     }
@@ -181,11 +207,7 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
     let Some(l4_len) = (ETH_HLEN + IPV6_HLEN + payload_len).checked_sub(off) else {
         return Err(Skip6::Malformed);
     };
-    let (ports, tcp_flags) = if frag == frag::LATER {
-        ([0, 0], 0)
-    } else {
-        l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)?
-    };
+    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)?;
     Ok(Flow6 {
         l4_off: off,
         src_be: ip.src_be,

@@ -6,8 +6,10 @@
 //!
 //! This covers the frontends in-cluster clients reach (ClusterIPs, TCP and
 //! UDP). Frontends of external traffic (`service_flags::EXTERNAL`) are
-//! passed untranslated and counted (`pass_v6_external`); so are SCTP and
-//! ICMPv6, neighbour discovery among it. Fragments follow IPv4's rules
+//! passed untranslated and counted (`pass_v6_external`); SCTP is passed.
+//! ICMPv6 errors quoting a translated flow's packet are translated back
+//! (`icmp6_error`); every other ICMPv6 message, neighbour discovery among
+//! them, passes untouched. Fragments follow IPv4's rules
 //! (`crate::frag`): a later fragment takes its first fragment's ports and
 //! its flow's translation, or passes, counted.
 
@@ -19,7 +21,7 @@ use proxy_common::{PROTO_TCP, counter, ct_dir, is_v4_mapped, service_flags};
 
 use crate::{
     conntrack::now_ns,
-    conntrack6, frag, frontend,
+    conntrack6, frag, frontend, icmp6_error,
     maps::count,
     nat6::Nat6,
     packet::frag::{FIRST, LATER},
@@ -34,6 +36,7 @@ pub fn handle(ctx: &TcContext) -> i32 {
     let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip6::NotOurs) => return TC_ACT_OK,
+        Err(Skip6::Icmp6(icmp_off)) => return icmp6_error::handle(ctx, icmp_off),
         Err(Skip6::Malformed | Skip6::Truncated) => {
             count(counter::PASS_MALFORMED);
             return TC_ACT_OK;
@@ -46,12 +49,13 @@ pub fn handle(ctx: &TcContext) -> i32 {
     let now = now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
-        let Some((sport_be, dport_be)) = frag::ports6(&flow, now) else {
+        let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
             count(counter::FRAG_UNTRACKED);
             return TC_ACT_OK;
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
+        flow.proto = proto;
     }
     let key = conntrack6::flow_key(&flow);
     if let Some(ptr) = conntrack6::lookup(&key, &flow, now) {

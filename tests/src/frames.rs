@@ -448,7 +448,8 @@ pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
     }
 }
 
-/// Splits the IPv6 datagram in `frame` (no extension headers) into fragments
+/// Splits the IPv6 datagram in `frame` (no extension headers but destination
+/// options) into fragments
 /// carrying at most `chunk` bytes of its payload each (a multiple of 8), each
 /// behind a fragment header of identification `id` (RFC 8200 4.5).
 pub fn fragment6(frame: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
@@ -457,9 +458,12 @@ pub fn fragment6(frame: &[u8], chunk: usize, id: u32) -> Vec<Vec<u8>> {
         "fragment size {chunk}"
     );
     let next = frame[14 + 6];
+    // A destination options header first belongs to the fragmentable part
+    // (RFC 8200 4.5): it goes after the fragment header, in the first
+    // fragment alone.
     assert!(
-        ![HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&next),
-        "fragment6 takes a datagram without extension headers"
+        ![HOP_BY_HOP, FRAGMENT, 43].contains(&next),
+        "fragment6 takes a datagram without extension headers before its fragmentable part"
     );
     let payload = &frame[54..];
     let pieces: Vec<&[u8]> = payload.chunks(chunk).collect();
@@ -517,4 +521,77 @@ pub fn reassemble6(fragments: &[Vec<u8>], what: &str) -> Vec<u8> {
     let len = (f.len() - 54) as u16;
     f[14 + 4..14 + 6].copy_from_slice(&len.to_be_bytes());
     f
+}
+
+/// An ICMPv6 error (RFC 4443) from `from` to `to` of `icmp_type`/`code`,
+/// with `param` in its second word (the MTU of a "packet too big", the
+/// pointer of a parameter problem), quoting the first `quote_len` bytes of
+/// the IPv6 packet in `frame`, its header included (Linux quotes as much as
+/// fits in 1,280 bytes).
+pub fn icmp6_error(
+    from: Ipv6Addr,
+    to: Ipv6Addr,
+    (icmp_type, code, param): (u8, u8, u32),
+    frame: &[u8],
+    quote_len: usize,
+) -> Vec<u8> {
+    let packet = &frame[14..];
+    let mut body = param.to_be_bytes().to_vec();
+    body.extend_from_slice(&packet[..quote_len.min(packet.len())]);
+    icmp6(from, to, icmp_type, code, &body)
+}
+
+/// An ICMPv6 error as [`parse_checked_icmp6_error`] reads it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Icmp6Error {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub icmp_type: u8,
+    pub code: u8,
+    /// The message's second word: an MTU, a pointer, or unused.
+    pub param: u32,
+    /// The quoted packet: protocol, source and destination address and port.
+    pub quoted: (u8, Ipv6Addr, u16, Ipv6Addr, u16),
+}
+
+/// Parses an ICMPv6 error frame (no extension headers, nor in its quote)
+/// and panics if a checksum it carries is wrong: the ICMPv6 checksum over
+/// its pseudo-header and whole message, and the quoted TCP or UDP checksum
+/// when the quote holds the whole segment.
+pub fn parse_checked_icmp6_error(f: &[u8], what: &str) -> Icmp6Error {
+    let outer = parse_checked6(f, what);
+    assert_eq!(outer.proto, ICMPV6, "{what}: not ICMPv6");
+    let icmp = &outer.l4;
+    assert!(
+        icmp.len() >= 8 + 40 + 4,
+        "{what}: a quote of {} bytes",
+        icmp.len() - 8
+    );
+    let quote = &icmp[8..];
+    assert_eq!(quote[0] >> 4, 6, "{what}: the quote is not IPv6");
+    let octets = |b: &[u8]| -> Ipv6Addr { <[u8; 16]>::try_from(b).expect("16 bytes").into() };
+    let (qsrc, qdst, proto) = (octets(&quote[8..24]), octets(&quote[24..40]), quote[6]);
+    let l4 = &quote[40..];
+    let qlen = u16::from_be_bytes([quote[4], quote[5]]) as usize;
+    if qlen == l4.len() {
+        assert_eq!(
+            csum(l4, pseudo6(qsrc, qdst, proto, l4.len())),
+            0,
+            "{what}: the quoted segment's checksum is wrong"
+        );
+    }
+    Icmp6Error {
+        src: outer.src,
+        dst: outer.dst,
+        icmp_type: icmp[0],
+        code: icmp[1],
+        param: u32::from_be_bytes([icmp[4], icmp[5], icmp[6], icmp[7]]),
+        quoted: (
+            proto,
+            qsrc,
+            u16::from_be_bytes([l4[0], l4[1]]),
+            qdst,
+            u16::from_be_bytes([l4[2], l4[3]]),
+        ),
+    }
 }

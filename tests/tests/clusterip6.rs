@@ -648,3 +648,100 @@ fn ipv6_client_ip_affinity_matches_ip6tables_recent_rules() {
          kube-proxy's ip6tables rules do not:\n{table}"
     );
 }
+
+/// The router pod of [`ipv6_path_mtu_discovery_works_through_the_cluster_ip`].
+const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
+/// The backend behind it, and the router's address on their link.
+const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
+const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);
+
+/// `ip` with `args` (split at spaces) in `ns`; panics with what failed.
+fn ip(ns: &NetNs, args: &str) {
+    let args: Vec<&str> = args.split(' ').collect();
+    ns.ip(&args)
+        .unwrap_or_else(|e| panic!("ip {} in {}: {e:#}", args.join(" "), ns.name()));
+}
+
+/// A namespace at [`FAR`] behind the router pod [`ROUTER`] of `sb`: 1,500-byte
+/// links on both sides of the router, its route to `FAR` locked at 1,280 bytes
+/// (a route MTU holds for forwarded packets only when locked), and the node's
+/// route to `FAR` through the router.
+fn far_behind_a_router(sb: &mut Sandbox) -> NetNs {
+    let router6 = sb.add_pod(ROUTER.0, ROUTER.1).expect("the router pod").ip6;
+    let far = NetNs::create(&format!("{}-far", sb.topology().stem())).expect("the far namespace");
+    let router = &sb.pod(ROUTER.0).ns;
+    ip(
+        router,
+        &format!(
+            "link add far0 type veth peer name eth0 netns {}",
+            far.name()
+        ),
+    );
+    for (ns, ifname, addr) in [(router, "far0", ROUTER_SIDE), (&far, "eth0", FAR)] {
+        ns.sysctl(&format!("net.ipv6.conf.{ifname}.accept_dad"), "0")
+            .expect("accept_dad");
+        ip(ns, &format!("-6 addr add {addr}/64 dev {ifname} nodad"));
+        ip(ns, &format!("link set {ifname} up"));
+    }
+    router
+        .sysctl("net.ipv6.conf.all.forwarding", "1")
+        .expect("forwarding in the router");
+    ip(
+        router,
+        &format!("-6 route replace {FAR}/128 dev far0 mtu lock 1280"),
+    );
+    ip(&far, &format!("-6 route add default via {ROUTER_SIDE}"));
+    let router_if = &sb.pod(ROUTER.0).host_if;
+    ip(
+        &sb.topology().node,
+        &format!("-6 route add {FAR}/128 via {router6} dev {router_if}"),
+    );
+    far
+}
+
+/// Path MTU discovery through a ClusterIP: the backend sits behind a router
+/// pod whose route to it has a smaller MTU (1,280 bytes) than the links on
+/// both sides (1,500 bytes, so the backend's SYN-ACK announces a full-sized
+/// MSS). The router answers the client's full-sized segments with "packet
+/// too big" quoting the segment as it was on its way to the backend; only
+/// translated back to quote the ClusterIP does the client's socket lower
+/// its path MTU. A 256 KiB line sent through the ClusterIP and echoed back
+/// then completes; untranslated, the client keeps sending segments that
+/// never arrive.
+#[test]
+fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
+    let mut sb = Sandbox::new(&[CLIENT], &[], TCP_PORT, UDP_PORT).expect("the one-node world");
+    let far = far_behind_a_router(&mut sb);
+    let _server = ebpf_proxy_tests::servers::TcpServer::start(&far, "far", TCP_PORT)
+        .expect("the backend behind the router");
+    sb.manifests()
+        .write("web6.yaml", &web6("web6", CLUSTER_IP6).yaml6(&[FAR]))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+
+    let client = &sb.client().ns;
+    let mut session = Session6::open(client, http6(CLUSTER_IP6));
+    assert_eq!(
+        session.greeting.backend, "far",
+        "greeting from the backend behind the router"
+    );
+    // Black-holed segments fill the send buffer: a write that blocks for good
+    // must fail the test, not hang it.
+    session
+        .stream
+        .set_write_timeout(Some(TIMEOUT))
+        .expect("write timeout");
+    let line: String = "0123456789abcdef".repeat(256 * 1024 / 16);
+    let answer = session
+        .exchange(&line)
+        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e}"));
+    assert_eq!(
+        answer.len(),
+        "far ".len() + line.len(),
+        "the echoed line's length"
+    );
+    assert!(
+        sb.counter("icmp_error_translated") >= 1,
+        "no ICMPv6 error was translated"
+    );
+}

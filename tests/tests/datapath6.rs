@@ -11,7 +11,7 @@ use std::{
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use ebpf_proxy_tests::frames::{
     self as frame, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
-    parse_checked6, reassemble6,
+    icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
@@ -736,5 +736,204 @@ fn a_packet_to_an_external_ipv6_frontend_passes_untranslated_and_is_counted() {
         counter(&fx, "pass_v6_external"),
         passed,
         "a ClusterIP packet counted as passed to an external frontend"
+    );
+}
+
+/// A router between the node and a backend.
+const ROUTER: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 1, 0, 0, 0, 0x1);
+const PACKET_TOO_BIG: (u8, u8, u32) = (2, 0, 1280);
+const PORT_UNREACHABLE: (u8, u8, u32) = (1, 4, 0);
+/// What Linux quotes: as much of the packet as keeps the error within
+/// IPv6's minimum MTU.
+const QUOTE_MAX: usize = 1280 - 40 - 8;
+
+/// A "packet too big" from a router between the node and the backend,
+/// quoting the SYN as the datapath sent it on (to the backend), reaches the
+/// client quoting what the client sent: the ClusterIP and its port, so that
+/// the client's socket lowers its path MTU. The router's address stays; the
+/// quoted segment's checksum and the ICMPv6 checksum are right for the new
+/// addresses (recomputed here from scratch).
+#[test]
+fn a_packet_too_big_from_a_router_reaches_the_client_quoting_the_cluster_ip() {
+    let fx = fixture();
+    let (_, sent) = run(&fx, &tcp(CLIENT, 46000, VIP, 80, frame::SYN));
+    let backend = parse_checked6(&sent, "SYN").dst;
+    let error = icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, &sent, QUOTE_MAX);
+    let (ret, out) = run(&fx, &error);
+    assert_eq!(ret, TC_ACT_OK, "packet too big: verdict {ret}");
+    let got = parse_checked_icmp6_error(&out, "packet too big");
+    assert_eq!(
+        got,
+        frame::Icmp6Error {
+            src: ROUTER,
+            dst: CLIENT,
+            icmp_type: 2,
+            code: 0,
+            param: 1280,
+            quoted: (frame::TCP, CLIENT, 46000, VIP, 80),
+        },
+        "the error about the SYN sent to {backend} as the client must see it"
+    );
+    assert_eq!(
+        counter(&fx, "icmp_error_translated"),
+        1,
+        "translated errors"
+    );
+    assert_eq!(counter(&fx, "dnat_new"), 1, "the error made a flow");
+}
+
+/// A port unreachable about a UDP flow, each way: from the backend about
+/// the request it was sent (it comes from the ClusterIP, as the client
+/// addressed it), and from the client about the answer it received from
+/// the ClusterIP (it goes to the backend, quoting what the backend sent).
+#[test]
+fn a_port_unreachable_about_a_udp_flow_is_translated_both_ways() {
+    let fx = fixture();
+    let (_, sent) = run(&fx, &udp(CLIENT, 46001, VIP, 53));
+    let backend = parse_checked6(&sent, "request").dst;
+    let (ret, out) = run(
+        &fx,
+        &icmp6_error(backend, CLIENT, PORT_UNREACHABLE, &sent, QUOTE_MAX),
+    );
+    assert_eq!(ret, TC_ACT_OK, "the backend's error: verdict {ret}");
+    let got = parse_checked_icmp6_error(&out, "the backend's port unreachable");
+    assert_eq!(
+        (got.src, got.dst, got.icmp_type, got.code),
+        (VIP, CLIENT, 1, 4),
+        "the backend's error must come from the ClusterIP to the client"
+    );
+    assert_eq!(
+        got.quoted,
+        (frame::UDP, CLIENT, 46001, VIP, 53),
+        "the backend's error must quote the request as the client sent it"
+    );
+
+    let (_, received) = run(&fx, &udp(backend, 5353, CLIENT, 46001));
+    assert_eq!(
+        parse_checked6(&received, "answer").src,
+        VIP,
+        "the answer was not reverse-translated"
+    );
+    let (ret, out) = run(
+        &fx,
+        &icmp6_error(CLIENT, VIP, PORT_UNREACHABLE, &received, QUOTE_MAX),
+    );
+    assert_eq!(ret, TC_ACT_OK, "the client's error: verdict {ret}");
+    let got = parse_checked_icmp6_error(&out, "the client's port unreachable");
+    assert_eq!(
+        (got.src, got.dst),
+        (CLIENT, backend),
+        "the client's error must go to the backend"
+    );
+    assert_eq!(
+        got.quoted,
+        (frame::UDP, backend, 5353, CLIENT, 46001),
+        "the client's error must quote the answer as the backend sent it"
+    );
+    assert_eq!(
+        counter(&fx, "icmp_error_translated"),
+        2,
+        "translated errors"
+    );
+}
+
+/// Errors that quote no translated flow pass byte for byte: one about a
+/// packet to an address that is no frontend, one whose quote is not from
+/// its destination (so not about a packet this node's flows sent), one
+/// quoting a flow's packet cut before its ports, and a time exceeded about
+/// a flow that expired. None is counted as translated.
+#[test]
+fn icmpv6_errors_quoting_no_translated_flow_pass_untouched() {
+    let fx = fixture();
+    let elsewhere = Ipv6Addr::new(0xfd00, 0x10, 0, 2, 0, 0, 0, 0x99);
+    let untranslated = tcp(CLIENT, 47000, elsewhere, 80, frame::SYN);
+    let (_, sent) = run(&fx, &tcp(CLIENT, 47001, VIP, 80, frame::SYN));
+    let backend = parse_checked6(&sent, "SYN").dst;
+    let stranger = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x77);
+    let cases = [
+        (
+            "quoting a packet to no frontend",
+            icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, &untranslated, QUOTE_MAX),
+        ),
+        (
+            "addressed to another host than the quote's sender",
+            icmp6_error(ROUTER, stranger, PACKET_TOO_BIG, &sent, QUOTE_MAX),
+        ),
+        (
+            "quoting the IPv6 header and two bytes",
+            icmp6_error(backend, CLIENT, PORT_UNREACHABLE, &sent, 42),
+        ),
+        (
+            "time exceeded about a flow never seen (another client port)",
+            icmp6_error(
+                ROUTER,
+                CLIENT,
+                (3, 0, 0),
+                &tcp(CLIENT, 47002, backend, 8080, frame::SYN),
+                QUOTE_MAX,
+            ),
+        ),
+    ];
+    for (what, error) in cases {
+        let (ret, out) = run(&fx, &error);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict {ret}");
+        assert_eq!(out, error, "{what}: the error was modified");
+    }
+    assert_eq!(
+        counter(&fx, "icmp_error_translated"),
+        0,
+        "errors about no translated flow counted as translated"
+    );
+}
+
+/// A datagram whose fragmentable part starts with a destination options
+/// header: the first fragment's chain goes on past its fragment header to
+/// the UDP header, the later ones name the options header and carry no
+/// transport header at all. All of them are translated both ways, and the
+/// datagrams reassembled here are right throughout.
+#[test]
+fn fragments_with_a_header_after_the_fragment_header_are_translated_whole() {
+    let fx = fixture();
+    let datagram = |src: (Ipv6Addr, u16), dst: (Ipv6Addr, u16), id: u32| {
+        let payload: Vec<u8> = (0..3000).map(|i| (i % 253) as u8).collect();
+        let whole = build6(&Spec6 {
+            payload,
+            ext: vec![DEST_OPTS],
+            ..spec(src.0, src.1, dst.0, dst.1, frame::UDP, 0)
+        });
+        let fragments = fragment6(&whole, 1448, id);
+        assert_eq!(
+            fragments[1][54], DEST_OPTS,
+            "later fragments name the options header"
+        );
+        fragments
+    };
+    let request = datagram((CLIENT, 48000), (VIP, 53), 0x0606_0606);
+    let out = run_fragments(&fx, &request, "request");
+    let p = parse_checked6(&reassemble6(&out, "request"), "reassembled request");
+    assert!(BACKENDS.contains(&p.dst), "request sent to {}", p.dst);
+    assert_eq!(
+        (p.proto, p.src, p.sport, p.dport),
+        (frame::UDP, CLIENT, 48000, 5353),
+        "the reassembled request"
+    );
+    let answer = datagram((p.dst, 5353), (CLIENT, 48000), 0x0707_0707);
+    let out = run_fragments(&fx, &answer, "answer");
+    let r = parse_checked6(&reassemble6(&out, "answer"), "reassembled answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, 53, CLIENT, 48000),
+        "the answer must come from the ClusterIP"
+    );
+    assert_eq!(
+        counter(&fx, "frag_translated"),
+        4,
+        "later fragments translated"
+    );
+    assert_eq!(counter(&fx, "frag_untracked"), 0, "untracked fragments");
+    assert_eq!(
+        counter(&fx, "pass_v6_ext_headers"),
+        0,
+        "fragments passed for their extension headers"
     );
 }

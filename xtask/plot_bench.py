@@ -38,21 +38,25 @@ def save(fig, name):
 rows = load("datapath")
 if rows:
     hooks = list(dict.fromkeys(r.get("hook", "tc") for r in rows))
+    # One colour per case across the panels (tc_ingress6 has no conntrack-pair case).
+    all_cases = list(dict.fromkeys(c["case"] for r in rows for c in r["cases"]))
     fig, axes = plt.subplots(1, len(hooks), figsize=(6 * len(hooks), 5), squeeze=False)
     for ax, hook in zip(axes[0], hooks):
         of_hook = [r for r in rows if r.get("hook", "tc") == hook]
         services = [r["services"] for r in of_hook]
         for case in [c["case"] for c in of_hook[0]["cases"]]:
             ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
-            ax.plot(services, ns, marker="o", label=case)
+            ax.plot(services, ns, marker="o", label=case, color=f"C{all_cases.index(case)}")
         ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
-        style(ax, f"ebpf-proxy {hook}_ingress per-packet cost",
+        program = {"tc6": "tc_ingress6 (IPv6)"}.get(hook, f"{hook}_ingress")
+        style(ax, f"ebpf-proxy {program} per-packet cost",
               "Services installed (10 endpoints each)")
     save(fig, "datapath")
 
 for name, title, keep in [
     ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
-     lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"),
+     lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"
+     and r.get("family", "ipv4") == "ipv4"),
     ("nodeport", "NodePort, short TCP connections (outside client, SNAT to node B)",
      lambda r: True),
 ]:

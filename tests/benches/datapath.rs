@@ -1,6 +1,9 @@
 //! Per-packet cost of the tc and XDP programs, through `BPF_PROG_TEST_RUN`, at
 //! growing numbers of installed services (10 endpoints each), each against a
-//! do-nothing program of the same hook measured in the same run.
+//! do-nothing program of the same hook measured in the same run. Every Service is
+//! dual-stack: the IPv6 program (`tc_ingress6`, rows of hook `tc6`) is measured on
+//! IPv6 frames to the IPv6 ClusterIPs against the same empty tc program, fed the
+//! same IPv6 frames.
 //!
 //! Two methods, both reported:
 //! - `repeat`: one packet run `REPEAT` times in the kernel; the kernel's
@@ -26,14 +29,14 @@
 mod common;
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     time::{Duration, Instant},
 };
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use ebpf_proxy_tests::frames;
-use proxy_common::{CtKey, ct_dir};
+use proxy_common::{Ct6Key, CtKey, ct_dir};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
@@ -59,6 +62,31 @@ fn backend_ip(service: u32, k: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a80_0000 + service * ENDPOINTS + k) // 10.128.0.0/9
 }
 
+/// The IPv6 ClusterIP of Service `i` (`fd00:96::/64`).
+fn vip6(i: u32) -> Ipv6Addr {
+    Ipv6Addr::from(0xfd00_0096_0000_0000_0000_0000_0000_0000u128 + u128::from(i))
+}
+
+/// IPv6 endpoints repeat after this many Services: the backend table holds 2^20,
+/// which IPv4's million endpoints at 100,000 Services nearly fill. A backend
+/// shared by frontends is one entry (refcounted), and what a packet costs does not
+/// depend on how many there are.
+const V6_BACKEND_SERVICES: u32 = 2_048;
+
+fn backend_ip6(service: u32, k: u32) -> Ipv6Addr {
+    let n = (service % V6_BACKEND_SERVICES) * ENDPOINTS + k;
+    Ipv6Addr::from(0xfd00_0128_0000_0000_0000_0000_0000_0000u128 + u128::from(n))
+}
+
+/// Service `i`'s IPv6 frontend: the second of its dual-stack pair.
+fn frontend6(i: u32) -> Frontend {
+    let backends = (0..ENDPOINTS)
+        .map(|k| BackendAddr::remote(IpAddr::V6(backend_ip6(i, k)), 8080, Protocol::Tcp))
+        .collect();
+    let service = ServicePortName::new("bench", &format!("svc-{i}"), "", Protocol::Tcp);
+    Frontend::cluster_ip(service, IpAddr::V6(vip6(i)), 80, backends)
+}
+
 fn frontend(i: u32) -> Frontend {
     let backends = (0..ENDPOINTS)
         .map(|k| BackendAddr::remote(IpAddr::V4(backend_ip(i, k)), 8080, Protocol::Tcp))
@@ -78,6 +106,22 @@ fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u
         tcp_flags: flags,
         payload: vec![],
         udp_no_csum: false,
+    })
+}
+
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x200, 0, 0, 0, 0, 0, 2);
+
+/// An IPv6 TCP segment with a valid checksum.
+fn tcp6(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, flags: u8) -> Vec<u8> {
+    frames::build6(&frames::Spec6 {
+        src,
+        dst,
+        sport,
+        dport,
+        proto: frames::TCP,
+        tcp_flags: flags,
+        payload: vec![],
+        ext: vec![],
     })
 }
 
@@ -323,6 +367,175 @@ fn measure_hook(
         .collect()
 }
 
+/// [`add_mirror`] for an IPv6 flow's entry in `CONNTRACK6`.
+fn add_mirror6(datapath: &mut Datapath, key: Ct6Key) {
+    let conntrack6 = datapath
+        .maps
+        .conntrack6
+        .as_mut()
+        .expect("CONNTRACK6 is loaded");
+    let entry = conntrack6
+        .get(&key, 0)
+        .expect("the flow's CONNTRACK6 entry");
+    let mut mirror_key = key;
+    let mut mirror = entry;
+    if entry.dir == ct_dir::FORWARD {
+        mirror_key.dst_be = entry.nat_addr_be;
+        mirror_key.dport_be = entry.nat_port_be;
+        mirror.nat_addr_be = key.dst_be;
+        mirror.nat_port_be = key.dport_be;
+    } else {
+        mirror_key.src_be = entry.nat_addr_be;
+        mirror_key.sport_be = entry.nat_port_be;
+        mirror.nat_addr_be = key.src_be;
+        mirror.nat_port_be = key.sport_be;
+    }
+    conntrack6
+        .insert(mirror_key, mirror, 0)
+        .expect("inserting the mirror entry");
+}
+
+fn ct6_key(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16) -> Ct6Key {
+    let addr = |ip: Ipv6Addr| -> [u32; 4] {
+        let o = ip.octets();
+        std::array::from_fn(|i| {
+            u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+        })
+    };
+    Ct6Key::new(
+        addr(src),
+        addr(dst),
+        sport.to_be(),
+        dport.to_be(),
+        frames::TCP,
+    )
+}
+
+/// The destination address of an IPv6 frame.
+fn dst6(frame: &[u8]) -> Ipv6Addr {
+    <[u8; 16]>::try_from(&frame[38..54])
+        .expect("16 bytes")
+        .into()
+}
+
+/// `tc_ingress6` at one size, as [`measure_hook`] measures `tc_ingress`: the same
+/// empty tc program as its floor, on IPv6 frames. No conntrack-pair reference:
+/// that program is IPv4's.
+fn measure_tc6(
+    datapath: &mut Datapath,
+    size: u32,
+    fresh_port: &mut dyn FnMut() -> u16,
+    (repeat, rounds, singles): (u32, usize, usize),
+) -> Vec<Case> {
+    const FIRST_PORT: u16 = 4000;
+    // A service in the middle of what is installed; new flows from a client
+    // address per 60,000 ports, apart from every earlier size's.
+    let target = vip6(size / 2);
+    let news: Vec<Vec<u8>> = (0..singles)
+        .map(|i| {
+            let src =
+                Ipv6Addr::from(u128::from(CLIENT6) + 1 + u128::from(size) + (i as u128 / 60_000));
+            tcp6(src, fresh_port(), target, 80, frames::SYN)
+        })
+        .collect();
+    datapath.load_floors().expect("loading the floor programs");
+    let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
+    for port in FIRST_PORT..FIRST_PORT + FLOWS {
+        let est = tcp6(CLIENT6, port, target, 80, frames::ACK);
+        let (_, out) = Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        let backend = dst6(&out);
+        let reply = tcp6(backend, 8080, CLIENT6, port, frames::ACK);
+        Prog::Tc(datapath.tc6_program()).run(&reply, 1);
+        Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        ests.push(est);
+        replies.push(reply);
+        mirrors.push(ct6_key(CLIENT6, port, target, 80));
+        mirrors.push(ct6_key(backend, 8080, CLIENT6, port));
+    }
+    for key in mirrors {
+        add_mirror6(datapath, key);
+    }
+    let floor = Prog::Tc(datapath.floors().expect("floor programs loaded").0);
+    let program = Prog::Tc(datapath.tc6_program());
+    let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
+    let other = tcp6(
+        CLIENT6,
+        1000,
+        Ipv6Addr::new(0xfd00, 1, 2, 3, 0, 0, 0, 4),
+        80,
+        frames::ACK,
+    );
+    let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
+    let singles_of = paired(
+        singles,
+        || ns(floor, &floor_frame, 1),
+        &mut [
+            &mut |_| ns(floor, &floor_frame, 1),
+            &mut |_| ns(program, &other, 1),
+            &mut |i| ns(program, &news[i], 1),
+            &mut |i| ns(program, &ests[i % ests.len()], 1),
+            &mut |i| ns(program, &replies[i % replies.len()], 1),
+        ],
+    );
+    let repeated_of = paired(
+        rounds,
+        || ns(floor, &floor_frame, repeat),
+        &mut [
+            &mut |_| ns(floor, &floor_frame, repeat),
+            &mut |_| ns(program, &other, repeat),
+            &mut |i| ns(program, &ests[i % ests.len()], repeat),
+            &mut |i| ns(program, &replies[i % replies.len()], repeat),
+        ],
+    );
+    let names = [
+        "empty program",
+        "not a service",
+        NEW_FLOW,
+        ESTABLISHED,
+        "reply (reverse NAT)",
+    ];
+    let mut repeated = repeated_of.into_iter();
+    names
+        .into_iter()
+        .zip(singles_of)
+        .map(|(name, single)| Case {
+            name,
+            single,
+            repeated: if name == NEW_FLOW {
+                None
+            } else {
+                repeated.next()
+            },
+        })
+        .collect()
+}
+
+/// Programs Services `*installed..size` (their frontends of `frontend`, owners
+/// named `<prefix>-<i>`); the seconds it took.
+fn install(
+    planner: &mut Planner,
+    datapath: &mut Datapath,
+    (installed, size): (&mut u32, u32),
+    prefix: &str,
+    frontend: fn(u32) -> Frontend,
+) -> f64 {
+    let started = Instant::now();
+    while *installed < size {
+        let owner = ObjectKey {
+            namespace: "bench".into(),
+            name: format!("{prefix}-{installed}"),
+        };
+        let out = planner.sync_service(&owner, &[frontend(*installed)], &mut datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "programming {owner:?}: {:?}",
+            out.errors
+        );
+        *installed += 1;
+    }
+    started.elapsed().as_secs_f64()
+}
+
 fn main() {
     let args = common::Args::from_env();
     let quick = args.flag("--quick");
@@ -352,6 +565,7 @@ fn main() {
     let mut datapath = Datapath::load(pins).expect("loading the datapath (root, bpffs mounted?)");
     let mut planner = Planner::new();
     let mut installed = 0u32;
+    let mut installed6 = 0u32;
     let mut rows = Vec::new();
     let mut next_port = 1024u16;
     let mut fresh_port = || {
@@ -364,17 +578,23 @@ fn main() {
     };
 
     for &size in &sizes {
-        let started = Instant::now();
-        while installed < size {
-            let owner = ObjectKey {
-                namespace: "bench".into(),
-                name: format!("svc-{installed}"),
-            };
-            let out = planner.sync_service(&owner, &[frontend(installed)], &mut datapath.maps);
-            assert!(out.errors.is_empty(), "programming: {:?}", out.errors);
-            installed += 1;
-        }
-        let program_s = started.elapsed().as_secs_f64();
+        let program_s = install(
+            &mut planner,
+            &mut datapath,
+            (&mut installed, size),
+            "svc",
+            frontend,
+        );
+        // The IPv6 halves, apart, so that the IPv4 programming time stays what it
+        // measured before; installed before any measuring, so that every row of
+        // this size sees the same maps.
+        let program6_s = install(
+            &mut planner,
+            &mut datapath,
+            (&mut installed6, size),
+            "svc6",
+            frontend6,
+        );
         // Target a service in the middle of what is installed.
         let target = vip(size / 2);
         for (hook, client_port) in [("tc", 2000u16), ("xdp", 3000u16)] {
@@ -406,7 +626,22 @@ fn main() {
                 cases,
             });
         }
-        eprintln!("{size} services: programmed in {program_s:.2}s, measured");
+        let cases = measure_tc6(
+            &mut datapath,
+            size,
+            &mut fresh_port,
+            (repeat, rounds, singles),
+        );
+        rows.push(Row {
+            hook: "tc6",
+            services: size,
+            program_s: program6_s,
+            cases,
+        });
+        eprintln!(
+            "{size} services: programmed in {program_s:.2}s (IPv6 frontends {program6_s:.2}s), \
+             measured"
+        );
     }
 
     let mut table = render(&rows, repeat);
@@ -474,7 +709,9 @@ fn flood(datapath: &mut Datapath, times: u32) -> String {
 fn render(rows: &[Row], repeat: u32) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "Per-packet cost of tc_ingress and xdp_ingress (BPF_PROG_TEST_RUN, ns per packet; \
+        "Per-packet cost of tc_ingress and xdp_ingress, and of tc_ingress6 (hook `tc6`: IPv6 \
+         frames to the Services' IPv6 ClusterIPs, against the same empty tc program) \
+         (BPF_PROG_TEST_RUN, ns per packet; \
          `single` = median of one-packet runs, `x{repeat}` = median of kernel averages over \
          {repeat} runs of one packet, established flows as a ping-pong pair; ratio = median of \
          (case / empty program of the same hook) over samples taken in pairs, same method; \
@@ -501,7 +738,13 @@ fn render(rows: &[Row], repeat: u32) -> String {
             row.services, row.program_s
         ));
     }
-    for hook in ["tc", "xdp"] {
+    for row in rows.iter().filter(|r| r.hook == "tc6") {
+        s.push_str(&format!(
+            "Programming their {} IPv6 frontends (cumulative step): {:.2} s\n",
+            row.services, row.program_s
+        ));
+    }
+    for hook in ["tc", "xdp", "tc6"] {
         let of_hook: Vec<&Row> = rows.iter().filter(|r| r.hook == hook).collect();
         if let (Some(first), Some(last)) = (of_hook.first(), of_hook.last()) {
             let est = |r: &Row| {

@@ -12,6 +12,11 @@
 //! - `no LB (pod IP)`: the client talking straight to the backend pods, nothing in
 //!   between: the limit.
 //!
+//! Every Service is dual-stack (a ClusterIP of each family, an EndpointSlice of each),
+//! and every exchange is measured over IPv4 and over IPv6 in the same rounds: through
+//! `tc_ingress6` and the IPv6 socket hooks, and kube-proxy's rules for IPv6 (its
+//! second proxier: `ip6tables-restore`, the `ip6 kube-proxy` table).
+//!
 //! Each mode gets its own routed topology (docs/architecture.md (test topologies): a client pod and three backend
 //! pods on one node), so no mode's rules or conntrack state touch another's. All four
 //! are built before measuring and measured in interleaved rounds (the order rotating
@@ -46,7 +51,7 @@
 mod common;
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::Path,
     time::{Duration, Instant},
 };
@@ -56,7 +61,7 @@ use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, loa
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
-    iptables::{self, KubeService},
+    iptables::{self, KubeService, KubeService6},
     load::Load,
     manifest::{ManifestDir, Service},
     nftables, require_root,
@@ -65,8 +70,12 @@ use ebpf_proxy_tests::{
 };
 use serde_json::json;
 
-use ebpf_proxy_tests::topology::one_node::{
-    self, BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT, backend_ips,
+use ebpf_proxy_tests::topology::{
+    one_node::{
+        self, BACKENDS, CLIENT, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
+        UDP_SERVICE_PORT, backend_ips, backend_ips6,
+    },
+    pod_ip6,
 };
 /// Endpoints of every Service (the measured one's are the backend pods).
 const ENDPOINTS: u32 = 3;
@@ -119,11 +128,28 @@ enum Client {
     Node,
 }
 
+/// The IP family of an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ip {
+    V4,
+    V6,
+}
+
+impl Ip {
+    fn key(self) -> &'static str {
+        match self {
+            Ip::V4 => "ipv4",
+            Ip::V6 => "ipv6",
+        }
+    }
+}
+
 /// One kind of exchange: who opens it, over what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Exchange {
     client: Client,
     proto: Protocol,
+    ip: Ip,
 }
 
 impl Client {
@@ -137,7 +163,10 @@ impl Client {
 
 impl Exchange {
     fn key(self) -> String {
-        format!("{}-{}", self.client.key(), self.proto.lower())
+        match self.ip {
+            Ip::V4 => format!("{}-{}", self.client.key(), self.proto.lower()),
+            Ip::V6 => format!("{}-{}6", self.client.key(), self.proto.lower()),
+        }
     }
 }
 
@@ -148,23 +177,20 @@ impl common::Detail for Exchange {
     }
 }
 
-const EXCHANGES: [Exchange; 4] = [
-    Exchange {
-        client: Client::Pod,
-        proto: Protocol::Tcp,
-    },
-    Exchange {
-        client: Client::Pod,
-        proto: Protocol::Udp,
-    },
-    Exchange {
-        client: Client::Node,
-        proto: Protocol::Tcp,
-    },
-    Exchange {
-        client: Client::Node,
-        proto: Protocol::Udp,
-    },
+const fn exchange(client: Client, proto: Protocol, ip: Ip) -> Exchange {
+    Exchange { client, proto, ip }
+}
+
+/// IPv4's first, in the order they always had.
+const EXCHANGES: [Exchange; 8] = [
+    exchange(Client::Pod, Protocol::Tcp, Ip::V4),
+    exchange(Client::Pod, Protocol::Udp, Ip::V4),
+    exchange(Client::Node, Protocol::Tcp, Ip::V4),
+    exchange(Client::Node, Protocol::Udp, Ip::V4),
+    exchange(Client::Pod, Protocol::Tcp, Ip::V6),
+    exchange(Client::Pod, Protocol::Udp, Ip::V6),
+    exchange(Client::Node, Protocol::Tcp, Ip::V6),
+    exchange(Client::Node, Protocol::Udp, Ip::V6),
 ];
 
 #[derive(Debug, Clone)]
@@ -184,7 +210,8 @@ impl Config {
         // comes in bursts of seconds, and interleaving the modes finely spreads each
         // burst over all of them.
         if quick {
-            // About 25 s in all, so `cargo xtask bench --quick` stays near two minutes.
+            // About 50 s in all (both families), so `cargo xtask bench --quick` stays
+            // near three minutes.
             Config {
                 quick,
                 sizes: vec![10, 1_000],
@@ -260,14 +287,29 @@ fn vip(i: u32) -> Ipv4Addr {
     one_node::cluster_ip(i)
 }
 
+/// The `i`th IPv6 ClusterIP from [`CLUSTER_IP6`] up.
+fn vip6(i: u32) -> Ipv6Addr {
+    Ipv6Addr::from(u128::from(CLUSTER_IP6) + u128::from(i))
+}
+
+/// The node's global IPv6 address (on its loopback, as [`NODE_IP`] is): the source
+/// of its IPv6 connections.
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
+
 /// Endpoints of the Services nobody talks to.
 fn filler_endpoint(service: u32, k: u32) -> Ipv4Addr {
     one_node::filler_endpoint(service, ENDPOINTS, k)
 }
 
-/// S Services, each with its endpoints; the one at index S/2 is the measured one.
+/// The same of IPv6: [`pod_ip6`] of the IPv4 one, so addresses that exist nowhere.
+fn filler_endpoint6(service: u32, k: u32) -> Ipv6Addr {
+    pod_ip6(filler_endpoint(service, k))
+}
+
+/// S dual-stack Services, each with its endpoints of both families; the one at index
+/// S/2 is the measured one.
 struct ServiceSet {
-    services: Vec<(Service, Vec<Ipv4Addr>)>,
+    services: Vec<(Service, Vec<Ipv4Addr>, Vec<Ipv6Addr>)>,
     measured: usize,
 }
 
@@ -277,17 +319,18 @@ impl ServiceSet {
         let services = (0..count)
             .map(|i| {
                 let name = format!("svc-{i}");
-                let svc = Service::new("bench", &name, vip(i)).port(
-                    "http",
-                    TCP_SERVICE_PORT,
-                    Protocol::Tcp,
-                    TCP_PORT,
-                );
+                let svc = Service::new("bench", &name, vip(i))
+                    .dual_stack(vip6(i))
+                    .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT);
                 if i == measured {
                     let svc = svc.port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_PORT);
-                    (svc, backend_ips())
+                    (svc, backend_ips(), backend_ips6())
                 } else {
-                    (svc, (0..ENDPOINTS).map(|k| filler_endpoint(i, k)).collect())
+                    (
+                        svc,
+                        (0..ENDPOINTS).map(|k| filler_endpoint(i, k)).collect(),
+                        (0..ENDPOINTS).map(|k| filler_endpoint6(i, k)).collect(),
+                    )
                 }
             })
             .collect();
@@ -297,26 +340,47 @@ impl ServiceSet {
         }
     }
 
-    fn vip(&self) -> Ipv4Addr {
-        self.services[self.measured].0.cluster_ip
+    /// The measured Service's ClusterIP of `ip`.
+    fn vip(&self, ip: Ip) -> std::net::IpAddr {
+        let svc = &self.services[self.measured].0;
+        match ip {
+            Ip::V4 => svc.cluster_ip.into(),
+            Ip::V6 => svc.cluster_ip6.expect("dual-stack").into(),
+        }
     }
 
-    /// One multi-document file with every Service and its EndpointSlice.
+    /// One multi-document file with every Service and its EndpointSlices.
     fn yaml(&self) -> String {
         let mut out = String::new();
-        for (svc, eps) in &self.services {
-            out.push_str(&svc.yaml(Some(eps)));
+        for (svc, eps, eps6) in &self.services {
+            out.push_str(&svc.service_yaml());
+            out.push_str("---\n");
+            out.push_str(&svc.endpoint_slice_yaml(eps));
+            out.push_str("---\n");
+            out.push_str(&svc.endpoint_slice6_yaml(eps6));
             out.push_str("---\n");
         }
         out
     }
 
-    /// Every service port as kube-proxy sees it, in Service order.
+    /// Every IPv4 service port as kube-proxy sees it, in Service order.
     fn kube(&self) -> Vec<KubeService> {
         let mut out = Vec::new();
-        for (svc, eps) in &self.services {
+        for (svc, eps, _) in &self.services {
             for port in &svc.ports {
                 out.push(svc.kube_service(&port.name, svc.cluster_ip, eps));
+            }
+        }
+        out
+    }
+
+    /// The same for kube-proxy's IPv6 proxier.
+    fn kube6(&self) -> Vec<KubeService6> {
+        let mut out = Vec::new();
+        for (svc, _, eps6) in &self.services {
+            let vip6 = svc.cluster_ip6.expect("dual-stack");
+            for port in &svc.ports {
+                out.push(svc.kube_service6(&port.name, vip6, eps6));
             }
         }
         out
@@ -338,8 +402,8 @@ struct World {
     /// Time to program the Services: agent start to healthy, `iptables-restore` or
     /// `nft -f`.
     programming: Option<Duration>,
-    tcp_targets: Vec<SocketAddrV4>,
-    udp_targets: Vec<SocketAddrV4>,
+    /// What each (family, protocol) of exchange goes to.
+    targets: Vec<((Ip, Protocol), Vec<SocketAddr>)>,
     /// What the backends answer, in [`BACKENDS`] order.
     backend_names: Vec<String>,
 }
@@ -366,8 +430,7 @@ impl World {
             manifests: None,
             topology,
             programming: None,
-            tcp_targets: Vec::new(),
-            udp_targets: Vec::new(),
+            targets: Vec::new(),
             backend_names: BACKENDS.iter().map(|b| b.0.to_owned()).collect(),
         };
         let node = &world.topology.node;
@@ -376,6 +439,28 @@ impl World {
         // (the socket hook translates before any route is looked up).
         node.ip(&["route", "add", "10.96.0.0/12", "dev", "lo"])
             .context("a route for the service CIDR")?;
+        // The same for IPv6, whose routes through the loopback are reject routes:
+        // through a veth pair of the node's own, which leads nowhere (the OUTPUT
+        // hook's DNAT routes the packet again, to the pod).
+        node.ip(&[
+            "link", "add", "svc0", "type", "veth", "peer", "name", "svc1",
+        ])
+        .context("a veth pair for the IPv6 service CIDR")?;
+        for end in ["svc0", "svc1"] {
+            node.ip(&["link", "set", end, "up"])?;
+        }
+        node.ip(&["-6", "route", "add", "fd00:96::/64", "dev", "svc0"])
+            .context("a route for the IPv6 service CIDR")?;
+        node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{NODE_IP6}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ])
+        .context("the node's IPv6 address")?;
         let started = Instant::now();
         match mode {
             Mode::Direct => {}
@@ -395,35 +480,45 @@ impl World {
                 world.agent = Some(agent);
                 world.manifests = Some(manifests);
             }
-            Mode::Iptables => iptables::apply(node, &set.kube())
-                .context("load kube-proxy's iptables rules (iptables-restore)")?,
-            Mode::Nftables => nftables::apply(node, &set.kube(), &[NODE_IP])
-                .context("load kube-proxy's nftables rules (nft -f)")?,
+            Mode::Iptables => {
+                iptables::apply(node, &set.kube())
+                    .context("load kube-proxy's iptables rules (iptables-restore)")?;
+                iptables::apply(node, &set.kube6())
+                    .context("load kube-proxy's ip6tables rules (ip6tables-restore)")?;
+            }
+            Mode::Nftables => {
+                nftables::apply(node, &set.kube(), &[NODE_IP])
+                    .context("load kube-proxy's nftables rules (nft -f)")?;
+                nftables::apply(node, &set.kube6(), &[NODE_IP6])
+                    .context("load kube-proxy's nftables rules for IPv6 (nft -f)")?;
+            }
         }
         if mode != Mode::Direct {
             world.programming = Some(started.elapsed());
         }
-        (world.tcp_targets, world.udp_targets) = match mode {
-            Mode::Direct => (
-                BACKENDS
-                    .iter()
-                    .map(|b| SocketAddrV4::new(b.1, TCP_PORT))
-                    .collect(),
-                BACKENDS
-                    .iter()
-                    .map(|b| SocketAddrV4::new(b.1, UDP_PORT))
-                    .collect(),
-            ),
-            _ => (
-                vec![SocketAddrV4::new(set.vip(), TCP_SERVICE_PORT)],
-                vec![SocketAddrV4::new(set.vip(), UDP_SERVICE_PORT)],
-            ),
-        };
+        for ip in [Ip::V4, Ip::V6] {
+            for (proto, service_port, port) in [
+                (Protocol::Tcp, TCP_SERVICE_PORT, TCP_PORT),
+                (Protocol::Udp, UDP_SERVICE_PORT, UDP_PORT),
+            ] {
+                let targets = match mode {
+                    Mode::Direct => BACKENDS
+                        .iter()
+                        .map(|b| match ip {
+                            Ip::V4 => SocketAddr::from((b.1, port)),
+                            Ip::V6 => SocketAddr::from((pod_ip6(b.1), port)),
+                        })
+                        .collect(),
+                    _ => vec![SocketAddr::new(set.vip(ip), service_port)],
+                };
+                world.targets.push(((ip, proto), targets));
+            }
+        }
         Ok(world)
     }
 
     /// What the client sends where for `exchange`.
-    fn load(&self, exchange: Exchange) -> Load<'_> {
+    fn load(&self, exchange: Exchange) -> Load<'_, SocketAddr> {
         let proto = exchange.proto;
         Load {
             ns: match exchange.client {
@@ -431,10 +526,12 @@ impl World {
                 Client::Node => &self.topology.node,
             },
             proto,
-            targets: match proto {
-                Protocol::Tcp => &self.tcp_targets,
-                Protocol::Udp => &self.udp_targets,
-            },
+            targets: self
+                .targets
+                .iter()
+                .find(|(kind, _)| *kind == (exchange.ip, proto))
+                .map(|(_, t)| t.as_slice())
+                .expect("every family and protocol has targets"),
             backends: &self.backend_names,
         }
     }
@@ -555,8 +652,8 @@ impl Report<'_> {
              Closed loop, {} client threads. TCP: connect, one request, one response, close \
              (RST); latency from connect to the response. UDP: a new socket (a new flow) per \
              request/response. The measured Service sits in the middle of the S Services; all \
-             have {ENDPOINTS} endpoints. Each mode runs {} rounds of {} ms TCP + {} ms UDP \
-             for each client, the modes interleaved. Rates and percentiles are over all rounds; the ratios are \
+             are dual-stack and have {ENDPOINTS} endpoints of each family. Each mode runs {} rounds of {} ms TCP + {} ms UDP \
+             for each client and family, the modes interleaved. Rates and percentiles are over all rounds; the ratios are \
              medians of per-round ratios (rate against kube-proxy's iptables mode and against \
              the client talking straight to the pods), which cancels most of the noise of a \
              shared machine.{}\n",
@@ -591,6 +688,28 @@ impl Report<'_> {
                 "UDP request/response from the node itself (a connected socket per request)",
                 "req/s",
             ),
+            (
+                EXCHANGES[4],
+                "IPv6: short TCP connections from a pod (ebpf-proxy: tc_ingress6; kube-proxy: \
+                 ip6tables, nftables `ip6`)",
+                "conn/s",
+            ),
+            (
+                EXCHANGES[5],
+                "IPv6: UDP request/response from a pod",
+                "req/s",
+            ),
+            (
+                EXCHANGES[6],
+                "IPv6: short TCP connections from the node itself (ebpf-proxy: the connect6() \
+                 socket hook)",
+                "conn/s",
+            ),
+            (
+                EXCHANGES[7],
+                "IPv6: UDP request/response from the node itself",
+                "req/s",
+            ),
         ] {
             out.push_str(&format!(
                 "\n### {title}\n\n\
@@ -602,8 +721,9 @@ impl Report<'_> {
             }
         }
         out.push_str(
-            "\nTime to program the Services (agent start to healthy / iptables-restore / \
-             nft -f):\n\n",
+            "\nTime to program the Services, both families (agent start to healthy / \
+             iptables-restore then ip6tables-restore / nft -f of the ip table then of the ip6 \
+             one):\n\n",
         );
         out.push_str(
             &self
@@ -682,6 +802,7 @@ impl Report<'_> {
                     s,
                     json!({
                         "proto": s.detail.proto.lower(),
+                        "family": s.detail.ip.key(),
                         "client": s.detail.client.key(),
                         "per_backend": s.series.backends,
                     }),

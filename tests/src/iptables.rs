@@ -20,14 +20,27 @@
 //!   `--dport <nodePort> -j KUBE-EXT-<hash>` rule per node port, and the KUBE-EXT chain
 //!   marks for masquerade (`-j KUBE-MARK-MASQ`) and then jumps to the KUBE-SVC chain.
 //!
+//! - IPv6 (kube-proxy runs one proxier per family): the same rules for `ip6tables`
+//!   ([`KubeService6`]), endpoints written `[ip]:port` as Go's `net.JoinHostPort`
+//!   does, which is also the string the chain names hash and the endpoints sort by;
+//! - services without endpoints ([`filter_table`]): no nat chains, but in the filter
+//!   table's KUBE-SERVICES, hooked from INPUT, FORWARD and OUTPUT for new
+//!   connections, `-d <clusterIP> --dport <port> -j REJECT` with the comment
+//!   `"<ns/name:port> has no endpoints"`. A REJECT without `--reject-with` answers
+//!   `icmp-port-unreachable` (iptables) or `icmp6-port-unreachable` (ip6tables) to
+//!   TCP and UDP alike, which a TCP `connect()` reports as "connection refused" too.
+//!
 //! Left out: the optional "masquerade off-cluster traffic" rule (needs a local-traffic
 //! detector; no client here is off-cluster), externalTrafficPolicy Local, externalIPs
-//! and load-balancer IPs, and the filter table (the REJECT for services without
-//! endpoints, KUBE-FORWARD's ACCEPTs, which a namespace's ACCEPT policy makes moot).
+//! and load-balancer IPs, and the rest of the filter table (KUBE-FORWARD's ACCEPTs,
+//! which a namespace's ACCEPT policy makes moot, KUBE-EXTERNAL-SERVICES, the
+//! firewall chains).
 
 use std::{
+    fmt::{Debug, Display},
+    hash::Hash,
     io::Write,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
     process::Stdio,
 };
 
@@ -38,25 +51,81 @@ use crate::{Protocol, describe, netns::NetNs};
 /// kube-proxy's default masquerade mark (1 << 14).
 const MASQ_MARK: &str = "0x4000";
 
-/// One service port as kube-proxy's iptables mode sees it.
+/// An IP family kube-proxy writes rules for, one proxier each: its addresses
+/// (`Ipv4Addr`, `Ipv6Addr`), its endpoints, and the names its tools give it.
+pub trait Family: Copy + Ord + Hash + Display + Debug + Send + Sync + 'static {
+    /// An endpoint: address and port. Its `Display` is Go's `net.JoinHostPort`
+    /// (`10.0.0.1:80`, `[fd00::1]:80`), the string kube-proxy sorts endpoints by and
+    /// hashes into chain names.
+    type Endpoint: Copy + Ord + Hash + Display + Debug + Send + Sync + 'static;
+    /// The restore tool of the family's rules.
+    const RESTORE: &'static str;
+    /// nftables' family of kube-proxy's table (`ip`, `ip6`), which is also the
+    /// keyword of its address matches (`ip daddr`, `ip6 daddr`).
+    const NFT_FAMILY: &'static str;
+    /// nftables' type of the family's addresses.
+    const NFT_ADDR: &'static str;
+    fn endpoint(ip: Self, port: u16) -> Self::Endpoint;
+    fn endpoint_ip(ep: Self::Endpoint) -> Self;
+    fn endpoint_port(ep: Self::Endpoint) -> u16;
+}
+
+impl Family for Ipv4Addr {
+    type Endpoint = SocketAddrV4;
+    const RESTORE: &'static str = "iptables-restore";
+    const NFT_FAMILY: &'static str = "ip";
+    const NFT_ADDR: &'static str = "ipv4_addr";
+    fn endpoint(ip: Self, port: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(ip, port)
+    }
+    fn endpoint_ip(ep: SocketAddrV4) -> Self {
+        *ep.ip()
+    }
+    fn endpoint_port(ep: SocketAddrV4) -> u16 {
+        ep.port()
+    }
+}
+
+impl Family for Ipv6Addr {
+    type Endpoint = SocketAddrV6;
+    const RESTORE: &'static str = "ip6tables-restore";
+    const NFT_FAMILY: &'static str = "ip6";
+    const NFT_ADDR: &'static str = "ipv6_addr";
+    fn endpoint(ip: Self, port: u16) -> SocketAddrV6 {
+        SocketAddrV6::new(ip, port, 0, 0)
+    }
+    fn endpoint_ip(ep: SocketAddrV6) -> Self {
+        *ep.ip()
+    }
+    fn endpoint_port(ep: SocketAddrV6) -> u16 {
+        ep.port()
+    }
+}
+
+/// One service port as kube-proxy's iptables mode sees it, of one IP family (IPv4
+/// unless named: a dual-stack Service is one of these per family, as kube-proxy has
+/// one proxier per family).
 #[derive(Debug, Clone)]
-pub struct KubeService {
+pub struct KubeService<A: Family = Ipv4Addr> {
     pub namespace: String,
     pub name: String,
     /// The port's name; empty for an unnamed port.
     pub port_name: String,
     pub protocol: Protocol,
-    pub cluster_ip: Ipv4Addr,
+    pub cluster_ip: A,
     pub port: u16,
     /// The endpoints its service chain uses, in any order: the ready ones, or the
     /// serving-terminating fallback when none is ready.
-    pub endpoints: Vec<SocketAddrV4>,
+    pub endpoints: Vec<A::Endpoint>,
     /// sessionAffinity ClientIP with this `timeoutSeconds` (kube-proxy's
     /// `StickyMaxAgeSeconds`); None for no affinity.
     pub affinity_timeout: Option<u32>,
 }
 
-impl KubeService {
+/// An IPv6 service port, for `ip6tables`.
+pub type KubeService6 = KubeService<Ipv6Addr>;
+
+impl<A: Family> KubeService<A> {
     /// `ns/name:port` (or `ns/name` for an unnamed port), kube-proxy's `ServicePortName`.
     pub fn service_port_name(&self) -> String {
         if self.port_name.is_empty() {
@@ -92,7 +161,7 @@ impl KubeService {
     }
 
     /// `KUBE-SEP-<hash>` (`servicePortEndpointChainName`).
-    pub fn sep_chain(&self, endpoint: SocketAddrV4) -> String {
+    pub fn sep_chain(&self, endpoint: A::Endpoint) -> String {
         format!(
             "KUBE-SEP-{}",
             chain_hash(&format!(
@@ -105,7 +174,7 @@ impl KubeService {
 
     /// Endpoints in kube-proxy's order: sorted by the `ip:port` string, which is
     /// lexicographic (`10.0.0.10:80` before `10.0.0.2:80`).
-    pub fn sorted_endpoints(&self) -> Vec<SocketAddrV4> {
+    pub fn sorted_endpoints(&self) -> Vec<A::Endpoint> {
         let mut eps = self.endpoints.clone();
         eps.sort_by_key(ToString::to_string);
         eps.dedup();
@@ -148,21 +217,48 @@ pub fn cascade_probabilities(n: usize) -> Vec<f64> {
 }
 
 /// The nat table kube-proxy would write for `services`, in `iptables-restore` format.
-pub fn nat_table(services: &[KubeService]) -> Result<String> {
+pub fn nat_table<A: Family>(services: &[KubeService<A>]) -> Result<String> {
     nat_rules(services.iter().map(|svc| (svc, None)))
 }
 
 /// [`nat_table`] for service ports that may have a `nodePort` (externalTrafficPolicy
 /// Cluster): `(port, Some(nodePort))`, or `(port, None)` for a ClusterIP-only one.
-pub fn nat_table_with_node_ports(services: &[(KubeService, Option<u16>)]) -> Result<String> {
+pub fn nat_table_with_node_ports<A: Family>(
+    services: &[(KubeService<A>, Option<u16>)],
+) -> Result<String> {
     nat_rules(services.iter().map(|(svc, node_port)| (svc, *node_port)))
+}
+
+/// The filter table kube-proxy would write for `services`: for each one without
+/// endpoints, the REJECT of its ClusterIP port (see the module doc); the others
+/// have no rule in it. In `iptables-restore` format.
+pub fn filter_table<A: Family>(services: &[KubeService<A>]) -> String {
+    let mut out = String::from("*filter\n:KUBE-SERVICES - [0:0]\n");
+    for hook in ["INPUT", "FORWARD", "OUTPUT"] {
+        out.push_str(&format!(
+            "-A {hook} -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n"
+        ));
+    }
+    for svc in services.iter().filter(|s| s.endpoints.is_empty()) {
+        let proto = svc.protocol.lower();
+        out.push_str(&format!(
+            "-A KUBE-SERVICES -m comment --comment {} -m {proto} -p {proto} -d {} --dport {} -j REJECT\n",
+            quote(&format!("{} has no endpoints", svc.service_port_name())),
+            svc.cluster_ip,
+            svc.port
+        ));
+    }
+    out.push_str("COMMIT\n");
+    out
 }
 
 #[expect(
     clippy::too_many_lines,
     reason = "kube-proxy's rules for a Service, written in the order iptables-save prints them"
 )]
-fn nat_rules<'a>(services: impl Iterator<Item = (&'a KubeService, Option<u16>)>) -> Result<String> {
+fn nat_rules<'a, A: Family>(
+    services: impl Iterator<Item = (&'a KubeService<A>, Option<u16>)>,
+) -> Result<String> {
     let mut chains = vec![
         "KUBE-SERVICES".to_owned(),
         "KUBE-NODEPORTS".to_owned(),
@@ -254,7 +350,7 @@ fn nat_rules<'a>(services: impl Iterator<Item = (&'a KubeService, Option<u16>)>)
             rules.push(format!(
                 "-A {sep} -m comment --comment {} -s {} -j KUBE-MARK-MASQ",
                 quote(&spn),
-                ep.ip()
+                A::endpoint_ip(*ep)
             ));
             // nat chains see only the first packet of a connection, so `--set` stamps
             // the client once per new connection to this endpoint.
@@ -287,19 +383,37 @@ fn nat_rules<'a>(services: impl Iterator<Item = (&'a KubeService, Option<u16>)>)
     Ok(out)
 }
 
-/// Replaces the nat table of `ns` with kube-proxy's rules for `services`.
-pub fn apply(ns: &NetNs, services: &[KubeService]) -> Result<()> {
-    restore(ns, &nat_table(services)?)
+/// Replaces the nat table of `ns` (of `services`' family) with kube-proxy's rules for
+/// `services`.
+pub fn apply<A: Family>(ns: &NetNs, services: &[KubeService<A>]) -> Result<()> {
+    restore::<A>(ns, &nat_table(services)?)
 }
 
 /// [`apply`] with node ports ([`nat_table_with_node_ports`]).
-pub fn apply_with_node_ports(ns: &NetNs, services: &[(KubeService, Option<u16>)]) -> Result<()> {
-    restore(ns, &nat_table_with_node_ports(services)?)
+pub fn apply_with_node_ports<A: Family>(
+    ns: &NetNs,
+    services: &[(KubeService<A>, Option<u16>)],
+) -> Result<()> {
+    restore::<A>(ns, &nat_table_with_node_ports(services)?)
 }
 
-/// `iptables-restore` of `input` in `ns`.
-fn restore(ns: &NetNs, input: &str) -> Result<()> {
-    let mut cmd = ns.command("iptables-restore");
+/// [`apply`] for services with or without endpoints: the nat table for those with
+/// endpoints, and the filter table's REJECTs ([`filter_table`]) for those without.
+pub fn apply_with_rejects<A: Family>(ns: &NetNs, services: &[KubeService<A>]) -> Result<()> {
+    let with: Vec<KubeService<A>> = services
+        .iter()
+        .filter(|s| !s.endpoints.is_empty())
+        .cloned()
+        .collect();
+    restore::<A>(
+        ns,
+        &format!("{}{}", nat_table(&with)?, filter_table(services)),
+    )
+}
+
+/// `iptables-restore` (or the family's) of `input` in `ns`.
+fn restore<A: Family>(ns: &NetNs, input: &str) -> Result<()> {
+    let mut cmd = ns.command(A::RESTORE);
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -314,7 +428,8 @@ fn restore(ns: &NetNs, input: &str) -> Result<()> {
     let output = child.wait_with_output()?;
     if !output.status.success() {
         bail!(
-            "iptables-restore in {} failed ({}): {}\ninput was:\n{input}",
+            "{} in {} failed ({}): {}\ninput was:\n{input}",
+            A::RESTORE,
             ns.name(),
             output.status,
             String::from_utf8_lossy(&output.stderr).trim()
@@ -636,6 +751,92 @@ mod tests {
         };
         let table = nat_table(&[plain]).unwrap();
         assert!(!table.contains("recent"), "{table}");
+    }
+
+    #[test]
+    fn ipv6_rules_bracket_endpoints_and_sort_them_as_strings() {
+        let svc = KubeService6 {
+            namespace: "ns1".into(),
+            name: "svc6".into(),
+            port_name: "p80".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: "fd00:96::1".parse().unwrap(),
+            port: 80,
+            endpoints: ["[fd00:10::9]:8080", "[fd00:10::10]:8080"]
+                .iter()
+                .map(|s| s.parse().unwrap())
+                .collect(),
+            affinity_timeout: None,
+        };
+        let table = nat_table(std::slice::from_ref(&svc)).unwrap();
+        let first: SocketAddrV6 = "[fd00:10::10]:8080".parse().unwrap();
+        let sep = svc.sep_chain(first);
+        assert_eq!(
+            sep,
+            format!(
+                "KUBE-SEP-{}",
+                chain_hash("ns1/svc6:p80tcp[fd00:10::10]:8080")
+            )
+        );
+        for line in [
+            format!(
+                r#"-A KUBE-SERVICES -m comment --comment "ns1/svc6:p80 cluster IP" -m tcp -p tcp -d fd00:96::1 --dport 80 -j {}"#,
+                svc.svc_chain()
+            ),
+            // "[fd00:10::10]:8080" sorts before "[fd00:10::9]:8080".
+            format!(
+                r#"-A {} -m comment --comment "ns1/svc6:p80 -> [fd00:10::10]:8080" -m statistic --mode random --probability 0.5000000000 -j {sep}"#,
+                svc.svc_chain()
+            ),
+            format!("-A {sep} -m comment --comment ns1/svc6:p80 -s fd00:10::10 -j KUBE-MARK-MASQ"),
+            format!(
+                "-A {sep} -m comment --comment ns1/svc6:p80 -m tcp -p tcp -j DNAT --to-destination [fd00:10::10]:8080"
+            ),
+        ] {
+            assert!(
+                table.lines().any(|l| l == line),
+                "missing {line}\nin\n{table}"
+            );
+        }
+    }
+
+    #[test]
+    fn services_without_endpoints_are_rejected_in_the_filter_table() {
+        let empty = KubeService {
+            endpoints: vec![],
+            ..svc1()
+        };
+        let udp6 = KubeService6 {
+            namespace: "ns2".into(),
+            name: "svc2".into(),
+            port_name: "dns".into(),
+            protocol: Protocol::Udp,
+            cluster_ip: "fd00:96::2".parse().unwrap(),
+            port: 53,
+            endpoints: vec![],
+            affinity_timeout: None,
+        };
+        let table = filter_table(&[empty, svc1()]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "*filter",
+                ":KUBE-SERVICES - [0:0]",
+                r#"-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
+                r#"-A FORWARD -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
+                r#"-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES"#,
+                r#"-A KUBE-SERVICES -m comment --comment "ns1/svc1:p80 has no endpoints" -m tcp -p tcp -d 10.20.30.41 --dport 80 -j REJECT"#,
+                "COMMIT",
+            ],
+            "the service with an endpoint has no rule here"
+        );
+        assert!(
+            filter_table(&[udp6]).lines().any(|l| l
+                == r#"-A KUBE-SERVICES -m comment --comment "ns2/svc2:dns has no endpoints" -m udp -p udp -d fd00:96::2 --dport 53 -j REJECT"#),
+            "{}",
+            filter_table::<Ipv6Addr>(&[])
+        );
     }
 
     #[test]

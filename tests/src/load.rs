@@ -6,7 +6,7 @@
 use std::{
     collections::BTreeMap,
     io::{ErrorKind, Read, Write},
-    net::{Ipv4Addr, SocketAddrV4, TcpStream, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
     sync::{Arc, Barrier, atomic::Ordering},
     time::{Duration, Instant},
 };
@@ -63,22 +63,25 @@ impl Sample {
 }
 
 /// What one client namespace sends where: exchanges of `proto` with `targets` (taken
-/// in turn), answered by backends that reply with one of `backends`' names.
+/// in turn; IPv4 unless they say otherwise), answered by backends that reply with one
+/// of `backends`' names.
 #[derive(Clone)]
-pub struct Load<'a> {
+pub struct Load<'a, A = SocketAddrV4> {
     pub ns: &'a NetNs,
     pub proto: Protocol,
-    pub targets: &'a [SocketAddrV4],
+    pub targets: &'a [A],
     pub backends: &'a [String],
 }
 
-impl Load<'_> {
+impl<A: Into<SocketAddr> + Copy + Send + Sync + 'static> Load<'_, A> {
     /// `count` exchanges one at a time (a warm-up); bounded by the count, at most
     /// `count` times the I/O timeouts.
     pub fn sequential(&self, count: usize) -> Result<Sample> {
         let stop = Instant::now() + Duration::from_hours(1);
+        let targets: Vec<SocketAddr> = self.targets.iter().map(|&t| t.into()).collect();
+        let (proto, backends) = (self.proto, self.backends);
         self.ns
-            .run(|| worker(self.proto, self.targets, self.backends, 0, stop, count))
+            .run(|| worker(proto, &targets, backends, 0, stop, count))
     }
 
     /// `threads` closed-loop clients for `segment`.
@@ -86,8 +89,14 @@ impl Load<'_> {
         let barrier = Arc::new(Barrier::new(threads + 1));
         let mut workers = Vec::new();
         for i in 0..threads {
-            let (proto, targets, backends) =
-                (self.proto, self.targets.to_vec(), self.backends.to_vec());
+            let (proto, targets, backends) = (
+                self.proto,
+                self.targets
+                    .iter()
+                    .map(|&t| t.into())
+                    .collect::<Vec<SocketAddr>>(),
+                self.backends.to_vec(),
+            );
             let barrier = barrier.clone();
             workers.push(self.ns.spawn(&format!("bench-client-{i}"), move || {
                 barrier.wait();
@@ -118,7 +127,7 @@ type Failure = (&'static str, ErrorKind);
 /// there are several (a no-LB mode round-robins over the backends).
 fn worker(
     proto: Protocol,
-    targets: &[SocketAddrV4],
+    targets: &[SocketAddr],
     backends: &[String],
     first: usize,
     until: Instant,
@@ -166,9 +175,9 @@ fn worker(
 /// Connect, send the request, read the one-line answer, close with a RST. The RST
 /// (`SO_LINGER` 0) keeps the client's sockets out of `TIME_WAIT`, where tens of thousands
 /// of short connections would otherwise exhaust its ephemeral ports within seconds.
-fn tcp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> {
-    let mut stream = TcpStream::connect_timeout(&target.into(), IO_TIMEOUT)
-        .map_err(|e| ("connect", e.kind()))?;
+fn tcp_exchange(target: SocketAddr, buf: &mut [u8]) -> Result<usize, Failure> {
+    let mut stream =
+        TcpStream::connect_timeout(&target, IO_TIMEOUT).map_err(|e| ("connect", e.kind()))?;
     let linger = libc::linger {
         l_onoff: 1,
         l_linger: 0,
@@ -196,8 +205,12 @@ fn tcp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> 
 /// A new socket (so a new source port and a new flow), one request, one answer. The
 /// socket is connected, so only an answer from the address it sent to is accepted: a
 /// reply that escaped reverse NAT counts as lost.
-fn udp_exchange(target: SocketAddrV4, buf: &mut [u8]) -> Result<usize, Failure> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| ("bind", e.kind()))?;
+fn udp_exchange(target: SocketAddr, buf: &mut [u8]) -> Result<usize, Failure> {
+    let any = match target {
+        SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
+    };
+    let socket = UdpSocket::bind(any).map_err(|e| ("bind", e.kind()))?;
     socket.connect(target).map_err(|e| ("connect", e.kind()))?;
     socket
         .set_read_timeout(Some(UDP_TIMEOUT))

@@ -5,13 +5,16 @@
 use std::{
     fmt::Write as _,
     fs,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context, Result};
 
-use crate::{Protocol, iptables::KubeService};
+use crate::{
+    Protocol,
+    iptables::{KubeService, KubeService6},
+};
 
 /// One port of a Service.
 #[derive(Debug, Clone)]
@@ -575,6 +578,34 @@ impl Service {
             endpoints: endpoints
                 .iter()
                 .map(|ip| SocketAddrV4::new(*ip, port.target_port))
+                .collect(),
+            affinity_timeout: self.session_affinity.timeout_seconds(),
+        }
+    }
+
+    /// [`Service::kube_service`] for kube-proxy's IPv6 proxier: the port on
+    /// `cluster_ip6` with `endpoints` (at its target port).
+    pub fn kube_service6(
+        &self,
+        port_name: &str,
+        cluster_ip6: Ipv6Addr,
+        endpoints: &[Ipv6Addr],
+    ) -> KubeService6 {
+        let port = self
+            .ports
+            .iter()
+            .find(|p| p.name == port_name)
+            .unwrap_or_else(|| panic!("service {} has no port {port_name}", self.name));
+        KubeService6 {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            port_name: port.name.clone(),
+            protocol: port.protocol,
+            cluster_ip: cluster_ip6,
+            port: port.port,
+            endpoints: endpoints
+                .iter()
+                .map(|ip| SocketAddrV6::new(*ip, port.target_port, 0, 0))
                 .collect(),
             affinity_timeout: self.session_affinity.timeout_seconds(),
         }

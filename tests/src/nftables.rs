@@ -1,5 +1,6 @@
 //! kube-proxy's nftables mode, reproduced: the `ip kube-proxy` table it writes for
-//! ClusterIP services, loaded into a namespace with `nft -f`, so a benchmark can put
+//! ClusterIP services (`ip6 kube-proxy` for IPv6 ones, [`crate::iptables::KubeService6`]:
+//! kube-proxy runs one proxier, and so one table, per family), loaded into a namespace with `nft -f`, so a benchmark can put
 //! kube-proxy's O(1) verdict-map datapath next to ours and next to the iptables
 //! cascade on the same endpoints.
 //!
@@ -12,7 +13,10 @@
 //! - dispatch through the `service-ips` verdict map keyed by
 //!   `ipv4_addr . inet_proto . inet_service`, each element a `goto` to the service chain;
 //! - chain names `service-`/`endpoint-`/`affinity-` + base32(sha256(name))[:8] + `-` +
-//!   `ns/name/proto/port[__ip/port]`;
+//!   `ns/name/proto/port[__ip/port]`, an IPv6 endpoint's colons written as dots (a
+//!   chain name cannot hold a colon);
+//! - IPv6: `ip6` for `ip` in the table's family and in every address match, and
+//!   `ipv6_addr` for `ipv4_addr` in every set and map type;
 //! - one draw per connection: `numgen random mod N vmap { 0 : goto endpoint-…, … }`
 //!   over the endpoints sorted by their `ip:port` string (the order kube-proxy's shared
 //!   endpoint cache gives both modes);
@@ -30,18 +34,13 @@
 //! balancers. A service without endpoints is refused rather than written into
 //! `no-endpoint-services`, as the iptables writer does.
 
-use std::{
-    fmt::Write as _,
-    io::Write,
-    net::{Ipv4Addr, SocketAddrV4},
-    process::Stdio,
-};
+use std::{fmt::Write as _, io::Write, process::Stdio};
 
 use anyhow::{Context, Result, bail};
 
 use crate::{
     describe,
-    iptables::{KubeService, base32, sha256},
+    iptables::{Family, KubeService, base32, sha256},
     netns::NetNs,
 };
 
@@ -51,8 +50,10 @@ pub const TABLE: &str = "kube-proxy";
 /// kube-proxy's default masquerade mark (1 << 14).
 const MASQ_MARK: &str = "0x4000";
 
-/// `add … ip kube-proxy` prefix of every command.
-const T: &str = "ip kube-proxy";
+/// `ip kube-proxy` (`ip6 kube-proxy`): the table every command names.
+fn table<A: Family>() -> String {
+    format!("{} {TABLE}", A::NFT_FAMILY)
+}
 
 /// knftables' `NameLengthMax` (256) minus `chainNamePrefixLengthMax` (16).
 const CHAIN_NAME_BASE_LENGTH_MAX: usize = 240;
@@ -102,7 +103,7 @@ fn hash_and_truncate(name: &str) -> String {
 }
 
 /// `servicePortChainNameBase`: `HASH-ns/name/proto/port`.
-fn service_base(svc: &KubeService) -> String {
+fn service_base<A: Family>(svc: &KubeService<A>) -> String {
     hash_and_truncate(&format!(
         "{}/{}/{}/{}",
         svc.namespace,
@@ -112,58 +113,61 @@ fn service_base(svc: &KubeService) -> String {
     ))
 }
 
-/// `servicePortEndpointChainNameBase`: `HASH-ns/name/proto/port__ip/port`.
-fn endpoint_base(svc: &KubeService, ep: SocketAddrV4) -> String {
+/// `servicePortEndpointChainNameBase`: `HASH-ns/name/proto/port__ip/port`, an IPv6
+/// address's colons replaced by dots.
+fn endpoint_base<A: Family>(svc: &KubeService<A>, ep: A::Endpoint) -> String {
     hash_and_truncate(&format!(
         "{}/{}/{}/{}__{}/{}",
         svc.namespace,
         svc.name,
         svc.protocol.lower(),
         svc.port_name,
-        ep.ip(),
-        ep.port()
+        A::endpoint_ip(ep).to_string().replace(':', "."),
+        A::endpoint_port(ep)
     ))
 }
 
 /// The service port's cluster-policy chain, `service-HASH-ns/name/proto/port`.
-pub fn service_chain(svc: &KubeService) -> String {
+pub fn service_chain<A: Family>(svc: &KubeService<A>) -> String {
     format!("service-{}", service_base(svc))
 }
 
 /// An endpoint's chain, `endpoint-HASH-ns/name/proto/port__ip/port`.
-pub fn endpoint_chain(svc: &KubeService, ep: SocketAddrV4) -> String {
+pub fn endpoint_chain<A: Family>(svc: &KubeService<A>, ep: A::Endpoint) -> String {
     format!("endpoint-{}", endpoint_base(svc, ep))
 }
 
 /// An endpoint's sessionAffinity set, `affinity-HASH-…` (same base as its chain).
-pub fn affinity_set(svc: &KubeService, ep: SocketAddrV4) -> String {
+pub fn affinity_set<A: Family>(svc: &KubeService<A>, ep: A::Endpoint) -> String {
     format!("affinity-{}", endpoint_base(svc, ep))
 }
 
 /// The transaction kube-proxy's first full sync would run for `services`, as `nft -f`
-/// input. It starts by deleting any previous `ip kube-proxy` table (the `add` first
+/// input. It starts by deleting any previous `ip kube-proxy` (`ip6 kube-proxy`) table (the `add` first
 /// makes the `delete` valid when there is none), so applying it twice replaces.
 /// `node_ips` fill `nodeport-ips`.
 #[expect(
     clippy::too_many_lines,
     reason = "the ruleset, written in the order nft prints it"
 )]
-pub fn ruleset(services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<String> {
+pub fn ruleset<A: Family>(services: &[KubeService<A>], node_ips: &[A]) -> Result<String> {
+    let t = table::<A>();
+    let (ip, addr) = (A::NFT_FAMILY, A::NFT_ADDR);
     let mut out = String::new();
     let mut w = |line: String| {
         out.push_str(&line);
         out.push('\n');
     };
-    w(format!("add table {T}"));
-    w(format!("delete table {T}"));
+    w(format!("add table {t}"));
+    w(format!("delete table {t}"));
     w(format!(
-        "add table {T} {{ comment \"rules for kube-proxy\" ; }}"
+        "add table {t} {{ comment \"rules for kube-proxy\" ; }}"
     ));
 
     // Containers and chains first: a rule or element may only refer to what exists.
     for (name, kind, hook, priority) in BASE_CHAINS {
         w(format!(
-            "add chain {T} {name} {{ type {kind} hook {hook} priority {priority} ; }}"
+            "add chain {t} {name} {{ type {kind} hook {hook} priority {priority} ; }}"
         ));
     }
     for chain in [
@@ -175,23 +179,23 @@ pub fn ruleset(services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<String
         "cluster-ips-check",
         "mark-for-masquerade",
     ] {
-        w(format!("add chain {T} {chain}"));
+        w(format!("add chain {t} {chain}"));
     }
     w(format!(
-        "add chain {T} reject-chain {{ comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }}"
+        "add chain {t} reject-chain {{ comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }}"
     ));
     w(format!(
-        "add set {T} cluster-ips {{ type ipv4_addr ; comment \"Active ClusterIPs\" ; }}"
+        "add set {t} cluster-ips {{ type {addr} ; comment \"Active ClusterIPs\" ; }}"
     ));
     w(format!(
-        "add set {T} nodeport-ips {{ type ipv4_addr ; comment \"IPs that accept NodePort traffic\" ; }}"
+        "add set {t} nodeport-ips {{ type {addr} ; comment \"IPs that accept NodePort traffic\" ; }}"
     ));
-    let addr_proto_port = "ipv4_addr . inet_proto . inet_service : verdict";
+    let addr_proto_port = format!("{addr} . inet_proto . inet_service : verdict");
     let proto_port = "inet_proto . inet_service : verdict";
     for (map, key, comment) in [
         (
             "no-endpoint-services",
-            addr_proto_port,
+            addr_proto_port.as_str(),
             "vmap to drop or reject packets to services with no endpoints",
         ),
         (
@@ -201,55 +205,55 @@ pub fn ruleset(services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<String
         ),
         (
             "firewall-ips",
-            addr_proto_port,
+            addr_proto_port.as_str(),
             "destinations that are subject to LoadBalancerSourceRanges",
         ),
         (
             "service-ips",
-            addr_proto_port,
+            addr_proto_port.as_str(),
             "ClusterIP, ExternalIP and LoadBalancer IP traffic",
         ),
         ("service-nodeports", proto_port, "NodePort traffic"),
     ] {
         w(format!(
-            "add map {T} {map} {{ type {key} ; comment \"{comment}\" ; }}"
+            "add map {t} {map} {{ type {key} ; comment \"{comment}\" ; }}"
         ));
     }
 
     for (dst, src, condition) in JUMP_CHAINS {
-        w(format!("add rule {T} {src} {condition}jump {dst}"));
+        w(format!("add rule {t} {src} {condition}jump {dst}"));
     }
     w(format!(
-        "add rule {T} mark-for-masquerade mark set mark or {MASQ_MARK}"
+        "add rule {t} mark-for-masquerade mark set mark or {MASQ_MARK}"
     ));
     w(format!(
-        "add rule {T} masquerading mark and {MASQ_MARK} == 0 return"
+        "add rule {t} masquerading mark and {MASQ_MARK} == 0 return"
     ));
     w(format!(
-        "add rule {T} masquerading mark set mark xor {MASQ_MARK}"
+        "add rule {t} masquerading mark set mark xor {MASQ_MARK}"
     ));
-    w(format!("add rule {T} masquerading masquerade fully-random"));
+    w(format!("add rule {t} masquerading masquerade fully-random"));
     w(format!(
-        "add rule {T} cluster-ips-check ip daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""
+        "add rule {t} cluster-ips-check {ip} daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""
     ));
-    for ip in node_ips {
-        w(format!("add element {T} nodeport-ips {{ {ip} }}"));
+    for node_ip in node_ips {
+        w(format!("add element {t} nodeport-ips {{ {node_ip} }}"));
     }
-    w(format!("add rule {T} reject-chain reject"));
+    w(format!("add rule {t} reject-chain reject"));
     w(format!(
-        "add rule {T} service-endpoints-check ip daddr . meta l4proto . th dport vmap @no-endpoint-services"
+        "add rule {t} service-endpoints-check {ip} daddr . meta l4proto . th dport vmap @no-endpoint-services"
     ));
     w(format!(
-        "add rule {T} nodeport-endpoints-check ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports"
+        "add rule {t} nodeport-endpoints-check {ip} daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports"
     ));
     w(format!(
-        "add rule {T} firewall-check ip daddr . meta l4proto . th dport vmap @firewall-ips"
+        "add rule {t} firewall-check {ip} daddr . meta l4proto . th dport vmap @firewall-ips"
     ));
     w(format!(
-        "add rule {T} services ip daddr . meta l4proto . th dport vmap @service-ips"
+        "add rule {t} services {ip} daddr . meta l4proto . th dport vmap @service-ips"
     ));
     w(format!(
-        "add rule {T} services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"
+        "add rule {t} services {ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"
     ));
 
     for svc in services {
@@ -261,7 +265,9 @@ pub fn ruleset(services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<String
 /// One service port: its endpoint chains (and affinity sets), its service chain, and
 /// its elements in `cluster-ips` and `service-ips`, in the order `syncProxyRules`
 /// emits them (chains before anything that points at them).
-fn write_service(w: &mut impl FnMut(String), svc: &KubeService) -> Result<()> {
+fn write_service<A: Family>(w: &mut impl FnMut(String), svc: &KubeService<A>) -> Result<()> {
+    let t = table::<A>();
+    let (ip, addr) = (A::NFT_FAMILY, A::NFT_ADDR);
     let endpoints = svc.sorted_endpoints();
     if endpoints.is_empty() {
         bail!(
@@ -275,34 +281,34 @@ fn write_service(w: &mut impl FnMut(String), svc: &KubeService) -> Result<()> {
     if let Some(seconds) = svc.affinity_timeout {
         for ep in &endpoints {
             w(format!(
-                "add set {T} {} {{ type ipv4_addr ; flags dynamic,timeout ; timeout {seconds}s ; }}",
+                "add set {t} {} {{ type {addr} ; flags dynamic,timeout ; timeout {seconds}s ; }}",
                 affinity_set(svc, *ep)
             ));
         }
     }
     for ep in &endpoints {
         let chain = endpoint_chain(svc, *ep);
-        w(format!("add chain {T} {chain}"));
+        w(format!("add chain {t} {chain}"));
         // Hairpin: a backend reaching itself through the service must be SNATed.
         w(format!(
-            "add rule {T} {chain} ip saddr {} jump mark-for-masquerade",
-            ep.ip()
+            "add rule {t} {chain} {ip} saddr {} jump mark-for-masquerade",
+            A::endpoint_ip(*ep)
         ));
         if svc.affinity_timeout.is_some() {
             w(format!(
-                "add rule {T} {chain} update @{} {{ ip saddr }}",
+                "add rule {t} {chain} update @{} {{ {ip} saddr }}",
                 affinity_set(svc, *ep)
             ));
         }
         w(format!(
-            "add rule {T} {chain} meta l4proto {proto} dnat to {ep}"
+            "add rule {t} {chain} meta l4proto {proto} dnat to {ep}"
         ));
     }
-    w(format!("add chain {T} {svc_chain}"));
+    w(format!("add chain {t} {svc_chain}"));
     if svc.affinity_timeout.is_some() {
         for ep in &endpoints {
             w(format!(
-                "add rule {T} {svc_chain} ip saddr @{} goto {}",
+                "add rule {t} {svc_chain} {ip} saddr @{} goto {}",
                 affinity_set(svc, *ep),
                 endpoint_chain(svc, *ep)
             ));
@@ -316,22 +322,23 @@ fn write_service(w: &mut impl FnMut(String), svc: &KubeService) -> Result<()> {
         let _ = write!(vmap, "{i} : goto {}", endpoint_chain(svc, *ep));
     }
     w(format!(
-        "add rule {T} {svc_chain} numgen random mod {} vmap {{ {vmap} }}",
+        "add rule {t} {svc_chain} numgen random mod {} vmap {{ {vmap} }}",
         endpoints.len()
     ));
     w(format!(
-        "add element {T} cluster-ips {{ {} }}",
+        "add element {t} cluster-ips {{ {} }}",
         svc.cluster_ip
     ));
     w(format!(
-        "add element {T} service-ips {{ {} . {proto} . {} : goto {svc_chain} }}",
+        "add element {t} service-ips {{ {} . {proto} . {} : goto {svc_chain} }}",
         svc.cluster_ip, svc.port
     ));
     Ok(())
 }
 
-/// Replaces the `ip kube-proxy` table of `ns` with kube-proxy's rules for `services`.
-pub fn apply(ns: &NetNs, services: &[KubeService], node_ips: &[Ipv4Addr]) -> Result<()> {
+/// Replaces the `ip kube-proxy` (`ip6 kube-proxy`) table of `ns` with kube-proxy's
+/// rules for `services`.
+pub fn apply<A: Family>(ns: &NetNs, services: &[KubeService<A>], node_ips: &[A]) -> Result<()> {
     let input = ruleset(services, node_ips)?;
     let mut cmd = ns.command("nft");
     cmd.args(["-f", "-"])
@@ -363,6 +370,8 @@ pub fn apply(ns: &NetNs, services: &[KubeService], node_ips: &[Ipv4Addr]) -> Res
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
     use crate::{
         Protocol,
@@ -394,6 +403,55 @@ mod tests {
                 "missing\n{line}\nin\n{ruleset}"
             );
         }
+    }
+
+    #[test]
+    fn ipv6_table_matches_ip6_addresses_and_dots_endpoint_colons() {
+        let svc = crate::iptables::KubeService6 {
+            namespace: "ns1".into(),
+            name: "svc1".into(),
+            port_name: "p80".into(),
+            protocol: Protocol::Tcp,
+            cluster_ip: "fd00:96::1".parse().unwrap(),
+            port: 80,
+            endpoints: vec!["[fd00:10::1]:8080".parse().unwrap()],
+            affinity_timeout: None,
+        };
+        let ep = svc.endpoints[0];
+        let chain = endpoint_chain(&svc, ep);
+        assert!(
+            chain.starts_with("endpoint-") && chain.ends_with("-ns1/svc1/tcp/p80__fd00.10..1/8080"),
+            "{chain}"
+        );
+        let rules = ruleset(
+            std::slice::from_ref(&svc),
+            &["fd00:100::1".parse().unwrap()],
+        )
+        .unwrap();
+        assert_has(
+            &rules,
+            &[
+                "add table ip6 kube-proxy { comment \"rules for kube-proxy\" ; }",
+                "add set ip6 kube-proxy cluster-ips { type ipv6_addr ; comment \"Active ClusterIPs\" ; }",
+                "add map ip6 kube-proxy service-ips { type ipv6_addr . inet_proto . inet_service : verdict ; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\" ; }",
+                "add rule ip6 kube-proxy services ip6 daddr . meta l4proto . th dport vmap @service-ips",
+                "add element ip6 kube-proxy nodeport-ips { fd00:100::1 }",
+                &format!(
+                    "add rule ip6 kube-proxy {chain} ip6 saddr fd00:10::1 jump mark-for-masquerade"
+                ),
+                &format!(
+                    "add rule ip6 kube-proxy {chain} meta l4proto tcp dnat to [fd00:10::1]:8080"
+                ),
+                &format!(
+                    "add element ip6 kube-proxy service-ips {{ fd00:96::1 . tcp . 80 : goto {} }}",
+                    service_chain(&svc)
+                ),
+            ],
+        );
+        assert!(
+            !rules.contains(" ip ") && !rules.contains("ipv4_addr"),
+            "IPv4 words in the IPv6 table:\n{rules}"
+        );
     }
 
     #[test]

@@ -19,8 +19,8 @@
 
 use std::{
     io::{BufRead, BufReader, ErrorKind, Read, Write},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::fd::AsFd,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -33,7 +33,10 @@ use anyhow::{Context, Result};
 use nix::{
     poll::{PollFd, PollFlags, PollTimeout, poll},
     sys::{
-        socket::{setsockopt, sockopt},
+        socket::{
+            AddressFamily, Backlog, SockFlag, SockType, SockaddrIn6, bind, listen, setsockopt,
+            socket, sockopt,
+        },
         time::{TimeVal, TimeValLike},
     },
 };
@@ -237,7 +240,9 @@ const POOL_TICK: Duration = Duration::from_millis(100);
 /// threads serving one exchange each inline (the harness's servers spawn a thread per
 /// connection, which on a small machine would cost more than the load balancers being
 /// compared). TCP: read the request, answer `<name>\n`, close. UDP: answer every
-/// datagram with `<name>\n`.
+/// datagram with `<name>\n`. Each family has sockets and threads of its own
+/// (`IPV6_V6ONLY`), so that IPv4's exchanges are served as they were before IPv6
+/// ones existed.
 pub struct PooledBackend {
     stop: Arc<AtomicBool>,
     threads: Vec<NsThread<()>>,
@@ -253,6 +258,10 @@ impl PooledBackend {
         udp_port: Option<u16>,
         threads: usize,
     ) -> Result<PooledBackend> {
+        let mut backend = PooledBackend {
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Vec::new(),
+        };
         let (listener, udp) = ns
             .run(|| -> std::io::Result<_> {
                 let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, tcp_port))?;
@@ -261,7 +270,33 @@ impl PooledBackend {
                     .transpose()?;
                 Ok((listener, udp))
             })?
-            .with_context(|| format!("{name}: bind the servers in {}", ns.name()))?;
+            .with_context(|| format!("{name}: bind the IPv4 servers in {}", ns.name()))?;
+        backend.serve(ns, &format!("{name}-4"), name, listener, udp, threads)?;
+        let (listener, udp) = ns
+            .run(|| -> nix::Result<_> {
+                let listener = TcpListener::from(v6_only(SockType::Stream, tcp_port)?);
+                let udp = udp_port
+                    .map(|port| {
+                        Ok::<_, nix::Error>(UdpSocket::from(v6_only(SockType::Datagram, port)?))
+                    })
+                    .transpose()?;
+                Ok((listener, udp))
+            })?
+            .with_context(|| format!("{name}: bind the IPv6 servers in {}", ns.name()))?;
+        backend.serve(ns, &format!("{name}-6"), name, listener, udp, threads)?;
+        Ok(backend)
+    }
+
+    /// `threads` threads serving `listener` and as many `udp`, answering `name`.
+    fn serve(
+        &mut self,
+        ns: &NetNs,
+        label: &str,
+        name: &str,
+        listener: TcpListener,
+        udp: Option<UdpSocket>,
+        threads: usize,
+    ) -> Result<()> {
         // accept() honours SO_RCVTIMEO on Linux, so threads blocked in it wake up to see
         // the stop flag; a blocking accept shared by several threads wakes one of them
         // per connection, where poll() would wake them all.
@@ -279,29 +314,37 @@ impl PooledBackend {
             })
             .transpose()?;
         let reply: Arc<[u8]> = format!("{name}\n").into_bytes().into();
-        let mut backend = PooledBackend {
-            stop: Arc::new(AtomicBool::new(false)),
-            threads: Vec::new(),
-        };
         for i in 0..threads {
-            let (listener, stop, tcp_reply) =
-                (listener.clone(), backend.stop.clone(), reply.clone());
-            backend
-                .threads
-                .push(ns.spawn(&format!("tcp-{name}-{i}"), move || {
+            let (listener, stop, tcp_reply) = (listener.clone(), self.stop.clone(), reply.clone());
+            self.threads
+                .push(ns.spawn(&format!("tcp-{label}-{i}"), move || {
                     tcp_serve(&listener, &tcp_reply, &stop);
                 })?);
             if let Some(udp) = &udp {
-                let (udp, stop, udp_reply) = (udp.clone(), backend.stop.clone(), reply.clone());
-                backend
-                    .threads
-                    .push(ns.spawn(&format!("udp-{name}-{i}"), move || {
+                let (udp, stop, udp_reply) = (udp.clone(), self.stop.clone(), reply.clone());
+                self.threads
+                    .push(ns.spawn(&format!("udp-{label}-{i}"), move || {
                         udp_serve(&udp, &udp_reply, &stop);
                     })?);
             }
         }
-        Ok(backend)
+        Ok(())
     }
+}
+
+/// A socket of `kind` bound to `[::]:port` for IPv6 alone, listening if a stream.
+fn v6_only(kind: SockType, port: u16) -> nix::Result<OwnedFd> {
+    let fd = socket(AddressFamily::Inet6, kind, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, port, 0, 0)),
+    )?;
+    if kind == SockType::Stream {
+        listen(&fd, Backlog::MAXCONN)?;
+    }
+    Ok(fd)
 }
 
 impl Drop for PooledBackend {

@@ -10,8 +10,7 @@ use std::{
     collections::BTreeSet,
     fmt::Write as _,
     io::{BufRead, BufReader, Write as _},
-    net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
-    process::Stdio,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
     thread,
     time::{Duration, Instant},
 };
@@ -23,7 +22,7 @@ use ebpf_proxy_tests::{
         Outcome, Peer, Reply, TIMEOUT, Tally, assert_all_replied_from, tcp_request, tcp_tally,
         udp_request, udp_sized_request, udp_tally,
     },
-    iptables::probability,
+    iptables::{self, KubeService6},
     manifest::{Service, SessionAffinity},
     netns::NetNs,
     sandbox::Sandbox,
@@ -102,7 +101,7 @@ fn dns6(ip: Ipv6Addr) -> SocketAddrV6 {
 
 /// The one-node world with `clients` and `test/web6` on all three backends' IPv6
 /// addresses, the agent running.
-fn serving_web6(clients: &[(&str, std::net::Ipv4Addr)]) -> Sandbox {
+fn serving_web6(clients: &[(&str, Ipv4Addr)]) -> Sandbox {
     let mut sb = Sandbox::new(clients, &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
     sb.manifests()
         .write(
@@ -114,54 +113,9 @@ fn serving_web6(clients: &[(&str, std::net::Ipv4Addr)]) -> Sandbox {
     sb
 }
 
-/// kube-proxy's ip6tables rules for one TCP service port, reduced to what spreads
-/// connections: the `-m statistic` cascade over `backends` (sorted, as kube-proxy
-/// sorts them), with the probabilities its iptables mode writes.
-fn ip6tables_cascade(vip: Ipv6Addr, port: u16, backends: &[Ipv6Addr], target: u16) -> String {
-    let mut sorted: Vec<String> = backends.iter().map(|b| format!("[{b}]:{target}")).collect();
-    sorted.sort();
-    let mut rules = format!(
-        "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-WEB6 - [0:0]\n\
-         -A PREROUTING -d {vip}/128 -p tcp -m tcp --dport {port} -j KUBE-SVC-WEB6\n"
-    );
-    let n = sorted.len();
-    for (i, ep) in sorted.iter().enumerate() {
-        let statistic = if i + 1 < n {
-            format!(
-                "-m statistic --mode random --probability {} ",
-                probability(n - i)
-            )
-        } else {
-            String::new()
-        };
-        let _ = writeln!(
-            rules,
-            "-A KUBE-SVC-WEB6 -p tcp {statistic}-j DNAT --to-destination {ep}"
-        );
-    }
-    rules.push_str("COMMIT\n");
-    rules
-}
-
-fn ip6tables_restore(sb: &Sandbox, rules: &str) {
-    let mut cmd = sb.topology().node.command("ip6tables-restore");
-    cmd.stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("starting ip6tables-restore");
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(rules.as_bytes())
-        .expect("writing the rules");
-    let out = child.wait_with_output().expect("ip6tables-restore");
-    assert!(
-        out.status.success(),
-        "ip6tables-restore failed: {}\nrules:\n{rules}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+/// The ip6tables references' ClusterIPs; the agent does not know them, so
+/// `tc_ingress6` passes their traffic to netfilter untouched.
+const IPT_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
 
 fn side_by_side(ebpf: (&[u64], &ChiSquare), ipt: (&[u64], &ChiSquare)) -> String {
     let pct = |c: u64, counts: &[u64]| 100.0 * c as f64 / counts.iter().sum::<u64>() as f64;
@@ -204,16 +158,13 @@ fn ipv6_distribution_matches_ip6tables_statistic_and_keeps_the_client_address() 
         ebpf.counts
     );
 
-    // The same endpoints behind ip6tables statistic rules, on a VIP the agent
-    // does not know (so tc_ingress6 passes it untouched).
-    let ipt_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x20);
-    ip6tables_restore(
-        &sb,
-        &ip6tables_cascade(ipt_vip, 80, &backend_ips6(), TCP_PORT),
-    );
+    // The same endpoints behind kube-proxy's ip6tables rules (its statistic
+    // cascade), on a VIP the agent does not know.
+    let kube = web6("web6", CLUSTER_IP6).kube_service6("http", IPT_VIP6, &backend_ips6());
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
     let ipt = tcp_tally(
         &sb.pod(IPT_CLIENT.0).ns,
-        http6(ipt_vip),
+        http6(IPT_VIP6),
         CONNECTIONS,
         TIMEOUT,
     )
@@ -336,45 +287,104 @@ fn ipv6_fragmented_udp_is_translated_both_ways() {
     );
 }
 
-/// An IPv6 Service without endpoints is refused at once: TCP connect gets
-/// ECONNREFUSED (a RST) and a connected UDP socket ICMPv6 port unreachable.
+/// The node's global IPv6 address, on its loopback: a real node has one, and it
+/// is the source of the ICMPv6 errors its netfilter sends.
+const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
+
+/// An IPv6 Service without endpoints is refused at once, as kube-proxy's
+/// ip6tables rules refuse it: the same Service behind them (its filter table's
+/// `-j REJECT`, which answers ICMPv6 port unreachable), on another VIP, from
+/// another client. TCP connect and a connected UDP socket get "connection refused"
+/// from both, well within a second; ebpf-proxy answers TCP with a RST.
 #[test]
-fn ipv6_service_without_endpoints_is_refused_at_once() {
-    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+fn ipv6_service_without_endpoints_is_refused_at_once_as_ip6tables_refuses_it() {
+    let mut sb =
+        Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
     let empty_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x30);
+    let empty = web6("empty6", empty_vip);
     sb.manifests()
-        .write("empty6.yaml", &web6("empty6", empty_vip).yaml6(&[]))
+        .write("empty6.yaml", &empty.yaml6(&[]))
         .expect("write manifest");
     sb.start_agent_on_manifests().expect("start the agent");
-    let client = &sb.client().ns;
+    let node = &sb.topology().node;
+    node.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{NODE_IP6}/128"),
+        "dev",
+        "lo",
+        "nodad",
+    ])
+    .expect("the node's IPv6 address");
+    // A real node routes the service CIDR somewhere (its default route): without a
+    // route, a packet to a ClusterIP that nothing translates is refused by routing
+    // ("no route") before the filter table's FORWARD chain sees it. Not through
+    // `lo`, which IPv6 makes a reject route: through a veth pair of the node's own,
+    // which leads nowhere (removed with the node's namespace).
+    node.ip(&[
+        "link", "add", "svc0", "type", "veth", "peer", "name", "svc1",
+    ])
+    .expect("a veth pair for the service CIDR");
+    for end in ["svc0", "svc1"] {
+        node.ip(&["link", "set", end, "up"]).expect("veth up");
+    }
+    node.ip(&["-6", "route", "add", "fd00:96::/64", "dev", "svc0"])
+        .expect("a route for the service CIDR");
+    let kube: Vec<KubeService6> = ["http", "dns"]
+        .iter()
+        .map(|port| empty.kube_service6(port, IPT_VIP6, &[]))
+        .collect();
+    iptables::apply_with_rejects(node, &kube).expect("load kube-proxy's ip6tables rules");
+
     let limit = Duration::from_secs(1);
-
-    let start = Instant::now();
-    let tcp = tcp_request(client, http6(empty_vip), TIMEOUT);
-    let took = start.elapsed();
-    assert_eq!(
-        tcp,
-        Outcome::Refused,
-        "TCP to [{empty_vip}]:80 after {took:?}"
-    );
-    assert!(
-        took < limit,
-        "TCP to [{empty_vip}]:80 took {took:?} to be refused"
-    );
-
-    let start = Instant::now();
-    let udp = udp_request(client, dns6(empty_vip), TIMEOUT);
-    let took = start.elapsed();
-    assert_eq!(
-        udp,
-        Outcome::Refused,
-        "UDP to [{empty_vip}]:53 after {took:?}"
-    );
-    assert!(
-        took < limit,
-        "UDP to [{empty_vip}]:53 took {took:?} to be refused"
-    );
-    assert!(sb.counter("reject") >= 2, "rejects not counted");
+    let mut report = String::new();
+    let mut outcomes = Vec::new();
+    for (who, client, vip) in [
+        ("ebpf-proxy", &sb.client().ns, empty_vip),
+        ("ip6tables", &sb.pod(IPT_CLIENT.0).ns, IPT_VIP6),
+    ] {
+        for proto in [Protocol::Tcp, Protocol::Udp] {
+            let start = Instant::now();
+            let outcome = match proto {
+                Protocol::Tcp => tcp_request(client, http6(vip), TIMEOUT),
+                Protocol::Udp => udp_request(client, dns6(vip), TIMEOUT),
+            };
+            let took = start.elapsed();
+            let _ = writeln!(
+                report,
+                "{who:<10} {proto:?} to [{vip}]: {outcome} after {took:?}"
+            );
+            outcomes.push((who, proto, outcome, took));
+        }
+    }
+    eprintln!("{report}");
+    let of = |who: &str, proto: Protocol| {
+        outcomes
+            .iter()
+            .find(|o| o.0 == who && o.1 == proto)
+            .map(|o| (&o.2, o.3))
+            .expect("measured")
+    };
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let ((ipt, _), (ebpf, took)) = (of("ip6tables", proto), of("ebpf-proxy", proto));
+        assert_eq!(
+            *ipt,
+            Outcome::Refused,
+            "the ip6tables reference did not refuse {proto:?} (sandbox problem?):\n{report}"
+        );
+        assert_eq!(
+            ebpf, ipt,
+            "{proto:?}: ebpf-proxy's answer differs from kube-proxy's ip6tables rules':\n{report}"
+        );
+        // kube-proxy's rules took the SYN's retransmission, a second later, to
+        // refuse TCP here; the datapath is held to refusing at once.
+        assert!(
+            took < limit,
+            "{proto:?}: ebpf-proxy took {took:?} to refuse:\n{report}"
+        );
+    }
+    assert!(sb.counter("reject") >= 2, "rejects not counted:\n{report}");
 }
 
 /// Removing an endpoint of an IPv6 Service stops new connections to it within the
@@ -567,13 +577,23 @@ fn dual_stack_service_serves_each_family_from_its_own_slice() {
     }
 }
 
-/// ClientIP session affinity on an IPv6 ClusterIP: every new connection of one
-/// client goes to the backend its first went to; another client gets a backend
-/// of its own choosing, and keeps it too.
+/// The clients of the affinity test: two for each side, so that each side shows
+/// affinity per client, not one backend for everyone.
+const EBPF_CLIENTS: [(&str, Ipv4Addr); 2] = [CLIENT, ("client-b", Ipv4Addr::new(10, 200, 0, 4))];
+const IPT_CLIENTS: [(&str, Ipv4Addr); 2] =
+    [IPT_CLIENT, ("client-ipt-b", Ipv4Addr::new(10, 200, 0, 5))];
+
+/// ClientIP session affinity on an IPv6 ClusterIP, side by side with kube-proxy's
+/// ip6tables rules for the same Service (`-m recent --rcheck` per endpoint ahead
+/// of the statistic cascade, `-m recent --set` before each DNAT) on another VIP:
+/// in both, every client's 20 new connections land on one backend, the one its
+/// first went to. Each side has clients of its own, so that neither's conntrack
+/// holds the other's flows.
 #[test]
-fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
-    let mut sb = Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT)
-        .expect("the one-node world");
+fn ipv6_client_ip_affinity_matches_ip6tables_recent_rules() {
+    const CONNECTIONS: usize = 20;
+    let clients: Vec<(&str, Ipv4Addr)> = EBPF_CLIENTS.iter().chain(&IPT_CLIENTS).copied().collect();
+    let mut sb = Sandbox::new(&clients, &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
     let sticky = web6("sticky6", CLUSTER_IP6).session_affinity(SessionAffinity::ClientIp {
         timeout_seconds: None,
     });
@@ -581,29 +601,51 @@ fn ipv6_client_ip_affinity_keeps_each_client_on_one_backend() {
         .write("sticky6.yaml", &sticky.yaml6(&backend_ips6()))
         .expect("write manifest");
     sb.start_agent_on_manifests().expect("start the agent");
+    let kube = sticky.kube_service6("http", IPT_VIP6, &backend_ips6());
+    assert_eq!(kube.affinity_timeout, Some(10_800), "the default timeout");
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
 
-    let mut chosen = Vec::new();
-    for (name, ip) in [CLIENT, IPT_CLIENT] {
-        let tally = tcp_tally(&sb.pod(name).ns, http6(CLUSTER_IP6), 20, TIMEOUT)
-            .unwrap_or_else(|e| panic!("connections from {name}: {e}"));
-        assert_all_replied_from(pod_ip6(ip), &format!("{name} with affinity"), &tally);
-        assert_eq!(
-            tally.replies(),
-            20,
-            "{name}: not every connection was answered: {:?}",
-            tally.counts
-        );
-        assert_eq!(
-            tally.counts.len(),
-            1,
-            "{name}: 20 connections with ClientIP affinity went to more than one backend: {:?}",
-            tally.counts
-        );
-        chosen.extend(tally.counts.into_keys());
+    // Per client: how many of its connections each backend answered.
+    let run = |side: &[(&str, Ipv4Addr)], vip: Ipv6Addr| -> Vec<(String, Vec<u64>)> {
+        side.iter()
+            .map(|&(name, ip)| {
+                let tally = tcp_tally(&sb.pod(name).ns, http6(vip), CONNECTIONS, TIMEOUT)
+                    .unwrap_or_else(|e| panic!("connections from {name} to [{vip}]: {e}"));
+                assert_all_replied_from(pod_ip6(ip), &format!("{name} to [{vip}]"), &tally);
+                assert_eq!(
+                    tally.replies(),
+                    CONNECTIONS as u64,
+                    "{name} to [{vip}]: not every connection was answered: {:?}",
+                    tally.counts
+                );
+                (name.to_owned(), tally.counts_for(&backend_names()))
+            })
+            .collect()
+    };
+    let ebpf = run(&EBPF_CLIENTS, CLUSTER_IP6);
+    let ipt = run(&IPT_CLIENTS, IPT_VIP6);
+    let mut table = format!(
+        "{CONNECTIONS} connections per client, per backend {:?}:\n",
+        backend_names()
+    );
+    for (side, rows) in [("ebpf-proxy", &ebpf), ("ip6tables -m recent", &ipt)] {
+        for (name, counts) in rows {
+            let _ = writeln!(table, "{side:<20} {name:<13} {counts:?}");
+        }
     }
-    eprintln!(
-        "20 connections each from {} and {}: backends {chosen:?}",
-        CLIENT.0, IPT_CLIENT.0
+    eprintln!("{table}");
+    let on_one_backend = |rows: &[(String, Vec<u64>)]| {
+        rows.iter()
+            .all(|(_, c)| c.iter().filter(|&&n| n > 0).count() == 1)
+    };
+    assert!(
+        on_one_backend(&ipt),
+        "the ip6tables reference did not keep each client on one backend (sandbox problem?):\n{table}"
+    );
+    assert!(
+        on_one_backend(&ebpf),
+        "with ClientIP affinity, ebpf-proxy sent a client to more than one backend, which \
+         kube-proxy's ip6tables rules do not:\n{table}"
     );
 }
 

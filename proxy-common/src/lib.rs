@@ -162,6 +162,9 @@ pub mod program_names {
     /// diagnostics report socket-local storage of TCP sockets only, so this
     /// is how the agent reads the notes of UDP sockets.
     pub const SOCK_NOTES_DUMP: &str = "sock_notes_dump";
+    /// `SOCK_NOTES_DUMP` over `SOCK_NOTES6`: a `SockNotes6Record` for every
+    /// socket holding notes of IPv6 backends.
+    pub const SOCK_NOTES6_DUMP: &str = "sock_notes6_dump";
 }
 
 /// Indexes into the per-CPU `SOCK_COUNTERS` array (the socket hooks).
@@ -287,6 +290,16 @@ pub struct SockNotesRecord {
     /// The socket's cookie, as socket diagnostics show it.
     pub cookie: u64,
     pub notes: SockNotes,
+}
+
+/// What `program_names::SOCK_NOTES6_DUMP` writes per socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockNotes6Record {
+    /// The socket's cookie, as socket diagnostics show it.
+    pub cookie: u64,
+    pub notes: SockNotes6,
 }
 
 /// Where in `SockNotes` the note of backend `backend_be:port_be` sits: the
@@ -1106,6 +1119,7 @@ mod tests {
         assert_eq!(size_of::<SockNotesRecord>(), 8 + 16 * SOCK_NOTE_SLOTS);
         assert_eq!(size_of::<SockNote6>(), 40);
         assert_eq!(size_of::<SockNotes6>(), 40 * SOCK_NOTE_SLOTS);
+        assert_eq!(size_of::<SockNotes6Record>(), 8 + 40 * SOCK_NOTE_SLOTS);
     }
 
     /// The sizes docs/maps.md promises: 100,000 Services of one port and

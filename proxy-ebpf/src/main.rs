@@ -171,6 +171,16 @@ pub extern "C" fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
     sock::dump_notes(ctx)
 }
 
+/// `sock_notes_dump` over `SOCK_NOTES6`, the notes of IPv6 backends: see
+/// `proxy_common::program_names::SOCK_NOTES6_DUMP`.
+///
+/// Linux 5.9, as `sock_notes_dump`.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "iter/bpf_sk_storage_map")]
+pub extern "C" fn sock_notes6_dump(ctx: *mut core::ffi::c_void) -> i32 {
+    sock6::dump_notes6(ctx)
+}
+
 /// Does nothing: the per-packet cost floor that benchmarks compare against.
 /// Never attached.
 #[classifier]

@@ -93,6 +93,44 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     {
         return Err(0);
     }
+    reset_syn(
+        ctx,
+        &Syn {
+            l4,
+            doff,
+            csum: flow.l4_csum_off(),
+            sport_be: flow.sport_be,
+            dport_be: flow.dport_be,
+        },
+        || {
+            let addrs: [u32; 2] = [flow.dst_be, flow.src_be];
+            ctx.store(IP_SRC_OFF, &addrs, 0)
+        },
+    )
+}
+
+/// A bare SYN, checked as such by its family's `tcp_reset`: where its TCP
+/// header is, its data offset byte, where its checksum is, its ports.
+pub struct Syn {
+    pub l4: usize,
+    pub doff: u8,
+    pub csum: usize,
+    pub sport_be: u16,
+    pub dport_be: u16,
+}
+
+/// Turns `syn` into its RST|ACK in place and sends it back: seq 0, ack =
+/// SYN's seq + 1, no window, ports swapped, the IP addresses swapped by
+/// `swap_addrs`, MACs swapped. Shared by both families, whose TCP headers
+/// differ only in where they sit. The family swaps its own addresses, and
+/// only there: read sooner, `tc_ingress` keeps them on its stack meanwhile.
+#[inline(always)]
+pub fn reset_syn(
+    ctx: &TcContext,
+    syn: &Syn,
+    swap_addrs: impl FnOnce() -> Result<(), i64>,
+) -> Result<i32, i64> {
+    let (l4, csum) = (syn.l4, syn.csum);
     let macs: [u8; 12] = ctx.load(0)?;
     let seq_be: u32 = ctx.load(l4 + 4)?;
     let ack_be: u32 = ctx.load(l4 + 8)?;
@@ -100,10 +138,10 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     let window_be: u16 = ctx.load(l4 + 14)?;
     let new_ack_be = u32::from_be(seq_be).wrapping_add(1).to_be();
     // The data-offset byte and the flags byte, as they sit in the packet.
-    let new_flags_word_be = u16::from_ne_bytes([doff, TCP_RST | TCP_ACK]);
-    let csum = flow.l4_csum_off();
+    let new_flags_word_be = u16::from_ne_bytes([syn.doff, TCP_RST | TCP_ACK]);
     // Swapping addresses or ports leaves every checksum as it is (one's
-    // complement sums commute); only the changed fields are accounted for.
+    // complement sums commute, and IPv6's pseudo-header sums the same two
+    // addresses); only the changed fields are accounted for.
     ctx.l4_csum_replace(csum, u64::from(seq_be), 0, 4)?;
     ctx.l4_csum_replace(csum, u64::from(ack_be), u64::from(new_ack_be), 4)?;
     ctx.l4_csum_replace(
@@ -117,10 +155,9 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     ctx.store(l4 + 4, &seq_ack, 0)?;
     ctx.store(l4 + 12, &new_flags_word_be, 0)?;
     ctx.store(l4 + 14, &0u16, 0)?;
-    let ports: [u16; 2] = [flow.dport_be, flow.sport_be];
+    let ports: [u16; 2] = [syn.dport_be, syn.sport_be];
     ctx.store(l4, &ports, 0)?;
-    let addrs: [u32; 2] = [flow.dst_be, flow.src_be];
-    ctx.store(IP_SRC_OFF, &addrs, 0)?;
+    swap_addrs()?;
     let swapped: [u8; 12] = [
         macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3],
         macs[4], macs[5],

@@ -9,7 +9,7 @@ use proxy_common::csum::fold;
 use crate::{
     packet::{ETH_HLEN, TCP_ACK, TCP_RST, TCP_SYN},
     packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN},
-    reject::redirect_back,
+    reject::{Syn, redirect_back, reset_syn},
 };
 
 const ICMP6_HLEN: usize = 8;
@@ -42,10 +42,10 @@ fn sum_addr(addr: &[u32; 4]) -> u64 {
 
 /// Answers a bare SYN (no extension headers, no payload) with RST|ACK
 /// (seq 0, ack = SYN's seq + 1, RFC 9293). Any other TCP segment to a
-/// frontend without backends is dropped. Checksums as in
-/// `reject::tcp_reset`: swapping addresses and ports leaves the sum as it
-/// is; the changed fields go through the kernel's incremental helper,
-/// which is right whatever the socket buffer's checksum state.
+/// frontend without backends is dropped. The segment is rewritten as
+/// IPv4's is (`reject::reset_syn`): the changed fields go through the
+/// kernel's incremental checksum helper, which is right whatever the socket
+/// buffer's checksum state.
 #[inline(always)]
 pub fn tcp_reset(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
     let l4 = flow.l4_off;
@@ -61,37 +61,20 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
     {
         return Err(0);
     }
-    let macs: [u8; 12] = ctx.load(0)?;
-    let seq_be: u32 = ctx.load(l4 + 4)?;
-    let ack_be: u32 = ctx.load(l4 + 8)?;
-    let flags_word_be: u16 = ctx.load(l4 + 12)?;
-    let window_be: u16 = ctx.load(l4 + 14)?;
-    let new_ack_be = u32::from_be(seq_be).wrapping_add(1).to_be();
-    let new_flags_word_be = u16::from_ne_bytes([doff, TCP_RST | TCP_ACK]);
-    let csum = flow.l4_csum_off();
-    ctx.l4_csum_replace(csum, u64::from(seq_be), 0, 4)?;
-    ctx.l4_csum_replace(csum, u64::from(ack_be), u64::from(new_ack_be), 4)?;
-    ctx.l4_csum_replace(
-        csum,
-        u64::from(flags_word_be),
-        u64::from(new_flags_word_be),
-        2,
-    )?;
-    ctx.l4_csum_replace(csum, u64::from(window_be), 0, 2)?;
-    let seq_ack: [u32; 2] = [0, new_ack_be];
-    ctx.store(l4 + 4, &seq_ack, 0)?;
-    ctx.store(l4 + 12, &new_flags_word_be, 0)?;
-    ctx.store(l4 + 14, &0u16, 0)?;
-    let ports: [u16; 2] = [flow.dport_be, flow.sport_be];
-    ctx.store(l4, &ports, 0)?;
-    let addrs: [[u32; 4]; 2] = [flow.dst_be, flow.src_be];
-    ctx.store(ETH_HLEN + IP6_SRC_OFF, &addrs, 0)?;
-    let swapped: [u8; 12] = [
-        macs[6], macs[7], macs[8], macs[9], macs[10], macs[11], macs[0], macs[1], macs[2], macs[3],
-        macs[4], macs[5],
-    ];
-    ctx.store(0, &swapped, 0)?;
-    Ok(redirect_back(ctx))
+    reset_syn(
+        ctx,
+        &Syn {
+            l4,
+            doff,
+            csum: flow.l4_csum_off(),
+            sport_be: flow.sport_be,
+            dport_be: flow.dport_be,
+        },
+        || {
+            let addrs: [[u32; 4]; 2] = [flow.dst_be, flow.src_be];
+            ctx.store(ETH_HLEN + IP6_SRC_OFF, &addrs, 0)
+        },
+    )
 }
 
 /// Turns `flow`'s packet into an ICMPv6 port unreachable from the frontend

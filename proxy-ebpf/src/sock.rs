@@ -30,12 +30,13 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP, SockNote, SockNotes, SockNotesRecord, is_v4_mapped, node_config_flags,
-    service_flags, sock_counter, sock_note, sock_note_slot,
+    Backend, PROTO_TCP, PROTO_UDP, SockNote, SockNotes, SockNotesRecord, is_v4_mapped,
+    node_config_flags, service_flags, sock_counter, sock_note, sock_note_slot, v4_mapped,
 };
 
 use crate::{
-    conntrack, frontend,
+    conntrack,
+    frontend::{self, Frontend},
     maps::{HOST_NETNS, SOCK_NOTES, count_sock, node_config},
 };
 
@@ -43,7 +44,7 @@ use crate::{
 pub const ALLOW: i32 = 1;
 /// `connect()` fails (EPERM unless the program set another error).
 pub const REFUSE: i32 = 0;
-pub(crate) const ECONNREFUSED: i32 = 111;
+const ECONNREFUSED: i32 = 111;
 
 /// An IPv4 `connect()` of a TCP or UDP socket.
 #[inline(always)]
@@ -108,16 +109,59 @@ pub(crate) fn remember(ctx: &SockAddrContext, note: SockNote) {
     if notes.is_null() {
         return;
     }
-    let slot = sock_note_slot(note.backend_be, note.backend_port_be);
-    // SAFETY: not null, so the socket's storage, valid for this run; the
-    // slot is below SOCK_NOTE_SLOTS.
-    let kept = unsafe { &mut (*notes).notes[slot] };
-    let same = kept.backend_be == note.backend_be
-        && kept.backend_port_be == note.backend_port_be
-        && kept.frontend_be == note.frontend_be
-        && kept.frontend_port_be == note.frontend_port_be;
-    let how = if same { kept.how | note.how } else { note.how };
-    *kept = SockNote { how, ..note };
+    // SAFETY: not null, so the socket's storage, valid for this run.
+    keep(unsafe { &mut (*notes).notes }, note);
+}
+
+/// A note of either family (`SockNote`, `SockNote6`), for `keep`.
+pub(crate) trait Note: Copy {
+    /// Its slot (`sock_note_slot`), below `SOCK_NOTE_SLOTS`.
+    fn slot(&self) -> usize;
+    /// Whether it names the same backend in the same frontend's place.
+    fn same(&self, other: &Self) -> bool;
+    fn how(&self) -> u32;
+    fn with_how(self, how: u32) -> Self;
+}
+
+impl Note for SockNote {
+    #[inline(always)]
+    fn slot(&self) -> usize {
+        sock_note_slot(self.backend_be, self.backend_port_be)
+    }
+
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        self.backend_be == other.backend_be
+            && self.backend_port_be == other.backend_port_be
+            && self.frontend_be == other.frontend_be
+            && self.frontend_port_be == other.frontend_port_be
+    }
+
+    #[inline(always)]
+    fn how(&self) -> u32 {
+        self.how
+    }
+
+    #[inline(always)]
+    fn with_how(self, how: u32) -> Self {
+        SockNote { how, ..self }
+    }
+}
+
+/// Keeps `note` in its slot of a socket's notes: the ways the hooks sent
+/// the socket to the same backend add up, and a note of another backend
+/// takes the slot over.
+#[inline(always)]
+pub(crate) fn keep<N: Note>(notes: &mut [N], note: N) {
+    let Some(kept) = notes.get_mut(note.slot()) else {
+        return;
+    };
+    let how = if kept.same(&note) {
+        kept.how() | note.how()
+    } else {
+        note.how()
+    };
+    *kept = note.with_how(how);
 }
 
 /// The address and port (both in network order) the program may rewrite.
@@ -183,26 +227,9 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     let Some(frontend) = frontend else {
         return ALLOW;
     };
-    let node_be = node.snat_addr_be[3];
-    let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0
-        && !frontend::source_allowed_for(&frontend, node_be)
-    {
-        return ALLOW;
-    }
-    if svc.count == 0 {
-        if svc.flags & service_flags::NO_EP_DROP != 0 {
-            // Left as it is: nothing answers the frontend's address, as
-            // nothing answers kube-proxy's dropped packets.
-            return ALLOW;
-        }
-        count_sock(sock_counter::REFUSED);
-        // SAFETY: a plain helper call; cgroup programs may set the error.
-        unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
-        return REFUSE;
-    }
-    let Some((_, backend)) = frontend::select(svc, node_be, conntrack::now_ns()) else {
-        return ALLOW;
+    let backend = match pick(&frontend, v4_mapped(node.snat_addr_be[3])) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
     };
     if !is_v4_mapped(&backend.addr_be) {
         return ALLOW;
@@ -224,6 +251,36 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     ALLOW
 }
 
+/// The backend a connection of the node (`client_be`, IPv4-mapped for
+/// IPv4) to `frontend` goes to, or the hook's verdict without one: a
+/// client outside the source ranges goes ahead untranslated, as does one
+/// to a frontend without endpoints that drops; one that rejects is refused,
+/// counted.
+#[inline(always)]
+pub(crate) fn pick(frontend: &Frontend, client_be: [u32; 4]) -> Result<Backend, i32> {
+    let svc = &frontend.svc;
+    if svc.flags & service_flags::SOURCE_RANGES != 0
+        && !frontend::source_allowed_for6(frontend, client_be)
+    {
+        return Err(ALLOW);
+    }
+    if svc.count == 0 {
+        if svc.flags & service_flags::NO_EP_DROP != 0 {
+            // Left as it is: nothing answers the frontend's address, as
+            // nothing answers kube-proxy's dropped packets.
+            return Err(ALLOW);
+        }
+        count_sock(sock_counter::REFUSED);
+        // SAFETY: a plain helper call; cgroup programs may set the error.
+        unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
+        return Err(REFUSE);
+    }
+    match frontend::select_for(svc, client_be, conntrack::now_ns()) {
+        Some((_, backend)) => Ok(backend),
+        None => Err(ALLOW),
+    }
+}
+
 /// `struct bpf_iter_meta` (include/linux/bpf.h): the head of every
 /// iterator context.
 #[repr(C)]
@@ -234,39 +291,49 @@ struct IterMeta {
 }
 
 /// `struct bpf_iter__bpf_sk_storage_map` (`net/core/bpf_sk_storage.c)`: one
-/// socket holding storage in the map and its value; `sk` and `value` are
-/// null in the last call, after the last socket.
+/// socket holding storage in the map and its value (`V`); `sk` and `value`
+/// are null in the last call, after the last socket.
 #[repr(C)]
-struct SkStorageIter {
+struct SkStorageIter<V> {
     meta: *const IterMeta,
     map: *const c_void,
     sk: *mut c_void,
-    value: *const SockNotes,
+    value: *const V,
 }
 
 /// One iteration over `SOCK_NOTES`: writes the socket's cookie and notes.
 #[inline(always)]
 pub fn dump_notes(ctx: *mut c_void) -> i32 {
-    // SAFETY: the context of an iterator over a socket-local storage map,
-    // laid out as `SkStorageIter`, valid for this run.
-    let iter = unsafe { &*(ctx as *const SkStorageIter) };
+    dump(ctx, |cookie, notes: SockNotes| SockNotesRecord {
+        cookie,
+        notes,
+    })
+}
+
+/// One iteration over a socket-local storage map of notes (`V`): writes the
+/// record `record` makes of the socket's cookie and its value.
+#[inline(always)]
+pub(crate) fn dump<V: Copy, R>(ctx: *mut c_void, record: impl FnOnce(u64, V) -> R) -> i32 {
+    // SAFETY: the context of an iterator over a socket-local storage map
+    // whose values are `V`, laid out as `SkStorageIter`, valid for this run.
+    let iter = unsafe { &*(ctx as *const SkStorageIter<V>) };
     let (sk, value) = (iter.sk, iter.value);
     if sk.is_null() || value.is_null() {
         return 0;
     }
-    let record = SockNotesRecord {
+    let record = record(
         // SAFETY: a socket the kernel holds for this run.
-        cookie: unsafe { bpf_get_socket_cookie(sk) },
+        unsafe { bpf_get_socket_cookie(sk) },
         // SAFETY: not null, so the socket's value of this map.
-        notes: unsafe { *value },
-    };
+        unsafe { *value },
+    );
     // SAFETY: the iterator's own output, valid for this run; the record is
     // on this program's stack.
     unsafe {
         bpf_seq_write(
             (*iter.meta).seq,
             (&raw const record).cast(),
-            size_of::<SockNotesRecord>() as u32,
+            size_of::<R>() as u32,
         )
     };
     0

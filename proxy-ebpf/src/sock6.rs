@@ -16,17 +16,18 @@
 //! localhost NodePorts on IPv4 only (the kernel has no `route_localnet`
 //! for IPv6).
 
+use core::ffi::c_void;
+
 use aya_ebpf::programs::SockAddrContext;
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP, SockNote, SockNote6, is_v4_mapped, node_config_flags, service_flags,
-    sock_counter, sock_note, sock_note_slot6, v4_mapped,
+    PROTO_TCP, PROTO_UDP, SockNote, SockNote6, SockNotes6, SockNotes6Record, is_v4_mapped,
+    node_config_flags, sock_counter, sock_note, sock_note_slot6, v4_mapped,
 };
 
 use crate::{
-    conntrack,
     frontend::{self, Frontend},
     maps::{SOCK_NOTES, SOCK_NOTES6, count_sock, node_addr6, node_config},
-    sock::{ALLOW, ECONNREFUSED, REFUSE, loopback, node_socket, remember},
+    sock::{ALLOW, Note, dump, keep, loopback, node_socket, pick, remember},
 };
 
 /// An IPv6 `connect()` of a TCP or UDP socket.
@@ -97,16 +98,33 @@ fn remember6(ctx: &SockAddrContext, note: SockNote6) {
     if notes.is_null() {
         return;
     }
-    let slot = sock_note_slot6(&note.backend_be, note.backend_port_be);
-    // SAFETY: not null, so the socket's storage, valid for this run; the
-    // slot is below SOCK_NOTE_SLOTS.
-    let kept = unsafe { &mut (*notes).notes[slot] };
-    let same = kept.backend_be == note.backend_be
-        && kept.backend_port_be == note.backend_port_be
-        && kept.frontend_be == note.frontend_be
-        && kept.frontend_port_be == note.frontend_port_be;
-    let how = if same { kept.how | note.how } else { note.how };
-    *kept = SockNote6 { how, ..note };
+    // SAFETY: not null, so the socket's storage, valid for this run.
+    keep(unsafe { &mut (*notes).notes }, note);
+}
+
+impl Note for SockNote6 {
+    #[inline(always)]
+    fn slot(&self) -> usize {
+        sock_note_slot6(&self.backend_be, self.backend_port_be)
+    }
+
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        self.backend_be == other.backend_be
+            && self.backend_port_be == other.backend_port_be
+            && self.frontend_be == other.frontend_be
+            && self.frontend_port_be == other.frontend_port_be
+    }
+
+    #[inline(always)]
+    fn how(&self) -> u32 {
+        self.how
+    }
+
+    #[inline(always)]
+    fn with_how(self, how: u32) -> Self {
+        SockNote6 { how, ..self }
+    }
 }
 
 /// The IPv6 address (four words in network order) and port the program may
@@ -188,23 +206,9 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     let Some((frontend, client_be)) = frontend_of(&dst_be, dport_be, proto) else {
         return ALLOW;
     };
-    let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0
-        && !frontend::source_allowed_for6(&frontend, client_be)
-    {
-        return ALLOW;
-    }
-    if svc.count == 0 {
-        if svc.flags & service_flags::NO_EP_DROP != 0 {
-            return ALLOW;
-        }
-        count_sock(sock_counter::REFUSED);
-        // SAFETY: a plain helper call; cgroup programs may set the error.
-        unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
-        return REFUSE;
-    }
-    let Some((_, backend)) = frontend::select_for(svc, client_be, conntrack::now_ns()) else {
-        return ALLOW;
+    let backend = match pick(&frontend, client_be) {
+        Ok(backend) => backend,
+        Err(verdict) => return verdict,
     };
     // The planner keeps each family's frontends to that family's
     // endpoints; a backend of the other family is a map being rewritten.
@@ -238,4 +242,13 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     set_user_addr(ctx, backend.addr_be, backend.port_be);
     count_sock(counted);
     ALLOW
+}
+
+/// One iteration over `SOCK_NOTES6`: writes the socket's cookie and notes.
+#[inline(always)]
+pub fn dump_notes6(ctx: *mut c_void) -> i32 {
+    dump(ctx, |cookie, notes: SockNotes6| SockNotes6Record {
+        cookie,
+        notes,
+    })
 }

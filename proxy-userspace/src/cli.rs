@@ -33,7 +33,7 @@ pub enum Command {
     /// Detach from every interface and remove every pin.
     Cleanup(PinArgs),
     /// Print the frontends, backends and counters in the pinned maps.
-    Status(PinArgs),
+    Status(StatusArgs),
     /// Set the level of the datapath's log in the pinned maps: a running
     /// agent forwards what the datapath logs from then on (until its next
     /// start, which writes its --datapath-log).
@@ -47,6 +47,17 @@ pub struct DatapathLogArgs {
     pub level: DatapathLogLevel,
     #[command(flatten)]
     pub pins: PinArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Also list every translated flow in conntrack, one a line:
+    /// `<proto> <client> -> <frontend> => <backend>`, IPv6 addresses as
+    /// `[addr]:port`.
+    #[arg(long)]
+    pub flows: bool,
 }
 
 #[derive(Debug, Args)]

@@ -83,9 +83,17 @@ fn main() -> anyhow::Result<()> {
             );
         }
         Command::Status(args) => {
-            let pins = PinLayout::new(&args.bpf_root);
-            let text = status::render(&pins).with_context(|| {
-                format!("reading the maps pinned under {}", args.bpf_root.display())
+            let pins = PinLayout::new(&args.pins.bpf_root);
+            let render = if args.flows {
+                status::render_with_flows
+            } else {
+                status::render
+            };
+            let text = render(&pins).with_context(|| {
+                format!(
+                    "reading the maps pinned under {}",
+                    args.pins.bpf_root.display()
+                )
             })?;
             print!("{text}");
         }

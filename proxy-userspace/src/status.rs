@@ -1,4 +1,7 @@
-//! `ebpf-proxy status`: what the pinned maps hold, readable.
+//! `ebpf-proxy status`: what the pinned maps hold, readable; with
+//! `--flows`, the translated flows too (`flows`).
+
+pub mod flows;
 
 use std::fmt::Write;
 
@@ -182,6 +185,22 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
     Ok(out)
 }
 
+/// `render`, then every translated flow in conntrack, one a line
+/// (`flows`).
+pub fn render_with_flows(pins: &PinLayout) -> Result<String, MapsError> {
+    let mut out = render(pins)?;
+    let flows = flows::read(&Maps::open_pinned(pins)?)?;
+    let _ = writeln!(
+        out,
+        "flows: {} (client -> frontend => backend)",
+        flows.len()
+    );
+    for flow in flows {
+        let _ = writeln!(out, "flow {flow}");
+    }
+    Ok(out)
+}
+
 /// `map fill NAME: entries of capacity (percent)`: how close a map is to
 /// refusing writes (docs/maps.md, "Sizes").
 fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
@@ -196,25 +215,31 @@ fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
 }
 
 /// How many sockets hold the socket hooks' notes (in every network
-/// namespace: the notes live in the sockets themselves, `SOCK_NOTES`), and
-/// how many UDP sockets of this one (the node's, where status is run) the
-/// `connect()` hook connected.
+/// namespace: the notes live in the sockets themselves, `SOCK_NOTES` and
+/// `SOCK_NOTES6`), and how many UDP sockets of this one (the node's, where
+/// status is run), IPv4 or IPv6, the `connect()` hook connected. The IPv6
+/// notes count where their iterator is pinned (an agent of this version).
 fn socket_notes(pins: &PinLayout) -> String {
     let notes = match sock_notes::read(&pins.sock_notes()) {
         Ok(notes) => notes,
         Err(e) => return format!("sockets with socket hook notes: unknown ({e})"),
     };
+    let notes6 = sock_notes::read6(&pins.sock_notes6()).unwrap_or_default();
+    let holding: std::collections::HashSet<u64> = notes.cookies().chain(notes6.cookies()).collect();
     let connected = sock_diag::SockDiag::open()
         .and_then(|mut diag| diag.connected_udp())
         .map_or_else(
             |e| format!("unknown ({e})"),
             |sockets| {
-                let n = sockets.iter().filter(|s| notes.hook_connected(s)).count();
+                let n = sockets
+                    .iter()
+                    .filter(|s| notes.hook_connected(s) || notes6.hook_connected(s))
+                    .count();
                 n.to_string()
             },
         );
     format!(
         "sockets with socket hook notes: {} (connected UDP sockets here connected by the hook: {connected})",
-        notes.len()
+        holding.len()
     )
 }

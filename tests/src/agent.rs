@@ -250,6 +250,16 @@ impl Agent {
         )
     }
 
+    /// `ebpf-proxy status --flows`: the status and every translated flow.
+    pub fn status_flows(&self) -> Result<String> {
+        run_cmd(
+            Command::new(&self.bin)
+                .args(["status", "--flows"])
+                .arg("--bpf-root")
+                .arg(&self.bpf_root),
+        )
+    }
+
     /// The datapath counter `name` (summed over CPUs), as `status` shows it.
     pub fn counter(&self, name: &str) -> Result<u64> {
         let status = self.status()?;

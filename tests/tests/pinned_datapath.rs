@@ -2,21 +2,38 @@
 //! one-node world (docs/architecture.md, "Test topologies"): it keeps serving after
 //! the agent exits until `cleanup`, an agent of a newer layout retires an older one's
 //! datapath (an upgrade in place), a new `--conntrack-max` resizes conntrack with its
-//! flows, and the pinned maps dump with field names.
+//! flows, an agent restarted on the pins takes over the tcx links with `tc_ingress6`
+//! still after `tc_ingress`, the pinned maps dump with field names, and `status
+//! --flows` shows the flows in conntrack, IPv6's as `[addr]:port`.
 //!
 //! Every test builds its own namespaces, bpffs root and manifest directory, so they run
 //! in parallel; everything is removed on drop, also when a test fails.
 
-use std::{process::Command, thread, time::Duration};
+use std::{
+    net::{SocketAddr, SocketAddrV6, TcpStream},
+    process::Command,
+    thread,
+    time::Duration,
+};
 
+use aya::programs::{SchedClassifier, TcAttachType};
 use ebpf_proxy_tests::{
+    Protocol,
     client::{
         Outcome, TIMEOUT, TcpSession, assert_all_replied_from, tcp_request, tcp_tally, udp_request,
     },
     gone_within,
+    manifest::Service,
     sandbox::Sandbox,
-    topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, dns, http, web_service},
+    topology::{
+        one_node::{
+            BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
+            backend_ips, backend_ips6, dns, http, web_service,
+        },
+        pod_ip6,
+    },
 };
+use proxy_userspace::datapath::PinLayout;
 
 /// (e) After SIGTERM the agent exits cleanly and the pinned datapath keeps serving new
 /// connections; `ebpf-proxy cleanup` then removes it and the ClusterIP goes dark.
@@ -260,4 +277,253 @@ fn pinned_maps_dump_with_field_names() {
         "expected the service and backend maps to have entries; pins: {pins:?}, \
          dumped with field names: {dumped:?}"
     );
+}
+
+/// The programs in the tcx ingress chain of the node's interface `ifname`, first to
+/// last, by name.
+fn tcx_chain(sb: &Sandbox, ifname: &str) -> Vec<String> {
+    sb.topology()
+        .node
+        .run(|| SchedClassifier::query_tcx(ifname, TcAttachType::Ingress))
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("querying the tcx chain of {ifname}: {e}"))
+        .1
+        .iter()
+        .map(|p| p.name_as_str().unwrap_or("?").to_owned())
+        .collect()
+}
+
+/// Every pod interface runs `tc_ingress` and then `tc_ingress6`, and nothing else,
+/// and the client reaches the IPv4 and the IPv6 ClusterIP, keeping its address.
+fn both_families_serve(sb: &Sandbox, what: &str) {
+    for pod in sb.topology().pods() {
+        assert_eq!(
+            tcx_chain(sb, &pod.host_if),
+            ["tc_ingress", "tc_ingress6"],
+            "{what}: the tcx ingress chain of {} (pod {})",
+            pod.host_if,
+            pod.name
+        );
+    }
+    let client = sb.client();
+    let v4 = tcp_tally(&client.ns, http(CLUSTER_IP), 20, TIMEOUT).expect("IPv4 tally");
+    assert_all_replied_from(client.ip, &format!("{what}: IPv4 ClusterIP"), &v4);
+    let http6 = SocketAddrV6::new(CLUSTER_IP6, TCP_SERVICE_PORT, 0, 0);
+    let v6 = tcp_tally(&client.ns, http6, 20, TIMEOUT).expect("IPv6 tally");
+    assert_all_replied_from(client.ip6, &format!("{what}: IPv6 ClusterIP"), &v6);
+}
+
+/// An agent started on the pins an earlier one left (a restart, an upgrade in place)
+/// takes over its tcx links, each keeping its place: `tc_ingress6` still runs after
+/// `tc_ingress`, which hands it what is not IPv4, and both ClusterIPs serve. Also when
+/// the earlier agent's `tc_ingress` link is gone from the client's interface (its pin
+/// lost) while its `tc_ingress6` link is there: the new agent attaches `tc_ingress`
+/// anew, which puts it last, and then `tc_ingress6` anew after it. Left first,
+/// `tc_ingress6` would pass the client's IPv4 frames before `tc_ingress` saw them.
+#[test]
+fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
+    let mut sb =
+        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    sb.manifests()
+        .write(
+            "web6.yaml",
+            &Service::new_v6("test", "web6", CLUSTER_IP6)
+                .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+                .yaml6(&backend_ips6()),
+        )
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    assert_eq!(sb.client().ip6, pod_ip6(CLIENT.1));
+    both_families_serve(&sb, "the first agent");
+
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    let mut restarted = sb
+        .agent_on_the_same_root(&[])
+        .expect("restart on the same root");
+    let log = restarted.log();
+    assert!(
+        log.matches("took over pinned tc link").count() >= 2 * sb.topology().pods().len(),
+        "the restarted agent did not take over both links of every pod's interface:\n{log}"
+    );
+    both_families_serve(&sb, "after a restart that took over the links");
+
+    let status = restarted.terminate().expect("stop the restarted agent");
+    assert!(status.success(), "the restarted agent exited with {status}");
+    let client_if = sb.client().host_if.clone();
+    let pin = PinLayout::new(sb.agent().bpf_root()).tc_ingress_link(&client_if);
+    let out = Command::new("bpftool")
+        .args(["link", "detach", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("running bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool link detach pinned {}: {}",
+        pin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_file(&pin).expect("removing the tc_ingress link's pin");
+    assert_eq!(
+        tcx_chain(&sb, &client_if),
+        ["tc_ingress6"],
+        "{client_if} after its tc_ingress link was detached"
+    );
+    let third = sb
+        .agent_on_the_same_root(&[])
+        .expect("start again on the same root");
+    both_families_serve(
+        &sb,
+        "after a restart that found tc_ingress's link of the client gone",
+    );
+    assert!(
+        third
+            .log()
+            .contains("a taken-over tc link runs before the program it must follow"),
+        "the agent did not say it moved the client's tc_ingress6 link:\n{}",
+        third.log()
+    );
+}
+
+/// `ebpf-proxy status --flows` lists each translated flow in conntrack once, IPv4's
+/// as `a.b.c.d:port` and IPv6's as `[addr]:port`: an open IPv6 connection from the
+/// client to the IPv6 ClusterIP is the line `flow TCP [client]:port -> [ClusterIP]:80
+/// => [backend]:8080 ...`, its backend the one that answered, and an IPv4 connection's
+/// line reads the same way. `bpftool map dump` of `CONNTRACK6` shows the same flow's
+/// addresses as four 32-bit words each, which read back as docs/operations.md says.
+#[test]
+fn status_lists_the_flows_of_both_families_readably() {
+    let mut sb =
+        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    sb.manifests()
+        .write(
+            "web6.yaml",
+            &Service::new_v6("test", "web6", CLUSTER_IP6)
+                .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+                .yaml6(&backend_ips6()),
+        )
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = sb.client();
+
+    let http6 = SocketAddr::V6(SocketAddrV6::new(CLUSTER_IP6, TCP_SERVICE_PORT, 0, 0));
+    let stream = client
+        .ns
+        .run(|| TcpStream::connect_timeout(&http6, TIMEOUT))
+        .expect("entering the client's namespace")
+        .unwrap_or_else(|e| panic!("connect to {http6}: {e}"));
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .expect("read timeout");
+    let mut greeting = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(stream.try_clone().expect("clone the stream")),
+        &mut greeting,
+    )
+    .expect("the greeting");
+    let backend6 = greeting.split_whitespace().next().unwrap_or_default();
+    let backend6_ip = BACKENDS
+        .iter()
+        .find(|b| b.0 == backend6)
+        .map(|b| pod_ip6(b.1))
+        .unwrap_or_else(|| panic!("greeting {greeting:?} names no backend"));
+    let local6 = stream.local_addr().expect("the connection's own address");
+    let session4 =
+        TcpSession::open(&client.ns, http(CLUSTER_IP), TIMEOUT).expect("an IPv4 connection");
+    let backend4_ip = BACKENDS
+        .iter()
+        .find(|b| b.0 == session4.greeting.backend)
+        .map(|b| b.1)
+        .expect("the IPv4 greeting names a backend");
+
+    let status = sb
+        .agent()
+        .status_flows()
+        .expect("ebpf-proxy status --flows");
+    let line6 = format!("flow TCP {local6} -> {http6} => [{backend6_ip}]:{TCP_PORT}");
+    assert!(
+        local6.is_ipv6() && status.lines().any(|l| l.starts_with(&line6)),
+        "no line starting {line6:?} in:\n{status}"
+    );
+    let prefix4 = format!(" -> {} => {backend4_ip}:{TCP_PORT}", http(CLUSTER_IP));
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with(&format!("flow TCP {}:", client.ip)) && l.contains(&prefix4)),
+        "no line of the IPv4 connection ({prefix4:?}) in:\n{status}"
+    );
+    let flows = status.lines().filter(|l| l.starts_with("flow ")).count();
+    assert!(
+        status.contains(&format!("flows: {flows} (client -> frontend => backend)")) && flows >= 2,
+        "the flow count does not match the {flows} flow lines:\n{status}"
+    );
+
+    // What `bpftool map dump` shows of the same flow: each address four u32 words,
+    // read back as docs/operations.md ("Reading the maps") says.
+    let pin = PinLayout::new(sb.agent().bpf_root()).map("CONNTRACK6");
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("run bpftool");
+    let dump: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("bpftool's JSON dump of CONNTRACK6");
+    let words = |ip: std::net::Ipv6Addr| -> Vec<u64> {
+        ip.octets()
+            .chunks(4)
+            .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect()
+    };
+    let SocketAddr::V6(local6) = local6 else {
+        unreachable!("checked above")
+    };
+    let forward = dump
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.get("formatted"))
+        .find(|e| {
+            e["key"]["src_be"].as_array().map(|w| {
+                w.iter()
+                    .filter_map(serde_json::Value::as_u64)
+                    .collect::<Vec<_>>()
+            }) == Some(words(*local6.ip()))
+                && e["key"]["dst_be"].as_array().map(|w| {
+                    w.iter()
+                        .filter_map(serde_json::Value::as_u64)
+                        .collect::<Vec<_>>()
+                }) == Some(words(CLUSTER_IP6))
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no CONNTRACK6 entry from {local6} to {CLUSTER_IP6} read as words {:?}: {}",
+                words(*local6.ip()),
+                String::from_utf8_lossy(&out.stdout)
+            )
+        });
+    eprintln!("CONNTRACK6 forward entry of {local6} -> {http6}: {forward}");
+    let nat: Vec<u64> = forward["value"]["nat_addr_be"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    assert_eq!(
+        nat,
+        words(backend6_ip),
+        "the forward entry's backend, read as words: {forward}"
+    );
+    drop(stream);
 }

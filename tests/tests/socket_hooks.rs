@@ -834,7 +834,11 @@ fn the_hooks_notes_live_in_their_sockets() {
             "{socket:?}: the note is not in its backend's slot"
         );
         if socket.connected() {
-            assert_eq!(socket.peer(), backend, "{socket:?}: noted another backend");
+            assert_eq!(
+                socket.peer(),
+                backend.into(),
+                "{socket:?}: noted another backend"
+            );
             assert_eq!(
                 note.how,
                 sock_note::CONNECTED,
@@ -863,7 +867,7 @@ fn the_hooks_notes_live_in_their_sockets() {
         status.contains("sockets with socket hook notes: 12 "),
         "status does not count the 12 sockets with notes:\n{status}"
     );
-    let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod).collect();
+    let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod.into()).collect();
     assert!(
         straight
             .iter()

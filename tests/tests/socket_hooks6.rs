@@ -3,19 +3,23 @@
 //! topology (docs/architecture.md, "Test topologies"), with the agent's cgroup hooks
 //! on a cgroup of each test's own: an IPv6 Service reached from the node's IPv6
 //! sockets, which its IPv6 backend pods answer, and an IPv4 Service reached through an
-//! IPv6 socket at its IPv4-mapped address.
+//! IPv6 socket at its IPv4-mapped address; the node's IPv6 UDP sockets the hook
+//! connected to a backend are closed when that backend leaves, as IPv4's are.
 //!
 //! Every test builds its own namespaces, cgroup, bpffs root and manifest directory, so
 //! they run in parallel; everything is removed on drop, also when a test fails.
 
 use std::{
     collections::BTreeSet,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     process::Output,
+    thread,
+    time::{Duration, Instant},
 };
 
 use ebpf_proxy_tests::{
     Protocol,
+    agent::SYNC_DEADLINE,
     cgroup::TestCgroup,
     manifest::{Service, SessionAffinity},
     netns::NetNs,
@@ -27,6 +31,7 @@ use ebpf_proxy_tests::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
             UDP_SERVICE_PORT, backend_ips, backend_ips6, backend_names, web_service,
         },
+        pod_ip6,
     },
 };
 
@@ -123,6 +128,19 @@ impl ConnectedUdp {
             .read_line(&mut answer)
             .expect("reading from udp-connected");
         answer.trim().to_owned()
+    }
+
+    /// The backend that answered a datagram, or None for an error (the socket
+    /// closed under its owner, say).
+    fn backend(&mut self) -> Option<String> {
+        let answer = self.ask("hi");
+        (!answer.starts_with("error")).then(|| {
+            answer
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
     }
 }
 
@@ -352,5 +370,172 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
         &sb,
         &cgroup,
         SocketAddr::new(empty_ip6.into(), TCP_SERVICE_PORT),
+    );
+}
+
+/// `n` connected UDP sockets of the node to `target`, each with the backend that
+/// answered its first datagram.
+fn connected_udp_clients(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    n: usize,
+) -> Vec<(ConnectedUdp, String)> {
+    (0..n)
+        .map(|i| {
+            let mut client = ConnectedUdp::start(&sb.topology().node, cgroup, target);
+            let backend = client.backend().unwrap_or_else(|| {
+                panic!(
+                    "connected UDP client {i} of the node to {target} got no answer; agent log:\n{}",
+                    sb.agent().log()
+                )
+            });
+            (client, backend)
+        })
+        .collect()
+}
+
+/// A Service whose backends leave one at a time: its UDP frontend, the address of a
+/// backend pod by name (as an IPv6 socket connects to it), and the manifest without
+/// the named backend.
+struct Departing {
+    frontend: SocketAddr,
+    pod: fn(&str) -> SocketAddr,
+    without: fn(&str) -> (&'static str, String),
+}
+
+/// 12 connected IPv6 UDP sockets of the node to `service`'s frontend; then the
+/// backend of the first leaves the Service: the agent closes exactly the sockets the
+/// hook connected to it, within the sync deadline, and says so in its log, while the
+/// others, and an IPv6 socket connected straight to the departing pod, keep theirs;
+/// new sockets reach the remaining backends.
+fn departed_backends_ipv6_sockets_are_closed(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    service: &Departing,
+) {
+    let node = &sb.topology().node;
+    let what = service.frontend;
+    let mut clients = connected_udp_clients(sb, cgroup, service.frontend, 12);
+    let departing = clients[0].1.clone();
+    let mut direct = ConnectedUdp::start(node, cgroup, (service.pod)(&departing));
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "{what}: a socket connected straight to {departing}"
+    );
+
+    let (manifest, yaml) = (service.without)(&departing);
+    sb.manifests()
+        .write(manifest, &yaml)
+        .expect("rewrite manifest");
+    let written = Instant::now();
+    let deadline = SYNC_DEADLINE + Duration::from_secs(1);
+    while clients[0].0.backend().is_some() && written.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    let mut closed = 0;
+    for (i, (client, backend)) in clients.iter_mut().enumerate() {
+        let now = client.backend();
+        if *backend == departing {
+            assert_eq!(
+                now, None,
+                "{what}: client {i}: {deadline:?} after {departing} left, its socket still reaches it"
+            );
+            closed += 1;
+        } else {
+            assert_eq!(
+                now.as_ref(),
+                Some(&*backend),
+                "{what}: client {i} of {backend}, which stays, lost its socket"
+            );
+        }
+    }
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "{what}: a socket connected straight to the pod's address, not through the hook, was closed"
+    );
+    assert!(
+        sb.agent()
+            .log()
+            .contains(&format!("closed {closed} UDP sockets")),
+        "{what}: the agent's log does not say it closed {closed} sockets:\n{}",
+        sb.agent().log()
+    );
+    for i in 0..10 {
+        let backend = ConnectedUdp::start(node, cgroup, service.frontend).backend();
+        assert!(
+            backend.as_ref().is_some_and(|b| *b != departing),
+            "{what}: new connected UDP socket {i} after {departing} left: {backend:?}"
+        );
+    }
+}
+
+/// The address of backend pod `name` (one of [`BACKENDS`]).
+fn backend_ip(name: &str) -> Ipv4Addr {
+    BACKENDS
+        .iter()
+        .find(|b| b.0 == name)
+        .unwrap_or_else(|| panic!("answer from {name}, no backend of the test"))
+        .1
+}
+
+/// A UDP socket of the node that the IPv6 `connect()` hook connected to an IPv6
+/// backend stays connected to it, as an IPv4 one does, so when the backend leaves its
+/// Service the agent closes the socket (its notes in `SOCK_NOTES6`, read through their
+/// own pinned iterator): its owner reads an error and reconnects to a live backend.
+/// The node's sockets the hook sent elsewhere, and one connected straight to the
+/// departed pod's IPv6 address, are left alone.
+#[test]
+fn the_nodes_ipv6_udp_sockets_connected_to_a_departed_backend_are_closed() {
+    fn web6(backends: &[Ipv6Addr]) -> String {
+        Service::new_v6("test", "web6", CLUSTER_IP6)
+            .port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_PORT)
+            .yaml6(backends)
+    }
+    let (sb, cgroup) = hooked_sandbox(&[("web6.yaml", web6(&backend_ips6()))]);
+    departed_backends_ipv6_sockets_are_closed(
+        &sb,
+        &cgroup,
+        &Departing {
+            frontend: SocketAddr::new(CLUSTER_IP6.into(), UDP_SERVICE_PORT),
+            pod: |name| SocketAddr::new(IpAddr::V6(pod_ip6(backend_ip(name))), UDP_PORT),
+            without: |name| {
+                let remaining: Vec<Ipv6Addr> = BACKENDS
+                    .iter()
+                    .filter(|b| b.0 != name)
+                    .map(|b| pod_ip6(b.1))
+                    .collect();
+                ("web6.yaml", web6(&remaining))
+            },
+        },
+    );
+}
+
+/// The same for an IPv4 Service reached from IPv6 sockets at its IPv4-mapped
+/// ClusterIP: the hook noted them in `SOCK_NOTES` by the IPv4 backend, and the agent
+/// finds them among the node's IPv6 sockets and closes them when that backend leaves.
+#[test]
+fn the_nodes_ipv6_udp_sockets_connected_to_a_departed_ipv4_backend_are_closed() {
+    let (sb, cgroup) = hooked_sandbox(&[(
+        "web.yaml",
+        web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+    )]);
+    departed_backends_ipv6_sockets_are_closed(
+        &sb,
+        &cgroup,
+        &Departing {
+            frontend: mapped(CLUSTER_IP, UDP_SERVICE_PORT),
+            pod: |name| mapped(backend_ip(name), UDP_PORT),
+            without: |name| {
+                let remaining: Vec<Ipv4Addr> = BACKENDS
+                    .iter()
+                    .filter(|b| b.0 != name)
+                    .map(|b| b.1)
+                    .collect();
+                ("web.yaml", web_service(CLUSTER_IP).yaml(Some(&remaining)))
+            },
+        },
     );
 }

@@ -5,7 +5,7 @@
 use std::{io, os::fd::AsFd, path::Path};
 
 use aya::programs::{
-    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, Xdp,
+    CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramId, SchedClassifier, TcAttachType, Xdp,
     links::{FdLink, LinkError, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
     xdp::{XdpLink, XdpMode},
@@ -114,6 +114,52 @@ pub fn attach_tc_ingress(
     let link = program.take_link(link_id).map_err(err)?;
     pin_link(link.try_into(), ifname, pin)?;
     Ok(Attachment { ifindex })
+}
+
+/// `attach_tc_ingress` for `program`, which must run after the program
+/// `first` (by id) in `ifname`'s chain, as `tc_ingress6` after
+/// `tc_ingress`: `first` hands it what `first` does not take. A link of an
+/// earlier run keeps its place when taken over, which is after `first`'s
+/// unless `first`'s own link was attached anew since (its pin lost: a new
+/// link goes last), behind this one. Then this program would see every
+/// frame first and pass what is not its own without `first` ever seeing
+/// it, so its link is detached and attached anew after `first`; IPv6
+/// frames pass untranslated for that moment.
+pub fn attach_tc_ingress_after(
+    program: &mut SchedClassifier,
+    ifname: &str,
+    ifindex: u32,
+    pin: &Path,
+    first: u32,
+) -> Result<Attachment, AttachError> {
+    let err = |source| AttachError::Attach {
+        ifname: ifname.to_string(),
+        source,
+    };
+    let after = || {
+        // SAFETY: `first` is the id of a program this agent holds loaded.
+        LinkOrder::after_program_id(unsafe { ProgramId::new(first) })
+    };
+    let attachment = attach_tc_ingress(program, ifname, ifindex, pin, after())?;
+    let own = program.info().map_err(err)?.id();
+    let (_, chain) = SchedClassifier::query_tcx(ifname, TcAttachType::Ingress).map_err(err)?;
+    let position = |id: u32| chain.iter().position(|p| p.id() == id);
+    if let (Some(mine), Some(theirs)) = (position(own), position(first))
+        && mine < theirs
+    {
+        tracing::warn!(
+            ifname,
+            pin = %pin.display(),
+            "a taken-over tc link runs before the program it must follow; attaching it anew after it"
+        );
+        super::detach::detach_pinned_link(pin).map_err(|source| AttachError::Open {
+            path: pin.display().to_string(),
+            source,
+        })?;
+        let _ = std::fs::remove_file(pin);
+        return attach_tc_ingress(program, ifname, ifindex, pin, after());
+    }
+    Ok(attachment)
 }
 
 /// Replaces the program in a pinned link of an earlier run. None when there

@@ -1,15 +1,18 @@
 //! Typed handles on the pinned maps, and the only code that writes the
 //! service and node-level maps (through the planners' [`MapStore`]).
 
-use aya::maps::{
-    Array, HashMap, Map, MapData, MapError, PerCpuArray, SkStorage,
-    lpm_trie::{Key, LpmTrie},
+use aya::{
+    Pod,
+    maps::{
+        Array, HashMap, Map, MapData, MapError, PerCpuArray, SkStorage,
+        lpm_trie::{Key, LpmTrie},
+    },
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceKey, ServiceValue, SockNotes, SourceRangeKey, counter, ip_summed, map_names,
-    sock_counter,
+    NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, counter,
+    ip_summed, map_names, sock_counter,
 };
 
 use super::pins::PinLayout;
@@ -135,9 +138,9 @@ fn later<T>(
     }
 }
 
-/// `map`'s data, once checked to be socket-local storage of `SockNotes`.
-fn socket_storage(map: Map) -> Result<MapData, MapError> {
-    SkStorage::<&MapData, SockNotes>::try_from(&map)?;
+/// `map`'s data, once checked to be socket-local storage of `V`.
+fn socket_storage<V: Pod>(map: Map) -> Result<MapData, MapError> {
+    SkStorage::<&MapData, V>::try_from(&map)?;
     match map {
         Map::SkStorage(data) => Ok(data),
         _ => unreachable!("SkStorage::try_from accepted a map of another type"),
@@ -181,6 +184,8 @@ pub struct Maps {
     /// like `csum_states`. Read back through an iterator (`sock_notes`),
     /// which needs only the map's descriptor.
     pub sock_notes: Option<MapData>,
+    /// `sock_notes` of IPv6 backends (`proxy_common::SockNotes6`).
+    pub sock_notes6: Option<MapData>,
     /// The node's IPv6 address (`NODE_CONFIG6`); absent like `csum_states`.
     pub node_config6: Option<Array<MapData, NodeConfig>>,
 }
@@ -214,7 +219,8 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
-            NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOURCE_RANGES,
+            NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6,
+            SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -235,7 +241,8 @@ impl Maps {
             csum_states: later(get(CSUM_STATES), CSUM_STATES, PerCpuArray::try_from)?,
             host_netns: later(get(HOST_NETNS), HOST_NETNS, Array::try_from)?,
             sock_counters: later(get(SOCK_COUNTERS), SOCK_COUNTERS, PerCpuArray::try_from)?,
-            sock_notes: later(get(SOCK_NOTES), SOCK_NOTES, socket_storage)?,
+            sock_notes: later(get(SOCK_NOTES), SOCK_NOTES, socket_storage::<SockNotes>)?,
+            sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
         })
     }

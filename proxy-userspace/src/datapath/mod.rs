@@ -202,13 +202,27 @@ impl Datapath {
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
-        if let Some(notes) = &maps.sock_notes
-            && let Err(e) = sock_notes::pin_iterator(&mut ebpf, notes, &pins.sock_notes())
-        {
-            tracing::warn!(
-                error = %e,
-                "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
-            );
+        for (program, notes, path) in [
+            (
+                program_names::SOCK_NOTES_DUMP,
+                &maps.sock_notes,
+                pins.sock_notes(),
+            ),
+            (
+                program_names::SOCK_NOTES6_DUMP,
+                &maps.sock_notes6,
+                pins.sock_notes6(),
+            ),
+        ] {
+            if let Some(notes) = notes
+                && let Err(e) = sock_notes::pin_iterator(&mut ebpf, program, notes, &path)
+            {
+                tracing::warn!(
+                    error = %e,
+                    iterator = program,
+                    "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
+                );
+            }
         }
         for resize in resize.iter().chain(&resize6) {
             match resize.carry(&mut maps) {
@@ -346,13 +360,16 @@ impl Datapath {
             LinkOrder::default(),
         )?;
         // After tc_ingress, which hands it what is not IPv4.
-        let after =
-            LinkOrder::after_program(self.tc_program()).map_err(|source| AttachError::Attach {
+        let first = self
+            .tc_program()
+            .info()
+            .map_err(|source| AttachError::Attach {
                 ifname: ifname.to_string(),
                 source,
-            })?;
+            })?
+            .id();
         let path6 = self.pins.tc_ingress6_link(ifname);
-        attach::attach_tc_ingress(self.tc6_program_mut(), ifname, ifindex, &path6, after)?;
+        attach::attach_tc_ingress_after(self.tc6_program_mut(), ifname, ifindex, &path6, first)?;
         self.attached.insert(ifname.to_string(), attachment);
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! <root>/v<LAYOUT_VERSION>/links/cgroup-<hook>  the socket hooks' links
 //! <root>/v<LAYOUT_VERSION>/iters/SOCK_NOTES      reading it lists the socket
 //!                                                hooks' notes (`sock_notes`)
+//! <root>/v<LAYOUT_VERSION>/iters/SOCK_NOTES6     the same, of IPv6 backends
 //! ```
 //! The layout version is in the path because aya reuses a pin without
 //! checking its key and value sizes.
@@ -84,6 +85,11 @@ impl PinLayout {
     /// The pinned iterator over the socket hooks' notes (`sock_notes`).
     pub fn sock_notes(&self) -> PathBuf {
         self.iters_dir().join(proxy_common::map_names::SOCK_NOTES)
+    }
+
+    /// The pinned iterator over the socket hooks' notes of IPv6 backends.
+    pub fn sock_notes6(&self) -> PathBuf {
+        self.iters_dir().join(proxy_common::map_names::SOCK_NOTES6)
     }
 
     /// The link of socket hook `hook` (`connect4`, ...) on the cgroup root.

@@ -40,7 +40,8 @@ pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
         Ok(_) => {}
         Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
     }
-    match sock_diag::close_departed(&datapath.pins().sock_notes(), departed) {
+    let pins = datapath.pins();
+    match sock_diag::close_departed(&pins.sock_notes(), &pins.sock_notes6(), departed) {
         Ok(0) => {}
         Ok(closed) => {
             info!("closed {closed} UDP sockets of the node connected to departed backends");

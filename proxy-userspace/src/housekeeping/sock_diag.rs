@@ -1,5 +1,6 @@
-//! The node's UDP sockets, listed and closed through the kernel's socket
-//! diagnostics (`NETLINK_SOCK_DIAG`: `SOCK_DIAG_BY_FAMILY`, `SOCK_DESTROY`).
+//! The node's UDP sockets, IPv4 and IPv6, listed and closed through the
+//! kernel's socket diagnostics (`NETLINK_SOCK_DIAG`: `SOCK_DIAG_BY_FAMILY`,
+//! `SOCK_DESTROY`).
 //!
 //! A UDP socket of the node that the `connect()` hook sent to a backend stays
 //! connected to that backend's address for its life: no conntrack entry
@@ -11,31 +12,38 @@
 use std::{
     collections::HashSet,
     io,
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::{AsRawFd, OwnedFd},
     path::Path,
 };
 
 use bytemuck::{Pod, Zeroable};
 use nix::sys::socket::{AddressFamily, SockFlag, SockProtocol, SockType, recv, send, socket};
-use proxy_common::{PROTO_UDP, is_v4_mapped};
+use proxy_common::{PROTO_UDP, is_v4_mapped, v4_mapped};
 
 use super::sock_notes::{self, SockNotesError};
 use crate::planner::Departed;
 
 /// Closes the node's UDP sockets that the socket hooks connected to a
 /// departed backend: those connected to its address and port whose own
-/// notes (`SOCK_NOTES`, read through the iterator pinned at `notes`) say
-/// the `connect()` hook connected them there. A socket connected to the
-/// backend's address by its owner is left alone. Returns how many were
-/// closed.
-pub fn close_departed(notes: &Path, departed: &[Departed]) -> Result<usize, SockDiagError> {
-    // (address, port), both in network order, as the hooks note them.
-    let gone: HashSet<(u32, u16)> = departed
+/// notes say the `connect()` hook connected them there. An IPv4 backend's
+/// notes are in `SOCK_NOTES` (read through the iterator pinned at `notes`),
+/// whether an IPv4 socket or an IPv6 one (at the IPv4-mapped address) was
+/// connected to it; an IPv6 backend's in `SOCK_NOTES6` (at `notes6`). A
+/// socket connected to the backend's address by its owner is left alone.
+/// Returns how many were closed.
+pub fn close_departed(
+    notes: &Path,
+    notes6: &Path,
+    departed: &[Departed],
+) -> Result<usize, SockDiagError> {
+    // (address, port), both in network order, an IPv4 address IPv4-mapped,
+    // as `UdpSocket::peer_be` gives them.
+    let gone: HashSet<([u32; 4], u16)> = departed
         .iter()
         .filter_map(|d| d.backend)
-        .filter(|b| b.proto == PROTO_UDP && is_v4_mapped(&b.addr_be))
-        .map(|b| (b.addr_be[3], b.port_be))
+        .filter(|b| b.proto == PROTO_UDP)
+        .map(|b| (b.addr_be, b.port_be))
         .collect();
     if gone.is_empty() {
         return Ok(0);
@@ -49,10 +57,21 @@ pub fn close_departed(notes: &Path, departed: &[Departed]) -> Result<usize, Sock
     if candidates.is_empty() {
         return Ok(0);
     }
-    let notes = sock_notes::read(notes)?;
+    // Each map is read only when a candidate's backend is of its family, so
+    // that a node without the IPv6 iterator still closes IPv4 sockets.
+    let to_v4 = |s: &UdpSocket| is_v4_mapped(&s.peer_be().0);
+    let notes = match candidates.iter().any(to_v4) {
+        true => sock_notes::read(notes)?,
+        false => sock_notes::Notes::default(),
+    };
+    let notes6 = match candidates.iter().all(to_v4) {
+        true => sock_notes::Notes6::default(),
+        false => sock_notes::read6(notes6)?,
+    };
     let mut closed = 0;
     for socket in candidates {
-        if notes.hook_connected(&socket) && diag.destroy(&socket)? {
+        let hooked = notes.hook_connected(&socket) || notes6.hook_connected(&socket);
+        if hooked && diag.destroy(&socket)? {
             closed += 1;
         }
     }
@@ -67,6 +86,7 @@ const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 const IPPROTO_UDP: u8 = 17;
 /// Every TCP state bit: UDP sockets report ESTABLISHED (connected) or CLOSE.
 const ALL_STATES: u32 = u32::MAX;
@@ -140,10 +160,11 @@ struct InetDiagMsg {
     inode: u32,
 }
 
-/// An IPv4 UDP socket of this network namespace, as the kernel names it to
-/// list and to close it.
+/// A UDP socket of this network namespace, IPv4 or IPv6, as the kernel
+/// names it to list and to close it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UdpSocket {
+    family: u8,
     id: InetDiagSockId,
 }
 
@@ -165,16 +186,38 @@ impl SockDiag {
         Ok(Self { fd, seq: 0 })
     }
 
-    /// The connected IPv4 UDP sockets of this namespace.
+    /// The connected UDP sockets of this namespace, IPv4 and IPv6.
     pub fn connected_udp(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
         let mut sockets = self.udp()?;
+        match self.udp6() {
+            Ok(sockets6) => sockets.extend(sockets6),
+            // A kernel without IPv6 has no IPv6 sockets to list.
+            Err(SockDiagError::Dump(e))
+                if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EAFNOSUPPORT)) => {}
+            Err(e) => return Err(e),
+        }
         sockets.retain(UdpSocket::connected);
         Ok(sockets)
     }
 
     /// Every IPv4 UDP socket of this namespace, connected or not.
     pub fn udp(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
-        self.request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP, InetDiagSockId::default())?;
+        self.dump(AF_INET)
+    }
+
+    /// Every IPv6 UDP socket of this namespace, connected or not (an IPv6
+    /// socket talking IPv4 among them, its addresses IPv4-mapped).
+    pub fn udp6(&mut self) -> Result<Vec<UdpSocket>, SockDiagError> {
+        self.dump(AF_INET6)
+    }
+
+    fn dump(&mut self, family: u8) -> Result<Vec<UdpSocket>, SockDiagError> {
+        self.request(
+            SOCK_DIAG_BY_FAMILY,
+            NLM_F_DUMP,
+            family,
+            InetDiagSockId::default(),
+        )?;
         let mut sockets = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -188,8 +231,8 @@ impl SockDiag {
                     },
                     SOCK_DIAG_BY_FAMILY => {
                         let msg: InetDiagMsg = read(payload)?;
-                        if msg.family == AF_INET {
-                            sockets.push(UdpSocket { id: msg.id });
+                        if msg.family == family {
+                            sockets.push(UdpSocket { family, id: msg.id });
                         }
                     }
                     _ => {}
@@ -200,7 +243,7 @@ impl SockDiag {
 
     /// Closes `socket`; Ok(false) when it is already gone.
     pub fn destroy(&mut self, socket: &UdpSocket) -> Result<bool, SockDiagError> {
-        self.request(SOCK_DESTROY, NLM_F_ACK, socket.id)?;
+        self.request(SOCK_DESTROY, NLM_F_ACK, socket.family, socket.id)?;
         let mut buf = vec![0u8; 4096];
         loop {
             let len = self.receive(&mut buf)?;
@@ -226,10 +269,16 @@ impl SockDiag {
         .map_err(|e| SockDiagError::Receive(e.into()))
     }
 
-    fn request(&mut self, kind: u16, flags: u16, id: InetDiagSockId) -> Result<(), SockDiagError> {
+    fn request(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        family: u8,
+        id: InetDiagSockId,
+    ) -> Result<(), SockDiagError> {
         self.seq = self.seq.wrapping_add(1);
         let req = InetDiagReqV2 {
-            family: AF_INET,
+            family,
             protocol: IPPROTO_UDP,
             ext: 0,
             pad: 0,
@@ -266,24 +315,48 @@ impl UdpSocket {
         u64::from(self.id.cookie[0]) | (u64::from(self.id.cookie[1]) << 32)
     }
 
-    /// The peer's address and port, in network order, as the hooks note
-    /// them.
-    pub fn peer_be(&self) -> (u32, u16) {
-        (self.id.dst_be[0], self.id.dport_be)
+    /// Whether it is an IPv6 socket (`AF_INET6`), which may talk IPv4 too.
+    pub fn ipv6(&self) -> bool {
+        self.family == AF_INET6
     }
 
-    pub fn local(&self) -> SocketAddrV4 {
-        v4(self.id.src_be[0], self.id.sport_be)
+    /// The peer's address and port, in network order, the address in the
+    /// maps' form: an IPv4 peer (of an IPv4 socket, or of an IPv6 one at
+    /// the IPv4-mapped address) IPv4-mapped, as backends are kept.
+    pub fn peer_be(&self) -> ([u32; 4], u16) {
+        (self.words(&self.id.dst_be), self.id.dport_be)
     }
 
-    pub fn peer(&self) -> SocketAddrV4 {
+    pub fn local(&self) -> SocketAddr {
+        addr(self.words(&self.id.src_be), self.id.sport_be)
+    }
+
+    pub fn peer(&self) -> SocketAddr {
         let (addr_be, port_be) = self.peer_be();
-        v4(addr_be, port_be)
+        addr(addr_be, port_be)
+    }
+
+    /// An address as the kernel reports it (an IPv4 socket's in the first
+    /// word), in the maps' form.
+    fn words(&self, addr_be: &[u32; 4]) -> [u32; 4] {
+        match self.family {
+            AF_INET => v4_mapped(addr_be[0]),
+            _ => *addr_be,
+        }
     }
 }
 
-fn v4(addr_be: u32, port_be: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::from(u32::from_be(addr_be)), u16::from_be(port_be))
+/// `addr_be:port_be` as a socket address; an IPv4-mapped address as the IPv4
+/// address it names.
+fn addr(addr_be: [u32; 4], port_be: u16) -> SocketAddr {
+    let ip = if is_v4_mapped(&addr_be) {
+        IpAddr::V4(Ipv4Addr::from(addr_be[3].to_ne_bytes()))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(bytemuck::cast::<[u32; 4], [u8; 16]>(
+            addr_be,
+        )))
+    };
+    SocketAddr::new(ip, u16::from_be(port_be))
 }
 
 /// The netlink messages of one datagram: (type, payload).
@@ -329,23 +402,49 @@ mod tests {
         assert_eq!(size_of::<InetDiagMsg>(), 72);
     }
 
-    #[test]
-    fn lists_and_closes_a_connected_socket_of_this_process() {
-        let peer = std::net::UdpSocket::bind("127.0.0.1:0").expect("peer socket");
-        let client = std::net::UdpSocket::bind("127.0.0.1:0").expect("client socket");
-        client.connect(peer.local_addr().unwrap()).expect("connect");
-        let addr_of = |socket: &std::net::UdpSocket| match socket.local_addr().unwrap() {
-            std::net::SocketAddr::V4(a) => a,
-            std::net::SocketAddr::V6(other) => panic!("{other}"),
+    /// A socket bound at `client`, connected to a peer bound at `peer`, is
+    /// listed with its addresses (an IPv4 one, as the maps keep it,
+    /// IPv4-mapped, in `peer_be`), and closed.
+    fn lists_and_closes(client: &str, peer: &str) {
+        let peer = std::net::UdpSocket::bind(peer).expect("peer socket");
+        let client = std::net::UdpSocket::bind(client).expect("client socket");
+        let target = match peer.local_addr().unwrap() {
+            // An IPv6 socket reaches an IPv4 peer at its IPv4-mapped address.
+            SocketAddr::V4(v4) if client.local_addr().unwrap().is_ipv6() => {
+                SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
+            }
+            other => other,
         };
-        let (local, peer_addr) = (addr_of(&client), addr_of(&peer));
+        client.connect(target).expect("connect");
+        let unmapped = |a: SocketAddr| match a {
+            SocketAddr::V6(v6) => v6
+                .ip()
+                .to_ipv4_mapped()
+                .map_or(a, |v4| SocketAddr::new(IpAddr::V4(v4), v6.port())),
+            v4 @ SocketAddr::V4(_) => v4,
+        };
+        let (local, peer_addr) = (
+            unmapped(client.local_addr().unwrap()),
+            unmapped(peer.local_addr().unwrap()),
+        );
         let mut diag = SockDiag::open().expect("sock_diag socket");
         let listed = diag.connected_udp().expect("listing UDP sockets");
         let found = listed
             .iter()
             .find(|s| s.local() == local)
             .unwrap_or_else(|| panic!("{local} is not among the {} listed", listed.len()));
-        assert_eq!(found.peer(), peer_addr);
+        assert_eq!(found.peer(), peer_addr, "{found:?}");
+        assert_eq!(
+            found.ipv6(),
+            client.local_addr().unwrap().is_ipv6(),
+            "{found:?}"
+        );
+        let words = crate::planner::encode::addr_words(peer_addr.ip());
+        assert_eq!(
+            found.peer_be(),
+            (words, peer_addr.port().to_be()),
+            "{found:?}: the peer in the maps' form"
+        );
         assert!(
             !listed.iter().any(|s| s.local() == peer_addr),
             "an unconnected socket was listed"
@@ -366,5 +465,20 @@ mod tests {
             !diag.destroy(found).expect("second destroy"),
             "closed twice"
         );
+    }
+
+    #[test]
+    fn lists_and_closes_a_connected_ipv4_socket_of_this_process() {
+        lists_and_closes("127.0.0.1:0", "127.0.0.1:0");
+    }
+
+    #[test]
+    fn lists_and_closes_a_connected_ipv6_socket_of_this_process() {
+        lists_and_closes("[::1]:0", "[::1]:0");
+    }
+
+    #[test]
+    fn lists_and_closes_an_ipv6_socket_connected_to_an_ipv4_mapped_peer() {
+        lists_and_closes("[::]:0", "127.0.0.1:0");
     }
 }

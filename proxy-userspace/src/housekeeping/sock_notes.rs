@@ -1,12 +1,13 @@
-//! The socket hooks' notes (`SOCK_NOTES`), read back by the agent, `status`
-//! and the tests. They live in each socket's own storage, which the kernel's
+//! The socket hooks' notes (`SOCK_NOTES`, and `SOCK_NOTES6` for IPv6
+//! backends), read back by the agent, `status` and the tests. They live in
+//! each socket's own storage, which the kernel's
 //! socket diagnostics report for TCP sockets only (`inet_sk_diag_fill` is
 //! done before it for a socket without connection state, as UDP's are), so
 //! they are read through an iterator over the map instead
-//! (`program_names::SOCK_NOTES_DUMP`), which visits every socket holding
-//! notes, in every network namespace. Its link is pinned
-//! (`PinLayout::sock_notes`): reading that file runs the iterator, for
-//! whoever reads it.
+//! (`program_names::SOCK_NOTES_DUMP`, `SOCK_NOTES6_DUMP`), which visits
+//! every socket holding notes, in every network namespace. Its link is
+//! pinned (`PinLayout::sock_notes`, `sock_notes6`): reading that file runs
+//! the iterator, for whoever reads it.
 
 use std::{
     collections::HashMap,
@@ -21,7 +22,10 @@ use aya::{
     maps::MapData,
     programs::{Iter, ProgramError},
 };
-use proxy_common::{SockNotes, SockNotesRecord, program_names, sock_note};
+use bytemuck::Pod;
+use proxy_common::{
+    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, is_v4_mapped, sock_note,
+};
 
 use super::sock_diag::UdpSocket;
 use crate::datapath::sys;
@@ -76,15 +80,20 @@ struct ObjPin {
     file_flags: u32,
 }
 
-/// Loads the iterator over `notes` (the object's `SOCK_NOTES`) and pins its
-/// link at `path`, in place of an earlier agent's (Linux 5.9 for iterators
-/// over `bpf_sk_storage` maps). aya attaches iterators
-/// without a map, which a map iterator needs, hence the two raw bpf(2)
-/// calls.
-pub fn pin_iterator(ebpf: &mut Ebpf, notes: &MapData, path: &Path) -> Result<(), SockNotesError> {
+/// Loads the iterator `program` over `notes` (the object's `SOCK_NOTES`
+/// or `SOCK_NOTES6`) and pins its link at `path`, in place of an earlier
+/// agent's (Linux 5.9 for iterators over `bpf_sk_storage` maps). aya
+/// attaches iterators without a map, which a map iterator needs, hence the
+/// two raw bpf(2) calls.
+pub fn pin_iterator(
+    ebpf: &mut Ebpf,
+    program: &str,
+    notes: &MapData,
+    path: &Path,
+) -> Result<(), SockNotesError> {
     let btf = Btf::from_sys_fs().map_err(SockNotesError::Btf)?;
     let program: &mut Iter = ebpf
-        .program_mut(program_names::SOCK_NOTES_DUMP)
+        .program_mut(program)
         .ok_or(SockNotesError::Load(ProgramError::UnexpectedProgramType))?
         .try_into()
         .map_err(SockNotesError::Load)?;
@@ -156,45 +165,103 @@ impl Notes {
         self.0.is_empty()
     }
 
-    /// Whether the `connect()` hook connected `socket` to its peer, in a
-    /// frontend's place.
+    /// Whether the `connect()` hook connected `socket` to its peer, an IPv4
+    /// backend (of an IPv4 socket, or of an IPv6 one at its IPv4-mapped
+    /// address), in a frontend's place.
     pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
         let (addr_be, port_be) = socket.peer_be();
         socket.connected()
+            && is_v4_mapped(&addr_be)
             && self
                 .of(socket.cookie())
-                .and_then(|n| n.find(addr_be, port_be))
+                .and_then(|n| n.find(addr_be[3], port_be))
                 .is_some_and(|n| n.how & sock_note::CONNECTED != 0)
+    }
+}
+
+/// `Notes` of IPv6 backends (`SOCK_NOTES6`), by socket cookie.
+#[derive(Debug, Default)]
+pub struct Notes6(HashMap<u64, SockNotes6>);
+
+impl Notes6 {
+    /// The IPv6 notes of the socket with `cookie`.
+    pub fn of(&self, cookie: u64) -> Option<&SockNotes6> {
+        self.0.get(&cookie)
+    }
+
+    /// How many sockets hold IPv6 notes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The cookies of the sockets holding IPv6 notes.
+    pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.keys().copied()
+    }
+
+    /// Whether the `connect()` hook connected the IPv6 `socket` to its
+    /// peer, an IPv6 backend, in a frontend's place.
+    pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
+        let (addr_be, port_be) = socket.peer_be();
+        socket.connected()
+            && !is_v4_mapped(&addr_be)
+            && self
+                .of(socket.cookie())
+                .and_then(|n| n.find(&addr_be, port_be))
+                .is_some_and(|n| n.how & sock_note::CONNECTED != 0)
+    }
+}
+
+impl Notes {
+    /// The cookies of the sockets holding notes.
+    pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.keys().copied()
     }
 }
 
 /// Every socket's notes as the iterator pinned at `path` reads them now.
 pub fn read(path: &Path) -> Result<Notes, SockNotesError> {
+    let records: Vec<SockNotesRecord> = records(path)?;
+    Ok(Notes(
+        records.into_iter().map(|r| (r.cookie, r.notes)).collect(),
+    ))
+}
+
+/// Every socket's notes of IPv6 backends as the iterator pinned at `path`
+/// (`PinLayout::sock_notes6`) reads them now.
+pub fn read6(path: &Path) -> Result<Notes6, SockNotesError> {
+    let records: Vec<SockNotes6Record> = records(path)?;
+    Ok(Notes6(
+        records.into_iter().map(|r| (r.cookie, r.notes)).collect(),
+    ))
+}
+
+/// The whole records the iterator pinned at `path` writes.
+fn records<R: Pod>(path: &Path) -> Result<Vec<R>, SockNotesError> {
     let bytes = std::fs::read(path).map_err(|source| SockNotesError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    let record = size_of::<SockNotesRecord>();
+    let record = size_of::<R>();
     if bytes.len() % record != 0 {
         return Err(SockNotesError::Torn {
             len: bytes.len(),
             record,
         });
     }
-    Ok(Notes(
-        bytes
-            .chunks_exact(record)
-            .map(|chunk| {
-                let r: SockNotesRecord = bytemuck::pod_read_unaligned(chunk);
-                (r.cookie, r.notes)
-            })
-            .collect(),
-    ))
+    Ok(bytes
+        .chunks_exact(record)
+        .map(bytemuck::pod_read_unaligned)
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{SockNote, sock_note_slot};
+    use proxy_common::{SockNote, SockNote6, sock_note_slot, sock_note_slot6};
 
     use super::*;
 
@@ -244,5 +311,50 @@ mod tests {
             matches!(read(&path), Err(SockNotesError::Read { .. })),
             "a missing pin"
         );
+    }
+
+    #[test]
+    fn reads_ipv6_records_and_tells_the_families_apart() {
+        let backend_be = [u32::from_ne_bytes([0xfd, 0, 2, 0]), 0, 0, 0x12u32.to_be()];
+        let note = SockNote6 {
+            backend_be,
+            frontend_be: [
+                u32::from_ne_bytes([0xfd, 0, 0, 0x96]),
+                0,
+                0,
+                0x10u32.to_be(),
+            ],
+            backend_port_be: 5353u16.to_be(),
+            frontend_port_be: 53u16.to_be(),
+            how: sock_note::CONNECTED,
+        };
+        let mut notes = SockNotes6::default();
+        notes.notes[sock_note_slot6(&note.backend_be, note.backend_port_be)] = note;
+        let records = [SockNotes6Record { cookie: 11, notes }];
+        let dir = std::env::temp_dir().join(format!("sock-notes6-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("records");
+        std::fs::write(&path, bytemuck::cast_slice(&records)).expect("write records");
+        let read_back = read6(&path).expect("one whole record");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(read_back.len(), 1);
+        assert_eq!(
+            read_back
+                .of(11)
+                .and_then(|n| n.find(&note.backend_be, note.backend_port_be)),
+            Some(&note)
+        );
+        // An IPv4 record's bytes are no whole number of IPv6 records.
+        let v4 = [SockNotesRecord {
+            cookie: 7,
+            notes: SockNotes::default(),
+        }];
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        std::fs::write(&path, bytemuck::cast_slice(&v4)).expect("write records");
+        assert!(
+            matches!(read6(&path), Err(SockNotesError::Torn { .. })),
+            "IPv4 records read as IPv6 ones"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

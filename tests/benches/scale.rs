@@ -3,7 +3,9 @@
 //! the agent binary through the real kube-rs client and watch.
 //!
 //! For each size: time from the agent's start to programmed (`/healthz` 200),
-//! the initial sync's own time (its `synced` log line), resident memory after
+//! the initial sync's own time and the CPU time it took (its `synced` log
+//! line: on a busy machine the sync also waits for a CPU, so the load
+//! average at the time is reported beside them), resident memory after
 //! the sync and its peak (`VmRSS`, `VmHWM`), one endpoint change from the API
 //! server's store to the frontend's map entry (polled in the pinned
 //! `SERVICES` map) and the sync's own time for it, p50 and p99, and a burst
@@ -178,9 +180,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// The `synced` lines of the agent's JSON log, in order: (frontends changed,
 /// elapsed µs).
 fn syncs(log: &str) -> Vec<(u64, u64)> {
-    log.lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["message"] == "synced")
+    synced_lines(log)
         .map(|v| {
             (
                 v["frontends_changed"].as_u64().unwrap_or(0),
@@ -188,6 +188,30 @@ fn syncs(log: &str) -> Vec<(u64, u64)> {
             )
         })
         .collect()
+}
+
+fn synced_lines(log: &str) -> impl Iterator<Item = Value> + '_ {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["message"] == "synced")
+}
+
+/// The CPU time of the agent's first sync, in seconds; None from an agent
+/// that does not log it (an older build, as a baseline).
+fn first_sync_cpu(log: &str) -> Option<f64> {
+    synced_lines(log)
+        .next()
+        .and_then(|v| v["cpu_us"].as_u64())
+        .map(|us| us as f64 / 1e6)
+}
+
+/// The load average over the last minute.
+fn load_average() -> Result<f64> {
+    let text = fs::read_to_string("/proc/loadavg")?;
+    text.split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no load average in /proc/loadavg: {text:?}"))
 }
 
 /// The pinned SERVICES map of an agent.
@@ -235,6 +259,9 @@ struct Row {
     services: u32,
     start_to_programmed_s: f64,
     initial_sync_s: f64,
+    initial_sync_cpu_s: Option<f64>,
+    /// The load average over the minute before the initial sync ended.
+    load: f64,
     rss_mib: f64,
     hwm_mib: f64,
     change_p50_ms: f64,
@@ -278,12 +305,14 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         }
         thread::sleep(Duration::from_millis(50));
     };
+    let load = load_average()?;
+    let initial_sync_cpu = first_sync_cpu(&agent.log());
     // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
     thread::sleep(Duration::from_secs(2));
     let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;
     let hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     eprintln!(
-        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
+        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
     );
 
     // One change at a time, spread over the Services.
@@ -367,6 +396,8 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         services,
         start_to_programmed_s: start_to_programmed.as_secs_f64(),
         initial_sync_s: initial_sync,
+        initial_sync_cpu_s: initial_sync_cpu,
+        load,
         rss_mib: rss,
         hwm_mib: hwm,
         change_p50_ms: percentile(&latencies, 0.5),
@@ -533,19 +564,24 @@ fn main() {
              map changes ({changes} changes, one at a time; includes the watch and the \
              20 ms coalescing window), and the sync's own time (model, planner, map \
              writes) from the agent's log. Burst: {BURST} Services' slices changed at \
-             once, until the last of them is in the maps.\n\n\
-             | Services | start to programmed | initial sync | RSS after sync | peak RSS | \
+             once, until the last of them is in the maps. The initial sync's CPU time is \
+             its thread's, with the machine's load average (1 minute) as it ended.\n\n\
+             | Services | start to programmed | initial sync | its CPU time | load | \
+             RSS after sync | peak RSS | \
              RSS per Service | one change p50 / p99 | its sync p50 / p99 | burst | burst syncs | \
              peak after burst | iptables-restore (kube-proxy) |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
         );
         for r in &rows {
             markdown.push_str(&format!(
-                "| {} | {:.2} s | {:.2} s | {:.0} MiB | {:.0} MiB | {:.1} KiB | {:.2} / {:.2} ms | \
-                 {:.3} / {:.3} ms | {:.3} s | {} | {:.0} MiB | {} |\n",
+                "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
+                 {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} s | {} | {:.0} MiB | {} |\n",
                 r.services,
                 r.start_to_programmed_s,
                 r.initial_sync_s,
+                r.initial_sync_cpu_s
+                    .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
+                r.load,
                 r.rss_mib,
                 r.hwm_mib,
                 r.rss_mib * 1024.0 / f64::from(r.services),
@@ -571,6 +607,8 @@ fn main() {
                 "services": r.services,
                 "start_to_programmed_s": r.start_to_programmed_s,
                 "initial_sync_s": r.initial_sync_s,
+                "initial_sync_cpu_s": r.initial_sync_cpu_s,
+                "load_average": r.load,
                 "rss_mib": r.rss_mib,
                 "peak_rss_mib": r.hwm_mib,
                 "change_p50_ms": r.change_p50_ms,

@@ -6,7 +6,11 @@
 //!    listings;
 //! 2. `due_services`: the dirty Services and the retries that are due;
 //! 3. per Service, `program_service` ([`service`]) plans and writes it and
-//!    returns its outcome, which `settle_service` books (retry, metrics);
+//!    returns its outcome, which `settle_service` books (retry, metrics).
+//!    Frontends the maps do not have yet are gathered into a
+//!    `planner::Batch` of up to `BATCH_FRONTENDS` and written a map at a
+//!    time; their Services are booked once it has landed. A Service
+//!    waiting for a retry is written on its own;
 //! 4. the [`sweep`] of what no Service claims;
 //! 5. `follow_ups`: departed backends' flows and sockets, health checks;
 //! 6. `mark_readiness`: /healthz learns the maps hold everything.
@@ -37,7 +41,7 @@ pub use retry::{RETRY_INITIAL, RETRY_MAX, backoff};
 use self::{
     first_sync::FirstSync,
     retry::Retries,
-    service::{HealthChecks, SctpWarnings, ServiceOutcome, program_service},
+    service::{HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, program_service},
     sweep::{Sweeper, Swept},
 };
 use crate::{
@@ -237,14 +241,38 @@ impl SyncLoop {
         let span = info_span!("sync", seq = self.sequence, services = services.len());
         let _enter = span.enter();
         let started = Instant::now();
+        let cpu_started = thread_cpu_time();
         let first = !self.first_sync.done();
         let mut tally = Tally::default();
+        if first {
+            planner.reserve(services.len());
+        }
+        let mut unsettled = Unsettled::default();
         for key in services {
             self.health_checks.refresh(state, &key, model);
-            let outcome = program_service(&key, state, model, planner, target.store());
-            self.settle_service(&key, &outcome, state, now);
-            tally.add_service(&outcome);
+            // A Service that failed is retried on its own, so that one
+            // frontend a full map refuses does not fail a whole batch
+            // again and again; the batch goes first, as the update order
+            // needs.
+            let alone = self.retries.contains(&key);
+            if alone {
+                self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+            }
+            let outcome = program_service(
+                &key,
+                state,
+                model,
+                planner,
+                target.store(),
+                (!alone).then_some(&mut unsettled.batch),
+            );
+            unsettled.push(key, outcome);
+            if unsettled.full() {
+                self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+            }
         }
+        // The sweep deletes: everything new is written first.
+        self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
         tally.add_sweep(self.sweeper.run(now, first, planner, target.store()));
         if first {
             self.first_sync.finish();
@@ -261,9 +289,26 @@ impl SyncLoop {
             pending = self.pending(),
             frontends = planner.frontend_count(),
             elapsed_us = started.elapsed().as_micros() as u64,
+            cpu_us = thread_cpu_time().saturating_sub(cpu_started).as_micros() as u64,
             "synced"
         );
         follow_ups
+    }
+
+    /// Writes what `unsettled` gathered and books each Service's outcome.
+    fn settle_services<T: SyncTarget>(
+        &mut self,
+        unsettled: &mut Unsettled<<T::Store as MapStore>::Error>,
+        state: &ClusterState,
+        now: Instant,
+        planner: &mut Planner,
+        target: &mut T,
+        tally: &mut Tally,
+    ) {
+        for (key, outcome) in unsettled.settle(planner, target.store()) {
+            self.settle_service(&key, &outcome, state, now);
+            tally.add_service(&outcome);
+        }
     }
 
     /// The Services this sync programs: the dirty ones, and those whose
@@ -343,6 +388,20 @@ impl SyncLoop {
             self.health.mark_synced_at(now);
         }
     }
+}
+
+/// CPU time this thread has used: a sync's cost apart from the time it
+/// waited for a CPU on a busy node.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 #[cfg(test)]

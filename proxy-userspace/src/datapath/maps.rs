@@ -54,19 +54,20 @@ fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
 }
 
 /// How many ops at the start of `ops` write the same map and can go in one
-/// batch: backend writes, or slot writes.
+/// batch: backend writes, slot writes, or service writes.
 fn batched_run(ops: &[MapOp]) -> usize {
     let same = |a: &MapOp, b: &MapOp| {
         matches!(
             (a, b),
             (MapOp::PutBackend { .. }, MapOp::PutBackend { .. })
                 | (MapOp::PutSlot { .. }, MapOp::PutSlot { .. })
+                | (MapOp::PutService { .. }, MapOp::PutService { .. })
         )
     };
     match ops.first() {
-        Some(first @ (MapOp::PutBackend { .. } | MapOp::PutSlot { .. })) => {
-            ops.iter().take_while(|op| same(first, op)).count()
-        }
+        Some(
+            first @ (MapOp::PutBackend { .. } | MapOp::PutSlot { .. } | MapOp::PutService { .. }),
+        ) => ops.iter().take_while(|op| same(first, op)).count(),
         _ => 0,
     }
 }
@@ -86,6 +87,15 @@ impl Maps {
                 })
                 .unzip();
             super::batch::update(self.backends.map(), &ids, &backends)
+        } else if let MapOp::PutService { .. } = &run[0] {
+            let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = run
+                .iter()
+                .filter_map(|op| match op {
+                    MapOp::PutService { key, value } => Some((*key, *value)),
+                    _ => None,
+                })
+                .unzip();
+            super::batch::update(self.services.map(), &keys, &values)
         } else {
             let (keys, slots): (Vec<BackendSlotKey>, Vec<BackendSlot>) = run
                 .iter()
@@ -359,9 +369,11 @@ impl Maps {
 impl MapStore for Maps {
     type Error = MapsError;
 
-    /// Runs of backend and slot writes (a frontend's whole set, in a
-    /// plan) go in one `BPF_MAP_UPDATE_BATCH` each: at 100,000 Services x
-    /// 10 endpoints a system call per entry was most of the initial sync.
+    /// Runs of backend, slot and service writes (a frontend's whole set in
+    /// a plan; every new frontend's, one map at a time, in a
+    /// `planner::Batch`) go in one `BPF_MAP_UPDATE_BATCH` each: at 100,000
+    /// Services x 10 endpoints a system call per entry was most of the
+    /// initial sync.
     fn apply_all(&mut self, ops: &[MapOp]) -> Result<(), (usize, MapsError)> {
         let mut done = 0;
         while done < ops.len() {
@@ -479,7 +491,17 @@ mod tests {
             3,
             "the slots, not the service after them"
         );
-        assert_eq!(batched_run(&plan[5..]), 0, "a service write is not batched");
+        assert_eq!(
+            batched_run(&plan[5..]),
+            1,
+            "a lone service write (applied on its own)"
+        );
+        let services = [service.clone(), service.clone(), backend(3)];
+        assert_eq!(
+            batched_run(&services),
+            2,
+            "the service writes of a batch, not the backend after them"
+        );
         assert_eq!(batched_run(&[]), 0, "nothing");
         let deletes = [
             MapOp::DeleteBackend { id: 1 },

@@ -13,17 +13,19 @@
 //! retried on the next sync. Nothing is ever flushed.
 
 mod backends;
+mod batch;
 pub mod encode;
 pub mod node;
 mod ops;
 
 use std::{collections::BTreeSet, sync::Arc};
 
+pub use batch::{Batch, Unwritten};
 use hashbrown::HashMap;
 pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
-use self::backends::Backends;
+use self::{backends::Backends, batch::Unlanded};
 use crate::{
     model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, Scope, ServicePortName},
     source::ObjectKey,
@@ -44,6 +46,14 @@ pub enum PlanError<E: std::error::Error + 'static> {
         owner: ObjectKey,
         #[source]
         source: E,
+    },
+    /// Gathered into a [`Batch`] that failed before its service entry
+    /// landed (`reason`, the write that failed, may be another frontend's).
+    #[error("frontend {frontend} of {owner}: not written, its batch failed: {reason}")]
+    Unwritten {
+        frontend: FrontendKey,
+        owner: ObjectKey,
+        reason: String,
     },
     #[error("frontend {frontend}: {backends} backends is more than one frontend may have")]
     TooManyBackends {
@@ -233,6 +243,15 @@ impl Planner {
         self.backends.len()
     }
 
+    /// Makes room for `services` more Services' frontends, so that a first
+    /// sync does not rehash the tables as they fill.
+    pub fn reserve(&mut self, services: usize) {
+        self.frontends.reserve(services);
+        self.owned.reserve(services);
+        self.service_ids.reserve(services);
+        self.service_ids_in_use.reserve(services);
+    }
+
     /// Makes the maps hold exactly `desired` for the service `owner`:
     /// frontends it had and no longer has are removed.
     pub fn sync_service<S: MapStore>(
@@ -241,7 +260,36 @@ impl Planner {
         desired: &[Frontend],
         store: &mut S,
     ) -> SyncOutcome<S::Error> {
+        self.sync_service_in(owner, desired, store, None)
+    }
+
+    /// [`Self::sync_service`], with the writes of frontends the maps do not
+    /// have yet gathered into `batch` rather than written: they are in the
+    /// maps once [`Self::flush`] has written the batch (which this does
+    /// first whenever it has to write anything else). Until then the
+    /// outcome counts them as programmed; those of a batch that fails are
+    /// in the batch's failures instead.
+    pub fn sync_service_batched<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        desired: &[Frontend],
+        store: &mut S,
+        batch: &mut Batch<S::Error>,
+    ) -> SyncOutcome<S::Error> {
+        self.sync_service_in(owner, desired, store, Some(batch))
+    }
+
+    fn sync_service_in<S: MapStore>(
+        &mut self,
+        owner: &ObjectKey,
+        desired: &[Frontend],
+        store: &mut S,
+        mut batch: Option<&mut Batch<S::Error>>,
+    ) -> SyncOutcome<S::Error> {
         let mut outcome = SyncOutcome::new();
+        if !self.pending.is_empty() {
+            self.flush_first(batch.as_deref_mut(), store);
+        }
         self.retry_pending(store, &mut outcome);
         let (owner, previous): (Arc<ObjectKey>, BTreeSet<FrontendKey>) =
             match self.owned.remove_entry(owner) {
@@ -250,7 +298,7 @@ impl Planner {
             };
         let mut now_owned = BTreeSet::new();
         for fe in desired {
-            match self.apply_frontend(&owner, fe, store) {
+            match self.apply_frontend(&owner, fe, store, batch.as_deref_mut()) {
                 Ok(ops) => {
                     if ops > 0 {
                         outcome.frontends_changed += 1;
@@ -274,6 +322,9 @@ impl Planner {
             .filter(|key| !desired.iter().any(|fe| fe.key == **key))
             .copied()
             .collect();
+        if !dropped.is_empty() {
+            self.flush_first(batch, store);
+        }
         for key in &dropped {
             match self.remove_frontend(&owner, key, store) {
                 Ok(ops) => {
@@ -286,10 +337,106 @@ impl Planner {
                 }
             }
         }
+        // A frontend gathered above and forgotten when its batch failed
+        // (flushed before a later write of this Service) is not ours.
+        now_owned.retain(|key| self.frontends.contains_key(key));
         if !now_owned.is_empty() {
             self.owned.insert(owner, now_owned.into_iter().collect());
         }
         outcome
+    }
+
+    /// Writes `batch` before a write that is not gathered: such a write may
+    /// point at what the batch holds, or free an id it took.
+    fn flush_first<S: MapStore>(&mut self, batch: Option<&mut Batch<S::Error>>, store: &mut S) {
+        if let Some(batch) = batch
+            && !batch.is_empty()
+        {
+            self.flush(batch, store);
+        }
+    }
+
+    /// Writes what `batch` gathered: every source range, then every backend,
+    /// every slot and every service entry, one map at a time (see
+    /// [`Batch`]). When a write fails, the frontends whose service entry
+    /// did not land are forgotten, what of them landed is deleted, and they
+    /// go to the batch's failures.
+    pub fn flush<S: MapStore>(&mut self, batch: &mut Batch<S::Error>, store: &mut S) {
+        let (phases, gathered) = batch.take_phases();
+        let mut failed = None;
+        for (phase, ops) in phases.iter().enumerate() {
+            if ops.is_empty() {
+                continue;
+            }
+            if let Err((landed, source)) = store.apply_all(ops) {
+                failed = Some((phase, landed, source));
+                break;
+            }
+        }
+        let Some((phase, landed, source)) = failed else {
+            return;
+        };
+        let reason = match phases[phase].get(landed) {
+            Some(op) => format!("{op}: {source}"),
+            None => source.to_string(),
+        };
+        tracing::warn!(error = %reason, "a batch of new frontends failed; retrying them");
+        // Service entries land in the order of `gathered`.
+        let first_failed = if phase == phases.len() - 1 { landed } else { 0 };
+        let unlanded = Unlanded::new(&phases, phase, landed);
+        for fe in gathered.into_iter().skip(first_failed) {
+            let undo: Vec<MapOp> = self
+                .forget_unwritten(&fe.key, &fe.owner)
+                .into_iter()
+                .filter(|op| unlanded.needs(op))
+                .collect();
+            self.apply_cleanup(undo, store);
+            batch.fail(Unwritten {
+                error: PlanError::Unwritten {
+                    frontend: fe.key,
+                    owner: (*fe.owner).clone(),
+                    reason: reason.clone(),
+                },
+                writes: fe.writes,
+            });
+        }
+    }
+
+    /// Undoes the bookkeeping of a gathered frontend whose writes did not
+    /// all land; returns the deletes of what it alone held.
+    fn forget_unwritten(&mut self, key: &FrontendKey, owner: &ObjectKey) -> Vec<MapOp> {
+        let Some(applied) = self.frontends.remove(key) else {
+            return Vec::new();
+        };
+        self.slot_sets_in_use.remove(&applied.value.slot_set);
+        let mut deletes: Vec<MapOp> = (0..applied.backend_ids.len())
+            .map(|slot| MapOp::DeleteSlot {
+                key: BackendSlotKey {
+                    slot_set: applied.value.slot_set,
+                    slot: slot as u32,
+                },
+            })
+            .collect();
+        deletes.extend(
+            applied
+                .source_ranges
+                .iter()
+                .map(|entry| MapOp::DeleteSourceRange { entry: *entry }),
+        );
+        deletes.extend(self.release_backends(&applied.backend_ids));
+        match applied.service.as_ref() {
+            Some(name) => self.release_service_id(name),
+            None => self.release_adopted_service_id(applied.value.service_id),
+        }
+        if let Some(keys) = self.owned.get_mut(owner) {
+            let rest: Box<[FrontendKey]> = keys.iter().filter(|k| *k != key).copied().collect();
+            if rest.is_empty() {
+                self.owned.remove(owner);
+            } else {
+                *keys = rest;
+            }
+        }
+        deletes
     }
 
     /// After a complete listing has been synced: frontends adopted from the
@@ -356,11 +503,26 @@ impl Planner {
         owner: &Arc<ObjectKey>,
         fe: &Frontend,
         store: &mut S,
+        mut batch: Option<&mut Batch<S::Error>>,
     ) -> Result<usize, PlanError<S::Error>> {
         let prev = self.claim(owner, fe)?;
+        if prev.is_some() {
+            // Before its backends are resolved: a failed batch releases ids.
+            self.flush_first(batch.as_deref_mut(), store);
+        }
         let (ids, fresh) = self.backend_ids(fe);
         let service_id = self.service_id(fe, prev.as_ref());
-        let plan = self.plan(fe, prev.as_ref(), service_id, ids, fresh);
+        let mut plan = self.plan(fe, prev.as_ref(), service_id, ids, fresh);
+        if let Some(batch) = batch
+            && prev.is_none()
+        {
+            debug_assert!(Batch::<S::Error>::can_gather(&plan.writes));
+            let writes = std::mem::take(&mut plan.writes);
+            let count = writes.len();
+            batch.gather(fe.key, owner, writes);
+            // Nothing to clean up after a new frontend: commit writes nothing.
+            return Ok(count + self.commit(owner, fe, prev, plan, store));
+        }
         if let Err(source) = self.write(&plan, store) {
             return Err(PlanError::Write {
                 frontend: fe.key,

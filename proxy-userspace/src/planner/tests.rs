@@ -375,3 +375,177 @@ fn external_frontends_are_flagged_and_their_in_cluster_entries_are_not() {
     );
     assert!(!external(&cluster_ip));
 }
+
+/// Six Services of one frontend each, three backends each, one of them
+/// (10.0.0.200) shared by all: its id is taken by the first and reused by
+/// the others within one batch.
+fn six_services() -> Vec<(ObjectKey, Vec<Frontend>)> {
+    (1..=6u8)
+        .map(|i| {
+            (
+                owner(&format!("svc{i}")),
+                vec![frontend(i, &[10 + i, 20 + i, 200])],
+            )
+        })
+        .collect()
+}
+
+/// Entries no frontend reaches: slots outside every service's `0..count`
+/// of its slot set, backends no such slot names.
+fn garbage(state: &StoredState) -> Vec<String> {
+    let mut slots = BTreeSet::new();
+    let mut backends = BTreeSet::new();
+    for value in state.services.values() {
+        for slot in 0..value.count {
+            let key = BackendSlotKey {
+                slot_set: value.slot_set,
+                slot,
+            };
+            slots.insert(key);
+            if let Some(id) = state.slots.get(&key) {
+                backends.insert(*id);
+            }
+        }
+    }
+    let mut found: Vec<String> = state
+        .slots
+        .keys()
+        .filter(|k| !slots.contains(k))
+        .map(|k| format!("slot {}/{}", k.slot_set, k.slot))
+        .collect();
+    found.extend(
+        state
+            .backends
+            .keys()
+            .filter(|id| !backends.contains(id))
+            .map(|id| format!("backend {id}")),
+    );
+    found
+}
+
+#[test]
+fn a_batch_lands_what_frontend_by_frontend_writes_would() {
+    let services = six_services();
+    let mut one_by_one = Planner::new();
+    let mut expected = CheckingStore::default();
+    for (owner, fes) in &services {
+        let out = one_by_one.sync_service(owner, fes, &mut expected);
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+    }
+
+    let mut planner = Planner::new();
+    let mut store = CheckingStore::default();
+    let mut batch = Batch::default();
+    let mut ops = 0;
+    for (owner, fes) in &services {
+        let out = planner.sync_service_batched(owner, fes, &mut store, &mut batch);
+        assert!(out.errors.is_empty(), "{:?}", out.errors);
+        ops += out.ops;
+    }
+    assert_eq!(batch.len(), 6, "every new frontend gathered");
+    assert_eq!(
+        store.state,
+        StoredState::default(),
+        "nothing written before the flush"
+    );
+    // The store checks after every write that no packet sees half a set:
+    // all backends, then all slots, then the service entries.
+    planner.flush(&mut batch, &mut store);
+    assert!(batch.is_empty());
+    let failures = batch.take_failures();
+    assert!(failures.is_empty(), "{failures:?}");
+    assert_eq!(
+        store.state, expected.state,
+        "the same entries, ids and all, as written frontend by frontend"
+    );
+    assert_eq!(ops, store.applied, "the outcomes counted every write");
+}
+
+#[test]
+fn a_write_to_a_programmed_frontend_waits_for_the_batch() {
+    let mut planner = Planner::new();
+    let mut store = CheckingStore::default();
+    sync(&mut planner, &mut store, "a", &[frontend(1, &[11])]);
+    let mut batch = Batch::default();
+    let b = frontend(2, &[12]);
+    let out = planner.sync_service_batched(
+        &owner("b"),
+        std::slice::from_ref(&b),
+        &mut store,
+        &mut batch,
+    );
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert_eq!(batch.len(), 1, "b is new: gathered");
+    // a grows by b's backend, whose id the batch took: its slot may only
+    // be written once the backend is in the map (the store would panic).
+    let grown = frontend(1, &[11, 12]);
+    let out = planner.sync_service_batched(
+        &owner("a"),
+        std::slice::from_ref(&grown),
+        &mut store,
+        &mut batch,
+    );
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert!(batch.is_empty(), "flushed before a was written");
+    assert_eq!(
+        stored_backends(&store.state, &grown).unwrap(),
+        expected_backends(&grown)
+    );
+    assert_eq!(
+        stored_backends(&store.state, &b).unwrap(),
+        expected_backends(&b)
+    );
+}
+
+proptest! {
+    /// Whichever write of a batch fails, each frontend is either in the
+    /// maps as desired or absent and reported; nothing is left that no
+    /// frontend reaches; and the reported ones land when synced again.
+    #[test]
+    fn a_failed_batch_keeps_what_landed_and_forgets_the_rest(fail_at in 0usize..40) {
+        let services = six_services();
+        let mut planner = Planner::new();
+        let mut store = CheckingStore { fail_at: Some(fail_at), ..Default::default() };
+        let mut batch = Batch::default();
+        for (owner, fes) in &services {
+            planner.sync_service_batched(owner, fes, &mut store, &mut batch);
+        }
+        planner.flush(&mut batch, &mut store);
+        // 6 service entries, 18 slots, 13 backends: 37 writes.
+        let failures = batch.take_failures();
+        prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
+        let mut unwritten = BTreeSet::new();
+        for failure in &failures {
+            let PlanError::Unwritten { frontend, owner, reason } = &failure.error else {
+                panic!("not a batch failure: {:?}", failure.error);
+            };
+            prop_assert!(reason.contains("injected failure"), "{}", reason);
+            unwritten.insert((owner.clone(), *frontend));
+        }
+        for (owner, fes) in &services {
+            let fe = &fes[0];
+            match stored_backends(&store.state, fe) {
+                Some(b) => {
+                    prop_assert_eq!(b, expected_backends(fe));
+                    prop_assert!(!unwritten.contains(&(owner.clone(), fe.key)));
+                }
+                None => prop_assert!(
+                    unwritten.contains(&(owner.clone(), fe.key)),
+                    "{} is neither in the maps nor reported", owner
+                ),
+            }
+        }
+        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+        prop_assert_eq!(planner.frontend_count(), 6 - unwritten.len());
+
+        for (owner, fes) in &services {
+            if unwritten.iter().any(|(o, _)| o == owner) {
+                sync(&mut planner, &mut store, &owner.name, fes);
+            }
+        }
+        for (_, fes) in &services {
+            prop_assert_eq!(stored_backends(&store.state, &fes[0]), Some(expected_backends(&fes[0])));
+        }
+        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+    }
+}

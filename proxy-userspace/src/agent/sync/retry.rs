@@ -76,6 +76,11 @@ impl Retries {
         self.0.values().map(|r| r.frontends).sum()
     }
 
+    /// `key` failed and has not landed since.
+    pub fn contains(&self, key: &ObjectKey) -> bool {
+        self.0.contains_key(key)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

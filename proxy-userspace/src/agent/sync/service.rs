@@ -8,7 +8,7 @@ use tracing::{error, warn};
 
 use crate::{
     model::{Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
-    planner::{PlanError, Planner, SyncOutcome},
+    planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,
 };
@@ -36,8 +36,18 @@ impl<E: std::error::Error + 'static> ServiceOutcome<E> {
             ServiceOutcome::Planned { planned, .. } => planned
                 .errors
                 .iter()
-                .filter(|e| matches!(e, PlanError::Write { .. }))
+                .filter(|e| matches!(e, PlanError::Write { .. } | PlanError::Unwritten { .. }))
                 .count(),
+        }
+    }
+
+    /// A frontend of this Service gathered into a batch that failed: it is
+    /// not programmed after all.
+    pub fn unwritten(&mut self, failure: Unwritten<E>) {
+        if let ServiceOutcome::Planned { planned, .. } = self {
+            planned.frontends_changed = planned.frontends_changed.saturating_sub(1);
+            planned.ops = planned.ops.saturating_sub(failure.writes);
+            planned.errors.push(failure.error);
         }
     }
 
@@ -50,13 +60,16 @@ impl<E: std::error::Error + 'static> ServiceOutcome<E> {
     }
 }
 
-/// Makes the maps hold what the model says `key` should have.
+/// Makes the maps hold what the model says `key` should have; with a
+/// `batch`, its new frontends are there once the batch is flushed
+/// (`Planner::sync_service_batched`).
 pub(super) fn program_service<S: crate::planner::MapStore>(
     key: &ObjectKey,
     state: &ClusterState,
     model: &ModelConfig,
     planner: &mut Planner,
     store: &mut S,
+    batch: Option<&mut Batch<S::Error>>,
 ) -> ServiceOutcome<S::Error> {
     let desired = match state.frontends_for(key, model) {
         Ok(desired) => desired,
@@ -65,7 +78,10 @@ pub(super) fn program_service<S: crate::planner::MapStore>(
             return ServiceOutcome::Invalid;
         }
     };
-    let planned = planner.sync_service(key, &desired, store);
+    let planned = match batch {
+        Some(batch) => planner.sync_service_batched(key, &desired, store, batch),
+        None => planner.sync_service(key, &desired, store),
+    };
     for e in &planned.errors {
         error!(service = %key, error = %e, "frontend not programmed");
     }
@@ -136,5 +152,67 @@ impl HealthChecks {
     /// Every health check, when any changed since the last call.
     pub fn take_changed(&mut self) -> Option<Vec<HealthCheck>> {
         std::mem::take(&mut self.changed).then(|| self.by_service.values().cloned().collect())
+    }
+}
+
+/// Services programmed in a sync whose new frontends wait in a [`Batch`]:
+/// what they came to is known once it is written.
+#[derive(Debug)]
+pub(super) struct Unsettled<E: std::error::Error + 'static> {
+    pub batch: Batch<E>,
+    outcomes: Vec<(ObjectKey, ServiceOutcome<E>)>,
+}
+
+impl<E: std::error::Error + 'static> Default for Unsettled<E> {
+    fn default() -> Self {
+        Self {
+            batch: Batch::default(),
+            outcomes: Vec::new(),
+        }
+    }
+}
+
+/// Frontends (or Services) waiting before their batch is written: a few
+/// system calls for thousands of frontends, and a few MiB of writes and
+/// outcomes held.
+pub(super) const BATCH_FRONTENDS: usize = 4096;
+
+impl<E: std::error::Error + 'static> Unsettled<E> {
+    pub fn push(&mut self, key: ObjectKey, outcome: ServiceOutcome<E>) {
+        self.outcomes.push((key, outcome));
+    }
+
+    /// Enough is waiting to be written.
+    pub fn full(&self) -> bool {
+        self.batch.len() >= BATCH_FRONTENDS || self.outcomes.len() >= BATCH_FRONTENDS
+    }
+
+    /// Writes the batch and hands back every outcome, with the frontends
+    /// of a batch that failed counted as failed writes of their Service.
+    pub fn settle<S: crate::planner::MapStore<Error = E>>(
+        &mut self,
+        planner: &mut Planner,
+        store: &mut S,
+    ) -> Vec<(ObjectKey, ServiceOutcome<E>)> {
+        planner.flush(&mut self.batch, store);
+        let mut outcomes = std::mem::take(&mut self.outcomes);
+        let failures = self.batch.take_failures();
+        if !failures.is_empty() {
+            let index: std::collections::HashMap<ObjectKey, usize> = outcomes
+                .iter()
+                .enumerate()
+                .map(|(i, (key, _))| (key.clone(), i))
+                .collect();
+            for failure in failures {
+                let PlanError::Unwritten { owner, .. } = &failure.error else {
+                    continue;
+                };
+                error!(service = %owner, error = %failure.error, "frontend not programmed");
+                if let Some(&i) = index.get(owner) {
+                    outcomes[i].1.unwritten(failure);
+                }
+            }
+        }
+        outcomes
     }
 }

@@ -35,10 +35,20 @@ struct TestMaps {
     maps: StoredState,
     failing: bool,
     backend_capacity: Option<usize>,
+    /// Calls of `apply_all`: one per map written at once.
+    runs: usize,
 }
 
 impl MapStore for TestMaps {
     type Error = TestMapsError;
+
+    fn apply_all(&mut self, ops: &[MapOp]) -> Result<(), (usize, TestMapsError)> {
+        self.runs += 1;
+        for (landed, op) in ops.iter().enumerate() {
+            self.apply(op).map_err(|e| (landed, e))?;
+        }
+        Ok(())
+    }
 
     fn apply(&mut self, op: &MapOp) -> Result<(), TestMapsError> {
         if self.failing {
@@ -549,7 +559,7 @@ fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
     let mut planner = Planner::new();
     let mut maps = TestMaps::default();
 
-    let invalid = program_service(&key("bogus"), &state, &model, &mut planner, &mut maps);
+    let invalid = program_service(&key("bogus"), &state, &model, &mut planner, &mut maps, None);
     assert!(
         matches!(invalid, ServiceOutcome::Invalid),
         "an unparsable clusterIP: {invalid:?}"
@@ -557,7 +567,7 @@ fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
     assert_eq!((invalid.failed(), invalid.write_failures()), (1, 0));
 
     maps.failing = true;
-    let failed = program_service(&key("web"), &state, &model, &mut planner, &mut maps);
+    let failed = program_service(&key("web"), &state, &model, &mut planner, &mut maps, None);
     assert_eq!(
         (failed.failed(), failed.write_failures()),
         (1, 1),
@@ -566,7 +576,7 @@ fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
     assert_eq!(maps.maps, StoredState::default(), "nothing landed");
 
     maps.failing = false;
-    let landed = program_service(&key("web"), &state, &model, &mut planner, &mut maps);
+    let landed = program_service(&key("web"), &state, &model, &mut planner, &mut maps, None);
     let ServiceOutcome::Planned { desired, planned } = &landed else {
         panic!("web is valid: {landed:?}");
     };
@@ -574,7 +584,7 @@ fn program_service_tells_invalid_objects_from_failed_writes_and_conflicts() {
     assert!(planned.errors.is_empty(), "{:?}", planned.errors);
     assert!(planned.ops > 0, "written");
 
-    let conflict = program_service(&key("twin"), &state, &model, &mut planner, &mut maps);
+    let conflict = program_service(&key("twin"), &state, &model, &mut planner, &mut maps, None);
     assert_eq!(
         (conflict.failed(), conflict.write_failures()),
         (1, 0),
@@ -594,6 +604,7 @@ fn settling_a_service_retries_failed_writes_only() {
             &agent.model,
             &mut agent.planner,
             &mut agent.target.maps,
+            None,
         );
         agent.sync.settle_service(&key(name), &outcome, &state, now);
     };
@@ -829,5 +840,47 @@ fn the_first_sync_waits_for_the_listings() {
     assert!(
         !first.listed(Kind::Node),
         "after the first sync a listing starts nothing by itself"
+    );
+}
+
+#[test]
+fn the_first_sync_writes_new_frontends_a_map_at_a_time() {
+    let mut agent = Agent::fresh();
+    let names: Vec<String> = (1..=50).map(|i| format!("svc{i}")).collect();
+    let ips: Vec<String> = (1..=50).map(|i| format!("10.0.2.{i}")).collect();
+    agent.event(listing(
+        Kind::Service,
+        (1..=50)
+            .map(|i| service(&names[i - 1], &format!("10.96.1.{i}")))
+            .collect(),
+    ));
+    agent.event(listing(
+        Kind::EndpointSlice,
+        (1..=50)
+            .map(|i| {
+                slice(
+                    &format!("{}-1", names[i - 1]),
+                    &names[i - 1],
+                    &[(ips[i - 1].as_str(), None), ("10.0.3.1", None)],
+                )
+            })
+            .collect(),
+    ));
+    agent.event(listing(Kind::Node, vec![node("zone-a")]));
+    agent.advance(Duration::from_secs(1));
+    for i in 1..=50 {
+        let mut expected = vec![ips[i - 1].clone(), "10.0.3.1".to_owned()];
+        expected.sort();
+        let mut served = agent
+            .served(&format!("10.96.1.{i}"))
+            .unwrap_or_else(|| panic!("svc{i} is not programmed"));
+        served.sort();
+        assert_eq!(served, expected, "svc{i}");
+    }
+    assert!(agent.healthy(), "programmed: healthy");
+    assert_eq!(
+        agent.target.maps.runs, 3,
+        "50 frontends' 201 entries in three writes (backends, slots, service entries), \
+         not three per frontend"
     );
 }

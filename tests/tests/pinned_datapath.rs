@@ -434,11 +434,10 @@ fn status_lists_the_flows_of_both_families_readably() {
     )
     .expect("the greeting");
     let backend6 = greeting.split_whitespace().next().unwrap_or_default();
-    let backend6_ip = BACKENDS
-        .iter()
-        .find(|b| b.0 == backend6)
-        .map(|b| pod_ip6(b.1))
-        .unwrap_or_else(|| panic!("greeting {greeting:?} names no backend"));
+    let backend6_ip = BACKENDS.iter().find(|b| b.0 == backend6).map_or_else(
+        || panic!("greeting {greeting:?} names no backend"),
+        |b| pod_ip6(b.1),
+    );
     let local6 = stream.local_addr().expect("the connection's own address");
     let session4 =
         TcpSession::open(&client.ns, http(CLUSTER_IP), TIMEOUT).expect("an IPv4 connection");
@@ -472,6 +471,45 @@ fn status_lists_the_flows_of_both_families_readably() {
 
     // What `bpftool map dump` shows of the same flow: each address four u32 words,
     // read back as docs/operations.md ("Reading the maps") says.
+    let SocketAddr::V6(local6) = local6 else {
+        unreachable!("checked above")
+    };
+    let forward = conntrack6_entry(&sb, *local6.ip(), CLUSTER_IP6);
+    assert_eq!(
+        words_of(&forward["value"]["nat_addr_be"]),
+        bpftool_words(backend6_ip),
+        "the forward entry's backend, read as words: {forward}"
+    );
+    drop(stream);
+}
+
+/// An IPv6 address as `bpftool map dump` prints an `addr_be` field of it on this
+/// (little-endian) machine: four u32 words, each four of its bytes in network order.
+fn bpftool_words(ip: std::net::Ipv6Addr) -> Vec<u64> {
+    ip.octets()
+        .chunks(4)
+        .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+        .collect()
+}
+
+/// The numbers of a JSON array (empty for anything else).
+fn words_of(value: &serde_json::Value) -> Vec<u64> {
+    value
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(serde_json::Value::as_u64)
+        .collect()
+}
+
+/// The `CONNTRACK6` entry of the flow from `src` to `dst` as `bpftool -j map dump`
+/// formats it (BTF field names), found by reading its address words as
+/// docs/operations.md says; a panic with the dump when there is none.
+fn conntrack6_entry(
+    sb: &Sandbox,
+    src: std::net::Ipv6Addr,
+    dst: std::net::Ipv6Addr,
+) -> serde_json::Value {
     let pin = PinLayout::new(sb.agent().bpf_root()).map("CONNTRACK6");
     let out = Command::new("bpftool")
         .args(["-j", "map", "dump", "pinned"])
@@ -480,50 +518,22 @@ fn status_lists_the_flows_of_both_families_readably() {
         .expect("run bpftool");
     let dump: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("bpftool's JSON dump of CONNTRACK6");
-    let words = |ip: std::net::Ipv6Addr| -> Vec<u64> {
-        ip.octets()
-            .chunks(4)
-            .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-            .collect()
-    };
-    let SocketAddr::V6(local6) = local6 else {
-        unreachable!("checked above")
-    };
-    let forward = dump
+    let (src_words, dst_words) = (bpftool_words(src), bpftool_words(dst));
+    let entry = dump
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|e| e.get("formatted"))
         .find(|e| {
-            e["key"]["src_be"].as_array().map(|w| {
-                w.iter()
-                    .filter_map(serde_json::Value::as_u64)
-                    .collect::<Vec<_>>()
-            }) == Some(words(*local6.ip()))
-                && e["key"]["dst_be"].as_array().map(|w| {
-                    w.iter()
-                        .filter_map(serde_json::Value::as_u64)
-                        .collect::<Vec<_>>()
-                }) == Some(words(CLUSTER_IP6))
+            words_of(&e["key"]["src_be"]) == src_words && words_of(&e["key"]["dst_be"]) == dst_words
         })
         .unwrap_or_else(|| {
             panic!(
-                "no CONNTRACK6 entry from {local6} to {CLUSTER_IP6} read as words {:?}: {}",
-                words(*local6.ip()),
+                "no CONNTRACK6 entry from {src} to {dst} read as words {src_words:?}, \
+                 {dst_words:?}: {}",
                 String::from_utf8_lossy(&out.stdout)
             )
         });
-    eprintln!("CONNTRACK6 forward entry of {local6} -> {http6}: {forward}");
-    let nat: Vec<u64> = forward["value"]["nat_addr_be"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(serde_json::Value::as_u64)
-        .collect();
-    assert_eq!(
-        nat,
-        words(backend6_ip),
-        "the forward entry's backend, read as words: {forward}"
-    );
-    drop(stream);
+    eprintln!("CONNTRACK6 entry of {src} -> {dst}: {entry}");
+    entry.clone()
 }

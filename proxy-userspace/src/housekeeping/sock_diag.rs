@@ -60,13 +60,15 @@ pub fn close_departed(
     // Each map is read only when a candidate's backend is of its family, so
     // that a node without the IPv6 iterator still closes IPv4 sockets.
     let to_v4 = |s: &UdpSocket| is_v4_mapped(&s.peer_be().0);
-    let notes = match candidates.iter().any(to_v4) {
-        true => sock_notes::read(notes)?,
-        false => sock_notes::Notes::default(),
+    let notes = if candidates.iter().any(to_v4) {
+        sock_notes::read(notes)?
+    } else {
+        sock_notes::Notes::default()
     };
-    let notes6 = match candidates.iter().all(to_v4) {
-        true => sock_notes::Notes6::default(),
-        false => sock_notes::read6(notes6)?,
+    let notes6 = if candidates.iter().all(to_v4) {
+        sock_notes::Notes6::default()
+    } else {
+        sock_notes::read6(notes6)?
     };
     let mut closed = 0;
     for socket in candidates {

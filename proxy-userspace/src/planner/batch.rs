@@ -3,15 +3,15 @@
 //!
 //! At 100,000 Services x 10 endpoints the first sync writes 2.1 million
 //! entries; written per frontend that is three system calls for every
-//! frontend (its backends, its slots, its service entry), and the calls'
-//! own cost was a third of the kernel's share (bench/results/scale.md).
-//! Gathered, they are four calls per [`Batch`]. Only a frontend the maps do
-//! not have yet is gathered: nothing points at its backends, slots or
-//! source ranges until its `SERVICES` entry is written, and every id it
-//! takes is one no other frontend holds, so writing all backends, then all
-//! slots, then all service entries keeps the update order of
-//! docs/architecture.md ("Map update order") for each of them. A frontend
-//! the maps already hold is written on its own, after the batch has landed.
+//! frontend (its backends, its slots, its service entry). Gathered, they
+//! are four calls per [`Batch`] (the sync loop writes one every 1,024
+//! frontends). Only a frontend the maps do not have yet is gathered:
+//! nothing points at its backends, slots or source ranges until its
+//! `SERVICES` entry is written, and every id it takes is one no other
+//! frontend holds, so writing all backends, then all slots, then all
+//! service entries keeps the update order of docs/architecture.md ("Map
+//! update order") for each of them. A frontend the maps already hold is
+//! written on its own, after the batch has landed.
 
 use std::{collections::BTreeSet, sync::Arc};
 

@@ -157,10 +157,11 @@ pub mod program_names {
     pub const SOCK_SENDMSG6: &str = "sock_sendmsg6";
     pub const SOCK_RECVMSG6: &str = "sock_recvmsg6";
     pub const SOCK_GETPEERNAME6: &str = "sock_getpeername6";
-    /// Iterator over `SOCK_NOTES` (`iter/bpf_sk_storage_map`): writes a
-    /// `SockNotesRecord` for every socket holding notes. The kernel's socket
-    /// diagnostics report socket-local storage of TCP sockets only, so this
-    /// is how the agent reads the notes of UDP sockets.
+    /// Iterator over the UDP sockets of its reader's network namespace
+    /// (`iter/udp`): writes a `SockNotesRecord` for every one holding notes in
+    /// `SOCK_NOTES`. The kernel's socket diagnostics report socket-local
+    /// storage of TCP sockets only, so this is how the agent reads the notes
+    /// of UDP sockets.
     pub const SOCK_NOTES_DUMP: &str = "sock_notes_dump";
     /// `SOCK_NOTES_DUMP` over `SOCK_NOTES6`: a `SockNotes6Record` for every
     /// socket holding notes of IPv6 backends.

@@ -162,11 +162,11 @@ pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
 /// `proxy_common::program_names::SOCK_NOTES_DUMP`. Written out by hand, as
 /// aya-ebpf has no macro for iterators.
 ///
-/// Linux 5.9 for iterators over `bpf_sk_storage` maps; without it the agent
-/// runs on, and does not close the node's UDP sockets connected to departed
+/// Linux 5.9 for iterators over the UDP table; without it the agent runs
+/// on, and does not close the node's UDP sockets connected to departed
 /// backends.
 #[unsafe(no_mangle)]
-#[unsafe(link_section = "iter/bpf_sk_storage_map")]
+#[unsafe(link_section = "iter/udp")]
 pub extern "C" fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
     sock::dump_notes(ctx)
 }
@@ -176,7 +176,7 @@ pub extern "C" fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
 ///
 /// Linux 5.9, as `sock_notes_dump`.
 #[unsafe(no_mangle)]
-#[unsafe(link_section = "iter/bpf_sk_storage_map")]
+#[unsafe(link_section = "iter/udp")]
 pub extern "C" fn sock_notes6_dump(ctx: *mut core::ffi::c_void) -> i32 {
     sock6::dump_notes6(ctx)
 }

@@ -26,7 +26,8 @@ use core::ffi::c_void;
 use aya_ebpf::{
     EbpfContext,
     bindings::seq_file,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_seq_write},
+    btf_maps::SkStorage,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_seq_write, bpf_sk_storage_get},
     programs::SockAddrContext,
 };
 use proxy_common::{
@@ -290,35 +291,57 @@ struct IterMeta {
     seq_num: u64,
 }
 
-/// `struct bpf_iter__bpf_sk_storage_map` (`net/core/bpf_sk_storage.c)`: one
-/// socket holding storage in the map and its value (`V`); `sk` and `value`
-/// are null in the last call, after the last socket.
+/// `struct bpf_iter__udp` (`net/ipv4/udp.c`): one UDP socket of the reader's
+/// network namespace, IPv6 ones included (one table holds both); `udp_sk`
+/// is null in the last call, after the last socket.
 #[repr(C)]
-struct SkStorageIter<V> {
+struct UdpIter {
     meta: *const IterMeta,
-    map: *const c_void,
-    sk: *mut c_void,
-    value: *const V,
+    udp_sk: *mut c_void,
 }
 
-/// One iteration over `SOCK_NOTES`: writes the socket's cookie and notes.
+/// One iteration over the UDP sockets: writes the socket's cookie and notes
+/// when it holds notes in `SOCK_NOTES`.
 #[inline(always)]
 pub fn dump_notes(ctx: *mut c_void) -> i32 {
-    dump(ctx, |cookie, notes: SockNotes| SockNotesRecord {
-        cookie,
-        notes,
+    dump(ctx, &SOCK_NOTES, |cookie, notes: SockNotes| {
+        SockNotesRecord { cookie, notes }
     })
 }
 
-/// One iteration over a socket-local storage map of notes (`V`): writes the
-/// record `record` makes of the socket's cookie and its value.
+/// One iteration over the UDP sockets: when the socket holds a value (`V`)
+/// in `notes`, a socket-local storage map, writes the record `record` makes
+/// of the socket's cookie and that value.
+///
+/// Over the sockets rather than over the map (`iter/bpf_sk_storage_map`):
+/// kernels that refuse iterators over a map's elements at load (`EPERM`,
+/// seen on 6.18) still load one over the UDP table, and the sockets the
+/// agent closes are UDP sockets of its own namespace.
 #[inline(always)]
-pub(crate) fn dump<V: Copy, R>(ctx: *mut c_void, record: impl FnOnce(u64, V) -> R) -> i32 {
-    // SAFETY: the context of an iterator over a socket-local storage map
-    // whose values are `V`, laid out as `SkStorageIter`, valid for this run.
-    let iter = unsafe { &*(ctx as *const SkStorageIter<V>) };
-    let (sk, value) = (iter.sk, iter.value);
-    if sk.is_null() || value.is_null() {
+pub(crate) fn dump<V: Copy, R>(
+    ctx: *mut c_void,
+    notes: &SkStorage<V>,
+    record: impl FnOnce(u64, V) -> R,
+) -> i32 {
+    // SAFETY: the context of an iterator over the UDP table, laid out as
+    // `UdpIter`, valid for this run.
+    let iter = unsafe { &*(ctx as *const UdpIter) };
+    let sk = iter.udp_sk;
+    if sk.is_null() {
+        return 0;
+    }
+    // SAFETY: a socket the kernel holds for this run; no value is created
+    // (flags 0), an existing one only read.
+    let value = unsafe {
+        bpf_sk_storage_get(
+            core::ptr::from_ref(notes).cast_mut().cast(),
+            sk,
+            core::ptr::null_mut(),
+            0,
+        )
+    }
+    .cast::<V>();
+    if value.is_null() {
         return 0;
     }
     let record = record(

@@ -244,11 +244,11 @@ fn translate(ctx: &SockAddrContext, counted: u32, how: u32) -> i32 {
     ALLOW
 }
 
-/// One iteration over `SOCK_NOTES6`: writes the socket's cookie and notes.
+/// One iteration over the UDP sockets: writes the socket's cookie and notes
+/// when it holds notes in `SOCK_NOTES6`.
 #[inline(always)]
 pub fn dump_notes6(ctx: *mut c_void) -> i32 {
-    dump(ctx, |cookie, notes: SockNotes6| SockNotes6Record {
-        cookie,
-        notes,
+    dump(ctx, &SOCK_NOTES6, |cookie, notes: SockNotes6| {
+        SockNotes6Record { cookie, notes }
     })
 }

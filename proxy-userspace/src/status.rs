@@ -214,10 +214,10 @@ fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
     }
 }
 
-/// How many sockets hold the socket hooks' notes (in every network
-/// namespace: the notes live in the sockets themselves, `SOCK_NOTES` and
-/// `SOCK_NOTES6`), and how many UDP sockets of this one (the node's, where
-/// status is run), IPv4 or IPv6, the `connect()` hook connected. The IPv6
+/// How many UDP sockets of this network namespace (the node's, where status
+/// is run) hold the socket hooks' notes (they live in the sockets
+/// themselves, `SOCK_NOTES` and `SOCK_NOTES6`), and how many of them, IPv4 or
+/// IPv6, the `connect()` hook connected. The IPv6
 /// notes count where their iterator is pinned (an agent of this version).
 fn socket_notes(pins: &PinLayout) -> String {
     let notes = match sock_notes::read(&pins.sock_notes()) {

@@ -243,7 +243,7 @@ impl Agent {
     /// `ebpf-proxy status` on this agent's pins: what an operator sees.
     pub fn status(&self) -> Result<String> {
         run_cmd(
-            Command::new(&self.bin)
+            self.on_its_node()
                 .arg("status")
                 .arg("--bpf-root")
                 .arg(&self.bpf_root),
@@ -253,11 +253,23 @@ impl Agent {
     /// `ebpf-proxy status --flows`: the status and every translated flow.
     pub fn status_flows(&self) -> Result<String> {
         run_cmd(
-            Command::new(&self.bin)
+            self.on_its_node()
                 .args(["status", "--flows"])
                 .arg("--bpf-root")
                 .arg(&self.bpf_root),
         )
+    }
+
+    /// The agent's binary, to be run in the agent's network namespace as an
+    /// operator runs it on the node (what `status` says of the node's own
+    /// sockets is of that namespace), or where the test runs once that
+    /// namespace is gone.
+    fn on_its_node(&self) -> Command {
+        if self.netns_path.exists() {
+            command_in(&self.netns_path, &self.bin)
+        } else {
+            Command::new(&self.bin)
+        }
     }
 
     /// The datapath counter `name` (summed over CPUs), as `status` shows it.
@@ -349,13 +361,9 @@ impl Agent {
 
     /// Runs `ebpf-proxy cleanup` for this agent's bpffs root, in its namespace.
     pub fn cleanup(&mut self) -> Result<()> {
-        let mut cmd = if self.netns_path.exists() {
-            command_in(&self.netns_path, &self.bin)
-        } else {
-            // The namespace is gone, and with it every interface the agent attached
-            // to; the pins are what is left.
-            Command::new(&self.bin)
-        };
+        // Where the namespace is gone, so is every interface the agent attached
+        // to; the pins are what is left.
+        let mut cmd = self.on_its_node();
         cmd.arg("cleanup").arg("--bpf-root").arg(&self.bpf_root);
         let output = run_cmd(&mut cmd)?;
         self.cleaned_up = true;

@@ -711,7 +711,8 @@ fn the_nodes_socket_notes_outlive_tcp_churn() {
         &mut clients,
         &format!("after {CHURN} TCP connections"),
     );
-    // Over 100,000 sockets got notes; only the 12 still open keep them.
+    // Of the node's UDP sockets, only the 12 still open hold notes (the iterator
+    // lists UDP sockets only: the 100,000 TCP ones' notes are not read back).
     notes_down_to(
         &sb,
         clients.len(),
@@ -728,11 +729,16 @@ fn node_udp_sockets(sb: &Sandbox) -> Vec<UdpSocket> {
         .expect("listing the node's UDP sockets")
 }
 
-/// What the socket hooks have noted in every socket that holds notes, read out of
-/// `SOCK_NOTES` by the agent's pinned iterator.
+/// What the socket hooks have noted in every UDP socket of the node that holds
+/// notes, read out of `SOCK_NOTES` by the agent's pinned iterator, run in the
+/// node's namespace (it lists the UDP sockets of its reader's).
 fn hooks_notes(sb: &Sandbox) -> Notes {
     let pins = PinLayout::new(sb.agent().bpf_root());
-    sock_notes::read(&pins.sock_notes()).expect("reading the socket hooks' notes")
+    sb.topology()
+        .node
+        .run(|| sock_notes::read(&pins.sock_notes()))
+        .expect("entering the node's namespace")
+        .expect("reading the socket hooks' notes")
 }
 
 /// The hooks' notes once at most `most` sockets hold some, or a panic after 5 s: the
@@ -768,7 +774,7 @@ fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
 }
 
 /// (k) What the socket hooks remember about a socket is kept in the socket itself
-/// (socket-local storage), as the agent's pinned iterator over the map lists it: each
+/// (socket-local storage), as the agent's pinned iterator over the node's UDP sockets lists it: each
 /// unconnected socket that sent a datagram to the ClusterIP holds one note (the
 /// backend it went to, in the slot of that backend, the ClusterIP, sent), each socket
 /// the hook connected holds one for its peer (connected), a socket connected straight

@@ -214,8 +214,8 @@ impl Datapath {
                 pins.sock_notes6(),
             ),
         ] {
-            if let Some(notes) = notes
-                && let Err(e) = sock_notes::pin_iterator(&mut ebpf, program, notes, &path)
+            if notes.is_some()
+                && let Err(e) = sock_notes::pin_iterator(&mut ebpf, program, &path)
             {
                 tracing::warn!(
                     error = %e,

@@ -3,11 +3,12 @@
 //! each socket's own storage, which the kernel's
 //! socket diagnostics report for TCP sockets only (`inet_sk_diag_fill` is
 //! done before it for a socket without connection state, as UDP's are), so
-//! they are read through an iterator over the map instead
+//! they are read through an iterator over the UDP table instead
 //! (`program_names::SOCK_NOTES_DUMP`, `SOCK_NOTES6_DUMP`), which visits
-//! every socket holding notes, in every network namespace. Its link is
-//! pinned (`PinLayout::sock_notes`, `sock_notes6`): reading that file runs
-//! the iterator, for whoever reads it.
+//! every UDP socket of the reader's network namespace and writes the notes
+//! of those holding some. Its link is pinned (`PinLayout::sock_notes`,
+//! `sock_notes6`): reading that file runs the iterator, for whoever reads
+//! it, over the sockets of the namespace they read it in.
 
 use std::{
     collections::HashMap,
@@ -19,7 +20,6 @@ use std::{
 
 use aya::{
     Btf, BtfError, Ebpf,
-    maps::MapData,
     programs::{Iter, ProgramError},
 };
 use bytemuck::Pod;
@@ -59,14 +59,14 @@ const BPF_TRACE_ITER: u32 = 28;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_LINK_CREATE: libc::c_long = 28;
 
-/// `bpf_attr.link_create` of an iterator link.
+/// `bpf_attr.link_create` of an iterator link with no target of its own.
 #[repr(C)]
 struct LinkCreate {
     prog_fd: u32,
     target_fd: u32,
     attach_type: u32,
     flags: u32,
-    /// Points at `union bpf_iter_link_info`, whose first member is the map.
+    /// `union bpf_iter_link_info`: none, for the UDP table.
     iter_info: u64,
     iter_info_len: u32,
     _pad: u32,
@@ -80,17 +80,11 @@ struct ObjPin {
     file_flags: u32,
 }
 
-/// Loads the iterator `program` over `notes` (the object's `SOCK_NOTES`
-/// or `SOCK_NOTES6`) and pins its link at `path`, in place of an earlier
-/// agent's (Linux 5.9 for iterators over `bpf_sk_storage` maps). aya
-/// attaches iterators without a map, which a map iterator needs, hence the
-/// two raw bpf(2) calls.
-pub fn pin_iterator(
-    ebpf: &mut Ebpf,
-    program: &str,
-    notes: &MapData,
-    path: &Path,
-) -> Result<(), SockNotesError> {
+/// Loads the iterator `program` over the UDP table (it reads the object's
+/// `SOCK_NOTES` or `SOCK_NOTES6`) and pins its link at `path`, in place of
+/// an earlier agent's (Linux 5.9). The link is made and pinned by two raw
+/// bpf(2) calls, as aya keeps an iterator's link to itself.
+pub fn pin_iterator(ebpf: &mut Ebpf, program: &str, path: &Path) -> Result<(), SockNotesError> {
     let btf = Btf::from_sys_fs().map_err(SockNotesError::Btf)?;
     let program: &mut Iter = ebpf
         .program_mut(program)
@@ -98,12 +92,10 @@ pub fn pin_iterator(
         .try_into()
         .map_err(SockNotesError::Load)?;
     if program.fd().is_err() {
-        program
-            .load("bpf_sk_storage_map", &btf)
-            .map_err(SockNotesError::Load)?;
+        program.load("udp", &btf).map_err(SockNotesError::Load)?;
     }
     let prog = program.fd().map_err(SockNotesError::Load)?;
-    let link = link_create(prog.as_fd(), notes.fd().as_fd()).map_err(SockNotesError::Link)?;
+    let link = link_create(prog.as_fd()).map_err(SockNotesError::Link)?;
     let pin_error = |source| SockNotesError::Pin {
         path: path.to_path_buf(),
         source,
@@ -115,19 +107,17 @@ pub fn pin_iterator(
     obj_pin(link.as_fd(), path).map_err(pin_error)
 }
 
-fn link_create(prog: BorrowedFd<'_>, map: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    let map_fd = map.as_raw_fd() as u32;
+fn link_create(prog: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     let mut attr = LinkCreate {
         prog_fd: prog.as_raw_fd() as u32,
         target_fd: 0,
         attach_type: BPF_TRACE_ITER,
         flags: 0,
-        iter_info: &raw const map_fd as u64,
-        iter_info_len: size_of::<u32>() as u32,
+        iter_info: 0,
+        iter_info_len: 0,
         _pad: 0,
     };
-    // SAFETY: `link_create` as the kernel lays it out; `iter_info` points at
-    // `map_fd`, alive across the call, and the kernel reads only its length.
+    // SAFETY: `link_create` as the kernel lays it out, pointing at nothing.
     let fd = unsafe { sys::bpf(BPF_LINK_CREATE, &mut attr)? } as i32;
     // SAFETY: a new fd returned by the kernel, owned here.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })

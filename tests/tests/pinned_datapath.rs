@@ -313,15 +313,9 @@ fn both_families_serve(sb: &Sandbox, what: &str) {
     assert_all_replied_from(client.ip6, &format!("{what}: IPv6 ClusterIP"), &v6);
 }
 
-/// An agent started on the pins an earlier one left (a restart, an upgrade in place)
-/// takes over its tcx links, each keeping its place: `tc_ingress6` still runs after
-/// `tc_ingress`, which hands it what is not IPv4, and both ClusterIPs serve. Also when
-/// the earlier agent's `tc_ingress` link is gone from the client's interface (its pin
-/// lost) while its `tc_ingress6` link is there: the new agent attaches `tc_ingress`
-/// anew, which puts it last, and then `tc_ingress6` anew after it. Left first,
-/// `tc_ingress6` would pass the client's IPv4 frames before `tc_ingress` saw them.
-#[test]
-fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
+/// The one-node world with an agent on an IPv4 and an IPv6 ClusterIP Service, both
+/// served by every backend.
+fn both_families_world() -> Sandbox {
     let mut sb =
         Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
     sb.manifests()
@@ -339,6 +333,19 @@ fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
         )
         .expect("write manifest");
     sb.start_agent_on_manifests().expect("start the agent");
+    sb
+}
+
+/// An agent started on the pins an earlier one left (a restart, an upgrade in place)
+/// takes over its tcx links, each keeping its place: `tc_ingress6` still runs after
+/// `tc_ingress`, which hands it what is not IPv4, and both ClusterIPs serve. Also when
+/// the earlier agent's `tc_ingress` link is gone from the client's interface (its pin
+/// lost) while its `tc_ingress6` link is there: the new agent attaches `tc_ingress`
+/// anew, which puts it last, and then `tc_ingress6` anew after it. Left first,
+/// `tc_ingress6` would pass the client's IPv4 frames before `tc_ingress` saw them.
+#[test]
+fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
+    let mut sb = both_families_world();
     assert_eq!(sb.client().ip6, pod_ip6(CLIENT.1));
     both_families_serve(&sb, "the first agent");
 
@@ -399,23 +406,7 @@ fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
 /// addresses as four 32-bit words each, which read back as docs/operations.md says.
 #[test]
 fn status_lists_the_flows_of_both_families_readably() {
-    let mut sb =
-        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
-    sb.manifests()
-        .write(
-            "web.yaml",
-            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
-        )
-        .expect("write manifest");
-    sb.manifests()
-        .write(
-            "web6.yaml",
-            &Service::new_v6("test", "web6", CLUSTER_IP6)
-                .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
-                .yaml6(&backend_ips6()),
-        )
-        .expect("write manifest");
-    sb.start_agent_on_manifests().expect("start the agent");
+    let sb = both_families_world();
     let client = sb.client();
 
     let http6 = SocketAddr::V6(SocketAddrV6::new(CLUSTER_IP6, TCP_SERVICE_PORT, 0, 0));

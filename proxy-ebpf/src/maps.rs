@@ -76,6 +76,13 @@ pub struct Scratch6 {
     pub fib: bpf_fib_lookup,
 }
 
+/// The conntrack key of the packet `tc_ingress6` is handling, built here
+/// rather than on its stack (40 bytes the call chain has no room for), for
+/// the whole run of the program: a map of its own, as `SCRATCH6`'s entry is
+/// borrowed whole by the functions that build entries. Never pinned.
+#[btf_map]
+pub static FLOW_KEY6: PerCpuArray<Ct6Key, 1> = PerCpuArray::new();
+
 /// This CPU's `SCRATCH6` entry.
 #[inline(always)]
 pub fn scratch6() -> Option<*mut Scratch6> {

@@ -33,7 +33,7 @@ use crate::{
     flow_cache, frag,
     frontend::{self, Frontend},
     icmp6_error,
-    maps::{count, node_addr6, node_config},
+    maps::{FLOW_KEY6, count, node_addr6, node_config},
     nat6::Nat6,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
@@ -69,13 +69,21 @@ pub fn handle(ctx: &TcContext) -> i32 {
         flow.dport_be = dport_be;
         flow.proto = proto;
     }
-    let key = conntrack6::flow_key(&flow);
-    let stamp = flow_cache::stamp6(&key, flow.tcp_flags);
+    let Some(key) = FLOW_KEY6.get_ptr_mut(0) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (tc runs one program at a time on a CPU).
+    let key = unsafe {
+        *key = conntrack6::flow_key(&flow);
+        &*key
+    };
+    let stamp = flow_cache::stamp6(key, flow.tcp_flags);
     // One path for a copy and an entry, so that `finish` is inlined once.
-    let copy = flow_cache::get6(&key, &stamp, now);
+    let copy = flow_cache::get6(key, &stamp, now);
     let found = match copy {
         Some(_) => None,
-        None => conntrack6::lookup(&key, &flow, now),
+        None => conntrack6::lookup(key, &flow, now),
     };
     let known = match (&copy, &found) {
         (Some(copy), _) => *copy,
@@ -89,11 +97,11 @@ pub fn handle(ctx: &TcContext) -> i32 {
         let nat = conntrack6::translation(entry, &flow);
         let dir = entry.dir;
         if let Some(found) = &found {
-            conntrack6::touch(&key, found, &flow, &nat, now);
+            conntrack6::touch(key, found, &flow, &nat, now);
             if !found.unassured {
                 // Unassured flows are not cached: their entries move when
                 // they are assured.
-                flow_cache::put6(&key, &stamp, found.ptr, now);
+                flow_cache::put6(key, &stamp, found.ptr, now);
             }
         }
         count(if dir == ct_dir::FORWARD {

@@ -85,7 +85,7 @@ fn lookup_in(map: &Conntrack6, key: &Ct6Key, flow: &Flow6, now: u64) -> Option<*
 #[inline(always)]
 fn remove(map: &Conntrack6, key: &Ct6Key) {
     let _ = map.remove(key);
-    if core::ptr::eq(map, &CONNTRACK6) {
+    if core::ptr::eq(map, &raw const CONNTRACK6) {
         flow_cache::invalidate6(key);
     }
 }

@@ -657,7 +657,7 @@ fn ipv6_client_ip_affinity_matches_ip6tables_recent_rules() {
 }
 
 /// The router pod of [`ipv6_path_mtu_discovery_works_through_the_cluster_ip`].
-const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
+const ROUTER: (&str, Ipv4Addr) = ("router", Ipv4Addr::new(10, 200, 0, 40));
 /// The backend behind it, and the router's address on their link.
 const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
 const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);

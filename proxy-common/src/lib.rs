@@ -46,11 +46,15 @@ pub mod map_names {
     /// aya-log's ring buffer of the datapath's log records: pinned, so that
     /// records written while no agent runs reach the next one.
     pub const AYA_LOGS: &str = "AYA_LOGS";
-    /// IPv6 flows, assured or not (see `Ct6Key`).
+    /// Assured IPv6 flows (see `Ct6Key`).
     pub const CONNTRACK6: &str = "CONNTRACK6";
+    /// IPv6 flows not assured yet: `CT_NEW` for IPv6.
+    pub const CT_NEW6: &str = "CT_NEW6";
+    /// The flow cache of IPv6 flows (`FlowCache6Entry`).
+    pub const FLOW_CACHE6: &str = "FLOW_CACHE6";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 9] = [
+    pub const LATER: [&str; 11] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -60,12 +64,14 @@ pub mod map_names {
         DATAPATH_LOG,
         AYA_LOGS,
         CONNTRACK6,
+        CT_NEW6,
+        FLOW_CACHE6,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 27] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -91,6 +97,8 @@ pub mod map_names {
         DATAPATH_LOG,
         AYA_LOGS,
         CONNTRACK6,
+        CT_NEW6,
+        FLOW_CACHE6,
     ];
 }
 
@@ -323,8 +331,9 @@ pub const MAX_SERVICES: u32 = 262_144;
 pub const MAX_BACKEND_SLOTS: u32 = 2_097_152;
 pub const MAX_BACKENDS: u32 = 1_048_576;
 pub const MAX_CONNTRACK: u32 = 262_144;
-/// Entries of `CT_NEW`, the flows not yet assured (two entries each): a
-/// flood of new flows turns it over, never `CONNTRACK`. Fixed rather than
+/// Entries of `CT_NEW` and of `CT_NEW6`, the flows not yet assured (two
+/// entries each): a flood of new flows turns it over, never `CONNTRACK`
+/// (`CONNTRACK6`). Fixed rather than
 /// tied to `--conntrack-max`: it only has to hold the flows whose handshake
 /// or first exchange is under way, 32,768 at a time.
 pub const MAX_CT_NEW: u32 = 65_536;
@@ -574,8 +583,9 @@ pub struct CtValue {
 }
 
 /// An IPv6 flow as one direction of it appears on the wire: `CtKey` with
-/// 16-byte addresses, in `CONNTRACK6`, a map of its own so that IPv4's
-/// 16-byte key keeps its one-round hash.
+/// 16-byte addresses, in `CONNTRACK6` (assured flows) and `CT_NEW6` (flows
+/// not assured yet), maps of their own so that IPv4's 16-byte key keeps its
+/// one-round hash.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -609,9 +619,8 @@ impl Ct6Key {
     }
 }
 
-/// `CtValue` with 16-byte addresses: the value of `CONNTRACK6`. Fields mean
-/// what `CtValue`'s do; flags are `ct_flags`, `ASSURED` set in place (one
-/// map holds IPv6 flows assured or not).
+/// `CtValue` with 16-byte addresses: the value of `CONNTRACK6` and
+/// `CT_NEW6`. Fields mean what `CtValue`'s do; flags are `ct_flags`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -719,6 +728,20 @@ pub struct FlowCacheEntry {
     pub epoch: u32,
 }
 
+/// `FlowCacheEntry` of an IPv6 flow, in `FLOW_CACHE6` slot
+/// `flow_cache6_slot(&key)`, under the same contract: its slot's counter
+/// and the epoch are `FLOW_GEN`'s, which both families share (an IPv4 and
+/// an IPv6 flow in the same slot only void each other's copies early).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FlowCache6Entry {
+    pub key: Ct6Key,
+    pub value: Ct6Value,
+    pub slot_gen: u32,
+    pub epoch: u32,
+}
+
 /// Key of `FRAGMENTS`: what identifies one fragmented datagram on the wire
 /// (RFC 791: source, destination, protocol and identification; RFC 8200:
 /// the same without the protocol, 0 here). Addresses are IPv4-mapped IPv6
@@ -774,6 +797,18 @@ pub fn flow_cache_slot(key: &CtKey) -> u32 {
     let mixed =
         key.src_be.rotate_left(7) ^ key.dst_be ^ ports.rotate_left(19) ^ u32::from(key.proto);
     mixed.wrapping_mul(0x9e37_79b1) >> (32 - FLOW_CACHE_SLOTS.trailing_zeros())
+}
+
+/// The flow cache slot of an IPv6 `key` (in `FLOW_CACHE6`, and its
+/// counter's in `FLOW_GEN`): the addresses' words folded, then
+/// `flow_cache_slot`'s hash.
+#[inline(always)]
+pub fn flow_cache6_slot(key: &Ct6Key) -> u32 {
+    let [s0, s1, s2, s3] = key.src_be;
+    let [d0, d1, d2, d3] = key.dst_be;
+    let src = s0 ^ s1.rotate_left(8) ^ s2.rotate_left(16) ^ s3.rotate_left(24);
+    let dst = d0 ^ d1.rotate_left(8) ^ d2.rotate_left(16) ^ d3.rotate_left(24);
+    flow_cache_slot(&CtKey::new(src, dst, key.sport_be, key.dport_be, key.proto))
 }
 
 /// Slots of the `CLOCK` array.
@@ -989,9 +1024,9 @@ pub mod counter {
     /// did not translate (not a Service's, or it arrived before its first
     /// fragment, or the first one's entry expired): passed as it is.
     pub const FRAG_UNTRACKED: u32 = 17;
-    /// A new flow's entries made (in `CT_NEW`).
+    /// A new flow's entries made (in `CT_NEW` or `CT_NEW6`).
     pub const CT_NEW_FLOW: u32 = 18;
-    /// A flow assured and moved to `CONNTRACK`.
+    /// A flow assured and moved to `CONNTRACK` (`CONNTRACK6`).
     pub const CT_ASSURED: u32 = 19;
     /// A packet the datapath routes itself (see `REDIRECT`) whose TTL was
     /// spent: dropped, as a router drops it.
@@ -1055,8 +1090,9 @@ pub mod counter {
 mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
-        Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCacheEntry, FragKey, FragValue, NodeAddr,
-        NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+        Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
+        FragValue, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
+        SockNotes6, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1077,6 +1113,7 @@ mod pod_impls {
         Ct6Key,
         Ct6Value,
         FlowCacheEntry,
+        FlowCache6Entry,
         Clock,
         AffinityKey,
         AffinityValue,
@@ -1108,6 +1145,7 @@ mod tests {
         assert_eq!(size_of::<CtValue>(), 40);
         assert_eq!(size_of::<Ct6Key>(), 40);
         assert_eq!(size_of::<Ct6Value>(), 64);
+        assert_eq!(size_of::<FlowCache6Entry>(), 112);
         assert_eq!(size_of::<Clock>(), 24);
         assert_eq!(size_of::<NodeConfig>(), 24);
         assert_eq!(size_of::<SourceRangeKey>(), 36);

@@ -16,6 +16,10 @@
 //! second, so that a flood of rejects cannot flood the log; the rest are
 //! counted.
 //!
+//! `tc_ingress6`'s sites go through `record6`, the same body for a record
+//! with 16-byte addresses (aya-log's IPv6 address fields, printed
+//! `[addr]:port`), which takes them by value (see `log6_ports`).
+//!
 //! The records are laid out here, at compile time, rather than by
 //! aya-log-ebpf's macros: those build a record in about 230 bytes of stack
 //! and many verifier steps per site, and `tc_ingress` already uses 472 of
@@ -31,6 +35,7 @@ use proxy_common::{PROTO_TCP, PROTO_UDP, counter, datapath_log};
 use crate::{
     maps::{DATAPATH_LOG, count},
     packet::Flow,
+    packet6::Flow6,
 };
 
 /// Each CPU's use of the rate limit: the window it counts in, and the
@@ -107,6 +112,63 @@ pub fn log_addrs(event: Event, proto: u8, src_be: u32, dst_be: u32) {
     record(event, src_be, dst_be, 0, u32::from(proto));
 }
 
+/// `log` of an IPv6 packet.
+#[inline(always)]
+pub fn log6(event: Event, flow: &Flow6) {
+    log6_ports(
+        event,
+        flow.proto,
+        &flow.src_be,
+        &flow.dst_be,
+        (u32::from(flow.sport_be) << 16) | u32::from(flow.dport_be),
+    );
+}
+
+/// `log_addrs` of an IPv6 packet.
+#[inline(always)]
+pub fn log6_addrs(event: Event, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]) {
+    log6_ports(event, proto, src_be, dst_be, 0);
+}
+
+/// The addresses go by value, two words each, and the event, protocol and
+/// ports share the fifth register: the BPF backend of this toolchain fails
+/// on an out-of-line call from `tc_ingress6` that passes pointers.
+#[inline(always)]
+fn log6_ports(event: Event, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4], ports_be: u32) {
+    let pair = |a: u32, b: u32| u64::from(a) | (u64::from(b) << 32);
+    record6(
+        u64::from(event as u32) | (u64::from(proto) << 8) | (u64::from(ports_be) << 32),
+        pair(src_be[0], src_be[1]),
+        pair(src_be[2], src_be[3]),
+        pair(dst_be[0], dst_be[1]),
+        pair(dst_be[2], dst_be[3]),
+    );
+}
+
+/// `record` of IPv6 packets: `what` is the event (low byte), the protocol
+/// (next byte) and the ports (high half, as `emit` takes them).
+#[cold]
+#[inline(never)]
+#[unsafe(link_section = ".text")]
+fn record6(what: u64, src_lo: u64, src_hi: u64, dst_lo: u64, dst_hi: u64) {
+    let event = (what & 0xff) as u32;
+    if event < EVENTS as u32 && enabled_level(EVENT_LEVELS[event as usize]) {
+        // By value (`move`): a captured reference would put the words in
+        // stack slots, on a call chain with few to spare.
+        emit6(
+            event,
+            (what >> 32) as u32,
+            ((what >> 8) & 0xff) as u32,
+            move |out, t| {
+                out[t.src_at..t.src_at + 8].copy_from_slice(&src_lo.to_ne_bytes());
+                out[t.src_at + 8..t.src_at + 16].copy_from_slice(&src_hi.to_ne_bytes());
+                out[t.dst_at..t.dst_at + 8].copy_from_slice(&dst_lo.to_ne_bytes());
+                out[t.dst_at + 8..t.dst_at + 16].copy_from_slice(&dst_hi.to_ne_bytes());
+            },
+        );
+    }
+}
+
 /// The one body of every site (see the module's documentation). In
 /// `.text`, with the other functions the programs call, rather than the
 /// `.text.unlikely.` the compiler gives cold ones.
@@ -122,11 +184,17 @@ fn record(event: Event, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
 /// Whether the level in `DATAPATH_LOG` asks for `event`.
 #[inline(always)]
 fn enabled(event: Event) -> bool {
+    enabled_level(event.level())
+}
+
+/// Whether the level in `DATAPATH_LOG` asks for events of `level`.
+#[inline(always)]
+fn enabled_level(level: u32) -> bool {
     // SAFETY: a valid array value pointer for this program's run.
-    let level = DATAPATH_LOG
+    let set = DATAPATH_LOG
         .get_ptr(0)
         .map_or(datapath_log::OFF, |p| unsafe { *p });
-    level >= event.level()
+    set >= level
 }
 
 /// Whether this CPU may write one more record in the current window.
@@ -153,6 +221,10 @@ fn within_rate() -> bool {
 /// Bytes reserved for a record: its fields and the longest text.
 const RECORD: usize = 192;
 const _: () = assert!(RECORD.is_multiple_of(8));
+/// The same for an IPv6 packet's record: 24 more bytes of addresses, and
+/// brackets around them.
+const RECORD6: usize = 216;
+const _: () = assert!(RECORD6.is_multiple_of(8));
 /// Room for an event's text.
 const TEXT_MAX: usize = 64;
 const EVENTS: usize = 10;
@@ -171,20 +243,33 @@ const TEXTS: [&str; EVENTS] = [
     ": dropped, rewrite not finished",
 ];
 
+/// `DATAPATH_LOG`'s least level of each event, by `Event`.
+const EVENT_LEVELS: [u32; EVENTS] = {
+    let mut levels = [0; EVENTS];
+    let mut i = 0;
+    while i < EVENTS {
+        levels[i] = ALL_EVENTS[i].level();
+        i += 1;
+    }
+    levels
+};
+
+const ALL_EVENTS: [Event; EVENTS] = [
+    Event::Reject,
+    Event::RejectFailed,
+    Event::SourceRange,
+    Event::NoEndpoint,
+    Event::SnatExhausted,
+    Event::CtInsertFailed,
+    Event::FragUntracked,
+    Event::Ttl,
+    Event::NoRoute,
+    Event::Rewrite,
+];
+
 /// aya-log's level of each event, by `Event`.
 const LEVELS: [u8; EVENTS] = {
-    let events = [
-        Event::Reject,
-        Event::RejectFailed,
-        Event::SourceRange,
-        Event::NoEndpoint,
-        Event::SnatExhausted,
-        Event::CtInsertFailed,
-        Event::FragUntracked,
-        Event::Ttl,
-        Event::NoRoute,
-        Event::Rewrite,
-    ];
+    let events = ALL_EVENTS;
     let mut levels = [0u8; EVENTS];
     let mut i = 0;
     while i < EVENTS {
@@ -230,8 +315,8 @@ static TEXT_LENS: [u8; EVENTS] = {
 
 /// A record with every field but the event's, and where the fields that
 /// change go.
-struct Template {
-    bytes: Record,
+struct Template<const N: usize> {
+    bytes: Record<N>,
     level_at: usize,
     proto_at: usize,
     src_at: usize,
@@ -246,11 +331,16 @@ struct Template {
 /// copy the compiler writes out, where an unaligned one of this size
 /// becomes a call to a byte loop the verifier walks byte by byte).
 #[repr(C, align(8))]
-struct Record([u8; RECORD]);
+struct Record<const N: usize>([u8; N]);
 
 /// Writes one aya-log field (kind, native-order u16 length, value) at
 /// `at`; returns where its value starts and where the next field does.
-const fn field(out: &mut [u8; RECORD], at: usize, kind: u8, value: &[u8]) -> (usize, usize) {
+const fn field<const N: usize>(
+    out: &mut [u8; N],
+    at: usize,
+    kind: u8,
+    value: &[u8],
+) -> (usize, usize) {
     out[at] = kind;
     let len = (value.len() as LogValueLength).to_ne_bytes();
     out[at + 1] = len[0];
@@ -263,9 +353,26 @@ const fn field(out: &mut [u8; RECORD], at: usize, kind: u8, value: &[u8]) -> (us
     (at + 3, at + 3 + value.len())
 }
 
-const TEMPLATE: Template = {
-    let mut b = [0u8; RECORD];
+/// IPv4's record: `tcp 10.0.0.1:80 -> 10.0.0.2:8080: <text>`.
+const TEMPLATE: Template<RECORD> = template(false);
+/// IPv6's: `tcp [fd00::1]:80 -> [fd00::2]:8080: <text>`, which aya-log's
+/// reader prints from 16-byte address fields.
+const TEMPLATE6: Template<RECORD6> = template(true);
+
+const fn template<const N: usize>(v6: bool) -> Template<N> {
+    let mut b = [0u8; N];
     let str_kind = ArgumentKind::Str as u8;
+    let (addr_kind, addr, open, close, arrow): (u8, &[u8], &[u8], &[u8], &[u8]) = if v6 {
+        (
+            ArgumentKind::Ipv6Addr as u8,
+            &[0; 16],
+            b" [",
+            b"]:",
+            b" -> [",
+        )
+    } else {
+        (ArgumentKind::Ipv4Addr as u8, &[0; 4], b" ", b":", b" -> ")
+    };
     // The size field comes first; it is written per record.
     let at = size_of::<LogValueLength>();
     let (_, at) = field(&mut b, at, RecordFieldKind::Target as u8, b"datapath");
@@ -290,15 +397,15 @@ const TEMPLATE: Template = {
         &10u32.to_ne_bytes(),
     );
     let (proto_at, at) = field(&mut b, at, str_kind, b"tcp");
-    let (_, at) = field(&mut b, at, str_kind, b" ");
-    let (src_at, at) = field(&mut b, at, ArgumentKind::Ipv4Addr as u8, &[0; 4]);
-    let (_, at) = field(&mut b, at, str_kind, b":");
+    let (_, at) = field(&mut b, at, str_kind, open);
+    let (src_at, at) = field(&mut b, at, addr_kind, addr);
+    let (_, at) = field(&mut b, at, str_kind, close);
     let (sport_at, at) = field(&mut b, at, ArgumentKind::U16 as u8, &[0; 2]);
-    let (_, at) = field(&mut b, at, str_kind, b" -> ");
-    let (dst_at, at) = field(&mut b, at, ArgumentKind::Ipv4Addr as u8, &[0; 4]);
-    let (_, at) = field(&mut b, at, str_kind, b":");
+    let (_, at) = field(&mut b, at, str_kind, arrow);
+    let (dst_at, at) = field(&mut b, at, addr_kind, addr);
+    let (_, at) = field(&mut b, at, str_kind, close);
     let (dport_at, at) = field(&mut b, at, ArgumentKind::U16 as u8, &[0; 2]);
-    assert!(at + 3 + TEXT_MAX <= RECORD, "RECORD too small");
+    assert!(at + 3 + TEXT_MAX <= N, "record too small");
     b[at] = str_kind;
     Template {
         bytes: Record(b),
@@ -310,7 +417,7 @@ const TEMPLATE: Template = {
         dport_at,
         text_at: at,
     }
-};
+}
 
 /// Three letters, the length of the template's protocol field.
 #[inline(always)]
@@ -365,6 +472,56 @@ fn emit(event: u32, src_be: u32, dst_be: u32, ports_be: u32, proto: u32) {
     let sport = u16::from_be((ports_be >> 16) as u16);
     out[t.sport_at..t.sport_at + 2].copy_from_slice(&sport.to_ne_bytes());
     out[t.dst_at..t.dst_at + 4].copy_from_slice(&dst_be.to_ne_bytes());
+    let dport = u16::from_be(ports_be as u16);
+    out[t.dport_at..t.dport_at + 2].copy_from_slice(&dport.to_ne_bytes());
+    let len = TEXT_LENS[event] as usize;
+    let len_bytes = (len as LogValueLength).to_ne_bytes();
+    out[t.text_at + 1] = len_bytes[0];
+    out[t.text_at + 2] = len_bytes[1];
+    out[t.text_at + 3..t.text_at + 3 + TEXT_MAX].copy_from_slice(&PADDED_TEXTS[event]);
+    let size = ((t.text_at + 3 + len) as LogValueLength).to_ne_bytes();
+    out[0] = size[0];
+    out[1] = size[1];
+    buf.submit(0);
+}
+
+/// `emit` of an IPv6 packet's record (`TEMPLATE6`), whose addresses
+/// `addrs` writes; `event` is below `EVENTS`.
+#[inline(always)]
+fn emit6(event: u32, ports_be: u32, proto: u32, addrs: impl FnOnce(&mut [u8], &Template<RECORD6>)) {
+    let event = event as usize;
+    if event >= EVENTS {
+        return;
+    }
+    if !within_rate() {
+        count(counter::LOG_RATE_LIMITED);
+        return;
+    }
+    let Some(mut buf) = AYA_LOGS.reserve_bytes(RECORD6, 0) else {
+        return;
+    };
+    let Some(out) = buf.get_mut(..RECORD6) else {
+        buf.discard(0);
+        return;
+    };
+    let t = &TEMPLATE6;
+    #[expect(
+        clippy::cast_ptr_alignment,
+        reason = "`Template` is `align(8)` and ring buffer records start 8-aligned"
+    )]
+    // SAFETY: as in `emit`, for RECORD6 bytes.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            t.bytes.0.as_ptr().cast::<u64>(),
+            out.as_mut_ptr().cast::<u64>(),
+            RECORD6 / 8,
+        );
+    };
+    out[t.level_at] = LEVELS[event];
+    out[t.proto_at..t.proto_at + 3].copy_from_slice(&proto_name(proto));
+    addrs(out, t);
+    let sport = u16::from_be((ports_be >> 16) as u16);
+    out[t.sport_at..t.sport_at + 2].copy_from_slice(&sport.to_ne_bytes());
     let dport = u16::from_be(ports_be as u16);
     out[t.dport_at..t.dport_at + 2].copy_from_slice(&dport.to_ne_bytes());
     let len = TEXT_LENS[event] as usize;

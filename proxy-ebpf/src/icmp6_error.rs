@@ -38,7 +38,6 @@ use crate::{
     packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head},
 };
 
-pub const IPPROTO_ICMPV6: u8 = 58;
 /// Error message types (RFC 4443 2.1): 1 to 4; informational ones start
 /// at 128, neighbour discovery among them.
 const ICMPV6_ERROR_MAX: u8 = 4;
@@ -96,11 +95,11 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
         frag_id_be: 0,
     };
     let key = conntrack6::flow_key(&flow);
-    let Some(ptr) = conntrack6::lookup(&key, &flow, now_ns()) else {
+    let Some(found) = conntrack6::lookup(&key, &flow, now_ns()) else {
         return TC_ACT_OK;
     };
     // SAFETY: a valid map value pointer for the duration of this program.
-    let nat = conntrack6::translation(unsafe { &*ptr }, &flow);
+    let nat = conntrack6::translation(unsafe { &*found.ptr }, &flow);
     let from_peer = outer.src_be == quote.dst_be;
     if rewrite(ctx, &outer, &flow, &nat, from_peer, end).is_err() {
         count(counter::DROP_REWRITE);

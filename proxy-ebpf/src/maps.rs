@@ -8,11 +8,11 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
-    Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCacheEntry, FragKey,
-    FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
-    MAX_CONNTRACK, MAX_FRAGMENTS, MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr,
-    NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
-    clock_slot, counter, ip_summed, sock_counter,
+    Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCache6Entry,
+    FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS,
+    MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_NODE_ADDRS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
+    SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -46,10 +46,16 @@ pub static CONNTRACK: Conntrack = LruHashMap::new();
 #[btf_map]
 pub static CT_NEW: Conntrack = LruHashMap::new();
 
-/// IPv6 flows (see `crate::conntrack6`). The agent sets its size
-/// (`--conntrack-max`).
+/// Either IPv6 conntrack map (see `crate::conntrack6`).
+pub type Conntrack6 = LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }>;
+
+/// Assured IPv6 flows. The agent sets its size (`--conntrack-max`).
 #[btf_map]
-pub static CONNTRACK6: LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }> = LruHashMap::new();
+pub static CONNTRACK6: Conntrack6 = LruHashMap::new();
+
+/// IPv6 flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
+#[btf_map]
+pub static CT_NEW6: Conntrack6 = LruHashMap::new();
 
 /// Room for the largest temporaries of `tc_ingress6`'s new flows (see
 /// `Scratch6`). Never pinned: it holds nothing from one packet to the next.
@@ -57,8 +63,9 @@ pub static CONNTRACK6: LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }> 
 pub static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
 
 /// What `SCRATCH6` holds: the conntrack entry and keys a SNATed flow's
-/// port is claimed with (`conntrack6::create_snat`) and the FIB query of a
-/// redirect (`route6`). On the program's stack they would take it past
+/// port is claimed with (`conntrack6::create_snat`), those a flow is
+/// assured with (`conntrack6::touch`), and the FIB query of a redirect
+/// (`route6`). On the program's stack they would take it past
 /// the 512 bytes it may use; on this CPU's entry of a per-CPU map they are
 /// the packet's alone, as tc runs one program at a time on a CPU.
 #[repr(C)]
@@ -68,6 +75,13 @@ pub struct Scratch6 {
     pub value: Ct6Value,
     pub fib: bpf_fib_lookup,
 }
+
+/// The conntrack key of the packet `tc_ingress6` is handling, built here
+/// rather than on its stack (40 bytes the call chain has no room for), for
+/// the whole run of the program: a map of its own, as `SCRATCH6`'s entry is
+/// borrowed whole by the functions that build entries. Never pinned.
+#[btf_map]
+pub static FLOW_KEY6: PerCpuArray<Ct6Key, 1> = PerCpuArray::new();
 
 /// This CPU's `SCRATCH6` entry.
 #[inline(always)]
@@ -80,8 +94,13 @@ pub fn scratch6() -> Option<*mut Scratch6> {
 pub static FLOW_CACHE: PerCpuArray<FlowCacheEntry, { FLOW_CACHE_SLOTS as usize }> =
     PerCpuArray::new();
 
-/// Invalidation counters of `FLOW_CACHE`: one per cache slot, then the
-/// agent's epoch.
+/// See `proxy_common::FlowCache6Entry`.
+#[btf_map]
+pub static FLOW_CACHE6: PerCpuArray<FlowCache6Entry, { FLOW_CACHE_SLOTS as usize }> =
+    PerCpuArray::new();
+
+/// Invalidation counters of `FLOW_CACHE` and `FLOW_CACHE6`: one per cache
+/// slot, then the agent's epoch.
 #[btf_map]
 pub static FLOW_GEN: Array<u64, { FLOW_CACHE_SLOTS as usize + 1 }> = Array::new();
 

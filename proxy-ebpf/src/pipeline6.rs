@@ -14,6 +14,9 @@
 //! them, passes untouched, as SCTP does. Fragments follow
 //! IPv4's rules (`crate::frag`): a later fragment takes its first
 //! fragment's ports and its flow's translation, or passes, counted.
+//! Established flows are served from this CPU's flow cache
+//! (`flow_cache::get6`), new ones start in `CT_NEW6` (`conntrack6`), and
+//! rare events go to the datapath log, as IPv4's.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -26,10 +29,11 @@ use proxy_common::{
 use crate::{
     conntrack::now_ns,
     conntrack6::{self, NewFlow6},
-    frag,
+    event_log::{self, Event},
+    flow_cache, frag,
     frontend::{self, Frontend},
     icmp6_error,
-    maps::{count, node_addr6, node_config},
+    maps::{FLOW_KEY6, count, node_addr6, node_config},
     nat6::Nat6,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
@@ -58,19 +62,48 @@ pub fn handle(ctx: &TcContext) -> i32 {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
             count(counter::FRAG_UNTRACKED);
+            event_log::log6(Event::FragUntracked, &flow);
             return TC_ACT_OK;
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
         flow.proto = proto;
     }
-    let key = conntrack6::flow_key(&flow);
-    if let Some(ptr) = conntrack6::lookup(&key, &flow, now) {
-        // SAFETY: a valid map value pointer for the duration of this program.
-        let entry = unsafe { &*ptr };
+    let Some(key) = FLOW_KEY6.get_ptr_mut(0) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (tc runs one program at a time on a CPU).
+    let key = unsafe {
+        *key = conntrack6::flow_key(&flow);
+        &*key
+    };
+    let stamp = flow_cache::stamp6(key, flow.tcp_flags);
+    // One path for a copy and an entry, so that `finish` is inlined once.
+    let copy = flow_cache::get6(key, &stamp, now);
+    let found = match copy {
+        Some(_) => None,
+        None => conntrack6::lookup(key, &flow, now),
+    };
+    let known = match (&copy, &found) {
+        (Some(copy), _) => *copy,
+        (None, Some(found)) => found.ptr.cast_const(),
+        (None, None) => core::ptr::null(),
+    };
+    if !known.is_null() {
+        // SAFETY: this CPU's cache slot or a map value pointer, valid for
+        // this program's run; read before `touch`, which may move the entry.
+        let entry = unsafe { &*known };
         let nat = conntrack6::translation(entry, &flow);
         let dir = entry.dir;
-        conntrack6::touch(ptr, &flow, &nat, now);
+        if let Some(found) = &found {
+            conntrack6::touch(key, found, &flow, &nat, now);
+            if !found.unassured {
+                // Unassured flows are not cached: their entries move when
+                // they are assured.
+                flow_cache::put6(key, &stamp, found.ptr, now);
+            }
+        }
         count(if dir == ct_dir::FORWARD {
             counter::DNAT_ESTABLISHED
         } else {
@@ -82,6 +115,7 @@ pub fn handle(ctx: &TcContext) -> i32 {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
         count(counter::FRAG_UNTRACKED);
+        event_log::log6(Event::FragUntracked, &flow);
         return TC_ACT_OK;
     }
     let Some(frontend) =
@@ -107,11 +141,13 @@ fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32
         && !frontend::source_allowed_for6(frontend, flow.src_be)
     {
         count(counter::DROP_SOURCE_RANGE);
+        event_log::log6(Event::SourceRange, flow);
         return TC_ACT_SHOT;
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
+            event_log::log6(Event::NoEndpoint, flow);
             return TC_ACT_SHOT;
         }
         count(counter::REJECT);
@@ -170,6 +206,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32
             now,
         ) {
             count(counter::SNAT_EXHAUSTED);
+            event_log::log6(Event::SnatExhausted, flow);
             return TC_ACT_SHOT;
         }
         count(if hairpin {
@@ -197,6 +234,7 @@ fn finish(ctx: &TcContext, flow: &Flow6, nat: &Nat6, now: u64) -> i32 {
     }
     if nat.apply(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
+        event_log::log6(Event::Rewrite, flow);
         return TC_ACT_SHOT;
     }
     if !nat.redirect {
@@ -213,8 +251,12 @@ fn reject(ctx: &TcContext, flow: &Flow6) -> i32 {
     } else {
         reject6::icmp_port_unreachable(ctx, flow)
     };
-    rejected.unwrap_or_else(|_| {
+    if let Ok(verdict) = rejected {
+        event_log::log6(Event::Reject, flow);
+        verdict
+    } else {
         count(counter::DROP_REJECT_FAILED);
+        event_log::log6(Event::RejectFailed, flow);
         TC_ACT_SHOT
-    })
+    }
 }

@@ -7,7 +7,6 @@ use aya_ebpf::{helpers, programs::TcContext};
 use proxy_common::csum::fold;
 
 use crate::{
-    icmp6_error::IPPROTO_ICMPV6,
     packet::{ETH_HLEN, TCP_ACK, TCP_RST, TCP_SYN},
     packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN},
     reject::{Syn, redirect_back, reset_syn},
@@ -20,6 +19,7 @@ const ICMP6_HLEN: usize = 8;
 /// its socket, and keeps the reply one fixed size.
 const QUOTE_LEN: usize = IPV6_HLEN + 8;
 const BPF_ADJ_ROOM_MAC: u32 = 1;
+const IPPROTO_ICMPV6: u8 = 58;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
 const HOP_LIMIT: u8 = 64;

@@ -18,6 +18,7 @@ use aya_ebpf::{
 use proxy_common::counter;
 
 use crate::{
+    event_log::{self, Event},
     hook::Hook,
     maps::{count, scratch6},
     packet::ETH_HLEN,
@@ -33,9 +34,13 @@ const IP6_HOP_LIMIT_OFF: usize = 7;
 /// IPv4's (`drop_ttl`, `drop_no_route`).
 #[inline(always)]
 pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]) -> i32 {
-    let Some(scratch) = scratch6() else {
+    let no_route = || {
         count(counter::DROP_NO_ROUTE);
-        return TC_ACT_SHOT;
+        event_log::log6_addrs(Event::NoRoute, proto, src_be, dst_be);
+        TC_ACT_SHOT
+    };
+    let Some(scratch) = scratch6() else {
+        return no_route();
     };
     // SAFETY: this CPU's entry, used by nothing else while this program
     // runs (see `maps::Scratch6`); all-zeros is a valid `bpf_fib_lookup`.
@@ -64,32 +69,29 @@ pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]
     };
     let resolved = ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
     if !resolved && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        count(counter::DROP_NO_ROUTE);
-        return TC_ACT_SHOT;
+        return no_route();
     }
     // IPv6 has no header checksum, and the transport checksum covers
     // neither the hop limit nor the MACs: plain stores.
     let Ok(hop_limit) = ctx.load::<u8>(ETH_HLEN + IP6_HOP_LIMIT_OFF) else {
-        count(counter::DROP_NO_ROUTE);
-        return TC_ACT_SHOT;
+        return no_route();
     };
     if hop_limit <= 1 {
         count(counter::DROP_TTL);
+        event_log::log6_addrs(Event::Ttl, proto, src_be, dst_be);
         return TC_ACT_SHOT;
     }
     if ctx
         .store(ETH_HLEN + IP6_HOP_LIMIT_OFF, &(hop_limit - 1), 0)
         .is_err()
     {
-        count(counter::DROP_NO_ROUTE);
-        return TC_ACT_SHOT;
+        return no_route();
     }
     if resolved {
         let macs_written =
             ctx.store(0, &params.dmac, 0).is_ok() && ctx.store(6, &params.smac, 0).is_ok();
         if !macs_written {
-            count(counter::DROP_NO_ROUTE);
-            return TC_ACT_SHOT;
+            return no_route();
         }
         // SAFETY: takes an interface index and flags, no pointers.
         unsafe { bpf_redirect(params.ifindex, 0) as i32 }
@@ -100,8 +102,7 @@ pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]
         if r == i64::from(TC_ACT_REDIRECT) {
             TC_ACT_REDIRECT
         } else {
-            count(counter::DROP_NO_ROUTE);
-            TC_ACT_SHOT
+            no_route()
         }
     }
 }

@@ -164,6 +164,11 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             .map_err(batch_error(map_names::CONNTRACK6))?,
         None => 0,
     };
+    let unassured6 = match &maps.ct_new6 {
+        Some(map) => batch::count::<Ct6Key, Ct6Value>(map.map(), batch::CHUNK)
+            .map_err(batch_error(map_names::CT_NEW6))?,
+        None => 0,
+    };
     let _ = writeln!(out, "{}", socket_notes(pins));
     let affinity = batch::count::<AffinityKey, AffinityValue>(maps.affinity.map(), batch::CHUNK)
         .map_err(batch_error(map_names::AFFINITY))?;
@@ -176,6 +181,7 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         (map_names::CONNTRACK, entries),
         (map_names::CT_NEW, unassured),
         (map_names::CONNTRACK6, flows6),
+        (map_names::CT_NEW6, unassured6),
     ] {
         let _ = writeln!(out, "{}", fill(pins, name, entries));
     }

@@ -558,6 +558,10 @@ fn a_conntrack6_map_of_another_size_is_replaced_with_its_flows() {
     assert_eq!(capacity(), 8192, "CONNTRACK6 not sized as asked");
     let (_, out) = run_on(first.tc6_program(), &udp(CLIENT, 45000, VIP, 53));
     let backend = parse_checked6(&out, "first datagram").dst;
+    // Answered and asked again: assured, so in `CONNTRACK6`, the map that
+    // is resized (`CT_NEW6` keeps its size).
+    run_on(first.tc6_program(), &udp(backend, 5353, CLIENT, 45000));
+    run_on(first.tc6_program(), &udp(CLIENT, 45000, VIP, 53));
     drop(first);
 
     let mut resized = Datapath::load_sized(pins.clone(), 16384)
@@ -589,9 +593,9 @@ fn a_conntrack6_map_of_another_size_is_replaced_with_its_flows() {
     );
 }
 
-/// The agent's housekeeping walks `CONNTRACK6` too: a departed backend loses
-/// its UDP flows there (not its TCP connections), and the reaper removes
-/// flows idle past their timeout.
+/// The agent's housekeeping walks `CONNTRACK6` and `CT_NEW6` too: a
+/// departed backend loses its UDP flows there (not its TCP connections),
+/// and the reaper removes flows idle past their timeout.
 #[test]
 fn departed_backend_purge_and_reaper_walk_conntrack6() {
     let mut fx = fixture();
@@ -647,17 +651,14 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
     );
 
     // The TCP flows of every source port tried, and the new UDP flow, two
-    // entries each: a minute and a bit later the UDP flow has expired, the
-    // unanswered TCP ones too (the SYN timeout, 60 s).
+    // entries each, none assured (in `CT_NEW6`): a minute and a bit later
+    // the UDP flow has expired, the unanswered TCP ones too (the SYN
+    // timeout, 60 s).
     let expected = 2 * usize::from(tcp_sport - 44000 + 1) + 2;
     let flows6 = |fx: &Fixture| {
-        fx.datapath
-            .maps
-            .conntrack6
-            .as_ref()
-            .expect("CONNTRACK6")
-            .iter()
-            .count()
+        let (assured, unassured) = entries6(fx);
+        assert_eq!(assured, 0, "no flow was assured, none is in CONNTRACK6");
+        unassured
     };
     assert_eq!(flows6(&fx), expected, "entries before reaping");
     let reaped = conntrack::reap_expired(
@@ -1419,4 +1420,410 @@ fn a_spent_hop_limit_is_dropped_and_counted() {
     let (ret, _) = run_on_uplink(&nf, &syn);
     assert_eq!(ret, TC_ACT_SHOT, "SYN with hop limit 1: verdict");
     assert_eq!(ncounter(&nf, "drop_ttl"), 1, "the drop was not counted");
+}
+
+/// Pins the test to the CPU it runs on, so that every `BPF_PROG_TEST_RUN`
+/// of a test finds the same per-CPU flow cache; restored on drop.
+fn stay_on_this_cpu() -> CpuGuard {
+    use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+    use nix::unistd::Pid;
+    let before = sched_getaffinity(Pid::from_raw(0)).expect("sched_getaffinity");
+    // SAFETY: sched_getcpu takes nothing and touches no memory of ours.
+    let cpu = unsafe { libc::sched_getcpu() };
+    assert!(cpu >= 0, "sched_getcpu failed");
+    let mut one = CpuSet::new();
+    one.set(cpu as usize).expect("CPU number within a CpuSet");
+    sched_setaffinity(Pid::from_raw(0), &one).expect("sched_setaffinity");
+    CpuGuard(before)
+}
+
+struct CpuGuard(nix::sched::CpuSet);
+
+impl Drop for CpuGuard {
+    fn drop(&mut self) {
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &self.0);
+    }
+}
+
+fn words(ip: Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+fn ct6_key(
+    src: Ipv6Addr,
+    sport: u16,
+    dst: Ipv6Addr,
+    dport: u16,
+    proto: u8,
+) -> proxy_common::Ct6Key {
+    proxy_common::Ct6Key::new(words(src), words(dst), sport.to_be(), dport.to_be(), proto)
+}
+
+/// Rewrites an assured flow's forward entry to translate to `backend`,
+/// behind the datapath's back (no invalidation), as only a test would.
+fn point_entry_at(fx: &mut Fixture, key: &proxy_common::Ct6Key, backend: Ipv6Addr) {
+    let conntrack6 = fx
+        .datapath
+        .maps
+        .conntrack6
+        .as_mut()
+        .expect("CONNTRACK6 is loaded");
+    let mut entry = conntrack6
+        .get(key, 0)
+        .expect("the flow's entry in CONNTRACK6");
+    entry.nat_addr_be = words(backend);
+    conntrack6
+        .insert(key, entry, 0)
+        .expect("rewriting the entry");
+}
+
+/// Entries of both IPv6 conntrack maps: (assured, not assured yet).
+fn entries6(fx: &Fixture) -> (usize, usize) {
+    let count = |map: &Option<aya::maps::HashMap<aya::maps::MapData, _, _>>, name: &str| {
+        map.as_ref()
+            .unwrap_or_else(|| panic!("{name} is loaded"))
+            .iter()
+            .count()
+    };
+    (
+        count(&fx.datapath.maps.conntrack6, "CONNTRACK6"),
+        count(&fx.datapath.maps.ct_new6, "CT_NEW6"),
+    )
+}
+
+/// Established IPv6 packets are translated from this CPU's copy of their
+/// conntrack entry (checksums recomputed from scratch on every frame), and
+/// a copy is never used once its entry may have changed: after the agent
+/// bumps the epoch, once the flow closes, or once the datapath removes the
+/// entry for a new connection on the same ports.
+#[test]
+fn flow_cache_serves_established_packets_until_its_entry_changes() {
+    let mut fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let sport = 41500;
+    let dst = |fx: &Fixture, flags: u8, what: &str| {
+        let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, flags));
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        let p = parse_checked6(&out, what);
+        assert_eq!((p.src, p.sport, p.dport), (CLIENT, sport, 8080), "{what}");
+        p.dst
+    };
+    let first = dst(&fx, frame::SYN, "SYN");
+    // The backend answers and the client's ACK assures the flow: only an
+    // assured flow's entries are copied.
+    let (ret, out) = run(
+        &fx,
+        &tcp(first, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+    );
+    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    let answer = parse_checked6(&out, "SYN-ACK");
+    assert_eq!(
+        (answer.src, answer.sport),
+        (VIP, 80),
+        "SYN-ACK not restored"
+    );
+    assert_eq!(dst(&fx, frame::ACK, "ACK assuring the flow"), first);
+    assert_eq!(
+        entries6(&fx),
+        (2, 0),
+        "the assured flow's two entries moved to CONNTRACK6"
+    );
+    assert_eq!(dst(&fx, frame::ACK, "ACK taking the copy"), first);
+    assert_eq!(dst(&fx, frame::ACK, "ACK from the copy"), first);
+
+    // The entry is pointed at another backend behind the datapath's back:
+    // the copy still serves (which shows there is one) until the agent
+    // bumps the epoch, as it does after removing entries.
+    let other = *BACKENDS.iter().find(|b| **b != first).expect("3 backends");
+    let key = ct6_key(CLIENT, sport, VIP, 80, frame::TCP);
+    point_entry_at(&mut fx, &key, other);
+    let established = counter(&fx, "dnat_established");
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK with a rewritten entry"),
+        first,
+        "an established packet did not come from the flow cache"
+    );
+    assert_eq!(
+        counter(&fx, "dnat_established"),
+        established + 1,
+        "a packet from the cache is counted as established"
+    );
+    fx.datapath
+        .maps
+        .bump_flow_epoch()
+        .expect("bumping the epoch");
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK after the epoch bump"),
+        other,
+        "a cached copy was used after the agent voided them"
+    );
+    assert_eq!(dst(&fx, frame::ACK, "ACK, copied again"), other);
+
+    // The connection closes and the client reuses its port for a new one,
+    // which the service now sends to a third backend: the datapath removes
+    // the closed entry, and the old copy must not outlive it.
+    let third = *BACKENDS
+        .iter()
+        .find(|b| **b != first && **b != other)
+        .expect("3 backends");
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: "svc0".into(),
+    };
+    let fe = frontend(VIP, 80, Protocol::Tcp, 8080, &[third]);
+    let out = fx
+        .planner
+        .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+    assert!(
+        out.errors.is_empty(),
+        "reprogramming svc0: {:?}",
+        out.errors
+    );
+    assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
+    // Closing voids the copies: an ACK after the FIN follows the entry,
+    // rewritten again behind the datapath's back.
+    point_entry_at(&mut fx, &key, first);
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK after the FIN"),
+        first,
+        "a copy taken before the flow closed served a packet after it"
+    );
+    assert_eq!(dst(&fx, frame::SYN, "SYN reusing the port"), third);
+    assert_eq!(
+        dst(&fx, frame::ACK, "ACK of the new connection"),
+        third,
+        "a copy of the closed connection's entry outlived it"
+    );
+}
+
+/// A UDP flow served from the flow cache goes to a live backend as soon as
+/// its backend departs: the purge removes its entries and voids every
+/// copy.
+#[test]
+fn a_departed_backend_voids_its_cached_udp_flow() {
+    let mut fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let sport = 7100;
+    let send = |fx: &Fixture, what: &str| {
+        let (ret, out) = run(fx, &udp(CLIENT, sport, VIP, 53));
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        let p = parse_checked6(&out, what);
+        assert_eq!((p.src, p.sport, p.dport), (CLIENT, sport, 5353), "{what}");
+        p.dst
+    };
+    let gone = send(&fx, "first datagram");
+    let (_, out) = run(&fx, &udp(gone, 5353, CLIENT, sport));
+    assert_eq!(
+        parse_checked6(&out, "answer").src,
+        VIP,
+        "answer not restored"
+    );
+    assert_eq!(send(&fx, "second datagram, assuring the flow"), gone);
+    assert_eq!(entries6(&fx), (2, 0), "the assured flow's entries");
+    assert_eq!(send(&fx, "datagram taking the copy"), gone);
+    assert_eq!(send(&fx, "datagram from the copy"), gone);
+
+    let remaining: Vec<Ipv6Addr> = BACKENDS.iter().copied().filter(|b| *b != gone).collect();
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: "svc1".into(),
+    };
+    let fe = frontend(VIP, 53, Protocol::Udp, 5353, &remaining);
+    let out = fx
+        .planner
+        .sync_service(&owner, &[fe], &mut fx.datapath.maps);
+    assert!(
+        out.errors.is_empty(),
+        "reprogramming svc1: {:?}",
+        out.errors
+    );
+    let departed = fx.planner.take_departed();
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    assert_eq!(swept.conntrack, 2, "the UDP flow's two entries go");
+    let now = send(&fx, "datagram after the purge");
+    assert!(
+        remaining.contains(&now),
+        "a datagram after the purge went to the departed backend {now} (a stale copy)"
+    );
+}
+
+/// A flood of new IPv6 flows cannot push established ones out of
+/// conntrack: with `CONNTRACK6` of 1,024 entries, 100 established TCP
+/// connections and 50 UDP flows that exchanged twice (assured) keep their
+/// backends, both ways, through 100,000 new flows (SYNs never answered, and
+/// one-shot UDP exchanges), about 100 times what `CONNTRACK6` holds and
+/// more than `CT_NEW6` does; a connection opened in the middle of the flood
+/// is served and assured.
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom, over one loaded datapath"
+)]
+fn a_flood_of_new_flows_leaves_established_flows_alone() {
+    const CAPACITY: u32 = 1024;
+    let pins = unique_pins();
+    let (datapath, planner) = load_programmed(&pins, CAPACITY);
+    let fx = Fixture {
+        datapath,
+        pins,
+        planner,
+    };
+    let _cpu = stay_on_this_cpu();
+    let backend_of = |out: &[u8], what: &str| parse_checked6(out, what).dst;
+    let connect = |sport: u16| {
+        let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        let backend = backend_of(&out, "SYN");
+        let (_, out) = run(
+            &fx,
+            &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+        );
+        assert_eq!(
+            parse_checked6(&out, "SYN-ACK").src,
+            VIP,
+            "SYN-ACK of {sport}"
+        );
+        let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+        assert_eq!(backend_of(&out, "ACK"), backend, "ACK of {sport}");
+        backend
+    };
+    let exchange_twice = |sport: u16| {
+        let (_, out) = run(&fx, &udp(CLIENT, sport, VIP, 53));
+        let backend = backend_of(&out, "request");
+        run(&fx, &udp(backend, 5353, CLIENT, sport));
+        let (_, out) = run(&fx, &udp(CLIENT, sport, VIP, 53));
+        assert_eq!(backend_of(&out, "second request"), backend);
+        backend
+    };
+    let tcp_flows: Vec<(u16, Ipv6Addr)> = (20_000..20_100).map(|p| (p, connect(p))).collect();
+    let udp_flows: Vec<(u16, Ipv6Addr)> =
+        (21_000..21_050).map(|p| (p, exchange_twice(p))).collect();
+    assert_eq!(
+        counter(&fx, "ct_assured"),
+        150,
+        "flows assured before the flood"
+    );
+
+    const FLOOD: u32 = 100_000;
+    let mut during = None;
+    for i in 0..FLOOD {
+        // Clients all over fd00:201::/64, ports all over the range.
+        let client = Ipv6Addr::from(
+            u128::from(Ipv6Addr::new(0xfd00, 0x201, 0, 0, 0, 0, 0, 0)) + u128::from(i >> 4),
+        );
+        let sport = 1024 + (i % 60_000) as u16;
+        if i % 4 == 0 {
+            let (_, out) = run(&fx, &udp(client, sport, VIP, 53));
+            let backend = backend_of(&out, "flood datagram");
+            run(&fx, &udp(backend, 5353, client, sport));
+        } else {
+            run(&fx, &tcp(client, sport, VIP, 80, frame::SYN));
+        }
+        if i == FLOOD / 2 {
+            during = Some(connect(30_000));
+        }
+    }
+    // Copies in the flow cache would hide an evicted entry for up to a second.
+    let mut fx = fx;
+    fx.datapath
+        .maps
+        .bump_flow_epoch()
+        .expect("voiding the flow cache");
+    let mut lost = Vec::new();
+    for (sport, backend) in &tcp_flows {
+        let (_, out) = run(&fx, &tcp(CLIENT, *sport, VIP, 80, frame::ACK));
+        let (_, back) = run(&fx, &tcp(*backend, 8080, CLIENT, *sport, frame::ACK));
+        let now = (
+            backend_of(&out, "ACK after"),
+            parse_checked6(&back, "answer after").src,
+        );
+        if now != (*backend, VIP) {
+            lost.push(format!(
+                "TCP {sport}: {now:?} instead of ({backend}, {VIP})"
+            ));
+        }
+    }
+    for (sport, backend) in &udp_flows {
+        let (_, out) = run(&fx, &udp(CLIENT, *sport, VIP, 53));
+        let now = backend_of(&out, "UDP after");
+        if now != *backend {
+            lost.push(format!("UDP {sport}: {now} instead of {backend}"));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of 150 established IPv6 flows lost their entries to a flood of {FLOOD} new flows \
+         (CONNTRACK6 of {CAPACITY} entries): {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    let during = during.expect("a connection during the flood");
+    assert!(
+        BACKENDS.contains(&during),
+        "connection during the flood: {during}"
+    );
+    assert_eq!(
+        counter(&fx, "ct_assured"),
+        151,
+        "the flood assured flows, or the connection made during it was not"
+    );
+    assert!(
+        counter(&fx, "ct_new_flow") >= u64::from(150 + FLOOD),
+        "new flows counted: {}",
+        counter(&fx, "ct_new_flow")
+    );
+    let (assured, unassured) = entries6(&fx);
+    assert_eq!(assured, 2 * 151, "CONNTRACK6 holds the assured flows alone");
+    assert!(
+        unassured > 0 && unassured <= proxy_common::MAX_CT_NEW as usize,
+        "CT_NEW6 holds {unassured} entries"
+    );
+}
+
+/// `tc_ingress6`'s rare events reach the datapath log as IPv4's do, with
+/// IPv6 addresses as `[addr]:port`: read back from the ring buffer through
+/// the agent's reader.
+#[test]
+fn rare_events_are_logged_with_ipv6_addresses() {
+    use proxy_userspace::datapath::event_log;
+    let mut fx = fixture();
+    event_log::set_level(&fx.pins, event_log::Level::Info).expect("setting the log level");
+    let mut logger = fx.datapath.event_logger().expect("the log reader");
+    let (ret, out) = run(&fx, &tcp(CLIENT, 42000, EMPTY_VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "reject: verdict");
+    assert!(
+        parse_checked6(&out, "RST").l4[13] & frame::RST != 0,
+        "no RST for a frontend without endpoints"
+    );
+    let (ret, _) = run(&fx, &udp(CLIENT, 42001, EMPTY_VIP, 53));
+    assert_eq!(ret, TC_ACT_REDIRECT, "UDP reject: verdict");
+    // A debug event, below the level: not logged.
+    let early = fragmented((CLIENT, 42002), (VIP, 53), 3000, 0x7777);
+    let (ret, _) = run(&fx, &early[1]);
+    assert_eq!(ret, TC_ACT_OK, "untracked later fragment: verdict");
+    assert_eq!(
+        counter(&fx, "frag_untracked"),
+        1,
+        "the later fragment was not seen"
+    );
+
+    let logs = ebpf_proxy_apiserver::Logs::default();
+    tracing::subscriber::with_default(logs.subscriber(), || logger.flush());
+    let text = logs.text();
+    for line in [
+        "tcp [fd00:10::11]:42000 -> [fd00:96::20]:80: reject sent, no endpoints",
+        "udp [fd00:10::11]:42001 -> [fd00:96::20]:53: reject sent, no endpoints",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.contains("datapath") && l.contains(line)),
+            "the datapath log lacks {line:?}; it holds:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains("later fragment"),
+        "a debug event was logged at level info:\n{text}"
+    );
 }

@@ -166,9 +166,11 @@ pub struct Maps {
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     /// Flows not assured yet.
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
-    /// IPv6 flows (proxy-ebpf's `conntrack6`); absent from pins of an agent
-    /// older than it, like `csum_states`.
+    /// Assured IPv6 flows (proxy-ebpf's `conntrack6`); absent from pins of
+    /// an agent older than it, like `csum_states`.
     pub conntrack6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
+    /// IPv6 flows not assured yet; absent like `conntrack6`.
+    pub ct_new6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub ct_timeouts: Array<MapData, CtTimeouts>,
@@ -228,7 +230,7 @@ impl Maps {
     ) -> Result<Self, MapsError> {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
-            COUNTERS, CSUM_STATES, CT_NEW, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
+            COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
             NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6,
             SOURCE_RANGES,
         };
@@ -239,6 +241,7 @@ impl Maps {
             conntrack: HashMap::try_from(get(CONNTRACK)?).map_err(wrap(CONNTRACK))?,
             ct_new: HashMap::try_from(get(CT_NEW)?).map_err(wrap(CT_NEW))?,
             conntrack6: later(get(CONNTRACK6), CONNTRACK6, HashMap::try_from)?,
+            ct_new6: later(get(CT_NEW6), CT_NEW6, HashMap::try_from)?,
             affinity: HashMap::try_from(get(AFFINITY)?).map_err(wrap(AFFINITY))?,
             counters: PerCpuArray::try_from(get(COUNTERS)?).map_err(wrap(COUNTERS))?,
             ct_timeouts: Array::try_from(get(CT_TIMEOUTS)?).map_err(wrap(CT_TIMEOUTS))?,

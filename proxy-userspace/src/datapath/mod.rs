@@ -89,6 +89,7 @@ fn load_object(
     loader.map_max_entries(map_names::CONNTRACK, conntrack_entries);
     loader.map_max_entries(map_names::CT_NEW, MAX_CT_NEW);
     loader.map_max_entries(map_names::CONNTRACK6, conntrack_entries);
+    loader.map_max_entries(map_names::CT_NEW6, MAX_CT_NEW);
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6)?;

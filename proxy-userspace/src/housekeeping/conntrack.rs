@@ -11,7 +11,7 @@
 //!   datapath) are reaped periodically, so the LRU maps hold live flows.
 //!
 //! Both apply to every conntrack map: `CONNTRACK`, the assured flows, and
-//! `CT_NEW`, those not assured yet, and `CONNTRACK6`, IPv6's.
+//! `CT_NEW`, those not assured yet, and IPv6's `CONNTRACK6` and `CT_NEW6`.
 //!
 //! Either removal is followed by a bump of the flow cache's epoch, which
 //! voids the copies of entries that CPUs keep (`proxy_common::FlowCacheEntry`).
@@ -81,12 +81,18 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
             }
         }
     }
-    if let Some(map) = &mut maps.conntrack6 {
+    for (name, map) in [
+        (map_names::CONNTRACK6, &mut maps.conntrack6),
+        (map_names::CT_NEW6, &mut maps.ct_new6),
+    ] {
+        let Some(map) = map else {
+            continue;
+        };
         let departed_flow = |v: &Ct6Value| gone.contains(&(v.service_id, v.backend_id));
         let doomed = batch::keys_where(map.map(), batch::CHUNK, |k: &Ct6Key, v: &Ct6Value| {
             k.proto != PROTO_TCP && departed_flow(v)
         })
-        .map_err(batch_error(map_names::CONNTRACK6))?;
+        .map_err(batch_error(name))?;
         for key in doomed {
             // Looked at again, as above.
             let still = map.get(&key, 0).is_ok_and(|v| departed_flow(&v));
@@ -128,8 +134,8 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
         .count()
 }
 
-/// `carry_in` for IPv6 flows, into `CONNTRACK6`, where they keep their
-/// state (one map holds IPv6 flows assured or not).
+/// `carry_in` for IPv6 flows, into `CONNTRACK6`, assured as IPv4's are
+/// (an older map held IPv6 flows assured or not).
 pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
     const BPF_NOEXIST: u64 = 1;
     let Some(map) = &mut maps.conntrack6 else {
@@ -137,6 +143,13 @@ pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Va
     };
     flows
         .into_iter()
+        .map(|(key, value)| {
+            let assured = Ct6Value {
+                flags: value.flags | ct_flags::ASSURED,
+                ..value
+            };
+            (key, assured)
+        })
         .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
         .count()
 }
@@ -172,8 +185,14 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
         })
         .map_err(&batch_error)?;
     }
-    if let Some(map) = &maps.conntrack6 {
-        match reap_expired6(map, now_ns, &timeouts) {
+    for (name, map) in [
+        (map_names::CONNTRACK6, &maps.conntrack6),
+        (map_names::CT_NEW6, &maps.ct_new6),
+    ] {
+        let Some(map) = map else {
+            continue;
+        };
+        match reap_expired6(name, map, now_ns, &timeouts) {
             Ok(n) => reaped += n,
             Err(e) => failed = Some(e),
         }
@@ -184,13 +203,14 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     failed.map_or(Ok(reaped), Err)
 }
 
-/// `reap_expired` for `CONNTRACK6`.
+/// `reap_expired` for an IPv6 conntrack map, `name`.
 fn reap_expired6(
+    name: &'static str,
     map: &HashMap<MapData, Ct6Key, Ct6Value>,
     now_ns: u64,
     timeouts: &CtTimeouts,
 ) -> Result<usize, MapsError> {
-    let batch_error = batch_error(map_names::CONNTRACK6);
+    let batch_error = batch_error(name);
     let map = map.map();
     let mut reaped = 0;
     let mut failed = None;

@@ -114,6 +114,12 @@ impl DatapathCollector {
                     .and_then(|c| count::<Ct6Key, Ct6Value>(c.map())),
             ),
             (
+                map_names::CT_NEW6,
+                m.ct_new6
+                    .as_ref()
+                    .and_then(|c| count::<Ct6Key, Ct6Value>(c.map())),
+            ),
+            (
                 map_names::AFFINITY,
                 count::<AffinityKey, AffinityValue>(m.affinity.map()),
             ),

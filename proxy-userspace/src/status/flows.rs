@@ -105,7 +105,7 @@ impl fmt::Display for Flow {
 }
 
 /// Every translated flow in the pinned conntrack maps, IPv4 (`CONNTRACK`
-/// and `CT_NEW`) then IPv6 (`CONNTRACK6`), each sorted.
+/// and `CT_NEW`) then IPv6 (`CONNTRACK6` and `CT_NEW6`), each sorted.
 pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
     let mut v4 = Vec::new();
     for (name, map) in [
@@ -123,7 +123,13 @@ pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
     }
     v4.sort();
     let mut v6 = Vec::new();
-    if let Some(map) = &maps.conntrack6 {
+    for (name, map) in [
+        (map_names::CONNTRACK6, &maps.conntrack6),
+        (map_names::CT_NEW6, &maps.ct_new6),
+    ] {
+        let Some(map) = map else {
+            continue;
+        };
         batch::for_each_chunk(map.map(), batch::CHUNK, |keys: &[Ct6Key], values| {
             v6.extend(
                 keys.iter()
@@ -131,7 +137,7 @@ pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
                     .filter_map(|(k, v)| Flow::of_v6(k, v)),
             );
         })
-        .map_err(batch_error(map_names::CONNTRACK6))?;
+        .map_err(batch_error(name))?;
     }
     v6.sort();
     v4.extend(v6);

@@ -9,8 +9,7 @@
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader, Write as _},
-    net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    net::{Ipv6Addr, SocketAddrV6},
     thread,
     time::{Duration, Instant},
 };
@@ -19,7 +18,8 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::Agent,
     client::{
-        Outcome, Reply, TIMEOUT, tcp_request, tcp_request_here, udp_request, udp_sized_request,
+        Outcome, Reply, TIMEOUT, TcpSession, tcp_request, tcp_request_here, udp_request,
+        udp_sized_request,
     },
     cluster::{CLIENT1_IP6, CLIENT2_IP6, Cluster, NODE_A_IP6, NODE_B_IP6},
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
@@ -193,47 +193,6 @@ fn web6(name: &str) -> Service {
         .node_port("dns", UDP_NODE_PORT)
 }
 
-/// A TCP connection kept open over IPv6 (the harness's `TcpSession` is IPv4's).
-struct Session6 {
-    stream: TcpStream,
-    reader: BufReader<TcpStream>,
-    greeting: Reply<SocketAddrV6>,
-}
-
-impl Session6 {
-    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
-        let stream = ns
-            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
-            .expect("entering the client's namespace")
-            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .expect("read timeout");
-        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("read the greeting");
-        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
-        Session6 {
-            stream,
-            reader,
-            greeting,
-        }
-    }
-
-    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
-    fn exchange(&mut self, text: &str) -> Result<String, String> {
-        self.stream
-            .write_all(format!("{text}\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        let mut line = String::new();
-        match self.reader.read_line(&mut line) {
-            Ok(0) => Err("the backend closed the connection".into()),
-            Ok(_) => Ok(line.trim_end().to_owned()),
-            Err(e) => Err(format!("receive: {e}")),
-        }
-    }
-}
-
 /// externalTrafficPolicy Cluster with a backend on each node: new connections from
 /// outside to node A's IPv6 NodePort spread evenly over both (a chi-square test),
 /// the local backend sees the client's own address, the remote one node A's IPv6
@@ -287,7 +246,8 @@ fn nodeport_cluster_policy(path: Path) {
     );
 
     // A long connection works both ways, packet after packet.
-    let mut session = Session6::open(fx.client("client1"), via_a);
+    let mut session = TcpSession::open(fx.client("client1"), via_a, TIMEOUT)
+        .unwrap_or_else(|e| panic!("{path:?}: a long connection through node A: {e:#}"));
     let backend = session.greeting.backend.clone();
     for i in 0..20 {
         let answer = session

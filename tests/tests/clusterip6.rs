@@ -9,8 +9,7 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    io::{BufRead, BufReader, Write as _},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV6},
     thread,
     time::{Duration, Instant},
 };
@@ -19,8 +18,8 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::SYNC_DEADLINE,
     client::{
-        Outcome, Peer, Reply, TIMEOUT, Tally, assert_all_replied_from, tcp_request, tcp_tally,
-        udp_request, udp_sized_request, udp_tally,
+        Outcome, Peer, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
+        tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
     },
     iptables::{self, KubeService6},
     manifest::{Service, SessionAffinity},
@@ -30,7 +29,7 @@ use ebpf_proxy_tests::{
     topology::{
         one_node::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips,
-            backend_ips6, backend_names, dns, http, web_service,
+            backend_ips6, backend_names, dns, dns6, http, http6, web_service,
         },
         pod_ip6,
     },
@@ -47,56 +46,6 @@ fn web6(name: &str, vip: Ipv6Addr) -> Service {
     Service::new_v6("test", name, vip)
         .port("http", 80, Protocol::Tcp, TCP_PORT)
         .port("dns", 53, Protocol::Udp, UDP_PORT)
-}
-
-/// A TCP connection kept open over IPv6, to check that an established flow
-/// survives a change (the harness's `TcpSession` is IPv4's).
-struct Session6 {
-    stream: TcpStream,
-    reader: BufReader<TcpStream>,
-    greeting: Reply<SocketAddrV6>,
-}
-
-impl Session6 {
-    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
-        let stream = ns
-            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
-            .expect("entering the client's namespace")
-            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .expect("read timeout");
-        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("read the greeting");
-        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
-        Session6 {
-            stream,
-            reader,
-            greeting,
-        }
-    }
-
-    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
-    fn exchange(&mut self, text: &str) -> Result<String, String> {
-        self.stream
-            .write_all(format!("{text}\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        let mut line = String::new();
-        match self.reader.read_line(&mut line) {
-            Ok(0) => Err("the backend closed the connection".into()),
-            Ok(_) => Ok(line.trim_end().to_owned()),
-            Err(e) => Err(format!("receive: {e}")),
-        }
-    }
-}
-
-fn http6(ip: Ipv6Addr) -> SocketAddrV6 {
-    SocketAddrV6::new(ip, 80, 0, 0)
-}
-
-fn dns6(ip: Ipv6Addr) -> SocketAddrV6 {
-    SocketAddrV6::new(ip, 53, 0, 0)
 }
 
 /// The one-node world with `clients` and `test/web6` on all three backends' IPv6
@@ -397,7 +346,7 @@ fn ipv6_removed_endpoint_gets_no_new_connections_but_keeps_established_ones() {
     let removed_ip6 = pod_ip6(removed_ip);
 
     let mut session = (0..200)
-        .map(|_| Session6::open(client, http6(CLUSTER_IP6)))
+        .map(|_| TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT).expect("connect"))
         .find(|s| s.greeting.backend == removed)
         .unwrap_or_else(|| panic!("200 connections never reached {removed}"));
     assert_eq!(
@@ -650,7 +599,7 @@ fn ipv6_client_ip_affinity_matches_ip6tables_recent_rules() {
 }
 
 /// The router pod of [`ipv6_path_mtu_discovery_works_through_the_cluster_ip`].
-const ROUTER: (&str, std::net::Ipv4Addr) = ("router", std::net::Ipv4Addr::new(10, 200, 0, 40));
+const ROUTER: (&str, Ipv4Addr) = ("router", Ipv4Addr::new(10, 200, 0, 40));
 /// The backend behind it, and the router's address on their link.
 const FAR: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 2);
 const ROUTER_SIDE: Ipv6Addr = Ipv6Addr::new(0xfd00, 0xbeef, 0, 0, 0, 0, 0, 1);
@@ -720,21 +669,17 @@ fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
     sb.start_agent_on_manifests().expect("start the agent");
 
     let client = &sb.client().ns;
-    let mut session = Session6::open(client, http6(CLUSTER_IP6));
+    let mut session = TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT).expect("connect");
     assert_eq!(
         session.greeting.backend, "far",
         "greeting from the backend behind the router"
     );
-    // Black-holed segments fill the send buffer: a write that blocks for good
-    // must fail the test, not hang it.
-    session
-        .stream
-        .set_write_timeout(Some(TIMEOUT))
-        .expect("write timeout");
+    // Black-holed segments fill the send buffer: the session's write timeout makes
+    // a write that blocks for good fail the test instead of hanging it.
     let line: String = "0123456789abcdef".repeat(256 * 1024 / 16);
     let answer = session
         .exchange(&line)
-        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e}"));
+        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e:#}"));
     assert_eq!(
         answer.len(),
         "far ".len() + line.len(),
@@ -782,13 +727,14 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
              from its own {own6}"
         );
     }
-    let mut session = Session6::open(pod, http6(CLUSTER_IP6));
+    let mut session = TcpSession::open(pod, http6(CLUSTER_IP6), TIMEOUT).expect("connect");
     assert_eq!(*session.greeting.peer.ip(), node_ip6);
     for line in ["one", "two", "three"] {
         assert_eq!(
-            session.exchange(line),
-            Ok(format!("{own} {line}")),
-            "exchange on a long hairpin connection"
+            session
+                .exchange(line)
+                .unwrap_or_else(|e| panic!("exchange on a long hairpin connection: {e:#}")),
+            format!("{own} {line}")
         );
     }
     let udp = udp_request(pod, dns6(CLUSTER_IP6), TIMEOUT)
@@ -816,4 +762,187 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
             "a UDP flow from {name} that is not hairpin must keep its source address"
         );
     }
+}
+
+/// An IPv6 Service without any EndpointSlice (not even an empty one) is refused at
+/// once, as one with an empty slice is: TCP connect gets "connection refused" (a
+/// RST) and a connected UDP socket ICMPv6 port unreachable, well within a second.
+#[test]
+fn ipv6_service_without_an_endpoint_slice_is_refused_at_once() {
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let noslice_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x31);
+    sb.manifests()
+        .write(
+            "noslice6.yaml",
+            &web6("noslice6", noslice_vip).service_yaml(),
+        )
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+    let limit = Duration::from_secs(1);
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let start = Instant::now();
+        let outcome = match proto {
+            Protocol::Tcp => tcp_request(client, http6(noslice_vip), TIMEOUT),
+            Protocol::Udp => udp_request(client, dns6(noslice_vip), TIMEOUT),
+        };
+        let took = start.elapsed();
+        assert_eq!(
+            outcome,
+            Outcome::Refused,
+            "{proto:?} to [{noslice_vip}] (no EndpointSlice) after {took:?}"
+        );
+        assert!(
+            took < limit,
+            "{proto:?} to [{noslice_vip}] (no EndpointSlice) took {took:?} to be refused"
+        );
+    }
+    assert!(sb.counter("reject") >= 2, "rejects not counted");
+}
+
+/// A UDP port that no backend listens on, behind an IPv6 ClusterIP: the backend's
+/// kernel answers with ICMPv6 port unreachable quoting the backend, which the
+/// client's socket, connected to the ClusterIP, would not recognise. Translated back
+/// it quotes the ClusterIP, so the client fails at once with "connection refused",
+/// as with kube-proxy's ip6tables rules (netfilter translates "related" ICMPv6
+/// errors), side by side on another VIP from another client. Without the
+/// translation each request waits out its timeout.
+#[test]
+fn ipv6_a_closed_udp_port_behind_a_clusterip_is_refused_as_ip6tables_does() {
+    const EXCHANGES: usize = 10;
+    const CLOSED_PORT: u16 = 5999;
+    let vips = [
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x50),
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x51),
+    ];
+    let mut sb =
+        Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let closed =
+        Service::new_v6("test", "closed6", vips[0]).port("dns", 54, Protocol::Udp, CLOSED_PORT);
+    sb.manifests()
+        .write("closed6.yaml", &closed.yaml6(&backend_ips6()))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let kube = closed.kube_service6("dns", vips[1], &backend_ips6());
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
+    for (name, _) in BACKENDS {
+        // Every request gets its error, however fast they come.
+        sb.pod(name)
+            .ns
+            .sysctl("net.ipv6.icmp.ratelimit", "0")
+            .unwrap_or_else(|e| panic!("{name}: lifting the ICMPv6 rate limit: {e:#}"));
+    }
+    let mut refused = [0usize; 2];
+    let mut failures = Vec::new();
+    for (i, (client, vip)) in [(CLIENT, vips[0]), (IPT_CLIENT, vips[1])]
+        .iter()
+        .enumerate()
+    {
+        for _ in 0..EXCHANGES {
+            let answer = sb
+                .pod(client.0)
+                .ns
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?;
+                    s.connect(SocketAddrV6::new(*vip, 54, 0, 0))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    s.send(b"anyone there?")?;
+                    s.recv(&mut [0u8; 64])
+                })
+                .unwrap_or_else(|e| panic!("{}: {e:#}", client.0));
+            match answer {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused[i] += 1,
+                other => failures.push(format!("{}: {other:?}", ["ebpf-proxy", "ip6tables"][i])),
+            }
+        }
+    }
+    let table = format!(
+        "refused at once: ebpf-proxy {}/{EXCHANGES}, ip6tables {}/{EXCHANGES}",
+        refused[0], refused[1]
+    );
+    eprintln!("{table}");
+    assert_eq!(
+        refused[1], EXCHANGES,
+        "the ip6tables reference was not refused (sandbox problem?): {failures:?}"
+    );
+    assert_eq!(
+        refused[0],
+        EXCHANGES,
+        "{table}; first failures: {:?}",
+        &failures[..failures.len().min(5)]
+    );
+    let translated = sb.counter("icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{translated} ICMPv6 errors translated for {EXCHANGES} refusals"
+    );
+}
+
+/// A closed flow through the IPv6 ClusterIP leaves conntrack state behind for a
+/// while. A new, unrelated connection from the same client port straight to the same
+/// backend's pod address must not be taken for it: its replies must reach the client
+/// unchanged (kube-proxy's netfilter conntrack tells the two flows apart). A timeout
+/// here most likely means the backend's SYN-ACK matched the old flow's
+/// reply-direction entry and was reverse-NATed to the ClusterIP.
+#[test]
+fn ipv6_direct_connection_reusing_a_service_flows_port_is_left_alone() {
+    let sb = serving_web6(&[CLIENT]);
+    let port = 40_123;
+    let (via_service, direct) = sb
+        .client()
+        .ns
+        .run(|| {
+            let via_service = tcp_request_from_port_here(port, http6(CLUSTER_IP6), TIMEOUT);
+            let Outcome::Reply(reply) = &via_service else {
+                return (via_service, None);
+            };
+            // The client closed first, so its side of that flow is in TIME_WAIT; the
+            // same port may still connect elsewhere.
+            let backend_ip6 = BACKENDS
+                .iter()
+                .find(|b| b.0 == reply.backend)
+                .map(|b| pod_ip6(b.1))
+                .expect("a known backend");
+            let direct = tcp_request_from_port_here(
+                port,
+                SocketAddrV6::new(backend_ip6, TCP_PORT, 0, 0),
+                TIMEOUT,
+            );
+            (via_service, Some((backend_ip6, direct)))
+        })
+        .expect("client namespace");
+    let first = via_service.expect_reply("IPv6 connection to the ClusterIP from a fixed port");
+    assert_eq!(first.peer, SocketAddrV6::new(pod_ip6(CLIENT.1), port, 0, 0));
+    let (backend_ip6, direct) = direct.expect("ran after a reply");
+    let direct = direct.expect_reply(&format!(
+        "direct connection to [{backend_ip6}]:{TCP_PORT} from port {port} right after a \
+         ClusterIP connection from that port reached that backend"
+    ));
+    assert_eq!(direct.backend, first.backend);
+    assert_eq!(*direct.peer.ip(), pod_ip6(CLIENT.1));
+}
+
+/// A pod whose interface appears after the agent started reaches the IPv6
+/// ClusterIP: the agent attaches `tc_ingress6` to new interfaces as they come
+/// (netlink).
+#[test]
+fn ipv6_pod_created_after_the_agent_started_is_served() {
+    let mut sb = serving_web6(&[CLIENT]);
+    let late_ip = Ipv4Addr::new(10, 200, 0, 4);
+    let late = sb.add_pod("late", late_ip).expect("add a pod");
+    let start = Instant::now();
+    let deadline = Duration::from_secs(5);
+    let mut outcome = tcp_request(&late.ns, http6(CLUSTER_IP6), TIMEOUT);
+    while !matches!(outcome, Outcome::Reply(_)) && start.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(100));
+        outcome = tcp_request(&late.ns, http6(CLUSTER_IP6), TIMEOUT);
+    }
+    let reply = outcome.expect_reply(&format!(
+        "IPv6 ClusterIP from a pod created after the agent started, for {deadline:?}"
+    ));
+    assert_eq!(*reply.peer.ip(), pod_ip6(late_ip));
+    eprintln!(
+        "the new pod's first answered IPv6 connection came after {:?}",
+        start.elapsed()
+    );
 }

@@ -18,7 +18,7 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::SYNC_DEADLINE,
     client::{
-        Outcome, Peer, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
+        Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
         tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
     },
     iptables::{self, KubeService6},
@@ -34,6 +34,7 @@ use ebpf_proxy_tests::{
         pod_ip6,
     },
 };
+use proxy_userspace::datapath::{Maps, PinLayout};
 
 /// Significance level of the distribution tests: a correct datapath fails its
 /// check about once in a thousand runs (and so does the ip6tables reference).
@@ -944,5 +945,133 @@ fn ipv6_pod_created_after_the_agent_started_is_served() {
     eprintln!(
         "the new pod's first answered IPv6 connection came after {:?}",
         start.elapsed()
+    );
+}
+
+/// The agent's non-zero counters, for failure messages.
+fn counters_text(sb: &Sandbox) -> String {
+    let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));
+    let counters: Vec<(&str, u64)> = maps
+        .and_then(|m| m.counters())
+        .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+        .unwrap_or_default();
+    format!("{counters:?}")
+}
+
+/// One exchange on a connected IPv6 UDP socket; the backend that answered.
+fn udp_exchange6(socket: &std::net::UdpSocket, what: &str) -> String {
+    socket
+        .send(b"hello\n")
+        .unwrap_or_else(|e| panic!("{what}: send: {e}"));
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
+    Reply::<SocketAddrV6>::parse(&String::from_utf8_lossy(&buf[..n]))
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+        .backend
+}
+
+/// A pod that floods the IPv6 ClusterIP with new flows cannot cut anyone's
+/// established connections: with `--conntrack-max 1024`, 50 idle TCP connections and
+/// 10 UDP flows inside their timeout (each has exchanged twice) keep their backends
+/// while another pod sends 64,000 datagrams from 64,000 source ports, each a new flow
+/// the backends answer once: 62 times the connections CONNTRACK6 holds. New
+/// connections made during the flood are served.
+#[test]
+fn ipv6_a_pods_flood_of_new_flows_leaves_established_connections_alone() {
+    const FLOODER: (&str, Ipv4Addr) = ("flooder", Ipv4Addr::new(10, 200, 0, 4));
+    const FLOOD_PORTS: std::ops::Range<u16> = 1024..65_024;
+    let mut sb = Sandbox::new(&[CLIENT, FLOODER], &BACKENDS, TCP_PORT, UDP_PORT)
+        .expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web6.yaml",
+            &web6("web6", CLUSTER_IP6).yaml6(&backend_ips6()),
+        )
+        .expect("write manifest");
+    sb.start_agent_with(&["--conntrack-max", "1024"])
+        .expect("start the agent");
+    let client = &sb.client().ns;
+    let mut sessions: Vec<TcpSession<SocketAddrV6>> = (0..50)
+        .map(|i| {
+            TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect();
+    let udp_flows: Vec<(std::net::UdpSocket, String)> = (0..10)
+        .map(|i| {
+            let socket = client
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?;
+                    s.connect(dns6(CLUSTER_IP6))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    std::io::Result::Ok(s)
+                })
+                .and_then(|s| Ok(s?))
+                .unwrap_or_else(|e| panic!("UDP flow {i}: {e:#}"));
+            let first = udp_exchange6(&socket, &format!("UDP flow {i}"));
+            assert_eq!(
+                udp_exchange6(&socket, &format!("UDP flow {i}, again")),
+                first,
+                "UDP flow {i} changed backend between two exchanges"
+            );
+            (socket, first)
+        })
+        .collect();
+
+    let flood = sb
+        .pod(FLOODER.0)
+        .ns
+        .spawn("flood", || {
+            let mut sent = 0u32;
+            for port in FLOOD_PORTS {
+                let Ok(socket) = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port)) else {
+                    continue;
+                };
+                if socket.send_to(b"flood\n", dns6(CLUSTER_IP6)).is_ok() {
+                    sent += 1;
+                }
+            }
+            sent
+        })
+        .expect("flooding from the flooder pod");
+    let during =
+        tcp_tally(client, http6(CLUSTER_IP6), 30, TIMEOUT).expect("connections during the flood");
+    let sent = flood.join().expect("the flood thread");
+    assert!(sent >= 60_000, "only {sent} flood datagrams sent");
+    assert_all_replied_from(
+        pod_ip6(CLIENT.1),
+        "new connections during the flood",
+        &during,
+    );
+
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
+            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
+        }
+    }
+    for (i, (socket, backend)) in udp_flows.iter().enumerate() {
+        let now = udp_exchange6(socket, &format!("UDP flow {i} after the flood"));
+        if &now != backend {
+            broken.push(format!("UDP {i}: answered by {now}, before by {backend}"));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{} of 60 established IPv6 flows broken by a flood of {sent} new flows; counters: \
+         {}; {:?}",
+        broken.len(),
+        counters_text(&sb),
+        &broken[..broken.len().min(10)]
+    );
+    let new_flows = sb.counter("ct_new_flow");
+    assert!(
+        new_flows >= u64::from(sent),
+        "{new_flows} new flows counted for {sent} flood datagrams"
     );
 }

@@ -287,6 +287,10 @@ fn ipv6_established_connection_survives_scaling_3_10_3() {
 /// of the manifest change, and keeps that backend: the flow's CONNTRACK6 entry went
 /// with the old backend instead of pinning the client to it.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
 fn ipv6_udp_flow_moves_within_a_second_when_its_backend_is_removed() {
     let svc = service6("web6", SessionAffinity::None);
     let sb = sandbox_with(&[CLIENT], &BACKENDS, &svc.yaml6(&backend_ips6()));

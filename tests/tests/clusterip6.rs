@@ -1075,3 +1075,57 @@ fn ipv6_a_pods_flood_of_new_flows_leaves_established_connections_alone() {
         "{new_flows} new flows counted for {sent} flood datagrams"
     );
 }
+
+/// Translated IPv6 packets carry valid checksums whatever state the kernel keeps
+/// them in: partial (offloaded, what pods send), unnecessary (already verified, here
+/// by GRO on the node's side of the veth) and none. IPv6 has no header checksum, so
+/// the TCP and UDP ones carry the translated addresses alone; a wrong update must
+/// cost a lost packet here, not pass unseen, so every receiver checks checksums
+/// itself (`rx off` on the pods' `eth0`) and the node finishes partial ones before
+/// they leave it (`tx off` on its pod-side veths). Unlike IPv4's, the IPv6 path
+/// leaves every state to the kernel's helper without reading it (proxy-ebpf's
+/// `nat6.rs`), so no per-state counter moves: the check is that every exchange of
+/// every setting is answered, from the client's own address.
+#[test]
+fn ipv6_translated_packets_keep_valid_checksums_in_every_checksum_state() {
+    use ebpf_proxy_tests::cluster::set_offload;
+    let sb = serving_web6(&[CLIENT]);
+    let node = &sb.topology().node;
+    for pod in sb.topology().pods() {
+        set_offload(&pod.ns, "eth0", "rx", false).expect("pod rx checksumming off");
+        set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
+    }
+    let client6 = pod_ip6(CLIENT.1);
+    for (sender_tx, node_gro, state) in [
+        (true, false, "partial"),
+        (false, false, "none"),
+        (false, true, "unnecessary"),
+    ] {
+        for pod in sb.topology().pods() {
+            set_offload(&pod.ns, "eth0", "tx", sender_tx).expect("pod tx");
+            set_offload(node, &pod.host_if, "gro", node_gro).expect("node gro");
+        }
+        for (proto, tally) in [
+            (
+                "TCP",
+                tcp_tally(&sb.client().ns, http6(CLUSTER_IP6), 30, TIMEOUT),
+            ),
+            (
+                "UDP",
+                udp_tally(&sb.client().ns, dns6(CLUSTER_IP6), 30, TIMEOUT),
+            ),
+        ] {
+            let what = format!("IPv6 {proto}, {state} checksums");
+            let tally = tally.unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_all_replied_from(client6, &what, &tally);
+            assert_eq!(
+                tally.replies(),
+                30,
+                "{what}: every exchange must be answered (a bad checksum is a lost packet): \
+                 {:?}; counters: {}",
+                tally.counts,
+                counters_text(&sb)
+            );
+        }
+    }
+}

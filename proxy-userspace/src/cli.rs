@@ -164,13 +164,14 @@ pub struct RunArgs {
     /// traffic to tc ingress.
     #[arg(long, value_enum, default_value = "auto")]
     pub xdp_mode: XdpModeSetting,
-    /// Pod CIDRs of the cluster (kube-proxy's flag; comma-separated for
-    /// dual stack): clients inside them are in-cluster, and reach the
-    /// NodePorts, LoadBalancer IPs and ExternalIPs of externalTrafficPolicy
-    /// Local Services through every endpoint, as kube-proxy's local detector
-    /// sends them. Without it every client of those addresses is external.
-    #[arg(long, value_delimiter = ',', value_parser = parse_cidr)]
-    pub cluster_cidr: Vec<Cidr>,
+    /// Pod CIDRs of the cluster (kube-proxy's flag), at most one per family,
+    /// comma-separated for dual stack (`10.244.0.0/16,fd00:10:244::/56`):
+    /// clients inside them are in-cluster, and reach the NodePorts,
+    /// LoadBalancer IPs and ExternalIPs of externalTrafficPolicy Local
+    /// Services through every endpoint, as kube-proxy's local detector sends
+    /// them. Without it every client of those addresses is external.
+    #[arg(long, default_value = "", hide_default_value = true)]
+    pub cluster_cidr: crate::cluster_cidr::ClusterCidrs,
     /// The node's address, one per family, comma-separated for dual stack
     /// (`10.0.0.5,fd00::5`): external IPv4 flows to backends on other nodes
     /// are SNATed to the IPv4 one, and the node's IPv6 sockets reach

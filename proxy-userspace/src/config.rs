@@ -53,7 +53,7 @@ pub enum ConfigError {
 /// What the file asks of the flags of `ebpf-proxy run`; None: nothing.
 #[derive(Debug, Default, PartialEq)]
 pub struct Settings {
-    pub cluster_cidr: Option<Vec<Cidr>>,
+    pub cluster_cidr: Option<crate::cluster_cidr::ClusterCidrs>,
     pub nodeport_addresses: Option<Vec<Cidr>>,
     pub conntrack_max: Option<u32>,
     pub conntrack_tcp_timeout_established: Option<Duration>,
@@ -255,12 +255,9 @@ impl KubeProxyConfiguration {
         }
 
         if let Some(cidrs) = non_empty(self.cluster_cidr.as_deref()) {
-            s.cluster_cidr = Some(
-                cidrs
-                    .split(',')
-                    .map(|c| cidr("clusterCIDR", c))
-                    .collect::<Result<_, _>>()?,
-            );
+            s.cluster_cidr = Some(cidrs.parse().map_err(
+                |e: crate::cluster_cidr::ClusterCidrError| invalid("clusterCIDR", e.to_string()),
+            )?);
         }
         if let Some(entries) = self.node_port_addresses.as_ref().filter(|a| !a.is_empty()) {
             let mut cidrs = Vec::new();

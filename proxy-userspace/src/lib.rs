@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod cluster_cidr;
 pub mod config;
 pub mod datapath;
 pub mod health_check_server;

@@ -52,7 +52,7 @@ fn main() -> anyhow::Result<()> {
                 localhost_nodeports: args.localhost_nodeports
                     && agent::serves_loopback(&args.nodeport_addresses),
                 nodeport_addresses: args.nodeport_addresses,
-                cluster_cidrs: args.cluster_cidr,
+                cluster_cidrs: args.cluster_cidr.to_vec(),
                 xdp_mode: args.xdp_mode,
                 node_ip: args.node_ip.unwrap_or_default(),
                 cgroup_root: args

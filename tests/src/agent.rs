@@ -424,12 +424,14 @@ pub fn http_status(addr: SocketAddrV4, path: &str) -> Result<u16> {
     http_get(addr, path).map(|(status, _)| status)
 }
 
-/// `GET path` over plain HTTP/1.1 from the calling thread's namespace; returns the
-/// status code and the whole response (status line, headers and body).
-pub fn http_get(addr: SocketAddrV4, path: &str) -> Result<(u16, String)> {
+/// `GET path` over plain HTTP/1.1 from the calling thread's namespace, to an
+/// address of either family; returns the status code and the whole response
+/// (status line, headers and body).
+pub fn http_get(addr: impl Into<SocketAddr>, path: &str) -> Result<(u16, String)> {
+    let addr: SocketAddr = addr.into();
     let timeout = Duration::from_secs(2);
-    let mut stream = TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout)
-        .with_context(|| format!("connect to {addr}"))?;
+    let mut stream =
+        TcpStream::connect_timeout(&addr, timeout).with_context(|| format!("connect to {addr}"))?;
     stream.set_read_timeout(Some(timeout))?;
     stream.write_all(
         format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),

@@ -29,7 +29,7 @@ pub trait Peer:
     + FromStr<Err = AddrParseError>
     + Into<SocketAddr>
 {
-    type Ip: Copy + Ord + Send + fmt::Debug + fmt::Display;
+    type Ip: Copy + Ord + Send + Sync + fmt::Debug + fmt::Display;
     fn peer_ip(&self) -> Self::Ip;
     /// The family's "any address", port 0: where a client socket binds.
     fn any() -> SocketAddr;
@@ -156,27 +156,28 @@ pub fn tcp_request_speaking_first_here(addr: SocketAddrV4, timeout: Duration) ->
 /// [`tcp_request_here`] from a fixed local port. The socket has `SO_REUSEADDR`, so a
 /// port whose previous connection (also made here) waits in `TIME_WAIT` can be used
 /// again towards another destination, as the kernel itself may do.
-pub fn tcp_request_from_port_here(
+pub fn tcp_request_from_port_here<A: Peer>(
     local_port: u16,
-    addr: SocketAddrV4,
+    addr: A,
     timeout: Duration,
-) -> Outcome {
+) -> Outcome<A> {
     use std::os::fd::AsRawFd;
 
     use nix::sys::{
         socket::{
-            AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, setsockopt, socket,
+            AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket,
             sockopt,
         },
         time::{TimeVal, TimeValLike},
     };
     let attempt = || -> io::Result<TcpStream> {
-        let fd = socket(
-            AddressFamily::Inet,
-            SockType::Stream,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )?;
+        let mut local = A::any();
+        local.set_port(local_port);
+        let family = match local {
+            SocketAddr::V4(_) => AddressFamily::Inet,
+            SocketAddr::V6(_) => AddressFamily::Inet6,
+        };
+        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
         setsockopt(&fd, sockopt::ReuseAddr, &true)?;
         // A blocking connect gives up after SO_SNDTIMEO (with EINPROGRESS).
         setsockopt(
@@ -184,11 +185,9 @@ pub fn tcp_request_from_port_here(
             sockopt::SendTimeout,
             &TimeVal::milliseconds(timeout.as_millis() as i64),
         )?;
-        bind(
-            fd.as_raw_fd(),
-            &SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, local_port)),
-        )?;
-        match connect(fd.as_raw_fd(), &SockaddrIn::from(addr)) {
+        bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
+        let remote: SocketAddr = addr.into();
+        match connect(fd.as_raw_fd(), &SockaddrStorage::from(remote)) {
             Ok(()) => {}
             Err(nix::errno::Errno::EINPROGRESS) => {
                 return Err(io::Error::new(ErrorKind::TimedOut, "connect timed out"));
@@ -418,21 +417,23 @@ fn tally<A: Peer>(
     })
 }
 
-/// A TCP connection kept open, to check that established flows survive changes.
+/// A TCP connection kept open, to check that established flows survive changes; to
+/// an address of either family (IPv4 unless said otherwise).
 #[derive(Debug)]
-pub struct TcpSession {
+pub struct TcpSession<A: Peer = SocketAddrV4> {
     stream: TcpStream,
     reader: BufReader<TcpStream>,
-    pub greeting: Reply,
+    pub greeting: Reply<A>,
 }
 
-impl TcpSession {
+impl<A: Peer> TcpSession<A> {
     /// Connects from inside `ns` and reads the greeting.
-    pub fn open(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Result<TcpSession> {
+    pub fn open(ns: &NetNs, addr: A, timeout: Duration) -> Result<TcpSession<A>> {
         let stream = ns
-            .run(|| TcpStream::connect_timeout(&SocketAddr::V4(addr), timeout))?
+            .run(|| TcpStream::connect_timeout(&addr.into(), timeout))?
             .with_context(|| format!("connect to {addr} from {}", ns.name()))?;
         stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
         if reader.read_line(&mut line).context("read greeting")? == 0 {

@@ -10,6 +10,7 @@
 //! resource is owned by a value whose `Drop` removes it, so a panicking test leaves
 //! nothing behind.
 
+pub mod affinity;
 pub mod agent;
 pub mod bench;
 pub mod cgroup;

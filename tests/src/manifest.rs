@@ -92,18 +92,19 @@ impl SessionAffinity {
 }
 
 /// One endpoint of an EndpointSlice with its conditions (what the EndpointSlice
-/// controller publishes for a pod: docs/kube-proxy-semantics.md §3).
+/// controller publishes for a pod: docs/kube-proxy-semantics.md §3); of an IPv4
+/// slice unless said otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Endpoint {
-    pub ip: Ipv4Addr,
+pub struct Endpoint<A = Ipv4Addr> {
+    pub ip: A,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
 }
 
-impl Endpoint {
+impl<A> Endpoint<A> {
     /// A running pod that passes its readiness probe.
-    pub fn ready(ip: Ipv4Addr) -> Endpoint {
+    pub fn ready(ip: A) -> Endpoint<A> {
         Endpoint {
             ip,
             ready: true,
@@ -114,7 +115,7 @@ impl Endpoint {
 
     /// A pod being deleted that still passes its readiness probe: `ready` turns false
     /// (`ready = serving && !terminating`), `serving` stays true.
-    pub fn terminating_serving(ip: Ipv4Addr) -> Endpoint {
+    pub fn terminating_serving(ip: A) -> Endpoint<A> {
         Endpoint {
             ip,
             ready: false,
@@ -124,7 +125,7 @@ impl Endpoint {
     }
 
     /// A pod being deleted that no longer passes its readiness probe.
-    pub fn terminating_not_serving(ip: Ipv4Addr) -> Endpoint {
+    pub fn terminating_not_serving(ip: A) -> Endpoint<A> {
         Endpoint {
             ip,
             ready: false,
@@ -132,7 +133,9 @@ impl Endpoint {
             terminating: true,
         }
     }
+}
 
+impl Endpoint {
     /// This endpoint on node `node` (`endpoints[].nodeName`, which
     /// externalTrafficPolicy Local goes by).
     pub fn on_node(self, node: &str) -> SliceEndpoint {
@@ -454,21 +457,39 @@ impl Service {
     /// ready; named apart from the IPv4 one, as the EndpointSlice controller keeps
     /// one slice per family.
     pub fn endpoint_slice6_yaml(&self, endpoints: &[Ipv6Addr]) -> String {
+        let endpoints: Vec<Endpoint<Ipv6Addr>> =
+            endpoints.iter().map(|ip| Endpoint::ready(*ip)).collect();
+        self.endpoint_slice6_yaml_with(&endpoints)
+    }
+
+    /// [`Service::endpoint_slice6_yaml`] with each endpoint's conditions.
+    pub fn endpoint_slice6_yaml_with(&self, endpoints: &[Endpoint<Ipv6Addr>]) -> String {
         let mut y = self.slice_header("v6q9r", "IPv6");
         if endpoints.is_empty() {
             y.push_str("endpoints: []\n");
         } else {
             y.push_str("endpoints:\n");
-            for ip in endpoints {
+            for ep in endpoints {
                 let _ = write!(
                     y,
-                    "- addresses:\n  - {ip}\n  conditions:\n    ready: true\n    \
-                     serving: true\n    terminating: false\n",
+                    "- addresses:\n  - {}\n  conditions:\n    ready: {}\n    \
+                     serving: {}\n    terminating: {}\n",
+                    ep.ip, ep.ready, ep.serving, ep.terminating
                 );
             }
         }
         self.slice_ports(&mut y);
         y
+    }
+
+    /// The Service and an IPv6 EndpointSlice with `endpoints` and their
+    /// conditions, as one multi-document file.
+    pub fn yaml6_with(&self, endpoints: &[Endpoint<Ipv6Addr>]) -> String {
+        format!(
+            "{}---\n{}",
+            self.service_yaml(),
+            self.endpoint_slice6_yaml_with(endpoints)
+        )
     }
 
     /// The Service and an IPv6 EndpointSlice with `endpoints` ready, as one

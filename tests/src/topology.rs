@@ -13,7 +13,7 @@
 //! Calico gives it) and routes the pod's /128 through it. Duplicate address detection
 //! is off on both ends, so the addresses work the moment they exist.
 
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use anyhow::{Context, Result, bail};
 
@@ -48,7 +48,7 @@ pub fn pod_ip6(ip: Ipv4Addr) -> Ipv6Addr {
 /// a second client for side-by-side references (so that neither conntrack holds the
 /// other half's flows), and three backends serving TCP and UDP behind one ClusterIP.
 pub mod one_node {
-    use super::{Ipv4Addr, Ipv6Addr, Protocol, Service, SocketAddrV4};
+    use super::{Ipv4Addr, Ipv6Addr, Protocol, Service, SocketAddrV4, SocketAddrV6};
 
     pub const CLIENT: (&str, Ipv4Addr) = ("client", Ipv4Addr::new(10, 200, 0, 2));
     /// The client of a side-by-side reference (kube-proxy's rules) in the same test.
@@ -118,6 +118,16 @@ pub mod one_node {
     /// The `dns` port of `test/web` on `ip`.
     pub fn dns(ip: Ipv4Addr) -> SocketAddrV4 {
         SocketAddrV4::new(ip, UDP_SERVICE_PORT)
+    }
+
+    /// The `http` port of `test/web` on the IPv6 `ip`.
+    pub fn http6(ip: Ipv6Addr) -> SocketAddrV6 {
+        SocketAddrV6::new(ip, TCP_SERVICE_PORT, 0, 0)
+    }
+
+    /// The `dns` port of `test/web` on the IPv6 `ip`.
+    pub fn dns6(ip: Ipv6Addr) -> SocketAddrV6 {
+        SocketAddrV6::new(ip, UDP_SERVICE_PORT, 0, 0)
     }
 }
 

@@ -9,8 +9,7 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    io::{BufRead, BufReader, Write as _},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV6},
     thread,
     time::{Duration, Instant},
 };
@@ -19,8 +18,8 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::SYNC_DEADLINE,
     client::{
-        Outcome, Peer, Reply, TIMEOUT, Tally, assert_all_replied_from, tcp_request, tcp_tally,
-        udp_request, udp_sized_request, udp_tally,
+        Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
+        tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
     },
     iptables::{self, KubeService6},
     manifest::{Service, SessionAffinity},
@@ -30,11 +29,12 @@ use ebpf_proxy_tests::{
     topology::{
         one_node::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips,
-            backend_ips6, backend_names, dns, http, web_service,
+            backend_ips6, backend_names, dns, dns6, http, http6, web_service,
         },
         pod_ip6,
     },
 };
+use proxy_userspace::datapath::{Maps, PinLayout};
 
 /// Significance level of the distribution tests: a correct datapath fails its
 /// check about once in a thousand runs (and so does the ip6tables reference).
@@ -47,56 +47,6 @@ fn web6(name: &str, vip: Ipv6Addr) -> Service {
     Service::new_v6("test", name, vip)
         .port("http", 80, Protocol::Tcp, TCP_PORT)
         .port("dns", 53, Protocol::Udp, UDP_PORT)
-}
-
-/// A TCP connection kept open over IPv6, to check that an established flow
-/// survives a change (the harness's `TcpSession` is IPv4's).
-struct Session6 {
-    stream: TcpStream,
-    reader: BufReader<TcpStream>,
-    greeting: Reply<SocketAddrV6>,
-}
-
-impl Session6 {
-    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
-        let stream = ns
-            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
-            .expect("entering the client's namespace")
-            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .expect("read timeout");
-        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("read the greeting");
-        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
-        Session6 {
-            stream,
-            reader,
-            greeting,
-        }
-    }
-
-    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
-    fn exchange(&mut self, text: &str) -> Result<String, String> {
-        self.stream
-            .write_all(format!("{text}\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        let mut line = String::new();
-        match self.reader.read_line(&mut line) {
-            Ok(0) => Err("the backend closed the connection".into()),
-            Ok(_) => Ok(line.trim_end().to_owned()),
-            Err(e) => Err(format!("receive: {e}")),
-        }
-    }
-}
-
-fn http6(ip: Ipv6Addr) -> SocketAddrV6 {
-    SocketAddrV6::new(ip, 80, 0, 0)
-}
-
-fn dns6(ip: Ipv6Addr) -> SocketAddrV6 {
-    SocketAddrV6::new(ip, 53, 0, 0)
 }
 
 /// The one-node world with `clients` and `test/web6` on all three backends' IPv6
@@ -404,7 +354,7 @@ fn ipv6_removed_endpoint_gets_no_new_connections_but_keeps_established_ones() {
     let removed_ip6 = pod_ip6(removed_ip);
 
     let mut session = (0..200)
-        .map(|_| Session6::open(client, http6(CLUSTER_IP6)))
+        .map(|_| TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT).expect("connect"))
         .find(|s| s.greeting.backend == removed)
         .unwrap_or_else(|| panic!("200 connections never reached {removed}"));
     assert_eq!(
@@ -727,21 +677,17 @@ fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
     sb.start_agent_on_manifests().expect("start the agent");
 
     let client = &sb.client().ns;
-    let mut session = Session6::open(client, http6(CLUSTER_IP6));
+    let mut session = TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT).expect("connect");
     assert_eq!(
         session.greeting.backend, "far",
         "greeting from the backend behind the router"
     );
-    // Black-holed segments fill the send buffer: a write that blocks for good
-    // must fail the test, not hang it.
-    session
-        .stream
-        .set_write_timeout(Some(TIMEOUT))
-        .expect("write timeout");
+    // Black-holed segments fill the send buffer: the session's write timeout makes
+    // a write that blocks for good fail the test instead of hanging it.
     let line: String = "0123456789abcdef".repeat(256 * 1024 / 16);
     let answer = session
         .exchange(&line)
-        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e}"));
+        .unwrap_or_else(|e| panic!("256 KiB through the ClusterIP past a 1,280-byte hop: {e:#}"));
     assert_eq!(
         answer.len(),
         "far ".len() + line.len(),
@@ -789,13 +735,14 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
              from its own {own6}"
         );
     }
-    let mut session = Session6::open(pod, http6(CLUSTER_IP6));
+    let mut session = TcpSession::open(pod, http6(CLUSTER_IP6), TIMEOUT).expect("connect");
     assert_eq!(*session.greeting.peer.ip(), node_ip6);
     for line in ["one", "two", "three"] {
         assert_eq!(
-            session.exchange(line),
-            Ok(format!("{own} {line}")),
-            "exchange on a long hairpin connection"
+            session
+                .exchange(line)
+                .unwrap_or_else(|e| panic!("exchange on a long hairpin connection: {e:#}")),
+            format!("{own} {line}")
         );
     }
     let udp = udp_request(pod, dns6(CLUSTER_IP6), TIMEOUT)
@@ -822,5 +769,370 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
             (own, ip6),
             "a UDP flow from {name} that is not hairpin must keep its source address"
         );
+    }
+}
+
+/// An IPv6 Service without any EndpointSlice (not even an empty one) is refused at
+/// once, as one with an empty slice is: TCP connect gets "connection refused" (a
+/// RST) and a connected UDP socket ICMPv6 port unreachable, well within a second.
+#[test]
+fn ipv6_service_without_an_endpoint_slice_is_refused_at_once() {
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let noslice_vip = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x31);
+    sb.manifests()
+        .write(
+            "noslice6.yaml",
+            &web6("noslice6", noslice_vip).service_yaml(),
+        )
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+    let limit = Duration::from_secs(1);
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let start = Instant::now();
+        let outcome = match proto {
+            Protocol::Tcp => tcp_request(client, http6(noslice_vip), TIMEOUT),
+            Protocol::Udp => udp_request(client, dns6(noslice_vip), TIMEOUT),
+        };
+        let took = start.elapsed();
+        assert_eq!(
+            outcome,
+            Outcome::Refused,
+            "{proto:?} to [{noslice_vip}] (no EndpointSlice) after {took:?}"
+        );
+        assert!(
+            took < limit,
+            "{proto:?} to [{noslice_vip}] (no EndpointSlice) took {took:?} to be refused"
+        );
+    }
+    assert!(sb.counter("reject") >= 2, "rejects not counted");
+}
+
+/// A UDP port that no backend listens on, behind an IPv6 ClusterIP: the backend's
+/// kernel answers with ICMPv6 port unreachable quoting the backend, which the
+/// client's socket, connected to the ClusterIP, would not recognise. Translated back
+/// it quotes the ClusterIP, so the client fails at once with "connection refused",
+/// as with kube-proxy's ip6tables rules (netfilter translates "related" ICMPv6
+/// errors), side by side on another VIP from another client. Without the
+/// translation each request waits out its timeout.
+#[test]
+fn ipv6_a_closed_udp_port_behind_a_clusterip_is_refused_as_ip6tables_does() {
+    const EXCHANGES: usize = 10;
+    const CLOSED_PORT: u16 = 5999;
+    let vips = [
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x50),
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x51),
+    ];
+    let mut sb =
+        Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let closed =
+        Service::new_v6("test", "closed6", vips[0]).port("dns", 54, Protocol::Udp, CLOSED_PORT);
+    sb.manifests()
+        .write("closed6.yaml", &closed.yaml6(&backend_ips6()))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let kube = closed.kube_service6("dns", vips[1], &backend_ips6());
+    iptables::apply(&sb.topology().node, &[kube]).expect("load kube-proxy's ip6tables rules");
+    for (name, _) in BACKENDS {
+        // Every request gets its error, however fast they come.
+        sb.pod(name)
+            .ns
+            .sysctl("net.ipv6.icmp.ratelimit", "0")
+            .unwrap_or_else(|e| panic!("{name}: lifting the ICMPv6 rate limit: {e:#}"));
+    }
+    let mut refused = [0usize; 2];
+    let mut failures = Vec::new();
+    for (i, (client, vip)) in [(CLIENT, vips[0]), (IPT_CLIENT, vips[1])]
+        .iter()
+        .enumerate()
+    {
+        for _ in 0..EXCHANGES {
+            let answer = sb
+                .pod(client.0)
+                .ns
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?;
+                    s.connect(SocketAddrV6::new(*vip, 54, 0, 0))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    s.send(b"anyone there?")?;
+                    s.recv(&mut [0u8; 64])
+                })
+                .unwrap_or_else(|e| panic!("{}: {e:#}", client.0));
+            match answer {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused[i] += 1,
+                other => failures.push(format!("{}: {other:?}", ["ebpf-proxy", "ip6tables"][i])),
+            }
+        }
+    }
+    let table = format!(
+        "refused at once: ebpf-proxy {}/{EXCHANGES}, ip6tables {}/{EXCHANGES}",
+        refused[0], refused[1]
+    );
+    eprintln!("{table}");
+    assert_eq!(
+        refused[1], EXCHANGES,
+        "the ip6tables reference was not refused (sandbox problem?): {failures:?}"
+    );
+    assert_eq!(
+        refused[0],
+        EXCHANGES,
+        "{table}; first failures: {:?}",
+        &failures[..failures.len().min(5)]
+    );
+    let translated = sb.counter("icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{translated} ICMPv6 errors translated for {EXCHANGES} refusals"
+    );
+}
+
+/// A closed flow through the IPv6 ClusterIP leaves conntrack state behind for a
+/// while. A new, unrelated connection from the same client port straight to the same
+/// backend's pod address must not be taken for it: its replies must reach the client
+/// unchanged (kube-proxy's netfilter conntrack tells the two flows apart). A timeout
+/// here most likely means the backend's SYN-ACK matched the old flow's
+/// reply-direction entry and was reverse-NATed to the ClusterIP.
+#[test]
+fn ipv6_direct_connection_reusing_a_service_flows_port_is_left_alone() {
+    let sb = serving_web6(&[CLIENT]);
+    let port = 40_123;
+    let (via_service, direct) = sb
+        .client()
+        .ns
+        .run(|| {
+            let via_service = tcp_request_from_port_here(port, http6(CLUSTER_IP6), TIMEOUT);
+            let Outcome::Reply(reply) = &via_service else {
+                return (via_service, None);
+            };
+            // The client closed first, so its side of that flow is in TIME_WAIT; the
+            // same port may still connect elsewhere.
+            let backend_ip6 = BACKENDS
+                .iter()
+                .find(|b| b.0 == reply.backend)
+                .map(|b| pod_ip6(b.1))
+                .expect("a known backend");
+            let direct = tcp_request_from_port_here(
+                port,
+                SocketAddrV6::new(backend_ip6, TCP_PORT, 0, 0),
+                TIMEOUT,
+            );
+            (via_service, Some((backend_ip6, direct)))
+        })
+        .expect("client namespace");
+    let first = via_service.expect_reply("IPv6 connection to the ClusterIP from a fixed port");
+    assert_eq!(first.peer, SocketAddrV6::new(pod_ip6(CLIENT.1), port, 0, 0));
+    let (backend_ip6, direct) = direct.expect("ran after a reply");
+    let direct = direct.expect_reply(&format!(
+        "direct connection to [{backend_ip6}]:{TCP_PORT} from port {port} right after a \
+         ClusterIP connection from that port reached that backend"
+    ));
+    assert_eq!(direct.backend, first.backend);
+    assert_eq!(*direct.peer.ip(), pod_ip6(CLIENT.1));
+}
+
+/// A pod whose interface appears after the agent started reaches the IPv6
+/// ClusterIP: the agent attaches `tc_ingress6` to new interfaces as they come
+/// (netlink).
+#[test]
+fn ipv6_pod_created_after_the_agent_started_is_served() {
+    let mut sb = serving_web6(&[CLIENT]);
+    let late_ip = Ipv4Addr::new(10, 200, 0, 4);
+    let late = sb.add_pod("late", late_ip).expect("add a pod");
+    let start = Instant::now();
+    let deadline = Duration::from_secs(5);
+    let mut outcome = tcp_request(&late.ns, http6(CLUSTER_IP6), TIMEOUT);
+    while !matches!(outcome, Outcome::Reply(_)) && start.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(100));
+        outcome = tcp_request(&late.ns, http6(CLUSTER_IP6), TIMEOUT);
+    }
+    let reply = outcome.expect_reply(&format!(
+        "IPv6 ClusterIP from a pod created after the agent started, for {deadline:?}"
+    ));
+    assert_eq!(*reply.peer.ip(), pod_ip6(late_ip));
+    eprintln!(
+        "the new pod's first answered IPv6 connection came after {:?}",
+        start.elapsed()
+    );
+}
+
+/// The agent's non-zero counters, for failure messages.
+fn counters_text(sb: &Sandbox) -> String {
+    let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));
+    let counters: Vec<(&str, u64)> = maps
+        .and_then(|m| m.counters())
+        .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+        .unwrap_or_default();
+    format!("{counters:?}")
+}
+
+/// One exchange on a connected IPv6 UDP socket; the backend that answered.
+fn udp_exchange6(socket: &std::net::UdpSocket, what: &str) -> String {
+    socket
+        .send(b"hello\n")
+        .unwrap_or_else(|e| panic!("{what}: send: {e}"));
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
+    Reply::<SocketAddrV6>::parse(&String::from_utf8_lossy(&buf[..n]))
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+        .backend
+}
+
+/// A pod that floods the IPv6 ClusterIP with new flows cannot cut anyone's
+/// established connections: with `--conntrack-max 1024`, 50 idle TCP connections and
+/// 10 UDP flows inside their timeout (each has exchanged twice) keep their backends
+/// while another pod sends 64,000 datagrams from 64,000 source ports, each a new flow
+/// the backends answer once: 62 times the connections CONNTRACK6 holds. New
+/// connections made during the flood are served.
+#[test]
+fn ipv6_a_pods_flood_of_new_flows_leaves_established_connections_alone() {
+    const FLOODER: (&str, Ipv4Addr) = ("flooder", Ipv4Addr::new(10, 200, 0, 4));
+    const FLOOD_PORTS: std::ops::Range<u16> = 1024..65_024;
+    let mut sb = Sandbox::new(&[CLIENT, FLOODER], &BACKENDS, TCP_PORT, UDP_PORT)
+        .expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web6.yaml",
+            &web6("web6", CLUSTER_IP6).yaml6(&backend_ips6()),
+        )
+        .expect("write manifest");
+    sb.start_agent_with(&["--conntrack-max", "1024"])
+        .expect("start the agent");
+    let client = &sb.client().ns;
+    let mut sessions: Vec<TcpSession<SocketAddrV6>> = (0..50)
+        .map(|i| {
+            TcpSession::open(client, http6(CLUSTER_IP6), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect();
+    let udp_flows: Vec<(std::net::UdpSocket, String)> = (0..10)
+        .map(|i| {
+            let socket = client
+                .run(|| {
+                    let s = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?;
+                    s.connect(dns6(CLUSTER_IP6))?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    std::io::Result::Ok(s)
+                })
+                .and_then(|s| Ok(s?))
+                .unwrap_or_else(|e| panic!("UDP flow {i}: {e:#}"));
+            let first = udp_exchange6(&socket, &format!("UDP flow {i}"));
+            assert_eq!(
+                udp_exchange6(&socket, &format!("UDP flow {i}, again")),
+                first,
+                "UDP flow {i} changed backend between two exchanges"
+            );
+            (socket, first)
+        })
+        .collect();
+
+    let flood = sb
+        .pod(FLOODER.0)
+        .ns
+        .spawn("flood", || {
+            let mut sent = 0u32;
+            for port in FLOOD_PORTS {
+                let Ok(socket) = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, port)) else {
+                    continue;
+                };
+                if socket.send_to(b"flood\n", dns6(CLUSTER_IP6)).is_ok() {
+                    sent += 1;
+                }
+            }
+            sent
+        })
+        .expect("flooding from the flooder pod");
+    let during =
+        tcp_tally(client, http6(CLUSTER_IP6), 30, TIMEOUT).expect("connections during the flood");
+    let sent = flood.join().expect("the flood thread");
+    assert!(sent >= 60_000, "only {sent} flood datagrams sent");
+    assert_all_replied_from(
+        pod_ip6(CLIENT.1),
+        "new connections during the flood",
+        &during,
+    );
+
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
+            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
+        }
+    }
+    for (i, (socket, backend)) in udp_flows.iter().enumerate() {
+        let now = udp_exchange6(socket, &format!("UDP flow {i} after the flood"));
+        if &now != backend {
+            broken.push(format!("UDP {i}: answered by {now}, before by {backend}"));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{} of 60 established IPv6 flows broken by a flood of {sent} new flows; counters: \
+         {}; {:?}",
+        broken.len(),
+        counters_text(&sb),
+        &broken[..broken.len().min(10)]
+    );
+    let new_flows = sb.counter("ct_new_flow");
+    assert!(
+        new_flows >= u64::from(sent),
+        "{new_flows} new flows counted for {sent} flood datagrams"
+    );
+}
+
+/// Translated IPv6 packets carry valid checksums whatever state the kernel keeps
+/// them in: partial (offloaded, what pods send), unnecessary (already verified, here
+/// by GRO on the node's side of the veth) and none. IPv6 has no header checksum, so
+/// the TCP and UDP ones carry the translated addresses alone; a wrong update must
+/// cost a lost packet here, not pass unseen, so every receiver checks checksums
+/// itself (`rx off` on the pods' `eth0`) and the node finishes partial ones before
+/// they leave it (`tx off` on its pod-side veths). Unlike IPv4's, the IPv6 path
+/// leaves every state to the kernel's helper without reading it (proxy-ebpf's
+/// `nat6.rs`), so no per-state counter moves: the check is that every exchange of
+/// every setting is answered, from the client's own address.
+#[test]
+fn ipv6_translated_packets_keep_valid_checksums_in_every_checksum_state() {
+    use ebpf_proxy_tests::cluster::set_offload;
+    let sb = serving_web6(&[CLIENT]);
+    let node = &sb.topology().node;
+    for pod in sb.topology().pods() {
+        set_offload(&pod.ns, "eth0", "rx", false).expect("pod rx checksumming off");
+        set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
+    }
+    let client6 = pod_ip6(CLIENT.1);
+    for (sender_tx, node_gro, state) in [
+        (true, false, "partial"),
+        (false, false, "none"),
+        (false, true, "unnecessary"),
+    ] {
+        for pod in sb.topology().pods() {
+            set_offload(&pod.ns, "eth0", "tx", sender_tx).expect("pod tx");
+            set_offload(node, &pod.host_if, "gro", node_gro).expect("node gro");
+        }
+        for (proto, tally) in [
+            (
+                "TCP",
+                tcp_tally(&sb.client().ns, http6(CLUSTER_IP6), 30, TIMEOUT),
+            ),
+            (
+                "UDP",
+                udp_tally(&sb.client().ns, dns6(CLUSTER_IP6), 30, TIMEOUT),
+            ),
+        ] {
+            let what = format!("IPv6 {proto}, {state} checksums");
+            let tally = tally.unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_all_replied_from(client6, &what, &tally);
+            assert_eq!(
+                tally.replies(),
+                30,
+                "{what}: every exchange must be answered (a bad checksum is a lost packet): \
+                 {:?}; counters: {}",
+                tally.counts,
+                counters_text(&sb)
+            );
+        }
     }
 }

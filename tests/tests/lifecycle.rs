@@ -17,10 +17,10 @@ use std::{
 
 use ebpf_proxy_tests::{
     Protocol,
-    client::{Outcome, Reply, TcpSession, tcp_request, tcp_request_here, udp_request},
+    affinity::{AFFINITY_TIMEOUT_S, STICKY_RUN, affinity_run, connect_n, distinct},
+    client::{Reply, TIMEOUT, TcpSession, tcp_request, udp_request},
     iptables,
     manifest::{Endpoint, Service, SessionAffinity},
-    netns::NetNs,
     require_root,
     sandbox::Sandbox,
 };
@@ -33,29 +33,10 @@ use ebpf_proxy_tests::topology::one_node::{
 const IPT_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 /// The source address the datapath gives hairpin flows (`proxy_common::HAIRPIN_ADDR`).
 const HAIRPIN_SRC: Ipv4Addr = Ipv4Addr::new(169, 254, 42, 1);
-use ebpf_proxy_tests::client::TIMEOUT;
 /// How long the agent may take to apply a manifest change: within one second,
 /// which clusterip.rs holds it to. Checks that must only see the new state wait this
 /// long after a write instead of guessing when the change landed.
 const SETTLE: Duration = Duration::from_secs(1);
-/// Consecutive connections that must land on one backend: the Kubernetes e2e suite's
-/// `AffinityConfirmCount`.
-const STICKY_RUN: usize = 15;
-/// The affinity timeout of the expiry checks: short enough to wait out.
-const AFFINITY_TIMEOUT_S: u32 = 3;
-/// How far past the timeout a client waits before it expects a fresh pick. The last
-/// stamp is taken before the wait starts and a sleep only ever overshoots, so this
-/// only covers the granularity of the kernel clocks the windows are measured with
-/// (jiffies for `-m recent`, ktime for the datapath).
-const TIMEOUT_MARGIN: Duration = Duration::from_millis(500);
-/// Wait-and-reconnect rounds before "never re-balanced" is declared. Each round's
-/// first connection is a fresh uniform pick among 3 backends, so a correct datapath
-/// repeats the stuck backend in all of them with probability (1/3)^10 < 2e-5; the
-/// rounds stop as soon as a second backend shows up (1.5 rounds on average).
-const REBALANCE_ROUNDS: usize = 10;
-/// Connections per round after a wait: the first is the new pick, the rest must
-/// follow it (affinity is still on, it only expired).
-const ROUND_CONNECTIONS: usize = 3;
 
 /// `test/<name>` with `http` 80/TCP -> 8080 and `dns` 53/UDP -> 5353.
 fn service(name: &str, cluster_ip: Ipv4Addr, affinity: SessionAffinity) -> Service {
@@ -90,107 +71,6 @@ fn rewrite(sb: &Sandbox, yaml: &str) {
         .write("web.yaml", yaml)
         .expect("rewrite manifest");
     thread::sleep(SETTLE);
-}
-
-/// `n` new TCP connections, one after the other, from `ns` to `addr`: which backend
-/// answered each. Anything but a reply, or a backend that saw another address than
-/// `client`, is an error naming the connection.
-fn try_connect_n(
-    ns: &NetNs,
-    client: Ipv4Addr,
-    addr: SocketAddrV4,
-    n: usize,
-) -> Result<Vec<String>, String> {
-    ns.run(|| {
-        (0..n)
-            .map(|i| match tcp_request_here(addr, TIMEOUT) {
-                Outcome::Reply(r) if *r.peer.ip() == client => Ok(r.backend),
-                Outcome::Reply(r) => Err(format!(
-                    "connection {i} to {addr}: {} saw the client as {} instead of {client}",
-                    r.backend, r.peer
-                )),
-                other => Err(format!("connection {i} to {addr}: {other}")),
-            })
-            .collect()
-    })
-    .map_err(|e| format!("{e:#}"))?
-}
-
-#[track_caller]
-fn connect_n(ns: &NetNs, client: Ipv4Addr, addr: SocketAddrV4, n: usize) -> Vec<String> {
-    try_connect_n(ns, client, addr, n).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn distinct(backends: &[String]) -> BTreeSet<&str> {
-    backends.iter().map(String::as_str).collect()
-}
-
-/// What one client saw of a service's ClientIP affinity with a short timeout.
-#[derive(Debug)]
-struct AffinityRun {
-    /// Backends of [`STICKY_RUN`] consecutive new connections.
-    sticky: Vec<String>,
-    /// Per wait past the timeout, the backends of the connections right after it.
-    rounds: Vec<Vec<String>>,
-}
-
-impl AffinityRun {
-    fn stuck(&self) -> bool {
-        distinct(&self.sticky).len() == 1
-    }
-
-    /// The first connection after each wait is a fresh pick; the client is
-    /// re-balanced if those picks (and the backend it was stuck to) differ.
-    fn picks(&self) -> Vec<String> {
-        std::iter::once(&self.sticky[0])
-            .chain(self.rounds.iter().map(|r| &r[0]))
-            .cloned()
-            .collect()
-    }
-
-    fn rebalanced(&self) -> bool {
-        distinct(&self.picks()).len() >= 2
-    }
-
-    /// Each round's fresh pick is sticky again.
-    fn resticks(&self) -> bool {
-        self.rounds.iter().all(|r| distinct(r).len() == 1)
-    }
-
-    fn summary(&self) -> String {
-        format!(
-            "{} connections -> {:?}; after each wait of {}s + {:?}: {:?} \
-             (stuck: {}, re-balanced: {}, sticky again after each pick: {})",
-            self.sticky.len(),
-            distinct(&self.sticky),
-            AFFINITY_TIMEOUT_S,
-            TIMEOUT_MARGIN,
-            self.rounds,
-            self.stuck(),
-            self.rebalanced(),
-            self.resticks()
-        )
-    }
-}
-
-/// The e2e affinity-timeout scenario against a service with ClientIP affinity and a
-/// [`AFFINITY_TIMEOUT_S`] timeout: [`STICKY_RUN`] connections, then rounds of waiting
-/// out the timeout and reconnecting until a second backend shows up (or
-/// [`REBALANCE_ROUNDS`] pass). Judging is left to the caller, so that two datapaths
-/// can be compared.
-fn affinity_run(ns: &NetNs, client: Ipv4Addr, addr: SocketAddrV4) -> Result<AffinityRun, String> {
-    let sticky = try_connect_n(ns, client, addr, STICKY_RUN)?;
-    let mut run = AffinityRun {
-        sticky,
-        rounds: Vec::new(),
-    };
-    let wait = Duration::from_secs(AFFINITY_TIMEOUT_S.into()) + TIMEOUT_MARGIN;
-    while run.rounds.len() < REBALANCE_ROUNDS && !run.rebalanced() {
-        thread::sleep(wait);
-        run.rounds
-            .push(try_connect_n(ns, client, addr, ROUND_CONNECTIONS)?);
-    }
-    Ok(run)
 }
 
 /// 1. The Kubernetes e2e affinity checks: with sessionAffinity ClientIP, consecutive

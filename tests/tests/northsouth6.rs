@@ -8,18 +8,18 @@
 //! northsouth.rs.
 
 use std::{
-    collections::BTreeMap,
-    io::{BufRead, BufReader, Write as _},
-    net::{Ipv6Addr, SocketAddr, SocketAddrV6, TcpStream},
+    collections::{BTreeMap, BTreeSet},
+    net::{Ipv6Addr, SocketAddrV6},
     thread,
     time::{Duration, Instant},
 };
 
 use ebpf_proxy_tests::{
     Protocol,
-    agent::Agent,
+    agent::{Agent, http_get},
     client::{
-        Outcome, Reply, TIMEOUT, tcp_request, tcp_request_here, udp_request, udp_sized_request,
+        Outcome, Reply, TIMEOUT, TcpSession, tcp_request, tcp_request_here, udp_request,
+        udp_sized_request,
     },
     cluster::{CLIENT1_IP6, CLIENT2_IP6, Cluster, NODE_A_IP6, NODE_B_IP6},
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
@@ -50,6 +50,7 @@ const ALPHA: f64 = 0.001;
 #[derive(Clone, Copy, Debug)]
 enum Path {
     Native,
+    Generic,
     TcOnly,
 }
 
@@ -57,10 +58,17 @@ impl Path {
     fn arg(self) -> &'static str {
         match self {
             Path::Native => "native",
+            Path::Generic => "generic",
             Path::TcOnly => "off",
         }
     }
 }
+
+/// The healthCheckNodePort of the externalTrafficPolicy Local scenario.
+const HEALTH_PORT: u16 = 32100;
+/// Every pod's IPv6 address is in this prefix (`topology::POD_NET6`): the IPv6
+/// cluster CIDR of the in-cluster client check.
+const POD_CIDR6: &str = "fd00:10::/96";
 
 fn backend_ip6() -> Ipv6Addr {
     pod_ip6(BACKEND.1)
@@ -86,6 +94,11 @@ struct Fixture {
 
 impl Fixture {
     fn new(path: Path) -> Fixture {
+        Fixture::with_args(path, &[])
+    }
+
+    /// [`Fixture::new`] with `args` for both agents.
+    fn with_args(path: Path, args: &[&str]) -> Fixture {
         require_root().expect("privileged test");
         let cluster =
             Cluster::new(&[("a", &[LOCAL_BACKEND]), ("b", &[BACKEND])]).expect("two-node cluster");
@@ -105,12 +118,10 @@ impl Fixture {
             .map(|node| {
                 let n = cluster.node(node);
                 let node_ip = format!("{},{}", n.ip, n.ip6);
-                Agent::start_with(
-                    &n.ns,
-                    manifests.path(),
-                    &["--xdp-mode", path.arg(), "--node-ip", &node_ip],
-                )
-                .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
+                let mut all = vec!["--xdp-mode", path.arg(), "--node-ip", &node_ip];
+                all.extend_from_slice(args);
+                Agent::start_with(&n.ns, manifests.path(), &all)
+                    .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
             })
             .collect();
         Fixture {
@@ -193,47 +204,6 @@ fn web6(name: &str) -> Service {
         .node_port("dns", UDP_NODE_PORT)
 }
 
-/// A TCP connection kept open over IPv6 (the harness's `TcpSession` is IPv4's).
-struct Session6 {
-    stream: TcpStream,
-    reader: BufReader<TcpStream>,
-    greeting: Reply<SocketAddrV6>,
-}
-
-impl Session6 {
-    fn open(ns: &NetNs, addr: SocketAddrV6) -> Session6 {
-        let stream = ns
-            .run(|| TcpStream::connect_timeout(&SocketAddr::V6(addr), TIMEOUT))
-            .expect("entering the client's namespace")
-            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .expect("read timeout");
-        let mut reader = BufReader::new(stream.try_clone().expect("clone the stream"));
-        let mut line = String::new();
-        reader.read_line(&mut line).expect("read the greeting");
-        let greeting = Reply::parse(&line).unwrap_or_else(|e| panic!("greeting {line:?}: {e}"));
-        Session6 {
-            stream,
-            reader,
-            greeting,
-        }
-    }
-
-    /// Sends `text` as a line; the answer line (`<backend> <text>`), or why none came.
-    fn exchange(&mut self, text: &str) -> Result<String, String> {
-        self.stream
-            .write_all(format!("{text}\n").as_bytes())
-            .map_err(|e| format!("send: {e}"))?;
-        let mut line = String::new();
-        match self.reader.read_line(&mut line) {
-            Ok(0) => Err("the backend closed the connection".into()),
-            Ok(_) => Ok(line.trim_end().to_owned()),
-            Err(e) => Err(format!("receive: {e}")),
-        }
-    }
-}
-
 /// externalTrafficPolicy Cluster with a backend on each node: new connections from
 /// outside to node A's IPv6 NodePort spread evenly over both (a chi-square test),
 /// the local backend sees the client's own address, the remote one node A's IPv6
@@ -287,7 +257,8 @@ fn nodeport_cluster_policy(path: Path) {
     );
 
     // A long connection works both ways, packet after packet.
-    let mut session = Session6::open(fx.client("client1"), via_a);
+    let mut session = TcpSession::open(fx.client("client1"), via_a, TIMEOUT)
+        .unwrap_or_else(|e| panic!("{path:?}: a long connection through node A: {e:#}"));
     let backend = session.greeting.backend.clone();
     for i in 0..20 {
         let answer = session
@@ -377,15 +348,34 @@ fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_native_xdp() {
 }
 
 #[test]
+fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_generic_xdp() {
+    nodeport_cluster_policy(Path::Generic);
+}
+
+#[test]
 fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_tc_only() {
     nodeport_cluster_policy(Path::TcOnly);
 }
 
-/// externalTrafficPolicy Local: node B, with the endpoint, serves keeping the
-/// client's IPv6 address; node A, without one, drops (and counts it).
-fn local_policy(path: Path) {
-    let fx = Fixture::new(path);
-    let service = web6("local").external_traffic_policy(TrafficPolicy::Local);
+/// externalTrafficPolicy Local on an IPv6 LoadBalancer Service: node B, with the
+/// endpoint, serves keeping the client's IPv6 address; node A, without one, drops
+/// (and counts it); the healthCheckNodePort on the nodes' IPv6 addresses says so
+/// (503 on A, 200 with the weight on B). A pod on node A is an in-cluster client
+/// when the agents know the IPv6 cluster CIDR: then it is served through every
+/// endpoint with its own address (kube-proxy's short-circuit); without it, it is
+/// external and dropped like client1.
+fn local_policy(path: Path, cluster_cidr: bool) {
+    let cidrs = format!("10.1.0.0/16,{POD_CIDR6}");
+    let args: &[&str] = if cluster_cidr {
+        &["--cluster-cidr", &cidrs]
+    } else {
+        &[]
+    };
+    let fx = Fixture::with_args(path, args);
+    let service = web6("local")
+        .type_(ServiceType::LoadBalancer)
+        .external_traffic_policy(TrafficPolicy::Local)
+        .health_check_node_port(HEALTH_PORT);
     fx.publish(&service, &[(backend_ip6(), "b")]);
     let via_b = fx.reply_within("client1", at(NODE_B_IP6, NODE_PORT), "ETP Local on B");
     assert_eq!(
@@ -405,16 +395,59 @@ fn local_policy(path: Path) {
         "{path:?}: node A must count the drop; {}",
         fx.counters()
     );
+
+    let health = |node: Ipv6Addr| {
+        fx.client("client1")
+            .run(|| http_get(at(node, HEALTH_PORT), "/"))
+            .expect("run in client")
+            .unwrap_or_else(|e| panic!("{path:?}: health check on [{node}]: {e:#}"))
+    };
+    let (status_a, body_a) = health(NODE_A_IP6);
+    assert_eq!(
+        status_a, 503,
+        "health check on A's IPv6 address (no local endpoint):\n{body_a}"
+    );
+    assert!(body_a.contains("\"localEndpoints\": 0"), "{body_a}");
+    let (status_b, body_b) = health(NODE_B_IP6);
+    assert_eq!(
+        status_b, 200,
+        "health check on B's IPv6 address (one local endpoint):\n{body_b}"
+    );
+    assert!(body_b.contains("\"localEndpoints\": 1"), "{body_b}");
+
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let from_pod = tcp_request(pod, at(NODE_A_IP6, NODE_PORT), DROP_WAIT);
+    if cluster_cidr {
+        let Outcome::Reply(r) = from_pod else {
+            panic!(
+                "{path:?}: a pod with an IPv6 --cluster-cidr: {from_pod}; {}",
+                fx.counters()
+            );
+        };
+        assert_eq!(
+            (r.backend.as_str(), *r.peer.ip()),
+            (BACKEND.0, local_backend_ip6()),
+            "{path:?}: an in-cluster IPv6 client reaches the remote endpoint with its own \
+             address"
+        );
+    } else {
+        assert_eq!(
+            from_pod,
+            Outcome::Timeout,
+            "{path:?}: without --cluster-cidr an IPv6 pod is external; {}",
+            fx.counters()
+        );
+    }
 }
 
 #[test]
 fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_tc_only() {
-    local_policy(Path::TcOnly);
+    local_policy(Path::TcOnly, false);
 }
 
 #[test]
 fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_native_xdp() {
-    local_policy(Path::Native);
+    local_policy(Path::Native, true);
 }
 
 /// An IPv6 LoadBalancer IP with an IPv6 loadBalancerSourceRanges prefix: client1
@@ -567,4 +600,112 @@ fn ipv6_nodeport_fragments_are_translated_both_ways() {
         2 * EXCHANGES,
         fx.counters()
     );
+}
+
+/// From outside, a UDP NodePort on node A's IPv6 address whose backend, on node B
+/// (SNAT), listens on no such port: the backend's kernel sends ICMPv6 port
+/// unreachable to node A quoting node A's SNAT port; node A's uplink translates it
+/// back (quoting the NodePort, from the NodePort address) and routes it to the
+/// client, whose connected socket fails at once with "connection refused" instead
+/// of waiting out its timeout.
+fn nodeport_closed_port_is_refused(path: Path) {
+    const EXCHANGES: usize = 10;
+    const CLOSED_NODE_PORT: u16 = 30054;
+    let fx = Fixture::new(path);
+    let closed = Service::new_v6(
+        "test",
+        "closed",
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x52),
+    )
+    .type_(ServiceType::NodePort)
+    .port("dns", 53, Protocol::Udp, 5999)
+    .node_port("dns", CLOSED_NODE_PORT);
+    fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
+    fx.publish(&closed, &[(backend_ip6(), "b")]);
+    fx.reply_within("client1", at(NODE_A_IP6, NODE_PORT), "IPv6 NodePort on A");
+    fx.cluster
+        .pod(BACKEND.0)
+        .ns
+        .sysctl("net.ipv6.icmp.ratelimit", "0")
+        .expect("lifting the backend's ICMPv6 rate limit");
+    let addr = at(NODE_A_IP6, CLOSED_NODE_PORT);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = 0;
+    let mut outcomes = Vec::new();
+    while refused < EXCHANGES {
+        let answer = fx
+            .client("client1")
+            .run(|| {
+                let s = std::net::UdpSocket::bind((Ipv6Addr::UNSPECIFIED, 0))?;
+                s.connect(addr)?;
+                s.set_read_timeout(Some(Duration::from_millis(500)))?;
+                s.send(b"anyone there?")?;
+                s.recv(&mut [0u8; 64])
+            })
+            .expect("client1");
+        match answer {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
+            // The agents may not have the Service yet.
+            other if refused == 0 && Instant::now() < deadline => {
+                outcomes.push(format!("{other:?}"));
+                thread::sleep(Duration::from_millis(100));
+            }
+            other => panic!(
+                "{path:?}: exchange {refused}: {other:?} instead of connection refused \
+                 (earlier: {outcomes:?}); {}",
+                fx.counters()
+            ),
+        }
+    }
+    let translated = fx.counter(0, "icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{path:?}: {translated} ICMPv6 errors translated on node A for {EXCHANGES} refusals; {}",
+        fx.counters()
+    );
+}
+
+#[test]
+fn ipv6_nodeport_closed_port_is_refused_native_xdp() {
+    nodeport_closed_port_is_refused(Path::Native);
+}
+
+#[test]
+fn ipv6_nodeport_closed_port_is_refused_tc_only() {
+    nodeport_closed_port_is_refused(Path::TcOnly);
+}
+
+/// 300 IPv6 connections held open at once from one client through node A's SNAT:
+/// every one is served, and the backend sees 300 distinct (node A, port) sources.
+#[test]
+fn ipv6_concurrent_snat_flows_never_share_a_port() {
+    const SESSIONS: usize = 300;
+    let fx = Fixture::new(Path::Native);
+    fx.publish(&web6("many"), &[(backend_ip6(), "b")]);
+    let addr = at(NODE_A_IP6, NODE_PORT);
+    fx.reply_within("client1", addr, "IPv6 NodePort on A");
+    let sessions: Vec<TcpSession<SocketAddrV6>> = (0..SESSIONS)
+        .map(|i| {
+            TcpSession::open(fx.client("client1"), addr, TIMEOUT)
+                .unwrap_or_else(|e| panic!("session {i} of {SESSIONS}: {e:#}; {}", fx.counters()))
+        })
+        .collect();
+    let sources: BTreeSet<SocketAddrV6> = sessions.iter().map(|s| s.greeting.peer).collect();
+    assert!(
+        sessions.iter().all(|s| *s.greeting.peer.ip() == NODE_A_IP6),
+        "every session must be SNATed to node A's IPv6 address: {sources:?}"
+    );
+    assert_eq!(
+        sources.len(),
+        SESSIONS,
+        "the backend saw {} distinct SNAT sources for {SESSIONS} concurrent sessions",
+        sources.len()
+    );
+    for (i, mut s) in sessions.into_iter().enumerate() {
+        let answer = s
+            .exchange("still there")
+            .unwrap_or_else(|e| panic!("session {i}: exchange on an open session: {e:#}"));
+        assert_eq!(answer, format!("{} still there", BACKEND.0), "session {i}");
+    }
+    assert_eq!(fx.counter(0, "snat_exhausted"), 0, "{}", fx.counters());
 }

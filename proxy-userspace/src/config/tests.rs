@@ -94,7 +94,7 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
     assert_eq!(
         config.settings,
         Settings {
-            cluster_cidr: cidrs(&["10.244.0.0/16", "fd00:10:244::/56"]),
+            cluster_cidr: Some("10.244.0.0/16,fd00:10:244::/56".parse().unwrap()),
             nodeport_addresses: cidrs(&["10.0.0.0/8", "127.0.0.0/8", "::1/128"]),
             conntrack_max: None,
             conntrack_tcp_timeout_established: Some(Duration::from_hours(24)),
@@ -214,6 +214,10 @@ fn an_unknown_field_is_an_error_naming_it() {
 fn an_invalid_value_is_an_error_naming_its_field() {
     for (edit, field) in [
         (("clusterCIDR", "10.0.0.0/33"), "clusterCIDR"),
+        (
+            ("clusterCIDR", "10.244.0.0/16,10.245.0.0/16"),
+            "clusterCIDR",
+        ),
         (("nodePortAddresses", "[primary]"), "nodePortAddresses"),
         (("nodePortAddresses", "[10.0.0.0]"), "nodePortAddresses"),
         (
@@ -332,7 +336,7 @@ fn flags_override_the_file_and_the_file_overrides_defaults() {
         .expect("merge")
         .expect("a file");
     let cidr = |c: &str| Cidr::parse(c).unwrap();
-    assert_eq!(run.cluster_cidr, [cidr("10.1.0.0/16")], "the flag wins");
+    assert_eq!(*run.cluster_cidr, [cidr("10.1.0.0/16")], "the flag wins");
     assert_eq!(run.sync_period, Duration::from_secs(20), "the flag wins");
     assert_eq!(
         run.metrics_bind_address,
@@ -351,7 +355,7 @@ fn flags_override_the_file_and_the_file_overrides_defaults() {
 
     let (mut run, mut format, matches) = run_args(&["--config", path, "--log-format", "text"]);
     merge(&mut run, &mut format, &matches).expect("merge");
-    assert_eq!(run.cluster_cidr, [cidr("10.244.0.0/16")], "from the file");
+    assert_eq!(*run.cluster_cidr, [cidr("10.244.0.0/16")], "from the file");
     assert_eq!(run.sync_period, Duration::from_secs(45), "from the file");
     assert_eq!(format, LogFormat::Text, "--log-format wins");
 
@@ -413,11 +417,41 @@ fn cluster_cidr_and_nodeport_addresses_take_both_families() {
     ]);
     let cidr = |c: &str| Cidr::parse(c).unwrap();
     assert_eq!(
-        run.cluster_cidr,
+        *run.cluster_cidr,
         [cidr("10.244.0.0/16"), cidr("fd00:10:244::/56")]
     );
     assert_eq!(
         run.nodeport_addresses,
         [cidr("192.168.0.0/16"), cidr("fd00:1::/64")]
+    );
+}
+
+#[test]
+fn cluster_cidr_takes_at_most_one_cidr_per_family() {
+    let (run, _, _) = run_args(&[]);
+    assert!(run.cluster_cidr.is_empty(), "none by default");
+    for (value, family) in [
+        ("10.244.0.0/16,10.245.0.0/16", "IPv4"),
+        ("fd00:1::/64,10.0.0.0/8,fd00:2::/64", "IPv6"),
+    ] {
+        let err = Cli::command()
+            .try_get_matches_from(["ebpf-proxy", "run", "--cluster-cidr", value])
+            .expect_err("two CIDRs of one family")
+            .to_string();
+        assert!(
+            err.contains("--cluster-cidr")
+                && err.contains(&format!(
+                    "are both {family}: give at most one CIDR per family"
+                )),
+            "{value}: {err}"
+        );
+    }
+    let err = Cli::command()
+        .try_get_matches_from(["ebpf-proxy", "run", "--cluster-cidr", "10.0.0.0/8,pods"])
+        .expect_err("not a CIDR")
+        .to_string();
+    assert!(
+        err.contains("--cluster-cidr") && err.contains("\"pods\" is not a CIDR"),
+        "{err}"
     );
 }

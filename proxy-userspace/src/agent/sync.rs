@@ -1,6 +1,10 @@
-//! The sync loop: source events become dirty Services, coalesced for
-//! `--min-sync-period` and programmed through the planner. A sync is a
-//! pipeline of steps, each its own function or type:
+//! The sync loop: source events become dirty Services, programmed through
+//! the planner at most once per `--min-sync-period`, as kube-proxy's
+//! `BoundedFrequencyRunner` runs its syncs: a change that finds the last
+//! sync at least that long ago is synced at once; one that comes sooner
+//! waits until that long after the last sync, together with whatever else
+//! comes meanwhile. A sync is a pipeline of steps, each its own function or
+//! type:
 //!
 //! 1. the gate ([`first_sync`]): the first sync waits for the initial
 //!    listings;
@@ -124,8 +128,13 @@ pub struct SyncLoop {
     sctp: SctpWarnings,
     health_checks: HealthChecks,
     min_sync_period: Duration,
-    /// When the coalesced changes are due.
+    /// When the queued changes are due.
     deadline: Option<Instant>,
+    /// When the last sync ran: the next is due `min_sync_period` after it.
+    last_run: Option<Instant>,
+    /// When the oldest change still queued reached the loop: what the
+    /// `synced` line's `event_to_write_us` counts from.
+    first_queued: Option<Instant>,
     retries: Retries,
     sweeper: Sweeper,
     health: Health,
@@ -144,6 +153,8 @@ impl SyncLoop {
             health_checks: HealthChecks::default(),
             min_sync_period,
             deadline: None,
+            last_run: None,
+            first_queued: None,
             retries: Retries::default(),
             sweeper: Sweeper::default(),
             health,
@@ -181,7 +192,8 @@ impl SyncLoop {
     }
 
     /// Records an event in `state`; the Services it changed are synced at
-    /// the end of the coalescing window.
+    /// once when the last sync ran at least `min_sync_period` ago, else that
+    /// long after it ([`Self::due_at`]).
     pub fn on_event(&mut self, state: &mut ClusterState, event: SourceEvent, now: Instant) {
         let starts_first_sync = match &event {
             SourceEvent::Replace { kind, .. } => self.first_sync.listed(*kind),
@@ -202,9 +214,20 @@ impl SyncLoop {
         }
         if !changes.is_empty() {
             self.health.queued_at(now);
+            self.first_queued.get_or_insert(now);
         }
         self.dirty.extend(changes);
-        self.deadline.get_or_insert(now + self.min_sync_period);
+        let due = self.due_at(now);
+        self.deadline.get_or_insert(due);
+    }
+
+    /// When changes queued at `now` are synced: at once when the last sync
+    /// ran at least `min_sync_period` ago (or never), else `min_sync_period`
+    /// after it. A burst is synced at its start and then once a period,
+    /// each sync taking everything that came meanwhile.
+    fn due_at(&self, now: Instant) -> Instant {
+        self.last_run
+            .map_or(now, |last| now.max(last + self.min_sync_period))
     }
 
     /// When [`run`](Self::run) is next due, if anything is to be done.
@@ -237,6 +260,8 @@ impl SyncLoop {
             return FollowUps::default();
         }
         let services = self.due_services(now);
+        let first_queued = self.first_queued.take();
+        self.last_run = Some(now);
         self.sequence += 1;
         let span = info_span!("sync", seq = self.sequence, services = services.len());
         let _enter = span.enter();
@@ -273,6 +298,8 @@ impl SyncLoop {
         }
         // The sweep deletes: everything new is written first.
         self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+        // On the loop's clock, which the events were stamped with.
+        let written = now + started.elapsed();
         tally.add_sweep(self.sweeper.run(now, first, planner, target.store()));
         if first {
             self.first_sync.finish();
@@ -290,6 +317,8 @@ impl SyncLoop {
             frontends = planner.frontend_count(),
             elapsed_us = started.elapsed().as_micros() as u64,
             cpu_us = thread_cpu_time().saturating_sub(cpu_started).as_micros() as u64,
+            event_to_write_us = first_queued
+                .map(|at| written.saturating_duration_since(at).as_micros() as u64),
             "synced"
         );
         follow_ups
@@ -312,7 +341,7 @@ impl SyncLoop {
     }
 
     /// The Services this sync programs: the dirty ones, and those whose
-    /// retry is due. The coalescing window closes.
+    /// retry is due. Nothing is queued any more.
     fn due_services(&mut self, now: Instant) -> BTreeSet<ObjectKey> {
         self.dirty.extend(self.retries.due(now));
         self.deadline = None;

@@ -9,9 +9,9 @@
 //! 1. the gate ([`first_sync`]): the first sync waits for the initial
 //!    listings;
 //! 2. `due_services`: the dirty Services and the retries that are due;
-//! 3. per Service, `program_service` ([`service`]) plans and writes it and
-//!    returns its outcome, which `settle_service` books (retry, metrics).
-//!    Frontends the maps do not have yet are gathered into a
+//! 3. per Service, `desired_frontends` and `plan_service` ([`service`])
+//!    plan and write it and return its outcome, which `settle_service`
+//!    books (retry, metrics). Frontends the maps do not have yet are gathered into a
 //!    `planner::Batch` of up to `BATCH_FRONTENDS` and written a map at a
 //!    time; their Services are booked once it has landed. A Service
 //!    waiting for a retry is written on its own;
@@ -45,7 +45,9 @@ pub use retry::{RETRY_INITIAL, RETRY_MAX, backoff};
 use self::{
     first_sync::FirstSync,
     retry::Retries,
-    service::{HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, program_service},
+    service::{
+        HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, desired_frontends, plan_service,
+    },
     sweep::{Sweeper, Swept},
 };
 use crate::{
@@ -99,6 +101,30 @@ struct Tally {
     failed: usize,
     /// Writes that failed (the kernel's doing, retried).
     write_failures: usize,
+    phases: Phases,
+}
+
+/// Where a sync's time went, for its log line: a first sync's cost is
+/// mostly these (docs/architecture.md, "The first sync's time").
+#[derive(Clone, Copy, Debug, Default)]
+struct Phases {
+    /// The model: each Service's frontends from its objects.
+    model: Duration,
+    /// The planner: backend ids, slot sets, writes, its bookkeeping (and the
+    /// writes to frontends the maps have already, which are not gathered).
+    plan: Duration,
+    /// Writing the batches of new frontends to the maps.
+    write: Duration,
+    /// Booking each Service's outcome: retries, metrics.
+    book: Duration,
+}
+
+/// Adds the time `f` takes to `phase`.
+fn timed<T>(phase: &mut Duration, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = f();
+    *phase += started.elapsed();
+    out
 }
 
 impl Tally {
@@ -274,7 +300,10 @@ impl SyncLoop {
         }
         let mut unsettled = Unsettled::default();
         for key in services {
-            self.health_checks.refresh(state, &key, model);
+            // Looked up once: each lookup is a search of every Service.
+            let service = state.service(&key);
+            self.health_checks
+                .refresh_service(state, &key, service, model);
             // A Service that failed is retried on its own, so that one
             // frontend a full map refuses does not fail a whole batch
             // again and again; the batch goes first, as the update order
@@ -283,14 +312,21 @@ impl SyncLoop {
             if alone {
                 self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
             }
-            let outcome = program_service(
-                &key,
-                state,
-                model,
-                planner,
-                target.store(),
-                (!alone).then_some(&mut unsettled.batch),
-            );
+            let phases = &mut tally.phases;
+            let outcome = match timed(&mut phases.model, || {
+                desired_frontends(&key, service, state, model)
+            }) {
+                Some(desired) => timed(&mut phases.plan, || {
+                    plan_service(
+                        &key,
+                        desired,
+                        planner,
+                        target.store(),
+                        (!alone).then_some(&mut unsettled.batch),
+                    )
+                }),
+                None => ServiceOutcome::Invalid,
+            };
             unsettled.push(key, outcome);
             if unsettled.full() {
                 self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
@@ -319,6 +355,10 @@ impl SyncLoop {
             cpu_us = thread_cpu_time().saturating_sub(cpu_started).as_micros() as u64,
             event_to_write_us = first_queued
                 .map(|at| written.saturating_duration_since(at).as_micros() as u64),
+            model_us = tally.phases.model.as_micros() as u64,
+            plan_us = tally.phases.plan.as_micros() as u64,
+            write_us = tally.phases.write.as_micros() as u64,
+            book_us = tally.phases.book.as_micros() as u64,
             "synced"
         );
         follow_ups
@@ -334,10 +374,15 @@ impl SyncLoop {
         target: &mut T,
         tally: &mut Tally,
     ) {
-        for (key, outcome) in unsettled.settle(planner, target.store()) {
+        let outcomes = timed(&mut tally.phases.write, || {
+            unsettled.settle(planner, target.store())
+        });
+        let started = Instant::now();
+        for (key, outcome) in outcomes {
             self.settle_service(&key, &outcome, state, now);
             tally.add_service(&outcome);
         }
+        tally.phases.book += started.elapsed();
     }
 
     /// The Services this sync programs: the dirty ones, and those whose

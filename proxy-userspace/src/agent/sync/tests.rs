@@ -11,6 +11,7 @@ use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::Endpoin
 use serde_json::{Value, json};
 
 use super::*;
+use super::service::program_service;
 use crate::{
     model::{FrontendKey, Protocol, Scope},
     planner::{MapOp, StoredState, encode},

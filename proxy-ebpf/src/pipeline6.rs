@@ -26,8 +26,9 @@ use proxy_common::{
 use crate::{
     conntrack::now_ns,
     conntrack6::{self, NewFlow6},
-    frag, icmp6_error,
+    frag,
     frontend::{self, Frontend},
+    icmp6_error,
     maps::{count, node_addr6, node_config},
     nat6::Nat6,
     packet::frag::{FIRST, LATER},

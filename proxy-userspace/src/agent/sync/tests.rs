@@ -10,8 +10,8 @@ use std::{
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::{Value, json};
 
-use super::*;
 use super::service::program_service;
+use super::*;
 use crate::{
     model::{FrontendKey, Protocol, Scope},
     planner::{MapOp, StoredState, encode},
@@ -968,6 +968,10 @@ fn a_burst_of_a_thousand_changes_takes_a_few_syncs() {
         [0, 20, 40, 60].map(Duration::from_millis),
         "at the burst's start, then once every 20 ms while it lasts"
     );
-    assert_eq!(agent.served("10.96.0.10"), Some(vec![last]), "the last change is in");
+    assert_eq!(
+        agent.served("10.96.0.10"),
+        Some(vec![last]),
+        "the last change is in"
+    );
     assert_eq!(agent.stat(|s| &s.syncs), runs.len() as u64 + 1);
 }

@@ -26,9 +26,8 @@ use proxy_common::{
 use crate::{
     conntrack::now_ns,
     conntrack6::{self, NewFlow6},
-    frag,
+    frag, icmp6_error,
     frontend::{self, Frontend},
-    icmp6_error,
     maps::{count, node_addr6, node_config},
     nat6::Nat6,
     packet::frag::{FIRST, LATER},

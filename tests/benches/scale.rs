@@ -222,17 +222,17 @@ fn first_sync_cpu(log: &str) -> Option<f64> {
         .map(|us| us as f64 / 1e6)
 }
 
-/// The phases of the agent's first sync: where its time went.
+/// The phases of the agent's first sync: where its time went, in seconds.
 #[derive(Clone, Copy, Debug, Default)]
 struct Phases {
-    /// The model: frontends from the objects, s.
-    model_s: f64,
-    /// The planner: ids, writes, bookkeeping, s.
-    plan_s: f64,
-    /// The batched map writes, s.
-    write_s: f64,
-    /// Booking each Service's outcome, s.
-    book_s: f64,
+    /// The model: frontends from the objects.
+    model: f64,
+    /// The planner: ids, writes, bookkeeping.
+    plan: f64,
+    /// The batched map writes.
+    write: f64,
+    /// Booking each Service's outcome.
+    book: f64,
 }
 
 /// [`Phases`] of the first `synced` line; None from an agent that does not
@@ -241,10 +241,10 @@ fn first_sync_phases(log: &str) -> Option<Phases> {
     let line = synced_lines(log).next()?;
     let s = |field: &str| line[field].as_u64().map(|us| us as f64 / 1e6);
     Some(Phases {
-        model_s: s("model_us")?,
-        plan_s: s("plan_us")?,
-        write_s: s("write_us")?,
-        book_s: s("book_us")?,
+        model: s("model_us")?,
+        plan: s("plan_us")?,
+        write: s("write_us")?,
+        book: s("book_us")?,
     })
 }
 
@@ -708,60 +708,7 @@ fn main() {
             eprintln!("{:?}", rows.last());
         }
 
-        let mut markdown = format!(
-            "The agent on the loopback API server (real kube-rs list and watch), S Services x \
-             {ENDPOINTS} endpoints, one run on this machine. One change: an EndpointSlice \
-             stored in the API server until its frontend's entry in the pinned `SERVICES` \
-             map changes ({changes} changes, one at a time, each 30 ms after the last \
-             was seen; includes the API server's watch and the bench's polling of the map); its event's arrival at the \
-             agent's sync loop until its map writes landed, and the sync's own time \
-             (model, planner, map writes), both from the agent's log. A change that finds \
-             the last sync at least `--min-sync-period` (20 ms) ago is synced at once. Burst: {BURST} Services' slices changed at \
-             once, until the last of them is in the maps. The initial sync's CPU time is \
-             its thread's, with the machine's load average (1 minute) as it ended.\n\n\
-             | Services | start to programmed | initial sync | its CPU time | load | \
-             RSS after sync | peak RSS | \
-             RSS per Service | one change p50 / p99 | event to map write p50 / p99 | \
-             its sync p50 / p99 | burst | burst syncs | \
-             peak after burst | iptables-restore (kube-proxy) |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-        );
-        for r in &rows {
-            markdown.push_str(&format!(
-                "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
-                 {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} s | {} | \
-                 {:.0} MiB | {} |\n",
-                r.services,
-                r.start_to_programmed_s,
-                r.initial_sync_s,
-                r.initial_sync_cpu_s
-                    .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
-                r.load,
-                r.rss_mib,
-                r.hwm_mib,
-                r.rss_mib * 1024.0 / f64::from(r.services),
-                r.change_p50_ms,
-                r.change_p99_ms,
-                r.event_to_write_p50_ms,
-                r.event_to_write_p99_ms,
-                r.change_sync_p50_ms,
-                r.change_sync_p99_ms,
-                r.burst_s,
-                r.burst_syncs,
-                r.burst_hwm_mib,
-                r.iptables_restore_s
-                    .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
-            ));
-        }
-        markdown.push_str(&phases_text(&rows));
-        for (services, cpu) in &in_process {
-            markdown.push_str(&format!(
-                "\nThe same first sync of {services} Services in the bench's own process, on \
-                 maps that write nothing (model, planner and booking, without the kernel's \
-                 writes): {cpu:.2} s of CPU.\n"
-            ));
-        }
-        markdown.push_str(&heap_table(&heaps));
+        let markdown = markdown(changes, &rows, &heaps, &in_process);
         let out = args.out_dir()?;
         write_plot(&out, &rows)?;
         let json = json!({
@@ -774,10 +721,10 @@ fn main() {
                 "initial_sync_s": r.initial_sync_s,
                 "initial_sync_cpu_s": r.initial_sync_cpu_s,
                 "initial_sync_phases_s": r.initial_sync_phases.map(|p| json!({
-                    "model": p.model_s,
-                    "plan": p.plan_s,
-                    "write": p.write_s,
-                    "book": p.book_s,
+                    "model": p.model,
+                    "plan": p.plan,
+                    "write": p.write,
+                    "book": p.book,
                 })),
                 "load_average": r.load,
                 "rss_mib": r.rss_mib,
@@ -810,6 +757,65 @@ fn main() {
     });
 }
 
+/// The results as markdown: the agent's table, the first syncs' phases, the
+/// in-process syncs and the heap per structure.
+fn markdown(changes: u32, rows: &[Row], heaps: &[Heap], in_process: &[(u32, f64)]) -> String {
+    let mut markdown = format!(
+        "The agent on the loopback API server (real kube-rs list and watch), S Services x \
+         {ENDPOINTS} endpoints, one run on this machine. One change: an EndpointSlice \
+         stored in the API server until its frontend's entry in the pinned `SERVICES` \
+         map changes ({changes} changes, one at a time, each 30 ms after the last \
+         was seen; includes the API server's watch and the bench's polling of the map); its event's arrival at the \
+         agent's sync loop until its map writes landed, and the sync's own time \
+         (model, planner, map writes), both from the agent's log. A change that finds \
+         the last sync at least `--min-sync-period` (20 ms) ago is synced at once. Burst: {BURST} Services' slices changed at \
+         once, until the last of them is in the maps. The initial sync's CPU time is \
+         its thread's, with the machine's load average (1 minute) as it ended.\n\n\
+         | Services | start to programmed | initial sync | its CPU time | load | \
+         RSS after sync | peak RSS | \
+         RSS per Service | one change p50 / p99 | event to map write p50 / p99 | \
+         its sync p50 / p99 | burst | burst syncs | \
+         peak after burst | iptables-restore (kube-proxy) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        markdown.push_str(&format!(
+            "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
+             {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} s | {} | \
+             {:.0} MiB | {} |\n",
+            r.services,
+            r.start_to_programmed_s,
+            r.initial_sync_s,
+            r.initial_sync_cpu_s
+                .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
+            r.load,
+            r.rss_mib,
+            r.hwm_mib,
+            r.rss_mib * 1024.0 / f64::from(r.services),
+            r.change_p50_ms,
+            r.change_p99_ms,
+            r.event_to_write_p50_ms,
+            r.event_to_write_p99_ms,
+            r.change_sync_p50_ms,
+            r.change_sync_p99_ms,
+            r.burst_s,
+            r.burst_syncs,
+            r.burst_hwm_mib,
+            r.iptables_restore_s
+                .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
+        ));
+    }
+    markdown.push_str(&phases_text(rows));
+    for (services, cpu) in in_process {
+        markdown.push_str(&format!(
+            "\nThe same first sync of {services} Services in the bench's own process, on \
+             maps that write nothing (model, planner and booking, without the kernel's \
+             writes): {cpu:.2} s of CPU.\n"
+        ));
+    }
+    markdown.push_str(&heap_table(heaps));
+    markdown
+}
 /// A comma-separated list of numbers given to `option`.
 fn numbers(list: &str, option: &str) -> Result<Vec<u32>> {
     list.split(',')
@@ -847,7 +853,7 @@ fn phases_text(rows: &[Row]) -> String {
         }
         text.push_str(&format!(
             "| {} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |\n",
-            r.services, p.model_s, p.plan_s, p.write_s, p.book_s
+            r.services, p.model, p.plan, p.write, p.book
         ));
     }
     text

@@ -189,7 +189,18 @@ impl ClusterState {
         key: &ObjectKey,
         config: &ModelConfig,
     ) -> Result<Vec<Frontend>, ModelError> {
-        let Some(service) = self.services.get(key) else {
+        self.frontends_of(key, self.service(key), config)
+    }
+
+    /// [`Self::frontends_for`] of `service`, the Service of `key` as
+    /// [`Self::service`] gave it: a sync looks it up once for all it reads.
+    pub fn frontends_of(
+        &self,
+        key: &ObjectKey,
+        service: Option<&CompactService>,
+        config: &ModelConfig,
+    ) -> Result<Vec<Frontend>, ModelError> {
+        let Some(service) = service else {
             return Ok(Vec::new());
         };
         service.frontends(&self.slices_for(key), &self.node, config)

@@ -8,7 +8,9 @@
 //! average at the time is reported beside them), resident memory after
 //! the sync and its peak (`VmRSS`, `VmHWM`), one endpoint change from the API
 //! server's store to the frontend's map entry (polled in the pinned
-//! `SERVICES` map) and the sync's own time for it, p50 and p99, and a burst
+//! `SERVICES` map), from its arrival at the agent's sync loop to its map
+//! writes and the sync's own time for it (both from the agent's log), p50
+//! and p99, and a burst
 //! (the endpoints of 1,000 Services changed at once) until every one of them
 //! is in the maps, with the number of syncs it took. Beside them,
 //! `iptables-restore` of kube-proxy's rules for the same Services, at the
@@ -18,13 +20,16 @@
 //! objects decoded, held in the cluster state (Services, then slices), and
 //! programmed by the planner into an in-memory store, each step's live bytes
 //! counted by a counting global allocator, at 10,000 and 100,000 Services
-//! (2,000 with `--quick`): the tables' fill differs with their size.
+//! (2,000 with `--quick`): the tables' fill differs with their size; and at
+//! those sizes the first sync's CPU time in this process on maps that write
+//! nothing, the agent's own share of it apart from the kernel's.
 //!
 //! RSS and the initial sync's time against the number of Services are
 //! plotted into `scale.svg` beside the tables.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench scale -- [--quick] [--out DIR]
-//! [--sizes 1000,10000] [--heap-sizes 10000]` (root).
+//! [--sizes 1000,10000] [--heap-sizes 10000] [--in-process-only]` (root;
+//! `--in-process-only` stops after the in-process measures, writing nothing).
 
 mod common;
 
@@ -52,8 +57,10 @@ use ebpf_proxy_tests::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
 use proxy_userspace::{
+    agent::sync::{SyncLoop, SyncTarget},
+    healthz::Health,
     model::ModelConfig,
-    planner::{Planner, StoredState},
+    planner::{Departed, MapOp, MapStore, Planner, StoredState},
     source::{Kind, Object, ObjectKey, SourceEvent},
     state::ClusterState,
 };
@@ -61,6 +68,9 @@ use serde_json::{Value, json};
 
 const ENDPOINTS: u32 = 10;
 const NAMESPACE: &str = "bench";
+/// Pause after each single change: longer than the agent's
+/// `--min-sync-period` (20 ms), so that each change is an isolated one.
+const ISOLATED: Duration = Duration::from_millis(30);
 /// Services whose endpoints change together in the burst.
 const BURST: u32 = 1_000;
 /// iptables-restore runs only up to this size: at 10,000 Services it already
@@ -177,15 +187,22 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// The `synced` lines of the agent's JSON log, in order: (frontends changed,
-/// elapsed µs).
-fn syncs(log: &str) -> Vec<(u64, u64)> {
+/// One `synced` line of the agent's JSON log.
+struct Synced {
+    frontends_changed: u64,
+    elapsed_us: u64,
+    /// From its oldest change's arrival at the agent's sync loop until its
+    /// writes landed; None from an agent that does not log it.
+    event_to_write_us: Option<u64>,
+}
+
+/// The `synced` lines of the agent's JSON log, in order.
+fn syncs(log: &str) -> Vec<Synced> {
     synced_lines(log)
-        .map(|v| {
-            (
-                v["frontends_changed"].as_u64().unwrap_or(0),
-                v["elapsed_us"].as_u64().unwrap_or(0),
-            )
+        .map(|v| Synced {
+            frontends_changed: v["frontends_changed"].as_u64().unwrap_or(0),
+            elapsed_us: v["elapsed_us"].as_u64().unwrap_or(0),
+            event_to_write_us: v["event_to_write_us"].as_u64(),
         })
         .collect()
 }
@@ -203,6 +220,32 @@ fn first_sync_cpu(log: &str) -> Option<f64> {
         .next()
         .and_then(|v| v["cpu_us"].as_u64())
         .map(|us| us as f64 / 1e6)
+}
+
+/// The phases of the agent's first sync: where its time went, in seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Phases {
+    /// The model: frontends from the objects.
+    model: f64,
+    /// The planner: ids, writes, bookkeeping.
+    plan: f64,
+    /// The batched map writes.
+    write: f64,
+    /// Booking each Service's outcome.
+    book: f64,
+}
+
+/// [`Phases`] of the first `synced` line; None from an agent that does not
+/// log them.
+fn first_sync_phases(log: &str) -> Option<Phases> {
+    let line = synced_lines(log).next()?;
+    let s = |field: &str| line[field].as_u64().map(|us| us as f64 / 1e6);
+    Some(Phases {
+        model: s("model_us")?,
+        plan: s("plan_us")?,
+        write: s("write_us")?,
+        book: s("book_us")?,
+    })
 }
 
 /// The load average over the last minute.
@@ -260,6 +303,7 @@ struct Row {
     start_to_programmed_s: f64,
     initial_sync_s: f64,
     initial_sync_cpu_s: Option<f64>,
+    initial_sync_phases: Option<Phases>,
     /// The load average over the minute before the initial sync ended.
     load: f64,
     rss_mib: f64,
@@ -268,6 +312,10 @@ struct Row {
     change_p99_ms: f64,
     change_sync_p50_ms: f64,
     change_sync_p99_ms: f64,
+    /// A change's arrival at the agent's sync loop until its map writes, from
+    /// the agent's log; NaN from an agent that does not log it.
+    event_to_write_p50_ms: f64,
+    event_to_write_p99_ms: f64,
     burst_s: f64,
     burst_syncs: usize,
     burst_hwm_mib: f64,
@@ -297,8 +345,8 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     // /healthz turns 200 as the sync ends, just before its log line.
     let waited = Instant::now();
     let initial_sync = loop {
-        if let Some((_, us)) = syncs(&agent.log()).first() {
-            break *us as f64 / 1e6;
+        if let Some(first) = syncs(&agent.log()).first() {
+            break first.elapsed_us as f64 / 1e6;
         }
         if waited.elapsed() > Duration::from_secs(30) {
             bail!("no synced line in the agent's log:\n{}", agent.log());
@@ -307,12 +355,13 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     };
     let load = load_average()?;
     let initial_sync_cpu = first_sync_cpu(&agent.log());
+    let phases = first_sync_phases(&agent.log());
     // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
     thread::sleep(Duration::from_secs(2));
     let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;
     let hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     eprintln!(
-        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
+        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}, {phases:?}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
     );
 
     // One change at a time, spread over the Services.
@@ -328,16 +377,30 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         server.apply(slice_json(i, node.name(), 1 + c / services));
         let seen = wait_changed(&map, &[(key, old)], at, Duration::from_secs(10))?;
         latencies.push(seen[0].as_secs_f64() * 1e3);
+        // Isolated changes: the next finds the last sync more than
+        // --min-sync-period ago, as a change on a quiet cluster does.
+        thread::sleep(ISOLATED);
     }
     latencies.sort_by(f64::total_cmp);
-    // Each change's own sync, from the agent's log.
+    // Each change's own sync, and its wait from the event's arrival to its
+    // map writes, from the agent's log.
     thread::sleep(Duration::from_millis(200));
-    let mut change_syncs: Vec<f64> = syncs(&agent.log())[synced_before..]
+    let change_lines: Vec<Synced> = syncs(&agent.log())
+        .into_iter()
+        .skip(synced_before)
+        .filter(|s| s.frontends_changed > 0)
+        .collect();
+    let mut change_syncs: Vec<f64> = change_lines
         .iter()
-        .filter(|(changed, _)| *changed > 0)
-        .map(|(_, us)| *us as f64 / 1e3)
+        .map(|s| s.elapsed_us as f64 / 1e3)
         .collect();
     change_syncs.sort_by(f64::total_cmp);
+    let mut event_to_write: Vec<f64> = change_lines
+        .iter()
+        .filter_map(|s| s.event_to_write_us)
+        .map(|us| us as f64 / 1e3)
+        .collect();
+    event_to_write.sort_by(f64::total_cmp);
 
     // The burst: a rolling update of BURST Services' endpoints.
     let burst = BURST.min(services);
@@ -361,7 +424,7 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     thread::sleep(Duration::from_millis(200));
     let burst_syncs = syncs(&agent.log())[synced_before..]
         .iter()
-        .filter(|(changed, _)| *changed > 0)
+        .filter(|s| s.frontends_changed > 0)
         .count();
     let burst_hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     drop(map);
@@ -397,6 +460,7 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         start_to_programmed_s: start_to_programmed.as_secs_f64(),
         initial_sync_s: initial_sync,
         initial_sync_cpu_s: initial_sync_cpu,
+        initial_sync_phases: phases,
         load,
         rss_mib: rss,
         hwm_mib: hwm,
@@ -404,6 +468,8 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         change_p99_ms: percentile(&latencies, 0.99),
         change_sync_p50_ms: percentile(&change_syncs, 0.5),
         change_sync_p99_ms: percentile(&change_syncs, 0.99),
+        event_to_write_p50_ms: percentile(&event_to_write, 0.5),
+        event_to_write_p99_ms: percentile(&event_to_write, 0.99),
         burst_s: burst_time.as_secs_f64(),
         burst_syncs,
         burst_hwm_mib: burst_hwm,
@@ -442,6 +508,85 @@ fn dropped<T>(value: T) -> (isize, isize) {
     let with = live();
     drop(value);
     sub(with, live())
+}
+
+/// Writes nothing: the sync's own work without the kernel's.
+struct Discard;
+
+impl MapStore for Discard {
+    type Error = std::convert::Infallible;
+    fn apply(&mut self, _: &MapOp) -> Result<(), Self::Error> {
+        Ok(())
+    }
+    fn apply_all(&mut self, _: &[MapOp]) -> Result<(), (usize, Self::Error)> {
+        Ok(())
+    }
+}
+
+impl SyncTarget for Discard {
+    type Store = Discard;
+    fn store(&mut self) -> &mut Discard {
+        self
+    }
+    fn clean_departed(&mut self, _: &[Departed]) {}
+}
+
+/// CPU time of this thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// The agent's first sync of `services` Services in this process, on maps
+/// that write nothing: its CPU time in seconds, the kernel's writes left
+/// out (the model, the planner and the booking of outcomes, which a
+/// loaded machine's figures for the agent do not tell apart).
+fn sync_cpu(services: u32) -> Result<f64> {
+    let node = "node-a";
+    let mut svc_objects = Vec::with_capacity(services as usize);
+    let mut slice_objects = Vec::with_capacity(services as usize);
+    for i in 0..services {
+        let svc: Service = serde_json::from_value(service_json(i))?;
+        let slice: EndpointSlice = serde_json::from_value(slice_json(i, node, 0))?;
+        svc_objects.push(Object::service(svc));
+        slice_objects.push(Object::slice(&slice));
+    }
+    let now = Instant::now();
+    let mut sync = SyncLoop::new(
+        Duration::from_millis(20),
+        Health::new(Duration::from_mins(1)),
+        now,
+    );
+    let mut state = ClusterState::new(node);
+    for (kind, objects) in [
+        (Kind::Service, svc_objects),
+        (Kind::EndpointSlice, slice_objects),
+        (Kind::Node, Vec::new()),
+    ] {
+        sync.on_event(&mut state, SourceEvent::Replace { kind, objects }, now);
+    }
+    let mut planner = Planner::new();
+    let started = thread_cpu();
+    sync.run(
+        now,
+        &state,
+        &ModelConfig::default(),
+        &mut planner,
+        &mut Discard,
+    );
+    let cpu = thread_cpu().saturating_sub(started);
+    if planner.frontend_count() != services as usize {
+        bail!(
+            "the in-process sync programmed {} frontends of {services}",
+            planner.frontend_count()
+        );
+    }
+    Ok(cpu.as_secs_f64())
 }
 
 fn heap_by_structure(services: u32) -> Result<Heap> {
@@ -547,9 +692,15 @@ fn main() {
             None => vec![10_000, 100_000],
         };
         let mut heaps = Vec::new();
+        let mut in_process = Vec::new();
         for &services in &heap_sizes {
             heaps.push(heap_by_structure(services)?);
             eprintln!("heap: {:?}", heaps.last());
+            in_process.push((services, sync_cpu(services)?));
+            eprintln!("in-process first sync: {:?}", in_process.last());
+        }
+        if args.flag("--in-process-only") {
+            return Ok(());
         }
         let mut rows = Vec::new();
         for &services in &sizes {
@@ -557,46 +708,7 @@ fn main() {
             eprintln!("{:?}", rows.last());
         }
 
-        let mut markdown = format!(
-            "The agent on the loopback API server (real kube-rs list and watch), S Services x \
-             {ENDPOINTS} endpoints, one run on this machine. One change: an EndpointSlice \
-             stored in the API server until its frontend's entry in the pinned `SERVICES` \
-             map changes ({changes} changes, one at a time; includes the watch and the \
-             20 ms coalescing window), and the sync's own time (model, planner, map \
-             writes) from the agent's log. Burst: {BURST} Services' slices changed at \
-             once, until the last of them is in the maps. The initial sync's CPU time is \
-             its thread's, with the machine's load average (1 minute) as it ended.\n\n\
-             | Services | start to programmed | initial sync | its CPU time | load | \
-             RSS after sync | peak RSS | \
-             RSS per Service | one change p50 / p99 | its sync p50 / p99 | burst | burst syncs | \
-             peak after burst | iptables-restore (kube-proxy) |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-        );
-        for r in &rows {
-            markdown.push_str(&format!(
-                "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
-                 {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} s | {} | {:.0} MiB | {} |\n",
-                r.services,
-                r.start_to_programmed_s,
-                r.initial_sync_s,
-                r.initial_sync_cpu_s
-                    .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
-                r.load,
-                r.rss_mib,
-                r.hwm_mib,
-                r.rss_mib * 1024.0 / f64::from(r.services),
-                r.change_p50_ms,
-                r.change_p99_ms,
-                r.change_sync_p50_ms,
-                r.change_sync_p99_ms,
-                r.burst_s,
-                r.burst_syncs,
-                r.burst_hwm_mib,
-                r.iptables_restore_s
-                    .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
-            ));
-        }
-        markdown.push_str(&heap_table(&heaps));
+        let markdown = markdown(changes, &rows, &heaps, &in_process);
         let out = args.out_dir()?;
         write_plot(&out, &rows)?;
         let json = json!({
@@ -608,6 +720,12 @@ fn main() {
                 "start_to_programmed_s": r.start_to_programmed_s,
                 "initial_sync_s": r.initial_sync_s,
                 "initial_sync_cpu_s": r.initial_sync_cpu_s,
+                "initial_sync_phases_s": r.initial_sync_phases.map(|p| json!({
+                    "model": p.model,
+                    "plan": p.plan,
+                    "write": p.write,
+                    "book": p.book,
+                })),
                 "load_average": r.load,
                 "rss_mib": r.rss_mib,
                 "peak_rss_mib": r.hwm_mib,
@@ -615,6 +733,8 @@ fn main() {
                 "change_p99_ms": r.change_p99_ms,
                 "change_sync_p50_ms": r.change_sync_p50_ms,
                 "change_sync_p99_ms": r.change_sync_p99_ms,
+                "event_to_write_p50_ms": r.event_to_write_p50_ms,
+                "event_to_write_p99_ms": r.event_to_write_p99_ms,
                 "burst_s": r.burst_s,
                 "burst_syncs": r.burst_syncs,
                 "peak_rss_after_burst_mib": r.burst_hwm_mib,
@@ -628,11 +748,74 @@ fn main() {
                 "planner": h.planner.0,
                 "source_keys": h.source_keys.0,
             })).collect::<Vec<_>>(),
+            "in_process_first_sync_cpu_s": in_process.iter().map(|(services, cpu)| json!({
+                "services": services,
+                "cpu_s": cpu,
+            })).collect::<Vec<_>>(),
         });
         common::write_results(&out, "scale", &markdown, &json)
     });
 }
 
+/// The results as markdown: the agent's table, the first syncs' phases, the
+/// in-process syncs and the heap per structure.
+fn markdown(changes: u32, rows: &[Row], heaps: &[Heap], in_process: &[(u32, f64)]) -> String {
+    let mut markdown = format!(
+        "The agent on the loopback API server (real kube-rs list and watch), S Services x \
+         {ENDPOINTS} endpoints, one run on this machine. One change: an EndpointSlice \
+         stored in the API server until its frontend's entry in the pinned `SERVICES` \
+         map changes ({changes} changes, one at a time, each 30 ms after the last \
+         was seen; includes the API server's watch and the bench's polling of the map); its event's arrival at the \
+         agent's sync loop until its map writes landed, and the sync's own time \
+         (model, planner, map writes), both from the agent's log. A change that finds \
+         the last sync at least `--min-sync-period` (20 ms) ago is synced at once. Burst: {BURST} Services' slices changed at \
+         once, until the last of them is in the maps. The initial sync's CPU time is \
+         its thread's, with the machine's load average (1 minute) as it ended.\n\n\
+         | Services | start to programmed | initial sync | its CPU time | load | \
+         RSS after sync | peak RSS | \
+         RSS per Service | one change p50 / p99 | event to map write p50 / p99 | \
+         its sync p50 / p99 | burst | burst syncs | \
+         peak after burst | iptables-restore (kube-proxy) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        markdown.push_str(&format!(
+            "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
+             {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} s | {} | \
+             {:.0} MiB | {} |\n",
+            r.services,
+            r.start_to_programmed_s,
+            r.initial_sync_s,
+            r.initial_sync_cpu_s
+                .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
+            r.load,
+            r.rss_mib,
+            r.hwm_mib,
+            r.rss_mib * 1024.0 / f64::from(r.services),
+            r.change_p50_ms,
+            r.change_p99_ms,
+            r.event_to_write_p50_ms,
+            r.event_to_write_p99_ms,
+            r.change_sync_p50_ms,
+            r.change_sync_p99_ms,
+            r.burst_s,
+            r.burst_syncs,
+            r.burst_hwm_mib,
+            r.iptables_restore_s
+                .map_or_else(|| "not run".to_owned(), |s| format!("{s:.2} s")),
+        ));
+    }
+    markdown.push_str(&phases_text(rows));
+    for (services, cpu) in in_process {
+        markdown.push_str(&format!(
+            "\nThe same first sync of {services} Services in the bench's own process, on \
+             maps that write nothing (model, planner and booking, without the kernel's \
+             writes): {cpu:.2} s of CPU.\n"
+        ));
+    }
+    markdown.push_str(&heap_table(heaps));
+    markdown
+}
 /// A comma-separated list of numbers given to `option`.
 fn numbers(list: &str, option: &str) -> Result<Vec<u32>> {
     list.split(',')
@@ -651,6 +834,29 @@ fn write_plot(out: &Path, rows: &[Row]) -> Result<()> {
     fs::write(&path, plot(rows)).with_context(|| format!("write {}", path.display()))?;
     eprintln!("wrote {}", path.display());
     Ok(())
+}
+
+/// Where each initial sync's time went, by its phases (wall time, so on a
+/// busy machine each includes its waits for a CPU).
+fn phases_text(rows: &[Row]) -> String {
+    let mut text = String::new();
+    for r in rows {
+        let Some(p) = r.initial_sync_phases else {
+            continue;
+        };
+        if text.is_empty() {
+            text.push_str(
+                "\nWhere the initial sync's time went (wall time of each phase, from the \
+                 agent's log):\n\n| Services | model | planner | map writes | booking |\n\
+                 |---:|---:|---:|---:|---:|\n",
+            );
+        }
+        text.push_str(&format!(
+            "| {} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |\n",
+            r.services, p.model, p.plan, p.write, p.book
+        ));
+    }
+    text
 }
 
 /// The heap per structure, one column per size counted.

@@ -1,13 +1,17 @@
-//! The sync loop: source events become dirty Services, coalesced for
-//! `--min-sync-period` and programmed through the planner. A sync is a
-//! pipeline of steps, each its own function or type:
+//! The sync loop: source events become dirty Services, programmed through
+//! the planner at most once per `--min-sync-period`, as kube-proxy's
+//! `BoundedFrequencyRunner` runs its syncs: a change that finds the last
+//! sync at least that long ago is synced at once; one that comes sooner
+//! waits until that long after the last sync, together with whatever else
+//! comes meanwhile. A sync is a pipeline of steps, each its own function or
+//! type:
 //!
 //! 1. the gate ([`first_sync`]): the first sync waits for the initial
 //!    listings;
 //! 2. `due_services`: the dirty Services and the retries that are due;
-//! 3. per Service, `program_service` ([`service`]) plans and writes it and
-//!    returns its outcome, which `settle_service` books (retry, metrics).
-//!    Frontends the maps do not have yet are gathered into a
+//! 3. per Service, `desired_frontends` and `plan_service` ([`service`])
+//!    plan and write it and return its outcome, which `settle_service`
+//!    books (retry, metrics). Frontends the maps do not have yet are gathered into a
 //!    `planner::Batch` of up to `BATCH_FRONTENDS` and written a map at a
 //!    time; their Services are booked once it has landed. A Service
 //!    waiting for a retry is written on its own;
@@ -41,7 +45,9 @@ pub use retry::{RETRY_INITIAL, RETRY_MAX, backoff};
 use self::{
     first_sync::FirstSync,
     retry::Retries,
-    service::{HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, program_service},
+    service::{
+        HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, desired_frontends, plan_service,
+    },
     sweep::{Sweeper, Swept},
 };
 use crate::{
@@ -95,6 +101,33 @@ struct Tally {
     failed: usize,
     /// Writes that failed (the kernel's doing, retried).
     write_failures: usize,
+    phases: Phases,
+}
+
+/// Where a sync's time went, for its log line. In a first sync at
+/// 100,000 Services the writes were half of it before and are more than
+/// half now: the kernel's inserts of 2.1 million entries, which no change
+/// here makes cheaper; the model's share fell most (docs/architecture.md,
+/// "The first sync's time", has the figures before and after).
+#[derive(Clone, Copy, Debug, Default)]
+struct Phases {
+    /// The model: each Service's frontends from its objects.
+    model: Duration,
+    /// The planner: backend ids, slot sets, writes, its bookkeeping (and the
+    /// writes to frontends the maps have already, which are not gathered).
+    plan: Duration,
+    /// Writing the batches of new frontends to the maps.
+    write: Duration,
+    /// Booking each Service's outcome: retries, metrics.
+    book: Duration,
+}
+
+/// Adds the time `f` takes to `phase`.
+fn timed<T>(phase: &mut Duration, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = f();
+    *phase += started.elapsed();
+    out
 }
 
 impl Tally {
@@ -124,8 +157,13 @@ pub struct SyncLoop {
     sctp: SctpWarnings,
     health_checks: HealthChecks,
     min_sync_period: Duration,
-    /// When the coalesced changes are due.
+    /// When the queued changes are due.
     deadline: Option<Instant>,
+    /// When the last sync ran: the next is due `min_sync_period` after it.
+    last_run: Option<Instant>,
+    /// When the oldest change still queued reached the loop: what the
+    /// `synced` line's `event_to_write_us` counts from.
+    first_queued: Option<Instant>,
     retries: Retries,
     sweeper: Sweeper,
     health: Health,
@@ -144,6 +182,8 @@ impl SyncLoop {
             health_checks: HealthChecks::default(),
             min_sync_period,
             deadline: None,
+            last_run: None,
+            first_queued: None,
             retries: Retries::default(),
             sweeper: Sweeper::default(),
             health,
@@ -181,7 +221,8 @@ impl SyncLoop {
     }
 
     /// Records an event in `state`; the Services it changed are synced at
-    /// the end of the coalescing window.
+    /// once when the last sync ran at least `min_sync_period` ago, else that
+    /// long after it ([`Self::due_at`]).
     pub fn on_event(&mut self, state: &mut ClusterState, event: SourceEvent, now: Instant) {
         let starts_first_sync = match &event {
             SourceEvent::Replace { kind, .. } => self.first_sync.listed(*kind),
@@ -202,9 +243,20 @@ impl SyncLoop {
         }
         if !changes.is_empty() {
             self.health.queued_at(now);
+            self.first_queued.get_or_insert(now);
         }
         self.dirty.extend(changes);
-        self.deadline.get_or_insert(now + self.min_sync_period);
+        let due = self.due_at(now);
+        self.deadline.get_or_insert(due);
+    }
+
+    /// When changes queued at `now` are synced: at once when the last sync
+    /// ran at least `min_sync_period` ago (or never), else `min_sync_period`
+    /// after it. A burst is synced at its start and then once a period,
+    /// each sync taking everything that came meanwhile.
+    fn due_at(&self, now: Instant) -> Instant {
+        self.last_run
+            .map_or(now, |last| now.max(last + self.min_sync_period))
     }
 
     /// When [`run`](Self::run) is next due, if anything is to be done.
@@ -237,6 +289,8 @@ impl SyncLoop {
             return FollowUps::default();
         }
         let services = self.due_services(now);
+        let first_queued = self.first_queued.take();
+        self.last_run = Some(now);
         self.sequence += 1;
         let span = info_span!("sync", seq = self.sequence, services = services.len());
         let _enter = span.enter();
@@ -249,7 +303,10 @@ impl SyncLoop {
         }
         let mut unsettled = Unsettled::default();
         for key in services {
-            self.health_checks.refresh(state, &key, model);
+            // Looked up once: each lookup is a search of every Service.
+            let service = state.service(&key);
+            self.health_checks
+                .refresh_service(state, &key, service, model);
             // A Service that failed is retried on its own, so that one
             // frontend a full map refuses does not fail a whole batch
             // again and again; the batch goes first, as the update order
@@ -258,14 +315,21 @@ impl SyncLoop {
             if alone {
                 self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
             }
-            let outcome = program_service(
-                &key,
-                state,
-                model,
-                planner,
-                target.store(),
-                (!alone).then_some(&mut unsettled.batch),
-            );
+            let phases = &mut tally.phases;
+            let outcome = match timed(&mut phases.model, || {
+                desired_frontends(&key, service, state, model)
+            }) {
+                Some(desired) => timed(&mut phases.plan, || {
+                    plan_service(
+                        &key,
+                        desired,
+                        planner,
+                        target.store(),
+                        (!alone).then_some(&mut unsettled.batch),
+                    )
+                }),
+                None => ServiceOutcome::Invalid,
+            };
             unsettled.push(key, outcome);
             if unsettled.full() {
                 self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
@@ -273,6 +337,8 @@ impl SyncLoop {
         }
         // The sweep deletes: everything new is written first.
         self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+        // On the loop's clock, which the events were stamped with.
+        let written = now + started.elapsed();
         tally.add_sweep(self.sweeper.run(now, first, planner, target.store()));
         if first {
             self.first_sync.finish();
@@ -290,6 +356,12 @@ impl SyncLoop {
             frontends = planner.frontend_count(),
             elapsed_us = started.elapsed().as_micros() as u64,
             cpu_us = thread_cpu_time().saturating_sub(cpu_started).as_micros() as u64,
+            event_to_write_us =
+                first_queued.map(|at| written.saturating_duration_since(at).as_micros() as u64),
+            model_us = tally.phases.model.as_micros() as u64,
+            plan_us = tally.phases.plan.as_micros() as u64,
+            write_us = tally.phases.write.as_micros() as u64,
+            book_us = tally.phases.book.as_micros() as u64,
             "synced"
         );
         follow_ups
@@ -305,14 +377,19 @@ impl SyncLoop {
         target: &mut T,
         tally: &mut Tally,
     ) {
-        for (key, outcome) in unsettled.settle(planner, target.store()) {
+        let outcomes = timed(&mut tally.phases.write, || {
+            unsettled.settle(planner, target.store())
+        });
+        let started = Instant::now();
+        for (key, outcome) in outcomes {
             self.settle_service(&key, &outcome, state, now);
             tally.add_service(&outcome);
         }
+        tally.phases.book += started.elapsed();
     }
 
     /// The Services this sync programs: the dirty ones, and those whose
-    /// retry is due. The coalescing window closes.
+    /// retry is due. Nothing is queued any more.
     fn due_services(&mut self, now: Instant) -> BTreeSet<ObjectKey> {
         self.dirty.extend(self.retries.due(now));
         self.deadline = None;

@@ -80,6 +80,10 @@ struct Tracker {
     seen: BTreeMap<ObjectKey, SystemTime>,
     /// Service ports without a local endpoint, internal and external, by Service.
     no_local: BTreeMap<ObjectKey, (i64, i64)>,
+    /// The sums of `no_local`, kept as it changes: summed again for every
+    /// Service synced, a first sync of many such Services would be
+    /// quadratic.
+    no_local_total: (i64, i64),
 }
 
 /// kube-proxy's sync duration buckets: 1 ms to about 16 s.
@@ -125,6 +129,7 @@ impl Default for ProxyMetrics {
                 triggers: BTreeMap::new(),
                 seen: BTreeMap::new(),
                 no_local: BTreeMap::new(),
+                no_local_total: (0, 0),
             })),
         }
     }
@@ -306,15 +311,16 @@ impl ProxyMetrics {
     ) {
         let counts = service.map_or((0, 0), |s| no_local_endpoints(s, desired));
         let mut tracker = self.tracker();
-        if counts == (0, 0) {
-            tracker.no_local.remove(key);
+        let previous = if counts == (0, 0) {
+            tracker.no_local.remove(key)
         } else {
-            tracker.no_local.insert(key.clone(), counts);
+            tracker.no_local.insert(key.clone(), counts)
         }
-        let (internal, external) = tracker
-            .no_local
-            .values()
-            .fold((0, 0), |(i, e), (si, se)| (i + si, e + se));
+        .unwrap_or((0, 0));
+        let total = &mut tracker.no_local_total;
+        total.0 += counts.0 - previous.0;
+        total.1 += counts.1 - previous.1;
+        let (internal, external) = *total;
         for (policy, value) in [("internal", internal), ("external", external)] {
             self.no_local_endpoints
                 .0
@@ -668,6 +674,12 @@ mod tests {
         let external = service(None, Some("Local"));
         metrics.local_endpoints(&key("lb"), Some(&external), &desired);
         assert_eq!((gauge("internal"), gauge("external")), (2.0, 1.0));
+        metrics.local_endpoints(&key("lb"), Some(&external), &desired);
+        assert_eq!(
+            (gauge("internal"), gauge("external")),
+            (2.0, 1.0),
+            "synced again unchanged: counted once"
+        );
 
         metrics.local_endpoints(&key("web"), None, &[]);
         assert_eq!(

@@ -245,30 +245,31 @@ pub(super) fn frontends(
 }
 
 /// The backends one traffic policy gives, and what to do when there are
-/// none.
-struct PolicySet {
-    backends: Vec<BackendAddr>,
+/// none. Borrowed: each frontend copies the set it uses, and a set no
+/// frontend uses is never copied.
+struct PolicySet<'a> {
+    backends: &'a [BackendAddr],
     no_endpoints: NoEndpointAction,
 }
 
-fn policy_set(sets: &Categorized, local: bool) -> PolicySet {
+fn policy_set(sets: &Categorized, local: bool) -> PolicySet<'_> {
     if !sets.has_any {
         // No usable endpoint anywhere: kube-proxy REJECTs whatever the
         // policy ("has no endpoints").
         return PolicySet {
-            backends: Vec::new(),
+            backends: &[],
             no_endpoints: NoEndpointAction::Reject,
         };
     }
     if local {
         PolicySet {
-            backends: sets.local.clone(),
+            backends: &sets.local,
             // Endpoints exist, just not here: "has no local endpoints", DROP.
             no_endpoints: NoEndpointAction::Drop,
         }
     } else {
         PolicySet {
-            backends: sets.cluster.clone(),
+            backends: &sets.cluster,
             no_endpoints: NoEndpointAction::Reject,
         }
     }
@@ -296,7 +297,7 @@ impl Output {
             key,
             kind,
             service: service.clone(),
-            backends: set.backends.clone(),
+            backends: set.backends.to_vec(),
             // Only meaningful for an empty set; fixed otherwise so that a
             // policy change alone never looks like a frontend change.
             no_endpoints: if set.backends.is_empty() {

@@ -153,14 +153,47 @@ impl BackendAddr {
     pub fn host_port_key(&self) -> [u8; 48] {
         use std::io::Write;
         let mut key = [0u8; 48];
+        let IpAddr::V6(ip) = self.ip else {
+            // IPv4 by hand: the formatter's machinery was most of a first
+            // sync's sorting of 1,000,000 endpoints.
+            let mut at = 0;
+            if let IpAddr::V4(ip) = self.ip {
+                for (i, octet) in ip.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        key[at] = b'.';
+                        at += 1;
+                    }
+                    at = put_decimal(&mut key, at, u32::from(octet));
+                }
+            }
+            key[at] = b':';
+            put_decimal(&mut key, at + 1, u32::from(self.port));
+            return key;
+        };
         let mut rest = &mut key[..];
         // Cannot run out of room: see above.
-        let _ = match self.ip {
-            IpAddr::V4(ip) => write!(rest, "{ip}:{}", self.port),
-            IpAddr::V6(ip) => write!(rest, "[{ip}]:{}", self.port),
-        };
+        let _ = write!(rest, "[{ip}]:{}", self.port);
         key
     }
+}
+
+/// Writes `n` in decimal into `key` at `at`; returns the position after it.
+fn put_decimal(key: &mut [u8; 48], at: usize, n: u32) -> usize {
+    let mut digits = [0u8; 10];
+    let mut len = 0;
+    let mut rest = n;
+    loop {
+        digits[len] = b'0' + (rest % 10) as u8;
+        len += 1;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    for (i, digit) in digits[..len].iter().rev().enumerate() {
+        key[at + i] = *digit;
+    }
+    at + len
 }
 
 /// What the datapath does with a packet to a frontend that has no backends.
@@ -333,6 +366,19 @@ mod tests {
             longest.host_port().as_bytes(),
             "the longest host:port fits"
         );
+        for (ip, port) in [
+            ("0.0.0.0", 0),
+            ("10.0.0.1", 80),
+            ("10.96.100.9", 8080),
+            ("255.255.255.255", 65535),
+            ("1.20.199.0", 10),
+        ] {
+            let addr = BackendAddr::remote(ip.parse().unwrap(), port, Protocol::Tcp);
+            let key = addr.host_port_key();
+            let text = addr.host_port();
+            assert_eq!(&key[..text.len()], text.as_bytes(), "{text}");
+            assert!(key[text.len()..].iter().all(|b| *b == 0), "{text}: padded");
+        }
     }
 
     #[test]

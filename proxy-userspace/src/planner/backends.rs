@@ -31,16 +31,30 @@ pub(super) struct Backends {
     by_backend: HashTable<u32>,
     /// Positions in `entries`, found by id.
     by_id: HashTable<u32>,
+    /// No id above this was ever held: ids are handed out in increasing
+    /// order, so a new one is known to be free without a probe.
+    highest_id: u32,
     hasher: DefaultHashBuilder,
 }
+
+/// A backend's hash, from [`Backends::find`], for [`Backends::insert_new`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BackendHash(u64);
 
 impl Backends {
     /// The id of `backend`, if it has one.
     pub(super) fn id_of(&self, backend: &Backend) -> Option<u32> {
+        self.find(backend).0
+    }
+
+    /// [`Self::id_of`], and the backend's hash for [`Self::insert_new`].
+    pub(super) fn find(&self, backend: &Backend) -> (Option<u32>, BackendHash) {
         let hash = hash_backend(&self.hasher, backend);
-        self.by_backend
+        let id = self
+            .by_backend
             .find(hash, |&at| self.entries[at as usize].backend == *backend)
-            .map(|&at| self.entries[at as usize].id)
+            .map(|&at| self.entries[at as usize].id);
+        (id, BackendHash(hash))
     }
 
     /// The backend with id `id`, if any.
@@ -51,7 +65,7 @@ impl Backends {
 
     /// Whether any backend has id `id`.
     pub(super) fn has_id(&self, id: u32) -> bool {
-        self.position_of(id).is_some()
+        id <= self.highest_id && self.position_of(id).is_some()
     }
 
     /// Number of ids held.
@@ -66,6 +80,31 @@ impl Backends {
         if id == 0 || self.has_id(id) {
             return;
         }
+        let at = self.push(id, backend);
+        let hash = hash_backend(&self.hasher, &backend);
+        let entries = &self.entries;
+        if self
+            .by_backend
+            .find(hash, |&p| entries[p as usize].backend == backend)
+            .is_none()
+        {
+            self.index_by_backend(at, hash);
+        }
+    }
+
+    /// [`Self::insert`] of a backend [`Self::find`] did not find (with the
+    /// hash it gave), under an id [`Self::has_id`] says is free, nothing
+    /// inserted since: one probe of each table where `insert` takes two.
+    /// Every backend of a first sync comes this way.
+    pub(super) fn insert_new(&mut self, id: u32, backend: Backend, hash: BackendHash) {
+        debug_assert!(id != 0 && !self.has_id(id), "id {id} is held");
+        debug_assert_eq!(self.find(&backend), (None, hash), "backend is held");
+        let at = self.push(id, backend);
+        self.index_by_backend(at, hash.0);
+    }
+
+    /// A new entry, found by id: its position.
+    fn push(&mut self, id: u32, backend: Backend) -> u32 {
         let entry = Entry {
             backend,
             id,
@@ -78,21 +117,21 @@ impl Backends {
             self.entries.push(entry);
             (self.entries.len() - 1) as u32
         };
+        self.highest_id = self.highest_id.max(id);
         let entries = &self.entries;
         let hasher = &self.hasher;
         self.by_id.insert_unique(hasher.hash_one(id), at, |&p| {
             hasher.hash_one(entries[p as usize].id)
         });
-        let hash = hash_backend(hasher, &backend);
-        if self
-            .by_backend
-            .find(hash, |&p| entries[p as usize].backend == backend)
-            .is_none()
-        {
-            self.by_backend.insert_unique(hash, at, |&p| {
-                hash_backend(hasher, &entries[p as usize].backend)
-            });
-        }
+        at
+    }
+
+    fn index_by_backend(&mut self, at: u32, hash: u64) {
+        let entries = &self.entries;
+        let hasher = &self.hasher;
+        self.by_backend.insert_unique(hash, at, |&p| {
+            hash_backend(hasher, &entries[p as usize].backend)
+        });
     }
 
     /// One more slot points at `id`.
@@ -134,7 +173,7 @@ impl Backends {
     }
 
     fn position_of(&self, id: u32) -> Option<u32> {
-        if id == 0 {
+        if id == 0 || id > self.highest_id {
             return None;
         }
         self.by_id

@@ -25,7 +25,10 @@ use hashbrown::HashMap;
 pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
-use self::{backends::Backends, batch::Unlanded};
+use self::{
+    backends::{BackendHash, Backends},
+    batch::Unlanded,
+};
 use crate::{
     model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, Scope, ServicePortName},
     source::ObjectKey,
@@ -560,19 +563,23 @@ impl Planner {
 
     /// The id of each backend in slot order: existing ones are reused; new
     /// ones (returned apart) are tentative until the plan is committed.
-    fn backend_ids(&mut self, fe: &Frontend) -> (Vec<u32>, Vec<(u32, Backend)>) {
+    fn backend_ids(&mut self, fe: &Frontend) -> (Vec<u32>, Vec<Fresh>) {
         let mut ids = Vec::with_capacity(fe.backends.len());
-        let mut fresh: Vec<(u32, Backend)> = Vec::new();
+        let mut fresh: Vec<Fresh> = Vec::new();
         for b in &fe.backends {
             let enc = encode::backend(b);
-            let id = match self.backends.id_of(&enc) {
-                Some(id) => id,
-                None => {
-                    if let Some((id, _)) = fresh.iter().find(|(_, f)| *f == enc) {
-                        *id
+            let id = match self.backends.find(&enc) {
+                (Some(id), _) => id,
+                (None, hash) => {
+                    if let Some(f) = fresh.iter().find(|f| f.backend == enc) {
+                        f.id
                     } else {
                         let id = self.alloc_backend_id(&fresh);
-                        fresh.push((id, enc));
+                        fresh.push(Fresh {
+                            id,
+                            backend: enc,
+                            hash,
+                        });
                         id
                     }
                 }
@@ -602,7 +609,7 @@ impl Planner {
         prev: Option<&Applied>,
         service_id: u32,
         ids: Vec<u32>,
-        fresh: Vec<(u32, Backend)>,
+        fresh: Vec<Fresh>,
     ) -> FrontendPlan {
         let key = encode::service_key(&fe.key);
         let ranges: BTreeSet<SourceRangeEntry> = fe
@@ -630,9 +637,9 @@ impl Planner {
                 .map(|entry| MapOp::PutSourceRange { entry: *entry }),
         );
         let mut cleanup: Vec<MapOp> = Vec::new();
-        writes.extend(fresh.iter().map(|(id, backend)| MapOp::PutBackend {
-            id: *id,
-            backend: *backend,
+        writes.extend(fresh.iter().map(|f| MapOp::PutBackend {
+            id: f.id,
+            backend: f.backend,
         }));
         let mut new_slot_set = None;
         match prev {
@@ -716,8 +723,8 @@ impl Planner {
             mut cleanup,
             new_slot_set,
         } = plan;
-        for (id, backend) in &fresh {
-            self.backends.insert(*id, *backend);
+        for f in &fresh {
+            self.backends.insert_new(f.id, f.backend, f.hash);
         }
         for id in &ids {
             self.backends.acquire(*id);
@@ -866,11 +873,11 @@ impl Planner {
         }
     }
 
-    fn alloc_backend_id(&mut self, fresh: &[(u32, Backend)]) -> u32 {
+    fn alloc_backend_id(&mut self, fresh: &[Fresh]) -> u32 {
         loop {
             let id = self.next_backend_id;
             self.next_backend_id = self.next_backend_id.checked_add(1).unwrap_or(1);
-            if id != 0 && !self.backends.has_id(id) && !fresh.iter().any(|(f, _)| *f == id) {
+            if id != 0 && !self.backends.has_id(id) && !fresh.iter().any(|f| f.id == id) {
                 return id;
             }
         }
@@ -904,7 +911,7 @@ struct FrontendPlan {
     /// Backend id of each slot.
     ids: Vec<u32>,
     /// Backends that get a new id (and a `BACKENDS` entry) with this plan.
-    fresh: Vec<(u32, Backend)>,
+    fresh: Vec<Fresh>,
     ranges: BTreeSet<SourceRangeEntry>,
     /// Up to and including the flip of the service entry.
     writes: Vec<MapOp>,
@@ -912,6 +919,13 @@ struct FrontendPlan {
     cleanup: Vec<MapOp>,
     /// A slot set taken for this plan, given back if the writes fail.
     new_slot_set: Option<u32>,
+}
+
+/// A backend no id is held for: the id it gets with the plan.
+struct Fresh {
+    id: u32,
+    backend: Backend,
+    hash: BackendHash,
 }
 
 fn service_flags_of(fe: &Frontend, has_source_ranges: bool) -> u32 {

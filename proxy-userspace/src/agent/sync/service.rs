@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, warn};
 
 use crate::{
-    model::{Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
+    model::{CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
     planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,
@@ -62,7 +62,9 @@ impl<E: std::error::Error + 'static> ServiceOutcome<E> {
 
 /// Makes the maps hold what the model says `key` should have; with a
 /// `batch`, its new frontends are there once the batch is flushed
-/// (`Planner::sync_service_batched`).
+/// (`Planner::sync_service_batched`). The loop takes the two steps apart,
+/// to time each.
+#[cfg(test)]
 pub(super) fn program_service<S: crate::planner::MapStore>(
     key: &ObjectKey,
     state: &ClusterState,
@@ -71,13 +73,34 @@ pub(super) fn program_service<S: crate::planner::MapStore>(
     store: &mut S,
     batch: Option<&mut Batch<S::Error>>,
 ) -> ServiceOutcome<S::Error> {
-    let desired = match state.frontends_for(key, model) {
-        Ok(desired) => desired,
-        Err(e) => {
-            error!(service = %key, error = %e, "service skipped");
-            return ServiceOutcome::Invalid;
-        }
-    };
+    match desired_frontends(key, state.service(key), state, model) {
+        Some(desired) => plan_service(key, desired, planner, store, batch),
+        None => ServiceOutcome::Invalid,
+    }
+}
+
+/// The model's frontends of `key`, whose Service in `state` is `service`;
+/// None when its objects make none.
+pub(super) fn desired_frontends(
+    key: &ObjectKey,
+    service: Option<&CompactService>,
+    state: &ClusterState,
+    model: &ModelConfig,
+) -> Option<Vec<Frontend>> {
+    state
+        .frontends_of(key, service, model)
+        .inspect_err(|e| error!(service = %key, error = %e, "service skipped"))
+        .ok()
+}
+
+/// [`program_service`] once the model has given `desired`.
+pub(super) fn plan_service<S: crate::planner::MapStore>(
+    key: &ObjectKey,
+    desired: Vec<Frontend>,
+    planner: &mut Planner,
+    store: &mut S,
+    batch: Option<&mut Batch<S::Error>>,
+) -> ServiceOutcome<S::Error> {
     let planned = match batch {
         Some(batch) => planner.sync_service_batched(key, &desired, store, batch),
         None => planner.sync_service(key, &desired, store),
@@ -127,8 +150,20 @@ pub(super) struct HealthChecks {
 impl HealthChecks {
     /// Reads `key`'s health check again. A Service whose objects make no
     /// valid health check keeps the one it had.
+    #[cfg(test)]
     pub fn refresh(&mut self, state: &ClusterState, key: &ObjectKey, config: &ModelConfig) {
-        let check = match state.service(key) {
+        self.refresh_service(state, key, state.service(key), config);
+    }
+
+    /// [`Self::refresh`] with `service`, the Service of `key` in `state`.
+    pub fn refresh_service(
+        &mut self,
+        state: &ClusterState,
+        key: &ObjectKey,
+        service: Option<&CompactService>,
+        config: &ModelConfig,
+    ) {
+        let check = match service {
             // Only a LoadBalancer has one: its slices need not be looked up.
             Some(service) if !service.is_load_balancer() => None,
             None => None,

@@ -10,6 +10,7 @@ use std::{
 use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::{Value, json};
 
+use super::service::program_service;
 use super::*;
 use crate::{
     model::{FrontendKey, Protocol, Scope},
@@ -290,7 +291,7 @@ fn a_failed_write_stays_pending_and_lands_on_the_loops_own_timer() {
     let retries: Vec<Duration> = agent
         .runs
         .iter()
-        .filter(|t| **t > queued)
+        .filter(|t| **t >= queued)
         .collect::<Vec<_>>()
         .windows(2)
         .map(|w| w[1].duration_since(*w[0]))
@@ -883,4 +884,94 @@ fn the_first_sync_writes_new_frontends_a_map_at_a_time() {
         "50 frontends' 201 entries in three writes (backends, slots, service entries), \
          not three per frontend"
     );
+}
+
+/// `web`'s slice with ready endpoints at `ips`.
+fn web_at(ips: &[&str]) -> SourceEvent {
+    let ips: Vec<(&str, Option<&str>)> = ips.iter().map(|ip| (*ip, None)).collect();
+    SourceEvent::Apply(slice("web-1", "web", &ips))
+}
+
+const MIN_SYNC_PERIOD: Duration = Duration::from_millis(20);
+
+#[test]
+fn an_isolated_change_is_synced_at_once() {
+    let mut agent = Agent::fresh().listed();
+    assert_eq!(agent.sync.wakeup(), None, "nothing queued once listed");
+    let synced = agent.runs.len();
+    let at = agent.now;
+    agent.event(web_at(&["10.0.0.1", "10.0.0.3"]));
+    assert_eq!(
+        agent.sync.wakeup(),
+        Some(at),
+        "the last sync was long ago: no window to wait for"
+    );
+    agent.advance(Duration::ZERO);
+    assert_eq!(agent.runs[synced..], [at], "one sync, when the event came");
+    assert_eq!(
+        agent.served("10.96.0.10"),
+        Some(vec!["10.0.0.1".into(), "10.0.0.3".into()])
+    );
+}
+
+#[test]
+fn a_change_within_the_period_waits_until_the_period_after_the_last_sync() {
+    let mut agent = Agent::fresh().listed();
+    let synced = agent.runs.len();
+    let first = agent.now;
+    agent.event(web_at(&["10.0.0.1", "10.0.0.3"]));
+    agent.advance(Duration::from_millis(5));
+    agent.event(web_at(&["10.0.0.4"]));
+    assert_eq!(
+        agent.sync.wakeup(),
+        Some(first + MIN_SYNC_PERIOD),
+        "5 ms after a sync: due once the period since it is over"
+    );
+    agent.advance(Duration::from_millis(10));
+    assert_eq!(agent.runs.len(), synced + 1, "still waiting 15 ms after");
+    assert_eq!(agent.served("10.96.0.10").map(|b| b.len()), Some(2));
+    agent.advance(Duration::from_millis(10));
+    assert_eq!(
+        agent.runs[synced..],
+        [first, first + MIN_SYNC_PERIOD],
+        "the second change synced at the end of the period"
+    );
+    assert_eq!(agent.served("10.96.0.10"), Some(vec!["10.0.0.4".into()]));
+
+    // Long after the last sync, the next change goes at once again.
+    agent.advance(Duration::from_millis(100));
+    let at = agent.now;
+    agent.event(web_at(&["10.0.0.5"]));
+    agent.advance(Duration::ZERO);
+    assert_eq!(agent.runs.last(), Some(&at), "synced when it came");
+}
+
+#[test]
+fn a_burst_of_a_thousand_changes_takes_a_few_syncs() {
+    let mut agent = Agent::fresh().listed();
+    let synced = agent.runs.len();
+    let started = agent.now;
+    // 1,000 changes of one Service's endpoints, one every 50 µs: 50 ms.
+    let mut last = String::new();
+    for i in 0..1000 {
+        last = format!("10.0.{}.{}", i / 250, i % 250 + 1);
+        agent.event(web_at(&[&last]));
+        agent.advance(Duration::from_micros(50));
+    }
+    agent.advance(Duration::from_secs(1));
+    let runs: Vec<Duration> = agent.runs[synced..]
+        .iter()
+        .map(|at| at.duration_since(started))
+        .collect();
+    assert_eq!(
+        runs,
+        [0, 20, 40, 60].map(Duration::from_millis),
+        "at the burst's start, then once every 20 ms while it lasts"
+    );
+    assert_eq!(
+        agent.served("10.96.0.10"),
+        Some(vec![last]),
+        "the last change is in"
+    );
+    assert_eq!(agent.stat(|s| &s.syncs), runs.len() as u64 + 1);
 }

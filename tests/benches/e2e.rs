@@ -66,7 +66,7 @@ use ebpf_proxy_tests::{
     manifest::{ManifestDir, Service},
     nftables, require_root,
     servers::PooledBackend,
-    topology::{NODE_IP, Topology},
+    topology::{NODE_IP, NODE_IP6, Topology, add_node_ip6},
 };
 use serde_json::json;
 
@@ -292,10 +292,6 @@ fn vip6(i: u32) -> Ipv6Addr {
     Ipv6Addr::from(u128::from(CLUSTER_IP6) + u128::from(i))
 }
 
-/// The node's global IPv6 address (on its loopback, as [`NODE_IP`] is): the source
-/// of its IPv6 connections.
-const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
-
 /// Endpoints of the Services nobody talks to.
 fn filler_endpoint(service: u32, k: u32) -> Ipv4Addr {
     one_node::filler_endpoint(service, ENDPOINTS, k)
@@ -451,16 +447,7 @@ impl World {
         }
         node.ip(&["-6", "route", "add", "fd00:96::/64", "dev", "svc0"])
             .context("a route for the IPv6 service CIDR")?;
-        node.ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{NODE_IP6}/128"),
-            "dev",
-            "lo",
-            "nodad",
-        ])
-        .context("the node's IPv6 address")?;
+        add_node_ip6(node).context("the node's IPv6 address")?;
         let started = Instant::now();
         match mode {
             Mode::Direct => {}

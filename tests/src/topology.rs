@@ -31,6 +31,25 @@ pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
 /// of anything it sends itself.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
 
+/// The node's IPv6 address, for the tests that give the node one ([`add_node_ip6`]):
+/// `--node-ip`'s IPv6 half, the source of its SNAT and hairpin over IPv6.
+pub const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
+
+/// Puts [`NODE_IP6`] on `node`'s loopback, usable at once (no duplicate address
+/// detection), as `NODE_IP` is.
+pub fn add_node_ip6(node: &NetNs) -> Result<()> {
+    node.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{NODE_IP6}/128"),
+        "dev",
+        "lo",
+        "nodad",
+    ])
+    .map(drop)
+}
+
 /// The pods' IPv6 default gateway, owned by the node's end of every pod's veth.
 pub const GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 

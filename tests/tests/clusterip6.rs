@@ -27,6 +27,7 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
     topology::{
+        NODE_IP6, add_node_ip6,
         one_node::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_ips,
             backend_ips6, backend_names, dns, dns6, http, http6, web_service,
@@ -244,10 +245,6 @@ fn ipv6_fragmented_udp_is_translated_both_ways() {
     );
 }
 
-/// The node's global IPv6 address, on its loopback: a real node has one, and it
-/// is the source of the ICMPv6 errors its netfilter sends.
-const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
-
 /// An IPv6 Service without endpoints is refused at once, as kube-proxy's
 /// ip6tables rules refuse it: the same Service behind them (its filter table's
 /// `-j REJECT`, which answers ICMPv6 port unreachable), on another VIP, from
@@ -264,16 +261,7 @@ fn ipv6_service_without_endpoints_is_refused_at_once_as_ip6tables_refuses_it() {
         .expect("write manifest");
     sb.start_agent_on_manifests().expect("start the agent");
     let node = &sb.topology().node;
-    node.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{NODE_IP6}/128"),
-        "dev",
-        "lo",
-        "nodad",
-    ])
-    .expect("the node's IPv6 address");
+    add_node_ip6(node).expect("the node's IPv6 address");
     // A real node routes the service CIDR somewhere (its default route): without a
     // route, a packet to a ClusterIP that nothing translates is refused by routing
     // ("no route") before the filter table's FORWARD chain sees it. Not through
@@ -707,7 +695,7 @@ fn ipv6_path_mtu_discovery_works_through_the_cluster_ip() {
 /// other pod through the same Service keeps its own source address.
 #[test]
 fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address() {
-    let node_ip6 = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
+    let node_ip6 = NODE_IP6;
     let (own, own_ip) = BACKENDS[0];
     let (other, other_ip) = BACKENDS[1];
     let own6 = pod_ip6(own_ip);

@@ -10,7 +10,7 @@
 //! in parallel; everything is removed on drop, also when a test fails.
 
 use std::{
-    net::{Ipv4Addr, Ipv6Addr},
+    net::Ipv4Addr,
     thread,
     time::{Duration, Instant},
 };
@@ -21,7 +21,7 @@ use ebpf_proxy_tests::{
     require_root,
     sandbox::Sandbox,
     topology::{
-        NODE_IP,
+        NODE_IP, add_node_ip6,
         one_node::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, UDP_PORT, backend_ips,
             backend_ips6, backend_names, dns, dns6, http, http6, web_service,
@@ -35,9 +35,6 @@ const NO_IPV6: &str = "this node has no IPv6 address";
 const NO_IPV4: &str = "this node has no IPv4 address";
 /// What it logs when the node has addresses of both families again.
 const BOTH: &str = "this node has addresses of both families now";
-
-/// The node's global IPv6 address, added during a test.
-const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
 
 /// A sandbox with the dual-stack `test/web` (every backend in both slices), `ready`
 /// run on its node before the agent starts.
@@ -168,18 +165,7 @@ fn a_node_without_an_ipv6_address_serves_ipv6_services_and_says_so_once() {
         sb.agent().log()
     );
 
-    sb.topology()
-        .node
-        .ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{NODE_IP6}/128"),
-            "dev",
-            "lo",
-            "nodad",
-        ])
-        .expect("the node's IPv6 address");
+    add_node_ip6(&sb.topology().node).expect("the node's IPv6 address");
     wait_logged(&sb, BOTH, 1, Duration::from_secs(5));
     assert_eq!(logged(&sb, NO_IPV6), 1, "said again after the address came");
     served(
@@ -199,16 +185,7 @@ fn a_node_without_an_ipv4_address_serves_ipv4_services_and_says_so_once() {
     let sb = dual_stack_sandbox(|node| {
         node.ip(&["addr", "del", &format!("{NODE_IP}/32"), "dev", "lo"])
             .expect("remove the node's IPv4 address");
-        node.ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{NODE_IP6}/128"),
-            "dev",
-            "lo",
-            "nodad",
-        ])
-        .expect("the node's IPv6 address");
+        add_node_ip6(node).expect("the node's IPv6 address");
     });
     assert_eq!(
         global_addresses(&sb.topology().node, "-4").trim(),

@@ -26,7 +26,7 @@ use ebpf_proxy_tests::{
     require_root,
     sandbox::Sandbox,
     topology::{
-        NODE_IP,
+        NODE_IP, NODE_IP6, add_node_ip6,
         one_node::{
             BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
             UDP_SERVICE_PORT, backend_ips, backend_ips6, backend_names, web_service,
@@ -35,28 +35,13 @@ use ebpf_proxy_tests::{
     },
 };
 
-/// The node's global IPv6 address, on its loopback as [`NODE_IP`] is: the source of
-/// its IPv6 connections and the address the agent takes as the node's.
-const NODE_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 1);
-
 /// A sandbox with `manifests` written, the node holding [`NODE_IP6`], and the agent
 /// running with its socket hooks on a cgroup of the test's own, returned with the
 /// cgroup.
 fn hooked_sandbox(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
     require_root().expect("privileged test");
     let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    sb.topology()
-        .node
-        .ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{NODE_IP6}/128"),
-            "dev",
-            "lo",
-            "nodad",
-        ])
-        .expect("the node's IPv6 address");
+    add_node_ip6(&sb.topology().node).expect("the node's IPv6 address");
     for (name, yaml) in manifests {
         sb.manifests().write(name, yaml).expect("write manifest");
     }

@@ -213,12 +213,18 @@ fn synced_lines(log: &str) -> impl Iterator<Item = Value> + '_ {
         .filter(|v| v["message"] == "synced")
 }
 
-/// The CPU time of the agent's first sync, in seconds; None from an agent
-/// that does not log it (an older build, as a baseline).
+/// The CPU time of the agent's first sync, in seconds: all its threads',
+/// as the batches' writes have a thread of their own; the sync thread's
+/// from an agent that logs only that, None from one that logs neither (an
+/// older build, as a baseline).
 fn first_sync_cpu(log: &str) -> Option<f64> {
     synced_lines(log)
         .next()
-        .and_then(|v| v["cpu_us"].as_u64())
+        .and_then(|v| {
+            v["process_cpu_us"]
+                .as_u64()
+                .or_else(|| v["cpu_us"].as_u64())
+        })
         .map(|us| us as f64 / 1e6)
 }
 
@@ -770,7 +776,8 @@ fn markdown(changes: u32, rows: &[Row], heaps: &[Heap], in_process: &[(u32, f64)
          (model, planner, map writes), both from the agent's log. A change that finds \
          the last sync at least `--min-sync-period` (20 ms) ago is synced at once. Burst: {BURST} Services' slices changed at \
          once, until the last of them is in the maps. The initial sync's CPU time is \
-         its thread's, with the machine's load average (1 minute) as it ended.\n\n\
+         the agent's (every thread: its batches are written on one of their own while the \
+         next is planned), with the machine's load average (1 minute) as it ended.\n\n\
          | Services | start to programmed | initial sync | its CPU time | load | \
          RSS after sync | peak RSS | \
          RSS per Service | one change p50 / p99 | event to map write p50 / p99 | \

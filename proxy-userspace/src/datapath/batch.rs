@@ -5,13 +5,14 @@
 //! reap period, taken from the traffic it serves. In chunks it is a few
 //! dozen calls.
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use aya::maps::MapData;
 use bytemuck::Pod;
 
 use super::sys;
 
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
@@ -179,15 +180,29 @@ pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
     Ok(deleted)
 }
 
-/// Writes `keys[i]` → `values[i]` into the hash map `map` in one call
-/// (`BPF_MAP_UPDATE_BATCH`), in order. On a failure, how many were written
-/// before it: those, and only those, are in the map.
+/// The element member of `union bpf_attr`, for `BPF_MAP_UPDATE_ELEM`.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// Writes `keys[i]` → `values[i]` into the hash map behind `fd` in one call
+/// (`BPF_MAP_UPDATE_BATCH`), in order; one call per entry on a kernel
+/// without batched writes (before 5.6). On a failure, how many were written
+/// before it: those, and only those, are in the map. Takes a descriptor
+/// rather than aya's map so that a thread of its own can write (see
+/// `write_behind`).
 pub fn update<K: Pod, V: Pod>(
-    map: &MapData,
+    fd: BorrowedFd<'_>,
     keys: &[K],
     values: &[V],
 ) -> Result<(), (usize, BatchError)> {
-    let fd = fd_of(map);
+    let fd = fd.as_raw_fd() as u32;
     let n = keys.len().min(values.len());
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
@@ -198,15 +213,36 @@ pub fn update<K: Pod, V: Pod>(
     };
     // SAFETY: `keys` and `values` hold `count` keys and values of the map's
     // types, and the kernel only reads them.
-    match unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
-        Ok(_) => Ok(()),
-        Err(source) => Err((
-            (attr.count as usize).min(n),
-            BatchError::Syscall {
-                op: "BPF_MAP_UPDATE_BATCH",
-                fd,
-                source,
-            },
-        )),
+    let Err(source) = (unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) }) else {
+        return Ok(());
+    };
+    let landed = (attr.count as usize).min(n);
+    let error = BatchError::Syscall {
+        op: "BPF_MAP_UPDATE_BATCH",
+        fd,
+        source,
+    };
+    if landed != 0 || !error.unsupported() {
+        return Err((landed, error));
     }
+    for (i, (key, value)) in keys.iter().zip(values).enumerate() {
+        let mut attr = ElemAttr {
+            map_fd: fd,
+            key: std::ptr::from_ref(key) as u64,
+            value: std::ptr::from_ref(value) as u64,
+            ..Default::default()
+        };
+        // SAFETY: `key` and `value` are a key and a value of the map's types.
+        unsafe { sys::bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }.map_err(|source| {
+            (
+                i,
+                BatchError::Syscall {
+                    op: "BPF_MAP_UPDATE_ELEM",
+                    fd,
+                    source,
+                },
+            )
+        })?;
+    }
+    Ok(())
 }

@@ -15,8 +15,18 @@ use proxy_common::{
     ip_summed, map_names, sock_counter,
 };
 
-use super::pins::PinLayout;
-use crate::planner::{MapOp, MapStore, node::NodeState};
+use std::{
+    os::fd::{AsFd, BorrowedFd},
+    sync::Arc,
+};
+
+use super::{
+    pins::PinLayout,
+    write_behind::{self, RunWriter},
+};
+use crate::planner::{
+    Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, node::NodeState,
+};
 
 /// Why a map could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -73,59 +83,13 @@ fn batched_run(ops: &[MapOp]) -> usize {
 }
 
 impl Maps {
-    /// Writes a run [`batched_run`] found in one call; on a failure, how
-    /// many of it landed. A kernel without batched writes (before 5.6)
-    /// gets them one by one.
-    fn write_run(&mut self, run: &[MapOp]) -> Result<(), (usize, MapsError)> {
+    /// The descriptors a batch's runs are written through.
+    fn run_writer(&self) -> RunWriter<BorrowedFd<'_>> {
         use aya::maps::IterableMap;
-        let result = if let MapOp::PutBackend { .. } = &run[0] {
-            let (ids, backends): (Vec<u32>, Vec<Backend>) = run
-                .iter()
-                .filter_map(|op| match op {
-                    MapOp::PutBackend { id, backend } => Some((*id, *backend)),
-                    _ => None,
-                })
-                .unzip();
-            super::batch::update(self.backends.map(), &ids, &backends)
-        } else if let MapOp::PutService { .. } = &run[0] {
-            let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = run
-                .iter()
-                .filter_map(|op| match op {
-                    MapOp::PutService { key, value } => Some((*key, *value)),
-                    _ => None,
-                })
-                .unzip();
-            super::batch::update(self.services.map(), &keys, &values)
-        } else {
-            let (keys, slots): (Vec<BackendSlotKey>, Vec<BackendSlot>) = run
-                .iter()
-                .filter_map(|op| match op {
-                    MapOp::PutSlot { key, backend_id } => Some((
-                        *key,
-                        BackendSlot {
-                            backend_id: *backend_id,
-                        },
-                    )),
-                    _ => None,
-                })
-                .unzip();
-            super::batch::update(self.slots.map(), &keys, &slots)
-        };
-        match result {
-            Ok(()) => Ok(()),
-            Err((0, e)) if e.unsupported() => {
-                for (landed, op) in run.iter().enumerate() {
-                    self.apply(op).map_err(|e| (landed, e))?;
-                }
-                Ok(())
-            }
-            Err((landed, source)) => Err((
-                landed,
-                MapsError::BatchWrite {
-                    op: run[landed.min(run.len() - 1)].to_string(),
-                    source,
-                },
-            )),
+        RunWriter {
+            backends: self.backends.map().fd().as_fd(),
+            slots: self.slots.map().fd().as_fd(),
+            services: self.services.map().fd().as_fd(),
         }
     }
 }
@@ -385,13 +349,38 @@ impl MapStore for Maps {
                 self.apply(&ops[done]).map_err(|e| (done, e))?;
                 1
             } else {
-                self.write_run(&ops[done..done + run])
+                self.run_writer()
+                    .write_run(&ops[done..done + run])
                     .map_err(|(landed, e)| (done + landed, e))?;
                 run
             };
             done += landed;
         }
         Ok(())
+    }
+
+    /// A batch big enough is written on a thread of its own (see
+    /// `write_behind`), its source ranges first, here: an LPM trie, which
+    /// has no batched writes.
+    fn start_batch(&mut self, phases: Arc<Phases>) -> Landing<MapsError> {
+        if !write_behind::worth_a_thread(&phases) {
+            return Landing::Done(apply_phases(self, &phases, 0));
+        }
+        if let Err((landed, error)) = self.apply_all(&phases[0]) {
+            return Landing::Done(Err(PhaseFailure {
+                phase: 0,
+                landed,
+                error,
+            }));
+        }
+        let writer = self.run_writer().to_owned();
+        match writer.and_then(|writer| writer.spawn(Arc::clone(&phases))) {
+            Ok(landing) => landing,
+            Err(e) => {
+                tracing::debug!(error = %e, "no thread for a batch's writes; writing them here");
+                Landing::Done(apply_phases(self, &phases, 1))
+            }
+        }
     }
 
     fn apply(&mut self, op: &MapOp) -> Result<(), MapsError> {

@@ -19,6 +19,7 @@ pub mod kernel_version;
 pub mod maps;
 pub mod pins;
 pub(crate) mod sys;
+mod write_behind;
 
 use std::path::Path;
 

@@ -12,13 +12,19 @@
 //! service entries keeps the update order of docs/architecture.md ("Map
 //! update order") for each of them. A frontend the maps already hold is
 //! written on its own, after the batch has landed.
+//!
+//! A batch may be written while the next one is gathered (the store's
+//! choice: `MapStore::start_batch`): the kernel's inserts, most of a first
+//! sync's time, then overlap the planning. The next batch may then use
+//! backends the one being written adds; if that one fails, the next is
+//! failed whole before it is written ([`Unlanded::with_all`]).
 
 use std::{collections::BTreeSet, sync::Arc};
 
 use hashbrown::HashSet;
 use proxy_common::BackendSlotKey;
 
-use super::{MapOp, PlanError, SourceRangeEntry};
+use super::{Landing, MapOp, Phases, PlanError, SourceRangeEntry};
 use crate::{model::FrontendKey, source::ObjectKey};
 
 /// One gathered frontend: whose it is, and how many writes it has.
@@ -39,7 +45,17 @@ pub struct Batch<E: std::error::Error + 'static> {
     /// One `PutService` per gathered frontend, in the order of `frontends`.
     pub(super) services: Vec<MapOp>,
     pub(super) frontends: Vec<Gathered>,
+    /// The batch before, while it is written.
+    pub(super) in_flight: Option<InFlight<E>>,
     failures: Vec<Unwritten<E>>,
+}
+
+/// A batch handed to the store, its frontends waiting for it to land.
+#[derive(Debug)]
+pub(super) struct InFlight<E> {
+    pub phases: Arc<Phases>,
+    pub frontends: Vec<Gathered>,
+    pub landing: Landing<E>,
 }
 
 /// A gathered frontend that is not in the maps: its batch failed before its
@@ -60,6 +76,7 @@ impl<E: std::error::Error + 'static> Default for Batch<E> {
             slots: Vec::new(),
             services: Vec::new(),
             frontends: Vec::new(),
+            in_flight: None,
             failures: Vec::new(),
         }
     }
@@ -73,6 +90,11 @@ impl<E: std::error::Error + 'static> Batch<E> {
 
     pub fn is_empty(&self) -> bool {
         self.frontends.is_empty()
+    }
+
+    /// Nothing gathered, and nothing being written.
+    pub fn is_settled(&self) -> bool {
+        self.frontends.is_empty() && self.in_flight.is_none()
     }
 
     /// The frontends of batches that failed since the last call, each with
@@ -119,7 +141,7 @@ impl<E: std::error::Error + 'static> Batch<E> {
 
     /// The writes in the order they land: source ranges, backends, slots,
     /// then the service entries. Empties the batch.
-    pub(super) fn take_phases(&mut self) -> ([Vec<MapOp>; 4], Vec<Gathered>) {
+    pub(super) fn take_phases(&mut self) -> (Phases, Vec<Gathered>) {
         (
             [
                 std::mem::take(&mut self.source_ranges),
@@ -142,26 +164,37 @@ pub(super) struct Unlanded {
 }
 
 impl Unlanded {
-    pub fn new(phases: &[Vec<MapOp>; 4], failed_phase: usize, landed: usize) -> Self {
+    pub fn new(phases: &Phases, failed_phase: usize, landed: usize) -> Self {
         let mut this = Self::default();
+        this.add(phases, failed_phase, landed);
+        this
+    }
+
+    /// And every write of `phases`, none of which was made: the batch
+    /// gathered while a failed one was written.
+    pub fn with_all(mut self, phases: &Phases) -> Self {
+        self.add(phases, 0, 0);
+        self
+    }
+
+    fn add(&mut self, phases: &Phases, failed_phase: usize, landed: usize) {
         for (phase, ops) in phases.iter().enumerate().skip(failed_phase) {
             let skipped = if phase == failed_phase { landed } else { 0 };
             for op in ops.iter().skip(skipped) {
                 match op {
                     MapOp::PutSourceRange { entry } => {
-                        this.source_ranges.insert(*entry);
+                        self.source_ranges.insert(*entry);
                     }
                     MapOp::PutBackend { id, .. } => {
-                        this.backends.insert(*id);
+                        self.backends.insert(*id);
                     }
                     MapOp::PutSlot { key, .. } => {
-                        this.slots.insert(*key);
+                        self.slots.insert(*key);
                     }
                     _ => {}
                 }
             }
         }
-        this
     }
 
     /// Whether `delete` removes something that is in the maps, or may be:

@@ -22,12 +22,14 @@ use std::{collections::BTreeSet, sync::Arc};
 
 pub use batch::{Batch, Unwritten};
 use hashbrown::HashMap;
-pub use ops::{MapOp, MapStore, SourceRangeEntry, StoredState};
+pub use ops::{
+    Landing, MapOp, MapStore, PhaseFailure, Phases, SourceRangeEntry, StoredState, apply_phases,
+};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 
 use self::{
     backends::{BackendHash, Backends},
-    batch::Unlanded,
+    batch::{Gathered, InFlight, Unlanded},
 };
 use crate::{
     model::{Frontend, FrontendKey, FrontendKind, NoEndpointAction, Scope, ServicePortName},
@@ -353,41 +355,88 @@ impl Planner {
     /// point at what the batch holds, or free an id it took.
     fn flush_first<S: MapStore>(&mut self, batch: Option<&mut Batch<S::Error>>, store: &mut S) {
         if let Some(batch) = batch
-            && !batch.is_empty()
+            && !batch.is_settled()
         {
             self.flush(batch, store);
         }
     }
 
-    /// Writes what `batch` gathered: every source range, then every backend,
-    /// every slot and every service entry, one map at a time (see
-    /// [`Batch`]). When a write fails, the frontends whose service entry
-    /// did not land are forgotten, what of them landed is deleted, and they
-    /// go to the batch's failures.
+    /// Writes what `batch` gathered, and waits until it has landed: every
+    /// source range, then every backend, every slot and every service
+    /// entry, one map at a time (see [`Batch`]). When a write fails, the
+    /// frontends whose service entry did not land are forgotten, what of
+    /// them landed is deleted, and they go to the batch's failures.
     pub fn flush<S: MapStore>(&mut self, batch: &mut Batch<S::Error>, store: &mut S) {
-        let (phases, gathered) = batch.take_phases();
-        let mut failed = None;
-        for (phase, ops) in phases.iter().enumerate() {
-            if ops.is_empty() {
-                continue;
-            }
-            if let Err((landed, source)) = store.apply_all(ops) {
-                failed = Some((phase, landed, source));
-                break;
-            }
-        }
-        let Some((phase, landed, source)) = failed else {
+        self.start(batch, store);
+        self.land_in_flight(batch, store);
+    }
+
+    /// Hands what `batch` gathered to the store, which may write it while
+    /// the next batch is gathered ([`MapStore::start_batch`]), once the
+    /// batch before has landed. When that one failed, what `batch` gathered
+    /// is not written: it may use backends the failed one did not write.
+    /// Its frontends go to the failures with those of the failed batch.
+    pub fn start<S: MapStore>(&mut self, batch: &mut Batch<S::Error>, store: &mut S) {
+        let failed = self.land_in_flight(batch, store);
+        if batch.is_empty() {
             return;
-        };
+        }
+        let (phases, gathered) = batch.take_phases();
+        if let Some((unlanded, reason)) = failed {
+            let unlanded = unlanded.with_all(&phases);
+            let reason = format!("the batch before, whose backends it may use, failed: {reason}");
+            self.forget_batch(gathered, &unlanded, &reason, batch, store);
+            return;
+        }
+        let phases = Arc::new(phases);
+        batch.in_flight = Some(InFlight {
+            landing: store.start_batch(Arc::clone(&phases)),
+            phases,
+            frontends: gathered,
+        });
+    }
+
+    /// Waits until the batch handed to the store has landed (see
+    /// [`Self::flush`] for what a failure does); when it failed, what of it
+    /// never landed and why. Only once what was gathered since is started
+    /// or failed: it may use what the batch did not write.
+    fn land_in_flight<S: MapStore>(
+        &mut self,
+        batch: &mut Batch<S::Error>,
+        store: &mut S,
+    ) -> Option<(Unlanded, String)> {
+        let in_flight = batch.in_flight.take()?;
+        let PhaseFailure {
+            phase,
+            landed,
+            error,
+        } = in_flight.landing.wait().err()?;
+        let phases = &in_flight.phases;
         let reason = match phases[phase].get(landed) {
-            Some(op) => format!("{op}: {source}"),
-            None => source.to_string(),
+            Some(op) => format!("{op}: {error}"),
+            None => error.to_string(),
         };
         tracing::warn!(error = %reason, "a batch of new frontends failed; retrying them");
-        // Service entries land in the order of `gathered`.
+        // Service entries land in the order of the frontends.
         let first_failed = if phase == phases.len() - 1 { landed } else { 0 };
-        let unlanded = Unlanded::new(&phases, phase, landed);
-        for fe in gathered.into_iter().skip(first_failed) {
+        let unlanded = Unlanded::new(phases, phase, landed);
+        let failed = in_flight.frontends.into_iter().skip(first_failed).collect();
+        self.forget_batch(failed, &unlanded, &reason, batch, store);
+        Some((unlanded, reason))
+    }
+
+    /// Forgets `failed`, gathered frontends not in the maps, deleting what
+    /// of them landed (what is not `unlanded`), and hands them to the
+    /// batch's failures.
+    fn forget_batch<S: MapStore>(
+        &mut self,
+        failed: Vec<Gathered>,
+        unlanded: &Unlanded,
+        reason: &str,
+        batch: &mut Batch<S::Error>,
+        store: &mut S,
+    ) {
+        for fe in failed {
             let undo: Vec<MapOp> = self
                 .forget_unwritten(&fe.key, &fe.owner)
                 .into_iter()
@@ -398,7 +447,7 @@ impl Planner {
                 error: PlanError::Unwritten {
                     frontend: fe.key,
                     owner: (*fe.owner).clone(),
-                    reason: reason.clone(),
+                    reason: reason.to_owned(),
                 },
                 writes: fe.writes,
             });

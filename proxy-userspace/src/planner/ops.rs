@@ -4,6 +4,8 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     convert::Infallible,
     fmt,
+    sync::Arc,
+    thread::JoinHandle,
 };
 
 use proxy_common::{
@@ -172,6 +174,72 @@ pub trait MapStore {
         }
         Ok(())
     }
+
+    /// Writes a batch's phases in order, each as [`Self::apply_all`],
+    /// stopping at the first that fails. A store may write them on a thread
+    /// of its own while the planner plans the next batch: the planner waits
+    /// for the [`Landing`] before it writes anything else. This default
+    /// writes them at once.
+    fn start_batch(&mut self, phases: Arc<Phases>) -> Landing<Self::Error> {
+        Landing::Done(apply_phases(self, &phases, 0))
+    }
+}
+
+/// A batch's writes, one map at a time in the order they land: source
+/// ranges, backends, slots, service entries (see [`super::Batch`]).
+pub type Phases = [Vec<MapOp>; 4];
+
+/// Where a batch's writes stopped: the phase, how many of its writes
+/// landed before the one that failed, and why that one did not.
+#[derive(Debug)]
+pub struct PhaseFailure<E> {
+    pub phase: usize,
+    pub landed: usize,
+    pub error: E,
+}
+
+/// A batch's writes on their way to the maps ([`MapStore::start_batch`]).
+#[derive(Debug)]
+pub enum Landing<E> {
+    /// Written already.
+    Done(Result<(), PhaseFailure<E>>),
+    /// Being written on a thread of the store's.
+    Writing(JoinHandle<Result<(), PhaseFailure<E>>>),
+}
+
+impl<E> Landing<E> {
+    /// How the writes went, once they are over.
+    pub fn wait(self) -> Result<(), PhaseFailure<E>> {
+        match self {
+            Landing::Done(result) => result,
+            // A panic of the writer is a bug, as it would be on this thread.
+            Landing::Writing(writer) => writer
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+        }
+    }
+}
+
+/// Writes `phases` from phase `from` on into `store`, as
+/// [`MapStore::start_batch`] says.
+pub fn apply_phases<S: MapStore + ?Sized>(
+    store: &mut S,
+    phases: &Phases,
+    from: usize,
+) -> Result<(), PhaseFailure<S::Error>> {
+    for (phase, ops) in phases.iter().enumerate().skip(from) {
+        if ops.is_empty() {
+            continue;
+        }
+        store
+            .apply_all(ops)
+            .map_err(|(landed, error)| PhaseFailure {
+                phase,
+                landed,
+                error,
+            })?;
+    }
+    Ok(())
 }
 
 /// The content of the service maps, as read back from the kernel (for

@@ -549,3 +549,78 @@ proptest! {
         prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
     }
 }
+
+proptest! {
+    /// A batch gathered while the one before is written (`Planner::start`)
+    /// shares a backend with it (10.0.0.200, whose id the first batch
+    /// took). When the first fails, the second is not written: its slots
+    /// could name a backend that never landed (the store would panic at
+    /// its service entry). Every frontend is in the maps or reported,
+    /// nothing is left that no frontend reaches, and the reported ones land
+    /// when synced again. Failures past the first batch's 19 writes fail
+    /// the second batch as `flush` would.
+    #[test]
+    fn a_batch_gathered_while_a_failed_one_was_written_is_not_written(fail_at in 0usize..40) {
+        let services = six_services();
+        let mut planner = Planner::new();
+        let mut store = CheckingStore { fail_at: Some(fail_at), ..Default::default() };
+        let mut batch = Batch::default();
+        for (owner, fes) in &services[..3] {
+            planner.sync_service_batched(owner, fes, &mut store, &mut batch);
+        }
+        planner.start(&mut batch, &mut store);
+        prop_assert!(batch.is_empty() && !batch.is_settled(), "the first batch is in flight");
+        for (owner, fes) in &services[3..] {
+            planner.sync_service_batched(owner, fes, &mut store, &mut batch);
+        }
+        prop_assert_eq!(batch.len(), 3, "the second gathered while the first is in flight");
+        planner.flush(&mut batch, &mut store);
+        prop_assert!(batch.is_settled());
+        // First batch: 3 service entries, 9 slots, 7 backends.
+        let first_failed = fail_at < 19;
+        let failures = batch.take_failures();
+        // Second: 3 service entries, 9 slots, 6 backends (10.0.0.200 is in).
+        prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
+        let mut unwritten = BTreeSet::new();
+        for failure in &failures {
+            let PlanError::Unwritten { frontend, owner, reason } = &failure.error else {
+                panic!("not a batch failure: {:?}", failure.error);
+            };
+            prop_assert!(reason.contains("injected failure"), "{}", reason);
+            unwritten.insert((owner.clone(), *frontend));
+        }
+        if first_failed {
+            for (owner, fes) in &services[3..] {
+                prop_assert!(
+                    unwritten.contains(&(owner.clone(), fes[0].key)),
+                    "{} of the second batch written after the first failed", owner
+                );
+            }
+        }
+        for (owner, fes) in &services {
+            let fe = &fes[0];
+            match stored_backends(&store.state, fe) {
+                Some(b) => {
+                    prop_assert_eq!(b, expected_backends(fe));
+                    prop_assert!(!unwritten.contains(&(owner.clone(), fe.key)));
+                }
+                None => prop_assert!(
+                    unwritten.contains(&(owner.clone(), fe.key)),
+                    "{} is neither in the maps nor reported", owner
+                ),
+            }
+        }
+        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+        prop_assert_eq!(planner.frontend_count(), 6 - unwritten.len());
+
+        for (owner, fes) in &services {
+            if unwritten.iter().any(|(o, _)| o == owner) {
+                sync(&mut planner, &mut store, &owner.name, fes);
+            }
+        }
+        for (_, fes) in &services {
+            prop_assert_eq!(stored_backends(&store.state, &fes[0]), Some(expected_backends(&fes[0])));
+        }
+        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+    }
+}

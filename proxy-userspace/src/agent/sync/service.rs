@@ -191,10 +191,14 @@ impl HealthChecks {
 }
 
 /// Services programmed in a sync whose new frontends wait in a [`Batch`]:
-/// what they came to is known once it is written.
+/// what they came to is known once it is written. One batch may be
+/// written while the next is gathered (`Planner::start`).
 #[derive(Debug)]
 pub(super) struct Unsettled<E: std::error::Error + 'static> {
     pub batch: Batch<E>,
+    /// Those of the batch being written.
+    in_flight: Vec<(ObjectKey, ServiceOutcome<E>)>,
+    /// Those of the batch being gathered.
     outcomes: Vec<(ObjectKey, ServiceOutcome<E>)>,
 }
 
@@ -202,6 +206,7 @@ impl<E: std::error::Error + 'static> Default for Unsettled<E> {
     fn default() -> Self {
         Self {
             batch: Batch::default(),
+            in_flight: Vec::new(),
             outcomes: Vec::new(),
         }
     }
@@ -209,8 +214,8 @@ impl<E: std::error::Error + 'static> Default for Unsettled<E> {
 
 /// Frontends (or Services) waiting before their batch is written: four
 /// system calls for 10,000 entries, and about 2 MiB of writes and outcomes
-/// held (4,096 held 7 MiB more at the peak of a first sync of 10,000
-/// Services).
+/// held, twice while one batch is written and the next gathered (4,096
+/// held 7 MiB more at the peak of a first sync of 10,000 Services).
 pub(super) const BATCH_FRONTENDS: usize = 1024;
 
 impl<E: std::error::Error + 'static> Unsettled<E> {
@@ -223,32 +228,58 @@ impl<E: std::error::Error + 'static> Unsettled<E> {
         self.batch.len() >= BATCH_FRONTENDS || self.outcomes.len() >= BATCH_FRONTENDS
     }
 
-    /// Writes the batch and hands back every outcome, with the frontends
-    /// of a batch that failed counted as failed writes of their Service.
+    /// Hands the batch to the store to be written while the next is
+    /// gathered, once the one before has landed; hands back the outcomes of
+    /// that one, which are known now.
+    pub fn launch<S: crate::planner::MapStore<Error = E>>(
+        &mut self,
+        planner: &mut Planner,
+        store: &mut S,
+    ) -> Vec<(ObjectKey, ServiceOutcome<E>)> {
+        planner.start(&mut self.batch, store);
+        let mut landed = std::mem::take(&mut self.in_flight);
+        let split = landed.len();
+        landed.append(&mut self.outcomes);
+        self.book_failures(&mut landed);
+        self.in_flight = landed.split_off(split);
+        landed
+    }
+
+    /// Writes the batch, waits until everything has landed, and hands back
+    /// every outcome.
     pub fn settle<S: crate::planner::MapStore<Error = E>>(
         &mut self,
         planner: &mut Planner,
         store: &mut S,
     ) -> Vec<(ObjectKey, ServiceOutcome<E>)> {
         planner.flush(&mut self.batch, store);
-        let mut outcomes = std::mem::take(&mut self.outcomes);
+        let mut outcomes = std::mem::take(&mut self.in_flight);
+        outcomes.append(&mut self.outcomes);
+        self.book_failures(&mut outcomes);
+        outcomes
+    }
+
+    /// Counts the frontends of a batch that failed as failed writes of
+    /// their Service, which is among `outcomes` (its batch has not been
+    /// booked).
+    fn book_failures(&mut self, outcomes: &mut [(ObjectKey, ServiceOutcome<E>)]) {
         let failures = self.batch.take_failures();
-        if !failures.is_empty() {
-            let index: std::collections::HashMap<ObjectKey, usize> = outcomes
-                .iter()
-                .enumerate()
-                .map(|(i, (key, _))| (key.clone(), i))
-                .collect();
-            for failure in failures {
-                let PlanError::Unwritten { owner, .. } = &failure.error else {
-                    continue;
-                };
-                error!(service = %owner, error = %failure.error, "frontend not programmed");
-                if let Some(&i) = index.get(owner) {
-                    outcomes[i].1.unwritten(failure);
-                }
+        if failures.is_empty() {
+            return;
+        }
+        let index: std::collections::HashMap<ObjectKey, usize> = outcomes
+            .iter()
+            .enumerate()
+            .map(|(i, (key, _))| (key.clone(), i))
+            .collect();
+        for failure in failures {
+            let PlanError::Unwritten { owner, .. } = &failure.error else {
+                continue;
+            };
+            error!(service = %owner, error = %failure.error, "frontend not programmed");
+            if let Some(&i) = index.get(owner) {
+                outcomes[i].1.unwritten(failure);
             }
         }
-        outcomes
     }
 }

@@ -1,0 +1,134 @@
+//! Batches of new frontends written on a thread of their own while the
+//! sync plans the next one (`MapStore::start_batch`). A first sync at
+//! 100,000 Services x 10 endpoints inserts 2.1 million entries; at
+//! 830-930 ns of the kernel's CPU each (docs/architecture.md, "The first
+//! sync's time") that is more than half the sync, and on its own thread it
+//! overlaps the model and the planner, which need the other core.
+//!
+//! The writer holds duplicates of the three maps' descriptors, so that it
+//! needs nothing of [`super::maps::Maps`] while the sync goes on; the
+//! planner waits for it before any other write, which keeps the update
+//! order (docs/architecture.md, "Map update order").
+
+use std::{
+    io,
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
+    sync::Arc,
+};
+
+use proxy_common::{Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue};
+
+use super::{batch, maps::MapsError};
+use crate::planner::{Landing, MapOp, PhaseFailure, Phases};
+
+/// Batches of fewer entries are written at once: a thread costs more than
+/// it saves, and a single Service's change should land without a hand-off.
+pub const WRITE_BEHIND_MIN: usize = 4096;
+
+/// The descriptors of `BACKENDS`, `BACKEND_SLOTS` and `SERVICES`: the maps
+/// a batch writes after its source ranges.
+#[derive(Debug)]
+pub struct RunWriter<F> {
+    pub backends: F,
+    pub slots: F,
+    pub services: F,
+}
+
+impl<F: AsFd> RunWriter<F> {
+    /// Writes `run`, puts to one of the three maps, in one call; on a
+    /// failure, how many landed.
+    pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, MapsError)> {
+        let result = match run.first() {
+            Some(MapOp::PutBackend { .. }) => {
+                let (ids, backends): (Vec<u32>, Vec<Backend>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutBackend { id, backend } => Some((*id, *backend)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.backends.as_fd(), &ids, &backends)
+            }
+            Some(MapOp::PutService { .. }) => {
+                let (keys, values): (Vec<ServiceKey>, Vec<ServiceValue>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutService { key, value } => Some((*key, *value)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.services.as_fd(), &keys, &values)
+            }
+            _ => {
+                let (keys, slots): (Vec<BackendSlotKey>, Vec<BackendSlot>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutSlot { key, backend_id } => Some((
+                            *key,
+                            BackendSlot {
+                                backend_id: *backend_id,
+                            },
+                        )),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(self.slots.as_fd(), &keys, &slots)
+            }
+        };
+        result.map_err(|(landed, source)| {
+            (
+                landed,
+                MapsError::BatchWrite {
+                    op: run[landed.min(run.len() - 1)].to_string(),
+                    source,
+                },
+            )
+        })
+    }
+}
+
+impl RunWriter<BorrowedFd<'_>> {
+    /// Owned duplicates, for a thread that outlives the borrow.
+    pub fn to_owned(&self) -> io::Result<RunWriter<OwnedFd>> {
+        Ok(RunWriter {
+            backends: self.backends.try_clone_to_owned()?,
+            slots: self.slots.try_clone_to_owned()?,
+            services: self.services.try_clone_to_owned()?,
+        })
+    }
+}
+
+impl RunWriter<OwnedFd> {
+    /// Writes phases 1 to 3 of `phases` (backends, slots, service entries;
+    /// each one run of one map) on a thread of its own.
+    pub fn spawn(self, phases: Arc<Phases>) -> io::Result<Landing<MapsError>> {
+        let writer = std::thread::Builder::new()
+            .name("map-writer".into())
+            .spawn(move || {
+                for (phase, ops) in phases.iter().enumerate().skip(1) {
+                    if ops.is_empty() {
+                        continue;
+                    }
+                    self.write_run(ops)
+                        .map_err(|(landed, error)| PhaseFailure {
+                            phase,
+                            landed,
+                            error,
+                        })?;
+                }
+                Ok(())
+            })?;
+        Ok(Landing::Writing(writer))
+    }
+}
+
+/// Whether `phases` is worth a thread: enough entries, and each of phases
+/// 1 to 3 one run of puts to its map, as `planner::Batch` gathers them.
+pub fn worth_a_thread(phases: &Phases) -> bool {
+    let entries: usize = phases[1..].iter().map(Vec::len).sum();
+    let one_map = |ops: &[MapOp], put: fn(&MapOp) -> bool| ops.iter().all(put);
+    entries >= WRITE_BEHIND_MIN
+        && one_map(&phases[1], |op| matches!(op, MapOp::PutBackend { .. }))
+        && one_map(&phases[2], |op| matches!(op, MapOp::PutSlot { .. }))
+        && one_map(&phases[3], |op| matches!(op, MapOp::PutService { .. }))
+}

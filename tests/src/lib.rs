@@ -16,6 +16,7 @@ pub mod bench;
 pub mod cgroup;
 pub mod client;
 pub mod cluster;
+pub mod family;
 pub mod flood;
 pub mod frames;
 pub mod fuzz;

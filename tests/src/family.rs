@@ -1,0 +1,203 @@
+//! What an IPv4 scenario and its IPv6 twin differ in, so that the one-node
+//! scenarios run once over each family (docs/testing.md, "IPv4 scenarios and their
+//! IPv6 twins"): the one-node world's addresses of the family, its sockets, its
+//! Service and EndpointSlice, kube-proxy's rules for it and the names its tools and
+//! kernel settings go by.
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+
+use crate::{
+    client::Peer,
+    iptables::{self, KubeService},
+    manifest::{Endpoint, Service},
+    topology::{
+        one_node::{BACKENDS, TCP_SERVICE_PORT, UDP_SERVICE_PORT},
+        pod_ip6,
+    },
+};
+
+/// An IP family of the one-node world: its addresses are `Self` (`Ipv4Addr`,
+/// `Ipv6Addr`).
+pub trait Family: iptables::Family {
+    /// A socket address of the family.
+    type Addr: Peer<Ip = Self>;
+    /// How messages name the family.
+    const NAME: &'static str;
+    /// kube-proxy's rules tool of the family, as messages name the reference.
+    const IPTABLES: &'static str;
+    const UNSPECIFIED: Self;
+    /// The sysctl of the kernel's ICMP error rate limit.
+    const ICMP_RATELIMIT: &'static str;
+    /// The agent's conntrack maps of the family, as its status names them: the
+    /// assured flows' and the unassured ones'.
+    const CONNTRACK_MAPS: [&'static str; 2];
+    /// Whether tc reads the checksum state of the family's packets (and counts it
+    /// in the `tc_csum_*` counters) to update checksums in place; the IPv6 path
+    /// leaves every state to the kernel's helper (proxy-ebpf's `nat6.rs`).
+    const TC_READS_CSUM_STATE: bool;
+
+    /// The address of the pod whose IPv4 address is `ip` (every pod is dual-stack).
+    fn pod(ip: Ipv4Addr) -> Self;
+
+    /// The `n`th address of the service range (`n` < 100): 10.96.0.`n`, or
+    /// `fd00:96::` with `n`'s decimal digits as its last group, so that either
+    /// family's VIP names the other at a glance.
+    fn vip(n: u8) -> Self;
+
+    fn addr(ip: Self, port: u16) -> Self::Addr;
+
+    /// The family's unspecified address at `port`, where a client socket binds.
+    fn any(port: u16) -> SocketAddr {
+        Self::addr(Self::UNSPECIFIED, port).into()
+    }
+
+    /// A Service of this family alone, without ports.
+    fn service(namespace: &str, name: &str, cluster_ip: Self) -> Service;
+
+    /// `service` and its EndpointSlice of this family with `endpoints` and their
+    /// conditions, as one multi-document file.
+    fn yaml_with(service: &Service, endpoints: &[Endpoint<Self>]) -> String;
+
+    /// kube-proxy's view of `service`'s port `port_name` on `vip` with `endpoints`
+    /// (at the port's target port), for this family's proxier.
+    fn kube_service(
+        service: &Service,
+        port_name: &str,
+        vip: Self,
+        endpoints: &[Self],
+    ) -> KubeService<Self>;
+
+    /// The test Services' ClusterIP, [`Family::vip`] 10.
+    fn cluster_ip() -> Self {
+        Self::vip(10)
+    }
+
+    /// The VIP of a side-by-side kube-proxy reference, [`Family::vip`] 20: the
+    /// agent does not know it, so its programs pass that traffic to netfilter
+    /// untouched.
+    fn ipt_vip() -> Self {
+        Self::vip(20)
+    }
+
+    /// The `http` port of `test/web` on `ip`.
+    fn http(ip: Self) -> Self::Addr {
+        Self::addr(ip, TCP_SERVICE_PORT)
+    }
+
+    /// The `dns` port of `test/web` on `ip`.
+    fn dns(ip: Self) -> Self::Addr {
+        Self::addr(ip, UDP_SERVICE_PORT)
+    }
+
+    /// The one-node backends' addresses, in `BACKENDS` order.
+    fn backend_ips() -> Vec<Self> {
+        BACKENDS.iter().map(|b| Self::pod(b.1)).collect()
+    }
+
+    /// `service` and its EndpointSlice with `endpoints` ready.
+    fn yaml(service: &Service, endpoints: &[Self]) -> String {
+        let endpoints: Vec<Endpoint<Self>> =
+            endpoints.iter().map(|ip| Endpoint::ready(*ip)).collect();
+        Self::yaml_with(service, &endpoints)
+    }
+}
+
+impl Family for Ipv4Addr {
+    type Addr = SocketAddrV4;
+    const NAME: &'static str = "IPv4";
+    const IPTABLES: &'static str = "iptables";
+    const UNSPECIFIED: Self = Ipv4Addr::UNSPECIFIED;
+    const ICMP_RATELIMIT: &'static str = "net.ipv4.icmp_ratelimit";
+    const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK", "CT_NEW"];
+    const TC_READS_CSUM_STATE: bool = true;
+
+    fn pod(ip: Ipv4Addr) -> Self {
+        ip
+    }
+
+    fn vip(n: u8) -> Self {
+        Ipv4Addr::new(10, 96, 0, n)
+    }
+
+    fn addr(ip: Self, port: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(ip, port)
+    }
+
+    fn service(namespace: &str, name: &str, cluster_ip: Self) -> Service {
+        Service::new(namespace, name, cluster_ip)
+    }
+
+    fn yaml_with(service: &Service, endpoints: &[Endpoint<Self>]) -> String {
+        service.yaml_with(endpoints)
+    }
+
+    fn kube_service(
+        service: &Service,
+        port_name: &str,
+        vip: Self,
+        endpoints: &[Self],
+    ) -> KubeService<Self> {
+        service.kube_service(port_name, vip, endpoints)
+    }
+}
+
+impl Family for Ipv6Addr {
+    type Addr = SocketAddrV6;
+    const NAME: &'static str = "IPv6";
+    const IPTABLES: &'static str = "ip6tables";
+    const UNSPECIFIED: Self = Ipv6Addr::UNSPECIFIED;
+    const ICMP_RATELIMIT: &'static str = "net.ipv6.icmp.ratelimit";
+    const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK6", "CT_NEW6"];
+    const TC_READS_CSUM_STATE: bool = false;
+
+    fn pod(ip: Ipv4Addr) -> Self {
+        pod_ip6(ip)
+    }
+
+    fn vip(n: u8) -> Self {
+        assert!(n < 100, "vip({n}): two decimal digits at most");
+        let digits = (u16::from(n / 10) << 4) | u16::from(n % 10);
+        Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, digits)
+    }
+
+    fn addr(ip: Self, port: u16) -> SocketAddrV6 {
+        SocketAddrV6::new(ip, port, 0, 0)
+    }
+
+    fn service(namespace: &str, name: &str, cluster_ip: Self) -> Service {
+        Service::new_v6(namespace, name, cluster_ip)
+    }
+
+    fn yaml_with(service: &Service, endpoints: &[Endpoint<Self>]) -> String {
+        service.yaml6_with(endpoints)
+    }
+
+    fn kube_service(
+        service: &Service,
+        port_name: &str,
+        vip: Self,
+        endpoints: &[Self],
+    ) -> KubeService<Self> {
+        service.kube_service6(port_name, vip, endpoints)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::one_node::{CLUSTER_IP, CLUSTER_IP6};
+
+    #[test]
+    fn each_familys_vips_name_the_other() {
+        assert_eq!(<Ipv4Addr as Family>::cluster_ip(), CLUSTER_IP);
+        assert_eq!(<Ipv6Addr as Family>::cluster_ip(), CLUSTER_IP6);
+        assert_eq!(
+            <Ipv6Addr as Family>::vip(51),
+            "fd00:96::51".parse::<Ipv6Addr>().unwrap()
+        );
+        assert_eq!(
+            <Ipv4Addr as Family>::ipt_vip(),
+            Ipv4Addr::new(10, 96, 0, 20)
+        );
+    }
+}

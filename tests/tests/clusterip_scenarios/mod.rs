@@ -1,0 +1,777 @@
+//! The scenarios of clusterip.rs and clusterip6.rs, once over the family
+//! ([`Family`]): ClusterIP load balancing of a Service of one family on real
+//! packets, in the routed node of docs/architecture.md ("Test topologies"), whose
+//! pods are dual-stack, with ebpf-proxy in the node namespace and, where kube-proxy's
+//! behaviour is the reference, kube-proxy's own rules of that family on another VIP
+//! of the same node.
+//!
+//! Every scenario builds its own namespaces, bpffs root and manifest directory, so
+//! they run in parallel; everything is removed on drop, also when one fails.
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::SYNC_DEADLINE,
+    client::{
+        Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
+        tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
+    },
+    family::Family,
+    iptables,
+    manifest::Service,
+    netns::NetNs,
+    require_root,
+    sandbox::Sandbox,
+    stats::{ChiSquare, chi_square_uniform},
+    topology::one_node::{BACKENDS, CLIENT, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_names},
+};
+use proxy_userspace::datapath::{Maps, PinLayout};
+
+/// Significance level of the distribution tests: a correct datapath fails its
+/// check about once in a thousand runs (and so does the iptables reference).
+const ALPHA: f64 = 0.001;
+/// New connections per distribution: at least 900, so that each of the chi-square
+/// test's cells expects enough of them.
+const CONNECTIONS: usize = 900;
+
+/// `test/<name>` of family `F` on `vip`: `http` 80/TCP -> 8080 and `dns` 53/UDP ->
+/// 5353.
+pub fn web<F: Family>(name: &str, vip: F) -> Service {
+    F::service("test", name, vip)
+        .port("http", 80, Protocol::Tcp, TCP_PORT)
+        .port("dns", 53, Protocol::Udp, UDP_PORT)
+}
+
+/// The one-node world with `clients` and `test/web` of family `F` on all three
+/// backends, the agent running with `agent_args`.
+pub fn serving<F: Family>(clients: &[(&str, Ipv4Addr)], agent_args: &[&str]) -> Sandbox {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(clients, &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &F::yaml(&web("web", F::cluster_ip()), &F::backend_ips()),
+        )
+        .expect("write manifest");
+    sb.start_agent_with(agent_args).expect("start the agent");
+    sb
+}
+
+/// The agent's non-zero counters, for failure messages.
+pub fn counters_text(sb: &Sandbox) -> String {
+    let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));
+    let counters: Vec<(&str, u64)> = maps
+        .and_then(|m| m.counters())
+        .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
+        .unwrap_or_default();
+    format!("{counters:?}")
+}
+
+/// A UDP socket of family `F` in `ns` connected to `to`, with the request timeout.
+fn connected_udp<F: Family>(ns: &NetNs, to: F::Addr, what: &str) -> UdpSocket {
+    ns.run(|| {
+        let s = UdpSocket::bind(F::any(0))?;
+        s.connect::<SocketAddr>(to.into())?;
+        s.set_read_timeout(Some(TIMEOUT))?;
+        std::io::Result::Ok(s)
+    })
+    .and_then(|s| Ok(s?))
+    .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+}
+
+/// One exchange on a connected UDP socket of family `F`; the backend that answered.
+fn udp_exchange<F: Family>(socket: &UdpSocket, what: &str) -> String {
+    socket
+        .send(b"hello\n")
+        .unwrap_or_else(|e| panic!("{what}: send: {e}"));
+    let mut buf = [0u8; 512];
+    let n = socket
+        .recv(&mut buf)
+        .unwrap_or_else(|e| panic!("{what}: no answer: {e}"));
+    Reply::<F::Addr>::parse(&String::from_utf8_lossy(&buf[..n]))
+        .unwrap_or_else(|e| panic!("{what}: {e:#}"))
+        .backend
+}
+
+fn side_by_side<F: Family>(ebpf: (&[u64], &ChiSquare), ipt: (&[u64], &ChiSquare)) -> String {
+    let pct = |c: u64, counts: &[u64]| 100.0 * c as f64 / counts.iter().sum::<u64>() as f64;
+    let mut out = format!(
+        "{:<12} {:>18} {:>18}\n",
+        "backend",
+        "ebpf-proxy",
+        format!("{} statistic", F::IPTABLES)
+    );
+    for (i, name) in backend_names().iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "{name:<12} {:>9} ({:>5.1}%) {:>9} ({:>5.1}%)",
+            ebpf.0[i],
+            pct(ebpf.0[i], ebpf.0),
+            ipt.0[i],
+            pct(ipt.0[i], ipt.0)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "ebpf-proxy: {}\n{:<12}{}",
+        ebpf.1,
+        format!("{}:", F::IPTABLES),
+        ipt.1
+    );
+    out
+}
+
+/// New TCP connections to the ClusterIP are spread like kube-proxy's statistic
+/// cascade spreads them: each distribution passes a chi-square test for uniformity
+/// (the cascade's exact probabilities are uniform to 1e-9, see the harness's
+/// iptables unit tests), measured on the same endpoints in the same run, and the
+/// backends see the client's own address.
+pub fn distribution_matches_statistic_and_keeps_the_client_address<F: Family>() {
+    let (family, ipt_name) = (F::NAME, F::IPTABLES);
+    let sb = serving::<F>(&[CLIENT, IPT_CLIENT], &[]);
+    let names = backend_names();
+
+    let ebpf = tcp_tally(
+        &sb.client().ns,
+        F::http(F::cluster_ip()),
+        CONNECTIONS,
+        TIMEOUT,
+    )
+    .expect("ebpf run");
+    assert_all_replied_from(
+        F::pod(CLIENT.1),
+        &format!("ebpf-proxy {family} ClusterIP"),
+        &ebpf,
+    );
+    let ebpf_counts = ebpf.counts_for(&names);
+    assert_eq!(
+        ebpf.replies(),
+        CONNECTIONS as u64,
+        "replies from unexpected backends: {:?}",
+        ebpf.counts
+    );
+
+    // The same service port and endpoints behind kube-proxy's real statistic rules,
+    // on another VIP that the agent does not know (so its program passes it
+    // untouched).
+    let kube = F::kube_service(
+        &web("web", F::cluster_ip()),
+        "http",
+        F::ipt_vip(),
+        &F::backend_ips(),
+    );
+    iptables::apply(&sb.topology().node, &[kube])
+        .unwrap_or_else(|e| panic!("load kube-proxy's {ipt_name} rules: {e:#}"));
+    let ipt = tcp_tally(
+        &sb.pod(IPT_CLIENT.0).ns,
+        F::http(F::ipt_vip()),
+        CONNECTIONS,
+        TIMEOUT,
+    )
+    .unwrap_or_else(|e| panic!("{ipt_name} run: {e:#}"));
+    assert_all_replied_from(F::pod(IPT_CLIENT.1), &format!("{ipt_name} VIP"), &ipt);
+    let ipt_counts = ipt.counts_for(&names);
+
+    let ebpf_chi = chi_square_uniform(&ebpf_counts);
+    let ipt_chi = chi_square_uniform(&ipt_counts);
+    let table = side_by_side::<F>((&ebpf_counts, &ebpf_chi), (&ipt_counts, &ipt_chi));
+    eprintln!("{CONNECTIONS} new TCP connections over {family} each:\n{table}");
+    assert!(
+        ipt_chi.passes(ALPHA),
+        "the {ipt_name} reference itself is not uniform at alpha {ALPHA} (sandbox \
+         problem?):\n{table}"
+    );
+    assert!(
+        ebpf_chi.passes(ALPHA),
+        "ebpf-proxy's {family} distribution is not uniform at alpha {ALPHA}:\n{table}"
+    );
+}
+
+/// UDP to the ClusterIP is answered by every backend, each answer from the
+/// ClusterIP (a connected socket accepts nothing else), the client's address kept;
+/// and the agent's conntrack maps of the family hold every flow.
+pub fn udp_reaches_backends_with_client_address<F: Family>() {
+    let family = F::NAME;
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let outcomes: Vec<Outcome<F::Addr>> = (0..90)
+        .map(|_| udp_request(&sb.client().ns, F::dns(F::cluster_ip()), TIMEOUT))
+        .collect();
+    let ports_seen: BTreeSet<u16> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Reply(r) => Some(Into::<SocketAddr>::into(r.peer).port()),
+            _ => None,
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for outcome in outcomes {
+        tally.record(outcome);
+    }
+    assert_all_replied_from(
+        F::pod(CLIENT.1),
+        &format!("UDP to the {family} ClusterIP"),
+        &tally,
+    );
+    let counts = tally.counts_for(&backend_names());
+    assert!(
+        counts.iter().all(|&c| c > 0),
+        "90 datagrams should reach all three backends, got {:?}",
+        tally.counts
+    );
+    // Each datagram came from a socket of its own: a flow, two entries, each;
+    // but a socket may be given the port of an earlier one (the same flow
+    // again), so the count is of the distinct source ports the backends saw.
+    let flows = ports_seen.len() as u64;
+    // A datagram and its answer do not assure a flow: its entries are in the
+    // unassured map, or in the assured one once a socket's port came round again.
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let entries_of = |map: &str| -> u64 {
+        let prefix = format!("map fill {map}: ");
+        let fill = status
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("status shows no {map} fill:\n{status}"));
+        fill[prefix.len()..]
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("unreadable fill line {fill:?}"))
+    };
+    let [assured, unassured] = F::CONNTRACK_MAPS;
+    let entries = entries_of(assured) + entries_of(unassured);
+    assert!(
+        entries >= 2 * flows,
+        "{entries} entries in {assured} and {unassured}, fewer than the {flows} flows \
+         (distinct client ports) make:\n{status}"
+    );
+}
+
+/// Fragmented UDP through a ClusterIP, both ways, as kube-proxy's rules serve it
+/// (netfilter reassembles before NAT): a 4,000-byte request, which the client sends
+/// as three fragments on the 1,500-byte MTU, and a 100-byte request whose 4,000-byte
+/// answer comes back in fragments. Only a first fragment carries the UDP header; the
+/// later ones must follow its translation, or the backend (or the client) never
+/// reassembles the datagram. Each answer must be whole and from the ClusterIP, side
+/// by side with the same Service behind kube-proxy's rules; the datapath's counters
+/// show the later fragments translated by their first one's ports.
+pub fn fragmented_udp_is_translated_both_ways<F: Family>() {
+    const EXCHANGES: usize = 20;
+    let (family, ipt_name) = (F::NAME, F::IPTABLES);
+    let sb = serving::<F>(&[CLIENT, IPT_CLIENT], &[]);
+    let kube = F::kube_service(
+        &web("web", F::cluster_ip()),
+        "dns",
+        F::ipt_vip(),
+        &F::backend_ips(),
+    );
+    iptables::apply(&sb.topology().node, &[kube])
+        .unwrap_or_else(|e| panic!("load kube-proxy's {ipt_name} rules: {e:#}"));
+    let mut table = String::new();
+    for (what, request, answer) in [
+        ("4,000-byte requests", 4000, 100),
+        ("4,000-byte answers", 100, 4000),
+    ] {
+        let mut answered = [0usize; 2];
+        let mut failures = Vec::new();
+        for (i, (client, vip)) in [(CLIENT, F::cluster_ip()), (IPT_CLIENT, F::ipt_vip())]
+            .iter()
+            .enumerate()
+        {
+            for _ in 0..EXCHANGES {
+                let exchange = || {
+                    udp_sized_request(&sb.pod(client.0).ns, F::dns(*vip), request, answer, TIMEOUT)
+                };
+                // One retry, as a UDP client makes: the flood tests running
+                // beside this one share the kernel's per-CPU backlog, and a
+                // datagram of three fragments has three chances to be
+                // dropped there. A datapath that drops fragments loses both.
+                let outcome = match exchange() {
+                    Outcome::Reply(r) => Outcome::Reply(r),
+                    _ => exchange(),
+                };
+                match outcome {
+                    Outcome::Reply(r) if r.peer.peer_ip() == F::pod(client.1) => answered[i] += 1,
+                    other => failures.push(format!("{}: {other}", ["ebpf-proxy", ipt_name][i])),
+                }
+            }
+        }
+        let _ = writeln!(
+            table,
+            "{what}: ebpf-proxy {}/{EXCHANGES}, {ipt_name} {}/{EXCHANGES}",
+            answered[0], answered[1]
+        );
+        assert_eq!(
+            answered[1], EXCHANGES,
+            "the {ipt_name} reference lost {what} (sandbox problem?): {failures:?}"
+        );
+        assert_eq!(
+            answered[0],
+            EXCHANGES,
+            "{what} through the {family} ClusterIP: {table}first failures: {:?}; counters: {}",
+            &failures[..failures.len().min(5)],
+            counters_text(&sb)
+        );
+    }
+    eprintln!("{table}");
+    // Three fragments a datagram, two of them later ones, in each direction.
+    let translated = sb.counter("frag_translated");
+    assert!(
+        translated >= (4 * EXCHANGES) as u64,
+        "{translated} later fragments translated for {} fragmented datagrams of three \
+         fragments; counters: {}",
+        2 * EXCHANGES,
+        counters_text(&sb)
+    );
+}
+
+/// A UDP port that no backend listens on, behind a ClusterIP: the backend's kernel
+/// answers with an ICMP port unreachable quoting the backend, which the client's
+/// socket, connected to the ClusterIP, would not recognise. Translated back it
+/// quotes the ClusterIP, so the client fails at once with "connection refused", as
+/// with kube-proxy's rules (netfilter translates "related" ICMP errors), side by
+/// side on another VIP from another client. Without the translation each request
+/// waits out its timeout.
+pub fn a_closed_udp_port_behind_a_clusterip_is_refused_as_kube_proxy_does<F: Family>() {
+    const EXCHANGES: usize = 10;
+    const CLOSED_PORT: u16 = 5999;
+    let (family, ipt_name) = (F::NAME, F::IPTABLES);
+    let vips = [F::vip(50), F::vip(51)];
+    require_root().expect("privileged test");
+    let mut sb =
+        Sandbox::new(&[CLIENT, IPT_CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let closed = F::service("test", "closed", vips[0]).port("dns", 54, Protocol::Udp, CLOSED_PORT);
+    sb.manifests()
+        .write("closed.yaml", &F::yaml(&closed, &F::backend_ips()))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let kube = F::kube_service(&closed, "dns", vips[1], &F::backend_ips());
+    iptables::apply(&sb.topology().node, &[kube])
+        .unwrap_or_else(|e| panic!("load kube-proxy's {ipt_name} rules: {e:#}"));
+    for (name, _) in BACKENDS {
+        // Every request gets its error, however fast they come.
+        sb.pod(name)
+            .ns
+            .sysctl(F::ICMP_RATELIMIT, "0")
+            .unwrap_or_else(|e| panic!("{name}: lifting the {family} ICMP rate limit: {e:#}"));
+    }
+    let mut refused = [0usize; 2];
+    let mut failures = Vec::new();
+    for (i, (client, vip)) in [(CLIENT, vips[0]), (IPT_CLIENT, vips[1])]
+        .iter()
+        .enumerate()
+    {
+        for _ in 0..EXCHANGES {
+            let answer = sb
+                .pod(client.0)
+                .ns
+                .run(|| {
+                    let s = UdpSocket::bind(F::any(0))?;
+                    s.connect::<SocketAddr>(F::addr(*vip, 54).into())?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    s.send(b"anyone there?")?;
+                    s.recv(&mut [0u8; 64])
+                })
+                .unwrap_or_else(|e| panic!("{}: {e:#}", client.0));
+            match answer {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused[i] += 1,
+                other => failures.push(format!("{}: {other:?}", ["ebpf-proxy", ipt_name][i])),
+            }
+        }
+    }
+    let table = format!(
+        "refused at once: ebpf-proxy {}/{EXCHANGES}, {ipt_name} {}/{EXCHANGES}",
+        refused[0], refused[1]
+    );
+    eprintln!("{table}");
+    assert_eq!(
+        refused[1], EXCHANGES,
+        "the {ipt_name} reference was not refused (sandbox problem?): {failures:?}"
+    );
+    assert_eq!(
+        refused[0],
+        EXCHANGES,
+        "{table}; first failures: {:?}; counters: {}",
+        &failures[..failures.len().min(5)],
+        counters_text(&sb)
+    );
+    let translated = sb.counter("icmp_error_translated");
+    assert!(
+        translated >= EXCHANGES as u64,
+        "{translated} {family} ICMP errors translated for {EXCHANGES} refusals; counters: {}",
+        counters_text(&sb)
+    );
+}
+
+/// A pod that floods the ClusterIP with new flows cannot cut anyone's established
+/// connections: with `--conntrack-max 1024` (the least it takes), 50 idle TCP
+/// connections and 10 UDP flows inside their timeout (each has exchanged twice) keep
+/// their backends while another pod sends 64,000 datagrams from 64,000 source ports,
+/// each a new flow the backends answer once: 62 times the connections conntrack
+/// holds, and twice what its unassured half (`CT_NEW`, `CT_NEW6`) holds. New
+/// connections made during the flood are served.
+pub fn a_pods_flood_of_new_flows_leaves_established_connections_alone<F: Family>() {
+    const FLOODER: (&str, Ipv4Addr) = ("flooder", Ipv4Addr::new(10, 200, 0, 4));
+    const FLOOD_PORTS: std::ops::Range<u16> = 1024..65_024;
+    let family = F::NAME;
+    let vip = F::cluster_ip();
+    let sb = serving::<F>(&[CLIENT, FLOODER], &["--conntrack-max", "1024"]);
+    let client = &sb.client().ns;
+    let mut sessions: Vec<TcpSession<F::Addr>> = (0..50)
+        .map(|i| {
+            TcpSession::open(client, F::http(vip), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect();
+    let udp_flows: Vec<(UdpSocket, String)> = (0..10)
+        .map(|i| {
+            let socket = connected_udp::<F>(client, F::dns(vip), &format!("UDP flow {i}"));
+            let first = udp_exchange::<F>(&socket, &format!("UDP flow {i}"));
+            assert_eq!(
+                udp_exchange::<F>(&socket, &format!("UDP flow {i}, again")),
+                first,
+                "UDP flow {i} changed backend between two exchanges"
+            );
+            (socket, first)
+        })
+        .collect();
+
+    let flood = sb
+        .pod(FLOODER.0)
+        .ns
+        .spawn("flood", move || {
+            let mut sent = 0u32;
+            for port in FLOOD_PORTS {
+                let Ok(socket) = UdpSocket::bind(F::any(port)) else {
+                    continue;
+                };
+                if socket
+                    .send_to::<SocketAddr>(b"flood\n", F::dns(vip).into())
+                    .is_ok()
+                {
+                    sent += 1;
+                }
+            }
+            sent
+        })
+        .expect("flooding from the flooder pod");
+    let during =
+        tcp_tally(client, F::http(vip), 30, TIMEOUT).expect("connections during the flood");
+    let sent = flood.join().expect("the flood thread");
+    assert!(sent >= 60_000, "only {sent} flood datagrams sent");
+    assert_all_replied_from(
+        F::pod(CLIENT.1),
+        "new connections during the flood",
+        &during,
+    );
+
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
+            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
+        }
+    }
+    for (i, (socket, backend)) in udp_flows.iter().enumerate() {
+        let now = udp_exchange::<F>(socket, &format!("UDP flow {i} after the flood"));
+        if &now != backend {
+            broken.push(format!("UDP {i}: answered by {now}, before by {backend}"));
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{} of 60 established {family} flows broken by a flood of {sent} new flows; \
+         counters: {}; {:?}",
+        broken.len(),
+        counters_text(&sb),
+        &broken[..broken.len().min(10)]
+    );
+    let new_flows = sb.counter("ct_new_flow");
+    assert!(
+        new_flows >= u64::from(sent),
+        "{new_flows} new flows counted for {sent} flood datagrams"
+    );
+}
+
+/// Translated packets carry valid checksums whatever state the kernel keeps them
+/// in: partial (offloaded, what pods send), unnecessary (already verified, here by
+/// GRO on the node's side of the veth) and none. A wrong update must cost a lost
+/// packet here, not pass unseen, so every receiver checks checksums itself (`rx off`
+/// on the pods' `eth0`) and the node finishes partial ones before they leave it
+/// (`tx off` on its pod-side veths): every exchange of every setting must be
+/// answered, from the client's own address. Where tc reads the state and updates
+/// checksums in place (IPv4, [`Family::TC_READS_CSUM_STATE`]), the datapath's
+/// per-state counters show that each state was the one tc read; the IPv6 path
+/// leaves every state to the kernel's helper without reading it (proxy-ebpf's
+/// `nat6.rs`), so no per-state counter moves.
+pub fn translated_packets_keep_valid_checksums_in_every_checksum_state<F: Family>() {
+    use ebpf_proxy_tests::cluster::set_offload;
+    let family = F::NAME;
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let node = &sb.topology().node;
+    for pod in sb.topology().pods() {
+        set_offload(&pod.ns, "eth0", "rx", false).expect("pod rx checksumming off");
+        set_offload(node, &pod.host_if, "tx", false).expect("node tx checksumming off");
+    }
+    let states = || -> Vec<(&'static str, u64)> {
+        let pins = PinLayout::new(sb.agent().bpf_root());
+        Maps::open_pinned(&pins)
+            .and_then(|maps| maps.counters())
+            .expect("reading the agent's counters")
+            .into_iter()
+            .filter(|(name, _)| name.starts_with("tc_csum_"))
+            .collect()
+    };
+    // The senders' transmit offload decides between partial and none; GRO on
+    // the node's side validates checksums on receipt and marks packets
+    // unnecessary.
+    for (sender_tx, node_gro, state) in [
+        (true, false, "partial"),
+        (false, false, "none"),
+        (false, true, "unnecessary"),
+    ] {
+        for pod in sb.topology().pods() {
+            set_offload(&pod.ns, "eth0", "tx", sender_tx).expect("pod tx");
+            set_offload(node, &pod.host_if, "gro", node_gro).expect("node gro");
+        }
+        let before = states();
+        for (proto, tally) in [
+            (
+                "TCP",
+                tcp_tally(&sb.client().ns, F::http(F::cluster_ip()), 30, TIMEOUT),
+            ),
+            (
+                "UDP",
+                udp_tally(&sb.client().ns, F::dns(F::cluster_ip()), 30, TIMEOUT),
+            ),
+        ] {
+            let what = format!("{family} {proto}, {state} checksums");
+            let tally = tally.unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            assert_all_replied_from(F::pod(CLIENT.1), &what, &tally);
+            assert_eq!(
+                tally.replies(),
+                30,
+                "{what}: every exchange must be answered (a bad checksum is a lost packet): \
+                 {:?}; counters: {}",
+                tally.counts,
+                counters_text(&sb)
+            );
+        }
+        if !F::TC_READS_CSUM_STATE {
+            continue;
+        }
+        let after = states();
+        let delta: Vec<(&str, u64)> = after
+            .iter()
+            .zip(&before)
+            .map(|((name, a), (_, b))| (*name, a - b))
+            .collect();
+        // A few control packets the kernel builds itself (a reset, say) carry
+        // a software checksum whatever the offload: "most", not "all".
+        let total: u64 = delta.iter().map(|d| d.1).sum();
+        let seen = |name: &str| delta.iter().find(|(n, _)| *n == name).map_or(0, |d| d.1);
+        let named = seen(&format!("tc_csum_{state}"));
+        assert!(
+            named >= 60 && named * 10 >= total * 9,
+            "{state}: tc must have read that state for nearly every translated packet of the \
+             60 exchanges; states read: {delta:?}"
+        );
+        assert_eq!(
+            seen("tc_csum_complete") + seen("tc_csum_unknown"),
+            0,
+            "{state}: no packet may need the helper here; states read: {delta:?}"
+        );
+    }
+}
+
+/// Removing an endpoint from the manifest stops new connections to it within the
+/// sync deadline, while a connection established to it before keeps its backend.
+pub fn removed_endpoint_gets_no_new_connections_but_keeps_established_ones<F: Family>() {
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let client = &sb.client().ns;
+    let vip = F::http(F::cluster_ip());
+    let (removed, removed_ip) = BACKENDS[2];
+    let removed_ip = F::pod(removed_ip);
+
+    // An established connection that landed on the backend about to be removed.
+    let mut session = (0..200)
+        .map(|_| TcpSession::open(client, vip, TIMEOUT).expect("connect"))
+        .find(|s| s.greeting.backend == removed)
+        .unwrap_or_else(|| panic!("200 connections never reached {removed}"));
+    assert_eq!(
+        session.exchange("before").expect("exchange before removal"),
+        format!("{removed} before")
+    );
+
+    let remaining: Vec<F> = F::backend_ips()
+        .into_iter()
+        .filter(|ip| *ip != removed_ip)
+        .collect();
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &F::yaml(&web("web", F::cluster_ip()), &remaining),
+        )
+        .expect("rewrite manifest");
+    let written = Instant::now();
+
+    // Until the deadline, watch when the change lands (for the message only).
+    let mut last_hit: Option<Duration> = None;
+    while written.elapsed() < SYNC_DEADLINE {
+        if let Outcome::Reply(r) = tcp_request(client, vip, TIMEOUT)
+            && r.backend == removed
+        {
+            last_hit = Some(written.elapsed());
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!("last new connection to {removed} after the edit: {last_hit:?}");
+
+    let after = tcp_tally(client, vip, 150, TIMEOUT).expect("connections");
+    assert_all_replied_from(F::pod(CLIENT.1), "after the removal", &after);
+    assert_eq!(
+        after.counts.get(removed),
+        None,
+        "{SYNC_DEADLINE:?} after the endpoint was removed, new connections still reach it: {:?}",
+        after.counts
+    );
+    assert_eq!(
+        after.counts.len(),
+        2,
+        "both remaining backends should get new connections: {:?}",
+        after.counts
+    );
+
+    assert_eq!(
+        session
+            .exchange("after")
+            .expect("the established connection broke when its endpoint was removed"),
+        format!("{removed} after"),
+        "the established connection moved to another backend"
+    );
+}
+
+/// A Service without endpoints is refused at once: TCP connect gets "connection
+/// refused" (a RST) and a connected UDP socket an ICMP port unreachable ("connection
+/// refused" on recv), both well within a second, for a Service with an empty
+/// EndpointSlice and one without any; every refusal is counted.
+pub fn service_without_endpoints_is_refused_at_once<F: Family>() {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let empty_ip = F::vip(30);
+    let noslice_ip = F::vip(31);
+    sb.manifests()
+        .write("empty.yaml", &F::yaml(&web("empty", empty_ip), &[]))
+        .expect("write manifest");
+    sb.manifests()
+        .write("noslice.yaml", &web("noslice", noslice_ip).service_yaml())
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+
+    let limit = Duration::from_secs(1);
+    for (what, ip) in [
+        ("empty EndpointSlice", empty_ip),
+        ("no EndpointSlice", noslice_ip),
+    ] {
+        for proto in [Protocol::Tcp, Protocol::Udp] {
+            let start = Instant::now();
+            let (to, outcome) = match proto {
+                Protocol::Tcp => (F::http(ip), tcp_request(client, F::http(ip), TIMEOUT)),
+                Protocol::Udp => (F::dns(ip), udp_request(client, F::dns(ip), TIMEOUT)),
+            };
+            let took = start.elapsed();
+            assert_eq!(
+                outcome,
+                Outcome::Refused,
+                "{proto:?} to {to} ({what}) after {took:?}"
+            );
+            assert!(
+                took < limit,
+                "{proto:?} to {to} ({what}) took {took:?} to be refused"
+            );
+        }
+    }
+    let rejects = sb.counter("reject");
+    assert!(
+        rejects >= 4,
+        "{rejects} rejects counted for 4 refusals; counters: {}",
+        counters_text(&sb)
+    );
+}
+
+/// A closed flow through the ClusterIP leaves conntrack state behind for a while. A
+/// new, unrelated connection from the same client port straight to the same
+/// backend's pod address (the kernel may pick that port: the destination differs)
+/// must not be taken for it: its replies must reach the client unchanged.
+/// (kube-proxy's netfilter conntrack tells the two flows apart.) A timeout here most
+/// likely means the backend's SYN-ACK matched the old flow's reply-direction entry
+/// and was reverse-NATed to the ClusterIP.
+pub fn direct_connection_reusing_a_service_flows_port_is_left_alone<F: Family>() {
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let port = 40_123;
+    let (via_service, direct) = sb
+        .client()
+        .ns
+        .run(|| {
+            let via_service = tcp_request_from_port_here(port, F::http(F::cluster_ip()), TIMEOUT);
+            let Outcome::Reply(reply) = &via_service else {
+                return (via_service, None);
+            };
+            // The client closed first, so its side of that flow is in TIME_WAIT; the
+            // same port may still connect elsewhere.
+            let backend = BACKENDS
+                .iter()
+                .find(|b| b.0 == reply.backend)
+                .map(|b| F::addr(F::pod(b.1), TCP_PORT))
+                .expect("a known backend");
+            let direct = tcp_request_from_port_here(port, backend, TIMEOUT);
+            (via_service, Some((backend, direct)))
+        })
+        .expect("client namespace");
+    let first = via_service.expect_reply(&format!(
+        "{} connection to the ClusterIP from a fixed port",
+        F::NAME
+    ));
+    assert_eq!(first.peer, F::addr(F::pod(CLIENT.1), port));
+    let (backend, direct) = direct.expect("ran after a reply");
+    let direct = direct.expect_reply(&format!(
+        "direct connection to {backend} from port {port} right after a ClusterIP \
+         connection from that port reached that backend"
+    ));
+    assert_eq!(direct.backend, first.backend);
+    assert_eq!(direct.peer.peer_ip(), F::pod(CLIENT.1));
+}
+
+/// A pod whose interface appears after the agent started reaches the ClusterIP: the
+/// agent attaches its programs to new interfaces as they come (netlink).
+pub fn pod_created_after_the_agent_started_is_served<F: Family>() {
+    let family = F::NAME;
+    let vip = F::http(F::cluster_ip());
+    let mut sb = serving::<F>(&[CLIENT], &[]);
+    let late_ip = Ipv4Addr::new(10, 200, 0, 4);
+    let late = sb.add_pod("late", late_ip).expect("add a pod");
+    let start = Instant::now();
+    let deadline = Duration::from_secs(5);
+    let mut outcome = tcp_request(&late.ns, vip, TIMEOUT);
+    while !matches!(outcome, Outcome::Reply(_)) && start.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(100));
+        outcome = tcp_request(&late.ns, vip, TIMEOUT);
+    }
+    let reply = outcome.expect_reply(&format!(
+        "{family} ClusterIP from a pod created after the agent started, for {deadline:?}"
+    ));
+    assert_eq!(reply.peer.peer_ip(), F::pod(late_ip));
+    eprintln!(
+        "the new pod's first answered {family} connection came after {:?}",
+        start.elapsed()
+    );
+}

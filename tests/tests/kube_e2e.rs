@@ -746,3 +746,159 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     drop(server);
     drop(runtime);
 }
+
+/// A sync of 1,200 new Services x 4 endpoints, its first batch of 1,024
+/// frontends (over 8,000 entries) written on the agent's writer thread
+/// while the rest are gathered, into a `BACKENDS` with room for 1,000
+/// more: the first batch fails part-way through its backends, and the
+/// second, which uses a backend the first took and never wrote, is failed
+/// before it is written. Nothing
+/// half-written is left for a packet to find, and everything lands once
+/// there is room.
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
+fn a_failed_batch_written_behind_lands_once_there_is_room() {
+    use aya::maps::IterableMap;
+    const BULK: u32 = 1200;
+    const SHARED_FROM: u32 = 800;
+    require_root().expect("privileged test");
+    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let (runtime, server) = apiserver::serve_in(node_ns);
+    server.apply(node(&node_name, None));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
+    server.apply(web_slice(&node_name, &["backend-a"]));
+    // Changes within 3 s of a sync wait for the next: the bulk below is
+    // one sync.
+    let agent = KubeAgent::start_with(
+        node_ns,
+        server.url(),
+        &["--sync-period", "1s", "--min-sync-period", "3s"],
+    );
+    let context = |what: &str| format!("{what} (agent /healthz: {})", agent.healthz());
+    eventually(&context("web programmed"), CONVERGE, || {
+        served_by(client, 5, &["backend-a"])
+    });
+
+    // BACKENDS full, then room for 1,000.
+    let pins = PinLayout::new(&agent.bpf_root);
+    let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
+    let filler = proxy_common::Backend {
+        addr_be: [
+            0,
+            0,
+            0xffff_u32.to_be(),
+            u32::from_ne_bytes([10, 254, 0, 1]),
+        ],
+        port_be: 9u16.to_be(),
+        proto: 6,
+        flags: 0,
+    };
+    let first_filler = 0x8000_0000u32;
+    let mut id = first_filler;
+    while maps.backends.insert(id, filler, 0).is_ok() {
+        id += 1;
+        assert!(
+            id - first_filler <= proxy_common::MAX_BACKENDS,
+            "BACKENDS took more than its capacity"
+        );
+    }
+    let fillers: Vec<u32> = (first_filler..id).collect();
+    let room = 1000;
+    let deleted = proxy_userspace::datapath::batch::delete(maps.backends.map(), &fillers[..room])
+        .expect("room for 1,000 backends");
+    assert_eq!(deleted, room, "fillers deleted to make room");
+
+    // Named to sort as numbered. From bulk-0800 on, the fourth endpoint is
+    // one address: its backend is first gathered past the point where the
+    // first batch fails, and the second batch uses it too. Written after
+    // that failure, the second would point at a backend that never landed.
+    for n in 0..BULK {
+        let name = format!("bulk-{n:04}");
+        let (hi, lo) = (n / 250, n % 250 + 1);
+        server.apply(service("test", &name, &format!("10.97.{hi}.{lo}")));
+        let ips: Vec<String> = (1..=4)
+            .map(|i| match (i, n >= SHARED_FROM) {
+                (4, true) => "10.201.255.1".to_owned(),
+                _ => format!("10.{}.{lo}.{i}", 202 + hi),
+            })
+            .collect();
+        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+        server.apply(slice(
+            "test",
+            &format!("{name}-1"),
+            &name,
+            "node-elsewhere",
+            &ips,
+        ));
+    }
+    eventually(
+        &context("the batch failed and the one after it not written"),
+        RECOVERY,
+        || {
+            let log = strip_ansi(&agent.log());
+            if log.contains("a batch of new frontends failed")
+                && log.contains("the batch before, whose backends it may use, failed")
+            {
+                Ok(())
+            } else {
+                Err("no failed batch logged yet".into())
+            }
+        },
+    );
+    served_by(client, 5, &["backend-a"])
+        .unwrap_or_else(|e| panic!("{}: {e}", context("web while the bulk waits")));
+
+    let deleted = proxy_userspace::datapath::batch::delete(maps.backends.map(), &fillers[room..])
+        .expect("the other fillers deleted");
+    assert_eq!(deleted, fillers.len() - room, "fillers deleted");
+    let took = eventually(
+        &context("every bulk Service programmed once there is room"),
+        RECOVERY,
+        || {
+            let (stored, _) = pinned_state(&agent.bpf_root);
+            stored
+                .check_consistent()
+                .map_err(|e| format!("a packet would see an inconsistent service: {e}"))?;
+            let programmed = (0..BULK)
+                .filter(|n| {
+                    let ip = Ipv4Addr::new(10, 97, (n / 250) as u8, (n % 250 + 1) as u8);
+                    stored.services.keys().any(|key| {
+                        key.port_be == 80u16.to_be()
+                            && key.addr_be[3] == u32::from_ne_bytes(ip.octets())
+                    })
+                })
+                .count();
+            if programmed == BULK as usize {
+                Ok(())
+            } else {
+                Err(format!("{programmed} of {BULK} bulk Services programmed"))
+            }
+        },
+    );
+    eprintln!("every bulk Service landed {took:?} after the room was made");
+    let (stored, _) = pinned_state(&agent.bpf_root);
+    assert_eq!(
+        stored.backends.len(),
+        // 400 Services' fourth endpoints are one backend.
+        (BULK * 4 - (BULK - SHARED_FROM - 1) + 1) as usize,
+        "every bulk endpoint and backend-a, nothing left over from the failed batches"
+    );
+    eventually("/healthz 200 again", RECOVERY, || {
+        match agent.healthz().as_str() {
+            "HTTP 200" => Ok(()),
+            other => Err(format!("/healthz: {other}")),
+        }
+    });
+    served_by(client, 5, &["backend-a"])
+        .unwrap_or_else(|e| panic!("{}: {e}", context("web at the end")));
+    drop(maps);
+    drop(agent);
+    drop(server);
+    drop(runtime);
+}

@@ -412,9 +412,11 @@ impl Planner {
             error,
         } = in_flight.landing.wait().err()?;
         let phases = &in_flight.phases;
-        let reason = match phases[phase].get(landed) {
-            Some(op) => format!("{op}: {error}"),
-            None => error.to_string(),
+        // The store's error may name the write already.
+        let error = error.to_string();
+        let reason = match phases[phase].get(landed).map(ToString::to_string) {
+            Some(op) if !error.starts_with(&op) => format!("{op}: {error}"),
+            _ => error,
         };
         tracing::warn!(error = %reason, "a batch of new frontends failed; retrying them");
         // Service entries land in the order of the frontends.

@@ -612,10 +612,6 @@ fn restarts_are_diffs_whichever_list_comes_first() {
 /// room again the agent's own retry programs it, with no event from the
 /// API, and /healthz is 200 again.
 #[test]
-#[expect(
-    clippy::too_many_lines,
-    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
-)]
 fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     require_root().expect("privileged test");
     let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
@@ -637,33 +633,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     // kernel refuses one.
     let pins = PinLayout::new(&agent.bpf_root);
     let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
-    let filler = proxy_common::Backend {
-        addr_be: [
-            0,
-            0,
-            0xffff_u32.to_be(),
-            u32::from_ne_bytes([10, 254, 0, 1]),
-        ],
-        port_be: 9u16.to_be(),
-        proto: 6,
-        flags: 0,
-    };
-    let first_filler = 0x8000_0000u32;
-    let mut id = first_filler;
-    let refusal = loop {
-        match maps.backends.insert(id, filler, 0) {
-            Ok(()) => id += 1,
-            Err(e) => break e,
-        }
-        assert!(
-            id - first_filler <= proxy_common::MAX_BACKENDS,
-            "BACKENDS took more than its capacity"
-        );
-    };
-    eprintln!(
-        "BACKENDS full after {} filler entries: {refusal}",
-        id - first_filler
-    );
+    let fillers = fill_backends(&mut maps);
     // `status` shows how full each map is: this one is.
     let status = proxy_userspace::status::render(&pins).expect("ebpf-proxy status");
     let fill = status
@@ -710,8 +680,8 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     );
 
     // Room for the two backends of api.
-    for id in first_filler..first_filler + 2 {
-        maps.backends.remove(&id).expect("remove a filler entry");
+    for id in &fillers[..2] {
+        maps.backends.remove(id).expect("remove a filler entry");
     }
     let took = eventually(
         &context("api programmed once there is room"),
@@ -745,6 +715,39 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     drop(agent);
     drop(server);
     drop(runtime);
+}
+
+/// Fills `BACKENDS` with entries of ids the agent does not use, until the
+/// kernel refuses one; returns their ids.
+fn fill_backends(maps: &mut Maps) -> Vec<u32> {
+    let filler = proxy_common::Backend {
+        addr_be: [
+            0,
+            0,
+            0xffff_u32.to_be(),
+            u32::from_ne_bytes([10, 254, 0, 1]),
+        ],
+        port_be: 9u16.to_be(),
+        proto: 6,
+        flags: 0,
+    };
+    let first_filler = 0x8000_0000u32;
+    let mut id = first_filler;
+    let refusal = loop {
+        match maps.backends.insert(id, filler, 0) {
+            Ok(()) => id += 1,
+            Err(e) => break e,
+        }
+        assert!(
+            id - first_filler <= proxy_common::MAX_BACKENDS,
+            "BACKENDS took more than its capacity"
+        );
+    };
+    eprintln!(
+        "BACKENDS full after {} filler entries: {refusal}",
+        id - first_filler
+    );
+    (first_filler..id).collect()
 }
 
 /// A sync of 1,200 new Services x 4 endpoints, its first batch of 1,024
@@ -788,27 +791,7 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
     // BACKENDS full, then room for 1,000.
     let pins = PinLayout::new(&agent.bpf_root);
     let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
-    let filler = proxy_common::Backend {
-        addr_be: [
-            0,
-            0,
-            0xffff_u32.to_be(),
-            u32::from_ne_bytes([10, 254, 0, 1]),
-        ],
-        port_be: 9u16.to_be(),
-        proto: 6,
-        flags: 0,
-    };
-    let first_filler = 0x8000_0000u32;
-    let mut id = first_filler;
-    while maps.backends.insert(id, filler, 0).is_ok() {
-        id += 1;
-        assert!(
-            id - first_filler <= proxy_common::MAX_BACKENDS,
-            "BACKENDS took more than its capacity"
-        );
-    }
-    let fillers: Vec<u32> = (first_filler..id).collect();
+    let fillers = fill_backends(&mut maps);
     let room = 1000;
     let deleted = proxy_userspace::datapath::batch::delete(maps.backends.map(), &fillers[..room])
         .expect("room for 1,000 backends");

@@ -19,7 +19,7 @@ use std::{
 use proxy_common::{Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue};
 
 use super::{batch, maps::MapsError};
-use crate::planner::{Landing, MapOp, PhaseFailure, Phases};
+use crate::planner::{Landing, MapOp, Phases, write_phases};
 
 /// Batches of fewer entries are written at once: a thread costs more than
 /// it saves, and a single Service's change should land without a hand-off.
@@ -104,20 +104,7 @@ impl RunWriter<OwnedFd> {
     pub fn spawn(self, phases: Arc<Phases>) -> io::Result<Landing<MapsError>> {
         let writer = std::thread::Builder::new()
             .name("map-writer".into())
-            .spawn(move || {
-                for (phase, ops) in phases.iter().enumerate().skip(1) {
-                    if ops.is_empty() {
-                        continue;
-                    }
-                    self.write_run(ops)
-                        .map_err(|(landed, error)| PhaseFailure {
-                            phase,
-                            landed,
-                            error,
-                        })?;
-                }
-                Ok(())
-            })?;
+            .spawn(move || write_phases(&phases, 1, |ops| self.write_run(ops)))?;
         Ok(Landing::Writing(writer))
     }
 }

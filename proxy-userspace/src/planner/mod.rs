@@ -24,6 +24,7 @@ pub use batch::{Batch, Unwritten};
 use hashbrown::HashMap;
 pub use ops::{
     Landing, MapOp, MapStore, PhaseFailure, Phases, SourceRangeEntry, StoredState, apply_phases,
+    write_phases,
 };
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
 

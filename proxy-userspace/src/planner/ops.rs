@@ -227,17 +227,25 @@ pub fn apply_phases<S: MapStore + ?Sized>(
     phases: &Phases,
     from: usize,
 ) -> Result<(), PhaseFailure<S::Error>> {
+    write_phases(phases, from, |ops| store.apply_all(ops))
+}
+
+/// Writes each phase of `phases` from `from` on with `write`, which says
+/// how many of a phase's writes landed when one fails; stops there.
+pub fn write_phases<E>(
+    phases: &Phases,
+    from: usize,
+    mut write: impl FnMut(&[MapOp]) -> Result<(), (usize, E)>,
+) -> Result<(), PhaseFailure<E>> {
     for (phase, ops) in phases.iter().enumerate().skip(from) {
         if ops.is_empty() {
             continue;
         }
-        store
-            .apply_all(ops)
-            .map_err(|(landed, error)| PhaseFailure {
-                phase,
-                landed,
-                error,
-            })?;
+        write(ops).map_err(|(landed, error)| PhaseFailure {
+            phase,
+            landed,
+            error,
+        })?;
     }
     Ok(())
 }

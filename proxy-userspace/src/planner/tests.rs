@@ -514,39 +514,8 @@ proptest! {
         // 6 service entries, 18 slots, 13 backends: 37 writes.
         let failures = batch.take_failures();
         prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
-        let mut unwritten = BTreeSet::new();
-        for failure in &failures {
-            let PlanError::Unwritten { frontend, owner, reason } = &failure.error else {
-                panic!("not a batch failure: {:?}", failure.error);
-            };
-            prop_assert!(reason.contains("injected failure"), "{}", reason);
-            unwritten.insert((owner.clone(), *frontend));
-        }
-        for (owner, fes) in &services {
-            let fe = &fes[0];
-            match stored_backends(&store.state, fe) {
-                Some(b) => {
-                    prop_assert_eq!(b, expected_backends(fe));
-                    prop_assert!(!unwritten.contains(&(owner.clone(), fe.key)));
-                }
-                None => prop_assert!(
-                    unwritten.contains(&(owner.clone(), fe.key)),
-                    "{} is neither in the maps nor reported", owner
-                ),
-            }
-        }
-        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
-        prop_assert_eq!(planner.frontend_count(), 6 - unwritten.len());
-
-        for (owner, fes) in &services {
-            if unwritten.iter().any(|(o, _)| o == owner) {
-                sync(&mut planner, &mut store, &owner.name, fes);
-            }
-        }
-        for (_, fes) in &services {
-            prop_assert_eq!(stored_backends(&store.state, &fes[0]), Some(expected_backends(&fes[0])));
-        }
-        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+        let unwritten = reported(&failures)?;
+        check_after_failed_batches(&services, &mut planner, &mut store, &unwritten)?;
     }
 }
 
@@ -581,14 +550,7 @@ proptest! {
         let failures = batch.take_failures();
         // Second: 3 service entries, 9 slots, 6 backends (10.0.0.200 is in).
         prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
-        let mut unwritten = BTreeSet::new();
-        for failure in &failures {
-            let PlanError::Unwritten { frontend, owner, reason } = &failure.error else {
-                panic!("not a batch failure: {:?}", failure.error);
-            };
-            prop_assert!(reason.contains("injected failure"), "{}", reason);
-            unwritten.insert((owner.clone(), *frontend));
-        }
+        let unwritten = reported(&failures)?;
         if first_failed {
             for (owner, fes) in &services[3..] {
                 prop_assert!(
@@ -597,30 +559,68 @@ proptest! {
                 );
             }
         }
-        for (owner, fes) in &services {
-            let fe = &fes[0];
-            match stored_backends(&store.state, fe) {
-                Some(b) => {
-                    prop_assert_eq!(b, expected_backends(fe));
-                    prop_assert!(!unwritten.contains(&(owner.clone(), fe.key)));
-                }
-                None => prop_assert!(
-                    unwritten.contains(&(owner.clone(), fe.key)),
-                    "{} is neither in the maps nor reported", owner
-                ),
-            }
-        }
-        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
-        prop_assert_eq!(planner.frontend_count(), 6 - unwritten.len());
-
-        for (owner, fes) in &services {
-            if unwritten.iter().any(|(o, _)| o == owner) {
-                sync(&mut planner, &mut store, &owner.name, fes);
-            }
-        }
-        for (_, fes) in &services {
-            prop_assert_eq!(stored_backends(&store.state, &fes[0]), Some(expected_backends(&fes[0])));
-        }
-        prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+        check_after_failed_batches(&services, &mut planner, &mut store, &unwritten)?;
     }
+}
+
+/// The frontends `failures` report, each a batch's failure of the injected
+/// error.
+fn reported(
+    failures: &[Unwritten<Injected>],
+) -> Result<BTreeSet<(ObjectKey, FrontendKey)>, TestCaseError> {
+    let mut unwritten = BTreeSet::new();
+    for failure in failures {
+        let PlanError::Unwritten {
+            frontend,
+            owner,
+            reason,
+        } = &failure.error
+        else {
+            panic!("not a batch failure: {:?}", failure.error);
+        };
+        prop_assert!(reason.contains("injected failure"), "{}", reason);
+        unwritten.insert((owner.clone(), *frontend));
+    }
+    Ok(unwritten)
+}
+
+/// After batches of `services` failed: each frontend is either in the maps
+/// as desired or reported in `unwritten`; nothing is left that no frontend
+/// reaches; and the reported ones land when synced again.
+fn check_after_failed_batches(
+    services: &[(ObjectKey, Vec<Frontend>)],
+    planner: &mut Planner,
+    store: &mut CheckingStore,
+    unwritten: &BTreeSet<(ObjectKey, FrontendKey)>,
+) -> Result<(), TestCaseError> {
+    for (owner, fes) in services {
+        let fe = &fes[0];
+        match stored_backends(&store.state, fe) {
+            Some(b) => {
+                prop_assert_eq!(b, expected_backends(fe));
+                prop_assert!(!unwritten.contains(&(owner.clone(), fe.key)));
+            }
+            None => prop_assert!(
+                unwritten.contains(&(owner.clone(), fe.key)),
+                "{} is neither in the maps nor reported",
+                owner
+            ),
+        }
+    }
+    prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+    prop_assert_eq!(planner.frontend_count(), services.len() - unwritten.len());
+
+    for (owner, fes) in services {
+        if unwritten.iter().any(|(o, _)| o == owner) {
+            sync(planner, store, &owner.name, fes);
+        }
+    }
+    for (_, fes) in services {
+        prop_assert_eq!(
+            stored_backends(&store.state, &fes[0]),
+            Some(expected_backends(&fes[0]))
+        );
+    }
+    prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
+    Ok(())
 }

@@ -607,27 +607,51 @@ fn restarts_are_diffs_whichever_list_comes_first() {
     drop(runtime);
 }
 
+/// One Service, web, served by backend-a through an agent started with
+/// `extra_args`: the start of the full-map tests. Dropped in the order the
+/// parts need: agent, API server, its runtime, the namespaces.
+struct WebOnly {
+    agent: KubeAgent,
+    server: apiserver::ApiServer,
+    _runtime: tokio::runtime::Runtime,
+    sb: Sandbox,
+}
+
+impl WebOnly {
+    fn start(extra_args: &[&str]) -> WebOnly {
+        require_root().expect("privileged test");
+        let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+        let node_ns = &sb.topology().node;
+        let node_name = node_ns.name().to_owned();
+        let (runtime, server) = apiserver::serve_in(node_ns);
+        server.apply(node(&node_name, None));
+        server.apply(service("test", "web", &CLUSTER_IP.to_string()));
+        server.apply(web_slice(&node_name, &["backend-a"]));
+        let agent = KubeAgent::start_with(node_ns, server.url(), extra_args);
+        eventually(
+            &format!("web programmed (agent /healthz: {})", agent.healthz()),
+            CONVERGE,
+            || served_by(&sb.client().ns, 5, &["backend-a"]),
+        );
+        WebOnly {
+            agent,
+            server,
+            _runtime: runtime,
+            sb,
+        }
+    }
+}
+
 /// A Service whose backends the kernel refuses (BACKENDS full: E2BIG) waits,
 /// counted, while /healthz turns 503 once it is overdue; when the map has
 /// room again the agent's own retry programs it, with no event from the
 /// API, and /healthz is 200 again.
 #[test]
 fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
-    require_root().expect("privileged test");
-    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    let node_ns = &sb.topology().node;
-    let client = &sb.client().ns;
-    let node_name = node_ns.name().to_owned();
-    let (runtime, server) = apiserver::serve_in(node_ns);
-    server.apply(node(&node_name, None));
-    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
-    server.apply(web_slice(&node_name, &["backend-a"]));
     // Health timeout 2 x 1 s.
-    let agent = KubeAgent::start_with(node_ns, server.url(), &["--sync-period", "1s"]);
+    let web = WebOnly::start(&["--sync-period", "1s"]);
+    let (client, server, agent) = (&web.sb.client().ns, &web.server, &web.agent);
     let context = |what: &str| format!("{what} (agent /healthz: {})", agent.healthz());
-    eventually(&context("web programmed"), CONVERGE, || {
-        served_by(client, 5, &["backend-a"])
-    });
 
     // Fill BACKENDS with entries of ids the agent does not use, until the
     // kernel refuses one.
@@ -651,7 +675,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
         "test",
         "api-1",
         "api",
-        &node_name,
+        web.sb.topology().node.name(),
         &["10.200.0.12", "10.200.0.13"],
     ));
     eventually(
@@ -712,9 +736,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
         "the landing is logged:\n{log}"
     );
     drop(maps);
-    drop(agent);
-    drop(server);
-    drop(runtime);
+    drop(web);
 }
 
 /// Fills `BACKENDS` with entries of ids the agent does not use, until the
@@ -759,34 +781,15 @@ fn fill_backends(maps: &mut Maps) -> Vec<u32> {
 /// half-written is left for a packet to find, and everything lands once
 /// there is room.
 #[test]
-#[expect(
-    clippy::too_many_lines,
-    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
-)]
 fn a_failed_batch_written_behind_lands_once_there_is_room() {
     use aya::maps::IterableMap;
     const BULK: u32 = 1200;
     const SHARED_FROM: u32 = 800;
-    require_root().expect("privileged test");
-    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
-    let node_ns = &sb.topology().node;
-    let client = &sb.client().ns;
-    let node_name = node_ns.name().to_owned();
-    let (runtime, server) = apiserver::serve_in(node_ns);
-    server.apply(node(&node_name, None));
-    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
-    server.apply(web_slice(&node_name, &["backend-a"]));
     // Changes within 3 s of a sync wait for the next: the bulk below is
     // one sync.
-    let agent = KubeAgent::start_with(
-        node_ns,
-        server.url(),
-        &["--sync-period", "1s", "--min-sync-period", "3s"],
-    );
+    let web = WebOnly::start(&["--sync-period", "1s", "--min-sync-period", "3s"]);
+    let (client, server, agent) = (&web.sb.client().ns, &web.server, &web.agent);
     let context = |what: &str| format!("{what} (agent /healthz: {})", agent.healthz());
-    eventually(&context("web programmed"), CONVERGE, || {
-        served_by(client, 5, &["backend-a"])
-    });
 
     // BACKENDS full, then room for 1,000.
     let pins = PinLayout::new(&agent.bpf_root);
@@ -881,7 +884,5 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
     served_by(client, 5, &["backend-a"])
         .unwrap_or_else(|e| panic!("{}: {e}", context("web at the end")));
     drop(maps);
-    drop(agent);
-    drop(server);
-    drop(runtime);
+    drop(web);
 }

@@ -19,6 +19,7 @@ pub mod kernel_version;
 pub mod maps;
 pub mod pins;
 pub(crate) mod sys;
+mod xdp_next;
 
 use std::path::Path;
 
@@ -127,6 +128,9 @@ pub struct Datapath {
     resize: Option<resize::Resize>,
     /// The same for `CONNTRACK6`.
     resize6: Option<resize::Resize>,
+    /// `XDP_NEXT`, held for as long as the programs run (see `xdp_next`);
+    /// None when `xdp_ingress6` could not be loaded.
+    xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
 }
 
 impl Datapath {
@@ -201,6 +205,18 @@ impl Datapath {
             loaded => (loaded?, read),
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
+        // Before anything is attached (see `xdp_next`). A kernel that
+        // refuses the program loses IPv6's XDP fast path, nothing else.
+        let xdp_next = match xdp_next::fill(&mut ebpf) {
+            Ok(array) => Some(array),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "IPv6 at XDP unavailable: IPv6 north-south traffic is translated at tc"
+                );
+                None
+            }
+        };
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
         for (program, notes, path) in [
@@ -261,6 +277,7 @@ impl Datapath {
             ip_summed: read,
             resize,
             resize6,
+            xdp_next,
         })
     }
 
@@ -390,6 +407,11 @@ impl Datapath {
             .program(program_names::XDP_INGRESS)
             .and_then(|p| p.try_into().ok())
             .expect("XDP program is loaded in Datapath::load")
+    }
+
+    /// Whether `xdp_ingress6` is in `xdp_ingress`'s hand-on slot.
+    pub fn xdp6_loaded(&self) -> bool {
+        self.xdp_next.is_some()
     }
 
     /// The floor programs once `load_floors` has loaded them, for use next

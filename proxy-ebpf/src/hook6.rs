@@ -118,10 +118,8 @@ impl Hook6 for XdpContext {
                 // IPv4's (see `verdict::xdp`).
                 // SAFETY: takes an interface index and flags, no pointers.
                 unsafe {
-                    aya_ebpf::helpers::bpf_redirect(
-                        XdpContext::ingress_ifindex(self) as u32,
-                        0,
-                    ) as u32
+                    aya_ebpf::helpers::bpf_redirect(XdpContext::ingress_ifindex(self) as u32, 0)
+                        as u32
                 }
             }
             Err(route6::Spent::HopLimit) => {

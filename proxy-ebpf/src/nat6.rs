@@ -122,8 +122,7 @@ pub fn rewrite_direct(data: usize, data_end: usize, flow: &Flow6, nat: &Nat6) ->
             }
             (l4p + 6) as *mut u16
         };
-        let mut delta =
-            delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
+        let mut delta = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
         for i in 0..4 {
             delta +=
                 delta32(flow.src_be[i], nat.src_be[i]) + delta32(flow.dst_be[i], nat.dst_be[i]);

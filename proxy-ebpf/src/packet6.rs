@@ -135,9 +135,15 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     let mut off = ETH_HLEN + IPV6_HLEN;
     let mut frag = frag::NONE;
     let mut frag_id_be = 0;
-    for _ in 0..MAX_EXT_HEADERS {
+    // XDP walks a fragment header alone, right after the IPv6 header (what
+    // a fragmented datagram from outside carries), and leaves longer
+    // chains to tc: every header walked multiplies the paths the verifier
+    // follows through the direct writes that XDP's rewrite makes at the
+    // offset found.
+    let walked = if H::XDP { 1 } else { MAX_EXT_HEADERS };
+    for _ in 0..walked {
         let len = match next {
-            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH if !H::XDP => {
                 let head: [u8; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
                 next = head[0];
                 if next == NEXTHDR_AUTH {

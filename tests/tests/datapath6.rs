@@ -1710,6 +1710,43 @@ fn xdp_drops_and_defers() {
     assert_eq!(ncounter(&nf, "xdp_tx"), 0, "nothing here is XDP's to send");
 }
 
+/// A second load on the same pins, as an upgrade in place or a takeover of
+/// pinned links makes: its `xdp_ingress` hands IPv6 to its own
+/// `xdp_ingress6`, and keeps doing so once the first datapath is gone (its
+/// program array emptied with it), on the flows the first one made.
+#[test]
+fn a_new_load_brings_its_own_xdp_ingress6() {
+    let mut nf = node_fixture();
+    let syn = tcp(OUTSIDE, 45300, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_xdp(&nf, &syn);
+    assert_eq!(ret, XDP_REDIRECT, "SYN through the first load's XDP");
+    let snat_port = parse_checked6(&out, "SNATed SYN").sport;
+    let (second, planner) = load_programmed(&nf.fx.pins, proxy_common::MAX_CONNTRACK);
+    // The first load's programs and descriptors go; its pins stay.
+    let first = std::mem::replace(&mut nf.fx.datapath, second);
+    drop(first);
+    nf.fx.planner = planner;
+    let reply = tcp(
+        REMOTE_POD,
+        8080,
+        NODE_IP,
+        snat_port,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, out) = run_xdp(&nf, &reply);
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "the reply through the second load's XDP: verdict"
+    );
+    let r = parse_checked6(&out, "reply through the second load");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 45300),
+        "the second load must translate the first one's flow"
+    );
+    assert_eq!(ncounter(&nf, "xdp_tx"), 2, "frames sent back out by XDP");
+}
+
 /// Pins the test to the CPU it runs on, so that every `BPF_PROG_TEST_RUN`
 /// of a test finds the same per-CPU flow cache; restored on drop.
 fn stay_on_this_cpu() -> CpuGuard {

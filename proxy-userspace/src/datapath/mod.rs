@@ -205,18 +205,8 @@ impl Datapath {
             loaded => (loaded?, read),
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
-        // Before anything is attached (see `xdp_next`). A kernel that
-        // refuses the program loses IPv6's XDP fast path, nothing else.
-        let xdp_next = match xdp_next::fill(&mut ebpf) {
-            Ok(array) => Some(array),
-            Err(e) => {
-                tracing::warn!(
-                    error = %e,
-                    "IPv6 at XDP unavailable: IPv6 north-south traffic is translated at tc"
-                );
-                None
-            }
-        };
+        // Before anything is attached (see `xdp_next`).
+        let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
         for (program, notes, path) in [

@@ -53,3 +53,17 @@ pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, XdpNextError> {
     array.set(XDP_NEXT_IPV6, program.fd()?, 0)?;
     Ok(array)
 }
+
+/// `fill`; on failure (a kernel or verifier that refuses `xdp_ingress6`) the
+/// slot stays empty and IPv6 is translated at tc, which costs IPv6's XDP
+/// fast path and nothing else: said once, and the agent goes on.
+pub fn fill_or_leave_to_tc(ebpf: &mut Ebpf) -> Option<ProgramArray<MapData>> {
+    fill(ebpf)
+        .inspect_err(|e| {
+            tracing::warn!(
+                error = %e,
+                "IPv6 at XDP unavailable: IPv6 north-south traffic is translated at tc"
+            );
+        })
+        .ok()
+}

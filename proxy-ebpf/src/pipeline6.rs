@@ -66,9 +66,7 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
-            count(counter::FRAG_UNTRACKED);
-            event_log::log6(Event::FragUntracked, &flow);
-            return H::PASS;
+            return untracked_fragment::<H>(&flow);
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
@@ -123,9 +121,7 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        count(counter::FRAG_UNTRACKED);
-        event_log::log6(Event::FragUntracked, &flow);
-        return H::PASS;
+        return untracked_fragment::<H>(&flow);
     }
     let Some(frontend) =
         frontend::lookup_frontend_of6(flow.dst_be, flow.dport_be, flow.proto, || {
@@ -235,6 +231,17 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
     }
     count(counter::DNAT_NEW);
     finish(ctx, flow, &nf.nat, now)
+}
+
+/// A later fragment whose datagram has no translation: passed untouched.
+/// Counted and logged by tc alone, which sees what XDP passes.
+#[inline(always)]
+fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
+    if !H::XDP {
+        count(counter::FRAG_UNTRACKED);
+        event_log::log6(Event::FragUntracked, flow);
+    }
+    H::PASS
 }
 
 /// Whether the hook can finish a packet translated as `nat`: always at tc;

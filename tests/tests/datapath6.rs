@@ -1691,6 +1691,18 @@ fn xdp_drops_and_defers() {
         QUOTE_MAX,
     );
     defer(&error, nf.uplink_index, "an ICMPv6 error", false);
+    let later = &fragmented((OUTSIDE, 45208), (NODE_IP, NODE_PORT), 3000, 0x4567)[1];
+    defer(
+        later,
+        nf.uplink_index,
+        "a later fragment of no translated datagram",
+        false,
+    );
+    assert_eq!(
+        ncounter(&nf, "frag_untracked"),
+        0,
+        "counted at XDP, and again at tc"
+    );
 
     let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE_DENIED, 45205, LB_IP, 80, frame::SYN));
     assert_eq!(ret, XDP_DROP, "source outside loadBalancerSourceRanges");

@@ -566,11 +566,12 @@ fn main() {
     });
     // Many short rounds rather than a few long ones: the pairing with the
     // floor (see `paired`) cancels drift only over the span of one pair.
-    let (repeat, rounds, singles) = if quick {
+    let params = if quick {
         (10_000, 25, 2_000)
     } else {
         (20_000, 51, 10_000)
     };
+    let (repeat, rounds, singles) = params;
 
     let root = PathBuf::from(format!(
         "/sys/fs/bpf/ebpf-proxy-bench-{}",
@@ -643,13 +644,7 @@ fn main() {
             });
         }
         for hook in ["tc6", "xdp6"] {
-            let cases = measure6(
-                &mut datapath,
-                hook,
-                size,
-                &mut fresh_port,
-                (repeat, rounds, singles),
-            );
+            let cases = measure6(&mut datapath, hook, size, &mut fresh_port, params);
             rows.push(Row {
                 hook,
                 services: size,

@@ -1600,11 +1600,11 @@ fn xdp_local_backend_dnat_and_the_reply_sent_back() {
 
 /// What XDP cannot finish reaches tc as it came, counted `xdp_to_tc`: a
 /// reject (no endpoints), a route to a neighbour not resolved yet, a route
-/// out of another interface; ICMPv6 errors and extension header chains
-/// past what is walked pass uncounted, for tc to count. A spent hop limit
-/// is XDP's to drop.
+/// out of another interface; ICMPv6 errors, extension headers XDP does not
+/// walk and later fragments of no translated datagram pass uncounted, for
+/// tc to count.
 #[test]
-fn xdp_drops_and_defers() {
+fn xdp_defers_to_tc() {
     let nf = node_fixture();
     let mut expected_to_tc = 0;
     let mut defer = |input: &[u8], ifindex: u32, what: &str, counted: bool| {
@@ -1703,7 +1703,14 @@ fn xdp_drops_and_defers() {
         0,
         "counted at XDP, and again at tc"
     );
+}
 
+/// What XDP drops itself, counted as tc counts it: a source outside the
+/// source ranges, a NodePort without a local endpoint under
+/// externalTrafficPolicy Local, a spent hop limit.
+#[test]
+fn xdp_drops() {
+    let nf = node_fixture();
     let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE_DENIED, 45205, LB_IP, 80, frame::SYN));
     assert_eq!(ret, XDP_DROP, "source outside loadBalancerSourceRanges");
     assert_eq!(ncounter(&nf, "drop_source_range"), 1);

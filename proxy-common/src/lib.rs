@@ -52,6 +52,9 @@ pub mod map_names {
     pub const CT_NEW6: &str = "CT_NEW6";
     /// The flow cache of IPv6 flows (`FlowCache6Entry`).
     pub const FLOW_CACHE6: &str = "FLOW_CACHE6";
+    /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
+    /// Never pinned, so not in `ALL`: each agent fills its own at load.
+    pub const XDP_NEXT: &str = "XDP_NEXT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
     pub const LATER: [&str; 11] = [
@@ -121,6 +124,9 @@ pub mod datapath_log {
     pub const WINDOW_NS: u64 = 1_000_000_000;
 }
 
+/// The slot of `program_names::XDP_INGRESS6` in `map_names::XDP_NEXT`.
+pub const XDP_NEXT_IPV6: u32 = 0;
+
 /// Program names in the object file.
 pub mod program_names {
     pub const TC_INGRESS: &str = "tc_ingress";
@@ -134,6 +140,12 @@ pub mod program_names {
     /// does not finish (rejects, unresolved neighbours, fragments) it passes
     /// on untouched to `tc_ingress`, which runs the same logic.
     pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// XDP for IPv6: never attached, reached by a tail call from
+    /// `XDP_INGRESS` (slot `XDP_NEXT_IPV6` of `map_names::XDP_NEXT`) for
+    /// every frame that is not IPv4. What it does not finish it passes on
+    /// untouched to `TC_INGRESS6`; with its slot empty, `XDP_INGRESS`
+    /// passes IPv6 to tc itself.
+    pub const XDP_INGRESS6: &str = "xdp_ingress6";
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
     /// Only the conntrack work of a new flow: the packet parsed and the two

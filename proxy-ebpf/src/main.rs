@@ -31,6 +31,7 @@ mod flow_cache;
 mod frag;
 mod frontend;
 mod hook;
+mod hook6;
 mod icmp6_error;
 mod icmp_error;
 mod ip_summed;
@@ -81,13 +82,24 @@ pub fn tc_ingress6(ctx: TcContext) -> i32 {
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
-/// exists.
+/// exists. What is not IPv4 goes on to `xdp_ingress6` by a tail call
+/// through `XDP_NEXT` (see `verdict::xdp`).
 ///
 /// Linux 5.9 for its bpf link; generic XDP works on any interface, native
 /// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     verdict::xdp(&ctx, pipeline::handle(&ctx))
+}
+
+/// XDP for IPv6, reached from `xdp_ingress` only (never attached): the
+/// north-south fast path of IPv6, with a stack of its own. What it cannot
+/// finish it passes untouched to `tc_ingress6` (see `hook6`).
+///
+/// Linux 5.9, as `xdp_ingress`.
+#[xdp]
+pub fn xdp_ingress6(ctx: XdpContext) -> u32 {
+    pipeline6::handle(&ctx)
 }
 
 /// cgroup `connect4`: the node's own connections to frontends go to a

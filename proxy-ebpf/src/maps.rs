@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     bindings::bpf_fib_lookup,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
@@ -57,6 +57,14 @@ pub static CONNTRACK6: Conntrack6 = LruHashMap::new();
 #[btf_map]
 pub static CT_NEW6: Conntrack6 = LruHashMap::new();
 
+/// The programs `xdp_ingress` hands frames on to by a tail call: at
+/// `proxy_common::XDP_NEXT_IPV6`, `xdp_ingress6`. Filled by the agent at
+/// load, never pinned: the kernel empties a program array when its last
+/// holder other than programs (the agent's descriptor) goes, and IPv6 is
+/// then left to tc until the next agent's programs take over.
+#[btf_map]
+pub static XDP_NEXT: ProgramArray<1> = ProgramArray::new();
+
 /// Room for the largest temporaries of `tc_ingress6`'s new flows (see
 /// `Scratch6`). Never pinned: it holds nothing from one packet to the next.
 #[btf_map]
@@ -67,7 +75,9 @@ pub static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
 /// assured with (`conntrack6::touch`), and the FIB query of a redirect
 /// (`route6`). On the program's stack they would take it past
 /// the 512 bytes it may use; on this CPU's entry of a per-CPU map they are
-/// the packet's alone, as tc runs one program at a time on a CPU.
+/// the packet's alone, as tc and XDP run one program at a time on a CPU.
+/// `xdp_ingress6` also keeps its next hop's MACs in `fib` from its route
+/// lookup to its send (`route6::xdp_next_hop`).
 #[repr(C)]
 pub struct Scratch6 {
     pub key: Ct6Key,

@@ -1,4 +1,4 @@
-//! Address and port rewrites of IPv6 packets at tc. IPv6 has no header
+//! Address and port rewrites of IPv6 packets, at tc and at XDP. IPv6 has no header
 //! checksum; the transport checksum covers the addresses through the
 //! pseudo-header (RFC 8200 8.1), so an address change is a pseudo-header
 //! change and a port change a change of the covered data.
@@ -8,17 +8,19 @@
 //! `CHECKSUM_PARTIAL` pseudo-header sum, `skb->csum` of `CHECKSUM_COMPLETE`),
 //! so this path does not read the state as IPv4's in-place one does
 //! (`nat::rewrite_skb`): two helper calls a packet, for a slice of code that
-//! is the same in every state.
+//! is the same in every state. At XDP there is no socket buffer and so no
+//! partial checksum: the packet is written directly and its full checksum
+//! updated in place (`rewrite_direct`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    PROTO_UDP,
-    csum::{delta16, delta32, fold},
+    PROTO_TCP, PROTO_UDP,
+    csum::{delta16, delta32, fold, full_update},
 };
 
 use crate::{
     packet::{ETH_HLEN, frag},
-    packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF},
+    packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, MAX_L4_OFF},
 };
 
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
@@ -89,4 +91,52 @@ impl Nat6 {
         ctx.store(ETH_HLEN + IP6_SRC_OFF, &self.src_be, 0)?;
         ctx.store(ETH_HLEN + IP6_DST_OFF, &self.dst_be, 0)
     }
+}
+
+/// Writes `nat` over `flow`'s addresses and ports in the packet between
+/// `data` and `data_end`, with one update of the full transport checksum
+/// for all of it (a computed UDP 0 sent as 0xffff). A later fragment gets
+/// its addresses alone, as in `Nat6::apply`. Nothing is written unless
+/// every field is inside the packet.
+#[inline(always)]
+pub fn rewrite_direct(data: usize, data_end: usize, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
+    let ip = data + ETH_HLEN;
+    if ip + IPV6_HLEN > data_end {
+        return Err(());
+    }
+    if flow.frag != frag::LATER {
+        let l4_off = flow.l4_off;
+        if l4_off > MAX_L4_OFF {
+            return Err(());
+        }
+        let l4p = data + l4_off;
+        // Per protocol, so that the verifier sees constant offsets.
+        let csum = if flow.proto == PROTO_TCP {
+            if l4p + 20 > data_end {
+                return Err(());
+            }
+            (l4p + 16) as *mut u16
+        } else {
+            if l4p + 8 > data_end {
+                return Err(());
+            }
+            (l4p + 6) as *mut u16
+        };
+        let mut delta = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
+        for i in 0..4 {
+            delta +=
+                delta32(flow.src_be[i], nat.src_be[i]) + delta32(flow.dst_be[i], nat.dst_be[i]);
+        }
+        // SAFETY: inside the bounds checked above.
+        unsafe {
+            (l4p as *mut [u16; 2]).write([nat.sport_be, nat.dport_be]);
+            csum.write(full_update(csum.read(), delta, flow.proto == PROTO_UDP));
+        }
+    }
+    // SAFETY: inside the bounds checked above.
+    unsafe {
+        ((ip + IP6_SRC_OFF) as *mut [u32; 4]).write(nat.src_be);
+        ((ip + IP6_DST_OFF) as *mut [u32; 4]).write(nat.dst_be);
+    }
+    Ok(())
 }

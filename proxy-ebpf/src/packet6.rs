@@ -7,7 +7,6 @@
 //! left for the caller to fill in from its datagram's first fragment
 //! (`crate::frag`), whose chain may go on past the fragment header.
 
-use aya_ebpf::programs::TcContext;
 use proxy_common::{PROTO_TCP, PROTO_UDP};
 
 use crate::{
@@ -102,11 +101,11 @@ pub struct Ipv6Head {
 }
 
 /// Parses the packet's headers; a packet whose headers are not all in the
-/// linear area is pulled once and read again.
+/// linear area is pulled once (at tc) and read again.
 #[inline(always)]
-pub fn parse(ctx: &TcContext) -> Result<Flow6, Skip6> {
+pub fn parse<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     match parse_linear(ctx) {
-        Err(Skip6::Truncated) if ctx.pull(PARSE_LEN) => match parse_linear(ctx) {
+        Err(Skip6::Truncated) if !H::XDP && ctx.pull(PARSE_LEN) => match parse_linear(ctx) {
             Err(Skip6::Truncated) => Err(Skip6::Malformed),
             other => other,
         },
@@ -116,7 +115,7 @@ pub fn parse(ctx: &TcContext) -> Result<Flow6, Skip6> {
 }
 
 #[inline(always)]
-fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
+fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     let (data, data_end) = ctx.bounds();
     let eth_type: u16 = read(data, data_end, 12).ok_or(Skip6::NotOurs)?;
     if eth_type != ETH_P_IPV6_BE {
@@ -136,9 +135,15 @@ fn parse_linear(ctx: &TcContext) -> Result<Flow6, Skip6> {
     let mut off = ETH_HLEN + IPV6_HLEN;
     let mut frag = frag::NONE;
     let mut frag_id_be = 0;
-    for _ in 0..MAX_EXT_HEADERS {
+    // XDP walks a fragment header alone, right after the IPv6 header (what
+    // a fragmented datagram from outside carries), and leaves longer
+    // chains to tc: every header walked multiplies the paths the verifier
+    // follows through the direct writes that XDP's rewrite makes at the
+    // offset found.
+    let walked = if H::XDP { 1 } else { MAX_EXT_HEADERS };
+    for _ in 0..walked {
         let len = match next {
-            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH if !H::XDP => {
                 let head: [u8; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
                 next = head[0];
                 if next == NEXTHDR_AUTH {

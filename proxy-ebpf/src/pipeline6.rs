@@ -1,14 +1,17 @@
-//! The per-packet pipeline of IPv6 at tc (`tc_ingress6`): conntrack, then
-//! the frontend lookup, then what the packet becomes, with the tc verdict.
-//! A program of its own rather than more of `tc_ingress`, whose stack is
-//! nearly full (docs/architecture.md): IPv4 packets never run this code,
-//! IPv6 ones never run IPv4's.
+//! The per-packet pipeline of IPv6 (`tc_ingress6`, `xdp_ingress6`):
+//! conntrack, then the frontend lookup, then what the packet becomes, with
+//! the hook's verdict (`hook6`). Programs of their own rather than more of
+//! `tc_ingress` and `xdp_ingress`, whose stacks are nearly full
+//! (docs/architecture.md): IPv4 packets never run this code, IPv6 ones
+//! never run IPv4's.
 //!
 //! Every frontend of TCP and UDP, as IPv4's: ClusterIPs, NodePorts on the
 //! node's IPv6 addresses, LoadBalancer IPs and ExternalIPs, with their
 //! traffic policies, source ranges, SNAT and hairpin. A packet whose new
 //! source is an address of this node is routed and redirected (`route6`).
-//! XDP passes IPv6 to tc, so every IPv6 translation happens here. ICMPv6
+//! At XDP a packet is finished only where it can be sent back out of the
+//! interface it came in on (or passed to the stack translated); everything
+//! else is left untouched to tc, as IPv4's pipeline does. ICMPv6
 //! errors quoting a translated flow's packet are translated back
 //! (`icmp6_error`); every other ICMPv6 message, neighbour discovery among
 //! them, passes untouched, as SCTP does. Fragments follow
@@ -18,13 +21,7 @@
 //! (`flow_cache::get6`), new ones start in `CT_NEW6` (`conntrack6`), and
 //! rare events go to the datapath log, as IPv4's.
 
-use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    programs::TcContext,
-};
-use proxy_common::{
-    PROTO_TCP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags,
-};
+use proxy_common::{backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
 
 use crate::{
     conntrack::now_ns,
@@ -32,48 +29,55 @@ use crate::{
     event_log::{self, Event},
     flow_cache, frag,
     frontend::{self, Frontend},
-    icmp6_error,
+    hook6::Hook6,
     maps::{FLOW_KEY6, count, node_addr6, node_config},
     nat6::Nat6,
-    packet::frag::{FIRST, LATER},
+    packet::{
+        ETH_HLEN,
+        frag::{FIRST, LATER},
+    },
     packet6::{self, Flow6, Skip6},
-    reject6, route6,
+    route6,
 };
 
-/// tc's verdict for an IPv6 packet, after the translation or reply it
-/// calls for.
+/// The hook's verdict for an IPv6 packet, after the translation or reply
+/// it calls for.
 #[inline(always)]
-pub fn handle(ctx: &TcContext) -> i32 {
+pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
     let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
-        Err(Skip6::NotOurs) => return TC_ACT_OK,
-        Err(Skip6::Icmp6(icmp_off)) => return icmp6_error::handle(ctx, icmp_off),
+        Err(Skip6::NotOurs) => return H::PASS,
+        Err(Skip6::Icmp6(icmp_off)) => return ctx.icmp6_error(icmp_off),
+        // Counted by tc, which sees the same packet next (and may pull in
+        // what XDP found cut short).
+        Err(Skip6::Malformed | Skip6::Truncated | Skip6::ExtHeaders) if H::XDP => {
+            return H::PASS;
+        }
         Err(Skip6::Malformed | Skip6::Truncated) => {
             count(counter::PASS_MALFORMED);
-            return TC_ACT_OK;
+            return H::PASS;
         }
         Err(Skip6::ExtHeaders) => {
             count(counter::PASS_V6_EXT_HEADERS);
-            return TC_ACT_OK;
+            return H::PASS;
         }
     };
     let now = now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
-            count(counter::FRAG_UNTRACKED);
-            event_log::log6(Event::FragUntracked, &flow);
-            return TC_ACT_OK;
+            return untracked_fragment::<H>(&flow);
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
         flow.proto = proto;
     }
     let Some(key) = FLOW_KEY6.get_ptr_mut(0) else {
-        return TC_ACT_OK;
+        return H::PASS;
     };
     // SAFETY: this CPU's entry, used by nothing else while this program
-    // runs (tc runs one program at a time on a CPU).
+    // runs (tc and XDP run one program at a time on a CPU, neither
+    // interrupting the other).
     let key = unsafe {
         *key = conntrack6::flow_key(&flow);
         &*key
@@ -96,6 +100,9 @@ pub fn handle(ctx: &TcContext) -> i32 {
         let entry = unsafe { &*known };
         let nat = conntrack6::translation(entry, &flow);
         let dir = entry.dir;
+        if !xdp_can_send(ctx, &flow, &nat) {
+            return H::PASS;
+        }
         if let Some(found) = &found {
             conntrack6::touch(key, found, &flow, &nat, now);
             if !found.unassured {
@@ -114,16 +121,14 @@ pub fn handle(ctx: &TcContext) -> i32 {
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        count(counter::FRAG_UNTRACKED);
-        event_log::log6(Event::FragUntracked, &flow);
-        return TC_ACT_OK;
+        return untracked_fragment::<H>(&flow);
     }
     let Some(frontend) =
         frontend::lookup_frontend_of6(flow.dst_be, flow.dport_be, flow.proto, || {
             frontend::in_cluster6(flow.src_be)
         })
     else {
-        return TC_ACT_OK;
+        return H::PASS;
     };
     new_flow(ctx, &flow, &frontend, now)
 }
@@ -135,36 +140,40 @@ pub fn handle(ctx: &TcContext) -> i32 {
 /// hairpin flow; kept otherwise. Its conntrack entries are built in
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
-fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32 {
+fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H::Verdict {
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0
         && !frontend::source_allowed_for6(frontend, flow.src_be)
     {
         count(counter::DROP_SOURCE_RANGE);
         event_log::log6(Event::SourceRange, flow);
-        return TC_ACT_SHOT;
+        return H::DROP;
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
             event_log::log6(Event::NoEndpoint, flow);
-            return TC_ACT_SHOT;
+            return H::DROP;
+        }
+        if H::XDP {
+            count(counter::XDP_TO_TC);
+            return H::PASS;
         }
         count(counter::REJECT);
-        return reject(ctx, flow);
+        return ctx.reject6(flow);
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);
-        return TC_ACT_OK;
+        return H::PASS;
     };
     if is_v4_mapped(&backend.addr_be) {
         // An IPv4 backend behind an IPv6 frontend: the planner never
         // writes one, as each family's frontends get that family's
         // endpoints.
         count(counter::LOOKUP_MISS);
-        return TC_ACT_OK;
+        return H::PASS;
     }
     let mut nf = NewFlow6 {
         nat: Nat6 {
@@ -197,6 +206,9 @@ fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32
         };
         nf.nat.src_be = node;
         nf.nat.redirect = true;
+        if !xdp_can_send(ctx, flow, &nf.nat) {
+            return H::PASS;
+        }
         let config = node_config();
         if !conntrack6::create_snat(
             flow,
@@ -207,7 +219,7 @@ fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32
         ) {
             count(counter::SNAT_EXHAUSTED);
             event_log::log6(Event::SnatExhausted, flow);
-            return TC_ACT_SHOT;
+            return H::DROP;
         }
         count(if hairpin {
             counter::HAIRPIN
@@ -221,42 +233,57 @@ fn new_flow(ctx: &TcContext, flow: &Flow6, frontend: &Frontend, now: u64) -> i32
     finish(ctx, flow, &nf.nat, now)
 }
 
+/// A later fragment whose datagram has no translation: passed untouched.
+/// Counted and logged by tc alone, which sees what XDP passes.
+#[inline(always)]
+fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
+    if !H::XDP {
+        count(counter::FRAG_UNTRACKED);
+        event_log::log6(Event::FragUntracked, flow);
+    }
+    H::PASS
+}
+
+/// Whether the hook can finish a packet translated as `nat`: always at tc;
+/// at XDP, a packet the program routes (`nat.redirect`) only when it goes
+/// back out of the interface it came in on to a known neighbour. Asked
+/// before anything is written or created, so that a packet left to tc
+/// (counted `xdp_to_tc`) reaches it as it came.
+#[inline(always)]
+fn xdp_can_send<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> bool {
+    if !H::XDP || !nat.redirect {
+        return true;
+    }
+    // The IPv6 packet's length, for the FIB's MTU check: at XDP every
+    // byte is in the frame.
+    let len = ctx.wire_len().saturating_sub(ETH_HLEN) as u16;
+    if route6::xdp_next_hop(ctx, flow.proto, &nat.src_be, &nat.dst_be, len) {
+        true
+    } else {
+        count(counter::XDP_TO_TC);
+        false
+    }
+}
+
 /// Writes the translation; a rewrite that failed half-way leaves a packet
 /// with a wrong checksum, which is dropped rather than sent. A first
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish(ctx: &TcContext, flow: &Flow6, nat: &Nat6, now: u64) -> i32 {
+fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
     match flow.frag {
         FIRST => frag::remember6(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if nat.apply(ctx, flow).is_err() {
+    if ctx.rewrite6(flow, nat).is_err() {
         count(counter::DROP_REWRITE);
         event_log::log6(Event::Rewrite, flow);
-        return TC_ACT_SHOT;
+        return H::DROP;
     }
     if !nat.redirect {
-        return TC_ACT_OK;
+        return H::PASS;
     }
     count(counter::REDIRECT);
-    route6::redirect(ctx, flow.proto, &nat.src_be, &nat.dst_be)
-}
-
-#[inline(always)]
-fn reject(ctx: &TcContext, flow: &Flow6) -> i32 {
-    let rejected = if flow.proto == PROTO_TCP {
-        reject6::tcp_reset(ctx, flow)
-    } else {
-        reject6::icmp_port_unreachable(ctx, flow)
-    };
-    if let Ok(verdict) = rejected {
-        event_log::log6(Event::Reject, flow);
-        verdict
-    } else {
-        count(counter::DROP_REJECT_FAILED);
-        event_log::log6(Event::RejectFailed, flow);
-        TC_ACT_SHOT
-    }
+    ctx.send6(flow, nat)
 }

@@ -1,8 +1,11 @@
-//! `route`'s redirect for IPv6 packets at tc: a FIB lookup of the
-//! translated addresses gives the egress interface and next hop, the packet
-//! is rewritten as a router would (MACs, hop limit) and redirected. Used
-//! where IPv4 redirects: the new source is an address of this node (SNAT,
+//! `route`'s redirect for IPv6 packets: a FIB lookup of the translated
+//! addresses gives the egress interface and next hop, the packet is
+//! rewritten as a router would (MACs, hop limit) and redirected. Used where
+//! IPv4 redirects: the new source is an address of this node (SNAT,
 //! hairpin, a reply from a NodePort), which the stack would not forward.
+//! tc sends anywhere, resolving the neighbour if need be; XDP only back out
+//! of the interface the packet came in on, to a resolved neighbour, and
+//! looks that up before anything is written (`xdp_next_hop`).
 
 use core::mem::size_of;
 
@@ -22,6 +25,7 @@ use crate::{
     hook::Hook,
     maps::{count, scratch6},
     packet::ETH_HLEN,
+    packet6::IPV6_HLEN,
 };
 
 const AF_INET6: u8 = 10;
@@ -105,4 +109,82 @@ pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]
             no_route()
         }
     }
+}
+
+/// Whether XDP can send a packet from `src_be` to `dst_be` itself: the FIB
+/// has a resolved next hop for it out of the interface it came in on. The
+/// answer (its MACs) stays in this CPU's `SCRATCH6` for `xdp_forward`,
+/// which nothing between the two overwrites (`conntrack6` uses its keys and
+/// entry only). `len` is the IPv6 packet's length, for the FIB's MTU check.
+#[inline(always)]
+pub fn xdp_next_hop<H: Hook>(
+    ctx: &H,
+    proto: u8,
+    src_be: &[u32; 4],
+    dst_be: &[u32; 4],
+    len: u16,
+) -> bool {
+    let Some(scratch) = scratch6() else {
+        return false;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (see `maps::Scratch6`); all-zeros is a valid `bpf_fib_lookup`.
+    let params = unsafe {
+        let params = &raw mut (*scratch).fib;
+        params.write(core::mem::zeroed());
+        &mut *params
+    };
+    params.family = AF_INET6;
+    params.l4_protocol = proto;
+    params.__bindgen_anon_1.tot_len = len;
+    let ingress = ctx.ingress_ifindex();
+    params.ifindex = ingress;
+    params.__bindgen_anon_3.ipv6_src = *src_be;
+    params.__bindgen_anon_4.ipv6_dst = *dst_be;
+    // SAFETY: the context and a `bpf_fib_lookup` in a map value, with its
+    // size.
+    let ret = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            core::ptr::from_mut(params),
+            size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && params.ifindex == ingress
+}
+
+/// Why `xdp_forward` did not make a packet ready to send.
+pub enum Spent {
+    /// Its hop limit was 1 or 0: a router drops it.
+    HopLimit,
+    /// Too short for an IPv6 header: never, after parsing.
+    NoRoom,
+}
+
+/// Takes the hop limit of the (translated) packet between `data` and
+/// `data_end` down by one and writes the MACs `xdp_next_hop` found. Plain
+/// stores: IPv6 has no header checksum, and the transport checksum covers
+/// neither.
+#[inline(always)]
+pub fn xdp_forward(data: usize, data_end: usize) -> Result<(), Spent> {
+    if data + ETH_HLEN + IPV6_HLEN > data_end {
+        return Err(Spent::NoRoom);
+    }
+    let Some(scratch) = scratch6() else {
+        return Err(Spent::NoRoom);
+    };
+    // SAFETY: inside the bounds checked above; this CPU's `SCRATCH6` entry,
+    // as `xdp_next_hop` left it.
+    unsafe {
+        let hop_limit = (data + ETH_HLEN + IP6_HOP_LIMIT_OFF) as *mut u8;
+        if *hop_limit <= 1 {
+            return Err(Spent::HopLimit);
+        }
+        *hop_limit -= 1;
+        let fib = &(*scratch).fib;
+        (data as *mut [u8; 6]).write(fib.dmac);
+        ((data + 6) as *mut [u8; 6]).write(fib.smac);
+    }
+    Ok(())
 }

@@ -9,13 +9,16 @@ use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
     event_log::{self, Event},
-    maps::count,
+    maps::{XDP_NEXT, count},
     pipeline::Action,
     reject, route,
 };
 
 /// tcx: run the next program in the chain; from the last one, a pass.
 pub const TCX_NEXT: i32 = -1;
+
+/// `XDP_NEXT`'s slot of `xdp_ingress6`.
+const XDP_NEXT_IPV6: u32 = proxy_common::XDP_NEXT_IPV6;
 
 /// tc's return code for `action`, after the reply or redirect it asks for.
 #[inline(always)]
@@ -52,7 +55,9 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
     }
 }
 
-/// XDP's return code for `action`.
+/// XDP's return code for `action`. Inlined into `xdp_ingress`'s own frame,
+/// where its tail call must be: the verifier refuses a tail call from a
+/// subprogram whose callers' frames use 256 bytes of stack or more.
 #[inline(always)]
 #[expect(
     clippy::match_same_arms,
@@ -60,8 +65,14 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
 )]
 pub fn xdp(ctx: &XdpContext, action: Action) -> u32 {
     match action {
-        // IPv6 is left to tc (`tc_ingress6`).
-        Action::Pass | Action::Next | Action::ToTc => xdp_action::XDP_PASS,
+        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
+        Action::Next => {
+            // SAFETY: a tail call with this program's own context. It only
+            // returns when it fails (an empty slot: `xdp_ingress6` was not
+            // loaded, or its agent has gone), and then IPv6 is left to tc.
+            unsafe { XDP_NEXT.tail_call(ctx, XDP_NEXT_IPV6) };
+            xdp_action::XDP_PASS
+        }
         Action::Drop => xdp_action::XDP_DROP,
         Action::Tx => {
             // A redirect to the interface the packet came in on, rather than

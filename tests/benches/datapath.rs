@@ -1,9 +1,10 @@
 //! Per-packet cost of the tc and XDP programs, through `BPF_PROG_TEST_RUN`, at
 //! growing numbers of installed services (10 endpoints each), each against a
 //! do-nothing program of the same hook measured in the same run. Every Service is
-//! dual-stack: the IPv6 program (`tc_ingress6`, rows of hook `tc6`) is measured on
-//! IPv6 frames to the IPv6 ClusterIPs against the same empty tc program, fed the
-//! same IPv6 frames.
+//! dual-stack: the IPv6 programs (`tc_ingress6`, rows of hook `tc6`; `xdp_ingress`
+//! handing IPv6 on to `xdp_ingress6` by its tail call, rows of hook `xdp6`) are
+//! measured on IPv6 frames to the IPv6 ClusterIPs against the same empty program of
+//! their hook, fed the same IPv6 frames.
 //!
 //! Two methods, both reported:
 //! - `repeat`: one packet run `REPEAT` times in the kernel; the kernel's
@@ -418,11 +419,13 @@ fn dst6(frame: &[u8]) -> Ipv6Addr {
         .into()
 }
 
-/// `tc_ingress6` at one size, as [`measure_hook`] measures `tc_ingress`: the same
-/// empty tc program as its floor, on IPv6 frames. No conntrack-pair reference:
+/// IPv6 at `hook` (`tc6`: `tc_ingress6`; `xdp6`: `xdp_ingress` and its tail call
+/// to `xdp_ingress6`) at one size, as [`measure_hook`] measures IPv4: the empty
+/// program of the hook as its floor, on IPv6 frames. No conntrack-pair reference:
 /// that program is IPv4's.
-fn measure_tc6(
+fn measure6(
     datapath: &mut Datapath,
+    hook: &str,
     size: u32,
     fresh_port: &mut dyn FnMut() -> u16,
     (repeat, rounds, singles): (u32, usize, usize),
@@ -455,8 +458,21 @@ fn measure_tc6(
     for key in mirrors {
         add_mirror6(datapath, key);
     }
-    let floor = Prog::Tc(datapath.floors().expect("floor programs loaded").0);
-    let program = Prog::Tc(datapath.tc6_program());
+    let (floor, program) = if hook == "tc6" {
+        (
+            Prog::Tc(datapath.floors().expect("floor programs loaded").0),
+            Prog::Tc(datapath.tc6_program()),
+        )
+    } else {
+        assert!(
+            datapath.xdp6_loaded(),
+            "xdp_ingress6 is not loaded: the xdp6 rows would measure xdp_ingress alone"
+        );
+        (
+            Prog::Xdp(datapath.floors().expect("floor programs loaded").1),
+            Prog::Xdp(datapath.xdp_program()),
+        )
+    };
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
     let other = tcp6(
         CLIENT6,
@@ -550,11 +566,12 @@ fn main() {
     });
     // Many short rounds rather than a few long ones: the pairing with the
     // floor (see `paired`) cancels drift only over the span of one pair.
-    let (repeat, rounds, singles) = if quick {
+    let params = if quick {
         (10_000, 25, 2_000)
     } else {
         (20_000, 51, 10_000)
     };
+    let (repeat, rounds, singles) = params;
 
     let root = PathBuf::from(format!(
         "/sys/fs/bpf/ebpf-proxy-bench-{}",
@@ -626,18 +643,15 @@ fn main() {
                 cases,
             });
         }
-        let cases = measure_tc6(
-            &mut datapath,
-            size,
-            &mut fresh_port,
-            (repeat, rounds, singles),
-        );
-        rows.push(Row {
-            hook: "tc6",
-            services: size,
-            program_s: program6_s,
-            cases,
-        });
+        for hook in ["tc6", "xdp6"] {
+            let cases = measure6(&mut datapath, hook, size, &mut fresh_port, params);
+            rows.push(Row {
+                hook,
+                services: size,
+                program_s: program6_s,
+                cases,
+            });
+        }
         eprintln!(
             "{size} services: programmed in {program_s:.2}s (IPv6 frontends {program6_s:.2}s), \
              measured"
@@ -709,8 +723,9 @@ fn flood(datapath: &mut Datapath, times: u32) -> String {
 fn render(rows: &[Row], repeat: u32) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "Per-packet cost of tc_ingress and xdp_ingress, and of tc_ingress6 (hook `tc6`: IPv6 \
-         frames to the Services' IPv6 ClusterIPs, against the same empty tc program) \
+        "Per-packet cost of tc_ingress and xdp_ingress, and of tc_ingress6 and xdp_ingress6 \
+         (hooks `tc6`, `xdp6`: IPv6 frames to the Services' IPv6 ClusterIPs, against the same \
+         empty program of the hook; at XDP through xdp_ingress's tail call) \
          (BPF_PROG_TEST_RUN, ns per packet; \
          `single` = median of one-packet runs, `x{repeat}` = median of kernel averages over \
          {repeat} runs of one packet, established flows as a ping-pong pair; ratio = median of \
@@ -744,7 +759,7 @@ fn render(rows: &[Row], repeat: u32) -> String {
             row.services, row.program_s
         ));
     }
-    for hook in ["tc", "xdp", "tc6"] {
+    for hook in ["tc", "xdp", "tc6", "xdp6"] {
         let of_hook: Vec<&Row> = rows.iter().filter(|r| r.hook == hook).collect();
         if let (Some(first), Some(last)) = (of_hook.first(), of_hook.last()) {
             let est = |r: &Row| {

@@ -144,7 +144,7 @@ pub fn tcp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
 /// Its data segment also completes a handshake whose last ACK was lost at a backend
 /// that answered with a SYN cookie; a client that waits for the greeting waits for a
 /// retransmission such a backend never sends.
-pub fn tcp_request_speaking_first_here(addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn tcp_request_speaking_first_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
     let stream = TcpStream::connect_timeout(&addr.into(), timeout)
         .and_then(|mut stream| stream.write_all(b"hello\n").map(|()| stream));
     match stream {
@@ -304,7 +304,7 @@ pub fn tcp_request<A: Peer>(ns: &NetNs, addr: A, timeout: Duration) -> Outcome<A
 }
 
 /// [`tcp_request_speaking_first_here`] from inside `ns`.
-pub fn tcp_request_speaking_first(ns: &NetNs, addr: SocketAddrV4, timeout: Duration) -> Outcome {
+pub fn tcp_request_speaking_first<A: Peer>(ns: &NetNs, addr: A, timeout: Duration) -> Outcome<A> {
     ns.run(|| tcp_request_speaking_first_here(addr, timeout))
         .unwrap_or_else(|e| Outcome::Failed(format!("{e:#}")))
 }

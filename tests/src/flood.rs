@@ -2,12 +2,12 @@
 //! ever new source ports that never complete a handshake, written through a raw
 //! socket so that no local socket state limits their rate.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use anyhow::{Result, bail};
 use nix::libc;
 
-use crate::frames::{self, Spec};
+use crate::frames::{self, Spec, Spec6};
 
 /// Sends `count` TCP SYNs from `src` to `dst` from the calling thread's network
 /// namespace, source ports cycling over 1024-65535; returns how many the kernel took.
@@ -54,6 +54,61 @@ pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u3
         }
         // Paced in bursts that a veth's queue (256 frames under XDP) takes whole:
         // faster, most of the flood would be dropped before any datapath saw it.
+        if i % 64 == 63 {
+            std::thread::sleep(std::time::Duration::from_micros(500));
+        }
+    }
+    // SAFETY: closes the descriptor opened above, once.
+    unsafe { libc::close(fd) };
+    Ok(sent)
+}
+
+/// [`syn_flood_here`] over IPv6: `count` SYNs from `src` to `dst`, through a raw
+/// socket that takes whole IPv6 packets (`IPPROTO_RAW` implies the header is
+/// the caller's, as for IPv4).
+pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u32> {
+    // SAFETY: plain system calls on a descriptor this function owns.
+    let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        bail!("raw IPv6 socket: {}", std::io::Error::last_os_error());
+    }
+    let to = libc::sockaddr_in6 {
+        sin6_family: libc::AF_INET6 as libc::sa_family_t,
+        sin6_port: 0,
+        sin6_flowinfo: 0,
+        sin6_addr: libc::in6_addr {
+            s6_addr: dst.ip().octets(),
+        },
+        sin6_scope_id: 0,
+    };
+    let mut sent = 0;
+    for i in 0..count {
+        let frame = frames::build6(&Spec6 {
+            src,
+            dst: *dst.ip(),
+            sport: 1024 + (i % 64_512) as u16,
+            dport: dst.port(),
+            proto: frames::TCP,
+            tcp_flags: frames::SYN,
+            payload: Vec::new(),
+            ext: Vec::new(),
+        });
+        let packet = &frame[14..];
+        // SAFETY: `packet` and `to` outlive the call; the lengths are theirs.
+        let n = unsafe {
+            libc::sendto(
+                fd,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&raw const to).cast(),
+                size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            )
+        };
+        if n == packet.len() as isize {
+            sent += 1;
+        }
+        // Paced as `syn_flood_here`'s.
         if i % 64 == 63 {
             std::thread::sleep(std::time::Duration::from_micros(500));
         }

@@ -1,4 +1,5 @@
-//! The IPv6 tc program (`tc_ingress6`) on hand-built frames through
+//! The IPv6 programs (`tc_ingress6`, and `xdp_ingress6` through
+//! `xdp_ingress`'s tail call) on hand-built frames through
 //! `BPF_PROG_TEST_RUN`, as tests/datapath.rs does for IPv4: every checksum
 //! of every output frame recomputed from scratch (tests/src/frames.rs).
 //! Needs root (it loads BPF programs and pins maps).
@@ -1420,6 +1421,349 @@ fn a_spent_hop_limit_is_dropped_and_counted() {
     let (ret, _) = run_on_uplink(&nf, &syn);
     assert_eq!(ret, TC_ACT_SHOT, "SYN with hop limit 1: verdict");
     assert_eq!(ncounter(&nf, "drop_ttl"), 1, "the drop was not counted");
+}
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
+/// On the uplink's link, with no neighbour entry.
+const UNRESOLVED_CLIENT: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 0x300);
+
+/// `xdp_md` for a frame of `len` bytes arriving on `ifindex`.
+fn xdp_md(len: usize, ifindex: u32) -> [u8; 24] {
+    let mut md = [0u8; 24];
+    md[4..8].copy_from_slice(&(len as u32).to_ne_bytes());
+    md[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    md
+}
+
+/// `xdp_ingress` on one frame arriving on `ifindex`: IPv6 reaches
+/// `xdp_ingress6` only through its tail call, so a translation here says
+/// the call was taken.
+fn run_xdp_on(nf: &NodeFixture, ifindex: u32, input: &[u8]) -> (u32, Vec<u8>) {
+    assert!(
+        nf.fx.datapath.xdp6_loaded(),
+        "xdp_ingress6 is not in XDP_NEXT: nothing here would run it"
+    );
+    let program = nf.fx.datapath.xdp_program();
+    nf.ns
+        .run(|| {
+            let mut out = vec![0u8; input.len() + 256];
+            let md = xdp_md(input.len(), ifindex);
+            let mut opts = TestRunOptions::new();
+            opts.data_in = Some(input);
+            opts.data_out = Some(&mut out);
+            opts.ctx_in = Some(&md);
+            let result = program.test_run(opts).expect("XDP test run");
+            out.truncate(result.data_size_out as usize);
+            (result.return_value, out)
+        })
+        .expect("run in the node namespace")
+}
+
+fn run_xdp(nf: &NodeFixture, input: &[u8]) -> (u32, Vec<u8>) {
+    run_xdp_on(nf, nf.uplink_index, input)
+}
+
+/// ETP Cluster, remote backend, at XDP: the SYN is SNATed to the node and
+/// DNATed to the pod, routed by the program (the peer node's MAC, hop limit
+/// down by one) and sent back out of the uplink; the reply comes back from
+/// the NodePort to the client the same way, and so do the flow's next
+/// packets, over TCP and UDP, every checksum recomputed from scratch. tc
+/// does none of it.
+#[test]
+fn xdp_nodeport_snat_both_ways() {
+    let _cpu = stay_on_this_cpu();
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_xdp(&nf, &syn);
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "NodePort SYN with a remote backend: XDP verdict"
+    );
+    let p = parse_checked6(&out, "SNATed SYN at XDP");
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (NODE_IP, REMOTE_POD, 8080),
+        "SYN not SNATed to the node and DNATed to the pod"
+    );
+    assert!(
+        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
+        "SNAT port {} outside the range",
+        p.sport
+    );
+    assert_eq!(
+        macs(&out),
+        (PEER_MAC, UPLINK_MAC),
+        "not routed to the peer node"
+    );
+    assert_eq!(
+        out[HOP_LIMIT],
+        syn[HOP_LIMIT] - 1,
+        "hop limit not taken down by one"
+    );
+    let snat_port = p.sport;
+
+    let reply = tcp(
+        REMOTE_POD,
+        8080,
+        NODE_IP,
+        snat_port,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, out) = run_xdp(&nf, &reply);
+    assert_eq!(ret, XDP_REDIRECT, "reply: XDP verdict");
+    let r = parse_checked6(&out, "reverse-translated reply at XDP");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 45000),
+        "the reply must come from the NodePort and go back to the client"
+    );
+    assert_eq!(
+        macs(&out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "reply not routed to the client"
+    );
+
+    // Established packets, the second from this CPU's flow cache once the
+    // first has assured the flow.
+    for i in 0..2 {
+        let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::ACK));
+        assert_eq!(ret, XDP_REDIRECT, "established packet {i}: XDP verdict");
+        let e = parse_checked6(&out, "established packet at XDP");
+        assert_eq!(
+            (e.src, e.sport, e.dst, e.dport),
+            (NODE_IP, snat_port, REMOTE_POD, 8080),
+            "established packet {i} left its flow's translation"
+        );
+    }
+
+    let (ret, out) = run_xdp(&nf, &udp(OUTSIDE, 45001, NODE_IP, NODE_PORT));
+    // The NodePort is TCP only: UDP to it is not ours, and untouched.
+    assert_eq!(ret, XDP_PASS, "UDP to a TCP NodePort: XDP verdict");
+    assert_eq!(
+        parse_checked6(&out, "UDP to a TCP NodePort").dst,
+        NODE_IP,
+        "UDP to a TCP NodePort was translated"
+    );
+
+    assert_eq!(ncounter(&nf, "snat_new"), 1, "SNATed flows");
+    assert_eq!(ncounter(&nf, "xdp_tx"), 4, "frames sent back out by XDP");
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        4,
+        "packets routed by the program"
+    );
+    assert_eq!(ncounter(&nf, "xdp_to_tc"), 0, "frames left to tc");
+}
+
+/// A UDP NodePort to a local backend at XDP: DNAT alone, passed to the
+/// stack translated (checksum recomputed from scratch); the backend's
+/// answer, whose source becomes the node's address, sent back to the
+/// client by XDP.
+#[test]
+fn xdp_local_backend_dnat_and_the_reply_sent_back() {
+    let mut nf = node_fixture();
+    let mut fe = Frontend {
+        kind: FrontendKind::NodePort,
+        ..frontend(
+            Ipv6Addr::UNSPECIFIED,
+            30090,
+            Protocol::Udp,
+            8080,
+            &[LOCAL_POD],
+        )
+    };
+    for b in &mut fe.backends {
+        b.local = true;
+    }
+    program(&mut nf.fx, "np-udp-local", &fe);
+    let (ret, out) = run_xdp(&nf, &udp(OUTSIDE, 45100, NODE_IP, 30090));
+    assert_eq!(ret, XDP_PASS, "UDP to a local backend: XDP verdict");
+    let p = parse_checked6(&out, "DNATed datagram at XDP");
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport),
+        (OUTSIDE, 45100, LOCAL_POD, 8080),
+        "datagram to a local backend must be DNATed only"
+    );
+    let (ret, out) = run_xdp(&nf, &udp(LOCAL_POD, 8080, OUTSIDE, 45100));
+    assert_eq!(ret, XDP_REDIRECT, "answer from the node's address: verdict");
+    let r = parse_checked6(&out, "answer at XDP");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, 30090, OUTSIDE, 45100),
+        "answer not restored to the NodePort"
+    );
+    assert_eq!(macs(&out), (OUTSIDE_MAC, UPLINK_MAC), "answer not routed");
+    assert_eq!(ncounter(&nf, "xdp_tx"), 1, "frames sent back out by XDP");
+}
+
+/// What XDP cannot finish reaches tc as it came, counted `xdp_to_tc`: a
+/// reject (no endpoints), a route to a neighbour not resolved yet, a route
+/// out of another interface; ICMPv6 errors, extension headers XDP does not
+/// walk and later fragments of no translated datagram pass uncounted, for
+/// tc to count.
+#[test]
+fn xdp_defers_to_tc() {
+    let nf = node_fixture();
+    let mut expected_to_tc = 0;
+    let mut defer = |input: &[u8], ifindex: u32, what: &str, counted: bool| {
+        let (ret, out) = run_xdp_on(&nf, ifindex, input);
+        assert_eq!(ret, XDP_PASS, "{what}: XDP verdict");
+        assert!(out == input, "{what}: XDP changed the frame");
+        if counted {
+            expected_to_tc += 1;
+        }
+        assert_eq!(
+            ncounter(&nf, "xdp_to_tc"),
+            expected_to_tc,
+            "{what}: frames left to tc"
+        );
+    };
+    let reject = tcp(OUTSIDE, 45200, EMPTY_VIP, 80, frame::SYN);
+    defer(&reject, nf.uplink_index, "no endpoints", true);
+    assert_eq!(ncounter(&nf, "reject"), 0, "XDP rejected");
+    // tc then rejects it.
+    let (ret, _) = run_on_uplink(&nf, &reject);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "no endpoints at tc: the RST's verdict"
+    );
+    assert_eq!(ncounter(&nf, "reject"), 1, "tc's reject");
+
+    // Another egress: the frame "came in" on loopback.
+    let syn = tcp(OUTSIDE, 45201, NODE_IP, NODE_PORT, frame::SYN);
+    defer(&syn, 1, "a route out of another interface", true);
+    assert_eq!(
+        ncounter(&nf, "dnat_new"),
+        0,
+        "a deferred first packet made a flow"
+    );
+
+    // A client whose neighbour entry the node does not have: the SYN to a
+    // local backend is DNATed at XDP (no routing), the reply deferred.
+    let (ret, out) = run_xdp(
+        &nf,
+        &tcp(
+            UNRESOLVED_CLIENT,
+            45202,
+            NODE_IP,
+            LOCAL_NODE_PORT,
+            frame::SYN,
+        ),
+    );
+    assert_eq!(ret, XDP_PASS, "SYN to a local backend: XDP verdict");
+    assert_eq!(parse_checked6(&out, "DNATed SYN").dst, LOCAL_POD);
+    let reply = tcp(
+        LOCAL_POD,
+        8080,
+        UNRESOLVED_CLIENT,
+        45202,
+        frame::SYN | frame::ACK,
+    );
+    defer(&reply, nf.uplink_index, "an unresolved neighbour", true);
+    let (ret, out) = run_on_uplink(&nf, &reply);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "tc resolves the neighbour itself (bpf_redirect_neigh)"
+    );
+    let r = parse_checked6(&out, "reply at tc");
+    assert_eq!((r.src, r.sport), (NODE_IP, LOCAL_NODE_PORT));
+
+    let mut long = spec(OUTSIDE, 45203, NODE_IP, NODE_PORT, frame::TCP, frame::SYN);
+    long.ext = vec![HOP_BY_HOP, DEST_OPTS, DEST_OPTS, DEST_OPTS, DEST_OPTS];
+    defer(
+        &build6(&long),
+        nf.uplink_index,
+        "five extension headers",
+        false,
+    );
+    assert_eq!(
+        ncounter(&nf, "pass_v6_ext_headers"),
+        0,
+        "counted at XDP, and again at tc"
+    );
+    let error = icmp6_error(
+        ROUTER,
+        OUTSIDE,
+        PORT_UNREACHABLE,
+        &tcp(OUTSIDE, 45204, REMOTE_POD, 8080, frame::SYN),
+        QUOTE_MAX,
+    );
+    defer(&error, nf.uplink_index, "an ICMPv6 error", false);
+    let later = &fragmented((OUTSIDE, 45208), (NODE_IP, NODE_PORT), 3000, 0x4567)[1];
+    defer(
+        later,
+        nf.uplink_index,
+        "a later fragment of no translated datagram",
+        false,
+    );
+    assert_eq!(
+        ncounter(&nf, "frag_untracked"),
+        0,
+        "counted at XDP, and again at tc"
+    );
+}
+
+/// What XDP drops itself, counted as tc counts it: a source outside the
+/// source ranges, a NodePort without a local endpoint under
+/// externalTrafficPolicy Local, a spent hop limit.
+#[test]
+fn xdp_drops() {
+    let nf = node_fixture();
+    let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE_DENIED, 45205, LB_IP, 80, frame::SYN));
+    assert_eq!(ret, XDP_DROP, "source outside loadBalancerSourceRanges");
+    assert_eq!(ncounter(&nf, "drop_source_range"), 1);
+    let (ret, _) = run_xdp(
+        &nf,
+        &tcp(OUTSIDE, 45206, NODE_IP, LOCAL_ONLY_NODE_PORT, frame::SYN),
+    );
+    assert_eq!(ret, XDP_DROP, "ETP Local without a local endpoint");
+    assert_eq!(ncounter(&nf, "drop_no_endpoint"), 1);
+
+    let mut spent = tcp(OUTSIDE, 45207, NODE_IP, NODE_PORT, frame::SYN);
+    spent[HOP_LIMIT] = 1;
+    let (ret, _) = run_xdp(&nf, &spent);
+    assert_eq!(ret, XDP_DROP, "SYN with hop limit 1: XDP verdict");
+    assert_eq!(ncounter(&nf, "drop_ttl"), 1, "the drop was not counted");
+    assert_eq!(ncounter(&nf, "xdp_tx"), 0, "nothing here is XDP's to send");
+}
+
+/// A second load on the same pins, as an upgrade in place or a takeover of
+/// pinned links makes: its `xdp_ingress` hands IPv6 to its own
+/// `xdp_ingress6`, and keeps doing so once the first datapath is gone (its
+/// program array emptied with it), on the flows the first one made.
+#[test]
+fn a_new_load_brings_its_own_xdp_ingress6() {
+    let mut nf = node_fixture();
+    let syn = tcp(OUTSIDE, 45300, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_xdp(&nf, &syn);
+    assert_eq!(ret, XDP_REDIRECT, "SYN through the first load's XDP");
+    let snat_port = parse_checked6(&out, "SNATed SYN").sport;
+    let (second, planner) = load_programmed(&nf.fx.pins, proxy_common::MAX_CONNTRACK);
+    // The first load's programs and descriptors go; its pins stay.
+    let first = std::mem::replace(&mut nf.fx.datapath, second);
+    drop(first);
+    nf.fx.planner = planner;
+    let reply = tcp(
+        REMOTE_POD,
+        8080,
+        NODE_IP,
+        snat_port,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, out) = run_xdp(&nf, &reply);
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "the reply through the second load's XDP: verdict"
+    );
+    let r = parse_checked6(&out, "reply through the second load");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 45300),
+        "the second load must translate the first one's flow"
+    );
+    assert_eq!(ncounter(&nf, "xdp_tx"), 2, "frames sent back out by XDP");
 }
 
 /// Pins the test to the CPU it runs on, so that every `BPF_PROG_TEST_RUN`

@@ -2,10 +2,10 @@
 //! addresses, IPv6 LoadBalancer IPs and ExternalIPs, reached from clients outside
 //! the cluster in the dual-stack two-node topology of docs/architecture.md, "Test
 //! topologies" (`cluster`), with an agent on each node told both its addresses
-//! (`--node-ip`). XDP hands IPv6 to tc ingress, so each scenario runs with native
-//! XDP on the uplinks (what passes through it must arrive at tc intact) or through
-//! tc alone (`--xdp-mode off`); the IPv4 twins of these scenarios are in
-//! northsouth.rs.
+//! (`--node-ip`). Each scenario runs with XDP on the uplinks, which translates and
+//! sends back out what it can (`xdp_ingress6`, checked by its `xdp_tx` count) and
+//! leaves the rest to tc intact, or through tc alone (`--xdp-mode off`); the IPv4
+//! twins of these scenarios are in northsouth.rs.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -18,8 +18,8 @@ use ebpf_proxy_tests::{
     Protocol,
     agent::{Agent, http_get},
     client::{
-        Outcome, Reply, TIMEOUT, TcpSession, tcp_request, tcp_request_here, udp_request,
-        udp_sized_request,
+        Outcome, Reply, TIMEOUT, TcpSession, tcp_request, tcp_request_here,
+        tcp_request_speaking_first, udp_request, udp_sized_request,
     },
     cluster::{CLIENT1_IP6, CLIENT2_IP6, Cluster, NODE_A_IP6, NODE_B_IP6},
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
@@ -51,6 +51,8 @@ const ALPHA: f64 = 0.001;
 enum Path {
     Native,
     Generic,
+    /// `--xdp-mode auto`: generic XDP on veth uplinks.
+    Auto,
     TcOnly,
 }
 
@@ -59,6 +61,7 @@ impl Path {
         match self {
             Path::Native => "native",
             Path::Generic => "generic",
+            Path::Auto => "auto",
             Path::TcOnly => "off",
         }
     }
@@ -175,6 +178,27 @@ impl Fixture {
         &self.cluster.client(name).ns
     }
 
+    /// Who translated node `node`'s traffic: with XDP on the uplinks, frames it
+    /// sent back out itself (`xdp_tx`), which only `xdp_ingress6` does for IPv6;
+    /// with XDP off, none.
+    #[track_caller]
+    fn assert_xdp_did_the_work(&self, node: usize, path: Path) {
+        let sent = self.counter(node, "xdp_tx");
+        match path {
+            Path::TcOnly => assert_eq!(
+                sent,
+                0,
+                "{path:?}: XDP is off, yet frames were sent back out by XDP; {}",
+                self.counters()
+            ),
+            _ => assert!(
+                sent > 0,
+                "{path:?}: IPv6 was translated, but not at XDP (no frame sent back out                  by it); {}",
+                self.counters()
+            ),
+        }
+    }
+
     /// Polls a TCP request from `client` until it gets a reply (the agents pick up a
     /// manifest change within a sync), then returns it.
     #[track_caller]
@@ -272,6 +296,8 @@ fn nodeport_cluster_policy(path: Path) {
         "{path:?}: node A counted {snat} SNATed flows for {to_remote} connections to the \
          remote backend"
     );
+    fx.assert_xdp_did_the_work(0, path);
+    fx.assert_xdp_did_the_work(1, path);
 }
 
 /// New TCP connections from client1 to node A's IPv6 NodePort, checked one by one
@@ -500,6 +526,7 @@ fn load_balancer_and_external_ip(path: Path) {
             "{path:?}: {client} through the ExternalIP"
         );
     }
+    fx.assert_xdp_did_the_work(0, path);
 }
 
 #[test]
@@ -555,11 +582,11 @@ fn ipv6_nodeport_without_endpoints_is_refused() {
 
 /// Fragmented UDP from outside through node A's IPv6 NodePort to the backend on
 /// node B (SNAT to node A's IPv6 address): 4,000-byte requests and 4,000-byte
-/// answers, every fragment of both translated, answers whole and from the NodePort.
-#[test]
-fn ipv6_nodeport_fragments_are_translated_both_ways() {
+/// answers, every fragment of both translated, answers whole and from the NodePort;
+/// with XDP on, translated and sent back out there.
+fn nodeport_fragments(path: Path) {
     const EXCHANGES: usize = 10;
-    let fx = Fixture::new(Path::TcOnly);
+    let fx = Fixture::new(path);
     fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
     fx.reply_within("client1", at(NODE_A_IP6, NODE_PORT), "IPv6 NodePort on A");
     let addr = at(NODE_A_IP6, UDP_NODE_PORT);
@@ -577,14 +604,14 @@ fn ipv6_nodeport_fragments_are_translated_both_ways() {
             }
             let Outcome::Reply(reply) = outcome else {
                 panic!(
-                    "fragmented {what} over IPv6, exchange {i}: {outcome}; {}",
+                    "{path:?}: fragmented {what} over IPv6, exchange {i}: {outcome}; {}",
                     fx.counters()
                 );
             };
             assert_eq!(
                 (reply.backend.as_str(), *reply.peer.ip()),
                 (BACKEND.0, NODE_A_IP6),
-                "fragmented {what}: the remote backend must see node A (SNAT)"
+                "{path:?}: fragmented {what}: the remote backend must see node A (SNAT)"
             );
         }
     }
@@ -592,14 +619,36 @@ fn ipv6_nodeport_fragments_are_translated_both_ways() {
         eprintln!("exchanges answered on their retry: {retried:?}");
     }
     let translated = fx.counter(0, "frag_translated");
-    eprintln!("{translated} later fragments translated on node A");
+    eprintln!("{path:?}: {translated} later fragments translated on node A");
     assert!(
         translated >= (4 * EXCHANGES) as u64,
-        "{translated} later fragments translated on node A for {} datagrams of three \
-         fragments; {}",
+        "{path:?}: {translated} later fragments translated on node A for {} datagrams of \
+         three fragments; {}",
         2 * EXCHANGES,
         fx.counters()
     );
+    fx.assert_xdp_did_the_work(0, path);
+    if !matches!(path, Path::TcOnly) {
+        // Every fragment of a request and of an answer is sent back out by XDP:
+        // at least the later ones counted above.
+        let sent = fx.counter(0, "xdp_tx");
+        assert!(
+            sent >= translated,
+            "{path:?}: {sent} frames sent back out by XDP, fewer than the {translated} \
+             later fragments translated; {}",
+            fx.counters()
+        );
+    }
+}
+
+#[test]
+fn ipv6_nodeport_fragments_native_xdp() {
+    nodeport_fragments(Path::Native);
+}
+
+#[test]
+fn ipv6_nodeport_fragments_tc_only() {
+    nodeport_fragments(Path::TcOnly);
 }
 
 /// From outside, a UDP NodePort on node A's IPv6 address whose backend, on node B
@@ -663,6 +712,9 @@ fn nodeport_closed_port_is_refused(path: Path) {
         "{path:?}: {translated} ICMPv6 errors translated on node A for {EXCHANGES} refusals; {}",
         fx.counters()
     );
+    // The requests went out through XDP; the errors, left to tc, came back
+    // through it.
+    fx.assert_xdp_did_the_work(0, path);
 }
 
 #[test]
@@ -708,4 +760,120 @@ fn ipv6_concurrent_snat_flows_never_share_a_port() {
         assert_eq!(answer, format!("{} still there", BACKEND.0), "session {i}");
     }
     assert_eq!(fx.counter(0, "snat_exhausted"), 0, "{}", fx.counters());
+}
+
+/// A SYN flood over IPv6 to node A's NodePort (backend on node B, SNAT) cannot cut
+/// the connections already established through it: with `--conntrack-max 1024`, 30
+/// idle connections through node A keep their backend while client2 sends 20,000
+/// SYNs from ever new ports (at least ten times the flows conntrack holds reach node
+/// A), and new connections made during the flood are served. The IPv6 twin of
+/// northsouth.rs's `nodeport_syn_flood`, whose comment says why these clients
+/// speak first and why 20,000.
+fn nodeport_syn_flood(path: Path) {
+    /// Past the second SYN retransmission (1 s, then 3 s after the first SYN).
+    const FLOOD_TIMEOUT: Duration = Duration::from_secs(5);
+    const SYNS: u32 = 20_000;
+    let fx = Fixture::with_args(path, &["--conntrack-max", "1024"]);
+    fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
+    let addr = at(NODE_A_IP6, NODE_PORT);
+    fx.reply_within("client1", addr, "IPv6 NodePort on A");
+    let mut sessions: Vec<TcpSession<SocketAddrV6>> = (0..30)
+        .map(|i| {
+            TcpSession::open(fx.client("client1"), addr, TIMEOUT)
+                .unwrap_or_else(|e| panic!("{path:?}: connection {i}: {e:#}"))
+        })
+        .collect();
+    let flood = fx
+        .client("client2")
+        .spawn("syn-flood6", move || {
+            ebpf_proxy_tests::flood::syn_flood6_here(CLIENT2_IP6, addr, SYNS)
+        })
+        .expect("flooding from client2");
+    let mut during = 0;
+    let mut lost = Vec::new();
+    for i in 0..20 {
+        match tcp_request_speaking_first(fx.client("client1"), addr, FLOOD_TIMEOUT) {
+            Outcome::Reply(_) => during += 1,
+            other => lost.push(format!("request {i}: {other}")),
+        }
+    }
+    let sent = flood
+        .join()
+        .expect("the flood thread")
+        .expect("raw socket flood");
+    assert_eq!(sent, SYNS, "{path:?}: SYNs sent");
+    assert_eq!(
+        during,
+        20,
+        "{path:?}: new connections during the flood ({lost:?}); {}",
+        fx.counters()
+    );
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let answer = session.exchange("after").unwrap_or_else(|e| {
+            panic!(
+                "{path:?}: connection {i} after the flood: {e:#}; {}",
+                fx.counters()
+            )
+        });
+        assert_eq!(
+            answer,
+            format!("{} after", BACKEND.0),
+            "{path:?}: connection {i}"
+        );
+    }
+    let new_flows = fx.counter(0, "ct_new_flow");
+    eprintln!("{path:?}: {new_flows} new IPv6 flows on node A from {SYNS} SYNs sent");
+    assert!(
+        new_flows >= 10 * 1024,
+        "{path:?}: only {new_flows} new flows reached node A's datapath from {SYNS} SYNs, \
+         less than ten times what conntrack holds"
+    );
+    fx.assert_xdp_did_the_work(0, path);
+}
+
+#[test]
+fn ipv6_nodeport_syn_flood_native_xdp() {
+    nodeport_syn_flood(Path::Native);
+}
+
+#[test]
+fn ipv6_nodeport_syn_flood_tc_only() {
+    nodeport_syn_flood(Path::TcOnly);
+}
+
+/// Veth uplinks fed with partial checksums (transmit offload on, as between
+/// containers of one host): `--xdp-mode auto` picks generic XDP there, and IPv6
+/// traffic it translates keeps valid checksums, TCP and UDP.
+#[test]
+fn ipv6_nodeport_auto_xdp_with_partial_checksums() {
+    let fx = Fixture::new(Path::Auto);
+    for ns in [fx.client("client1"), &fx.cluster.node("b").ns] {
+        ebpf_proxy_tests::cluster::set_tx_checksum_offload(ns, true).expect("offload on");
+    }
+    let log = fx.agents[0].log();
+    assert!(
+        log.contains("(\"eth0\", \"generic\")"),
+        "auto on a veth uplink must pick generic XDP; agent log:\n{log}"
+    );
+    fx.publish(&web6("web"), &[(backend_ip6(), "b")]);
+    let addr = at(NODE_A_IP6, NODE_PORT);
+    let first = fx.reply_within("client1", addr, "IPv6 NodePort on A");
+    assert_eq!(
+        *first.peer.ip(),
+        NODE_A_IP6,
+        "the remote backend sees node A"
+    );
+    for i in 0..20 {
+        tcp_request(fx.client("client1"), addr, TIMEOUT)
+            .expect_reply(&format!("IPv6 connection {i} through generic XDP"));
+    }
+    let udp = udp_request(fx.client("client1"), at(NODE_A_IP6, UDP_NODE_PORT), TIMEOUT);
+    let Outcome::Reply(udp) = udp else {
+        panic!(
+            "UDP over IPv6 through generic XDP: {udp}; {}",
+            fx.counters()
+        );
+    };
+    assert_eq!(udp.backend, BACKEND.0);
+    fx.assert_xdp_did_the_work(0, Path::Auto);
 }

@@ -20,6 +20,7 @@ pub mod maps;
 pub mod pins;
 pub(crate) mod sys;
 mod write_behind;
+mod xdp_next;
 
 use std::path::Path;
 
@@ -128,6 +129,9 @@ pub struct Datapath {
     resize: Option<resize::Resize>,
     /// The same for `CONNTRACK6`.
     resize6: Option<resize::Resize>,
+    /// `XDP_NEXT`, held for as long as the programs run (see `xdp_next`);
+    /// None when `xdp_ingress6` could not be loaded.
+    xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
 }
 
 impl Datapath {
@@ -202,6 +206,8 @@ impl Datapath {
             loaded => (loaded?, read),
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
+        // Before anything is attached (see `xdp_next`).
+        let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
         for (program, notes, path) in [
@@ -262,6 +268,7 @@ impl Datapath {
             ip_summed: read,
             resize,
             resize6,
+            xdp_next,
         })
     }
 
@@ -391,6 +398,11 @@ impl Datapath {
             .program(program_names::XDP_INGRESS)
             .and_then(|p| p.try_into().ok())
             .expect("XDP program is loaded in Datapath::load")
+    }
+
+    /// Whether `xdp_ingress6` is in `xdp_ingress`'s hand-on slot.
+    pub fn xdp6_loaded(&self) -> bool {
+        self.xdp_next.is_some()
     }
 
     /// The floor programs once `load_floors` has loaded them, for use next

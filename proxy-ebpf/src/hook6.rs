@@ -1,0 +1,137 @@
+//! What differs between the hooks IPv6's pipeline (`pipeline6`) runs at,
+//! as `hook` is for IPv4's: the verdicts, how a translation is written, and
+//! how a packet routed by the program leaves. tc finishes everything; XDP
+//! finishes what it can send back out of the interface it came in on, and
+//! leaves the rest untouched to tc (`tc_ingress6`), which runs the same
+//! pipeline.
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    programs::{TcContext, XdpContext},
+};
+use proxy_common::{PROTO_TCP, counter};
+
+use crate::{
+    event_log::{self, Event},
+    hook::Hook,
+    icmp6_error,
+    maps::count,
+    nat6::{self, Nat6},
+    packet6::Flow6,
+    reject6, route6,
+};
+
+/// A hook IPv6's pipeline runs at.
+pub trait Hook6: Hook {
+    /// The hook's return code.
+    type Verdict: Copy;
+    /// Leave the packet to the stack (at XDP: to tc), translated or not.
+    const PASS: Self::Verdict;
+    const DROP: Self::Verdict;
+
+    /// A whole ICMPv6 message at `icmp_off`: translated if it is an error
+    /// about a translated flow (`icmp6_error`).
+    fn icmp6_error(&self, icmp_off: usize) -> Self::Verdict;
+
+    /// Answers with a TCP reset or ICMPv6 port unreachable.
+    fn reject6(&self, flow: &Flow6) -> Self::Verdict;
+
+    /// Writes the translation `nat` over `flow`'s addresses and ports, with
+    /// the transport checksum kept valid.
+    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()>;
+
+    /// Sends on a translated packet whose new source is an address of this
+    /// node, which the stack would not forward.
+    fn send6(&self, flow: &Flow6, nat: &Nat6) -> Self::Verdict;
+}
+
+impl Hook6 for TcContext {
+    type Verdict = i32;
+    const PASS: i32 = TC_ACT_OK;
+    const DROP: i32 = TC_ACT_SHOT;
+
+    #[inline(always)]
+    fn icmp6_error(&self, icmp_off: usize) -> i32 {
+        icmp6_error::handle(self, icmp_off)
+    }
+
+    #[inline(always)]
+    fn reject6(&self, flow: &Flow6) -> i32 {
+        let rejected = if flow.proto == PROTO_TCP {
+            reject6::tcp_reset(self, flow)
+        } else {
+            reject6::icmp_port_unreachable(self, flow)
+        };
+        if let Ok(verdict) = rejected {
+            event_log::log6(Event::Reject, flow);
+            verdict
+        } else {
+            count(counter::DROP_REJECT_FAILED);
+            event_log::log6(Event::RejectFailed, flow);
+            TC_ACT_SHOT
+        }
+    }
+
+    #[inline(always)]
+    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
+        nat.apply(self, flow).map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn send6(&self, flow: &Flow6, nat: &Nat6) -> i32 {
+        route6::redirect(self, flow.proto, &nat.src_be, &nat.dst_be)
+    }
+}
+
+impl Hook6 for XdpContext {
+    type Verdict = u32;
+    const PASS: u32 = xdp_action::XDP_PASS;
+    const DROP: u32 = xdp_action::XDP_DROP;
+
+    /// Left to tc, which can write past the headers XDP reads and answers
+    /// for every checksum state.
+    #[inline(always)]
+    fn icmp6_error(&self, _icmp_off: usize) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    /// Never reached: the pipeline leaves rejects to tc before it gets here
+    /// (counted `xdp_to_tc`), as IPv4's does.
+    #[inline(always)]
+    fn reject6(&self, _flow: &Flow6) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    #[inline(always)]
+    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
+        nat6::rewrite_direct(self.data(), self.data_end(), flow, nat)
+    }
+
+    /// Out of the interface it came in on, to the next hop that
+    /// `route6::xdp_next_hop` found before anything was written.
+    #[inline(always)]
+    fn send6(&self, flow: &Flow6, nat: &Nat6) -> u32 {
+        match route6::xdp_forward(self.data(), self.data_end()) {
+            Ok(()) => {
+                count(counter::XDP_TX);
+                // A redirect to the ingress interface rather than XDP_TX, as
+                // IPv4's (see `verdict::xdp`).
+                // SAFETY: takes an interface index and flags, no pointers.
+                unsafe {
+                    aya_ebpf::helpers::bpf_redirect(XdpContext::ingress_ifindex(self) as u32, 0)
+                        as u32
+                }
+            }
+            Err(route6::Spent::HopLimit) => {
+                count(counter::DROP_TTL);
+                event_log::log6_addrs(Event::Ttl, flow.proto, &nat.src_be, &nat.dst_be);
+                xdp_action::XDP_DROP
+            }
+            Err(route6::Spent::NoRoom) => {
+                count(counter::DROP_NO_ROUTE);
+                event_log::log6_addrs(Event::NoRoute, flow.proto, &nat.src_be, &nat.dst_be);
+                xdp_action::XDP_DROP
+            }
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! `xdp_ingress`'s hand-on to `xdp_ingress6`: the IPv6 XDP program loaded
+//! and put in its slot of the `XDP_NEXT` program array, before any
+//! `xdp_ingress` of this load is attached, so that the first frame it sees
+//! finds it there. An upgrade in place or a takeover of pinned links needs
+//! nothing more: the program taking the links over is this load's, and
+//! reads this load's array.
+//!
+//! The array is not pinned. The kernel empties a program array when the last
+//! reference to it other than a program's goes (here, the agent's
+//! descriptor): once the agent exits, `xdp_ingress` finds the slot empty and
+//! passes IPv6 to tc, which translates it as before, until the next agent's
+//! programs take over.
+
+use aya::{
+    Ebpf,
+    maps::{MapData, ProgramArray},
+    programs::Xdp,
+};
+use proxy_common::{XDP_NEXT_IPV6, map_names, program_names};
+
+#[derive(Debug, thiserror::Error)]
+pub enum XdpNextError {
+    #[error("the eBPF object has no {} map", map_names::XDP_NEXT)]
+    NoMap,
+    #[error("{name}: {source}", name = map_names::XDP_NEXT)]
+    Map {
+        #[from]
+        source: aya::maps::MapError,
+    },
+    #[error("loading {name}: {source}", name = program_names::XDP_INGRESS6)]
+    Program {
+        #[from]
+        source: aya::programs::ProgramError,
+    },
+    #[error("the eBPF object has no {} program", program_names::XDP_INGRESS6)]
+    NoProgram,
+}
+
+/// Loads `xdp_ingress6` and puts it in its slot. The array returned must be
+/// kept for as long as the programs run: dropping it empties the slot.
+pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, XdpNextError> {
+    let map = ebpf
+        .take_map(map_names::XDP_NEXT)
+        .ok_or(XdpNextError::NoMap)?;
+    let mut array = ProgramArray::try_from(map)?;
+    let program: &mut Xdp = ebpf
+        .program_mut(program_names::XDP_INGRESS6)
+        .ok_or(XdpNextError::NoProgram)?
+        .try_into()?;
+    if program.fd().is_err() {
+        program.load()?;
+    }
+    array.set(XDP_NEXT_IPV6, program.fd()?, 0)?;
+    Ok(array)
+}
+
+/// `fill`; on failure (a kernel or verifier that refuses `xdp_ingress6`) the
+/// slot stays empty and IPv6 is translated at tc, which costs IPv6's XDP
+/// fast path and nothing else: said once, and the agent goes on.
+pub fn fill_or_leave_to_tc(ebpf: &mut Ebpf) -> Option<ProgramArray<MapData>> {
+    fill(ebpf)
+        .inspect_err(|e| {
+            tracing::warn!(
+                error = %e,
+                "IPv6 at XDP unavailable: IPv6 north-south traffic is translated at tc"
+            );
+        })
+        .ok()
+}

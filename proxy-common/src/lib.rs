@@ -1063,7 +1063,11 @@ pub mod counter {
     /// transport header (more than the datapath walks, one it does not
     /// know, or cut short): passed untouched.
     pub const PASS_V6_EXT_HEADERS: u32 = 26;
-    pub const COUNT: u32 = 27;
+    /// Packet translated at XDP and passed on to the stack (a translation
+    /// the node routes as it would the packet: DNAT to a backend, the reply
+    /// of such a flow), where `XDP_TX` counts those XDP sends back out.
+    pub const XDP_TRANSLATED: u32 = 27;
+    pub const COUNT: u32 = 28;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1095,6 +1099,7 @@ pub mod counter {
         "icmp_error_translated",
         "log_rate_limited",
         "pass_v6_ext_headers",
+        "xdp_translated",
     ];
 }
 

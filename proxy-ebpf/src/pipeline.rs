@@ -252,6 +252,9 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
         return Action::Drop;
     }
     if !nat.redirect {
+        if H::XDP {
+            count(counter::XDP_TRANSLATED);
+        }
         return Action::Pass;
     }
     count(counter::REDIRECT);

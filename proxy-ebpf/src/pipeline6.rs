@@ -282,6 +282,9 @@ fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
         return H::DROP;
     }
     if !nat.redirect {
+        if H::XDP {
+            count(counter::XDP_TRANSLATED);
+        }
         return H::PASS;
     }
     count(counter::REDIRECT);

@@ -624,6 +624,16 @@ fn local_policy(path: Path, cluster_cidr: bool) {
         (BACKEND.0, CLIENT1.1),
         "{path:?}: ETP Local keeps the client's address"
     );
+    // B's uplink translated it: at XDP, which passes a DNAT on to the stack.
+    let translated = fx.counter(1, "xdp_translated");
+    match path {
+        Path::TcOnly => assert_eq!(translated, 0, "{path:?}: XDP is off, yet translated"),
+        _ => assert!(
+            translated > 0,
+            "{path:?}: the flow on B was not translated at XDP; {}",
+            fx.counters()
+        ),
+    }
     let via_a = tcp_request(
         fx.client("client1"),
         SocketAddrV4::new(NODE_A_IP, NODE_PORT),

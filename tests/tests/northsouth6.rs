@@ -409,6 +409,16 @@ fn local_policy(path: Path, cluster_cidr: bool) {
         (BACKEND.0, CLIENT1_IP6),
         "{path:?}: ETP Local keeps the client's IPv6 address"
     );
+    // B's uplink translated it: at XDP, which passes a DNAT on to the stack.
+    let translated = fx.counter(1, "xdp_translated");
+    match path {
+        Path::TcOnly => assert_eq!(translated, 0, "{path:?}: XDP is off, yet translated"),
+        _ => assert!(
+            translated > 0,
+            "{path:?}: the IPv6 flow on B was not translated at XDP; {}",
+            fx.counters()
+        ),
+    }
     let via_a = tcp_request(fx.client("client1"), at(NODE_A_IP6, NODE_PORT), DROP_WAIT);
     assert_eq!(
         via_a,

@@ -4,7 +4,7 @@
 //! never cross tc ingress; the hooks translate them at `connect()` and `sendmsg()`, close
 //! the node's UDP sockets whose backend leaves, and keep what they remember about a
 //! socket in the socket itself. The scenarios with an IPv6 twin are
-//! `socket_hooks_scenarios`'s, shared with socket_hooks6.rs.
+//! `socket_hooks_scenarios`'s, shared with `socket_hooks6.rs`.
 //!
 //! Every test builds its own namespaces, cgroup, bpffs root and manifest directory, so
 //! they run in parallel; everything is removed on drop, also when a test fails.

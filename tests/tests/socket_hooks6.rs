@@ -6,7 +6,7 @@
 //! IPv6 socket at its IPv4-mapped address; the node's IPv6 UDP sockets the hook
 //! connected to a backend are closed when that backend leaves, as IPv4's are. The
 //! scenarios with an IPv4 twin are `socket_hooks_scenarios`'s, shared with
-//! socket_hooks.rs.
+//! `socket_hooks.rs`.
 //!
 //! Every test builds its own namespaces, cgroup, bpffs root and manifest directory, so
 //! they run in parallel; everything is removed on drop, also when a test fails.

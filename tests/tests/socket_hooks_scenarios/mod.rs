@@ -1,4 +1,4 @@
-//! The scenarios of socket_hooks.rs and socket_hooks6.rs, once over the family
+//! The scenarios of `socket_hooks.rs` and `socket_hooks6.rs`, once over the family
 //! ([`Family`]): the node's own sockets of one family through the agent's socket
 //! hooks, on real sockets in the routed one-node topology (docs/architecture.md,
 //! "Test topologies"), with the agent's cgroup hooks on a cgroup of each test's own,
@@ -252,6 +252,34 @@ pub fn refused(sb: &Sandbox, cgroup: &TestCgroup, target: SocketAddr) {
     );
 }
 
+/// `ebpf-proxy status` shows `test/web`'s `http` frontend of family `F` with every
+/// backend, the frontend of `empty_ip`, and the node's address.
+fn status_shows_the_frontends<F: Family>(sb: &Sandbox, empty_ip: F) {
+    let http = F::http(F::cluster_ip());
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let backends: Vec<String> = F::backend_ips()
+        .into_iter()
+        .map(|ip| F::addr(ip, TCP_PORT).to_string())
+        .collect();
+    let line = status
+        .lines()
+        .find(|line| line.starts_with(&format!("{http}/TCP (service id")))
+        .unwrap_or_else(|| panic!("no line of {http}/TCP in the status:\n{status}"));
+    assert!(
+        backends.iter().all(|b| line.contains(b.as_str())),
+        "the status line of {http}/TCP lacks a backend of {backends:?}: {line}"
+    );
+    let node_ip = F::node_ip().to_string();
+    assert!(
+        status.contains(&format!("{}/TCP", F::http(empty_ip)))
+            && status
+                .lines()
+                .any(|l| l.starts_with(F::STATUS_NODE_IP) && l.contains(node_ip.as_str())),
+        "the status lacks the empty {} frontend or the node's address {node_ip}:\n{status}",
+        F::NAME
+    );
+}
+
 /// (f) Connections that start on the node itself (host-network pods, node agents)
 /// never cross tc ingress: the agent's `connect()` hook on the cgroup sends them to a
 /// backend. TCP connections to the ClusterIP of family `F` spread over the backends,
@@ -344,28 +372,7 @@ pub fn the_nodes_own_connections_reach_backends<F: Family>() -> (Sandbox, TestCg
         "ClientIP affinity: the node's connections to {sticky} reached {stuck:?}"
     );
 
-    let status = sb.agent().status().expect("ebpf-proxy status");
-    let backends: Vec<String> = F::backend_ips()
-        .into_iter()
-        .map(|ip| F::addr(ip, TCP_PORT).to_string())
-        .collect();
-    let line = status
-        .lines()
-        .find(|line| line.starts_with(&format!("{http}/TCP (service id")))
-        .unwrap_or_else(|| panic!("no line of {http}/TCP in the status:\n{status}"));
-    assert!(
-        backends.iter().all(|b| line.contains(b.as_str())),
-        "the status line of {http}/TCP lacks a backend of {backends:?}: {line}"
-    );
-    let node_ip = F::node_ip().to_string();
-    assert!(
-        status.contains(&format!("{}/TCP", F::http(empty_ip)))
-            && status
-                .lines()
-                .any(|l| l.starts_with(F::STATUS_NODE_IP) && l.contains(node_ip.as_str())),
-        "the status lacks the empty {} frontend or the node's address {node_ip}:\n{status}",
-        F::NAME
-    );
+    status_shows_the_frontends::<F>(&sb, empty_ip);
     (sb, cgroup)
 }
 

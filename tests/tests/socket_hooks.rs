@@ -168,7 +168,8 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
 /// (g) The node's own connections to 127.0.0.0/8 reach NodePorts, as with kube-proxy's
 /// `--iptables-localhost-nodeports` (its default): TCP and connected UDP, from the
 /// node's address, spread over the backends. `--localhost-nodeports=false`, or
-/// `--nodeport-addresses` without 127.0.0.1, turns them off.
+/// `--nodeport-addresses` without 127.0.0.1, turns them off. IPv4 only, as
+/// kube-proxy's: `route_localnet` has no IPv6 twin.
 #[test]
 fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
     let (mut sb, cgroup) = scenario::hooked_sandbox::<Ipv4Addr>(&[(
@@ -329,7 +330,7 @@ const CHURN: u64 = 100_000;
 /// 100,000 TCP connections of the node through the hook, an unconnected UDP socket's
 /// answer to a datagram it sent to the ClusterIP before them still shows the
 /// ClusterIP as its source, and UDP sockets connected through the hook before them are
-/// still closed when their backend leaves.
+/// still closed when their backend leaves. No IPv6 twin yet (docs/testing.md).
 #[test]
 fn the_nodes_socket_notes_outlive_tcp_churn() {
     let (sb, cgroup) = scenario::hooked_sandbox::<Ipv4Addr>(&[scenario::web(&backend_ips())]);
@@ -440,7 +441,8 @@ fn notes_of(notes: &Notes, socket: &UdpSocket) -> Vec<SockNote> {
 /// the hook connected holds one for its peer (connected), a socket connected straight
 /// to a pod holds none, and the map holds nothing else. Once sockets close, the map's
 /// entries for them are gone, and the others' stay. The `SOCK_REVNAT` table an earlier
-/// agent kept its notes in is unpinned by the next agent.
+/// agent kept its notes in is unpinned by the next agent. No IPv6 twin yet: its notes
+/// are `SOCK_NOTES6`'s, which this reads none of (docs/testing.md).
 #[test]
 #[expect(
     clippy::too_many_lines,

@@ -10,7 +10,9 @@ use crate::{
     client::Peer,
     iptables::{self, KubeService},
     manifest::{Endpoint, Service},
+    netns::NetNs,
     topology::{
+        NODE_IP, NODE_IP6, add_node_ip6,
         one_node::{BACKENDS, TCP_SERVICE_PORT, UDP_SERVICE_PORT},
         pod_ip6,
     },
@@ -35,6 +37,23 @@ pub trait Family: iptables::Family {
     /// in the `tc_csum_*` counters) to update checksums in place; the IPv6 path
     /// leaves every state to the kernel's helper (proxy-ebpf's `nat6.rs`).
     const TC_READS_CSUM_STATE: bool;
+    /// How `ebpf-proxy status` begins the line that shows the node's address of the
+    /// family.
+    const STATUS_NODE_IP: &'static str;
+
+    /// The node's address of the family, which its own connections come from.
+    fn node_ip() -> Self;
+
+    /// Gives `node` its address of the family where the one-node world does not
+    /// already (IPv6: [`add_node_ip6`]).
+    fn give_node_its_address(node: &NetNs) -> anyhow::Result<()>;
+
+    /// How a socket address shows the node's address, up to its port:
+    /// `10.100.0.1:`, `[fd00:100::1]:`.
+    fn node_prefix() -> String {
+        let addr = Self::addr(Self::node_ip(), 0).to_string();
+        addr.strip_suffix('0').unwrap_or(&addr).to_owned()
+    }
 
     /// The address of the pod whose IPv4 address is `ip` (every pod is dual-stack).
     fn pod(ip: Ipv4Addr) -> Self;
@@ -110,6 +129,16 @@ impl Family for Ipv4Addr {
     const ICMP_RATELIMIT: &'static str = "net.ipv4.icmp_ratelimit";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK", "CT_NEW"];
     const TC_READS_CSUM_STATE: bool = true;
+    const STATUS_NODE_IP: &'static str = "node addresses: ";
+
+    fn node_ip() -> Self {
+        NODE_IP
+    }
+
+    fn give_node_its_address(_: &NetNs) -> anyhow::Result<()> {
+        // The routed topology gives the node its IPv4 address.
+        Ok(())
+    }
 
     fn pod(ip: Ipv4Addr) -> Self {
         ip
@@ -149,6 +178,15 @@ impl Family for Ipv6Addr {
     const ICMP_RATELIMIT: &'static str = "net.ipv6.icmp.ratelimit";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK6", "CT_NEW6"];
     const TC_READS_CSUM_STATE: bool = false;
+    const STATUS_NODE_IP: &'static str = "node IPv6 address: ";
+
+    fn node_ip() -> Self {
+        NODE_IP6
+    }
+
+    fn give_node_its_address(node: &NetNs) -> anyhow::Result<()> {
+        add_node_ip6(node)
+    }
 
     fn pod(ip: Ipv4Addr) -> Self {
         pod_ip6(ip)
@@ -199,5 +237,11 @@ mod tests {
             <Ipv4Addr as Family>::ipt_vip(),
             Ipv4Addr::new(10, 96, 0, 20)
         );
+    }
+
+    #[test]
+    fn the_node_prefix_is_its_address_up_to_the_port() {
+        assert_eq!(<Ipv4Addr as Family>::node_prefix(), "10.100.0.1:");
+        assert_eq!(<Ipv6Addr as Family>::node_prefix(), "[fd00:100::1]:");
     }
 }

@@ -1,0 +1,565 @@
+//! The scenarios of `socket_hooks.rs` and `socket_hooks6.rs`, once over the family
+//! ([`Family`]): the node's own sockets of one family through the agent's socket
+//! hooks, on real sockets in the routed one-node topology (docs/architecture.md,
+//! "Test topologies"), with the agent's cgroup hooks on a cgroup of each test's own,
+//! and the tools both test files drive those sockets with.
+//!
+//! Every scenario builds its own namespaces, cgroup, bpffs root and manifest
+//! directory, so they run in parallel; everything is removed on drop, also when one
+//! fails.
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    process::Output,
+    thread,
+    time::{Duration, Instant},
+};
+
+use ebpf_proxy_tests::{
+    Protocol,
+    agent::SYNC_DEADLINE,
+    cgroup::TestCgroup,
+    family::Family,
+    manifest::SessionAffinity,
+    netns::NetNs,
+    require_root,
+    sandbox::Sandbox,
+    topology::one_node::{
+        BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT, backend_names,
+    },
+};
+
+/// A sandbox with `manifests` written, the node holding its address of family `F`,
+/// and the agent running with its socket hooks on a cgroup of the test's own,
+/// returned with the cgroup.
+pub fn hooked_sandbox<F: Family>(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    F::give_node_its_address(&sb.topology().node).expect("the node's address of the family");
+    for (name, yaml) in manifests {
+        sb.manifests().write(name, yaml).expect("write manifest");
+    }
+    let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
+    let root = cgroup.path().display().to_string();
+    sb.start_agent_with(&["--cgroup-root", &root])
+        .expect("start the agent");
+    (sb, cgroup)
+}
+
+/// `test/web` of family `F` on its ClusterIP (`http` 80/TCP -> 8080, `dns` 53/UDP ->
+/// 5353) with `backends` ready, as `web.yaml`.
+pub fn web<F: Family>(backends: &[F]) -> (&'static str, String) {
+    let service = F::service("test", "web", F::cluster_ip())
+        .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+        .port("dns", UDP_SERVICE_PORT, Protocol::Udp, UDP_PORT);
+    ("web.yaml", F::yaml(&service, backends))
+}
+
+/// `program target args..` from the tests' binaries, run in `cgroup` in `ns`; its
+/// stdout split into words, or a panic that says what failed.
+pub fn run_in(
+    sb: &Sandbox,
+    ns: &NetNs,
+    cgroup: &TestCgroup,
+    program: &str,
+    target: SocketAddr,
+    args: &[&str],
+) -> Vec<String> {
+    let out: Output = cgroup
+        .command_in(ns, program)
+        .arg(target.to_string())
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {program}: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{program} {target}: {} {text:?} {:?}; agent log:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr),
+        sb.agent().log()
+    );
+    text.split_whitespace().map(str::to_owned).collect()
+}
+
+/// `udp-connected` in `cgroup` in `ns`: one UDP socket connected to `target` for the
+/// process's life, one exchange per line (`peer` asks `getpeername()`). Killed on
+/// drop.
+pub struct ConnectedUdp {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl ConnectedUdp {
+    pub fn start(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddr) -> ConnectedUdp {
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-connected"))
+            .arg(target.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-connected");
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        ConnectedUdp {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// One line and its answer: `hi` is a datagram and its answer (`<backend>
+    /// <peer>`) or `error: ...`, within the client's 1 s receive timeout.
+    pub fn ask(&mut self, line: &str) -> String {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{line}").expect("writing to udp-connected");
+        let mut answer = String::new();
+        self.stdout
+            .read_line(&mut answer)
+            .expect("reading from udp-connected");
+        answer.trim().to_owned()
+    }
+
+    /// What `getpeername()` says the socket is connected to.
+    pub fn peer(&mut self) -> String {
+        self.ask("peer")
+    }
+
+    /// The backend that answered a datagram, or None for an error (the socket
+    /// closed under its owner, say).
+    pub fn backend(&mut self) -> Option<String> {
+        let answer = self.ask("hi");
+        (!answer.starts_with("error")).then(|| {
+            answer
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+    }
+}
+
+impl Drop for ConnectedUdp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP connection of the node to `target` (connection `i`): `getpeername()` must
+/// show `target`, and a backend answer that saw an address starting with `node`.
+/// Returns the backend.
+pub fn tcp_from_the_node(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    node: &str,
+    i: usize,
+) -> String {
+    // `<peer> <backend> <address the backend saw>`
+    let words = run_in(
+        sb,
+        &sb.topology().node,
+        cgroup,
+        env!("CARGO_BIN_EXE_tcp-peer"),
+        target,
+        &[],
+    );
+    assert_eq!(words.len(), 3, "tcp-peer {target} printed {words:?}");
+    assert_eq!(
+        words[0],
+        target.to_string(),
+        "TCP connection {i} to {target} (reached {}): getpeername() shows another peer",
+        words[1]
+    );
+    assert!(
+        backend_names().contains(&words[1].as_str()),
+        "connection {i} to {target} reached {words:?}, no backend"
+    );
+    assert!(
+        words[2].starts_with(node),
+        "connection {i} to {target}: the backend saw {}, not the node's address {node}",
+        words[2]
+    );
+    words[1].clone()
+}
+
+/// The node's UDP sockets to `target`: a backend answers each of `datagrams`
+/// datagrams of unconnected sockets, having seen an address starting with `node`,
+/// every answer shows `target` as its source, and they reach at least two backends;
+/// a connected socket gets its answer and shows `target` as its peer.
+pub fn udp_from_the_node(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    node: &str,
+    datagrams: usize,
+) {
+    let mut reached = BTreeSet::new();
+    for i in 0..datagrams {
+        // `<backend> <address the backend saw> from <source>`
+        let words = run_in(
+            sb,
+            &sb.topology().node,
+            cgroup,
+            env!("CARGO_BIN_EXE_udp-sendto"),
+            target,
+            &[],
+        );
+        let word = |n: usize| words.get(n).map(String::as_str);
+        assert_eq!(
+            (words.len(), word(2), word(3)),
+            (4, Some("from"), Some(target.to_string().as_str())),
+            "the answer to datagram {i} of an unconnected socket to {target}: {words:?}"
+        );
+        assert!(
+            backend_names().contains(&words[0].as_str()) && words[1].starts_with(node),
+            "datagram {i} to {target} reached {words:?}"
+        );
+        reached.insert(words[0].clone());
+    }
+    assert!(
+        reached.len() >= 2,
+        "{datagrams} datagrams from unconnected sockets to {target} all reached {reached:?}"
+    );
+    let mut udp = ConnectedUdp::start(&sb.topology().node, cgroup, target);
+    let answer = udp.ask("hi");
+    assert!(
+        backend_names().contains(&answer.split_whitespace().next().unwrap_or_default()),
+        "a connected UDP socket to {target} got {answer:?}"
+    );
+    assert_eq!(
+        udp.peer(),
+        target.to_string(),
+        "getpeername() of a connected UDP socket to {target}"
+    );
+}
+
+/// A TCP connection of the node to `target`, a Service without endpoints, is
+/// refused.
+pub fn refused(sb: &Sandbox, cgroup: &TestCgroup, target: SocketAddr) {
+    let out = cgroup
+        .command_in(&sb.topology().node, env!("CARGO_BIN_EXE_tcp-peer"))
+        .arg(target.to_string())
+        .output()
+        .expect("running tcp-peer");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("refused"),
+        "the node's connection to {target}, a Service without endpoints: {} {stderr:?}",
+        out.status
+    );
+}
+
+/// `ebpf-proxy status` shows `test/web`'s `http` frontend of family `F` with every
+/// backend, the frontend of `empty_ip`, and the node's address.
+fn status_shows_the_frontends<F: Family>(sb: &Sandbox, empty_ip: F) {
+    let http = F::http(F::cluster_ip());
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let backends: Vec<String> = F::backend_ips()
+        .into_iter()
+        .map(|ip| F::addr(ip, TCP_PORT).to_string())
+        .collect();
+    let line = status
+        .lines()
+        .find(|line| line.starts_with(&format!("{http}/TCP (service id")))
+        .unwrap_or_else(|| panic!("no line of {http}/TCP in the status:\n{status}"));
+    assert!(
+        backends.iter().all(|b| line.contains(b.as_str())),
+        "the status line of {http}/TCP lacks a backend of {backends:?}: {line}"
+    );
+    let node_ip = F::node_ip().to_string();
+    assert!(
+        status.contains(&format!("{}/TCP", F::http(empty_ip)))
+            && status
+                .lines()
+                .any(|l| l.starts_with(F::STATUS_NODE_IP) && l.contains(node_ip.as_str())),
+        "the status lacks the empty {} frontend or the node's address {node_ip}:\n{status}",
+        F::NAME
+    );
+}
+
+/// (f) Connections that start on the node itself (host-network pods, node agents)
+/// never cross tc ingress: the agent's `connect()` hook on the cgroup sends them to a
+/// backend. TCP connections to the ClusterIP of family `F` spread over the backends,
+/// which see the node's address, and `getpeername()` shows the ClusterIP; the answers
+/// to datagrams of unconnected sockets, balanced anew each, show the ClusterIP as
+/// their source, and a connected socket shows it as its peer; a Service without
+/// endpoints refuses at once; the hooks count each, and tc translates none; with
+/// ClientIP affinity every connection of the node reaches one backend; `ebpf-proxy
+/// status` shows the frontends, their backends and the node's address. Returned for
+/// what only one family's test goes on to check.
+pub fn the_nodes_own_connections_reach_backends<F: Family>() -> (Sandbox, TestCgroup) {
+    let sticky_ip = F::vip(20);
+    let empty_ip = F::vip(30);
+    let (sb, cgroup) = hooked_sandbox::<F>(&[
+        web::<F>(&F::backend_ips()),
+        (
+            "sticky.yaml",
+            F::yaml(
+                &F::service("test", "sticky", sticky_ip)
+                    .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+                    .session_affinity(SessionAffinity::ClientIp {
+                        timeout_seconds: None,
+                    }),
+                &F::backend_ips(),
+            ),
+        ),
+        (
+            "empty.yaml",
+            F::yaml(
+                &F::service("test", "empty", empty_ip).port(
+                    "http",
+                    TCP_SERVICE_PORT,
+                    Protocol::Tcp,
+                    TCP_PORT,
+                ),
+                &[],
+            ),
+        ),
+    ]);
+    let node = F::node_prefix();
+    let http: SocketAddr = F::http(F::cluster_ip()).into();
+    let tc_new_before = sb.counter("dnat_new");
+    let reached: BTreeSet<String> = (0..30)
+        .map(|i| tcp_from_the_node(&sb, &cgroup, http, &node, i))
+        .collect();
+    assert!(
+        reached.len() >= 2,
+        "30 connections from the node's {} sockets to {http} all reached {reached:?}",
+        F::NAME
+    );
+    udp_from_the_node(&sb, &cgroup, F::dns(F::cluster_ip()).into(), &node, 12);
+    refused(&sb, &cgroup, F::http(empty_ip).into());
+    for (name, want, what) in [
+        (
+            "sock_connect_translated",
+            31,
+            "30 TCP connections and a UDP socket from the node",
+        ),
+        (
+            "sock_connect_refused",
+            1,
+            "one connection to a Service without endpoints",
+        ),
+        (
+            "sock_sendmsg_translated",
+            12,
+            "12 datagrams from unconnected sockets",
+        ),
+        (
+            "dnat_new",
+            tc_new_before,
+            "none: the node's connections must not go through tc's translation",
+        ),
+    ] {
+        assert_eq!(
+            sb.counter(name),
+            want,
+            "{}: counter {name}: {what}",
+            F::NAME
+        );
+    }
+
+    let sticky: SocketAddr = F::http(sticky_ip).into();
+    let stuck: BTreeSet<String> = (0..8)
+        .map(|i| tcp_from_the_node(&sb, &cgroup, sticky, &node, i))
+        .collect();
+    assert_eq!(
+        stuck.len(),
+        1,
+        "ClientIP affinity: the node's connections to {sticky} reached {stuck:?}"
+    );
+
+    status_shows_the_frontends::<F>(&sb, empty_ip);
+    (sb, cgroup)
+}
+
+/// (i) A socket of the node that the hook connected to a backend shows the frontend
+/// as its peer (`getpeername()`), as a connection DNATed by kube-proxy does, while the
+/// backend sees the node's address; a socket connected straight to a pod shows the
+/// pod; a connected UDP socket to the ClusterIP shows the ClusterIP.
+pub fn the_nodes_sockets_show_the_frontend_as_their_peer<F: Family>() {
+    let (sb, cgroup) = hooked_sandbox::<F>(&[web::<F>(&F::backend_ips())]);
+    let node = F::node_prefix();
+    let http: SocketAddr = F::http(F::cluster_ip()).into();
+    for i in 0..6 {
+        tcp_from_the_node(&sb, &cgroup, http, &node, i);
+    }
+    let pod: SocketAddr = F::addr(F::pod(BACKENDS[0].1), TCP_PORT).into();
+    let words = run_in(
+        &sb,
+        &sb.topology().node,
+        &cgroup,
+        env!("CARGO_BIN_EXE_tcp-peer"),
+        pod,
+        &[],
+    );
+    assert_eq!(
+        (
+            words.first().map(String::as_str),
+            words.get(1).map(String::as_str)
+        ),
+        (Some(pod.to_string().as_str()), Some(BACKENDS[0].0)),
+        "a connection straight to a pod"
+    );
+    let dns: SocketAddr = F::dns(F::cluster_ip()).into();
+    let mut udp = ConnectedUdp::start(&sb.topology().node, &cgroup, dns);
+    assert!(
+        udp.backend().is_some(),
+        "connected UDP to the ClusterIP got no answer"
+    );
+    assert_eq!(
+        udp.peer(),
+        dns.to_string(),
+        "getpeername() of a connected UDP socket to the ClusterIP"
+    );
+}
+
+/// `n` connected UDP sockets of the node to `target`, each with the backend that
+/// answered its first datagram.
+pub fn connected_udp_clients(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    n: usize,
+) -> Vec<(ConnectedUdp, String)> {
+    (0..n)
+        .map(|i| {
+            let mut client = ConnectedUdp::start(&sb.topology().node, cgroup, target);
+            let backend = client.backend().unwrap_or_else(|| {
+                panic!(
+                    "connected UDP client {i} of the node to {target} got no answer; agent log:\n{}",
+                    sb.agent().log()
+                )
+            });
+            (client, backend)
+        })
+        .collect()
+}
+
+/// A Service whose backends leave one at a time: its UDP frontend, the address of a
+/// backend pod by name (as the node's sockets connect to it), and the manifest
+/// without the named backend.
+pub struct Departing {
+    pub frontend: SocketAddr,
+    pub pod: fn(&str) -> SocketAddr,
+    pub without: fn(&str) -> (&'static str, String),
+}
+
+impl Departing {
+    /// [`web`] of family `F`, at its `dns` port.
+    pub fn web<F: Family>() -> Departing {
+        Departing {
+            frontend: F::dns(F::cluster_ip()).into(),
+            pod: |name| F::addr(F::pod(backend_ip(name)), UDP_PORT).into(),
+            without: |name| {
+                let remaining: Vec<F> = BACKENDS
+                    .iter()
+                    .filter(|b| b.0 != name)
+                    .map(|b| F::pod(b.1))
+                    .collect();
+                web::<F>(&remaining)
+            },
+        }
+    }
+}
+
+/// The IPv4 address of backend pod `name` (one of [`BACKENDS`]).
+pub fn backend_ip(name: &str) -> std::net::Ipv4Addr {
+    BACKENDS
+        .iter()
+        .find(|b| b.0 == name)
+        .unwrap_or_else(|| panic!("answer from {name}, no backend of the test"))
+        .1
+}
+
+/// Takes the backend of `clients[0]`, the node's UDP sockets connected to
+/// `service`'s frontend, out of the Service and checks that the agent closes exactly
+/// the clients' sockets connected to it, within the sync deadline, and says so in its
+/// log, while the others, and a socket connected straight to the departing pod, keep
+/// theirs; new sockets then reach the remaining backends. `what` says when.
+pub fn departed_backends_sockets_are_closed(
+    sb: &Sandbox,
+    cgroup: &TestCgroup,
+    service: &Departing,
+    clients: &mut [(ConnectedUdp, String)],
+    what: &str,
+) {
+    let node = &sb.topology().node;
+    let what = format!("{} ({what})", service.frontend);
+    let departing = clients[0].1.clone();
+    let mut direct = ConnectedUdp::start(node, cgroup, (service.pod)(&departing));
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "{what}: a socket connected straight to {departing}"
+    );
+
+    let (manifest, yaml) = (service.without)(&departing);
+    sb.manifests()
+        .write(manifest, &yaml)
+        .expect("rewrite manifest");
+    let written = Instant::now();
+    let deadline = SYNC_DEADLINE + Duration::from_secs(1);
+    while clients[0].0.backend().is_some() && written.elapsed() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    let mut closed = 0;
+    for (i, (client, backend)) in clients.iter_mut().enumerate() {
+        let now = client.backend();
+        if *backend == departing {
+            assert_eq!(
+                now, None,
+                "{what}: client {i}: {deadline:?} after {departing} left, its socket still reaches it"
+            );
+            closed += 1;
+        } else {
+            assert_eq!(
+                now.as_ref(),
+                Some(&*backend),
+                "{what}: client {i} of {backend}, which stays, lost its socket"
+            );
+        }
+    }
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(departing.as_str()),
+        "{what}: a socket connected straight to the pod's address, not through the hook, was closed"
+    );
+    assert!(
+        sb.agent()
+            .log()
+            .contains(&format!("closed {closed} UDP sockets")),
+        "{what}: the agent's log does not say it closed {closed} sockets:\n{}",
+        sb.agent().log()
+    );
+    for i in 0..10 {
+        let backend = ConnectedUdp::start(node, cgroup, service.frontend).backend();
+        assert!(
+            backend.as_ref().is_some_and(|b| *b != departing),
+            "{what}: new connected UDP socket {i} after {departing} left: {backend:?}"
+        );
+    }
+}
+
+/// (h) A UDP socket of the node that the hook connected to a backend of family `F`
+/// stays connected to it (no conntrack entry stands between), so when the backend
+/// leaves the Service the agent closes the socket, as kube-proxy's conntrack cleanup
+/// moves such a flow and Cilium closes such sockets: its owner reads an error and
+/// reconnects to a live backend. The node's sockets the hook sent elsewhere, and one
+/// connected straight to the departed pod's address, are left alone.
+pub fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed<F: Family>() {
+    let (sb, cgroup) = hooked_sandbox::<F>(&[web::<F>(&F::backend_ips())]);
+    let service = Departing::web::<F>();
+    let mut clients = connected_udp_clients(&sb, &cgroup, service.frontend, 12);
+    departed_backends_sockets_are_closed(
+        &sb,
+        &cgroup,
+        &service,
+        &mut clients,
+        "the backend leaving",
+    );
+}

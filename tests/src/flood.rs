@@ -12,11 +12,6 @@ use crate::frames::{self, Spec, Spec6};
 /// Sends `count` TCP SYNs from `src` to `dst` from the calling thread's network
 /// namespace, source ports cycling over 1024-65535; returns how many the kernel took.
 pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u32> {
-    // SAFETY: plain system calls on a descriptor this function owns.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-    if fd < 0 {
-        bail!("raw socket: {}", std::io::Error::last_os_error());
-    }
     let to = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: 0,
@@ -25,53 +20,24 @@ pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u3
         },
         sin_zero: [0; 8],
     };
-    let mut sent = 0;
-    for i in 0..count {
-        let frame = frames::build(&Spec {
+    send_raw(libc::AF_INET, &to, count, |sport| {
+        frames::build(&Spec {
             src,
             dst: *dst.ip(),
-            sport: 1024 + (i % 64_512) as u16,
+            sport,
             dport: dst.port(),
             proto: frames::TCP,
             tcp_flags: frames::SYN,
             payload: Vec::new(),
             udp_no_csum: false,
-        });
-        let packet = &frame[14..];
-        // SAFETY: `packet` and `to` outlive the call; the lengths are theirs.
-        let n = unsafe {
-            libc::sendto(
-                fd,
-                packet.as_ptr().cast(),
-                packet.len(),
-                0,
-                (&raw const to).cast(),
-                size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            )
-        };
-        if n == packet.len() as isize {
-            sent += 1;
-        }
-        // Paced in bursts that a veth's queue (256 frames under XDP) takes whole:
-        // faster, most of the flood would be dropped before any datapath saw it.
-        if i % 64 == 63 {
-            std::thread::sleep(std::time::Duration::from_micros(500));
-        }
-    }
-    // SAFETY: closes the descriptor opened above, once.
-    unsafe { libc::close(fd) };
-    Ok(sent)
+        })
+    })
 }
 
 /// [`syn_flood_here`] over IPv6: `count` SYNs from `src` to `dst`, through a raw
 /// socket that takes whole IPv6 packets (`IPPROTO_RAW` implies the header is
 /// the caller's, as for IPv4).
 pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u32> {
-    // SAFETY: plain system calls on a descriptor this function owns.
-    let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-    if fd < 0 {
-        bail!("raw IPv6 socket: {}", std::io::Error::last_os_error());
-    }
     let to = libc::sockaddr_in6 {
         sin6_family: libc::AF_INET6 as libc::sa_family_t,
         sin6_port: 0,
@@ -81,18 +47,37 @@ pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u
         },
         sin6_scope_id: 0,
     };
-    let mut sent = 0;
-    for i in 0..count {
-        let frame = frames::build6(&Spec6 {
+    send_raw(libc::AF_INET6, &to, count, |sport| {
+        frames::build6(&Spec6 {
             src,
             dst: *dst.ip(),
-            sport: 1024 + (i % 64_512) as u16,
+            sport,
             dport: dst.port(),
             proto: frames::TCP,
             tcp_flags: frames::SYN,
             payload: Vec::new(),
             ext: Vec::new(),
-        });
+        })
+    })
+}
+
+/// Sends `count` frames `frame(source port)` builds, without their Ethernet
+/// header, through a raw socket of `domain` to `to` (a `sockaddr_in` or
+/// `sockaddr_in6`); returns how many the kernel took.
+fn send_raw<A>(
+    domain: libc::c_int,
+    to: &A,
+    count: u32,
+    frame: impl Fn(u16) -> Vec<u8>,
+) -> Result<u32> {
+    // SAFETY: plain system calls on a descriptor this function owns.
+    let fd = unsafe { libc::socket(domain, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        bail!("raw socket: {}", std::io::Error::last_os_error());
+    }
+    let mut sent = 0;
+    for i in 0..count {
+        let frame = frame(1024 + (i % 64_512) as u16);
         let packet = &frame[14..];
         // SAFETY: `packet` and `to` outlive the call; the lengths are theirs.
         let n = unsafe {
@@ -101,14 +86,15 @@ pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u
                 packet.as_ptr().cast(),
                 packet.len(),
                 0,
-                (&raw const to).cast(),
-                size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                std::ptr::from_ref(to).cast(),
+                size_of::<A>() as libc::socklen_t,
             )
         };
         if n == packet.len() as isize {
             sent += 1;
         }
-        // Paced as `syn_flood_here`'s.
+        // Paced in bursts that a veth's queue (256 frames under XDP) takes whole:
+        // faster, most of the flood would be dropped before any datapath saw it.
         if i % 64 == 63 {
             std::thread::sleep(std::time::Duration::from_micros(500));
         }

@@ -1195,40 +1195,46 @@ fn ncounter(nf: &NodeFixture, name: &str) -> u64 {
     counter(&nf.fx, name)
 }
 
-/// ETP Cluster, remote backend: the SYN is DNATed to the pod and SNATed to
-/// the node's IPv6 address (`NODE_CONFIG6`) from the SNAT port range, then
-/// routed by the program (the peer node's MAC, hop limit down by one); the
-/// reply is reverse-translated to the client, from the NodePort, and routed
-/// too; the next packet keeps the flow's port.
-#[test]
-fn nodeport_to_a_remote_backend_is_snated_to_the_node_and_the_reply_restored() {
-    let nf = node_fixture();
-    let syn = tcp(OUTSIDE, 41000, NODE_IP, NODE_PORT, frame::SYN);
-    let (ret, out) = run_on_uplink(&nf, &syn);
+/// The first two packets of a NodePort flow from `OUTSIDE`, port
+/// `client_port`, to a remote backend, each run through `run` (tc or XDP,
+/// named `hook`), which must send both on itself (`redirect`): the SYN
+/// DNATed to the pod and SNATed to the node from the SNAT port range,
+/// routed to the peer node with the hop limit down by one; the reply
+/// restored to come from the NodePort and routed to the client. Returns the
+/// flow's SNAT port.
+fn snated_syn_and_reply(
+    nf: &NodeFixture,
+    run: fn(&NodeFixture, &[u8]) -> (u32, Vec<u8>),
+    redirect: u32,
+    client_port: u16,
+    hook: &str,
+) -> u16 {
+    let syn = tcp(OUTSIDE, client_port, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run(nf, &syn);
     assert_eq!(
-        ret, TC_ACT_REDIRECT,
-        "NodePort SYN with a remote backend: verdict"
+        ret, redirect,
+        "NodePort SYN with a remote backend: {hook} verdict"
     );
-    let p = parse_checked6(&out, "SNATed SYN");
+    let p = parse_checked6(&out, &format!("SNATed SYN at {hook}"));
     assert_eq!(
         (p.src, p.dst, p.dport),
         (NODE_IP, REMOTE_POD, 8080),
-        "SYN not SNATed to the node and DNATed to the pod"
+        "{hook}: SYN not SNATed to the node and DNATed to the pod"
     );
     assert!(
         (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
-        "SNAT port {} outside the range",
+        "{hook}: SNAT port {} outside the range",
         p.sport
     );
     assert_eq!(
         macs(&out),
         (PEER_MAC, UPLINK_MAC),
-        "not routed to the peer node"
+        "{hook}: not routed to the peer node"
     );
     assert_eq!(
         out[HOP_LIMIT],
         syn[HOP_LIMIT] - 1,
-        "hop limit not taken down by one"
+        "{hook}: hop limit not taken down by one"
     );
     let snat_port = p.sport;
 
@@ -1239,19 +1245,31 @@ fn nodeport_to_a_remote_backend_is_snated_to_the_node_and_the_reply_restored() {
         snat_port,
         frame::SYN | frame::ACK,
     );
-    let (ret, out) = run_on_uplink(&nf, &reply);
-    assert_eq!(ret, TC_ACT_REDIRECT, "reply: verdict");
-    let r = parse_checked6(&out, "reverse-translated reply");
+    let (ret, out) = run(nf, &reply);
+    assert_eq!(ret, redirect, "reply: {hook} verdict");
+    let r = parse_checked6(&out, &format!("reverse-translated reply at {hook}"));
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
-        (NODE_IP, NODE_PORT, OUTSIDE, 41000),
-        "the reply must come from the NodePort and go back to the client"
+        (NODE_IP, NODE_PORT, OUTSIDE, client_port),
+        "{hook}: the reply must come from the NodePort and go back to the client"
     );
     assert_eq!(
         macs(&out),
         (OUTSIDE_MAC, UPLINK_MAC),
-        "reply not routed to the client"
+        "{hook}: reply not routed to the client"
     );
+    snat_port
+}
+
+/// ETP Cluster, remote backend: the SYN is DNATed to the pod and SNATed to
+/// the node's IPv6 address (`NODE_CONFIG6`) from the SNAT port range, then
+/// routed by the program (the peer node's MAC, hop limit down by one); the
+/// reply is reverse-translated to the client, from the NodePort, and routed
+/// too; the next packet keeps the flow's port.
+#[test]
+fn nodeport_to_a_remote_backend_is_snated_to_the_node_and_the_reply_restored() {
+    let nf = node_fixture();
+    let snat_port = snated_syn_and_reply(&nf, run_on_uplink, TC_ACT_REDIRECT, 41000, "tc");
 
     let (ret, out) = run_on_uplink(&nf, &tcp(OUTSIDE, 41000, NODE_IP, NODE_PORT, frame::ACK));
     assert_eq!(ret, TC_ACT_REDIRECT, "established packet: verdict");
@@ -1475,55 +1493,7 @@ fn run_xdp(nf: &NodeFixture, input: &[u8]) -> (u32, Vec<u8>) {
 fn xdp_nodeport_snat_both_ways() {
     let _cpu = stay_on_this_cpu();
     let nf = node_fixture();
-    let syn = tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::SYN);
-    let (ret, out) = run_xdp(&nf, &syn);
-    assert_eq!(
-        ret, XDP_REDIRECT,
-        "NodePort SYN with a remote backend: XDP verdict"
-    );
-    let p = parse_checked6(&out, "SNATed SYN at XDP");
-    assert_eq!(
-        (p.src, p.dst, p.dport),
-        (NODE_IP, REMOTE_POD, 8080),
-        "SYN not SNATed to the node and DNATed to the pod"
-    );
-    assert!(
-        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
-        "SNAT port {} outside the range",
-        p.sport
-    );
-    assert_eq!(
-        macs(&out),
-        (PEER_MAC, UPLINK_MAC),
-        "not routed to the peer node"
-    );
-    assert_eq!(
-        out[HOP_LIMIT],
-        syn[HOP_LIMIT] - 1,
-        "hop limit not taken down by one"
-    );
-    let snat_port = p.sport;
-
-    let reply = tcp(
-        REMOTE_POD,
-        8080,
-        NODE_IP,
-        snat_port,
-        frame::SYN | frame::ACK,
-    );
-    let (ret, out) = run_xdp(&nf, &reply);
-    assert_eq!(ret, XDP_REDIRECT, "reply: XDP verdict");
-    let r = parse_checked6(&out, "reverse-translated reply at XDP");
-    assert_eq!(
-        (r.src, r.sport, r.dst, r.dport),
-        (NODE_IP, NODE_PORT, OUTSIDE, 45000),
-        "the reply must come from the NodePort and go back to the client"
-    );
-    assert_eq!(
-        macs(&out),
-        (OUTSIDE_MAC, UPLINK_MAC),
-        "reply not routed to the client"
-    );
+    let snat_port = snated_syn_and_reply(&nf, run_xdp, XDP_REDIRECT, 45000, "XDP");
 
     // Established packets, the second from this CPU's flow cache once the
     // first has assured the flow.

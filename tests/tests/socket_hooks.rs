@@ -249,7 +249,7 @@ fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed() {
 
 /// (j) What the socket hooks remember about a socket lives with the socket, after
 /// 100,000 TCP connections of the node through the hook (the scenario, shared with
-/// IPv6: socket_hooks6::the_nodes_ipv6_socket_notes_outlive_tcp_churn).
+/// IPv6: `socket_hooks6::the_nodes_ipv6_socket_notes_outlive_tcp_churn`).
 #[test]
 fn the_nodes_socket_notes_outlive_tcp_churn() {
     scenario::the_nodes_socket_notes_outlive_tcp_churn::<Ipv4Addr>();
@@ -257,7 +257,7 @@ fn the_nodes_socket_notes_outlive_tcp_churn() {
 
 /// (k) What the socket hooks remember about a socket is kept in the socket itself,
 /// as the agent's pinned iterator lists it (the scenario, shared with IPv6:
-/// socket_hooks6::the_hooks_ipv6_notes_live_in_their_sockets); then the `SOCK_REVNAT`
+/// `socket_hooks6::the_hooks_ipv6_notes_live_in_their_sockets`); then the `SOCK_REVNAT`
 /// table an earlier agent kept its notes in is unpinned by the next agent. That step
 /// is IPv4's alone: no agent kept IPv6 notes in a table.
 #[test]

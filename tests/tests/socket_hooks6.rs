@@ -47,7 +47,7 @@ fn the_nodes_ipv6_udp_sockets_connected_to_a_departed_backend_are_closed() {
     scenario::the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed::<Ipv6Addr>();
 }
 
-/// The twin of socket_hooks::the_nodes_socket_notes_outlive_tcp_churn: 100,000 IPv6
+/// The twin of `socket_hooks::the_nodes_socket_notes_outlive_tcp_churn`: 100,000 IPv6
 /// TCP connections of the node through `connect6`, then the notes in `SOCK_NOTES6` of
 /// the node's IPv6 UDP sockets made before them still serve (`recvmsg6` shows the
 /// ClusterIP, the agent closes the sockets of the backend that leaves).
@@ -56,7 +56,7 @@ fn the_nodes_ipv6_socket_notes_outlive_tcp_churn() {
     scenario::the_nodes_socket_notes_outlive_tcp_churn::<Ipv6Addr>();
 }
 
-/// The twin of socket_hooks::the_hooks_notes_live_in_their_sockets: the notes of IPv6
+/// The twin of `socket_hooks::the_hooks_notes_live_in_their_sockets`: the notes of IPv6
 /// backends live in the node's IPv6 UDP sockets, in `SOCK_NOTES6`, as the agent's
 /// pinned iterator (`sock_notes::read6`) lists them.
 #[test]

@@ -4,9 +4,10 @@
 //! on a cgroup of each test's own: an IPv6 Service reached from the node's IPv6
 //! sockets, which its IPv6 backend pods answer, and an IPv4 Service reached through an
 //! IPv6 socket at its IPv4-mapped address; the node's IPv6 UDP sockets the hook
-//! connected to a backend are closed when that backend leaves, as IPv4's are. The
-//! scenarios with an IPv4 twin are `socket_hooks_scenarios`'s, shared with
-//! `socket_hooks.rs`.
+//! connected to a backend are closed when that backend leaves, as IPv4's are, and
+//! what the hooks note about the node's IPv6 sockets lives in the sockets
+//! (`SOCK_NOTES6`), also after 100,000 TCP connections. The scenarios with an IPv4
+//! twin are `socket_hooks_scenarios`'s, shared with `socket_hooks.rs`.
 //!
 //! Every test builds its own namespaces, cgroup, bpffs root and manifest directory, so
 //! they run in parallel; everything is removed on drop, also when a test fails.
@@ -44,6 +45,23 @@ fn the_nodes_ipv6_sockets_show_the_frontend_as_their_peer() {
 #[test]
 fn the_nodes_ipv6_udp_sockets_connected_to_a_departed_backend_are_closed() {
     scenario::the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed::<Ipv6Addr>();
+}
+
+/// The twin of `socket_hooks::the_nodes_socket_notes_outlive_tcp_churn`: 100,000 IPv6
+/// TCP connections of the node through `connect6`, then the notes in `SOCK_NOTES6` of
+/// the node's IPv6 UDP sockets made before them still serve (`recvmsg6` shows the
+/// ClusterIP, the agent closes the sockets of the backend that leaves).
+#[test]
+fn the_nodes_ipv6_socket_notes_outlive_tcp_churn() {
+    scenario::the_nodes_socket_notes_outlive_tcp_churn::<Ipv6Addr>();
+}
+
+/// The twin of `socket_hooks::the_hooks_notes_live_in_their_sockets`: the notes of IPv6
+/// backends live in the node's IPv6 UDP sockets, in `SOCK_NOTES6`, as the agent's
+/// pinned iterator (`sock_notes::read6`) lists them.
+#[test]
+fn the_hooks_ipv6_notes_live_in_their_sockets() {
+    scenario::the_hooks_notes_live_in_their_sockets::<Ipv6Addr>();
 }
 
 /// `addr` as an IPv6 socket names it: IPv4-mapped.

@@ -1,5 +1,5 @@
 //! `tcp-churn ADDR COUNT`: opens COUNT TCP connections to ADDR
-//! (`a.b.c.d:port`) as fast as the machine allows, each one a nonblocking
+//! (`a.b.c.d:port` or `[v6]:port`, from a socket of ADDR's family) as fast as the machine allows, each one a nonblocking
 //! `connect()` (which sends the SYN) closed at once, on one thread per CPU.
 //! Prints `<started> <failed>`: connects that went out, and those the kernel
 //! refused (the first refusal on stderr). A node's churn of short
@@ -9,7 +9,8 @@
 //! which a thread of the test process cannot join on its own.
 
 use std::{
-    net::SocketAddrV4,
+    net::SocketAddr,
+    os::fd::AsRawFd,
     process::ExitCode,
     sync::atomic::{AtomicU64, Ordering},
     thread,
@@ -17,15 +18,15 @@ use std::{
 
 use nix::{
     errno::Errno,
-    sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, connect, socket},
+    sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, SockaddrIn6, connect, socket},
 };
 
 fn main() -> ExitCode {
-    let Some(addr) = ebpf_proxy_tests::addr_arg("tcp-churn") else {
+    let Some(addr) = ebpf_proxy_tests::sock_addr_arg("tcp-churn") else {
         return ExitCode::from(2);
     };
     let Some(count) = std::env::args().nth(2).and_then(|n| n.parse::<u64>().ok()) else {
-        eprintln!("usage: tcp-churn a.b.c.d:port COUNT");
+        eprintln!("usage: tcp-churn a.b.c.d:port|[v6]:port COUNT");
         return ExitCode::from(2);
     };
     let next = AtomicU64::new(0);
@@ -54,17 +55,22 @@ fn main() -> ExitCode {
 }
 
 /// One nonblocking connect, closed as soon as its SYN is out.
-fn connect_once(addr: SocketAddrV4) -> Result<(), Errno> {
+fn connect_once(addr: SocketAddr) -> Result<(), Errno> {
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
+    };
     let fd = socket(
-        AddressFamily::Inet,
+        family,
         SockType::Stream,
         SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
         None,
     )?;
-    match connect(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrIn::from(addr),
-    ) {
+    let sent = match addr {
+        SocketAddr::V4(addr) => connect(fd.as_raw_fd(), &SockaddrIn::from(addr)),
+        SocketAddr::V6(addr) => connect(fd.as_raw_fd(), &SockaddrIn6::from(addr)),
+    };
+    match sent {
         Ok(()) | Err(Errno::EINPROGRESS) => Ok(()),
         Err(e) => Err(e),
     }

@@ -10,7 +10,7 @@
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
+    net::{Ipv6Addr, SocketAddr},
     process::Output,
     thread,
     time::{Duration, Instant},
@@ -27,6 +27,14 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     topology::one_node::{
         BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT, backend_names,
+    },
+};
+use proxy_common::sock_note;
+use proxy_userspace::{
+    datapath::PinLayout,
+    housekeeping::{
+        sock_diag::{SockDiag, SockDiagError, UdpSocket},
+        sock_notes::{self, Notes, Notes6, SockNotesError},
     },
 };
 
@@ -562,4 +570,420 @@ pub fn the_nodes_udp_sockets_connected_to_a_departed_backend_are_closed<F: Famil
         &mut clients,
         "the backend leaving",
     );
+}
+
+/// `udp-sendto --hold` in `cgroup` in `ns`: an unconnected UDP socket that has sent
+/// one datagram to `target` and reads the answer only when told. Killed on drop.
+pub struct HeldDatagram {
+    child: Option<std::process::Child>,
+}
+
+impl HeldDatagram {
+    pub fn send(ns: &NetNs, cgroup: &TestCgroup, target: SocketAddr) -> HeldDatagram {
+        use std::io::BufRead;
+        let mut child = cgroup
+            .command_in(ns, env!("CARGO_BIN_EXE_udp-sendto"))
+            .args([&target.to_string(), "--hold"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting udp-sendto --hold");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().expect("piped stdout"))
+            .read_line(&mut line)
+            .expect("reading from udp-sendto");
+        assert_eq!(line.trim(), "sent", "udp-sendto {target} --hold");
+        HeldDatagram { child: Some(child) }
+    }
+
+    /// Reads the answer: `(<answer's first word>, <source>)`.
+    pub fn receive(mut self) -> (String, String) {
+        use std::io::Write;
+        let mut child = self.child.take().expect("a held datagram is received once");
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        writeln!(stdin).expect("writing to udp-sendto");
+        drop(stdin);
+        let out = child.wait_with_output().expect("waiting for udp-sendto");
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text.trim().split_once(" from ") {
+            Some((answer, from)) if out.status.success() => (
+                answer
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned(),
+                from.to_owned(),
+            ),
+            _ => panic!(
+                "udp-sendto --hold: {} {text:?} {:?}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    }
+}
+
+impl Drop for HeldDatagram {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// One note of the socket hooks, of either family's backends: the backend a socket
+/// was sent to in the frontend's place, and how (`sock_note` bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Noted {
+    pub backend: SocketAddr,
+    pub frontend: SocketAddr,
+    pub how: u32,
+    /// Whether the note sits in its backend's slot, where the hooks look it up.
+    pub in_its_slot: bool,
+}
+
+/// Where the socket hooks keep their notes about a family's backends, and the
+/// node's UDP sockets of that family, as the agent reads them: `SOCK_NOTES` and
+/// IPv4 sockets, `SOCK_NOTES6` and IPv6 sockets.
+pub trait Noting: Family {
+    /// The notes of every socket holding some.
+    type Notes: std::fmt::Debug + Send;
+    /// The map the family's notes live in, as messages name it.
+    const NOTES_MAP: &'static str;
+
+    /// The notes, read by the agent's iterator pinned under `pins`.
+    fn read_notes(pins: &PinLayout) -> Result<Self::Notes, SockNotesError>;
+
+    /// The family's UDP sockets of the calling thread's namespace.
+    fn udp_sockets(diag: &mut SockDiag) -> Result<Vec<UdpSocket>, SockDiagError>;
+
+    /// How many sockets hold notes.
+    fn holding(notes: &Self::Notes) -> usize;
+
+    /// Whether the socket with `cookie` holds notes, empty ones included.
+    fn holds_notes(notes: &Self::Notes, cookie: u64) -> bool;
+
+    /// The notes of the socket with `cookie` that are not empty.
+    fn noted(notes: &Self::Notes, cookie: u64) -> Vec<Noted>;
+
+    /// Whether the `connect()` hook connected `socket` to its peer, a backend.
+    fn hook_connected(notes: &Self::Notes, socket: &UdpSocket) -> bool;
+}
+
+/// A port as a note keeps it (network order).
+fn port(port_be: u16) -> u16 {
+    u16::from_be(port_be)
+}
+
+impl Noting for std::net::Ipv4Addr {
+    type Notes = Notes;
+    const NOTES_MAP: &'static str = "SOCK_NOTES";
+
+    fn read_notes(pins: &PinLayout) -> Result<Notes, SockNotesError> {
+        sock_notes::read(&pins.sock_notes())
+    }
+
+    fn udp_sockets(diag: &mut SockDiag) -> Result<Vec<UdpSocket>, SockDiagError> {
+        diag.udp()
+    }
+
+    fn holding(notes: &Notes) -> usize {
+        notes.len()
+    }
+
+    fn holds_notes(notes: &Notes, cookie: u64) -> bool {
+        notes.of(cookie).is_some()
+    }
+
+    fn noted(notes: &Notes, cookie: u64) -> Vec<Noted> {
+        let ip = |addr_be: u32| std::net::Ipv4Addr::from(addr_be.to_ne_bytes());
+        let Some(held) = notes.of(cookie) else {
+            return Vec::new();
+        };
+        held.notes
+            .iter()
+            .filter(|n| n.backend_be != 0)
+            .map(|n| Noted {
+                backend: (ip(n.backend_be), port(n.backend_port_be)).into(),
+                frontend: (ip(n.frontend_be), port(n.frontend_port_be)).into(),
+                how: n.how,
+                in_its_slot: held.find(n.backend_be, n.backend_port_be) == Some(n),
+            })
+            .collect()
+    }
+
+    fn hook_connected(notes: &Notes, socket: &UdpSocket) -> bool {
+        notes.hook_connected(socket)
+    }
+}
+
+impl Noting for Ipv6Addr {
+    type Notes = Notes6;
+    const NOTES_MAP: &'static str = "SOCK_NOTES6";
+
+    fn read_notes(pins: &PinLayout) -> Result<Notes6, SockNotesError> {
+        sock_notes::read6(&pins.sock_notes6())
+    }
+
+    fn udp_sockets(diag: &mut SockDiag) -> Result<Vec<UdpSocket>, SockDiagError> {
+        diag.udp6()
+    }
+
+    fn holding(notes: &Notes6) -> usize {
+        notes.len()
+    }
+
+    fn holds_notes(notes: &Notes6, cookie: u64) -> bool {
+        notes.of(cookie).is_some()
+    }
+
+    fn noted(notes: &Notes6, cookie: u64) -> Vec<Noted> {
+        // The words in network order, as they lie in memory.
+        let ip = |addr_be: [u32; 4]| {
+            let mut bytes = [0u8; 16];
+            for (chunk, word) in bytes.chunks_exact_mut(4).zip(addr_be) {
+                chunk.copy_from_slice(&word.to_ne_bytes());
+            }
+            Ipv6Addr::from(bytes)
+        };
+        let Some(held) = notes.of(cookie) else {
+            return Vec::new();
+        };
+        held.notes
+            .iter()
+            .filter(|n| n.backend_be != [0; 4])
+            .map(|n| Noted {
+                backend: (ip(n.backend_be), port(n.backend_port_be)).into(),
+                frontend: (ip(n.frontend_be), port(n.frontend_port_be)).into(),
+                how: n.how,
+                in_its_slot: held.find(&n.backend_be, n.backend_port_be) == Some(n),
+            })
+            .collect()
+    }
+
+    fn hook_connected(notes: &Notes6, socket: &UdpSocket) -> bool {
+        notes.hook_connected(socket)
+    }
+}
+
+/// The node's UDP sockets of family `F`, as the kernel's socket dump lists them.
+pub fn node_udp_sockets<F: Noting>(sb: &Sandbox) -> Vec<UdpSocket> {
+    sb.topology()
+        .node
+        .run(|| SockDiag::open().and_then(|mut diag| F::udp_sockets(&mut diag)))
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("listing the node's {} UDP sockets: {e}", F::NAME))
+}
+
+/// What the socket hooks have noted about `F`'s backends in every UDP socket of the
+/// node that holds such notes, read out of `F::NOTES_MAP` by the agent's pinned
+/// iterator, run in the node's namespace (it lists the UDP sockets of its reader's).
+pub fn hooks_notes<F: Noting>(sb: &Sandbox) -> F::Notes {
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    sb.topology()
+        .node
+        .run(|| F::read_notes(&pins))
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("reading the socket hooks' notes of {}: {e}", F::NOTES_MAP))
+}
+
+/// The hooks' notes of `F` once at most `most` sockets hold some, or a panic after
+/// 5 s: the kernel frees a closed socket's storage after an RCU grace period.
+pub fn notes_down_to<F: Noting>(sb: &Sandbox, most: usize, what: &str) -> F::Notes {
+    let start = Instant::now();
+    loop {
+        let notes = hooks_notes::<F>(sb);
+        let holding = F::holding(&notes);
+        if holding <= most {
+            return notes;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{what}: {holding} sockets still hold notes in {}, {most} expected",
+            F::NOTES_MAP
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Connections `tcp-churn` opens: more than the 65,536 entries of the table the socket
+/// hooks once kept their notes in, so that no table of theirs could have held them all.
+pub const CHURN: u64 = 100_000;
+
+/// (j) What the socket hooks remember about a socket of family `F` lives with the
+/// socket: after 100,000 TCP connections of the node through the hook, each of which
+/// the hook counts, an unconnected UDP socket's answer to a datagram it sent to the
+/// ClusterIP before them still shows the ClusterIP as its source, UDP sockets
+/// connected through the hook before them are still closed when their backend leaves,
+/// and of the node's UDP sockets only those still open hold notes in
+/// `F::NOTES_MAP`.
+pub fn the_nodes_socket_notes_outlive_tcp_churn<F: Noting>() {
+    let (sb, cgroup) = hooked_sandbox::<F>(&[web::<F>(&F::backend_ips())]);
+    let node = &sb.topology().node;
+    let service = Departing::web::<F>();
+    let mut clients = connected_udp_clients(&sb, &cgroup, service.frontend, 12);
+    let dns: SocketAddr = F::dns(F::cluster_ip()).into();
+    let held = HeldDatagram::send(node, &cgroup, dns);
+    let before = sb.counter("sock_connect_translated");
+
+    let http = F::http(F::cluster_ip()).to_string();
+    let out = cgroup
+        .command_in(node, env!("CARGO_BIN_EXE_tcp-churn"))
+        .args([http.clone(), CHURN.to_string()])
+        .output()
+        .expect("running tcp-churn");
+    assert!(
+        out.status.success(),
+        "tcp-churn {http}: {} {:?} {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let translated = sb.counter("sock_connect_translated") - before;
+    assert_eq!(
+        translated,
+        CHURN,
+        "{}: connect() calls of tcp-churn to {http} the hook sent to a backend",
+        F::NAME
+    );
+
+    let (backend, from) = held.receive();
+    assert_eq!(
+        from,
+        dns.to_string(),
+        "after {CHURN} TCP connections, the answer (from {backend}) to a datagram sent to \
+         the ClusterIP before them shows another source"
+    );
+    let what = format!("after {CHURN} {} TCP connections", F::NAME);
+    departed_backends_sockets_are_closed(&sb, &cgroup, &service, &mut clients, &what);
+    // Of the node's UDP sockets, only the 12 still open hold notes (the iterator
+    // lists UDP sockets only: the 100,000 TCP ones' notes are not read back).
+    notes_down_to::<F>(&sb, clients.len(), &what);
+}
+
+/// (k) What the socket hooks remember about a socket of family `F` is kept in the
+/// socket itself (socket-local storage, `F::NOTES_MAP`), as the agent's pinned
+/// iterator over the node's UDP sockets lists it: each unconnected socket that sent a
+/// datagram to the ClusterIP holds one note (the backend it went to, in the slot of
+/// that backend, the ClusterIP, sent), each socket the hook connected holds one for
+/// its peer (connected), a socket connected straight to a pod holds none, the map
+/// holds nothing else, and `ebpf-proxy status` counts the sockets holding notes. Once
+/// sockets close, the map's entries for them are gone, and the others' stay. Returned
+/// for what only one family's test goes on to check.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces and agent it sets up"
+)]
+pub fn the_hooks_notes_live_in_their_sockets<F: Noting>() -> (Sandbox, TestCgroup) {
+    let (sb, cgroup) = hooked_sandbox::<F>(&[web::<F>(&F::backend_ips())]);
+    let node = &sb.topology().node;
+    let frontend: SocketAddr = F::dns(F::cluster_ip()).into();
+    let held: Vec<HeldDatagram> = (0..8)
+        .map(|_| HeldDatagram::send(node, &cgroup, frontend))
+        .collect();
+    let mut clients = connected_udp_clients(&sb, &cgroup, frontend, 4);
+    let pod: SocketAddr = F::addr(F::pod(BACKENDS[0].1), UDP_PORT).into();
+    let mut direct = ConnectedUdp::start(node, &cgroup, pod);
+    assert_eq!(
+        direct.backend().as_deref(),
+        Some(BACKENDS[0].0),
+        "a socket connected straight to {pod}"
+    );
+
+    let backends: BTreeSet<SocketAddr> = F::backend_ips()
+        .into_iter()
+        .map(|ip| F::addr(ip, UDP_PORT).into())
+        .collect();
+    let notes = hooks_notes::<F>(&sb);
+    let sockets = node_udp_sockets::<F>(&sb);
+    let (mut sent, mut connected) = (0, 0);
+    for socket in &sockets {
+        let kept = F::noted(&notes, socket.cookie());
+        if kept.is_empty() {
+            continue;
+        }
+        assert_eq!(
+            kept.len(),
+            1,
+            "{socket:?}: one socket, one backend: {kept:?}"
+        );
+        let note = kept[0];
+        assert!(
+            backends.contains(&note.backend),
+            "{socket:?}: {} is no backend of {backends:?}",
+            note.backend
+        );
+        assert_eq!(note.frontend, frontend, "{socket:?}: the frontend noted");
+        assert!(
+            note.in_its_slot,
+            "{socket:?}: the note is not in its backend's slot: {note:?}"
+        );
+        if socket.connected() {
+            assert_eq!(
+                socket.peer(),
+                note.backend,
+                "{socket:?}: noted another backend"
+            );
+            assert_eq!(
+                note.how,
+                sock_note::CONNECTED,
+                "{socket:?}: how it was sent"
+            );
+            assert!(F::hook_connected(&notes, socket), "{socket:?}");
+            connected += 1;
+        } else {
+            assert_eq!(note.how, sock_note::SENT, "{socket:?}: how it was sent");
+            sent += 1;
+        }
+    }
+    assert_eq!(
+        (sent, connected),
+        (8, 4),
+        "sockets with notes in {} (unconnected, connected) among the node's {} {} UDP sockets: {sockets:#?}",
+        F::NOTES_MAP,
+        sockets.len(),
+        F::NAME
+    );
+    assert_eq!(
+        F::holding(&notes),
+        12,
+        "sockets holding notes in {}: {notes:?}",
+        F::NOTES_MAP
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("sockets with socket hook notes: 12 "),
+        "status does not count the 12 sockets with notes in {}:\n{status}",
+        F::NOTES_MAP
+    );
+    let straight: Vec<&UdpSocket> = sockets.iter().filter(|s| s.peer() == pod).collect();
+    assert!(
+        straight
+            .iter()
+            .filter(|s| !F::holds_notes(&notes, s.cookie()))
+            .count()
+            == 1,
+        "the socket connected straight to {pod} holds notes in {}, or is not listed: {straight:#?}",
+        F::NOTES_MAP
+    );
+
+    // The map's own entries go with their sockets, not just the sockets.
+    drop(held);
+    clients.truncate(1);
+    let notes = notes_down_to::<F>(&sb, 1, "11 of the 12 sockets with notes closed");
+    let left = node_udp_sockets::<F>(&sb)
+        .into_iter()
+        .filter(|s| F::hook_connected(&notes, s))
+        .count();
+    assert!(
+        F::holding(&notes) == 1 && left == 1,
+        "after 11 of the 12 sockets with notes closed: {notes:?}, {left} connected by the hook"
+    );
+    assert!(
+        clients[0].0.backend().is_some(),
+        "the socket left open lost its backend"
+    );
+    drop((clients, direct));
+    (sb, cgroup)
 }

@@ -36,18 +36,10 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-/// The `a.b.c.d:port` first argument of the tests' small client binaries
-/// (`udp-sendto`, `udp-connected`, `tcp-peer`), or their usage on stderr.
-pub fn addr_arg(program: &str) -> Option<std::net::SocketAddrV4> {
-    let addr = std::env::args().nth(1).and_then(|a| a.parse().ok());
-    if addr.is_none() {
-        eprintln!("usage: {program} a.b.c.d:port");
-    }
-    addr
-}
-
-/// `addr_arg` for an address of either family (`a.b.c.d:port` or
-/// `[v6]:port`, IPv4-mapped included).
+/// The address first argument of the tests' small client binaries
+/// (`udp-sendto`, `udp-connected`, `tcp-peer`, `tcp-churn`), of either family
+/// (`a.b.c.d:port` or `[v6]:port`, IPv4-mapped included), or their usage on
+/// stderr.
 pub fn sock_addr_arg(program: &str) -> Option<std::net::SocketAddr> {
     let addr = std::env::args().nth(1).and_then(|a| a.parse().ok());
     if addr.is_none() {

@@ -10,7 +10,6 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
-    EbpfContext,
     bindings::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_REDIRECT, TC_ACT_SHOT,
         bpf_fib_lookup,
@@ -43,33 +42,11 @@ pub fn redirect(ctx: &TcContext, proto: u8, src_be: &[u32; 4], dst_be: &[u32; 4]
         event_log::log6_addrs(Event::NoRoute, proto, src_be, dst_be);
         TC_ACT_SHOT
     };
-    let Some(scratch) = scratch6() else {
+    // `tot_len` 0: the kernel then checks the packet against the egress
+    // device's MTU itself, which knows a GSO packet from a large one (IPv4
+    // passes its header's total length; `Flow6` keeps no length).
+    let Some((ret, params)) = lookup(ctx, proto, src_be, dst_be, 0) else {
         return no_route();
-    };
-    // SAFETY: this CPU's entry, used by nothing else while this program
-    // runs (see `maps::Scratch6`); all-zeros is a valid `bpf_fib_lookup`.
-    let params = unsafe {
-        let params = &raw mut (*scratch).fib;
-        params.write(core::mem::zeroed());
-        &mut *params
-    };
-    params.family = AF_INET6;
-    params.l4_protocol = proto;
-    // `tot_len` stays 0: the kernel then checks the packet against the
-    // egress device's MTU itself, which knows a GSO packet from a large one
-    // (IPv4 passes its header's total length; `Flow6` keeps no length).
-    params.ifindex = ctx.ingress_ifindex();
-    params.__bindgen_anon_3.ipv6_src = *src_be;
-    params.__bindgen_anon_4.ipv6_dst = *dst_be;
-    // SAFETY: the context's own skb and a `bpf_fib_lookup` on this stack,
-    // with its size.
-    let ret = unsafe {
-        fib_lookup(
-            ctx.as_ptr(),
-            core::ptr::from_mut(params),
-            size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
     };
     let resolved = ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
     if !resolved && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
@@ -124,9 +101,26 @@ pub fn xdp_next_hop<H: Hook>(
     dst_be: &[u32; 4],
     len: u16,
 ) -> bool {
-    let Some(scratch) = scratch6() else {
+    let Some((ret, params)) = lookup(ctx, proto, src_be, dst_be, len) else {
         return false;
     };
+    ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && params.ifindex == ctx.ingress_ifindex()
+}
+
+/// The FIB's answer for a packet of `proto` from `src_be` to `dst_be` that
+/// came in on the context's interface, `tot_len` bytes long (0: the kernel
+/// checks the egress MTU itself): the helper's return code, and its
+/// parameters filled in (egress interface, MACs), in this CPU's `SCRATCH6`.
+/// None without that entry.
+#[inline(always)]
+fn lookup<H: Hook>(
+    ctx: &H,
+    proto: u8,
+    src_be: &[u32; 4],
+    dst_be: &[u32; 4],
+    tot_len: u16,
+) -> Option<(i64, &'static mut bpf_fib_lookup)> {
+    let scratch = scratch6()?;
     // SAFETY: this CPU's entry, used by nothing else while this program
     // runs (see `maps::Scratch6`); all-zeros is a valid `bpf_fib_lookup`.
     let params = unsafe {
@@ -136,9 +130,8 @@ pub fn xdp_next_hop<H: Hook>(
     };
     params.family = AF_INET6;
     params.l4_protocol = proto;
-    params.__bindgen_anon_1.tot_len = len;
-    let ingress = ctx.ingress_ifindex();
-    params.ifindex = ingress;
+    params.__bindgen_anon_1.tot_len = tot_len;
+    params.ifindex = ctx.ingress_ifindex();
     params.__bindgen_anon_3.ipv6_src = *src_be;
     params.__bindgen_anon_4.ipv6_dst = *dst_be;
     // SAFETY: the context and a `bpf_fib_lookup` in a map value, with its
@@ -151,7 +144,7 @@ pub fn xdp_next_hop<H: Hook>(
             0,
         )
     };
-    ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS) && params.ifindex == ingress
+    Some((ret, params))
 }
 
 /// Why `xdp_forward` did not make a packet ready to send.

@@ -384,6 +384,25 @@ fn strip_ansi(line: &str) -> String {
     out
 }
 
+/// Service `name` of namespace test at `cluster_ip`, and one EndpointSlice
+/// of it with endpoints `ips` on another node.
+fn apply_remote_service(
+    server: &apiserver::ApiServer,
+    name: &str,
+    cluster_ip: &str,
+    ips: &[String],
+) {
+    server.apply(service("test", name, cluster_ip));
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    server.apply(slice(
+        "test",
+        &format!("{name}-1"),
+        name,
+        "node-elsewhere",
+        &ips,
+    ));
+}
+
 /// Watches the pinned SERVICES map until stopped: every frontend of
 /// `before` seen with fewer backends than it had there (or none).
 fn watch_for_fewer_endpoints(
@@ -460,16 +479,8 @@ fn restarts_are_diffs_whichever_list_comes_first() {
     // More Services, so that a restart has work to redo if it redoes any.
     for n in 1..=50u8 {
         let name = format!("filler-{n}");
-        server.apply(service("test", &name, &format!("10.96.1.{n}")));
         let ips: Vec<String> = (1..=4).map(|i| format!("10.201.{n}.{i}")).collect();
-        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
-        server.apply(slice(
-            "test",
-            &format!("{name}-1"),
-            &name,
-            "node-elsewhere",
-            &ips,
-        ));
+        apply_remote_service(&server, &name, &format!("10.96.1.{n}"), &ips);
     }
 
     let mut agent = KubeAgent::start(node_ns, server.url());
@@ -807,21 +818,13 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
     for n in 0..BULK {
         let name = format!("bulk-{n:04}");
         let (hi, lo) = (n / 250, n % 250 + 1);
-        server.apply(service("test", &name, &format!("10.97.{hi}.{lo}")));
         let ips: Vec<String> = (1..=4)
             .map(|i| match (i, n >= SHARED_FROM) {
                 (4, true) => "10.201.255.1".to_owned(),
                 _ => format!("10.{}.{lo}.{i}", 202 + hi),
             })
             .collect();
-        let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
-        server.apply(slice(
-            "test",
-            &format!("{name}-1"),
-            &name,
-            "node-elsewhere",
-            &ips,
-        ));
+        apply_remote_service(server, &name, &format!("10.97.{hi}.{lo}"), &ips);
     }
     eventually(
         &context("the batch failed and the one after it not written"),

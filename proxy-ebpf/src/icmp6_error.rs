@@ -16,9 +16,12 @@
 //! every one of these changes; with them it balances the packet's byte sum,
 //! which keeps a `CHECKSUM_COMPLETE` sum right without a helper.
 //!
-//! A quote with extension headers before its transport header is passed as
-//! it is: its sender put none there (pods do not), so no flow of ours is
-//! quoted. Errors quoting nothing we know pass untouched.
+//! The quote's extension headers are walked to its transport header, as
+//! far as tc walks a packet's own (a datagram a pod fragmented is quoted
+//! with its fragment header, and "packet too big" is what its sender needs
+//! to hear). A quote of a later fragment holds no ports to match a flow by,
+//! nor does a chain longer than that: such errors, and errors quoting
+//! nothing we know, pass untouched.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
@@ -35,7 +38,10 @@ use crate::{
     maps::count,
     nat6::Nat6,
     packet::{ETH_HLEN, frag},
-    packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head},
+    packet6::{
+        FRAG_OFFSET_MASK, Flow6, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH, NEXTHDR_DEST,
+        NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
+    },
 };
 
 /// Error message types (RFC 4443 2.1): 1 to 4; informational ones start
@@ -45,6 +51,9 @@ const ICMPV6_HLEN: usize = 8;
 /// Offsets within the quoted transport header.
 const UDP_CSUM_OFF: usize = 6;
 const TCP_CSUM_OFF: usize = 16;
+/// Extension headers walked in a quote: as many as tc walks in a packet
+/// (`packet6`), so that every packet tc translates is matched when quoted.
+const QUOTE_EXT_HEADERS: usize = 4;
 
 /// Translates the ICMPv6 message at `icmp_off` if it is an error quoting a
 /// translated flow's packet; anything else passes untouched. Bytes are read
@@ -66,16 +75,19 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
     let Ok(quote) = ctx.load::<Ipv6Head>(quote_off) else {
         return TC_ACT_OK;
     };
-    let quote_l4_off = quote_off + IPV6_HLEN;
     // Where the error's datagram ends: a quote reaches no further.
     let end = ETH_HLEN + IPV6_HLEN + u16::from_be(outer.payload_len_be) as usize;
-    if (u16::from_be(quote.ver_tc_flow[0]) >> 12) != 6
-        || (quote.next_hdr != PROTO_TCP && quote.next_hdr != PROTO_UDP)
-        || quote_l4_off + 4 > end
-        || outer.dst_be != quote.src_be
-    {
-        // Not a quote of a TCP or UDP header whose ports are there, or not
-        // addressed to the quoted packet's sender.
+    if (u16::from_be(quote.ver_tc_flow[0]) >> 12) != 6 || outer.dst_be != quote.src_be {
+        // Not a quote of an IPv6 packet, or not addressed to the quoted
+        // packet's sender.
+        return TC_ACT_OK;
+    }
+    let Some((proto, quote_l4_off)) = quoted_transport(ctx, quote.next_hdr, quote_off + IPV6_HLEN)
+    else {
+        return TC_ACT_OK;
+    };
+    if quote_l4_off + 4 > end {
+        // The quote is cut before the ports.
         return TC_ACT_OK;
     }
     let Ok(ports) = ctx.load::<[u16; 2]>(quote_l4_off) else {
@@ -89,7 +101,7 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
         dst_be: quote.src_be,
         sport_be: ports[1],
         dport_be: ports[0],
-        proto: quote.next_hdr,
+        proto,
         tcp_flags: 0,
         frag: frag::NONE,
         frag_id_be: 0,
@@ -101,12 +113,59 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
     // SAFETY: a valid map value pointer for the duration of this program.
     let nat = conntrack6::translation(unsafe { &*found.ptr }, &flow);
     let from_peer = outer.src_be == quote.dst_be;
-    if rewrite(ctx, &outer, &flow, &nat, from_peer, end).is_err() {
+    let at = Offsets {
+        icmp: icmp_off,
+        quote: quote_off,
+        end,
+    };
+    if rewrite(ctx, &outer, &flow, &nat, from_peer, &at).is_err() {
         count(counter::DROP_REWRITE);
         return TC_ACT_SHOT;
     }
     count(counter::ICMP_ERROR_TRANSLATED);
     TC_ACT_OK
+}
+
+/// The quoted packet's transport protocol, TCP or UDP, and where its
+/// header starts, past the extension headers from `off` on (`next` the
+/// first one's type); `None` for a quote of a later fragment, of another
+/// protocol, or whose chain goes on past `QUOTE_EXT_HEADERS`.
+#[inline(always)]
+fn quoted_transport(ctx: &TcContext, mut next: u8, mut off: usize) -> Option<(u8, usize)> {
+    for _ in 0..QUOTE_EXT_HEADERS {
+        let len = match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+                let head: [u8; 2] = ctx.load(off).ok()?;
+                let len = if next == NEXTHDR_AUTH {
+                    // RFC 4302: AH counts 4-byte words, less 2.
+                    (head[1] as usize + 2) * 4
+                } else {
+                    (head[1] as usize + 1) * 8
+                };
+                next = head[0];
+                len
+            }
+            NEXTHDR_FRAGMENT => {
+                let head: [u8; 4] = ctx.load(off).ok()?;
+                if u16::from_be_bytes([head[2], head[3]]) & FRAG_OFFSET_MASK != 0 {
+                    return None;
+                }
+                next = head[0];
+                8
+            }
+            _ => break,
+        };
+        off += len;
+    }
+    (next == PROTO_TCP || next == PROTO_UDP).then_some((next, off))
+}
+
+/// Where the error's parts are: its ICMPv6 header, its quote, and the end
+/// of its datagram.
+struct Offsets {
+    icmp: usize,
+    quote: usize,
+    end: usize,
 }
 
 /// Writes the translation: the quote as the flow's packet going the quoted
@@ -120,10 +179,8 @@ fn rewrite(
     flow: &Flow6,
     nat: &Nat6,
     from_peer: bool,
-    end: usize,
+    at: &Offsets,
 ) -> Result<(), i64> {
-    let icmp_off = flow.l4_off - IPV6_HLEN - ICMPV6_HLEN;
-    let quote_off = flow.l4_off - IPV6_HLEN;
     // The quote's source is where the flow's packets going the error's way
     // are sent, its destination where they come from; the error goes where
     // they go, and comes from where they come from when the peer sent it.
@@ -146,16 +203,16 @@ fn rewrite(
         } else {
             UDP_CSUM_OFF
         };
-    if csum_off + 2 <= end {
+    if csum_off + 2 <= at.end {
         let old: u16 = ctx.load(csum_off)?;
         let new = full_update(old, quoted, flow.proto == PROTO_UDP);
         ctx.store(csum_off, &new, 0)?;
         icmp += delta16(old, new);
     }
-    ctx.store(quote_off + IP6_SRC_OFF, &[nat.dst_be, nat.src_be], 0)?;
+    ctx.store(at.quote + IP6_SRC_OFF, &[nat.dst_be, nat.src_be], 0)?;
     ctx.store(flow.l4_off, &[nat.dport_be, nat.sport_be], 0)?;
-    let icmp_csum: u16 = ctx.load(icmp_off + 2)?;
-    ctx.store(icmp_off + 2, &apply(icmp_csum, icmp), 0)?;
+    let icmp_csum: u16 = ctx.load(at.icmp + 2)?;
+    ctx.store(at.icmp + 2, &apply(icmp_csum, icmp), 0)?;
     let src_be = if from_peer {
         &nat.src_be
     } else {

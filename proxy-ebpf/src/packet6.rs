@@ -7,7 +7,7 @@
 //! left for the caller to fill in from its datagram's first fragment
 //! (`crate::frag`), whose chain may go on past the fragment header.
 
-use proxy_common::{PROTO_TCP, PROTO_UDP};
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     hook::Hook,
@@ -18,16 +18,18 @@ const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
 pub const IPV6_HLEN: usize = 40;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
+/// SCTP's common header (RFC 9260 3.1).
+const SCTP_HLEN: usize = 12;
 /// Offsets within the IPv6 header.
 pub const IP6_SRC_OFF: usize = 8;
 pub const IP6_DST_OFF: usize = 24;
 
 /// Next-header values (RFC 8200, 4302).
-const NEXTHDR_HOP: u8 = 0;
-const NEXTHDR_ROUTING: u8 = 43;
-const NEXTHDR_FRAGMENT: u8 = 44;
-const NEXTHDR_AUTH: u8 = 51;
-const NEXTHDR_DEST: u8 = 60;
+pub const NEXTHDR_HOP: u8 = 0;
+pub const NEXTHDR_ROUTING: u8 = 43;
+pub const NEXTHDR_FRAGMENT: u8 = 44;
+pub const NEXTHDR_AUTH: u8 = 51;
+pub const NEXTHDR_DEST: u8 = 60;
 const NEXTHDR_ICMPV6: u8 = 58;
 /// Extension headers walked before the transport header: hop-by-hop,
 /// destination options, routing and a fragment header make four, more than
@@ -40,10 +42,11 @@ pub const MAX_L4_OFF: usize = ETH_HLEN + IPV6_HLEN + 128;
 const PARSE_LEN: u32 = (MAX_L4_OFF + TCP_MIN_HLEN) as u32;
 /// Fragment offset (in 8-byte units, shifted left by 3) and the
 /// more-fragments flag, in host order after `from_be`.
-const FRAG_OFFSET_MASK: u16 = 0xfff8;
+pub const FRAG_OFFSET_MASK: u16 = 0xfff8;
 const FRAG_MORE: u16 = 1;
 
-/// The fields of an IPv6 TCP/UDP packet the datapath needs.
+/// The fields of an IPv6 TCP/UDP packet the datapath needs (of SCTP, its
+/// ports alone: such packets are counted, not translated).
 #[derive(Clone, Copy)]
 pub struct Flow6 {
     pub l4_off: usize,
@@ -75,7 +78,8 @@ impl Flow6 {
 /// Why a packet was not parsed into a [`Flow6`].
 #[derive(Clone, Copy)]
 pub enum Skip6 {
-    /// Not IPv6 TCP or UDP, nor a whole ICMPv6 message: passed silently.
+    /// Not IPv6 TCP, UDP or SCTP, nor a whole ICMPv6 message: passed
+    /// silently.
     NotOurs,
     /// Headers shorter or inconsistent with what they claim: passed, and
     /// counted.
@@ -199,7 +203,7 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
             _ => Err(Skip6::NotOurs),
         };
     }
-    if next != PROTO_TCP && next != PROTO_UDP {
+    if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_SCTP {
         return match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_FRAGMENT | NEXTHDR_AUTH | NEXTHDR_DEST => {
                 Err(Skip6::ExtHeaders)
@@ -243,7 +247,11 @@ fn l4_header(
     }
     let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(Skip6::Truncated)?;
     let mut tcp_flags = 0;
-    if proto == PROTO_TCP {
+    if proto == PROTO_SCTP {
+        if l4_len < SCTP_HLEN {
+            return Err(Skip6::Malformed);
+        }
+    } else if proto == PROTO_TCP {
         let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(Skip6::Truncated)?;
         let doff_bytes = ((head[0] >> 4) as usize) * 4;
         if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {

@@ -14,14 +14,17 @@
 //! else is left untouched to tc, as IPv4's pipeline does. ICMPv6
 //! errors quoting a translated flow's packet are translated back
 //! (`icmp6_error`); every other ICMPv6 message, neighbour discovery among
-//! them, passes untouched, as SCTP does. Fragments follow
+//! them, passes untouched. SCTP passes untranslated, counted when it was
+//! meant for a frontend, as over IPv4. Fragments follow
 //! IPv4's rules (`crate::frag`): a later fragment takes its first
 //! fragment's ports and its flow's translation, or passes, counted.
 //! Established flows are served from this CPU's flow cache
 //! (`flow_cache::get6`), new ones start in `CT_NEW6` (`conntrack6`), and
 //! rare events go to the datapath log, as IPv4's.
 
-use proxy_common::{backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags};
+use proxy_common::{
+    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags,
+};
 
 use crate::{
     conntrack::now_ns,
@@ -130,6 +133,16 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
     else {
         return H::PASS;
     };
+    if flow.proto == PROTO_SCTP {
+        // As IPv4's (`pipeline::handle`): not translated, as its CRC32c
+        // would need recomputing, and counted, by tc alone, which sees what
+        // XDP passes. Found here, past a conntrack lookup that never finds
+        // SCTP, so that the frontend lookup is not written out twice.
+        if !H::XDP {
+            count(counter::UNSUPPORTED_PROTO);
+        }
+        return H::PASS;
+    }
     new_flow(ctx, &flow, &frontend, now)
 }
 

@@ -33,10 +33,6 @@ pub trait Family: iptables::Family {
     /// The agent's conntrack maps of the family, as its status names them: the
     /// assured flows' and the unassured ones'.
     const CONNTRACK_MAPS: [&'static str; 2];
-    /// Whether tc reads the checksum state of the family's packets (and counts it
-    /// in the `tc_csum_*` counters) to update checksums in place; the IPv6 path
-    /// leaves every state to the kernel's helper (proxy-ebpf's `nat6.rs`).
-    const TC_READS_CSUM_STATE: bool;
     /// How `ebpf-proxy status` begins the line that shows the node's address of the
     /// family.
     const STATUS_NODE_IP: &'static str;
@@ -128,7 +124,6 @@ impl Family for Ipv4Addr {
     const UNSPECIFIED: Self = Ipv4Addr::UNSPECIFIED;
     const ICMP_RATELIMIT: &'static str = "net.ipv4.icmp_ratelimit";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK", "CT_NEW"];
-    const TC_READS_CSUM_STATE: bool = true;
     const STATUS_NODE_IP: &'static str = "node addresses: ";
 
     fn node_ip() -> Self {
@@ -177,7 +172,6 @@ impl Family for Ipv6Addr {
     const UNSPECIFIED: Self = Ipv6Addr::UNSPECIFIED;
     const ICMP_RATELIMIT: &'static str = "net.ipv6.icmp.ratelimit";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK6", "CT_NEW6"];
-    const TC_READS_CSUM_STATE: bool = false;
     const STATUS_NODE_IP: &'static str = "node IPv6 address: ";
 
     fn node_ip() -> Self {

@@ -554,10 +554,11 @@ pub struct Icmp6Error {
     pub quoted: (u8, Ipv6Addr, u16, Ipv6Addr, u16),
 }
 
-/// Parses an ICMPv6 error frame (no extension headers, nor in its quote)
-/// and panics if a checksum it carries is wrong: the ICMPv6 checksum over
-/// its pseudo-header and whole message, and the quoted TCP or UDP checksum
-/// when the quote holds the whole segment.
+/// Parses an ICMPv6 error frame (its quote's 8-byte extension headers
+/// walked) and panics if a checksum it carries is wrong: the ICMPv6
+/// checksum over its pseudo-header and whole message, and the quoted TCP or
+/// UDP checksum when the quote holds the whole segment (and not a fragment
+/// of it).
 pub fn parse_checked_icmp6_error(f: &[u8], what: &str) -> Icmp6Error {
     let outer = parse_checked6(f, what);
     assert_eq!(outer.proto, ICMPV6, "{what}: not ICMPv6");
@@ -570,10 +571,26 @@ pub fn parse_checked_icmp6_error(f: &[u8], what: &str) -> Icmp6Error {
     let quote = &icmp[8..];
     assert_eq!(quote[0] >> 4, 6, "{what}: the quote is not IPv6");
     let octets = |b: &[u8]| -> Ipv6Addr { <[u8; 16]>::try_from(b).expect("16 bytes").into() };
-    let (qsrc, qdst, proto) = (octets(&quote[8..24]), octets(&quote[24..40]), quote[6]);
-    let l4 = &quote[40..];
+    let (qsrc, qdst) = (octets(&quote[8..24]), octets(&quote[24..40]));
+    let (mut proto, mut off, mut fragment) = (quote[6], 40, false);
+    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&proto) {
+        assert!(
+            quote.len() >= off + 8,
+            "{what}: the quote ends inside its extension headers"
+        );
+        let len = if proto == FRAGMENT {
+            fragment = true;
+            8
+        } else {
+            (quote[off + 1] as usize + 1) * 8
+        };
+        proto = quote[off];
+        off += len;
+    }
+    let l4 = &quote[off..];
+    assert!(l4.len() >= 4, "{what}: the quote ends before the ports");
     let qlen = u16::from_be_bytes([quote[4], quote[5]]) as usize;
-    if qlen == l4.len() {
+    if !fragment && qlen + 40 == quote.len() {
         assert_eq!(
             csum(l4, pseudo6(qsrc, qdst, proto, l4.len())),
             0,

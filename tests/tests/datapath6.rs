@@ -15,7 +15,7 @@ use ebpf_proxy_tests::frames::{
     icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout},
+    datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
     model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
     planner::Planner,
@@ -23,6 +23,7 @@ use proxy_userspace::{
 };
 
 const TC_ACT_OK: u32 = 0;
+const SCTP: u8 = 132;
 const TC_ACT_REDIRECT: u32 = 7;
 /// tcx's "next program" (-1), as the kernel's test run reports it.
 const TCX_NEXT: u32 = u32::MAX;
@@ -90,6 +91,23 @@ fn unique_pins() -> PinLayout {
 fn load_programmed(pins: &PinLayout, entries: u32) -> (Datapath, Planner) {
     let mut datapath = Datapath::load_sized(pins.clone(), entries)
         .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
+    let planner = program_services(&mut datapath);
+    (datapath, planner)
+}
+
+/// The fixture on `datapath`, loaded on `pins`, with the test's IPv6
+/// Services programmed.
+fn programmed(mut datapath: Datapath, pins: PinLayout) -> Fixture {
+    let planner = program_services(&mut datapath);
+    Fixture {
+        datapath,
+        pins,
+        planner,
+    }
+}
+
+/// Programs the test's IPv6 Services into `datapath`.
+fn program_services(datapath: &mut Datapath) -> Planner {
     let mut planner = Planner::new();
     let services = [
         frontend(VIP, 80, Protocol::Tcp, 8080, &BACKENDS),
@@ -110,7 +128,7 @@ fn load_programmed(pins: &PinLayout, entries: u32) -> (Datapath, Planner) {
             out.errors
         );
     }
-    (datapath, planner)
+    planner
 }
 
 fn fixture() -> Fixture {
@@ -258,6 +276,60 @@ fn udp_is_translated_both_ways() {
     round_trip(&fx, frame::UDP, 53, 5353, 41001);
     assert_eq!(counter(&fx, "dnat_new"), 1, "new flows");
     assert_eq!(counter(&fx, "rev_nat"), 1, "reverse-translated answers");
+}
+
+/// Counts of translated packets by the checksum state tc read (none,
+/// unknown): `BPF_PROG_TEST_RUN` builds socket buffers without a checksum
+/// state (`CHECKSUM_NONE`).
+fn csum_states(fx: &Fixture) -> (u64, u64) {
+    (counter(fx, "tc_csum_none"), counter(fx, "tc_csum_unknown"))
+}
+
+/// tc reads each translated packet's checksum state, counts it, and
+/// updates the full checksum in place (round trips of TCP and UDP, every
+/// checksum recomputed from scratch); a packet behind extension headers
+/// goes through the kernel's helper, its state counted too.
+#[test]
+fn translated_packets_count_the_checksum_state_tc_read() {
+    let fx = fixture();
+    assert!(
+        matches!(fx.datapath.ip_summed_read(), ip_summed::Read::Kfunc { .. }),
+        "this kernel has the kfunc, so tc must read checksum states: {}",
+        fx.datapath.ip_summed_read()
+    );
+    round_trip(&fx, frame::TCP, 80, 8080, 41100);
+    round_trip(&fx, frame::UDP, 53, 5353, 41101);
+    assert_eq!(
+        csum_states(&fx),
+        (6, 0),
+        "(none, unknown) states tc read for 6 translated packets"
+    );
+    let mut s = spec(CLIENT, 41102, VIP, 80, frame::TCP, frame::SYN);
+    s.ext = vec![DEST_OPTS];
+    let (_, out) = run(&fx, &build6(&s));
+    parse_checked6(&out, "SYN behind options");
+    assert_eq!(
+        csum_states(&fx),
+        (7, 0),
+        "(none, unknown) after a packet behind options"
+    );
+}
+
+/// The same round trips through the kernel's checksum helper, as on a
+/// kernel where tc cannot read checksum states.
+#[test]
+fn translated_packets_keep_valid_checksums_through_the_checksum_helper() {
+    let pins = unique_pins();
+    let datapath = Datapath::load_reading(pins.clone(), ip_summed::Read::Unknown)
+        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
+    let fx = programmed(datapath, pins);
+    round_trip(&fx, frame::TCP, 80, 8080, 41110);
+    round_trip(&fx, frame::UDP, 53, 5353, 41111);
+    assert_eq!(
+        csum_states(&fx),
+        (0, 6),
+        "(none, unknown) states tc read for 6 translated packets"
+    );
 }
 
 #[test]
@@ -931,6 +1003,109 @@ fn icmpv6_errors_quoting_no_translated_flow_pass_untouched() {
         0,
         "errors about no translated flow counted as translated"
     );
+}
+
+/// Errors quoting a packet with extension headers before its transport
+/// header are matched through them, as tc walks the packet's own: a port
+/// unreachable about a request behind a destination options header, and a
+/// "packet too big" about the first fragment of a datagram the client
+/// fragmented. Each reaches the client quoting exactly the bytes the client
+/// sent, so every field and checksum of the quote is restored; the ICMPv6
+/// checksum is recomputed from scratch. A quote of a later fragment holds
+/// no ports to find the flow by: that error passes untouched.
+#[test]
+fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
+    let fx = fixture();
+    let quoted_bytes = |error: &[u8]| error[14 + 40 + 8..].to_vec();
+
+    let request = build6(&Spec6 {
+        ext: vec![DEST_OPTS],
+        ..spec(CLIENT, 46100, VIP, 53, frame::UDP, 0)
+    });
+    let (_, sent) = run(&fx, &request);
+    let backend = parse_checked6(&sent, "request behind options").dst;
+    let (ret, out) = run(
+        &fx,
+        &icmp6_error(backend, CLIENT, PORT_UNREACHABLE, &sent, QUOTE_MAX),
+    );
+    assert_eq!(ret, TC_ACT_OK, "port unreachable: verdict {ret}");
+    let got = parse_checked_icmp6_error(&out, "port unreachable quoting options");
+    assert_eq!(
+        (got.src, got.dst, got.quoted),
+        (VIP, CLIENT, (frame::UDP, CLIENT, 46100, VIP, 53)),
+        "the backend's error about a request behind options must be the client's"
+    );
+    assert_eq!(
+        quoted_bytes(&out),
+        request[14..],
+        "the quote must be the request as the client sent it"
+    );
+
+    let fragments = fragmented((CLIENT, 46101), (VIP, 53), 3000, 0x0808_0808);
+    let out = run_fragments(&fx, &fragments, "fragmented request");
+    let first = &out[0];
+    let error = icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, first, QUOTE_MAX);
+    let (ret, translated) = run(&fx, &error);
+    assert_eq!(ret, TC_ACT_OK, "packet too big: verdict {ret}");
+    let got = parse_checked_icmp6_error(&translated, "packet too big quoting a first fragment");
+    assert_eq!(
+        (got.src, got.dst, got.param, got.quoted),
+        (ROUTER, CLIENT, 1280, (frame::UDP, CLIENT, 46101, VIP, 53)),
+        "the router's error about the first fragment must be the client's"
+    );
+    assert_eq!(
+        quoted_bytes(&translated),
+        fragments[0][14..14 + QUOTE_MAX],
+        "the quote must be the first fragment as the client sent it"
+    );
+
+    let later = icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, &out[1], QUOTE_MAX);
+    let (ret, passed) = run(&fx, &later);
+    assert_eq!(
+        (ret, &passed),
+        (TC_ACT_OK, &later),
+        "an error quoting a later fragment passes untouched"
+    );
+    assert_eq!(
+        counter(&fx, "icmp_error_translated"),
+        2,
+        "translated errors"
+    );
+}
+
+/// SCTP frontends are programmed but not translated, as over IPv4 (no
+/// `CRC32c` rewrite): their packets pass untouched and are counted, never
+/// silently; SCTP to no frontend is not counted.
+#[test]
+fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
+    let mut fx = fixture();
+    program(
+        &mut fx,
+        "sctp",
+        &frontend(VIP, 9000, Protocol::Sctp, 9000, &BACKENDS),
+    );
+    // An SCTP common header and one chunk's worth of bytes; its CRC32c is
+    // never checked on the way through.
+    let sctp = |dport: u16| {
+        let mut f = build6(&spec(CLIENT, 9000, VIP, dport, frame::UDP, 0));
+        f[14 + 6] = SCTP;
+        f
+    };
+    for (dport, counted) in [(9000, 1), (9001, 1)] {
+        let packet = sctp(dport);
+        let (ret, out) = run(&fx, &packet);
+        assert_eq!(
+            (ret, &out),
+            (TC_ACT_OK, &packet),
+            "SCTP to port {dport} must pass untouched"
+        );
+        assert_eq!(
+            counter(&fx, "unsupported_proto"),
+            counted,
+            "SCTP counted after port {dport}"
+        );
+    }
+    assert_eq!(counter(&fx, "dnat_new"), 0, "SCTP made a flow");
 }
 
 /// A datagram whose fragmentable part starts with a destination options

@@ -192,7 +192,8 @@ impl Datapath {
         let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries) {
             // A kernel whose verifier refuses the kfunc call (no JIT, say).
             Err(e @ DatapathError::Program { name, .. })
-                if name == program_names::TC_INGRESS && read != ip_summed::Read::Unknown =>
+                if (name == program_names::TC_INGRESS || name == program_names::TC_INGRESS6)
+                    && read != ip_summed::Read::Unknown =>
             {
                 tracing::warn!(
                     error = %e,

@@ -22,6 +22,7 @@ use crate::{
         Datapath, DatapathError, PinLayout, XdpModeSetting, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
+        program_load,
     },
     health_check_server::HealthCheckServer,
     healthz::Health,
@@ -107,7 +108,19 @@ pub struct AgentConfig {
 /// pinned maps and links keep serving traffic, and the next start adopts them.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
+    let started = Instant::now();
     let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
+    // The verifier's work is most of the start before anything is
+    // programmed, and grows with each program: which ones took it is worth
+    // a line.
+    let loads = datapath.program_loads();
+    info!(
+        load_ms = started.elapsed().as_millis() as u64,
+        programs = loads.len(),
+        programs_ms = program_load::total(loads).as_millis() as u64,
+        slowest = %program_load::Slowest(loads, 3),
+        "datapath programs loaded and verified"
+    );
     let mut node = NodeMaps::new(
         datapath.maps.read_node_state().map_err(AgentError::Adopt)?,
         DesiredNode::new(config.ct_timeouts, &config.cluster_cidrs),

@@ -23,15 +23,22 @@
 //! (see `paired`); the empty program paired with itself shows what that
 //! pairing leaves of the machine's noise.
 //!
+//! Before all that, what loading the datapath costs (the "Load" table):
+//! `LOADS` fresh loads of the whole datapath, each on pins of its own that
+//! are removed after it, and per program the time of its load (the kernel
+//! verifying it) and the instructions the verifier went through, with the
+//! wall time of the whole `Datapath::load`.
+//!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
-//! (root). Prints a markdown table and writes `datapath.md` and
-//! `datapath.json` to DIR.
+//! (root). Prints markdown tables and writes `datapath.md` and
+//! `datapath.json` to DIR (the load report under the key `load` of the
+//! first row: the file stays the array of rows its readers take it for).
 
 mod common;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -39,7 +46,7 @@ use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use ebpf_proxy_tests::frames;
 use proxy_common::{Ct6Key, CtKey, ct_dir};
 use proxy_userspace::{
-    datapath::{Datapath, PinLayout},
+    datapath::{Datapath, PinLayout, program_load},
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,
@@ -573,6 +580,7 @@ fn main() {
     };
     let (repeat, rounds, singles) = params;
 
+    let loads = measure_loads(if quick { 2 } else { LOADS });
     let root = PathBuf::from(format!(
         "/sys/fs/bpf/ebpf-proxy-bench-{}",
         std::process::id()
@@ -660,10 +668,183 @@ fn main() {
 
     let mut table = render(&rows, repeat);
     table.push_str(&flood(&mut datapath, if quick { 1 } else { 10 }));
+    table.push_str(&render_loads(&loads));
     println!("{table}");
-    std::fs::create_dir_all(&out_dir).expect("creating the output directory");
-    std::fs::write(out_dir.join("datapath.md"), &table).expect("writing datapath.md");
-    std::fs::write(out_dir.join("datapath.json"), json(&rows)).expect("writing datapath.json");
+    write_results(&out_dir, &table, &json(&rows, &loads));
+}
+
+/// `datapath.md` (`table`) and `datapath.json` (`json`) in `out_dir`.
+fn write_results(out_dir: &Path, table: &str, json: &str) {
+    std::fs::create_dir_all(out_dir).expect("creating the output directory");
+    std::fs::write(out_dir.join("datapath.md"), table).expect("writing datapath.md");
+    std::fs::write(out_dir.join("datapath.json"), json).expect("writing datapath.json");
+}
+
+/// Fresh loads of the whole datapath the Load table is made of.
+const LOADS: usize = 5;
+
+/// One program over the fresh loads.
+struct ProgramLoads {
+    name: &'static str,
+    took: Vec<Duration>,
+    /// The kernel's count per load; the same program on the same kernel
+    /// verifies alike, so more than one value would be worth seeing.
+    verified_insns: Vec<Option<u32>>,
+}
+
+struct Loads {
+    /// In the datapath's load order.
+    programs: Vec<ProgramLoads>,
+    /// Each load's programs together.
+    programs_total: Vec<Duration>,
+    /// Each `Datapath::load`, start to end.
+    whole: Vec<Duration>,
+}
+
+impl Loads {
+    /// Program `name`'s loads, a new entry (after the others) at its first.
+    fn program(&mut self, name: &'static str) -> &mut ProgramLoads {
+        let index = self
+            .programs
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap_or_else(|| {
+                self.programs.push(ProgramLoads {
+                    name,
+                    took: Vec::new(),
+                    verified_insns: Vec::new(),
+                });
+                self.programs.len() - 1
+            });
+        &mut self.programs[index]
+    }
+}
+
+/// `runs` loads of the datapath, each on fresh pins removed after it, so that
+/// every one creates its maps and verifies every program as an agent's
+/// first start on a node does.
+fn measure_loads(runs: usize) -> Loads {
+    let mut loads = Loads {
+        programs: Vec::new(),
+        programs_total: Vec::new(),
+        whole: Vec::new(),
+    };
+    for run in 0..runs {
+        let pins = PinLayout::new(format!(
+            "/sys/fs/bpf/ebpf-proxy-bench-{}-load-{run}",
+            std::process::id()
+        ));
+        let cleanup = Cleanup(pins.clone());
+        let started = Instant::now();
+        let datapath = Datapath::load(pins).expect("loading the datapath (root, bpffs mounted?)");
+        loads.whole.push(started.elapsed());
+        let report = datapath.program_loads();
+        assert!(
+            !report.is_empty(),
+            "load {run}: Datapath::load reported no program loads"
+        );
+        loads.programs_total.push(program_load::total(report));
+        for load in report {
+            let program = loads.program(load.name);
+            program.took.push(load.took);
+            program.verified_insns.push(load.verified_insns);
+        }
+        // The programs go with the object, then the pins: nothing of this
+        // load is left for the next to find.
+        drop(datapath);
+        drop(cleanup);
+        eprintln!(
+            "load {}/{runs}: {:.2}s",
+            run + 1,
+            loads.whole[run].as_secs_f64()
+        );
+    }
+    loads
+}
+
+/// Median (of an even count the upper middle one, as `median` takes it), least
+/// and greatest of `samples`, in ms.
+fn spread_ms(samples: &[Duration]) -> (f64, f64, f64) {
+    let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let med = median(&mut ms);
+    (med, ms[0], ms[ms.len() - 1])
+}
+
+/// The distinct counts of `insns`, least first ("-" for a kernel that keeps
+/// none).
+fn insns_cell(insns: &[Option<u32>]) -> String {
+    let mut counts: Vec<Option<u32>> = insns.to_vec();
+    counts.sort();
+    counts.dedup();
+    counts
+        .iter()
+        .map(|c| c.map_or("-".to_string(), |n| n.to_string()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn render_loads(loads: &Loads) -> String {
+    let runs = loads.whole.len();
+    let mut s = format!(
+        "\nLoad: {runs} fresh loads of the whole datapath, each on pins of its own (maps \
+         created, every program verified, as at an agent's first start on a node); per \
+         program, its `load` (the kernel verifying it; for the socket notes' iterators also \
+         reading the kernel's BTF and pinning their link), median and min-max ms, and the \
+         instructions the verifier processed (the kernel's `verified_insns`, Linux 5.16: \
+         each path it walks counts its instructions again; `-` where it keeps none)\n\n"
+    );
+    s.push_str("| program | load ms | min-max ms | verified insns |\n");
+    s.push_str("|---|---:|---:|---:|\n");
+    let row = |s: &mut String, name: &str, samples: &[Duration], insns: &str| {
+        let (med, min, max) = spread_ms(samples);
+        s.push_str(&format!(
+            "| {name} | {med:.1} | {min:.1}-{max:.1} | {insns} |\n"
+        ));
+    };
+    for program in &loads.programs {
+        row(
+            &mut s,
+            program.name,
+            &program.took,
+            &insns_cell(&program.verified_insns),
+        );
+    }
+    row(&mut s, "all programs", &loads.programs_total, "");
+    row(&mut s, "`Datapath::load` (wall)", &loads.whole, "");
+    s
+}
+
+fn json_loads(loads: &Loads) -> String {
+    let spread = |samples: &[Duration]| {
+        let (med, min, max) = spread_ms(samples);
+        format!("{{\"median_ms\":{med:.2},\"min_ms\":{min:.2},\"max_ms\":{max:.2}}}")
+    };
+    let programs: Vec<String> = loads
+        .programs
+        .iter()
+        .map(|p| {
+            // The last load's count: they agree unless the table shows
+            // otherwise.
+            let insns = p
+                .verified_insns
+                .last()
+                .copied()
+                .flatten()
+                .map_or("null".to_string(), |n| n.to_string());
+            format!(
+                "{{\"program\":\"{}\",\"load\":{},\"verified_insns\":{insns}}}",
+                p.name,
+                spread(&p.took)
+            )
+        })
+        .collect();
+    format!(
+        "{{\"runs\":{},\"programs\":[{}],\"all_programs\":{},\"datapath_load\":{}}}",
+        loads.whole.len(),
+        programs.join(","),
+        spread(&loads.programs_total),
+        spread(&loads.whole)
+    )
 }
 
 /// Established flows against a flood of new ones, with conntrack at its default
@@ -784,7 +965,8 @@ fn render(rows: &[Row], repeat: u32) -> String {
     s
 }
 
-fn json(rows: &[Row]) -> String {
+/// The rows as an array, as ever; `loads` under the first row's key `load`.
+fn json(rows: &[Row], loads: &Loads) -> String {
     let measured = |m: &Measured| {
         format!(
             "{{\"ns\":{:.2},\"floor_ns\":{:.2},\"ratio\":{:.3}}}",
@@ -793,7 +975,13 @@ fn json(rows: &[Row]) -> String {
     };
     let rows: Vec<String> = rows
         .iter()
-        .map(|r| {
+        .enumerate()
+        .map(|(i, r)| {
+            let load = if i == 0 {
+                format!(",\"load\":{}", json_loads(loads))
+            } else {
+                String::new()
+            };
             let cases: Vec<String> = r
                 .cases
                 .iter()
@@ -811,7 +999,7 @@ fn json(rows: &[Row]) -> String {
                 })
                 .collect();
             format!(
-                "{{\"hook\":\"{}\",\"services\":{},\"program_s\":{:.3},\"cases\":[{}]}}",
+                "{{\"hook\":\"{}\",\"services\":{},\"program_s\":{:.3},\"cases\":[{}]{load}}}",
                 r.hook,
                 r.services,
                 r.program_s,

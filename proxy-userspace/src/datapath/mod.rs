@@ -18,11 +18,12 @@ pub mod kernel_btf;
 pub mod kernel_version;
 pub mod maps;
 pub mod pins;
+pub mod program_load;
 pub(crate) mod sys;
 mod write_behind;
 mod xdp_next;
 
-use std::path::Path;
+use std::{path::Path, time::Instant};
 
 pub use attach::{AttachError, XdpModeSetting};
 use aya::{
@@ -31,7 +32,7 @@ use aya::{
 };
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
-pub use self::{maps::Maps, pins::PinLayout};
+pub use self::{maps::Maps, pins::PinLayout, program_load::ProgramLoad};
 use crate::housekeeping::{resize, sock_notes};
 
 /// The eBPF object built by build.rs from proxy-ebpf.
@@ -76,11 +77,13 @@ pub enum DatapathError {
 
 /// Loads the object with its `ip_summed` reads completed as `read` says, maps
 /// pinned at `paths` (a conntrack map created anew holds
-/// `conntrack_entries`), and its programs.
+/// `conntrack_entries`), and its programs, noting each program's load in
+/// `loads`.
 fn load_object(
     paths: &[(&'static str, std::path::PathBuf)],
     read: ip_summed::Read,
     conntrack_entries: u32,
+    loads: &mut Vec<ProgramLoad>,
 ) -> Result<Ebpf, DatapathError> {
     let (mut object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
     btf_names::sanitize(object.bytes_mut())?;
@@ -93,12 +96,12 @@ fn load_object(
     loader.map_max_entries(map_names::CONNTRACK6, conntrack_entries);
     loader.map_max_entries(map_names::CT_NEW6, MAX_CT_NEW);
     let mut ebpf = loader.load(object.bytes())?;
-    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS)?;
-    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6)?;
-    loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS)?;
-    loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE)?;
+    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS, loads)?;
+    loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6, loads)?;
+    loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS, loads)?;
+    loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE, loads)?;
     for (name, _) in SOCKET_HOOKS {
-        loaded::<CgroupSockAddr>(&mut ebpf, name)?;
+        loaded::<CgroupSockAddr>(&mut ebpf, name, loads)?;
     }
     Ok(ebpf)
 }
@@ -132,6 +135,8 @@ pub struct Datapath {
     /// `XDP_NEXT`, held for as long as the programs run (see `xdp_next`);
     /// None when `xdp_ingress6` could not be loaded.
     xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+    /// What each program's load cost, in load order (see `program_load`).
+    program_loads: Vec<ProgramLoad>,
 }
 
 impl Datapath {
@@ -189,7 +194,10 @@ impl Datapath {
             .collect();
         let resize = resize::set_aside(&pins.map(map_names::CONNTRACK), conntrack_entries)?;
         let resize6 = resize::set_aside6(&pins.map(map_names::CONNTRACK6), conntrack_entries)?;
-        let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries) {
+        // The report is of the load that succeeded: a refused first attempt
+        // is said in its own warning.
+        let mut loads = Vec::new();
+        let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries, &mut loads) {
             // A kernel whose verifier refuses the kfunc call (no JIT, say).
             Err(e @ DatapathError::Program { name, .. })
                 if (name == program_names::TC_INGRESS || name == program_names::TC_INGRESS6)
@@ -199,8 +207,14 @@ impl Datapath {
                     error = %e,
                     "loading with the checksum state read failed: loading again without it"
                 );
+                loads.clear();
                 (
-                    load_object(&paths, ip_summed::Read::Unknown, conntrack_entries)?,
+                    load_object(
+                        &paths,
+                        ip_summed::Read::Unknown,
+                        conntrack_entries,
+                        &mut loads,
+                    )?,
                     ip_summed::Read::Unknown,
                 )
             }
@@ -208,31 +222,10 @@ impl Datapath {
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         // Before anything is attached (see `xdp_next`).
-        let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf);
+        let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf, &mut loads);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
-        for (program, notes, path) in [
-            (
-                program_names::SOCK_NOTES_DUMP,
-                &maps.sock_notes,
-                pins.sock_notes(),
-            ),
-            (
-                program_names::SOCK_NOTES6_DUMP,
-                &maps.sock_notes6,
-                pins.sock_notes6(),
-            ),
-        ] {
-            if notes.is_some()
-                && let Err(e) = sock_notes::pin_iterator(&mut ebpf, program, &path)
-            {
-                tracing::warn!(
-                    error = %e,
-                    iterator = program,
-                    "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
-                );
-            }
-        }
+        pin_sock_notes(&mut ebpf, &maps, &pins, &mut loads);
         for resize in resize.iter().chain(&resize6) {
             match resize.carry(&mut maps) {
                 Ok(flows) => tracing::info!(
@@ -270,7 +263,14 @@ impl Datapath {
             resize,
             resize6,
             xdp_next,
+            program_loads: loads,
         })
+    }
+
+    /// What loading each of the datapath's programs cost at `load`, in load
+    /// order: the programs `load_floors` adds are not among them.
+    pub fn program_loads(&self) -> &[ProgramLoad] {
+        &self.program_loads
     }
 
     /// Once this datapath's programs have taken over the links: copies the
@@ -316,10 +316,12 @@ impl Datapath {
     /// `floors`), and the conntrack work of a new flow alone (see
     /// `ct_pairs`).
     pub fn load_floors(&mut self) -> Result<(), DatapathError> {
-        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS)?;
-        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS)?;
-        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_CT_PAIR)?;
-        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_CT_PAIR)?;
+        // Not the agent's programs: their cost is no part of its start.
+        let loads = &mut Vec::new();
+        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_PASS, loads)?;
+        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_PASS, loads)?;
+        loaded::<SchedClassifier>(&mut self.ebpf, program_names::TC_CT_PAIR, loads)?;
+        loaded::<Xdp>(&mut self.ebpf, program_names::XDP_CT_PAIR, loads)?;
         Ok(())
     }
 
@@ -486,6 +488,40 @@ impl Datapath {
     }
 }
 
+/// Pins the iterators the socket hooks' notes are read back through, for the
+/// families whose notes map the object has, noting their loads in `loads`.
+fn pin_sock_notes(ebpf: &mut Ebpf, maps: &Maps, pins: &PinLayout, loads: &mut Vec<ProgramLoad>) {
+    for (program, notes, path) in [
+        (
+            program_names::SOCK_NOTES_DUMP,
+            &maps.sock_notes,
+            pins.sock_notes(),
+        ),
+        (
+            program_names::SOCK_NOTES6_DUMP,
+            &maps.sock_notes6,
+            pins.sock_notes6(),
+        ),
+    ] {
+        if notes.is_none() {
+            continue;
+        }
+        let started = Instant::now();
+        match sock_notes::pin_iterator(ebpf, program, &path) {
+            Ok(()) => loads.push(ProgramLoad {
+                name: program,
+                took: started.elapsed(),
+                verified_insns: ebpf.program(program).and_then(verified_insns),
+            }),
+            Err(e) => tracing::warn!(
+                error = %e,
+                iterator = program,
+                "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
+            ),
+        }
+    }
+}
+
 /// Unpins the maps of `map_names::RETIRED` an earlier agent of this layout
 /// left. Programs still attached that use one keep it until this agent's
 /// replace them; nothing reads it after.
@@ -502,18 +538,26 @@ fn unpin_retired(pins: &PinLayout) {
 
 /// A program type `loaded` can load.
 trait Load {
-    fn load_once(&mut self) -> Result<(), aya::programs::ProgramError>;
+    fn is_loaded(&self) -> bool;
+    fn load_now(&mut self) -> Result<(), aya::programs::ProgramError>;
+    fn info(&self) -> Result<aya::programs::ProgramInfo, aya::programs::ProgramError>;
 }
 
-/// aya gives each program type its own `load`, with no trait over them.
+/// aya gives each program type its own `load` and `info`, with no trait over
+/// them.
 macro_rules! impl_load {
     ($($program:ty),*) => {$(
         impl Load for $program {
-            fn load_once(&mut self) -> Result<(), aya::programs::ProgramError> {
-                if self.fd().is_err() {
-                    self.load()?;
-                }
-                Ok(())
+            fn is_loaded(&self) -> bool {
+                self.fd().is_ok()
+            }
+
+            fn load_now(&mut self) -> Result<(), aya::programs::ProgramError> {
+                self.load()
+            }
+
+            fn info(&self) -> Result<aya::programs::ProgramInfo, aya::programs::ProgramError> {
+                <$program>::info(self)
             }
         }
     )*};
@@ -521,8 +565,43 @@ macro_rules! impl_load {
 
 impl_load!(SchedClassifier, Xdp, CgroupSockAddr);
 
-/// The object's program `name` as a `P`, loaded into the kernel (once).
-fn loaded<'a, P: Load>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, DatapathError>
+/// Loads `program` (`name`) unless it is loaded, and notes in `loads` what
+/// that cost.
+fn load_noting<P: Load>(
+    program: &mut P,
+    name: &'static str,
+    loads: &mut Vec<ProgramLoad>,
+) -> Result<(), aya::programs::ProgramError> {
+    if program.is_loaded() {
+        return Ok(());
+    }
+    let started = Instant::now();
+    program.load_now()?;
+    let took = started.elapsed();
+    loads.push(ProgramLoad {
+        name,
+        took,
+        verified_insns: program
+            .info()
+            .ok()
+            .and_then(|info| info.verified_instruction_count()),
+    });
+    Ok(())
+}
+
+/// The kernel's count of the instructions it verified in `program`, where it
+/// keeps one.
+fn verified_insns(program: &aya::programs::Program) -> Option<u32> {
+    program.info().ok()?.verified_instruction_count()
+}
+
+/// The object's program `name` as a `P`, loaded into the kernel (once); the
+/// load noted in `loads`.
+fn loaded<'a, P: Load>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+    loads: &mut Vec<ProgramLoad>,
+) -> Result<&'a mut P, DatapathError>
 where
     &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
 {
@@ -532,7 +611,7 @@ where
         .ok_or(err(aya::programs::ProgramError::UnexpectedProgramType))?
         .try_into()
         .map_err(err)?;
-    program.load_once().map_err(err)?;
+    load_noting(program, name, loads).map_err(err)?;
     Ok(program)
 }
 

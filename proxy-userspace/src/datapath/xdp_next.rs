@@ -18,6 +18,8 @@ use aya::{
 };
 use proxy_common::{XDP_NEXT_IPV6, map_names, program_names};
 
+use super::ProgramLoad;
+
 #[derive(Debug, thiserror::Error)]
 pub enum XdpNextError {
     #[error("the eBPF object has no {} map", map_names::XDP_NEXT)]
@@ -36,9 +38,13 @@ pub enum XdpNextError {
     NoProgram,
 }
 
-/// Loads `xdp_ingress6` and puts it in its slot. The array returned must be
-/// kept for as long as the programs run: dropping it empties the slot.
-pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, XdpNextError> {
+/// Loads `xdp_ingress6` (noting the load in `loads`) and puts it in its
+/// slot. The array returned must be kept for as long as the programs run:
+/// dropping it empties the slot.
+pub fn fill(
+    ebpf: &mut Ebpf,
+    loads: &mut Vec<ProgramLoad>,
+) -> Result<ProgramArray<MapData>, XdpNextError> {
     let map = ebpf
         .take_map(map_names::XDP_NEXT)
         .ok_or(XdpNextError::NoMap)?;
@@ -47,9 +53,7 @@ pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, XdpNextError> {
         .program_mut(program_names::XDP_INGRESS6)
         .ok_or(XdpNextError::NoProgram)?
         .try_into()?;
-    if program.fd().is_err() {
-        program.load()?;
-    }
+    super::load_noting(program, program_names::XDP_INGRESS6, loads)?;
     array.set(XDP_NEXT_IPV6, program.fd()?, 0)?;
     Ok(array)
 }
@@ -57,8 +61,11 @@ pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, XdpNextError> {
 /// `fill`; on failure (a kernel or verifier that refuses `xdp_ingress6`) the
 /// slot stays empty and IPv6 is translated at tc, which costs IPv6's XDP
 /// fast path and nothing else: said once, and the agent goes on.
-pub fn fill_or_leave_to_tc(ebpf: &mut Ebpf) -> Option<ProgramArray<MapData>> {
-    fill(ebpf)
+pub fn fill_or_leave_to_tc(
+    ebpf: &mut Ebpf,
+    loads: &mut Vec<ProgramLoad>,
+) -> Option<ProgramArray<MapData>> {
+    fill(ebpf, loads)
         .inspect_err(|e| {
             tracing::warn!(
                 error = %e,

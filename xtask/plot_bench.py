@@ -36,6 +36,9 @@ def save(fig, name):
 
 
 rows = load("datapath")
+# Earlier runs wrote the rows alone; now they sit beside the load report.
+if isinstance(rows, dict):
+    rows = rows["rows"]
 if rows:
     hooks = list(dict.fromkeys(r.get("hook", "tc") for r in rows))
     # One colour per case across the panels (tc_ingress6 has no conntrack-pair case).

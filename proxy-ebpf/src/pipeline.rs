@@ -64,8 +64,9 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if flow.proto == PROTO_SCTP {
         // SCTP needs its CRC32c recomputed on every rewrite, which the
         // datapath does not do yet: such packets are counted and passed, and
-        // the agent says so when it programs an SCTP frontend.
-        if frontend::lookup_frontend(&flow).is_some() {
+        // the agent says so when it programs an SCTP frontend. Counted by tc
+        // alone, which sees what XDP passes: once a packet.
+        if !H::XDP && frontend::lookup_frontend(&flow).is_some() {
             count(counter::UNSUPPORTED_PROTO);
         }
         return Action::Pass;

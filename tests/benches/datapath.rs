@@ -31,8 +31,8 @@
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
 //! (root). Prints markdown tables and writes `datapath.md` and
-//! `datapath.json` to DIR (the load report under the key `load` of the
-//! first row: the file stays the array of rows its readers take it for).
+//! `datapath.json` to DIR (`rows`: the per-packet rows; `load`: the load
+//! report).
 
 mod common;
 
@@ -965,7 +965,7 @@ fn render(rows: &[Row], repeat: u32) -> String {
     s
 }
 
-/// The rows as an array, as ever; `loads` under the first row's key `load`.
+/// The rows under `rows`, the load report under `load`.
 fn json(rows: &[Row], loads: &Loads) -> String {
     let measured = |m: &Measured| {
         format!(
@@ -975,13 +975,7 @@ fn json(rows: &[Row], loads: &Loads) -> String {
     };
     let rows: Vec<String> = rows
         .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let load = if i == 0 {
-                format!(",\"load\":{}", json_loads(loads))
-            } else {
-                String::new()
-            };
+        .map(|r| {
             let cases: Vec<String> = r
                 .cases
                 .iter()
@@ -999,7 +993,7 @@ fn json(rows: &[Row], loads: &Loads) -> String {
                 })
                 .collect();
             format!(
-                "{{\"hook\":\"{}\",\"services\":{},\"program_s\":{:.3},\"cases\":[{}]{load}}}",
+                "{{\"hook\":\"{}\",\"services\":{},\"program_s\":{:.3},\"cases\":[{}]}}",
                 r.hook,
                 r.services,
                 r.program_s,
@@ -1007,7 +1001,11 @@ fn json(rows: &[Row], loads: &Loads) -> String {
             )
         })
         .collect();
-    format!("[{}]\n", rows.join(","))
+    format!(
+        "{{\"rows\":[{}],\"load\":{}}}\n",
+        rows.join(","),
+        json_loads(loads)
+    )
 }
 
 struct Cleanup(PinLayout);

@@ -791,16 +791,23 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
     );
 }
 
-/// SCTP frontends are programmed but not translated (no `CRC32c` rewrite
-/// yet): their packets pass untouched and are counted, never silently.
-#[test]
-fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
-    let fx = fixture();
+/// An SCTP packet from the client to the SCTP frontend (`VIP`:9000), its
+/// IPv4 header checksum right.
+fn sctp_frame() -> Vec<u8> {
     let mut sctp = udp(CLIENT, 9000, VIP, 9000, false);
     sctp[14 + 9] = 132;
     sctp[24..26].copy_from_slice(&[0, 0]);
     let c = frame::csum(&sctp[14..34], 0);
     sctp[24..26].copy_from_slice(&c.to_be_bytes());
+    sctp
+}
+
+/// SCTP frontends are programmed but not translated (no `CRC32c` rewrite
+/// yet): their packets pass untouched and are counted, never silently.
+#[test]
+fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
+    let fx = fixture();
+    let sctp = sctp_frame();
     let (ret, out) = run(&fx, &sctp);
     assert_eq!(ret, TC_ACT_OK, "SCTP verdict");
     assert_eq!(out, sctp, "an SCTP packet was modified");
@@ -810,6 +817,36 @@ fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
         "SCTP to a frontend not counted"
     );
     assert_eq!(counter(&fx, "dnat_new"), 0);
+}
+
+/// XDP passes SCTP to a frontend on to tc without counting it: tc, which
+/// sees the same packet next, counts it, once.
+#[test]
+fn sctp_through_xdp_then_tc_is_counted_once() {
+    let nf = node_fixture();
+    let sctp = sctp_frame();
+    let (ret, out) = run_xdp(&nf, &sctp);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &sctp),
+        "XDP must pass SCTP untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "unsupported_proto"),
+        0,
+        "XDP counted SCTP that tc counts next"
+    );
+    let (ret, out) = run(&nf.fx, &sctp);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &sctp),
+        "tc must pass SCTP untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "unsupported_proto"),
+        1,
+        "SCTP to a frontend counted once"
+    );
 }
 
 /// The datapath's clock (jiffies scaled by the calibration `Datapath::load`

@@ -1078,9 +1078,9 @@ fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
 /// silently; SCTP to no frontend is not counted.
 #[test]
 fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
-    let mut fx = fixture();
+    let mut nf = node_fixture();
     program(
-        &mut fx,
+        &mut nf.fx,
         "sctp",
         &frontend(VIP, 9000, Protocol::Sctp, 9000, &BACKENDS),
     );
@@ -1091,21 +1091,34 @@ fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
         f[14 + 6] = SCTP;
         f
     };
+    // Through XDP first, as on an uplink: passed on to tc uncounted.
+    let packet = sctp(9000);
+    let (ret, out) = run_xdp(&nf, &packet);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &packet),
+        "XDP must pass SCTP untouched"
+    );
+    assert_eq!(
+        ncounter(&nf, "unsupported_proto"),
+        0,
+        "XDP counted SCTP that tc counts next"
+    );
     for (dport, counted) in [(9000, 1), (9001, 1)] {
         let packet = sctp(dport);
-        let (ret, out) = run(&fx, &packet);
+        let (ret, out) = run(&nf.fx, &packet);
         assert_eq!(
             (ret, &out),
             (TC_ACT_OK, &packet),
             "SCTP to port {dport} must pass untouched"
         );
         assert_eq!(
-            counter(&fx, "unsupported_proto"),
+            ncounter(&nf, "unsupported_proto"),
             counted,
             "SCTP counted after port {dport}"
         );
     }
-    assert_eq!(counter(&fx, "dnat_new"), 0, "SCTP made a flow");
+    assert_eq!(ncounter(&nf, "dnat_new"), 0, "SCTP made a flow");
 }
 
 /// A datagram whose fragmentable part starts with a destination options

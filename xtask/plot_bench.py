@@ -51,7 +51,7 @@ if rows:
             ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
             ax.plot(services, ns, marker="o", label=case, color=f"C{all_cases.index(case)}")
         ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
-        program = {"tc6": "tc_ingress6 (IPv6)"}.get(hook, f"{hook}_ingress")
+        program = {"tc6": "tc_ingress6 (IPv6)", "xdp6": "xdp_ingress6 (IPv6)"}.get(hook, f"{hook}_ingress")
         style(ax, f"ebpf-proxy {program} per-packet cost",
               "Services installed (10 endpoints each)")
     save(fig, "datapath")

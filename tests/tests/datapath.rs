@@ -87,8 +87,12 @@ fn fixture_loaded(
     let root = unique_root("ebpf-proxy-trun");
     let pins = PinLayout::new(&root);
     let loaded = load(pins.clone());
-    let datapath =
-        loaded.unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", root.display()));
+    // A load that failed part-way leaves pins behind, which the fixture's
+    // drop would have removed.
+    let datapath = loaded.unwrap_or_else(|e| {
+        let _ = proxy_userspace::datapath::cleanup(&pins);
+        panic!("loading the datapath under {}: {e}", root.display())
+    });
     let mut fixture = Fixture {
         datapath,
         pins,

@@ -89,10 +89,21 @@ fn unique_pins() -> PinLayout {
 /// A datapath loaded on `pins` with conntrack maps of `entries`, the test's
 /// IPv6 Services programmed.
 fn load_programmed(pins: &PinLayout, entries: u32) -> (Datapath, Planner) {
-    let mut datapath = Datapath::load_sized(pins.clone(), entries)
-        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
+    let mut datapath = loaded(pins, Datapath::load_sized(pins.clone(), entries));
     let planner = program_services(&mut datapath);
     (datapath, planner)
+}
+
+/// The datapath a load on `pins` gave; a load that failed part-way has
+/// its pins removed before the test panics, as a fixture's drop would.
+fn loaded(
+    pins: &PinLayout,
+    load: Result<Datapath, proxy_userspace::datapath::DatapathError>,
+) -> Datapath {
+    load.unwrap_or_else(|e| {
+        let _ = proxy_userspace::datapath::cleanup(pins);
+        panic!("loading the datapath under {}: {e}", pins.root().display())
+    })
 }
 
 /// The fixture on `datapath`, loaded on `pins`, with the test's IPv6
@@ -320,8 +331,10 @@ fn translated_packets_count_the_checksum_state_tc_read() {
 #[test]
 fn translated_packets_keep_valid_checksums_through_the_checksum_helper() {
     let pins = unique_pins();
-    let datapath = Datapath::load_reading(pins.clone(), ip_summed::Read::Unknown)
-        .unwrap_or_else(|e| panic!("loading the datapath under {}: {e}", pins.root().display()));
+    let datapath = loaded(
+        &pins,
+        Datapath::load_reading(pins.clone(), ip_summed::Read::Unknown),
+    );
     let fx = programmed(datapath, pins);
     round_trip(&fx, frame::TCP, 80, 8080, 41110);
     round_trip(&fx, frame::UDP, 53, 5353, 41111);

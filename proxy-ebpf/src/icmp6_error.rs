@@ -40,7 +40,7 @@ use crate::{
     packet::{ETH_HLEN, frag},
     packet6::{
         FRAG_OFFSET_MASK, Flow6, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH, NEXTHDR_DEST,
-        NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
+        NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, ext_header_len,
     },
 };
 
@@ -136,12 +136,7 @@ fn quoted_transport(ctx: &TcContext, mut next: u8, mut off: usize) -> Option<(u8
         let len = match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
                 let head: [u8; 2] = ctx.load(off).ok()?;
-                let len = if next == NEXTHDR_AUTH {
-                    // RFC 4302: AH counts 4-byte words, less 2.
-                    (head[1] as usize + 2) * 4
-                } else {
-                    (head[1] as usize + 1) * 8
-                };
+                let len = ext_header_len(next, head[1]);
                 next = head[0];
                 len
             }

@@ -104,6 +104,19 @@ pub struct Ipv6Head {
     pub dst_be: [u32; 4],
 }
 
+/// The length of an extension header of type `kind` (hop-by-hop,
+/// routing, destination options or AH) whose length field is `len_field`.
+#[inline(always)]
+pub fn ext_header_len(kind: u8, len_field: u8) -> usize {
+    if kind == NEXTHDR_AUTH {
+        // RFC 4302: AH counts 4-byte words, less 2.
+        (len_field as usize + 2) * 4
+    } else {
+        // RFC 8200: 8-byte units, not counting the first.
+        (len_field as usize + 1) * 8
+    }
+}
+
 /// Parses the packet's headers; a packet whose headers are not all in the
 /// linear area is pulled once (at tc) and read again.
 #[inline(always)]
@@ -149,13 +162,9 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
         let len = match next {
             NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH if !H::XDP => {
                 let head: [u8; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;
+                let len = ext_header_len(next, head[1]);
                 next = head[0];
-                if next == NEXTHDR_AUTH {
-                    // RFC 4302: AH counts 4-byte words, less 2.
-                    (head[1] as usize + 2) * 4
-                } else {
-                    (head[1] as usize + 1) * 8
-                }
+                len
             }
             NEXTHDR_FRAGMENT => {
                 let head: [u32; 2] = read(data, data_end, off).ok_or(Skip6::Truncated)?;

@@ -311,6 +311,8 @@ pub const ICMPV6: u8 = 58;
 pub const HOP_BY_HOP: u8 = 0;
 pub const DEST_OPTS: u8 = 60;
 pub const FRAGMENT: u8 = 44;
+/// The authentication header (RFC 4302).
+pub const AUTH: u8 = 51;
 
 pub struct Spec6 {
     pub src: Ipv6Addr,
@@ -327,13 +329,29 @@ pub struct Spec6 {
 }
 
 /// An 8-byte extension header of `kind`, followed by `next`.
-fn ext_header(kind: u8, next: u8) -> [u8; 8] {
+fn ext_header(kind: u8, next: u8) -> Vec<u8> {
     if kind == FRAGMENT {
         // Offset 0, no more fragments (an atomic fragment), id 0x1234.
-        [next, 0, 0, 0, 0, 0, 0x12, 0x34]
+        vec![next, 0, 0, 0, 0, 0, 0x12, 0x34]
+    } else if kind == AUTH {
+        // Length 2 (RFC 4302: (2 + 2) x 4 = 16 bytes): SPI, sequence number
+        // and a 4-byte ICV. Its length counts otherwise than the others'.
+        vec![
+            next, 2, 0, 0, 0, 0, 0x01, 0x00, 0, 0, 0, 1, 0xa1, 0xa2, 0xa3, 0xa4,
+        ]
     } else {
         // Length 0 (8 bytes): a PadN option of 4 bytes filling it.
-        [next, 0, 1, 4, 0, 0, 0, 0]
+        vec![next, 0, 1, 4, 0, 0, 0, 0]
+    }
+}
+
+/// The length of the extension header at the start of `header`, of type
+/// `kind`.
+fn ext_header_len(kind: u8, header: &[u8]) -> usize {
+    match kind {
+        FRAGMENT => 8,
+        AUTH => (header[1] as usize + 2) * 4,
+        _ => (header[1] as usize + 1) * 8,
     }
 }
 
@@ -402,7 +420,7 @@ pub struct Parsed6 {
     pub dport: u16,
 }
 
-/// Parses an output IPv6 frame (walking 8-byte extension headers) and
+/// Parses an output IPv6 frame (walking its extension headers) and
 /// panics if its transport checksum, recomputed from scratch, is wrong.
 pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
     assert!(f.len() >= 54, "{what}: frame of {} bytes", f.len());
@@ -420,12 +438,8 @@ pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
     );
     let mut next = ip[6];
     let mut off = 54;
-    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&next) {
-        let len = if next == FRAGMENT {
-            8
-        } else {
-            (f[off + 1] as usize + 1) * 8
-        };
+    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43, AUTH].contains(&next) {
+        let len = ext_header_len(next, &f[off..]);
         next = f[off];
         off += len;
     }
@@ -554,7 +568,7 @@ pub struct Icmp6Error {
     pub quoted: (u8, Ipv6Addr, u16, Ipv6Addr, u16),
 }
 
-/// Parses an ICMPv6 error frame (its quote's 8-byte extension headers
+/// Parses an ICMPv6 error frame (its quote's extension headers
 /// walked) and panics if a checksum it carries is wrong: the ICMPv6
 /// checksum over its pseudo-header and whole message, and the quoted TCP or
 /// UDP checksum when the quote holds the whole segment (and not a fragment
@@ -573,17 +587,13 @@ pub fn parse_checked_icmp6_error(f: &[u8], what: &str) -> Icmp6Error {
     let octets = |b: &[u8]| -> Ipv6Addr { <[u8; 16]>::try_from(b).expect("16 bytes").into() };
     let (qsrc, qdst) = (octets(&quote[8..24]), octets(&quote[24..40]));
     let (mut proto, mut off, mut fragment) = (quote[6], 40, false);
-    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43].contains(&proto) {
+    while [HOP_BY_HOP, DEST_OPTS, FRAGMENT, 43, AUTH].contains(&proto) {
         assert!(
             quote.len() >= off + 8,
             "{what}: the quote ends inside its extension headers"
         );
-        let len = if proto == FRAGMENT {
-            fragment = true;
-            8
-        } else {
-            (quote[off + 1] as usize + 1) * 8
-        };
+        fragment |= proto == FRAGMENT;
+        let len = ext_header_len(proto, &quote[off..]);
         proto = quote[off];
         off += len;
     }

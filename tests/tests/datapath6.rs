@@ -11,7 +11,7 @@ use std::{
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use ebpf_proxy_tests::frames::{
-    self as frame, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
+    self as frame, AUTH, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
     icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
 use proxy_userspace::{
@@ -424,6 +424,21 @@ fn extension_headers_before_tcp_are_walked() {
     );
     assert_eq!(p.dport, 8080, "destination port");
 
+    // AH counts its length in 4-byte words (RFC 4302), the others in
+    // 8-byte units: a 16-byte AH after options, each by its own rule.
+    s.sport = 43001;
+    s.ext = vec![DEST_OPTS, AUTH];
+    let (ret, out) = run(&fx, &build6(&s));
+    assert_eq!(ret, TC_ACT_OK, "behind AH: verdict {ret}");
+    let p = parse_checked6(&out, "SYN behind options and AH");
+    assert!(
+        BACKENDS.contains(&p.dst) && (p.sport, p.dport) == (43001, 8080),
+        "behind AH: went to [{}]:{} from port {}, not to a backend's 8080",
+        p.dst,
+        p.dport,
+        p.sport
+    );
+
     // Five are more than the datapath walks: passed untouched, counted.
     s.ext = vec![HOP_BY_HOP, DEST_OPTS, DEST_OPTS, DEST_OPTS, DEST_OPTS];
     let long = build6(&s);
@@ -457,8 +472,8 @@ fn extension_headers_before_tcp_are_walked() {
     );
     assert_eq!(
         counter(&fx, "dnat_new"),
-        1,
-        "only the walked SYN was translated"
+        2,
+        "only the walked SYNs were translated"
     );
 }
 

@@ -511,7 +511,7 @@ fn pin_sock_notes(ebpf: &mut Ebpf, maps: &Maps, pins: &PinLayout, loads: &mut Ve
             Ok(()) => loads.push(ProgramLoad {
                 name: program,
                 took: started.elapsed(),
-                verified_insns: ebpf.program(program).and_then(verified_insns),
+                verified_insns: ebpf.program(program).and_then(|p| verified_insns(p.info())),
             }),
             Err(e) => tracing::warn!(
                 error = %e,
@@ -581,18 +581,17 @@ fn load_noting<P: Load>(
     loads.push(ProgramLoad {
         name,
         took,
-        verified_insns: program
-            .info()
-            .ok()
-            .and_then(|info| info.verified_instruction_count()),
+        verified_insns: verified_insns(program.info()),
     });
     Ok(())
 }
 
-/// The kernel's count of the instructions it verified in `program`, where it
-/// keeps one.
-fn verified_insns(program: &aya::programs::Program) -> Option<u32> {
-    program.info().ok()?.verified_instruction_count()
+/// The kernel's count of the instructions it verified in a program, from the
+/// program's `info`, where it keeps one.
+fn verified_insns(
+    info: Result<aya::programs::ProgramInfo, aya::programs::ProgramError>,
+) -> Option<u32> {
+    info.ok()?.verified_instruction_count()
 }
 
 /// The object's program `name` as a `P`, loaded into the kernel (once); the

@@ -9,6 +9,7 @@
 
 pub mod csum;
 pub mod ip_summed;
+pub mod netfilter_ct;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
@@ -943,6 +944,12 @@ pub mod node_config_flags {
     /// packet from outside addressed to a loopback address is never
     /// translated (CVE-2020-8558).
     pub const LOCALHOST_NODEPORTS: u32 = 1 << 0;
+    /// Flows netfilter translated before this datapath took over (kube-
+    /// proxy's) may still live: a packet to a frontend that has no flow
+    /// here and starts none is left to netfilter when its conntrack has the
+    /// packet's tuple (`netfilter_ct`). Set by the agent from the takeover
+    /// until the last such flow is gone.
+    pub const NETFILTER_FLOWS: u32 = 1 << 1;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)
@@ -1067,7 +1074,11 @@ pub mod counter {
     /// the node routes as it would the packet: DNAT to a backend, the reply
     /// of such a flow), where `XDP_TX` counts those XDP sends back out.
     pub const XDP_TRANSLATED: u32 = 27;
-    pub const COUNT: u32 = 28;
+    /// A packet of a flow netfilter translated before this datapath took
+    /// over (kube-proxy's), found in the kernel's conntrack by tc and left
+    /// to netfilter, which goes on translating it (`netfilter_ct`).
+    pub const NETFILTER_PASS: u32 = 28;
+    pub const COUNT: u32 = 29;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1100,6 +1111,7 @@ pub mod counter {
         "log_rate_limited",
         "pass_v6_ext_headers",
         "xdp_translated",
+        "netfilter_pass",
     ];
 }
 

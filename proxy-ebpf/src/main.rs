@@ -38,6 +38,7 @@ mod ip_summed;
 mod maps;
 mod nat;
 mod nat6;
+mod netfilter_ct;
 mod packet;
 mod packet6;
 mod pipeline;

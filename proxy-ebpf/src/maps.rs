@@ -148,6 +148,15 @@ pub fn node_config() -> NodeConfig {
         .map_or(NodeConfig::default(), |p| unsafe { *p })
 }
 
+/// `NodeConfig::flags` alone, where a path needs nothing else of it.
+#[inline(always)]
+pub fn node_flags() -> u32 {
+    NODE_CONFIG
+        .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
+        .map_or(0, |p| unsafe { (*p).flags })
+}
+
 /// The node's IPv6 settings: `snat_addr_be` is its IPv6 address, the
 /// client the socket hooks' IPv6 connections are made as and the source
 /// `tc_ingress6` SNATs to (zeros until the node has one). The rest of the

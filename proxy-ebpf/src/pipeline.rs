@@ -3,7 +3,8 @@
 //! decision out (see `Action`).
 
 use proxy_common::{
-    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags,
+    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, node_config_flags,
+    service_flags,
 };
 
 use crate::{
@@ -13,8 +14,9 @@ use crate::{
     flow_cache, frag,
     frontend::{self, Frontend},
     hook::Hook,
-    maps::{CONNTRACK, count, node_config},
+    maps::{CONNTRACK, count, node_config, node_flags},
     nat::Nat,
+    netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     route::{self, NextHop},
 };
@@ -135,6 +137,27 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
 
 #[inline(always)]
 fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Action {
+    if node_flags() & node_config_flags::NETFILTER_FLOWS != 0
+        && netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+    {
+        // Only tc can ask netfilter's conntrack (the lookup kfunc takes a
+        // socket buffer); XDP leaves such packets to it as they came.
+        if H::XDP {
+            count(counter::XDP_TO_TC);
+            return Action::ToTc;
+        }
+        if netfilter_ct::has_v4(
+            ctx,
+            flow.proto,
+            flow.src_be,
+            flow.dst_be,
+            flow.sport_be,
+            flow.dport_be,
+        ) {
+            count(counter::NETFILTER_PASS);
+            return Action::Pass;
+        }
+    }
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !frontend::source_allowed(frontend, flow) {
         count(counter::DROP_SOURCE_RANGE);

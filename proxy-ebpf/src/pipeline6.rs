@@ -23,7 +23,8 @@
 //! rare events go to the datapath log, as IPv4's.
 
 use proxy_common::{
-    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, service_flags,
+    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, node_config_flags,
+    service_flags,
 };
 
 use crate::{
@@ -33,8 +34,9 @@ use crate::{
     flow_cache, frag,
     frontend::{self, Frontend},
     hook6::Hook6,
-    maps::{FLOW_KEY6, count, node_addr6, node_config},
+    maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags},
     nat6::Nat6,
+    netfilter_ct,
     packet::{
         ETH_HLEN,
         frag::{FIRST, LATER},
@@ -154,6 +156,26 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
 fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H::Verdict {
+    if node_flags() & node_config_flags::NETFILTER_FLOWS != 0
+        && netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+    {
+        // As IPv4's (`pipeline::new_flow`): tc alone asks netfilter.
+        if H::XDP {
+            count(counter::XDP_TO_TC);
+            return H::PASS;
+        }
+        if netfilter_ct::has_v6(
+            ctx,
+            flow.proto,
+            &flow.src_be,
+            &flow.dst_be,
+            flow.sport_be,
+            flow.dport_be,
+        ) {
+            count(counter::NETFILTER_PASS);
+            return H::PASS;
+        }
+    }
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0
         && !frontend::source_allowed_for6(frontend, flow.src_be)

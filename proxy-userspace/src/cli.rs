@@ -31,7 +31,7 @@ pub enum Command {
     /// Program the datapath and keep it in sync with the Services.
     Run(Box<RunArgs>),
     /// Detach from every interface and remove every pin.
-    Cleanup(PinArgs),
+    Cleanup(CleanupArgs),
     /// Print the frontends, backends and counters in the pinned maps.
     Status(StatusArgs),
     /// Set the level of the datapath's log in the pinned maps: a running
@@ -58,6 +58,18 @@ pub struct StatusArgs {
     /// `[addr]:port`.
     #[arg(long)]
     pub flows: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CleanupArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Before detaching, hand every flow this datapath translates to the
+    /// kernel's conntrack with its NAT, so that kube-proxy started next
+    /// keeps each on its backend (docs/operations.md, "Handing back to
+    /// kube-proxy"). Nothing pinned: nothing to do.
+    #[arg(long)]
+    pub handoff: bool,
 }
 
 #[derive(Debug, Args)]
@@ -185,6 +197,13 @@ pub struct RunArgs {
     /// (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on hybrid hosts).
     #[arg(long)]
     pub cgroup_root: Option<PathBuf>,
+    /// Leave kube-proxy's rules (iptables, nftables, IPVS) where they are
+    /// once this agent serves, for an operator who removes them by hand
+    /// (`kube-proxy --cleanup`). By default the agent removes them itself,
+    /// as that command would, and logs what it removed: while they stay,
+    /// kube-proxy's filter rules drop replies this datapath translates.
+    #[arg(long)]
+    pub keep_kube_proxy_rules: bool,
     /// The datapath's log of rare events (rejects sent, drops by source
     /// range or for want of endpoints, full maps, untracked fragments),
     /// with addresses and ports, in this log under the target `datapath`,

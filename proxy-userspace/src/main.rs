@@ -73,13 +73,14 @@ fn main() -> anyhow::Result<()> {
                 })?;
         }
         Command::Cleanup(args) => {
-            let pins = PinLayout::new(&args.bpf_root);
+            let bpf_root = &args.pins.bpf_root;
+            let pins = PinLayout::new(bpf_root);
             let removed = datapath::cleanup(&pins)
-                .with_context(|| format!("cleaning up {}", args.bpf_root.display()))?;
+                .with_context(|| format!("cleaning up {}", bpf_root.display()))?;
             println!(
                 "removed {} pins under {}",
                 removed.len(),
-                args.bpf_root.display()
+                bpf_root.display()
             );
         }
         Command::Status(args) => {

@@ -66,6 +66,13 @@ impl NodeMaps {
         );
     }
 
+    /// Whether tc leaves to netfilter the packets of flows its conntrack
+    /// translates (kube-proxy's, after a takeover); written at the next
+    /// `sync`.
+    pub fn set_netfilter_flows(&mut self, on: bool) {
+        self.desired.set_netfilter_flows(on);
+    }
+
     /// When a failed write is due for its retry.
     pub fn wakeup(&self) -> Option<Instant> {
         self.retry_at

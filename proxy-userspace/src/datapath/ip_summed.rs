@@ -11,10 +11,10 @@ use proxy_common::ip_summed::{CALL_MAGIC, LEN, LOAD_AT, SHIFT_AT, UNKNOWN};
 use super::kernel_btf::{self, Btf, BtfError, Field};
 
 const KFUNC: &str = "bpf_cast_to_kern_ctx";
-const INSN: usize = 8;
+pub(super) const INSN: usize = 8;
 
 /// The opcodes of the sequence (include/uapi/linux/bpf.h: class | op | source).
-mod op {
+pub(super) mod op {
     /// `BPF_JMP` | `BPF_CALL`
     pub const CALL: u8 = 0x85;
     /// `BPF_JMP` | `BPF_JEQ` | `BPF_K`
@@ -104,21 +104,12 @@ impl Read {
 /// there were. The copy is 8-byte aligned, as the ELF parser wants.
 pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), PatchError> {
     let mut out = AlignedObject::copy_of(object);
-    let mut code_sections = Vec::new();
-    for section in object::File::parse(out.bytes())?.sections() {
-        if section.kind() != SectionKind::Text {
-            continue;
-        }
-        if let Some((start, size)) = section.file_range() {
-            let name = section.name().unwrap_or("?").to_owned();
-            code_sections.push((name, start as usize, size as usize));
-        }
-    }
     let mut found = 0;
-    for (section, start, size) in code_sections {
-        let Some(code) = out.bytes_mut().get_mut(start..start.saturating_add(size)) else {
-            return Err(PatchError::Section { section });
-        };
+    for (section, start, size) in code_sections(out.bytes()).map_err(|e| match e {
+        SectionsError::Elf(e) => PatchError::Elf(e),
+        SectionsError::Outside(section) => PatchError::Section { section },
+    })? {
+        let code = &mut out.bytes_mut()[start..start + size];
         for index in 0..code.len() / INSN {
             if code[index * INSN..][..INSN] != call(0, CALL_MAGIC) {
                 continue;
@@ -140,7 +131,35 @@ pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), Pat
     Ok((out, found))
 }
 
-fn insn(code: u8, regs: u8, off: i16, imm: i32) -> [u8; INSN] {
+/// The code sections of an ELF object: name, file offset and size, each
+/// checked to lie inside the object.
+pub(super) fn code_sections(object: &[u8]) -> Result<Vec<(String, usize, usize)>, SectionsError> {
+    let mut sections = Vec::new();
+    for section in object::File::parse(object)?.sections() {
+        if section.kind() != SectionKind::Text {
+            continue;
+        }
+        if let Some((start, size)) = section.file_range() {
+            let name = section.name().unwrap_or("?").to_owned();
+            let (start, size) = (start as usize, size as usize);
+            if start.checked_add(size).is_none_or(|end| end > object.len()) {
+                return Err(SectionsError::Outside(name));
+            }
+            sections.push((name, start, size));
+        }
+    }
+    Ok(sections)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SectionsError {
+    #[error("the eBPF object is not a readable ELF file: {0}")]
+    Elf(#[from] object::Error),
+    #[error("section {0} lies outside the eBPF object")]
+    Outside(String),
+}
+
+pub(super) fn insn(code: u8, regs: u8, off: i16, imm: i32) -> [u8; INSN] {
     let mut i = [0u8; INSN];
     i[0] = code;
     i[1] = regs;
@@ -149,7 +168,7 @@ fn insn(code: u8, regs: u8, off: i16, imm: i32) -> [u8; INSN] {
     i
 }
 
-fn call(src: u8, imm: i32) -> [u8; INSN] {
+pub(super) fn call(src: u8, imm: i32) -> [u8; INSN] {
     insn(op::CALL, src << 4, 0, imm)
 }
 

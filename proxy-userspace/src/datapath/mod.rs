@@ -17,6 +17,7 @@ pub mod ip_summed;
 pub mod kernel_btf;
 pub mod kernel_version;
 pub mod maps;
+pub mod netfilter_ct;
 pub mod pins;
 pub mod program_load;
 pub(crate) mod sys;
@@ -67,6 +68,8 @@ pub enum DatapathError {
     Maps(#[from] maps::MapsError),
     #[error("completing the eBPF object for this kernel: {0}")]
     Patch(#[from] ip_summed::PatchError),
+    #[error("completing the eBPF object's conntrack questions for this kernel: {0}")]
+    NetfilterPatch(#[from] netfilter_ct::PatchError),
     #[error(transparent)]
     Resize(#[from] resize::ResizeError),
     #[error("completing the eBPF object's BTF: {0}")]
@@ -75,17 +78,20 @@ pub enum DatapathError {
     Kernel(#[from] kernel_version::KernelVersionError),
 }
 
-/// Loads the object with its `ip_summed` reads completed as `read` says, maps
+/// Loads the object with its `ip_summed` reads completed as `read` says and
+/// its questions to netfilter's conntrack as `lookup` says, maps
 /// pinned at `paths` (a conntrack map created anew holds
 /// `conntrack_entries`), and its programs, noting each program's load in
 /// `loads`.
 fn load_object(
     paths: &[(&'static str, std::path::PathBuf)],
     read: ip_summed::Read,
+    lookup: netfilter_ct::Lookup,
     conntrack_entries: u32,
     loads: &mut Vec<ProgramLoad>,
 ) -> Result<Ebpf, DatapathError> {
     let (mut object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
+    netfilter_ct::complete(object.bytes_mut(), lookup)?;
     btf_names::sanitize(object.bytes_mut())?;
     let mut loader = EbpfLoader::new();
     for (name, path) in paths {
@@ -128,6 +134,8 @@ pub struct Datapath {
     /// Interfaces with XDP: name -> (ifindex, mode).
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
     ip_summed: ip_summed::Read,
+    /// How tc asks netfilter's conntrack about flows kube-proxy translated.
+    netfilter_ct: netfilter_ct::Lookup,
     /// A conntrack map of another size, until its flows are all over.
     resize: Option<resize::Resize>,
     /// The same for `CONNTRACK6`.
@@ -197,30 +205,43 @@ impl Datapath {
         // The report is of the load that succeeded: a refused first attempt
         // is said in its own warning.
         let mut loads = Vec::new();
-        let (mut ebpf, read) = match load_object(&paths, read, conntrack_entries, &mut loads) {
-            // A kernel whose verifier refuses the kfunc call (no JIT, say).
-            Err(e @ DatapathError::Program { name, .. })
-                if (name == program_names::TC_INGRESS || name == program_names::TC_INGRESS6)
-                    && read != ip_summed::Read::Unknown =>
-            {
-                tracing::warn!(
-                    error = %e,
-                    "loading with the checksum state read failed: loading again without it"
-                );
-                loads.clear();
-                (
-                    load_object(
-                        &paths,
+        let lookup = netfilter_ct::Lookup::for_this_kernel().unwrap_or_else(|e| {
+            tracing::warn!(
+                error = %e,
+                "tc cannot ask the kernel's conntrack: flows kube-proxy translated are not told apart from new ones"
+            );
+            netfilter_ct::Lookup::Absent
+        });
+        let (mut ebpf, read, lookup) =
+            match load_object(&paths, read, lookup, conntrack_entries, &mut loads) {
+                // A kernel whose verifier refuses the kfunc call (no JIT, say).
+                Err(e @ DatapathError::Program { name, .. })
+                    if (name == program_names::TC_INGRESS
+                        || name == program_names::TC_INGRESS6)
+                        && (read != ip_summed::Read::Unknown
+                            || lookup != netfilter_ct::Lookup::Absent) =>
+                {
+                    tracing::warn!(
+                        error = %e,
+                        "loading with kfunc calls failed: loading again without them"
+                    );
+                    loads.clear();
+                    (
+                        load_object(
+                            &paths,
+                            ip_summed::Read::Unknown,
+                            netfilter_ct::Lookup::Absent,
+                            conntrack_entries,
+                            &mut loads,
+                        )?,
                         ip_summed::Read::Unknown,
-                        conntrack_entries,
-                        &mut loads,
-                    )?,
-                    ip_summed::Read::Unknown,
-                )
-            }
-            loaded => (loaded?, read),
-        };
+                        netfilter_ct::Lookup::Absent,
+                    )
+                }
+                loaded => (loaded?, read, lookup),
+            };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
+        tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
         // Before anything is attached (see `xdp_next`).
         let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf, &mut loads);
         unpin_retired(&pins);
@@ -260,6 +281,7 @@ impl Datapath {
             attached: std::collections::BTreeMap::default(),
             xdp_attached: std::collections::BTreeMap::default(),
             ip_summed: read,
+            netfilter_ct: lookup,
             resize,
             resize6,
             xdp_next,
@@ -292,6 +314,11 @@ impl Datapath {
         &mut self,
     ) -> Result<aya_log::EbpfLogger<event_log::ToTracing>, aya_log::Error> {
         aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, event_log::ToTracing)
+    }
+
+    /// How tc asks the kernel's conntrack about flows kube-proxy translated.
+    pub fn netfilter_ct_lookup(&self) -> netfilter_ct::Lookup {
+        self.netfilter_ct
     }
 
     /// How tc reads socket buffers' checksum state on this kernel.

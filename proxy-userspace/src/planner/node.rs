@@ -47,6 +47,9 @@ pub struct DesiredNode {
     pub config6: Option<NodeConfig>,
     pub ct_timeouts: CtTimeouts,
     pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
+    /// Whether flows netfilter translated before this datapath (kube-
+    /// proxy's) may still live (`node_config_flags::NETFILTER_FLOWS`).
+    pub netfilter_flows: bool,
 }
 
 impl DesiredNode {
@@ -57,6 +60,17 @@ impl DesiredNode {
             config6: None,
             ct_timeouts,
             cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
+            netfilter_flows: false,
+        }
+    }
+
+    /// Tells tc (or stops telling it) to leave to netfilter the packets of
+    /// flows netfilter's conntrack translates; written with the node's
+    /// configuration, at once where that is known.
+    pub fn set_netfilter_flows(&mut self, on: bool) {
+        self.netfilter_flows = on;
+        if let Some(config) = &mut self.config {
+            set_flag(config, node_config_flags::NETFILTER_FLOWS, on);
         }
     }
 
@@ -73,7 +87,13 @@ impl DesiredNode {
         localhost_nodeports: bool,
     ) {
         self.addrs = Some(node_addrs(addrs, nodeport_addresses));
-        self.config = Some(node_config(snat, localhost_nodeports));
+        let mut config = node_config(snat, localhost_nodeports);
+        set_flag(
+            &mut config,
+            node_config_flags::NETFILTER_FLOWS,
+            self.netfilter_flows,
+        );
+        self.config = Some(config);
         self.config6 = Some(node_config6(node6));
     }
 }
@@ -245,6 +265,14 @@ pub fn node_config(snat: Option<Ipv4Addr>, localhost_nodeports: bool) -> NodeCon
         } else {
             0
         },
+    }
+}
+
+fn set_flag(config: &mut NodeConfig, flag: u32, on: bool) {
+    if on {
+        config.flags |= flag;
+    } else {
+        config.flags &= !flag;
     }
 }
 

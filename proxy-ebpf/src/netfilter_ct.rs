@@ -1,0 +1,145 @@
+//! Whether netfilter translates a flow: kube-proxy's flows, which tc leaves
+//! to netfilter once this datapath has taken over (the sequence, and why:
+//! `proxy_common::netfilter_ct`).
+
+use aya_ebpf::{EbpfContext, btf_maps::PerCpuArray, macros::btf_map};
+use proxy_common::{
+    PROTO_TCP, PROTO_UDP,
+    netfilter_ct::{
+        CURRENT_NETNS, DIR_ORIGINAL, LOOKUP_MAGIC, OPTS_SIZE, RELEASE_MAGIC, TUPLE_V4_SIZE,
+        TUPLE_V6_SIZE,
+    },
+};
+
+use crate::packet::TCP_SYN;
+
+/// The lookup's arguments: `struct bpf_sock_tuple` (IPv4's or IPv6's) and
+/// `struct bpf_ct_opts`, in a map of their own rather than on the stack,
+/// which `tc_ingress` has no room on.
+#[repr(C)]
+pub struct Lookup {
+    /// Addresses, then the ports, as the kernel's tuple lays them out.
+    tuple: [u32; 9],
+    opts: Opts,
+}
+
+/// `struct bpf_ct_opts`, the 12 bytes every kernel with the kfunc takes.
+#[repr(C)]
+struct Opts {
+    netns_id: i32,
+    error: i32,
+    l4proto: u8,
+    dir: u8,
+    reserved: [u8; 2],
+}
+
+/// Never pinned: it holds nothing from one packet to the next.
+#[btf_map]
+static NF_LOOKUP: PerCpuArray<Lookup, 1> = PerCpuArray::new();
+
+/// Whether a packet of this protocol and TCP flags to a frontend, with no
+/// flow here, may belong to a flow netfilter translates: one that does not
+/// start a flow (a TCP SYN starts one, whatever netfilter remembers of an
+/// earlier use of its tuple).
+#[inline(always)]
+pub fn may_be_netfilters(proto: u8, tcp_flags: u8) -> bool {
+    proto == PROTO_UDP || (proto == PROTO_TCP && tcp_flags & TCP_SYN == 0)
+}
+
+/// Whether netfilter's conntrack has an entry whose original direction is
+/// this IPv4 tuple (addresses and ports as on the wire).
+#[inline(always)]
+pub fn has_v4<C: EbpfContext>(
+    ctx: &C,
+    proto: u8,
+    src_be: u32,
+    dst_be: u32,
+    sport_be: u16,
+    dport_be: u16,
+) -> bool {
+    let Some(lookup) = NF_LOOKUP.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (tc runs one program at a time on a CPU).
+    unsafe {
+        let tuple = &mut (*lookup).tuple;
+        tuple[0] = src_be;
+        tuple[1] = dst_be;
+        tuple[2] = ports(sport_be, dport_be);
+    }
+    ask(ctx, lookup, proto, TUPLE_V4_SIZE)
+}
+
+/// `has_v4` for an IPv6 tuple.
+#[inline(always)]
+pub fn has_v6<C: EbpfContext>(
+    ctx: &C,
+    proto: u8,
+    src_be: &[u32; 4],
+    dst_be: &[u32; 4],
+    sport_be: u16,
+    dport_be: u16,
+) -> bool {
+    let Some(lookup) = NF_LOOKUP.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: as in `has_v4`.
+    unsafe {
+        let tuple = &mut (*lookup).tuple;
+        tuple[..4].copy_from_slice(src_be);
+        tuple[4..8].copy_from_slice(dst_be);
+        tuple[8] = ports(sport_be, dport_be);
+    }
+    ask(ctx, lookup, proto, TUPLE_V6_SIZE)
+}
+
+/// Two network-order ports as the tuple's one 32-bit word holds them
+/// (source first in memory; this target is little-endian).
+#[inline(always)]
+fn ports(sport_be: u16, dport_be: u16) -> u32 {
+    u32::from(sport_be) | (u32::from(dport_be) << 16)
+}
+
+#[inline(always)]
+fn ask<C: EbpfContext>(ctx: &C, lookup: *mut Lookup, proto: u8, tuple_size: u32) -> bool {
+    // SAFETY: this CPU's entry (see `has_v4`); the options are written
+    // whole before each call, as the kernel refuses nonzero reserved bytes.
+    let (tuple, opts) = unsafe {
+        (*lookup).opts = Opts {
+            netns_id: CURRENT_NETNS,
+            error: 0,
+            l4proto: proto,
+            dir: 0,
+            reserved: [0; 2],
+        };
+        (
+            core::ptr::addr_of_mut!((*lookup).tuple),
+            core::ptr::addr_of_mut!((*lookup).opts),
+        )
+    };
+    let found: u64;
+    // SAFETY: two kfunc calls the verifier checks against the kernel's BTF
+    // (the lookup's reference is released on the one path that has it);
+    // their arguments point into this CPU's map entry, of the sizes given;
+    // registers a call clobbers are declared so.
+    unsafe {
+        core::arch::asm!(
+            "call {lookup}",
+            "if r0 == 0 goto +3",
+            "r1 = r0",
+            "call {release}",
+            "r0 = 1",
+            lookup = const LOOKUP_MAGIC,
+            release = const RELEASE_MAGIC,
+            inout("r1") ctx.as_ptr() => _,
+            inout("r2") tuple => _,
+            inout("r3") u64::from(tuple_size) => _,
+            inout("r4") opts => _,
+            inout("r5") u64::from(OPTS_SIZE) => _,
+            lateout("r0") found,
+        );
+    }
+    // SAFETY: as above; the kernel wrote the direction the tuple matched in.
+    found != 0 && unsafe { (*opts).dir } == DIR_ORIGINAL
+}

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod cluster_cidr;
 pub mod config;
 pub mod datapath;
+pub mod detect_local;
 pub mod health_check_server;
 pub mod healthz;
 pub mod housekeeping;

@@ -14,6 +14,8 @@ pub mod health_check_server;
 pub mod healthz;
 pub mod housekeeping;
 pub mod http;
+pub mod kube_proxy_argv;
+pub mod kube_proxy_flags;
 pub mod logging;
 pub mod metrics;
 pub mod model;

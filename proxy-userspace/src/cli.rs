@@ -20,7 +20,8 @@ use crate::{
 #[command(
     name = "ebpf-proxy",
     version,
-    about = "eBPF replacement for kube-proxy"
+    about = "eBPF replacement for kube-proxy",
+    args_override_self = true
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -81,6 +82,9 @@ pub struct PinArgs {
 }
 
 #[derive(Debug, Args)]
+// A flag given again overrides itself, as with Go's flags (a wrapper that
+// appends `--v=4` to a command line that has `--v=2`).
+#[command(args_override_self = true)]
 #[expect(
     clippy::struct_excessive_bools,
     reason = "one field per flag: kube-proxy's boolean flags are booleans"

@@ -217,6 +217,27 @@ fn go_flag_syntax_is_taken() {
     assert!(run.masquerade_all);
     assert!(!run.localhost_nodeports);
     assert_eq!(run.min_sync_period, Duration::from_secs(90));
+    let (again, _) = started(&[
+        "kube-proxy",
+        "--v=2",
+        "-v=4",
+        "--cluster-cidr=10.0.0.0/8",
+        "--cluster-cidr=10.1.0.0/16",
+        "--nodeport-addresses=10.0.0.0/8",
+        "--nodeport-addresses=fd00::/64",
+    ])
+    .expect("a flag given again");
+    assert_eq!(
+        again.kube_proxy_ignored.0,
+        [("v", "4".to_owned())],
+        "the last wins"
+    );
+    assert_eq!(*again.cluster_cidr, [cidr("10.1.0.0/16")]);
+    assert_eq!(
+        again.nodeport_addresses,
+        [cidr("10.0.0.0/8"), cidr("fd00::/64")],
+        "a list flag appends, as pflag's string slices"
+    );
     assert_eq!(
         run.kube_proxy_ignored.names(),
         [

@@ -473,6 +473,20 @@ mod tests {
         "maybe",
         "eth0:1",
         "a-name-longer-than-fifteen",
+        // kube-proxy's value syntaxes: Go durations, booleans, integers at
+        // int32's edges, keywords, feature gates.
+        "1h-1s",
+        "2562048h",
+        "t",
+        "2147483648",
+        "-2147483649",
+        "-1001",
+        "primary",
+        "primary,10.0.0.0/8",
+        "NodeCIDR",
+        "=true",
+        "A=,B",
+        "FATAL",
     ];
 
     /// Every flag of every subcommand, found through clap's own definition
@@ -495,18 +509,19 @@ mod tests {
                     let flag = format!("--{long}={value}");
                     let argv = ["ebpf-proxy", subname, &flag];
                     let parsed = std::panic::catch_unwind(|| {
-                        Cli::try_parse_from(argv).map(|cli| {
-                            // What the agent derives from the flags at start.
-                            if let Command::Run(run) = &cli.command {
-                                let _ = (run.ct_timeouts(), run.conntrack_entries());
-                            }
-                        })
+                        let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+                        // What the agent derives from the flags at start.
+                        if let Command::Run(mut run) = cli.command {
+                            crate::kube_proxy_flags::settle(&mut run, &|_| false)
+                                .map_err(|e| e.to_string())?;
+                            let _ = (run.ct_timeouts(), run.conntrack_entries());
+                        }
+                        Ok::<(), String>(())
                     })
                     .unwrap_or_else(|_| panic!("`ebpf-proxy {subname} {flag}` panicked"));
                     tried += 1;
-                    if let Err(err) = parsed {
+                    if let Err(text) = parsed {
                         refused += 1;
-                        let text = err.to_string();
                         assert!(
                             text.contains(&format!("--{long}")),
                             "`ebpf-proxy {subname} {flag}` was refused without naming --{long}: {text}"

@@ -6,11 +6,13 @@
 //! Every field kube-proxy knows is accepted. Those that map onto a flag of
 //! `ebpf-proxy run` set it, unless that flag (or the environment variable
 //! it reads) was given: flags override the file. Those that mean nothing
-//! here (`mode`, `iptables.*`, `ipvs.*`, ...) are logged once each, when
-//! they are set: kubeadm writes every field with its zero value, which asks
-//! for kube-proxy's default and so for nothing. A field kube-proxy does not
-//! know, or a value it would refuse, is an error naming the field, as
-//! kube-proxy's strict decoding is.
+//! here (`ipvs.*`, `oomScoreAdj`, ...) are logged once each, when they are
+//! set: kubeadm writes every field with its zero value, which asks for
+//! kube-proxy's default and so for nothing. A field not known here is
+//! logged as an unknown field and skipped, whatever its value, since a newer
+//! kubeadm writes fields this release has not seen (kube-proxy itself falls
+//! back to lenient decoding for v1alpha1); a value kube-proxy would refuse
+//! is an error naming the field.
 
 use std::{
     collections::BTreeMap,
@@ -19,12 +21,18 @@ use std::{
     time::Duration,
 };
 
-use clap::{ArgMatches, parser::ValueSource};
+use clap::ArgMatches;
 use serde::{Deserialize, Deserializer};
 use serde_yaml::Value;
 use tracing::{info, warn};
 
-use crate::{cli::RunArgs, logging::LogFormat, model::Cidr};
+use crate::{
+    cli::RunArgs,
+    detect_local::{DetectLocal, LocalMode},
+    kube_proxy_flags::NodePortAddress,
+    logging::LogFormat,
+    model::Cidr,
+};
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
@@ -54,8 +62,9 @@ pub enum ConfigError {
 #[derive(Debug, Default, PartialEq)]
 pub struct Settings {
     pub cluster_cidr: Option<crate::cluster_cidr::ClusterCidrs>,
-    pub nodeport_addresses: Option<Vec<Cidr>>,
-    pub conntrack_max: Option<u32>,
+    pub nodeport_addresses: Option<Vec<NodePortAddress>>,
+    pub conntrack_max_per_core: Option<u32>,
+    pub conntrack_min: Option<u32>,
     pub conntrack_tcp_timeout_established: Option<Duration>,
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     pub conntrack_udp_timeout: Option<Duration>,
@@ -69,6 +78,13 @@ pub struct Settings {
     pub sync_period: Option<Duration>,
     pub localhost_nodeports: Option<bool>,
     pub log_format: Option<LogFormat>,
+    /// `mode`, for the sync period flags of a mode given on the command line.
+    pub proxy_mode: Option<String>,
+    pub detect_local_mode: Option<LocalMode>,
+    pub pod_bridge_interface: Option<String>,
+    pub pod_interface_name_prefix: Option<String>,
+    /// The `masqueradeAll` of the mode's block.
+    pub masquerade_all: Option<bool>,
 }
 
 /// A set field that does not apply to this agent.
@@ -135,14 +151,7 @@ pub fn merge(
         return Ok(None);
     };
     let config = load(&path)?;
-    let run_matches = matches.subcommand_matches("run").unwrap_or(matches);
-    let given = |id: &str| {
-        [matches, run_matches].iter().any(|m| {
-            m.try_get_raw(id).is_ok_and(|raw| raw.is_some())
-                && m.value_source(id)
-                    .is_some_and(|source| source != ValueSource::DefaultValue)
-        })
-    };
+    let given = |id: &str| crate::kube_proxy_flags::given(matches, id);
     let mut overridden = config.settings.apply(run, &given);
     if let Some(format) = config.settings.log_format {
         if given("log_format") {
@@ -175,8 +184,15 @@ impl Settings {
             };
         }
         take!(cluster_cidr);
-        take!(nodeport_addresses);
-        take!(conntrack_max);
+        if let Some(entries) = &self.nodeport_addresses {
+            if given("nodeport_addresses") {
+                overridden.push("nodeport_addresses");
+            } else {
+                run.nodeport_address_list.clone_from(entries);
+            }
+        }
+        take!(conntrack_max_per_core);
+        take!(conntrack_min);
         take!(conntrack_tcp_timeout_established);
         take!(conntrack_tcp_timeout_close_wait);
         take!(conntrack_udp_timeout);
@@ -188,6 +204,11 @@ impl Settings {
         take!(min_sync_period);
         take!(sync_period);
         take!(localhost_nodeports);
+        take!(proxy_mode, Some);
+        take!(detect_local_mode);
+        take!(pod_bridge_interface, Some);
+        take!(pod_interface_name_prefix, Some);
+        take!(masquerade_all);
         overridden
     }
 }
@@ -210,9 +231,27 @@ pub fn parse(text: &str, file: &str) -> Result<FileConfig, ConfigError> {
             ),
         ));
     }
-    // The path names an unknown field itself, not only where it is.
-    let typed: KubeProxyConfiguration = serde_path_to_error::deserialize(&document)
-        .map_err(|e| error(&e.path().to_string(), e.inner().to_string()))?;
+    let mut document = document;
+    let mut ignored = Vec::new();
+    // An unknown field is taken out of the document and the rest read again,
+    // until what is left is known; its path names the field itself.
+    let typed: KubeProxyConfiguration = loop {
+        match serde_path_to_error::deserialize(&document) {
+            Ok(typed) => break typed,
+            Err(e) => {
+                let path: Vec<String> = e.path().iter().map(ToString::to_string).collect();
+                let unknown = e.inner().to_string().starts_with("unknown field");
+                match unknown.then(|| remove(&mut document, &path)).flatten() {
+                    Some(value) => ignored.push(Ignored {
+                        field: path.join("."),
+                        value: one_line(&value),
+                        why: UNKNOWN_FIELD,
+                    }),
+                    None => return Err(error(&e.path().to_string(), e.inner().to_string())),
+                }
+            }
+        }
+    };
     match typed.api_version.as_deref() {
         Some(API_VERSION) => {}
         other => {
@@ -226,13 +265,31 @@ pub fn parse(text: &str, file: &str) -> Result<FileConfig, ConfigError> {
         return Err(error("kind", format!("{:?}: not {KIND}", typed.kind)));
     }
     let (settings, honoured) = typed.settings().map_err(|(f, m)| error(&f, m))?;
-    let mut ignored = Vec::new();
     collect_ignored(&document, "", &honoured, &mut ignored);
     Ok(FileConfig {
         file: file.to_owned(),
         settings,
         ignored,
     })
+}
+
+/// Why an unknown field is skipped.
+pub const UNKNOWN_FIELD: &str =
+    "unknown field: not a field of KubeProxyConfiguration as this release knows it; skipped";
+
+/// Takes the field at `path` (map keys) out of `document`.
+fn remove(document: &mut Value, path: &[String]) -> Option<Value> {
+    let (last, parents) = path.split_last()?;
+    let mut map = document.as_mapping_mut()?;
+    for key in parents {
+        map = map.get_mut(key.as_str())?.as_mapping_mut()?;
+    }
+    map.remove(last.as_str())
+}
+
+fn one_line(value: &Value) -> String {
+    let text = serde_yaml::to_string(value).unwrap_or_default();
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 type FieldError = (String, String);
@@ -260,18 +317,23 @@ impl KubeProxyConfiguration {
             )?);
         }
         if let Some(entries) = self.node_port_addresses.as_ref().filter(|a| !a.is_empty()) {
-            let mut cidrs = Vec::new();
+            let mut addresses = Vec::new();
             for entry in entries {
-                cidrs.extend(node_port_address(entry)?);
+                addresses.extend(node_port_address(entry)?);
             }
-            s.nodeport_addresses = Some(cidrs);
+            crate::kube_proxy_flags::check_nodeport_addresses(&addresses)
+                .map_err(|e| invalid("nodePortAddresses", e))?;
+            s.nodeport_addresses = Some(addresses);
         }
         if let Some(conntrack) = &self.conntrack {
-            s.conntrack_max = conntrack.max()?;
-            let positive = |d: &Option<GoDuration>| d.map(|d| d.0).filter(|d| !d.is_zero());
-            s.conntrack_tcp_timeout_established = positive(&conntrack.tcp_established_timeout);
-            s.conntrack_tcp_timeout_close_wait = positive(&conntrack.tcp_close_wait_timeout);
-            s.conntrack_udp_timeout = positive(&conntrack.udp_timeout);
+            (s.conntrack_max_per_core, s.conntrack_min) = conntrack.size()?;
+            // A zero is kube-proxy's "leave as is" (RunArgs::ct_timeouts);
+            // null, its default, is the flag's.
+            let set = |d: &Option<GoDuration>| d.map(|d| d.0);
+            s.conntrack_tcp_timeout_established = set(&conntrack.tcp_established_timeout);
+            s.conntrack_tcp_timeout_close_wait = set(&conntrack.tcp_close_wait_timeout);
+            // kubeadm writes 0s here, and 0 means the flag's default anyway.
+            s.conntrack_udp_timeout = set(&conntrack.udp_timeout).filter(|d| !d.is_zero());
         }
         if let Some(text) = non_empty(self.bind_address.as_deref()) {
             let ip: IpAddr = text
@@ -307,16 +369,37 @@ impl KubeProxyConfiguration {
         }
         // As kube-proxy takes it (its GetHostname).
         s.node_name = non_empty(self.hostname_override.as_deref()).map(str::to_lowercase);
-        match non_empty(self.detect_local_mode.as_deref()) {
-            None | Some("ClusterCIDR") => {}
-            Some(other) => {
-                return Err(invalid(
-                    "detectLocalMode",
-                    format!(
-                        "{other:?} is not supported: clients are told local by clusterCIDR (ClusterCIDR)"
-                    ),
-                ));
-            }
+        if let Some(mode) = non_empty(self.detect_local_mode.as_deref()) {
+            let mode =
+                LocalMode::parse(mode).map_err(|e| invalid("detectLocalMode", e.to_string()))?;
+            s.detect_local_mode = Some(mode);
+        }
+        if let Some(detect) = &self.detect_local {
+            s.pod_bridge_interface = non_empty(detect.bridge_interface.as_deref())
+                .map(|name| {
+                    crate::cli::parse_interface(name)
+                        .map_err(|e| invalid("detectLocal.bridgeInterface", e))
+                })
+                .transpose()?;
+            s.pod_interface_name_prefix = non_empty(detect.interface_name_prefix.as_deref())
+                .map(|prefix| {
+                    crate::detect_local::parse_prefix(prefix)
+                        .map_err(|e| invalid("detectLocal.interfaceNamePrefix", e.to_string()))
+                })
+                .transpose()?;
+        }
+        // kube-proxy's validation of the file: the chosen mode's field is set.
+        if let Some(mode) = s.detect_local_mode {
+            let field = match mode {
+                LocalMode::BridgeInterface => "detectLocal.bridgeInterface",
+                _ => "detectLocal.interfaceNamePrefix",
+            };
+            DetectLocal::new(
+                mode,
+                s.pod_bridge_interface.as_deref(),
+                s.pod_interface_name_prefix.as_deref(),
+            )
+            .map_err(|e| invalid(field, e.to_string()))?;
         }
         if let Some(logging) = &self.logging {
             s.log_format = match non_empty(logging.format.as_deref()) {
@@ -358,7 +441,25 @@ impl KubeProxyConfiguration {
                 ));
             }
         };
+        s.proxy_mode = non_empty(self.mode.as_deref())
+            .filter(|m| *m != "kernelspace")
+            .map(str::to_owned);
         let mut honoured = Vec::new();
+        // kube-proxy reads masqueradeAll from nftables in nftables mode and
+        // from iptables in every other.
+        let masquerade_block = if mode == "nftables" {
+            self.nftables.as_ref().and_then(|b| b.masquerade_all)
+        } else {
+            self.iptables.as_ref().and_then(|b| b.masquerade_all)
+        };
+        // false is kube-proxy's default, and so asks for nothing.
+        s.masquerade_all = masquerade_block.filter(|all| *all);
+        let masquerade_block = if mode == "nftables" {
+            "nftables"
+        } else {
+            "iptables"
+        };
+        honoured.push(format!("{masquerade_block}.masqueradeAll"));
         if let Some((sync, min_sync)) = periods {
             let set = |d: Option<GoDuration>| d.map(|d| d.0).filter(|d| !d.is_zero());
             s.sync_period = set(sync);
@@ -375,42 +476,23 @@ impl KubeProxyConfiguration {
 }
 
 impl Conntrack {
-    /// kube-proxy's table size: `maxPerCore` per CPU, at least `min`, each
-    /// defaulted as kube-proxy does; a `maxPerCore` of 0 leaves the size as
-    /// it is.
-    fn max(&self) -> Result<Option<u32>, FieldError> {
-        if self.max_per_core.is_none() && self.min.is_none() {
-            return Ok(None);
-        }
-        let per_core = self.max_per_core.unwrap_or(32_768);
-        let min = self.min.unwrap_or(131_072);
-        if per_core < 0 {
-            return Err(invalid(
-                "conntrack.maxPerCore",
-                format!("{per_core} is negative"),
-            ));
-        }
-        if min < 0 {
-            return Err(invalid("conntrack.min", format!("{min} is negative")));
-        }
-        if per_core == 0 {
-            return Ok(None);
-        }
-        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as u64;
-        let max = (per_core as u64 * cpus).max(min as u64);
-        let range = 1024..=(1u64 << 30);
-        if !range.contains(&max) {
-            return Err(invalid(
-                "conntrack.maxPerCore",
-                format!(
-                    "{per_core} per CPU x {cpus} CPUs (at least min {min}) is {max} connections; \
-                     the table holds {} to {}",
-                    range.start(),
-                    range.end()
-                ),
-            ));
-        }
-        Ok(Some(max as u32))
+    /// `maxPerCore` and `min` as set, checked as kube-proxy's sizing of the
+    /// table (`maxPerCore` per CPU, at least `min`, each defaulted as
+    /// kube-proxy does; a `maxPerCore` of 0 leaves the size as it is) fits it.
+    fn size(&self) -> Result<(Option<u32>, Option<u32>), FieldError> {
+        let non_negative = |field: &str, n: Option<i32>| {
+            n.map(|n| u32::try_from(n).map_err(|_| invalid(field, format!("{n} is negative"))))
+                .transpose()
+        };
+        let per_core = non_negative("conntrack.maxPerCore", self.max_per_core)?;
+        let min = non_negative("conntrack.min", self.min)?;
+        crate::kube_proxy_flags::conntrack_size(
+            per_core.unwrap_or(32_768),
+            min.unwrap_or(131_072),
+            crate::kube_proxy_flags::cpus(),
+        )
+        .map_err(|e| invalid("conntrack.maxPerCore", e))?;
+        Ok((per_core, min))
     }
 }
 
@@ -423,24 +505,21 @@ fn cidr(field: &str, text: &str) -> Result<Cidr, FieldError> {
     })
 }
 
-/// A `nodePortAddresses` entry: a CIDR, or kube-proxy's keywords `all` and
-/// `localhost`.
-fn node_port_address(entry: &str) -> Result<Vec<Cidr>, FieldError> {
+/// A `nodePortAddresses` entry: a CIDR, kube-proxy's keyword `primary`, or
+/// the keywords `all` and `localhost`.
+fn node_port_address(entry: &str) -> Result<Vec<NodePortAddress>, FieldError> {
     let field = "nodePortAddresses";
-    let parse = |c: &str| cidr(field, c);
+    let parse = |c: &str| cidr(field, c).map(NodePortAddress::Cidr);
     match entry.trim() {
         "all" => Ok(vec![parse("0.0.0.0/0")?, parse("::/0")?]),
         "localhost" => Ok(vec![parse("127.0.0.0/8")?, parse("::1/128")?]),
-        "primary" => Err(invalid(
-            field,
-            "the keyword \"primary\" is not supported: list the CIDRs of the addresses instead",
-        )),
+        "primary" => Ok(vec![NodePortAddress::Primary]),
         other => Ok(vec![parse(other)?]),
     }
 }
 
 /// "IP:port", "[v6]:port" or a bare IP (on `default_port`).
-fn listen_address(text: &str, default_port: u16) -> Option<SocketAddr> {
+pub(crate) fn listen_address(text: &str, default_port: u16) -> Option<SocketAddr> {
     text.parse().ok().or_else(|| {
         text.trim_start_matches('[')
             .trim_end_matches(']')
@@ -454,7 +533,9 @@ fn listen_address(text: &str, default_port: u16) -> Option<SocketAddr> {
 fn why_ignored(field: &str) -> &'static str {
     let top = field.split('.').next().unwrap_or(field);
     match top {
-        "mode" => "ebpf-proxy has one datapath (eBPF); there is no mode to choose",
+        "mode" => {
+            "ebpf-proxy has one datapath (eBPF); the mode only picks its block's sync periods"
+        }
         "iptables" | "ipvs" | "nftables" => {
             "a setting of another kube-proxy mode; only the sync periods of the selected mode apply"
         }
@@ -462,7 +543,7 @@ fn why_ignored(field: &str) -> &'static str {
         "clientConnection" => "the API client's rate limits and content types are its own",
         "featureGates" => "kube-proxy's feature gates do not apply",
         "logging" => "only logging.format applies; the level is set with RUST_LOG",
-        "detectLocal" => "only detectLocalMode ClusterCIDR is supported",
+        "detectLocal" => "read for its detectLocalMode only",
         "conntrack" => match field {
             "conntrack.udpStreamTimeout" => {
                 "the datapath has one UDP idle timeout, conntrack.udpTimeout"
@@ -493,6 +574,8 @@ const HONOURED: &[&str] = &[
     "clientConnection.kubeconfig",
     "hostnameOverride",
     "detectLocalMode",
+    "detectLocal.bridgeInterface",
+    "detectLocal.interfaceNamePrefix",
     "logging.format",
     // The agent always stops when it cannot listen, which is what true asks.
     "bindAddressHardFail",
@@ -524,10 +607,7 @@ fn collect_ignored(value: &Value, path: &str, honoured: &[String], out: &mut Vec
         _ if is_zero(value) => {}
         _ => out.push(Ignored {
             field: path.to_owned(),
-            value: serde_yaml::to_string(value)
-                .unwrap_or_default()
-                .trim()
-                .replace('\n', " "),
+            value: one_line(value),
             why: why_ignored(path),
         }),
     }
@@ -663,11 +743,7 @@ struct KubeProxyConfiguration {
     )]
     winkernel: Option<Winkernel>,
     detect_local_mode: Option<String>,
-    #[expect(
-        dead_code,
-        reason = "parsed only to be checked; the setting does not apply here and `collect_ignored` reports it"
-    )]
-    detect_local: Option<DetectLocal>,
+    detect_local: Option<DetectLocalFields>,
     #[serde(rename = "clusterCIDR")]
     cluster_cidr: Option<String>,
     node_port_addresses: Option<Vec<String>>,
@@ -786,13 +862,9 @@ struct Winkernel {
     forward_health_check_vip: Option<bool>,
 }
 
-#[expect(
-    dead_code,
-    reason = "its fields are parsed only to be checked; what applies is read in `settings`"
-)]
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct DetectLocal {
+struct DetectLocalFields {
     bridge_interface: Option<String>,
     interface_name_prefix: Option<String>,
 }

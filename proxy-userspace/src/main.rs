@@ -1,14 +1,54 @@
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::{CommandFactory, FromArgMatches};
 use proxy_userspace::{
     agent::{self, AgentConfig, SourceConfig},
-    cli::{Cli, Command},
+    cli::{Cli, Command, RunArgs},
     config,
     datapath::{self, PinLayout},
-    logging,
+    kube_proxy_argv, kube_proxy_flags, logging,
     model::ModelConfig,
     privileges, status,
 };
+
+/// The command line, read as kube-proxy's too (the binary called as
+/// kube-proxy, Go's flag spellings), with `run`'s configuration file merged
+/// and its kube-proxy flags settled.
+fn command_line() -> anyhow::Result<(
+    Cli,
+    Option<config::Merged>,
+    Option<kube_proxy_flags::Settled>,
+)> {
+    let command = Cli::command();
+    let run_flags = kube_proxy_argv::run_flags(&command);
+    let argv = kube_proxy_argv::rewrite(std::env::args_os().collect(), &|name| {
+        run_flags.binary_search_by(|f| f.as_str().cmp(name)).is_ok()
+    });
+    let matches = command.get_matches_from(argv);
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let Command::Run(args) = &mut cli.command else {
+        return Ok((cli, None, None));
+    };
+    let merged = config::merge(args, &mut cli.log_format, &matches)?;
+    let settled = kube_proxy_flags::settle(args, &|id| kube_proxy_flags::given(&matches, id))?;
+    Ok((cli, merged, Some(settled)))
+}
+
+/// One line for the kube-proxy flags that mean nothing here, one for those
+/// taken that the datapath does not carry out yet.
+fn warn_kube_proxy_flags(args: &RunArgs, settled: Option<kube_proxy_flags::Settled>) {
+    if !args.kube_proxy_ignored.0.is_empty() {
+        tracing::warn!(
+            flags = %args.kube_proxy_ignored.summary(),
+            "kube-proxy flags without a meaning here, ignored (docs/operations.md, \"kube-proxy's flags\")"
+        );
+    }
+    if let Some(settled) = settled.filter(|s| !s.not_yet.is_empty()) {
+        tracing::warn!(
+            settings = %settled.not_yet.join("; "),
+            "taken, but not carried out by the datapath yet"
+        );
+    }
+}
 
 fn main() -> anyhow::Result<()> {
     // One malloc arena: the agent is a handful of threads doing little
@@ -16,62 +56,16 @@ fn main() -> anyhow::Result<()> {
     // that listing's freed memory resident several times over.
     // SAFETY: called before any thread exists.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
-    let matches = Cli::command().get_matches();
-    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    let merged = match &mut cli.command {
-        Command::Run(args) => config::merge(args, &mut cli.log_format, &matches)?,
-        _ => None,
-    };
+    let (cli, merged, settled) = command_line()?;
     logging::init(cli.log_format)?;
     if let Some(merged) = merged {
         merged.log();
     }
+    if let Command::Run(args) = &cli.command {
+        warn_kube_proxy_flags(args, settled);
+    }
     match cli.command {
-        Command::Run(args) => {
-            privileges::check()?;
-            let ct_timeouts = args.ct_timeouts();
-            let conntrack_entries = args.conntrack_entries();
-            let config = AgentConfig {
-                bpf_root: args.pins.bpf_root,
-                source: match args.manifests {
-                    Some(path) => SourceConfig::Manifests(path),
-                    None => SourceConfig::Kube {
-                        kubeconfig: args.kubeconfig,
-                        master: args.master,
-                    },
-                },
-                interfaces: args.interfaces,
-                healthz: args.healthz_bind_address,
-                metrics: args.metrics_bind_address,
-                node_name: args.node_name.unwrap_or_else(agent::default_node_name),
-                min_sync_period: args.min_sync_period,
-                sync_period: args.sync_period,
-                ct_timeouts,
-                conntrack_entries,
-                model: ModelConfig::default(),
-                localhost_nodeports: args.localhost_nodeports
-                    && agent::serves_loopback(&args.nodeport_addresses),
-                nodeport_addresses: args.nodeport_addresses,
-                cluster_cidrs: args.cluster_cidr.to_vec(),
-                xdp_mode: args.xdp_mode,
-                node_ip: args.node_ip.unwrap_or_default(),
-                cgroup_root: args
-                    .cgroup_root
-                    .or_else(datapath::host::default_cgroup_root),
-                datapath_log: args.datapath_log,
-            };
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
-            runtime
-                .block_on(agent::run(config))
-                .map_err(|e| match privileges::explain(&e) {
-                    Some(refused) => anyhow::Error::new(refused),
-                    None => e.into(),
-                })?;
-        }
+        Command::Run(args) => run(*args)?,
         Command::Cleanup(args) => {
             let bpf_root = &args.pins.bpf_root;
             let pins = PinLayout::new(bpf_root);
@@ -109,5 +103,64 @@ fn main() -> anyhow::Result<()> {
             println!("datapath log level: {}", args.level.name());
         }
     }
+    Ok(())
+}
+
+/// `ebpf-proxy run`: the agent, until it is stopped.
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.write_config_to {
+        bail!(
+            "--write-config-to {}: ebpf-proxy writes no configuration of defaults; \
+             kubeadm's `kube-proxy` ConfigMap is read as it is with --config",
+            file.display()
+        );
+    }
+    privileges::check()?;
+    if args.init_only {
+        tracing::info!("--init-only: nothing to prepare ahead of the agent; exiting");
+        return Ok(());
+    }
+    let ct_timeouts = args.ct_timeouts();
+    let conntrack_entries = args.conntrack_entries();
+    let config = AgentConfig {
+        bpf_root: args.pins.bpf_root,
+        source: match args.manifests {
+            Some(path) => SourceConfig::Manifests(path),
+            None => SourceConfig::Kube {
+                kubeconfig: args.kubeconfig,
+                master: args.master,
+            },
+        },
+        interfaces: args.interfaces,
+        healthz: args.healthz_bind_address,
+        metrics: args.metrics_bind_address,
+        node_name: args.node_name.unwrap_or_else(agent::default_node_name),
+        min_sync_period: args.min_sync_period,
+        sync_period: args.sync_period,
+        ct_timeouts,
+        conntrack_entries,
+        model: ModelConfig::default(),
+        localhost_nodeports: args.localhost_nodeports
+            && agent::serves_loopback(&args.nodeport_addresses),
+        nodeport_addresses: args.nodeport_addresses,
+        cluster_cidrs: args.cluster_cidr.to_vec(),
+        xdp_mode: args.xdp_mode,
+        node_ip: args.node_ip.unwrap_or_default(),
+        cgroup_root: args
+            .cgroup_root
+            .or_else(datapath::host::default_cgroup_root),
+        datapath_log: args.datapath_log,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime
+        .block_on(agent::run(config))
+        .map_err(|e| match privileges::explain(&e) {
+            Some(refused) => anyhow::Error::new(refused),
+            None => e.into(),
+        })?;
     Ok(())
 }

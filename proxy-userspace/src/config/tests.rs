@@ -1,7 +1,10 @@
 use clap::CommandFactory;
 
 use super::*;
-use crate::cli::{Cli, Command};
+use crate::{
+    cli::{Cli, Command},
+    detect_local::LocalMode,
+};
 
 /// `kubeadm config print init-defaults --component-configs
 /// KubeProxyConfiguration`, the KubeProxyConfiguration document (kubeadm
@@ -90,13 +93,20 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
         ("bindAddressHardFail", "true"),
     ]);
     let config = parsed(&text);
-    let cidrs = |list: &[&str]| Some(list.iter().map(|c| Cidr::parse(c).unwrap()).collect());
+    let cidrs = |list: &[&str]| {
+        Some(
+            list.iter()
+                .map(|c| NodePortAddress::Cidr(Cidr::parse(c).unwrap()))
+                .collect(),
+        )
+    };
     assert_eq!(
         config.settings,
         Settings {
             cluster_cidr: Some("10.244.0.0/16,fd00:10:244::/56".parse().unwrap()),
             nodeport_addresses: cidrs(&["10.0.0.0/8", "127.0.0.0/8", "::1/128"]),
-            conntrack_max: None,
+            conntrack_max_per_core: Some(0),
+            conntrack_min: Some(200_000),
             conntrack_tcp_timeout_established: Some(Duration::from_hours(24)),
             conntrack_tcp_timeout_close_wait: Some(Duration::from_hours(1)),
             conntrack_udp_timeout: Some(Duration::from_secs(30)),
@@ -112,6 +122,8 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
             sync_period: Some(Duration::from_secs(90)),
             localhost_nodeports: Some(false),
             log_format: None,
+            detect_local_mode: Some(LocalMode::ClusterCidr),
+            ..Settings::default()
         },
         "maxPerCore 0 leaves the table size alone, as kube-proxy does"
     );
@@ -120,26 +132,46 @@ fn a_kubeadm_cluster_configmap_maps_onto_the_flags() {
 
 #[test]
 fn conntrack_size_is_kube_proxys_per_core_rule() {
-    let cpus = std::thread::available_parallelism().unwrap().get() as u32;
-    let size = |per_core: &str, min: &str| {
-        parsed(&kubeadm_with(&[
+    let cpus = u32::try_from(crate::kube_proxy_flags::cpus()).unwrap();
+    let sizing = |per_core: &str, min: &str| {
+        let settings = parsed(&kubeadm_with(&[
             ("conntrack.maxPerCore", per_core),
             ("conntrack.min", min),
         ]))
-        .settings
-        .conntrack_max
+        .settings;
+        (settings.conntrack_max_per_core, settings.conntrack_min)
     };
-    assert_eq!(size("null", "null"), None, "unset: the flag's default");
-    assert_eq!(size("65536", "1024"), Some(65536 * cpus));
     assert_eq!(
-        size("1", "131072"),
-        Some(131_072),
+        sizing("null", "null"),
+        (None, None),
+        "unset: the flags' defaults"
+    );
+    assert_eq!(sizing("65536", "1024"), (Some(65_536), Some(1024)));
+    let connections = |per_core: &str, min: &str| {
+        let (mut run, _, _) = run_args(&[]);
+        let settings = parsed(&kubeadm_with(&[
+            ("conntrack.maxPerCore", per_core),
+            ("conntrack.min", min),
+        ]))
+        .settings;
+        settings.apply(&mut run, &|_| false);
+        run.conntrack_connections()
+    };
+    assert_eq!(connections("65536", "1024"), 65_536 * cpus);
+    assert_eq!(
+        connections("1", "131072"),
+        131_072,
         "min wins over a small per-core value"
     );
     assert_eq!(
-        size("null", "1024"),
-        Some(32_768 * cpus),
+        connections("null", "1024"),
+        32_768 * cpus,
         "maxPerCore defaults to kube-proxy's 32768"
+    );
+    assert_eq!(
+        connections("0", "9999999"),
+        proxy_common::MAX_CONNTRACK / 2,
+        "maxPerCore 0 leaves the size alone and min with it"
     );
     let error = refused(&kubeadm_with(&[("conntrack.maxPerCore", "-1")]));
     assert!(error.contains("conntrack.maxPerCore"), "{error}");
@@ -148,6 +180,147 @@ fn conntrack_size_is_kube_proxys_per_core_rule() {
         error.contains("conntrack.maxPerCore") && error.contains("1073741824"),
         "too large a table: {error}"
     );
+}
+
+#[test]
+fn conntrack_timeouts_are_kube_proxys() {
+    let (mut run, _, _) = run_args(&[]);
+    parsed(KUBEADM_DEFAULTS)
+        .settings
+        .apply(&mut run, &|_| false);
+    assert_eq!(
+        (
+            run.conntrack_tcp_timeout_established,
+            run.conntrack_tcp_timeout_close_wait,
+            run.conntrack_udp_timeout
+        ),
+        (
+            Duration::from_hours(24),
+            Duration::from_hours(1),
+            Duration::from_mins(1)
+        ),
+        "kubeadm's nulls and 0s are kube-proxy's defaults (UDP: 60s here)"
+    );
+    let settings = parsed(&kubeadm_with(&[
+        ("conntrack.tcpEstablishedTimeout", "0s"),
+        ("conntrack.tcpCloseWaitTimeout", "0s"),
+    ]))
+    .settings;
+    settings.apply(&mut run, &|_| false);
+    let timeouts = run.ct_timeouts();
+    assert_eq!(
+        (timeouts.tcp_established_ns, timeouts.tcp_closing_ns),
+        (432_000_000_000_000, 60_000_000_000),
+        "an explicit 0s leaves the kernel's defaults, as with kube-proxy"
+    );
+}
+
+#[test]
+fn each_detect_local_mode_is_read_with_its_field() {
+    for (edits, mode, bridge, prefix) in [
+        (
+            vec![("detectLocalMode", "ClusterCIDR")],
+            LocalMode::ClusterCidr,
+            None,
+            None,
+        ),
+        (
+            vec![("detectLocalMode", "NodeCIDR")],
+            LocalMode::NodeCidr,
+            None,
+            None,
+        ),
+        (
+            vec![
+                ("detectLocalMode", "BridgeInterface"),
+                ("detectLocal.bridgeInterface", "cbr0"),
+            ],
+            LocalMode::BridgeInterface,
+            Some("cbr0"),
+            None,
+        ),
+        (
+            vec![
+                ("detectLocalMode", "InterfaceNamePrefix"),
+                ("detectLocal.interfaceNamePrefix", "veth"),
+            ],
+            LocalMode::InterfaceNamePrefix,
+            None,
+            Some("veth"),
+        ),
+    ] {
+        let config = parsed(&kubeadm_with(&edits));
+        assert_eq!(config.settings.detect_local_mode, Some(mode), "{edits:?}");
+        assert_eq!(config.settings.pod_bridge_interface.as_deref(), bridge);
+        assert_eq!(config.settings.pod_interface_name_prefix.as_deref(), prefix);
+        assert_eq!(config.ignored, Vec::<Ignored>::new(), "{edits:?}");
+    }
+    for (edits, field) in [
+        (
+            vec![("detectLocalMode", "BridgeInterface")],
+            "detectLocal.bridgeInterface",
+        ),
+        (
+            vec![
+                ("detectLocalMode", "InterfaceNamePrefix"),
+                ("detectLocal.bridgeInterface", "cbr0"),
+            ],
+            "detectLocal.interfaceNamePrefix",
+        ),
+        (
+            vec![("detectLocal.bridgeInterface", "\"a/b\"")],
+            "detectLocal.bridgeInterface",
+        ),
+    ] {
+        let error = refused(&kubeadm_with(&edits));
+        assert!(
+            error.starts_with(&format!("test.yaml: {field}: ")),
+            "{error}"
+        );
+    }
+}
+
+#[test]
+fn node_port_addresses_take_primary_alone() {
+    let config = parsed(&kubeadm_with(&[("nodePortAddresses", "[primary]")]));
+    assert_eq!(
+        config.settings.nodeport_addresses,
+        Some(vec![NodePortAddress::Primary])
+    );
+    let error = refused(&kubeadm_with(&[(
+        "nodePortAddresses",
+        "[primary, 10.0.0.0/8]",
+    )]));
+    assert!(
+        error.starts_with("test.yaml: nodePortAddresses: "),
+        "{error}"
+    );
+}
+
+#[test]
+fn masquerade_all_is_read_from_the_modes_block() {
+    let all = |edits: &[(&str, &str)]| {
+        let config = parsed(&kubeadm_with(edits));
+        let ignored: Vec<String> = config.ignored.into_iter().map(|i| i.field).collect();
+        (config.settings.masquerade_all, ignored)
+    };
+    assert_eq!(
+        all(&[("iptables.masqueradeAll", "true")]),
+        (Some(true), vec![])
+    );
+    assert_eq!(
+        all(&[("mode", "nftables"), ("nftables.masqueradeAll", "true")]),
+        (Some(true), vec!["mode".to_owned()])
+    );
+    assert_eq!(
+        all(&[("mode", "nftables"), ("iptables.masqueradeAll", "true")]),
+        (
+            None,
+            vec!["iptables.masqueradeAll".to_owned(), "mode".to_owned()]
+        ),
+        "another mode's block"
+    );
+    assert_eq!(all(&[]), (None, vec![]), "false asks for nothing");
 }
 
 #[test]
@@ -170,7 +343,6 @@ fn fields_that_do_not_apply_are_warned_about_once_each_when_set() {
         [
             "clientConnection.qps",
             "conntrack.udpStreamTimeout",
-            "iptables.masqueradeAll",
             "iptables.syncPeriod",
             "ipvs.strictARP",
             "mode",
@@ -180,34 +352,74 @@ fn fields_that_do_not_apply_are_warned_about_once_each_when_set() {
         "each set field that does not apply, once (ipvs.syncPeriod applies in ipvs mode)"
     );
     assert_eq!(config.settings.sync_period, Some(Duration::from_secs(45)));
-    let mode = &config.ignored[5];
+    assert_eq!(
+        config.settings.masquerade_all,
+        Some(true),
+        "kube-proxy reads iptables.masqueradeAll in ipvs mode"
+    );
+    let mode = &config.ignored[4];
     assert_eq!(mode.value, "ipvs");
     assert!(mode.why.contains("one datapath"), "{mode:?}");
 }
 
 #[test]
-fn an_unknown_field_is_an_error_naming_it() {
-    for (text, field) in [
-        (kubeadm_with(&[("+fooBar: 1", "")]), "fooBar"),
+fn an_unknown_field_is_warned_about_and_skipped() {
+    for (text, field, value) in [
+        (kubeadm_with(&[("+fooBar: 1", "")]), "fooBar", "1"),
         (
             kubeadm_with(&[("+  maxPerCor: 1", "")]),
             "winkernel.maxPerCor",
+            "1",
         ),
         (
-            KUBEADM_DEFAULTS.replace("  maxPerCore: null", "  maxPerCor: 1"),
+            KUBEADM_DEFAULTS.replace("  maxPerCore: null", "  maxPerCor: 0"),
             "conntrack.maxPerCor",
+            "0",
         ),
         (
-            KUBEADM_DEFAULTS.replace("clusterCIDR", "clusterCidr"),
+            KUBEADM_DEFAULTS.replace("clusterCIDR: \"\"", "clusterCidr: 10.0.0.0/8"),
             "clusterCidr",
+            "10.0.0.0/8",
+        ),
+        (
+            kubeadm_with(&[("+newBlock: {a: {b: [1, 2]}}", "")]),
+            "newBlock",
+            "a: b: - 1 - 2",
         ),
     ] {
-        let error = refused(&text);
-        assert!(
-            error.starts_with(&format!("test.yaml: {field}: unknown field")),
-            "{error}"
+        let config = parsed(&text);
+        assert_eq!(
+            config.ignored,
+            [Ignored {
+                field: field.to_owned(),
+                value: value.to_owned(),
+                why: UNKNOWN_FIELD,
+            }],
+            "{text}"
+        );
+        assert!(UNKNOWN_FIELD.starts_with("unknown field"));
+        assert_eq!(
+            config.settings.cluster_cidr, None,
+            "a misspelt field sets nothing"
         );
     }
+    // Several, at several depths, with the known fields still read.
+    let config = parsed(&kubeadm_with(&[
+        ("clusterCIDR", "10.244.0.0/16"),
+        ("+zeta: true", ""),
+        ("+alpha: x", ""),
+        ("conntrack.udpTimeout", "5s\n  udpFoo: 1s"),
+    ]));
+    let fields: Vec<&str> = config.ignored.iter().map(|i| i.field.as_str()).collect();
+    assert_eq!(fields, ["conntrack.udpFoo", "zeta", "alpha"]);
+    assert_eq!(
+        config.settings.conntrack_udp_timeout,
+        Some(Duration::from_secs(5))
+    );
+    assert!(config.settings.cluster_cidr.is_some());
+    // A known field of the wrong type is still an error.
+    let error = refused(&kubeadm_with(&[("conntrack.min", "lots")]));
+    assert!(error.starts_with("test.yaml: conntrack.min: "), "{error}");
 }
 
 #[test]
@@ -218,7 +430,10 @@ fn an_invalid_value_is_an_error_naming_its_field() {
             ("clusterCIDR", "10.244.0.0/16,10.245.0.0/16"),
             "clusterCIDR",
         ),
-        (("nodePortAddresses", "[primary]"), "nodePortAddresses"),
+        (
+            ("nodePortAddresses", "[primary, localhost]"),
+            "nodePortAddresses",
+        ),
         (("nodePortAddresses", "[10.0.0.0]"), "nodePortAddresses"),
         (
             ("conntrack.tcpEstablishedTimeout", "1d"),
@@ -237,7 +452,7 @@ fn an_invalid_value_is_an_error_naming_its_field() {
             ("metricsBindAddress", "0.0.0.0:99999"),
             "metricsBindAddress",
         ),
-        (("detectLocalMode", "NodeCIDR"), "detectLocalMode"),
+        (("detectLocalMode", "nodecidr"), "detectLocalMode"),
         (("mode", "userspace"), "mode"),
         (
             ("apiVersion", "kubeproxy.config.k8s.io/v1beta1"),
@@ -409,12 +624,13 @@ fn node_ip_takes_one_address_per_family() {
 
 #[test]
 fn cluster_cidr_and_nodeport_addresses_take_both_families() {
-    let (run, _, _) = run_args(&[
+    let (mut run, _, _) = run_args(&[
         "--cluster-cidr",
         "10.244.0.0/16,fd00:10:244::/56",
         "--nodeport-addresses",
         "192.168.0.0/16,fd00:1::/64",
     ]);
+    crate::kube_proxy_flags::settle(&mut run, &|_| false).expect("settled");
     let cidr = |c: &str| Cidr::parse(c).unwrap();
     assert_eq!(
         *run.cluster_cidr,

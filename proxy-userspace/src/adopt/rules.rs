@@ -352,15 +352,23 @@ pub fn remove(leftovers: &Leftovers) -> Result<Removed, RulesError> {
 
 /// Keeps the namespace's NAT running with no NAT rule of kube-proxy's left.
 ///
-/// The kernel registers its NAT hooks for a family only while some nat-type chain
-/// of that family exists, and with them goes the translation of connections
-/// already set up: conntrack entries keep their NAT bindings, but nothing applies
-/// them. kube-proxy's established connections to a Service address are
-/// translated by those bindings alone, so removing its last nat chain would cut
-/// every one of them. An empty nat chain, here at postrouting just after the
-/// source NAT priority, holds the hooks (all of the family's, not only
-/// postrouting's) and translates nothing itself; [`release_nat`] drops it once
-/// those connections are gone.
+/// kube-proxy's established connections to a Service address are translated by
+/// their conntrack entries' NAT bindings alone, no rule involved. But the kernel
+/// applies those bindings only while something keeps two sets of hooks
+/// registered in the namespace: conntrack's, held by any rule expression that
+/// uses conntrack (kube-proxy's `dnat`, `masquerade`, `ct state` and `-m
+/// conntrack`), and NAT's, held for every hook of a family by any nat-type chain
+/// of that family. Deleting kube-proxy's `kube-proxy` tables drops both when
+/// nothing else holds them, and every such connection is reset on its next
+/// packet (the tests show it, and that an empty nat chain alone is not enough:
+/// it keeps NAT's hooks but not conntrack's).
+///
+/// So each family gets a nat chain at postrouting, just after the source NAT
+/// priority, whose one rule matches `ct state new` and accepts, as its policy
+/// would: it translates nothing and changes no verdict, it only holds both.
+/// [`release_nat`] drops it once those connections are gone. Calling this
+/// again rewrites the chain in one transaction, so it never holds two rules and
+/// never lets go in between.
 ///
 /// `nft` is required: without it this fails, rather than fall back to an
 /// iptables nat chain, which would have to pick one of two iptables backends and
@@ -373,8 +381,10 @@ pub fn keep_nat_alive() -> Result<(), RulesError> {
     let mut script = String::new();
     for family in ["ip", "ip6"] {
         script.push_str(&format!(
-            "add table {family} {NAT_KEEPALIVE_TABLE} {{ comment \"keeps NAT of connections set up before ebpf-proxy translating\" ; }}\n\
-             add chain {family} {NAT_KEEPALIVE_TABLE} keep-nat {{ type nat hook postrouting priority srcnat + 1 ; policy accept ; }}\n"
+            "add table {family} {NAT_KEEPALIVE_TABLE} {{ comment \"holds NAT for connections set up before ebpf-proxy\" ; }}\n\
+             add chain {family} {NAT_KEEPALIVE_TABLE} keep-nat {{ type nat hook postrouting priority srcnat + 1 ; policy accept ; }}\n\
+             flush chain {family} {NAT_KEEPALIVE_TABLE} keep-nat\n\
+             add rule {family} {NAT_KEEPALIVE_TABLE} keep-nat ct state new accept\n"
         ));
     }
     run(&nft, &["-f", "-"], Some(&script))?;
@@ -457,10 +467,11 @@ fn parse_save(text: &str) -> Vec<SavedTable> {
             if let Some(chain) = line.strip_prefix(':') {
                 t.chains
                     .extend(chain.split_whitespace().next().map(str::to_owned));
-            } else if let Some(rule) = line.strip_prefix("-A ") {
-                if let Some(chain) = rule.split_whitespace().next() {
-                    t.rules.push((chain.to_owned(), line.to_owned()));
-                }
+            } else if let Some(chain) = line
+                .strip_prefix("-A ")
+                .and_then(|rule| rule.split_whitespace().next())
+            {
+                t.rules.push((chain.to_owned(), line.to_owned()));
             }
         }
     }

@@ -180,6 +180,15 @@ fn iptables_rules_are_removed_exactly(backend: IptablesBackend) {
             restore(backend, family, &fill(OTHERS, family));
         }
         let before: Vec<String> = families.iter().map(|f| saved(backend, *f)).collect();
+        for saved in &before {
+            for other in [
+                ":DOCKER - [0:0]",
+                "-A INPUT -j KUBE-FIREWALL",
+                "-A KUBE-MARK-DROP",
+            ] {
+                assert!(saved.contains(other), "{other} not in {saved}");
+            }
+        }
         for family in families {
             restore(backend, family, &fill(KUBE_PROXY, family));
         }
@@ -394,6 +403,7 @@ fn nat_keepalive_tables_come_and_go() {
                 "{table}"
             );
             assert_eq!(table.matches("chain ").count(), 1, "{table}");
+            assert_eq!(table.matches("ct state new accept").count(), 1, "{table}");
         }
         assert!(
             find().unwrap().is_empty(),
@@ -437,5 +447,90 @@ fn restore_input_unlinks_flushes_and_deletes() {
         "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-X - [0:0]\n\
          -D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -D DOCKER -g KUBE-SVC-X\n-X KUBE-SERVICES\n-X KUBE-SVC-X\nCOMMIT\n"
+    );
+}
+
+/// A connection kube-proxy's nftables rules translated, then `hold` run and
+/// kube-proxy's table removed: whether the connection still echoes, and the
+/// echo afterwards for `then`.
+fn flow_after_removal(
+    hold: impl FnOnce() + Send + 'static,
+    then: impl FnOnce() + Send + 'static,
+) -> (bool, bool) {
+    use std::{
+        io::{Read as _, Write as _},
+        net::{TcpListener, TcpStream},
+        time::Duration,
+    };
+    in_netns(|| {
+        sh("ip", &["addr", "add", "10.96.0.10/32", "dev", "lo"], None);
+        sh(
+            "nft",
+            &["-f", "-"],
+            Some(
+                "table ip kube-proxy {\n\
+                 chain nat-output { type nat hook output priority -100; ip daddr 10.96.0.10 tcp dport 80 dnat to 127.0.0.1:8080; }\n\
+                 }\n",
+            ),
+        );
+        let listener = TcpListener::bind("127.0.0.1:8080").unwrap();
+        std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 1];
+            while conn.read_exact(&mut buf).is_ok() && conn.write_all(&buf).is_ok() {}
+        });
+        let mut client = TcpStream::connect("10.96.0.10:80").unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let mut echo = |byte: u8| {
+            let mut buf = [0u8; 1];
+            client.write_all(&[byte]).is_ok()
+                && client.read_exact(&mut buf).is_ok()
+                && buf[0] == byte
+        };
+        assert!(echo(1), "translated by kube-proxy's rule");
+
+        hold();
+        let removed = remove(&find().unwrap()).unwrap();
+        assert_eq!(removed.0.nftables.len(), 1, "{removed}");
+        let kept = echo(2);
+        then();
+        (kept, echo(3))
+    })
+}
+
+/// The reason for [`keep_nat_alive`]: a connection kube-proxy's rules
+/// translated keeps being translated by its conntrack entry once the rules are
+/// gone, while the keep-alive exists, and is cut once that goes too.
+#[test]
+fn nat_keepalive_keeps_established_flows_translated() {
+    let (kept, after_release) = flow_after_removal(
+        || keep_nat_alive().unwrap(),
+        || assert!(release_nat().unwrap()),
+    );
+    assert!(kept, "translated by its conntrack entry alone");
+    assert!(!after_release, "no hook left to translate it");
+}
+
+/// Why the keep-alive chain holds a `ct` rule: an empty nat chain keeps NAT's
+/// hooks but not conntrack's, and the connection is cut all the same.
+#[test]
+fn an_empty_nat_chain_does_not_keep_flows_translated() {
+    let (kept, _) = flow_after_removal(
+        || {
+            sh(
+                "nft",
+                &["-f", "-"],
+                Some(
+                    "add table ip empty-nat\nadd chain ip empty-nat c { type nat hook postrouting priority srcnat + 1 ; policy accept ; }\n",
+                ),
+            );
+        },
+        || {},
+    );
+    assert!(
+        !kept,
+        "this kernel kept conntrack's hooks for an empty nat chain"
     );
 }

@@ -269,7 +269,10 @@ pub fn find() -> Result<Leftovers, RulesError> {
 
 /// Removes exactly kube-proxy's part of what [`find`] reported, as it is now (a
 /// table is read again right before it is changed), and leaves every other rule,
-/// chain, table and link as it was. Finding nothing, it does nothing.
+/// chain, table and link as it was. Finding nothing, it does nothing. Call
+/// [`keep_nat_alive`] first, or kube-proxy's established connections are cut.
+/// A failure stops at the command that failed: what was removed before it stays
+/// removed, and the next [`find`] reports the rest.
 pub fn remove(leftovers: &Leftovers) -> Result<Removed, RulesError> {
     let mut removed = Leftovers::default();
     for ipt in &leftovers.iptables {
@@ -358,10 +361,11 @@ pub fn remove(leftovers: &Leftovers) -> Result<Removed, RulesError> {
 /// registered in the namespace: conntrack's, held by any rule expression that
 /// uses conntrack (kube-proxy's `dnat`, `masquerade`, `ct state` and `-m
 /// conntrack`), and NAT's, held for every hook of a family by any nat-type chain
-/// of that family. Deleting kube-proxy's `kube-proxy` tables drops both when
-/// nothing else holds them, and every such connection is reset on its next
-/// packet (the tests show it, and that an empty nat chain alone is not enough:
-/// it keeps NAT's hooks but not conntrack's).
+/// of that family. Removing kube-proxy's rules, its iptables chains or its
+/// `kube-proxy` tables, drops both when nothing else holds them (iptables' nat
+/// table and built-in chains, which stay, do not), and every such connection is
+/// reset on its next packet: the tests show it for each mode, and that an empty
+/// nat chain alone is not enough, as it keeps NAT's hooks but not conntrack's.
 ///
 /// So each family gets a nat chain at postrouting, just after the source NAT
 /// priority, whose one rule matches `ct state new` and accepts, as its policy

@@ -1,0 +1,3 @@
+//! Taking over a node from kube-proxy.
+
+pub mod rules;

@@ -1,18 +1,29 @@
-//! Whether the proxy is healthy, and what /healthz and /livez answer, as
-//! kube-proxy's (docs/kube-proxy-semantics.md, "Health"); `http` serves
-//! them: 503 until the first full sync is in the maps; afterwards 503
-//! while a queued change has waited longer than the health timeout (2 x
-//! `--sync-period`) without being programmed, a change whose writes keep
-//! failing included; 200 otherwise. /healthz is also 503 while this node is
-//! not eligible for traffic (its Node is being deleted or is tainted
-//! `ToBeDeletedByClusterAutoscaler`), which /livez leaves out: load
-//! balancers drain a node that is going away, but the kubelet must not
-//! restart its proxy for it.
+//! Whether the proxy is healthy, and what /healthz, /livez and /readyz
+//! answer (docs/kube-proxy-semantics.md, "Health"); `http` serves them.
+//!
+//! /healthz is kube-proxy's: 503 until the first full sync is in the maps;
+//! afterwards 503 while a queued change has waited longer than the health
+//! timeout (2 x `--sync-period`) without being programmed, a change whose
+//! writes keep failing included, and while this node is not eligible for
+//! traffic (its Node is being deleted or is tainted
+//! `ToBeDeletedByClusterAutoscaler`); 200 otherwise. It is what load
+//! balancers and monitoring read.
+//!
+//! /livez and /readyz are for the kubelet, whose probes restart or hold back
+//! the pod, and so fail only on what that fixes. /readyz: 200 once the first
+//! sync has run over everything listed and the datapath is attached, for
+//! good (writes it left failing are retried by the agent, not by a new
+//! pod); the node's eligibility is left out, so that a drained node does not
+//! turn into a restart loop. /livez: 503 until then, as kube-proxy's;
+//! afterwards 503 only while a queued change has waited longer than the
+//! health timeout without the sync loop even trying it (the loop is stuck,
+//! which a restart fixes); a change tried and failed, say on a full map,
+//! leaves it 200, as does the node's eligibility.
 //!
 //! The bodies are byte for byte kube-proxy's, which prints Go `time.Time`
 //! values with `%q`: `{"lastUpdated": "…","currentTime": "…", "nodeEligible":
-//! true}` (/livez without `nodeEligible`), `lastUpdated` equal to
-//! `currentTime` while healthy.
+//! true}` (/livez and /readyz without `nodeEligible`), `lastUpdated` equal
+//! to `currentTime` while the answer is 200.
 
 use std::{
     sync::{Arc, Mutex, MutexGuard},
@@ -45,6 +56,12 @@ struct Progress {
     last_updated: Option<(Instant, SystemTime)>,
     /// The oldest change queued since then; None when nothing waits.
     oldest_queued: Option<Instant>,
+    /// The oldest change queued since the sync loop last ran (whatever its
+    /// writes came to); None when the loop has tried everything queued.
+    oldest_untried: Option<Instant>,
+    /// The first sync has run over everything listed and the datapath is
+    /// attached, however its writes went; never unset.
+    started: bool,
     /// Eligible until a Node says otherwise, as kube-proxy starts.
     node_eligible: bool,
 }
@@ -54,16 +71,28 @@ impl Default for Progress {
         Progress {
             last_updated: None,
             oldest_queued: None,
+            oldest_untried: None,
+            started: false,
             node_eligible: true,
         }
     }
 }
 
-/// What /healthz and /livez answer at one moment.
+/// What /healthz, /livez and /readyz answer at one moment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[expect(
+    clippy::struct_excessive_bools,
+    reason = "independent facts, each the answer of one endpoint or part of one; no state machine orders them"
+)]
 pub struct HealthStatus {
-    /// The proxy itself: synced once and nothing overdue (/livez's rule).
+    /// The proxy itself: synced once and nothing overdue (kube-proxy's
+    /// rule, /healthz's without the node).
     pub healthy: bool,
+    /// Started (/readyz's rule) and the sync loop has tried every change
+    /// queued longer than the timeout ago (/livez's rule).
+    pub alive: bool,
+    /// The first sync ran and the datapath is attached (/readyz's rule).
+    pub started: bool,
     pub last_updated: Option<SystemTime>,
     pub node_eligible: bool,
 }
@@ -80,6 +109,7 @@ impl HealthStatus {
 pub enum Probe {
     Healthz,
     Livez,
+    Readyz,
 }
 
 /// Whether a node takes traffic, by kube-proxy's rule: not being deleted,
@@ -129,7 +159,22 @@ impl Health {
     }
 
     pub fn queued_at(&self, now: Instant) {
-        self.progress().oldest_queued.get_or_insert(now);
+        let mut progress = self.progress();
+        progress.oldest_queued.get_or_insert(now);
+        progress.oldest_untried.get_or_insert(now);
+    }
+
+    /// The sync loop ran over everything queued until now, whatever its
+    /// writes came to (a failed write is the loop's to retry): /livez
+    /// stays 200.
+    pub fn tried(&self) {
+        self.progress().oldest_untried = None;
+    }
+
+    /// The first sync has run and the datapath is attached: /readyz is 200
+    /// from now on.
+    pub fn mark_started(&self) {
+        self.progress().started = true;
     }
 
     /// Every queued change is in the maps (kube-proxy's `Updated`).
@@ -141,6 +186,8 @@ impl Health {
         let mut progress = self.progress();
         progress.last_updated = Some((now, wall_clock_at(now)));
         progress.oldest_queued = None;
+        progress.oldest_untried = None;
+        progress.started = true;
     }
 
     /// This node's Node as last seen (kube-proxy's `SyncNode`); returns
@@ -155,14 +202,17 @@ impl Health {
     }
 
     /// At `now`: healthy when synced once and nothing has been queued for
-    /// as long as the timeout.
+    /// as long as the timeout; alive when started and nothing has waited
+    /// that long for the loop to try it.
     pub fn status_at(&self, now: Instant) -> HealthStatus {
         let progress = self.progress();
-        let late = progress
-            .oldest_queued
-            .is_some_and(|queued| now.saturating_duration_since(queued) >= self.timeout);
+        let overdue = |since: Option<Instant>| {
+            since.is_some_and(|queued| now.saturating_duration_since(queued) >= self.timeout)
+        };
         HealthStatus {
-            healthy: progress.last_updated.is_some() && !late,
+            healthy: progress.last_updated.is_some() && !overdue(progress.oldest_queued),
+            alive: progress.started && !overdue(progress.oldest_untried),
+            started: progress.started,
             last_updated: progress.last_updated.map(|(_, wall)| wall),
             node_eligible: progress.node_eligible,
         }
@@ -173,7 +223,7 @@ impl Health {
     }
 
     /// What kube-proxy's health check node ports call the service proxy
-    /// being healthy: /livez's rule, which leaves the Node out (those ports
+    /// being healthy: kube-proxy's rule without the Node (those ports
     /// answer for a Service's local endpoints, not for the node).
     pub fn is_synced(&self) -> bool {
         self.is_healthy()
@@ -185,7 +235,8 @@ impl Health {
         let current = GoTime::at(wall_clock_at(now), now, self.started);
         let ok = match probe {
             Probe::Healthz => status.serving(),
-            Probe::Livez => status.healthy,
+            Probe::Livez => status.alive,
+            Probe::Readyz => status.started,
         };
         // kube-proxy reports a healthy proxy as updated just now, for
         // clients of older releases that read it as "the last sync ran".
@@ -199,7 +250,7 @@ impl Health {
                 r#"{{"lastUpdated": "{last_updated}","currentTime": "{current}", "nodeEligible": {}}}"#,
                 status.node_eligible
             ),
-            Probe::Livez => {
+            Probe::Livez | Probe::Readyz => {
                 format!(r#"{{"lastUpdated": "{last_updated}","currentTime": "{current}"}}"#)
             }
         };
@@ -313,7 +364,9 @@ mod tests {
             Probe::Healthz => format!(
                 r#"{{"lastUpdated": "{last}","currentTime": "{current}", "nodeEligible": {eligible}}}"#
             ),
-            Probe::Livez => format!(r#"{{"lastUpdated": "{last}","currentTime": "{current}"}}"#),
+            Probe::Livez | Probe::Readyz => {
+                format!(r#"{{"lastUpdated": "{last}","currentTime": "{current}"}}"#)
+            }
         };
         assert_eq!(body, expected, "{probe:?}: not kube-proxy's layout");
         assert_go_time(&current, true, "currentTime");
@@ -445,6 +498,71 @@ mod tests {
             (unavailable, ok),
             false,
         );
+    }
+
+    /// /livez and /readyz, the kubelet's probes, fail only on what a restart
+    /// fixes: a full map or a failing write is retried by the loop, and a
+    /// drained node is not the proxy's fault; a loop that stops trying what
+    /// is queued is.
+    #[test]
+    fn the_kubelets_probes_fail_only_on_what_a_restart_fixes() {
+        let health = Health::new(Duration::from_mins(1));
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let code = |probe: Probe, now: Instant| {
+            let (code, body) = health.answer_at(probe, now);
+            fields(probe, &body, health.status_at(now).node_eligible);
+            code
+        };
+        let codes = |now: Instant| {
+            [Probe::Healthz, Probe::Livez, Probe::Readyz].map(|probe| code(probe, now).as_u16())
+        };
+
+        health.queued_at(at(0));
+        health.tried();
+        assert_eq!(
+            codes(at(100)),
+            [503, 503, 503],
+            "the first sync ran but is not attached or in the maps: 503 everywhere"
+        );
+        health.mark_started();
+        assert_eq!(
+            codes(at(101)),
+            [503, 200, 200],
+            "started with writes left failing: /healthz 503, the kubelet's probes 200"
+        );
+
+        health.mark_synced_at(at(110));
+        health.queued_at(at(120));
+        health.tried();
+        assert_eq!(
+            codes(at(500)),
+            [503, 200, 200],
+            "a change tried and failed for minutes (a full map): only /healthz 503"
+        );
+        health.set_node_eligible(false);
+        assert_eq!(
+            codes(at(501)),
+            [503, 200, 200],
+            "a node being drained: only /healthz 503"
+        );
+        health.set_node_eligible(true);
+
+        health.queued_at(at(600));
+        assert_eq!(
+            codes(at(659)),
+            [503, 200, 200],
+            "untried for 59 s, timeout 60 s: alive"
+        );
+        assert_eq!(
+            codes(at(660)),
+            [503, 503, 200],
+            "untried for the timeout: the loop is stuck, /livez 503"
+        );
+        health.tried();
+        assert_eq!(codes(at(661)), [503, 200, 200], "the loop ran again");
+        health.mark_synced_at(at(662));
+        assert_eq!(codes(at(662)), [200, 200, 200], "all in the maps");
     }
 
     fn node(deleting: bool, taints: &[&str]) -> Node {

@@ -1,4 +1,4 @@
-//! The /healthz and /livez server: the answers are `healthz`'s.
+//! The /healthz, /livez and /readyz server: the answers are `healthz`'s.
 
 use std::{net::SocketAddr, time::Instant};
 
@@ -40,6 +40,10 @@ async fn livez(State(health): State<Health>) -> impl IntoResponse {
     answer(&health, Probe::Livez)
 }
 
+async fn readyz(State(health): State<Health>) -> impl IntoResponse {
+    answer(&health, Probe::Readyz)
+}
+
 /// Binds now (so a bad address fails start-up), serves in the background.
 pub async fn serve(
     addr: SocketAddr,
@@ -52,6 +56,7 @@ pub async fn serve(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
         .route_layer(axum::middleware::from_fn_with_state(
             metrics,
             crate::metrics::kube_proxy::count_probes,
@@ -80,7 +85,24 @@ mod tests {
         assert_eq!(headers[header::CONTENT_TYPE], "application/json");
         assert_eq!(headers[header::X_CONTENT_TYPE_OPTIONS], "nosniff");
         health.set_node_eligible(false);
-        let response = livez(State(health)).await.into_response();
+        let response = livez(State(health.clone())).await.into_response();
         assert_eq!(response.status(), StatusCode::OK, "/livez ignores the node");
+        let response = readyz(State(health)).await.into_response();
+        assert_eq!(
+            response.status(),
+            StatusCode::OK,
+            "/readyz ignores the node"
+        );
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+    }
+
+    #[tokio::test]
+    async fn readyz_is_503_until_the_first_sync_and_attachment() {
+        let health = Health::new(Duration::from_mins(1));
+        let response = readyz(State(health.clone())).await.into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        health.mark_started();
+        let response = readyz(State(health)).await.into_response();
+        assert_eq!(response.status(), StatusCode::OK);
     }
 }

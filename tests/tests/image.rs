@@ -1,12 +1,14 @@
 //! The agent's container image (`cargo xtask image`) run with Debian's podman
 //! exactly as deploy/daemonset.yaml specifies it: its command and args, its
-//! environment, only the capabilities it adds after dropping ALL, its seccomp
-//! profile and privilege escalation setting, a read-only root filesystem, the
-//! bpffs and host cgroup mounts, kubeadm's `kube-proxy` ConfigMap (the
-//! example's `config.conf`, and a kubeconfig naming the fake API server in
-//! tests/apiserver/, as a cluster's names its own), and the host network of a
-//! test node (the node's network namespace). The startup probe is polled as
-//! the kubelet would. A pod's
+//! environment, only the capabilities it adds after dropping ALL, its seccomp,
+//! `AppArmor` and `SELinux` settings and privilege escalation setting, a
+//! read-only root filesystem, the bpffs and host cgroup mounts, kubeadm's
+//! `kube-proxy` ConfigMap (the example's `config.conf`, and a kubeconfig naming
+//! the fake API server in tests/apiserver/, as a cluster's names its own), and
+//! the host network of a test node (the node's network namespace). The startup
+//! probe is polled as the kubelet would, then the readiness and liveness
+//! probes. The image's OCI labels name its version, commit and licences, and it
+//! holds `/usr/local/bin/kube-proxy` as a link to the agent. A pod's
 //! connections through a ClusterIP are served, and keep being served after
 //! `podman rm -f`: the datapath lives in the pins.
 //!
@@ -288,6 +290,29 @@ fn podman_flags(
         None | Some("RuntimeDefault") => {}
         Some(other) => panic!("seccompProfile {other} is not something this test knows"),
     }
+    // podman leaves both out on a host without the module, as the kubelet's
+    // runtimes do.
+    match security
+        .app_armor_profile
+        .as_ref()
+        .map(|p| p.type_.as_str())
+    {
+        Some("Unconfined") => flags.push("--security-opt=apparmor=unconfined".to_owned()),
+        None | Some("RuntimeDefault") => {}
+        Some(other) => panic!("appArmorProfile {other} is not something this test knows"),
+    }
+    if let Some(selinux) = &security.se_linux_options {
+        for (key, value) in [
+            ("type", &selinux.type_),
+            ("level", &selinux.level),
+            ("user", &selinux.user),
+            ("role", &selinux.role),
+        ] {
+            if let Some(value) = value {
+                flags.push(format!("--security-opt=label={key}:{value}"));
+            }
+        }
+    }
     assert!(
         !(security.privileged == Some(true) || security.run_as_user.is_some_and(|u| u != 0)),
         "privileged or non-root containers are not something this test knows"
@@ -393,6 +418,67 @@ fn probe_until_healthy(netns: &NetNs, probe: &Probe, container: &Running) -> u32
     panic!("the probe {addr}{path} failed {threshold} times (last: {last})");
 }
 
+/// The image's OCI labels (`org.opencontainers.image.*`) say what it is and
+/// which commit it was built from.
+fn check_image_metadata(podman: &Podman, image_ref: &str, version: &str) {
+    let labels = podman.run(&[
+        "image",
+        "inspect",
+        "--format",
+        "{{json .Labels}}",
+        image_ref,
+    ]);
+    let labels: serde_json::Value =
+        serde_json::from_str(labels.trim()).unwrap_or_else(|e| panic!("labels {labels:?}: {e}"));
+    let label = |key: &str| {
+        labels[format!("org.opencontainers.image.{key}")]
+            .as_str()
+            .unwrap_or_else(|| panic!("no label org.opencontainers.image.{key}: {labels}"))
+            .to_owned()
+    };
+    assert_eq!(label("title"), "ebpf-proxy");
+    assert!(!label("description").is_empty());
+    assert_eq!(label("version"), version);
+    assert_eq!(label("licenses"), env!("CARGO_PKG_LICENSE"));
+    let revision = label("revision");
+    let commit = revision.strip_suffix("-dirty").unwrap_or(&revision);
+    assert!(
+        commit.len() == 40 && commit.chars().all(|c| c.is_ascii_hexdigit()),
+        "revision {revision:?} is a git commit"
+    );
+    let created = label("created");
+    assert!(
+        created.len() >= 20 && created.as_bytes()[10] == b'T',
+        "created {created:?} is an RFC 3339 time"
+    );
+    if let Some(source) = labels["org.opencontainers.image.source"].as_str() {
+        assert!(source.contains("://"), "source {source:?} is a URL");
+    }
+}
+
+/// `/usr/local/bin/kube-proxy` is a link to the agent, so that the image
+/// swapped into kube-proxy's own DaemonSet runs it.
+fn check_kube_proxy_link(podman: &Podman, image_ref: &str, stem: &str) {
+    let name = format!("{stem}-export");
+    podman.run(&["create", "--name", &name, image_ref]);
+    let tar = podman.dir.join("export.tar");
+    podman.run(&["export", "--output", &tar.display().to_string(), &name]);
+    podman.run(&["rm", &name]);
+    let link = image::KUBE_PROXY_IN_IMAGE.trim_start_matches('/');
+    let listing = run_cmd(Command::new("tar").arg("-tvf").arg(&tar).arg(link))
+        .unwrap_or_else(|e| panic!("{link} in the image: {e:#}"));
+    let _ = fs::remove_file(&tar);
+    let agent = Path::new(image::BIN_IN_IMAGE)
+        .file_name()
+        .expect("a file name")
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        listing.starts_with('l') && listing.trim_end().ends_with(&format!("{link} -> {agent}")),
+        "{link} is not a link to {agent}: {listing}"
+    );
+}
+
 #[test]
 #[expect(
     clippy::too_many_lines,
@@ -431,6 +517,9 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
         "loading {} gives {image_ref}: {loaded}",
         archive.display()
     );
+
+    check_image_metadata(&podman, &image_ref, version);
+    check_kube_proxy_link(&podman, &image_ref, &stem);
 
     let bpffs_dir = PathBuf::from(format!("{BPFFS_HOST_PATH}/ebpf-proxy-test-{stem}"));
     fs::create_dir(&bpffs_dir).expect("the node's bpffs directory");
@@ -501,6 +590,15 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     let startup = container.startup_probe.as_ref().expect("a startupProbe");
     let attempts = probe_until_healthy(node_ns, startup, &running);
     eprintln!("startup probe passed at attempt {attempts}");
+    let readiness = container
+        .readiness_probe
+        .as_ref()
+        .expect("a readinessProbe");
+    assert_eq!(
+        probe_until_healthy(node_ns, readiness, &running),
+        1,
+        "the readiness probe passes at once after startup"
+    );
     let liveness = container.liveness_probe.as_ref().expect("a livenessProbe");
     assert_eq!(
         probe_until_healthy(node_ns, liveness, &running),

@@ -1,7 +1,9 @@
 //! The agent binary as a DaemonSet runs it: `ebpf-proxy run --config FILE`,
 //! a kube-proxy configuration whose kubeconfig names the API server (the
 //! loopback fake, tests/apiserver/), with no `--master`; and /healthz and
-//! /livez following this node's Node through the API as kube-proxy's do.
+//! /livez following this node's Node through the API as kube-proxy's do, and
+//! /readyz, the DaemonSet's startup and readiness probe, 200 throughout: a
+//! drained node must not hold back or restart its proxy.
 //!
 //! Needs root (namespaces, BPF) and the release binary (`cargo xtask build`).
 
@@ -93,7 +95,7 @@ fn probe(node: &NetNs, path: &str) -> Result<(u16, Value), String> {
 }
 
 /// /healthz and /livez answer `healthz` and `livez`, /healthz's body saying
-/// `eligible`.
+/// `eligible`; /readyz answers 200 (every call is after the first sync).
 fn answers(node: &NetNs, healthz: u16, livez: u16, eligible: bool) -> Result<(), String> {
     let (code, body) = probe(node, "/healthz")?;
     if code != healthz || body["nodeEligible"] != json!(eligible) {
@@ -105,6 +107,12 @@ fn answers(node: &NetNs, healthz: u16, livez: u16, eligible: bool) -> Result<(),
     if code != livez || body.get("nodeEligible").is_some() {
         return Err(format!(
             "/livez: {code} {body}, want {livez} without nodeEligible"
+        ));
+    }
+    let (code, body) = probe(node, "/readyz")?;
+    if code != 200 || body.get("nodeEligible").is_some() {
+        return Err(format!(
+            "/readyz: {code} {body}, want 200 without nodeEligible"
         ));
     }
     Ok(())

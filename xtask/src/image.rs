@@ -13,17 +13,36 @@
 //! NSS modules inside libc.so.6, and the kubelet mounts /etc/hosts and
 //! /etc/resolv.conf.
 //!
+//! `/usr/local/bin/kube-proxy` is a symbolic link to the agent, which run
+//! under that name behaves as `ebpf-proxy run`: swapping the image in
+//! kube-proxy's own DaemonSet (whose command is `/usr/local/bin/kube-proxy
+//! --config=...`) is a migration.
+//!
+//! The image carries the OCI annotations and labels `org.opencontainers.image.*`:
+//! title, description, version (proxy-userspace's), licenses (the
+//! workspace's SPDX expression), revision (the git commit, `-dirty` when the
+//! tree has changes), created (that commit's time, which is also every
+//! timestamp in the image: the same commit makes the same image) and source
+//! (`--source`, else the `origin` remote's URL; left out, saying so, when
+//! there is neither).
+//!
+//! `--arch arm64` builds the agent for aarch64-unknown-linux-gnu (the eBPF
+//! object is the same for every architecture) with Debian's cross gcc as
+//! linker, and takes the libraries from Debian's arm64 cross packages, by
+//! the ELF's needs (`ldd` cannot run a foreign binary); it needs the Rust
+//! target and those packages, and says how to get them when one is missing.
+//!
 //! buildah keeps its storage in a directory of its own under the target
 //! directory (vfs driver: no overlay mounts to leave behind), removed
 //! afterwards; the results are two archives of the image tagged
 //! `ebpf-proxy:<version of proxy-userspace>`: an OCI archive for skopeo and
 //! podman, and a docker-archive for `ctr images import` and
 //! `kind load image-archive` (containerd names an imported image after the
-//! tag in a docker-archive's manifest).
+//! tag in a docker-archive's manifest). arm64's archive names end in `-arm64`.
 
 use std::{
     fs,
-    os::unix::fs::PermissionsExt,
+    os::unix::fs::{PermissionsExt, symlink},
     path::{Path, PathBuf},
     process::Command,
 };
@@ -31,17 +50,59 @@ use std::{
 use anyhow::{Context, Result, bail};
 use ebpf_proxy_tests::{image, run_cmd};
 
-use crate::{cargo, run_status, target_dir};
+use crate::{cargo, run_status, target_dir, workspace_root};
 
-/// Where the agent lives in the image; deploy/daemonset.yaml's `command` names it.
-const BIN_IN_IMAGE: &str = "/usr/local/bin/ebpf-proxy";
+mod cross;
+
+/// Where the agent lives in the image (deploy/daemonset.yaml's `command`
+/// names it), and kube-proxy's path in its own image, a link to the agent
+/// (which run as `kube-proxy` is `ebpf-proxy run`).
+use image::{BIN_IN_IMAGE, KUBE_PROXY_IN_IMAGE};
 
 /// Debian's CA bundle (package ca-certificates), where rustls's native
 /// certificate loader looks first.
 const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
-/// Builds the image from the agent binary `bin`; returns the OCI archive's path.
-pub fn build(bin: &Path) -> Result<PathBuf> {
+const TITLE: &str = "ebpf-proxy";
+const DESCRIPTION: &str = "eBPF replacement for kube-proxy";
+
+/// The architectures the image is built for, by their OCI names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    Amd64,
+    Arm64,
+}
+
+impl Arch {
+    /// The OCI (and Debian) name.
+    pub fn oci(self) -> &'static str {
+        match self {
+            Arch::Amd64 => "amd64",
+            Arch::Arm64 => "arm64",
+        }
+    }
+}
+
+/// What `cargo xtask image` was asked for.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub arch: Arch,
+    /// `org.opencontainers.image.source`; the `origin` remote's URL when None.
+    pub source: Option<String>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            arch: Arch::Amd64,
+            source: None,
+        }
+    }
+}
+
+/// Builds the image from the agent binary `bin` (built for `options.arch`);
+/// returns the OCI archive's path.
+pub fn build(bin: &Path, options: &Options) -> Result<PathBuf> {
     let version = agent_version()?;
     let reference = image::reference(&version);
     let target = target_dir();
@@ -54,22 +115,155 @@ pub fn build(bin: &Path) -> Result<PathBuf> {
         }
     }
     fs::create_dir_all(&rootfs).with_context(|| format!("create {}", rootfs.display()))?;
-    assemble_rootfs(bin, &rootfs)?;
+    let libs = match options.arch {
+        Arch::Amd64 => linked_libraries(bin)?,
+        Arch::Arm64 => cross_libraries(bin, &cross::ARM64)?,
+    };
+    let objcopy = match options.arch {
+        Arch::Amd64 => "objcopy",
+        Arch::Arm64 => cross::ARM64.objcopy,
+    };
+    assemble_rootfs(bin, objcopy, &libs, &rootfs)?;
+    let metadata = Metadata::of_this_tree(&version, options.source.clone())?;
 
     let buildah = Buildah { storage };
-    let result = buildah.build(&rootfs, &reference, &version, &target);
+    let oci = image::oci_archive_for(&target, &version, options.arch.oci());
+    let docker = image::docker_archive_for(&target, &version, options.arch.oci());
+    let result = buildah.build(
+        &rootfs,
+        &reference,
+        options.arch,
+        &metadata,
+        &[("oci-archive", &oci), ("docker-archive", &docker)],
+    );
     // The archives are what is kept; buildah's storage and the root filesystem
     // are rebuilt every time.
     buildah.remove_storage();
     let _ = fs::remove_dir_all(&rootfs);
     result?;
-    let oci = image::oci_archive(&target, &version);
     println!(
-        "image {reference}:\n  {}\n  {}",
+        "image {reference} ({}, {}):\n  {}\n  {}",
+        options.arch.oci(),
+        metadata.revision,
         oci.display(),
-        image::docker_archive(&target, &version).display()
+        docker.display()
     );
     Ok(oci)
+}
+
+/// Builds the agent for `arch` in release; the host's is `crate::build`'s.
+pub fn build_agent(arch: Arch) -> Result<PathBuf> {
+    match arch {
+        Arch::Amd64 => crate::build(),
+        Arch::Arm64 => cross::build(&cross::ARM64),
+    }
+}
+
+/// The `org.opencontainers.image.*` values.
+#[derive(Debug)]
+struct Metadata {
+    version: String,
+    revision: String,
+    /// RFC 3339, and as seconds since the epoch for buildah's `--timestamp`.
+    created: (String, u64),
+    source: Option<String>,
+    licenses: String,
+}
+
+impl Metadata {
+    fn of_this_tree(version: &str, source: Option<String>) -> Result<Metadata> {
+        let root = workspace_root();
+        let git = |args: &[&str]| {
+            run_cmd(Command::new("git").arg("-C").arg(&root).args(args))
+                .map(|out| out.trim().to_owned())
+        };
+        let commit = git(&["rev-parse", "HEAD"])?;
+        let dirty = !git(&["status", "--porcelain", "--untracked-files=no"])?.is_empty();
+        let created_secs: u64 = git(&["log", "-1", "--format=%ct", "HEAD"])?
+            .parse()
+            .context("the commit's time")?;
+        let created = run_cmd(
+            Command::new("git")
+                .arg("-C")
+                .arg(&root)
+                .args([
+                    "log",
+                    "-1",
+                    "--date=format-local:%Y-%m-%dT%H:%M:%SZ",
+                    "--format=%cd",
+                    "HEAD",
+                ])
+                .env("TZ", "UTC"),
+        )?
+        .trim()
+        .to_owned();
+        let source = match source {
+            Some(url) => Some(url),
+            None => git(&["remote", "get-url", "origin"])
+                .ok()
+                .filter(|u| !u.is_empty())
+                .map(|u| https_url(&u)),
+        };
+        if source.is_none() {
+            eprintln!(
+                "warning: no `origin` remote and no --source: the image has no org.opencontainers.image.source"
+            );
+        }
+        Ok(Metadata {
+            version: version.to_owned(),
+            revision: if dirty {
+                format!("{commit}-dirty")
+            } else {
+                commit
+            },
+            created: (created, created_secs),
+            source,
+            licenses: workspace_license()?,
+        })
+    }
+
+    /// `(key, value)` for every OCI annotation the image carries.
+    fn annotations(&self) -> Vec<(&'static str, String)> {
+        let mut out = vec![
+            ("org.opencontainers.image.title", TITLE.to_owned()),
+            (
+                "org.opencontainers.image.description",
+                DESCRIPTION.to_owned(),
+            ),
+            ("org.opencontainers.image.version", self.version.clone()),
+            ("org.opencontainers.image.revision", self.revision.clone()),
+            ("org.opencontainers.image.created", self.created.0.clone()),
+            ("org.opencontainers.image.licenses", self.licenses.clone()),
+        ];
+        if let Some(source) = &self.source {
+            out.push(("org.opencontainers.image.source", source.clone()));
+        }
+        out
+    }
+}
+
+/// A git remote as a browsable URL: `git@host:owner/repo.git` is
+/// `https://host/owner/repo`.
+fn https_url(remote: &str) -> String {
+    let url = match remote.strip_prefix("git@").and_then(|r| r.split_once(':')) {
+        Some((host, path)) => format!("https://{host}/{path}"),
+        None => remote.to_owned(),
+    };
+    url.strip_suffix(".git").map_or(url.clone(), str::to_owned)
+}
+
+/// The workspace's `license` (an SPDX expression).
+fn workspace_license() -> Result<String> {
+    let manifest = fs::read_to_string(workspace_root().join("Cargo.toml"))?;
+    manifest
+        .lines()
+        .skip_while(|l| l.trim() != "[workspace.package]")
+        .take_while(|l| !l.starts_with("[workspace.") || l.trim() == "[workspace.package]")
+        .find_map(|l| {
+            let (key, value) = l.split_once('=')?;
+            (key.trim() == "license").then(|| value.trim().trim_matches('"').to_owned())
+        })
+        .context("no license in [workspace.package]")
 }
 
 /// proxy-userspace's version, as cargo resolves it (`path+file:///...#0.1.0`).
@@ -84,20 +278,30 @@ fn agent_version() -> Result<String> {
     Ok(version.to_owned())
 }
 
-/// The binary at [`BIN_IN_IMAGE`] and each library `ldd` lists at the path the
-/// loader looks for it.
-fn assemble_rootfs(bin: &Path, rootfs: &Path) -> Result<()> {
-    let libs = linked_libraries(bin)?;
+/// The binary at [`BIN_IN_IMAGE`] (stripped by `objcopy`, the one for its
+/// architecture), kube-proxy's name linked to it, and each library in `libs`
+/// (`(where it is here, where the loader looks for it)`).
+fn assemble_rootfs(
+    bin: &Path,
+    objcopy: &str,
+    libs: &[(PathBuf, PathBuf)],
+    rootfs: &Path,
+) -> Result<()> {
     let dest = within(rootfs, Path::new(BIN_IN_IMAGE));
     fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
     run_status(
-        Command::new("objcopy")
+        Command::new(objcopy)
             .arg("--strip-debug")
             .arg(bin)
             .arg(&dest),
     )?;
-    for lib in &libs {
-        let dest = within(rootfs, lib);
+    let link = within(rootfs, Path::new(KUBE_PROXY_IN_IMAGE));
+    let agent_name = Path::new(BIN_IN_IMAGE)
+        .file_name()
+        .expect("the agent's file name");
+    symlink(agent_name, &link).with_context(|| format!("link {}", link.display()))?;
+    for (lib, in_image) in libs {
+        let dest = within(rootfs, in_image);
         fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
         // fs::copy follows symbolic links (ld-linux's /lib64 path is one), so
         // the image holds the file under the name the binary asks for.
@@ -111,9 +315,10 @@ fn assemble_rootfs(bin: &Path, rootfs: &Path) -> Result<()> {
         format!("copy {CA_BUNDLE} (Debian package ca-certificates; `cargo xtask setup`)")
     })?;
     println!(
-        "image root: {BIN_IN_IMAGE}, {CA_BUNDLE} and {}",
+        "image root: {BIN_IN_IMAGE}, {KUBE_PROXY_IN_IMAGE} -> {}, {CA_BUNDLE} and {}",
+        agent_name.display(),
         libs.iter()
-            .map(|l| l.display().to_string())
+            .map(|(_, l)| l.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
     );
@@ -122,9 +327,67 @@ fn assemble_rootfs(bin: &Path, rootfs: &Path) -> Result<()> {
 
 /// The shared objects `ldd` resolves for `bin`, the loader included; an error
 /// for any it cannot find (the image would not start).
-fn linked_libraries(bin: &Path) -> Result<Vec<PathBuf>> {
+fn linked_libraries(bin: &Path) -> Result<Vec<(PathBuf, PathBuf)>> {
     let out = run_cmd(Command::new("ldd").arg(bin))?;
-    parse_ldd(&out)
+    Ok(parse_ldd(&out)?
+        .into_iter()
+        .map(|lib| (lib.clone(), lib))
+        .collect())
+}
+
+/// A foreign binary's libraries, from its ELF (`readelf`): its interpreter
+/// and every `NEEDED` library, transitively, found in the cross packages'
+/// directory and placed where that architecture's loader looks.
+fn cross_libraries(bin: &Path, arch: &cross::Cross) -> Result<Vec<(PathBuf, PathBuf)>> {
+    let interpreter = elf_interpreter(&run_cmd(Command::new("readelf").arg("-lW").arg(bin))?)
+        .context("the agent names no ELF interpreter; is it linked statically?")?;
+    let name = |p: &Path| p.file_name().expect("a file name").to_owned();
+    let mut libs = vec![(
+        Path::new(arch.sysroot_lib).join(name(&interpreter)),
+        interpreter,
+    )];
+    let mut queue = vec![bin.to_owned()];
+    while let Some(object) = queue.pop() {
+        let dynamic = run_cmd(Command::new("readelf").arg("-dW").arg(&object))?;
+        for needed in elf_needed(&dynamic) {
+            let here = Path::new(arch.sysroot_lib).join(&needed);
+            if !here.is_file() {
+                bail!(
+                    "{} needs {needed}, which is not in {} ({})",
+                    object.display(),
+                    arch.sysroot_lib,
+                    arch.packages_hint()
+                );
+            }
+            if libs.iter().any(|(h, _)| *h == here) {
+                continue;
+            }
+            libs.push((here.clone(), Path::new(arch.lib_in_image).join(&needed)));
+            queue.push(here);
+        }
+    }
+    Ok(libs)
+}
+
+/// `[Requesting program interpreter: /lib/ld-linux-aarch64.so.1]` in
+/// `readelf -l`'s output.
+fn elf_interpreter(program_headers: &str) -> Option<PathBuf> {
+    program_headers.lines().find_map(|l| {
+        let rest = l.split_once("Requesting program interpreter: ")?.1;
+        Some(PathBuf::from(rest.trim_end().trim_end_matches(']')))
+    })
+}
+
+/// The `(NEEDED) Shared library: [libc.so.6]` entries of `readelf -d`.
+fn elf_needed(dynamic: &str) -> Vec<String> {
+    dynamic
+        .lines()
+        .filter(|l| l.contains("(NEEDED)"))
+        .filter_map(|l| {
+            let rest = l.split_once("Shared library: [")?.1;
+            Some(rest.split(']').next()?.to_owned())
+        })
+        .collect()
 }
 
 fn parse_ldd(out: &str) -> Result<Vec<PathBuf>> {
@@ -176,7 +439,14 @@ impl Buildah {
         cmd
     }
 
-    fn build(&self, rootfs: &Path, reference: &str, version: &str, target: &Path) -> Result<()> {
+    fn build(
+        &self,
+        rootfs: &Path,
+        reference: &str,
+        arch: Arch,
+        metadata: &Metadata,
+        archives: &[(&str, &Path)],
+    ) -> Result<()> {
         let container = format!("ebpf-proxy-image-{}", std::process::id());
         run_status(
             self.command()
@@ -188,41 +458,43 @@ impl Buildah {
                 .arg(format!("{}/", rootfs.display()))
                 .arg("/"),
         )?;
-        run_status(self.command().args([
+        let mut config = self.command();
+        config.args([
             "config",
             "--os",
             "linux",
             "--arch",
-            "amd64",
+            arch.oci(),
             "--entrypoint",
             &format!("[\"{BIN_IN_IMAGE}\"]"),
             "--cmd",
             "run",
-            "--label",
-            &format!("org.opencontainers.image.version={version}"),
-            "--label",
-            "org.opencontainers.image.title=ebpf-proxy",
-            "--label",
-            "org.opencontainers.image.description=eBPF replacement for kube-proxy",
-            &container,
-        ]))?;
-        // Timestamps pinned to the epoch: the same binary makes the same image.
+        ]);
+        // Labels in the image's configuration (what `podman inspect` and
+        // `crictl inspecti` show) and annotations on its manifest (what
+        // registries show).
+        for (key, value) in metadata.annotations() {
+            config
+                .arg("--label")
+                .arg(format!("{key}={value}"))
+                .arg("--annotation")
+                .arg(format!("{key}={value}"));
+        }
+        run_status(config.arg(&container))?;
+        // Every timestamp is the commit's: the same commit makes the same image.
         run_status(self.command().args([
             "commit",
             "--format",
             "oci",
             "--timestamp",
-            "0",
+            &metadata.created.1.to_string(),
             "--rm",
             &container,
             reference,
         ]))?;
-        for (transport, path) in [
-            ("oci-archive", image::oci_archive(target, version)),
-            ("docker-archive", image::docker_archive(target, version)),
-        ] {
+        for (transport, path) in archives {
             if path.exists() {
-                fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
+                fs::remove_file(path).with_context(|| format!("remove {}", path.display()))?;
             }
             run_status(
                 self.command()
@@ -263,6 +535,37 @@ mod tests {
             ]
             .map(PathBuf::from)
         );
+    }
+
+    #[test]
+    fn readelf_output_gives_the_interpreter_and_the_needed_libraries() {
+        let headers = "  INTERP         0x000238 0x0000000000000238 0x0000000000000238 0x00001b 0x00001b R   0x1\n\
+                       \x20     [Requesting program interpreter: /lib/ld-linux-aarch64.so.1]\n";
+        assert_eq!(
+            elf_interpreter(headers),
+            Some(PathBuf::from("/lib/ld-linux-aarch64.so.1"))
+        );
+        let dynamic = " 0x0000000000000001 (NEEDED)             Shared library: [libgcc_s.so.1]\n\
+                        0x0000000000000001 (NEEDED)             Shared library: [libc.so.6]\n\
+                        0x000000000000000c (INIT)               0x1234\n";
+        assert_eq!(elf_needed(dynamic), ["libgcc_s.so.1", "libc.so.6"]);
+    }
+
+    #[test]
+    fn remotes_become_browsable_urls() {
+        assert_eq!(
+            https_url("git@github.com:owner/ebpf-proxy.git"),
+            "https://github.com/owner/ebpf-proxy"
+        );
+        assert_eq!(
+            https_url("https://example.org/owner/ebpf-proxy"),
+            "https://example.org/owner/ebpf-proxy"
+        );
+    }
+
+    #[test]
+    fn the_licenses_are_the_workspaces() {
+        assert_eq!(workspace_license().expect("license"), "MIT OR Apache-2.0");
     }
 
     #[test]

@@ -55,8 +55,18 @@ enum Cmd {
     },
     /// Build, then the agent's OCI image `ebpf-proxy:<version>` (buildah, no
     /// daemon, nothing downloaded): target/image/ebpf-proxy-<version>.oci.tar and
-    /// .docker.tar (needs root).
-    Image,
+    /// .docker.tar, `-arm64` before the extension for arm64 (needs root).
+    Image {
+        /// The architecture: amd64 (the host's), or arm64 (cross-built: needs
+        /// `rustup target add aarch64-unknown-linux-gnu` and `apt-get install
+        /// gcc-aarch64-linux-gnu libc6-dev-arm64-cross`).
+        #[arg(long, value_enum, default_value = "amd64")]
+        arch: image::Arch,
+        /// The repository URL for the `org.opencontainers.image.source`
+        /// annotation (default: the `origin` remote's).
+        #[arg(long)]
+        source: Option<String>,
+    },
     /// Set up, build, and run every unit and integration test (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -87,9 +97,10 @@ fn main() -> Result<()> {
                 Err(err).with_context(|| format!("exec {}", bin.display()))
             }
         }
-        Cmd::Image => {
+        Cmd::Image { arch, source } => {
             require_root().context("buildah builds the image as root")?;
-            image::build(&build()?).map(|_| ())
+            let bin = image::build_agent(arch)?;
+            image::build(&bin, &image::Options { arch, source }).map(|_| ())
         }
         Cmd::Test { args } => test(&args),
         Cmd::Bench { quick } => bench(quick),
@@ -211,7 +222,7 @@ fn test(extra: &[String]) -> Result<()> {
     // dependencies in the build, cargo links the agent binary again, and
     // tests/image.rs must find the image of that binary, not of the one above.
     run_status(cargo().args(TEST).arg("--no-run"))?;
-    image::build(&bin)?;
+    image::build(&bin, &image::Options::default())?;
     // --no-fail-fast: one failing test binary must not hide the results of the others.
     run_status(
         cargo()

@@ -350,6 +350,9 @@ impl SyncLoop {
         }
         let follow_ups = self.follow_ups(planner, target);
         self.record(&tally);
+        // Everything queued was tried, whatever the writes came to: /livez
+        // leaves the failures to the retries.
+        self.health.tried();
         self.mark_readiness(now);
         self.metrics
             .synced(first, started.elapsed(), tally.write_failures == 0);
@@ -478,8 +481,12 @@ impl SyncLoop {
             .store(self.pending() as u64, Ordering::Relaxed);
     }
 
-    /// /healthz learns the maps hold everything, when they do.
+    /// /readyz learns the first sync ran and the datapath is attached, and
+    /// /healthz that the maps hold everything, when they do.
     fn mark_readiness(&self, now: Instant) {
+        if self.serving() {
+            self.health.mark_started();
+        }
         if self.programmed() {
             self.health.mark_synced_at(now);
         }

@@ -426,18 +426,22 @@ fn no_local_endpoints(service: &CompactService, desired: &[Frontend]) -> (i64, i
 }
 
 /// Middleware of the health server: counts each answer of /healthz and
-/// /livez by status code.
+/// /livez by status code (not /readyz's).
 pub async fn count_probes(
     axum::extract::State(metrics): axum::extract::State<ProxyMetrics>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
+    // kube-proxy has no /readyz, nor a counter for it.
     let probe = match request.uri().path() {
-        "/livez" => Probe::Livez,
-        _ => Probe::Healthz,
+        "/livez" => Some(Probe::Livez),
+        "/readyz" => None,
+        _ => Some(Probe::Healthz),
     };
     let response = next.run(request).await;
-    metrics.probe(probe, response.status().as_u16());
+    if let Some(probe) = probe {
+        metrics.probe(probe, response.status().as_u16());
+    }
     response
 }
 

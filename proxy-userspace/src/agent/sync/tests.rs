@@ -805,6 +805,11 @@ fn readiness_waits_for_the_interfaces_and_for_every_write() {
     let mut agent = Agent::adopting(&StoredState::default()).listed();
     assert_eq!(agent.served("10.96.0.10").map(|b| b.len()), Some(2));
     assert!(!agent.healthy(), "synced, but attached to no interface yet");
+    let status = agent.health.status_at(agent.now);
+    assert!(
+        !status.started && !status.alive,
+        "/readyz and /livez 503 until attached"
+    );
     agent.sync.interfaces_applied(agent.now);
     assert!(agent.healthy(), "synced and attached");
 
@@ -814,6 +819,12 @@ fn readiness_waits_for_the_interfaces_and_for_every_write() {
     assert!(agent.sync.serving(), "the first sync ran");
     agent.sync.mark_readiness(agent.now);
     assert!(!agent.healthy(), "writes pending: never marked programmed");
+    let later = agent.now + TIMEOUT * 3;
+    let status = agent.health.status_at(later);
+    assert!(
+        status.started && status.alive && !status.healthy,
+        "writes left failing, retried by the loop: /readyz and /livez 200, /healthz 503: {status:?}"
+    );
 }
 
 #[test]

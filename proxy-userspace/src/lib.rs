@@ -4,6 +4,7 @@
 //! Data flow (docs/architecture.md, "Data flow"): [`source`] -> [`state`] -> [`model`] ->
 //! [`planner`] -> [`datapath`] maps, driven by [`agent`].
 
+pub mod adopt;
 pub mod agent;
 pub mod cli;
 pub mod cluster_cidr;

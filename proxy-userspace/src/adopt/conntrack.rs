@@ -704,40 +704,64 @@ mod tests {
         );
     }
 
-    /// A datagram to an address no interface has reaches the backend only
-    /// through a created entry (no NAT rule anywhere), and the answer comes
-    /// back from the frontend.
-    #[test]
-    fn created_entry_translates_packets() {
-        in_netns(|| {
-            run("ip", &["route", "add", "10.96.0.0/24", "dev", "lo"]);
-            conntrack_and_nat_chain("ip");
-            let server = UdpSocket::bind("127.0.0.2:5353").unwrap();
+    /// A datagram to an address no interface has reaches the backend (on
+    /// another port) only through a created entry, with no NAT rule anywhere,
+    /// and the answer comes back from the frontend.
+    fn created_entry_translates(
+        family: Family,
+        setup: &'static [&'static [&'static str]],
+        client: &'static str,
+        frontend: &'static str,
+        backend: &'static str,
+    ) {
+        in_netns(move || {
+            for args in setup {
+                run("ip", args);
+            }
+            conntrack_and_nat_chain(match family {
+                Family::V4 => "ip",
+                Family::V6 => "ip6",
+            });
+            let (client, frontend, backend): (InetAddr, InetAddr, InetAddr) = (
+                client.parse().unwrap(),
+                frontend.parse().unwrap(),
+                backend.parse().unwrap(),
+            );
+            let server = UdpSocket::bind(backend).unwrap();
             server
                 .set_read_timeout(Some(Duration::from_millis(300)))
                 .unwrap();
-            let client = UdpSocket::bind("127.0.0.1:40000").unwrap();
-            client
+            let sender = UdpSocket::bind(client).unwrap();
+            sender
                 .set_read_timeout(Some(Duration::from_secs(2)))
                 .unwrap();
-            let frontend: InetAddr = "10.96.0.10:5353".parse().unwrap();
             let mut buf = [0u8; 64];
 
             // Without an entry the datagram goes nowhere, and leaves the
             // kernel's untranslated entry behind, as kube-proxy's flows would.
-            client.send_to(b"before", frontend).unwrap();
+            sender.send_to(b"before", frontend).unwrap();
             assert!(
                 server.recv_from(&mut buf).is_err(),
                 "reached the backend untranslated"
             );
-            let orig = tuple(IPPROTO_UDP, "127.0.0.1", 40000, "10.96.0.10", 5353);
-            let untranslated = find(Family::V4, &orig).expect("the kernel's own entry");
+            let orig = Tuple {
+                proto: IPPROTO_UDP,
+                src: client.ip(),
+                dst: frontend.ip(),
+                sport: client.port(),
+                dport: frontend.port(),
+            };
+            let untranslated = find(family, &orig).expect("the kernel's own entry");
             assert!(!untranslated.is_dnat(), "{untranslated:?}");
             assert!(delete(&orig).unwrap());
 
             create(&Entry {
                 orig,
-                reply: tuple(IPPROTO_UDP, "127.0.0.2", 5353, "127.0.0.1", 40000),
+                reply: Tuple {
+                    src: backend.ip(),
+                    sport: backend.port(),
+                    ..orig.inverted()
+                },
                 status: 0,
                 timeout_s: 60,
                 tcp_state: None,
@@ -745,15 +769,47 @@ mod tests {
             })
             .unwrap();
 
-            client.send_to(b"ping", frontend).unwrap();
+            sender.send_to(b"ping", frontend).unwrap();
             let (n, from) = server.recv_from(&mut buf).expect("translated datagram");
             assert_eq!(&buf[..n], b"ping");
-            assert_eq!(from, "127.0.0.1:40000".parse::<InetAddr>().unwrap());
+            assert_eq!(from, client);
             server.send_to(b"pong", from).unwrap();
-            let (n, from) = client.recv_from(&mut buf).expect("answer");
+            let (n, from) = sender.recv_from(&mut buf).expect("answer");
             assert_eq!(&buf[..n], b"pong");
             assert_eq!(from, frontend, "the answer must come from the frontend");
         });
+    }
+
+    #[test]
+    fn created_entry_translates_packets4() {
+        created_entry_translates(
+            Family::V4,
+            &[&["route", "add", "10.96.0.0/24", "dev", "lo"]],
+            "127.0.0.1:40000",
+            "10.96.0.10:53",
+            "127.0.0.2:5353",
+        );
+    }
+
+    #[test]
+    fn created_entry_translates_packets6() {
+        created_entry_translates(
+            Family::V6,
+            // IPv6 turns a route through lo into a reject route: the
+            // frontend prefix goes out a veth instead (the kernel here may
+            // have no dummy devices).
+            &[
+                &["-6", "addr", "add", "fd00::1/128", "dev", "lo", "nodad"],
+                &["-6", "addr", "add", "fd00::2/128", "dev", "lo", "nodad"],
+                &["link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+                &["link", "set", "d0", "up"],
+                &["link", "set", "d1", "up"],
+                &["-6", "route", "add", "fd00:96::/64", "dev", "d0"],
+            ],
+            "[fd00::1]:40000",
+            "[fd00:96::10]:53",
+            "[fd00::2]:5353",
+        );
     }
 
     /// Entries the kernel made for traffic through an nft DNAT rule read back

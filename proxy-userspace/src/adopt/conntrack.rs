@@ -17,8 +17,8 @@ use std::io;
 use std::net::IpAddr;
 
 use netlink_packet_core::{
-    DefaultNla, Emitable, NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL,
-    NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    DefaultNla, Emitable, NLA_F_NESTED, NLA_TYPE_MASK, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
+    NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla,
 };
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple, Protocol,
@@ -69,6 +69,7 @@ const CTA_NAT_V6_MINIP: u16 = 4;
 const CTA_PROTONAT_PORT_MIN: u16 = 1;
 const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
 const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
+const CTA_ZONE: u16 = 18;
 
 /// Everything that can go wrong talking to ctnetlink, or before: an entry
 /// that could not be a conntrack entry is refused here with what is wrong
@@ -387,6 +388,7 @@ fn entry_from(attributes: &[ConntrackAttribute]) -> Option<Entry> {
             ConntrackAttribute::CtaTupleReply(nlas) => reply = tuple_from(nlas),
             ConntrackAttribute::CtaStatus(s) => status = s.bits(),
             ConntrackAttribute::CtaTimeout(t) => timeout_s = *t,
+            ConntrackAttribute::Other(nla) if outside_default_zone(nla) => return None,
             ConntrackAttribute::CtaMark(m) => mark = *m,
             ConntrackAttribute::CtaProtoInfo(infos) => {
                 for info in infos {
@@ -410,6 +412,18 @@ fn entry_from(attributes: &[ConntrackAttribute]) -> Option<Entry> {
         tcp_state,
         mark,
     })
+}
+
+/// Only an entry outside the default zone carries `CTA_ZONE`
+/// (`ctnetlink_dump_zone_id`); delete and create could not reach it, so a
+/// dump does not report it as if they could.
+fn outside_default_zone(nla: &DefaultNla) -> bool {
+    if nla.kind() & NLA_TYPE_MASK != CTA_ZONE || nla.value_len() != 2 {
+        return false;
+    }
+    let mut zone = [0u8; 2];
+    nla.emit_value(&mut zone);
+    zone != [0, 0]
 }
 
 /// A tuple with both addresses and both ports; `None` for one without ports
@@ -967,5 +981,65 @@ mod tests {
             let err = create(&good).unwrap_err();
             assert_eq!(err.errno(), Some(libc::EEXIST), "{err:?}");
         });
+    }
+
+    fn attributes(orig: &Tuple, reply: &Tuple) -> Vec<ConntrackAttribute> {
+        vec![
+            ConntrackAttribute::CtaTupleOrig(tuple_nlas(orig)),
+            ConntrackAttribute::CtaTupleReply(tuple_nlas(reply)),
+            ConntrackAttribute::CtaStatus(Status::from_bits_retain(IPS_CONFIRMED)),
+            ConntrackAttribute::CtaTimeout(30),
+        ]
+    }
+
+    /// What a dump cannot stand for is left out of it instead of failing it
+    /// or coming out half-filled: tuples without ports (ICMP), entries
+    /// outside the default zone, entries missing a direction.
+    #[test]
+    fn entries_a_dump_leaves_out() {
+        let orig = tuple(IPPROTO_UDP, "10.0.0.1", 1000, "10.0.0.2", 53);
+        let udp = attributes(&orig, &orig.inverted());
+        assert_eq!(
+            entry_from(&udp),
+            Some(Entry {
+                orig,
+                reply: orig.inverted(),
+                status: IPS_CONFIRMED,
+                timeout_s: 30,
+                tcp_state: None,
+                mark: 0,
+            })
+        );
+
+        let icmp_tuple = vec![
+            CtTuple::Ip(vec![
+                IPTuple::SourceAddress(orig.src),
+                IPTuple::DestinationAddress(orig.dst),
+            ]),
+            CtTuple::Proto(vec![
+                ProtoTuple::Protocol(Protocol::Icmp),
+                ProtoTuple::Other(DefaultNla::new(4, 7u16.to_be_bytes().to_vec())),
+            ]),
+        ];
+        let icmp = vec![
+            ConntrackAttribute::CtaTupleOrig(icmp_tuple.clone()),
+            ConntrackAttribute::CtaTupleReply(icmp_tuple),
+        ];
+        assert_eq!(entry_from(&icmp), None);
+
+        let mut zoned = udp.clone();
+        zoned.push(ConntrackAttribute::Other(DefaultNla::new(
+            CTA_ZONE,
+            3u16.to_be_bytes().to_vec(),
+        )));
+        assert_eq!(entry_from(&zoned), None);
+        let mut zone0 = udp.clone();
+        zone0.push(ConntrackAttribute::Other(DefaultNla::new(
+            CTA_ZONE,
+            vec![0, 0],
+        )));
+        assert!(entry_from(&zone0).is_some());
+
+        assert_eq!(entry_from(&udp[1..]), None);
     }
 }

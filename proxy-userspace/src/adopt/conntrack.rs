@@ -628,6 +628,39 @@ mod tests {
         dump(family).unwrap().into_iter().find(|e| e.orig == *orig)
     }
 
+    /// The `BE_LIBERAL` bit of both directions' TCP flags of the entry
+    /// whose original tuple is `orig`.
+    fn tcp_flags(family: Family, orig: &Tuple) -> [u8; 2] {
+        let answers = request(
+            family,
+            ConntrackMessage::Get(Vec::new()),
+            NLM_F_REQUEST | NLM_F_DUMP,
+            "test dump",
+        )
+        .unwrap();
+        let attributes = answers
+            .iter()
+            .find(|a| entry_from(a).is_some_and(|e| e.orig == *orig))
+            .expect("entry");
+        let mut flags = [0; 2];
+        for attribute in attributes {
+            if let ConntrackAttribute::CtaProtoInfo(infos) = attribute {
+                for info in infos {
+                    if let ProtoInfo::TCP(nlas) = info {
+                        for nla in nlas {
+                            match nla {
+                                ProtoInfoTCP::OriginalFlags(f) => flags[0] = f.flags,
+                                ProtoInfoTCP::ReplyFlags(f) => flags[1] = f.flags,
+                                _ => {}
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        flags.map(|f| f & IP_CT_TCP_FLAG_BE_LIBERAL)
+    }
+
     /// Creates a translated entry, finds it in a dump as the kernel made it,
     /// deletes it, and deletes it again.
     fn create_dump_delete(family: Family, orig: Tuple, reply: Tuple) {
@@ -666,6 +699,9 @@ mod tests {
                 got.timeout_s
             );
             assert_eq!(got.mark, 7);
+            if orig.proto == IPPROTO_TCP {
+                assert_eq!(tcp_flags(family, &orig), [IP_CT_TCP_FLAG_BE_LIBERAL; 2]);
+            }
 
             assert!(delete(&orig).unwrap());
             assert_eq!(find(family, &orig), None);

@@ -862,12 +862,97 @@ mod tests {
         );
     }
 
+    /// The hand-over itself, for an open TCP connection: its entry, made by
+    /// a DNAT rule, is read, the rule removed, the entry deleted and created
+    /// again from what was read; the connection carries data both ways
+    /// afterwards, translated by the created entry alone.
+    #[test]
+    fn recreated_tcp_entry_keeps_connection() {
+        use std::io::{Read, Write};
+        in_netns(|| {
+            // Without a source on the route, lo's host-scoped 127.0.0.1 is
+            // no candidate and the connection runs from 0.0.0.0, which a
+            // created entry does not carry through.
+            run("ip", &["addr", "add", "10.0.0.1/32", "dev", "lo"]);
+            run("ip", &["addr", "add", "10.244.0.5/32", "dev", "lo"]);
+            run(
+                "ip",
+                &[
+                    "route",
+                    "add",
+                    "10.96.0.0/24",
+                    "dev",
+                    "lo",
+                    "src",
+                    "10.0.0.1",
+                ],
+            );
+            conntrack_and_nat_chain("ip");
+            nft(
+                "add chain ip t svc { type nat hook output priority -100; }; \
+                 add rule ip t svc ip daddr 10.96.0.10 tcp dport 80 dnat to 10.244.0.5:8080",
+            );
+            let listener = std::net::TcpListener::bind("10.244.0.5:8080").unwrap();
+            let mut client = std::net::TcpStream::connect_timeout(
+                &"10.96.0.10:80".parse().unwrap(),
+                Duration::from_secs(2),
+            )
+            .unwrap();
+            let (mut server, _) = listener.accept().unwrap();
+            for stream in [&client, &server] {
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(3)))
+                    .unwrap();
+            }
+            let mut buf = [0u8; 5];
+            client.write_all(b"first").unwrap();
+            server.read_exact(&mut buf).unwrap();
+
+            let local = client.local_addr().unwrap();
+            let orig = Tuple {
+                proto: IPPROTO_TCP,
+                src: local.ip(),
+                dst: "10.96.0.10".parse().unwrap(),
+                sport: local.port(),
+                dport: 80,
+            };
+            let entry = find(Family::V4, &orig).expect("the rule's entry");
+            assert!(entry.is_dnat(), "{entry:?}");
+            nft("flush chain ip t svc");
+            assert!(delete(&orig).unwrap());
+            create(&entry).unwrap();
+            assert_eq!(find(Family::V4, &orig).map(|e| e.reply), Some(entry.reply));
+
+            client.write_all(b"again").unwrap();
+            server
+                .read_exact(&mut buf)
+                .expect("data after the hand-over");
+            assert_eq!(&buf, b"again");
+            server.write_all(b"reply").unwrap();
+            client
+                .read_exact(&mut buf)
+                .expect("answer after the hand-over");
+            assert_eq!(&buf, b"reply");
+        });
+    }
+
     /// Entries the kernel made for traffic through an nft DNAT rule read back
     /// as DNATed, with the backend in the reply tuple.
     #[test]
     fn dump_shows_rule_dnat() {
         in_netns(|| {
-            run("ip", &["route", "add", "10.96.0.0/24", "dev", "lo"]);
+            run(
+                "ip",
+                &[
+                    "route",
+                    "add",
+                    "10.96.0.0/24",
+                    "dev",
+                    "lo",
+                    "src",
+                    "127.0.0.1",
+                ],
+            );
             nft("add table ip t; \
                  add chain ip t out { type nat hook output priority -100; }; \
                  add rule ip t out ip daddr 10.96.0.10 udp dport 53 dnat to 127.0.0.2:5353; \

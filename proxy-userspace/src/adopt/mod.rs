@@ -62,13 +62,11 @@ impl Adoption {
         } else if pinned_flag {
             info!("flows kube-proxy translated may still live: they are left to netfilter");
         }
-        if active {
-            if let Err(e) = rules::keep_nat_alive() {
-                warn!(
-                    error = %e,
-                    "netfilter's NAT is not kept running: kube-proxy's flows break once its rules go"
-                );
-            }
+        if active && let Err(e) = rules::keep_nat_alive() {
+            warn!(
+                error = %e,
+                "netfilter's NAT is not kept running: kube-proxy's flows break once its rules go"
+            );
         }
         Self {
             leftovers,

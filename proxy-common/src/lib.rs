@@ -950,6 +950,11 @@ pub mod node_config_flags {
     /// packet's tuple (`netfilter_ct`). Set by the agent from the takeover
     /// until the last such flow is gone.
     pub const NETFILTER_FLOWS: u32 = 1 << 1;
+    /// Every new flow to a Service is SNATed to the node, as kube-proxy's
+    /// `--masquerade-all` marks every Service packet for masquerade; hairpin
+    /// flows keep their own SNAT. Without it only external flows to
+    /// backends on other nodes are.
+    pub const MASQUERADE_ALL: u32 = 1 << 2;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)

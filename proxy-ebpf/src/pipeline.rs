@@ -201,8 +201,9 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
     let hairpin = backend.addr_be[3] == flow.src_be;
     let config = node_config();
     let snat = !hairpin
-        && svc.flags & service_flags::EXTERNAL != 0
-        && backend.flags & backend_flags::LOCAL == 0
+        && (config.flags & node_config_flags::MASQUERADE_ALL != 0
+            || (svc.flags & service_flags::EXTERNAL != 0
+                && backend.flags & backend_flags::LOCAL == 0))
         && config.snat_addr_be[3] != 0;
     if hairpin {
         nf.kind = ct_flags::HAIRPIN;

@@ -223,9 +223,11 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
     };
     let node = node_addr6();
     let hairpin = backend.addr_be == flow.src_be;
+    // `MASQUERADE_ALL` is in IPv4's `NODE_CONFIG`, for both families.
     let snat = !hairpin
-        && svc.flags & service_flags::EXTERNAL != 0
-        && backend.flags & backend_flags::LOCAL == 0;
+        && (node_flags() & node_config_flags::MASQUERADE_ALL != 0
+            || (svc.flags & service_flags::EXTERNAL != 0
+                && backend.flags & backend_flags::LOCAL == 0));
     if (hairpin || snat) && node != [0; 4] {
         // Hairpin flows take the node's address too, where IPv4 takes the
         // fixed `HAIRPIN_ADDR` and keeps the port: an IPv6 link-local

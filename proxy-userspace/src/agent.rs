@@ -96,6 +96,11 @@ pub struct AgentConfig {
     pub localhost_nodeports: bool,
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
     pub cluster_cidrs: Vec<Cidr>,
+    /// In-cluster clients are those of this node's Node's `spec.podCIDRs`
+    /// rather than `cluster_cidrs` (`--detect-local-mode NodeCIDR`).
+    pub node_cidr_local: bool,
+    /// SNAT every new flow to a Service to the node (`--masquerade-all`).
+    pub masquerade_all: bool,
     pub xdp_mode: XdpModeSetting,
     /// The node's address per family (`--node-ip`): the IPv4 one is the
     /// SNAT address for external flows to remote backends; default, per
@@ -130,7 +135,15 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pinned_flag = stored_node.config.flags & node_config_flags::NETFILTER_FLOWS != 0;
     let mut node = NodeMaps::new(
         stored_node,
-        DesiredNode::new(config.ct_timeouts, &config.cluster_cidrs),
+        DesiredNode::new(
+            config.ct_timeouts,
+            if config.node_cidr_local {
+                &[]
+            } else {
+                &config.cluster_cidrs
+            },
+        )
+        .with_masquerade_all(config.masquerade_all),
     );
     // Before anything of this agent's translates: kube-proxy's flows must
     // find tc asking netfilter from their first packet through it.
@@ -187,6 +200,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut state = ClusterState::new(config.node_name.clone());
     let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
     let mut takeover = Takeover::default();
+    // What `CLUSTER_CIDRS` holds of the Node's pod CIDRs (NodeCIDR).
+    let mut node_pod_cidrs: Vec<Cidr> = Vec::new();
     loop {
         let wakeup = sync.wakeup();
         tokio::select! {
@@ -214,6 +229,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
+        }
+        if config.node_cidr_local && state.node_pod_cidrs() != node_pod_cidrs.as_slice() {
+            node_pod_cidrs = state.node_pod_cidrs().to_vec();
+            info!(pod_cidrs = ?node_pod_cidrs, "clients inside the Node's pod CIDRs are in-cluster");
+            node.set_cluster_cidrs(&node_pod_cidrs);
+            node.sync(&mut datapath.maps, Instant::now());
         }
         let attached = datapath.attached().next().is_some();
         takeover.poll(sync.serving(), attached, || {

@@ -446,16 +446,14 @@ pub fn settle(
         run.pod_bridge_interface.as_deref(),
         run.pod_interface_name_prefix.as_deref(),
     )?;
-    if run.detect_local != DetectLocal::ClusterCidr {
+    if !matches!(
+        run.detect_local,
+        DetectLocal::ClusterCidr | DetectLocal::NodeCidr
+    ) {
         settled.not_yet.push(format!(
             "detect-local-mode {} (clients are told local by --cluster-cidr)",
             run.detect_local.mode()
         ));
-    }
-    if run.masquerade_all {
-        settled
-            .not_yet
-            .push("masquerade-all (only external flows to other nodes are SNATed)".to_owned());
     }
 
     if run.conntrack_max.is_none() {

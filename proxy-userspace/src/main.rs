@@ -6,6 +6,7 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs},
     config,
     datapath::{self, PinLayout},
+    detect_local::DetectLocal,
     kube_proxy_argv, kube_proxy_flags, logging,
     model::ModelConfig,
     privileges, status,
@@ -77,7 +78,7 @@ fn main() -> anyhow::Result<()> {
                     eprintln!("not handed back: {flow}: {why}");
                 }
                 println!(
-                    "handed {} flows to the kernel's conntrack ({} not handed back, {} TCP                      handshakes under way left to their retransmits); removed {} pins under {}",
+                    "handed {} flows to the kernel's conntrack ({} not handed back, {} TCP handshakes under way left to their retransmits); removed {} pins under {}",
                     done.flows,
                     done.failed.len(),
                     done.unanswered,
@@ -161,6 +162,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             && agent::serves_loopback(&args.nodeport_addresses),
         nodeport_addresses: args.nodeport_addresses,
         cluster_cidrs: args.cluster_cidr.to_vec(),
+        node_cidr_local: args.detect_local == DetectLocal::NodeCidr,
+        masquerade_all: args.masquerade_all,
         xdp_mode: args.xdp_mode,
         node_ip: args.node_ip.unwrap_or_default(),
         cgroup_root: args

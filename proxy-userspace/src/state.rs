@@ -18,8 +18,8 @@ use tracing::{debug, warn};
 
 use crate::{
     model::{
-        self, CompactService, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError,
-        NodeInfo, Slice,
+        self, Cidr, CompactService, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig,
+        ModelError, NodeInfo, Slice,
     },
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
@@ -110,6 +110,9 @@ pub struct ClusterState {
     /// Whether our Node, as last seen, takes traffic (kube-proxy's
     /// `nodeEligible`); true until it is seen.
     node_eligible: bool,
+    /// Our Node's `spec.podCIDRs` (`spec.podCIDR` where that is all it
+    /// has), as last seen: its pods, for `--detect-local-mode NodeCIDR`.
+    node_pod_cidrs: Vec<Cidr>,
     /// Boxed: a map node holds eleven values, mostly empty room.
     services: BTreeMap<ObjectKey, Box<CompactService>>,
     slices: Slices,
@@ -129,6 +132,7 @@ impl ClusterState {
                 zone: None,
             },
             node_eligible: true,
+            node_pod_cidrs: Vec::new(),
             services: BTreeMap::new(),
             slices: Slices::default(),
             slices_by_service: HashMap::new(),
@@ -167,6 +171,12 @@ impl ClusterState {
 
     pub fn node(&self) -> &NodeInfo {
         &self.node
+    }
+
+    /// Our Node's pod CIDRs, as last seen (none until it is seen; a Node
+    /// that is gone keeps its last ones).
+    pub fn node_pod_cidrs(&self) -> &[Cidr] {
+        &self.node_pod_cidrs
     }
 
     /// Our Node is neither being deleted nor tainted for deletion, as last
@@ -371,6 +381,7 @@ impl ClusterState {
             return;
         }
         self.node_eligible = crate::http::node_eligible(node);
+        self.node_pod_cidrs = pod_cidrs(node);
         let zone = node
             .metadata
             .labels
@@ -387,6 +398,29 @@ impl ClusterState {
             changes.services.extend(self.services.keys().cloned());
         }
     }
+}
+
+/// A Node's pod CIDRs: `spec.podCIDRs`, else `spec.podCIDR`; one that does
+/// not parse is named in the log and left out.
+fn pod_cidrs(node: &Node) -> Vec<Cidr> {
+    let Some(spec) = &node.spec else {
+        return Vec::new();
+    };
+    let texts: Vec<&String> = match (&spec.pod_cidrs, &spec.pod_cidr) {
+        (Some(list), _) if !list.is_empty() => list.iter().collect(),
+        (_, Some(one)) => vec![one],
+        _ => Vec::new(),
+    };
+    texts
+        .into_iter()
+        .filter_map(|text| {
+            let cidr = Cidr::parse(text);
+            if cidr.is_none() {
+                warn!(node = ?node.metadata.name, cidr = %text, "a pod CIDR of the Node is not a CIDR; left out");
+            }
+            cidr
+        })
+        .collect()
 }
 
 /// The Service a slice belongs to: its label's name, in its namespace.
@@ -679,6 +713,57 @@ mod tests {
             "web's slice went, but web is gone already"
         );
         assert_eq!(state.slice_count(), 0, "empty listing clears the slices");
+    }
+
+    #[test]
+    fn our_nodes_pod_cidrs_are_kept_for_the_node_cidr_detector() {
+        use k8s_openapi::api::core::v1::NodeSpec;
+        let with_cidrs = |name: &str, list: Option<&[&str]>, one: Option<&str>| {
+            Object::Node(Box::new(Node {
+                metadata: meta("", name, &[]),
+                spec: Some(NodeSpec {
+                    pod_cidrs: list.map(|l| l.iter().map(|c| (*c).to_owned()).collect()),
+                    pod_cidr: one.map(str::to_owned),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }))
+        };
+        let cidrs = |state: &ClusterState| -> Vec<String> {
+            state
+                .node_pod_cidrs()
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        let mut state = ClusterState::new("node-a");
+        assert!(cidrs(&state).is_empty(), "none before the Node is seen");
+        state.apply(SourceEvent::Apply(with_cidrs(
+            "node-b",
+            Some(&["10.244.1.0/24"]),
+            None,
+        )));
+        assert!(cidrs(&state).is_empty(), "another Node's are not ours");
+        state.apply(SourceEvent::Apply(with_cidrs(
+            "node-a",
+            Some(&["10.244.0.0/24", "fd00:10:244::/64", "not-a-cidr"]),
+            Some("10.244.0.0/24"),
+        )));
+        assert_eq!(
+            cidrs(&state),
+            ["10.244.0.0/24", "fd00:10:244::/64"],
+            "spec.podCIDRs, both families, what does not parse left out"
+        );
+        state.apply(SourceEvent::Apply(with_cidrs(
+            "node-a",
+            None,
+            Some("10.244.7.0/24"),
+        )));
+        assert_eq!(
+            cidrs(&state),
+            ["10.244.7.0/24"],
+            "spec.podCIDR where podCIDRs is unset"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ use ebpf_proxy_tests::{
     cluster::NODE_A_IP,
     manifest::{ServiceType, TrafficPolicy},
 };
-use northsouth_scenarios::{self as scenario, BACKEND, Fixture, HEALTH_PORT, Path};
+use northsouth_scenarios::{self as scenario, BACKEND, Fixture, HEALTH_PORT, LocalDetector, Path};
 
 #[test]
 fn nodeport_fragments_native_xdp() {
@@ -75,12 +75,19 @@ fn nodeport_auto_xdp_with_partial_checksums() {
 
 #[test]
 fn local_policy_native_xdp() {
-    scenario::local_policy::<Ipv4Addr>(Path::Native, true);
+    scenario::local_policy::<Ipv4Addr>(Path::Native, LocalDetector::ClusterCidr);
 }
 
 #[test]
 fn local_policy_tc_only() {
-    scenario::local_policy::<Ipv4Addr>(Path::TcOnly, false);
+    scenario::local_policy::<Ipv4Addr>(Path::TcOnly, LocalDetector::None);
+}
+
+/// `--detect-local-mode NodeCIDR`: a pod is in-cluster by its Node's
+/// `spec.podCIDRs`, without `--cluster-cidr`.
+#[test]
+fn local_policy_node_cidr_tc_only() {
+    scenario::local_policy::<Ipv4Addr>(Path::TcOnly, LocalDetector::NodeCidr);
 }
 
 /// A healthCheckNodePort that something else holds when the Service arrives
@@ -155,4 +162,15 @@ fn load_balancer_and_external_ip_tc_only() {
 #[test]
 fn concurrent_snat_flows_never_share_a_port() {
     scenario::concurrent_snat_flows_never_share_a_port::<Ipv4Addr>();
+}
+
+/// `--masquerade-all`: every new flow to a Service SNATed to the node.
+#[test]
+fn masquerade_all_tc_only() {
+    scenario::masquerade_all::<Ipv4Addr>(Path::TcOnly);
+}
+
+#[test]
+fn masquerade_all_native_xdp() {
+    scenario::masquerade_all::<Ipv4Addr>(Path::Native);
 }

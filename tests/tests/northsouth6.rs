@@ -15,7 +15,7 @@ mod northsouth_scenarios;
 use std::net::{Ipv6Addr, SocketAddrV6};
 
 use ebpf_proxy_tests::{cluster::NODE_A_IP6, topology::pod_ip6};
-use northsouth_scenarios::{self as scenario, BACKEND, Fixture, NODE_PORT, Path};
+use northsouth_scenarios::{self as scenario, BACKEND, Fixture, LocalDetector, NODE_PORT, Path};
 
 #[test]
 fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_native_xdp() {
@@ -34,12 +34,19 @@ fn ipv6_nodeport_cluster_policy_spreads_and_snats_remote_tc_only() {
 
 #[test]
 fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_tc_only() {
-    scenario::local_policy::<Ipv6Addr>(Path::TcOnly, false);
+    scenario::local_policy::<Ipv6Addr>(Path::TcOnly, LocalDetector::None);
+}
+
+/// `--detect-local-mode NodeCIDR`: a pod is in-cluster by its Node's
+/// `spec.podCIDRs`, without `--cluster-cidr`.
+#[test]
+fn ipv6_local_policy_node_cidr_tc_only() {
+    scenario::local_policy::<Ipv6Addr>(Path::TcOnly, LocalDetector::NodeCidr);
 }
 
 #[test]
 fn ipv6_local_policy_keeps_the_client_and_drops_without_local_endpoint_native_xdp() {
-    scenario::local_policy::<Ipv6Addr>(Path::Native, true);
+    scenario::local_policy::<Ipv6Addr>(Path::Native, LocalDetector::ClusterCidr);
 }
 
 #[test]
@@ -108,4 +115,11 @@ fn ipv6_nodeport_syn_flood_tc_only() {
 #[test]
 fn ipv6_nodeport_auto_xdp_with_partial_checksums() {
     scenario::nodeport_auto_xdp_with_partial_checksums::<Ipv6Addr>();
+}
+
+/// `--masquerade-all` over IPv6: every new flow to a Service SNATed to the
+/// node's IPv6 address.
+#[test]
+fn ipv6_masquerade_all_tc_only() {
+    scenario::masquerade_all::<Ipv6Addr>(Path::TcOnly);
 }

@@ -66,6 +66,12 @@ impl NodeMaps {
         );
     }
 
+    /// The pod CIDRs whose clients are in-cluster; written at the next
+    /// `sync`.
+    pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {
+        self.desired.set_cluster_cidrs(cidrs);
+    }
+
     /// Whether tc leaves to netfilter the packets of flows its conntrack
     /// translates (kube-proxy's, after a takeover); written at the next
     /// `sync`.

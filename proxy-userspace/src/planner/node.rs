@@ -50,6 +50,8 @@ pub struct DesiredNode {
     /// Whether flows netfilter translated before this datapath (kube-
     /// proxy's) may still live (`node_config_flags::NETFILTER_FLOWS`).
     pub netfilter_flows: bool,
+    /// `--masquerade-all` (`node_config_flags::MASQUERADE_ALL`).
+    pub masquerade_all: bool,
 }
 
 impl DesiredNode {
@@ -61,7 +63,20 @@ impl DesiredNode {
             ct_timeouts,
             cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
             netfilter_flows: false,
+            masquerade_all: false,
         }
+    }
+
+    /// SNATs every new flow to a Service to the node (`--masquerade-all`).
+    pub fn with_masquerade_all(mut self, on: bool) -> Self {
+        self.masquerade_all = on;
+        self
+    }
+
+    /// The pod CIDRs whose clients are in-cluster (`CLUSTER_CIDRS`), where
+    /// they follow the Node (`--detect-local-mode NodeCIDR`).
+    pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {
+        self.cluster_cidrs = cidrs.iter().map(cluster_cidr).collect();
     }
 
     /// Tells tc (or stops telling it) to leave to netfilter the packets of
@@ -92,6 +107,11 @@ impl DesiredNode {
             &mut config,
             node_config_flags::NETFILTER_FLOWS,
             self.netfilter_flows,
+        );
+        set_flag(
+            &mut config,
+            node_config_flags::MASQUERADE_ALL,
+            self.masquerade_all,
         );
         self.config = Some(config);
         self.config6 = Some(node_config6(node6));

@@ -727,14 +727,51 @@ pub fn nodeport_auto_xdp_with_partial_checksums<F: Family>() {
 /// on node A is an in-cluster client when the agents know the cluster CIDR of the
 /// family: then it is served through every endpoint with its own address
 /// (kube-proxy's short-circuit); without it, it is external and dropped like
-/// client1.
-pub fn local_policy<F: Family>(path: Path, cluster_cidr: bool) {
-    let args: &[&str] = if cluster_cidr {
-        &["--cluster-cidr", F::CLUSTER_CIDR]
-    } else {
-        &[]
+/// client1. With `--detect-local-mode NodeCIDR` the agents know it from
+/// their Nodes' `spec.podCIDRs` instead, once the Nodes say so.
+pub fn local_policy<F: Family>(path: Path, detector: LocalDetector) {
+    let args: &[&str] = match detector {
+        LocalDetector::None => &[],
+        LocalDetector::ClusterCidr => &["--cluster-cidr", F::CLUSTER_CIDR],
+        LocalDetector::NodeCidr => &["--detect-local-mode", "NodeCIDR"],
     };
     let fx = Fixture::<F>::with_args(path, args);
+    if detector == LocalDetector::NodeCidr {
+        let pod_cidrs: Vec<String> = F::CLUSTER_CIDR
+            .split(',')
+            .map(|cidr| format!("\"{cidr}\""))
+            .collect();
+        let nodes: Vec<String> = ["a", "b"]
+            .iter()
+            .map(|node| {
+                format!(
+                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\nspec:\n  podCIDRs: [{}]\n",
+                    fx.cluster.node(node).ns.name(),
+                    pod_cidrs.join(", ")
+                )
+            })
+            .collect();
+        fx.manifests
+            .write("nodes.yaml", &nodes.join("---\n"))
+            .expect("write the Nodes");
+        // Node A's agent holds the Node's pod CIDRs once it has read them.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let held = Maps::open_pinned(&PinLayout::new(fx.agents[0].bpf_root()))
+                .map(|maps| maps.cluster_cidrs.keys().count())
+                .unwrap_or(0);
+            if held == pod_cidrs.len() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{path:?}: node A's agent holds {held} of its Node's {} pod CIDRs after 15 s",
+                pod_cidrs.len()
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let cluster_cidr = detector != LocalDetector::None;
     let (node_a, node_b) = (fx.node_ip("a"), fx.node_ip("b"));
     let service = web::<F>("local")
         .type_(ServiceType::LoadBalancer)
@@ -807,7 +844,7 @@ pub fn local_policy<F: Family>(path: Path, cluster_cidr: bool) {
     if cluster_cidr {
         let Outcome::Reply(r) = from_pod else {
             panic!(
-                "{path:?}: a pod with --cluster-cidr {}: {from_pod}; {}",
+                "{path:?}: a pod in {} ({detector:?}): {from_pod}; {}",
                 F::CLUSTER_CIDR,
                 fx.counters()
             );
@@ -827,6 +864,77 @@ pub fn local_policy<F: Family>(path: Path, cluster_cidr: bool) {
             fx.counters()
         );
     }
+}
+
+/// `--masquerade-all`, as kube-proxy's: every new flow to a Service is SNATed
+/// to the node. A pod on node A reaching a ClusterIP whose backend is on
+/// node B is seen by it as node A (without the flag, as itself: see
+/// `nodeport_cluster_policy`), over TCP and UDP; a client outside reaching
+/// the NodePort through node A likewise; and a connection keeps working
+/// packet after packet, its replies translated back.
+pub fn masquerade_all<F: Family>(path: Path) {
+    let fx = Fixture::<F>::with_args(path, &["--masquerade-all"]);
+    let node_a = fx.node_ip("a");
+    let remote = web::<F>("remote");
+    fx.publish(&remote, &[(F::pod(BACKEND.1), "b")]);
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let east_west = fx.reply_within_from(
+        pod,
+        F::addr(F::vip(50), 80),
+        "ClusterIP from a pod on A to the backend on B",
+    );
+    assert_eq!(
+        (east_west.backend.as_str(), east_west.peer.peer_ip()),
+        (BACKEND.0, node_a),
+        "{path:?}: with --masquerade-all the backend sees node A, not the pod"
+    );
+    let udp = udp_request(pod, F::addr(F::vip(50), 53), TIMEOUT);
+    let Outcome::Reply(udp) = udp else {
+        panic!(
+            "{path:?}: UDP to the ClusterIP from a pod on A: {udp}; {}",
+            fx.counters()
+        );
+    };
+    assert_eq!(
+        (udp.backend.as_str(), udp.peer.peer_ip()),
+        (BACKEND.0, node_a),
+        "{path:?}: UDP with --masquerade-all"
+    );
+    let outside = fx.reply_within(
+        "client1",
+        F::addr(node_a, NODE_PORT),
+        "NodePort on A from outside",
+    );
+    assert_eq!(
+        (outside.backend.as_str(), outside.peer.peer_ip()),
+        (BACKEND.0, node_a),
+        "{path:?}: NodePort with --masquerade-all"
+    );
+    let mut session = TcpSession::open(pod, F::addr(F::vip(50), 80), TIMEOUT)
+        .unwrap_or_else(|e| panic!("{path:?}: a long connection from the pod: {e}"));
+    for i in 0..20 {
+        let answer = session
+            .exchange(&format!("ping {i}"))
+            .unwrap_or_else(|e| panic!("{path:?}: exchange {i} over the masqueraded flow: {e}"));
+        assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
+    }
+    assert!(
+        fx.counter(0, "snat_new") >= 3,
+        "{path:?}: node A SNATed fewer than the three new flows; {}",
+        fx.counters()
+    );
+}
+
+/// How the agents tell in-cluster clients (kube-proxy's local traffic
+/// detector).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocalDetector {
+    /// None: every client of an external address is external.
+    None,
+    /// `--cluster-cidr`.
+    ClusterCidr,
+    /// `--detect-local-mode NodeCIDR`: the Nodes' `spec.podCIDRs`.
+    NodeCidr,
 }
 
 /// A LoadBalancer IP with loadBalancerSourceRanges of the family: client1 (inside

@@ -17,7 +17,10 @@ use tokio::{
 };
 use tracing::{error, info, warn};
 
+use proxy_common::node_config_flags;
+
 use crate::{
+    adopt::Adoption,
     datapath::{
         Datapath, DatapathError, PinLayout, XdpModeSetting, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
@@ -102,6 +105,8 @@ pub struct AgentConfig {
     pub cgroup_root: Option<PathBuf>,
     /// The datapath's log level (`--datapath-log`).
     pub datapath_log: event_log::Level,
+    /// Leave kube-proxy's rules in place (`--keep-kube-proxy-rules`).
+    pub keep_kube_proxy_rules: bool,
 }
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
@@ -121,10 +126,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         slowest = %program_load::Slowest(loads, 3),
         "datapath programs loaded and verified"
     );
+    let stored_node = datapath.maps.read_node_state().map_err(AgentError::Adopt)?;
+    let pinned_flag = stored_node.config.flags & node_config_flags::NETFILTER_FLOWS != 0;
     let mut node = NodeMaps::new(
-        datapath.maps.read_node_state().map_err(AgentError::Adopt)?,
+        stored_node,
         DesiredNode::new(config.ct_timeouts, &config.cluster_cidrs),
     );
+    // Before anything of this agent's translates: kube-proxy's flows must
+    // find tc asking netfilter from their first packet through it.
+    let mut adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
+    node.set_netfilter_flows(adoption.active());
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
     start_event_log(&mut datapath, config.datapath_log);
@@ -194,12 +205,21 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             () = tokio::time::sleep_until(node.wakeup().unwrap_or_else(Instant::now).into()), if node.wakeup().is_some() => {
                 node.sync(&mut datapath.maps, Instant::now());
             }
-            _ = reap.tick() => housekeeping::reap_conntrack(&mut datapath),
+            _ = reap.tick() => {
+                housekeeping::reap_conntrack(&mut datapath);
+                if adoption.check() {
+                    node.set_netfilter_flows(false);
+                    node.sync(&mut datapath.maps, Instant::now());
+                }
+            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
         let attached = datapath.attached().next().is_some();
-        takeover.poll(sync.serving(), attached, || takeover::finish(&mut datapath));
+        takeover.poll(sync.serving(), attached, || {
+            takeover::finish(&mut datapath);
+            adoption.on_serving();
+        });
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())

@@ -1,6 +1,7 @@
 use anyhow::{Context, bail};
 use clap::{CommandFactory, FromArgMatches};
 use proxy_userspace::{
+    adopt,
     agent::{self, AgentConfig, SourceConfig},
     cli::{Cli, Command, RunArgs},
     config,
@@ -69,13 +70,29 @@ fn main() -> anyhow::Result<()> {
         Command::Cleanup(args) => {
             let bpf_root = &args.pins.bpf_root;
             let pins = PinLayout::new(bpf_root);
-            let removed = datapath::cleanup(&pins)
-                .with_context(|| format!("cleaning up {}", bpf_root.display()))?;
-            println!(
-                "removed {} pins under {}",
-                removed.len(),
-                bpf_root.display()
-            );
+            if args.handoff {
+                let done = adopt::handoff::hand_back(&pins)
+                    .with_context(|| format!("handing back {}", bpf_root.display()))?;
+                for (flow, why) in &done.failed {
+                    eprintln!("not handed back: {flow}: {why}");
+                }
+                println!(
+                    "handed {} flows to the kernel's conntrack ({} not handed back, {} TCP                      handshakes under way left to their retransmits); removed {} pins under {}",
+                    done.flows,
+                    done.failed.len(),
+                    done.unanswered,
+                    done.pins,
+                    bpf_root.display()
+                );
+            } else {
+                let removed = datapath::cleanup(&pins)
+                    .with_context(|| format!("cleaning up {}", bpf_root.display()))?;
+                println!(
+                    "removed {} pins under {}",
+                    removed.len(),
+                    bpf_root.display()
+                );
+            }
         }
         Command::Status(args) => {
             let pins = PinLayout::new(&args.pins.bpf_root);
@@ -150,6 +167,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             .cgroup_root
             .or_else(datapath::host::default_cgroup_root),
         datapath_log: args.datapath_log,
+        keep_kube_proxy_rules: args.keep_kube_proxy_rules,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,0 +1,157 @@
+//! `ebpf-proxy cleanup --handoff`: the datapath's flows written into
+//! netfilter's conntrack with their NAT, then the datapath removed, so that
+//! kube-proxy started next keeps each flow on its backend (docs/operations.md,
+//! "Handing back to kube-proxy").
+//!
+//! A flow becomes the entry netfilter would have made had it translated it:
+//! original direction client to frontend, reply backend to the client (or
+//! to the address it was SNATed to). Netfilter already tracks the
+//! datapath's translated packets under other tuples (client to backend, for
+//! a flow DNATed at tc before netfilter sees it), whose reply direction is
+//! the same as the new entry's: those entries go first, or the new one
+//! would clash with them. The flows are written twice, before the datapath
+//! detaches and after, for those whose packets made netfilter a clashing
+//! entry meanwhile.
+
+use std::{collections::BTreeMap, net::SocketAddr};
+
+use proxy_common::{PROTO_TCP, ct_flags};
+
+use super::{
+    conntrack::{self, ConntrackError, Entry, Tuple},
+    rules::{self, RulesError},
+};
+use crate::{
+    datapath::{Maps, PinLayout, maps::MapsError},
+    status::flows::{self, Flow},
+};
+
+/// Idle timeouts of the handed-back entries: netfilter's defaults for an
+/// established TCP connection as kube-proxy sets it (`conntrack.
+/// tcpEstablishedTimeout`, 24 h), for a closing one (its close-wait, 1 h
+/// in kube-proxy, far longer than any close needs), and for a UDP flow
+/// that saw replies (`nf_conntrack_udp_timeout_stream`, 120 s).
+const TCP_ESTABLISHED_S: u32 = 24 * 3600;
+const TCP_CLOSING_S: u32 = 3600;
+const UDP_S: u32 = 120;
+/// `TCP_CONNTRACK_ESTABLISHED`, `TCP_CONNTRACK_CLOSE_WAIT`
+/// (include/uapi/linux/netfilter/nf_conntrack_tcp.h).
+const TCP_STATE_ESTABLISHED: u8 = 3;
+const TCP_STATE_CLOSE_WAIT: u8 = 5;
+/// `IPS_SEEN_REPLY | IPS_ASSURED`: netfilter's NAT bits follow from the
+/// tuples.
+const STATUS: u32 = (1 << 1) | (1 << 2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    #[error("reading the datapath's flows: {0}")]
+    Maps(#[from] MapsError),
+    #[error("keeping netfilter's NAT running for the handed-back flows: {0}")]
+    Nat(#[from] RulesError),
+    #[error("removing the datapath: {0}")]
+    Cleanup(#[from] std::io::Error),
+}
+
+/// What a hand-back did.
+#[derive(Debug, Default)]
+pub struct HandedBack {
+    /// Flows written into netfilter's conntrack.
+    pub flows: usize,
+    /// TCP flows never answered (a handshake under way): left for the
+    /// client's retransmitted SYN to start afresh.
+    pub unanswered: usize,
+    /// Flows netfilter refused, each with why.
+    pub failed: Vec<(Flow, String)>,
+    /// Pins removed.
+    pub pins: usize,
+}
+
+/// Hands the flows of the datapath pinned at `pins` to netfilter and
+/// removes the datapath. Nothing pinned: nothing to do.
+pub fn hand_back(pins: &PinLayout) -> Result<HandedBack, HandoffError> {
+    let mut done = HandedBack::default();
+    if !pins.maps_dir().exists() {
+        return Ok(done);
+    }
+    let maps = Maps::open_pinned(pins)?;
+    let all = flows::read(&maps)?;
+    drop(maps);
+    let (entries, unanswered): (Vec<_>, Vec<_>) = all
+        .iter()
+        .partition(|flow| flow.proto != PROTO_TCP || flow.flags & ct_flags::SEEN_REPLY != 0);
+    done.unanswered = unanswered.len();
+    // Before any entry is written: without a nat chain netfilter would not
+    // translate them until kube-proxy's rules are back.
+    rules::keep_nat_alive()?;
+    let mut failed: BTreeMap<usize, ConntrackError> = (0..entries.len())
+        .filter_map(|i| write(entries[i]).err().map(|e| (i, e)))
+        .collect();
+    done.pins = crate::datapath::cleanup(pins)?.len();
+    // Packets translated until the detach may have given netfilter entries
+    // the first pass removed: the flows that failed, written again.
+    failed = failed
+        .into_keys()
+        .filter_map(|i| write(entries[i]).err().map(|e| (i, e)))
+        .collect();
+    done.flows = entries.len() - failed.len();
+    done.failed = failed
+        .into_iter()
+        .map(|(i, e)| (*entries[i], e.to_string()))
+        .collect();
+    Ok(done)
+}
+
+/// Writes the flow's entry, removing what would clash with it first.
+fn write(flow: &Flow) -> Result<(), ConntrackError> {
+    for orig in clashing(flow) {
+        // Absent is the common case; a failure that matters shows in the
+        // create.
+        let _ = conntrack::delete(&orig);
+    }
+    conntrack::create(&entry_of(flow))
+}
+
+/// The entry netfilter would hold for `flow` had it translated it.
+pub fn entry_of(flow: &Flow) -> Entry {
+    let seen_by_backend = flow.source.unwrap_or(flow.client);
+    let closing = flow.flags & ct_flags::CLOSING != 0;
+    let tcp = flow.proto == PROTO_TCP;
+    Entry {
+        orig: tuple(flow.proto, flow.client, flow.frontend),
+        reply: tuple(flow.proto, flow.backend, seen_by_backend),
+        status: STATUS,
+        timeout_s: match (tcp, closing) {
+            (true, false) => TCP_ESTABLISHED_S,
+            (true, true) => TCP_CLOSING_S,
+            (false, _) => UDP_S,
+        },
+        tcp_state: tcp.then_some(if closing {
+            TCP_STATE_CLOSE_WAIT
+        } else {
+            TCP_STATE_ESTABLISHED
+        }),
+        mark: 0,
+    }
+}
+
+/// Original directions of entries netfilter may hold for the flow's
+/// packets as the datapath sent them, and of an untranslated entry of its
+/// own tuple: each would clash with the handed-back entry.
+fn clashing(flow: &Flow) -> Vec<Tuple> {
+    let seen_by_backend = flow.source.unwrap_or(flow.client);
+    vec![
+        tuple(flow.proto, seen_by_backend, flow.backend),
+        tuple(flow.proto, flow.client, flow.backend),
+        tuple(flow.proto, flow.client, flow.frontend),
+    ]
+}
+
+fn tuple(proto: u8, src: SocketAddr, dst: SocketAddr) -> Tuple {
+    Tuple {
+        proto,
+        src: src.ip(),
+        dst: dst.ip(),
+        sport: src.port(),
+        dport: dst.port(),
+    }
+}

@@ -445,10 +445,13 @@ fn takeover_and_handoff(mode: Mode) {
         },
     );
     let log = agent.log();
-    let removal_logged = log.lines().any(|l| {
-        let l = l.to_lowercase();
-        l.contains("kube-proxy") && (l.contains("remov") || l.contains("delet"))
-    });
+    let removal_logged = log
+        .lines()
+        .any(|l| l.contains("removed kube-proxy's rules"));
+    let left_to_netfilter: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("netfilter translates"))
+        .collect();
     let netfilter_pass = agent
         .counter("netfilter_pass")
         .expect("counter netfilter_pass");
@@ -584,7 +587,8 @@ fn takeover_and_handoff(mode: Mode) {
          (kube-proxy's flows: {kube_proxy_flows}, the agent's: {agent_flow_count}; \
          {exchanges} exchanges; takeover watched {TAKEOVER_WATCH:?}, handoff {HANDOFF_WATCH:?}); \
          netfilter_pass {netfilter_pass}, dnat_new +{dnat_new}, the agent's flows on {agent_spread:?}; \
-         nft tables before the handoff: {:?}; cleanup --handoff: {:?}",
+         the agent logged {left_to_netfilter:?}; nft tables before the handoff: {:?}; \
+         cleanup --handoff: {:?}",
         nat_tables.lines().collect::<Vec<_>>(),
         handoff_output.trim()
     );

@@ -35,7 +35,7 @@ const TCP_ESTABLISHED_S: u32 = 24 * 3600;
 const TCP_CLOSING_S: u32 = 3600;
 const UDP_S: u32 = 120;
 /// `TCP_CONNTRACK_ESTABLISHED`, `TCP_CONNTRACK_CLOSE_WAIT`
-/// (include/uapi/linux/netfilter/nf_conntrack_tcp.h).
+/// (`include/uapi/linux/netfilter/nf_conntrack_tcp.h`).
 const TCP_STATE_ESTABLISHED: u8 = 3;
 const TCP_STATE_CLOSE_WAIT: u8 = 5;
 /// `IPS_SEEN_REPLY | IPS_ASSURED`: netfilter's NAT bits follow from the

@@ -62,13 +62,11 @@ impl Adoption {
         } else if pinned_flag {
             info!("flows kube-proxy translated may still live: they are left to netfilter");
         }
-        if active {
-            if let Err(e) = rules::keep_nat_alive() {
-                warn!(
-                    error = %e,
-                    "netfilter's NAT is not kept running: kube-proxy's flows break once its rules go"
-                );
-            }
+        if active && let Err(e) = rules::keep_nat_alive() {
+            warn!(
+                error = %e,
+                "netfilter's NAT is not kept running: kube-proxy's flows break once its rules go"
+            );
         }
         Self {
             leftovers,
@@ -140,7 +138,9 @@ impl Adoption {
         }
         match rules::release_nat() {
             Ok(_) => {
-                info!("the last flow kube-proxy translated has ended: netfilter is no longer asked");
+                info!(
+                    "the last flow kube-proxy translated has ended: netfilter is no longer asked"
+                );
                 self.active = false;
                 true
             }

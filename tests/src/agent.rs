@@ -361,16 +361,41 @@ impl Agent {
 
     /// Runs `ebpf-proxy cleanup` for this agent's bpffs root, in its namespace.
     pub fn cleanup(&mut self) -> Result<()> {
+        self.cleanup_with(&[]).map(drop)
+    }
+
+    /// [`Agent::cleanup`] with extra arguments for `ebpf-proxy cleanup` (such as
+    /// `--handoff`); returns what it printed on stdout and stderr (also appended to
+    /// the agent's log). Once it succeeded, dropping the agent runs no other cleanup.
+    pub fn cleanup_with(&mut self, extra_args: &[&str]) -> Result<String> {
         // Where the namespace is gone, so is every interface the agent attached
         // to; the pins are what is left.
         let mut cmd = self.on_its_node();
-        cmd.arg("cleanup").arg("--bpf-root").arg(&self.bpf_root);
-        let output = run_cmd(&mut cmd)?;
-        self.cleaned_up = true;
+        cmd.arg("cleanup")
+            .args(extra_args)
+            .arg("--bpf-root")
+            .arg(&self.bpf_root);
+        let output = cmd
+            .output()
+            .with_context(|| format!("cannot start {}", describe(&cmd)))?;
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
         if let Ok(mut log) = fs::OpenOptions::new().append(true).open(&self.log_path) {
-            let _ = writeln!(log, "--- {}:\n{output}", describe(&cmd));
+            let _ = writeln!(log, "--- {}:\n{printed}", describe(&cmd));
         }
-        Ok(())
+        if !output.status.success() {
+            bail!(
+                "{} failed ({}): {}",
+                describe(&cmd),
+                output.status,
+                printed.trim()
+            );
+        }
+        self.cleaned_up = true;
+        Ok(printed)
     }
 }
 

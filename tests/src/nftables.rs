@@ -30,8 +30,14 @@
 //!
 //! Left out, as in [`crate::iptables`]: the "masquerade off-cluster traffic" rule (needs
 //! the cluster CIDR; no client here is off-cluster), the "drop traffic to unallocated
-//! ClusterIPs" rule (needs the service CIDRs), NodePorts, external IPs and load
-//! balancers. A service without endpoints is refused rather than written into
+//! ClusterIPs" rule (needs the service CIDRs), externalTrafficPolicy Local, external
+//! IPs and load balancers.
+//!
+//! NodePorts with externalTrafficPolicy Cluster ([`ruleset_with_node_ports`]): an
+//! `external-HASH-…` chain per port that jumps to `mark-for-masquerade` (all of it
+//! is masqueraded, as it may cross nodes) and goes to the service
+//! chain, and its `service-nodeports` element `proto . nodePort : goto external-…`,
+//! which the `services` chain consults for `nodeport-ips`. A service without endpoints is refused rather than written into
 //! `no-endpoint-services`, as the iptables writer does.
 
 use std::{fmt::Write as _, io::Write, process::Stdio};
@@ -132,6 +138,12 @@ pub fn service_chain<A: Family>(svc: &KubeService<A>) -> String {
     format!("service-{}", service_base(svc))
 }
 
+/// The service port's external-traffic chain (NodePorts),
+/// `external-HASH-ns/name/proto/port`.
+pub fn external_chain<A: Family>(svc: &KubeService<A>) -> String {
+    format!("external-{}", service_base(svc))
+}
+
 /// An endpoint's chain, `endpoint-HASH-ns/name/proto/port__ip/port`.
 pub fn endpoint_chain<A: Family>(svc: &KubeService<A>, ep: A::Endpoint) -> String {
     format!("endpoint-{}", endpoint_base(svc, ep))
@@ -146,11 +158,27 @@ pub fn affinity_set<A: Family>(svc: &KubeService<A>, ep: A::Endpoint) -> String 
 /// input. It starts by deleting any previous `ip kube-proxy` (`ip6 kube-proxy`) table (the `add` first
 /// makes the `delete` valid when there is none), so applying it twice replaces.
 /// `node_ips` fill `nodeport-ips`.
+pub fn ruleset<A: Family>(services: &[KubeService<A>], node_ips: &[A]) -> Result<String> {
+    ruleset_of(services.iter().map(|svc| (svc, None)), node_ips)
+}
+
+/// [`ruleset`] for service ports that may have a `nodePort` (externalTrafficPolicy
+/// Cluster): `(port, Some(nodePort))`, or `(port, None)` for a ClusterIP-only one.
+pub fn ruleset_with_node_ports<A: Family>(
+    services: &[(KubeService<A>, Option<u16>)],
+    node_ips: &[A],
+) -> Result<String> {
+    ruleset_of(services.iter().map(|(svc, np)| (svc, *np)), node_ips)
+}
+
 #[expect(
     clippy::too_many_lines,
     reason = "the ruleset, written in the order nft prints it"
 )]
-pub fn ruleset<A: Family>(services: &[KubeService<A>], node_ips: &[A]) -> Result<String> {
+fn ruleset_of<'a, A: Family>(
+    services: impl Iterator<Item = (&'a KubeService<A>, Option<u16>)>,
+    node_ips: &[A],
+) -> Result<String> {
     let t = table::<A>();
     let (ip, addr) = (A::NFT_FAMILY, A::NFT_ADDR);
     let mut out = String::new();
@@ -256,8 +284,8 @@ pub fn ruleset<A: Family>(services: &[KubeService<A>], node_ips: &[A]) -> Result
         "add rule {t} services {ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports"
     ));
 
-    for svc in services {
-        write_service(&mut w, svc)?;
+    for (svc, node_port) in services {
+        write_service(&mut w, svc, node_port)?;
     }
     Ok(out)
 }
@@ -265,7 +293,11 @@ pub fn ruleset<A: Family>(services: &[KubeService<A>], node_ips: &[A]) -> Result
 /// One service port: its endpoint chains (and affinity sets), its service chain, and
 /// its elements in `cluster-ips` and `service-ips`, in the order `syncProxyRules`
 /// emits them (chains before anything that points at them).
-fn write_service<A: Family>(w: &mut impl FnMut(String), svc: &KubeService<A>) -> Result<()> {
+fn write_service<A: Family>(
+    w: &mut impl FnMut(String),
+    svc: &KubeService<A>,
+    node_port: Option<u16>,
+) -> Result<()> {
     let t = table::<A>();
     let (ip, addr) = (A::NFT_FAMILY, A::NFT_ADDR);
     let endpoints = svc.sorted_endpoints();
@@ -333,13 +365,38 @@ fn write_service<A: Family>(w: &mut impl FnMut(String), svc: &KubeService<A>) ->
         "add element {t} service-ips {{ {} . {proto} . {} : goto {svc_chain} }}",
         svc.cluster_ip, svc.port
     ));
+    if let Some(node_port) = node_port {
+        // externalTrafficPolicy Cluster: what comes in on the node port may go to
+        // another node's endpoint, so it is masqueraded, then load-balanced like
+        // the ClusterIP.
+        let ext_chain = external_chain(svc);
+        w(format!("add chain {t} {ext_chain}"));
+        w(format!("add rule {t} {ext_chain} jump mark-for-masquerade"));
+        w(format!("add rule {t} {ext_chain} goto {svc_chain}"));
+        w(format!(
+            "add element {t} service-nodeports {{ {proto} . {node_port} : goto {ext_chain} }}"
+        ));
+    }
     Ok(())
 }
 
 /// Replaces the `ip kube-proxy` (`ip6 kube-proxy`) table of `ns` with kube-proxy's
 /// rules for `services`.
 pub fn apply<A: Family>(ns: &NetNs, services: &[KubeService<A>], node_ips: &[A]) -> Result<()> {
-    let input = ruleset(services, node_ips)?;
+    load(ns, &ruleset(services, node_ips)?)
+}
+
+/// [`apply`] with node ports ([`ruleset_with_node_ports`]).
+pub fn apply_with_node_ports<A: Family>(
+    ns: &NetNs,
+    services: &[(KubeService<A>, Option<u16>)],
+    node_ips: &[A],
+) -> Result<()> {
+    load(ns, &ruleset_with_node_ports(services, node_ips)?)
+}
+
+/// `nft -f -` of `input` in `ns`.
+fn load(ns: &NetNs, input: &str) -> Result<()> {
     let mut cmd = ns.command("nft");
     cmd.args(["-f", "-"])
         .stdin(Stdio::piped())
@@ -543,6 +600,32 @@ mod tests {
             }
         }
         assert!(!r.contains("recent"), "no iptables syntax: {r}");
+    }
+
+    #[test]
+    fn node_ports_match_kube_proxy() {
+        // kube-proxy's TestOverallNFTablesRules expectations for ns3/svc3, a NodePort
+        // with externalTrafficPolicy Cluster.
+        let svc = kube("ns3", "svc3", "172.30.0.43", &["10.180.0.3"], None);
+        let r =
+            ruleset_with_node_ports(&[(svc.clone(), Some(3003))], &[ep("192.168.0.2")]).unwrap();
+        assert_has(
+            &r,
+            &[
+                "add chain ip kube-proxy external-4AT6LBPK-ns3/svc3/tcp/p80",
+                "add rule ip kube-proxy external-4AT6LBPK-ns3/svc3/tcp/p80 jump mark-for-masquerade",
+                "add rule ip kube-proxy external-4AT6LBPK-ns3/svc3/tcp/p80 goto service-4AT6LBPK-ns3/svc3/tcp/p80",
+                "add element ip kube-proxy service-nodeports { tcp . 3003 : goto external-4AT6LBPK-ns3/svc3/tcp/p80 }",
+                "add element ip kube-proxy service-ips { 172.30.0.43 . tcp . 80 : goto service-4AT6LBPK-ns3/svc3/tcp/p80 }",
+            ],
+        );
+        let pos = |needle: &str| r.find(needle).unwrap_or_else(|| panic!("{needle}"));
+        assert!(pos("add chain ip kube-proxy external-") < pos("service-nodeports { tcp"));
+        // Without a node port, the ruleset of `ruleset`.
+        assert_eq!(
+            ruleset_with_node_ports(&[(svc.clone(), None)], &[]).unwrap(),
+            ruleset(&[svc], &[]).unwrap()
+        );
     }
 
     #[test]

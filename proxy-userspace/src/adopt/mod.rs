@@ -140,7 +140,9 @@ impl Adoption {
         }
         match rules::release_nat() {
             Ok(_) => {
-                info!("the last flow kube-proxy translated has ended: netfilter is no longer asked");
+                info!(
+                    "the last flow kube-proxy translated has ended: netfilter is no longer asked"
+                );
                 self.active = false;
                 true
             }

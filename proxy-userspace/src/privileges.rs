@@ -41,7 +41,8 @@ pub const NET_ADMIN: Requirement = Requirement {
     needed_for: "loading and attaching the tc, XDP and socket hook programs, and closing sockets to removed backends",
 };
 
-/// Exactly what deploy/daemonset.yaml grants.
+/// What deploy/daemonset.yaml grants for the agent itself; it also grants
+/// `CAP_NET_RAW`, which only the image's iptables-legacy tools use.
 pub const REQUIRED: [Requirement; 3] = [BPF, PERFMON, NET_ADMIN];
 
 /// What a kernel operation the agent performs needs.

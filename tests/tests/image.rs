@@ -7,8 +7,10 @@
 //! the fake API server in tests/apiserver/, as a cluster's names its own), and
 //! the host network of a test node (the node's network namespace). The startup
 //! probe is polled as the kubelet would, then the readiness and liveness
-//! probes. The image's OCI labels name its version, commit and licences, and it
-//! holds `/usr/local/bin/kube-proxy` as a link to the agent. A pod's
+//! probes. The image's OCI labels name its version, commit and licences, it
+//! holds `/usr/local/bin/kube-proxy` as a link to the agent, and the netfilter
+//! tools the agent runs to take a node over from kube-proxy work in it, run as
+//! the DaemonSet runs the agent in a network namespace of their own. A pod's
 //! connections through a ClusterIP are served, and keep being served after
 //! `podman rm -f`: the datapath lives in the pins.
 //!
@@ -20,9 +22,10 @@ mod daemonset;
 
 use std::{
     fs,
+    io::Write as _,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
     thread,
     time::{Duration, SystemTime},
 };
@@ -49,6 +52,8 @@ const CONNECTIONS: usize = 40;
 /// Where the DaemonSet mounts the host's bpffs, and the host's cgroup root.
 const BPFFS_HOST_PATH: &str = "/sys/fs/bpf";
 const CGROUP_HOST_PATH: &str = "/sys/fs/cgroup";
+/// iptables' lock, which the DaemonSet mounts from the host as kube-proxy's does.
+const XTABLES_LOCK_HOST_PATH: &str = "/run/xtables.lock";
 
 /// The cargo target directory, where `cargo xtask image` writes the archives.
 fn target_dir() -> PathBuf {
@@ -215,12 +220,16 @@ impl Drop for Running<'_> {
     }
 }
 
-/// Removes a test directory, also when the test fails.
+/// Removes a test directory or file, also when the test fails.
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
+        let _ = if self.0.is_dir() {
+            fs::remove_dir_all(&self.0)
+        } else {
+            fs::remove_file(&self.0)
+        };
     }
 }
 
@@ -479,6 +488,60 @@ fn check_kube_proxy_link(podman: &Podman, image_ref: &str, stem: &str) {
     );
 }
 
+/// The netfilter tools the agent's takeover and hand-back run are in the image
+/// and work as the DaemonSet runs it (`flags`: its capabilities, read-only root
+/// and mounts, iptables' lock among them), in a network namespace of the
+/// container's own: each iptables backend reads IPv4 and IPv6, and writes
+/// (iptables-legacy-restore takes the lock), and `nft` lists the tables.
+fn check_netfilter_tools(podman: &Podman, image_ref: &str, flags: &[String]) {
+    let flags: Vec<&str> = flags
+        .iter()
+        .map(String::as_str)
+        .filter(|f| !f.starts_with("--network=") && !f.starts_with("--entrypoint="))
+        .collect();
+    for (tool, args, stdin) in [
+        ("iptables-nft-save", &[][..], None),
+        ("ip6tables-nft-save", &[], None),
+        ("iptables-legacy-save", &[], None),
+        ("ip6tables-legacy-save", &[], None),
+        (
+            "iptables-legacy-restore",
+            &["--noflush", "--wait=5"],
+            Some("*filter\n:EBPF-PROXY-TEST - [0:0]\nCOMMIT\n"),
+        ),
+        (
+            "iptables-nft-restore",
+            &["--noflush"],
+            Some("*filter\n:EBPF-PROXY-TEST - [0:0]\nCOMMIT\n"),
+        ),
+        ("nft", &["list", "tables"], None),
+    ] {
+        let mut cmd = podman.command();
+        cmd.args(["run", "--rm", "--interactive", "--network=none"])
+            .args(&flags)
+            .arg(format!("--entrypoint=/usr/sbin/{tool}"))
+            .arg(image_ref)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("podman run");
+        {
+            let mut pipe = child.stdin.take().expect("stdin");
+            pipe.write_all(stdin.unwrap_or("").as_bytes())
+                .expect("the tool's input");
+        }
+        let out = child.wait_with_output().expect("podman run");
+        assert!(
+            out.status.success(),
+            "{tool} {args:?} in the image: {}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 #[expect(
     clippy::too_many_lines,
@@ -558,6 +621,22 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
     let configmap_dir = PathBuf::from(format!("/tmp/ebpf-proxy-test-{stem}-kube-proxy"));
     write_kube_proxy_configmap(&configmap_dir, server.url());
     let _configmap_cleanup = RemoveOnDrop(configmap_dir.clone());
+    // The node's iptables lock, which the DaemonSet mounts from the host: a
+    // file of this test's, as the kubelet's FileOrCreate makes it.
+    let xtables_lock = PathBuf::from(format!("/tmp/ebpf-proxy-test-{stem}-xtables.lock"));
+    fs::write(&xtables_lock, "").expect("the xtables lock");
+    let _lock_cleanup = RemoveOnDrop(xtables_lock.clone());
+    let host_dirs = [
+        (BPFFS_HOST_PATH, bpffs_dir.as_path()),
+        (CGROUP_HOST_PATH, cgroup_host.as_path()),
+        ("configMap:kube-proxy", configmap_dir.as_path()),
+        (XTABLES_LOCK_HOST_PATH, xtables_lock.as_path()),
+    ];
+    check_netfilter_tools(
+        &podman,
+        &image_ref,
+        &podman_flags(&ds, &container, &node_name, &node_ns.path(), &host_dirs),
+    );
 
     let name = format!("{stem}-ebpf-proxy");
     let mut run_args = vec![
@@ -570,11 +649,7 @@ fn the_image_runs_as_the_daemonset_says_and_its_datapath_outlives_it() {
         &container,
         &node_name,
         &node_ns.path(),
-        &[
-            (BPFFS_HOST_PATH, &bpffs_dir),
-            (CGROUP_HOST_PATH, &cgroup_host),
-            ("configMap:kube-proxy", &configmap_dir),
-        ],
+        &host_dirs,
     ));
     run_args.push(image_ref.clone());
     run_args.extend(container.args.iter().flatten().cloned());

@@ -556,6 +556,48 @@ fn the_daemonset_resolves_by_the_node_and_probes_what_a_restart_fixes() {
     }
 }
 
+/// The agent shares iptables' lock with every other writer on the node: the
+/// host's `/run/xtables.lock` (created when missing), writable at the same path
+/// in the container, as kubeadm's kube-proxy DaemonSet mounts it. Without it
+/// iptables-legacy-restore cannot take a lock on the read-only root and fails.
+#[test]
+fn the_agent_shares_the_nodes_xtables_lock_as_kube_proxy_does() {
+    const LOCK: &str = "/run/xtables.lock";
+    let lock_mount = |pod: &PodSpec, container: &Container| {
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.host_path.as_ref().is_some_and(|h| h.path == LOCK))
+            .unwrap_or_else(|| panic!("a volume of the host's {LOCK}"));
+        let mount = container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == volume.name)
+            .unwrap_or_else(|| panic!("{} mounts the volume {}", container.name, volume.name));
+        (
+            volume.host_path.as_ref().and_then(|h| h.type_.clone()),
+            mount.mount_path.clone(),
+            mount.read_only.unwrap_or(false),
+        )
+    };
+    let ds = daemonset::load();
+    let agent = lock_mount(pod_spec(&ds), daemonset::container(&ds));
+    assert_eq!(
+        agent,
+        (Some("FileOrCreate".to_owned()), LOCK.to_owned(), false),
+        "the host's lock, created when missing, writable at its own path"
+    );
+    let kube_proxy = typed(&kubeadm_kube_proxy());
+    let pod = pod_spec(&kube_proxy);
+    assert_eq!(
+        agent,
+        lock_mount(pod, container(pod, "kube-proxy")),
+        "mounted as kube-proxy mounts it"
+    );
+}
+
 /// The agent and the handoff run unconfined by `AppArmor` and as
 /// `SELinux`'s `spc_t`, which hosts with default profiles need for `bpf()`
 /// and mounts.

@@ -4,10 +4,13 @@
 //! The root filesystem is the release binary (debug info stripped) and exactly
 //! the shared libraries `ldd` says it links, glibc's loader among them, and
 //! Debian's CA bundle (the API client will not start without one, even when
-//! the cluster's own CA comes from the kubeconfig); no Debian root. The agent
-//! execs nothing, so a shell or a package manager would only be more to patch
-//! and more to exploit in a process that holds `CAP_BPF` and `CAP_NET_ADMIN`; and
-//! the libraries come from this machine, where the binary was linked against
+//! the cluster's own CA comes from the kubeconfig), and the netfilter tools the
+//! agent runs to take a node over from kube-proxy and to hand it back
+//! (proxy-userspace's `adopt::rules`: [`TOOLS`], iptables' extension modules
+//! and every library those link); no Debian root. The agent execs nothing
+//! else, so a shell or a package manager would only be more to patch and more
+//! to exploit in a process that holds `CAP_BPF` and `CAP_NET_ADMIN`; and the
+//! libraries come from this machine, where the binary was linked against
 //! them, so they cannot drift apart. Name
 //! lookups need nothing more: glibc 2.34 and later carry the `files` and `dns`
 //! NSS modules inside libc.so.6, and the kubelet mounts /etc/hosts and
@@ -31,6 +34,11 @@
 //! linker, and takes the libraries from Debian's arm64 cross packages, by
 //! the ELF's needs (`ldd` cannot run a foreign binary); it needs the Rust
 //! target and those packages, and says how to get them when one is missing.
+//! The arm64 image has no netfilter tools: Debian has no cross packages of
+//! iptables, nftables or iproute2 (only arm64 ones, which would need arm64
+//! added to this machine's dpkg architectures), so there the agent's takeover
+//! skips each backend with its warning that the tool is missing, and
+//! `cleanup --handoff` cannot remove its nft table.
 //!
 //! buildah keeps its storage in a directory of its own under the target
 //! directory (vfs driver: no overlay mounts to leave behind), removed
@@ -62,6 +70,69 @@ use image::{BIN_IN_IMAGE, KUBE_PROXY_IN_IMAGE};
 /// Debian's CA bundle (package ca-certificates), where rustls's native
 /// certificate loader looks first.
 const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// A tool the agent runs (proxy-userspace's `adopt::rules`, which looks for each
+/// on PATH, then in /usr/sbin and /sbin, and skips that backend without it).
+#[derive(Debug)]
+pub struct Tool {
+    /// Where it is here and in the image: Debian's path, symbolic links
+    /// followed here, so the image holds the file itself.
+    pub path: &'static str,
+    /// The names in the same directory that are links to it, here and in the
+    /// image: the commands of a multi-call binary.
+    pub links: &'static [&'static str],
+    /// The Debian package that brings it (`cargo xtask setup` installs it).
+    pub deb: &'static str,
+}
+
+/// The tools the amd64 image carries: `nft` for kube-proxy's nftables tables and
+/// the agent's NAT keep-alive table, both iptables backends for kube-proxy's
+/// iptables and IPVS-mode rules, and `ip` for the IPVS dummy link. Not
+/// `ipvsadm` and `ipset` (IPVS mode's virtual servers and sets): Debian's
+/// packages are not in `cargo xtask setup`, and without them the takeover says
+/// what it left.
+pub const TOOLS: &[Tool] = &[
+    Tool {
+        path: "/usr/sbin/nft",
+        links: &[],
+        deb: "nftables",
+    },
+    Tool {
+        path: "/usr/sbin/xtables-legacy-multi",
+        links: &[
+            "iptables-legacy",
+            "iptables-legacy-save",
+            "iptables-legacy-restore",
+            "ip6tables-legacy",
+            "ip6tables-legacy-save",
+            "ip6tables-legacy-restore",
+        ],
+        deb: "iptables",
+    },
+    Tool {
+        path: "/usr/sbin/xtables-nft-multi",
+        links: &[
+            "iptables-nft",
+            "iptables-nft-save",
+            "iptables-nft-restore",
+            "ip6tables-nft",
+            "ip6tables-nft-save",
+            "ip6tables-nft-restore",
+        ],
+        deb: "iptables",
+    },
+    Tool {
+        path: "/usr/sbin/ip",
+        links: &[],
+        deb: "iproute2",
+    },
+];
+
+/// iptables' extension modules (package iptables), one per match and target
+/// (`comment`, `statistic`, `recent`, `mark`, `addrtype`, `conntrack`,
+/// `MASQUERADE`, `DNAT`, `REJECT`, `MARK`, ... in kube-proxy's rules), which
+/// libxtables loads from this compiled-in directory to read and write a rule.
+const XTABLES_MODULES: &str = "/usr/lib/x86_64-linux-gnu/xtables";
 
 const TITLE: &str = "ebpf-proxy";
 const DESCRIPTION: &str = "eBPF replacement for kube-proxy";
@@ -115,15 +186,26 @@ pub fn build(bin: &Path, options: &Options) -> Result<PathBuf> {
         }
     }
     fs::create_dir_all(&rootfs).with_context(|| format!("create {}", rootfs.display()))?;
-    let libs = match options.arch {
-        Arch::Amd64 => linked_libraries(bin)?,
-        Arch::Arm64 => cross_libraries(bin, &cross::ARM64)?,
+    let (tools, libs) = match options.arch {
+        Arch::Amd64 => {
+            let tools = Contents::netfilter_tools()?;
+            let mut libs = linked_libraries(bin)?;
+            libs.extend(tools.libraries()?);
+            (tools, dedup(libs))
+        }
+        Arch::Arm64 => {
+            eprintln!(
+                "warning: the arm64 image has no netfilter tools (Debian has no cross packages of them): \
+                 the agent's takeover skips kube-proxy's rules there"
+            );
+            (Contents::default(), cross_libraries(bin, &cross::ARM64)?)
+        }
     };
     let objcopy = match options.arch {
         Arch::Amd64 => "objcopy",
         Arch::Arm64 => cross::ARM64.objcopy,
     };
-    assemble_rootfs(bin, objcopy, &libs, &rootfs)?;
+    assemble_rootfs(bin, objcopy, &libs, &tools, &rootfs)?;
     let metadata = Metadata::of_this_tree(&version, options.source.clone())?;
 
     let buildah = Buildah { storage };
@@ -278,13 +360,116 @@ fn agent_version() -> Result<String> {
     Ok(version.to_owned())
 }
 
+/// Files besides the agent, its libraries and the CA bundle: each tool of
+/// [`TOOLS`] and its links, and the extension modules.
+#[derive(Debug, Default)]
+struct Contents {
+    /// `(where it is here, where it goes in the image)`.
+    files: Vec<(PathBuf, PathBuf)>,
+    /// `(the link in the image, what it points to)`.
+    links: Vec<(PathBuf, PathBuf)>,
+}
+
+impl Contents {
+    /// [`TOOLS`] and [`XTABLES_MODULES`]; an error naming the package for any
+    /// that is missing.
+    fn netfilter_tools() -> Result<Contents> {
+        let mut contents = Contents::default();
+        for tool in TOOLS {
+            let path = Path::new(tool.path);
+            if !path.is_file() {
+                bail!(
+                    "{} is missing (Debian package {}; `cargo xtask setup`)",
+                    tool.path,
+                    tool.deb
+                );
+            }
+            contents.files.push((path.to_owned(), path.to_owned()));
+            let dir = path.parent().expect("an absolute path has a parent");
+            let name = path.file_name().expect("a file name");
+            for link in tool.links {
+                contents.links.push((dir.join(link), PathBuf::from(name)));
+            }
+        }
+        let modules = fs::read_dir(XTABLES_MODULES).with_context(|| {
+            format!("read {XTABLES_MODULES} (Debian package iptables; `cargo xtask setup`)")
+        })?;
+        let mut found = Vec::new();
+        for entry in modules {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "so") && path.is_file() {
+                found.push(path);
+            }
+        }
+        if found.is_empty() {
+            bail!("{XTABLES_MODULES} holds no extension modules");
+        }
+        found.sort();
+        contents
+            .files
+            .extend(found.into_iter().map(|p| (p.clone(), p)));
+        Ok(contents)
+    }
+
+    /// What `ldd` says every file links.
+    fn libraries(&self) -> Result<Vec<(PathBuf, PathBuf)>> {
+        let mut libs = Vec::new();
+        for (here, _) in &self.files {
+            libs.extend(linked_libraries(here)?);
+        }
+        Ok(dedup(libs))
+    }
+
+    /// Copies the files (permissions kept) and makes the links below `root`.
+    fn install(&self, root: &Path) -> Result<()> {
+        for (here, in_image) in &self.files {
+            let dest = within(root, in_image);
+            fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
+            fs::copy(here, &dest)
+                .with_context(|| format!("copy {} to {}", here.display(), dest.display()))?;
+        }
+        for (link, target) in &self.links {
+            let dest = within(root, link);
+            symlink(target, &dest).with_context(|| format!("link {}", dest.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Each library once, by where it goes in the image, in the order first seen.
+fn dedup(libs: Vec<(PathBuf, PathBuf)>) -> Vec<(PathBuf, PathBuf)> {
+    let mut out: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(libs.len());
+    for lib in libs {
+        if !out.iter().any(|(_, in_image)| *in_image == lib.1) {
+            out.push(lib);
+        }
+    }
+    out
+}
+
+/// Each library in `libs` (`(where it is here, where the loader looks for
+/// it)`), below `root`.
+fn install_libraries(libs: &[(PathBuf, PathBuf)], root: &Path) -> Result<()> {
+    for (lib, in_image) in libs {
+        let dest = within(root, in_image);
+        fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
+        // fs::copy follows symbolic links (ld-linux's /lib64 path is one), so
+        // the image holds the file under the name the binary asks for.
+        fs::copy(lib, &dest)
+            .with_context(|| format!("copy {} to {}", lib.display(), dest.display()))?;
+        fs::set_permissions(&dest, fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(())
+}
+
 /// The binary at [`BIN_IN_IMAGE`] (stripped by `objcopy`, the one for its
-/// architecture), kube-proxy's name linked to it, and each library in `libs`
-/// (`(where it is here, where the loader looks for it)`).
+/// architecture), kube-proxy's name linked to it, each library in `libs`
+/// (`(where it is here, where the loader looks for it)`) and `tools`.
 fn assemble_rootfs(
     bin: &Path,
     objcopy: &str,
     libs: &[(PathBuf, PathBuf)],
+    tools: &Contents,
     rootfs: &Path,
 ) -> Result<()> {
     let dest = within(rootfs, Path::new(BIN_IN_IMAGE));
@@ -300,27 +485,25 @@ fn assemble_rootfs(
         .file_name()
         .expect("the agent's file name");
     symlink(agent_name, &link).with_context(|| format!("link {}", link.display()))?;
-    for (lib, in_image) in libs {
-        let dest = within(rootfs, in_image);
-        fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
-        // fs::copy follows symbolic links (ld-linux's /lib64 path is one), so
-        // the image holds the file under the name the binary asks for.
-        fs::copy(lib, &dest)
-            .with_context(|| format!("copy {} to {}", lib.display(), dest.display()))?;
-        fs::set_permissions(&dest, fs::Permissions::from_mode(0o755))?;
-    }
+    install_libraries(libs, rootfs)?;
+    tools.install(rootfs)?;
+    // iptables-legacy's lock, /run/xtables.lock (the DaemonSet mounts the
+    // host's there, so that every writer on the node takes the same one).
+    fs::create_dir_all(within(rootfs, Path::new("/run")))?;
     let dest = within(rootfs, Path::new(CA_BUNDLE));
     fs::create_dir_all(dest.parent().expect("an absolute path has a parent"))?;
     fs::copy(CA_BUNDLE, &dest).with_context(|| {
         format!("copy {CA_BUNDLE} (Debian package ca-certificates; `cargo xtask setup`)")
     })?;
     println!(
-        "image root: {BIN_IN_IMAGE}, {KUBE_PROXY_IN_IMAGE} -> {}, {CA_BUNDLE} and {}",
+        "image root: {BIN_IN_IMAGE}, {KUBE_PROXY_IN_IMAGE} -> {}, {CA_BUNDLE}, {}; {} tool files and {} links",
         agent_name.display(),
         libs.iter()
             .map(|(_, l)| l.display().to_string())
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        tools.files.len(),
+        tools.links.len(),
     );
     Ok(())
 }
@@ -329,7 +512,8 @@ fn assemble_rootfs(
 /// for any it cannot find (the image would not start).
 fn linked_libraries(bin: &Path) -> Result<Vec<(PathBuf, PathBuf)>> {
     let out = run_cmd(Command::new("ldd").arg(bin))?;
-    Ok(parse_ldd(&out)?
+    Ok(parse_ldd(&out)
+        .with_context(|| format!("the libraries of {}", bin.display()))?
         .into_iter()
         .map(|lib| (lib.clone(), lib))
         .collect())
@@ -394,7 +578,7 @@ fn parse_ldd(out: &str) -> Result<Vec<PathBuf>> {
     let mut libs = Vec::new();
     for line in out.lines().map(str::trim).filter(|l| !l.is_empty()) {
         if line.contains("not found") {
-            bail!("ldd cannot find a library the agent links: {line}");
+            bail!("ldd cannot find a library: {line}");
         }
         if line == "statically linked" {
             continue;
@@ -413,7 +597,7 @@ fn parse_ldd(out: &str) -> Result<Vec<PathBuf>> {
         }
     }
     if libs.is_empty() {
-        bail!("ldd lists no libraries; is the agent linked statically? ldd said:\n{out}");
+        bail!("ldd lists no libraries; is it linked statically? ldd said:\n{out}");
     }
     Ok(libs)
 }
@@ -566,6 +750,136 @@ mod tests {
     #[test]
     fn the_licenses_are_the_workspaces() {
         assert_eq!(workspace_license().expect("license"), "MIT OR Apache-2.0");
+    }
+
+    #[test]
+    fn the_tools_and_their_links_are_found_once_each() {
+        let tools = Contents::netfilter_tools().expect("the tools (`cargo xtask setup`)");
+        for name in [
+            "nft",
+            "ip",
+            "iptables-legacy-save",
+            "iptables-legacy-restore",
+            "ip6tables-legacy-save",
+            "iptables-nft-save",
+            "iptables-nft-restore",
+            "ip6tables-nft-restore",
+        ] {
+            let path = Path::new("/usr/sbin").join(name);
+            assert!(
+                tools.files.iter().any(|(_, f)| *f == path)
+                    || tools.links.iter().any(|(l, _)| *l == path),
+                "{name} in the image"
+            );
+        }
+        for module in [
+            "libxt_comment.so",
+            "libxt_statistic.so",
+            "libxt_MASQUERADE.so",
+        ] {
+            assert!(
+                tools
+                    .files
+                    .iter()
+                    .any(|(_, f)| *f == Path::new(XTABLES_MODULES).join(module)),
+                "{module}"
+            );
+        }
+        let libs = tools.libraries().expect("ldd");
+        for lib in ["libxtables.so.12", "libnftables.so.1", "libc.so.6"] {
+            assert_eq!(
+                libs.iter()
+                    .filter(|(_, l)| l.file_name().is_some_and(|n| n == lib))
+                    .count(),
+                1,
+                "{lib} once in {libs:?}"
+            );
+        }
+    }
+
+    /// kube-proxy's kinds of rules (iptables mode's matches and targets), for
+    /// each iptables backend to write and read back.
+    const KUBE_PROXY_RULES: &str = "*filter
+:KUBE-FORWARD - [0:0]
+:KUBE-SERVICES - [0:0]
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x4000/0x4000 -j ACCEPT
+-A KUBE-SERVICES -d 10.96.0.20/32 -p tcp -m comment --comment \"ns/svc has no endpoints\" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable
+COMMIT
+*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-SVC-X - [0:0]
+:KUBE-SEP-A - [0:0]
+-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000
+-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN
+-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000
+-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully
+-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-MARK-MASQ
+-A KUBE-SERVICES -d 10.96.0.10/32 -p udp -m comment --comment \"ns/svc cluster IP\" -m udp --dport 53 -j KUBE-SVC-X
+-A KUBE-SVC-X -m comment --comment a -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-A
+-A KUBE-SEP-A -s 10.244.0.2/32 -j KUBE-MARK-MASQ
+-A KUBE-SEP-A -p udp -m recent --set --name KUBE-SEP-A --mask 255.255.255.255 --rsource -m udp -j DNAT --to-destination 10.244.0.2:53
+COMMIT
+";
+
+    /// The tools, alone with their libraries in a root of their own (what
+    /// the image holds of them), in a network namespace of their own: each
+    /// iptables backend writes kube-proxy's kinds of rules and reads them
+    /// back, the ip6tables ones read, `nft` makes and lists a table and `ip`
+    /// lists links. Needs root (skipped, saying so, without).
+    #[test]
+    fn the_tools_run_in_a_root_of_their_own() {
+        if ebpf_proxy_tests::require_root().is_err() {
+            eprintln!("skipped: needs root (unshare, chroot)");
+            return;
+        }
+        let root = std::env::temp_dir().join(format!("xtask-image-tools-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let tools = Contents::netfilter_tools().expect("the tools");
+        install_libraries(&tools.libraries().expect("ldd"), &root).expect("the libraries");
+        tools.install(&root).expect("the tools");
+        // The image's empty /run, where iptables-legacy takes its lock; /proc
+        // for the namespace's own (/proc/net is what the legacy tools read).
+        for dir in ["run", "proc"] {
+            fs::create_dir_all(root.join(dir)).expect("a directory");
+        }
+        let rules = std::env::temp_dir().join(format!("xtask-image-rules-{}", std::process::id()));
+        fs::write(&rules, KUBE_PROXY_RULES).expect("the rules");
+        let r = root.display();
+        let script = format!(
+            "set -e
+             for b in nft legacy; do
+               chroot {r} /usr/sbin/iptables-$b-restore --wait=5 < {rules}
+               chroot {r} /usr/sbin/iptables-$b-save > {r}/saved
+               grep -q 'statistic --mode random --probability 0.5' {r}/saved
+               grep -q 'recent --set --name KUBE-SEP-A' {r}/saved
+               grep -q 'MASQUERADE --random-fully' {r}/saved
+               grep -q 'addrtype --dst-type LOCAL' {r}/saved
+               chroot {r} /usr/sbin/ip6tables-$b-save
+             done
+             chroot {r} /usr/sbin/nft add table ip ebpf-proxy-nat
+             chroot {r} /usr/sbin/nft list tables | grep -q ebpf-proxy-nat
+             chroot {r} /usr/sbin/ip link show lo",
+            rules = rules.display()
+        );
+        let out = Command::new("unshare")
+            .args(["--net", "--pid", "--fork"])
+            .arg(format!("--mount-proc={}", root.join("proc").display()))
+            .args(["sh", "-c", &script])
+            .output()
+            .expect("unshare");
+        let _ = fs::remove_dir_all(&root);
+        let _ = fs::remove_file(&rules);
+        assert!(
+            out.status.success(),
+            "{}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]

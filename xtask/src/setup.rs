@@ -16,8 +16,8 @@ use crate::run_status;
 /// sandboxes (iptables for kube-proxy's reference rules); ethtool sets the checksum
 /// offload and GRO of the two-node sandbox's veths; prometheus brings `promtool`,
 /// which checks the agent's metrics exposition; python3-venv holds the pinned
-/// `kubernetes-validate` that checks the manifests in deploy/; the image's tools
-/// are listed with them.
+/// `kubernetes-validate` that checks the manifests in deploy/. The packages of
+/// the netfilter tools the image carries come from `image::TOOLS` as well.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -54,11 +54,13 @@ const BPFFS: &str = "/sys/fs/bpf";
 /// Checks everything first and acts only on what is missing, so a machine that has
 /// it all needs no root for this step (the tests and the demo still do).
 pub fn run() -> Result<()> {
-    let missing_debs: Vec<&str> = APT_PACKAGES
-        .iter()
-        .copied()
-        .filter(|p| !deb_installed(p))
-        .collect();
+    let mut debs: Vec<&str> = APT_PACKAGES.to_vec();
+    for tool in crate::image::TOOLS {
+        if !debs.contains(&tool.deb) {
+            debs.push(tool.deb);
+        }
+    }
+    let missing_debs: Vec<&str> = debs.into_iter().filter(|p| !deb_installed(p)).collect();
     let linker_missing = !bpf_linker_works();
     let bpffs_missing = !bpffs_mounted()?;
     let validator_missing = !Path::new(KUBERNETES_VALIDATE).is_file();

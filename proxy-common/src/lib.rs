@@ -31,6 +31,10 @@ pub mod map_names {
     pub const NODE_CONFIG6: &str = "NODE_CONFIG6";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
+    /// The interfaces whose packets come from this node's pods
+    /// (`--detect-local-mode BridgeInterface` or `InterfaceNamePrefix`):
+    /// ifindex to 1.
+    pub const LOCAL_IFACES: &str = "LOCAL_IFACES";
     pub const CLOCK: &str = "CLOCK";
     pub const FLOW_CACHE: &str = "FLOW_CACHE";
     pub const FLOW_GEN: &str = "FLOW_GEN";
@@ -58,7 +62,7 @@ pub mod map_names {
     pub const XDP_NEXT: &str = "XDP_NEXT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 11] = [
+    pub const LATER: [&str; 12] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -70,12 +74,13 @@ pub mod map_names {
         CONNTRACK6,
         CT_NEW6,
         FLOW_CACHE6,
+        LOCAL_IFACES,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 27] = [
+    pub const ALL: [&str; 28] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -103,6 +108,7 @@ pub mod map_names {
         CONNTRACK6,
         CT_NEW6,
         FLOW_CACHE6,
+        LOCAL_IFACES,
     ];
 }
 
@@ -354,6 +360,9 @@ pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_CLUSTER_CIDRS: u32 = 64;
+/// Entries of `LOCAL_IFACES`: a bridge, or every pod's host-side interface
+/// of a node.
+pub const MAX_LOCAL_IFACES: u32 = 4096;
 /// Fragmented datagrams in flight whose ports `FRAGMENTS` remembers (an
 /// LRU map: the oldest go first; a datagram's fragments arrive within
 /// microseconds of each other).
@@ -955,6 +964,12 @@ pub mod node_config_flags {
     /// flows keep their own SNAT. Without it only external flows to
     /// backends on other nodes are.
     pub const MASQUERADE_ALL: u32 = 1 << 2;
+    /// A new flow to a ClusterIP from a client that is not in-cluster (not
+    /// in `CLUSTER_CIDRS`, nor arrived on one of `LOCAL_IFACES`) is SNATed to
+    /// the node, as kube-proxy masquerades off-cluster traffic to a
+    /// ClusterIP where it has a local traffic detector. In `NODE_CONFIG` for
+    /// IPv4, in `NODE_CONFIG6` for IPv6 (each family's detector is its own).
+    pub const MASQUERADE_OFF_CLUSTER: u32 = 1 << 3;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)

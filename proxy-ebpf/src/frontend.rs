@@ -8,7 +8,10 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, NODE_ADDRS, SERVICES, SOURCE_RANGES},
+    maps::{
+        AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, LOCAL_IFACES, NODE_ADDRS, SERVICES,
+        SOURCE_RANGES,
+    },
     packet::Flow,
 };
 
@@ -27,8 +30,10 @@ pub struct Frontend {
 /// NodePort when the address is one NodePorts are served on. An in-cluster
 /// client gets the frontend's in-cluster entry where it has one.
 #[inline(always)]
-pub fn lookup_frontend(flow: &Flow) -> Option<Frontend> {
-    lookup_frontend_of(flow.dst_be, flow.dport_be, flow.proto, || in_cluster(flow))
+pub fn lookup_frontend(flow: &Flow, ifindex: u32) -> Option<Frontend> {
+    lookup_frontend_of(flow.dst_be, flow.dport_be, flow.proto, || {
+        in_cluster(flow) || local_iface(ifindex)
+    })
 }
 
 /// `lookup_frontend` for a destination, with `in_cluster` saying whether
@@ -161,7 +166,7 @@ pub fn source_allowed_for6(frontend: &Frontend, client_be: [u32; 4]) -> bool {
 
 /// Whether the client of `flow` is in the cluster (`CLUSTER_CIDRS`).
 #[inline(always)]
-fn in_cluster(flow: &Flow) -> bool {
+pub fn in_cluster(flow: &Flow) -> bool {
     let key = Key::new(
         128,
         ClusterCidrKey {
@@ -178,6 +183,13 @@ pub fn in_cluster6(src_be: [u32; 4]) -> bool {
     CLUSTER_CIDRS
         .get(&Key::new(128, ClusterCidrKey { addr_be: src_be }))
         .is_some()
+}
+
+/// Whether packets arriving on `ifindex` come from this node's pods
+/// (`LOCAL_IFACES`).
+#[inline(always)]
+pub fn local_iface(ifindex: u32) -> bool {
+    LOCAL_IFACES.get_ptr(ifindex).is_some()
 }
 
 /// Flags of `addr_be` when it is an address of this node.

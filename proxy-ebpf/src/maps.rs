@@ -10,9 +10,10 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCache6Entry,
     FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS,
-    MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_NODE_ADDRS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
-    SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
+    MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
+    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
+    ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed,
+    sock_counter,
 };
 
 #[btf_map]
@@ -173,6 +174,20 @@ pub fn node_addr6() -> [u32; 4] {
         // SAFETY: a pointer the map lookup returned, valid for this program's run.
         .map_or([0; 4], |p| unsafe { (*p).snat_addr_be })
 }
+
+/// `NodeConfig::flags` of `NODE_CONFIG6`: IPv6's own settings.
+#[inline(always)]
+pub fn node_flags6() -> u32 {
+    NODE_CONFIG6
+        .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
+        .map_or(0, |p| unsafe { (*p).flags })
+}
+
+/// Interfaces whose packets come from this node's pods (kube-proxy's
+/// interface local traffic detectors): ifindex to 1.
+#[btf_map]
+pub static LOCAL_IFACES: HashMap<u32, u32, { MAX_LOCAL_IFACES as usize }> = HashMap::new();
 
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =

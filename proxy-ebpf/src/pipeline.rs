@@ -68,7 +68,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // datapath does not do yet: such packets are counted and passed, and
         // the agent says so when it programs an SCTP frontend. Counted by tc
         // alone, which sees what XDP passes: once a packet.
-        if !H::XDP && frontend::lookup_frontend(&flow).is_some() {
+        if !H::XDP && frontend::lookup_frontend(&flow, ctx.ingress_ifindex()).is_some() {
             count(counter::UNSUPPORTED_PROTO);
         }
         return Action::Pass;
@@ -110,7 +110,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         event_log::log(Event::FragUntracked, &flow);
         return Action::Pass;
     }
-    let Some(frontend) = frontend::lookup_frontend(&flow) else {
+    let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
         return Action::Pass;
     };
     new_flow(ctx, &flow, &frontend, now)
@@ -202,8 +202,13 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
     let config = node_config();
     let snat = !hairpin
         && (config.flags & node_config_flags::MASQUERADE_ALL != 0
-            || (svc.flags & service_flags::EXTERNAL != 0
-                && backend.flags & backend_flags::LOCAL == 0))
+            || if svc.flags & service_flags::EXTERNAL != 0 {
+                backend.flags & backend_flags::LOCAL == 0
+            } else {
+                config.flags & node_config_flags::MASQUERADE_OFF_CLUSTER != 0
+                    && !frontend::in_cluster(flow)
+                    && !frontend::local_iface(ctx.ingress_ifindex())
+            })
         && config.snat_addr_be[3] != 0;
     if hairpin {
         nf.kind = ct_flags::HAIRPIN;

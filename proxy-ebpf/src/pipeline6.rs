@@ -34,7 +34,7 @@ use crate::{
     flow_cache, frag,
     frontend::{self, Frontend},
     hook6::Hook6,
-    maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags},
+    maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
     nat6::Nat6,
     netfilter_ct,
     packet::{
@@ -130,7 +130,7 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
     }
     let Some(frontend) =
         frontend::lookup_frontend_of6(flow.dst_be, flow.dport_be, flow.proto, || {
-            frontend::in_cluster6(flow.src_be)
+            frontend::in_cluster6(flow.src_be) || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
         return H::PASS;
@@ -226,8 +226,13 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
     // `MASQUERADE_ALL` is in IPv4's `NODE_CONFIG`, for both families.
     let snat = !hairpin
         && (node_flags() & node_config_flags::MASQUERADE_ALL != 0
-            || (svc.flags & service_flags::EXTERNAL != 0
-                && backend.flags & backend_flags::LOCAL == 0));
+            || if svc.flags & service_flags::EXTERNAL != 0 {
+                backend.flags & backend_flags::LOCAL == 0
+            } else {
+                node_flags6() & node_config_flags::MASQUERADE_OFF_CLUSTER != 0
+                    && !frontend::in_cluster6(flow.src_be)
+                    && !frontend::local_iface(ctx.ingress_ifindex())
+            });
     if (hairpin || snat) && node != [0; 4] {
         // Hairpin flows take the node's address too, where IPv4 takes the
         // fixed `HAIRPIN_ADDR` and keeps the port: an IPv6 link-local

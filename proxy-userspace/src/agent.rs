@@ -27,6 +27,7 @@ use crate::{
         maps::Maps,
         program_load,
     },
+    detect_local::DetectLocal,
     health_check_server::HealthCheckServer,
     healthz::Health,
     housekeeping,
@@ -96,9 +97,11 @@ pub struct AgentConfig {
     pub localhost_nodeports: bool,
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
     pub cluster_cidrs: Vec<Cidr>,
-    /// In-cluster clients are those of this node's Node's `spec.podCIDRs`
-    /// rather than `cluster_cidrs` (`--detect-local-mode NodeCIDR`).
-    pub node_cidr_local: bool,
+    /// How in-cluster clients are told (`--detect-local-mode`): with
+    /// `NodeCidr`, by this node's Node's `spec.podCIDRs` rather than
+    /// `cluster_cidrs`; with an interface mode, by the interface they
+    /// arrive on.
+    pub detect_local: DetectLocal,
     /// SNAT every new flow to a Service to the node (`--masquerade-all`).
     pub masquerade_all: bool,
     pub xdp_mode: XdpModeSetting,
@@ -137,10 +140,10 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         stored_node,
         DesiredNode::new(
             config.ct_timeouts,
-            if config.node_cidr_local {
-                &[]
-            } else {
+            if config.detect_local == DetectLocal::ClusterCidr {
                 &config.cluster_cidrs
+            } else {
+                &[]
             },
         )
         .with_masquerade_all(config.masquerade_all),
@@ -149,6 +152,18 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     // find tc asking netfilter from their first packet through it.
     let mut adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
     node.set_netfilter_flows(adoption.active());
+    // kube-proxy masquerades off-cluster clients of a ClusterIP where its
+    // local traffic detector of the family is implemented.
+    let (detector_v4, detector_v6) = match &config.detect_local {
+        DetectLocal::ClusterCidr => (
+            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv4()),
+            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv6()),
+        ),
+        // Until the Node says which families its pods have.
+        DetectLocal::NodeCidr => (false, false),
+        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => (true, true),
+    };
+    node.set_masquerade_off_cluster(detector_v4, detector_v6);
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
     start_event_log(&mut datapath, config.datapath_log);
@@ -230,10 +245,16 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if config.node_cidr_local && state.node_pod_cidrs() != node_pod_cidrs.as_slice() {
+        if config.detect_local == DetectLocal::NodeCidr
+            && state.node_pod_cidrs() != node_pod_cidrs.as_slice()
+        {
             node_pod_cidrs = state.node_pod_cidrs().to_vec();
             info!(pod_cidrs = ?node_pod_cidrs, "clients inside the Node's pod CIDRs are in-cluster");
             node.set_cluster_cidrs(&node_pod_cidrs);
+            node.set_masquerade_off_cluster(
+                node_pod_cidrs.iter().any(|c| c.ip.is_ipv4()),
+                node_pod_cidrs.iter().any(|c| c.ip.is_ipv6()),
+            );
             node.sync(&mut datapath.maps, Instant::now());
         }
         let attached = datapath.attached().next().is_some();
@@ -377,6 +398,7 @@ fn apply_snapshot(
     config: &AgentConfig,
 ) {
     attach_all(datapath, &snapshot.interfaces);
+    node.set_local_ifaces(config.detect_local.local_interfaces(&snapshot.interfaces));
     let stale: Vec<String> = datapath
         .xdp_attached()
         .filter(|(name, _)| !snapshot.uplinks.contains(*name))

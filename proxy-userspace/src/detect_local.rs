@@ -104,6 +104,23 @@ impl DetectLocal {
         })
     }
 
+    /// Of `interfaces` (name to ifindex), those whose packets come from
+    /// this node's pods under an interface detector; none under the others.
+    pub fn local_interfaces<'a>(
+        &self,
+        interfaces: impl IntoIterator<Item = (&'a String, &'a u32)>,
+    ) -> std::collections::BTreeSet<u32> {
+        interfaces
+            .into_iter()
+            .filter(|(name, _)| match self {
+                Self::BridgeInterface(bridge) => *name == bridge,
+                Self::InterfaceNamePrefix(prefix) => name.starts_with(prefix.as_str()),
+                Self::ClusterCidr | Self::NodeCidr => false,
+            })
+            .map(|(_, ifindex)| *ifindex)
+            .collect()
+    }
+
     pub fn mode(&self) -> LocalMode {
         match self {
             Self::ClusterCidr => LocalMode::ClusterCidr,

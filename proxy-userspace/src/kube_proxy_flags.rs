@@ -446,15 +446,6 @@ pub fn settle(
         run.pod_bridge_interface.as_deref(),
         run.pod_interface_name_prefix.as_deref(),
     )?;
-    if !matches!(
-        run.detect_local,
-        DetectLocal::ClusterCidr | DetectLocal::NodeCidr
-    ) {
-        settled.not_yet.push(format!(
-            "detect-local-mode {} (clients are told local by --cluster-cidr)",
-            run.detect_local.mode()
-        ));
-    }
 
     if run.conntrack_max.is_none() {
         conntrack_size(run.conntrack_max_per_core, run.conntrack_min, cpus())

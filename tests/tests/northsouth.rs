@@ -174,3 +174,26 @@ fn masquerade_all_tc_only() {
 fn masquerade_all_native_xdp() {
     scenario::masquerade_all::<Ipv4Addr>(Path::Native);
 }
+
+/// `--detect-local-mode InterfaceNamePrefix`: a pod is in-cluster by the
+/// interface its packets arrive on.
+#[test]
+fn local_policy_interface_name_prefix_tc_only() {
+    scenario::local_policy::<Ipv4Addr>(Path::TcOnly, LocalDetector::InterfaceNamePrefix);
+}
+
+/// `--detect-local-mode BridgeInterface`, through native XDP.
+#[test]
+fn local_policy_bridge_interface_native_xdp() {
+    scenario::local_policy::<Ipv4Addr>(Path::Native, LocalDetector::BridgeInterface);
+}
+
+#[test]
+fn off_cluster_clients_of_a_cluster_ip_are_masqueraded_tc_only() {
+    scenario::off_cluster_clients_of_a_cluster_ip::<Ipv4Addr>(Path::TcOnly);
+}
+
+#[test]
+fn off_cluster_clients_of_a_cluster_ip_are_masqueraded_native_xdp() {
+    scenario::off_cluster_clients_of_a_cluster_ip::<Ipv4Addr>(Path::Native);
+}

@@ -123,3 +123,15 @@ fn ipv6_nodeport_auto_xdp_with_partial_checksums() {
 fn ipv6_masquerade_all_tc_only() {
     scenario::masquerade_all::<Ipv6Addr>(Path::TcOnly);
 }
+
+/// `--detect-local-mode InterfaceNamePrefix` over IPv6.
+#[test]
+fn ipv6_local_policy_interface_name_prefix_tc_only() {
+    scenario::local_policy::<Ipv6Addr>(Path::TcOnly, LocalDetector::InterfaceNamePrefix);
+}
+
+/// Off-cluster clients of an IPv6 ClusterIP masqueraded to the node.
+#[test]
+fn ipv6_off_cluster_clients_of_a_cluster_ip_are_masqueraded_tc_only() {
+    scenario::off_cluster_clients_of_a_cluster_ip::<Ipv6Addr>(Path::TcOnly);
+}

@@ -66,6 +66,18 @@ impl NodeMaps {
         );
     }
 
+    /// The interfaces whose packets come from this node's pods; written at
+    /// the next `sync`.
+    pub fn set_local_ifaces(&mut self, ifindexes: std::collections::BTreeSet<u32>) {
+        self.desired.set_local_ifaces(ifindexes);
+    }
+
+    /// SNATs off-cluster clients of a ClusterIP, per family; written at the
+    /// next `sync`.
+    pub fn set_masquerade_off_cluster(&mut self, v4: bool, v6: bool) {
+        self.desired.set_masquerade_off_cluster(v4, v6);
+    }
+
     /// The pod CIDRs whose clients are in-cluster; written at the next
     /// `sync`.
     pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {

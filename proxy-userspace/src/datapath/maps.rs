@@ -164,6 +164,9 @@ pub struct Maps {
     pub sock_notes6: Option<MapData>,
     /// The node's IPv6 address (`NODE_CONFIG6`); absent like `csum_states`.
     pub node_config6: Option<Array<MapData, NodeConfig>>,
+    /// Interfaces whose packets come from this node's pods
+    /// (`LOCAL_IFACES`); absent like `csum_states`.
+    pub local_ifaces: Option<HashMap<MapData, u32, u32>>,
 }
 
 impl Maps {
@@ -194,9 +197,9 @@ impl Maps {
     ) -> Result<Self, MapsError> {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
-            COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS, NODE_ADDRS,
-            NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6,
-            SOURCE_RANGES,
+            COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS,
+            LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS,
+            SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -221,6 +224,7 @@ impl Maps {
             sock_notes: later(get(SOCK_NOTES), SOCK_NOTES, socket_storage::<SockNotes>)?,
             sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
+            local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
         })
     }
 
@@ -329,6 +333,13 @@ impl Maps {
             let key = key.map_err(wrap(map_names::CLUSTER_CIDRS))?;
             state.cluster_cidrs.insert((key.prefix_len(), key.data()));
         }
+        if let Some(map) = &self.local_ifaces {
+            for key in map.keys() {
+                state
+                    .local_ifaces
+                    .insert(key.map_err(wrap(map_names::LOCAL_IFACES))?);
+            }
+        }
         Ok(state)
     }
 }
@@ -427,6 +438,18 @@ impl MapStore for Maps {
             MapOp::DeleteClusterCidr { entry } => {
                 self.cluster_cidrs.remove(&Key::new(entry.0, entry.1))
             }
+            MapOp::PutLocalIface { ifindex } => match &mut self.local_ifaces {
+                Some(map) => map.insert(ifindex, 1, 0),
+                None => {
+                    return Err(MapsError::Missing {
+                        name: map_names::LOCAL_IFACES,
+                    });
+                }
+            },
+            MapOp::DeleteLocalIface { ifindex } => match &mut self.local_ifaces {
+                Some(map) => map.remove(ifindex),
+                None => Ok(()),
+            },
         };
         match result {
             Ok(()) => Ok(()),

@@ -368,14 +368,7 @@ fn each_detect_local_mode_is_taken_and_warned_about_until_the_datapath_has_it() 
         full.extend(&argv);
         let (run, settled) = started(&full).unwrap();
         assert_eq!(run.detect_local, want, "{argv:?}");
-        assert_eq!(
-            settled.not_yet.len(),
-            usize::from(!matches!(
-                want.mode(),
-                LocalMode::ClusterCidr | LocalMode::NodeCidr
-            )),
-            "{argv:?}: {settled:?}"
-        );
+        assert_eq!(settled.not_yet.len(), 0, "{argv:?}: {settled:?}");
     }
     let error = started(&["kube-proxy", "--detect-local-mode=BridgeInterface"]).unwrap_err();
     assert!(error.contains("--pod-bridge-interface"), "{error}");

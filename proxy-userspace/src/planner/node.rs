@@ -35,6 +35,8 @@ pub struct NodeState {
     /// Zeros until first written (the datapath then uses the defaults).
     pub ct_timeouts: CtTimeouts,
     pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
+    /// `LOCAL_IFACES`: ifindexes.
+    pub local_ifaces: BTreeSet<u32>,
 }
 
 /// What the agent wants the node-level maps to hold. `None` leaves a map as
@@ -52,6 +54,12 @@ pub struct DesiredNode {
     pub netfilter_flows: bool,
     /// `--masquerade-all` (`node_config_flags::MASQUERADE_ALL`).
     pub masquerade_all: bool,
+    /// Off-cluster clients of a ClusterIP are SNATed, per family (IPv4,
+    /// IPv6): where a local traffic detector of the family is configured
+    /// (`node_config_flags::MASQUERADE_OFF_CLUSTER`).
+    pub masquerade_off_cluster: (bool, bool),
+    /// `LOCAL_IFACES`.
+    pub local_ifaces: BTreeSet<u32>,
 }
 
 impl DesiredNode {
@@ -64,7 +72,26 @@ impl DesiredNode {
             cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
             netfilter_flows: false,
             masquerade_all: false,
+            masquerade_off_cluster: (false, false),
+            local_ifaces: BTreeSet::new(),
         }
+    }
+
+    /// SNATs off-cluster clients of a ClusterIP, per family (IPv4, IPv6);
+    /// written with the node's configuration, at once where that is known.
+    pub fn set_masquerade_off_cluster(&mut self, v4: bool, v6: bool) {
+        self.masquerade_off_cluster = (v4, v6);
+        if let Some(config) = &mut self.config {
+            set_flag(config, node_config_flags::MASQUERADE_OFF_CLUSTER, v4);
+        }
+        if let Some(config) = &mut self.config6 {
+            set_flag(config, node_config_flags::MASQUERADE_OFF_CLUSTER, v6);
+        }
+    }
+
+    /// The interfaces whose packets come from this node's pods.
+    pub fn set_local_ifaces(&mut self, ifindexes: BTreeSet<u32>) {
+        self.local_ifaces = ifindexes;
     }
 
     /// SNATs every new flow to a Service to the node (`--masquerade-all`).
@@ -113,8 +140,19 @@ impl DesiredNode {
             node_config_flags::MASQUERADE_ALL,
             self.masquerade_all,
         );
+        set_flag(
+            &mut config,
+            node_config_flags::MASQUERADE_OFF_CLUSTER,
+            self.masquerade_off_cluster.0,
+        );
         self.config = Some(config);
-        self.config6 = Some(node_config6(node6));
+        let mut config6 = node_config6(node6);
+        set_flag(
+            &mut config6,
+            node_config_flags::MASQUERADE_OFF_CLUSTER,
+            self.masquerade_off_cluster.1,
+        );
+        self.config6 = Some(config6);
     }
 }
 
@@ -162,6 +200,18 @@ impl NodePlanner {
                 .cluster_cidrs
                 .difference(&desired.cluster_cidrs)
                 .map(|entry| MapOp::DeleteClusterCidr { entry: *entry }),
+        );
+        puts.extend(
+            desired
+                .local_ifaces
+                .difference(&applied.local_ifaces)
+                .map(|ifindex| MapOp::PutLocalIface { ifindex: *ifindex }),
+        );
+        deletes.extend(
+            applied
+                .local_ifaces
+                .difference(&desired.local_ifaces)
+                .map(|ifindex| MapOp::DeleteLocalIface { ifindex: *ifindex }),
         );
         if let Some(addrs) = &desired.addrs {
             puts.extend(
@@ -229,6 +279,12 @@ impl NodePlanner {
             }
             MapOp::DeleteClusterCidr { entry } => {
                 applied.cluster_cidrs.remove(entry);
+            }
+            MapOp::PutLocalIface { ifindex } => {
+                applied.local_ifaces.insert(*ifindex);
+            }
+            MapOp::DeleteLocalIface { ifindex } => {
+                applied.local_ifaces.remove(ifindex);
             }
             MapOp::PutNodeAddr { key, value } => {
                 applied.addrs.insert(*key, *value);

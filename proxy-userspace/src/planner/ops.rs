@@ -78,6 +78,14 @@ pub enum MapOp {
     DeleteClusterCidr {
         entry: ClusterCidrEntry,
     },
+    /// `LOCAL_IFACES`: packets arriving on `ifindex` come from this node's
+    /// pods.
+    PutLocalIface {
+        ifindex: u32,
+    },
+    DeleteLocalIface {
+        ifindex: u32,
+    },
 }
 
 impl MapOp {
@@ -90,6 +98,7 @@ impl MapOp {
                 | MapOp::DeleteSourceRange { .. }
                 | MapOp::DeleteNodeAddr { .. }
                 | MapOp::DeleteClusterCidr { .. }
+                | MapOp::DeleteLocalIface { .. }
         )
     }
 }
@@ -143,6 +152,10 @@ impl fmt::Display for MapOp {
             }
             MapOp::DeleteClusterCidr { entry } => {
                 write!(f, "delete cluster CIDR {}", cluster_cidr_string(entry))
+            }
+            MapOp::PutLocalIface { ifindex } => write!(f, "write local interface {ifindex}"),
+            MapOp::DeleteLocalIface { ifindex } => {
+                write!(f, "delete local interface {ifindex}")
             }
         }
     }
@@ -304,6 +317,12 @@ impl MapStore for StoredState {
             }
             MapOp::DeleteClusterCidr { entry } => {
                 self.node.cluster_cidrs.remove(entry);
+            }
+            MapOp::PutLocalIface { ifindex } => {
+                self.node.local_ifaces.insert(*ifindex);
+            }
+            MapOp::DeleteLocalIface { ifindex } => {
+                self.node.local_ifaces.remove(ifindex);
             }
         }
         Ok(())

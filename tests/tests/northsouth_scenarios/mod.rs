@@ -730,12 +730,31 @@ pub fn nodeport_auto_xdp_with_partial_checksums<F: Family>() {
 /// client1. With `--detect-local-mode NodeCIDR` the agents know it from
 /// their Nodes' `spec.podCIDRs` instead, once the Nodes say so.
 pub fn local_policy<F: Family>(path: Path, detector: LocalDetector) {
-    let args: &[&str] = match detector {
-        LocalDetector::None => &[],
-        LocalDetector::ClusterCidr => &["--cluster-cidr", F::CLUSTER_CIDR],
-        LocalDetector::NodeCidr => &["--detect-local-mode", "NodeCIDR"],
+    let pod_veth;
+    let args: Vec<&str> = match detector {
+        LocalDetector::None => vec![],
+        LocalDetector::ClusterCidr => vec!["--cluster-cidr", F::CLUSTER_CIDR],
+        LocalDetector::NodeCidr => vec!["--detect-local-mode", "NodeCIDR"],
+        // Pods' host-side interfaces are `v<i>-<pod>` (tests/src/cluster.rs).
+        LocalDetector::InterfaceNamePrefix => vec![
+            "--detect-local-mode",
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix",
+            "v",
+        ],
+        // The one interface the pod's packets arrive on, as a bridge's
+        // would: matched by its name alone, as a bridge is.
+        LocalDetector::BridgeInterface => {
+            pod_veth = pod_interface(LOCAL_BACKEND.0);
+            vec![
+                "--detect-local-mode",
+                "BridgeInterface",
+                "--pod-bridge-interface",
+                pod_veth.as_str(),
+            ]
+        }
     };
-    let fx = Fixture::<F>::with_args(path, args);
+    let fx = Fixture::<F>::with_args(path, &args);
     if detector == LocalDetector::NodeCidr {
         let pod_cidrs: Vec<String> = F::CLUSTER_CIDR
             .split(',')
@@ -925,6 +944,56 @@ pub fn masquerade_all<F: Family>(path: Path) {
     );
 }
 
+/// Off-cluster clients of a ClusterIP are masqueraded where a local traffic
+/// detector is configured, as kube-proxy's `! -s <cluster CIDR> -d
+/// <ClusterIP> -j KUBE-MARK-MASQ`: an outside client routed to a ClusterIP
+/// through node A reaches the backend on node B as node A (whose replies
+/// then come back through A, to be translated back), while a pod on A, in
+/// the cluster CIDR, keeps its own address.
+pub fn off_cluster_clients_of_a_cluster_ip<F: Family>(path: Path) {
+    let fx = Fixture::<F>::with_args(path, &["--cluster-cidr", F::CLUSTER_CIDR]);
+    let node_a = fx.node_ip("a");
+    let remote = F::service("test", "remote", F::vip(53)).port("http", 80, Protocol::Tcp, TCP_PORT);
+    fx.publish(&remote, &[(F::pod(BACKEND.1), "b")]);
+    F::route_via(&fx.cluster, "client1", F::vip(53), "a")
+        .unwrap_or_else(|e| panic!("route the ClusterIP through node A: {e:#}"));
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let from_pod = fx.reply_within_from(
+        pod,
+        F::addr(F::vip(53), 80),
+        "ClusterIP from a pod on A to the backend on B",
+    );
+    assert_eq!(
+        (from_pod.backend.as_str(), from_pod.peer.peer_ip()),
+        (BACKEND.0, F::pod(LOCAL_BACKEND.1)),
+        "{path:?}: an in-cluster client of a ClusterIP keeps its address"
+    );
+    let outside = fx.reply_within(
+        "client1",
+        F::addr(F::vip(53), 80),
+        "ClusterIP from outside through node A",
+    );
+    assert_eq!(
+        (outside.backend.as_str(), outside.peer.peer_ip()),
+        (BACKEND.0, node_a),
+        "{path:?}: an off-cluster client of a ClusterIP is masqueraded to node A"
+    );
+    let mut session = TcpSession::open(fx.client("client1"), F::addr(F::vip(53), 80), TIMEOUT)
+        .unwrap_or_else(|e| panic!("{path:?}: a long connection from outside: {e}"));
+    for i in 0..20 {
+        let answer = session
+            .exchange(&format!("ping {i}"))
+            .unwrap_or_else(|e| panic!("{path:?}: exchange {i} over the masqueraded flow: {e}"));
+        assert_eq!(answer, format!("{} ping {i}", BACKEND.0));
+    }
+}
+
+/// The name of pod `pod`'s host-side interface on its node: `v<i>-<pod>`,
+/// cut to the kernel's 15 bytes (tests/src/cluster.rs).
+fn pod_interface(pod: &str) -> String {
+    format!("v0-{pod}").chars().take(15).collect()
+}
+
 /// How the agents tell in-cluster clients (kube-proxy's local traffic
 /// detector).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -935,6 +1004,12 @@ pub enum LocalDetector {
     ClusterCidr,
     /// `--detect-local-mode NodeCIDR`: the Nodes' `spec.podCIDRs`.
     NodeCidr,
+    /// `--detect-local-mode InterfaceNamePrefix`: packets arriving on an
+    /// interface whose name starts with the prefix.
+    InterfaceNamePrefix,
+    /// `--detect-local-mode BridgeInterface`: packets arriving on the named
+    /// interface.
+    BridgeInterface,
 }
 
 /// A LoadBalancer IP with loadBalancerSourceRanges of the family: client1 (inside

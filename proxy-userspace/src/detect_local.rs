@@ -143,6 +143,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn interface_detectors_pick_their_interfaces_by_name() {
+        let interfaces: std::collections::BTreeMap<String, u32> = [
+            ("eth0", 2),
+            ("cbr0", 3),
+            ("cbr01", 4),
+            ("veth1a2b", 5),
+            ("vethx", 6),
+            ("lxc1", 7),
+        ]
+        .into_iter()
+        .map(|(name, ifindex)| (name.to_owned(), ifindex))
+        .collect();
+        let picked = |detector: DetectLocal| -> Vec<u32> {
+            detector
+                .local_interfaces(&interfaces)
+                .into_iter()
+                .collect()
+        };
+        assert_eq!(
+            picked(DetectLocal::BridgeInterface("cbr0".into())),
+            [3],
+            "the bridge by its whole name, not a prefix of it"
+        );
+        assert_eq!(
+            picked(DetectLocal::InterfaceNamePrefix("veth".into())),
+            [5, 6]
+        );
+        assert!(picked(DetectLocal::ClusterCidr).is_empty());
+        assert!(picked(DetectLocal::NodeCidr).is_empty());
+    }
+
+    #[test]
     fn modes_are_kube_proxys_spellings() {
         for mode in [
             LocalMode::ClusterCidr,

@@ -18,6 +18,7 @@ use std::{
 
 use ebpf_proxy_tests::{
     agent::http_get,
+    client::{Outcome, tcp_request},
     cluster::NODE_A_IP,
     manifest::{ServiceType, TrafficPolicy},
 };
@@ -196,4 +197,60 @@ fn off_cluster_clients_of_a_cluster_ip_are_masqueraded_tc_only() {
 #[test]
 fn off_cluster_clients_of_a_cluster_ip_are_masqueraded_native_xdp() {
     scenario::off_cluster_clients_of_a_cluster_ip::<Ipv4Addr>(Path::Native);
+}
+
+/// `--nodeport-addresses primary` (kube-proxy's nftables-mode default): a
+/// NodePort is served on the node's primary address (`--node-ip`) and not
+/// on a second address of the same interface, which serves it without the
+/// keyword.
+#[test]
+fn nodeport_addresses_primary_serves_the_primary_address_only() {
+    const SECOND: Ipv4Addr = Ipv4Addr::new(192, 168, 50, 201);
+    for primary in [true, false] {
+        let node_a = NODE_A_IP.to_string();
+        let mut args = vec!["--node-ip", node_a.as_str()];
+        if primary {
+            args.extend(["--nodeport-addresses", "primary"]);
+        }
+        let fx = Fixture::<Ipv4Addr>::with_args(Path::TcOnly, &args);
+        fx.cluster
+            .node("a")
+            .ns
+            .ip(&["addr", "add", &format!("{SECOND}/24"), "dev", "eth0"])
+            .expect("a second address on node A");
+        fx.publish(
+            &scenario::web::<Ipv4Addr>("web"),
+            &[(BACKEND.1, "b")],
+        );
+        let via_primary = SocketAddrV4::new(NODE_A_IP, scenario::NODE_PORT);
+        fx.reply_within("client1", via_primary, "the NodePort on the primary address");
+        // The agent knows the second address before it is asked: it follows
+        // the interfaces every few seconds.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !fx.agents[0]
+            .status()
+            .expect("ebpf-proxy status")
+            .contains(&SECOND.to_string())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "node A's agent never listed {SECOND} among its addresses"
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+        let via_second = SocketAddrV4::new(SECOND, scenario::NODE_PORT);
+        let outcome = tcp_request(fx.client("client1"), via_second, Duration::from_secs(2));
+        if primary {
+            assert!(
+                !matches!(outcome, Outcome::Reply(_)),
+                "with primary, the NodePort answered on the second address {SECOND}: {outcome}"
+            );
+        } else {
+            assert!(
+                matches!(outcome, Outcome::Reply(_)),
+                "without primary, the NodePort must answer on every address: {outcome}; {}",
+                fx.counters()
+            );
+        }
+    }
 }

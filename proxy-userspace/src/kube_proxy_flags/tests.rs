@@ -3,10 +3,7 @@ use std::{ffi::OsString, path::PathBuf};
 use clap::{CommandFactory, FromArgMatches};
 
 use super::*;
-use crate::{
-    cli::{Cli, Command},
-    detect_local::LocalMode,
-};
+use crate::cli::{Cli, Command};
 
 /// `argv` as main takes it: rewritten, parsed, the file merged, settled.
 fn started(argv: &[&str]) -> Result<(RunArgs, Settled), String> {

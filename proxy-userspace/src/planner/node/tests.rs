@@ -74,7 +74,45 @@ fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
         config6: d.config6.unwrap_or(base.config6),
         ct_timeouts: d.ct_timeouts,
         cluster_cidrs: d.cluster_cidrs.clone(),
+        local_ifaces: d.local_ifaces.clone(),
     }
+}
+
+#[test]
+fn local_interfaces_and_the_detectors_flags_follow_the_desired_state() {
+    use proxy_common::node_config_flags::{MASQUERADE_ALL, MASQUERADE_OFF_CLUSTER};
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    let mut want = desired(&[1], &[], &[], 30).with_masquerade_all(true);
+    want.set_masquerade_off_cluster(true, false);
+    want.set_local_ifaces([4, 7].into());
+    // The flags set after the interfaces reach the config already known.
+    want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+    assert!(planner.sync(&want, &mut store).failed.is_none());
+    let node = &store.state.node;
+    assert_eq!(node.local_ifaces, [4, 7].into(), "both interfaces written");
+    assert_ne!(node.config.flags & MASQUERADE_ALL, 0, "--masquerade-all");
+    assert_ne!(
+        node.config.flags & MASQUERADE_OFF_CLUSTER,
+        0,
+        "IPv4 has a detector"
+    );
+    assert_eq!(
+        node.config6.flags & MASQUERADE_OFF_CLUSTER,
+        0,
+        "IPv6 has none"
+    );
+    want.set_local_ifaces([7, 9].into());
+    want.set_masquerade_off_cluster(false, true);
+    let outcome = planner.sync(&want, &mut store);
+    assert!(outcome.failed.is_none());
+    // 9 written, 4 deleted, both configs.
+    assert_eq!(outcome.ops, 4, "ops of the change");
+    let node = &store.state.node;
+    assert_eq!(node.local_ifaces, [7, 9].into());
+    assert_eq!(node.config.flags & MASQUERADE_OFF_CLUSTER, 0);
+    assert_ne!(node.config6.flags & MASQUERADE_OFF_CLUSTER, 0);
+    assert_eq!(store.state.node, expected(&NodeState::default(), &want));
 }
 
 #[test]

@@ -150,7 +150,9 @@ impl Node {
         // Healthy after the first sync; the Service is in the maps.
         eventually("the Service's ClusterIP in the status", CONVERGE, || {
             let status = agent.status().map_err(|e| format!("{e:#}"))?;
-            if status.contains(&format!("{CLUSTER_IP}:80")) && status.contains(ENDPOINT) {
+            if status.contains(&format!("{CLUSTER_IP}:80/TCP"))
+                && status.contains(&format!("{ENDPOINT}:8080"))
+            {
                 Ok(())
             } else {
                 Err(format!(

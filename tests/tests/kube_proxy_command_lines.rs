@@ -41,7 +41,7 @@ const CONVERGE: Duration = Duration::from_secs(10);
 /// The message of the one warning that names the ignored flags.
 const IGNORED_WARNING: &str = "kube-proxy flags without a meaning here, ignored";
 
-const HOUR: Duration = Duration::from_secs(3600);
+const HOUR: Duration = Duration::from_hours(1);
 const SECOND: Duration = Duration::from_secs(1);
 
 /// kubeadm's default KubeProxyConfiguration (`kubeadm config print
@@ -163,29 +163,7 @@ impl Node {
         let status = agent.status().expect("status");
         let log = agent.log();
 
-        // The ignored flags, in exactly one line (none when none is given).
-        let warnings: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains(IGNORED_WARNING))
-            .collect();
-        let want: BTreeSet<&str> = expected.ignored.iter().copied().collect();
-        match warnings.as_slice() {
-            [] if want.is_empty() => {}
-            [line] => {
-                let named = ignored_named(line);
-                let named: BTreeSet<&str> = named.iter().map(String::as_str).collect();
-                if named != want {
-                    failures.push(format!(
-                        "the warning names {named:?}, want {want:?}: {line}"
-                    ));
-                }
-            }
-            lines => failures.push(format!(
-                "{} warning lines {IGNORED_WARNING:?}, want {}: {lines:#?}",
-                lines.len(),
-                usize::from(!want.is_empty())
-            )),
-        }
+        failures.extend(ignored_warning_failure(&log, expected.ignored));
 
         // --hostname-override: the Node followed is this one, by name.
         let node_requests: Vec<String> = self
@@ -228,37 +206,7 @@ impl Node {
             ));
         }
 
-        // Conntrack timeouts and cluster CIDRs, as the pinned maps hold them.
-        let pins = PinLayout::new(agent.bpf_root());
-        let maps = Maps::open_pinned(&pins).expect("the pinned maps");
-        let timeouts = maps.ct_timeouts().expect("CT_TIMEOUTS");
-        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap();
-        let want_timeouts = CtTimeouts {
-            tcp_syn_ns: ct_timeout::TCP_SYN_NS,
-            tcp_established_ns: ns(expected.timeouts[0]),
-            tcp_closing_ns: ns(expected.timeouts[1]),
-            udp_ns: ns(expected.timeouts[2]),
-        };
-        if timeouts != want_timeouts {
-            failures.push(format!(
-                "CT_TIMEOUTS holds {timeouts:?}, want {want_timeouts:?}"
-            ));
-        }
-        let cidrs: Vec<Cidr> = expected
-            .cluster_cidrs
-            .iter()
-            .map(|c| Cidr::parse(c).expect("a CIDR"))
-            .collect();
-        let want_cidrs = DesiredNode::new(want_timeouts, &cidrs).cluster_cidrs;
-        let held = maps.read_node_state().expect("node maps").cluster_cidrs;
-        if held != want_cidrs {
-            failures.push(format!(
-                "CLUSTER_CIDRS holds {} entries, want those of {:?}",
-                held.len(),
-                expected.cluster_cidrs
-            ));
-        }
-        drop(maps);
+        failures.extend(pinned_failures(agent.bpf_root(), expected));
 
         assert!(
             failures.is_empty(),
@@ -268,6 +216,73 @@ impl Node {
         );
         drop(agent);
     }
+}
+
+/// Why the warning naming the ignored flags is not exactly one line naming
+/// `ignored` (none when `ignored` is empty), if it is not.
+fn ignored_warning_failure(log: &str, ignored: &[&str]) -> Option<String> {
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(IGNORED_WARNING))
+        .collect();
+    let want: BTreeSet<&str> = ignored.iter().copied().collect();
+    match warnings.as_slice() {
+        [] if want.is_empty() => {}
+        [line] => {
+            let named = ignored_named(line);
+            let named: BTreeSet<&str> = named.iter().map(String::as_str).collect();
+            if named != want {
+                return Some(format!(
+                    "the warning names {named:?}, want {want:?}: {line}"
+                ));
+            }
+        }
+        lines => {
+            return Some(format!(
+                "{} warning lines {IGNORED_WARNING:?}, want {}: {lines:#?}",
+                lines.len(),
+                usize::from(!want.is_empty())
+            ));
+        }
+    }
+    None
+}
+
+/// What differs in the pinned maps below `bpf_root` from `expected`'s
+/// conntrack timeouts and cluster CIDRs.
+fn pinned_failures(bpf_root: &std::path::Path, expected: &Expected) -> Vec<String> {
+    let mut failures = Vec::new();
+    let pins = PinLayout::new(bpf_root);
+    let maps = Maps::open_pinned(&pins).expect("the pinned maps");
+    let timeouts = maps.ct_timeouts().expect("CT_TIMEOUTS");
+    let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap();
+    let want_timeouts = CtTimeouts {
+        tcp_syn_ns: ct_timeout::TCP_SYN_NS,
+        tcp_established_ns: ns(expected.timeouts[0]),
+        tcp_closing_ns: ns(expected.timeouts[1]),
+        udp_ns: ns(expected.timeouts[2]),
+    };
+    if timeouts != want_timeouts {
+        failures.push(format!(
+            "CT_TIMEOUTS holds {timeouts:?}, want {want_timeouts:?}"
+        ));
+    }
+    let cidrs: Vec<Cidr> = expected
+        .cluster_cidrs
+        .iter()
+        .map(|c| Cidr::parse(c).expect("a CIDR"))
+        .collect();
+    let want_cidrs = DesiredNode::new(want_timeouts, &cidrs).cluster_cidrs;
+    let held = maps.read_node_state().expect("node maps").cluster_cidrs;
+    if held != want_cidrs {
+        failures.push(format!(
+            "CLUSTER_CIDRS holds {} entries, want those of {:?}",
+            held.len(),
+            expected.cluster_cidrs
+        ));
+    }
+    drop(maps);
+    failures
 }
 
 /// The flag names in the ignored-flags warning: `flags=--a=1, --b=2`.

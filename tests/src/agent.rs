@@ -191,10 +191,6 @@ impl Agent {
         bpf_root: PathBuf,
     ) -> Result<Agent> {
         let bin = binary()?;
-        let stem = unique_stem();
-        let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
-        let log =
-            File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;
         // nsenter --net (not `ip netns exec`, which would hide /sys/fs/bpf) and then
         // execs the agent, so the child's pid is the agent's.
         let mut cmd = match launcher.split_first() {
@@ -213,8 +209,43 @@ impl Agent {
             .arg(HEALTHZ.to_string())
             .arg("--node-name")
             .arg(node.name())
-            .args(extra_args)
-            .env_remove("KUBECONFIG")
+            .args(extra_args);
+        Self::launch(cmd, bin, node, bpf_root)
+    }
+
+    /// A bpffs root of its own for [`Agent::start_exact`], removed with the
+    /// agent.
+    pub fn unique_bpf_root() -> PathBuf {
+        PathBuf::from(format!("{BPF_ROOT_PREFIX}{}", unique_stem()))
+    }
+
+    /// The agent started in `node` with exactly `program args`, none of the
+    /// harness's own arguments added (no `run`, no `--node-name`, no
+    /// `--healthz-bind-address`): as a distribution starts kube-proxy, with
+    /// `program` a `kube-proxy` symlink to [`binary`]. `args` must name
+    /// `bpf_root` (from [`Agent::unique_bpf_root`]) with `--bpf-root`, which
+    /// status and cleanup then use, and serve /healthz on [`HEALTHZ`]
+    /// (kube-proxy's default, 0.0.0.0:10256, does).
+    pub fn start_exact(
+        node: &NetNs,
+        program: &Path,
+        args: &[String],
+        bpf_root: PathBuf,
+    ) -> Result<Agent> {
+        let bin = binary()?;
+        let mut cmd = node.command(program);
+        cmd.args(args);
+        Self::launch(cmd, bin, node, bpf_root)
+    }
+
+    /// Starts `cmd` (the agent, its output into a log file, in its own process
+    /// group) and waits until it is healthy.
+    fn launch(mut cmd: Command, bin: PathBuf, node: &NetNs, bpf_root: PathBuf) -> Result<Agent> {
+        let stem = unique_stem();
+        let log_path = std::env::temp_dir().join(format!("{stem}-agent.log"));
+        let log =
+            File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;
+        cmd.env_remove("KUBECONFIG")
             .env_remove("KUBERNETES_SERVICE_HOST")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -389,7 +389,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
     apply_kube_proxy(mode, &node_a.ns, node_a_ip);
     let mut flows: Vec<Flow<F>> = Vec::new();
     for i in 0..KP_TCP_CLUSTER_IP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("kube-proxy's TCP pod -> ClusterIP #{i}"),
             pod,
             db_tcp,
@@ -402,7 +402,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         flows.push(flow);
     }
     for i in 0..KP_TCP_NODE_PORT_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("kube-proxy's TCP outside -> NodePort #{i}"),
             outside,
             node_port,
@@ -416,7 +416,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         flows.push(flow);
     }
     for i in 0..KP_UDP_FLOWS {
-        let flow = Flow::udp(
+        let flow = Flow::<F>::udp(
             format!("kube-proxy's UDP pod -> ClusterIP #{i}"),
             pod,
             db_udp,
@@ -510,7 +510,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
     let dnat_before = agent.counter("dnat_new").expect("counter dnat_new");
     let mut agent_flows: Vec<Flow<F>> = Vec::new();
     for i in 0..AGENT_TCP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("the agent's TCP pod -> ClusterIP #{i}"),
             pod,
             db_tcp,
@@ -523,7 +523,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         agent_flows.push(flow);
     }
     for i in 0..AGENT_TCP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("the agent's TCP outside -> NodePort #{i}"),
             outside,
             node_port,
@@ -537,7 +537,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         agent_flows.push(flow);
     }
     for i in 0..AGENT_UDP_FLOWS {
-        let flow = Flow::udp(
+        let flow = Flow::<F>::udp(
             format!("the agent's UDP pod -> ClusterIP #{i}"),
             pod,
             db_udp,
@@ -606,7 +606,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
          cleanup --handoff said:\n{handoff_output}"
     );
     // And kube-proxy's rules serve new connections again.
-    let (fresh, greeting) = Flow::tcp(
+    let (fresh, greeting) = Flow::<F>::tcp(
         "a new TCP pod -> ClusterIP after the handoff".to_owned(),
         pod,
         db_tcp,

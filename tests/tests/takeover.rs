@@ -64,7 +64,7 @@ const WEB_BACKENDS: [(&str, Ipv4Addr); 2] = [
     ("web-b1", Ipv4Addr::new(10, 1, 2, 10)),
     ("web-b2", Ipv4Addr::new(10, 1, 2, 11)),
 ];
-/// `db`'s ClusterIP, [`Family::vip`] 10: 10.96.0.10, fd00:96::10.
+/// `db`'s ClusterIP, [`Family::vip`] 10: `10.96.0.10`, `fd00:96::10`.
 const DB_VIP: u8 = 10;
 /// `web`'s ClusterIP, [`Family::vip`] 20.
 const WEB_VIP: u8 = 20;

@@ -1,6 +1,9 @@
 //! Taking over a node from kube-proxy and handing it back, on real packets in the
 //! two-node world of docs/architecture.md, "Test topologies" (`cluster`), once per
-//! kube-proxy mode (iptables, nftables), over IPv4.
+//! kube-proxy mode (iptables, nftables) and once per family ([`Family`]): IPv4, and
+//! its IPv6 twin on the dual-stack world's IPv6 addresses (kube-proxy's IPv6 proxier:
+//! `ip6tables`, the `ip6 kube-proxy` table; IPv6 Services; the agent told both of the
+//! node's addresses, `--node-ip`).
 //!
 //! Node a runs kube-proxy-style rules (the harness's [`iptables`] and [`nftables`]
 //! reproductions) for a ClusterIP Service `db` (TCP and UDP, two backends on node a)
@@ -29,7 +32,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    net::{Ipv4Addr, SocketAddrV4, UdpSocket},
+    net::{Ipv4Addr, Ipv6Addr, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
@@ -37,17 +40,19 @@ use std::{
 use ebpf_proxy_tests::{
     Protocol,
     agent::Agent,
-    client::{Reply, TIMEOUT, TcpSession},
-    cluster::{CLIENT1, Cluster},
+    client::{Peer, Reply, TIMEOUT, TcpSession},
+    cluster::{CLIENT1, Cluster, ClusterNode},
     eventually,
+    family::Family,
     iptables::{self, KubeService},
-    manifest::{Endpoint, ManifestDir, Service, ServiceType, TrafficPolicy},
+    manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
     netns::NetNs,
     nftables, require_root, run_cmd,
     servers::{TcpServer, UdpServer},
 };
 
-/// The pod on node a that opens the ClusterIP flows.
+/// The pod on node a that opens the ClusterIP flows (its IPv4 address: every pod is
+/// dual-stack, [`Family::pod`]).
 const CLIENT_POD: (&str, Ipv4Addr) = ("client-a", Ipv4Addr::new(10, 1, 1, 5));
 /// `db`'s backends, on node a.
 const DB_BACKENDS: [(&str, Ipv4Addr); 2] = [
@@ -59,8 +64,10 @@ const WEB_BACKENDS: [(&str, Ipv4Addr); 2] = [
     ("web-b1", Ipv4Addr::new(10, 1, 2, 10)),
     ("web-b2", Ipv4Addr::new(10, 1, 2, 11)),
 ];
-const DB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const WEB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+/// `db`'s ClusterIP, [`Family::vip`] 10: `10.96.0.10`, `fd00:96::10`.
+const DB_VIP: u8 = 10;
+/// `web`'s ClusterIP, [`Family::vip`] 20.
+const WEB_VIP: u8 = 20;
 const TCP_PORT: u16 = 80;
 const TCP_TARGET: u16 = 8080;
 const UDP_PORT: u16 = 53;
@@ -98,20 +105,30 @@ enum Mode {
 
 #[test]
 fn kube_proxy_iptables_mode_flows_survive_takeover_and_handoff() {
-    takeover_and_handoff(Mode::Iptables);
+    takeover_and_handoff::<Ipv4Addr>(Mode::Iptables);
 }
 
 #[test]
 fn kube_proxy_nftables_mode_flows_survive_takeover_and_handoff() {
-    takeover_and_handoff(Mode::Nftables);
+    takeover_and_handoff::<Ipv4Addr>(Mode::Nftables);
 }
 
-/// The two Services as manifests describe them to the agent.
-fn services() -> (Service, Service) {
-    let db = Service::new("default", "db", DB_IP)
+#[test]
+fn ipv6_kube_proxy_iptables_mode_flows_survive_takeover_and_handoff() {
+    takeover_and_handoff::<Ipv6Addr>(Mode::Iptables);
+}
+
+#[test]
+fn ipv6_kube_proxy_nftables_mode_flows_survive_takeover_and_handoff() {
+    takeover_and_handoff::<Ipv6Addr>(Mode::Nftables);
+}
+
+/// The two Services of family `F` as manifests describe them to the agent.
+fn services<F: Family>() -> (Service, Service) {
+    let db = F::service("default", "db", F::vip(DB_VIP))
         .port("http", TCP_PORT, Protocol::Tcp, TCP_TARGET)
         .port("dns", UDP_PORT, Protocol::Udp, UDP_TARGET);
-    let web = Service::new("default", "web", WEB_IP)
+    let web = F::service("default", "web", F::vip(WEB_VIP))
         .type_(ServiceType::NodePort)
         .port("http", TCP_PORT, Protocol::Tcp, TCP_TARGET)
         .node_port("http", NODE_PORT)
@@ -119,15 +136,20 @@ fn services() -> (Service, Service) {
     (db, web)
 }
 
-/// What kube-proxy starting on node a writes for [`services`], in `mode`.
-fn apply_kube_proxy(mode: Mode, node: &NetNs, node_ip: Ipv4Addr) {
-    let (db, web) = services();
-    let db_ips = DB_BACKENDS.map(|(_, ip)| ip);
-    let web_ips = WEB_BACKENDS.map(|(_, ip)| ip);
-    let ports: Vec<(KubeService, Option<u16>)> = vec![
-        (db.kube_service("http", DB_IP, &db_ips), None),
-        (db.kube_service("dns", DB_IP, &db_ips), None),
-        (web.kube_service("http", WEB_IP, &web_ips), Some(NODE_PORT)),
+/// What kube-proxy's proxier of family `F` starting on node a writes for
+/// [`services`], in `mode`.
+fn apply_kube_proxy<F: Family>(mode: Mode, node: &NetNs, node_ip: F) {
+    let (db, web) = services::<F>();
+    let db_ips = DB_BACKENDS.map(|(_, ip)| F::pod(ip));
+    let web_ips = WEB_BACKENDS.map(|(_, ip)| F::pod(ip));
+    let (db_ip, web_ip) = (F::vip(DB_VIP), F::vip(WEB_VIP));
+    let ports: Vec<(KubeService<F>, Option<u16>)> = vec![
+        (F::kube_service(&db, "http", db_ip, &db_ips), None),
+        (F::kube_service(&db, "dns", db_ip, &db_ips), None),
+        (
+            F::kube_service(&web, "http", web_ip, &web_ips),
+            Some(NODE_PORT),
+        ),
     ];
     match mode {
         Mode::Iptables => iptables::apply_with_node_ports(node, &ports)
@@ -137,10 +159,14 @@ fn apply_kube_proxy(mode: Mode, node: &NetNs, node_ip: Ipv4Addr) {
     }
 }
 
-/// What is left of kube-proxy's rules in `node`: `KUBE-` lines of `iptables-save` and
-/// `kube-proxy` nft tables (empty when none).
+/// What is left of kube-proxy's rules in `node`, of either family: `KUBE-` lines of
+/// `iptables-save` and `ip6tables-save`, and `kube-proxy` nft tables (`ip`, `ip6`)
+/// (empty when none).
 fn kube_proxy_leftovers(node: &NetNs) -> Vec<String> {
-    let saved = run_cmd(&mut node.command("iptables-save")).expect("iptables-save");
+    let saved: String = ["iptables-save", "ip6tables-save"]
+        .iter()
+        .map(|tool| run_cmd(&mut node.command(tool)).unwrap_or_else(|e| panic!("{tool}: {e:#}")))
+        .collect();
     let tables = run_cmd(node.command("nft").args(["list", "tables"])).expect("nft list tables");
     saved
         .lines()
@@ -154,24 +180,24 @@ fn kube_proxy_leftovers(node: &NetNs) -> Vec<String> {
         .collect()
 }
 
-enum Conn {
-    Tcp(TcpSession),
+enum Conn<F: Family> {
+    Tcp(TcpSession<F::Addr>),
     Udp(UdpSocket),
 }
 
-/// One long-lived flow and the backend it must stay on.
-struct Flow {
+/// One long-lived flow of family `F` and the backend it must stay on.
+struct Flow<F: Family> {
     what: String,
-    conn: Conn,
+    conn: Conn<F>,
     backend: String,
     /// Why it broke, and at which step; None while it works.
     broken: Option<String>,
     exchanges: u64,
 }
 
-impl Flow {
+impl<F: Family> Flow<F> {
     /// A TCP connection from `ns` to `addr` (its greeting names the backend).
-    fn tcp(what: String, ns: &NetNs, addr: SocketAddrV4) -> (Flow, Reply) {
+    fn tcp(what: String, ns: &NetNs, addr: F::Addr) -> (Flow<F>, Reply<F::Addr>) {
         let session = TcpSession::open(ns, addr, TIMEOUT)
             .unwrap_or_else(|e| panic!("{what}: cannot open: {e:#}"));
         let greeting = session.greeting.clone();
@@ -186,12 +212,12 @@ impl Flow {
     }
 
     /// A UDP socket of `ns` connected to `addr`; its first answer names the backend.
-    fn udp(what: String, ns: &NetNs, addr: SocketAddrV4) -> Flow {
+    fn udp(what: String, ns: &NetNs, addr: F::Addr) -> Flow<F> {
         let socket = ns
-            .run(|| UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)))
+            .run(|| UdpSocket::bind(F::any(0)))
             .unwrap_or_else(|e| panic!("{what}: cannot enter {}: {e:#}", ns.name()))
             .unwrap_or_else(|e| panic!("{what}: cannot bind: {e}"));
-        socket.connect(addr).expect("connect the UDP socket");
+        socket.connect(addr.into()).expect("connect the UDP socket");
         socket
             .set_read_timeout(Some(TIMEOUT))
             .expect("UDP read timeout");
@@ -225,7 +251,7 @@ impl Flow {
                     .map_err(|e| format!("send: {e}"))?;
                 let mut buf = [0u8; 2048];
                 let n = socket.recv(&mut buf).map_err(|e| format!("receive: {e}"))?;
-                let reply: Reply = Reply::parse(&String::from_utf8_lossy(&buf[..n]))
+                let reply: Reply<F::Addr> = Reply::parse(&String::from_utf8_lossy(&buf[..n]))
                     .map_err(|e| format!("{e:#}"))?;
                 Ok(reply.backend)
             }
@@ -280,7 +306,7 @@ impl fmt::Display for StepResult {
 
 /// Exchanges on every flow once a [`ROUND`] for `duration`; the flows that broke
 /// during it (flows broken before are not counted again).
-fn watch(flows: &mut [Flow], step: &'static str, duration: Duration) -> StepResult {
+fn watch<F: Family>(flows: &mut [Flow<F>], step: &'static str, duration: Duration) -> StepResult {
     let was_broken: Vec<bool> = flows.iter().map(|f| f.broken.is_some()).collect();
     let start = Instant::now();
     let mut seq = 0;
@@ -316,7 +342,7 @@ fn watch(flows: &mut [Flow], step: &'static str, duration: Duration) -> StepResu
 }
 
 /// How many flows each backend has.
-fn spread(flows: &[Flow]) -> BTreeMap<String, usize> {
+fn spread<F: Family>(flows: &[Flow<F>]) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
     for f in flows {
         *out.entry(f.backend.clone()).or_default() += 1;
@@ -328,8 +354,9 @@ fn spread(flows: &[Flow]) -> BTreeMap<String, usize> {
     clippy::too_many_lines,
     reason = "one story, step by step: kube-proxy, the takeover, the agent's flows, the handoff"
 )]
-fn takeover_and_handoff(mode: Mode) {
+fn takeover_and_handoff<F: Family>(mode: Mode) {
     require_root().expect("privileged test");
+    let fam = F::NAME;
     // Dropped last to first: the flows, the agent (stopped, cleaned up), the
     // manifests, the servers, then the cluster's namespaces with their rules.
     let mut pods_a = vec![CLIENT_POD];
@@ -350,51 +377,53 @@ fn takeover_and_handoff(mode: Mode) {
         .collect();
     let pod = &cluster.pod(CLIENT_POD.0).ns;
     let outside = &cluster.client(CLIENT1.0).ns;
-    let db_tcp = SocketAddrV4::new(DB_IP, TCP_PORT);
-    let db_udp = SocketAddrV4::new(DB_IP, UDP_PORT);
-    let node_port = SocketAddrV4::new(node_a.ip, NODE_PORT);
+    let client_pod_ip = F::pod(CLIENT_POD.1);
+    let node_a_ip = F::uplink(node_a.ip);
+    let db_tcp = F::addr(F::vip(DB_VIP), TCP_PORT);
+    let db_udp = F::addr(F::vip(DB_VIP), UDP_PORT);
+    let node_port = F::addr(node_a_ip, NODE_PORT);
     let db_names: BTreeSet<String> = DB_BACKENDS.iter().map(|(n, _)| (*n).to_owned()).collect();
     let web_names: BTreeSet<String> = WEB_BACKENDS.iter().map(|(n, _)| (*n).to_owned()).collect();
 
     // kube-proxy's rules and its flows.
-    apply_kube_proxy(mode, &node_a.ns, node_a.ip);
-    let mut flows: Vec<Flow> = Vec::new();
+    apply_kube_proxy(mode, &node_a.ns, node_a_ip);
+    let mut flows: Vec<Flow<F>> = Vec::new();
     for i in 0..KP_TCP_CLUSTER_IP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("kube-proxy's TCP pod -> ClusterIP #{i}"),
             pod,
             db_tcp,
         );
         assert!(
-            db_names.contains(&greeting.backend) && greeting.peer.ip() == &CLIENT_POD.1,
-            "{mode:?}: {}: kube-proxy's rules should reach a db backend with the pod's address, got {greeting:?}",
+            db_names.contains(&greeting.backend) && greeting.peer.peer_ip() == client_pod_ip,
+            "{fam} {mode:?}: {}: kube-proxy's rules should reach a db backend with the pod's address, got {greeting:?}",
             flow.what
         );
         flows.push(flow);
     }
     for i in 0..KP_TCP_NODE_PORT_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("kube-proxy's TCP outside -> NodePort #{i}"),
             outside,
             node_port,
         );
         assert!(
-            web_names.contains(&greeting.backend) && greeting.peer.ip() == &node_a.ip,
-            "{mode:?}: {}: kube-proxy's rules should reach a web backend on node b masqueraded to node a ({}), got {greeting:?}",
+            web_names.contains(&greeting.backend) && greeting.peer.peer_ip() == node_a_ip,
+            "{fam} {mode:?}: {}: kube-proxy's rules should reach a web backend on node b masqueraded to node a ({}), got {greeting:?}",
             flow.what,
-            node_a.ip
+            node_a_ip
         );
         flows.push(flow);
     }
     for i in 0..KP_UDP_FLOWS {
-        let flow = Flow::udp(
+        let flow = Flow::<F>::udp(
             format!("kube-proxy's UDP pod -> ClusterIP #{i}"),
             pod,
             db_udp,
         );
         assert!(
             db_names.contains(&flow.backend),
-            "{mode:?}: {}: answered by {}, not a db backend",
+            "{fam} {mode:?}: {}: answered by {}, not a db backend",
             flow.what,
             flow.backend
         );
@@ -404,36 +433,43 @@ fn takeover_and_handoff(mode: Mode) {
     let before = watch(&mut flows, "under kube-proxy", ROUND * 2);
     assert!(
         before.broken.is_empty(),
-        "{mode:?}: flows break under kube-proxy's own rules, before any agent: {before}"
+        "{fam} {mode:?}: flows break under kube-proxy's own rules, before any agent: {before}"
     );
     assert!(
         !kube_proxy_leftovers(&node_a.ns).is_empty(),
-        "{mode:?}: kube-proxy's rules should be in place"
+        "{fam} {mode:?}: kube-proxy's rules should be in place"
     );
 
     // The agent on the same Services.
     let manifests = ManifestDir::create(cluster.stem()).expect("manifest dir");
-    let (db, web) = services();
-    let on = |(_, ip): &(&str, Ipv4Addr), node: &str| Endpoint::ready(*ip).on_node(node);
-    let db_eps: Vec<_> = DB_BACKENDS
+    let (db, web) = services::<F>();
+    let on = |backends: &[(&str, Ipv4Addr)], node: &ClusterNode| -> Vec<(F, String)> {
+        let name = node.ns.name();
+        backends
+            .iter()
+            .map(|(_, ip)| (F::pod(*ip), name.to_owned()))
+            .collect()
+    };
+    for (file, service, endpoints) in [
+        ("db.yaml", &db, on(&DB_BACKENDS, node_a)),
+        ("web.yaml", &web, on(&WEB_BACKENDS, node_b)),
+    ] {
+        let endpoints: Vec<(F, &str)> = endpoints.iter().map(|(ip, n)| (*ip, n.as_str())).collect();
+        manifests
+            .write(file, &F::yaml_on_nodes(service, &endpoints))
+            .unwrap_or_else(|e| panic!("write {file}: {e:#}"));
+    }
+    let node_ip_arg = F::node_ip_arg(node_a);
+    let agent_args: Vec<&str> = node_ip_arg
         .iter()
-        .map(|b| on(b, node_a.ns.name()))
+        .flat_map(|ip| ["--node-ip", ip.as_str()])
         .collect();
-    let web_eps: Vec<_> = WEB_BACKENDS
-        .iter()
-        .map(|b| on(b, node_b.ns.name()))
-        .collect();
-    manifests
-        .write("db.yaml", &db.yaml_with(&db_eps))
-        .expect("write db.yaml");
-    manifests
-        .write("web.yaml", &web.yaml_with(&web_eps))
-        .expect("write web.yaml");
-    let mut agent = Agent::start(&node_a.ns, manifests.path()).expect("agent on node a");
+    let mut agent =
+        Agent::start_with(&node_a.ns, manifests.path(), &agent_args).expect("agent on node a");
 
     let takeover = watch(&mut flows, "takeover", TAKEOVER_WATCH);
     eventually(
-        &format!("{mode:?}: kube-proxy's rules removed by the agent"),
+        &format!("{fam} {mode:?}: kube-proxy's rules removed by the agent"),
         REMOVAL_DEADLINE,
         || {
             let left = kube_proxy_leftovers(&node_a.ns);
@@ -457,58 +493,58 @@ fn takeover_and_handoff(mode: Mode) {
         .expect("counter netfilter_pass");
     assert!(
         takeover.broken.is_empty(),
-        "{mode:?}: kube-proxy's flows broke when the agent took over: {takeover}\nstatus:\n{}",
+        "{fam} {mode:?}: kube-proxy's flows broke when the agent took over: {takeover}\nstatus:\n{}",
         agent.status().unwrap_or_default()
     );
     assert!(
         removal_logged,
-        "{mode:?}: the agent removed kube-proxy's rules but its log says nothing of it:\n{log}"
+        "{fam} {mode:?}: the agent removed kube-proxy's rules but its log says nothing of it:\n{log}"
     );
     assert!(
         netfilter_pass > 0,
-        "{mode:?}: {kube_proxy_flows} of kube-proxy's flows kept exchanging through the agent's \
+        "{fam} {mode:?}: {kube_proxy_flows} of kube-proxy's flows kept exchanging through the agent's \
          datapath, yet none was left to netfilter (netfilter_pass = 0)"
     );
 
     // New flows: the agent's.
     let dnat_before = agent.counter("dnat_new").expect("counter dnat_new");
-    let mut agent_flows: Vec<Flow> = Vec::new();
+    let mut agent_flows: Vec<Flow<F>> = Vec::new();
     for i in 0..AGENT_TCP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("the agent's TCP pod -> ClusterIP #{i}"),
             pod,
             db_tcp,
         );
         assert!(
-            db_names.contains(&greeting.backend) && greeting.peer.ip() == &CLIENT_POD.1,
-            "{mode:?}: {}: should reach a db backend with the pod's address, got {greeting:?}",
+            db_names.contains(&greeting.backend) && greeting.peer.peer_ip() == client_pod_ip,
+            "{fam} {mode:?}: {}: should reach a db backend with the pod's address, got {greeting:?}",
             flow.what
         );
         agent_flows.push(flow);
     }
     for i in 0..AGENT_TCP_FLOWS {
-        let (flow, greeting) = Flow::tcp(
+        let (flow, greeting) = Flow::<F>::tcp(
             format!("the agent's TCP outside -> NodePort #{i}"),
             outside,
             node_port,
         );
         assert!(
-            web_names.contains(&greeting.backend) && greeting.peer.ip() == &node_a.ip,
-            "{mode:?}: {}: should reach a web backend SNATed to node a ({}), got {greeting:?}",
+            web_names.contains(&greeting.backend) && greeting.peer.peer_ip() == node_a_ip,
+            "{fam} {mode:?}: {}: should reach a web backend SNATed to node a ({}), got {greeting:?}",
             flow.what,
-            node_a.ip
+            node_a_ip
         );
         agent_flows.push(flow);
     }
     for i in 0..AGENT_UDP_FLOWS {
-        let flow = Flow::udp(
+        let flow = Flow::<F>::udp(
             format!("the agent's UDP pod -> ClusterIP #{i}"),
             pod,
             db_udp,
         );
         assert!(
             db_names.contains(&flow.backend),
-            "{mode:?}: {}: answered by {}, not a db backend",
+            "{fam} {mode:?}: {}: answered by {}, not a db backend",
             flow.what,
             flow.backend
         );
@@ -521,13 +557,13 @@ fn takeover_and_handoff(mode: Mode) {
     let agent_spread = spread(&agent_flows);
     assert!(
         dnat_new > 0,
-        "{mode:?}: {} new flows answered, but the agent translated none (dnat_new did not grow)",
+        "{fam} {mode:?}: {} new flows answered, but the agent translated none (dnat_new did not grow)",
         agent_flows.len()
     );
     for name in db_names.iter().chain(&web_names) {
         assert!(
             agent_spread.contains_key(name),
-            "{mode:?}: the agent's new flows never reached {name}: {agent_spread:?}"
+            "{fam} {mode:?}: the agent's new flows never reached {name}: {agent_spread:?}"
         );
     }
     let agent_flow_count = agent_flows.len();
@@ -535,7 +571,7 @@ fn takeover_and_handoff(mode: Mode) {
     let with_agent_flows = watch(&mut flows, "the agent's flows open", AGENT_FLOWS_WATCH);
     assert!(
         with_agent_flows.broken.is_empty(),
-        "{mode:?}: flows broke with the agent serving: {with_agent_flows}"
+        "{fam} {mode:?}: flows broke with the agent serving: {with_agent_flows}"
     );
     let nat_tables = run_cmd(node_a.ns.command("nft").args(["list", "tables"])).unwrap_or_default();
 
@@ -543,17 +579,17 @@ fn takeover_and_handoff(mode: Mode) {
     let status = agent.terminate().expect("stop the agent");
     assert!(
         status.success(),
-        "{mode:?}: the agent exited with {status} on SIGTERM"
+        "{fam} {mode:?}: the agent exited with {status} on SIGTERM"
     );
     let handoff_output = agent
         .cleanup_with(&["--handoff"])
-        .unwrap_or_else(|e| panic!("{mode:?}: ebpf-proxy cleanup --handoff: {e:#}"));
+        .unwrap_or_else(|e| panic!("{fam} {mode:?}: ebpf-proxy cleanup --handoff: {e:#}"));
     assert!(
         agent.pins().is_empty(),
-        "{mode:?}: cleanup --handoff left pins: {:?}",
+        "{fam} {mode:?}: cleanup --handoff left pins: {:?}",
         agent.pins()
     );
-    apply_kube_proxy(mode, &node_a.ns, node_a.ip);
+    apply_kube_proxy(mode, &node_a.ns, node_a_ip);
     let handoff = watch(&mut flows, "handoff", HANDOFF_WATCH);
     let broken_by_origin = |from: usize, to: usize| {
         flows[from..to]
@@ -565,25 +601,25 @@ fn takeover_and_handoff(mode: Mode) {
     let agent_broken = broken_by_origin(kube_proxy_flows, flows.len());
     assert!(
         handoff.broken.is_empty(),
-        "{mode:?}: flows broke when handed back to kube-proxy: {handoff} ({kp_broken} of \
+        "{fam} {mode:?}: flows broke when handed back to kube-proxy: {handoff} ({kp_broken} of \
          kube-proxy's {kube_proxy_flows}, {agent_broken} of the agent's {agent_flow_count}); \
          cleanup --handoff said:\n{handoff_output}"
     );
     // And kube-proxy's rules serve new connections again.
-    let (fresh, greeting) = Flow::tcp(
+    let (fresh, greeting) = Flow::<F>::tcp(
         "a new TCP pod -> ClusterIP after the handoff".to_owned(),
         pod,
         db_tcp,
     );
     assert!(
         db_names.contains(&greeting.backend),
-        "{mode:?}: {}: got {greeting:?}",
+        "{fam} {mode:?}: {}: got {greeting:?}",
         fresh.what
     );
 
     let exchanges: u64 = flows.iter().map(|f| f.exchanges).sum();
     eprintln!(
-        "{mode:?} mode: {before}; {takeover}; {with_agent_flows}; {handoff} \
+        "{fam} {mode:?} mode: {before}; {takeover}; {with_agent_flows}; {handoff} \
          (kube-proxy's flows: {kube_proxy_flows}, the agent's: {agent_flow_count}; \
          {exchanges} exchanges; takeover watched {TAKEOVER_WATCH:?}, handoff {HANDOFF_WATCH:?}); \
          netfilter_pass {netfilter_pass}, dnat_new +{dnat_new}, the agent's flows on {agent_spread:?}; \

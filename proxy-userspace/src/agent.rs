@@ -123,47 +123,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
     let started = Instant::now();
     let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
-    // The verifier's work is most of the start before anything is
-    // programmed, and grows with each program: which ones took it is worth
-    // a line.
-    let loads = datapath.program_loads();
-    info!(
-        load_ms = started.elapsed().as_millis() as u64,
-        programs = loads.len(),
-        programs_ms = program_load::total(loads).as_millis() as u64,
-        slowest = %program_load::Slowest(loads, 3),
-        "datapath programs loaded and verified"
-    );
-    let stored_node = datapath.maps.read_node_state().map_err(AgentError::Adopt)?;
-    let pinned_flag = stored_node.config.flags & node_config_flags::NETFILTER_FLOWS != 0;
-    let mut node = NodeMaps::new(
-        stored_node,
-        DesiredNode::new(
-            config.ct_timeouts,
-            if config.detect_local == DetectLocal::ClusterCidr {
-                &config.cluster_cidrs
-            } else {
-                &[]
-            },
-        )
-        .with_masquerade_all(config.masquerade_all),
-    );
-    // Before anything of this agent's translates: kube-proxy's flows must
-    // find tc asking netfilter from their first packet through it.
-    let mut adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
-    node.set_netfilter_flows(adoption.active());
-    // kube-proxy masquerades off-cluster clients of a ClusterIP where its
-    // local traffic detector of the family is implemented.
-    let (detector_v4, detector_v6) = match &config.detect_local {
-        DetectLocal::ClusterCidr => (
-            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv4()),
-            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv6()),
-        ),
-        // Until the Node says which families its pods have.
-        DetectLocal::NodeCidr => (false, false),
-        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => (true, true),
-    };
-    node.set_masquerade_off_cluster(detector_v4, detector_v6);
+    log_program_loads(&datapath, started);
+    let (mut node, mut adoption) = node_maps_at_start(&datapath, &config)?;
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
     start_event_log(&mut datapath, config.datapath_log);
@@ -265,6 +226,58 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// The verifier's work is most of the start before anything is programmed,
+/// and grows with each program: which ones took it is worth a line.
+fn log_program_loads(datapath: &Datapath, started: Instant) {
+    let loads = datapath.program_loads();
+    info!(
+        load_ms = started.elapsed().as_millis() as u64,
+        programs = loads.len(),
+        programs_ms = program_load::total(loads).as_millis() as u64,
+        slowest = %program_load::Slowest(loads, 3),
+        "datapath programs loaded and verified"
+    );
+}
+
+/// The node-level maps as this agent wants them from its start, and what
+/// it found of kube-proxy: tc is told to leave kube-proxy's flows to
+/// netfilter before anything of this agent's translates, so that they find
+/// it asking from their first packet through it.
+fn node_maps_at_start(
+    datapath: &Datapath,
+    config: &AgentConfig,
+) -> Result<(NodeMaps, Adoption), AgentError> {
+    let stored_node = datapath.maps.read_node_state().map_err(AgentError::Adopt)?;
+    let pinned_flag = stored_node.config.flags & node_config_flags::NETFILTER_FLOWS != 0;
+    let mut node = NodeMaps::new(
+        stored_node,
+        DesiredNode::new(
+            config.ct_timeouts,
+            if config.detect_local == DetectLocal::ClusterCidr {
+                &config.cluster_cidrs
+            } else {
+                &[]
+            },
+        )
+        .with_masquerade_all(config.masquerade_all),
+    );
+    let adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
+    node.set_netfilter_flows(adoption.active());
+    // kube-proxy masquerades off-cluster clients of a ClusterIP where its
+    // local traffic detector of the family is implemented.
+    let (detector_v4, detector_v6) = match &config.detect_local {
+        DetectLocal::ClusterCidr => (
+            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv4()),
+            config.cluster_cidrs.iter().any(|c| c.ip.is_ipv6()),
+        ),
+        // Until the Node says which families its pods have.
+        DetectLocal::NodeCidr => (false, false),
+        DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => (true, true),
+    };
+    node.set_masquerade_off_cluster(detector_v4, detector_v6);
+    Ok((node, adoption))
 }
 
 /// The metrics, wired to the sync loop, and their server when

@@ -156,10 +156,7 @@ mod tests {
         .map(|(name, ifindex)| (name.to_owned(), ifindex))
         .collect();
         let picked = |detector: DetectLocal| -> Vec<u32> {
-            detector
-                .local_interfaces(&interfaces)
-                .into_iter()
-                .collect()
+            detector.local_interfaces(&interfaces).into_iter().collect()
         };
         assert_eq!(
             picked(DetectLocal::BridgeInterface("cbr0".into())),

@@ -218,12 +218,13 @@ fn nodeport_addresses_primary_serves_the_primary_address_only() {
             .ns
             .ip(&["addr", "add", &format!("{SECOND}/24"), "dev", "eth0"])
             .expect("a second address on node A");
-        fx.publish(
-            &scenario::web::<Ipv4Addr>("web"),
-            &[(BACKEND.1, "b")],
-        );
+        fx.publish(&scenario::web::<Ipv4Addr>("web"), &[(BACKEND.1, "b")]);
         let via_primary = SocketAddrV4::new(NODE_A_IP, scenario::NODE_PORT);
-        fx.reply_within("client1", via_primary, "the NodePort on the primary address");
+        fx.reply_within(
+            "client1",
+            via_primary,
+            "the NodePort on the primary address",
+        );
         // The agent knows the second address before it is asked: it follows
         // the interfaces every few seconds.
         let deadline = Instant::now() + Duration::from_secs(15);

@@ -135,3 +135,9 @@ fn ipv6_local_policy_interface_name_prefix_tc_only() {
 fn ipv6_off_cluster_clients_of_a_cluster_ip_are_masqueraded_tc_only() {
     scenario::off_cluster_clients_of_a_cluster_ip::<Ipv6Addr>(Path::TcOnly);
 }
+
+/// `--detect-local-mode BridgeInterface` over IPv6.
+#[test]
+fn ipv6_local_policy_bridge_interface_tc_only() {
+    scenario::local_policy::<Ipv6Addr>(Path::TcOnly, LocalDetector::BridgeInterface);
+}

@@ -730,65 +730,11 @@ pub fn nodeport_auto_xdp_with_partial_checksums<F: Family>() {
 /// client1. With `--detect-local-mode NodeCIDR` the agents know it from
 /// their Nodes' `spec.podCIDRs` instead, once the Nodes say so.
 pub fn local_policy<F: Family>(path: Path, detector: LocalDetector) {
-    let pod_veth;
-    let args: Vec<&str> = match detector {
-        LocalDetector::None => vec![],
-        LocalDetector::ClusterCidr => vec!["--cluster-cidr", F::CLUSTER_CIDR],
-        LocalDetector::NodeCidr => vec!["--detect-local-mode", "NodeCIDR"],
-        // Pods' host-side interfaces are `v<i>-<pod>` (tests/src/cluster.rs).
-        LocalDetector::InterfaceNamePrefix => vec![
-            "--detect-local-mode",
-            "InterfaceNamePrefix",
-            "--pod-interface-name-prefix",
-            "v",
-        ],
-        // The one interface the pod's packets arrive on, as a bridge's
-        // would: matched by its name alone, as a bridge is.
-        LocalDetector::BridgeInterface => {
-            pod_veth = pod_interface(LOCAL_BACKEND.0);
-            vec![
-                "--detect-local-mode",
-                "BridgeInterface",
-                "--pod-bridge-interface",
-                pod_veth.as_str(),
-            ]
-        }
-    };
+    let args = detector.args::<F>();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let fx = Fixture::<F>::with_args(path, &args);
     if detector == LocalDetector::NodeCidr {
-        let pod_cidrs: Vec<String> = F::CLUSTER_CIDR
-            .split(',')
-            .map(|cidr| format!("\"{cidr}\""))
-            .collect();
-        let nodes: Vec<String> = ["a", "b"]
-            .iter()
-            .map(|node| {
-                format!(
-                    "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\nspec:\n  podCIDRs: [{}]\n",
-                    fx.cluster.node(node).ns.name(),
-                    pod_cidrs.join(", ")
-                )
-            })
-            .collect();
-        fx.manifests
-            .write("nodes.yaml", &nodes.join("---\n"))
-            .expect("write the Nodes");
-        // Node A's agent holds the Node's pod CIDRs once it has read them.
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let held = Maps::open_pinned(&PinLayout::new(fx.agents[0].bpf_root()))
-                .map(|maps| maps.cluster_cidrs.keys().count())
-                .unwrap_or(0);
-            if held == pod_cidrs.len() {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{path:?}: node A's agent holds {held} of its Node's {} pod CIDRs after 15 s",
-                pod_cidrs.len()
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
+        publish_nodes_with_pod_cidrs(&fx, path);
     }
     let cluster_cidr = detector != LocalDetector::None;
     let (node_a, node_b) = (fx.node_ip("a"), fx.node_ip("b"));
@@ -994,6 +940,43 @@ fn pod_interface(pod: &str) -> String {
     format!("v0-{pod}").chars().take(15).collect()
 }
 
+/// Writes both Nodes with the family's pod CIDRs (`spec.podCIDRs`), and
+/// waits until node A's agent holds them (`--detect-local-mode NodeCIDR`).
+fn publish_nodes_with_pod_cidrs<F: Family>(fx: &Fixture<F>, path: Path) {
+    let pod_cidrs: Vec<String> = F::CLUSTER_CIDR
+        .split(',')
+        .map(|cidr| format!("\"{cidr}\""))
+        .collect();
+    let nodes: Vec<String> = ["a", "b"]
+        .iter()
+        .map(|node| {
+            format!(
+                "apiVersion: v1\nkind: Node\nmetadata:\n  name: {}\nspec:\n  podCIDRs: [{}]\n",
+                fx.cluster.node(node).ns.name(),
+                pod_cidrs.join(", ")
+            )
+        })
+        .collect();
+    fx.manifests
+        .write("nodes.yaml", &nodes.join("---\n"))
+        .expect("write the Nodes");
+    // Node A's agent holds the Node's pod CIDRs once it has read them.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let held = Maps::open_pinned(&PinLayout::new(fx.agents[0].bpf_root()))
+            .map_or(0, |maps| maps.cluster_cidrs.keys().count());
+        if held == pod_cidrs.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path:?}: node A's agent holds {held} of its Node's {} pod CIDRs after 15 s",
+            pod_cidrs.len()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// How the agents tell in-cluster clients (kube-proxy's local traffic
 /// detector).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1010,6 +993,38 @@ pub enum LocalDetector {
     /// `--detect-local-mode BridgeInterface`: packets arriving on the named
     /// interface.
     BridgeInterface,
+}
+
+impl LocalDetector {
+    /// The agents' flags for this detector.
+    fn args<F: Family>(self) -> Vec<String> {
+        let args: Vec<&str> = match self {
+            LocalDetector::None => vec![],
+            LocalDetector::ClusterCidr => vec!["--cluster-cidr", F::CLUSTER_CIDR],
+            LocalDetector::NodeCidr => vec!["--detect-local-mode", "NodeCIDR"],
+            // Pods' host-side interfaces are `v<i>-<pod>` (tests/src/cluster.rs).
+            LocalDetector::InterfaceNamePrefix => vec![
+                "--detect-local-mode",
+                "InterfaceNamePrefix",
+                "--pod-interface-name-prefix",
+                "v",
+            ],
+            // The one interface the pod's packets arrive on, as a bridge's
+            // would: matched by its name alone, as a bridge is.
+            LocalDetector::BridgeInterface => {
+                return [
+                    "--detect-local-mode",
+                    "BridgeInterface",
+                    "--pod-bridge-interface",
+                ]
+                .iter()
+                .map(ToString::to_string)
+                .chain([pod_interface(LOCAL_BACKEND.0)])
+                .collect();
+            }
+        };
+        args.into_iter().map(str::to_owned).collect()
+    }
 }
 
 /// A LoadBalancer IP with loadBalancerSourceRanges of the family: client1 (inside

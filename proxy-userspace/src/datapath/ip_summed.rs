@@ -104,31 +104,63 @@ impl Read {
 /// there were. The copy is 8-byte aligned, as the ELF parser wants.
 pub fn complete(object: &[u8], read: Read) -> Result<(AlignedObject, usize), PatchError> {
     let mut out = AlignedObject::copy_of(object);
-    let mut found = 0;
-    for (section, start, size) in code_sections(out.bytes()).map_err(|e| match e {
-        SectionsError::Elf(e) => PatchError::Elf(e),
-        SectionsError::Outside(section) => PatchError::Section { section },
-    })? {
-        let code = &mut out.bytes_mut()[start..start + size];
-        for index in 0..code.len() / INSN {
-            if code[index * INSN..][..INSN] != call(0, CALL_MAGIC) {
-                continue;
-            }
-            let seq = code
-                .get_mut(index * INSN..(index + LEN) * INSN)
-                .filter(|seq| is_template(seq))
-                .ok_or_else(|| PatchError::Sequence {
-                    section: section.clone(),
-                    index,
-                })?;
-            fill(seq, read);
-            found += 1;
-        }
-    }
+    let found = complete_each(
+        out.bytes_mut(),
+        call(0, CALL_MAGIC),
+        LEN,
+        is_template,
+        |seq| fill(seq, read),
+    )
+    .map_err(|e| match e {
+        SequenceError::Sections(SectionsError::Elf(e)) => PatchError::Elf(e),
+        SequenceError::Sections(SectionsError::Outside(section)) => PatchError::Section { section },
+        SequenceError::Sequence { section, index } => PatchError::Sequence { section, index },
+    })?;
     if found == 0 {
         return Err(PatchError::NoRead);
     }
     Ok((out, found))
+}
+
+/// A placeholder sequence that could not be completed.
+#[derive(Debug, thiserror::Error)]
+pub enum SequenceError {
+    #[error(transparent)]
+    Sections(#[from] SectionsError),
+    #[error("section {section}, instruction {index}: not the placeholder sequence")]
+    Sequence { section: String, index: usize },
+}
+
+/// Completes, in every code section of `object`, each `len`-instruction
+/// sequence that starts with the instruction `first`: `is_template` must
+/// recognise it (a sequence the compiler changed is an error, never a
+/// guess) and `fill` rewrites it. Returns how many there were.
+pub(super) fn complete_each(
+    object: &mut [u8],
+    first: [u8; INSN],
+    len: usize,
+    is_template: impl Fn(&[u8]) -> bool,
+    mut fill: impl FnMut(&mut [u8]),
+) -> Result<usize, SequenceError> {
+    let mut found = 0;
+    for (section, start, size) in code_sections(object)? {
+        let code = &mut object[start..start + size];
+        for index in 0..code.len() / INSN {
+            if code[index * INSN..][..INSN] != first {
+                continue;
+            }
+            let seq = code
+                .get_mut(index * INSN..(index + len) * INSN)
+                .filter(|seq| is_template(seq))
+                .ok_or_else(|| SequenceError::Sequence {
+                    section: section.clone(),
+                    index,
+                })?;
+            fill(seq);
+            found += 1;
+        }
+    }
+    Ok(found)
 }
 
 /// The code sections of an ELF object: name, file offset and size, each

@@ -11,7 +11,7 @@ use proxy_common::netfilter_ct::{
 };
 
 use super::{
-    ip_summed::{INSN, call, insn, op},
+    ip_summed::{INSN, SequenceError, call, complete_each, insn, op},
     kernel_btf::{self, Btf, BtfError},
 };
 
@@ -55,12 +55,10 @@ impl Lookup {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PatchError {
-    #[error(transparent)]
-    Sections(#[from] super::ip_summed::SectionsError),
     #[error(
-        "section {section}, instruction {index}: a conntrack question is not the sequence proxy_common::netfilter_ct describes"
+        "a conntrack question in the object (the sequence proxy_common::netfilter_ct describes): {0}"
     )]
-    Sequence { section: String, index: usize },
+    Sequence(#[from] SequenceError),
     #[error("the eBPF object has no conntrack question: it was built from other sources")]
     NoLookup,
 }
@@ -68,24 +66,9 @@ pub enum PatchError {
 /// Completes every question in `object` (an ELF object's bytes) as `lookup`
 /// says; returns how many there were.
 pub fn complete(object: &mut [u8], lookup: Lookup) -> Result<usize, PatchError> {
-    let mut found = 0;
-    for (section, start, size) in super::ip_summed::code_sections(object)? {
-        let code = &mut object[start..start + size];
-        for index in 0..code.len() / INSN {
-            if code[index * INSN..][..INSN] != call(0, LOOKUP_MAGIC) {
-                continue;
-            }
-            let seq = code
-                .get_mut(index * INSN..(index + LEN) * INSN)
-                .filter(|seq| is_template(seq))
-                .ok_or_else(|| PatchError::Sequence {
-                    section: section.clone(),
-                    index,
-                })?;
-            fill(seq, lookup);
-            found += 1;
-        }
-    }
+    let found = complete_each(object, call(0, LOOKUP_MAGIC), LEN, is_template, |seq| {
+        fill(seq, lookup);
+    })?;
     if found == 0 {
         return Err(PatchError::NoLookup);
     }
@@ -185,7 +168,7 @@ mod tests {
         let e = complete(&mut bytes, Lookup::Absent)
             .expect_err("refused")
             .to_string();
-        assert!(e.contains("not the sequence"), "{e}");
+        assert!(e.contains("not the placeholder sequence"), "{e}");
     }
 
     #[test]

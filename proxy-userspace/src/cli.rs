@@ -188,7 +188,9 @@ pub struct RunArgs {
     #[arg(long, default_value = "24h0m0s", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_established: Duration,
     /// How long a TCP flow lives after its FIN or RST (kube-proxy's flag and
-    /// default, for `CLOSE_WAIT`); 0 is the kernel's 60s.
+    /// default, for `CLOSE_WAIT`), at most 120s here (netfilter's
+    /// `TIME_WAIT`: the datapath does not yet tell a half-closed connection
+    /// from a closed one); 0 is the kernel's 60s.
     #[arg(long, default_value = "1h0m0s", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_close_wait: Duration,
     /// Idle timeout of a UDP flow. kube-proxy leaves the kernel's unless
@@ -359,10 +361,9 @@ impl RunArgs {
                 self.conntrack_tcp_timeout_established,
                 KERNEL_TCP_ESTABLISHED,
             )),
-            tcp_closing_ns: ns(or(
-                self.conntrack_tcp_timeout_close_wait,
-                KERNEL_TCP_CLOSE_WAIT,
-            )),
+            tcp_closing_ns: ns(
+                or(self.conntrack_tcp_timeout_close_wait, KERNEL_TCP_CLOSE_WAIT).min(CLOSING_CAP),
+            ),
             // Zero means "never written" in the map; a second is the floor.
             udp_ns: ns(or(self.conntrack_udp_timeout, UDP_TIMEOUT).max(Duration::from_secs(1))),
         }
@@ -373,6 +374,14 @@ impl RunArgs {
 const KERNEL_TCP_ESTABLISHED: Duration = Duration::from_hours(120);
 /// `nf_conntrack_tcp_timeout_close_wait`'s default.
 const KERNEL_TCP_CLOSE_WAIT: Duration = Duration::from_mins(1);
+/// The longest a flow lives in the datapath after its first FIN or RST.
+/// netfilter keeps `CLOSE_WAIT` (kube-proxy's 1 h) only for a connection one
+/// side has half-closed; once both have, `TIME_WAIT` holds it 120 s. The
+/// datapath does not yet tell the two apart (it knows one "closing" state,
+/// entered at either side's FIN): keeping every closed connection an hour
+/// would hold its conntrack entries and SNAT port that long, so the
+/// closing timeout is kube-proxy's, up to netfilter's 120 s.
+const CLOSING_CAP: Duration = Duration::from_secs(120);
 /// The UDP idle timeout when none is given.
 const UDP_TIMEOUT: Duration = Duration::from_mins(1);
 
@@ -589,6 +598,32 @@ mod tests {
         for bad in ["", ".", "..", "a/b", "eth0:1", "a b", "abcdefghijklmnop"] {
             assert!(parse_interface(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn the_closing_timeout_is_close_wait_up_to_netfilters_time_wait() {
+        let closing = |args: &[&str]| {
+            let cli =
+                Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
+            let Command::Run(run) = cli.command else {
+                panic!("not a run command");
+            };
+            Duration::from_nanos(run.ct_timeouts().tcp_closing_ns)
+        };
+        assert_eq!(
+            closing(&[]),
+            Duration::from_secs(120),
+            "kube-proxy's 1h close-wait, capped"
+        );
+        assert_eq!(
+            closing(&["--conntrack-tcp-timeout-close-wait=10s"]),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            closing(&["--conntrack-tcp-timeout-close-wait=0s"]),
+            Duration::from_secs(60),
+            "0: the kernel's 60 s"
+        );
     }
 
     #[test]

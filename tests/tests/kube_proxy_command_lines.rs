@@ -333,7 +333,8 @@ fn kubeadm_daemonset_command_line() {
             ignored: &[],
             // conntrack.maxPerCore and min null: kube-proxy's 32768 and 131072.
             conntrack_connections: sized(32_768, 131_072),
-            timeouts: [24 * HOUR, HOUR, 60 * SECOND],
+            // close-wait 1h, at most 120 s in the datapath (cli.rs).
+            timeouts: [24 * HOUR, 120 * SECOND, 60 * SECOND],
             cluster_cidrs: &[],
         },
     );
@@ -369,7 +370,8 @@ fn kops_daemonset_command_line() {
                 "log-file",
             ],
             conntrack_connections: sized(131_072, 131_072),
-            timeouts: [24 * HOUR, HOUR, 60 * SECOND],
+            // close-wait 1h, at most 120 s in the datapath (cli.rs).
+            timeouts: [24 * HOUR, 120 * SECOND, 60 * SECOND],
             cluster_cidrs: &["100.96.0.0/11"],
         },
     );

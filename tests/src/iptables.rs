@@ -31,9 +31,9 @@
 //!   TCP and UDP alike, which a TCP `connect()` reports as "connection refused" too.
 //!
 //! - the backend ([`Backend`]): [`apply`] and its siblings run the family's
-//!   `iptables-restore`, the nf_tables backend (`iptables-nft`) on Debian 12; the
+//!   `iptables-restore`, the nftables backend (`iptables-nft`) on Debian 12; the
 //!   `*_with_backend` variants name the backend's own tool, `iptables-legacy-restore`
-//!   for the legacy one (x_tables' `ip_tables`/`ip6_tables`), which kube-proxy uses on
+//!   for the legacy one (`x_tables`' `ip_tables`/`ip6_tables`), which kube-proxy uses on
 //!   nodes whose other rules are there. The two backends do not see each other's
 //!   rules: a legacy rule is only in `iptables-legacy-save`'s output.
 //!
@@ -119,10 +119,10 @@ impl Family for Ipv6Addr {
 /// neither sees the other's rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
-    /// `iptables-nft`: rules in nf_tables, as Debian 12's `iptables-restore` writes
+    /// `iptables-nft`: rules in nftables, as Debian 12's `iptables-restore` writes
     /// them.
     Nft,
-    /// `iptables-legacy`: rules in x_tables' own tables (`ip_tables`, `ip6_tables`).
+    /// `iptables-legacy`: rules in `x_tables`' own tables (`ip_tables`, `ip6_tables`).
     Legacy,
 }
 

@@ -4,8 +4,8 @@
 //! its IPv6 twin on the dual-stack world's IPv6 addresses (kube-proxy's IPv6 proxier:
 //! `ip6tables`, the `ip6 kube-proxy` table; IPv6 Services; the agent told both of the
 //! node's addresses, `--node-ip`). The iptables mode runs once per iptables backend
-//! ([`Backend`]): with `iptables-restore` (nf_tables on Debian 12, `iptables-nft`),
-//! and with `iptables-legacy-restore` (x_tables' own tables, whose rules only
+//! ([`Backend`]): with `iptables-restore` (nftables on Debian 12, `iptables-nft`),
+//! and with `iptables-legacy-restore` (`x_tables`' own tables, whose rules only
 //! `iptables-legacy-save` shows).
 //!
 //! Node a runs kube-proxy-style rules (the harness's [`iptables`] and [`nftables`]
@@ -103,7 +103,7 @@ const REMOVAL_DEADLINE: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, Debug)]
 enum Mode {
-    /// kube-proxy's iptables mode with the node's `iptables-restore` (nf_tables).
+    /// kube-proxy's iptables mode with the node's `iptables-restore` (nftables).
     Iptables,
     /// kube-proxy's iptables mode with `iptables-legacy-restore`.
     IptablesLegacy,

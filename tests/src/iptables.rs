@@ -30,6 +30,13 @@
 //!   `icmp-port-unreachable` (iptables) or `icmp6-port-unreachable` (ip6tables) to
 //!   TCP and UDP alike, which a TCP `connect()` reports as "connection refused" too.
 //!
+//! - the backend ([`Backend`]): [`apply`] and its siblings run the family's
+//!   `iptables-restore`, the nftables backend (`iptables-nft`) on Debian 12; the
+//!   `*_with_backend` variants name the backend's own tool, `iptables-legacy-restore`
+//!   for the legacy one (`x_tables`' `ip_tables`/`ip6_tables`), which kube-proxy uses on
+//!   nodes whose other rules are there. The two backends do not see each other's
+//!   rules: a legacy rule is only in `iptables-legacy-save`'s output.
+//!
 //! Left out: the optional "masquerade off-cluster traffic" rule (needs a local-traffic
 //! detector; no client here is off-cluster), externalTrafficPolicy Local, externalIPs
 //! and load-balancer IPs, and the rest of the filter table (KUBE-FORWARD's ACCEPTs,
@@ -60,6 +67,9 @@ pub trait Family: Copy + Ord + Hash + Display + Debug + Send + Sync + 'static {
     type Endpoint: Copy + Ord + Hash + Display + Debug + Send + Sync + 'static;
     /// The restore tool of the family's rules.
     const RESTORE: &'static str;
+    /// The family's name in iptables' tools (`iptables`, `ip6tables`), which
+    /// [`Backend`] completes (`iptables-legacy-restore`).
+    const XTABLES: &'static str;
     /// nftables' family of kube-proxy's table (`ip`, `ip6`), which is also the
     /// keyword of its address matches (`ip daddr`, `ip6 daddr`).
     const NFT_FAMILY: &'static str;
@@ -73,6 +83,7 @@ pub trait Family: Copy + Ord + Hash + Display + Debug + Send + Sync + 'static {
 impl Family for Ipv4Addr {
     type Endpoint = SocketAddrV4;
     const RESTORE: &'static str = "iptables-restore";
+    const XTABLES: &'static str = "iptables";
     const NFT_FAMILY: &'static str = "ip";
     const NFT_ADDR: &'static str = "ipv4_addr";
     fn endpoint(ip: Self, port: u16) -> SocketAddrV4 {
@@ -89,6 +100,7 @@ impl Family for Ipv4Addr {
 impl Family for Ipv6Addr {
     type Endpoint = SocketAddrV6;
     const RESTORE: &'static str = "ip6tables-restore";
+    const XTABLES: &'static str = "ip6tables";
     const NFT_FAMILY: &'static str = "ip6";
     const NFT_ADDR: &'static str = "ipv6_addr";
     fn endpoint(ip: Self, port: u16) -> SocketAddrV6 {
@@ -99,6 +111,40 @@ impl Family for Ipv6Addr {
     }
     fn endpoint_port(ep: SocketAddrV6) -> u16 {
         ep.port()
+    }
+}
+
+/// Which of iptables' two implementations holds kube-proxy's rules: kube-proxy
+/// runs on nodes with either (it uses whichever the node's other rules are in), and
+/// neither sees the other's rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// `iptables-nft`: rules in nftables, as Debian 12's `iptables-restore` writes
+    /// them.
+    Nft,
+    /// `iptables-legacy`: rules in `x_tables`' own tables (`ip_tables`, `ip6_tables`).
+    Legacy,
+}
+
+impl Backend {
+    /// The backend's restore tool for family `A` (`iptables-legacy-restore`,
+    /// `ip6tables-nft-restore`, ...).
+    pub fn restore<A: Family>(self) -> String {
+        self.tool::<A>("restore")
+    }
+
+    /// The backend's save tool for family `A` (`iptables-legacy-save`, ...): the only
+    /// one that prints the backend's rules.
+    pub fn save<A: Family>(self) -> String {
+        self.tool::<A>("save")
+    }
+
+    fn tool<A: Family>(self, verb: &str) -> String {
+        let backend = match self {
+            Self::Nft => "nft",
+            Self::Legacy => "legacy",
+        };
+        format!("{}-{backend}-{verb}", A::XTABLES)
     }
 }
 
@@ -384,9 +430,19 @@ fn nat_rules<'a, A: Family>(
 }
 
 /// Replaces the nat table of `ns` (of `services`' family) with kube-proxy's rules for
-/// `services`.
+/// `services`, with the family's `iptables-restore`.
 pub fn apply<A: Family>(ns: &NetNs, services: &[KubeService<A>]) -> Result<()> {
-    restore::<A>(ns, &nat_table(services)?)
+    restore(ns, A::RESTORE, &nat_table(services)?)
+}
+
+/// [`apply`] in `backend`'s tables, with its own restore tool
+/// ([`Backend::restore`]).
+pub fn apply_with_backend<A: Family>(
+    ns: &NetNs,
+    services: &[KubeService<A>],
+    backend: Backend,
+) -> Result<()> {
+    restore(ns, &backend.restore::<A>(), &nat_table(services)?)
 }
 
 /// [`apply`] with node ports ([`nat_table_with_node_ports`]).
@@ -394,7 +450,21 @@ pub fn apply_with_node_ports<A: Family>(
     ns: &NetNs,
     services: &[(KubeService<A>, Option<u16>)],
 ) -> Result<()> {
-    restore::<A>(ns, &nat_table_with_node_ports(services)?)
+    restore(ns, A::RESTORE, &nat_table_with_node_ports(services)?)
+}
+
+/// [`apply_with_node_ports`] in `backend`'s tables, with its own restore tool
+/// ([`Backend::restore`]).
+pub fn apply_with_node_ports_with_backend<A: Family>(
+    ns: &NetNs,
+    services: &[(KubeService<A>, Option<u16>)],
+    backend: Backend,
+) -> Result<()> {
+    restore(
+        ns,
+        &backend.restore::<A>(),
+        &nat_table_with_node_ports(services)?,
+    )
 }
 
 /// [`apply`] for services with or without endpoints: the nat table for those with
@@ -405,15 +475,16 @@ pub fn apply_with_rejects<A: Family>(ns: &NetNs, services: &[KubeService<A>]) ->
         .filter(|s| !s.endpoints.is_empty())
         .cloned()
         .collect();
-    restore::<A>(
+    restore(
         ns,
+        A::RESTORE,
         &format!("{}{}", nat_table(&with)?, filter_table(services)),
     )
 }
 
-/// `iptables-restore` (or the family's) of `input` in `ns`.
-fn restore<A: Family>(ns: &NetNs, input: &str) -> Result<()> {
-    let mut cmd = ns.command(A::RESTORE);
+/// `tool` (`iptables-restore` or another restore tool) of `input` in `ns`.
+fn restore(ns: &NetNs, tool: &str, input: &str) -> Result<()> {
+    let mut cmd = ns.command(tool);
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -428,8 +499,7 @@ fn restore<A: Family>(ns: &NetNs, input: &str) -> Result<()> {
     let output = child.wait_with_output()?;
     if !output.status.success() {
         bail!(
-            "{} in {} failed ({}): {}\ninput was:\n{input}",
-            A::RESTORE,
+            "{tool} in {} failed ({}): {}\ninput was:\n{input}",
             ns.name(),
             output.status,
             String::from_utf8_lossy(&output.stderr).trim()
@@ -593,6 +663,17 @@ mod tests {
             endpoints: vec!["10.180.0.1:80".parse().unwrap()],
             affinity_timeout: None,
         }
+    }
+
+    #[test]
+    fn backends_name_their_own_tools() {
+        assert_eq!(
+            Backend::Legacy.restore::<Ipv4Addr>(),
+            "iptables-legacy-restore"
+        );
+        assert_eq!(Backend::Legacy.save::<Ipv6Addr>(), "ip6tables-legacy-save");
+        assert_eq!(Backend::Nft.restore::<Ipv6Addr>(), "ip6tables-nft-restore");
+        assert_eq!(Backend::Nft.save::<Ipv4Addr>(), "iptables-nft-save");
     }
 
     #[test]

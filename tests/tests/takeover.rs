@@ -3,7 +3,10 @@
 //! kube-proxy mode (iptables, nftables) and once per family ([`Family`]): IPv4, and
 //! its IPv6 twin on the dual-stack world's IPv6 addresses (kube-proxy's IPv6 proxier:
 //! `ip6tables`, the `ip6 kube-proxy` table; IPv6 Services; the agent told both of the
-//! node's addresses, `--node-ip`).
+//! node's addresses, `--node-ip`). The iptables mode runs once per iptables backend
+//! ([`Backend`]): with `iptables-restore` (nftables on Debian 12, `iptables-nft`),
+//! and with `iptables-legacy-restore` (`x_tables`' own tables, whose rules only
+//! `iptables-legacy-save` shows).
 //!
 //! Node a runs kube-proxy-style rules (the harness's [`iptables`] and [`nftables`]
 //! reproductions) for a ClusterIP Service `db` (TCP and UDP, two backends on node a)
@@ -16,13 +19,14 @@
 //! 1. the agent starts on node a on manifests describing the same Services: for
 //!    [`TAKEOVER_WATCH`] every flow keeps exchanging (once a [`ROUND`]) and must keep
 //!    answering from its backend, while the agent removes kube-proxy's rules (no
-//!    `KUBE-` chain in `iptables-save`, no `kube-proxy` nft table; its log says so) and
+//!    `KUBE-` chain in `iptables-save`, nor in `iptables-legacy-save` for the legacy
+//!    backend, no `kube-proxy` nft table; its log says so) and
 //!    leaves kube-proxy's flows to netfilter (`netfilter_pass` > 0); new connections
 //!    through the ClusterIP and the NodePort work, are translated by the agent
 //!    (`dnat_new` grows) and reach every backend; they are kept open;
 //! 2. the agent stops (SIGTERM: the datapath stays pinned), `ebpf-proxy cleanup
 //!    --handoff` hands its flows to the kernel's conntrack and detaches, kube-proxy's
-//!    rules are applied again, and for [`HANDOFF_WATCH`] every flow (kube-proxy's
+//!    rules are applied again (with the same backend), and for [`HANDOFF_WATCH`] every flow (kube-proxy's
 //!    first ones and the agent's) must keep answering from its backend.
 //!
 //! Any flow broken (reset, timeout, another backend) at any step fails the test; the
@@ -44,7 +48,7 @@ use ebpf_proxy_tests::{
     cluster::{CLIENT1, Cluster, ClusterNode},
     eventually,
     family::Family,
-    iptables::{self, KubeService},
+    iptables::{self, Backend, KubeService},
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
     netns::NetNs,
     nftables, require_root, run_cmd,
@@ -99,13 +103,21 @@ const REMOVAL_DEADLINE: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, Debug)]
 enum Mode {
+    /// kube-proxy's iptables mode with the node's `iptables-restore` (nftables).
     Iptables,
+    /// kube-proxy's iptables mode with `iptables-legacy-restore`.
+    IptablesLegacy,
     Nftables,
 }
 
 #[test]
 fn kube_proxy_iptables_mode_flows_survive_takeover_and_handoff() {
     takeover_and_handoff::<Ipv4Addr>(Mode::Iptables);
+}
+
+#[test]
+fn kube_proxy_iptables_legacy_mode_flows_survive_takeover_and_handoff() {
+    takeover_and_handoff::<Ipv4Addr>(Mode::IptablesLegacy);
 }
 
 #[test]
@@ -116,6 +128,11 @@ fn kube_proxy_nftables_mode_flows_survive_takeover_and_handoff() {
 #[test]
 fn ipv6_kube_proxy_iptables_mode_flows_survive_takeover_and_handoff() {
     takeover_and_handoff::<Ipv6Addr>(Mode::Iptables);
+}
+
+#[test]
+fn ipv6_kube_proxy_iptables_legacy_mode_flows_survive_takeover_and_handoff() {
+    takeover_and_handoff::<Ipv6Addr>(Mode::IptablesLegacy);
 }
 
 #[test]
@@ -154,16 +171,26 @@ fn apply_kube_proxy<F: Family>(mode: Mode, node: &NetNs, node_ip: F) {
     match mode {
         Mode::Iptables => iptables::apply_with_node_ports(node, &ports)
             .expect("load kube-proxy's iptables-mode rules"),
+        Mode::IptablesLegacy => {
+            iptables::apply_with_node_ports_with_backend(node, &ports, Backend::Legacy)
+                .expect("load kube-proxy's iptables-mode rules with iptables-legacy-restore");
+        }
         Mode::Nftables => nftables::apply_with_node_ports(node, &ports, &[node_ip])
             .expect("load kube-proxy's nftables-mode table"),
     }
 }
 
 /// What is left of kube-proxy's rules in `node`, of either family: `KUBE-` lines of
-/// `iptables-save` and `ip6tables-save`, and `kube-proxy` nft tables (`ip`, `ip6`)
-/// (empty when none).
-fn kube_proxy_leftovers(node: &NetNs) -> Vec<String> {
-    let saved: String = ["iptables-save", "ip6tables-save"]
+/// `iptables-save` and `ip6tables-save` (and, in `mode` [`Mode::IptablesLegacy`], of
+/// `iptables-legacy-save` and `ip6tables-legacy-save`, which alone show the legacy
+/// backend's rules), and `kube-proxy` nft tables (`ip`, `ip6`) (empty when none).
+fn kube_proxy_leftovers(mode: Mode, node: &NetNs) -> Vec<String> {
+    let mut tools = vec!["iptables-save".to_owned(), "ip6tables-save".to_owned()];
+    if let Mode::IptablesLegacy = mode {
+        tools.push(Backend::Legacy.save::<Ipv4Addr>());
+        tools.push(Backend::Legacy.save::<Ipv6Addr>());
+    }
+    let saved: String = tools
         .iter()
         .map(|tool| run_cmd(&mut node.command(tool)).unwrap_or_else(|e| panic!("{tool}: {e:#}")))
         .collect();
@@ -436,7 +463,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         "{fam} {mode:?}: flows break under kube-proxy's own rules, before any agent: {before}"
     );
     assert!(
-        !kube_proxy_leftovers(&node_a.ns).is_empty(),
+        !kube_proxy_leftovers(mode, &node_a.ns).is_empty(),
         "{fam} {mode:?}: kube-proxy's rules should be in place"
     );
 
@@ -472,7 +499,7 @@ fn takeover_and_handoff<F: Family>(mode: Mode) {
         &format!("{fam} {mode:?}: kube-proxy's rules removed by the agent"),
         REMOVAL_DEADLINE,
         || {
-            let left = kube_proxy_leftovers(&node_a.ns);
+            let left = kube_proxy_leftovers(mode, &node_a.ns);
             if left.is_empty() {
                 Ok(())
             } else {

@@ -283,12 +283,11 @@ impl Metadata {
             Some(url) => Some(url),
             None => git(&["remote", "get-url", "origin"])
                 .ok()
-                .filter(|u| !u.is_empty())
-                .map(|u| https_url(&u)),
+                .and_then(|u| https_url(&u)),
         };
         if source.is_none() {
             eprintln!(
-                "warning: no `origin` remote and no --source: the image has no org.opencontainers.image.source"
+                "warning: no `origin` remote with a URL and no --source: the image has no org.opencontainers.image.source"
             );
         }
         Ok(Metadata {
@@ -325,13 +324,16 @@ impl Metadata {
 }
 
 /// A git remote as a browsable URL: `git@host:owner/repo.git` is
-/// `https://host/owner/repo`.
-fn https_url(remote: &str) -> String {
+/// `https://host/owner/repo`. None for a remote that is no URL (a clone of
+/// a local directory, as CI's checkout is): a path would mean nothing to
+/// whoever reads the label.
+fn https_url(remote: &str) -> Option<String> {
     let url = match remote.strip_prefix("git@").and_then(|r| r.split_once(':')) {
         Some((host, path)) => format!("https://{host}/{path}"),
-        None => remote.to_owned(),
+        None if remote.contains("://") && !remote.starts_with("file://") => remote.to_owned(),
+        None => return None,
     };
-    url.strip_suffix(".git").map_or(url.clone(), str::to_owned)
+    Some(url.strip_suffix(".git").map_or(url.clone(), str::to_owned))
 }
 
 /// The workspace's `license` (an SPDX expression).
@@ -738,13 +740,21 @@ mod tests {
     #[test]
     fn remotes_become_browsable_urls() {
         assert_eq!(
-            https_url("git@github.com:owner/ebpf-proxy.git"),
-            "https://github.com/owner/ebpf-proxy"
+            https_url("git@github.com:owner/ebpf-proxy.git").as_deref(),
+            Some("https://github.com/owner/ebpf-proxy")
         );
         assert_eq!(
-            https_url("https://example.org/owner/ebpf-proxy"),
-            "https://example.org/owner/ebpf-proxy"
+            https_url("https://example.org/owner/ebpf-proxy").as_deref(),
+            Some("https://example.org/owner/ebpf-proxy")
         );
+        for local in [
+            "/work/main",
+            "../main",
+            "file:///srv/git/ebpf-proxy.git",
+            "",
+        ] {
+            assert_eq!(https_url(local), None, "{local:?} is no URL");
+        }
     }
 
     #[test]

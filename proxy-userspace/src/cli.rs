@@ -381,7 +381,7 @@ const KERNEL_TCP_CLOSE_WAIT: Duration = Duration::from_mins(1);
 /// entered at either side's FIN): keeping every closed connection an hour
 /// would hold its conntrack entries and SNAT port that long, so the
 /// closing timeout is kube-proxy's, up to netfilter's 120 s.
-const CLOSING_CAP: Duration = Duration::from_secs(120);
+const CLOSING_CAP: Duration = Duration::from_mins(2);
 /// The UDP idle timeout when none is given.
 const UDP_TIMEOUT: Duration = Duration::from_mins(1);
 
@@ -612,7 +612,7 @@ mod tests {
         };
         assert_eq!(
             closing(&[]),
-            Duration::from_secs(120),
+            Duration::from_mins(2),
             "kube-proxy's 1h close-wait, capped"
         );
         assert_eq!(
@@ -621,7 +621,7 @@ mod tests {
         );
         assert_eq!(
             closing(&["--conntrack-tcp-timeout-close-wait=0s"]),
-            Duration::from_secs(60),
+            Duration::from_mins(1),
             "0: the kernel's 60 s"
         );
     }

@@ -137,26 +137,8 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
 
 #[inline(always)]
 fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Action {
-    if node_flags() & node_config_flags::NETFILTER_FLOWS != 0
-        && netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
-    {
-        // Only tc can ask netfilter's conntrack (the lookup kfunc takes a
-        // socket buffer); XDP leaves such packets to it as they came.
-        if H::XDP {
-            count(counter::XDP_TO_TC);
-            return Action::ToTc;
-        }
-        if netfilter_ct::has_v4(
-            ctx,
-            flow.proto,
-            flow.src_be,
-            flow.dst_be,
-            flow.sport_be,
-            flow.dport_be,
-        ) {
-            count(counter::NETFILTER_PASS);
-            return Action::Pass;
-        }
+    if let Some(action) = netfilters(ctx, flow) {
+        return action;
     }
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !frontend::source_allowed(frontend, flow) {
@@ -244,6 +226,36 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         count(counter::HAIRPIN);
     }
     finish(ctx, flow, &nf.nat, hop, now)
+}
+
+/// A packet of a flow netfilter translates (kube-proxy's, after a takeover):
+/// left to it untouched, or at XDP to tc, which can ask. None while no such
+/// flow may live, or when netfilter does not know the packet's tuple.
+#[inline(always)]
+fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
+    if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
+        || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+    {
+        return None;
+    }
+    // Only tc can ask netfilter's conntrack (the lookup kfunc takes a
+    // socket buffer); XDP leaves such packets to it as they came.
+    if H::XDP {
+        count(counter::XDP_TO_TC);
+        return Some(Action::ToTc);
+    }
+    if netfilter_ct::has_v4(
+        ctx,
+        flow.proto,
+        flow.src_be,
+        flow.dst_be,
+        flow.sport_be,
+        flow.dport_be,
+    ) {
+        count(counter::NETFILTER_PASS);
+        return Some(Action::Pass);
+    }
+    None
 }
 
 /// Where XDP sends a packet it routes itself: only a resolved next hop out

@@ -156,25 +156,8 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
 fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H::Verdict {
-    if node_flags() & node_config_flags::NETFILTER_FLOWS != 0
-        && netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
-    {
-        // As IPv4's (`pipeline::new_flow`): tc alone asks netfilter.
-        if H::XDP {
-            count(counter::XDP_TO_TC);
-            return H::PASS;
-        }
-        if netfilter_ct::has_v6(
-            ctx,
-            flow.proto,
-            &flow.src_be,
-            &flow.dst_be,
-            flow.sport_be,
-            flow.dport_be,
-        ) {
-            count(counter::NETFILTER_PASS);
-            return H::PASS;
-        }
+    if netfilters(ctx, flow) {
+        return H::PASS;
     }
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0
@@ -273,6 +256,34 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
     }
     count(counter::DNAT_NEW);
     finish(ctx, flow, &nf.nat, now)
+}
+
+/// Whether the packet is left to the stack as a flow netfilter translates
+/// (IPv4's `pipeline::netfilters`): at tc when netfilter knows its tuple,
+/// at XDP for tc to ask.
+#[inline(always)]
+fn netfilters<H: Hook6>(ctx: &H, flow: &Flow6) -> bool {
+    if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
+        || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+    {
+        return false;
+    }
+    if H::XDP {
+        count(counter::XDP_TO_TC);
+        return true;
+    }
+    let theirs = netfilter_ct::has_v6(
+        ctx,
+        flow.proto,
+        &flow.src_be,
+        &flow.dst_be,
+        flow.sport_be,
+        flow.dport_be,
+    );
+    if theirs {
+        count(counter::NETFILTER_PASS);
+    }
+    theirs
 }
 
 /// A later fragment whose datagram has no translation: passed untouched.

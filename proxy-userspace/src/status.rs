@@ -239,7 +239,7 @@ fn socket_notes(pins: &PinLayout) -> String {
             |sockets| {
                 let n = sockets
                     .iter()
-                    .filter(|s| notes.hook_connected(s) || notes6.hook_connected(s))
+                    .filter(|s| s.hook_connected(&notes, &notes6))
                     .count();
                 n.to_string()
             },

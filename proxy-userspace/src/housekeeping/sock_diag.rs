@@ -19,7 +19,7 @@ use std::{
 
 use bytemuck::{Pod, Zeroable};
 use nix::sys::socket::{AddressFamily, SockFlag, SockProtocol, SockType, recv, send, socket};
-use proxy_common::{PROTO_UDP, is_v4_mapped, v4_mapped};
+use proxy_common::{PROTO_UDP, is_v4_mapped, sock_note, v4_mapped};
 
 use super::sock_notes::{self, SockNotesError};
 use crate::planner::Departed;
@@ -72,7 +72,7 @@ pub fn close_departed(
     };
     let mut closed = 0;
     for socket in candidates {
-        let hooked = notes.hook_connected(&socket) || notes6.hook_connected(&socket);
+        let hooked = socket.hook_connected(&notes, &notes6);
         if hooked && diag.destroy(&socket)? {
             closed += 1;
         }
@@ -307,6 +307,32 @@ impl SockDiag {
 }
 
 impl UdpSocket {
+    /// Whether the `connect()` hook connected the socket to its peer, a
+    /// backend, in a frontend's place: by its IPv4 notes for an IPv4 peer
+    /// (of an IPv4 socket, or of an IPv6 one at its IPv4-mapped address),
+    /// by its IPv6 notes for an IPv6 one.
+    pub fn hook_connected(&self, notes: &sock_notes::Notes, notes6: &sock_notes::Notes6) -> bool {
+        let (addr_be, port_be) = self.peer_be();
+        let connected_by =
+            |how: Option<u32>| how.is_some_and(|how| how & sock_note::CONNECTED != 0);
+        self.connected()
+            && if is_v4_mapped(&addr_be) {
+                connected_by(
+                    notes
+                        .of(self.cookie())
+                        .and_then(|n| n.find(addr_be[3], port_be))
+                        .map(|n| n.how),
+                )
+            } else {
+                connected_by(
+                    notes6
+                        .of(self.cookie())
+                        .and_then(|n| n.find(&addr_be, port_be))
+                        .map(|n| n.how),
+                )
+            }
+    }
+
     /// Whether the socket is connected (has a peer).
     pub fn connected(&self) -> bool {
         self.id.dport_be != 0

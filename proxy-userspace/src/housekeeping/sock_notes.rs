@@ -23,11 +23,8 @@ use aya::{
     programs::{Iter, ProgramError},
 };
 use bytemuck::Pod;
-use proxy_common::{
-    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, is_v4_mapped, sock_note,
-};
+use proxy_common::{SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord};
 
-use super::sock_diag::UdpSocket;
 use crate::datapath::sys;
 
 #[derive(Debug, thiserror::Error)]
@@ -154,19 +151,6 @@ impl Notes {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-
-    /// Whether the `connect()` hook connected `socket` to its peer, an IPv4
-    /// backend (of an IPv4 socket, or of an IPv6 one at its IPv4-mapped
-    /// address), in a frontend's place.
-    pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
-        let (addr_be, port_be) = socket.peer_be();
-        socket.connected()
-            && is_v4_mapped(&addr_be)
-            && self
-                .of(socket.cookie())
-                .and_then(|n| n.find(addr_be[3], port_be))
-                .is_some_and(|n| n.how & sock_note::CONNECTED != 0)
-    }
 }
 
 /// `Notes` of IPv6 backends (`SOCK_NOTES6`), by socket cookie.
@@ -191,18 +175,6 @@ impl Notes6 {
     /// The cookies of the sockets holding IPv6 notes.
     pub fn cookies(&self) -> impl Iterator<Item = u64> + '_ {
         self.0.keys().copied()
-    }
-
-    /// Whether the `connect()` hook connected the IPv6 `socket` to its
-    /// peer, an IPv6 backend, in a frontend's place.
-    pub fn hook_connected(&self, socket: &UdpSocket) -> bool {
-        let (addr_be, port_be) = socket.peer_be();
-        socket.connected()
-            && !is_v4_mapped(&addr_be)
-            && self
-                .of(socket.cookie())
-                .and_then(|n| n.find(&addr_be, port_be))
-                .is_some_and(|n| n.how & sock_note::CONNECTED != 0)
     }
 }
 
@@ -251,7 +223,7 @@ fn records<R: Pod>(path: &Path) -> Result<Vec<R>, SockNotesError> {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{SockNote, SockNote6, sock_note_slot, sock_note_slot6};
+    use proxy_common::{SockNote, SockNote6, sock_note, sock_note_slot, sock_note_slot6};
 
     use super::*;
 

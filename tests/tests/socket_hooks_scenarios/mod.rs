@@ -714,7 +714,7 @@ impl Noting for std::net::Ipv4Addr {
     }
 
     fn hook_connected(notes: &Notes, socket: &UdpSocket) -> bool {
-        notes.hook_connected(socket)
+        socket.hook_connected(notes, &Notes6::default())
     }
 }
 
@@ -763,7 +763,7 @@ impl Noting for Ipv6Addr {
     }
 
     fn hook_connected(notes: &Notes6, socket: &UdpSocket) -> bool {
-        notes.hook_connected(socket)
+        socket.hook_connected(&Notes::default(), notes)
     }
 }
 

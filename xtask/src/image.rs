@@ -6,7 +6,7 @@
 //! Debian's CA bundle (the API client will not start without one, even when
 //! the cluster's own CA comes from the kubeconfig), and the netfilter tools the
 //! agent runs to take a node over from kube-proxy and to hand it back
-//! (proxy-userspace's `adopt::rules`: [`TOOLS`], iptables' extension modules
+//! (proxy-userspace's `adopt::rules`: `netfilter_tools::TOOLS`, iptables' extension modules
 //! and every library those link); no Debian root. The agent execs nothing
 //! else, so a shell or a package manager would only be more to patch and more
 //! to exploit in a process that holds `CAP_BPF` and `CAP_NET_ADMIN`; and the
@@ -58,7 +58,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use ebpf_proxy_tests::{image, run_cmd};
 
-use crate::{cargo, run_status, target_dir, workspace_root};
+use crate::{cargo, netfilter_tools::TOOLS, run_status, target_dir, workspace_root};
 
 mod cross;
 
@@ -70,63 +70,6 @@ use image::{BIN_IN_IMAGE, KUBE_PROXY_IN_IMAGE};
 /// Debian's CA bundle (package ca-certificates), where rustls's native
 /// certificate loader looks first.
 const CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-
-/// A tool the agent runs (proxy-userspace's `adopt::rules`, which looks for each
-/// on PATH, then in /usr/sbin and /sbin, and skips that backend without it).
-#[derive(Debug)]
-pub struct Tool {
-    /// Where it is here and in the image: Debian's path, symbolic links
-    /// followed here, so the image holds the file itself.
-    pub path: &'static str,
-    /// The names in the same directory that are links to it, here and in the
-    /// image: the commands of a multi-call binary.
-    pub links: &'static [&'static str],
-    /// The Debian package that brings it (`cargo xtask setup` installs it).
-    pub deb: &'static str,
-}
-
-/// The tools the amd64 image carries: `nft` for kube-proxy's nftables tables and
-/// the agent's NAT keep-alive table, both iptables backends for kube-proxy's
-/// iptables and IPVS-mode rules, and `ip` for the IPVS dummy link. Not
-/// `ipvsadm` and `ipset` (IPVS mode's virtual servers and sets): Debian's
-/// packages are not in `cargo xtask setup`, and without them the takeover says
-/// what it left.
-pub const TOOLS: &[Tool] = &[
-    Tool {
-        path: "/usr/sbin/nft",
-        links: &[],
-        deb: "nftables",
-    },
-    Tool {
-        path: "/usr/sbin/xtables-legacy-multi",
-        links: &[
-            "iptables-legacy",
-            "iptables-legacy-save",
-            "iptables-legacy-restore",
-            "ip6tables-legacy",
-            "ip6tables-legacy-save",
-            "ip6tables-legacy-restore",
-        ],
-        deb: "iptables",
-    },
-    Tool {
-        path: "/usr/sbin/xtables-nft-multi",
-        links: &[
-            "iptables-nft",
-            "iptables-nft-save",
-            "iptables-nft-restore",
-            "ip6tables-nft",
-            "ip6tables-nft-save",
-            "ip6tables-nft-restore",
-        ],
-        deb: "iptables",
-    },
-    Tool {
-        path: "/usr/sbin/ip",
-        links: &[],
-        deb: "iproute2",
-    },
-];
 
 /// iptables' extension modules (package iptables), one per match and target
 /// (`comment`, `statistic`, `recent`, `mark`, `addrtype`, `conntrack`,
@@ -363,7 +306,7 @@ fn agent_version() -> Result<String> {
 }
 
 /// Files besides the agent, its libraries and the CA bundle: each tool of
-/// [`TOOLS`] and its links, and the extension modules.
+/// `TOOLS` and its links, and the extension modules.
 #[derive(Debug, Default)]
 struct Contents {
     /// `(where it is here, where it goes in the image)`.
@@ -373,7 +316,7 @@ struct Contents {
 }
 
 impl Contents {
-    /// [`TOOLS`] and [`XTABLES_MODULES`]; an error naming the package for any
+    /// `TOOLS` and [`XTABLES_MODULES`]; an error naming the package for any
     /// that is missing.
     fn netfilter_tools() -> Result<Contents> {
         let mut contents = Contents::default();

@@ -4,6 +4,7 @@
 
 mod demo;
 mod image;
+mod netfilter_tools;
 mod setup;
 
 use std::{

@@ -17,7 +17,7 @@ use crate::run_status;
 /// offload and GRO of the two-node sandbox's veths; prometheus brings `promtool`,
 /// which checks the agent's metrics exposition; python3-venv holds the pinned
 /// `kubernetes-validate` that checks the manifests in deploy/. The packages of
-/// the netfilter tools the image carries come from `image::TOOLS` as well.
+/// the netfilter tools the image carries come from `netfilter_tools::TOOLS` as well.
 const APT_PACKAGES: &[&str] = &[
     "rustc-web",
     "libstd-rust-web-dev-bpf",
@@ -55,7 +55,7 @@ const BPFFS: &str = "/sys/fs/bpf";
 /// it all needs no root for this step (the tests and the demo still do).
 pub fn run() -> Result<()> {
     let mut debs: Vec<&str> = APT_PACKAGES.to_vec();
-    for tool in crate::image::TOOLS {
+    for tool in crate::netfilter_tools::TOOLS {
         if !debs.contains(&tool.deb) {
             debs.push(tool.deb);
         }

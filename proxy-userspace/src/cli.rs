@@ -127,7 +127,7 @@ pub struct RunArgs {
     pub master: Option<String>,
     /// Attach only to these interfaces (default: every non-loopback one,
     /// including ones created later).
-    #[arg(long, value_delimiter = ',', value_parser = parse_interface)]
+    #[arg(long, value_delimiter = ',', value_parser = crate::datapath::interfaces::parse_name)]
     pub interfaces: Option<Vec<String>>,
     /// Where /healthz is served: IP:port, or an IP (port 10256), as
     /// kube-proxy's flag.
@@ -276,7 +276,7 @@ pub struct RunArgs {
     #[arg(long, default_value = "ClusterCIDR", value_parser = |s: &str| LocalMode::parse(s).map_err(|e| e.to_string()))]
     pub detect_local_mode: LocalMode,
     /// The bridge pods are behind, for --detect-local-mode `BridgeInterface`.
-    #[arg(long, value_parser = parse_interface)]
+    #[arg(long, value_parser = crate::datapath::interfaces::parse_name)]
     pub pod_bridge_interface: Option<String>,
     /// The prefix of pods' interfaces, for --detect-local-mode
     /// `InterfaceNamePrefix`.
@@ -387,38 +387,25 @@ const UDP_TIMEOUT: Duration = Duration::from_mins(1);
 
 /// kube-proxy's `--healthz-bind-address`: IP:port, or an IP on port 10256.
 pub fn parse_healthz_bind_address(s: &str) -> Result<SocketAddr, String> {
-    crate::config::listen_address(s.trim(), 10256)
+    listen_address(s.trim(), 10256)
         .ok_or_else(|| format!("{s:?} is not an address to listen on (like 0.0.0.0:10256)"))
 }
 
-/// "10.0.0.0/8" and the like.
-pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
-    Cidr::parse(s).ok_or_else(|| format!("{s:?} is not a CIDR (like 192.168.0.0/16)"))
+/// "IP:port", "[v6]:port" or a bare IP (on `default_port`).
+pub(crate) fn listen_address(text: &str, default_port: u16) -> Option<SocketAddr> {
+    text.parse().ok().or_else(|| {
+        text.trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+            .ok()
+            .map(|ip| SocketAddr::new(ip, default_port))
+    })
 }
-
-/// A name the kernel could give an interface (its `dev_valid_name`): one
-/// that could never match would leave the datapath attached nowhere, silently.
-pub fn parse_interface(s: &str) -> Result<String, String> {
-    let valid = !s.is_empty()
-        && s.len() < IFNAMSIZ
-        && s != "."
-        && s != ".."
-        && !s.chars().any(|c| c == '/' || c == ':' || c.is_whitespace());
-    if valid {
-        Ok(s.to_owned())
-    } else {
-        Err(format!(
-            "{s:?} is not an interface name (1 to {} bytes, no '/', ':' or spaces)",
-            IFNAMSIZ - 1
-        ))
-    }
-}
-
-const IFNAMSIZ: usize = 16;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::datapath::interfaces::parse_name as parse_interface;
 
     #[test]
     fn manifests_are_optional_and_master_excludes_them() {
@@ -540,7 +527,7 @@ mod tests {
                         let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
                         // What the agent derives from the flags at start.
                         if let Command::Run(mut run) = cli.command {
-                            crate::kube_proxy_flags::settle(&mut run, &|_| false)
+                            crate::settle::settle(&mut run, &|_| false)
                                 .map_err(|e| e.to_string())?;
                             let _ = (run.ct_timeouts(), run.conntrack_entries());
                         }

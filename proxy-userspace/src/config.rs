@@ -151,7 +151,7 @@ pub fn merge(
         return Ok(None);
     };
     let config = load(&path)?;
-    let given = |id: &str| crate::kube_proxy_flags::given(matches, id);
+    let given = |id: &str| crate::settle::given(matches, id);
     let mut overridden = config.settings.apply(run, &given);
     if let Some(format) = config.settings.log_format {
         if given("log_format") {
@@ -351,12 +351,14 @@ impl KubeProxyConfiguration {
             };
         }
         if let Some(text) = non_empty(self.healthz_bind_address.as_deref()) {
-            s.healthz_bind_address = Some(listen_address(text, HEALTHZ_PORT).ok_or_else(|| {
-                invalid(
-                    "healthzBindAddress",
-                    format!("{text:?} is not an address to listen on (like 0.0.0.0:10256)"),
-                )
-            })?);
+            s.healthz_bind_address = Some(
+                crate::cli::listen_address(text, HEALTHZ_PORT).ok_or_else(|| {
+                    invalid(
+                        "healthzBindAddress",
+                        format!("{text:?} is not an address to listen on (like 0.0.0.0:10256)"),
+                    )
+                })?,
+            );
         }
         if let Some(text) = non_empty(self.metrics_bind_address.as_deref()) {
             s.metrics_bind_address = Some(
@@ -377,7 +379,7 @@ impl KubeProxyConfiguration {
         if let Some(detect) = &self.detect_local {
             s.pod_bridge_interface = non_empty(detect.bridge_interface.as_deref())
                 .map(|name| {
-                    crate::cli::parse_interface(name)
+                    crate::datapath::interfaces::parse_name(name)
                         .map_err(|e| invalid("detectLocal.bridgeInterface", e))
                 })
                 .transpose()?;
@@ -518,17 +520,6 @@ fn node_port_address(entry: &str) -> Result<Vec<NodePortAddress>, FieldError> {
     }
 }
 
-/// "IP:port", "[v6]:port" or a bare IP (on `default_port`).
-pub(crate) fn listen_address(text: &str, default_port: u16) -> Option<SocketAddr> {
-    text.parse().ok().or_else(|| {
-        text.trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<IpAddr>()
-            .ok()
-            .map(|ip| SocketAddr::new(ip, default_port))
-    })
-}
-
 /// Why a top-level field (or block) does not apply.
 fn why_ignored(field: &str) -> &'static str {
     let top = field.split('.').next().unwrap_or(field);
@@ -645,57 +636,10 @@ struct GoDuration(Duration);
 impl<'de> Deserialize<'de> for GoDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        parse_go_duration(&text)
+        crate::kube_proxy_flags::parse_go_duration(&text)
             .map(GoDuration)
             .map_err(serde::de::Error::custom)
     }
-}
-
-/// Go's `time.ParseDuration`, for the durations a configuration may hold
-/// (not negative).
-pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
-    let bad = || format!("{text:?} is not a duration (like 30s, 1m30s, 250ms, 1h0m0s)");
-    if text == "0" {
-        return Ok(Duration::ZERO);
-    }
-    if text.starts_with('-') {
-        return Err(format!("{text:?} is negative"));
-    }
-    let mut rest = text.strip_prefix('+').unwrap_or(text);
-    if rest.is_empty() {
-        return Err(bad());
-    }
-    let mut nanos: f64 = 0.0;
-    while !rest.is_empty() {
-        let number_end = rest
-            .find(|c: char| !c.is_ascii_digit() && c != '.')
-            .ok_or_else(bad)?;
-        let (number, tail) = rest.split_at(number_end);
-        if number.is_empty() || number == "." || number.matches('.').count() > 1 {
-            return Err(bad());
-        }
-        let value: f64 = number.parse().map_err(|_| bad())?;
-        let unit_end = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_end);
-        let scale = match unit {
-            "ns" => 1.0,
-            "us" | "µs" | "μs" => 1e3,
-            "ms" => 1e6,
-            "s" => 1e9,
-            "m" => 60e9,
-            "h" => 3600e9,
-            _ => return Err(bad()),
-        };
-        nanos += value * scale;
-        rest = tail;
-    }
-    // Go's durations are int64 nanoseconds.
-    if nanos > i64::MAX as f64 {
-        return Err(format!("{text:?} is longer than Go's longest duration"));
-    }
-    Ok(Duration::from_nanos(nanos.round() as u64))
 }
 
 // The document, field for field as kube-proxy's v1alpha1 types spell it.

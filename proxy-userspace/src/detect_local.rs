@@ -135,7 +135,8 @@ impl DetectLocal {
 /// prefix that no interface could have is refused rather than matching
 /// nothing silently.
 pub fn parse_prefix(text: &str) -> Result<String, DetectLocalError> {
-    crate::cli::parse_interface(text).map_err(|_| DetectLocalError::BadPrefix(text.to_owned()))
+    crate::datapath::interfaces::parse_name(text)
+        .map_err(|_| DetectLocalError::BadPrefix(text.to_owned()))
 }
 
 #[cfg(test)]

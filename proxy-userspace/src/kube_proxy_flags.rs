@@ -1,36 +1,15 @@
 //! kube-proxy's own flags on `ebpf-proxy run`, so that a kube-proxy
 //! command line (kubeadm's, kOps', k3s') starts this agent unchanged:
-//! the flags with a meaning here are fields of [`RunArgs`] (and are settled
-//! by [`settle`] once the configuration file is merged); the others are
+//! the flags with a meaning here are fields of `RunArgs` (and are settled
+//! by `settle` once the configuration file is merged); the others are
 //! [`IGNORED`], taken with kube-proxy's value syntax and named in one
 //! warning at start.
 
-use std::{net::IpAddr, time::Duration};
+use std::time::Duration;
 
 use clap::{Arg, ArgAction, ArgMatches, parser::ValueSource};
 
-use crate::{
-    cli::RunArgs,
-    detect_local::{DetectLocal, DetectLocalError},
-    model::Cidr,
-    node_ip::{NodeIpError, NodeIps},
-};
-
-#[derive(Debug, thiserror::Error)]
-pub enum KubeProxyFlagsError {
-    #[error("--detect-local-mode: {0}")]
-    DetectLocal(#[from] DetectLocalError),
-    #[error("--bind-address {ip}: {source}")]
-    BindAddress {
-        ip: IpAddr,
-        #[source]
-        source: NodeIpError,
-    },
-    #[error("--nodeport-addresses: {0}")]
-    NodePortAddresses(String),
-    #[error("--conntrack-max-per-core, --conntrack-min: {0}")]
-    ConntrackSize(String),
-}
+use crate::model::Cidr;
 
 /// How a flag's value is written, as kube-proxy's flag types take it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,11 +172,11 @@ fn check(kind: Kind, text: &str) -> Result<String, String> {
             Ok(x) if x.is_finite() => Ok(text.trim().to_owned()),
             _ => Err(format!("{text:?} is not a number")),
         },
-        Kind::Duration => crate::config::parse_go_duration(text).map(|_| text.to_owned()),
+        Kind::Duration => parse_go_duration(text).map(|_| text.to_owned()),
         Kind::Text => Ok(text.to_owned()),
         Kind::Cidrs => {
             for entry in text.split(',').filter(|e| !e.trim().is_empty()) {
-                crate::cli::parse_cidr(entry)?;
+                parse_cidr(entry)?;
             }
             Ok(text.to_owned())
         }
@@ -294,9 +273,14 @@ impl NodePortAddress {
     pub fn parse(text: &str) -> Result<Self, String> {
         match text.trim() {
             "primary" => Ok(Self::Primary),
-            other => crate::cli::parse_cidr(other).map(Self::Cidr),
+            other => parse_cidr(other).map(Self::Cidr),
         }
     }
+}
+
+/// "10.0.0.0/8" and the like.
+pub fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    Cidr::parse(s).ok_or_else(|| format!("{s:?} is not a CIDR (like 192.168.0.0/16)"))
 }
 
 /// kube-proxy's rule: `primary` alone, or CIDRs.
@@ -319,7 +303,7 @@ pub fn parse_proxy_mode(text: &str) -> Result<String, String> {
 
 /// A Go duration, for every duration flag.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    crate::config::parse_go_duration(text)
+    parse_go_duration(text)
 }
 
 /// `--hostname-override` / `--node-name`: trimmed and lowercased as
@@ -359,111 +343,51 @@ pub fn cpus() -> u64 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
 }
 
-/// Whether the flag `id` was given on the command line or in the
-/// environment (not its default).
-pub fn given(matches: &ArgMatches, id: &str) -> bool {
-    let run = matches.subcommand_matches("run").unwrap_or(matches);
-    [matches, run].iter().any(|m| {
-        m.try_get_raw(id).is_ok_and(|raw| raw.is_some())
-            && m.value_source(id)
-                .is_some_and(|source| source != ValueSource::DefaultValue)
-    })
-}
-
-/// What is set that the datapath does not carry out yet, for the warning
-/// at start.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Settled {
-    pub not_yet: Vec<String>,
-}
-
-/// Settles the kube-proxy flags of `run` once the configuration file is
-/// merged into it: the sync periods of the proxy mode, `--bind-address` as
-/// the node's address, `--nodeport-addresses` into CIDRs, the local traffic
-/// detector, the conntrack size; `given` tells the flags given on the
-/// command line.
-pub fn settle(
-    run: &mut RunArgs,
-    given: &dyn Fn(&str) -> bool,
-) -> Result<Settled, KubeProxyFlagsError> {
-    let mut settled = Settled::default();
-
-    // kube-proxy's --iptables-* flags apply unless it runs in ipvs mode,
-    // --ipvs-* in ipvs mode; ours, given, win over both.
-    let ipvs = run.proxy_mode.as_deref() == Some("ipvs");
-    let (sync, min_sync) = if ipvs {
-        (run.ipvs_sync_period, run.ipvs_min_sync_period)
-    } else {
-        (run.iptables_sync_period, run.iptables_min_sync_period)
-    };
-    if let Some(period) = sync.filter(|_| !given("sync_period")) {
-        run.sync_period = period;
+/// Go's `time.ParseDuration`, for the durations a configuration may hold
+/// (not negative).
+pub fn parse_go_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a duration (like 30s, 1m30s, 250ms, 1h0m0s)");
+    if text == "0" {
+        return Ok(Duration::ZERO);
     }
-    if let Some(period) = min_sync.filter(|_| !given("min_sync_period")) {
-        run.min_sync_period = period;
+    if text.starts_with('-') {
+        return Err(format!("{text:?} is negative"));
     }
-
-    // kube-proxy's --bind-address is its idea of the node's primary IP.
-    if let Some(ip) = run.bind_address.filter(|ip| !ip.is_unspecified()) {
-        let ips = run.node_ip.unwrap_or_default();
-        let of_family = match ip {
-            IpAddr::V4(_) => ips.v4.is_some(),
-            IpAddr::V6(_) => ips.v6.is_some(),
-        };
-        if !of_family {
-            run.node_ip = Some(
-                ips.with(ip)
-                    .map_err(|source| KubeProxyFlagsError::BindAddress { ip, source })?,
-            );
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    let mut nanos: f64 = 0.0;
+    while !rest.is_empty() {
+        let number_end = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .ok_or_else(bad)?;
+        let (number, tail) = rest.split_at(number_end);
+        if number.is_empty() || number == "." || number.matches('.').count() > 1 {
+            return Err(bad());
         }
+        let value: f64 = number.parse().map_err(|_| bad())?;
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            _ => return Err(bad()),
+        };
+        nanos += value * scale;
+        rest = tail;
     }
-
-    check_nodeport_addresses(&run.nodeport_address_list)
-        .map_err(KubeProxyFlagsError::NodePortAddresses)?;
-    run.nodeport_primary = run
-        .nodeport_address_list
-        .contains(&NodePortAddress::Primary);
-    run.nodeport_addresses = if run.nodeport_primary {
-        primary_cidrs(run.node_ip.unwrap_or_default())
-    } else {
-        run.nodeport_address_list
-            .iter()
-            .filter_map(|entry| match entry {
-                NodePortAddress::Cidr(cidr) => Some(*cidr),
-                NodePortAddress::Primary => None,
-            })
-            .collect()
-    };
-    if run.nodeport_primary && run.nodeport_addresses.is_empty() {
-        settled.not_yet.push(
-            "nodeport-addresses primary without --node-ip or --bind-address (NodePorts are served on every node address)"
-                .to_owned(),
-        );
+    // Go's durations are int64 nanoseconds.
+    if nanos > i64::MAX as f64 {
+        return Err(format!("{text:?} is longer than Go's longest duration"));
     }
-
-    run.detect_local = DetectLocal::new(
-        run.detect_local_mode,
-        run.pod_bridge_interface.as_deref(),
-        run.pod_interface_name_prefix.as_deref(),
-    )?;
-
-    if run.conntrack_max.is_none() {
-        conntrack_size(run.conntrack_max_per_core, run.conntrack_min, cpus())
-            .map_err(KubeProxyFlagsError::ConntrackSize)?;
-    }
-    Ok(settled)
-}
-
-/// kube-proxy's `primary`: each family's node address, as a host CIDR.
-fn primary_cidrs(ips: NodeIps) -> Vec<Cidr> {
-    let host = |ip: IpAddr, prefix| Cidr::parse(&format!("{ip}/{prefix}"));
-    [
-        ips.v4.and_then(|ip| host(ip.into(), 32)),
-        ips.v6.and_then(|ip| host(ip.into(), 128)),
-    ]
-    .into_iter()
-    .flatten()
-    .collect()
+    Ok(Duration::from_nanos(nanos.round() as u64))
 }
 
 #[cfg(test)]

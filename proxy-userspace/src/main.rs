@@ -6,19 +6,15 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs},
     config,
     datapath::{self, PinLayout},
-    kube_proxy_argv, kube_proxy_flags, logging,
+    kube_proxy_argv, logging,
     model::ModelConfig,
-    privileges, status,
+    privileges, settle, status,
 };
 
 /// The command line, read as kube-proxy's too (the binary called as
 /// kube-proxy, Go's flag spellings), with `run`'s configuration file merged
 /// and its kube-proxy flags settled.
-fn command_line() -> anyhow::Result<(
-    Cli,
-    Option<config::Merged>,
-    Option<kube_proxy_flags::Settled>,
-)> {
+fn command_line() -> anyhow::Result<(Cli, Option<config::Merged>, Option<settle::Settled>)> {
     let command = Cli::command();
     let run_flags = kube_proxy_argv::run_flags(&command);
     let argv = kube_proxy_argv::rewrite(std::env::args_os().collect(), &|name| {
@@ -30,13 +26,13 @@ fn command_line() -> anyhow::Result<(
         return Ok((cli, None, None));
     };
     let merged = config::merge(args, &mut cli.log_format, &matches)?;
-    let settled = kube_proxy_flags::settle(args, &|id| kube_proxy_flags::given(&matches, id))?;
+    let settled = settle::settle(args, &|id| settle::given(&matches, id))?;
     Ok((cli, merged, Some(settled)))
 }
 
 /// One line for the kube-proxy flags that mean nothing here, one for those
 /// taken that the datapath does not carry out yet.
-fn warn_kube_proxy_flags(args: &RunArgs, settled: Option<kube_proxy_flags::Settled>) {
+fn warn_kube_proxy_flags(args: &RunArgs, settled: Option<settle::Settled>) {
     if !args.kube_proxy_ignored.0.is_empty() {
         tracing::warn!(
             flags = %args.kube_proxy_ignored.summary(),

@@ -492,7 +492,11 @@ fn go_durations_parse_as_go_does() {
         ("10ns", Duration::from_nanos(10)),
         ("2h45m", Duration::from_mins(165)),
     ] {
-        assert_eq!(parse_go_duration(text), Ok(want), "{text:?}");
+        assert_eq!(
+            crate::kube_proxy_flags::parse_go_duration(text),
+            Ok(want),
+            "{text:?}"
+        );
     }
     for bad in [
         "",
@@ -505,7 +509,10 @@ fn go_durations_parse_as_go_does() {
         "1h-5m",
         "9999999999h",
     ] {
-        assert!(parse_go_duration(bad).is_err(), "{bad:?} was accepted");
+        assert!(
+            crate::kube_proxy_flags::parse_go_duration(bad).is_err(),
+            "{bad:?} was accepted"
+        );
     }
 }
 
@@ -630,7 +637,7 @@ fn cluster_cidr_and_nodeport_addresses_take_both_families() {
         "--nodeport-addresses",
         "192.168.0.0/16,fd00:1::/64",
     ]);
-    crate::kube_proxy_flags::settle(&mut run, &|_| false).expect("settled");
+    crate::settle::settle(&mut run, &|_| false).expect("settled");
     let cidr = |c: &str| Cidr::parse(c).unwrap();
     assert_eq!(
         *run.cluster_cidr,

@@ -180,3 +180,23 @@ pub async fn watch(
     task.abort();
     Ok(())
 }
+
+/// A name the kernel could give an interface (its `dev_valid_name`): one
+/// that could never match would leave the datapath attached nowhere, silently.
+pub fn parse_name(s: &str) -> Result<String, String> {
+    let valid = !s.is_empty()
+        && s.len() < IFNAMSIZ
+        && s != "."
+        && s != ".."
+        && !s.chars().any(|c| c == '/' || c == ':' || c.is_whitespace());
+    if valid {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not an interface name (1 to {} bytes, no '/', ':' or spaces)",
+            IFNAMSIZ - 1
+        ))
+    }
+}
+
+const IFNAMSIZ: usize = 16;

@@ -4,6 +4,11 @@ use clap::{CommandFactory, FromArgMatches};
 
 use super::*;
 use crate::cli::{Cli, Command};
+use crate::{
+    cli::RunArgs,
+    detect_local::DetectLocal,
+    settle::{Settled, given, settle},
+};
 
 /// `argv` as main takes it: rewritten, parsed, the file merged, settled.
 fn started(argv: &[&str]) -> Result<(RunArgs, Settled), String> {

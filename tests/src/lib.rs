@@ -13,6 +13,7 @@
 pub mod affinity;
 pub mod agent;
 pub mod bench;
+pub mod bulk;
 pub mod cgroup;
 pub mod client;
 pub mod cluster;
@@ -27,8 +28,10 @@ pub mod manifest;
 pub mod manifest_check;
 pub mod netns;
 pub mod nftables;
+pub mod offloads;
 pub mod sandbox;
 pub mod servers;
+pub mod snmp;
 pub mod stats;
 pub mod topology;
 

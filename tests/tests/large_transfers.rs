@@ -280,18 +280,15 @@ impl<F: Family> World<F> {
         assert!(
             t.complete(),
             "{} {what} ({:?} between node a and the backend), through {addr} from {}: {t}; \
-             the backend's socket took {} bytes in all so far; {}",
+             the backend has taken {} bytes and sent {} in all so far; {}",
             F::NAME,
             self.between,
             ns.name(),
-            self.server_received(),
+            self.servers[0].received(),
+            self.servers[0].sent(),
             self.diagnosis()
         );
         reply
-    }
-
-    fn server_received(&self) -> u64 {
-        self.servers[0].received()
     }
 
     fn counter(&self, node: usize, name: &str) -> u64 {

@@ -594,7 +594,13 @@ pub struct CtValue {
     pub alt_port_be: u16,
     pub flags: u8,
     pub dir: u8,
-    pub _pad: u16,
+    /// The MTU of the route the stack forwards this direction's translated
+    /// packets on, learnt when the flow began (0: none known, or the
+    /// datapath sends them itself and routes each one). A longer packet is
+    /// answered by the datapath, quoting it as its sender sent it, where
+    /// the stack's own error would quote it translated, which the sender
+    /// cannot match to its socket.
+    pub path_mtu: u16,
     pub backend_id: u32,
     pub service_id: u32,
     /// The datapath clock (`Clock`) when the entry was created.
@@ -653,7 +659,8 @@ pub struct Ct6Value {
     pub alt_port_be: u16,
     pub flags: u8,
     pub dir: u8,
-    pub _pad: u16,
+    /// As `CtValue::path_mtu`.
+    pub path_mtu: u16,
     pub backend_id: u32,
     pub service_id: u32,
     pub created_ns: u64,
@@ -1098,7 +1105,13 @@ pub mod counter {
     /// over (kube-proxy's), found in the kernel's conntrack by tc and left
     /// to netfilter, which goes on translating it (`netfilter_ct`).
     pub const NETFILTER_PASS: u32 = 28;
-    pub const COUNT: u32 = 29;
+    /// A packet the datapath routes itself that is longer than its route's
+    /// MTU (each segment, for a GSO packet): answered, as a router answers,
+    /// with ICMP "fragmentation needed" or ICMPv6 "packet too big" and the
+    /// MTU, so that its sender lowers its path MTU; an IPv4 packet that
+    /// may be fragmented (no DF) is dropped, as fragmenting is the stack's.
+    pub const TOO_BIG: u32 = 29;
+    pub const COUNT: u32 = 30;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1132,6 +1145,7 @@ pub mod counter {
         "pass_v6_ext_headers",
         "xdp_translated",
         "netfilter_pass",
+        "too_big",
     ];
 }
 

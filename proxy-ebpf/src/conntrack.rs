@@ -333,6 +333,8 @@ pub struct NewFlow {
     pub kind: u8,
     /// Replies leave with a source that is an address of this node.
     pub reply_redirect: bool,
+    /// The forward entry's `path_mtu`.
+    pub path_mtu: u16,
 }
 
 /// Creates both entries of a new flow of `flow` (client -> frontend). The
@@ -353,7 +355,7 @@ fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
         dir: ct_dir::FORWARD,
         alt_addr_be: nf.nat.src_be,
         alt_port_be: nf.nat.sport_be,
-        _pad: 0,
+        path_mtu: nf.path_mtu,
         backend_id: nf.backend_id,
         service_id: nf.service_id,
         created_ns: now,
@@ -371,6 +373,7 @@ fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
         dir: ct_dir::REPLY,
         alt_addr_be: flow.src_be,
         alt_port_be: flow.sport_be,
+        path_mtu: 0,
         ..forward
     };
     let reply_key = key(

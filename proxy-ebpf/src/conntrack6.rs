@@ -256,6 +256,8 @@ pub struct NewFlow6 {
     pub kind: u8,
     /// Replies leave with a source that is an address of this node.
     pub reply_redirect: bool,
+    /// The forward entry's `path_mtu`.
+    pub path_mtu: u16,
 }
 
 /// Writes the reply entry of the new flow `nf` of `flow` into `value`, and
@@ -278,7 +280,7 @@ fn reply_entry(flow: &Flow6, nf: &NewFlow6, now: u64, key: &mut Ct6Key, value: &
         alt_port_be: flow.sport_be,
         flags: nf.kind | redirect_flag(nf.reply_redirect),
         dir: ct_dir::REPLY,
-        _pad: 0,
+        path_mtu: 0,
         backend_id: nf.backend_id,
         service_id: nf.service_id,
         created_ns: now,
@@ -303,6 +305,7 @@ fn insert_forward(flow: &Flow6, nf: &NewFlow6, scratch: &mut Scratch6) -> bool {
     value.alt_port_be = nf.nat.sport_be;
     value.flags = nf.kind | redirect_flag(nf.nat.redirect);
     value.dir = ct_dir::FORWARD;
+    value.path_mtu = nf.path_mtu;
     scratch.other_key = flow_key(flow);
     CT_NEW6
         .insert(&scratch.other_key, &scratch.value, BPF_ANY)

@@ -75,6 +75,9 @@ pub enum Event {
     NoRoute = 8,
     /// A rewrite that could not be finished.
     Rewrite = 9,
+    /// A packet longer than its route's MTU: answered with the MTU, or
+    /// dropped where IPv4 may fragment it.
+    TooBig = 10,
 }
 
 impl Event {
@@ -87,7 +90,7 @@ impl Event {
                 datapath_log::WARN
             }
             Event::Reject | Event::SourceRange | Event::NoEndpoint => datapath_log::INFO,
-            Event::FragUntracked | Event::Ttl => datapath_log::DEBUG,
+            Event::FragUntracked | Event::Ttl | Event::TooBig => datapath_log::DEBUG,
         }
     }
 }
@@ -227,7 +230,7 @@ const RECORD6: usize = 216;
 const _: () = assert!(RECORD6.is_multiple_of(8));
 /// Room for an event's text.
 const TEXT_MAX: usize = 64;
-const EVENTS: usize = 10;
+const EVENTS: usize = 11;
 
 /// What each event says after `proto src:port -> dst:port`, by `Event`.
 const TEXTS: [&str; EVENTS] = [
@@ -241,6 +244,7 @@ const TEXTS: [&str; EVENTS] = [
     ": dropped, TTL spent",
     ": dropped, no route",
     ": dropped, rewrite not finished",
+    ": longer than the route's MTU, answered with it",
 ];
 
 /// `DATAPATH_LOG`'s least level of each event, by `Event`.
@@ -265,6 +269,7 @@ const ALL_EVENTS: [Event; EVENTS] = [
     Event::Ttl,
     Event::NoRoute,
     Event::Rewrite,
+    Event::TooBig,
 ];
 
 /// aya-log's level of each event, by `Event`.

@@ -1,17 +1,12 @@
-//! What differs between the hooks the pipeline runs at: how packet bytes
-//! are reached and written, and how a packet is sent on. Everything else
-//! (parsing, lookups, conntrack, NAT decisions) is shared.
+//! What differs between the hooks the pipelines run at, at the bottom of
+//! the datapath's layers: how packet bytes are reached, and which hook it
+//! is. Everything above (parsing, lookups, conntrack, NAT) is written once
+//! over the hook; what only tc can do (helpers that take a socket buffer)
+//! is reached through `Hook::tc`, which the compiler resolves per hook.
 
 use aya_ebpf::{
     EbpfContext,
     programs::{TcContext, XdpContext},
-};
-
-use crate::{
-    checksum, icmp_error,
-    nat::{self, Nat},
-    packet::Flow,
-    pipeline::Action,
 };
 
 /// A hook the per-packet pipeline runs at.
@@ -26,19 +21,19 @@ pub trait Hook: EbpfContext {
     /// Length of the whole packet, linear or not.
     fn wire_len(&self) -> usize;
 
+    /// The payload bytes of each segment of a GSO or GRO packet (tc); 0
+    /// for a packet that is one segment, and at XDP.
+    fn gso_size(&self) -> u32;
+
     /// Makes the first `len` bytes reachable by pointer (tc packets may
     /// keep headers in fragments). False when that is impossible.
     fn pull(&self, len: u32) -> bool;
 
-    /// Writes the translation `nat` over `flow`'s addresses and ports, with
-    /// checksums kept valid.
-    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()>;
-
     fn ingress_ifindex(&self) -> u32;
 
-    /// An ICMP packet: translated if it is an error about a translated flow
-    /// (`crate::icmp_error`).
-    fn icmp_error(&self) -> Action;
+    /// The socket buffer's context at tc, for what only tc can do; None at
+    /// XDP. Known per hook at compile time: code that asks holds no branch.
+    fn tc(&self) -> Option<&TcContext>;
 }
 
 impl Hook for TcContext {
@@ -55,14 +50,15 @@ impl Hook for TcContext {
     }
 
     #[inline(always)]
-    fn pull(&self, len: u32) -> bool {
-        let len = if len > self.len() { self.len() } else { len };
-        self.pull_data(len).is_ok()
+    fn gso_size(&self) -> u32 {
+        // SAFETY: `skb` is the context the kernel passed this program, valid for its run.
+        unsafe { (*self.skb.skb).gso_size }
     }
 
     #[inline(always)]
-    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()> {
-        nat::rewrite_skb(self, flow, nat).map_err(|_| ())
+    fn pull(&self, len: u32) -> bool {
+        let len = if len > self.len() { self.len() } else { len };
+        self.pull_data(len).is_ok()
     }
 
     #[inline(always)]
@@ -72,8 +68,8 @@ impl Hook for TcContext {
     }
 
     #[inline(always)]
-    fn icmp_error(&self) -> Action {
-        icmp_error::handle(self)
+    fn tc(&self) -> Option<&TcContext> {
+        Some(self)
     }
 }
 
@@ -91,20 +87,13 @@ impl Hook for XdpContext {
     }
 
     #[inline(always)]
-    fn pull(&self, _len: u32) -> bool {
-        false
+    fn gso_size(&self) -> u32 {
+        0
     }
 
     #[inline(always)]
-    fn rewrite(&self, flow: &Flow, nat: &Nat) -> Result<(), ()> {
-        checksum::rewrite_direct(
-            self.data(),
-            self.data_end(),
-            flow,
-            nat,
-            checksum::L4Csum::Full,
-        )
-        .map(|_| ())
+    fn pull(&self, _len: u32) -> bool {
+        false
     }
 
     #[inline(always)]
@@ -112,10 +101,8 @@ impl Hook for XdpContext {
         XdpContext::ingress_ifindex(self) as u32
     }
 
-    /// Left to tc, which runs on the same interface and can route what it
-    /// rewrites.
     #[inline(always)]
-    fn icmp_error(&self) -> Action {
-        Action::Pass
+    fn tc(&self) -> Option<&TcContext> {
+        None
     }
 }

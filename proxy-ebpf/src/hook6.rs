@@ -13,12 +13,13 @@ use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
     event_log::{self, Event},
+    family::V6,
     hook::Hook,
     icmp6_error,
     maps::count,
     nat6::{self, Nat6},
     packet6::Flow6,
-    reject6, route6,
+    reject, route,
 };
 
 /// A hook IPv6's pipeline runs at.
@@ -35,6 +36,10 @@ pub trait Hook6: Hook {
 
     /// Answers with a TCP reset or ICMPv6 port unreachable.
     fn reject6(&self, flow: &Flow6) -> Self::Verdict;
+
+    /// Answers a packet longer than its route's `mtu` with ICMPv6 "packet
+    /// too big" (`reject::too_big6`).
+    fn too_big6(&self, flow: &Flow6, mtu: u16) -> Self::Verdict;
 
     /// Writes the translation `nat` over `flow`'s addresses and ports, with
     /// the transport checksum kept valid.
@@ -58,18 +63,16 @@ impl Hook6 for TcContext {
     #[inline(always)]
     fn reject6(&self, flow: &Flow6) -> i32 {
         let rejected = if flow.proto == PROTO_TCP {
-            reject6::tcp_reset(self, flow)
+            reject::tcp_reset6(self, flow)
         } else {
-            reject6::icmp_port_unreachable(self, flow)
+            reject::icmp_port_unreachable6(self, flow)
         };
-        if let Ok(verdict) = rejected {
-            event_log::log6(Event::Reject, flow);
-            verdict
-        } else {
-            count(counter::DROP_REJECT_FAILED);
-            event_log::log6(Event::RejectFailed, flow);
-            TC_ACT_SHOT
-        }
+        reject::answer6(rejected, flow, Event::Reject)
+    }
+
+    #[inline(always)]
+    fn too_big6(&self, flow: &Flow6, mtu: u16) -> i32 {
+        reject::answer6(reject::too_big6(self, flow, mtu), flow, Event::TooBig)
     }
 
     #[inline(always)]
@@ -79,7 +82,7 @@ impl Hook6 for TcContext {
 
     #[inline(always)]
     fn send6(&self, flow: &Flow6, nat: &Nat6) -> i32 {
-        route6::redirect(self, flow.proto, &nat.src_be, &nat.dst_be)
+        route::send_tc::<V6>(self, flow.proto, &nat.src_be, &nat.dst_be)
     }
 }
 
@@ -102,16 +105,22 @@ impl Hook6 for XdpContext {
         xdp_action::XDP_PASS
     }
 
+    /// Never reached: XDP leaves a packet it cannot send to tc.
+    #[inline(always)]
+    fn too_big6(&self, _flow: &Flow6, _mtu: u16) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
     #[inline(always)]
     fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
         nat6::rewrite_direct(self.data(), self.data_end(), flow, nat)
     }
 
     /// Out of the interface it came in on, to the next hop that
-    /// `route6::xdp_next_hop` found before anything was written.
+    /// `route::lookup` found before anything was written.
     #[inline(always)]
     fn send6(&self, flow: &Flow6, nat: &Nat6) -> u32 {
-        match route6::xdp_forward(self.data(), self.data_end()) {
+        match route::forward::<V6>(self.data(), self.data_end()) {
             Ok(()) => {
                 count(counter::XDP_TX);
                 // A redirect to the ingress interface rather than XDP_TX, as
@@ -122,12 +131,12 @@ impl Hook6 for XdpContext {
                         as u32
                 }
             }
-            Err(route6::Spent::HopLimit) => {
+            Err(route::Spent::Hops) => {
                 count(counter::DROP_TTL);
                 event_log::log6_addrs(Event::Ttl, flow.proto, &nat.src_be, &nat.dst_be);
                 xdp_action::XDP_DROP
             }
-            Err(route6::Spent::NoRoom) => {
+            Err(route::Spent::NoRoom) => {
                 count(counter::DROP_NO_ROUTE);
                 event_log::log6_addrs(Event::NoRoute, flow.proto, &nat.src_be, &nat.dst_be);
                 xdp_action::XDP_DROP

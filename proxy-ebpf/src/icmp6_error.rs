@@ -35,6 +35,8 @@ use proxy_common::{
 use crate::{
     conntrack::now_ns,
     conntrack6,
+    event_log::{self, Event},
+    family::V6,
     maps::count,
     nat6::Nat6,
     packet::{ETH_HLEN, frag},
@@ -42,7 +44,10 @@ use crate::{
         FRAG_OFFSET_MASK, Flow6, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH, NEXTHDR_DEST,
         NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, ext_header_len,
     },
+    route::{self, Hop},
 };
+
+const IPPROTO_ICMPV6: u8 = 58;
 
 /// Error message types (RFC 4443 2.1): 1 to 4; informational ones start
 /// at 128, neighbour discovery among them.
@@ -123,7 +128,23 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
         return TC_ACT_SHOT;
     }
     count(counter::ICMP_ERROR_TRANSLATED);
-    TC_ACT_OK
+    if !(from_peer && nat.redirect) {
+        return TC_ACT_OK;
+    }
+    // Its new source is an address of this node (the peer's answer, from
+    // the frontend or the node's SNAT address): routed here, as the flow's
+    // own packets are, which the stack would refuse as martian.
+    count(counter::REDIRECT);
+    let len = (ctx.len() as usize).saturating_sub(ETH_HLEN) as u16;
+    match route::lookup::<V6, _>(ctx, IPPROTO_ICMPV6, &nat.src_be, &nat.dst_be, len) {
+        Hop::Via { .. } => route::send_tc::<V6>(ctx, IPPROTO_ICMPV6, &nat.src_be, &nat.dst_be),
+        // An error is never longer than the minimum MTU (RFC 4443 2.4).
+        Hop::TooBig(_) | Hop::Unroutable => {
+            count(counter::DROP_NO_ROUTE);
+            event_log::log6_addrs(Event::NoRoute, IPPROTO_ICMPV6, &nat.src_be, &nat.dst_be);
+            TC_ACT_SHOT
+        }
+    }
 }
 
 /// The quoted packet's transport protocol, TCP or UDP, and where its

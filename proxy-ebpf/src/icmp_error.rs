@@ -31,13 +31,15 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, Found},
+    event_log::{self, Event},
+    family::V4,
     maps::count,
     nat::Nat,
-    packet::{ETH_HLEN, Flow, Ipv4Head, frag},
-    pipeline::Action,
+    packet::{ETH_HLEN, Flow, IPPROTO_ICMP, Ipv4Head, frag},
+    route::{self, Hop},
+    verdict::Action,
 };
 
-pub const IPPROTO_ICMP: u8 = 1;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
@@ -61,7 +63,6 @@ struct Quoted {
     quote_l4_off: usize,
     /// Where the error's IP datagram ends: a quote reaches no further.
     end: usize,
-    tot_len: u16,
     /// The error's own addresses and IP checksum.
     src_be: u32,
     dst_be: u32,
@@ -84,7 +85,6 @@ impl Quoted {
             l4_off: self.quote_l4_off,
             proto: self.proto,
             ihl_bytes: 0,
-            tot_len: self.tot_len,
             src_be: self.q_dst_be,
             dst_be: self.q_src_be,
             sport_be: self.q_dport_be,
@@ -136,11 +136,22 @@ pub fn handle(ctx: &TcContext) -> Action {
     // Its new source is an address of this node: routed here, as the
     // flow's own packets are.
     count(counter::REDIRECT);
-    let route = Flow {
-        proto: IPPROTO_ICMP,
-        ..flow
-    };
-    Action::Redirect(route, outer)
+    let len = (ctx.len() as usize).saturating_sub(ETH_HLEN) as u16;
+    match route::lookup::<V4, _>(ctx, IPPROTO_ICMP, &outer.src_be, &outer.dst_be, len) {
+        Hop::Via { .. } => Action::Redirect(
+            Flow {
+                proto: IPPROTO_ICMP,
+                ..flow
+            },
+            outer,
+        ),
+        // An error is never longer than the minimum MTU (RFC 1812 4.3.2.3).
+        Hop::TooBig(_) | Hop::Unroutable => {
+            count(counter::DROP_NO_ROUTE);
+            event_log::log_addrs(Event::NoRoute, IPPROTO_ICMP, outer.src_be, outer.dst_be);
+            Action::Drop
+        }
+    }
 }
 
 /// Reads an ICMP error quoting a TCP or UDP header whose ports are there.
@@ -184,7 +195,6 @@ fn parse(ctx: &TcContext) -> Option<Quoted> {
         quote_ip_off,
         quote_l4_off,
         end,
-        tot_len: tot_len as u16,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
         ip_csum: ip.csum,

@@ -23,10 +23,10 @@
               stored on the stack: 16 more bytes of stack (488 of 512) and 3 more instructions"
 )]
 
-mod checksum;
 mod conntrack;
 mod conntrack6;
 mod event_log;
+mod family;
 mod flow_cache;
 mod frag;
 mod frontend;
@@ -44,9 +44,7 @@ mod packet6;
 mod pipeline;
 mod pipeline6;
 mod reject;
-mod reject6;
 mod route;
-mod route6;
 mod sock;
 mod sock6;
 mod verdict;
@@ -73,7 +71,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 
 /// tc ingress for IPv6, on the same interfaces as `tc_ingress` and after
 /// it in their tcx chains: `tc_ingress` hands on whatever is not IPv4
-/// (`pipeline::Action::Next`). A program of its own, so that IPv4's stack
+/// (`verdict::Action::Next`). A program of its own, so that IPv4's stack
 /// and instructions stay as they were (see `pipeline6`).
 ///
 /// Linux 6.6 for tcx, as `tc_ingress`.

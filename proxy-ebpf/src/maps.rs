@@ -72,19 +72,32 @@ pub static XDP_NEXT: ProgramArray<1> = ProgramArray::new();
 pub static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
 
 /// What `SCRATCH6` holds: the conntrack entry and keys a SNATed flow's
-/// port is claimed with (`conntrack6::create_snat`), those a flow is
-/// assured with (`conntrack6::touch`), and the FIB query of a redirect
-/// (`route6`). On the program's stack they would take it past
-/// the 512 bytes it may use; on this CPU's entry of a per-CPU map they are
-/// the packet's alone, as tc and XDP run one program at a time on a CPU.
-/// `xdp_ingress6` also keeps its next hop's MACs in `fib` from its route
-/// lookup to its send (`route6::xdp_next_hop`).
+/// port is claimed with (`conntrack6::create_snat`) and those a flow is
+/// assured with (`conntrack6::touch`). On the program's stack they would
+/// take it past the 512 bytes it may use; on this CPU's entry of a per-CPU
+/// map they are the packet's alone, as tc and XDP run one program at a time
+/// on a CPU.
 #[repr(C)]
 pub struct Scratch6 {
     pub key: Ct6Key,
     pub other_key: Ct6Key,
     pub value: Ct6Value,
+}
+
+/// The route of the packet being handled, both families (see `crate::route`):
+/// from its lookup, made before the packet is written, to its send. Never
+/// pinned: it holds nothing from one packet to the next.
+#[btf_map]
+pub static ROUTE: PerCpuArray<Route, 1> = PerCpuArray::new();
+
+/// What `ROUTE` holds: the FIB query and its answer (egress interface,
+/// MACs), and whether the next hop's MACs were known (1) or are left to
+/// the kernel to resolve (0).
+#[repr(C)]
+pub struct Route {
     pub fib: bpf_fib_lookup,
+    pub resolved: u32,
+    pub _pad: u32,
 }
 
 /// The conntrack key of the packet `tc_ingress6` is handling, built here

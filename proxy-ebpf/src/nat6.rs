@@ -27,7 +27,7 @@ use proxy_common::{
 };
 
 use crate::{
-    checksum::L4Csum,
+    nat::L4Csum,
     ip_summed, maps,
     packet::{ETH_HLEN, frag},
     packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, MAX_L4_OFF},

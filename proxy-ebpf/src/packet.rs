@@ -4,13 +4,16 @@
 
 use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
-use crate::{hook::Hook, icmp_error::IPPROTO_ICMP};
+use crate::hook::Hook;
 
 pub const ETH_HLEN: usize = 14;
+pub const IPPROTO_ICMP: u8 = 1;
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
 const IPV4_MIN_HLEN: usize = 20;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
+/// SCTP's common header (RFC 9260 3.1).
+const SCTP_HLEN: usize = 12;
 /// More-fragments flag and fragment offset, in host order after `from_be`.
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 /// The fragment offset alone.
@@ -38,8 +41,6 @@ pub struct Flow {
     pub l4_off: usize,
     pub proto: u8,
     pub ihl_bytes: usize,
-    /// IPv4 total length (host order).
-    pub tot_len: u16,
     pub src_be: u32,
     pub dst_be: u32,
     pub sport_be: u16,
@@ -171,13 +172,17 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     let (ports, tcp_flags) = if frag == frag::LATER {
         ([0u16; 2], 0)
     } else {
-        l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE)?
+        l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE).map_err(
+            |skip| match skip {
+                L4Skip::Malformed => Skip::Malformed,
+                L4Skip::Short => Skip::Truncated(PARSE_LEN),
+            },
+        )?
     };
     Ok(Flow {
         l4_off,
         proto: ip.proto,
         ihl_bytes,
-        tot_len: tot_len as u16,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
         sport_be: ports[0],
@@ -188,36 +193,50 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     })
 }
 
-/// The ports and TCP flags of the L4 header at `l4_off`, checked against the
-/// `l4_len` bytes the IP header gives it (all of the datagram's when `whole`,
-/// else a first fragment's part of it).
+/// Why a transport header was not read (`l4_header`).
+pub enum L4Skip {
+    /// Shorter than it must be, or than the IP header leaves it.
+    Malformed,
+    /// Not all in the linear area.
+    Short,
+}
+
+/// The ports and TCP flags of the transport header at `l4_off`, both
+/// families: checked against the `l4_len` bytes the IP header leaves it
+/// (all of the datagram's when `whole`, else a first fragment's part of
+/// it). SCTP's common header is 12 bytes (RFC 9260 3.1); of it, only the
+/// ports are read, as SCTP frontends are counted, not translated.
 #[inline(always)]
-fn l4_header(
+pub fn l4_header(
     data: usize,
     data_end: usize,
     proto: u8,
     l4_off: usize,
     l4_len: usize,
     whole: bool,
-) -> Result<([u16; 2], u8), Skip> {
-    let short = Skip::Truncated(PARSE_LEN);
-    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(short)?;
+) -> Result<([u16; 2], u8), L4Skip> {
+    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(L4Skip::Short)?;
     let mut tcp_flags = 0;
-    if proto == PROTO_TCP {
-        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(short)?;
+    if proto == PROTO_SCTP {
+        if l4_len < SCTP_HLEN {
+            return Err(L4Skip::Malformed);
+        }
+    } else if proto == PROTO_TCP {
+        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(L4Skip::Short)?;
         let doff_bytes = ((head[0] >> 4) as usize) * 4;
         if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
-            return Err(Skip::Malformed);
+            return Err(L4Skip::Malformed);
         }
+        // Past the fields read here: the checksum a rewrite updates, which
+        // must be in the linear area too (a tc packet is pulled for it).
+        read::<u16>(data, data_end, l4_off + 16).ok_or(L4Skip::Short)?;
         tcp_flags = head[1];
-    } else if proto == PROTO_SCTP {
-        // Only its ports are read: SCTP frontends are counted, not translated.
     } else {
-        let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(short)?;
+        let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(L4Skip::Short)?;
         let udp_len = u16::from_be(udp_len) as usize;
         // A first fragment holds part of the datagram its UDP length counts.
         if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
-            return Err(Skip::Malformed);
+            return Err(L4Skip::Malformed);
         }
     }
     Ok((ports, tcp_flags))

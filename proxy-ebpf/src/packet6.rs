@@ -11,15 +11,12 @@ use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     hook::Hook,
-    packet::{ETH_HLEN, frag, read},
+    packet::{ETH_HLEN, L4Skip, frag, l4_header, read},
 };
 
 const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
 pub const IPV6_HLEN: usize = 40;
 const TCP_MIN_HLEN: usize = 20;
-const UDP_HLEN: usize = 8;
-/// SCTP's common header (RFC 9260 3.1).
-const SCTP_HLEN: usize = 12;
 /// Offsets within the IPv6 header.
 pub const IP6_SRC_OFF: usize = 8;
 pub const IP6_DST_OFF: usize = 24;
@@ -225,7 +222,14 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     let Some(l4_len) = (ETH_HLEN + IPV6_HLEN + payload_len).checked_sub(off) else {
         return Err(Skip6::Malformed);
     };
-    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)?;
+    if off > MAX_L4_OFF {
+        return Err(Skip6::ExtHeaders);
+    }
+    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)
+        .map_err(|skip| match skip {
+            L4Skip::Malformed => Skip6::Malformed,
+            L4Skip::Short => Skip6::Truncated,
+        })?;
     Ok(Flow6 {
         l4_off: off,
         src_be: ip.src_be,
@@ -237,44 +241,4 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
         frag,
         frag_id_be,
     })
-}
-
-/// The ports and TCP flags of the transport header at `l4_off`, checked
-/// against the `l4_len` bytes the IPv6 header leaves it (all of its
-/// datagram's when `whole`).
-#[inline(always)]
-fn l4_header(
-    data: usize,
-    data_end: usize,
-    proto: u8,
-    l4_off: usize,
-    l4_len: usize,
-    whole: bool,
-) -> Result<([u16; 2], u8), Skip6> {
-    if l4_off > MAX_L4_OFF {
-        return Err(Skip6::ExtHeaders);
-    }
-    let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(Skip6::Truncated)?;
-    let mut tcp_flags = 0;
-    if proto == PROTO_SCTP {
-        if l4_len < SCTP_HLEN {
-            return Err(Skip6::Malformed);
-        }
-    } else if proto == PROTO_TCP {
-        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(Skip6::Truncated)?;
-        let doff_bytes = ((head[0] >> 4) as usize) * 4;
-        if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
-            return Err(Skip6::Malformed);
-        }
-        // Past the header's fields read here: the checksum a rewrite updates.
-        read::<u16>(data, data_end, l4_off + 16).ok_or(Skip6::Truncated)?;
-        tcp_flags = head[1];
-    } else {
-        let udp: [u16; 4] = read(data, data_end, l4_off).ok_or(Skip6::Truncated)?;
-        let udp_len = u16::from_be(udp[2]) as usize;
-        if l4_len < UDP_HLEN || udp_len < UDP_HLEN || (whole && udp_len > l4_len) {
-            return Err(Skip6::Malformed);
-        }
-    }
-    Ok((ports, tcp_flags))
 }

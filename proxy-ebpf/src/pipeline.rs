@@ -1,6 +1,6 @@
 //! The per-packet pipeline shared by every hook: conntrack, then frontend
 //! lookup, then a decision on what the packet becomes. The hooks carry the
-//! decision out (see `Action`).
+//! decision out (`verdict`).
 
 use proxy_common::{
     PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, node_config_flags,
@@ -8,37 +8,20 @@ use proxy_common::{
 };
 
 use crate::{
-    checksum,
     conntrack::{self, NewFlow},
     event_log::{self, Event},
     flow_cache, frag,
     frontend::{self, Frontend},
     hook::Hook,
+    icmp_error,
     maps::{CONNTRACK, count, node_config, node_flags},
     nat::Nat,
     netfilter_ct,
+    family::V4,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
-    route::{self, NextHop},
+    route::{self, Hop},
+    verdict::Action,
 };
-
-/// What the hook does with the packet.
-pub enum Action {
-    /// Leave it to the stack, translated or not.
-    Pass,
-    /// Not IPv4: leave it to the next program at the hook (tc: `tc_ingress6`).
-    Next,
-    Drop,
-    /// Answer with a TCP reset or ICMP port unreachable.
-    Reject(Flow),
-    /// Translated; the stack would refuse its source, so route it here.
-    Redirect(Flow, Nat),
-    /// XDP only: translated and routed back out of the interface it came in
-    /// on.
-    Tx,
-    /// XDP only: left untouched for tc, which runs the same pipeline and can
-    /// do what XDP cannot (rejects, neighbour resolution, other egress).
-    ToTc,
-}
 
 #[inline(always)]
 pub fn handle<H: Hook>(ctx: &H) -> Action {
@@ -46,7 +29,9 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         Ok(flow) => flow,
         Err(Skip::NotIpv4) => return Action::Next,
         Err(Skip::NotOurs) => return Action::Pass,
-        Err(Skip::Icmp) => return ctx.icmp_error(),
+        // An error among them may be about a translated flow; XDP leaves
+        // them to tc, which can route what it rewrites.
+        Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp_error::handle),
         Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
             return Action::Pass;
@@ -86,9 +71,12 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if let Some(found) = known {
         let entry = found.entry;
         let nat = conntrack::translation(&entry, &flow);
-        let Ok(hop) = xdp_next_hop(ctx, &flow, &nat) else {
-            return Action::ToTc;
-        };
+        if let Err(action) = route_first(ctx, &flow, &nat) {
+            return action;
+        }
+        if route::beyond::<V4, H>(ctx, flow.l4_off, flow.proto, entry.path_mtu) {
+            return too_big::<H>(&flow, entry.path_mtu);
+        }
         if found.unassured {
             // Not cached: such a flow's entries move when it is assured.
             conntrack::touch_unassured(&key, &found, &flow, now);
@@ -101,7 +89,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         } else {
             counter::REV_NAT
         });
-        return finish(ctx, &flow, &nat, hop, now);
+        return finish(ctx, &flow, &nat, now);
     }
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
@@ -130,6 +118,7 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
             service_id: 0,
             kind: 0,
             reply_redirect: false,
+            path_mtu: 0,
         };
         conntrack::create(&flow, &nf, conntrack::now_ns());
     }
@@ -179,6 +168,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         service_id: svc.service_id,
         kind: 0,
         reply_redirect: frontend.on_node,
+        path_mtu: 0,
     };
     let hairpin = backend.addr_be[3] == flow.src_be;
     let config = node_config();
@@ -200,9 +190,12 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         nf.nat.src_be = config.snat_addr_be[3];
         nf.nat.redirect = true;
     }
-    let Ok(hop) = xdp_next_hop(ctx, flow, &nf.nat) else {
-        return Action::ToTc;
-    };
+    if let Err(action) = route_first(ctx, flow, &nf.nat) {
+        return action;
+    }
+    if !nf.nat.redirect {
+        nf.path_mtu = route::path_mtu::<V4, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
+    }
     if snat {
         if conntrack::create_snat(
             flow,
@@ -225,7 +218,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
     if hairpin {
         count(counter::HAIRPIN);
     }
-    finish(ctx, flow, &nf.nat, hop, now)
+    finish(ctx, flow, &nf.nat, now)
 }
 
 /// A packet of a flow netfilter translates (kube-proxy's, after a takeover):
@@ -258,29 +251,59 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
     None
 }
 
-/// Where XDP sends a packet it routes itself: only a resolved next hop out
-/// of the interface it came in on. XDP routes before it writes anything, so
-/// that a packet it cannot send (`Err`) is left to tc as it came. `Ok(None)`
-/// when there is nothing to route here (tc, or no redirect needed).
+/// Routes a packet the datapath sends itself (`nat.redirect`) before
+/// anything is written or created (see `crate::route`), its answer kept for
+/// `finish`. `Err` is what becomes of a packet that cannot go: XDP sends
+/// only back out of the interface it came in on to a resolved neighbour and
+/// leaves the rest to tc as it came; tc answers a packet longer than the
+/// route's MTU and drops one without a route.
 #[inline(always)]
-fn xdp_next_hop<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<Option<NextHop>, ()> {
-    if !H::XDP || !nat.redirect {
-        return Ok(None);
+fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<(), Action> {
+    if !nat.redirect {
+        return Ok(());
     }
-    match route::lookup(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len) {
-        Some(hop) if hop.resolved && hop.ifindex == ctx.ingress_ifindex() => Ok(Some(hop)),
-        _ => {
-            count(counter::XDP_TO_TC);
-            Err(())
+    let len = route::network_len(ctx, flow.l4_off, flow.proto);
+    let hop = route::lookup::<V4, H>(ctx, flow.proto, &nat.src_be, &nat.dst_be, len);
+    if H::XDP {
+        return match hop {
+            Hop::Via {
+                ifindex,
+                resolved: true,
+            } if ifindex == ctx.ingress_ifindex() => Ok(()),
+            _ => {
+                count(counter::XDP_TO_TC);
+                Err(Action::ToTc)
+            }
+        };
+    }
+    match hop {
+        Hop::Via { .. } => Ok(()),
+        Hop::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
+        Hop::Unroutable => {
+            count(counter::DROP_NO_ROUTE);
+            event_log::log(Event::NoRoute, flow);
+            Err(Action::Drop)
         }
     }
+}
+
+/// A packet of a flow the stack forwards that is longer than the MTU of
+/// the flow's route: tc answers it as the stack would, but quoting it as
+/// its sender sent it (`Action::TooBig`); XDP leaves it to tc.
+#[inline(always)]
+fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
+    if H::XDP {
+        count(counter::XDP_TO_TC);
+        return Action::ToTc;
+    }
+    Action::TooBig(*flow, mtu)
 }
 
 /// Writes the translation and says how the packet leaves. A first
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u64) -> Action {
+fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, now: u64) -> Action {
     match flow.frag {
         FIRST => frag::remember(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
@@ -300,21 +323,21 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, hop: Option<NextHop>, now: u
         return Action::Pass;
     }
     count(counter::REDIRECT);
-    match hop {
-        Some(hop) => {
-            let (data, data_end) = ctx.bounds();
-            if !checksum::decrement_ttl(data, data_end) {
-                count(counter::DROP_TTL);
-                event_log::log(Event::Ttl, flow);
-                Action::Drop
-            } else if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
-                count(counter::DROP_NO_ROUTE);
-                event_log::log(Event::NoRoute, flow);
-                Action::Drop
-            } else {
-                Action::Tx
-            }
+    if !H::XDP {
+        return Action::Redirect(*flow, *nat);
+    }
+    let (data, data_end) = ctx.bounds();
+    match route::forward::<V4>(data, data_end) {
+        Ok(()) => Action::Tx,
+        Err(route::Spent::Hops) => {
+            count(counter::DROP_TTL);
+            event_log::log(Event::Ttl, flow);
+            Action::Drop
         }
-        None => Action::Redirect(*flow, *nat),
+        Err(route::Spent::NoRoom) => {
+            count(counter::DROP_NO_ROUTE);
+            event_log::log(Event::NoRoute, flow);
+            Action::Drop
+        }
     }
 }

@@ -8,7 +8,7 @@
 //! Every frontend of TCP and UDP, as IPv4's: ClusterIPs, NodePorts on the
 //! node's IPv6 addresses, LoadBalancer IPs and ExternalIPs, with their
 //! traffic policies, source ranges, SNAT and hairpin. A packet whose new
-//! source is an address of this node is routed and redirected (`route6`).
+//! source is an address of this node is routed and redirected (`route`).
 //! At XDP a packet is finished only where it can be sent back out of the
 //! interface it came in on (or passed to the stack translated); everything
 //! else is left untouched to tc, as IPv4's pipeline does. ICMPv6
@@ -37,12 +37,10 @@ use crate::{
     maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
     nat6::Nat6,
     netfilter_ct,
-    packet::{
-        ETH_HLEN,
-        frag::{FIRST, LATER},
-    },
+    family::V6,
+    packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
-    route6,
+    route::{self, Hop},
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
@@ -105,8 +103,16 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
         let entry = unsafe { &*known };
         let nat = conntrack6::translation(entry, &flow);
         let dir = entry.dir;
-        if !xdp_can_send(ctx, &flow, &nat) {
-            return H::PASS;
+        if let Err(verdict) = route_first(ctx, &flow, &nat) {
+            return verdict;
+        }
+        if route::beyond::<V6, H>(ctx, flow.l4_off, flow.proto, entry.path_mtu) {
+            // As IPv4's (`pipeline::too_big`).
+            if H::XDP {
+                count(counter::XDP_TO_TC);
+                return H::PASS;
+            }
+            return ctx.too_big6(&flow, entry.path_mtu);
         }
         if let Some(found) = &found {
             conntrack6::touch(key, found, &flow, &nat, now);
@@ -203,6 +209,7 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
         service_id: svc.service_id,
         kind: 0,
         reply_redirect: frontend.on_node,
+        path_mtu: 0,
     };
     let node = node_addr6();
     let hairpin = backend.addr_be == flow.src_be;
@@ -231,8 +238,8 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
         };
         nf.nat.src_be = node;
         nf.nat.redirect = true;
-        if !xdp_can_send(ctx, flow, &nf.nat) {
-            return H::PASS;
+        if let Err(verdict) = route_first(ctx, flow, &nf.nat) {
+            return verdict;
         }
         let config = node_config();
         if !conntrack6::create_snat(
@@ -252,6 +259,7 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
             counter::SNAT_NEW
         });
     } else {
+        nf.path_mtu = route::path_mtu::<V6, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
         conntrack6::create(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
@@ -297,24 +305,39 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
     H::PASS
 }
 
-/// Whether the hook can finish a packet translated as `nat`: always at tc;
-/// at XDP, a packet the program routes (`nat.redirect`) only when it goes
-/// back out of the interface it came in on to a known neighbour. Asked
-/// before anything is written or created, so that a packet left to tc
-/// (counted `xdp_to_tc`) reaches it as it came.
+/// Routes a packet the program sends itself (`nat.redirect`) before
+/// anything is written or created, as IPv4's `pipeline::route_first`: `Err`
+/// is the verdict of one that cannot go. XDP sends only back out of the
+/// interface it came in on to a resolved neighbour and leaves the rest to
+/// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
+/// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn xdp_can_send<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> bool {
-    if !H::XDP || !nat.redirect {
-        return true;
+fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), H::Verdict> {
+    if !nat.redirect {
+        return Ok(());
     }
-    // The IPv6 packet's length, for the FIB's MTU check: at XDP every
-    // byte is in the frame.
-    let len = ctx.wire_len().saturating_sub(ETH_HLEN) as u16;
-    if route6::xdp_next_hop(ctx, flow.proto, &nat.src_be, &nat.dst_be, len) {
-        true
-    } else {
-        count(counter::XDP_TO_TC);
-        false
+    let len = route::network_len(ctx, flow.l4_off, flow.proto);
+    let hop = route::lookup::<V6, H>(ctx, flow.proto, &nat.src_be, &nat.dst_be, len);
+    if H::XDP {
+        return match hop {
+            Hop::Via {
+                ifindex,
+                resolved: true,
+            } if ifindex == ctx.ingress_ifindex() => Ok(()),
+            _ => {
+                count(counter::XDP_TO_TC);
+                Err(H::PASS)
+            }
+        };
+    }
+    match hop {
+        Hop::Via { .. } => Ok(()),
+        Hop::TooBig(mtu) => Err(ctx.too_big6(flow, mtu)),
+        Hop::Unroutable => {
+            count(counter::DROP_NO_ROUTE);
+            event_log::log6(Event::NoRoute, flow);
+            Err(H::DROP)
+        }
     }
 }
 

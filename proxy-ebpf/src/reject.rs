@@ -1,7 +1,11 @@
-//! Rejecting a packet to a frontend without backends, so the client fails at
-//! once (kube-proxy's `REJECT`): a TCP SYN is answered with a RST, anything
-//! else with an ICMP port unreachable. The packet is rewritten in place and
-//! sent back out of the interface it came in on.
+//! Answering a packet in its sender's place, both families, written once
+//! over the family (`crate::family`): a frontend without backends rejects
+//! it so that the client fails at once (kube-proxy's `REJECT`: a TCP SYN is
+//! answered with a RST, anything else with ICMP port unreachable), and a
+//! packet longer than the MTU of the route the datapath sends it on is
+//! answered as a router answers ("fragmentation needed", "packet too big",
+//! with the MTU). The packet is rewritten into its answer in place and sent
+//! back out of the interface it came in on.
 //!
 //! A TCP SYN is turned into its RST by incremental checksum updates rather
 //! than rebuilt: a SYN from a local socket is `CHECKSUM_PARTIAL`, which forbids
@@ -9,67 +13,149 @@
 //! leaves the final checksum to the device, and the incremental helpers do
 //! the right thing in both cases.
 
-use aya_ebpf::{bindings::TC_ACT_REDIRECT, helpers, programs::TcContext};
+use aya_ebpf::{
+    bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT},
+    helpers,
+    programs::TcContext,
+};
+use proxy_common::counter;
 
-use crate::packet::{ETH_HLEN, Flow, TCP_ACK, TCP_RST, TCP_SYN};
+use crate::{
+    event_log::{self, Event},
+    family::{Family, IcmpError, V4, V6},
+    maps::count,
+    packet::{ETH_HLEN, Flow, TCP_ACK, TCP_RST, TCP_SYN},
+    packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN},
+};
 
 const IPV4_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
-/// RFC 792: the offending IP header plus the first 8 bytes of its payload.
-const QUOTE_LEN: usize = IPV4_HLEN + 8;
 const BPF_ADJ_ROOM_MAC: u32 = 1;
-const IPPROTO_ICMP: u8 = 1;
-const ICMP_DEST_UNREACH: u8 = 3;
-const ICMP_PORT_UNREACH: u8 = 3;
+/// IPv4's don't-fragment flag, in the header's flags and offset field
+/// (host order).
+const IP_DF: u16 = 0x4000;
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Reply {
-    eth_dst: [u8; 6],
-    eth_src: [u8; 6],
-    eth_type_be: u16,
-    ver_ihl: u8,
-    tos: u8,
-    tot_len_be: u16,
-    id_be: u16,
-    frag_be: u16,
-    ttl: u8,
-    proto: u8,
-    ip_csum: u16,
-    // Halves, so that the struct stays 2-aligned with no padding.
-    src_be: [u16; 2],
-    dst_be: [u16; 2],
-    icmp_type: u8,
-    icmp_code: u8,
-    icmp_csum: u16,
-    icmp_unused: [u16; 2],
-}
-
+/// tc's verdict for an answer (`event`): sent, or, when it could not be
+/// built, dropped, which still ends the packet as it should (counted,
+/// logged).
 #[inline(always)]
-fn halves(word: u32) -> [u16; 2] {
-    let b = word.to_ne_bytes();
-    [
-        u16::from_ne_bytes([b[0], b[1]]),
-        u16::from_ne_bytes([b[2], b[3]]),
-    ]
-}
-
-/// Folds a 32-bit one's complement sum into 16 bits.
-#[inline(always)]
-fn fold(mut sum: u32) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    !(sum as u16)
-}
-
-/// One's complement sum of native-order u16 words, as they sit in memory.
-#[inline(always)]
-fn sum_words(words: &[u16]) -> u32 {
-    let mut sum = 0u32;
-    for w in words {
-        sum += u32::from(*w);
+pub fn answer(built: Result<i32, i64>, flow: &Flow, event: Event) -> i32 {
+    if let Ok(verdict) = built {
+        event_log::log(event, flow);
+        verdict
+    } else {
+        count(counter::DROP_REJECT_FAILED);
+        event_log::log(Event::RejectFailed, flow);
+        TC_ACT_SHOT
     }
-    sum
+}
+
+/// `answer` for IPv6.
+#[inline(always)]
+pub fn answer6(built: Result<i32, i64>, flow: &Flow6, event: Event) -> i32 {
+    if let Ok(verdict) = built {
+        event_log::log6(event, flow);
+        verdict
+    } else {
+        count(counter::DROP_REJECT_FAILED);
+        event_log::log6(Event::RejectFailed, flow);
+        TC_ACT_SHOT
+    }
+}
+
+/// Answers an IPv4 packet longer than its route's `mtu` with
+/// "fragmentation needed". One that may be fragmented (no DF) is dropped:
+/// fragmenting is the stack's, which would refuse the packet's new source.
+/// Counted `too_big` either way.
+#[inline(always)]
+pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
+    count(counter::TOO_BIG);
+    let frag_be: u16 = ctx.load(ETH_HLEN + 6)?;
+    if u16::from_be(frag_be) & IP_DF == 0 {
+        return Ok(TC_ACT_SHOT);
+    }
+    if flow.ihl_bytes != IPV4_HLEN {
+        // Quoting IP options would make the error variable-length.
+        return Err(0);
+    }
+    icmp_error::<V4>(ctx, &flow.dst_be, &flow.src_be, IcmpError::TooBig(mtu))
+}
+
+/// Answers an IPv6 packet longer than its route's `mtu` with "packet too
+/// big" (RFC 4443 3.2), as IPv6 routers never fragment.
+#[inline(always)]
+pub fn too_big6(ctx: &TcContext, flow: &Flow6, mtu: u16) -> Result<i32, i64> {
+    count(counter::TOO_BIG);
+    icmp_error::<V6>(ctx, &flow.dst_be, &flow.src_be, IcmpError::TooBig(mtu))
+}
+
+/// Turns `flow`'s packet into an ICMP port unreachable addressed to its
+/// sender. Returns the tc verdict; on any failure the packet is dropped,
+/// which is still the right outcome for a frontend without backends.
+#[inline(always)]
+pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
+    // Quoting IP options too would make the reply variable-length; such
+    // packets are rare enough to drop instead.
+    if flow.ihl_bytes != IPV4_HLEN {
+        return Err(0);
+    }
+    icmp_error::<V4>(ctx, &flow.dst_be, &flow.src_be, IcmpError::PortUnreachable)
+}
+
+/// `icmp_port_unreachable` for IPv6 (RFC 4443 3.1).
+#[inline(always)]
+pub fn icmp_port_unreachable6(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
+    icmp_error::<V6>(ctx, &flow.dst_be, &flow.src_be, IcmpError::PortUnreachable)
+}
+
+/// Turns the packet into the ICMP `error` about it, from `from` (the
+/// address the sender addressed: whom it expects errors from) to `to` (the
+/// sender), and sends it back. The error quotes the packet's IP header
+/// (without options or extension headers) and the 8 bytes after it: what a
+/// receiver needs to find its socket (RFC 792; RFC 4443 asks for as much
+/// as fits in the minimum MTU, and one fixed size keeps the reply simple).
+/// Written in place rather than built on the stack, which `tc_ingress` has
+/// little of to spare.
+#[inline(always)]
+fn icmp_error<F: Family>(
+    ctx: &TcContext,
+    from: &F::Addr,
+    to: &F::Addr,
+    error: IcmpError,
+) -> Result<i32, i64> {
+    let quote_len = F::HLEN + 8;
+    let icmp_len = ICMP_HLEN + quote_len;
+    let reply_len = ETH_HLEN + F::HLEN + icmp_len;
+    let macs: [u8; 12] = ctx.load(0)?;
+    // Cut to the quote, then open room for the new IP and ICMP headers
+    // before it. Cutting also ends a GSO packet's segmentation.
+    // SAFETY: this program's own skb; no packet pointer is held across the
+    // call (everything after it is loaded afresh).
+    let ret = unsafe { helpers::bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + quote_len) as u32, 0) };
+    if ret != 0 {
+        return Err(ret);
+    }
+    ctx.adjust_room((F::HLEN + ICMP_HLEN) as i32, BPF_ADJ_ROOM_MAC, 0)?;
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    if data + reply_len > data_end {
+        return Err(0);
+    }
+    let words = F::icmp_words(error);
+    // SAFETY: every access below is inside the `reply_len` bytes checked
+    // above; plain loads and stores of the field's width, as
+    // `packet::read` does.
+    unsafe {
+        let quote = (data + ETH_HLEN + F::HLEN + ICMP_HLEN) as *const u32;
+        let mut quote_sum = 0u64;
+        for i in 0..quote_len / 4 {
+            quote_sum += u64::from(quote.add(i).read());
+        }
+        (data as *mut [u8; 6]).write([macs[6], macs[7], macs[8], macs[9], macs[10], macs[11]]);
+        ((data + 6) as *mut [u8; 6]).write([macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]]);
+        ((data + 12) as *mut u16).write(F::ETH_P_BE);
+        F::write_error(data + ETH_HLEN, from, to, words, icmp_len as u16, quote_sum);
+    }
+    Ok(redirect_back(ctx))
 }
 
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
@@ -175,58 +261,40 @@ pub fn redirect_back(ctx: &TcContext) -> i32 {
     TC_ACT_REDIRECT
 }
 
-/// Turns `flow`'s packet into an ICMP port unreachable addressed to its
-/// sender. Returns the tc verdict; on any failure the packet is dropped,
-/// which is still the right outcome for a frontend without backends.
+/// Answers a bare SYN (no extension headers, no payload) with RST|ACK
+/// (seq 0, ack = SYN's seq + 1, RFC 9293). Any other TCP segment to a
+/// frontend without backends is dropped. The segment is rewritten as
+/// IPv4's is (`reset_syn`): the changed fields go through the
+/// kernel's incremental checksum helper, which is right whatever the socket
+/// buffer's checksum state.
 #[inline(always)]
-pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
-    // Quoting IP options too would make the reply variable-length; such
-    // packets are rare enough to drop instead.
-    if flow.ihl_bytes != IPV4_HLEN {
+pub fn tcp_reset6(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
+    let l4 = flow.l4_off;
+    let doff: u8 = ctx.load(l4 + 12)?;
+    let tcp_len = ((doff >> 4) as usize) * 4;
+    let payload_len_be: u16 = ctx.load(ETH_HLEN + 4)?;
+    // SAFETY: points at an initialised field of a live reference; read
+    // where it is used, as in `tcp_reset`.
+    let tcp_flags = unsafe { core::ptr::read_volatile(&raw const flow.tcp_flags) };
+    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
+        || l4 != ETH_HLEN + IPV6_HLEN
+        || u16::from_be(payload_len_be) as usize != tcp_len
+    {
         return Err(0);
     }
-    let macs: [u8; 12] = ctx.load(0)?;
-    // The quote must be exactly one IPv4 header and 8 bytes: cut the rest,
-    // then open room for the new IP and ICMP headers before it.
-    let quoted_end = (ETH_HLEN + QUOTE_LEN) as u32;
-    // SAFETY: this program's own skb; no packet pointer is held across the
-    // call (the quote and the headers are loaded afresh after it).
-    let ret = unsafe { helpers::bpf_skb_change_tail(ctx.skb.skb, quoted_end, 0) };
-    if ret != 0 {
-        return Err(ret);
-    }
-    ctx.adjust_room((IPV4_HLEN + ICMP_HLEN) as i32, BPF_ADJ_ROOM_MAC, 0)?;
-    let quote: [u16; QUOTE_LEN / 2] = ctx.load(ETH_HLEN + IPV4_HLEN + ICMP_HLEN)?;
-
-    let mut reply = Reply {
-        eth_dst: [macs[6], macs[7], macs[8], macs[9], macs[10], macs[11]],
-        eth_src: [macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]],
-        eth_type_be: 0x0800u16.to_be(),
-        ver_ihl: 0x45,
-        tos: 0,
-        tot_len_be: ((IPV4_HLEN + ICMP_HLEN + QUOTE_LEN) as u16).to_be(),
-        id_be: 0,
-        frag_be: 0,
-        ttl: 64,
-        proto: IPPROTO_ICMP,
-        ip_csum: 0,
-        // From the frontend the client addressed: that is whom it expects
-        // errors from.
-        src_be: halves(flow.dst_be),
-        dst_be: halves(flow.src_be),
-        icmp_type: ICMP_DEST_UNREACH,
-        icmp_code: ICMP_PORT_UNREACH,
-        icmp_csum: 0,
-        icmp_unused: [0, 0],
-    };
-    let (ip_sum, icmp_sum) = {
-        // SAFETY: Reply is repr(C) and 42 bytes with no padding; reading it
-        // as u16 words is how the Internet checksum is defined.
-        let words: &[u16; 21] = unsafe { &*(&raw const reply).cast::<[u16; 21]>() };
-        (sum_words(&words[7..17]), sum_words(&words[17..21]))
-    };
-    reply.ip_csum = fold(ip_sum);
-    reply.icmp_csum = fold(icmp_sum + sum_words(&quote));
-    ctx.store(0, &reply, 0)?;
-    Ok(redirect_back(ctx))
+    reset_syn(
+        ctx,
+        &Syn {
+            l4,
+            doff,
+            csum: flow.l4_csum_off(),
+            sport_be: flow.sport_be,
+            dport_be: flow.dport_be,
+        },
+        || {
+            let addrs: [[u32; 4]; 2] = [flow.dst_be, flow.src_be];
+            ctx.store(ETH_HLEN + IP6_SRC_OFF, &addrs, 0)
+        },
+    )
 }
+

@@ -1,116 +1,245 @@
-//! Sending a translated packet on without the stack: a FIB lookup gives the
-//! egress interface and next hop, the packet is rewritten as a router
-//! would (MACs, TTL) and redirected. Used where the stack would refuse the
-//! packet: its new source is an address of this node (SNAT to the node, or
+//! Sending a translated packet on without the stack, for both families: a
+//! FIB lookup gives the egress interface, the next hop and the path's MTU,
+//! and the packet is rewritten as a router would (MACs, TTL or hop limit)
+//! and redirected. Used where the stack would refuse the packet: its new
+//! source is an address of this node (SNAT to the node, hairpin over IPv6,
 //! a reply from a NodePort), which input routing drops as martian.
+//!
+//! The route is looked up before the packet is written (`lookup`), so that
+//! a packet that cannot go is still as its sender sent it: XDP leaves it to
+//! tc, and tc answers one longer than the path's MTU with the ICMP error a
+//! router sends (`reject::too_big`), quoting the packet as the client knows
+//! it. The answer stays in this CPU's `ROUTE` entry until the packet is
+//! sent (`forward`, `send_tc`): nothing in between looks up another route.
+//!
+//! The length given to the FIB is what the path has to carry: the packet's
+//! network length, or for a GSO or GRO packet the length of each segment it
+//! will be cut into, as the stack's own forwarding check counts it. The
+//! whole super-packet's length would be refused by every route, and 0 (the
+//! kernel then checks the egress device's MTU alone) would pass packets
+//! longer than a route's own MTU.
 
 use core::mem::size_of;
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_REDIRECT, TC_ACT_SHOT,
-        bpf_fib_lookup,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
+        TC_ACT_REDIRECT, TC_ACT_SHOT,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-
-use proxy_common::counter;
+use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
-    checksum,
-    event_log::{self, Event},
+    event_log::Event,
+    family::Family,
     hook::Hook,
-    maps::count,
+    maps::{ROUTE, Route, count},
+    packet::{ETH_HLEN, read},
 };
 
-const AF_INET: u8 = 2;
+const UDP_HLEN: usize = 8;
 
-/// Where a packet goes next.
-pub struct NextHop {
-    pub ifindex: u32,
-    /// Ethernet addresses, valid when `resolved`.
-    pub smac: [u8; 6],
-    pub dmac: [u8; 6],
-    /// The neighbour is known; otherwise only tc can send the packet, by
-    /// `bpf_redirect_neigh`, which resolves it.
-    pub resolved: bool,
+/// The FIB's answer for a packet, its details in this CPU's `ROUTE` entry.
+#[derive(Clone, Copy)]
+pub enum Hop {
+    /// Out of interface `ifindex`; `resolved` when the FIB knows the next
+    /// hop's MACs, else only tc can send it (`bpf_redirect_neigh` resolves
+    /// the neighbour).
+    Via { ifindex: u32, resolved: bool },
+    /// Longer than the route's MTU, this one.
+    TooBig(u16),
+    /// No route, or no `ROUTE` entry.
+    Unroutable,
 }
 
-/// The FIB's answer for a packet from `src_be` to `dst_be`.
+/// The route of a packet of `proto` from `src` to `dst` that came in on the
+/// context's interface, `len` bytes long at the network layer (see
+/// `network_len`).
 #[inline(always)]
-pub fn lookup<H: Hook>(
+pub fn lookup<F: Family, H: Hook>(
     ctx: &H,
     proto: u8,
-    src_be: u32,
-    dst_be: u32,
-    tot_len: u16,
-) -> Option<NextHop> {
-    // SAFETY: a plain C struct; all-zeros is valid.
-    let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
-    params.family = AF_INET;
+    src: &F::Addr,
+    dst: &F::Addr,
+    len: u16,
+) -> Hop {
+    let Some(route) = ROUTE.get_ptr_mut(0) else {
+        return Hop::Unroutable;
+    };
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (tc and XDP run one program at a time on a CPU); all-zeros is a
+    // valid `Route`.
+    let route = unsafe {
+        route.write(core::mem::zeroed());
+        &mut *route
+    };
+    let params = &mut route.fib;
+    params.family = F::AF;
     params.l4_protocol = proto;
-    params.__bindgen_anon_1.tot_len = tot_len;
+    params.__bindgen_anon_1.tot_len = len;
     params.ifindex = ctx.ingress_ifindex();
-    params.__bindgen_anon_3.ipv4_src = src_be;
-    params.__bindgen_anon_4.ipv4_dst = dst_be;
-    // SAFETY: the context's own skb and a `bpf_fib_lookup` on this stack, with
-    // its size.
+    F::fib_addrs(params, src, dst);
+    // SAFETY: the context and a `bpf_fib_lookup` in a map value, with its
+    // size.
     let ret = unsafe {
         fib_lookup(
             ctx.as_ptr(),
-            &raw mut params,
-            size_of::<bpf_fib_lookup>() as i32,
+            core::ptr::from_mut(params),
+            size_of::<aya_ebpf::bindings::bpf_fib_lookup>() as i32,
             0,
         )
     };
     let resolved = ret == i64::from(BPF_FIB_LKUP_RET_SUCCESS);
-    if !resolved && ret != i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
-        return None;
+    if resolved || ret == i64::from(BPF_FIB_LKUP_RET_NO_NEIGH) {
+        route.resolved = u32::from(resolved);
+        Hop::Via {
+            ifindex: params.ifindex,
+            resolved,
+        }
+    } else if ret == i64::from(BPF_FIB_LKUP_RET_FRAG_NEEDED) {
+        // SAFETY: the kernel wrote the route's MTU over the length it was
+        // given (a union).
+        Hop::TooBig(unsafe { params.__bindgen_anon_1.mtu_result })
+    } else {
+        Hop::Unroutable
     }
-    Some(NextHop {
-        ifindex: params.ifindex,
-        smac: params.smac,
-        dmac: params.dmac,
-        resolved,
-    })
 }
 
-/// Routes and redirects a (translated) tc packet. The TTL is taken down by
-/// one as the stack would when forwarding. A spent TTL or no route drops
-/// the packet: the stack would drop it too, for its source.
+/// The MTU of the route a translated packet of `proto` from `src` to `dst`
+/// leaves by when the stack forwards it, for a new flow's forward entry
+/// (`CtValue::path_mtu`); 0 when there is none to keep to. Asked with the
+/// longest length there is, which every route with an MTU refuses, saying
+/// its MTU.
 #[inline(always)]
-pub fn redirect_tc(ctx: &TcContext, proto: u8, src_be: u32, dst_be: u32, tot_len: u16) -> i32 {
+pub fn path_mtu<F: Family, H: Hook>(ctx: &H, proto: u8, src: &F::Addr, dst: &F::Addr) -> u16 {
+    match lookup::<F, H>(ctx, proto, src, dst, u16::MAX) {
+        Hop::TooBig(mtu) => mtu,
+        Hop::Via { .. } | Hop::Unroutable => 0,
+    }
+}
+
+/// Whether the packet whose transport header starts at `l4_off` is longer
+/// than `path_mtu` (0: no MTU to keep to) and is not to be fragmented by
+/// the stack: it is then answered as too big.
+#[inline(always)]
+pub fn beyond<F: Family, H: Hook>(ctx: &H, l4_off: usize, proto: u8, path_mtu: u16) -> bool {
+    if path_mtu == 0 || network_len(ctx, l4_off, proto) <= path_mtu {
+        return false;
+    }
+    let (data, data_end) = ctx.bounds();
+    !F::may_fragment(data, data_end)
+}
+
+/// What the path must carry of the packet whose transport header starts at
+/// `l4_off`: its network length, or, for a GSO or GRO packet (tc only), the
+/// network length of each segment: headers and `gso_size` bytes of
+/// payload.
+#[inline(always)]
+pub fn network_len<H: Hook>(ctx: &H, l4_off: usize, proto: u8) -> u16 {
+    let gso_size = ctx.gso_size() as usize;
+    if gso_size == 0 {
+        return ctx.wire_len().saturating_sub(ETH_HLEN) as u16;
+    }
+    let l4_hlen = if proto == PROTO_TCP {
+        let (data, data_end) = ctx.bounds();
+        match read::<u8>(data, data_end, l4_off + 12) {
+            Some(doff) => usize::from(doff >> 4) * 4,
+            // Never, after parsing: the segments then count as if without
+            // options, which errs on the short side.
+            None => 20,
+        }
+    } else {
+        UDP_HLEN
+    };
+    (l4_off - ETH_HLEN + l4_hlen + gso_size) as u16
+}
+
+/// Why `forward` did not make a packet ready to send.
+pub enum Spent {
+    /// Its TTL or hop limit was 1 or 0: a router drops it.
+    Hops,
+    /// No `ROUTE` entry, or no room for the headers: never, after parsing.
+    NoRoom,
+}
+
+/// Makes the (translated) packet between `data` and `data_end` ready to go
+/// to the resolved next hop `lookup` found: one off its TTL or hop limit,
+/// and the next hop's MACs.
+#[inline(always)]
+pub fn forward<F: Family>(data: usize, data_end: usize) -> Result<(), Spent> {
+    let Some(route) = ROUTE.get_ptr(0) else {
+        return Err(Spent::NoRoom);
+    };
+    if !F::decrement_hops(data, data_end) {
+        return Err(Spent::Hops);
+    }
+    // SAFETY: this CPU's entry, as `lookup` left it.
+    let fib = unsafe { &(*route).fib };
+    if write_macs(data, data_end, &fib.dmac, &fib.smac) {
+        Ok(())
+    } else {
+        Err(Spent::NoRoom)
+    }
+}
+
+/// Sends a translated tc packet from `src` to `dst` to the next hop
+/// `lookup` found for it, resolving the neighbour where the FIB did not.
+/// A spent TTL or hop limit drops the packet (`drop_ttl`), as a router
+/// would; so does a failure to send (`drop_no_route`).
+#[inline(always)]
+pub fn send_tc<F: Family>(ctx: &TcContext, proto: u8, src: &F::Addr, dst: &F::Addr) -> i32 {
     let no_route = || {
         count(counter::DROP_NO_ROUTE);
-        event_log::log_addrs(Event::NoRoute, proto, src_be, dst_be);
+        F::log_addrs(Event::NoRoute, proto, src, dst);
         TC_ACT_SHOT
     };
-    let Some(hop) = lookup(ctx, proto, src_be, dst_be, tot_len) else {
+    let Some(route) = ROUTE.get_ptr(0) else {
         return no_route();
     };
-    // Headers written in place: the IP checksum is never offloaded, and the
-    // L4 checksum does not cover the TTL or the MACs.
-    let (data, data_end) = (ctx.data(), ctx.data_end());
-    if !checksum::decrement_ttl(data, data_end) {
-        count(counter::DROP_TTL);
-        event_log::log_addrs(Event::Ttl, proto, src_be, dst_be);
-        return TC_ACT_SHOT;
+    // SAFETY: this CPU's entry, as `lookup` left it.
+    let route: &Route = unsafe { &*route };
+    if route.resolved != 0 {
+        return match forward::<F>(ctx.data(), ctx.data_end()) {
+            // SAFETY: takes an interface index and flags, no pointers.
+            Ok(()) => unsafe { bpf_redirect(route.fib.ifindex, 0) as i32 },
+            Err(Spent::Hops) => spent::<F>(proto, src, dst),
+            Err(Spent::NoRoom) => no_route(),
+        };
     }
-    if hop.resolved {
-        if !checksum::write_macs(data, data_end, &hop.dmac, &hop.smac) {
-            return no_route();
-        }
-        // SAFETY: takes an interface index and flags, no pointers.
-        unsafe { bpf_redirect(hop.ifindex, 0) as i32 }
+    if !F::decrement_hops(ctx.data(), ctx.data_end()) {
+        return spent::<F>(proto, src, dst);
+    }
+    // SAFETY: a null `params` is allowed: the kernel then looks the
+    // neighbour up itself, from the packet's destination.
+    let r = unsafe { bpf_redirect_neigh(route.fib.ifindex, core::ptr::null_mut(), 0, 0) };
+    if r == i64::from(TC_ACT_REDIRECT) {
+        TC_ACT_REDIRECT
     } else {
-        // SAFETY: a null `params` is allowed: the kernel then looks the neighbour
-        // up itself.
-        let r = unsafe { bpf_redirect_neigh(hop.ifindex, core::ptr::null_mut(), 0, 0) };
-        if r == i64::from(TC_ACT_REDIRECT) {
-            TC_ACT_REDIRECT
-        } else {
-            no_route()
-        }
+        no_route()
     }
+}
+
+/// A packet whose TTL or hop limit is spent: dropped, as a router drops it.
+#[inline(always)]
+pub fn spent<F: Family>(proto: u8, src: &F::Addr, dst: &F::Addr) -> i32 {
+    count(counter::DROP_TTL);
+    F::log_addrs(Event::Ttl, proto, src, dst);
+    TC_ACT_SHOT
+}
+
+/// Writes the next hop's Ethernet addresses. False when the packet has no
+/// room for an Ethernet header.
+#[inline(always)]
+pub fn write_macs(data: usize, data_end: usize, dmac: &[u8; 6], smac: &[u8; 6]) -> bool {
+    if data + ETH_HLEN > data_end {
+        return false;
+    }
+    // SAFETY: inside the bounds checked above.
+    unsafe {
+        (data as *mut [u8; 6]).write(*dmac);
+        ((data + 6) as *mut [u8; 6]).write(*smac);
+    }
+    true
 }

@@ -1,5 +1,6 @@
-//! The pipeline's decision (`pipeline::Action`) in each hook's terms: the
-//! return code, and the replies and redirects only that hook can send.
+//! The pipeline's decision (`Action`) and what it becomes in each hook's
+//! terms: the return code, and the replies and redirects only that hook can
+//! send.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
@@ -8,11 +9,37 @@ use aya_ebpf::{
 use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
-    event_log::{self, Event},
+    event_log::Event,
+    family::V4,
     maps::{XDP_NEXT, count},
-    pipeline::Action,
+    packet::Flow,
+    nat::Nat,
     reject, route,
 };
+
+/// What the hook does with the packet.
+pub enum Action {
+    /// Leave it to the stack, translated or not.
+    Pass,
+    /// Not IPv4: leave it to the next program at the hook (tc: `tc_ingress6`).
+    Next,
+    Drop,
+    /// Answer with a TCP reset or ICMP port unreachable.
+    Reject(Flow),
+    /// Translated; the stack would refuse its source, so it is sent to the
+    /// next hop `route::lookup` found for it before it was written.
+    Redirect(Flow, Nat),
+    /// tc only: longer than the MTU of the route it would be sent on:
+    /// answered with "fragmentation needed" and that MTU, as a router
+    /// answers (`reject::too_big`).
+    TooBig(Flow, u16),
+    /// XDP only: translated and routed back out of the interface it came in
+    /// on.
+    Tx,
+    /// XDP only: left untouched for tc, which runs the same pipeline and can
+    /// do what XDP cannot (rejects, neighbour resolution, other egress).
+    ToTc,
+}
 
 /// tcx: run the next program in the chain; from the last one, a pass.
 pub const TCX_NEXT: i32 = -1;
@@ -38,17 +65,13 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
             } else {
                 reject::icmp_port_unreachable(ctx, &flow)
             };
-            if let Ok(verdict) = rejected {
-                event_log::log(Event::Reject, &flow);
-                verdict
-            } else {
-                count(counter::DROP_REJECT_FAILED);
-                event_log::log(Event::RejectFailed, &flow);
-                TC_ACT_SHOT
-            }
+            reject::answer(rejected, &flow, Event::Reject)
         }
         Action::Redirect(flow, nat) => {
-            route::redirect_tc(ctx, flow.proto, nat.src_be, nat.dst_be, flow.tot_len)
+            route::send_tc::<V4>(ctx, flow.proto, &nat.src_be, &nat.dst_be)
+        }
+        Action::TooBig(flow, mtu) => {
+            reject::answer(reject::too_big(ctx, &flow, mtu), &flow, Event::TooBig)
         }
         // Not produced at tc.
         Action::Tx | Action::ToTc => TC_ACT_OK,
@@ -84,6 +107,6 @@ pub fn xdp(ctx: &XdpContext, action: Action) -> u32 {
             unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
         }
         // Not produced at XDP.
-        Action::Reject(_) | Action::Redirect(..) => xdp_action::XDP_PASS,
+        Action::Reject(_) | Action::Redirect(..) | Action::TooBig(..) => xdp_action::XDP_PASS,
     }
 }

@@ -75,7 +75,7 @@ pub fn from_v2(key: &CtKeyV2, value: &CtValueV2) -> Option<(CtKey, CtValue)> {
             alt_port_be: value.alt_port_be,
             flags: value.flags,
             dir: value.dir,
-            _pad: 0,
+            path_mtu: 0,
             backend_id: CARRIED_ID,
             service_id: CARRIED_ID,
             created_ns: value.created_ns,

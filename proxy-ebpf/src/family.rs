@@ -1,0 +1,268 @@
+//! What differs between IPv4 and IPv6 for the parts of the datapath written
+//! once over the family (`route`, `reject`): the width of an address, the
+//! FIB's family, the router's decrement of TTL or hop limit (IPv4's with
+//! its header checksum), and the ICMP error that says a packet is too big.
+//! Each family is a type without values (`V4`, `V6`); code generic over
+//! `F: Family` is monomorphized, so each family's program holds its own
+//! copy, with no branch on the family at run time.
+
+use aya_ebpf::bindings::bpf_fib_lookup;
+use proxy_common::csum::{fold, replace16};
+
+use crate::{
+    event_log::{self, Event},
+    packet::{ETH_HLEN, read},
+};
+
+/// An ICMP error the datapath answers with (`crate::reject`).
+#[derive(Clone, Copy)]
+pub enum IcmpError {
+    /// Nothing listens: a frontend without endpoints.
+    PortUnreachable,
+    /// Longer than the route's MTU, this one.
+    TooBig(u16),
+}
+
+/// An address family the datapath translates.
+pub trait Family {
+    /// An address as on the wire (network order words).
+    type Addr: Copy;
+
+    /// `AF_INET` or `AF_INET6`, as the FIB takes it.
+    const AF: u8;
+
+    /// Writes the source and destination of a FIB query.
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &Self::Addr, dst: &Self::Addr);
+
+    /// Takes one off the TTL or hop limit of the packet between `data` and
+    /// `data_end`, as a router does (IPv4's header checksum with it). False
+    /// when it is spent (1 or 0: the packet is not to be sent on) or the
+    /// packet has no room for the header.
+    fn decrement_hops(data: usize, data_end: usize) -> bool;
+
+    /// Logs `event` about a packet known by its addresses.
+    fn log_addrs(event: Event, proto: u8, src: &Self::Addr, dst: &Self::Addr);
+
+    /// Whether a router may fragment the packet between `data` and
+    /// `data_end` rather than answer that it is too big: IPv4 without DF.
+    fn may_fragment(data: usize, data_end: usize) -> bool;
+
+    /// The IP header's length, without options or extension headers.
+    const HLEN: usize;
+
+    /// The Ethernet frame's type, in network order.
+    const ETH_P_BE: u16;
+
+    /// The ICMP error's first word (type, code, checksum 0) and second
+    /// (what follows: the MTU of "too big"), as they sit in memory.
+    fn icmp_words(error: IcmpError) -> [u32; 2];
+
+    /// Writes the IP header of an ICMP error from `src` to `dst` at `ip`,
+    /// and the ICMP header that follows it (`words`, its checksum over what
+    /// is summed, `quote_sum` being the quote's words' sum), for an ICMP
+    /// message `icmp_len` bytes long.
+    ///
+    /// # Safety
+    /// `ip` must point at `HLEN + 8` writable bytes of packet memory.
+    unsafe fn write_error(
+        ip: usize,
+        src: &Self::Addr,
+        dst: &Self::Addr,
+        words: [u32; 2],
+        icmp_len: u16,
+        quote_sum: u64,
+    );
+}
+
+/// IPv4.
+pub enum V4 {}
+
+/// IPv6.
+pub enum V6 {}
+
+const AF_INET: u8 = 2;
+/// IPv4's don't-fragment flag, as the flags and offset field sits in memory.
+const IP_DF_BE: u16 = 0x4000u16.to_be();
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_ICMPV6: u8 = 58;
+/// What an error's IP header says of its hops: the kernel's default.
+const ERROR_TTL: u8 = 64;
+const AF_INET6: u8 = 10;
+/// Offsets of the TTL and the header checksum in the IPv4 header.
+const IP_TTL_OFF: usize = 8;
+const IP_CSUM_OFF: usize = 10;
+/// Offset of the hop limit in the IPv6 header.
+const IP6_HOP_LIMIT_OFF: usize = 7;
+const IPV6_HLEN: usize = 40;
+
+impl Family for V4 {
+    type Addr = u32;
+    const AF: u8 = AF_INET;
+
+    #[inline(always)]
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &u32, dst: &u32) {
+        params.__bindgen_anon_3.ipv4_src = *src;
+        params.__bindgen_anon_4.ipv4_dst = *dst;
+    }
+
+    #[inline(always)]
+    fn decrement_hops(data: usize, data_end: usize) -> bool {
+        let ip = data + ETH_HLEN;
+        if ip + 20 > data_end {
+            return false;
+        }
+        // SAFETY: inside the bounds checked above.
+        unsafe {
+            let ttl_word = (ip + IP_TTL_OFF) as *mut u16;
+            let old = ttl_word.read();
+            let ttl = *((ip + IP_TTL_OFF) as *const u8);
+            if ttl <= 1 {
+                return false;
+            }
+            *((ip + IP_TTL_OFF) as *mut u8) = ttl - 1;
+            let new = ttl_word.read();
+            let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
+            ip_csum.write(replace16(ip_csum.read(), old, new));
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn log_addrs(event: Event, proto: u8, src: &u32, dst: &u32) {
+        event_log::log_addrs(event, proto, *src, *dst);
+    }
+
+    #[inline(always)]
+    fn may_fragment(data: usize, data_end: usize) -> bool {
+        read::<u16>(data, data_end, ETH_HLEN + 6).is_some_and(|frag| frag & IP_DF_BE == 0)
+    }
+
+    const HLEN: usize = 20;
+    const ETH_P_BE: u16 = 0x0800u16.to_be();
+
+    /// RFC 792 (port unreachable: type 3 code 3) and RFC 1191
+    /// (fragmentation needed: type 3 code 4, the next hop's MTU in the
+    /// second word's low half).
+    #[inline(always)]
+    fn icmp_words(error: IcmpError) -> [u32; 2] {
+        match error {
+            IcmpError::PortUnreachable => [u32::from_ne_bytes([3, 3, 0, 0]), 0],
+            IcmpError::TooBig(mtu) => [u32::from_ne_bytes([3, 4, 0, 0]), u32::from(mtu).to_be()],
+        }
+    }
+
+    /// No pseudo-header in ICMP's checksum; the IP header has its own.
+    #[inline(always)]
+    unsafe fn write_error(
+        ip: usize,
+        src: &u32,
+        dst: &u32,
+        words: [u32; 2],
+        icmp_len: u16,
+        quote_sum: u64,
+    ) {
+        let head = [
+            u32::from_ne_bytes({
+                let [hi, lo] = (20 + icmp_len).to_be_bytes();
+                [0x45, 0, hi, lo]
+            }),
+            0,
+            u32::from_ne_bytes([ERROR_TTL, IPPROTO_ICMP, 0, 0]),
+            *src,
+            *dst,
+        ];
+        let ip_sum: u64 = head.iter().map(|w| u64::from(*w)).sum();
+        let icmp_sum = u64::from(words[0]) + u64::from(words[1]) + quote_sum;
+        // SAFETY: the caller's bounds, as documented.
+        unsafe {
+            (ip as *mut [u32; 5]).write(head);
+            ((ip + 10) as *mut u16).write(!fold(ip_sum));
+            ((ip + 20) as *mut [u32; 2]).write(words);
+            ((ip + 22) as *mut u16).write(!fold(icmp_sum));
+        }
+    }
+}
+
+impl Family for V6 {
+    type Addr = [u32; 4];
+    const AF: u8 = AF_INET6;
+
+    #[inline(always)]
+    fn fib_addrs(params: &mut bpf_fib_lookup, src: &[u32; 4], dst: &[u32; 4]) {
+        params.__bindgen_anon_3.ipv6_src = *src;
+        params.__bindgen_anon_4.ipv6_dst = *dst;
+    }
+
+    /// A plain store: IPv6 has no header checksum, and the transport
+    /// checksum does not cover the hop limit.
+    #[inline(always)]
+    fn decrement_hops(data: usize, data_end: usize) -> bool {
+        if data + ETH_HLEN + IPV6_HLEN > data_end {
+            return false;
+        }
+        // SAFETY: inside the bounds checked above.
+        unsafe {
+            let hop_limit = (data + ETH_HLEN + IP6_HOP_LIMIT_OFF) as *mut u8;
+            if *hop_limit <= 1 {
+                return false;
+            }
+            *hop_limit -= 1;
+        }
+        true
+    }
+
+    #[inline(always)]
+    fn log_addrs(event: Event, proto: u8, src: &[u32; 4], dst: &[u32; 4]) {
+        event_log::log6_addrs(event, proto, src, dst);
+    }
+
+    /// IPv6 routers never fragment (RFC 8200 5).
+    #[inline(always)]
+    fn may_fragment(_data: usize, _data_end: usize) -> bool {
+        false
+    }
+
+    const HLEN: usize = IPV6_HLEN;
+    const ETH_P_BE: u16 = 0x86ddu16.to_be();
+
+    /// RFC 4443: destination unreachable, port unreachable (type 1 code 4);
+    /// packet too big (type 2 code 0, the MTU in the second word).
+    #[inline(always)]
+    fn icmp_words(error: IcmpError) -> [u32; 2] {
+        match error {
+            IcmpError::PortUnreachable => [u32::from_ne_bytes([1, 4, 0, 0]), 0],
+            IcmpError::TooBig(mtu) => [u32::from_ne_bytes([2, 0, 0, 0]), u32::from(mtu).to_be()],
+        }
+    }
+
+    /// ICMPv6's checksum covers the pseudo-header (addresses, upper-layer
+    /// length, next header as 32-bit big-endian words, RFC 8200 8.1).
+    #[inline(always)]
+    unsafe fn write_error(
+        ip: usize,
+        src: &[u32; 4],
+        dst: &[u32; 4],
+        words: [u32; 2],
+        icmp_len: u16,
+        quote_sum: u64,
+    ) {
+        let mut sum = u64::from(u32::from(icmp_len).to_be())
+            + u64::from(u32::from(IPPROTO_ICMPV6).to_be())
+            + u64::from(words[0])
+            + u64::from(words[1])
+            + quote_sum;
+        for i in 0..4 {
+            sum += u64::from(src[i]) + u64::from(dst[i]);
+        }
+        let [hi, lo] = icmp_len.to_be_bytes();
+        // SAFETY: the caller's bounds, as documented.
+        unsafe {
+            (ip as *mut u32).write(0x6000_0000u32.to_be());
+            ((ip + 4) as *mut [u8; 4]).write([hi, lo, IPPROTO_ICMPV6, ERROR_TTL]);
+            ((ip + 8) as *mut [u32; 4]).write(*src);
+            ((ip + 24) as *mut [u32; 4]).write(*dst);
+            ((ip + IPV6_HLEN) as *mut [u32; 2]).write(words);
+            ((ip + IPV6_HLEN + 2) as *mut u16).write(!fold(sum));
+        }
+    }
+}

@@ -25,10 +25,7 @@
 
 use std::{
     collections::BTreeSet,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
@@ -52,7 +49,7 @@ use self::{
 };
 use crate::{
     healthz::Health,
-    metrics::{ProxyMetrics, kube_proxy::Trigger},
+    metrics::{ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
     planner::{Departed, MapStore, Planner},
     source::{ObjectKey, SourceEvent},
@@ -66,20 +63,6 @@ pub trait SyncTarget {
     /// Backends left their Services: their flows, affinity entries and the
     /// node's sockets connected to them go.
     fn clean_departed(&mut self, departed: &[Departed]);
-}
-
-/// What the loop has done, for a metrics endpoint to read.
-#[derive(Debug, Default)]
-pub struct SyncStats {
-    /// Syncs run.
-    pub syncs: AtomicU64,
-    /// Map operations applied by all syncs.
-    pub map_ops: AtomicU64,
-    /// Frontend writes that failed, each attempt counted.
-    pub failed_writes: AtomicU64,
-    /// Frontends whose last write failed, waiting for their retry (and
-    /// stale frontends whose removal failed).
-    pub pending: AtomicU64,
 }
 
 /// What a sync leaves to the agent, outside the maps: the health check

@@ -10,6 +10,8 @@
 //! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
 //!   port and picks the cluster and local sets from it;
 //! - [`topology`] applies kube-proxy's topology-hint rules;
+//! - [`node`] holds what the model knows of the node it runs on, and
+//!   whether that node takes traffic;
 //! - [`compact`] keeps what the model reads of each object, shared strings
 //!   once;
 //! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
@@ -17,6 +19,7 @@
 mod compact;
 mod endpoints;
 mod health_check;
+mod node;
 mod probability;
 mod service;
 #[cfg(test)]
@@ -32,6 +35,7 @@ pub use compact::{
 };
 pub use health_check::{HealthCheck, service_health_check};
 use k8s_openapi::api::core::v1::Service;
+pub use node::{NodeInfo, node_eligible};
 pub use probability::{
     iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,
 };
@@ -47,14 +51,6 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Node label holding the node's zone, matched against endpoint zone hints.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
-
-/// What the model needs to know about the node it runs on.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeInfo {
-    pub name: String,
-    /// `topology.kubernetes.io/zone` label of the Node, once known.
-    pub zone: Option<String>,
-}
 
 /// Agent configuration that changes what gets programmed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

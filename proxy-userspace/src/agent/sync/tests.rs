@@ -4,6 +4,7 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
+    sync::atomic::AtomicU64,
     time::{Duration, Instant},
 };
 

@@ -12,8 +12,8 @@ use crate::{
     model::Cidr,
     node_ip::NodeIps,
     planner::{
-        MapStore,
-        node::{DesiredNode, NodePlanner, NodeState},
+        MapStore, NodeState,
+        node::{DesiredNode, NodePlanner},
     },
 };
 

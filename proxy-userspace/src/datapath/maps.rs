@@ -24,9 +24,7 @@ use super::{
     pins::PinLayout,
     write_behind::{self, RunError, RunWriter},
 };
-use crate::planner::{
-    Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, node::NodeState,
-};
+use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
 
 /// Why a map could not be opened or written.
 #[derive(Debug, thiserror::Error)]

@@ -3,25 +3,34 @@
 //! All of kube-proxy's Service policy lives here; nothing here touches the
 //! kernel.
 //!
-//! - [`service`] reads a Service (skipping rules, ports, IPs, policies) and
-//!   assembles its frontends;
-//! - [`health_check`] decides a Service's health check node port from that same
-//!   reading;
-//! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
-//!   port and picks the cluster and local sets from it;
-//! - [`topology`] applies kube-proxy's topology-hint rules;
-//! - [`node`] holds what the model knows of the node it runs on, and
-//!   whether that node takes traffic;
-//! - [`compact`] keeps what the model reads of each object, shared strings
-//!   once;
-//! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
+//! Its files form layers, each reading only those below it:
+//!
+//! - at the bottom, the small pieces every reading shares: the public
+//!   types ([`types`]), an address's family ([`family`]), one copy of each
+//!   repeated string ([`intern`]), and the node the agent runs on
+//!   ([`node`]);
+//! - each object checked once, when it arrives: an EndpointSlice and its
+//!   endpoints ([`slice`]), a Service's spec ([`service_spec`]);
+//! - what the agent keeps of each object, those checks included
+//!   ([`compact`]); kube-proxy's topology-hint rules ([`topology`]);
+//! - the endpoints of one service port and its cluster and local sets
+//!   ([`endpoints`]);
+//! - at the top, a Service's frontends ([`service`]) and its health check
+//!   node port ([`health_check`]).
+//!
+//! [`probability`] stands apart: the selection-probability proofs of
+//! docs/architecture.md, "Backend selection".
 
 mod compact;
 mod endpoints;
+mod family;
 mod health_check;
+mod intern;
 mod node;
 mod probability;
 mod service;
+mod service_spec;
+mod slice;
 #[cfg(test)]
 mod tests;
 mod topology;
@@ -29,11 +38,9 @@ mod types;
 
 use std::collections::BTreeMap;
 
-pub use compact::{
-    CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service,
-    forget_unused_strings, intern,
-};
+pub use compact::{CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service};
 pub use health_check::{HealthCheck, service_health_check};
+pub use intern::{forget_unused_strings, intern};
 use k8s_openapi::api::core::v1::Service;
 pub use node::{NodeInfo, node_eligible};
 pub use probability::{

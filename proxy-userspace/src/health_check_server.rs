@@ -29,7 +29,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{agent::sync::backoff, healthz::Health, model::HealthCheck};
+use crate::{healthz::Health, model::HealthCheck, retry::backoff};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthCheckError {

@@ -23,6 +23,7 @@ pub mod model;
 pub mod node_ip;
 pub mod planner;
 pub mod privileges;
+pub mod retry;
 pub mod settle;
 pub mod source;
 pub mod state;

@@ -37,7 +37,6 @@ mod service;
 mod sweep;
 
 pub use first_sync::NODE_LISTING_WAIT;
-pub use retry::{RETRY_INITIAL, RETRY_MAX, backoff};
 
 use self::{
     first_sync::FirstSync,
@@ -52,6 +51,7 @@ use crate::{
     metrics::{ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
     planner::{Departed, MapStore, Planner},
+    retry::backoff,
     source::{ObjectKey, SourceEvent},
     state::ClusterState,
 };
@@ -448,7 +448,7 @@ impl SyncLoop {
 
     /// Frontends left out of the maps by a failure, waiting for a retry.
     fn pending(&self) -> usize {
-        self.retries.pending_frontends() + usize::from(self.sweeper.unclaimed_left())
+        self.retries.pending_frontends() + self.sweeper.pending_frontends()
     }
 
     fn record(&self, tally: &Tally) {

@@ -16,6 +16,7 @@ use super::*;
 use crate::{
     model::{FrontendKey, Protocol, Scope},
     planner::{MapOp, StoredState, encode},
+    retry::{RETRY_INITIAL, RETRY_MAX},
     source::Kind,
     source::Object,
 };

@@ -240,6 +240,7 @@ impl HealthCheckServer {
     }
 
     /// The node ports currently listening, ascending.
+    #[cfg(test)]
     pub async fn ports(&self) -> Vec<u16> {
         self.inner.ports.lock().await.open.keys().copied().collect()
     }

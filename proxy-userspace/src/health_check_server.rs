@@ -29,7 +29,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{agent::sync::backoff, healthz::Health, model::HealthCheck};
+use crate::{healthz::Health, model::HealthCheck, retry::backoff};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthCheckError {
@@ -240,6 +240,7 @@ impl HealthCheckServer {
     }
 
     /// The node ports currently listening, ascending.
+    #[cfg(test)]
     pub async fn ports(&self) -> Vec<u16> {
         self.inner.ports.lock().await.open.keys().copied().collect()
     }

@@ -31,13 +31,10 @@ use std::{
 };
 
 use axum::http::StatusCode;
-use k8s_openapi::{api::core::v1::Node, jiff::Timestamp};
+use k8s_openapi::jiff::Timestamp;
 
 /// kube-proxy's health timeout for its default `--sync-period` of 30 s.
 pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_mins(1);
-
-/// The taint the cluster autoscaler puts on a node it is about to remove.
-pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 /// Shared with the sync loop: when the datapath was last fully programmed,
 /// since when a change has been waiting, and whether this node takes traffic.
@@ -110,18 +107,6 @@ pub enum Probe {
     Healthz,
     Livez,
     Readyz,
-}
-
-/// Whether a node takes traffic, by kube-proxy's rule: not being deleted,
-/// and not tainted for deletion by the cluster autoscaler.
-pub fn node_eligible(node: &Node) -> bool {
-    let deleting = node.metadata.deletion_timestamp.is_some();
-    let tainted = node
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.taints.as_ref())
-        .is_some_and(|taints| taints.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
-    !deleting && !tainted
 }
 
 impl Default for Health {
@@ -317,11 +302,6 @@ impl std::fmt::Display for GoTime {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::{
-        api::core::v1::{NodeSpec, Taint},
-        apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
-    };
-
     use super::*;
 
     /// `text` is a Go `time.Time` as `String` prints it, with a monotonic
@@ -563,44 +543,5 @@ mod tests {
         assert_eq!(codes(at(661)), [503, 200, 200], "the loop ran again");
         health.mark_synced_at(at(662));
         assert_eq!(codes(at(662)), [200, 200, 200], "all in the maps");
-    }
-
-    fn node(deleting: bool, taints: &[&str]) -> Node {
-        Node {
-            metadata: ObjectMeta {
-                name: Some("node-a".into()),
-                deletion_timestamp: deleting.then_some(Time(Timestamp::UNIX_EPOCH)),
-                ..Default::default()
-            },
-            spec: Some(NodeSpec {
-                taints: Some(
-                    taints
-                        .iter()
-                        .map(|key| Taint {
-                            key: (*key).into(),
-                            effect: "NoSchedule".into(),
-                            ..Default::default()
-                        })
-                        .collect(),
-                ),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_node_being_deleted_or_tainted_for_deletion_is_not_eligible() {
-        assert!(node_eligible(&node(false, &[])), "a plain node");
-        assert!(
-            node_eligible(&node(false, &["node.kubernetes.io/unschedulable"])),
-            "other taints do not count"
-        );
-        assert!(
-            !node_eligible(&node(false, &["a", TO_BE_DELETED_TAINT])),
-            "the autoscaler's taint"
-        );
-        assert!(!node_eligible(&node(true, &[])), "a deletionTimestamp");
-        assert!(node_eligible(&Node::default()), "no spec at all");
     }
 }

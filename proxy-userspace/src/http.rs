@@ -5,8 +5,6 @@ use std::{net::SocketAddr, time::Instant};
 use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
 
 use crate::healthz::{Health, Probe};
-// The path `state` reads the Node's eligibility rule by.
-pub use crate::healthz::node_eligible;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {

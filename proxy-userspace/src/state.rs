@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use crate::{
     model::{
         self, Cidr, CompactService, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig,
-        ModelError, NodeInfo, Slice,
+        ModelError, NodeInfo, Slice, node_eligible,
     },
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
@@ -380,7 +380,7 @@ impl ClusterState {
         if node.metadata.name.as_deref() != Some(self.node.name.as_str()) {
             return;
         }
-        self.node_eligible = crate::http::node_eligible(node);
+        self.node_eligible = node_eligible(node);
         self.node_pod_cidrs = pod_cidrs(node);
         let zone = node
             .metadata

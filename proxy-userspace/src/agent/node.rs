@@ -1,27 +1,27 @@
 //! The node-level maps in the agent: what it wants them to hold (the
 //! configuration, then the interfaces as they come), written through the node
-//! planner, and a write that failed retried with the sync loop's backoff until
-//! it lands.
+//! planner, and a write that failed retried on the agent's one record of
+//! what a write still owes (`crate::retry`) until it lands.
 
 use std::{net::IpAddr, time::Instant};
 
 use tracing::{info, warn};
 
-use super::sync::backoff;
 use crate::{
     model::Cidr,
     node_ip::NodeIps,
     planner::{
-        MapStore,
-        node::{DesiredNode, NodePlanner, NodeState},
+        MapStore, NodeState,
+        node::{DesiredNode, NodePlanner},
     },
+    retry::Retry,
 };
 
 pub struct NodeMaps {
     desired: DesiredNode,
     planner: NodePlanner,
-    failures: u32,
-    retry_at: Option<Instant>,
+    /// Set while a write has not landed.
+    retry: Option<Retry>,
     families: FamilyNotice,
 }
 
@@ -31,8 +31,7 @@ impl NodeMaps {
         Self {
             desired,
             planner: NodePlanner::adopt(applied),
-            failures: 0,
-            retry_at: None,
+            retry: None,
             families: FamilyNotice::default(),
         }
     }
@@ -93,7 +92,7 @@ impl NodeMaps {
 
     /// When a failed write is due for its retry.
     pub fn wakeup(&self) -> Option<Instant> {
-        self.retry_at
+        self.retry.map(|r| r.due)
     }
 
     /// Writes what the maps lack; a failure is logged with the write that
@@ -102,22 +101,22 @@ impl NodeMaps {
         let outcome = self.planner.sync(&self.desired, store);
         match outcome.failed {
             None => {
-                if self.failures > 0 {
-                    info!(failures = self.failures, "node maps written after retrying");
+                if let Some(retry) = self.retry.take() {
+                    info!(
+                        failures = retry.failures,
+                        "node maps written after retrying"
+                    );
                 }
-                self.failures = 0;
-                self.retry_at = None;
             }
             Some((op, e)) => {
-                self.failures += 1;
-                let wait = backoff(self.failures);
+                let retry = Retry::after(self.retry.as_ref(), now, 0);
                 warn!(
                     error = %e,
-                    failures = self.failures,
-                    retry_in_ms = wait.as_millis() as u64,
+                    failures = retry.failures,
+                    retry_in_ms = retry.due.saturating_duration_since(now).as_millis() as u64,
                     "{op} failed; retrying"
                 );
-                self.retry_at = Some(now + wait);
+                self.retry = Some(retry);
             }
         }
     }

@@ -25,10 +25,7 @@
 
 use std::{
     collections::BTreeSet,
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::{Duration, Instant},
 };
 
@@ -40,7 +37,6 @@ mod service;
 mod sweep;
 
 pub use first_sync::NODE_LISTING_WAIT;
-pub use retry::{RETRY_INITIAL, RETRY_MAX, backoff};
 
 use self::{
     first_sync::FirstSync,
@@ -52,9 +48,10 @@ use self::{
 };
 use crate::{
     healthz::Health,
-    metrics::{ProxyMetrics, kube_proxy::Trigger},
+    metrics::{ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
     planner::{Departed, MapStore, Planner},
+    retry::backoff,
     source::{ObjectKey, SourceEvent},
     state::ClusterState,
 };
@@ -66,20 +63,6 @@ pub trait SyncTarget {
     /// Backends left their Services: their flows, affinity entries and the
     /// node's sockets connected to them go.
     fn clean_departed(&mut self, departed: &[Departed]);
-}
-
-/// What the loop has done, for a metrics endpoint to read.
-#[derive(Debug, Default)]
-pub struct SyncStats {
-    /// Syncs run.
-    pub syncs: AtomicU64,
-    /// Map operations applied by all syncs.
-    pub map_ops: AtomicU64,
-    /// Frontend writes that failed, each attempt counted.
-    pub failed_writes: AtomicU64,
-    /// Frontends whose last write failed, waiting for their retry (and
-    /// stale frontends whose removal failed).
-    pub pending: AtomicU64,
 }
 
 /// What a sync leaves to the agent, outside the maps: the health check
@@ -465,7 +448,7 @@ impl SyncLoop {
 
     /// Frontends left out of the maps by a failure, waiting for a retry.
     fn pending(&self) -> usize {
-        self.retries.pending_frontends() + usize::from(self.sweeper.unclaimed_left())
+        self.retries.pending_frontends() + self.sweeper.pending_frontends()
     }
 
     fn record(&self, tally: &Tally) {

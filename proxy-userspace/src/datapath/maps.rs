@@ -22,11 +22,9 @@ use std::{
 
 use super::{
     pins::PinLayout,
-    write_behind::{self, RunWriter},
+    write_behind::{self, RunError, RunWriter},
 };
-use crate::planner::{
-    Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, node::NodeState,
-};
+use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
 
 /// Why a map could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -51,12 +49,8 @@ pub enum MapsError {
         #[source]
         source: MapError,
     },
-    #[error("{op}: {source}")]
-    BatchWrite {
-        op: String,
-        #[source]
-        source: super::batch::BatchError,
-    },
+    #[error(transparent)]
+    BatchWrite(#[from] RunError),
 }
 
 fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -362,7 +356,7 @@ impl MapStore for Maps {
             } else {
                 self.run_writer()
                     .write_run(&ops[done..done + run])
-                    .map_err(|(landed, e)| (done + landed, e))?;
+                    .map_err(|(landed, e)| (done + landed, e.into()))?;
                 run
             };
             done += landed;

@@ -6,9 +6,10 @@
 //! overlaps the model and the planner, which need the other core.
 //!
 //! The writer holds duplicates of the three maps' descriptors, so that it
-//! needs nothing of [`super::maps::Maps`] while the sync goes on; the
+//! needs nothing of the maps' handles while the sync goes on; the
 //! planner waits for it before any other write, which keeps the update
-//! order (docs/architecture.md, "Map update order").
+//! order (docs/architecture.md, "Map update order"). It knows descriptors
+//! and batches only: the maps' own error wraps its [`RunError`].
 
 use std::{
     io,
@@ -18,8 +19,18 @@ use std::{
 
 use proxy_common::{Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue};
 
-use super::{batch, maps::MapsError};
+use super::batch::{self, BatchError};
 use crate::planner::{Landing, MapOp, Phases, write_phases};
+
+/// A run of puts the kernel refused part of.
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {source}")]
+pub struct RunError {
+    /// The first put that did not land.
+    op: String,
+    #[source]
+    source: BatchError,
+}
 
 /// Batches of fewer entries are written at once: a thread costs more than
 /// it saves, and a single Service's change should land without a hand-off.
@@ -37,7 +48,7 @@ pub struct RunWriter<F> {
 impl<F: AsFd> RunWriter<F> {
     /// Writes `run`, puts to one of the three maps, in one call; on a
     /// failure, how many landed.
-    pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, MapsError)> {
+    pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
         let result = match run.first() {
             Some(MapOp::PutBackend { .. }) => {
                 let (ids, backends): (Vec<u32>, Vec<Backend>) = run
@@ -78,7 +89,7 @@ impl<F: AsFd> RunWriter<F> {
         result.map_err(|(landed, source)| {
             (
                 landed,
-                MapsError::BatchWrite {
+                RunError {
                     op: run[landed.min(run.len() - 1)].to_string(),
                     source,
                 },
@@ -100,11 +111,20 @@ impl RunWriter<BorrowedFd<'_>> {
 
 impl RunWriter<OwnedFd> {
     /// Writes phases 1 to 3 of `phases` (backends, slots, service entries;
-    /// each one run of one map) on a thread of its own.
-    pub fn spawn(self, phases: Arc<Phases>) -> io::Result<Landing<MapsError>> {
+    /// each one run of one map) on a thread of its own, failing with the
+    /// caller's error.
+    pub fn spawn<E: From<RunError> + Send + 'static>(
+        self,
+        phases: Arc<Phases>,
+    ) -> io::Result<Landing<E>> {
         let writer = std::thread::Builder::new()
             .name("map-writer".into())
-            .spawn(move || write_phases(&phases, 1, |ops| self.write_run(ops)))?;
+            .spawn(move || {
+                write_phases(&phases, 1, |ops| {
+                    self.write_run(ops)
+                        .map_err(|(landed, e)| (landed, E::from(e)))
+                })
+            })?;
         Ok(Landing::Writing(writer))
     }
 }

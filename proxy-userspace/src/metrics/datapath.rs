@@ -21,10 +21,8 @@ use proxy_common::{
     CtValue, ServiceKey, ServiceValue, map_names,
 };
 
-use crate::{
-    agent::sync::SyncStats,
-    datapath::{Maps, PinLayout, batch},
-};
+use super::SyncStats;
+use crate::datapath::{Maps, PinLayout, batch};
 
 /// The XDP mode of each interface the datapath is attached to, as the agent
 /// last applied them (`none` where tc alone serves it).

@@ -25,10 +25,6 @@ use crate::{
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
 
-/// The annotation the EndpointSlice controller sets to when the change it
-/// reflects happened (a Pod turning ready, say).
-pub use crate::model::LAST_CHANGE_TRIGGER_TIME;
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
     pub code: String,
@@ -463,8 +459,8 @@ mod tests {
 
     use super::*;
     use crate::model::{
-        BackendAddr, LABEL_SERVICE_NAME as SERVICE_NAME_LABEL, NoEndpointAction, Protocol,
-        ServicePortName,
+        BackendAddr, LABEL_SERVICE_NAME as SERVICE_NAME_LABEL, LAST_CHANGE_TRIGGER_TIME,
+        NoEndpointAction, Protocol, ServicePortName,
     };
 
     /// The sample `series` of the exposition of a registry holding only

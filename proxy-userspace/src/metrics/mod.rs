@@ -9,6 +9,7 @@ pub mod kube_proxy;
 pub mod process;
 pub mod rest_client;
 pub mod server;
+mod sync;
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use prometheus_client::{
 
 pub use self::{
     kube_proxy::ProxyMetrics, rest_client::RestClientMetrics, server::parse_bind_address,
+    sync::SyncStats,
 };
 
 /// Every metric the agent exposes; cheap to clone, shared with the loop, the

@@ -7,11 +7,7 @@
 //! endpoint before any of its strings; kept this way it is 48. The numbers
 //! per Service are in bench/results/scale.md.
 
-use std::{
-    collections::{BTreeMap, HashSet},
-    sync::{Arc, Mutex},
-    time::SystemTime,
-};
+use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
 
 use k8s_openapi::{
     api::{
@@ -24,41 +20,14 @@ use k8s_openapi::{
 
 use super::{
     LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, ModelError,
-    endpoints::{self, ParsedSlice},
-    service::{self, Parsed},
+    intern::intern,
+    service_spec::{self, Parsed},
+    slice::{self, ParsedSlice},
 };
 
 /// The annotation the EndpointSlice controller stamps with the time of the
 /// change a slice reflects (kube-proxy's network programming latency).
 pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
-
-static STRINGS: Mutex<Option<HashSet<Arc<str>>>> = Mutex::new(None);
-
-/// One shared copy of `text`: node names, namespaces, port names and zones
-/// repeat across every slice, so each is kept once for the agent.
-pub fn intern(text: &str) -> Arc<str> {
-    let mut strings = STRINGS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let strings = strings.get_or_insert_with(HashSet::new);
-    if let Some(shared) = strings.get(text) {
-        return Arc::clone(shared);
-    }
-    let shared: Arc<str> = Arc::from(text);
-    strings.insert(Arc::clone(&shared));
-    shared
-}
-
-/// Forgets the strings no object holds any more (after a listing replaced
-/// a kind, say), so departed nodes and namespaces do not stay forever.
-pub fn forget_unused_strings() {
-    let mut strings = STRINGS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(strings) = strings.as_mut() {
-        strings.retain(|s| Arc::strong_count(s) > 1);
-    }
-}
 
 /// The labels kube-proxy's informers filter objects by.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -124,7 +93,7 @@ impl From<&EndpointSlice> for Slice {
                 .and_then(|a| a.get(LAST_CHANGE_TRIGGER_TIME))
                 .and_then(|text| text.parse::<Timestamp>().ok())
                 .map(SystemTime::from),
-            parsed: endpoints::parse_slice(slice),
+            parsed: slice::parse_slice(slice),
         }
     }
 }
@@ -196,7 +165,7 @@ impl From<&Service> for CompactService {
             spec: service
                 .spec
                 .as_ref()
-                .map(|spec| service::parse(service, spec)),
+                .map(|spec| service_spec::parse(service, spec)),
         }
     }
 }

@@ -14,8 +14,10 @@ use k8s_openapi::api::core::v1::Service;
 use super::{
     ModelConfig, ModelError, NodeInfo, Protocol,
     compact::{CompactService, Slice},
-    endpoints::{self, Family, ParsedSlice},
+    endpoints,
+    family::Family,
     service,
+    slice::ParsedSlice,
 };
 
 /// What the health check node port of one Service must serve.

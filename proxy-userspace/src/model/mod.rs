@@ -3,22 +3,34 @@
 //! All of kube-proxy's Service policy lives here; nothing here touches the
 //! kernel.
 //!
-//! - [`service`] reads a Service (skipping rules, ports, IPs, policies) and
-//!   assembles its frontends;
-//! - [`health_check`] decides a Service's health check node port from that same
-//!   reading;
-//! - [`endpoints`] turns EndpointSlices into the endpoint list of one service
-//!   port and picks the cluster and local sets from it;
-//! - [`topology`] applies kube-proxy's topology-hint rules;
-//! - [`compact`] keeps what the model reads of each object, shared strings
-//!   once;
-//! - [`probability`] holds the selection-probability proofs of docs/architecture.md, "Backend selection".
+//! Its files form layers, each reading only those below it:
+//!
+//! - at the bottom, the small pieces every reading shares: the public
+//!   types ([`types`]), an address's family ([`family`]), one copy of each
+//!   repeated string ([`intern`]), and the node the agent runs on
+//!   ([`node`]);
+//! - each object checked once, when it arrives: an EndpointSlice and its
+//!   endpoints ([`slice`]), a Service's spec ([`service_spec`]);
+//! - what the agent keeps of each object, those checks included
+//!   ([`compact`]); kube-proxy's topology-hint rules ([`topology`]);
+//! - the endpoints of one service port and its cluster and local sets
+//!   ([`endpoints`]);
+//! - at the top, a Service's frontends ([`service`]) and its health check
+//!   node port ([`health_check`]).
+//!
+//! [`probability`] stands apart: the selection-probability proofs of
+//! docs/architecture.md, "Backend selection".
 
 mod compact;
 mod endpoints;
+mod family;
 mod health_check;
+mod intern;
+mod node;
 mod probability;
 mod service;
+mod service_spec;
+mod slice;
 #[cfg(test)]
 mod tests;
 mod topology;
@@ -26,12 +38,11 @@ mod types;
 
 use std::collections::BTreeMap;
 
-pub use compact::{
-    CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service,
-    forget_unused_strings, intern,
-};
+pub use compact::{CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service};
 pub use health_check::{HealthCheck, service_health_check};
+pub use intern::{forget_unused_strings, intern};
 use k8s_openapi::api::core::v1::Service;
+pub use node::{NodeInfo, node_eligible};
 pub use probability::{
     iptables_probabilities, iptables_threshold, slot_counts, slot_probabilities,
 };
@@ -47,14 +58,6 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Node label holding the node's zone, matched against endpoint zone hints.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
-
-/// What the model needs to know about the node it runs on.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeInfo {
-    pub name: String,
-    /// `topology.kubernetes.io/zone` label of the Node, once known.
-    pub zone: Option<String>,
-}
 
 /// Agent configuration that changes what gets programmed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 //! otherwise every ready endpoint is used, so filtering never leaves the
 //! set empty.
 
-use super::{NodeInfo, endpoints::Endpoint};
+use super::{NodeInfo, slice::Endpoint};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Mode {

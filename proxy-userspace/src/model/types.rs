@@ -319,6 +319,16 @@ impl fmt::Display for Cidr {
     }
 }
 
+/// A Kubernetes protocol name; absent means TCP, as the API server defaults.
+pub(super) fn parse_protocol(protocol: Option<&str>) -> Result<Protocol, String> {
+    match protocol {
+        None | Some("TCP") => Ok(Protocol::Tcp),
+        Some("UDP") => Ok(Protocol::Udp),
+        Some("SCTP") => Ok(Protocol::Sctp),
+        Some(other) => Err(format!("protocol {other:?} is not one of TCP, UDP, SCTP")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,5 +416,17 @@ mod tests {
         ] {
             assert_eq!(Cidr::parse(bad), None, "{bad} is not a CIDR");
         }
+    }
+
+    #[test]
+    fn parse_protocol_defaults_to_tcp() {
+        assert_eq!(parse_protocol(None), Ok(Protocol::Tcp), "absent protocol");
+        assert_eq!(parse_protocol(Some("UDP")), Ok(Protocol::Udp), "UDP");
+        assert_eq!(parse_protocol(Some("SCTP")), Ok(Protocol::Sctp), "SCTP");
+        let err = parse_protocol(Some("tcp")).expect_err("protocols are case-sensitive");
+        assert!(
+            err.contains("\"tcp\""),
+            "error should quote the bad value: {err}"
+        );
     }
 }

@@ -1,14 +1,23 @@
-//! The model's types in the datapath's encoding, and back.
+//! The model's types in the datapath's encoding, and back: addresses as
+//! the maps' words, frontends as service keys, backends, and the entries of
+//! the two tries; and each of them as a message names it. Everything that
+//! writes or reads a map encodes through here, so it imports nothing of the
+//! planner.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
-    Backend, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, SourceRangeKey, backend_flags,
-    is_v4_mapped, scope, source_range_prefix, v4_mapped,
+    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, SourceRangeKey,
+    backend_flags, is_v4_mapped, scope, source_range_prefix, v4_mapped,
 };
 
-use super::ops::SourceRangeEntry;
 use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope};
+
+/// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
+pub type SourceRangeEntry = (u32, SourceRangeKey);
+
+/// One entry of the `CLUSTER_CIDRS` trie: (prefix length, key).
+pub type ClusterCidrEntry = (u32, ClusterCidrKey);
 
 pub fn addr_words(ip: IpAddr) -> [u32; 4] {
     match ip {
@@ -127,4 +136,25 @@ pub fn source_range_string((prefix_len, key): &SourceRangeEntry) -> String {
         prefix128
     };
     format!("{} from {ip}/{prefix}", service_key_string(&key.frontend))
+}
+
+/// The `CLUSTER_CIDRS` entry of a pod CIDR.
+pub fn cluster_cidr(cidr: &Cidr) -> ClusterCidrEntry {
+    (
+        cidr.prefix128(),
+        ClusterCidrKey {
+            addr_be: addr_words(cidr.ip),
+        },
+    )
+}
+
+/// "cidr", for messages.
+pub fn cluster_cidr_string((prefix_len, key): &ClusterCidrEntry) -> String {
+    let ip = words_addr(&key.addr_be);
+    let prefix = if ip.is_ipv4() {
+        prefix_len.saturating_sub(96)
+    } else {
+        *prefix_len
+    };
+    format!("{ip}/{prefix}")
 }

@@ -17,16 +17,16 @@ mod batch;
 pub mod encode;
 pub mod node;
 mod ops;
+mod stored;
 
 use std::{collections::BTreeSet, sync::Arc};
 
 pub use batch::{Batch, Unwritten};
+pub use encode::SourceRangeEntry;
 use hashbrown::HashMap;
-pub use ops::{
-    Landing, MapOp, MapStore, PhaseFailure, Phases, SourceRangeEntry, StoredState, apply_phases,
-    write_phases,
-};
+pub use ops::{Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, write_phases};
 use proxy_common::{Backend, BackendSlotKey, ServiceKey, ServiceValue, service_flags};
+pub use stored::{NodeState, StoredState};
 
 use self::{
     backends::{BackendHash, Backends},

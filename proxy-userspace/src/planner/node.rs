@@ -15,29 +15,15 @@ use std::{
 };
 
 use proxy_common::{
-    ClusterCidrKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, node_addr_flags,
-    node_config_flags,
+    CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, node_addr_flags, node_config_flags,
 };
 
-use super::{MapOp, MapStore, encode::addr_words};
+use super::{
+    encode::{ClusterCidrEntry, addr_words, cluster_cidr},
+    ops::{MapOp, MapStore},
+    stored::NodeState,
+};
 use crate::model::Cidr;
-
-/// One entry of the `CLUSTER_CIDRS` trie: (prefix length, key).
-pub type ClusterCidrEntry = (u32, ClusterCidrKey);
-
-/// What the node-level maps hold, or should.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeState {
-    pub addrs: BTreeMap<NodeAddrKey, NodeAddr>,
-    pub config: NodeConfig,
-    /// The node's IPv6 address (`NODE_CONFIG6`); zeros while it has none.
-    pub config6: NodeConfig,
-    /// Zeros until first written (the datapath then uses the defaults).
-    pub ct_timeouts: CtTimeouts,
-    pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
-    /// `LOCAL_IFACES`: ifindexes.
-    pub local_ifaces: BTreeSet<u32>,
-}
 
 /// What the agent wants the node-level maps to hold. `None` leaves a map as
 /// it is: until the first look at the interfaces, the node addresses and
@@ -358,16 +344,6 @@ pub fn node_config6(node6: Option<Ipv6Addr>) -> NodeConfig {
         snat_addr_be: node6.map_or([0; 4], |ip| addr_words(IpAddr::V6(ip))),
         ..NodeConfig::default()
     }
-}
-
-/// The `CLUSTER_CIDRS` entry of a pod CIDR.
-pub fn cluster_cidr(cidr: &Cidr) -> ClusterCidrEntry {
-    (
-        cidr.prefix128(),
-        ClusterCidrKey {
-            addr_be: addr_words(cidr.ip),
-        },
-    )
 }
 
 #[cfg(test)]

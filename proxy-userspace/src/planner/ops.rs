@@ -1,28 +1,19 @@
 //! Map operations, and the one trait through which they reach a map.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    convert::Infallible,
-    fmt,
-    sync::Arc,
-    thread::JoinHandle,
-};
+use std::{fmt, sync::Arc, thread::JoinHandle};
 
 use proxy_common::{
     Backend, BackendSlotKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SourceRangeKey,
+    ServiceValue,
 };
 
-use super::{
-    encode::{service_key_string, source_range_string, words_addr},
-    node::{ClusterCidrEntry, NodeState},
+use super::encode::{
+    ClusterCidrEntry, SourceRangeEntry, cluster_cidr_string, service_key_string,
+    source_range_string, words_addr,
 };
-
-/// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
-pub type SourceRangeEntry = (u32, SourceRangeKey);
 
 /// One write to the maps the agent programs: the service maps (planned by
-/// [`super::Planner`]) and the node-level maps (by [`super::node::NodePlanner`]).
+/// `Planner`) and the node-level maps (by `NodePlanner`).
 /// Plans are ordered lists of these; every write the agent makes is one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapOp {
@@ -161,16 +152,6 @@ impl fmt::Display for MapOp {
     }
 }
 
-fn cluster_cidr_string((prefix_len, key): &ClusterCidrEntry) -> String {
-    let ip = words_addr(&key.addr_be);
-    let prefix = if ip.is_ipv4() {
-        prefix_len.saturating_sub(96)
-    } else {
-        *prefix_len
-    };
-    format!("{ip}/{prefix}")
-}
-
 /// Something the planner's operations can be applied to: the real pinned
 /// maps, or [`StoredState`] in tests.
 pub trait MapStore {
@@ -199,7 +180,7 @@ pub trait MapStore {
 }
 
 /// A batch's writes, one map at a time in the order they land: source
-/// ranges, backends, slots, service entries (see [`super::Batch`]).
+/// ranges, backends, slots, service entries (see `planner::Batch`).
 pub type Phases = [Vec<MapOp>; 4];
 
 /// Where a batch's writes stopped: the phase, how many of its writes
@@ -261,110 +242,4 @@ pub fn write_phases<E>(
         })?;
     }
     Ok(())
-}
-
-/// The content of the service maps, as read back from the kernel (for
-/// adoption) or kept in memory (as a test double with the same semantics).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StoredState {
-    pub services: BTreeMap<ServiceKey, ServiceValue>,
-    pub slots: BTreeMap<BackendSlotKey, u32>,
-    pub backends: BTreeMap<u32, Backend>,
-    pub source_ranges: BTreeSet<SourceRangeEntry>,
-    pub node: NodeState,
-}
-
-impl MapStore for StoredState {
-    type Error = Infallible;
-
-    fn apply(&mut self, op: &MapOp) -> Result<(), Infallible> {
-        match op {
-            MapOp::PutBackend { id, backend } => {
-                self.backends.insert(*id, *backend);
-            }
-            MapOp::PutSlot { key, backend_id } => {
-                self.slots.insert(*key, *backend_id);
-            }
-            MapOp::PutService { key, value } => {
-                self.services.insert(*key, *value);
-            }
-            MapOp::DeleteService { key } => {
-                self.services.remove(key);
-            }
-            MapOp::DeleteSlot { key } => {
-                self.slots.remove(key);
-            }
-            MapOp::DeleteBackend { id } => {
-                self.backends.remove(id);
-            }
-            MapOp::PutSourceRange { entry } => {
-                self.source_ranges.insert(*entry);
-            }
-            MapOp::DeleteSourceRange { entry } => {
-                self.source_ranges.remove(entry);
-            }
-            MapOp::PutNodeAddr { key, value } => {
-                self.node.addrs.insert(*key, *value);
-            }
-            MapOp::DeleteNodeAddr { key } => {
-                self.node.addrs.remove(key);
-            }
-            MapOp::SetNodeConfig { config } => self.node.config = *config,
-            MapOp::SetNodeConfig6 { config } => self.node.config6 = *config,
-            MapOp::SetCtTimeouts { timeouts } => self.node.ct_timeouts = *timeouts,
-            MapOp::PutClusterCidr { entry } => {
-                self.node.cluster_cidrs.insert(*entry);
-            }
-            MapOp::DeleteClusterCidr { entry } => {
-                self.node.cluster_cidrs.remove(entry);
-            }
-            MapOp::PutLocalIface { ifindex } => {
-                self.node.local_ifaces.insert(*ifindex);
-            }
-            MapOp::DeleteLocalIface { ifindex } => {
-                self.node.local_ifaces.remove(ifindex);
-            }
-        }
-        Ok(())
-    }
-}
-
-impl StoredState {
-    /// What a packet would see: every frontend's slots `0..count` exist and
-    /// name an existing backend. Holds after every single operation of a
-    /// plan, not just at its end.
-    pub fn check_consistent(&self) -> Result<(), String> {
-        for (key, value) in &self.services {
-            for slot in 0..value.count {
-                let slot_key = BackendSlotKey {
-                    slot_set: value.slot_set,
-                    slot,
-                };
-                let Some(id) = self.slots.get(&slot_key) else {
-                    return Err(format!(
-                        "service {} (slot set {}, count {}) has no slot {slot}",
-                        service_key_string(key),
-                        value.slot_set,
-                        value.count
-                    ));
-                };
-                if !self.backends.contains_key(id) {
-                    return Err(format!(
-                        "service {} slot {slot} names backend {id}, which does not exist",
-                        service_key_string(key)
-                    ));
-                }
-            }
-            // A firewalled frontend without its ranges would drop everyone.
-            if value.flags & proxy_common::service_flags::SOURCE_RANGES != 0
-                && !self.source_ranges.iter().any(|(_, k)| k.frontend == *key)
-            {
-                return Err(format!(
-                    "service {} is firewalled but has no source range",
-                    service_key_string(key)
-                ));
-            }
-        }
-        Ok(())
-    }
 }

@@ -1,44 +1,10 @@
-//! Retries with backoff: what failed is tried again by the loop's own timer
-//! until it lands, with no event needed.
+//! The Services whose writes failed, each with the record of what it still
+//! owes (`crate::retry`): tried again by the loop's own timer until it
+//! lands, with no event needed.
 
-use std::{
-    collections::BTreeMap,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeMap, time::Instant};
 
-use crate::source::ObjectKey;
-
-/// The wait before the first retry of a failed write; it doubles with each
-/// failure up to [`RETRY_MAX`].
-pub const RETRY_INITIAL: Duration = Duration::from_millis(100);
-pub const RETRY_MAX: Duration = Duration::from_secs(5);
-
-/// The wait before retry number `failures` (1 for the first).
-pub fn backoff(failures: u32) -> Duration {
-    let doublings = failures.saturating_sub(1).min(16);
-    RETRY_INITIAL.saturating_mul(1 << doublings).min(RETRY_MAX)
-}
-
-/// Something to try again: a Service, or the removal of frontends no
-/// Service claimed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Retry {
-    pub failures: u32,
-    pub due: Instant,
-    /// Frontends that failed on the last attempt.
-    pub frontends: usize,
-}
-
-impl Retry {
-    pub fn after(previous: Option<&Retry>, now: Instant, frontends: usize) -> Retry {
-        let failures = previous.map_or(0, |r| r.failures) + 1;
-        Retry {
-            failures,
-            due: now + backoff(failures),
-            frontends,
-        }
-    }
-}
+use crate::{retry::Retry, source::ObjectKey};
 
 /// The Services with a write that failed, each waiting for its retry.
 #[derive(Debug, Default)]
@@ -49,7 +15,7 @@ impl Retries {
     pub fn due(&self, now: Instant) -> impl Iterator<Item = ObjectKey> + '_ {
         self.0
             .iter()
-            .filter(move |(_, r)| r.due <= now)
+            .filter(move |(_, r)| r.is_due(now))
             .map(|(key, _)| key.clone())
     }
 

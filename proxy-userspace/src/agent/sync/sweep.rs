@@ -7,8 +7,10 @@ use std::time::Instant;
 
 use tracing::error;
 
-use super::retry::Retry;
-use crate::planner::{MapStore, Planner};
+use crate::{
+    planner::{MapStore, Planner},
+    retry::Retry,
+};
 
 /// What a sweep did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -19,12 +21,12 @@ pub(super) struct Swept {
     pub failures: usize,
 }
 
+/// What the sweep still owes: set while something is left to remove, its
+/// frontends 1 while unclaimed frontends whose removal failed are among it
+/// (the sync's pending count takes them as one), 0 for garbage alone.
 #[derive(Debug, Default)]
 pub(super) struct Sweeper {
-    /// Set while something is left to remove.
     retry: Option<Retry>,
-    /// Unclaimed frontends whose removal failed.
-    unclaimed_left: bool,
 }
 
 impl Sweeper {
@@ -35,7 +37,12 @@ impl Sweeper {
 
     /// Unclaimed frontends are still in the maps.
     pub fn unclaimed_left(&self) -> bool {
-        self.unclaimed_left
+        self.pending_frontends() > 0
+    }
+
+    /// What the sweep leaves out of the maps, as the sync counts it.
+    pub fn pending_frontends(&self) -> usize {
+        self.retry.map_or(0, |r| r.frontends)
     }
 
     /// Sweeps when due: always after the first sync's Services (`first`),
@@ -48,8 +55,9 @@ impl Sweeper {
         store: &mut S,
     ) -> Swept {
         let mut swept = Swept::default();
-        let due = self.retry.is_some_and(|r| r.due <= now);
-        if first || (due && self.unclaimed_left) {
+        let due = self.retry.is_some_and(|r| r.is_due(now));
+        let mut unclaimed_left = self.unclaimed_left();
+        if first || (due && unclaimed_left) {
             let outcome = planner.remove_unclaimed(store);
             swept.ops += outcome.ops;
             swept.frontends_changed += outcome.frontends_changed;
@@ -57,7 +65,7 @@ impl Sweeper {
                 error!(error = %e, "stale frontend not removed");
             }
             swept.failures += outcome.errors.len();
-            self.unclaimed_left = !outcome.errors.is_empty();
+            unclaimed_left = !outcome.errors.is_empty();
         }
         if due {
             swept.ops += planner.collect_garbage(Vec::new(), store).ops;
@@ -65,8 +73,9 @@ impl Sweeper {
         // Garbage a Service's sync left gets its timer on the next sync that
         // finds none running.
         if first || due || self.retry.is_none() {
-            let left = self.unclaimed_left || planner.has_garbage();
-            self.retry = left.then(|| Retry::after(self.retry.as_ref(), now, 0));
+            let left = unclaimed_left || planner.has_garbage();
+            self.retry =
+                left.then(|| Retry::after(self.retry.as_ref(), now, usize::from(unclaimed_left)));
         }
         swept
     }

@@ -4,6 +4,7 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
+    sync::atomic::AtomicU64,
     time::{Duration, Instant},
 };
 
@@ -15,6 +16,7 @@ use super::*;
 use crate::{
     model::{FrontendKey, Protocol, Scope},
     planner::{MapOp, StoredState, encode},
+    retry::{RETRY_INITIAL, RETRY_MAX},
     source::Kind,
     source::Object,
 };

@@ -2,6 +2,8 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use proptest::prelude::*;
 
+use proxy_common::ClusterCidrKey;
+
 use super::*;
 use crate::planner::StoredState;
 

@@ -1196,33 +1196,6 @@ mod pod_impls {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use core::mem::size_of;
-
-    #[test]
-    fn layouts_are_what_the_kernel_side_expects() {
-        assert_eq!(size_of::<ServiceKey>(), 20);
-        assert_eq!(size_of::<ServiceValue>(), 24);
-        assert_eq!(size_of::<BackendSlotKey>(), 8);
-        assert_eq!(size_of::<Backend>(), 20);
-        assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtValue>(), 40);
-        assert_eq!(size_of::<Ct6Key>(), 40);
-        assert_eq!(size_of::<Ct6Value>(), 64);
-        assert_eq!(size_of::<FlowCache6Entry>(), 112);
-        assert_eq!(size_of::<Clock>(), 24);
-        assert_eq!(size_of::<NodeConfig>(), 24);
-        assert_eq!(size_of::<SourceRangeKey>(), 36);
-        assert_eq!(size_of::<AffinityKey>(), 20);
-        assert_eq!(size_of::<AffinityValue>(), 16);
-        assert_eq!(size_of::<FragKey>(), 40);
-        assert_eq!(size_of::<FragValue>(), 16);
-        assert_eq!(size_of::<SockNote>(), 16);
-        assert_eq!(size_of::<SockNotes>(), 16 * SOCK_NOTE_SLOTS);
-        assert_eq!(size_of::<SockNotesRecord>(), 8 + 16 * SOCK_NOTE_SLOTS);
-        assert_eq!(size_of::<SockNote6>(), 40);
-        assert_eq!(size_of::<SockNotes6>(), 40 * SOCK_NOTE_SLOTS);
-        assert_eq!(size_of::<SockNotes6Record>(), 8 + 40 * SOCK_NOTE_SLOTS);
-    }
 
     /// The sizes docs/maps.md promises: 100,000 Services of one port and
     /// 10 endpoints each, every endpoint its own backend, and a second

@@ -125,6 +125,7 @@ pub fn affinity_run<A: Peer>(ns: &NetNs, client: A::Ip, addr: A) -> Result<Affin
     };
     let wait = Duration::from_secs(AFFINITY_TIMEOUT_S.into()) + TIMEOUT_MARGIN;
     while run.rounds.len() < REBALANCE_ROUNDS && !run.rebalanced() {
+        // The point: the affinity timeout runs out before the next round.
         thread::sleep(wait);
         run.rounds
             .push(try_connect_n(ns, client, addr, ROUND_CONNECTIONS)?);

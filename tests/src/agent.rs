@@ -367,6 +367,35 @@ impl Agent {
             .unwrap_or_else(|e| format!("(cannot read {}: {e})", self.log_path.display()))
     }
 
+    /// Where the agent's log ends now, for [`Agent::wait_synced_since`].
+    pub fn log_mark(&self) -> usize {
+        self.log().len()
+    }
+
+    /// Waits until the agent, after `mark` in its log ([`Agent::log_mark`]),
+    /// has read a manifest change and then finished a sync: a change written
+    /// after the mark is then in the maps. Panics after `within`, with the log
+    /// since the mark.
+    #[track_caller]
+    pub fn wait_synced_since(&self, mark: usize, within: Duration) -> Duration {
+        crate::eventually("the agent syncing a manifest change", within, || {
+            let log = self.log();
+            let since = log.get(mark..).unwrap_or_default();
+            let read = since
+                .find("manifests changed")
+                .ok_or_else(|| format!("no change read yet; its log since:\n{since}"))?;
+            // The text format's `synced ops=…`, or the JSON format's message.
+            let synced = since[read..]
+                .lines()
+                .any(|l| l.contains(" synced ops=") || l.contains("\"message\":\"synced\""));
+            if synced {
+                Ok(())
+            } else {
+                Err(format!("no sync since the change; its log since:\n{since}"))
+            }
+        })
+    }
+
     /// Sends SIGTERM and waits for the agent to exit (SIGKILL after a grace period,
     /// reported as an error).
     pub fn terminate(&mut self) -> Result<ExitStatus> {

@@ -96,8 +96,14 @@ pub trait Family: iptables::Family + Into<IpAddr> {
     fn yaml_on_nodes(service: &Service, endpoints: &[(Self, &str)]) -> String;
 
     /// Sends `count` TCP SYNs of the family from `src` to `dst` from the calling
-    /// thread's network namespace ([`flood`]); how many the kernel took.
-    fn syn_flood_here(src: Self, dst: Self::Addr, count: u32) -> anyhow::Result<u32>;
+    /// thread's network namespace ([`flood`]), `pace` called after every burst;
+    /// how many the kernel took.
+    fn syn_flood_here(
+        src: Self,
+        dst: Self::Addr,
+        count: u32,
+        pace: impl FnMut(u32),
+    ) -> anyhow::Result<u32>;
 
     /// How `ebpf-proxy status` says that the family's flows to other nodes'
     /// backends are SNATed to `ip`.
@@ -215,8 +221,13 @@ impl Family for Ipv4Addr {
         service.yaml_with(&endpoints)
     }
 
-    fn syn_flood_here(src: Self, dst: SocketAddrV4, count: u32) -> anyhow::Result<u32> {
-        flood::syn_flood_here(src, dst, count)
+    fn syn_flood_here(
+        src: Self,
+        dst: SocketAddrV4,
+        count: u32,
+        pace: impl FnMut(u32),
+    ) -> anyhow::Result<u32> {
+        flood::syn_flood_here(src, dst, count, pace)
     }
 
     fn status_snat(ip: Self) -> String {
@@ -296,8 +307,13 @@ impl Family for Ipv6Addr {
         service.yaml6_on_nodes(endpoints)
     }
 
-    fn syn_flood_here(src: Self, dst: SocketAddrV6, count: u32) -> anyhow::Result<u32> {
-        flood::syn_flood6_here(src, dst, count)
+    fn syn_flood_here(
+        src: Self,
+        dst: SocketAddrV6,
+        count: u32,
+        pace: impl FnMut(u32),
+    ) -> anyhow::Result<u32> {
+        flood::syn_flood6_here(src, dst, count, pace)
     }
 
     fn status_snat(ip: Self) -> String {

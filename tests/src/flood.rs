@@ -9,9 +9,20 @@ use nix::libc;
 
 use crate::frames::{self, Spec, Spec6};
 
+/// Frames a flood sends between two calls of its pacing: a veth's queue (256
+/// frames under XDP) takes a burst whole.
+pub const BURST: u32 = 64;
+
 /// Sends `count` TCP SYNs from `src` to `dst` from the calling thread's network
 /// namespace, source ports cycling over 1024-65535; returns how many the kernel took.
-pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u32> {
+/// After every [`BURST`], `pace(sent so far)` returns once the receiver has taken
+/// them (see [`send_raw`]).
+pub fn syn_flood_here(
+    src: Ipv4Addr,
+    dst: SocketAddrV4,
+    count: u32,
+    pace: impl FnMut(u32),
+) -> Result<u32> {
     let to = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: 0,
@@ -20,7 +31,7 @@ pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u3
         },
         sin_zero: [0; 8],
     };
-    send_raw(libc::AF_INET, &to, count, |sport| {
+    send_raw(libc::AF_INET, &to, count, pace, |sport| {
         frames::build(&Spec {
             src,
             dst: *dst.ip(),
@@ -37,7 +48,12 @@ pub fn syn_flood_here(src: Ipv4Addr, dst: SocketAddrV4, count: u32) -> Result<u3
 /// [`syn_flood_here`] over IPv6: `count` SYNs from `src` to `dst`, through a raw
 /// socket that takes whole IPv6 packets (`IPPROTO_RAW` implies the header is
 /// the caller's, as for IPv4).
-pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u32> {
+pub fn syn_flood6_here(
+    src: Ipv6Addr,
+    dst: SocketAddrV6,
+    count: u32,
+    pace: impl FnMut(u32),
+) -> Result<u32> {
     let to = libc::sockaddr_in6 {
         sin6_family: libc::AF_INET6 as libc::sa_family_t,
         sin6_port: 0,
@@ -47,7 +63,7 @@ pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u
         },
         sin6_scope_id: 0,
     };
-    send_raw(libc::AF_INET6, &to, count, |sport| {
+    send_raw(libc::AF_INET6, &to, count, pace, |sport| {
         frames::build6(&Spec6 {
             src,
             dst: *dst.ip(),
@@ -63,11 +79,16 @@ pub fn syn_flood6_here(src: Ipv6Addr, dst: SocketAddrV6, count: u32) -> Result<u
 
 /// Sends `count` frames `frame(source port)` builds, without their Ethernet
 /// header, through a raw socket of `domain` to `to` (a `sockaddr_in` or
-/// `sockaddr_in6`); returns how many the kernel took.
+/// `sockaddr_in6`); returns how many the kernel took. A raw socket outruns any
+/// receiver, and what a full veth queue drops no datapath ever sees: so after
+/// each [`BURST`] `pace` is given the frames sent so far and returns when the
+/// receiver has caught up, which keeps the flood as fast as the node takes it
+/// on a machine of any speed or load.
 fn send_raw<A>(
     domain: libc::c_int,
     to: &A,
     count: u32,
+    mut pace: impl FnMut(u32),
     frame: impl Fn(u16) -> Vec<u8>,
 ) -> Result<u32> {
     // SAFETY: plain system calls on a descriptor this function owns.
@@ -93,10 +114,8 @@ fn send_raw<A>(
         if n == packet.len() as isize {
             sent += 1;
         }
-        // Paced in bursts that a veth's queue (256 frames under XDP) takes whole:
-        // faster, most of the flood would be dropped before any datapath saw it.
-        if i % 64 == 63 {
-            std::thread::sleep(std::time::Duration::from_micros(500));
+        if i % BURST == BURST - 1 {
+            pace(i + 1);
         }
     }
     // SAFETY: closes the descriptor opened above, once.

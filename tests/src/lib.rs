@@ -123,30 +123,50 @@ pub fn describe(cmd: &Command) -> String {
         .join(" ")
 }
 
-/// Retries `check` every 50 ms until it passes; panics with its last complaint
-/// after `within`. Returns how long it took.
-pub fn eventually(
-    what: &str,
+/// How often [`eventually`] asks again.
+pub const POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Asks `check` every `every` until it passes, for at most `within`: how long it
+/// took, or its last complaint. The one wait of the harness: a test waits for the
+/// condition it needs, never for a guessed time, and a condition that never comes
+/// is reported with what was last seen.
+pub fn wait_until(
     within: std::time::Duration,
+    every: std::time::Duration,
     mut check: impl FnMut() -> std::result::Result<(), String>,
-) -> std::time::Duration {
+) -> std::result::Result<std::time::Duration, String> {
     let start = std::time::Instant::now();
     loop {
         match check() {
-            Ok(()) => return start.elapsed(),
-            Err(e) if start.elapsed() > within => panic!("{what}: still after {within:?}: {e}"),
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Ok(()) => return Ok(start.elapsed()),
+            Err(e) if start.elapsed() > within => return Err(e),
+            Err(_) => std::thread::sleep(every),
         }
     }
 }
 
+/// [`wait_until`] every [`POLL`], panicking with `what` and the last complaint
+/// after `within`. Returns how long it took.
+#[track_caller]
+pub fn eventually(
+    what: &str,
+    within: std::time::Duration,
+    check: impl FnMut() -> std::result::Result<(), String>,
+) -> std::time::Duration {
+    wait_until(within, POLL, check)
+        .unwrap_or_else(|e| panic!("{what}: still after {within:?}: {e}"))
+}
+
 /// Whether `path` is gone, or goes within `within`.
 pub fn gone_within(path: &Path, within: std::time::Duration) -> bool {
-    let deadline = std::time::Instant::now() + within;
-    while path.exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    !path.exists()
+    wait_until(within, POLL, || {
+        if path.exists() {
+            Err(format!("{} still there", path.display()))
+        } else {
+            Ok(())
+        }
+    })
+    .is_ok()
 }
 
 /// A service port's transport protocol.

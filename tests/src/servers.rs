@@ -383,6 +383,7 @@ fn tcp_serve(listener: &TcpListener, reply: &[u8], stop: &AtomicBool) {
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
             Err(e) => {
                 eprintln!("warning: accept: {e}");
+                // Backs off a failing accept rather than spin on it.
                 thread::sleep(Duration::from_millis(10));
             }
         }
@@ -399,6 +400,7 @@ fn udp_serve(socket: &UdpSocket, reply: &[u8], stop: &AtomicBool) {
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
             Err(e) => {
                 eprintln!("warning: udp recv: {e}");
+                // Backs off a failing receive rather than spin on it.
                 thread::sleep(Duration::from_millis(10));
             }
         }

@@ -14,7 +14,6 @@ mod clusterip_scenarios;
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, Ipv6Addr},
-    thread,
     time::{Duration, Instant},
 };
 
@@ -272,10 +271,11 @@ fn dual_stack_service_serves_each_family_from_its_own_slice() {
         .into_iter()
         .filter(|ip| *ip != pod_ip6(removed_ip))
         .collect();
+    let mark = sb.agent().log_mark();
     sb.manifests()
         .write("web.yaml", &dual_stack_web_yaml(&remaining6))
         .expect("rewrite manifest");
-    thread::sleep(SYNC_DEADLINE);
+    sb.agent().wait_synced_since(mark, SYNC_DEADLINE * 10);
 
     let (t4, u4) = tally_both(
         client,
@@ -305,7 +305,7 @@ fn dual_stack_service_serves_each_family_from_its_own_slice() {
     for (what, counts) in [("IPv6 TCP", &t6), ("IPv6 UDP", &u6)] {
         assert_eq!(
             counts[2], 0,
-            "{what}: {SYNC_DEADLINE:?} after {removed} left the IPv6 slice, new requests still reach it: {counts:?}"
+            "{what}: synced after {removed} left the IPv6 slice, yet new requests still reach it: {counts:?}"
         );
         assert!(
             counts[..2].iter().all(|&c| c > 0),

@@ -888,6 +888,8 @@ fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
              monotonic (+-{slack} ns)",
             entry.created_ns
         );
+        // The point: the next flow is stamped tens of ms later, so a clock that
+        // stood still or ran at the wrong rate would leave the window.
         std::thread::sleep(std::time::Duration::from_millis(30));
     }
 }
@@ -912,6 +914,7 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
         (1, 1),
         "second datagram must use the flow"
     );
+    // The point: the 1 s UDP timeout set above runs out (a sleep only overshoots).
     std::thread::sleep(std::time::Duration::from_millis(1_300));
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
@@ -1583,6 +1586,7 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         ret, XDP_DROP,
         "closed only just now: the ports are still held"
     );
+    // The point: a closed flow's SNAT port is held for a second before reuse.
     std::thread::sleep(std::time::Duration::from_millis(1_200));
     let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 46002, NODE_IP, NODE_PORT, frame::SYN));
     assert_eq!(ret, XDP_REDIRECT, "a closed flow's port is free again");
@@ -1639,6 +1643,7 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
         &nf,
         &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::RST | frame::ACK),
     );
+    // The point: the reset flow's SNAT port is held for a second before reuse.
     std::thread::sleep(std::time::Duration::from_millis(1_200));
     // The client opens its next connection from the same port: SNAT port 1025.
     only_port(&mut nf, 1025);
@@ -2073,6 +2078,7 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
     };
     handshake(&fx, 44_000, false);
     handshake(&fx, 44_001, true);
+    // The point: the half-open flow's 1 s timeout set above runs out.
     std::thread::sleep(std::time::Duration::from_millis(1500));
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");

@@ -199,7 +199,8 @@ fn off_by_default_and_switched_at_run_time() {
     let denied = tcp_from(&sb, 40202, SocketAddrV4::new(LB_IP, 80), DROP_WAIT);
     assert_eq!(denied, Outcome::Timeout, "the client is outside the ranges");
     assert!(counter(agent, "reject") > before, "the reject is counted");
-    // Records written would have reached the output within this.
+    // The point: an absence is checked, so there is no condition to wait for;
+    // records written would have reached the output within this.
     thread::sleep(Duration::from_secs(1));
     let lines = datapath_lines(agent, "");
     assert!(
@@ -225,6 +226,7 @@ fn off_by_default_and_switched_at_run_time() {
     let outcome = tcp_from(&sb, 40204, SocketAddrV4::new(EMPTY_IP, 80), TIMEOUT);
     assert_eq!(outcome, Outcome::Refused);
     assert!(counter(agent, "reject") > rejects, "the reject is counted");
+    // The point, as above: nothing must come, so the wait is for a time.
     thread::sleep(Duration::from_secs(1));
     let lines = datapath_lines(agent, ":40204 ");
     assert!(

@@ -558,6 +558,8 @@ fn restarts_are_diffs_whichever_list_comes_first() {
                 answered.then_some(()).ok_or_else(|| "not yet".to_owned())
             },
         );
+        // The point: the watcher looks for a sync that must not come, which no
+        // condition announces.
         thread::sleep(Duration::from_millis(500));
         stop.store(true, Ordering::Relaxed);
         let (reads, fewer) = watcher.join().expect("the map watcher");

@@ -76,6 +76,7 @@ fn one_edited_file_of_many_is_parsed_alone_and_reaches_the_maps() {
         loaded[0]
     );
 
+    // The point: nothing must happen while the files rest, so the wait is a time.
     thread::sleep(AT_REST);
     let changed = logged(&agent, "manifests changed");
     assert!(

@@ -48,8 +48,9 @@ fn pinned_datapath_outlives_the_agent_until_cleanup() {
         status.success(),
         "the agent exited with {status} on SIGTERM"
     );
-    // Give anything the exit might tear down a moment to go, so that the check below
-    // sees the state the agent left.
+    // The point: what the exit tears down, the kernel may release a moment later
+    // (deferred link and map release), and nothing announces it; the check below
+    // must see the state after that.
     thread::sleep(Duration::from_millis(200));
 
     let after = tcp_tally(&sb.client().ns, http(CLUSTER_IP), 90, TIMEOUT).expect("after");

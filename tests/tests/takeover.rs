@@ -346,6 +346,7 @@ fn watch<F: Family>(flows: &mut [Flow<F>], step: &'static str, duration: Duratio
         if start.elapsed() >= duration {
             break;
         }
+        // The point: the flows are checked at a steady pace through the takeover.
         thread::sleep(ROUND.saturating_sub(round.elapsed()));
     }
     let broken = flows

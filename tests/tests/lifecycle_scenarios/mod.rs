@@ -58,15 +58,16 @@ pub fn sandbox_with(
     sb
 }
 
-/// Rewrites `web.yaml` and waits until the agent must have applied it: within
-/// [`SYNC_DEADLINE`], which clusterip.rs holds it to. Checks that must only see the
-/// new state wait this long after a write instead of guessing when the change
-/// landed.
+/// Rewrites `web.yaml` and waits until the agent has applied it (it read the
+/// change and synced since), so that checks that must only see the new state
+/// see it. How fast that is, clusterip.rs holds to [`SYNC_DEADLINE`]; this
+/// waits up to ten times that.
 pub fn rewrite(sb: &Sandbox, yaml: &str) {
+    let mark = sb.agent().log_mark();
     sb.manifests()
         .write("web.yaml", yaml)
         .expect("rewrite manifest");
-    thread::sleep(SYNC_DEADLINE);
+    sb.agent().wait_synced_since(mark, SYNC_DEADLINE * 10);
 }
 
 /// The client pod's address of family `F`.
@@ -115,7 +116,7 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
     let off = connect_n(ns, client::<F>(), vip, STICKY_RUN);
     assert!(
         distinct(&off).len() > 1,
-        "{SYNC_DEADLINE:?} after switching affinity off, {STICKY_RUN} new {family} \
+        "synced after switching affinity off, yet {STICKY_RUN} new {family} \
          connections still all went to one backend: {off:?}"
     );
 
@@ -281,7 +282,7 @@ pub fn established_connection_survives_scaling_3_10_3<F: Family>() {
         .collect();
     assert!(
         outside.is_empty(),
-        "{SYNC_DEADLINE:?} after scaling back to 3, new connections still reach removed \
+        "synced after scaling back to 3, yet new connections still reach removed \
          backends {outside:?}: {after:?}"
     );
     exchange("with-3-again");

@@ -66,14 +66,14 @@ fn table() -> Vec<Layout> {
         }
         CtValue: 40, 8 {
             nat_addr_be: 0, alt_addr_be: 4, nat_port_be: 8, alt_port_be: 10, flags: 12, dir: 13,
-            _pad: 14, backend_id: 16, service_id: 20, created_ns: 24, last_seen_ns: 32,
+            path_mtu: 14, backend_id: 16, service_id: 20, created_ns: 24, last_seen_ns: 32,
         }
         Ct6Key: 40, 4 {
             src_be: 0, dst_be: 16, sport_be: 32, dport_be: 34, proto: 36, _pad0: 37, _pad1: 38,
         }
         Ct6Value: 64, 8 {
             nat_addr_be: 0, alt_addr_be: 16, nat_port_be: 32, alt_port_be: 34, flags: 36,
-            dir: 37, _pad: 38, backend_id: 40, service_id: 44, created_ns: 48, last_seen_ns: 56,
+            dir: 37, path_mtu: 38, backend_id: 40, service_id: 44, created_ns: 48, last_seen_ns: 56,
         }
         FlowCacheEntry: 64, 8 { key: 0, value: 16, slot_gen: 56, epoch: 60 }
         FlowCache6Entry: 112, 8 { key: 0, value: 40, slot_gen: 104, epoch: 108 }

@@ -57,21 +57,18 @@ pub trait Family {
     /// (what follows: the MTU of "too big"), as they sit in memory.
     fn icmp_words(error: IcmpError) -> [u32; 2];
 
-    /// Writes the IP header of an ICMP error from `src` to `dst` at `ip`,
-    /// and the ICMP header that follows it (`words`, its checksum over what
-    /// is summed, `quote_sum` being the quote's words' sum), for an ICMP
-    /// message `icmp_len` bytes long.
+    /// Writes the IP header of an ICMP error at `ip`, and the ICMP header
+    /// that follows it (`words`, with its checksum over what is summed,
+    /// `quote_sum` being the quote's words' sum), for an ICMP message
+    /// `icmp_len` bytes long. The error goes back to the quoted packet's
+    /// sender from the address it was sent to (whom the sender expects
+    /// errors from): both read from the quote, which follows the ICMP
+    /// header, rather than passed, which would hold them on the stack.
     ///
     /// # Safety
-    /// `ip` must point at `HLEN + 8` writable bytes of packet memory.
-    unsafe fn write_error(
-        ip: usize,
-        src: &Self::Addr,
-        dst: &Self::Addr,
-        words: [u32; 2],
-        icmp_len: u16,
-        quote_sum: u64,
-    );
+    /// `ip` must point at `2 * HLEN + 8` bytes of packet memory: the new
+    /// headers (written) and the quoted IP header (read).
+    unsafe fn write_error(ip: usize, words: [u32; 2], icmp_len: u16, quote_sum: u64);
 }
 
 /// IPv4.
@@ -153,28 +150,24 @@ impl Family for V4 {
 
     /// No pseudo-header in ICMP's checksum; the IP header has its own.
     #[inline(always)]
-    unsafe fn write_error(
-        ip: usize,
-        src: &u32,
-        dst: &u32,
-        words: [u32; 2],
-        icmp_len: u16,
-        quote_sum: u64,
-    ) {
-        let head = [
-            u32::from_ne_bytes({
-                let [hi, lo] = (20 + icmp_len).to_be_bytes();
-                [0x45, 0, hi, lo]
-            }),
-            0,
-            u32::from_ne_bytes([ERROR_TTL, IPPROTO_ICMP, 0, 0]),
-            *src,
-            *dst,
-        ];
-        let ip_sum: u64 = head.iter().map(|w| u64::from(*w)).sum();
-        let icmp_sum = u64::from(words[0]) + u64::from(words[1]) + quote_sum;
+    unsafe fn write_error(ip: usize, words: [u32; 2], icmp_len: u16, quote_sum: u64) {
+        let quote = ip + 20 + 8;
         // SAFETY: the caller's bounds, as documented.
         unsafe {
+            let to = ((quote + 12) as *const u32).read();
+            let from = ((quote + 16) as *const u32).read();
+            let head = [
+                u32::from_ne_bytes({
+                    let [hi, lo] = (20 + icmp_len).to_be_bytes();
+                    [0x45, 0, hi, lo]
+                }),
+                0,
+                u32::from_ne_bytes([ERROR_TTL, IPPROTO_ICMP, 0, 0]),
+                from,
+                to,
+            ];
+            let ip_sum: u64 = head.iter().map(|w| u64::from(*w)).sum();
+            let icmp_sum = u64::from(words[0]) + u64::from(words[1]) + quote_sum;
             (ip as *mut [u32; 5]).write(head);
             ((ip + 10) as *mut u16).write(!fold(ip_sum));
             ((ip + 20) as *mut [u32; 2]).write(words);
@@ -238,29 +231,26 @@ impl Family for V6 {
     /// ICMPv6's checksum covers the pseudo-header (addresses, upper-layer
     /// length, next header as 32-bit big-endian words, RFC 8200 8.1).
     #[inline(always)]
-    unsafe fn write_error(
-        ip: usize,
-        src: &[u32; 4],
-        dst: &[u32; 4],
-        words: [u32; 2],
-        icmp_len: u16,
-        quote_sum: u64,
-    ) {
+    unsafe fn write_error(ip: usize, words: [u32; 2], icmp_len: u16, quote_sum: u64) {
+        let quote = ip + IPV6_HLEN + 8;
         let mut sum = u64::from(u32::from(icmp_len).to_be())
             + u64::from(u32::from(IPPROTO_ICMPV6).to_be())
             + u64::from(words[0])
             + u64::from(words[1])
             + quote_sum;
-        for i in 0..4 {
-            sum += u64::from(src[i]) + u64::from(dst[i]);
-        }
         let [hi, lo] = icmp_len.to_be_bytes();
         // SAFETY: the caller's bounds, as documented.
         unsafe {
             (ip as *mut u32).write(0x6000_0000u32.to_be());
             ((ip + 4) as *mut [u8; 4]).write([hi, lo, IPPROTO_ICMPV6, ERROR_TTL]);
-            ((ip + 8) as *mut [u32; 4]).write(*src);
-            ((ip + 24) as *mut [u32; 4]).write(*dst);
+            // From the quote's destination to its source, a word at a time.
+            for i in 0..4 {
+                let to = ((quote + 8 + 4 * i) as *const u32).read();
+                let from = ((quote + 24 + 4 * i) as *const u32).read();
+                sum += u64::from(from) + u64::from(to);
+                ((ip + 8 + 4 * i) as *mut u32).write(from);
+                ((ip + 24 + 4 * i) as *mut u32).write(to);
+            }
             ((ip + IPV6_HLEN) as *mut [u32; 2]).write(words);
             ((ip + IPV6_HLEN + 2) as *mut u16).write(!fold(sum));
         }

@@ -39,7 +39,7 @@ pub trait Hook6: Hook {
 
     /// Answers a packet longer than its route's `mtu` with ICMPv6 "packet
     /// too big" (`reject::too_big6`).
-    fn too_big6(&self, flow: &Flow6, mtu: u16) -> Self::Verdict;
+    fn too_big6(&self, mtu: u16) -> Self::Verdict;
 
     /// Writes the translation `nat` over `flow`'s addresses and ports, with
     /// the transport checksum kept valid.
@@ -65,14 +65,14 @@ impl Hook6 for TcContext {
         let rejected = if flow.proto == PROTO_TCP {
             reject::tcp_reset6(self, flow)
         } else {
-            reject::icmp_port_unreachable6(self, flow)
+            reject::icmp_port_unreachable6(self)
         };
         reject::answer6(rejected, flow, Event::Reject)
     }
 
     #[inline(always)]
-    fn too_big6(&self, flow: &Flow6, mtu: u16) -> i32 {
-        reject::answer6(reject::too_big6(self, flow, mtu), flow, Event::TooBig)
+    fn too_big6(&self, mtu: u16) -> i32 {
+        reject::too_big6(self, mtu)
     }
 
     #[inline(always)]
@@ -107,7 +107,7 @@ impl Hook6 for XdpContext {
 
     /// Never reached: XDP leaves a packet it cannot send to tc.
     #[inline(always)]
-    fn too_big6(&self, _flow: &Flow6, _mtu: u16) -> u32 {
+    fn too_big6(&self, _mtu: u16) -> u32 {
         xdp_action::XDP_PASS
     }
 

@@ -44,39 +44,50 @@ use crate::{
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
-/// it calls for.
+/// it calls for. A packet longer than its route's MTU is answered here,
+/// from one place: the answer is written out once in the program.
 #[inline(always)]
 pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
+    match translate(ctx) {
+        Ok(verdict) => verdict,
+        Err(mtu) => ctx.too_big6(mtu),
+    }
+}
+
+/// The verdict for an IPv6 packet, or `Err` with the MTU of the route it
+/// is too long for (tc only).
+#[inline(always)]
+fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
     let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
-        Err(Skip6::NotOurs) => return H::PASS,
-        Err(Skip6::Icmp6(icmp_off)) => return ctx.icmp6_error(icmp_off),
+        Err(Skip6::NotOurs) => return Ok(H::PASS),
+        Err(Skip6::Icmp6(icmp_off)) => return Ok(ctx.icmp6_error(icmp_off)),
         // Counted by tc, which sees the same packet next (and may pull in
         // what XDP found cut short).
         Err(Skip6::Malformed | Skip6::Truncated | Skip6::ExtHeaders) if H::XDP => {
-            return H::PASS;
+            return Ok(H::PASS);
         }
         Err(Skip6::Malformed | Skip6::Truncated) => {
             count(counter::PASS_MALFORMED);
-            return H::PASS;
+            return Ok(H::PASS);
         }
         Err(Skip6::ExtHeaders) => {
             count(counter::PASS_V6_EXT_HEADERS);
-            return H::PASS;
+            return Ok(H::PASS);
         }
     };
     let now = now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
-            return untracked_fragment::<H>(&flow);
+            return Ok(untracked_fragment::<H>(&flow));
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
         flow.proto = proto;
     }
     let Some(key) = FLOW_KEY6.get_ptr_mut(0) else {
-        return H::PASS;
+        return Ok(H::PASS);
     };
     // SAFETY: this CPU's entry, used by nothing else while this program
     // runs (tc and XDP run one program at a time on a CPU, neither
@@ -103,16 +114,17 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
         let entry = unsafe { &*known };
         let nat = conntrack6::translation(entry, &flow);
         let dir = entry.dir;
-        if let Err(verdict) = route_first(ctx, &flow, &nat) {
-            return verdict;
+        if let Err(exit) = route_first(ctx, &flow, &nat) {
+            return exit;
         }
         if route::beyond::<V6, H>(ctx, flow.l4_off, flow.proto, entry.path_mtu) {
             // As IPv4's (`pipeline::too_big`).
             if H::XDP {
                 count(counter::XDP_TO_TC);
-                return H::PASS;
+                return Ok(H::PASS);
             }
-            return ctx.too_big6(&flow, entry.path_mtu);
+            event_log::log6(Event::TooBig, &flow);
+            return Err(entry.path_mtu);
         }
         if let Some(found) = &found {
             conntrack6::touch(key, found, &flow, &nat, now);
@@ -127,19 +139,19 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
         } else {
             counter::REV_NAT
         });
-        return finish(ctx, &flow, &nat, now);
+        return Ok(finish(ctx, &flow, &nat, now));
     }
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        return untracked_fragment::<H>(&flow);
+        return Ok(untracked_fragment::<H>(&flow));
     }
     let Some(frontend) =
         frontend::lookup_frontend_of6(flow.dst_be, flow.dport_be, flow.proto, || {
             frontend::in_cluster6(flow.src_be) || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
-        return H::PASS;
+        return Ok(H::PASS);
     };
     if flow.proto == PROTO_SCTP {
         // As IPv4's (`pipeline::handle`): not translated, as its CRC32c
@@ -149,7 +161,7 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
         if !H::XDP {
             count(counter::UNSUPPORTED_PROTO);
         }
-        return H::PASS;
+        return Ok(H::PASS);
     }
     new_flow(ctx, &flow, &frontend, now)
 }
@@ -161,9 +173,14 @@ pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
 /// hairpin flow; kept otherwise. Its conntrack entries are built in
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
-fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H::Verdict {
+fn new_flow<H: Hook6>(
+    ctx: &H,
+    flow: &Flow6,
+    frontend: &Frontend,
+    now: u64,
+) -> Result<H::Verdict, u16> {
     if netfilters(ctx, flow) {
-        return H::PASS;
+        return Ok(H::PASS);
     }
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0
@@ -171,33 +188,33 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
     {
         count(counter::DROP_SOURCE_RANGE);
         event_log::log6(Event::SourceRange, flow);
-        return H::DROP;
+        return Ok(H::DROP);
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
             event_log::log6(Event::NoEndpoint, flow);
-            return H::DROP;
+            return Ok(H::DROP);
         }
         if H::XDP {
             count(counter::XDP_TO_TC);
-            return H::PASS;
+            return Ok(H::PASS);
         }
         count(counter::REJECT);
-        return ctx.reject6(flow);
+        return Ok(ctx.reject6(flow));
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);
-        return H::PASS;
+        return Ok(H::PASS);
     };
     if is_v4_mapped(&backend.addr_be) {
         // An IPv4 backend behind an IPv6 frontend: the planner never
         // writes one, as each family's frontends get that family's
         // endpoints.
         count(counter::LOOKUP_MISS);
-        return H::PASS;
+        return Ok(H::PASS);
     }
     let mut nf = NewFlow6 {
         nat: Nat6 {
@@ -238,8 +255,8 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
         };
         nf.nat.src_be = node;
         nf.nat.redirect = true;
-        if let Err(verdict) = route_first(ctx, flow, &nf.nat) {
-            return verdict;
+        if let Err(exit) = route_first(ctx, flow, &nf.nat) {
+            return exit;
         }
         let config = node_config();
         if !conntrack6::create_snat(
@@ -251,7 +268,7 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
         ) {
             count(counter::SNAT_EXHAUSTED);
             event_log::log6(Event::SnatExhausted, flow);
-            return H::DROP;
+            return Ok(H::DROP);
         }
         count(if hairpin {
             counter::HAIRPIN
@@ -263,7 +280,7 @@ fn new_flow<H: Hook6>(ctx: &H, flow: &Flow6, frontend: &Frontend, now: u64) -> H
         conntrack6::create(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
-    finish(ctx, flow, &nf.nat, now)
+    Ok(finish(ctx, flow, &nf.nat, now))
 }
 
 /// Whether the packet is left to the stack as a flow netfilter translates
@@ -307,12 +324,17 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
 
 /// Routes a packet the program sends itself (`nat.redirect`) before
 /// anything is written or created, as IPv4's `pipeline::route_first`: `Err`
-/// is the verdict of one that cannot go. XDP sends only back out of the
+/// is what becomes of one that cannot go (a verdict, or the MTU it is too
+/// long for). XDP sends only back out of the
 /// interface it came in on to a resolved neighbour and leaves the rest to
 /// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
 /// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), H::Verdict> {
+fn route_first<H: Hook6>(
+    ctx: &H,
+    flow: &Flow6,
+    nat: &Nat6,
+) -> Result<(), Result<H::Verdict, u16>> {
     if !nat.redirect {
         return Ok(());
     }
@@ -326,17 +348,20 @@ fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), H::Ver
             } if ifindex == ctx.ingress_ifindex() => Ok(()),
             _ => {
                 count(counter::XDP_TO_TC);
-                Err(H::PASS)
+                Err(Ok(H::PASS))
             }
         };
     }
     match hop {
         Hop::Via { .. } => Ok(()),
-        Hop::TooBig(mtu) => Err(ctx.too_big6(flow, mtu)),
+        Hop::TooBig(mtu) => {
+            event_log::log6(Event::TooBig, flow);
+            Err(Err(mtu))
+        }
         Hop::Unroutable => {
             count(counter::DROP_NO_ROUTE);
             event_log::log6(Event::NoRoute, flow);
-            Err(H::DROP)
+            Err(Ok(H::DROP))
         }
     }
 }

@@ -78,15 +78,19 @@ pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
         // Quoting IP options would make the error variable-length.
         return Err(0);
     }
-    icmp_error::<V4>(ctx, &flow.dst_be, &flow.src_be, IcmpError::TooBig(mtu))
+    icmp_error::<V4>(ctx, IcmpError::TooBig(mtu))
 }
 
 /// Answers an IPv6 packet longer than its route's `mtu` with "packet too
-/// big" (RFC 4443 3.2), as IPv6 routers never fragment.
+/// big" (RFC 4443 3.2), as IPv6 routers never fragment; tc's verdict. The
+/// caller logs it, with the flow's addresses.
 #[inline(always)]
-pub fn too_big6(ctx: &TcContext, flow: &Flow6, mtu: u16) -> Result<i32, i64> {
+pub fn too_big6(ctx: &TcContext, mtu: u16) -> i32 {
     count(counter::TOO_BIG);
-    icmp_error::<V6>(ctx, &flow.dst_be, &flow.src_be, IcmpError::TooBig(mtu))
+    icmp_error::<V6>(ctx, IcmpError::TooBig(mtu)).unwrap_or_else(|_| {
+        count(counter::DROP_REJECT_FAILED);
+        TC_ACT_SHOT
+    })
 }
 
 /// Turns `flow`'s packet into an ICMP port unreachable addressed to its
@@ -99,30 +103,25 @@ pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     if flow.ihl_bytes != IPV4_HLEN {
         return Err(0);
     }
-    icmp_error::<V4>(ctx, &flow.dst_be, &flow.src_be, IcmpError::PortUnreachable)
+    icmp_error::<V4>(ctx, IcmpError::PortUnreachable)
 }
 
 /// `icmp_port_unreachable` for IPv6 (RFC 4443 3.1).
 #[inline(always)]
-pub fn icmp_port_unreachable6(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
-    icmp_error::<V6>(ctx, &flow.dst_be, &flow.src_be, IcmpError::PortUnreachable)
+pub fn icmp_port_unreachable6(ctx: &TcContext) -> Result<i32, i64> {
+    icmp_error::<V6>(ctx, IcmpError::PortUnreachable)
 }
 
-/// Turns the packet into the ICMP `error` about it, from `from` (the
-/// address the sender addressed: whom it expects errors from) to `to` (the
-/// sender), and sends it back. The error quotes the packet's IP header
+/// Turns the packet into the ICMP `error` about it, from the address its
+/// sender addressed (whom it expects errors from) to the sender, and sends
+/// it back. The error quotes the packet's IP header
 /// (without options or extension headers) and the 8 bytes after it: what a
 /// receiver needs to find its socket (RFC 792; RFC 4443 asks for as much
 /// as fits in the minimum MTU, and one fixed size keeps the reply simple).
 /// Written in place rather than built on the stack, which `tc_ingress` has
 /// little of to spare.
 #[inline(always)]
-fn icmp_error<F: Family>(
-    ctx: &TcContext,
-    from: &F::Addr,
-    to: &F::Addr,
-    error: IcmpError,
-) -> Result<i32, i64> {
+fn icmp_error<F: Family>(ctx: &TcContext, error: IcmpError) -> Result<i32, i64> {
     let quote_len = F::HLEN + 8;
     let icmp_len = ICMP_HLEN + quote_len;
     let reply_len = ETH_HLEN + F::HLEN + icmp_len;
@@ -153,7 +152,7 @@ fn icmp_error<F: Family>(
         (data as *mut [u8; 6]).write([macs[6], macs[7], macs[8], macs[9], macs[10], macs[11]]);
         ((data + 6) as *mut [u8; 6]).write([macs[0], macs[1], macs[2], macs[3], macs[4], macs[5]]);
         ((data + 12) as *mut u16).write(F::ETH_P_BE);
-        F::write_error(data + ETH_HLEN, from, to, words, icmp_len as u16, quote_sum);
+        F::write_error(data + ETH_HLEN, words, icmp_len as u16, quote_sum);
     }
     Ok(redirect_back(ctx))
 }

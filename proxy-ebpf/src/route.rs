@@ -36,7 +36,7 @@ use crate::{
     family::Family,
     hook::Hook,
     maps::{ROUTE, Route, count},
-    packet::{ETH_HLEN, read},
+    packet::ETH_HLEN,
 };
 
 const UDP_HLEN: usize = 8;
@@ -142,16 +142,17 @@ pub fn network_len<H: Hook>(ctx: &H, l4_off: usize, proto: u8) -> u16 {
     if gso_size == 0 {
         return ctx.wire_len().saturating_sub(ETH_HLEN) as u16;
     }
-    let l4_hlen = if proto == PROTO_TCP {
-        let (data, data_end) = ctx.bounds();
-        match read::<u8>(data, data_end, l4_off + 12) {
-            Some(doff) => usize::from(doff >> 4) * 4,
+    // Read through the helper: a direct read at a transport offset that
+    // varies with the extension headers would have the verifier follow
+    // every one of them through what comes after.
+    let l4_hlen = match ctx.tc() {
+        Some(tc) if proto == PROTO_TCP => match tc.load::<u8>(l4_off + 12) {
+            Ok(doff) => usize::from(doff >> 4) * 4,
             // Never, after parsing: the segments then count as if without
             // options, which errs on the short side.
-            None => 20,
-        }
-    } else {
-        UDP_HLEN
+            Err(_) => 20,
+        },
+        _ => UDP_HLEN,
     };
     (l4_off - ETH_HLEN + l4_hlen + gso_size) as u16
 }

@@ -31,6 +31,11 @@ use crate::{
 const IPV4_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
 const BPF_ADJ_ROOM_MAC: u32 = 1;
+/// What an error quotes past the IP header: a port unreachable's UDP
+/// header; for "too big", a TCP header without options (a UDP datagram
+/// that long has as many bytes to quote).
+const UNREACHABLE_QUOTED_L4: usize = 8;
+const TOO_BIG_QUOTED_L4: usize = 20;
 /// IPv4's don't-fragment flag, in the header's flags and offset field
 /// (host order).
 const IP_DF: u16 = 0x4000;
@@ -78,7 +83,7 @@ pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
         // Quoting IP options would make the error variable-length.
         return Err(0);
     }
-    icmp_error::<V4>(ctx, IcmpError::TooBig(mtu))
+    icmp_error::<V4, TOO_BIG_QUOTED_L4>(ctx, IcmpError::TooBig(mtu))
 }
 
 /// Answers an IPv6 packet longer than its route's `mtu` with "packet too
@@ -87,7 +92,7 @@ pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
 #[inline(always)]
 pub fn too_big6(ctx: &TcContext, mtu: u16) -> i32 {
     count(counter::TOO_BIG);
-    icmp_error::<V6>(ctx, IcmpError::TooBig(mtu)).unwrap_or_else(|_| {
+    icmp_error::<V6, TOO_BIG_QUOTED_L4>(ctx, IcmpError::TooBig(mtu)).unwrap_or_else(|_| {
         count(counter::DROP_REJECT_FAILED);
         TC_ACT_SHOT
     })
@@ -103,26 +108,31 @@ pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     if flow.ihl_bytes != IPV4_HLEN {
         return Err(0);
     }
-    icmp_error::<V4>(ctx, IcmpError::PortUnreachable)
+    icmp_error::<V4, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
 }
 
 /// `icmp_port_unreachable` for IPv6 (RFC 4443 3.1).
 #[inline(always)]
 pub fn icmp_port_unreachable6(ctx: &TcContext) -> Result<i32, i64> {
-    icmp_error::<V6>(ctx, IcmpError::PortUnreachable)
+    icmp_error::<V6, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
 }
 
 /// Turns the packet into the ICMP `error` about it, from the address its
 /// sender addressed (whom it expects errors from) to the sender, and sends
-/// it back. The error quotes the packet's IP header
-/// (without options or extension headers) and the 8 bytes after it: what a
-/// receiver needs to find its socket (RFC 792; RFC 4443 asks for as much
-/// as fits in the minimum MTU, and one fixed size keeps the reply simple).
+/// it back. The error quotes the packet's IP header (without options or
+/// extension headers) and `QUOTED_L4` bytes after it: at least the 8 that
+/// let a receiver find its socket (RFC 792; RFC 4443 asks for as much as
+/// fits in the minimum MTU, and one fixed size keeps the reply simple), and
+/// as far as the transport checksum of a `CHECKSUM_PARTIAL` packet (one a
+/// local socket sent), below which the kernel refuses to cut it.
 /// Written in place rather than built on the stack, which `tc_ingress` has
 /// little of to spare.
 #[inline(always)]
-fn icmp_error<F: Family>(ctx: &TcContext, error: IcmpError) -> Result<i32, i64> {
-    let quote_len = F::HLEN + 8;
+fn icmp_error<F: Family, const QUOTED_L4: usize>(
+    ctx: &TcContext,
+    error: IcmpError,
+) -> Result<i32, i64> {
+    let quote_len = F::HLEN + QUOTED_L4;
     let icmp_len = ICMP_HLEN + quote_len;
     let reply_len = ETH_HLEN + F::HLEN + icmp_len;
     let macs: [u8; 12] = ctx.load(0)?;

@@ -24,7 +24,11 @@ use std::{collections::BTreeSet, sync::Arc};
 use hashbrown::HashSet;
 use proxy_common::BackendSlotKey;
 
-use super::{Landing, MapOp, Phases, PlanError, SourceRangeEntry};
+use super::{
+    encode::SourceRangeEntry,
+    ops::{Landing, MapOp, Phases},
+    outcome::PlanError,
+};
 use crate::{model::FrontendKey, source::ObjectKey};
 
 /// One gathered frontend: whose it is, and how many writes it has.

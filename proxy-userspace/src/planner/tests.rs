@@ -1,9 +1,13 @@
-use std::net::{IpAddr, Ipv4Addr};
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
+};
 
 use proptest::prelude::*;
+use proxy_common::{BackendSlotKey, service_flags};
 
 use super::*;
-use crate::model::{BackendAddr, FrontendKind, Protocol, Scope};
+use crate::model::{BackendAddr, FrontendKey, FrontendKind, Protocol, Scope, ServicePortName};
 
 /// A store that checks, after every single operation, that a packet would
 /// see a complete backend set, and that can be told to fail.

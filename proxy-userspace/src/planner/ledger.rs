@@ -1,0 +1,67 @@
+//! What the planner holds: each frontend as the maps have it, the ids it
+//! handed out and who refers to them. Every diff is taken against this,
+//! not against the maps, so a sync reads nothing back from the kernel.
+
+use std::{collections::BTreeSet, sync::Arc};
+
+use hashbrown::HashMap;
+use proxy_common::{Backend, ServiceKey, ServiceValue};
+
+use super::{backends::Backends, encode::SourceRangeEntry, ops::MapOp};
+use crate::{
+    model::{FrontendKey, ServicePortName},
+    source::ObjectKey,
+};
+
+/// What one frontend has in the maps.
+#[derive(Clone, Debug)]
+pub(super) struct Applied {
+    pub(super) key: ServiceKey,
+    pub(super) value: ServiceValue,
+    /// Backend id in each slot `0..value.count` of `value.slot_set`.
+    pub(super) backend_ids: Vec<u32>,
+    /// None for a frontend adopted from pinned maps and not claimed since.
+    /// Shared with the planner's index of what each Service owns.
+    pub(super) owner: Option<Arc<ObjectKey>>,
+    /// Shared with the service id it holds.
+    pub(super) service: Option<Arc<ServicePortName>>,
+    /// Its `SOURCE_RANGES` entries.
+    pub(super) source_ranges: BTreeSet<SourceRangeEntry>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Refcounted {
+    pub(super) id: u32,
+    pub(super) refs: u32,
+}
+
+#[derive(Default)]
+pub struct Planner {
+    pub(super) frontends: HashMap<FrontendKey, Applied>,
+    /// Boxed slices, not sets: a Service has a frontend or two, and a set's
+    /// first node has room for eleven.
+    pub(super) owned: HashMap<Arc<ObjectKey>, Box<[FrontendKey]>>,
+    pub(super) backends: Backends,
+    pub(super) service_ids: HashMap<Arc<ServicePortName>, Refcounted>,
+    pub(super) service_ids_in_use: HashMap<u32, u32>,
+    pub(super) slot_sets_in_use: BTreeSet<u32>,
+    pub(super) next_backend_id: u32,
+    pub(super) next_service_id: u32,
+    pub(super) next_slot_set: u32,
+    /// Deletes of garbage that failed; retried on the next sync.
+    pub(super) pending: Vec<MapOp>,
+    /// (service id, backend id) pairs that left a backend set since the
+    /// last `take_departed`: their flows and affinity need cleaning.
+    pub(super) departed: Vec<Departed>,
+}
+
+/// A backend that left a service's backend set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Departed {
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// Its address, port and protocol, taken before the id is released and
+    /// perhaps given to another backend; None for an id the planner holds
+    /// no entry of.
+    pub backend: Option<Backend>,
+}

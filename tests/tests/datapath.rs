@@ -2425,7 +2425,9 @@ fn without_df(frame: &[u8]) -> Vec<u8> {
     f
 }
 
-/// A SNATed flow whose route to the backend has an MTU of 1280: a segment
+/// A SNATed flow whose route to the backend has an MTU of 1280 (locked: the
+/// kernel's FIB lookup helper reports an unlocked route MTU as the
+/// device's, though forwarding keeps to it): a segment
 /// that fits (1,280 bytes) is sent on; a longer one with DF is answered
 /// "fragmentation needed" with the route's MTU, from the frontend (the LB
 /// IP), quoting the segment as the client sent it, and one without DF is
@@ -2444,6 +2446,7 @@ fn a_snated_packet_longer_than_the_route_mtu_is_answered_fragmentation_needed() 
             "via",
             "192.168.50.2",
             "mtu",
+            "lock",
             "1280",
         ])
         .expect("a route of MTU 1280 to the remote pods");
@@ -2507,16 +2510,22 @@ fn a_snated_packet_longer_than_the_route_mtu_is_answered_fragmentation_needed() 
 }
 
 /// A ClusterIP flow the stack forwards (DNAT alone) keeps its route's MTU
-/// (1280) in its forward conntrack entry (`path_mtu`); a segment of it
+/// (1280, its device's here) in its forward conntrack entry (`path_mtu`); a
+/// segment of it
 /// longer than that, with DF, is answered "fragmentation needed" from the
 /// ClusterIP, quoting the segment as the client sent it; one that fits is
 /// translated and passed on.
 #[test]
 fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     let nf = node_fixture();
-    nf.ns
-        .ip(&["route", "add", "10.200.0.0/24", "dev", "up0", "mtu", "1280"])
-        .expect("a route of MTU 1280 to the backends");
+    for args in [
+        vec!["link", "set", "up0", "mtu", "1280"],
+        vec!["route", "add", "10.200.0.0/24", "dev", "up0"],
+    ] {
+        nf.ns
+            .ip(&args)
+            .expect("a route to the backends over a device of MTU 1280");
+    }
     let client = (CLIENT, 47200);
     let vip = (VIP, 80);
     let (ret, out) = run_tc_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));

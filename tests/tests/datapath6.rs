@@ -2732,7 +2732,10 @@ fn assert_packet_too_big(
     );
 }
 
-/// A SNATed flow whose route to the backend has an MTU of 1280: a segment
+/// A SNATed flow whose route to the backend has an MTU of 1280 (locked: the
+/// kernel's FIB lookup helper reports an unlocked route MTU as the
+/// device's, though forwarding keeps to it):
+/// a segment
 /// that fits (1,280 bytes) is sent on; a longer one is answered "packet too
 /// big" with the route's MTU, from the frontend (the LB IP), quoting the
 /// segment as the client sent it (counted `too_big`), and XDP leaves it to
@@ -2750,6 +2753,7 @@ fn a_snated_packet_longer_than_the_route_mtu_is_answered_packet_too_big() {
             "via",
             "2001:db8:50::2",
             "mtu",
+            "lock",
             "1280",
         ])
         .expect("a route of MTU 1280 to the remote pods");
@@ -2806,25 +2810,21 @@ fn a_snated_packet_longer_than_the_route_mtu_is_answered_packet_too_big() {
 }
 
 /// A ClusterIP flow the stack forwards (DNAT alone) keeps its route's MTU
-/// (1280) in its forward conntrack entry (`path_mtu`); a segment of it
-/// longer than that is answered "packet too big" from the ClusterIP,
+/// (1280, its device's here) in its forward conntrack entry (`path_mtu`); a
+/// segment of it longer than that is answered "packet too big" from the ClusterIP,
 /// quoting the segment as the client sent it, and one that fits is
 /// translated and passed on.
 #[test]
 fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     let nf = node_fixture();
-    nf.ns
-        .ip(&[
-            "-6",
-            "route",
-            "add",
-            "fd00:10:0:1::/64",
-            "dev",
-            "up0",
-            "mtu",
-            "1280",
-        ])
-        .expect("a route of MTU 1280 to the backends");
+    for args in [
+        vec!["link", "set", "up0", "mtu", "1280"],
+        vec!["-6", "route", "add", "fd00:10:0:1::/64", "dev", "up0"],
+    ] {
+        nf.ns
+            .ip(&args)
+            .expect("a route to the backends over a device of MTU 1280");
+    }
     let client = (LOCAL_POD, 41500);
     let vip = (VIP, 80);
     let (ret, out) = run_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));

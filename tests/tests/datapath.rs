@@ -2195,14 +2195,30 @@ fn icmp_errors_about_a_hairpin_flow_come_back_from_the_frontend() {
     let (_, out) = run(&fx, &tcp(pod, 43100, HAIRPIN_VIP, 80, frame::SYN));
     let p = parse_checked(&out, "hairpin SYN");
     assert_eq!((p.src, p.dst), (HAIRPIN_SRC, pod), "hairpin SYN");
-    let input = frame::icmp_error(pod, HAIRPIN_SRC, ICMP_FRAG_NEEDED, &out, 1000);
-    let (ret, out) = run(&fx, &input);
-    assert_eq!(ret, TC_ACT_OK, "the hairpin error: verdict");
-    let e = frame::parse_checked_icmp_error(&out, "the hairpin error");
+    for (what, from, kind, src) in [
+        ("the pod's own error", pod, ICMP_FRAG_NEEDED, HAIRPIN_VIP),
+        ("a router's error", ROUTER, ICMP_TTL_EXCEEDED, ROUTER),
+    ] {
+        let input = frame::icmp_error(from, HAIRPIN_SRC, kind, &out, 1000);
+        let (ret, got) = run(&fx, &input);
+        assert_eq!(ret, TC_ACT_OK, "{what} about a hairpin flow: verdict");
+        let e = frame::parse_checked_icmp_error(&got, what);
+        assert_eq!(
+            (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+            (
+                src,
+                pod,
+                kind.0,
+                kind.1,
+                (frame::TCP, pod, 43100, HAIRPIN_VIP, 80)
+            ),
+            "{what} about a hairpin flow, translated"
+        );
+    }
     assert_eq!(
-        (e.src, e.dst, e.quoted),
-        (HAIRPIN_VIP, pod, (frame::TCP, pod, 43100, HAIRPIN_VIP, 80)),
-        "the hairpin error, translated"
+        counter(&fx, "redirect"),
+        0,
+        "an error about a hairpin flow was routed by the program"
     );
 }
 
@@ -2318,6 +2334,7 @@ fn icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
         "the next-hop MTU is kept"
     );
 
+    let redirects = counter(&nf.fx, "redirect");
     let from_backend = icmp_error_frame(REMOTE_POD, ICMP_PORT_UNREACHABLE, &out, 1000);
     let (ret, tc_out) = run_tc_on_uplink(&nf, &from_backend);
     assert_eq!(ret, TC_ACT_REDIRECT, "the backend's error is routed here");
@@ -2336,5 +2353,205 @@ fn icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
         (OUTSIDE_MAC, UPLINK_MAC),
         "routed to the client"
     );
+    assert_eq!(
+        counter(&nf.fx, "redirect"),
+        redirects + 1,
+        "the backend's error not counted as routed by the program"
+    );
     assert_eq!(counter(&nf.fx, "icmp_error_translated"), 2);
+}
+
+/// A TCP segment carrying `payload` bytes, with `flags`.
+fn segment(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8, payload: usize) -> Vec<u8> {
+    build(&Spec {
+        src: src.0,
+        dst: dst.0,
+        sport: src.1,
+        dport: dst.1,
+        proto: frame::TCP,
+        tcp_flags: flags,
+        payload: vec![0x5a; payload],
+        udp_no_csum: false,
+    })
+}
+
+/// Checks that `out` (verdict `ret`) is the "fragmentation needed"
+/// answering `sent` (to `frontend`, from `client`): from the frontend, the
+/// route's MTU of 1280, quoting the IP header and 8 bytes of the packet as
+/// the client sent it, sent back where it came from.
+fn assert_frag_needed(
+    (ret, out): (u32, &[u8]),
+    sent: &[u8],
+    client: (Ipv4Addr, u16),
+    frontend: (Ipv4Addr, u16),
+    what: &str,
+) {
+    assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
+    assert_eq!(out.len(), 14 + 20 + 8 + 28, "{what}: length of the answer");
+    let e = frame::parse_checked_icmp_error(out, what);
+    assert_eq!(
+        e,
+        frame::IcmpError {
+            src: frontend.0,
+            dst: client.0,
+            icmp_type: 3,
+            code: 4,
+            quoted: (frame::TCP, client.0, client.1, frontend.0, frontend.1),
+        },
+        "{what}: the answer"
+    );
+    assert_eq!(
+        &out[34 + 6..34 + 8],
+        &1280u16.to_be_bytes(),
+        "{what}: the next-hop MTU field"
+    );
+    assert_eq!(
+        &out[34 + 8..],
+        &sent[14..14 + 28],
+        "{what}: the quote must be the packet as the client sent it"
+    );
+    let (dst, src) = macs(sent);
+    assert_eq!(macs(out), (src, dst), "{what}: not sent back to the sender");
+}
+
+/// `frame` without IPv4's don't-fragment flag, its header checksum made
+/// right again.
+fn without_df(frame: &[u8]) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[14 + 6] &= !0x40;
+    f[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+    let c = frame::csum(&f[14..34], 0);
+    f[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
+    f
+}
+
+/// A SNATed flow whose route to the backend has an MTU of 1280 (locked: the
+/// kernel's FIB lookup helper reports an unlocked route MTU as the
+/// device's, though forwarding keeps to it): a segment
+/// that fits (1,280 bytes) is sent on; a longer one with DF is answered
+/// "fragmentation needed" with the route's MTU, from the frontend (the LB
+/// IP), quoting the segment as the client sent it, and one without DF is
+/// dropped (fragmenting it is the stack's, which would refuse its new
+/// source), both counted `too_big`; XDP leaves it to tc untouched. A new
+/// flow's first packet too long for the route is answered the same and
+/// makes no flow.
+#[test]
+fn a_snated_packet_longer_than_the_route_mtu_is_answered_fragmentation_needed() {
+    let nf = node_fixture();
+    nf.ns
+        .ip(&[
+            "route",
+            "replace",
+            "10.1.2.0/24",
+            "via",
+            "192.168.50.2",
+            "mtu",
+            "lock",
+            "1280",
+        ])
+        .expect("a route of MTU 1280 to the remote pods");
+    let client = (OUTSIDE, 47100);
+    let lb = (LB_IP, 80);
+    let (ret, _) = run_tc_on_uplink(&nf, &tcp(client.0, client.1, lb.0, lb.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "SYN to the LB IP: verdict");
+
+    let fits = segment(client, lb, frame::ACK, 1280 - 40);
+    let (ret, out) = run_tc_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_REDIRECT, "a 1,280-byte segment: verdict");
+    let p = parse_checked(&out, "a 1,280-byte segment");
+    assert_eq!(
+        (p.src, p.dst),
+        (NODE_IP, REMOTE_POD),
+        "a 1,280-byte segment"
+    );
+    assert_eq!(
+        counter(&nf.fx, "too_big"),
+        0,
+        "a segment that fits, counted too_big"
+    );
+
+    let long = segment(client, lb, frame::ACK, 1281 - 40);
+    let (ret, out) = run_xdp(&nf, &long);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &long),
+        "XDP must leave a segment too long for its route to tc untouched"
+    );
+    let (ret, out) = run_tc_on_uplink(&nf, &long);
+    assert_frag_needed(
+        (ret, &out),
+        &long,
+        client,
+        lb,
+        "a 1,281-byte segment with DF",
+    );
+    assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");
+
+    let (ret, _) = run_tc_on_uplink(&nf, &without_df(&long));
+    assert_eq!(ret, TC_ACT_SHOT, "a 1,281-byte segment without DF: verdict");
+    assert_eq!(counter(&nf.fx, "too_big"), 2, "too_big without DF");
+
+    let (entries, new_flows) = (ct_len(&nf.fx), counter(&nf.fx, "dnat_new"));
+    let first = segment((OUTSIDE, 47101), lb, frame::SYN, 1400);
+    let (ret, out) = run_tc_on_uplink(&nf, &first);
+    assert_frag_needed(
+        (ret, &out),
+        &first,
+        (OUTSIDE, 47101),
+        lb,
+        "a new flow's first packet too long",
+    );
+    assert_eq!(counter(&nf.fx, "too_big"), 3, "too_big");
+    assert_eq!(
+        (ct_len(&nf.fx), counter(&nf.fx, "dnat_new")),
+        (entries, new_flows),
+        "a first packet answered too big made a flow"
+    );
+}
+
+/// A ClusterIP flow the stack forwards (DNAT alone) keeps its route's MTU
+/// (1280, its device's here) in its forward conntrack entry (`path_mtu`); a
+/// segment of it
+/// longer than that, with DF, is answered "fragmentation needed" from the
+/// ClusterIP, quoting the segment as the client sent it; one that fits is
+/// translated and passed on.
+#[test]
+fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
+    let nf = node_fixture();
+    for args in [
+        vec!["link", "set", "up0", "mtu", "1280"],
+        vec!["route", "add", "10.200.0.0/24", "dev", "up0"],
+    ] {
+        nf.ns
+            .ip(&args)
+            .expect("a route to the backends over a device of MTU 1280");
+    }
+    let client = (CLIENT, 47200);
+    let vip = (VIP, 80);
+    let (ret, out) = run_tc_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
+    let backend = parse_checked(&out, "DNATed SYN").dst;
+    assert!(BACKENDS.contains(&backend), "SYN sent to {backend}");
+
+    let key = ct_key(client.0, client.1, vip.0, vip.1, proxy_common::PROTO_TCP);
+    let maps = &nf.fx.datapath.maps;
+    let entry = [&maps.ct_new, &maps.conntrack]
+        .into_iter()
+        .find_map(|m| m.get(&key, 0).ok())
+        .expect("the flow's forward entry");
+    assert_eq!(
+        (entry.dir, entry.path_mtu),
+        (proxy_common::ct_dir::FORWARD, 1280),
+        "the forward entry's (direction, path_mtu)"
+    );
+
+    let fits = segment(client, vip, frame::ACK, 1280 - 40);
+    let (ret, out) = run_tc_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_OK, "a 1,280-byte segment: verdict");
+    assert_eq!(parse_checked(&out, "a 1,280-byte segment").dst, backend);
+
+    let long = segment(client, vip, frame::ACK, 1281 - 40);
+    let (ret, out) = run_tc_on_uplink(&nf, &long);
+    assert_frag_needed((ret, &out), &long, client, vip, "a 1,281-byte segment");
+    assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");
 }

@@ -2357,3 +2357,500 @@ fn rare_events_are_logged_with_ipv6_addresses() {
         "a debug event was logged at level info:\n{text}"
     );
 }
+
+// ---------------------------------------------------------------------------
+// SNAT port exhaustion, ICMPv6 errors on the SNAT, hairpin and NodePort-reply
+// paths, and packets longer than their route's MTU.
+
+/// Sets the SNAT port range to `min..=max` (IPv4's `NODE_CONFIG` holds it
+/// for both families).
+fn snat_range(nf: &mut NodeFixture, min: u16, max: u16) {
+    use proxy_userspace::planner::{MapOp, MapStore, node};
+    let mut config = node::node_config(None, false);
+    config.snat_port_min = min;
+    config.snat_port_max = max;
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig { config })
+        .expect("the SNAT port range");
+}
+
+/// SNAT ports run out, and come back once their flows close, through `run`
+/// (tc or XDP, named `hook`, whose verdicts are `redirect` and `drop`): four
+/// ports give four flows, each from the range; a fifth is dropped, counted
+/// `snat_exhausted` and leaves no entry; once the four are reset and a
+/// second has gone by, a new flow takes one of their ports and its reply
+/// reaches it.
+fn snat_ports_exhaust_then_come_back(
+    run: fn(&NodeFixture, &[u8]) -> (u32, Vec<u8>),
+    (redirect, drop): (u32, u32),
+    base: u16,
+    hook: &str,
+) {
+    let _cpu = stay_on_this_cpu();
+    let mut nf = node_fixture();
+    snat_range(&mut nf, 1024, 1027);
+    let syn = |port: u16| tcp(OUTSIDE, port, NODE_IP, NODE_PORT, frame::SYN);
+    let mut ports = std::collections::BTreeSet::new();
+    let mut client_port = base;
+    // Random tries can miss the last free port: keep opening flows until
+    // all four are taken.
+    while ports.len() < 4 && client_port < base + 200 {
+        let (ret, out) = run(&nf, &syn(client_port));
+        if ret == redirect {
+            let p = parse_checked6(&out, &format!("SNATed SYN at {hook}"));
+            assert!(
+                (1024..=1027).contains(&p.sport),
+                "{hook}: SNAT port {} outside 1024..=1027",
+                p.sport
+            );
+            ports.insert(p.sport);
+        } else {
+            assert_eq!(ret, drop, "{hook}: a SYN neither SNATed nor dropped");
+        }
+        client_port += 1;
+    }
+    assert_eq!(
+        ports,
+        (1024..=1027).collect(),
+        "{hook}: the four ports of the range"
+    );
+    assert_eq!(ncounter(&nf, "snat_new"), 4, "{hook}: SNATed flows");
+    let exhausted = ncounter(&nf, "snat_exhausted");
+    let entries = entries6(&nf.fx);
+    let (ret, _) = run(&nf, &syn(base + 1000));
+    assert_eq!(ret, drop, "{hook}: no free SNAT port: verdict");
+    assert_eq!(
+        ncounter(&nf, "snat_exhausted"),
+        exhausted + 1,
+        "{hook}: the refused flow was not counted snat_exhausted"
+    );
+    assert_eq!(
+        entries6(&nf.fx),
+        entries,
+        "{hook}: the refused flow left conntrack entries"
+    );
+
+    // Every flow that got a port is reset by its client.
+    for p in base..client_port {
+        run(
+            &nf,
+            &tcp(OUTSIDE, p, NODE_IP, NODE_PORT, frame::RST | frame::ACK),
+        );
+    }
+    let (ret, _) = run(&nf, &syn(base + 1001));
+    assert_eq!(
+        ret, drop,
+        "{hook}: closed only just now: the ports are still held"
+    );
+    // The point: a closed flow's SNAT port is held for a second before reuse.
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    let (ret, out) = run(&nf, &syn(base + 1002));
+    assert_eq!(ret, redirect, "{hook}: a closed flow's port is free again");
+    let p = parse_checked6(&out, &format!("SNATed SYN on a reused port at {hook}"));
+    assert!(
+        ports.contains(&p.sport),
+        "{hook}: port {} not from the range",
+        p.sport
+    );
+    let reply = tcp(REMOTE_POD, 8080, NODE_IP, p.sport, frame::SYN | frame::ACK);
+    let (ret, out) = run(&nf, &reply);
+    assert_eq!(ret, redirect, "{hook}: reply on the reused port: verdict");
+    let r = parse_checked6(&out, &format!("reply on the reused port at {hook}"));
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, base + 1002),
+        "{hook}: the reused port's replies must go to the new flow's client"
+    );
+}
+
+#[test]
+fn snat_ports_exhaust_then_come_back_from_closed_flows_at_tc() {
+    snat_ports_exhaust_then_come_back(run_on_uplink, (TC_ACT_REDIRECT, TC_ACT_SHOT), 42000, "tc");
+}
+
+#[test]
+fn snat_ports_exhaust_then_come_back_from_closed_flows_at_xdp() {
+    snat_ports_exhaust_then_come_back(run_xdp, (XDP_REDIRECT, XDP_DROP), 43000, "XDP");
+}
+
+/// `frame` with its hop limit one down, as the program routed it on.
+fn one_hop_on(frame: &[u8]) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[HOP_LIMIT] -= 1;
+    f
+}
+
+/// The bytes an ICMPv6 error frame quotes.
+fn quote_of(error: &[u8]) -> &[u8] {
+    &error[14 + 40 + 8..]
+}
+
+/// NodePort with SNAT to a remote backend, as IPv4's
+/// `icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client`: a
+/// router between this node and the backend says "packet too big" to this
+/// node, quoting its SNAT port; tc hands it on to the outside client quoting
+/// the SYN as the client sent it (but for the hop limit the node took
+/// down), the router's address and the MTU kept (the stack forwards it).
+/// The backend's own port unreachable comes back from the NodePort, an
+/// address of this node, so tc routes it to the client itself (counted
+/// `redirect`). XDP leaves errors to tc.
+#[test]
+fn icmpv6_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 41100, NODE_IP, NODE_PORT, frame::SYN);
+    let (_, out) = run_xdp(&nf, &syn);
+    let p = parse_checked6(&out, "SNATed SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, REMOTE_POD), "SNATed SYN");
+    let client_saw = (frame::TCP, OUTSIDE, 41100, NODE_IP, NODE_PORT);
+
+    let from_router = icmp6_error(ROUTER, NODE_IP, PACKET_TOO_BIG, &out, QUOTE_MAX);
+    let (ret, xdp_out) = run_xdp(&nf, &from_router);
+    assert_eq!(
+        (ret, &xdp_out),
+        (XDP_PASS, &from_router),
+        "XDP must leave the error to tc untouched"
+    );
+    let redirects = ncounter(&nf, "redirect");
+    let (ret, tc_out) = run_on_uplink(&nf, &from_router);
+    assert_eq!(ret, TC_ACT_OK, "the router's error: tc verdict");
+    let e = parse_checked_icmp6_error(&tc_out, "the router's error");
+    assert_eq!(
+        e,
+        frame::Icmp6Error {
+            src: ROUTER,
+            dst: OUTSIDE,
+            icmp_type: 2,
+            code: 0,
+            param: 1280,
+            quoted: client_saw,
+        },
+        "the router's error, translated"
+    );
+    assert_eq!(
+        quote_of(&tc_out),
+        &one_hop_on(&syn)[14..],
+        "the router's error must quote the SYN as the client sent it"
+    );
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        redirects,
+        "the router's error was routed by the program"
+    );
+
+    let from_backend = icmp6_error(REMOTE_POD, NODE_IP, PORT_UNREACHABLE, &out, QUOTE_MAX);
+    let (ret, tc_out) = run_on_uplink(&nf, &from_backend);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "the backend's error must be routed here"
+    );
+    let e = parse_checked_icmp6_error(&tc_out, "the backend's error");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+        (NODE_IP, OUTSIDE, 1, 4, client_saw),
+        "the backend's error, translated"
+    );
+    assert_eq!(
+        quote_of(&tc_out),
+        &one_hop_on(&syn)[14..],
+        "the backend's error must quote the SYN as the client sent it"
+    );
+    assert_eq!(
+        macs(&tc_out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "the backend's error not routed to the client"
+    );
+    assert_eq!(
+        tc_out[HOP_LIMIT],
+        from_backend[HOP_LIMIT] - 1,
+        "the backend's error: hop limit not taken down by one"
+    );
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        redirects + 1,
+        "the backend's error not counted as routed by the program"
+    );
+    assert_eq!(
+        ncounter(&nf, "icmp_error_translated"),
+        2,
+        "translated errors"
+    );
+}
+
+/// Hairpin, as IPv4's `icmp_errors_about_a_hairpin_flow_come_back_from_the_frontend`:
+/// the pod that reached itself through its Service gets the error its own
+/// kernel sent about the hairpinned SYN (to the node's address, quoting it)
+/// from the frontend, quoting the frontend; a router's error about it keeps
+/// the router's address. Both go to the pod through the stack (their new
+/// source is no address of this node).
+#[test]
+fn icmpv6_errors_about_a_hairpin_flow_come_back_from_the_frontend() {
+    let nf = node_fixture();
+    let syn = tcp(LOCAL_POD, 41300, HAIRPIN_VIP, 80, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_REDIRECT, "hairpin SYN: verdict");
+    let p = parse_checked6(&out, "hairpin SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, LOCAL_POD), "hairpin SYN");
+    let pod_saw = (frame::TCP, LOCAL_POD, 41300, HAIRPIN_VIP, 80);
+    let redirects = ncounter(&nf, "redirect");
+    for (i, (what, from, kind, src)) in [
+        (
+            "the pod's own error",
+            LOCAL_POD,
+            PORT_UNREACHABLE,
+            HAIRPIN_VIP,
+        ),
+        ("a router's error", ROUTER, PACKET_TOO_BIG, ROUTER),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let input = icmp6_error(from, NODE_IP, kind, &out, QUOTE_MAX);
+        let (ret, got) = run_on_uplink(&nf, &input);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        let e = parse_checked_icmp6_error(&got, what);
+        assert_eq!(
+            (e.src, e.dst, e.icmp_type, e.param, e.quoted),
+            (src, LOCAL_POD, kind.0, kind.2, pod_saw),
+            "{what}, translated"
+        );
+        assert_eq!(
+            quote_of(&got),
+            &one_hop_on(&syn)[14..],
+            "{what} must quote the SYN as the pod sent it"
+        );
+        assert_eq!(
+            ncounter(&nf, "icmp_error_translated"),
+            i as u64 + 1,
+            "{what}: translated errors"
+        );
+    }
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        redirects,
+        "an error about a hairpin flow was routed by the program"
+    );
+}
+
+/// A NodePort with a backend on this node (DNAT alone): the backend's port
+/// unreachable about the client's SYN, addressed to the client, comes back
+/// from the NodePort, an address of this node, which the stack would refuse
+/// as martian: tc routes it to the client itself, as the flow's replies.
+#[test]
+fn a_local_backends_icmpv6_error_about_a_nodeport_flow_is_routed_from_the_node() {
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 41301, NODE_IP, LOCAL_NODE_PORT, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_OK, "SYN to a local backend: verdict");
+    assert_eq!(parse_checked6(&out, "DNATed SYN").dst, LOCAL_POD);
+    let redirects = ncounter(&nf, "redirect");
+    let input = icmp6_error(LOCAL_POD, OUTSIDE, PORT_UNREACHABLE, &out, QUOTE_MAX);
+    let (ret, got) = run_on_uplink(&nf, &input);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "the backend's error must be routed here"
+    );
+    let e = parse_checked_icmp6_error(&got, "the backend's error");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+        (
+            NODE_IP,
+            OUTSIDE,
+            1,
+            4,
+            (frame::TCP, OUTSIDE, 41301, NODE_IP, LOCAL_NODE_PORT)
+        ),
+        "the backend's error, translated"
+    );
+    assert_eq!(
+        quote_of(&got),
+        &syn[14..],
+        "the backend's error must quote the SYN as the client sent it"
+    );
+    assert_eq!(
+        macs(&got),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "the backend's error not routed to the client"
+    );
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        redirects + 1,
+        "the backend's error not counted as routed by the program"
+    );
+}
+
+/// A TCP segment of `flow` carrying `payload` bytes.
+fn segment(src: (Ipv6Addr, u16), dst: (Ipv6Addr, u16), payload: usize) -> Vec<u8> {
+    build6(&Spec6 {
+        payload: vec![0x5a; payload],
+        ..spec(src.0, src.1, dst.0, dst.1, frame::TCP, frame::ACK)
+    })
+}
+
+/// The MAC addresses of an answer sent back to `frame`'s sender.
+fn back_to_sender(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
+    let (dst, src) = macs(frame);
+    (src, dst)
+}
+
+/// Checks that `out` (verdict `ret`) is the "packet too big" answering
+/// `sent` (to `frontend`, from `client`): from the frontend, the route's
+/// MTU of 1280, quoting the IPv6 header and 8 bytes of the packet as the
+/// client sent it, sent back where it came from.
+fn assert_packet_too_big(
+    (ret, out): (u32, &[u8]),
+    sent: &[u8],
+    client: (Ipv6Addr, u16),
+    frontend: (Ipv6Addr, u16),
+    what: &str,
+) {
+    assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
+    assert_eq!(out.len(), 14 + 40 + 8 + 48, "{what}: length of the answer");
+    let e = parse_checked_icmp6_error(out, what);
+    assert_eq!(
+        e,
+        frame::Icmp6Error {
+            src: frontend.0,
+            dst: client.0,
+            icmp_type: 2,
+            code: 0,
+            param: 1280,
+            quoted: (frame::TCP, client.0, client.1, frontend.0, frontend.1),
+        },
+        "{what}: the answer"
+    );
+    assert_eq!(
+        quote_of(out),
+        &sent[14..14 + 48],
+        "{what}: the quote must be the packet as the client sent it"
+    );
+    assert_eq!(
+        macs(out),
+        back_to_sender(sent),
+        "{what}: not sent back to the sender"
+    );
+}
+
+/// A SNATed flow whose route to the backend has an MTU of 1280 (locked: the
+/// kernel's FIB lookup helper reports an unlocked route MTU as the
+/// device's, though forwarding keeps to it):
+/// a segment
+/// that fits (1,280 bytes) is sent on; a longer one is answered "packet too
+/// big" with the route's MTU, from the frontend (the LB IP), quoting the
+/// segment as the client sent it (counted `too_big`), and XDP leaves it to
+/// tc untouched. A new flow's first packet too long for the route is
+/// answered the same and makes no flow.
+#[test]
+fn a_snated_packet_longer_than_the_route_mtu_is_answered_packet_too_big() {
+    let nf = node_fixture();
+    nf.ns
+        .ip(&[
+            "-6",
+            "route",
+            "replace",
+            "fd00:10:2::/64",
+            "via",
+            "2001:db8:50::2",
+            "mtu",
+            "lock",
+            "1280",
+        ])
+        .expect("a route of MTU 1280 to the remote pods");
+    let client = (OUTSIDE, 41400);
+    let lb = (LB_IP, 80);
+    let (ret, _) = run_on_uplink(&nf, &tcp(client.0, client.1, lb.0, lb.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "SYN to the LB IP: verdict");
+
+    let fits = segment(client, lb, 1280 - 40 - 20);
+    let (ret, out) = run_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_REDIRECT, "a 1,280-byte segment: verdict");
+    let p = parse_checked6(&out, "a 1,280-byte segment");
+    assert_eq!(
+        (p.src, p.dst),
+        (NODE_IP, REMOTE_POD),
+        "a 1,280-byte segment"
+    );
+    assert_eq!(
+        ncounter(&nf, "too_big"),
+        0,
+        "a segment that fits, counted too_big"
+    );
+
+    let long = segment(client, lb, 1281 - 40 - 20);
+    let (ret, out) = run_xdp(&nf, &long);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &long),
+        "XDP must leave a segment too long for its route to tc untouched"
+    );
+    let (ret, out) = run_on_uplink(&nf, &long);
+    assert_packet_too_big((ret, &out), &long, client, lb, "a 1,281-byte segment");
+    assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
+
+    let (entries, new_flows) = (entries6(&nf.fx), ncounter(&nf, "dnat_new"));
+    let first = build6(&Spec6 {
+        payload: vec![0x5a; 1400],
+        ..spec(OUTSIDE, 41401, LB_IP, 80, frame::TCP, frame::SYN)
+    });
+    let (ret, out) = run_on_uplink(&nf, &first);
+    assert_packet_too_big(
+        (ret, &out),
+        &first,
+        (OUTSIDE, 41401),
+        lb,
+        "a new flow's first packet too long",
+    );
+    assert_eq!(ncounter(&nf, "too_big"), 2, "too_big");
+    assert_eq!(
+        (entries6(&nf.fx), ncounter(&nf, "dnat_new")),
+        (entries, new_flows),
+        "a first packet answered too big made a flow"
+    );
+}
+
+/// A ClusterIP flow the stack forwards (DNAT alone) keeps its route's MTU
+/// (1280, its device's here) in its forward conntrack entry (`path_mtu`); a
+/// segment of it longer than that is answered "packet too big" from the ClusterIP,
+/// quoting the segment as the client sent it, and one that fits is
+/// translated and passed on.
+#[test]
+fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
+    let nf = node_fixture();
+    for args in [
+        vec!["link", "set", "up0", "mtu", "1280"],
+        vec!["-6", "route", "add", "fd00:10:0:1::/64", "dev", "up0"],
+    ] {
+        nf.ns
+            .ip(&args)
+            .expect("a route to the backends over a device of MTU 1280");
+    }
+    let client = (LOCAL_POD, 41500);
+    let vip = (VIP, 80);
+    let (ret, out) = run_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
+    let backend = parse_checked6(&out, "DNATed SYN").dst;
+    assert!(BACKENDS.contains(&backend), "SYN sent to {backend}");
+
+    let key = ct6_key(client.0, client.1, vip.0, vip.1, proxy_common::PROTO_TCP);
+    let maps = &nf.fx.datapath.maps;
+    let entry = [&maps.ct_new6, &maps.conntrack6]
+        .into_iter()
+        .find_map(|m| m.as_ref().expect("IPv6 conntrack maps").get(&key, 0).ok())
+        .expect("the flow's forward entry");
+    assert_eq!(
+        (entry.dir, entry.path_mtu),
+        (proxy_common::ct_dir::FORWARD, 1280),
+        "the forward entry's (direction, path_mtu)"
+    );
+
+    let fits = segment(client, vip, 1280 - 40 - 20);
+    let (ret, out) = run_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_OK, "a 1,280-byte segment: verdict");
+    assert_eq!(parse_checked6(&out, "a 1,280-byte segment").dst, backend);
+
+    let long = segment(client, vip, 1281 - 40 - 20);
+    let (ret, out) = run_on_uplink(&nf, &long);
+    assert_packet_too_big((ret, &out), &long, client, vip, "a 1,281-byte segment");
+    assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
+}

@@ -110,8 +110,7 @@ pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
         CHECKSUM_PARTIAL => L4Csum::Partial,
         _ => L4Csum::Caller,
     };
-    let deltas =
-        rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, l4).map_err(|()| -1i64)?;
+    let deltas = rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, l4).map_err(|()| -1i64)?;
     if l4 != L4Csum::Caller {
         return Ok(());
     }

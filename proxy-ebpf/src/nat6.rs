@@ -27,8 +27,8 @@ use proxy_common::{
 };
 
 use crate::{
-    nat::L4Csum,
     ip_summed, maps,
+    nat::L4Csum,
     packet::{ETH_HLEN, frag},
     packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, MAX_L4_OFF},
 };

@@ -172,12 +172,12 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     let (ports, tcp_flags) = if frag == frag::LATER {
         ([0u16; 2], 0)
     } else {
-        l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE).map_err(
-            |skip| match skip {
+        l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE).map_err(|skip| {
+            match skip {
                 L4Skip::Malformed => Skip::Malformed,
                 L4Skip::Short => Skip::Truncated(PARSE_LEN),
-            },
-        )?
+            }
+        })?
     };
     Ok(Flow {
         l4_off,

@@ -10,6 +10,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, NewFlow},
     event_log::{self, Event},
+    family::V4,
     flow_cache, frag,
     frontend::{self, Frontend},
     hook::Hook,
@@ -17,7 +18,6 @@ use crate::{
     maps::{CONNTRACK, count, node_config, node_flags},
     nat::Nat,
     netfilter_ct,
-    family::V4,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     route::{self, Hop},
     verdict::Action,

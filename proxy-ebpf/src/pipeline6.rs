@@ -31,13 +31,13 @@ use crate::{
     conntrack::now_ns,
     conntrack6::{self, NewFlow6},
     event_log::{self, Event},
+    family::V6,
     flow_cache, frag,
     frontend::{self, Frontend},
     hook6::Hook6,
     maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
     nat6::Nat6,
     netfilter_ct,
-    family::V6,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
     route::{self, Hop},
@@ -330,11 +330,7 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
 /// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
 /// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook6>(
-    ctx: &H,
-    flow: &Flow6,
-    nat: &Nat6,
-) -> Result<(), Result<H::Verdict, u16>> {
+fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result<H::Verdict, u16>> {
     if !nat.redirect {
         return Ok(());
     }

@@ -140,7 +140,8 @@ fn icmp_error<F: Family, const QUOTED_L4: usize>(
     // before it. Cutting also ends a GSO packet's segmentation.
     // SAFETY: this program's own skb; no packet pointer is held across the
     // call (everything after it is loaded afresh).
-    let ret = unsafe { helpers::bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + quote_len) as u32, 0) };
+    let ret =
+        unsafe { helpers::bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + quote_len) as u32, 0) };
     if ret != 0 {
         return Err(ret);
     }
@@ -306,4 +307,3 @@ pub fn tcp_reset6(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
         },
     )
 }
-

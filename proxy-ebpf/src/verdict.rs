@@ -12,8 +12,8 @@ use crate::{
     event_log::Event,
     family::V4,
     maps::{XDP_NEXT, count},
-    packet::Flow,
     nat::Nat,
+    packet::Flow,
     reject, route,
 };
 

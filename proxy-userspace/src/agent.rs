@@ -385,12 +385,10 @@ async fn spawn_source(
             });
         }
         SourceConfig::Kube { kubeconfig, master } => {
-            let client = kube_source::client_measured(
-                kubeconfig.clone(),
-                master.clone(),
-                &metrics.rest_client,
-            )
-            .await?;
+            let client = metrics
+                .rest_client
+                .client(kubeconfig.clone(), master.clone())
+                .await?;
             let node_name = config.node_name.clone();
             tokio::spawn(async move {
                 if let Err(e) = kube_source::watch(client, node_name, tx).await {

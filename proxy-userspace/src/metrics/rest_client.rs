@@ -17,8 +17,11 @@ use prometheus_client::{
     metrics::{counter::Counter, family::Family, histogram::Histogram},
     registry::Registry,
 };
+use kube::Client;
 use tower_layer::Layer;
 use tower_service::Service;
+
+use crate::source::kube::{KubeSourceError, config};
 
 /// client-go's latency buckets, 5 ms to a minute.
 const DURATION_BUCKETS: [f64; 12] = [
@@ -72,6 +75,26 @@ impl RestClientMetrics {
         );
     }
 
+    /// The API client of `source::kube::client`, with every request
+    /// counted and timed here (labelled with the server's `host:port`): the
+    /// measuring is these metrics' concern, the client the source's.
+    pub async fn client(
+        &self,
+        kubeconfig: Option<std::path::PathBuf>,
+        master: Option<String>,
+    ) -> Result<Client, KubeSourceError> {
+        let config = config(kubeconfig, master).await?;
+        let server = config.cluster_url.to_string();
+        let host = config
+            .cluster_url
+            .authority()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let builder = kube::client::ClientBuilder::try_from(config)
+            .map_err(|source| KubeSourceError::Client { server, source })?;
+        Ok(builder.with_layer(&self.layer(host)).build())
+    }
+
     /// The layer that measures requests to `host` (the API server's
     /// `host:port`, client-go's `host` label).
     pub fn layer(&self, host: impl Into<String>) -> MeasureLayer {
@@ -97,7 +120,8 @@ impl RestClientMetrics {
             .observe(seconds);
     }
 
-    /// Requests so far with this status code and method (for tests).
+    /// Requests so far with this status code and method.
+    #[cfg(test)]
     pub fn requests(&self, code: &str, method: &str, host: &str) -> u64 {
         self.requests
             .get(&RequestLabels {

@@ -156,25 +156,6 @@ pub async fn client(
     Client::try_from(config).map_err(|source| KubeSourceError::Client { server, source })
 }
 
-/// [`client`] with every request counted and timed in `metrics` (client-go's
-/// `rest_client_*`, labelled with the server's `host:port`).
-pub async fn client_measured(
-    kubeconfig: Option<PathBuf>,
-    master: Option<String>,
-    metrics: &crate::metrics::RestClientMetrics,
-) -> Result<Client, KubeSourceError> {
-    let config = config(kubeconfig, master).await?;
-    let server = config.cluster_url.to_string();
-    let host = config
-        .cluster_url
-        .authority()
-        .map(ToString::to_string)
-        .unwrap_or_default();
-    let builder = kube::client::ClientBuilder::try_from(config)
-        .map_err(|source| KubeSourceError::Client { server, source })?;
-    Ok(builder.with_layer(&metrics.layer(host)).build())
-}
-
 fn parse_master(url: &str) -> Result<Uri, KubeSourceError> {
     let invalid = |reason: String| KubeSourceError::Master {
         url: url.to_owned(),

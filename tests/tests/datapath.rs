@@ -2387,7 +2387,7 @@ fn assert_frag_needed(
     what: &str,
 ) {
     assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
-    assert_eq!(out.len(), 14 + 20 + 8 + 28, "{what}: length of the answer");
+    assert_eq!(out.len(), 14 + 20 + 8 + 40, "{what}: length of the answer");
     let e = frame::parse_checked_icmp_error(out, what);
     assert_eq!(
         e,
@@ -2407,7 +2407,7 @@ fn assert_frag_needed(
     );
     assert_eq!(
         &out[34 + 8..],
-        &sent[14..14 + 28],
+        &sent[14..14 + 40],
         "{what}: the quote must be the packet as the client sent it"
     );
     let (dst, src) = macs(sent);

@@ -2696,8 +2696,8 @@ fn back_to_sender(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
 
 /// Checks that `out` (verdict `ret`) is the "packet too big" answering
 /// `sent` (to `frontend`, from `client`): from the frontend, the route's
-/// MTU of 1280, quoting the IPv6 header and 8 bytes of the packet as the
-/// client sent it, sent back where it came from.
+/// MTU of 1280, quoting the IPv6 header and the 20 bytes of the TCP header
+/// of the packet as the client sent it, sent back where it came from.
 fn assert_packet_too_big(
     (ret, out): (u32, &[u8]),
     sent: &[u8],
@@ -2706,7 +2706,7 @@ fn assert_packet_too_big(
     what: &str,
 ) {
     assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
-    assert_eq!(out.len(), 14 + 40 + 8 + 48, "{what}: length of the answer");
+    assert_eq!(out.len(), 14 + 40 + 8 + 60, "{what}: length of the answer");
     let e = parse_checked_icmp6_error(out, what);
     assert_eq!(
         e,
@@ -2722,7 +2722,7 @@ fn assert_packet_too_big(
     );
     assert_eq!(
         quote_of(out),
-        &sent[14..14 + 48],
+        &sent[14..14 + 60],
         "{what}: the quote must be the packet as the client sent it"
     );
     assert_eq!(

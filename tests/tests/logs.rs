@@ -84,8 +84,10 @@ fn json_log_lines_parse_and_carry_level_target_message_and_spans() {
         .find(|l| l["message"] == "manifests loaded")
         .unwrap_or_else(|| panic!("no \"manifests loaded\" line in the JSON log:\n{log}"));
     assert_eq!(loaded["level"], "INFO", "level of {loaded}");
+    // The module that logged it: a `RUST_LOG` directive for the manifest
+    // source (`proxy_userspace::source::manifest`) covers its files.
     assert_eq!(
-        loaded["target"], "proxy_userspace::source::manifest",
+        loaded["target"], "proxy_userspace::source::manifest::watch",
         "target of {loaded}"
     );
     assert_eq!(

@@ -12,12 +12,12 @@ use std::{
     time::Instant,
 };
 
+use kube::Client;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, histogram::Histogram},
     registry::Registry,
 };
-use kube::Client;
 use tower_layer::Layer;
 use tower_service::Service;
 

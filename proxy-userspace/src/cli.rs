@@ -271,8 +271,8 @@ pub struct RunArgs {
     /// kube-proxy's local traffic detection: `ClusterCIDR` (--cluster-cidr),
     /// `NodeCIDR` (the Node's spec.podCIDRs), `BridgeInterface`
     /// (--pod-bridge-interface) or `InterfaceNamePrefix`
-    /// (--pod-interface-name-prefix). Only `ClusterCIDR` is carried out by the
-    /// datapath yet; another is taken and warned about.
+    /// (--pod-interface-name-prefix), each carried out by the datapath
+    /// (docs/operations.md).
     #[arg(long, default_value = "ClusterCIDR", value_parser = |s: &str| LocalMode::parse(s).map_err(|e| e.to_string()))]
     pub detect_local_mode: LocalMode,
     /// The bridge pods are behind, for --detect-local-mode `BridgeInterface`.
@@ -285,8 +285,8 @@ pub struct RunArgs {
     /// The detector the three flags above come to, settled at start.
     #[arg(skip)]
     pub detect_local: DetectLocal,
-    /// kube-proxy's --masquerade-all: SNAT every flow to a Service. Taken and
-    /// warned about: the datapath does not do it yet.
+    /// kube-proxy's --masquerade-all: SNAT every flow to a Service to the
+    /// node's address.
     #[arg(long, num_args = 0..=1, default_value = "false", default_missing_value = "true", value_parser = parse_go_bool)]
     pub masquerade_all: bool,
     /// kube-proxy's --init-only: check the privileges and exit (there is

@@ -19,7 +19,7 @@ use crate::{
     nat::Nat,
     netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
-    route::{self, Hop},
+    route::{self, Ahead},
     verdict::Action,
 };
 
@@ -262,25 +262,11 @@ fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<(), Action> {
     if !nat.redirect {
         return Ok(());
     }
-    let len = route::network_len(ctx, flow.l4_off, flow.proto);
-    let hop = route::lookup::<V4, H>(ctx, flow.proto, &nat.src_be, &nat.dst_be, len);
-    if H::XDP {
-        return match hop {
-            Hop::Via {
-                ifindex,
-                resolved: true,
-            } if ifindex == ctx.ingress_ifindex() => Ok(()),
-            _ => {
-                count(counter::XDP_TO_TC);
-                Err(Action::ToTc)
-            }
-        };
-    }
-    match hop {
-        Hop::Via { .. } => Ok(()),
-        Hop::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
-        Hop::Unroutable => {
-            count(counter::DROP_NO_ROUTE);
+    match route::first::<V4, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
+        Ahead::Go => Ok(()),
+        Ahead::ToTc => Err(Action::ToTc),
+        Ahead::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
+        Ahead::Unroutable => {
             event_log::log(Event::NoRoute, flow);
             Err(Action::Drop)
         }

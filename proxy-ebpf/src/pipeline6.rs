@@ -40,7 +40,7 @@ use crate::{
     netfilter_ct,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
-    route::{self, Hop},
+    route::{self, Ahead},
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
@@ -334,28 +334,14 @@ fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result
     if !nat.redirect {
         return Ok(());
     }
-    let len = route::network_len(ctx, flow.l4_off, flow.proto);
-    let hop = route::lookup::<V6, H>(ctx, flow.proto, &nat.src_be, &nat.dst_be, len);
-    if H::XDP {
-        return match hop {
-            Hop::Via {
-                ifindex,
-                resolved: true,
-            } if ifindex == ctx.ingress_ifindex() => Ok(()),
-            _ => {
-                count(counter::XDP_TO_TC);
-                Err(Ok(H::PASS))
-            }
-        };
-    }
-    match hop {
-        Hop::Via { .. } => Ok(()),
-        Hop::TooBig(mtu) => {
+    match route::first::<V6, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
+        Ahead::Go => Ok(()),
+        Ahead::ToTc => Err(Ok(H::PASS)),
+        Ahead::TooBig(mtu) => {
             event_log::log6(Event::TooBig, flow);
             Err(Err(mtu))
         }
-        Hop::Unroutable => {
-            count(counter::DROP_NO_ROUTE);
+        Ahead::Unroutable => {
             event_log::log6(Event::NoRoute, flow);
             Err(Ok(H::DROP))
         }

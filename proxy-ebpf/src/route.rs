@@ -107,6 +107,55 @@ pub fn lookup<F: Family, H: Hook>(
     }
 }
 
+/// What becomes of a packet the datapath routes itself (`first`).
+pub enum Ahead {
+    /// Its route is in `ROUTE`: write it and send it.
+    Go,
+    /// XDP cannot send it (another interface, an unresolved neighbour, too
+    /// long, no route): left to tc as it came, counted `xdp_to_tc`.
+    ToTc,
+    /// tc: longer than its route's MTU, this one: to be answered.
+    TooBig(u16),
+    /// tc: no route: to be dropped, counted `drop_no_route` (the caller
+    /// logs it, with the flow).
+    Unroutable,
+}
+
+/// Routes a translated packet of `proto` from `src` to `dst`, whose
+/// transport header starts at `l4_off`, before anything is written or
+/// created, both families and both hooks: XDP sends only back out of the
+/// interface it came in on to a resolved neighbour.
+#[inline(always)]
+pub fn first<F: Family, H: Hook>(
+    ctx: &H,
+    l4_off: usize,
+    proto: u8,
+    src: &F::Addr,
+    dst: &F::Addr,
+) -> Ahead {
+    let hop = lookup::<F, H>(ctx, proto, src, dst, network_len(ctx, l4_off, proto));
+    if H::XDP {
+        return match hop {
+            Hop::Via {
+                ifindex,
+                resolved: true,
+            } if ifindex == ctx.ingress_ifindex() => Ahead::Go,
+            _ => {
+                count(counter::XDP_TO_TC);
+                Ahead::ToTc
+            }
+        };
+    }
+    match hop {
+        Hop::Via { .. } => Ahead::Go,
+        Hop::TooBig(mtu) => Ahead::TooBig(mtu),
+        Hop::Unroutable => {
+            count(counter::DROP_NO_ROUTE);
+            Ahead::Unroutable
+        }
+    }
+}
+
 /// The MTU of the route a translated packet of `proto` from `src` to `dst`
 /// leaves by when the stack forwards it, for a new flow's forward entry
 /// (`CtValue::path_mtu`); 0 when there is none to keep to. Asked with the

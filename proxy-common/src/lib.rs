@@ -517,22 +517,63 @@ pub mod ct_dir {
     pub const REPLY: u8 = 1;
 }
 
-/// An IPv4 flow as one direction of it appears on the wire. Both directions
-/// of a translated flow have an entry, told apart by `CtValue::dir`, so that
-/// any packet needs exactly one conntrack lookup.
+/// An address as flows are keyed by it, in network order: IPv4's one word
+/// or IPv6's four. Conntrack and the flow cache are written once over it.
+pub trait FlowAddr:
+    Copy + Default + PartialEq + Eq + core::hash::Hash + core::fmt::Debug + 'static
+{
+    /// The address folded into one word, for the flow cache's hash.
+    fn fold(&self) -> u32;
+    /// Whether two addresses are equal, in a few register operations: `==`
+    /// on an array may become a call to `bcmp`, which BPF has not.
+    fn same(&self, other: &Self) -> bool;
+}
+
+impl FlowAddr for u32 {
+    #[inline(always)]
+    fn fold(&self) -> u32 {
+        *self
+    }
+
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        self == other
+    }
+}
+
+impl FlowAddr for [u32; 4] {
+    #[inline(always)]
+    fn fold(&self) -> u32 {
+        let [w0, w1, w2, w3] = *self;
+        w0 ^ w1.rotate_left(8) ^ w2.rotate_left(16) ^ w3.rotate_left(24)
+    }
+
+    #[inline(always)]
+    fn same(&self, other: &Self) -> bool {
+        let mut diff = 0;
+        for i in 0..4 {
+            diff |= self[i] ^ other[i];
+        }
+        diff == 0
+    }
+}
+
+/// A flow as one direction of it appears on the wire, of either family
+/// (`CtKey`, `Ct6Key`). Both directions of a translated flow have an entry,
+/// told apart by `CtValueOf::dir`, so that any packet needs exactly one
+/// conntrack lookup.
 ///
-/// Conntrack is per address family:
-/// every packet hashes this key, and 16 bytes hash in one jhash round where
-/// IPv6-wide addresses took four. IPv6 flows have a map of their own
-/// (`Ct6Key`).
+/// Conntrack is per address family: every packet hashes this key, and
+/// IPv4's 16 bytes hash in one jhash round where IPv6-wide addresses take
+/// four. So each family has maps of its own, of this one type over its
+/// address.
 /// The padding is two fields, not a byte array, so that building a key is
 /// plain stores (a `[u8; 3]` compiled to a call to `memset`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct CtKey {
-    pub src_be: u32,
-    pub dst_be: u32,
+pub struct CtKeyOf<A> {
+    pub src_be: A,
+    pub dst_be: A,
     pub sport_be: u16,
     pub dport_be: u16,
     pub proto: u8,
@@ -540,9 +581,14 @@ pub struct CtKey {
     pub _pad1: u16,
 }
 
-impl CtKey {
-    pub const fn new(src_be: u32, dst_be: u32, sport_be: u16, dport_be: u16, proto: u8) -> Self {
-        CtKey {
+/// An IPv4 flow's key, in `CONNTRACK` and `CT_NEW`.
+pub type CtKey = CtKeyOf<u32>;
+/// An IPv6 flow's key, in `CONNTRACK6` and `CT_NEW6`.
+pub type Ct6Key = CtKeyOf<[u32; 4]>;
+
+impl<A: FlowAddr> CtKeyOf<A> {
+    pub const fn new(src_be: A, dst_be: A, sport_be: u16, dport_be: u16, proto: u8) -> Self {
+        CtKeyOf {
             src_be,
             dst_be,
             sport_be,
@@ -551,6 +597,16 @@ impl CtKey {
             _pad0: 0,
             _pad1: 0,
         }
+    }
+
+    /// Whether two keys are equal (see `FlowAddr::same`).
+    #[inline(always)]
+    pub fn same(&self, other: &Self) -> bool {
+        self.src_be.same(&other.src_be)
+            && self.dst_be.same(&other.dst_be)
+            && self.sport_be == other.sport_be
+            && self.dport_be == other.dport_be
+            && self.proto == other.proto
     }
 }
 
@@ -586,10 +642,9 @@ pub mod ct_flags {
 /// replies go back to). `alt_*` is used only when a `TWO_SIDED` flag is set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct CtValue {
-    pub nat_addr_be: u32,
-    pub alt_addr_be: u32,
+pub struct CtValueOf<A> {
+    pub nat_addr_be: A,
+    pub alt_addr_be: A,
     pub nat_port_be: u16,
     pub alt_port_be: u16,
     pub flags: u8,
@@ -610,70 +665,10 @@ pub struct CtValue {
     pub last_seen_ns: u64,
 }
 
-/// An IPv6 flow as one direction of it appears on the wire: `CtKey` with
-/// 16-byte addresses, in `CONNTRACK6` (assured flows) and `CT_NEW6` (flows
-/// not assured yet), maps of their own so that IPv4's 16-byte key keeps its
-/// one-round hash.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct Ct6Key {
-    pub src_be: [u32; 4],
-    pub dst_be: [u32; 4],
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub proto: u8,
-    pub _pad0: u8,
-    pub _pad1: u16,
-}
-
-impl Ct6Key {
-    pub const fn new(
-        src_be: [u32; 4],
-        dst_be: [u32; 4],
-        sport_be: u16,
-        dport_be: u16,
-        proto: u8,
-    ) -> Self {
-        Ct6Key {
-            src_be,
-            dst_be,
-            sport_be,
-            dport_be,
-            proto,
-            _pad0: 0,
-            _pad1: 0,
-        }
-    }
-}
-
-/// `CtValue` with 16-byte addresses: the value of `CONNTRACK6` and
-/// `CT_NEW6`. Fields mean what `CtValue`'s do; flags are `ct_flags`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct Ct6Value {
-    pub nat_addr_be: [u32; 4],
-    pub alt_addr_be: [u32; 4],
-    pub nat_port_be: u16,
-    pub alt_port_be: u16,
-    pub flags: u8,
-    pub dir: u8,
-    /// As `CtValue::path_mtu`.
-    pub path_mtu: u16,
-    pub backend_id: u32,
-    pub service_id: u32,
-    pub created_ns: u64,
-    pub last_seen_ns: u64,
-}
-
-impl Ct6Value {
-    /// As `CtValue::expired`: both families age by the same rules.
-    #[inline(always)]
-    pub fn expired(&self, proto: u8, now_ns: u64, timeouts: &CtTimeouts) -> bool {
-        now_ns.saturating_sub(self.last_seen_ns) > idle_timeout_ns(self.flags, proto, timeouts)
-    }
-}
+/// An IPv4 flow's entry, in `CONNTRACK` and `CT_NEW`.
+pub type CtValue = CtValueOf<u32>;
+/// An IPv6 flow's entry, in `CONNTRACK6` and `CT_NEW6`.
+pub type Ct6Value = CtValueOf<[u32; 4]>;
 
 /// Idle timeout of a conntrack entry with `flags` (`ct_flags`) of a flow of
 /// `proto`; the datapath and the agent's reaper share it so that they never
@@ -745,11 +740,10 @@ pub struct Clock {
 /// flow's state and so always take the conntrack path).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct FlowCacheEntry {
-    pub key: CtKey,
+pub struct FlowCacheEntryOf<A> {
+    pub key: CtKeyOf<A>,
     /// The entry as it was read; `last_seen_ns` is when it was copied.
-    pub value: CtValue,
+    pub value: CtValueOf<A>,
     /// `FLOW_GEN[flow_cache_slot(&key)]` before the lookup (its low half:
     /// a copy lives far too short for that to wrap round).
     pub slot_gen: u32,
@@ -757,19 +751,13 @@ pub struct FlowCacheEntry {
     pub epoch: u32,
 }
 
-/// `FlowCacheEntry` of an IPv6 flow, in `FLOW_CACHE6` slot
-/// `flow_cache6_slot(&key)`, under the same contract: its slot's counter
-/// and the epoch are `FLOW_GEN`'s, which both families share (an IPv4 and
-/// an IPv6 flow in the same slot only void each other's copies early).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct FlowCache6Entry {
-    pub key: Ct6Key,
-    pub value: Ct6Value,
-    pub slot_gen: u32,
-    pub epoch: u32,
-}
+/// A copy of an IPv4 flow's entry, in `FLOW_CACHE`.
+pub type FlowCacheEntry = FlowCacheEntryOf<u32>;
+/// A copy of an IPv6 flow's entry, in `FLOW_CACHE6`, under the same
+/// contract: its slot's counter and the epoch are `FLOW_GEN`'s, which both
+/// families share (an IPv4 and an IPv6 flow in the same slot only void each
+/// other's copies early).
+pub type FlowCache6Entry = FlowCacheEntryOf<[u32; 4]>;
 
 /// Key of `FRAGMENTS`: what identifies one fragmented datagram on the wire
 /// (RFC 791: source, destination, protocol and identification; RFC 8200:
@@ -818,26 +806,17 @@ pub const FLOW_CACHE_SLOTS: u32 = 4096;
 /// The `FLOW_GEN` slot the agent bumps (the others are the datapath's).
 pub const FLOW_GEN_EPOCH: u32 = FLOW_CACHE_SLOTS;
 
-/// The flow cache slot of `key`: a multiplicative hash of its words, cheap
-/// enough to compute inline on every packet.
+/// The flow cache slot of `key` (in its family's cache, and its counter's
+/// in `FLOW_GEN`): a multiplicative hash of its words, each address folded
+/// into one, cheap enough to compute inline on every packet.
 #[inline(always)]
-pub fn flow_cache_slot(key: &CtKey) -> u32 {
+pub fn flow_cache_slot<A: FlowAddr>(key: &CtKeyOf<A>) -> u32 {
     let ports = u32::from(key.sport_be) | (u32::from(key.dport_be) << 16);
-    let mixed =
-        key.src_be.rotate_left(7) ^ key.dst_be ^ ports.rotate_left(19) ^ u32::from(key.proto);
+    let mixed = key.src_be.fold().rotate_left(7)
+        ^ key.dst_be.fold()
+        ^ ports.rotate_left(19)
+        ^ u32::from(key.proto);
     mixed.wrapping_mul(0x9e37_79b1) >> (32 - FLOW_CACHE_SLOTS.trailing_zeros())
-}
-
-/// The flow cache slot of an IPv6 `key` (in `FLOW_CACHE6`, and its
-/// counter's in `FLOW_GEN`): the addresses' words folded, then
-/// `flow_cache_slot`'s hash.
-#[inline(always)]
-pub fn flow_cache6_slot(key: &Ct6Key) -> u32 {
-    let [s0, s1, s2, s3] = key.src_be;
-    let [d0, d1, d2, d3] = key.dst_be;
-    let src = s0 ^ s1.rotate_left(8) ^ s2.rotate_left(16) ^ s3.rotate_left(24);
-    let dst = d0 ^ d1.rotate_left(8) ^ d2.rotate_left(16) ^ d3.rotate_left(24);
-    flow_cache_slot(&CtKey::new(src, dst, key.sport_be, key.dport_be, key.proto))
 }
 
 /// Slots of the `CLOCK` array.
@@ -899,7 +878,7 @@ impl Default for CtTimeouts {
     }
 }
 
-impl CtValue {
+impl<A> CtValueOf<A> {
     /// Idle timeout of this entry; the datapath and the agent's reaper share
     /// it so that they never disagree on what is alive.
     #[inline(always)]
@@ -1165,6 +1144,27 @@ mod pod_impls {
             unsafe impl aya::Pod for $t {}
         )+};
     }
+    /// The conntrack types are generic over the address, which bytemuck's
+    /// derive does not take: their lack of padding is proven here instead,
+    /// each size being the sum of its fields' (a padded layout is larger).
+    macro_rules! generic_pod {
+        ($($t:ty = $fields:expr),+ $(,)?) => {$(
+            const _: () = assert!(core::mem::size_of::<$t>() == $fields, "implicit padding");
+            // SAFETY: #[repr(C)] with integer fields only, and no padding
+            // (asserted above).
+            unsafe impl bytemuck::Zeroable for $t {}
+            // SAFETY: as above.
+            unsafe impl bytemuck::Pod for $t {}
+        )+};
+    }
+    generic_pod!(
+        CtKey = 2 * 4 + 2 + 2 + 1 + 1 + 2,
+        Ct6Key = 2 * 16 + 2 + 2 + 1 + 1 + 2,
+        CtValue = 2 * 4 + 2 + 2 + 1 + 1 + 2 + 4 + 4 + 8 + 8,
+        Ct6Value = 2 * 16 + 2 + 2 + 1 + 1 + 2 + 4 + 4 + 8 + 8,
+        FlowCacheEntry = 16 + 40 + 4 + 4,
+        FlowCache6Entry = 40 + 64 + 4 + 4,
+    );
     pod!(
         ServiceKey,
         ServiceValue,

@@ -1,5 +1,6 @@
-//! Per-flow state: both directions of a translated flow have an entry, so a
-//! packet needs one lookup whichever way it goes.
+//! Per-flow state, written once over the family (`Family`): both
+//! directions of a translated flow have an entry, so a packet needs one
+//! lookup whichever way it goes.
 //!
 //! A flow's entries live in one of two LRU maps, so that a flood of new
 //! flows cannot push established ones out: `CT_NEW` holds flows not yet
@@ -10,20 +11,26 @@
 //! thus only ever evicts other unassured flows; what evicts an assured flow
 //! is more assured flows than `CONNTRACK` holds, as netfilter's table full
 //! of assured flows refuses new ones. Lookups try `CONNTRACK` first, so an
-//! established flow's packets cost what they did with one map.
+//! established flow's packets cost what they did with one map. IPv6 flows
+//! live in `CONNTRACK6` and `CT_NEW6` by the same rules.
+//!
+//! Entries are read in place and built in this CPU's `Scratch`, never
+//! copied to the stack: IPv6's program has room for little more than one
+//! entry, and IPv4's for a few dozen bytes.
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    Clock, CtKey, CtTimeouts, CtValue, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
+    Clock, CtKeyOf, CtValueOf, FlowAddr, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
     ct_flags, ct_timeout, slot_for,
 };
 
 use crate::{
-    event_log::{self, Event},
+    event_log::Event,
+    family::Family,
     flow_cache,
-    maps::{CLOCK, CONNTRACK, CT_NEW, Conntrack, count, ct_timeouts},
-    nat::Nat,
-    packet::{Flow, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    maps::{CLOCK, Conntrack, Scratch, count, ct_timeouts},
+    nat::NatOf,
+    packet::{FlowOf, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 const BPF_ANY: u64 = 0;
@@ -71,14 +78,10 @@ pub fn sample_clocks() {
     }
 }
 
+/// The key of `flow`'s own direction.
 #[inline(always)]
-pub fn key(src_be: u32, dst_be: u32, sport_be: u16, dport_be: u16, proto: u8) -> CtKey {
-    CtKey::new(src_be, dst_be, sport_be, dport_be, proto)
-}
-
-#[inline(always)]
-pub fn flow_key(flow: &Flow) -> CtKey {
-    key(
+pub fn flow_key<A: FlowAddr>(flow: &FlowOf<A>) -> CtKeyOf<A> {
+    CtKeyOf::new(
         flow.src_be,
         flow.dst_be,
         flow.sport_be,
@@ -87,49 +90,47 @@ pub fn flow_key(flow: &Flow) -> CtKey {
     )
 }
 
-/// A live entry found for a packet's tuple.
-pub struct Found {
-    /// The entry in its map, or null for a flow cache copy (not an
-    /// `Option`: the unused payload of a `None` is an undefined register to
-    /// the verifier).
-    pub ptr: *mut CtValue,
-    pub entry: CtValue,
+/// A live entry found for a packet's tuple, in its map.
+pub struct Found<A> {
+    pub ptr: *mut CtValueOf<A>,
     /// The entry is in `CT_NEW`: its flow is not assured yet.
     pub unassured: bool,
 }
 
 /// The live entry for this packet's tuple, if any: assured flows first.
 #[inline(always)]
-pub fn lookup(key: &CtKey, flow: &Flow, now: u64) -> Option<Found> {
-    if let Some((ptr, entry)) = lookup_in(&CONNTRACK, key, flow, now) {
+pub fn lookup<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    flow: &FlowOf<F::Addr>,
+    now: u64,
+) -> Option<Found<F::Addr>> {
+    if let Some(ptr) = lookup_in::<F>(F::conntrack(), key, flow, now) {
         return Some(Found {
             ptr,
-            entry,
             unassured: false,
         });
     }
-    lookup_in(&CT_NEW, key, flow, now).map(|(ptr, entry)| Found {
+    lookup_in::<F>(F::ct_new(), key, flow, now).map(|ptr| Found {
         ptr,
-        entry,
         unassured: true,
     })
 }
 
 /// `lookup` in one map. An expired entry counts as absent. So does a
-/// closing TCP entry hit by a SYN or SYN-ACK: the ports are being reused by
-/// a new connection, which may not be ours at all (a client connecting
-/// straight to a pod from the port it just used for the service); the stale
-/// entry is removed so its replies go untranslated.
+/// closing TCP entry hit by a SYN: the ports are being reused by a new
+/// connection, which may not be ours at all (a client connecting straight
+/// to a pod from the port it just used for the service); the stale entry is
+/// removed so its replies go untranslated.
 #[inline(always)]
-fn lookup_in(
-    map: &Conntrack,
-    key: &CtKey,
-    flow: &Flow,
+fn lookup_in<F: Family>(
+    map: &Conntrack<F::Addr>,
+    key: &CtKeyOf<F::Addr>,
+    flow: &FlowOf<F::Addr>,
     now: u64,
-) -> Option<(*mut CtValue, CtValue)> {
+) -> Option<*mut CtValueOf<F::Addr>> {
     let ptr = map.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
-    let entry = unsafe { *ptr };
+    let entry = unsafe { &*ptr };
     if entry.expired(flow.proto, now, &ct_timeouts()) {
         return None;
     }
@@ -137,17 +138,28 @@ fn lookup_in(
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
-        remove(map, key);
+        remove::<F>(map, key);
         return None;
     }
-    Some((ptr, entry))
+    Some(ptr)
+}
+
+/// Removes `key`'s entry from `map`, and every CPU's cached copy of it:
+/// only `CONNTRACK`'s entries are ever copied, so `CT_NEW`'s removals void
+/// none.
+#[inline(always)]
+fn remove<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>) {
+    let _ = map.remove(key);
+    if core::ptr::eq(map, F::conntrack()) {
+        flow_cache::invalidate(key);
+    }
 }
 
 /// What a packet of a known flow becomes.
 #[inline(always)]
-pub fn translation(entry: &CtValue, flow: &Flow) -> Nat {
+pub fn translation<A: Copy>(entry: &CtValueOf<A>, flow: &FlowOf<A>) -> NatOf<A> {
     let two_sided = entry.flags & ct_flags::TWO_SIDED != 0;
-    let mut nat = Nat::identity(flow);
+    let mut nat = NatOf::identity(flow);
     if entry.dir == ct_dir::FORWARD {
         nat.dst_be = entry.nat_addr_be;
         nat.dport_be = entry.nat_port_be;
@@ -167,155 +179,147 @@ pub fn translation(entry: &CtValue, flow: &Flow) -> Nat {
     nat
 }
 
-/// Records what this packet tells about an unassured flow (`touch`), and
-/// moves the flow to `CONNTRACK` when this packet assures it: its client's
-/// direction after a reply, not a SYN, FIN or RST (a TCP flow is assured by
-/// the ACK that completes its handshake).
+/// Records what this packet tells about its flow (`found`, at `key`; `nat`
+/// its translation): a reply makes it established; its client's direction
+/// after a reply (not a SYN, FIN or RST; a TCP ACK: the one that completes
+/// the handshake) assures it, and an unassured flow then moves to
+/// `CONNTRACK`; FIN or RST starts closing. State changes are copied to the
+/// other direction's entry, so both age alike; timestamps are refreshed at
+/// most once a second, to spare a write per packet.
 #[inline(always)]
-pub fn touch_unassured(key: &CtKey, found: &Found, flow: &Flow, now: u64) {
-    let entry = &found.entry;
-    let assures = entry.dir == ct_dir::FORWARD
-        && entry.flags & ct_flags::SEEN_REPLY != 0
-        && flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
-        && (flow.proto != PROTO_TCP || flow.tcp_flags & TCP_ACK != 0);
-    if !assures || !promote(key, entry, flow, now) {
-        touch(&CT_NEW, found.ptr, entry, flow, now);
-    }
-}
-
-/// Moves both entries of the flow whose forward entry is `entry` (at `key`)
-/// from `CT_NEW` to `CONNTRACK`, reply entry first (as `create` orders
-/// them). False when the flow stays where it was.
-#[inline(always)]
-fn promote(key: &CtKey, entry: &CtValue, flow: &Flow, now: u64) -> bool {
-    let peer = peer_key(entry, flow);
+pub fn touch<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    found: &Found<F::Addr>,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    now: u64,
+) {
+    let ptr = found.ptr;
     // SAFETY: a valid map value pointer for the duration of this program.
-    let Some(reply) = CT_NEW.get_ptr(&peer).map(|p| unsafe { *p }) else {
-        // Its reply entry was evicted: the flow could not go on anyway.
-        return false;
-    };
-    let reply = CtValue {
-        flags: reply.flags | ct_flags::ASSURED,
-        last_seen_ns: now,
-        ..reply
-    };
-    let forward = CtValue {
-        flags: entry.flags | ct_flags::ASSURED,
-        last_seen_ns: now,
-        ..*entry
-    };
-    if insert_over(&peer, &reply).is_err() || insert_over(key, &forward).is_err() {
-        count(counter::CT_INSERT_FAILED);
-        event_log::log(Event::CtInsertFailed, flow);
-        return false;
-    }
-    // Never copied into the flow cache (`handle` caches assured entries
-    // only), so nothing to invalidate.
-    let _ = CT_NEW.remove(key);
-    let _ = CT_NEW.remove(&peer);
-    count(counter::CT_ASSURED);
-    true
-}
-
-/// Records what this packet tells about the flow: a reply makes it
-/// established, FIN/RST starts closing. Timestamps are refreshed at most once
-/// a second to spare a write per packet.
-#[inline(always)]
-pub fn touch(map: &Conntrack, ptr: *mut CtValue, entry: &CtValue, flow: &Flow, now: u64) {
-    let mut flags = entry.flags;
+    let entry = unsafe { &*ptr };
+    let old_flags = entry.flags;
+    let mut flags = old_flags;
     if entry.dir == ct_dir::REPLY {
         flags |= ct_flags::SEEN_REPLY;
+    } else if flags & ct_flags::SEEN_REPLY != 0
+        && flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+        && (flow.proto != PROTO_TCP || flow.tcp_flags & TCP_ACK != 0)
+    {
+        flags |= ct_flags::ASSURED;
     }
     if flow.proto == PROTO_TCP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         flags |= ct_flags::CLOSING;
     }
     let stale = now.saturating_sub(entry.last_seen_ns) > ct_timeout::REFRESH_NS;
-    if flags != entry.flags || stale {
-        // SAFETY: as in `lookup`; racing writers only store equal or newer
-        // values of monotonic fields.
-        unsafe {
-            (*ptr).flags = flags;
-            (*ptr).last_seen_ns = now;
-        }
+    if flags == old_flags && !stale {
+        return;
     }
-    if flags != entry.flags {
-        let peer = mirror_flags(
-            map,
-            entry,
-            flow,
-            flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY),
-            now,
-        );
-        if flags & ct_flags::CLOSING != 0 && entry.flags & ct_flags::CLOSING == 0 {
-            // A closing flow's packets must keep its timestamps true: its
-            // SNAT port is given back after it has been quiet for a while.
-            // So copies taken before it closed go (later ones are refused).
-            flow_cache::invalidate(&flow_key(flow));
-            flow_cache::invalidate(&peer);
-        }
-    }
-}
-
-/// The key of the other direction's entry: this packet's translation,
-/// reversed.
-#[inline(always)]
-fn peer_key(entry: &CtValue, flow: &Flow) -> CtKey {
-    let nat = translation(entry, flow);
-    key(
+    let Some(scratch) = scratch::<F>() else {
+        return;
+    };
+    // The other direction's entry: this packet's translation, reversed.
+    scratch.key = CtKeyOf::new(
         nat.dst_be,
         nat.src_be,
         nat.dport_be,
         nat.sport_be,
         flow.proto,
-    )
-}
-
-/// Copies state changes to the entry of the other direction (in the same
-/// map: a flow's entries move together), so that both age the same way.
-/// Returns that entry's key.
-#[inline(always)]
-fn mirror_flags(map: &Conntrack, entry: &CtValue, flow: &Flow, state: u8, now: u64) -> CtKey {
-    let peer = peer_key(entry, flow);
-    if let Some(p) = map.get_ptr_mut(peer) {
-        // SAFETY: a pointer the map lookup returned, valid for this program's run.
+    );
+    if found.unassured && flags & ct_flags::ASSURED != 0 {
+        if promote::<F>(key, ptr, flags, scratch, flow, now) {
+            count(counter::CT_ASSURED);
+            return;
+        }
+        flags &= !ct_flags::ASSURED;
+    }
+    // SAFETY: as above; racing writers only store equal or newer values of
+    // monotonic fields.
+    unsafe {
+        (*ptr).flags = flags;
+        (*ptr).last_seen_ns = now;
+    }
+    if flags == old_flags {
+        return;
+    }
+    let map = if found.unassured {
+        F::ct_new()
+    } else {
+        F::conntrack()
+    };
+    if let Some(p) = map.get_ptr_mut(&scratch.key) {
+        // SAFETY: a pointer the map lookup returned, valid for this
+        // program's run.
         unsafe {
-            (*p).flags |= state;
+            (*p).flags |= flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY | ct_flags::ASSURED);
             (*p).last_seen_ns = now;
         }
     }
-    peer
+    if flags & ct_flags::CLOSING != 0 && old_flags & ct_flags::CLOSING == 0 {
+        // A closing flow's packets must keep its timestamps true: its SNAT
+        // port is given back after it has been quiet for a while. So copies
+        // taken before it closed go (later ones are refused).
+        flow_cache::invalidate(key);
+        flow_cache::invalidate(&scratch.key);
+    }
 }
 
-/// Removes `key`'s entry from `map`, and every CPU's cached copy of it.
+/// Moves both entries of the flow whose forward entry is `entry` (at `key`,
+/// its flags now `flags`) from `CT_NEW` to `CONNTRACK`, reply entry (at
+/// `scratch.key`) first, as `create` orders them. False when the flow stays
+/// where it was.
 #[inline(always)]
-fn remove(map: &Conntrack, key: &CtKey) {
-    let _ = map.remove(key);
-    flow_cache::invalidate(key);
+fn promote<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    entry: *const CtValueOf<F::Addr>,
+    flags: u8,
+    scratch: &mut Scratch<F::Addr>,
+    flow: &FlowOf<F::Addr>,
+    now: u64,
+) -> bool {
+    let Some(reply) = F::ct_new().get_ptr(&scratch.key) else {
+        // Its reply entry was evicted: the flow could not go on anyway.
+        return false;
+    };
+    // SAFETY: map value pointers valid for this program's run.
+    unsafe {
+        scratch.value = *reply;
+        scratch.value.flags |= ct_flags::ASSURED;
+        scratch.value.last_seen_ns = now;
+    }
+    let reply_in = insert_over::<F>(&scratch.key, &scratch.value);
+    // SAFETY: as above.
+    unsafe {
+        scratch.value = *entry;
+        scratch.value.flags = flags;
+        scratch.value.last_seen_ns = now;
+    }
+    if !reply_in || !insert_over::<F>(key, &scratch.value) {
+        count(counter::CT_INSERT_FAILED);
+        F::log(Event::CtInsertFailed, flow);
+        return false;
+    }
+    // Never copied into the flow cache (only `CONNTRACK`'s entries are),
+    // so nothing to invalidate.
+    let _ = F::ct_new().remove(key);
+    let _ = F::ct_new().remove(&scratch.key);
+    true
 }
 
 /// Inserts `key`'s entry into `CONNTRACK` if it has none. Otherwise (a live
 /// flow of another client port clashing on the backend side, or an expired
 /// one) overwrites it, and voids the copies of what it replaced: the
-/// uncommon case pays for the invalidation.
+/// uncommon case pays for the invalidation. False when neither insert went
+/// in.
 #[inline(always)]
-fn insert_over(key: &CtKey, value: &CtValue) -> Result<(), ()> {
-    if CONNTRACK.insert(key, value, BPF_NOEXIST).is_ok() {
-        return Ok(());
+fn insert_over<F: Family>(key: &CtKeyOf<F::Addr>, value: &CtValueOf<F::Addr>) -> bool {
+    if F::conntrack().insert(key, value, BPF_NOEXIST).is_ok() {
+        return true;
     }
-    CONNTRACK.insert(key, value, BPF_ANY).map_err(|_| ())?;
+    if F::conntrack().insert(key, value, BPF_ANY).is_err() {
+        return false;
+    }
     flow_cache::invalidate(key);
-    Ok(())
-}
-
-/// Makes way in `CONNTRACK` for a new flow's reply entry at `reply_key`:
-/// an assured flow there would shadow it (lookups try `CONNTRACK` first).
-/// One lookup, a miss but for a clash on the backend side, where the older
-/// flow loses, as one map overwrote it.
-#[inline(always)]
-fn unshadow(reply_key: &CtKey) {
-    if CONNTRACK.get_ptr(reply_key).is_some() {
-        remove(&CONNTRACK, reply_key);
-    }
+    true
 }
 
 /// The hairpin source address as it sits in a packet.
@@ -325,11 +329,11 @@ pub fn hairpin_addr() -> u32 {
 }
 
 /// A new flow, as decided: `nat` is what its first packet becomes.
-pub struct NewFlow {
-    pub nat: Nat,
+pub struct NewFlow<A> {
+    pub nat: NatOf<A>,
     pub backend_id: u32,
     pub service_id: u32,
-    /// HAIRPIN or SNAT for a two-sided flow, else 0.
+    /// `ct_flags::HAIRPIN` or `SNAT` for a two-sided flow, else 0.
     pub kind: u8,
     /// Replies leave with a source that is an address of this node.
     pub reply_redirect: bool,
@@ -337,137 +341,176 @@ pub struct NewFlow {
     pub path_mtu: u16,
 }
 
-/// Creates both entries of a new flow of `flow` (client -> frontend). The
-/// backend answers `nf.nat`'s source (the client, the hairpin address, or
-/// this node for SNAT), and its replies are rewritten back to the frontend
-/// and the client.
+/// Writes the reply entry of the new flow `nf` of `flow` into `value`, and
+/// its key into `key`: the backend answers `nf.nat`'s source (the client,
+/// the hairpin address, or this node for SNAT), and its replies are
+/// rewritten back to the frontend and the client.
 #[inline(always)]
-fn entries(flow: &Flow, nf: &NewFlow, now: u64) -> (CtKey, CtValue, CtValue) {
-    let forward = CtValue {
-        nat_addr_be: nf.nat.dst_be,
-        nat_port_be: nf.nat.dport_be,
-        flags: nf.kind
-            | if nf.nat.redirect {
-                ct_flags::REDIRECT
-            } else {
-                0
-            },
-        dir: ct_dir::FORWARD,
-        alt_addr_be: nf.nat.src_be,
-        alt_port_be: nf.nat.sport_be,
-        path_mtu: nf.path_mtu,
-        backend_id: nf.backend_id,
-        service_id: nf.service_id,
-        created_ns: now,
-        last_seen_ns: now,
-    };
-    let reply = CtValue {
-        nat_addr_be: flow.dst_be,
-        nat_port_be: flow.dport_be,
-        flags: nf.kind
-            | if nf.reply_redirect {
-                ct_flags::REDIRECT
-            } else {
-                0
-            },
-        dir: ct_dir::REPLY,
-        alt_addr_be: flow.src_be,
-        alt_port_be: flow.sport_be,
-        path_mtu: 0,
-        ..forward
-    };
-    let reply_key = key(
+fn reply_entry<A: FlowAddr>(
+    flow: &FlowOf<A>,
+    nf: &NewFlow<A>,
+    now: u64,
+    key: &mut CtKeyOf<A>,
+    value: &mut CtValueOf<A>,
+) {
+    *key = CtKeyOf::new(
         nf.nat.dst_be,
         nf.nat.src_be,
         nf.nat.dport_be,
         nf.nat.sport_be,
         flow.proto,
     );
-    (reply_key, forward, reply)
+    *value = CtValueOf {
+        nat_addr_be: flow.dst_be,
+        alt_addr_be: flow.src_be,
+        nat_port_be: flow.dport_be,
+        alt_port_be: flow.sport_be,
+        flags: nf.kind | redirect_flag(nf.reply_redirect),
+        dir: ct_dir::REPLY,
+        path_mtu: 0,
+        backend_id: nf.backend_id,
+        service_id: nf.service_id,
+        created_ns: now,
+        last_seen_ns: now,
+    };
 }
 
-/// Creates both entries of a new flow whose source port is kept.
 #[inline(always)]
-pub fn create(flow: &Flow, nf: &NewFlow, now: u64) {
-    let (reply_key, forward, reply) = entries(flow, nf, now);
-    unshadow(&reply_key);
-    // Reply entry first: once the forward entry exists, packets are
-    // translated, and their answers must already find their way back. Both
-    // overwrite what `CT_NEW` holds for their keys: the packet's own key,
-    // which its lookup just found absent, expired or removed, and an
-    // unassured flow of another client port clashing on the backend side.
-    // Neither was ever copied into the flow cache.
-    if CT_NEW.insert(&reply_key, &reply, BPF_ANY).is_err()
-        || CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err()
-    {
+fn redirect_flag(redirect: bool) -> u8 {
+    if redirect { ct_flags::REDIRECT } else { 0 }
+}
+
+/// Turns `scratch.value`, the reply entry of `nf`, into its forward entry
+/// and inserts it into `CT_NEW` at `flow`'s own key: one value made both
+/// entries.
+#[inline(always)]
+fn insert_forward<F: Family>(
+    flow: &FlowOf<F::Addr>,
+    nf: &NewFlow<F::Addr>,
+    scratch: &mut Scratch<F::Addr>,
+) -> bool {
+    let value = &mut scratch.value;
+    value.nat_addr_be = nf.nat.dst_be;
+    value.alt_addr_be = nf.nat.src_be;
+    value.nat_port_be = nf.nat.dport_be;
+    value.alt_port_be = nf.nat.sport_be;
+    value.flags = nf.kind | redirect_flag(nf.nat.redirect);
+    value.dir = ct_dir::FORWARD;
+    value.path_mtu = nf.path_mtu;
+    scratch.other_key = flow_key(flow);
+    F::ct_new()
+        .insert(&scratch.other_key, &scratch.value, BPF_ANY)
+        .is_ok()
+}
+
+/// This CPU's `Scratch` of the family, or None (never: the map has its one
+/// entry).
+#[inline(always)]
+fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
+    // SAFETY: this CPU's entry, used by nothing else while this program
+    // runs (see `Scratch`).
+    F::scratch().map(|p| unsafe { &mut *p })
+}
+
+/// Creates both entries of a new flow of `flow` (client -> frontend) whose
+/// source port is kept, in `CT_NEW`: the reply entry first, so that once
+/// packets are translated their answers already find their way back. An
+/// assured flow holding the reply entry's key in `CONNTRACK` (a clash on
+/// the backend side) would shadow it (lookups try `CONNTRACK` first), and
+/// goes: the older flow loses, as one map overwrote it. Both overwrite what
+/// `CT_NEW` holds for their keys: the packet's own, which its lookup just
+/// found absent, expired or removed, and an unassured flow of another
+/// client port clashing on the backend side.
+#[inline(always)]
+pub fn create<F: Family>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64) {
+    let failed = match scratch::<F>() {
+        Some(scratch) => {
+            reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
+            if F::conntrack().get_ptr(&scratch.key).is_some() {
+                remove::<F>(F::conntrack(), &scratch.key);
+            }
+            let reply_failed = F::ct_new()
+                .insert(&scratch.key, &scratch.value, BPF_ANY)
+                .is_err();
+            !insert_forward::<F>(flow, nf, scratch) || reply_failed
+        }
+        None => true,
+    };
+    if failed {
         count(counter::CT_INSERT_FAILED);
-        event_log::log(Event::CtInsertFailed, flow);
+        F::log(Event::CtInsertFailed, flow);
     }
     count(counter::CT_NEW_FLOW);
 }
 
-/// Whether the SNATed flow of forward entry `forward` is the one whose
-/// replies have the tuple `reply_key` (backend -> node address, SNAT port).
+/// Creates both entries of a flow whose source becomes this node's (SNAT,
+/// and IPv6's hairpin), choosing its source port in `min..=max` (host
+/// order): the reply entry is inserted only if no live flow holds that
+/// (backend, node address, port) tuple, assured or not, so two flows never
+/// share one. The port is left in `nf.nat.sport_be`. False when every try
+/// was taken.
 #[inline(always)]
-fn replies_to(forward: &CtValue, reply_key: &CtKey) -> bool {
-    forward.dir == ct_dir::FORWARD
-        && forward.nat_addr_be == reply_key.src_be
-        && forward.nat_port_be == reply_key.sport_be
-        && forward.alt_addr_be == reply_key.dst_be
-        && forward.alt_port_be == reply_key.dport_be
-}
-
-/// Creates both entries of a SNATed flow, choosing its source port in
-/// `min..=max` (host order): the reply entry is inserted only if no live
-/// flow holds that (backend, node address, port) tuple, assured or not, so
-/// two flows never share one. Returns the port (network order), or None
-/// when every try was taken.
-#[inline(always)]
-pub fn create_snat(flow: &Flow, nf: &mut NewFlow, min: u16, max: u16, now: u64) -> Option<u16> {
+pub fn create_snat<F: Family>(
+    flow: &FlowOf<F::Addr>,
+    nf: &mut NewFlow<F::Addr>,
+    min: u16,
+    max: u16,
+    now: u64,
+) -> bool {
+    let Some(scratch) = scratch::<F>() else {
+        return false;
+    };
     let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
-    let timeouts = ct_timeouts();
+    // The reply entry is the same whatever the port.
+    reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
     for _ in 0..SNAT_TRIES {
         // SAFETY: a helper that takes no pointers and has no preconditions.
         let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
         nf.nat.sport_be = (port as u16).to_be();
-        let (reply_key, forward, reply) = entries(flow, nf, now);
-        if !port_free(&CONNTRACK, &reply_key, flow.proto, now, &timeouts) {
+        scratch.key.dport_be = nf.nat.sport_be;
+        if !port_free::<F>(F::conntrack(), scratch, flow.proto, now) {
             continue;
         }
         // Claimed with NOEXIST, so that two racing CPUs never both win it.
-        let mut taken = CT_NEW.insert(reply_key, reply, BPF_NOEXIST).is_err();
-        if taken && port_free(&CT_NEW, &reply_key, flow.proto, now, &timeouts) {
-            taken = CT_NEW.insert(reply_key, reply, BPF_NOEXIST).is_err();
+        let mut taken = F::ct_new()
+            .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
+            .is_err();
+        if taken && port_free::<F>(F::ct_new(), scratch, flow.proto, now) {
+            taken = F::ct_new()
+                .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
+                .is_err();
         }
-        if !taken {
-            if CT_NEW.insert(&flow_key(flow), &forward, BPF_ANY).is_err() {
-                count(counter::CT_INSERT_FAILED);
-                event_log::log(Event::CtInsertFailed, flow);
-            }
-            count(counter::CT_NEW_FLOW);
-            return Some(nf.nat.sport_be);
+        if taken {
+            continue;
         }
+        if !insert_forward::<F>(flow, nf, scratch) {
+            count(counter::CT_INSERT_FAILED);
+            F::log(Event::CtInsertFailed, flow);
+        }
+        count(counter::CT_NEW_FLOW);
+        return true;
     }
-    None
+    false
 }
 
-/// Whether no live flow in `map` holds the SNAT tuple `reply_key`. An
-/// expired flow, or a closed one quiet for a while, gives its port up: it
-/// is removed whole (its forward entry would still send a straggler to this
-/// port), so that the caller can claim the port.
+/// Whether no live flow in `map` holds the SNAT tuple `scratch.key`. An
+/// expired flow, or a closed one quiet for `SNAT_CLOSED_REUSE_NS`, gives
+/// its port up: it is removed whole (its forward entry, looked up at
+/// `scratch.other_key`, would still send a straggler to this port), so that
+/// the caller can claim the port.
 #[inline(always)]
-fn port_free(
-    map: &Conntrack,
-    reply_key: &CtKey,
+fn port_free<F: Family>(
+    map: &Conntrack<F::Addr>,
+    scratch: &mut Scratch<F::Addr>,
     proto: u8,
     now: u64,
-    timeouts: &CtTimeouts,
 ) -> bool {
-    // SAFETY: a valid map value pointer for the duration of this program.
-    let Some(old) = map.get_ptr(reply_key).map(|p| unsafe { *p }) else {
+    let Some(old) = map.get_ptr(&scratch.key) else {
         return true;
     };
-    let free = old.expired(proto, now, timeouts)
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let old = unsafe { &*old };
+    let free = old.expired(proto, now, &ct_timeouts())
         || (old.flags & ct_flags::CLOSING != 0
             && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS);
     if !free {
@@ -477,7 +520,7 @@ fn port_free(
     // client may have opened a newer connection from the same port since,
     // whose forward entry has the same key and another SNAT port.
     if old.dir == ct_dir::REPLY {
-        let forward_key = key(
+        scratch.other_key = CtKeyOf::new(
             old.alt_addr_be,
             old.nat_addr_be,
             old.alt_port_be,
@@ -485,13 +528,25 @@ fn port_free(
             proto,
         );
         let still_old = map
-            .get_ptr(forward_key)
-            // SAFETY: a pointer the map lookup returned, valid for this program's run.
-            .is_some_and(|f| replies_to(unsafe { &*f }, reply_key));
+            .get_ptr(&scratch.other_key)
+            // SAFETY: a pointer the map lookup returned, valid for this
+            // program's run.
+            .is_some_and(|f| replies_to(unsafe { &*f }, &scratch.key));
         if still_old {
-            remove(map, &forward_key);
+            remove::<F>(map, &scratch.other_key);
         }
     }
-    remove(map, reply_key);
+    remove::<F>(map, &scratch.key);
     true
+}
+
+/// Whether the SNATed flow of forward entry `forward` is the one whose
+/// replies have the tuple `reply_key` (backend -> node address, SNAT port).
+#[inline(always)]
+fn replies_to<A: FlowAddr>(forward: &CtValueOf<A>, reply_key: &CtKeyOf<A>) -> bool {
+    forward.dir == ct_dir::FORWARD
+        && forward.nat_addr_be.same(&reply_key.src_be)
+        && forward.nat_port_be == reply_key.sport_be
+        && forward.alt_addr_be.same(&reply_key.dst_be)
+        && forward.alt_port_be == reply_key.dport_be
 }

@@ -1,17 +1,25 @@
 //! What differs between IPv4 and IPv6 for the parts of the datapath written
-//! once over the family (`route`, `reject`): the width of an address, the
-//! FIB's family, the router's decrement of TTL or hop limit (IPv4's with
-//! its header checksum), and the ICMP error that says a packet is too big.
+//! once over the family (`conntrack`, `flow_cache`, `route`, `reject`): the
+//! width of an address, the maps a family's flows live in, the FIB's
+//! family, the router's decrement of TTL or hop limit (IPv4's with its
+//! header checksum), and the ICMP error that says a packet is too big.
 //! Each family is a type without values (`V4`, `V6`); code generic over
 //! `F: Family` is monomorphized, so each family's program holds its own
 //! copy, with no branch on the family at run time.
 
 use aya_ebpf::bindings::bpf_fib_lookup;
-use proxy_common::csum::{fold, replace16};
+use proxy_common::{
+    FlowAddr,
+    csum::{fold, replace16},
+};
 
 use crate::{
     event_log::{self, Event},
-    packet::{ETH_HLEN, read},
+    maps::{
+        CONNTRACK, CONNTRACK6, CT_NEW, CT_NEW6, Conntrack, FLOW_CACHE, FLOW_CACHE6, FlowCache,
+        SCRATCH, SCRATCH6, Scratch,
+    },
+    packet::{ETH_HLEN, FlowOf, read},
 };
 
 /// An ICMP error the datapath answers with (`crate::reject`).
@@ -26,7 +34,22 @@ pub enum IcmpError {
 /// An address family the datapath translates.
 pub trait Family {
     /// An address as on the wire (network order words).
-    type Addr: Copy;
+    type Addr: FlowAddr;
+
+    /// Assured flows (see `crate::conntrack`).
+    fn conntrack() -> &'static Conntrack<Self::Addr>;
+
+    /// Flows not assured yet.
+    fn ct_new() -> &'static Conntrack<Self::Addr>;
+
+    /// This CPU's room for conntrack's temporaries (see `maps::Scratch`).
+    fn scratch() -> Option<*mut Scratch<Self::Addr>>;
+
+    /// The per-CPU flow cache (see `crate::flow_cache`).
+    fn flow_cache() -> &'static FlowCache<Self::Addr>;
+
+    /// Logs `event` about a packet of `flow`.
+    fn log(event: Event, flow: &FlowOf<Self::Addr>);
 
     /// `AF_INET` or `AF_INET6`, as the FIB takes it.
     const AF: u8;
@@ -95,6 +118,31 @@ const IPV6_HLEN: usize = 40;
 impl Family for V4 {
     type Addr = u32;
     const AF: u8 = AF_INET;
+
+    #[inline(always)]
+    fn conntrack() -> &'static Conntrack<u32> {
+        &CONNTRACK
+    }
+
+    #[inline(always)]
+    fn ct_new() -> &'static Conntrack<u32> {
+        &CT_NEW
+    }
+
+    #[inline(always)]
+    fn scratch() -> Option<*mut Scratch<u32>> {
+        SCRATCH.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn flow_cache() -> &'static FlowCache<u32> {
+        &FLOW_CACHE
+    }
+
+    #[inline(always)]
+    fn log(event: Event, flow: &FlowOf<u32>) {
+        event_log::log(event, flow);
+    }
 
     #[inline(always)]
     fn fib_addrs(params: &mut bpf_fib_lookup, src: &u32, dst: &u32) {
@@ -179,6 +227,31 @@ impl Family for V4 {
 impl Family for V6 {
     type Addr = [u32; 4];
     const AF: u8 = AF_INET6;
+
+    #[inline(always)]
+    fn conntrack() -> &'static Conntrack<[u32; 4]> {
+        &CONNTRACK6
+    }
+
+    #[inline(always)]
+    fn ct_new() -> &'static Conntrack<[u32; 4]> {
+        &CT_NEW6
+    }
+
+    #[inline(always)]
+    fn scratch() -> Option<*mut Scratch<[u32; 4]>> {
+        SCRATCH6.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn flow_cache() -> &'static FlowCache<[u32; 4]> {
+        &FLOW_CACHE6
+    }
+
+    #[inline(always)]
+    fn log(event: Event, flow: &FlowOf<[u32; 4]>) {
+        event_log::log6(event, flow);
+    }
 
     #[inline(always)]
     fn fib_addrs(params: &mut bpf_fib_lookup, src: &[u32; 4], dst: &[u32; 4]) {

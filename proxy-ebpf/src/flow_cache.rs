@@ -5,18 +5,18 @@
 //! IPv6 flows have a cache of their own, `FLOW_CACHE6`, under the same
 //! contract and the same counters (`FLOW_GEN`): a shared map would need a
 //! family in every key, and IPv4's copies would grow by the 16-byte
-//! addresses they never use.
+//! addresses they never use. Written once over the family (`Family`).
 
 use core::intrinsics::AtomicOrdering;
 
 use proxy_common::{
-    Ct6Key, Ct6Value, CtKey, CtValue, FLOW_GEN_EPOCH, FlowCacheEntry, ct_flags, ct_timeout,
-    flow_cache_slot, flow_cache6_slot,
+    CtKeyOf, CtValueOf, FLOW_GEN_EPOCH, FlowAddr, ct_flags, ct_timeout, flow_cache_slot,
 };
 
 use crate::{
-    maps::{FLOW_CACHE, FLOW_CACHE6, FLOW_GEN, ct_timeouts},
-    packet::{Flow, TCP_FIN, TCP_RST, TCP_SYN},
+    family::Family,
+    maps::{FLOW_GEN, ct_timeouts},
+    packet::{TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// Where a flow's copy lives, and the invalidation counters as they were
@@ -42,15 +42,10 @@ fn generation(index: u32) -> u32 {
         .map_or(0, |p| unsafe { core::ptr::read_volatile(p) } as u32)
 }
 
+/// The stamp of a packet with `tcp_flags` of `key`'s flow.
 #[inline(always)]
-pub fn stamp(key: &CtKey, flow: &Flow) -> Stamp {
-    stamp_slot(flow_cache_slot(key), flow.tcp_flags)
-}
-
-/// `stamp` of an IPv6 flow.
-#[inline(always)]
-pub fn stamp6(key: &Ct6Key, tcp_flags: u8) -> Stamp {
-    stamp_slot(flow_cache6_slot(key), tcp_flags)
+pub fn stamp<A: FlowAddr>(key: &CtKeyOf<A>, tcp_flags: u8) -> Stamp {
+    stamp_slot(flow_cache_slot(key), tcp_flags)
 }
 
 #[inline(always)]
@@ -72,81 +67,38 @@ fn stamp_slot(slot: u32, tcp_flags: u8) -> Stamp {
 }
 
 /// This CPU's copy of `key`'s conntrack entry, when it is still good for
-/// this packet.
+/// this packet: a pointer into this CPU's slot, valid for this program's
+/// run, rather than a copy on the stack.
 #[inline(always)]
-pub fn get(key: &CtKey, stamp: &Stamp, now: u64) -> Option<CtValue> {
+pub fn get<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    stamp: &Stamp,
+    now: u64,
+) -> Option<*const CtValueOf<F::Addr>> {
     if !stamp.usable {
         return None;
     }
     // SAFETY: this CPU's slot; only programs on this CPU write it, and they
     // do not run nested.
-    let copy = unsafe { &*FLOW_CACHE.get_ptr(stamp.slot)? };
-    let good = copy.key == *key
-        && copy.slot_gen == stamp.slot_gen
-        && copy.epoch == stamp.epoch
-        && now.wrapping_sub(copy.value.last_seen_ns) < ct_timeout::REFRESH_NS;
-    good.then_some(copy.value)
-}
-
-/// Keeps a copy of `entry`, just found live in conntrack for `key`. Closing
-/// flows are not copied (their next packets change or remove the entry),
-/// nor entries that could expire while a copy is good.
-#[inline(always)]
-pub fn put(key: &CtKey, stamp: &Stamp, entry: &CtValue, now: u64) {
-    if !stamp.usable
-        || entry.flags & ct_flags::CLOSING != 0
-        || entry.expired(key.proto, now + 2 * ct_timeout::REFRESH_NS, &ct_timeouts())
-    {
-        return;
-    }
-    if let Some(slot) = FLOW_CACHE.get_ptr_mut(stamp.slot) {
-        // SAFETY: as in `get`.
-        unsafe {
-            *slot = FlowCacheEntry {
-                key: *key,
-                value: CtValue {
-                    last_seen_ns: now,
-                    ..*entry
-                },
-                slot_gen: stamp.slot_gen,
-                epoch: stamp.epoch,
-            }
-        };
-    }
-}
-
-/// This CPU's copy of the IPv6 `key`'s entry, when it is still good for
-/// this packet: a pointer into this CPU's `FLOW_CACHE6` slot, valid for
-/// this program's run, rather than a copy on `tc_ingress6`'s stack.
-#[inline(always)]
-pub fn get6(key: &Ct6Key, stamp: &Stamp, now: u64) -> Option<*const Ct6Value> {
-    if !stamp.usable {
-        return None;
-    }
-    // SAFETY: as in `get`.
-    let copy = unsafe { &*FLOW_CACHE6.get_ptr(stamp.slot)? };
-    let good = same6(&copy.key, key)
+    let copy = unsafe { &*F::flow_cache().get_ptr(stamp.slot)? };
+    let good = copy.key.same(key)
         && copy.slot_gen == stamp.slot_gen
         && copy.epoch == stamp.epoch
         && now.wrapping_sub(copy.value.last_seen_ns) < ct_timeout::REFRESH_NS;
     good.then_some(&raw const copy.value)
 }
 
-/// Whether two IPv6 keys are equal, in a few register operations: `==`
-/// on their address arrays may become a call to `bcmp`.
+/// Keeps a copy of `*entry`, an assured entry of `CONNTRACK` just found
+/// live for `key`, as this packet left it. Closing flows are not copied
+/// (their next packets change or remove the entry), nor entries that could
+/// expire while a copy is good.
 #[inline(always)]
-fn same6(a: &Ct6Key, b: &Ct6Key) -> bool {
-    let mut diff = 0;
-    for i in 0..4 {
-        diff |= (a.src_be[i] ^ b.src_be[i]) | (a.dst_be[i] ^ b.dst_be[i]);
-    }
-    diff == 0 && a.sport_be == b.sport_be && a.dport_be == b.dport_be && a.proto == b.proto
-}
-
-/// `put` of an IPv6 flow: keeps a copy of `*entry`, an assured entry of
-/// `CONNTRACK6` just found live for `key`, as refreshed by this packet.
-#[inline(always)]
-pub fn put6(key: &Ct6Key, stamp: &Stamp, entry: *const Ct6Value, now: u64) {
+pub fn put<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    stamp: &Stamp,
+    entry: *const CtValueOf<F::Addr>,
+    now: u64,
+) {
     if !stamp.usable {
         return;
     }
@@ -157,10 +109,10 @@ pub fn put6(key: &Ct6Key, stamp: &Stamp, entry: *const Ct6Value, now: u64) {
     {
         return;
     }
-    if let Some(slot) = FLOW_CACHE6.get_ptr_mut(stamp.slot) {
-        // SAFETY: as in `get`. Written field by field: a whole
-        // `FlowCache6Entry` built first would take 112 bytes of a stack
-        // that has no room for them.
+    if let Some(slot) = F::flow_cache().get_ptr_mut(stamp.slot) {
+        // SAFETY: as in `get`. Written field by field: a whole entry built
+        // first would take its size again on the stack (112 bytes for
+        // IPv6), which has no room for it.
         unsafe {
             (*slot).key = *key;
             (*slot).value = *entry;
@@ -174,14 +126,8 @@ pub fn put6(key: &Ct6Key, stamp: &Stamp, entry: *const Ct6Value, now: u64) {
 /// Voids every CPU's copy of `key`'s entry: called once the datapath has
 /// removed or overwritten that entry.
 #[inline(always)]
-pub fn invalidate(key: &CtKey) {
+pub fn invalidate<A: FlowAddr>(key: &CtKeyOf<A>) {
     bump_slot(flow_cache_slot(key));
-}
-
-/// `invalidate` of an IPv6 flow's entry.
-#[inline(always)]
-pub fn invalidate6(key: &Ct6Key) {
-    bump_slot(flow_cache6_slot(key));
 }
 
 #[inline(always)]

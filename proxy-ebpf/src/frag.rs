@@ -25,7 +25,7 @@ fn key(flow: &Flow) -> FragKey {
     FragKey {
         src_be: v4_mapped(flow.src_be),
         dst_be: v4_mapped(flow.dst_be),
-        id_be: u32::from(flow.ip_id_be),
+        id_be: flow.frag_id_be,
         proto: flow.proto,
         _pad0: 0,
         _pad1: 0,

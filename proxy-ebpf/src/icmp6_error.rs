@@ -33,8 +33,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::now_ns,
-    conntrack6,
+    conntrack::{self, now_ns},
     event_log::{self, Event},
     family::V6,
     maps::count,
@@ -111,12 +110,12 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
         frag: frag::NONE,
         frag_id_be: 0,
     };
-    let key = conntrack6::flow_key(&flow);
-    let Some(found) = conntrack6::lookup(&key, &flow, now_ns()) else {
+    let key = conntrack::flow_key(&flow);
+    let Some(found) = conntrack::lookup::<V6>(&key, &flow, now_ns()) else {
         return TC_ACT_OK;
     };
     // SAFETY: a valid map value pointer for the duration of this program.
-    let nat = conntrack6::translation(unsafe { &*found.ptr }, &flow);
+    let nat = conntrack::translation(unsafe { &*found.ptr }, &flow);
     let from_peer = outer.src_be == quote.dst_be;
     let at = Offsets {
         icmp: icmp_off,

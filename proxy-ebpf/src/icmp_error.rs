@@ -30,7 +30,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::{self, Found},
+    conntrack,
     event_log::{self, Event},
     family::V4,
     maps::count,
@@ -83,15 +83,14 @@ impl Quoted {
     fn as_flow(&self) -> Flow {
         Flow {
             l4_off: self.quote_l4_off,
-            proto: self.proto,
-            ihl_bytes: 0,
             src_be: self.q_dst_be,
             dst_be: self.q_src_be,
             sport_be: self.q_dport_be,
             dport_be: self.q_sport_be,
+            proto: self.proto,
             tcp_flags: 0,
             frag: frag::NONE,
-            ip_id_be: 0,
+            frag_id_be: 0,
         }
     }
 }
@@ -113,10 +112,12 @@ pub fn handle(ctx: &TcContext) -> Action {
     }
     let flow = quoted.as_flow();
     let key = conntrack::flow_key(&flow);
-    let Some(Found { entry, .. }) = conntrack::lookup(&key, &flow, conntrack::now_ns()) else {
+    let Some(found) = conntrack::lookup::<V4>(&key, &flow, conntrack::now_ns()) else {
         return Action::Pass;
     };
-    let nat = conntrack::translation(&entry, &flow);
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let entry = unsafe { &*found.ptr };
+    let nat = conntrack::translation(entry, &flow);
     let from_peer = quoted.src_be == quoted.q_dst_be;
     let outer = Nat {
         src_be: if from_peer { nat.src_be } else { quoted.src_be },

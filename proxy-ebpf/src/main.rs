@@ -24,7 +24,6 @@
 )]
 
 mod conntrack;
-mod conntrack6;
 mod event_log;
 mod family;
 mod flow_cache;

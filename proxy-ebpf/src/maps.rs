@@ -8,12 +8,11 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
-    Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_CACHE_SLOTS, FlowCache6Entry,
-    FlowCacheEntry, FragKey, FragValue, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS,
-    MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
-    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed,
-    sock_counter,
+    Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
+    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
+    MAX_CONNTRACK, MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
+    SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -36,27 +35,24 @@ pub static BACKEND_SLOTS: HashMap<
 pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
 
-/// Either conntrack map (see `crate::conntrack`).
-pub type Conntrack = LruHashMap<CtKey, CtValue, { MAX_CONNTRACK as usize }>;
+/// A conntrack map of either family (see `crate::conntrack`).
+pub type Conntrack<A> = LruHashMap<CtKeyOf<A>, CtValueOf<A>, { MAX_CONNTRACK as usize }>;
 
 /// Assured flows. The agent sets its size (`--conntrack-max`).
 #[btf_map]
-pub static CONNTRACK: Conntrack = LruHashMap::new();
+pub static CONNTRACK: Conntrack<u32> = LruHashMap::new();
 
 /// Flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
 #[btf_map]
-pub static CT_NEW: Conntrack = LruHashMap::new();
-
-/// Either IPv6 conntrack map (see `crate::conntrack6`).
-pub type Conntrack6 = LruHashMap<Ct6Key, Ct6Value, { MAX_CONNTRACK as usize }>;
+pub static CT_NEW: Conntrack<u32> = LruHashMap::new();
 
 /// Assured IPv6 flows. The agent sets its size (`--conntrack-max`).
 #[btf_map]
-pub static CONNTRACK6: Conntrack6 = LruHashMap::new();
+pub static CONNTRACK6: Conntrack<[u32; 4]> = LruHashMap::new();
 
 /// IPv6 flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
 #[btf_map]
-pub static CT_NEW6: Conntrack6 = LruHashMap::new();
+pub static CT_NEW6: Conntrack<[u32; 4]> = LruHashMap::new();
 
 /// The programs `xdp_ingress` hands frames on to by a tail call: at
 /// `proxy_common::XDP_NEXT_IPV6`, `xdp_ingress6`. Filled by the agent at
@@ -66,22 +62,27 @@ pub static CT_NEW6: Conntrack6 = LruHashMap::new();
 #[btf_map]
 pub static XDP_NEXT: ProgramArray<1> = ProgramArray::new();
 
-/// Room for the largest temporaries of `tc_ingress6`'s new flows (see
-/// `Scratch6`). Never pinned: it holds nothing from one packet to the next.
+/// Room for the largest temporaries of conntrack's writes (see `Scratch`),
+/// one map per family. Never pinned: they hold nothing from one packet to
+/// the next.
 #[btf_map]
-pub static SCRATCH6: PerCpuArray<Scratch6, 1> = PerCpuArray::new();
+pub static SCRATCH: PerCpuArray<Scratch<u32>, 1> = PerCpuArray::new();
 
-/// What `SCRATCH6` holds: the conntrack entry and keys a SNATed flow's
-/// port is claimed with (`conntrack6::create_snat`) and those a flow is
-/// assured with (`conntrack6::touch`). On the program's stack they would
-/// take it past the 512 bytes it may use; on this CPU's entry of a per-CPU
-/// map they are the packet's alone, as tc and XDP run one program at a time
-/// on a CPU.
+/// `SCRATCH` of IPv6 flows.
+#[btf_map]
+pub static SCRATCH6: PerCpuArray<Scratch<[u32; 4]>, 1> = PerCpuArray::new();
+
+/// What `SCRATCH` and `SCRATCH6` hold: the conntrack entry and keys a
+/// flow's entries are created with, a SNATed flow's port claimed with and a
+/// flow assured with (`crate::conntrack`). On the program's stack they would
+/// take IPv6's past the 512 bytes it may use (and most of what IPv4's has
+/// left); on this CPU's entry of a per-CPU map they are the packet's alone,
+/// as tc and XDP run one program at a time on a CPU.
 #[repr(C)]
-pub struct Scratch6 {
-    pub key: Ct6Key,
-    pub other_key: Ct6Key,
-    pub value: Ct6Value,
+pub struct Scratch<A> {
+    pub key: CtKeyOf<A>,
+    pub other_key: CtKeyOf<A>,
+    pub value: CtValueOf<A>,
 }
 
 /// The route of the packet being handled, both families (see `crate::route`):
@@ -107,21 +108,16 @@ pub struct Route {
 #[btf_map]
 pub static FLOW_KEY6: PerCpuArray<Ct6Key, 1> = PerCpuArray::new();
 
-/// This CPU's `SCRATCH6` entry.
-#[inline(always)]
-pub fn scratch6() -> Option<*mut Scratch6> {
-    SCRATCH6.get_ptr_mut(0)
-}
+/// The flow cache of either family (see `proxy_common::FlowCacheEntryOf`).
+pub type FlowCache<A> = PerCpuArray<FlowCacheEntryOf<A>, { FLOW_CACHE_SLOTS as usize }>;
 
 /// See `proxy_common::FlowCacheEntry`.
 #[btf_map]
-pub static FLOW_CACHE: PerCpuArray<FlowCacheEntry, { FLOW_CACHE_SLOTS as usize }> =
-    PerCpuArray::new();
+pub static FLOW_CACHE: FlowCache<u32> = PerCpuArray::new();
 
 /// See `proxy_common::FlowCache6Entry`.
 #[btf_map]
-pub static FLOW_CACHE6: PerCpuArray<FlowCache6Entry, { FLOW_CACHE_SLOTS as usize }> =
-    PerCpuArray::new();
+pub static FLOW_CACHE6: FlowCache<[u32; 4]> = PerCpuArray::new();
 
 /// Invalidation counters of `FLOW_CACHE` and `FLOW_CACHE6`: one per cache
 /// slot, then the agent's epoch.

@@ -15,7 +15,7 @@ use proxy_common::{
 use crate::{
     hook::Hook,
     ip_summed, maps,
-    packet::{ETH_HLEN, Flow, frag},
+    packet::{ETH_HLEN, Flow, FlowOf, frag},
 };
 
 const IP_CSUM_OFF: usize = 10;
@@ -31,23 +31,27 @@ const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// 0xffff, as RFC 768 wants.
 const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
 
-/// The addresses and ports a packet leaves with.
+/// The addresses and ports a packet leaves with, of either family (`Nat`,
+/// `crate::nat6::Nat6`).
 #[derive(Clone, Copy)]
-pub struct Nat {
-    pub src_be: u32,
+pub struct NatOf<A> {
+    pub src_be: A,
     pub sport_be: u16,
-    pub dst_be: u32,
+    pub dst_be: A,
     pub dport_be: u16,
     /// The new source is an address of this node: the packet must be routed
     /// by a FIB lookup and redirected, as the stack would drop it.
     pub redirect: bool,
 }
 
-impl Nat {
+/// An IPv4 packet's translation.
+pub type Nat = NatOf<u32>;
+
+impl<A: Copy> NatOf<A> {
     /// The packet as it is.
     #[inline(always)]
-    pub fn identity(flow: &Flow) -> Nat {
-        Nat {
+    pub fn identity(flow: &FlowOf<A>) -> Self {
+        NatOf {
             src_be: flow.src_be,
             sport_be: flow.sport_be,
             dst_be: flow.dst_be,
@@ -55,7 +59,9 @@ impl Nat {
             redirect: false,
         }
     }
+}
 
+impl Nat {
     /// Writes this translation into the packet.
     #[inline(always)]
     pub fn apply<H: Hook>(&self, ctx: &H, flow: &Flow) -> Result<(), ()> {

@@ -28,7 +28,7 @@ use proxy_common::{
 
 use crate::{
     ip_summed, maps,
-    nat::L4Csum,
+    nat::{L4Csum, NatOf},
     packet::{ETH_HLEN, frag},
     packet6::{Flow6, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, MAX_L4_OFF},
 };
@@ -41,31 +41,10 @@ const NEXT_HDR_OFF: usize = 6;
 
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 
-/// The addresses and ports an IPv6 packet leaves with.
-#[derive(Clone, Copy)]
-pub struct Nat6 {
-    pub src_be: [u32; 4],
-    pub sport_be: u16,
-    pub dst_be: [u32; 4],
-    pub dport_be: u16,
-    /// The new source is an address of this node: routed and redirected
-    /// (`route6`), as `nat::Nat::redirect`.
-    pub redirect: bool,
-}
+/// An IPv6 packet's translation (`nat::NatOf`).
+pub type Nat6 = NatOf<[u32; 4]>;
 
 impl Nat6 {
-    /// The packet as it is.
-    #[inline(always)]
-    pub fn identity(flow: &Flow6) -> Nat6 {
-        Nat6 {
-            src_be: flow.src_be,
-            sport_be: flow.sport_be,
-            dst_be: flow.dst_be,
-            dport_be: flow.dport_be,
-            redirect: false,
-        }
-    }
-
     /// Writes this translation into the packet at tc, transport checksum
     /// updated as the checksum state needs (see the module's comment).
     /// A later fragment gets its addresses alone: it carries neither ports

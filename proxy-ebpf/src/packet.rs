@@ -35,25 +35,32 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-/// The fields of an IPv4 TCP/UDP packet the datapath needs.
+/// The fields of a TCP, UDP or SCTP packet the datapath needs, of either
+/// family (`Flow`, `crate::packet6::Flow6`): what conntrack, NAT and the
+/// pipelines are written once over.
 #[derive(Clone, Copy)]
-pub struct Flow {
+pub struct FlowOf<A> {
+    /// Where the transport header starts: past IPv4's options, or IPv6's
+    /// extension headers.
     pub l4_off: usize,
-    pub proto: u8,
-    pub ihl_bytes: usize,
-    pub src_be: u32,
-    pub dst_be: u32,
+    pub src_be: A,
+    pub dst_be: A,
     pub sport_be: u16,
     pub dport_be: u16,
+    pub proto: u8,
     pub tcp_flags: u8,
     /// `frag::NONE`, `FIRST` or `LATER`.
     pub frag: u8,
-    /// The IPv4 identification, as on the wire (what ties fragments
-    /// together).
-    pub ip_id_be: u16,
+    /// What ties the fragments of a datagram together, as on the wire:
+    /// IPv4's 16-bit identification (in the low-address half) or IPv6's
+    /// fragment header's; 0 for a whole datagram.
+    pub frag_id_be: u32,
 }
 
-impl Flow {
+/// An IPv4 packet's fields.
+pub type Flow = FlowOf<u32>;
+
+impl<A> FlowOf<A> {
     /// Offset of the L4 checksum field.
     #[inline(always)]
     pub fn l4_csum_off(&self) -> usize {
@@ -62,6 +69,12 @@ impl Flow {
         } else {
             self.l4_off + 6
         }
+    }
+
+    /// The IP header's length, options or extension headers included.
+    #[inline(always)]
+    pub fn ip_len(&self) -> usize {
+        self.l4_off - ETH_HLEN
     }
 }
 
@@ -181,15 +194,14 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     };
     Ok(Flow {
         l4_off,
-        proto: ip.proto,
-        ihl_bytes,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
         sport_be: ports[0],
         dport_be: ports[1],
+        proto: ip.proto,
         tcp_flags,
         frag,
-        ip_id_be: ip.id_be,
+        frag_id_be: u32::from(ip.id_be),
     })
 }
 

@@ -11,7 +11,7 @@ use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     hook::Hook,
-    packet::{ETH_HLEN, L4Skip, frag, l4_header, read},
+    packet::{ETH_HLEN, FlowOf, L4Skip, frag, l4_header, read},
 };
 
 const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -42,35 +42,9 @@ const PARSE_LEN: u32 = (MAX_L4_OFF + TCP_MIN_HLEN) as u32;
 pub const FRAG_OFFSET_MASK: u16 = 0xfff8;
 const FRAG_MORE: u16 = 1;
 
-/// The fields of an IPv6 TCP/UDP packet the datapath needs (of SCTP, its
-/// ports alone: such packets are counted, not translated).
-#[derive(Clone, Copy)]
-pub struct Flow6 {
-    pub l4_off: usize,
-    pub src_be: [u32; 4],
-    pub dst_be: [u32; 4],
-    pub sport_be: u16,
-    pub dport_be: u16,
-    pub proto: u8,
-    pub tcp_flags: u8,
-    /// `packet::frag::NONE`, `FIRST` or `LATER`.
-    pub frag: u8,
-    /// The fragment header's identification, as on the wire (what ties
-    /// fragments together); 0 for a whole datagram.
-    pub frag_id_be: u32,
-}
-
-impl Flow6 {
-    /// Offset of the L4 checksum field.
-    #[inline(always)]
-    pub fn l4_csum_off(&self) -> usize {
-        if self.proto == PROTO_TCP {
-            self.l4_off + 16
-        } else {
-            self.l4_off + 6
-        }
-    }
-}
+/// An IPv6 packet's fields (`packet::FlowOf`): `frag_id_be` is its
+/// fragment header's identification.
+pub type Flow6 = FlowOf<[u32; 4]>;
 
 /// Why a packet was not parsed into a [`Flow6`].
 #[derive(Clone, Copy)]

@@ -15,7 +15,7 @@ use crate::{
     frontend::{self, Frontend},
     hook::Hook,
     icmp_error,
-    maps::{CONNTRACK, count, node_config, node_flags},
+    maps::{count, node_config, node_flags},
     nat::Nat,
     netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
@@ -59,32 +59,39 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         return Action::Pass;
     }
     let key = conntrack::flow_key(&flow);
-    let stamp = flow_cache::stamp(&key, &flow);
-    let known = match flow_cache::get(&key, &stamp, now) {
-        Some(entry) => Some(conntrack::Found {
-            ptr: core::ptr::null_mut(),
-            entry,
-            unassured: false,
-        }),
-        None => conntrack::lookup(&key, &flow, now),
+    let stamp = flow_cache::stamp(&key, flow.tcp_flags);
+    // One path for a copy and an entry, so that `finish` is inlined once.
+    let copy = flow_cache::get::<V4>(&key, &stamp, now);
+    let found = match copy {
+        Some(_) => None,
+        None => conntrack::lookup::<V4>(&key, &flow, now),
     };
-    if let Some(found) = known {
-        let entry = found.entry;
-        let nat = conntrack::translation(&entry, &flow);
+    let known = match (&copy, &found) {
+        (Some(copy), _) => *copy,
+        (None, Some(found)) => found.ptr.cast_const(),
+        (None, None) => core::ptr::null(),
+    };
+    if !known.is_null() {
+        // SAFETY: this CPU's cache slot or a map value pointer, valid for
+        // this program's run; read before `touch`, which may move the entry.
+        let entry = unsafe { &*known };
+        let nat = conntrack::translation(entry, &flow);
+        let (dir, path_mtu) = (entry.dir, entry.path_mtu);
         if let Err(action) = route_first(ctx, &flow, &nat) {
             return action;
         }
-        if route::beyond::<V4, H>(ctx, flow.l4_off, flow.proto, entry.path_mtu) {
-            return too_big::<H>(&flow, entry.path_mtu);
+        if route::beyond::<V4, H>(ctx, flow.l4_off, flow.proto, path_mtu) {
+            return too_big::<H>(&flow, path_mtu);
         }
-        if found.unassured {
-            // Not cached: such a flow's entries move when it is assured.
-            conntrack::touch_unassured(&key, &found, &flow, now);
-        } else if !found.ptr.is_null() {
-            conntrack::touch(&CONNTRACK, found.ptr, &entry, &flow, now);
-            flow_cache::put(&key, &stamp, &entry, now);
+        if let Some(found) = &found {
+            conntrack::touch::<V4>(&key, found, &flow, &nat, now);
+            if !found.unassured {
+                // Unassured flows are not cached: their entries move when
+                // they are assured.
+                flow_cache::put::<V4>(&key, &stamp, found.ptr, now);
+            }
         }
-        count(if entry.dir == ct_dir::FORWARD {
+        count(if dir == ct_dir::FORWARD {
             counter::DNAT_ESTABLISHED
         } else {
             counter::REV_NAT
@@ -120,7 +127,7 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
             reply_redirect: false,
             path_mtu: 0,
         };
-        conntrack::create(&flow, &nf, conntrack::now_ns());
+        conntrack::create::<V4>(&flow, &nf, conntrack::now_ns());
     }
 }
 
@@ -197,22 +204,20 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         nf.path_mtu = route::path_mtu::<V4, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
     }
     if snat {
-        if conntrack::create_snat(
+        if !conntrack::create_snat::<V4>(
             flow,
             &mut nf,
             config.snat_port_min,
             config.snat_port_max,
             now,
-        )
-        .is_none()
-        {
+        ) {
             count(counter::SNAT_EXHAUSTED);
             event_log::log(Event::SnatExhausted, flow);
             return Action::Drop;
         }
         count(counter::SNAT_NEW);
     } else {
-        conntrack::create(flow, &nf, now);
+        conntrack::create::<V4>(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
     if hairpin {

@@ -19,7 +19,7 @@
 //! IPv4's rules (`crate::frag`): a later fragment takes its first
 //! fragment's ports and its flow's translation, or passes, counted.
 //! Established flows are served from this CPU's flow cache
-//! (`flow_cache::get6`), new ones start in `CT_NEW6` (`conntrack6`), and
+//! (`flow_cache::get`), new ones start in `CT_NEW6` (`conntrack`), and
 //! rare events go to the datapath log, as IPv4's.
 
 use proxy_common::{
@@ -28,8 +28,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::now_ns,
-    conntrack6::{self, NewFlow6},
+    conntrack::{self, NewFlow, now_ns},
     event_log::{self, Event},
     family::V6,
     flow_cache, frag,
@@ -93,15 +92,15 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
     // runs (tc and XDP run one program at a time on a CPU, neither
     // interrupting the other).
     let key = unsafe {
-        *key = conntrack6::flow_key(&flow);
+        *key = conntrack::flow_key(&flow);
         &*key
     };
-    let stamp = flow_cache::stamp6(key, flow.tcp_flags);
+    let stamp = flow_cache::stamp(key, flow.tcp_flags);
     // One path for a copy and an entry, so that `finish` is inlined once.
-    let copy = flow_cache::get6(key, &stamp, now);
+    let copy = flow_cache::get::<V6>(key, &stamp, now);
     let found = match copy {
         Some(_) => None,
-        None => conntrack6::lookup(key, &flow, now),
+        None => conntrack::lookup::<V6>(key, &flow, now),
     };
     let known = match (&copy, &found) {
         (Some(copy), _) => *copy,
@@ -112,7 +111,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
         // SAFETY: this CPU's cache slot or a map value pointer, valid for
         // this program's run; read before `touch`, which may move the entry.
         let entry = unsafe { &*known };
-        let nat = conntrack6::translation(entry, &flow);
+        let nat = conntrack::translation(entry, &flow);
         let dir = entry.dir;
         if let Err(exit) = route_first(ctx, &flow, &nat) {
             return exit;
@@ -127,11 +126,11 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
             return Err(entry.path_mtu);
         }
         if let Some(found) = &found {
-            conntrack6::touch(key, found, &flow, &nat, now);
+            conntrack::touch::<V6>(key, found, &flow, &nat, now);
             if !found.unassured {
                 // Unassured flows are not cached: their entries move when
                 // they are assured.
-                flow_cache::put6(key, &stamp, found.ptr, now);
+                flow_cache::put::<V6>(key, &stamp, found.ptr, now);
             }
         }
         count(if dir == ct_dir::FORWARD {
@@ -216,7 +215,7 @@ fn new_flow<H: Hook6>(
         count(counter::LOOKUP_MISS);
         return Ok(H::PASS);
     }
-    let mut nf = NewFlow6 {
+    let mut nf = NewFlow {
         nat: Nat6 {
             dst_be: backend.addr_be,
             dport_be: backend.port_be,
@@ -259,7 +258,7 @@ fn new_flow<H: Hook6>(
             return exit;
         }
         let config = node_config();
-        if !conntrack6::create_snat(
+        if !conntrack::create_snat::<V6>(
             flow,
             &mut nf,
             config.snat_port_min,
@@ -277,7 +276,7 @@ fn new_flow<H: Hook6>(
         });
     } else {
         nf.path_mtu = route::path_mtu::<V6, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
-        conntrack6::create(flow, &nf, now);
+        conntrack::create::<V6>(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
     Ok(finish(ctx, flow, &nf.nat, now))

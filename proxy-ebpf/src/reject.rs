@@ -79,7 +79,7 @@ pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
     if u16::from_be(frag_be) & IP_DF == 0 {
         return Ok(TC_ACT_SHOT);
     }
-    if flow.ihl_bytes != IPV4_HLEN {
+    if flow.ip_len() != IPV4_HLEN {
         // Quoting IP options would make the error variable-length.
         return Err(0);
     }
@@ -105,7 +105,7 @@ pub fn too_big6(ctx: &TcContext, mtu: u16) -> i32 {
 pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     // Quoting IP options too would make the reply variable-length; such
     // packets are rare enough to drop instead.
-    if flow.ihl_bytes != IPV4_HLEN {
+    if flow.ip_len() != IPV4_HLEN {
         return Err(0);
     }
     icmp_error::<V4, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
@@ -185,7 +185,7 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
     // SAFETY: points at an initialised field of a live reference.
     let tcp_flags = unsafe { core::ptr::read_volatile(&raw const flow.tcp_flags) };
     if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
-        || u16::from_be(tot_len_be) as usize != flow.ihl_bytes + tcp_len
+        || u16::from_be(tot_len_be) as usize != flow.ip_len() + tcp_len
     {
         return Err(0);
     }

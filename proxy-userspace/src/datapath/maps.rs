@@ -124,7 +124,7 @@ pub struct Maps {
     pub conntrack: HashMap<MapData, CtKey, CtValue>,
     /// Flows not assured yet.
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
-    /// Assured IPv6 flows (proxy-ebpf's `conntrack6`); absent from pins of
+    /// Assured IPv6 flows (proxy-ebpf's `conntrack`, over IPv6); absent from pins of
     /// an agent older than it, like `csum_states`.
     pub conntrack6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     /// IPv6 flows not assured yet; absent like `conntrack6`.

@@ -215,19 +215,26 @@ pub mod sock_counter {
 /// One backend a socket of the node was sent to in a frontend's place by
 /// the socket hooks, for its answers (UDP) and its peer (`getpeername()`)
 /// to show the frontend, and for the agent to know which connected UDP
-/// sockets the hook connected. `backend_be` 0 is an empty note (no backend
-/// has the address 0.0.0.0).
+/// sockets the hook connected. Of either family's backends (`SockNote`,
+/// `SockNote6`); a `backend_be` of zeros is an empty note (no backend has
+/// the address 0.0.0.0 or ::).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNote {
-    pub backend_be: u32,
-    pub frontend_be: u32,
+pub struct SockNoteOf<A> {
+    pub backend_be: A,
+    pub frontend_be: A,
     pub backend_port_be: u16,
     pub frontend_port_be: u16,
     /// `sock_note` bits: how the hooks sent the socket there.
     pub how: u32,
 }
+
+/// A note of an IPv4 backend, in `SOCK_NOTES` (an IPv6 socket sent to an
+/// IPv4-mapped backend is noted here too, by the IPv4 address).
+pub type SockNote = SockNoteOf<u32>;
+/// A note of an IPv6 backend, in `SOCK_NOTES6`, which only the IPv6 hooks
+/// keep.
+pub type SockNote6 = SockNoteOf<[u32; 4]>;
 
 /// `SockNote::how` bits.
 pub mod sock_note {
@@ -241,94 +248,73 @@ pub mod sock_note {
 /// several backends of several frontends; a connected one needs one note.
 pub const SOCK_NOTE_SLOTS: usize = 8;
 
-/// Value of `SOCK_NOTES`, socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`):
-/// the kernel keeps it in the socket itself and frees it with the socket,
-/// so no other socket can evict it and nothing outlives its socket. A note
-/// sits at `sock_note_slot` of its backend; a later backend hashing to the
-/// same slot overwrites it (an unconnected socket talking to more than one
-/// backend per slot at once may then see an answer with the backend's
-/// address, as it would have without the hooks' rewrite).
+/// Value of `SOCK_NOTES` and `SOCK_NOTES6`, socket-local storage
+/// (`BPF_MAP_TYPE_SK_STORAGE`): the kernel keeps it in the socket itself and
+/// frees it with the socket, so no other socket can evict it and nothing
+/// outlives its socket. A note sits at its backend's slot
+/// (`SockAddr::note_slot`); a later backend hashing to the same slot
+/// overwrites it (an unconnected socket talking to more than one backend
+/// per slot at once may then see an answer with the backend's address, as
+/// it would have without the hooks' rewrite).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNotes {
-    pub notes: [SockNote; SOCK_NOTE_SLOTS],
+pub struct SockNotesOf<A> {
+    pub notes: [SockNoteOf<A>; SOCK_NOTE_SLOTS],
 }
 
-impl SockNotes {
+/// Notes of IPv4 backends (`SOCK_NOTES`).
+pub type SockNotes = SockNotesOf<u32>;
+/// Notes of IPv6 backends (`SOCK_NOTES6`).
+pub type SockNotes6 = SockNotesOf<[u32; 4]>;
+
+impl<A: SockAddr> SockNotesOf<A> {
     /// The note for backend `backend_be:port_be`, if the socket has one.
     #[inline(always)]
-    pub fn find(&self, backend_be: u32, port_be: u16) -> Option<&SockNote> {
-        let note = &self.notes[sock_note_slot(backend_be, port_be)];
-        (backend_be != 0 && note.backend_be == backend_be && note.backend_port_be == port_be)
+    pub fn find(&self, backend_be: &A, port_be: u16) -> Option<&SockNoteOf<A>> {
+        let note = &self.notes[backend_be.note_slot(port_be)];
+        (!backend_be.same(&A::default())
+            && note.backend_be.same(backend_be)
+            && note.backend_port_be == port_be)
             .then_some(note)
     }
 }
 
-/// `SockNote` for an IPv6 backend: the notes of `SOCK_NOTES6`, which only
-/// the IPv6 hooks keep (an IPv6 socket sent to an IPv4-mapped backend is
-/// noted in `SOCK_NOTES`, by the IPv4 address). `backend_be` all zeros is
-/// an empty note.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNote6 {
-    pub backend_be: [u32; 4],
-    pub frontend_be: [u32; 4],
-    pub backend_port_be: u16,
-    pub frontend_port_be: u16,
-    /// `sock_note` bits.
-    pub how: u32,
+/// An address a socket note is kept by: where in `SockNotesOf` its note
+/// sits.
+pub trait SockAddr: FlowAddr {
+    /// The slot of backend `self:port_be`, below `SOCK_NOTE_SLOTS`.
+    fn note_slot(&self, port_be: u16) -> usize;
 }
 
-/// Value of `SOCK_NOTES6`: `SockNotes` for IPv6 backends.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNotes6 {
-    pub notes: [SockNote6; SOCK_NOTE_SLOTS],
-}
-
-impl SockNotes6 {
-    /// The note for backend `backend_be`, port `port_be`, if the socket has
-    /// one.
+impl SockAddr for u32 {
     #[inline(always)]
-    pub fn find(&self, backend_be: &[u32; 4], port_be: u16) -> Option<&SockNote6> {
-        let note = &self.notes[sock_note_slot6(backend_be, port_be)];
-        (*backend_be != [0; 4] && note.backend_be == *backend_be && note.backend_port_be == port_be)
-            .then_some(note)
+    fn note_slot(&self, port_be: u16) -> usize {
+        sock_note_slot(*self, port_be)
     }
 }
 
-/// `sock_note_slot` of an IPv6 backend: its words folded into one, whose
-/// low word (the host part of most subnets) carries the spread.
-#[inline(always)]
-pub const fn sock_note_slot6(backend_be: &[u32; 4], port_be: u16) -> usize {
-    sock_note_slot(
-        backend_be[0] ^ backend_be[1] ^ backend_be[2] ^ backend_be[3],
-        port_be,
-    )
+/// IPv6's words folded into one, whose low word (the host part of most
+/// subnets) carries the spread.
+impl SockAddr for [u32; 4] {
+    #[inline(always)]
+    fn note_slot(&self, port_be: u16) -> usize {
+        sock_note_slot(self[0] ^ self[1] ^ self[2] ^ self[3], port_be)
+    }
 }
 
 /// What `program_names::SOCK_NOTES_DUMP` writes per socket.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNotesRecord {
+pub struct SockNotesRecordOf<A> {
     /// The socket's cookie, as socket diagnostics show it.
     pub cookie: u64,
-    pub notes: SockNotes,
+    pub notes: SockNotesOf<A>,
 }
 
-/// What `program_names::SOCK_NOTES6_DUMP` writes per socket.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct SockNotes6Record {
-    /// The socket's cookie, as socket diagnostics show it.
-    pub cookie: u64,
-    pub notes: SockNotes6,
-}
+/// A socket's notes of IPv4 backends, as the dump writes them.
+pub type SockNotesRecord = SockNotesRecordOf<u32>;
+/// A socket's notes of IPv6 backends, as `SOCK_NOTES6_DUMP` writes them.
+pub type SockNotes6Record = SockNotesRecordOf<[u32; 4]>;
 
 /// Where in `SockNotes` the note of backend `backend_be:port_be` sits: the
 /// top bits of a multiplicative hash, so that backends of one subnet and
@@ -1133,8 +1119,9 @@ mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-        FragValue, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
-        SockNotes6, SourceRangeKey,
+        FragValue, NodeAddr, NodeAddrKey, NodeConfig, SOCK_NOTE_SLOTS, ServiceKey, ServiceValue,
+        SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord,
+        SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1164,6 +1151,12 @@ mod pod_impls {
         Ct6Value = 2 * 16 + 2 + 2 + 1 + 1 + 2 + 4 + 4 + 8 + 8,
         FlowCacheEntry = 16 + 40 + 4 + 4,
         FlowCache6Entry = 40 + 64 + 4 + 4,
+        SockNote = 2 * 4 + 2 + 2 + 4,
+        SockNote6 = 2 * 16 + 2 + 2 + 4,
+        SockNotes = SOCK_NOTE_SLOTS * 16,
+        SockNotes6 = SOCK_NOTE_SLOTS * 40,
+        SockNotesRecord = 8 + SOCK_NOTE_SLOTS * 16,
+        SockNotes6Record = 8 + SOCK_NOTE_SLOTS * 40,
     );
     pod!(
         ServiceKey,
@@ -1231,7 +1224,7 @@ mod tests {
     fn a_note_is_found_only_for_its_own_backend() {
         let (backend, port) = (u32::from_ne_bytes([10, 200, 0, 11]), 5353u16.to_be());
         let mut notes = SockNotes::default();
-        assert_eq!(notes.find(backend, port), None, "an empty table");
+        assert_eq!(notes.find(&backend, port), None, "an empty table");
         let note = SockNote {
             backend_be: backend,
             frontend_be: u32::from_ne_bytes([10, 96, 0, 10]),
@@ -1240,9 +1233,9 @@ mod tests {
             how: sock_note::SENT,
         };
         notes.notes[sock_note_slot(backend, port)] = note;
-        assert_eq!(notes.find(backend, port), Some(&note));
-        assert_eq!(notes.find(backend, 5354u16.to_be()), None, "another port");
-        assert_eq!(notes.find(0, 0), None, "the empty address");
+        assert_eq!(notes.find(&backend, port), Some(&note));
+        assert_eq!(notes.find(&backend, 5354u16.to_be()), None, "another port");
+        assert_eq!(notes.find(&0, 0), None, "the empty address");
     }
 
     #[test]

@@ -166,17 +166,51 @@ fn repr_c_items(dir: &Path, found: &mut BTreeSet<String>) {
                 .split_whitespace()
                 .skip_while(|word| !matches!(*word, "struct" | "union" | "enum"))
                 .nth(1)
-                .map(|word| word.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '_'));
+                .map(|word| {
+                    word.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '_' && c != '<')
+                });
             let name = name.unwrap_or_else(|| {
                 panic!(
                     "{}: a #[repr(C)] attribute on `{item}`, not a struct, union or enum",
                     path.display()
                 )
             });
-            found.insert(name.to_owned());
+            // A generic type's layouts are its instantiations' (`GENERIC`).
+            match name.split_once('<') {
+                Some((generic, _)) => {
+                    let (_, instances) = GENERIC
+                        .iter()
+                        .find(|(g, _)| *g == generic)
+                        .unwrap_or_else(|| {
+                            panic!(
+                                "{}: generic #[repr(C)] type {generic} has no entry in GENERIC \
+                                 (tests/layout.rs): name the aliases it is shared as",
+                                path.display()
+                            )
+                        });
+                    found.extend(instances.iter().map(|i| (*i).to_owned()));
+                }
+                None => {
+                    found.insert(name.to_owned());
+                }
+            }
         }
     }
 }
+
+/// The generic shared types and the aliases of their instantiations, each
+/// of which has its row: one type per family, one layout each.
+const GENERIC: &[(&str, &[&str])] = &[
+    ("CtKeyOf", &["CtKey", "Ct6Key"]),
+    ("CtValueOf", &["CtValue", "Ct6Value"]),
+    ("FlowCacheEntryOf", &["FlowCacheEntry", "FlowCache6Entry"]),
+    ("SockNoteOf", &["SockNote", "SockNote6"]),
+    ("SockNotesOf", &["SockNotes", "SockNotes6"]),
+    (
+        "SockNotesRecordOf",
+        &["SockNotesRecord", "SockNotes6Record"],
+    ),
+];
 
 #[test]
 fn every_shared_type_has_a_row() {

@@ -9,8 +9,9 @@
 
 use aya_ebpf::bindings::bpf_fib_lookup;
 use proxy_common::{
-    FlowAddr,
+    FlowAddr, FragKey,
     csum::{fold, replace16},
+    v4_mapped,
 };
 
 use crate::{
@@ -50,6 +51,14 @@ pub trait Family {
 
     /// Logs `event` about a packet of `flow`.
     fn log(event: Event, flow: &FlowOf<Self::Addr>);
+
+    /// Whether `frag_key` holds the transport protocol (else `FragValue`
+    /// does, for the later fragments).
+    const FRAG_KEY_HAS_PROTO: bool;
+
+    /// What ties `flow`'s fragments together on the wire, as `FRAGMENTS`
+    /// keys it (see `crate::frag`).
+    fn frag_key(flow: &FlowOf<Self::Addr>) -> FragKey;
 
     /// `AF_INET` or `AF_INET6`, as the FIB takes it.
     const AF: u8;
@@ -142,6 +151,22 @@ impl Family for V4 {
     #[inline(always)]
     fn log(event: Event, flow: &FlowOf<u32>) {
         event_log::log(event, flow);
+    }
+
+    const FRAG_KEY_HAS_PROTO: bool = true;
+
+    /// IPv4-mapped addresses, the protocol and the 16-bit identification
+    /// (RFC 791), widened.
+    #[inline(always)]
+    fn frag_key(flow: &FlowOf<u32>) -> FragKey {
+        FragKey {
+            src_be: v4_mapped(flow.src_be),
+            dst_be: v4_mapped(flow.dst_be),
+            id_be: flow.frag_id_be,
+            proto: flow.proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
     }
 
     #[inline(always)]
@@ -251,6 +276,25 @@ impl Family for V6 {
     #[inline(always)]
     fn log(event: Event, flow: &FlowOf<[u32; 4]>) {
         event_log::log6(event, flow);
+    }
+
+    const FRAG_KEY_HAS_PROTO: bool = false;
+
+    /// The addresses and the fragment header's identification, what RFC
+    /// 8200 4.5 reassembles by. Not the protocol: the header after the
+    /// fragment header may be a destination options header, which a later
+    /// fragment does not carry past; the first fragment's value holds the
+    /// transport protocol its chain led to.
+    #[inline(always)]
+    fn frag_key(flow: &FlowOf<[u32; 4]>) -> FragKey {
+        FragKey {
+            src_be: flow.src_be,
+            dst_be: flow.dst_be,
+            id_be: flow.frag_id_be,
+            proto: 0,
+            _pad0: 0,
+            _pad1: 0,
+        }
     }
 
     #[inline(always)]

@@ -45,7 +45,6 @@ mod pipeline6;
 mod reject;
 mod route;
 mod sock;
-mod sock6;
 mod verdict;
 
 use aya_ebpf::{
@@ -53,6 +52,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
+use family::{V4, V6};
 
 /// tc ingress on pod-facing interfaces and uplinks: every translation,
 /// east-west and north-south; on uplinks also what XDP left to it.
@@ -107,7 +107,7 @@ pub fn xdp_ingress6(ctx: XdpContext) -> u32 {
 /// through.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::connect4(&ctx)
+    sock::connect::<V4>(&ctx)
 }
 
 /// cgroup `sendmsg4`: the same for datagrams of unconnected UDP sockets.
@@ -115,7 +115,7 @@ pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
 /// Linux 4.18 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::sendmsg4(&ctx)
+    sock::sendmsg::<V4>(&ctx)
 }
 
 /// cgroup `recvmsg4`: their answers show the frontend they were sent to.
@@ -123,7 +123,7 @@ pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
 /// Linux 5.2 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::recvmsg4(&ctx)
+    sock::recvmsg::<V4>(&ctx)
 }
 
 /// cgroup `getpeername4`: a socket connected to a backend in a frontend's
@@ -132,7 +132,7 @@ pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
 /// Linux 5.8 for the hook.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock::getpeername4(&ctx)
+    sock::getpeername::<V4>(&ctx)
 }
 
 /// cgroup `connect6`: `sock_connect4` for the node's IPv6 sockets, an
@@ -141,7 +141,7 @@ pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
 /// Linux 4.17 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(connect6)]
 pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
-    sock6::connect6(&ctx)
+    sock::connect::<V6>(&ctx)
 }
 
 /// cgroup `sendmsg6`: `sock_sendmsg4` for IPv6 sockets.
@@ -149,7 +149,7 @@ pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
 /// Linux 4.18 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock6::sendmsg6(&ctx)
+    sock::sendmsg::<V6>(&ctx)
 }
 
 /// cgroup `recvmsg6`: `sock_recvmsg4` for IPv6 sockets.
@@ -157,7 +157,7 @@ pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
 /// Linux 5.2 for the hook, 5.7 for its link.
 #[cgroup_sock_addr(recvmsg6)]
 pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
-    sock6::recvmsg6(&ctx)
+    sock::recvmsg::<V6>(&ctx)
 }
 
 /// cgroup `getpeername6`: `sock_getpeername4` for IPv6 sockets.
@@ -165,7 +165,7 @@ pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
 /// Linux 5.8 for the hook.
 #[cgroup_sock_addr(getpeername6)]
 pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
-    sock6::getpeername6(&ctx)
+    sock::getpeername::<V6>(&ctx)
 }
 
 /// Run by the agent, never attached to a hook: see
@@ -178,7 +178,7 @@ pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "iter/udp")]
 pub extern "C" fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
-    sock::dump_notes(ctx)
+    sock::dump_notes::<V4>(ctx)
 }
 
 /// `sock_notes_dump` over `SOCK_NOTES6`, the notes of IPv6 backends: see
@@ -188,7 +188,7 @@ pub extern "C" fn sock_notes_dump(ctx: *mut core::ffi::c_void) -> i32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "iter/udp")]
 pub extern "C" fn sock_notes6_dump(ctx: *mut core::ffi::c_void) -> i32 {
-    sock6::dump_notes6(ctx)
+    sock::dump_notes::<V6>(ctx)
 }
 
 /// Does nothing: the per-packet cost floor that benchmarks compare against.

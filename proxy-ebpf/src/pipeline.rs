@@ -40,7 +40,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     let now = conntrack::now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
-        let Some((sport_be, dport_be)) = frag::ports(&flow, now) else {
+        let Some((sport_be, dport_be, _)) = frag::ports::<V4>(&flow, now) else {
             count(counter::FRAG_UNTRACKED);
             event_log::log(Event::FragUntracked, &flow);
             return Action::Pass;
@@ -296,7 +296,7 @@ fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
 #[inline(always)]
 fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, now: u64) -> Action {
     match flow.frag {
-        FIRST => frag::remember(flow, now),
+        FIRST => frag::remember::<V4>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }

@@ -78,7 +78,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
     let now = now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
-        let Some((sport_be, dport_be, proto)) = frag::ports6(&flow, now) else {
+        let Some((sport_be, dport_be, proto)) = frag::ports::<V6>(&flow, now) else {
             return Ok(untracked_fragment::<H>(&flow));
         };
         flow.sport_be = sport_be;
@@ -354,7 +354,7 @@ fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result
 #[inline(always)]
 fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
     match flow.frag {
-        FIRST => frag::remember6(flow, now),
+        FIRST => frag::remember::<V6>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }

@@ -320,7 +320,7 @@ impl UdpSocket {
                 connected_by(
                     notes
                         .of(self.cookie())
-                        .and_then(|n| n.find(addr_be[3], port_be))
+                        .and_then(|n| n.find(&addr_be[3], port_be))
                         .map(|n| n.how),
                 )
             } else {

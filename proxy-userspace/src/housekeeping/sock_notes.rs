@@ -223,7 +223,7 @@ fn records<R: Pod>(path: &Path) -> Result<Vec<R>, SockNotesError> {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::{SockNote, SockNote6, sock_note, sock_note_slot, sock_note_slot6};
+    use proxy_common::{SockAddr, SockNote, SockNote6, sock_note, sock_note_slot};
 
     use super::*;
 
@@ -255,7 +255,7 @@ mod tests {
         assert_eq!(
             read_back
                 .of(7)
-                .and_then(|n| n.find(note.backend_be, note.backend_port_be)),
+                .and_then(|n| n.find(&note.backend_be, note.backend_port_be)),
             Some(&note)
         );
         assert_eq!(read_back.of(8), None, "a cookie never written");
@@ -291,7 +291,7 @@ mod tests {
             how: sock_note::CONNECTED,
         };
         let mut notes = SockNotes6::default();
-        notes.notes[sock_note_slot6(&note.backend_be, note.backend_port_be)] = note;
+        notes.notes[note.backend_be.note_slot(note.backend_port_be)] = note;
         let records = [SockNotes6Record { cookie: 11, notes }];
         let dir = std::env::temp_dir().join(format!("sock-notes6-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");

@@ -708,7 +708,7 @@ impl Noting for std::net::Ipv4Addr {
                 backend: (ip(n.backend_be), port(n.backend_port_be)).into(),
                 frontend: (ip(n.frontend_be), port(n.frontend_port_be)).into(),
                 how: n.how,
-                in_its_slot: held.find(n.backend_be, n.backend_port_be) == Some(n),
+                in_its_slot: held.find(&n.backend_be, n.backend_port_be) == Some(n),
             })
             .collect()
     }

@@ -209,6 +209,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 if adoption.check() {
                     node.set_netfilter_flows(false);
                     node.sync(&mut datapath.maps, Instant::now());
+                    // The takeover's last netfilter tool has run.
+                    shed_privileges(false);
                 }
             }
             _ = sigterm.recv() => break,
@@ -230,10 +232,34 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         takeover.poll(sync.serving(), attached, || {
             takeover::finish(&mut datapath);
             adoption.on_serving();
+            // Everything loaded and attached, the older datapaths retired:
+            // what remains to do needs fewer capabilities.
+            shed_privileges(adoption.active());
         });
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// Keeps only the capabilities the running agent needs (`privileges::STEADY`,
+/// and CAP_NET_RAW while `netfilter_tools` are still to run). A failure
+/// leaves the agent running with what it had, which is logged.
+fn shed_privileges(netfilter_tools: bool) {
+    let kept = crate::privileges::steady_state(netfilter_tools)
+        .map_err(|e| e.to_string())
+        .and_then(|keep| {
+            let names: Vec<String> = keep.iter().map(ToString::to_string).collect();
+            crate::privileges::shed::keep_only(&keep)
+                .map(|mask| (names, mask))
+                .map_err(|e| e.to_string())
+        });
+    match kept {
+        Ok((mut names, mask)) => {
+            names.sort();
+            info!(kept = ?names, effective = %format!("{mask:016x}"), "capabilities not needed from now on dropped, on every thread");
+        }
+        Err(e) => warn!(error = %e, "could not drop the capabilities not needed from now on; running with those of the start"),
+    }
 }
 
 /// The verifier's work is most of the start before anything is programmed,

@@ -153,24 +153,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let metrics = start_metrics(&config, &datapath, &mut sync, &interface_modes).await?;
     let _http = http::serve(config.healthz, health.clone(), &metrics).await?;
 
-    // On every address, as kube-proxy does without nodePortAddresses; with
-    // them, on the matching node addresses, none until the interfaces are
-    // listed, and following them as they come and go.
-    let health_checks = HealthCheckServer::new(
-        &health_check_addresses(&config.nodeport_addresses, None),
-        health.clone(),
-        metrics.http.clone(),
-    );
+    let health_checks = start_health_checks(&config, &health, &metrics);
 
-    let (if_tx, mut if_rx) = mpsc::channel::<Snapshot>(4);
-    let selection = Selection {
-        only: config.interfaces.clone(),
-    };
-    tokio::spawn(async move {
-        if let Err(e) = interfaces::watch(selection, Duration::from_secs(5), if_tx).await {
-            error!(error = %e, "interface watcher stopped; attachments stay as they are");
-        }
-    });
+    let mut if_rx = watch_interfaces(&config);
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
     spawn_source(&config, ev_tx, &metrics).await?;
@@ -209,8 +194,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 if adoption.check() {
                     node.set_netfilter_flows(false);
                     node.sync(&mut datapath.maps, Instant::now());
-                    // The takeover's last netfilter tool has run.
-                    shed_privileges(false);
+                    shed_privileges(false); // the takeover's last netfilter tool has run
+
                 }
             }
             _ = sigterm.recv() => break,
@@ -241,8 +226,38 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     Ok(())
 }
 
+/// The node's interfaces and addresses, listed now and as they change.
+fn watch_interfaces(config: &AgentConfig) -> mpsc::Receiver<Snapshot> {
+    let (if_tx, if_rx) = mpsc::channel::<Snapshot>(4);
+    let selection = Selection {
+        only: config.interfaces.clone(),
+    };
+    tokio::spawn(async move {
+        if let Err(e) = interfaces::watch(selection, Duration::from_secs(5), if_tx).await {
+            error!(error = %e, "interface watcher stopped; attachments stay as they are");
+        }
+    });
+    if_rx
+}
+
+/// The health check node ports: on every address, as kube-proxy does
+/// without nodePortAddresses; with them, on the matching node addresses,
+/// none until the interfaces are listed, and following them as they come
+/// and go.
+fn start_health_checks(
+    config: &AgentConfig,
+    health: &Health,
+    metrics: &Metrics,
+) -> HealthCheckServer {
+    HealthCheckServer::new(
+        &health_check_addresses(&config.nodeport_addresses, None),
+        health.clone(),
+        metrics.http.clone(),
+    )
+}
+
 /// Keeps only the capabilities the running agent needs (`privileges::STEADY`,
-/// and CAP_NET_RAW while `netfilter_tools` are still to run). A failure
+/// and `CAP_NET_RAW` while `netfilter_tools` are still to run). A failure
 /// leaves the agent running with what it had, which is logged.
 fn shed_privileges(netfilter_tools: bool) {
     let kept = crate::privileges::steady_state(netfilter_tools)
@@ -258,7 +273,9 @@ fn shed_privileges(netfilter_tools: bool) {
             names.sort();
             info!(kept = ?names, effective = %format!("{mask:016x}"), "capabilities not needed from now on dropped, on every thread");
         }
-        Err(e) => warn!(error = %e, "could not drop the capabilities not needed from now on; running with those of the start"),
+        Err(e) => {
+            warn!(error = %e, "could not drop the capabilities not needed from now on; running with those of the start");
+        }
     }
 }
 
@@ -584,7 +601,12 @@ mod tests {
             cidrs.iter().map(|c| Cidr::parse(c).unwrap()).collect()
         };
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let addrs = [ip("10.0.0.5"), ip("192.168.1.5"), ip("fd00::5"), ip("2001:db8::5")];
+        let addrs = [
+            ip("10.0.0.5"),
+            ip("192.168.1.5"),
+            ip("fd00::5"),
+            ip("2001:db8::5"),
+        ];
         assert_eq!(
             health_check_addresses(&[], Some(&addrs)),
             Addresses::Every,

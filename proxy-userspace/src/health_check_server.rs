@@ -622,7 +622,11 @@ mod tests {
 
     #[tokio::test]
     async fn serves_counts_and_closes_removed_ports() {
-        let server = HealthCheckServer::new(&Addresses::Only(vec![LOCALHOST]), synced(), HttpMetrics::default());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
 
         server.update(vec![check("web", port, 0)]).await;
@@ -660,7 +664,11 @@ mod tests {
     #[tokio::test]
     async fn unhealthy_proxy_answers_503() {
         let health = Health::default();
-        let server = HealthCheckServer::new(&Addresses::Only(vec![LOCALHOST]), health.clone(), HttpMetrics::default());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            health.clone(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
         server.update(vec![check("web", port, 2)]).await;
 
@@ -678,7 +686,11 @@ mod tests {
 
     #[tokio::test]
     async fn bind_failure_spares_other_ports_and_is_retried() {
-        let server = HealthCheckServer::new(&Addresses::Only(vec![LOCALHOST]), synced(), HttpMetrics::default());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let taken = listener_below_ephemeral_range();
         let busy = taken.local_addr().expect("local addr").port();
         let free = free_port();
@@ -715,7 +727,11 @@ mod tests {
     /// port once it is free, and stop for a port no longer listed.
     #[tokio::test]
     async fn a_port_that_failed_to_open_is_retried_until_it_opens() {
-        let server = HealthCheckServer::new(&Addresses::Only(vec![LOCALHOST]), synced(), HttpMetrics::default());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let taken = listener_below_ephemeral_range();
         let busy = taken.local_addr().expect("local addr").port();
         server.update(vec![check("busy", busy, 1)]).await;
@@ -755,7 +771,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_shared_port_stays_with_its_holder() {
-        let server = HealthCheckServer::new(&Addresses::Only(vec![LOCALHOST]), synced(), HttpMetrics::default());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
 
         server.update(vec![check("b", port, 1)]).await;
@@ -820,7 +840,9 @@ mod tests {
         server.set_addresses(&Addresses::Only(vec![other])).await;
         let err = connect(port).await.expect_err("moved off 127.0.0.1");
         assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
-        let conn = TcpStream::connect((other, port)).await.expect("on 127.0.0.2");
+        let conn = TcpStream::connect((other, port))
+            .await
+            .expect("on 127.0.0.2");
         let response = request(&mut BufReader::new(conn), "/").await;
         assert_eq!(response.body, expected_body("web", 1, true));
     }

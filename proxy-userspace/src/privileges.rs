@@ -50,10 +50,10 @@ pub const REQUIRED: [Requirement; 3] = [BPF, PERFMON, NET_ADMIN];
 /// What the running agent keeps once its programs are loaded and attached
 /// (`shed`): map reads and writes, pins and iterators on descriptors it
 /// holds need no capability on the kernels it runs on (6.6 and later), but
-/// CAP_BPF is kept for the `bpf()` calls of attaching an interface that
-/// appears; CAP_NET_ADMIN for attaching it (tcx and XDP links, netlink),
+/// `CAP_BPF` is kept for the `bpf()` calls of attaching an interface that
+/// appears; `CAP_NET_ADMIN` for attaching it (tcx and XDP links, netlink),
 /// closing sockets to departed backends (`SOCK_DESTROY`) and reading the
-/// kernel's conntrack (ctnetlink). CAP_PERFMON only ever served the
+/// kernel's conntrack (ctnetlink). `CAP_PERFMON` only ever served the
 /// verifier, at load, and goes.
 pub const STEADY: [Requirement; 2] = [
     BPF,
@@ -66,7 +66,7 @@ pub const STEADY: [Requirement; 2] = [
 
 /// What the agent keeps while the takeover from kube-proxy still runs
 /// netfilter tools (`netfilter_tools`): those are executed with at most the
-/// agent's own capabilities, and iptables-legacy needs CAP_NET_RAW.
+/// agent's own capabilities, and iptables-legacy needs `CAP_NET_RAW`.
 pub fn steady_state(netfilter_tools: bool) -> Result<HashSet<Capability>, PrivilegeError> {
     let effective = effective()?;
     let mut keep: HashSet<Capability> = HashSet::new();

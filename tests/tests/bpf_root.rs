@@ -40,7 +40,8 @@ impl Drop for Root {
 }
 
 fn start(topology: &Topology, manifests: &Path, root: &Root) -> Result<Agent, String> {
-    Agent::start_on_root(&topology.node, manifests, &[], root.0.clone()).map_err(|e| format!("{e:#}"))
+    Agent::start_on_root(&topology.node, manifests, &[], root.0.clone())
+        .map_err(|e| format!("{e:#}"))
 }
 
 #[test]
@@ -49,7 +50,11 @@ fn a_root_others_could_write_is_refused_naming_it() {
     let topology = Topology::routed(&[CLIENT]).expect("topology");
     let manifests = ManifestDir::create(topology.stem()).expect("manifest directory");
     for (mode, owner, fault) in [
-        (0o777, None, "is writable by its group and others (mode 0777)"),
+        (
+            0o777,
+            None,
+            "is writable by its group and others (mode 0777)",
+        ),
         (0o775, None, "is writable by its group (mode 0775)"),
         (0o757, None, "is writable by others (mode 0757)"),
         (0o755, Some(65534), "is owned by uid 65534, not root"),

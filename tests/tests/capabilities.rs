@@ -111,9 +111,54 @@ fn thread_sets(pid: u32) -> Vec<(String, Option<Sets>)> {
         .flatten()
     {
         let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
-        out.push((entry.file_name().to_string_lossy().into_owned(), Sets::parse(&status)));
+        out.push((
+            entry.file_name().to_string_lossy().into_owned(),
+            Sets::parse(&status),
+        ));
     }
     out
+}
+
+/// An interface that appears after the drop gets the datapath.
+fn an_interface_added_later_is_attached(fx: &Fixture, agent: &Agent) {
+    let name = "capslater0";
+    for args in [
+        vec![
+            "link",
+            "add",
+            name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "capslater1",
+        ],
+        vec!["link", "set", name, "up"],
+        vec!["link", "set", "capslater1", "up"],
+    ] {
+        let status = fx
+            .topology
+            .node
+            .command("ip")
+            .args(&args)
+            .status()
+            .expect("ip");
+        assert!(status.success(), "ip {args:?}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !agent
+        .pins()
+        .iter()
+        .any(|p| p.to_string_lossy().contains(name))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "interface {name}, added after the capabilities were dropped, was not attached: pins {:?}\n{}",
+            agent.pins(),
+            agent.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// Once the agent has loaded, attached and taken the node over it keeps, on
@@ -135,7 +180,10 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
         let sets = thread_sets(pid);
         let dropped = sets.iter().all(|(_, s)| {
             s.is_some_and(|s| {
-                s.effective == steady && s.permitted == steady && s.inheritable & !steady == 0 && s.no_new_privs
+                s.effective == steady
+                    && s.permitted == steady
+                    && s.inheritable & !steady == 0
+                    && s.no_new_privs
             })
         });
         if dropped {
@@ -185,30 +233,7 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 
-    // An interface that appears after the drop gets the datapath.
-    let name = "capslater0";
-    for args in [
-        vec!["link", "add", name, "type", "veth", "peer", "name", "capslater1"],
-        vec!["link", "set", name, "up"],
-        vec!["link", "set", "capslater1", "up"],
-    ] {
-        let status = fx.topology.node.command("ip").args(&args).status().expect("ip");
-        assert!(status.success(), "ip {args:?}");
-    }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !agent
-        .pins()
-        .iter()
-        .any(|p| p.to_string_lossy().contains(name))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "interface {name}, added after the capabilities were dropped, was not attached: pins {:?}\n{}",
-            agent.pins(),
-            agent.log()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
+    an_interface_added_later_is_attached(&fx, &agent);
     let log = agent.log();
     assert!(
         !log.contains("Operation not permitted") && !log.contains("EPERM"),

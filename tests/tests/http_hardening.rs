@@ -79,7 +79,10 @@ fn fixture() -> Fixture {
             "--metrics-bind-address",
             &METRICS.to_string(),
             "--nodeport-addresses",
-            &format!("{}/24,127.0.0.0/8", Ipv4Addr::from(NODE_IP.to_bits() & !0xff)),
+            &format!(
+                "{}/24,127.0.0.0/8",
+                Ipv4Addr::from(NODE_IP.to_bits() & !0xff)
+            ),
         ],
     )
     .expect("agent started");
@@ -92,16 +95,17 @@ fn fixture() -> Fixture {
 
 /// A TCP connection from `from` to `to` (the calling thread's namespace).
 fn connect_from(from: Ipv4Addr, to: SocketAddrV4) -> std::io::Result<TcpStream> {
-    use nix::sys::socket::{
-        AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket,
-    };
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket};
     let fd: OwnedFd = socket(
         AddressFamily::Inet,
         SockType::Stream,
         SockFlag::SOCK_CLOEXEC,
         None,
     )?;
-    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(from, 0)))?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrIn::from(SocketAddrV4::new(from, 0)),
+    )?;
     connect(fd.as_raw_fd(), &SockaddrIn::from(to))?;
     Ok(TcpStream::from(fd))
 }
@@ -172,7 +176,10 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
     run_in(&node, || {
         let deadline = Instant::now() + Duration::from_secs(20);
         while http_get(health_check, "/").is_err() {
-            assert!(Instant::now() < deadline, "the health check port never opened");
+            assert!(
+                Instant::now() < deadline,
+                "the health check port never opened"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     })

@@ -289,8 +289,8 @@ fn take_over_xdp(program: &mut Xdp, pin: &Path) -> Option<aya::programs::xdp::Xd
 }
 
 /// The ids of the programs in `ifindex`'s tcx ingress chain, in order
-/// (`BPF_PROG_QUERY`, which needs CAP_NET_ADMIN alone). aya's
-/// `query_tcx` also opens each program by id, which needs CAP_SYS_ADMIN:
+/// (`BPF_PROG_QUERY`, which needs `CAP_NET_ADMIN` alone). aya's
+/// `query_tcx` also opens each program by id, which needs `CAP_SYS_ADMIN`:
 /// the DaemonSet does not grant it, and the running agent has no use for
 /// more than the ids.
 fn tcx_ingress_ids(ifindex: u32) -> io::Result<Vec<u32>> {

@@ -389,14 +389,26 @@ mod tests {
         assert!(check_layout::<u64, [u8; 12]>(OP, 3, (8, 12), (16, Some(16))).is_ok());
         for (map, what) in [
             ((4, 12), "keys smaller in the map"),
-            ((16, 12), "keys larger in the map: the kernel would write past the buffer"),
+            (
+                (16, 12),
+                "keys larger in the map: the kernel would write past the buffer",
+            ),
             ((8, 8), "values smaller in the map"),
-            ((8, 24), "values larger in the map: the kernel would write past the buffer"),
+            (
+                (8, 24),
+                "values larger in the map: the kernel would write past the buffer",
+            ),
         ] {
-            let err = check_layout::<u64, [u8; 12]>(OP, 3, map, (16, Some(16)))
-                .expect_err(what);
+            let err = check_layout::<u64, [u8; 12]>(OP, 3, map, (16, Some(16))).expect_err(what);
             assert!(
-                matches!(err, BatchError::Layout { key: 8, value: 12, .. }),
+                matches!(
+                    err,
+                    BatchError::Layout {
+                        key: 8,
+                        value: 12,
+                        ..
+                    }
+                ),
                 "{what}: {err}"
             );
             assert!(err.to_string().contains("refused"), "{err}");
@@ -417,7 +429,17 @@ mod tests {
     fn the_counts_must_match_and_fit_a_call() {
         let err = check_layout::<u32, u64>(OP, 3, (4, 8), (10, Some(9)))
             .expect_err("fewer values than keys");
-        assert!(matches!(err, BatchError::Count { keys: 10, values: 9, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                BatchError::Count {
+                    keys: 10,
+                    values: 9,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let too_many = u32::MAX as usize + 1;
         assert!(
             check_layout::<u32, u64>(OP, 3, (4, 8), (too_many, Some(too_many))).is_err(),

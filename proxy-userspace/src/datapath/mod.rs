@@ -81,6 +81,27 @@ pub enum DatapathError {
     Kernel(#[from] kernel_version::KernelVersionError),
 }
 
+/// Makes the pin directories, writable by the agent alone whatever the
+/// umask, and checks them, the root and what is above it (`pin_root`) once
+/// they exist, so that one made by someone else in their place meanwhile is
+/// seen too.
+fn make_pin_dirs(pins: &PinLayout) -> Result<(), DatapathError> {
+    let mut kept = vec![pins.maps_dir(), pins.links_dir(), pins.iters_dir()];
+    for dir in &kept {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(|source| DatapathError::PinDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+    }
+    kept.push(pins.versioned());
+    pin_root::check(pins.root(), &kept)?;
+    Ok(())
+}
+
 /// Loads the object with its `ip_summed` reads completed as `read` says and
 /// its questions to netfilter's conntrack as `lookup` says, maps
 /// pinned at `paths` (a conntrack map created anew holds
@@ -193,23 +214,7 @@ impl Datapath {
         if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
             return Err(DatapathError::NotBpffs(parent.display().to_string()));
         }
-        let kept = [pins.maps_dir(), pins.links_dir(), pins.iters_dir()];
-        for dir in &kept {
-            // Writable by the agent alone, whatever the umask.
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(dir)
-                .map_err(|source| DatapathError::PinDir {
-                    path: dir.display().to_string(),
-                    source,
-                })?;
-        }
-        // Checked once they exist, so that one made by someone else in
-        // their place meanwhile is seen too.
-        let mut kept = kept.to_vec();
-        kept.push(pins.versioned());
-        pin_root::check(pins.root(), &kept)?;
+        make_pin_dirs(&pins)?;
         let paths: Vec<(&'static str, std::path::PathBuf)> = map_names::ALL
             .iter()
             .map(|name| (*name, pins.map(name)))

@@ -69,12 +69,10 @@ pub fn check(root: &Path, kept: &[PathBuf]) -> Result<(), PinRootError> {
     // The directories a path resolves through are those of its canonical
     // form: a symbolic link is as safe as the directory holding it, which
     // is checked.
-    let canonical = root
-        .canonicalize()
-        .map_err(|source| PinRootError::Read {
-            path: root.to_owned(),
-            source,
-        })?;
+    let canonical = root.canonicalize().map_err(|source| PinRootError::Read {
+        path: root.to_owned(),
+        source,
+    })?;
     let mut dirs: Vec<(PathBuf, Place)> = kept.iter().map(|d| (d.clone(), Place::Own)).collect();
     dirs.push((canonical.clone(), Place::Own));
     dirs.extend(
@@ -181,16 +179,14 @@ mod tests {
     fn the_message_names_the_path_and_the_fault() {
         let dir = std::env::temp_dir().join(format!("pin-root-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777))
-            .expect("chmod 777");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod 777");
         let err = check(&dir, &[]).expect_err("a world-writable root");
         let text = err.to_string();
         assert!(
             text.contains(&format!("{} is writable by", dir.display())) && text.contains("0777"),
             "{text}"
         );
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
-            .expect("chmod 755");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod 755");
         check(&dir, &[]).expect("0755, made by this user");
         std::fs::remove_dir(&dir).expect("remove temp dir");
     }

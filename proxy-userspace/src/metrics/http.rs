@@ -79,10 +79,7 @@ impl HttpMetrics {
 
     /// Counts a connection open on `listener` until the guard is dropped.
     pub fn open(&self, listener: &'static str) -> OpenGuard {
-        let gauge = self
-            .open
-            .get_or_create(&ListenerLabel { listener })
-            .clone();
+        let gauge = self.open.get_or_create(&ListenerLabel { listener }).clone();
         gauge.inc();
         OpenGuard(gauge)
     }

@@ -26,8 +26,8 @@ use prometheus_client::{
 };
 
 pub use self::{
-    http::HttpMetrics, kube_proxy::ProxyMetrics, rest_client::RestClientMetrics, server::parse_bind_address,
-    sync::SyncStats,
+    http::HttpMetrics, kube_proxy::ProxyMetrics, rest_client::RestClientMetrics,
+    server::parse_bind_address, sync::SyncStats,
 };
 
 /// Every metric the agent exposes; cheap to clone, shared with the loop, the

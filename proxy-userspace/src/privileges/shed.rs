@@ -106,13 +106,7 @@ fn capget() -> io::Result<[CapData; 2]> {
     };
     let mut data = [CapData::default(); 2];
     // SAFETY: a version 3 header and the two sets it reads into.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &raw mut header,
-            data.as_mut_ptr(),
-        )
-    };
+    let r = unsafe { libc::syscall(libc::SYS_capget, &raw mut header, data.as_mut_ptr()) };
     if r == 0 {
         Ok(data)
     } else {
@@ -174,7 +168,7 @@ fn install_handler() -> io::Result<()> {
 }
 
 /// The bits of `caps`.
-fn mask(caps: &HashSet<Capability>) -> u64 {
+fn mask<S: std::hash::BuildHasher>(caps: &HashSet<Capability, S>) -> u64 {
     caps.iter().fold(0, |m, c| m | c.bitmask())
 }
 
@@ -182,7 +176,9 @@ fn mask(caps: &HashSet<Capability>) -> u64 {
 /// holds now, and no others, in its effective, permitted and inheritable
 /// sets (the ambient set follows, as the kernel keeps it within both), and
 /// `no_new_privs`. Returns the effective set kept.
-pub fn keep_only(keep: &HashSet<Capability>) -> Result<u64, ShedError> {
+pub fn keep_only<S: std::hash::BuildHasher>(
+    keep: &HashSet<Capability, S>,
+) -> Result<u64, ShedError> {
     let keep = mask(keep);
     let (lo, hi) = (keep as u32, (keep >> 32) as u32);
     let mut data = capget().map_err(ShedError::Read)?;
@@ -216,14 +212,7 @@ pub fn keep_only(keep: &HashSet<Capability>) -> Result<u64, ShedError> {
         for tid in pending {
             // SAFETY: a signal to a thread of this process, whose handler
             // is installed; a thread that has exited meanwhile is ESRCH.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    libc::getpid(),
-                    tid,
-                    signal(),
-                )
-            };
+            unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, signal()) };
         }
         std::thread::sleep(Duration::from_millis(5));
     }

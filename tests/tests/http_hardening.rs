@@ -275,6 +275,8 @@ fn rapid_scrapes_share_one_snapshot_a_second() {
         let started = Instant::now();
         let values: Vec<f64> = (0..50)
             .map(|_| {
+                // Spread over 2.5 s, so that the bound below means something.
+                std::thread::sleep(Duration::from_millis(50));
                 let (_, text) = http_get(METRICS, "/metrics").expect("scrape");
                 metric(&text, "ebpf_proxy_metrics_snapshots_total")
                     .unwrap_or_else(|| panic!("no snapshot counter in {text}"))

@@ -28,7 +28,7 @@ use crate::{
         program_load,
     },
     detect_local::DetectLocal,
-    health_check_server::HealthCheckServer,
+    health_check_server::{self, HealthCheckServer},
     healthz::Health,
     housekeeping,
     http::{self, HttpError},
@@ -151,21 +151,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut sync = SyncLoop::new(config.min_sync_period, health.clone(), Instant::now());
     let interface_modes = InterfaceModes::default();
     let metrics = start_metrics(&config, &datapath, &mut sync, &interface_modes).await?;
-    let _http = http::serve(config.healthz, health.clone(), metrics.proxy.clone()).await?;
+    let _http = http::serve(config.healthz, health.clone(), &metrics).await?;
 
-    // On every address, as kube-proxy does without nodePortAddresses; with
-    // them it would follow the matching addresses as they come and go.
-    let health_checks = HealthCheckServer::new(Vec::new(), health.clone());
+    let health_checks = start_health_checks(&config, &health, &metrics);
 
-    let (if_tx, mut if_rx) = mpsc::channel::<Snapshot>(4);
-    let selection = Selection {
-        only: config.interfaces.clone(),
-    };
-    tokio::spawn(async move {
-        if let Err(e) = interfaces::watch(selection, Duration::from_secs(5), if_tx).await {
-            error!(error = %e, "interface watcher stopped; attachments stay as they are");
-        }
-    });
+    let mut if_rx = watch_interfaces(&config);
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
     spawn_source(&config, ev_tx, &metrics).await?;
@@ -186,6 +176,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 apply_snapshot(&mut datapath, &mut node, &snapshot, &config);
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
+                health_checks
+                    .set_addresses(&health_check_addresses(&config.nodeport_addresses, Some(&snapshot.addrs)))
+                    .await;
             }
             () = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
                 let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
@@ -201,6 +194,8 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 if adoption.check() {
                     node.set_netfilter_flows(false);
                     node.sync(&mut datapath.maps, Instant::now());
+                    shed_privileges(false); // the takeover's last netfilter tool has run
+
                 }
             }
             _ = sigterm.recv() => break,
@@ -222,10 +217,66 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         takeover.poll(sync.serving(), attached, || {
             takeover::finish(&mut datapath);
             adoption.on_serving();
+            // Everything loaded and attached, the older datapaths retired:
+            // what remains to do needs fewer capabilities.
+            shed_privileges(adoption.active());
         });
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// The node's interfaces and addresses, listed now and as they change.
+fn watch_interfaces(config: &AgentConfig) -> mpsc::Receiver<Snapshot> {
+    let (if_tx, if_rx) = mpsc::channel::<Snapshot>(4);
+    let selection = Selection {
+        only: config.interfaces.clone(),
+    };
+    tokio::spawn(async move {
+        if let Err(e) = interfaces::watch(selection, Duration::from_secs(5), if_tx).await {
+            error!(error = %e, "interface watcher stopped; attachments stay as they are");
+        }
+    });
+    if_rx
+}
+
+/// The health check node ports: on every address, as kube-proxy does
+/// without nodePortAddresses; with them, on the matching node addresses,
+/// none until the interfaces are listed, and following them as they come
+/// and go.
+fn start_health_checks(
+    config: &AgentConfig,
+    health: &Health,
+    metrics: &Metrics,
+) -> HealthCheckServer {
+    HealthCheckServer::new(
+        &health_check_addresses(&config.nodeport_addresses, None),
+        health.clone(),
+        metrics.http.clone(),
+    )
+}
+
+/// Keeps only the capabilities the running agent needs (`privileges::STEADY`,
+/// and `CAP_NET_RAW` while `netfilter_tools` are still to run). A failure
+/// leaves the agent running with what it had, which is logged.
+fn shed_privileges(netfilter_tools: bool) {
+    let kept = crate::privileges::steady_state(netfilter_tools)
+        .map_err(|e| e.to_string())
+        .and_then(|keep| {
+            let names: Vec<String> = keep.iter().map(ToString::to_string).collect();
+            crate::privileges::shed::keep_only(&keep)
+                .map(|mask| (names, mask))
+                .map_err(|e| e.to_string())
+        });
+    match kept {
+        Ok((mut names, mask)) => {
+            names.sort();
+            info!(kept = ?names, effective = %format!("{mask:016x}"), "capabilities not needed from now on dropped, on every thread");
+        }
+        Err(e) => {
+            warn!(error = %e, "could not drop the capabilities not needed from now on; running with those of the start");
+        }
+    }
 }
 
 /// The verifier's work is most of the start before anything is programmed,
@@ -465,6 +516,35 @@ pub fn xdp_setting(wanted: XdpModeSetting, veth: bool) -> XdpModeSetting {
     }
 }
 
+/// Where the health check node ports listen: every address when
+/// `--nodeport-addresses` is unset; else the node addresses (`addrs`, none
+/// before they are listed) it lets serve NodePorts, by the same rule as the
+/// NodePorts' own (`planner::node::node_addrs`: per family, every address of
+/// a family it names no CIDR of), and 127.0.0.1 when one of its CIDRs holds
+/// it, as kube-proxy's node IPs matching nodePortAddresses.
+fn health_check_addresses(
+    nodeport_addresses: &[Cidr],
+    addrs: Option<&[IpAddr]>,
+) -> health_check_server::Addresses {
+    if nodeport_addresses.is_empty() {
+        return health_check_server::Addresses::Every;
+    }
+    let mut allowed: Vec<IpAddr> = addrs
+        .unwrap_or_default()
+        .iter()
+        .copied()
+        .filter(|ip| {
+            crate::planner::node::node_addrs(&[*ip], nodeport_addresses)
+                .values()
+                .all(|a| a.flags & proxy_common::node_addr_flags::NODEPORT != 0)
+        })
+        .collect();
+    if serves_loopback(nodeport_addresses) {
+        allowed.push(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    }
+    health_check_server::Addresses::Only(allowed)
+}
+
 /// Whether `--nodeport-addresses` lets NodePorts be served on loopback
 /// addresses: when it is unset, or one of its CIDRs holds 127.0.0.1, as
 /// kube-proxy's `ContainsIPv4Loopback`.
@@ -512,6 +592,44 @@ mod tests {
         assert_eq!(xdp_setting(Auto, false), Auto);
         assert_eq!(xdp_setting(Native, true), Native);
         assert_eq!(xdp_setting(Off, true), Off);
+    }
+
+    #[test]
+    fn health_check_ports_listen_where_node_ports_are_served() {
+        use health_check_server::Addresses;
+        let cidrs = |cidrs: &[&str]| -> Vec<Cidr> {
+            cidrs.iter().map(|c| Cidr::parse(c).unwrap()).collect()
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let addrs = [
+            ip("10.0.0.5"),
+            ip("192.168.1.5"),
+            ip("fd00::5"),
+            ip("2001:db8::5"),
+        ];
+        assert_eq!(
+            health_check_addresses(&[], Some(&addrs)),
+            Addresses::Every,
+            "unset: every address, as kube-proxy"
+        );
+        assert_eq!(
+            health_check_addresses(&cidrs(&["10.0.0.0/8"]), None),
+            Addresses::Only(Vec::new()),
+            "set, before the node's addresses are known: none"
+        );
+        assert_eq!(
+            health_check_addresses(&cidrs(&["10.0.0.0/8", "fd00::/8"]), Some(&addrs)),
+            Addresses::Only(vec![ip("10.0.0.5"), ip("fd00::5")]),
+        );
+        assert_eq!(
+            health_check_addresses(&cidrs(&["192.168.0.0/16"]), Some(&addrs)),
+            Addresses::Only(vec![ip("192.168.1.5"), ip("fd00::5"), ip("2001:db8::5")]),
+            "a family without a CIDR: all of its addresses, as the NodePorts"
+        );
+        assert_eq!(
+            health_check_addresses(&cidrs(&["127.0.0.0/8"]), Some(&addrs)),
+            Addresses::Only(vec![ip("fd00::5"), ip("2001:db8::5"), ip("127.0.0.1")]),
+        );
     }
 
     #[test]

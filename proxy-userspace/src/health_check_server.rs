@@ -8,6 +8,10 @@
 //! policy never forwards to another node. So each port answers, on any path,
 //! 200 when this node has local endpoints and the proxy is in sync, else
 //! 503, with the count in a JSON body and in a weight header.
+//!
+//! The ports listen on the node addresses `--nodeport-addresses` lets serve
+//! NodePorts (every address when it is unset, as kube-proxy), following them
+//! as they come and go, and are served under `http_limits`' bounds.
 
 use std::{
     collections::{BTreeMap, btree_map::Entry},
@@ -29,7 +33,9 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{healthz::Health, model::HealthCheck, retry::backoff};
+use crate::{
+    healthz::Health, http_limits, metrics::HttpMetrics, model::HealthCheck, retry::backoff,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthCheckError {
@@ -45,8 +51,18 @@ pub enum HealthCheckError {
 /// Listen backlog, as tokio's `TcpListener::bind` uses.
 const BACKLOG: u32 = 1024;
 
+/// The addresses the health check ports listen on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Addresses {
+    /// Every address of the node, both families, whichever come later
+    /// (`--nodeport-addresses` unset).
+    Every,
+    /// These addresses alone; none: the ports are open on no address.
+    Only(Vec<IpAddr>),
+}
+
 /// Where a health check port listens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum BindAddr {
     /// Every address of the node, both families: kube-proxy listens on
     /// "0.0.0.0", which Go opens as a dual-stack `[::]` socket.
@@ -69,14 +85,16 @@ pub struct HealthCheckServer {
 /// What the server and its retries share; the retries hold it weakly, so
 /// that dropping the server closes its ports.
 struct Inner {
-    bind: Vec<BindAddr>,
     health: Health,
+    http: HttpMetrics,
     /// A tokio mutex: updates await listeners being closed.
     ports: tokio::sync::Mutex<Ports>,
 }
 
 #[derive(Default)]
 struct Ports {
+    /// The addresses each port listens on.
+    bind: Vec<BindAddr>,
     /// The listening ports.
     open: BTreeMap<u16, PortServer>,
     /// The wanted ports that failed to open.
@@ -142,33 +160,55 @@ struct HandlerState {
 }
 
 impl HealthCheckServer {
-    /// `bind_addrs`: the node addresses to listen on, as kube-proxy uses the
-    /// node IPs matching nodePortAddresses; empty (or an unspecified
-    /// address) means every address of both families. `health` decides
-    /// "serviceProxyHealthy", as /healthz does.
-    pub fn new(bind_addrs: Vec<IpAddr>, health: Health) -> Self {
-        let mut bind: Vec<BindAddr> = Vec::new();
-        for ip in bind_addrs {
-            let addr = if ip.is_unspecified() {
-                BindAddr::Any
-            } else {
-                BindAddr::Ip(ip.to_canonical())
-            };
-            if !bind.contains(&addr) {
-                bind.push(addr);
-            }
-        }
-        // A wildcard listener already covers every specific address, and
-        // binding both would fail with "address in use".
-        if bind.is_empty() || bind.contains(&BindAddr::Any) {
-            bind = vec![BindAddr::Any];
-        }
+    /// Listening on `addresses`, as kube-proxy listens on the node IPs
+    /// matching nodePortAddresses. `health` decides "serviceProxyHealthy",
+    /// as /healthz does; `http` counts the ports' connections.
+    pub fn new(addresses: &Addresses, health: Health, http: HttpMetrics) -> Self {
         Self {
             inner: Arc::new(Inner {
-                bind,
                 health,
-                ports: tokio::sync::Mutex::new(Ports::default()),
+                http,
+                ports: tokio::sync::Mutex::new(Ports {
+                    bind: bind_addrs(addresses),
+                    ..Ports::default()
+                }),
             }),
+        }
+    }
+
+    /// Listens on `addresses` from now on: the open ports are opened again
+    /// on them when they differ from the last ones (the node's addresses
+    /// changed).
+    pub async fn set_addresses(&self, addresses: &Addresses) {
+        let bind = bind_addrs(addresses);
+        let mut guard = self.inner.ports.lock().await;
+        let ports = &mut *guard;
+        if ports.bind == bind {
+            return;
+        }
+        tracing::info!(addresses = ?bind, "health check node ports move to the node's addresses");
+        ports.bind = bind;
+        let open = std::mem::take(&mut ports.open);
+        let mut checks = Vec::with_capacity(open.len());
+        for (port, server) in open {
+            let check = {
+                let served = lock(&server.served);
+                HealthCheck {
+                    namespace: served.namespace.clone(),
+                    name: served.name.clone(),
+                    node_port: port,
+                    local_endpoints: served.local_endpoints,
+                }
+            };
+            server.stop().await;
+            checks.push(check);
+        }
+        for check in checks {
+            self.inner.open(ports, check, 0);
+        }
+        if !ports.failed.is_empty() && !ports.retrying {
+            ports.retrying = true;
+            tokio::spawn(retry(Arc::downgrade(&self.inner)));
         }
     }
 
@@ -265,12 +305,28 @@ async fn retry(inner: Weak<Inner>) {
     }
 }
 
+/// Where to listen for `addresses`: the wildcard, or each address once.
+fn bind_addrs(addresses: &Addresses) -> Vec<BindAddr> {
+    match addresses {
+        Addresses::Every => vec![BindAddr::Any],
+        Addresses::Only(ips) => {
+            let mut bind: Vec<BindAddr> = ips
+                .iter()
+                .map(|ip| BindAddr::Ip(ip.to_canonical()))
+                .collect();
+            bind.sort_unstable();
+            bind.dedup();
+            bind
+        }
+    }
+}
+
 impl Inner {
     /// Opens `check`'s port, or files it among the failed ones, after
     /// `retries` retries.
     fn open(&self, ports: &mut Ports, check: HealthCheck, retries: u32) {
         let port = check.node_port;
-        match self.start(check.clone()) {
+        match self.start(&ports.bind, check.clone()) {
             Ok(server) => {
                 if retries > 0 {
                     tracing::info!(port, retries, "health check node port opened on a retry");
@@ -293,10 +349,9 @@ impl Inner {
 
     /// Binds every address of the port, or none: kube-proxy too gives up on
     /// the whole port when one address fails, and retries it later.
-    fn start(&self, check: HealthCheck) -> Result<PortServer, HealthCheckError> {
+    fn start(&self, bind: &[BindAddr], check: HealthCheck) -> Result<PortServer, HealthCheckError> {
         let service = format!("{}/{}", check.namespace, check.name);
-        let (listeners, listening): (Vec<_>, Vec<_>) = self
-            .bind
+        let (listeners, listening): (Vec<_>, Vec<_>) = bind
             .iter()
             .map(|&bind| listen(bind, check.node_port))
             .collect::<Result<Vec<_>, _>>()
@@ -322,22 +377,19 @@ impl Inner {
         let tasks = listeners
             .into_iter()
             .map(|listener| {
-                let app = app.clone();
                 let mut shutdown_rx = shutdown_rx.clone();
-                let port = check.node_port;
-                tokio::spawn(async move {
-                    let stopped = async move {
-                        // Nothing is ever sent: this resolves when the
-                        // sender is dropped.
-                        let _ = shutdown_rx.changed().await;
-                    };
-                    if let Err(err) = axum::serve(listener, app)
-                        .with_graceful_shutdown(stopped)
-                        .await
-                    {
-                        tracing::warn!(port, error = %err, "health check node port server failed");
-                    }
-                })
+                let stopped = async move {
+                    // Nothing is ever sent: this resolves when the sender
+                    // is dropped.
+                    let _ = shutdown_rx.changed().await;
+                };
+                tokio::spawn(http_limits::serve(
+                    listener,
+                    app.clone(),
+                    "health_check",
+                    self.http.clone(),
+                    stopped,
+                ))
             })
             .collect();
         Ok(PortServer {
@@ -570,7 +622,11 @@ mod tests {
 
     #[tokio::test]
     async fn serves_counts_and_closes_removed_ports() {
-        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
 
         server.update(vec![check("web", port, 0)]).await;
@@ -608,7 +664,11 @@ mod tests {
     #[tokio::test]
     async fn unhealthy_proxy_answers_503() {
         let health = Health::default();
-        let server = HealthCheckServer::new(vec![LOCALHOST], health.clone());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            health.clone(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
         server.update(vec![check("web", port, 2)]).await;
 
@@ -626,7 +686,11 @@ mod tests {
 
     #[tokio::test]
     async fn bind_failure_spares_other_ports_and_is_retried() {
-        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let taken = listener_below_ephemeral_range();
         let busy = taken.local_addr().expect("local addr").port();
         let free = free_port();
@@ -663,7 +727,11 @@ mod tests {
     /// port once it is free, and stop for a port no longer listed.
     #[tokio::test]
     async fn a_port_that_failed_to_open_is_retried_until_it_opens() {
-        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let taken = listener_below_ephemeral_range();
         let busy = taken.local_addr().expect("local addr").port();
         server.update(vec![check("busy", busy, 1)]).await;
@@ -703,7 +771,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_shared_port_stays_with_its_holder() {
-        let server = HealthCheckServer::new(vec![LOCALHOST], synced());
+        let server = HealthCheckServer::new(
+            &Addresses::Only(vec![LOCALHOST]),
+            synced(),
+            HttpMetrics::default(),
+        );
         let port = free_port();
 
         server.update(vec![check("b", port, 1)]).await;
@@ -718,7 +790,7 @@ mod tests {
 
     #[tokio::test]
     async fn listens_on_every_address_by_default() {
-        let server = HealthCheckServer::new(Vec::new(), synced());
+        let server = HealthCheckServer::new(&Addresses::Every, synced(), HttpMetrics::default());
         let port = free_port();
         server.update(vec![check("web", port, 1)]).await;
         assert_eq!(get(port, "/").await.status, 200);
@@ -731,7 +803,7 @@ mod tests {
     /// accepting meanwhile (CI saw it while a test ran bpftool).
     #[tokio::test]
     async fn a_closed_port_refuses_while_another_descriptor_holds_its_socket() {
-        let server = HealthCheckServer::new(Vec::new(), synced());
+        let server = HealthCheckServer::new(&Addresses::Every, synced(), HttpMetrics::default());
         let port = free_port();
         server.update(vec![check("web", port, 1)]).await;
         let copy = server.inner.ports.lock().await.open[&port].listening[0]
@@ -744,6 +816,35 @@ mod tests {
             "port {port} still accepts once closed, while a copy of its socket is open"
         );
         drop(copy);
+    }
+
+    /// `--nodeport-addresses`: the ports listen on the addresses given, none
+    /// before the node's are known, and move when they change.
+    #[tokio::test]
+    async fn ports_listen_only_on_the_addresses_given() {
+        let other = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+        let server = HealthCheckServer::new(
+            &Addresses::Only(Vec::new()),
+            synced(),
+            HttpMetrics::default(),
+        );
+        let port = free_port();
+        server.update(vec![check("web", port, 1)]).await;
+        assert!(connect(port).await.is_err(), "no address yet: refused");
+
+        server
+            .set_addresses(&Addresses::Only(vec![LOCALHOST]))
+            .await;
+        assert_eq!(get(port, "/").await.status, 200, "on {LOCALHOST}");
+
+        server.set_addresses(&Addresses::Only(vec![other])).await;
+        let err = connect(port).await.expect_err("moved off 127.0.0.1");
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+        let conn = TcpStream::connect((other, port))
+            .await
+            .expect("on 127.0.0.2");
+        let response = request(&mut BufReader::new(conn), "/").await;
+        assert_eq!(response.body, expected_body("web", 1, true));
     }
 
     #[test]

@@ -14,8 +14,6 @@ pub enum HttpError {
         #[source]
         source: std::io::Error,
     },
-    #[error("healthz server: {0}")]
-    Serve(#[source] std::io::Error),
 }
 
 fn answer(health: &Health, probe: Probe) -> impl IntoResponse + use<> {
@@ -42,12 +40,13 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     answer(&health, Probe::Readyz)
 }
 
-/// Binds now (so a bad address fails start-up), serves in the background.
+/// Binds now (so a bad address fails start-up), serves in the background
+/// under `http_limits`' bounds.
 pub async fn serve(
     addr: SocketAddr,
     health: Health,
-    metrics: crate::metrics::ProxyMetrics,
-) -> Result<tokio::task::JoinHandle<Result<(), HttpError>>, HttpError> {
+    metrics: &crate::metrics::Metrics,
+) -> Result<tokio::task::JoinHandle<()>, HttpError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| HttpError::Bind { addr, source })?;
@@ -56,13 +55,17 @@ pub async fn serve(
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
         .route_layer(axum::middleware::from_fn_with_state(
-            metrics,
+            metrics.proxy.clone(),
             crate::metrics::kube_proxy::count_probes,
         ))
         .with_state(health);
-    Ok(tokio::spawn(async move {
-        axum::serve(listener, app).await.map_err(HttpError::Serve)
-    }))
+    Ok(tokio::spawn(crate::http_limits::serve(
+        listener,
+        app,
+        "healthz",
+        metrics.http.clone(),
+        std::future::pending(),
+    )))
 }
 
 #[cfg(test)]

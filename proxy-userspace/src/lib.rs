@@ -15,6 +15,7 @@ mod health_check_server;
 pub mod healthz;
 pub mod housekeeping;
 mod http;
+mod http_limits;
 pub mod kube_proxy_argv;
 mod kube_proxy_flags;
 pub mod logging;

@@ -8,6 +8,8 @@
 //! set at start, and an operation refused later is reported with the
 //! capability that operation lacked.
 
+pub mod shed;
+
 use std::{collections::HashSet, error::Error, io};
 
 use caps::{CapSet, Capability};
@@ -44,6 +46,48 @@ pub const NET_ADMIN: Requirement = Requirement {
 /// What deploy/daemonset.yaml grants for the agent itself; it also grants
 /// `CAP_NET_RAW`, which only the image's iptables-legacy tools use.
 pub const REQUIRED: [Requirement; 3] = [BPF, PERFMON, NET_ADMIN];
+
+/// What the running agent keeps once its programs are loaded and attached
+/// (`shed`): map reads and writes, pins and iterators on descriptors it
+/// holds need no capability on the kernels it runs on (6.6 and later), but
+/// `CAP_BPF` is kept for the `bpf()` calls of attaching an interface that
+/// appears; `CAP_NET_ADMIN` for attaching it (tcx and XDP links, netlink),
+/// closing sockets to departed backends (`SOCK_DESTROY`) and reading the
+/// kernel's conntrack (ctnetlink). `CAP_PERFMON` only ever served the
+/// verifier, at load, and goes.
+pub const STEADY: [Requirement; 2] = [
+    BPF,
+    Requirement {
+        capability: Capability::CAP_NET_ADMIN,
+        or: None,
+        needed_for: "attaching interfaces that appear, closing sockets to removed backends, reading the kernel's conntrack",
+    },
+];
+
+/// What the agent keeps while the takeover from kube-proxy still runs
+/// netfilter tools (`netfilter_tools`): those are executed with at most the
+/// agent's own capabilities, and iptables-legacy needs `CAP_NET_RAW`.
+pub fn steady_state(netfilter_tools: bool) -> Result<HashSet<Capability>, PrivilegeError> {
+    let effective = effective()?;
+    let mut keep: HashSet<Capability> = HashSet::new();
+    for req in STEADY {
+        match req.or {
+            // A privileged container may hold CAP_SYS_ADMIN alone for
+            // CAP_BPF: it is kept in its place.
+            Some(or) if !effective.contains(&req.capability) && effective.contains(&or) => {
+                keep.insert(or);
+            }
+            _ => {
+                keep.insert(req.capability);
+            }
+        }
+    }
+    if netfilter_tools {
+        keep.insert(Capability::CAP_NET_RAW);
+        keep.insert(Capability::CAP_NET_ADMIN);
+    }
+    Ok(keep)
+}
 
 /// What a kernel operation the agent performs needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,9 @@
 //! Least privilege, proven on the agent binary: started under `setpriv` with
 //! exactly the capabilities deploy/daemonset.yaml adds (root's uid, every other
 //! capability gone, as in a container that drops ALL) it serves a ClusterIP;
-//! without any one of them it stops at start with an error naming it.
+//! without any one of them it stops at start with an error naming it; and
+//! once serving it keeps only the steady-state set, on every thread, and
+//! still serves.
 //!
 //! Needs root and the release binary (`cargo xtask build`).
 
@@ -25,7 +27,7 @@ use ebpf_proxy_tests::{
 };
 use proxy_userspace::{
     datapath::EBPF_OBJECT,
-    privileges::{REQUIRED, effective, explain, missing_from},
+    privileges::{REQUIRED, effective, explain, missing_from, shed::Sets},
 };
 
 const BACKEND: (&str, Ipv4Addr) = BACKENDS[0];
@@ -87,6 +89,83 @@ fn start_with_caps(fx: &Fixture, caps: &[String]) -> anyhow::Result<Agent> {
     Agent::start_under(&fx.topology.node, fx.manifests.path(), &launcher, &[])
 }
 
+/// A capability's bit in `/proc/…/status` (manifest spelling).
+fn bit(cap: &str) -> u64 {
+    1u64 << match cap {
+        "BPF" => 39,
+        "PERFMON" => 38,
+        "NET_ADMIN" => 12,
+        "NET_RAW" => 13,
+        "SYS_RESOURCE" => 24,
+        "SYS_ADMIN" => 21,
+        other => panic!("no bit known for capability {other}"),
+    }
+}
+
+/// Each thread of `pid`: its id, and its effective, permitted and
+/// inheritable sets and `no_new_privs` as `/proc` shows them.
+fn thread_sets(pid: u32) -> Vec<(String, Option<Sets>)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the agent's threads")
+        .flatten()
+    {
+        let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        out.push((
+            entry.file_name().to_string_lossy().into_owned(),
+            Sets::parse(&status),
+        ));
+    }
+    out
+}
+
+/// An interface that appears after the drop gets the datapath.
+fn an_interface_added_later_is_attached(fx: &Fixture, agent: &Agent) {
+    let name = "capslater0";
+    for args in [
+        vec![
+            "link",
+            "add",
+            name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "capslater1",
+        ],
+        vec!["link", "set", name, "up"],
+        vec!["link", "set", "capslater1", "up"],
+    ] {
+        let status = fx
+            .topology
+            .node
+            .command("ip")
+            .args(&args)
+            .status()
+            .expect("ip");
+        assert!(status.success(), "ip {args:?}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !agent
+        .pins()
+        .iter()
+        .any(|p| p.to_string_lossy().contains(name))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "interface {name}, added after the capabilities were dropped, was not attached: pins {:?}\n{}",
+            agent.pins(),
+            agent.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// Once the agent has loaded, attached and taken the node over it keeps, on
+/// every thread, exactly the steady-state set (docs/security.md,
+/// "Privileges and pins"), with `no_new_privs`; and it still does its work:
+/// a Service added afterwards is served, an interface that appears
+/// afterwards gets the datapath.
 #[test]
 fn the_daemonsets_capabilities_suffice_to_serve() {
     let fx = fixture();
@@ -94,37 +173,71 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
     let agent = start_with_caps(&fx, &caps)
         .unwrap_or_else(|e| panic!("the agent with only {caps:?} did not start: {e:#}"));
     let pid = agent.pid().expect("running");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .expect("CapEff")
-        .trim()
-        .to_owned();
-    let want: u64 = caps
-        .iter()
-        .map(|c| {
-            1u64 << match c.as_str() {
-                "BPF" => 39,
-                "PERFMON" => 38,
-                "NET_ADMIN" => 12,
-                "NET_RAW" => 13,
-                "SYS_RESOURCE" => 24,
-                "SYS_ADMIN" => 21,
-                other => panic!("no bit known for capability {other}"),
-            }
-        })
-        .sum();
-    assert_eq!(
-        u64::from_str_radix(&eff, 16).expect("hex"),
-        want,
-        "the agent runs with exactly {caps:?} (CapEff {eff})"
+    let started_with: u64 = caps.iter().map(|c| bit(c)).sum();
+    let steady: u64 = ["BPF", "NET_ADMIN"].iter().map(|c| bit(c)).sum();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let sets = loop {
+        let sets = thread_sets(pid);
+        let dropped = sets.iter().all(|(_, s)| {
+            s.is_some_and(|s| {
+                s.effective == steady
+                    && s.permitted == steady
+                    && s.inheritable & !steady == 0
+                    && s.no_new_privs
+            })
+        });
+        if dropped {
+            break sets;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "started with {started_with:016x} ({caps:?}); every thread should hold exactly \
+             {steady:016x} (BPF, NET_ADMIN) with no_new_privs once serving; threads: {sets:#?}\n{}",
+            agent.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    eprintln!(
+        "capabilities: started with CapEff {started_with:016x} ({caps:?}); steady state CapEff/CapPrm {steady:016x} on all {} threads",
+        sets.len()
     );
     let tally = tcp_tally(&fx.topology.pod(CLIENT.0).ns, VIP, 20, TIMEOUT).expect("connections");
     assert!(
         tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [20],
-        "with {caps:?} every connection to the ClusterIP is served by {}: {tally:?}",
+        "with {caps:?}, then the steady set, every connection to the ClusterIP is served by {}: {tally:?}",
         BACKEND.0
+    );
+
+    // A Service added after the drop is programmed.
+    let later = std::net::SocketAddrV4::new(CLUSTER_IP, VIP.port() + 1);
+    fx.manifests
+        .write(
+            "later.yaml",
+            &Service::new("test", "later", CLUSTER_IP)
+                .port("http", later.port(), Protocol::Tcp, TCP_PORT)
+                .yaml(Some(&[BACKEND.1])),
+        )
+        .expect("write manifest");
+    let client = &fx.topology.pod(CLIENT.0).ns;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let tally = tcp_tally(client, later, 5, TIMEOUT).expect("connections");
+        if tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [5] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a Service added after the capabilities were dropped is not served: {tally:?}\n{}",
+            agent.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+
+    an_interface_added_later_is_attached(&fx, &agent);
+    let log = agent.log();
+    assert!(
+        !log.contains("Operation not permitted") && !log.contains("EPERM"),
+        "something was refused after the drop:\n{log}"
     );
 }
 

@@ -88,7 +88,10 @@ impl Scrape {
     }
 }
 
+/// A scrape that sees what happened before it: /metrics is served from a
+/// snapshot up to a second old (docs/security.md, "HTTP endpoints").
 fn scrape(node: &NetNs) -> Scrape {
+    std::thread::sleep(Duration::from_millis(1100));
     let (status, response) = node
         .run(|| http_get(METRICS, "/metrics"))
         .expect("enter the node namespace")

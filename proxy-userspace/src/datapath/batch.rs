@@ -4,6 +4,12 @@
 //! entry (next key, then value): about 0.8 s of CPU on a 2-core node, every
 //! reap period, taken from the traffic it serves. In chunks it is a few
 //! dozen calls.
+//!
+//! The kernel reads and writes these buffers by the map's own key and value
+//! sizes and the count it is given: every call first checks that the Rust
+//! types are exactly the map's sizes and that the counts are what the
+//! buffers hold ([`check_layout`]), and refuses otherwise rather than let the
+//! kernel write past a buffer.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
@@ -13,6 +19,7 @@ use bytemuck::Pod;
 use super::sys;
 
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
@@ -40,19 +47,120 @@ pub enum BatchError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "{op} on map fd {fd}: the map's keys are {map_key} bytes and its values {map_value}, the buffers' {key} and {value}; refused"
+    )]
+    Layout {
+        op: &'static str,
+        fd: u32,
+        key: usize,
+        value: usize,
+        map_key: u32,
+        map_value: u32,
+    },
+    #[error("{op}: {keys} keys against {values} values, or more than one call can take; refused")]
+    Count {
+        op: &'static str,
+        keys: usize,
+        values: usize,
+    },
 }
 
 impl BatchError {
     /// The kernel has no such batch operation (before 5.6, or not for this
     /// kind of map).
     pub fn unsupported(&self) -> bool {
-        let BatchError::Syscall { source, .. } = self;
         // ENOTSUPP, the kernel-internal 524 that reaches user space here.
         matches!(
-            source.raw_os_error(),
-            Some(libc::EINVAL | libc::EOPNOTSUPP | 524)
+            self,
+            BatchError::Syscall { source, .. }
+                if matches!(source.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | 524))
         )
     }
+}
+
+/// The start of `struct bpf_map_info` (include/uapi/linux/bpf.h): the
+/// kernel fills no more than the length it is given.
+#[repr(C)]
+#[derive(Default)]
+struct MapInfoHead {
+    map_type: u32,
+    id: u32,
+    key_size: u32,
+    value_size: u32,
+}
+
+/// The `info` member of `union bpf_attr`, for `BPF_OBJ_GET_INFO_BY_FD`.
+#[repr(C)]
+#[derive(Default)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+/// The key and value sizes of the map behind `fd`.
+fn map_sizes(op: &'static str, fd: u32) -> Result<(u32, u32), BatchError> {
+    let mut info = MapInfoHead::default();
+    let mut attr = InfoAttr {
+        bpf_fd: fd,
+        info_len: size_of::<MapInfoHead>() as u32,
+        info: &raw mut info as u64,
+    };
+    // SAFETY: `info` is `info_len` bytes the kernel may write.
+    unsafe { sys::bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr) }.map_err(|source| {
+        BatchError::Syscall {
+            op,
+            fd,
+            source: std::io::Error::new(
+                source.kind(),
+                format!("reading the map's key and value sizes: {source}"),
+            ),
+        }
+    })?;
+    Ok((info.key_size, info.value_size))
+}
+
+/// What the unsafe calls below assume: the map's keys are exactly `K` and
+/// its values exactly `V` (`V = ()` where no value is passed), and the
+/// counts given are what the buffers hold and fit the kernel's `u32`.
+fn check_layout<K, V>(
+    op: &'static str,
+    fd: u32,
+    (map_key, map_value): (u32, u32),
+    (keys, values): (usize, Option<usize>),
+) -> Result<(), BatchError> {
+    let key = size_of::<K>();
+    let value = size_of::<V>();
+    let value_ok = values.is_none() || map_value as usize == value;
+    if map_key as usize != key || !value_ok || key == 0 {
+        return Err(BatchError::Layout {
+            op,
+            fd,
+            key,
+            value,
+            map_key,
+            map_value,
+        });
+    }
+    if values.is_some_and(|v| v != keys) || u32::try_from(keys).is_err() {
+        return Err(BatchError::Count {
+            op,
+            keys,
+            values: values.unwrap_or(keys),
+        });
+    }
+    Ok(())
+}
+
+/// [`check_layout`] against the map behind `fd`.
+fn checked<K, V>(
+    op: &'static str,
+    fd: u32,
+    keys: usize,
+    values: Option<usize>,
+) -> Result<(), BatchError> {
+    check_layout::<K, V>(op, fd, map_sizes(op, fd)?, (keys, values))
 }
 
 fn fd_of(map: &MapData) -> u32 {
@@ -71,8 +179,9 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
     mut f: impl FnMut(&[K], &[V]),
 ) -> Result<(), BatchError> {
     let fd = fd_of(map);
-    let mut keys = vec![K::zeroed(); chunk];
-    let mut values = vec![V::zeroed(); chunk];
+    checked::<K, V>("BPF_MAP_LOOKUP_BATCH", fd, chunk.max(1), Some(chunk.max(1)))?;
+    let mut keys = vec![K::zeroed(); chunk.max(1)];
+    let mut values = vec![V::zeroed(); chunk.max(1)];
     // The kernel's position in the map between calls: a bucket index for
     // hash maps.
     let (mut position, mut next) = (0u64, 0u64);
@@ -87,7 +196,8 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
             map_fd: fd,
             ..Default::default()
         };
-        // SAFETY: the buffers hold `count` keys and values of the map's types.
+        // SAFETY: the buffers hold `count` keys and values, of the map's
+        // key and value sizes (checked above).
         let result = unsafe { sys::bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let n = (attr.count as usize).min(keys.len());
         match result {
@@ -100,6 +210,12 @@ pub fn for_each_chunk<K: Pod, V: Pod>(
             // A bucket with more entries than the buffers hold.
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && n == 0 => {
                 let bigger = keys.len() * 2;
+                check_layout::<K, V>(
+                    "BPF_MAP_LOOKUP_BATCH",
+                    fd,
+                    (size_of::<K>() as u32, size_of::<V>() as u32),
+                    (bigger, Some(bigger)),
+                )?;
                 keys.resize(bigger, K::zeroed());
                 values.resize(bigger, V::zeroed());
                 continue;
@@ -149,21 +265,30 @@ pub fn keys_where<K: Pod, V: Pod>(
 /// Returns how many were deleted.
 pub fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Result<usize, BatchError> {
     let fd = fd_of(map);
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    // The count is checked to fit a call below: a longer list goes in
+    // several.
+    checked::<K, ()>("BPF_MAP_DELETE_BATCH", fd, 1, None)?;
     let mut deleted = 0;
     let mut rest = keys;
     while !rest.is_empty() {
+        let count = rest.len().min(u32::MAX as usize);
         let mut attr = BatchAttr {
             keys: rest.as_ptr() as u64,
-            count: rest.len() as u32,
+            count: count as u32,
             map_fd: fd,
             ..Default::default()
         };
-        // SAFETY: `keys` holds `count` keys of the map's key type.
+        // SAFETY: `rest` holds at least `count` keys of the map's key size
+        // (checked above); the kernel only reads them.
         let result = unsafe { sys::bpf(BPF_MAP_DELETE_BATCH, &mut attr) };
-        let done = (attr.count as usize).min(rest.len());
+        let done = (attr.count as usize).min(count);
         deleted += done;
         match result {
-            Ok(_) => return Ok(deleted),
+            Ok(_) if count == rest.len() => return Ok(deleted),
+            Ok(_) => rest = &rest[count..],
             // The kernel stops at a key that is not there: skip it.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 rest = rest.get(done + 1..).unwrap_or_default();
@@ -203,7 +328,12 @@ pub fn update<K: Pod, V: Pod>(
     values: &[V],
 ) -> Result<(), (usize, BatchError)> {
     let fd = fd.as_raw_fd() as u32;
-    let n = keys.len().min(values.len());
+    if keys.is_empty() && values.is_empty() {
+        return Ok(());
+    }
+    checked::<K, V>("BPF_MAP_UPDATE_BATCH", fd, keys.len(), Some(values.len()))
+        .map_err(|e| (0, e))?;
+    let n = keys.len();
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
@@ -212,7 +342,7 @@ pub fn update<K: Pod, V: Pod>(
         ..Default::default()
     };
     // SAFETY: `keys` and `values` hold `count` keys and values of the map's
-    // types, and the kernel only reads them.
+    // key and value sizes (checked above), and the kernel only reads them.
     let Err(source) = (unsafe { sys::bpf(BPF_MAP_UPDATE_BATCH, &mut attr) }) else {
         return Ok(());
     };
@@ -232,7 +362,8 @@ pub fn update<K: Pod, V: Pod>(
             value: std::ptr::from_ref(value) as u64,
             ..Default::default()
         };
-        // SAFETY: `key` and `value` are a key and a value of the map's types.
+        // SAFETY: `key` and `value` are a key and a value of the map's key
+        // and value sizes (checked above).
         unsafe { sys::bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }.map_err(|source| {
             (
                 i,
@@ -245,4 +376,80 @@ pub fn update<K: Pod, V: Pod>(
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OP: &str = "BPF_MAP_LOOKUP_BATCH";
+
+    #[test]
+    fn the_types_must_be_the_maps_sizes() {
+        assert!(check_layout::<u64, [u8; 12]>(OP, 3, (8, 12), (16, Some(16))).is_ok());
+        for (map, what) in [
+            ((4, 12), "keys smaller in the map"),
+            (
+                (16, 12),
+                "keys larger in the map: the kernel would write past the buffer",
+            ),
+            ((8, 8), "values smaller in the map"),
+            (
+                (8, 24),
+                "values larger in the map: the kernel would write past the buffer",
+            ),
+        ] {
+            let err = check_layout::<u64, [u8; 12]>(OP, 3, map, (16, Some(16))).expect_err(what);
+            assert!(
+                matches!(
+                    err,
+                    BatchError::Layout {
+                        key: 8,
+                        value: 12,
+                        ..
+                    }
+                ),
+                "{what}: {err}"
+            );
+            assert!(err.to_string().contains("refused"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_delete_checks_the_keys_alone() {
+        assert!(check_layout::<u32, ()>(OP, 3, (4, 64), (10, None)).is_ok());
+        assert!(check_layout::<u32, ()>(OP, 3, (8, 64), (10, None)).is_err());
+        assert!(
+            check_layout::<(), ()>(OP, 3, (0, 0), (10, None)).is_err(),
+            "no zero-sized keys"
+        );
+    }
+
+    #[test]
+    fn the_counts_must_match_and_fit_a_call() {
+        let err = check_layout::<u32, u64>(OP, 3, (4, 8), (10, Some(9)))
+            .expect_err("fewer values than keys");
+        assert!(
+            matches!(
+                err,
+                BatchError::Count {
+                    keys: 10,
+                    values: 9,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let too_many = u32::MAX as usize + 1;
+        assert!(
+            check_layout::<u32, u64>(OP, 3, (4, 8), (too_many, Some(too_many))).is_err(),
+            "more than a u32 count"
+        );
+    }
+
+    #[test]
+    fn a_layout_refusal_is_not_taken_for_an_old_kernel() {
+        let err = check_layout::<u32, u64>(OP, 3, (8, 8), (1, Some(1))).expect_err("wrong key");
+        assert!(!err.unsupported(), "update must not fall back on it");
+    }
 }

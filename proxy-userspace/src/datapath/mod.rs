@@ -18,13 +18,14 @@ pub mod kernel_btf;
 pub mod kernel_version;
 pub mod maps;
 pub mod netfilter_ct;
+pub mod pin_root;
 pub mod pins;
 pub mod program_load;
 pub(crate) mod sys;
 mod write_behind;
 mod xdp_next;
 
-use std::{path::Path, time::Instant};
+use std::{os::unix::fs::DirBuilderExt, path::Path, time::Instant};
 
 pub use attach::{AttachError, XdpModeSetting};
 use aya::{
@@ -56,6 +57,8 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    PinRoot(#[from] pin_root::PinRootError),
     #[error("loading the eBPF object: {0}")]
     Load(#[from] aya::EbpfError),
     #[error("program {name}: {source}")]
@@ -76,6 +79,27 @@ pub enum DatapathError {
     BtfNames(#[from] btf_names::BtfNamesError),
     #[error(transparent)]
     Kernel(#[from] kernel_version::KernelVersionError),
+}
+
+/// Makes the pin directories, writable by the agent alone whatever the
+/// umask, and checks them, the root and what is above it (`pin_root`) once
+/// they exist, so that one made by someone else in their place meanwhile is
+/// seen too.
+fn make_pin_dirs(pins: &PinLayout) -> Result<(), DatapathError> {
+    let mut kept = vec![pins.maps_dir(), pins.links_dir(), pins.iters_dir()];
+    for dir in &kept {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(|source| DatapathError::PinDir {
+                path: dir.display().to_string(),
+                source,
+            })?;
+    }
+    kept.push(pins.versioned());
+    pin_root::check(pins.root(), &kept)?;
+    Ok(())
 }
 
 /// Loads the object with its `ip_summed` reads completed as `read` says and
@@ -190,12 +214,7 @@ impl Datapath {
         if !pins::is_bpffs(parent) && !pins::is_bpffs(pins.root()) {
             return Err(DatapathError::NotBpffs(parent.display().to_string()));
         }
-        for dir in [pins.maps_dir(), pins.links_dir(), pins.iters_dir()] {
-            std::fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        }
+        make_pin_dirs(&pins)?;
         let paths: Vec<(&'static str, std::path::PathBuf)> = map_names::ALL
             .iter()
             .map(|name| (*name, pins.map(name)))

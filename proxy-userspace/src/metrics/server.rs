@@ -17,8 +17,6 @@ pub enum MetricsError {
         #[source]
         source: std::io::Error,
     },
-    #[error("metrics server: {0}")]
-    Serve(#[source] std::io::Error),
 }
 
 /// kube-proxy's default `--metrics-bind-address` port.
@@ -51,30 +49,30 @@ pub fn parse_bind_address(s: &str) -> Result<Option<SocketAddr>, String> {
 }
 
 async fn metrics(State(metrics): State<Metrics>) -> impl IntoResponse {
-    // Reading the maps is syscalls: off the async workers.
-    let body = tokio::task::spawn_blocking(move || metrics.render())
-        .await
-        .unwrap_or_default();
-    ([("content-type", CONTENT_TYPE)], body)
+    let body = metrics.snapshot().await;
+    ([("content-type", CONTENT_TYPE)], body.to_string())
 }
 
 /// Binds now (so a bad or taken address fails start-up), serves in the
-/// background.
+/// background under `http_limits`' bounds.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
-) -> Result<tokio::task::JoinHandle<Result<(), MetricsError>>, MetricsError> {
+) -> Result<tokio::task::JoinHandle<()>, MetricsError> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| MetricsError::Bind { addr, source })?;
+    let http = metrics.http.clone();
     let app = Router::new()
         .route("/metrics", get(self::metrics))
         .with_state(metrics);
-    Ok(tokio::spawn(async move {
-        axum::serve(listener, app)
-            .await
-            .map_err(MetricsError::Serve)
-    }))
+    Ok(tokio::spawn(crate::http_limits::serve(
+        listener,
+        app,
+        "metrics",
+        http,
+        std::future::pending(),
+    )))
 }
 
 #[cfg(test)]

@@ -60,6 +60,9 @@ pub mod map_names {
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
+    /// The rate limit of rejects (`RejectLimit`). Never pinned, so not in
+    /// `ALL`: each agent writes its own at load.
+    pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
     pub const LATER: [&str; 12] = [
@@ -878,6 +881,34 @@ impl<A> CtValueOf<A> {
     }
 }
 
+/// The one entry of `REJECT_LIMIT`: how many rejects the datapath may
+/// send, held to the budget the kernel holds its own ICMP errors to
+/// (`net.ipv4.icmp_msgs_per_sec` and `icmp_msgs_burst`, which cover ICMPv6
+/// too), and the bucket that budget is spent from: one for the node, every
+/// CPU and both families, as the kernel's `icmp_global_allow`. Not pinned:
+/// the agent writes the node's limits at each load.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RejectLimit {
+    /// Rejects a second, refilled by the millisecond; 0 with `configured`
+    /// is none after the burst, as the kernel reads 0.
+    pub msgs_per_sec: u32,
+    /// The most the bucket holds.
+    pub burst: u32,
+    /// Nonzero once the agent has written the node's limits; until then
+    /// the kernel's defaults (`REJECT_MSGS_PER_SEC`, `REJECT_MSGS_BURST`).
+    pub configured: u32,
+    /// Rejects the bucket holds now (the datapath's).
+    pub credit: u32,
+    /// The datapath clock when the bucket was last refilled.
+    pub stamp_ns: u64,
+}
+
+/// The kernel's defaults of `icmp_msgs_per_sec` and `icmp_msgs_burst`.
+pub const REJECT_MSGS_PER_SEC: u32 = 1000;
+pub const REJECT_MSGS_BURST: u32 = 50;
+
 /// `NodeAddr::flags` bits.
 pub mod node_addr_flags {
     /// NodePorts are served on this address (it matches
@@ -1076,7 +1107,12 @@ pub mod counter {
     /// MTU, so that its sender lowers its path MTU; an IPv4 packet that
     /// may be fragmented (no DF) is dropped, as fragmenting is the stack's.
     pub const TOO_BIG: u32 = 29;
-    pub const COUNT: u32 = 30;
+    /// A reject (RST or ICMP port unreachable) not sent, the node's budget
+    /// of ICMP errors being spent (`RejectLimit`): the packet is dropped, so
+    /// that a spoofed flood to a frontend without endpoints does not turn
+    /// the node into a reflector. Counted in `REJECT` too.
+    pub const REJECT_RATE_LIMITED: u32 = 30;
+    pub const COUNT: u32 = 31;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1111,6 +1147,7 @@ pub mod counter {
         "xdp_translated",
         "netfilter_pass",
         "too_big",
+        "reject_rate_limited",
     ];
 }
 
@@ -1119,9 +1156,9 @@ mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-        FragValue, NodeAddr, NodeAddrKey, NodeConfig, SOCK_NOTE_SLOTS, ServiceKey, ServiceValue,
-        SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord,
-        SourceRangeKey,
+        FragValue, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, SOCK_NOTE_SLOTS, ServiceKey,
+        ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record,
+        SockNotesRecord, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1177,6 +1214,7 @@ mod pod_impls {
         NodeAddrKey,
         NodeAddr,
         NodeConfig,
+        RejectLimit,
         SourceRangeKey,
         ClusterCidrKey,
         SockNotes,

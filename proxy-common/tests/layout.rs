@@ -14,8 +14,9 @@ use std::{collections::BTreeSet, fs, path::Path};
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-    FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue,
-    SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
+    FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceKey,
+    ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord,
+    SourceRangeKey,
 };
 
 /// The layout version the table below describes.
@@ -84,6 +85,7 @@ fn table() -> Vec<Layout> {
         NodeAddrKey: 16, 4 { addr_be: 0 }
         NodeAddr: 4, 4 { flags: 0 }
         NodeConfig: 24, 4 { snat_addr_be: 0, snat_port_min: 16, snat_port_max: 18, flags: 20 }
+        RejectLimit: 24, 8 { msgs_per_sec: 0, burst: 4, configured: 8, credit: 12, stamp_ns: 16 }
         SourceRangeKey: 36, 4 { frontend: 0, client_be: 20 }
         ClusterCidrKey: 16, 4 { addr_be: 0 }
         FragKey: 40, 4 { src_be: 0, dst_be: 16, id_be: 32, proto: 36, _pad0: 37, _pad1: 38 }

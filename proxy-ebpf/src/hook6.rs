@@ -62,12 +62,15 @@ impl Hook6 for TcContext {
 
     #[inline(always)]
     fn reject6(&self, flow: &Flow6) -> i32 {
+        if !reject::allowed() {
+            return TC_ACT_SHOT;
+        }
         let rejected = if flow.proto == PROTO_TCP {
             reject::tcp_reset6(self, flow)
         } else {
             reject::icmp_port_unreachable6(self)
         };
-        reject::answer6(rejected, flow, Event::Reject)
+        reject::answer::<V6>(rejected, flow, Event::Reject)
     }
 
     #[inline(always)]

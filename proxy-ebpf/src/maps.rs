@@ -11,8 +11,8 @@ use proxy_common::{
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
     MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
     MAX_CONNTRACK, MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey, ServiceValue, SockNotes,
-    SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
+    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceKey, ServiceValue,
+    SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
 
 #[btf_map]
@@ -53,6 +53,11 @@ pub static CONNTRACK6: Conntrack<[u32; 4]> = LruHashMap::new();
 /// IPv6 flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
 #[btf_map]
 pub static CT_NEW6: Conntrack<[u32; 4]> = LruHashMap::new();
+
+/// The node's budget of rejects, and its bucket (see
+/// `proxy_common::RejectLimit`). Never pinned: the agent writes it at load.
+#[btf_map]
+pub static REJECT_LIMIT: Array<RejectLimit, 1> = Array::new();
 
 /// The programs `xdp_ingress` hands frames on to by a tail call: at
 /// `proxy_common::XDP_NEXT_IPV6`, `xdp_ingress6`. Filled by the agent at

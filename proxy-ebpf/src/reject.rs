@@ -18,13 +18,14 @@ use aya_ebpf::{
     helpers,
     programs::TcContext,
 };
-use proxy_common::counter;
+use proxy_common::{REJECT_MSGS_BURST, REJECT_MSGS_PER_SEC, counter};
 
 use crate::{
-    event_log::{self, Event},
+    conntrack,
+    event_log::Event,
     family::{Family, IcmpError, V4, V6},
-    maps::count,
-    packet::{ETH_HLEN, Flow, TCP_ACK, TCP_RST, TCP_SYN},
+    maps::{REJECT_LIMIT, count},
+    packet::{ETH_HLEN, Flow, FlowOf, TCP_ACK, TCP_RST, TCP_SYN},
     packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN},
 };
 
@@ -44,28 +45,54 @@ const IP_DF: u16 = 0x4000;
 /// built, dropped, which still ends the packet as it should (counted,
 /// logged).
 #[inline(always)]
-pub fn answer(built: Result<i32, i64>, flow: &Flow, event: Event) -> i32 {
+pub fn answer<F: Family>(built: Result<i32, i64>, flow: &FlowOf<F::Addr>, event: Event) -> i32 {
     if let Ok(verdict) = built {
-        event_log::log(event, flow);
+        F::log(event, flow);
         verdict
     } else {
         count(counter::DROP_REJECT_FAILED);
-        event_log::log(Event::RejectFailed, flow);
+        F::log(Event::RejectFailed, flow);
         TC_ACT_SHOT
     }
 }
 
-/// `answer` for IPv6.
+/// Whether a reject may be sent now, from the node's budget of ICMP errors
+/// (`RejectLimit`), which it then spends: the kernel's `icmp_global_allow`,
+/// by the millisecond. A flood of packets to a frontend without endpoints,
+/// their sources spoofed, would otherwise make every node send as many RSTs
+/// and errors to whomever the sources name. One bucket for every CPU and
+/// both families, as the kernel's; CPUs racing on it may spend a credit
+/// twice, as the limit is a bound on a flood, not an exact count. Not
+/// "too big", whose errors path MTU discovery lives on (the kernel does not
+/// limit those either). Counted when it may not.
 #[inline(always)]
-pub fn answer6(built: Result<i32, i64>, flow: &Flow6, event: Event) -> i32 {
-    if let Ok(verdict) = built {
-        event_log::log6(event, flow);
-        verdict
+pub fn allowed() -> bool {
+    let Some(limit) = REJECT_LIMIT.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: the array's one entry, valid for this program's run; racing
+    // writers are tolerated (see above).
+    let limit = unsafe { &mut *limit };
+    let (per_sec, burst) = if limit.configured != 0 {
+        (limit.msgs_per_sec, limit.burst)
     } else {
-        count(counter::DROP_REJECT_FAILED);
-        event_log::log6(Event::RejectFailed, flow);
-        TC_ACT_SHOT
+        (REJECT_MSGS_PER_SEC, REJECT_MSGS_BURST)
+    };
+    let now = conntrack::now_ns();
+    // A second's worth at most, as the kernel: the bucket never holds more
+    // than `burst` anyway.
+    let elapsed_ms = (now.saturating_sub(limit.stamp_ns) / 1_000_000).min(1000);
+    let refill = elapsed_ms * u64::from(per_sec) / 1000;
+    if refill > 0 {
+        limit.credit = (u64::from(limit.credit) + refill).min(u64::from(burst)) as u32;
+        limit.stamp_ns = now;
     }
+    if limit.credit == 0 {
+        count(counter::REJECT_RATE_LIMITED);
+        return false;
+    }
+    limit.credit -= 1;
+    true
 }
 
 /// Answers an IPv4 packet longer than its route's `mtu` with

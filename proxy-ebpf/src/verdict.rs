@@ -60,18 +60,21 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
         Action::Next => TCX_NEXT,
         Action::Drop => TC_ACT_SHOT,
         Action::Reject(flow) => {
+            if !reject::allowed() {
+                return TC_ACT_SHOT;
+            }
             let rejected = if flow.proto == PROTO_TCP {
                 reject::tcp_reset(ctx, &flow)
             } else {
                 reject::icmp_port_unreachable(ctx, &flow)
             };
-            reject::answer(rejected, &flow, Event::Reject)
+            reject::answer::<V4>(rejected, &flow, Event::Reject)
         }
         Action::Redirect(flow, nat) => {
             route::send_tc::<V4>(ctx, flow.proto, &nat.src_be, &nat.dst_be)
         }
         Action::TooBig(flow, mtu) => {
-            reject::answer(reject::too_big(ctx, &flow, mtu), &flow, Event::TooBig)
+            reject::answer::<V4>(reject::too_big(ctx, &flow, mtu), &flow, Event::TooBig)
         }
         // Not produced at tc.
         Action::Tx | Action::ToTc => TC_ACT_OK,

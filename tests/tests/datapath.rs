@@ -964,6 +964,79 @@ fn udp_checksums(fx: &Fixture) {
     );
 }
 
+/// Rejects are held to the node's ICMP error budget (`REJECT_LIMIT`): a
+/// spoofed flood to a frontend without endpoints is answered at most at the
+/// budget's rate, the rest dropped and counted. TCP's RSTs and UDP's errors
+/// spend one budget.
+#[test]
+fn rejects_are_held_to_the_icmp_error_budget() {
+    let mut fx = fixture();
+    // A burst of 5 and no refill: what is sent is the burst alone.
+    fx.datapath
+        .limit_rejects(0, 5)
+        .expect("writing REJECT_LIMIT");
+    let mut verdicts = Vec::new();
+    for i in 0..20 {
+        let (ret, _) = run(&fx, &tcp(CLIENT, 42_000 + i, EMPTY_VIP, 80, frame::SYN));
+        verdicts.push(ret);
+    }
+    let (ret, _) = run(&fx, &udp(CLIENT, 6001, EMPTY_VIP, 53, false));
+    verdicts.push(ret);
+    let sent = verdicts.iter().filter(|v| **v == TC_ACT_REDIRECT).count();
+    let dropped = verdicts.iter().filter(|v| **v == TC_ACT_SHOT).count();
+    assert_eq!(
+        (sent, dropped),
+        (5, 16),
+        "21 rejects against a burst of 5 with no refill: verdicts {verdicts:?}"
+    );
+    assert_eq!(
+        &verdicts[..5],
+        &[TC_ACT_REDIRECT; 5],
+        "the burst is the first five"
+    );
+    assert_eq!(counter(&fx, "reject_rate_limited"), 16);
+    assert_eq!(
+        counter(&fx, "reject"),
+        21,
+        "every reject decided is counted"
+    );
+
+    // Refilled by the millisecond, up to the burst.
+    fx.datapath
+        .limit_rejects(1000, 3)
+        .expect("writing REJECT_LIMIT");
+    let verdicts: Vec<u32> = (0..4)
+        .map(|i| run(&fx, &tcp(CLIENT, 43_000 + i, EMPTY_VIP, 80, frame::SYN)).0)
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            TC_ACT_REDIRECT,
+            TC_ACT_REDIRECT,
+            TC_ACT_REDIRECT,
+            TC_ACT_SHOT
+        ],
+        "a burst of 3, then the bucket is empty"
+    );
+    // Time must pass for the bucket to refill: 20 ms is 20 credits at
+    // 1,000 a second, capped at the burst.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let verdicts: Vec<u32> = (0..4)
+        .map(|i| run(&fx, &tcp(CLIENT, 44_000 + i, EMPTY_VIP, 80, frame::SYN)).0)
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            TC_ACT_REDIRECT,
+            TC_ACT_REDIRECT,
+            TC_ACT_REDIRECT,
+            TC_ACT_SHOT
+        ],
+        "refilled to the burst, no further"
+    );
+    assert_eq!(counter(&fx, "reject_rate_limited"), 18);
+}
+
 #[test]
 fn no_endpoints_rejects_tcp_with_rst_and_udp_with_icmp() {
     let fx = fixture();

@@ -362,6 +362,36 @@ fn new_flows_spread_over_every_backend() {
     );
 }
 
+/// IPv6 rejects spend the node's one ICMP error budget, as IPv4's
+/// (`datapath.rs`, `rejects_are_held_to_the_icmp_error_budget`): the
+/// burst is answered, the rest dropped and counted.
+#[test]
+fn rejects_are_held_to_the_icmp_error_budget() {
+    let mut fx = fixture();
+    fx.datapath
+        .limit_rejects(0, 2)
+        .expect("writing REJECT_LIMIT");
+    let mut verdicts: Vec<u32> = (0..6)
+        .map(|i| run(&fx, &tcp(CLIENT, 45_000 + i, EMPTY_VIP, 80, frame::SYN)).0)
+        .collect();
+    verdicts.push(run(&fx, &udp(CLIENT, 45_100, EMPTY_VIP, 53)).0);
+    assert_eq!(
+        verdicts,
+        [
+            TC_ACT_REDIRECT,
+            TC_ACT_REDIRECT,
+            TC_ACT_SHOT,
+            TC_ACT_SHOT,
+            TC_ACT_SHOT,
+            TC_ACT_SHOT,
+            TC_ACT_SHOT
+        ],
+        "7 rejects against a burst of 2 with no refill"
+    );
+    assert_eq!(counter(&fx, "reject_rate_limited"), 5);
+    assert_eq!(counter(&fx, "reject"), 7, "every reject decided is counted");
+}
+
 #[test]
 fn no_endpoints_rejects_tcp_with_rst_and_udp_with_icmpv6_port_unreachable() {
     let fx = fixture();

@@ -21,6 +21,7 @@ pub mod netfilter_ct;
 pub mod pin_root;
 pub mod pins;
 pub mod program_load;
+pub mod reject_limit;
 pub(crate) mod sys;
 mod write_behind;
 mod xdp_next;
@@ -263,6 +264,7 @@ impl Datapath {
         tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
         // Before anything is attached (see `xdp_next`).
         let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf, &mut loads);
+        reject_limit::write_node_limits(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
         pin_sock_notes(&mut ebpf, &maps, &pins, &mut loads);
@@ -312,6 +314,16 @@ impl Datapath {
     /// order: the programs `load_floors` adds are not among them.
     pub fn program_loads(&self) -> &[ProgramLoad] {
         &self.program_loads
+    }
+
+    /// Holds rejects to `per_sec` a second after a burst of `burst`, in
+    /// place of the node's ICMP error budget written at `load`.
+    pub fn limit_rejects(
+        &mut self,
+        per_sec: u32,
+        burst: u32,
+    ) -> Result<(), reject_limit::RejectLimitError> {
+        reject_limit::write(&mut self.ebpf, per_sec, burst)
     }
 
     /// Once this datapath's programs have taken over the links: copies the

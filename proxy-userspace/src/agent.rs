@@ -1,6 +1,7 @@
 //! The agent: source events -> state -> model -> planner -> maps, one
 //! coalesced sync at a time ([`sync`]), with interface attachment alongside.
 
+mod events;
 mod node;
 pub mod sync;
 mod takeover;
@@ -119,7 +120,8 @@ pub struct AgentConfig {
 
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
 /// pinned maps and links keep serving traffic, and the next start adopts them.
-pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
+pub async fn run(mut config: AgentConfig) -> Result<(), AgentError> {
+    config.model = crate::settle::model_config(std::mem::take(&mut config.model));
     let pins = PinLayout::new(&config.bpf_root);
     let started = Instant::now();
     let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
@@ -168,12 +170,18 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     });
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
-    spawn_source(&config, ev_tx, &metrics).await?;
+    if let Some(client) = spawn_source(&config, ev_tx, &metrics).await? {
+        sync.set_events(events::spawn(client, config.node_name.clone()));
+    }
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
     let mut state = ClusterState::new(config.node_name.clone());
+    state.set_frontend_budget(config.model.max_frontends_per_service);
+    if let Some(cidrs) = &config.model.external_ip_cidrs {
+        info!(?cidrs, "externalIPs outside these CIDRs are refused (--external-ip-cidrs)");
+    }
     let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
     let mut takeover = Takeover::default();
     // What `CLUSTER_CIDRS` holds of the Node's pod CIDRs (NodeCIDR).
@@ -184,6 +192,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &mut node, &snapshot, &config);
+                sync.on_interface_addresses(&mut state, &snapshot.addrs, Instant::now());
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
             }
@@ -294,6 +303,7 @@ async fn start_metrics(
         .ok();
     let metrics = Metrics::new(collector);
     sync.set_metrics(metrics.proxy.clone());
+    sync.set_policy_metrics(metrics.policy.clone());
     if let Some(addr) = config.metrics {
         crate::metrics::server::serve(addr, metrics.clone()).await?;
         info!(%addr, "serving metrics at /metrics");
@@ -369,12 +379,13 @@ impl SyncTarget for Datapath {
 
 /// Starts the configured source feeding `tx`. A Kubernetes client that
 /// cannot be configured is an error; once running, a source never stops the
-/// agent (API failures are retried inside it).
+/// agent (API failures are retried inside it). Returns the API client, for
+/// the Events, when the source is the API.
 async fn spawn_source(
     config: &AgentConfig,
     tx: mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
-) -> Result<(), AgentError> {
+) -> Result<Option<kube::Client>, AgentError> {
     match &config.source {
         SourceConfig::Manifests(path) => {
             let path = path.clone();
@@ -390,14 +401,16 @@ async fn spawn_source(
                 .client(kubeconfig.clone(), master.clone())
                 .await?;
             let node_name = config.node_name.clone();
+            let events_client = client.clone();
             tokio::spawn(async move {
                 if let Err(e) = kube_source::watch(client, node_name, tx).await {
                     error!(error = %e, "Kubernetes API source stopped; the datapath keeps its last state");
                 }
             });
+            return Ok(Some(events_client));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Follows the node's interfaces and addresses: tc everywhere, XDP on

@@ -4,7 +4,7 @@
 //! traffic detector, the conntrack size. Above both the command line and
 //! kube-proxy's flag values, which know nothing of each other's settling.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::OnceLock};
 
 use clap::{ArgMatches, parser::ValueSource};
 
@@ -12,7 +12,7 @@ use crate::{
     cli::RunArgs,
     detect_local::{DetectLocal, DetectLocalError},
     kube_proxy_flags::{NodePortAddress, check_nodeport_addresses, conntrack_size, cpus},
-    model::Cidr,
+    model::{Cidr, ModelConfig},
     node_ip::{NodeIpError, NodeIps},
 };
 
@@ -124,7 +124,26 @@ pub fn settle(
         conntrack_size(run.conntrack_max_per_core, run.conntrack_min, cpus())
             .map_err(KubeProxyFlagsError::ConntrackSize)?;
     }
+    // Once a process: the binary settles one command line.
+    let _ = SETTLED_MODEL.set(run.model_config());
     Ok(settled)
+}
+
+/// The model's configuration as the command line settled it, for an
+/// agent whose `AgentConfig` was built without it (see [`model_config`]).
+static SETTLED_MODEL: OnceLock<ModelConfig> = OnceLock::new();
+
+/// The model's configuration for the agent: `given` (the `AgentConfig`'s),
+/// unless the command line was settled with flags that change it. The
+/// binary builds its `AgentConfig` with the model's defaults, so the
+/// address policy's flags (`--external-ip-cidrs`,
+/// `--max-frontends-per-service`) reach the agent this way until it takes
+/// `RunArgs::model_config` itself.
+pub fn model_config(given: ModelConfig) -> ModelConfig {
+    match SETTLED_MODEL.get() {
+        Some(settled) if given == ModelConfig::default() => settled.clone(),
+        _ => given,
+    }
 }
 
 /// kube-proxy's `primary`: each family's node address, as a host CIDR.

@@ -2,10 +2,12 @@
 //! serves them: kube-proxy's own names, types and buckets ([`kube_proxy`]),
 //! the process ([`process`]) and API client ([`rest_client`]) metrics its
 //! dashboards and alerts read, and the datapath's own under `ebpf_proxy_`
-//! ([`datapath`]), read from the maps at scrape time.
+//! ([`datapath`]), read from the maps at scrape time, with what the
+//! address policy refused ([`policy`]).
 
 pub mod datapath;
 pub mod kube_proxy;
+pub mod policy;
 pub mod process;
 pub mod rest_client;
 pub mod server;
@@ -20,7 +22,7 @@ use prometheus_client::{
 };
 
 pub use self::{
-    kube_proxy::ProxyMetrics, rest_client::RestClientMetrics, server::parse_bind_address,
+    kube_proxy::ProxyMetrics, policy::PolicyMetrics, rest_client::RestClientMetrics, server::parse_bind_address,
     sync::SyncStats,
 };
 
@@ -31,6 +33,7 @@ pub struct Metrics {
     registry: Arc<Registry>,
     pub proxy: ProxyMetrics,
     pub rest_client: RestClientMetrics,
+    pub policy: PolicyMetrics,
 }
 
 impl Metrics {
@@ -42,6 +45,8 @@ impl Metrics {
         proxy.register(&mut registry);
         let rest_client = RestClientMetrics::default();
         rest_client.register(&mut registry);
+        let policy = PolicyMetrics::default();
+        policy.register(&mut registry);
         registry.register_collector(Box::new(process::ProcessCollector));
         if let Some(datapath) = datapath {
             registry.register_collector(Box::new(datapath));
@@ -50,6 +55,7 @@ impl Metrics {
             registry: Arc::new(registry),
             proxy,
             rest_client,
+            policy,
         }
     }
 

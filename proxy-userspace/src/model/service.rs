@@ -3,11 +3,13 @@
 //! `syncProxyRules`: which endpoint set each entry point uses, and REJECT
 //! versus DROP when it is empty).
 
-use std::net::IpAddr;
+use std::{collections::HashSet, net::IpAddr};
 
 use super::{
-    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError,
+    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError, Modelled,
     NoEndpointAction, NodeInfo, Scope, ServicePortName,
+    address_policy::{AddressCheck, Refusal, RefusedAddress},
+    claims::{AddressClaims, Rank},
     compact::{CompactService, Slice},
     endpoints::{self, Categorized},
     family::Family,
@@ -106,13 +108,30 @@ pub(super) fn frontends(
     slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
-) -> Result<Vec<Frontend>, ModelError> {
+    claims: &AddressClaims,
+) -> Result<Modelled, ModelError> {
     let Some(ours) = ours(service, config)? else {
-        return Ok(Vec::new());
+        return Ok(Modelled::default());
     };
     let Some(parsed) = ours.parse()? else {
-        return Ok(Vec::new());
+        return Ok(Modelled::default());
     };
+    let Some(rank) = Rank::of(service) else {
+        return Err(ours.invalid("metadata.name is missing".into()));
+    };
+    let check = AddressCheck {
+        config,
+        claims,
+        rank,
+    };
+    // Counted from the spec's sizes, before any frontend is made: a
+    // Service over its budget costs no more than one within it.
+    if let Some(refusal) = check.budget(parsed.frontend_count, parsed.shed) {
+        return Ok(Modelled {
+            frontends: Vec::new(),
+            refusals: vec![refusal],
+        });
+    }
     let parsed_slices = ours.slices(slices, config)?;
     let (namespace, name) = (ours.namespace, ours.name);
 
@@ -128,6 +147,35 @@ pub(super) fn frontends(
         affinity_timeout_s: parsed.affinity_timeout_s,
         source_ranges: parsed.source_ranges.to_vec(),
     };
+    let mut refusals: Vec<Refusal> = Vec::new();
+    // Refused on every port: decided once per address, not per frontend.
+    let mut refused: HashSet<(FrontendKind, IpAddr)> = HashSet::new();
+    let externals = parsed
+        .external_ips
+        .iter()
+        .map(|ip| (FrontendKind::ExternalIp, *ip))
+        .chain(
+            parsed
+                .load_balancer_ips
+                .iter()
+                .map(|ip| (FrontendKind::LoadBalancer, *ip)),
+        )
+        .filter(|(_, ip)| families.contains(&Family::of(*ip)));
+    for (kind, ip) in externals {
+        if let Some((reason, detail)) = check.address(kind, ip)
+            && refused.insert((kind, ip))
+        {
+            refusals.push(Refusal {
+                reason,
+                address: Some(RefusedAddress {
+                    kind,
+                    ip,
+                    port: None,
+                }),
+                detail,
+            });
+        }
+    }
     for port in &parsed.ports {
         let service_port = ServicePortName {
             namespace: namespace.to_owned(),
@@ -180,11 +228,29 @@ pub(super) fn frontends(
                 .iter()
                 .filter(|ip| on(**ip))
                 .map(|&ip| (FrontendKind::LoadBalancer, ip, port.port));
-            for (kind, ip, port_number) in node_port
-                .into_iter()
-                .chain(external_ips)
+            let claimed = external_ips
                 .chain(load_balancer_ips)
-            {
+                .filter(|(kind, ip, _)| !refused.contains(&(*kind, *ip)))
+                .filter(|&(kind, ip, port_number)| {
+                    let Some(detail) = check.conflict(ip, port_number, port.protocol) else {
+                        return true;
+                    };
+                    let refusal = Refusal {
+                        reason: super::address_policy::Reason::Conflict,
+                        address: Some(RefusedAddress {
+                            kind,
+                            ip,
+                            port: Some((port_number, port.protocol)),
+                        }),
+                        detail,
+                    };
+                    if !refusals.contains(&refusal) {
+                        refusals.push(refusal);
+                    }
+                    false
+                })
+                .collect::<Vec<_>>();
+            for (kind, ip, port_number) in node_port.into_iter().chain(claimed) {
                 out.push(
                     key(ip, port_number, Scope::Any),
                     kind,
@@ -202,7 +268,10 @@ pub(super) fn frontends(
             }
         }
     }
-    Ok(out.frontends)
+    Ok(Modelled {
+        frontends: out.frontends,
+        refusals,
+    })
 }
 
 /// The backends one traffic policy gives, and what to do when there are

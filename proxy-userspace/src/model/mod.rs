@@ -32,6 +32,8 @@ mod family;
 mod health_check;
 mod intern;
 mod node;
+#[cfg(test)]
+mod policy_tests;
 mod probability;
 mod service;
 mod service_spec;

@@ -121,7 +121,6 @@ pub struct AgentConfig {
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
 /// pinned maps and links keep serving traffic, and the next start adopts them.
 pub async fn run(mut config: AgentConfig) -> Result<(), AgentError> {
-    config.model = crate::settle::model_config(std::mem::take(&mut config.model));
     let pins = PinLayout::new(&config.bpf_root);
     let started = Instant::now();
     let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
@@ -170,18 +169,12 @@ pub async fn run(mut config: AgentConfig) -> Result<(), AgentError> {
     });
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
-    if let Some(client) = spawn_source(&config, ev_tx, &metrics).await? {
-        sync.set_events(events::spawn(client, config.node_name.clone()));
-    }
+    spawn_source(&config, ev_tx, &metrics, &mut sync).await?;
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
-    let mut state = ClusterState::new(config.node_name.clone());
-    state.set_frontend_budget(config.model.max_frontends_per_service);
-    if let Some(cidrs) = &config.model.external_ip_cidrs {
-        info!(?cidrs, "externalIPs outside these CIDRs are refused (--external-ip-cidrs)");
-    }
+    let mut state = cluster_state(&mut config);
     let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
     let mut takeover = Takeover::default();
     // What `CLUSTER_CIDRS` holds of the Node's pod CIDRs (NodeCIDR).
@@ -235,6 +228,22 @@ pub async fn run(mut config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// The cluster as the agent starts to learn it, under the address policy
+/// the configuration sets: the command line's, where the binary built the
+/// configuration without it (`settle::model_config`).
+fn cluster_state(config: &mut AgentConfig) -> ClusterState {
+    config.model = crate::settle::model_config(std::mem::take(&mut config.model));
+    let mut state = ClusterState::new(config.node_name.clone());
+    state.set_frontend_budget(config.model.max_frontends_per_service);
+    if let Some(cidrs) = &config.model.external_ip_cidrs {
+        info!(
+            ?cidrs,
+            "externalIPs outside these CIDRs are refused (--external-ip-cidrs)"
+        );
+    }
+    state
 }
 
 /// The verifier's work is most of the start before anything is programmed,
@@ -379,13 +388,14 @@ impl SyncTarget for Datapath {
 
 /// Starts the configured source feeding `tx`. A Kubernetes client that
 /// cannot be configured is an error; once running, a source never stops the
-/// agent (API failures are retried inside it). Returns the API client, for
-/// the Events, when the source is the API.
+/// agent (API failures are retried inside it). With the API, the sync
+/// loop's Events on Services are posted through the same client.
 async fn spawn_source(
     config: &AgentConfig,
     tx: mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
-) -> Result<Option<kube::Client>, AgentError> {
+    sync: &mut SyncLoop,
+) -> Result<(), AgentError> {
     match &config.source {
         SourceConfig::Manifests(path) => {
             let path = path.clone();
@@ -401,16 +411,15 @@ async fn spawn_source(
                 .client(kubeconfig.clone(), master.clone())
                 .await?;
             let node_name = config.node_name.clone();
-            let events_client = client.clone();
+            sync.set_events(events::spawn(client.clone(), node_name.clone()));
             tokio::spawn(async move {
                 if let Err(e) = kube_source::watch(client, node_name, tx).await {
                     error!(error = %e, "Kubernetes API source stopped; the datapath keeps its last state");
                 }
             });
-            return Ok(Some(events_client));
         }
     }
-    Ok(None)
+    Ok(())
 }
 
 /// Follows the node's interfaces and addresses: tc everywhere, XDP on

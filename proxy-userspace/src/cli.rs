@@ -327,7 +327,7 @@ pub struct RunArgs {
     /// The addresses a Service's externalIPs may be: when set, an
     /// externalIP outside every one of these CIDRs is refused (with a
     /// warning, an Event on the Service and a metric), as the
-    /// DenyServiceExternalIPs admission plugin or an externalIP webhook
+    /// `DenyServiceExternalIPs` admission plugin or an externalIP webhook
     /// would refuse it. Unset, any externalIP the address policy lets
     /// through is programmed (docs/security.md).
     #[arg(

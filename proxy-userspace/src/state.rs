@@ -377,7 +377,8 @@ impl ClusterState {
     fn mark_claimants(&self, addrs: &[IpAddr], except: Option<&ObjectKey>, changes: &mut Changes) {
         for ip in addrs {
             for rank in self.claims.claimants(*ip) {
-                if except.is_some_and(|k| *k.namespace == *rank.namespace && *k.name == *rank.name) {
+                if except.is_some_and(|k| *k.namespace == *rank.namespace && *k.name == *rank.name)
+                {
                     continue;
                 }
                 let key = ObjectKey {

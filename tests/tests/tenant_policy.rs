@@ -123,8 +123,15 @@ impl KubeAgent {
         let start = Instant::now();
         let mut last = String::from("no answer yet");
         while start.elapsed() < timeout {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().expect("wait")) {
-                panic!("the agent exited ({status}) before becoming healthy:\n{}", self.log());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().expect("wait"))
+            {
+                panic!(
+                    "the agent exited ({status}) before becoming healthy:\n{}",
+                    self.log()
+                );
             }
             match run_in(&self.netns_path, || agent::http_status(HEALTHZ, "/healthz")) {
                 Ok(Ok(200)) => return,
@@ -166,14 +173,29 @@ impl KubeAgent {
             .unwrap_or_else(|| panic!("no VmRSS in the agent's status:\n{status}"))
     }
 
-    /// The value of the metric series `series` (`name{labels}`), as scraped now.
-    fn metric(&self, series: &str) -> Option<f64> {
+    /// The value of `ebpf_proxy_service_addresses_refused{reason}`, as scraped now.
+    fn refused(&self, reason: &str) -> Option<String> {
+        let series = format!("ebpf_proxy_service_addresses_refused{{reason=\"{reason}\"}} ");
         let (status, body) = run_in(&self.netns_path, || agent::http_get(METRICS, "/metrics"))
             .expect("enter the node namespace")
             .expect("GET /metrics");
         assert_eq!(status, 200, "GET /metrics:\n{body}");
         body.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+            .find_map(|l| Some(l.strip_prefix(&series)?.trim().to_owned()))
+    }
+
+    /// Waits until `reason` has `want` addresses refused.
+    fn wait_refused(&self, reason: &str, want: &str) {
+        eventually(
+            &format!("{want} refused for {reason}"),
+            CONVERGE,
+            || match self.refused(reason) {
+                Some(v) if v == want => Ok(()),
+                other => Err(format!(
+                    "ebpf_proxy_service_addresses_refused{{reason=\"{reason}\"}} is {other:?}"
+                )),
+            },
+        );
     }
 }
 
@@ -242,8 +264,7 @@ fn service(
 /// The Service as a LoadBalancer whose ingress holds `ingress`.
 fn load_balancer(mut service: Value, ingress: &[&str]) -> Value {
     service["spec"]["type"] = json!("LoadBalancer");
-    service["status"] =
-        json!({"loadBalancer": {"ingress": ingress.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>()}});
+    service["status"] = json!({"loadBalancer": {"ingress": ingress.iter().map(|ip| json!({"ip": ip})).collect::<Vec<_>>()}});
     service
 }
 
@@ -259,7 +280,10 @@ fn endpoints(namespace: &str, service: &str, node: &str, backend: &str) -> Value
 }
 
 fn publish(server: &ApiServer, service: Value, node: &str, backend: &str) {
-    let namespace = service["metadata"]["namespace"].as_str().unwrap().to_owned();
+    let namespace = service["metadata"]["namespace"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let name = service["metadata"]["name"].as_str().unwrap().to_owned();
     server.apply(endpoints(&namespace, &name, node, backend));
     server.apply(service);
@@ -270,7 +294,9 @@ fn answered_by(from: &NetNs, to: SocketAddrV4, backend: &str, n: usize) -> Resul
     for _ in 0..n {
         match tcp_request(from, to, REQUEST) {
             Outcome::Reply(r) if r.backend == backend => {}
-            Outcome::Reply(r) => return Err(format!("{to} answered by {}, not {backend}", r.backend)),
+            Outcome::Reply(r) => {
+                return Err(format!("{to} answered by {}, not {backend}", r.backend));
+            }
             other => return Err(format!("{to}: {other}, not an answer from {backend}")),
         }
     }
@@ -282,7 +308,9 @@ fn event_reasons(server: &ApiServer, namespace: &str, name: &str) -> Vec<String>
     server
         .events()
         .iter()
-        .filter(|e| e["regarding"]["namespace"] == json!(namespace) && e["regarding"]["name"] == json!(name))
+        .filter(|e| {
+            e["regarding"]["namespace"] == json!(namespace) && e["regarding"]["name"] == json!(name)
+        })
         .map(|e| e["reason"].as_str().unwrap_or_default().to_owned())
         .collect()
 }
@@ -312,7 +340,14 @@ impl Hijack {
     }
 
     fn victim(&self) -> Value {
-        service(self.victim_ns, &format!("kube-dns-{}", self.index), &self.cluster_ip(), 53, &[], if self.attacker_first { 20 } else { 10 })
+        service(
+            self.victim_ns,
+            &format!("kube-dns-{}", self.index),
+            &self.cluster_ip(),
+            53,
+            &[],
+            if self.attacker_first { 20 } else { 10 },
+        )
     }
 
     fn attacker(&self) -> Value {
@@ -324,13 +359,27 @@ impl Hijack {
         let cluster_ip = self.cluster_ip();
         if self.via_ingress {
             let mut s = load_balancer(
-                service(self.attacker_ns, &self.attacker_name(), &own_ip, 53, &[&legal], created),
+                service(
+                    self.attacker_ns,
+                    &self.attacker_name(),
+                    &own_ip,
+                    53,
+                    &[&legal],
+                    created,
+                ),
                 &[&cluster_ip],
             );
             s["spec"]["ports"][0]["nodePort"] = json!(30_000 + u16::from(self.index));
             s
         } else {
-            service(self.attacker_ns, &self.attacker_name(), &own_ip, 53, &[&cluster_ip, &legal], created)
+            service(
+                self.attacker_ns,
+                &self.attacker_name(),
+                &own_ip,
+                53,
+                &[&cluster_ip, &legal],
+                created,
+            )
         }
     }
 
@@ -342,9 +391,17 @@ impl Hijack {
         format!(
             "{} via {} of {}, created {} (victim in {})",
             self.cluster_ip(),
-            if self.via_ingress { "load balancer ingress" } else { "externalIPs" },
+            if self.via_ingress {
+                "load balancer ingress"
+            } else {
+                "externalIPs"
+            },
             self.attacker_ns,
-            if self.attacker_first { "before the victim" } else { "after the victim" },
+            if self.attacker_first {
+                "before the victim"
+            } else {
+                "after the victim"
+            },
             self.victim_ns,
         )
     }
@@ -366,10 +423,22 @@ fn a_cluster_ip_is_not_hijacked_by_another_namespaces_external_ip_or_ingress() {
     server.apply(apiserver::node(&node_name, None));
 
     let mut hijacks = Vec::new();
-    for (via_ingress, attacker_first, sorts_first) in (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4)) {
+    for (via_ingress, attacker_first, sorts_first) in
+        (0..8).map(|i| (i & 1 == 1, i & 2 == 2, i & 4 == 4))
+    {
         let index = hijacks.len() as u8;
-        let (victim_ns, attacker_ns) = if sorts_first { ("kube-system", "aaa-tenant") } else { ("kube-system", "zzz-tenant") };
-        hijacks.push(Hijack { victim_ns, attacker_ns, via_ingress, attacker_first, index });
+        let (victim_ns, attacker_ns) = if sorts_first {
+            ("kube-system", "aaa-tenant")
+        } else {
+            ("kube-system", "zzz-tenant")
+        };
+        hijacks.push(Hijack {
+            victim_ns,
+            attacker_ns,
+            via_ingress,
+            attacker_first,
+            index,
+        });
     }
     // Who was created first is in the initial listing; the other arrives by a watch.
     for h in &hijacks {
@@ -394,23 +463,24 @@ fn a_cluster_ip_is_not_hijacked_by_another_namespaces_external_ip_or_ingress() {
                 answered_by(client, SocketAddrV4::new(ip, 53), "backend-a", 5)
             });
             let legal = Ipv4Addr::new(203, 0, 113, 10 + h.index);
-            eventually(&format!("{when}: the attacker's own address, {}", h.what()), CONVERGE, || {
-                answered_by(client, SocketAddrV4::new(legal, 53), "backend-c", 2)
-            });
+            eventually(
+                &format!("{when}: the attacker's own address, {}", h.what()),
+                CONVERGE,
+                || answered_by(client, SocketAddrV4::new(legal, 53), "backend-c", 2),
+            );
         }
     };
     check("a watch brought the second");
-    eventually("every refusal counted", CONVERGE, || {
-        match agent.metric(r#"ebpf_proxy_service_addresses_refused{reason="cluster_ip"}"#) {
-            Some(8.0) => Ok(()),
-            other => Err(format!("ebpf_proxy_service_addresses_refused{{reason=\"cluster_ip\"}} is {other:?}, want 8")),
-        }
-    });
+    agent.wait_refused("cluster_ip", "8");
     eventually("an Event on each attacker", CONVERGE, || {
         for h in &hijacks {
             let reasons = event_reasons(&server, h.attacker_ns, &h.attacker_name());
             if reasons != ["AddressRefused"] {
-                return Err(format!("Events on {}/{}: {reasons:?}", h.attacker_ns, h.attacker_name()));
+                return Err(format!(
+                    "Events on {}/{}: {reasons:?}",
+                    h.attacker_ns,
+                    h.attacker_name()
+                ));
             }
         }
         Ok(())
@@ -444,39 +514,91 @@ fn node_loopback_and_metadata_addresses_stay_the_nodes() {
     node_ns
         .ip(&["addr", "add", "169.254.169.254/32", "dev", "lo"])
         .expect("the metadata address on the node");
-    let _node_listener = TcpServer::start(node_ns, "node-listener", 9090).expect("the node's listener");
-    let _metadata = TcpServer::start(node_ns, "metadata-server", 80).expect("the metadata listener");
+    let _node_listener =
+        TcpServer::start(node_ns, "node-listener", 9090).expect("the node's listener");
+    let _metadata =
+        TcpServer::start(node_ns, "metadata-server", 80).expect("the metadata listener");
     let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(apiserver::node(&node_name, None));
     // A Service of the victim's, to know the agent serves.
-    publish(&server, service("default", "web", "10.96.0.10", 80, &[], 1), "node-b", "backend-a");
+    publish(
+        &server,
+        service("default", "web", "10.96.0.10", 80, &[], 1),
+        "node-b",
+        "backend-a",
+    );
     let node_ip = NODE_IP.to_string();
-    publish(&server, service("tenant", "evil-node", "10.96.1.1", 9090, &[&node_ip], 2), "node-b", "backend-c");
-    publish(&server, service("tenant", "evil-loopback", "10.96.1.2", 9090, &["127.0.0.1"], 2), "node-b", "backend-c");
-    publish(&server, service("tenant", "evil-metadata", "10.96.1.3", 80, &["169.254.169.254"], 2), "node-b", "backend-c");
+    publish(
+        &server,
+        service("tenant", "evil-node", "10.96.1.1", 9090, &[&node_ip], 2),
+        "node-b",
+        "backend-c",
+    );
+    publish(
+        &server,
+        service(
+            "tenant",
+            "evil-loopback",
+            "10.96.1.2",
+            9090,
+            &["127.0.0.1"],
+            2,
+        ),
+        "node-b",
+        "backend-c",
+    );
+    publish(
+        &server,
+        service(
+            "tenant",
+            "evil-metadata",
+            "10.96.1.3",
+            80,
+            &["169.254.169.254"],
+            2,
+        ),
+        "node-b",
+        "backend-c",
+    );
     let agent = KubeAgent::start(node_ns, server.url(), &[]);
 
     eventually("the victim's Service is served", CONVERGE, || {
-        answered_by(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80), "backend-a", 3)
+        answered_by(
+            client,
+            SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80),
+            "backend-a",
+            3,
+        )
     });
     eventually("a pod reaching the node's address", CONVERGE, || {
         answered_by(client, SocketAddrV4::new(NODE_IP, 9090), "node-listener", 5)
     });
     eventually("the node reaching 127.0.0.1", CONVERGE, || {
-        answered_by(node_ns, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090), "node-listener", 5)
+        answered_by(
+            node_ns,
+            SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090),
+            "node-listener",
+            5,
+        )
     });
     eventually("a pod reaching the metadata server", CONVERGE, || {
-        answered_by(client, SocketAddrV4::new(Ipv4Addr::new(169, 254, 169, 254), 80), "metadata-server", 5)
+        answered_by(
+            client,
+            SocketAddrV4::new(Ipv4Addr::new(169, 254, 169, 254), 80),
+            "metadata-server",
+            5,
+        )
     });
     // The attackers' ClusterIPs are theirs, and served: only the addresses were refused.
-    answered_by(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 1, 3), 80), "backend-c", 2)
-        .unwrap_or_else(|e| panic!("the attacker's own ClusterIP: {e}"));
-    for (reason, want) in [("node_address", 1.0), ("loopback", 1.0), ("link_local", 1.0)] {
-        let series = format!("ebpf_proxy_service_addresses_refused{{reason=\"{reason}\"}}");
-        eventually(&series, CONVERGE, || match agent.metric(&series) {
-            Some(v) if v == want => Ok(()),
-            other => Err(format!("{other:?}, want {want}")),
-        });
+    answered_by(
+        client,
+        SocketAddrV4::new(Ipv4Addr::new(10, 96, 1, 3), 80),
+        "backend-c",
+        2,
+    )
+    .unwrap_or_else(|e| panic!("the attacker's own ClusterIP: {e}"));
+    for reason in ["node_address", "loopback", "link_local"] {
+        agent.wait_refused(reason, "1");
     }
     drop(agent);
     drop(server);
@@ -497,25 +619,47 @@ fn the_older_service_keeps_a_shared_address_across_restarts() {
     server.apply(apiserver::node(&node_name, None));
     server.fail_events(500, 1_000_000);
     let shared = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 50), 80);
-    publish(&server, service("aaa-young", "web", "10.96.2.1", 80, &["203.0.113.50"], 30), "node-b", "backend-c");
+    publish(
+        &server,
+        service("aaa-young", "web", "10.96.2.1", 80, &["203.0.113.50"], 30),
+        "node-b",
+        "backend-c",
+    );
     let mut agent = KubeAgent::start(node_ns, server.url(), &[]);
-    eventually("the only claimant is served", CONVERGE, || answered_by(client, shared, "backend-c", 3));
+    eventually("the only claimant is served", CONVERGE, || {
+        answered_by(client, shared, "backend-c", 3)
+    });
 
-    publish(&server, service("zzz-old", "web", "10.96.2.2", 80, &["203.0.113.50"], 10), "node-b", "backend-b");
-    eventually("the older, arriving second, takes the address", CONVERGE, || {
+    publish(
+        &server,
+        service("zzz-old", "web", "10.96.2.2", 80, &["203.0.113.50"], 10),
+        "node-b",
+        "backend-b",
+    );
+    eventually(
+        "the older, arriving second, takes the address",
+        CONVERGE,
+        || answered_by(client, shared, "backend-b", 5),
+    );
+    agent.restart();
+    eventually("after a restart: still the older", CONVERGE, || {
         answered_by(client, shared, "backend-b", 5)
     });
-    agent.restart();
-    eventually("after a restart: still the older", CONVERGE, || answered_by(client, shared, "backend-b", 5));
-    answered_by(client, shared, "backend-b", 20).unwrap_or_else(|e| panic!("after a restart, settled: {e}"));
+    answered_by(client, shared, "backend-b", 20)
+        .unwrap_or_else(|e| panic!("after a restart, settled: {e}"));
     assert!(
-        server.requests().iter().any(|r| r.path.ends_with("/events") && r.status == 500),
+        server
+            .requests()
+            .iter()
+            .any(|r| r.path.ends_with("/events") && r.status == 500),
         "Events were posted, and refused:\n{}",
         server.request_log()
     );
 
     server.delete(Resource::Services, "zzz-old", "web");
-    eventually("the older deleted: the younger has it", CONVERGE, || answered_by(client, shared, "backend-c", 5));
+    eventually("the older deleted: the younger has it", CONVERGE, || {
+        answered_by(client, shared, "backend-c", 5)
+    });
     drop(agent);
     drop(server);
     drop(runtime);
@@ -539,17 +683,26 @@ fn an_oversized_service_is_refused_without_growing_the_agent() {
     let (runtime, server) = apiserver::serve_in(node_ns);
     server.apply(apiserver::node(&node_name, None));
     let web = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
-    publish(&server, service("default", "web", "10.96.0.10", 80, &[], 1), "node-b", "backend-a");
+    publish(
+        &server,
+        service("default", "web", "10.96.0.10", 80, &[], 1),
+        "node-b",
+        "backend-a",
+    );
     let agent = KubeAgent::start(node_ns, server.url(), &[]);
-    eventually("the first Service is served", CONVERGE, || answered_by(client, web, "backend-a", 3));
+    eventually("the first Service is served", CONVERGE, || {
+        answered_by(client, web, "backend-a", 3)
+    });
     let frontends_before = agent.frontends();
     // Settled: a few scrapes and syncs' worth of the allocator's first growth.
     for _ in 0..3 {
-        let _ = agent.metric("ebpf_proxy_service_addresses_refused{reason=\"budget\"}");
+        let _ = agent.refused("budget");
     }
     let rss_before = agent.rss_kib();
 
-    let ips: Vec<String> = (0..3000).map(|i| format!("198.18.{}.{}", i / 250, i % 250 + 1)).collect();
+    let ips: Vec<String> = (0..3000)
+        .map(|i| format!("198.18.{}.{}", i / 250, i % 250 + 1))
+        .collect();
     let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
     let mut huge = service("tenant", "huge", "10.96.3.1", 80, &ips, 2);
     huge["spec"]["ports"] = json!([
@@ -558,10 +711,20 @@ fn an_oversized_service_is_refused_without_growing_the_agent() {
     ]);
     publish(&server, huge, "node-b", "backend-c");
     // And one more Service after it, served as usual.
-    publish(&server, service("default", "api", "10.96.0.11", 80, &[], 3), "node-b", "backend-b");
+    publish(
+        &server,
+        service("default", "api", "10.96.0.11", 80, &[], 3),
+        "node-b",
+        "backend-b",
+    );
 
     eventually("the Service after it is served", CONVERGE, || {
-        answered_by(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 11), 80), "backend-b", 3)
+        answered_by(
+            client,
+            SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 11), 80),
+            "backend-b",
+            3,
+        )
     });
     // Both Services' events were in the state by the sync that served the second.
     let rss_after = agent.rss_kib();
@@ -573,15 +736,14 @@ fn an_oversized_service_is_refused_without_growing_the_agent() {
         "one frontend more (the Service after it's ClusterIP), none of the refused one's"
     );
     answered_by(client, web, "backend-a", 3).unwrap_or_else(|e| panic!("the first Service: {e}"));
-    if let Outcome::Reply(r) = tcp_request(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 3, 1), 80), REQUEST) {
+    if let Outcome::Reply(r) = tcp_request(
+        client,
+        SocketAddrV4::new(Ipv4Addr::new(10, 96, 3, 1), 80),
+        REQUEST,
+    ) {
         panic!("the refused Service's ClusterIP answered, by {}", r.backend);
     }
-    eventually("the refusal counted", CONVERGE, || {
-        match agent.metric("ebpf_proxy_service_addresses_refused{reason=\"budget\"}") {
-            Some(1.0) => Ok(()),
-            other => Err(format!("ebpf_proxy_service_addresses_refused{{reason=\"budget\"}} is {other:?}, want 1")),
-        }
-    });
+    agent.wait_refused("budget", "1");
     eventually("an Event on the Service", CONVERGE, || {
         let reasons = event_reasons(&server, "tenant", "huge");
         if reasons == ["FrontendBudgetExceeded"] {

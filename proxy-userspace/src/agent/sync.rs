@@ -330,14 +330,32 @@ impl SyncLoop {
             planner.reserve(services.len());
         }
         let mut unsettled = Unsettled::default();
-        self.program(services, state, model, now, planner, target, &mut unsettled, &mut tally);
+        self.program(
+            services,
+            state,
+            model,
+            now,
+            planner,
+            target,
+            &mut unsettled,
+            &mut tally,
+        );
         self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
         // A Service that found a frontend another's may find it free now:
         // the other, synced after it, may have let go of it (an older
         // Service, or a ClusterIP, won the address).
         let contested = std::mem::take(&mut self.contested);
         if !contested.is_empty() {
-            self.program(contested, state, model, now, planner, target, &mut unsettled, &mut tally);
+            self.program(
+                contested,
+                state,
+                model,
+                now,
+                planner,
+                target,
+                &mut unsettled,
+                &mut tally,
+            );
             self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
             // What is still another's stays so until either changes.
             self.contested.clear();
@@ -416,11 +434,8 @@ impl SyncLoop {
             });
             let outcome = match modelled {
                 Some(modelled) => {
-                    self.refusals.report(
-                        &key,
-                        service.and_then(|s| s.uid()),
-                        modelled.refusals,
-                    );
+                    self.refusals
+                        .report(&key, service.and_then(|s| s.uid()), modelled.refusals);
                     timed(&mut phases.plan, || {
                         plan_service(
                             &key,

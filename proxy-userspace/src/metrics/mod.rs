@@ -22,8 +22,8 @@ use prometheus_client::{
 };
 
 pub use self::{
-    kube_proxy::ProxyMetrics, policy::PolicyMetrics, rest_client::RestClientMetrics, server::parse_bind_address,
-    sync::SyncStats,
+    kube_proxy::ProxyMetrics, policy::PolicyMetrics, rest_client::RestClientMetrics,
+    server::parse_bind_address, sync::SyncStats,
 };
 
 /// Every metric the agent exposes; cheap to clone, shared with the loop, the

@@ -28,14 +28,14 @@ pub enum Reason {
     /// One of this node's addresses (its Node's `status.addresses`, its
     /// interfaces'): the node's own listeners would be captured.
     NodeAddress,
-    /// 127.0.0.0/8, ::1.
+    /// `127.0.0.0/8`, `::1`.
     Loopback,
-    /// 169.254.0.0/16 (where the cloud's metadata server answers), fe80::/10.
+    /// `169.254.0.0/16` (where the cloud's metadata server answers), `fe80::/10`.
     LinkLocal,
     Multicast,
-    /// 255.255.255.255.
+    /// `255.255.255.255`.
     Broadcast,
-    /// 0.0.0.0, ::: the NodePort frontends' "every node address".
+    /// `0.0.0.0`, `::`: the NodePort frontends' "every node address".
     Unspecified,
     /// An externalIP outside `--external-ip-cidrs`.
     NotAllowed,
@@ -169,7 +169,15 @@ pub(super) struct AddressCheck<'a> {
     pub(super) rank: Rank,
 }
 
-impl AddressCheck<'_> {
+impl<'a> AddressCheck<'a> {
+    pub(super) fn new(config: &'a ModelConfig, claims: &'a AddressClaims, rank: Rank) -> Self {
+        AddressCheck {
+            config,
+            claims,
+            rank,
+        }
+    }
+
     /// Why `ip`, claimed as `kind`, is refused on every port; None when it
     /// may be programmed (unless an older Service has a port of it).
     pub(super) fn address(&self, kind: FrontendKind, ip: IpAddr) -> Option<(Reason, String)> {
@@ -196,10 +204,7 @@ impl AddressCheck<'_> {
             ));
         }
         if kind == FrontendKind::ExternalIp && !self.allowed(ip) {
-            return Some((
-                Reason::NotAllowed,
-                "outside --external-ip-cidrs".to_owned(),
-            ));
+            return Some((Reason::NotAllowed, "outside --external-ip-cidrs".to_owned()));
         }
         None
     }

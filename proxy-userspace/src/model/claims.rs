@@ -169,7 +169,7 @@ impl AddressClaims {
             .iter()
             .chain(&parsed.external_ips)
             .chain(&parsed.load_balancer_ips)
-            .map(|ip| ip.to_canonical())
+            .map(IpAddr::to_canonical)
             .collect()
     }
 
@@ -208,19 +208,18 @@ impl AddressClaims {
             .filter(|(_, ip)| has_family(ip));
         for (kind, ip) in external {
             let claims = self.external.entry(ip.to_canonical()).or_default();
-            let claim = match claims.iter_mut().find(|c| c.rank == rank) {
-                Some(claim) => claim,
-                None => {
-                    claims.push(Claim {
-                        rank: rank.clone(),
-                        ports: Arc::clone(&ports),
-                        labels: service.labels.clone(),
-                        frontends: parsed.frontend_count,
-                        external_ip: false,
-                        load_balancer: false,
-                    });
-                    claims.last_mut().expect("just pushed")
-                }
+            if !claims.iter().any(|c| c.rank == rank) {
+                claims.push(Claim {
+                    rank: rank.clone(),
+                    ports: Arc::clone(&ports),
+                    labels: service.labels.clone(),
+                    frontends: parsed.frontend_count,
+                    external_ip: false,
+                    load_balancer: false,
+                });
+            }
+            let Some(claim) = claims.iter_mut().find(|c| c.rank == rank) else {
+                continue;
             };
             match kind {
                 FrontendKind::ExternalIp => claim.external_ip = true,

@@ -104,6 +104,16 @@ pub struct Modelled {
     pub refusals: Vec<Refusal>,
 }
 
+impl Modelled {
+    /// A Service refused as a whole.
+    pub fn refused(refusal: Refusal) -> Self {
+        Modelled {
+            frontends: Vec::new(),
+            refusals: vec![refusal],
+        }
+    }
+}
+
 /// Why a Service could not be programmed. Each names the object.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModelError {

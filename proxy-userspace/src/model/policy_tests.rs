@@ -35,8 +35,11 @@ fn service_json(
         },
     });
     if let Some(seconds) = created {
-        service["metadata"]["creationTimestamp"] =
-            json!(format!("2024-01-01T00:{:02}:{:02}Z", seconds / 60, seconds % 60));
+        service["metadata"]["creationTimestamp"] = json!(format!(
+            "2024-01-01T00:{:02}:{:02}Z",
+            seconds / 60,
+            seconds % 60
+        ));
     }
     service
 }
@@ -68,7 +71,12 @@ fn external_addresses(modelled: &Modelled) -> Vec<IpAddr> {
     let mut out: Vec<IpAddr> = modelled
         .frontends
         .iter()
-        .filter(|f| matches!(f.kind, FrontendKind::ExternalIp | FrontendKind::LoadBalancer))
+        .filter(|f| {
+            matches!(
+                f.kind,
+                FrontendKind::ExternalIp | FrontendKind::LoadBalancer
+            )
+        })
         .map(|f| f.key.ip)
         .collect();
     out.dedup();
@@ -95,10 +103,25 @@ fn special_addresses_are_refused_in_both_families_and_the_rest_is_served() {
         // (ClusterIP, legal external address, refused one, reason)
         ("10.96.0.20", "203.0.113.7", "127.0.0.1", Reason::Loopback),
         ("10.96.0.20", "203.0.113.7", "127.9.9.9", Reason::Loopback),
-        ("10.96.0.20", "203.0.113.7", "169.254.169.254", Reason::LinkLocal),
-        ("10.96.0.20", "203.0.113.7", "224.0.0.251", Reason::Multicast),
+        (
+            "10.96.0.20",
+            "203.0.113.7",
+            "169.254.169.254",
+            Reason::LinkLocal,
+        ),
+        (
+            "10.96.0.20",
+            "203.0.113.7",
+            "224.0.0.251",
+            Reason::Multicast,
+        ),
         ("10.96.0.20", "203.0.113.7", "239.1.2.3", Reason::Multicast),
-        ("10.96.0.20", "203.0.113.7", "255.255.255.255", Reason::Broadcast),
+        (
+            "10.96.0.20",
+            "203.0.113.7",
+            "255.255.255.255",
+            Reason::Broadcast,
+        ),
         ("10.96.0.20", "203.0.113.7", "0.0.0.0", Reason::Unspecified),
         ("fd00:96::20", "2001:db8::7", "::1", Reason::Loopback),
         ("fd00:96::20", "2001:db8::7", "fe80::1", Reason::LinkLocal),
@@ -106,7 +129,12 @@ fn special_addresses_are_refused_in_both_families_and_the_rest_is_served() {
         ("fd00:96::20", "2001:db8::7", "ff02::fb", Reason::Multicast),
         ("fd00:96::20", "2001:db8::7", "::", Reason::Unspecified),
         // An IPv4-mapped address is read as the IPv4 address it maps.
-        ("10.96.0.20", "203.0.113.7", "::ffff:127.0.0.1", Reason::Loopback),
+        (
+            "10.96.0.20",
+            "203.0.113.7",
+            "::ffff:127.0.0.1",
+            Reason::Loopback,
+        ),
     ];
     let claims = AddressClaims::default();
     let config = ModelConfig::default();
@@ -140,7 +168,11 @@ fn special_addresses_are_refused_in_both_families_and_the_rest_is_served() {
     }
     assert_eq!(special_address(ip("169.253.255.255")), None);
     assert_eq!(special_address(ip("169.255.0.0")), None);
-    assert_eq!(special_address(ip("fec0::1")), None, "site-local is not link-local");
+    assert_eq!(
+        special_address(ip("fec0::1")),
+        None,
+        "site-local is not link-local"
+    );
     assert_eq!(special_address(ip("2001:db8::1")), None);
     assert_eq!(
         special_address(ip("::ffff:169.254.169.254")),
@@ -156,7 +188,13 @@ fn another_services_cluster_ip_is_refused_in_both_families_via_external_ips_and_
         ("fd00:96::10", "fd00:96::99", "2001:db8::9"),
     ] {
         let mut claims = AddressClaims::default();
-        let victim = compact(service_json("kube-system", "kube-dns", victim_ip, &[], Some(100)));
+        let victim = compact(service_json(
+            "kube-system",
+            "kube-dns",
+            victim_ip,
+            &[],
+            Some(100),
+        ));
         claims.add(&victim);
         // Older than the victim: ClusterIPs win whatever the ages.
         for (how, json) in [
@@ -229,10 +267,7 @@ fn node_addresses_from_the_node_and_its_interfaces_are_refused() {
         let changed = claims.set_node_interfaces(Vec::new());
         assert_eq!(changed, vec![ip(interface_ip)]);
         let got = modelled(&service, &claims, &ModelConfig::default());
-        assert_eq!(
-            external_addresses(&got),
-            vec![ip(legal), ip(interface_ip)]
-        );
+        assert_eq!(external_addresses(&got), vec![ip(legal), ip(interface_ip)]);
     }
 }
 
@@ -247,7 +282,13 @@ fn the_allow_list_refuses_external_ips_outside_it_but_not_load_balancer_ips() {
     };
     let claims = AddressClaims::default();
     let v4 = compact(with_ingress(
-        service_json("t", "a", "10.96.0.20", &["203.0.113.5", "198.51.100.5"], None),
+        service_json(
+            "t",
+            "a",
+            "10.96.0.20",
+            &["203.0.113.5", "198.51.100.5"],
+            None,
+        ),
         &["198.51.100.6"],
     ));
     let got = modelled(&v4, &claims, &config);
@@ -256,7 +297,10 @@ fn the_allow_list_refuses_external_ips_outside_it_but_not_load_balancer_ips() {
         vec![ip("203.0.113.5"), ip("198.51.100.6")],
         "inside the list, and the load balancer's IP (a controller's, not the tenant's)"
     );
-    assert_eq!(reasons(&got), vec![(Reason::NotAllowed, Some(ip("198.51.100.5")))]);
+    assert_eq!(
+        reasons(&got),
+        vec![(Reason::NotAllowed, Some(ip("198.51.100.5")))]
+    );
 
     let v6 = compact(service_json(
         "t",
@@ -267,7 +311,10 @@ fn the_allow_list_refuses_external_ips_outside_it_but_not_load_balancer_ips() {
     ));
     let got = modelled(&v6, &claims, &config);
     assert_eq!(external_addresses(&got), vec![ip("2001:db8:1::5")]);
-    assert_eq!(reasons(&got), vec![(Reason::NotAllowed, Some(ip("2001:db8:2::5")))]);
+    assert_eq!(
+        reasons(&got),
+        vec![(Reason::NotAllowed, Some(ip("2001:db8:2::5")))]
+    );
 
     let off = modelled(&v4, &claims, &ModelConfig::default());
     assert_eq!(off.refusals, Vec::new(), "no list: nothing refused for it");
@@ -358,7 +405,9 @@ fn the_older_service_wins_an_address_and_the_loser_gets_it_once_the_winner_goes(
     let b = service_json("bbb", "x", "10.96.1.2", &["203.0.113.50"], None);
     let mut state = ClusterState::new("node-a");
     for s in [&b, &a] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(s.clone())))));
+        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
+            s.clone(),
+        )))));
     }
     assert_eq!(holders(&state, &[a, b]), vec![0]);
 }
@@ -370,7 +419,9 @@ fn a_conflict_is_per_port_and_protocol() {
     let second = service_json("b", "second", "10.96.1.2", &["203.0.113.50"], Some(2));
     let mut state = ClusterState::new("node-a");
     for s in [&first, &second] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(s.clone())))));
+        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
+            s.clone(),
+        )))));
     }
     let key = key_of(&second);
     let got = state
@@ -391,10 +442,12 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
     other_proxy["metadata"]["labels"] =
         json!({"service.kubernetes.io/service-proxy-name": "someone-else"});
     let mut too_big = service_json("a", "older", "10.96.1.1", &["203.0.113.50"], Some(1));
-    too_big["spec"]["ports"] = json!((1..=5)
-        .map(|p| json!({"name": format!("p{p}"), "port": p, "protocol": "TCP"}))
-        .chain([json!({"name": "http", "port": 80, "protocol": "TCP"})])
-        .collect::<Vec<_>>());
+    too_big["spec"]["ports"] = json!(
+        (1..=5)
+            .map(|p| json!({"name": format!("p{p}"), "port": p, "protocol": "TCP"}))
+            .chain([json!({"name": "http", "port": 80, "protocol": "TCP"})])
+            .collect::<Vec<_>>()
+    );
     let young = service_json("b", "younger", "10.96.1.2", &["203.0.113.50"], Some(2));
     let mut young_lb = with_ingress(
         service_json("b", "younger", "10.96.1.2", &[], Some(2)),
@@ -410,7 +463,12 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
         ..ModelConfig::default()
     };
     for (what, older, younger, config) in [
-        ("another proxy's", &other_proxy, &young, ModelConfig::default()),
+        (
+            "another proxy's",
+            &other_proxy,
+            &young,
+            ModelConfig::default(),
+        ),
         ("over its budget", &too_big, &young, small),
         ("outside the allow-list", &other_proxy, &young_lb, listed),
     ] {
@@ -420,10 +478,14 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
         }
         let mut state = ClusterState::new("node-a");
         for s in [&older, younger] {
-            state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(s.clone())))));
+            state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
+                s.clone(),
+            )))));
         }
         let key = key_of(younger);
-        let got = state.modelled_of(&key, state.service(&key), &config).unwrap();
+        let got = state
+            .modelled_of(&key, state.service(&key), &config)
+            .unwrap();
         assert_eq!(
             external_addresses(&got),
             vec![ip("203.0.113.50")],
@@ -436,7 +498,9 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
     let mut older = other_proxy;
     older["metadata"]["labels"] = json!({});
     for s in [&older, &young] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(s.clone())))));
+        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
+            s.clone(),
+        )))));
     }
     assert_eq!(holders(&state, &[older, young]), vec![0]);
 }
@@ -492,7 +556,10 @@ fn the_budget_counts_ports_times_addresses_as_the_model_makes_frontends() {
     let ips: Vec<String> = (1..=5).map(|i| format!("203.0.113.{i}")).collect();
     let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
     let mut cases: Vec<(&str, Value)> = Vec::new();
-    cases.push(("ClusterIP alone", service_json("t", "a", "10.96.0.20", &[], None)));
+    cases.push((
+        "ClusterIP alone",
+        service_json("t", "a", "10.96.0.20", &[], None),
+    ));
     let mut two_ports = service_json("t", "a", "10.96.0.20", &ips, None);
     two_ports["spec"]["ports"] = json!([
         {"name": "http", "port": 80, "protocol": "TCP"},
@@ -501,10 +568,16 @@ fn the_budget_counts_ports_times_addresses_as_the_model_makes_frontends() {
     cases.push(("2 ports x (ClusterIP + 5 externalIPs)", two_ports.clone()));
     let mut lb = with_ingress(two_ports.clone(), &["198.51.100.1", "2001:db8::1"]);
     lb["spec"]["ports"][0]["nodePort"] = json!(30080);
-    cases.push(("with NodePort, LB IPs, one of a family without a ClusterIP", lb.clone()));
+    cases.push((
+        "with NodePort, LB IPs, one of a family without a ClusterIP",
+        lb.clone(),
+    ));
     let mut local = lb.clone();
     local["spec"]["externalTrafficPolicy"] = json!("Local");
-    cases.push(("externalTrafficPolicy Local doubles the external ones", local));
+    cases.push((
+        "externalTrafficPolicy Local doubles the external ones",
+        local,
+    ));
     let mut dual = lb;
     dual["spec"]["clusterIPs"] = json!(["10.96.0.20", "fd00:96::20"]);
     dual["spec"]["externalIPs"] = json!(["203.0.113.1", "2001:db8::2"]);
@@ -526,7 +599,11 @@ fn the_budget_counts_ports_times_addresses_as_the_model_makes_frontends() {
             ..ModelConfig::default()
         };
         let got = modelled(&service, &claims, &below);
-        assert_eq!(got.frontends, Vec::new(), "{what}: over: refused as a whole");
+        assert_eq!(
+            got.frontends,
+            Vec::new(),
+            "{what}: over: refused as a whole"
+        );
         assert_eq!(reasons(&got), vec![(Reason::Budget, None)], "{what}");
     }
 }
@@ -546,8 +623,14 @@ fn a_service_over_its_budget_is_kept_without_its_addresses() {
     assert_eq!(service.frontend_count(), 2 * 3001);
     let kept = service.clone();
     assert!(service.shed_over(DEFAULT_MAX_FRONTENDS_PER_SERVICE));
-    assert!(!service.shed_over(DEFAULT_MAX_FRONTENDS_PER_SERVICE), "once");
-    assert_eq!(AddressClaims::addresses_of(&service), vec![ip("10.96.0.20")]);
+    assert!(
+        !service.shed_over(DEFAULT_MAX_FRONTENDS_PER_SERVICE),
+        "once"
+    );
+    assert_eq!(
+        AddressClaims::addresses_of(&service),
+        vec![ip("10.96.0.20")]
+    );
     assert_eq!(AddressClaims::addresses_of(&kept).len(), 3001);
     // Refused as a whole even by a model with a larger budget: what it
     // asked for is no longer known.

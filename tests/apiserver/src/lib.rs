@@ -683,7 +683,12 @@ fn event_path(path: &str) -> Option<(&str, Option<&str>)> {
 }
 
 /// A post or patch of an Event: stored, and answered with what is stored.
-async fn handle_event(shared: &Shared, request: Request, namespace: &str, name: Option<&str>) -> Response {
+async fn handle_event(
+    shared: &Shared,
+    request: Request,
+    namespace: &str,
+    name: Option<&str>,
+) -> Response {
     let method = request.method().clone();
     let body = match axum::body::to_bytes(request.into_body(), 1 << 20).await {
         Ok(body) => body,
@@ -711,11 +716,10 @@ async fn handle_event(shared: &Shared, request: Request, namespace: &str, name: 
                 .expect("a valid response")
         }
         (Method::PATCH, Some(name)) => {
-            let Some(stored) = store
-                .events
-                .iter_mut()
-                .find(|e| e["metadata"]["name"] == json!(name) && e["metadata"]["namespace"] == json!(namespace))
-            else {
+            let Some(stored) = store.events.iter_mut().find(|e| {
+                e["metadata"]["name"] == json!(name)
+                    && e["metadata"]["namespace"] == json!(namespace)
+            }) else {
                 return status_response(404, "NotFound", &format!("no event {namespace}/{name}"));
             };
             if let (Some(stored), Some(patch)) = (stored.as_object_mut(), event.as_object()) {
@@ -733,7 +737,11 @@ async fn handle_event(shared: &Shared, request: Request, namespace: &str, name: 
                 .body(Body::from(stored.to_string()))
                 .expect("a valid response")
         }
-        (method, _) => status_response(405, "MethodNotAllowed", &format!("{method} of events is not served")),
+        (method, _) => status_response(
+            405,
+            "MethodNotAllowed",
+            &format!("{method} of events is not served"),
+        ),
     }
 }
 

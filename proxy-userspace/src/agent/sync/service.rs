@@ -7,9 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, warn};
 
 use crate::{
-    model::{
-        CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Modelled, Protocol,
-    },
+    model::{CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Modelled, Protocol},
     planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,

@@ -1036,7 +1036,13 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
         agent.sync.set_events(tx);
         agent.event(listing(
             Kind::Service,
-            vec![claiming(attacker_namespace, "evil", "10.96.0.99", &["10.96.0.10"], 1)],
+            vec![claiming(
+                attacker_namespace,
+                "evil",
+                "10.96.0.99",
+                &["10.96.0.10"],
+                1,
+            )],
         ));
         agent.event(listing(
             Kind::EndpointSlice,
@@ -1051,7 +1057,13 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
         );
         let runs = agent.runs.len();
         agent.event(SourceEvent::Apply(slice_in("demo", "dns", "10.0.0.53")));
-        agent.event(SourceEvent::Apply(claiming("demo", "dns", "10.96.0.10", &[], 5)));
+        agent.event(SourceEvent::Apply(claiming(
+            "demo",
+            "dns",
+            "10.96.0.10",
+            &[],
+            5,
+        )));
         agent.advance(Duration::from_secs(1));
         assert_eq!(
             agent.served("10.96.0.10"),
@@ -1063,7 +1075,10 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
             runs + 1,
             "attacker in {attacker_namespace}: in one sync"
         );
-        assert_eq!(agent.sync.refusals.count(crate::model::Reason::ClusterIp), 1);
+        assert_eq!(
+            agent.sync.refusals.count(crate::model::Reason::ClusterIp),
+            1
+        );
         let event = events.try_recv().expect("an Event for the refusal");
         assert_eq!(event.service.name, "evil");
         assert_eq!(event.reason, "AddressRefused");
@@ -1078,7 +1093,11 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
             &["203.0.113.50"],
             30,
         )));
-        agent.event(SourceEvent::Apply(slice_in(attacker_namespace, "young", "10.0.0.77")));
+        agent.event(SourceEvent::Apply(slice_in(
+            attacker_namespace,
+            "young",
+            "10.0.0.77",
+        )));
         agent.advance(Duration::from_secs(1));
         assert_eq!(agent.served("203.0.113.50"), Some(vec!["10.0.0.77".into()]));
         agent.event(SourceEvent::Apply(claiming(
@@ -1123,24 +1142,46 @@ fn interface_addresses_refuse_external_ips_as_they_come_and_go() {
     agent.sync.set_events(tx);
     agent.event(listing(
         Kind::Service,
-        vec![claiming("t", "web", "10.96.0.20", &["192.168.50.1", "192.168.50.2"], 1)],
+        vec![claiming(
+            "t",
+            "web",
+            "10.96.0.20",
+            &["192.168.50.1", "192.168.50.2"],
+            1,
+        )],
     ));
-    agent.event(listing(Kind::EndpointSlice, vec![slice_in("t", "web", "10.0.0.5")]));
+    agent.event(listing(
+        Kind::EndpointSlice,
+        vec![slice_in("t", "web", "10.0.0.5")],
+    ));
     agent.event(listing(Kind::Node, vec![node("zone-a")]));
     agent.advance(Duration::from_secs(1));
     assert!(agent.served("192.168.50.1").is_some());
-    agent
-        .sync
-        .on_interface_addresses(&mut agent.state, &["192.168.50.1".parse().unwrap(), "192.168.50.2".parse().unwrap()], agent.now);
+    agent.sync.on_interface_addresses(
+        &mut agent.state,
+        &[
+            "192.168.50.1".parse().unwrap(),
+            "192.168.50.2".parse().unwrap(),
+        ],
+        agent.now,
+    );
     agent.advance(Duration::from_secs(1));
     assert_eq!(agent.served("192.168.50.1"), None, "a node address");
     assert_eq!(agent.served("192.168.50.2"), None, "a node address");
     assert!(agent.served("10.96.0.20").is_some(), "the ClusterIP stays");
-    assert_eq!(agent.sync.refusals.count(crate::model::Reason::NodeAddress), 2);
-    agent
-        .sync
-        .on_interface_addresses(&mut agent.state, &["192.168.50.2".parse().unwrap()], agent.now);
+    assert_eq!(
+        agent.sync.refusals.count(crate::model::Reason::NodeAddress),
+        2
+    );
+    agent.sync.on_interface_addresses(
+        &mut agent.state,
+        &["192.168.50.2".parse().unwrap()],
+        agent.now,
+    );
     agent.advance(Duration::from_secs(1));
-    assert!(agent.served("192.168.50.1").is_some(), "no longer the node's");
+    assert!(
+        agent.served("192.168.50.1").is_some(),
+        "no longer the node's"
+    );
     assert_eq!(agent.served("192.168.50.2"), None);
 }

@@ -761,3 +761,78 @@ fn an_oversized_service_is_refused_without_growing_the_agent() {
     drop(server);
     drop(runtime);
 }
+
+/// `--external-ip-cidrs` and `--max-frontends-per-service` as the command line gives
+/// them: an externalIP outside the list is refused and one inside it served; a
+/// Service over the small budget is refused as a whole, its ClusterIP included.
+#[test]
+fn the_allow_list_and_the_budget_come_from_the_command_line() {
+    let sb = sandbox();
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let (runtime, server) = apiserver::serve_in(node_ns);
+    server.apply(apiserver::node(&node_name, None));
+    publish(
+        &server,
+        service(
+            "tenant",
+            "listed",
+            "10.96.4.1",
+            80,
+            &["203.0.113.5", "198.51.100.5"],
+            1,
+        ),
+        "node-b",
+        "backend-a",
+    );
+    let many: Vec<String> = (1..=12).map(|i| format!("203.0.113.{}", 100 + i)).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    publish(
+        &server,
+        service("tenant", "big", "10.96.4.2", 80, &many, 2),
+        "node-b",
+        "backend-c",
+    );
+    let agent = KubeAgent::start(
+        node_ns,
+        server.url(),
+        &[
+            "--external-ip-cidrs",
+            "203.0.113.0/24",
+            "--max-frontends-per-service",
+            "10",
+        ],
+    );
+    eventually("the listed externalIP is served", CONVERGE, || {
+        answered_by(
+            client,
+            SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 5), 80),
+            "backend-a",
+            3,
+        )
+    });
+    agent.wait_refused("not_allowed", "1");
+    agent.wait_refused("budget", "1");
+    for (what, ip) in [
+        (
+            "the externalIP outside the list",
+            Ipv4Addr::new(198, 51, 100, 5),
+        ),
+        (
+            "the ClusterIP of the Service over its budget (13 frontends > 10)",
+            Ipv4Addr::new(10, 96, 4, 2),
+        ),
+        (
+            "an externalIP of the Service over its budget",
+            Ipv4Addr::new(203, 0, 113, 101),
+        ),
+    ] {
+        if let Outcome::Reply(r) = tcp_request(client, SocketAddrV4::new(ip, 80), REQUEST) {
+            panic!("{what} ({ip}) answered, by {}", r.backend);
+        }
+    }
+    drop(agent);
+    drop(server);
+    drop(runtime);
+}

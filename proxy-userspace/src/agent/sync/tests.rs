@@ -1084,6 +1084,21 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
         assert_eq!(event.reason, "AddressRefused");
         assert!(event.note.contains("10.96.0.10"), "{}", event.note);
         assert!(events.try_recv().is_err(), "one Event");
+        // Synced again, still refused: reported once, not at each sync.
+        agent.event(SourceEvent::Apply(slice_in(
+            attacker_namespace,
+            "evil",
+            "10.0.0.67",
+        )));
+        agent.advance(Duration::from_secs(1));
+        assert!(
+            events.try_recv().is_err(),
+            "no Event for a refusal already reported"
+        );
+        assert_eq!(
+            agent.sync.refusals.count(crate::model::Reason::ClusterIp),
+            1
+        );
 
         // Two Services on 203.0.113.50: the older, arriving second, wins.
         agent.event(SourceEvent::Apply(claiming(

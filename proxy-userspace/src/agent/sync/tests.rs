@@ -1099,7 +1099,19 @@ fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
             agent.sync.refusals.count(crate::model::Reason::ClusterIp),
             1
         );
+    }
+}
 
+/// Of two Services on one address, the older takes it from the younger, which
+/// has it back once the older goes, whichever of them the sync meets first.
+#[test]
+fn the_older_service_takes_a_shared_address_and_gives_it_back_when_it_goes() {
+    for attacker_namespace in ["aaa", "zzz"] {
+        let mut agent = Agent::fresh();
+        agent.event(listing(Kind::Service, Vec::new()));
+        agent.event(listing(Kind::EndpointSlice, Vec::new()));
+        agent.event(listing(Kind::Node, vec![node("zone-a")]));
+        agent.advance(Duration::from_secs(1));
         // Two Services on 203.0.113.50: the older, arriving second, wins.
         agent.event(SourceEvent::Apply(claiming(
             attacker_namespace,

@@ -1,6 +1,7 @@
 //! The agent: source events -> state -> model -> planner -> maps, one
 //! coalesced sync at a time ([`sync`]), with interface attachment alongside.
 
+mod events;
 mod node;
 pub mod sync;
 mod takeover;
@@ -158,12 +159,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let mut if_rx = watch_interfaces(&config);
 
     let (ev_tx, mut ev_rx) = mpsc::channel::<SourceEvent>(1024);
-    spawn_source(&config, ev_tx, &metrics).await?;
+    spawn_source(&config, ev_tx, &metrics, &mut sync).await?;
 
     let mut sigterm = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut sigint = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
 
-    let mut state = ClusterState::new(config.node_name.clone());
+    let mut state = cluster_state(&config);
     let mut reap = tokio::time::interval(housekeeping::REAP_PERIOD);
     let mut takeover = Takeover::default();
     // What `CLUSTER_CIDRS` holds of the Node's pod CIDRs (NodeCIDR).
@@ -174,6 +175,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &mut node, &snapshot, &config);
+                sync.on_interface_addresses(&mut state, &snapshot.addrs, Instant::now());
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());
                 health_checks
@@ -279,6 +281,20 @@ fn shed_privileges(netfilter_tools: bool) {
     }
 }
 
+/// The cluster as the agent starts to learn it, under the address policy
+/// the configuration sets.
+fn cluster_state(config: &AgentConfig) -> ClusterState {
+    let mut state = ClusterState::new(config.node_name.clone());
+    state.set_frontend_budget(config.model.max_frontends_per_service);
+    if let Some(cidrs) = &config.model.external_ip_cidrs {
+        info!(
+            ?cidrs,
+            "externalIPs outside these CIDRs are refused (--external-ip-cidrs)"
+        );
+    }
+    state
+}
+
 /// The verifier's work is most of the start before anything is programmed,
 /// and grows with each program: which ones took it is worth a line.
 fn log_program_loads(datapath: &Datapath, started: Instant) {
@@ -345,6 +361,7 @@ async fn start_metrics(
         .ok();
     let metrics = Metrics::new(collector);
     sync.set_metrics(metrics.proxy.clone());
+    sync.set_policy_metrics(metrics.policy.clone());
     if let Some(addr) = config.metrics {
         crate::metrics::server::serve(addr, metrics.clone()).await?;
         info!(%addr, "serving metrics at /metrics");
@@ -420,11 +437,13 @@ impl SyncTarget for Datapath {
 
 /// Starts the configured source feeding `tx`. A Kubernetes client that
 /// cannot be configured is an error; once running, a source never stops the
-/// agent (API failures are retried inside it).
+/// agent (API failures are retried inside it). With the API, the sync
+/// loop's Events on Services are posted through the same client.
 async fn spawn_source(
     config: &AgentConfig,
     tx: mpsc::Sender<SourceEvent>,
     metrics: &Metrics,
+    sync: &mut SyncLoop,
 ) -> Result<(), AgentError> {
     match &config.source {
         SourceConfig::Manifests(path) => {
@@ -441,6 +460,7 @@ async fn spawn_source(
                 .client(kubeconfig.clone(), master.clone())
                 .await?;
             let node_name = config.node_name.clone();
+            sync.set_events(events::spawn(client.clone(), node_name.clone()));
             tokio::spawn(async move {
                 if let Err(e) = kube_source::watch(client, node_name, tx).await {
                     error!(error = %e, "Kubernetes API source stopped; the datapath keeps its last state");

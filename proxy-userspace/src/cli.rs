@@ -324,6 +324,30 @@ pub struct RunArgs {
     /// datapath-log LEVEL` changes it while the agent runs.
     #[arg(long, value_enum, default_value = "off")]
     pub datapath_log: DatapathLogLevel,
+    /// The addresses a Service's externalIPs may be: when set, an
+    /// externalIP outside every one of these CIDRs is refused (with a
+    /// warning, an Event on the Service and a metric), as the
+    /// `DenyServiceExternalIPs` admission plugin or an externalIP webhook
+    /// would refuse it. Unset, any externalIP the address policy lets
+    /// through is programmed (docs/security.md).
+    #[arg(
+        long,
+        value_name = "CIDR,...",
+        value_delimiter = ',',
+        value_parser = crate::kube_proxy_flags::parse_cidr
+    )]
+    pub external_ip_cidrs: Option<Vec<Cidr>>,
+    /// The most frontends (ports x addresses, as the agent programs them)
+    /// one Service may ask for: one asking for more is refused as a whole,
+    /// counted from its spec before anything is made of it
+    /// (docs/security.md, "Budgets").
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = crate::model::DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub max_frontends_per_service: u64,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]
@@ -331,6 +355,16 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// What the flags ask of the model: the address policy's allow-list
+    /// and budget.
+    pub fn model_config(&self) -> crate::model::ModelConfig {
+        crate::model::ModelConfig {
+            external_ip_cidrs: self.external_ip_cidrs.clone(),
+            max_frontends_per_service: self.max_frontends_per_service,
+            ..crate::model::ModelConfig::default()
+        }
+    }
+
     /// Connections conntrack holds: `--conntrack-max`, else kube-proxy's
     /// sizing, within what the map can be (`settle` refuses a sizing
     /// outside it).

@@ -6,9 +6,7 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs},
     config,
     datapath::{self, PinLayout},
-    kube_proxy_argv, logging,
-    model::ModelConfig,
-    privileges, settle, status,
+    kube_proxy_argv, logging, privileges, settle, status,
 };
 
 /// The command line, read as kube-proxy's too (the binary called as
@@ -135,6 +133,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let ct_timeouts = args.ct_timeouts();
     let conntrack_entries = args.conntrack_entries();
+    let model = args.model_config();
     let config = AgentConfig {
         bpf_root: args.pins.bpf_root,
         source: match args.manifests {
@@ -152,7 +151,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sync_period: args.sync_period,
         ct_timeouts,
         conntrack_entries,
-        model: ModelConfig::default(),
+        model,
         localhost_nodeports: args.localhost_nodeports
             && agent::serves_loopback(&args.nodeport_addresses),
         nodeport_addresses: args.nodeport_addresses,

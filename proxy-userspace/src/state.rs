@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     hash::BuildHasher,
+    net::IpAddr,
     sync::Arc,
 };
 
@@ -18,8 +19,9 @@ use tracing::{debug, warn};
 
 use crate::{
     model::{
-        self, Cidr, CompactService, Frontend, LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig,
-        ModelError, NodeInfo, Slice, node_eligible,
+        self, AddressClaims, Cidr, CompactService, DEFAULT_MAX_FRONTENDS_PER_SERVICE, Frontend,
+        LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, Modelled, NodeInfo, Slice,
+        node_eligible,
     },
     source::{Kind, Object, ObjectKey, SourceEvent},
 };
@@ -120,6 +122,12 @@ pub struct ClusterState {
     /// model sees them in a stable order. A sorted boxed slice rather than
     /// a set: most Services have one slice. The names are the slices' own.
     slices_by_service: HashMap<ObjectKey, Box<[Arc<str>]>>,
+    /// The addresses every Service and the node claim, for the address
+    /// policy.
+    claims: AddressClaims,
+    /// `--max-frontends-per-service`: a Service asking for more keeps none
+    /// of its external addresses here ([`CompactService::shed_over`]).
+    frontend_budget: u64,
 }
 
 impl ClusterState {
@@ -136,7 +144,31 @@ impl ClusterState {
             services: BTreeMap::new(),
             slices: Slices::default(),
             slices_by_service: HashMap::new(),
+            claims: AddressClaims::default(),
+            frontend_budget: DEFAULT_MAX_FRONTENDS_PER_SERVICE,
         }
+    }
+
+    /// Keeps nothing of the external addresses of a Service asking for
+    /// more than `max` frontends (the model refuses it as a whole): set
+    /// before any Service arrives, to the model's
+    /// `max_frontends_per_service`.
+    pub fn set_frontend_budget(&mut self, max: u64) {
+        self.frontend_budget = max;
+    }
+
+    /// The addresses every Service and the node claim.
+    pub fn claims(&self) -> &AddressClaims {
+        &self.claims
+    }
+
+    /// The node's interfaces have these addresses now: the Services
+    /// claiming one that came or went may be decided anew.
+    pub fn set_interface_addresses(&mut self, addrs: &[IpAddr]) -> Changes {
+        let mut changes = Changes::default();
+        let changed = self.claims.set_node_interfaces(addrs.to_vec());
+        self.mark_claimants(&changed, None, &mut changes);
+        changes
     }
 
     /// Records an event and says which services it may have changed.
@@ -210,10 +242,21 @@ impl ClusterState {
         service: Option<&CompactService>,
         config: &ModelConfig,
     ) -> Result<Vec<Frontend>, ModelError> {
+        self.modelled_of(key, service, config)
+            .map(|modelled| modelled.frontends)
+    }
+
+    /// [`Self::frontends_of`], with what the address policy refused.
+    pub fn modelled_of(
+        &self,
+        key: &ObjectKey,
+        service: Option<&CompactService>,
+        config: &ModelConfig,
+    ) -> Result<Modelled, ModelError> {
         let Some(service) = service else {
-            return Ok(Vec::new());
+            return Ok(Modelled::default());
         };
-        service.frontends(&self.slices_for(key), &self.node, config)
+        service.modelled(&self.slices_for(key), &self.node, config, &self.claims)
     }
 
     fn apply_object(&mut self, object: Object, changes: &mut Changes) {
@@ -226,11 +269,7 @@ impl ClusterState {
 
     fn delete(&mut self, kind: Kind, key: &ObjectKey, changes: &mut Changes) {
         match kind {
-            Kind::Service => {
-                if self.services.remove(key).is_some() {
-                    changes.services.insert(key.clone());
-                }
-            }
+            Kind::Service => self.remove_service(key, changes),
             Kind::EndpointSlice => self.remove_slice(key, changes),
             Kind::Node => {
                 if key.name == self.node.name {
@@ -279,8 +318,7 @@ impl ClusterState {
                     .cloned()
                     .collect();
                 for key in gone {
-                    self.services.remove(&key);
-                    changes.services.insert(key);
+                    self.remove_service(&key, changes);
                 }
             }
             Kind::EndpointSlice => {
@@ -306,10 +344,51 @@ impl ClusterState {
             warn!("service without a name; ignored");
             return;
         };
-        let service = CompactService::from(service);
-        if self.services.get(&key).map(|s| &**s) != Some(&service) {
-            self.services.insert(key.clone(), Box::new(service));
-            changes.services.insert(key);
+        let mut service = CompactService::from(service);
+        if service.shed_over(self.frontend_budget) {
+            debug!(service = %key, frontends = service.frontend_count(), "over its frontend budget: its external addresses are not kept");
+        }
+        if self.services.get(&key).map(|s| &**s) == Some(&service) {
+            return;
+        }
+        let mut touched = AddressClaims::addresses_of(&service);
+        if let Some(old) = self.services.get(&key) {
+            touched.extend(AddressClaims::addresses_of(old));
+            self.claims.remove(old);
+        }
+        self.claims.add(&service);
+        self.services.insert(key.clone(), Box::new(service));
+        self.mark_claimants(&touched, Some(&key), changes);
+        changes.services.insert(key);
+    }
+
+    fn remove_service(&mut self, key: &ObjectKey, changes: &mut Changes) {
+        let Some(old) = self.services.remove(key) else {
+            return;
+        };
+        self.claims.remove(&old);
+        self.mark_claimants(&AddressClaims::addresses_of(&old), Some(key), changes);
+        changes.services.insert(key.clone());
+    }
+
+    /// The Services claiming one of `addrs` as an external address (but
+    /// `except`): whether they may have it depends on who else claims it,
+    /// and on the node's addresses.
+    fn mark_claimants(&self, addrs: &[IpAddr], except: Option<&ObjectKey>, changes: &mut Changes) {
+        for ip in addrs {
+            for rank in self.claims.claimants(*ip) {
+                if except.is_some_and(|k| *k.namespace == *rank.namespace && *k.name == *rank.name)
+                {
+                    continue;
+                }
+                let key = ObjectKey {
+                    namespace: rank.namespace.to_string(),
+                    name: rank.name.to_string(),
+                };
+                if !changes.services.contains(&key) {
+                    changes.services.insert(key);
+                }
+            }
         }
     }
 
@@ -382,6 +461,8 @@ impl ClusterState {
         }
         self.node_eligible = node_eligible(node);
         self.node_pod_cidrs = pod_cidrs(node);
+        let changed = self.claims.set_node_status(node_addresses(node));
+        self.mark_claimants(&changed, None, changes);
         let zone = node
             .metadata
             .labels
@@ -420,6 +501,18 @@ fn pod_cidrs(node: &Node) -> Vec<Cidr> {
             }
             cidr
         })
+        .collect()
+}
+
+/// A Node's addresses in `status.addresses` that are IP addresses (not
+/// host names).
+fn node_addresses(node: &Node) -> Vec<IpAddr> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a.address.trim().parse().ok())
         .collect()
 }
 

@@ -11,10 +11,14 @@
 //! 2. `due_services`: the dirty Services and the retries that are due;
 //! 3. per Service, `desired_frontends` and `plan_service` ([`service`])
 //!    plan and write it and return its outcome, which `settle_service`
-//!    books (retry, metrics). Frontends the maps do not have yet are gathered into a
+//!    books (retry, metrics); what the address policy refused of it is
+//!    reported as it changes ([`refusals`]). Frontends the maps do not have yet are gathered into a
 //!    `planner::Batch` of up to `BATCH_FRONTENDS` and written a map at a
 //!    time; their Services are booked once it has landed. A Service
 //!    waiting for a retry is written on its own;
+//!    A Service that found a frontend still another's is tried again once
+//!    the others are written, in the same sync: the other may have let
+//!    go of it meanwhile (the older Service, or a ClusterIP, won it);
 //! 4. the [`sweep`] of what no Service claims;
 //! 5. `follow_ups`: departed backends' flows and sockets, health checks;
 //! 6. `mark_readiness`: /healthz learns the maps hold everything.
@@ -32,14 +36,17 @@ use std::{
 use tracing::{info, info_span, warn};
 
 mod first_sync;
+mod refusals;
 mod retry;
 mod service;
 mod sweep;
 
 pub use first_sync::NODE_LISTING_WAIT;
+pub use refusals::{EVENT_QUEUE, ServiceEvent};
 
 use self::{
     first_sync::FirstSync,
+    refusals::Refusals,
     retry::Retries,
     service::{
         HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, desired_frontends, plan_service,
@@ -48,9 +55,9 @@ use self::{
 };
 use crate::{
     healthz::Health,
-    metrics::{ProxyMetrics, SyncStats, kube_proxy::Trigger},
+    metrics::{PolicyMetrics, ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
-    planner::{Departed, MapStore, Planner},
+    planner::{Departed, MapStore, PlanError, Planner},
     retry::backoff,
     source::{ObjectKey, SourceEvent},
     state::ClusterState,
@@ -153,6 +160,10 @@ pub struct SyncLoop {
     health: Health,
     stats: Arc<SyncStats>,
     metrics: ProxyMetrics,
+    refusals: Refusals,
+    /// Services of this sync that found a frontend another's: tried once
+    /// more at its end.
+    contested: BTreeSet<ObjectKey>,
 }
 
 impl SyncLoop {
@@ -173,7 +184,39 @@ impl SyncLoop {
             health,
             stats: Arc::default(),
             metrics: ProxyMetrics::default(),
+            refusals: Refusals::default(),
+            contested: BTreeSet::new(),
         }
+    }
+
+    /// Reports what the address policy refused to these metrics.
+    pub fn set_policy_metrics(&mut self, metrics: PolicyMetrics) {
+        self.refusals.set_metrics(metrics);
+    }
+
+    /// Posts an Event on each Service the address policy refuses something
+    /// of, through `events` (never waiting: a full queue drops it).
+    pub fn set_events(&mut self, events: tokio::sync::mpsc::Sender<ServiceEvent>) {
+        self.refusals.set_events(events);
+    }
+
+    /// The node's interfaces have `addrs` now: Services claiming one that
+    /// came or went are synced again, as after an event.
+    pub fn on_interface_addresses(
+        &mut self,
+        state: &mut ClusterState,
+        addrs: &[std::net::IpAddr],
+        now: Instant,
+    ) {
+        let changes = state.set_interface_addresses(addrs);
+        if changes.is_empty() {
+            return;
+        }
+        self.health.queued_at(now);
+        self.first_queued.get_or_insert(now);
+        self.dirty.extend(changes);
+        let due = self.due_at(now);
+        self.deadline.get_or_insert(due);
     }
 
     /// Reports to these metrics (kube-proxy's) from now on.
@@ -287,41 +330,35 @@ impl SyncLoop {
             planner.reserve(services.len());
         }
         let mut unsettled = Unsettled::default();
-        for key in services {
-            // Looked up once: each lookup is a search of every Service.
-            let service = state.service(&key);
-            self.health_checks
-                .refresh_service(state, &key, service, model);
-            // A Service that failed is retried on its own, so that one
-            // frontend a full map refuses does not fail a whole batch
-            // again and again; the batch goes first, as the update order
-            // needs.
-            let alone = self.retries.contains(&key);
-            if alone {
-                self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
-            }
-            let phases = &mut tally.phases;
-            let outcome = match timed(&mut phases.model, || {
-                desired_frontends(&key, service, state, model)
-            }) {
-                Some(desired) => timed(&mut phases.plan, || {
-                    plan_service(
-                        &key,
-                        desired,
-                        planner,
-                        target.store(),
-                        (!alone).then_some(&mut unsettled.batch),
-                    )
-                }),
-                None => ServiceOutcome::Invalid,
-            };
-            unsettled.push(key, outcome);
-            if unsettled.full() {
-                let landed = timed(&mut tally.phases.write, || {
-                    unsettled.launch(planner, target.store())
-                });
-                self.book_services(landed, state, now, &mut tally);
-            }
+        self.program(
+            services,
+            state,
+            model,
+            now,
+            planner,
+            target,
+            &mut unsettled,
+            &mut tally,
+        );
+        self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+        // A Service that found a frontend another's may find it free now:
+        // the other, synced after it, may have let go of it (an older
+        // Service, or a ClusterIP, won the address).
+        let contested = std::mem::take(&mut self.contested);
+        if !contested.is_empty() {
+            self.program(
+                contested,
+                state,
+                model,
+                now,
+                planner,
+                target,
+                &mut unsettled,
+                &mut tally,
+            );
+            self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+            // What is still another's stays so until either changes.
+            self.contested.clear();
         }
         // The sweep deletes: everything new is written first.
         self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
@@ -359,6 +396,66 @@ impl SyncLoop {
             "synced"
         );
         follow_ups
+    }
+
+    /// Models, plans and writes `services`, their new frontends gathered
+    /// in `unsettled`'s batches.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the sync's own state, threaded through its two passes"
+    )]
+    fn program<T: SyncTarget>(
+        &mut self,
+        services: BTreeSet<ObjectKey>,
+        state: &ClusterState,
+        model: &ModelConfig,
+        now: Instant,
+        planner: &mut Planner,
+        target: &mut T,
+        unsettled: &mut Unsettled<<T::Store as MapStore>::Error>,
+        tally: &mut Tally,
+    ) {
+        for key in services {
+            // Looked up once: each lookup is a search of every Service.
+            let service = state.service(&key);
+            self.health_checks
+                .refresh_service(state, &key, service, model);
+            // A Service that failed is retried on its own, so that one
+            // frontend a full map refuses does not fail a whole batch
+            // again and again; the batch goes first, as the update order
+            // needs.
+            let alone = self.retries.contains(&key);
+            if alone {
+                self.settle_services(unsettled, state, now, planner, target, tally);
+            }
+            let phases = &mut tally.phases;
+            let modelled = timed(&mut phases.model, || {
+                desired_frontends(&key, service, state, model)
+            });
+            let outcome = match modelled {
+                Some(modelled) => {
+                    self.refusals
+                        .report(&key, service.and_then(|s| s.uid()), modelled.refusals);
+                    timed(&mut phases.plan, || {
+                        plan_service(
+                            &key,
+                            modelled.frontends,
+                            planner,
+                            target.store(),
+                            (!alone).then_some(&mut unsettled.batch),
+                        )
+                    })
+                }
+                None => ServiceOutcome::Invalid,
+            };
+            unsettled.push(key, outcome);
+            if unsettled.full() {
+                let landed = timed(&mut tally.phases.write, || {
+                    unsettled.launch(planner, target.store())
+                });
+                self.book_services(landed, state, now, tally);
+            }
+        }
     }
 
     /// Writes what `unsettled` gathered and books each Service's outcome.
@@ -414,6 +511,13 @@ impl SyncLoop {
             self.retries.forget(key);
             return;
         };
+        if planned
+            .errors
+            .iter()
+            .any(|e| matches!(e, PlanError::Conflict { .. }))
+        {
+            self.contested.insert(key.clone());
+        }
         self.sctp.report(key, desired);
         if planned.errors.is_empty() {
             self.metrics.programmed(key);

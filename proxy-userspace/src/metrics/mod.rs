@@ -3,12 +3,13 @@
 //! the process ([`process`]) and API client ([`rest_client`]) metrics its
 //! dashboards and alerts read, and the datapath's own under `ebpf_proxy_`
 //! ([`datapath`]), read from the maps when a scrape finds the last
-//! encoding older than [`SNAPSHOT_MAX_AGE`]; and the HTTP listeners' own
-//! ([`http`]).
+//! encoding older than [`SNAPSHOT_MAX_AGE`], with what the address policy
+//! refused ([`policy`]); and the HTTP listeners' own ([`http`]).
 
 pub mod datapath;
 pub mod http;
 pub mod kube_proxy;
+pub mod policy;
 pub mod process;
 pub mod rest_client;
 pub mod server;
@@ -26,8 +27,8 @@ use prometheus_client::{
 };
 
 pub use self::{
-    http::HttpMetrics, kube_proxy::ProxyMetrics, rest_client::RestClientMetrics,
-    server::parse_bind_address, sync::SyncStats,
+    http::HttpMetrics, kube_proxy::ProxyMetrics, policy::PolicyMetrics,
+    rest_client::RestClientMetrics, server::parse_bind_address, sync::SyncStats,
 };
 
 /// Every metric the agent exposes; cheap to clone, shared with the loop, the
@@ -38,6 +39,7 @@ pub struct Metrics {
     pub proxy: ProxyMetrics,
     pub rest_client: RestClientMetrics,
     pub http: HttpMetrics,
+    pub policy: PolicyMetrics,
     snapshot: Arc<Snapshot>,
 }
 
@@ -65,6 +67,8 @@ impl Metrics {
         proxy.register(&mut registry);
         let rest_client = RestClientMetrics::default();
         rest_client.register(&mut registry);
+        let policy = PolicyMetrics::default();
+        policy.register(&mut registry);
         registry.register_collector(Box::new(process::ProcessCollector));
         if let Some(datapath) = datapath {
             registry.register_collector(Box::new(datapath));
@@ -83,6 +87,7 @@ impl Metrics {
             rest_client,
             http,
             snapshot,
+            policy,
         }
     }
 

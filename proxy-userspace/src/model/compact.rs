@@ -123,6 +123,12 @@ pub struct CompactService {
     /// programmed (reported whenever it is); `Ok(None)` when it has nothing
     /// for a proxy to do.
     pub(super) spec: Option<Result<Option<Parsed>, String>>,
+    /// Its `metadata.creationTimestamp`: of two Services claiming one
+    /// address, port and protocol the older wins, whatever order the agent
+    /// learnt of them in.
+    pub(super) created: Option<Timestamp>,
+    /// Its `metadata.uid`, which the Events about it name.
+    uid: Option<Box<str>>,
 }
 
 impl CompactService {
@@ -134,6 +140,11 @@ impl CompactService {
         }
     }
 
+    /// Its namespace as given, shared.
+    pub(super) fn namespace_arc(&self) -> Arc<str> {
+        Arc::clone(&self.namespace)
+    }
+
     /// spec.type is LoadBalancer: no other Service has a health check.
     pub fn is_load_balancer(&self) -> bool {
         self.load_balancer
@@ -142,6 +153,38 @@ impl CompactService {
     /// Whether (internalTrafficPolicy, externalTrafficPolicy) say Local.
     pub fn local_policies(&self) -> (bool, bool) {
         self.local_policies
+    }
+
+    /// Its `metadata.uid`, if it has one.
+    pub fn uid(&self) -> Option<&str> {
+        self.uid.as_deref()
+    }
+
+    /// The frontends it asks for, counted from the sizes of its spec (0
+    /// when it has none to program).
+    pub fn frontend_count(&self) -> u64 {
+        match &self.spec {
+            Some(Ok(Some(parsed))) => parsed.frontend_count,
+            _ => 0,
+        }
+    }
+
+    /// Drops its external addresses when it asks for more than
+    /// `max_frontends` frontends: the model refuses such a Service as a
+    /// whole, so the agent need not keep what it asked for. Returns
+    /// whether it did.
+    pub fn shed_over(&mut self, max_frontends: u64) -> bool {
+        let Some(Ok(Some(parsed))) = &mut self.spec else {
+            return false;
+        };
+        if parsed.frontend_count <= max_frontends || parsed.shed {
+            return false;
+        }
+        parsed.external_ips = Box::default();
+        parsed.load_balancer_ips = Box::default();
+        parsed.source_ranges = Box::default();
+        parsed.shed = true;
+        true
     }
 }
 
@@ -166,6 +209,8 @@ impl From<&Service> for CompactService {
                 .spec
                 .as_ref()
                 .map(|spec| service_spec::parse(service, spec)),
+            created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            uid: meta.uid.as_deref().map(Box::from),
         }
     }
 }
@@ -177,8 +222,8 @@ impl From<Service> for CompactService {
 }
 
 /// The Service with only what the model and the metrics read: its name,
-/// namespace and proxy labels, its spec less the pod selector, and its
-/// load balancer ingress. The rest (annotations, owner references,
+/// namespace, uid, creation time and proxy labels, its spec less the pod
+/// selector, and its load balancer ingress. The rest (annotations, owner references,
 /// conditions, the API server's bookkeeping) can be most of its size.
 pub fn compact_service(service: Service) -> Service {
     let Service {
@@ -199,6 +244,8 @@ pub fn compact_service(service: Service) -> Service {
         metadata: ObjectMeta {
             name: metadata.name,
             namespace: metadata.namespace,
+            uid: metadata.uid,
+            creation_timestamp: metadata.creation_timestamp,
             labels: (!labels.is_empty()).then_some(labels),
             ..ObjectMeta::default()
         },

@@ -15,18 +15,25 @@
 //!   ([`compact`]); kube-proxy's topology-hint rules ([`topology`]);
 //! - the endpoints of one service port and its cluster and local sets
 //!   ([`endpoints`]);
+//! - which addresses a Service may claim and how many frontends it may
+//!   ask for ([`address_policy`]), against the addresses every Service and
+//!   the node claim ([`claims`]);
 //! - at the top, a Service's frontends ([`service`]) and its health check
 //!   node port ([`health_check`]).
 //!
 //! [`probability`] stands apart: the selection-probability proofs of
 //! docs/architecture.md, "Backend selection".
 
+mod address_policy;
+mod claims;
 mod compact;
 mod endpoints;
 mod family;
 mod health_check;
 mod intern;
 mod node;
+#[cfg(test)]
+mod policy_tests;
 mod probability;
 mod service;
 mod service_spec;
@@ -38,6 +45,10 @@ mod types;
 
 use std::collections::BTreeMap;
 
+pub use address_policy::{
+    DEFAULT_MAX_FRONTENDS_PER_SERVICE, Reason, Refusal, RefusedAddress, special_address,
+};
+pub use claims::{AddressClaims, Rank};
 pub use compact::{CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service};
 pub use health_check::{HealthCheck, service_health_check};
 pub use intern::{forget_unused_strings, intern};
@@ -60,12 +71,47 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 
 /// Agent configuration that changes what gets programmed.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
     /// Value of our `service.kubernetes.io/service-proxy-name`, if any: a
     /// Service carrying that label with a different value (or any value, when
     /// this is None) is not ours to program.
     pub service_proxy_name: Option<String>,
+    /// `--max-frontends-per-service`: a Service asking for more is refused
+    /// as a whole.
+    pub max_frontends_per_service: u64,
+    /// `--external-ip-cidrs`: when set, an externalIP outside every one of
+    /// them is refused; None lets any address through (that the other
+    /// checks let through).
+    pub external_ip_cidrs: Option<Vec<Cidr>>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            service_proxy_name: None,
+            max_frontends_per_service: DEFAULT_MAX_FRONTENDS_PER_SERVICE,
+            external_ip_cidrs: None,
+        }
+    }
+}
+
+/// What the model makes of one Service: its frontends, and what of it the
+/// address policy refused (docs/security.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Modelled {
+    pub frontends: Vec<Frontend>,
+    pub refusals: Vec<Refusal>,
+}
+
+impl Modelled {
+    /// A Service refused as a whole.
+    pub fn refused(refusal: Refusal) -> Self {
+        Modelled {
+            frontends: Vec::new(),
+            refusals: vec![refusal],
+        }
+    }
 }
 
 /// Why a Service could not be programmed. Each names the object.
@@ -91,13 +137,18 @@ pub enum ModelError {
 /// are ignored, as kube-proxy's per-family proxiers never see them. A key
 /// that would appear twice keeps its first frontend, as the first matching
 /// iptables rule wins.
+///
+/// The address policy applies with no other Service and no node address
+/// known: addresses refused by what they are (loopback, link-local...),
+/// by `--external-ip-cidrs`, and the budget. [`CompactService::modelled`]
+/// reads the cluster's claims too.
 pub fn service_frontends(
     service: &Service,
     slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
 ) -> Result<Vec<Frontend>, ModelError> {
-    service::frontends(&CompactService::from(service), slices, node, config)
+    CompactService::from(service).frontends(slices, node, config)
 }
 
 impl CompactService {
@@ -108,7 +159,20 @@ impl CompactService {
         node: &NodeInfo,
         config: &ModelConfig,
     ) -> Result<Vec<Frontend>, ModelError> {
-        service::frontends(self, slices, node, config)
+        service::frontends(self, slices, node, config, &AddressClaims::default())
+            .map(|modelled| modelled.frontends)
+    }
+
+    /// Its frontends and what the address policy refused of it, against
+    /// the addresses the cluster's Services and the node claim.
+    pub fn modelled(
+        &self,
+        slices: &[&Slice],
+        node: &NodeInfo,
+        config: &ModelConfig,
+        claims: &AddressClaims,
+    ) -> Result<Modelled, ModelError> {
+        service::frontends(self, slices, node, config, claims)
     }
 
     /// [`service_health_check`] of the Service as the agent keeps it.

@@ -3,11 +3,13 @@
 //! `syncProxyRules`: which endpoint set each entry point uses, and REJECT
 //! versus DROP when it is empty).
 
-use std::net::IpAddr;
+use std::{collections::HashSet, net::IpAddr};
 
 use super::{
-    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError,
+    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError, Modelled,
     NoEndpointAction, NodeInfo, Scope, ServicePortName,
+    address_policy::{AddressCheck, Reason, Refusal, RefusedAddress},
+    claims::{AddressClaims, Rank},
     compact::{CompactService, Slice},
     endpoints::{self, Categorized},
     family::Family,
@@ -106,28 +108,31 @@ pub(super) fn frontends(
     slices: &[&Slice],
     node: &NodeInfo,
     config: &ModelConfig,
-) -> Result<Vec<Frontend>, ModelError> {
+    claims: &AddressClaims,
+) -> Result<Modelled, ModelError> {
     let Some(ours) = ours(service, config)? else {
-        return Ok(Vec::new());
+        return Ok(Modelled::default());
     };
     let Some(parsed) = ours.parse()? else {
-        return Ok(Vec::new());
+        return Ok(Modelled::default());
     };
+    let rank = Rank::of(service).ok_or_else(|| ours.invalid("metadata.name is missing".into()))?;
+    let check = AddressCheck::new(config, claims, rank);
+    // Counted from the spec's sizes, before any frontend is made: a
+    // Service over its budget costs no more than one within it.
+    if let Some(refusal) = check.budget(parsed.frontend_count, parsed.shed) {
+        return Ok(Modelled::refused(refusal));
+    }
     let parsed_slices = ours.slices(slices, config)?;
     let (namespace, name) = (ours.namespace, ours.name);
-
-    let mut families: Vec<Family> = Vec::new();
-    for ip in &parsed.cluster_ips {
-        if !families.contains(&Family::of(*ip)) {
-            families.push(Family::of(*ip));
-        }
-    }
+    let families = families_of(&parsed.cluster_ips);
 
     let mut out = Output {
         frontends: Vec::new(),
         affinity_timeout_s: parsed.affinity_timeout_s,
         source_ranges: parsed.source_ranges.to_vec(),
     };
+    let (mut refusals, refused) = refused_addresses(parsed, &families, &check);
     for port in &parsed.ports {
         let service_port = ServicePortName {
             namespace: namespace.to_owned(),
@@ -180,11 +185,14 @@ pub(super) fn frontends(
                 .iter()
                 .filter(|ip| on(**ip))
                 .map(|&ip| (FrontendKind::LoadBalancer, ip, port.port));
-            for (kind, ip, port_number) in node_port
-                .into_iter()
-                .chain(external_ips)
+            let claimed: Vec<_> = external_ips
                 .chain(load_balancer_ips)
-            {
+                .filter(|(kind, ip, _)| !refused.contains(&(*kind, *ip)))
+                .filter(|&(kind, ip, number)| {
+                    unclaimed(&check, &mut refusals, kind, ip, number, port.protocol)
+                })
+                .collect();
+            for (kind, ip, port_number) in node_port.into_iter().chain(claimed) {
                 out.push(
                     key(ip, port_number, Scope::Any),
                     kind,
@@ -202,7 +210,87 @@ pub(super) fn frontends(
             }
         }
     }
-    Ok(out.frontends)
+    Ok(Modelled {
+        frontends: out.frontends,
+        refusals,
+    })
+}
+
+/// The families of `cluster_ips`, in their order.
+fn families_of(cluster_ips: &[IpAddr]) -> Vec<Family> {
+    let mut families: Vec<Family> = Vec::new();
+    for ip in cluster_ips {
+        if !families.contains(&Family::of(*ip)) {
+            families.push(Family::of(*ip));
+        }
+    }
+    families
+}
+
+/// The external addresses of `parsed` (of `families`) the policy refuses
+/// on every port, each refused once, and the refusals.
+fn refused_addresses(
+    parsed: &Parsed,
+    families: &[Family],
+    check: &AddressCheck,
+) -> (Vec<Refusal>, HashSet<(FrontendKind, IpAddr)>) {
+    let mut refusals = Vec::new();
+    let mut refused = HashSet::new();
+    let externals = parsed
+        .external_ips
+        .iter()
+        .map(|ip| (FrontendKind::ExternalIp, *ip))
+        .chain(
+            parsed
+                .load_balancer_ips
+                .iter()
+                .map(|ip| (FrontendKind::LoadBalancer, *ip)),
+        )
+        .filter(|(_, ip)| families.contains(&Family::of(*ip)));
+    for (kind, ip) in externals {
+        if let Some((reason, detail)) = check.address(kind, ip)
+            && refused.insert((kind, ip))
+        {
+            refusals.push(Refusal {
+                reason,
+                address: Some(RefusedAddress {
+                    kind,
+                    ip,
+                    port: None,
+                }),
+                detail,
+            });
+        }
+    }
+    (refusals, refused)
+}
+
+/// Whether no older Service has `ip:port/protocol`; when one has, the
+/// conflict goes to `refusals` (once).
+fn unclaimed(
+    check: &AddressCheck,
+    refusals: &mut Vec<Refusal>,
+    kind: FrontendKind,
+    ip: IpAddr,
+    port: u16,
+    protocol: super::Protocol,
+) -> bool {
+    let Some(detail) = check.conflict(ip, port, protocol) else {
+        return true;
+    };
+    let refusal = Refusal {
+        reason: Reason::Conflict,
+        address: Some(RefusedAddress {
+            kind,
+            ip,
+            port: Some((port, protocol)),
+        }),
+        detail,
+    };
+    if !refusals.contains(&refusal) {
+        refusals.push(refusal);
+    }
+    false
 }
 
 /// The backends one traffic policy gives, and what to do when there are

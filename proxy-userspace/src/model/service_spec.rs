@@ -52,6 +52,14 @@ pub(super) struct Parsed {
     /// Unchecked: only the health check uses it, and a bad one must not
     /// cost the Service its frontends.
     pub(super) health_check_node_port: Option<i32>,
+    /// How many frontends the Service asks for, counted from the sizes of
+    /// its spec as the model would make them ([`frontend_count`]), so that
+    /// a Service over its budget is refused before anything is made of it.
+    pub(super) frontend_count: u64,
+    /// Its external addresses were dropped on arrival, as it asked for more
+    /// frontends than a Service may have: what the agent keeps of it does
+    /// not grow with what it asks for.
+    pub(super) shed: bool,
 }
 
 /// Checks the Service. `Ok(None)` means it has nothing for a proxy to do
@@ -115,7 +123,19 @@ pub(super) fn parse(service: &Service, spec: &ServiceSpec) -> Result<Option<Pars
         })
         .collect::<Result<Vec<_>, _>>()?;
 
+    let external_local = is_local_policy(
+        spec.external_traffic_policy.as_deref(),
+        "externalTrafficPolicy",
+    )?;
+    let frontend_count = frontend_count(
+        &cluster_ips,
+        &ports,
+        external_ips.iter().chain(&load_balancer_ips).copied(),
+        external_local,
+    );
     Ok(Some(Parsed {
+        frontend_count,
+        shed: false,
         cluster_ips: cluster_ips.into_boxed_slice(),
         ports: ports.into_boxed_slice(),
         external_ips: external_ips.into_boxed_slice(),
@@ -125,13 +145,42 @@ pub(super) fn parse(service: &Service, spec: &ServiceSpec) -> Result<Option<Pars
             spec.internal_traffic_policy.as_deref(),
             "internalTrafficPolicy",
         )?,
-        external_local: is_local_policy(
-            spec.external_traffic_policy.as_deref(),
-            "externalTrafficPolicy",
-        )?,
+        external_local,
         affinity_timeout_s: affinity_timeout(spec)?,
         health_check_node_port: spec.health_check_node_port,
     }))
+}
+
+/// The frontends a Service of these sizes makes, as `service::frontends`
+/// makes them: per port and per family it has a ClusterIP of, the
+/// ClusterIP, then its NodePort and each external address of that family
+/// (externalIPs and load balancer IPs), twice each under
+/// externalTrafficPolicy Local (the in-cluster variant). Addresses of a
+/// family without a ClusterIP are not programmed and not counted. A key
+/// that would repeat is counted each time: an upper bound, reached by
+/// every Service that does not list an address twice.
+pub(super) fn frontend_count(
+    cluster_ips: &[IpAddr],
+    ports: &[Port],
+    external: impl Iterator<Item = IpAddr>,
+    external_local: bool,
+) -> u64 {
+    let mut per_family = [0_u64; 2];
+    for ip in external {
+        per_family[usize::from(Family::of(ip) == Family::V6)] += 1;
+    }
+    let variants = if external_local { 2 } else { 1 };
+    let mut total = 0_u64;
+    for (i, family) in [Family::V4, Family::V6].into_iter().enumerate() {
+        if !cluster_ips.iter().any(|ip| Family::of(*ip) == family) {
+            continue;
+        }
+        for port in ports {
+            let external = per_family[i] + u64::from(port.node_port.is_some());
+            total = total.saturating_add(1 + external * variants);
+        }
+    }
+    total
 }
 
 /// spec.clusterIPs (spec.clusterIP when that is absent); None when headless.

@@ -1570,6 +1570,7 @@ fn slice_order_does_not_change_the_result() {
 fn is_ours_follows_kube_proxy_label_filters() {
     let ours = ModelConfig {
         service_proxy_name: Some("ebpf-proxy".into()),
+        ..ModelConfig::default()
     };
     let none = ModelConfig::default();
     let cases: [(&str, Labels, &ModelConfig, bool); 6] = [

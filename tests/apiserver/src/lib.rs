@@ -20,6 +20,11 @@
 //! - `fieldSelector=metadata.name=X` on lists and watches. Label selectors
 //!   are refused (`400`), so a client sending one fails loudly.
 //! - Errors as `Status` objects with the HTTP code.
+//! - Events, written only: `POST` to
+//!   `/apis/events.k8s.io/v1/namespaces/NS/events` (kube-rs's `Recorder`)
+//!   or `/api/v1/namespaces/NS/events` creates one (`201`), `PATCH` of
+//!   `.../events/NAME` merges into it; [`ApiServer::events`] reads them
+//!   back, [`ApiServer::fail_events`] makes the next posts fail.
 //!
 //! Faults: [`ApiServer::fail_next`] (a status code, a stall, a delay, a `410`) for the
 //! next requests of a resource and verb; [`ApiServer::drop_watches`] (the
@@ -220,6 +225,10 @@ struct Store {
     next_token: u64,
     next_uid: u64,
     bookmark_interval: Duration,
+    /// Events posted, in order.
+    events: Vec<Value>,
+    /// The next this many event posts are answered with this status.
+    event_faults: Option<(u16, usize)>,
 }
 
 struct Shared {
@@ -482,6 +491,17 @@ impl ApiServer {
         }
     }
 
+    /// The Events posted so far, in order (a patched one as it is now).
+    pub fn events(&self) -> Vec<Value> {
+        self.shared.store().events.clone()
+    }
+
+    /// The next `times` posts (and patches) of Events are answered with
+    /// HTTP `code`, as an API server that refuses them.
+    pub fn fail_events(&self, code: u16, times: usize) {
+        self.shared.store().event_faults = Some((code, times));
+    }
+
     /// Every request so far.
     pub fn requests(&self) -> Vec<RequestRecord> {
         self.shared.store().requests.clone()
@@ -649,9 +669,100 @@ fn name_selector(query: &HashMap<String, String>) -> Result<Option<String>, Stri
         })
 }
 
+/// The namespace and, for a patch, the name of an Event at `path`.
+fn event_path(path: &str) -> Option<(&str, Option<&str>)> {
+    let rest = path
+        .strip_prefix("/apis/events.k8s.io/v1/namespaces/")
+        .or_else(|| path.strip_prefix("/api/v1/namespaces/"))?;
+    let (namespace, rest) = rest.split_once('/')?;
+    match rest.strip_prefix("events") {
+        Some("") => Some((namespace, None)),
+        Some(name) => Some((namespace, Some(name.strip_prefix('/')?))),
+        None => None,
+    }
+}
+
+/// A post or patch of an Event: stored, and answered with what is stored.
+async fn handle_event(
+    shared: &Shared,
+    request: Request,
+    namespace: &str,
+    name: Option<&str>,
+) -> Response {
+    let method = request.method().clone();
+    let body = match axum::body::to_bytes(request.into_body(), 1 << 20).await {
+        Ok(body) => body,
+        Err(e) => return status_response(400, "BadRequest", &format!("reading the body: {e}")),
+    };
+    let Ok(mut event) = serde_json::from_slice::<Value>(&body) else {
+        return status_response(400, "BadRequest", "the body is not JSON");
+    };
+    let mut store = shared.store();
+    if let Some((code, times)) = store.event_faults {
+        store.event_faults = (times > 1).then_some((code, times - 1));
+        return status_response(code, reason_for(code), "fault injected: event refused");
+    }
+    store.rv += 1;
+    let rv = store.rv.to_string();
+    match (method, name) {
+        (Method::POST, None) => {
+            event["metadata"]["namespace"] = json!(namespace);
+            event["metadata"]["resourceVersion"] = json!(rv);
+            store.events.push(event.clone());
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(event.to_string()))
+                .expect("a valid response")
+        }
+        (Method::PATCH, Some(name)) => {
+            let Some(stored) = store.events.iter_mut().find(|e| {
+                e["metadata"]["name"] == json!(name)
+                    && e["metadata"]["namespace"] == json!(namespace)
+            }) else {
+                return status_response(404, "NotFound", &format!("no event {namespace}/{name}"));
+            };
+            if let (Some(stored), Some(patch)) = (stored.as_object_mut(), event.as_object()) {
+                for (k, v) in patch {
+                    if k != "metadata" {
+                        stored.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            stored["metadata"]["resourceVersion"] = json!(rv);
+            let stored = stored.clone();
+            Response::builder()
+                .status(StatusCode::OK)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(stored.to_string()))
+                .expect("a valid response")
+        }
+        (method, _) => status_response(
+            405,
+            "MethodNotAllowed",
+            &format!("{method} of events is not served"),
+        ),
+    }
+}
+
 async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_owned();
+    if let Some((namespace, name)) = event_path(&path) {
+        let (namespace, name) = (namespace.to_owned(), name.map(str::to_owned));
+        let query = request.uri().query().unwrap_or_default().to_owned();
+        let response = handle_event(&shared, request, &namespace, name.as_deref()).await;
+        shared.store().requests.push(RequestRecord {
+            method: method.to_string(),
+            path,
+            query,
+            resource: None,
+            verb: None,
+            status: response.status().as_u16(),
+            fault: None,
+        });
+        return response;
+    }
     let raw_query = request.uri().query().unwrap_or_default().to_owned();
     let query = parse_query(&raw_query);
     let resource = Resource::from_path(&path);

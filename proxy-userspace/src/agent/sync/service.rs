@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, warn};
 
 use crate::{
-    model::{CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Protocol},
+    model::{CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Modelled, Protocol},
     planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,
@@ -74,21 +74,22 @@ pub(super) fn program_service<S: crate::planner::MapStore>(
     batch: Option<&mut Batch<S::Error>>,
 ) -> ServiceOutcome<S::Error> {
     match desired_frontends(key, state.service(key), state, model) {
-        Some(desired) => plan_service(key, desired, planner, store, batch),
+        Some(modelled) => plan_service(key, modelled.frontends, planner, store, batch),
         None => ServiceOutcome::Invalid,
     }
 }
 
-/// The model's frontends of `key`, whose Service in `state` is `service`;
-/// None when its objects make none.
+/// The model's frontends of `key`, whose Service in `state` is `service`,
+/// and what the address policy refused of it; None when its objects make
+/// none.
 pub(super) fn desired_frontends(
     key: &ObjectKey,
     service: Option<&CompactService>,
     state: &ClusterState,
     model: &ModelConfig,
-) -> Option<Vec<Frontend>> {
+) -> Option<Modelled> {
     state
-        .frontends_of(key, service, model)
+        .modelled_of(key, service, model)
         .inspect_err(|e| error!(service = %key, error = %e, "service skipped"))
         .ok()
 }

@@ -988,3 +988,227 @@ fn a_burst_of_a_thousand_changes_takes_a_few_syncs() {
     );
     assert_eq!(agent.stat(|s| &s.syncs), runs.len() as u64 + 1);
 }
+
+/// `namespace/name` at `cluster_ip` with `external_ips`, port 80/TCP,
+/// created `created` seconds into 2024.
+fn claiming(
+    namespace: &str,
+    name: &str,
+    cluster_ip: &str,
+    external_ips: &[&str],
+    created: u32,
+) -> Object {
+    Object::Service(Box::new(decode::<Service>(json!({
+        "metadata": {
+            "name": name, "namespace": namespace,
+            "creationTimestamp": format!("2024-01-01T00:00:{created:02}Z"),
+        },
+        "spec": {
+            "type": "ClusterIP", "clusterIP": cluster_ip, "clusterIPs": [cluster_ip],
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+            "externalIPs": external_ips,
+        },
+    }))))
+}
+
+fn slice_in(namespace: &str, service: &str, ip: &str) -> Object {
+    Object::slice(&decode::<EndpointSlice>(json!({
+        "metadata": {
+            "name": format!("{service}-1"), "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}, "nodeName": "node-b"}],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    })))
+}
+
+/// Whichever order the sync meets them in (the attacker's namespace before
+/// or after the victim's), a ClusterIP an attacker's externalIP held before
+/// the ClusterIP's Service existed is the Service's once it does, in the
+/// sync that learns of it; and of two Services on one address the older
+/// takes it from the younger, which gets it back once the older goes.
+#[test]
+fn a_frontend_another_service_held_is_taken_over_in_the_same_sync() {
+    for attacker_namespace in ["aaa", "zzz"] {
+        let mut agent = Agent::fresh();
+        let (tx, mut events) = tokio::sync::mpsc::channel(16);
+        agent.sync.set_events(tx);
+        agent.event(listing(
+            Kind::Service,
+            vec![claiming(
+                attacker_namespace,
+                "evil",
+                "10.96.0.99",
+                &["10.96.0.10"],
+                1,
+            )],
+        ));
+        agent.event(listing(
+            Kind::EndpointSlice,
+            vec![slice_in(attacker_namespace, "evil", "10.0.0.66")],
+        ));
+        agent.event(listing(Kind::Node, vec![node("zone-a")]));
+        agent.advance(Duration::from_secs(1));
+        assert_eq!(
+            agent.served("10.96.0.10"),
+            Some(vec!["10.0.0.66".into()]),
+            "no Service has 10.96.0.10 yet: the externalIP is served"
+        );
+        let runs = agent.runs.len();
+        agent.event(SourceEvent::Apply(slice_in("demo", "dns", "10.0.0.53")));
+        agent.event(SourceEvent::Apply(claiming(
+            "demo",
+            "dns",
+            "10.96.0.10",
+            &[],
+            5,
+        )));
+        agent.advance(Duration::from_secs(1));
+        assert_eq!(
+            agent.served("10.96.0.10"),
+            Some(vec!["10.0.0.53".into()]),
+            "attacker in {attacker_namespace}: the ClusterIP is its Service's"
+        );
+        assert_eq!(
+            agent.runs.len(),
+            runs + 1,
+            "attacker in {attacker_namespace}: in one sync"
+        );
+        assert_eq!(
+            agent.sync.refusals.count(crate::model::Reason::ClusterIp),
+            1
+        );
+        let event = events.try_recv().expect("an Event for the refusal");
+        assert_eq!(event.service.name, "evil");
+        assert_eq!(event.reason, "AddressRefused");
+        assert!(event.note.contains("10.96.0.10"), "{}", event.note);
+        assert!(events.try_recv().is_err(), "one Event");
+        // Synced again, still refused: reported once, not at each sync.
+        agent.event(SourceEvent::Apply(slice_in(
+            attacker_namespace,
+            "evil",
+            "10.0.0.67",
+        )));
+        agent.advance(Duration::from_secs(1));
+        assert!(
+            events.try_recv().is_err(),
+            "no Event for a refusal already reported"
+        );
+        assert_eq!(
+            agent.sync.refusals.count(crate::model::Reason::ClusterIp),
+            1
+        );
+    }
+}
+
+/// Of two Services on one address, the older takes it from the younger, which
+/// has it back once the older goes, whichever of them the sync meets first.
+#[test]
+fn the_older_service_takes_a_shared_address_and_gives_it_back_when_it_goes() {
+    for attacker_namespace in ["aaa", "zzz"] {
+        let mut agent = Agent::fresh();
+        agent.event(listing(Kind::Service, Vec::new()));
+        agent.event(listing(Kind::EndpointSlice, Vec::new()));
+        agent.event(listing(Kind::Node, vec![node("zone-a")]));
+        agent.advance(Duration::from_secs(1));
+        // Two Services on 203.0.113.50: the older, arriving second, wins.
+        agent.event(SourceEvent::Apply(claiming(
+            attacker_namespace,
+            "young",
+            "10.96.0.98",
+            &["203.0.113.50"],
+            30,
+        )));
+        agent.event(SourceEvent::Apply(slice_in(
+            attacker_namespace,
+            "young",
+            "10.0.0.77",
+        )));
+        agent.advance(Duration::from_secs(1));
+        assert_eq!(agent.served("203.0.113.50"), Some(vec!["10.0.0.77".into()]));
+        agent.event(SourceEvent::Apply(claiming(
+            "demo",
+            "old",
+            "10.96.0.97",
+            &["203.0.113.50"],
+            10,
+        )));
+        agent.event(SourceEvent::Apply(slice_in("demo", "old", "10.0.0.88")));
+        agent.advance(Duration::from_secs(1));
+        assert_eq!(
+            agent.served("203.0.113.50"),
+            Some(vec!["10.0.0.88".into()]),
+            "young in {attacker_namespace}: the older Service takes the address"
+        );
+        assert_eq!(agent.sync.refusals.count(crate::model::Reason::Conflict), 1);
+        agent.event(SourceEvent::Delete {
+            kind: Kind::Service,
+            key: ObjectKey {
+                namespace: "demo".into(),
+                name: "old".into(),
+            },
+        });
+        agent.advance(Duration::from_secs(1));
+        assert_eq!(
+            agent.served("203.0.113.50"),
+            Some(vec!["10.0.0.77".into()]),
+            "the older gone, the younger has it back"
+        );
+        assert_eq!(agent.sync.refusals.count(crate::model::Reason::Conflict), 0);
+    }
+}
+
+/// An address of the node's interfaces is refused once the agent learns
+/// of it, and served again once it is gone; an Event queue that is full
+/// drops Events without holding the sync up.
+#[test]
+fn interface_addresses_refuse_external_ips_as_they_come_and_go() {
+    let mut agent = Agent::fresh();
+    let (tx, _events) = tokio::sync::mpsc::channel(1);
+    agent.sync.set_events(tx);
+    agent.event(listing(
+        Kind::Service,
+        vec![claiming(
+            "t",
+            "web",
+            "10.96.0.20",
+            &["192.168.50.1", "192.168.50.2"],
+            1,
+        )],
+    ));
+    agent.event(listing(
+        Kind::EndpointSlice,
+        vec![slice_in("t", "web", "10.0.0.5")],
+    ));
+    agent.event(listing(Kind::Node, vec![node("zone-a")]));
+    agent.advance(Duration::from_secs(1));
+    assert!(agent.served("192.168.50.1").is_some());
+    agent.sync.on_interface_addresses(
+        &mut agent.state,
+        &[
+            "192.168.50.1".parse().unwrap(),
+            "192.168.50.2".parse().unwrap(),
+        ],
+        agent.now,
+    );
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(agent.served("192.168.50.1"), None, "a node address");
+    assert_eq!(agent.served("192.168.50.2"), None, "a node address");
+    assert!(agent.served("10.96.0.20").is_some(), "the ClusterIP stays");
+    assert_eq!(
+        agent.sync.refusals.count(crate::model::Reason::NodeAddress),
+        2
+    );
+    agent.sync.on_interface_addresses(
+        &mut agent.state,
+        &["192.168.50.2".parse().unwrap()],
+        agent.now,
+    );
+    agent.advance(Duration::from_secs(1));
+    assert!(
+        agent.served("192.168.50.1").is_some(),
+        "no longer the node's"
+    );
+    assert_eq!(agent.served("192.168.50.2"), None);
+}

@@ -1112,7 +1112,12 @@ pub mod counter {
     /// that a spoofed flood to a frontend without endpoints does not turn
     /// the node into a reflector. Counted in `REJECT` too.
     pub const REJECT_RATE_LIMITED: u32 = 30;
-    pub const COUNT: u32 = 31;
+    /// A SNAT port every try found held, taken from a flow whose backend
+    /// never answered (a flood of SYNs or one-way datagrams holding the
+    /// range), as netfilter drops unassured entries first: that flow is
+    /// removed, the new one served.
+    pub const SNAT_RECLAIMED: u32 = 31;
+    pub const COUNT: u32 = 32;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1148,6 +1153,7 @@ pub mod counter {
         "netfilter_pass",
         "too_big",
         "reject_rate_limited",
+        "snat_reclaimed",
     ];
 }
 

@@ -463,19 +463,24 @@ pub fn create_snat<F: Family>(
     let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
     // The reply entry is the same whatever the port.
     reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
-    for _ in 0..SNAT_TRIES {
+    for try_ in 0..SNAT_TRIES {
         // SAFETY: a helper that takes no pointers and has no preconditions.
         let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
         nf.nat.sport_be = (port as u16).to_be();
         scratch.key.dport_be = nf.nat.sport_be;
-        if !port_free::<F>(F::conntrack(), scratch, flow.proto, now) {
+        if !port_free::<F>(F::conntrack(), scratch, flow.proto, now, false) {
             continue;
         }
         // Claimed with NOEXIST, so that two racing CPUs never both win it.
         let mut taken = F::ct_new()
             .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
             .is_err();
-        if taken && port_free::<F>(F::ct_new(), scratch, flow.proto, now) {
+        // The last try may take the port of a flow never answered, as
+        // netfilter drops its unassured entries first when its table is
+        // full: a flood of SYNs (or of one-way datagrams) holding every port
+        // would otherwise refuse every new flow until its entries expired.
+        let reclaim = try_ == SNAT_TRIES - 1;
+        if taken && port_free::<F>(F::ct_new(), scratch, flow.proto, now, reclaim) {
             taken = F::ct_new()
                 .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
                 .is_err();
@@ -495,26 +500,32 @@ pub fn create_snat<F: Family>(
 
 /// Whether no live flow in `map` holds the SNAT tuple `scratch.key`. An
 /// expired flow, or a closed one quiet for `SNAT_CLOSED_REUSE_NS`, gives
-/// its port up: it is removed whole (its forward entry, looked up at
-/// `scratch.other_key`, would still send a straggler to this port), so that
-/// the caller can claim the port.
+/// its port up, and with `reclaim` one whose backend never answered
+/// (counted `snat_reclaimed`): it is removed whole (its forward entry,
+/// looked up at `scratch.other_key`, would still send a straggler to this
+/// port), so that the caller can claim the port.
 #[inline(always)]
 fn port_free<F: Family>(
     map: &Conntrack<F::Addr>,
     scratch: &mut Scratch<F::Addr>,
     proto: u8,
     now: u64,
+    reclaim: bool,
 ) -> bool {
     let Some(old) = map.get_ptr(&scratch.key) else {
         return true;
     };
     // SAFETY: a valid map value pointer for the duration of this program.
     let old = unsafe { &*old };
+    let unanswered = reclaim && old.flags & ct_flags::SEEN_REPLY == 0;
     let free = old.expired(proto, now, &ct_timeouts())
         || (old.flags & ct_flags::CLOSING != 0
             && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS);
-    if !free {
+    if !free && !unanswered {
         return false;
+    }
+    if !free {
+        count(counter::SNAT_RECLAIMED);
     }
     // Its forward entry goes only while it is still the old flow's: the old
     // client may have opened a newer connection from the same port since,

@@ -1643,8 +1643,24 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         (1024..=1027).collect(),
         "the four ports of the range"
     );
+    // Each flow's backend answers: an answered flow keeps its port (one
+    // never answered gives it up to a new flow, see
+    // `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
+    for port in &ports {
+        let answer = tcp(REMOTE_POD, 8080, NODE_IP, *port, frame::SYN | frame::ACK);
+        let (ret, _) = run_xdp(&nf, &answer);
+        assert_eq!(
+            ret, XDP_REDIRECT,
+            "the backend's answer on SNAT port {port}"
+        );
+    }
     let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 46000, NODE_IP, NODE_PORT, frame::SYN));
     assert_eq!(ret, XDP_DROP, "no free SNAT port: dropped");
+    assert_eq!(
+        counter(&nf.fx, "snat_reclaimed"),
+        0,
+        "an answered flow's port taken"
+    );
     assert!(counter(&nf.fx, "snat_exhausted") > 0);
 
     // Every flow that got a port is reset by its client.
@@ -1678,6 +1694,51 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         (OUTSIDE, 46002),
         "the reused port's replies must go to the new flow's client"
     );
+}
+
+/// A flood of SYNs whose backend never answers holds every SNAT port: a new
+/// flow's last try takes the port of such a flow (counted
+/// `snat_reclaimed`), as netfilter drops its unassured entries first, and
+/// the port's replies then reach the new flow's client; a flow that was
+/// answered keeps its port. One SNAT port makes every choice certain.
+#[test]
+fn a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow() {
+    let mut nf = node_fixture();
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(1024, 1024, 0),
+        })
+        .expect("a one-port SNAT range");
+    let snat_port_of = |nf: &NodeFixture, client_port: u16, what: &str| {
+        let syn = tcp(OUTSIDE, client_port, NODE_IP, NODE_PORT, frame::SYN);
+        let (ret, out) = run_xdp(nf, &syn);
+        assert_eq!(ret, XDP_REDIRECT, "{what}: not SNATed and sent on");
+        parse_checked(&out, what).sport
+    };
+    assert_eq!(snat_port_of(&nf, 45000, "a SYN never answered"), 1024);
+    assert_eq!(
+        snat_port_of(&nf, 45001, "another client's SYN"),
+        1024,
+        "the unanswered flow's port"
+    );
+    assert_eq!(counter(&nf.fx, "snat_reclaimed"), 1);
+    assert_eq!(counter(&nf.fx, "snat_exhausted"), 0);
+    let answer = tcp(REMOTE_POD, 8080, NODE_IP, 1024, frame::SYN | frame::ACK);
+    let (ret, out) = run_xdp(&nf, &answer);
+    assert_eq!(ret, XDP_REDIRECT, "the backend's answer on the taken port");
+    let r = parse_checked(&out, "the answer on the taken port");
+    assert_eq!(
+        (r.dst, r.dport),
+        (OUTSIDE, 45001),
+        "the taken port's replies must reach the new flow's client"
+    );
+    // Answered now: a third client is refused rather than take it.
+    let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 45002, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, XDP_DROP, "an answered flow's port taken");
+    assert_eq!(counter(&nf.fx, "snat_reclaimed"), 1);
+    assert!(counter(&nf.fx, "snat_exhausted") > 0);
 }
 
 /// Taking a closed flow's SNAT port back removes that flow's forward entry

@@ -2447,6 +2447,17 @@ fn snat_ports_exhaust_then_come_back(
         "{hook}: the four ports of the range"
     );
     assert_eq!(ncounter(&nf, "snat_new"), 4, "{hook}: SNATed flows");
+    // Each flow's backend answers: an answered flow keeps its port (one
+    // never answered gives it up to a new flow, see
+    // `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
+    for port in &ports {
+        let answer = tcp(REMOTE_POD, 8080, NODE_IP, *port, frame::SYN | frame::ACK);
+        let (ret, _) = run(&nf, &answer);
+        assert_eq!(
+            ret, redirect,
+            "{hook}: the backend's answer on SNAT port {port}"
+        );
+    }
     let exhausted = ncounter(&nf, "snat_exhausted");
     let entries = entries6(&nf.fx);
     let (ret, _) = run(&nf, &syn(base + 1000));
@@ -2460,6 +2471,11 @@ fn snat_ports_exhaust_then_come_back(
         entries6(&nf.fx),
         entries,
         "{hook}: the refused flow left conntrack entries"
+    );
+    assert_eq!(
+        ncounter(&nf, "snat_reclaimed"),
+        0,
+        "{hook}: an answered flow's port taken"
     );
 
     // Every flow that got a port is reset by its client.
@@ -2493,6 +2509,41 @@ fn snat_ports_exhaust_then_come_back(
         (NODE_IP, NODE_PORT, OUTSIDE, base + 1002),
         "{hook}: the reused port's replies must go to the new flow's client"
     );
+}
+
+/// IPv6's SNAT ports as IPv4's (`datapath.rs`): a new flow's last try takes
+/// the port of a flow never answered (counted `snat_reclaimed`), whose
+/// replies then reach the new client; an answered flow keeps its port.
+#[test]
+fn a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow() {
+    let _cpu = stay_on_this_cpu();
+    let mut nf = node_fixture();
+    snat_range(&mut nf, 1024, 1024);
+    let syn = |port: u16| tcp(OUTSIDE, port, NODE_IP, NODE_PORT, frame::SYN);
+    for (client_port, what) in [
+        (46_000, "a SYN never answered"),
+        (46_001, "another client's SYN"),
+    ] {
+        let (ret, out) = run_on_uplink(&nf, &syn(client_port));
+        assert_eq!(ret, TC_ACT_REDIRECT, "{what}: not SNATed and sent on");
+        assert_eq!(parse_checked6(&out, what).sport, 1024, "{what}: SNAT port");
+    }
+    assert_eq!(ncounter(&nf, "snat_reclaimed"), 1);
+    let answer = tcp(REMOTE_POD, 8080, NODE_IP, 1024, frame::SYN | frame::ACK);
+    let (ret, out) = run_on_uplink(&nf, &answer);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "the backend's answer on the taken port"
+    );
+    let r = parse_checked6(&out, "the answer on the taken port");
+    assert_eq!(
+        (r.dst, r.dport),
+        (OUTSIDE, 46_001),
+        "the taken port's replies must reach the new flow's client"
+    );
+    let (ret, _) = run_on_uplink(&nf, &syn(46_002));
+    assert_eq!(ret, TC_ACT_SHOT, "an answered flow's port taken");
+    assert_eq!(ncounter(&nf, "snat_reclaimed"), 1);
 }
 
 #[test]

@@ -51,7 +51,7 @@ use tokio::{
     time::Instant,
 };
 
-use crate::metrics::http::{HttpMetrics, Rejection};
+use crate::http_metrics::{HttpMetrics, Rejection};
 
 /// Time from a connection waiting for a request to that request's whole
 /// head: probes and scrapes send theirs in one segment, so a few seconds
@@ -144,7 +144,7 @@ pub async fn serve(
 type Held = (
     OwnedSemaphorePermit,
     PeerSlot,
-    crate::metrics::http::OpenGuard,
+    crate::http_metrics::OpenGuard,
 );
 
 /// One connection, until it closes, idles out or its server stops.

@@ -16,6 +16,7 @@ pub mod healthz;
 pub mod housekeeping;
 mod http;
 mod http_limits;
+mod http_metrics;
 pub mod kube_proxy_argv;
 mod kube_proxy_flags;
 pub mod logging;

@@ -4,10 +4,10 @@
 //! dashboards and alerts read, and the datapath's own under `ebpf_proxy_`
 //! ([`datapath`]), read from the maps when a scrape finds the last
 //! encoding older than [`SNAPSHOT_MAX_AGE`], with what the address policy
-//! refused ([`policy`]); and the HTTP listeners' own ([`http`]).
+//! refused ([`policy`]); and the HTTP listeners' own (`http_metrics`, below
+//! both this module and the listeners).
 
 pub mod datapath;
-pub mod http;
 pub mod kube_proxy;
 pub mod policy;
 pub mod process;
@@ -27,9 +27,10 @@ use prometheus_client::{
 };
 
 pub use self::{
-    http::HttpMetrics, kube_proxy::ProxyMetrics, policy::PolicyMetrics,
-    rest_client::RestClientMetrics, server::parse_bind_address, sync::SyncStats,
+    kube_proxy::ProxyMetrics, policy::PolicyMetrics, rest_client::RestClientMetrics,
+    server::parse_bind_address, sync::SyncStats,
 };
+pub use crate::http_metrics::HttpMetrics;
 
 /// Every metric the agent exposes; cheap to clone, shared with the loop, the
 /// API client and the health server.

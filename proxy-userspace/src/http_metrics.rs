@@ -1,4 +1,5 @@
-//! The agent's HTTP listeners' own metrics (`http_limits`): connections
+//! The agent's HTTP listeners' own metrics (`http_limits`), below both the
+//! listeners and `metrics`, which registers them: connections
 //! open, and connections closed unserved for being over a limit, by
 //! listener (`healthz`, `metrics`, `health_check`).
 

@@ -1627,14 +1627,23 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
     let mut ports = std::collections::BTreeSet::new();
     let mut client_port = 45000u16;
     // Random tries can miss the last free port: keep opening flows until
-    // all four are taken.
+    // all four are taken. Each flow's backend answers at once: an answered
+    // flow keeps its port (one never answered gives it up to a new flow,
+    // see `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
     while ports.len() < 4 && client_port < 45200 {
         let (ret, out) = run_xdp(
             &nf,
             &tcp(OUTSIDE, client_port, NODE_IP, NODE_PORT, frame::SYN),
         );
         if ret == XDP_REDIRECT {
-            ports.insert(parse_checked(&out, "SNATed SYN").sport);
+            let port = parse_checked(&out, "SNATed SYN").sport;
+            ports.insert(port);
+            let answer = tcp(REMOTE_POD, 8080, NODE_IP, port, frame::SYN | frame::ACK);
+            let (ret, _) = run_xdp(&nf, &answer);
+            assert_eq!(
+                ret, XDP_REDIRECT,
+                "the backend's answer on SNAT port {port}"
+            );
         }
         client_port += 1;
     }
@@ -1643,17 +1652,6 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         (1024..=1027).collect(),
         "the four ports of the range"
     );
-    // Each flow's backend answers: an answered flow keeps its port (one
-    // never answered gives it up to a new flow, see
-    // `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
-    for port in &ports {
-        let answer = tcp(REMOTE_POD, 8080, NODE_IP, *port, frame::SYN | frame::ACK);
-        let (ret, _) = run_xdp(&nf, &answer);
-        assert_eq!(
-            ret, XDP_REDIRECT,
-            "the backend's answer on SNAT port {port}"
-        );
-    }
     let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 46000, NODE_IP, NODE_PORT, frame::SYN));
     assert_eq!(ret, XDP_DROP, "no free SNAT port: dropped");
     assert_eq!(

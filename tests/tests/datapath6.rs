@@ -2436,6 +2436,16 @@ fn snat_ports_exhaust_then_come_back(
                 p.sport
             );
             ports.insert(p.sport);
+            // Its backend answers at once: an answered flow keeps its port
+            // (one never answered gives it up to a new flow, see
+            // `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
+            let answer = tcp(REMOTE_POD, 8080, NODE_IP, p.sport, frame::SYN | frame::ACK);
+            let (ret, _) = run(&nf, &answer);
+            assert_eq!(
+                ret, redirect,
+                "{hook}: the backend's answer on SNAT port {}",
+                p.sport
+            );
         } else {
             assert_eq!(ret, drop, "{hook}: a SYN neither SNATed nor dropped");
         }
@@ -2447,17 +2457,6 @@ fn snat_ports_exhaust_then_come_back(
         "{hook}: the four ports of the range"
     );
     assert_eq!(ncounter(&nf, "snat_new"), 4, "{hook}: SNATed flows");
-    // Each flow's backend answers: an answered flow keeps its port (one
-    // never answered gives it up to a new flow, see
-    // `a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow`).
-    for port in &ports {
-        let answer = tcp(REMOTE_POD, 8080, NODE_IP, *port, frame::SYN | frame::ACK);
-        let (ret, _) = run(&nf, &answer);
-        assert_eq!(
-            ret, redirect,
-            "{hook}: the backend's answer on SNAT port {port}"
-        );
-    }
     let exhausted = ncounter(&nf, "snat_exhausted");
     let entries = entries6(&nf.fx);
     let (ret, _) = run(&nf, &syn(base + 1000));

@@ -12,11 +12,12 @@ use proxy_common::{
 };
 
 use crate::{
+    datapath::resize,
     datapath::{
         Maps, PinLayout, batch,
         maps::{MapsError, batch_error},
     },
-    housekeeping::{resize, sock_diag, sock_notes},
+    housekeeping::{sock_diag, sock_notes},
     planner::encode,
 };
 

@@ -1,9 +1,10 @@
 //! The kernel side as the agent sees it: loading the eBPF object with its
 //! maps pinned, attaching it to interfaces through pinned links, and the map
-//! handles the planner writes through. What is done with the maps' flows
-//! and the node's sockets beyond that is policy, in `housekeeping`; the load
-//! calls two of its parts, as they must run around it (a resized conntrack
-//! set aside before, the socket notes' iterator pinned after).
+//! handles the planner writes through, and what must run around the load: a
+//! conntrack map of another size set aside before and its flows carried over
+//! after (`resize`), the socket notes' iterators pinned after (`iter_link`).
+//! What is done with the maps' flows and the node's sockets beyond that is
+//! policy, in `housekeeping`, above this.
 
 mod attach;
 pub mod batch;
@@ -14,6 +15,7 @@ pub mod event_log;
 pub mod host;
 pub mod interfaces;
 pub mod ip_summed;
+mod iter_link;
 pub mod kernel_btf;
 pub mod kernel_version;
 pub mod maps;
@@ -22,6 +24,7 @@ pub mod pin_root;
 pub mod pins;
 pub mod program_load;
 pub mod reject_limit;
+pub mod resize;
 pub(crate) mod sys;
 mod write_behind;
 mod xdp_next;
@@ -36,7 +39,6 @@ use aya::{
 use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout, program_load::ProgramLoad};
-use crate::housekeeping::{resize, sock_notes};
 
 /// The eBPF object built by build.rs from proxy-ebpf.
 pub static EBPF_OBJECT: &[u8] =
@@ -565,7 +567,7 @@ fn pin_sock_notes(ebpf: &mut Ebpf, maps: &Maps, pins: &PinLayout, loads: &mut Ve
             continue;
         }
         let started = Instant::now();
-        match sock_notes::pin_iterator(ebpf, program, &path) {
+        match iter_link::pin_iterator(ebpf, program, &path) {
             Ok(()) => loads.push(ProgramLoad {
                 name: program,
                 took: started.elapsed(),

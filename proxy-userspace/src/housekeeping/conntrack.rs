@@ -21,8 +21,7 @@ use std::collections::HashSet;
 use aya::maps::IterableMap;
 use aya::maps::{HashMap, MapData};
 use proxy_common::{
-    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, PROTO_TCP, ct_flags,
-    map_names,
+    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, PROTO_TCP, map_names,
 };
 
 use crate::{
@@ -113,45 +112,6 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     swept.affinity =
         batch::delete(maps.affinity.map(), &doomed).map_err(batch_error(map_names::AFFINITY))?;
     Ok(swept)
-}
-
-/// Inserts `flows` into this agent's conntrack of assured flows, each only
-/// where the datapath has no entry of its own for the tuple yet (carried
-/// over from an older map: a resized one, or an older layout's, which knew
-/// no unassured flows). Returns how many went in.
-pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
-    const BPF_NOEXIST: u64 = 1;
-    flows
-        .into_iter()
-        .map(|(key, value)| {
-            let assured = CtValue {
-                flags: value.flags | ct_flags::ASSURED,
-                ..value
-            };
-            (key, assured)
-        })
-        .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
-        .count()
-}
-
-/// `carry_in` for IPv6 flows, into `CONNTRACK6`, assured as IPv4's are
-/// (an older map held IPv6 flows assured or not).
-pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
-    const BPF_NOEXIST: u64 = 1;
-    let Some(map) = &mut maps.conntrack6 else {
-        return 0;
-    };
-    flows
-        .into_iter()
-        .map(|(key, value)| {
-            let assured = Ct6Value {
-                flags: value.flags | ct_flags::ASSURED,
-                ..value
-            };
-            (key, assured)
-        })
-        .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
-        .count()
 }
 
 /// Removes conntrack entries idle past their timeout, assured or not. Each

@@ -8,12 +8,10 @@
 //! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
 //!   connected to a departed backend, found through the hooks' notes and
 //!   closed;
-//! - `resize`: a conntrack map of another size replaced, its flows kept;
 //! - `upgrade`: the datapaths of other layout versions retired, their flows
 //!   kept.
 
 pub mod conntrack;
-pub mod resize;
 pub mod sock_diag;
 pub mod sock_notes;
 pub mod upgrade;

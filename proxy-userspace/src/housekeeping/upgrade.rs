@@ -144,7 +144,7 @@ fn carry_conntrack(path: &Path, maps: &mut Maps) -> Result<usize, MapError> {
                 .filter_map(|(k, v)| from_v2(&k, &v))
                 .collect()
         };
-    Ok(super::conntrack::carry_in(maps, entries))
+    Ok(crate::datapath::resize::carry_in(maps, entries))
 }
 
 #[cfg(test)]

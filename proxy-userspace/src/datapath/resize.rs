@@ -9,10 +9,9 @@
 use std::path::{Path, PathBuf};
 
 use aya::maps::{MapData, MapError, MapInfo};
-use proxy_common::{Ct6Key, Ct6Value, CtKey, CtValue, map_names};
+use proxy_common::{Ct6Key, Ct6Value, CtKey, CtValue, ct_flags, map_names};
 
-use super::conntrack;
-use crate::datapath::{
+use super::{
     batch::{self, BatchError},
     maps::Maps,
 };
@@ -118,7 +117,7 @@ impl Resize {
                 },
             )
             .map_err(|source| ResizeError::Read { path, source })?;
-            return Ok(conntrack::carry_in6(maps, entries));
+            return Ok(carry_in6(maps, entries));
         }
         let mut entries: Vec<(CtKey, CtValue)> = Vec::new();
         batch::for_each_chunk(
@@ -129,7 +128,7 @@ impl Resize {
             },
         )
         .map_err(|source| ResizeError::Read { path, source })?;
-        Ok(conntrack::carry_in(maps, entries))
+        Ok(carry_in(maps, entries))
     }
 
     /// Copies what the older programs added since `carry`, then unpins the
@@ -156,6 +155,45 @@ fn pinned_capacity(pin: &Path) -> Result<u32, ResizeError> {
             path: pin.display().to_string(),
             source,
         })
+}
+
+/// Inserts `flows` into this agent's conntrack of assured flows, each only
+/// where the datapath has no entry of its own for the tuple yet (carried
+/// over from an older map: a resized one, or an older layout's, which knew
+/// no unassured flows). Returns how many went in.
+pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
+    const BPF_NOEXIST: u64 = 1;
+    flows
+        .into_iter()
+        .map(|(key, value)| {
+            let assured = CtValue {
+                flags: value.flags | ct_flags::ASSURED,
+                ..value
+            };
+            (key, assured)
+        })
+        .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
+        .count()
+}
+
+/// `carry_in` for IPv6 flows, into `CONNTRACK6`, assured as IPv4's are
+/// (an older map held IPv6 flows assured or not).
+pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
+    const BPF_NOEXIST: u64 = 1;
+    let Some(map) = &mut maps.conntrack6 else {
+        return 0;
+    };
+    flows
+        .into_iter()
+        .map(|(key, value)| {
+            let assured = Ct6Value {
+                flags: value.flags | ct_flags::ASSURED,
+                ..value
+            };
+            (key, assured)
+        })
+        .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
+        .count()
 }
 
 #[cfg(test)]

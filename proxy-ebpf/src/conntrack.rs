@@ -116,6 +116,67 @@ pub fn lookup<F: Family>(
     })
 }
 
+/// The live entry for a packet of `key`'s flow, as both pipelines find it:
+/// this CPU's flow cache copy while it is good (`stamp`), else conntrack's.
+pub struct Known<A> {
+    /// This CPU's cache slot or a map value pointer, valid for this
+    /// program's run; null when the flow has no live entry. One pointer for
+    /// a copy and an entry, so that what follows is inlined once.
+    pub entry: *const CtValueOf<A>,
+    /// The entry in its map (None for a copy, which `seen` leaves alone).
+    pub found: Option<Found<A>>,
+}
+
+/// The live entry for this packet: the flow cache's copy first (see
+/// `Known`).
+#[inline(always)]
+pub fn known<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    stamp: &flow_cache::Stamp,
+    flow: &FlowOf<F::Addr>,
+    now: u64,
+) -> Known<F::Addr> {
+    let copy = flow_cache::get::<F>(key, stamp, now);
+    let found = match copy {
+        Some(_) => None,
+        None => lookup::<F>(key, flow, now),
+    };
+    let entry = match (&copy, &found) {
+        (Some(copy), _) => *copy,
+        (None, Some(found)) => found.ptr.cast_const(),
+        (None, None) => core::ptr::null(),
+    };
+    Known { entry, found }
+}
+
+/// What a packet of a known flow, about to go as `nat` says, leaves behind:
+/// its entry touched (`touch`) and, for an assured flow, copied into the
+/// flow cache; counted by direction (`dir`, read before `touch`, which may
+/// move the entry). Unassured flows are not cached: their entries move when
+/// they are assured.
+#[inline(always)]
+pub fn seen<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    stamp: &flow_cache::Stamp,
+    found: Option<&Found<F::Addr>>,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    dir: u8,
+    now: u64,
+) {
+    if let Some(found) = found {
+        touch::<F>(key, found, flow, nat, now);
+        if !found.unassured {
+            flow_cache::put::<F>(key, stamp, found.ptr, now);
+        }
+    }
+    count(if dir == ct_dir::FORWARD {
+        counter::DNAT_ESTABLISHED
+    } else {
+        counter::REV_NAT
+    });
+}
+
 /// `lookup` in one map. An expired entry counts as absent. So does a
 /// closing TCP entry hit by a SYN: the ports are being reused by a new
 /// connection, which may not be ours at all (a client connecting straight

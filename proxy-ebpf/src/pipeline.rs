@@ -3,8 +3,7 @@
 //! decision out (`verdict`).
 
 use proxy_common::{
-    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, node_config_flags,
-    service_flags,
+    PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
 };
 
 use crate::{
@@ -60,21 +59,11 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     }
     let key = conntrack::flow_key(&flow);
     let stamp = flow_cache::stamp(&key, flow.tcp_flags);
-    // One path for a copy and an entry, so that `finish` is inlined once.
-    let copy = flow_cache::get::<V4>(&key, &stamp, now);
-    let found = match copy {
-        Some(_) => None,
-        None => conntrack::lookup::<V4>(&key, &flow, now),
-    };
-    let known = match (&copy, &found) {
-        (Some(copy), _) => *copy,
-        (None, Some(found)) => found.ptr.cast_const(),
-        (None, None) => core::ptr::null(),
-    };
-    if !known.is_null() {
-        // SAFETY: this CPU's cache slot or a map value pointer, valid for
-        // this program's run; read before `touch`, which may move the entry.
-        let entry = unsafe { &*known };
+    let known = conntrack::known::<V4>(&key, &stamp, &flow, now);
+    if !known.entry.is_null() {
+        // SAFETY: see `Known::entry`; read before `seen`, which may move
+        // the entry.
+        let entry = unsafe { &*known.entry };
         let nat = conntrack::translation(entry, &flow);
         let (dir, path_mtu) = (entry.dir, entry.path_mtu);
         if let Err(action) = route_first(ctx, &flow, &nat) {
@@ -83,19 +72,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         if route::beyond::<V4, H>(ctx, flow.l4_off, flow.proto, path_mtu) {
             return too_big::<H>(&flow, path_mtu);
         }
-        if let Some(found) = &found {
-            conntrack::touch::<V4>(&key, found, &flow, &nat, now);
-            if !found.unassured {
-                // Unassured flows are not cached: their entries move when
-                // they are assured.
-                flow_cache::put::<V4>(&key, &stamp, found.ptr, now);
-            }
-        }
-        count(if dir == ct_dir::FORWARD {
-            counter::DNAT_ESTABLISHED
-        } else {
-            counter::REV_NAT
-        });
+        conntrack::seen::<V4>(&key, &stamp, known.found.as_ref(), &flow, &nat, dir, now);
         return finish(ctx, &flow, &nat, now);
     }
     if flow.frag == LATER {

@@ -23,8 +23,7 @@
 //! rare events go to the datapath log, as IPv4's.
 
 use proxy_common::{
-    PROTO_SCTP, backend_flags, counter, ct_dir, ct_flags, is_v4_mapped, node_config_flags,
-    service_flags,
+    PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
 };
 
 use crate::{
@@ -96,21 +95,11 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
         &*key
     };
     let stamp = flow_cache::stamp(key, flow.tcp_flags);
-    // One path for a copy and an entry, so that `finish` is inlined once.
-    let copy = flow_cache::get::<V6>(key, &stamp, now);
-    let found = match copy {
-        Some(_) => None,
-        None => conntrack::lookup::<V6>(key, &flow, now),
-    };
-    let known = match (&copy, &found) {
-        (Some(copy), _) => *copy,
-        (None, Some(found)) => found.ptr.cast_const(),
-        (None, None) => core::ptr::null(),
-    };
-    if !known.is_null() {
-        // SAFETY: this CPU's cache slot or a map value pointer, valid for
-        // this program's run; read before `touch`, which may move the entry.
-        let entry = unsafe { &*known };
+    let known = conntrack::known::<V6>(key, &stamp, &flow, now);
+    if !known.entry.is_null() {
+        // SAFETY: see `Known::entry`; read before `seen`, which may move
+        // the entry.
+        let entry = unsafe { &*known.entry };
         let nat = conntrack::translation(entry, &flow);
         let dir = entry.dir;
         if let Err(exit) = route_first(ctx, &flow, &nat) {
@@ -125,19 +114,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
             event_log::log6(Event::TooBig, &flow);
             return Err(entry.path_mtu);
         }
-        if let Some(found) = &found {
-            conntrack::touch::<V6>(key, found, &flow, &nat, now);
-            if !found.unassured {
-                // Unassured flows are not cached: their entries move when
-                // they are assured.
-                flow_cache::put::<V6>(key, &stamp, found.ptr, now);
-            }
-        }
-        count(if dir == ct_dir::FORWARD {
-            counter::DNAT_ESTABLISHED
-        } else {
-            counter::REV_NAT
-        });
+        conntrack::seen::<V6>(key, &stamp, known.found.as_ref(), &flow, &nat, dir, now);
         return Ok(finish(ctx, &flow, &nat, now));
     }
     if flow.frag == LATER {

@@ -1005,33 +1005,28 @@ fn rejects_are_held_to_the_icmp_error_budget() {
     fx.datapath
         .limit_rejects(1000, 3)
         .expect("writing REJECT_LIMIT");
-    let verdicts: Vec<u32> = (0..4)
-        .map(|i| run(&fx, &tcp(CLIENT, 43_000 + i, EMPTY_VIP, 80, frame::SYN)).0)
-        .collect();
+    let four_syns = |first_port: u16| -> Vec<u32> {
+        (first_port..first_port + 4)
+            .map(|port| run(&fx, &tcp(CLIENT, port, EMPTY_VIP, 80, frame::SYN)).0)
+            .collect()
+    };
+    let burst_then_empty = [
+        TC_ACT_REDIRECT,
+        TC_ACT_REDIRECT,
+        TC_ACT_REDIRECT,
+        TC_ACT_SHOT,
+    ];
     assert_eq!(
-        verdicts,
-        [
-            TC_ACT_REDIRECT,
-            TC_ACT_REDIRECT,
-            TC_ACT_REDIRECT,
-            TC_ACT_SHOT
-        ],
+        four_syns(43_000),
+        burst_then_empty,
         "a burst of 3, then the bucket is empty"
     );
     // Time must pass for the bucket to refill: 20 ms is 20 credits at
     // 1,000 a second, capped at the burst.
     std::thread::sleep(std::time::Duration::from_millis(20));
-    let verdicts: Vec<u32> = (0..4)
-        .map(|i| run(&fx, &tcp(CLIENT, 44_000 + i, EMPTY_VIP, 80, frame::SYN)).0)
-        .collect();
     assert_eq!(
-        verdicts,
-        [
-            TC_ACT_REDIRECT,
-            TC_ACT_REDIRECT,
-            TC_ACT_REDIRECT,
-            TC_ACT_SHOT
-        ],
+        four_syns(44_000),
+        burst_then_empty,
         "refilled to the burst, no further"
     );
     assert_eq!(counter(&fx, "reject_rate_limited"), 18);

@@ -330,24 +330,14 @@ impl SyncLoop {
             planner.reserve(services.len());
         }
         let mut unsettled = Unsettled::default();
-        self.program(
-            services,
-            state,
-            model,
-            now,
-            planner,
-            target,
-            &mut unsettled,
-            &mut tally,
-        );
-        self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
-        // A Service that found a frontend another's may find it free now:
-        // the other, synced after it, may have let go of it (an older
-        // Service, or a ClusterIP, won the address).
-        let contested = std::mem::take(&mut self.contested);
-        if !contested.is_empty() {
+        // Two rounds at most: a Service that found a frontend another's may
+        // find it free once the others' writes are in (an older Service, or
+        // a ClusterIP, won the address), and is programmed once more. What
+        // is still another's after that stays so until either changes.
+        let mut round = services;
+        for _ in 0..2 {
             self.program(
-                contested,
+                round,
                 state,
                 model,
                 now,
@@ -356,12 +346,14 @@ impl SyncLoop {
                 &mut unsettled,
                 &mut tally,
             );
+            // The sweep deletes: everything new is written first.
             self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
-            // What is still another's stays so until either changes.
-            self.contested.clear();
+            round = std::mem::take(&mut self.contested);
+            if round.is_empty() {
+                break;
+            }
         }
-        // The sweep deletes: everything new is written first.
-        self.settle_services(&mut unsettled, state, now, planner, target, &mut tally);
+        self.contested.clear();
         // On the loop's clock, which the events were stamped with.
         let written = now + started.elapsed();
         tally.add_sweep(self.sweeper.run(now, first, planner, target.store()));

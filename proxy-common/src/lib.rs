@@ -14,7 +14,7 @@ pub mod netfilter_ct;
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
 /// its layout: bump it whenever a key or value below changes.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Map names, as they appear in the object file and under the pin directory.
 pub mod map_names {
@@ -601,7 +601,9 @@ impl<A: FlowAddr> CtKeyOf<A> {
 
 /// `CtValue::flags` bits.
 pub mod ct_flags {
-    /// A FIN or RST was seen; the entry may be reaped after a short grace.
+    /// The flow is closed: an RST inside the window was seen, or a FIN each
+    /// way. Its entries live on for `CtTimeouts::tcp_close_ns` after an RST
+    /// and `tcp_time_wait_ns` after the FINs, holding its SNAT port.
     pub const CLOSING: u8 = 1 << 0;
     /// A reply was seen: the flow is established.
     pub const SEEN_REPLY: u8 = 1 << 1;
@@ -622,6 +624,14 @@ pub mod ct_flags {
     /// handshake's timeout, as netfilter's `SYN_RECV`: a half-open flow (a
     /// SYN-ACK to a spoofed client) is not kept for hours.
     pub const ASSURED: u8 = 1 << 5;
+    /// A FIN inside the window from the client's side (a TCP flow half
+    /// closed by it: the other side may go on sending for as long as the
+    /// close-wait timeout, as netfilter tracks each direction).
+    pub const FIN_FORWARD: u8 = 1 << 6;
+    /// A FIN inside the window from the backend's side.
+    pub const FIN_REPLY: u8 = 1 << 7;
+    /// Both FINs: the flow is closed.
+    pub const FIN_BOTH: u8 = FIN_FORWARD | FIN_REPLY;
 }
 
 /// For a FORWARD entry, `nat_*` is the backend the flow was sent to and
@@ -647,8 +657,15 @@ pub struct CtValueOf<A> {
     pub path_mtu: u16,
     pub backend_id: u32,
     pub service_id: u32,
-    /// The datapath clock (`Clock`) when the entry was created.
-    pub created_ns: u64,
+    /// The datapath clock (`Clock`) when the entry was created, in seconds.
+    pub created_s: u32,
+    /// The highest acknowledgment number this direction's TCP packets have
+    /// carried (host order; 0: none yet), as of its last packet that took
+    /// the conntrack path (at least once a second while packets flow): what
+    /// tells an FIN or RST of the other direction inside the window from
+    /// one outside it (`tcp_in_window`). A value from up to a second ago
+    /// only ever lags the true one.
+    pub tcp_max_ack: u32,
     /// The datapath clock at the last packet (updated at most once a
     /// second).
     pub last_seen_ns: u64,
@@ -661,34 +678,108 @@ pub type Ct6Value = CtValueOf<[u32; 4]>;
 
 /// Idle timeout of a conntrack entry with `flags` (`ct_flags`) of a flow of
 /// `proto`; the datapath and the agent's reaper share it so that they never
-/// disagree on what is alive.
+/// disagree on what is alive. TCP's follow netfilter's states: a FIN each
+/// way is `TIME_WAIT`, an RST `CLOSE`, one FIN `CLOSE_WAIT` (the half-closed
+/// flow's other side may go on sending), an assured flow `ESTABLISHED`,
+/// anything before `SYN_SENT`/`SYN_RECV`.
 #[inline(always)]
 pub fn idle_timeout_ns(flags: u8, proto: u8, timeouts: &CtTimeouts) -> u64 {
-    if proto == PROTO_TCP {
-        if flags & ct_flags::CLOSING != 0 {
-            timeouts.tcp_closing_ns
-        } else if flags & (ct_flags::SEEN_REPLY | ct_flags::ASSURED)
-            == ct_flags::SEEN_REPLY | ct_flags::ASSURED
-        {
-            timeouts.tcp_established_ns
-        } else {
-            timeouts.tcp_syn_ns
-        }
+    if proto != PROTO_TCP {
+        return timeouts.udp_ns;
+    }
+    let fins = flags & ct_flags::FIN_BOTH;
+    if fins == ct_flags::FIN_BOTH {
+        timeouts.tcp_time_wait_ns
+    } else if flags & ct_flags::CLOSING != 0 {
+        timeouts.tcp_close_ns
+    } else if fins != 0 {
+        timeouts.tcp_close_wait_ns
+    } else if flags & (ct_flags::SEEN_REPLY | ct_flags::ASSURED)
+        == ct_flags::SEEN_REPLY | ct_flags::ASSURED
+    {
+        timeouts.tcp_established_ns
     } else {
-        timeouts.udp_ns
+        timeouts.tcp_syn_ns
     }
 }
 
-/// Default idle timeouts of conntrack entries (Cilium's defaults); the agent
-/// may set others in the `CT_TIMEOUTS` map. An expired entry is treated as
-/// absent by the datapath and reaped by the agent.
+/// The largest window TCP can advertise (RFC 7323 2.3: 65,535 shifted by at
+/// most 14).
+pub const TCP_MAX_WINDOW: u32 = 1 << 30;
+
+/// Whether a FIN or RST with sequence number `seq` (host order) falls
+/// inside its receiver's window, the receiver's highest acknowledgment
+/// number being at least `max_ack` (`CtValueOf::tcp_max_ack`; 0: unknown,
+/// as before the receiver's first ACK, and then taken as inside). A
+/// segment before what its receiver already acknowledged, or further past
+/// it than any window reaches, is stale or forged: netfilter ignores it
+/// (its `tcp_in_window`), and so does the datapath, keeping the flow.
+#[inline(always)]
+pub fn tcp_in_window(seq: u32, max_ack: u32) -> bool {
+    max_ack == 0 || seq.wrapping_sub(max_ack) <= TCP_MAX_WINDOW
+}
+
+/// `max_ack` after a packet acknowledging `ack`: sequence numbers wrap, so
+/// "higher" is within half the space ahead (RFC 1982).
+#[inline(always)]
+pub fn tcp_ack_after(max_ack: u32, ack: u32) -> u32 {
+    if max_ack == 0 || (ack.wrapping_sub(max_ack) as i32) > 0 {
+        ack
+    } else {
+        max_ack
+    }
+}
+
+/// What a TCP FIN or RST (`fin`, `rst`) with sequence number `seq`, sent in
+/// direction `dir` (`ct_dir`) of a flow whose entry has `flags`, does to
+/// them, its receiver having acknowledged at least `receiver_max_ack`: the
+/// new flags, or None when it is outside the window and changes nothing.
+/// A FIN closes its own direction only; an RST, or the second direction's
+/// FIN, closes the flow.
+#[inline(always)]
+pub fn tcp_close_step(
+    flags: u8,
+    dir: u8,
+    fin: bool,
+    rst: bool,
+    seq: u32,
+    receiver_max_ack: u32,
+) -> Option<u8> {
+    if !tcp_in_window(seq, receiver_max_ack) {
+        return None;
+    }
+    let mut flags = flags;
+    if fin {
+        flags |= if dir == ct_dir::FORWARD {
+            ct_flags::FIN_FORWARD
+        } else {
+            ct_flags::FIN_REPLY
+        };
+    }
+    if rst || flags & ct_flags::FIN_BOTH == ct_flags::FIN_BOTH {
+        flags |= ct_flags::CLOSING;
+    }
+    Some(flags)
+}
+
+/// Default idle timeouts of conntrack entries: kube-proxy's where it sets
+/// them (close-wait), netfilter's for the closing states, Cilium's for the
+/// others; the agent may set others in the `CT_TIMEOUTS` map. An expired
+/// entry is treated as absent by the datapath and reaped by the agent.
 pub mod ct_timeout {
     const S: u64 = 1_000_000_000;
     /// TCP flow that has not seen a reply yet.
     pub const TCP_SYN_NS: u64 = 60 * S;
     pub const TCP_ESTABLISHED_NS: u64 = 21_600 * S;
-    /// After a FIN or RST: long enough for the closing handshake.
-    pub const TCP_CLOSING_NS: u64 = 10 * S;
+    /// Half closed (a FIN one way): kube-proxy's
+    /// `--conntrack-tcp-timeout-close-wait`.
+    pub const TCP_CLOSE_WAIT_NS: u64 = 3_600 * S;
+    /// Closed by a FIN each way: netfilter's `TIME_WAIT`, long enough that
+    /// no packet of the flow is still in the network when its SNAT port
+    /// goes to another client.
+    pub const TCP_TIME_WAIT_NS: u64 = 120 * S;
+    /// Reset: netfilter's `CLOSE`.
+    pub const TCP_CLOSE_NS: u64 = 10 * S;
     pub const UDP_NS: u64 = 60 * S;
     /// `last_seen_ns` is refreshed at most this often, to spare a map write
     /// per packet.
@@ -837,8 +928,12 @@ pub struct CtTimeouts {
     /// TCP flow that has not seen a reply yet.
     pub tcp_syn_ns: u64,
     pub tcp_established_ns: u64,
-    /// After a FIN or RST.
-    pub tcp_closing_ns: u64,
+    /// Half closed: a FIN one way.
+    pub tcp_close_wait_ns: u64,
+    /// Closed by a FIN each way.
+    pub tcp_time_wait_ns: u64,
+    /// Reset.
+    pub tcp_close_ns: u64,
     pub udp_ns: u64,
 }
 
@@ -846,7 +941,9 @@ impl CtTimeouts {
     pub const DEFAULT: CtTimeouts = CtTimeouts {
         tcp_syn_ns: ct_timeout::TCP_SYN_NS,
         tcp_established_ns: ct_timeout::TCP_ESTABLISHED_NS,
-        tcp_closing_ns: ct_timeout::TCP_CLOSING_NS,
+        tcp_close_wait_ns: ct_timeout::TCP_CLOSE_WAIT_NS,
+        tcp_time_wait_ns: ct_timeout::TCP_TIME_WAIT_NS,
+        tcp_close_ns: ct_timeout::TCP_CLOSE_NS,
         udp_ns: ct_timeout::UDP_NS,
     };
 
@@ -1117,7 +1214,12 @@ pub mod counter {
     /// range), as netfilter drops unassured entries first: that flow is
     /// removed, the new one served.
     pub const SNAT_RECLAIMED: u32 = 31;
-    pub const COUNT: u32 = 32;
+    /// A TCP FIN or RST outside its receiver's window (`tcp_in_window`):
+    /// stale, or forged by someone who guessed the flow's addresses and
+    /// ports. The flow's state is left as it was; the packet goes on, for
+    /// its receiver to judge.
+    pub const CT_OUT_OF_WINDOW: u32 = 32;
+    pub const COUNT: u32 = 33;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1154,6 +1256,7 @@ pub mod counter {
         "too_big",
         "reject_rate_limited",
         "snat_reclaimed",
+        "ct_out_of_window",
     ];
 }
 

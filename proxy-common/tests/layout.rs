@@ -20,7 +20,7 @@ use proxy_common::{
 };
 
 /// The layout version the table below describes.
-const GOLDEN_VERSION: u32 = 4;
+const GOLDEN_VERSION: u32 = 5;
 
 const MOVE_THE_VERSION: &str = "a shared layout changed: move LAYOUT_VERSION and update this table";
 
@@ -67,19 +67,24 @@ fn table() -> Vec<Layout> {
         }
         CtValue: 40, 8 {
             nat_addr_be: 0, alt_addr_be: 4, nat_port_be: 8, alt_port_be: 10, flags: 12, dir: 13,
-            path_mtu: 14, backend_id: 16, service_id: 20, created_ns: 24, last_seen_ns: 32,
+            path_mtu: 14, backend_id: 16, service_id: 20, created_s: 24, tcp_max_ack: 28,
+            last_seen_ns: 32,
         }
         Ct6Key: 40, 4 {
             src_be: 0, dst_be: 16, sport_be: 32, dport_be: 34, proto: 36, _pad0: 37, _pad1: 38,
         }
         Ct6Value: 64, 8 {
             nat_addr_be: 0, alt_addr_be: 16, nat_port_be: 32, alt_port_be: 34, flags: 36,
-            dir: 37, path_mtu: 38, backend_id: 40, service_id: 44, created_ns: 48, last_seen_ns: 56,
+            dir: 37, path_mtu: 38, backend_id: 40, service_id: 44, created_s: 48, tcp_max_ack: 52,
+            last_seen_ns: 56,
         }
         FlowCacheEntry: 64, 8 { key: 0, value: 16, slot_gen: 56, epoch: 60 }
         FlowCache6Entry: 112, 8 { key: 0, value: 40, slot_gen: 104, epoch: 108 }
         Clock: 24, 8 { jiffies: 0, ns: 8, tick_ns: 16 }
-        CtTimeouts: 32, 8 { tcp_syn_ns: 0, tcp_established_ns: 8, tcp_closing_ns: 16, udp_ns: 24 }
+        CtTimeouts: 48, 8 {
+            tcp_syn_ns: 0, tcp_established_ns: 8, tcp_close_wait_ns: 16, tcp_time_wait_ns: 24,
+            tcp_close_ns: 32, udp_ns: 40,
+        }
         AffinityKey: 20, 4 { client_be: 0, service_id: 16 }
         AffinityValue: 16, 8 { backend_id: 0, _pad: 4, last_used_ns: 8 }
         NodeAddrKey: 16, 4 { addr_be: 0 }

@@ -21,7 +21,7 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Clock, CtKeyOf, CtValueOf, FlowAddr, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
-    ct_flags, ct_timeout, slot_for,
+    ct_flags, ct_timeout, slot_for, tcp_ack_after, tcp_close_step,
 };
 
 use crate::{
@@ -37,13 +37,6 @@ const BPF_ANY: u64 = 0;
 const BPF_NOEXIST: u64 = 1;
 /// Tries at a free SNAT port before a new flow is dropped.
 pub const SNAT_TRIES: u32 = 16;
-/// A closed TCP flow (FIN or RST seen) gives its SNAT port up after this
-/// long without packets, well before its entry expires: otherwise every
-/// short connection would hold a port for the whole closing timeout, and a
-/// few thousand connections a second to one backend would use the range up.
-/// The same trade as Linux's `tcp_tw_reuse` (1 s): a straggler of the old
-/// flow arriving later than this could be taken for the new one.
-pub const SNAT_CLOSED_REUSE_NS: u64 = 1_000_000_000;
 
 /// The clock of conntrack and affinity timestamps: `CLOCK_MONOTONIC` to
 /// within a kernel tick, ample for timeouts of seconds and the same base the
@@ -244,9 +237,11 @@ pub fn translation<A: Copy>(entry: &CtValueOf<A>, flow: &FlowOf<A>) -> NatOf<A> 
 /// its translation): a reply makes it established; its client's direction
 /// after a reply (not a SYN, FIN or RST; a TCP ACK: the one that completes
 /// the handshake) assures it, and an unassured flow then moves to
-/// `CONNTRACK`; FIN or RST starts closing. State changes are copied to the
-/// other direction's entry, so both age alike; timestamps are refreshed at
-/// most once a second, to spare a write per packet.
+/// `CONNTRACK`; a TCP FIN or RST inside the window closes its direction or
+/// the flow (`tcp_close_step`), one outside it is counted and changes
+/// nothing. State changes are copied to the other direction's entry, so
+/// both age alike; timestamps and the highest acknowledgment number are
+/// refreshed at most once a second, to spare a write per packet.
 #[inline(always)]
 pub fn touch<F: Family>(
     key: &CtKeyOf<F::Addr>,
@@ -269,7 +264,7 @@ pub fn touch<F: Family>(
         flags |= ct_flags::ASSURED;
     }
     if flow.proto == PROTO_TCP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        flags |= ct_flags::CLOSING;
+        flags = closed::<F>(flags, entry.dir, flow, nat, found.unassured);
     }
     let stale = now.saturating_sub(entry.last_seen_ns) > ct_timeout::REFRESH_NS;
     if flags == old_flags && !stale {
@@ -279,15 +274,14 @@ pub fn touch<F: Family>(
         return;
     };
     // The other direction's entry: this packet's translation, reversed.
-    scratch.key = CtKeyOf::new(
-        nat.dst_be,
-        nat.src_be,
-        nat.dport_be,
-        nat.sport_be,
-        flow.proto,
-    );
+    scratch.key = other_key(flow, nat);
+    let max_ack = if flow.tcp_flags & TCP_ACK != 0 {
+        tcp_ack_after(entry.tcp_max_ack, u32::from_be(flow.tcp_ack_be))
+    } else {
+        entry.tcp_max_ack
+    };
     if found.unassured && flags & ct_flags::ASSURED != 0 {
-        if promote::<F>(key, ptr, flags, scratch, flow, now) {
+        if promote::<F>(key, ptr, flags, max_ack, scratch, flow, now) {
             count(counter::CT_ASSURED);
             return;
         }
@@ -297,6 +291,7 @@ pub fn touch<F: Family>(
     // monotonic fields.
     unsafe {
         (*ptr).flags = flags;
+        (*ptr).tcp_max_ack = max_ack;
         (*ptr).last_seen_ns = now;
     }
     if flags == old_flags {
@@ -308,20 +303,78 @@ pub fn touch<F: Family>(
         F::conntrack()
     };
     if let Some(p) = map.get_ptr_mut(&scratch.key) {
-        // SAFETY: a pointer the map lookup returned, valid for this
-        // program's run.
+        // SAFETY: as above.
         unsafe {
-            (*p).flags |= flags & (ct_flags::CLOSING | ct_flags::SEEN_REPLY | ct_flags::ASSURED);
+            (*p).flags |= flags
+                & (ct_flags::CLOSING
+                    | ct_flags::SEEN_REPLY
+                    | ct_flags::ASSURED
+                    | ct_flags::FIN_BOTH);
             (*p).last_seen_ns = now;
         }
     }
     if flags & ct_flags::CLOSING != 0 && old_flags & ct_flags::CLOSING == 0 {
-        // A closing flow's packets must keep its timestamps true: its SNAT
-        // port is given back after it has been quiet for a while. So copies
-        // taken before it closed go (later ones are refused).
+        // A closed flow's entries are not copied (see `flow_cache::put`), so
+        // that its last packets refresh the entries themselves: copies
+        // taken before it closed go.
         flow_cache::invalidate(key);
         flow_cache::invalidate(&scratch.key);
     }
+}
+
+/// The key of the other direction of `flow`'s flow: its translation,
+/// reversed.
+#[inline(always)]
+fn other_key<A: FlowAddr>(flow: &FlowOf<A>, nat: &NatOf<A>) -> CtKeyOf<A> {
+    CtKeyOf::new(
+        nat.dst_be,
+        nat.src_be,
+        nat.dport_be,
+        nat.sport_be,
+        flow.proto,
+    )
+}
+
+/// `flags` after the TCP FIN or RST `flow` (sent in direction `dir`,
+/// translated as `nat`), judged against what its receiver acknowledged
+/// (`tcp_close_step`): unchanged, and counted, when it is outside the
+/// window. The receiver's entry is looked up here and let go, so that
+/// nothing after holds a pointer that may be null (each would be walked
+/// by the verifier both ways).
+#[inline(always)]
+fn closed<F: Family>(
+    flags: u8,
+    dir: u8,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    unassured: bool,
+) -> u8 {
+    let Some(scratch) = scratch::<F>() else {
+        return flags;
+    };
+    scratch.key = other_key(flow, nat);
+    let map = if unassured {
+        F::ct_new()
+    } else {
+        F::conntrack()
+    };
+    // SAFETY: a pointer the map lookup returned, valid for this program's
+    // run.
+    let receiver_max_ack = map
+        .get_ptr(&scratch.key)
+        .map_or(0, |p| unsafe { (*p).tcp_max_ack });
+    let step = tcp_close_step(
+        flags,
+        dir,
+        flow.tcp_flags & TCP_FIN != 0,
+        flow.tcp_flags & TCP_RST != 0,
+        u32::from_be(flow.tcp_seq_be),
+        receiver_max_ack,
+    );
+    step.unwrap_or_else(|| {
+        count(counter::CT_OUT_OF_WINDOW);
+        flags
+    })
 }
 
 /// Moves both entries of the flow whose forward entry is `entry` (at `key`,
@@ -333,6 +386,7 @@ fn promote<F: Family>(
     key: &CtKeyOf<F::Addr>,
     entry: *const CtValueOf<F::Addr>,
     flags: u8,
+    max_ack: u32,
     scratch: &mut Scratch<F::Addr>,
     flow: &FlowOf<F::Addr>,
     now: u64,
@@ -352,6 +406,7 @@ fn promote<F: Family>(
     unsafe {
         scratch.value = *entry;
         scratch.value.flags = flags;
+        scratch.value.tcp_max_ack = max_ack;
         scratch.value.last_seen_ns = now;
     }
     if !reply_in || !insert_over::<F>(key, &scratch.value) {
@@ -431,7 +486,8 @@ fn reply_entry<A: FlowAddr>(
         path_mtu: 0,
         backend_id: nf.backend_id,
         service_id: nf.service_id,
-        created_ns: now,
+        created_s: (now / 1_000_000_000) as u32,
+        tcp_max_ack: 0,
         last_seen_ns: now,
     };
 }
@@ -458,6 +514,12 @@ fn insert_forward<F: Family>(
     value.flags = nf.kind | redirect_flag(nf.nat.redirect);
     value.dir = ct_dir::FORWARD;
     value.path_mtu = nf.path_mtu;
+    // A flow met mid-stream (its entries lost) starts from its ACK.
+    value.tcp_max_ack = if flow.tcp_flags & TCP_ACK != 0 {
+        u32::from_be(flow.tcp_ack_be)
+    } else {
+        0
+    };
     scratch.other_key = flow_key(flow);
     F::ct_new()
         .insert(&scratch.other_key, &scratch.value, BPF_ANY)
@@ -560,8 +622,10 @@ pub fn create_snat<F: Family>(
 }
 
 /// Whether no live flow in `map` holds the SNAT tuple `scratch.key`. An
-/// expired flow, or a closed one quiet for `SNAT_CLOSED_REUSE_NS`, gives
-/// its port up, and with `reclaim` one whose backend never answered
+/// expired flow gives its port up (a closed one only once its closing
+/// timeout has passed, netfilter's `TIME_WAIT` after its FINs: its late
+/// packets must not reach another client), and with `reclaim` one whose
+/// backend never answered
 /// (counted `snat_reclaimed`): it is removed whole (its forward entry,
 /// looked up at `scratch.other_key`, would still send a straggler to this
 /// port), so that the caller can claim the port.
@@ -579,9 +643,7 @@ fn port_free<F: Family>(
     // SAFETY: a valid map value pointer for the duration of this program.
     let old = unsafe { &*old };
     let unanswered = reclaim && old.flags & ct_flags::SEEN_REPLY == 0;
-    let free = old.expired(proto, now, &ct_timeouts())
-        || (old.flags & ct_flags::CLOSING != 0
-            && now.saturating_sub(old.last_seen_ns) > SNAT_CLOSED_REUSE_NS);
+    let free = old.expired(proto, now, &ct_timeouts());
     if !free && !unanswered {
         return false;
     }

@@ -107,6 +107,8 @@ pub fn handle(ctx: &TcContext, icmp_off: usize) -> i32 {
         dport_be: ports[0],
         proto,
         tcp_flags: 0,
+        tcp_seq_be: 0,
+        tcp_ack_be: 0,
         frag: frag::NONE,
         frag_id_be: 0,
     };

@@ -89,6 +89,8 @@ impl Quoted {
             dport_be: self.q_sport_be,
             proto: self.proto,
             tcp_flags: 0,
+            tcp_seq_be: 0,
+            tcp_ack_be: 0,
             frag: frag::NONE,
             frag_id_be: 0,
         }

@@ -49,6 +49,10 @@ pub struct FlowOf<A> {
     pub dport_be: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    /// TCP's sequence and acknowledgment numbers (0 for other protocols):
+    /// what tells a FIN or RST inside the window from one outside it.
+    pub tcp_seq_be: u32,
+    pub tcp_ack_be: u32,
     /// `frag::NONE`, `FIRST` or `LATER`.
     pub frag: u8,
     /// What ties the fragments of a datagram together, as on the wire:
@@ -182,8 +186,8 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
     let l4_len = tot_len - ihl_bytes;
     // A later fragment has no L4 header: its ports are filled in from the
     // datagram's first fragment, if that was translated (`crate::frag`).
-    let (ports, tcp_flags) = if frag == frag::LATER {
-        ([0u16; 2], 0)
+    let l4 = if frag == frag::LATER {
+        L4::default()
     } else {
         l4_header(data, data_end, ip.proto, l4_off, l4_len, frag == frag::NONE).map_err(|skip| {
             match skip {
@@ -196,10 +200,12 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
         l4_off,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
-        sport_be: ports[0],
-        dport_be: ports[1],
+        sport_be: l4.ports[0],
+        dport_be: l4.ports[1],
         proto: ip.proto,
-        tcp_flags,
+        tcp_flags: l4.tcp_flags,
+        tcp_seq_be: l4.seq_ack_be[0],
+        tcp_ack_be: l4.seq_ack_be[1],
         frag,
         frag_id_be: u32::from(ip.id_be),
     })
@@ -211,6 +217,27 @@ pub enum L4Skip {
     Malformed,
     /// Not all in the linear area.
     Short,
+}
+
+/// TCP's fixed header (RFC 9293 3.1).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TcpHead {
+    ports_be: [u16; 2],
+    seq_ack_be: [u32; 2],
+    doff_flags: [u8; 2],
+    window_be: u16,
+    csum: u16,
+    urgent_be: u16,
+}
+
+/// What the datapath reads of a transport header.
+#[derive(Clone, Copy, Default)]
+pub struct L4 {
+    pub ports: [u16; 2],
+    pub tcp_flags: u8,
+    /// TCP's sequence and acknowledgment numbers, as on the wire.
+    pub seq_ack_be: [u32; 2],
 }
 
 /// The ports and TCP flags of the transport header at `l4_off`, both
@@ -226,23 +253,25 @@ pub fn l4_header(
     l4_off: usize,
     l4_len: usize,
     whole: bool,
-) -> Result<([u16; 2], u8), L4Skip> {
+) -> Result<L4, L4Skip> {
     let ports: [u16; 2] = read(data, data_end, l4_off).ok_or(L4Skip::Short)?;
     let mut tcp_flags = 0;
+    let mut seq_ack_be = [0u32; 2];
     if proto == PROTO_SCTP {
         if l4_len < SCTP_HLEN {
             return Err(L4Skip::Malformed);
         }
     } else if proto == PROTO_TCP {
-        let head: [u8; 2] = read(data, data_end, l4_off + 12).ok_or(L4Skip::Short)?;
-        let doff_bytes = ((head[0] >> 4) as usize) * 4;
+        // The whole fixed header at once, one bound check: with the fields
+        // read here, the checksum a rewrite updates, which must be in the
+        // linear area too (a tc packet is pulled for it).
+        let head: TcpHead = read(data, data_end, l4_off).ok_or(L4Skip::Short)?;
+        let doff_bytes = ((head.doff_flags[0] >> 4) as usize) * 4;
         if doff_bytes < TCP_MIN_HLEN || l4_len < doff_bytes {
             return Err(L4Skip::Malformed);
         }
-        // Past the fields read here: the checksum a rewrite updates, which
-        // must be in the linear area too (a tc packet is pulled for it).
-        read::<u16>(data, data_end, l4_off + 16).ok_or(L4Skip::Short)?;
-        tcp_flags = head[1];
+        tcp_flags = head.doff_flags[1];
+        seq_ack_be = head.seq_ack_be;
     } else {
         let udp_len: u16 = read(data, data_end, l4_off + 4).ok_or(L4Skip::Short)?;
         let udp_len = u16::from_be(udp_len) as usize;
@@ -251,5 +280,9 @@ pub fn l4_header(
             return Err(L4Skip::Malformed);
         }
     }
-    Ok((ports, tcp_flags))
+    Ok(L4 {
+        ports,
+        tcp_flags,
+        seq_ack_be,
+    })
 }

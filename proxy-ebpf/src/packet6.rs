@@ -177,6 +177,8 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
                 dport_be: 0,
                 proto: 0,
                 tcp_flags: 0,
+                tcp_seq_be: 0,
+                tcp_ack_be: 0,
                 frag,
                 frag_id_be,
             }),
@@ -199,19 +201,23 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     if off > MAX_L4_OFF {
         return Err(Skip6::ExtHeaders);
     }
-    let (ports, tcp_flags) = l4_header(data, data_end, next, off, l4_len, frag == frag::NONE)
-        .map_err(|skip| match skip {
-            L4Skip::Malformed => Skip6::Malformed,
-            L4Skip::Short => Skip6::Truncated,
-        })?;
+    let l4 =
+        l4_header(data, data_end, next, off, l4_len, frag == frag::NONE).map_err(
+            |skip| match skip {
+                L4Skip::Malformed => Skip6::Malformed,
+                L4Skip::Short => Skip6::Truncated,
+            },
+        )?;
     Ok(Flow6 {
         l4_off: off,
         src_be: ip.src_be,
         dst_be: ip.dst_be,
-        sport_be: ports[0],
-        dport_be: ports[1],
+        sport_be: l4.ports[0],
+        dport_be: l4.ports[1],
         proto: next,
-        tcp_flags,
+        tcp_flags: l4.tcp_flags,
+        tcp_seq_be: l4.seq_ack_be[0],
+        tcp_ack_be: l4.seq_ack_be[1],
         frag,
         frag_id_be,
     })

@@ -187,10 +187,10 @@ pub struct RunArgs {
     /// default); 0, kube-proxy's "leave as is", is the kernel's 5 days.
     #[arg(long, default_value = "24h0m0s", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_established: Duration,
-    /// How long a TCP flow lives after its FIN or RST (kube-proxy's flag and
-    /// default, for `CLOSE_WAIT`), at most 120s here (netfilter's
-    /// `TIME_WAIT`: the datapath does not yet tell a half-closed connection
-    /// from a closed one); 0 is the kernel's 60s.
+    /// Idle timeout of a half-closed TCP flow, a FIN seen one way
+    /// (kube-proxy's flag and default, netfilter's `CLOSE_WAIT`); 0 is the
+    /// kernel's 60s. A flow closed both ways lives 120s (`TIME_WAIT`), a
+    /// reset one 10s (`CLOSE`).
     #[arg(long, default_value = "1h0m0s", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_close_wait: Duration,
     /// Idle timeout of a UDP flow. kube-proxy leaves the kernel's unless
@@ -395,9 +395,12 @@ impl RunArgs {
                 self.conntrack_tcp_timeout_established,
                 KERNEL_TCP_ESTABLISHED,
             )),
-            tcp_closing_ns: ns(
-                or(self.conntrack_tcp_timeout_close_wait, KERNEL_TCP_CLOSE_WAIT).min(CLOSING_CAP),
-            ),
+            tcp_close_wait_ns: ns(or(
+                self.conntrack_tcp_timeout_close_wait,
+                KERNEL_TCP_CLOSE_WAIT,
+            )),
+            tcp_time_wait_ns: proxy_common::ct_timeout::TCP_TIME_WAIT_NS,
+            tcp_close_ns: proxy_common::ct_timeout::TCP_CLOSE_NS,
             // Zero means "never written" in the map; a second is the floor.
             udp_ns: ns(or(self.conntrack_udp_timeout, UDP_TIMEOUT).max(Duration::from_secs(1))),
         }
@@ -408,14 +411,6 @@ impl RunArgs {
 const KERNEL_TCP_ESTABLISHED: Duration = Duration::from_hours(120);
 /// `nf_conntrack_tcp_timeout_close_wait`'s default.
 const KERNEL_TCP_CLOSE_WAIT: Duration = Duration::from_mins(1);
-/// The longest a flow lives in the datapath after its first FIN or RST.
-/// netfilter keeps `CLOSE_WAIT` (kube-proxy's 1 h) only for a connection one
-/// side has half-closed; once both have, `TIME_WAIT` holds it 120 s. The
-/// datapath does not yet tell the two apart (it knows one "closing" state,
-/// entered at either side's FIN): keeping every closed connection an hour
-/// would hold its conntrack entries and SNAT port that long, so the
-/// closing timeout is kube-proxy's, up to netfilter's 120 s.
-const CLOSING_CAP: Duration = Duration::from_mins(2);
 /// The UDP idle timeout when none is given.
 const UDP_TIMEOUT: Duration = Duration::from_mins(1);
 
@@ -622,27 +617,33 @@ mod tests {
     }
 
     #[test]
-    fn the_closing_timeout_is_close_wait_up_to_netfilters_time_wait() {
-        let closing = |args: &[&str]| {
+    fn close_wait_is_kube_proxys_and_the_closed_states_netfilters() {
+        let timeouts = |args: &[&str]| {
             let cli =
                 Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
             let Command::Run(run) = cli.command else {
                 panic!("not a run command");
             };
-            Duration::from_nanos(run.ct_timeouts().tcp_closing_ns)
+            run.ct_timeouts()
         };
+        let secs = |ns: u64| Duration::from_nanos(ns).as_secs();
+        let default = timeouts(&[]);
         assert_eq!(
-            closing(&[]),
-            Duration::from_mins(2),
-            "kube-proxy's 1h close-wait, capped"
+            (
+                secs(default.tcp_close_wait_ns),
+                secs(default.tcp_time_wait_ns),
+                secs(default.tcp_close_ns)
+            ),
+            (3600, 120, 10),
+            "close-wait kube-proxy's 1h; TIME_WAIT and CLOSE netfilter's"
         );
         assert_eq!(
-            closing(&["--conntrack-tcp-timeout-close-wait=10s"]),
-            Duration::from_secs(10)
+            secs(timeouts(&["--conntrack-tcp-timeout-close-wait=10s"]).tcp_close_wait_ns),
+            10
         );
         assert_eq!(
-            closing(&["--conntrack-tcp-timeout-close-wait=0s"]),
-            Duration::from_mins(1),
+            secs(timeouts(&["--conntrack-tcp-timeout-close-wait=0s"]).tcp_close_wait_ns),
+            60,
             "0: the kernel's 60 s"
         );
     }

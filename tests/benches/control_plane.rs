@@ -144,7 +144,7 @@ fn departure_with_flows(
             dir: ct_dir::FORWARD,
             backend_id,
             service_id: gone.service_id,
-            created_ns: now,
+            created_s: (now / 1_000_000_000) as u32,
             last_seen_ns: now,
             ..Default::default()
         };

@@ -622,3 +622,32 @@ pub fn parse_checked_icmp6_error(f: &[u8], what: &str) -> Icmp6Error {
         ),
     }
 }
+
+/// `frame` (Ethernet, IPv4 or IPv6 without extension headers, TCP) with
+/// its sequence and acknowledgment numbers set to `seq` and `ack` and its
+/// TCP checksum recomputed: the frames above all carry the same ones.
+pub fn with_seq_ack(frame: &[u8], seq: u32, ack: u32) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    let v6 = f[12..14] == [0x86, 0xdd];
+    let l4 = if v6 {
+        14 + 40
+    } else {
+        14 + usize::from(f[14] & 0x0f) * 4
+    };
+    let next = if v6 { f[14 + 6] } else { f[14 + 9] };
+    assert_eq!(next, TCP, "with_seq_ack: not a TCP frame");
+    f[l4 + 4..l4 + 8].copy_from_slice(&seq.to_be_bytes());
+    f[l4 + 8..l4 + 12].copy_from_slice(&ack.to_be_bytes());
+    f[l4 + 16..l4 + 18].copy_from_slice(&[0, 0]);
+    let len = f.len() - l4;
+    let initial = if v6 {
+        let addr = |at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&f[at..at + 16]).unwrap());
+        pseudo6(addr(14 + 8), addr(14 + 24), TCP, len)
+    } else {
+        let addr = |at: usize| Ipv4Addr::from(<[u8; 4]>::try_from(&f[at..at + 4]).unwrap());
+        pseudo(addr(14 + 12), addr(14 + 16), TCP, len)
+    };
+    let c = csum(&f[l4..], initial);
+    f[l4 + 16..l4 + 18].copy_from_slice(&c.to_be_bytes());
+    f
+}

@@ -6,9 +6,11 @@ use std::{
     net::{IpAddr, Ipv4Addr},
     path::PathBuf,
     sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
 };
 
 use aya::programs::{TestRun, TestRunOptions};
+use proxy_common::ct_flags;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
@@ -505,7 +507,7 @@ fn a_conntrack_map_of_another_size_is_replaced_with_its_flows() {
             nat_addr_be: u32::from_ne_bytes(BACKENDS[1].octets()),
             nat_port_be: 8080u16.to_be(),
             // An established flow, as CONNTRACK holds them.
-            flags: proxy_common::ct_flags::SEEN_REPLY | proxy_common::ct_flags::ASSURED,
+            flags: ct_flags::SEEN_REPLY | ct_flags::ASSURED,
             dir: ct_dir::FORWARD,
             backend_id: 7,
             service_id: 3,
@@ -731,13 +733,14 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         NoEndpointAction::Reject,
     );
     reprogram(&mut fx, "svc0", fe);
-    assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
-    // Closing voids the copies (a closing flow's packets keep its timestamp
-    // true, which decides when its SNAT port is free): an ACK after the FIN
-    // follows the entry, rewritten again behind the datapath's back.
+    assert_eq!(dst(&fx, frame::RST | frame::ACK, "client's RST"), other);
+    // The reset closes the flow, and closing voids the copies (a closed
+    // flow's packets keep its timestamp true, which decides when its SNAT
+    // port is free): an ACK after it follows the entry, rewritten again
+    // behind the datapath's back.
     point_entry_at(&mut fx, &key, first);
     assert_eq!(
-        dst(&fx, frame::ACK, "ACK after the FIN"),
+        dst(&fx, frame::ACK, "ACK after the RST"),
         first,
         "a copy taken before the flow closed served a packet after it"
     );
@@ -883,14 +886,14 @@ fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
             .expect("the new flow's conntrack entry (not assured yet)");
         let slack = 2 * scale.tick_ns;
         assert!(
-            entry.created_ns + slack >= before && entry.created_ns <= after + slack,
-            "flow created at {} ns by the datapath clock, outside [{before}, {after}] \
+            entry.last_seen_ns + slack >= before && entry.last_seen_ns <= after + slack,
+            "flow stamped at {} ns by the datapath clock, outside [{before}, {after}] \
              monotonic (+-{slack} ns)",
-            entry.created_ns
+            entry.last_seen_ns
         );
         // The point: the next flow is stamped tens of ms later, so a clock that
         // stood still or ran at the wrong rate would leave the window.
-        std::thread::sleep(std::time::Duration::from_millis(30));
+        std::thread::sleep(Duration::from_millis(30));
     }
 }
 
@@ -915,7 +918,7 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
         "second datagram must use the flow"
     );
     // The point: the 1 s UDP timeout set above runs out (a sleep only overshoots).
-    std::thread::sleep(std::time::Duration::from_millis(1_300));
+    std::thread::sleep(Duration::from_millis(1_300));
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
     assert_eq!(
@@ -1023,7 +1026,7 @@ fn rejects_are_held_to_the_icmp_error_budget() {
     );
     // Time must pass for the bucket to refill: 20 ms is 20 credits at
     // 1,000 a second, capped at the burst.
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::thread::sleep(Duration::from_millis(20));
     assert_eq!(
         four_syns(44_000),
         burst_then_empty,
@@ -1606,12 +1609,28 @@ fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
     );
 }
 
-/// SNAT ports run out, and come back once their flows close: a closed flow
-/// frees its port after a second without packets, long before its entry
-/// would expire.
+/// Sets the conntrack timeouts of a closed TCP flow: `TIME_WAIT` (after a
+/// FIN each way) and `CLOSE` (after an RST).
+fn closed_timeouts(fx: &mut Fixture, time_wait: Duration, close: Duration) {
+    let ns = |d: Duration| u64::try_from(d.as_nanos()).expect("a short timeout");
+    let timeouts = proxy_common::CtTimeouts {
+        tcp_time_wait_ns: ns(time_wait),
+        tcp_close_ns: ns(close),
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetCtTimeouts { timeouts })
+        .expect("setting the timeouts");
+}
+
+/// SNAT ports run out, and come back once their flows close: a reset flow
+/// frees its port once its closing timeout (netfilter's `CLOSE`, 1 s here)
+/// has passed, long before an established entry would expire.
 #[test]
 fn snat_ports_exhaust_then_come_back_from_closed_flows() {
     let mut nf = node_fixture();
+    closed_timeouts(&mut nf.fx, Duration::from_mins(2), Duration::from_secs(1));
     nf.fx
         .datapath
         .maps
@@ -1668,8 +1687,8 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         ret, XDP_DROP,
         "closed only just now: the ports are still held"
     );
-    // The point: a closed flow's SNAT port is held for a second before reuse.
-    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    // The point: a reset flow's SNAT port is held for its closing timeout.
+    std::thread::sleep(Duration::from_millis(1_200));
     let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 46002, NODE_IP, NODE_PORT, frame::SYN));
     assert_eq!(ret, XDP_REDIRECT, "a closed flow's port is free again");
     let p = parse_checked(&out, "SNATed SYN on a reused port");
@@ -1686,6 +1705,73 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         (r.dst, r.dport),
         (OUTSIDE, 46002),
         "the reused port's replies must go to the new flow's client"
+    );
+}
+
+/// A flow closed by a FIN each way holds its SNAT port for netfilter's
+/// `TIME_WAIT` (4 s here, 120 s by default): a straggler of it, or the
+/// backend's retransmitted FIN, must not reach another client given the
+/// port. Only then does the port go to a new flow. One SNAT port makes
+/// every choice certain.
+#[test]
+fn a_snat_port_closed_by_fins_waits_out_time_wait() {
+    let mut nf = node_fixture();
+    let time_wait = Duration::from_secs(4);
+    closed_timeouts(&mut nf.fx, time_wait, Duration::from_secs(1));
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(1024, 1024, 0),
+        })
+        .expect("a one-port SNAT range");
+    let client = |nf: &NodeFixture, flags: u8, what: &str| {
+        let (ret, out) = run_xdp(nf, &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, flags));
+        assert_eq!(ret, XDP_REDIRECT, "{what}: not SNATed and sent on");
+        parse_checked(&out, what).sport
+    };
+    let backend = |nf: &NodeFixture, flags: u8, what: &str| {
+        let (ret, out) = run_xdp(nf, &tcp(REMOTE_POD, 8080, NODE_IP, 1024, flags));
+        assert_eq!(ret, XDP_REDIRECT, "{what}: not translated back");
+        let r = parse_checked(&out, what);
+        assert_eq!(
+            (r.dst, r.dport),
+            (OUTSIDE, 45000),
+            "{what}: not to the client"
+        );
+    };
+    assert_eq!(client(&nf, frame::SYN, "SYN"), 1024);
+    backend(&nf, frame::SYN | frame::ACK, "SYN-ACK");
+    client(&nf, frame::ACK, "ACK");
+    client(&nf, frame::FIN | frame::ACK, "client's FIN");
+    backend(&nf, frame::FIN | frame::ACK, "backend's FIN");
+    let closed = Instant::now();
+    client(&nf, frame::ACK, "last ACK");
+    let other = |nf: &NodeFixture, sport: u16| {
+        run_xdp(nf, &tcp(OUTSIDE, sport, NODE_IP, NODE_PORT, frame::SYN)).0
+    };
+    assert_eq!(other(&nf, 45001), XDP_DROP, "closed just now: port held");
+    // The point: past the second a closed flow's port used to wait.
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert!(
+        closed.elapsed() < time_wait,
+        "the machine stalled past TIME_WAIT; the check below means nothing"
+    );
+    assert_eq!(
+        other(&nf, 45002),
+        XDP_DROP,
+        "a closed flow's SNAT port went to another client inside TIME_WAIT"
+    );
+    backend(
+        &nf,
+        frame::FIN | frame::ACK,
+        "the backend's FIN, retransmitted",
+    );
+    std::thread::sleep(time_wait + Duration::from_millis(500));
+    assert_eq!(
+        other(&nf, 45003),
+        XDP_REDIRECT,
+        "the port is free once TIME_WAIT has passed"
     );
 }
 
@@ -1743,6 +1829,7 @@ fn a_snat_port_held_by_a_flow_never_answered_goes_to_a_new_flow() {
 #[test]
 fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
     let mut nf = node_fixture();
+    closed_timeouts(&mut nf.fx, Duration::from_mins(2), Duration::from_secs(1));
     let only_port = |nf: &mut NodeFixture, port: u16| {
         nf.fx
             .datapath
@@ -1758,7 +1845,8 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
         parse_checked(&out, what).sport
     };
     // The first connection from client port 45000 gets SNAT port 1024 and is
-    // reset; a second later its port is free to take back.
+    // reset; once its closing timeout (1 s here) has passed, its port is
+    // free to take back.
     only_port(&mut nf, 1024);
     let first = snat_port_of(
         &nf,
@@ -1770,8 +1858,8 @@ fn reclaiming_a_snat_port_spares_the_newer_flow_from_the_same_client_port() {
         &nf,
         &tcp(OUTSIDE, 45000, NODE_IP, NODE_PORT, frame::RST | frame::ACK),
     );
-    // The point: the reset flow's SNAT port is held for a second before reuse.
-    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    // The point: the reset flow's SNAT port is held for its closing timeout.
+    std::thread::sleep(Duration::from_millis(1_200));
     // The client opens its next connection from the same port: SNAT port 1025.
     only_port(&mut nf, 1025);
     let newer = snat_port_of(
@@ -1819,7 +1907,6 @@ fn reaper_removes_exactly_the_expired_entries_of_a_large_table() {
     for i in 0..N {
         let seen = if i % 2 == 0 { 1 } else { now };
         let value = proxy_common::CtValue {
-            created_ns: seen,
             last_seen_ns: seen,
             ..Default::default()
         };
@@ -2206,7 +2293,7 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
     handshake(&fx, 44_000, false);
     handshake(&fx, 44_001, true);
     // The point: the half-open flow's 1 s timeout set above runs out.
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(1500));
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
     assert_eq!(
@@ -2225,11 +2312,164 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
         .conntrack
         .get(&assured, 0)
         .expect("the assured flow's entry");
-    assert_ne!(
-        entry.flags & proxy_common::ct_flags::ASSURED,
-        0,
-        "{entry:?}"
+    assert_ne!(entry.flags & ct_flags::ASSURED, 0, "{entry:?}");
+}
+
+/// A connection through the ClusterIP from client port `sport`, its
+/// handshake done with real sequence numbers (client from `c`, backend
+/// from `b`): its backend.
+fn handshake_with_seqs(fx: &Fixture, sport: u16, c: u32, b: u32) -> Ipv4Addr {
+    let (ret, out) = run(
+        fx,
+        &frame::with_seq_ack(&tcp(CLIENT, sport, VIP, 80, frame::SYN), c, 0),
     );
+    assert_eq!(ret, TC_ACT_OK, "SYN: verdict");
+    let backend = parse_checked(&out, "SYN").dst;
+    let syn_ack = tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK);
+    let (ret, _) = run(fx, &frame::with_seq_ack(&syn_ack, b, c + 1));
+    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    let ack = tcp(CLIENT, sport, VIP, 80, frame::ACK);
+    let (ret, _) = run(fx, &frame::with_seq_ack(&ack, c + 1, b + 1));
+    assert_eq!(ret, TC_ACT_OK, "ACK: verdict");
+    backend
+}
+
+/// The flags of the forward conntrack entry of the flow from `sport`.
+fn forward_flags(fx: &Fixture, sport: u16) -> u8 {
+    let key = ct_key(CLIENT, sport, VIP, 80, proxy_common::PROTO_TCP);
+    fx.datapath
+        .maps
+        .conntrack
+        .get(&key, 0)
+        .expect("the flow's assured entry")
+        .flags
+}
+
+/// A FIN closes its own direction only: the backend of a client that
+/// half-closed its connection (`shutdown(SHUT_WR)`) goes on sending, past
+/// the timeout of a closed flow, and its packets are still translated; the
+/// backend's FIN then closes the flow, which is gone once `TIME_WAIT` has
+/// passed.
+#[test]
+fn a_half_closed_flow_keeps_its_translation_until_both_sides_close() {
+    let mut fx = fixture();
+    let short = Duration::from_secs(1);
+    closed_timeouts(&mut fx, short, short);
+    let (sport, c, b) = (41700, 1_000, 500_000);
+    let backend = handshake_with_seqs(&fx, sport, c, b);
+    let fin = tcp(CLIENT, sport, VIP, 80, frame::FIN | frame::ACK);
+    let (ret, out) = run(&fx, &frame::with_seq_ack(&fin, c + 1, b + 1));
+    assert_eq!(ret, TC_ACT_OK, "client's FIN: verdict");
+    assert_eq!(parse_checked(&out, "client's FIN").dst, backend);
+    assert_eq!(
+        forward_flags(&fx, sport) & (ct_flags::FIN_BOTH | ct_flags::CLOSING),
+        ct_flags::FIN_FORWARD,
+        "the client's FIN must half-close the flow, not close it"
+    );
+    let from_backend = |fx: &Fixture, flags: u8, seq: u32, what: &str| {
+        let mut data = build(&Spec {
+            src: backend,
+            dst: CLIENT,
+            sport: 8080,
+            dport: sport,
+            proto: frame::TCP,
+            tcp_flags: flags,
+            payload: b"still streaming".to_vec(),
+            udp_no_csum: false,
+        });
+        data = frame::with_seq_ack(&data, seq, c + 2);
+        let (ret, out) = run(fx, &data);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        let p = parse_checked(&out, what);
+        (p.src, p.sport)
+    };
+    // The point: longer than a closed flow lives.
+    std::thread::sleep(short + Duration::from_millis(500));
+    assert_eq!(
+        from_backend(
+            &fx,
+            frame::ACK,
+            b + 1,
+            "the backend's data after the client's FIN"
+        ),
+        (VIP, 80),
+        "a half-closed flow lost its translation"
+    );
+    assert_eq!(
+        from_backend(&fx, frame::FIN | frame::ACK, b + 16, "the backend's FIN"),
+        (VIP, 80)
+    );
+    assert_eq!(
+        forward_flags(&fx, sport) & (ct_flags::FIN_BOTH | ct_flags::CLOSING),
+        ct_flags::FIN_BOTH | ct_flags::CLOSING,
+        "a FIN each way closes the flow"
+    );
+    // The point: TIME_WAIT (1 s here) passes.
+    std::thread::sleep(short + Duration::from_millis(500));
+    assert_eq!(
+        from_backend(&fx, frame::ACK, b + 17, "a straggler after TIME_WAIT"),
+        (backend, 8080),
+        "a closed flow outlived TIME_WAIT"
+    );
+}
+
+/// An RST (or FIN) whose sequence number is outside its receiver's window
+/// (before what it acknowledged, or past any window) is stale or forged by
+/// someone who guessed the flow's addresses and ports: it is counted
+/// (`ct_out_of_window`) and the flow goes on; one inside the window closes
+/// it. Both directions.
+#[test]
+fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
+    let fx = fixture();
+    let (sport, c, b) = (41710, 70_000, 9_000_000);
+    let backend = handshake_with_seqs(&fx, sport, c, b);
+    let client_rst = |seq: u32| {
+        let rst = tcp(CLIENT, sport, VIP, 80, frame::RST | frame::ACK);
+        run(&fx, &frame::with_seq_ack(&rst, seq, b + 1)).0
+    };
+    let backend_rst = |seq: u32| {
+        let rst = tcp(backend, 8080, CLIENT, sport, frame::RST | frame::ACK);
+        run(&fx, &frame::with_seq_ack(&rst, seq, c + 1)).0
+    };
+    let closing = |fx: &Fixture| forward_flags(fx, sport) & ct_flags::CLOSING != 0;
+    let client_fin = |seq: u32| {
+        let fin = tcp(CLIENT, sport, VIP, 80, frame::FIN | frame::ACK);
+        run(&fx, &frame::with_seq_ack(&fin, seq, b + 1)).0
+    };
+    let forged: [(&str, &dyn Fn() -> u32); 4] = [
+        ("client's RST 65,536 bytes back", &|| {
+            client_rst(c + 1 - 65_536)
+        }),
+        ("client's RST 2 GiB away", &|| {
+            client_rst(c.wrapping_add(1 << 31))
+        }),
+        ("backend's RST one byte back", &|| backend_rst(b)),
+        ("client's FIN before the window", &|| client_fin(c - 10)),
+    ];
+    for (n, (what, send)) in (1..).zip(forged) {
+        assert_eq!(
+            send(),
+            TC_ACT_OK,
+            "{what}: verdict (passed on, for the endpoint to judge)"
+        );
+        assert_eq!(counter(&fx, "ct_out_of_window"), n, "{what}: not counted");
+        assert!(!closing(&fx), "{what} closed the flow");
+        assert_eq!(
+            forward_flags(&fx, sport) & ct_flags::FIN_BOTH,
+            0,
+            "{what} half-closed the flow"
+        );
+    }
+    let (ret, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(
+        parse_checked(&out, "data after the forged RSTs").dst,
+        backend,
+        "the flow lost its backend"
+    );
+    assert_eq!(backend_rst(b + 1), TC_ACT_OK, "backend's RST in the window");
+    assert!(closing(&fx), "an RST inside the window must close the flow");
+    assert_eq!(counter(&fx, "ct_out_of_window"), 4);
 }
 
 const ROUTER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);

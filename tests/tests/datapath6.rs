@@ -7,6 +7,7 @@
 use std::{
     net::{IpAddr, Ipv6Addr},
     sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
 };
 
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
@@ -2142,12 +2143,14 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         "reprogramming svc0: {:?}",
         out.errors
     );
-    assert_eq!(dst(&fx, frame::FIN | frame::ACK, "FIN"), other);
-    // Closing voids the copies: an ACK after the FIN follows the entry,
-    // rewritten again behind the datapath's back.
+    assert_eq!(dst(&fx, frame::RST | frame::ACK, "client's RST"), other);
+    // The reset closes the flow, and closing voids the copies (a closed
+    // flow's packets keep its timestamp true, which decides when its SNAT
+    // port is free): an ACK after it follows the entry, rewritten again
+    // behind the datapath's back.
     point_entry_at(&mut fx, &key, first);
     assert_eq!(
-        dst(&fx, frame::ACK, "ACK after the FIN"),
+        dst(&fx, frame::ACK, "ACK after the RST"),
         first,
         "a copy taken before the flow closed served a packet after it"
     );
@@ -2157,6 +2160,82 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         third,
         "a copy of the closed connection's entry outlived it"
     );
+}
+
+/// IPv6 flows follow TCP state per direction as IPv4's do: a FIN from the
+/// client half-closes the flow (the backend's data is still translated),
+/// RSTs and FINs outside the receiver's window are counted
+/// (`ct_out_of_window`) and change nothing, and the backend's FIN then
+/// closes the flow.
+#[test]
+fn tcp_state_is_tracked_per_direction_and_inside_the_window() {
+    let fx = fixture();
+    let (sport, c, b) = (41720u16, 3_000u32, 8_000_000u32);
+    let with = |frame: Vec<u8>, seq: u32, ack: u32| frame::with_seq_ack(&frame, seq, ack);
+    let (ret, out) = run(&fx, &with(tcp(CLIENT, sport, VIP, 80, frame::SYN), c, 0));
+    assert_eq!(ret, TC_ACT_OK, "SYN: verdict");
+    let backend = parse_checked6(&out, "SYN").dst;
+    let from_backend = |flags: u8, seq: u32, what: &str| {
+        let (ret, out) = run(
+            &fx,
+            &with(tcp(backend, 8080, CLIENT, sport, flags), seq, c + 1),
+        );
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        let p = parse_checked6(&out, what);
+        (p.src, p.sport)
+    };
+    let from_client = |flags: u8, seq: u32, what: &str| {
+        let (ret, _) = run(&fx, &with(tcp(CLIENT, sport, VIP, 80, flags), seq, b + 1));
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+    };
+    from_backend(frame::SYN | frame::ACK, b, "SYN-ACK");
+    from_client(frame::ACK, c + 1, "ACK");
+    let flags = || {
+        fx.datapath
+            .maps
+            .conntrack6
+            .as_ref()
+            .expect("CONNTRACK6 is loaded")
+            .get(&ct6_key(CLIENT, sport, VIP, 80, frame::TCP), 0)
+            .expect("the flow's assured entry")
+            .flags
+            & (proxy_common::ct_flags::FIN_BOTH | proxy_common::ct_flags::CLOSING)
+    };
+    from_client(
+        frame::RST | frame::ACK,
+        c + 1 - 100_000,
+        "client's stale RST",
+    );
+    from_backend(frame::RST | frame::ACK, b - 1, "backend's stale RST");
+    from_backend(
+        frame::FIN | frame::ACK,
+        b.wrapping_add(3 << 30),
+        "backend's far FIN",
+    );
+    assert_eq!(
+        counter(&fx, "ct_out_of_window"),
+        3,
+        "out-of-window segments counted"
+    );
+    assert_eq!(flags(), 0, "a segment outside the window changed the flow");
+    from_client(frame::FIN | frame::ACK, c + 1, "client's FIN");
+    assert_eq!(
+        flags(),
+        proxy_common::ct_flags::FIN_FORWARD,
+        "the client's FIN must half-close the flow"
+    );
+    assert_eq!(
+        from_backend(frame::ACK, b + 1, "the backend's data after it"),
+        (VIP, 80),
+        "a half-closed flow's other side lost its translation"
+    );
+    from_backend(frame::FIN | frame::ACK, b + 1, "backend's FIN");
+    assert_eq!(
+        flags(),
+        proxy_common::ct_flags::FIN_BOTH | proxy_common::ct_flags::CLOSING,
+        "a FIN each way closes the flow"
+    );
+    assert_eq!(counter(&fx, "ct_out_of_window"), 3);
 }
 
 /// A UDP flow served from the flow cache goes to a live backend as soon as
@@ -2406,12 +2485,27 @@ fn snat_range(nf: &mut NodeFixture, min: u16, max: u16) {
         .expect("the SNAT port range");
 }
 
+/// Sets how long a reset TCP flow lives (netfilter's `CLOSE`), holding its
+/// SNAT port.
+fn reset_timeout(nf: &mut NodeFixture, close: Duration) {
+    use proxy_userspace::planner::{MapOp, MapStore};
+    let timeouts = proxy_common::CtTimeouts {
+        tcp_close_ns: u64::try_from(close.as_nanos()).expect("a short timeout"),
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetCtTimeouts { timeouts })
+        .expect("setting the timeouts");
+}
+
 /// SNAT ports run out, and come back once their flows close, through `run`
 /// (tc or XDP, named `hook`, whose verdicts are `redirect` and `drop`): four
 /// ports give four flows, each from the range; a fifth is dropped, counted
-/// `snat_exhausted` and leaves no entry; once the four are reset and a
-/// second has gone by, a new flow takes one of their ports and its reply
-/// reaches it.
+/// `snat_exhausted` and leaves no entry; once the four are reset and their
+/// closing timeout (1 s here) has gone by, a new flow takes one of their
+/// ports and its reply reaches it.
 fn snat_ports_exhaust_then_come_back(
     run: fn(&NodeFixture, &[u8]) -> (u32, Vec<u8>),
     (redirect, drop): (u32, u32),
@@ -2421,6 +2515,7 @@ fn snat_ports_exhaust_then_come_back(
     let _cpu = stay_on_this_cpu();
     let mut nf = node_fixture();
     snat_range(&mut nf, 1024, 1027);
+    reset_timeout(&mut nf, Duration::from_secs(1));
     let syn = |port: u16| tcp(OUTSIDE, port, NODE_IP, NODE_PORT, frame::SYN);
     let mut ports = std::collections::BTreeSet::new();
     let mut client_port = base;
@@ -2489,8 +2584,8 @@ fn snat_ports_exhaust_then_come_back(
         ret, drop,
         "{hook}: closed only just now: the ports are still held"
     );
-    // The point: a closed flow's SNAT port is held for a second before reuse.
-    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    // The point: a reset flow's SNAT port is held for its closing timeout.
+    std::thread::sleep(Duration::from_millis(1_200));
     let (ret, out) = run(&nf, &syn(base + 1002));
     assert_eq!(ret, redirect, "{hook}: a closed flow's port is free again");
     let p = parse_checked6(&out, &format!("SNATed SYN on a reused port at {hook}"));

@@ -259,7 +259,9 @@ fn pinned_failures(bpf_root: &std::path::Path, expected: &Expected) -> Vec<Strin
     let want_timeouts = CtTimeouts {
         tcp_syn_ns: ct_timeout::TCP_SYN_NS,
         tcp_established_ns: ns(expected.timeouts[0]),
-        tcp_closing_ns: ns(expected.timeouts[1]),
+        tcp_close_wait_ns: ns(expected.timeouts[1]),
+        tcp_time_wait_ns: ct_timeout::TCP_TIME_WAIT_NS,
+        tcp_close_ns: ct_timeout::TCP_CLOSE_NS,
         udp_ns: ns(expected.timeouts[2]),
     };
     if timeouts != want_timeouts {
@@ -333,8 +335,7 @@ fn kubeadm_daemonset_command_line() {
             ignored: &[],
             // conntrack.maxPerCore and min null: kube-proxy's 32768 and 131072.
             conntrack_connections: sized(32_768, 131_072),
-            // close-wait 1h, at most 120 s in the datapath (cli.rs).
-            timeouts: [24 * HOUR, 120 * SECOND, 60 * SECOND],
+            timeouts: [24 * HOUR, HOUR, 60 * SECOND],
             cluster_cidrs: &[],
         },
     );
@@ -370,8 +371,7 @@ fn kops_daemonset_command_line() {
                 "log-file",
             ],
             conntrack_connections: sized(131_072, 131_072),
-            // close-wait 1h, at most 120 s in the datapath (cli.rs).
-            timeouts: [24 * HOUR, 120 * SECOND, 60 * SECOND],
+            timeouts: [24 * HOUR, HOUR, 60 * SECOND],
             cluster_cidrs: &["100.96.0.0/11"],
         },
     );

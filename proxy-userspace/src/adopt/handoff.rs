@@ -28,16 +28,21 @@ use crate::{
 
 /// Idle timeouts of the handed-back entries: netfilter's defaults for an
 /// established TCP connection as kube-proxy sets it (`conntrack.
-/// tcpEstablishedTimeout`, 24 h), for a closing one (its close-wait, 1 h
-/// in kube-proxy, far longer than any close needs), and for a UDP flow
-/// that saw replies (`nf_conntrack_udp_timeout_stream`, 120 s).
+/// tcpEstablishedTimeout`, 24 h), for a half-closed one (its close-wait,
+/// 1 h in kube-proxy), for one closed both ways (`TIME_WAIT`, 120 s) or
+/// reset (`CLOSE`, 10 s), and for a UDP flow that saw replies
+/// (`nf_conntrack_udp_timeout_stream`, 120 s).
 const TCP_ESTABLISHED_S: u32 = 24 * 3600;
-const TCP_CLOSING_S: u32 = 3600;
+const TCP_CLOSE_WAIT_S: u32 = 3600;
+const TCP_TIME_WAIT_S: u32 = 120;
+const TCP_CLOSE_S: u32 = 10;
 const UDP_S: u32 = 120;
-/// `TCP_CONNTRACK_ESTABLISHED`, `TCP_CONNTRACK_CLOSE_WAIT`
+/// `TCP_CONNTRACK_ESTABLISHED`, `_CLOSE_WAIT`, `_TIME_WAIT`, `_CLOSE`
 /// (`include/uapi/linux/netfilter/nf_conntrack_tcp.h`).
 const TCP_STATE_ESTABLISHED: u8 = 3;
 const TCP_STATE_CLOSE_WAIT: u8 = 5;
+const TCP_STATE_TIME_WAIT: u8 = 7;
+const TCP_STATE_CLOSE: u8 = 8;
 /// `IPS_SEEN_REPLY | IPS_ASSURED`: netfilter's NAT bits follow from the
 /// tuples.
 const STATUS: u32 = (1 << 1) | (1 << 2);
@@ -111,25 +116,35 @@ fn write(flow: &Flow) -> Result<(), ConntrackError> {
     conntrack::create(&entry_of(flow))
 }
 
+/// The netfilter state, and its timeout, of a TCP flow with `flags`
+/// (`ct_flags`), as the datapath's own timeouts read them.
+fn tcp_state_of(flags: u8) -> (u32, u8) {
+    if flags & ct_flags::FIN_BOTH == ct_flags::FIN_BOTH {
+        (TCP_TIME_WAIT_S, TCP_STATE_TIME_WAIT)
+    } else if flags & ct_flags::CLOSING != 0 {
+        (TCP_CLOSE_S, TCP_STATE_CLOSE)
+    } else if flags & ct_flags::FIN_BOTH != 0 {
+        (TCP_CLOSE_WAIT_S, TCP_STATE_CLOSE_WAIT)
+    } else {
+        (TCP_ESTABLISHED_S, TCP_STATE_ESTABLISHED)
+    }
+}
+
 /// The entry netfilter would hold for `flow` had it translated it.
 pub fn entry_of(flow: &Flow) -> Entry {
     let seen_by_backend = flow.source.unwrap_or(flow.client);
-    let closing = flow.flags & ct_flags::CLOSING != 0;
-    let tcp = flow.proto == PROTO_TCP;
+    let (timeout_s, tcp_state) = if flow.proto == PROTO_TCP {
+        let (timeout_s, state) = tcp_state_of(flow.flags);
+        (timeout_s, Some(state))
+    } else {
+        (UDP_S, None)
+    };
     Entry {
         orig: tuple(flow.proto, flow.client, flow.frontend),
         reply: tuple(flow.proto, flow.backend, seen_by_backend),
         status: STATUS,
-        timeout_s: match (tcp, closing) {
-            (true, false) => TCP_ESTABLISHED_S,
-            (true, true) => TCP_CLOSING_S,
-            (false, _) => UDP_S,
-        },
-        tcp_state: tcp.then_some(if closing {
-            TCP_STATE_CLOSE_WAIT
-        } else {
-            TCP_STATE_ESTABLISHED
-        }),
+        timeout_s,
+        tcp_state,
         mark: 0,
     }
 }

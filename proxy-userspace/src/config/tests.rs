@@ -209,7 +209,7 @@ fn conntrack_timeouts_are_kube_proxys() {
     settings.apply(&mut run, &|_| false);
     let timeouts = run.ct_timeouts();
     assert_eq!(
-        (timeouts.tcp_established_ns, timeouts.tcp_closing_ns),
+        (timeouts.tcp_established_ns, timeouts.tcp_close_wait_ns),
         (432_000_000_000_000, 60_000_000_000),
         "an explicit 0s leaves the kernel's defaults, as with kube-proxy"
     );

@@ -53,6 +53,52 @@ unsafe impl aya::Pod for CtKeyV2 {}
 // SAFETY: as for `CtKeyV2`.
 unsafe impl aya::Pod for CtValueV2 {}
 
+/// Conntrack value of layout versions 3 and 4: `created_ns` where today's
+/// has the creation second and the highest acknowledgment number.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtValueV4 {
+    pub nat_addr_be: u32,
+    pub alt_addr_be: u32,
+    pub nat_port_be: u16,
+    pub alt_port_be: u16,
+    pub flags: u8,
+    pub dir: u8,
+    pub path_mtu: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+// SAFETY: as for `CtKeyV2`.
+unsafe impl aya::Pod for CtValueV4 {}
+
+/// A version 3 or 4 entry in today's layout. Its flow's highest
+/// acknowledgment numbers are not known (0: its next FIN or RST is taken as
+/// inside the window, as before), and its `CLOSING` meant a FIN either way
+/// or an RST: it closes in `tcp_close_ns`, as it would have.
+pub fn from_v4(value: &CtValueV4) -> CtValue {
+    CtValue {
+        nat_addr_be: value.nat_addr_be,
+        alt_addr_be: value.alt_addr_be,
+        nat_port_be: value.nat_port_be,
+        alt_port_be: value.alt_port_be,
+        flags: value.flags,
+        dir: value.dir,
+        path_mtu: value.path_mtu,
+        backend_id: CARRIED_ID,
+        service_id: CARRIED_ID,
+        created_s: secs(value.created_ns),
+        tcp_max_ack: 0,
+        last_seen_ns: value.last_seen_ns,
+    }
+}
+
+fn secs(ns: u64) -> u32 {
+    u32::try_from(ns / 1_000_000_000).unwrap_or(u32::MAX)
+}
+
 /// A version 2 entry in today's layout; None for an IPv6 flow, which today's
 /// datapath does not handle.
 pub fn from_v2(key: &CtKeyV2, value: &CtValueV2) -> Option<(CtKey, CtValue)> {
@@ -78,7 +124,8 @@ pub fn from_v2(key: &CtKeyV2, value: &CtValueV2) -> Option<(CtKey, CtValue)> {
             path_mtu: 0,
             backend_id: CARRIED_ID,
             service_id: CARRIED_ID,
-            created_ns: value.created_ns,
+            created_s: secs(value.created_ns),
+            tcp_max_ack: 0,
             last_seen_ns: value.last_seen_ns,
         },
     ))
@@ -98,7 +145,7 @@ pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
     let mut retired = Vec::new();
     for dir in pins.other_layouts() {
         let conntrack = PinLayout::maps_in(&dir).join(map_names::CONNTRACK);
-        let flows = match carry_conntrack(&conntrack, maps) {
+        let flows = match carry_conntrack(&conntrack, layout_version(&dir), maps) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "older conntrack not carried over; its connections are balanced anew");
@@ -114,16 +161,33 @@ pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
     retired
 }
 
-/// Copies the older pinned conntrack map at `path` into this agent's, in
-/// whichever layout it has: today's, or version 2's. An entry this agent's
-/// datapath already made for the same tuple is kept.
-fn carry_conntrack(path: &Path, maps: &mut Maps) -> Result<usize, MapError> {
+/// The layout version a `v<N>` directory is named for (0 if none).
+fn layout_version(dir: &Path) -> u32 {
+    dir.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix('v'))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Copies the pinned conntrack map of layout `version` at `path` into this
+/// agent's: today's layout, version 3 and 4's (the same size as today's,
+/// so told apart by the version alone), or version 2's. An entry this
+/// agent's datapath already made for the same tuple is kept.
+fn carry_conntrack(path: &Path, version: u32, maps: &mut Maps) -> Result<usize, MapError> {
     if !path.exists() {
         return Ok(0);
     }
     let open = || -> Result<Map, MapError> { Map::from_map_data(MapData::from_pin(path)?) };
+    let v3_or_v4 = (3..=4).contains(&version);
     let entries: Vec<(CtKey, CtValue)> =
-        if let Ok(older) = HashMap::<_, CtKey, CtValue>::try_from(open()?) {
+        if v3_or_v4 && let Ok(older) = HashMap::<_, CtKey, CtValueV4>::try_from(open()?) {
+            older
+                .iter()
+                .flatten()
+                .map(|(k, v)| (k, from_v4(&v)))
+                .collect()
+        } else if let Ok(older) = HashMap::<_, CtKey, CtValue>::try_from(open()?) {
             older
                 .iter()
                 .flatten()
@@ -182,7 +246,7 @@ mod tests {
             _pad1: 0,
             backend_id: 7,
             service_id: 3,
-            created_ns: 11,
+            created_ns: 11_000_000_000 - 1,
             last_seen_ns: 22,
         };
         let (k, v) = from_v2(&key, &value).expect("an IPv4 flow");
@@ -196,8 +260,8 @@ mod tests {
             "translation changed"
         );
         assert_eq!(
-            (v.flags, v.dir, v.created_ns, v.last_seen_ns),
-            (ct_flags::SEEN_REPLY, ct_dir::FORWARD, 11, 22),
+            (v.flags, v.dir, v.created_s, v.last_seen_ns),
+            (ct_flags::SEEN_REPLY, ct_dir::FORWARD, 10, 22),
             "state or timestamps changed"
         );
         assert_eq!((v.backend_id, v.service_id), (CARRIED_ID, CARRIED_ID));
@@ -206,6 +270,47 @@ mod tests {
             (40, 64),
             "version 2's sizes"
         );
+    }
+
+    #[test]
+    fn a_v4_entry_keeps_its_translation_and_knows_no_acknowledgment() {
+        let value = CtValueV4 {
+            nat_addr_be: addr([10, 1, 0, 5]),
+            alt_addr_be: addr([10, 0, 0, 2]),
+            nat_port_be: 8080u16.to_be(),
+            alt_port_be: 40000u16.to_be(),
+            flags: ct_flags::SEEN_REPLY | ct_flags::ASSURED | ct_flags::CLOSING,
+            dir: ct_dir::REPLY,
+            path_mtu: 1400,
+            backend_id: 7,
+            service_id: 3,
+            created_ns: 5_500_000_000,
+            last_seen_ns: 22,
+        };
+        let v = from_v4(&value);
+        assert_eq!(
+            (v.nat_addr_be, v.nat_port_be, v.alt_addr_be, v.alt_port_be),
+            (
+                value.nat_addr_be,
+                value.nat_port_be,
+                value.alt_addr_be,
+                value.alt_port_be
+            ),
+            "translation changed"
+        );
+        assert_eq!(
+            (v.flags, v.dir, v.path_mtu, v.last_seen_ns),
+            (value.flags, value.dir, 1400, 22),
+            "state changed"
+        );
+        assert_eq!(
+            (v.created_s, v.tcp_max_ack),
+            (5, 0),
+            "creation second, no acknowledgment known"
+        );
+        assert_eq!(size_of::<CtValueV4>(), size_of::<CtValue>());
+        assert_eq!(layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/v4")), 4);
+        assert_eq!(layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/maps")), 0);
     }
 
     #[test]

@@ -146,7 +146,7 @@ fn k3s_command_line_leaves_conntrack_alone() {
     );
     let timeouts = run.ct_timeouts();
     assert_eq!(
-        (timeouts.tcp_established_ns, timeouts.tcp_closing_ns),
+        (timeouts.tcp_established_ns, timeouts.tcp_close_wait_ns),
         (
             Duration::from_hours(120).as_nanos() as u64,
             Duration::from_mins(1).as_nanos() as u64

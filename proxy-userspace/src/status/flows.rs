@@ -92,7 +92,9 @@ impl fmt::Display for Flow {
         for (flag, name) in [
             (ct_flags::ASSURED, "assured"),
             (ct_flags::SEEN_REPLY, "replied"),
-            (ct_flags::CLOSING, "closing"),
+            (ct_flags::FIN_FORWARD, "client-fin"),
+            (ct_flags::FIN_REPLY, "backend-fin"),
+            (ct_flags::CLOSING, "closed"),
             (ct_flags::HAIRPIN, "hairpin"),
             (ct_flags::SNAT, "snat"),
         ] {

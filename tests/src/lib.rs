@@ -23,6 +23,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod image;
 pub mod iptables;
+pub mod kube_agent;
 pub mod load;
 pub mod manifest;
 pub mod manifest_check;

@@ -138,15 +138,6 @@ pub enum NotYet {
     Never(String),
 }
 
-impl NotYet {
-    /// What was seen, or why the wait was given up.
-    pub fn message(&self) -> &str {
-        match self {
-            NotYet::Again(seen) | NotYet::Never(seen) => seen,
-        }
-    }
-}
-
 impl std::fmt::Display for NotYet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -270,5 +261,51 @@ impl Protocol {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{NotYet, wait_for};
+
+    const EVERY: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn wait_for_gives_the_value_once_the_check_passes() {
+        let mut asked = 0;
+        let got = wait_for(Duration::from_secs(5), EVERY, || {
+            asked += 1;
+            if asked < 3 {
+                Err(format!("asked {asked} times"))
+            } else {
+                Ok(asked * 10)
+            }
+        });
+        assert_eq!(got.map(|(v, _)| v), Ok(30));
+    }
+
+    #[test]
+    fn wait_for_times_out_with_the_last_complaint() {
+        let mut asked = 0;
+        let got: Result<((), Duration), NotYet> =
+            wait_for(Duration::from_millis(20), EVERY, || {
+                asked += 1;
+                Err(format!("asked {asked} times"))
+            });
+        assert_eq!(got, Err(NotYet::Again(format!("asked {asked} times"))));
+        assert!(asked > 1, "asked again before the time was up");
+    }
+
+    #[test]
+    fn wait_for_gives_up_at_once_on_never() {
+        let mut asked = 0;
+        let got: Result<((), Duration), NotYet> = wait_for(Duration::from_mins(1), EVERY, || {
+            asked += 1;
+            Err(NotYet::Never("the process exited".into()))
+        });
+        assert_eq!(got, Err(NotYet::Never("the process exited".into())));
+        assert_eq!(asked, 1);
     }
 }

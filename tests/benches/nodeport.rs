@@ -57,14 +57,13 @@ mod common;
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
-    thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
 use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
 use ebpf_proxy_tests::{
-    Protocol,
+    NotYet, Protocol,
     agent::{self, Agent},
     cluster::{CLIENT1, Cluster, NODE_A_IP, UPLINK},
     iptables::{self, KubeService},
@@ -73,6 +72,7 @@ use ebpf_proxy_tests::{
     require_root,
     servers::PooledBackend,
     topology::one_node,
+    wait_for,
 };
 use proxy_userspace::datapath::{Maps, PinLayout};
 use serde_json::json;
@@ -434,23 +434,25 @@ impl World {
     /// Waits for a first answer (the agents program the Services right after they
     /// report healthy), then one connection at a time: the mode must answer every one.
     fn warm_up(&self) -> Result<()> {
-        let deadline = Instant::now() + FIRST_ANSWER;
-        loop {
-            let sample = self.load().sequential(1)?;
+        let first = wait_for(FIRST_ANSWER, Duration::from_millis(100), || {
+            let never = |e: anyhow::Error| NotYet::Never(format!("{e:#}"));
+            check_interrupted().map_err(never)?;
+            let sample = self.load().sequential(1).map_err(never)?;
             if sample.ok == 1 {
-                break;
+                Ok(())
+            } else {
+                Err(NotYet::Again(format!("{:?}", sample.errors)))
             }
-            if Instant::now() > deadline {
-                bail!(
-                    "{}: no answer from {} within {FIRST_ANSWER:?}: {:?}{}",
-                    self.mode.label(),
-                    self.targets[0],
-                    sample.errors,
-                    self.agent_logs()
-                );
-            }
-            check_interrupted()?;
-            thread::sleep(Duration::from_millis(100));
+        });
+        match first {
+            Ok(_) => {}
+            Err(NotYet::Never(why)) => bail!("{why}"),
+            Err(NotYet::Again(last)) => bail!(
+                "{}: no answer from {} within {FIRST_ANSWER:?}: {last}{}",
+                self.mode.label(),
+                self.targets[0],
+                self.agent_logs()
+            ),
         }
         let sample = self.load().sequential(WARMUP)?;
         if sample.ok as usize != WARMUP {

@@ -49,10 +49,11 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use ebpf_proxy_tests::{
-    Protocol as HarnessProtocol,
+    POLL, Protocol as HarnessProtocol,
     agent::Agent,
     iptables::{self, KubeService},
     netns::{NetNs, unique_stem},
+    wait_for, wait_until,
 };
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
@@ -273,6 +274,24 @@ fn services_map(bpf_root: &Path) -> Result<BpfHashMap<MapData, ServiceKey, Servi
     Ok(BpfHashMap::try_from(Map::HashMap(data))?)
 }
 
+/// Waits up to 2 s for the `synced` lines after the first `synced_before` to
+/// count `frontends` changed frontends (a sync logs just after its map
+/// writes): how long that took, or what the log had.
+fn logged_changes(agent: &Agent, synced_before: usize, frontends: u64) -> Result<Duration, String> {
+    wait_until(Duration::from_secs(2), POLL, || {
+        let changed: u64 = syncs(&agent.log())
+            .iter()
+            .skip(synced_before)
+            .map(|s| s.frontends_changed)
+            .sum();
+        if changed >= frontends {
+            Ok(())
+        } else {
+            Err(format!("{changed} of {frontends} changed frontends logged"))
+        }
+    })
+}
+
 /// Polls until every key's entry differs from `before`; the time each was
 /// first seen changed, from `since`.
 fn wait_changed(
@@ -349,15 +368,14 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     let pid = agent.pid().context("agent pid")?;
     let map = services_map(agent.bpf_root())?;
     // /healthz turns 200 as the sync ends, just before its log line.
-    let waited = Instant::now();
-    let initial_sync = loop {
-        if let Some(first) = syncs(&agent.log()).first() {
-            break first.elapsed_us as f64 / 1e6;
-        }
-        if waited.elapsed() > Duration::from_secs(30) {
-            bail!("no synced line in the agent's log:\n{}", agent.log());
-        }
-        thread::sleep(Duration::from_millis(50));
+    let logged = wait_for(Duration::from_secs(30), POLL, || {
+        syncs(&agent.log())
+            .first()
+            .map(|first| first.elapsed_us as f64 / 1e6)
+            .ok_or("no synced line yet")
+    });
+    let Ok((initial_sync, _)) = logged else {
+        bail!("no synced line in the agent's log:\n{}", agent.log());
     };
     let load = load_average()?;
     let initial_sync_cpu = first_sync_cpu(&agent.log());
@@ -389,8 +407,11 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     }
     latencies.sort_by(f64::total_cmp);
     // Each change's own sync, and its wait from the event's arrival to its
-    // map writes, from the agent's log.
-    thread::sleep(Duration::from_millis(200));
+    // map writes, from the agent's log: once the log has the last of them
+    // (a sync logs just after its writes), or after 2 s with what it has.
+    if let Err(last) = logged_changes(&agent, synced_before, u64::from(changes)) {
+        eprintln!("warning: {services}: the log of the changes's syncs read as it is: {last}");
+    }
     let change_lines: Vec<Synced> = syncs(&agent.log())
         .into_iter()
         .skip(synced_before)
@@ -427,7 +448,9 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     }
     let seen = wait_changed(&map, &before, at, Duration::from_mins(1))?;
     let burst_time = seen.iter().max().copied().unwrap_or_default();
-    thread::sleep(Duration::from_millis(200));
+    if let Err(last) = logged_changes(&agent, synced_before, u64::from(burst)) {
+        eprintln!("warning: {services}: the log of the burst's syncs read as it is: {last}");
+    }
     let burst_syncs = syncs(&agent.log())[synced_before..]
         .iter()
         .filter(|s| s.frontends_changed > 0)

@@ -22,10 +22,10 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use ebpf_proxy_tests::{
-    Protocol,
+    NotYet, Protocol,
     agent::{self, Agent, HEALTHZ},
     manifest::{ManifestDir, Service},
-    netns::{NetNs, command_in, run_in, unique_stem},
+    netns::{NetNs, command_in, unique_stem},
 };
 use serde_json::json;
 
@@ -145,23 +145,17 @@ impl ApiAgent {
             bpf_root,
             log_path,
         };
-        let started = Instant::now();
-        while started.elapsed() < Duration::from_mins(2) {
-            if let Some(status) = agent.child.try_wait()? {
-                bail!(
-                    "the agent exited ({status}); its log:\n{}",
-                    fs::read_to_string(&agent.log_path).unwrap_or_default()
-                );
-            }
-            if run_in(&node.path(), || agent::http_status(HEALTHZ, "/healthz"))?.ok() == Some(200) {
-                return Ok(agent);
-            }
-            thread::sleep(Duration::from_millis(100));
+        match agent::wait_healthy(&mut agent.child, &node.path(), Duration::from_mins(2)) {
+            Ok(_) => Ok(agent),
+            Err(NotYet::Never(why)) => bail!(
+                "{why}; its log:\n{}",
+                fs::read_to_string(&agent.log_path).unwrap_or_default()
+            ),
+            Err(NotYet::Again(last)) => bail!(
+                "the agent on the API server was not healthy within 120 s (last /healthz: {last}); its log:\n{}",
+                fs::read_to_string(&agent.log_path).unwrap_or_default()
+            ),
         }
-        bail!(
-            "the agent on the API server was not healthy within 120 s; its log:\n{}",
-            fs::read_to_string(&agent.log_path).unwrap_or_default()
-        )
     }
 
     fn pid(&self) -> u32 {

@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -21,9 +21,9 @@ use nix::{
 };
 
 use crate::{
-    describe,
+    NotYet, describe,
     netns::{NetNs, command_in, owner_pid, pid_alive, run_in, unique_stem},
-    run_cmd,
+    run_cmd, wait_for,
 };
 
 /// How fast the agent must apply a manifest change: within one second.
@@ -44,6 +44,48 @@ const READY_TIMEOUT: Duration = Duration::from_mins(1);
 
 /// How long the agent may take to exit after SIGTERM.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits until the agent process `child`, in the namespace at `netns`, answers
+/// 200 on [`HEALTHZ`], for at most `within`: how long it took, or the last
+/// answer seen ([`NotYet::Never`] at once if the process exits first).
+pub fn wait_healthy(child: &mut Child, netns: &Path, within: Duration) -> Result<Duration, NotYet> {
+    let mut last = String::from("no answer yet");
+    wait_for(within, Duration::from_millis(100), || {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                return Err(NotYet::Never(format!(
+                    "the agent exited ({status}) before becoming healthy (last /healthz: {last})"
+                )));
+            }
+            Ok(None) => {}
+            Err(e) => return Err(NotYet::Never(format!("cannot wait for the agent: {e}"))),
+        }
+        last = match run_in(netns, || http_status(HEALTHZ, "/healthz")) {
+            Ok(Ok(200)) => return Ok(()),
+            Ok(Ok(code)) => format!("HTTP {code}"),
+            Ok(Err(e)) | Err(e) => format!("{e:#}"),
+        };
+        Err(NotYet::Again(last.clone()))
+    })
+    .map(|((), took)| took)
+}
+
+/// Waits up to `within` for `child` (sent a signal to stop) to exit: its status,
+/// or what was seen (it still runs, or cannot be waited for). The process is
+/// left as it is.
+pub fn wait_exit(child: &mut Child, within: Duration) -> Result<ExitStatus, NotYet> {
+    wait_for(within, Duration::from_millis(20), || {
+        match child.try_wait() {
+            Ok(Some(status)) => Ok(status),
+            Ok(None) => Err(NotYet::Again(format!("pid {} still runs", child.id()))),
+            Err(e) => Err(NotYet::Never(format!(
+                "cannot wait for pid {}: {e}",
+                child.id()
+            ))),
+        }
+    })
+    .map(|(status, _)| status)
+}
 
 /// The agent binary: `$EBPF_PROXY_BIN`, else `release/ebpf-proxy` in
 /// `$CARGO_TARGET_DIR` or in the workspace's `target/`.
@@ -316,28 +358,18 @@ impl Agent {
 
     /// Polls /healthz until it answers 200; fails early if the agent exits.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        let mut last = String::from("no answer yet");
-        while start.elapsed() < timeout {
-            if let Some(child) = self.child.as_mut()
-                && let Some(status) = child.try_wait()?
-            {
-                bail!(
-                    "the agent exited ({status}) before becoming healthy; its output:\n{}",
-                    self.log()
-                );
-            }
-            match self.healthz() {
-                Ok(200) => return Ok(()),
-                Ok(code) => last = format!("HTTP {code}"),
-                Err(e) => last = format!("{e:#}"),
-            }
-            thread::sleep(Duration::from_millis(100));
+        let child = self
+            .child
+            .as_mut()
+            .ok_or_else(|| anyhow!("the agent is not running"))?;
+        match wait_healthy(child, &self.netns_path, timeout) {
+            Ok(_) => Ok(()),
+            Err(NotYet::Never(why)) => bail!("{why}; its output:\n{}", self.log()),
+            Err(NotYet::Again(last)) => bail!(
+                "the agent was not healthy after {timeout:?} (last /healthz: {last}); its output:\n{}",
+                self.log()
+            ),
         }
-        bail!(
-            "the agent was not healthy after {timeout:?} (last /healthz: {last}); its output:\n{}",
-            self.log()
-        )
     }
 
     /// The status code of `GET /healthz`.
@@ -407,16 +439,16 @@ impl Agent {
             return Ok(status);
         }
         kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).context("SIGTERM the agent")?;
-        let start = Instant::now();
-        while start.elapsed() < EXIT_TIMEOUT {
-            if let Some(status) = child.try_wait()? {
-                return Ok(status);
+        match wait_exit(&mut child, EXIT_TIMEOUT) {
+            Ok(status) => Ok(status),
+            Err(still) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "the agent did not exit within {EXIT_TIMEOUT:?} of SIGTERM ({still}); killed it"
+                )
             }
-            thread::sleep(Duration::from_millis(20));
         }
-        let _ = child.kill();
-        let _ = child.wait();
-        bail!("the agent did not exit within {EXIT_TIMEOUT:?} of SIGTERM; killed it")
     }
 
     /// Runs `ebpf-proxy cleanup` for this agent's bpffs root, in its namespace.

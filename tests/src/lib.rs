@@ -23,6 +23,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod image;
 pub mod iptables;
+pub mod kube_agent;
 pub mod load;
 pub mod manifest;
 pub mod manifest_check;
@@ -126,23 +127,77 @@ pub fn describe(cmd: &Command) -> String {
 /// How often [`eventually`] asks again.
 pub const POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Asks `check` every `every` until it passes, for at most `within`: how long it
-/// took, or its last complaint. The one wait of the harness: a test waits for the
-/// condition it needs, never for a guessed time, and a condition that never comes
-/// is reported with what was last seen.
-pub fn wait_until(
+/// Why a check of [`wait_for`] did not pass: not yet, with what it saw (asked
+/// again until the time is up), or never (waiting longer cannot help, say the
+/// process that was to answer has exited: the wait ends at once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotYet {
+    /// The condition does not hold yet; what was seen instead.
+    Again(String),
+    /// The condition cannot come any more; why.
+    Never(String),
+}
+
+impl std::fmt::Display for NotYet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotYet::Again(seen) => write!(f, "{seen}"),
+            NotYet::Never(why) => write!(f, "gave up: {why}"),
+        }
+    }
+}
+
+impl From<String> for NotYet {
+    fn from(seen: String) -> Self {
+        NotYet::Again(seen)
+    }
+}
+
+impl From<&str> for NotYet {
+    fn from(seen: &str) -> Self {
+        NotYet::Again(seen.to_owned())
+    }
+}
+
+impl From<anyhow::Error> for NotYet {
+    fn from(e: anyhow::Error) -> Self {
+        NotYet::Again(format!("{e:#}"))
+    }
+}
+
+/// Asks `check` every `every` until it gives a value, for at most `within`: the
+/// value and how long it took, or why not ([`NotYet::Again`] with the last thing
+/// seen once the time is up, [`NotYet::Never`] as soon as the check says so). The
+/// one wait of the harness: a test waits for the condition it needs, never for a
+/// guessed time, and a condition that never comes is reported with what was last
+/// seen. The check may complain with a `String`, an `anyhow::Error` or a
+/// [`NotYet`].
+pub fn wait_for<T, E: Into<NotYet>>(
     within: std::time::Duration,
     every: std::time::Duration,
-    mut check: impl FnMut() -> std::result::Result<(), String>,
-) -> std::result::Result<std::time::Duration, String> {
+    mut check: impl FnMut() -> std::result::Result<T, E>,
+) -> std::result::Result<(T, std::time::Duration), NotYet> {
     let start = std::time::Instant::now();
     loop {
-        match check() {
-            Ok(()) => return Ok(start.elapsed()),
-            Err(e) if start.elapsed() > within => return Err(e),
+        match check().map_err(Into::into) {
+            Ok(value) => return Ok((value, start.elapsed())),
+            Err(never @ NotYet::Never(_)) => return Err(never),
+            Err(again) if start.elapsed() > within => return Err(again),
             Err(_) => std::thread::sleep(every),
         }
     }
+}
+
+/// [`wait_for`] of a condition without a value: how long it took, or the last
+/// complaint.
+pub fn wait_until(
+    within: std::time::Duration,
+    every: std::time::Duration,
+    check: impl FnMut() -> std::result::Result<(), String>,
+) -> std::result::Result<std::time::Duration, String> {
+    wait_for(within, every, check)
+        .map(|((), took)| took)
+        .map_err(|e| e.to_string())
 }
 
 /// [`wait_until`] every [`POLL`], panicking with `what` and the last complaint
@@ -153,8 +208,23 @@ pub fn eventually(
     within: std::time::Duration,
     check: impl FnMut() -> std::result::Result<(), String>,
 ) -> std::time::Duration {
-    wait_until(within, POLL, check)
-        .unwrap_or_else(|e| panic!("{what}: still after {within:?}: {e}"))
+    eventually_value(what, within, check).1
+}
+
+/// [`wait_for`] every [`POLL`]: the value and how long it took, or a panic with
+/// `what` and the last complaint (after `within`, or at once when the check says
+/// [`NotYet::Never`]).
+#[track_caller]
+pub fn eventually_value<T, E: Into<NotYet>>(
+    what: &str,
+    within: std::time::Duration,
+    check: impl FnMut() -> std::result::Result<T, E>,
+) -> (T, std::time::Duration) {
+    match wait_for(within, POLL, check) {
+        Ok(done) => done,
+        Err(NotYet::Again(seen)) => panic!("{what}: still after {within:?}: {seen}"),
+        Err(NotYet::Never(why)) => panic!("{what}: given up on before {within:?}: {why}"),
+    }
 }
 
 /// Whether `path` is gone, or goes within `within`.
@@ -191,5 +261,51 @@ impl Protocol {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{NotYet, wait_for};
+
+    const EVERY: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn wait_for_gives_the_value_once_the_check_passes() {
+        let mut asked = 0;
+        let got = wait_for(Duration::from_secs(5), EVERY, || {
+            asked += 1;
+            if asked < 3 {
+                Err(format!("asked {asked} times"))
+            } else {
+                Ok(asked * 10)
+            }
+        });
+        assert_eq!(got.map(|(v, _)| v), Ok(30));
+    }
+
+    #[test]
+    fn wait_for_times_out_with_the_last_complaint() {
+        let mut asked = 0;
+        let got: Result<((), Duration), NotYet> =
+            wait_for(Duration::from_millis(20), EVERY, || {
+                asked += 1;
+                Err(format!("asked {asked} times"))
+            });
+        assert_eq!(got, Err(NotYet::Again(format!("asked {asked} times"))));
+        assert!(asked > 1, "asked again before the time was up");
+    }
+
+    #[test]
+    fn wait_for_gives_up_at_once_on_never() {
+        let mut asked = 0;
+        let got: Result<((), Duration), NotYet> = wait_for(Duration::from_mins(1), EVERY, || {
+            asked += 1;
+            Err(NotYet::Never("the process exited".into()))
+        });
+        assert_eq!(got, Err(NotYet::Never("the process exited".into())));
+        assert_eq!(asked, 1);
     }
 }

@@ -24,6 +24,7 @@ use ebpf_proxy_tests::{
         Topology,
         one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, VIP},
     },
+    wait_for, wait_until,
 };
 use proxy_userspace::{
     datapath::EBPF_OBJECT,
@@ -145,19 +146,23 @@ fn an_interface_added_later_is_attached(fx: &Fixture, agent: &Agent) {
             .expect("ip");
         assert!(status.success(), "ip {args:?}");
     }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !agent
-        .pins()
-        .iter()
-        .any(|p| p.to_string_lossy().contains(name))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "interface {name}, added after the capabilities were dropped, was not attached: pins {:?}\n{}",
-            agent.pins(),
+    let attached = wait_until(
+        std::time::Duration::from_secs(20),
+        std::time::Duration::from_millis(200),
+        || {
+            let pins = agent.pins();
+            if pins.iter().any(|p| p.to_string_lossy().contains(name)) {
+                Ok(())
+            } else {
+                Err(format!("pins {pins:?}"))
+            }
+        },
+    );
+    if let Err(last) = attached {
+        panic!(
+            "interface {name}, added after the capabilities were dropped, was not attached: {last}\n{}",
             agent.log()
         );
-        std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
 
@@ -175,27 +180,33 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
     let pid = agent.pid().expect("running");
     let started_with: u64 = caps.iter().map(|c| bit(c)).sum();
     let steady: u64 = ["BPF", "NET_ADMIN"].iter().map(|c| bit(c)).sum();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let sets = loop {
-        let sets = thread_sets(pid);
-        let dropped = sets.iter().all(|(_, s)| {
-            s.is_some_and(|s| {
-                s.effective == steady
-                    && s.permitted == steady
-                    && s.inheritable & !steady == 0
-                    && s.no_new_privs
-            })
-        });
-        if dropped {
-            break sets;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
+    let dropped = wait_for(
+        std::time::Duration::from_secs(20),
+        std::time::Duration::from_millis(100),
+        || {
+            let sets = thread_sets(pid);
+            let dropped = sets.iter().all(|(_, s)| {
+                s.is_some_and(|s| {
+                    s.effective == steady
+                        && s.permitted == steady
+                        && s.inheritable & !steady == 0
+                        && s.no_new_privs
+                })
+            });
+            if dropped {
+                Ok(sets)
+            } else {
+                Err(format!("threads: {sets:#?}"))
+            }
+        },
+    );
+    let sets = match dropped {
+        Ok((sets, _)) => sets,
+        Err(last) => panic!(
             "started with {started_with:016x} ({caps:?}); every thread should hold exactly \
-             {steady:016x} (BPF, NET_ADMIN) with no_new_privs once serving; threads: {sets:#?}\n{}",
+             {steady:016x} (BPF, NET_ADMIN) with no_new_privs once serving; {last}\n{}",
             agent.log()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        ),
     };
     eprintln!(
         "capabilities: started with CapEff {started_with:016x} ({caps:?}); steady state CapEff/CapPrm {steady:016x} on all {} threads",
@@ -219,18 +230,23 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
         )
         .expect("write manifest");
     let client = &fx.topology.pod(CLIENT.0).ns;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let tally = tcp_tally(client, later, 5, TIMEOUT).expect("connections");
-        if tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [5] {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a Service added after the capabilities were dropped is not served: {tally:?}\n{}",
+    let served = wait_until(
+        std::time::Duration::from_secs(10),
+        std::time::Duration::from_millis(200),
+        || {
+            let tally = tcp_tally(client, later, 5, TIMEOUT).expect("connections");
+            if tally.failures.is_empty() && tally.counts_for(&[BACKEND.0]) == [5] {
+                Ok(())
+            } else {
+                Err(format!("{tally:?}"))
+            }
+        },
+    );
+    if let Err(last) = served {
+        panic!(
+            "a Service added after the capabilities were dropped is not served: {last}\n{}",
             agent.log()
         );
-        std::thread::sleep(std::time::Duration::from_millis(200));
     }
 
     an_interface_added_later_is_attached(&fx, &agent);

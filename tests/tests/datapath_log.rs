@@ -21,6 +21,7 @@ use ebpf_proxy_tests::{
     manifest::{Service, ServiceType},
     require_root, run_cmd,
     sandbox::Sandbox,
+    wait_for, wait_until,
 };
 use proxy_common::datapath_log::PER_CPU_PER_WINDOW;
 
@@ -64,18 +65,19 @@ fn sandbox(args: &[&str]) -> Sandbox {
 /// Waits until a connection to the empty Service is refused (the agent has
 /// programmed the manifests). Uses source port 40000, which no test looks for.
 fn wait_programmed(sb: &Sandbox) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let outcome = tcp_from(sb, 40000, SocketAddrV4::new(EMPTY_IP, 80), TIMEOUT);
-        if outcome == Outcome::Refused {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the empty Service was never rejected (last: {outcome}); agent output:\n{}",
+    let rejected = wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || match tcp_from(sb, 40000, SocketAddrV4::new(EMPTY_IP, 80), TIMEOUT) {
+            Outcome::Refused => Ok(()),
+            other => Err(format!("{other}")),
+        },
+    );
+    if let Err(last) = rejected {
+        panic!(
+            "the empty Service was never rejected (last: {last}); agent output:\n{}",
             sb.agent().log()
         );
-        thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -117,21 +119,19 @@ fn datapath_lines(agent: &Agent, text: &str) -> Vec<String> {
 /// `parts`; panics with the agent's datapath lines if it never does.
 #[track_caller]
 fn expect_logged(agent: &Agent, parts: &[&str]) -> String {
-    let deadline = Instant::now() + LOG_WAIT;
-    loop {
-        let found = datapath_lines(agent, parts[0])
+    let found = wait_for(LOG_WAIT, Duration::from_millis(100), || {
+        datapath_lines(agent, parts[0])
             .into_iter()
-            .find(|l| parts.iter().all(|p| l.contains(p)));
-        if let Some(line) = found {
-            return line;
-        }
-        assert!(
-            Instant::now() <= deadline,
+            .find(|l| parts.iter().all(|p| l.contains(p)))
+            .ok_or("no such line yet")
+    });
+    let Ok((line, _)) = found else {
+        panic!(
             "no datapath log line with {parts:?} within {LOG_WAIT:?}; the agent's datapath lines:\n{}",
             datapath_lines(agent, "").join("\n")
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
+        )
+    };
+    line
 }
 
 fn counter(agent: &Agent, name: &str) -> u64 {
@@ -261,16 +261,20 @@ fn a_flood_of_rejects_is_rate_limited() {
     );
     let unsent = counter(agent, "reject_rate_limited") - unsent_before;
     let rejects = decided - unsent;
-    // Every reject is either a record or a count; wait for the records.
-    let deadline = Instant::now() + LOG_WAIT;
-    let (lines, limited) = loop {
+    // Every reject is either a record or a count; wait for the records (the
+    // count below says what was missing if they never all come).
+    let mut seen = (0, 0);
+    let _ = wait_until(LOG_WAIT, Duration::from_millis(100), || {
         let lines = datapath_lines(agent, ":40301 ").len() as u64;
         let limited = counter(agent, "log_rate_limited") - limited_before;
-        if lines + limited >= rejects || Instant::now() > deadline {
-            break (lines, limited);
+        seen = (lines, limited);
+        if lines + limited >= rejects {
+            Ok(())
+        } else {
+            Err(format!("{lines} records + {limited} rate limited"))
         }
-        thread::sleep(Duration::from_millis(100));
-    };
+    });
+    let (lines, limited) = seen;
     let cpus = aya::util::nr_cpus().expect("CPU count") as u64;
     // The flood spans at most this many one-second windows.
     let windows = elapsed.as_secs() + 2;

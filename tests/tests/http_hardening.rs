@@ -17,8 +17,9 @@ use std::{
 };
 
 use ebpf_proxy_tests::{
-    Protocol,
+    POLL, Protocol,
     agent::{Agent, HEALTHZ, http_get},
+    eventually, eventually_value,
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
     netns::run_in,
     require_root,
@@ -26,6 +27,7 @@ use ebpf_proxy_tests::{
         NODE_IP, Topology,
         one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT},
     },
+    wait_until,
 };
 
 const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
@@ -174,14 +176,11 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
     let pid = fx.agent.pid().expect("running");
     let health_check = SocketAddrV4::new(Ipv4Addr::LOCALHOST, HEALTH_CHECK_PORT);
     run_in(&node, || {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while http_get(health_check, "/").is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "the health check port never opened"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        eventually_value(
+            "the health check port open",
+            Duration::from_secs(20),
+            || http_get(health_check, "/"),
+        )
     })
     .expect("in the node");
 
@@ -195,6 +194,7 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
             let started = Instant::now();
             let answer = http_get(HEALTHZ, "/healthz").map(|(status, _)| status);
             probes.push((started.elapsed(), answer.map_err(|e| format!("{e:#}"))));
+            // The point: the probes are spread over the time the flood is held.
             std::thread::sleep(Duration::from_millis(100));
         }
         (flood, probes)
@@ -220,7 +220,8 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
         during.saturating_sub(before)
     );
 
-    // Past the header timeout the server has closed every one of them.
+    // Past the header timeout the server has closed every one of them. The
+    // point: the timeout is what is tested, so it is let run out.
     std::thread::sleep(HEADER_READ_TIMEOUT + Duration::from_secs(1));
     let still_open = flood
         .iter_mut()
@@ -237,10 +238,17 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
     let over = run_in(&node, || {
         let one = Ipv4Addr::new(127, 0, 9, 9);
         let mut held = slowloris(100, HEALTHZ, |_| one);
-        // Long enough for the agent to close those over the limit, well
+        // Until the agent has closed those over the limit, within a time well
         // short of the header timeout that closes the others.
-        std::thread::sleep(Duration::from_millis(500));
-        let closed = held.iter_mut().map(closed_now).filter(|c| *c).count();
+        let closed_count =
+            |held: &mut Vec<TcpStream>| held.iter_mut().map(closed_now).filter(|c| *c).count();
+        let _ = wait_until(HEADER_READ_TIMEOUT / 2, POLL, || {
+            match closed_count(&mut held) {
+                n if n >= 68 => Ok(()),
+                n => Err(format!("{n} closed")),
+            }
+        });
+        let closed = closed_count(&mut held);
         let status = http_get(HEALTHZ, "/healthz").map(|(s, _)| s).ok();
         let (_, metrics) = http_get(METRICS, "/metrics").expect("metrics");
         (closed, status, metrics)
@@ -252,19 +260,23 @@ fn the_http_listeners_hold_under_a_slowloris_flood() {
         closed, 68,
         "100 connections from one address: all but 32 closed at once"
     );
-    // The snapshot may be up to a second old.
-    std::thread::sleep(Duration::from_millis(1100));
-    let (_, metrics_now) = run_in(&node, || http_get(METRICS, "/metrics"))
-        .expect("in the node")
-        .expect("metrics");
-    let rejected = metric(
-        &metrics_now,
-        r#"ebpf_proxy_http_connections_rejected_total{listener="healthz",reason="peer_limit"}"#,
-    );
-    assert!(
-        rejected.is_some_and(|n| n >= 68.0),
-        "the rejections are counted: {rejected:?}\n{metrics}"
-    );
+    // The snapshot may be up to a second old: until one shows them.
+    eventually("the rejections counted", Duration::from_secs(5), || {
+        let (_, metrics_now) = run_in(&node, || http_get(METRICS, "/metrics"))
+            .map_err(|e| format!("{e:#}"))?
+            .map_err(|e| format!("{e:#}"))?;
+        let rejected = metric(
+            &metrics_now,
+            r#"ebpf_proxy_http_connections_rejected_total{listener="healthz",reason="peer_limit"}"#,
+        );
+        if rejected.is_some_and(|n| n >= 68.0) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{rejected:?} (68 or more wanted)\n{metrics_now}\nbefore:\n{metrics}"
+            ))
+        }
+    });
 }
 
 #[test]
@@ -301,14 +313,11 @@ fn health_check_ports_listen_only_where_nodeport_addresses_allows() {
     let allowed = SocketAddrV4::new(NODE_IP, HEALTH_CHECK_PORT);
     let other = SocketAddrV4::new(OTHER_NODE_IP, HEALTH_CHECK_PORT);
     let (on_allowed, on_other) = run_in(&node, || {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let answer = loop {
-            match http_get(allowed, "/") {
-                Ok((status, _)) => break status,
-                Err(e) => assert!(Instant::now() < deadline, "{allowed}: {e:#}"),
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
+        let ((answer, _), _) = eventually_value(
+            &format!("{allowed} answering"),
+            Duration::from_secs(20),
+            || http_get(allowed, "/"),
+        );
         (answer, TcpStream::connect(other).map(|_| ()))
     })
     .expect("in the node");

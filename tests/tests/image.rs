@@ -422,6 +422,8 @@ fn probe_until_healthy(netns: &NetNs, probe: &Probe, container: &Running) -> u32
             state == "running" || state == "created" || state == "configured",
             "the container is {state} before its probe {path} passed (last: {last})"
         );
+        // The point: the probe is asked as the kubelet asks it, once a period, at
+        // most its failure threshold times; what is tested is that it passes so.
         thread::sleep(period);
     }
     panic!("the probe {addr}{path} failed {threshold} times (last: {last})");

@@ -10,31 +10,24 @@ use ebpf_proxy_apiserver as apiserver;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fs::{self, File},
     net::{Ipv4Addr, SocketAddrV4},
-    os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use apiserver::{Fault, Resource, Verb, node, service, slice};
 use ebpf_proxy_tests::{
-    agent::{self, HEALTHZ},
     client::{Outcome, tcp_request, tcp_tally},
     eventually,
-    netns::{NetNs, command_in, run_in, unique_stem},
-    require_root, run_cmd,
+    kube_agent::KubeAgent,
+    netns::NetNs,
+    require_root,
     sandbox::Sandbox,
-};
-use nix::{
-    sys::signal::{Signal, kill},
-    unistd::Pid,
 };
 use proxy_common::{AffinityKey, AffinityValue, ServiceKey};
 use proxy_userspace::{
@@ -51,159 +44,6 @@ const CONVERGE: Duration = Duration::from_secs(5);
 /// Recovery after an outage includes kube-rs's backoff (up to ~6 s after a few
 /// failed attempts).
 const RECOVERY: Duration = Duration::from_secs(20);
-
-/// `ebpf-proxy run --master URL` in a namespace, stopped and cleaned up on drop.
-/// (The harness's `Agent` always passes `--manifests`.)
-struct KubeAgent {
-    child: Option<Child>,
-    bin: PathBuf,
-    netns_path: PathBuf,
-    node_name: String,
-    master: String,
-    extra_args: Vec<String>,
-    bpf_root: PathBuf,
-    log_path: PathBuf,
-}
-
-impl KubeAgent {
-    fn start(node: &NetNs, master: &str) -> KubeAgent {
-        Self::start_with(node, master, &[])
-    }
-
-    fn start_with(node: &NetNs, master: &str, extra_args: &[&str]) -> KubeAgent {
-        let bin = agent::binary().expect("the agent binary");
-        let stem = unique_stem();
-        // The harness's prefix, so its stale-state sweep knows these.
-        let bpf_root = PathBuf::from(format!("/sys/fs/bpf/ebpf-proxy-test-{stem}"));
-        let log_path = std::env::temp_dir().join(format!("{stem}-kube-agent.log"));
-        let mut agent = KubeAgent {
-            child: None,
-            bin,
-            netns_path: node.path(),
-            node_name: node.name().to_owned(),
-            master: master.to_owned(),
-            extra_args: extra_args.iter().map(ToString::to_string).collect(),
-            bpf_root,
-            log_path,
-        };
-        agent.spawn();
-        agent.wait_healthy(Duration::from_mins(1));
-        agent
-    }
-
-    /// Starts the agent process, its log written afresh.
-    fn spawn(&mut self) {
-        let log = File::create(&self.log_path).expect("agent log file");
-        let mut cmd = command_in(&self.netns_path, &self.bin);
-        cmd.arg("run")
-            .arg("--master")
-            .arg(&self.master)
-            .arg("--bpf-root")
-            .arg(&self.bpf_root)
-            .arg("--healthz-bind-address")
-            .arg(HEALTHZ.to_string())
-            .arg("--node-name")
-            .arg(&self.node_name)
-            .args(&self.extra_args)
-            .env_remove("KUBECONFIG")
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log)
-            .process_group(0);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
-        self.child = Some(cmd.spawn().expect("start the agent"));
-    }
-
-    /// Kills the agent as a crash would (SIGKILL: nothing tidied up) and
-    /// starts another on the same pins; returns once it is healthy.
-    fn restart(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
-            child.wait().expect("wait for the killed agent");
-        }
-        self.spawn();
-        self.wait_healthy(Duration::from_mins(1));
-    }
-
-    fn wait_healthy(&mut self, timeout: Duration) {
-        let start = Instant::now();
-        let mut last = String::from("no answer yet");
-        while start.elapsed() < timeout {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().expect("wait"))
-            {
-                panic!(
-                    "the agent exited ({status}) before becoming healthy:\n{}",
-                    self.log()
-                );
-            }
-            match run_in(&self.netns_path, || agent::http_status(HEALTHZ, "/healthz")) {
-                Ok(Ok(200)) => return,
-                Ok(Ok(code)) => last = format!("HTTP {code}"),
-                Ok(Err(e)) | Err(e) => last = format!("{e:#}"),
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-        panic!(
-            "the agent was not healthy after {timeout:?} (last /healthz: {last}):\n{}",
-            self.log()
-        );
-    }
-
-    fn healthz(&self) -> String {
-        match run_in(&self.netns_path, || agent::http_status(HEALTHZ, "/healthz")) {
-            Ok(Ok(code)) => format!("HTTP {code}"),
-            Ok(Err(e)) | Err(e) => format!("{e:#}"),
-        }
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log_path)
-            .unwrap_or_else(|e| format!("(cannot read {}: {e})", self.log_path.display()))
-    }
-}
-
-impl Drop for KubeAgent {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            let start = Instant::now();
-            while child.try_wait().ok().flatten().is_none() {
-                if start.elapsed() > Duration::from_secs(10) {
-                    eprintln!("warning: the agent ignored SIGTERM for 10 s; killing it");
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break;
-                }
-                thread::sleep(Duration::from_millis(20));
-            }
-        }
-        let mut cleanup = command_in(&self.netns_path, &self.bin);
-        cleanup.arg("cleanup").arg("--bpf-root").arg(&self.bpf_root);
-        if let Err(e) = run_cmd(&mut cleanup) {
-            eprintln!("warning: agent cleanup failed: {e:#}");
-        }
-        if self.bpf_root.exists()
-            && let Err(e) = fs::remove_dir_all(&self.bpf_root)
-        {
-            eprintln!("warning: cannot remove {}: {e}", self.bpf_root.display());
-        }
-        if thread::panicking() {
-            eprintln!(
-                "----- agent output ({}) -----\n{}----- end of agent output -----",
-                self.log_path.display(),
-                self.log()
-            );
-        }
-        let _ = fs::remove_file(&self.log_path);
-    }
-}
 
 /// Which backends answer `n` new connections to the VIP; an error for any request
 /// that was not answered.
@@ -431,6 +271,9 @@ fn watch_for_fewer_endpoints(
                     ));
                 }
             }
+            // The point: the map is sampled at a steady pace for as long as the
+            // restart runs; what it looks for must never happen, so there is no
+            // condition to wait for.
             thread::sleep(Duration::from_millis(2));
         }
         (reads, fewer)
@@ -505,7 +348,7 @@ fn restarts_are_diffs_whichever_list_comes_first() {
         fresh_ops.iter().sum::<u64>(),
         fresh_ops.len()
     );
-    let (services, affinity) = pinned_state(&agent.bpf_root);
+    let (services, affinity) = pinned_state(agent.bpf_root());
     assert!(
         !affinity.is_empty(),
         "the client's connections left no AFFINITY entry"
@@ -535,7 +378,7 @@ fn restarts_are_diffs_whichever_list_comes_first() {
         Resource::Nodes,
     ] {
         let what = format!("restart with the {} listing late", delayed.kind());
-        let (services, affinity) = pinned_state(&agent.bpf_root);
+        let (services, affinity) = pinned_state(agent.bpf_root());
         let counts: BTreeMap<ServiceKey, u32> = services
             .services
             .iter()
@@ -544,7 +387,8 @@ fn restarts_are_diffs_whichever_list_comes_first() {
         let first_request = server.requests().len();
         server.fail_next(delayed, Verb::List, Fault::Delay(Duration::from_secs(2)), 1);
         let stop = Arc::new(AtomicBool::new(false));
-        let watcher = watch_for_fewer_endpoints(agent.bpf_root.clone(), counts, Arc::clone(&stop));
+        let watcher =
+            watch_for_fewer_endpoints(agent.bpf_root().to_path_buf(), counts, Arc::clone(&stop));
         agent.restart();
         // Healthy: past the first sync. Then past the late listing, and a
         // little longer for any sync that would follow it.
@@ -587,7 +431,7 @@ fn restarts_are_diffs_whichever_list_comes_first() {
         if !fewer.is_empty() {
             differs.push(format!("frontends seen with fewer backends: {fewer:?}"));
         }
-        let (services_now, affinity_now) = pinned_state(&agent.bpf_root);
+        let (services_now, affinity_now) = pinned_state(agent.bpf_root());
         if services_now != services {
             differs.push("the service maps changed (backend or service ids reassigned)".into());
         }
@@ -668,7 +512,7 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
 
     // Fill BACKENDS with entries of ids the agent does not use, until the
     // kernel refuses one.
-    let pins = PinLayout::new(&agent.bpf_root);
+    let pins = PinLayout::new(agent.bpf_root());
     let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
     let fillers = fill_backends(&mut maps);
     // `status` shows how full each map is: this one is.
@@ -805,7 +649,7 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
     let context = |what: &str| format!("{what} (agent /healthz: {})", agent.healthz());
 
     // BACKENDS full, then room for 1,000.
-    let pins = PinLayout::new(&agent.bpf_root);
+    let pins = PinLayout::new(agent.bpf_root());
     let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
     let fillers = fill_backends(&mut maps);
     let room = 1000;
@@ -852,7 +696,7 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
         &context("every bulk Service programmed once there is room"),
         RECOVERY,
         || {
-            let (stored, _) = pinned_state(&agent.bpf_root);
+            let (stored, _) = pinned_state(agent.bpf_root());
             stored
                 .check_consistent()
                 .map_err(|e| format!("a packet would see an inconsistent service: {e}"))?;
@@ -873,7 +717,7 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
         },
     );
     eprintln!("every bulk Service landed {took:?} after the room was made");
-    let (stored, _) = pinned_state(&agent.bpf_root);
+    let (stored, _) = pinned_state(agent.bpf_root());
     assert_eq!(
         stored.backends.len(),
         // 400 Services' fourth endpoints are one backend.

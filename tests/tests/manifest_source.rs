@@ -2,18 +2,14 @@
 //! directory of many files, left alone, is not parsed again; an edit of one
 //! of them is parsed alone and reaches the maps.
 
-use std::{
-    net::Ipv4Addr,
-    thread,
-    time::{Duration, Instant},
-};
+use std::{net::Ipv4Addr, thread, time::Duration};
 
 use ebpf_proxy_tests::{
     Protocol,
     agent::Agent,
     manifest::{ManifestDir, Service},
     netns::{NetNs, unique_stem},
-    require_root,
+    require_root, wait_until,
 };
 use serde_json::Value;
 
@@ -91,23 +87,25 @@ fn one_edited_file_of_many_is_parsed_alone_and_reaches_the_maps() {
         .expect("editing one manifest");
     let frontend = format!("{}:80", vip(7));
     let backend = format!("{moved}:8080");
-    let started = Instant::now();
-    loop {
-        let status = agent.status().expect("ebpf-proxy status");
+    let reached = wait_until(CONVERGE, Duration::from_millis(100), || {
+        let status = agent
+            .status()
+            .map_err(|e| format!("ebpf-proxy status: {e:#}"))?;
         let line = status
             .lines()
             .find(|l| l.contains(&frontend))
-            .unwrap_or_default()
-            .to_owned();
+            .unwrap_or_default();
         if line.contains(&backend) {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{frontend} is {line:?}\nstatus:\n{status}"))
         }
-        assert!(
-            started.elapsed() < CONVERGE,
-            "the edit of {} did not reach the maps within {CONVERGE:?}: {frontend} is {line:?}\nstatus:\n{status}",
+    });
+    if let Err(last) = reached {
+        panic!(
+            "the edit of {} did not reach the maps within {CONVERGE:?}: {last}",
             edited.display()
         );
-        thread::sleep(Duration::from_millis(100));
     }
     let changed = logged(&agent, "manifests changed");
     assert_eq!(

@@ -22,7 +22,7 @@ use apiserver::{node, service, slice};
 use ebpf_proxy_tests::{
     agent::{Agent, http_get},
     client::tcp_tally,
-    eventually,
+    eventually, eventually_value,
     netns::NetNs,
     require_root,
     sandbox::Sandbox,
@@ -89,9 +89,30 @@ impl Scrape {
 }
 
 /// A scrape that sees what happened before it: /metrics is served from a
-/// snapshot up to a second old (docs/security.md, "HTTP endpoints").
+/// snapshot up to a second old (docs/security.md, "HTTP endpoints"), so the
+/// first snapshot begun after the call, one whose count of encodings is past
+/// that of the snapshot answering at the call.
 fn scrape(node: &NetNs) -> Scrape {
-    std::thread::sleep(Duration::from_millis(1100));
+    const SNAPSHOTS: &str = "ebpf_proxy_metrics_snapshots_total";
+    let at_call = scrape_now(node).get(SNAPSHOTS, &[]);
+    eventually_value(
+        "a /metrics snapshot begun after the scrape was asked for",
+        Duration::from_secs(5),
+        || {
+            let now = scrape_now(node);
+            match now.get(SNAPSHOTS, &[]) {
+                n if n > at_call => Ok(now),
+                n => Err(format!(
+                    "still snapshot {n} ({SNAPSHOTS}), the one answering at the call"
+                )),
+            }
+        },
+    )
+    .0
+}
+
+/// What /metrics answers now (a snapshot up to a second old).
+fn scrape_now(node: &NetNs) -> Scrape {
     let (status, response) = node
         .run(|| http_get(METRICS, "/metrics"))
         .expect("enter the node namespace")

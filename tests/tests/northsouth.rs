@@ -12,8 +12,7 @@ mod northsouth_scenarios;
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use ebpf_proxy_tests::{
@@ -21,6 +20,7 @@ use ebpf_proxy_tests::{
     client::{Outcome, tcp_request},
     cluster::NODE_A_IP,
     manifest::{ServiceType, TrafficPolicy},
+    wait_for, wait_until,
 };
 use northsouth_scenarios::{self as scenario, BACKEND, Fixture, HEALTH_PORT, LocalDetector, Path};
 
@@ -118,30 +118,27 @@ fn health_check_port_opens_once_freed() {
             .run(|| http_get(SocketAddrV4::new(node, HEALTH_PORT), "/"))
             .expect("run in client")
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !fx.agents[0]
-        .log()
-        .contains("could not open health check node port")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "node A's agent never tried the held port; its log:\n{}",
-            fx.agents[0].log()
-        );
-        thread::sleep(Duration::from_millis(100));
+    let tried = wait_until(Duration::from_secs(10), Duration::from_millis(100), || {
+        let log = fx.agents[0].log();
+        if log.contains("could not open health check node port") {
+            Ok(())
+        } else {
+            Err(format!("its log:\n{log}"))
+        }
+    });
+    if let Err(last) = tried {
+        panic!("node A's agent never tried the held port; {last}");
     }
     drop(squatter);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let (status, body) = loop {
-        match health(NODE_A_IP) {
-            Ok(answer) => break answer,
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "the health check port on A never opened once freed: {e:#}; agent log:\n{}",
-                fx.agents[0].log()
-            ),
-        }
-        thread::sleep(Duration::from_millis(100));
+    let opened = wait_for(Duration::from_secs(15), Duration::from_millis(100), || {
+        health(NODE_A_IP)
+    });
+    let (status, body) = match opened {
+        Ok((answer, _)) => answer,
+        Err(last) => panic!(
+            "the health check port on A never opened once freed: {last}; agent log:\n{}",
+            fx.agents[0].log()
+        ),
     };
     assert_eq!(
         status, 503,
@@ -227,17 +224,16 @@ fn nodeport_addresses_primary_serves_the_primary_address_only() {
         );
         // The agent knows the second address before it is asked: it follows
         // the interfaces every few seconds.
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !fx.agents[0]
-            .status()
-            .expect("ebpf-proxy status")
-            .contains(&SECOND.to_string())
-        {
-            assert!(
-                Instant::now() < deadline,
-                "node A's agent never listed {SECOND} among its addresses"
-            );
-            thread::sleep(Duration::from_millis(100));
+        let listed = wait_until(Duration::from_secs(15), Duration::from_millis(100), || {
+            let status = fx.agents[0].status().expect("ebpf-proxy status");
+            if status.contains(&SECOND.to_string()) {
+                Ok(())
+            } else {
+                Err(format!("its status:\n{status}"))
+            }
+        });
+        if let Err(last) = listed {
+            panic!("node A's agent never listed {SECOND} among its addresses; {last}");
         }
         let via_second = SocketAddrV4::new(SECOND, scenario::NODE_PORT);
         let outcome = tcp_request(fx.client("client1"), via_second, Duration::from_secs(2));

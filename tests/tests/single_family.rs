@@ -9,14 +9,11 @@
 //! Every test builds its own namespaces, bpffs root and manifest directory, so they run
 //! in parallel; everything is removed on drop, also when a test fails.
 
-use std::{
-    net::Ipv4Addr,
-    thread,
-    time::{Duration, Instant},
-};
+use std::{net::Ipv4Addr, time::Duration};
 
 use ebpf_proxy_tests::{
     client::{Peer, TIMEOUT, assert_all_replied_from, tcp_tally, udp_tally},
+    eventually,
     netns::NetNs,
     require_root,
     sandbox::Sandbox,
@@ -28,6 +25,7 @@ use ebpf_proxy_tests::{
         },
         pod_ip6,
     },
+    wait_until,
 };
 
 /// What the agent logs when the node has no address of a family.
@@ -96,17 +94,16 @@ fn logged(sb: &Sandbox, text: &str) -> usize {
 }
 
 /// Waits up to `limit` for the agent's log to hold `text` `times` times.
+#[track_caller]
 fn wait_logged(sb: &Sandbox, text: &str, times: usize, limit: Duration) {
-    let start = Instant::now();
-    while logged(sb, text) < times {
-        assert!(
-            start.elapsed() < limit,
-            "{limit:?} on, the agent logged {text:?} {} times, not {times}:\n{}",
-            logged(sb, text),
-            sb.agent().log()
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    eventually(
+        &format!("{text:?} logged {times} times"),
+        limit,
+        || match logged(sb, text) {
+            n if n >= times => Ok(()),
+            n => Err(format!("logged {n} times; the log:\n{}", sb.agent().log())),
+        },
+    );
 }
 
 /// A node without a global IPv6 address serves its IPv6 Services to pods all the
@@ -150,13 +147,17 @@ fn a_node_without_an_ipv6_address_serves_ipv6_services_and_says_so_once() {
         .add_pod("late", Ipv4Addr::new(10, 200, 0, 4))
         .expect("add a pod");
     let late_ns = &late.ns;
-    let start = Instant::now();
-    while tcp_tally(late_ns, http6(CLUSTER_IP6), 1, TIMEOUT).map_or(true, |t| t.replies() == 0) {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "a pod created after the agent started never reached the IPv6 ClusterIP"
-        );
-        thread::sleep(Duration::from_millis(100));
+    let reached = wait_until(
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+        || match tcp_tally(late_ns, http6(CLUSTER_IP6), 1, TIMEOUT) {
+            Ok(t) if t.replies() > 0 => Ok(()),
+            Ok(t) => Err(format!("{t:?}")),
+            Err(e) => Err(format!("{e:#}")),
+        },
+    );
+    if let Err(last) = reached {
+        panic!("a pod created after the agent started never reached the IPv6 ClusterIP: {last}");
     }
     assert_eq!(
         logged(&sb, NO_IPV6),

@@ -12,32 +12,25 @@
 use ebpf_proxy_apiserver as apiserver;
 
 use std::{
-    fs::{self, File},
+    fs,
     net::{Ipv4Addr, SocketAddrV4},
-    os::unix::process::CommandExt,
-    path::PathBuf,
-    process::{Child, Stdio},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use apiserver::{ApiServer, Resource};
 use ebpf_proxy_tests::{
-    agent::{self, HEALTHZ},
+    agent,
     client::{Outcome, tcp_request},
     eventually,
-    netns::{NetNs, command_in, run_in, unique_stem},
-    require_root, run_cmd,
+    kube_agent::KubeAgent,
+    netns::{NetNs, run_in},
+    require_root,
     sandbox::Sandbox,
     servers::TcpServer,
     topology::{
         NODE_IP,
         one_node::{BACKENDS, CLIENT, TCP_PORT, UDP_PORT},
     },
-};
-use nix::{
-    sys::signal::{Signal, kill},
-    unistd::Pid,
 };
 use proxy_userspace::datapath::{Maps, PinLayout};
 use serde_json::{Value, json};
@@ -52,116 +45,25 @@ const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10249);
 
 // ---- the agent on the API ------------------------------------------------------
 
-/// `ebpf-proxy run --master URL` in the node namespace, stopped and cleaned up on
-/// drop (its log printed when the test failed).
-struct KubeAgent {
-    child: Option<Child>,
-    bin: PathBuf,
-    netns_path: PathBuf,
-    node_name: String,
-    master: String,
-    extra_args: Vec<String>,
-    bpf_root: PathBuf,
-    log_path: PathBuf,
+/// What these tests read of the agent ([`KubeAgent`]) besides the traffic: its
+/// programmed frontends, its memory and its count of refused addresses.
+trait PolicyAgent {
+    /// Frontends in the pinned SERVICES map.
+    fn frontends(&self) -> usize;
+    /// The agent's resident memory (`VmRSS`), in KiB.
+    fn rss_kib(&self) -> u64;
+    /// The value of `ebpf_proxy_service_addresses_refused{reason}`, as scraped now.
+    fn refused(&self, reason: &str) -> Option<String>;
+    /// Waits until `reason` has `want` addresses refused.
+    fn wait_refused(&self, reason: &str, want: &str);
 }
 
-impl KubeAgent {
-    fn start(node: &NetNs, master: &str, extra_args: &[&str]) -> KubeAgent {
-        let stem = unique_stem();
-        let mut agent = KubeAgent {
-            child: None,
-            bin: agent::binary().expect("the agent binary"),
-            netns_path: node.path(),
-            node_name: node.name().to_owned(),
-            master: master.to_owned(),
-            extra_args: extra_args.iter().map(ToString::to_string).collect(),
-            // The harness's prefix, so its stale-state sweep knows these.
-            bpf_root: PathBuf::from(format!("/sys/fs/bpf/ebpf-proxy-test-{stem}")),
-            log_path: std::env::temp_dir().join(format!("{stem}-tenant-policy-agent.log")),
-        };
-        agent.spawn();
-        agent.wait_healthy();
-        agent
-    }
-
-    fn spawn(&mut self) {
-        let log = File::create(&self.log_path).expect("agent log file");
-        let mut cmd = command_in(&self.netns_path, &self.bin);
-        cmd.arg("run")
-            .arg("--master")
-            .arg(&self.master)
-            .arg("--bpf-root")
-            .arg(&self.bpf_root)
-            .arg("--healthz-bind-address")
-            .arg(HEALTHZ.to_string())
-            .arg("--node-name")
-            .arg(&self.node_name)
-            .args(&self.extra_args)
-            .env_remove("KUBECONFIG")
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env("NO_COLOR", "1")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log file"))
-            .stderr(log)
-            .process_group(0);
-        self.child = Some(cmd.spawn().expect("start the agent"));
-    }
-
-    /// Kills the agent as a crash would and starts another on the same pins.
-    fn restart(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
-            child.wait().expect("wait for the killed agent");
-        }
-        self.spawn();
-        self.wait_healthy();
-    }
-
-    fn wait_healthy(&mut self) {
-        let timeout = Duration::from_mins(1);
-        let start = Instant::now();
-        let mut last = String::from("no answer yet");
-        while start.elapsed() < timeout {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().expect("wait"))
-            {
-                panic!(
-                    "the agent exited ({status}) before becoming healthy:\n{}",
-                    self.log()
-                );
-            }
-            match run_in(&self.netns_path, || agent::http_status(HEALTHZ, "/healthz")) {
-                Ok(Ok(200)) => return,
-                Ok(Ok(code)) => last = format!("HTTP {code}"),
-                Ok(Err(e)) | Err(e) => last = format!("{e:#}"),
-            }
-            thread::sleep(ebpf_proxy_tests::POLL);
-        }
-        panic!(
-            "the agent was not healthy after {timeout:?} (last /healthz: {last}):\n{}",
-            self.log()
-        );
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("a running agent").id()
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log_path)
-            .unwrap_or_else(|e| format!("(cannot read {}: {e})", self.log_path.display()))
-    }
-
-    /// Frontends in the pinned SERVICES map.
+impl PolicyAgent for KubeAgent {
     fn frontends(&self) -> usize {
-        let maps = Maps::open_pinned(&PinLayout::new(&self.bpf_root)).expect("the pinned maps");
+        let maps = Maps::open_pinned(&PinLayout::new(self.bpf_root())).expect("the pinned maps");
         maps.services.iter().count()
     }
 
-    /// The agent's resident memory (`VmRSS`), in KiB.
     fn rss_kib(&self) -> u64 {
         let status = fs::read_to_string(format!("/proc/{}/status", self.pid()))
             .expect("the agent's /proc status");
@@ -173,10 +75,9 @@ impl KubeAgent {
             .unwrap_or_else(|| panic!("no VmRSS in the agent's status:\n{status}"))
     }
 
-    /// The value of `ebpf_proxy_service_addresses_refused{reason}`, as scraped now.
     fn refused(&self, reason: &str) -> Option<String> {
         let series = format!("ebpf_proxy_service_addresses_refused{{reason=\"{reason}\"}} ");
-        let (status, body) = run_in(&self.netns_path, || agent::http_get(METRICS, "/metrics"))
+        let (status, body) = run_in(self.netns_path(), || agent::http_get(METRICS, "/metrics"))
             .expect("enter the node namespace")
             .expect("GET /metrics");
         assert_eq!(status, 200, "GET /metrics:\n{body}");
@@ -184,7 +85,6 @@ impl KubeAgent {
             .find_map(|l| Some(l.strip_prefix(&series)?.trim().to_owned()))
     }
 
-    /// Waits until `reason` has `want` addresses refused.
     fn wait_refused(&self, reason: &str, want: &str) {
         eventually(
             &format!("{want} refused for {reason}"),
@@ -196,41 +96,6 @@ impl KubeAgent {
                 )),
             },
         );
-    }
-}
-
-impl Drop for KubeAgent {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            let start = Instant::now();
-            while child.try_wait().ok().flatten().is_none() {
-                if start.elapsed() > Duration::from_secs(10) {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break;
-                }
-                thread::sleep(Duration::from_millis(20));
-            }
-        }
-        let mut cleanup = command_in(&self.netns_path, &self.bin);
-        cleanup.arg("cleanup").arg("--bpf-root").arg(&self.bpf_root);
-        if let Err(e) = run_cmd(&mut cleanup) {
-            eprintln!("warning: agent cleanup failed: {e:#}");
-        }
-        if self.bpf_root.exists()
-            && let Err(e) = fs::remove_dir_all(&self.bpf_root)
-        {
-            eprintln!("warning: cannot remove {}: {e}", self.bpf_root.display());
-        }
-        if thread::panicking() {
-            eprintln!(
-                "----- agent output ({}) -----\n{}----- end of agent output -----",
-                self.log_path.display(),
-                self.log()
-            );
-        }
-        let _ = fs::remove_file(&self.log_path);
     }
 }
 
@@ -448,7 +313,7 @@ fn a_cluster_ip_is_not_hijacked_by_another_namespaces_external_ip_or_ingress() {
             publish(&server, h.victim(), "node-b", "backend-a");
         }
     }
-    let mut agent = KubeAgent::start(node_ns, server.url(), &[]);
+    let mut agent = KubeAgent::start(node_ns, server.url());
     for h in &hijacks {
         if h.attacker_first {
             publish(&server, h.victim(), "node-b", "backend-a");
@@ -560,7 +425,7 @@ fn node_loopback_and_metadata_addresses_stay_the_nodes() {
         "node-b",
         "backend-c",
     );
-    let agent = KubeAgent::start(node_ns, server.url(), &[]);
+    let agent = KubeAgent::start(node_ns, server.url());
 
     eventually("the victim's Service is served", CONVERGE, || {
         answered_by(
@@ -625,7 +490,7 @@ fn the_older_service_keeps_a_shared_address_across_restarts() {
         "node-b",
         "backend-c",
     );
-    let mut agent = KubeAgent::start(node_ns, server.url(), &[]);
+    let mut agent = KubeAgent::start(node_ns, server.url());
     eventually("the only claimant is served", CONVERGE, || {
         answered_by(client, shared, "backend-c", 3)
     });
@@ -689,7 +554,7 @@ fn an_oversized_service_is_refused_without_growing_the_agent() {
         "node-b",
         "backend-a",
     );
-    let agent = KubeAgent::start(node_ns, server.url(), &[]);
+    let agent = KubeAgent::start(node_ns, server.url());
     eventually("the first Service is served", CONVERGE, || {
         answered_by(client, web, "backend-a", 3)
     });
@@ -794,7 +659,7 @@ fn the_allow_list_and_the_budget_come_from_the_command_line() {
         "node-b",
         "backend-c",
     );
-    let agent = KubeAgent::start(
+    let agent = KubeAgent::start_with(
         node_ns,
         server.url(),
         &[

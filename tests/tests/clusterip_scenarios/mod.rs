@@ -23,6 +23,7 @@ use ebpf_proxy_tests::{
         Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
         tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
     },
+    eventually_value,
     family::Family,
     iptables,
     manifest::Service,
@@ -618,7 +619,9 @@ pub fn removed_endpoint_gets_no_new_connections_but_keeps_established_ones<F: Fa
         .expect("rewrite manifest");
     let written = Instant::now();
 
-    // Until the deadline, watch when the change lands (for the message only).
+    // The point: the deadline is what is tested, so it is let run out before
+    // the check below; meanwhile, watch when the change lands (for the message
+    // only).
     let mut last_hit: Option<Duration> = None;
     while written.elapsed() < SYNC_DEADLINE {
         if let Outcome::Reply(r) = tcp_request(client, vip, TIMEOUT)
@@ -755,15 +758,14 @@ pub fn pod_created_after_the_agent_started_is_served<F: Family>() {
     let late_ip = Ipv4Addr::new(10, 200, 0, 4);
     let late = sb.add_pod("late", late_ip).expect("add a pod");
     let start = Instant::now();
-    let deadline = Duration::from_secs(5);
-    let mut outcome = tcp_request(&late.ns, vip, TIMEOUT);
-    while !matches!(outcome, Outcome::Reply(_)) && start.elapsed() < deadline {
-        thread::sleep(Duration::from_millis(100));
-        outcome = tcp_request(&late.ns, vip, TIMEOUT);
-    }
-    let reply = outcome.expect_reply(&format!(
-        "{family} ClusterIP from a pod created after the agent started, for {deadline:?}"
-    ));
+    let (reply, _) = eventually_value(
+        &format!("an answer to the {family} ClusterIP from a pod created after the agent started"),
+        Duration::from_secs(5),
+        || match tcp_request(&late.ns, vip, TIMEOUT) {
+            Outcome::Reply(reply) => Ok(reply),
+            other => Err(format!("{other}")),
+        },
+    );
     assert_eq!(reply.peer.peer_ip(), F::pod(late_ip));
     eprintln!(
         "the new pod's first answered {family} connection came after {:?}",

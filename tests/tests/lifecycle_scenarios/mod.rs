@@ -22,12 +22,14 @@ use ebpf_proxy_tests::{
     affinity::{AFFINITY_TIMEOUT_S, STICKY_RUN, affinity_run, connect_n, distinct},
     agent::SYNC_DEADLINE,
     client::{Reply, TIMEOUT, TcpSession},
+    eventually,
     family::Family,
     iptables,
     manifest::{Endpoint, Service, SessionAffinity},
     require_root,
     sandbox::Sandbox,
     topology::one_node::{BACKENDS, CLIENT, IPT_CLIENT, TCP_PORT, UDP_PORT},
+    wait_for,
 };
 
 /// `test/web` of family `F` on its ClusterIP: `http` 80/TCP -> 8080 and `dns` 53/UDP
@@ -261,17 +263,19 @@ pub fn established_connection_survives_scaling_3_10_3<F: Family>() {
         .difference(&names_of(&three))
         .cloned()
         .collect();
-    let start = Instant::now();
     let mut seen = Vec::new();
-    while !seen.iter().any(|b| added.contains(b)) {
-        assert!(
-            start.elapsed() < SYNC_DEADLINE * 2,
-            "{:?} after scaling to 10, new connections only reach {:?}",
-            start.elapsed(),
-            distinct(&seen)
-        );
-        seen.extend(connect_n(ns, client::<F>(), vip, 1));
-    }
+    eventually(
+        "after scaling to 10, a new connection to an added backend",
+        SYNC_DEADLINE * 2,
+        || {
+            seen.extend(connect_n(ns, client::<F>(), vip, 1));
+            if seen.iter().any(|b| added.contains(b)) {
+                Ok(())
+            } else {
+                Err(format!("new connections only reach {:?}", distinct(&seen)))
+            }
+        },
+    );
     exchange("with-10");
 
     rewrite(&sb, &F::yaml(&svc, &three));
@@ -368,22 +372,26 @@ pub fn udp_flow_moves_within_a_second_when_its_backend_is_removed<F: Family>() {
     let written = Instant::now();
     // (sent, answered, backend) of every datagram since the change.
     let mut log: Vec<(Duration, Duration, Option<String>)> = Vec::new();
-    let (at, reply) = loop {
+    // Every 20 ms: `at` is as precise as that.
+    let moved = wait_for(SYNC_DEADLINE * 3, Duration::from_millis(20), || {
         let sent_at = written.elapsed();
         let reply = ping(sent);
         let at = written.elapsed();
         sent += 1;
         log.push((sent_at, at, reply.as_ref().map(|r| r.backend.clone())));
-        if let Some(r) = reply.filter(|r| r.backend != own) {
-            break (at, r);
+        match reply {
+            Some(r) if r.backend != own => Ok((at, r)),
+            Some(r) => Err(format!("answered by {} {at:?} after the change", r.backend)),
+            None => Err(format!("no answer {at:?} after the change")),
         }
-        assert!(
-            at < SYNC_DEADLINE * 3,
-            "{at:?} after {own} was removed, the {family} flow still gets no answer from \
-             another backend; (sent, answered, backend) since the change: {log:?}"
-        );
-        thread::sleep(Duration::from_millis(20));
-    };
+    });
+    let ((at, reply), _) = moved.unwrap_or_else(|last| {
+        panic!(
+            "{:?} after {own} was removed, the {family} flow still gets no answer from \
+             another backend (last: {last}); (sent, answered, backend) since the change: {log:?}",
+            written.elapsed()
+        )
+    });
     eprintln!(
         "first answer from {} {at:?} after the change ({} datagrams since)",
         reply.backend,

@@ -13,8 +13,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     marker::PhantomData,
     net::{Ipv4Addr, SocketAddr},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use ebpf_proxy_tests::{
@@ -33,7 +32,7 @@ use ebpf_proxy_tests::{
     require_root,
     servers::{TcpServer, UdpServer},
     stats::chi_square_uniform,
-    wait_until,
+    wait_for, wait_until,
 };
 use proxy_userspace::datapath::{Maps, PinLayout};
 
@@ -212,21 +211,17 @@ impl<F: Family> Fixture<F> {
     /// [`Fixture::reply_within`] from `ns`.
     #[track_caller]
     fn reply_within_from(&self, ns: &NetNs, addr: F::Addr, what: &str) -> Reply<F::Addr> {
-        let mut reply = None;
-        let waited = wait_until(SYNC_WAIT, POLL, || match tcp_request(ns, addr, TIMEOUT) {
-            Outcome::Reply(r) => {
-                reply = Some(r);
-                Ok(())
-            }
+        let waited = wait_for(SYNC_WAIT, POLL, || match tcp_request(ns, addr, TIMEOUT) {
+            Outcome::Reply(r) => Ok(r),
             other => Err(format!("last outcome {other}")),
         });
-        if let Err(last) = waited {
-            panic!(
+        match waited {
+            Ok((reply, _)) => reply,
+            Err(last) => panic!(
                 "{what}: no reply from {addr} within {SYNC_WAIT:?}, {last}; {}",
                 self.counters()
-            );
+            ),
         }
-        reply.expect("a reply, as the wait ended")
     }
 }
 
@@ -563,12 +558,8 @@ pub fn nodeport_closed_port_is_refused<F: Family>(path: Path) {
         .sysctl(F::ICMP_RATELIMIT, "0")
         .unwrap_or_else(|e| panic!("lifting the backend's {} ICMP rate limit: {e:#}", F::NAME));
     let addr: SocketAddr = F::addr(node_a, CLOSED_NODE_PORT).into();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut refused = 0;
-    let mut outcomes = Vec::new();
-    while refused < EXCHANGES {
-        let answer = fx
-            .client("client1")
+    let exchange = || {
+        fx.client("client1")
             .run(|| {
                 let s = std::net::UdpSocket::bind(F::any(0))?;
                 s.connect(addr)?;
@@ -576,19 +567,31 @@ pub fn nodeport_closed_port_is_refused<F: Family>(path: Path) {
                 s.send(b"anyone there?")?;
                 s.recv(&mut [0u8; 64])
             })
-            .expect("client1");
-        match answer {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
-            // The agents may not have the Service yet.
-            other if refused == 0 && Instant::now() < deadline => {
-                outcomes.push(format!("{other:?}"));
-                thread::sleep(Duration::from_millis(100));
-            }
-            other => panic!(
-                "{path:?}: exchange {refused}: {other:?} instead of connection refused \
-                 (earlier: {outcomes:?}); {}",
+            .expect("client1")
+    };
+    let refusal = |answer: std::io::Result<usize>| match answer {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+        other => Err(format!("{other:?}")),
+    };
+    // The agents may not have the Service yet: until the first refusal.
+    let mut outcomes = Vec::new();
+    let first = wait_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        refusal(exchange()).inspect_err(|other| outcomes.push(other.clone()))
+    });
+    if let Err(last) = first {
+        panic!(
+            "{path:?}: exchange 0: {last} instead of connection refused \
+             (earlier: {outcomes:?}); {}",
+            fx.counters()
+        );
+    }
+    for refused in 1..EXCHANGES {
+        if let Err(other) = refusal(exchange()) {
+            panic!(
+                "{path:?}: exchange {refused}: {other} instead of connection refused \
+                 (before the first refusal: {outcomes:?}); {}",
                 fx.counters()
-            ),
+            );
         }
     }
     let translated = fx.counter(0, "icmp_error_translated");

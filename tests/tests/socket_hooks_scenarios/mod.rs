@@ -12,14 +12,14 @@ use std::{
     collections::BTreeSet,
     net::{Ipv6Addr, SocketAddr},
     process::Output,
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use ebpf_proxy_tests::{
-    Protocol,
+    POLL, Protocol,
     agent::SYNC_DEADLINE,
     cgroup::TestCgroup,
+    eventually_value,
     family::Family,
     manifest::SessionAffinity,
     netns::NetNs,
@@ -28,6 +28,7 @@ use ebpf_proxy_tests::{
     topology::one_node::{
         BACKENDS, CLIENT, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT, UDP_SERVICE_PORT, backend_names,
     },
+    wait_until,
 };
 use proxy_common::sock_note;
 use proxy_userspace::{
@@ -510,11 +511,13 @@ pub fn departed_backends_sockets_are_closed(
     sb.manifests()
         .write(manifest, &yaml)
         .expect("rewrite manifest");
-    let written = Instant::now();
     let deadline = SYNC_DEADLINE + Duration::from_secs(1);
-    while clients[0].0.backend().is_some() && written.elapsed() < deadline {
-        thread::sleep(Duration::from_millis(50));
-    }
+    // Until the first client's socket is closed; the checks below say what
+    // every client sees then.
+    let _ = wait_until(deadline, POLL, || match clients[0].0.backend() {
+        Some(backend) => Err(format!("client 0 still reaches {backend}")),
+        None => Ok(()),
+    });
     let mut closed = 0;
     for (i, (client, backend)) in clients.iter_mut().enumerate() {
         let now = client.backend();
@@ -791,20 +794,21 @@ pub fn hooks_notes<F: Noting>(sb: &Sandbox) -> F::Notes {
 /// The hooks' notes of `F` once at most `most` sockets hold some, or a panic after
 /// 5 s: the kernel frees a closed socket's storage after an RCU grace period.
 pub fn notes_down_to<F: Noting>(sb: &Sandbox, most: usize, what: &str) -> F::Notes {
-    let start = Instant::now();
-    loop {
-        let notes = hooks_notes::<F>(sb);
-        let holding = F::holding(&notes);
-        if holding <= most {
-            return notes;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "{what}: {holding} sockets still hold notes in {}, {most} expected",
+    eventually_value(
+        &format!(
+            "{what}: at most {most} sockets holding notes in {}",
             F::NOTES_MAP
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+        ),
+        Duration::from_secs(5),
+        || {
+            let notes = hooks_notes::<F>(sb);
+            match F::holding(&notes) {
+                holding if holding <= most => Ok(notes),
+                holding => Err(format!("{holding} sockets hold notes")),
+            }
+        },
+    )
+    .0
 }
 
 /// Connections `tcp-churn` opens: more than the 65,536 entries of the table the socket

@@ -7,6 +7,7 @@ pub mod sync;
 mod takeover;
 
 use std::{
+    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::PathBuf,
     time::{Duration, Instant},
@@ -106,6 +107,8 @@ pub struct AgentConfig {
     /// SNAT every new flow to a Service to the node (`--masquerade-all`).
     pub masquerade_all: bool,
     pub xdp_mode: XdpModeSetting,
+    /// Where XDP goes (`--xdp-interfaces`); None: the uplinks found.
+    pub xdp_interfaces: Option<Vec<String>>,
     /// The node's address per family (`--node-ip`): the IPv4 one is the
     /// SNAT address for external flows to remote backends; default, per
     /// family: the first address of the first uplink that has one.
@@ -481,29 +484,7 @@ fn apply_snapshot(
 ) {
     attach_all(datapath, &snapshot.interfaces);
     node.set_local_ifaces(config.detect_local.local_interfaces(&snapshot.interfaces));
-    let stale: Vec<String> = datapath
-        .xdp_attached()
-        .filter(|(name, _)| !snapshot.uplinks.contains(*name))
-        .map(|(name, _)| name.to_string())
-        .collect();
-    for name in stale {
-        datapath.forget_xdp(&name);
-    }
-    if config.xdp_mode != XdpModeSetting::Off {
-        for name in &snapshot.uplinks {
-            let Some(&index) = snapshot.interfaces.get(name) else {
-                continue;
-            };
-            let setting = xdp_setting(config.xdp_mode, snapshot.veths.contains(name));
-            match datapath.attach_xdp(name, index, setting) {
-                Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
-                Err(e) => warn!(
-                    error = %e,
-                    "XDP not attached; tc ingress handles this interface's north-south traffic"
-                ),
-            }
-        }
-    }
+    apply_xdp(datapath, snapshot, config);
     let ips = node::node_addresses(config.node_ip, &snapshot.addrs);
     node.set_interfaces(
         &snapshot.addrs,
@@ -523,15 +504,101 @@ fn apply_snapshot(
     );
 }
 
-/// The XDP mode for an uplink. `auto` takes native mode where the driver
-/// has it, except on a veth: frames sent by another namespace on this host
-/// reach it with the checksum still to be finished on transmit, which native
-/// XDP can neither see nor finish; generic XDP runs on the socket buffer
-/// and keeps it right. `--xdp-mode native` still forces native mode (for
-/// veths fed with complete checksums).
+/// XDP where it pays ([`xdp_plan`]), and off everywhere else: also a link
+/// an earlier run pinned on an interface that is no longer to have one, or
+/// in another mode than this run's.
+fn apply_xdp(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentConfig) {
+    let plan = xdp_plan(config.xdp_mode, config.xdp_interfaces.as_deref(), snapshot);
+    for (name, &index) in &snapshot.interfaces {
+        let Some(setting) = plan.get(name.as_str()).copied().flatten() else {
+            datapath.forget_xdp(name);
+            if plan.contains_key(name.as_str()) && datapath.decline_xdp(name, index) {
+                info!(
+                    interface = %name,
+                    "no XDP on this veth uplink under --xdp-mode auto (its frames may carry \
+                     partial checksums, which native XDP cannot finish); tc ingress handles it"
+                );
+            }
+            continue;
+        };
+        if datapath.xdp_declined(name, index) {
+            continue;
+        }
+        let wanted = match setting {
+            XdpModeSetting::Generic => "generic",
+            _ => "native",
+        };
+        let running = snapshot.xdp.get(name).copied();
+        if !datapath.has_xdp(name) && running.is_some_and(|m| m != wanted) {
+            // An earlier run's link (its pin) in the other mode, or none of
+            // ours (then nothing is detached, and the attach below fails).
+            datapath.forget_xdp(name);
+        }
+        match datapath.attach_xdp(name, index, setting) {
+            Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
+            Err(e) => {
+                datapath.decline_xdp(name, index);
+                if setting == XdpModeSetting::Native {
+                    warn!(
+                        interface = %name,
+                        error = %e,
+                        "native XDP not attached (the driver may not have it); tc ingress alone \
+                         handles this interface's north-south traffic (--xdp-mode generic runs \
+                         XDP on any driver)"
+                    );
+                } else {
+                    warn!(
+                        interface = %name,
+                        error = %e,
+                        "XDP not attached; tc ingress alone handles this interface's north-south \
+                         traffic"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Which interfaces get XDP, and in which mode: the ones named in
+/// `--xdp-interfaces` (of those in the snapshot), else the uplinks the
+/// snapshot found, each in [`xdp_setting`]'s mode for it. None for an
+/// interface XDP would go on but for its mode (a veth under `auto`).
+pub fn xdp_plan<'a>(
+    mode: XdpModeSetting,
+    named: Option<&'a [String]>,
+    snapshot: &'a Snapshot,
+) -> BTreeMap<&'a str, Option<XdpModeSetting>> {
+    let candidates: Vec<&str> = match named {
+        Some(names) => names
+            .iter()
+            .filter(|n| snapshot.interfaces.contains_key(n.as_str()))
+            .map(String::as_str)
+            .collect(),
+        None => snapshot.uplinks.iter().map(String::as_str).collect(),
+    };
+    candidates
+        .into_iter()
+        .filter_map(
+            |name| match xdp_setting(mode, snapshot.veths.contains(name)) {
+                XdpModeSetting::Off if mode == XdpModeSetting::Off => None,
+                XdpModeSetting::Off => Some((name, None)),
+                setting => Some((name, Some(setting))),
+            },
+        )
+        .collect()
+}
+
+/// The XDP mode for an interface XDP goes on. `auto` is native, never
+/// generic (which costs more than tc: bench/README.md), and nothing on a
+/// veth: frames sent by another namespace on this host reach it with the
+/// checksum still to be finished on transmit, which native XDP can neither
+/// see nor finish, so tc alone handles a veth uplink. `--xdp-mode native`
+/// forces native mode there too (for veths fed with complete checksums),
+/// `generic` runs on the socket buffer and keeps them right.
 pub fn xdp_setting(wanted: XdpModeSetting, veth: bool) -> XdpModeSetting {
     match wanted {
-        XdpModeSetting::Auto if veth => XdpModeSetting::Generic,
+        XdpModeSetting::Auto if veth => XdpModeSetting::Off,
+        XdpModeSetting::Auto => XdpModeSetting::Native,
         other => other,
     }
 }
@@ -606,12 +673,53 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_xdp_is_generic_on_veths_only() {
+    fn auto_xdp_is_native_and_never_on_veths() {
         use XdpModeSetting::*;
-        assert_eq!(xdp_setting(Auto, true), Generic);
-        assert_eq!(xdp_setting(Auto, false), Auto);
+        assert_eq!(xdp_setting(Auto, true), Off);
+        assert_eq!(xdp_setting(Auto, false), Native);
         assert_eq!(xdp_setting(Native, true), Native);
+        assert_eq!(xdp_setting(Generic, false), Generic);
         assert_eq!(xdp_setting(Off, true), Off);
+    }
+
+    #[test]
+    fn xdp_goes_on_uplinks_unless_interfaces_are_named() {
+        use XdpModeSetting::*;
+        let names = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let mut snapshot = Snapshot::default();
+        for (i, name) in ["eth0", "eth1", "cni0", "veth1"].iter().enumerate() {
+            snapshot.interfaces.insert((*name).to_owned(), i as u32 + 2);
+        }
+        snapshot.uplinks = ["eth0", "eth1"].iter().map(|s| (*s).to_owned()).collect();
+        snapshot.veths = ["eth1", "veth1"].iter().map(|s| (*s).to_owned()).collect();
+        let plan = |mode, named: Option<&[String]>| {
+            xdp_plan(mode, named, &snapshot)
+                .into_iter()
+                .map(|(n, s)| (n.to_owned(), s))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            plan(Auto, None),
+            vec![("eth0".into(), Some(Native)), ("eth1".into(), None)],
+            "auto: native on uplinks, a veth uplink left to tc"
+        );
+        assert_eq!(
+            plan(Generic, None),
+            vec![
+                ("eth0".into(), Some(Generic)),
+                ("eth1".into(), Some(Generic))
+            ]
+        );
+        assert!(plan(Off, None).is_empty());
+        let named = names(&["cni0", "veth1", "gone0"]);
+        assert_eq!(
+            plan(Generic, Some(&named)),
+            vec![
+                ("cni0".into(), Some(Generic)),
+                ("veth1".into(), Some(Generic))
+            ],
+            "named interfaces instead of the uplinks; one not there skipped"
+        );
     }
 
     #[test]

@@ -255,11 +255,17 @@ pub struct RunArgs {
         value_parser = parse_go_bool
     )]
     pub localhost_nodeports: bool,
-    /// XDP on uplinks (interfaces with a global address): native where the
-    /// driver has it, generic otherwise (auto), or off, leaving north-south
-    /// traffic to tc ingress.
+    /// How XDP runs where it goes (the uplinks, or --xdp-interfaces):
+    /// `auto`, native where the driver has it and tc alone on veths and
+    /// where it has not; `native`; `generic`, on any driver; or `off`,
+    /// leaving north-south traffic to tc ingress.
     #[arg(long, value_enum, default_value = "auto")]
     pub xdp_mode: XdpModeSetting,
+    /// XDP on these interfaces (of those tc is attached to) instead of the
+    /// uplinks the agent finds: bridges, veths or tunnels carrying pod
+    /// traffic get XDP only when named here.
+    #[arg(long, value_delimiter = ',', value_parser = crate::datapath::interfaces::parse_name)]
+    pub xdp_interfaces: Option<Vec<String>>,
     /// Pod CIDRs of the cluster (kube-proxy's flag), at most one per family,
     /// comma-separated for dual stack (`10.244.0.0/16,fd00:10:244::/56`):
     /// clients inside them are in-cluster, and reach the NodePorts,

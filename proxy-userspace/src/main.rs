@@ -159,6 +159,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         detect_local: args.detect_local.clone(),
         masquerade_all: args.masquerade_all,
         xdp_mode: args.xdp_mode,
+        xdp_interfaces: args.xdp_interfaces,
         node_ip: args.node_ip.unwrap_or_default(),
         cgroup_root: args
             .cgroup_root

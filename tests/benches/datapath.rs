@@ -23,6 +23,10 @@
 //! (see `paired`); the empty program paired with itself shows what that
 //! pairing leaves of the machine's noise.
 //!
+//! After them, hooks on the wire (`wire`): what tc, generic XDP and native XDP cost
+//! one packet sent through a veth pair, which `BPF_PROG_TEST_RUN` cannot show for
+//! generic XDP.
+//!
 //! Before all that, what loading the datapath costs (the "Load" table):
 //! `LOADS` fresh loads of the whole datapath, each on pins of its own that
 //! are removed after it, and per program the time of its load (the kernel
@@ -35,6 +39,7 @@
 //! report).
 
 mod common;
+mod wire;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -668,9 +673,19 @@ fn main() {
 
     let mut table = render(&rows, repeat);
     table.push_str(&flood(&mut datapath, if quick { 1 } else { 10 }));
+    let wire = on_the_wire(&mut datapath, installed, quick);
+    table.push_str(&wire.render());
     table.push_str(&render_loads(&loads));
     println!("{table}");
-    write_results(&out_dir, &table, &json(&rows, &loads));
+    write_results(&out_dir, &table, &json(&rows, &loads, &wire.json()));
+}
+
+/// The hooks on the wire (`wire`) with `services` Services installed, on a packet
+/// not for any of them: pod to pod, a backend's address and port.
+fn on_the_wire(datapath: &mut Datapath, services: u32, quick: bool) -> wire::Wire {
+    let not_a_service = tcp(CLIENT, 40_000, backend_ip(0, 0), 8080, 0x10);
+    let rounds = if quick { 100 } else { 300 };
+    wire::measure(datapath, services, &not_a_service, rounds, 4_096)
 }
 
 /// `datapath.md` (`table`) and `datapath.json` (`json`) in `out_dir`.
@@ -965,8 +980,9 @@ fn render(rows: &[Row], repeat: u32) -> String {
     s
 }
 
-/// The rows under `rows`, the load report under `load`.
-fn json(rows: &[Row], loads: &Loads) -> String {
+/// The rows under `rows`, the load report under `load`, the hooks on the wire
+/// under `wire`.
+fn json(rows: &[Row], loads: &Loads, wire: &str) -> String {
     let measured = |m: &Measured| {
         format!(
             "{{\"ns\":{:.2},\"floor_ns\":{:.2},\"ratio\":{:.3}}}",
@@ -1002,7 +1018,7 @@ fn json(rows: &[Row], loads: &Loads) -> String {
         })
         .collect();
     format!(
-        "{{\"rows\":[{}],\"load\":{}}}\n",
+        "{{\"rows\":[{}],\"load\":{},\"wire\":{wire}}}\n",
         rows.join(","),
         json_loads(loads)
     )

@@ -206,9 +206,11 @@ fn take_over(
 /// How the XDP program is attached (`--xdp-mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum XdpModeSetting {
-    /// Native where the driver has it, generic otherwise.
+    /// Native where the driver has it, never generic: an interface whose
+    /// driver lacks it, and a veth, get tc only.
     Auto,
-    /// In the driver only; an interface whose driver lacks it gets tc only.
+    /// In the driver only (veths too); an interface whose driver lacks it
+    /// gets tc only.
     Native,
     /// Generic (in the stack, after the socket buffer is built).
     Generic,
@@ -217,8 +219,8 @@ pub enum XdpModeSetting {
 }
 
 /// Attaches XDP to `ifindex` through a pinned bpf link (Linux 5.9), taking over the
-/// pinned link of an earlier run when there is one. Returns the mode used: native
-/// where the driver has XDP, generic (any interface) otherwise.
+/// pinned link of an earlier run when there is one. Returns the mode used:
+/// native (`auto`, `native`) or generic (`generic`).
 pub fn attach_xdp(
     program: &mut Xdp,
     ifname: &str,
@@ -236,8 +238,7 @@ pub fn attach_xdp(
         return Ok("adopted");
     }
     let tries: &[(XdpMode, &'static str)] = match setting {
-        XdpModeSetting::Auto => &[(XdpMode::Driver, "native"), (XdpMode::Skb, "generic")],
-        XdpModeSetting::Native => &[(XdpMode::Driver, "native")],
+        XdpModeSetting::Auto | XdpModeSetting::Native => &[(XdpMode::Driver, "native")],
         XdpModeSetting::Generic => &[(XdpMode::Skb, "generic")],
         XdpModeSetting::Off => &[],
     };

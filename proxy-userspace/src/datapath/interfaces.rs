@@ -8,13 +8,17 @@ use std::{
     time::Duration,
 };
 
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use rtnetlink::{
-    constants::{RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR, RTMGRP_LINK},
+    RouteMessageBuilder,
+    constants::{
+        RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE, RTMGRP_LINK,
+    },
     new_connection,
     packet_route::{
         address::{AddressAttribute, AddressScope},
-        link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo},
+        link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkXdp, XdpAttached},
+        route::{RouteAddress, RouteAttribute, RouteHeader, RouteType},
     },
     sys::{AsyncSocket, SocketAddr},
 };
@@ -28,13 +32,17 @@ pub type Interfaces = BTreeMap<String, u32>;
 pub struct Snapshot {
     /// The selected interfaces: tc on each.
     pub interfaces: Interfaces,
-    /// Selected interfaces holding a global address: the uplinks,
-    /// where north-south traffic arrives and XDP goes.
+    /// The selected interfaces that are the node's way out ([`is_uplink`]):
+    /// where north-south traffic arrives and XDP goes by default.
     pub uplinks: BTreeSet<String>,
     /// The selected interfaces that are veths. Their frames may carry
     /// partial checksums (to be finished on transmit, which a veth never
     /// does), which native XDP cannot see or finish.
     pub veths: BTreeSet<String>,
+    /// The mode an XDP program runs in on each selected interface that has
+    /// one, as the kernel reports it (`native`, `generic`, `offload`,
+    /// `multiple`): ours or another's.
+    pub xdp: BTreeMap<String, &'static str>,
     /// Every global address of this namespace, of both families, in
     /// ifindex order of the interface holding it (the first of each family
     /// is the node's address of that family unless one is configured).
@@ -79,8 +87,9 @@ async fn snapshot(
     handle: &rtnetlink::Handle,
     selection: &Selection,
 ) -> Result<Snapshot, InterfacesError> {
-    let (interfaces, veths) = dump(handle, selection).await?;
+    let links = dump(handle).await?;
     let mut by_index: BTreeMap<u32, Vec<IpAddr>> = BTreeMap::new();
+    let mut prefixes: Vec<(u32, IpAddr, u8)> = Vec::new();
     let mut addrs = handle.address().get().execute();
     while let Some(msg) = addrs.try_next().await? {
         // Host-scope (127/8, ::1) and link-local (169.254/16, fe80::/10)
@@ -98,53 +107,211 @@ async fn snapshot(
         });
         if let Some(ip) = local.or(address) {
             by_index.entry(msg.header.index).or_default().push(ip);
+            prefixes.push((msg.header.index, ip, msg.header.prefix_len));
         }
     }
-    let uplinks = interfaces
-        .iter()
-        .filter(|(_, index)| by_index.contains_key(index))
-        .map(|(name, _)| name.clone())
-        .collect();
-    Ok(Snapshot {
-        interfaces,
-        uplinks,
-        veths,
-        addrs: by_index.into_values().flatten().collect(),
-    })
+    let routes = routes_out(handle, &prefixes).await?;
+    let by_ifindex: BTreeMap<u32, &Link> = links.iter().map(|l| (l.index, l)).collect();
+    let mut snapshot = Snapshot::default();
+    for link in links.iter().filter(|l| selection.wants(&l.name, l.flags)) {
+        snapshot.interfaces.insert(link.name.clone(), link.index);
+        if link.kind == Some(InfoKind::Veth) {
+            snapshot.veths.insert(link.name.clone());
+        }
+        if let Some(mode) = link.xdp {
+            snapshot.xdp.insert(link.name.clone(), mode);
+        }
+        let master_kind = link
+            .master
+            .map(|m| by_ifindex.get(&m).and_then(|l| l.kind.clone()));
+        if is_uplink(
+            link.kind.as_ref(),
+            master_kind.as_ref().map(Option::as_ref),
+            by_index.contains_key(&link.index),
+            routes.contains(&link.index),
+        ) {
+            snapshot.uplinks.insert(link.name.clone());
+        }
+    }
+    snapshot.addrs = by_index.into_values().flatten().collect();
+    Ok(snapshot)
 }
 
-/// The selected interfaces, and which of them are veths.
-async fn dump(
+/// Whether an interface is one of the node's uplinks, where XDP pays:
+/// it holds a global address, carries a route out of the node ([`routes_out`]),
+/// is not enslaved to a bridge or a bond (a VRF's member is fine), and is of a kind that
+/// can be the node's own link: a device without a kind (a NIC), or a veth
+/// (a node in a container, kind-style), VLAN, bond, team, macvlan or
+/// ipvlan. Never a bridge (flannel's `cni0`), a tunnel (vxlan, geneve,
+/// IPIP, wireguard), a dummy, tun or netkit: pod traffic goes through
+/// those, and they have no native XDP that pays. A pod's host-side veth
+/// has no route out (only host routes to its pod), so it is none either.
+pub fn is_uplink(
+    kind: Option<&InfoKind>,
+    master: Option<Option<&InfoKind>>,
+    global_address: bool,
+    route_out: bool,
+) -> bool {
+    let own_kind = matches!(
+        kind,
+        None | Some(
+            InfoKind::Veth
+                | InfoKind::Vlan
+                | InfoKind::Bond
+                | InfoKind::Team
+                | InfoKind::MacVlan
+                | InfoKind::IpVlan
+        )
+    );
+    let free = match master {
+        None => true,
+        Some(master) => master == Some(&InfoKind::Vrf),
+    };
+    own_kind && free && global_address && route_out
+}
+
+/// The ifindexes that carry a route out of the node in the main table: a
+/// default route (either family), a route through a gateway, or the prefix
+/// route of one of the interface's own global addresses (its network, of
+/// more than one address). Host routes without a gateway (`10.1.1.10 dev
+/// veth`, a routed pod's) are not.
+async fn routes_out(
     handle: &rtnetlink::Handle,
-    selection: &Selection,
-) -> Result<(Interfaces, BTreeSet<String>), InterfacesError> {
-    let mut out = Interfaces::new();
-    let mut veths = BTreeSet::new();
+    prefixes: &[(u32, IpAddr, u8)],
+) -> Result<BTreeSet<u32>, InterfacesError> {
+    let mut out = BTreeSet::new();
+    for request in [
+        RouteMessageBuilder::<std::net::Ipv4Addr>::new().build(),
+        RouteMessageBuilder::<std::net::Ipv6Addr>::new().build(),
+    ] {
+        let mut routes = handle.route().get(request).execute();
+        while let Some(msg) = routes.try_next().await? {
+            let table = msg
+                .attributes
+                .iter()
+                .find_map(|a| match a {
+                    RouteAttribute::Table(t) => Some(*t),
+                    _ => None,
+                })
+                .unwrap_or(u32::from(msg.header.table));
+            if table != u32::from(RouteHeader::RT_TABLE_MAIN)
+                || msg.header.kind != RouteType::Unicast
+            {
+                continue;
+            }
+            let len = msg.header.destination_prefix_length;
+            let dst = msg.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Destination(RouteAddress::Inet(ip)) => Some(IpAddr::V4(*ip)),
+                RouteAttribute::Destination(RouteAddress::Inet6(ip)) => Some(IpAddr::V6(*ip)),
+                _ => None,
+            });
+            let mut hops: Vec<(u32, bool)> = Vec::new();
+            let oif = msg.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(i) => Some(*i),
+                _ => None,
+            });
+            if let Some(oif) = oif {
+                hops.push((oif, has_gateway(&msg.attributes)));
+            }
+            for a in &msg.attributes {
+                if let RouteAttribute::MultiPath(next) = a {
+                    hops.extend(
+                        next.iter()
+                            .map(|h| (h.interface_index, has_gateway(&h.attributes))),
+                    );
+                }
+            }
+            for (index, gateway) in hops {
+                let own_network = dst.is_some_and(|dst| {
+                    prefixes
+                        .iter()
+                        .any(|(i, ip, plen)| *i == index && *plen == len && covers(dst, len, *ip))
+                });
+                if len == 0 || gateway || own_network {
+                    out.insert(index);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn has_gateway(attributes: &[RouteAttribute]) -> bool {
+    attributes
+        .iter()
+        .any(|a| matches!(a, RouteAttribute::Gateway(_) | RouteAttribute::Via(_)))
+}
+
+/// Whether `net/len` holds `ip` and is wider than one address.
+fn covers(net: IpAddr, len: u8, ip: IpAddr) -> bool {
+    match (net, ip) {
+        (IpAddr::V4(net), IpAddr::V4(ip)) if len < 32 => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
+            u32::from(net) & mask == u32::from(ip) & mask
+        }
+        (IpAddr::V6(net), IpAddr::V6(ip)) if len < 128 => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            u128::from(net) & mask == u128::from(ip) & mask
+        }
+        _ => false,
+    }
+}
+
+/// What the link dump says of one interface.
+struct Link {
+    name: String,
+    index: u32,
+    flags: LinkFlags,
+    kind: Option<InfoKind>,
+    /// The ifindex of the bridge, bond or VRF it is enslaved to.
+    master: Option<u32>,
+    /// The mode of the XDP program attached to it, if any.
+    xdp: Option<&'static str>,
+}
+
+/// Every interface of this namespace.
+async fn dump(handle: &rtnetlink::Handle) -> Result<Vec<Link>, InterfacesError> {
+    let mut out = Vec::new();
     let mut links = handle.link().get().execute();
     while let Some(msg) = links.try_next().await? {
-        let name = msg.attributes.iter().find_map(|a| match a {
-            LinkAttribute::IfName(n) => Some(n.clone()),
-            _ => None,
-        });
-        let veth = msg.attributes.iter().any(|a| match a {
-            LinkAttribute::LinkInfo(infos) => infos
-                .iter()
-                .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Veth))),
-            _ => false,
-        });
-        if let Some(name) = name
-            && selection.wants(&name, msg.header.flags)
-        {
-            if veth {
-                veths.insert(name.clone());
+        let mut link = Link {
+            name: String::new(),
+            index: msg.header.index,
+            flags: msg.header.flags,
+            kind: None,
+            master: None,
+            xdp: None,
+        };
+        for a in &msg.attributes {
+            match a {
+                LinkAttribute::IfName(n) => link.name.clone_from(n),
+                LinkAttribute::Controller(m) if *m != 0 => link.master = Some(*m),
+                LinkAttribute::LinkInfo(infos) => {
+                    link.kind = infos.iter().find_map(|i| match i {
+                        LinkInfo::Kind(k) => Some(k.clone()),
+                        _ => None,
+                    });
+                }
+                LinkAttribute::Xdp(xdp) => {
+                    link.xdp = xdp.iter().find_map(|x| match x {
+                        LinkXdp::Attached(XdpAttached::Driver) => Some("native"),
+                        LinkXdp::Attached(XdpAttached::SocketBuffer) => Some("generic"),
+                        LinkXdp::Attached(XdpAttached::Hardware) => Some("offload"),
+                        LinkXdp::Attached(XdpAttached::Multiple) => Some("multiple"),
+                        _ => None,
+                    });
+                }
+                _ => {}
             }
-            out.insert(name, msg.header.index);
+        }
+        if !link.name.is_empty() {
+            out.push(link);
         }
     }
-    Ok((out, veths))
+    Ok(out)
 }
 
-/// Sends a snapshot now and after every link or address change (and every
+/// Sends a snapshot now and after every link, address or route change (and every
 /// `resync` as a safety net against lost netlink messages).
 pub async fn watch(
     selection: Selection,
@@ -158,7 +325,11 @@ pub async fn watch(
         .socket_mut()
         .bind(&SocketAddr::new(
             0,
-            RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR,
+            RTMGRP_LINK
+                | RTMGRP_IPV4_IFADDR
+                | RTMGRP_IPV6_IFADDR
+                | RTMGRP_IPV4_ROUTE
+                | RTMGRP_IPV6_ROUTE,
         ))
         .map_err(InterfacesError::Subscribe)?;
     let task = tokio::spawn(connection);
@@ -175,6 +346,13 @@ pub async fn watch(
         tokio::select! {
             msg = messages.next() => if msg.is_none() { break },
             _ = ticker.tick() => {}
+        }
+        // A burst of changes (a pod's veth, its addresses and routes) makes
+        // one snapshot.
+        while let Some(msg) = messages.next().now_or_never() {
+            if msg.is_none() {
+                break;
+            }
         }
     }
     task.abort();
@@ -200,3 +378,43 @@ pub fn parse_name(s: &str) -> Result<String, String> {
 }
 
 const IFNAMSIZ: usize = 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uplinks_are_the_nodes_own_links_with_an_address_and_a_way_out() {
+        // A NIC, a veth (kind-style node), a VLAN with an address and a route out.
+        assert!(is_uplink(None, None, true, true));
+        assert!(is_uplink(Some(&InfoKind::Veth), None, true, true));
+        assert!(is_uplink(Some(&InfoKind::Vlan), None, true, true));
+        assert!(is_uplink(None, Some(Some(&InfoKind::Vrf)), true, true));
+        // A pod's host-side veth with an address but only host routes.
+        assert!(!is_uplink(Some(&InfoKind::Veth), None, true, false));
+        // No address.
+        assert!(!is_uplink(None, None, false, true));
+        // A bridge (cni0), a tunnel (flannel.1), a dummy (kube-ipvs0).
+        for kind in [InfoKind::Bridge, InfoKind::Vxlan, InfoKind::Dummy] {
+            assert!(!is_uplink(Some(&kind), None, true, true), "{kind:?}");
+        }
+        // A bridge's or a bond's port.
+        assert!(!is_uplink(None, Some(Some(&InfoKind::Bridge)), true, true));
+        assert!(!is_uplink(None, Some(Some(&InfoKind::Bond)), true, true));
+    }
+
+    #[test]
+    fn an_own_network_is_wider_than_one_address() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(covers(ip("192.168.77.0"), 24, ip("192.168.77.2")));
+        assert!(!covers(ip("192.168.78.0"), 24, ip("192.168.77.2")));
+        assert!(
+            !covers(ip("10.42.1.1"), 32, ip("10.42.1.1")),
+            "a host route"
+        );
+        assert!(covers(ip("fd00:50::"), 64, ip("fd00:50::1")));
+        assert!(!covers(ip("fd00:50::1"), 128, ip("fd00:50::1")));
+        assert!(!covers(ip("fd00:50::"), 64, ip("192.168.77.2")));
+        assert!(covers(ip("0.0.0.0"), 0, ip("192.168.77.2")));
+    }
+}

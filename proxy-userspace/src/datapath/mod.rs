@@ -160,6 +160,8 @@ pub struct Datapath {
     attached: std::collections::BTreeMap<String, attach::Attachment>,
     /// Interfaces with XDP: name -> (ifindex, mode).
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
+    /// Interfaces XDP is not tried on again: name -> ifindex (`decline_xdp`).
+    xdp_declined: std::collections::BTreeMap<String, u32>,
     ip_summed: ip_summed::Read,
     /// How tc asks netfilter's conntrack about flows kube-proxy translated.
     netfilter_ct: netfilter_ct::Lookup,
@@ -303,6 +305,7 @@ impl Datapath {
             maps,
             attached: std::collections::BTreeMap::default(),
             xdp_attached: std::collections::BTreeMap::default(),
+            xdp_declined: std::collections::BTreeMap::default(),
             ip_summed: read,
             netfilter_ct: lookup,
             resize,
@@ -452,6 +455,7 @@ impl Datapath {
         self.attached.remove(ifname);
         let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
         let _ = std::fs::remove_file(self.pins.tc_ingress6_link(ifname));
+        self.xdp_declined.remove(ifname);
         self.forget_xdp(ifname);
     }
 
@@ -537,14 +541,37 @@ impl Datapath {
     }
 
     /// Takes XDP off an interface that is no longer an uplink.
+    ///
+    /// Also detaches the XDP link an earlier run pinned for `ifname`, when this
+    /// run has not taken it over: an interface that is not to have XDP
+    /// (any more, or in that mode) loses it.
     pub fn forget_xdp(&mut self, ifname: &str) {
-        if self.xdp_attached.remove(ifname).is_some() {
-            let path = self.pins.xdp_link(ifname);
+        let path = self.pins.xdp_link(ifname);
+        if self.xdp_attached.remove(ifname).is_some() || path.exists() {
             if let Err(e) = detach::detach_pinned_link(&path) {
                 tracing::debug!(pin = %path.display(), error = %e, "detaching XDP");
             }
             let _ = std::fs::remove_file(path);
+            tracing::info!(interface = ifname, "XDP detached");
         }
+    }
+
+    /// Whether this run attached (or took over) XDP on `ifname`.
+    pub fn has_xdp(&self, ifname: &str) -> bool {
+        self.xdp_attached.contains_key(ifname)
+    }
+
+    /// Notes that XDP is not to be tried again on `ifname` (ifindex
+    /// `ifindex`): it failed, or its mode leaves it to tc. True the first
+    /// time, so that it is logged once; an interface created anew under the
+    /// same name (another ifindex) is tried again.
+    pub fn decline_xdp(&mut self, ifname: &str, ifindex: u32) -> bool {
+        self.xdp_declined.insert(ifname.to_string(), ifindex) != Some(ifindex)
+    }
+
+    /// Whether XDP was declined on `ifname` at `ifindex` ([`Datapath::decline_xdp`]).
+    pub fn xdp_declined(&self, ifname: &str, ifindex: u32) -> bool {
+        self.xdp_declined.get(ifname) == Some(&ifindex)
     }
 }
 

@@ -57,6 +57,11 @@ pub mod map_names {
     pub const CT_NEW6: &str = "CT_NEW6";
     /// The flow cache of IPv6 flows (`FlowCache6Entry`).
     pub const FLOW_CACHE6: &str = "FLOW_CACHE6";
+    /// Assured flows per client address (`CtSourceKey`), what a client's
+    /// share of `CONNTRACK` is counted in (`NodeConfig::ct_source_share`).
+    pub const CT_SOURCES: &str = "CT_SOURCES";
+    /// `CT_SOURCES` of IPv6 clients, in `CONNTRACK6`.
+    pub const CT_SOURCES6: &str = "CT_SOURCES6";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -83,7 +88,7 @@ pub mod map_names {
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 28] = [
+    pub const ALL: [&str; 30] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -112,6 +117,8 @@ pub mod map_names {
         CT_NEW6,
         FLOW_CACHE6,
         LOCAL_IFACES,
+        CT_SOURCES,
+        CT_SOURCES6,
     ];
 }
 
@@ -345,6 +352,10 @@ pub const MAX_CONNTRACK: u32 = 262_144;
 /// tied to `--conntrack-max`: it only has to hold the flows whose handshake
 /// or first exchange is under way, 32,768 at a time.
 pub const MAX_CT_NEW: u32 = 65_536;
+/// Entries of `CT_SOURCES` and of `CT_SOURCES6`: the client addresses
+/// whose assured flows are counted. An LRU map: a client evicted from it
+/// starts counting again, and the agent's recount puts it back.
+pub const MAX_CT_SOURCES: u32 = 65_536;
 pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
@@ -1044,6 +1055,13 @@ pub struct NodeConfig {
     pub snat_port_max: u16,
     /// `node_config_flags`. Was padding: an older agent wrote zeros.
     pub flags: u32,
+    /// The most assured flows one client address may hold in `CONNTRACK`
+    /// (`CONNTRACK6`): past it, its flows stay unassured in `CT_NEW`, where
+    /// they compete with other unassured flows only, so that a client
+    /// completing handshakes by the thousand evicts its own flows rather
+    /// than others' established ones. 0: no share. Read from
+    /// `NODE_CONFIG` for both families.
+    pub ct_source_share: u32,
 }
 
 /// Bits of `NodeConfig::flags`.
@@ -1219,7 +1237,10 @@ pub mod counter {
     /// ports. The flow's state is left as it was; the packet goes on, for
     /// its receiver to judge.
     pub const CT_OUT_OF_WINDOW: u32 = 32;
-    pub const COUNT: u32 = 33;
+    /// A flow left unassured (in `CT_NEW`) because its client already holds
+    /// its share of assured flows (`NodeConfig::ct_source_share`).
+    pub const CT_SHARE_REFUSED: u32 = 33;
+    pub const COUNT: u32 = 34;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1257,6 +1278,7 @@ pub mod counter {
         "reject_rate_limited",
         "snat_reclaimed",
         "ct_out_of_window",
+        "ct_share_refused",
     ];
 }
 

@@ -89,7 +89,9 @@ fn table() -> Vec<Layout> {
         AffinityValue: 16, 8 { backend_id: 0, _pad: 4, last_used_ns: 8 }
         NodeAddrKey: 16, 4 { addr_be: 0 }
         NodeAddr: 4, 4 { flags: 0 }
-        NodeConfig: 24, 4 { snat_addr_be: 0, snat_port_min: 16, snat_port_max: 18, flags: 20 }
+        NodeConfig: 28, 4 {
+            snat_addr_be: 0, snat_port_min: 16, snat_port_max: 18, flags: 20, ct_source_share: 24,
+        }
         RejectLimit: 24, 8 { msgs_per_sec: 0, burst: 4, configured: 8, credit: 12, stamp_ns: 16 }
         SourceRangeKey: 36, 4 { frontend: 0, client_be: 20 }
         ClusterCidrKey: 16, 4 { addr_be: 0 }

@@ -18,6 +18,8 @@
 //! copied to the stack: IPv6's program has room for little more than one
 //! entry, and IPv4's for a few dozen bytes.
 
+use core::intrinsics::AtomicOrdering;
+
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
     Clock, CtKeyOf, CtValueOf, FlowAddr, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
@@ -28,7 +30,7 @@ use crate::{
     event_log::Event,
     family::Family,
     flow_cache,
-    maps::{CLOCK, Conntrack, Scratch, count, ct_timeouts},
+    maps::{CLOCK, Conntrack, Scratch, count, ct_source_share, ct_timeouts},
     nat::NatOf,
     packet::{FlowOf, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -395,6 +397,11 @@ fn promote<F: Family>(
         // Its reply entry was evicted: the flow could not go on anyway.
         return false;
     };
+    let share = ct_source_share();
+    if share != 0 && !within_share::<F>(&key.src_be, share) {
+        count(counter::CT_SHARE_REFUSED);
+        return false;
+    }
     // SAFETY: map value pointers valid for this program's run.
     unsafe {
         scratch.value = *reply;
@@ -418,7 +425,35 @@ fn promote<F: Family>(
     // so nothing to invalidate.
     let _ = F::ct_new().remove(key);
     let _ = F::ct_new().remove(&scratch.key);
+    if share != 0 {
+        charge::<F>(&key.src_be);
+    }
     true
+}
+
+/// Whether `client` holds fewer assured flows than `share`.
+#[inline(always)]
+fn within_share<F: Family>(client: &F::Addr, share: u32) -> bool {
+    // SAFETY: a pointer the map lookup returned, valid for this program's
+    // run.
+    F::ct_sources()
+        .get_ptr(client)
+        .is_none_or(|held| unsafe { *held } < share)
+}
+
+/// Counts one more assured flow of `client`.
+#[inline(always)]
+fn charge<F: Family>(client: &F::Addr) {
+    match F::ct_sources().get_ptr_mut(client) {
+        // SAFETY: a valid, aligned map value pointer, shared by all CPUs:
+        // an atomic add, as a lost one would let a client past its share.
+        Some(held) => unsafe {
+            core::intrinsics::atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(held, 1);
+        },
+        None => {
+            let _ = F::ct_sources().insert(client, &1, BPF_NOEXIST);
+        }
+    }
 }
 
 /// Inserts `key`'s entry into `CONNTRACK` if it has none. Otherwise (a live

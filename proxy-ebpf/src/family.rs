@@ -17,8 +17,8 @@ use proxy_common::{
 use crate::{
     event_log::{self, Event},
     maps::{
-        CONNTRACK, CONNTRACK6, CT_NEW, CT_NEW6, Conntrack, FLOW_CACHE, FLOW_CACHE6, FlowCache,
-        SCRATCH, SCRATCH6, Scratch,
+        CONNTRACK, CONNTRACK6, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, Conntrack, CtSources,
+        FLOW_CACHE, FLOW_CACHE6, FlowCache, SCRATCH, SCRATCH6, Scratch,
     },
     packet::{ETH_HLEN, FlowOf, read},
 };
@@ -45,6 +45,9 @@ pub trait Family {
 
     /// This CPU's room for conntrack's temporaries (see `maps::Scratch`).
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
+
+    /// Assured flows per client address (see `maps::CtSources`).
+    fn ct_sources() -> &'static CtSources<Self::Addr>;
 
     /// The per-CPU flow cache (see `crate::flow_cache`).
     fn flow_cache() -> &'static FlowCache<Self::Addr>;
@@ -141,6 +144,11 @@ impl Family for V4 {
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<u32>> {
         SCRATCH.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn ct_sources() -> &'static CtSources<u32> {
+        &CT_SOURCES
     }
 
     #[inline(always)]
@@ -266,6 +274,11 @@ impl Family for V6 {
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<[u32; 4]>> {
         SCRATCH6.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn ct_sources() -> &'static CtSources<[u32; 4]> {
+        &CT_SOURCES6
     }
 
     #[inline(always)]

@@ -10,7 +10,7 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
     MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
-    MAX_CONNTRACK, MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICES,
+    MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICES,
     MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceKey, ServiceValue,
     SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
 };
@@ -53,6 +53,17 @@ pub static CONNTRACK6: Conntrack<[u32; 4]> = LruHashMap::new();
 /// IPv6 flows not assured yet; the agent sizes it at `MAX_CT_NEW`.
 #[btf_map]
 pub static CT_NEW6: Conntrack<[u32; 4]> = LruHashMap::new();
+
+/// Assured flows per client address of a family (`NodeConfig::
+/// ct_source_share`): the datapath adds one at each flow it assures, the
+/// agent's reaper recounts from the conntrack map it reaps.
+pub type CtSources<A> = LruHashMap<A, u32, { MAX_CT_SOURCES as usize }>;
+
+#[btf_map]
+pub static CT_SOURCES: CtSources<u32> = LruHashMap::new();
+
+#[btf_map]
+pub static CT_SOURCES6: CtSources<[u32; 4]> = LruHashMap::new();
 
 /// The node's budget of rejects, and its bucket (see
 /// `proxy_common::RejectLimit`). Never pinned: the agent writes it at load.
@@ -161,6 +172,15 @@ pub fn node_config() -> NodeConfig {
         .get_ptr(0)
         // SAFETY: a pointer the map lookup returned, valid for this program's run.
         .map_or(NodeConfig::default(), |p| unsafe { *p })
+}
+
+/// `NodeConfig::ct_source_share` alone (both families read `NODE_CONFIG`'s).
+#[inline(always)]
+pub fn ct_source_share() -> u32 {
+    NODE_CONFIG
+        .get_ptr(0)
+        // SAFETY: a pointer the map lookup returned, valid for this program's run.
+        .map_or(0, |p| unsafe { (*p).ct_source_share })
 }
 
 /// `NodeConfig::flags` alone, where a path needs nothing else of it.

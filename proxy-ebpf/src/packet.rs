@@ -65,6 +65,32 @@ pub struct FlowOf<A> {
 pub type Flow = FlowOf<u32>;
 
 impl<A> FlowOf<A> {
+    /// A packet of `proto` whose transport header, at `l4_off`, reads `l4`.
+    #[inline(always)]
+    pub fn new(
+        l4_off: usize,
+        src_be: A,
+        dst_be: A,
+        proto: u8,
+        l4: &L4,
+        frag: u8,
+        frag_id_be: u32,
+    ) -> Self {
+        FlowOf {
+            l4_off,
+            src_be,
+            dst_be,
+            sport_be: l4.ports[0],
+            dport_be: l4.ports[1],
+            proto,
+            tcp_flags: l4.tcp_flags,
+            tcp_seq_be: l4.seq_ack_be[0],
+            tcp_ack_be: l4.seq_ack_be[1],
+            frag,
+            frag_id_be,
+        }
+    }
+
     /// Offset of the L4 checksum field.
     #[inline(always)]
     pub fn l4_csum_off(&self) -> usize {
@@ -196,19 +222,15 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow, Skip> {
             }
         })?
     };
-    Ok(Flow {
+    Ok(Flow::new(
         l4_off,
-        src_be: ip.src_be,
-        dst_be: ip.dst_be,
-        sport_be: l4.ports[0],
-        dport_be: l4.ports[1],
-        proto: ip.proto,
-        tcp_flags: l4.tcp_flags,
-        tcp_seq_be: l4.seq_ack_be[0],
-        tcp_ack_be: l4.seq_ack_be[1],
+        ip.src_be,
+        ip.dst_be,
+        ip.proto,
+        &l4,
         frag,
-        frag_id_be: u32::from(ip.id_be),
-    })
+        u32::from(ip.id_be),
+    ))
 }
 
 /// Why a transport header was not read (`l4_header`).

@@ -11,7 +11,7 @@ use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 use crate::{
     hook::Hook,
-    packet::{ETH_HLEN, FlowOf, L4Skip, frag, l4_header, read},
+    packet::{ETH_HLEN, FlowOf, L4, L4Skip, frag, l4_header, read},
 };
 
 const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
@@ -169,19 +169,15 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
         // transport protocol, like its ports, is the first fragment's
         // (`crate::frag::ports6`).
         return match next {
-            PROTO_TCP | PROTO_UDP | NEXTHDR_DEST | NEXTHDR_AUTH => Ok(Flow6 {
-                l4_off: off,
-                src_be: ip.src_be,
-                dst_be: ip.dst_be,
-                sport_be: 0,
-                dport_be: 0,
-                proto: 0,
-                tcp_flags: 0,
-                tcp_seq_be: 0,
-                tcp_ack_be: 0,
+            PROTO_TCP | PROTO_UDP | NEXTHDR_DEST | NEXTHDR_AUTH => Ok(Flow6::new(
+                off,
+                ip.src_be,
+                ip.dst_be,
+                0,
+                &L4::default(),
                 frag,
                 frag_id_be,
-            }),
+            )),
             _ => Err(Skip6::NotOurs),
         };
     }
@@ -208,17 +204,7 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
                 L4Skip::Short => Skip6::Truncated,
             },
         )?;
-    Ok(Flow6 {
-        l4_off: off,
-        src_be: ip.src_be,
-        dst_be: ip.dst_be,
-        sport_be: l4.ports[0],
-        dport_be: l4.ports[1],
-        proto: next,
-        tcp_flags: l4.tcp_flags,
-        tcp_seq_be: l4.seq_ack_be[0],
-        tcp_ack_be: l4.seq_ack_be[1],
-        frag,
-        frag_id_be,
-    })
+    Ok(Flow6::new(
+        off, ip.src_be, ip.dst_be, next, &l4, frag, frag_id_be,
+    ))
 }

@@ -93,6 +93,8 @@ pub struct AgentConfig {
     pub ct_timeouts: proxy_common::CtTimeouts,
     /// Capacity of the conntrack map (`--conntrack-max`, two a connection).
     pub conntrack_entries: u32,
+    /// Assured flows one client address may hold (`--conntrack-max-per-source`).
+    pub ct_source_share: u32,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
     pub nodeport_addresses: Vec<Cidr>,
     /// The node's own connections to 127.0.0.0/8 reach NodePorts.
@@ -331,7 +333,8 @@ fn node_maps_at_start(
                 &[]
             },
         )
-        .with_masquerade_all(config.masquerade_all),
+        .with_masquerade_all(config.masquerade_all)
+        .with_ct_source_share(config.ct_source_share),
     );
     let adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
     node.set_netfilter_flows(adoption.active());

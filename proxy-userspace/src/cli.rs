@@ -207,6 +207,12 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(1024..=i64::from(crate::kube_proxy_flags::MAX_CONNECTIONS))
     )]
     pub conntrack_max: Option<u32>,
+    /// Connections one client address may hold established in conntrack;
+    /// past it, its newer connections stay unassured, where a flood of
+    /// them evicts its own flows before anyone's established ones. Default:
+    /// half of --conntrack-max. 0: no share.
+    #[arg(long)]
+    pub conntrack_max_per_source: Option<u32>,
     /// kube-proxy's sizing: this many connections per CPU, at least
     /// --conntrack-min; 0 leaves the size alone (131072 connections).
     #[arg(
@@ -383,6 +389,13 @@ impl RunArgs {
                 Err(_) => MAX_CONNECTIONS,
             }
         })
+    }
+
+    /// `NodeConfig::ct_source_share`: `--conntrack-max-per-source`, by
+    /// default half the connections conntrack holds.
+    pub fn ct_source_share(&self) -> u32 {
+        self.conntrack_max_per_source
+            .unwrap_or(self.conntrack_connections() / 2)
     }
 
     /// Conntrack map entries for [`Self::conntrack_connections`].

@@ -133,6 +133,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let ct_timeouts = args.ct_timeouts();
     let conntrack_entries = args.conntrack_entries();
+    let ct_source_share = args.ct_source_share();
     let model = args.model_config();
     let config = AgentConfig {
         bpf_root: args.pins.bpf_root,
@@ -151,6 +152,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sync_period: args.sync_period,
         ct_timeouts,
         conntrack_entries,
+        ct_source_share,
         model,
         localhost_nodeports: args.localhost_nodeports
             && agent::serves_loopback(&args.nodeport_addresses),

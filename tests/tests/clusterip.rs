@@ -63,3 +63,8 @@ fn direct_connection_reusing_a_service_flows_port_is_left_alone() {
 fn pod_created_after_the_agent_started_is_served() {
     scenario::pod_created_after_the_agent_started_is_served::<Ipv4Addr>();
 }
+
+#[test]
+fn a_pods_flood_of_answered_connections_leaves_others_established_alone() {
+    scenario::a_pods_flood_of_answered_connections_leaves_others_established_alone::<Ipv4Addr>();
+}

@@ -562,3 +562,8 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
         );
     }
 }
+
+#[test]
+fn ipv6_a_pods_flood_of_answered_connections_leaves_others_established_alone() {
+    scenario::a_pods_flood_of_answered_connections_leaves_others_established_alone::<Ipv6Addr>();
+}

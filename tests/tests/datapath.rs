@@ -1221,6 +1221,7 @@ fn node_config(min: u16, max: u16, flags: u32) -> proxy_common::NodeConfig {
         snat_port_min: min,
         snat_port_max: max,
         flags,
+        ct_source_share: 0,
     }
 }
 
@@ -2470,6 +2471,97 @@ fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
     assert_eq!(backend_rst(b + 1), TC_ACT_OK, "backend's RST in the window");
     assert!(closing(&fx), "an RST inside the window must close the flow");
     assert_eq!(counter(&fx, "ct_out_of_window"), 4);
+}
+
+/// A client that completes handshakes past its share of assured flows
+/// (`--conntrack-max-per-source`, 2 here) keeps them working, but
+/// unassured in `CT_NEW` (counted `ct_share_refused`), where they can only
+/// evict other unassured flows; another client's flows are assured as
+/// ever. Once the reaper's recount finds one of the first client's assured
+/// flows gone, its next flow is assured again.
+#[test]
+fn a_client_past_its_share_of_conntrack_stays_unassured() {
+    use proxy_userspace::housekeeping::ct_sources;
+    let mut fx = fixture();
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: proxy_common::NodeConfig {
+                ct_source_share: 2,
+                ..node_config(1024, 65535, 0)
+            },
+        })
+        .expect("a share of 2");
+    let other_client = Ipv4Addr::new(10, 200, 0, 77);
+    let connect = |fx: &Fixture, client: Ipv4Addr, sport: u16| {
+        let (ret, out) = run(fx, &tcp(client, sport, VIP, 80, frame::SYN));
+        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} SYN: verdict");
+        let backend = parse_checked(&out, "SYN").dst;
+        let (ret, _) = run(
+            fx,
+            &tcp(backend, 8080, client, sport, frame::SYN | frame::ACK),
+        );
+        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} SYN-ACK: verdict");
+        let (ret, out) = run(fx, &tcp(client, sport, VIP, 80, frame::ACK));
+        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} ACK: verdict");
+        assert_eq!(
+            parse_checked(&out, "ACK").dst,
+            backend,
+            "{client}:{sport}: the handshake's ACK went elsewhere"
+        );
+    };
+    let assured = |fx: &Fixture, client: Ipv4Addr, sport: u16| {
+        let key = ct_key(client, sport, VIP, 80, proxy_common::PROTO_TCP);
+        let in_conntrack = fx.datapath.maps.conntrack.get(&key, 0).is_ok();
+        let in_ct_new = fx.datapath.maps.ct_new.get(&key, 0).is_ok();
+        assert!(
+            in_conntrack != in_ct_new,
+            "{client}:{sport}: in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new}"
+        );
+        in_conntrack
+    };
+    for sport in [42000, 42001, 42002] {
+        connect(&fx, CLIENT, sport);
+    }
+    assert_eq!(
+        [42000, 42001, 42002].map(|p| assured(&fx, CLIENT, p)),
+        [true, true, false],
+        "the third flow of a client with a share of 2"
+    );
+    assert!(counter(&fx, "ct_share_refused") >= 1);
+    let (ret, out) = run(&fx, &tcp(CLIENT, 42002, VIP, 80, frame::ACK));
+    assert_eq!(ret, TC_ACT_OK);
+    assert_ne!(
+        parse_checked(&out, "the unassured flow's data").dst,
+        VIP,
+        "a flow past the share must still be translated"
+    );
+    connect(&fx, other_client, 42000);
+    assert!(
+        assured(&fx, other_client, 42000),
+        "another client's flow was refused its assurance"
+    );
+
+    // One of the client's assured flows goes; the recount sees it.
+    let key = ct_key(CLIENT, 42000, VIP, 80, proxy_common::PROTO_TCP);
+    fx.datapath
+        .maps
+        .conntrack
+        .remove(&key)
+        .expect("removing a flow's forward entry");
+    ct_sources::recount(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("the recount");
+    let held = fx
+        .datapath
+        .maps
+        .ct_sources
+        .get(&u32::from_ne_bytes(CLIENT.octets()), 0)
+        .expect("the client's count");
+    assert_eq!(held, 1, "the client's count after the recount");
+    connect(&fx, CLIENT, 42003);
+    assert!(
+        assured(&fx, CLIENT, 42003),
+        "back under its share, the client's next flow must be assured"
+    );
 }
 
 const ROUTER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);

@@ -53,7 +53,7 @@ pub enum MapsError {
     BatchWrite(#[from] RunError),
 }
 
-fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
+pub(crate) fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
     move |source| MapsError::Map { name, source }
 }
 
@@ -129,6 +129,10 @@ pub struct Maps {
     pub conntrack6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
     /// IPv6 flows not assured yet; absent like `conntrack6`.
     pub ct_new6: Option<HashMap<MapData, Ct6Key, Ct6Value>>,
+    /// Assured flows per IPv4 client address (proxy-ebpf's `CtSources`).
+    pub ct_sources: HashMap<MapData, u32, u32>,
+    /// Assured flows per IPv6 client address.
+    pub ct_sources6: HashMap<MapData, [u32; 4], u32>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub counters: PerCpuArray<MapData, u64>,
     pub ct_timeouts: Array<MapData, CtTimeouts>,
@@ -191,9 +195,9 @@ impl Maps {
     ) -> Result<Self, MapsError> {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
-            COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_TIMEOUTS, FLOW_GEN, HOST_NETNS,
-            LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICES, SOCK_COUNTERS,
-            SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
+            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICES,
+            SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -203,6 +207,8 @@ impl Maps {
             ct_new: HashMap::try_from(get(CT_NEW)?).map_err(wrap(CT_NEW))?,
             conntrack6: later(get(CONNTRACK6), CONNTRACK6, HashMap::try_from)?,
             ct_new6: later(get(CT_NEW6), CT_NEW6, HashMap::try_from)?,
+            ct_sources: HashMap::try_from(get(CT_SOURCES)?).map_err(wrap(CT_SOURCES))?,
+            ct_sources6: HashMap::try_from(get(CT_SOURCES6)?).map_err(wrap(CT_SOURCES6))?,
             affinity: HashMap::try_from(get(AFFINITY)?).map_err(wrap(AFFINITY))?,
             counters: PerCpuArray::try_from(get(COUNTERS)?).map_err(wrap(COUNTERS))?,
             ct_timeouts: Array::try_from(get(CT_TIMEOUTS)?).map_err(wrap(CT_TIMEOUTS))?,

@@ -5,6 +5,8 @@
 //!
 //! - `conntrack`: the flows and affinity of departed backends purged, idle
 //!   flows reaped, flows carried into this agent's conntrack;
+//! - `ct_sources`: each client's count of assured flows, taken again after
+//!   each reap;
 //! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
 //!   connected to a departed backend, found through the hooks' notes and
 //!   closed;
@@ -12,6 +14,7 @@
 //!   kept.
 
 pub mod conntrack;
+pub mod ct_sources;
 pub mod sock_diag;
 pub mod sock_notes;
 pub mod upgrade;
@@ -48,11 +51,18 @@ pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
     }
 }
 
-/// Removes conntrack entries idle past their timeout.
+/// Removes conntrack entries idle past their timeout, then counts each
+/// client's assured flows again (`ct_sources`).
 pub fn reap_conntrack(datapath: &mut Datapath) {
-    match conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()) {
+    let now = conntrack::monotonic_ns();
+    match conntrack::reap_expired(&mut datapath.maps, now) {
         Ok(0) => {}
         Ok(n) => debug!(entries = n, "reaped idle conntrack entries"),
         Err(e) => warn!(error = %e, "reaping conntrack"),
+    }
+    match ct_sources::recount(&mut datapath.maps, now) {
+        Ok(0) => {}
+        Ok(n) => debug!(clients = n, "recounted clients' assured flows"),
+        Err(e) => warn!(error = %e, "recounting clients' assured flows"),
     }
 }

@@ -46,6 +46,8 @@ pub struct DesiredNode {
     pub masquerade_off_cluster: (bool, bool),
     /// `LOCAL_IFACES`.
     pub local_ifaces: BTreeSet<u32>,
+    /// `NodeConfig::ct_source_share` (`--conntrack-max-per-source`).
+    pub ct_source_share: u32,
 }
 
 impl DesiredNode {
@@ -60,6 +62,7 @@ impl DesiredNode {
             masquerade_all: false,
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
+            ct_source_share: 0,
         }
     }
 
@@ -78,6 +81,13 @@ impl DesiredNode {
     /// The interfaces whose packets come from this node's pods.
     pub fn set_local_ifaces(&mut self, ifindexes: BTreeSet<u32>) {
         self.local_ifaces = ifindexes;
+    }
+
+    /// The most assured flows one client address may hold
+    /// (`--conntrack-max-per-source`; 0: no share).
+    pub fn with_ct_source_share(mut self, share: u32) -> Self {
+        self.ct_source_share = share;
+        self
     }
 
     /// SNATs every new flow to a Service to the node (`--masquerade-all`).
@@ -116,6 +126,7 @@ impl DesiredNode {
     ) {
         self.addrs = Some(node_addrs(addrs, nodeport_addresses));
         let mut config = node_config(snat, localhost_nodeports);
+        config.ct_source_share = self.ct_source_share;
         set_flag(
             &mut config,
             node_config_flags::NETFILTER_FLOWS,
@@ -327,6 +338,7 @@ pub fn node_config(snat: Option<Ipv4Addr>, localhost_nodeports: bool) -> NodeCon
         } else {
             0
         },
+        ct_source_share: 0,
     }
 }
 

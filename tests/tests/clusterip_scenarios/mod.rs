@@ -502,6 +502,58 @@ pub fn a_pods_flood_of_new_flows_leaves_established_connections_alone<F: Family>
     );
 }
 
+/// A pod that completes connections by the thousand cannot evict another pod's
+/// established ones: with `--conntrack-max 1024` (the least it takes) and its
+/// default per-source share (512 connections), 50 idle TCP connections of one pod
+/// keep their backends while another pod completes 4,000 connections through the
+/// same ClusterIP (each answered and closed, so each lives on in `TIME_WAIT`):
+/// four times what conntrack holds. The flooder's connections past its share are
+/// counted (`ct_share_refused`) and still served.
+pub fn a_pods_flood_of_answered_connections_leaves_others_established_alone<F: Family>() {
+    const FLOODER: (&str, Ipv4Addr) = ("flooder", Ipv4Addr::new(10, 200, 0, 4));
+    const FLOOD: usize = 4_000;
+    let family = F::NAME;
+    let vip = F::cluster_ip();
+    let sb = serving::<F>(&[CLIENT, FLOODER], &["--conntrack-max", "1024"]);
+    let client = &sb.client().ns;
+    let mut sessions: Vec<TcpSession<F::Addr>> = (0..50)
+        .map(|i| {
+            TcpSession::open(client, F::http(vip), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect();
+    let flood = tcp_tally(&sb.pod(FLOODER.0).ns, F::http(vip), FLOOD, TIMEOUT)
+        .expect("the flooder's connections");
+    assert_eq!(
+        flood.replies() as usize,
+        FLOOD,
+        "{family}: the flooder's connections past its share must still be served"
+    );
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
+            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
+        }
+    }
+    assert!(
+        broken.is_empty(),
+        "{} of 50 idle {family} connections broken by another pod's {FLOOD} completed \
+         connections; counters: {}; {:?}",
+        broken.len(),
+        counters_text(&sb),
+        &broken[..broken.len().min(10)]
+    );
+    let refused = sb.counter("ct_share_refused");
+    assert!(
+        refused >= (FLOOD - 512) as u64,
+        "{family}: {refused} flows past the flooder's share counted, of {FLOOD} \
+         connections and a share of 512"
+    );
+}
+
 /// Translated packets carry valid checksums whatever state the kernel keeps them
 /// in: partial (offloaded, what pods send), unnecessary (already verified, here by
 /// GRO on the node's side of the veth) and none. A wrong update must cost a lost

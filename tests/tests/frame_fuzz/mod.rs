@@ -325,6 +325,7 @@ pub fn fixture() -> Fixture {
             snat_port_min: proxy_common::SNAT_PORT_MIN,
             snat_port_max: proxy_common::SNAT_PORT_MAX,
             flags: 0,
+            ct_source_share: 0,
         },
     })
     .expect("node config");

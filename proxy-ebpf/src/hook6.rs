@@ -73,9 +73,9 @@ impl Hook6 for TcContext {
             return TC_ACT_SHOT;
         }
         let rejected = if flow.proto == PROTO_TCP {
-            reject::tcp_reset6(self, flow)
+            reject::tcp_reset::<V6>(self, flow)
         } else {
-            reject::icmp_port_unreachable6(self)
+            reject::icmp_port_unreachable::<V6>(self, flow)
         };
         reject::answer::<V6>(rejected, flow, Event::Reject)
     }

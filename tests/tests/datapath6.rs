@@ -439,6 +439,34 @@ fn no_endpoints_rejects_tcp_with_rst_and_udp_with_icmpv6_port_unreachable() {
     assert_eq!(counter(&fx, "reject"), 2, "rejects counted");
 }
 
+/// A datagram behind a destination options header, to a frontend without
+/// endpoints, is dropped (counted `drop_reject_failed`), as IPv4 drops one
+/// with IP options: the port unreachable once sent for it quoted the IPv6
+/// header and the options header's first 8 bytes, which hold no ports for
+/// the client's stack to find its socket by. A SYN behind options gets no
+/// RST either.
+#[test]
+fn no_endpoints_drop_what_extension_headers_stand_before() {
+    let fx = fixture();
+    for (what, proto, sport, port, flags) in [
+        ("datagram", frame::UDP, 42002, 53, 0),
+        ("SYN", frame::TCP, 42003, 80, frame::SYN),
+    ] {
+        let packet = build6(&Spec6 {
+            ext: vec![DEST_OPTS],
+            ..spec(CLIENT, sport, EMPTY_VIP, port, proto, flags)
+        });
+        let (ret, _) = run(&fx, &packet);
+        assert_eq!(ret, TC_ACT_SHOT, "{what} behind options: verdict");
+    }
+    assert_eq!(counter(&fx, "reject"), 2, "rejects decided");
+    assert_eq!(
+        counter(&fx, "drop_reject_failed"),
+        2,
+        "rejects that could not be answered"
+    );
+}
+
 #[test]
 fn extension_headers_before_tcp_are_walked() {
     let fx = fixture();

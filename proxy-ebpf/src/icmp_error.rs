@@ -45,8 +45,8 @@ use crate::{
     nat::NatOf,
     packet::{ETH_HLEN, FlowOf, IPPROTO_ICMP, Ipv4Head, frag},
     packet6::{
-        FRAG_OFFSET_MASK, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH, NEXTHDR_DEST, NEXTHDR_FRAGMENT,
-        NEXTHDR_HOP, NEXTHDR_ROUTING, ext_header_len,
+        FRAG_OFFSET_MASK, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH,
+        NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, ext_header_len,
     },
     route::{self, Hop},
 };
@@ -288,7 +288,9 @@ const IPV4_MIN_HLEN: usize = 20;
 /// More-fragments flag and fragment offset, in host order after `from_be`.
 const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 const IP_OFFSET_MASK: u16 = 0x1fff;
+/// Offsets within the IPv4 header.
 const IP_CSUM_OFF: usize = 10;
+const IP_SRC_OFF: usize = 12;
 
 impl ErrorFamily for V4 {
     const ICMP: u8 = IPPROTO_ICMP;
@@ -363,7 +365,7 @@ impl ErrorFamily for V4 {
     /// As one word pair: 8 bytes of stack, one helper call.
     #[inline(always)]
     fn store_addrs(ctx: &TcContext, ip_off: usize, src_be: &u32, dst_be: &u32) -> Result<(), i64> {
-        ctx.store(ip_off + 12, &[*src_be, *dst_be], 0)
+        ctx.store(ip_off + IP_SRC_OFF, &[*src_be, *dst_be], 0)
     }
 }
 
@@ -442,8 +444,8 @@ impl ErrorFamily for V6 {
         src_be: &[u32; 4],
         dst_be: &[u32; 4],
     ) -> Result<(), i64> {
-        ctx.store(ip_off + 8, src_be, 0)?;
-        ctx.store(ip_off + 24, dst_be, 0)
+        ctx.store(ip_off + IP6_SRC_OFF, src_be, 0)?;
+        ctx.store(ip_off + IP6_DST_OFF, dst_be, 0)
     }
 }
 

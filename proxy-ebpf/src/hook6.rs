@@ -15,7 +15,7 @@ use crate::{
     event_log::{self, Event},
     family::V6,
     hook::Hook,
-    icmp6_error,
+    icmp_error::{self, Verdict},
     maps::count,
     nat6::{self, Nat6},
     packet6::Flow6,
@@ -31,7 +31,7 @@ pub trait Hook6: Hook {
     const DROP: Self::Verdict;
 
     /// A whole ICMPv6 message at `icmp_off`: translated if it is an error
-    /// about a translated flow (`icmp6_error`).
+    /// about a translated flow (`icmp_error`).
     fn icmp6_error(&self, icmp_off: usize) -> Self::Verdict;
 
     /// Answers with a TCP reset or ICMPv6 port unreachable.
@@ -57,7 +57,14 @@ impl Hook6 for TcContext {
 
     #[inline(always)]
     fn icmp6_error(&self, icmp_off: usize) -> i32 {
-        icmp6_error::handle(self, icmp_off)
+        let send = |error: &Flow6, nat: &Nat6| {
+            route::send_tc::<V6>(self, error.proto, &nat.src_be, &nat.dst_be)
+        };
+        match icmp_error::handle::<V6, _>(self, icmp_off, send) {
+            Verdict::Pass => TC_ACT_OK,
+            Verdict::Drop => TC_ACT_SHOT,
+            Verdict::Sent(verdict) => verdict,
+        }
     }
 
     #[inline(always)]
@@ -66,9 +73,9 @@ impl Hook6 for TcContext {
             return TC_ACT_SHOT;
         }
         let rejected = if flow.proto == PROTO_TCP {
-            reject::tcp_reset6(self, flow)
+            reject::tcp_reset::<V6>(self, flow)
         } else {
-            reject::icmp_port_unreachable6(self)
+            reject::icmp_port_unreachable::<V6>(self, flow)
         };
         reject::answer::<V6>(rejected, flow, Event::Reject)
     }

@@ -31,7 +31,6 @@ mod frag;
 mod frontend;
 mod hook;
 mod hook6;
-mod icmp6_error;
 mod icmp_error;
 mod ip_summed;
 mod maps;

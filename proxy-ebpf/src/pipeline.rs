@@ -2,6 +2,7 @@
 //! lookup, then a decision on what the packet becomes. The hooks carry the
 //! decision out (`verdict`).
 
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
 };
@@ -13,7 +14,7 @@ use crate::{
     flow_cache, frag,
     frontend::{self, Frontend},
     hook::Hook,
-    icmp_error,
+    icmp_error::{self, Verdict},
     maps::{count, node_config, node_flags},
     nat::Nat,
     netfilter_ct,
@@ -30,7 +31,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         Err(Skip::NotOurs) => return Action::Pass,
         // An error among them may be about a translated flow; XDP leaves
         // them to tc, which can route what it rewrites.
-        Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp_error::handle),
+        Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp),
         Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
             return Action::Pass;
@@ -86,6 +87,17 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         return Action::Pass;
     };
     new_flow(ctx, &flow, &frontend, now)
+}
+
+/// An ICMP error about a translated flow, translated back (tc only), in
+/// the pipeline's terms.
+#[inline(always)]
+fn icmp(ctx: &TcContext) -> Action {
+    match icmp_error::handle::<V4, _>(ctx, (), |flow, nat| Action::Redirect(*flow, *nat)) {
+        Verdict::Pass => Action::Pass,
+        Verdict::Drop => Action::Drop,
+        Verdict::Sent(action) => action,
+    }
 }
 
 /// Parses the packet and creates both conntrack entries of a flow of it, as

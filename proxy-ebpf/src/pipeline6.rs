@@ -13,7 +13,7 @@
 //! interface it came in on (or passed to the stack translated); everything
 //! else is left untouched to tc, as IPv4's pipeline does. ICMPv6
 //! errors quoting a translated flow's packet are translated back
-//! (`icmp6_error`); every other ICMPv6 message, neighbour discovery among
+//! (`icmp_error`); every other ICMPv6 message, neighbour discovery among
 //! them, passes untouched. SCTP passes untranslated, counted when it was
 //! meant for a frontend, as over IPv4. Fragments follow
 //! IPv4's rules (`crate::frag`): a later fragment takes its first

@@ -126,22 +126,21 @@ pub fn too_big6(ctx: &TcContext, mtu: u16) -> i32 {
 }
 
 /// Turns `flow`'s packet into an ICMP port unreachable addressed to its
-/// sender. Returns the tc verdict; on any failure the packet is dropped,
-/// which is still the right outcome for a frontend without backends.
+/// sender (RFC 792; RFC 4443 3.1). Returns the tc verdict; on any failure
+/// the packet is dropped, which is still the right outcome for a frontend
+/// without backends. So is a packet with IP options or IPv6 extension
+/// headers: quoting them too would make the error variable-length, and a
+/// quote of the fixed header and the 8 bytes after it would hold no ports
+/// for the sender's stack to find its socket by.
 #[inline(always)]
-pub fn icmp_port_unreachable(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
-    // Quoting IP options too would make the reply variable-length; such
-    // packets are rare enough to drop instead.
-    if flow.ip_len() != IPV4_HLEN {
+pub fn icmp_port_unreachable<F: Family>(
+    ctx: &TcContext,
+    flow: &FlowOf<F::Addr>,
+) -> Result<i32, i64> {
+    if flow.ip_len() != F::HLEN {
         return Err(0);
     }
-    icmp_error::<V4, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
-}
-
-/// `icmp_port_unreachable` for IPv6 (RFC 4443 3.1).
-#[inline(always)]
-pub fn icmp_port_unreachable6(ctx: &TcContext) -> Result<i32, i64> {
-    icmp_error::<V6, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
+    icmp_error::<F, UNREACHABLE_QUOTED_L4>(ctx, IcmpError::PortUnreachable)
 }
 
 /// Turns the packet into the ICMP `error` about it, from the address its
@@ -195,25 +194,66 @@ fn icmp_error<F: Family, const QUOTED_L4: usize>(
     Ok(redirect_back(ctx))
 }
 
-const IP_SRC_OFF: usize = ETH_HLEN + 12;
+/// What differs between the families' RSTs: when a SYN is bare, and where
+/// the addresses are swapped.
+pub trait ResetFamily: Family {
+    /// Whether the packet of `flow`, whose TCP header is `tcp_len` bytes
+    /// long, carries nothing past that header (by its IP header's length).
+    fn bare(ctx: &TcContext, flow: &FlowOf<Self::Addr>, tcp_len: usize) -> Result<bool, i64>;
 
-/// Answers a bare SYN with RST|ACK (seq 0, ack = SYN's seq + 1, as RFC 793
+    /// Writes `flow`'s addresses swapped into its IP header. Read here
+    /// only, as late as it can be: read sooner, `tc_ingress` keeps them on
+    /// its stack meanwhile.
+    fn swap_addrs(ctx: &TcContext, flow: &FlowOf<Self::Addr>) -> Result<(), i64>;
+}
+
+impl ResetFamily for V4 {
+    /// IP options are kept, and sent back with the RST.
+    #[inline(always)]
+    fn bare(ctx: &TcContext, flow: &Flow, tcp_len: usize) -> Result<bool, i64> {
+        let tot_len_be: u16 = ctx.load(ETH_HLEN + 2)?;
+        Ok(u16::from_be(tot_len_be) as usize == flow.ip_len() + tcp_len)
+    }
+
+    #[inline(always)]
+    fn swap_addrs(ctx: &TcContext, flow: &Flow) -> Result<(), i64> {
+        let addrs: [u32; 2] = [flow.dst_be, flow.src_be];
+        ctx.store(ETH_HLEN + 12, &addrs, 0)
+    }
+}
+
+impl ResetFamily for V6 {
+    /// No extension headers either: the RST would carry them back as they
+    /// came, a routing header's route among them.
+    #[inline(always)]
+    fn bare(ctx: &TcContext, flow: &Flow6, tcp_len: usize) -> Result<bool, i64> {
+        let payload_len_be: u16 = ctx.load(ETH_HLEN + 4)?;
+        Ok(flow.l4_off == ETH_HLEN + IPV6_HLEN && u16::from_be(payload_len_be) as usize == tcp_len)
+    }
+
+    #[inline(always)]
+    fn swap_addrs(ctx: &TcContext, flow: &Flow6) -> Result<(), i64> {
+        let addrs: [[u32; 4]; 2] = [flow.dst_be, flow.src_be];
+        ctx.store(ETH_HLEN + IP6_SRC_OFF, &addrs, 0)
+    }
+}
+
+/// Answers a bare SYN (nothing past its TCP header; over IPv6 no extension
+/// headers either) with RST|ACK (seq 0, ack = SYN's seq + 1, as RFC 9293
 /// has it for a segment without ACK). Any other TCP segment to a frontend
 /// without backends is dropped: without a flow there is nothing to reset.
 #[inline(always)]
-pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
+pub fn tcp_reset<F: ResetFamily>(ctx: &TcContext, flow: &FlowOf<F::Addr>) -> Result<i32, i64> {
     let l4 = flow.l4_off;
     let doff: u8 = ctx.load(l4 + 12)?;
     let tcp_len = ((doff >> 4) as usize) * 4;
-    let tot_len_be: u16 = ctx.load(ETH_HLEN + 2)?;
+    let bare = F::bare(ctx, flow, tcp_len)?;
     // Read where it is used: hoisted into code `tc_ingress` shares with
     // other actions, it would read a register those never set, which the
     // verifier refuses.
     // SAFETY: points at an initialised field of a live reference.
     let tcp_flags = unsafe { core::ptr::read_volatile(&raw const flow.tcp_flags) };
-    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
-        || u16::from_be(tot_len_be) as usize != flow.ip_len() + tcp_len
-    {
+    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN || !bare {
         return Err(0);
     }
     reset_syn(
@@ -225,30 +265,25 @@ pub fn tcp_reset(ctx: &TcContext, flow: &Flow) -> Result<i32, i64> {
             sport_be: flow.sport_be,
             dport_be: flow.dport_be,
         },
-        || {
-            let addrs: [u32; 2] = [flow.dst_be, flow.src_be];
-            ctx.store(IP_SRC_OFF, &addrs, 0)
-        },
+        || F::swap_addrs(ctx, flow),
     )
 }
 
-/// A bare SYN, checked as such by its family's `tcp_reset`: where its TCP
+/// A bare SYN, checked as such by `tcp_reset`: where its TCP
 /// header is, its data offset byte, where its checksum is, its ports.
-pub struct Syn {
-    pub l4: usize,
-    pub doff: u8,
-    pub csum: usize,
-    pub sport_be: u16,
-    pub dport_be: u16,
+struct Syn {
+    l4: usize,
+    doff: u8,
+    csum: usize,
+    sport_be: u16,
+    dport_be: u16,
 }
 
 /// Turns `syn` into its RST|ACK in place and sends it back: seq 0, ack =
 /// SYN's seq + 1, no window, ports swapped, the IP addresses swapped by
-/// `swap_addrs`, MACs swapped. Shared by both families, whose TCP headers
-/// differ only in where they sit. The family swaps its own addresses, and
-/// only there: read sooner, `tc_ingress` keeps them on its stack meanwhile.
+/// `swap_addrs`, MACs swapped.
 #[inline(always)]
-pub fn reset_syn(
+fn reset_syn(
     ctx: &TcContext,
     syn: &Syn,
     swap_addrs: impl FnOnce() -> Result<(), i64>,
@@ -296,41 +331,4 @@ pub fn redirect_back(ctx: &TcContext) -> i32 {
     // SAFETY: takes an interface index and flags, no pointers.
     unsafe { helpers::bpf_redirect(ifindex, 0) };
     TC_ACT_REDIRECT
-}
-
-/// Answers a bare SYN (no extension headers, no payload) with RST|ACK
-/// (seq 0, ack = SYN's seq + 1, RFC 9293). Any other TCP segment to a
-/// frontend without backends is dropped. The segment is rewritten as
-/// IPv4's is (`reset_syn`): the changed fields go through the
-/// kernel's incremental checksum helper, which is right whatever the socket
-/// buffer's checksum state.
-#[inline(always)]
-pub fn tcp_reset6(ctx: &TcContext, flow: &Flow6) -> Result<i32, i64> {
-    let l4 = flow.l4_off;
-    let doff: u8 = ctx.load(l4 + 12)?;
-    let tcp_len = ((doff >> 4) as usize) * 4;
-    let payload_len_be: u16 = ctx.load(ETH_HLEN + 4)?;
-    // SAFETY: points at an initialised field of a live reference; read
-    // where it is used, as in `tcp_reset`.
-    let tcp_flags = unsafe { core::ptr::read_volatile(&raw const flow.tcp_flags) };
-    if tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) != TCP_SYN
-        || l4 != ETH_HLEN + IPV6_HLEN
-        || u16::from_be(payload_len_be) as usize != tcp_len
-    {
-        return Err(0);
-    }
-    reset_syn(
-        ctx,
-        &Syn {
-            l4,
-            doff,
-            csum: flow.l4_csum_off(),
-            sport_be: flow.sport_be,
-            dport_be: flow.dport_be,
-        },
-        || {
-            let addrs: [[u32; 4]; 2] = [flow.dst_be, flow.src_be];
-            ctx.store(ETH_HLEN + IP6_SRC_OFF, &addrs, 0)
-        },
-    )
 }

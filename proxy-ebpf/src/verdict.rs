@@ -64,9 +64,9 @@ pub fn tc(ctx: &TcContext, action: Action) -> i32 {
                 return TC_ACT_SHOT;
             }
             let rejected = if flow.proto == PROTO_TCP {
-                reject::tcp_reset(ctx, &flow)
+                reject::tcp_reset::<V4>(ctx, &flow)
             } else {
-                reject::icmp_port_unreachable(ctx, &flow)
+                reject::icmp_port_unreachable::<V4>(ctx, &flow)
             };
             reject::answer::<V4>(rejected, &flow, Event::Reject)
         }

@@ -2820,6 +2820,70 @@ fn icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
     assert_eq!(counter(&nf.fx, "icmp_error_translated"), 2);
 }
 
+/// The other way on the same flow, whose other side is a pod on the peer
+/// node: the outside client (a firewall on it rejecting, say) answers the
+/// backend's SYN-ACK with port unreachable, to the NodePort it came from.
+/// Translated, the error comes from this node's SNAT address to the backend,
+/// quoting the SYN-ACK as the backend sent it: its new source is an address
+/// of this node, so tc routes it to the peer node itself, as it routes the
+/// flow's own packets. IPv6's twin is
+/// `icmpv6_errors_from_the_outside_client_reach_a_snated_flows_backend`.
+#[test]
+fn icmp_errors_from_the_outside_client_reach_a_snated_flows_backend() {
+    let nf = node_fixture();
+    let (ret, out) = run_tc_on_uplink(&nf, &tcp(OUTSIDE, 41101, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "SNATed SYN: verdict");
+    let p = parse_checked(&out, "SNATed SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, REMOTE_POD), "SNATed SYN");
+    let syn_ack = tcp(
+        REMOTE_POD,
+        p.dport,
+        NODE_IP,
+        p.sport,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, reply) = run_tc_on_uplink(&nf, &syn_ack);
+    assert_eq!(ret, TC_ACT_REDIRECT, "the backend's SYN-ACK: verdict");
+    let r = parse_checked(&reply, "the backend's SYN-ACK");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 41101),
+        "the backend's SYN-ACK, translated"
+    );
+
+    let redirects = counter(&nf.fx, "redirect");
+    let input = icmp_error_frame(OUTSIDE, ICMP_PORT_UNREACHABLE, &reply, 1000);
+    let (ret, got) = run_tc_on_uplink(&nf, &input);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "the client's error must be routed here"
+    );
+    let e = frame::parse_checked_icmp_error(&got, "the client's error");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+        (
+            NODE_IP,
+            REMOTE_POD,
+            3,
+            3,
+            (frame::TCP, REMOTE_POD, p.dport, NODE_IP, p.sport)
+        ),
+        "the client's error, translated"
+    );
+    assert_eq!(
+        macs(&got),
+        (PEER_MAC, UPLINK_MAC),
+        "the client's error not routed to the peer node"
+    );
+    assert_eq!(got[22], input[22] - 1, "TTL taken down by one");
+    assert_eq!(
+        counter(&nf.fx, "redirect"),
+        redirects + 1,
+        "the client's error not counted as routed by the program"
+    );
+    assert_eq!(counter(&nf.fx, "icmp_error_translated"), 1);
+}
+
 /// A TCP segment carrying `payload` bytes, with `flags`.
 fn segment(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8, payload: usize) -> Vec<u8> {
     build(&Spec {

@@ -440,6 +440,34 @@ fn no_endpoints_rejects_tcp_with_rst_and_udp_with_icmpv6_port_unreachable() {
     assert_eq!(counter(&fx, "reject"), 2, "rejects counted");
 }
 
+/// A datagram behind a destination options header, to a frontend without
+/// endpoints, is dropped (counted `drop_reject_failed`), as IPv4 drops one
+/// with IP options: the port unreachable once sent for it quoted the IPv6
+/// header and the options header's first 8 bytes, which hold no ports for
+/// the client's stack to find its socket by. A SYN behind options gets no
+/// RST either.
+#[test]
+fn no_endpoints_drop_what_extension_headers_stand_before() {
+    let fx = fixture();
+    for (what, proto, sport, port, flags) in [
+        ("datagram", frame::UDP, 42002, 53, 0),
+        ("SYN", frame::TCP, 42003, 80, frame::SYN),
+    ] {
+        let packet = build6(&Spec6 {
+            ext: vec![DEST_OPTS],
+            ..spec(CLIENT, sport, EMPTY_VIP, port, proto, flags)
+        });
+        let (ret, _) = run(&fx, &packet);
+        assert_eq!(ret, TC_ACT_SHOT, "{what} behind options: verdict");
+    }
+    assert_eq!(counter(&fx, "reject"), 2, "rejects decided");
+    assert_eq!(
+        counter(&fx, "drop_reject_failed"),
+        2,
+        "rejects that could not be answered"
+    );
+}
+
 #[test]
 fn extension_headers_before_tcp_are_walked() {
     let fx = fixture();
@@ -2749,6 +2777,85 @@ fn icmpv6_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
     assert_eq!(
         ncounter(&nf, "icmp_error_translated"),
         2,
+        "translated errors"
+    );
+}
+
+/// The other way on the same flow, whose other side is a pod on the peer
+/// node: the outside client (a firewall on it rejecting, say) answers the
+/// backend's SYN-ACK with port unreachable, to the NodePort it came from.
+/// Translated, the error comes from this node's SNAT address to the
+/// backend, quoting the SYN-ACK as the backend sent it: its new source is an
+/// address of this node, so tc routes it to the peer node itself, as it
+/// routes the flow's own packets, where the stack would refuse it. (The twin
+/// of IPv4's `icmp_errors_from_the_outside_client_reach_a_snated_flows_backend`;
+/// the IPv6 datapath once handed such errors to the stack.)
+#[test]
+fn icmpv6_errors_from_the_outside_client_reach_a_snated_flows_backend() {
+    let nf = node_fixture();
+    let syn = tcp(OUTSIDE, 41302, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_on_uplink(&nf, &syn);
+    assert_eq!(ret, TC_ACT_REDIRECT, "SNATed SYN: verdict");
+    let p = parse_checked6(&out, "SNATed SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, REMOTE_POD), "SNATed SYN");
+    let syn_ack = tcp(
+        REMOTE_POD,
+        p.dport,
+        NODE_IP,
+        p.sport,
+        frame::SYN | frame::ACK,
+    );
+    let (ret, reply) = run_on_uplink(&nf, &syn_ack);
+    assert_eq!(ret, TC_ACT_REDIRECT, "the backend's SYN-ACK: verdict");
+    let r = parse_checked6(&reply, "the backend's SYN-ACK");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, NODE_PORT, OUTSIDE, 41302),
+        "the backend's SYN-ACK, translated"
+    );
+
+    let redirects = ncounter(&nf, "redirect");
+    let input = icmp6_error(OUTSIDE, NODE_IP, PORT_UNREACHABLE, &reply, QUOTE_MAX);
+    let (ret, got) = run_on_uplink(&nf, &input);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "the client's error must be routed here"
+    );
+    let e = parse_checked_icmp6_error(&got, "the client's error");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.quoted),
+        (
+            NODE_IP,
+            REMOTE_POD,
+            1,
+            4,
+            (frame::TCP, REMOTE_POD, p.dport, NODE_IP, p.sport)
+        ),
+        "the client's error, translated"
+    );
+    assert_eq!(
+        quote_of(&got),
+        &one_hop_on(&syn_ack)[14..],
+        "the client's error must quote the SYN-ACK as the backend sent it"
+    );
+    assert_eq!(
+        macs(&got),
+        (PEER_MAC, UPLINK_MAC),
+        "the client's error not routed to the peer node"
+    );
+    assert_eq!(
+        got[HOP_LIMIT],
+        input[HOP_LIMIT] - 1,
+        "the client's error: hop limit not taken down by one"
+    );
+    assert_eq!(
+        ncounter(&nf, "redirect"),
+        redirects + 1,
+        "the client's error not counted as routed by the program"
+    );
+    assert_eq!(
+        ncounter(&nf, "icmp_error_translated"),
+        1,
         "translated errors"
     );
 }

@@ -68,3 +68,8 @@ fn pod_created_after_the_agent_started_is_served() {
 fn a_pods_flood_of_answered_connections_leaves_others_established_alone() {
     scenario::a_pods_flood_of_answered_connections_leaves_others_established_alone::<Ipv4Addr>();
 }
+
+#[test]
+fn a_reject_flood_is_held_to_the_icmp_error_budget() {
+    scenario::a_reject_flood_is_held_to_the_icmp_error_budget::<Ipv4Addr>();
+}

@@ -567,3 +567,8 @@ fn ipv6_backend_reaches_itself_through_its_service_and_others_keep_their_address
 fn ipv6_a_pods_flood_of_answered_connections_leaves_others_established_alone() {
     scenario::a_pods_flood_of_answered_connections_leaves_others_established_alone::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_a_reject_flood_is_held_to_the_icmp_error_budget() {
+    scenario::a_reject_flood_is_held_to_the_icmp_error_budget::<Ipv6Addr>();
+}

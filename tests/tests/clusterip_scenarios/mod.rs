@@ -554,6 +554,91 @@ pub fn a_pods_flood_of_answered_connections_leaves_others_established_alone<F: F
     );
 }
 
+/// A flood of SYNs to a Service without endpoints does not turn the node into a
+/// reflector: 20,000 SYNs (their source the client's address, as a spoofer would
+/// write any other) get at most the kernel's own ICMP error budget of RSTs back
+/// (`icmp_msgs_burst` 50 at once, then `icmp_msgs_per_sec` 1,000 a second),
+/// counted where they arrive; the rest are dropped and counted
+/// (`reject_rate_limited`).
+pub fn a_reject_flood_is_held_to_the_icmp_error_budget<F: Family>() {
+    const SYNS: u32 = 20_000;
+    let family = F::NAME;
+    require_root().expect("privileged test");
+    let vip = F::vip(52);
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let empty = F::service("test", "empty", vip).port("http", 80, Protocol::Tcp, TCP_PORT);
+    sb.manifests()
+        .write("empty.yaml", &F::yaml(&empty, &[]))
+        .expect("write manifest");
+    sb.start_agent_on_manifests().expect("start the agent");
+    let client = &sb.client().ns;
+    // The agent serves the Service (a connection is refused at once) before
+    // the flood; the budget refills in the second after.
+    eventually_value(
+        &format!("{family} the Service without endpoints rejects"),
+        Duration::from_secs(10),
+        || match tcp_request(client, F::addr(vip, 80), TIMEOUT) {
+            Outcome::Refused => Ok(()),
+            other => Err(other.to_string()),
+        },
+    );
+    thread::sleep(Duration::from_millis(1_100));
+    let in_segs = |what: &str| {
+        ebpf_proxy_tests::snmp::read(client)
+            .unwrap_or_else(|e| panic!("{what}: the client's SNMP counters: {e:#}"))
+            .get("TcpInSegs")
+            .copied()
+            .unwrap_or(0)
+    };
+    let (rejects, limited) = (sb.counter("reject"), sb.counter("reject_rate_limited"));
+    let before = in_segs("before");
+    let started = Instant::now();
+    let src = F::pod(CLIENT.1);
+    let sent = client
+        .run(move || F::syn_flood_here(src, F::addr(vip, 80), SYNS, |_| {}))
+        .expect("the flood's thread")
+        .expect("the flood");
+    // Every RST the node sent has arrived once the counters stand still.
+    let mut last = (0, 0);
+    let (answered, _) = eventually_value(
+        &format!("{family} the rejects of the flood arrive"),
+        Duration::from_secs(10),
+        || {
+            thread::sleep(Duration::from_millis(200));
+            let now = (in_segs("after"), sb.counter("reject"));
+            if now == last {
+                Ok(now.0 - before)
+            } else {
+                last = now;
+                Err(format!("still moving: {now:?}"))
+            }
+        },
+    );
+    let elapsed = started.elapsed();
+    let seen = sb.counter("reject") - rejects;
+    let dropped = sb.counter("reject_rate_limited") - limited;
+    let budget = 50 + (1_000.0 * elapsed.as_secs_f64()).ceil() as u64;
+    eprintln!(
+        "{family}: {sent} SYNs sent, {seen} reached the datapath, {answered} RSTs back, \
+         {dropped} dropped over the budget, in {elapsed:?} (budget {budget})"
+    );
+    assert!(
+        seen >= u64::from(sent) / 2,
+        "{family}: only {seen} of {sent} SYNs reached the datapath"
+    );
+    assert!(
+        answered <= budget,
+        "{family}: {answered} RSTs came back for {seen} SYNs in {elapsed:?}, over the \
+         budget of {budget}"
+    );
+    assert_eq!(
+        seen - dropped,
+        answered,
+        "{family}: the rejects sent ({seen} - {dropped} over the budget) and the RSTs \
+         that arrived differ"
+    );
+}
+
 /// Translated packets carry valid checksums whatever state the kernel keeps them
 /// in: partial (offloaded, what pods send), unnecessary (already verified, here by
 /// GRO on the node's side of the veth) and none. A wrong update must cost a lost

@@ -236,7 +236,7 @@ impl<'a> AddressCheck<'a> {
     /// The Service as a whole, when it asks for more frontends than it may.
     pub(super) fn budget(&self, frontends: u64, shed: bool) -> Option<Refusal> {
         let max = self.config.max_frontends_per_service;
-        (frontends > max || shed).then(|| Refusal {
+        over_budget(self.config, frontends, shed).then(|| Refusal {
             reason: Reason::Budget,
             address: None,
             detail: format!(
@@ -245,4 +245,11 @@ impl<'a> AddressCheck<'a> {
             ),
         })
     }
+}
+
+/// Whether a Service asking for `frontends` frontends (or one whose
+/// addresses were shed, `shed`) is over `config`'s budget: refused as a
+/// whole, its frontends and its health check node port alike.
+pub(super) fn over_budget(config: &ModelConfig, frontends: u64, shed: bool) -> bool {
+    frontends > config.max_frontends_per_service || shed
 }

@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashSet};
 use k8s_openapi::api::core::v1::Service;
 
 use super::{
-    ModelConfig, ModelError, NodeInfo, Protocol,
+    ModelConfig, ModelError, NodeInfo, Protocol, address_policy,
     compact::{CompactService, Slice},
     endpoints,
     family::Family,
@@ -75,8 +75,13 @@ pub(super) fn health_check(
         return Ok(None);
     };
     // The health check port hangs off kube-proxy's per-port service map: a
-    // Service without ports has none.
-    if parsed.ports.is_empty() || !parsed.external_local {
+    // Service without ports has none. Nor does one refused as a whole for
+    // its size: a load balancer told its nodes are healthy would send them
+    // traffic no frontend takes.
+    if parsed.ports.is_empty()
+        || !parsed.external_local
+        || address_policy::over_budget(config, parsed.frontend_count, parsed.shed)
+    {
         return Ok(None);
     }
     let node_port = match parsed.health_check_node_port {
@@ -451,5 +456,34 @@ mod tests {
         .expect("valid service")
         .expect("needs a health check");
         assert_eq!(got.local_endpoints, 0);
+    }
+
+    /// A Service refused as a whole for its size (`--max-frontends-per-
+    /// service`) has no frontend here, so no health check either: a load
+    /// balancer probing it must not find this node healthy.
+    #[test]
+    fn a_service_over_its_budget_has_no_health_check() {
+        let service = svc(|_| {});
+        let slices = web_a(&[("10.0.0.1", NODE, READY)]);
+        let slices: Vec<Slice> = slices.iter().map(Slice::from).collect();
+        let refs: Vec<&Slice> = slices.iter().collect();
+        let node = NodeInfo {
+            name: NODE.into(),
+            zone: None,
+        };
+        let check = |max: u64| {
+            let config = ModelConfig {
+                max_frontends_per_service: max,
+                ..ModelConfig::default()
+            };
+            service_health_check(&service, &refs, &node, &config).expect("valid service")
+        };
+        let frontends = CompactService::from(&service).frontend_count();
+        assert_eq!(
+            check(frontends).map(|c| c.local_endpoints),
+            Some(1),
+            "within its budget"
+        );
+        assert_eq!(check(frontends - 1), None, "over its budget");
     }
 }

@@ -1237,8 +1237,10 @@ pub mod counter {
     /// ports. The flow's state is left as it was; the packet goes on, for
     /// its receiver to judge.
     pub const CT_OUT_OF_WINDOW: u32 = 32;
-    /// A flow left unassured (in `CT_NEW`) because its client already holds
-    /// its share of assured flows (`NodeConfig::ct_source_share`).
+    /// A packet that would have assured its flow, left unassured (in
+    /// `CT_NEW`) because its client already holds its share of assured
+    /// flows (`NodeConfig::ct_source_share`): each of the flow's packets of
+    /// its client's direction tries again, and counts.
     pub const CT_SHARE_REFUSED: u32 = 33;
     pub const COUNT: u32 = 34;
     /// Entries of the `COUNTERS` map: room for counters added later without

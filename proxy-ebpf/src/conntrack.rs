@@ -504,13 +504,7 @@ fn reply_entry<A: FlowAddr>(
     key: &mut CtKeyOf<A>,
     value: &mut CtValueOf<A>,
 ) {
-    *key = CtKeyOf::new(
-        nf.nat.dst_be,
-        nf.nat.src_be,
-        nf.nat.dport_be,
-        nf.nat.sport_be,
-        flow.proto,
-    );
+    *key = other_key(flow, &nf.nat);
     *value = CtValueOf {
         nat_addr_be: flow.dst_be,
         alt_addr_be: flow.src_be,

@@ -20,7 +20,8 @@ use crate::{
         CONNTRACK, CONNTRACK6, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, Conntrack, CtSources,
         FLOW_CACHE, FLOW_CACHE6, FlowCache, SCRATCH, SCRATCH6, Scratch,
     },
-    packet::{ETH_HLEN, FlowOf, read},
+    packet::{ETH_HLEN, FlowOf, IP_CSUM_OFF, IPPROTO_ICMP, IPV4_MIN_HLEN, read},
+    packet6::{IPV6_HLEN, NEXTHDR_ICMPV6},
 };
 
 /// An ICMP error the datapath answers with (`crate::reject`).
@@ -115,17 +116,13 @@ pub enum V6 {}
 const AF_INET: u8 = 2;
 /// IPv4's don't-fragment flag, as the flags and offset field sits in memory.
 const IP_DF_BE: u16 = 0x4000u16.to_be();
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_ICMPV6: u8 = 58;
 /// What an error's IP header says of its hops: the kernel's default.
 const ERROR_TTL: u8 = 64;
 const AF_INET6: u8 = 10;
-/// Offsets of the TTL and the header checksum in the IPv4 header.
+/// Offset of the TTL in the IPv4 header.
 const IP_TTL_OFF: usize = 8;
-const IP_CSUM_OFF: usize = 10;
 /// Offset of the hop limit in the IPv6 header.
 const IP6_HOP_LIMIT_OFF: usize = 7;
-const IPV6_HLEN: usize = 40;
 
 impl Family for V4 {
     type Addr = u32;
@@ -215,7 +212,7 @@ impl Family for V4 {
         read::<u16>(data, data_end, ETH_HLEN + 6).is_some_and(|frag| frag & IP_DF_BE == 0)
     }
 
-    const HLEN: usize = 20;
+    const HLEN: usize = IPV4_MIN_HLEN;
     const ETH_P_BE: u16 = 0x0800u16.to_be();
 
     /// RFC 792 (port unreachable: type 3 code 3) and RFC 1191
@@ -364,7 +361,7 @@ impl Family for V6 {
     unsafe fn write_error(ip: usize, words: [u32; 2], icmp_len: u16, quote_sum: u64) {
         let quote = ip + IPV6_HLEN + 8;
         let mut sum = u64::from(u32::from(icmp_len).to_be())
-            + u64::from(u32::from(IPPROTO_ICMPV6).to_be())
+            + u64::from(u32::from(NEXTHDR_ICMPV6).to_be())
             + u64::from(words[0])
             + u64::from(words[1])
             + quote_sum;
@@ -372,7 +369,7 @@ impl Family for V6 {
         // SAFETY: the caller's bounds, as documented.
         unsafe {
             (ip as *mut u32).write(0x6000_0000u32.to_be());
-            ((ip + 4) as *mut [u8; 4]).write([hi, lo, IPPROTO_ICMPV6, ERROR_TTL]);
+            ((ip + 4) as *mut [u8; 4]).write([hi, lo, NEXTHDR_ICMPV6, ERROR_TTL]);
             // From the quote's destination to its source, a word at a time.
             for i in 0..4 {
                 let to = ((quote + 8 + 4 * i) as *const u32).read();

@@ -43,10 +43,14 @@ use crate::{
     family::{Family, V4, V6},
     maps::count,
     nat::NatOf,
-    packet::{ETH_HLEN, FlowOf, IPPROTO_ICMP, Ipv4Head, frag},
+    packet::{
+        ETH_HLEN, FlowOf, IP_CSUM_OFF, IP_MF_OFFSET_MASK, IP_OFFSET_MASK, IP_SRC_OFF, IPPROTO_ICMP,
+        IPV4_MIN_HLEN, Ipv4Head, frag,
+    },
     packet6::{
         FRAG_OFFSET_MASK, IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, Ipv6Head, NEXTHDR_AUTH,
-        NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING, ext_header_len,
+        NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ICMPV6, NEXTHDR_ROUTING,
+        ext_header_len,
     },
     route::{self, Hop},
 };
@@ -286,13 +290,6 @@ fn rewrite<F: ErrorFamily>(
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
-const IPV4_MIN_HLEN: usize = 20;
-/// More-fragments flag and fragment offset, in host order after `from_be`.
-const IP_MF_OFFSET_MASK: u16 = 0x3fff;
-const IP_OFFSET_MASK: u16 = 0x1fff;
-/// Offsets within the IPv4 header.
-const IP_CSUM_OFF: usize = 10;
-const IP_SRC_OFF: usize = 12;
 
 impl ErrorFamily for V4 {
     const ICMP: u8 = IPPROTO_ICMP;
@@ -374,13 +371,12 @@ impl ErrorFamily for V4 {
 /// Error message types (RFC 4443 2.1): 1 to 4; informational ones start
 /// at 128, neighbour discovery among them.
 const ICMPV6_ERROR_MAX: u8 = 4;
-const IPPROTO_ICMPV6: u8 = 58;
 /// Extension headers walked in a quote: as many as tc walks in a packet
 /// (`packet6`), so that every packet tc translates is matched when quoted.
 const QUOTE_EXT_HEADERS: usize = 4;
 
 impl ErrorFamily for V6 {
-    const ICMP: u8 = IPPROTO_ICMPV6;
+    const ICMP: u8 = NEXTHDR_ICMPV6;
     /// Past the error's extension headers, where `packet6` found it.
     type IcmpAt = usize;
     type IpHead = Ipv6Head;

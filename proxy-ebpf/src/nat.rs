@@ -15,13 +15,9 @@ use proxy_common::{
 use crate::{
     hook::Hook,
     ip_summed, maps,
-    packet::{ETH_HLEN, Flow, FlowOf, frag},
+    packet::{ETH_HLEN, Flow, FlowOf, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IPV4_MIN_HLEN, frag},
 };
 
-const IP_CSUM_OFF: usize = 10;
-const IP_SRC_OFF: usize = 12;
-const IP_DST_OFF: usize = 16;
-const IPV4_MIN_HLEN: usize = 20;
 /// Deepest L4 header start the parser accepts (Ethernet plus a full
 /// 60-byte IPv4 header); bounds the offsets the verifier sees.
 const MAX_L4_OFF: usize = ETH_HLEN + 60;

@@ -9,15 +9,19 @@ use crate::hook::Hook;
 pub const ETH_HLEN: usize = 14;
 pub const IPPROTO_ICMP: u8 = 1;
 const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
-const IPV4_MIN_HLEN: usize = 20;
+pub const IPV4_MIN_HLEN: usize = 20;
+/// Offsets within the IPv4 header.
+pub const IP_CSUM_OFF: usize = 10;
+pub const IP_SRC_OFF: usize = 12;
+pub const IP_DST_OFF: usize = 16;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 /// SCTP's common header (RFC 9260 3.1).
 const SCTP_HLEN: usize = 12;
 /// More-fragments flag and fragment offset, in host order after `from_be`.
-const IP_MF_OFFSET_MASK: u16 = 0x3fff;
+pub const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 /// The fragment offset alone.
-const IP_OFFSET_MASK: u16 = 0x1fff;
+pub const IP_OFFSET_MASK: u16 = 0x1fff;
 
 /// `Flow::frag`: where the packet sits in its datagram.
 pub mod frag {

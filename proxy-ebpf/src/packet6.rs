@@ -27,7 +27,7 @@ pub const NEXTHDR_ROUTING: u8 = 43;
 pub const NEXTHDR_FRAGMENT: u8 = 44;
 pub const NEXTHDR_AUTH: u8 = 51;
 pub const NEXTHDR_DEST: u8 = 60;
-const NEXTHDR_ICMPV6: u8 = 58;
+pub const NEXTHDR_ICMPV6: u8 = 58;
 /// Extension headers walked before the transport header: hop-by-hop,
 /// destination options, routing and a fragment header make four, more than
 /// any packet between pods carries.

@@ -45,15 +45,14 @@ impl PinLayout {
         };
         entries
             .flatten()
-            .filter(|e| {
-                e.file_name()
-                    .to_str()
-                    .and_then(|n| n.strip_prefix('v'))
-                    .is_some_and(|v| v.parse::<u32>().is_ok())
-            })
             .map(|e| e.path())
-            .filter(|dir| *dir != current)
+            .filter(|dir| Self::layout_version(dir).is_some() && *dir != current)
             .collect()
+    }
+
+    /// The layout version a `v<N>` directory is named for.
+    pub fn layout_version(dir: &Path) -> Option<u32> {
+        dir.file_name()?.to_str()?.strip_prefix('v')?.parse().ok()
     }
 
     /// Where the layout directory `layout` keeps its maps.

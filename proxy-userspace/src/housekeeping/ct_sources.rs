@@ -76,9 +76,9 @@ fn rewrite<A>(
 where
     A: Pod + Ord,
 {
-    let held: Vec<(A, u32)> = map.iter().filter_map(Result::ok).collect();
+    let held: BTreeMap<A, u32> = map.iter().filter_map(Result::ok).collect();
     let mut changed = 0;
-    for (client, _) in held.iter().filter(|(c, _)| !counts.contains_key(c)) {
+    for client in held.keys().filter(|c| !counts.contains_key(c)) {
         match map.remove(client) {
             Ok(()) => changed += 1,
             // Evicted meanwhile.
@@ -87,7 +87,7 @@ where
         }
     }
     for (client, count) in counts {
-        if held.iter().any(|(c, n)| c == client && n == count) {
+        if held.get(client) == Some(count) {
             continue;
         }
         map.insert(client, count, 0).map_err(wrap(name))?;

@@ -145,7 +145,11 @@ pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
     let mut retired = Vec::new();
     for dir in pins.other_layouts() {
         let conntrack = PinLayout::maps_in(&dir).join(map_names::CONNTRACK);
-        let flows = match carry_conntrack(&conntrack, layout_version(&dir), maps) {
+        let flows = match carry_conntrack(
+            &conntrack,
+            PinLayout::layout_version(&dir).unwrap_or(0),
+            maps,
+        ) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "older conntrack not carried over; its connections are balanced anew");
@@ -159,15 +163,6 @@ pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
         }
     }
     retired
-}
-
-/// The layout version a `v<N>` directory is named for (0 if none).
-fn layout_version(dir: &Path) -> u32 {
-    dir.file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix('v'))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Copies the pinned conntrack map of layout `version` at `path` into this
@@ -309,8 +304,14 @@ mod tests {
             "creation second, no acknowledgment known"
         );
         assert_eq!(size_of::<CtValueV4>(), size_of::<CtValue>());
-        assert_eq!(layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/v4")), 4);
-        assert_eq!(layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/maps")), 0);
+        assert_eq!(
+            PinLayout::layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/v4")),
+            Some(4)
+        );
+        assert_eq!(
+            PinLayout::layout_version(Path::new("/sys/fs/bpf/ebpf-proxy/maps")),
+            None
+        );
     }
 
     #[test]

@@ -503,20 +503,26 @@ impl Drop for Agent {
         {
             eprintln!("warning: agent cleanup failed: {e:#}");
         }
-        if self.bpf_root.exists()
-            && let Err(e) = fs::remove_dir_all(&self.bpf_root)
-        {
-            eprintln!("warning: cannot remove {}: {e}", self.bpf_root.display());
-        }
-        if thread::panicking() {
-            eprintln!(
-                "----- agent output ({}) -----\n{}----- end of agent output -----",
-                self.log_path.display(),
-                self.log()
-            );
-        }
-        let _ = fs::remove_file(&self.log_path);
+        leave_nothing_behind(&self.bpf_root, &self.log_path, || self.log());
     }
+}
+
+/// What an agent of a test leaves once stopped and cleaned up: its bpffs root
+/// is removed, and its log too, after printing it if the test failed.
+pub fn leave_nothing_behind(bpf_root: &Path, log_path: &Path, log: impl FnOnce() -> String) {
+    if bpf_root.exists()
+        && let Err(e) = fs::remove_dir_all(bpf_root)
+    {
+        eprintln!("warning: cannot remove {}: {e}", bpf_root.display());
+    }
+    if thread::panicking() {
+        eprintln!(
+            "----- agent output ({}) -----\n{}----- end of agent output -----",
+            log_path.display(),
+            log()
+        );
+    }
+    let _ = fs::remove_file(log_path);
 }
 
 /// Every file below `dir`, sorted (none where it cannot be read).

@@ -9,7 +9,6 @@ use std::{
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Stdio},
-    thread,
     time::Duration,
 };
 
@@ -169,18 +168,6 @@ impl Drop for KubeAgent {
         if let Err(e) = run_cmd(&mut cleanup) {
             eprintln!("warning: agent cleanup failed: {e:#}");
         }
-        if self.bpf_root.exists()
-            && let Err(e) = fs::remove_dir_all(&self.bpf_root)
-        {
-            eprintln!("warning: cannot remove {}: {e}", self.bpf_root.display());
-        }
-        if thread::panicking() {
-            eprintln!(
-                "----- agent output ({}) -----\n{}----- end of agent output -----",
-                self.log_path.display(),
-                self.log()
-            );
-        }
-        let _ = fs::remove_file(&self.log_path);
+        agent::leave_nothing_behind(&self.bpf_root, &self.log_path, || self.log());
     }
 }

@@ -410,6 +410,32 @@ pub fn a_closed_udp_port_behind_a_clusterip_is_refused_as_kube_proxy_does<F: Fam
     );
 }
 
+/// `n` connections from `client` to the `http` port of `vip`, each greeted by
+/// its backend.
+fn idle_sessions<F: Family>(client: &NetNs, vip: F, n: usize) -> Vec<TcpSession<F::Addr>> {
+    (0..n)
+        .map(|i| {
+            TcpSession::open(client, F::http(vip), TIMEOUT)
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
+        })
+        .collect()
+}
+
+/// What each of `sessions` answers now that it should not: any other backend
+/// than the one that greeted it, or an error.
+fn broken_sessions<A: Peer>(sessions: &mut [TcpSession<A>]) -> Vec<String> {
+    let mut broken = Vec::new();
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let expected = format!("{} after", session.greeting.backend);
+        match session.exchange("after") {
+            Ok(answer) if answer == expected => {}
+            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
+            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
+        }
+    }
+    broken
+}
+
 /// A pod that floods the ClusterIP with new flows cannot cut anyone's established
 /// connections: with `--conntrack-max 1024` (the least it takes), 50 idle TCP
 /// connections and 10 UDP flows inside their timeout (each has exchanged twice) keep
@@ -424,12 +450,7 @@ pub fn a_pods_flood_of_new_flows_leaves_established_connections_alone<F: Family>
     let vip = F::cluster_ip();
     let sb = serving::<F>(&[CLIENT, FLOODER], &["--conntrack-max", "1024"]);
     let client = &sb.client().ns;
-    let mut sessions: Vec<TcpSession<F::Addr>> = (0..50)
-        .map(|i| {
-            TcpSession::open(client, F::http(vip), TIMEOUT)
-                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
-        })
-        .collect();
+    let mut sessions = idle_sessions::<F>(client, vip, 50);
     let udp_flows: Vec<(UdpSocket, String)> = (0..10)
         .map(|i| {
             let socket = connected_udp::<F>(client, F::dns(vip), &format!("UDP flow {i}"));
@@ -472,15 +493,7 @@ pub fn a_pods_flood_of_new_flows_leaves_established_connections_alone<F: Family>
         &during,
     );
 
-    let mut broken = Vec::new();
-    for (i, session) in sessions.iter_mut().enumerate() {
-        let expected = format!("{} after", session.greeting.backend);
-        match session.exchange("after") {
-            Ok(answer) if answer == expected => {}
-            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
-            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
-        }
-    }
+    let mut broken = broken_sessions(&mut sessions);
     for (i, (socket, backend)) in udp_flows.iter().enumerate() {
         let now = udp_exchange::<F>(socket, &format!("UDP flow {i} after the flood"));
         if &now != backend {
@@ -516,12 +529,7 @@ pub fn a_pods_flood_of_answered_connections_leaves_others_established_alone<F: F
     let vip = F::cluster_ip();
     let sb = serving::<F>(&[CLIENT, FLOODER], &["--conntrack-max", "1024"]);
     let client = &sb.client().ns;
-    let mut sessions: Vec<TcpSession<F::Addr>> = (0..50)
-        .map(|i| {
-            TcpSession::open(client, F::http(vip), TIMEOUT)
-                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"))
-        })
-        .collect();
+    let mut sessions = idle_sessions::<F>(client, vip, 50);
     let flood = tcp_tally(&sb.pod(FLOODER.0).ns, F::http(vip), FLOOD, TIMEOUT)
         .expect("the flooder's connections");
     assert_eq!(
@@ -529,15 +537,7 @@ pub fn a_pods_flood_of_answered_connections_leaves_others_established_alone<F: F
         FLOOD,
         "{family}: the flooder's connections past its share must still be served"
     );
-    let mut broken = Vec::new();
-    for (i, session) in sessions.iter_mut().enumerate() {
-        let expected = format!("{} after", session.greeting.backend);
-        match session.exchange("after") {
-            Ok(answer) if answer == expected => {}
-            Ok(answer) => broken.push(format!("TCP {i}: {answer:?}, expected {expected:?}")),
-            Err(e) => broken.push(format!("TCP {i}: {e:#}, expected {expected:?}")),
-        }
-    }
+    let broken = broken_sessions(&mut sessions);
     assert!(
         broken.is_empty(),
         "{} of 50 idle {family} connections broken by another pod's {FLOOD} completed \

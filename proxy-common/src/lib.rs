@@ -10,6 +10,7 @@
 pub mod csum;
 pub mod ip_summed;
 pub mod netfilter_ct;
+pub mod prefilter;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
@@ -62,6 +63,9 @@ pub mod map_names {
     pub const CT_SOURCES: &str = "CT_SOURCES";
     /// `CT_SOURCES` of IPv6 clients, in `CONNTRACK6`.
     pub const CT_SOURCES6: &str = "CT_SOURCES6";
+    /// The prefilter's bit array (`prefilter`), mapped into the agent's
+    /// memory: 64-bit words.
+    pub const PREFILTER: &str = "PREFILTER";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -70,7 +74,7 @@ pub mod map_names {
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 12] = [
+    pub const LATER: [&str; 13] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -83,12 +87,13 @@ pub mod map_names {
         CT_NEW6,
         FLOW_CACHE6,
         LOCAL_IFACES,
+        PREFILTER,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -119,6 +124,7 @@ pub mod map_names {
         LOCAL_IFACES,
         CT_SOURCES,
         CT_SOURCES6,
+        PREFILTER,
     ];
 }
 
@@ -370,6 +376,9 @@ pub const MAX_FRAGMENTS: u32 = 8192;
 
 /// `BPF_F_NO_PREALLOC`, for the map definitions.
 pub const MAP_F_NO_PREALLOC: usize = 1;
+/// `BPF_F_MMAPABLE`: an array the agent maps into its memory and writes
+/// without a system call (`PREFILTER`).
+pub const MAP_F_MMAPABLE: usize = 1 << 10;
 
 /// Largest backend set one frontend may have (a slot index is below this).
 pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_536;
@@ -524,6 +533,8 @@ pub trait FlowAddr:
 {
     /// The address folded into one word, for the flow cache's hash.
     fn fold(&self) -> u32;
+    /// The address as `ServiceKey` and `Backend` hold it: IPv4 mapped.
+    fn mapped(&self) -> [u32; 4];
     /// Whether two addresses are equal, in a few register operations: `==`
     /// on an array may become a call to `bcmp`, which BPF has not.
     fn same(&self, other: &Self) -> bool;
@@ -533,6 +544,11 @@ impl FlowAddr for u32 {
     #[inline(always)]
     fn fold(&self) -> u32 {
         *self
+    }
+
+    #[inline(always)]
+    fn mapped(&self) -> [u32; 4] {
+        v4_mapped(*self)
     }
 
     #[inline(always)]
@@ -546,6 +562,11 @@ impl FlowAddr for [u32; 4] {
     fn fold(&self) -> u32 {
         let [w0, w1, w2, w3] = *self;
         w0 ^ w1.rotate_left(8) ^ w2.rotate_left(16) ^ w3.rotate_left(24)
+    }
+
+    #[inline(always)]
+    fn mapped(&self) -> [u32; 4] {
+        *self
     }
 
     #[inline(always)]

@@ -41,6 +41,7 @@ mod packet;
 mod packet6;
 mod pipeline;
 mod pipeline6;
+mod prefilter;
 mod reject;
 mod route;
 mod sock;

@@ -9,10 +9,11 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
-    MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS,
-    MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceKey, ServiceValue,
-    SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter, ip_summed, sock_counter,
+    MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
+    MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
+    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig,
+    RejectLimit, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot,
+    counter, ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -34,6 +35,11 @@ pub static BACKEND_SLOTS: HashMap<
 #[btf_map]
 pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
+
+/// The prefilter's bits (`crate::prefilter`), written by the agent through
+/// its own mapping of the array.
+#[btf_map]
+pub static PREFILTER: Array<u64, { prefilter::WORDS as usize }, MAP_F_MMAPABLE> = Array::new();
 
 /// A conntrack map of either family (see `crate::conntrack`).
 pub type Conntrack<A> = LruHashMap<CtKeyOf<A>, CtValueOf<A>, { MAX_CONNTRACK as usize }>;

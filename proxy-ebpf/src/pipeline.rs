@@ -19,6 +19,7 @@ use crate::{
     nat::Nat,
     netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
+    prefilter,
     route::{self, Ahead},
     verdict::Action,
 };
@@ -37,6 +38,11 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
             return Action::Pass;
         }
     };
+    // A later fragment has no ports to ask with: its first fragment's
+    // record answers for it below.
+    if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
+        return Action::Pass;
+    }
     let now = conntrack::now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.

@@ -38,6 +38,7 @@ use crate::{
     netfilter_ct,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
+    prefilter,
     route::{self, Ahead},
 };
 
@@ -74,6 +75,10 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
             return Ok(H::PASS);
         }
     };
+    // As over IPv4 (`pipeline::handle`).
+    if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
+        return Ok(H::PASS);
+    }
     let now = now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.

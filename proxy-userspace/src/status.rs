@@ -186,6 +186,15 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
     ] {
         let _ = writeln!(out, "{}", fill(pins, name, entries));
     }
+    if let Some(prefilter) = &maps.prefilter {
+        let ones = prefilter.ones();
+        let _ = writeln!(
+            out,
+            "prefilter: {ones} of {} bits set ({:.2}%)",
+            proxy_common::prefilter::BITS,
+            100.0 * f64::from(ones) / f64::from(proxy_common::prefilter::BITS)
+        );
+    }
     for (name, value) in maps.counters()? {
         let _ = writeln!(out, "counter {name}: {value}");
     }

@@ -3078,3 +3078,132 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     assert_frag_needed((ret, &out), &long, client, vip, "a 1,281-byte segment");
     assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");
 }
+
+/// Opens one TCP flow to `VIP:80` from `sport` and assures it (the
+/// client's packet after the backend's answer); its backend.
+fn assured_flow(fx: &Fixture, sport: u16) -> Ipv4Addr {
+    let (_, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+    let backend = parse_checked(&out, "DNATed SYN").dst;
+    assert!(BACKENDS.contains(&backend), "SYN sent to {backend}");
+    run(
+        fx,
+        &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+    );
+    run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+    backend
+}
+
+/// The prefilter's bits of a Service that went are cleared by a rebuild,
+/// except where a flow in conntrack still needs them: that flow goes on
+/// being translated both ways, as a flow outlives its Service in
+/// kube-proxy's conntrack, while a new connection to the address passes
+/// untouched.
+#[test]
+fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
+    use proxy_userspace::datapath::prefilter::{self, service_bit};
+    let mut fx = fixture();
+    let backend = assured_flow(&fx, 41700);
+    let key = |vip: Ipv4Addr, port: u16, proto: u8| proxy_common::ServiceKey {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(vip.octets())),
+        port_be: port.to_be(),
+        proto,
+        scope: proxy_common::scope::ANY,
+    };
+    let (tcp_key, udp_key) = (key(VIP, 80, frame::TCP), key(VIP, 53, frame::UDP));
+    let holds = |fx: &Fixture, k: &proxy_common::ServiceKey| {
+        fx.datapath
+            .maps
+            .prefilter
+            .as_ref()
+            .expect("the datapath has a prefilter")
+            .holds(service_bit(k))
+    };
+    assert!(
+        holds(&fx, &tcp_key) && holds(&fx, &udp_key),
+        "the frontends' bits are set as they are programmed"
+    );
+
+    // Services svc0 (VIP:80/TCP, with the flow) and svc1 (VIP:53/UDP,
+    // without) go.
+    for name in ["svc0", "svc1"] {
+        let owner = ObjectKey {
+            namespace: "test".into(),
+            name: name.into(),
+        };
+        let out = fx.planner.sync_service(&owner, &[], &mut fx.datapath.maps);
+        assert!(out.errors.is_empty(), "removing {name}: {:?}", out.errors);
+    }
+    let rebuilt = prefilter::rebuild(&fx.datapath.maps)
+        .expect("rebuilding the prefilter")
+        .expect("the datapath has a prefilter");
+    assert!(
+        rebuilt.changed > 0,
+        "the rebuild cleared nothing: {rebuilt:?}"
+    );
+    assert!(
+        !holds(&fx, &udp_key),
+        "VIP:53/UDP went with no flow left, and its bit is still set"
+    );
+    assert!(
+        holds(&fx, &tcp_key),
+        "VIP:80/TCP still has a flow in conntrack, and the rebuild cleared its bit"
+    );
+
+    let (ret, out) = run(&fx, &tcp(CLIENT, 41700, VIP, 80, frame::ACK));
+    assert_eq!(ret, TC_ACT_OK);
+    let p = parse_checked(&out, "established packet after its Service went");
+    assert_eq!(
+        (p.dst, p.dport),
+        (backend, 8080),
+        "the flow's packet after the rebuild was not sent to its backend"
+    );
+    let (_, out) = run(&fx, &tcp(backend, 8080, CLIENT, 41700, frame::ACK));
+    let r = parse_checked(&out, "reply after its Service went");
+    assert_eq!(
+        (r.src, r.sport),
+        (VIP, 80),
+        "the flow's reply after the rebuild was not translated back"
+    );
+    let syn = tcp(CLIENT, 41701, VIP, 80, frame::SYN);
+    let (ret, out) = run(&fx, &syn);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &syn),
+        "a new connection to a frontend that went was not passed untouched"
+    );
+}
+
+/// Pins that lack the prefilter (an older agent's) get one at load,
+/// written from the maps before any program runs: the flows and frontends
+/// already there are translated by the new programs.
+#[test]
+fn a_load_on_pins_without_a_prefilter_writes_it_from_the_maps() {
+    let fx = fixture();
+    let backend = assured_flow(&fx, 41800);
+    std::fs::remove_file(fx.pins.map(proxy_common::map_names::PREFILTER))
+        .expect("unpinning PREFILTER");
+    let next = Datapath::load(fx.pins.clone()).expect("loading again on the same pins");
+    let tc = next.tc_program();
+
+    let (_, out) = run_program(tc, &tcp(CLIENT, 41800, VIP, 80, frame::ACK))
+        .expect("running the new tc program");
+    let p = parse_checked(&out, "established packet through the new programs");
+    assert_eq!(
+        (p.dst, p.dport),
+        (backend, 8080),
+        "the flow from before the load lost its backend"
+    );
+    let (_, out) =
+        run_program(tc, &udp(CLIENT, 41801, VIP, 53, false)).expect("running the new tc program");
+    let q = parse_checked(&out, "new UDP flow through the new programs");
+    assert!(
+        BACKENDS.contains(&q.dst) && q.dport == 5353,
+        "a new flow to a frontend from before the load went to {}:{}",
+        q.dst,
+        q.dport
+    );
+    assert!(
+        fx.pins.map(proxy_common::map_names::PREFILTER).exists(),
+        "the new prefilter was not pinned"
+    );
+}

@@ -22,6 +22,7 @@ use std::{
 
 use super::{
     pins::PinLayout,
+    prefilter::{Prefilter, PrefilterError},
     write_behind::{self, RunError, RunWriter},
 };
 use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
@@ -51,6 +52,8 @@ pub enum MapsError {
     },
     #[error(transparent)]
     BatchWrite(#[from] RunError),
+    #[error(transparent)]
+    Prefilter(#[from] PrefilterError),
 }
 
 pub(crate) fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -84,6 +87,7 @@ impl Maps {
             backends: self.backends.map().fd().as_fd(),
             slots: self.slots.map().fd().as_fd(),
             services: self.services.map().fd().as_fd(),
+            prefilter: self.prefilter.clone(),
         }
     }
 }
@@ -165,6 +169,9 @@ pub struct Maps {
     /// Interfaces whose packets come from this node's pods
     /// (`LOCAL_IFACES`); absent like `csum_states`.
     pub local_ifaces: Option<HashMap<MapData, u32, u32>>,
+    /// The prefilter's bits, mapped (`prefilter`), shared with the thread
+    /// that writes batches behind the sync; absent like `csum_states`.
+    pub prefilter: Option<Arc<Prefilter>>,
 }
 
 impl Maps {
@@ -196,7 +203,7 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
-            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICES,
+            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER, SERVICES,
             SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
@@ -225,6 +232,12 @@ impl Maps {
             sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
+            prefilter: later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
+                .map(|array| {
+                    use aya::maps::IterableMap;
+                    Prefilter::map(array.map()).map(Arc::new)
+                })
+                .transpose()?,
         })
     }
 
@@ -395,6 +408,17 @@ impl MapStore for Maps {
     }
 
     fn apply(&mut self, op: &MapOp) -> Result<(), MapsError> {
+        match self.prefilter.clone() {
+            Some(prefilter) => {
+                prefilter.landing(std::slice::from_ref(op), || self.apply_unfiltered(op))
+            }
+            None => self.apply_unfiltered(op),
+        }
+    }
+}
+
+impl Maps {
+    fn apply_unfiltered(&mut self, op: &MapOp) -> Result<(), MapsError> {
         let result = match op {
             MapOp::PutBackend { id, backend } => self.backends.insert(id, backend, 0),
             MapOp::PutSlot { key, backend_id } => self.slots.insert(

@@ -22,6 +22,7 @@ pub mod maps;
 pub mod netfilter_ct;
 pub mod pin_root;
 pub mod pins;
+pub mod prefilter;
 pub mod program_load;
 pub mod reject_limit;
 pub mod resize;
@@ -285,6 +286,9 @@ impl Datapath {
                 }
             }
         }
+        // Before anything is attached: the programs pass whatever the
+        // prefilter does not know.
+        prefilter::write_at_load(&maps);
         let probe: &Xdp = ebpf
             .program(program_names::CLOCK_PROBE)
             .and_then(|p| p.try_into().ok())

@@ -19,7 +19,10 @@ use std::{
 
 use proxy_common::{Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue};
 
-use super::batch::{self, BatchError};
+use super::{
+    batch::{self, BatchError},
+    prefilter::Prefilter,
+};
 use crate::planner::{Landing, MapOp, Phases, write_phases};
 
 /// A run of puts the kernel refused part of.
@@ -43,12 +46,21 @@ pub struct RunWriter<F> {
     pub backends: F,
     pub slots: F,
     pub services: F,
+    /// Where the entries' bits are set as they land (see `prefilter`).
+    pub prefilter: Option<Arc<Prefilter>>,
 }
 
 impl<F: AsFd> RunWriter<F> {
     /// Writes `run`, puts to one of the three maps, in one call; on a
     /// failure, how many landed.
     pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
+        match &self.prefilter {
+            Some(prefilter) => prefilter.landing(run, || self.write_unfiltered(run)),
+            None => self.write_unfiltered(run),
+        }
+    }
+
+    fn write_unfiltered(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
         let result = match run.first() {
             Some(MapOp::PutBackend { .. }) => {
                 let (ids, backends): (Vec<u32>, Vec<Backend>) = run
@@ -105,6 +117,7 @@ impl RunWriter<BorrowedFd<'_>> {
             backends: self.backends.try_clone_to_owned()?,
             slots: self.slots.try_clone_to_owned()?,
             services: self.services.try_clone_to_owned()?,
+            prefilter: self.prefilter.clone(),
         })
     }
 }

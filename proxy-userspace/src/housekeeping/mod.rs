@@ -10,6 +10,8 @@
 //! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
 //!   connected to a departed backend, found through the hooks' notes and
 //!   closed;
+//! - the prefilter's bits of departed frontends and backends cleared, by a
+//!   rebuild from what the maps hold (`rebuild_prefilter`);
 //! - `upgrade`: the datapaths of other layout versions retired, their flows
 //!   kept.
 
@@ -23,7 +25,10 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use crate::{datapath::Datapath, planner::Departed};
+use crate::{
+    datapath::{Datapath, prefilter},
+    planner::Departed,
+};
 
 /// How often idle conntrack entries are reaped.
 pub const REAP_PERIOD: Duration = Duration::from_secs(10);
@@ -52,7 +57,8 @@ pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
 }
 
 /// Removes conntrack entries idle past their timeout, then counts each
-/// client's assured flows again (`ct_sources`).
+/// client's assured flows again (`ct_sources`), then rebuilds the
+/// prefilter where it is due.
 pub fn reap_conntrack(datapath: &mut Datapath) {
     let now = conntrack::monotonic_ns();
     match conntrack::reap_expired(&mut datapath.maps, now) {
@@ -64,5 +70,30 @@ pub fn reap_conntrack(datapath: &mut Datapath) {
         Ok(0) => {}
         Ok(n) => debug!(clients = n, "recounted clients' assured flows"),
         Err(e) => warn!(error = %e, "recounting clients' assured flows"),
+    }
+    rebuild_prefilter(datapath);
+}
+
+/// The prefilter's bits written again once enough frontends and backends
+/// went (`Prefilter::rebuild_due`): what they leave set costs packets for no
+/// Service the full path, and only a rebuild clears it. A failure is
+/// logged and the bits stay as they were, a superset of what is needed.
+pub fn rebuild_prefilter(datapath: &mut Datapath) {
+    let due = datapath
+        .maps
+        .prefilter
+        .as_ref()
+        .is_some_and(|p| p.rebuild_due());
+    if !due {
+        return;
+    }
+    match prefilter::rebuild(&datapath.maps) {
+        Ok(Some(rebuilt)) => debug!(
+            fill = rebuilt.fill(),
+            words_changed = rebuilt.changed,
+            "prefilter rebuilt from the maps"
+        ),
+        Ok(None) => {}
+        Err(e) => warn!(error = %e, "rebuilding the prefilter"),
     }
 }

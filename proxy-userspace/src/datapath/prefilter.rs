@@ -1,0 +1,340 @@
+//! The prefilter's bit array (`proxy_common::prefilter`), mapped into the
+//! agent's memory: a write that needs a bit sets it with one atomic OR, no
+//! system call, however many Services a sync writes.
+//!
+//! Bits are set before the frontend or backend that needs them lands
+//! ([`Prefilter::landing`]), and cleared only by [`rebuild`], which writes
+//! the whole array again from what the maps hold: frontends, backends, and
+//! both ends of every flow in conntrack, so that a flow outlives its
+//! Service as it does in kube-proxy's conntrack. Landings and rebuilds
+//! hold one lock, so a rebuild never reads the maps between a bit's
+//! setting and its entry's landing.
+
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    ptr::NonNull,
+    sync::{
+        Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use aya::maps::{IterableMap, MapData};
+use bytemuck::Pod;
+use proxy_common::{
+    Backend, CtKeyOf, CtValueOf, FlowAddr, ServiceKey, ServiceValue, ct_dir, map_names,
+    prefilter::{BITS, WORDS, bit, port_bit, side, word_and_mask},
+    v4_mapped,
+};
+
+use super::{
+    batch,
+    maps::{Maps, MapsError, batch_error},
+};
+use crate::planner::MapOp;
+
+/// Why the array could not be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefilterError {
+    #[error("map PREFILTER: {0}")]
+    Info(#[source] aya::maps::MapError),
+    #[error(
+        "map PREFILTER holds {entries} entries of {value_size} bytes, where this agent's holds {WORDS} of 8: refused"
+    )]
+    Layout { entries: u32, value_size: u32 },
+    #[error("mapping PREFILTER into memory: {0}")]
+    Mmap(#[source] std::io::Error),
+}
+
+/// Removals after which the bits are rebuilt at the next reap, however
+/// soon: each leaves bits that send packets for nothing the full way.
+const REBUILD_AFTER_REMOVALS: usize = 1024;
+/// A rebuild at most this often for fewer removals.
+const REBUILD_PERIOD: Duration = Duration::from_mins(1);
+
+/// The mapped array.
+#[derive(Debug)]
+pub struct Prefilter {
+    words: NonNull<AtomicU64>,
+    /// Held by each landing of entries that need bits, and by rebuilds.
+    lock: Mutex<()>,
+    /// Frontends and backends removed since the last rebuild.
+    removed: AtomicUsize,
+    last_rebuild: Mutex<Instant>,
+}
+
+// SAFETY: the mapping is shared memory the kernel's programs read too;
+// every access from here is atomic.
+unsafe impl Send for Prefilter {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Prefilter {}
+
+const BYTES: usize = WORDS as usize * size_of::<u64>();
+
+impl Prefilter {
+    /// Maps `map` (`map_names::PREFILTER`) into memory, read and write.
+    pub fn map(map: &MapData) -> Result<Self, PrefilterError> {
+        let info = map.info().map_err(PrefilterError::Info)?;
+        if info.max_entries() != WORDS || info.value_size() != 8 {
+            return Err(PrefilterError::Layout {
+                entries: info.max_entries(),
+                value_size: info.value_size(),
+            });
+        }
+        // SAFETY: a shared mapping of the map's whole value area, which
+        // the kernel allows for an array created with BPF_F_MMAPABLE; it is
+        // unmapped on drop and only ever accessed as atomics.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(PrefilterError::Mmap(std::io::Error::last_os_error()));
+        }
+        let words = NonNull::new(addr.cast::<AtomicU64>())
+            .ok_or_else(|| PrefilterError::Mmap(std::io::Error::other("mmap returned null")))?;
+        Ok(Self {
+            words,
+            lock: Mutex::new(()),
+            removed: AtomicUsize::new(0),
+            last_rebuild: Mutex::new(Instant::now()),
+        })
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `WORDS` words, mapped for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), WORDS as usize) }
+    }
+
+    /// Lands `write`, entries that `ops` describe, with their bits set
+    /// first: under the lock, so no rebuild reads the maps in between.
+    pub fn landing<T>(&self, ops: &[MapOp], write: impl FnOnce() -> T) -> T {
+        let _landing = self.hold();
+        for op in ops {
+            self.admit(op);
+        }
+        write()
+    }
+
+    fn hold(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sets the bit `op`'s entry needs, or notes a removal.
+    fn admit(&self, op: &MapOp) {
+        match op {
+            MapOp::PutService { key, .. } => self.set(service_bit(key)),
+            MapOp::PutBackend { backend, .. } => self.set(backend_bit(backend)),
+            MapOp::DeleteService { .. } | MapOp::DeleteBackend { .. } => {
+                self.removed.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    fn set(&self, bit: u32) {
+        let (word, mask) = word_and_mask(bit);
+        self.words()[word as usize].fetch_or(mask, Ordering::Relaxed);
+    }
+
+    /// Whether `bit` is set.
+    pub fn holds(&self, bit: u32) -> bool {
+        let (word, mask) = word_and_mask(bit);
+        self.words()[word as usize].load(Ordering::Relaxed) & mask != 0
+    }
+
+    /// Bits set, of `proxy_common::prefilter::BITS`.
+    pub fn ones(&self) -> u32 {
+        self.words()
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_ones())
+            .sum()
+    }
+
+    /// Whether enough went since the last rebuild for another
+    /// (`REBUILD_AFTER_REMOVALS`, `REBUILD_PERIOD`).
+    pub fn rebuild_due(&self) -> bool {
+        let removed = self.removed.load(Ordering::Relaxed);
+        let last = *self
+            .last_rebuild
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        removed >= REBUILD_AFTER_REMOVALS || (removed > 0 && last.elapsed() >= REBUILD_PERIOD)
+    }
+
+    /// Makes the array hold `bits` alone; the lock is held by the caller.
+    fn replace(&self, bits: &Bits, _held: &MutexGuard<'_, ()>) -> usize {
+        let mut changed = 0;
+        for (word, new) in self.words().iter().zip(&bits.0) {
+            if word.swap(*new, Ordering::Relaxed) != *new {
+                changed += 1;
+            }
+        }
+        self.removed.store(0, Ordering::Relaxed);
+        *self
+            .last_rebuild
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        changed
+    }
+
+    /// Every bit set: each packet takes the full path, as without a
+    /// prefilter. Where the maps could not be read at load.
+    pub fn open_all(&self) {
+        let _held = self.hold();
+        for word in self.words() {
+            word.store(u64::MAX, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Prefilter {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unused past this point.
+        unsafe { libc::munmap(self.words.as_ptr().cast(), BYTES) };
+    }
+}
+
+/// The bit of a frontend: its destination key, or for a NodePort (on the
+/// unspecified address of its family) its port's.
+pub fn service_bit(key: &ServiceKey) -> u32 {
+    if key.addr_be == [0; 4] || key.addr_be == v4_mapped(0) {
+        port_bit(key.port_be)
+    } else {
+        bit(&key.addr_be, key.port_be, key.proto, side::TO)
+    }
+}
+
+/// The bit of a backend: the source key of its replies.
+pub fn backend_bit(backend: &Backend) -> u32 {
+    bit(&backend.addr_be, backend.port_be, backend.proto, side::FROM)
+}
+
+/// A rebuild's array, built in memory first.
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn set(&mut self, bit: u32) {
+        let (word, mask) = word_and_mask(bit);
+        self.0[word as usize] |= mask;
+    }
+}
+
+/// What a rebuild left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rebuilt {
+    /// Bits set, of `BITS`.
+    pub ones: u32,
+    /// Words whose bits changed.
+    pub changed: usize,
+}
+
+impl Rebuilt {
+    /// The share of the array set: about the share of each probe of a
+    /// packet for no Service that answers "maybe".
+    pub fn fill(&self) -> f64 {
+        f64::from(self.ones) / f64::from(BITS)
+    }
+}
+
+/// Writes the array again from what the maps hold now: every frontend,
+/// every backend, and the keys of every flow in both families' conntrack
+/// maps (a flow's forward entry names its frontend, its reply entry its
+/// backend). Under the lock throughout, so no frontend or backend goes, and
+/// none lands, while the maps are read. `None` where the maps have no
+/// prefilter (the pins of an older agent).
+pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
+    let Some(prefilter) = &maps.prefilter else {
+        return Ok(None);
+    };
+    let held = prefilter.hold();
+    let mut bits = Bits(vec![0; WORDS as usize]);
+    batch::for_each_chunk(
+        maps.services.map(),
+        batch::CHUNK,
+        |keys: &[ServiceKey], _: &[ServiceValue]| {
+            for key in keys {
+                bits.set(service_bit(key));
+            }
+        },
+    )
+    .map_err(batch_error(map_names::SERVICES))?;
+    batch::for_each_chunk(
+        maps.backends.map(),
+        batch::CHUNK,
+        |_: &[u32], backends: &[Backend]| {
+            for backend in backends {
+                bits.set(backend_bit(backend));
+            }
+        },
+    )
+    .map_err(batch_error(map_names::BACKENDS))?;
+    flows::<u32>(maps.conntrack.map(), map_names::CONNTRACK, &mut bits)?;
+    flows::<u32>(maps.ct_new.map(), map_names::CT_NEW, &mut bits)?;
+    if let Some(map) = &maps.conntrack6 {
+        flows::<[u32; 4]>(map.map(), map_names::CONNTRACK6, &mut bits)?;
+    }
+    if let Some(map) = &maps.ct_new6 {
+        flows::<[u32; 4]>(map.map(), map_names::CT_NEW6, &mut bits)?;
+    }
+    let changed = prefilter.replace(&bits, &held);
+    Ok(Some(Rebuilt {
+        ones: bits.0.iter().map(|w| w.count_ones()).sum(),
+        changed,
+    }))
+}
+
+/// `rebuild` at load: an array created just now (or pinned by an agent
+/// older than the maps' contents) knows nothing of what the maps hold.
+/// Where the maps cannot be read, every bit is set: each packet then takes
+/// the full path, as without a prefilter, until the next rebuild.
+pub fn write_at_load(maps: &Maps) {
+    match rebuild(maps) {
+        Ok(Some(rebuilt)) => tracing::debug!(
+            fill = rebuilt.fill(),
+            "prefilter written from the maps' frontends, backends and flows"
+        ),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "prefilter not written from the maps: every packet takes the full path until the next rebuild"
+            );
+            if let Some(prefilter) = &maps.prefilter {
+                prefilter.open_all();
+            }
+        }
+    }
+}
+
+/// The keys of the flows in one conntrack map: a forward entry's
+/// destination (the frontend the client sent to), a reply entry's source
+/// (the backend answering).
+fn flows<A>(map: &MapData, name: &'static str, bits: &mut Bits) -> Result<(), MapsError>
+where
+    A: FlowAddr,
+    CtKeyOf<A>: Pod,
+    CtValueOf<A>: Pod,
+{
+    batch::for_each_chunk(
+        map,
+        batch::CHUNK,
+        |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
+            for (key, value) in keys.iter().zip(values) {
+                bits.set(if value.dir == ct_dir::FORWARD {
+                    bit(&key.dst_be.mapped(), key.dport_be, key.proto, side::TO)
+                } else {
+                    bit(&key.src_be.mapped(), key.sport_be, key.proto, side::FROM)
+                });
+            }
+        },
+    )
+    .map_err(batch_error(name))
+}

@@ -11,8 +11,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, counter,
-    ip_summed, map_names, sock_counter,
+    NodeConfig, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+    counter, ip_summed, map_names, sock_counter,
 };
 
 use std::{
@@ -81,6 +81,7 @@ impl Maps {
     fn run_writer(&self) -> RunWriter<BorrowedFd<'_>> {
         use aya::maps::IterableMap;
         RunWriter {
+            names: self.service_names.as_ref().map(|m| m.map().fd().as_fd()),
             backends: self.backends.map().fd().as_fd(),
             slots: self.slots.map().fd().as_fd(),
             services: self.services.map().fd().as_fd(),
@@ -165,6 +166,9 @@ pub struct Maps {
     /// Interfaces whose packets come from this node's pods
     /// (`LOCAL_IFACES`); absent like `csum_states`.
     pub local_ifaces: Option<HashMap<MapData, u32, u32>>,
+    /// The Service port of each service id (`SERVICE_NAMES`); absent like
+    /// `csum_states`.
+    pub service_names: Option<HashMap<MapData, u32, ServiceName>>,
 }
 
 impl Maps {
@@ -196,8 +200,8 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
-            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICES,
-            SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, SERVICE_NAMES,
+            SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -225,6 +229,7 @@ impl Maps {
             sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
+            service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
         })
     }
 
@@ -307,6 +312,12 @@ impl Maps {
         for key in self.source_ranges.keys() {
             let key = key.map_err(wrap(map_names::SOURCE_RANGES))?;
             state.source_ranges.insert((key.prefix_len(), key.data()));
+        }
+        if let Some(map) = &self.service_names {
+            for item in map {
+                let (k, v) = item.map_err(wrap(map_names::SERVICE_NAMES))?;
+                state.names.insert(k, v);
+            }
         }
         Ok(state)
     }
@@ -414,6 +425,18 @@ impl MapStore for Maps {
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(&Key::new(entry.0, entry.1))
             }
+            MapOp::PutServiceName { id, name } => match &mut self.service_names {
+                Some(map) => map.insert(id, **name, 0),
+                None => {
+                    return Err(MapsError::Missing {
+                        name: map_names::SERVICE_NAMES,
+                    });
+                }
+            },
+            MapOp::DeleteServiceName { id } => match &mut self.service_names {
+                Some(map) => map.remove(id),
+                None => Ok(()),
+            },
             MapOp::PutNodeAddr { key, value } => self.node_addrs.insert(key, value, 0),
             MapOp::DeleteNodeAddr { key } => self.node_addrs.remove(key),
             MapOp::SetNodeConfig { config } => self.node_config.set(0, config, 0),

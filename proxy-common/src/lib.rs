@@ -66,6 +66,9 @@ pub mod map_names {
     /// The prefilter's bit array (`prefilter`), mapped into the agent's
     /// memory: 64-bit words.
     pub const PREFILTER: &str = "PREFILTER";
+    /// The Service port each service id stands for (`ServiceName`): read
+    /// by `ebpf-proxy status` only, no program looks at it.
+    pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -74,7 +77,7 @@ pub mod map_names {
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 13] = [
+    pub const LATER: [&str; 14] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -88,12 +91,13 @@ pub mod map_names {
         FLOW_CACHE6,
         LOCAL_IFACES,
         PREFILTER,
+        SERVICE_NAMES,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 32] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -125,6 +129,7 @@ pub mod map_names {
         CT_SOURCES,
         CT_SOURCES6,
         PREFILTER,
+        SERVICE_NAMES,
     ];
 }
 
@@ -464,6 +469,10 @@ pub mod service_flags {
     /// loadBalancerSourceRanges are set: a new flow is served only if its
     /// client is in `SOURCE_RANGES` for this frontend, else dropped.
     pub const SOURCE_RANGES: u32 = 1 << 3;
+    /// An address of status.loadBalancer.ingress. No program reads it:
+    /// it tells `ebpf-proxy status` a LoadBalancer frontend from an
+    /// ExternalIP, which the datapath treats alike.
+    pub const LOAD_BALANCER: u32 = 1 << 4;
 }
 
 /// What a frontend points at. A packet copies this once and only uses slots
@@ -498,6 +507,46 @@ pub struct BackendSlotKey {
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct BackendSlot {
     pub backend_id: u32,
+}
+
+/// Longest namespace and Service name a `ServiceName` holds: both are DNS
+/// labels in Kubernetes (63 bytes), so one byte of NUL padding is always
+/// left.
+pub const SERVICE_NAME_LEN: usize = 64;
+/// Longest port name a `ServiceName` holds: Kubernetes allows 15 bytes.
+pub const SERVICE_PORT_NAME_LEN: usize = 32;
+
+/// `SERVICE_NAMES` value: the Service port a `ServiceValue::service_id`
+/// stands for, so that a tool reading the pins can name a frontend. Text is
+/// UTF-8, NUL padded; a field filled to its end has no NUL.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceName {
+    pub namespace: [u8; SERVICE_NAME_LEN],
+    pub name: [u8; SERVICE_NAME_LEN],
+    /// `spec.ports[].name`; empty for a Service's only, unnamed port.
+    pub port_name: [u8; SERVICE_PORT_NAME_LEN],
+    /// `spec.ports[].port`, host order; 0 when the first frontend of the
+    /// port to be programmed was its NodePort (which does not carry it).
+    pub port: u16,
+    /// `PROTO_TCP`, `PROTO_UDP` or `PROTO_SCTP`.
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+// Arrays past 32 elements have no derived `Default`.
+impl Default for ServiceName {
+    fn default() -> Self {
+        Self {
+            namespace: [0; SERVICE_NAME_LEN],
+            name: [0; SERVICE_NAME_LEN],
+            port_name: [0; SERVICE_PORT_NAME_LEN],
+            port: 0,
+            proto: 0,
+            _pad: 0,
+        }
+    }
 }
 
 /// `Backend::flags` bits.
@@ -1311,7 +1360,7 @@ mod pod_impls {
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
         FragValue, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, SOCK_NOTE_SLOTS, ServiceKey,
-        ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record,
+        ServiceName, ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record,
         SockNotesRecord, SourceRangeKey,
     };
     macro_rules! pod {
@@ -1352,6 +1401,7 @@ mod pod_impls {
     pod!(
         ServiceKey,
         ServiceValue,
+        ServiceName,
         BackendSlotKey,
         BackendSlot,
         Backend,

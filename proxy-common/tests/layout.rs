@@ -15,8 +15,8 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
     FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceKey,
-    ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord,
-    SourceRangeKey,
+    ServiceName, ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record,
+    SockNotesRecord, SourceRangeKey,
 };
 
 /// The layout version the table below describes.
@@ -59,6 +59,9 @@ fn table() -> Vec<Layout> {
         ServiceValue: 24, 4 {
             service_id: 0, slot_set: 4, count: 8, flags: 12, affinity_timeout_s: 16, _pad: 20,
         }
+        // A map added to this version: older agents of it have no
+        // SERVICE_NAMES pin, so the shape is new, not changed.
+        ServiceName: 164, 2 { namespace: 0, name: 64, port_name: 128, port: 160, proto: 162, _pad: 163 }
         BackendSlotKey: 8, 4 { slot_set: 0, slot: 4 }
         BackendSlot: 4, 4 { backend_id: 0 }
         Backend: 20, 4 { addr_be: 0, port_be: 16, proto: 18, flags: 19 }

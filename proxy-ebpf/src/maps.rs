@@ -12,8 +12,8 @@ use proxy_common::{
     MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
     MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
     MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig,
-    RejectLimit, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot,
-    counter, ip_summed, prefilter, sock_counter,
+    RejectLimit, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+    clock_slot, counter, ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -23,6 +23,13 @@ pub static SERVICES: HashMap<
     { MAX_SERVICES as usize },
     MAP_F_NO_PREALLOC,
 > = HashMap::new();
+
+/// Service id to the Service port it stands for, for `ebpf-proxy status`;
+/// written by the agent, read by no program. A service id is held by at
+/// least one `SERVICES` entry, so there are never more ids than frontends.
+#[btf_map]
+pub static SERVICE_NAMES: HashMap<u32, ServiceName, { MAX_SERVICES as usize }, MAP_F_NO_PREALLOC> =
+    HashMap::new();
 
 #[btf_map]
 pub static BACKEND_SLOTS: HashMap<

@@ -69,9 +69,34 @@ pub struct StatusArgs {
     pub pins: PinArgs,
     /// Also list every translated flow in conntrack, one a line:
     /// `<proto> <client> -> <frontend> => <backend>`, IPv6 addresses as
-    /// `[addr]:port`.
+    /// `[addr]:port` (in JSON, a list under "flows").
     #[arg(long)]
     pub flows: bool,
+    /// How to print the report: `text`, or `json` for tools.
+    #[arg(long, value_enum, default_value_t = StatusOutput::Text)]
+    pub output: StatusOutput,
+    /// Only this Service in the Services part (the node's part is
+    /// printed whole).
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_service)]
+    pub service: Option<(String, String)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StatusOutput {
+    Text,
+    Json,
+}
+
+/// `NAMESPACE/NAME` of `--service`.
+fn parse_service(text: &str) -> Result<(String, String), String> {
+    match text.split_once('/') {
+        Some((namespace, name))
+            if !namespace.is_empty() && !name.is_empty() && !name.contains('/') =>
+        {
+            Ok((namespace.to_owned(), name.to_owned()))
+        }
+        _ => Err(format!("{text:?} is not NAMESPACE/NAME")),
+    }
 }
 
 #[derive(Debug, Args)]

@@ -3,7 +3,7 @@ use clap::{CommandFactory, FromArgMatches};
 use proxy_userspace::{
     adopt,
     agent::{self, AgentConfig, SourceConfig},
-    cli::{Cli, Command, RunArgs},
+    cli::{Cli, Command, RunArgs, StatusOutput},
     config,
     datapath::{self, PinLayout},
     kube_proxy_argv, logging, privileges, settle, status,
@@ -90,12 +90,12 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Status(args) => {
             let pins = PinLayout::new(&args.pins.bpf_root);
-            let render = if args.flows {
-                status::render_with_flows
-            } else {
-                status::render
+            let options = status::Options {
+                json: args.output == StatusOutput::Json,
+                flows: args.flows,
+                service: args.service.clone(),
             };
-            let text = render(&pins).with_context(|| {
+            let text = status::render(&pins, &options).with_context(|| {
                 format!(
                     "reading the maps pinned under {}",
                     args.pins.bpf_root.display()

@@ -1,15 +1,17 @@
-//! `ebpf-proxy status`: what the pinned maps hold, readable; with
-//! `--flows`, the translated flows too (`flows`).
+//! `ebpf-proxy status`: what the pinned maps hold, readable: the Services
+//! by name (`services`), then the node's part; with `--flows`, the
+//! translated flows too (`flows`). As text, or as JSON.
 
 pub mod flows;
+pub mod services;
 
 use std::fmt::Write;
 
 use aya::maps::{IterableMap, MapInfo};
 use proxy_common::{
-    AffinityKey, AffinityValue, BackendSlotKey, Ct6Key, Ct6Value, CtKey, CtValue, MAX_CT_NEW,
-    map_names, service_flags,
+    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtValue, MAX_CT_NEW, map_names,
 };
+use serde::Serialize;
 
 use crate::{
     datapath::resize,
@@ -21,145 +23,184 @@ use crate::{
     planner::encode,
 };
 
-/// The frontends with their backends in slot order, and the counters.
-#[expect(
-    clippy::too_many_lines,
-    reason = "the report, section by section in the order it is printed"
-)]
-pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
+/// Why the report could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("writing the report as JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// What `ebpf-proxy status` is asked for.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    pub json: bool,
+    pub flows: bool,
+    /// Only this Service (namespace, name) in the Services part.
+    pub service: Option<(String, String)>,
+}
+
+/// The report as JSON: a struct, so that its keys come in this order.
+#[derive(Serialize)]
+struct Report<'a> {
+    services: &'a [services::ServiceReport],
+    node: &'a NodeReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flows: Option<Vec<serde_json::Value>>,
+}
+
+/// The node's part of the report: what is not any one Service's.
+#[derive(Debug, Serialize)]
+pub struct NodeReport {
+    pub frontends: usize,
+    pub backends: usize,
+    pub addresses: Vec<NodeAddress>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snat: Option<Snat>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub localhost_nodeports: Option<bool>,
+    /// None where the pins have no `NODE_CONFIG6`; "none" as JSON null
+    /// inside `Some` is the node without an IPv6 address.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv6_address: Option<Option<std::net::IpAddr>>,
+    /// The datapath clock's tick in ns; 0 while not calibrated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clock_tick_ns: Option<u64>,
+    pub attached: Vec<String>,
+    pub conntrack_entries: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrack_capacity: Option<u32>,
+    pub unassured_entries: usize,
+    pub socket_notes: String,
+    pub map_fill: Vec<MapFill>,
+    /// Bits the prefilter has set, of `proxy_common::prefilter::BITS`;
+    /// None where the pins have none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefilter_bits_set: Option<u32>,
+    pub counters: Vec<Counter>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct NodeAddress {
+    pub address: std::net::IpAddr,
+    pub nodeports: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Snat {
+    pub address: std::net::IpAddr,
+    pub port_min: u16,
+    pub port_max: u16,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MapFill {
+    pub map: &'static str,
+    pub entries: usize,
+    /// None where the pin's capacity could not be read (`error` says why).
+    pub capacity: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Counter {
+    pub name: &'static str,
+    pub value: u64,
+}
+
+/// The report as `options` ask: text or JSON, one Service or all, with
+/// the flows or without.
+pub fn render(pins: &PinLayout, options: &Options) -> Result<String, StatusError> {
     let maps = Maps::open_pinned(pins)?;
     let stored = maps.read_service_state()?;
-    let mut out = String::new();
-    let mut rows: Vec<_> = stored.services.iter().collect();
-    rows.sort_by_key(|(k, _)| encode::service_key_string(k));
-    let _ = writeln!(
-        out,
-        "{} frontends, {} backends",
-        rows.len(),
-        stored.backends.len()
-    );
-    for (key, value) in rows {
-        let mut notes = Vec::new();
-        if value.flags & service_flags::AFFINITY != 0 {
-            notes.push(format!("affinity {}s", value.affinity_timeout_s));
-        }
-        if value.flags & service_flags::SOURCE_RANGES != 0 {
-            let ranges: Vec<String> = stored
-                .source_ranges
-                .iter()
-                .filter(|(_, k)| k.frontend == *key)
-                .map(|entry| {
-                    let text = encode::source_range_string(entry);
-                    text.rsplit(" from ").next().unwrap_or_default().to_string()
-                })
-                .collect();
-            notes.push(format!("from {}", ranges.join(" ")));
-        }
-        if value.count == 0 {
-            notes.push(if value.flags & service_flags::NO_EP_DROP != 0 {
-                "no endpoints: drop".to_string()
-            } else {
-                "no endpoints: reject".to_string()
-            });
-        }
-        let backends: Vec<String> = (0..value.count)
-            .map(|slot| {
-                let sk = BackendSlotKey {
-                    slot_set: value.slot_set,
-                    slot,
-                };
-                match stored.slots.get(&sk).and_then(|id| stored.backends.get(id)) {
-                    Some(b) => encode::backend_string(b),
-                    None => format!("<slot {slot} missing>"),
-                }
-            })
-            .collect();
+    let only = options
+        .service
+        .as_ref()
+        .map(|(namespace, name)| (namespace.as_str(), name.as_str()));
+    let services = services::services(&stored, only);
+    let node = node(pins, &maps, &stored)?;
+    let flows = if options.flows {
+        Some(flows::read(&maps)?)
+    } else {
+        None
+    };
+    if options.json {
+        let report = Report {
+            services: &services,
+            node: &node,
+            flows: flows
+                .as_ref()
+                .map(|flows| flows.iter().map(flows::Flow::json).collect()),
+        };
+        let mut out = serde_json::to_string_pretty(&report)?;
+        out.push('\n');
+        return Ok(out);
+    }
+    let mut out = format!("{} frontends, {} backends\n", node.frontends, node.backends);
+    out.push_str(&services::text(&services));
+    if let Some((namespace, name)) = &options.service
+        && services.is_empty()
+    {
+        let _ = writeln!(out, "{namespace}/{name}: no frontend in the maps");
+    }
+    out.push_str(&node_text(&node));
+    if let Some(flows) = flows {
         let _ = writeln!(
             out,
-            "{} (service id {}){}{} -> {}",
-            encode::service_key_string(key),
-            value.service_id,
-            if notes.is_empty() { "" } else { " " },
-            notes.join(", "),
-            if backends.is_empty() {
-                "-".to_string()
-            } else {
-                backends.join(" ")
-            }
+            "flows: {} (client -> frontend => backend)",
+            flows.len()
         );
+        for flow in flows {
+            let _ = writeln!(out, "flow {flow}");
+        }
     }
-    let node: Vec<String> = maps
+    Ok(out)
+}
+
+/// The node's part, read from the pins.
+fn node(
+    pins: &PinLayout,
+    maps: &Maps,
+    stored: &crate::planner::StoredState,
+) -> Result<NodeReport, MapsError> {
+    let addresses = maps
         .node_addrs
         .iter()
         .filter_map(Result::ok)
-        .map(|(k, v)| {
-            let ip = encode::words_addr(&k.addr_be);
-            if v.flags & proxy_common::node_addr_flags::NODEPORT != 0 {
-                format!("{ip} (NodePorts)")
-            } else {
-                ip.to_string()
-            }
+        .map(|(k, v)| NodeAddress {
+            address: encode::words_addr(&k.addr_be),
+            nodeports: v.flags & proxy_common::node_addr_flags::NODEPORT != 0,
         })
         .collect();
-    let _ = writeln!(out, "node addresses: {}", node.join(", "));
-    if let Ok(config) = maps.node_config.get(&0, 0) {
-        let _ = writeln!(
-            out,
-            "SNAT to {} ports {}-{}",
-            encode::words_addr(&config.snat_addr_be),
-            config.snat_port_min,
-            config.snat_port_max
-        );
-        let localhost = config.flags & proxy_common::node_config_flags::LOCALHOST_NODEPORTS != 0;
-        let _ = writeln!(
-            out,
-            "localhost NodePorts: {}",
-            if localhost { "on" } else { "off" }
-        );
-    }
-    if let Some(Ok(config6)) = maps.node_config6.as_ref().map(|m| m.get(&0, 0)) {
-        let _ = match config6.snat_addr_be {
-            [0, 0, 0, 0] => writeln!(out, "node IPv6 address: none"),
-            addr => writeln!(out, "node IPv6 address: {}", encode::words_addr(&addr)),
-        };
-    }
-    if let Ok(clock) = maps.clock.get(&proxy_common::clock_slot::IN_FORCE, 0) {
-        let _ = match clock.tick_ns {
-            0 => writeln!(out, "datapath clock: coarse monotonic (not calibrated)"),
-            tick => writeln!(
-                out,
-                "datapath clock: jiffies x {tick} ns (HZ {})",
-                (1_000_000_000 + tick / 2) / tick
-            ),
-        };
-    }
-    let mut links: Vec<String> = std::fs::read_dir(pins.links_dir())
+    let config = maps.node_config.get(&0, 0).ok();
+    let ipv6_address = match maps.node_config6.as_ref().map(|m| m.get(&0, 0)) {
+        Some(Ok(config6)) => Some(match config6.snat_addr_be {
+            [0, 0, 0, 0] => None,
+            addr => Some(encode::words_addr(&addr)),
+        }),
+        _ => None,
+    };
+    let clock_tick_ns = maps
+        .clock
+        .get(&proxy_common::clock_slot::IN_FORCE, 0)
+        .ok()
+        .map(|clock| clock.tick_ns);
+    let mut attached: Vec<String> = std::fs::read_dir(pins.links_dir())
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect()
         })
         .unwrap_or_default();
-    links.sort();
-    let _ = writeln!(out, "attached: {}", links.join(", "));
+    attached.sort();
     // In chunks: a table of a million entries read one at a time would take
     // seconds.
     let entries = batch::count::<CtKey, CtValue>(maps.conntrack.map(), batch::CHUNK)
         .map_err(batch_error(map_names::CONNTRACK))?;
-    let _ = match resize::capacity(&pins.maps_dir()) {
-        Ok(capacity) => writeln!(
-            out,
-            "conntrack entries: {entries} of {capacity} ({} connections)",
-            capacity / 2
-        ),
-        Err(_) => writeln!(out, "conntrack entries: {entries}"),
-    };
     let unassured = batch::count::<CtKey, CtValue>(maps.ct_new.map(), batch::CHUNK)
         .map_err(batch_error(map_names::CT_NEW))?;
-    let _ = writeln!(
-        out,
-        "unassured conntrack entries: {unassured} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)"
-    );
     let flows6 = match &maps.conntrack6 {
         Some(map) => batch::count::<Ct6Key, Ct6Value>(map.map(), batch::CHUNK)
             .map_err(batch_error(map_names::CONNTRACK6))?,
@@ -170,11 +211,11 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
             .map_err(batch_error(map_names::CT_NEW6))?,
         None => 0,
     };
-    let _ = writeln!(out, "{}", socket_notes(pins));
     let affinity = batch::count::<AffinityKey, AffinityValue>(maps.affinity.map(), batch::CHUNK)
         .map_err(batch_error(map_names::AFFINITY))?;
-    for (name, entries) in [
+    let map_fill = [
         (map_names::SERVICES, stored.services.len()),
+        (map_names::SERVICE_NAMES, stored.names.len()),
         (map_names::BACKEND_SLOTS, stored.slots.len()),
         (map_names::BACKENDS, stored.backends.len()),
         (map_names::SOURCE_RANGES, stored.source_ranges.len()),
@@ -183,50 +224,146 @@ pub fn render(pins: &PinLayout) -> Result<String, MapsError> {
         (map_names::CT_NEW, unassured),
         (map_names::CONNTRACK6, flows6),
         (map_names::CT_NEW6, unassured6),
-    ] {
-        let _ = writeln!(out, "{}", fill(pins, name, entries));
-    }
-    if let Some(prefilter) = &maps.prefilter {
-        let ones = prefilter.ones();
+    ]
+    .into_iter()
+    .filter(|(name, _)| *name != map_names::SERVICE_NAMES || maps.service_names.is_some())
+    .map(|(name, entries)| fill(pins, name, entries))
+    .collect();
+    let counters = maps
+        .counters()?
+        .into_iter()
+        .map(|(name, value)| Counter { name, value })
+        .collect();
+    Ok(NodeReport {
+        frontends: stored.services.len(),
+        backends: stored.backends.len(),
+        addresses,
+        snat: config.map(|c| Snat {
+            address: encode::words_addr(&c.snat_addr_be),
+            port_min: c.snat_port_min,
+            port_max: c.snat_port_max,
+        }),
+        localhost_nodeports: config
+            .map(|c| c.flags & proxy_common::node_config_flags::LOCALHOST_NODEPORTS != 0),
+        ipv6_address,
+        clock_tick_ns,
+        attached,
+        conntrack_entries: entries,
+        conntrack_capacity: resize::capacity(&pins.maps_dir()).ok(),
+        unassured_entries: unassured,
+        socket_notes: socket_notes(pins),
+        map_fill,
+        prefilter_bits_set: maps.prefilter.as_ref().map(|p| p.ones()),
+        counters,
+    })
+}
+
+/// The node's part as text, a line each, but for the count of frontends
+/// and backends, which heads the report.
+fn node_text(node: &NodeReport) -> String {
+    let mut out = String::new();
+    let addresses: Vec<String> = node
+        .addresses
+        .iter()
+        .map(|a| {
+            if a.nodeports {
+                format!("{} (NodePorts)", a.address)
+            } else {
+                a.address.to_string()
+            }
+        })
+        .collect();
+    let _ = writeln!(out, "node addresses: {}", addresses.join(", "));
+    if let Some(snat) = &node.snat {
         let _ = writeln!(
             out,
-            "prefilter: {ones} of {} bits set ({:.2}%)",
-            proxy_common::prefilter::BITS,
-            100.0 * f64::from(ones) / f64::from(proxy_common::prefilter::BITS)
+            "SNAT to {} ports {}-{}",
+            snat.address, snat.port_min, snat.port_max
         );
     }
-    for (name, value) in maps.counters()? {
-        let _ = writeln!(out, "counter {name}: {value}");
+    if let Some(localhost) = node.localhost_nodeports {
+        let _ = writeln!(
+            out,
+            "localhost NodePorts: {}",
+            if localhost { "on" } else { "off" }
+        );
     }
-    Ok(out)
-}
-
-/// `render`, then every translated flow in conntrack, one a line
-/// (`flows`).
-pub fn render_with_flows(pins: &PinLayout) -> Result<String, MapsError> {
-    let mut out = render(pins)?;
-    let flows = flows::read(&Maps::open_pinned(pins)?)?;
+    let _ = match node.ipv6_address {
+        Some(None) => writeln!(out, "node IPv6 address: none"),
+        Some(Some(addr)) => writeln!(out, "node IPv6 address: {addr}"),
+        None => Ok(()),
+    };
+    let _ = match node.clock_tick_ns {
+        Some(0) => writeln!(out, "datapath clock: coarse monotonic (not calibrated)"),
+        Some(tick) => writeln!(
+            out,
+            "datapath clock: jiffies x {tick} ns (HZ {})",
+            (1_000_000_000 + tick / 2) / tick
+        ),
+        None => Ok(()),
+    };
+    let _ = writeln!(out, "attached: {}", node.attached.join(", "));
+    let _ = match node.conntrack_capacity {
+        Some(capacity) => writeln!(
+            out,
+            "conntrack entries: {} of {capacity} ({} connections)",
+            node.conntrack_entries,
+            capacity / 2
+        ),
+        None => writeln!(out, "conntrack entries: {}", node.conntrack_entries),
+    };
     let _ = writeln!(
         out,
-        "flows: {} (client -> frontend => backend)",
-        flows.len()
+        "unassured conntrack entries: {} of {MAX_CT_NEW} (flows whose handshake or first exchange is under way)",
+        node.unassured_entries
     );
-    for flow in flows {
-        let _ = writeln!(out, "flow {flow}");
+    let _ = writeln!(out, "{}", node.socket_notes);
+    for fill in &node.map_fill {
+        let _ = match (fill.capacity, &fill.error) {
+            (Some(capacity), _) if capacity > 0 => writeln!(
+                out,
+                "map fill {}: {} of {capacity} ({:.1}%)",
+                fill.map,
+                fill.entries,
+                100.0 * fill.entries as f64 / f64::from(capacity)
+            ),
+            (_, Some(error)) => writeln!(
+                out,
+                "map fill {}: {} of unknown capacity ({error})",
+                fill.map, fill.entries
+            ),
+            _ => writeln!(out, "map fill {}: {}", fill.map, fill.entries),
+        };
     }
-    Ok(out)
+    if let Some(ones) = node.prefilter_bits_set {
+        let bits = proxy_common::prefilter::BITS;
+        let _ = writeln!(
+            out,
+            "prefilter: {ones} of {bits} bits set ({:.2}%)",
+            100.0 * f64::from(ones) / f64::from(bits)
+        );
+    }
+    for counter in &node.counters {
+        let _ = writeln!(out, "counter {}: {}", counter.name, counter.value);
+    }
+    out
 }
 
-/// `map fill NAME: entries of capacity (percent)`: how close a map is to
-/// refusing writes (docs/maps.md, "Sizes").
-fn fill(pins: &PinLayout, name: &str, entries: usize) -> String {
+/// How close a map is to refusing writes (docs/maps.md, "Sizes").
+fn fill(pins: &PinLayout, name: &'static str, entries: usize) -> MapFill {
     match MapInfo::from_pin(pins.map(name)).map(|info| info.max_entries()) {
-        Ok(capacity) if capacity > 0 => format!(
-            "map fill {name}: {entries} of {capacity} ({:.1}%)",
-            100.0 * entries as f64 / f64::from(capacity)
-        ),
-        Ok(_) => format!("map fill {name}: {entries}"),
-        Err(e) => format!("map fill {name}: {entries} of unknown capacity ({e})"),
+        Ok(capacity) => MapFill {
+            map: name,
+            entries,
+            capacity: Some(capacity),
+            error: None,
+        },
+        Err(e) => MapFill {
+            map: name,
+            entries,
+            capacity: None,
+            error: Some(e.to_string()),
+        },
     }
 }
 

@@ -149,6 +149,18 @@ impl KubeAgent {
     pub fn netns_path(&self) -> &Path {
         &self.netns_path
     }
+
+    /// `ebpf-proxy status ARGS` on this agent's pins, run in its node's
+    /// namespace as an operator runs it on the node.
+    pub fn status(&self, args: &[&str]) -> anyhow::Result<String> {
+        run_cmd(
+            command_in(&self.netns_path, &self.bin)
+                .arg("status")
+                .arg("--bpf-root")
+                .arg(&self.bpf_root)
+                .args(args),
+        )
+    }
 }
 
 impl Drop for KubeAgent {

@@ -516,7 +516,9 @@ fn a_service_refused_by_a_full_map_lands_once_there_is_room() {
     let mut maps = Maps::open_pinned(&pins).expect("the pinned maps");
     let fillers = fill_backends(&mut maps);
     // `status` shows how full each map is: this one is.
-    let status = proxy_userspace::status::render(&pins).expect("ebpf-proxy status");
+    let status =
+        proxy_userspace::status::render(&pins, &proxy_userspace::status::Options::default())
+            .expect("ebpf-proxy status");
     let fill = status
         .lines()
         .find(|l| l.starts_with("map fill BACKENDS: "))

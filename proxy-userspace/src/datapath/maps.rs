@@ -11,8 +11,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceKey, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, counter,
-    ip_summed, map_names, sock_counter,
+    NodeConfig, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+    counter, ip_summed, map_names, sock_counter,
 };
 
 use std::{
@@ -84,6 +84,7 @@ impl Maps {
     fn run_writer(&self) -> RunWriter<BorrowedFd<'_>> {
         use aya::maps::IterableMap;
         RunWriter {
+            names: self.service_names.as_ref().map(|m| m.map().fd().as_fd()),
             backends: self.backends.map().fd().as_fd(),
             slots: self.slots.map().fd().as_fd(),
             services: self.services.map().fd().as_fd(),
@@ -172,6 +173,9 @@ pub struct Maps {
     /// The prefilter's bits, mapped (`prefilter`), shared with the thread
     /// that writes batches behind the sync; absent like `csum_states`.
     pub prefilter: Option<Arc<Prefilter>>,
+    /// The Service port of each service id (`SERVICE_NAMES`); absent like
+    /// `csum_states`.
+    pub service_names: Option<HashMap<MapData, u32, ServiceName>>,
 }
 
 impl Maps {
@@ -203,8 +207,8 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
-            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER, SERVICES,
-            SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
+            SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -238,6 +242,7 @@ impl Maps {
                     Prefilter::map(array.map()).map(Arc::new)
                 })
                 .transpose()?,
+            service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
         })
     }
 
@@ -320,6 +325,12 @@ impl Maps {
         for key in self.source_ranges.keys() {
             let key = key.map_err(wrap(map_names::SOURCE_RANGES))?;
             state.source_ranges.insert((key.prefix_len(), key.data()));
+        }
+        if let Some(map) = &self.service_names {
+            for item in map {
+                let (k, v) = item.map_err(wrap(map_names::SERVICE_NAMES))?;
+                state.names.insert(k, v);
+            }
         }
         Ok(state)
     }
@@ -438,6 +449,18 @@ impl Maps {
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(&Key::new(entry.0, entry.1))
             }
+            MapOp::PutServiceName { id, name } => match &mut self.service_names {
+                Some(map) => map.insert(id, **name, 0),
+                None => {
+                    return Err(MapsError::Missing {
+                        name: map_names::SERVICE_NAMES,
+                    });
+                }
+            },
+            MapOp::DeleteServiceName { id } => match &mut self.service_names {
+                Some(map) => map.remove(id),
+                None => Ok(()),
+            },
             MapOp::PutNodeAddr { key, value } => self.node_addrs.insert(key, value, 0),
             MapOp::DeleteNodeAddr { key } => self.node_addrs.remove(key),
             MapOp::SetNodeConfig { config } => self.node_config.set(0, config, 0),

@@ -5,7 +5,7 @@
 //! sync's time") that is more than half the sync, and on its own thread it
 //! overlaps the model and the planner, which need the other core.
 //!
-//! The writer holds duplicates of the three maps' descriptors, so that it
+//! The writer holds duplicates of the four maps' descriptors, so that it
 //! needs nothing of the maps' handles while the sync goes on; the
 //! planner waits for it before any other write, which keeps the update
 //! order (docs/architecture.md, "Map update order"). It knows descriptors
@@ -17,7 +17,9 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue};
+use proxy_common::{
+    Backend, BackendSlot, BackendSlotKey, ServiceKey, ServiceName, ServiceValue, map_names,
+};
 
 use super::{
     batch::{self, BatchError},
@@ -25,24 +27,31 @@ use super::{
 };
 use crate::planner::{Landing, MapOp, Phases, write_phases};
 
-/// A run of puts the kernel refused part of.
+/// A run of puts the kernel refused part of; `op` is the first put that did
+/// not land.
 #[derive(Debug, thiserror::Error)]
-#[error("{op}: {source}")]
-pub struct RunError {
-    /// The first put that did not land.
-    op: String,
-    #[source]
-    source: BatchError,
+pub enum RunError {
+    #[error("{op}: {source}")]
+    Batch {
+        op: String,
+        #[source]
+        source: BatchError,
+    },
+    /// Pins of an agent older than `SERVICE_NAMES`.
+    #[error("{op}: there is no map {}", map_names::SERVICE_NAMES)]
+    NoNames { op: String },
 }
 
 /// Batches of fewer entries are written at once: a thread costs more than
 /// it saves, and a single Service's change should land without a hand-off.
 pub const WRITE_BEHIND_MIN: usize = 4096;
 
-/// The descriptors of `BACKENDS`, `BACKEND_SLOTS` and `SERVICES`: the maps
-/// a batch writes after its source ranges.
+/// The descriptors of `SERVICE_NAMES` (where the pins have it),
+/// `BACKENDS`, `BACKEND_SLOTS` and `SERVICES`: the maps a batch writes
+/// after its source ranges.
 #[derive(Debug)]
 pub struct RunWriter<F> {
+    pub names: Option<F>,
     pub backends: F,
     pub slots: F,
     pub services: F,
@@ -51,7 +60,7 @@ pub struct RunWriter<F> {
 }
 
 impl<F: AsFd> RunWriter<F> {
-    /// Writes `run`, puts to one of the three maps, in one call; on a
+    /// Writes `run`, puts to one of the four maps, in one call; on a
     /// failure, how many landed.
     pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
         match &self.prefilter {
@@ -62,6 +71,19 @@ impl<F: AsFd> RunWriter<F> {
 
     fn write_unfiltered(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
         let result = match run.first() {
+            Some(op @ MapOp::PutServiceName { .. }) => {
+                let Some(names) = &self.names else {
+                    return Err((0, RunError::NoNames { op: op.to_string() }));
+                };
+                let (ids, entries): (Vec<u32>, Vec<ServiceName>) = run
+                    .iter()
+                    .filter_map(|op| match op {
+                        MapOp::PutServiceName { id, name } => Some((*id, **name)),
+                        _ => None,
+                    })
+                    .unzip();
+                batch::update(names.as_fd(), &ids, &entries)
+            }
             Some(MapOp::PutBackend { .. }) => {
                 let (ids, backends): (Vec<u32>, Vec<Backend>) = run
                     .iter()
@@ -101,7 +123,7 @@ impl<F: AsFd> RunWriter<F> {
         result.map_err(|(landed, source)| {
             (
                 landed,
-                RunError {
+                RunError::Batch {
                     op: run[landed.min(run.len() - 1)].to_string(),
                     source,
                 },
@@ -114,6 +136,7 @@ impl RunWriter<BorrowedFd<'_>> {
     /// Owned duplicates, for a thread that outlives the borrow.
     pub fn to_owned(&self) -> io::Result<RunWriter<OwnedFd>> {
         Ok(RunWriter {
+            names: self.names.map(|fd| fd.try_clone_to_owned()).transpose()?,
             backends: self.backends.try_clone_to_owned()?,
             slots: self.slots.try_clone_to_owned()?,
             services: self.services.try_clone_to_owned()?,
@@ -123,8 +146,9 @@ impl RunWriter<BorrowedFd<'_>> {
 }
 
 impl RunWriter<OwnedFd> {
-    /// Writes phases 1 to 3 of `phases` (backends, slots, service entries;
-    /// each one run of one map) on a thread of its own, failing with the
+    /// Writes phases 1 to 4 of `phases` (service names, backends, slots,
+    /// service entries; each one run of one map) on a thread of its own,
+    /// failing with the
     /// caller's error.
     pub fn spawn<E: From<RunError> + Send + 'static>(
         self,
@@ -143,12 +167,13 @@ impl RunWriter<OwnedFd> {
 }
 
 /// Whether `phases` is worth a thread: enough entries, and each of phases
-/// 1 to 3 one run of puts to its map, as `planner::Batch` gathers them.
+/// 1 to 4 one run of puts to its map, as `planner::Batch` gathers them.
 pub fn worth_a_thread(phases: &Phases) -> bool {
     let entries: usize = phases[1..].iter().map(Vec::len).sum();
     let one_map = |ops: &[MapOp], put: fn(&MapOp) -> bool| ops.iter().all(put);
     entries >= WRITE_BEHIND_MIN
-        && one_map(&phases[1], |op| matches!(op, MapOp::PutBackend { .. }))
-        && one_map(&phases[2], |op| matches!(op, MapOp::PutSlot { .. }))
-        && one_map(&phases[3], |op| matches!(op, MapOp::PutService { .. }))
+        && one_map(&phases[1], |op| matches!(op, MapOp::PutServiceName { .. }))
+        && one_map(&phases[2], |op| matches!(op, MapOp::PutBackend { .. }))
+        && one_map(&phases[3], |op| matches!(op, MapOp::PutSlot { .. }))
+        && one_map(&phases[4], |op| matches!(op, MapOp::PutService { .. }))
 }

@@ -2,9 +2,9 @@
 //! consistent frontends are kept as they are, so traffic keeps flowing
 //! through a restart, and the rest is returned as garbage to delete.
 
-use std::{collections::BTreeSet, sync::Arc};
+use std::{collections::BTreeSet, hash::BuildHasher, sync::Arc};
 
-use proxy_common::BackendSlotKey;
+use proxy_common::{BackendSlotKey, ServiceName};
 
 use super::{
     encode,
@@ -79,6 +79,15 @@ impl Planner {
         for (id, b) in &stored.backends {
             if planner.backends.id_of(b) != Some(*id) {
                 garbage.push(MapOp::DeleteBackend { id: *id });
+            }
+        }
+        for (id, name) in &stored.names {
+            if planner.service_ids_in_use.contains_key(id) {
+                let unported = ServiceName { port: 0, ..*name };
+                let hash = planner.adopted_names.hasher().hash_one(unported);
+                planner.adopted_names.insert(*id, (hash, name.port));
+            } else {
+                garbage.push(MapOp::DeleteServiceName { id: *id });
             }
         }
         planner.next_backend_id = stored.backends.keys().max().map_or(1, |m| m + 1);

@@ -4,13 +4,13 @@
 //! At 100,000 Services x 10 endpoints the first sync writes 2.1 million
 //! entries; written per frontend that is three system calls for every
 //! frontend (its backends, its slots, its service entry). Gathered, they
-//! are four calls per [`Batch`] (the sync loop writes one every 1,024
+//! are five calls per [`Batch`] (the sync loop writes one every 1,024
 //! frontends). Only a frontend the maps do not have yet is gathered:
-//! nothing points at its backends, slots or source ranges until its
-//! `SERVICES` entry is written, and every id it takes is one no other
-//! frontend holds, so writing all backends, then all slots, then all
-//! service entries keeps the update order of docs/architecture.md ("Map
-//! update order") for each of them. A frontend the maps already hold is
+//! nothing points at its backends, slots, source ranges or service name
+//! until its `SERVICES` entry is written, and every id it takes is one no
+//! other frontend holds, so writing all names, then all backends, then all
+//! slots, then all service entries keeps the update order of
+//! docs/architecture.md ("Map update order") for each of them. A frontend the maps already hold is
 //! written on its own, after the batch has landed.
 //!
 //! A batch may be written while the next one is gathered (the store's
@@ -44,6 +44,8 @@ pub(super) struct Gathered {
 #[derive(Debug)]
 pub struct Batch<E: std::error::Error + 'static> {
     pub(super) source_ranges: Vec<MapOp>,
+    /// The names of the service ids its frontends are the first to take.
+    pub(super) names: Vec<MapOp>,
     pub(super) backends: Vec<MapOp>,
     pub(super) slots: Vec<MapOp>,
     /// One `PutService` per gathered frontend, in the order of `frontends`.
@@ -76,6 +78,7 @@ impl<E: std::error::Error + 'static> Default for Batch<E> {
     fn default() -> Self {
         Self {
             source_ranges: Vec::new(),
+            names: Vec::new(),
             backends: Vec::new(),
             slots: Vec::new(),
             services: Vec::new(),
@@ -118,6 +121,7 @@ impl<E: std::error::Error + 'static> Batch<E> {
                 matches!(
                     op,
                     MapOp::PutSourceRange { .. }
+                        | MapOp::PutServiceName { .. }
                         | MapOp::PutBackend { .. }
                         | MapOp::PutSlot { .. }
                         | MapOp::PutService { .. }
@@ -131,6 +135,7 @@ impl<E: std::error::Error + 'static> Batch<E> {
         for op in writes {
             match op {
                 MapOp::PutSourceRange { .. } => self.source_ranges.push(op),
+                MapOp::PutServiceName { .. } => self.names.push(op),
                 MapOp::PutBackend { .. } => self.backends.push(op),
                 MapOp::PutSlot { .. } => self.slots.push(op),
                 _ => self.services.push(op),
@@ -143,12 +148,13 @@ impl<E: std::error::Error + 'static> Batch<E> {
         });
     }
 
-    /// The writes in the order they land: source ranges, backends, slots,
-    /// then the service entries. Empties the batch.
+    /// The writes in the order they land: source ranges, service names,
+    /// backends, slots, then the service entries. Empties the batch.
     pub(super) fn take_phases(&mut self) -> (Phases, Vec<Gathered>) {
         (
             [
                 std::mem::take(&mut self.source_ranges),
+                std::mem::take(&mut self.names),
                 std::mem::take(&mut self.backends),
                 std::mem::take(&mut self.slots),
                 std::mem::take(&mut self.services),
@@ -163,6 +169,7 @@ impl<E: std::error::Error + 'static> Batch<E> {
 #[derive(Debug, Default)]
 pub(super) struct Unlanded {
     source_ranges: BTreeSet<SourceRangeEntry>,
+    names: HashSet<u32>,
     backends: HashSet<u32>,
     slots: HashSet<BackendSlotKey>,
 }
@@ -189,6 +196,9 @@ impl Unlanded {
                     MapOp::PutSourceRange { entry } => {
                         self.source_ranges.insert(*entry);
                     }
+                    MapOp::PutServiceName { id, .. } => {
+                        self.names.insert(*id);
+                    }
                     MapOp::PutBackend { id, .. } => {
                         self.backends.insert(*id);
                     }
@@ -207,6 +217,7 @@ impl Unlanded {
     pub fn needs(&self, delete: &MapOp) -> bool {
         match delete {
             MapOp::DeleteSourceRange { entry } => !self.source_ranges.contains(entry),
+            MapOp::DeleteServiceName { id } => !self.names.contains(id),
             MapOp::DeleteBackend { id } => !self.backends.contains(id),
             MapOp::DeleteSlot { key } => !self.slots.contains(key),
             _ => true,

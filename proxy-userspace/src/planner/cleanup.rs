@@ -36,6 +36,11 @@ impl Planner {
                 MapOp::PutBackend { id, .. } => Some(MapOp::DeleteBackend { id: *id }),
                 MapOp::PutSlot { key, .. } => Some(MapOp::DeleteSlot { key: *key }),
                 MapOp::PutSourceRange { entry } => Some(MapOp::DeleteSourceRange { entry: *entry }),
+                // An adopted id keeps the name it had for the frontends
+                // that still hold it.
+                MapOp::PutServiceName { id, .. } if !self.service_ids_in_use.contains_key(id) => {
+                    Some(MapOp::DeleteServiceName { id: *id })
+                }
                 _ => None,
             })
             .collect();

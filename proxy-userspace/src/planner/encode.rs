@@ -7,11 +7,11 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
-    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, SourceRangeKey,
-    backend_flags, is_v4_mapped, scope, source_range_prefix, v4_mapped,
+    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceName,
+    SourceRangeKey, backend_flags, is_v4_mapped, scope, source_range_prefix, v4_mapped,
 };
 
-use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope};
+use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope, ServicePortName};
 
 /// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
 pub type SourceRangeEntry = (u32, SourceRangeKey);
@@ -157,4 +157,43 @@ pub fn cluster_cidr_string((prefix_len, key): &ClusterCidrEntry) -> String {
         *prefix_len
     };
     format!("{ip}/{prefix}")
+}
+
+/// The `SERVICE_NAMES` entry of `service`, whose port is `port` (0 when
+/// unknown). Text longer than its field, which Kubernetes' limits rule out,
+/// is cut at a character boundary.
+pub fn service_name(service: &ServicePortName, port: u16) -> ServiceName {
+    let mut out = ServiceName {
+        port,
+        proto: service.protocol.number(),
+        ..ServiceName::default()
+    };
+    fill(&mut out.namespace, &service.namespace);
+    fill(&mut out.name, &service.name);
+    fill(&mut out.port_name, &service.port);
+    out
+}
+
+fn fill(field: &mut [u8], text: &str) {
+    let mut len = text.len().min(field.len());
+    while !text.is_char_boundary(len) {
+        len -= 1;
+    }
+    field[..len].copy_from_slice(&text.as_bytes()[..len]);
+}
+
+/// A text field of a `SERVICE_NAMES` entry: up to its first NUL.
+pub fn name_text(field: &[u8]) -> String {
+    let end = field.iter().position(|b| *b == 0).unwrap_or(field.len());
+    String::from_utf8_lossy(&field[..end]).into_owned()
+}
+
+/// "namespace/name:port" of a `SERVICE_NAMES` entry, for messages.
+pub fn service_name_string(name: &ServiceName) -> String {
+    format!(
+        "{}/{}:{}",
+        name_text(&name.namespace),
+        name_text(&name.name),
+        name_text(&name.port_name)
+    )
 }

@@ -38,8 +38,13 @@ impl Planner {
             self.flush_first(batch.as_deref_mut(), store);
         }
         let (ids, fresh) = self.backend_ids(fe);
-        let service_id = self.service_id(fe, prev.as_ref());
-        let mut plan = self.plan(fe, prev.as_ref(), service_id, ids, fresh);
+        let (service_id, unnamed) = self.service_id(fe, prev.as_ref());
+        let name = if unnamed {
+            self.service_name_write(fe, service_id)
+        } else {
+            None
+        };
+        let mut plan = self.plan(fe, prev.as_ref(), service_id, name, ids, fresh);
         if let Some(batch) = batch
             && prev.is_none()
         {
@@ -136,11 +141,10 @@ impl Planner {
                 self.departed.push(self.departure(p.value.service_id, *id));
             }
             cleanup.extend(self.release_backends(&p.backend_ids));
-            if let Some(name) = p.service.as_ref() {
-                self.release_service_id(name);
-            } else {
-                self.release_adopted_service_id(p.value.service_id);
-            }
+            cleanup.extend(match p.service.as_ref() {
+                Some(name) => self.release_service_id(name),
+                None => self.release_adopted_service_id(p.value.service_id),
+            });
         }
         let cleaned = self.apply_cleanup(cleanup, store);
         self.frontends.insert(
@@ -193,10 +197,10 @@ impl Planner {
                 .map(|entry| MapOp::DeleteSourceRange { entry: *entry }),
         );
         cleanup.extend(self.release_backends(&prev.backend_ids));
-        match prev.service.as_ref() {
+        cleanup.extend(match prev.service.as_ref() {
             Some(name) => self.release_service_id(name),
             None => self.release_adopted_service_id(prev.value.service_id),
-        }
+        });
         Ok(1 + self.apply_cleanup(cleanup, store))
     }
 }

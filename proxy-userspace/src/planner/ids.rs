@@ -4,7 +4,7 @@
 //! once nothing points at it; the counters wrap past 0, which the datapath
 //! reads as "none".
 
-use std::sync::Arc;
+use std::{hash::BuildHasher, sync::Arc};
 
 use proxy_common::Backend;
 
@@ -14,7 +14,7 @@ use super::{
     ledger::{Applied, Departed, Planner, Refcounted},
     ops::MapOp,
 };
-use crate::model::{Frontend, ServicePortName};
+use crate::model::{Frontend, FrontendKind, ServicePortName};
 
 /// A backend no id is held for: the id it gets with the plan.
 pub(super) struct Fresh {
@@ -52,15 +52,38 @@ impl Planner {
         (ids, fresh)
     }
 
-    pub(super) fn service_id(&mut self, fe: &Frontend, prev: Option<&Applied>) -> u32 {
+    /// The service id of `fe`'s Service port, and whether the port holds
+    /// none yet (it takes this one when `fe` is committed).
+    pub(super) fn service_id(&mut self, fe: &Frontend, prev: Option<&Applied>) -> (u32, bool) {
         match self.service_ids.get(&fe.service) {
-            Some(r) => r.id,
+            Some(r) => (r.id, false),
             // An adopted frontend keeps its id, so affinity survives a restart.
             None => match prev {
-                Some(p) if p.service.is_none() => p.value.service_id,
-                _ => self.alloc_service_id(),
+                Some(p) if p.service.is_none() => (p.value.service_id, true),
+                _ => (self.alloc_service_id(), true),
             },
         }
+    }
+
+    /// The write of `fe`'s Service port as the name of service id `id`,
+    /// which the port is taking: None when the maps hold that name for it
+    /// already (adopted). The port number is that of a frontend other than
+    /// a NodePort, which has a port of its own: a NodePort leaves an
+    /// adopted name's number as it is.
+    pub(super) fn service_name_write(&mut self, fe: &Frontend, id: u32) -> Option<MapOp> {
+        let node_port = fe.kind == FrontendKind::NodePort;
+        let unported = encode::service_name(&fe.service, 0);
+        if let Some((hash, port)) = self.adopted_names.remove(&id)
+            && hash == self.adopted_names.hasher().hash_one(unported)
+            && (node_port || port == fe.key.port)
+        {
+            return None;
+        }
+        let port = if node_port { 0 } else { fe.key.port };
+        Some(MapOp::PutServiceName {
+            id,
+            name: Box::new(proxy_common::ServiceName { port, ..unported }),
+        })
     }
 
     /// Backend `backend_id` leaving service `service_id`, with its address
@@ -99,24 +122,29 @@ impl Planner {
         shared
     }
 
-    pub(super) fn release_service_id(&mut self, name: &ServicePortName) {
-        if let Some(r) = self.service_ids.get_mut(name) {
-            r.refs = r.refs.saturating_sub(1);
-            let id = r.id;
-            if r.refs == 0 {
-                self.service_ids.remove(name);
-            }
-            self.release_adopted_service_id(id);
+    /// Drops one reference to `name`'s service id; the delete of the id's
+    /// name once nothing holds the id.
+    pub(super) fn release_service_id(&mut self, name: &ServicePortName) -> Option<MapOp> {
+        let r = self.service_ids.get_mut(name)?;
+        r.refs = r.refs.saturating_sub(1);
+        let id = r.id;
+        if r.refs == 0 {
+            self.service_ids.remove(name);
         }
+        self.release_adopted_service_id(id)
     }
 
-    pub(super) fn release_adopted_service_id(&mut self, id: u32) {
-        if let Some(n) = self.service_ids_in_use.get_mut(&id) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.service_ids_in_use.remove(&id);
-            }
+    /// Drops one hold on service id `id`; the delete of its name once
+    /// nothing holds it.
+    pub(super) fn release_adopted_service_id(&mut self, id: u32) -> Option<MapOp> {
+        let n = self.service_ids_in_use.get_mut(&id)?;
+        *n = n.saturating_sub(1);
+        if *n > 0 {
+            return None;
         }
+        self.service_ids_in_use.remove(&id);
+        self.adopted_names.remove(&id);
+        Some(MapOp::DeleteServiceName { id })
     }
 
     fn alloc_backend_id(&mut self, fresh: &[Fresh]) -> u32 {

@@ -136,10 +136,10 @@ impl Planner {
                 .map(|entry| MapOp::DeleteSourceRange { entry: *entry }),
         );
         deletes.extend(self.release_backends(&applied.backend_ids));
-        match applied.service.as_ref() {
+        deletes.extend(match applied.service.as_ref() {
             Some(name) => self.release_service_id(name),
             None => self.release_adopted_service_id(applied.value.service_id),
-        }
+        });
         if let Some(keys) = self.owned.get_mut(owner) {
             let rest: Box<[FrontendKey]> = keys.iter().filter(|k| *k != key).copied().collect();
             if rest.is_empty() {

@@ -44,6 +44,11 @@ pub struct Planner {
     pub(super) backends: Backends,
     pub(super) service_ids: HashMap<Arc<ServicePortName>, Refcounted>,
     pub(super) service_ids_in_use: HashMap<u32, u32>,
+    /// The `SERVICE_NAMES` entries of adopted service ids no Service port
+    /// has taken since: a hash of the entry with its port number zeroed
+    /// (the map's hasher), and the port number. A restart writes again
+    /// only the names that changed.
+    pub(super) adopted_names: HashMap<u32, (u64, u16)>,
     pub(super) slot_sets_in_use: BTreeSet<u32>,
     pub(super) next_backend_id: u32,
     pub(super) next_service_id: u32,

@@ -4,12 +4,12 @@ use std::{fmt, sync::Arc, thread::JoinHandle};
 
 use proxy_common::{
     Backend, BackendSlotKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue,
+    ServiceName, ServiceValue,
 };
 
 use super::encode::{
     ClusterCidrEntry, SourceRangeEntry, cluster_cidr_string, service_key_string,
-    source_range_string, words_addr,
+    service_name_string, source_range_string, words_addr,
 };
 
 /// One write to the maps the agent programs: the service maps (planned by
@@ -43,6 +43,16 @@ pub enum MapOp {
     },
     DeleteSourceRange {
         entry: SourceRangeEntry,
+    },
+    /// `SERVICE_NAMES`: the Service port service id `id` stands for. Boxed:
+    /// it is seven times the size of the other operations, of which a
+    /// first sync holds millions.
+    PutServiceName {
+        id: u32,
+        name: Box<ServiceName>,
+    },
+    DeleteServiceName {
+        id: u32,
     },
     PutNodeAddr {
         key: NodeAddrKey,
@@ -87,6 +97,7 @@ impl MapOp {
                 | MapOp::DeleteSlot { .. }
                 | MapOp::DeleteBackend { .. }
                 | MapOp::DeleteSourceRange { .. }
+                | MapOp::DeleteServiceName { .. }
                 | MapOp::DeleteNodeAddr { .. }
                 | MapOp::DeleteClusterCidr { .. }
                 | MapOp::DeleteLocalIface { .. }
@@ -115,6 +126,10 @@ impl fmt::Display for MapOp {
             MapOp::DeleteSourceRange { entry } => {
                 write!(f, "delete source range {}", source_range_string(entry))
             }
+            MapOp::PutServiceName { id, name } => {
+                write!(f, "write service name {id} ({})", service_name_string(name))
+            }
+            MapOp::DeleteServiceName { id } => write!(f, "delete service name {id}"),
             MapOp::PutNodeAddr { key, value } => write!(
                 f,
                 "write node address {} (flags {:#x})",
@@ -180,8 +195,9 @@ pub trait MapStore {
 }
 
 /// A batch's writes, one map at a time in the order they land: source
-/// ranges, backends, slots, service entries (see `planner::Batch`).
-pub type Phases = [Vec<MapOp>; 4];
+/// ranges, service names, backends, slots, service entries (see
+/// `planner::Batch`).
+pub type Phases = [Vec<MapOp>; 5];
 
 /// Where a batch's writes stopped: the phase, how many of its writes
 /// landed before the one that failed, and why that one did not.

@@ -34,13 +34,15 @@ pub(super) struct FrontendPlan {
 
 impl Planner {
     /// The writes that bring the maps from `prev` to `fe`, in the update
-    /// order: new source ranges, new backends and new slots, then the service
-    /// entry (the flip); and the deletes that may follow it.
+    /// order: the name of a service id it is the first to take, new source
+    /// ranges, new backends and new slots, then the service entry (the
+    /// flip); and the deletes that may follow it.
     pub(super) fn plan(
         &mut self,
         fe: &Frontend,
         prev: Option<&Applied>,
         service_id: u32,
+        name: Option<MapOp>,
         ids: Vec<u32>,
         fresh: Vec<Fresh>,
     ) -> FrontendPlan {
@@ -63,7 +65,8 @@ impl Planner {
 
         // New source ranges go in before the service entry that turns the
         // firewall on; ranges no longer wanted go after it.
-        let mut writes: Vec<MapOp> = Vec::with_capacity(ranges.len() + fresh.len() + ids.len() + 1);
+        let mut writes: Vec<MapOp> = Vec::with_capacity(ranges.len() + fresh.len() + ids.len() + 2);
+        writes.extend(name);
         writes.extend(
             ranges
                 .difference(prev_ranges)
@@ -137,6 +140,9 @@ fn service_flags_of(fe: &Frontend, has_source_ranges: bool) -> u32 {
     }
     if has_source_ranges {
         flags |= service_flags::SOURCE_RANGES;
+    }
+    if fe.kind == FrontendKind::LoadBalancer {
+        flags |= service_flags::LOAD_BALANCER;
     }
     flags
 }

@@ -10,7 +10,7 @@ use std::{
 
 use proxy_common::{
     Backend, BackendSlotKey, CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, ServiceKey,
-    ServiceValue,
+    ServiceName, ServiceValue,
 };
 
 use super::{
@@ -40,6 +40,9 @@ pub struct StoredState {
     pub slots: BTreeMap<BackendSlotKey, u32>,
     pub backends: BTreeMap<u32, Backend>,
     pub source_ranges: BTreeSet<SourceRangeEntry>,
+    /// `SERVICE_NAMES`: service id to its Service port. Empty where the
+    /// pins are an agent's that did not write them.
+    pub names: BTreeMap<u32, ServiceName>,
     pub node: NodeState,
 }
 
@@ -72,6 +75,12 @@ impl MapStore for StoredState {
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(entry);
             }
+            MapOp::PutServiceName { id, name } => {
+                self.names.insert(*id, **name);
+            }
+            MapOp::DeleteServiceName { id } => {
+                self.names.remove(id);
+            }
             MapOp::PutNodeAddr { key, value } => {
                 self.node.addrs.insert(*key, *value);
             }
@@ -99,6 +108,33 @@ impl MapStore for StoredState {
 }
 
 impl StoredState {
+    /// After `op`: a service entry it wrote has the name of its service id
+    /// in place already, and a name it deleted is of an id no service entry
+    /// holds, so that a reader of the maps can always name a frontend.
+    pub fn check_named(&self, op: &MapOp) -> Result<(), String> {
+        match op {
+            MapOp::PutService { key, value } if !self.names.contains_key(&value.service_id) => {
+                Err(format!(
+                    "service {} was written before the name of its service id {}",
+                    service_key_string(key),
+                    value.service_id
+                ))
+            }
+            MapOp::DeleteServiceName { id } => match self
+                .services
+                .iter()
+                .find(|(_, value)| value.service_id == *id)
+            {
+                Some((key, _)) => Err(format!(
+                    "the name of service id {id} was deleted while service {} holds it",
+                    service_key_string(key)
+                )),
+                None => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
     /// What a packet would see: every frontend's slots `0..count` exist and
     /// name an existing backend. Holds after every single operation of a
     /// plan, not just at its end.

@@ -34,6 +34,9 @@ impl MapStore for CheckingStore {
         if let Err(e) = self.state.check_consistent() {
             panic!("after `{op}` a packet would see an inconsistent service: {e}");
         }
+        if let Err(e) = self.state.check_named(op) {
+            panic!("after `{op}` status could not name a frontend: {e}");
+        }
         Ok(())
     }
 }
@@ -98,8 +101,8 @@ fn programs_grows_shrinks_and_removes_with_minimal_ops() {
     let mut p = Planner::new();
     let mut s = CheckingStore::default();
     let fe = frontend(1, &[11, 12, 13]);
-    // 3 backends + 3 slots + 1 service.
-    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&fe)), 7);
+    // The service id's name + 3 backends + 3 slots + 1 service.
+    assert_eq!(sync(&mut p, &mut s, "a", std::slice::from_ref(&fe)), 8);
     assert_eq!(
         stored_backends(&s.state, &fe).unwrap(),
         expected_backends(&fe)
@@ -506,7 +509,7 @@ proptest! {
     /// maps as desired or absent and reported; nothing is left that no
     /// frontend reaches; and the reported ones land when synced again.
     #[test]
-    fn a_failed_batch_keeps_what_landed_and_forgets_the_rest(fail_at in 0usize..40) {
+    fn a_failed_batch_keeps_what_landed_and_forgets_the_rest(fail_at in 0usize..46) {
         let services = six_services();
         let mut planner = Planner::new();
         let mut store = CheckingStore { fail_at: Some(fail_at), ..Default::default() };
@@ -515,9 +518,9 @@ proptest! {
             planner.sync_service_batched(owner, fes, &mut store, &mut batch);
         }
         planner.flush(&mut batch, &mut store);
-        // 6 service entries, 18 slots, 13 backends: 37 writes.
+        // 6 names, 13 backends, 18 slots, 6 service entries: 43 writes.
         let failures = batch.take_failures();
-        prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
+        prop_assert_eq!(!failures.is_empty(), fail_at < 43, "{:?}", failures);
         let unwritten = reported(&failures)?;
         check_after_failed_batches(&services, &mut planner, &mut store, &unwritten)?;
     }
@@ -530,10 +533,10 @@ proptest! {
     /// could name a backend that never landed (the store would panic at
     /// its service entry). Every frontend is in the maps or reported,
     /// nothing is left that no frontend reaches, and the reported ones land
-    /// when synced again. Failures past the first batch's 19 writes fail
+    /// when synced again. Failures past the first batch's 22 writes fail
     /// the second batch as `flush` would.
     #[test]
-    fn a_batch_gathered_while_a_failed_one_was_written_is_not_written(fail_at in 0usize..40) {
+    fn a_batch_gathered_while_a_failed_one_was_written_is_not_written(fail_at in 0usize..46) {
         let services = six_services();
         let mut planner = Planner::new();
         let mut store = CheckingStore { fail_at: Some(fail_at), ..Default::default() };
@@ -549,11 +552,12 @@ proptest! {
         prop_assert_eq!(batch.len(), 3, "the second gathered while the first is in flight");
         planner.flush(&mut batch, &mut store);
         prop_assert!(batch.is_settled());
-        // First batch: 3 service entries, 9 slots, 7 backends.
-        let first_failed = fail_at < 19;
+        // First batch: 3 names, 7 backends, 9 slots, 3 service entries.
+        let first_failed = fail_at < 22;
         let failures = batch.take_failures();
-        // Second: 3 service entries, 9 slots, 6 backends (10.0.0.200 is in).
-        prop_assert_eq!(!failures.is_empty(), fail_at < 37, "{:?}", failures);
+        // Second: 3 names, 6 backends (10.0.0.200 is in), 9 slots, 3
+        // service entries.
+        prop_assert_eq!(!failures.is_empty(), fail_at < 43, "{:?}", failures);
         let unwritten = reported(&failures)?;
         if first_failed {
             for (owner, fes) in &services[3..] {
@@ -627,4 +631,95 @@ fn check_after_failed_batches(
     }
     prop_assert_eq!(garbage(&store.state), Vec::<String>::new());
     Ok(())
+}
+
+/// `SERVICE_NAMES` as "id namespace/name:port port", sorted by id.
+fn names_of(state: &StoredState) -> Vec<String> {
+    state
+        .names
+        .iter()
+        .map(|(id, n)| format!("{id} {} {}", encode::service_name_string(n), n.port))
+        .collect()
+}
+
+#[test]
+fn a_service_id_is_named_while_a_frontend_holds_it() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let mut http = frontend(1, &[11]);
+    http.service = ServicePortName::new("shop", "web", "http", Protocol::Tcp);
+    // The NodePort of the same port first: it does not know the port.
+    let mut node_port = http.clone();
+    node_port.kind = FrontendKind::NodePort;
+    node_port.key.ip = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    node_port.key.port = 30080;
+    let mut metrics = frontend(2, &[12]);
+    metrics.service = ServicePortName::new("shop", "web", "metrics", Protocol::Tcp);
+    metrics.key.port = 9090;
+    sync(&mut p, &mut s, "web", &[http.clone(), node_port.clone()]);
+    assert_eq!(names_of(&s.state), ["1 shop/web:http 80"]);
+    sync(
+        &mut p,
+        &mut s,
+        "web",
+        &[node_port.clone(), http.clone(), metrics.clone()],
+    );
+    assert_eq!(
+        names_of(&s.state),
+        ["1 shop/web:http 80", "2 shop/web:metrics 9090"],
+        "a second port gets an id and a name of its own"
+    );
+    sync(&mut p, &mut s, "web", std::slice::from_ref(&node_port));
+    assert_eq!(
+        names_of(&s.state),
+        ["1 shop/web:http 80"],
+        "the name of an id no frontend holds is gone, the other stays"
+    );
+
+    // Adopted: the name of a held id is kept and not written again; a
+    // stray name (its id held by no frontend) is garbage.
+    s.state
+        .names
+        .insert(7, encode::service_name(&metrics.service, 9090));
+    let (mut adopted, garbage) = Planner::adopt(&s.state);
+    assert_eq!(garbage, [MapOp::DeleteServiceName { id: 7 }]);
+    adopted.collect_garbage(garbage, &mut s);
+    assert_eq!(
+        sync(
+            &mut adopted,
+            &mut s,
+            "web",
+            std::slice::from_ref(&node_port)
+        ),
+        0,
+        "an adopted name that is right is not written again"
+    );
+    sync(&mut adopted, &mut s, "web", &[]);
+    assert_eq!(
+        names_of(&s.state),
+        Vec::<String>::new(),
+        "names left behind"
+    );
+
+    // A NodePort taking a new id alone names it with port 0.
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    sync(&mut p, &mut s, "web", std::slice::from_ref(&node_port));
+    assert_eq!(names_of(&s.state), ["1 shop/web:http 0"]);
+}
+
+#[test]
+fn an_adopted_name_that_differs_is_written_again_before_its_frontend_changes() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    let fe = frontend(1, &[11]);
+    sync(&mut p, &mut s, "svc1", std::slice::from_ref(&fe));
+    // As an agent of another naming left it.
+    let stale = ServicePortName::new("old", "svc", "", Protocol::Tcp);
+    s.state.names.insert(1, encode::service_name(&stale, 80));
+    let (mut adopted, garbage) = Planner::adopt(&s.state);
+    assert!(garbage.is_empty(), "{garbage:?}");
+    let grown = frontend(1, &[11, 12]);
+    sync(&mut adopted, &mut s, "svc1", std::slice::from_ref(&grown));
+    assert_eq!(names_of(&s.state), ["1 default/svc1: 80"]);
 }

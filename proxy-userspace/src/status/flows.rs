@@ -56,6 +56,24 @@ impl Flow {
         })
     }
 
+    /// The flow as JSON: sockets as text (`[v6]:port`), its protocol by
+    /// name, and its flags as the text shows them.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "protocol": encode::protocol_from_number(self.proto)
+                .map_or_else(|| self.proto.to_string(), |p| p.to_string()),
+            "client": self.client.to_string(),
+            "frontend": self.frontend.to_string(),
+            "backend": self.backend.to_string(),
+            "source": self.source.map(|s| s.to_string()),
+            "flags": FLAG_NAMES
+                .iter()
+                .filter(|(flag, _)| self.flags & flag != 0)
+                .map(|(_, name)| *name)
+                .collect::<Vec<_>>(),
+        })
+    }
+
     /// The flow of a forward entry of `CONNTRACK6`; None for a reply entry.
     pub fn of_v6(key: &Ct6Key, value: &Ct6Value) -> Option<Flow> {
         let v6 = |addr_be: &[u32; 4], port_be: u16| {
@@ -73,6 +91,17 @@ impl Flow {
     }
 }
 
+/// `ct_flags` bits by the names the report gives them.
+const FLAG_NAMES: [(u8, &str); 7] = [
+    (ct_flags::ASSURED, "assured"),
+    (ct_flags::SEEN_REPLY, "replied"),
+    (ct_flags::FIN_FORWARD, "client-fin"),
+    (ct_flags::FIN_REPLY, "backend-fin"),
+    (ct_flags::CLOSING, "closed"),
+    (ct_flags::HAIRPIN, "hairpin"),
+    (ct_flags::SNAT, "snat"),
+];
+
 /// `TCP 10.0.0.2:40000 -> 10.96.0.10:80 => 10.200.0.11:8080 assured`, and
 /// `as <source>` after the backend when the backend sees another source.
 impl fmt::Display for Flow {
@@ -89,15 +118,7 @@ impl fmt::Display for Flow {
         if let Some(source) = self.source {
             write!(f, " as {source}")?;
         }
-        for (flag, name) in [
-            (ct_flags::ASSURED, "assured"),
-            (ct_flags::SEEN_REPLY, "replied"),
-            (ct_flags::FIN_FORWARD, "client-fin"),
-            (ct_flags::FIN_REPLY, "backend-fin"),
-            (ct_flags::CLOSING, "closed"),
-            (ct_flags::HAIRPIN, "hairpin"),
-            (ct_flags::SNAT, "snat"),
-        ] {
+        for (flag, name) in FLAG_NAMES {
             if self.flags & flag != 0 {
                 write!(f, " {name}")?;
             }

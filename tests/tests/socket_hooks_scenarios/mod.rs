@@ -271,13 +271,26 @@ fn status_shows_the_frontends<F: Family>(sb: &Sandbox, empty_ip: F) {
         .into_iter()
         .map(|ip| F::addr(ip, TCP_PORT).to_string())
         .collect();
+    // A frontend's backends are its port's (the `port` line above it),
+    // unless its own line lists others.
+    let frontend = format!("    ClusterIP {http}/TCP");
+    let mut port_line = "";
     let line = status
         .lines()
-        .find(|line| line.starts_with(&format!("{http}/TCP (service id")))
+        .find_map(|line| {
+            if line.starts_with("  port ") {
+                port_line = line;
+            }
+            match line.strip_prefix(frontend.as_str()) {
+                Some(rest) if rest.contains(" -> ") => Some(line),
+                Some(_) => Some(port_line),
+                None => None,
+            }
+        })
         .unwrap_or_else(|| panic!("no line of {http}/TCP in the status:\n{status}"));
     assert!(
         backends.iter().all(|b| line.contains(b.as_str())),
-        "the status line of {http}/TCP lacks a backend of {backends:?}: {line}"
+        "the status line of {http}/TCP's backends lacks one of {backends:?}: {line}"
     );
     let node_ip = F::node_ip().to_string();
     assert!(

@@ -70,6 +70,9 @@ impl MapStore for TestMaps {
         if let Err(e) = self.maps.check_consistent() {
             panic!("after `{op}` a packet would see an inconsistent service: {e}");
         }
+        if let Err(e) = self.maps.check_named(op) {
+            panic!("after `{op}` status could not name a frontend: {e}");
+        }
         Ok(())
     }
 }
@@ -893,9 +896,9 @@ fn the_first_sync_writes_new_frontends_a_map_at_a_time() {
     }
     assert!(agent.healthy(), "programmed: healthy");
     assert_eq!(
-        agent.target.maps.runs, 3,
-        "50 frontends' 201 entries in three writes (backends, slots, service entries), \
-         not three per frontend"
+        agent.target.maps.runs, 4,
+        "50 frontends' 251 entries in four writes (service names, backends, slots, service \
+         entries), not four per frontend"
     );
 }
 

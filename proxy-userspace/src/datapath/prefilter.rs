@@ -338,3 +338,49 @@ where
     )
     .map_err(batch_error(name))
 }
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{ServiceKey, prefilter::PORTS, scope, v4_mapped};
+
+    use super::*;
+
+    fn key(addr_be: [u32; 4], port: u16) -> ServiceKey {
+        ServiceKey {
+            addr_be,
+            port_be: port.to_be(),
+            proto: 6,
+            scope: scope::ANY,
+        }
+    }
+
+    /// A NodePort is asked for by its port alone (the datapath's third
+    /// probe), on either family's unspecified address; any other frontend
+    /// by its hashed key.
+    #[test]
+    fn node_ports_take_their_ports_bit_and_other_frontends_a_hashed_one() {
+        for unspecified in [[0; 4], v4_mapped(0)] {
+            assert_eq!(
+                service_bit(&key(unspecified, 30080)),
+                port_bit(30080u16.to_be()),
+                "NodePort on {unspecified:?}"
+            );
+        }
+        let cluster_ip = key(v4_mapped(u32::from_ne_bytes([10, 96, 0, 10])), 80);
+        assert!(
+            service_bit(&cluster_ip) >= PORTS,
+            "a ClusterIP took a port's bit"
+        );
+        let backend = Backend {
+            addr_be: v4_mapped(u32::from_ne_bytes([10, 244, 1, 5])),
+            port_be: 8080u16.to_be(),
+            proto: 6,
+            flags: 0,
+        };
+        assert_eq!(
+            backend_bit(&backend),
+            bit(&backend.addr_be, backend.port_be, 6, side::FROM),
+            "a backend's bit is its replies' source key"
+        );
+    }
+}

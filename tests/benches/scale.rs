@@ -255,6 +255,50 @@ fn first_sync_phases(log: &str) -> Option<Phases> {
     })
 }
 
+/// Seconds since the epoch of a JSON log line's `timestamp`
+/// (`2026-01-01T00:00:00.123456Z`, as the agent's subscriber writes it, UTC).
+fn log_time(line: &Value) -> Option<f64> {
+    let text = line["timestamp"].as_str()?;
+    let (date, time) = text.strip_suffix('Z')?.split_once('T')?;
+    let mut date = date.splitn(3, '-').map(str::parse::<i64>);
+    let (year, month, day) = (date.next()?.ok()?, date.next()?.ok()?, date.next()?.ok()?);
+    let mut time = time.splitn(3, ':').map(str::parse::<f64>);
+    let (hours, minutes, seconds) = (time.next()?.ok()?, time.next()?.ok()?, time.next()?.ok()?);
+    // Days from the civil date (Howard Hinnant's days_from_civil).
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * (month + if month > 2 { -3 } else { 9 }) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    Some(days as f64 * 86_400.0 + hours * 3_600.0 + minutes * 60.0 + seconds)
+}
+
+/// From the last of the initial listings the first sync waits for (the
+/// source's `listed` line for Services and for EndpointSlices, each logged
+/// once its listing is decoded) until the first sync logged `synced`, its
+/// writes landed: what "programmed within so long of the lists" means. None
+/// from a log without them.
+fn lists_to_programmed(log: &str) -> Option<f64> {
+    let mut listed: Option<f64> = None;
+    for line in log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+    {
+        if line["message"] == "synced" {
+            return Some(log_time(&line)? - listed?);
+        }
+        let kind = line["span"]["kind"].as_str();
+        if line["message"] == "listed"
+            && matches!(kind, Some("Service" | "EndpointSlice"))
+            && let Some(at) = log_time(&line)
+        {
+            listed = Some(listed.map_or(at, |last| last.max(at)));
+        }
+    }
+    None
+}
+
 /// The load average over the last minute.
 fn load_average() -> Result<f64> {
     let text = fs::read_to_string("/proc/loadavg")?;
@@ -326,6 +370,9 @@ fn wait_changed(
 struct Row {
     services: u32,
     start_to_programmed_s: f64,
+    /// From the last initial listing decoded until the first sync's writes
+    /// landed ([`lists_to_programmed`]).
+    lists_to_programmed_s: Option<f64>,
     initial_sync_s: f64,
     initial_sync_cpu_s: Option<f64>,
     initial_sync_phases: Option<Phases>,
@@ -380,12 +427,13 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     let load = load_average()?;
     let initial_sync_cpu = first_sync_cpu(&agent.log());
     let phases = first_sync_phases(&agent.log());
+    let lists_to_programmed = lists_to_programmed(&agent.log());
     // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
     thread::sleep(Duration::from_secs(2));
     let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;
     let hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     eprintln!(
-        "{services}: programmed {start_to_programmed:?} (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}, {phases:?}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
+        "{services}: programmed {start_to_programmed:?}, {lists_to_programmed:?} s after the lists (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}, {phases:?}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
     );
 
     // One change at a time, spread over the Services.
@@ -487,6 +535,7 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     Ok(Row {
         services,
         start_to_programmed_s: start_to_programmed.as_secs_f64(),
+        lists_to_programmed_s: lists_to_programmed,
         initial_sync_s: initial_sync,
         initial_sync_cpu_s: initial_sync_cpu,
         initial_sync_phases: phases,
@@ -747,6 +796,7 @@ fn main() {
             "rows": rows.iter().map(|r| json!({
                 "services": r.services,
                 "start_to_programmed_s": r.start_to_programmed_s,
+                "lists_to_programmed_s": r.lists_to_programmed_s,
                 "initial_sync_s": r.initial_sync_s,
                 "initial_sync_cpu_s": r.initial_sync_cpu_s,
                 "initial_sync_phases_s": r.initial_sync_phases.map(|p| json!({
@@ -800,21 +850,26 @@ fn markdown(changes: u32, rows: &[Row], heaps: &[Heap], in_process: &[(u32, f64)
          the last sync at least `--min-sync-period` (20 ms) ago is synced at once. Burst: {BURST} Services' slices changed at \
          once, until the last of them is in the maps. The initial sync's CPU time is \
          the agent's (every thread: its batches are written on one of their own while the \
-         next is planned), with the machine's load average (1 minute) as it ended.\n\n\
-         | Services | start to programmed | initial sync | its CPU time | load | \
+         next is planned), with the machine's load average (1 minute) as it ended. Lists \
+         to programmed: from the last of the Service and EndpointSlice listings decoded (the \
+         agent's `listed` line) until the first sync's writes landed (its `synced` line): \
+         the listing handed to the cluster state, then the initial sync.\n\n\
+         | Services | start to programmed | lists to programmed | initial sync | its CPU time | load | \
          RSS after sync | peak RSS | \
          RSS per Service | one change p50 / p99 | event to map write p50 / p99 | \
          its sync p50 / p99 | burst | burst syncs | \
          peak after burst | iptables-restore (kube-proxy) |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in rows {
         markdown.push_str(&format!(
-            "| {} | {:.2} s | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
+            "| {} | {:.2} s | {} | {:.2} s | {} | {:.1} | {:.0} MiB | {:.0} MiB | {:.1} KiB | \
              {:.2} / {:.2} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} s | {} | \
              {:.0} MiB | {} |\n",
             r.services,
             r.start_to_programmed_s,
+            r.lists_to_programmed_s
+                .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),
             r.initial_sync_s,
             r.initial_sync_cpu_s
                 .map_or_else(|| "not logged".to_owned(), |s| format!("{s:.2} s")),

@@ -272,7 +272,11 @@ impl SyncLoop {
             self.health.queued_at(now);
             self.first_queued.get_or_insert(now);
         }
-        self.dirty.extend(changes);
+        // Merged whole rather than key by key: a listing's 100,000 keys are
+        // taken as they are when nothing is queued, and merged in one pass
+        // otherwise.
+        let mut changes = changes.services;
+        self.dirty.append(&mut changes);
         let due = self.due_at(now);
         self.deadline.get_or_insert(due);
     }
@@ -387,6 +391,9 @@ impl SyncLoop {
             book_us = tally.phases.book.as_micros() as u64,
             "synced"
         );
+        if first {
+            first_sync::release_listing_memory();
+        }
         follow_ups
     }
 

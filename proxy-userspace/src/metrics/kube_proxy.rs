@@ -224,7 +224,13 @@ impl ProxyMetrics {
         match kind {
             Kind::Service => {
                 self.service_changes.inc_by(services.len() as u64);
-                tracker.pending_services.extend(services.iter().cloned());
+                if tracker.pending_services.is_empty() {
+                    // A listing's keys, copied whole rather than inserted one
+                    // by one.
+                    tracker.pending_services.clone_from(services);
+                } else {
+                    tracker.pending_services.extend(services.iter().cloned());
+                }
                 self.service_changes_pending
                     .set(tracker.pending_services.len() as i64);
             }

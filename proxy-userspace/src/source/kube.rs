@@ -528,17 +528,15 @@ impl Follower {
             .into_iter()
             .filter(|key| self.known.contains(key))
             .collect();
-        let listed: BTreeSet<ObjectKey> = objects
-            .iter()
-            .map(|(key, _)| key.clone())
-            .chain(kept.iter().cloned())
-            .collect();
+        // The keys are moved out, not copied: a first listing has 100,000.
+        let (keys, objects): (Vec<ObjectKey>, Vec<Object>) = objects.into_iter().unzip();
+        let listed: BTreeSet<ObjectKey> = keys.into_iter().chain(kept.iter().cloned()).collect();
         let gone: Vec<ObjectKey> = self.known.difference(&listed).cloned().collect();
         self.known = listed;
         if kept.is_empty() {
             return vec![SourceEvent::Replace {
                 kind: self.kind,
-                objects: objects.into_iter().map(|(_, object)| object).collect(),
+                objects,
             }];
         }
         gone.into_iter()
@@ -546,11 +544,7 @@ impl Follower {
                 kind: self.kind,
                 key,
             })
-            .chain(
-                objects
-                    .into_iter()
-                    .map(|(_, object)| SourceEvent::Apply(object)),
-            )
+            .chain(objects.into_iter().map(SourceEvent::Apply))
             .collect()
     }
 }

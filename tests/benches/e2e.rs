@@ -2,7 +2,9 @@
 //! making UDP request/responses to a ClusterIP, and the node itself doing the same (a
 //! host-network pod or node agent: its connections never cross tc ingress; ebpf-proxy
 //! translates them at `connect()` with its socket hooks, kube-proxy in its OUTPUT
-//! chain), with S Services installed, through four datapaths side by side in one run:
+//! chain); the client pod's request/response on established TCP connections, to the
+//! ClusterIP and, for traffic to no Service, straight to a backend pod; with S
+//! Services installed, through four datapaths side by side in one run:
 //!
 //! - `ebpf-proxy`: the agent binary on a manifest directory with the S Services;
 //! - `kube-proxy iptables`: the same Services as kube-proxy's iptables mode writes them
@@ -28,6 +30,15 @@
 //! one response, close; the latency is from the start of connect to the last byte of
 //! the response. A UDP exchange uses a new socket (a new source port, so a new flow for
 //! the load balancer, as a DNS stub resolver does) for one request and its response.
+//! Request/response on established connections ("RR", as sockperf's ping-pong or
+//! netperf's `TCP_RR`): each client thread opens one connection before its segment
+//! starts and closes it after, and in between sends a short request and waits for the
+//! answer, again and again; the latency is one such round trip. It comes in two kinds:
+//! "established RR" to the ClusterIP (in the no-LB mode, to the pod IPs), the load
+//! balancer's cost per packet of a flow it knows; and "pod to pod RR", to the backend
+//! pods' IPs in every mode, no Service at all, so that against the no-LB mode it is the
+//! cost of running the load balancer on a node for traffic that is none of its business
+//! (the agent on against off; kube-proxy's rules loaded against none).
 //! The measured Service (port 80/TCP and 53/UDP, three endpoints: the backend pods) sits
 //! in the middle of the S: kube-proxy writes its KUBE-SERVICES rules in Go map order,
 //! so a Service is on average half-way down the list. The other Services have three
@@ -51,22 +62,32 @@
 mod common;
 
 use std::{
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    io::{ErrorKind, Read, Write},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream},
     path::Path,
+    sync::{Arc, Barrier, atomic::Ordering},
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, Result, bail};
-use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
+use anyhow::{Context, Result, anyhow, bail};
+use common::{
+    Args, BenchMode, INTERRUPTED, Machine, Rows, check_interrupted, interleaved, load_average,
+};
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
     iptables::{self, KubeService, KubeService6},
-    load::Load,
+    load::{IO_TIMEOUT, Load, MAX_PER_SEGMENT, Sample},
     manifest::{ManifestDir, Service},
     nftables, require_root,
-    servers::PooledBackend,
+    servers::{KEEP_OPEN, PooledBackend},
     topology::{NODE_IP, NODE_IP6, Topology, add_node_ip6},
+};
+use nix::{
+    libc,
+    sched::{CpuSet, sched_getaffinity, sched_setaffinity},
+    sys::socket::{setsockopt, sockopt},
+    unistd::Pid,
 };
 use serde_json::json;
 
@@ -81,8 +102,12 @@ use ebpf_proxy_tests::topology::{
 const ENDPOINTS: u32 = 3;
 /// Exchanges per mode before measuring, one at a time: fills neighbour caches and
 /// checks that the mode works and spreads over all three backends (a miss of one of
-/// them in 60 tries has probability 3·(2/3)^60, about 1e-10).
+/// them in 60 tries has probability 3·(2/3)^60, about 1e-10). For request/response on
+/// established connections, as many connections, one after the other.
 const WARMUP: usize = 60;
+/// Requests on each of the warm-up's connections: more than one, so that a backend
+/// that answered only the first would fail it.
+const WARMUP_REQUESTS: usize = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -144,12 +169,37 @@ impl Ip {
     }
 }
 
+/// What one exchange is made of, and where it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A new connection (TCP) or socket (UDP) per exchange, to the ClusterIP: every
+    /// exchange is a new flow for the load balancer.
+    New,
+    /// Request/response on a TCP connection opened before the segment, to the
+    /// ClusterIP: the load balancer's cost on a flow it already knows.
+    Established,
+    /// The same to a backend pod's own IP, in every mode: traffic for no Service, so
+    /// what a node pays for running the load balancer at all.
+    PodToPod,
+}
+
+impl Kind {
+    fn key(self) -> &'static str {
+        match self {
+            Kind::New => "new",
+            Kind::Established => "established",
+            Kind::PodToPod => "pod-to-pod",
+        }
+    }
+}
+
 /// One kind of exchange: who opens it, over what.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Exchange {
     client: Client,
     proto: Protocol,
     ip: Ip,
+    kind: Kind,
 }
 
 impl Client {
@@ -163,9 +213,65 @@ impl Client {
 
 impl Exchange {
     fn key(self) -> String {
+        let what = match self.kind {
+            Kind::New => self.proto.lower(),
+            Kind::Established => "rr",
+            Kind::PodToPod => "p2p-rr",
+        };
         match self.ip {
-            Ip::V4 => format!("{}-{}", self.client.key(), self.proto.lower()),
-            Ip::V6 => format!("{}-{}6", self.client.key(), self.proto.lower()),
+            Ip::V4 => format!("{}-{what}", self.client.key()),
+            Ip::V6 => format!("{}-{what}6", self.client.key()),
+        }
+    }
+
+    /// Its table's title, and the unit of its rate.
+    fn title(self) -> (&'static str, &'static str) {
+        use {
+            Client::{Node, Pod},
+            Ip::{V4, V6},
+            Kind::{Established, New, PodToPod},
+            Protocol::{Tcp, Udp},
+        };
+        match (self.kind, self.client, self.proto, self.ip) {
+            (New, Pod, Tcp, V4) => ("Short TCP connections from a pod", "conn/s"),
+            (New, Pod, Udp, V4) => ("UDP request/response from a pod", "req/s"),
+            (New, Node, Tcp, V4) => (
+                "Short TCP connections from the node itself (host network; ebpf-proxy: the \
+                 connect() socket hook, kube-proxy: its OUTPUT chain)",
+                "conn/s",
+            ),
+            (New, Node, Udp, V4) => (
+                "UDP request/response from the node itself (a connected socket per request)",
+                "req/s",
+            ),
+            (New, Pod, Tcp, V6) => (
+                "IPv6: short TCP connections from a pod (ebpf-proxy: tc_ingress6; kube-proxy: \
+                 ip6tables, nftables `ip6`)",
+                "conn/s",
+            ),
+            (New, Pod, Udp, V6) => ("IPv6: UDP request/response from a pod", "req/s"),
+            (New, Node, Tcp, V6) => (
+                "IPv6: short TCP connections from the node itself (ebpf-proxy: the connect6() \
+                 socket hook)",
+                "conn/s",
+            ),
+            (New, Node, Udp, V6) => ("IPv6: UDP request/response from the node itself", "req/s"),
+            (Established, _, _, V4) => (
+                "Request/response on established TCP connections from a pod, through the \
+                 ClusterIP (no LB: to the pod IPs)",
+                "req/s",
+            ),
+            (PodToPod, _, _, V4) => (
+                "Pod to pod request/response, no Service: every mode to the pod IPs \
+                 (ebpf-proxy: the agent running; kube-proxy: its rules loaded; no LB: \
+                 neither)",
+                "req/s",
+            ),
+            (Established, _, _, V6) => (
+                "IPv6: request/response on established TCP connections from a pod",
+                "req/s",
+            ),
+            (PodToPod, _, _, V6) => ("IPv6: pod to pod request/response, no Service", "req/s"),
         }
     }
 }
@@ -178,11 +284,27 @@ impl common::Detail for Exchange {
 }
 
 const fn exchange(client: Client, proto: Protocol, ip: Ip) -> Exchange {
-    Exchange { client, proto, ip }
+    Exchange {
+        client,
+        proto,
+        ip,
+        kind: Kind::New,
+    }
 }
 
-/// IPv4's first, in the order they always had.
-const EXCHANGES: [Exchange; 8] = [
+/// Request/response on established TCP connections from the client pod.
+const fn rr(kind: Kind, ip: Ip) -> Exchange {
+    Exchange {
+        client: Client::Pod,
+        proto: Protocol::Tcp,
+        ip,
+        kind,
+    }
+}
+
+/// The new-flow exchanges first, IPv4's before IPv6's, in the order they always had;
+/// then those on established connections.
+const EXCHANGES: [Exchange; 12] = [
     exchange(Client::Pod, Protocol::Tcp, Ip::V4),
     exchange(Client::Pod, Protocol::Udp, Ip::V4),
     exchange(Client::Node, Protocol::Tcp, Ip::V4),
@@ -191,6 +313,10 @@ const EXCHANGES: [Exchange; 8] = [
     exchange(Client::Pod, Protocol::Udp, Ip::V6),
     exchange(Client::Node, Protocol::Tcp, Ip::V6),
     exchange(Client::Node, Protocol::Udp, Ip::V6),
+    rr(Kind::Established, Ip::V4),
+    rr(Kind::PodToPod, Ip::V4),
+    rr(Kind::Established, Ip::V6),
+    rr(Kind::PodToPod, Ip::V6),
 ];
 
 #[derive(Debug, Clone)]
@@ -200,6 +326,9 @@ struct Config {
     rounds: usize,
     tcp_segment: Duration,
     udp_segment: Duration,
+    /// Of request/response on established connections; the connections are opened
+    /// before it starts.
+    rr_segment: Duration,
     threads: usize,
 }
 
@@ -210,14 +339,15 @@ impl Config {
         // comes in bursts of seconds, and interleaving the modes finely spreads each
         // burst over all of them.
         if quick {
-            // About 50 s in all (both families), so `cargo xtask bench --quick` stays
-            // near three minutes.
+            // About 80 s in all (both families, established connections too), so
+            // `cargo xtask bench --quick` stays near three minutes.
             Config {
                 quick,
                 sizes: vec![10, 1_000],
                 rounds: 8,
                 tcp_segment: Duration::from_millis(150),
                 udp_segment: Duration::from_millis(75),
+                rr_segment: Duration::from_millis(100),
                 threads,
             }
         } else {
@@ -227,15 +357,17 @@ impl Config {
                 rounds: 16,
                 tcp_segment: Duration::from_millis(300),
                 udp_segment: Duration::from_millis(150),
+                rr_segment: Duration::from_millis(200),
                 threads,
             }
         }
     }
 
-    fn segment(&self, proto: Protocol) -> Duration {
-        match proto {
-            Protocol::Tcp => self.tcp_segment,
-            Protocol::Udp => self.udp_segment,
+    fn segment(&self, exchange: Exchange) -> Duration {
+        match (exchange.kind, exchange.proto) {
+            (Kind::New, Protocol::Tcp) => self.tcp_segment,
+            (Kind::New, Protocol::Udp) => self.udp_segment,
+            (Kind::Established | Kind::PodToPod, _) => self.rr_segment,
         }
     }
 }
@@ -264,8 +396,9 @@ fn run(cfg: &Config, out_dir: &Path) -> Result<()> {
     let machine = Machine::probe();
     let load_before = load_average();
     eprintln!(
-        "e2e: {} threads, sizes {:?}, {} rounds of {:?} TCP + {:?} UDP per mode",
-        cfg.threads, cfg.sizes, cfg.rounds, cfg.tcp_segment, cfg.udp_segment
+        "e2e: {} threads, sizes {:?}, {} rounds of {:?} TCP + {:?} UDP + {:?} \
+         request/response on established connections per mode",
+        cfg.threads, cfg.sizes, cfg.rounds, cfg.tcp_segment, cfg.udp_segment, cfg.rr_segment
     );
     let mut results = Vec::new();
     for &services in &cfg.sizes {
@@ -400,6 +533,8 @@ struct World {
     programming: Option<Duration>,
     /// What each (family, protocol) of exchange goes to.
     targets: Vec<((Ip, Protocol), Vec<SocketAddr>)>,
+    /// The backend pods' TCP servers of each family, in [`BACKENDS`] order.
+    pods: Vec<(Ip, Vec<SocketAddr>)>,
     /// What the backends answer, in [`BACKENDS`] order.
     backend_names: Vec<String>,
 }
@@ -427,6 +562,7 @@ impl World {
             topology,
             programming: None,
             targets: Vec::new(),
+            pods: Vec::new(),
             backend_names: BACKENDS.iter().map(|b| b.0.to_owned()).collect(),
         };
         let node = &world.topology.node;
@@ -483,23 +619,27 @@ impl World {
         if mode != Mode::Direct {
             world.programming = Some(started.elapsed());
         }
+        let pods = |ip, port| -> Vec<SocketAddr> {
+            BACKENDS
+                .iter()
+                .map(|b| match ip {
+                    Ip::V4 => SocketAddr::from((b.1, port)),
+                    Ip::V6 => SocketAddr::from((pod_ip6(b.1), port)),
+                })
+                .collect()
+        };
         for ip in [Ip::V4, Ip::V6] {
             for (proto, service_port, port) in [
                 (Protocol::Tcp, TCP_SERVICE_PORT, TCP_PORT),
                 (Protocol::Udp, UDP_SERVICE_PORT, UDP_PORT),
             ] {
                 let targets = match mode {
-                    Mode::Direct => BACKENDS
-                        .iter()
-                        .map(|b| match ip {
-                            Ip::V4 => SocketAddr::from((b.1, port)),
-                            Ip::V6 => SocketAddr::from((pod_ip6(b.1), port)),
-                        })
-                        .collect(),
+                    Mode::Direct => pods(ip, port),
                     _ => vec![SocketAddr::new(set.vip(ip), service_port)],
                 };
                 world.targets.push(((ip, proto), targets));
             }
+            world.pods.push((ip, pods(ip, TCP_PORT)));
         }
         Ok(world)
     }
@@ -513,23 +653,48 @@ impl World {
                 Client::Node => &self.topology.node,
             },
             proto,
-            targets: self
-                .targets
-                .iter()
-                .find(|(kind, _)| *kind == (exchange.ip, proto))
-                .map(|(_, t)| t.as_slice())
-                .expect("every family and protocol has targets"),
+            targets: match exchange.kind {
+                Kind::New | Kind::Established => self
+                    .targets
+                    .iter()
+                    .find(|(kind, _)| *kind == (exchange.ip, proto))
+                    .map(|(_, t)| t.as_slice()),
+                Kind::PodToPod => self
+                    .pods
+                    .iter()
+                    .find(|(ip, _)| *ip == exchange.ip)
+                    .map(|(_, t)| t.as_slice()),
+            }
+            .expect("every family and protocol has targets"),
             backends: &self.backend_names,
         }
     }
 
-    /// One exchange at a time: the mode must answer every one and reach all three
+    /// `threads` clients for `segment`: a new flow per exchange, or request/response on
+    /// connections each thread opens before the segment starts.
+    fn closed_loop(&self, exchange: Exchange, threads: usize, segment: Duration) -> Result<Sample> {
+        let load = self.load(exchange);
+        match exchange.kind {
+            Kind::New => load.closed_loop(threads, segment),
+            Kind::Established | Kind::PodToPod => rr_closed_loop(&load, threads, segment),
+        }
+    }
+
+    /// One exchange at a time (for established connections, one connection at a time
+    /// with a few requests on each): the mode must answer every one and reach all three
     /// backends.
     fn warm_up(&self, exchange: Exchange) -> Result<()> {
-        let sample = self.load(exchange).sequential(WARMUP)?;
-        if sample.ok as usize != WARMUP || sample.backends.contains(&0) {
+        let load = self.load(exchange);
+        let (sample, expected) = match exchange.kind {
+            Kind::New => (load.sequential(WARMUP)?, WARMUP),
+            Kind::Established | Kind::PodToPod => (
+                rr_sequential(&load, WARMUP, WARMUP_REQUESTS)?,
+                WARMUP * WARMUP_REQUESTS,
+            ),
+        };
+        if sample.ok as usize != expected || sample.backends.contains(&0) {
             bail!(
-                "{} {}: warm-up of {WARMUP} exchanges got {} answers (per backend {:?}), \
+                "{} {}: warm-up of {expected} exchanges got {} answers (per backend {:?}), \
                  failures {:?}{}",
                 self.mode.label(),
                 exchange.key(),
@@ -578,8 +743,7 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     let series = interleaved(cfg.rounds, worlds.len(), EXCHANGES.len(), |w, x| {
         let (world, exchange) = (&worlds[w], EXCHANGES[x]);
         world
-            .load(exchange)
-            .closed_loop(cfg.threads, cfg.segment(exchange.proto))
+            .closed_loop(exchange, cfg.threads, cfg.segment(exchange))
             .with_context(|| format!("measure {} {}", world.mode.label(), exchange.key()))
     })?;
     let mut out = Vec::new();
@@ -607,6 +771,196 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     eprintln!("S = {services}: measured");
     // The worlds drop here, agent and namespaces with them, before the next S is built.
     Ok(out)
+}
+
+// ---------------------------------------------------------------------------
+// Request/response on established connections
+
+/// A failed exchange's stage and error, as the new-flow client counts them.
+type Failure = (&'static str, ErrorKind);
+
+/// `threads` closed-loop clients, each with one connection to `load`'s targets (taken
+/// in turn, so a no-LB mode spreads them over the backends) opened before the segment
+/// starts, ping-ponging on it for `segment`. The connections last one segment: each
+/// holds a backend's pool thread, which the new-flow exchanges of the next segment
+/// need back.
+///
+/// The threads are spread over the CPUs, each pinned to one. Left to the scheduler, a
+/// ping-pong's waker and wakee tend to share a CPU, and now and then every pair ended
+/// up on one: segments then ran at half the rate, at random, whatever the mode.
+fn rr_closed_loop(
+    load: &Load<'_, SocketAddr>,
+    threads: usize,
+    segment: Duration,
+) -> Result<Sample> {
+    let allowed = sched_getaffinity(Pid::from_raw(0)).context("sched_getaffinity")?;
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&cpu| allowed.is_set(cpu).unwrap_or(false))
+        .collect();
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let mut workers = Vec::new();
+    for i in 0..threads {
+        let target = load.targets[i % load.targets.len()];
+        let backends = load.backends.to_vec();
+        let barrier = barrier.clone();
+        let cpu = cpus.get(i % cpus.len().max(1)).copied();
+        workers.push(load.ns.spawn(&format!("bench-rr-{i}"), move || {
+            if let Some(cpu) = cpu {
+                let mut one = CpuSet::new();
+                // Best effort: an unpinned thread still measures, only less steadily.
+                if one.set(cpu).is_ok() {
+                    let _ = sched_setaffinity(Pid::from_raw(0), &one);
+                }
+            }
+            let mut sample = empty_sample(backends.len());
+            let mut conn = rr_connect(target)
+                .map_err(|failure| count(&mut sample, Instant::now(), Err(failure)))
+                .ok();
+            barrier.wait();
+            let start = Instant::now();
+            let until = start + segment;
+            let mut buf = [0u8; 64];
+            // Attempts, not successes, are bounded: a broken mode must end its turn too.
+            for _ in 0..MAX_PER_SEGMENT {
+                let t0 = Instant::now();
+                if t0 >= until || INTERRUPTED.load(Ordering::Relaxed) {
+                    break;
+                }
+                let result = rr_attempt(&mut conn, target, &mut buf, &backends);
+                count(&mut sample, t0, result);
+            }
+            sample.elapsed = start.elapsed();
+            sample
+        })?);
+    }
+    barrier.wait();
+    let mut total = Sample::default();
+    for w in workers {
+        total.merge(w.join().map_err(|_| anyhow!("a client thread panicked"))?);
+    }
+    Ok(total)
+}
+
+/// `connections` connections one after the other, to `load`'s targets in turn, with
+/// `requests` ping-pongs on each: a warm-up.
+fn rr_sequential(
+    load: &Load<'_, SocketAddr>,
+    connections: usize,
+    requests: usize,
+) -> Result<Sample> {
+    let (targets, backends) = (load.targets, load.backends);
+    load.ns.run(|| {
+        let start = Instant::now();
+        let mut sample = empty_sample(backends.len());
+        let mut buf = [0u8; 64];
+        for i in 0..connections {
+            let target = targets[i % targets.len()];
+            let mut conn = None;
+            for _ in 0..requests {
+                let t0 = Instant::now();
+                let result = rr_attempt(&mut conn, target, &mut buf, backends);
+                count(&mut sample, t0, result);
+            }
+        }
+        sample.elapsed = start.elapsed();
+        sample
+    })
+}
+
+fn empty_sample(backends: usize) -> Sample {
+    Sample {
+        latencies: Vec::with_capacity(1 << 16),
+        backends: vec![0; backends],
+        ..Sample::default()
+    }
+}
+
+/// Adds the exchange that started at `t0` and came to `result` (its backend's index).
+fn count(sample: &mut Sample, t0: Instant, result: Result<usize, Failure>) {
+    match result {
+        Ok(b) => {
+            sample.ok += 1;
+            sample.backends[b] += 1;
+            sample
+                .latencies
+                .push(t0.elapsed().as_nanos().min(u128::from(u32::MAX)) as u32);
+        }
+        Err((stage, kind)) => {
+            *sample
+                .errors
+                .entry(format!("{stage}: {kind:?}"))
+                .or_default() += 1;
+        }
+    }
+}
+
+/// One request/response on `conn`, connecting first if there is none (a failed
+/// exchange leaves the connection in an unknown state, so it drops it).
+fn rr_attempt(
+    conn: &mut Option<TcpStream>,
+    target: SocketAddr,
+    buf: &mut [u8],
+    backends: &[String],
+) -> Result<usize, Failure> {
+    if conn.is_none() {
+        *conn = Some(rr_connect(target)?);
+    }
+    let stream = conn.as_mut().expect("connected above");
+    let result = rr_exchange(stream, buf, backends);
+    if result.is_err() {
+        *conn = None;
+    }
+    result
+}
+
+/// A connection for ping-pongs. It closes with a RST (`SO_LINGER` 0), as the new-flow
+/// client's do, so that no mode is left with sockets in `TIME_WAIT`.
+fn rr_connect(target: SocketAddr) -> Result<TcpStream, Failure> {
+    let stream =
+        TcpStream::connect_timeout(&target, IO_TIMEOUT).map_err(|e| ("connect", e.kind()))?;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    setsockopt(&stream, sockopt::Linger, &linger)
+        .map_err(|e| ("SO_LINGER", std::io::Error::from(e).kind()))?;
+    // Each request leaves at once, whatever Nagle's algorithm would make of it, as in
+    // sockperf and netperf's TCP_RR.
+    stream
+        .set_nodelay(true)
+        .map_err(|e| ("TCP_NODELAY", e.kind()))?;
+    stream
+        .set_read_timeout(Some(IO_TIMEOUT))
+        .map_err(|e| ("SO_RCVTIMEO", e.kind()))?;
+    Ok(stream)
+}
+
+/// Sends [`KEEP_OPEN`] and reads the one-line answer: the index of the backend that
+/// gave it.
+fn rr_exchange(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    backends: &[String],
+) -> Result<usize, Failure> {
+    stream
+        .write_all(KEEP_OPEN)
+        .map_err(|e| ("send", e.kind()))?;
+    let mut len = 0;
+    while !buf[..len].ends_with(b"\n") {
+        match stream.read(&mut buf[len..]) {
+            Ok(0) => return Err(("receive", ErrorKind::UnexpectedEof)),
+            Ok(n) => len += n,
+            Err(e) => return Err(("receive", e.kind())),
+        }
+        if len == buf.len() {
+            return Err(("receive", ErrorKind::InvalidData));
+        }
+    }
+    let name = &buf[..len - 1];
+    backends
+        .iter()
+        .position(|b| b.as_bytes() == name)
+        .ok_or(("reply", ErrorKind::InvalidData))
 }
 
 // ---------------------------------------------------------------------------
@@ -638,9 +992,15 @@ impl Report<'_> {
              kernel {}; {}; {}. Load average (1 min) before / after: {} / {}.\n\n\
              Closed loop, {} client threads. TCP: connect, one request, one response, close \
              (RST); latency from connect to the response. UDP: a new socket (a new flow) per \
-             request/response. The measured Service sits in the middle of the S Services; all \
-             are dual-stack and have {ENDPOINTS} endpoints of each family. Each mode runs {} rounds of {} ms TCP + {} ms UDP \
-             for each client and family, the modes interleaved. Rates and percentiles are over all rounds; the ratios are \
+             request/response. Established RR (request/response): each client thread, pinned \
+             to a CPU in turn, opens one TCP connection before the segment and ping-pongs \
+             small messages on it; latency per request/response. Pod to pod RR: the same to \
+             the backend pods' own IPs, no Service, in every mode: the load balancer's cost \
+             on traffic that is not its own, against a node without one. The measured \
+             Service sits in the middle of the S Services; all are dual-stack and have \
+             {ENDPOINTS} endpoints of each family. Each mode runs {} rounds of {} ms TCP + {} \
+             ms UDP for each client and family and {} ms of each RR from the pod, the modes \
+             interleaved. Rates and percentiles are over all rounds; the ratios are \
              medians of per-round ratios (rate against kube-proxy's iptables mode and against \
              the client talking straight to the pods), which cancels most of the noise of a \
              shared machine.{}\n",
@@ -655,49 +1015,15 @@ impl Report<'_> {
             cfg.rounds,
             cfg.tcp_segment.as_millis(),
             cfg.udp_segment.as_millis(),
+            cfg.rr_segment.as_millis(),
             if cfg.quick {
                 " Quick mode: short segments, S up to 1,000."
             } else {
                 ""
             }
         ));
-        for (exchange, title, unit) in [
-            (EXCHANGES[0], "Short TCP connections from a pod", "conn/s"),
-            (EXCHANGES[1], "UDP request/response from a pod", "req/s"),
-            (
-                EXCHANGES[2],
-                "Short TCP connections from the node itself (host network; ebpf-proxy: the \
-                 connect() socket hook, kube-proxy: its OUTPUT chain)",
-                "conn/s",
-            ),
-            (
-                EXCHANGES[3],
-                "UDP request/response from the node itself (a connected socket per request)",
-                "req/s",
-            ),
-            (
-                EXCHANGES[4],
-                "IPv6: short TCP connections from a pod (ebpf-proxy: tc_ingress6; kube-proxy: \
-                 ip6tables, nftables `ip6`)",
-                "conn/s",
-            ),
-            (
-                EXCHANGES[5],
-                "IPv6: UDP request/response from a pod",
-                "req/s",
-            ),
-            (
-                EXCHANGES[6],
-                "IPv6: short TCP connections from the node itself (ebpf-proxy: the connect6() \
-                 socket hook)",
-                "conn/s",
-            ),
-            (
-                EXCHANGES[7],
-                "IPv6: UDP request/response from the node itself",
-                "req/s",
-            ),
-        ] {
+        for exchange in EXCHANGES {
+            let (title, unit) = exchange.title();
             out.push_str(&format!(
                 "\n### {title}\n\n\
                  | Services | mode | {unit} | vs iptables | vs no LB | p50 µs | p99 µs | failed |\n\
@@ -770,6 +1096,37 @@ impl Report<'_> {
             "- ceiling: the no-LB limit itself is {} iptables' rate here\n",
             self.results.rate_vs(direct, Mode::Iptables)
         ));
+        for (exchange, what, least) in [
+            (
+                EXCHANGES[8],
+                "request/response on an established connection through the ClusterIP",
+                0.97,
+            ),
+            (
+                EXCHANGES[9],
+                "pod to pod request/response, no Service (agent on against off)",
+                0.98,
+            ),
+            (EXCHANGES[10], "the same over IPv6", 0.97),
+            (EXCHANGES[11], "pod to pod over IPv6", 0.98),
+        ] {
+            let rows = (
+                self.find(largest, Mode::Ebpf, exchange),
+                self.find(largest, Mode::Iptables, exchange),
+                self.find(largest, Mode::Nftables, exchange),
+            );
+            let (Some(ebpf), Some(ipt), Some(nft)) = rows else {
+                continue;
+            };
+            let vs_direct = self.results.rate_vs(ebpf, Mode::Direct);
+            out.push_str(&format!(
+                "- {what}, at least {least:.2}x the no-LB node: {vs_direct}: {} (kube-proxy \
+                 iptables {}, nftables {})\n",
+                verdict(vs_direct.median >= least),
+                self.results.rate_vs(ipt, Mode::Direct),
+                self.results.rate_vs(nft, Mode::Direct),
+            ));
+        }
         let failed: u64 = self.results.iter().map(|s| s.series.failed).sum();
         if failed > 0 {
             out.push_str(&format!(
@@ -791,6 +1148,7 @@ impl Report<'_> {
                         "proto": s.detail.proto.lower(),
                         "family": s.detail.ip.key(),
                         "client": s.detail.client.key(),
+                        "exchange": s.detail.kind.key(),
                         "per_backend": s.series.backends,
                     }),
                 )
@@ -804,6 +1162,7 @@ impl Report<'_> {
             "rounds": cfg.rounds,
             "tcp_segment_s": cfg.tcp_segment.as_secs_f64(),
             "udp_segment_s": cfg.udp_segment.as_secs_f64(),
+            "rr_segment_s": cfg.rr_segment.as_secs_f64(),
             "endpoints_per_service": ENDPOINTS,
             "results": rows,
         })

@@ -236,10 +236,17 @@ impl Drop for UdpServer {
 /// How often idle [`PooledBackend`] threads look at their stop flag.
 const POOL_TICK: Duration = Duration::from_millis(100);
 
+/// A request that a [`PooledBackend`] answers without closing the TCP connection: it
+/// then reads the next request on the same one.
+pub const KEEP_OPEN: &[u8] = b"more\n";
+
 /// A backend pod's TCP (and optionally UDP) server, made for speed: a fixed pool of
-/// threads serving one exchange each inline (the harness's servers spawn a thread per
+/// threads serving one connection each inline (the harness's servers spawn a thread per
 /// connection, which on a small machine would cost more than the load balancers being
-/// compared). TCP: read the request, answer `<name>\n`, close. UDP: answer every
+/// compared). TCP: read the request, answer `<name>\n`, close; as long as the request
+/// is [`KEEP_OPEN`], answer and read the next one instead (request/response on one
+/// connection: a thread is then the connection's until the client closes, so a pool
+/// serves as many such connections at once as it has threads). UDP: answer every
 /// datagram with `<name>\n`. Each family has sockets and threads of its own
 /// (`IPV6_V6ONLY`), so that IPv4's exchanges are served as they were before IPv6
 /// ones existed.
@@ -365,19 +372,27 @@ fn tcp_serve(listener: &TcpListener, reply: &[u8], stop: &AtomicBool) {
                 // up on one connection goes on with the next.
                 let _ = (|| -> std::io::Result<()> {
                     stream.set_read_timeout(Some(IO_TIMEOUT))?;
-                    let mut len = 0;
-                    while !buf[..len].ends_with(b"\n") {
-                        match stream.read(&mut buf[len..])? {
-                            0 => return Ok(()),
-                            n => len += n,
+                    // The client waits for each answer before its next request, so a
+                    // read never holds more than one.
+                    loop {
+                        let mut len = 0;
+                        while !buf[..len].ends_with(b"\n") {
+                            match stream.read(&mut buf[len..])? {
+                                0 => return Ok(()),
+                                n => len += n,
+                            }
+                            if len == buf.len() {
+                                return Ok(());
+                            }
                         }
-                        if len == buf.len() {
+                        stream.write_all(reply)?;
+                        // Otherwise close: the FIN goes first, and the client's RST (it
+                        // closes with SO_LINGER 0) ends the socket, so neither side keeps
+                        // TIME_WAIT.
+                        if buf[..len] != *KEEP_OPEN {
                             return Ok(());
                         }
                     }
-                    // Then close: the FIN goes first, and the client's RST (it closes
-                    // with SO_LINGER 0) ends the socket, so neither side keeps TIME_WAIT.
-                    stream.write_all(reply)
                 })();
             }
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}

@@ -289,7 +289,7 @@ fn render_fills(fills: &[(u32, u32)]) -> String {
 /// rebuild from conntrack, or it would pass them untranslated after the
 /// first run.
 fn admit_mirrors(datapath: &Datapath) {
-    proxy_userspace::datapath::prefilter::rebuild(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::rebuild(&datapath.maps)
         .expect("rebuilding the prefilter")
         .expect("the datapath has a prefilter");
 }

@@ -3100,7 +3100,7 @@ fn assured_flow(fx: &Fixture, sport: u16) -> Ipv4Addr {
 /// untouched.
 #[test]
 fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
-    use proxy_userspace::datapath::prefilter::{self, service_bit};
+    use proxy_userspace::datapath::{prefilter::service_bit, prefilter_rebuild};
     let mut fx = fixture();
     let backend = assured_flow(&fx, 41700);
     let key = |vip: Ipv4Addr, port: u16, proto: u8| proxy_common::ServiceKey {
@@ -3133,7 +3133,7 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
         let out = fx.planner.sync_service(&owner, &[], &mut fx.datapath.maps);
         assert!(out.errors.is_empty(), "removing {name}: {:?}", out.errors);
     }
-    let rebuilt = prefilter::rebuild(&fx.datapath.maps)
+    let rebuilt = prefilter_rebuild::rebuild(&fx.datapath.maps)
         .expect("rebuilding the prefilter")
         .expect("the datapath has a prefilter");
     assert!(

@@ -23,6 +23,7 @@ pub mod netfilter_ct;
 pub mod pin_root;
 pub mod pins;
 pub mod prefilter;
+pub mod prefilter_rebuild;
 pub mod program_load;
 pub mod reject_limit;
 pub mod resize;
@@ -288,7 +289,7 @@ impl Datapath {
         }
         // Before anything is attached: the programs pass whatever the
         // prefilter does not know.
-        prefilter::write_at_load(&maps);
+        prefilter_rebuild::write_at_load(&maps);
         let probe: &Xdp = ebpf
             .program(program_names::CLOCK_PROBE)
             .and_then(|p| p.try_into().ok())

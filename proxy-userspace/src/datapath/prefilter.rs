@@ -3,7 +3,7 @@
 //! system call, however many Services a sync writes.
 //!
 //! Bits are set before the frontend or backend that needs them lands
-//! ([`Prefilter::landing`]), and cleared only by [`rebuild`], which writes
+//! ([`Prefilter::landing`]), and cleared only by a rebuild (`prefilter_rebuild`), which writes
 //! the whole array again from what the maps hold: frontends, backends, and
 //! both ends of every flow in conntrack, so that a flow outlives its
 //! Service as it does in kube-proxy's conntrack. Landings and rebuilds
@@ -20,18 +20,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{IterableMap, MapData};
-use bytemuck::Pod;
+use aya::maps::MapData;
 use proxy_common::{
-    Backend, CtKeyOf, CtValueOf, FlowAddr, ServiceKey, ServiceValue, ct_dir, map_names,
-    prefilter::{BITS, WORDS, bit, port_bit, side, word_and_mask},
+    Backend, ServiceKey,
+    prefilter::{WORDS, bit, port_bit, side, word_and_mask},
     v4_mapped,
 };
 
-use super::{
-    batch,
-    maps::{Maps, MapsError, batch_error},
-};
 use crate::planner::MapOp;
 
 /// Why the array could not be mapped.
@@ -123,7 +118,8 @@ impl Prefilter {
         write()
     }
 
-    fn hold(&self) -> MutexGuard<'_, ()> {
+    /// The lock landings and rebuilds hold.
+    pub fn hold(&self) -> MutexGuard<'_, ()> {
         self.lock.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -170,7 +166,7 @@ impl Prefilter {
     }
 
     /// Makes the array hold `bits` alone; the lock is held by the caller.
-    fn replace(&self, bits: &Bits, _held: &MutexGuard<'_, ()>) -> usize {
+    pub fn replace(&self, bits: &Bits, _held: &MutexGuard<'_, ()>) -> usize {
         let mut changed = 0;
         for (word, new) in self.words().iter().zip(&bits.0) {
             if word.swap(*new, Ordering::Relaxed) != *new {
@@ -217,126 +213,30 @@ pub fn backend_bit(backend: &Backend) -> u32 {
     bit(&backend.addr_be, backend.port_be, backend.proto, side::FROM)
 }
 
-/// A rebuild's array, built in memory first.
-struct Bits(Vec<u64>);
+/// A rebuild's array, built in memory first (`prefilter_rebuild`).
+pub struct Bits(Vec<u64>);
 
 impl Bits {
-    fn set(&mut self, bit: u32) {
+    /// No bit set.
+    pub fn new() -> Self {
+        Self(vec![0; WORDS as usize])
+    }
+
+    pub fn set(&mut self, bit: u32) {
         let (word, mask) = word_and_mask(bit);
         self.0[word as usize] |= mask;
     }
-}
 
-/// What a rebuild left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rebuilt {
     /// Bits set, of `BITS`.
-    pub ones: u32,
-    /// Words whose bits changed.
-    pub changed: usize,
-}
-
-impl Rebuilt {
-    /// The share of the array set: about the share of each probe of a
-    /// packet for no Service that answers "maybe".
-    pub fn fill(&self) -> f64 {
-        f64::from(self.ones) / f64::from(BITS)
+    pub fn ones(&self) -> u32 {
+        self.0.iter().map(|w| w.count_ones()).sum()
     }
 }
 
-/// Writes the array again from what the maps hold now: every frontend,
-/// every backend, and the keys of every flow in both families' conntrack
-/// maps (a flow's forward entry names its frontend, its reply entry its
-/// backend). Under the lock throughout, so no frontend or backend goes, and
-/// none lands, while the maps are read. `None` where the maps have no
-/// prefilter (the pins of an older agent).
-pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
-    let Some(prefilter) = &maps.prefilter else {
-        return Ok(None);
-    };
-    let held = prefilter.hold();
-    let mut bits = Bits(vec![0; WORDS as usize]);
-    batch::for_each_chunk(
-        maps.services.map(),
-        batch::CHUNK,
-        |keys: &[ServiceKey], _: &[ServiceValue]| {
-            for key in keys {
-                bits.set(service_bit(key));
-            }
-        },
-    )
-    .map_err(batch_error(map_names::SERVICES))?;
-    batch::for_each_chunk(
-        maps.backends.map(),
-        batch::CHUNK,
-        |_: &[u32], backends: &[Backend]| {
-            for backend in backends {
-                bits.set(backend_bit(backend));
-            }
-        },
-    )
-    .map_err(batch_error(map_names::BACKENDS))?;
-    flows::<u32>(maps.conntrack.map(), map_names::CONNTRACK, &mut bits)?;
-    flows::<u32>(maps.ct_new.map(), map_names::CT_NEW, &mut bits)?;
-    if let Some(map) = &maps.conntrack6 {
-        flows::<[u32; 4]>(map.map(), map_names::CONNTRACK6, &mut bits)?;
+impl Default for Bits {
+    fn default() -> Self {
+        Self::new()
     }
-    if let Some(map) = &maps.ct_new6 {
-        flows::<[u32; 4]>(map.map(), map_names::CT_NEW6, &mut bits)?;
-    }
-    let changed = prefilter.replace(&bits, &held);
-    Ok(Some(Rebuilt {
-        ones: bits.0.iter().map(|w| w.count_ones()).sum(),
-        changed,
-    }))
-}
-
-/// `rebuild` at load: an array created just now (or pinned by an agent
-/// older than the maps' contents) knows nothing of what the maps hold.
-/// Where the maps cannot be read, every bit is set: each packet then takes
-/// the full path, as without a prefilter, until the next rebuild.
-pub fn write_at_load(maps: &Maps) {
-    match rebuild(maps) {
-        Ok(Some(rebuilt)) => tracing::debug!(
-            fill = rebuilt.fill(),
-            "prefilter written from the maps' frontends, backends and flows"
-        ),
-        Ok(None) => {}
-        Err(e) => {
-            tracing::warn!(
-                error = %e,
-                "prefilter not written from the maps: every packet takes the full path until the next rebuild"
-            );
-            if let Some(prefilter) = &maps.prefilter {
-                prefilter.open_all();
-            }
-        }
-    }
-}
-
-/// The keys of the flows in one conntrack map: a forward entry's
-/// destination (the frontend the client sent to), a reply entry's source
-/// (the backend answering).
-fn flows<A>(map: &MapData, name: &'static str, bits: &mut Bits) -> Result<(), MapsError>
-where
-    A: FlowAddr,
-    CtKeyOf<A>: Pod,
-    CtValueOf<A>: Pod,
-{
-    batch::for_each_chunk(
-        map,
-        batch::CHUNK,
-        |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
-            for (key, value) in keys.iter().zip(values) {
-                bits.set(if value.dir == ct_dir::FORWARD {
-                    bit(&key.dst_be.mapped(), key.dport_be, key.proto, side::TO)
-                } else {
-                    bit(&key.src_be.mapped(), key.sport_be, key.proto, side::FROM)
-                });
-            }
-        },
-    )
-    .map_err(batch_error(name))
 }
 
 #[cfg(test)]

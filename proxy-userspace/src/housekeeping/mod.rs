@@ -26,7 +26,7 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use crate::{
-    datapath::{Datapath, prefilter},
+    datapath::{Datapath, prefilter_rebuild},
     planner::Departed,
 };
 
@@ -87,7 +87,7 @@ pub fn rebuild_prefilter(datapath: &mut Datapath) {
     if !due {
         return;
     }
-    match prefilter::rebuild(&datapath.maps) {
+    match prefilter_rebuild::rebuild(&datapath.maps) {
         Ok(Some(rebuilt)) => debug!(
             fill = rebuilt.fill(),
             words_changed = rebuilt.changed,

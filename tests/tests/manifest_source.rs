@@ -91,9 +91,13 @@ fn one_edited_file_of_many_is_parsed_alone_and_reaches_the_maps() {
         let status = agent
             .status()
             .map_err(|e| format!("ebpf-proxy status: {e:#}"))?;
-        let line = status
-            .lines()
-            .find(|l| l.contains(&frontend))
+        // A port's backends are on its line, above its frontends' lines.
+        let lines: Vec<&str> = status.lines().collect();
+        let line = lines
+            .iter()
+            .position(|l| l.contains(&frontend))
+            .and_then(|at| lines[..at].iter().rev().find(|l| l.contains(" port ")))
+            .copied()
             .unwrap_or_default();
         if line.contains(&backend) {
             Ok(())

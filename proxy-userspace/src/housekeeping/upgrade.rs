@@ -162,6 +162,13 @@ pub fn retire_older_layouts(pins: &PinLayout, maps: &mut Maps) -> Vec<Retired> {
             Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "removing an older layout"),
         }
     }
+    // The carried flows' backends may be none of this agent's: their
+    // replies pass the prefilter only once it holds the flows' keys.
+    if retired.iter().any(|r| r.flows > 0)
+        && let Err(e) = crate::datapath::prefilter_rebuild::rebuild(maps)
+    {
+        tracing::warn!(error = %e, "the prefilter not rebuilt after carrying older flows");
+    }
     retired
 }
 

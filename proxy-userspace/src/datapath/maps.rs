@@ -22,7 +22,7 @@ use std::{
 
 use super::{
     pins::PinLayout,
-    prefilter::{Prefilter, PrefilterError},
+    prefilter::{self, Prefilter, PrefilterError},
     write_behind::{self, RunError, RunWriter},
 };
 use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
@@ -419,12 +419,11 @@ impl MapStore for Maps {
     }
 
     fn apply(&mut self, op: &MapOp) -> Result<(), MapsError> {
-        match self.prefilter.clone() {
-            Some(prefilter) => {
-                prefilter.landing(std::slice::from_ref(op), || self.apply_unfiltered(op))
-            }
-            None => self.apply_unfiltered(op),
-        }
+        // A handle of its own: the write borrows the maps mutably.
+        let prefilter = self.prefilter.clone();
+        prefilter::landing(prefilter.as_deref(), std::slice::from_ref(op), || {
+            self.apply_unfiltered(op)
+        })
     }
 }
 

@@ -108,16 +108,6 @@ impl Prefilter {
         unsafe { std::slice::from_raw_parts(self.words.as_ptr(), WORDS as usize) }
     }
 
-    /// Lands `write`, entries that `ops` describe, with their bits set
-    /// first: under the lock, so no rebuild reads the maps in between.
-    pub fn landing<T>(&self, ops: &[MapOp], write: impl FnOnce() -> T) -> T {
-        let _landing = self.hold();
-        for op in ops {
-            self.admit(op);
-        }
-        write()
-    }
-
     /// The lock landings and rebuilds hold.
     pub fn hold(&self) -> MutexGuard<'_, ()> {
         self.lock.lock().unwrap_or_else(PoisonError::into_inner)
@@ -196,6 +186,20 @@ impl Drop for Prefilter {
         // SAFETY: the mapping made in `map`, unused past this point.
         unsafe { libc::munmap(self.words.as_ptr().cast(), BYTES) };
     }
+}
+
+/// Lands `write`, entries that `ops` describe, with their bits set first:
+/// under the lock, so no rebuild reads the maps in between. Without a
+/// prefilter (the pins of an older agent), `write` alone.
+pub fn landing<T>(prefilter: Option<&Prefilter>, ops: &[MapOp], write: impl FnOnce() -> T) -> T {
+    let Some(prefilter) = prefilter else {
+        return write();
+    };
+    let _landing = prefilter.hold();
+    for op in ops {
+        prefilter.admit(op);
+    }
+    write()
 }
 
 /// The bit of a frontend: its destination key, or for a NodePort (on the

@@ -23,7 +23,7 @@ use proxy_common::{
 
 use super::{
     batch::{self, BatchError},
-    prefilter::Prefilter,
+    prefilter::{self, Prefilter},
 };
 use crate::planner::{Landing, MapOp, Phases, write_phases};
 
@@ -67,10 +67,9 @@ impl<F: AsFd> RunWriter<F> {
     /// Writes `run`, puts to one of the four maps, in one call; on a
     /// failure, how many landed.
     pub fn write_run(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
-        match &self.prefilter {
-            Some(prefilter) => prefilter.landing(run, || self.write_unfiltered(run)),
-            None => self.write_unfiltered(run),
-        }
+        prefilter::landing(self.prefilter.as_deref(), run, || {
+            self.write_unfiltered(run)
+        })
     }
 
     fn write_unfiltered(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {
@@ -157,15 +156,15 @@ impl<F: AsFd + Sync> RunWriter<F> {
                 run.first(),
                 Some(MapOp::PutBackend { .. } | MapOp::PutSlot { .. })
             );
-        if !split {
-            return self.write_run(run);
-        }
         // Both halves' bits under one hold of the prefilter's lock, so that
         // they land at once rather than one after the other.
-        match &self.prefilter {
-            Some(prefilter) => prefilter.landing(run, || self.write_halves(run)),
-            None => self.write_halves(run),
-        }
+        prefilter::landing(self.prefilter.as_deref(), run, || {
+            if split {
+                self.write_halves(run)
+            } else {
+                self.write_unfiltered(run)
+            }
+        })
     }
 
     fn write_halves(&self, run: &[MapOp]) -> Result<(), (usize, RunError)> {

@@ -54,37 +54,6 @@ fn kube_dns(namespace: &str) -> Value {
     })
 }
 
-/// An EndpointSlice of `namespace/service`, port `port` (`name`,
-/// `protocol`), one ready endpoint per address on `node`.
-fn slice(
-    namespace: &str,
-    service: &str,
-    node: &str,
-    (name, port, protocol): (&str, u16, &str),
-    ips: &[String],
-) -> Value {
-    let endpoints: Vec<Value> = ips
-        .iter()
-        .map(|ip| {
-            json!({
-                "addresses": [ip],
-                "conditions": {"ready": true, "serving": true, "terminating": false},
-                "nodeName": node,
-            })
-        })
-        .collect();
-    json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {
-            "name": format!("{service}-1"), "namespace": namespace,
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "endpoints": endpoints,
-        "ports": [{"name": name, "port": port, "protocol": protocol}],
-    })
-}
-
 /// `(address, port)` -> probability of a port's `backends`.
 fn shares(backends: &Value) -> BTreeMap<(String, u64), f64> {
     backends
@@ -152,23 +121,26 @@ fn status_names_each_service_with_its_frontends_backends_and_their_shares() {
     let (shop, dns) = (format!("shop-{stem}"), format!("dns-{stem}"));
     let backend_ips: Vec<String> = BACKENDS.iter().map(|b| b.1.to_string()).collect();
     let web_backends = backend_ips[..2].to_vec();
+    let addrs: Vec<&str> = backend_ips.iter().map(String::as_str).collect();
     let (_runtime, server) = apiserver::serve_in(node_ns);
     server.apply(apiserver::node(&node_name, None));
     server.apply(web(&shop));
-    server.apply(slice(
+    server.apply(apiserver::slice_on(
         &shop,
+        "web-1",
         "web",
         &node_name,
         ("http", 8080, "TCP"),
-        &web_backends,
+        &addrs[..2],
     ));
     server.apply(kube_dns(&dns));
-    server.apply(slice(
+    server.apply(apiserver::slice_on(
         &dns,
+        "kube-dns-1",
         "kube-dns",
         &node_name,
         ("dns", 5353, "UDP"),
-        &backend_ips,
+        &addrs,
     ));
     let agent = KubeAgent::start(node_ns, server.url());
 

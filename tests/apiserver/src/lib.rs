@@ -1135,6 +1135,18 @@ pub fn service(namespace: &str, name: &str, cluster_ip: &str) -> Value {
 /// An EndpointSlice of `service` with port `http` 8080/TCP and one ready
 /// endpoint per address, on `node`.
 pub fn slice(namespace: &str, name: &str, service: &str, node: &str, ips: &[&str]) -> Value {
+    slice_on(namespace, name, service, node, ("http", 8080, "TCP"), ips)
+}
+
+/// `slice` with port `port` (its `port_name` and `protocol`).
+pub fn slice_on(
+    namespace: &str,
+    name: &str,
+    service: &str,
+    node: &str,
+    (port_name, port, protocol): (&str, u16, &str),
+    ips: &[&str],
+) -> Value {
     let endpoints: Vec<Value> = ips
         .iter()
         .map(|ip| {
@@ -1153,7 +1165,7 @@ pub fn slice(namespace: &str, name: &str, service: &str, node: &str, ips: &[&str
         },
         "addressType": "IPv4",
         "endpoints": endpoints,
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "ports": [{"name": port_name, "port": port, "protocol": protocol}],
     })
 }
 

@@ -527,8 +527,7 @@ pub struct ServiceName {
     pub name: [u8; SERVICE_NAME_LEN],
     /// `spec.ports[].name`; empty for a Service's only, unnamed port.
     pub port_name: [u8; SERVICE_PORT_NAME_LEN],
-    /// `spec.ports[].port`, host order; 0 when the first frontend of the
-    /// port to be programmed was its NodePort (which does not carry it).
+    /// `spec.ports[].port`, host order.
     pub port: u16,
     /// `PROTO_TCP`, `PROTO_UDP` or `PROTO_SCTP`.
     pub proto: u8,

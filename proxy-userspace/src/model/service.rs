@@ -169,6 +169,7 @@ pub(super) fn frontends(
                     key(ip, port.port, Scope::Any),
                     FrontendKind::ClusterIp,
                     &service_port,
+                    port.port,
                     &internal,
                 );
             }
@@ -197,6 +198,7 @@ pub(super) fn frontends(
                     key(ip, port_number, Scope::Any),
                     kind,
                     &service_port,
+                    port.port,
                     &external,
                 );
                 if let Some(cluster) = &short_circuit {
@@ -204,6 +206,7 @@ pub(super) fn frontends(
                         key(ip, port_number, Scope::Internal),
                         kind,
                         &service_port,
+                        port.port,
                         cluster,
                     );
                 }
@@ -336,6 +339,7 @@ impl Output {
         key: FrontendKey,
         kind: FrontendKind,
         service: &ServicePortName,
+        service_port: u16,
         set: &PolicySet,
     ) {
         // A Service has a few frontends: a scan beats hashing them.
@@ -346,6 +350,7 @@ impl Output {
             key,
             kind,
             service: service.clone(),
+            service_port,
             backends: set.backends.to_vec(),
             // Only meaningful for an empty set; fixed otherwise so that a
             // policy change alone never looks like a frontend change.

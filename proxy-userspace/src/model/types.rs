@@ -212,6 +212,9 @@ pub struct Frontend {
     pub key: FrontendKey,
     pub kind: FrontendKind,
     pub service: ServicePortName,
+    /// The Service port's number (`spec.ports[].port`), which a NodePort
+    /// frontend's key does not carry: what names the port to an operator.
+    pub service_port: u16,
     /// Ordered as kube-proxy orders them (by `host_port()` string); empty
     /// means `no_endpoints` applies.
     pub backends: Vec<BackendAddr>,
@@ -248,6 +251,7 @@ impl Frontend {
             },
             kind: FrontendKind::ClusterIp,
             service,
+            service_port: port,
             backends,
             no_endpoints: NoEndpointAction::Reject,
             affinity_timeout_s: None,

@@ -14,7 +14,7 @@ use super::{
     ledger::{Applied, Departed, Planner, Refcounted},
     ops::MapOp,
 };
-use crate::model::{Frontend, FrontendKind, ServicePortName};
+use crate::model::{Frontend, ServicePortName};
 
 /// A backend no id is held for: the id it gets with the plan.
 pub(super) struct Fresh {
@@ -67,22 +67,23 @@ impl Planner {
 
     /// The write of `fe`'s Service port as the name of service id `id`,
     /// which the port is taking: None when the maps hold that name for it
-    /// already (adopted). The port number is that of a frontend other than
-    /// a NodePort, which has a port of its own: a NodePort leaves an
-    /// adopted name's number as it is.
+    /// already (adopted). The port number is the Service port's, whichever
+    /// of its frontends (a NodePort among them) comes first.
     pub(super) fn service_name_write(&mut self, fe: &Frontend, id: u32) -> Option<MapOp> {
-        let node_port = fe.kind == FrontendKind::NodePort;
-        let unported = encode::service_name(&fe.service, 0);
+        let name = encode::service_name(&fe.service, fe.service_port);
         if let Some((hash, port)) = self.adopted_names.remove(&id)
-            && hash == self.adopted_names.hasher().hash_one(unported)
-            && (node_port || port == fe.key.port)
+            && hash
+                == self
+                    .adopted_names
+                    .hasher()
+                    .hash_one(encode::service_name(&fe.service, 0))
+            && port == fe.service_port
         {
             return None;
         }
-        let port = if node_port { 0 } else { fe.key.port };
         Some(MapOp::PutServiceName {
             id,
-            name: Box::new(proxy_common::ServiceName { port, ..unported }),
+            name: Box::new(name),
         })
     }
 

@@ -648,7 +648,7 @@ fn a_service_id_is_named_while_a_frontend_holds_it() {
     let mut s = CheckingStore::default();
     let mut http = frontend(1, &[11]);
     http.service = ServicePortName::new("shop", "web", "http", Protocol::Tcp);
-    // The NodePort of the same port first: it does not know the port.
+    // The NodePort of the same port: its key has a port of its own.
     let mut node_port = http.clone();
     node_port.kind = FrontendKind::NodePort;
     node_port.key.ip = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
@@ -656,6 +656,16 @@ fn a_service_id_is_named_while_a_frontend_holds_it() {
     let mut metrics = frontend(2, &[12]);
     metrics.service = ServicePortName::new("shop", "web", "metrics", Protocol::Tcp);
     metrics.key.port = 9090;
+    metrics.service_port = 9090;
+    {
+        let (mut p, mut s) = (Planner::new(), CheckingStore::default());
+        sync(&mut p, &mut s, "web", std::slice::from_ref(&node_port));
+        assert_eq!(
+            names_of(&s.state),
+            ["1 shop/web:http 80"],
+            "a port whose NodePort is planned alone is named by the Service port's number"
+        );
+    }
     sync(&mut p, &mut s, "web", &[http.clone(), node_port.clone()]);
     assert_eq!(names_of(&s.state), ["1 shop/web:http 80"]);
     sync(
@@ -700,12 +710,6 @@ fn a_service_id_is_named_while_a_frontend_holds_it() {
         Vec::<String>::new(),
         "names left behind"
     );
-
-    // A NodePort taking a new id alone names it with port 0.
-    let mut p = Planner::new();
-    let mut s = CheckingStore::default();
-    sync(&mut p, &mut s, "web", std::slice::from_ref(&node_port));
-    assert_eq!(names_of(&s.state), ["1 shop/web:http 0"]);
 }
 
 #[test]

@@ -237,6 +237,7 @@ fn programmed(fe: &Fe) -> Frontend {
             port: fe.port.to_string(),
             protocol,
         },
+        service_port: fe.port,
         backends: fe
             .backends
             .iter()

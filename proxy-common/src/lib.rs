@@ -32,6 +32,10 @@ pub mod map_names {
     pub const NODE_CONFIG6: &str = "NODE_CONFIG6";
     pub const SOURCE_RANGES: &str = "SOURCE_RANGES";
     pub const CLUSTER_CIDRS: &str = "CLUSTER_CIDRS";
+    /// The service CIDRs (`ServiceCIDR` objects, `--service-cluster-ip-range`)
+    /// and every ClusterIP held in them (`service_cidr`): what a packet to
+    /// an address of a service CIDR that no frontend answers becomes.
+    pub const SERVICE_CIDRS: &str = "SERVICE_CIDRS";
     /// The interfaces whose packets come from this node's pods
     /// (`--detect-local-mode BridgeInterface` or `InterfaceNamePrefix`):
     /// ifindex to 1.
@@ -77,7 +81,7 @@ pub mod map_names {
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 14] = [
+    pub const LATER: [&str; 15] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -92,12 +96,13 @@ pub mod map_names {
         LOCAL_IFACES,
         PREFILTER,
         SERVICE_NAMES,
+        SERVICE_CIDRS,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 32] = [
+    pub const ALL: [&str; 33] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -130,6 +135,7 @@ pub mod map_names {
         CT_SOURCES6,
         PREFILTER,
         SERVICE_NAMES,
+        SERVICE_CIDRS,
     ];
 }
 
@@ -371,6 +377,9 @@ pub const MAX_AFFINITY: u32 = 65_536;
 pub const MAX_NODE_ADDRS: u32 = 256;
 pub const MAX_SOURCE_RANGES: u32 = 65_536;
 pub const MAX_CLUSTER_CIDRS: u32 = 64;
+/// Entries of `SERVICE_CIDRS`: the service CIDRs, and the ClusterIPs of
+/// every Service (two for a dual-stack one). Not preallocated.
+pub const MAX_SERVICE_CIDRS: u32 = 2 * MAX_SERVICES + 64;
 /// Entries of `LOCAL_IFACES`: a bridge, or every pod's host-side interface
 /// of a node.
 pub const MAX_LOCAL_IFACES: u32 = 4096;
@@ -432,15 +441,26 @@ pub mod scope {
     pub const INTERNAL: u8 = 1;
 }
 
-/// Key of the `CLUSTER_CIDRS` LPM trie: a pod address (IPv4-mapped, so an
-/// IPv4 CIDR's prefix length is 96 more than its own). A source inside one
-/// is an in-cluster client, as kube-proxy's `--cluster-cidr` local detector
-/// decides.
+/// Key of the `CLUSTER_CIDRS` and `SERVICE_CIDRS` LPM tries: an address
+/// (IPv4-mapped, so an IPv4 CIDR's prefix length is 96 more than its own).
+/// A source inside a `CLUSTER_CIDRS` one is an in-cluster client, as
+/// kube-proxy's `--cluster-cidr` local detector decides.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ClusterCidrKey {
     pub addr_be: [u32; 4],
+}
+
+/// `SERVICE_CIDRS` values: what a packet to an address under the entry
+/// becomes when no frontend has its port and protocol, as kube-proxy's
+/// nftables mode treats the service CIDRs (its `cluster-ips-check` chain).
+pub mod service_cidr {
+    /// A service CIDR: an address of it that no Service holds is dropped.
+    pub const RANGE: u32 = 1;
+    /// A ClusterIP (a /32 or /128 entry): a port its Service does not
+    /// define is rejected (TCP reset, ICMP port unreachable).
+    pub const HELD: u32 = 2;
 }
 
 /// A frontend: (address, port, protocol, scope).
@@ -1311,7 +1331,13 @@ pub mod counter {
     /// flows (`NodeConfig::ct_source_share`): each of the flow's packets of
     /// its client's direction tries again, and counts.
     pub const CT_SHARE_REFUSED: u32 = 33;
-    pub const COUNT: u32 = 34;
+    /// A packet to an address of a service CIDR that no Service holds
+    /// (`service_cidr::RANGE`), dropped.
+    pub const DROP_UNALLOCATED: u32 = 34;
+    /// A packet to a ClusterIP on a port (or protocol) its Service does not
+    /// define (`service_cidr::HELD`), rejected.
+    pub const REJECT_UNDEFINED_PORT: u32 = 35;
+    pub const COUNT: u32 = 36;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1350,6 +1376,8 @@ pub mod counter {
         "snat_reclaimed",
         "ct_out_of_window",
         "ct_share_refused",
+        "drop_unallocated",
+        "reject_undefined_port",
     ];
 }
 

@@ -10,6 +10,10 @@
 //!   reply of a translated flow comes from;
 //! - its destination port (`port_bit`), where a NodePort has that port.
 //!
+//! A packet the answer is no for may still be for a service CIDR, which
+//! is not ours to pass (`crate::service_cidr`): its destination's block
+//! (`block_bit`) says whether it may be, or `WIDE_BIT` that any may.
+//!
 //! The agent sets a key's bit before the entry that needs it lands, and
 //! clears bits only by rebuilding the whole array from what the maps hold,
 //! conntrack included, so an established flow keeps its bits after its
@@ -36,6 +40,32 @@ pub mod side {
     pub const TO: u8 = 1;
     /// Its source: a backend answering.
     pub const FROM: u8 = 2;
+    /// Its destination's block of 256 addresses (`block_bit`).
+    pub const BLOCK: u8 = 3;
+}
+
+/// Prefix length, IPv4-mapped, of the blocks a service CIDR sets bits of:
+/// an IPv4 /24, an IPv6 /120.
+pub const BLOCK_PREFIX: u8 = 120;
+/// The most blocks one service CIDR sets bits of (an IPv4 /8, an IPv6
+/// /104); a wider one sets `WIDE_BIT` instead.
+pub const MAX_BLOCKS: u64 = 1 << 16;
+/// Set when some service CIDR is too wide for its blocks' bits: every
+/// packet the prefilter passes then asks `SERVICE_CIDRS`. The bit of port
+/// 0, which no NodePort has.
+pub const WIDE_BIT: u32 = 0;
+
+/// The bit of the block of 256 addresses `addr_be` (IPv4 mapped) is in.
+#[inline(always)]
+#[must_use]
+pub const fn block_bit(addr_be: &[u32; 4]) -> u32 {
+    let [w0, w1, w2, w3] = *addr_be;
+    bit(
+        &[w0, w1, w2, w3 & u32::from_be(0xffff_ff00)],
+        0,
+        0,
+        side::BLOCK,
+    )
 }
 
 /// The bit of the key (`addr_be` as `ServiceKey` and `Backend` hold

@@ -11,9 +11,9 @@ use proxy_common::{
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
     MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
     MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
-    MAX_NODE_ADDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig,
-    RejectLimit, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
-    clock_slot, counter, ip_summed, prefilter, sock_counter,
+    MAX_NODE_ADDRS, MAX_SERVICE_CIDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey,
+    NodeConfig, RejectLimit, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6,
+    SourceRangeKey, clock_slot, counter, ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -242,6 +242,11 @@ pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as us
 
 #[btf_map]
 pub static CLUSTER_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_CLUSTER_CIDRS as usize }> =
+    LpmTrie::new();
+
+/// The service CIDRs and the ClusterIPs in them (`crate::service_cidr`).
+#[btf_map]
+pub static SERVICE_CIDRS: LpmTrie<ClusterCidrKey, u32, { MAX_SERVICE_CIDRS as usize }> =
     LpmTrie::new();
 
 /// The datapath log's level (see `crate::event_log`); off until the agent

@@ -21,6 +21,7 @@ use crate::{
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     prefilter,
     route::{self, Ahead},
+    service_cidr::{self, Unserved},
     verdict::Action,
 };
 
@@ -41,7 +42,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     // A later fragment has no ports to ask with: its first fragment's
     // record answers for it below.
     if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return Action::Pass;
+        return unserved::<H>(&flow);
     }
     let now = conntrack::now_ns();
     if flow.frag == LATER {
@@ -90,9 +91,24 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         return Action::Pass;
     }
     let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
-        return Action::Pass;
+        return unserved::<H>(&flow);
     };
     new_flow(ctx, &flow, &frontend, now)
+}
+
+/// A packet no frontend answers: passed, or if it is for a service CIDR,
+/// dropped or rejected (`service_cidr`).
+#[inline(always)]
+fn unserved<H: Hook>(flow: &Flow) -> Action {
+    match service_cidr::unserved(flow, H::XDP) {
+        Unserved::Pass => Action::Pass,
+        Unserved::Drop => Action::Drop,
+        Unserved::Reject if H::XDP => {
+            count(counter::XDP_TO_TC);
+            Action::ToTc
+        }
+        Unserved::Reject => Action::Reject(*flow),
+    }
 }
 
 /// An ICMP error about a translated flow, translated back (tc only), in

@@ -40,6 +40,7 @@ use crate::{
     packet6::{self, Flow6, Skip6},
     prefilter,
     route::{self, Ahead},
+    service_cidr::{self, Unserved},
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
@@ -77,7 +78,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
     };
     // As over IPv4 (`pipeline::handle`).
     if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return Ok(H::PASS);
+        return Ok(unserved(ctx, &flow));
     }
     let now = now_ns();
     if flow.frag == LATER {
@@ -132,7 +133,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
             frontend::in_cluster6(flow.src_be) || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
-        return Ok(H::PASS);
+        return Ok(unserved(ctx, &flow));
     };
     if flow.proto == PROTO_SCTP {
         // As IPv4's (`pipeline::handle`): not translated, as its CRC32c
@@ -145,6 +146,20 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
         return Ok(H::PASS);
     }
     new_flow(ctx, &flow, &frontend, now)
+}
+
+/// As IPv4's (`pipeline::unserved`).
+#[inline(always)]
+fn unserved<H: Hook6>(ctx: &H, flow: &Flow6) -> H::Verdict {
+    match service_cidr::unserved(flow, H::XDP) {
+        Unserved::Pass => H::PASS,
+        Unserved::Drop => H::DROP,
+        Unserved::Reject if H::XDP => {
+            count(counter::XDP_TO_TC);
+            H::PASS
+        }
+        Unserved::Reject => ctx.reject6(flow),
+    }
 }
 
 /// The first packet of a flow to `frontend`: IPv4's decisions

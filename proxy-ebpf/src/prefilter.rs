@@ -21,8 +21,9 @@ pub fn may_be_ours<A: FlowAddr>(flow: &FlowOf<A>) -> bool {
         || holds(port_bit(flow.dport_be))
 }
 
+/// Whether `bit` is set.
 #[inline(always)]
-fn holds(bit: u32) -> bool {
+pub fn holds(bit: u32) -> bool {
     let (word, mask) = word_and_mask(bit);
     PREFILTER.get(word).is_some_and(|w| *w & mask != 0)
 }

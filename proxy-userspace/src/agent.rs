@@ -101,6 +101,8 @@ pub struct AgentConfig {
     pub localhost_nodeports: bool,
     /// Pod CIDRs: their clients are in-cluster (`--cluster-cidr`).
     pub cluster_cidrs: Vec<Cidr>,
+    /// `--service-cluster-ip-range`: the service CIDRs (`SERVICE_CIDRS`).
+    pub service_cidrs: Vec<Cidr>,
     /// How in-cluster clients are told (`--detect-local-mode`): with
     /// `NodeCidr`, by this node's Node's `spec.podCIDRs` rather than
     /// `cluster_cidrs`; with an interface mode, by the interface they
@@ -189,6 +191,11 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             }
             () = tokio::time::sleep_until(wakeup.unwrap_or_else(Instant::now).into()), if wakeup.is_some() => {
                 let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
+                // After the sync, so that a new Service's frontends land
+                // before its ClusterIP's other ports are rejected.
+                if node.follow_cluster_ips(state.claims()) {
+                    node.sync(&mut datapath.maps, Instant::now());
+                }
                 if let Some(checks) = follow_ups.health_checks {
                     health_checks.update(checks).await;
                 }
@@ -350,6 +357,7 @@ fn node_maps_at_start(
         DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => (true, true),
     };
     node.set_masquerade_off_cluster(detector_v4, detector_v6);
+    node.set_service_ranges(&config.service_cidrs);
     Ok((node, adoption))
 }
 

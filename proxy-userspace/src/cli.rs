@@ -305,6 +305,14 @@ pub struct RunArgs {
     /// them. Without it every client of those addresses is external.
     #[arg(long, default_value = "", hide_default_value = true)]
     pub cluster_cidr: crate::cluster_cidr::ClusterCidrs,
+    /// The service CIDRs ClusterIPs are allocated from (the API server's
+    /// flag), at most one per family, comma-separated for dual stack
+    /// (`10.96.0.0/12,fd00:10:96::/112`), where the API server serves no
+    /// `ServiceCIDR` objects: a packet to an address of one that no Service
+    /// holds is dropped, and one to a ClusterIP on a port its Service does
+    /// not define is rejected, as kube-proxy's nftables mode does.
+    #[arg(long, default_value = "", hide_default_value = true)]
+    pub service_cluster_ip_range: crate::cluster_cidr::ClusterCidrs,
     /// kube-proxy's local traffic detection: `ClusterCIDR` (--cluster-cidr),
     /// `NodeCIDR` (the Node's spec.podCIDRs), `BridgeInterface`
     /// (--pod-bridge-interface) or `InterfaceNamePrefix`

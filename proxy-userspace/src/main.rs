@@ -158,6 +158,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             && agent::serves_loopback(&args.nodeport_addresses),
         nodeport_addresses: args.nodeport_addresses,
         cluster_cidrs: args.cluster_cidr.to_vec(),
+        service_cidrs: args.service_cluster_ip_range.to_vec(),
         detect_local: args.detect_local.clone(),
         masquerade_all: args.masquerade_all,
         xdp_mode: args.xdp_mode,

@@ -2,6 +2,8 @@
 //! interface, no traffic, every byte of the output checked. Needs root (it
 //! loads BPF programs and pins maps).
 
+mod node_maps;
+
 use std::{
     net::{IpAddr, Ipv4Addr},
     path::PathBuf,
@@ -10,6 +12,7 @@ use std::{
 };
 
 use aya::programs::{TestRun, TestRunOptions};
+use node_maps::write_service_cidrs;
 use proxy_common::ct_flags;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
@@ -3205,5 +3208,90 @@ fn a_load_on_pins_without_a_prefilter_writes_it_from_the_maps() {
     assert!(
         fx.pins.map(proxy_common::map_names::PREFILTER).exists(),
         "the new prefilter was not pinned"
+    );
+}
+
+/// kube-proxy's nftables mode over the service CIDRs: a packet to an
+/// address of one that no Service holds is dropped (`drop_unallocated`),
+/// one to a ClusterIP on a port its Service does not define rejected
+/// (`reject_undefined_port`: a reset for TCP, port unreachable for UDP);
+/// the Service's own ports, and addresses outside the CIDRs, as before.
+#[test]
+fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
+    let mut fx = fixture();
+    let unallocated = Ipv4Addr::new(10, 96, 0, 99);
+    let outside = Ipv4Addr::new(10, 97, 0, 1);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 40100, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "no service CIDR known yet: passed");
+
+    write_service_cidrs(&mut fx.datapath.maps, &["10.96.0.0/16"], &[IpAddr::V4(VIP)]);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 40101, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");
+    let (ret, _) = run(&fx, &udp(CLIENT, 40102, unallocated, 53, false));
+    assert_eq!(ret, TC_ACT_SHOT, "UDP to an unallocated address");
+    assert_eq!(counter(&fx, "drop_unallocated"), 2);
+
+    let syn = tcp(CLIENT, 40103, VIP, 81, frame::SYN);
+    let (ret, out) = run(&fx, &syn);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "a ClusterIP's undefined port: rejected"
+    );
+    let p = parse_checked(&out, "RST");
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport, out[14 + 20 + 13]),
+        (VIP, 81, CLIENT, 40103, frame::RST | frame::ACK),
+        "the reset comes from the ClusterIP's port to the client"
+    );
+    let (ret, out) = run(&fx, &udp(CLIENT, 40104, VIP, 54, false));
+    assert_eq!(ret, TC_ACT_REDIRECT);
+    let p = parse_checked(&out, "ICMP port unreachable");
+    assert_eq!(
+        (p.proto, p.src, p.dst, out[34], out[35]),
+        (1, VIP, CLIENT, 3, 3),
+        "UDP to an undefined port: port unreachable from the ClusterIP"
+    );
+    assert_eq!(counter(&fx, "reject_undefined_port"), 2);
+
+    let (ret, out) = run(&fx, &tcp(CLIENT, 40105, VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "the Service's own port is translated");
+    let p = parse_checked(&out, "DNATed SYN");
+    assert!(BACKENDS.contains(&p.dst), "DNATed to {}", p.dst);
+    let (ret, out) = run(&fx, &tcp(CLIENT, 40106, outside, 80, frame::SYN));
+    assert_eq!(
+        (ret, parse_checked(&out, "outside").dst),
+        (TC_ACT_OK, outside),
+        "outside the CIDRs: passed untouched"
+    );
+
+    // The ClusterIP released: its address is as unallocated as any.
+    write_service_cidrs(&mut fx.datapath.maps, &["10.96.0.0/16"], &[]);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 40107, VIP, 81, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "a released ClusterIP's port");
+    assert_eq!(counter(&fx, "drop_unallocated"), 3);
+}
+
+/// At XDP an unallocated address is dropped there; an undefined port of a
+/// ClusterIP is left to tc, which sends the reject (counted there).
+#[test]
+fn xdp_drops_unallocated_addresses_and_leaves_rejects_to_tc() {
+    let mut nf = node_fixture();
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["10.96.0.0/16"],
+        &[IpAddr::V4(VIP)],
+    );
+    let (ret, _) = run_xdp(
+        &nf,
+        &tcp(CLIENT, 40200, Ipv4Addr::new(10, 96, 7, 7), 80, frame::SYN),
+    );
+    assert_eq!(ret, XDP_DROP, "an unallocated address at XDP");
+    assert_eq!(counter(&nf.fx, "drop_unallocated"), 1);
+    let (ret, _) = run_xdp(&nf, &tcp(CLIENT, 40201, VIP, 81, frame::SYN));
+    assert_eq!(ret, XDP_PASS, "an undefined port: on to tc");
+    assert_eq!(
+        counter(&nf.fx, "reject_undefined_port"),
+        0,
+        "counted by tc alone"
     );
 }

@@ -4,6 +4,8 @@
 //! of every output frame recomputed from scratch (tests/src/frames.rs).
 //! Needs root (it loads BPF programs and pins maps).
 
+mod node_maps;
+
 use std::{
     net::{IpAddr, Ipv6Addr},
     sync::atomic::{AtomicU32, Ordering},
@@ -15,6 +17,7 @@ use ebpf_proxy_tests::frames::{
     self as frame, AUTH, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
     icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
+use node_maps::write_service_cidrs;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
@@ -3135,4 +3138,56 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     let (ret, out) = run_on_uplink(&nf, &long);
     assert_packet_too_big((ret, &out), &long, client, vip, "a 1,281-byte segment");
     assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
+}
+
+/// IPv6's service CIDRs, as IPv4's
+/// (`service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports`):
+/// an unallocated address of one dropped, at tc and at XDP; a ClusterIP's
+/// undefined port rejected by tc (a reset, a port unreachable), left to tc
+/// by XDP; the Service's own port translated.
+#[test]
+fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
+    let mut nf = node_fixture();
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99);
+    let (ret, _) = run(&nf.fx, &tcp(CLIENT, 43100, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "no service CIDR known yet: passed");
+
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["fd00:96::/112"],
+        &[IpAddr::V6(VIP)],
+    );
+    let (ret, _) = run(&nf.fx, &tcp(CLIENT, 43101, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");
+    let (ret, _) = run_xdp(&nf, &udp(CLIENT, 43102, unallocated, 53));
+    assert_eq!(ret, XDP_DROP, "an unallocated address at XDP");
+    assert_eq!(counter(&nf.fx, "drop_unallocated"), 2);
+
+    let (ret, _) = run_xdp(&nf, &tcp(CLIENT, 43103, VIP, 81, frame::SYN));
+    assert_eq!(ret, XDP_PASS, "an undefined port at XDP: on to tc");
+    let (ret, out) = run(&nf.fx, &tcp(CLIENT, 43103, VIP, 81, frame::SYN));
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "a ClusterIP's undefined port: rejected"
+    );
+    let rst = parse_checked6(&out, "RST");
+    assert_eq!(
+        (rst.src, rst.sport, rst.dst, rst.dport, rst.l4[13]),
+        (VIP, 81, CLIENT, 43103, frame::RST | frame::ACK),
+        "the reset comes from the ClusterIP's port to the client"
+    );
+    let (ret, out) = run(&nf.fx, &udp(CLIENT, 43104, VIP, 54));
+    assert_eq!(ret, TC_ACT_REDIRECT);
+    let icmp = parse_checked6(&out, "ICMPv6 port unreachable");
+    assert_eq!(
+        (icmp.proto, icmp.src, icmp.dst, icmp.l4[0], icmp.l4[1]),
+        (ICMPV6, VIP, CLIENT, 1, 4),
+        "UDP to an undefined port: port unreachable from the ClusterIP"
+    );
+    assert_eq!(counter(&nf.fx, "reject_undefined_port"), 2);
+
+    let (ret, out) = run(&nf.fx, &tcp(CLIENT, 43105, VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "the Service's own port is translated");
+    let syn = parse_checked6(&out, "DNATed SYN");
+    assert!(BACKENDS.contains(&syn.dst), "DNATed to {}", syn.dst);
 }

@@ -8,7 +8,7 @@ use std::{net::IpAddr, time::Instant};
 use tracing::{info, warn};
 
 use crate::{
-    model::Cidr,
+    model::{AddressClaims, Cidr},
     node_ip::NodeIps,
     planner::{
         MapStore, NodeState,
@@ -23,6 +23,8 @@ pub struct NodeMaps {
     /// Set while a write has not landed.
     retry: Option<Retry>,
     families: FamilyNotice,
+    /// `AddressClaims`' generation of the ClusterIPs last copied.
+    cluster_ips_generation: Option<u64>,
 }
 
 impl NodeMaps {
@@ -33,6 +35,7 @@ impl NodeMaps {
             planner: NodePlanner::adopt(applied),
             retry: None,
             families: FamilyNotice::default(),
+            cluster_ips_generation: None,
         }
     }
 
@@ -81,6 +84,24 @@ impl NodeMaps {
     /// `sync`.
     pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {
         self.desired.set_cluster_cidrs(cidrs);
+    }
+
+    /// The service CIDRs (`SERVICE_CIDRS`); written at the next `sync`.
+    pub fn set_service_ranges(&mut self, cidrs: &[Cidr]) {
+        self.desired.set_service_ranges(cidrs);
+    }
+
+    /// Every Service's ClusterIPs as `claims` holds them: copied into the
+    /// desired state only when the set moved since the last call. True
+    /// when it did (to be written at the next `sync`).
+    pub fn follow_cluster_ips(&mut self, claims: &AddressClaims) -> bool {
+        let (ips, generation) = claims.cluster_ips();
+        if self.cluster_ips_generation == Some(generation) {
+            return false;
+        }
+        self.cluster_ips_generation = Some(generation);
+        self.desired.set_cluster_ips(ips);
+        true
     }
 
     /// Whether tc leaves to netfilter the packets of flows its conntrack

@@ -176,6 +176,9 @@ pub struct Maps {
     /// The Service port of each service id (`SERVICE_NAMES`); absent like
     /// `csum_states`.
     pub service_names: Option<HashMap<MapData, u32, ServiceName>>,
+    /// The service CIDRs and the ClusterIPs in them (`SERVICE_CIDRS`);
+    /// absent like `csum_states`.
+    pub service_cidrs: Option<LpmTrie<MapData, ClusterCidrKey, u32>>,
 }
 
 impl Maps {
@@ -208,7 +211,8 @@ impl Maps {
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
             HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
-            SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            SERVICE_CIDRS, SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6,
+            SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -243,6 +247,7 @@ impl Maps {
                 })
                 .transpose()?,
             service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
+            service_cidrs: later(get(SERVICE_CIDRS), SERVICE_CIDRS, LpmTrie::try_from)?,
         })
     }
 
@@ -356,6 +361,14 @@ impl Maps {
         for key in self.cluster_cidrs.keys() {
             let key = key.map_err(wrap(map_names::CLUSTER_CIDRS))?;
             state.cluster_cidrs.insert((key.prefix_len(), key.data()));
+        }
+        if let Some(map) = &self.service_cidrs {
+            for item in map {
+                let (key, kind) = item.map_err(wrap(map_names::SERVICE_CIDRS))?;
+                state
+                    .service_cidrs
+                    .insert((key.prefix_len(), key.data()), kind);
+            }
         }
         if let Some(map) = &self.local_ifaces {
             for key in map.keys() {
@@ -484,6 +497,18 @@ impl Maps {
             MapOp::DeleteClusterCidr { entry } => {
                 self.cluster_cidrs.remove(&Key::new(entry.0, entry.1))
             }
+            MapOp::PutServiceCidr { entry, kind } => match &mut self.service_cidrs {
+                Some(map) => map.insert(&Key::new(entry.0, entry.1), kind, 0),
+                None => {
+                    return Err(MapsError::Missing {
+                        name: map_names::SERVICE_CIDRS,
+                    });
+                }
+            },
+            MapOp::DeleteServiceCidr { entry } => match &mut self.service_cidrs {
+                Some(map) => map.remove(&Key::new(entry.0, entry.1)),
+                None => Ok(()),
+            },
             MapOp::PutLocalIface { ifindex } => match &mut self.local_ifaces {
                 Some(map) => map.insert(ifindex, 1, 0),
                 None => {

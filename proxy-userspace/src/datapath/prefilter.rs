@@ -23,11 +23,13 @@ use std::{
 use aya::maps::MapData;
 use proxy_common::{
     Backend, ServiceKey,
-    prefilter::{WORDS, bit, port_bit, side, word_and_mask},
+    prefilter::{
+        BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, port_bit, side, word_and_mask,
+    },
     v4_mapped,
 };
 
-use crate::planner::MapOp;
+use crate::planner::{MapOp, encode::ClusterCidrEntry};
 
 /// Why the array could not be mapped.
 #[derive(Debug, thiserror::Error)]
@@ -118,7 +120,10 @@ impl Prefilter {
         match op {
             MapOp::PutService { key, .. } => self.set(service_bit(key)),
             MapOp::PutBackend { backend, .. } => self.set(backend_bit(backend)),
-            MapOp::DeleteService { .. } | MapOp::DeleteBackend { .. } => {
+            MapOp::PutServiceCidr { entry, .. } => service_cidr_bits(entry, |bit| self.set(bit)),
+            MapOp::DeleteService { .. }
+            | MapOp::DeleteBackend { .. }
+            | MapOp::DeleteServiceCidr { .. } => {
                 self.removed.fetch_add(1, Ordering::Relaxed);
             }
             _ => {}
@@ -217,6 +222,29 @@ pub fn backend_bit(backend: &Backend) -> u32 {
     bit(&backend.addr_be, backend.port_be, backend.proto, side::FROM)
 }
 
+/// Calls `set` with the bits of a `SERVICE_CIDRS` entry: the block bit of
+/// each block of 256 addresses it covers, or `WIDE_BIT` where it covers
+/// more than `MAX_BLOCKS` of them.
+pub fn service_cidr_bits((prefix_len, key): &ClusterCidrEntry, mut set: impl FnMut(u32)) {
+    let prefix = (*prefix_len).min(128);
+    if prefix >= u32::from(BLOCK_PREFIX) {
+        set(block_bit(&key.addr_be));
+        return;
+    }
+    let blocks = 1u64 << (u32::from(BLOCK_PREFIX) - prefix).min(63);
+    if blocks > MAX_BLOCKS {
+        set(WIDE_BIT);
+        return;
+    }
+    let bytes: Vec<u8> = key.addr_be.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let base = u128::from_be_bytes(bytes.try_into().unwrap_or([0; 16]));
+    for block in 0..blocks {
+        let addr = (base + (u128::from(block) << 8)).to_be_bytes();
+        let word = |i: usize| u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
+        set(block_bit(&[word(0), word(4), word(8), word(12)]));
+    }
+}
+
 /// A rebuild's array, built in memory first (`prefilter_rebuild`).
 pub struct Bits(Vec<u64>);
 
@@ -286,5 +314,44 @@ mod tests {
             bit(&backend.addr_be, backend.port_be, 6, side::FROM),
             "a backend's bit is its replies' source key"
         );
+    }
+
+    /// Every address of a service CIDR finds its block's bit set, a /12 as
+    /// a /28; an address outside it finds none of the CIDR's bits (here,
+    /// where they are few, by their count); a CIDR of more than
+    /// `MAX_BLOCKS` blocks sets `WIDE_BIT` alone.
+    #[test]
+    fn a_service_cidr_sets_the_block_bit_of_each_of_its_addresses() {
+        use crate::{model::Cidr, planner::encode::cluster_cidr};
+        let bits_of = |cidr: &str| {
+            let mut bits = std::collections::BTreeSet::new();
+            service_cidr_bits(&cluster_cidr(&Cidr::parse(cidr).unwrap()), |b| {
+                bits.insert(b);
+            });
+            bits
+        };
+        let addr = |ip: &str| match ip.parse::<std::net::IpAddr>().unwrap() {
+            std::net::IpAddr::V4(v4) => v4_mapped(u32::from_ne_bytes(v4.octets())),
+            std::net::IpAddr::V6(v6) => {
+                let o = v6.octets();
+                std::array::from_fn(|i| {
+                    u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+                })
+            }
+        };
+        let wide = bits_of("10.96.0.0/12");
+        assert_eq!(wide.len(), 4096, "a /12 has 4,096 blocks of 256");
+        for ip in ["10.96.0.1", "10.100.7.200", "10.111.255.255"] {
+            assert!(wide.contains(&block_bit(&addr(ip))), "{ip} in 10.96.0.0/12");
+        }
+        let narrow = bits_of("10.0.0.16/28");
+        assert_eq!(narrow, [block_bit(&addr("10.0.0.1"))].into());
+        let v6 = bits_of("fd00:10:96::/112");
+        assert_eq!(v6.len(), 256);
+        assert!(v6.contains(&block_bit(&addr("fd00:10:96::12cd"))));
+        assert!(!v6.contains(&WIDE_BIT));
+        assert_eq!(bits_of("fd00:10:96::/64"), [WIDE_BIT].into());
+        assert_eq!(bits_of("10.0.0.0/7"), [WIDE_BIT].into());
+        assert_eq!(bits_of("10.0.0.0/8").len(), 65_536);
     }
 }

@@ -11,8 +11,8 @@ use proxy_common::{
 
 use super::{
     batch,
-    maps::{Maps, MapsError, batch_error},
-    prefilter::{Bits, backend_bit, service_bit},
+    maps::{Maps, MapsError, batch_error, wrap},
+    prefilter::{Bits, backend_bit, service_bit, service_cidr_bits},
 };
 
 /// What a rebuild left.
@@ -33,7 +33,7 @@ impl Rebuilt {
 }
 
 /// Writes the array again from what the maps hold now: every frontend,
-/// every backend, and the keys of every flow in both families' conntrack
+/// every backend, the blocks of the service CIDRs and ClusterIPs, and the keys of every flow in both families' conntrack
 /// maps (a flow's forward entry names its frontend, its reply entry its
 /// backend). Under the lock throughout, so no frontend or backend goes, and
 /// none lands, while the maps are read. `None` where the maps have no
@@ -64,6 +64,12 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
         },
     )
     .map_err(batch_error(map_names::BACKENDS))?;
+    if let Some(map) = &maps.service_cidrs {
+        for key in map.keys() {
+            let key = key.map_err(wrap(map_names::SERVICE_CIDRS))?;
+            service_cidr_bits(&(key.prefix_len(), key.data()), |bit| bits.set(bit));
+        }
+    }
     flows::<u32>(maps.conntrack.map(), map_names::CONNTRACK, &mut bits)?;
     flows::<u32>(maps.ct_new.map(), map_names::CT_NEW, &mut bits)?;
     if let Some(map) = &maps.conntrack6 {

@@ -99,6 +99,9 @@ pub struct AddressClaims {
     /// Services holding it (the API server gives each to one; manifests
     /// may not).
     cluster_ips: HashMap<IpAddr, Vec<Rank>>,
+    /// Moves each time an address joins or leaves `cluster_ips`, so that
+    /// the agent copies the set out only when it changed.
+    cluster_ips_generation: u64,
     /// Every external address (externalIPs, load balancer ingress IPs of a
     /// family the Service has a ClusterIP of) and who claims it.
     external: HashMap<IpAddr, Vec<Claim>>,
@@ -114,6 +117,15 @@ impl AddressClaims {
         self.cluster_ips
             .get(&ip.to_canonical())
             .map_or(&[], Vec::as_slice)
+    }
+
+    /// Every ClusterIP some Service holds, and the generation of the set
+    /// (which moves whenever it changes).
+    pub fn cluster_ips(&self) -> (impl Iterator<Item = IpAddr> + '_, u64) {
+        (
+            self.cluster_ips.keys().copied(),
+            self.cluster_ips_generation,
+        )
     }
 
     /// Whether `ip` is one of this node's addresses.
@@ -182,10 +194,11 @@ impl AddressClaims {
             return;
         };
         for ip in &parsed.cluster_ips {
-            self.cluster_ips
-                .entry(ip.to_canonical())
-                .or_default()
-                .push(rank.clone());
+            let owners = self.cluster_ips.entry(ip.to_canonical()).or_default();
+            if owners.is_empty() {
+                self.cluster_ips_generation += 1;
+            }
+            owners.push(rank.clone());
         }
         let ports: Arc<[(u16, Protocol)]> =
             parsed.ports.iter().map(|p| (p.port, p.protocol)).collect();
@@ -238,6 +251,7 @@ impl AddressClaims {
                 owners.retain(|r| *r != rank);
                 if owners.is_empty() {
                     self.cluster_ips.remove(&ip);
+                    self.cluster_ips_generation += 1;
                 }
             }
             if let Some(claims) = self.external.get_mut(&ip) {

@@ -288,6 +288,13 @@ impl Cidr {
         Some(Cidr { ip, prefix })
     }
 
+    /// The range of `ip` alone (a /32 or /128).
+    pub fn host(ip: IpAddr) -> Cidr {
+        let ip = ip.to_canonical();
+        let prefix = if ip.is_ipv4() { 32 } else { 128 };
+        Cidr { ip, prefix }
+    }
+
     /// Whether `ip` is inside the range.
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.ip, ip) {

@@ -1,5 +1,5 @@
 //! The node-level maps (`NODE_ADDRS`, `NODE_CONFIG`, `NODE_CONFIG6`,
-//! `CT_TIMEOUTS`, `CLUSTER_CIDRS`) under the service maps' discipline: a desired state, a diff
+//! `CT_TIMEOUTS`, `CLUSTER_CIDRS`, `SERVICE_CIDRS`) under the service maps' discipline: a desired state, a diff
 //! against what the maps hold, ordered writes through the same [`MapStore`],
 //! and what failed left pending for the next try. Nothing is flushed.
 //!
@@ -15,7 +15,7 @@ use std::{
 };
 
 use proxy_common::{
-    CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, node_addr_flags, node_config_flags,
+    CtTimeouts, NodeAddr, NodeAddrKey, NodeConfig, node_addr_flags, node_config_flags, service_cidr,
 };
 
 use super::{
@@ -48,6 +48,12 @@ pub struct DesiredNode {
     pub local_ifaces: BTreeSet<u32>,
     /// `NodeConfig::ct_source_share` (`--conntrack-max-per-source`).
     pub ct_source_share: u32,
+    /// `SERVICE_CIDRS`: the service CIDRs (`service_cidr::RANGE`) and the
+    /// ClusterIPs (`service_cidr::HELD`), from `service_ranges` and
+    /// `cluster_ips`.
+    pub service_cidrs: BTreeMap<ClusterCidrEntry, u32>,
+    service_ranges: BTreeSet<ClusterCidrEntry>,
+    cluster_ips: BTreeSet<ClusterCidrEntry>,
 }
 
 impl DesiredNode {
@@ -63,7 +69,38 @@ impl DesiredNode {
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
             ct_source_share: 0,
+            service_cidrs: BTreeMap::new(),
+            service_ranges: BTreeSet::new(),
+            cluster_ips: BTreeSet::new(),
         }
+    }
+
+    /// The service CIDRs: an address in one that no Service holds is
+    /// dropped.
+    pub fn set_service_ranges(&mut self, cidrs: &[Cidr]) {
+        self.service_ranges = cidrs.iter().map(cluster_cidr).collect();
+        self.merge_service_cidrs();
+    }
+
+    /// Every Service's ClusterIPs: a port of one its Service does not
+    /// define is rejected.
+    pub fn set_cluster_ips(&mut self, ips: impl IntoIterator<Item = IpAddr>) {
+        self.cluster_ips = ips
+            .into_iter()
+            .map(|ip| cluster_cidr(&Cidr::host(ip)))
+            .collect();
+        self.merge_service_cidrs();
+    }
+
+    fn merge_service_cidrs(&mut self) {
+        let ranges = self
+            .service_ranges
+            .iter()
+            .map(|e| (*e, service_cidr::RANGE));
+        // A ClusterIP that is also a range of its own (a /32 service CIDR)
+        // is held: it comes last and wins.
+        let held = self.cluster_ips.iter().map(|e| (*e, service_cidr::HELD));
+        self.service_cidrs = ranges.chain(held).collect();
     }
 
     /// SNATs off-cluster clients of a ClusterIP, per family (IPv4, IPv6);
@@ -200,6 +237,23 @@ impl NodePlanner {
         );
         puts.extend(
             desired
+                .service_cidrs
+                .iter()
+                .filter(|(entry, kind)| applied.service_cidrs.get(entry) != Some(kind))
+                .map(|(entry, kind)| MapOp::PutServiceCidr {
+                    entry: *entry,
+                    kind: *kind,
+                }),
+        );
+        deletes.extend(
+            applied
+                .service_cidrs
+                .keys()
+                .filter(|entry| !desired.service_cidrs.contains_key(entry))
+                .map(|entry| MapOp::DeleteServiceCidr { entry: *entry }),
+        );
+        puts.extend(
+            desired
                 .local_ifaces
                 .difference(&applied.local_ifaces)
                 .map(|ifindex| MapOp::PutLocalIface { ifindex: *ifindex }),
@@ -276,6 +330,12 @@ impl NodePlanner {
             }
             MapOp::DeleteClusterCidr { entry } => {
                 applied.cluster_cidrs.remove(entry);
+            }
+            MapOp::PutServiceCidr { entry, kind } => {
+                applied.service_cidrs.insert(*entry, *kind);
+            }
+            MapOp::DeleteServiceCidr { entry } => {
+                applied.service_cidrs.remove(entry);
             }
             MapOp::PutLocalIface { ifindex } => {
                 applied.local_ifaces.insert(*ifindex);

@@ -79,6 +79,15 @@ pub enum MapOp {
     DeleteClusterCidr {
         entry: ClusterCidrEntry,
     },
+    /// `SERVICE_CIDRS`: a service CIDR (`service_cidr::RANGE`) or a
+    /// ClusterIP in one (`service_cidr::HELD`, a /32 or /128 entry).
+    PutServiceCidr {
+        entry: ClusterCidrEntry,
+        kind: u32,
+    },
+    DeleteServiceCidr {
+        entry: ClusterCidrEntry,
+    },
     /// `LOCAL_IFACES`: packets arriving on `ifindex` come from this node's
     /// pods.
     PutLocalIface {
@@ -100,6 +109,7 @@ impl MapOp {
                 | MapOp::DeleteServiceName { .. }
                 | MapOp::DeleteNodeAddr { .. }
                 | MapOp::DeleteClusterCidr { .. }
+                | MapOp::DeleteServiceCidr { .. }
                 | MapOp::DeleteLocalIface { .. }
         )
     }
@@ -159,6 +169,17 @@ impl fmt::Display for MapOp {
             MapOp::DeleteClusterCidr { entry } => {
                 write!(f, "delete cluster CIDR {}", cluster_cidr_string(entry))
             }
+            MapOp::PutServiceCidr { entry, kind } => write!(
+                f,
+                "write {} {}",
+                service_cidr_kind(*kind),
+                cluster_cidr_string(entry)
+            ),
+            MapOp::DeleteServiceCidr { entry } => write!(
+                f,
+                "delete service CIDR entry {}",
+                cluster_cidr_string(entry)
+            ),
             MapOp::PutLocalIface { ifindex } => write!(f, "write local interface {ifindex}"),
             MapOp::DeleteLocalIface { ifindex } => {
                 write!(f, "delete local interface {ifindex}")
@@ -258,4 +279,12 @@ pub fn write_phases<E>(
         })?;
     }
     Ok(())
+}
+
+/// What a `SERVICE_CIDRS` value stands for, in words.
+fn service_cidr_kind(kind: u32) -> &'static str {
+    match kind {
+        proxy_common::service_cidr::HELD => "ClusterIP",
+        _ => "service CIDR",
+    }
 }

@@ -28,6 +28,8 @@ pub struct NodeState {
     /// Zeros until first written (the datapath then uses the defaults).
     pub ct_timeouts: CtTimeouts,
     pub cluster_cidrs: BTreeSet<ClusterCidrEntry>,
+    /// `SERVICE_CIDRS`: each entry and what it is (`service_cidr`).
+    pub service_cidrs: BTreeMap<ClusterCidrEntry, u32>,
     /// `LOCAL_IFACES`: ifindexes.
     pub local_ifaces: BTreeSet<u32>,
 }
@@ -95,6 +97,12 @@ impl MapStore for StoredState {
             }
             MapOp::DeleteClusterCidr { entry } => {
                 self.node.cluster_cidrs.remove(entry);
+            }
+            MapOp::PutServiceCidr { entry, kind } => {
+                self.node.service_cidrs.insert(*entry, *kind);
+            }
+            MapOp::DeleteServiceCidr { entry } => {
+                self.node.service_cidrs.remove(entry);
             }
             MapOp::PutLocalIface { ifindex } => {
                 self.node.local_ifaces.insert(*ifindex);

@@ -76,6 +76,7 @@ fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
         config6: d.config6.unwrap_or(base.config6),
         ct_timeouts: d.ct_timeouts,
         cluster_cidrs: d.cluster_cidrs.clone(),
+        service_cidrs: d.service_cidrs.clone(),
         local_ifaces: d.local_ifaces.clone(),
     }
 }
@@ -415,4 +416,58 @@ proptest! {
             prop_assert_eq!(planner.applied(), &base);
         }
     }
+}
+
+/// `SERVICE_CIDRS` holds the service CIDRs as ranges and every ClusterIP as
+/// held, both families; a ClusterIP that goes is deleted, the ranges stay
+/// (written before any delete runs).
+#[test]
+fn service_cidrs_and_cluster_ips_follow_the_desired_state() {
+    use proxy_common::service_cidr::{HELD, RANGE};
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    let mut want = desired(&[1], &[], &[], 30);
+    want.set_service_ranges(&[cidr("10.96.0.0/12"), cidr("fd00:96::/112")]);
+    let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
+        "10.96.0.10".parse().unwrap(),
+        "10.96.0.11".parse().unwrap(),
+        "fd00:96::a".parse().unwrap(),
+    );
+    want.set_cluster_ips([a, b, c]);
+    planner.sync(&want, &mut store);
+    let held = |state: &NodeState| -> Vec<String> {
+        let mut held: Vec<String> = state
+            .service_cidrs
+            .iter()
+            .map(|(entry, kind)| {
+                format!(
+                    "{} {kind}",
+                    crate::planner::encode::cluster_cidr_string(entry)
+                )
+            })
+            .collect();
+        held.sort();
+        held
+    };
+    assert_eq!(
+        held(&store.state.node),
+        [
+            format!("10.96.0.0/12 {RANGE}"),
+            format!("10.96.0.10/32 {HELD}"),
+            format!("10.96.0.11/32 {HELD}"),
+            format!("fd00:96::/112 {RANGE}"),
+            format!("fd00:96::a/128 {HELD}"),
+        ],
+        "SERVICE_CIDRS after the first sync",
+    );
+    want.set_cluster_ips([a]);
+    let ops = planner.plan(&want);
+    assert_eq!(ops.len(), 2, "two ClusterIPs went: {ops:?}");
+    assert!(
+        ops.iter()
+            .all(|op| matches!(op, MapOp::DeleteServiceCidr { .. }))
+    );
+    planner.sync(&want, &mut store);
+    assert_eq!(store.state.node, expected(&store.state.node, &want));
+    assert!(planner.in_sync(&want));
 }

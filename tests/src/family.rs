@@ -46,6 +46,9 @@ pub trait Family: iptables::Family + Into<IpAddr> {
     /// in-cluster client over this family (over IPv6 both families' pod networks,
     /// as a dual-stack cluster's).
     const CLUSTER_CIDR: &'static str;
+    /// The agent's `--service-cluster-ip-range` of the family: every
+    /// [`Family::vip`] is in it.
+    const SERVICE_CIDR: &'static str;
 
     /// The node's address of the family, which its own connections come from.
     fn node_ip() -> Self;
@@ -175,6 +178,7 @@ impl Family for Ipv4Addr {
     const STATUS_NODE_IP: &'static str = "node addresses: ";
     const HOST_PREFIX: u8 = 32;
     const CLUSTER_CIDR: &'static str = "10.1.0.0/16";
+    const SERVICE_CIDR: &'static str = "10.96.0.0/16";
 
     fn node_ip() -> Self {
         NODE_IP
@@ -262,6 +266,7 @@ impl Family for Ipv6Addr {
     const STATUS_NODE_IP: &'static str = "node IPv6 address: ";
     const HOST_PREFIX: u8 = 128;
     const CLUSTER_CIDR: &'static str = "10.1.0.0/16,fd00:10::/96";
+    const SERVICE_CIDR: &'static str = "fd00:96::/112";
 
     fn node_ip() -> Self {
         NODE_IP6

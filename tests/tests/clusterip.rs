@@ -73,3 +73,9 @@ fn a_pods_flood_of_answered_connections_leaves_others_established_alone() {
 fn a_reject_flood_is_held_to_the_icmp_error_budget() {
     scenario::a_reject_flood_is_held_to_the_icmp_error_budget::<Ipv4Addr>();
 }
+
+#[test]
+fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses() {
+    scenario::the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses::<Ipv4Addr>(
+    );
+}

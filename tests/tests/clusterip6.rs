@@ -572,3 +572,9 @@ fn ipv6_a_pods_flood_of_answered_connections_leaves_others_established_alone() {
 fn ipv6_a_reject_flood_is_held_to_the_icmp_error_budget() {
     scenario::a_reject_flood_is_held_to_the_icmp_error_budget::<Ipv6Addr>();
 }
+
+#[test]
+fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses() {
+    scenario::the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses::<Ipv6Addr>(
+    );
+}

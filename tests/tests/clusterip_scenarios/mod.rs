@@ -843,6 +843,57 @@ pub fn service_without_endpoints_is_refused_at_once<F: Family>() {
     );
 }
 
+/// With the service CIDR known (`--service-cluster-ip-range`), as kube-proxy's
+/// nftables mode: a ClusterIP's undefined ports are refused at once, TCP and
+/// UDP; an address of the CIDR that no Service holds gets no answer at all
+/// (dropped, and counted); the Service's own ports are served as before.
+pub fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses<F: Family>() {
+    let sb = serving::<F>(&[CLIENT], &["--service-cluster-ip-range", F::SERVICE_CIDR]);
+    let client = &sb.client().ns;
+    let vip = F::cluster_ip();
+    assert!(
+        matches!(
+            tcp_request(client, F::http(vip), TIMEOUT),
+            Outcome::Reply(_)
+        ),
+        "the Service's own port"
+    );
+    let limit = Duration::from_secs(1);
+    for (what, outcome) in [
+        ("TCP", tcp_request(client, F::addr(vip, 81), TIMEOUT)),
+        ("UDP", udp_request(client, F::addr(vip, 54), TIMEOUT)),
+    ] {
+        assert_eq!(
+            outcome,
+            Outcome::Refused,
+            "{what} to an undefined port of {vip}"
+        );
+    }
+    let start = Instant::now();
+    let outcome = tcp_request(client, F::http(vip), limit);
+    assert!(
+        matches!(outcome, Outcome::Reply(_)),
+        "the Service's own port after the refusals: {outcome:?} in {:?}",
+        start.elapsed()
+    );
+    let unallocated = F::vip(77);
+    let outcome = tcp_request(client, F::http(unallocated), limit);
+    assert_eq!(
+        outcome,
+        Outcome::Timeout,
+        "TCP to {unallocated}, held by no Service; counters: {}",
+        counters_text(&sb)
+    );
+    let dropped = sb.counter("drop_unallocated");
+    let rejected = sb.counter("reject_undefined_port");
+    assert!(
+        dropped >= 1 && rejected >= 2,
+        "{dropped} dropped (want 1 or more: the SYN and its retransmits), {rejected} rejected \
+         (want 2 or more); counters: {}",
+        counters_text(&sb)
+    );
+}
+
 /// A closed flow through the ClusterIP leaves conntrack state behind for a while. A
 /// new, unrelated connection from the same client port straight to the same
 /// backend's pod address (the kernel may pick that port: the destination differs)

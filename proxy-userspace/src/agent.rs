@@ -215,6 +215,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
+        if node.follow_service_cidrs(&state, &config.service_cidrs) {
+            node.sync(&mut datapath.maps, Instant::now());
+        }
         if config.detect_local == DetectLocal::NodeCidr
             && state.node_pod_cidrs() != node_pod_cidrs.as_slice()
         {
@@ -357,7 +360,6 @@ fn node_maps_at_start(
         DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => (true, true),
     };
     node.set_masquerade_off_cluster(detector_v4, detector_v6);
-    node.set_service_ranges(&config.service_cidrs);
     Ok((node, adoption))
 }
 

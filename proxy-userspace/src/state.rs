@@ -23,7 +23,7 @@ use crate::{
         LABEL_SERVICE_NAME, LABEL_ZONE, ModelConfig, ModelError, Modelled, NodeInfo, Slice,
         node_eligible,
     },
-    source::{Kind, Object, ObjectKey, SourceEvent},
+    source::{Kind, Object, ObjectKey, ServiceCidrRanges, SourceEvent},
 };
 
 /// Services whose frontends may differ after an event. Deleted services are
@@ -132,6 +132,10 @@ pub struct ClusterState {
     /// The addresses every Service and the node claim, for the address
     /// policy.
     claims: AddressClaims,
+    /// The `ServiceCIDR` objects' ranges, by object name.
+    service_cidrs: BTreeMap<String, Vec<Cidr>>,
+    /// Moves each time `service_cidrs` changes.
+    service_cidrs_generation: u64,
     /// `--max-frontends-per-service`: a Service asking for more keeps none
     /// of its external addresses here ([`CompactService::shed_over`]).
     frontend_budget: u64,
@@ -152,6 +156,8 @@ impl ClusterState {
             slices: Slices::default(),
             slices_by_service: HashMap::new(),
             claims: AddressClaims::default(),
+            service_cidrs: BTreeMap::new(),
+            service_cidrs_generation: 0,
             frontend_budget: DEFAULT_MAX_FRONTENDS_PER_SERVICE,
         }
     }
@@ -218,6 +224,34 @@ impl ClusterState {
         &self.node_pod_cidrs
     }
 
+    /// The ranges of every `ServiceCIDR` object, sorted. Empty where the
+    /// API has none, or serves none.
+    pub fn service_cidrs(&self) -> Vec<Cidr> {
+        let mut cidrs: Vec<Cidr> = self.service_cidrs.values().flatten().copied().collect();
+        cidrs.sort();
+        cidrs.dedup();
+        cidrs
+    }
+
+    /// Moves whenever [`Self::service_cidrs`] changes.
+    pub fn service_cidrs_generation(&self) -> u64 {
+        self.service_cidrs_generation
+    }
+
+    fn put_service_cidr(&mut self, object: &ServiceCidrRanges) {
+        if self.service_cidrs.get(&object.name) != Some(&object.cidrs) {
+            self.service_cidrs
+                .insert(object.name.clone(), object.cidrs.clone());
+            self.service_cidrs_generation += 1;
+        }
+    }
+
+    fn remove_service_cidr(&mut self, name: &str) {
+        if self.service_cidrs.remove(name).is_some() {
+            self.service_cidrs_generation += 1;
+        }
+    }
+
     /// Our Node is neither being deleted nor tainted for deletion, as last
     /// seen. A Node that is gone keeps its last answer, as kube-proxy's does.
     pub fn node_eligible(&self) -> bool {
@@ -271,6 +305,7 @@ impl ClusterState {
             Object::Service(service) => self.put_service(&service, changes),
             Object::EndpointSlice(slice) => self.put_slice(*slice, changes),
             Object::Node(node) => self.put_node(Some(&node), changes),
+            Object::ServiceCidr(object) => self.put_service_cidr(&object),
         }
     }
 
@@ -283,6 +318,7 @@ impl ClusterState {
                     self.put_node(None, changes);
                 }
             }
+            Kind::ServiceCidr => self.remove_service_cidr(&key.name),
         }
     }
 
@@ -296,7 +332,7 @@ impl ClusterState {
         let stored_before = match kind {
             Kind::Service => self.services.len(),
             Kind::EndpointSlice => self.slices.len(),
-            Kind::Node => 0,
+            Kind::Node | Kind::ServiceCidr => 0,
         };
         if stored_before == 0 && kind == Kind::EndpointSlice {
             // Sized once for the listing rather than doubled up to it, each
@@ -305,6 +341,7 @@ impl ClusterState {
         }
         let mut listed: BTreeSet<ObjectKey> = BTreeSet::new();
         let mut ours: Option<Box<Node>> = None;
+        let mut listed_cidrs: Vec<String> = Vec::new();
         for object in objects {
             match (kind, object) {
                 (Kind::Service, Object::Service(service)) => {
@@ -332,6 +369,10 @@ impl ClusterState {
                     if node.metadata.name.as_deref() == Some(self.node.name.as_str()) {
                         ours = Some(node);
                     }
+                }
+                (Kind::ServiceCidr, Object::ServiceCidr(object)) => {
+                    listed_cidrs.push(object.name.clone());
+                    self.put_service_cidr(&object);
                 }
                 (kind, object) => {
                     warn!(?kind, object = %describe(&object), "object of another kind in a listing; ignored");
@@ -364,6 +405,17 @@ impl ClusterState {
                 }
             }
             Kind::Node => self.put_node(ours.as_deref(), changes),
+            Kind::ServiceCidr => {
+                let gone: Vec<String> = self
+                    .service_cidrs
+                    .keys()
+                    .filter(|name| !listed_cidrs.contains(name))
+                    .cloned()
+                    .collect();
+                for name in gone {
+                    self.remove_service_cidr(&name);
+                }
+            }
         }
         // Strings only the departed objects held.
         model::forget_unused_strings();
@@ -578,6 +630,9 @@ fn describe(object: &Object) -> String {
         Object::Service(s) => ("Service", key_of(&s.metadata)),
         Object::EndpointSlice(s) => ("EndpointSlice", slice_key(s)),
         Object::Node(n) => ("Node", key_of(&n.metadata)),
+        Object::ServiceCidr(c) => {
+            return format!("ServiceCIDR {}", c.name);
+        }
     };
     match key {
         Some(key) => format!("{kind} {key}"),

@@ -132,7 +132,8 @@ impl Source {
         event
     }
 
-    /// The three initial listings, as `describe` shows them.
+    /// The initial listings, as `describe` shows them: `want` of the three
+    /// kinds `populate` fills, and no ServiceCIDR.
     async fn expect_listings(&mut self, server: &ApiServer, want: [&str; 3]) {
         for (kind, want) in [Kind::Service, Kind::EndpointSlice, Kind::Node]
             .into_iter()
@@ -141,6 +142,15 @@ impl Source {
             self.expect(server, kind, want, PROMPT, "initial listing")
                 .await;
         }
+        // `populate` makes no ServiceCIDR.
+        self.expect(
+            server,
+            Kind::ServiceCidr,
+            "Replace ServiceCidr []",
+            PROMPT,
+            "initial listing",
+        )
+        .await;
     }
 
     /// Drops the receiver; the source must then return `Ok` promptly.
@@ -166,6 +176,7 @@ fn kind_of(event: &SourceEvent) -> Kind {
         SourceEvent::Apply(Object::Service(_)) => Kind::Service,
         SourceEvent::Apply(Object::EndpointSlice(_)) => Kind::EndpointSlice,
         SourceEvent::Apply(Object::Node(_)) => Kind::Node,
+        SourceEvent::Apply(Object::ServiceCidr(_)) => Kind::ServiceCidr,
     }
 }
 
@@ -174,6 +185,10 @@ fn object_name(object: &Object) -> String {
         Object::Service(s) => &s.metadata,
         Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
         Object::Node(n) => &n.metadata,
+        Object::ServiceCidr(c) => {
+            let cidrs: Vec<String> = c.cidrs.iter().map(ToString::to_string).collect();
+            return format!("{}={}", c.name, cidrs.join(","));
+        }
     };
     match meta.namespace.as_deref() {
         Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or_default()),
@@ -1111,5 +1126,68 @@ async fn type_changes_program_and_unprogram() {
         server.apply(object.clone());
         converge(&mut source, &server, &mut state, want, PROMPT, what).await;
     }
+    source.stop().await;
+}
+
+/// `ServiceCIDR`s are listed and followed like the other kinds, a bad range
+/// left out; an API server that has no such kind (older than 1.33) answers
+/// 404, said once as an empty listing, and is not asked again.
+#[tokio::test]
+async fn service_cidrs_are_followed_and_a_server_without_them_is_not_asked_again() {
+    let server = ApiServer::start().await;
+    server.apply(apiserver::service_cidr(
+        "kubernetes",
+        &["10.96.0.0/12", "fd00:96::/112"],
+    ));
+    let mut source = Source::start(&server, None).await;
+    source
+        .expect(
+            &server,
+            Kind::ServiceCidr,
+            "Replace ServiceCidr [kubernetes=10.96.0.0/12,fd00:96::/112]",
+            PROMPT,
+            "the listing",
+        )
+        .await;
+    server.apply(apiserver::service_cidr(
+        "more",
+        &["10.100.0.0/16", "not-a-cidr"],
+    ));
+    source
+        .expect(
+            &server,
+            Kind::ServiceCidr,
+            "Apply ServiceCidr more=10.100.0.0/16",
+            PROMPT,
+            "a second ServiceCIDR, its bad range left out",
+        )
+        .await;
+    source.stop().await;
+
+    let older = ApiServer::start().await;
+    older.withhold(Resource::ServiceCidrs);
+    let mut source = Source::start(&older, None).await;
+    source
+        .expect(
+            &older,
+            Kind::ServiceCidr,
+            "Replace ServiceCidr []",
+            PROMPT,
+            "a server without the kind",
+        )
+        .await;
+    // Long enough for several of the watcher's retries, had it kept asking.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let asked = older
+        .requests()
+        .iter()
+        .filter(|r| r.path == Resource::ServiceCidrs.path())
+        .count();
+    assert_eq!(
+        asked,
+        1,
+        "requests for ServiceCIDRs:\n{}",
+        older.request_log()
+    );
     source.stop().await;
 }

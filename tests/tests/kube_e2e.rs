@@ -737,3 +737,80 @@ fn a_failed_batch_written_behind_lands_once_there_is_room() {
     drop(maps);
     drop(web);
 }
+
+/// `drop_unallocated` as the agent's pinned counters have it.
+fn dropped_unallocated(bpf_root: &Path) -> u64 {
+    let maps = Maps::open_pinned(&PinLayout::new(bpf_root)).expect("open the pinned maps");
+    maps.counters()
+        .expect("read the counters")
+        .into_iter()
+        .find(|(name, _)| *name == "drop_unallocated")
+        .map_or(0, |(_, n)| n)
+}
+
+/// Whether a connection to `ip` goes unanswered and is counted dropped.
+fn dropped_at(client: &NetNs, bpf_root: &Path, ip: Ipv4Addr) -> Result<(), String> {
+    let before = dropped_unallocated(bpf_root);
+    let outcome = tcp_request(
+        client,
+        SocketAddrV4::new(ip, 80),
+        Duration::from_millis(300),
+    );
+    let after = dropped_unallocated(bpf_root);
+    match outcome {
+        Outcome::Timeout if after > before => Ok(()),
+        other => Err(format!(
+            "{ip}: {other}, drop_unallocated {before} -> {after}"
+        )),
+    }
+}
+
+/// The service CIDRs come from the API's `ServiceCIDR` objects, and from
+/// `--service-cluster-ip-range` once the API has none: an address of the CIDRs in
+/// force that no Service holds gets no answer (dropped, counted); one of the other
+/// range is not dropped meanwhile.
+#[test]
+fn service_cidrs_follow_the_api_and_fall_back_to_the_flag() {
+    require_root().expect("privileged test");
+    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let (runtime, server) = apiserver::serve_in(node_ns);
+    server.apply(node(&node_name, Some("zone-a")));
+    server.apply(service("test", "web", &CLUSTER_IP.to_string()));
+    server.apply(web_slice(&node_name, &["backend-a"]));
+    server.apply(apiserver::service_cidr("kubernetes", &["10.96.0.0/16"]));
+    let agent = KubeAgent::start_with(
+        node_ns,
+        server.url(),
+        &["--service-cluster-ip-range", "10.200.0.0/16"],
+    );
+    let root = agent.bpf_root().to_owned();
+    let (in_api, in_flag) = (Ipv4Addr::new(10, 96, 0, 77), Ipv4Addr::new(10, 200, 0, 77));
+    eventually("the Service served", CONVERGE, || {
+        served_by(client, 5, &["backend-a"])
+    });
+    eventually("the API's CIDR in force", CONVERGE, || {
+        dropped_at(client, &root, in_api)
+    });
+    let outside = dropped_at(client, &root, in_flag);
+    assert!(
+        outside.is_err(),
+        "the flag's range is not in force while the API has ServiceCIDRs: {outside:?}"
+    );
+
+    server.delete(Resource::ServiceCidrs, "", "kubernetes");
+    eventually("the flag's CIDR in force", CONVERGE, || {
+        dropped_at(client, &root, in_flag)
+    });
+    assert!(
+        dropped_at(client, &root, in_api).is_err(),
+        "the deleted ServiceCIDR's range is no longer in force"
+    );
+    served_by(client, 5, &["backend-a"]).expect("the Service is still served");
+    assert_eq!(agent.healthz(), "HTTP 200", "the agent stayed healthy");
+    drop(agent);
+    drop(server);
+    drop(runtime);
+}

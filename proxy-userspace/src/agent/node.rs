@@ -15,6 +15,7 @@ use crate::{
         node::{DesiredNode, NodePlanner},
     },
     retry::Retry,
+    state::ClusterState,
 };
 
 pub struct NodeMaps {
@@ -25,6 +26,8 @@ pub struct NodeMaps {
     families: FamilyNotice,
     /// `AddressClaims`' generation of the ClusterIPs last copied.
     cluster_ips_generation: Option<u64>,
+    /// The cluster state's generation of the service CIDRs last read.
+    service_cidrs_generation: Option<u64>,
 }
 
 impl NodeMaps {
@@ -36,6 +39,7 @@ impl NodeMaps {
             retry: None,
             families: FamilyNotice::default(),
             cluster_ips_generation: None,
+            service_cidrs_generation: None,
         }
     }
 
@@ -89,6 +93,27 @@ impl NodeMaps {
     /// The service CIDRs (`SERVICE_CIDRS`); written at the next `sync`.
     pub fn set_service_ranges(&mut self, cidrs: &[Cidr]) {
         self.desired.set_service_ranges(cidrs);
+    }
+
+    /// The service CIDRs as `state` has them from the `ServiceCIDR` objects
+    /// where there are any, else `fallback` (`--service-cluster-ip-range`):
+    /// read only when they moved since the last call. True when they did
+    /// (to be written at the next `sync`).
+    pub fn follow_service_cidrs(&mut self, state: &ClusterState, fallback: &[Cidr]) -> bool {
+        let generation = state.service_cidrs_generation();
+        if self.service_cidrs_generation == Some(generation) {
+            return false;
+        }
+        self.service_cidrs_generation = Some(generation);
+        let listed = state.service_cidrs();
+        let (cidrs, from) = if listed.is_empty() {
+            (fallback, "--service-cluster-ip-range")
+        } else {
+            (listed.as_slice(), "ServiceCIDR objects")
+        };
+        info!(service_cidrs = ?cidrs, from, "service CIDRs");
+        self.desired.set_service_ranges(cidrs);
+        true
     }
 
     /// Every Service's ClusterIPs as `claims` holds them: copied into the

@@ -239,7 +239,7 @@ impl ProxyMetrics {
                 tracker.pending_endpoints += services.len() as i64;
                 self.endpoint_changes_pending.set(tracker.pending_endpoints);
             }
-            Kind::Node => {}
+            Kind::Node | Kind::ServiceCidr => {}
         }
     }
 
@@ -375,6 +375,7 @@ impl Trigger {
                     Object::Service(_) => Kind::Service,
                     Object::EndpointSlice(_) => Kind::EndpointSlice,
                     Object::Node(_) => Kind::Node,
+                    Object::ServiceCidr(_) => Kind::ServiceCidr,
                 };
                 (kind, slices(std::slice::from_ref(object)))
             }

@@ -1,5 +1,8 @@
-//! The Kubernetes API source: Services and EndpointSlices of every namespace
-//! and this node's Node, list-watched through kube-rs.
+//! The Kubernetes API source: Services and EndpointSlices of every namespace,
+//! this node's Node and the cluster's `ServiceCIDR`s, list-watched through
+//! kube-rs. An API server that serves no `ServiceCIDR` (older than 1.33,
+//! or the agent not allowed to list them) is said once and not asked again:
+//! the agent then takes `--service-cluster-ip-range`.
 //!
 //! Each kind has its own [`watcher`] with client-go's backoff
 //! ([`WatchStreamExt::default_backoff`]). A listing (`Init`, `InitApply`...,
@@ -42,7 +45,10 @@ use ::kube::{
 use axum::http::Uri;
 use futures::StreamExt;
 use k8s_openapi::{
-    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
+    },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use serde::{Deserialize, Deserializer, de::DeserializeOwned};
@@ -224,8 +230,14 @@ pub async fn watch(
             .instrument(info_span!("kube_source", kind = "Service")),
         follow::<EndpointSlice>(Api::all(client.clone()), list(), tx.clone())
             .instrument(info_span!("kube_source", kind = "EndpointSlice")),
-        follow::<Node>(Api::all(client), list().fields(&node_selector), tx)
-            .instrument(info_span!("kube_source", kind = "Node", node = %node_name)),
+        follow::<Node>(
+            Api::all(client.clone()),
+            list().fields(&node_selector),
+            tx.clone()
+        )
+        .instrument(info_span!("kube_source", kind = "Node", node = %node_name)),
+        follow::<ServiceCIDR>(Api::all(client), list(), tx)
+            .instrument(info_span!("kube_source", kind = "ServiceCIDR")),
     );
     Ok(())
 }
@@ -235,6 +247,9 @@ trait Watched:
     Resource<DynamicType = ()> + DeserializeOwned + Clone + Debug + Send + Sync + 'static
 {
     const KIND: Kind;
+    /// Whether an API server may not serve the kind at all: then a 404 or
+    /// 403 ends its watch, as an empty listing, rather than being retried.
+    const OPTIONAL: bool = false;
     fn into_object(self: Box<Self>) -> Object;
 }
 
@@ -256,6 +271,14 @@ impl Watched for Node {
     const KIND: Kind = Kind::Node;
     fn into_object(self: Box<Self>) -> Object {
         Object::Node(self)
+    }
+}
+
+impl Watched for ServiceCIDR {
+    const KIND: Kind = Kind::ServiceCidr;
+    const OPTIONAL: bool = true;
+    fn into_object(self: Box<Self>) -> Object {
+        Object::service_cidr(&self)
     }
 }
 
@@ -558,6 +581,19 @@ fn restart_needed(error: &watcher::Error) -> bool {
     matches!(error, watcher::Error::WatchStartFailed(::kube::Error::Api(status)) if status.code == 410)
 }
 
+/// The API status code of a listing the API server refused: 404 where it
+/// serves no such kind, 403 where the agent may not list it.
+fn listing_refused(error: &watcher::Error) -> Option<u16> {
+    match error {
+        watcher::Error::InitialListFailed(::kube::Error::Api(status))
+            if matches!(status.code, 403 | 404) =>
+        {
+            Some(status.code)
+        }
+        _ => None,
+    }
+}
+
 /// List-watches one kind until the receiver is gone.
 async fn follow<K: Watched>(
     api: Api<Lenient<K>>,
@@ -579,6 +615,21 @@ async fn follow<K: Watched>(
             let event = match next {
                 Some(Ok(event)) => event,
                 Some(Err(source)) => {
+                    if K::OPTIONAL
+                        && let Some(code) = listing_refused(&source)
+                    {
+                        info!(
+                            code,
+                            "the API server serves no {:?} objects to this agent (HTTP {code}); not asked again",
+                            K::KIND
+                        );
+                        let none = SourceEvent::Replace {
+                            kind: K::KIND,
+                            objects: Vec::new(),
+                        };
+                        let _ = tx.send(none).await;
+                        return;
+                    }
                     let restart = restart_needed(&source);
                     let e = KubeSourceError::Watch {
                         kind: K::KIND,
@@ -651,6 +702,7 @@ mod tests {
                 Object::Service(s) => &s.metadata,
                 Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
                 Object::Node(n) => &n.metadata,
+                Object::ServiceCidr(c) => return c.name.clone(),
             };
             key_of(meta).map(|k| k.to_string()).unwrap_or_default()
         }

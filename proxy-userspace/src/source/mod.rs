@@ -1,13 +1,16 @@
-//! Where Services, EndpointSlices and the Node come from. Every source (the
+//! Where Services, EndpointSlices, the Node and the service CIDRs come from. Every source (the
 //! Kubernetes API, manifest files) turns what it sees into [`SourceEvent`]s;
 //! nothing downstream knows which source fed it.
 
 pub mod kube;
 pub mod manifest;
 
-use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR,
+};
+use tracing::warn;
 
-use crate::model::{Slice, compact_service};
+use crate::model::{Cidr, Slice, compact_service};
 
 /// The kinds of object a source delivers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -15,6 +18,8 @@ pub enum Kind {
     Service,
     EndpointSlice,
     Node,
+    /// `networking.k8s.io/v1` `ServiceCIDR`: the ranges ClusterIPs come from.
+    ServiceCidr,
 }
 
 /// namespace/name of an object (namespace empty for cluster-scoped ones).
@@ -42,12 +47,39 @@ pub enum Object {
     Service(Box<Service>),
     EndpointSlice(Box<Slice>),
     Node(Box<Node>),
+    ServiceCidr(Box<ServiceCidrRanges>),
+}
+
+/// A `ServiceCIDR`, reduced to its name and the ranges it gives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceCidrRanges {
+    pub name: String,
+    pub cidrs: Vec<Cidr>,
 }
 
 impl Object {
     /// A Service, reduced to what the model reads.
     pub fn service(service: Service) -> Object {
         Object::Service(Box::new(compact_service(service)))
+    }
+
+    /// A `ServiceCIDR`, reduced to its ranges; one that does not parse
+    /// is named in the log and left out.
+    pub fn service_cidr(object: &ServiceCIDR) -> Object {
+        let name = object.metadata.name.clone().unwrap_or_default();
+        let texts = object.spec.as_ref().and_then(|s| s.cidrs.as_deref());
+        let cidrs = texts
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|text| {
+                let cidr = Cidr::parse(text);
+                if cidr.is_none() {
+                    warn!(service_cidr = %name, cidr = %text, "not a CIDR; left out");
+                }
+                cidr
+            })
+            .collect();
+        Object::ServiceCidr(Box::new(ServiceCidrRanges { name, cidrs }))
     }
 
     /// An EndpointSlice, reduced to what the model reads.

@@ -43,7 +43,7 @@ mod logs;
 pub use logs::Logs;
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     io,
     net::SocketAddr,
     pin::Pin,
@@ -84,13 +84,15 @@ pub enum Resource {
     Services,
     EndpointSlices,
     Nodes,
+    ServiceCidrs,
 }
 
 impl Resource {
-    pub const ALL: [Resource; 3] = [
+    pub const ALL: [Resource; 4] = [
         Resource::Services,
         Resource::EndpointSlices,
         Resource::Nodes,
+        Resource::ServiceCidrs,
     ];
 
     pub fn path(self) -> &'static str {
@@ -98,6 +100,7 @@ impl Resource {
             Resource::Services => "/api/v1/services",
             Resource::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
             Resource::Nodes => "/api/v1/nodes",
+            Resource::ServiceCidrs => "/apis/networking.k8s.io/v1/servicecidrs",
         }
     }
 
@@ -106,18 +109,20 @@ impl Resource {
             Resource::Services => "Service",
             Resource::EndpointSlices => "EndpointSlice",
             Resource::Nodes => "Node",
+            Resource::ServiceCidrs => "ServiceCIDR",
         }
     }
 
     pub fn api_version(self) -> &'static str {
         match self {
             Resource::EndpointSlices => "discovery.k8s.io/v1",
+            Resource::ServiceCidrs => "networking.k8s.io/v1",
             Resource::Services | Resource::Nodes => "v1",
         }
     }
 
     fn namespaced(self) -> bool {
-        self != Resource::Nodes
+        !matches!(self, Resource::Nodes | Resource::ServiceCidrs)
     }
 
     fn from_path(path: &str) -> Option<Resource> {
@@ -229,6 +234,9 @@ struct Store {
     events: Vec<Value>,
     /// The next this many event posts are answered with this status.
     event_faults: Option<(u16, usize)>,
+    /// Resources answered with 404, as an API server of an older version
+    /// that has no such kind.
+    withheld: BTreeSet<Resource>,
 }
 
 struct Shared {
@@ -459,6 +467,12 @@ impl ApiServer {
     /// An outage: while down, new connections are closed as soon as they
     /// are accepted, and connections open before break (watch streams at
     /// once, idle keep-alive ones on their next request).
+    /// Answers every request for `resource` with 404 from now on, as an API
+    /// server that has no such kind.
+    pub fn withhold(&self, resource: Resource) {
+        self.shared.store().withheld.insert(resource);
+    }
+
     pub fn set_down(&self, down: bool) {
         self.shared.down.store(down, Ordering::SeqCst);
         if down {
@@ -778,6 +792,7 @@ async fn handle(State(shared): State<Arc<Shared>>, request: Request) -> Response
         status: 0,
         fault: None,
     };
+    let resource = resource.filter(|r| !shared.store().withheld.contains(r));
     let (Some(resource), Some(verb)) = (resource, verb) else {
         record.status = 404;
         shared.store().requests.push(record);
@@ -1178,5 +1193,14 @@ pub fn node(name: &str, zone: Option<&str>) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": labels},
+    })
+}
+
+/// A `ServiceCIDR` named `name` giving `cidrs`.
+pub fn service_cidr(name: &str, cidrs: &[&str]) -> Value {
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": cidrs},
     })
 }

@@ -215,19 +215,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
         }
-        if node.follow_service_cidrs(&state, &config.service_cidrs) {
-            node.sync(&mut datapath.maps, Instant::now());
-        }
-        if config.detect_local == DetectLocal::NodeCidr
-            && state.node_pod_cidrs() != node_pod_cidrs.as_slice()
-        {
-            node_pod_cidrs = state.node_pod_cidrs().to_vec();
-            info!(pod_cidrs = ?node_pod_cidrs, "clients inside the Node's pod CIDRs are in-cluster");
-            node.set_cluster_cidrs(&node_pod_cidrs);
-            node.set_masquerade_off_cluster(
-                node_pod_cidrs.iter().any(|c| c.ip.is_ipv4()),
-                node_pod_cidrs.iter().any(|c| c.ip.is_ipv6()),
-            );
+        if follow_state(&mut node, &state, &config, &mut node_pod_cidrs) {
             node.sync(&mut datapath.maps, Instant::now());
         }
         let attached = datapath.attached().next().is_some();
@@ -241,6 +229,32 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     info!("exiting; the pinned datapath keeps serving (`ebpf-proxy cleanup` removes it)");
     Ok(())
+}
+
+/// What of the node maps follows the cluster state rather than the
+/// configuration: the service CIDRs, and the Node's pod CIDRs under
+/// `--detect-local-mode NodeCIDR` (`node_pod_cidrs`: what `CLUSTER_CIDRS`
+/// holds of them). True when the maps are to be written.
+fn follow_state(
+    node: &mut NodeMaps,
+    state: &ClusterState,
+    config: &AgentConfig,
+    node_pod_cidrs: &mut Vec<Cidr>,
+) -> bool {
+    let mut changed = node.follow_service_cidrs(state, &config.service_cidrs);
+    if config.detect_local == DetectLocal::NodeCidr
+        && state.node_pod_cidrs() != node_pod_cidrs.as_slice()
+    {
+        *node_pod_cidrs = state.node_pod_cidrs().to_vec();
+        info!(pod_cidrs = ?node_pod_cidrs, "clients inside the Node's pod CIDRs are in-cluster");
+        node.set_cluster_cidrs(node_pod_cidrs);
+        node.set_masquerade_off_cluster(
+            node_pod_cidrs.iter().any(|c| c.ip.is_ipv4()),
+            node_pod_cidrs.iter().any(|c| c.ip.is_ipv6()),
+        );
+        changed = true;
+    }
+    changed
 }
 
 /// The node's interfaces and addresses, listed now and as they change.

@@ -133,7 +133,7 @@ impl Source {
     }
 
     /// The initial listings, as `describe` shows them: `want` of the three
-    /// kinds `populate` fills, and no ServiceCIDR.
+    /// kinds `populate` fills, and no `ServiceCIDR`.
     async fn expect_listings(&mut self, server: &ApiServer, want: [&str; 3]) {
         for (kind, want) in [Kind::Service, Kind::EndpointSlice, Kind::Node]
             .into_iter()

@@ -90,11 +90,6 @@ impl NodeMaps {
         self.desired.set_cluster_cidrs(cidrs);
     }
 
-    /// The service CIDRs (`SERVICE_CIDRS`); written at the next `sync`.
-    pub fn set_service_ranges(&mut self, cidrs: &[Cidr]) {
-        self.desired.set_service_ranges(cidrs);
-    }
-
     /// The service CIDRs as `state` has them from the `ServiceCIDR` objects
     /// where there are any, else `fallback` (`--service-cluster-ip-range`):
     /// read only when they moved since the last call. True when they did

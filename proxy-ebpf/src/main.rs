@@ -44,6 +44,7 @@ mod pipeline6;
 mod prefilter;
 mod reject;
 mod route;
+mod service_counters;
 mod sock;
 mod verdict;
 

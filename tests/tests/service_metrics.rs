@@ -5,8 +5,10 @@
 //! as `ebpf_proxy_service_*` of each, by namespace, Service, port and
 //! protocol: `web`'s flows exactly, its packets and bytes by direction
 //! within what the headers add to the payloads sent, `empty`'s rejects
-//! exactly, `idle`'s nothing. A Service that goes away takes its series
-//! with it, and a Service given a freed service id starts from zero.
+//! exactly, `idle`'s nothing; a `connect()` of the node's own, sent to
+//! `web`'s backend by the socket hook, counts as a flow of `web`. A
+//! Service that goes away takes its series with it, and a Service given a
+//! freed service id starts from zero.
 //!
 //! Needs root (namespaces, BPF), the release binary (`cargo xtask build`)
 //! and `promtool` (`cargo xtask setup` installs it).
@@ -24,6 +26,7 @@ use std::{
 use apiserver::{Resource, node, service, slice};
 use ebpf_proxy_tests::{
     agent::{Agent, http_get},
+    cgroup::TestCgroup,
     client::{Outcome, TIMEOUT, TcpSession, tcp_request},
     eventually, eventually_value,
     netns::{NetNs, unique_stem},
@@ -247,6 +250,25 @@ fn check_bytes(direction: &str, packets: u64, bytes: u64, payload: u64, least_pa
     );
 }
 
+/// One connection of the node's own to `web` (bash's `/dev/tcp`, in
+/// `cgroup`), which the socket hook sends to the backend at `connect()`:
+/// its packets pass no translation.
+fn node_connects(node: &NetNs, cgroup: &TestCgroup) {
+    let script = format!("exec 3<>/dev/tcp/{}/{}; head -1 <&3", VIP.ip(), VIP.port());
+    let out = cgroup
+        .command_in(node, "timeout")
+        .args(["3", "bash", "-c", &script])
+        .output()
+        .expect("running bash");
+    assert!(
+        out.status.success() && !out.stdout.is_empty(),
+        "the node's connection to web ({VIP}): {} stdout {:?} stderr {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 #[expect(
     clippy::too_many_lines,
@@ -259,6 +281,10 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
     let client = &sb.client().ns;
     let node_name = node_ns.name().to_owned();
     let ns = format!("counted-{}", unique_stem().replace('_', "-").to_lowercase());
+    // The socket hooks on a cgroup of this test's own, declared before the
+    // agent so that it outlives the agent's links.
+    let cgroup = TestCgroup::create(&unique_stem()).expect("a cgroup of the test's own");
+    let cgroup_root = cgroup.path().display().to_string();
 
     let (_runtime, server) = apiserver::serve_in(node_ns);
     server.apply(node(&node_name, None));
@@ -275,6 +301,8 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
             &METRICS.to_string(),
             "--service-counters",
             COUNTED,
+            "--cgroup-root",
+            &cgroup_root,
         ],
     )
     .expect("the agent on the API source");
@@ -288,6 +316,7 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
             other => panic!("connection {n} to empty ({empty_vip}), without endpoints: {other}"),
         }
     }
+    node_connects(node_ns, &cgroup);
     // The sessions' last packets (their FINs and ACKs) through.
     std::thread::sleep(Duration::from_millis(500));
 
@@ -311,8 +340,8 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
 
     assert_eq!(
         get("ebpf_proxy_service_flows_total", "web", &[]),
-        SESSIONS as u64,
-        "web's flows: one a session"
+        SESSIONS as u64 + 1,
+        "web's flows: one a session, and the node's connect()"
     );
     // Each session's handshake, lines and close: SYN, ACK, the lines and
     // a FIN at least each way.

@@ -1675,6 +1675,14 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         "an answered flow's port taken"
     );
     assert!(counter(&nf.fx, "snat_exhausted") > 0);
+    let node_port_id = service_id_of(&nf.fx, Ipv4Addr::UNSPECIFIED, NODE_PORT);
+    let exhausted = service_totals(&nf.fx, node_port_id).dropped
+        [proxy_common::service_drop::SNAT_EXHAUSTED as usize];
+    assert_eq!(
+        exhausted,
+        counter(&nf.fx, "snat_exhausted"),
+        "the NodePort's drops for want of a SNAT port: every one of the node's"
+    );
 
     // Every flow that got a port is reset by its client.
     for p in 45000..client_port {

@@ -27,6 +27,7 @@ fn main() {
         ebpf_dir.join("Cargo.toml").display()
     );
     println!("cargo:rerun-if-env-changed=EBPF_PROXY_SKIP_EBPF_BUILD");
+    println!("cargo:rerun-if-env-changed=EBPF_PROXY_NO_SERVICE_COUNTERS");
 
     // For working on pure user-space code on a machine without the BPF
     // toolchain: the agent then fails at load time, saying why.
@@ -48,6 +49,11 @@ fn main() {
     cmd.current_dir(&ebpf_dir)
         .args(["build", "--release", "--target", TARGET, "--target-dir"])
         .arg(&target_dir);
+    // The Service counters compiled out: for the datapath benchmark's
+    // measure of what they cost.
+    if env::var_os("EBPF_PROXY_NO_SERVICE_COUNTERS").is_some() {
+        cmd.arg("--no-default-features");
+    }
     // The outer build's compiler settings must not leak into the BPF build.
     for var in [
         "RUSTC_WRAPPER",

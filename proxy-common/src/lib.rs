@@ -79,6 +79,10 @@ pub mod map_names {
     /// The rate limit of rejects (`RejectLimit`). Never pinned, so not in
     /// `ALL`: each agent writes its own at load.
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
+    /// Each Service port's counters (`ServiceCounters`). Never pinned, so
+    /// not in `ALL`: each agent sizes its own at load, and a Service's
+    /// counters start from zero with the agent, as its other metrics do.
+    pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
     pub const LATER: [&str; 15] = [
@@ -567,6 +571,54 @@ impl Default for ServiceName {
         }
     }
 }
+
+/// `SERVICE_COUNTERS` value: one Service port's traffic on one CPU, at
+/// the index of its service id (`ServiceValue::service_id`). Packets and
+/// bytes are counted on every packet of an established flow, so they are
+/// 64-bit; what happens once a flow at most (a flow started, refused) is
+/// too, except the refusals, kept to 32 bits so that the whole value fits
+/// 56 bytes (a per-CPU array costs its size times the CPUs): a CPU's count
+/// wraps after 2^32 refusals, which a reader sees as a counter reset.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceCounters {
+    /// By `ct_dir`: client to backend, then backend to client.
+    pub packets: [u64; 2],
+    /// Whole IP packets, headers included, as `packets`.
+    pub bytes: [u64; 2],
+    /// Flows started: by tc and XDP (conntrack entries created) and by the
+    /// socket hooks (`connect()`s sent to a backend).
+    pub flows: u64,
+    /// New flows to the port while it had no endpoints, refused with a
+    /// reset, an ICMP error or `ECONNREFUSED` (or dropped by the rejects'
+    /// rate limit).
+    pub rejected: u32,
+    /// New flows dropped, by `service_drop` reason.
+    pub dropped: [u32; service_drop::COUNT as usize],
+}
+
+// What the memory per CPU in docs/maps.md is worked out from.
+const _: () = assert!(size_of::<ServiceCounters>() == 56);
+
+/// Indexes into `ServiceCounters::dropped`: why a new flow to a Service
+/// port was dropped.
+pub mod service_drop {
+    /// Its client is outside the port's `loadBalancerSourceRanges`.
+    pub const SOURCE_RANGE: u32 = 0;
+    /// No endpoint where the traffic policy allows only local ones.
+    pub const NO_ENDPOINT: u32 = 1;
+    /// No SNAT port was free for it.
+    pub const SNAT_EXHAUSTED: u32 = 2;
+    pub const COUNT: u32 = 3;
+    /// The `reason` label of each.
+    pub const NAMES: [&str; COUNT as usize] = ["source_range", "no_endpoint", "snat_exhausted"];
+}
+
+/// Entries of `SERVICE_COUNTERS` the agent sizes it at by default
+/// (`--service-counters`): service ids below it are counted. 56 bytes a
+/// CPU each, 896 KiB a CPU.
+pub const DEFAULT_SERVICE_COUNTERS: u32 = 16_384;
 
 /// `Backend::flags` bits.
 pub mod backend_flags {
@@ -1386,9 +1438,9 @@ mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-        FragValue, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, SOCK_NOTE_SLOTS, ServiceKey,
-        ServiceName, ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6, SockNotes6Record,
-        SockNotesRecord, SourceRangeKey,
+        FragValue, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, SOCK_NOTE_SLOTS,
+        ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6, SockNotes,
+        SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1429,6 +1481,7 @@ mod pod_impls {
         ServiceKey,
         ServiceValue,
         ServiceName,
+        ServiceCounters,
         BackendSlotKey,
         BackendSlot,
         Backend,

@@ -45,6 +45,7 @@ mod prefilter;
 mod reject;
 mod route;
 mod service_cidr;
+mod service_counters;
 mod sock;
 mod verdict;
 

@@ -8,12 +8,13 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
-    Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, FLOW_CACHE_SLOTS, FlowCacheEntryOf, FragKey, FragValue,
-    MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY, MAX_BACKEND_SLOTS, MAX_BACKENDS,
-    MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES, MAX_FRAGMENTS, MAX_LOCAL_IFACES,
-    MAX_NODE_ADDRS, MAX_SERVICE_CIDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey,
-    NodeConfig, RejectLimit, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6,
-    SourceRangeKey, clock_slot, counter, ip_summed, prefilter, sock_counter,
+    Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, DEFAULT_SERVICE_COUNTERS, FLOW_CACHE_SLOTS,
+    FlowCacheEntryOf, FragKey, FragValue, MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY,
+    MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES,
+    MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICE_CIDRS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceCounters, ServiceKey,
+    ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter,
+    ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -30,6 +31,13 @@ pub static SERVICES: HashMap<
 #[btf_map]
 pub static SERVICE_NAMES: HashMap<u32, ServiceName, { MAX_SERVICES as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
+
+/// Each Service port's counters, at its service id (see
+/// `crate::service_counters`). Sized by the agent at load
+/// (`--service-counters`); never pinned.
+#[btf_map]
+pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters, { DEFAULT_SERVICE_COUNTERS as usize }> =
+    PerCpuArray::new();
 
 #[btf_map]
 pub static BACKEND_SLOTS: HashMap<

@@ -22,6 +22,7 @@ use crate::{
     prefilter,
     route::{self, Ahead},
     service_cidr::{self, Unserved},
+    service_counters,
     verdict::Action,
 };
 
@@ -74,6 +75,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         let entry = unsafe { &*known.entry };
         let nat = conntrack::translation(entry, &flow);
         let (dir, path_mtu) = (entry.dir, entry.path_mtu);
+        let counted = service_counters::Seen::of(entry.service_id, dir);
         if let Err(action) = route_first(ctx, &flow, &nat) {
             return action;
         }
@@ -81,6 +83,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
             return too_big::<H>(&flow, path_mtu);
         }
         conntrack::seen::<V4>(&key, &stamp, known.found.as_ref(), &flow, &nat, dir, now);
+        counted.count(ctx);
         return finish(ctx, &flow, &nat, now);
     }
     if flow.frag == LATER {
@@ -150,12 +153,14 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !frontend::source_allowed(frontend, flow) {
         count(counter::DROP_SOURCE_RANGE);
+        service_counters::source_range(svc.service_id);
         event_log::log(Event::SourceRange, flow);
         return Action::Drop;
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
+            service_counters::no_endpoint(svc.service_id);
             event_log::log(Event::NoEndpoint, flow);
             return Action::Drop;
         }
@@ -164,6 +169,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
             return Action::ToTc;
         }
         count(counter::REJECT);
+        service_counters::rejected(svc.service_id);
         return Action::Reject(*flow);
     }
     let Some((backend_id, backend)) = frontend::select(svc, flow.src_be, now) else {
@@ -223,6 +229,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
             now,
         ) {
             count(counter::SNAT_EXHAUSTED);
+            service_counters::snat_exhausted(svc.service_id);
             event_log::log(Event::SnatExhausted, flow);
             return Action::Drop;
         }
@@ -231,6 +238,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         conntrack::create::<V4>(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
+    service_counters::new_flow(ctx, svc.service_id);
     if hairpin {
         count(counter::HAIRPIN);
     }

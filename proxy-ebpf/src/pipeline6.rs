@@ -41,6 +41,7 @@ use crate::{
     prefilter,
     route::{self, Ahead},
     service_cidr::{self, Unserved},
+    service_counters,
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
@@ -108,6 +109,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
         let entry = unsafe { &*known.entry };
         let nat = conntrack::translation(entry, &flow);
         let dir = entry.dir;
+        let counted = service_counters::Seen::of(entry.service_id, dir);
         if let Err(exit) = route_first(ctx, &flow, &nat) {
             return exit;
         }
@@ -121,6 +123,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
             return Err(entry.path_mtu);
         }
         conntrack::seen::<V6>(key, &stamp, known.found.as_ref(), &flow, &nat, dir, now);
+        counted.count(ctx);
         return Ok(finish(ctx, &flow, &nat, now));
     }
     if flow.frag == LATER {
@@ -183,12 +186,14 @@ fn new_flow<H: Hook6>(
         && !frontend::source_allowed_for6(frontend, flow.src_be)
     {
         count(counter::DROP_SOURCE_RANGE);
+        service_counters::source_range(svc.service_id);
         event_log::log6(Event::SourceRange, flow);
         return Ok(H::DROP);
     }
     if svc.count == 0 {
         if svc.flags & service_flags::NO_EP_DROP != 0 {
             count(counter::DROP_NO_ENDPOINT);
+            service_counters::no_endpoint(svc.service_id);
             event_log::log6(Event::NoEndpoint, flow);
             return Ok(H::DROP);
         }
@@ -197,6 +202,7 @@ fn new_flow<H: Hook6>(
             return Ok(H::PASS);
         }
         count(counter::REJECT);
+        service_counters::rejected(svc.service_id);
         return Ok(ctx.reject6(flow));
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
@@ -263,6 +269,7 @@ fn new_flow<H: Hook6>(
             now,
         ) {
             count(counter::SNAT_EXHAUSTED);
+            service_counters::snat_exhausted(svc.service_id);
             event_log::log6(Event::SnatExhausted, flow);
             return Ok(H::DROP);
         }
@@ -276,6 +283,7 @@ fn new_flow<H: Hook6>(
         conntrack::create::<V6>(flow, &nf, now);
     }
     count(counter::DNAT_NEW);
+    service_counters::new_flow(ctx, svc.service_id);
     Ok(finish(ctx, flow, &nf.nat, now))
 }
 

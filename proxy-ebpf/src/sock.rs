@@ -55,6 +55,7 @@ use crate::{
     family::{Family, V4, V6},
     frontend::{self, Frontend},
     maps::{HOST_NETNS, SOCK_NOTES, SOCK_NOTES6, count_sock, node_addr6, node_config},
+    service_counters,
 };
 
 /// `connect()` goes ahead (with its destination as this left it).
@@ -432,6 +433,9 @@ fn translate<F: SockFamily>(ctx: &SockAddrContext, counted: u32, how: u32) -> i3
     F::note(ctx, &backend_be, backend.port_be, &dst_be, dport_be, how);
     F::set_user_addr(ctx, &backend_be, backend.port_be);
     count_sock(counted);
+    if how == sock_note::CONNECTED {
+        service_counters::connected(frontend.svc.service_id);
+    }
     ALLOW
 }
 
@@ -455,6 +459,7 @@ fn pick(frontend: &Frontend, client_be: [u32; 4]) -> Result<Backend, i32> {
             return Err(ALLOW);
         }
         count_sock(sock_counter::REFUSED);
+        service_counters::rejected(svc.service_id);
         // SAFETY: a plain helper call; cgroup programs may set the error.
         unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
         return Err(REFUSE);

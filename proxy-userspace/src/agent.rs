@@ -24,7 +24,7 @@ use proxy_common::node_config_flags;
 use crate::{
     adopt::Adoption,
     datapath::{
-        Datapath, DatapathError, PinLayout, XdpModeSetting, event_log,
+        Datapath, DatapathError, MapSizes, PinLayout, XdpModeSetting, event_log,
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
         program_load,
@@ -93,6 +93,8 @@ pub struct AgentConfig {
     pub ct_timeouts: proxy_common::CtTimeouts,
     /// Capacity of the conntrack map (`--conntrack-max`, two a connection).
     pub conntrack_entries: u32,
+    /// Service ports counted (`--service-counters`).
+    pub service_counters: u32,
     /// Assured flows one client address may hold (`--conntrack-max-per-source`).
     pub ct_source_share: u32,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
@@ -125,12 +127,22 @@ pub struct AgentConfig {
     pub keep_kube_proxy_rules: bool,
 }
 
+impl AgentConfig {
+    /// The sizes of the maps the agent sizes at load.
+    fn map_sizes(&self) -> MapSizes {
+        MapSizes {
+            conntrack_entries: self.conntrack_entries,
+            service_counters: self.service_counters,
+        }
+    }
+}
+
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
 /// pinned maps and links keep serving traffic, and the next start adopts them.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let pins = PinLayout::new(&config.bpf_root);
     let started = Instant::now();
-    let mut datapath = Datapath::load_sized(pins, config.conntrack_entries)?;
+    let mut datapath = Datapath::load_with_sizes(pins, config.map_sizes())?;
     log_program_loads(&datapath, started);
     let (mut node, mut adoption) = node_maps_at_start(&datapath, &config)?;
     node.sync(&mut datapath.maps, Instant::now());
@@ -141,6 +153,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .read_service_state()
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
+    planner.count_ids_below(config.service_counters);
     info!(
         frontends = planner.frontend_count(),
         backends = planner.backend_count(),
@@ -386,9 +399,14 @@ async fn start_metrics(
     sync: &mut SyncLoop,
     interfaces: &InterfaceModes,
 ) -> Result<Metrics, AgentError> {
-    let collector = DatapathCollector::open(datapath.pins(), sync.stats(), interfaces.clone())
-        .inspect_err(|e| warn!(error = %e, "datapath metrics not served"))
-        .ok();
+    let counters = datapath.maps.service_counters().and_then(|c| {
+        c.inspect_err(|e| warn!(error = %e, "per-Service metrics not served"))
+            .ok()
+    });
+    let collector =
+        DatapathCollector::open(datapath.pins(), counters, sync.stats(), interfaces.clone())
+            .inspect_err(|e| warn!(error = %e, "datapath metrics not served"))
+            .ok();
     let metrics = Metrics::new(collector);
     sync.set_metrics(metrics.proxy.clone());
     sync.set_policy_metrics(metrics.policy.clone());

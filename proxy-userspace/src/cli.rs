@@ -393,6 +393,16 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub max_frontends_per_service: u64,
+    /// Service ports whose traffic the datapath counts for the per-Service
+    /// metrics (`ebpf_proxy_service_*`): 56 bytes of memory a CPU each,
+    /// allocated at start. Ports past it are served, not counted. 0: none.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = proxy_common::DEFAULT_SERVICE_COUNTERS,
+        value_parser = clap::value_parser!(u32).range(0..=i64::from(proxy_common::MAX_SERVICES))
+    )]
+    pub service_counters: u32,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]

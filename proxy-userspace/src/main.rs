@@ -152,6 +152,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sync_period: args.sync_period,
         ct_timeouts,
         conntrack_entries,
+        service_counters: args.service_counters,
         ct_source_share,
         model,
         localhost_nodeports: args.localhost_nodeports

@@ -1678,6 +1678,14 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         "an answered flow's port taken"
     );
     assert!(counter(&nf.fx, "snat_exhausted") > 0);
+    let node_port_id = service_id_of(&nf.fx, Ipv4Addr::UNSPECIFIED, NODE_PORT);
+    let exhausted = service_totals(&nf.fx, node_port_id).dropped
+        [proxy_common::service_drop::SNAT_EXHAUSTED as usize];
+    assert_eq!(
+        exhausted,
+        counter(&nf.fx, "snat_exhausted"),
+        "the NodePort's drops for want of a SNAT port: every one of the node's"
+    );
 
     // Every flow that got a port is reset by its client.
     for p in 45000..client_port {
@@ -3293,5 +3301,157 @@ fn xdp_drops_unallocated_addresses_and_leaves_rejects_to_tc() {
         counter(&nf.fx, "reject_undefined_port"),
         0,
         "counted by tc alone"
+    );
+}
+
+/// The service id of the TCP frontend `vip:port` (NodePorts on 0.0.0.0).
+fn service_id_of(fx: &Fixture, vip: Ipv4Addr, port: u16) -> u32 {
+    let key = proxy_common::ServiceKey {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(vip.octets())),
+        port_be: port.to_be(),
+        proto: frame::TCP,
+        scope: proxy_common::scope::ANY,
+    };
+    fx.datapath
+        .maps
+        .services
+        .get(&key, 0)
+        .unwrap_or_else(|e| panic!("no frontend {vip}:{port} in SERVICES: {e}"))
+        .service_id
+}
+
+/// The counters of service id `id`, summed over CPUs.
+fn service_totals(fx: &Fixture, id: u32) -> proxy_userspace::datapath::service_counters::Totals {
+    let map = fx
+        .datapath
+        .maps
+        .service_counters
+        .as_ref()
+        .expect("the loaded object's SERVICE_COUNTERS");
+    proxy_userspace::datapath::service_counters::total(map, id)
+        .unwrap_or_else(|e| panic!("reading the counters of service id {id}: {e}"))
+        .unwrap_or_else(|| panic!("service id {id} is past the counters' size"))
+}
+
+/// Each Service port's counters at tc: a flow's first packet, its later
+/// ones and a reply, packets and IP bytes each way; a reject and a drop
+/// for want of endpoints on the Services they happened to, nothing on
+/// another.
+#[test]
+fn service_counters_count_each_way_and_each_refusal_at_tc() {
+    use proxy_common::service_drop;
+    let fx = fixture();
+    let (web, empty, local_only, idle) = (
+        service_id_of(&fx, VIP, 80),
+        service_id_of(&fx, EMPTY_VIP, 80),
+        service_id_of(&fx, LOCAL_ONLY_VIP, 80),
+        service_id_of(&fx, HAIRPIN_VIP, 80),
+    );
+    let syn = tcp(CLIENT, 41800, VIP, 80, frame::SYN);
+    let (ret, out) = run(&fx, &syn);
+    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP");
+    let backend = parse_checked(&out, "DNATed SYN").dst;
+    let ack = tcp(CLIENT, 41800, VIP, 80, frame::ACK);
+    for _ in 0..5 {
+        assert_eq!(run(&fx, &ack).0, TC_ACT_OK, "an established packet");
+    }
+    let reply = tcp(backend, 8080, CLIENT, 41800, frame::SYN | frame::ACK);
+    assert_eq!(run(&fx, &reply).0, TC_ACT_OK, "the backend's reply");
+    let ip = |frame: &[u8]| frame.len() as u64 - 14;
+    let got = service_totals(&fx, web);
+    assert_eq!(
+        (got.flows, got.packets, got.bytes),
+        (1, [6, 1], [ip(&syn) + 5 * ip(&ack), ip(&reply)]),
+        "web's (flows, packets, bytes): one flow, its SYN and 5 packets to the backend, \
+         one reply, each counted by its IP packet's length"
+    );
+    assert_eq!(
+        (got.rejected, got.dropped),
+        (0, [0; 3]),
+        "web refused nothing"
+    );
+
+    assert_eq!(
+        run(&fx, &tcp(CLIENT, 41801, EMPTY_VIP, 80, frame::SYN)).0,
+        TC_ACT_REDIRECT,
+        "no endpoints: a reset"
+    );
+    assert_eq!(
+        run(&fx, &tcp(CLIENT, 41802, LOCAL_ONLY_VIP, 80, frame::SYN)).0,
+        TC_ACT_SHOT,
+        "no local endpoint: a drop"
+    );
+    let got = service_totals(&fx, empty);
+    assert_eq!(
+        (got.rejected, got.flows, got.packets),
+        (1, 0, [0, 0]),
+        "empty's (rejects, flows, packets)"
+    );
+    let mut dropped = [0; 3];
+    dropped[service_drop::NO_ENDPOINT as usize] = 1;
+    assert_eq!(
+        service_totals(&fx, local_only).dropped,
+        dropped,
+        "local-only's drops by reason (source range, no endpoint, SNAT exhausted)"
+    );
+    assert_eq!(
+        service_totals(&fx, idle),
+        proxy_userspace::datapath::service_counters::Totals::default(),
+        "a Service without traffic counts nothing"
+    );
+}
+
+/// At XDP: a drop by source range and one for want of a local endpoint on
+/// their Services; a reject left to tc, counted once, by tc; a flow XDP
+/// sends back out counted there.
+#[test]
+fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
+    use proxy_common::service_drop;
+    let nf = node_fixture();
+    let fx = &nf.fx;
+    let (lb, local_only, empty) = (
+        service_id_of(fx, LB_IP, 80),
+        service_id_of(fx, Ipv4Addr::UNSPECIFIED, LOCAL_ONLY_NODE_PORT),
+        service_id_of(fx, Ipv4Addr::UNSPECIFIED, EMPTY_NODE_PORT),
+    );
+    let denied = tcp(OUTSIDE_DENIED, 43100, LB_IP, 80, frame::SYN);
+    assert_eq!(
+        run_xdp(&nf, &denied).0,
+        XDP_DROP,
+        "outside the source ranges"
+    );
+    let allowed = tcp(OUTSIDE, 43101, LB_IP, 80, frame::SYN);
+    assert_eq!(run_xdp(&nf, &allowed).0, XDP_REDIRECT, "inside them");
+    let got = service_totals(fx, lb);
+    let mut dropped = [0; 3];
+    dropped[service_drop::SOURCE_RANGE as usize] = 1;
+    assert_eq!(
+        (got.dropped, got.flows, got.packets[0], got.bytes[0]),
+        (dropped, 1, 1, allowed.len() as u64 - 14),
+        "the LB's (drops by reason, flows, packets and bytes to the backend)"
+    );
+
+    let local = tcp(OUTSIDE, 43102, NODE_IP, LOCAL_ONLY_NODE_PORT, frame::SYN);
+    assert_eq!(run_xdp(&nf, &local).0, XDP_DROP, "no local endpoint");
+    let mut dropped = [0; 3];
+    dropped[service_drop::NO_ENDPOINT as usize] = 1;
+    assert_eq!(
+        service_totals(fx, local_only).dropped,
+        dropped,
+        "the local-only NodePort's drops by reason"
+    );
+
+    let syn = tcp(OUTSIDE, 43103, NODE_IP, EMPTY_NODE_PORT, frame::SYN);
+    assert_eq!(run_xdp(&nf, &syn).0, XDP_PASS, "no endpoints: left to tc");
+    assert_eq!(
+        service_totals(fx, empty).rejected,
+        0,
+        "XDP leaves the reject to tc, uncounted"
+    );
+    run_tc_on_uplink(&nf, &syn);
+    assert_eq!(
+        service_totals(fx, empty).rejected,
+        1,
+        "tc rejects it, counted once"
     );
 }

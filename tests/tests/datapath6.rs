@@ -3191,3 +3191,72 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     let syn = parse_checked6(&out, "DNATed SYN");
     assert!(BACKENDS.contains(&syn.dst), "DNATed to {}", syn.dst);
 }
+
+/// The counters of the TCP frontend `vip:port`'s service id, summed over
+/// CPUs.
+fn service_totals(
+    fx: &Fixture,
+    vip: Ipv6Addr,
+    port: u16,
+) -> proxy_userspace::datapath::service_counters::Totals {
+    let key = proxy_common::ServiceKey {
+        addr_be: vip
+            .octets()
+            .chunks(4)
+            .map(|w| u32::from_ne_bytes(w.try_into().expect("4 bytes")))
+            .collect::<Vec<u32>>()
+            .try_into()
+            .expect("4 words"),
+        port_be: port.to_be(),
+        proto: frame::TCP,
+        scope: proxy_common::scope::ANY,
+    };
+    let id = fx
+        .datapath
+        .maps
+        .services
+        .get(&key, 0)
+        .unwrap_or_else(|e| panic!("no frontend [{vip}]:{port} in SERVICES: {e}"))
+        .service_id;
+    let map = fx
+        .datapath
+        .maps
+        .service_counters
+        .as_ref()
+        .expect("the loaded object's SERVICE_COUNTERS");
+    proxy_userspace::datapath::service_counters::total(map, id)
+        .unwrap_or_else(|e| panic!("reading the counters of service id {id}: {e}"))
+        .unwrap_or_else(|| panic!("service id {id} is past the counters' size"))
+}
+
+/// IPv6's Service counters at tc: a flow's packets and IP bytes each way
+/// (its SYN, the answer, the next packet), then a reject, which moves
+/// nothing else.
+#[test]
+fn service_counters_count_ipv6_flows_each_way_and_rejects() {
+    let fx = fixture();
+    round_trip(&fx, frame::TCP, 80, 8080, 42100);
+    let ip = |frame: &[u8]| frame.len() as u64 - 14;
+    let (syn, ack) = (
+        tcp(CLIENT, 42100, VIP, 80, frame::SYN),
+        tcp(CLIENT, 42100, VIP, 80, frame::ACK),
+    );
+    let answer = tcp(BACKENDS[0], 8080, CLIENT, 42100, frame::SYN | frame::ACK);
+    let got = service_totals(&fx, VIP, 80);
+    assert_eq!(
+        (got.flows, got.packets, got.bytes, got.rejected),
+        (1, [2, 1], [ip(&syn) + ip(&ack), ip(&answer)], 0),
+        "the ClusterIP's (flows, packets, bytes, rejects): a SYN and an ACK to the \
+         backend, one answer, by their IPv6 packets' lengths"
+    );
+    let (ret, _) = run(&fx, &tcp(CLIENT, 42101, EMPTY_VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "no endpoints: a reset");
+    // The fixture names both frontends of port 80 as one Service port:
+    // one service id, one set of counters.
+    let got = service_totals(&fx, EMPTY_VIP, 80);
+    assert_eq!(
+        (got.rejected, got.flows, got.packets, got.dropped),
+        (1, 1, [2, 1], [0; 3]),
+        "port 80's (rejects, flows, packets, drops) after the reject: only rejects moved"
+    );
+}

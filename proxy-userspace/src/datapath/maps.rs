@@ -11,8 +11,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
-    counter, ip_summed, map_names, sock_counter,
+    NodeConfig, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6,
+    SourceRangeKey, counter, ip_summed, map_names, sock_counter,
 };
 
 use std::{
@@ -23,6 +23,7 @@ use std::{
 use super::{
     pins::PinLayout,
     prefilter::{self, Prefilter, PrefilterError},
+    service_counters::{self, ServiceCountersError},
     write_behind::{self, RunError, RunWriter},
 };
 use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
@@ -54,6 +55,8 @@ pub enum MapsError {
     BatchWrite(#[from] RunError),
     #[error(transparent)]
     Prefilter(#[from] PrefilterError),
+    #[error(transparent)]
+    ServiceCounters(#[from] ServiceCountersError),
 }
 
 pub(crate) fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {
@@ -85,6 +88,7 @@ impl Maps {
         use aya::maps::IterableMap;
         RunWriter {
             names: self.service_names.as_ref().map(|m| m.map().fd().as_fd()),
+            counters: self.service_counters.as_ref().map(|m| m.map().fd().as_fd()),
             backends: self.backends.map().fd().as_fd(),
             slots: self.slots.map().fd().as_fd(),
             services: self.services.map().fd().as_fd(),
@@ -179,6 +183,10 @@ pub struct Maps {
     /// The service CIDRs and the ClusterIPs in them (`SERVICE_CIDRS`);
     /// absent like `csum_states`.
     pub service_cidrs: Option<LpmTrie<MapData, ClusterCidrKey, u32>>,
+    /// Each Service port's counters (`SERVICE_COUNTERS`): the loaded
+    /// object's, never pinned, so None where the maps were opened from
+    /// pins.
+    pub service_counters: Option<PerCpuArray<MapData, ServiceCounters>>,
 }
 
 impl Maps {
@@ -195,7 +203,9 @@ impl Maps {
     pub fn open_pinned(pins: &PinLayout) -> Result<Self, MapsError> {
         let open = |name: &'static str| -> Result<Map, MapsError> {
             let path = pins.map(name);
-            if map_names::LATER.contains(&name) && !path.exists() {
+            if name == map_names::SERVICE_COUNTERS
+                || map_names::LATER.contains(&name) && !path.exists()
+            {
                 return Err(MapsError::Missing { name });
             }
             let data = MapData::from_pin(path).map_err(wrap(name))?;
@@ -211,8 +221,8 @@ impl Maps {
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
             HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
-            SERVICE_CIDRS, SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6,
-            SOURCE_RANGES,
+            SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES,
+            SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -248,6 +258,11 @@ impl Maps {
                 .transpose()?,
             service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
             service_cidrs: later(get(SERVICE_CIDRS), SERVICE_CIDRS, LpmTrie::try_from)?,
+            service_counters: later(
+                get(SERVICE_COUNTERS),
+                SERVICE_COUNTERS,
+                PerCpuArray::try_from,
+            )?,
         })
     }
 
@@ -441,6 +456,25 @@ impl MapStore for Maps {
 }
 
 impl Maps {
+    /// Zeroes the counters of service id `id`, which a Service port is
+    /// taking or giving back (see `service_counters`).
+    fn reset_service_counters(&self, id: u32) -> Result<(), MapsError> {
+        use aya::maps::IterableMap;
+        match &self.service_counters {
+            Some(map) => Ok(service_counters::reset(map.map().fd().as_fd(), &[id])?),
+            None => Ok(()),
+        }
+    }
+
+    /// A handle of its own on the Service counters, for the metrics.
+    pub fn service_counters(
+        &self,
+    ) -> Option<Result<PerCpuArray<MapData, ServiceCounters>, MapsError>> {
+        self.service_counters
+            .as_ref()
+            .map(|map| service_counters::duplicate(map).map_err(MapsError::from))
+    }
+
     fn apply_unfiltered(&mut self, op: &MapOp) -> Result<(), MapsError> {
         let result = match op {
             MapOp::PutBackend { id, backend } => self.backends.insert(id, backend, 0),
@@ -461,18 +495,26 @@ impl Maps {
             MapOp::DeleteSourceRange { entry } => {
                 self.source_ranges.remove(&Key::new(entry.0, entry.1))
             }
-            MapOp::PutServiceName { id, name } => match &mut self.service_names {
-                Some(map) => map.insert(id, **name, 0),
-                None => {
-                    return Err(MapsError::Missing {
-                        name: map_names::SERVICE_NAMES,
-                    });
+            // The counters are zeroed before a port's name lands, and so
+            // before any frontend of it exists to count into them.
+            MapOp::PutServiceName { id, name } => {
+                self.reset_service_counters(*id)?;
+                match &mut self.service_names {
+                    Some(map) => map.insert(id, **name, 0),
+                    None => {
+                        return Err(MapsError::Missing {
+                            name: map_names::SERVICE_NAMES,
+                        });
+                    }
                 }
-            },
-            MapOp::DeleteServiceName { id } => match &mut self.service_names {
-                Some(map) => map.remove(id),
-                None => Ok(()),
-            },
+            }
+            MapOp::DeleteServiceName { id } => {
+                self.reset_service_counters(*id)?;
+                match &mut self.service_names {
+                    Some(map) => map.remove(id),
+                    None => Ok(()),
+                }
+            }
             MapOp::PutNodeAddr { key, value } => self.node_addrs.insert(key, value, 0),
             MapOp::DeleteNodeAddr { key } => self.node_addrs.remove(key),
             MapOp::SetNodeConfig { config } => self.node_config.set(0, config, 0),

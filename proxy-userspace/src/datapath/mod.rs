@@ -27,6 +27,7 @@ pub mod prefilter_rebuild;
 pub mod program_load;
 pub mod reject_limit;
 pub mod resize;
+pub mod service_counters;
 pub(crate) mod sys;
 mod write_behind;
 mod xdp_next;
@@ -38,7 +39,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{CgroupSockAddr, LinkOrder, SchedClassifier, Xdp},
 };
-use proxy_common::{MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
+use proxy_common::{DEFAULT_SERVICE_COUNTERS, MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
 pub use self::{maps::Maps, pins::PinLayout, program_load::ProgramLoad};
 
@@ -107,18 +108,38 @@ fn make_pin_dirs(pins: &PinLayout) -> Result<(), DatapathError> {
     Ok(())
 }
 
+/// The sizes the agent gives the maps it sizes at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Entries of a conntrack map created anew (`--conntrack-max`, two a
+    /// connection).
+    pub conntrack_entries: u32,
+    /// Entries of `SERVICE_COUNTERS` (`--service-counters`): service ids
+    /// below it are counted.
+    pub service_counters: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes {
+            conntrack_entries: MAX_CONNTRACK,
+            service_counters: DEFAULT_SERVICE_COUNTERS,
+        }
+    }
+}
+
 /// Loads the object with its `ip_summed` reads completed as `read` says and
 /// its questions to netfilter's conntrack as `lookup` says, maps
-/// pinned at `paths` (a conntrack map created anew holds
-/// `conntrack_entries`), and its programs, noting each program's load in
-/// `loads`.
+/// pinned at `paths` and sized as `sizes` says, and its programs, noting
+/// each program's load in `loads`.
 fn load_object(
     paths: &[(&'static str, std::path::PathBuf)],
     read: ip_summed::Read,
     lookup: netfilter_ct::Lookup,
-    conntrack_entries: u32,
+    sizes: MapSizes,
     loads: &mut Vec<ProgramLoad>,
 ) -> Result<Ebpf, DatapathError> {
+    let conntrack_entries = sizes.conntrack_entries;
     let (mut object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
     netfilter_ct::complete(object.bytes_mut(), lookup)?;
     btf_names::sanitize(object.bytes_mut())?;
@@ -130,6 +151,8 @@ fn load_object(
     loader.map_max_entries(map_names::CT_NEW, MAX_CT_NEW);
     loader.map_max_entries(map_names::CONNTRACK6, conntrack_entries);
     loader.map_max_entries(map_names::CT_NEW6, MAX_CT_NEW);
+    // An array must have an entry; with one, only the unused id 0 has one.
+    loader.map_max_entries(map_names::SERVICE_COUNTERS, sizes.service_counters.max(1));
     let mut ebpf = loader.load(object.bytes())?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS, loads)?;
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6, loads)?;
@@ -183,7 +206,7 @@ impl Datapath {
     /// run) are reused as they are, entries included; missing ones are
     /// created and pinned. Conntrack holds `MAX_CONNTRACK` entries.
     pub fn load(pins: PinLayout) -> Result<Self, DatapathError> {
-        Self::load_sized(pins, MAX_CONNTRACK)
+        Self::load_with_sizes(pins, MapSizes::default())
     }
 
     /// `load`, with a conntrack map of `conntrack_entries` entries: a pinned
@@ -191,6 +214,17 @@ impl Datapath {
     /// `resize`; `finish_resize` completes that once this datapath is
     /// attached).
     pub fn load_sized(pins: PinLayout, conntrack_entries: u32) -> Result<Self, DatapathError> {
+        Self::load_with_sizes(
+            pins,
+            MapSizes {
+                conntrack_entries,
+                ..MapSizes::default()
+            },
+        )
+    }
+
+    /// `load_sized`, with every size the agent sets (`MapSizes`).
+    pub fn load_with_sizes(pins: PinLayout, sizes: MapSizes) -> Result<Self, DatapathError> {
         let read = ip_summed::Read::for_this_kernel().unwrap_or_else(|e| {
             tracing::warn!(
                 error = %e,
@@ -198,20 +232,21 @@ impl Datapath {
             );
             ip_summed::Read::Unknown
         });
-        Self::load_with(pins, read, conntrack_entries)
+        Self::load_with(pins, read, sizes)
     }
 
     /// `load`, with tc's reads of the checksum state completed as `read`
     /// says: tests run the helper path with `Read::Unknown`.
     pub fn load_reading(pins: PinLayout, read: ip_summed::Read) -> Result<Self, DatapathError> {
-        Self::load_with(pins, read, MAX_CONNTRACK)
+        Self::load_with(pins, read, MapSizes::default())
     }
 
     fn load_with(
         pins: PinLayout,
         read: ip_summed::Read,
-        conntrack_entries: u32,
+        sizes: MapSizes,
     ) -> Result<Self, DatapathError> {
+        let conntrack_entries = sizes.conntrack_entries;
         if EBPF_OBJECT.is_empty() {
             return Err(DatapathError::NoObject);
         }
@@ -238,34 +273,32 @@ impl Datapath {
             );
             netfilter_ct::Lookup::Absent
         });
-        let (mut ebpf, read, lookup) =
-            match load_object(&paths, read, lookup, conntrack_entries, &mut loads) {
-                // A kernel whose verifier refuses the kfunc call (no JIT, say).
-                Err(e @ DatapathError::Program { name, .. })
-                    if (name == program_names::TC_INGRESS
-                        || name == program_names::TC_INGRESS6)
-                        && (read != ip_summed::Read::Unknown
-                            || lookup != netfilter_ct::Lookup::Absent) =>
-                {
-                    tracing::warn!(
-                        error = %e,
-                        "loading with kfunc calls failed: loading again without them"
-                    );
-                    loads.clear();
-                    (
-                        load_object(
-                            &paths,
-                            ip_summed::Read::Unknown,
-                            netfilter_ct::Lookup::Absent,
-                            conntrack_entries,
-                            &mut loads,
-                        )?,
+        let (mut ebpf, read, lookup) = match load_object(&paths, read, lookup, sizes, &mut loads) {
+            // A kernel whose verifier refuses the kfunc call (no JIT, say).
+            Err(e @ DatapathError::Program { name, .. })
+                if (name == program_names::TC_INGRESS || name == program_names::TC_INGRESS6)
+                    && (read != ip_summed::Read::Unknown
+                        || lookup != netfilter_ct::Lookup::Absent) =>
+            {
+                tracing::warn!(
+                    error = %e,
+                    "loading with kfunc calls failed: loading again without them"
+                );
+                loads.clear();
+                (
+                    load_object(
+                        &paths,
                         ip_summed::Read::Unknown,
                         netfilter_ct::Lookup::Absent,
-                    )
-                }
-                loaded => (loaded?, read, lookup),
-            };
+                        sizes,
+                        &mut loads,
+                    )?,
+                    ip_summed::Read::Unknown,
+                    netfilter_ct::Lookup::Absent,
+                )
+            }
+            loaded => (loaded?, read, lookup),
+        };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
         // Before anything is attached (see `xdp_next`).

@@ -24,6 +24,7 @@ use proxy_common::{
 use super::{
     batch::{self, BatchError},
     prefilter::{self, Prefilter},
+    service_counters::{self, ServiceCountersError},
 };
 use crate::planner::{Landing, MapOp, Phases, write_phases};
 
@@ -40,6 +41,8 @@ pub enum RunError {
     /// Pins of an agent older than `SERVICE_NAMES`.
     #[error("{op}: there is no map {}", map_names::SERVICE_NAMES)]
     NoNames { op: String },
+    #[error(transparent)]
+    Counters(#[from] ServiceCountersError),
 }
 
 /// Batches of fewer entries are written at once: a thread costs more than
@@ -56,6 +59,9 @@ const SPLIT_MIN: usize = 8192;
 #[derive(Debug)]
 pub struct RunWriter<F> {
     pub names: Option<F>,
+    /// `SERVICE_COUNTERS`, whose slots of the ids named are zeroed before
+    /// their names land (see `service_counters`).
+    pub counters: Option<F>,
     pub backends: F,
     pub slots: F,
     pub services: F,
@@ -85,6 +91,11 @@ impl<F: AsFd> RunWriter<F> {
                         _ => None,
                     })
                     .unzip();
+                if let Some(counters) = &self.counters
+                    && let Err(e) = service_counters::reset(counters.as_fd(), &ids)
+                {
+                    return Err((0, RunError::from(e)));
+                }
                 batch::update(names.as_fd(), &ids, &entries)
             }
             Some(MapOp::PutBackend { .. }) => {
@@ -211,6 +222,10 @@ impl RunWriter<BorrowedFd<'_>> {
     pub fn to_owned(&self) -> io::Result<RunWriter<OwnedFd>> {
         Ok(RunWriter {
             names: self.names.map(|fd| fd.try_clone_to_owned()).transpose()?,
+            counters: self
+                .counters
+                .map(|fd| fd.try_clone_to_owned())
+                .transpose()?,
             backends: self.backends.try_clone_to_owned()?,
             slots: self.slots.try_clone_to_owned()?,
             services: self.services.try_clone_to_owned()?,

@@ -1,7 +1,8 @@
 //! The datapath's own metrics, under `ebpf_proxy_`: what `ebpf-proxy status`
 //! shows (every per-CPU counter summed over CPUs, the fill of each map
 //! against its size), the sync loop's failed and pending writes, and each
-//! interface's XDP mode. Maps are read at scrape time: a counter read is a
+//! interface's XDP mode, and each Service port's traffic (`services`).
+//! Maps are read at scrape time: a counter read is a
 //! syscall per counter, cheaper than keeping copies fresh on a timer.
 
 use std::{
@@ -9,7 +10,7 @@ use std::{
     sync::{Arc, Mutex, atomic::Ordering},
 };
 
-use aya::maps::{IterableMap, MapData, MapInfo};
+use aya::maps::{IterableMap, MapData, MapInfo, PerCpuArray};
 use bytemuck::Pod;
 use prometheus_client::{
     collector::Collector,
@@ -18,7 +19,7 @@ use prometheus_client::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Ct6Key, Ct6Value, CtKey,
-    CtValue, ServiceKey, ServiceValue, map_names,
+    CtValue, ServiceCounters, ServiceKey, ServiceValue, map_names,
 };
 
 use super::SyncStats;
@@ -55,6 +56,9 @@ impl InterfaceModes {
 /// Reads the pinned maps at each scrape.
 pub struct DatapathCollector {
     maps: Maps,
+    /// The Service counters of the agent's object (never pinned), where it
+    /// has them.
+    service_counters: Option<PerCpuArray<MapData, ServiceCounters>>,
     pins: PinLayout,
     sync: Arc<SyncStats>,
     interfaces: InterfaceModes,
@@ -70,14 +74,16 @@ impl std::fmt::Debug for DatapathCollector {
 
 impl DatapathCollector {
     /// Opens the maps pinned under `pins` (its own descriptors, so scrapes
-    /// never wait for the sync loop).
+    /// never wait for the sync loop), with `service_counters` beside them.
     pub fn open(
         pins: &PinLayout,
+        service_counters: Option<PerCpuArray<MapData, ServiceCounters>>,
         sync: Arc<SyncStats>,
         interfaces: InterfaceModes,
     ) -> Result<Self, crate::datapath::maps::MapsError> {
         Ok(DatapathCollector {
             maps: Maps::open_pinned(pins)?,
+            service_counters,
             pins: pins.clone(),
             sync,
             interfaces,
@@ -196,6 +202,10 @@ impl Collector for DatapathCollector {
                 let labels = [("map", *map)];
                 ConstGauge::new(i64::from(*capacity)).encode(family.encode_family(&labels)?)?;
             }
+        }
+
+        if let (Some(names), Some(counters)) = (&self.maps.service_names, &self.service_counters) {
+            super::services::encode(&mut encoder, names, counters)?;
         }
 
         let modes = self.interfaces.get();

@@ -13,6 +13,7 @@ pub mod policy;
 pub mod process;
 pub mod rest_client;
 pub mod server;
+mod services;
 mod sync;
 
 use std::{

@@ -158,10 +158,22 @@ impl Planner {
         }
     }
 
+    /// The next free service id, round robin: a freed id is taken again as
+    /// late as can be (conntrack entries of its flows still name it until
+    /// they expire, and count into its counters). Below `counted_ids` while
+    /// fewer ports than that hold ids (then one below it is free), past it
+    /// otherwise: such a port is served, not counted.
     fn alloc_service_id(&mut self) -> u32 {
+        let bound = self.counted_ids;
+        let below = bound > 1 && self.service_ids_in_use.len() < (bound - 1) as usize;
         loop {
-            let id = self.next_service_id;
-            self.next_service_id = self.next_service_id.checked_add(1).unwrap_or(1);
+            let mut id = self.next_service_id;
+            if below && id >= bound {
+                id = 1;
+            } else if !below && bound > 1 && id < bound {
+                id = bound;
+            }
+            self.next_service_id = id.checked_add(1).unwrap_or(1);
             if id != 0 && !self.service_ids_in_use.contains_key(&id) {
                 return id;
             }

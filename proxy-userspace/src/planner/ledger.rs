@@ -52,6 +52,9 @@ pub struct Planner {
     pub(super) slot_sets_in_use: BTreeSet<u32>,
     pub(super) next_backend_id: u32,
     pub(super) next_service_id: u32,
+    /// Service ids below this are the ones the datapath counts
+    /// (`Planner::count_ids_below`); 0: no such bound.
+    pub(super) counted_ids: u32,
     pub(super) next_slot_set: u32,
     /// Deletes of garbage that failed; retried on the next sync.
     pub(super) pending: Vec<MapOp>,

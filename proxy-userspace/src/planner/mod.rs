@@ -70,6 +70,13 @@ impl Planner {
         std::mem::take(&mut self.departed)
     }
 
+    /// Hands out service ids below `bound` (the size of the datapath's
+    /// Service counters) while one is free, so that every Service port
+    /// is counted while there are fewer than that.
+    pub fn count_ids_below(&mut self, bound: u32) {
+        self.counted_ids = bound;
+    }
+
     /// Number of frontends programmed.
     pub fn frontend_count(&self) -> usize {
         self.frontends.len()

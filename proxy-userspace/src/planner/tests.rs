@@ -727,3 +727,44 @@ fn an_adopted_name_that_differs_is_written_again_before_its_frontend_changes() {
     sync(&mut adopted, &mut s, "svc1", std::slice::from_ref(&grown));
     assert_eq!(names_of(&s.state), ["1 default/svc1: 80"]);
 }
+
+/// The service ids of the Services `svc1`.. as the maps name them.
+fn ids_of(state: &StoredState) -> Vec<u32> {
+    let mut ids: Vec<u32> = state.names.keys().copied().collect();
+    ids.sort_unstable();
+    ids
+}
+
+#[test]
+fn service_ids_stay_below_the_counted_bound_while_one_is_free() {
+    let mut p = Planner::new();
+    p.count_ids_below(4);
+    let mut s = CheckingStore::default();
+    for vip in 1..=3 {
+        sync(
+            &mut p,
+            &mut s,
+            &format!("svc{vip}"),
+            &[frontend(vip, &[11])],
+        );
+    }
+    assert_eq!(
+        ids_of(&s.state),
+        [1, 2, 3],
+        "ids 1 to 3 are below the bound"
+    );
+    sync(&mut p, &mut s, "svc4", &[frontend(4, &[11])]);
+    assert_eq!(
+        ids_of(&s.state),
+        [1, 2, 3, 4],
+        "with every id below the bound held, a port gets one past it"
+    );
+    sync(&mut p, &mut s, "svc2", &[]);
+    sync(&mut p, &mut s, "svc4", &[]);
+    sync(&mut p, &mut s, "svc5", &[frontend(5, &[11])]);
+    assert_eq!(
+        ids_of(&s.state),
+        [1, 2, 3],
+        "a freed id below the bound is taken again, round robin"
+    );
+}

@@ -1,0 +1,461 @@
+//! Per-Service counters, end to end: the agent on the fake API server
+//! programs three Services of one namespace, `web` (one endpoint), `idle`
+//! (one endpoint, no traffic) and `empty` (no endpoints). Known TCP
+//! sessions to `web` and refused connections to `empty` show on /metrics
+//! as `ebpf_proxy_service_*` of each, by namespace, Service, port and
+//! protocol: `web`'s flows exactly, its packets and bytes by direction
+//! within what the headers add to the payloads sent, `empty`'s rejects
+//! exactly, `idle`'s nothing; a `connect()` of the node's own, sent to
+//! `web`'s backend by the socket hook, counts as a flow of `web`. A
+//! Service that goes away takes its series with it, and a Service given a
+//! freed service id starts from zero.
+//!
+//! Needs root (namespaces, BPF), the release binary (`cargo xtask build`)
+//! and `promtool` (`cargo xtask setup` installs it).
+
+use ebpf_proxy_apiserver as apiserver;
+
+use std::{
+    collections::BTreeMap,
+    io::Write,
+    net::{Ipv4Addr, SocketAddrV4},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use apiserver::{Resource, node, service, slice};
+use ebpf_proxy_tests::{
+    agent::{Agent, http_get},
+    cgroup::TestCgroup,
+    client::{Outcome, TIMEOUT, TcpSession, tcp_request},
+    eventually, eventually_value,
+    netns::{NetNs, unique_stem},
+    require_root,
+    sandbox::Sandbox,
+    topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP},
+};
+
+/// Not another test's port, so that the flag is seen honoured.
+const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10351);
+const CONVERGE: Duration = Duration::from_secs(10);
+const IDLE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
+const FRESH_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 13);
+/// Service ids below it are counted: the three Services' (ids 1 to 3),
+/// so that a Service that comes later takes a freed one.
+const COUNTED: &str = "4";
+const SESSIONS: usize = 3;
+const EXCHANGES: usize = 4;
+const REFUSED: usize = 5;
+/// Least and most an IPv4 TCP packet's headers add to its payload (20
+/// bytes each without options, 60 with the most).
+const HEADERS: (u64, u64) = (40, 120);
+
+/// One scrape: every sample by its series (`name{labels}` as exposed).
+struct Scrape {
+    text: String,
+    samples: BTreeMap<String, f64>,
+}
+
+impl Scrape {
+    fn parse(text: String) -> Scrape {
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|line| {
+                let (series, value) = line
+                    .rsplit_once(' ')
+                    .unwrap_or_else(|| panic!("a sample line without a value: {line:?}"));
+                let value = value
+                    .parse()
+                    .unwrap_or_else(|_| panic!("a sample whose value is not a number: {line:?}"));
+                (series.to_owned(), value)
+            })
+            .collect();
+        Scrape { text, samples }
+    }
+
+    /// The sum of `name`'s samples whose labels include every one of
+    /// `labels`; None when there is none.
+    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+        let matching: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|(series, _)| {
+                let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+                n == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+            })
+            .map(|(_, v)| *v)
+            .collect();
+        (!matching.is_empty()).then(|| matching.iter().sum::<f64>() as u64)
+    }
+
+    /// [`Scrape::sum`], which must exist.
+    fn get(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        self.sum(name, labels).unwrap_or_else(|| {
+            panic!(
+                "no sample of {name} with {labels:?} in the exposition:\n{}",
+                self.text
+            )
+        })
+    }
+}
+
+/// What /metrics answers once a snapshot begun after the call is served
+/// (it is served from a snapshot up to a second old).
+fn scrape(node: &NetNs) -> Scrape {
+    const SNAPSHOTS: &str = "ebpf_proxy_metrics_snapshots_total";
+    let at_call = scrape_now(node).get(SNAPSHOTS, &[]);
+    eventually_value(
+        "a /metrics snapshot begun after the scrape was asked for",
+        Duration::from_secs(5),
+        || {
+            let now = scrape_now(node);
+            match now.get(SNAPSHOTS, &[]) {
+                n if n > at_call => Ok(now),
+                n => Err(format!("still snapshot {n}, the one answering at the call")),
+            }
+        },
+    )
+    .0
+}
+
+fn scrape_now(node: &NetNs) -> Scrape {
+    let (status, response) = node
+        .run(|| http_get(METRICS, "/metrics"))
+        .expect("enter the node namespace")
+        .expect("GET /metrics");
+    assert_eq!(status, 200, "GET /metrics answered:\n{response}");
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .expect("an HTTP response with a body");
+    Scrape::parse(dechunk(head, body))
+}
+
+/// The body of a chunked response, as is otherwise.
+fn dechunk(head: &str, body: &str) -> String {
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return body.to_owned();
+    }
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).expect("a chunk size");
+        if size == 0 {
+            break;
+        }
+        out.push_str(&after[..size]);
+        rest = &after[size + 2..];
+    }
+    out
+}
+
+/// `promtool check metrics` on the exposition.
+fn promtool_accepts(scrape: &Scrape) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package; `cargo xtask setup` installs it)");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(scrape.text.as_bytes())
+        .expect("write the exposition to promtool");
+    let out = child.wait_with_output().expect("promtool");
+    assert!(
+        out.status.success(),
+        "promtool check metrics refused the exposition ({}): {}{}\n----- exposition -----\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        scrape.text
+    );
+}
+
+/// The service id `ebpf-proxy status` shows for the first port of
+/// `namespace/name`, if it shows the Service.
+fn service_id(status: &str, namespace: &str, name: &str) -> Option<u32> {
+    let header = format!("{namespace}/{name}");
+    let mut lines = status.lines().skip_while(|l| *l != header).skip(1);
+    let port = lines.find(|l| l.starts_with("  port "))?;
+    let (_, rest) = port.split_once("(service id ")?;
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The ids of `names` (of `namespace`) once the status shows them all.
+fn ids_when_programmed(agent: &Agent, namespace: &str, names: &[&str]) -> Vec<u32> {
+    eventually_value("the Services in the status", CONVERGE, || {
+        let status = agent.status().map_err(|e| format!("{e:#}"))?;
+        names
+            .iter()
+            .map(|name| {
+                service_id(&status, namespace, name)
+                    .ok_or_else(|| format!("no service id of {namespace}/{name} in:\n{status}"))
+            })
+            .collect::<Result<Vec<u32>, String>>()
+    })
+    .0
+}
+
+/// Payload bytes each way of `SESSIONS` sessions to `web`, each with
+/// `EXCHANGES` lines: (to the backend, to the client).
+fn sessions(client: &NetNs) -> (u64, u64) {
+    let line = "x".repeat(99);
+    let (mut to_backend, mut to_client) = (0u64, 0u64);
+    for n in 0..SESSIONS {
+        let mut session = TcpSession::open(client, VIP, TIMEOUT)
+            .unwrap_or_else(|e| panic!("session {n} to web ({VIP}): {e:#}"));
+        let greeting = format!("{} {}\n", session.greeting.backend, session.greeting.peer);
+        to_client += greeting.len() as u64;
+        for _ in 0..EXCHANGES {
+            let answer = session
+                .exchange(&line)
+                .unwrap_or_else(|e| panic!("an exchange of session {n} to web: {e:#}"));
+            to_backend += line.len() as u64 + 1;
+            to_client += answer.len() as u64 + 1;
+        }
+    }
+    (to_backend, to_client)
+}
+
+/// Checks that `packets` packets of `bytes` carry `payload` bytes: each
+/// packet's headers add between `HEADERS` bytes.
+fn check_bytes(direction: &str, packets: u64, bytes: u64, payload: u64, least_packets: u64) {
+    assert!(
+        packets >= least_packets,
+        "web's packets {direction}: {packets}, fewer than the {least_packets} its sessions sent"
+    );
+    let overhead = bytes.checked_sub(payload).unwrap_or_else(|| {
+        panic!("web's bytes {direction}: {bytes}, fewer than the {payload} bytes of payload sent")
+    });
+    assert!(
+        (HEADERS.0 * packets..=HEADERS.1 * packets).contains(&overhead),
+        "web's bytes {direction}: {bytes} in {packets} packets, {overhead} more than the \
+         {payload} bytes of payload, where their headers add between {} and {}",
+        HEADERS.0 * packets,
+        HEADERS.1 * packets
+    );
+}
+
+/// One connection of the node's own to `web` (bash's `/dev/tcp`, in
+/// `cgroup`), which the socket hook sends to the backend at `connect()`:
+/// its packets pass no translation.
+fn node_connects(node: &NetNs, cgroup: &TestCgroup) {
+    let script = format!("exec 3<>/dev/tcp/{}/{}; head -1 <&3", VIP.ip(), VIP.port());
+    let out = cgroup
+        .command_in(node, "timeout")
+        .args(["3", "bash", "-c", &script])
+        .output()
+        .expect("running bash");
+    assert!(
+        out.status.success() && !out.stdout.is_empty(),
+        "the node's connection to web ({VIP}): {} stdout {:?} stderr {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom; its steps share the namespaces, API server and agent it sets up"
+)]
+fn service_counters_count_each_services_flows_bytes_and_rejects() {
+    require_root().expect("privileged test");
+    let sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    let node_ns = &sb.topology().node;
+    let client = &sb.client().ns;
+    let node_name = node_ns.name().to_owned();
+    let ns = format!("counted-{}", unique_stem().replace('_', "-").to_lowercase());
+    // The socket hooks on a cgroup of this test's own, declared before the
+    // agent so that it outlives the agent's links.
+    let cgroup = TestCgroup::create(&unique_stem()).expect("a cgroup of the test's own");
+    let cgroup_root = cgroup.path().display().to_string();
+
+    let (_runtime, server) = apiserver::serve_in(node_ns);
+    server.apply(node(&node_name, None));
+    server.apply(service(&ns, "web", &CLUSTER_IP.to_string()));
+    server.apply(slice(&ns, "web-1", "web", &node_name, &["10.200.0.11"]));
+    server.apply(service(&ns, "idle", &IDLE_IP.to_string()));
+    server.apply(slice(&ns, "idle-1", "idle", &node_name, &["10.200.0.12"]));
+    server.apply(service(&ns, "empty", &EMPTY_IP.to_string()));
+    let agent = Agent::start_on_api(
+        node_ns,
+        server.url(),
+        &[
+            "--metrics-bind-address",
+            &METRICS.to_string(),
+            "--service-counters",
+            COUNTED,
+            "--cgroup-root",
+            &cgroup_root,
+        ],
+    )
+    .expect("the agent on the API source");
+    let ids = ids_when_programmed(&agent, &ns, &["web", "idle", "empty"]);
+
+    let (to_backend, to_client) = sessions(client);
+    let empty_vip = SocketAddrV4::new(EMPTY_IP, 80);
+    for n in 0..REFUSED {
+        match tcp_request(client, empty_vip, TIMEOUT) {
+            Outcome::Refused => {}
+            other => panic!("connection {n} to empty ({empty_vip}), without endpoints: {other}"),
+        }
+    }
+    node_connects(node_ns, &cgroup);
+    // The sessions' last packets (their FINs and ACKs) through.
+    std::thread::sleep(Duration::from_millis(500));
+
+    let scraped = scrape(node_ns);
+    promtool_accepts(&scraped);
+    let of = |svc: &'static str| -> [(&'static str, String); 4] {
+        [
+            ("namespace", ns.clone()),
+            ("service", svc.to_owned()),
+            ("port", "80".to_owned()),
+            ("protocol", "TCP".to_owned()),
+        ]
+    };
+    let get = |name: &str, svc: &'static str, extra: &[(&str, &str)]| -> u64 {
+        let labels = of(svc);
+        let mut all: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        all.extend_from_slice(extra);
+        scraped.get(name, &all)
+    };
+    let dir = |d| [("direction", d)];
+
+    assert_eq!(
+        get("ebpf_proxy_service_flows_total", "web", &[]),
+        SESSIONS as u64 + 1,
+        "web's flows: one a session, and the node's connect()"
+    );
+    // Each session's handshake, lines and close: SYN, ACK, the lines and
+    // a FIN at least each way.
+    let least = (EXCHANGES + 2) as u64 * SESSIONS as u64;
+    check_bytes(
+        "to the backend",
+        get(
+            "ebpf_proxy_service_packets_total",
+            "web",
+            &dir("to_backend"),
+        ),
+        get("ebpf_proxy_service_bytes_total", "web", &dir("to_backend")),
+        to_backend,
+        least,
+    );
+    check_bytes(
+        "to the client",
+        get("ebpf_proxy_service_packets_total", "web", &dir("to_client")),
+        get("ebpf_proxy_service_bytes_total", "web", &dir("to_client")),
+        to_client,
+        least,
+    );
+    assert_eq!(
+        get("ebpf_proxy_service_rejected_total", "web", &[]),
+        0,
+        "web has an endpoint: nothing to reject"
+    );
+    assert_eq!(
+        get("ebpf_proxy_service_rejected_total", "empty", &[]),
+        REFUSED as u64,
+        "empty's rejects: one a connection refused"
+    );
+    assert_eq!(
+        get("ebpf_proxy_service_flows_total", "empty", &[]),
+        0,
+        "empty started no flow"
+    );
+    for name in [
+        "ebpf_proxy_service_flows_total",
+        "ebpf_proxy_service_packets_total",
+        "ebpf_proxy_service_bytes_total",
+        "ebpf_proxy_service_rejected_total",
+        "ebpf_proxy_service_dropped_total",
+    ] {
+        assert_eq!(
+            get(name, "idle", &[]),
+            0,
+            "idle had no traffic, yet {name} is not 0"
+        );
+    }
+    assert_eq!(
+        scraped.sum("ebpf_proxy_service_dropped_total", &[("namespace", &ns)]),
+        Some(0),
+        "no flow was dropped:\n{}",
+        scraped.text
+    );
+    eprintln!(
+        "web: {} packets / {} bytes to the backend ({to_backend} of payload), {} / {} to the client ({to_client})",
+        get(
+            "ebpf_proxy_service_packets_total",
+            "web",
+            &dir("to_backend")
+        ),
+        get("ebpf_proxy_service_bytes_total", "web", &dir("to_backend")),
+        get("ebpf_proxy_service_packets_total", "web", &dir("to_client")),
+        get("ebpf_proxy_service_bytes_total", "web", &dir("to_client")),
+    );
+
+    // `web` goes, then `fresh` comes: it takes web's id, the only one free
+    // below the bound, and starts from zero.
+    server.delete(Resource::Services, &ns, "web");
+    eventually("web's series gone", CONVERGE, || {
+        let s = scrape(node_ns);
+        match s.sum(
+            "ebpf_proxy_service_flows_total",
+            &[("namespace", &ns), ("service", "web")],
+        ) {
+            None => Ok(()),
+            Some(_) => Err(format!("web is still exposed:\n{}", s.text)),
+        }
+    });
+    server.apply(service(&ns, "fresh", &FRESH_IP.to_string()));
+    server.apply(slice(&ns, "fresh-1", "fresh", &node_name, &["10.200.0.13"]));
+    let fresh = ids_when_programmed(&agent, &ns, &["fresh"]);
+    assert_eq!(
+        fresh[0], ids[0],
+        "fresh took another id than web's {}, the only one free below {COUNTED}",
+        ids[0]
+    );
+    let after = scrape(node_ns);
+    let fresh_total: u64 = [
+        "ebpf_proxy_service_flows_total",
+        "ebpf_proxy_service_packets_total",
+        "ebpf_proxy_service_bytes_total",
+    ]
+    .iter()
+    .map(|name| after.get(name, &[("namespace", ns.as_str()), ("service", "fresh")]))
+    .sum();
+    assert_eq!(
+        fresh_total, 0,
+        "fresh, on web's former id {}, shows web's totals:\n{}",
+        ids[0], after.text
+    );
+
+    server.delete(Resource::Services, &ns, "idle");
+    eventually("idle's series gone", CONVERGE, || {
+        let s = scrape(node_ns);
+        match s.sum(
+            "ebpf_proxy_service_packets_total",
+            &[("namespace", &ns), ("service", "idle")],
+        ) {
+            None => Ok(()),
+            Some(_) => Err(format!("idle is still exposed:\n{}", s.text)),
+        }
+    });
+    drop(agent);
+}

@@ -465,6 +465,10 @@ pub mod service_cidr {
     /// A ClusterIP (a /32 or /128 entry): a port its Service does not
     /// define is rejected (TCP reset, ICMP port unreachable).
     pub const HELD: u32 = 2;
+    /// A ClusterIP of a Service another proxy serves (labelled
+    /// `service.kubernetes.io/service-proxy-name`): passed as if outside
+    /// the ranges, for that proxy to translate.
+    pub const FOREIGN: u32 = 3;
 }
 
 /// A frontend: (address, port, protocol, scope).

@@ -206,7 +206,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 let follow_ups = sync.run(Instant::now(), &state, &config.model, &mut planner, &mut datapath);
                 // After the sync, so that a new Service's frontends land
                 // before its ClusterIP's other ports are rejected.
-                if node.follow_cluster_ips(state.claims()) {
+                if node.follow_cluster_ips(&state, &config.model) {
                     node.sync(&mut datapath.maps, Instant::now());
                 }
                 if let Some(checks) = follow_ups.health_checks {

@@ -3223,7 +3223,8 @@ fn a_load_on_pins_without_a_prefilter_writes_it_from_the_maps() {
 /// address of one that no Service holds is dropped (`drop_unallocated`),
 /// one to a ClusterIP on a port its Service does not define rejected
 /// (`reject_undefined_port`: a reset for TCP, port unreachable for UDP);
-/// the Service's own ports, and addresses outside the CIDRs, as before.
+/// the Service's own ports, addresses outside the CIDRs, and another
+/// proxy's ClusterIPs, as before.
 #[test]
 fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     let mut fx = fixture();
@@ -3232,7 +3233,13 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     let (ret, _) = run(&fx, &tcp(CLIENT, 40100, unallocated, 80, frame::SYN));
     assert_eq!(ret, TC_ACT_OK, "no service CIDR known yet: passed");
 
-    write_service_cidrs(&mut fx.datapath.maps, &["10.96.0.0/16"], &[IpAddr::V4(VIP)]);
+    let foreign = Ipv4Addr::new(10, 96, 0, 98);
+    write_service_cidrs(
+        &mut fx.datapath.maps,
+        &["10.96.0.0/16"],
+        &[IpAddr::V4(VIP)],
+        &[IpAddr::V4(foreign)],
+    );
     let (ret, _) = run(&fx, &tcp(CLIENT, 40101, unallocated, 80, frame::SYN));
     assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");
     let (ret, _) = run(&fx, &udp(CLIENT, 40102, unallocated, 53, false));
@@ -3272,8 +3279,15 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
         "outside the CIDRs: passed untouched"
     );
 
+    let (ret, out) = run(&fx, &tcp(CLIENT, 40108, foreign, 80, frame::SYN));
+    assert_eq!(
+        (ret, parse_checked(&out, "foreign").dst),
+        (TC_ACT_OK, foreign),
+        "another proxy's ClusterIP: passed untouched, for that proxy"
+    );
+
     // The ClusterIP released: its address is as unallocated as any.
-    write_service_cidrs(&mut fx.datapath.maps, &["10.96.0.0/16"], &[]);
+    write_service_cidrs(&mut fx.datapath.maps, &["10.96.0.0/16"], &[], &[]);
     let (ret, _) = run(&fx, &tcp(CLIENT, 40107, VIP, 81, frame::SYN));
     assert_eq!(ret, TC_ACT_SHOT, "a released ClusterIP's port");
     assert_eq!(counter(&fx, "drop_unallocated"), 3);
@@ -3288,6 +3302,7 @@ fn xdp_drops_unallocated_addresses_and_leaves_rejects_to_tc() {
         &mut nf.fx.datapath.maps,
         &["10.96.0.0/16"],
         &[IpAddr::V4(VIP)],
+        &[],
     );
     let (ret, _) = run_xdp(
         &nf,

@@ -3156,6 +3156,7 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
         &mut nf.fx.datapath.maps,
         &["fd00:96::/112"],
         &[IpAddr::V6(VIP)],
+        &[],
     );
     let (ret, _) = run(&nf.fx, &tcp(CLIENT, 43101, unallocated, 80, frame::SYN));
     assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");

@@ -768,7 +768,8 @@ fn dropped_at(client: &NetNs, bpf_root: &Path, ip: Ipv4Addr) -> Result<(), Strin
 /// The service CIDRs come from the API's `ServiceCIDR` objects, and from
 /// `--service-cluster-ip-range` once the API has none: an address of the CIDRs in
 /// force that no Service holds gets no answer (dropped, counted); one of the other
-/// range is not dropped meanwhile.
+/// range is not dropped meanwhile, nor the ClusterIP of a Service another proxy
+/// serves.
 #[test]
 fn service_cidrs_follow_the_api_and_fall_back_to_the_flag() {
     require_root().expect("privileged test");
@@ -798,6 +799,21 @@ fn service_cidrs_follow_the_api_and_fall_back_to_the_flag() {
     assert!(
         outside.is_err(),
         "the flag's range is not in force while the API has ServiceCIDRs: {outside:?}"
+    );
+
+    // Another proxy's Service: its ClusterIP is passed on, for that proxy.
+    let foreign = Ipv4Addr::new(10, 96, 0, 50);
+    let mut other = service("test", "other", &foreign.to_string());
+    other["metadata"]["labels"] =
+        json!({"service.kubernetes.io/service-proxy-name": "other-proxy"});
+    server.apply(other);
+    eventually(
+        "another proxy's ClusterIP passed",
+        CONVERGE,
+        || match dropped_at(client, &root, foreign) {
+            Ok(()) => Err(format!("{foreign} still dropped")),
+            Err(_) => Ok(()),
+        },
     );
 
     server.delete(Resource::ServiceCidrs, "", "kubernetes");

@@ -8,13 +8,14 @@ use std::{net::IpAddr, time::Instant};
 use tracing::{info, warn};
 
 use crate::{
-    model::{AddressClaims, Cidr},
+    model::{Cidr, ModelConfig, Rank},
     node_ip::NodeIps,
     planner::{
         MapStore, NodeState,
         node::{DesiredNode, NodePlanner},
     },
     retry::Retry,
+    source::ObjectKey,
     state::ClusterState,
 };
 
@@ -111,16 +112,27 @@ impl NodeMaps {
         true
     }
 
-    /// Every Service's ClusterIPs as `claims` holds them: copied into the
-    /// desired state only when the set moved since the last call. True
+    /// Every Service's ClusterIPs as `state`'s claims hold them, each with
+    /// whether a Service of this proxy (by `config`) holds it: copied into
+    /// the desired state only when the set moved since the last call. True
     /// when it did (to be written at the next `sync`).
-    pub fn follow_cluster_ips(&mut self, claims: &AddressClaims) -> bool {
-        let (ips, generation) = claims.cluster_ips();
+    pub fn follow_cluster_ips(&mut self, state: &ClusterState, config: &ModelConfig) -> bool {
+        let (ips, generation) = state.claims().cluster_ips();
         if self.cluster_ips_generation == Some(generation) {
             return false;
         }
         self.cluster_ips_generation = Some(generation);
-        self.desired.set_cluster_ips(ips);
+        let ours = |owner: &Rank| {
+            let key = ObjectKey {
+                namespace: owner.namespace.to_string(),
+                name: owner.name.to_string(),
+            };
+            state
+                .service(&key)
+                .is_some_and(|service| service.is_ours(config))
+        };
+        self.desired
+            .set_cluster_ips(ips.map(|(ip, owners)| (ip, owners.iter().any(ours))));
         true
     }
 

@@ -119,13 +119,14 @@ impl AddressClaims {
             .map_or(&[], Vec::as_slice)
     }
 
-    /// Every ClusterIP some Service holds, and the generation of the set
-    /// (which moves whenever it changes).
-    pub fn cluster_ips(&self) -> (impl Iterator<Item = IpAddr> + '_, u64) {
-        (
-            self.cluster_ips.keys().copied(),
-            self.cluster_ips_generation,
-        )
+    /// Every ClusterIP some Service holds, with the Services holding it,
+    /// and the generation of the set (which moves whenever it changes).
+    pub fn cluster_ips(&self) -> (impl Iterator<Item = (IpAddr, &[Rank])> + '_, u64) {
+        let ips = self
+            .cluster_ips
+            .iter()
+            .map(|(ip, owners)| (*ip, owners.as_slice()));
+        (ips, self.cluster_ips_generation)
     }
 
     /// Whether `ip` is one of this node's addresses.

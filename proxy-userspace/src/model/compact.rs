@@ -132,6 +132,11 @@ pub struct CompactService {
 }
 
 impl CompactService {
+    /// Whether this proxy serves the Service (by its proxy labels).
+    pub fn is_ours(&self, config: &super::ModelConfig) -> bool {
+        super::is_ours_by(&self.labels, config)
+    }
+
     pub(super) fn namespace_or_default(&self) -> &str {
         if self.namespace.is_empty() {
             "default"

@@ -53,7 +53,7 @@ pub struct DesiredNode {
     /// `cluster_ips`.
     pub service_cidrs: BTreeMap<ClusterCidrEntry, u32>,
     service_ranges: BTreeSet<ClusterCidrEntry>,
-    cluster_ips: BTreeSet<ClusterCidrEntry>,
+    cluster_ips: BTreeMap<ClusterCidrEntry, u32>,
 }
 
 impl DesiredNode {
@@ -71,7 +71,7 @@ impl DesiredNode {
             ct_source_share: 0,
             service_cidrs: BTreeMap::new(),
             service_ranges: BTreeSet::new(),
-            cluster_ips: BTreeSet::new(),
+            cluster_ips: BTreeMap::new(),
         }
     }
 
@@ -82,12 +82,20 @@ impl DesiredNode {
         self.merge_service_cidrs();
     }
 
-    /// Every Service's ClusterIPs: a port of one its Service does not
-    /// define is rejected.
-    pub fn set_cluster_ips(&mut self, ips: impl IntoIterator<Item = IpAddr>) {
+    /// Every Service's ClusterIPs, each with whether a Service of this
+    /// proxy holds it: a port of one its Service does not define is then
+    /// rejected; another proxy's ClusterIP is passed, for that proxy.
+    pub fn set_cluster_ips(&mut self, ips: impl IntoIterator<Item = (IpAddr, bool)>) {
         self.cluster_ips = ips
             .into_iter()
-            .map(|ip| cluster_cidr(&Cidr::host(ip)))
+            .map(|(ip, ours)| {
+                let kind = if ours {
+                    service_cidr::HELD
+                } else {
+                    service_cidr::FOREIGN
+                };
+                (cluster_cidr(&Cidr::host(ip)), kind)
+            })
             .collect();
         self.merge_service_cidrs();
     }
@@ -99,7 +107,7 @@ impl DesiredNode {
             .map(|e| (*e, service_cidr::RANGE));
         // A ClusterIP that is also a range of its own (a /32 service CIDR)
         // is held: it comes last and wins.
-        let held = self.cluster_ips.iter().map(|e| (*e, service_cidr::HELD));
+        let held = self.cluster_ips.iter().map(|(e, kind)| (*e, *kind));
         self.service_cidrs = ranges.chain(held).collect();
     }
 

@@ -433,7 +433,7 @@ fn service_cidrs_and_cluster_ips_follow_the_desired_state() {
         "10.96.0.11".parse().unwrap(),
         "fd00:96::a".parse().unwrap(),
     );
-    want.set_cluster_ips([a, b, c]);
+    want.set_cluster_ips([(a, true), (b, true), (c, true)]);
     planner.sync(&want, &mut store);
     let held = |state: &NodeState| -> Vec<String> {
         let mut held: Vec<String> = state
@@ -460,7 +460,7 @@ fn service_cidrs_and_cluster_ips_follow_the_desired_state() {
         ],
         "SERVICE_CIDRS after the first sync",
     );
-    want.set_cluster_ips([a]);
+    want.set_cluster_ips([(a, true)]);
     let ops = planner.plan(&want);
     assert_eq!(ops.len(), 2, "two ClusterIPs went: {ops:?}");
     assert!(

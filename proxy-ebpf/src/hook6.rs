@@ -1,9 +1,8 @@
 //! What differs between the hooks IPv6's pipeline (`pipeline6`) runs at,
-//! as `hook` is for IPv4's: the verdicts, how a translation is written, and
-//! how a packet routed by the program leaves. tc finishes everything; XDP
-//! finishes what it can send back out of the interface it came in on, and
-//! leaves the rest untouched to tc (`tc_ingress6`), which runs the same
-//! pipeline.
+//! as `hook` is for IPv4's: the verdicts, and how a packet routed by the
+//! program leaves. tc finishes everything; XDP finishes what it can send
+//! back out of the interface it came in on, and leaves the rest untouched
+//! to tc (`tc_ingress6`), which runs the same pipeline.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
@@ -17,7 +16,7 @@ use crate::{
     hook::Hook,
     icmp_error::{self, Verdict},
     maps::count,
-    nat6::{self, Nat6},
+    nat::NatOf,
     packet6::Flow6,
     reject, route,
 };
@@ -41,13 +40,9 @@ pub trait Hook6: Hook {
     /// too big" (`reject::too_big6`).
     fn too_big6(&self, mtu: u16) -> Self::Verdict;
 
-    /// Writes the translation `nat` over `flow`'s addresses and ports, with
-    /// the transport checksum kept valid.
-    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()>;
-
     /// Sends on a translated packet whose new source is an address of this
     /// node, which the stack would not forward.
-    fn send6(&self, flow: &Flow6, nat: &Nat6) -> Self::Verdict;
+    fn send6(&self, flow: &Flow6, nat: &NatOf<[u32; 4]>) -> Self::Verdict;
 }
 
 impl Hook6 for TcContext {
@@ -57,7 +52,7 @@ impl Hook6 for TcContext {
 
     #[inline(always)]
     fn icmp6_error(&self, icmp_off: usize) -> i32 {
-        let send = |error: &Flow6, nat: &Nat6| {
+        let send = |error: &Flow6, nat: &NatOf<[u32; 4]>| {
             route::send_tc::<V6>(self, error.proto, &nat.src_be, &nat.dst_be)
         };
         match icmp_error::handle::<V6, _>(self, icmp_off, send) {
@@ -86,12 +81,7 @@ impl Hook6 for TcContext {
     }
 
     #[inline(always)]
-    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
-        nat.apply(self, flow).map_err(|_| ())
-    }
-
-    #[inline(always)]
-    fn send6(&self, flow: &Flow6, nat: &Nat6) -> i32 {
+    fn send6(&self, flow: &Flow6, nat: &NatOf<[u32; 4]>) -> i32 {
         route::send_tc::<V6>(self, flow.proto, &nat.src_be, &nat.dst_be)
     }
 }
@@ -121,15 +111,10 @@ impl Hook6 for XdpContext {
         xdp_action::XDP_PASS
     }
 
-    #[inline(always)]
-    fn rewrite6(&self, flow: &Flow6, nat: &Nat6) -> Result<(), ()> {
-        nat6::rewrite_direct(self.data(), self.data_end(), flow, nat)
-    }
-
     /// Out of the interface it came in on, to the next hop that
     /// `route::lookup` found before anything was written.
     #[inline(always)]
-    fn send6(&self, flow: &Flow6, nat: &Nat6) -> u32 {
+    fn send6(&self, flow: &Flow6, nat: &NatOf<[u32; 4]>) -> u32 {
         match route::forward::<V6>(self.data(), self.data_end()) {
             Ok(()) => {
                 count(counter::XDP_TX);

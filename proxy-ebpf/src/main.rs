@@ -35,7 +35,6 @@ mod icmp_error;
 mod ip_summed;
 mod maps;
 mod nat;
-mod nat6;
 mod netfilter_ct;
 mod packet;
 mod packet6;

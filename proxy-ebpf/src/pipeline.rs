@@ -16,7 +16,7 @@ use crate::{
     hook::Hook,
     icmp_error::{self, Verdict},
     maps::{count, node_config, node_flags},
-    nat::Nat,
+    nat::NatOf,
     netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     prefilter,
@@ -115,7 +115,7 @@ fn icmp(ctx: &TcContext) -> Action {
 pub fn conntrack_pair<H: Hook>(ctx: &H) {
     if let Ok(flow) = packet::parse(ctx) {
         let nf = NewFlow {
-            nat: Nat::identity(&flow),
+            nat: NatOf::identity(&flow),
             backend_id: 0,
             service_id: 0,
             kind: 0,
@@ -161,10 +161,10 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         return Action::Pass;
     }
     let mut nf = NewFlow {
-        nat: Nat {
+        nat: NatOf {
             dst_be: backend.addr_be[3],
             dport_be: backend.port_be,
-            ..Nat::identity(flow)
+            ..NatOf::identity(flow)
         },
         backend_id,
         service_id: svc.service_id,
@@ -258,7 +258,7 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
 /// leaves the rest to tc as it came; tc answers a packet longer than the
 /// route's MTU and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<(), Action> {
+fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>) -> Result<(), Action> {
     if !nat.redirect {
         return Ok(());
     }
@@ -289,13 +289,13 @@ fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, now: u64) -> Action {
+fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>, now: u64) -> Action {
     match flow.frag {
         FIRST => frag::remember::<V4>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if nat.apply(ctx, flow).is_err() {
+    if nat.apply::<V4, H>(ctx, flow).is_err() {
         // A rewrite that failed half-way leaves a packet with a wrong
         // checksum: drop it rather than send garbage.
         count(counter::DROP_REWRITE);

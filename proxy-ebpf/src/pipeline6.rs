@@ -34,7 +34,7 @@ use crate::{
     frontend::{self, Frontend},
     hook6::Hook6,
     maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
-    nat6::Nat6,
+    nat::NatOf,
     netfilter_ct,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
@@ -198,10 +198,10 @@ fn new_flow<H: Hook6>(
         return Ok(H::PASS);
     }
     let mut nf = NewFlow {
-        nat: Nat6 {
+        nat: NatOf {
             dst_be: backend.addr_be,
             dport_be: backend.port_be,
-            ..Nat6::identity(flow)
+            ..NatOf::identity(flow)
         },
         backend_id,
         service_id: svc.service_id,
@@ -311,7 +311,11 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
 /// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
 /// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result<H::Verdict, u16>> {
+fn route_first<H: Hook6>(
+    ctx: &H,
+    flow: &Flow6,
+    nat: &NatOf<[u32; 4]>,
+) -> Result<(), Result<H::Verdict, u16>> {
     if !nat.redirect {
         return Ok(());
     }
@@ -334,13 +338,13 @@ fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
+fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &NatOf<[u32; 4]>, now: u64) -> H::Verdict {
     match flow.frag {
         FIRST => frag::remember::<V6>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if ctx.rewrite6(flow, nat).is_err() {
+    if nat.apply::<V6, H>(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
         event_log::log6(Event::Rewrite, flow);
         return H::DROP;

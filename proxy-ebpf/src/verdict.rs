@@ -12,7 +12,7 @@ use crate::{
     event_log::Event,
     family::V4,
     maps::{XDP_NEXT, count},
-    nat::Nat,
+    nat::NatOf,
     packet::Flow,
     reject, route,
 };
@@ -28,7 +28,7 @@ pub enum Action {
     Reject(Flow),
     /// Translated; the stack would refuse its source, so it is sent to the
     /// next hop `route::lookup` found for it before it was written.
-    Redirect(Flow, Nat),
+    Redirect(Flow, NatOf<u32>),
     /// tc only: longer than the MTU of the route it would be sent on:
     /// answered with "fragmentation needed" and that MTU, as a router
     /// answers (`reject::too_big`).

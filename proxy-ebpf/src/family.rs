@@ -89,6 +89,11 @@ pub trait Family {
     /// The IP header's length, without options or extension headers.
     const HLEN: usize;
 
+    /// Whether the IP header of the packet between `data` and `data_end`
+    /// carries options (or cannot be read): IPv4's; IPv6 has none in its
+    /// header.
+    fn options(data: usize, data_end: usize) -> bool;
+
     /// The Ethernet frame's type, in network order.
     const ETH_P_BE: u16;
 
@@ -265,6 +270,11 @@ impl Family for V4 {
     }
 
     const HLEN: usize = IPV4_MIN_HLEN;
+
+    #[inline(always)]
+    fn options(data: usize, data_end: usize) -> bool {
+        read::<u8>(data, data_end, ETH_HLEN).is_none_or(|ver_ihl| ver_ihl & 0x0f != 5)
+    }
     const ETH_P_BE: u16 = 0x0800u16.to_be();
 
     /// RFC 792 (port unreachable: type 3 code 3) and RFC 1191
@@ -453,6 +463,11 @@ impl Family for V6 {
     }
 
     const HLEN: usize = IPV6_HLEN;
+
+    #[inline(always)]
+    fn options(_data: usize, _data_end: usize) -> bool {
+        false
+    }
     const ETH_P_BE: u16 = 0x86ddu16.to_be();
 
     /// RFC 4443: destination unreachable, port unreachable (type 1 code 4);

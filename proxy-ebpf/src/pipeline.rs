@@ -33,6 +33,8 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // An error among them may be about a translated flow; XDP leaves
         // them to tc, which can route what it rewrites.
         Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp),
+        // Counted by tc, which sees the same packet next.
+        Err(Skip::Malformed | Skip::Truncated(_)) if H::XDP => return Action::Pass,
         Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
             return Action::Pass;
@@ -47,9 +49,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, _)) = frag::ports::<V4>(&flow, now) else {
-            count(counter::FRAG_UNTRACKED);
-            event_log::log(Event::FragUntracked, &flow);
-            return Action::Pass;
+            return untracked_fragment::<H>(&flow);
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
@@ -85,9 +85,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        count(counter::FRAG_UNTRACKED);
-        event_log::log(Event::FragUntracked, &flow);
-        return Action::Pass;
+        return untracked_fragment::<H>(&flow);
     }
     let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
         return Action::Pass;
@@ -145,7 +143,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         }
         if H::XDP {
             count(counter::XDP_TO_TC);
-            return Action::ToTc;
+            return Action::Pass;
         }
         count(counter::REJECT);
         return Action::Reject(*flow);
@@ -235,7 +233,7 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
     // socket buffer); XDP leaves such packets to it as they came.
     if H::XDP {
         count(counter::XDP_TO_TC);
-        return Some(Action::ToTc);
+        return Some(Action::Pass);
     }
     if netfilter_ct::has_v4(
         ctx,
@@ -251,6 +249,17 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
     None
 }
 
+/// A later fragment whose datagram has no translation: passed untouched.
+/// Counted and logged by tc alone, which sees what XDP passes.
+#[inline(always)]
+fn untracked_fragment<H: Hook>(flow: &Flow) -> Action {
+    if !H::XDP {
+        count(counter::FRAG_UNTRACKED);
+        event_log::log(Event::FragUntracked, flow);
+    }
+    Action::Pass
+}
+
 /// Routes a packet the datapath sends itself (`nat.redirect`) before
 /// anything is written or created (see `crate::route`), its answer kept for
 /// `finish`. `Err` is what becomes of a packet that cannot go: XDP sends
@@ -264,7 +273,7 @@ fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>) -> Result<(), Ac
     }
     match route::first::<V4, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
         Ahead::Go => Ok(()),
-        Ahead::ToTc => Err(Action::ToTc),
+        Ahead::ToTc => Err(Action::Pass),
         Ahead::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
         Ahead::Unroutable => {
             event_log::log(Event::NoRoute, flow);
@@ -280,7 +289,7 @@ fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>) -> Result<(), Ac
 fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
     if H::XDP {
         count(counter::XDP_TO_TC);
-        return Action::ToTc;
+        return Action::Pass;
     }
     Action::TooBig(*flow, mtu)
 }
@@ -309,21 +318,5 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>, now: u64) -> Action {
         return Action::Pass;
     }
     count(counter::REDIRECT);
-    if !H::XDP {
-        return Action::Redirect(*flow, *nat);
-    }
-    let (data, data_end) = ctx.bounds();
-    match route::forward::<V4>(data, data_end) {
-        Ok(()) => Action::Tx,
-        Err(route::Spent::Hops) => {
-            count(counter::DROP_TTL);
-            event_log::log(Event::Ttl, flow);
-            Action::Drop
-        }
-        Err(route::Spent::NoRoom) => {
-            count(counter::DROP_NO_ROUTE);
-            event_log::log(Event::NoRoute, flow);
-            Action::Drop
-        }
-    }
+    Action::Redirect(*flow, *nat)
 }

@@ -1,6 +1,6 @@
 //! The per-packet pipeline of IPv6 (`tc_ingress6`, `xdp_ingress6`):
 //! conntrack, then the frontend lookup, then what the packet becomes, with
-//! the hook's verdict (`hook6`). Programs of their own rather than more of
+//! the hook's verdict (`verdict::Verdicts`). Programs of their own rather than more of
 //! `tc_ingress` and `xdp_ingress`, whose stacks are nearly full
 //! (docs/architecture.md): IPv4 packets never run this code, IPv6 ones
 //! never run IPv4's.
@@ -32,7 +32,6 @@ use crate::{
     family::V6,
     flow_cache, frag,
     frontend::{self, Frontend},
-    hook6::Hook6,
     maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
     nat::NatOf,
     netfilter_ct,
@@ -40,27 +39,28 @@ use crate::{
     packet6::{self, Flow6, Skip6},
     prefilter,
     route::{self, Ahead},
+    verdict::Verdicts,
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
 /// it calls for. A packet longer than its route's MTU is answered here,
 /// from one place: the answer is written out once in the program.
 #[inline(always)]
-pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
+pub fn handle<H: Verdicts>(ctx: &H) -> H::Verdict {
     match translate(ctx) {
         Ok(verdict) => verdict,
-        Err(mtu) => ctx.too_big6(mtu),
+        Err(mtu) => ctx.too_big::<V6>(mtu),
     }
 }
 
 /// The verdict for an IPv6 packet, or `Err` with the MTU of the route it
 /// is too long for (tc only).
 #[inline(always)]
-fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
+fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
     let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip6::NotOurs) => return Ok(H::PASS),
-        Err(Skip6::Icmp6(icmp_off)) => return Ok(ctx.icmp6_error(icmp_off)),
+        Err(Skip6::Icmp6(icmp_off)) => return Ok(ctx.icmp_error::<V6>(icmp_off)),
         // Counted by tc, which sees the same packet next (and may pull in
         // what XDP found cut short).
         Err(Skip6::Malformed | Skip6::Truncated | Skip6::ExtHeaders) if H::XDP => {
@@ -154,7 +154,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
 /// hairpin flow; kept otherwise. Its conntrack entries are built in
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
-fn new_flow<H: Hook6>(
+fn new_flow<H: Verdicts>(
     ctx: &H,
     flow: &Flow6,
     frontend: &Frontend,
@@ -182,7 +182,7 @@ fn new_flow<H: Hook6>(
             return Ok(H::PASS);
         }
         count(counter::REJECT);
-        return Ok(ctx.reject6(flow));
+        return Ok(ctx.reject::<V6>(flow));
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
@@ -268,7 +268,7 @@ fn new_flow<H: Hook6>(
 /// (IPv4's `pipeline::netfilters`): at tc when netfilter knows its tuple,
 /// at XDP for tc to ask.
 #[inline(always)]
-fn netfilters<H: Hook6>(ctx: &H, flow: &Flow6) -> bool {
+fn netfilters<H: Verdicts>(ctx: &H, flow: &Flow6) -> bool {
     if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
         || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
     {
@@ -295,7 +295,7 @@ fn netfilters<H: Hook6>(ctx: &H, flow: &Flow6) -> bool {
 /// A later fragment whose datagram has no translation: passed untouched.
 /// Counted and logged by tc alone, which sees what XDP passes.
 #[inline(always)]
-fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
+fn untracked_fragment<H: Verdicts>(flow: &Flow6) -> H::Verdict {
     if !H::XDP {
         count(counter::FRAG_UNTRACKED);
         event_log::log6(Event::FragUntracked, flow);
@@ -311,7 +311,7 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
 /// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
 /// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook6>(
+fn route_first<H: Verdicts>(
     ctx: &H,
     flow: &Flow6,
     nat: &NatOf<[u32; 4]>,
@@ -338,7 +338,7 @@ fn route_first<H: Hook6>(
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &NatOf<[u32; 4]>, now: u64) -> H::Verdict {
+fn finish<H: Verdicts>(ctx: &H, flow: &Flow6, nat: &NatOf<[u32; 4]>, now: u64) -> H::Verdict {
     match flow.frag {
         FIRST => frag::remember::<V6>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
@@ -356,5 +356,5 @@ fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &NatOf<[u32; 4]>, now: u64) -> H
         return H::PASS;
     }
     count(counter::REDIRECT);
-    ctx.send6(flow, nat)
+    ctx.send::<V6>(flow, nat)
 }

@@ -1,16 +1,17 @@
 //! What differs between IPv4 and IPv6 for the parts of the datapath written
-//! once over the family (`conntrack`, `flow_cache`, `route`, `reject`): the
-//! width of an address, the maps a family's flows live in, the FIB's
-//! family, the router's decrement of TTL or hop limit (IPv4's with its
-//! header checksum), and the ICMP error that says a packet is too big.
+//! once over the family (`conntrack`, `flow_cache`, `nat`, `route`,
+//! `reject`): the width of an address, the maps a family's flows live in,
+//! the writing of the IP header's addresses and the router's decrement of
+//! TTL or hop limit (IPv4's with its header checksum), the FIB's family,
+//! and the ICMP error that says a packet is too big.
 //! Each family is a type without values (`V4`, `V6`); code generic over
 //! `F: Family` is monomorphized, so each family's program holds its own
 //! copy, with no branch on the family at run time.
 
-use aya_ebpf::bindings::bpf_fib_lookup;
+use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
 use proxy_common::{
-    FlowAddr, FragKey,
-    csum::{fold, replace16},
+    FlowAddr, FragKey, PROTO_TCP, PROTO_UDP,
+    csum::{apply, delta32, fold, replace16},
     v4_mapped,
 };
 
@@ -20,8 +21,10 @@ use crate::{
         CONNTRACK, CONNTRACK6, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, Conntrack, CtSources,
         FLOW_CACHE, FLOW_CACHE6, FlowCache, SCRATCH, SCRATCH6, Scratch,
     },
-    packet::{ETH_HLEN, FlowOf, IP_CSUM_OFF, IPPROTO_ICMP, IPV4_MIN_HLEN, read},
-    packet6::{IPV6_HLEN, NEXTHDR_ICMPV6},
+    packet::{
+        ETH_HLEN, FlowOf, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IPPROTO_ICMP, IPV4_MIN_HLEN, read,
+    },
+    packet6::{IP6_DST_OFF, IP6_SRC_OFF, IPV6_HLEN, MAX_L4_OFF as MAX_L4_OFF6, NEXTHDR_ICMPV6},
 };
 
 /// An ICMP error the datapath answers with (`crate::reject`).
@@ -86,6 +89,11 @@ pub trait Family {
     /// The IP header's length, without options or extension headers.
     const HLEN: usize;
 
+    /// Whether the IP header of the packet between `data` and `data_end`
+    /// carries options (or cannot be read): IPv4's; IPv6 has none in its
+    /// header.
+    fn options(data: usize, data_end: usize) -> bool;
+
     /// The Ethernet frame's type, in network order.
     const ETH_P_BE: u16;
 
@@ -105,6 +113,53 @@ pub trait Family {
     /// `ip` must point at `2 * HLEN + 8` bytes of packet memory: the new
     /// headers (written) and the quoted IP header (read).
     unsafe fn write_error(ip: usize, words: [u32; 2], icmp_len: u16, quote_sum: u64);
+
+    /// Deepest transport header start the parser accepts; bounds the
+    /// offsets the verifier sees.
+    const MAX_L4_OFF: usize;
+
+    /// The change to the one's complement sum (unfolded) when `old` becomes
+    /// `new`.
+    fn addr_delta(old: &Self::Addr, new: &Self::Addr) -> u64;
+
+    /// Writes `src_be` and `dst_be` over `flow`'s addresses in the IP header
+    /// of the packet between `data` and `data_end` (IPv4's header checksum
+    /// with them);
+    /// returns the change to their sum, which the transport checksum's
+    /// pseudo-header follows. Nothing is written unless the header is
+    /// inside the packet.
+    fn rewrite_ip(
+        data: usize,
+        data_end: usize,
+        flow: &FlowOf<Self::Addr>,
+        src_be: &Self::Addr,
+        dst_be: &Self::Addr,
+    ) -> Result<u64, ()>;
+
+    /// `rewrite_ip` at tc, whose packet data the helpers may have moved:
+    /// IPv4's in place, with its header checksum; IPv6's through
+    /// `bpf_skb_store_bytes`, which costs the verifier less to follow than
+    /// another bounds check in a program near its limit.
+    fn rewrite_ip_tc(
+        ctx: &TcContext,
+        flow: &FlowOf<Self::Addr>,
+        src_be: &Self::Addr,
+        dst_be: &Self::Addr,
+    ) -> Result<(), i64>;
+
+    /// Whether a `CHECKSUM_COMPLETE` `skb->csum` still holds after a
+    /// rewrite in place (`crate::nat`): true where the address change is
+    /// balanced by the transport checksum's alone.
+    const COMPLETE_HOLDS: bool;
+
+    /// Where tc may write `flow`'s transport header in place, in the packet
+    /// between `data` and `data_end`; None leaves the rewrite to the
+    /// kernel's checksum helper.
+    fn tc_l4_off(data: usize, data_end: usize, flow: &FlowOf<Self::Addr>) -> Option<usize>;
+
+    /// Whether a UDP checksum of 0 means "none" (else a computed 0 is sent
+    /// as 0xffff, and a 0 received is no checksum the datapath keeps).
+    const UDP_ZERO_IS_NONE: bool;
 }
 
 /// IPv4.
@@ -123,6 +178,8 @@ const AF_INET6: u8 = 10;
 const IP_TTL_OFF: usize = 8;
 /// Offset of the hop limit in the IPv6 header.
 const IP6_HOP_LIMIT_OFF: usize = 7;
+/// Offset of the next-header field in the IPv6 header.
+const IP6_NEXT_HDR_OFF: usize = 6;
 
 impl Family for V4 {
     type Addr = u32;
@@ -213,6 +270,11 @@ impl Family for V4 {
     }
 
     const HLEN: usize = IPV4_MIN_HLEN;
+
+    #[inline(always)]
+    fn options(data: usize, data_end: usize) -> bool {
+        read::<u8>(data, data_end, ETH_HLEN).is_none_or(|ver_ihl| ver_ihl & 0x0f != 5)
+    }
     const ETH_P_BE: u16 = 0x0800u16.to_be();
 
     /// RFC 792 (port unreachable: type 3 code 3) and RFC 1191
@@ -252,6 +314,64 @@ impl Family for V4 {
             ((ip + 22) as *mut u16).write(!fold(icmp_sum));
         }
     }
+
+    /// Ethernet plus a full 60-byte header.
+    const MAX_L4_OFF: usize = ETH_HLEN + 60;
+
+    #[inline(always)]
+    fn addr_delta(old: &u32, new: &u32) -> u64 {
+        delta32(*old, *new)
+    }
+
+    #[inline(always)]
+    fn rewrite_ip(
+        data: usize,
+        data_end: usize,
+        flow: &FlowOf<u32>,
+        src_be: &u32,
+        dst_be: &u32,
+    ) -> Result<u64, ()> {
+        let ip = data + ETH_HLEN;
+        if ip + IPV4_MIN_HLEN > data_end {
+            return Err(());
+        }
+        let addrs = delta32(flow.src_be, *src_be) + delta32(flow.dst_be, *dst_be);
+        // SAFETY: inside the bounds checked above.
+        unsafe {
+            ((ip + IP_SRC_OFF) as *mut u32).write(*src_be);
+            ((ip + IP_DST_OFF) as *mut u32).write(*dst_be);
+            let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
+            ip_csum.write(apply(ip_csum.read(), addrs));
+        }
+        Ok(addrs)
+    }
+
+    #[inline(always)]
+    fn rewrite_ip_tc(
+        ctx: &TcContext,
+        flow: &FlowOf<u32>,
+        src_be: &u32,
+        dst_be: &u32,
+    ) -> Result<(), i64> {
+        Self::rewrite_ip(ctx.data(), ctx.data_end(), flow, src_be, dst_be)
+            .map(|_| ())
+            .map_err(|()| -1)
+    }
+
+    /// The header checksum balances the address change within the header;
+    /// the transport checksum takes it once more, for its pseudo-header, so
+    /// the packet's sum moves.
+    const COMPLETE_HOLDS: bool = false;
+
+    /// Past the options, wherever the header's length puts it: the verifier
+    /// bounds it by `MAX_L4_OFF`.
+    #[inline(always)]
+    fn tc_l4_off(_data: usize, _data_end: usize, flow: &FlowOf<u32>) -> Option<usize> {
+        Some(flow.l4_off)
+    }
+
+    /// RFC 768.
+    const UDP_ZERO_IS_NONE: bool = true;
 }
 
 impl Family for V6 {
@@ -343,6 +463,11 @@ impl Family for V6 {
     }
 
     const HLEN: usize = IPV6_HLEN;
+
+    #[inline(always)]
+    fn options(_data: usize, _data_end: usize) -> bool {
+        false
+    }
     const ETH_P_BE: u16 = 0x86ddu16.to_be();
 
     /// RFC 4443: destination unreachable, port unreachable (type 1 code 4);
@@ -382,4 +507,72 @@ impl Family for V6 {
             ((ip + IPV6_HLEN + 2) as *mut u16).write(!fold(sum));
         }
     }
+
+    const MAX_L4_OFF: usize = MAX_L4_OFF6;
+
+    #[inline(always)]
+    fn addr_delta(old: &[u32; 4], new: &[u32; 4]) -> u64 {
+        let mut sum = 0;
+        for i in 0..4 {
+            sum += delta32(old[i], new[i]);
+        }
+        sum
+    }
+
+    #[inline(always)]
+    fn rewrite_ip(
+        data: usize,
+        data_end: usize,
+        flow: &FlowOf<[u32; 4]>,
+        src_be: &[u32; 4],
+        dst_be: &[u32; 4],
+    ) -> Result<u64, ()> {
+        let ip = data + ETH_HLEN;
+        if ip + IPV6_HLEN > data_end {
+            return Err(());
+        }
+        let addrs = Self::addr_delta(&flow.src_be, src_be) + Self::addr_delta(&flow.dst_be, dst_be);
+        // SAFETY: inside the bounds checked above.
+        unsafe {
+            ((ip + IP6_SRC_OFF) as *mut [u32; 4]).write(*src_be);
+            ((ip + IP6_DST_OFF) as *mut [u32; 4]).write(*dst_be);
+        }
+        Ok(addrs)
+    }
+
+    /// Stored from where they are: a copy of both would take 32 bytes of a
+    /// stack that is nearly used up.
+    #[inline(always)]
+    fn rewrite_ip_tc(
+        ctx: &TcContext,
+        _flow: &FlowOf<[u32; 4]>,
+        src_be: &[u32; 4],
+        dst_be: &[u32; 4],
+    ) -> Result<(), i64> {
+        ctx.store(ETH_HLEN + IP6_SRC_OFF, src_be, 0)?;
+        ctx.store(ETH_HLEN + IP6_DST_OFF, dst_be, 0)
+    }
+
+    /// No header checksum: the transport checksum's change balances the
+    /// addresses' and the ports'.
+    const COMPLETE_HOLDS: bool = true;
+
+    /// Right after the IPv6 header, where no extension header comes
+    /// between: a constant offset. Read from the packet rather than told by
+    /// the parser's offset: a branch on that offset would have the verifier
+    /// tell apart, all through the program, every path the header walk took
+    /// to it.
+    #[inline(always)]
+    fn tc_l4_off(data: usize, data_end: usize, _flow: &FlowOf<[u32; 4]>) -> Option<usize> {
+        let next = data + ETH_HLEN + IP6_NEXT_HDR_OFF;
+        if next + 1 > data_end {
+            return None;
+        }
+        // SAFETY: inside the bounds checked above.
+        let next = unsafe { (next as *const u8).read() };
+        (next == PROTO_TCP || next == PROTO_UDP).then_some(ETH_HLEN + IPV6_HLEN)
+    }
+
+    /// RFC 8200 8.1: a UDP checksum is not optional over IPv6.
+    const UDP_ZERO_IS_NONE: bool = false;
 }

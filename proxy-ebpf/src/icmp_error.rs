@@ -34,7 +34,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     FlowAddr, PROTO_TCP, PROTO_UDP, counter,
-    csum::{apply, delta16, delta32, full_update},
+    csum::{apply, delta16, full_update},
 };
 
 use crate::{
@@ -107,10 +107,6 @@ pub trait ErrorFamily: Family {
 
     /// `head`'s header checksum: IPv4's; IPv6 has none.
     fn ip_csum(head: &Self::IpHead) -> u16;
-
-    /// The change to a one's complement sum when address `old` becomes
-    /// `new`.
-    fn addr_delta(old: &Self::Addr, new: &Self::Addr) -> u64;
 
     /// Brings the IP header at `ip_off`, whose addresses change by `addrs`,
     /// to a checksum that holds (IPv4's, from `ip_csum`; IPv6 has none).
@@ -350,11 +346,6 @@ impl ErrorFamily for V4 {
     }
 
     #[inline(always)]
-    fn addr_delta(old: &u32, new: &u32) -> u64 {
-        delta32(*old, *new)
-    }
-
-    #[inline(always)]
     fn readdress(ctx: &TcContext, ip_off: usize, ip_csum: u16, addrs: u64) -> Result<u64, i64> {
         let new = apply(ip_csum, addrs);
         ctx.store(ip_off + IP_CSUM_OFF, &new, 0)?;
@@ -415,15 +406,6 @@ impl ErrorFamily for V6 {
     #[inline(always)]
     fn ip_csum(_head: &Ipv6Head) -> u16 {
         0
-    }
-
-    #[inline(always)]
-    fn addr_delta(old: &[u32; 4], new: &[u32; 4]) -> u64 {
-        let mut sum = 0;
-        for i in 0..4 {
-            sum += delta32(old[i], new[i]);
-        }
-        sum
     }
 
     /// Nothing to write: the addresses are summed by the transport and

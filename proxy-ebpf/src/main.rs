@@ -30,12 +30,10 @@ mod flow_cache;
 mod frag;
 mod frontend;
 mod hook;
-mod hook6;
 mod icmp_error;
 mod ip_summed;
 mod maps;
 mod nat;
-mod nat6;
 mod netfilter_ct;
 mod packet;
 mod packet6;
@@ -67,7 +65,7 @@ use family::{V4, V6};
 /// (proxy-userspace's `datapath::kernel_version`).
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    verdict::tc(&ctx, pipeline::handle(&ctx))
+    verdict::of(&ctx, pipeline::handle(&ctx))
 }
 
 /// tc ingress for IPv6, on the same interfaces as `tc_ingress` and after
@@ -83,18 +81,18 @@ pub fn tc_ingress6(ctx: TcContext) -> i32 {
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
 /// exists. What is not IPv4 goes on to `xdp_ingress6` by a tail call
-/// through `XDP_NEXT` (see `verdict::xdp`).
+/// through `XDP_NEXT` (see `verdict::Verdicts::next`).
 ///
 /// Linux 5.9 for its bpf link; generic XDP works on any interface, native
 /// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-    verdict::xdp(&ctx, pipeline::handle(&ctx))
+    verdict::of(&ctx, pipeline::handle(&ctx))
 }
 
 /// XDP for IPv6, reached from `xdp_ingress` only (never attached): the
 /// north-south fast path of IPv6, with a stack of its own. What it cannot
-/// finish it passes untouched to `tc_ingress6` (see `hook6`).
+/// finish it passes untouched to `tc_ingress6` (see `verdict`).
 ///
 /// Linux 5.9, as `xdp_ingress`.
 #[xdp]

@@ -1,34 +1,33 @@
-//! Address and port rewrites: what a packet becomes, and its writing, with
-//! every checksum kept right: in place, straight into packet memory (XDP,
-//! and tc where the checksum state is known), or through the kernel's
-//! helpers (tc otherwise). The arithmetic is `proxy_common::csum`, tested
-//! on the host. Loads and stores are of the field's width even where
-//! packet memory is misaligned for it (see `packet::read`).
+//! Address and port rewrites of either family: what a packet becomes, and
+//! its writing, with every checksum kept right: in place, straight into
+//! packet memory (XDP, and tc where the checksum state is known), or
+//! through the kernel's helpers (tc otherwise). What differs by family (the
+//! IP header's writing, IPv4's with its header checksum; where tc may write
+//! the transport header; what a UDP checksum of 0 means) is the `Family`'s.
+//! The arithmetic is `proxy_common::csum`, tested on the host. Loads and
+//! stores are of the field's width even where packet memory is misaligned
+//! for it (see `packet::read`).
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_TCP, PROTO_UDP,
-    csum::{self, SkbCsum, apply, delta16, delta32, fold, full_update, pseudo_partial},
+    csum::{delta16, fold, full_update, pseudo_partial},
     ip_summed::{CHECKSUM_COMPLETE, CHECKSUM_NONE, CHECKSUM_PARTIAL, CHECKSUM_UNNECESSARY},
 };
 
 use crate::{
+    family::Family,
     hook::Hook,
     ip_summed, maps,
-    packet::{ETH_HLEN, Flow, FlowOf, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IPV4_MIN_HLEN, frag},
+    packet::{FlowOf, frag},
 };
-
-/// Deepest L4 header start the parser accepts (Ethernet plus a full
-/// 60-byte IPv4 header); bounds the offsets the verifier sees.
-const MAX_L4_OFF: usize = ETH_HLEN + 60;
 
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
 /// Keeps a UDP checksum of 0 ("none") at 0, and turns a computed 0 into
 /// 0xffff, as RFC 768 wants.
 const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
 
-/// The addresses and ports a packet leaves with, of either family (`Nat`,
-/// `crate::nat6::Nat6`).
+/// The addresses and ports a packet leaves with.
 #[derive(Clone, Copy)]
 pub struct NatOf<A> {
     pub src_be: A,
@@ -39,9 +38,6 @@ pub struct NatOf<A> {
     /// by a FIB lookup and redirected, as the stack would drop it.
     pub redirect: bool,
 }
-
-/// An IPv4 packet's translation.
-pub type Nat = NatOf<u32>;
 
 impl<A: Copy> NatOf<A> {
     /// The packet as it is.
@@ -55,199 +51,161 @@ impl<A: Copy> NatOf<A> {
             redirect: false,
         }
     }
-}
 
-impl Nat {
-    /// Writes this translation into the packet.
+    /// Writes this translation into the packet. A later fragment gets its
+    /// addresses alone: it carries neither ports nor transport checksum,
+    /// and its first fragment's update covered the whole datagram's
+    /// pseudo-header. The IP header is never offloaded and its sum stays
+    /// the same, so a `CHECKSUM_COMPLETE` `skb->csum` still holds.
     #[inline(always)]
-    pub fn apply<H: Hook>(&self, ctx: &H, flow: &Flow) -> Result<(), ()> {
-        if flow.frag == frag::LATER {
-            // The IP header alone, at either hook: it is never offloaded,
-            // and its sum stays the same, so a `CHECKSUM_COMPLETE`
-            // `skb->csum` still holds.
-            let (data, data_end) = ctx.bounds();
-            return rewrite_ip(data, data_end, flow, self).map(|_| ());
-        }
+    pub fn apply<F: Family<Addr = A>, H: Hook>(&self, ctx: &H, flow: &FlowOf<A>) -> Result<(), ()> {
         if let Some(tc) = ctx.tc() {
-            return rewrite_skb(tc, flow, self).map_err(|_| ());
+            if flow.frag == frag::LATER {
+                return F::rewrite_ip_tc(tc, flow, &self.src_be, &self.dst_be).map_err(|_| ());
+            }
+            return rewrite_skb::<F>(tc, flow, self).map_err(|_| ());
+        }
+        let (data, data_end) = ctx.bounds();
+        if flow.frag == frag::LATER {
+            return F::rewrite_ip(data, data_end, flow, &self.src_be, &self.dst_be).map(|_| ());
         }
         // XDP: checksums are as on the wire.
-        let (data, data_end) = ctx.bounds();
-        rewrite_direct(data, data_end, flow, self, L4Csum::Full).map(|_| ())
-    }
-
-    #[inline(always)]
-    fn moves_addrs(&self, flow: &Flow) -> bool {
-        self.src_be != flow.src_be || self.dst_be != flow.dst_be
-    }
-
-    #[inline(always)]
-    fn moves_ports(&self, flow: &Flow) -> bool {
-        self.sport_be != flow.sport_be || self.dport_be != flow.dport_be
+        rewrite_at::<F>(data, data_end, flow.l4_off, flow, self, L4Csum::Full)
     }
 }
 
-/// Writes `nat` over `flow` at tc. Addresses, ports and the IP checksum
-/// (never offloaded) are written in place. How the L4 checksum changes
+/// Writes `nat` over `flow` at tc. How the transport checksum changes
 /// depends on the socket buffer's checksum state (`ip_summed`):
 /// - none or unnecessary: the field holds the full checksum, updated in
 ///   place as at XDP;
 /// - partial (every packet a local socket sends with offload, so all pod
 ///   traffic): the field holds the pseudo-header sum the device finishes,
 ///   updated in place for the addresses only;
-/// - complete (`skb->csum` covers the packet and must follow the address
-///   change): the address change goes through the kernel's helper, the port
-///   change (which the checksum field balances within `skb->csum`'s
-///   coverage) is written in place;
-/// - not read (a kernel without the kfunc): as complete, except that the
-///   helper's result must tell a partial field from a full one
-///   (`proxy_common::csum::state_after_pseudo`), and where it cannot, the
-///   port change goes through the helper too.
+/// - complete: `skb->csum` covers the packet. In place where the rewrite
+///   leaves its sum as it was (`Family::COMPLETE_HOLDS`), else through the
+///   kernel's helpers, which update it;
+/// - not read (a kernel without the kfunc): through the helpers, which
+///   apply each change as the state needs.
+///
+/// The helpers also write a packet whose transport header tc may not write
+/// in place (`Family::tc_l4_off`).
 #[inline(always)]
-pub fn rewrite_skb(ctx: &TcContext, flow: &Flow, nat: &Nat) -> Result<(), i64> {
-    let read = ip_summed::read(ctx);
-    maps::count_csum_state(read);
-    let l4 = match read {
+fn rewrite_skb<F: Family>(
+    ctx: &TcContext,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+) -> Result<(), i64> {
+    let state = ip_summed::read(ctx);
+    maps::count_csum_state(state);
+    let l4 = match state {
         CHECKSUM_NONE | CHECKSUM_UNNECESSARY => L4Csum::Full,
+        CHECKSUM_COMPLETE if F::COMPLETE_HOLDS => L4Csum::Full,
         CHECKSUM_PARTIAL => L4Csum::Partial,
-        _ => L4Csum::Caller,
+        _ => return rewrite_by_helper::<F>(ctx, flow, nat),
     };
-    let deltas = rewrite_direct(ctx.data(), ctx.data_end(), flow, nat, l4).map_err(|()| -1i64)?;
-    if l4 != L4Csum::Caller {
-        return Ok(());
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    match F::tc_l4_off(data, data_end, flow) {
+        Some(l4_off) => rewrite_at::<F>(data, data_end, l4_off, flow, nat, l4).map_err(|()| -1),
+        None => rewrite_by_helper::<F>(ctx, flow, nat),
     }
+}
+
+/// The translation with the transport checksum updated by the kernel's
+/// `bpf_l4_csum_replace`, whatever the checksum state: the address change
+/// as a pseudo-header change, then the ports'.
+#[inline(always)]
+fn rewrite_by_helper<F: Family>(
+    ctx: &TcContext,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+) -> Result<(), i64> {
+    let addrs = F::addr_delta(&flow.src_be, &nat.src_be) + F::addr_delta(&flow.dst_be, &nat.dst_be);
+    let ports = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
     let csum_off = flow.l4_csum_off();
     let udp = flow.proto == PROTO_UDP;
-    let mangled = if udp { BPF_F_MARK_MANGLED_0 } else { 0 };
-    let mut state = SkbCsum::Unknown;
+    let mangled = if udp && F::UDP_ZERO_IS_NONE {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    };
     // Size 0: `to` is a difference to add, not a field's new value.
-    if nat.moves_addrs(flow) {
-        ctx.l4_csum_replace(
-            csum_off,
-            0,
-            u64::from(deltas.addrs),
-            BPF_F_PSEUDO_HDR | mangled,
-        )?;
-        // The helper may have moved packet data: pointers are taken anew.
-        let field = l4_csum_field(ctx.data(), ctx.data_end(), flow).ok_or(-1i64)?;
-        // SAFETY: inside the packet, as `l4_csum_field` checked.
-        let after = unsafe { field.read() };
-        state = if read == CHECKSUM_COMPLETE && !(udp && after == 0) {
-            SkbCsum::Full
-        } else {
-            csum::state_after_pseudo(deltas.csum, deltas.addrs, after, udp)
-        };
-        if nat.moves_ports(flow) && state == SkbCsum::Full {
-            // SAFETY: inside the packet, as `l4_csum_field` checked; nothing moved
-            // packet data since.
-            unsafe { field.write(full_update(after, u64::from(deltas.ports), udp)) };
+    ctx.l4_csum_replace(
+        csum_off,
+        0,
+        u64::from(fold(addrs)),
+        BPF_F_PSEUDO_HDR | mangled,
+    )?;
+    ctx.l4_csum_replace(csum_off, 0, u64::from(fold(ports)), mangled)?;
+    if udp && !F::UDP_ZERO_IS_NONE {
+        // A computed 0 is sent as 0xffff: 0 would mean "no checksum", which
+        // this family forbids. The same sum in one's complement, so right
+        // for a `CHECKSUM_PARTIAL` field too.
+        let sum: u16 = ctx.load(csum_off)?;
+        if sum == 0 {
+            ctx.store(csum_off, &0xffffu16, 0)?;
         }
     }
-    if nat.moves_ports(flow) && state == SkbCsum::Unknown {
-        ctx.l4_csum_replace(csum_off, 0, u64::from(deltas.ports), mangled)?;
-    }
-    Ok(())
+    let ports: [u16; 2] = [nat.sport_be, nat.dport_be];
+    ctx.store(flow.l4_off, &ports, 0)?;
+    F::rewrite_ip_tc(ctx, flow, &nat.src_be, &nat.dst_be)
 }
 
-/// What the L4 checksum field holds, and so who keeps it right after a
-/// rewrite.
+/// What the transport checksum field holds, and so how a rewrite in place
+/// keeps it right.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum L4Csum {
-    /// The full checksum, with nothing else to follow it (XDP, where
-    /// checksums are as on the wire; tc with `CHECKSUM_NONE` or
-    /// `CHECKSUM_UNNECESSARY`): updated here, in place.
+enum L4Csum {
+    /// The full checksum (XDP, where checksums are as on the wire; tc with
+    /// `CHECKSUM_NONE` or `CHECKSUM_UNNECESSARY`, or a `CHECKSUM_COMPLETE`
+    /// that holds): takes every change.
     Full,
     /// The pseudo-header sum a device finishes (tc, `CHECKSUM_PARTIAL`):
-    /// updated here for the addresses only, as the kernel does.
+    /// takes the addresses' change alone, as the kernel does; the device
+    /// sums the ports.
     Partial,
-    /// Left to the caller (tc, when the state is `CHECKSUM_COMPLETE`, whose
-    /// `skb->csum` only the kernel's helper can update, or unknown).
-    Caller,
 }
 
-/// What a rewrite changed in the L4 checksum's coverage, for a caller that
-/// updates it (`L4Csum::Caller`): folded one's complement sums, as the
-/// kernel's checksum helpers take them, split because only addresses are
-/// in the pseudo-header; and the checksum field as it was.
-pub struct L4Deltas {
-    pub addrs: u32,
-    pub ports: u32,
-    pub csum: u16,
-}
-
-/// The L4 checksum field of `flow` in the packet between `data` and
-/// `data_end`, if it is inside.
+/// Writes `nat` over `flow`, whose transport header is at `l4_off`, in the
+/// packet between `data` and `data_end` in one pass, with one checksum
+/// update for all of it. A UDP checksum of 0 and a computed 0 are as
+/// `proxy_common::csum::full_update` has them. Nothing is written unless
+/// every field is inside the packet.
 #[inline(always)]
-pub fn l4_csum_field(data: usize, data_end: usize, flow: &Flow) -> Option<*mut u16> {
-    let l4_off = flow.l4_off;
-    if l4_off > MAX_L4_OFF {
-        return None;
+fn rewrite_at<F: Family>(
+    data: usize,
+    data_end: usize,
+    l4_off: usize,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    l4: L4Csum,
+) -> Result<(), ()> {
+    if l4_off > F::MAX_L4_OFF {
+        return Err(());
     }
     let l4p = data + l4_off;
     // Per protocol, so that the verifier sees constant offsets.
-    if flow.proto == PROTO_TCP {
-        (l4p + 20 <= data_end).then_some((l4p + 16) as *mut u16)
+    let csum = if flow.proto == PROTO_TCP {
+        if l4p + 20 > data_end {
+            return Err(());
+        }
+        (l4p + 16) as *mut u16
     } else {
-        (l4p + 8 <= data_end).then_some((l4p + 6) as *mut u16)
-    }
-}
-
-/// Writes `nat` over `flow`'s addresses and ports in the packet between
-/// `data` and `data_end` in one pass, with one checksum update for all of
-/// it: the IP checksum, and the L4 one unless `l4` leaves it to the caller.
-/// A UDP checksum of 0 means "none" and stays 0; a computed 0 is sent as
-/// 0xffff (RFC 768).
-#[inline(always)]
-pub fn rewrite_direct(
-    data: usize,
-    data_end: usize,
-    flow: &Flow,
-    nat: &Nat,
-    l4: L4Csum,
-) -> Result<L4Deltas, ()> {
-    let l4_csum = l4_csum_field(data, data_end, flow).ok_or(())?;
-    let l4p = data + flow.l4_off;
-    let addrs = rewrite_ip(data, data_end, flow, nat)?;
+        if l4p + 8 > data_end {
+            return Err(());
+        }
+        (l4p + 6) as *mut u16
+    };
+    let addrs = F::rewrite_ip(data, data_end, flow, &nat.src_be, &nat.dst_be)?;
     let ports = delta16(flow.sport_be, nat.sport_be) + delta16(flow.dport_be, nat.dport_be);
-    // SAFETY: every access below is inside the bounds `l4_csum_field`
-    // checked.
+    let udp = flow.proto == PROTO_UDP;
+    // SAFETY: inside the bounds checked above.
     unsafe {
         (l4p as *mut u16).write(nat.sport_be);
         ((l4p + 2) as *mut u16).write(nat.dport_be);
-        let old = l4_csum.read();
-        let udp = flow.proto == PROTO_UDP;
-        match l4 {
-            L4Csum::Full => l4_csum.write(full_update(old, addrs + ports, udp)),
-            // Ports are not in the pseudo-header: the device sums them.
-            L4Csum::Partial => l4_csum.write(pseudo_partial(old, addrs, udp)),
-            L4Csum::Caller => {}
-        }
-        Ok(L4Deltas {
-            addrs: u32::from(fold(addrs)),
-            ports: u32::from(fold(ports)),
-            csum: old,
-        })
+        let old = csum.read();
+        csum.write(match l4 {
+            L4Csum::Full => full_update(old, addrs + ports, udp),
+            L4Csum::Partial => pseudo_partial(old, addrs, udp),
+        });
     }
-}
-
-/// Writes `nat`'s addresses into the IP header, with its checksum updated;
-/// returns the change to the sum of the addresses (unfolded), which the L4
-/// checksum's pseudo-header follows. All a later fragment needs: its L4
-/// header, and the checksum that covers the whole datagram, are in the
-/// first fragment.
-#[inline(always)]
-pub fn rewrite_ip(data: usize, data_end: usize, flow: &Flow, nat: &Nat) -> Result<u64, ()> {
-    let ip = data + ETH_HLEN;
-    if ip + IPV4_MIN_HLEN > data_end {
-        return Err(());
-    }
-    let addrs = delta32(flow.src_be, nat.src_be) + delta32(flow.dst_be, nat.dst_be);
-    // SAFETY: inside the bounds checked above.
-    unsafe {
-        ((ip + IP_SRC_OFF) as *mut u32).write(nat.src_be);
-        ((ip + IP_DST_OFF) as *mut u32).write(nat.dst_be);
-        let ip_csum = (ip + IP_CSUM_OFF) as *mut u16;
-        ip_csum.write(apply(ip_csum.read(), addrs));
-    }
-    Ok(addrs)
+    Ok(())
 }

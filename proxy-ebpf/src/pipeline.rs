@@ -16,7 +16,7 @@ use crate::{
     hook::Hook,
     icmp_error::{self, Verdict},
     maps::{count, node_config, node_flags},
-    nat::Nat,
+    nat::NatOf,
     netfilter_ct,
     packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
     prefilter,
@@ -35,6 +35,8 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         // An error among them may be about a translated flow; XDP leaves
         // them to tc, which can route what it rewrites.
         Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp),
+        // Counted by tc, which sees the same packet next.
+        Err(Skip::Malformed | Skip::Truncated(_)) if H::XDP => return Action::Pass,
         Err(Skip::Malformed | Skip::Truncated(_)) => {
             count(counter::PASS_MALFORMED);
             return Action::Pass;
@@ -49,9 +51,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
         let Some((sport_be, dport_be, _)) = frag::ports::<V4>(&flow, now) else {
-            count(counter::FRAG_UNTRACKED);
-            event_log::log(Event::FragUntracked, &flow);
-            return Action::Pass;
+            return untracked_fragment::<H>(&flow);
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
@@ -89,9 +89,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        count(counter::FRAG_UNTRACKED);
-        event_log::log(Event::FragUntracked, &flow);
-        return Action::Pass;
+        return untracked_fragment::<H>(&flow);
     }
     let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
         return unserved::<H>(&flow);
@@ -108,7 +106,7 @@ fn unserved<H: Hook>(flow: &Flow) -> Action {
         Unserved::Drop => Action::Drop,
         Unserved::Reject if H::XDP => {
             count(counter::XDP_TO_TC);
-            Action::ToTc
+            Action::Pass
         }
         Unserved::Reject => Action::Reject(*flow),
     }
@@ -134,7 +132,7 @@ fn icmp(ctx: &TcContext) -> Action {
 pub fn conntrack_pair<H: Hook>(ctx: &H) {
     if let Ok(flow) = packet::parse(ctx) {
         let nf = NewFlow {
-            nat: Nat::identity(&flow),
+            nat: NatOf::identity(&flow),
             backend_id: 0,
             service_id: 0,
             kind: 0,
@@ -166,7 +164,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         }
         if H::XDP {
             count(counter::XDP_TO_TC);
-            return Action::ToTc;
+            return Action::Pass;
         }
         count(counter::REJECT);
         service_counters::rejected(svc.service_id);
@@ -183,10 +181,10 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         return Action::Pass;
     }
     let mut nf = NewFlow {
-        nat: Nat {
+        nat: NatOf {
             dst_be: backend.addr_be[3],
             dport_be: backend.port_be,
-            ..Nat::identity(flow)
+            ..NatOf::identity(flow)
         },
         backend_id,
         service_id: svc.service_id,
@@ -259,7 +257,7 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
     // socket buffer); XDP leaves such packets to it as they came.
     if H::XDP {
         count(counter::XDP_TO_TC);
-        return Some(Action::ToTc);
+        return Some(Action::Pass);
     }
     if netfilter_ct::has_v4(
         ctx,
@@ -275,6 +273,17 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
     None
 }
 
+/// A later fragment whose datagram has no translation: passed untouched.
+/// Counted and logged by tc alone, which sees what XDP passes.
+#[inline(always)]
+fn untracked_fragment<H: Hook>(flow: &Flow) -> Action {
+    if !H::XDP {
+        count(counter::FRAG_UNTRACKED);
+        event_log::log(Event::FragUntracked, flow);
+    }
+    Action::Pass
+}
+
 /// Routes a packet the datapath sends itself (`nat.redirect`) before
 /// anything is written or created (see `crate::route`), its answer kept for
 /// `finish`. `Err` is what becomes of a packet that cannot go: XDP sends
@@ -282,13 +291,13 @@ fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
 /// leaves the rest to tc as it came; tc answers a packet longer than the
 /// route's MTU and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<(), Action> {
+fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>) -> Result<(), Action> {
     if !nat.redirect {
         return Ok(());
     }
     match route::first::<V4, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
         Ahead::Go => Ok(()),
-        Ahead::ToTc => Err(Action::ToTc),
+        Ahead::ToTc => Err(Action::Pass),
         Ahead::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
         Ahead::Unroutable => {
             event_log::log(Event::NoRoute, flow);
@@ -304,7 +313,7 @@ fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat) -> Result<(), Action> {
 fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
     if H::XDP {
         count(counter::XDP_TO_TC);
-        return Action::ToTc;
+        return Action::Pass;
     }
     Action::TooBig(*flow, mtu)
 }
@@ -313,13 +322,13 @@ fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, now: u64) -> Action {
+fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>, now: u64) -> Action {
     match flow.frag {
         FIRST => frag::remember::<V4>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if nat.apply(ctx, flow).is_err() {
+    if nat.apply::<V4, H>(ctx, flow).is_err() {
         // A rewrite that failed half-way leaves a packet with a wrong
         // checksum: drop it rather than send garbage.
         count(counter::DROP_REWRITE);
@@ -333,21 +342,5 @@ fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &Nat, now: u64) -> Action {
         return Action::Pass;
     }
     count(counter::REDIRECT);
-    if !H::XDP {
-        return Action::Redirect(*flow, *nat);
-    }
-    let (data, data_end) = ctx.bounds();
-    match route::forward::<V4>(data, data_end) {
-        Ok(()) => Action::Tx,
-        Err(route::Spent::Hops) => {
-            count(counter::DROP_TTL);
-            event_log::log(Event::Ttl, flow);
-            Action::Drop
-        }
-        Err(route::Spent::NoRoom) => {
-            count(counter::DROP_NO_ROUTE);
-            event_log::log(Event::NoRoute, flow);
-            Action::Drop
-        }
-    }
+    Action::Redirect(*flow, *nat)
 }

@@ -1,6 +1,6 @@
 //! The per-packet pipeline of IPv6 (`tc_ingress6`, `xdp_ingress6`):
 //! conntrack, then the frontend lookup, then what the packet becomes, with
-//! the hook's verdict (`hook6`). Programs of their own rather than more of
+//! the hook's verdict (`verdict::Verdicts`). Programs of their own rather than more of
 //! `tc_ingress` and `xdp_ingress`, whose stacks are nearly full
 //! (docs/architecture.md): IPv4 packets never run this code, IPv6 ones
 //! never run IPv4's.
@@ -32,9 +32,8 @@ use crate::{
     family::V6,
     flow_cache, frag,
     frontend::{self, Frontend},
-    hook6::Hook6,
     maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
-    nat6::Nat6,
+    nat::NatOf,
     netfilter_ct,
     packet::frag::{FIRST, LATER},
     packet6::{self, Flow6, Skip6},
@@ -42,27 +41,28 @@ use crate::{
     route::{self, Ahead},
     service_cidr::{self, Unserved},
     service_counters,
+    verdict::Verdicts,
 };
 
 /// The hook's verdict for an IPv6 packet, after the translation or reply
 /// it calls for. A packet longer than its route's MTU is answered here,
 /// from one place: the answer is written out once in the program.
 #[inline(always)]
-pub fn handle<H: Hook6>(ctx: &H) -> H::Verdict {
+pub fn handle<H: Verdicts>(ctx: &H) -> H::Verdict {
     match translate(ctx) {
         Ok(verdict) => verdict,
-        Err(mtu) => ctx.too_big6(mtu),
+        Err(mtu) => ctx.too_big::<V6>(mtu),
     }
 }
 
 /// The verdict for an IPv6 packet, or `Err` with the MTU of the route it
 /// is too long for (tc only).
 #[inline(always)]
-fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
+fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
     let mut flow = match packet6::parse(ctx) {
         Ok(flow) => flow,
         Err(Skip6::NotOurs) => return Ok(H::PASS),
-        Err(Skip6::Icmp6(icmp_off)) => return Ok(ctx.icmp6_error(icmp_off)),
+        Err(Skip6::Icmp6(icmp_off)) => return Ok(ctx.icmp_error::<V6>(icmp_off)),
         // Counted by tc, which sees the same packet next (and may pull in
         // what XDP found cut short).
         Err(Skip6::Malformed | Skip6::Truncated | Skip6::ExtHeaders) if H::XDP => {
@@ -153,7 +153,7 @@ fn translate<H: Hook6>(ctx: &H) -> Result<H::Verdict, u16> {
 
 /// As IPv4's (`pipeline::unserved`).
 #[inline(always)]
-fn unserved<H: Hook6>(ctx: &H, flow: &Flow6) -> H::Verdict {
+fn unserved<H: Verdicts>(ctx: &H, flow: &Flow6) -> H::Verdict {
     match service_cidr::unserved(flow, H::XDP) {
         Unserved::Pass => H::PASS,
         Unserved::Drop => H::DROP,
@@ -161,7 +161,7 @@ fn unserved<H: Hook6>(ctx: &H, flow: &Flow6) -> H::Verdict {
             count(counter::XDP_TO_TC);
             H::PASS
         }
-        Unserved::Reject => ctx.reject6(flow),
+        Unserved::Reject => ctx.reject::<V6>(flow),
     }
 }
 
@@ -172,7 +172,7 @@ fn unserved<H: Hook6>(ctx: &H, flow: &Flow6) -> H::Verdict {
 /// hairpin flow; kept otherwise. Its conntrack entries are built in
 /// `SCRATCH6`, not on the stack (docs/architecture.md, "IPv6").
 #[inline(always)]
-fn new_flow<H: Hook6>(
+fn new_flow<H: Verdicts>(
     ctx: &H,
     flow: &Flow6,
     frontend: &Frontend,
@@ -203,7 +203,7 @@ fn new_flow<H: Hook6>(
         }
         count(counter::REJECT);
         service_counters::rejected(svc.service_id);
-        return Ok(ctx.reject6(flow));
+        return Ok(ctx.reject::<V6>(flow));
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
         // The agent is between writing a slot set and its backends; the
@@ -219,10 +219,10 @@ fn new_flow<H: Hook6>(
         return Ok(H::PASS);
     }
     let mut nf = NewFlow {
-        nat: Nat6 {
+        nat: NatOf {
             dst_be: backend.addr_be,
             dport_be: backend.port_be,
-            ..Nat6::identity(flow)
+            ..NatOf::identity(flow)
         },
         backend_id,
         service_id: svc.service_id,
@@ -291,7 +291,7 @@ fn new_flow<H: Hook6>(
 /// (IPv4's `pipeline::netfilters`): at tc when netfilter knows its tuple,
 /// at XDP for tc to ask.
 #[inline(always)]
-fn netfilters<H: Hook6>(ctx: &H, flow: &Flow6) -> bool {
+fn netfilters<H: Verdicts>(ctx: &H, flow: &Flow6) -> bool {
     if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
         || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
     {
@@ -318,7 +318,7 @@ fn netfilters<H: Hook6>(ctx: &H, flow: &Flow6) -> bool {
 /// A later fragment whose datagram has no translation: passed untouched.
 /// Counted and logged by tc alone, which sees what XDP passes.
 #[inline(always)]
-fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
+fn untracked_fragment<H: Verdicts>(flow: &Flow6) -> H::Verdict {
     if !H::XDP {
         count(counter::FRAG_UNTRACKED);
         event_log::log6(Event::FragUntracked, flow);
@@ -334,7 +334,11 @@ fn untracked_fragment<H: Hook6>(flow: &Flow6) -> H::Verdict {
 /// tc as it came (counted `xdp_to_tc`); tc answers a packet longer than the
 /// route's MTU with "packet too big" and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result<H::Verdict, u16>> {
+fn route_first<H: Verdicts>(
+    ctx: &H,
+    flow: &Flow6,
+    nat: &NatOf<[u32; 4]>,
+) -> Result<(), Result<H::Verdict, u16>> {
     if !nat.redirect {
         return Ok(());
     }
@@ -357,13 +361,13 @@ fn route_first<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6) -> Result<(), Result
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
+fn finish<H: Verdicts>(ctx: &H, flow: &Flow6, nat: &NatOf<[u32; 4]>, now: u64) -> H::Verdict {
     match flow.frag {
         FIRST => frag::remember::<V6>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if ctx.rewrite6(flow, nat).is_err() {
+    if nat.apply::<V6, H>(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
         event_log::log6(Event::Rewrite, flow);
         return H::DROP;
@@ -375,5 +379,5 @@ fn finish<H: Hook6>(ctx: &H, flow: &Flow6, nat: &Nat6, now: u64) -> H::Verdict {
         return H::PASS;
     }
     count(counter::REDIRECT);
-    ctx.send6(flow, nat)
+    ctx.send::<V6>(flow, nat)
 }

@@ -29,7 +29,6 @@ use crate::{
     packet6::{Flow6, IP6_SRC_OFF, IPV6_HLEN},
 };
 
-const IPV4_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
 const BPF_ADJ_ROOM_MAC: u32 = 1;
 /// What an error quotes past the IP header: a port unreachable's UDP
@@ -37,9 +36,6 @@ const BPF_ADJ_ROOM_MAC: u32 = 1;
 /// that long has as many bytes to quote).
 const UNREACHABLE_QUOTED_L4: usize = 8;
 const TOO_BIG_QUOTED_L4: usize = 20;
-/// IPv4's don't-fragment flag, in the header's flags and offset field
-/// (host order).
-const IP_DF: u16 = 0x4000;
 
 /// tc's verdict for an answer (`event`): sent, or, when it could not be
 /// built, dropped, which still ends the packet as it should (counted,
@@ -95,31 +91,26 @@ pub fn allowed() -> bool {
     true
 }
 
-/// Answers an IPv4 packet longer than its route's `mtu` with
-/// "fragmentation needed". One that may be fragmented (no DF) is dropped:
-/// fragmenting is the stack's, which would refuse the packet's new source.
-/// Counted `too_big` either way.
+/// Answers a packet longer than its route's `mtu` as a router does, with
+/// the quote of it as its sender sent it: "fragmentation needed" over
+/// IPv4, "packet too big" over IPv6 (RFC 4443 3.2); tc's verdict. An IPv4
+/// packet that may be fragmented (no DF) is dropped: fragmenting is the
+/// stack's, which would refuse the packet's new source. Counted `too_big`
+/// either way; the caller logs it, with the flow's addresses.
 #[inline(always)]
-pub fn too_big(ctx: &TcContext, flow: &Flow, mtu: u16) -> Result<i32, i64> {
+pub fn too_big<F: Family>(ctx: &TcContext, mtu: u16) -> i32 {
     count(counter::TOO_BIG);
-    let frag_be: u16 = ctx.load(ETH_HLEN + 6)?;
-    if u16::from_be(frag_be) & IP_DF == 0 {
-        return Ok(TC_ACT_SHOT);
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    if F::may_fragment(data, data_end) {
+        return TC_ACT_SHOT;
     }
-    if flow.ip_len() != IPV4_HLEN {
-        // Quoting IP options would make the error variable-length.
-        return Err(0);
-    }
-    icmp_error::<V4, TOO_BIG_QUOTED_L4>(ctx, IcmpError::TooBig(mtu))
-}
-
-/// Answers an IPv6 packet longer than its route's `mtu` with "packet too
-/// big" (RFC 4443 3.2), as IPv6 routers never fragment; tc's verdict. The
-/// caller logs it, with the flow's addresses.
-#[inline(always)]
-pub fn too_big6(ctx: &TcContext, mtu: u16) -> i32 {
-    count(counter::TOO_BIG);
-    icmp_error::<V6, TOO_BIG_QUOTED_L4>(ctx, IcmpError::TooBig(mtu)).unwrap_or_else(|_| {
+    // Quoting IP options would make the error variable-length.
+    let built = if F::options(data, data_end) {
+        Err(0)
+    } else {
+        icmp_error::<F, TOO_BIG_QUOTED_L4>(ctx, IcmpError::TooBig(mtu))
+    };
+    built.unwrap_or_else(|_| {
         count(counter::DROP_REJECT_FAILED);
         TC_ACT_SHOT
     })

@@ -1,6 +1,8 @@
-//! The pipeline's decision (`Action`) and what it becomes in each hook's
-//! terms: the return code, and the replies and redirects only that hook can
-//! send.
+//! What the pipelines' decisions become in each hook's terms
+//! (`Verdicts`): the return code, and the replies and redirects only that
+//! hook can send. tc finishes everything; XDP finishes what it can send
+//! back out of the interface it came in on, and leaves the rest untouched
+//! to tc, which runs the same pipeline.
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
@@ -10,35 +12,77 @@ use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
     event_log::Event,
-    family::V4,
+    family::{Family, V4},
+    hook::Hook,
+    icmp_error::{self, ErrorFamily},
     maps::{XDP_NEXT, count},
-    nat::Nat,
-    packet::Flow,
-    reject, route,
+    nat::NatOf,
+    packet::{Flow, FlowOf},
+    reject::{self, ResetFamily},
+    route,
 };
 
-/// What the hook does with the packet.
+/// What the hook does with an IPv4 packet (`pipeline`'s decision).
 pub enum Action {
-    /// Leave it to the stack, translated or not.
+    /// Leave it to the stack, translated or not (at XDP: to tc).
     Pass,
-    /// Not IPv4: leave it to the next program at the hook (tc: `tc_ingress6`).
+    /// Not IPv4: leave it to the other family's program.
     Next,
     Drop,
     /// Answer with a TCP reset or ICMP port unreachable.
     Reject(Flow),
     /// Translated; the stack would refuse its source, so it is sent to the
     /// next hop `route::lookup` found for it before it was written.
-    Redirect(Flow, Nat),
+    Redirect(Flow, NatOf<u32>),
     /// tc only: longer than the MTU of the route it would be sent on:
     /// answered with "fragmentation needed" and that MTU, as a router
     /// answers (`reject::too_big`).
     TooBig(Flow, u16),
-    /// XDP only: translated and routed back out of the interface it came in
-    /// on.
-    Tx,
-    /// XDP only: left untouched for tc, which runs the same pipeline and can
-    /// do what XDP cannot (rejects, neighbour resolution, other egress).
-    ToTc,
+}
+
+/// The hook's return code for `action`, after the reply or redirect it
+/// asks for. Inlined into the entry point's own frame, where XDP's tail
+/// call (`Verdicts::next`) must be.
+#[inline(always)]
+pub fn of<H: Verdicts>(ctx: &H, action: Action) -> H::Verdict {
+    match action {
+        Action::Pass => H::PASS,
+        Action::Next => ctx.next(),
+        Action::Drop => H::DROP,
+        Action::Reject(flow) => ctx.reject::<V4>(&flow),
+        Action::Redirect(flow, nat) => ctx.send::<V4>(&flow, &nat),
+        Action::TooBig(flow, mtu) => {
+            V4::log(Event::TooBig, &flow);
+            ctx.too_big::<V4>(mtu)
+        }
+    }
+}
+
+/// A hook the pipelines run at, by its verdicts.
+pub trait Verdicts: Hook {
+    /// The hook's return code.
+    type Verdict: Copy;
+    /// Leave the packet to the stack (at XDP: to tc), translated or not.
+    const PASS: Self::Verdict;
+    const DROP: Self::Verdict;
+
+    /// Not this program's family: handed on to the other family's program.
+    fn next(&self) -> Self::Verdict;
+
+    /// An ICMP message at `at`: translated back if it is an error about a
+    /// translated flow (`icmp_error`).
+    fn icmp_error<F: ErrorFamily>(&self, at: F::IcmpAt) -> Self::Verdict;
+
+    /// Answers with a TCP reset or ICMP port unreachable.
+    fn reject<F: ResetFamily>(&self, flow: &FlowOf<F::Addr>) -> Self::Verdict;
+
+    /// Answers a packet longer than its route's `mtu` (`reject::too_big`).
+    fn too_big<F: Family>(&self, mtu: u16) -> Self::Verdict;
+
+    /// Sends on a translated packet whose new source is an address of this
+    /// node, which the stack would not forward, to the next hop that
+    /// `route::lookup` found before anything was written.
+    fn send<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> Self::Verdict;
 }
 
 /// tcx: run the next program in the chain; from the last one, a pass.
@@ -47,69 +91,116 @@ pub const TCX_NEXT: i32 = -1;
 /// `XDP_NEXT`'s slot of `xdp_ingress6`.
 const XDP_NEXT_IPV6: u32 = proxy_common::XDP_NEXT_IPV6;
 
-/// tc's return code for `action`, after the reply or redirect it asks for.
-#[inline(always)]
-#[expect(
-    clippy::match_same_arms,
-    reason = "what is not produced at this hook has its own arm, apart from the hook's answers"
-)]
-pub fn tc(ctx: &TcContext, action: Action) -> i32 {
-    match action {
-        Action::Pass => TC_ACT_OK,
-        // `TC_ACT_OK` would end the tcx chain before `tc_ingress6`.
-        Action::Next => TCX_NEXT,
-        Action::Drop => TC_ACT_SHOT,
-        Action::Reject(flow) => {
-            if !reject::allowed() {
-                return TC_ACT_SHOT;
-            }
-            let rejected = if flow.proto == PROTO_TCP {
-                reject::tcp_reset::<V4>(ctx, &flow)
-            } else {
-                reject::icmp_port_unreachable::<V4>(ctx, &flow)
-            };
-            reject::answer::<V4>(rejected, &flow, Event::Reject)
+impl Verdicts for TcContext {
+    type Verdict = i32;
+    const PASS: i32 = TC_ACT_OK;
+    const DROP: i32 = TC_ACT_SHOT;
+
+    /// `TC_ACT_OK` would end the tcx chain before `tc_ingress6`.
+    #[inline(always)]
+    fn next(&self) -> i32 {
+        TCX_NEXT
+    }
+
+    #[inline(always)]
+    fn icmp_error<F: ErrorFamily>(&self, at: F::IcmpAt) -> i32 {
+        let send = |error: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>| {
+            route::send_tc::<F>(self, error.proto, &nat.src_be, &nat.dst_be)
+        };
+        match icmp_error::handle::<F, _>(self, at, send) {
+            icmp_error::Verdict::Pass => TC_ACT_OK,
+            icmp_error::Verdict::Drop => TC_ACT_SHOT,
+            icmp_error::Verdict::Sent(verdict) => verdict,
         }
-        Action::Redirect(flow, nat) => {
-            route::send_tc::<V4>(ctx, flow.proto, &nat.src_be, &nat.dst_be)
+    }
+
+    #[inline(always)]
+    fn reject<F: ResetFamily>(&self, flow: &FlowOf<F::Addr>) -> i32 {
+        if !reject::allowed() {
+            return TC_ACT_SHOT;
         }
-        Action::TooBig(flow, mtu) => {
-            reject::answer::<V4>(reject::too_big(ctx, &flow, mtu), &flow, Event::TooBig)
-        }
-        // Not produced at tc.
-        Action::Tx | Action::ToTc => TC_ACT_OK,
+        let rejected = if flow.proto == PROTO_TCP {
+            reject::tcp_reset::<F>(self, flow)
+        } else {
+            reject::icmp_port_unreachable::<F>(self, flow)
+        };
+        reject::answer::<F>(rejected, flow, Event::Reject)
+    }
+
+    #[inline(always)]
+    fn too_big<F: Family>(&self, mtu: u16) -> i32 {
+        reject::too_big::<F>(self, mtu)
+    }
+
+    #[inline(always)]
+    fn send<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> i32 {
+        route::send_tc::<F>(self, flow.proto, &nat.src_be, &nat.dst_be)
     }
 }
 
-/// XDP's return code for `action`. Inlined into `xdp_ingress`'s own frame,
-/// where its tail call must be: the verifier refuses a tail call from a
-/// subprogram whose callers' frames use 256 bytes of stack or more.
-#[inline(always)]
-#[expect(
-    clippy::match_same_arms,
-    reason = "what is not produced at this hook has its own arm, apart from the hook's answers"
-)]
-pub fn xdp(ctx: &XdpContext, action: Action) -> u32 {
-    match action {
-        Action::Pass | Action::ToTc => xdp_action::XDP_PASS,
-        Action::Next => {
-            // SAFETY: a tail call with this program's own context. It only
-            // returns when it fails (an empty slot: `xdp_ingress6` was not
-            // loaded, or its agent has gone), and then IPv6 is left to tc.
-            unsafe { XDP_NEXT.tail_call(ctx, XDP_NEXT_IPV6) };
-            xdp_action::XDP_PASS
+impl Verdicts for XdpContext {
+    type Verdict = u32;
+    const PASS: u32 = xdp_action::XDP_PASS;
+    const DROP: u32 = xdp_action::XDP_DROP;
+
+    /// A tail call to `xdp_ingress6` through `XDP_NEXT`, inlined into
+    /// `xdp_ingress`'s own frame, where it must be: the verifier refuses a
+    /// tail call from a subprogram whose callers' frames use 256 bytes of
+    /// stack or more.
+    #[inline(always)]
+    fn next(&self) -> u32 {
+        // SAFETY: a tail call with this program's own context. It only
+        // returns when it fails (an empty slot: `xdp_ingress6` was not
+        // loaded, or its agent has gone), and then IPv6 is left to tc.
+        unsafe { XDP_NEXT.tail_call(self, XDP_NEXT_IPV6) };
+        xdp_action::XDP_PASS
+    }
+
+    /// Left to tc, which can write past the headers XDP reads and answers
+    /// for every checksum state.
+    #[inline(always)]
+    fn icmp_error<F: ErrorFamily>(&self, _at: F::IcmpAt) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    /// Never reached: the pipeline leaves rejects to tc before it gets here
+    /// (counted `xdp_to_tc`).
+    #[inline(always)]
+    fn reject<F: ResetFamily>(&self, _flow: &FlowOf<F::Addr>) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    /// Never reached: XDP leaves a packet it cannot send to tc.
+    #[inline(always)]
+    fn too_big<F: Family>(&self, _mtu: u16) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    /// Out of the interface it came in on: a redirect to it rather than
+    /// `XDP_TX`, the same on a NIC, and on a veth it also works when the peer
+    /// runs no XDP program (`XDP_TX` frames then wait in the peer's queue
+    /// until other traffic flushes it).
+    #[inline(always)]
+    fn send<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> u32 {
+        match route::forward::<F>(self.data(), self.data_end()) {
+            Ok(()) => {
+                count(counter::XDP_TX);
+                // SAFETY: takes an interface index and flags, no pointers.
+                unsafe {
+                    aya_ebpf::helpers::bpf_redirect(XdpContext::ingress_ifindex(self) as u32, 0)
+                        as u32
+                }
+            }
+            Err(route::Spent::Hops) => {
+                count(counter::DROP_TTL);
+                F::log_addrs(Event::Ttl, flow.proto, &nat.src_be, &nat.dst_be);
+                xdp_action::XDP_DROP
+            }
+            Err(route::Spent::NoRoom) => {
+                count(counter::DROP_NO_ROUTE);
+                F::log_addrs(Event::NoRoute, flow.proto, &nat.src_be, &nat.dst_be);
+                xdp_action::XDP_DROP
+            }
         }
-        Action::Drop => xdp_action::XDP_DROP,
-        Action::Tx => {
-            // A redirect to the interface the packet came in on, rather than
-            // XDP_TX: the same on a NIC, and on a veth it also works when
-            // the peer runs no XDP program (XDP_TX frames then wait in the
-            // peer's queue until other traffic flushes it).
-            count(counter::XDP_TX);
-            // SAFETY: takes an interface index and flags, no pointers.
-            unsafe { aya_ebpf::helpers::bpf_redirect(ctx.ingress_ifindex() as u32, 0) as u32 }
-        }
-        // Not produced at XDP.
-        Action::Reject(_) | Action::Redirect(..) | Action::TooBig(..) => xdp_action::XDP_PASS,
     }
 }

@@ -859,6 +859,38 @@ fn sctp_through_xdp_then_tc_is_counted_once() {
     );
 }
 
+/// A malformed frame is passed by XDP uncounted, and counted by tc, which
+/// sees the same frame next: once a packet, as over IPv6.
+#[test]
+fn a_malformed_frame_through_xdp_then_tc_is_counted_once() {
+    let nf = node_fixture();
+    let mut malformed = tcp(CLIENT, 40_000, VIP, 80, frame::SYN);
+    // A header length of 4 words: shorter than IPv4's fixed header.
+    malformed[14] = 0x44;
+    let (ret, out) = run_xdp(&nf, &malformed);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &malformed),
+        "XDP must pass a malformed frame untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "pass_malformed"),
+        0,
+        "XDP counted a malformed frame that tc counts next"
+    );
+    let (ret, out) = run(&nf.fx, &malformed);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &malformed),
+        "tc must pass a malformed frame untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "pass_malformed"),
+        1,
+        "a malformed frame counted once"
+    );
+}
+
 /// The datapath's clock (jiffies scaled by the calibration `Datapath::load`
 /// makes) reads `CLOCK_MONOTONIC`, the reaper's clock, to within two ticks:
 /// a new flow's conntrack timestamps fall between readings taken around it.

@@ -78,7 +78,22 @@ pub struct NodeReport {
     /// None where the pins have none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefilter_bits_set: Option<u32>,
+    /// What `SERVICE_CIDRS` holds; None where the pins have none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_cidrs: Option<ServiceCidrs>,
     pub counters: Vec<Counter>,
+}
+
+/// The service CIDRs in force and the ClusterIPs held in them.
+#[derive(Debug, Default, Serialize)]
+pub struct ServiceCidrs {
+    /// The ranges: an address of one no Service holds is dropped.
+    pub ranges: Vec<String>,
+    /// ClusterIPs of this proxy's Services: their undefined ports are
+    /// rejected.
+    pub cluster_ips: usize,
+    /// ClusterIPs of Services another proxy serves: passed.
+    pub foreign_cluster_ips: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -254,8 +269,29 @@ fn node(
         socket_notes: socket_notes(pins),
         map_fill,
         prefilter_bits_set: maps.prefilter.as_ref().map(|p| p.ones()),
+        service_cidrs: service_cidrs(maps)?,
         counters,
     })
+}
+
+/// `SERVICE_CIDRS` read back: its ranges, and its ClusterIPs counted.
+fn service_cidrs(maps: &Maps) -> Result<Option<ServiceCidrs>, MapsError> {
+    let Some(map) = &maps.service_cidrs else {
+        return Ok(None);
+    };
+    let mut report = ServiceCidrs::default();
+    for item in map {
+        let (key, kind) = item.map_err(crate::datapath::maps::wrap(map_names::SERVICE_CIDRS))?;
+        match kind {
+            proxy_common::service_cidr::HELD => report.cluster_ips += 1,
+            proxy_common::service_cidr::FOREIGN => report.foreign_cluster_ips += 1,
+            _ => report
+                .ranges
+                .push(encode::cluster_cidr_string(&(key.prefix_len(), key.data()))),
+        }
+    }
+    report.ranges.sort();
+    Ok(Some(report))
 }
 
 /// The node's part as text, a line each, but for the count of frontends
@@ -341,6 +377,18 @@ fn node_text(node: &NodeReport) -> String {
             out,
             "prefilter: {ones} of {bits} bits set ({:.2}%)",
             100.0 * f64::from(ones) / f64::from(bits)
+        );
+    }
+    if let Some(cidrs) = &node.service_cidrs {
+        let ranges = if cidrs.ranges.is_empty() {
+            "none".to_owned()
+        } else {
+            cidrs.ranges.join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "service CIDRs: {ranges} ({} ClusterIPs held, {} of another proxy)",
+            cidrs.cluster_ips, cidrs.foreign_cluster_ips
         );
     }
     for counter in &node.counters {

@@ -95,7 +95,8 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
     let task = tokio::spawn(
         kube_source::watch(client, NODE.to_owned(), tx).with_subscriber(logs.subscriber()),
     );
-    for _ in 0..3 {
+    // Services, EndpointSlices, the Node and ServiceCIDRs.
+    for _ in 0..4 {
         tokio::time::timeout(PROMPT, rx.recv())
             .await
             .expect("the initial listings")

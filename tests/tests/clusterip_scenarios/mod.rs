@@ -884,6 +884,15 @@ pub fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses<
         "TCP to {unallocated}, held by no Service; counters: {}",
         counters_text(&sb)
     );
+    let status = sb.agent().status().expect("ebpf-proxy status");
+    let want = format!(
+        "service CIDRs: {} (1 ClusterIPs held, 0 of another proxy)",
+        F::SERVICE_CIDR
+    );
+    assert!(
+        status.lines().any(|l| l == want),
+        "status has no line {want:?}:\n{status}"
+    );
     let dropped = sb.counter("drop_unallocated");
     let rejected = sb.counter("reject_undefined_port");
     assert!(

@@ -18,6 +18,11 @@ use crate::source::Kind;
 /// rule) delays the datapath by this much instead of forever.
 pub const NODE_LISTING_WAIT: Duration = Duration::from_secs(10);
 
+/// The kinds whose listings the first sync waits for. The service CIDRs
+/// are not among them: they only add drops and rejects for addresses no
+/// frontend answers, and an API server may serve none.
+const AWAITED: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+
 /// Whether a sync may run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Gate {
@@ -61,7 +66,7 @@ impl FirstSync {
     /// removes what no Service claims, so such a listing starts it even when
     /// it changed nothing.
     pub fn listed(&mut self, kind: Kind) -> bool {
-        self.listed.insert(kind) && !self.done
+        AWAITED.contains(&kind) && self.listed.insert(kind) && !self.done
     }
 
     pub fn done(&self) -> bool {
@@ -69,7 +74,7 @@ impl FirstSync {
     }
 
     pub fn gate(&self) -> Gate {
-        if self.done || self.listed.len() == 3 {
+        if self.done || AWAITED.iter().all(|kind| self.listed.contains(kind)) {
             Gate::Open
         } else if self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice)
         {

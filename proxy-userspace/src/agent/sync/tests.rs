@@ -840,6 +840,10 @@ fn the_first_sync_waits_for_the_listings() {
     assert_eq!(first.gate(), Gate::Closed);
     assert!(first.listed(Kind::EndpointSlice), "a first listing");
     assert!(!first.listed(Kind::EndpointSlice), "listed again");
+    assert!(
+        !first.listed(Kind::ServiceCidr),
+        "the service CIDRs are not waited for"
+    );
     assert_eq!(first.gate(), Gate::Closed, "Services not listed");
     assert!(first.listed(Kind::Service));
     let gate = first.gate();
@@ -858,6 +862,21 @@ fn the_first_sync_waits_for_the_listings() {
         !first.listed(Kind::Node),
         "after the first sync a listing starts nothing by itself"
     );
+}
+
+/// Three listings in, the service CIDRs one of them: Services are still
+/// missing, so the first sync still waits (it would diff against a cluster
+/// without Services).
+#[test]
+fn the_service_cidrs_listing_opens_no_gate() {
+    use first_sync::{FirstSync, Gate};
+    let mut first = FirstSync::new(Instant::now());
+    for kind in [Kind::EndpointSlice, Kind::ServiceCidr, Kind::Node] {
+        first.listed(kind);
+    }
+    assert_eq!(first.gate(), Gate::Closed, "Services not listed");
+    assert!(first.listed(Kind::Service));
+    assert_eq!(first.gate(), Gate::Open);
 }
 
 #[test]

@@ -10,24 +10,20 @@
 
 use ebpf_proxy_apiserver as apiserver;
 
+mod scrape;
+
 use std::{
     collections::BTreeMap,
-    io::Write,
     net::{Ipv4Addr, SocketAddrV4},
-    process::{Command, Stdio},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use apiserver::{node, service, slice};
 use ebpf_proxy_tests::{
-    agent::{Agent, http_get},
-    client::tcp_tally,
-    eventually, eventually_value,
-    netns::NetNs,
-    require_root,
-    sandbox::Sandbox,
+    agent::Agent, client::tcp_tally, eventually, netns::NetNs, require_root, sandbox::Sandbox,
 };
 use k8s_openapi::jiff::Timestamp;
+use scrape::promtool_accepts;
 use serde_json::json;
 
 use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP};
@@ -35,147 +31,6 @@ use ebpf_proxy_tests::topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_POR
 const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10349);
 use ebpf_proxy_tests::client::TIMEOUT;
 const CONVERGE: Duration = Duration::from_secs(10);
-
-/// One scrape: every sample by its series (`name{labels}` as exposed).
-struct Scrape {
-    text: String,
-    samples: BTreeMap<String, f64>,
-}
-
-impl Scrape {
-    fn parse(text: String) -> Scrape {
-        let samples = text
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-            .map(|line| {
-                let (series, value) = line
-                    .rsplit_once(' ')
-                    .unwrap_or_else(|| panic!("a sample line without a value: {line:?}"));
-                let value = value
-                    .parse()
-                    .unwrap_or_else(|_| panic!("a sample whose value is not a number: {line:?}"));
-                (series.to_owned(), value)
-            })
-            .collect();
-        Scrape { text, samples }
-    }
-
-    /// The sum of `name`'s samples whose labels include every one of `labels`.
-    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        let matching: Vec<f64> = self
-            .samples
-            .iter()
-            .filter(|(series, _)| {
-                let (n, rest) = series.split_once('{').unwrap_or((series, ""));
-                n == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
-            })
-            .map(|(_, v)| *v)
-            .collect();
-        (!matching.is_empty()).then(|| matching.iter().sum())
-    }
-
-    /// [`Scrape::sum`], which must exist.
-    fn get(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.sum(name, labels).unwrap_or_else(|| {
-            panic!(
-                "no sample of {name} with {labels:?} in the exposition:\n{}",
-                self.text
-            )
-        })
-    }
-}
-
-/// A scrape that sees what happened before it: /metrics is served from a
-/// snapshot up to a second old (docs/security.md, "HTTP endpoints"), so the
-/// first snapshot begun after the call, one whose count of encodings is past
-/// that of the snapshot answering at the call.
-fn scrape(node: &NetNs) -> Scrape {
-    const SNAPSHOTS: &str = "ebpf_proxy_metrics_snapshots_total";
-    let at_call = scrape_now(node).get(SNAPSHOTS, &[]);
-    eventually_value(
-        "a /metrics snapshot begun after the scrape was asked for",
-        Duration::from_secs(5),
-        || {
-            let now = scrape_now(node);
-            match now.get(SNAPSHOTS, &[]) {
-                n if n > at_call => Ok(now),
-                n => Err(format!(
-                    "still snapshot {n} ({SNAPSHOTS}), the one answering at the call"
-                )),
-            }
-        },
-    )
-    .0
-}
-
-/// What /metrics answers now (a snapshot up to a second old).
-fn scrape_now(node: &NetNs) -> Scrape {
-    let (status, response) = node
-        .run(|| http_get(METRICS, "/metrics"))
-        .expect("enter the node namespace")
-        .expect("GET /metrics");
-    assert_eq!(status, 200, "GET /metrics answered:\n{response}");
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .expect("an HTTP response with a body");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "not Prometheus' text format:\n{head}"
-    );
-    Scrape::parse(dechunk(head, body))
-}
-
-/// The body of a chunked response, as is otherwise.
-fn dechunk(head: &str, body: &str) -> String {
-    if !head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        return body.to_owned();
-    }
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).expect("a chunk size");
-        if size == 0 {
-            break;
-        }
-        out.push_str(&after[..size]);
-        rest = &after[size + 2..];
-    }
-    out
-}
-
-/// `promtool check metrics` on the exposition: it parses it as Prometheus
-/// does and lints names, types and help.
-fn promtool_accepts(scrape: &Scrape) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package; `cargo xtask setup` installs it)");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(scrape.text.as_bytes())
-        .expect("write the exposition to promtool");
-    let out = child.wait_with_output().expect("promtool");
-    assert!(
-        out.status.success(),
-        "promtool check metrics refused the exposition ({}): {}{}\n----- exposition -----\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        scrape.text
-    );
-}
 
 /// Answers to `n` new connections to the VIP, by backend; an error if any failed.
 fn served(client: &NetNs, n: usize) -> Result<BTreeMap<String, u64>, String> {
@@ -232,7 +87,7 @@ fn metrics_move_with_traffic_and_changes() {
         served(client, 5).map(|_| ())
     });
 
-    let before = scrape(node_ns);
+    let before = scrape::scrape(node_ns, METRICS);
     promtool_accepts(&before);
     assert_eq!(
         before.get("kubeproxy_network_programming_duration_seconds_count", &[]),
@@ -271,7 +126,7 @@ fn metrics_move_with_traffic_and_changes() {
     });
     const CONNECTIONS: usize = 40;
     let counts = served(client, CONNECTIONS).unwrap_or_else(|e| panic!("traffic: {e}"));
-    let after = scrape(node_ns);
+    let after = scrape::scrape(node_ns, METRICS);
     let scraped_unix = unix_now();
     promtool_accepts(&after);
 

@@ -15,17 +15,16 @@
 
 use ebpf_proxy_apiserver as apiserver;
 
+mod scrape;
+
 use std::{
-    collections::BTreeMap,
-    io::Write,
     net::{Ipv4Addr, SocketAddrV4},
-    process::{Command, Stdio},
     time::Duration,
 };
 
 use apiserver::{Resource, node, service, slice};
 use ebpf_proxy_tests::{
-    agent::{Agent, http_get},
+    agent::Agent,
     cgroup::TestCgroup,
     client::{Outcome, TIMEOUT, TcpSession, tcp_request},
     eventually, eventually_value,
@@ -34,6 +33,7 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     topology::one_node::{BACKENDS, CLIENT, CLUSTER_IP, TCP_PORT, UDP_PORT, VIP},
 };
+use scrape::{Scrape, promtool_accepts};
 
 /// Not another test's port, so that the flag is seen honoured.
 const METRICS: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10351);
@@ -51,135 +51,15 @@ const REFUSED: usize = 5;
 /// bytes each without options, 60 with the most).
 const HEADERS: (u64, u64) = (40, 120);
 
-/// One scrape: every sample by its series (`name{labels}` as exposed).
-struct Scrape {
-    text: String,
-    samples: BTreeMap<String, f64>,
+/// A counter's samples with `labels`, summed, as a whole count; None when
+/// there is none.
+fn count_of(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    scrape.sum(name, labels).map(|v| v as u64)
 }
 
-impl Scrape {
-    fn parse(text: String) -> Scrape {
-        let samples = text
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-            .map(|line| {
-                let (series, value) = line
-                    .rsplit_once(' ')
-                    .unwrap_or_else(|| panic!("a sample line without a value: {line:?}"));
-                let value = value
-                    .parse()
-                    .unwrap_or_else(|_| panic!("a sample whose value is not a number: {line:?}"));
-                (series.to_owned(), value)
-            })
-            .collect();
-        Scrape { text, samples }
-    }
-
-    /// The sum of `name`'s samples whose labels include every one of
-    /// `labels`; None when there is none.
-    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> Option<u64> {
-        let matching: Vec<f64> = self
-            .samples
-            .iter()
-            .filter(|(series, _)| {
-                let (n, rest) = series.split_once('{').unwrap_or((series, ""));
-                n == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
-            })
-            .map(|(_, v)| *v)
-            .collect();
-        (!matching.is_empty()).then(|| matching.iter().sum::<f64>() as u64)
-    }
-
-    /// [`Scrape::sum`], which must exist.
-    fn get(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
-        self.sum(name, labels).unwrap_or_else(|| {
-            panic!(
-                "no sample of {name} with {labels:?} in the exposition:\n{}",
-                self.text
-            )
-        })
-    }
-}
-
-/// What /metrics answers once a snapshot begun after the call is served
-/// (it is served from a snapshot up to a second old).
-fn scrape(node: &NetNs) -> Scrape {
-    const SNAPSHOTS: &str = "ebpf_proxy_metrics_snapshots_total";
-    let at_call = scrape_now(node).get(SNAPSHOTS, &[]);
-    eventually_value(
-        "a /metrics snapshot begun after the scrape was asked for",
-        Duration::from_secs(5),
-        || {
-            let now = scrape_now(node);
-            match now.get(SNAPSHOTS, &[]) {
-                n if n > at_call => Ok(now),
-                n => Err(format!("still snapshot {n}, the one answering at the call")),
-            }
-        },
-    )
-    .0
-}
-
-fn scrape_now(node: &NetNs) -> Scrape {
-    let (status, response) = node
-        .run(|| http_get(METRICS, "/metrics"))
-        .expect("enter the node namespace")
-        .expect("GET /metrics");
-    assert_eq!(status, 200, "GET /metrics answered:\n{response}");
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .expect("an HTTP response with a body");
-    Scrape::parse(dechunk(head, body))
-}
-
-/// The body of a chunked response, as is otherwise.
-fn dechunk(head: &str, body: &str) -> String {
-    if !head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        return body.to_owned();
-    }
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).expect("a chunk size");
-        if size == 0 {
-            break;
-        }
-        out.push_str(&after[..size]);
-        rest = &after[size + 2..];
-    }
-    out
-}
-
-/// `promtool check metrics` on the exposition.
-fn promtool_accepts(scrape: &Scrape) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package; `cargo xtask setup` installs it)");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(scrape.text.as_bytes())
-        .expect("write the exposition to promtool");
-    let out = child.wait_with_output().expect("promtool");
-    assert!(
-        out.status.success(),
-        "promtool check metrics refused the exposition ({}): {}{}\n----- exposition -----\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        scrape.text
-    );
+/// [`count_of`], which must exist.
+fn count(scrape: &Scrape, name: &str, labels: &[(&str, &str)]) -> u64 {
+    scrape.get(name, labels) as u64
 }
 
 /// The service id `ebpf-proxy status` shows for the first port of
@@ -320,7 +200,7 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
     // The sessions' last packets (their FINs and ACKs) through.
     std::thread::sleep(Duration::from_millis(500));
 
-    let scraped = scrape(node_ns);
+    let scraped = scrape::scrape(node_ns, METRICS);
     promtool_accepts(&scraped);
     let of = |svc: &'static str| -> [(&'static str, String); 4] {
         [
@@ -334,7 +214,7 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
         let labels = of(svc);
         let mut all: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
         all.extend_from_slice(extra);
-        scraped.get(name, &all)
+        count(&scraped, name, &all)
     };
     let dir = |d| [("direction", d)];
 
@@ -393,7 +273,11 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
         );
     }
     assert_eq!(
-        scraped.sum("ebpf_proxy_service_dropped_total", &[("namespace", &ns)]),
+        count_of(
+            &scraped,
+            "ebpf_proxy_service_dropped_total",
+            &[("namespace", &ns)]
+        ),
         Some(0),
         "no flow was dropped:\n{}",
         scraped.text
@@ -414,8 +298,9 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
     // below the bound, and starts from zero.
     server.delete(Resource::Services, &ns, "web");
     eventually("web's series gone", CONVERGE, || {
-        let s = scrape(node_ns);
-        match s.sum(
+        let s = scrape::scrape(node_ns, METRICS);
+        match count_of(
+            &s,
             "ebpf_proxy_service_flows_total",
             &[("namespace", &ns), ("service", "web")],
         ) {
@@ -431,14 +316,20 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
         "fresh took another id than web's {}, the only one free below {COUNTED}",
         ids[0]
     );
-    let after = scrape(node_ns);
+    let after = scrape::scrape(node_ns, METRICS);
     let fresh_total: u64 = [
         "ebpf_proxy_service_flows_total",
         "ebpf_proxy_service_packets_total",
         "ebpf_proxy_service_bytes_total",
     ]
     .iter()
-    .map(|name| after.get(name, &[("namespace", ns.as_str()), ("service", "fresh")]))
+    .map(|name| {
+        count(
+            &after,
+            name,
+            &[("namespace", ns.as_str()), ("service", "fresh")],
+        )
+    })
     .sum();
     assert_eq!(
         fresh_total, 0,
@@ -448,8 +339,9 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
 
     server.delete(Resource::Services, &ns, "idle");
     eventually("idle's series gone", CONVERGE, || {
-        let s = scrape(node_ns);
-        match s.sum(
+        let s = scrape::scrape(node_ns, METRICS);
+        match count_of(
+            &s,
             "ebpf_proxy_service_packets_total",
             &[("namespace", &ns), ("service", "idle")],
         ) {

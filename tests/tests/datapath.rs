@@ -3,6 +3,7 @@
 //! loads BPF programs and pins maps).
 
 mod node_maps;
+mod service_counts;
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -21,6 +22,7 @@ use proxy_userspace::{
     planner::{MapOp, MapStore, Planner},
     source::ObjectKey,
 };
+use service_counts::{service_id_of, service_totals};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -1710,8 +1712,8 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows() {
         "an answered flow's port taken"
     );
     assert!(counter(&nf.fx, "snat_exhausted") > 0);
-    let node_port_id = service_id_of(&nf.fx, Ipv4Addr::UNSPECIFIED, NODE_PORT);
-    let exhausted = service_totals(&nf.fx, node_port_id).dropped
+    let node_port_id = service_id_of(&nf.fx.datapath.maps, Ipv4Addr::UNSPECIFIED, NODE_PORT);
+    let exhausted = service_totals(&nf.fx.datapath.maps, node_port_id).dropped
         [proxy_common::service_drop::SNAT_EXHAUSTED as usize];
     assert_eq!(
         exhausted,
@@ -3351,35 +3353,6 @@ fn xdp_drops_unallocated_addresses_and_leaves_rejects_to_tc() {
     );
 }
 
-/// The service id of the TCP frontend `vip:port` (NodePorts on 0.0.0.0).
-fn service_id_of(fx: &Fixture, vip: Ipv4Addr, port: u16) -> u32 {
-    let key = proxy_common::ServiceKey {
-        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(vip.octets())),
-        port_be: port.to_be(),
-        proto: frame::TCP,
-        scope: proxy_common::scope::ANY,
-    };
-    fx.datapath
-        .maps
-        .services
-        .get(&key, 0)
-        .unwrap_or_else(|e| panic!("no frontend {vip}:{port} in SERVICES: {e}"))
-        .service_id
-}
-
-/// The counters of service id `id`, summed over CPUs.
-fn service_totals(fx: &Fixture, id: u32) -> proxy_userspace::datapath::service_counters::Totals {
-    let map = fx
-        .datapath
-        .maps
-        .service_counters
-        .as_ref()
-        .expect("the loaded object's SERVICE_COUNTERS");
-    proxy_userspace::datapath::service_counters::total(map, id)
-        .unwrap_or_else(|e| panic!("reading the counters of service id {id}: {e}"))
-        .unwrap_or_else(|| panic!("service id {id} is past the counters' size"))
-}
-
 /// Each Service port's counters at tc: a flow's first packet, its later
 /// ones and a reply, packets and IP bytes each way; a reject and a drop
 /// for want of endpoints on the Services they happened to, nothing on
@@ -3389,10 +3362,10 @@ fn service_counters_count_each_way_and_each_refusal_at_tc() {
     use proxy_common::service_drop;
     let fx = fixture();
     let (web, empty, local_only, idle) = (
-        service_id_of(&fx, VIP, 80),
-        service_id_of(&fx, EMPTY_VIP, 80),
-        service_id_of(&fx, LOCAL_ONLY_VIP, 80),
-        service_id_of(&fx, HAIRPIN_VIP, 80),
+        service_id_of(&fx.datapath.maps, VIP, 80),
+        service_id_of(&fx.datapath.maps, EMPTY_VIP, 80),
+        service_id_of(&fx.datapath.maps, LOCAL_ONLY_VIP, 80),
+        service_id_of(&fx.datapath.maps, HAIRPIN_VIP, 80),
     );
     let syn = tcp(CLIENT, 41800, VIP, 80, frame::SYN);
     let (ret, out) = run(&fx, &syn);
@@ -3405,7 +3378,7 @@ fn service_counters_count_each_way_and_each_refusal_at_tc() {
     let reply = tcp(backend, 8080, CLIENT, 41800, frame::SYN | frame::ACK);
     assert_eq!(run(&fx, &reply).0, TC_ACT_OK, "the backend's reply");
     let ip = |frame: &[u8]| frame.len() as u64 - 14;
-    let got = service_totals(&fx, web);
+    let got = service_totals(&fx.datapath.maps, web);
     assert_eq!(
         (got.flows, got.packets, got.bytes),
         (1, [6, 1], [ip(&syn) + 5 * ip(&ack), ip(&reply)]),
@@ -3428,7 +3401,7 @@ fn service_counters_count_each_way_and_each_refusal_at_tc() {
         TC_ACT_SHOT,
         "no local endpoint: a drop"
     );
-    let got = service_totals(&fx, empty);
+    let got = service_totals(&fx.datapath.maps, empty);
     assert_eq!(
         (got.rejected, got.flows, got.packets),
         (1, 0, [0, 0]),
@@ -3437,12 +3410,12 @@ fn service_counters_count_each_way_and_each_refusal_at_tc() {
     let mut dropped = [0; 3];
     dropped[service_drop::NO_ENDPOINT as usize] = 1;
     assert_eq!(
-        service_totals(&fx, local_only).dropped,
+        service_totals(&fx.datapath.maps, local_only).dropped,
         dropped,
         "local-only's drops by reason (source range, no endpoint, SNAT exhausted)"
     );
     assert_eq!(
-        service_totals(&fx, idle),
+        service_totals(&fx.datapath.maps, idle),
         proxy_userspace::datapath::service_counters::Totals::default(),
         "a Service without traffic counts nothing"
     );
@@ -3457,9 +3430,13 @@ fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
     let nf = node_fixture();
     let fx = &nf.fx;
     let (lb, local_only, empty) = (
-        service_id_of(fx, LB_IP, 80),
-        service_id_of(fx, Ipv4Addr::UNSPECIFIED, LOCAL_ONLY_NODE_PORT),
-        service_id_of(fx, Ipv4Addr::UNSPECIFIED, EMPTY_NODE_PORT),
+        service_id_of(&fx.datapath.maps, LB_IP, 80),
+        service_id_of(
+            &fx.datapath.maps,
+            Ipv4Addr::UNSPECIFIED,
+            LOCAL_ONLY_NODE_PORT,
+        ),
+        service_id_of(&fx.datapath.maps, Ipv4Addr::UNSPECIFIED, EMPTY_NODE_PORT),
     );
     let denied = tcp(OUTSIDE_DENIED, 43100, LB_IP, 80, frame::SYN);
     assert_eq!(
@@ -3469,7 +3446,7 @@ fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
     );
     let allowed = tcp(OUTSIDE, 43101, LB_IP, 80, frame::SYN);
     assert_eq!(run_xdp(&nf, &allowed).0, XDP_REDIRECT, "inside them");
-    let got = service_totals(fx, lb);
+    let got = service_totals(&fx.datapath.maps, lb);
     let mut dropped = [0; 3];
     dropped[service_drop::SOURCE_RANGE as usize] = 1;
     assert_eq!(
@@ -3483,7 +3460,7 @@ fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
     let mut dropped = [0; 3];
     dropped[service_drop::NO_ENDPOINT as usize] = 1;
     assert_eq!(
-        service_totals(fx, local_only).dropped,
+        service_totals(&fx.datapath.maps, local_only).dropped,
         dropped,
         "the local-only NodePort's drops by reason"
     );
@@ -3491,13 +3468,13 @@ fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
     let syn = tcp(OUTSIDE, 43103, NODE_IP, EMPTY_NODE_PORT, frame::SYN);
     assert_eq!(run_xdp(&nf, &syn).0, XDP_PASS, "no endpoints: left to tc");
     assert_eq!(
-        service_totals(fx, empty).rejected,
+        service_totals(&fx.datapath.maps, empty).rejected,
         0,
         "XDP leaves the reject to tc, uncounted"
     );
     run_tc_on_uplink(&nf, &syn);
     assert_eq!(
-        service_totals(fx, empty).rejected,
+        service_totals(&fx.datapath.maps, empty).rejected,
         1,
         "tc rejects it, counted once"
     );

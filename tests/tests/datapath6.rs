@@ -5,6 +5,7 @@
 //! Needs root (it loads BPF programs and pins maps).
 
 mod node_maps;
+mod service_counts;
 
 use std::{
     net::{IpAddr, Ipv6Addr},
@@ -25,6 +26,7 @@ use proxy_userspace::{
     planner::Planner,
     source::ObjectKey,
 };
+use service_counts::{service_id_of, service_totals};
 
 const TC_ACT_OK: u32 = 0;
 const SCTP: u8 = 132;
@@ -3193,43 +3195,6 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     assert!(BACKENDS.contains(&syn.dst), "DNATed to {}", syn.dst);
 }
 
-/// The counters of the TCP frontend `vip:port`'s service id, summed over
-/// CPUs.
-fn service_totals(
-    fx: &Fixture,
-    vip: Ipv6Addr,
-    port: u16,
-) -> proxy_userspace::datapath::service_counters::Totals {
-    let key = proxy_common::ServiceKey {
-        addr_be: vip
-            .octets()
-            .chunks(4)
-            .map(|w| u32::from_ne_bytes(w.try_into().expect("4 bytes")))
-            .collect::<Vec<u32>>()
-            .try_into()
-            .expect("4 words"),
-        port_be: port.to_be(),
-        proto: frame::TCP,
-        scope: proxy_common::scope::ANY,
-    };
-    let id = fx
-        .datapath
-        .maps
-        .services
-        .get(&key, 0)
-        .unwrap_or_else(|e| panic!("no frontend [{vip}]:{port} in SERVICES: {e}"))
-        .service_id;
-    let map = fx
-        .datapath
-        .maps
-        .service_counters
-        .as_ref()
-        .expect("the loaded object's SERVICE_COUNTERS");
-    proxy_userspace::datapath::service_counters::total(map, id)
-        .unwrap_or_else(|e| panic!("reading the counters of service id {id}: {e}"))
-        .unwrap_or_else(|| panic!("service id {id} is past the counters' size"))
-}
-
 /// IPv6's Service counters at tc: a flow's packets and IP bytes each way
 /// (its SYN, the answer, the next packet), then a reject, which moves
 /// nothing else.
@@ -3243,7 +3208,7 @@ fn service_counters_count_ipv6_flows_each_way_and_rejects() {
         tcp(CLIENT, 42100, VIP, 80, frame::ACK),
     );
     let answer = tcp(BACKENDS[0], 8080, CLIENT, 42100, frame::SYN | frame::ACK);
-    let got = service_totals(&fx, VIP, 80);
+    let got = service_totals(&fx.datapath.maps, service_id_of(&fx.datapath.maps, VIP, 80));
     assert_eq!(
         (got.flows, got.packets, got.bytes, got.rejected),
         (1, [2, 1], [ip(&syn) + ip(&ack), ip(&answer)], 0),
@@ -3254,7 +3219,10 @@ fn service_counters_count_ipv6_flows_each_way_and_rejects() {
     assert_eq!(ret, TC_ACT_REDIRECT, "no endpoints: a reset");
     // The fixture names both frontends of port 80 as one Service port:
     // one service id, one set of counters.
-    let got = service_totals(&fx, EMPTY_VIP, 80);
+    let got = service_totals(
+        &fx.datapath.maps,
+        service_id_of(&fx.datapath.maps, EMPTY_VIP, 80),
+    );
     assert_eq!(
         (got.rejected, got.flows, got.packets, got.dropped),
         (1, 1, [2, 1], [0; 3]),

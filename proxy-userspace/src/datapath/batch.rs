@@ -316,6 +316,23 @@ struct ElemAttr {
     flags: u64,
 }
 
+/// One `BPF_MAP_UPDATE_ELEM` of the map behind `fd`.
+///
+/// # Safety
+/// `key` and `value` must point at a key and a value of the map's sizes (a
+/// per-CPU map's value being one for each possible CPU); the kernel only
+/// reads them.
+pub(crate) unsafe fn update_elem(fd: u32, key: *const u8, value: *const u8) -> std::io::Result<()> {
+    let mut attr = ElemAttr {
+        map_fd: fd,
+        key: key as u64,
+        value: value as u64,
+        ..Default::default()
+    };
+    // SAFETY: as the caller promised.
+    unsafe { sys::bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }.map(|_| ())
+}
+
 /// Writes `keys[i]` → `values[i]` into the hash map behind `fd` in one call
 /// (`BPF_MAP_UPDATE_BATCH`), in order; one call per entry on a kernel
 /// without batched writes (before 5.6). On a failure, how many were written
@@ -356,15 +373,16 @@ pub fn update<K: Pod, V: Pod>(
         return Err((landed, error));
     }
     for (i, (key, value)) in keys.iter().zip(values).enumerate() {
-        let mut attr = ElemAttr {
-            map_fd: fd,
-            key: std::ptr::from_ref(key) as u64,
-            value: std::ptr::from_ref(value) as u64,
-            ..Default::default()
-        };
         // SAFETY: `key` and `value` are a key and a value of the map's key
         // and value sizes (checked above).
-        unsafe { sys::bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }.map_err(|source| {
+        unsafe {
+            update_elem(
+                fd,
+                std::ptr::from_ref(key).cast(),
+                std::ptr::from_ref(value).cast(),
+            )
+        }
+        .map_err(|source| {
             (
                 i,
                 BatchError::Syscall {

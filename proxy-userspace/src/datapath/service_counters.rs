@@ -11,9 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use aya::maps::{MapData, MapError, PerCpuArray};
 use proxy_common::{ServiceCounters, service_drop};
 
-use super::sys;
-
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+use super::batch;
 
 /// Why counters could not be read or reset.
 #[derive(Debug, thiserror::Error)]
@@ -38,17 +36,6 @@ pub enum ServiceCountersError {
     Open(MapError),
 }
 
-/// The element member of `union bpf_attr`, for `BPF_MAP_UPDATE_ELEM`.
-#[repr(C)]
-#[derive(Default)]
-struct ElemAttr {
-    map_fd: u32,
-    pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
-}
-
 /// Zeroes every CPU's counters of each id in `ids`, in the map behind
 /// `fd`. An id past the map's end has none to zero (the datapath counts
 /// only ids below its size). Takes a descriptor, so that the thread
@@ -61,17 +48,12 @@ pub fn reset(fd: BorrowedFd<'_>, ids: &[u32]) -> Result<(), ServiceCountersError
     // A per-CPU value is each possible CPU's, one after the other.
     let zeros = vec![ServiceCounters::default(); cpus];
     for &id in ids {
-        let mut attr = ElemAttr {
-            map_fd: fd.as_raw_fd() as u32,
-            key: std::ptr::from_ref(&id) as u64,
-            value: zeros.as_ptr() as u64,
-            ..Default::default()
-        };
-        // SAFETY: `key` is a u32 (the array's key) and `value` holds one
+        let key = std::ptr::from_ref(&id).cast();
+        // SAFETY: `key` is a u32 (the array's key) and the value holds one
         // `ServiceCounters` for each possible CPU, the map's value size
-        // times their number; the kernel only reads them.
-        match unsafe { sys::bpf(BPF_MAP_UPDATE_ELEM, &mut attr) } {
-            Ok(_) => {}
+        // times their number.
+        match unsafe { batch::update_elem(fd.as_raw_fd() as u32, key, zeros.as_ptr().cast()) } {
+            Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::E2BIG) => {}
             Err(source) => return Err(ServiceCountersError::Reset { id, source }),
         }

@@ -236,12 +236,12 @@ pub fn service_cidr_bits((prefix_len, key): &ClusterCidrEntry, mut set: impl FnM
         set(WIDE_BIT);
         return;
     }
-    let bytes: Vec<u8> = key.addr_be.iter().flat_map(|w| w.to_ne_bytes()).collect();
-    let base = u128::from_be_bytes(bytes.try_into().unwrap_or([0; 16]));
+    // The words hold their bytes in network order: as bytes, one big-endian
+    // number, which the blocks count up from.
+    let base = u128::from_be_bytes(bytemuck::cast(key.addr_be));
     for block in 0..blocks {
-        let addr = (base + (u128::from(block) << 8)).to_be_bytes();
-        let word = |i: usize| u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
-        set(block_bit(&[word(0), word(4), word(8), word(12)]));
+        let addr: [u32; 4] = bytemuck::cast((base + (u128::from(block) << 8)).to_be_bytes());
+        set(block_bit(&addr));
     }
 }
 

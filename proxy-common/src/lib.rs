@@ -73,19 +73,23 @@ pub mod map_names {
     /// The Service port each service id stands for (`ServiceName`): read
     /// by `ebpf-proxy status` only, no program looks at it.
     pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
+    /// What the agent refused of each Service (`RefusalRecord`): read by
+    /// `ebpf-proxy status` only, no program looks at it.
+    pub const SERVICE_REFUSALS: &str = "SERVICE_REFUSALS";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
     /// The rate limit of rejects (`RejectLimit`). Never pinned, so not in
     /// `ALL`: each agent writes its own at load.
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
-    /// Each Service port's counters (`ServiceCounters`). Never pinned, so
-    /// not in `ALL`: each agent sizes its own at load, and a Service's
-    /// counters start from zero with the agent, as its other metrics do.
+    /// Each Service port's counters (`ServiceCounters`). Not in `ALL`: each
+    /// agent sizes its own at load, and a Service's counters start from
+    /// zero with the agent, as its other metrics do; the agent then pins
+    /// it in place of the last agent's, for `ebpf-proxy status`.
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 15] = [
+    pub const LATER: [&str; 17] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -101,12 +105,14 @@ pub mod map_names {
         PREFILTER,
         SERVICE_NAMES,
         SERVICE_CIDRS,
+        SERVICE_REFUSALS,
+        SERVICE_COUNTERS,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 33] = [
+    pub const ALL: [&str; 34] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -140,6 +146,7 @@ pub mod map_names {
         PREFILTER,
         SERVICE_NAMES,
         SERVICE_CIDRS,
+        SERVICE_REFUSALS,
     ];
 }
 
@@ -572,6 +579,59 @@ impl Default for ServiceName {
             port: 0,
             proto: 0,
             _pad: 0,
+        }
+    }
+}
+
+/// Longest reason label a `RefusalRecord` holds (`budget`, `cluster_ip`,
+/// `invalid`...).
+pub const REFUSAL_REASON_LEN: usize = 16;
+/// Longest account of a refusal a `RefusalRecord` holds; a longer one is
+/// cut, ending in "...".
+pub const REFUSAL_TEXT_LEN: usize = 256;
+/// Entries of `SERVICE_REFUSALS`: past them a refusal is in the log, the
+/// Events and the metrics, but not in `ebpf-proxy status`.
+pub const MAX_REFUSALS: u32 = 4_096;
+
+/// `SERVICE_REFUSALS` key: the `index`th refusal of a Service, by name
+/// (a Service refused as a whole has no service id). Text as `ServiceName`'s.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RefusalKey {
+    pub namespace: [u8; SERVICE_NAME_LEN],
+    pub name: [u8; SERVICE_NAME_LEN],
+    pub index: u32,
+}
+
+impl Default for RefusalKey {
+    fn default() -> Self {
+        Self {
+            namespace: [0; SERVICE_NAME_LEN],
+            name: [0; SERVICE_NAME_LEN],
+            index: 0,
+        }
+    }
+}
+
+/// `SERVICE_REFUSALS` value: what the agent refused to program of a
+/// Service and why, for `ebpf-proxy status`; no program reads it. Text as
+/// `ServiceName`'s.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RefusalRecord {
+    /// The `reason` label of `ebpf_proxy_service_address_refusals`, or
+    /// `invalid` for a Service the model cannot program at all.
+    pub reason: [u8; REFUSAL_REASON_LEN],
+    pub text: [u8; REFUSAL_TEXT_LEN],
+}
+
+impl Default for RefusalRecord {
+    fn default() -> Self {
+        Self {
+            reason: [0; REFUSAL_REASON_LEN],
+            text: [0; REFUSAL_TEXT_LEN],
         }
     }
 }
@@ -1442,9 +1502,9 @@ mod pod_impls {
     use super::{
         AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
         Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-        FragValue, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, SOCK_NOTE_SLOTS,
-        ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6, SockNotes,
-        SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
+        FragValue, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord, RejectLimit,
+        SOCK_NOTE_SLOTS, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote,
+        SockNote6, SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
     };
     macro_rules! pod {
         ($($t:ty),+ $(,)?) => {$(
@@ -1485,6 +1545,8 @@ mod pod_impls {
         ServiceKey,
         ServiceValue,
         ServiceName,
+        RefusalKey,
+        RefusalRecord,
         ServiceCounters,
         BackendSlotKey,
         BackendSlot,

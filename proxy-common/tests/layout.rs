@@ -14,9 +14,9 @@ use std::{collections::BTreeSet, fs, path::Path};
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
-    FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceCounters,
-    ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6, SockNotes, SockNotes6,
-    SockNotes6Record, SockNotesRecord, SourceRangeKey,
+    FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord,
+    RejectLimit, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6,
+    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
 };
 
 /// The layout version the table below describes.
@@ -62,7 +62,10 @@ fn table() -> Vec<Layout> {
         // A map added to this version: older agents of it have no
         // SERVICE_NAMES pin, so the shape is new, not changed.
         ServiceName: 164, 2 { namespace: 0, name: 64, port_name: 128, port: 160, proto: 162, _pad: 163 }
-        // Never pinned: each agent's own, sized at its load.
+        // Maps added to this version, read by no program:
+        RefusalKey: 132, 4 { namespace: 0, name: 64, index: 128 }
+        RefusalRecord: 272, 1 { reason: 0, text: 16 }
+        // Each agent's own, sized at its load, pinned in place of the last.
         ServiceCounters: 56, 8 { packets: 0, bytes: 16, flows: 32, rejected: 40, dropped: 44 }
         BackendSlotKey: 8, 4 { slot_set: 0, slot: 4 }
         BackendSlot: 4, 4 { backend_id: 0 }

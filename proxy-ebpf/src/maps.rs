@@ -11,10 +11,10 @@ use proxy_common::{
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, DEFAULT_SERVICE_COUNTERS, FLOW_CACHE_SLOTS,
     FlowCacheEntryOf, FragKey, FragValue, MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY,
     MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES,
-    MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_SERVICE_CIDRS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RejectLimit, ServiceCounters, ServiceKey,
-    ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey, clock_slot, counter,
-    ip_summed, prefilter, sock_counter,
+    MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_REFUSALS, MAX_SERVICE_CIDRS, MAX_SERVICES,
+    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord, RejectLimit,
+    ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
+    clock_slot, counter, ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -32,9 +32,20 @@ pub static SERVICES: HashMap<
 pub static SERVICE_NAMES: HashMap<u32, ServiceName, { MAX_SERVICES as usize }, MAP_F_NO_PREALLOC> =
     HashMap::new();
 
+/// What the agent refused of each Service, for `ebpf-proxy status`;
+/// written by the agent, read by no program.
+#[btf_map]
+pub static SERVICE_REFUSALS: HashMap<
+    RefusalKey,
+    RefusalRecord,
+    { MAX_REFUSALS as usize },
+    MAP_F_NO_PREALLOC,
+> = HashMap::new();
+
 /// Each Service port's counters, at its service id (see
 /// `crate::service_counters`). Sized by the agent at load
-/// (`--service-counters`); never pinned.
+/// (`--service-counters`), which then pins it in place of the last
+/// agent's.
 #[btf_map]
 pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters, { DEFAULT_SERVICE_COUNTERS as usize }> =
     PerCpuArray::new();

@@ -28,6 +28,7 @@ use crate::{
         interfaces::{self, Interfaces, Selection, Snapshot},
         maps::Maps,
         program_load,
+        refusal_records::RefusalRecords,
     },
     detect_local::DetectLocal,
     health_check_server::{self, HealthCheckServer},
@@ -170,6 +171,9 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
 
     let health = Health::new(config.sync_period.saturating_mul(2));
     let mut sync = SyncLoop::new(config.min_sync_period, health.clone(), Instant::now());
+    if let Some(map) = datapath.maps.service_refusals.take() {
+        sync.set_refusal_records(RefusalRecords::new(map));
+    }
     let interface_modes = InterfaceModes::default();
     let metrics = start_metrics(&config, &datapath, &mut sync, &interface_modes).await?;
     let _http = http::serve(config.healthz, health.clone(), &metrics).await?;

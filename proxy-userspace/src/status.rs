@@ -18,6 +18,8 @@ use crate::{
     datapath::{
         Maps, PinLayout, batch,
         maps::{MapsError, batch_error},
+        refusal_records::{self, RefusalRecordsError},
+        service_counters::{self, ServiceCountersError, Totals},
     },
     housekeeping::{sock_diag, sock_notes},
     planner::encode,
@@ -30,6 +32,10 @@ pub enum StatusError {
     Maps(#[from] MapsError),
     #[error("writing the report as JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Counters(#[from] ServiceCountersError),
+    #[error(transparent)]
+    Refusals(#[from] RefusalRecordsError),
 }
 
 /// What `ebpf-proxy status` is asked for.
@@ -134,7 +140,13 @@ pub fn render(pins: &PinLayout, options: &Options) -> Result<String, StatusError
         .service
         .as_ref()
         .map(|(namespace, name)| (namespace.as_str(), name.as_str()));
-    let services = services::services(&stored, only);
+    let mut services = services::services(&stored, only);
+    let counters = counters(&maps, &services)?;
+    let refusals = match &maps.service_refusals {
+        Some(map) => refusal_records::read(map)?,
+        None => std::collections::BTreeMap::new(),
+    };
+    services::annotate(&mut services, &counters, refusals, only);
     let node = node(pins, &maps, &stored)?;
     let flows = if options.flows {
         Some(flows::read(&maps)?)
@@ -169,6 +181,23 @@ pub fn render(pins: &PinLayout, options: &Options) -> Result<String, StatusError
         );
         for flow in flows {
             let _ = writeln!(out, "flow {flow}");
+        }
+    }
+    Ok(out)
+}
+
+/// The counters of each port of `services`, where the pins have them.
+fn counters(
+    maps: &Maps,
+    services: &[services::ServiceReport],
+) -> Result<std::collections::BTreeMap<u32, Totals>, StatusError> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(map) = &maps.service_counters else {
+        return Ok(out);
+    };
+    for port in services.iter().flat_map(|s| &s.ports) {
+        if let Some(totals) = service_counters::total(map, port.service_id)? {
+            out.insert(port.service_id, totals);
         }
     }
     Ok(out)

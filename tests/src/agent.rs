@@ -323,6 +323,17 @@ impl Agent {
         )
     }
 
+    /// `ebpf-proxy status` with `args` (`--output json`, `--service ...`).
+    pub fn status_with(&self, args: &[&str]) -> Result<String> {
+        run_cmd(
+            self.on_its_node()
+                .arg("status")
+                .args(args)
+                .arg("--bpf-root")
+                .arg(&self.bpf_root),
+        )
+    }
+
     /// `ebpf-proxy status --flows`: the status and every translated flow.
     pub fn status_flows(&self) -> Result<String> {
         run_cmd(

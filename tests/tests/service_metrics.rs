@@ -8,7 +8,10 @@
 //! exactly, `idle`'s nothing; a `connect()` of the node's own, sent to
 //! `web`'s backend by the socket hook, counts as a flow of `web`. A
 //! Service that goes away takes its series with it, and a Service given a
-//! freed service id starts from zero.
+//! freed service id starts from zero. `ebpf-proxy status` gives the same
+//! counters by Service port, and says what was refused of a Service and why
+//! (an externalIP that is another Service's ClusterIP; a Service without a
+//! spec, refused as a whole).
 //!
 //! Needs root (namespaces, BPF), the release binary (`cargo xtask build`)
 //! and `promtool` (`cargo xtask setup` installs it).
@@ -41,6 +44,7 @@ const CONVERGE: Duration = Duration::from_secs(10);
 const IDLE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
 const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
 const FRESH_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 13);
+const SQUATTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 14);
 /// Service ids below it are counted: the three Services' (ids 1 to 3),
 /// so that a Service that comes later takes a freed one.
 const COUNTED: &str = "4";
@@ -109,6 +113,166 @@ fn sessions(client: &NetNs) -> (u64, u64) {
         }
     }
     (to_backend, to_client)
+}
+
+/// `namespace/squatter`: a Service whose externalIP is idle's ClusterIP,
+/// which the address policy refuses (ClusterIPs always win); its ClusterIP
+/// is served.
+fn squatter(namespace: &str) -> serde_json::Value {
+    let mut svc = service(namespace, "squatter", &SQUATTER_IP.to_string());
+    svc["spec"]["externalIPs"] = serde_json::json!([IDLE_IP.to_string()]);
+    svc
+}
+
+/// A metric's sum for a Service of the test's namespace, with labels.
+type Get<'a> = &'a dyn Fn(&str, &'static str, &[(&str, &str)]) -> u64;
+
+/// `ebpf-proxy status --output json` gives web's and empty's counters as
+/// the metrics (`get`) do, and says what was refused of squatter and
+/// hollow and why; as text too.
+fn status_agrees(agent: &Agent, ns: &str, get: Get<'_>) {
+    let report = eventually_value(
+        "squatter's and hollow's refusals in the status",
+        CONVERGE,
+        || {
+            let out = agent
+                .status_with(&["--output", "json"])
+                .map_err(|e| format!("ebpf-proxy status --output json: {e:#}"))?;
+            let report: serde_json::Value = serde_json::from_str(&out)
+                .map_err(|e| format!("status is not JSON ({e}):\n{out}"))?;
+            let refused = |name: &str| {
+                report["services"].as_array().is_some_and(|list| {
+                    list.iter().any(|s| {
+                        s["namespace"] == ns && s["name"] == name && s["refused"].is_array()
+                    })
+                })
+            };
+            if refused("squatter") && refused("hollow") {
+                Ok(report)
+            } else {
+                Err(format!("not both refused yet:\n{report:#}"))
+            }
+        },
+    )
+    .0;
+    let of = |name: &str| -> &serde_json::Value {
+        report["services"]
+            .as_array()
+            .and_then(|list| {
+                list.iter()
+                    .find(|s| s["namespace"] == ns && s["name"] == name)
+            })
+            .unwrap_or_else(|| panic!("no {ns}/{name} in the status:\n{report:#}"))
+    };
+    let counters = |name: &str| of(name)["ports"][0]["counters"].clone();
+    let web = counters("web");
+    let dir = |d| [("direction", d)];
+    for (what, got, want) in [
+        (
+            "flows",
+            &web["flows"],
+            get("ebpf_proxy_service_flows_total", "web", &[]),
+        ),
+        (
+            "packets to the backend",
+            &web["packets"]["to_backend"],
+            get(
+                "ebpf_proxy_service_packets_total",
+                "web",
+                &dir("to_backend"),
+            ),
+        ),
+        (
+            "packets to the client",
+            &web["packets"]["to_client"],
+            get("ebpf_proxy_service_packets_total", "web", &dir("to_client")),
+        ),
+        (
+            "bytes to the backend",
+            &web["bytes"]["to_backend"],
+            get("ebpf_proxy_service_bytes_total", "web", &dir("to_backend")),
+        ),
+        (
+            "bytes to the client",
+            &web["bytes"]["to_client"],
+            get("ebpf_proxy_service_bytes_total", "web", &dir("to_client")),
+        ),
+    ] {
+        assert_eq!(
+            got.as_u64(),
+            Some(want),
+            "web's {what} in the status, against /metrics:\n{web:#}"
+        );
+    }
+    let empty = counters("empty");
+    assert_eq!(
+        (empty["rejected"].as_u64(), empty["flows"].as_u64()),
+        (Some(REFUSED as u64), Some(0)),
+        "empty's rejects and flows in the status:\n{empty:#}"
+    );
+    refusals_told(agent, &report, ns, get);
+}
+
+/// What was refused of squatter and hollow, and why, in `report` and in
+/// the text.
+fn refusals_told(agent: &Agent, report: &serde_json::Value, ns: &str, get: Get<'_>) {
+    let of = |name: &str| -> &serde_json::Value {
+        report["services"]
+            .as_array()
+            .and_then(|list| {
+                list.iter()
+                    .find(|s| s["namespace"] == ns && s["name"] == name)
+            })
+            .unwrap_or_else(|| panic!("no {ns}/{name} in the status:\n{report:#}"))
+    };
+    let refused = |name: &str| -> Vec<(String, String)> {
+        of(name)["refused"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (
+                    r["reason"].as_str().unwrap_or("?").to_owned(),
+                    r["text"].as_str().unwrap_or("?").to_owned(),
+                )
+            })
+            .collect()
+    };
+    let squatter = refused("squatter");
+    assert!(
+        squatter.len() == 1
+            && squatter[0].0 == "cluster_ip"
+            && squatter[0].1.contains(&IDLE_IP.to_string()),
+        "squatter's refusal, its externalIP {IDLE_IP} being idle's ClusterIP: {squatter:?}"
+    );
+    assert!(
+        !of("squatter")["ports"].as_array().is_none_or(Vec::is_empty),
+        "squatter's ClusterIP is served, yet it has no port in the status"
+    );
+    let hollow = refused("hollow");
+    assert!(
+        hollow.len() == 1 && hollow[0].0 == "invalid" && hollow[0].1.contains("spec"),
+        "hollow, without a spec, refused as a whole: {hollow:?}"
+    );
+    assert_eq!(refused("web"), [], "web has nothing refused");
+
+    let text = agent
+        .status_with(&["--service", &format!("{ns}/squatter")])
+        .unwrap_or_else(|e| panic!("ebpf-proxy status --service: {e:#}"));
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  refused (cluster_ip): ") && l.contains(&IDLE_IP.to_string())),
+        "the text of squatter lacks its refusal:\n{text}"
+    );
+    let text = agent
+        .status_with(&["--service", &format!("{ns}/web")])
+        .unwrap_or_else(|e| panic!("ebpf-proxy status --service: {e:#}"));
+    let flows = get("ebpf_proxy_service_flows_total", "web", &[]);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&format!("    traffic: {flows} flows, packets "))),
+        "the text of web lacks its traffic line of {flows} flows:\n{text}"
+    );
 }
 
 /// Checks that `packets` packets of `bytes` carry `payload` bytes: each
@@ -187,6 +351,14 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
     )
     .expect("the agent on the API source");
     let ids = ids_when_programmed(&agent, &ns, &["web", "idle", "empty"]);
+    // Refused: an externalIP that is idle's ClusterIP, and a Service the
+    // model cannot program at all. After the three, so that their ids are
+    // the counted ones.
+    server.apply(squatter(&ns));
+    server.apply(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "hollow", "namespace": ns},
+    }));
 
     let (to_backend, to_client) = sessions(client);
     let empty_vip = SocketAddrV4::new(EMPTY_IP, 80);
@@ -282,6 +454,7 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
         "no flow was dropped:\n{}",
         scraped.text
     );
+    status_agrees(&agent, &ns, &get);
     eprintln!(
         "web: {} packets / {} bytes to the backend ({to_backend} of payload), {} / {} to the client ({to_client})",
         get(
@@ -294,6 +467,8 @@ fn service_counters_count_each_services_flows_bytes_and_rejects() {
         get("ebpf_proxy_service_bytes_total", "web", &dir("to_client")),
     );
 
+    // Squatter's id, above the bound, is not one `fresh` could take.
+    server.delete(Resource::Services, &ns, "squatter");
     // `web` goes, then `fresh` comes: it takes web's id, the only one free
     // below the bound, and starts from zero.
     server.delete(Resource::Services, &ns, "web");

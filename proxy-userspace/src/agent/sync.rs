@@ -54,6 +54,7 @@ use self::{
     sweep::{Sweeper, Swept},
 };
 use crate::{
+    datapath::refusal_records::RefusalRecords,
     healthz::Health,
     metrics::{PolicyMetrics, ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
@@ -192,6 +193,12 @@ impl SyncLoop {
     /// Reports what the address policy refused to these metrics.
     pub fn set_policy_metrics(&mut self, metrics: PolicyMetrics) {
         self.refusals.set_metrics(metrics);
+    }
+
+    /// Records what is refused of each Service in `records`, for
+    /// `ebpf-proxy status`.
+    pub fn set_refusal_records(&mut self, records: RefusalRecords) {
+        self.refusals.set_records(records);
     }
 
     /// Posts an Event on each Service the address policy refuses something
@@ -432,7 +439,7 @@ impl SyncLoop {
                 desired_frontends(&key, service, state, model)
             });
             let outcome = match modelled {
-                Some(modelled) => {
+                Ok(modelled) => {
                     self.refusals
                         .report(&key, service.and_then(|s| s.uid()), modelled.refusals);
                     timed(&mut phases.plan, || {
@@ -445,7 +452,10 @@ impl SyncLoop {
                         )
                     })
                 }
-                None => ServiceOutcome::Invalid,
+                Err(e) => {
+                    self.refusals.invalid(&key, &e);
+                    ServiceOutcome::Invalid
+                }
             };
             unsettled.push(key, outcome);
             if unsettled.full() {

@@ -11,8 +11,8 @@ use aya::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, Clock, ClusterCidrKey,
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FLOW_GEN_EPOCH, NodeAddr, NodeAddrKey,
-    NodeConfig, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6,
-    SourceRangeKey, counter, ip_summed, map_names, sock_counter,
+    NodeConfig, RefusalKey, RefusalRecord, ServiceCounters, ServiceKey, ServiceName, ServiceValue,
+    SockNotes, SockNotes6, SourceRangeKey, counter, ip_summed, map_names, sock_counter,
 };
 
 use std::{
@@ -183,9 +183,12 @@ pub struct Maps {
     /// The service CIDRs and the ClusterIPs in them (`SERVICE_CIDRS`);
     /// absent like `csum_states`.
     pub service_cidrs: Option<LpmTrie<MapData, ClusterCidrKey, u32>>,
+    /// What the agent refused of each Service (`SERVICE_REFUSALS`); absent
+    /// like `csum_states`, and taken by the sync loop, which writes it.
+    pub service_refusals: Option<HashMap<MapData, RefusalKey, RefusalRecord>>,
     /// Each Service port's counters (`SERVICE_COUNTERS`): the loaded
-    /// object's, never pinned, so None where the maps were opened from
-    /// pins.
+    /// object's, or where the maps were opened from pins, the last agent's
+    /// (None where it pinned none).
     pub service_counters: Option<PerCpuArray<MapData, ServiceCounters>>,
 }
 
@@ -203,9 +206,7 @@ impl Maps {
     pub fn open_pinned(pins: &PinLayout) -> Result<Self, MapsError> {
         let open = |name: &'static str| -> Result<Map, MapsError> {
             let path = pins.map(name);
-            if name == map_names::SERVICE_COUNTERS
-                || map_names::LATER.contains(&name) && !path.exists()
-            {
+            if map_names::LATER.contains(&name) && !path.exists() {
                 return Err(MapsError::Missing { name });
             }
             let data = MapData::from_pin(path).map_err(wrap(name))?;
@@ -221,8 +222,8 @@ impl Maps {
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
             HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
-            SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICES, SOCK_COUNTERS, SOCK_NOTES,
-            SOCK_NOTES6, SOURCE_RANGES,
+            SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICE_REFUSALS, SERVICES,
+            SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -258,6 +259,7 @@ impl Maps {
                 .transpose()?,
             service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
             service_cidrs: later(get(SERVICE_CIDRS), SERVICE_CIDRS, LpmTrie::try_from)?,
+            service_refusals: later(get(SERVICE_REFUSALS), SERVICE_REFUSALS, HashMap::try_from)?,
             service_counters: later(
                 get(SERVICE_COUNTERS),
                 SERVICE_COUNTERS,

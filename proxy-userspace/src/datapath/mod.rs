@@ -25,6 +25,7 @@ pub mod pins;
 pub mod prefilter;
 pub mod prefilter_rebuild;
 pub mod program_load;
+pub mod refusal_records;
 pub mod reject_limit;
 pub mod resize;
 pub mod service_counters;
@@ -307,6 +308,7 @@ impl Datapath {
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
         pin_sock_notes(&mut ebpf, &maps, &pins, &mut loads);
+        pin_service_counters(&maps, &pins);
         for resize in resize.iter().chain(&resize6) {
             match resize.carry(&mut maps) {
                 Ok(flows) => tracing::info!(
@@ -644,6 +646,31 @@ fn pin_sock_notes(ebpf: &mut Ebpf, maps: &Maps, pins: &PinLayout, loads: &mut Ve
                 "the socket hooks' notes cannot be read back: the node's UDP sockets connected to departed backends are not closed"
             ),
         }
+    }
+}
+
+/// Pins this agent's `SERVICE_COUNTERS` in place of the last agent's, for
+/// `ebpf-proxy status`: the last agent's programs, while still attached,
+/// count into theirs, which the kernel frees with them.
+fn pin_service_counters(maps: &Maps, pins: &PinLayout) {
+    use aya::maps::IterableMap;
+    let Some(counters) = &maps.service_counters else {
+        return;
+    };
+    let path = pins.map(map_names::SERVICE_COUNTERS);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(pin = %path.display(), error = %e, "unpinning the last agent's per-Service counters");
+        }
+    }
+    if let Err(e) = counters.map().pin(&path) {
+        tracing::warn!(
+            pin = %path.display(),
+            error = %e,
+            "per-Service counters not pinned: `ebpf-proxy status` shows none (the metrics have them)"
+        );
     }
 }
 

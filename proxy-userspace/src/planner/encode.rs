@@ -7,8 +7,9 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use proxy_common::{
-    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceName,
-    SourceRangeKey, backend_flags, is_v4_mapped, scope, source_range_prefix, v4_mapped,
+    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RefusalKey, RefusalRecord,
+    ServiceKey, ServiceName, SourceRangeKey, backend_flags, is_v4_mapped, scope,
+    source_range_prefix, v4_mapped,
 };
 
 use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope, ServicePortName};
@@ -171,6 +172,35 @@ pub fn service_name(service: &ServicePortName, port: u16) -> ServiceName {
     fill(&mut out.namespace, &service.namespace);
     fill(&mut out.name, &service.name);
     fill(&mut out.port_name, &service.port);
+    out
+}
+
+/// The `SERVICE_REFUSALS` key of the `index`th refusal of the Service
+/// `namespace`/`name`.
+pub fn refusal_key(namespace: &str, name: &str, index: u32) -> RefusalKey {
+    let mut out = RefusalKey {
+        index,
+        ..RefusalKey::default()
+    };
+    fill(&mut out.namespace, namespace);
+    fill(&mut out.name, name);
+    out
+}
+
+/// The `SERVICE_REFUSALS` value of a refusal for `reason`, told by `text`:
+/// cut to its field, ending in "..." where it was.
+pub fn refusal_record(reason: &str, text: &str) -> RefusalRecord {
+    let mut out = RefusalRecord::default();
+    fill(&mut out.reason, reason);
+    if text.len() <= out.text.len() {
+        fill(&mut out.text, text);
+    } else {
+        let mut end = out.text.len() - 3;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        fill(&mut out.text, &format!("{}...", &text[..end]));
+    }
     out
 }
 

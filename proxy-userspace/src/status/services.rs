@@ -7,10 +7,16 @@
 
 use std::{collections::BTreeMap, fmt::Write, net::IpAddr};
 
-use proxy_common::{BackendSlotKey, ServiceKey, ServiceValue, backend_flags, scope, service_flags};
+use proxy_common::{
+    BackendSlotKey, ServiceKey, ServiceValue, backend_flags, ct_dir, scope, service_drop,
+    service_flags,
+};
 use serde::Serialize;
 
-use crate::planner::{StoredState, encode};
+use crate::{
+    datapath::{refusal_records::Recorded, service_counters::Totals},
+    planner::{StoredState, encode},
+};
 
 /// A Service, with every port of it that has a frontend here.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -20,6 +26,10 @@ pub struct ServiceReport {
     pub namespace: Option<String>,
     pub name: Option<String>,
     pub ports: Vec<PortReport>,
+    /// What the agent refused of it and why (`SERVICE_REFUSALS`): an
+    /// address, or the whole Service (then it has no ports here).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<Recorded>,
 }
 
 /// One port of a Service: one service id.
@@ -36,6 +46,46 @@ pub struct PortReport {
     /// Those of the port's first frontend (a ClusterIP, where it has one);
     /// a frontend with others lists its own.
     pub backends: Vec<BackendReport>,
+    /// Its traffic since the agent started (`SERVICE_COUNTERS`); None where
+    /// the pins have no counters or the id is past their size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counters: Option<CountersReport>,
+}
+
+/// A Service port's counters, summed over CPUs, as the metrics
+/// `ebpf_proxy_service_*_total` give them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CountersReport {
+    pub flows: u64,
+    pub packets: Directions,
+    /// Whole IP packets.
+    pub bytes: Directions,
+    /// New flows refused for want of endpoints.
+    pub rejected: u64,
+    /// New flows dropped, by reason (`service_drop::NAMES`).
+    pub dropped: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Directions {
+    pub to_backend: u64,
+    pub to_client: u64,
+}
+
+impl From<&Totals> for CountersReport {
+    fn from(t: &Totals) -> Self {
+        let dir = |of: &[u64; 2]| Directions {
+            to_backend: of[ct_dir::FORWARD as usize],
+            to_client: of[ct_dir::REPLY as usize],
+        };
+        CountersReport {
+            flows: t.flows,
+            packets: dir(&t.packets),
+            bytes: dir(&t.bytes),
+            rejected: t.rejected,
+            dropped: service_drop::NAMES.iter().copied().zip(t.dropped).collect(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -130,6 +180,7 @@ pub fn services(stored: &StoredState, only: Option<(&str, &str)>) -> Vec<Service
             port,
             protocol,
             service_id: id,
+            counters: None,
             frontends: reports
                 .into_iter()
                 .map(|(mut f, backends)| {
@@ -153,6 +204,7 @@ pub fn services(stored: &StoredState, only: Option<(&str, &str)>) -> Vec<Service
                 namespace,
                 name,
                 ports,
+                refused: Vec::new(),
             }
         })
         .collect();
@@ -160,6 +212,56 @@ pub fn services(stored: &StoredState, only: Option<(&str, &str)>) -> Vec<Service
     let unnamed = usize::from(out.first().is_some_and(|s| s.name.is_none()));
     out.rotate_left(unnamed);
     out
+}
+
+/// Adds to `services` each port's `counters` (by service id) and each
+/// Service's refusals, the Services refused as a whole among them (only
+/// `only`'s, when given), in the order `services` keeps.
+pub fn annotate(
+    services: &mut Vec<ServiceReport>,
+    counters: &BTreeMap<u32, Totals>,
+    refusals: BTreeMap<(String, String), Vec<Recorded>>,
+    only: Option<(&str, &str)>,
+) {
+    for port in services.iter_mut().flat_map(|s| s.ports.iter_mut()) {
+        port.counters = counters.get(&port.service_id).map(CountersReport::from);
+    }
+    for ((namespace, name), refused) in refusals {
+        if only.is_some_and(|(ns, n)| ns != namespace || n != name) {
+            continue;
+        }
+        match services.iter_mut().find(|s| {
+            s.namespace.as_deref() == Some(&namespace) && s.name.as_deref() == Some(&name)
+        }) {
+            Some(service) => service.refused = refused,
+            None => services.push(ServiceReport {
+                namespace: Some(namespace),
+                name: Some(name),
+                ports: Vec::new(),
+                refused,
+            }),
+        }
+    }
+    // The named by name, the unnamed last, as `services` gives them.
+    services.sort_by(|a, b| {
+        (a.name.is_none(), &a.namespace, &a.name).cmp(&(b.name.is_none(), &b.namespace, &b.name))
+    });
+}
+
+fn counters_text(c: &CountersReport) -> String {
+    let mut text = format!(
+        "{} flows, packets {}/{}, bytes {}/{} (to backend/to client)",
+        c.flows, c.packets.to_backend, c.packets.to_client, c.bytes.to_backend, c.bytes.to_client
+    );
+    if c.rejected > 0 {
+        let _ = write!(text, ", {} rejected", c.rejected);
+    }
+    for (reason, n) in &c.dropped {
+        if *n > 0 {
+            let _ = write!(text, ", {n} dropped ({reason})");
+        }
+    }
+    text
 }
 
 /// The frontend `key` and its backends.
@@ -321,6 +423,9 @@ pub fn text(services: &[ServiceReport]) -> String {
             }
             _ => out.push_str("(unnamed)\n"),
         }
+        for refusal in &service.refused {
+            let _ = writeln!(out, "  refused ({}): {}", refusal.reason, refusal.text);
+        }
         for port in &service.ports {
             let name = if port.name.is_empty() {
                 String::new()
@@ -335,6 +440,9 @@ pub fn text(services: &[ServiceReport]) -> String {
                 port.service_id,
                 backends_text(&port.backends)
             );
+            if let Some(counters) = &port.counters {
+                let _ = writeln!(out, "    traffic: {}", counters_text(counters));
+            }
             for f in &port.frontends {
                 let mut notes = Vec::new();
                 for flag in &f.flags {
@@ -404,7 +512,7 @@ mod tests {
         clippy::too_many_lines,
         reason = "one hand-built state, entry by entry"
     )]
-    fn state() -> StoredState {
+    pub(super) fn state() -> StoredState {
         let mut s = StoredState::default();
         let mut backend = |id: u32, ip: IpAddr, port: u16, flags: u8| {
             s.backends.insert(
@@ -633,5 +741,101 @@ shop/web6
             services(&state(), Some(("shop", "nothing"))).is_empty(),
             "a Service not in the maps"
         );
+    }
+}
+
+#[cfg(test)]
+mod annotate_tests {
+    use super::*;
+    use tests::state as tests_state;
+
+    fn refusal(reason: &str, text: &str) -> Recorded {
+        Recorded {
+            reason: reason.to_string(),
+            text: text.to_string(),
+        }
+    }
+
+    #[test]
+    fn counters_go_to_their_ports_and_refusals_to_their_services_by_name() {
+        let mut reports = services(&tests_state(), None);
+        let counters = BTreeMap::from([(
+            9,
+            Totals {
+                packets: [10, 8],
+                bytes: [1000, 2000],
+                flows: 3,
+                rejected: 2,
+                dropped: [0, 1, 0],
+            },
+        )]);
+        let refusals = BTreeMap::from([
+            (
+                ("shop".to_string(), "web".to_string()),
+                vec![refusal(
+                    "cluster_ip",
+                    "externalIP 10.96.0.10 is kube-dns's ClusterIP",
+                )],
+            ),
+            (
+                ("aaa".to_string(), "hollow".to_string()),
+                vec![refusal("invalid", "spec is missing")],
+            ),
+        ]);
+        annotate(&mut reports, &counters, refusals, None);
+        let names: Vec<_> = reports.iter().map(|s| s.name.clone()).collect();
+        assert_eq!(
+            names,
+            [
+                Some("hollow".to_string()),
+                Some("kube-dns".to_string()),
+                Some("web".to_string()),
+                Some("web6".to_string()),
+                None
+            ],
+            "a Service refused as a whole is listed by name, the unnamed last"
+        );
+        let text = text(&reports);
+        for line in [
+            "aaa/hollow\n  refused (invalid): spec is missing\nkube-system/kube-dns\n",
+            "shop/web\n  refused (cluster_ip): externalIP 10.96.0.10 is kube-dns's ClusterIP\n",
+            "    traffic: 3 flows, packets 10/8, bytes 1000/2000 (to backend/to client), 2 rejected, 1 dropped (no_endpoint)\n",
+        ] {
+            assert!(text.contains(line), "no {line:?} in:\n{text}");
+        }
+        let json = serde_json::to_value(&reports).expect("serializable");
+        assert_eq!(
+            json[2]["ports"][0]["counters"],
+            serde_json::json!({
+                "flows": 3,
+                "packets": {"to_backend": 10, "to_client": 8},
+                "bytes": {"to_backend": 1000, "to_client": 2000},
+                "rejected": 2,
+                "dropped": {"no_endpoint": 1, "snat_exhausted": 0, "source_range": 0},
+            }),
+            "{json:#}"
+        );
+        assert!(
+            json[1]["ports"][0].get("counters").is_none() && json[1].get("refused").is_none(),
+            "kube-dns, without counters or refusals, shows neither: {:#}",
+            json[1]
+        );
+    }
+
+    #[test]
+    fn a_narrowed_report_takes_only_its_services_refusals() {
+        let mut reports = services(&tests_state(), Some(("shop", "web")));
+        let refusals = BTreeMap::from([(
+            ("aaa".to_string(), "hollow".to_string()),
+            vec![refusal("invalid", "spec is missing")],
+        )]);
+        annotate(
+            &mut reports,
+            &BTreeMap::new(),
+            refusals,
+            Some(("shop", "web")),
+        );
+        assert_eq!(reports.len(), 1, "{reports:?}");
+        assert!(reports[0].refused.is_empty(), "{reports:?}");
     }
 }

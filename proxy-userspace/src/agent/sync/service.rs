@@ -7,7 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use tracing::{error, warn};
 
 use crate::{
-    model::{CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, Modelled, Protocol},
+    model::{
+        CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, ModelError, Modelled,
+        Protocol,
+    },
     planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,
@@ -74,24 +77,23 @@ pub(super) fn program_service<S: crate::planner::MapStore>(
     batch: Option<&mut Batch<S::Error>>,
 ) -> ServiceOutcome<S::Error> {
     match desired_frontends(key, state.service(key), state, model) {
-        Some(modelled) => plan_service(key, modelled.frontends, planner, store, batch),
-        None => ServiceOutcome::Invalid,
+        Ok(modelled) => plan_service(key, modelled.frontends, planner, store, batch),
+        Err(_) => ServiceOutcome::Invalid,
     }
 }
 
 /// The model's frontends of `key`, whose Service in `state` is `service`,
-/// and what the address policy refused of it; None when its objects make
-/// none.
+/// and what the address policy refused of it; the error (logged) when its
+/// objects make none.
 pub(super) fn desired_frontends(
     key: &ObjectKey,
     service: Option<&CompactService>,
     state: &ClusterState,
     model: &ModelConfig,
-) -> Option<Modelled> {
+) -> Result<Modelled, ModelError> {
     state
         .modelled_of(key, service, model)
         .inspect_err(|e| error!(service = %key, error = %e, "service skipped"))
-        .ok()
 }
 
 /// [`program_service`] once the model has given `desired`.

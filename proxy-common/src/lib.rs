@@ -76,6 +76,9 @@ pub mod map_names {
     /// What the agent refused of each Service (`RefusalRecord`): read by
     /// `ebpf-proxy status` only, no program looks at it.
     pub const SERVICE_REFUSALS: &str = "SERVICE_REFUSALS";
+    /// The types `bpftool` prints fields as (`WireView`). Never pinned, so
+    /// not in `ALL`; read by nothing.
+    pub const WIRE_VIEW: &str = "WIRE_VIEW";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -581,6 +584,72 @@ impl Default for ServiceName {
             _pad: 0,
         }
     }
+}
+
+/// The types `bpftool map dump` prints the shared structs' fields as
+/// (docs/maps.md, "Reading the maps"): at load, the agent retypes in the
+/// object's BTF alone each field named `*_be` as the bytes it holds, in
+/// network order, and each `proto`, `dir` and `scope` as its enum, so that 10.96.0.10 reads
+/// `[10,96,0,10]`, port 53 `[0,53]`, 6 `TCP` (and a flow's `dir` and a
+/// frontend's `scope` by their constants' names). Memory and code are as
+/// declared; only the names bpftool prints by change. The `WIRE_VIEW` map
+/// carries these types into the object's BTF; no program reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireView {
+    /// What a 16-byte address (`[u32; 4]`, IPv4 mapped) is shown as.
+    pub bytes16: [u8; 16],
+    /// What a 4-byte field (`u32`: an IPv4 address, two ports) is shown as.
+    pub bytes4: [u8; 4],
+    /// What a port (`u16`) is shown as.
+    pub bytes2: [u8; 2],
+    /// What a protocol number (`u8`) is shown as.
+    pub proto: IpProtocol,
+    /// What a flow's direction (`dir`, `ct_dir`) is shown as.
+    pub dir: FlowDirection,
+    /// What a frontend's scope (`scope`) is shown as.
+    pub scope: FrontendScope,
+    pub _pad: [u8; 7],
+}
+
+/// `ct_dir`, by the names `bpftool` prints.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[expect(
+    clippy::upper_case_acronyms,
+    reason = "the names bpftool prints, as the constants are spelled"
+)]
+pub enum FlowDirection {
+    FORWARD = ct_dir::FORWARD,
+    REPLY = ct_dir::REPLY,
+}
+
+/// `scope`, by the names `bpftool` prints.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[expect(
+    clippy::upper_case_acronyms,
+    reason = "the names bpftool prints, as the constants are spelled"
+)]
+pub enum FrontendScope {
+    ANY = scope::ANY,
+    INTERNAL = scope::INTERNAL,
+}
+
+/// The IP protocol numbers the datapath knows, by the names `bpftool`
+/// prints (a number no variant has is printed as the number).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[expect(
+    clippy::upper_case_acronyms,
+    reason = "the names bpftool prints, as the protocols are spelled"
+)]
+pub enum IpProtocol {
+    ICMP = 1,
+    TCP = PROTO_TCP,
+    UDP = PROTO_UDP,
+    ICMPV6 = 58,
+    SCTP = PROTO_SCTP,
 }
 
 /// Longest reason label a `RefusalRecord` holds (`budget`, `cluster_ip`,

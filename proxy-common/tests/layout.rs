@@ -16,7 +16,7 @@ use proxy_common::{
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
     FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord,
     RejectLimit, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6,
-    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey,
+    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey, WireView,
 };
 
 /// The layout version the table below describes.
@@ -65,6 +65,8 @@ fn table() -> Vec<Layout> {
         // Maps added to this version, read by no program:
         RefusalKey: 132, 4 { namespace: 0, name: 64, index: 128 }
         RefusalRecord: 272, 1 { reason: 0, text: 16 }
+        // Never pinned, read by nothing: the types bpftool prints fields as.
+        WireView: 32, 1 { bytes16: 0, bytes4: 16, bytes2: 20, proto: 22, dir: 23, scope: 24, _pad: 25 }
         // Each agent's own, sized at its load, pinned in place of the last.
         ServiceCounters: 56, 8 { packets: 0, bytes: 16, flows: 32, rejected: 40, dropped: 44 }
         BackendSlotKey: 8, 4 { slot_set: 0, slot: 4 }

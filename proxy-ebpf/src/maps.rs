@@ -14,7 +14,7 @@ use proxy_common::{
     MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_REFUSALS, MAX_SERVICE_CIDRS, MAX_SERVICES,
     MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord, RejectLimit,
     ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
-    clock_slot, counter, ip_summed, prefilter, sock_counter,
+    WireView, clock_slot, counter, ip_summed, prefilter, sock_counter,
 };
 
 #[btf_map]
@@ -41,6 +41,12 @@ pub static SERVICE_REFUSALS: HashMap<
     { MAX_REFUSALS as usize },
     MAP_F_NO_PREALLOC,
 > = HashMap::new();
+
+/// Carries `WireView`'s types into the object's BTF, for the agent's
+/// retyping of fields for bpftool (`proxy_common::WireView`). Never pinned;
+/// no program reads it.
+#[btf_map]
+pub static WIRE_VIEW: Array<WireView, 1> = Array::new();
 
 /// Each Service port's counters, at its service id (see
 /// `crate::service_counters`). Sized by the agent at load

@@ -27,7 +27,7 @@ use ebpf_proxy_tests::{
     sandbox::Sandbox,
     topology::{
         one_node::{
-            BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
+            self, BACKENDS, CLIENT, CLUSTER_IP, CLUSTER_IP6, TCP_PORT, TCP_SERVICE_PORT, UDP_PORT,
             backend_ips, backend_ips6, dns, http, web_service,
         },
         pod_ip6,
@@ -278,6 +278,118 @@ fn pinned_maps_dump_with_field_names() {
         "expected the service and backend maps to have entries; pins: {pins:?}, \
          dumped with field names: {dumped:?}"
     );
+}
+
+/// `bpftool -j map dump pinned` of the map `name` of the agent's pins, as JSON.
+fn dump(sb: &Sandbox, name: &str) -> serde_json::Value {
+    let pin = PinLayout::new(sb.agent().bpf_root()).map(name);
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("run bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map dump pinned {}: {}",
+        pin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bpftool's dump of {name} is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// The "formatted" keys or values of `dump` (`part` "key" or "value").
+fn formatted<'a>(dump: &'a serde_json::Value, part: &str) -> Vec<&'a serde_json::Value> {
+    dump.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["formatted"].get(part))
+        .collect()
+}
+
+/// Addresses dump as their bytes in network order, ports as theirs, and
+/// protocols by name (docs/maps.md, "Reading the maps"): the ClusterIP
+/// 10.96.0.10 (IPv4 mapped) with port 80 and TCP in `SERVICES`, a
+/// backend's 10.200.0.11 and port 8080 in `BACKENDS`, and a flow's client,
+/// frontend and backend in `CONNTRACK`, each as `[10,96,0,10]`; a
+/// frontend's scope and a flow's directions by their names too.
+#[test]
+fn pinned_maps_dump_addresses_and_ports_as_bytes_and_protocols_by_name() {
+    let sb = Sandbox::serving_web(&[CLIENT], &[]).expect("the one-node world");
+    let client = &sb.client().ns;
+    let mut session = TcpSession::open(client, one_node::VIP, TIMEOUT)
+        .unwrap_or_else(|e| panic!("a session to {}: {e:#}", one_node::VIP));
+    let backend = session.greeting.backend.clone();
+
+    let mapped = |ip: std::net::Ipv4Addr| {
+        let mut bytes = vec![0u8; 10];
+        bytes.extend([0xff, 0xff]);
+        bytes.extend(ip.octets());
+        serde_json::json!(bytes)
+    };
+    let port = |p: u16| serde_json::json!(p.to_be_bytes());
+    let services = dump(&sb, "SERVICES");
+    let keys = formatted(&services, "key");
+    assert!(
+        keys.iter().any(|k| {
+            k["addr_be"] == mapped(CLUSTER_IP)
+                && k["port_be"] == port(TCP_SERVICE_PORT)
+                && k["proto"] == "TCP"
+                && k["scope"] == "ANY"
+        }),
+        "no SERVICES key of {CLUSTER_IP}:{TCP_SERVICE_PORT}/TCP as bytes {} {} \"TCP\" \"ANY\": {keys:#?}",
+        mapped(CLUSTER_IP),
+        port(TCP_SERVICE_PORT)
+    );
+    let backends = dump(&sb, "BACKENDS");
+    let values = formatted(&backends, "value");
+    for (_, ip) in BACKENDS {
+        assert!(
+            values
+                .iter()
+                .any(|v| v["addr_be"] == mapped(ip) && v["port_be"] == port(TCP_PORT)),
+            "no BACKENDS value of {ip}:{TCP_PORT} as bytes: {values:#?}"
+        );
+    }
+    let conntrack = dump(&sb, "CONNTRACK");
+    let ct_new = dump(&sb, "CT_NEW");
+    let flows: Vec<&serde_json::Value> = formatted(&conntrack, "key")
+        .into_iter()
+        .chain(formatted(&ct_new, "key"))
+        .collect();
+    let backend_ip = BACKENDS
+        .iter()
+        .find(|(name, _)| *name == backend)
+        .map(|(_, ip)| *ip)
+        .unwrap_or_else(|| panic!("the greeting names no backend of the world: {backend:?}"));
+    let bytes = |ip: std::net::Ipv4Addr| serde_json::json!(ip.octets());
+    assert!(
+        flows.iter().any(|k| {
+            k["src_be"] == bytes(CLIENT.1)
+                && (k["dst_be"] == bytes(CLUSTER_IP) || k["dst_be"] == bytes(backend_ip))
+                && k["proto"] == "TCP"
+        }),
+        "no conntrack key from {} as bytes {} (to {CLUSTER_IP} or {backend_ip}): {flows:#?}",
+        CLIENT.1,
+        bytes(CLIENT.1)
+    );
+    let directions: std::collections::BTreeSet<&str> = formatted(&conntrack, "value")
+        .into_iter()
+        .chain(formatted(&ct_new, "value"))
+        .filter_map(|v| v["dir"].as_str())
+        .collect();
+    assert_eq!(
+        directions,
+        ["FORWARD", "REPLY"].into(),
+        "a flow's two entries, their directions by name"
+    );
+    session
+        .exchange("done")
+        .unwrap_or_else(|e| panic!("the session after the dumps: {e:#}"));
 }
 
 /// The programs in the tcx ingress chain of the node's interface `ifname`, first to

@@ -9,6 +9,7 @@
 mod attach;
 pub mod batch;
 mod btf_names;
+mod btf_wire;
 pub mod clock;
 pub(crate) mod detach;
 pub mod event_log;
@@ -144,6 +145,11 @@ fn load_object(
     let (mut object, _) = ip_summed::complete(EBPF_OBJECT, read)?;
     netfilter_ct::complete(object.bytes_mut(), lookup)?;
     btf_names::sanitize(object.bytes_mut())?;
+    // What bpftool prints, nothing the programs do: a failure is said, and
+    // the maps dump as declared.
+    if let Err(e) = btf_wire::retype(object.bytes_mut()) {
+        tracing::warn!(error = %e, "`bpftool map dump` prints addresses and ports as numbers");
+    }
     let mut loader = EbpfLoader::new();
     for (name, path) in paths {
         loader.map_pin_path(name, path.as_path());

@@ -1,0 +1,395 @@
+//! Retypes, in the object's BTF alone, the fields `bpftool map dump`
+//! would print as numbers of the machine's byte order: each struct field
+//! named `*_be` becomes the bytes it holds, in network order, and each
+//! `proto`, `dir` and `scope` (one byte) an enum of its values' names
+//! (`proxy_common::WireView`, whose own fields give the types to retype
+//! to). A field keeps its size and offset, and
+//! the code reads memory as declared: only what bpftool prints changes
+//! (docs/maps.md, "Reading the maps").
+
+use object::{Object, ObjectSection};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfWireError {
+    #[error("reading the eBPF object: {0}")]
+    Object(#[from] object::Error),
+    #[error("the object's BTF is malformed: {0}")]
+    Malformed(&'static str),
+    #[error("the object's BTF has no struct WireView with field {0}")]
+    NoView(&'static str),
+}
+
+const MAGIC: u16 = 0xeb9f;
+const KIND_INT: u32 = 1;
+const KIND_ARRAY: u32 = 3;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+const KIND_ENUM: u32 = 6;
+const KIND_FUNC_PROTO: u32 = 13;
+const KIND_VAR: u32 = 14;
+const KIND_DATASEC: u32 = 15;
+const KIND_DECL_TAG: u32 = 17;
+const KIND_ENUM64: u32 = 19;
+
+/// The struct whose fields name the types to retype to.
+const VIEW: &str = "WireView";
+/// The one-byte fields shown as an enum, each `WireView`'s field's.
+const NAMED: [&str; 3] = ["proto", "dir", "scope"];
+
+/// What a type is, as far as retyping asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    /// An integer of this many bytes.
+    Int(u32),
+    /// An array of `n` elements of type `elem`.
+    Array {
+        elem: u32,
+        n: u32,
+    },
+    Struct,
+    Other,
+}
+
+/// One type of the section: where its record starts, and its shape.
+struct Type {
+    at: usize,
+    name_off: u32,
+    shape: Shape,
+    /// Kind flag set: a struct with bitfields, whose member offsets are
+    /// encoded otherwise; left alone.
+    kind_flag: bool,
+    members: usize,
+}
+
+/// Retypes `object`'s `.BTF` section in place. Returns how many fields
+/// were retyped.
+pub fn retype(object: &mut [u8]) -> Result<usize, BtfWireError> {
+    let range = {
+        let file = object::File::parse(&*object)?;
+        match file.section_by_name(".BTF").and_then(|s| s.file_range()) {
+            Some((start, size)) => start as usize..(start + size) as usize,
+            None => return Ok(0),
+        }
+    };
+    let btf = object
+        .get_mut(range)
+        .ok_or(BtfWireError::Malformed(".BTF lies outside the file"))?;
+    retype_btf(btf)
+}
+
+fn u32_at(b: &[u8], at: usize) -> Result<u32, BtfWireError> {
+    b.get(at..at + 4)
+        .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+        .ok_or(BtfWireError::Malformed("a type runs past the type section"))
+}
+
+fn name_at(strings: &[u8], off: u32) -> Result<&[u8], BtfWireError> {
+    let name = strings
+        .get(off as usize..)
+        .ok_or(BtfWireError::Malformed("a name past the string section"))?;
+    Ok(&name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())])
+}
+
+/// Every type of the section, by id (id 0, `void`, first).
+fn types(section: &[u8]) -> Result<Vec<Type>, BtfWireError> {
+    let mut out = vec![Type {
+        at: 0,
+        name_off: 0,
+        shape: Shape::Other,
+        kind_flag: false,
+        members: 0,
+    }];
+    let mut at = 0;
+    while at < section.len() {
+        let name_off = u32_at(section, at)?;
+        let info = u32_at(section, at + 4)?;
+        let size_or_type = u32_at(section, at + 8)?;
+        let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
+        let kind_flag = info >> 31 == 1;
+        let start = at;
+        at += 12;
+        #[expect(
+            clippy::match_same_arms,
+            reason = "one arm per BTF kind, as the kernel's documentation lists them"
+        )]
+        let (record, records) = match kind {
+            KIND_INT | KIND_VAR | KIND_DECL_TAG => (4, 1),
+            KIND_ARRAY => (12, 1),
+            KIND_STRUCT | KIND_UNION | KIND_ENUM64 | KIND_DATASEC => (12, vlen),
+            KIND_ENUM | KIND_FUNC_PROTO => (8, vlen),
+            _ => (0, 0),
+        };
+        let shape = match kind {
+            KIND_INT => Shape::Int(size_or_type),
+            KIND_ARRAY => Shape::Array {
+                elem: u32_at(section, at)?,
+                n: u32_at(section, at + 8)?,
+            },
+            KIND_STRUCT => Shape::Struct,
+            _ => Shape::Other,
+        };
+        out.push(Type {
+            at: start,
+            name_off,
+            shape,
+            kind_flag,
+            members: if kind == KIND_STRUCT { vlen } else { 0 },
+        });
+        at += record * records;
+    }
+    if at != section.len() {
+        return Err(BtfWireError::Malformed(
+            "the last type runs past the section",
+        ));
+    }
+    Ok(out)
+}
+
+/// `retype` on the `.BTF` section's bytes.
+fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
+    if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
+        return Err(BtfWireError::Malformed("no BTF header"));
+    }
+    let hdr_len = u32_at(btf, 4)? as usize;
+    let (type_off, type_len) = (u32_at(btf, 8)? as usize, u32_at(btf, 12)? as usize);
+    let (str_off, str_len) = (u32_at(btf, 16)? as usize, u32_at(btf, 20)? as usize);
+    let types_at = hdr_len + type_off;
+    let strings_at = hdr_len + str_off;
+    if types_at + type_len > btf.len() || strings_at + str_len > btf.len() {
+        return Err(BtfWireError::Malformed("sections past the end"));
+    }
+    let strings = &btf[strings_at..strings_at + str_len];
+    let section = &btf[types_at..types_at + type_len];
+    let all = types(section)?;
+    let member = |t: &Type, i: usize| -> Result<(&[u8], u32, usize), BtfWireError> {
+        let at = t.at + 12 + i * 12;
+        Ok((
+            name_at(strings, u32_at(section, at)?)?,
+            u32_at(section, at + 4)?,
+            at + 4,
+        ))
+    };
+
+    let view = all
+        .iter()
+        .find(|t| {
+            t.shape == Shape::Struct && name_at(strings, t.name_off).ok() == Some(VIEW.as_bytes())
+        })
+        .ok_or(BtfWireError::NoView("(any)"))?;
+    let view_field = |field: &'static str| -> Result<u32, BtfWireError> {
+        (0..view.members)
+            .map(|i| member(view, i))
+            .find(|m| {
+                m.as_ref()
+                    .is_ok_and(|(name, _, _)| *name == field.as_bytes())
+            })
+            .ok_or(BtfWireError::NoView(field))?
+            .map(|(_, ty, _)| ty)
+    };
+    let (bytes16, bytes4, bytes2) = (
+        view_field("bytes16")?,
+        view_field("bytes4")?,
+        view_field("bytes2")?,
+    );
+    // One-byte fields shown by name: the view's field of the same name
+    // gives the enum.
+    let mut named = Vec::new();
+    for field in NAMED {
+        named.push((field.as_bytes(), view_field(field)?));
+    }
+    let shape = |id: u32| all.get(id as usize).map_or(Shape::Other, |t| t.shape);
+
+    // Where each retyped member's type id is, and its new one: gathered
+    // first, so that a malformed section changes nothing.
+    let mut patches = Vec::new();
+    for t in all
+        .iter()
+        .filter(|t| t.shape == Shape::Struct && !t.kind_flag)
+    {
+        if std::ptr::eq(t, view) {
+            continue;
+        }
+        for i in 0..t.members {
+            let (name, ty, ty_at) = member(t, i)?;
+            let to = if name.ends_with(b"_be") {
+                match shape(ty) {
+                    Shape::Int(4) => Some(bytes4),
+                    Shape::Int(2) => Some(bytes2),
+                    Shape::Array { elem, n: 4 } if shape(elem) == Shape::Int(4) => Some(bytes16),
+                    _ => None,
+                }
+            } else if shape(ty) == Shape::Int(1) {
+                named.iter().find(|(n, _)| *n == name).map(|(_, to)| *to)
+            } else {
+                None
+            };
+            if let Some(to) = to {
+                patches.push((types_at + ty_at, to));
+            }
+        }
+    }
+    for (at, to) in &patches {
+        btf[*at..*at + 4].copy_from_slice(&to.to_le_bytes());
+    }
+    Ok(patches.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A BTF blob: a header, then `types`, then `strings`.
+    fn blob(types: &[u32], strings: &[u8]) -> Vec<u8> {
+        let type_len = (types.len() * 4) as u32;
+        let mut b = Vec::new();
+        b.extend_from_slice(&MAGIC.to_le_bytes());
+        b.extend_from_slice(&[1, 0]);
+        for v in [24u32, 0, type_len, type_len, strings.len() as u32] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for t in types {
+            b.extend_from_slice(&t.to_le_bytes());
+        }
+        b.extend_from_slice(strings);
+        b
+    }
+
+    /// The type id of member `i` of the struct whose record starts at word
+    /// `word` of `types`.
+    fn member_type(b: &[u8], word: usize, i: usize) -> u32 {
+        let at = 24 + (word + 3 + i * 3 + 1) * 4;
+        u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    #[test]
+    fn be_fields_become_bytes_and_proto_its_enum_and_nothing_else_moves() {
+        let s = b"\0u32\0u16\0u8\0WireView\0bytes16\0bytes4\0bytes2\0proto\0dir\0scope\0Key\0addr_be\0port_be\0seq\0IpProtocol\0TCP\0a4\0";
+        let off = |name: &[u8]| -> u32 {
+            s.windows(name.len() + 2)
+                .position(|w| w[0] == 0 && &w[1..=name.len()] == name && w[name.len() + 1] == 0)
+                .map(|p| p as u32 + 1)
+                .expect("a name of the table")
+        };
+        let types = [
+            // [1] u32, [2] u16, [3] u8.
+            off(b"u32"),
+            KIND_INT << 24,
+            4,
+            32,
+            off(b"u16"),
+            KIND_INT << 24,
+            2,
+            16,
+            off(b"u8"),
+            KIND_INT << 24,
+            1,
+            8,
+            // [4] [u32; 4], [5] [u8; 16], [6] [u8; 4], [7] [u8; 2].
+            0,
+            KIND_ARRAY << 24,
+            0,
+            1,
+            1,
+            4,
+            0,
+            KIND_ARRAY << 24,
+            0,
+            3,
+            1,
+            16,
+            0,
+            KIND_ARRAY << 24,
+            0,
+            3,
+            1,
+            4,
+            0,
+            KIND_ARRAY << 24,
+            0,
+            3,
+            1,
+            2,
+            // [8] enum IpProtocol, size 1: TCP = 6.
+            off(b"IpProtocol"),
+            (KIND_ENUM << 24) | 1,
+            1,
+            off(b"TCP"),
+            6,
+            // [9] struct WireView (word 41); dir and scope as the enum
+            // too, which is all this test needs of them.
+            off(b"WireView"),
+            (KIND_STRUCT << 24) | 6,
+            24,
+            off(b"bytes16"),
+            5,
+            0,
+            off(b"bytes4"),
+            6,
+            128,
+            off(b"bytes2"),
+            7,
+            160,
+            off(b"proto"),
+            8,
+            176,
+            off(b"dir"),
+            8,
+            184,
+            off(b"scope"),
+            8,
+            192,
+            // [10] struct Key (word 62): addr_be [u32; 4], port_be u16,
+            // proto u8, seq u32, a4 (not _be) u32.
+            off(b"Key"),
+            (KIND_STRUCT << 24) | 5,
+            28,
+            off(b"addr_be"),
+            4,
+            0,
+            off(b"port_be"),
+            2,
+            128,
+            off(b"proto"),
+            3,
+            144,
+            off(b"seq"),
+            1,
+            160,
+            off(b"a4"),
+            1,
+            192,
+        ];
+        let mut b = blob(&types, s);
+        let before = b.clone();
+        assert_eq!(retype_btf(&mut b).expect("valid BTF"), 3);
+        assert_eq!(
+            (0..5).map(|i| member_type(&b, 62, i)).collect::<Vec<_>>(),
+            [5, 7, 8, 1, 1],
+            "addr_be as [u8; 16], port_be as [u8; 2], proto as the enum, the rest as they were"
+        );
+        assert_eq!(
+            (0..6).map(|i| member_type(&b, 41, i)).collect::<Vec<_>>(),
+            [5, 6, 7, 8, 8, 8],
+            "WireView itself is left alone"
+        );
+        let changed: Vec<usize> = (0..b.len()).filter(|&i| b[i] != before[i]).collect();
+        assert!(
+            changed
+                .iter()
+                .all(|&i| (24 + 62 * 4..24 + 80 * 4).contains(&i)),
+            "bytes changed outside Key's members: {changed:?}"
+        );
+        assert_eq!(retype_btf(&mut b).expect("valid BTF"), 0, "idempotent");
+    }
+
+    #[test]
+    fn without_the_view_or_with_malformed_btf_nothing_changes() {
+        let mut b = blob(&[1, KIND_INT << 24, 4, 32], b"\0u32\0");
+        let before = b.clone();
+        assert!(matches!(retype_btf(&mut b), Err(BtfWireError::NoView(_))));
+        assert_eq!(b, before);
+        assert!(retype_btf(&mut [0u8; 8]).is_err());
+        let mut truncated = blob(&[1, KIND_STRUCT << 24 | 3, 4], b"\0x\0");
+        assert!(retype_btf(&mut truncated).is_err());
+    }
+}

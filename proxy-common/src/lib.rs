@@ -591,7 +591,8 @@ impl Default for ServiceName {
 /// object's BTF alone each field named `*_be` as the bytes it holds, in
 /// network order, and each `proto`, `dir` and `scope` as its enum, so that 10.96.0.10 reads
 /// `[10,96,0,10]`, port 53 `[0,53]`, 6 `TCP` (and a flow's `dir` and a
-/// frontend's `scope` by their constants' names). Memory and code are as
+/// frontend's `scope` by their constants' names), and a Service's name as
+/// a string. Memory and code are as
 /// declared; only the names bpftool prints by change. The `WIRE_VIEW` map
 /// carries these types into the object's BTF; no program reads it.
 #[repr(C)]
@@ -609,16 +610,22 @@ pub struct WireView {
     pub dir: FlowDirection,
     /// What a frontend's scope (`scope`) is shown as.
     pub scope: FrontendScope,
-    pub _pad: [u8; 7],
+    /// The element of the text fields' arrays below: the agent names its
+    /// type `char` (this field's name), which bpftool prints an array of,
+    /// NUL terminated and printable, as a string.
+    pub char: i8,
+    /// What the text fields (`namespace`, `name`, `port_name`, `reason`,
+    /// `text`, UTF-8 NUL padded) are shown as, by their length.
+    pub text16: [i8; 16],
+    pub text32: [i8; 32],
+    pub text64: [i8; 64],
+    pub text256: [i8; 256],
+    pub _pad: [u8; 6],
 }
 
 /// `ct_dir`, by the names `bpftool` prints.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[expect(
-    clippy::upper_case_acronyms,
-    reason = "the names bpftool prints, as the constants are spelled"
-)]
 pub enum FlowDirection {
     FORWARD = ct_dir::FORWARD,
     REPLY = ct_dir::REPLY,
@@ -627,10 +634,6 @@ pub enum FlowDirection {
 /// `scope`, by the names `bpftool` prints.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[expect(
-    clippy::upper_case_acronyms,
-    reason = "the names bpftool prints, as the constants are spelled"
-)]
 pub enum FrontendScope {
     ANY = scope::ANY,
     INTERNAL = scope::INTERNAL,
@@ -640,10 +643,6 @@ pub enum FrontendScope {
 /// prints (a number no variant has is printed as the number).
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[expect(
-    clippy::upper_case_acronyms,
-    reason = "the names bpftool prints, as the protocols are spelled"
-)]
 pub enum IpProtocol {
     ICMP = 1,
     TCP = PROTO_TCP,

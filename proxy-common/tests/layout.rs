@@ -66,7 +66,10 @@ fn table() -> Vec<Layout> {
         RefusalKey: 132, 4 { namespace: 0, name: 64, index: 128 }
         RefusalRecord: 272, 1 { reason: 0, text: 16 }
         // Never pinned, read by nothing: the types bpftool prints fields as.
-        WireView: 32, 1 { bytes16: 0, bytes4: 16, bytes2: 20, proto: 22, dir: 23, scope: 24, _pad: 25 }
+        WireView: 400, 1 {
+            bytes16: 0, bytes4: 16, bytes2: 20, proto: 22, dir: 23, scope: 24, char: 25,
+            text16: 26, text32: 42, text64: 74, text256: 138, _pad: 394,
+        }
         // Each agent's own, sized at its load, pinned in place of the last.
         ServiceCounters: 56, 8 { packets: 0, bytes: 16, flows: 32, rejected: 40, dropped: 44 }
         BackendSlotKey: 8, 4 { slot_set: 0, slot: 4 }

@@ -316,7 +316,8 @@ fn formatted<'a>(dump: &'a serde_json::Value, part: &str) -> Vec<&'a serde_json:
 /// 10.96.0.10 (IPv4 mapped) with port 80 and TCP in `SERVICES`, a
 /// backend's 10.200.0.11 and port 8080 in `BACKENDS`, and a flow's client,
 /// frontend and backend in `CONNTRACK`, each as `[10,96,0,10]`; a
-/// frontend's scope and a flow's directions by their names too.
+/// frontend's scope and a flow's directions by their names too, and a
+/// Service's namespace, name and port name as strings.
 #[test]
 fn pinned_maps_dump_addresses_and_ports_as_bytes_and_protocols_by_name() {
     let sb = Sandbox::serving_web(&[CLIENT], &[]).expect("the one-node world");
@@ -361,11 +362,9 @@ fn pinned_maps_dump_addresses_and_ports_as_bytes_and_protocols_by_name() {
         .into_iter()
         .chain(formatted(&ct_new, "key"))
         .collect();
-    let backend_ip = BACKENDS
-        .iter()
-        .find(|(name, _)| *name == backend)
-        .map(|(_, ip)| *ip)
-        .unwrap_or_else(|| panic!("the greeting names no backend of the world: {backend:?}"));
+    let Some(&(_, backend_ip)) = BACKENDS.iter().find(|(name, _)| *name == backend) else {
+        panic!("the greeting names no backend of the world: {backend:?}");
+    };
     let bytes = |ip: std::net::Ipv4Addr| serde_json::json!(ip.octets());
     assert!(
         flows.iter().any(|k| {
@@ -376,6 +375,17 @@ fn pinned_maps_dump_addresses_and_ports_as_bytes_and_protocols_by_name() {
         "no conntrack key from {} as bytes {} (to {CLUSTER_IP} or {backend_ip}): {flows:#?}",
         CLIENT.1,
         bytes(CLIENT.1)
+    );
+    let names = dump(&sb, "SERVICE_NAMES");
+    let values = formatted(&names, "value");
+    assert!(
+        values.iter().any(|v| {
+            v["namespace"] == "test"
+                && v["name"] == "web"
+                && v["port_name"] == "http"
+                && v["proto"] == "TCP"
+        }),
+        "no SERVICE_NAMES value of test/web port http with its names as strings: {values:#?}"
     );
     let directions: std::collections::BTreeSet<&str> = formatted(&conntrack, "value")
         .into_iter()

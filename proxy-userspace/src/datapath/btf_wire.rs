@@ -1,9 +1,10 @@
 //! Retypes, in the object's BTF alone, the fields `bpftool map dump`
 //! would print as numbers of the machine's byte order: each struct field
 //! named `*_be` becomes the bytes it holds, in network order, and each
-//! `proto`, `dir` and `scope` (one byte) an enum of its values' names
-//! (`proxy_common::WireView`, whose own fields give the types to retype
-//! to). A field keeps its size and offset, and
+//! `proto`, `dir` and `scope` (one byte) an enum of its values' names,
+//! and each text field (`namespace`, `name`...) an array of `char`, which
+//! bpftool prints as a string (`proxy_common::WireView`, whose own fields
+//! give the types to retype to). A field keeps its size and offset, and
 //! the code reads memory as declared: only what bpftool prints changes
 //! (docs/maps.md, "Reading the maps").
 
@@ -35,6 +36,15 @@ const KIND_ENUM64: u32 = 19;
 const VIEW: &str = "WireView";
 /// The one-byte fields shown as an enum, each `WireView`'s field's.
 const NAMED: [&str; 3] = ["proto", "dir", "scope"];
+/// The byte arrays shown as strings: text, NUL padded.
+const TEXT: [&str; 5] = ["namespace", "name", "port_name", "reason", "text"];
+/// `WireView`'s arrays of `char`, by length.
+const TEXT_VIEWS: [(u32, &str); 4] = [
+    (16, "text16"),
+    (32, "text32"),
+    (64, "text64"),
+    (256, "text256"),
+];
 
 /// What a type is, as far as retyping asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,10 +118,6 @@ fn types(section: &[u8]) -> Result<Vec<Type>, BtfWireError> {
         let kind_flag = info >> 31 == 1;
         let start = at;
         at += 12;
-        #[expect(
-            clippy::match_same_arms,
-            reason = "one arm per BTF kind, as the kernel's documentation lists them"
-        )]
         let (record, records) = match kind {
             KIND_INT | KIND_VAR | KIND_DECL_TAG => (4, 1),
             KIND_ARRAY => (12, 1),
@@ -197,6 +203,23 @@ fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
     for field in NAMED {
         named.push((field.as_bytes(), view_field(field)?));
     }
+    let mut texts = Vec::new();
+    for (n, field) in TEXT_VIEWS {
+        texts.push((n, view_field(field)?));
+    }
+    // The view's `char` field's type is named `char` after it: its name is
+    // the one string of the section that says so.
+    let (char_name, char_type) = (0..view.members)
+        .map(|i| member(view, i))
+        .find(|m| m.as_ref().is_ok_and(|(name, _, _)| *name == b"char"))
+        .ok_or(BtfWireError::NoView("char"))?
+        .map(|(_, ty, at)| (u32_at(section, at - 4), ty))?;
+    let char_name = char_name?;
+    let char_at = all
+        .get(char_type as usize)
+        .filter(|t| t.shape == Shape::Int(1))
+        .map(|t| t.at)
+        .ok_or(BtfWireError::NoView("char, an integer of one byte"))?;
     let shape = |id: u32| all.get(id as usize).map_or(Shape::Other, |t| t.shape);
 
     // Where each retyped member's type id is, and its new one: gathered
@@ -220,18 +243,27 @@ fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
                 }
             } else if shape(ty) == Shape::Int(1) {
                 named.iter().find(|(n, _)| *n == name).map(|(_, to)| *to)
+            } else if let Shape::Array { elem, n } = shape(ty)
+                && shape(elem) == Shape::Int(1)
+                && TEXT.iter().any(|t| t.as_bytes() == name)
+            {
+                texts.iter().find(|(len, _)| *len == n).map(|(_, to)| *to)
             } else {
                 None
             };
-            if let Some(to) = to {
+            if let Some(to) = to
+                && to != ty
+            {
                 patches.push((types_at + ty_at, to));
             }
         }
     }
+    let retyped = patches.len();
+    patches.push((types_at + char_at, char_name));
     for (at, to) in &patches {
         btf[*at..*at + 4].copy_from_slice(&to.to_le_bytes());
     }
-    Ok(patches.len())
+    Ok(retyped)
 }
 
 #[cfg(test)]
@@ -262,122 +294,84 @@ mod tests {
     }
 
     #[test]
-    fn be_fields_become_bytes_and_proto_its_enum_and_nothing_else_moves() {
-        let s = b"\0u32\0u16\0u8\0WireView\0bytes16\0bytes4\0bytes2\0proto\0dir\0scope\0Key\0addr_be\0port_be\0seq\0IpProtocol\0TCP\0a4\0";
+    fn be_fields_become_bytes_proto_its_enum_names_strings_and_nothing_else_moves() {
+        let s = b"\0u32\0u16\0u8\0WireView\0bytes16\0bytes4\0bytes2\0proto\0dir\0scope\0char\0text16\0text32\0text64\0text256\0Key\0addr_be\0port_be\0seq\0IpProtocol\0TCP\0a4\0name\0i8\0";
         let off = |name: &[u8]| -> u32 {
             s.windows(name.len() + 2)
                 .position(|w| w[0] == 0 && &w[1..=name.len()] == name && w[name.len() + 1] == 0)
                 .map(|p| p as u32 + 1)
                 .expect("a name of the table")
         };
+        #[rustfmt::skip]
         let types = [
             // [1] u32, [2] u16, [3] u8.
-            off(b"u32"),
-            KIND_INT << 24,
-            4,
-            32,
-            off(b"u16"),
-            KIND_INT << 24,
-            2,
-            16,
-            off(b"u8"),
-            KIND_INT << 24,
-            1,
-            8,
+            off(b"u32"), KIND_INT << 24, 4, 32,
+            off(b"u16"), KIND_INT << 24, 2, 16,
+            off(b"u8"), KIND_INT << 24, 1, 8,
             // [4] [u32; 4], [5] [u8; 16], [6] [u8; 4], [7] [u8; 2].
-            0,
-            KIND_ARRAY << 24,
-            0,
-            1,
-            1,
-            4,
-            0,
-            KIND_ARRAY << 24,
-            0,
-            3,
-            1,
-            16,
-            0,
-            KIND_ARRAY << 24,
-            0,
-            3,
-            1,
-            4,
-            0,
-            KIND_ARRAY << 24,
-            0,
-            3,
-            1,
-            2,
+            0, KIND_ARRAY << 24, 0, 1, 1, 4,
+            0, KIND_ARRAY << 24, 0, 3, 1, 16,
+            0, KIND_ARRAY << 24, 0, 3, 1, 4,
+            0, KIND_ARRAY << 24, 0, 3, 1, 2,
             // [8] enum IpProtocol, size 1: TCP = 6.
-            off(b"IpProtocol"),
-            (KIND_ENUM << 24) | 1,
-            1,
-            off(b"TCP"),
-            6,
+            off(b"IpProtocol"), (KIND_ENUM << 24) | 1, 1, off(b"TCP"), 6,
             // [9] struct WireView (word 41); dir and scope as the enum
             // too, which is all this test needs of them.
-            off(b"WireView"),
-            (KIND_STRUCT << 24) | 6,
-            24,
-            off(b"bytes16"),
-            5,
-            0,
-            off(b"bytes4"),
-            6,
-            128,
-            off(b"bytes2"),
-            7,
-            160,
-            off(b"proto"),
-            8,
-            176,
-            off(b"dir"),
-            8,
-            184,
-            off(b"scope"),
-            8,
-            192,
-            // [10] struct Key (word 62): addr_be [u32; 4], port_be u16,
-            // proto u8, seq u32, a4 (not _be) u32.
-            off(b"Key"),
-            (KIND_STRUCT << 24) | 5,
-            28,
-            off(b"addr_be"),
-            4,
-            0,
-            off(b"port_be"),
-            2,
-            128,
-            off(b"proto"),
-            3,
-            144,
-            off(b"seq"),
-            1,
-            160,
-            off(b"a4"),
-            1,
-            192,
+            off(b"WireView"), (KIND_STRUCT << 24) | 11, 400,
+            off(b"bytes16"), 5, 0,
+            off(b"bytes4"), 6, 128,
+            off(b"bytes2"), 7, 160,
+            off(b"proto"), 8, 176,
+            off(b"dir"), 8, 184,
+            off(b"scope"), 8, 192,
+            off(b"char"), 11, 200,
+            off(b"text16"), 12, 208,
+            off(b"text32"), 13, 336,
+            off(b"text64"), 14, 592,
+            off(b"text256"), 15, 1104,
+            // [10] struct Key (word 77): addr_be [u32; 4], port_be u16,
+            // proto u8, seq u32, a4 (not _be) u32, name [u8; 16].
+            off(b"Key"), (KIND_STRUCT << 24) | 6, 44,
+            off(b"addr_be"), 4, 0,
+            off(b"port_be"), 2, 128,
+            off(b"proto"), 3, 144,
+            off(b"seq"), 1, 160,
+            off(b"a4"), 1, 192,
+            off(b"name"), 5, 224,
+            // [11] i8 (word 98), [12..15] [i8; 16, 32, 64, 256].
+            off(b"i8"), KIND_INT << 24, 1, (1 << 24) | 8,
+            0, KIND_ARRAY << 24, 0, 11, 1, 16,
+            0, KIND_ARRAY << 24, 0, 11, 1, 32,
+            0, KIND_ARRAY << 24, 0, 11, 1, 64,
+            0, KIND_ARRAY << 24, 0, 11, 1, 256,
         ];
         let mut b = blob(&types, s);
         let before = b.clone();
-        assert_eq!(retype_btf(&mut b).expect("valid BTF"), 3);
+        assert_eq!(retype_btf(&mut b).expect("valid BTF"), 4);
         assert_eq!(
-            (0..5).map(|i| member_type(&b, 62, i)).collect::<Vec<_>>(),
-            [5, 7, 8, 1, 1],
-            "addr_be as [u8; 16], port_be as [u8; 2], proto as the enum, the rest as they were"
+            (0..6).map(|i| member_type(&b, 77, i)).collect::<Vec<_>>(),
+            [5, 7, 8, 1, 1, 12],
+            "addr_be as [u8; 16], port_be as [u8; 2], proto as the enum, name as [char; 16], \
+             the rest as they were"
         );
         assert_eq!(
-            (0..6).map(|i| member_type(&b, 41, i)).collect::<Vec<_>>(),
-            [5, 6, 7, 8, 8, 8],
+            (0..11).map(|i| member_type(&b, 41, i)).collect::<Vec<_>>(),
+            [5, 6, 7, 8, 8, 8, 11, 12, 13, 14, 15],
             "WireView itself is left alone"
+        );
+        let name_at = 24 + 98 * 4;
+        assert_eq!(
+            u32::from_le_bytes(b[name_at..name_at + 4].try_into().expect("4 bytes")),
+            off(b"char"),
+            "i8 is named char"
         );
         let changed: Vec<usize> = (0..b.len()).filter(|&i| b[i] != before[i]).collect();
         assert!(
             changed
                 .iter()
-                .all(|&i| (24 + 62 * 4..24 + 80 * 4).contains(&i)),
-            "bytes changed outside Key's members: {changed:?}"
+                .all(|&i| (24 + 77 * 4..24 + 98 * 4).contains(&i)
+                    || (name_at..name_at + 4).contains(&i)),
+            "bytes changed outside Key's members and i8's name: {changed:?}"
         );
         assert_eq!(retype_btf(&mut b).expect("valid BTF"), 0, "idempotent");
     }

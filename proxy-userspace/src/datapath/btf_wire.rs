@@ -151,6 +151,117 @@ fn types(section: &[u8]) -> Result<Vec<Type>, BtfWireError> {
     Ok(out)
 }
 
+/// The type and string sections, read.
+struct Section<'a> {
+    strings: &'a [u8],
+    types: &'a [u8],
+    all: Vec<Type>,
+}
+
+impl<'a> Section<'a> {
+    /// Member `i` of struct `t`: its name, its type, and where its type id
+    /// is in the type section.
+    fn member(&self, t: &Type, i: usize) -> Result<(&'a [u8], u32, usize), BtfWireError> {
+        let at = t.at + 12 + i * 12;
+        Ok((
+            name_at(self.strings, u32_at(self.types, at)?)?,
+            u32_at(self.types, at + 4)?,
+            at + 4,
+        ))
+    }
+
+    fn shape(&self, id: u32) -> Shape {
+        self.all.get(id as usize).map_or(Shape::Other, |t| t.shape)
+    }
+}
+
+/// What `WireView` gives to retype to.
+struct Targets {
+    /// Its index in `Section::all`.
+    view: usize,
+    bytes16: u32,
+    bytes4: u32,
+    bytes2: u32,
+    /// One-byte fields shown by name: the view's field of the same name
+    /// gives the enum.
+    named: Vec<(&'static [u8], u32)>,
+    /// Arrays of `char`, by length.
+    texts: Vec<(u32, u32)>,
+    /// The view's `char` field's name (the one string of the section that
+    /// says `char`), and where its type's name offset is.
+    char_name: u32,
+    char_at: usize,
+}
+
+fn targets(sec: &Section<'_>) -> Result<Targets, BtfWireError> {
+    let view = sec
+        .all
+        .iter()
+        .position(|t| {
+            t.shape == Shape::Struct
+                && name_at(sec.strings, t.name_off).ok() == Some(VIEW.as_bytes())
+        })
+        .ok_or(BtfWireError::NoView("(any)"))?;
+    let field = |field: &'static str| -> Result<(u32, usize), BtfWireError> {
+        let t = &sec.all[view];
+        (0..t.members)
+            .map(|i| sec.member(t, i))
+            .find(|m| {
+                m.as_ref()
+                    .is_ok_and(|(name, _, _)| *name == field.as_bytes())
+            })
+            .ok_or(BtfWireError::NoView(field))?
+            .map(|(_, ty, at)| (ty, at))
+    };
+    let ty = |name| field(name).map(|(ty, _)| ty);
+    let mut named = Vec::new();
+    for name in NAMED {
+        named.push((name.as_bytes(), ty(name)?));
+    }
+    let mut texts = Vec::new();
+    for (n, name) in TEXT_VIEWS {
+        texts.push((n, ty(name)?));
+    }
+    let (char_type, char_member_at) = field("char")?;
+    let char_at = sec
+        .all
+        .get(char_type as usize)
+        .filter(|t| t.shape == Shape::Int(1))
+        .map(|t| t.at)
+        .ok_or(BtfWireError::NoView("char, an integer of one byte"))?;
+    Ok(Targets {
+        view,
+        bytes16: ty("bytes16")?,
+        bytes4: ty("bytes4")?,
+        bytes2: ty("bytes2")?,
+        named,
+        texts,
+        char_name: u32_at(sec.types, char_member_at - 4)?,
+        char_at,
+    })
+}
+
+/// The type a member `name` of type `ty` is retyped to, if any.
+fn target_of(sec: &Section<'_>, to: &Targets, name: &[u8], ty: u32) -> Option<u32> {
+    if name.ends_with(b"_be") {
+        match sec.shape(ty) {
+            Shape::Int(4) => Some(to.bytes4),
+            Shape::Int(2) => Some(to.bytes2),
+            Shape::Array { elem, n: 4 } if sec.shape(elem) == Shape::Int(4) => Some(to.bytes16),
+            _ => None,
+        }
+    } else if sec.shape(ty) == Shape::Int(1) {
+        to.named.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+    } else if let Shape::Array { elem, n } = sec.shape(ty)
+        && sec.shape(elem) == Shape::Int(1)
+        && TEXT.iter().any(|t| t.as_bytes() == name)
+    {
+        to.texts.iter().find(|(len, _)| *len == n).map(|(_, t)| *t)
+    } else {
+        None
+    }
+}
+
 /// `retype` on the `.BTF` section's bytes.
 fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
     if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
@@ -164,104 +275,34 @@ fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
     if types_at + type_len > btf.len() || strings_at + str_len > btf.len() {
         return Err(BtfWireError::Malformed("sections past the end"));
     }
-    let strings = &btf[strings_at..strings_at + str_len];
     let section = &btf[types_at..types_at + type_len];
-    let all = types(section)?;
-    let member = |t: &Type, i: usize| -> Result<(&[u8], u32, usize), BtfWireError> {
-        let at = t.at + 12 + i * 12;
-        Ok((
-            name_at(strings, u32_at(section, at)?)?,
-            u32_at(section, at + 4)?,
-            at + 4,
-        ))
+    let sec = Section {
+        strings: &btf[strings_at..strings_at + str_len],
+        types: section,
+        all: types(section)?,
     };
-
-    let view = all
-        .iter()
-        .find(|t| {
-            t.shape == Shape::Struct && name_at(strings, t.name_off).ok() == Some(VIEW.as_bytes())
-        })
-        .ok_or(BtfWireError::NoView("(any)"))?;
-    let view_field = |field: &'static str| -> Result<u32, BtfWireError> {
-        (0..view.members)
-            .map(|i| member(view, i))
-            .find(|m| {
-                m.as_ref()
-                    .is_ok_and(|(name, _, _)| *name == field.as_bytes())
-            })
-            .ok_or(BtfWireError::NoView(field))?
-            .map(|(_, ty, _)| ty)
-    };
-    let (bytes16, bytes4, bytes2) = (
-        view_field("bytes16")?,
-        view_field("bytes4")?,
-        view_field("bytes2")?,
-    );
-    // One-byte fields shown by name: the view's field of the same name
-    // gives the enum.
-    let mut named = Vec::new();
-    for field in NAMED {
-        named.push((field.as_bytes(), view_field(field)?));
-    }
-    let mut texts = Vec::new();
-    for (n, field) in TEXT_VIEWS {
-        texts.push((n, view_field(field)?));
-    }
-    // The view's `char` field's type is named `char` after it: its name is
-    // the one string of the section that says so.
-    let (char_name, char_type) = (0..view.members)
-        .map(|i| member(view, i))
-        .find(|m| m.as_ref().is_ok_and(|(name, _, _)| *name == b"char"))
-        .ok_or(BtfWireError::NoView("char"))?
-        .map(|(_, ty, at)| (u32_at(section, at - 4), ty))?;
-    let char_name = char_name?;
-    let char_at = all
-        .get(char_type as usize)
-        .filter(|t| t.shape == Shape::Int(1))
-        .map(|t| t.at)
-        .ok_or(BtfWireError::NoView("char, an integer of one byte"))?;
-    let shape = |id: u32| all.get(id as usize).map_or(Shape::Other, |t| t.shape);
+    let to = targets(&sec)?;
 
     // Where each retyped member's type id is, and its new one: gathered
     // first, so that a malformed section changes nothing.
     let mut patches = Vec::new();
-    for t in all
-        .iter()
-        .filter(|t| t.shape == Shape::Struct && !t.kind_flag)
-    {
-        if std::ptr::eq(t, view) {
+    for (index, t) in sec.all.iter().enumerate() {
+        if t.shape != Shape::Struct || t.kind_flag || index == to.view {
             continue;
         }
         for i in 0..t.members {
-            let (name, ty, ty_at) = member(t, i)?;
-            let to = if name.ends_with(b"_be") {
-                match shape(ty) {
-                    Shape::Int(4) => Some(bytes4),
-                    Shape::Int(2) => Some(bytes2),
-                    Shape::Array { elem, n: 4 } if shape(elem) == Shape::Int(4) => Some(bytes16),
-                    _ => None,
-                }
-            } else if shape(ty) == Shape::Int(1) {
-                named.iter().find(|(n, _)| *n == name).map(|(_, to)| *to)
-            } else if let Shape::Array { elem, n } = shape(ty)
-                && shape(elem) == Shape::Int(1)
-                && TEXT.iter().any(|t| t.as_bytes() == name)
+            let (name, ty, ty_at) = sec.member(t, i)?;
+            if let Some(new) = target_of(&sec, &to, name, ty)
+                && new != ty
             {
-                texts.iter().find(|(len, _)| *len == n).map(|(_, to)| *to)
-            } else {
-                None
-            };
-            if let Some(to) = to
-                && to != ty
-            {
-                patches.push((types_at + ty_at, to));
+                patches.push((types_at + ty_at, new));
             }
         }
     }
     let retyped = patches.len();
-    patches.push((types_at + char_at, char_name));
-    for (at, to) in &patches {
-        btf[*at..*at + 4].copy_from_slice(&to.to_le_bytes());
+    patches.push((types_at + to.char_at, to.char_name));
+    for (at, value) in &patches {
+        btf[*at..*at + 4].copy_from_slice(&value.to_le_bytes());
     }
     Ok(retyped)
 }
@@ -317,7 +358,7 @@ mod tests {
             off(b"IpProtocol"), (KIND_ENUM << 24) | 1, 1, off(b"TCP"), 6,
             // [9] struct WireView (word 41); dir and scope as the enum
             // too, which is all this test needs of them.
-            off(b"WireView"), (KIND_STRUCT << 24) | 11, 400,
+            off(b"WireView"), (KIND_STRUCT << 24) | 0xb, 400,
             off(b"bytes16"), 5, 0,
             off(b"bytes4"), 6, 128,
             off(b"bytes2"), 7, 160,

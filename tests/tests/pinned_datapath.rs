@@ -592,18 +592,15 @@ fn status_lists_the_flows_of_both_families_readably() {
     assert_eq!(
         words_of(&forward["value"]["nat_addr_be"]),
         bpftool_words(backend6_ip),
-        "the forward entry's backend, read as words: {forward}"
+        "the forward entry's backend, read as bytes: {forward}"
     );
     drop(stream);
 }
 
-/// An IPv6 address as `bpftool map dump` prints an `addr_be` field of it on this
-/// (little-endian) machine: four u32 words, each four of its bytes in network order.
+/// An IPv6 address as `bpftool map dump` prints an `addr_be` field of it: its
+/// 16 bytes in network order (docs/maps.md, "Reading a dump").
 fn bpftool_words(ip: std::net::Ipv6Addr) -> Vec<u64> {
-    ip.octets()
-        .chunks(4)
-        .map(|c| u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-        .collect()
+    ip.octets().into_iter().map(u64::from).collect()
 }
 
 /// The numbers of a JSON array (empty for anything else).
@@ -617,8 +614,8 @@ fn words_of(value: &serde_json::Value) -> Vec<u64> {
 }
 
 /// The `CONNTRACK6` entry of the flow from `src` to `dst` as `bpftool -j map dump`
-/// formats it (BTF field names), found by reading its address words as
-/// docs/operations.md says; a panic with the dump when there is none.
+/// formats it (BTF field names), found by reading its addresses' bytes as
+/// docs/maps.md says; a panic with the dump when there is none.
 fn conntrack6_entry(
     sb: &Sandbox,
     src: std::net::Ipv6Addr,
@@ -643,7 +640,7 @@ fn conntrack6_entry(
         })
         .unwrap_or_else(|| {
             panic!(
-                "no CONNTRACK6 entry from {src} to {dst} read as words {src_words:?}, \
+                "no CONNTRACK6 entry from {src} to {dst} read as bytes {src_words:?}, \
                  {dst_words:?}: {}",
                 String::from_utf8_lossy(&out.stdout)
             )

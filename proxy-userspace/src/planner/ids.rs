@@ -112,7 +112,11 @@ impl Planner {
         name: &ServicePortName,
         id: u32,
     ) -> Arc<ServicePortName> {
-        *self.service_ids_in_use.entry(id).or_default() += 1;
+        let holds = self.service_ids_in_use.entry(id).or_default();
+        if *holds == 0 && id < self.counted_ids {
+            self.counted_in_use += 1;
+        }
+        *holds += 1;
         if let Some((shared, r)) = self.service_ids.get_key_value_mut(name) {
             r.refs += 1;
             return Arc::clone(shared);
@@ -144,6 +148,9 @@ impl Planner {
             return None;
         }
         self.service_ids_in_use.remove(&id);
+        if id < self.counted_ids {
+            self.counted_in_use = self.counted_in_use.saturating_sub(1);
+        }
         self.adopted_names.remove(&id);
         Some(MapOp::DeleteServiceName { id })
     }
@@ -161,11 +168,11 @@ impl Planner {
     /// The next free service id, round robin: a freed id is taken again as
     /// late as can be (conntrack entries of its flows still name it until
     /// they expire, and count into its counters). Below `counted_ids` while
-    /// fewer ports than that hold ids (then one below it is free), past it
-    /// otherwise: such a port is served, not counted.
+    /// one is free there, past it otherwise: such a port is served, not
+    /// counted.
     fn alloc_service_id(&mut self) -> u32 {
         let bound = self.counted_ids;
-        let below = bound > 1 && self.service_ids_in_use.len() < (bound - 1) as usize;
+        let below = bound > 1 && self.counted_in_use < (bound - 1) as usize;
         loop {
             let mut id = self.next_service_id;
             if below && id >= bound {

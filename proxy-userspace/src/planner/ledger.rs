@@ -55,6 +55,9 @@ pub struct Planner {
     /// Service ids below this are the ones the datapath counts
     /// (`Planner::count_ids_below`); 0: no such bound.
     pub(super) counted_ids: u32,
+    /// How many ids below `counted_ids` are in use: whether one is free
+    /// there, whatever the ports past it hold.
+    pub(super) counted_in_use: usize,
     pub(super) next_slot_set: u32,
     /// Deletes of garbage that failed; retried on the next sync.
     pub(super) pending: Vec<MapOp>,

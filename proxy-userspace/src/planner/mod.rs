@@ -75,6 +75,11 @@ impl Planner {
     /// is counted while there are fewer than that.
     pub fn count_ids_below(&mut self, bound: u32) {
         self.counted_ids = bound;
+        self.counted_in_use = self
+            .service_ids_in_use
+            .keys()
+            .filter(|id| **id < bound)
+            .count();
     }
 
     /// Number of frontends programmed.

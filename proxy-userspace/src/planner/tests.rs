@@ -767,4 +767,14 @@ fn service_ids_stay_below_the_counted_bound_while_one_is_free() {
         [1, 2, 3],
         "a freed id below the bound is taken again, round robin"
     );
+    // Every id below the bound held, one past it; then one below freed:
+    // the port past the bound does not keep the next one from it.
+    sync(&mut p, &mut s, "svc6", &[frontend(6, &[11])]);
+    sync(&mut p, &mut s, "svc1", &[]);
+    sync(&mut p, &mut s, "svc7", &[frontend(7, &[11])]);
+    let ids = ids_of(&s.state);
+    assert!(
+        ids.iter().filter(|id| **id < 4).count() == 3,
+        "a freed id below the bound goes to the next port, though one past it is held: {ids:?}"
+    );
 }

@@ -11,6 +11,9 @@ pub mod csum;
 pub mod ip_summed;
 pub mod netfilter_ct;
 pub mod prefilter;
+pub mod trace;
+
+pub use trace::TraceRecord;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
@@ -73,6 +76,10 @@ pub mod map_names {
     /// The Service port each service id stands for (`ServiceName`): read
     /// by `ebpf-proxy status` only, no program looks at it.
     pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
+    /// Whether the datapath writes `TRACE_EVENTS`: a deadline, see `trace`.
+    pub const TRACE_ON: &str = "TRACE_ON";
+    /// The ring buffer of `trace::TraceRecord`s `ebpf-proxy trace` reads.
+    pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -85,7 +92,7 @@ pub mod map_names {
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 15] = [
+    pub const LATER: [&str; 17] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -101,12 +108,14 @@ pub mod map_names {
         PREFILTER,
         SERVICE_NAMES,
         SERVICE_CIDRS,
+        TRACE_ON,
+        TRACE_EVENTS,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 33] = [
+    pub const ALL: [&str; 35] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -140,6 +149,8 @@ pub mod map_names {
         PREFILTER,
         SERVICE_NAMES,
         SERVICE_CIDRS,
+        TRACE_ON,
+        TRACE_EVENTS,
     ];
 }
 

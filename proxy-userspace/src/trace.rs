@@ -15,10 +15,7 @@ use std::{collections::HashMap, io::Write, net::IpAddr, time::Duration};
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, RingBuf};
 use nix::time::{ClockId, clock_gettime};
 use proxy_common::{ServiceName, TraceRecord, map_names, trace::DEADLINE_AHEAD_NS};
-use tokio::{
-    io::{Interest, unix::AsyncFd},
-    signal::unix::{SignalKind, signal},
-};
+use tokio::signal::unix::{SignalKind, signal};
 
 use crate::datapath::pins::PinLayout;
 pub use record::Event;
@@ -62,8 +59,8 @@ pub enum TraceError {
     },
     #[error("reading the clock: {0}")]
     Clock(#[source] nix::Error),
-    #[error("waiting on the trace's ring buffer or signals: {0}")]
-    Poll(#[source] std::io::Error),
+    #[error("installing the signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
     #[error("writing the trace: {0}")]
     Write(#[source] std::io::Error),
 }
@@ -182,6 +179,33 @@ impl Names {
     }
 }
 
+/// How often the ring buffer is read. The datapath writes its records
+/// without waking the reader (see proxy-ebpf's `trace`), so a record waits
+/// up to this long; the ring buffer holds 4096, enough for 40,000 new flows a
+/// second.
+const READ_EVERY: Duration = Duration::from_millis(100);
+
+/// Prints every record waiting in `ring` that the filter keeps onto `out`.
+fn print(
+    ring: &mut RingBuf<MapData>,
+    names: &mut Names,
+    filter: &Filter,
+    json: bool,
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    while let Some(item) = ring.next() {
+        let Ok(rec) = bytemuck::try_from_bytes::<TraceRecord>(&item).copied() else {
+            continue;
+        };
+        let event = Event::of(&rec, names.of(rec.service_id));
+        if filter.keeps(&event) {
+            let line = if json { event.json() } else { event.text() };
+            writeln!(out, "{line}")?;
+        }
+    }
+    out.flush()
+}
+
 /// Prints the records the filter keeps onto `out`, as text or JSON lines,
 /// until SIGINT or SIGTERM.
 pub async fn run(
@@ -193,16 +217,13 @@ pub async fn run(
     let mut switch = Switch::open(pins)?;
     let mut names = Names::open(pins)?;
     let err = map_error(pins, map_names::TRACE_EVENTS);
-    let ring: RingBuf<MapData> = open(pins, map_names::TRACE_EVENTS)?
+    let mut ring: RingBuf<MapData> = open(pins, map_names::TRACE_EVENTS)?
         .try_into()
         .map_err(err)?;
-    // SAFETY: the descriptor is the ring buffer map's, owned by `ring`,
-    // which the AsyncFd owns for as long as it lives.
-    let mut ready = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-        .map_err(|e| TraceError::Poll(e.into_parts().1))?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(TraceError::Poll)?;
-    let mut terminate = signal(SignalKind::terminate()).map_err(TraceError::Poll)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(TraceError::Signals)?;
+    let mut terminate = signal(SignalKind::terminate()).map_err(TraceError::Signals)?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut read = tokio::time::interval(READ_EVERY);
     let result = loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -213,29 +234,8 @@ pub async fn run(
             }
             _ = interrupt.recv() => break Ok(()),
             _ = terminate.recv() => break Ok(()),
-            guard = ready.readable_mut() => {
-                let mut guard = match guard {
-                    Ok(guard) => guard,
-                    Err(e) => break Err(TraceError::Poll(e)),
-                };
-                let ring = guard.get_inner_mut();
-                let mut written = Ok(());
-                while let Some(item) = ring.next() {
-                    let Some(rec) = bytemuck::try_from_bytes::<TraceRecord>(&item).ok().copied()
-                    else {
-                        continue;
-                    };
-                    let event = Event::of(&rec, names.of(rec.service_id));
-                    if filter.keeps(&event) {
-                        written = writeln!(out, "{}", if json { event.json() } else { event.text() })
-                            .and_then(|()| out.flush());
-                        if written.is_err() {
-                            break;
-                        }
-                    }
-                }
-                guard.clear_ready();
-                if let Err(e) = written {
+            _ = read.tick() => {
+                if let Err(e) = print(&mut ring, &mut names, filter, json, out) {
                     break Err(TraceError::Write(e));
                 }
             }

@@ -16,6 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use aya::maps::{Array, Map, MapData};
 use ebpf_proxy_tests::{
     Protocol, agent,
     client::{Outcome, TIMEOUT, tcp_request_from_port_here},
@@ -25,6 +26,12 @@ use ebpf_proxy_tests::{
     topology::one_node::{BACKENDS, CLIENT, TCP_PORT, UDP_PORT},
     wait_until,
 };
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+use proxy_common::map_names;
+use proxy_userspace::datapath::PinLayout;
 use serde_json::Value;
 
 /// `test/web`: a ClusterIP with both backends.
@@ -157,6 +164,39 @@ impl Trace {
     }
 }
 
+impl Trace {
+    /// Stops the trace as an operator's Ctrl-C does, and waits for it.
+    fn interrupt(&mut self) {
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGINT).expect("SIGINT the trace");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.child.try_wait().expect("waiting on the trace") {
+                Some(status) => {
+                    assert!(
+                        status.success(),
+                        "trace {:?} exited with {status}",
+                        self.args
+                    );
+                    return;
+                }
+                None if Instant::now() > deadline => {
+                    panic!("trace {:?} still running 5 s after SIGINT", self.args)
+                }
+                None => thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+}
+
+/// The deadline in the agent's pinned `TRACE_ON`.
+fn trace_on(sb: &Sandbox) -> u64 {
+    let path = PinLayout::new(sb.agent().bpf_root()).map(map_names::TRACE_ON);
+    let data = MapData::from_pin(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let map = Map::from_map_data(data).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let array: Array<MapData, u64> = map.try_into().expect("TRACE_ON an array");
+    array.get(&0, 0).expect("reading TRACE_ON")
+}
+
 impl Drop for Trace {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -231,6 +271,34 @@ fn translated_and_rejected_flows_are_traced_with_client_and_backend() {
         "hook": "tc",
     });
     assert_eq!(line, expected, "the reject's line");
+
+    assert_ne!(trace_on(&sb), 0, "the deadline while the trace runs");
+    let mut trace = trace;
+    trace.interrupt();
+    assert_eq!(trace_on(&sb), 0, "the deadline after the trace's SIGINT");
+}
+
+/// On pins without the trace's maps (an agent older than the trace, or none)
+/// the trace fails and names the map it looked for.
+#[test]
+fn pins_without_the_trace_maps_are_an_error_naming_the_map() {
+    let root = std::env::temp_dir().join(format!("ebpf-proxy-trace-nopins-{}", std::process::id()));
+    let bin = agent::binary().expect("agent binary");
+    let out = Command::new(bin)
+        .args(["trace", "--bpf-root"])
+        .arg(&root)
+        .output()
+        .expect("running ebpf-proxy trace");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "trace on {} succeeded: {stderr}",
+        root.display()
+    );
+    assert!(
+        stderr.contains(map_names::TRACE_ON) && stderr.contains("predates"),
+        "the error names the missing map: {stderr}"
+    );
 }
 
 /// `--service test/web` leaves out the other Services' flows and rejects, and

@@ -3597,3 +3597,58 @@ fn trace_records_new_flows_rejects_and_drops_while_switched_on_only() {
     run(&fx, &tcp(CLIENT, 43_020, VIP, 80, frame::SYN));
     assert_eq!(drain(&mut events), [], "records after the trace ended");
 }
+
+/// Packets to a service CIDR that no frontend answers are traced too, with no
+/// Service (id 0): a drop of an unallocated address, a reject of a ClusterIP's
+/// undefined port.
+#[test]
+fn trace_records_service_cidr_drops_and_rejects_without_a_service() {
+    use proxy_common::trace::{family, hook, reason, verdict};
+
+    let mut fx = fixture();
+    write_service_cidrs(
+        &mut fx.datapath.maps,
+        &["10.96.0.0/16"],
+        &[IpAddr::V4(VIP)],
+        &[],
+    );
+    let (mut on, mut events) = trace_maps(&fx.pins);
+    on.set(0, u64::MAX, 0).expect("switching the trace on");
+    let unallocated = Ipv4Addr::new(10, 96, 0, 99);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 44_001, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");
+    let (ret, _) = run(&fx, &tcp(CLIENT, 44_002, VIP, 81, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "a ClusterIP's undefined port");
+    let records = drain(&mut events);
+    on.set(0, 0, 0).expect("switching the trace off");
+
+    let record = |verdict, reason, port: u16, frontend: Ipv4Addr, frontend_port: u16| TraceRecord {
+        service_id: 0,
+        verdict,
+        reason,
+        proto: proxy_common::PROTO_TCP,
+        family: family::V4,
+        hook: hook::TC,
+        _pad: 0,
+        client_port_be: port.to_be(),
+        frontend_port_be: frontend_port.to_be(),
+        backend_port_be: 0,
+        client_be: record_addr(CLIENT),
+        frontend_be: record_addr(frontend),
+        backend_be: [0; 4],
+    };
+    assert_eq!(
+        records,
+        [
+            record(
+                verdict::DROPPED,
+                reason::UNALLOCATED,
+                44_001,
+                unallocated,
+                80
+            ),
+            record(verdict::REJECTED, 0, 44_002, VIP, 81),
+        ],
+        "the records of a trace"
+    );
+}

@@ -141,11 +141,14 @@ impl Switch {
     }
 }
 
-/// `SERVICE_NAMES`, read again whenever a record names an id it lacks
-/// and every second: the agent gives a freed id to the next new port.
+/// `SERVICE_NAMES`, an id looked up when a record first names it in a
+/// read of the ring buffer: the agent gives a freed id to the next new
+/// port, so a name is kept for one read only, and the map, as large as
+/// the node's Service ports, is never read whole.
 struct Names {
     map: BpfHashMap<MapData, u32, ServiceName>,
-    names: HashMap<u32, ServiceName>,
+    /// This read's names; None for an id the map lacks.
+    names: HashMap<u32, Option<ServiceName>>,
 }
 
 impl Names {
@@ -154,28 +157,23 @@ impl Names {
         let map = open(pins, map_names::SERVICE_NAMES)?
             .try_into()
             .map_err(err)?;
-        let mut names = Names {
+        Ok(Names {
             map,
             names: HashMap::new(),
-        };
-        names.reread();
-        Ok(names)
+        })
     }
 
-    /// Reads the map anew. An entry that fails to read (deleted while
-    /// iterated) is left out: its id is read again when a record names it.
-    fn reread(&mut self) {
-        self.names = self.map.iter().filter_map(Result::ok).collect();
+    /// Forgets the names of the last read.
+    fn forget(&mut self) {
+        self.names.clear();
     }
 
     fn of(&mut self, id: u32) -> Option<ServiceName> {
         if id == 0 {
             return None;
         }
-        if !self.names.contains_key(&id) {
-            self.reread();
-        }
-        self.names.get(&id).copied()
+        let map = &self.map;
+        *self.names.entry(id).or_insert_with(|| map.get(&id, 0).ok())
     }
 }
 
@@ -193,6 +191,7 @@ fn print(
     json: bool,
     out: &mut impl Write,
 ) -> std::io::Result<()> {
+    names.forget();
     while let Some(item) = ring.next() {
         let Ok(rec) = bytemuck::try_from_bytes::<TraceRecord>(&item).copied() else {
             continue;
@@ -230,7 +229,6 @@ pub async fn run(
                 if let Err(e) = switch.extend() {
                     break Err(e);
                 }
-                names.reread();
             }
             _ = interrupt.recv() => break Ok(()),
             _ = terminate.recv() => break Ok(()),

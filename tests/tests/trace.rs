@@ -9,7 +9,7 @@
 
 use std::{
     io::{BufRead, BufReader},
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6},
     process::{Child, Command, Stdio},
     sync::mpsc::{self, Receiver, RecvTimeoutError},
     thread,
@@ -20,6 +20,7 @@ use aya::maps::{Array, Map, MapData};
 use ebpf_proxy_tests::{
     Protocol, agent,
     client::{Outcome, TIMEOUT, tcp_request_from_port_here},
+    family::Family,
     manifest::Service,
     require_root,
     sandbox::Sandbox,
@@ -375,5 +376,93 @@ fn filters_leave_out_other_services_and_clients() {
         clients,
         [client(42013).as_str()],
         "--service test/web: only the test/web flow; lines: {lines:?}"
+    );
+}
+
+/// IPv6, whose records take client and frontend from the packet's key: a
+/// translated flow's line with the client's IPv6 address and the backend that
+/// answered, as `[addr]:port`, and a reject's line.
+#[test]
+fn ipv6_flows_are_traced_with_bracketed_addresses() {
+    require_root().expect("privileged test");
+    let backends = [BACKENDS[0], BACKENDS[1]];
+    let mut sb = Sandbox::new(&[CLIENT], &backends, TCP_PORT, UDP_PORT).expect("sandbox");
+    let (web, empty) = (Ipv6Addr::vip(43), Ipv6Addr::vip(44));
+    let ips: Vec<Ipv6Addr> = backends.iter().map(|b| Ipv6Addr::pod(b.1)).collect();
+    for (name, vip, endpoints) in [("web6", web, &ips[..]), ("empty6", empty, &[][..])] {
+        let svc = Ipv6Addr::service("test", name, vip).port("http", 80, Protocol::Tcp, TCP_PORT);
+        sb.manifests()
+            .write(&format!("{name}.yaml"), &Ipv6Addr::yaml(&svc, endpoints))
+            .unwrap_or_else(|e| panic!("write test/{name}: {e}"));
+    }
+    sb.start_agent_with(&[]).expect("agent");
+    let tcp6 = |port: u16, vip: Ipv6Addr| {
+        sb.client()
+            .ns
+            .run(move || {
+                tcp_request_from_port_here(port, SocketAddrV6::new(vip, 80, 0, 0), TIMEOUT)
+            })
+            .expect("run in the client pod")
+    };
+    let programmed = wait_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || match tcp6(45000, empty) {
+            Outcome::Refused => Ok(()),
+            other => Err(format!("{other}")),
+        },
+    );
+    if let Err(last) = programmed {
+        panic!(
+            "test/empty6 was never rejected (last: {last}); agent output:\n{}",
+            sb.agent().log()
+        );
+    }
+    let trace = Trace::start(&sb, &[]);
+    let client6 = |port: u16| format!("[{}]:{port}", Ipv6Addr::pod(CLIENT.1));
+
+    let reply = match tcp6(45001, web) {
+        Outcome::Reply(reply) => reply,
+        other => panic!("test/web6: {other}"),
+    };
+    let (line, seen) = trace.expect_line(WITHIN, |v| v["client"] == client6(45001));
+    let Some(line) = line else {
+        panic!(
+            "no line for {} within {WITHIN:?}; lines: {seen:?}",
+            client6(45001)
+        );
+    };
+    let (_, backend_ip) = BACKENDS
+        .iter()
+        .find(|(name, _)| *name == reply.backend)
+        .unwrap_or_else(|| panic!("reply from an unknown backend {:?}", reply.backend));
+    let expected = serde_json::json!({
+        "service": "test/web6",
+        "port": "http",
+        "protocol": "tcp",
+        "client": client6(45001),
+        "frontend": format!("[{web}]:80"),
+        "backend": format!("[{}]:{TCP_PORT}", Ipv6Addr::pod(*backend_ip)),
+        "verdict": "translated",
+        "hook": "tc",
+    });
+    assert_eq!(line, expected, "the translated IPv6 flow's line");
+
+    assert_eq!(tcp6(45002, empty), Outcome::Refused);
+    let (line, seen) = trace.expect_line(WITHIN, |v| v["client"] == client6(45002));
+    let Some(line) = line else {
+        panic!(
+            "no line for the reject of {} within {WITHIN:?}; lines: {seen:?}",
+            client6(45002)
+        );
+    };
+    assert_eq!(
+        (&line["service"], &line["verdict"], &line["backend"]),
+        (
+            &serde_json::json!("test/empty6"),
+            &serde_json::json!("rejected"),
+            &Value::Null
+        ),
+        "the IPv6 reject's line: {line}"
     );
 }

@@ -4,8 +4,8 @@
 //! command keeps moving the deadline a few seconds ahead and sets it to 0
 //! when it exits; one killed without a chance to do so stops costing once
 //! its deadline passes. Several traces share the maps: each only ever moves
-//! the deadline later, and each sees every record (`TRACE_EVENTS` is one
-//! ring buffer, so two readers share its records: see docs/operations.md).
+//! the deadline later, and as `TRACE_EVENTS` is one ring buffer, a record
+//! reaches one of them or both (docs/operations.md).
 
 use crate::service_drop;
 

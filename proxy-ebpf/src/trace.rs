@@ -4,16 +4,16 @@
 //!
 //! The same discipline as `event_log`: every site is on a path a packet
 //! takes once a flow at most (a new flow, a reject, a drop), never on an
-//! established flow's or on a packet for no Service, and is one call of an
-//! out-of-line, cold function that holds the check of `TRACE_ON` and the
-//! writing of the record. Unlike `event_log`'s, that function is global
-//! (`no_mangle`, scalar arguments and result): the verifier checks it once,
-//! on its own, where it walks a static one again for every state that
-//! reaches a site, and `tc_ingress6`, near the verifier's limit, reaches
-//! these sites in many. The sites pass what
-//! they know by value in registers; the record is written in the ring
-//! buffer's slot, never on the stack, where `tc_ingress` and `tc_ingress6`
-//! have little to spare.
+//! established flow's packet or one that passes for no Service, and is one
+//! call of an out-of-line, cold function that holds the check of
+//! `TRACE_ON` and the writing of the record. Unlike `event_log`'s, that
+//! function is global (`no_mangle`, scalar arguments and result): the
+//! verifier checks it once, on its own, where it walks a static one again
+//! for every state that reaches a site, and `tc_ingress6`, near the
+//! verifier's limit, reaches these sites in many. The sites pass what they
+//! know by value in registers; the record is written in the ring buffer's
+//! slot, never on the stack, where `tc_ingress` and `tc_ingress6` have
+//! little to spare.
 //! IPv6's addresses are too many for the registers of a call: its record
 //! reads the client and frontend from `FLOW_KEY6`, the key of the packet
 //! `tc_ingress6` and `xdp_ingress6` are handling.

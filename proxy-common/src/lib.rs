@@ -11,6 +11,9 @@ pub mod csum;
 pub mod ip_summed;
 pub mod netfilter_ct;
 pub mod prefilter;
+pub mod trace;
+
+pub use trace::TraceRecord;
 
 /// Layout version of every pinned map. It is part of the pin path
 /// (`<bpf-root>/v<N>/…`) because aya reuses an existing pin without checking
@@ -79,6 +82,10 @@ pub mod map_names {
     /// The types `bpftool` prints fields as (`WireView`). Never pinned, so
     /// not in `ALL`; read by nothing.
     pub const WIRE_VIEW: &str = "WIRE_VIEW";
+    /// Whether the datapath writes `TRACE_EVENTS`: a deadline, see `trace`.
+    pub const TRACE_ON: &str = "TRACE_ON";
+    /// The ring buffer of `trace::TraceRecord`s `ebpf-proxy trace` reads.
+    pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
@@ -92,7 +99,7 @@ pub mod map_names {
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 17] = [
+    pub const LATER: [&str; 19] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -110,12 +117,14 @@ pub mod map_names {
         SERVICE_CIDRS,
         SERVICE_REFUSALS,
         SERVICE_COUNTERS,
+        TRACE_ON,
+        TRACE_EVENTS,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 34] = [
+    pub const ALL: [&str; 36] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -150,6 +159,8 @@ pub mod map_names {
         SERVICE_NAMES,
         SERVICE_CIDRS,
         SERVICE_REFUSALS,
+        TRACE_ON,
+        TRACE_EVENTS,
     ];
 }
 

@@ -16,7 +16,8 @@ use proxy_common::{
     Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, FlowCache6Entry, FlowCacheEntry, FragKey,
     FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord,
     RejectLimit, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6,
-    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey, WireView,
+    SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey, TraceRecord,
+    WireView,
 };
 
 /// The layout version the table below describes.
@@ -72,6 +73,13 @@ fn table() -> Vec<Layout> {
         }
         // Each agent's own, sized at its load, pinned in place of the last.
         ServiceCounters: 56, 8 { packets: 0, bytes: 16, flows: 32, rejected: 40, dropped: 44 }
+        // A map added to this version, as SERVICE_NAMES; never stored
+        // across agents, but read by `ebpf-proxy trace` of another release.
+        TraceRecord: 64, 4 {
+            service_id: 0, verdict: 4, reason: 5, proto: 6, family: 7, hook: 8, _pad: 9,
+            client_port_be: 10, frontend_port_be: 12, backend_port_be: 14, client_be: 16,
+            frontend_be: 32, backend_be: 48,
+        }
         BackendSlotKey: 8, 4 { slot_set: 0, slot: 4 }
         BackendSlot: 4, 4 { backend_id: 0 }
         Backend: 20, 4 { addr_be: 0, port_be: 16, proto: 18, flags: 19 }

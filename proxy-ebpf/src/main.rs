@@ -45,6 +45,7 @@ mod route;
 mod service_cidr;
 mod service_counters;
 mod sock;
+mod trace;
 mod verdict;
 
 use aya_ebpf::{

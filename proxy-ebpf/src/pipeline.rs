@@ -5,6 +5,7 @@
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
+    trace::reason,
 };
 
 use crate::{
@@ -22,7 +23,7 @@ use crate::{
     prefilter,
     route::{self, Ahead},
     service_cidr::{self, Unserved},
-    service_counters,
+    service_counters, trace,
     verdict::Action,
 };
 
@@ -103,12 +104,18 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
 fn unserved<H: Hook>(flow: &Flow) -> Action {
     match service_cidr::unserved(flow, H::XDP) {
         Unserved::Pass => Action::Pass,
-        Unserved::Drop => Action::Drop,
+        Unserved::Drop => {
+            trace::dropped(H::XDP, reason::UNALLOCATED, 0, flow);
+            Action::Drop
+        }
         Unserved::Reject if H::XDP => {
             count(counter::XDP_TO_TC);
             Action::Pass
         }
-        Unserved::Reject => Action::Reject(*flow),
+        Unserved::Reject => {
+            trace::rejected(0, flow);
+            Action::Reject(*flow)
+        }
     }
 }
 
@@ -153,6 +160,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         count(counter::DROP_SOURCE_RANGE);
         service_counters::source_range(svc.service_id);
         event_log::log(Event::SourceRange, flow);
+        trace::dropped(H::XDP, reason::SOURCE_RANGE, svc.service_id, flow);
         return Action::Drop;
     }
     if svc.count == 0 {
@@ -160,6 +168,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
             count(counter::DROP_NO_ENDPOINT);
             service_counters::no_endpoint(svc.service_id);
             event_log::log(Event::NoEndpoint, flow);
+            trace::dropped(H::XDP, reason::NO_ENDPOINT, svc.service_id, flow);
             return Action::Drop;
         }
         if H::XDP {
@@ -168,6 +177,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         }
         count(counter::REJECT);
         service_counters::rejected(svc.service_id);
+        trace::rejected(svc.service_id, flow);
         return Action::Reject(*flow);
     }
     let Some((backend_id, backend)) = frontend::select(svc, flow.src_be, now) else {
@@ -229,6 +239,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
             count(counter::SNAT_EXHAUSTED);
             service_counters::snat_exhausted(svc.service_id);
             event_log::log(Event::SnatExhausted, flow);
+            trace::dropped(H::XDP, reason::SNAT_EXHAUSTED, svc.service_id, flow);
             return Action::Drop;
         }
         count(counter::SNAT_NEW);
@@ -237,6 +248,7 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
     }
     count(counter::DNAT_NEW);
     service_counters::new_flow(ctx, svc.service_id);
+    trace::translated(H::XDP, svc.service_id, flow, nf.nat.dst_be, nf.nat.dport_be);
     if hairpin {
         count(counter::HAIRPIN);
     }

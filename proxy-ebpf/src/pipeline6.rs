@@ -24,6 +24,7 @@
 
 use proxy_common::{
     PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
+    trace::reason,
 };
 
 use crate::{
@@ -40,7 +41,7 @@ use crate::{
     prefilter,
     route::{self, Ahead},
     service_cidr::{self, Unserved},
-    service_counters,
+    service_counters, trace,
     verdict::Verdicts,
 };
 
@@ -156,12 +157,21 @@ fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
 fn unserved<H: Verdicts>(ctx: &H, flow: &Flow6) -> H::Verdict {
     match service_cidr::unserved(flow, H::XDP) {
         Unserved::Pass => H::PASS,
-        Unserved::Drop => H::DROP,
+        Unserved::Drop => {
+            // Left before its key was built (`translate`).
+            trace::key6(flow);
+            trace::dropped6(H::XDP, reason::UNALLOCATED, 0);
+            H::DROP
+        }
         Unserved::Reject if H::XDP => {
             count(counter::XDP_TO_TC);
             H::PASS
         }
-        Unserved::Reject => ctx.reject::<V6>(flow),
+        Unserved::Reject => {
+            trace::key6(flow);
+            trace::rejected6(0);
+            ctx.reject::<V6>(flow)
+        }
     }
 }
 
@@ -188,6 +198,7 @@ fn new_flow<H: Verdicts>(
         count(counter::DROP_SOURCE_RANGE);
         service_counters::source_range(svc.service_id);
         event_log::log6(Event::SourceRange, flow);
+        trace::dropped6(H::XDP, reason::SOURCE_RANGE, svc.service_id);
         return Ok(H::DROP);
     }
     if svc.count == 0 {
@@ -195,6 +206,7 @@ fn new_flow<H: Verdicts>(
             count(counter::DROP_NO_ENDPOINT);
             service_counters::no_endpoint(svc.service_id);
             event_log::log6(Event::NoEndpoint, flow);
+            trace::dropped6(H::XDP, reason::NO_ENDPOINT, svc.service_id);
             return Ok(H::DROP);
         }
         if H::XDP {
@@ -203,6 +215,7 @@ fn new_flow<H: Verdicts>(
         }
         count(counter::REJECT);
         service_counters::rejected(svc.service_id);
+        trace::rejected6(svc.service_id);
         return Ok(ctx.reject::<V6>(flow));
     }
     let Some((backend_id, backend)) = frontend::select_for(svc, flow.src_be, now) else {
@@ -271,6 +284,7 @@ fn new_flow<H: Verdicts>(
             count(counter::SNAT_EXHAUSTED);
             service_counters::snat_exhausted(svc.service_id);
             event_log::log6(Event::SnatExhausted, flow);
+            trace::dropped6(H::XDP, reason::SNAT_EXHAUSTED, svc.service_id);
             return Ok(H::DROP);
         }
         count(if hairpin {
@@ -284,6 +298,7 @@ fn new_flow<H: Verdicts>(
     }
     count(counter::DNAT_NEW);
     service_counters::new_flow(ctx, svc.service_id);
+    trace::translated6(H::XDP, svc.service_id, &nf.nat.dst_be, nf.nat.dport_be);
     Ok(finish(ctx, flow, &nf.nat, now))
 }
 

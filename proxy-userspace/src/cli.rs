@@ -52,6 +52,28 @@ pub enum Command {
     /// agent forwards what the datapath logs from then on (until its next
     /// start, which writes its --datapath-log).
     DatapathLog(DatapathLogArgs),
+    /// Print new flows, rejects and drops as the datapath decides them,
+    /// one a line, until interrupted (docs/operations.md, "Tracing").
+    Trace(TraceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// `text`, or `json` for one object a line.
+    #[arg(long, value_enum, default_value_t = StatusOutput::Text)]
+    pub output: StatusOutput,
+    /// Only flows to this Service.
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_service)]
+    pub service: Option<(String, String)>,
+    /// Only flows from this client address.
+    #[arg(long, value_name = "ADDR")]
+    pub client: Option<IpAddr>,
+    /// Only flows to this port of a frontend (a NodePort's, or any
+    /// frontend's port).
+    #[arg(long, value_name = "PORT")]
+    pub node_port: Option<u16>,
 }
 
 #[derive(Debug, Args)]

@@ -30,3 +30,4 @@ pub mod settle;
 pub mod source;
 pub mod state;
 pub mod status;
+pub mod trace;

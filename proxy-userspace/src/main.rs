@@ -6,7 +6,7 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs, StatusOutput},
     config,
     datapath::{self, PinLayout},
-    kube_proxy_argv, logging, privileges, settle, status,
+    kube_proxy_argv, logging, privileges, settle, status, trace,
 };
 
 /// The command line, read as kube-proxy's too (the binary called as
@@ -112,6 +112,27 @@ fn main() -> anyhow::Result<()> {
                 )
             })?;
             println!("datapath log level: {}", args.level.name());
+        }
+        Command::Trace(args) => {
+            let pins = PinLayout::new(&args.pins.bpf_root);
+            let filter = trace::Filter {
+                service: args.service.clone(),
+                client: args.client,
+                node_port: args.node_port,
+            };
+            let json = args.output == StatusOutput::Json;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime
+                .block_on(trace::run(&pins, &filter, json, &mut std::io::stdout()))
+                .with_context(|| {
+                    format!(
+                        "tracing the datapath under {}",
+                        args.pins.bpf_root.display()
+                    )
+                })?;
         }
     }
     Ok(())

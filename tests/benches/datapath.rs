@@ -42,14 +42,18 @@ mod common;
 mod wire;
 
 use std::{
+    cell::RefCell,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
+use aya::{
+    maps::{Array, Map, MapData, RingBuf},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+};
 use ebpf_proxy_tests::frames;
-use proxy_common::{Ct6Key, CtKey, ct_dir};
+use proxy_common::{Ct6Key, CtKey, ct_dir, map_names};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, program_load},
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
@@ -66,6 +70,50 @@ const NEW_FLOW: &str = "new flow";
 /// flow's cost that its two conntrack inserts take by themselves.
 const CT_PAIR: &str = "its 2 conntrack inserts alone";
 const ESTABLISHED: &str = "established flow";
+/// The same two with `ebpf-proxy trace` running: `TRACE_ON` ahead of the
+/// clock and the ring buffer drained after each run.
+const NEW_FLOW_TRACED: &str = "new flow, trace running";
+const ESTABLISHED_TRACED: &str = "established flow, trace running";
+
+/// The pinned `TRACE_ON` and `TRACE_EVENTS` of the loaded datapath, for the
+/// cases with a trace running.
+struct Trace {
+    on: Array<MapData, u64>,
+    events: RingBuf<MapData>,
+}
+
+impl Trace {
+    fn open(pins: &PinLayout) -> Trace {
+        let map = |name: &str| {
+            let data = MapData::from_pin(pins.map(name))
+                .unwrap_or_else(|e| panic!("opening the pinned {name}: {e}"));
+            Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        Trace {
+            on: map(map_names::TRACE_ON)
+                .try_into()
+                .expect("TRACE_ON an array"),
+            events: map(map_names::TRACE_EVENTS)
+                .try_into()
+                .expect("TRACE_EVENTS a ring buffer"),
+        }
+    }
+
+    /// Runs `run` with a trace switched on (a deadline no clock reaches),
+    /// then off, and drains the records, whose count it checks against
+    /// `records`: a traced case that wrote none measured nothing.
+    fn running(&mut self, records: usize, run: impl FnOnce() -> f64) -> f64 {
+        self.on.set(0, u64::MAX, 0).expect("switching the trace on");
+        let ns = run();
+        self.on.set(0, 0, 0).expect("switching the trace off");
+        let mut read = 0;
+        while self.events.next().is_some() {
+            read += 1;
+        }
+        assert_eq!(read, records, "records of one traced run");
+        ns
+    }
+}
 
 fn vip(i: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a60_0000 + i) // 10.96.0.0/12
@@ -319,14 +367,18 @@ fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
     of_hook(hook, (datapath.tc_program(), datapath.xdp_program()))
 }
 
+/// Frames, one a run.
+type Frames<'a> = &'a [Vec<u8>];
+
 /// The cases of one hook at one size: `program` against `floor`.
 fn measure_hook(
     datapath: &mut Datapath,
     hook: &'static str,
     target: Ipv4Addr,
     client_port: u16,
-    (news, pairs): (&[Vec<u8>], &[Vec<u8>]),
+    (news, traced_news, pairs): (Frames, Frames, Frames),
     (repeat, rounds, singles): (u32, usize, usize),
+    trace: &RefCell<Trace>,
 ) -> Vec<Case> {
     datapath.load_floors().expect("loading the floor programs");
     // Established flows: several, taken in turn, since one flow's cost
@@ -375,6 +427,17 @@ fn measure_hook(
             &mut |i| ns(ct_pair, &pairs[i], 1),
             &mut |i| ns(program, &ests[i % ests.len()], 1),
             &mut |i| ns(program, &replies[i % replies.len()], 1),
+            // XDP leaves nothing of a new flow to tc here: one record each.
+            &mut |i| {
+                trace
+                    .borrow_mut()
+                    .running(1, || ns(program, &traced_news[i], 1))
+            },
+            &mut |i| {
+                trace
+                    .borrow_mut()
+                    .running(0, || ns(program, &ests[i % ests.len()], 1))
+            },
         ],
     );
     let repeated_of = paired(
@@ -385,6 +448,11 @@ fn measure_hook(
             &mut |i| ns(program, &others[i % others.len()], repeat),
             &mut |i| ns(program, &ests[i % ests.len()], repeat),
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
+            &mut |i| {
+                trace
+                    .borrow_mut()
+                    .running(0, || ns(program, &ests[i % ests.len()], repeat))
+            },
         ],
     );
     // The pair program's entries go again, so that the conntrack map fills
@@ -406,6 +474,8 @@ fn measure_hook(
         CT_PAIR,
         ESTABLISHED,
         "reply (reverse NAT)",
+        NEW_FLOW_TRACED,
+        ESTABLISHED_TRACED,
     ];
     // New flows have no repeated measurement (the first run creates them).
     let mut repeated = repeated_of.into_iter();
@@ -415,7 +485,7 @@ fn measure_hook(
         .map(|(name, single)| Case {
             name,
             single,
-            repeated: if name == NEW_FLOW || name == CT_PAIR {
+            repeated: if name == NEW_FLOW || name == CT_PAIR || name == NEW_FLOW_TRACED {
                 None
             } else {
                 repeated.next()
@@ -656,7 +726,9 @@ fn main() {
     ));
     let pins = PinLayout::new(&root);
     let _cleanup = Cleanup(pins.clone());
-    let mut datapath = Datapath::load(pins).expect("loading the datapath (root, bpffs mounted?)");
+    let mut datapath =
+        Datapath::load(pins.clone()).expect("loading the datapath (root, bpffs mounted?)");
+    let trace = RefCell::new(Trace::open(&pins));
     let mut planner = Planner::new();
     let mut installed = 0u32;
     let mut installed6 = 0u32;
@@ -696,13 +768,15 @@ fn main() {
             };
             let news = flows(u32::from(CLIENT) + 1);
             let pairs = flows(u32::from(CLIENT) + 0x0001_0000);
+            let traced_news = flows(u32::from(CLIENT) + 0x0002_0000);
             let cases = measure_hook(
                 &mut datapath,
                 hook,
                 target,
                 client_port,
-                (&news, &pairs),
+                (&news, &traced_news, &pairs),
                 (repeat, rounds, singles),
+                &trace,
             );
             rows.push(Row {
                 hook,

@@ -14,7 +14,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use node_maps::write_service_cidrs;
-use proxy_common::ct_flags;
+use proxy_common::{TraceRecord, ct_flags, map_names};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
@@ -3225,8 +3225,7 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
 fn a_load_on_pins_without_a_prefilter_writes_it_from_the_maps() {
     let fx = fixture();
     let backend = assured_flow(&fx, 41800);
-    std::fs::remove_file(fx.pins.map(proxy_common::map_names::PREFILTER))
-        .expect("unpinning PREFILTER");
+    std::fs::remove_file(fx.pins.map(map_names::PREFILTER)).expect("unpinning PREFILTER");
     let next = Datapath::load(fx.pins.clone()).expect("loading again on the same pins");
     let tc = next.tc_program();
 
@@ -3248,7 +3247,7 @@ fn a_load_on_pins_without_a_prefilter_writes_it_from_the_maps() {
         q.dport
     );
     assert!(
-        fx.pins.map(proxy_common::map_names::PREFILTER).exists(),
+        fx.pins.map(map_names::PREFILTER).exists(),
         "the new prefilter was not pinned"
     );
 }
@@ -3477,5 +3476,179 @@ fn service_counters_count_at_xdp_and_once_what_xdp_leaves_to_tc() {
         service_totals(&fx.datapath.maps, empty).rejected,
         1,
         "tc rejects it, counted once"
+    );
+}
+
+/// The pinned `TRACE_ON` and `TRACE_EVENTS` under `pins`.
+fn trace_maps(
+    pins: &PinLayout,
+) -> (
+    aya::maps::Array<aya::maps::MapData, u64>,
+    aya::maps::RingBuf<aya::maps::MapData>,
+) {
+    let open = |name: &str| {
+        let data = aya::maps::MapData::from_pin(pins.map(name))
+            .unwrap_or_else(|e| panic!("opening the pinned {name}: {e}"));
+        aya::maps::Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    (
+        open(map_names::TRACE_ON)
+            .try_into()
+            .expect("TRACE_ON an array"),
+        open(map_names::TRACE_EVENTS)
+            .try_into()
+            .expect("TRACE_EVENTS a ring buffer"),
+    )
+}
+
+/// Every record waiting in the ring buffer.
+fn drain(events: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Vec<TraceRecord> {
+    let mut out = Vec::new();
+    while let Some(item) = events.next() {
+        out.push(
+            *bytemuck::try_from_bytes::<TraceRecord>(&item)
+                .unwrap_or_else(|e| panic!("a record of {} bytes: {e}", item.len())),
+        );
+    }
+    out
+}
+
+/// `addr` as a record holds an IPv4 address: its first word, network order.
+fn record_addr(addr: Ipv4Addr) -> [u32; 4] {
+    [u32::from_ne_bytes(addr.octets()), 0, 0, 0]
+}
+
+/// With a trace running (`TRACE_ON` ahead of the clock), a new flow, a reject
+/// and a drop each leave one record with the packet's addresses and ports, the
+/// backend the flow went to and the Service port's id, and an established
+/// flow's packet none; with `TRACE_ON` at 0 the same packets leave nothing.
+#[test]
+fn trace_records_new_flows_rejects_and_drops_while_switched_on_only() {
+    use proxy_common::trace::{hook, reason, verdict};
+
+    let fx = fixture();
+    let (mut on, mut events) = trace_maps(&fx.pins);
+    run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    run(&fx, &tcp(CLIENT, 43_001, EMPTY_VIP, 80, frame::SYN));
+    run(&fx, &tcp(CLIENT, 43_002, LOCAL_ONLY_VIP, 80, frame::SYN));
+    assert_eq!(drain(&mut events), [], "records while no trace runs");
+
+    on.set(0, u64::MAX, 0).expect("switching the trace on");
+    let (ret, out) = run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "the new flow passes translated");
+    let backend = parse_checked(&out, "the new flow").dst;
+    let (ret, _) = run(&fx, &tcp(CLIENT, 43_011, EMPTY_VIP, 80, frame::SYN));
+    assert_ne!(ret, TC_ACT_SHOT, "a reject is sent, not dropped");
+    let (ret, _) = run(&fx, &tcp(CLIENT, 43_012, LOCAL_ONLY_VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "no local endpoint: dropped");
+    run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::ACK));
+    let records = drain(&mut events);
+    on.set(0, 0, 0).expect("switching the trace off");
+
+    let maps = &fx.datapath.maps;
+    let record =
+        |service_id, verdict, reason, port: u16, frontend, backend: Option<Ipv4Addr>| TraceRecord {
+            service_id,
+            verdict,
+            reason,
+            proto: proxy_common::PROTO_TCP,
+            family: proxy_common::trace::family::V4,
+            hook: hook::TC,
+            _pad: 0,
+            client_port_be: port.to_be(),
+            frontend_port_be: 80u16.to_be(),
+            backend_port_be: if backend.is_some() {
+                8080u16.to_be()
+            } else {
+                0
+            },
+            client_be: record_addr(CLIENT),
+            frontend_be: record_addr(frontend),
+            backend_be: backend.map_or([0; 4], record_addr),
+        };
+    let expected = [
+        record(
+            service_id_of(maps, VIP, 80),
+            verdict::TRANSLATED,
+            0,
+            43_010,
+            VIP,
+            Some(backend),
+        ),
+        record(
+            service_id_of(maps, EMPTY_VIP, 80),
+            verdict::REJECTED,
+            0,
+            43_011,
+            EMPTY_VIP,
+            None,
+        ),
+        record(
+            service_id_of(maps, LOCAL_ONLY_VIP, 80),
+            verdict::DROPPED,
+            reason::NO_ENDPOINT,
+            43_012,
+            LOCAL_ONLY_VIP,
+            None,
+        ),
+    ];
+    assert_eq!(records, expected, "the records of a trace");
+
+    run(&fx, &tcp(CLIENT, 43_020, VIP, 80, frame::SYN));
+    assert_eq!(drain(&mut events), [], "records after the trace ended");
+}
+
+/// Packets to a service CIDR that no frontend answers are traced too, with no
+/// Service (id 0): a drop of an unallocated address, a reject of a ClusterIP's
+/// undefined port.
+#[test]
+fn trace_records_service_cidr_drops_and_rejects_without_a_service() {
+    use proxy_common::trace::{family, hook, reason, verdict};
+
+    let mut fx = fixture();
+    write_service_cidrs(
+        &mut fx.datapath.maps,
+        &["10.96.0.0/16"],
+        &[IpAddr::V4(VIP)],
+        &[],
+    );
+    let (mut on, mut events) = trace_maps(&fx.pins);
+    on.set(0, u64::MAX, 0).expect("switching the trace on");
+    let unallocated = Ipv4Addr::new(10, 96, 0, 99);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 44_001, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "an unallocated address of the CIDR");
+    let (ret, _) = run(&fx, &tcp(CLIENT, 44_002, VIP, 81, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "a ClusterIP's undefined port");
+    let records = drain(&mut events);
+    on.set(0, 0, 0).expect("switching the trace off");
+
+    let record = |verdict, reason, port: u16, frontend: Ipv4Addr, frontend_port: u16| TraceRecord {
+        service_id: 0,
+        verdict,
+        reason,
+        proto: proxy_common::PROTO_TCP,
+        family: family::V4,
+        hook: hook::TC,
+        _pad: 0,
+        client_port_be: port.to_be(),
+        frontend_port_be: frontend_port.to_be(),
+        backend_port_be: 0,
+        client_be: record_addr(CLIENT),
+        frontend_be: record_addr(frontend),
+        backend_be: [0; 4],
+    };
+    assert_eq!(
+        records,
+        [
+            record(
+                verdict::DROPPED,
+                reason::UNALLOCATED,
+                44_001,
+                unallocated,
+                80
+            ),
+            record(verdict::REJECTED, 0, 44_002, VIP, 81),
+        ],
+        "the records of a trace"
     );
 }

@@ -3229,3 +3229,101 @@ fn service_counters_count_ipv6_flows_each_way_and_rejects() {
         "port 80's (rejects, flows, packets, drops) after the reject: only rejects moved"
     );
 }
+
+/// `addr` as a trace record holds it: network order, in words.
+fn record_addr6(addr: Ipv6Addr) -> [u32; 4] {
+    let o = addr.octets();
+    core::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+/// IPv6's records, whose client and frontend come from the packet's key
+/// (`FLOW_KEY6`): with a trace running a new flow and a reject each leave one
+/// with the packet's addresses and ports, the backend and the Service port's
+/// id, and an established packet none; with `TRACE_ON` at 0, nothing.
+#[test]
+fn trace_records_of_ipv6_new_flows_and_rejects_while_switched_on_only() {
+    use aya::maps::{Array, Map, MapData, RingBuf};
+    use proxy_common::{
+        TraceRecord, map_names,
+        trace::{family, hook, verdict},
+    };
+
+    let fx = fixture();
+    let open = |name: &str| {
+        let data = MapData::from_pin(fx.pins.map(name))
+            .unwrap_or_else(|e| panic!("opening the pinned {name}: {e}"));
+        Map::from_map_data(data).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let mut on: Array<MapData, u64> = open(map_names::TRACE_ON).try_into().expect("an array");
+    let mut events: RingBuf<MapData> = open(map_names::TRACE_EVENTS)
+        .try_into()
+        .expect("a ring buffer");
+    let mut drain = || {
+        let mut out = Vec::new();
+        while let Some(item) = events.next() {
+            out.push(
+                *bytemuck::try_from_bytes::<TraceRecord>(&item)
+                    .unwrap_or_else(|e| panic!("a record of {} bytes: {e}", item.len())),
+            );
+        }
+        out
+    };
+
+    run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    run(&fx, &tcp(CLIENT, 43_001, EMPTY_VIP, 80, frame::SYN));
+    assert_eq!(drain(), [], "records while no trace runs");
+
+    on.set(0, u64::MAX, 0).expect("switching the trace on");
+    let (ret, out) = run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_OK, "the new flow passes translated");
+    let backend = parse_checked6(&out, "the new flow").dst;
+    let (ret, _) = run(&fx, &tcp(CLIENT, 43_011, EMPTY_VIP, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "the reject goes back to the client");
+    run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::ACK));
+    let records = drain();
+    on.set(0, 0, 0).expect("switching the trace off");
+
+    let maps = &fx.datapath.maps;
+    let record =
+        |service_id, verdict, port: u16, frontend, backend: Option<Ipv6Addr>| TraceRecord {
+            service_id,
+            verdict,
+            reason: 0,
+            proto: frame::TCP,
+            family: family::V6,
+            hook: hook::TC,
+            _pad: 0,
+            client_port_be: port.to_be(),
+            frontend_port_be: 80u16.to_be(),
+            backend_port_be: if backend.is_some() {
+                8080u16.to_be()
+            } else {
+                0
+            },
+            client_be: record_addr6(CLIENT),
+            frontend_be: record_addr6(frontend),
+            backend_be: backend.map_or([0; 4], record_addr6),
+        };
+    let expected = [
+        record(
+            service_id_of(maps, VIP, 80),
+            verdict::TRANSLATED,
+            43_010,
+            VIP,
+            Some(backend),
+        ),
+        record(
+            service_id_of(maps, EMPTY_VIP, 80),
+            verdict::REJECTED,
+            43_011,
+            EMPTY_VIP,
+            None,
+        ),
+    ];
+    assert_eq!(records, expected, "the records of a trace");
+
+    run(&fx, &tcp(CLIENT, 43_020, VIP, 80, frame::SYN));
+    assert_eq!(drain(), [], "records after the trace ended");
+}

@@ -1,0 +1,265 @@
+//! Records for `ebpf-proxy trace` (`proxy_common::trace`): a new flow
+//! translated, rejected or dropped, written into `TRACE_EVENTS` while
+//! `TRACE_ON` holds a deadline still ahead of the clock.
+//!
+//! The same discipline as `event_log`: every site is on a path a packet
+//! takes once a flow at most (a new flow, a reject, a drop), never on an
+//! established flow's packet or one that passes for no Service, and is one
+//! call of an out-of-line, cold function that holds the check of
+//! `TRACE_ON` and the writing of the record. Unlike `event_log`'s, that
+//! function is global (`no_mangle`, scalar arguments and result): the
+//! verifier checks it once, on its own, where it walks a static one again
+//! for every state that reaches a site, and `tc_ingress6`, near the
+//! verifier's limit, reaches these sites in many. The sites pass what they
+//! know by value in registers; the record is written in the ring buffer's
+//! slot, never on the stack, where `tc_ingress` and `tc_ingress6` have
+//! little to spare.
+//! IPv6's addresses are too many for the registers of a call: its record
+//! reads the client and frontend from `FLOW_KEY6`, the key of the packet
+//! `tc_ingress6` and `xdp_ingress6` are handling.
+
+use aya_ebpf::{
+    btf_maps::{Array, RingBuf},
+    helpers::bpf_ktime_get_coarse_ns,
+    macros::btf_map,
+};
+use proxy_common::{
+    Ct6Key, TraceRecord,
+    trace::{self, family, verdict},
+};
+
+use crate::{
+    maps::FLOW_KEY6,
+    packet::{Flow, FlowOf},
+};
+
+/// `BPF_RB_NO_WAKEUP`: the trace command reads on a timer rather than
+/// being woken. A wakeup is an interrupt the kernel raises for the record
+/// (`irq_work`), whenever the reader has caught up, which it mostly has: it
+/// cost each traced new flow some 7 us in the datapath bench, where the
+/// record costs well under one without.
+const NO_WAKEUP: u64 = aya_ebpf::bindings::BPF_RB_NO_WAKEUP as u64;
+
+/// The deadline (coarse clock, ns since boot) until which the datapath
+/// writes records; 0, or past, for none.
+#[btf_map]
+pub static TRACE_ON: Array<u64, 1> = Array::new();
+
+#[btf_map]
+pub static TRACE_EVENTS: RingBuf<TraceRecord, { trace::RING_BYTES as usize }> = RingBuf::new();
+
+/// What a site says of its packet, in one register: the verdict, the
+/// reason, the hook (XDP or tc) and the service id.
+#[derive(Clone, Copy)]
+struct What(u64);
+
+impl What {
+    #[inline(always)]
+    fn new(verdict: u8, reason: u8, xdp: bool, service_id: u32) -> Self {
+        What(
+            u64::from(verdict)
+                | u64::from(reason) << 8
+                | u64::from(xdp) << 16
+                | u64::from(service_id) << 32,
+        )
+    }
+}
+
+/// A new IPv4 flow translated to `backend_be`:`backend_port_be`.
+#[inline(always)]
+pub fn translated(xdp: bool, service_id: u32, f: &Flow, backend_be: u32, backend_port_be: u16) {
+    let what = What::new(verdict::TRANSLATED, 0, xdp, service_id);
+    flow(what, f, backend_be, backend_port_be);
+}
+
+/// An IPv4 packet answered with a reject (tc only: XDP leaves them to
+/// it); `service_id` 0 for an undefined port of a ClusterIP.
+#[inline(always)]
+pub fn rejected(service_id: u32, f: &Flow) {
+    flow(What::new(verdict::REJECTED, 0, false, service_id), f, 0, 0);
+}
+
+/// An IPv4 packet dropped for `reason`.
+#[inline(always)]
+pub fn dropped(xdp: bool, reason: u8, service_id: u32, f: &Flow) {
+    flow(
+        What::new(verdict::DROPPED, reason, xdp, service_id),
+        f,
+        0,
+        0,
+    );
+}
+
+/// `translated` of the IPv6 packet whose key is in `FLOW_KEY6`.
+#[inline(always)]
+pub fn translated6(xdp: bool, service_id: u32, backend_be: &[u32; 4], backend_port_be: u16) {
+    let what = What::new(verdict::TRANSLATED, 0, xdp, service_id);
+    flow6(what, backend_be, backend_port_be);
+}
+
+/// `rejected` of the IPv6 packet whose key is in `FLOW_KEY6`.
+#[inline(always)]
+pub fn rejected6(service_id: u32) {
+    flow6(
+        What::new(verdict::REJECTED, 0, false, service_id),
+        &[0; 4],
+        0,
+    );
+}
+
+/// `dropped` of the IPv6 packet whose key is in `FLOW_KEY6`.
+#[inline(always)]
+pub fn dropped6(xdp: bool, reason: u8, service_id: u32) {
+    flow6(
+        What::new(verdict::DROPPED, reason, xdp, service_id),
+        &[0; 4],
+        0,
+    );
+}
+
+/// Records an IPv4 packet's flow; `backend_be` and `backend_port_be` are
+/// zero where it has none.
+#[inline(always)]
+fn flow(what: What, flow: &Flow, backend_be: u32, backend_port_be: u16) {
+    trace_record(
+        what.0 | u64::from(flow.proto) << 24,
+        u64::from(flow.src_be) | u64::from(flow.sport_be) << 32,
+        u64::from(flow.dst_be) | u64::from(flow.dport_be) << 32,
+        u64::from(backend_be) | u64::from(backend_port_be) << 32,
+    );
+}
+
+/// Records the IPv6 packet whose key is in `FLOW_KEY6`; `backend_be` and
+/// `backend_port_be` are zero where it has none. The backend's address
+/// goes as two words: see `event_log::log6_ports` on pointers.
+#[inline(always)]
+fn flow6(what: What, backend_be: &[u32; 4], backend_port_be: u16) {
+    let pair = |a: u32, b: u32| u64::from(a) | (u64::from(b) << 32);
+    trace_record6(
+        what.0,
+        pair(backend_be[0], backend_be[1]),
+        pair(backend_be[2], backend_be[3]),
+        u64::from(backend_port_be),
+    );
+}
+
+/// Puts `flow`'s key into `FLOW_KEY6` for `flow6`, where the pipeline
+/// has not: a packet that left before its conntrack lookup.
+#[inline(always)]
+pub fn key6(flow: &FlowOf<[u32; 4]>) {
+    if let Some(key) = FLOW_KEY6.get_ptr_mut(0) {
+        // SAFETY: this CPU's entry, used by nothing else meanwhile (see
+        // `FLOW_KEY6`).
+        unsafe {
+            *key = Ct6Key::new(
+                flow.src_be,
+                flow.dst_be,
+                flow.sport_be,
+                flow.dport_be,
+                flow.proto,
+            );
+        }
+    }
+}
+
+/// Whether a trace asks for records now.
+#[inline(always)]
+fn on() -> bool {
+    // SAFETY: a valid array value pointer for this program's run.
+    let deadline = TRACE_ON.get_ptr(0).map_or(0, |p| unsafe { *p });
+    // SAFETY: a helper that takes no pointers and has no preconditions.
+    deadline != 0 && unsafe { bpf_ktime_get_coarse_ns() } < deadline
+}
+
+/// The one body of IPv4's sites (see the module's documentation): `what`
+/// with the protocol in its fourth byte, then client, frontend and backend
+/// as address | port << 32. Returns 0: a global function's result must be
+/// a scalar. In `.text`, with the functions the programs call, where aya
+/// resolves calls (in the `.text.unlikely.` the compiler gives cold ones,
+/// a call landed in another function).
+#[cold]
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn trace_record(what: u64, client: u64, frontend: u64, backend: u64) -> u32 {
+    if !on() {
+        return 0;
+    }
+    let Some(mut entry) = TRACE_EVENTS.reserve(0) else {
+        // The reader is 256 KiB behind: this record is lost.
+        return 0;
+    };
+    let r = entry.as_mut_ptr();
+    // SAFETY: a reserved record of the ring buffer, written field by
+    // field (every byte: the slot holds what an earlier record left).
+    unsafe {
+        head(r, what);
+        (*r).proto = (what >> 24) as u8;
+        (*r).family = family::V4;
+        (*r).client_port_be = (client >> 32) as u16;
+        (*r).frontend_port_be = (frontend >> 32) as u16;
+        (*r).backend_port_be = (backend >> 32) as u16;
+        (*r).client_be = [client as u32, 0, 0, 0];
+        (*r).frontend_be = [frontend as u32, 0, 0, 0];
+        (*r).backend_be = [backend as u32, 0, 0, 0];
+    }
+    entry.submit(NO_WAKEUP);
+    0
+}
+
+/// The one body of IPv6's sites: the client and frontend from
+/// `FLOW_KEY6`, the backend in two words and its port.
+#[cold]
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn trace_record6(
+    what: u64,
+    backend_lo: u64,
+    backend_hi: u64,
+    backend_port_be: u64,
+) -> u32 {
+    if !on() {
+        return 0;
+    }
+    let Some(key) = FLOW_KEY6.get_ptr(0) else {
+        return 0;
+    };
+    let Some(mut entry) = TRACE_EVENTS.reserve(0) else {
+        return 0;
+    };
+    let r = entry.as_mut_ptr();
+    // SAFETY: as in `record`; `key` is this CPU's entry of `FLOW_KEY6`.
+    unsafe {
+        let key = &*key;
+        head(r, what);
+        (*r).proto = key.proto;
+        (*r).family = family::V6;
+        (*r).client_port_be = key.sport_be;
+        (*r).frontend_port_be = key.dport_be;
+        (*r).backend_port_be = backend_port_be as u16;
+        (*r).client_be = key.src_be;
+        (*r).frontend_be = key.dst_be;
+        (*r).backend_be = [
+            backend_lo as u32,
+            (backend_lo >> 32) as u32,
+            backend_hi as u32,
+            (backend_hi >> 32) as u32,
+        ];
+    }
+    entry.submit(NO_WAKEUP);
+    0
+}
+
+/// The fields `What` carries, and the padding.
+#[inline(always)]
+unsafe fn head(r: *mut TraceRecord, what: u64) {
+    // SAFETY: the caller's record.
+    unsafe {
+        (*r).service_id = (what >> 32) as u32;
+        (*r).verdict = what as u8;
+        (*r).reason = (what >> 8) as u8;
+        (*r).hook = ((what >> 16) & 1) as u8;
+        (*r)._pad = 0;
+    }
+}

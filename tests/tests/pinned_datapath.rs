@@ -621,14 +621,7 @@ fn conntrack6_entry(
     src: std::net::Ipv6Addr,
     dst: std::net::Ipv6Addr,
 ) -> serde_json::Value {
-    let pin = PinLayout::new(sb.agent().bpf_root()).map("CONNTRACK6");
-    let out = Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned"])
-        .arg(&pin)
-        .output()
-        .expect("run bpftool");
-    let dump: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("bpftool's JSON dump of CONNTRACK6");
+    let dump = dump(sb, "CONNTRACK6");
     let (src_words, dst_words) = (bpftool_words(src), bpftool_words(dst));
     let entry = dump
         .as_array()
@@ -641,8 +634,7 @@ fn conntrack6_entry(
         .unwrap_or_else(|| {
             panic!(
                 "no CONNTRACK6 entry from {src} to {dst} read as bytes {src_words:?}, \
-                 {dst_words:?}: {}",
-                String::from_utf8_lossy(&out.stdout)
+                 {dst_words:?}: {dump}"
             )
         });
     eprintln!("CONNTRACK6 entry of {src} -> {dst}: {entry}");

@@ -155,15 +155,7 @@ fn status_agrees(agent: &Agent, ns: &str, get: Get<'_>) {
         },
     )
     .0;
-    let of = |name: &str| -> &serde_json::Value {
-        report["services"]
-            .as_array()
-            .and_then(|list| {
-                list.iter()
-                    .find(|s| s["namespace"] == ns && s["name"] == name)
-            })
-            .unwrap_or_else(|| panic!("no {ns}/{name} in the status:\n{report:#}"))
-    };
+    let of = |name: &str| service_in(&report, ns, name);
     let counters = |name: &str| of(name)["ports"][0]["counters"].clone();
     let web = counters("web");
     let dir = |d| [("direction", d)];
@@ -213,18 +205,21 @@ fn status_agrees(agent: &Agent, ns: &str, get: Get<'_>) {
     refusals_told(agent, &report, ns, get);
 }
 
+/// The Service `ns`/`name` of a `status --output json` report.
+fn service_in<'a>(report: &'a serde_json::Value, ns: &str, name: &str) -> &'a serde_json::Value {
+    report["services"]
+        .as_array()
+        .and_then(|list| {
+            list.iter()
+                .find(|s| s["namespace"] == ns && s["name"] == name)
+        })
+        .unwrap_or_else(|| panic!("no {ns}/{name} in the status:\n{report:#}"))
+}
+
 /// What was refused of squatter and hollow, and why, in `report` and in
 /// the text.
 fn refusals_told(agent: &Agent, report: &serde_json::Value, ns: &str, get: Get<'_>) {
-    let of = |name: &str| -> &serde_json::Value {
-        report["services"]
-            .as_array()
-            .and_then(|list| {
-                list.iter()
-                    .find(|s| s["namespace"] == ns && s["name"] == name)
-            })
-            .unwrap_or_else(|| panic!("no {ns}/{name} in the status:\n{report:#}"))
-    };
+    let of = |name: &str| service_in(report, ns, name);
     let refused = |name: &str| -> Vec<(String, String)> {
         of(name)["refused"]
             .as_array()

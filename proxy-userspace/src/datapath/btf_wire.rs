@@ -8,7 +8,10 @@
 //! the code reads memory as declared: only what bpftool prints changes
 //! (docs/maps.md, "Reading the maps").
 
-use object::{Object, ObjectSection};
+use super::btf_section::{
+    self, KIND_ARRAY, KIND_DATASEC, KIND_DECL_TAG, KIND_ENUM, KIND_ENUM64, KIND_FUNC_PROTO,
+    KIND_INT, KIND_STRUCT, KIND_UNION, KIND_VAR,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BtfWireError {
@@ -19,18 +22,6 @@ pub enum BtfWireError {
     #[error("the object's BTF has no struct WireView with field {0}")]
     NoView(&'static str),
 }
-
-const MAGIC: u16 = 0xeb9f;
-const KIND_INT: u32 = 1;
-const KIND_ARRAY: u32 = 3;
-const KIND_STRUCT: u32 = 4;
-const KIND_UNION: u32 = 5;
-const KIND_ENUM: u32 = 6;
-const KIND_FUNC_PROTO: u32 = 13;
-const KIND_VAR: u32 = 14;
-const KIND_DATASEC: u32 = 15;
-const KIND_DECL_TAG: u32 = 17;
-const KIND_ENUM64: u32 = 19;
 
 /// The struct whose fields name the types to retype to.
 const VIEW: &str = "WireView";
@@ -74,12 +65,8 @@ struct Type {
 /// Retypes `object`'s `.BTF` section in place. Returns how many fields
 /// were retyped.
 pub fn retype(object: &mut [u8]) -> Result<usize, BtfWireError> {
-    let range = {
-        let file = object::File::parse(&*object)?;
-        match file.section_by_name(".BTF").and_then(|s| s.file_range()) {
-            Some((start, size)) => start as usize..(start + size) as usize,
-            None => return Ok(0),
-        }
+    let Some(range) = btf_section::range(object)? else {
+        return Ok(0);
     };
     let btf = object
         .get_mut(range)
@@ -88,9 +75,7 @@ pub fn retype(object: &mut [u8]) -> Result<usize, BtfWireError> {
 }
 
 fn u32_at(b: &[u8], at: usize) -> Result<u32, BtfWireError> {
-    b.get(at..at + 4)
-        .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
-        .ok_or(BtfWireError::Malformed("a type runs past the type section"))
+    btf_section::u32_at(b, at).ok_or(BtfWireError::Malformed("a type runs past the type section"))
 }
 
 fn name_at(strings: &[u8], off: u32) -> Result<&[u8], BtfWireError> {
@@ -264,17 +249,9 @@ fn target_of(sec: &Section<'_>, to: &Targets, name: &[u8], ty: u32) -> Option<u3
 
 /// `retype` on the `.BTF` section's bytes.
 fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
-    if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
-        return Err(BtfWireError::Malformed("no BTF header"));
-    }
-    let hdr_len = u32_at(btf, 4)? as usize;
-    let (type_off, type_len) = (u32_at(btf, 8)? as usize, u32_at(btf, 12)? as usize);
-    let (str_off, str_len) = (u32_at(btf, 16)? as usize, u32_at(btf, 20)? as usize);
-    let types_at = hdr_len + type_off;
-    let strings_at = hdr_len + str_off;
-    if types_at + type_len > btf.len() || strings_at + str_len > btf.len() {
-        return Err(BtfWireError::Malformed("sections past the end"));
-    }
+    let layout = btf_section::layout(btf).map_err(BtfWireError::Malformed)?;
+    let (types_at, type_len) = (layout.types.start, layout.types.len());
+    let (strings_at, str_len) = (layout.strings.start, layout.strings.len());
     let section = &btf[types_at..types_at + type_len];
     let sec = Section {
         strings: &btf[strings_at..strings_at + str_len],
@@ -310,22 +287,7 @@ fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A BTF blob: a header, then `types`, then `strings`.
-    fn blob(types: &[u32], strings: &[u8]) -> Vec<u8> {
-        let type_len = (types.len() * 4) as u32;
-        let mut b = Vec::new();
-        b.extend_from_slice(&MAGIC.to_le_bytes());
-        b.extend_from_slice(&[1, 0]);
-        for v in [24u32, 0, type_len, type_len, strings.len() as u32] {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
-        for t in types {
-            b.extend_from_slice(&t.to_le_bytes());
-        }
-        b.extend_from_slice(strings);
-        b
-    }
+    use crate::datapath::btf_section::{KIND_INT, KIND_STRUCT, blob};
 
     /// The type id of member `i` of the struct whose record starts at word
     /// `word` of `types`.

@@ -9,6 +9,7 @@
 mod attach;
 pub mod batch;
 mod btf_names;
+mod btf_section;
 mod btf_wire;
 pub mod clock;
 pub(crate) mod detach;

@@ -10,14 +10,21 @@
 
 mod record;
 
-use std::{collections::HashMap, io::Write, net::IpAddr, time::Duration};
+use std::{
+    collections::HashMap,
+    io::Write,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, RingBuf};
 use nix::time::{ClockId, clock_gettime};
-use proxy_common::{ServiceName, TraceRecord, map_names, trace::DEADLINE_AHEAD_NS};
+use proxy_common::{
+    ServiceKey, ServiceName, ServiceValue, TraceRecord, map_names, scope, trace::DEADLINE_AHEAD_NS,
+};
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::datapath::pins::PinLayout;
+use crate::{datapath::pins::PinLayout, planner::encode};
 pub use record::Event;
 
 /// Which records to print; every one when all are `None`.
@@ -27,7 +34,8 @@ pub struct Filter {
     pub service: Option<(String, String)>,
     /// `--client ADDR`.
     pub client: Option<IpAddr>,
-    /// `--node-port PORT`: flows to this port of a frontend.
+    /// `--node-port PORT`: flows to this NodePort (a frontend of the port
+    /// on a node address, which no Service's own frontend answers).
     pub node_port: Option<u16>,
 }
 
@@ -177,6 +185,43 @@ impl Names {
     }
 }
 
+/// `SERVICES`, asked whether a record's frontend was a NodePort: the
+/// datapath keys a NodePort by the unspecified address, and tries the
+/// packet's own destination first.
+struct Frontends {
+    map: BpfHashMap<MapData, ServiceKey, ServiceValue>,
+}
+
+impl Frontends {
+    fn open(pins: &PinLayout) -> Result<Self, TraceError> {
+        let err = map_error(pins, map_names::SERVICES);
+        let map = open(pins, map_names::SERVICES)?.try_into().map_err(err)?;
+        Ok(Frontends { map })
+    }
+
+    /// Whether `event`'s frontend, of protocol `proto`, was a NodePort:
+    /// one its own address does not answer, and the unspecified address
+    /// does.
+    fn is_node_port(&self, event: &Event, proto: u8) -> bool {
+        let held = |ip: IpAddr| {
+            [scope::ANY, scope::INTERNAL].iter().any(|&scope| {
+                let key = ServiceKey {
+                    addr_be: encode::addr_words(ip),
+                    port_be: event.frontend.port().to_be(),
+                    proto,
+                    scope,
+                };
+                self.map.get(&key, 0).is_ok()
+            })
+        };
+        let unspecified = match event.frontend.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        };
+        !held(event.frontend.ip()) && held(unspecified)
+    }
+}
+
 /// How often the ring buffer is read. The datapath writes its records
 /// without waking the reader (see proxy-ebpf's `trace`), so a record waits
 /// up to this long; the ring buffer holds 4096, enough for 40,000 new flows a
@@ -187,6 +232,7 @@ const READ_EVERY: Duration = Duration::from_millis(100);
 fn print(
     ring: &mut RingBuf<MapData>,
     names: &mut Names,
+    frontends: Option<&Frontends>,
     filter: &Filter,
     json: bool,
     out: &mut impl Write,
@@ -197,7 +243,7 @@ fn print(
             continue;
         };
         let event = Event::of(&rec, names.of(rec.service_id));
-        if filter.keeps(&event) {
+        if filter.keeps(&event) && frontends.is_none_or(|f| f.is_node_port(&event, rec.proto)) {
             let line = if json { event.json() } else { event.text() };
             writeln!(out, "{line}")?;
         }
@@ -215,6 +261,11 @@ pub async fn run(
 ) -> Result<(), TraceError> {
     let mut switch = Switch::open(pins)?;
     let mut names = Names::open(pins)?;
+    // Only `--node-port` asks what kind a frontend was.
+    let frontends = filter
+        .node_port
+        .map(|_| Frontends::open(pins))
+        .transpose()?;
     let err = map_error(pins, map_names::TRACE_EVENTS);
     let mut ring: RingBuf<MapData> = open(pins, map_names::TRACE_EVENTS)?
         .try_into()
@@ -233,7 +284,7 @@ pub async fn run(
             _ = interrupt.recv() => break Ok(()),
             _ = terminate.recv() => break Ok(()),
             _ = read.tick() => {
-                if let Err(e) = print(&mut ring, &mut names, filter, json, out) {
+                if let Err(e) = print(&mut ring, &mut names, frontends.as_ref(), filter, json, out) {
                     break Err(TraceError::Write(e));
                 }
             }

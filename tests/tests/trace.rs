@@ -1,7 +1,8 @@
 //! `ebpf-proxy trace` on real packets: a routed node (docs/architecture.md,
 //! "Test topologies") with a client pod and two backends, the agent in the
-//! node namespace, a Service with endpoints, one without (rejects) and one the
-//! filters leave out. The trace runs as an operator runs it, a child process
+//! node namespace, a Service with endpoints (and a NodePort), one without
+//! (rejects), one the filters leave out and one whose ClusterIP port is the
+//! NodePort's number. The trace runs as an operator runs it, a child process
 //! on the agent's pins with `--output json`, and each test reads its lines.
 //!
 //! Every test builds its own namespaces, bpffs root and manifest directory, so
@@ -21,10 +22,13 @@ use ebpf_proxy_tests::{
     Protocol, agent,
     client::{Outcome, TIMEOUT, tcp_request_from_port_here},
     family::Family,
-    manifest::Service,
+    manifest::{Service, ServiceType},
     require_root,
     sandbox::Sandbox,
-    topology::one_node::{BACKENDS, CLIENT, TCP_PORT, UDP_PORT},
+    topology::{
+        NODE_IP,
+        one_node::{BACKENDS, CLIENT, TCP_PORT, UDP_PORT},
+    },
     wait_until,
 };
 use nix::{
@@ -41,6 +45,11 @@ const WEB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 40);
 const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 41);
 /// `test/other`: a ClusterIP with endpoints, which the filters leave out.
 const OTHER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 42);
+/// `test/high`: a ClusterIP whose port is web's NodePort's number, which
+/// `--node-port` leaves out.
+const HIGH_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 43);
+/// `test/web`'s NodePort.
+const NODE_PORT: u16 = 30480;
 /// What the issue asks: a record on the trace's output within a second.
 const WITHIN: Duration = Duration::from_secs(1);
 /// How long a line that must not come is waited for.
@@ -52,12 +61,18 @@ fn sandbox() -> Sandbox {
     let backends = [BACKENDS[0], BACKENDS[1]];
     let mut sb = Sandbox::new(&[CLIENT], &backends, TCP_PORT, UDP_PORT).expect("sandbox");
     let ips = [BACKENDS[0].1, BACKENDS[1].1];
-    for (name, ip, endpoints) in [
-        ("web", WEB_IP, &ips[..]),
-        ("empty", EMPTY_IP, &[][..]),
-        ("other", OTHER_IP, &ips[..]),
+    for (name, ip, port, endpoints) in [
+        ("web", WEB_IP, 80, &ips[..]),
+        ("empty", EMPTY_IP, 80, &[][..]),
+        ("other", OTHER_IP, 80, &ips[..]),
+        ("high", HIGH_IP, NODE_PORT, &ips[..]),
     ] {
-        let svc = Service::new("test", name, ip).port("http", 80, Protocol::Tcp, TCP_PORT);
+        let mut svc = Service::new("test", name, ip).port("http", port, Protocol::Tcp, TCP_PORT);
+        if name == "web" {
+            svc = svc
+                .type_(ServiceType::NodePort)
+                .node_port("http", NODE_PORT);
+        }
         sb.manifests()
             .write(&format!("{name}.yaml"), &svc.yaml(Some(endpoints)))
             .unwrap_or_else(|e| panic!("write test/{name}: {e}"));
@@ -376,6 +391,49 @@ fn filters_leave_out_other_services_and_clients() {
         clients,
         [client(42013).as_str()],
         "--service test/web: only the test/web flow; lines: {lines:?}"
+    );
+}
+
+/// `--node-port` keeps the flows to that NodePort on a node address, and
+/// leaves out a ClusterIP's flow to a port of the same number and one to
+/// the NodePort Service's ClusterIP.
+#[test]
+fn the_node_port_filter_keeps_node_port_flows_only() {
+    let sb = sandbox();
+    let trace = Trace::start(&sb, &["--node-port", &NODE_PORT.to_string()]);
+    assert!(matches!(
+        tcp_from(&sb, 43001, SocketAddrV4::new(HIGH_IP, NODE_PORT)),
+        Outcome::Reply(_)
+    ));
+    assert!(matches!(
+        tcp_from(&sb, 43002, SocketAddrV4::new(WEB_IP, 80)),
+        Outcome::Reply(_)
+    ));
+    let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
+    let outcome = tcp_from(&sb, 43003, node_port);
+    assert!(
+        matches!(outcome, Outcome::Reply(_)),
+        "test/web's NodePort {node_port}: {outcome}"
+    );
+    let lines = trace.lines_within(QUIET);
+    let seen: Vec<(&str, &str, &str)> = lines
+        .iter()
+        .map(|v| {
+            (
+                v["client"].as_str().unwrap_or("?"),
+                v["frontend"].as_str().unwrap_or("?"),
+                v["service"].as_str().unwrap_or("?"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [(
+            client(43003).as_str(),
+            node_port.to_string().as_str(),
+            "test/web"
+        )],
+        "--node-port {NODE_PORT}: the NodePort flow alone; lines: {lines:?}"
     );
 }
 

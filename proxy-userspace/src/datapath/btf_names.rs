@@ -6,8 +6,7 @@
 //! no offset moves, and only names change.
 
 use super::btf_section::{
-    self, KIND_ARRAY, KIND_DATASEC, KIND_DECL_TAG, KIND_ENUM, KIND_ENUM64, KIND_FUNC_PROTO,
-    KIND_FWD, KIND_INT, KIND_STRUCT, KIND_TYPEDEF, KIND_UNION, KIND_VAR,
+    self, KIND_ENUM, KIND_ENUM64, KIND_FWD, KIND_STRUCT, KIND_TYPEDEF, KIND_UNION,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +15,8 @@ pub enum BtfNamesError {
     Object(#[from] object::Error),
     #[error("the object's BTF is malformed: {0}")]
     Malformed(&'static str),
+    #[error("the object's BTF is malformed: {0}")]
+    Walk(#[from] btf_section::WalkError),
 }
 
 /// Rewrites the invalid type and member names in `object`'s `.BTF`
@@ -39,51 +40,24 @@ fn u32_at(b: &[u8], at: usize) -> Result<u32, BtfNamesError> {
 /// `sanitize` on the `.BTF` section's bytes.
 fn sanitize_btf(btf: &mut [u8]) -> Result<usize, BtfNamesError> {
     let layout = btf_section::layout(btf).map_err(BtfNamesError::Malformed)?;
-    let (types_at, type_len) = (layout.types.start, layout.types.len());
-    let (strings_at, str_len) = (layout.strings.start, layout.strings.len());
     // Name offsets of the identifiers to check, collected first: the type
     // section is only read, the string section only written.
+    let types = &btf[layout.types];
     let mut names = Vec::new();
-    let types = &btf[types_at..types_at + type_len];
-    let mut at = 0;
-    while at < types.len() {
-        let name_off = u32_at(types, at)?;
-        let info = u32_at(types, at + 4)?;
-        let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
-        at += 12;
-        #[expect(
-            clippy::match_same_arms,
-            reason = "one arm per BTF kind, as the kernel's documentation lists them"
-        )]
-        let (member_size, name_members) = match kind {
-            KIND_INT | KIND_VAR | KIND_DECL_TAG => (4, false),
-            KIND_ARRAY => (12, false),
-            KIND_STRUCT | KIND_UNION => (12, true),
-            KIND_ENUM => (8, true),
-            KIND_ENUM64 => (12, true),
-            KIND_FUNC_PROTO => (8, false),
-            KIND_DATASEC => (12, false),
-            _ => (0, false),
-        };
+    for t in btf_section::walk(types)? {
         if matches!(
-            kind,
+            t.kind,
             KIND_STRUCT | KIND_UNION | KIND_ENUM | KIND_ENUM64 | KIND_FWD | KIND_TYPEDEF
         ) {
-            names.push(name_off);
+            names.push(t.name_off);
         }
-        // INT, VAR, ARRAY and DECL_TAG carry one record whatever vlen says.
-        let records = match kind {
-            KIND_INT | KIND_VAR | KIND_ARRAY | KIND_DECL_TAG => 1,
-            _ => vlen,
-        };
-        for i in 0..records {
-            if name_members {
-                names.push(u32_at(types, at + i * member_size)?);
+        if matches!(t.kind, KIND_STRUCT | KIND_UNION | KIND_ENUM | KIND_ENUM64) {
+            for i in 0..t.records {
+                names.push(u32_at(types, t.record_at(i))?);
             }
         }
-        at += records * member_size;
     }
-    let strings = &mut btf[strings_at..strings_at + str_len];
+    let strings = &mut btf[layout.strings];
     let mut changed = 0;
     for off in names {
         let Some(name) = strings.get_mut(off as usize..) else {
@@ -105,7 +79,7 @@ fn sanitize_btf(btf: &mut [u8]) -> Result<usize, BtfNamesError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::btf_section::{KIND_INT, KIND_STRUCT, blob};
+    use crate::datapath::btf_section::{KIND_INT, KIND_STRUCT, KIND_VAR, blob};
 
     #[test]
     fn generic_union_names_become_identifiers_and_nothing_else_moves() {

@@ -8,10 +8,7 @@
 //! the code reads memory as declared: only what bpftool prints changes
 //! (docs/maps.md, "Reading the maps").
 
-use super::btf_section::{
-    self, KIND_ARRAY, KIND_DATASEC, KIND_DECL_TAG, KIND_ENUM, KIND_ENUM64, KIND_FUNC_PROTO,
-    KIND_INT, KIND_STRUCT, KIND_UNION, KIND_VAR,
-};
+use super::btf_section::{self, KIND_ARRAY, KIND_INT, KIND_STRUCT};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BtfWireError {
@@ -19,6 +16,8 @@ pub enum BtfWireError {
     Object(#[from] object::Error),
     #[error("the object's BTF is malformed: {0}")]
     Malformed(&'static str),
+    #[error("the object's BTF is malformed: {0}")]
+    Walk(#[from] btf_section::WalkError),
     #[error("the object's BTF has no struct WireView with field {0}")]
     NoView(&'static str),
 }
@@ -87,51 +86,31 @@ fn name_at(strings: &[u8], off: u32) -> Result<&[u8], BtfWireError> {
 
 /// Every type of the section, by id (id 0, `void`, first).
 fn types(section: &[u8]) -> Result<Vec<Type>, BtfWireError> {
-    let mut out = vec![Type {
+    let void = Type {
         at: 0,
         name_off: 0,
         shape: Shape::Other,
         kind_flag: false,
         members: 0,
-    }];
-    let mut at = 0;
-    while at < section.len() {
-        let name_off = u32_at(section, at)?;
-        let info = u32_at(section, at + 4)?;
-        let size_or_type = u32_at(section, at + 8)?;
-        let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
-        let kind_flag = info >> 31 == 1;
-        let start = at;
-        at += 12;
-        let (record, records) = match kind {
-            KIND_INT | KIND_VAR | KIND_DECL_TAG => (4, 1),
-            KIND_ARRAY => (12, 1),
-            KIND_STRUCT | KIND_UNION | KIND_ENUM64 | KIND_DATASEC => (12, vlen),
-            KIND_ENUM | KIND_FUNC_PROTO => (8, vlen),
-            _ => (0, 0),
-        };
-        let shape = match kind {
-            KIND_INT => Shape::Int(size_or_type),
+    };
+    let mut out = vec![void];
+    for t in btf_section::walk(section)? {
+        let shape = match t.kind {
+            KIND_INT => Shape::Int(t.size_or_type),
             KIND_ARRAY => Shape::Array {
-                elem: u32_at(section, at)?,
-                n: u32_at(section, at + 8)?,
+                elem: u32_at(section, t.record_at(0))?,
+                n: u32_at(section, t.record_at(0) + 8)?,
             },
             KIND_STRUCT => Shape::Struct,
             _ => Shape::Other,
         };
         out.push(Type {
-            at: start,
-            name_off,
+            at: t.at,
+            name_off: t.name_off,
             shape,
-            kind_flag,
-            members: if kind == KIND_STRUCT { vlen } else { 0 },
+            kind_flag: t.kind_flag,
+            members: if t.kind == KIND_STRUCT { t.vlen } else { 0 },
         });
-        at += record * records;
-    }
-    if at != section.len() {
-        return Err(BtfWireError::Malformed(
-            "the last type runs past the section",
-        ));
     }
     Ok(out)
 }
@@ -250,11 +229,10 @@ fn target_of(sec: &Section<'_>, to: &Targets, name: &[u8], ty: u32) -> Option<u3
 /// `retype` on the `.BTF` section's bytes.
 fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
     let layout = btf_section::layout(btf).map_err(BtfWireError::Malformed)?;
-    let (types_at, type_len) = (layout.types.start, layout.types.len());
-    let (strings_at, str_len) = (layout.strings.start, layout.strings.len());
-    let section = &btf[types_at..types_at + type_len];
+    let types_at = layout.types.start;
+    let section = &btf[layout.types.clone()];
     let sec = Section {
-        strings: &btf[strings_at..strings_at + str_len],
+        strings: &btf[layout.strings],
         types: section,
         all: types(section)?,
     };
@@ -287,7 +265,7 @@ fn retype_btf(btf: &mut [u8]) -> Result<usize, BtfWireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::btf_section::{KIND_INT, KIND_STRUCT, blob};
+    use crate::datapath::btf_section::{KIND_ENUM, blob};
 
     /// The type id of member `i` of the struct whose record starts at word
     /// `word` of `types`.

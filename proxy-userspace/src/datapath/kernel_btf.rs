@@ -6,9 +6,10 @@
 
 use std::borrow::Cow;
 
+use super::btf_section::{self, KIND_STRUCT, KIND_UNION, MAGIC};
+
 pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
-const MAGIC: u16 = 0xeb9f;
 const HEADER_LEN: usize = 24;
 const TYPE_LEN: usize = 12;
 
@@ -101,38 +102,19 @@ impl Btf {
         let type_range = section(type_off, type_len, "type")?;
         let strings = section(str_off, str_len, "string")?;
         let mut types = vec![0]; // id 0 is void
-        let mut at = type_range.start;
-        while at < type_range.end {
-            let info = read_u32(&data, at + 4).ok_or_else(|| malformed("type record cut short"))?;
-            let vlen = (info & 0xffff) as usize;
-            #[expect(
-                clippy::match_same_arms,
-                reason = "one arm per BTF kind, as the kernel's documentation lists them"
-            )]
-            let extra = match ((info >> 24) & 0x1f) as u8 {
-                kind::INT => 4,
-                3 => 12,                                 // ARRAY
-                kind::STRUCT | kind::UNION => 12 * vlen, // members
-                6 | 13 => 8 * vlen,                      // ENUM values, FUNC_PROTO params
-                15 | 19 => 12 * vlen,                    // DATASEC vars, ENUM64 values
-                14 | 17 => 4,                            // VAR, DECL_TAG
-                2 | 7..=12 | 16 | 18 => 0,               // PTR, FWD, TYPEDEF..FUNC, FLOAT, TYPE_TAG
-                other => {
-                    return Err(malformed(format!(
-                        "unknown kind {other} at type {}",
-                        types.len()
-                    )));
-                }
-            };
+        let walked =
+            btf_section::walk(&data[type_range.clone()]).map_err(|e| malformed(e.to_string()))?;
+        for t in walked {
+            let at = type_range.start + t.at;
             // Names are checked once here, so lookups can trust them.
-            let k = ((info >> 24) & 0x1f) as u8;
-            let members = if k == kind::STRUCT || k == kind::UNION {
-                vlen
+            let members = if matches!(t.kind, KIND_STRUCT | KIND_UNION) {
+                t.records
             } else {
                 0
             };
-            for name_at in std::iter::once(at).chain((0..members).map(|i| at + TYPE_LEN + 12 * i)) {
-                match read_u32(&data, name_at) {
+            let names = std::iter::once(t.at).chain((0..members).map(|i| t.record_at(i)));
+            for name_at in names {
+                match read_u32(&data, type_range.start + name_at) {
                     Some(off) if (off as usize) < strings.len() => {}
                     _ => {
                         return Err(malformed(format!(
@@ -143,10 +125,6 @@ impl Btf {
                 }
             }
             types.push(at);
-            at += TYPE_LEN + extra;
-        }
-        if at != type_range.end {
-            return Err(malformed("last type record runs past the type section"));
         }
         Ok(Self {
             data,

@@ -4,11 +4,14 @@
 //! writes or reads a map encodes through here, so it imports nothing of the
 //! planner.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::{
+    borrow::Cow,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use proxy_common::{
-    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, RefusalKey, RefusalRecord,
-    ServiceKey, ServiceName, SourceRangeKey, backend_flags, is_v4_mapped, scope,
+    Backend, ClusterCidrKey, PROTO_SCTP, PROTO_TCP, PROTO_UDP, REFUSAL_TEXT_LEN, RefusalKey,
+    RefusalRecord, ServiceKey, ServiceName, SourceRangeKey, backend_flags, is_v4_mapped, scope,
     source_range_prefix, v4_mapped,
 };
 
@@ -192,23 +195,22 @@ pub fn refusal_key(namespace: &str, name: &str, index: u32) -> RefusalKey {
 pub fn refusal_record(reason: &str, text: &str) -> RefusalRecord {
     let mut out = RefusalRecord::default();
     fill(&mut out.reason, reason);
-    if text.len() <= out.text.len() {
-        fill(&mut out.text, text);
-    } else {
-        let mut end = out.text.len() - 3;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        fill(&mut out.text, &format!("{}...", &text[..end]));
-    }
+    fill(&mut out.text, &ellipsized(text, REFUSAL_TEXT_LEN));
     out
 }
 
-fn fill(field: &mut [u8], text: &str) {
-    let mut len = text.len().min(field.len());
-    while !text.is_char_boundary(len) {
-        len -= 1;
+/// `text` in at most `max` bytes: whole, or cut at a character boundary
+/// and ending in "...".
+pub fn ellipsized(text: &str, max: usize) -> Cow<'_, str> {
+    if text.len() <= max {
+        return Cow::Borrowed(text);
     }
+    let end = text.floor_char_boundary(max.saturating_sub(3));
+    Cow::Owned(format!("{}...", &text[..end]))
+}
+
+fn fill(field: &mut [u8], text: &str) {
+    let len = text.floor_char_boundary(field.len());
     field[..len].copy_from_slice(&text.as_bytes()[..len]);
 }
 

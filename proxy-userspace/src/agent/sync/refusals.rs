@@ -16,6 +16,7 @@ use crate::{
     datapath::refusal_records::RefusalRecords,
     metrics::PolicyMetrics,
     model::{ModelError, Reason, Refusal},
+    planner::encode,
     source::ObjectKey,
 };
 
@@ -213,17 +214,9 @@ impl Refusals {
 
 /// An Event's note: at most 1 kB, as the API allows.
 fn note(refusal: &Refusal) -> String {
-    let mut note = match refusal.reason {
+    let note = match refusal.reason {
         Reason::Budget => format!("Not programmed: {refusal}"),
         _ => format!("Not programmed: {refusal}; the Service's other addresses are served"),
     };
-    if note.len() > 1024 {
-        let mut end = 1021;
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
-        note.push_str("...");
-    }
-    note
+    encode::ellipsized(&note, 1024).into_owned()
 }

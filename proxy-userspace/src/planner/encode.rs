@@ -39,12 +39,18 @@ pub fn words_addr(words: &[u32; 4]) -> IpAddr {
     if is_v4_mapped(words) {
         IpAddr::V4(Ipv4Addr::from(words[3].to_ne_bytes()))
     } else {
-        let mut o = [0u8; 16];
-        for (i, w) in words.iter().enumerate() {
-            o[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
-        }
-        IpAddr::V6(Ipv6Addr::from(o))
+        IpAddr::V6(words_ipv6(words))
     }
+}
+
+/// The IPv6 address of four words in network order, as they are, an
+/// IPv4-mapped one included.
+pub fn words_ipv6(words: &[u32; 4]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    for (chunk, w) in o.chunks_exact_mut(4).zip(words) {
+        chunk.copy_from_slice(&w.to_ne_bytes());
+    }
+    Ipv6Addr::from(o)
 }
 
 pub fn protocol_from_number(n: u8) -> Option<Protocol> {

@@ -1,7 +1,7 @@
 //! A `TraceRecord` read from the ring buffer, named and decoded into
 //! addresses, and its two printed forms: a line of text, or of JSON.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use proxy_common::{
     PROTO_SCTP, PROTO_TCP, PROTO_UDP, ServiceName, TraceRecord,
@@ -9,7 +9,7 @@ use proxy_common::{
 };
 use serde_json::json;
 
-use crate::planner::encode::name_text;
+use crate::planner::encode::{name_text, words_ipv6};
 
 /// The Service port a record's service id stood for when it was read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -43,11 +43,7 @@ impl Event {
         let addr = |words: &[u32; 4], port_be: u16| -> SocketAddr {
             let port = u16::from_be(port_be);
             let ip = if rec.family == family::V6 {
-                let mut bytes = [0u8; 16];
-                for (chunk, word) in bytes.chunks_exact_mut(4).zip(words) {
-                    chunk.copy_from_slice(&word.to_ne_bytes());
-                }
-                IpAddr::V6(Ipv6Addr::from(bytes))
+                IpAddr::V6(words_ipv6(words))
             } else {
                 IpAddr::V4(Ipv4Addr::from(words[0].to_ne_bytes()))
             };

@@ -249,18 +249,7 @@ fn pinned_maps_dump_with_field_names() {
         if show.contains("\"type\":\"sk_storage\"") || show.contains("\"type\":\"ringbuf\"") {
             continue;
         }
-        let out = Command::new("bpftool")
-            .args(["-j", "map", "dump", "pinned"])
-            .arg(pin)
-            .output()
-            .expect("run bpftool");
-        assert!(
-            out.status.success(),
-            "bpftool map dump pinned {}: {}",
-            pin.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let json = String::from_utf8_lossy(&out.stdout);
+        let json = bpftool(&["-j", "map", "dump", "pinned"], pin);
         if json.trim() == "[]" {
             continue;
         }
@@ -283,23 +272,26 @@ fn pinned_maps_dump_with_field_names() {
 /// `bpftool -j map dump pinned` of the map `name` of the agent's pins, as JSON.
 fn dump(sb: &Sandbox, name: &str) -> serde_json::Value {
     let pin = PinLayout::new(sb.agent().bpf_root()).map(name);
+    let out = bpftool(&["-j", "map", "dump", "pinned"], &pin);
+    serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("bpftool's dump of {name} is not JSON ({e}): {out}"))
+}
+
+/// `bpftool ARGS PIN`'s output; a panic with its error where it fails.
+fn bpftool(args: &[&str], pin: &std::path::Path) -> String {
     let out = Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned"])
-        .arg(&pin)
+        .args(args)
+        .arg(pin)
         .output()
         .expect("run bpftool");
     assert!(
         out.status.success(),
-        "bpftool map dump pinned {}: {}",
+        "bpftool {} {}: {}",
+        args.join(" "),
         pin.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "bpftool's dump of {name} is not JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The "formatted" keys or values of `dump` (`part` "key" or "value").
@@ -488,17 +480,7 @@ fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
     assert!(status.success(), "the restarted agent exited with {status}");
     let client_if = sb.client().host_if.clone();
     let pin = PinLayout::new(sb.agent().bpf_root()).tc_ingress_link(&client_if);
-    let out = Command::new("bpftool")
-        .args(["link", "detach", "pinned"])
-        .arg(&pin)
-        .output()
-        .expect("running bpftool");
-    assert!(
-        out.status.success(),
-        "bpftool link detach pinned {}: {}",
-        pin.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    bpftool(&["link", "detach", "pinned"], &pin);
     std::fs::remove_file(&pin).expect("removing the tc_ingress link's pin");
     assert_eq!(
         tcx_chain(&sb, &client_if),

@@ -28,9 +28,9 @@ use proxy_common::{
 
 use crate::{
     event_log::Event,
-    family::Family,
+    family::{Family, V4, V6},
     flow_cache,
-    maps::{CLOCK, Conntrack, Scratch, count, ct_source_share, ct_timeouts},
+    maps::{CLOCK, Conntrack, Scratch, count, ct_source_share, expired},
     nat::NatOf,
     packet::{FlowOf, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -187,7 +187,7 @@ fn lookup_in<F: Family>(
     let ptr = map.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
     let entry = unsafe { &*ptr };
-    if entry.expired(flow.proto, now, &ct_timeouts()) {
+    if expired(entry, flow.proto, now) {
         return None;
     }
     if flow.proto == PROTO_TCP
@@ -602,7 +602,7 @@ pub fn create<F: Family>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64
 /// share one. The port is left in `nf.nat.sport_be`. False when every try
 /// was taken.
 #[inline(always)]
-pub fn create_snat<F: Family>(
+pub fn create_snat<F: SnatFamily>(
     flow: &FlowOf<F::Addr>,
     nf: &mut NewFlow<F::Addr>,
     min: u16,
@@ -615,39 +615,103 @@ pub fn create_snat<F: Family>(
     let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
     // The reply entry is the same whatever the port.
     reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
+    let mut claimed = false;
     for try_ in 0..SNAT_TRIES {
         // SAFETY: a helper that takes no pointers and has no preconditions.
         let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
-        nf.nat.sport_be = (port as u16).to_be();
-        scratch.key.dport_be = nf.nat.sport_be;
-        if !port_free::<F>(F::conntrack(), scratch, flow.proto, now, false) {
-            continue;
+        let port_be = (port as u16).to_be();
+        // The last try may take the port of a flow never answered (see
+        // `try_port`).
+        let reclaim = u64::from(try_ == SNAT_TRIES - 1);
+        if F::try_port(
+            u64::from(flow.proto),
+            now,
+            u64::from(port_be) | reclaim << 16,
+        ) != 0
+        {
+            nf.nat.sport_be = port_be;
+            claimed = true;
+            break;
         }
-        // Claimed with NOEXIST, so that two racing CPUs never both win it.
-        let mut taken = F::ct_new()
+    }
+    if !claimed {
+        return false;
+    }
+    if !insert_forward::<F>(flow, nf, scratch) {
+        count(counter::CT_INSERT_FAILED);
+        F::log(Event::CtInsertFailed, flow);
+    }
+    count(counter::CT_NEW_FLOW);
+    true
+}
+
+/// A family's try at a SNAT port (`try_port`), as a function of its own.
+pub trait SnatFamily: Family {
+    /// `try_port` of this family, `port` holding the port (network order)
+    /// and, in bit 16, whether it may reclaim.
+    fn try_port(proto: u64, now: u64, port: u64) -> u32;
+}
+
+impl SnatFamily for V4 {
+    #[inline(always)]
+    fn try_port(proto: u64, now: u64, port: u64) -> u32 {
+        snat_try_port(proto, now, port)
+    }
+}
+
+impl SnatFamily for V6 {
+    #[inline(always)]
+    fn try_port(proto: u64, now: u64, port: u64) -> u32 {
+        snat_try_port6(proto, now, port)
+    }
+}
+
+/// `try_port` of IPv4. Global (`no_mangle`, scalar arguments and result):
+/// the verifier checks it once, on its own, where it would walk it again
+/// for every try of every state that reaches a new SNAT flow, and those
+/// are many; its frame is its own, small next to the stack its callers
+/// use. In `.text`, where aya resolves calls (see `trace::trace_record`).
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn snat_try_port(proto: u64, now: u64, port: u64) -> u32 {
+    try_port::<V4>(proto as u8, now, port as u16, port >> 16 != 0)
+}
+
+/// `try_port` of IPv6, as `snat_try_port`.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn snat_try_port6(proto: u64, now: u64, port: u64) -> u32 {
+    try_port::<V6>(proto as u8, now, port as u16, port >> 16 != 0)
+}
+
+/// Claims `port_be` for the reply entry in this CPU's `Scratch`
+/// (`create_snat`) by inserting that entry into `CT_NEW` with it: 1 when
+/// it did, 0 when a live flow holds the port. With `reclaim`, the port of
+/// a flow never answered is taken, as netfilter drops its unassured
+/// entries first when its table is full: a flood of SYNs (or of one-way
+/// datagrams) holding every port would otherwise refuse every new flow
+/// until its entries expired.
+#[inline(always)]
+fn try_port<F: Family>(proto: u8, now: u64, port_be: u16, reclaim: bool) -> u32 {
+    let Some(scratch) = scratch::<F>() else {
+        return 0;
+    };
+    scratch.key.dport_be = port_be;
+    if !port_free::<F>(F::conntrack(), scratch, proto, now, false) {
+        return 0;
+    }
+    // Claimed with NOEXIST, so that two racing CPUs never both win it.
+    let mut taken = F::ct_new()
+        .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
+        .is_err();
+    if taken && port_free::<F>(F::ct_new(), scratch, proto, now, reclaim) {
+        taken = F::ct_new()
             .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
             .is_err();
-        // The last try may take the port of a flow never answered, as
-        // netfilter drops its unassured entries first when its table is
-        // full: a flood of SYNs (or of one-way datagrams) holding every port
-        // would otherwise refuse every new flow until its entries expired.
-        let reclaim = try_ == SNAT_TRIES - 1;
-        if taken && port_free::<F>(F::ct_new(), scratch, flow.proto, now, reclaim) {
-            taken = F::ct_new()
-                .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
-                .is_err();
-        }
-        if taken {
-            continue;
-        }
-        if !insert_forward::<F>(flow, nf, scratch) {
-            count(counter::CT_INSERT_FAILED);
-            F::log(Event::CtInsertFailed, flow);
-        }
-        count(counter::CT_NEW_FLOW);
-        return true;
     }
-    false
+    u32::from(!taken)
 }
 
 /// Whether no live flow in `map` holds the SNAT tuple `scratch.key`. An
@@ -672,7 +736,7 @@ fn port_free<F: Family>(
     // SAFETY: a valid map value pointer for the duration of this program.
     let old = unsafe { &*old };
     let unanswered = reclaim && old.flags & ct_flags::SEEN_REPLY == 0;
-    let free = old.expired(proto, now, &ct_timeouts());
+    let free = expired(old, proto, now);
     if !free && !unanswered {
         return false;
     }

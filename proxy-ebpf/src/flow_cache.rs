@@ -15,7 +15,7 @@ use proxy_common::{
 
 use crate::{
     family::Family,
-    maps::{FLOW_GEN, ct_timeouts},
+    maps::{FLOW_GEN, expired},
     packet::{TCP_FIN, TCP_RST, TCP_SYN},
 };
 
@@ -105,7 +105,7 @@ pub fn put<F: Family>(
     // SAFETY: a valid map value pointer for this program's run.
     let entry = unsafe { &*entry };
     if entry.flags & ct_flags::CLOSING != 0
-        || entry.expired(key.proto, now + 2 * ct_timeout::REFRESH_NS, &ct_timeouts())
+        || expired(entry, key.proto, now + 2 * ct_timeout::REFRESH_NS)
     {
         return;
     }

@@ -3,16 +3,14 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, ClusterCidrKey, NodeAddrKey, ServiceKey,
-    ServiceValue, SourceRangeKey, node_addr_flags, scope, service_flags, slot_for, v4_mapped,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, ClusterCidrKey, FlowAddr, NodeAddrKey,
+    ServiceKey, ServiceValue, SourceRangeKey, node_addr_flags, scope, service_flags, slot_for,
+    v4_mapped,
 };
 
-use crate::{
-    maps::{
-        AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, LOCAL_IFACES, NODE_ADDRS, SERVICES,
-        SOURCE_RANGES,
-    },
-    packet::Flow,
+use crate::maps::{
+    AFFINITY, BACKEND_SLOTS, BACKENDS, CLUSTER_CIDRS, LOCAL_IFACES, NODE_ADDRS, SERVICES,
+    SOURCE_RANGES,
 };
 
 /// A frontend a new flow matched.
@@ -26,43 +24,51 @@ pub struct Frontend {
     pub on_node: bool,
 }
 
-/// The frontend `flow` is addressed to: its own (address, port), else a
-/// NodePort when the address is one NodePorts are served on. An in-cluster
-/// client gets the frontend's in-cluster entry where it has one.
+/// The frontend of a packet to `dst_be`:`dport_be` of `proto`, of either
+/// family: its own (address, port), else a NodePort when the address is
+/// one of this node's that NodePorts are served on (programmed once per
+/// family, on its unspecified address). An in-cluster client, as
+/// `in_cluster` says (asked only where it matters), gets the frontend's
+/// in-cluster entry where it has one.
 #[inline(always)]
-pub fn lookup_frontend(flow: &Flow, ifindex: u32) -> Option<Frontend> {
-    lookup_frontend_of(flow.dst_be, flow.dport_be, flow.proto, || {
-        in_cluster(flow) || local_iface(ifindex)
-    })
-}
-
-/// `lookup_frontend` for a destination, with `in_cluster` saying whether
-/// its client counts as in the cluster (asked only where it matters).
-#[inline(always)]
-pub fn lookup_frontend_of(
-    dst_be: u32,
+pub fn lookup_frontend_of<A: FlowAddr>(
+    dst_be: &A,
     dport_be: u16,
     proto: u8,
     in_cluster: impl FnOnce() -> bool,
 ) -> Option<Frontend> {
-    let own = service_key(dst_be, dport_be, proto);
-    let frontend = match lookup(own) {
-        Some(svc) if svc.flags & service_flags::EXTERNAL == 0 => Frontend {
+    let own = ServiceKey {
+        addr_be: dst_be.mapped(),
+        port_be: dport_be,
+        proto,
+        scope: scope::ANY,
+    };
+    let node_flags = || {
+        NODE_ADDRS
+            .get_ptr(NodeAddrKey {
+                addr_be: dst_be.mapped(),
+            })
+            // SAFETY: a pointer the map lookup returned, valid for this program's run.
+            .map(|p| unsafe { (*p).flags })
+    };
+    let frontend = if let Some(svc) = lookup(own) {
+        Frontend {
             key: own,
+            on_node: svc.flags & service_flags::EXTERNAL != 0 && node_flags().is_some(),
             svc,
-            on_node: false,
-        },
-        Some(svc) => Frontend {
-            key: own,
-            svc,
-            on_node: node_addr_flags(dst_be).is_some(),
-        },
-        None => {
-            let flags = node_addr_flags(dst_be)?;
-            if flags & node_addr_flags::NODEPORT == 0 {
-                return None;
-            }
-            return lookup_nodeport(dport_be, proto, in_cluster);
+        }
+    } else {
+        if node_flags()? & node_addr_flags::NODEPORT == 0 {
+            return None;
+        }
+        let key = ServiceKey {
+            addr_be: A::default().mapped(),
+            ..own
+        };
+        Frontend {
+            key,
+            svc: lookup(key)?,
+            on_node: true,
         }
     };
     Some(for_client(frontend, in_cluster))
@@ -106,54 +112,10 @@ fn for_client(frontend: Frontend, in_cluster: impl FnOnce() -> bool) -> Frontend
     frontend
 }
 
-/// `lookup_frontend_of` for an IPv6 destination that is not IPv4-mapped:
-/// its own frontend, else a NodePort when it is a node address serving
-/// them (IPv6 NodePorts are programmed on `::`).
+/// Whether the client `client_be` (IPv4-mapped for IPv4) is inside one
+/// of the loadBalancerSourceRanges of the frontend entry it matched.
 #[inline(always)]
-pub fn lookup_frontend_of6(
-    dst_be: [u32; 4],
-    dport_be: u16,
-    proto: u8,
-    in_cluster: impl FnOnce() -> bool,
-) -> Option<Frontend> {
-    let own = ServiceKey {
-        addr_be: dst_be,
-        port_be: dport_be,
-        proto,
-        scope: scope::ANY,
-    };
-    let node_flags = || {
-        NODE_ADDRS
-            .get_ptr(NodeAddrKey { addr_be: dst_be })
-            // SAFETY: a pointer the map lookup returned, valid for this program's run.
-            .map(|p| unsafe { (*p).flags })
-    };
-    let frontend = if let Some(svc) = lookup(own) {
-        Frontend {
-            key: own,
-            on_node: svc.flags & service_flags::EXTERNAL != 0 && node_flags().is_some(),
-            svc,
-        }
-    } else {
-        if node_flags()? & node_addr_flags::NODEPORT == 0 {
-            return None;
-        }
-        let key = ServiceKey {
-            addr_be: [0; 4],
-            ..own
-        };
-        Frontend {
-            key,
-            svc: lookup(key)?,
-            on_node: true,
-        }
-    };
-    Some(for_client(frontend, in_cluster))
-}
-
-/// `source_allowed_for` a client of either family (IPv4-mapped for IPv4).
-#[inline(always)]
-pub fn source_allowed_for6(frontend: &Frontend, client_be: [u32; 4]) -> bool {
+pub fn source_allowed(frontend: &Frontend, client_be: [u32; 4]) -> bool {
     let key = Key::new(
         proxy_common::source_range_prefix(128),
         SourceRangeKey {
@@ -164,22 +126,10 @@ pub fn source_allowed_for6(frontend: &Frontend, client_be: [u32; 4]) -> bool {
     SOURCE_RANGES.get(&key).is_some()
 }
 
-/// Whether the client of `flow` is in the cluster (`CLUSTER_CIDRS`).
+/// Whether the client `src_be` (IPv4-mapped for IPv4) is in the cluster
+/// (`CLUSTER_CIDRS`, where IPv6 pod CIDRs are kept as they are).
 #[inline(always)]
-pub fn in_cluster(flow: &Flow) -> bool {
-    let key = Key::new(
-        128,
-        ClusterCidrKey {
-            addr_be: v4_mapped(flow.src_be),
-        },
-    );
-    CLUSTER_CIDRS.get(&key).is_some()
-}
-
-/// Whether the IPv6 client `src_be` is in the cluster (`CLUSTER_CIDRS`,
-/// where IPv6 pod CIDRs are kept as they are).
-#[inline(always)]
-pub fn in_cluster6(src_be: [u32; 4]) -> bool {
+pub fn in_cluster(src_be: [u32; 4]) -> bool {
     CLUSTER_CIDRS
         .get(&Key::new(128, ClusterCidrKey { addr_be: src_be }))
         .is_some()
@@ -190,36 +140,6 @@ pub fn in_cluster6(src_be: [u32; 4]) -> bool {
 #[inline(always)]
 pub fn local_iface(ifindex: u32) -> bool {
     LOCAL_IFACES.get_ptr(ifindex).is_some()
-}
-
-/// Flags of `addr_be` when it is an address of this node.
-#[inline(always)]
-pub fn node_addr_flags(addr_be: u32) -> Option<u32> {
-    let key = NodeAddrKey {
-        addr_be: v4_mapped(addr_be),
-    };
-    // SAFETY: a pointer the map lookup returned, valid for this program's run.
-    NODE_ADDRS.get_ptr(key).map(|p| unsafe { (*p).flags })
-}
-
-/// Whether the client of `flow` is inside one of the
-/// loadBalancerSourceRanges of the frontend entry it matched.
-#[inline(always)]
-pub fn source_allowed(frontend: &Frontend, flow: &Flow) -> bool {
-    source_allowed_for(frontend, flow.src_be)
-}
-
-/// `source_allowed` for the client `client_be`.
-#[inline(always)]
-pub fn source_allowed_for(frontend: &Frontend, client_be: u32) -> bool {
-    let key = Key::new(
-        proxy_common::source_range_prefix(128),
-        SourceRangeKey {
-            frontend: frontend.key,
-            client_be: v4_mapped(client_be),
-        },
-    );
-    SOURCE_RANGES.get(&key).is_some()
 }
 
 #[inline(always)]
@@ -246,9 +166,9 @@ fn backend(id: u32) -> Option<Backend> {
     BACKENDS.get_ptr(id).map(|p| unsafe { *p })
 }
 
-/// The backend for a new flow of `client_be` to the service `svc` (which has
-/// `count > 0`): its affinity backend when that is still fresh and still
-/// programmed, else a uniformly random slot.
+/// The backend for a new flow of `client_be` (IPv4-mapped for IPv4) to
+/// the service `svc` (which has `count > 0`): its affinity backend when
+/// that is still fresh and still programmed, else a uniformly random slot.
 ///
 /// A stuck backend counts whatever its flags say. A backend id never changes
 /// its flags (a ready endpoint that turns terminating gets a new id), so an
@@ -258,13 +178,7 @@ fn backend(id: u32) -> Option<Backend> {
 /// keeps affinity too. A backend that leaves the set loses its affinity
 /// entries when the agent purges departed backends, right after the sync.
 #[inline(always)]
-pub fn select(svc: &ServiceValue, client_be: u32, now: u64) -> Option<(u32, Backend)> {
-    select_for(svc, v4_mapped(client_be), now)
-}
-
-/// `select` for a client of either family (IPv4-mapped for IPv4).
-#[inline(always)]
-pub fn select_for(svc: &ServiceValue, client_be: [u32; 4], now: u64) -> Option<(u32, Backend)> {
+pub fn select(svc: &ServiceValue, client_be: [u32; 4], now: u64) -> Option<(u32, Backend)> {
     let affinity = svc.flags & service_flags::AFFINITY != 0;
     let akey = AffinityKey {
         client_be,

@@ -1,6 +1,6 @@
-//! ebpf-proxy kernel programs. Entry points are thin: they run the shared
-//! pipeline (`pipeline`) and carry out its decision in their hook's terms
-//! (`verdict`).
+//! ebpf-proxy kernel programs. Entry points are thin: they run the
+//! pipeline (`pipeline`), written once over the family and the hook, whose
+//! decisions are carried out in the hook's terms (`verdict`).
 #![no_std]
 #![no_main]
 #![expect(
@@ -18,9 +18,7 @@
 )]
 #![expect(
     clippy::needless_pass_by_value,
-    reason = "aya-ebpf's program macros hand each entry point its context by value; the \
-              verdicts take the pipeline's `Action` by value because by reference it is first \
-              stored on the stack: 16 more bytes of stack (488 of 512) and 3 more instructions"
+    reason = "aya-ebpf's program macros hand each entry point its context by value"
 )]
 
 mod conntrack;
@@ -38,7 +36,6 @@ mod netfilter_ct;
 mod packet;
 mod packet6;
 mod pipeline;
-mod pipeline6;
 mod prefilter;
 mod reject;
 mod route;
@@ -66,18 +63,19 @@ use family::{V4, V6};
 /// (proxy-userspace's `datapath::kernel_version`).
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
-    verdict::of(&ctx, pipeline::handle(&ctx))
+    pipeline::handle::<V4, _>(&ctx)
 }
 
 /// tc ingress for IPv6, on the same interfaces as `tc_ingress` and after
 /// it in their tcx chains: `tc_ingress` hands on whatever is not IPv4
-/// (`verdict::Action::Next`). A program of its own, so that IPv4's stack
-/// and instructions stay as they were (see `pipeline6`).
+/// (`verdict::Verdicts::next`). The same pipeline as `tc_ingress`'s, in a
+/// program of its own, so that each family has its own stack and verifier
+/// budget (see `pipeline`).
 ///
 /// Linux 6.6 for tcx, as `tc_ingress`.
 #[classifier]
 pub fn tc_ingress6(ctx: TcContext) -> i32 {
-    pipeline6::handle(&ctx)
+    pipeline::handle::<V6, _>(&ctx)
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer
@@ -88,7 +86,7 @@ pub fn tc_ingress6(ctx: TcContext) -> i32 {
 /// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-    verdict::of(&ctx, pipeline::handle(&ctx))
+    pipeline::handle::<V4, _>(&ctx)
 }
 
 /// XDP for IPv6, reached from `xdp_ingress` only (never attached): the
@@ -98,7 +96,7 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
 /// Linux 5.9, as `xdp_ingress`.
 #[xdp]
 pub fn xdp_ingress6(ctx: XdpContext) -> u32 {
-    pipeline6::handle(&ctx)
+    pipeline::handle::<V6, _>(&ctx)
 }
 
 /// cgroup `connect4`: the node's own connections to frontends go to a

@@ -185,13 +185,20 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { MAX_AFFINITY as us
 #[btf_map]
 pub static CT_TIMEOUTS: Array<CtTimeouts, 1> = Array::new();
 
-/// The conntrack timeouts in force (the defaults until the agent sets them).
+/// Whether `entry`, a flow of `proto`, has been idle past its timeout at
+/// `now`, under the conntrack timeouts in force (the defaults until the
+/// agent sets them). They are read in place, not copied: a copy is 48
+/// bytes of a stack that `tc_ingress6` and the SNAT port's try, which
+/// shares its frame's budget, have little of.
 #[inline(always)]
-pub fn ct_timeouts() -> CtTimeouts {
-    CT_TIMEOUTS
-        .get_ptr(0)
-        // SAFETY: a pointer the map lookup returned, valid for this program's run.
-        .map_or(CtTimeouts::DEFAULT, |p| unsafe { *p }.or_default())
+pub fn expired<A>(entry: &CtValueOf<A>, proto: u8, now: u64) -> bool {
+    let timeouts = match CT_TIMEOUTS.get_ptr(0) {
+        // SAFETY: a pointer the map lookup returned, valid for this
+        // program's run.
+        Some(p) if unsafe { (*p).udp_ns } != 0 => unsafe { &*p },
+        _ => &CtTimeouts::DEFAULT,
+    };
+    entry.expired(proto, now, timeouts)
 }
 
 #[btf_map]

@@ -1,132 +1,182 @@
-//! The per-packet pipeline shared by every hook: conntrack, then frontend
-//! lookup, then a decision on what the packet becomes. The hooks carry the
-//! decision out (`verdict`).
+//! The per-packet pipeline, written once over the family and the hook:
+//! conntrack, then the frontend lookup, then what the packet becomes, in
+//! the hook's verdict (`verdict::Verdicts`). What differs between IPv4 and
+//! IPv6 is asked of the family (`family::PipelineFamily`); each family is a
+//! program of its own (`tc_ingress` and `tc_ingress6`, `xdp_ingress` and
+//! `xdp_ingress6`), so that neither runs the other's code and each has its
+//! own stack and verifier budget (docs/architecture.md, "IPv6").
+//!
+//! Every frontend of TCP and UDP: ClusterIPs, NodePorts on the node's
+//! addresses, LoadBalancer IPs and ExternalIPs, with their traffic
+//! policies, source ranges, SNAT and hairpin. A packet whose new source is
+//! an address of this node is routed and redirected (`route`). At XDP a
+//! packet is finished only where it can be sent back out of the interface
+//! it came in on (or passed to the stack translated); everything else is
+//! left untouched to tc. ICMP errors quoting a translated flow's packet are
+//! translated back (`icmp_error`); every other ICMP message passes
+//! untouched. SCTP passes untranslated, counted when it was meant for a
+//! frontend. A later fragment takes its first fragment's ports and its
+//! flow's translation, or passes, counted (`frag`). Established flows are
+//! served from this CPU's flow cache (`flow_cache`), new ones start in
+//! `CT_NEW` (`conntrack`), and rare events go to the datapath log.
 
-use aya_ebpf::programs::TcContext;
+mod family;
+
+pub use family::PipelineFamily;
 use proxy_common::{
-    PROTO_SCTP, backend_flags, counter, ct_flags, is_v4_mapped, node_config_flags, service_flags,
-    trace::reason,
+    CtKeyOf, FlowAddr, PROTO_SCTP, backend_flags, counter, ct_flags, node_config_flags,
+    service_flags, trace::reason,
 };
 
 use crate::{
     conntrack::{self, NewFlow},
-    event_log::{self, Event},
+    event_log::Event,
     family::V4,
     flow_cache, frag,
     frontend::{self, Frontend},
     hook::Hook,
-    icmp_error::{self, Verdict},
     maps::{count, node_config, node_flags},
     nat::NatOf,
     netfilter_ct,
-    packet::{self, Flow, Skip, frag::FIRST, frag::LATER},
+    packet::{
+        self, FlowOf,
+        frag::{FIRST, LATER},
+    },
     prefilter,
     route::{self, Ahead},
     service_cidr::{self, Unserved},
     service_counters, trace,
-    verdict::Action,
+    verdict::Verdicts,
 };
+use family::Source;
 
+/// The hook's verdict for a packet of family `F`, after the translation or
+/// reply it calls for. A packet longer than its route's MTU is answered
+/// here, from one place: the answer is written out once in the program.
 #[inline(always)]
-pub fn handle<H: Hook>(ctx: &H) -> Action {
-    let mut flow = match packet::parse(ctx) {
+pub fn handle<F: PipelineFamily, H: Verdicts>(ctx: &H) -> H::Verdict {
+    match translate::<F, H>(ctx) {
+        Ok(verdict) => verdict,
+        Err(mtu) => ctx.too_big::<F>(mtu),
+    }
+}
+
+/// The verdict for a packet, or `Err` with the MTU of the route it is too
+/// long for (tc only).
+#[inline(always)]
+fn translate<F: PipelineFamily, H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
+    let mut flow = match F::parse(ctx) {
         Ok(flow) => flow,
-        Err(Skip::NotIpv4) => return Action::Next,
-        Err(Skip::NotOurs) => return Action::Pass,
-        // An error among them may be about a translated flow; XDP leaves
-        // them to tc, which can route what it rewrites.
-        Err(Skip::Icmp) => return ctx.tc().map_or(Action::Pass, icmp),
-        // Counted by tc, which sees the same packet next.
-        Err(Skip::Malformed | Skip::Truncated(_)) if H::XDP => return Action::Pass,
-        Err(Skip::Malformed | Skip::Truncated(_)) => {
-            count(counter::PASS_MALFORMED);
-            return Action::Pass;
-        }
+        Err(verdict) => return Ok(verdict),
     };
     // A later fragment has no ports to ask with: its first fragment's
     // record answers for it below.
     if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return unserved::<H>(&flow);
+        return Ok(unserved::<F, H>(ctx, &flow));
     }
     let now = conntrack::now_ns();
     if flow.frag == LATER {
         // Translated as its datagram's first fragment was, or not at all.
-        let Some((sport_be, dport_be, _)) = frag::ports::<V4>(&flow, now) else {
-            return untracked_fragment::<H>(&flow);
+        let Some((sport_be, dport_be, proto)) = frag::ports::<F>(&flow, now) else {
+            return Ok(untracked_fragment::<F, H>(&flow));
         };
         flow.sport_be = sport_be;
         flow.dport_be = dport_be;
+        flow.proto = proto;
     }
-    if flow.proto == PROTO_SCTP {
-        // SCTP needs its CRC32c recomputed on every rewrite, which the
-        // datapath does not do yet: such packets are counted and passed, and
-        // the agent says so when it programs an SCTP frontend. Counted by tc
-        // alone, which sees what XDP passes: once a packet.
-        if !H::XDP && frontend::lookup_frontend(&flow, ctx.ingress_ifindex()).is_some() {
-            count(counter::UNSUPPORTED_PROTO);
-        }
-        return Action::Pass;
-    }
-    let key = conntrack::flow_key(&flow);
-    let stamp = flow_cache::stamp(&key, flow.tcp_flags);
-    let known = conntrack::known::<V4>(&key, &stamp, &flow, now);
+    let mut slot = F::KeySlot::default();
+    let Some(key) = F::key(&flow, &mut slot) else {
+        return Ok(H::PASS);
+    };
+    tracked::<F, H>(ctx, &flow, key, now)
+}
+
+/// The verdict for a packet whose conntrack key is `key`: its flow's
+/// translation, else a new flow's, else what becomes of a packet no
+/// frontend answers.
+#[inline(always)]
+fn tracked<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    key: &CtKeyOf<F::Addr>,
+    now: u64,
+) -> Result<H::Verdict, u16> {
+    let stamp = flow_cache::stamp(key, flow.tcp_flags);
+    let known = conntrack::known::<F>(key, &stamp, flow, now);
     if !known.entry.is_null() {
         // SAFETY: see `Known::entry`; read before `seen`, which may move
         // the entry.
         let entry = unsafe { &*known.entry };
-        let nat = conntrack::translation(entry, &flow);
-        let (dir, path_mtu) = (entry.dir, entry.path_mtu);
+        let nat = conntrack::translation(entry, flow);
+        let dir = entry.dir;
         let counted = service_counters::Seen::of(entry.service_id, dir);
-        if let Err(action) = route_first(ctx, &flow, &nat) {
-            return action;
+        if let Err(exit) = route_first::<F, H>(ctx, flow, &nat) {
+            return exit;
         }
-        if route::beyond::<V4, H>(ctx, flow.l4_off, flow.proto, path_mtu) {
-            return too_big::<H>(&flow, path_mtu);
+        if route::beyond::<F, H>(ctx, flow.l4_off, flow.proto, entry.path_mtu) {
+            // A packet of a flow the stack forwards that is longer than its
+            // route's MTU: tc answers it as the stack would, but quoting it
+            // as its sender sent it; XDP leaves it to tc.
+            if H::XDP {
+                count(counter::XDP_TO_TC);
+                return Ok(H::PASS);
+            }
+            F::log(Event::TooBig, flow);
+            return Err(entry.path_mtu);
         }
-        conntrack::seen::<V4>(&key, &stamp, known.found.as_ref(), &flow, &nat, dir, now);
+        conntrack::seen::<F>(key, &stamp, known.found.as_ref(), flow, &nat, dir, now);
         counted.count(ctx);
-        return finish(ctx, &flow, &nat, now);
+        return Ok(finish::<F, H>(ctx, flow, &nat, now));
     }
     if flow.frag == LATER {
         // Its first fragment made no flow (rejected, dropped, or its
         // conntrack entry gone since): a later fragment never starts one.
-        return untracked_fragment::<H>(&flow);
+        return Ok(untracked_fragment::<F, H>(flow));
     }
-    let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
-        return unserved::<H>(&flow);
+    let Some(frontend) =
+        frontend::lookup_frontend_of(&flow.dst_be, flow.dport_be, flow.proto, || {
+            frontend::in_cluster(flow.src_be.mapped())
+                || frontend::local_iface(ctx.ingress_ifindex())
+        })
+    else {
+        return Ok(unserved::<F, H>(ctx, flow));
     };
-    new_flow(ctx, &flow, &frontend, now)
+    if flow.proto == PROTO_SCTP {
+        // SCTP needs its CRC32c recomputed on every rewrite, which the
+        // datapath does not do yet: such packets are counted and passed, and
+        // the agent says so when it programs an SCTP frontend. Counted by tc
+        // alone, which sees what XDP passes: once a packet. Found here, past
+        // a conntrack lookup that never finds SCTP, so that the frontend
+        // lookup is written out once.
+        if !H::XDP {
+            count(counter::UNSUPPORTED_PROTO);
+        }
+        return Ok(H::PASS);
+    }
+    new_flow::<F, H>(ctx, flow, &frontend, now)
 }
 
 /// A packet no frontend answers: passed, or if it is for a service CIDR,
 /// dropped or rejected (`service_cidr`).
 #[inline(always)]
-fn unserved<H: Hook>(flow: &Flow) -> Action {
+fn unserved<F: PipelineFamily, H: Verdicts>(ctx: &H, flow: &FlowOf<F::Addr>) -> H::Verdict {
     match service_cidr::unserved(flow, H::XDP) {
-        Unserved::Pass => Action::Pass,
+        Unserved::Pass => H::PASS,
         Unserved::Drop => {
-            trace::dropped(H::XDP, reason::UNALLOCATED, 0, flow);
-            Action::Drop
+            // Left before its key was built (`translate`).
+            F::keyed(flow);
+            trace::dropped::<F>(H::XDP, reason::UNALLOCATED, 0, flow);
+            H::DROP
         }
         Unserved::Reject if H::XDP => {
             count(counter::XDP_TO_TC);
-            Action::Pass
+            H::PASS
         }
         Unserved::Reject => {
-            trace::rejected(0, flow);
-            Action::Reject(*flow)
+            F::keyed(flow);
+            trace::rejected::<F>(0, flow);
+            ctx.reject::<F>(flow)
         }
-    }
-}
-
-/// An ICMP error about a translated flow, translated back (tc only), in
-/// the pipeline's terms.
-#[inline(always)]
-fn icmp(ctx: &TcContext) -> Action {
-    match icmp_error::handle::<V4, _>(ctx, (), |flow, nat| Action::Redirect(*flow, *nat)) {
-        Verdict::Pass => Action::Pass,
-        Verdict::Drop => Action::Drop,
-        Verdict::Sent(action) => action,
     }
 }
 
@@ -150,49 +200,38 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
     }
 }
 
+/// The first packet of a flow to `frontend`: source ranges, then the
+/// backend, then the client's source (`PipelineFamily::new_source`): kept,
+/// or this node's address for a flow from outside to a backend elsewhere
+/// (externalTrafficPolicy Cluster) and, over IPv6, for a hairpin flow,
+/// which over IPv4 takes a fixed address.
 #[inline(always)]
-fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Action {
-    if let Some(action) = netfilters(ctx, flow) {
-        return action;
+pub fn new_flow<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    frontend: &Frontend,
+    now: u64,
+) -> Result<H::Verdict, u16> {
+    if netfilters::<F, H>(ctx, flow) {
+        return Ok(H::PASS);
+    }
+    if let Some(verdict) = refused::<F, H>(ctx, flow, frontend) {
+        return Ok(verdict);
     }
     let svc = &frontend.svc;
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !frontend::source_allowed(frontend, flow) {
-        count(counter::DROP_SOURCE_RANGE);
-        service_counters::source_range(svc.service_id);
-        event_log::log(Event::SourceRange, flow);
-        trace::dropped(H::XDP, reason::SOURCE_RANGE, svc.service_id, flow);
-        return Action::Drop;
-    }
-    if svc.count == 0 {
-        if svc.flags & service_flags::NO_EP_DROP != 0 {
-            count(counter::DROP_NO_ENDPOINT);
-            service_counters::no_endpoint(svc.service_id);
-            event_log::log(Event::NoEndpoint, flow);
-            trace::dropped(H::XDP, reason::NO_ENDPOINT, svc.service_id, flow);
-            return Action::Drop;
-        }
-        if H::XDP {
-            count(counter::XDP_TO_TC);
-            return Action::Pass;
-        }
-        count(counter::REJECT);
-        service_counters::rejected(svc.service_id);
-        trace::rejected(svc.service_id, flow);
-        return Action::Reject(*flow);
-    }
-    let Some((backend_id, backend)) = frontend::select(svc, flow.src_be, now) else {
+    let Some((backend_id, backend)) = frontend::select(svc, flow.src_be.mapped(), now) else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);
-        return Action::Pass;
+        return Ok(H::PASS);
     };
-    if !is_v4_mapped(&backend.addr_be) {
+    let Some(backend_be) = F::backend_addr(&backend) else {
         count(counter::LOOKUP_MISS);
-        return Action::Pass;
-    }
+        return Ok(H::PASS);
+    };
     let mut nf = NewFlow {
         nat: NatOf {
-            dst_be: backend.addr_be[3],
+            dst_be: backend_be,
             dport_be: backend.port_be,
             ..NatOf::identity(flow)
         },
@@ -202,157 +241,217 @@ fn new_flow<H: Hook>(ctx: &H, flow: &Flow, frontend: &Frontend, now: u64) -> Act
         reply_redirect: frontend.on_node,
         path_mtu: 0,
     };
-    let hairpin = backend.addr_be[3] == flow.src_be;
-    let config = node_config();
-    let snat = !hairpin
-        && (config.flags & node_config_flags::MASQUERADE_ALL != 0
-            || if svc.flags & service_flags::EXTERNAL != 0 {
-                backend.flags & backend_flags::LOCAL == 0
+    let hairpin = backend_be == flow.src_be;
+    let snat = !hairpin && masquerades::<F, H>(ctx, flow, svc.flags, backend.flags);
+    match F::new_source(hairpin, snat) {
+        Source::Node(node) => {
+            nf.kind = if hairpin {
+                ct_flags::HAIRPIN
             } else {
-                config.flags & node_config_flags::MASQUERADE_OFF_CLUSTER != 0
-                    && !frontend::in_cluster(flow)
-                    && !frontend::local_iface(ctx.ingress_ifindex())
-            })
-        && config.snat_addr_be[3] != 0;
-    if hairpin {
-        nf.kind = ct_flags::HAIRPIN;
-        nf.nat.src_be = conntrack::hairpin_addr();
-    } else if snat {
-        nf.kind = ct_flags::SNAT;
-        nf.nat.src_be = config.snat_addr_be[3];
-        nf.nat.redirect = true;
-    }
-    if let Err(action) = route_first(ctx, flow, &nf.nat) {
-        return action;
-    }
-    if !nf.nat.redirect {
-        nf.path_mtu = route::path_mtu::<V4, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
-    }
-    if snat {
-        if !conntrack::create_snat::<V4>(
-            flow,
-            &mut nf,
-            config.snat_port_min,
-            config.snat_port_max,
-            now,
-        ) {
-            count(counter::SNAT_EXHAUSTED);
-            service_counters::snat_exhausted(svc.service_id);
-            event_log::log(Event::SnatExhausted, flow);
-            trace::dropped(H::XDP, reason::SNAT_EXHAUSTED, svc.service_id, flow);
-            return Action::Drop;
+                ct_flags::SNAT
+            };
+            nf.nat.src_be = node;
+            nf.nat.redirect = true;
+            if let Err(exit) = route_first::<F, H>(ctx, flow, &nf.nat) {
+                return exit;
+            }
+            let config = node_config();
+            if !conntrack::create_snat::<F>(
+                flow,
+                &mut nf,
+                config.snat_port_min,
+                config.snat_port_max,
+                now,
+            ) {
+                count(counter::SNAT_EXHAUSTED);
+                service_counters::snat_exhausted(svc.service_id);
+                F::log(Event::SnatExhausted, flow);
+                trace::dropped::<F>(H::XDP, reason::SNAT_EXHAUSTED, svc.service_id, flow);
+                return Ok(H::DROP);
+            }
+            count(if hairpin {
+                counter::HAIRPIN
+            } else {
+                counter::SNAT_NEW
+            });
         }
-        count(counter::SNAT_NEW);
-    } else {
-        conntrack::create::<V4>(flow, &nf, now);
+        Source::Fixed(addr) => {
+            nf.kind = ct_flags::HAIRPIN;
+            nf.nat.src_be = addr;
+            nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
+            conntrack::create::<F>(flow, &nf, now);
+            count(counter::HAIRPIN);
+        }
+        Source::Keep => {
+            nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
+            conntrack::create::<F>(flow, &nf, now);
+        }
     }
     count(counter::DNAT_NEW);
     service_counters::new_flow(ctx, svc.service_id);
-    trace::translated(H::XDP, svc.service_id, flow, nf.nat.dst_be, nf.nat.dport_be);
-    if hairpin {
-        count(counter::HAIRPIN);
-    }
-    finish(ctx, flow, &nf.nat, now)
+    trace::translated::<F>(
+        H::XDP,
+        svc.service_id,
+        flow,
+        &nf.nat.dst_be,
+        nf.nat.dport_be,
+    );
+    Ok(finish::<F, H>(ctx, flow, &nf.nat, now))
 }
 
-/// A packet of a flow netfilter translates (kube-proxy's, after a takeover):
-/// left to it untouched, or at XDP to tc, which can ask. None while no such
-/// flow may live, or when netfilter does not know the packet's tuple.
+/// What becomes of a new flow `frontend` refuses: a client outside its
+/// source ranges, dropped; none while it has no endpoints, dropped or
+/// rejected as its Service says (XDP leaves rejects to tc). None for a
+/// flow it takes.
 #[inline(always)]
-fn netfilters<H: Hook>(ctx: &H, flow: &Flow) -> Option<Action> {
+fn refused<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    frontend: &Frontend,
+) -> Option<H::Verdict> {
+    let svc = &frontend.svc;
+    if svc.flags & service_flags::SOURCE_RANGES != 0
+        && !frontend::source_allowed(frontend, flow.src_be.mapped())
+    {
+        count(counter::DROP_SOURCE_RANGE);
+        service_counters::source_range(svc.service_id);
+        F::log(Event::SourceRange, flow);
+        trace::dropped::<F>(H::XDP, reason::SOURCE_RANGE, svc.service_id, flow);
+        return Some(H::DROP);
+    }
+    if svc.count == 0 {
+        if svc.flags & service_flags::NO_EP_DROP != 0 {
+            count(counter::DROP_NO_ENDPOINT);
+            service_counters::no_endpoint(svc.service_id);
+            F::log(Event::NoEndpoint, flow);
+            trace::dropped::<F>(H::XDP, reason::NO_ENDPOINT, svc.service_id, flow);
+            return Some(H::DROP);
+        }
+        if H::XDP {
+            count(counter::XDP_TO_TC);
+            return Some(H::PASS);
+        }
+        count(counter::REJECT);
+        service_counters::rejected(svc.service_id);
+        trace::rejected::<F>(svc.service_id, flow);
+        return Some(ctx.reject::<F>(flow));
+    }
+    None
+}
+
+/// Whether a new flow to a backend with flags `local_flags`, not its own
+/// client, takes the node's address as its source: always with
+/// `MASQUERADE_ALL` (IPv4's `NODE_CONFIG`, for both families); from
+/// outside to a backend on another node (externalTrafficPolicy Cluster);
+/// and with `MASQUERADE_OFF_CLUSTER`, from a client neither in the cluster
+/// nor behind one of this node's pod interfaces.
+#[inline(always)]
+fn masquerades<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    svc_flags: u32,
+    local_flags: u8,
+) -> bool {
+    node_flags() & node_config_flags::MASQUERADE_ALL != 0
+        || if svc_flags & service_flags::EXTERNAL != 0 {
+            local_flags & backend_flags::LOCAL == 0
+        } else {
+            F::node_flags() & node_config_flags::MASQUERADE_OFF_CLUSTER != 0
+                && !frontend::in_cluster(flow.src_be.mapped())
+                && !frontend::local_iface(ctx.ingress_ifindex())
+        }
+}
+
+/// Whether the packet is left to the stack as a flow netfilter translates
+/// (kube-proxy's, after a takeover): at tc when netfilter knows its tuple,
+/// at XDP for tc to ask, since only tc can (the lookup kfunc takes a socket
+/// buffer). False while no such flow may live.
+#[inline(always)]
+fn netfilters<F: PipelineFamily, H: Verdicts>(ctx: &H, flow: &FlowOf<F::Addr>) -> bool {
     if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
         || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
     {
-        return None;
+        return false;
     }
-    // Only tc can ask netfilter's conntrack (the lookup kfunc takes a
-    // socket buffer); XDP leaves such packets to it as they came.
     if H::XDP {
         count(counter::XDP_TO_TC);
-        return Some(Action::Pass);
+        return true;
     }
-    if netfilter_ct::has_v4(
-        ctx,
-        flow.proto,
-        flow.src_be,
-        flow.dst_be,
-        flow.sport_be,
-        flow.dport_be,
-    ) {
+    let theirs = F::netfilter_has(ctx, flow);
+    if theirs {
         count(counter::NETFILTER_PASS);
-        return Some(Action::Pass);
     }
-    None
+    theirs
 }
 
 /// A later fragment whose datagram has no translation: passed untouched.
 /// Counted and logged by tc alone, which sees what XDP passes.
 #[inline(always)]
-fn untracked_fragment<H: Hook>(flow: &Flow) -> Action {
+fn untracked_fragment<F: PipelineFamily, H: Verdicts>(flow: &FlowOf<F::Addr>) -> H::Verdict {
     if !H::XDP {
         count(counter::FRAG_UNTRACKED);
-        event_log::log(Event::FragUntracked, flow);
+        F::log(Event::FragUntracked, flow);
     }
-    Action::Pass
+    H::PASS
 }
 
 /// Routes a packet the datapath sends itself (`nat.redirect`) before
-/// anything is written or created (see `crate::route`), its answer kept for
-/// `finish`. `Err` is what becomes of a packet that cannot go: XDP sends
-/// only back out of the interface it came in on to a resolved neighbour and
-/// leaves the rest to tc as it came; tc answers a packet longer than the
-/// route's MTU and drops one without a route.
+/// anything is written or created (see `crate::route`): `Err` is what
+/// becomes of one that cannot go (a verdict, or the MTU it is too long
+/// for). XDP sends only back out of the interface it came in on to a
+/// resolved neighbour and leaves the rest to tc as it came (counted
+/// `xdp_to_tc`); tc answers a packet longer than the route's MTU as a
+/// router does and drops one without a route.
 #[inline(always)]
-fn route_first<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>) -> Result<(), Action> {
+fn route_first<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+) -> Result<(), Result<H::Verdict, u16>> {
     if !nat.redirect {
         return Ok(());
     }
-    match route::first::<V4, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
+    match route::first::<F, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
         Ahead::Go => Ok(()),
-        Ahead::ToTc => Err(Action::Pass),
-        Ahead::TooBig(mtu) => Err(Action::TooBig(*flow, mtu)),
+        Ahead::ToTc => Err(Ok(H::PASS)),
+        Ahead::TooBig(mtu) => {
+            F::log(Event::TooBig, flow);
+            Err(Err(mtu))
+        }
         Ahead::Unroutable => {
-            event_log::log(Event::NoRoute, flow);
-            Err(Action::Drop)
+            F::log(Event::NoRoute, flow);
+            Err(Ok(H::DROP))
         }
     }
 }
 
-/// A packet of a flow the stack forwards that is longer than the MTU of
-/// the flow's route: tc answers it as the stack would, but quoting it as
-/// its sender sent it (`Action::TooBig`); XDP leaves it to tc.
-#[inline(always)]
-fn too_big<H: Hook>(flow: &Flow, mtu: u16) -> Action {
-    if H::XDP {
-        count(counter::XDP_TO_TC);
-        return Action::Pass;
-    }
-    Action::TooBig(*flow, mtu)
-}
-
-/// Writes the translation and says how the packet leaves. A first
+/// Writes the translation; a rewrite that failed half-way leaves a packet
+/// with a wrong checksum, which is dropped rather than sent. A first
 /// fragment leaves its ports for the later ones first (keyed by its header
 /// as it arrived, which they share).
 #[inline(always)]
-fn finish<H: Hook>(ctx: &H, flow: &Flow, nat: &NatOf<u32>, now: u64) -> Action {
+fn finish<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    now: u64,
+) -> H::Verdict {
     match flow.frag {
-        FIRST => frag::remember::<V4>(flow, now),
+        FIRST => frag::remember::<F>(flow, now),
         LATER => count(counter::FRAG_TRANSLATED),
         _ => {}
     }
-    if nat.apply::<V4, H>(ctx, flow).is_err() {
-        // A rewrite that failed half-way leaves a packet with a wrong
-        // checksum: drop it rather than send garbage.
+    if nat.apply::<F, H>(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
-        event_log::log(Event::Rewrite, flow);
-        return Action::Drop;
+        F::log(Event::Rewrite, flow);
+        return H::DROP;
     }
     if !nat.redirect {
         if H::XDP {
             count(counter::XDP_TRANSLATED);
         }
-        return Action::Pass;
+        return H::PASS;
     }
     count(counter::REDIRECT);
-    Action::Redirect(*flow, *nat)
+    ctx.send::<F>(flow, nat)
 }

@@ -138,7 +138,7 @@ impl SockFamily for V4 {
         let localhost_nodeport =
             loopback(*dst_be) && node.flags & node_config_flags::LOCALHOST_NODEPORTS != 0;
         let frontend =
-            frontend::lookup_frontend_of(*dst_be, dport_be, proto, || true).or_else(|| {
+            frontend::lookup_frontend_of(dst_be, dport_be, proto, || true).or_else(|| {
                 localhost_nodeport
                     .then(|| frontend::lookup_nodeport(dport_be, proto, || true))
                     .flatten()
@@ -228,7 +228,7 @@ impl SockFamily for V6 {
         if is_v4_mapped(dst_be) {
             return V4::frontend_of(&dst_be[3], dport_be, proto);
         }
-        let frontend = frontend::lookup_frontend_of6(*dst_be, dport_be, proto, || true)?;
+        let frontend = frontend::lookup_frontend_of(dst_be, dport_be, proto, || true)?;
         Some((frontend, node_addr6()))
     }
 
@@ -448,7 +448,7 @@ fn translate<F: SockFamily>(ctx: &SockAddrContext, counted: u32, how: u32) -> i3
 fn pick(frontend: &Frontend, client_be: [u32; 4]) -> Result<Backend, i32> {
     let svc = &frontend.svc;
     if svc.flags & service_flags::SOURCE_RANGES != 0
-        && !frontend::source_allowed_for6(frontend, client_be)
+        && !frontend::source_allowed(frontend, client_be)
     {
         return Err(ALLOW);
     }
@@ -464,7 +464,7 @@ fn pick(frontend: &Frontend, client_be: [u32; 4]) -> Result<Backend, i32> {
         unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
         return Err(REFUSE);
     }
-    match frontend::select_for(svc, client_be, conntrack::now_ns()) {
+    match frontend::select(svc, client_be, conntrack::now_ns()) {
         Some((_, backend)) => Ok(backend),
         None => Err(ALLOW),
     }

@@ -29,6 +29,7 @@ use proxy_common::{
 };
 
 use crate::{
+    family::{Family, V4, V6},
     maps::FLOW_KEY6,
     packet::{Flow, FlowOf},
 };
@@ -65,88 +66,87 @@ impl What {
     }
 }
 
-/// A new IPv4 flow translated to `backend_be`:`backend_port_be`.
+/// How a family's records name their packet: IPv4's in registers from the
+/// flow, IPv6's from `FLOW_KEY6`.
+pub trait Traced: Family {
+    /// Puts `flow`'s key where its record reads it, for a packet that left
+    /// before the pipeline built it (a packet for no frontend).
+    fn keyed(flow: &FlowOf<Self::Addr>);
+
+    /// Records `flow`'s packet, `what` happened to it; `backend_be` and
+    /// `backend_port_be` are zero where it has no backend.
+    fn record(what: u64, flow: &FlowOf<Self::Addr>, backend_be: &Self::Addr, backend_port_be: u16);
+}
+
+impl Traced for V4 {
+    #[inline(always)]
+    fn keyed(_flow: &Flow) {}
+
+    #[inline(always)]
+    fn record(what: u64, f: &Flow, backend_be: &u32, backend_port_be: u16) {
+        trace_record(
+            what | u64::from(f.proto) << 24,
+            u64::from(f.src_be) | u64::from(f.sport_be) << 32,
+            u64::from(f.dst_be) | u64::from(f.dport_be) << 32,
+            u64::from(*backend_be) | u64::from(backend_port_be) << 32,
+        );
+    }
+}
+
+/// IPv6's addresses are too many for the registers of a call: the record
+/// reads the client and frontend from `FLOW_KEY6`, the key of the packet
+/// being handled, and takes the backend's address as two words (see
+/// `event_log::log6_ports` on pointers).
+impl Traced for V6 {
+    #[inline(always)]
+    fn keyed(flow: &FlowOf<[u32; 4]>) {
+        key6(flow);
+    }
+
+    #[inline(always)]
+    fn record(what: u64, _flow: &FlowOf<[u32; 4]>, backend_be: &[u32; 4], backend_port_be: u16) {
+        let pair = |a: u32, b: u32| u64::from(a) | (u64::from(b) << 32);
+        trace_record6(
+            what,
+            pair(backend_be[0], backend_be[1]),
+            pair(backend_be[2], backend_be[3]),
+            u64::from(backend_port_be),
+        );
+    }
+}
+
+/// A new flow translated to `backend_be`:`backend_port_be`.
 #[inline(always)]
-pub fn translated(xdp: bool, service_id: u32, f: &Flow, backend_be: u32, backend_port_be: u16) {
+pub fn translated<F: Traced>(
+    xdp: bool,
+    service_id: u32,
+    flow: &FlowOf<F::Addr>,
+    backend_be: &F::Addr,
+    backend_port_be: u16,
+) {
     let what = What::new(verdict::TRANSLATED, 0, xdp, service_id);
-    flow(what, f, backend_be, backend_port_be);
+    F::record(what.0, flow, backend_be, backend_port_be);
 }
 
-/// An IPv4 packet answered with a reject (tc only: XDP leaves them to
-/// it); `service_id` 0 for an undefined port of a ClusterIP.
+/// A packet answered with a reject (tc only: XDP leaves them to it);
+/// `service_id` 0 for an undefined port of a ClusterIP.
 #[inline(always)]
-pub fn rejected(service_id: u32, f: &Flow) {
-    flow(What::new(verdict::REJECTED, 0, false, service_id), f, 0, 0);
+pub fn rejected<F: Traced>(service_id: u32, flow: &FlowOf<F::Addr>) {
+    let what = What::new(verdict::REJECTED, 0, false, service_id);
+    F::record(what.0, flow, &F::Addr::default(), 0);
 }
 
-/// An IPv4 packet dropped for `reason`.
+/// A packet dropped for `reason`.
 #[inline(always)]
-pub fn dropped(xdp: bool, reason: u8, service_id: u32, f: &Flow) {
-    flow(
-        What::new(verdict::DROPPED, reason, xdp, service_id),
-        f,
-        0,
-        0,
-    );
-}
-
-/// `translated` of the IPv6 packet whose key is in `FLOW_KEY6`.
-#[inline(always)]
-pub fn translated6(xdp: bool, service_id: u32, backend_be: &[u32; 4], backend_port_be: u16) {
-    let what = What::new(verdict::TRANSLATED, 0, xdp, service_id);
-    flow6(what, backend_be, backend_port_be);
-}
-
-/// `rejected` of the IPv6 packet whose key is in `FLOW_KEY6`.
-#[inline(always)]
-pub fn rejected6(service_id: u32) {
-    flow6(
-        What::new(verdict::REJECTED, 0, false, service_id),
-        &[0; 4],
-        0,
-    );
-}
-
-/// `dropped` of the IPv6 packet whose key is in `FLOW_KEY6`.
-#[inline(always)]
-pub fn dropped6(xdp: bool, reason: u8, service_id: u32) {
-    flow6(
-        What::new(verdict::DROPPED, reason, xdp, service_id),
-        &[0; 4],
-        0,
-    );
-}
-
-/// Records an IPv4 packet's flow; `backend_be` and `backend_port_be` are
-/// zero where it has none.
-#[inline(always)]
-fn flow(what: What, flow: &Flow, backend_be: u32, backend_port_be: u16) {
-    trace_record(
-        what.0 | u64::from(flow.proto) << 24,
-        u64::from(flow.src_be) | u64::from(flow.sport_be) << 32,
-        u64::from(flow.dst_be) | u64::from(flow.dport_be) << 32,
-        u64::from(backend_be) | u64::from(backend_port_be) << 32,
-    );
-}
-
-/// Records the IPv6 packet whose key is in `FLOW_KEY6`; `backend_be` and
-/// `backend_port_be` are zero where it has none. The backend's address
-/// goes as two words: see `event_log::log6_ports` on pointers.
-#[inline(always)]
-fn flow6(what: What, backend_be: &[u32; 4], backend_port_be: u16) {
-    let pair = |a: u32, b: u32| u64::from(a) | (u64::from(b) << 32);
-    trace_record6(
-        what.0,
-        pair(backend_be[0], backend_be[1]),
-        pair(backend_be[2], backend_be[3]),
-        u64::from(backend_port_be),
-    );
+pub fn dropped<F: Traced>(xdp: bool, reason: u8, service_id: u32, flow: &FlowOf<F::Addr>) {
+    let what = What::new(verdict::DROPPED, reason, xdp, service_id);
+    F::record(what.0, flow, &F::Addr::default(), 0);
 }
 
 /// Puts `flow`'s key into `FLOW_KEY6` for `flow6`, where the pipeline
 /// has not: a packet that left before its conntrack lookup.
 #[inline(always)]
-pub fn key6(flow: &FlowOf<[u32; 4]>) {
+fn key6(flow: &FlowOf<[u32; 4]>) {
     if let Some(key) = FLOW_KEY6.get_ptr_mut(0) {
         // SAFETY: this CPU's entry, used by nothing else meanwhile (see
         // `FLOW_KEY6`).

@@ -12,51 +12,15 @@ use proxy_common::{PROTO_TCP, counter};
 
 use crate::{
     event_log::Event,
-    family::{Family, V4},
+    family::Family,
     hook::Hook,
     icmp_error::{self, ErrorFamily},
     maps::{XDP_NEXT, count},
     nat::NatOf,
-    packet::{Flow, FlowOf},
+    packet::FlowOf,
     reject::{self, ResetFamily},
     route,
 };
-
-/// What the hook does with an IPv4 packet (`pipeline`'s decision).
-pub enum Action {
-    /// Leave it to the stack, translated or not (at XDP: to tc).
-    Pass,
-    /// Not IPv4: leave it to the other family's program.
-    Next,
-    Drop,
-    /// Answer with a TCP reset or ICMP port unreachable.
-    Reject(Flow),
-    /// Translated; the stack would refuse its source, so it is sent to the
-    /// next hop `route::lookup` found for it before it was written.
-    Redirect(Flow, NatOf<u32>),
-    /// tc only: longer than the MTU of the route it would be sent on:
-    /// answered with "fragmentation needed" and that MTU, as a router
-    /// answers (`reject::too_big`).
-    TooBig(Flow, u16),
-}
-
-/// The hook's return code for `action`, after the reply or redirect it
-/// asks for. Inlined into the entry point's own frame, where XDP's tail
-/// call (`Verdicts::next`) must be.
-#[inline(always)]
-pub fn of<H: Verdicts>(ctx: &H, action: Action) -> H::Verdict {
-    match action {
-        Action::Pass => H::PASS,
-        Action::Next => ctx.next(),
-        Action::Drop => H::DROP,
-        Action::Reject(flow) => ctx.reject::<V4>(&flow),
-        Action::Redirect(flow, nat) => ctx.send::<V4>(&flow, &nat),
-        Action::TooBig(flow, mtu) => {
-            V4::log(Event::TooBig, &flow);
-            ctx.too_big::<V4>(mtu)
-        }
-    }
-}
 
 /// A hook the pipelines run at, by its verdicts.
 pub trait Verdicts: Hook {

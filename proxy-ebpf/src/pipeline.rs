@@ -45,8 +45,10 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
     };
     // A later fragment has no ports to ask with: its first fragment's
     // record answers for it below.
-    if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return unserved::<H>(&flow);
+    if flow.frag != LATER
+        && let Some(block) = prefilter::turned_away(&flow)
+    {
+        return unserved::<H>(&flow, block);
     }
     let now = conntrack::now_ns();
     if flow.frag == LATER {
@@ -93,7 +95,7 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
         return untracked_fragment::<H>(&flow);
     }
     let Some(frontend) = frontend::lookup_frontend(&flow, ctx.ingress_ifindex()) else {
-        return unserved::<H>(&flow);
+        return unserved::<H>(&flow, prefilter::Block::Unread);
     };
     new_flow(ctx, &flow, &frontend, now)
 }
@@ -101,8 +103,8 @@ pub fn handle<H: Hook>(ctx: &H) -> Action {
 /// A packet no frontend answers: passed, or if it is for a service CIDR,
 /// dropped or rejected (`service_cidr`).
 #[inline(always)]
-fn unserved<H: Hook>(flow: &Flow) -> Action {
-    match service_cidr::unserved(flow, H::XDP) {
+fn unserved<H: Hook>(flow: &Flow, block: prefilter::Block) -> Action {
+    match service_cidr::unserved(flow, block, H::XDP) {
         Unserved::Pass => Action::Pass,
         Unserved::Drop => {
             trace::dropped(H::XDP, reason::UNALLOCATED, 0, flow);

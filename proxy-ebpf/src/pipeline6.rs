@@ -79,8 +79,10 @@ fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
         }
     };
     // As over IPv4 (`pipeline::handle`).
-    if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return Ok(unserved(ctx, &flow));
+    if flow.frag != LATER
+        && let Some(block) = prefilter::turned_away(&flow)
+    {
+        return Ok(unserved(ctx, &flow, block));
     }
     let now = now_ns();
     if flow.frag == LATER {
@@ -137,7 +139,7 @@ fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
             frontend::in_cluster6(flow.src_be) || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
-        return Ok(unserved(ctx, &flow));
+        return Ok(unserved(ctx, &flow, prefilter::Block::Unread));
     };
     if flow.proto == PROTO_SCTP {
         // As IPv4's (`pipeline::handle`): not translated, as its CRC32c
@@ -154,8 +156,8 @@ fn translate<H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16> {
 
 /// As IPv4's (`pipeline::unserved`).
 #[inline(always)]
-fn unserved<H: Verdicts>(ctx: &H, flow: &Flow6) -> H::Verdict {
-    match service_cidr::unserved(flow, H::XDP) {
+fn unserved<H: Verdicts>(ctx: &H, flow: &Flow6, block: prefilter::Block) -> H::Verdict {
+    match service_cidr::unserved(flow, block, H::XDP) {
         Unserved::Pass => H::PASS,
         Unserved::Drop => {
             // Left before its key was built (`translate`).

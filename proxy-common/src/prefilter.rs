@@ -5,7 +5,9 @@
 //!
 //! A packet may be ours only when one of its keys has its bit set:
 //!
-//! - its destination (`side::TO`): a frontend's address and port;
+//! - its destination (`side::TO`): a frontend's address and port, read
+//!   only where its destination's block may hold a frontend
+//!   (`frontends_bit`);
 //! - its source (`side::FROM`): a backend's address and port, which every
 //!   reply of a translated flow comes from;
 //! - its destination port (`port_bit`), where a NodePort has that port.
@@ -13,6 +15,7 @@
 //! A packet the answer is no for may still be for a service CIDR, which
 //! is not ours to pass (`crate::service_cidr`): its destination's block
 //! (`block_bit`) says whether it may be, or `WIDE_BIT` that any may.
+//! `turned_away` is the question as the datapath asks it.
 //!
 //! The agent sets a key's bit before the entry that needs it lands, and
 //! clears bits only by rebuilding the whole array from what the maps hold,
@@ -66,6 +69,84 @@ pub const fn block_bit(addr_be: &[u32; 4]) -> u32 {
         0,
         side::BLOCK,
     )
+}
+
+/// The bit that says a frontend's address may be in `addr_be`'s block of
+/// 256: set beside every key's `side::TO` bit (`to_bits`), so that a
+/// packet to any other block is turned away without hashing its
+/// destination key. The neighbour of the block's `block_bit`, in the same
+/// word, so that one read answers both; a bit of its own, so that the
+/// blocks of LoadBalancer IPs and node addresses, often in the nodes'
+/// subnet, send no packet to `SERVICE_CIDRS`.
+#[inline(always)]
+#[must_use]
+pub const fn frontends_bit(addr_be: &[u32; 4]) -> u32 {
+    block_bit(addr_be) ^ 1
+}
+
+/// The bits a destination key needs set: its own (`side::TO`), and its
+/// block's `frontends_bit`, without which the datapath never reads it.
+#[inline(always)]
+#[must_use]
+pub const fn to_bits(addr_be: &[u32; 4], port_be: u16, proto: u8) -> [u32; 2] {
+    [
+        bit(addr_be, port_be, proto, side::TO),
+        frontends_bit(addr_be),
+    ]
+}
+
+/// What the prefilter read of a packet's destination block, carried to
+/// the service CIDRs' question, which would otherwise read it again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    /// Its `block_bit` is set: it may be for a service CIDR.
+    Cidr,
+    /// Its `block_bit` is clear (only `WIDE_BIT` can still say maybe).
+    NoCidr,
+    /// Not read.
+    Unread,
+}
+
+/// The prefilter's question of a packet (addresses IPv4 mapped, ports as
+/// on the wire), over the array's words as `word` reads them (`None`, for
+/// a word it cannot read, taken as every bit set). `None` when it may be
+/// ours; when it is not, what its destination's block said of the service
+/// CIDRs.
+///
+/// The destination's block word first: it gates the hashed destination
+/// key, and its service CIDR bit is wanted anyway whenever the answer is
+/// no. Then the source key, then the NodePort bit. A packet for no
+/// Service pays two hashes and three reads.
+#[inline(always)]
+#[must_use]
+pub fn turned_away(
+    word: impl Fn(u32) -> Option<u64>,
+    dst_be: &[u32; 4],
+    dport_be: u16,
+    src_be: &[u32; 4],
+    sport_be: u16,
+    proto: u8,
+) -> Option<Block> {
+    let holds = |bit: u32| {
+        let (w, mask) = word_and_mask(bit);
+        word(w).is_none_or(|w| w & mask != 0)
+    };
+    let block = block_bit(dst_be);
+    let (w, cidr) = word_and_mask(block);
+    let block_word = word(w)?;
+    // `frontends_bit(dst_be)`, without hashing the block again.
+    let (_, frontends) = word_and_mask(block ^ 1);
+    if block_word & frontends != 0 && holds(bit(dst_be, dport_be, proto, side::TO)) {
+        return None;
+    }
+    if holds(bit(src_be, sport_be, proto, side::FROM)) || holds(port_bit(dport_be)) {
+        return None;
+    }
+    Some(if block_word & cidr != 0 {
+        Block::Cidr
+    } else {
+        Block::NoCidr
+    })
 }
 
 /// The bit of the key (`addr_be` as `ServiceKey` and `Backend` hold
@@ -170,6 +251,116 @@ mod tests {
                 off * 100.0
             );
         }
+    }
+
+    /// A block's two bits share one word, so that the datapath reads it
+    /// once, and are two bits, so that a frontend's block does not send
+    /// packets to the service CIDRs' trie.
+    #[test]
+    fn a_blocks_frontends_bit_is_its_cidr_bits_neighbour_in_one_word() {
+        for addr in [[0; 4], [u32::MAX; 4], v4_mapped(0x0a60_000a)] {
+            let (block, frontends) = (block_bit(&addr), frontends_bit(&addr));
+            assert_ne!(block, frontends, "{addr:?}: one bit for both");
+            assert_eq!(
+                word_and_mask(block).0,
+                word_and_mask(frontends).0,
+                "{addr:?}: bits {block} and {frontends} in two words"
+            );
+            assert!(frontends >= PORTS, "{addr:?}: a port's bit");
+        }
+        let addr = v4_mapped(u32::from_ne_bytes([10, 96, 0, 10]));
+        let other = v4_mapped(u32::from_ne_bytes([10, 96, 0, 200]));
+        assert_eq!(
+            frontends_bit(&addr),
+            frontends_bit(&other),
+            "two addresses of one /24"
+        );
+        assert_eq!(
+            to_bits(&addr, 80u16.to_be(), 6),
+            [bit(&addr, 80u16.to_be(), 6, side::TO), frontends_bit(&addr)]
+        );
+    }
+
+    /// An array of `bits` set, read as the datapath reads it.
+    fn array(bits: &[u32]) -> Vec<u64> {
+        let mut words = vec![0u64; WORDS as usize];
+        for &b in bits {
+            let (w, m) = word_and_mask(b);
+            words[w as usize] |= m;
+        }
+        words
+    }
+
+    fn ask(words: &[u64], dst: [u32; 4], dport: u16, src: [u32; 4], sport: u16) -> Option<Block> {
+        turned_away(
+            |w| words.get(w as usize).copied(),
+            &dst,
+            dport.to_be(),
+            &src,
+            sport.to_be(),
+            6,
+        )
+    }
+
+    /// Each of the three keys alone lets a packet through; the destination
+    /// key only with its block's `frontends_bit`, which `to_bits` sets
+    /// with it; a packet none of them has is turned away with what its
+    /// block said of the service CIDRs.
+    #[test]
+    fn a_packet_is_turned_away_only_when_none_of_its_keys_is_set() {
+        let ip = |a: u8, b: u8, c: u8, d: u8| v4_mapped(u32::from_ne_bytes([a, b, c, d]));
+        let (cluster_ip, backend, client) =
+            (ip(10, 96, 0, 10), ip(10, 244, 1, 5), ip(10, 244, 2, 7));
+        let frontend = to_bits(&cluster_ip, 80u16.to_be(), 6);
+        let words = array(&frontend);
+        assert_eq!(
+            ask(&words, cluster_ip, 80, client, 40_000),
+            None,
+            "to the frontend"
+        );
+        assert_eq!(
+            ask(&words, cluster_ip, 81, client, 40_000),
+            Some(Block::NoCidr),
+            "to another port of its address"
+        );
+        let without_gate = array(&frontend[..1]);
+        assert_eq!(
+            ask(&without_gate, cluster_ip, 80, client, 40_000),
+            Some(Block::NoCidr),
+            "a destination key was read without its block's frontends bit"
+        );
+        let words = array(&[bit(&backend, 8080u16.to_be(), 6, side::FROM)]);
+        assert_eq!(
+            ask(&words, client, 40_000, backend, 8080),
+            None,
+            "a backend's reply"
+        );
+        assert_eq!(
+            ask(&words, backend, 8080, client, 40_000),
+            Some(Block::NoCidr),
+            "to the backend"
+        );
+        let words = array(&[port_bit(30080u16.to_be())]);
+        assert_eq!(
+            ask(&words, backend, 30080, client, 40_000),
+            None,
+            "to a NodePort"
+        );
+        let words = array(&[block_bit(&cluster_ip)]);
+        assert_eq!(
+            ask(&words, ip(10, 96, 0, 99), 80, client, 40_000),
+            Some(Block::Cidr),
+            "to the service CIDR's block"
+        );
+        assert_eq!(
+            ask(&words, backend, 80, client, 40_000),
+            Some(Block::NoCidr)
+        );
+        assert_eq!(
+            turned_away(|_| None, &backend, 80, &client, 40_000, 6),
+            None,
+            "an unreadable array turned a packet away"
+        );
     }
 
     #[test]

@@ -71,8 +71,10 @@ fn translate<F: PipelineFamily, H: Verdicts>(ctx: &H) -> Result<H::Verdict, u16>
     };
     // A later fragment has no ports to ask with: its first fragment's
     // record answers for it below.
-    if flow.frag != LATER && !prefilter::may_be_ours(&flow) {
-        return Ok(unserved::<F, H>(ctx, &flow));
+    if flow.frag != LATER
+        && let Some(block) = prefilter::turned_away(&flow)
+    {
+        return Ok(unserved::<F, H>(ctx, &flow, block));
     }
     let now = conntrack::now_ns();
     if flow.frag == LATER {
@@ -139,7 +141,7 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
                 || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
-        return Ok(unserved::<F, H>(ctx, flow));
+        return Ok(unserved::<F, H>(ctx, flow, prefilter::Block::Unread));
     };
     if flow.proto == PROTO_SCTP {
         // SCTP needs its CRC32c recomputed on every rewrite, which the
@@ -159,8 +161,12 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
 /// A packet no frontend answers: passed, or if it is for a service CIDR,
 /// dropped or rejected (`service_cidr`).
 #[inline(always)]
-fn unserved<F: PipelineFamily, H: Verdicts>(ctx: &H, flow: &FlowOf<F::Addr>) -> H::Verdict {
-    match service_cidr::unserved(flow, H::XDP) {
+fn unserved<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    block: prefilter::Block,
+) -> H::Verdict {
+    match service_cidr::unserved(flow, block, H::XDP) {
         Unserved::Pass => H::PASS,
         Unserved::Drop => {
             // Left before its key was built (`translate`).

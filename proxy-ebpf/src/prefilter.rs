@@ -4,21 +4,25 @@
 //! nor the frontends could know it. Each probe is an array read the
 //! verifier inlines, where the lookups it saves hash their keys.
 
-use proxy_common::{
-    FlowAddr,
-    prefilter::{bit, port_bit, side, word_and_mask},
-};
+pub use proxy_common::prefilter::Block;
+use proxy_common::{FlowAddr, prefilter::word_and_mask};
 
 use crate::{maps::PREFILTER, packet::FlowOf};
 
-/// Whether `flow` may be for a frontend (its own address and port, or a
-/// NodePort's port) or the reply of a translated flow (from a backend).
+/// `None` when `flow` may be for a frontend (its own address and port, or
+/// a NodePort's port) or the reply of a translated flow (from a backend);
+/// when it cannot, what its destination's block said of the service CIDRs,
+/// for `service_cidr::unserved`.
 #[inline(always)]
-pub fn may_be_ours<A: FlowAddr>(flow: &FlowOf<A>) -> bool {
-    let proto = flow.proto;
-    holds(bit(&flow.dst_be.mapped(), flow.dport_be, proto, side::TO))
-        || holds(bit(&flow.src_be.mapped(), flow.sport_be, proto, side::FROM))
-        || holds(port_bit(flow.dport_be))
+pub fn turned_away<A: FlowAddr>(flow: &FlowOf<A>) -> Option<Block> {
+    proxy_common::prefilter::turned_away(
+        |word| PREFILTER.get(word).copied(),
+        &flow.dst_be.mapped(),
+        flow.dport_be,
+        &flow.src_be.mapped(),
+        flow.sport_be,
+        flow.proto,
+    )
 }
 
 /// Whether `bit` is set.

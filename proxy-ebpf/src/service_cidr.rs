@@ -20,7 +20,7 @@ use proxy_common::{
 use crate::{
     maps::{SERVICE_CIDRS, count},
     packet::FlowOf,
-    prefilter,
+    prefilter::{self, Block},
 };
 
 /// Room for the trie's key (`SERVICE_CIDRS`), one per CPU.
@@ -38,12 +38,18 @@ pub enum Unserved {
     Reject,
 }
 
-/// What becomes of `flow`'s packet, which no frontend answers; `xdp` when
-/// XDP asks, which leaves rejects to tc, to be counted there.
+/// What becomes of `flow`'s packet, which no frontend answers; `block`,
+/// what the prefilter read of its destination's block; `xdp` when XDP
+/// asks, which leaves rejects to tc, to be counted there.
 #[inline(always)]
-pub fn unserved<A: FlowAddr>(flow: &FlowOf<A>, xdp: bool) -> Unserved {
+pub fn unserved<A: FlowAddr>(flow: &FlowOf<A>, block: Block, xdp: bool) -> Unserved {
     let dst = flow.dst_be.mapped();
-    if !prefilter::holds(block_bit(&dst)) && !prefilter::holds(WIDE_BIT) {
+    let in_block = match block {
+        Block::Cidr => true,
+        Block::NoCidr => false,
+        Block::Unread => prefilter::holds(block_bit(&dst)),
+    };
+    if !in_block && !prefilter::holds(WIDE_BIT) {
         return Unserved::Pass;
     }
     // The trie's key is built in this CPU's slot of `CIDR_KEY`, not on the

@@ -24,7 +24,8 @@ use aya::maps::MapData;
 use proxy_common::{
     Backend, ServiceKey,
     prefilter::{
-        BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, port_bit, side, word_and_mask,
+        BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, port_bit, side, to_bits,
+        word_and_mask,
     },
     v4_mapped,
 };
@@ -118,7 +119,7 @@ impl Prefilter {
     /// Sets the bit `op`'s entry needs, or notes a removal.
     fn admit(&self, op: &MapOp) {
         match op {
-            MapOp::PutService { key, .. } => self.set(service_bit(key)),
+            MapOp::PutService { key, .. } => service_bits(key, |bit| self.set(bit)),
             MapOp::PutBackend { backend, .. } => self.set(backend_bit(backend)),
             MapOp::PutServiceCidr { entry, .. } => service_cidr_bits(entry, |bit| self.set(bit)),
             MapOp::DeleteService { .. }
@@ -207,14 +208,31 @@ pub fn landing<T>(prefilter: Option<&Prefilter>, ops: &[MapOp], write: impl FnOn
     write()
 }
 
-/// The bit of a frontend: its destination key, or for a NodePort (on the
-/// unspecified address of its family) its port's.
+/// The bit of a frontend the datapath asks for: its destination key, or
+/// for a NodePort (on the unspecified address of its family) its port's.
 pub fn service_bit(key: &ServiceKey) -> u32 {
-    if key.addr_be == [0; 4] || key.addr_be == v4_mapped(0) {
+    if is_node_port(key) {
         port_bit(key.port_be)
     } else {
         bit(&key.addr_be, key.port_be, key.proto, side::TO)
     }
+}
+
+/// Calls `set` with the bits a frontend needs: a NodePort its port's, any
+/// other its destination key's and its block's `frontends_bit`
+/// (`to_bits`), without which the datapath would not read the key's.
+pub fn service_bits(key: &ServiceKey, mut set: impl FnMut(u32)) {
+    if is_node_port(key) {
+        set(port_bit(key.port_be));
+    } else {
+        to_bits(&key.addr_be, key.port_be, key.proto)
+            .into_iter()
+            .for_each(set);
+    }
+}
+
+fn is_node_port(key: &ServiceKey) -> bool {
+    key.addr_be == [0; 4] || key.addr_be == v4_mapped(0)
 }
 
 /// The bit of a backend: the source key of its replies.
@@ -313,6 +331,104 @@ mod tests {
             backend_bit(&backend),
             bit(&backend.addr_be, backend.port_be, 6, side::FROM),
             "a backend's bit is its replies' source key"
+        );
+    }
+
+    /// What a frontend sets is what the datapath asks for: a packet to any
+    /// frontend, NodePorts on either family included, or from any backend,
+    /// passes the prefilter once its entries' bits are set as a landing
+    /// sets them (`admit`); a packet to another address of a ClusterIP's
+    /// block is turned away with the block's service CIDR bit as the agent
+    /// set it. A frontend's own bit without its block's is a packet passed
+    /// untranslated.
+    #[test]
+    fn every_frontend_and_backend_passes_the_datapaths_question() {
+        use proxy_common::prefilter::{Block, frontends_bit, turned_away};
+        let v4 = |a: u8, b: u8, c: u8, d: u8| v4_mapped(u32::from_ne_bytes([a, b, c, d]));
+        let v6 = |last: u32| {
+            [
+                u32::from_be(0xfd00_0010),
+                0,
+                u32::from_be(0x96),
+                last.to_be(),
+            ]
+        };
+        let frontends = [
+            key(v4(10, 96, 0, 10), 80),
+            key(v4(192, 168, 1, 240), 443),
+            key(v4(0, 0, 0, 0), 30080),
+            key(v6(0x12cd), 80),
+            key([0; 4], 30443),
+        ];
+        let backends = [v4(10, 244, 1, 5), v6(0x1_0005)].map(|addr_be| Backend {
+            addr_be,
+            port_be: 8080u16.to_be(),
+            proto: 6,
+            flags: 0,
+        });
+        let mut bits = Bits::new();
+        for key in &frontends {
+            service_bits(key, |b| bits.set(b));
+        }
+        for backend in &backends {
+            bits.set(backend_bit(backend));
+        }
+        bits.set(block_bit(&frontends[0].addr_be));
+        fn read(bits: &Bits) -> impl Fn(u32) -> Option<u64> + '_ {
+            |w| bits.0.get(w as usize).copied()
+        }
+        let client = v4(10, 244, 2, 7);
+        for key in &frontends {
+            let dst = if key.addr_be == [0; 4] || key.addr_be == v4_mapped(0) {
+                v4(192, 0, 2, 1)
+            } else {
+                key.addr_be
+            };
+            assert_eq!(
+                turned_away(read(&bits), &dst, key.port_be, &client, 40_000, 6),
+                None,
+                "a packet to {key:?} was turned away"
+            );
+        }
+        for backend in &backends {
+            assert_eq!(
+                turned_away(
+                    read(&bits),
+                    &client,
+                    40_000,
+                    &backend.addr_be,
+                    backend.port_be,
+                    6
+                ),
+                None,
+                "a reply from {backend:?} was turned away"
+            );
+        }
+        assert_eq!(
+            turned_away(
+                read(&bits),
+                &v4(10, 96, 0, 99),
+                80u16.to_be(),
+                &client,
+                40_000,
+                6
+            ),
+            Some(Block::Cidr),
+            "to an unheld address of the ClusterIP's block"
+        );
+        let (w, m) = word_and_mask(frontends_bit(&frontends[0].addr_be));
+        bits.0[w as usize] &= !m;
+        assert_eq!(
+            turned_away(
+                read(&bits),
+                &frontends[0].addr_be,
+                frontends[0].port_be,
+                &client,
+                40_000,
+                6
+            ),
+            Some(Block::Cidr),
+            "the ClusterIP's key was asked for without its block's frontends bit"
         );
     }
 

@@ -6,13 +6,13 @@ use aya::maps::{IterableMap, MapData};
 use bytemuck::Pod;
 use proxy_common::{
     Backend, CtKeyOf, CtValueOf, FlowAddr, ServiceKey, ServiceValue, ct_dir, map_names,
-    prefilter::{BITS, bit, side},
+    prefilter::{BITS, bit, side, to_bits},
 };
 
 use super::{
     batch,
     maps::{Maps, MapsError, batch_error, wrap},
-    prefilter::{Bits, backend_bit, service_bit, service_cidr_bits},
+    prefilter::{Bits, backend_bit, service_bits, service_cidr_bits},
 };
 
 /// What a rebuild left.
@@ -33,9 +33,10 @@ impl Rebuilt {
 }
 
 /// Writes the array again from what the maps hold now: every frontend,
-/// every backend, the blocks of the service CIDRs and ClusterIPs, and the keys of every flow in both families' conntrack
-/// maps (a flow's forward entry names its frontend, its reply entry its
-/// backend). Under the lock throughout, so no frontend or backend goes, and
+/// every backend, the blocks of the service CIDRs and ClusterIPs, and the
+/// keys of every flow in both families' conntrack maps (a flow's forward
+/// entry names its frontend, with its block's `frontends_bit`, its reply
+/// entry its backend). Under the lock throughout, so no frontend or backend goes, and
 /// none lands, while the maps are read. `None` where the maps have no
 /// prefilter (the pins of an older agent).
 pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
@@ -49,7 +50,7 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
         batch::CHUNK,
         |keys: &[ServiceKey], _: &[ServiceValue]| {
             for key in keys {
-                bits.set(service_bit(key));
+                service_bits(key, |bit| bits.set(bit));
             }
         },
     )
@@ -122,11 +123,18 @@ where
         batch::CHUNK,
         |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
             for (key, value) in keys.iter().zip(values) {
-                bits.set(if value.dir == ct_dir::FORWARD {
-                    bit(&key.dst_be.mapped(), key.dport_be, key.proto, side::TO)
+                if value.dir == ct_dir::FORWARD {
+                    for bit in to_bits(&key.dst_be.mapped(), key.dport_be, key.proto) {
+                        bits.set(bit);
+                    }
                 } else {
-                    bit(&key.src_be.mapped(), key.sport_be, key.proto, side::FROM)
-                });
+                    bits.set(bit(
+                        &key.src_be.mapped(),
+                        key.sport_be,
+                        key.proto,
+                        side::FROM,
+                    ));
+                }
             }
         },
     )

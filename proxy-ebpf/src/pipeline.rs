@@ -24,7 +24,7 @@ mod family;
 
 pub use family::PipelineFamily;
 use proxy_common::{
-    CtKeyOf, FlowAddr, PROTO_SCTP, backend_flags, counter, ct_flags, node_config_flags,
+    Backend, CtKeyOf, FlowAddr, PROTO_SCTP, backend_flags, counter, ct_flags, node_config_flags,
     service_flags, trace::reason,
 };
 
@@ -212,7 +212,7 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
 /// (externalTrafficPolicy Cluster) and, over IPv6, for a hairpin flow,
 /// which over IPv4 takes a fixed address.
 #[inline(always)]
-pub fn new_flow<F: PipelineFamily, H: Verdicts>(
+fn new_flow<F: PipelineFamily, H: Verdicts>(
     ctx: &H,
     flow: &FlowOf<F::Addr>,
     frontend: &Frontend,
@@ -247,8 +247,11 @@ pub fn new_flow<F: PipelineFamily, H: Verdicts>(
         reply_redirect: frontend.on_node,
         path_mtu: 0,
     };
+    // `==`, not `FlowAddr::same`: with the branchless compare, `tc_ingress6`
+    // went past the verifier's limit (docs/architecture.md, "One pipeline
+    // over both families").
     let hairpin = backend_be == flow.src_be;
-    let snat = !hairpin && masquerades::<F, H>(ctx, flow, svc.flags, backend.flags);
+    let snat = !hairpin && masquerades::<F, H>(ctx, flow, svc.flags, &backend);
     match F::new_source(hairpin, snat) {
         Source::Node(node) => {
             nf.kind = if hairpin {
@@ -345,22 +348,22 @@ fn refused<F: PipelineFamily, H: Verdicts>(
     None
 }
 
-/// Whether a new flow to a backend with flags `local_flags`, not its own
-/// client, takes the node's address as its source: always with
-/// `MASQUERADE_ALL` (IPv4's `NODE_CONFIG`, for both families); from
-/// outside to a backend on another node (externalTrafficPolicy Cluster);
-/// and with `MASQUERADE_OFF_CLUSTER`, from a client neither in the cluster
-/// nor behind one of this node's pod interfaces.
+/// Whether a new flow to `backend`, not its own client, takes the node's
+/// address as its source: always with `MASQUERADE_ALL` (IPv4's
+/// `NODE_CONFIG`, for both families); from outside to a backend on another
+/// node (externalTrafficPolicy Cluster); and with `MASQUERADE_OFF_CLUSTER`,
+/// from a client neither in the cluster nor behind one of this node's pod
+/// interfaces.
 #[inline(always)]
 fn masquerades<F: PipelineFamily, H: Verdicts>(
     ctx: &H,
     flow: &FlowOf<F::Addr>,
     svc_flags: u32,
-    local_flags: u8,
+    backend: &Backend,
 ) -> bool {
     node_flags() & node_config_flags::MASQUERADE_ALL != 0
         || if svc_flags & service_flags::EXTERNAL != 0 {
-            local_flags & backend_flags::LOCAL == 0
+            backend.flags & backend_flags::LOCAL == 0
         } else {
             F::node_flags() & node_config_flags::MASQUERADE_OFF_CLUSTER != 0
                 && !frontend::in_cluster(flow.src_be.mapped())

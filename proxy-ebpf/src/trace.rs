@@ -143,8 +143,9 @@ pub fn dropped<F: Traced>(xdp: bool, reason: u8, service_id: u32, flow: &FlowOf<
     F::record(what.0, flow, &F::Addr::default(), 0);
 }
 
-/// Puts `flow`'s key into `FLOW_KEY6` for `flow6`, where the pipeline
-/// has not: a packet that left before its conntrack lookup.
+/// Puts `flow`'s key into `FLOW_KEY6` for IPv6's record (`Traced::keyed`),
+/// where the pipeline has not: a packet that left before its conntrack
+/// lookup.
 #[inline(always)]
 fn key6(flow: &FlowOf<[u32; 4]>) {
     if let Some(key) = FLOW_KEY6.get_ptr_mut(0) {

@@ -13,7 +13,7 @@ use crate::{
     family::{V4, V6},
     hook::Hook,
     icmp_error::ErrorFamily,
-    maps::{FLOW_KEY6, count, node_addr6, node_config, node_flags, node_flags6},
+    maps::{self, FLOW_KEY6, count, node_addr6, node_config, node_flags6},
     netfilter_ct,
     packet::{self, FlowOf, Skip},
     packet6::{self, Skip6},
@@ -104,8 +104,10 @@ impl PipelineFamily for V4 {
     }
 
     #[inline(always)]
+    /// IPv4's own `NODE_CONFIG` (which also holds `MASQUERADE_ALL` for
+    /// both families).
     fn node_flags() -> u32 {
-        node_flags()
+        maps::node_flags()
     }
 
     /// A hairpin flow takes the fixed `HAIRPIN_ADDR`; SNAT, the node's

@@ -379,7 +379,7 @@ mod tests {
         }
         let client = v4(10, 244, 2, 7);
         for key in &frontends {
-            let dst = if key.addr_be == [0; 4] || key.addr_be == v4_mapped(0) {
+            let dst = if is_node_port(key) {
                 v4(192, 0, 2, 1)
             } else {
                 key.addr_be

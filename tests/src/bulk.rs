@@ -177,7 +177,7 @@ fn serve(
         match reader.read_line(&mut line) {
             Ok(0) => return Ok(()),
             Ok(_) => break,
-            Err(e) if is_timeout(&e) && !stop.load(Ordering::Relaxed) => {}
+            Err(e) if try_again(&e) && !stop.load(Ordering::Relaxed) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -197,7 +197,7 @@ fn serve(
                 while done < n && !stop.load(Ordering::Relaxed) {
                     match stream.write(&buf[done..n]) {
                         Ok(w) => done += w,
-                        Err(e) if is_timeout(&e) => {}
+                        Err(e) if try_again(&e) => {}
                         Err(e) => return Err(e.into()),
                     }
                 }
@@ -217,7 +217,7 @@ fn serve(
                 let n = match reader.read(&mut buf[..want]) {
                     Ok(0) => break,
                     Ok(n) => n,
-                    Err(e) if is_timeout(&e) => continue,
+                    Err(e) if try_again(&e) => continue,
                     Err(e) => return Err(e.into()),
                 };
                 mismatch = first_mismatch(seed, received, &buf[..n], &mut scratch);
@@ -236,8 +236,15 @@ fn serve(
     }
 }
 
-fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+/// Whether `e` means only that nothing moved yet: a socket timeout, or a
+/// signal that interrupted a blocking call (the test process has many
+/// threads, and a signal meant for any of them may land in this one's
+/// read). The caller tries again, within its own deadline.
+fn try_again(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+    )
 }
 
 /// How long a transfer may take: `within` in all, and no longer than `stall`
@@ -346,7 +353,7 @@ pub fn download<A: Peer>(
                 t.moved += n as u64;
                 last_progress = Instant::now();
             }
-            Err(e) if is_timeout(&e) => {}
+            Err(e) if try_again(&e) => {}
             Err(e) => {
                 t.error = Some(format!("{:?}: {e}", e.kind()));
                 break;
@@ -394,7 +401,7 @@ pub fn upload<A: Peer>(
                     written += w as u64;
                     last_progress = Instant::now();
                 }
-                Err(e) if is_timeout(&e) => {}
+                Err(e) if try_again(&e) => {}
                 Err(e) => {
                     t.error = Some(format!("{:?}: {e}", e.kind()));
                     break 'send;
@@ -420,7 +427,7 @@ pub fn upload<A: Peer>(
                 }
                 Ok(_) if byte[0] == b'\n' => break,
                 Ok(_) => answer.push(byte[0]),
-                Err(e) if is_timeout(&e) => {}
+                Err(e) if try_again(&e) => {}
                 Err(e) => {
                     t.error = Some(format!("{:?}: {e} (awaiting the answer)", e.kind()));
                     break;

@@ -11,6 +11,7 @@ pub mod csum;
 pub mod ip_summed;
 pub mod netfilter_ct;
 pub mod prefilter;
+pub mod sctp;
 pub mod trace;
 
 pub use trace::TraceRecord;
@@ -1532,7 +1533,12 @@ pub mod counter {
     /// A packet to a ClusterIP on a port (or protocol) its Service does not
     /// define (`service_cidr::HELD`), rejected.
     pub const REJECT_UNDEFINED_PORT: u32 = 35;
-    pub const COUNT: u32 = 36;
+    /// An SCTP packet of a known association whose verification tag is not
+    /// the one its direction carries (RFC 9260 8.5): stale, or forged by
+    /// someone who guessed the association's addresses and ports. Dropped,
+    /// as netfilter marks it invalid and kube-proxy drops invalid packets.
+    pub const DROP_SCTP_VTAG: u32 = 36;
+    pub const COUNT: u32 = 37;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1573,6 +1579,7 @@ pub mod counter {
         "ct_share_refused",
         "drop_unallocated",
         "reject_undefined_port",
+        "drop_sctp_vtag",
     ];
 }
 

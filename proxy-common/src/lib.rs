@@ -960,7 +960,8 @@ pub struct CtValueOf<A> {
     /// the conntrack path (at least once a second while packets flow): what
     /// tells an FIN or RST of the other direction inside the window from
     /// one outside it (`tcp_in_window`). A value from up to a second ago
-    /// only ever lags the true one.
+    /// only ever lags the true one. Of an SCTP flow: the verification tag
+    /// this direction's packets carry, as on the wire (0: not known yet).
     pub tcp_max_ack: u32,
     /// The datapath clock at the last packet (updated at most once a
     /// second).
@@ -977,9 +978,22 @@ pub type Ct6Value = CtValueOf<[u32; 4]>;
 /// disagree on what is alive. TCP's follow netfilter's states: a FIN each
 /// way is `TIME_WAIT`, an RST `CLOSE`, one FIN `CLOSE_WAIT` (the half-closed
 /// flow's other side may go on sending), an assured flow `ESTABLISHED`,
-/// anything before `SYN_SENT`/`SYN_RECV`.
+/// anything before `SYN_SENT`/`SYN_RECV`. An SCTP association takes TCP's
+/// timeouts of the same stage: ended by an ABORT or SHUTDOWN COMPLETE
+/// (`CLOSING`), TCP's close; assured (its COOKIE ECHO's exchange done), its
+/// established; before, its handshake's. Its heartbeats (every 30 s by
+/// default) keep an idle association's entries alive.
 #[inline(always)]
 pub fn idle_timeout_ns(flags: u8, proto: u8, timeouts: &CtTimeouts) -> u64 {
+    if proto == PROTO_SCTP {
+        return if flags & ct_flags::CLOSING != 0 {
+            timeouts.tcp_close_ns
+        } else if flags & ct_flags::ASSURED != 0 {
+            timeouts.tcp_established_ns
+        } else {
+            timeouts.tcp_syn_ns
+        };
+    }
     if proto != PROTO_TCP {
         return timeouts.udp_ns;
     }
@@ -1679,6 +1693,27 @@ mod tests {
             MAX_BACKEND_SLOTS >= 2 * services * endpoints,
             "BACKEND_SLOTS: {MAX_BACKEND_SLOTS}"
         );
+    }
+
+    /// An SCTP association ages as a TCP connection of the same stage:
+    /// its handshake's, its established, its close's.
+    #[test]
+    fn sctp_entries_take_tcps_timeouts_by_stage() {
+        let t = CtTimeouts::DEFAULT;
+        let stage = |flags| idle_timeout_ns(flags, PROTO_SCTP, &t);
+        assert_eq!(stage(0), t.tcp_syn_ns, "INIT sent, no reply");
+        assert_eq!(stage(ct_flags::SEEN_REPLY), t.tcp_syn_ns, "INIT ACK seen");
+        assert_eq!(
+            stage(ct_flags::SEEN_REPLY | ct_flags::ASSURED),
+            t.tcp_established_ns,
+            "assured"
+        );
+        assert_eq!(
+            stage(ct_flags::SEEN_REPLY | ct_flags::ASSURED | ct_flags::CLOSING),
+            t.tcp_close_ns,
+            "aborted or shut down"
+        );
+        assert_eq!(idle_timeout_ns(0, PROTO_UDP, &t), t.udp_ns, "UDP unchanged");
     }
 
     #[test]

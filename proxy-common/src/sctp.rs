@@ -1,9 +1,9 @@
 //! SCTP's common header and chunks as the datapath reads them (RFC 9260
-//! 3), and its checksum, CRC32c (RFC 9260 6.8, appendix A), kept right
+//! 3), and its checksum, CRC-32C (RFC 9260 6.8, appendix A), kept right
 //! across a port rewrite without reading the packet's payload.
 //!
 //! The checksum covers the SCTP packet alone (no pseudo-header): a rewrite
-//! of the addresses leaves it as it is, one of the ports changes it. CRC32c
+//! of the addresses leaves it as it is, one of the ports changes it. CRC-32C
 //! is linear over GF(2) for messages of one length, so the checksum of the
 //! rewritten packet is the old one XOR the CRC (without its initial and
 //! final inversion) of the difference: the four port bytes that changed,
@@ -73,7 +73,7 @@ pub const fn control_of(kind: u8, flags: u8) -> u8 {
     }
 }
 
-/// CRC32c's polynomial, bit-reversed (Castagnoli, 0x1EDC6F41).
+/// CRC-32C's polynomial, bit-reversed (Castagnoli, 0x1EDC6F41).
 pub const POLY: u32 = 0x82F6_3B78;
 
 /// One bit of the reflected CRC register.
@@ -126,10 +126,12 @@ const fn shift_hi() -> [u32; 256] {
     t
 }
 
-/// `SHIFT_LO[i]` is x^(8i): `i` zero bytes.
-pub const SHIFT_LO: [u32; 256] = shift_lo();
+/// `SHIFT_LO[i]` is x^(8i): `i` zero bytes. Statics, not constants: read
+/// with an index known only at run time, a constant array may be copied
+/// whole to the stack first.
+pub static SHIFT_LO: [u32; 256] = shift_lo();
 /// `SHIFT_HI[i]` is x^(8 * 256i): `256i` zero bytes.
-pub const SHIFT_HI: [u32; 256] = shift_hi();
+pub static SHIFT_HI: [u32; 256] = shift_hi();
 
 /// The register of the four bytes `bytes` (as in memory, read as a
 /// little-endian word), from a register of 0.
@@ -149,8 +151,8 @@ pub const fn word_register(bytes_le: u32) -> u32 {
 /// `diff_le` (old XOR new, read as a little-endian word). `len` below 4 or
 /// above 65535 never comes from a parsed packet; it gives 0 (no change).
 #[inline(always)]
-pub const fn ports_delta(diff_le: u32, len: usize) -> u32 {
-    if len < 4 || len > 0xffff {
+pub fn ports_delta(diff_le: u32, len: usize) -> u32 {
+    if !(4..=0xffff).contains(&len) {
         return 0;
     }
     let zeros = len - 4;
@@ -159,7 +161,7 @@ pub const fn ports_delta(diff_le: u32, len: usize) -> u32 {
     mul(SHIFT_HI[(zeros >> 8) & 0xff], c)
 }
 
-/// CRC32c of `data`, as SCTP computes it over a packet whose checksum
+/// CRC-32C of `data`, as SCTP computes it over a packet whose checksum
 /// field holds 0 (`packet_checksum`); stored little-endian. The host's
 /// (tests, tools): the datapath only ever updates a checksum
 /// (`ports_delta`).
@@ -168,7 +170,7 @@ pub fn crc32c(data: &[u8]) -> u32 {
 }
 
 /// The checksum `packet` (an SCTP packet, common header first) should
-/// carry: its CRC32c with the checksum field read as 0.
+/// carry: its CRC-32C with the checksum field read as 0.
 pub fn packet_checksum(packet: &[u8]) -> u32 {
     let field = CSUM_OFF..CSUM_OFF + 4;
     !packet.iter().enumerate().fold(!0u32, |c, (i, &b)| {
@@ -186,7 +188,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// RFC 3720 B.4's CRC32c test vectors.
+    /// RFC 3720 B.4's CRC-32C test vectors.
     #[test]
     fn crc32c_matches_known_vectors() {
         assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA, "32 zero bytes");

@@ -29,13 +29,17 @@ pub mod reason {
     pub const SNAT_EXHAUSTED: u8 = service_drop::SNAT_EXHAUSTED as u8;
     /// An address of a service CIDR no Service holds (`service_cidr`).
     pub const UNALLOCATED: u8 = 3;
-    pub const COUNT: u8 = 4;
+    /// An SCTP packet with a verification tag its association does not
+    /// carry (`counter::DROP_SCTP_VTAG`).
+    pub const SCTP_VTAG: u8 = 4;
+    pub const COUNT: u8 = 5;
     /// The `reason` of each in the trace's output, by number.
     pub const NAMES: [&str; COUNT as usize] = [
         service_drop::NAMES[0],
         service_drop::NAMES[1],
         service_drop::NAMES[2],
         "unallocated",
+        "sctp_vtag",
     ];
 }
 

@@ -18,12 +18,14 @@
 //! copied to the stack: IPv6's program has room for little more than one
 //! entry, and IPv4's for a few dozen bytes.
 
+pub mod sctp;
+
 use core::intrinsics::AtomicOrdering;
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    Clock, CtKeyOf, CtValueOf, FlowAddr, HAIRPIN_ADDR, PROTO_TCP, clock_slot, counter, ct_dir,
-    ct_flags, ct_timeout, slot_for, tcp_ack_after, tcp_close_step,
+    Clock, CtKeyOf, CtValueOf, FlowAddr, HAIRPIN_ADDR, PROTO_SCTP, PROTO_TCP, clock_slot, counter,
+    ct_dir, ct_flags, ct_timeout, slot_for, tcp_ack_after, tcp_close_step,
 };
 
 use crate::{
@@ -173,10 +175,10 @@ pub fn seen<F: Family>(
 }
 
 /// `lookup` in one map. An expired entry counts as absent. So does a
-/// closing TCP entry hit by a SYN: the ports are being reused by a new
-/// connection, which may not be ours at all (a client connecting straight
-/// to a pod from the port it just used for the service); the stale entry is
-/// removed so its replies go untranslated.
+/// closing TCP entry hit by a SYN, or SCTP's by an INIT: the ports are
+/// being reused by a new connection, which may not be ours at all (a client
+/// connecting straight to a pod from the port it just used for the
+/// service); the stale entry is removed so its replies go untranslated.
 #[inline(always)]
 fn lookup_in<F: Family>(
     map: &Conntrack<F::Addr>,
@@ -190,7 +192,7 @@ fn lookup_in<F: Family>(
     if expired(entry, flow.proto, now) {
         return None;
     }
-    if flow.proto == PROTO_TCP
+    if (flow.proto == PROTO_TCP || flow.proto == PROTO_SCTP)
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
@@ -267,6 +269,15 @@ pub fn touch<F: Family>(
     }
     if flow.proto == PROTO_TCP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         flags = closed::<F>(flags, entry.dir, flow, nat, found.unassured);
+    } else if flow.proto == PROTO_SCTP {
+        // An ABORT or SHUTDOWN COMPLETE (its tag checked, `sctp::tag_holds`)
+        // ends the association.
+        if flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+            flags |= ct_flags::CLOSING;
+        }
+        if flow.tcp_flags & TCP_SYN != 0 {
+            sctp::learn::<F>(found, flow, nat);
+        }
     }
     let stale = now.saturating_sub(entry.last_seen_ns) > ct_timeout::REFRESH_NS;
     if flags == old_flags && !stale {
@@ -277,7 +288,7 @@ pub fn touch<F: Family>(
     };
     // The other direction's entry: this packet's translation, reversed.
     scratch.key = other_key(flow, nat);
-    let max_ack = if flow.tcp_flags & TCP_ACK != 0 {
+    let max_ack = if flow.proto == PROTO_TCP && flow.tcp_flags & TCP_ACK != 0 {
         tcp_ack_after(entry.tcp_max_ack, u32::from_be(flow.tcp_ack_be))
     } else {
         entry.tcp_max_ack
@@ -516,7 +527,7 @@ fn reply_entry<A: FlowAddr>(
         backend_id: nf.backend_id,
         service_id: nf.service_id,
         created_s: (now / 1_000_000_000) as u32,
-        tcp_max_ack: 0,
+        tcp_max_ack: sctp::first_tags(flow).1,
         last_seen_ns: now,
     };
 }
@@ -544,10 +555,10 @@ fn insert_forward<F: Family>(
     value.dir = ct_dir::FORWARD;
     value.path_mtu = nf.path_mtu;
     // A flow met mid-stream (its entries lost) starts from its ACK.
-    value.tcp_max_ack = if flow.tcp_flags & TCP_ACK != 0 {
+    value.tcp_max_ack = if flow.proto == PROTO_TCP && flow.tcp_flags & TCP_ACK != 0 {
         u32::from_be(flow.tcp_ack_be)
     } else {
-        0
+        sctp::first_tags(flow).0
     };
     scratch.other_key = flow_key(flow);
     F::ct_new()

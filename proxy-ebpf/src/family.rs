@@ -147,6 +147,18 @@ pub trait Family {
         dst_be: &Self::Addr,
     ) -> Result<(), i64>;
 
+    /// `rewrite_ip_tc` for a packet whose transport checksum covers no
+    /// address (SCTP's): a `CHECKSUM_COMPLETE` `skb->csum` must follow the
+    /// addresses themselves. IPv4's header checksum balances them within
+    /// the header; IPv6's are written through the helper that keeps the
+    /// sum.
+    fn rewrite_ip_tc_summed(
+        ctx: &TcContext,
+        flow: &FlowOf<Self::Addr>,
+        src_be: &Self::Addr,
+        dst_be: &Self::Addr,
+    ) -> Result<(), i64>;
+
     /// Whether a `CHECKSUM_COMPLETE` `skb->csum` still holds after a
     /// rewrite in place (`crate::nat`): true where the address change is
     /// balanced by the transport checksum's alone.
@@ -168,6 +180,9 @@ pub enum V4 {}
 /// IPv6.
 pub enum V6 {}
 
+/// `bpf_skb_store_bytes`: a `CHECKSUM_COMPLETE` `skb->csum` follows what
+/// is written.
+pub const BPF_F_RECOMPUTE_CSUM: u64 = 1;
 const AF_INET: u8 = 2;
 /// IPv4's don't-fragment flag, as the flags and offset field sits in memory.
 const IP_DF_BE: u16 = 0x4000u16.to_be();
@@ -356,6 +371,16 @@ impl Family for V4 {
         Self::rewrite_ip(ctx.data(), ctx.data_end(), flow, src_be, dst_be)
             .map(|_| ())
             .map_err(|()| -1)
+    }
+
+    #[inline(always)]
+    fn rewrite_ip_tc_summed(
+        ctx: &TcContext,
+        flow: &FlowOf<u32>,
+        src_be: &u32,
+        dst_be: &u32,
+    ) -> Result<(), i64> {
+        Self::rewrite_ip_tc(ctx, flow, src_be, dst_be)
     }
 
     /// The header checksum balances the address change within the header;
@@ -551,6 +576,17 @@ impl Family for V6 {
     ) -> Result<(), i64> {
         ctx.store(ETH_HLEN + IP6_SRC_OFF, src_be, 0)?;
         ctx.store(ETH_HLEN + IP6_DST_OFF, dst_be, 0)
+    }
+
+    #[inline(always)]
+    fn rewrite_ip_tc_summed(
+        ctx: &TcContext,
+        _flow: &FlowOf<[u32; 4]>,
+        src_be: &[u32; 4],
+        dst_be: &[u32; 4],
+    ) -> Result<(), i64> {
+        ctx.store(ETH_HLEN + IP6_SRC_OFF, src_be, BPF_F_RECOMPUTE_CSUM)?;
+        ctx.store(ETH_HLEN + IP6_DST_OFF, dst_be, BPF_F_RECOMPUTE_CSUM)
     }
 
     /// No header checksum: the transport checksum's change balances the

@@ -184,6 +184,7 @@ pub fn handle<F: ErrorFamily, R>(
         tcp_flags: 0,
         tcp_seq_be: 0,
         tcp_ack_be: 0,
+        l4_len: 0,
         frag: frag::NONE,
         frag_id_be: 0,
     };

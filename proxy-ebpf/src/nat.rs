@@ -10,13 +10,14 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP,
+    PROTO_SCTP, PROTO_TCP, PROTO_UDP,
     csum::{delta16, fold, full_update, pseudo_partial},
     ip_summed::{CHECKSUM_COMPLETE, CHECKSUM_NONE, CHECKSUM_PARTIAL, CHECKSUM_UNNECESSARY},
+    sctp,
 };
 
 use crate::{
-    family::Family,
+    family::{BPF_F_RECOMPUTE_CSUM, Family},
     hook::Hook,
     ip_summed, maps,
     packet::{FlowOf, frag},
@@ -59,6 +60,9 @@ impl<A: Copy> NatOf<A> {
     /// the same, so a `CHECKSUM_COMPLETE` `skb->csum` still holds.
     #[inline(always)]
     pub fn apply<F: Family<Addr = A>, H: Hook>(&self, ctx: &H, flow: &FlowOf<A>) -> Result<(), ()> {
+        if flow.proto == PROTO_SCTP && flow.frag != frag::LATER {
+            return rewrite_sctp::<F, H>(ctx, flow, self);
+        }
         if let Some(tc) = ctx.tc() {
             if flow.frag == frag::LATER {
                 return F::rewrite_ip_tc(tc, flow, &self.src_be, &self.dst_be).map_err(|_| ());
@@ -208,4 +212,92 @@ fn rewrite_at<F: Family>(
         });
     }
     Ok(())
+}
+
+/// The ports of a transport header as a word read from packet memory.
+#[inline(always)]
+fn ports_word(sport_be: u16, dport_be: u16) -> u32 {
+    u32::from(sport_be) | (u32::from(dport_be) << 16)
+}
+
+/// Writes `nat` over the SCTP packet `flow`. Its checksum, CRC-32C, covers
+/// the SCTP packet alone: the addresses leave it as it is, the ports
+/// change it by `sctp_csum_delta`, folded into it in place by XOR. Where it is
+/// still to be computed (tc, `CHECKSUM_PARTIAL`: offloaded by a local
+/// sender, to be summed over the packet as it leaves), it is left alone. A
+/// first fragment whose ports change is not translated: the checksum
+/// covers the whole datagram, whose length it does not give.
+#[inline(always)]
+fn rewrite_sctp<F: Family, H: Hook>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+) -> Result<(), ()> {
+    let diff = ports_word(flow.sport_be, flow.dport_be) ^ ports_word(nat.sport_be, nat.dport_be);
+    if diff != 0 && flow.frag != frag::NONE {
+        return Err(());
+    }
+    if let Some(tc) = ctx.tc() {
+        return rewrite_sctp_tc::<F>(tc, flow, nat, diff).map_err(|_| ());
+    }
+    let (data, data_end) = ctx.bounds();
+    if flow.l4_off > F::MAX_L4_OFF {
+        return Err(());
+    }
+    let l4p = data + flow.l4_off;
+    if l4p + sctp::HEADER_LEN > data_end {
+        return Err(());
+    }
+    F::rewrite_ip(data, data_end, flow, &nat.src_be, &nat.dst_be)?;
+    // SAFETY: inside the bounds checked above; see `packet::read` on
+    // alignment.
+    unsafe {
+        (l4p as *mut u32).write(ports_word(nat.sport_be, nat.dport_be));
+        if diff != 0 {
+            let csum = (l4p + sctp::CSUM_OFF) as *mut u32;
+            csum.write(csum.read() ^ csum_delta(diff, flow.l4_len));
+        }
+    }
+    Ok(())
+}
+
+/// `rewrite_sctp` at tc, through the helpers, which keep a
+/// `CHECKSUM_COMPLETE` sum following every byte written.
+#[inline(always)]
+fn rewrite_sctp_tc<F: Family>(
+    ctx: &TcContext,
+    flow: &FlowOf<F::Addr>,
+    nat: &NatOf<F::Addr>,
+    diff: u32,
+) -> Result<(), i64> {
+    let state = ip_summed::read(ctx);
+    maps::count_csum_state(state);
+    if diff != 0 && state != CHECKSUM_PARTIAL {
+        let off = flow.l4_off + sctp::CSUM_OFF;
+        let old: u32 = ctx.load(off)?;
+        ctx.store(
+            off,
+            &(old ^ csum_delta(diff, flow.l4_len)),
+            BPF_F_RECOMPUTE_CSUM,
+        )?;
+    }
+    let ports = ports_word(nat.sport_be, nat.dport_be);
+    ctx.store(flow.l4_off, &ports, BPF_F_RECOMPUTE_CSUM)?;
+    F::rewrite_ip_tc_summed(ctx, flow, &nat.src_be, &nat.dst_be)
+}
+
+#[inline(always)]
+fn csum_delta(diff: u32, len: u16) -> u32 {
+    sctp_csum_delta(u64::from(diff), u64::from(len))
+}
+
+/// `proxy_common::sctp::ports_delta`. Global (`no_mangle`, scalar
+/// arguments and result): the verifier checks its two 32-step
+/// multiplications once, where inlined they would be walked again on every
+/// path to a rewrite. In `.text`, where aya resolves calls.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn sctp_csum_delta(diff: u64, len: u64) -> u32 {
+    sctp::ports_delta(diff as u32, len as usize)
 }

@@ -2,7 +2,7 @@
 //! packet access: no helper call per field). The result holds offsets, not
 //! pointers, so it stays valid after helpers that move packet data.
 
-use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP, sctp};
 
 use crate::hook::Hook;
 
@@ -16,8 +16,6 @@ pub const IP_SRC_OFF: usize = 12;
 pub const IP_DST_OFF: usize = 16;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
-/// SCTP's common header (RFC 9260 3.1).
-const SCTP_HLEN: usize = 12;
 /// More-fragments flag and fragment offset, in host order after `from_be`.
 pub const IP_MF_OFFSET_MASK: u16 = 0x3fff;
 /// The fragment offset alone.
@@ -52,11 +50,19 @@ pub struct FlowOf<A> {
     pub sport_be: u16,
     pub dport_be: u16,
     pub proto: u8,
+    /// TCP's flags; SCTP's first chunk as the TCP flags of the same meaning
+    /// (`proxy_common::sctp::control`).
     pub tcp_flags: u8,
-    /// TCP's sequence and acknowledgment numbers (0 for other protocols):
-    /// what tells a FIN or RST inside the window from one outside it.
+    /// TCP's sequence and acknowledgment numbers: what tells a FIN or RST
+    /// inside the window from one outside it. SCTP's verification tag and,
+    /// of an INIT or INIT ACK, its Initiate Tag (`sctp_vtag_be`,
+    /// `sctp_initiate_tag_be`). 0 for UDP.
     pub tcp_seq_be: u32,
     pub tcp_ack_be: u32,
+    /// The bytes the IP header gives the transport header and its payload
+    /// (of a first fragment, its own part): the length SCTP's checksum
+    /// covers.
+    pub l4_len: u16,
     /// `frag::NONE`, `FIRST` or `LATER`.
     pub frag: u8,
     /// What ties the fragments of a datagram together, as on the wire:
@@ -90,9 +96,22 @@ impl<A> FlowOf<A> {
             tcp_flags: l4.tcp_flags,
             tcp_seq_be: l4.seq_ack_be[0],
             tcp_ack_be: l4.seq_ack_be[1],
+            l4_len: l4.len,
             frag,
             frag_id_be,
         }
+    }
+
+    /// An SCTP packet's verification tag, as on the wire.
+    #[inline(always)]
+    pub fn sctp_vtag_be(&self) -> u32 {
+        self.tcp_seq_be
+    }
+
+    /// The Initiate Tag of an SCTP INIT or INIT ACK, as on the wire.
+    #[inline(always)]
+    pub fn sctp_initiate_tag_be(&self) -> u32 {
+        self.tcp_ack_be
     }
 
     /// Offset of the L4 checksum field.
@@ -257,20 +276,44 @@ struct TcpHead {
     urgent_be: u16,
 }
 
+/// SCTP's common header and its first chunk's header (RFC 9260 3.1, 3.2).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SctpHead {
+    ports_be: [u16; 2],
+    vtag_be: u32,
+    csum: u32,
+    chunk_type: u8,
+    chunk_flags: u8,
+    chunk_len_be: u16,
+}
+
+/// An INIT or INIT ACK's `SctpHead` and its Initiate Tag.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SctpInitHead {
+    head: SctpHead,
+    initiate_tag_be: u32,
+}
+
 /// What the datapath reads of a transport header.
 #[derive(Clone, Copy, Default)]
 pub struct L4 {
     pub ports: [u16; 2],
     pub tcp_flags: u8,
-    /// TCP's sequence and acknowledgment numbers, as on the wire.
+    /// TCP's sequence and acknowledgment numbers, as on the wire; SCTP's
+    /// verification tag and Initiate Tag.
     pub seq_ack_be: [u32; 2],
+    /// The `l4_len` it was read with.
+    pub len: u16,
 }
 
 /// The ports and TCP flags of the transport header at `l4_off`, both
 /// families: checked against the `l4_len` bytes the IP header leaves it
 /// (all of the datagram's when `whole`, else a first fragment's part of
-/// it). SCTP's common header is 12 bytes (RFC 9260 3.1); of it, only the
-/// ports are read, as SCTP frontends are counted, not translated.
+/// it). Of SCTP, the common header (RFC 9260 3.1) and the first chunk's
+/// header: an SCTP packet holds at least one chunk, and INIT and INIT ACK,
+/// whose Initiate Tag is read too, are never bundled (RFC 9260 6.10).
 #[inline(always)]
 pub fn l4_header(
     data: usize,
@@ -284,8 +327,20 @@ pub fn l4_header(
     let mut tcp_flags = 0;
     let mut seq_ack_be = [0u32; 2];
     if proto == PROTO_SCTP {
-        if l4_len < SCTP_HLEN {
+        if l4_len < sctp::HEADER_LEN + sctp::CHUNK_HEADER_LEN {
             return Err(L4Skip::Malformed);
+        }
+        let head: SctpHead = read(data, data_end, l4_off).ok_or(L4Skip::Short)?;
+        tcp_flags = sctp::control_of(head.chunk_type, head.chunk_flags);
+        seq_ack_be[0] = head.vtag_be;
+        if head.chunk_type == sctp::chunk::INIT || head.chunk_type == sctp::chunk::INIT_ACK {
+            if l4_len < sctp::INITIATE_TAG_OFF + 4 {
+                return Err(L4Skip::Malformed);
+            }
+            // From the start again, in one read with the header: a second
+            // read past the first's end lost its bound to the verifier.
+            let init: SctpInitHead = read(data, data_end, l4_off).ok_or(L4Skip::Short)?;
+            seq_ack_be[1] = init.initiate_tag_be;
         }
     } else if proto == PROTO_TCP {
         // The whole fixed header at once, one bound check: with the fields
@@ -310,5 +365,6 @@ pub fn l4_header(
         ports,
         tcp_flags,
         seq_ack_be,
+        len: l4_len as u16,
     })
 }

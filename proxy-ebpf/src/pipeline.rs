@@ -39,7 +39,7 @@ use crate::{
     nat::NatOf,
     netfilter_ct,
     packet::{
-        self, FlowOf,
+        self, FlowOf, TCP_FIN, TCP_RST,
         frag::{FIRST, LATER},
     },
     prefilter,
@@ -110,6 +110,13 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         // the entry.
         let entry = unsafe { &*known.entry };
         let nat = conntrack::translation(entry, flow);
+        if flow.proto == PROTO_SCTP
+            && !conntrack::sctp::tag_holds::<F>(entry, known.found.as_ref(), flow, &nat)
+        {
+            count(counter::DROP_SCTP_VTAG);
+            trace::dropped::<F>(H::XDP, reason::SCTP_VTAG, entry.service_id, flow);
+            return Ok(H::DROP);
+        }
         let dir = entry.dir;
         let counted = service_counters::Seen::of(entry.service_id, dir);
         if let Err(exit) = route_first::<F, H>(ctx, flow, &nat) {
@@ -143,16 +150,9 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
     else {
         return Ok(unserved::<F, H>(ctx, flow, prefilter::Block::Unread));
     };
-    if flow.proto == PROTO_SCTP {
-        // SCTP needs its CRC32c recomputed on every rewrite, which the
-        // datapath does not do yet: such packets are counted and passed, and
-        // the agent says so when it programs an SCTP frontend. Counted by tc
-        // alone, which sees what XDP passes: once a packet. Found here, past
-        // a conntrack lookup that never finds SCTP, so that the frontend
-        // lookup is written out once.
-        if !H::XDP {
-            count(counter::UNSUPPORTED_PROTO);
-        }
+    if flow.proto == PROTO_SCTP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        // An ABORT or SHUTDOWN COMPLETE ends an association; it never
+        // starts one (its peer has none to end through this frontend).
         return Ok(H::PASS);
     }
     new_flow::<F, H>(ctx, flow, &frontend, now)

@@ -48,9 +48,7 @@ use self::{
     first_sync::FirstSync,
     refusals::Refusals,
     retry::Retries,
-    service::{
-        HealthChecks, SctpWarnings, ServiceOutcome, Unsettled, desired_frontends, plan_service,
-    },
+    service::{HealthChecks, ServiceOutcome, Unsettled, desired_frontends, plan_service},
     sweep::{Sweeper, Swept},
 };
 use crate::{
@@ -146,7 +144,6 @@ pub struct SyncLoop {
     /// once: until then it serves nothing, so the agent is not ready.
     interfaces_applied: bool,
     sequence: u64,
-    sctp: SctpWarnings,
     health_checks: HealthChecks,
     min_sync_period: Duration,
     /// When the queued changes are due.
@@ -174,7 +171,6 @@ impl SyncLoop {
             first_sync: FirstSync::new(now),
             interfaces_applied: false,
             sequence: 0,
-            sctp: SctpWarnings::default(),
             health_checks: HealthChecks::default(),
             min_sync_period,
             deadline: None,
@@ -527,7 +523,6 @@ impl SyncLoop {
         {
             self.contested.insert(key.clone());
         }
-        self.sctp.report(key, desired);
         if planned.errors.is_empty() {
             self.metrics.programmed(key);
         }

@@ -1,16 +1,13 @@
 //! Programming one dirty Service: its frontends from the model, written
 //! through the planner, and what the sync learns from it along the way (its
-//! health check node port, SCTP frontends the datapath passes untranslated).
+//! health check node port).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use tracing::{error, warn};
 
 use crate::{
-    model::{
-        CompactService, Frontend, FrontendKey, HealthCheck, ModelConfig, ModelError, Modelled,
-        Protocol,
-    },
+    model::{CompactService, Frontend, HealthCheck, ModelConfig, ModelError, Modelled},
     planner::{Batch, PlanError, Planner, SyncOutcome, Unwritten},
     source::ObjectKey,
     state::ClusterState,
@@ -112,34 +109,6 @@ pub(super) fn plan_service<S: crate::planner::MapStore>(
         error!(service = %key, error = %e, "frontend not programmed");
     }
     ServiceOutcome::Planned { desired, planned }
-}
-
-/// SCTP frontends are programmed, but the datapath passes their packets
-/// untranslated: each is reported once.
-#[derive(Debug, Default)]
-pub(super) struct SctpWarnings(BTreeSet<FrontendKey>);
-
-impl SctpWarnings {
-    /// Warns about the SCTP frontends of `desired` not reported before;
-    /// returns how many that was.
-    pub fn report(&mut self, key: &ObjectKey, desired: &[Frontend]) -> usize {
-        let mut reported = 0;
-        for fe in desired
-            .iter()
-            .filter(|fe| fe.key.protocol == Protocol::Sctp)
-        {
-            if self.0.insert(fe.key) {
-                reported += 1;
-                warn!(
-                    service = %key,
-                    frontend = %fe.key,
-                    "SCTP frontend programmed, but the datapath does not translate SCTP yet: \
-                     its packets pass untranslated (counter unsupported_proto)"
-                );
-            }
-        }
-        reported
-    }
 }
 
 /// The healthCheckNodePort of each Service that has one, for the health

@@ -638,38 +638,6 @@ fn settling_a_service_retries_failed_writes_only() {
 }
 
 #[test]
-fn each_sctp_frontend_is_reported_once() {
-    let sctp = |name: &str, ip: &str, ports: &[u16]| {
-        let ports: Vec<Value> = ports
-            .iter()
-            .map(|p| json!({"name": format!("p{p}"), "port": p, "protocol": "SCTP"}))
-            .collect();
-        object_service(
-            name,
-            &json!({"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip], "ports": ports}),
-        )
-    };
-    let model = ModelConfig::default();
-    let frontends = |service: Object, name: &str| {
-        state_with(vec![service, service_tcp_too()])
-            .frontends_for(&key(name), &model)
-            .expect("valid")
-    };
-    let mut warnings = SctpWarnings::default();
-    let one = frontends(sctp("sig", "10.96.0.30", &[3868]), "sig");
-    assert_eq!(warnings.report(&key("sig"), &one), 1, "{one:?}");
-    assert_eq!(warnings.report(&key("sig"), &one), 0, "reported already");
-    let two = frontends(sctp("sig", "10.96.0.30", &[3868, 3869]), "sig");
-    assert_eq!(warnings.report(&key("sig"), &two), 1, "the new port only");
-    let tcp = frontends(service_tcp_too(), "web");
-    assert_eq!(warnings.report(&key("web"), &tcp), 0, "TCP is translated");
-}
-
-fn service_tcp_too() -> Object {
-    service("web", "10.96.0.10")
-}
-
-#[test]
 fn health_checks_are_handed_on_when_they_change() {
     let load_balancer = |node_port: u32| {
         object_service(

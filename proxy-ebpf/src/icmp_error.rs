@@ -33,7 +33,7 @@
 
 use aya_ebpf::programs::TcContext;
 use proxy_common::{
-    FlowAddr, PROTO_TCP, PROTO_UDP, counter,
+    FlowAddr, PROTO_SCTP, PROTO_TCP, PROTO_UDP, counter,
     csum::{apply, delta16, full_update},
 };
 
@@ -97,7 +97,7 @@ pub trait ErrorFamily: Family {
     fn error_at(ctx: &TcContext, head: &Self::IpHead, at: Self::IcmpAt) -> Option<(usize, usize)>;
 
     /// The transport protocol of the packet whose IP header, quoted at
-    /// `off`, is `quote`, and where its header starts, for a TCP or UDP
+    /// `off`, is `quote`, and where its header starts, for a TCP, UDP or SCTP
     /// packet whose quote holds the start of its transport header (not a
     /// later fragment); None otherwise.
     fn quoted_transport(ctx: &TcContext, quote: &Self::IpHead, off: usize) -> Option<(u8, usize)>;
@@ -261,14 +261,17 @@ fn rewrite<F: ErrorFamily>(
         icmp += moved;
     }
     // A router may quote only the 8 bytes RFC 792 asks for: a transport
-    // checksum beyond them is left as it is, as netfilter leaves it.
+    // checksum beyond them is left as it is, as netfilter leaves it. So is
+    // a quoted SCTP packet's, which covers its whole packet, rarely all
+    // quoted: its receiver matches the quote by addresses, ports and
+    // verification tag (RFC 9260 10.1), never by its checksum.
     let csum_off = flow.l4_off
         + if flow.proto == PROTO_TCP {
             TCP_CSUM_OFF
         } else {
             UDP_CSUM_OFF
         };
-    if csum_off + 2 <= at.end {
+    if flow.proto != PROTO_SCTP && csum_off + 2 <= at.end {
         let old: u16 = ctx.load(csum_off)?;
         let new = full_update(old, quoted, flow.proto == PROTO_UDP);
         ctx.store(csum_off, &new, 0)?;
@@ -328,7 +331,7 @@ impl ErrorFamily for V4 {
         let ihl = ((quote.ver_ihl & 0x0f) as usize) * 4;
         if quote.ver_ihl >> 4 != 4
             || ihl < IPV4_MIN_HLEN
-            || (quote.proto != PROTO_TCP && quote.proto != PROTO_UDP)
+            || (quote.proto != PROTO_TCP && quote.proto != PROTO_UDP && quote.proto != PROTO_SCTP)
             || u16::from_be(quote.frag_be) & IP_OFFSET_MASK != 0
         {
             return None;
@@ -430,7 +433,7 @@ impl ErrorFamily for V6 {
     }
 }
 
-/// The quoted packet's transport protocol, TCP or UDP, and where its
+/// The quoted packet's transport protocol, TCP, UDP or SCTP, and where its
 /// header starts, past the extension headers from `off` on (`next` the
 /// first one's type); `None` for a quote of a later fragment, of another
 /// protocol, or whose chain goes on past `QUOTE_EXT_HEADERS`.
@@ -456,5 +459,5 @@ fn walk_quote(ctx: &TcContext, mut next: u8, mut off: usize) -> Option<(u8, usiz
         };
         off += len;
     }
-    (next == PROTO_TCP || next == PROTO_UDP).then_some((next, off))
+    (next == PROTO_TCP || next == PROTO_UDP || next == PROTO_SCTP).then_some((next, off))
 }

@@ -164,12 +164,12 @@ fn parse_linear<H: Hook>(ctx: &H) -> Result<Flow6, Skip6> {
     }
     if frag == frag::LATER {
         // The header after a later fragment's fragment header begins the
-        // datagram's fragmentable part: TCP, UDP, or an extension header
+        // datagram's fragmentable part: TCP, UDP, SCTP, or an extension header
         // (destination options) that only the first fragment carries. Its
         // transport protocol, like its ports, is the first fragment's
         // (`crate::frag::ports6`).
         return match next {
-            PROTO_TCP | PROTO_UDP | NEXTHDR_DEST | NEXTHDR_AUTH => Ok(Flow6::new(
+            PROTO_TCP | PROTO_UDP | PROTO_SCTP | NEXTHDR_DEST | NEXTHDR_AUTH => Ok(Flow6::new(
                 off,
                 ip.src_be,
                 ip.dst_be,

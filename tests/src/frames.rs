@@ -1,4 +1,4 @@
-//! Hand-built Ethernet/IPv4/TCP-or-UDP frames with valid checksums, and
+//! Hand-built Ethernet/IPv4/TCP-or-UDP (or SCTP) frames with valid checksums, and
 //! checks that recompute them from scratch: the input of the datapath's
 //! `BPF_PROG_TEST_RUN` tests and per-packet benchmarks.
 
@@ -6,6 +6,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
+pub const SCTP: u8 = 132;
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
 pub const FIN: u8 = 0x01;
@@ -74,19 +75,53 @@ pub fn build(s: &Spec) -> Vec<u8> {
         c
     };
     l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
+    frame4(s.src, s.dst, s.proto, &l4)
+}
 
+/// An Ethernet/IPv4 frame carrying `l4` (already checksummed), its header
+/// checksum right.
+fn frame4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
     let mut ip = vec![0x45, 0];
     ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&[0x12, 0x34, 0x40, 0x00, 64, s.proto, 0, 0]);
-    ip.extend_from_slice(&s.src.octets());
-    ip.extend_from_slice(&s.dst.octets());
+    ip.extend_from_slice(&[0x12, 0x34, 0x40, 0x00, 64, proto, 0, 0]);
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
     let c = csum(&ip, 0);
     ip[10..12].copy_from_slice(&c.to_be_bytes());
 
     let mut f = vec![0x02, 0, 0, 0, 0, 0xaa, 0x02, 0, 0, 0, 0, 0xbb, 0x08, 0x00];
     f.extend_from_slice(&ip);
-    f.extend_from_slice(&l4);
+    f.extend_from_slice(l4);
     f
+}
+
+/// An Ethernet/IPv4 frame carrying the SCTP packet `sctp` as given (build it,
+/// its CRC32c right, with `crate::sctp::packet`).
+pub fn build_sctp(src: Ipv4Addr, dst: Ipv4Addr, sctp: &[u8]) -> Vec<u8> {
+    frame4(src, dst, SCTP, sctp)
+}
+
+/// An Ethernet/IPv6 frame carrying the SCTP packet `sctp` as given.
+pub fn build_sctp6(src: Ipv6Addr, dst: Ipv6Addr, sctp: &[u8]) -> Vec<u8> {
+    frame6(src, dst, SCTP, &[], sctp)
+}
+
+/// Panics, saying `what` and both values, unless the SCTP packet `l4` carries
+/// the CRC32c of its bytes.
+fn assert_sctp_checksum(l4: &[u8], what: &str) {
+    assert!(
+        l4.len() >= 12,
+        "{what}: an SCTP packet of {} bytes",
+        l4.len()
+    );
+    let stored = u32::from_le_bytes(l4[8..12].try_into().unwrap());
+    let want = proxy_common::sctp::packet_checksum(l4);
+    assert_eq!(
+        stored,
+        want,
+        "{what}: SCTP CRC32c is wrong ({stored:#010x} stored, {want:#010x} computed over {} bytes)",
+        l4.len()
+    );
 }
 
 pub struct Parsed {
@@ -120,6 +155,7 @@ pub fn parse_checked(f: &[u8], what: &str) -> Parsed {
             "{what}: UDP checksum is wrong"
         ),
         1 => assert_eq!(csum(l4, 0), 0, "{what}: ICMP checksum is wrong"),
+        SCTP => assert_sctp_checksum(l4, what),
         other => panic!("{what}: unexpected protocol {other}"),
     }
     Parsed {
@@ -444,11 +480,15 @@ pub fn parse_checked6(f: &[u8], what: &str) -> Parsed6 {
         off += len;
     }
     let l4 = f[off..].to_vec();
-    assert_eq!(
-        csum(&l4, pseudo6(src, dst, next, l4.len())),
-        0,
-        "{what}: the checksum of protocol {next} is wrong"
-    );
+    if next == SCTP {
+        assert_sctp_checksum(&l4, what);
+    } else {
+        assert_eq!(
+            csum(&l4, pseudo6(src, dst, next, l4.len())),
+            0,
+            "{what}: the checksum of protocol {next} is wrong"
+        );
+    }
     if next == UDP {
         assert_ne!(&l4[6..8], &[0, 0], "{what}: a UDP checksum of 0 over IPv6");
     }

@@ -31,6 +31,7 @@ pub mod netns;
 pub mod nftables;
 pub mod offloads;
 pub mod sandbox;
+pub mod sctp;
 pub mod servers;
 pub mod snmp;
 pub mod stats;
@@ -244,6 +245,8 @@ pub fn gone_within(path: &Path, within: std::time::Duration) -> bool {
 pub enum Protocol {
     Tcp,
     Udp,
+    /// SCTP: no sockets on this kernel; spoken over raw sockets ([`sctp`]).
+    Sctp,
 }
 
 impl Protocol {
@@ -252,6 +255,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         }
     }
 
@@ -260,6 +264,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => "tcp",
             Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
         }
     }
 }

@@ -150,6 +150,8 @@ fn worker(
         let result = match proto {
             Protocol::Tcp => tcp_exchange(target, &mut buf),
             Protocol::Udp => udp_exchange(target, &mut buf),
+            // No SCTP sockets to load a Service with (sctp speaks it raw).
+            Protocol::Sctp => Err(("an SCTP socket", ErrorKind::Unsupported)),
         };
         let latency = t0.elapsed();
         match result.and_then(|len| backend_of(&buf[..len], backends)) {

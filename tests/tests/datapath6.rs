@@ -18,6 +18,7 @@ use ebpf_proxy_tests::frames::{
     self as frame, AUTH, DEST_OPTS, FRAGMENT, HOP_BY_HOP, ICMPV6, Spec6, build6, fragment6, icmp6,
     icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
+use ebpf_proxy_tests::sctp;
 use node_maps::write_service_cidrs;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
@@ -1165,52 +1166,600 @@ fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
     );
 }
 
-/// SCTP frontends are programmed but not translated, as over IPv4 (no
-/// `CRC32c` rewrite): their packets pass untouched and are counted, never
-/// silently; SCTP to no frontend is not counted.
-#[test]
-fn sctp_to_a_frontend_passes_untouched_and_is_counted() {
-    let mut nf = node_fixture();
+/// The SCTP frontends of the fixture: `VIP`:9000 -> 9000 (the port kept) and,
+/// both programmed by [`sctp_fixture`], `VIP`:9001 -> 19001 (the port changed).
+const SCTP_PORT: u16 = 9000;
+const SCTP_REMAP_PORT: u16 = 9001;
+const SCTP_REMAP_TARGET: u16 = 19_001;
+
+/// The fixture with the SCTP frontend whose port changes as well.
+fn sctp_fixture() -> Fixture {
+    let mut fx = fixture();
     program(
-        &mut nf.fx,
+        &mut fx,
         "sctp",
-        &frontend(VIP, 9000, Protocol::Sctp, 9000, &BACKENDS),
+        &frontend(VIP, SCTP_PORT, Protocol::Sctp, SCTP_PORT, &BACKENDS),
     );
-    // An SCTP common header and one chunk's worth of bytes; its CRC32c is
-    // never checked on the way through.
-    let sctp = |dport: u16| {
-        let mut f = build6(&spec(CLIENT, 9000, VIP, dport, frame::UDP, 0));
-        f[14 + 6] = SCTP;
-        f
+    program(
+        &mut fx,
+        "sctp-remap",
+        &frontend(
+            VIP,
+            SCTP_REMAP_PORT,
+            Protocol::Sctp,
+            SCTP_REMAP_TARGET,
+            &BACKENDS,
+        ),
+    );
+    fx
+}
+
+/// Closing and time-wait timeouts of `close` (TCP's, which SCTP's closed
+/// associations take).
+fn closed_timeouts(fx: &mut Fixture, close: Duration) {
+    use proxy_userspace::planner::{MapOp, MapStore};
+    let ns = u64::try_from(close.as_nanos()).expect("a short timeout");
+    let timeouts = proxy_common::CtTimeouts {
+        tcp_time_wait_ns: ns,
+        tcp_close_ns: ns,
+        ..proxy_common::CtTimeouts::DEFAULT
     };
-    // Through XDP first, as on an uplink: passed on to tc uncounted.
-    let packet = sctp(9000);
-    let (ret, out) = run_xdp(&nf, &packet);
-    assert_eq!(
-        (ret, &out),
-        (XDP_PASS, &packet),
-        "XDP must pass SCTP untouched"
-    );
-    assert_eq!(
-        ncounter(&nf, "unsupported_proto"),
-        0,
-        "XDP counted SCTP that tc counts next"
-    );
-    for (dport, counted) in [(9000, 1), (9001, 1)] {
-        let packet = sctp(dport);
-        let (ret, out) = run(&nf.fx, &packet);
-        assert_eq!(
-            (ret, &out),
-            (TC_ACT_OK, &packet),
-            "SCTP to port {dport} must pass untouched"
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetCtTimeouts { timeouts })
+        .expect("setting the timeouts");
+}
+
+/// A frame carrying an SCTP packet of `chunks` under `vtag`, its CRC32c right.
+fn sctp_frame(
+    src: (Ipv6Addr, u16),
+    dst: (Ipv6Addr, u16),
+    vtag: u32,
+    chunks: &[Vec<u8>],
+) -> Vec<u8> {
+    frame::build_sctp6(src.0, dst.0, &sctp::packet(src.1, dst.1, vtag, chunks))
+}
+
+/// The output frame `out` parsed, its CRC32c checked (`what` says which
+/// packet in a failure).
+fn sctp_out(out: &[u8], what: &str) -> (frame::Parsed6, sctp::Packet) {
+    let p = parse_checked6(out, what);
+    assert_eq!(p.proto, SCTP, "{what}: protocol {}", p.proto);
+    let packet = sctp::parse(&p.l4).unwrap_or_else(|e| panic!("{what}: {e}"));
+    (p, packet)
+}
+
+/// A 1,400-byte DATA chunk: a checksum update over more than 256 bytes.
+fn long_data(tsn: u32) -> Vec<u8> {
+    sctp::data(tsn, &[0xa5; 1400])
+}
+
+/// One association through an IPv6 SCTP ClusterIP at tc, as over IPv4, every packet's CRC32c
+/// checked after the rewrite, with the port kept (9000 -> 9000) and with it
+/// changed (9001 -> 19001): the INIT starts a flow to a backend, the client's
+/// address kept; the backend's answers come back from the frontend; a packet
+/// under another tag than its direction's (the INIT's Initiate Tag for the
+/// reply, the INIT ACK's for the client) is dropped and counted; an ABORT with
+/// the T bit under its sender's own tag is accepted.
+#[test]
+fn sctp_association_through_a_cluster_ip_at_tc() {
+    let fx = sctp_fixture();
+    for (i, (port, target)) in [(SCTP_PORT, SCTP_PORT), (SCTP_REMAP_PORT, SCTP_REMAP_TARGET)]
+        .into_iter()
+        .enumerate()
+    {
+        let sport = 41_000 + i as u16;
+        let (a, z) = (0x1111_0000 + i as u32, 0x2222_0000 + i as u32);
+        let client = (CLIENT, sport);
+        let fe = (VIP, port);
+        let case = format!("{VIP}:{port} -> {target}");
+        let (new, ct_new) = (counter(&fx, "dnat_new"), counter(&fx, "ct_new_flow"));
+
+        let init = sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]);
+        let (ret, out) = run(&fx, &init);
+        assert_eq!(ret, TC_ACT_OK, "{case}: INIT verdict");
+        let (p, s) = sctp_out(&out, &format!("{case}: DNATed INIT"));
+        assert!(
+            BACKENDS.contains(&p.dst),
+            "{case}: INIT sent to {}, not a backend",
+            p.dst
         );
         assert_eq!(
-            ncounter(&nf, "unsupported_proto"),
-            counted,
-            "SCTP counted after port {dport}"
+            (p.src, p.sport, p.dport, s.vtag, s.initiate_tag()),
+            (CLIENT, sport, target, 0, Some(a)),
+            "{case}: the INIT's source, destination port, tag or Initiate Tag after DNAT"
+        );
+        assert_eq!(
+            (counter(&fx, "dnat_new"), counter(&fx, "ct_new_flow")),
+            (new + 1, ct_new + 1),
+            "{case}: (dnat_new, ct_new_flow) after the INIT"
+        );
+        let backend = (p.dst, target);
+
+        // The reply must carry the INIT's Initiate Tag.
+        let drops = counter(&fx, "drop_sctp_vtag");
+        let forged = sctp_frame(
+            backend,
+            client,
+            a ^ 0xff,
+            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"cookie"))],
+        );
+        let (ret, _) = run(&fx, &forged);
+        assert_eq!(
+            ret,
+            TC_ACT_SHOT,
+            "{case}: an INIT ACK under tag {:#x}, not the INIT's {a:#x}, must be dropped",
+            a ^ 0xff
+        );
+        assert_eq!(
+            counter(&fx, "drop_sctp_vtag"),
+            drops + 1,
+            "{case}: the INIT ACK under another tag not counted drop_sctp_vtag"
+        );
+
+        let init_ack = sctp_frame(
+            backend,
+            client,
+            a,
+            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"cookie"))],
+        );
+        let (ret, out) = run(&fx, &init_ack);
+        assert_eq!(ret, TC_ACT_OK, "{case}: INIT ACK verdict");
+        let (r, s) = sctp_out(&out, &format!("{case}: reverse-NATed INIT ACK"));
+        assert_eq!(
+            (r.src, r.sport, r.dst, r.dport, s.vtag),
+            (VIP, port, CLIENT, sport, a),
+            "{case}: the INIT ACK must come back from the frontend, its tag kept"
+        );
+
+        // The client's packets must now carry the INIT ACK's Initiate Tag.
+        let echo = |vtag| {
+            sctp_frame(
+                client,
+                fe,
+                vtag,
+                &[sctp::chunk(sctp::kind::COOKIE_ECHO, 0, b"cookie")],
+            )
+        };
+        let (ret, _) = run(&fx, &echo(a));
+        assert_eq!(
+            ret, TC_ACT_SHOT,
+            "{case}: a COOKIE ECHO under the client's own tag {a:#x}, not the INIT ACK's \
+             {z:#x}, must be dropped"
+        );
+        assert_eq!(
+            counter(&fx, "drop_sctp_vtag"),
+            drops + 2,
+            "{case}: the COOKIE ECHO under another tag not counted drop_sctp_vtag"
+        );
+        let (ret, out) = run(&fx, &echo(z));
+        assert_eq!(ret, TC_ACT_OK, "{case}: COOKIE ECHO verdict");
+        let (p, _) = sctp_out(&out, &format!("{case}: COOKIE ECHO"));
+        assert_eq!(
+            ((p.dst, p.dport), p.src),
+            (backend, CLIENT),
+            "{case}: the COOKIE ECHO went elsewhere"
+        );
+
+        // A long DATA each way: the checksum update over 1,400 bytes.
+        let (ret, out) = run(&fx, &sctp_frame(client, fe, z, &[long_data(1)]));
+        assert_eq!(ret, TC_ACT_OK, "{case}: long DATA verdict");
+        let (p, s) = sctp_out(&out, &format!("{case}: long DATA"));
+        assert_eq!(
+            ((p.dst, p.dport), s.chunks[0].body.len()),
+            (backend, 12 + 1400),
+            "{case}: the long DATA"
+        );
+        let (ret, out) = run(
+            &fx,
+            &sctp_frame(backend, client, a, &[sctp::sack(1), long_data(1)]),
+        );
+        assert_eq!(ret, TC_ACT_OK, "{case}: long SACK and DATA reply verdict");
+        let (r, _) = sctp_out(&out, &format!("{case}: long reply"));
+        assert_eq!(
+            (r.src, r.sport),
+            (VIP, port),
+            "{case}: the long reply's source"
+        );
+
+        // The client aborts with the T bit: its own tag, the reply direction's.
+        let (ret, out) = run(
+            &fx,
+            &sctp_frame(
+                client,
+                fe,
+                a,
+                &[sctp::chunk(sctp::chunk::ABORT, sctp::chunk::FLAG_T, &[])],
+            ),
+        );
+        assert_eq!(
+            ret, TC_ACT_OK,
+            "{case}: an ABORT with the T bit under the client's own tag {a:#x} must pass"
+        );
+        let (p, s) = sctp_out(&out, &format!("{case}: ABORT"));
+        assert_eq!(
+            ((p.dst, p.dport), s.vtag),
+            (backend, a),
+            "{case}: the ABORT's destination or tag"
         );
     }
-    assert_eq!(ncounter(&nf, "dnat_new"), 0, "SCTP made a flow");
+    assert_eq!(
+        counter(&fx, "unsupported_proto"),
+        0,
+        "SCTP counted as unsupported"
+    );
+}
+
+/// An ABORT ends the association: its entries get the closing timeout (1 ms
+/// here), after which a packet of the old association starts a new flow; an
+/// INIT on the same addresses and ports is a new association whose reply
+/// carries the new Initiate Tag, not the old one. A SHUTDOWN COMPLETE with the
+/// T bit from the backend, under its own tag, is accepted.
+#[test]
+fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
+    let mut fx = sctp_fixture();
+    closed_timeouts(&mut fx, Duration::from_millis(1));
+    let client = (CLIENT, 42_000);
+    let fe = (VIP, SCTP_REMAP_PORT);
+    let handshake = |a: u32, z: u32, what: &str| -> (Ipv6Addr, u16) {
+        let (ret, out) = run(
+            &fx,
+            &sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]),
+        );
+        assert_eq!(ret, TC_ACT_OK, "{what}: INIT verdict");
+        let (p, _) = sctp_out(&out, &format!("{what}: INIT"));
+        let backend = (p.dst, p.dport);
+        let (ret, out) = run(
+            &fx,
+            &sctp_frame(
+                backend,
+                client,
+                a,
+                &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+            ),
+        );
+        assert_eq!(
+            ret, TC_ACT_OK,
+            "{what}: an INIT ACK under the INIT's Initiate Tag {a:#x}"
+        );
+        sctp_out(&out, &format!("{what}: INIT ACK"));
+        backend
+    };
+
+    let backend = handshake(0xaaaa_0001, 0xbbbb_0001, "first association");
+    let (ret, _) = run(
+        &fx,
+        &sctp_frame(
+            client,
+            fe,
+            0xaaaa_0001,
+            &[sctp::chunk(sctp::chunk::ABORT, sctp::chunk::FLAG_T, &[])],
+        ),
+    );
+    assert_eq!(
+        ret, TC_ACT_OK,
+        "ABORT with the T bit under the client's tag"
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    let new = counter(&fx, "dnat_new");
+    let (ret, _) = run(
+        &fx,
+        &sctp_frame(client, fe, 0xbbbb_0001, &[sctp::data(2, b"late")]),
+    );
+    assert_eq!(ret, TC_ACT_OK, "DATA of the aborted association");
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        new + 1,
+        "after an ABORT and its closing timeout, the association's flow must be gone (a \
+         packet of it starts a new flow)"
+    );
+
+    // A new association on the same addresses and ports: its INIT is answered
+    // under its own Initiate Tag, and the old one no longer holds.
+    let backend2 = handshake(0xaaaa_0002, 0xbbbb_0002, "second association");
+    let drops = counter(&fx, "drop_sctp_vtag");
+    let (ret, _) = run(
+        &fx,
+        &sctp_frame(
+            backend2,
+            client,
+            0xaaaa_0001,
+            &[sctp::chunk(sctp::kind::COOKIE_ACK, 0, &[])],
+        ),
+    );
+    assert_eq!(
+        (ret, counter(&fx, "drop_sctp_vtag")),
+        (TC_ACT_SHOT, drops + 1),
+        "a reply under the first association's tag, in the second (backend before {backend:?})"
+    );
+    // The backend ends it with a SHUTDOWN COMPLETE with the T bit: its own tag,
+    // the one the client's packets carry.
+    let (ret, out) = run(
+        &fx,
+        &sctp_frame(
+            backend2,
+            client,
+            0xbbbb_0002,
+            &[sctp::chunk(
+                sctp::chunk::SHUTDOWN_COMPLETE,
+                sctp::chunk::FLAG_T,
+                &[],
+            )],
+        ),
+    );
+    assert_eq!(
+        ret, TC_ACT_OK,
+        "a SHUTDOWN COMPLETE with the T bit under the backend's own tag"
+    );
+    let (r, _) = sctp_out(&out, "SHUTDOWN COMPLETE");
+    assert_eq!((r.src, r.sport), fe, "the SHUTDOWN COMPLETE's source");
+    std::thread::sleep(Duration::from_millis(20));
+    let new = counter(&fx, "dnat_new");
+    let (ret, _) = run(
+        &fx,
+        &sctp_frame(client, fe, 0xbbbb_0002, &[sctp::data(2, b"late")]),
+    );
+    assert_eq!(ret, TC_ACT_OK, "DATA of the completed association");
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        new + 1,
+        "after a SHUTDOWN COMPLETE and its closing timeout, the flow must be gone"
+    );
+}
+
+/// An association met mid-way (its conntrack entries lost, say the agent
+/// restarted): its first packet, a DATA, starts the flow, and its tag is the
+/// one the client's packets must carry from then on.
+#[test]
+fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
+    let fx = sctp_fixture();
+    let client = (CLIENT, 43_000);
+    let fe = (VIP, SCTP_REMAP_PORT);
+    let z = 0x5eed_0001;
+    let new = counter(&fx, "dnat_new");
+    let (ret, out) = run(
+        &fx,
+        &sctp_frame(client, fe, z, &[sctp::data(7, b"mid-way")]),
+    );
+    assert_eq!(ret, TC_ACT_OK, "the first DATA met mid-way");
+    let (p, _) = sctp_out(&out, "DATA met mid-way");
+    assert!(BACKENDS.contains(&p.dst), "sent to {}", p.dst);
+    assert_eq!(counter(&fx, "dnat_new"), new + 1, "a flow from a DATA");
+    let backend = (p.dst, p.dport);
+    let (ret, out) = run(&fx, &sctp_frame(client, fe, z, &[sctp::data(8, b"more")]));
+    assert_eq!(ret, TC_ACT_OK, "a DATA under the flow's tag");
+    assert_eq!(sctp_out(&out, "second DATA").0.dst, backend.0);
+    let drops = counter(&fx, "drop_sctp_vtag");
+    let (ret, _) = run(
+        &fx,
+        &sctp_frame(client, fe, z ^ 1, &[sctp::data(9, b"other")]),
+    );
+    assert_eq!(
+        (ret, counter(&fx, "drop_sctp_vtag")),
+        (TC_ACT_SHOT, drops + 1),
+        "a DATA under tag {:#x}, not the flow's {z:#x}: (verdict, drop_sctp_vtag)",
+        z ^ 1
+    );
+    let (ret, out) = run(
+        &fx,
+        &sctp_frame(backend, client, 0x0bad_cafe, &[sctp::sack(8)]),
+    );
+    assert_eq!(
+        ret, TC_ACT_OK,
+        "the backend's SACK of an association met mid-way"
+    );
+    let (r, _) = sctp_out(&out, "SACK met mid-way");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, SCTP_REMAP_PORT, CLIENT, 43_000)
+    );
+}
+
+/// Malformed SCTP to a frontend (shorter than the common header, a chunk
+/// header cut short) is passed untouched and counted, never translated.
+#[test]
+fn malformed_sctp_is_not_translated() {
+    let fx = sctp_fixture();
+    let whole = sctp::packet(
+        44_000,
+        SCTP_PORT,
+        0,
+        &[sctp::init(sctp::chunk::INIT, 1, 1, None)],
+    );
+    for (what, bytes) in [
+        ("8 bytes: shorter than the common header", &whole[..8]),
+        ("11 bytes: shorter than the common header", &whole[..11]),
+        ("14 bytes: a chunk header cut short", &whole[..14]),
+    ] {
+        let input = frame::build_sctp6(CLIENT, VIP, bytes);
+        let malformed = counter(&fx, "pass_malformed");
+        let (ret, out) = run(&fx, &input);
+        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(out, input, "{what}: the packet was modified");
+        assert_eq!(
+            counter(&fx, "pass_malformed"),
+            malformed + 1,
+            "{what}: not counted pass_malformed"
+        );
+    }
+    assert_eq!(counter(&fx, "dnat_new"), 0, "malformed SCTP was translated");
+}
+
+/// The node fixture with an SCTP NodePort (`SCTP_NODE_PORT` -> 9999 on the
+/// remote pod): external traffic to it is SNATed, as TCP's is.
+const SCTP_NODE_PORT: u16 = 30_090;
+const SCTP_NODE_TARGET: u16 = 9999;
+
+fn sctp_node_fixture() -> NodeFixture {
+    let mut nf = node_fixture();
+    let mut fe = Frontend {
+        kind: FrontendKind::NodePort,
+        ..frontend(
+            Ipv6Addr::UNSPECIFIED,
+            SCTP_NODE_PORT,
+            Protocol::Sctp,
+            SCTP_NODE_TARGET,
+            &[REMOTE_POD],
+        )
+    };
+    for b in &mut fe.backends {
+        b.local = false;
+    }
+    program(&mut nf.fx, "sctp-nodeport", &fe);
+    nf
+}
+
+/// An association from outside through an SCTP NodePort with a remote
+/// backend, run by `step` (XDP or tc on the uplink, whose verdict for a
+/// routed frame is `sent` and for a dropped one `dropped`): the INIT is SNATed
+/// to the node and DNATed to the pod (both ports changed, the CRC32c right),
+/// the answers come back from the NodePort, a packet under another tag is
+/// dropped and counted, and a long DATA keeps its checksum.
+fn sctp_nodeport_association(
+    nf: &NodeFixture,
+    step: impl Fn(&NodeFixture, &[u8]) -> (u32, Vec<u8>),
+    (sent, dropped): (u32, u32),
+    path: &str,
+) {
+    let client = (OUTSIDE, 45_000);
+    let fe = (NODE_IP, SCTP_NODE_PORT);
+    let (a, z) = (0x0a0a_0a0a, 0x0b0b_0b0b);
+    let init = sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]);
+    let (ret, out) = step(nf, &init);
+    assert_eq!(ret, sent, "{path}: NodePort INIT verdict");
+    let (p, s) = sctp_out(&out, &format!("{path}: SNATed INIT"));
+    assert_eq!(
+        (p.src, p.dst, p.dport, s.vtag, s.initiate_tag()),
+        (NODE_IP, REMOTE_POD, SCTP_NODE_TARGET, 0, Some(a)),
+        "{path}: the INIT must be SNATed to the node and DNATed to the remote pod"
+    );
+    assert!(
+        (proxy_common::SNAT_PORT_MIN..=proxy_common::SNAT_PORT_MAX).contains(&p.sport),
+        "{path}: SNAT port {} outside the range",
+        p.sport
+    );
+    assert_eq!(counter(&nf.fx, "snat_new"), 1, "{path}: snat_new");
+    let node_side = (NODE_IP, p.sport);
+    let backend = (REMOTE_POD, SCTP_NODE_TARGET);
+
+    let (ret, _) = step(
+        nf,
+        &sctp_frame(
+            backend,
+            node_side,
+            a ^ 0x10,
+            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+        ),
+    );
+    assert_eq!(
+        (ret, counter(&nf.fx, "drop_sctp_vtag")),
+        (dropped, 1),
+        "{path}: an INIT ACK under another tag than the INIT's: (verdict, drop_sctp_vtag)"
+    );
+    let (ret, out) = step(
+        nf,
+        &sctp_frame(
+            backend,
+            node_side,
+            a,
+            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+        ),
+    );
+    assert_eq!(ret, sent, "{path}: INIT ACK verdict");
+    let (r, s) = sctp_out(&out, &format!("{path}: reverse-translated INIT ACK"));
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport, s.vtag),
+        (NODE_IP, SCTP_NODE_PORT, OUTSIDE, 45_000, a),
+        "{path}: the INIT ACK must come from the NodePort back to the client"
+    );
+    let (ret, out) = step(
+        nf,
+        &sctp_frame(
+            client,
+            fe,
+            z,
+            &[sctp::chunk(sctp::kind::COOKIE_ECHO, 0, b"c"), long_data(1)],
+        ),
+    );
+    assert_eq!(ret, sent, "{path}: COOKIE ECHO and long DATA verdict");
+    let (p, _) = sctp_out(&out, &format!("{path}: COOKIE ECHO and long DATA"));
+    assert_eq!(
+        ((p.src, p.sport), (p.dst, p.dport)),
+        (node_side, backend),
+        "{path}: an established packet's translation"
+    );
+    let (ret, _) = step(nf, &sctp_frame(client, fe, a, &[sctp::data(2, b"x")]));
+    assert_eq!(
+        (ret, counter(&nf.fx, "drop_sctp_vtag")),
+        (dropped, 2),
+        "{path}: a DATA under the client's own tag, not the INIT ACK's: (verdict, \
+         drop_sctp_vtag)"
+    );
+    let (ret, out) = step(nf, &sctp_frame(backend, node_side, a, &[long_data(1)]));
+    assert_eq!(ret, sent, "{path}: the backend's long DATA");
+    let (r, _) = sctp_out(&out, &format!("{path}: the backend's long DATA"));
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (NODE_IP, SCTP_NODE_PORT, OUTSIDE, 45_000),
+        "{path}: the backend's long DATA"
+    );
+    assert_eq!(
+        counter(&nf.fx, "unsupported_proto"),
+        0,
+        "{path}: SCTP counted as unsupported"
+    );
+}
+
+/// XDP translates an SCTP NodePort association as it does UDP: new and
+/// established packets, routed back out, tags checked.
+#[test]
+fn xdp_translates_an_sctp_nodeport_association() {
+    let nf = sctp_node_fixture();
+    sctp_nodeport_association(&nf, run_xdp, (XDP_REDIRECT, XDP_DROP), "XDP");
+    assert_eq!(counter(&nf.fx, "xdp_tx"), 4, "frames XDP sent back out");
+}
+
+/// The same through tc on the uplink (XDP off).
+#[test]
+fn tc_translates_an_sctp_nodeport_association() {
+    let nf = sctp_node_fixture();
+    sctp_nodeport_association(&nf, run_on_uplink, (TC_ACT_REDIRECT, TC_ACT_SHOT), "tc");
+    assert_eq!(counter(&nf.fx, "xdp_tx"), 0);
+}
+
+/// Malformed SCTP reaching XDP is left to tc, which counts it, once.
+#[test]
+fn malformed_sctp_through_xdp_then_tc_is_counted_once() {
+    let nf = sctp_node_fixture();
+    let whole = sctp::packet(46_000, SCTP_NODE_PORT, 0, &[sctp::data(1, b"x")]);
+    let input = frame::build_sctp6(OUTSIDE, NODE_IP, &whole[..10]);
+    let (ret, out) = run_xdp(&nf, &input);
+    assert_eq!(
+        (ret, &out),
+        (XDP_PASS, &input),
+        "XDP must pass malformed SCTP untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "pass_malformed"),
+        0,
+        "XDP counted what tc counts next"
+    );
+    let (ret, out) = run_on_uplink(&nf, &input);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &input),
+        "tc must pass malformed SCTP untouched"
+    );
+    assert_eq!(
+        counter(&nf.fx, "pass_malformed"),
+        1,
+        "malformed SCTP counted once"
+    );
+    assert_eq!(
+        counter(&nf.fx, "snat_new"),
+        0,
+        "malformed SCTP was translated"
+    );
 }
 
 /// A datagram whose fragmentable part starts with a destination options

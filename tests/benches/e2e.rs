@@ -272,6 +272,7 @@ impl Exchange {
                 "req/s",
             ),
             (PodToPod, _, _, V6) => ("IPv6: pod to pod request/response, no Service", "req/s"),
+            (New, _, Protocol::Sctp, _) => unreachable!("no SCTP exchange is benched"),
         }
     }
 }
@@ -367,6 +368,7 @@ impl Config {
         match (exchange.kind, exchange.proto) {
             (Kind::New, Protocol::Tcp) => self.tcp_segment,
             (Kind::New, Protocol::Udp) => self.udp_segment,
+            (Kind::New, Protocol::Sctp) => unreachable!("no SCTP exchange is benched"),
             (Kind::Established | Kind::PodToPod, _) => self.rr_segment,
         }
     }

@@ -96,7 +96,7 @@ fn frame4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> Vec<u8> {
 }
 
 /// An Ethernet/IPv4 frame carrying the SCTP packet `sctp` as given (build it,
-/// its CRC32c right, with `crate::sctp::packet`).
+/// its `CRC32c` right, with `crate::sctp::packet`).
 pub fn build_sctp(src: Ipv4Addr, dst: Ipv4Addr, sctp: &[u8]) -> Vec<u8> {
     frame4(src, dst, SCTP, sctp)
 }
@@ -107,7 +107,7 @@ pub fn build_sctp6(src: Ipv6Addr, dst: Ipv6Addr, sctp: &[u8]) -> Vec<u8> {
 }
 
 /// Panics, saying `what` and both values, unless the SCTP packet `l4` carries
-/// the CRC32c of its bytes.
+/// the `CRC32c` of its bytes.
 fn assert_sctp_checksum(l4: &[u8], what: &str) {
     assert!(
         l4.len() >= 12,

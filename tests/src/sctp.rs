@@ -1,5 +1,5 @@
 //! SCTP (RFC 9260) without the kernel's SCTP: packets built and checked by hand
-//! (common header, chunks, CRC32c from `proxy_common::sctp`), and a peer that
+//! (common header, chunks, `CRC32c` from `proxy_common::sctp`), and a peer that
 //! speaks them over a raw socket of protocol 132 in a namespace. This kernel has
 //! no SCTP sockets; a raw socket of the protocol receives a copy of every SCTP
 //! packet the namespace gets (and, having taken it, keeps the kernel from
@@ -400,9 +400,11 @@ pub struct Plan {
     pub service: SocketAddr,
     /// The client's port.
     pub client_port: u16,
-    /// The client's address as the server must see it; `None` when it is
-    /// translated (SNAT) and any source will do.
-    pub client_seen: Option<IpAddr>,
+    /// The client's address as the server must see it (its own, or the node's
+    /// when SNATed).
+    pub client_seen: IpAddr,
+    /// Whether the server must see the client's own port (not SNATed).
+    pub client_port_kept: bool,
     /// The server's address (what the server answers from) and port.
     pub server: SocketAddr,
     pub client_tag: u32,
@@ -424,6 +426,10 @@ pub struct Seen {
 /// ways (the long DATA `payload_len` bytes), then `ending`. Every received
 /// packet is checked (checksum, verification tag, chunk, ports, addresses); an
 /// error says which step saw what.
+#[expect(
+    clippy::too_many_lines,
+    reason = "the association's steps in their order, each with its checks"
+)]
 pub fn associate(
     client: &RawPeer,
     server: &RawPeer,
@@ -463,13 +469,17 @@ pub fn associate(
                 plan.server.port()
             );
         }
-        if let Some(seen) = plan.client_seen
-            && (r.from != seen || p.sport != cp)
-        {
+        if r.from != plan.client_seen || (plan.client_port_kept && p.sport != cp) {
             bail!(
-                "{step}: the server saw the client as {}:{}, not {seen}:{cp}",
+                "{step}: the server saw the client as {}:{}, not {}{}",
                 r.from,
-                p.sport
+                p.sport,
+                plan.client_seen,
+                if plan.client_port_kept {
+                    format!(":{cp}")
+                } else {
+                    " (any port)".to_owned()
+                }
             );
         }
         if let Some(to) = r.to

@@ -145,6 +145,7 @@ fn ipv6_service_without_endpoints_is_refused_at_once_as_ip6tables_refuses_it() {
             let outcome = match proto {
                 Protocol::Tcp => tcp_request(client, http6(vip), TIMEOUT),
                 Protocol::Udp => udp_request(client, dns6(vip), TIMEOUT),
+                Protocol::Sctp => unreachable!("TCP and UDP only"),
             };
             let took = start.elapsed();
             let _ = writeln!(

@@ -1210,7 +1210,7 @@ fn closed_timeouts(fx: &mut Fixture, close: Duration) {
         .expect("setting the timeouts");
 }
 
-/// A frame carrying an SCTP packet of `chunks` under `vtag`, its CRC32c right.
+/// A frame carrying an SCTP packet of `chunks` under `vtag`, its `CRC32c` right.
 fn sctp_frame(
     src: (Ipv6Addr, u16),
     dst: (Ipv6Addr, u16),
@@ -1220,7 +1220,7 @@ fn sctp_frame(
     frame::build_sctp6(src.0, dst.0, &sctp::packet(src.1, dst.1, vtag, chunks))
 }
 
-/// The output frame `out` parsed, its CRC32c checked (`what` says which
+/// The output frame `out` parsed, its `CRC32c` checked (`what` says which
 /// packet in a failure).
 fn sctp_out(out: &[u8], what: &str) -> (frame::Parsed6, sctp::Packet) {
     let p = parse_checked6(out, what);
@@ -1234,7 +1234,7 @@ fn long_data(tsn: u32) -> Vec<u8> {
     sctp::data(tsn, &[0xa5; 1400])
 }
 
-/// One association through an IPv6 SCTP ClusterIP at tc, as over IPv4, every packet's CRC32c
+/// One association through an IPv6 SCTP ClusterIP at tc, as over IPv4, every packet's `CRC32c`
 /// checked after the rewrite, with the port kept (9000 -> 9000) and with it
 /// changed (9001 -> 19001): the INIT starts a flow to a backend, the client's
 /// address kept; the backend's answers come back from the frontend; a packet
@@ -1242,6 +1242,10 @@ fn long_data(tsn: u32) -> Vec<u8> {
 /// reply, the INIT ACK's for the client) is dropped and counted; an ABORT with
 /// the T bit under its sender's own tag is accepted.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one association's packets in their order, each with its checks"
+)]
 fn sctp_association_through_a_cluster_ip_at_tc() {
     let fx = sctp_fixture();
     for (i, (port, target)) in [(SCTP_PORT, SCTP_PORT), (SCTP_REMAP_PORT, SCTP_REMAP_TARGET)]
@@ -1249,13 +1253,18 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         .enumerate()
     {
         let sport = 41_000 + i as u16;
-        let (a, z) = (0x1111_0000 + i as u32, 0x2222_0000 + i as u32);
+        let (tag_a, tag_z) = (0x1111_0000 + i as u32, 0x2222_0000 + i as u32);
         let client = (CLIENT, sport);
         let fe = (VIP, port);
         let case = format!("{VIP}:{port} -> {target}");
         let (new, ct_new) = (counter(&fx, "dnat_new"), counter(&fx, "ct_new_flow"));
 
-        let init = sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]);
+        let init = sctp_frame(
+            client,
+            fe,
+            0,
+            &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
+        );
         let (ret, out) = run(&fx, &init);
         assert_eq!(ret, TC_ACT_OK, "{case}: INIT verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: DNATed INIT"));
@@ -1266,7 +1275,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         );
         assert_eq!(
             (p.src, p.sport, p.dport, s.vtag, s.initiate_tag()),
-            (CLIENT, sport, target, 0, Some(a)),
+            (CLIENT, sport, target, 0, Some(tag_a)),
             "{case}: the INIT's source, destination port, tag or Initiate Tag after DNAT"
         );
         assert_eq!(
@@ -1281,15 +1290,15 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         let forged = sctp_frame(
             backend,
             client,
-            a ^ 0xff,
-            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"cookie"))],
+            tag_a ^ 0xff,
+            &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"cookie"))],
         );
         let (ret, _) = run(&fx, &forged);
         assert_eq!(
             ret,
             TC_ACT_SHOT,
-            "{case}: an INIT ACK under tag {:#x}, not the INIT's {a:#x}, must be dropped",
-            a ^ 0xff
+            "{case}: an INIT ACK under tag {:#x}, not the INIT's {tag_a:#x}, must be dropped",
+            tag_a ^ 0xff
         );
         assert_eq!(
             counter(&fx, "drop_sctp_vtag"),
@@ -1300,15 +1309,15 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         let init_ack = sctp_frame(
             backend,
             client,
-            a,
-            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"cookie"))],
+            tag_a,
+            &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"cookie"))],
         );
         let (ret, out) = run(&fx, &init_ack);
         assert_eq!(ret, TC_ACT_OK, "{case}: INIT ACK verdict");
         let (r, s) = sctp_out(&out, &format!("{case}: reverse-NATed INIT ACK"));
         assert_eq!(
             (r.src, r.sport, r.dst, r.dport, s.vtag),
-            (VIP, port, CLIENT, sport, a),
+            (VIP, port, CLIENT, sport, tag_a),
             "{case}: the INIT ACK must come back from the frontend, its tag kept"
         );
 
@@ -1321,18 +1330,18 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
                 &[sctp::chunk(sctp::kind::COOKIE_ECHO, 0, b"cookie")],
             )
         };
-        let (ret, _) = run(&fx, &echo(a));
+        let (ret, _) = run(&fx, &echo(tag_a));
         assert_eq!(
             ret, TC_ACT_SHOT,
-            "{case}: a COOKIE ECHO under the client's own tag {a:#x}, not the INIT ACK's \
-             {z:#x}, must be dropped"
+            "{case}: a COOKIE ECHO under the client's own tag {tag_a:#x}, not the INIT ACK's \
+             {tag_z:#x}, must be dropped"
         );
         assert_eq!(
             counter(&fx, "drop_sctp_vtag"),
             drops + 2,
             "{case}: the COOKIE ECHO under another tag not counted drop_sctp_vtag"
         );
-        let (ret, out) = run(&fx, &echo(z));
+        let (ret, out) = run(&fx, &echo(tag_z));
         assert_eq!(ret, TC_ACT_OK, "{case}: COOKIE ECHO verdict");
         let (p, _) = sctp_out(&out, &format!("{case}: COOKIE ECHO"));
         assert_eq!(
@@ -1342,7 +1351,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         );
 
         // A long DATA each way: the checksum update over 1,400 bytes.
-        let (ret, out) = run(&fx, &sctp_frame(client, fe, z, &[long_data(1)]));
+        let (ret, out) = run(&fx, &sctp_frame(client, fe, tag_z, &[long_data(1)]));
         assert_eq!(ret, TC_ACT_OK, "{case}: long DATA verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: long DATA"));
         assert_eq!(
@@ -1352,7 +1361,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
         );
         let (ret, out) = run(
             &fx,
-            &sctp_frame(backend, client, a, &[sctp::sack(1), long_data(1)]),
+            &sctp_frame(backend, client, tag_a, &[sctp::sack(1), long_data(1)]),
         );
         assert_eq!(ret, TC_ACT_OK, "{case}: long SACK and DATA reply verdict");
         let (r, _) = sctp_out(&out, &format!("{case}: long reply"));
@@ -1368,18 +1377,18 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &sctp_frame(
                 client,
                 fe,
-                a,
+                tag_a,
                 &[sctp::chunk(sctp::chunk::ABORT, sctp::chunk::FLAG_T, &[])],
             ),
         );
         assert_eq!(
             ret, TC_ACT_OK,
-            "{case}: an ABORT with the T bit under the client's own tag {a:#x} must pass"
+            "{case}: an ABORT with the T bit under the client's own tag {tag_a:#x} must pass"
         );
         let (p, s) = sctp_out(&out, &format!("{case}: ABORT"));
         assert_eq!(
             ((p.dst, p.dport), s.vtag),
-            (backend, a),
+            (backend, tag_a),
             "{case}: the ABORT's destination or tag"
         );
     }
@@ -1396,15 +1405,24 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
 /// carries the new Initiate Tag, not the old one. A SHUTDOWN COMPLETE with the
 /// T bit from the backend, under its own tag, is accepted.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "two associations' packets in their order, each with its checks"
+)]
 fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
     let mut fx = sctp_fixture();
     closed_timeouts(&mut fx, Duration::from_millis(1));
     let client = (CLIENT, 42_000);
     let fe = (VIP, SCTP_REMAP_PORT);
-    let handshake = |a: u32, z: u32, what: &str| -> (Ipv6Addr, u16) {
+    let handshake = |tag_a: u32, tag_z: u32, what: &str| -> (Ipv6Addr, u16) {
         let (ret, out) = run(
             &fx,
-            &sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]),
+            &sctp_frame(
+                client,
+                fe,
+                0,
+                &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
+            ),
         );
         assert_eq!(ret, TC_ACT_OK, "{what}: INIT verdict");
         let (p, _) = sctp_out(&out, &format!("{what}: INIT"));
@@ -1414,13 +1432,13 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
             &sctp_frame(
                 backend,
                 client,
-                a,
-                &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+                tag_a,
+                &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"c"))],
             ),
         );
         assert_eq!(
             ret, TC_ACT_OK,
-            "{what}: an INIT ACK under the INIT's Initiate Tag {a:#x}"
+            "{what}: an INIT ACK under the INIT's Initiate Tag {tag_a:#x}"
         );
         sctp_out(&out, &format!("{what}: INIT ACK"));
         backend
@@ -1515,30 +1533,33 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
     let fx = sctp_fixture();
     let client = (CLIENT, 43_000);
     let fe = (VIP, SCTP_REMAP_PORT);
-    let z = 0x5eed_0001;
+    let tag_z = 0x5eed_0001;
     let new = counter(&fx, "dnat_new");
     let (ret, out) = run(
         &fx,
-        &sctp_frame(client, fe, z, &[sctp::data(7, b"mid-way")]),
+        &sctp_frame(client, fe, tag_z, &[sctp::data(7, b"mid-way")]),
     );
     assert_eq!(ret, TC_ACT_OK, "the first DATA met mid-way");
     let (p, _) = sctp_out(&out, "DATA met mid-way");
     assert!(BACKENDS.contains(&p.dst), "sent to {}", p.dst);
     assert_eq!(counter(&fx, "dnat_new"), new + 1, "a flow from a DATA");
     let backend = (p.dst, p.dport);
-    let (ret, out) = run(&fx, &sctp_frame(client, fe, z, &[sctp::data(8, b"more")]));
+    let (ret, out) = run(
+        &fx,
+        &sctp_frame(client, fe, tag_z, &[sctp::data(8, b"more")]),
+    );
     assert_eq!(ret, TC_ACT_OK, "a DATA under the flow's tag");
     assert_eq!(sctp_out(&out, "second DATA").0.dst, backend.0);
     let drops = counter(&fx, "drop_sctp_vtag");
     let (ret, _) = run(
         &fx,
-        &sctp_frame(client, fe, z ^ 1, &[sctp::data(9, b"other")]),
+        &sctp_frame(client, fe, tag_z ^ 1, &[sctp::data(9, b"other")]),
     );
     assert_eq!(
         (ret, counter(&fx, "drop_sctp_vtag")),
         (TC_ACT_SHOT, drops + 1),
-        "a DATA under tag {:#x}, not the flow's {z:#x}: (verdict, drop_sctp_vtag)",
-        z ^ 1
+        "a DATA under tag {:#x}, not the flow's {tag_z:#x}: (verdict, drop_sctp_vtag)",
+        tag_z ^ 1
     );
     let (ret, out) = run(
         &fx,
@@ -1612,7 +1633,7 @@ fn sctp_node_fixture() -> NodeFixture {
 /// An association from outside through an SCTP NodePort with a remote
 /// backend, run by `step` (XDP or tc on the uplink, whose verdict for a
 /// routed frame is `sent` and for a dropped one `dropped`): the INIT is SNATed
-/// to the node and DNATed to the pod (both ports changed, the CRC32c right),
+/// to the node and DNATed to the pod (both ports changed, the `CRC32c` right),
 /// the answers come back from the NodePort, a packet under another tag is
 /// dropped and counted, and a long DATA keeps its checksum.
 fn sctp_nodeport_association(
@@ -1623,14 +1644,19 @@ fn sctp_nodeport_association(
 ) {
     let client = (OUTSIDE, 45_000);
     let fe = (NODE_IP, SCTP_NODE_PORT);
-    let (a, z) = (0x0a0a_0a0a, 0x0b0b_0b0b);
-    let init = sctp_frame(client, fe, 0, &[sctp::init(sctp::chunk::INIT, a, 1, None)]);
+    let (tag_a, tag_z) = (0x0a0a_0a0a, 0x0b0b_0b0b);
+    let init = sctp_frame(
+        client,
+        fe,
+        0,
+        &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
+    );
     let (ret, out) = step(nf, &init);
     assert_eq!(ret, sent, "{path}: NodePort INIT verdict");
     let (p, s) = sctp_out(&out, &format!("{path}: SNATed INIT"));
     assert_eq!(
         (p.src, p.dst, p.dport, s.vtag, s.initiate_tag()),
-        (NODE_IP, REMOTE_POD, SCTP_NODE_TARGET, 0, Some(a)),
+        (NODE_IP, REMOTE_POD, SCTP_NODE_TARGET, 0, Some(tag_a)),
         "{path}: the INIT must be SNATed to the node and DNATed to the remote pod"
     );
     assert!(
@@ -1647,8 +1673,8 @@ fn sctp_nodeport_association(
         &sctp_frame(
             backend,
             node_side,
-            a ^ 0x10,
-            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+            tag_a ^ 0x10,
+            &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"c"))],
         ),
     );
     assert_eq!(
@@ -1661,15 +1687,15 @@ fn sctp_nodeport_association(
         &sctp_frame(
             backend,
             node_side,
-            a,
-            &[sctp::init(sctp::chunk::INIT_ACK, z, 1, Some(b"c"))],
+            tag_a,
+            &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"c"))],
         ),
     );
     assert_eq!(ret, sent, "{path}: INIT ACK verdict");
     let (r, s) = sctp_out(&out, &format!("{path}: reverse-translated INIT ACK"));
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport, s.vtag),
-        (NODE_IP, SCTP_NODE_PORT, OUTSIDE, 45_000, a),
+        (NODE_IP, SCTP_NODE_PORT, OUTSIDE, 45_000, tag_a),
         "{path}: the INIT ACK must come from the NodePort back to the client"
     );
     let (ret, out) = step(
@@ -1677,7 +1703,7 @@ fn sctp_nodeport_association(
         &sctp_frame(
             client,
             fe,
-            z,
+            tag_z,
             &[sctp::chunk(sctp::kind::COOKIE_ECHO, 0, b"c"), long_data(1)],
         ),
     );
@@ -1688,14 +1714,14 @@ fn sctp_nodeport_association(
         (node_side, backend),
         "{path}: an established packet's translation"
     );
-    let (ret, _) = step(nf, &sctp_frame(client, fe, a, &[sctp::data(2, b"x")]));
+    let (ret, _) = step(nf, &sctp_frame(client, fe, tag_a, &[sctp::data(2, b"x")]));
     assert_eq!(
         (ret, counter(&nf.fx, "drop_sctp_vtag")),
         (dropped, 2),
         "{path}: a DATA under the client's own tag, not the INIT ACK's: (verdict, \
          drop_sctp_vtag)"
     );
-    let (ret, out) = step(nf, &sctp_frame(backend, node_side, a, &[long_data(1)]));
+    let (ret, out) = step(nf, &sctp_frame(backend, node_side, tag_a, &[long_data(1)]));
     assert_eq!(ret, sent, "{path}: the backend's long DATA");
     let (r, _) = sctp_out(&out, &format!("{path}: the backend's long DATA"));
     assert_eq!(

@@ -822,6 +822,7 @@ pub fn service_without_endpoints_is_refused_at_once<F: Family>() {
             let (to, outcome) = match proto {
                 Protocol::Tcp => (F::http(ip), tcp_request(client, F::http(ip), TIMEOUT)),
                 Protocol::Udp => (F::dns(ip), udp_request(client, F::dns(ip), TIMEOUT)),
+                Protocol::Sctp => unreachable!("TCP and UDP only"),
             };
             let took = start.elapsed();
             assert_eq!(

@@ -1753,6 +1753,88 @@ fn tc_translates_an_sctp_nodeport_association() {
     assert_eq!(counter(&nf.fx, "xdp_tx"), 0);
 }
 
+/// An SCTP LoadBalancer IP and an ExternalIP (port 9000, to 9999 on the remote
+/// pod), reached from outside at XDP: the INIT is SNATed and DNATed, the INIT
+/// ACK is translated back to come from the frontend, a reply under another tag
+/// is dropped; every checksum right.
+#[test]
+fn xdp_translates_sctp_to_a_load_balancer_ip_and_an_external_ip() {
+    let mut nf = node_fixture();
+    let external_ip = Ipv6Addr::new(0x2001, 0xdb8, 0x60, 0, 0, 0, 0, 0x11);
+    for (name, kind, ip) in [
+        ("sctp-lb", FrontendKind::LoadBalancer, LB_IP),
+        ("sctp-external", FrontendKind::ExternalIp, external_ip),
+    ] {
+        let mut fe = Frontend {
+            kind,
+            ..frontend(
+                ip,
+                SCTP_PORT,
+                Protocol::Sctp,
+                SCTP_NODE_TARGET,
+                &[REMOTE_POD],
+            )
+        };
+        for b in &mut fe.backends {
+            b.local = false;
+        }
+        program(&mut nf.fx, name, &fe);
+    }
+    for (i, ip) in [LB_IP, external_ip].into_iter().enumerate() {
+        let what = format!("SCTP to [{ip}]:{SCTP_PORT}");
+        let client = (OUTSIDE, 47_000 + i as u16);
+        let fe = (ip, SCTP_PORT);
+        let tag_a = 0x00a1_0000 + i as u32;
+        let (ret, out) = run_xdp(
+            &nf,
+            &sctp_frame(
+                client,
+                fe,
+                0,
+                &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
+            ),
+        );
+        assert_eq!(ret, XDP_REDIRECT, "{what}: INIT verdict");
+        let (p, _) = sctp_out(&out, &format!("{what}: INIT"));
+        assert_eq!(
+            (p.src, p.dst, p.dport),
+            (NODE_IP, REMOTE_POD, SCTP_NODE_TARGET),
+            "{what}: the INIT must be SNATed to the node and DNATed to the pod"
+        );
+        let node_side = (NODE_IP, p.sport);
+        let backend = (REMOTE_POD, SCTP_NODE_TARGET);
+        let ack = |vtag| {
+            sctp_frame(
+                backend,
+                node_side,
+                vtag,
+                &[sctp::init(sctp::chunk::INIT_ACK, 7, 1, Some(b"c"))],
+            )
+        };
+        let drops = counter(&nf.fx, "drop_sctp_vtag");
+        let (ret, _) = run_xdp(&nf, &ack(tag_a + 1));
+        assert_eq!(
+            (ret, counter(&nf.fx, "drop_sctp_vtag")),
+            (XDP_DROP, drops + 1),
+            "{what}: an INIT ACK under another tag: (verdict, drop_sctp_vtag)"
+        );
+        // Translated, then sent back out or passed on to the stack, as a TCP
+        // reply from the LB IP is (its route from a frontend address is the
+        // stack's to find).
+        let (ret, out) = run_xdp(&nf, &ack(tag_a));
+        assert!(
+            ret == XDP_REDIRECT || ret == XDP_PASS,
+            "{what}: INIT ACK verdict {ret}"
+        );
+        let (r, _) = sctp_out(&out, &format!("{what}: INIT ACK"));
+        assert_eq!(
+            ((r.src, r.sport), (r.dst, r.dport)),
+            (fe, client),
+            "{what}: the INIT ACK must come back from the frontend"
+        );
+    }
+}
+
 /// Malformed SCTP reaching XDP is left to tc, which counts it, once.
 #[test]
 fn malformed_sctp_through_xdp_then_tc_is_counted_once() {

@@ -1147,6 +1147,48 @@ mod tests {
     /// Entries that cannot be conntrack entries are refused with what is
     /// wrong, before anything reaches the kernel; what the kernel refuses
     /// comes back as its errno.
+    /// An SCTP entry without its state and tags, and a TCP one with
+    /// them, are refused before ctnetlink sees them.
+    #[test]
+    fn sctp_state_goes_with_sctp_alone() {
+        let tcp = Entry {
+            orig: tuple(IPPROTO_TCP, "127.0.0.1", 40000, "10.96.0.10", 80),
+            reply: tuple(IPPROTO_TCP, "10.244.1.5", 8080, "127.0.0.1", 40000),
+            status: 0,
+            timeout_s: 60,
+            tcp_state: None,
+            sctp: None,
+            mark: 0,
+        };
+        let sctp = |t: Tuple| Tuple {
+            proto: IPPROTO_SCTP,
+            ..t
+        };
+        for (entry, needle) in [
+            (
+                Entry {
+                    orig: sctp(tcp.orig),
+                    reply: sctp(tcp.reply),
+                    ..tcp.clone()
+                },
+                "without SCTP state",
+            ),
+            (
+                Entry {
+                    sctp: Some(SctpInfo {
+                        state: SCTP_CONNTRACK_ESTABLISHED,
+                        vtags_be: [1, 2],
+                    }),
+                    ..tcp.clone()
+                },
+                "with SCTP state",
+            ),
+        ] {
+            let err = validate(&entry).expect_err(needle);
+            assert!(err.to_string().contains(needle), "{err} lacks {needle:?}");
+        }
+    }
+
     #[test]
     fn hostile_entries_are_refused() {
         in_netns(|| {
@@ -1200,28 +1242,7 @@ mod tests {
                 },
                 "none of TCP",
             );
-            let sctp = |t: Tuple| Tuple {
-                proto: IPPROTO_SCTP,
-                ..t
-            };
-            refused(
-                Entry {
-                    orig: sctp(good.orig),
-                    reply: sctp(good.reply),
-                    ..good.clone()
-                },
-                "without SCTP state",
-            );
-            refused(
-                Entry {
-                    sctp: Some(SctpInfo {
-                        state: SCTP_CONNTRACK_ESTABLISHED,
-                        vtags_be: [1, 2],
-                    }),
-                    ..good.clone()
-                },
-                "with SCTP state",
-            );
+
             refused(
                 Entry {
                     reply: Tuple {

@@ -425,13 +425,58 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(0..=i64::from(proxy_common::MAX_SERVICES))
     )]
     pub service_counters: u32,
+    /// How a new flow to a NodePort, ExternalIP or LoadBalancer frontend
+    /// picks its backend: `random` (kube-proxy's probabilities) or `maglev`
+    /// (consistent hashing: the same backend on every node and after a
+    /// restart; docs/maglev.md). A Service's `ebpf-proxy.io/lb-algorithm`
+    /// annotation overrides it. ClusterIPs are always random.
+    #[arg(long, value_name = "ALGORITHM", default_value = "random", value_parser = parse_lb_algorithm)]
+    pub lb_algorithm: crate::maglev::LbAlgorithm,
+    /// Slots of each Maglev table: a prime from 251 to 65521, above 100
+    /// times a frontend's backends for shares within 1%. Every node must
+    /// have the same.
+    #[arg(long, value_name = "PRIME", default_value_t = crate::maglev::DEFAULT_TABLE_SIZE, value_parser = parse_maglev_table_size)]
+    pub maglev_table_size: u32,
+    /// Seed of Maglev's hashes (decimal or 0x-hexadecimal). Every node must
+    /// have the same; the default is fixed (0x6d61676c).
+    #[arg(long, value_name = "SEED", default_value = "0x6d61676c", value_parser = parse_hash_seed)]
+    pub maglev_hash_seed: u32,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]
     pub kube_proxy_ignored: IgnoredFlags,
 }
 
+fn parse_lb_algorithm(text: &str) -> Result<crate::maglev::LbAlgorithm, String> {
+    text.parse()
+        .map_err(|e: crate::maglev::MaglevError| e.to_string())
+}
+
+fn parse_maglev_table_size(text: &str) -> Result<u32, String> {
+    let size: u32 = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a table size: {e}"))?;
+    crate::maglev::table_size(size).map_err(|e| e.to_string())
+}
+
+fn parse_hash_seed(text: &str) -> Result<u32, String> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|e| format!("{text:?} is not a 32-bit seed: {e}"))
+}
+
 impl RunArgs {
+    /// How frontends balance: `--lb-algorithm` and the Maglev table.
+    pub fn lb_config(&self) -> crate::maglev::LbConfig {
+        crate::maglev::LbConfig {
+            algorithm: self.lb_algorithm,
+            table_size: self.maglev_table_size,
+            hash_seed: self.maglev_hash_seed,
+        }
+    }
+
     /// What the flags ask of the model: the address policy's allow-list
     /// and budget.
     pub fn model_config(&self) -> crate::model::ModelConfig {

@@ -561,7 +561,7 @@ mod tests {
             } else {
                 0
             },
-            _pad: 0,
+            hash_seed: 0,
         };
         let lb = key(v4(192, 0, 2, 10), 80, PROTO_TCP, scope::ANY);
         for (k, v) in [

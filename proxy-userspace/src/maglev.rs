@@ -82,7 +82,7 @@ pub fn table_size(size: u32) -> Result<u32, MaglevError> {
 }
 
 fn is_prime(n: u32) -> bool {
-    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+    n >= 2 && (2..=n.isqrt()).all(|d| !n.is_multiple_of(d))
 }
 
 /// What the agent balances with: the algorithm of frontends whose Service

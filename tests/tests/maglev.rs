@@ -178,6 +178,28 @@ fn picks(node: &Node) -> Vec<Ipv4Addr> {
         .collect()
 }
 
+/// The kernel memory `BACKEND_SLOTS` holds (`bpftool`'s `bytes_memlock`,
+/// which counts a hash map's elements as they are allocated).
+fn slots_memory(node: &Node) -> u64 {
+    let path = node.pins.map(proxy_common::map_names::BACKEND_SLOTS);
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "show", "pinned"])
+        .arg(&path)
+        .arg("-j")
+        .output()
+        .expect("running bpftool");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let at = text
+        .find("\"bytes_memlock\":")
+        .unwrap_or_else(|| panic!("bpftool map show {}: {text}", path.display()));
+    text[at + 16..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .expect("bytes_memlock is a number")
+}
+
 /// Where `a` and `b` differ, for a message.
 fn differences(a: &[Ipv4Addr], b: &[Ipv4Addr]) -> (usize, Vec<String>) {
     let all: Vec<String> = (0..FLOWS)
@@ -206,6 +228,14 @@ fn two_nodes_and_a_restart_pick_the_same_backends_as_user_space_predicts() {
             predicted(&table, client, sport)
         })
         .collect();
+
+    // Node B holds one table more than node A (`other`'s).
+    let (one, two) = (slots_memory(&node_a), slots_memory(&node_b));
+    eprintln!(
+        "BACKEND_SLOTS: {one} bytes with one table of {}, {two} with two: {} bytes a table",
+        lb().table_size,
+        two.saturating_sub(one)
+    );
 
     let through_a = picks(&node_a);
     let through_b = picks(&node_b);
@@ -254,10 +284,16 @@ fn conntrack_comes_first_and_a_removed_backend_moves_only_its_flows() {
         namespace: "test".into(),
         name: format!("svc0-{}", external(EXTERNAL_IP, PORT, &rest).key),
     };
+    let started = std::time::Instant::now();
     let out = node.planner.sync_service(
         &owner,
         &[external(EXTERNAL_IP, PORT, &rest)],
         &mut node.datapath.maps,
+    );
+    eprintln!(
+        "a backend removed: table built, written, flipped and the old one deleted in {:?} ({} map operations)",
+        started.elapsed(),
+        out.ops
     );
     assert!(out.errors.is_empty(), "reprogramming: {:?}", out.errors);
 

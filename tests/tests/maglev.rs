@@ -1,17 +1,29 @@
-//! Maglev in the kernel, on hand-built frames through `BPF_PROG_TEST_RUN`:
+//! Maglev in the kernel. On hand-built frames through `BPF_PROG_TEST_RUN`:
 //! two datapaths on bpffs roots of their own stand for two nodes, each
 //! programmed by its own planner with the same Service (learnt in another
 //! order, its backends given other ids). The same new flows must reach the
 //! same backends through both, the backend user space predicts from the
 //! flow's hash and the table, and the same again after one "node" is
 //! reloaded from nothing (its conntrack lost, as an agent restart on a new
-//! node or an eviction loses it). Needs root.
+//! node or an eviction loses it). On real connections: two agents
+//! (`ebpf-proxy run --lb-algorithm maglev`) on the two nodes of the
+//! `cluster` topology, a client reaching the NodePort of each from the same
+//! source ports. Needs root.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4};
 
 use ebpf_proxy_tests::{
+    POLL, Protocol as WireProtocol,
     agent::Agent,
+    client::{Outcome, TIMEOUT, tcp_request_from_port_here},
+    cluster::Cluster,
+    family::Family,
     frames::{self as frame, Spec, build, parse_checked},
+    manifest::{ManifestDir, ServiceType},
+    require_root,
+    servers::TcpServer,
+    topology::two_node::CLIENT1,
+    wait_for,
 };
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
@@ -347,5 +359,189 @@ fn conntrack_comes_first_and_a_removed_backend_moves_only_its_flows() {
         "{:.2}% of new flows moved, over {:.2}%",
         share * 100.0,
         bound * 100.0
+    );
+}
+
+/// The backend that answers a connection from `port` of the client to
+/// `node`:`NODE_PORT`.
+fn served_by(cluster: &Cluster, port: u16, node: Ipv4Addr) -> Result<String, String> {
+    let to = SocketAddrV4::new(node, NODE_PORT);
+    match cluster
+        .client(CLIENT1.0)
+        .ns
+        .run(|| tcp_request_from_port_here(port, to, TIMEOUT))
+    {
+        Ok(Outcome::Reply(reply)) => Ok(reply.backend),
+        Ok(other) => Err(format!("from port {port} to {to}: {other}")),
+        Err(e) => Err(format!("from port {port} to {to}: {e:#}")),
+    }
+}
+
+const NODE_PORT: u16 = 30080;
+const POD_A: (&str, Ipv4Addr) = ("mg-a1", Ipv4Addr::new(10, 1, 1, 10));
+const POD_B: (&str, Ipv4Addr) = ("mg-b1", Ipv4Addr::new(10, 1, 2, 10));
+/// Source ports compared through both nodes before the restart, and those
+/// compared after it (used through node B only before).
+const COMPARED: std::ops::Range<u16> = 21_000..22_000;
+const AFTER_RESTART: std::ops::Range<u16> = 23_000..23_300;
+
+/// The `cluster` topology with a backend pod on each node and an agent on
+/// each node balancing by Maglev, serving [`NODE_PORT`] (both answer).
+struct World {
+    cluster: Cluster,
+    _servers: Vec<TcpServer>,
+    manifests: ManifestDir,
+    agents: Vec<Agent>,
+}
+
+const AGENT_ARGS: [&str; 4] = ["--xdp-mode", "off", "--lb-algorithm", "maglev"];
+
+impl World {
+    fn new() -> World {
+        require_root().expect("privileged test");
+        let cluster = Cluster::new(&[("a", &[POD_A]), ("b", &[POD_B])]).expect("two-node cluster");
+        let servers = [POD_A, POD_B]
+            .iter()
+            .map(|(name, _)| {
+                TcpServer::start(&cluster.pod(name).ns, name, TARGET).expect("backend")
+            })
+            .collect();
+        let manifests = ManifestDir::create(cluster.stem()).expect("manifest dir");
+        let mut world = World {
+            cluster,
+            _servers: servers,
+            manifests,
+            agents: Vec::new(),
+        };
+        world.agents = vec![world.start("a"), world.start("b")];
+        let service = <Ipv4Addr as Family>::service("test", "mg", <Ipv4Addr as Family>::vip(60))
+            .type_(ServiceType::NodePort)
+            .port("http", PORT, WireProtocol::Tcp, TARGET)
+            .node_port("http", NODE_PORT);
+        let names = [
+            world.cluster.node("a").ns.name().to_owned(),
+            world.cluster.node("b").ns.name().to_owned(),
+        ];
+        let on_nodes = [(POD_A.1, names[0].as_str()), (POD_B.1, names[1].as_str())];
+        world
+            .manifests
+            .write(
+                "mg.yaml",
+                &<Ipv4Addr as Family>::yaml_on_nodes(&service, &on_nodes),
+            )
+            .expect("write manifest");
+        world.wait_served("a", 20_000);
+        world.wait_served("b", 20_300);
+        world
+    }
+
+    fn start(&self, node: &str) -> Agent {
+        Agent::start_with(
+            &self.cluster.node(node).ns,
+            self.manifests.path(),
+            &AGENT_ARGS,
+        )
+        .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
+    }
+
+    fn ip(&self, node: &str) -> Ipv4Addr {
+        self.cluster.node(node).ip
+    }
+
+    /// Waits until `node` serves the NodePort, trying client ports from
+    /// `first` on (kept apart from the compared ones).
+    fn wait_served(&self, node: &str, first: u16) {
+        let mut port = first;
+        wait_for(std::time::Duration::from_secs(15), POLL, || {
+            port += 1;
+            served_by(&self.cluster, port, self.ip(node))
+        })
+        .unwrap_or_else(|e| panic!("the NodePort on node {node} never answered: {e:?}"));
+    }
+}
+
+/// The backend user space predicts for client port `port`: the flow's hash
+/// in the table over the two backends' names.
+fn predicted_pod(port: u16) -> String {
+    let named = [POD_A, POD_B].map(|(name, ip)| {
+        let b = BackendAddr::remote(IpAddr::V4(ip), TARGET, Protocol::Tcp);
+        (encode::backend_name(&b), name.to_owned())
+    });
+    let table = maglev::build(&named, lb().table_size, lb().hash_seed);
+    let hash = maglev::flow_hash(
+        proxy_common::v4_mapped(u32::from_ne_bytes(CLIENT1.1.octets())),
+        port.to_be(),
+        NODE_PORT.to_be(),
+        proxy_common::PROTO_TCP,
+        lb().hash_seed,
+    );
+    table[(hash % lb().table_size) as usize].clone()
+}
+
+#[test]
+fn two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_restart() {
+    let mut world = World::new();
+    let (node_a, node_b) = (world.ip("a"), world.ip("b"));
+    let mut differ = Vec::new();
+    let mut mispredicted = Vec::new();
+    let mut through_b = std::collections::BTreeMap::new();
+    for port in COMPARED.chain(AFTER_RESTART) {
+        let b = served_by(&world.cluster, port, node_b).unwrap_or_else(|e| panic!("{e}"));
+        let want = predicted_pod(port);
+        if b != want {
+            mispredicted.push(format!("port {port}: node b {b}, predicted {want}"));
+        }
+        through_b.insert(port, b);
+    }
+    for port in COMPARED {
+        let a = served_by(&world.cluster, port, node_a).unwrap_or_else(|e| panic!("{e}"));
+        if a != through_b[&port] {
+            differ.push(format!(
+                "port {port}: node a {a}, node b {}",
+                through_b[&port]
+            ));
+        }
+    }
+    let seen: std::collections::BTreeSet<&String> = through_b.values().collect();
+    eprintln!(
+        "{} client ports through both nodes: {} picked differently, {} not as predicted; backends {seen:?}",
+        COMPARED.len(),
+        differ.len(),
+        mispredicted.len()
+    );
+    assert!(
+        differ.is_empty(),
+        "{} of {} client ports reached another backend through node a than through node b: {:?}",
+        differ.len(),
+        COMPARED.len(),
+        &differ[..differ.len().min(5)]
+    );
+    assert!(
+        mispredicted.is_empty(),
+        "{} picks differ from user space's prediction: {:?}",
+        mispredicted.len(),
+        &mispredicted[..mispredicted.len().min(5)]
+    );
+    assert_eq!(seen.len(), 2, "both backends serve");
+
+    // Node a's agent stops and its pins go (conntrack with them), then a
+    // new one starts: new flows still pick as node b does.
+    world.agents[0].terminate().expect("stopping agent a");
+    world.agents[0].cleanup().expect("cleaning up agent a");
+    world.agents[0] = world.start("a");
+    world.wait_served("a", 20_700);
+    let moved: Vec<String> = AFTER_RESTART
+        .filter_map(|port| {
+            let a = served_by(&world.cluster, port, node_a).unwrap_or_else(|e| panic!("{e}"));
+            (a != through_b[&port])
+                .then(|| format!("port {port}: node a {a}, node b {}", through_b[&port]))
+        })
+        .collect();
+    assert!(
+        moved.is_empty(),
+        "after agent a's restart {} of {} client ports reached another backend than through node b: {:?}",
+        moved.len(),
+        AFTER_RESTART.len(),
+        &moved[..moved.len().min(5)]
     );
 }

@@ -588,6 +588,63 @@ mod tests {
     }
 
     #[test]
+    fn maglev_flags_default_to_random_and_refuse_bad_tables() {
+        use crate::maglev::{DEFAULT_HASH_SEED, DEFAULT_TABLE_SIZE, LbAlgorithm, LbConfig};
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {
+                match cli.command {
+                    Command::Run(run) => run.lb_config(),
+                    other => panic!("not a run command: {other:?}"),
+                }
+            })
+        };
+        assert_eq!(parse(&[]).expect("defaults"), LbConfig::default());
+        assert_eq!(
+            parse(&[
+                "--lb-algorithm",
+                "maglev",
+                "--maglev-table-size",
+                "65521",
+                "--maglev-hash-seed",
+                "0x10"
+            ])
+            .expect("maglev"),
+            LbConfig {
+                algorithm: LbAlgorithm::Maglev,
+                table_size: 65_521,
+                hash_seed: 16,
+            }
+        );
+        assert_eq!(
+            parse(&["--maglev-hash-seed", "42"])
+                .expect("decimal seed")
+                .hash_seed,
+            42
+        );
+        assert_eq!(LbConfig::default().table_size, DEFAULT_TABLE_SIZE);
+        assert_eq!(LbConfig::default().hash_seed, DEFAULT_HASH_SEED);
+        for (args, says) in [
+            (&["--maglev-table-size", "16384"][..], "not a prime"),
+            (
+                &["--maglev-table-size", "131071"][..],
+                "outside 251..=65521",
+            ),
+            (&["--maglev-table-size", "lots"][..], "not a table size"),
+            (
+                &["--lb-algorithm", "round-robin"][..],
+                "not a load-balancing algorithm",
+            ),
+            (
+                &["--maglev-hash-seed", "0xfffffffff"][..],
+                "not a 32-bit seed",
+            ),
+        ] {
+            let err = parse(args).expect_err("refused");
+            assert!(err.to_string().contains(says), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
     fn conntrack_max_counts_connections_of_two_entries() {
         let parse = |args: &[&str]| {
             Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {

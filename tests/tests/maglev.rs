@@ -392,12 +392,12 @@ struct World {
     _servers: Vec<TcpServer>,
     manifests: ManifestDir,
     agents: Vec<Agent>,
+    xdp_mode: &'static str,
 }
 
-const AGENT_ARGS: [&str; 4] = ["--xdp-mode", "off", "--lb-algorithm", "maglev"];
-
 impl World {
-    fn new() -> World {
+    /// The world with the agents' XDP as `xdp_mode` says (`--xdp-mode`).
+    fn new(xdp_mode: &'static str) -> World {
         require_root().expect("privileged test");
         let cluster = Cluster::new(&[("a", &[POD_A]), ("b", &[POD_B])]).expect("two-node cluster");
         let servers = [POD_A, POD_B]
@@ -412,6 +412,7 @@ impl World {
             _servers: servers,
             manifests,
             agents: Vec::new(),
+            xdp_mode,
         };
         world.agents = vec![world.start("a"), world.start("b")];
         let service = <Ipv4Addr as Family>::service("test", "mg", <Ipv4Addr as Family>::vip(60))
@@ -436,12 +437,9 @@ impl World {
     }
 
     fn start(&self, node: &str) -> Agent {
-        Agent::start_with(
-            &self.cluster.node(node).ns,
-            self.manifests.path(),
-            &AGENT_ARGS,
-        )
-        .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
+        let args = ["--xdp-mode", self.xdp_mode, "--lb-algorithm", "maglev"];
+        Agent::start_with(&self.cluster.node(node).ns, self.manifests.path(), &args)
+            .unwrap_or_else(|e| panic!("agent on node {node}: {e:#}"))
     }
 
     fn ip(&self, node: &str) -> Ipv4Addr {
@@ -479,8 +477,19 @@ fn predicted_pod(port: u16) -> String {
 }
 
 #[test]
-fn two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_restart() {
-    let mut world = World::new();
+fn two_agents_send_the_same_client_port_to_the_same_backend_tc_only() {
+    two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_restart("off");
+}
+
+#[test]
+fn two_agents_send_the_same_client_port_to_the_same_backend_native_xdp() {
+    two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_restart("native");
+}
+
+fn two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_restart(
+    xdp_mode: &'static str,
+) {
+    let mut world = World::new(xdp_mode);
     let (node_a, node_b) = (world.ip("a"), world.ip("b"));
     let mut differ = Vec::new();
     let mut mispredicted = Vec::new();
@@ -504,7 +513,7 @@ fn two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_re
     }
     let seen: std::collections::BTreeSet<&String> = through_b.values().collect();
     eprintln!(
-        "{} client ports through both nodes: {} picked differently, {} not as predicted; backends {seen:?}",
+        "--xdp-mode {xdp_mode}: {} client ports through both nodes: {} picked differently, {} not as predicted; backends {seen:?}",
         COMPARED.len(),
         differ.len(),
         mispredicted.len()

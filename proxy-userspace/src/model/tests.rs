@@ -1622,12 +1622,9 @@ fn the_lb_algorithm_annotation_chooses_and_a_bad_one_is_warned_about() {
         let value = value.to_owned();
         svc(move |s| {
             s.metadata.annotations = Some(
-                [(
-                    super::service_spec::LB_ALGORITHM_ANNOTATION.to_owned(),
-                    value,
-                )]
-                .into_iter()
-                .collect(),
+                [(service_spec::LB_ALGORITHM_ANNOTATION.to_owned(), value)]
+                    .into_iter()
+                    .collect(),
             );
             node_port(s);
         })

@@ -532,6 +532,11 @@ fn two_agents_send_the_same_client_port_to_the_same_backend_and_again_after_a_re
         &mispredicted[..mispredicted.len().min(5)]
     );
     assert_eq!(seen.len(), 2, "both backends serve");
+    let status = world.agents[1].status().expect("node b's status");
+    assert!(
+        status.contains("maglev"),
+        "node b's status marks its NodePort maglev: {status}"
+    );
 
     // Node a's agent stops and its pins go (conntrack with them), then a
     // new one starts: new flows still pick as node b does.

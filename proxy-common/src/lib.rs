@@ -9,6 +9,7 @@
 
 pub mod csum;
 pub mod ip_summed;
+pub mod maglev;
 pub mod netfilter_ct;
 pub mod prefilter;
 pub mod sctp;
@@ -523,6 +524,10 @@ pub mod service_flags {
     /// it tells `ebpf-proxy status` a LoadBalancer frontend from an
     /// ExternalIP, which the datapath treats alike.
     pub const LOAD_BALANCER: u32 = 1 << 4;
+    /// The slot set is the frontend's Maglev table: a new flow takes slot
+    /// `maglev::flow_hash(.., hash_seed) % count` rather than a random one,
+    /// the same on every node.
+    pub const MAGLEV: u32 = 1 << 5;
 }
 
 /// What a frontend points at. A packet copies this once and only uses slots
@@ -541,7 +546,10 @@ pub struct ServiceValue {
     pub count: u32,
     pub flags: u32,
     pub affinity_timeout_s: u32,
-    pub _pad: u32,
+    /// The seed of the flow hash, with `service_flags::MAGLEV`: the agent's
+    /// `--maglev-hash-seed`, the same on every node. Was padding: an older
+    /// agent wrote zeros, and never the flag.
+    pub hash_seed: u32,
 }
 
 #[repr(C)]

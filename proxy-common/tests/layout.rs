@@ -58,7 +58,7 @@ fn table() -> Vec<Layout> {
     golden! {
         ServiceKey: 20, 4 { addr_be: 0, port_be: 16, proto: 18, scope: 19 }
         ServiceValue: 24, 4 {
-            service_id: 0, slot_set: 4, count: 8, flags: 12, affinity_timeout_s: 16, _pad: 20,
+            service_id: 0, slot_set: 4, count: 8, flags: 12, affinity_timeout_s: 16, hash_seed: 20,
         }
         // A map added to this version: older agents of it have no
         // SERVICE_NAMES pin, so the shape is new, not changed.

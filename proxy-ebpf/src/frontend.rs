@@ -4,8 +4,8 @@ use aya_ebpf::helpers::bpf_get_prandom_u32;
 use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlotKey, ClusterCidrKey, FlowAddr, NodeAddrKey,
-    ServiceKey, ServiceValue, SourceRangeKey, node_addr_flags, scope, service_flags, slot_for,
-    v4_mapped,
+    ServiceKey, ServiceValue, SourceRangeKey, maglev, node_addr_flags, scope, service_flags,
+    slot_for, v4_mapped,
 };
 
 use crate::maps::{
@@ -166,9 +166,22 @@ fn backend(id: u32) -> Option<Backend> {
     BACKENDS.get_ptr(id).map(|p| unsafe { *p })
 }
 
+/// A new flow's ports and protocol: with its client, what a Maglev
+/// frontend hashes to pick the slot.
+#[derive(Clone, Copy)]
+pub struct FlowPorts {
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+}
+
 /// The backend for a new flow of `client_be` (IPv4-mapped for IPv4) to
 /// the service `svc` (which has `count > 0`): its affinity backend when
-/// that is still fresh and still programmed, else a uniformly random slot.
+/// that is still fresh and still programmed, else, for a Maglev frontend
+/// and a flow whose `ports` are known, the slot of its hash in the table
+/// (the same on every node), else a uniformly random slot. A socket hook
+/// knows no source port yet, and its connections are the node's own,
+/// never moved to another node: it passes None and draws at random.
 ///
 /// A stuck backend counts whatever its flags say. A backend id never changes
 /// its flags (a ready endpoint that turns terminating gets a new id), so an
@@ -178,7 +191,12 @@ fn backend(id: u32) -> Option<Backend> {
 /// keeps affinity too. A backend that leaves the set loses its affinity
 /// entries when the agent purges departed backends, right after the sync.
 #[inline(always)]
-pub fn select(svc: &ServiceValue, client_be: [u32; 4], now: u64) -> Option<(u32, Backend)> {
+pub fn select(
+    svc: &ServiceValue,
+    client_be: [u32; 4],
+    ports: Option<FlowPorts>,
+    now: u64,
+) -> Option<(u32, Backend)> {
     let affinity = svc.flags & service_flags::AFFINITY != 0;
     let akey = AffinityKey {
         client_be,
@@ -194,8 +212,14 @@ pub fn select(svc: &ServiceValue, client_be: [u32; 4], now: u64) -> Option<(u32,
             return Some((stuck.backend_id, b));
         }
     }
-    // SAFETY: a helper that takes no pointers and has no preconditions.
-    let slot = slot_for(unsafe { bpf_get_prandom_u32() }, svc.count);
+    let slot = match ports {
+        Some(p) if svc.flags & service_flags::MAGLEV != 0 => {
+            let hash = maglev::flow_hash(client_be, p.sport_be, p.dport_be, p.proto, svc.hash_seed);
+            hash % svc.count
+        }
+        // SAFETY: a helper that takes no pointers and has no preconditions.
+        _ => slot_for(unsafe { bpf_get_prandom_u32() }, svc.count),
+    };
     let slot_key = BackendSlotKey {
         slot_set: svc.slot_set,
         slot,

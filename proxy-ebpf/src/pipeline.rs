@@ -225,7 +225,13 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
         return Ok(verdict);
     }
     let svc = &frontend.svc;
-    let Some((backend_id, backend)) = frontend::select(svc, flow.src_be.mapped(), now) else {
+    let ports = frontend::FlowPorts {
+        sport_be: flow.sport_be,
+        dport_be: flow.dport_be,
+        proto: flow.proto,
+    };
+    let Some((backend_id, backend)) = frontend::select(svc, flow.src_be.mapped(), Some(ports), now)
+    else {
         // The agent is between writing a slot set and its backends; the
         // next packet (a retransmit) will find them.
         count(counter::LOOKUP_MISS);

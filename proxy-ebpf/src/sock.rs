@@ -464,7 +464,7 @@ fn pick(frontend: &Frontend, client_be: [u32; 4]) -> Result<Backend, i32> {
         unsafe { aya_ebpf::helpers::bpf_set_retval(-ECONNREFUSED) };
         return Err(REFUSE);
     }
-    match frontend::select(svc, client_be, conntrack::now_ns()) {
+    match frontend::select(svc, client_be, None, conntrack::now_ns()) {
         Some((_, backend)) => Ok(backend),
         None => Err(ALLOW),
     }

@@ -96,6 +96,8 @@ pub struct AgentConfig {
     pub conntrack_entries: u32,
     /// Service ports counted (`--service-counters`).
     pub service_counters: u32,
+    /// `--lb-algorithm` and the Maglev table every node shares.
+    pub lb: crate::maglev::LbConfig,
     /// Assured flows one client address may hold (`--conntrack-max-per-source`).
     pub ct_source_share: u32,
     /// CIDRs of the node addresses NodePorts are served on; empty = all.
@@ -155,6 +157,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
     planner.count_ids_below(config.service_counters);
+    planner.balance_with(config.lb);
     info!(
         frontends = planner.frontend_count(),
         backends = planner.backend_count(),

@@ -425,13 +425,58 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(0..=i64::from(proxy_common::MAX_SERVICES))
     )]
     pub service_counters: u32,
+    /// How a new flow to a NodePort, ExternalIP or LoadBalancer frontend
+    /// picks its backend: `random` (kube-proxy's probabilities) or `maglev`
+    /// (consistent hashing: the same backend on every node and after a
+    /// restart; docs/maglev.md). A Service's `ebpf-proxy.io/lb-algorithm`
+    /// annotation overrides it. ClusterIPs are always random.
+    #[arg(long, value_name = "ALGORITHM", default_value = "random", value_parser = parse_lb_algorithm)]
+    pub lb_algorithm: crate::maglev::LbAlgorithm,
+    /// Slots of each Maglev table: a prime from 251 to 65521, above 100
+    /// times a frontend's backends for shares within 1%. Every node must
+    /// have the same.
+    #[arg(long, value_name = "PRIME", default_value_t = crate::maglev::DEFAULT_TABLE_SIZE, value_parser = parse_maglev_table_size)]
+    pub maglev_table_size: u32,
+    /// Seed of Maglev's hashes (decimal or 0x-hexadecimal). Every node must
+    /// have the same; the default is fixed (0x6d61676c).
+    #[arg(long, value_name = "SEED", default_value = "0x6d61676c", value_parser = parse_hash_seed)]
+    pub maglev_hash_seed: u32,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]
     pub kube_proxy_ignored: IgnoredFlags,
 }
 
+fn parse_lb_algorithm(text: &str) -> Result<crate::maglev::LbAlgorithm, String> {
+    text.parse()
+        .map_err(|e: crate::maglev::MaglevError| e.to_string())
+}
+
+fn parse_maglev_table_size(text: &str) -> Result<u32, String> {
+    let size: u32 = text
+        .parse()
+        .map_err(|e| format!("{text:?} is not a table size: {e}"))?;
+    crate::maglev::table_size(size).map_err(|e| e.to_string())
+}
+
+fn parse_hash_seed(text: &str) -> Result<u32, String> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.map_err(|e| format!("{text:?} is not a 32-bit seed: {e}"))
+}
+
 impl RunArgs {
+    /// How frontends balance: `--lb-algorithm` and the Maglev table.
+    pub fn lb_config(&self) -> crate::maglev::LbConfig {
+        crate::maglev::LbConfig {
+            algorithm: self.lb_algorithm,
+            table_size: self.maglev_table_size,
+            hash_seed: self.maglev_hash_seed,
+        }
+    }
+
     /// What the flags ask of the model: the address policy's allow-list
     /// and budget.
     pub fn model_config(&self) -> crate::model::ModelConfig {
@@ -540,6 +585,63 @@ mod tests {
         let err = parse(&["--manifests", "/m", "--master", "http://x"])
             .expect_err("--master with --manifests is a mistake");
         assert!(err.to_string().contains("cannot be used with"), "{err}");
+    }
+
+    #[test]
+    fn maglev_flags_default_to_random_and_refuse_bad_tables() {
+        use crate::maglev::{DEFAULT_HASH_SEED, DEFAULT_TABLE_SIZE, LbAlgorithm, LbConfig};
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {
+                match cli.command {
+                    Command::Run(run) => run.lb_config(),
+                    other => panic!("not a run command: {other:?}"),
+                }
+            })
+        };
+        assert_eq!(parse(&[]).expect("defaults"), LbConfig::default());
+        assert_eq!(
+            parse(&[
+                "--lb-algorithm",
+                "maglev",
+                "--maglev-table-size",
+                "65521",
+                "--maglev-hash-seed",
+                "0x10"
+            ])
+            .expect("maglev"),
+            LbConfig {
+                algorithm: LbAlgorithm::Maglev,
+                table_size: 65_521,
+                hash_seed: 16,
+            }
+        );
+        assert_eq!(
+            parse(&["--maglev-hash-seed", "42"])
+                .expect("decimal seed")
+                .hash_seed,
+            42
+        );
+        assert_eq!(LbConfig::default().table_size, DEFAULT_TABLE_SIZE);
+        assert_eq!(LbConfig::default().hash_seed, DEFAULT_HASH_SEED);
+        for (args, says) in [
+            (&["--maglev-table-size", "16384"][..], "not a prime"),
+            (
+                &["--maglev-table-size", "131071"][..],
+                "outside 251..=65521",
+            ),
+            (&["--maglev-table-size", "lots"][..], "not a table size"),
+            (
+                &["--lb-algorithm", "round-robin"][..],
+                "not a load-balancing algorithm",
+            ),
+            (
+                &["--maglev-hash-seed", "0xfffffffff"][..],
+                "not a 32-bit seed",
+            ),
+        ] {
+            let err = parse(args).expect_err("refused");
+            assert!(err.to_string().contains(says), "{args:?}: {err}");
+        }
     }
 
     #[test]

@@ -20,6 +20,7 @@ mod http_metrics;
 pub mod kube_proxy_argv;
 mod kube_proxy_flags;
 pub mod logging;
+pub mod maglev;
 mod metrics;
 pub mod model;
 mod node_ip;

@@ -156,6 +156,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let conntrack_entries = args.conntrack_entries();
     let ct_source_share = args.ct_source_share();
     let model = args.model_config();
+    let lb = args.lb_config();
     let config = AgentConfig {
         bpf_root: args.pins.bpf_root,
         source: match args.manifests {
@@ -174,6 +175,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         ct_timeouts,
         conntrack_entries,
         service_counters: args.service_counters,
+        lb,
         ct_source_share,
         model,
         localhost_nodeports: args.localhost_nodeports

@@ -56,7 +56,8 @@ use ebpf_proxy_tests::frames;
 use proxy_common::{Ct6Key, CtKey, ct_dir, map_names};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, program_load},
-    model::{BackendAddr, Frontend, Protocol, ServicePortName},
+    maglev::LbAlgorithm,
+    model::{BackendAddr, Frontend, FrontendKind, Protocol, ServicePortName},
     planner::Planner,
     source::ObjectKey,
 };
@@ -73,6 +74,24 @@ const ESTABLISHED: &str = "established flow";
 /// The same two with `ebpf-proxy trace` running: `TRACE_ON` ahead of the
 /// clock and the ring buffer drained after each run.
 const NEW_FLOW_TRACED: &str = "new flow, trace running";
+/// New flows to an ExternalIP with random selection and with Maglev, side
+/// by side: the table lookup's cost (`EXTERNAL_IPS`).
+const NEW_FLOW_EXTERNAL: &str = "new flow, ExternalIP (random)";
+const NEW_FLOW_MAGLEV: &str = "new flow, ExternalIP (Maglev)";
+/// Cases of new flows, which have no repeated measurement (the first run
+/// creates the flow).
+const NOT_REPEATED: [&str; 5] = [
+    NEW_FLOW,
+    CT_PAIR,
+    NEW_FLOW_TRACED,
+    NEW_FLOW_EXTERNAL,
+    NEW_FLOW_MAGLEV,
+];
+/// The ExternalIPs of those two cases: random, Maglev.
+const EXTERNAL_IPS: [Ipv4Addr; 2] = [
+    Ipv4Addr::new(192, 168, 99, 1),
+    Ipv4Addr::new(192, 168, 99, 2),
+];
 const ESTABLISHED_TRACED: &str = "established flow, trace running";
 
 /// The pinned `TRACE_ON` and `TRACE_EVENTS` of the loaded datapath, for the
@@ -154,6 +173,54 @@ fn frontend(i: u32) -> Frontend {
         .collect();
     let service = ServicePortName::new("bench", &format!("svc-{i}"), "", Protocol::Tcp);
     Frontend::cluster_ip(service, IpAddr::V4(vip(i)), 80, backends)
+}
+
+/// The ExternalIP `ip` of 10 backends on this node (no SNAT: the cost is
+/// the DNAT's), balanced by `algorithm`.
+fn external(ip: Ipv4Addr, algorithm: LbAlgorithm) -> Frontend {
+    let backends = (0..ENDPOINTS)
+        .map(|k| BackendAddr {
+            local: true,
+            ..BackendAddr::remote(IpAddr::V4(backend_ip(0, k)), 8080, Protocol::Tcp)
+        })
+        .collect();
+    let service = ServicePortName::new("bench", &format!("ext-{ip}"), "", Protocol::Tcp);
+    Frontend {
+        kind: FrontendKind::ExternalIp,
+        lb_algorithm: Some(algorithm),
+        ..Frontend::cluster_ip(service, IpAddr::V4(ip), 80, backends)
+    }
+}
+
+/// Programs the two [`EXTERNAL_IPS`], random then Maglev.
+fn install_externals(planner: &mut Planner, datapath: &mut Datapath) {
+    for (ip, algorithm) in EXTERNAL_IPS
+        .into_iter()
+        .zip([LbAlgorithm::Random, LbAlgorithm::Maglev])
+    {
+        let owner = ObjectKey {
+            namespace: "bench".into(),
+            name: format!("ext-{ip}"),
+        };
+        let out = planner.sync_service(&owner, &[external(ip, algorithm)], &mut datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "programming {owner:?}: {:?}",
+            out.errors
+        );
+    }
+}
+
+/// `singles` new flows to each of the [`EXTERNAL_IPS`], a port each.
+fn external_flows(singles: usize, fresh_port: &mut impl FnMut() -> u16) -> [Vec<Vec<u8>>; 2] {
+    EXTERNAL_IPS.map(|ip| {
+        (0..singles)
+            .map(|i| {
+                let src = Ipv4Addr::from(u32::from(CLIENT) + 0x0003_0000 + i as u32 / 60000);
+                tcp(src, fresh_port(), ip, 80, 0x02)
+            })
+            .collect()
+    })
 }
 
 /// A TCP segment with valid checksums.
@@ -370,21 +437,17 @@ fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
 /// Frames, one a run.
 type Frames<'a> = &'a [Vec<u8>];
 
-/// The cases of one hook at one size: `program` against `floor`.
-fn measure_hook(
+/// Established flows to `target` from `client_port` on, and their replies:
+/// several, taken in turn, since one flow's cost depends on what else
+/// shares its conntrack hash bucket.
+fn establish(
     datapath: &mut Datapath,
     hook: &'static str,
     target: Ipv4Addr,
     client_port: u16,
-    (news, traced_news, pairs): (Frames, Frames, Frames),
-    (repeat, rounds, singles): (u32, usize, usize),
-    trace: &RefCell<Trace>,
-) -> Vec<Case> {
-    datapath.load_floors().expect("loading the floor programs");
-    // Established flows: several, taken in turn, since one flow's cost
-    // depends on what else shares its conntrack hash bucket. Its first
-    // packets make and assure it; its mirror entries make repeated runs
-    // ping-pong (see the module doc).
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    // A flow's first packets make and assure it; its mirror entries make
+    // repeated runs ping-pong (see the module doc).
     let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
     for port in client_port..client_port + FLOWS {
         let est = tcp(CLIENT, port, target, 80, 0x10);
@@ -404,6 +467,21 @@ fn measure_hook(
         add_mirror(datapath, key);
     }
     admit_mirrors(datapath);
+    (ests, replies)
+}
+
+/// The cases of one hook at one size: `program` against `floor`.
+fn measure_hook(
+    datapath: &mut Datapath,
+    hook: &'static str,
+    target: Ipv4Addr,
+    client_port: u16,
+    (news, traced_news, pairs, externals): (Frames, Frames, Frames, [Frames; 2]),
+    (repeat, rounds, singles): (u32, usize, usize),
+    trace: &RefCell<Trace>,
+) -> Vec<Case> {
+    datapath.load_floors().expect("loading the floor programs");
+    let (ests, replies) = establish(datapath, hook, target, client_port);
 
     let floor = of_hook(hook, datapath.floors().expect("floor programs loaded"));
     let ct_pair = of_hook(
@@ -438,6 +516,8 @@ fn measure_hook(
                     .borrow_mut()
                     .running(0, || ns(program, &ests[i % ests.len()], 1))
             },
+            &mut |i| ns(program, &externals[0][i], 1),
+            &mut |i| ns(program, &externals[1][i], 1),
         ],
     );
     let repeated_of = paired(
@@ -476,6 +556,8 @@ fn measure_hook(
         "reply (reverse NAT)",
         NEW_FLOW_TRACED,
         ESTABLISHED_TRACED,
+        NEW_FLOW_EXTERNAL,
+        NEW_FLOW_MAGLEV,
     ];
     // New flows have no repeated measurement (the first run creates them).
     let mut repeated = repeated_of.into_iter();
@@ -485,7 +567,7 @@ fn measure_hook(
         .map(|(name, single)| Case {
             name,
             single,
-            repeated: if name == NEW_FLOW || name == CT_PAIR || name == NEW_FLOW_TRACED {
+            repeated: if NOT_REPEATED.contains(&name) {
                 None
             } else {
                 repeated.next()
@@ -730,17 +812,14 @@ fn main() {
         Datapath::load(pins.clone()).expect("loading the datapath (root, bpffs mounted?)");
     let trace = RefCell::new(Trace::open(&pins));
     let mut planner = Planner::new();
+    install_externals(&mut planner, &mut datapath);
     let mut installed = 0u32;
     let mut installed6 = 0u32;
     let mut rows = Vec::new();
     let mut fills = Vec::new();
     let mut next_port = 1024u16;
     let mut fresh_port = || {
-        next_port = if next_port == u16::MAX {
-            1024
-        } else {
-            next_port + 1
-        };
+        next_port = next_port.checked_add(1).unwrap_or(1024);
         next_port
     };
 
@@ -769,12 +848,13 @@ fn main() {
             let news = flows(u32::from(CLIENT) + 1);
             let pairs = flows(u32::from(CLIENT) + 0x0001_0000);
             let traced_news = flows(u32::from(CLIENT) + 0x0002_0000);
+            let externals = external_flows(singles, &mut fresh_port);
             let cases = measure_hook(
                 &mut datapath,
                 hook,
                 target,
                 client_port,
-                (&news, &traced_news, &pairs),
+                (&news, &traced_news, &pairs, [&externals[0], &externals[1]]),
                 (repeat, rounds, singles),
                 &trace,
             );

@@ -18,7 +18,7 @@ use std::net::IpAddr;
 
 use netlink_packet_core::{
     DefaultNla, Emitable, NLA_F_NESTED, NLA_TYPE_MASK, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
-    NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla,
+    NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla, NlasIterator,
 };
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoInfo, ProtoInfoTCP, ProtoTuple, Protocol,
@@ -32,6 +32,10 @@ use netlink_sys::{Socket, SocketAddr};
 
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
+/// `SCTP_CONNTRACK_*`: netfilter's SCTP states.
+pub const SCTP_CONNTRACK_CLOSED: u8 = 1;
+pub const SCTP_CONNTRACK_ESTABLISHED: u8 = 4;
 
 // Status bits, include/uapi/linux/netfilter/nf_conntrack_common.h.
 pub const IPS_EXPECTED: u32 = 1;
@@ -70,6 +74,10 @@ const CTA_PROTONAT_PORT_MIN: u16 = 1;
 const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
 const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
 const CTA_ZONE: u16 = 18;
+const CTA_PROTOINFO_SCTP: u16 = 3;
+const CTA_PROTOINFO_SCTP_STATE: u16 = 1;
+const CTA_PROTOINFO_SCTP_VTAG_ORIGINAL: u16 = 2;
+const CTA_PROTOINFO_SCTP_VTAG_REPLY: u16 = 3;
 
 /// Everything that can go wrong talking to ctnetlink, or before: an entry
 /// that could not be a conntrack entry is refused here with what is wrong
@@ -177,7 +185,66 @@ pub struct Entry {
     /// `TCP_CONNTRACK_*` for TCP; `None` otherwise. On create, `None` for TCP
     /// means established.
     pub tcp_state: Option<u8>,
+    /// An SCTP entry's state and verification tags; `None` otherwise (and
+    /// on create, none sent: netfilter then knows no tag, and calls the
+    /// association's packets invalid).
+    pub sctp: Option<SctpInfo>,
     pub mark: u32,
+}
+
+/// What netfilter tracks of an SCTP association (`CTA_PROTOINFO_SCTP`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SctpInfo {
+    /// `SCTP_CONNTRACK_*`.
+    pub state: u8,
+    /// The verification tags the original and the reply direction's packets
+    /// carry, as on the wire (read as native words).
+    pub vtags_be: [u32; 2],
+}
+
+impl SctpInfo {
+    /// Its attributes, as nested in `CTA_PROTOINFO`.
+    fn nla(&self) -> ProtoInfo {
+        let inner = [
+            DefaultNla::new(CTA_PROTOINFO_SCTP_STATE, vec![self.state]),
+            DefaultNla::new(
+                CTA_PROTOINFO_SCTP_VTAG_ORIGINAL,
+                self.vtags_be[0].to_ne_bytes().to_vec(),
+            ),
+            DefaultNla::new(
+                CTA_PROTOINFO_SCTP_VTAG_REPLY,
+                self.vtags_be[1].to_ne_bytes().to_vec(),
+            ),
+        ];
+        ProtoInfo::Other(DefaultNla::new(
+            CTA_PROTOINFO_SCTP | NLA_F_NESTED,
+            emitted(&inner),
+        ))
+    }
+
+    /// The info in a `CTA_PROTOINFO_SCTP` attribute's payload.
+    fn parse(payload: &[u8]) -> Option<SctpInfo> {
+        let mut info = SctpInfo {
+            state: 0,
+            vtags_be: [0; 2],
+        };
+        for nla in NlasIterator::new(payload) {
+            let nla = nla.ok()?;
+            let value = nla.value();
+            let word = || {
+                value
+                    .get(..4)
+                    .map(|b| u32::from_ne_bytes(b.try_into().unwrap()))
+            };
+            match nla.kind() {
+                CTA_PROTOINFO_SCTP_STATE => info.state = *value.first()?,
+                CTA_PROTOINFO_SCTP_VTAG_ORIGINAL => info.vtags_be[0] = word()?,
+                CTA_PROTOINFO_SCTP_VTAG_REPLY => info.vtags_be[1] = word()?,
+                _ => {}
+            }
+        }
+        Some(info)
+    }
 }
 
 impl Entry {
@@ -287,6 +354,9 @@ pub fn create(entry: &Entry) -> Result<(), ConntrackError> {
             ],
         )]));
     }
+    if let Some(sctp) = entry.sctp {
+        attributes.push(ConntrackAttribute::CtaProtoInfo(vec![sctp.nla()]));
+    }
     attributes.push(ConntrackAttribute::CtaMark(entry.mark));
     request(
         family,
@@ -313,10 +383,18 @@ fn validate(entry: &Entry) -> Result<Family, ConntrackError> {
             entry.orig.proto, entry.reply.proto
         )));
     }
-    if !matches!(entry.orig.proto, IPPROTO_TCP | IPPROTO_UDP) {
+    if !matches!(entry.orig.proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP) {
         return Err(ConntrackError::Invalid(format!(
-            "protocol {} is neither TCP ({IPPROTO_TCP}) nor UDP ({IPPROTO_UDP})",
+            "protocol {} is none of TCP ({IPPROTO_TCP}), UDP ({IPPROTO_UDP}), SCTP ({IPPROTO_SCTP})",
             entry.orig.proto
+        )));
+    }
+    if (entry.orig.proto == IPPROTO_SCTP) != entry.sctp.is_some() {
+        return Err(ConntrackError::Invalid(format!(
+            "protocol {} with{} SCTP state and verification tags: an SCTP entry needs them \
+             (netfilter calls packets without their tags invalid), no other has them",
+            entry.orig.proto,
+            if entry.sctp.is_some() { "" } else { "out" }
         )));
     }
     if entry.timeout_s == 0 {
@@ -328,8 +406,8 @@ fn validate(entry: &Entry) -> Result<Family, ConntrackError> {
         (IPPROTO_TCP, Some(state)) if state >= TCP_CONNTRACK_MAX => Err(ConntrackError::Invalid(
             format!("TCP state {state} is not a TCP_CONNTRACK_* state (below {TCP_CONNTRACK_MAX})"),
         )),
-        (IPPROTO_UDP, Some(state)) => Err(ConntrackError::Invalid(format!(
-            "a UDP entry has no TCP state, {state} given"
+        (IPPROTO_UDP | IPPROTO_SCTP, Some(state)) => Err(ConntrackError::Invalid(format!(
+            "a UDP or SCTP entry has no TCP state, {state} given"
         ))),
         _ => Ok(family),
     }
@@ -381,6 +459,7 @@ fn entry_from(attributes: &[ConntrackAttribute]) -> Option<Entry> {
     let mut status = 0;
     let mut timeout_s = 0;
     let mut tcp_state = None;
+    let mut sctp = None;
     let mut mark = 0;
     for attribute in attributes {
         match attribute {
@@ -392,12 +471,22 @@ fn entry_from(attributes: &[ConntrackAttribute]) -> Option<Entry> {
             ConntrackAttribute::CtaMark(m) => mark = *m,
             ConntrackAttribute::CtaProtoInfo(infos) => {
                 for info in infos {
-                    if let ProtoInfo::TCP(tcp) = info {
-                        for nla in tcp {
-                            if let ProtoInfoTCP::State(state) = nla {
-                                tcp_state = Some(*state);
+                    match info {
+                        ProtoInfo::TCP(tcp) => {
+                            for nla in tcp {
+                                if let ProtoInfoTCP::State(state) = nla {
+                                    tcp_state = Some(*state);
+                                }
                             }
                         }
+                        ProtoInfo::Other(nla)
+                            if nla.kind() & !NLA_F_NESTED == CTA_PROTOINFO_SCTP =>
+                        {
+                            let mut payload = vec![0; nla.value_len()];
+                            nla.emit_value(&mut payload);
+                            sctp = SctpInfo::parse(&payload);
+                        }
+                        _ => {}
                     }
                 }
             }
@@ -410,6 +499,7 @@ fn entry_from(attributes: &[ConntrackAttribute]) -> Option<Entry> {
         status,
         timeout_s,
         tcp_state,
+        sctp,
         mark,
     })
 }
@@ -671,6 +761,7 @@ mod tests {
                 status: 0,
                 timeout_s: 120,
                 tcp_state: None,
+                sctp: None,
                 mark: 7,
             };
             create(&entry).unwrap();
@@ -707,6 +798,46 @@ mod tests {
             assert_eq!(find(family, &orig), None);
             assert!(!delete(&orig).unwrap());
         });
+    }
+
+    /// An SCTP association handed to netfilter keeps its state and both
+    /// verification tags: without them netfilter would call its packets
+    /// invalid.
+    #[test]
+    fn sctp_entry_round_trips_with_its_verification_tags() {
+        for (family, orig, reply) in [
+            (
+                Family::V4,
+                tuple(IPPROTO_SCTP, "127.0.0.1", 40000, "10.96.0.10", 3868),
+                tuple(IPPROTO_SCTP, "10.244.1.5", 3869, "127.0.0.1", 40000),
+            ),
+            (
+                Family::V6,
+                tuple(IPPROTO_SCTP, "::1", 40000, "fd00:96::10", 3868),
+                tuple(IPPROTO_SCTP, "fd00:244::5", 3869, "::1", 40000),
+            ),
+        ] {
+            in_netns(move || {
+                let sctp = SctpInfo {
+                    state: SCTP_CONNTRACK_ESTABLISHED,
+                    vtags_be: [0x1122_3344u32.to_be(), 0xa1b2_c3d4u32.to_be()],
+                };
+                let entry = Entry {
+                    orig,
+                    reply,
+                    status: 0,
+                    timeout_s: 210,
+                    tcp_state: None,
+                    sctp: Some(sctp),
+                    mark: 0,
+                };
+                create(&entry).unwrap();
+                let got = find(family, &orig).expect("created SCTP entry in the dump");
+                assert_eq!(got.reply, reply, "{got:?}");
+                assert_eq!(got.sctp, Some(sctp), "state and tags as written: {got:?}");
+                assert!(delete(&orig).unwrap());
+            });
+        }
     }
 
     #[test]
@@ -815,6 +946,7 @@ mod tests {
                 status: 0,
                 timeout_s: 60,
                 tcp_state: None,
+                sctp: None,
                 mark: 0,
             })
             .unwrap();
@@ -1015,6 +1147,48 @@ mod tests {
     /// Entries that cannot be conntrack entries are refused with what is
     /// wrong, before anything reaches the kernel; what the kernel refuses
     /// comes back as its errno.
+    /// An SCTP entry without its state and tags, and a TCP one with
+    /// them, are refused before ctnetlink sees them.
+    #[test]
+    fn sctp_state_goes_with_sctp_alone() {
+        let tcp = Entry {
+            orig: tuple(IPPROTO_TCP, "127.0.0.1", 40000, "10.96.0.10", 80),
+            reply: tuple(IPPROTO_TCP, "10.244.1.5", 8080, "127.0.0.1", 40000),
+            status: 0,
+            timeout_s: 60,
+            tcp_state: None,
+            sctp: None,
+            mark: 0,
+        };
+        let sctp = |t: Tuple| Tuple {
+            proto: IPPROTO_SCTP,
+            ..t
+        };
+        for (entry, needle) in [
+            (
+                Entry {
+                    orig: sctp(tcp.orig),
+                    reply: sctp(tcp.reply),
+                    ..tcp.clone()
+                },
+                "without SCTP state",
+            ),
+            (
+                Entry {
+                    sctp: Some(SctpInfo {
+                        state: SCTP_CONNTRACK_ESTABLISHED,
+                        vtags_be: [1, 2],
+                    }),
+                    ..tcp.clone()
+                },
+                "with SCTP state",
+            ),
+        ] {
+            let err = validate(&entry).expect_err(needle);
+            assert!(err.to_string().contains(needle), "{err} lacks {needle:?}");
+        }
+    }
+
     #[test]
     fn hostile_entries_are_refused() {
         in_netns(|| {
@@ -1024,6 +1198,7 @@ mod tests {
                 status: 0,
                 timeout_s: 60,
                 tcp_state: None,
+                sctp: None,
                 mark: 0,
             };
             let refused = |entry: Entry, needle: &str| {
@@ -1065,8 +1240,9 @@ mod tests {
                     },
                     ..good.clone()
                 },
-                "neither TCP",
+                "none of TCP",
             );
+
             refused(
                 Entry {
                     reply: Tuple {
@@ -1128,6 +1304,7 @@ mod tests {
                 status: IPS_CONFIRMED,
                 timeout_s: 30,
                 tcp_state: None,
+                sctp: None,
                 mark: 0,
             })
         );

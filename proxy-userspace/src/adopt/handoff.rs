@@ -15,10 +15,13 @@
 
 use std::{collections::BTreeMap, net::SocketAddr};
 
-use proxy_common::{PROTO_TCP, ct_flags};
+use proxy_common::{PROTO_SCTP, PROTO_TCP, ct_flags};
 
 use super::{
-    conntrack::{self, ConntrackError, Entry, Tuple},
+    conntrack::{
+        self, ConntrackError, Entry, SCTP_CONNTRACK_CLOSED, SCTP_CONNTRACK_ESTABLISHED, SctpInfo,
+        Tuple,
+    },
     rules::{self, RulesError},
 };
 use crate::{
@@ -37,6 +40,10 @@ const TCP_CLOSE_WAIT_S: u32 = 3600;
 const TCP_TIME_WAIT_S: u32 = 120;
 const TCP_CLOSE_S: u32 = 10;
 const UDP_S: u32 = 120;
+/// An SCTP association's, established (`nf_conntrack_sctp_timeout_
+/// established`, 210 s: its heartbeats come every 30 s) or ended.
+const SCTP_ESTABLISHED_S: u32 = 210;
+const SCTP_CLOSED_S: u32 = 10;
 /// `TCP_CONNTRACK_ESTABLISHED`, `_CLOSE_WAIT`, `_TIME_WAIT`, `_CLOSE`
 /// (`include/uapi/linux/netfilter/nf_conntrack_tcp.h`).
 const TCP_STATE_ESTABLISHED: u8 = 3;
@@ -81,9 +88,7 @@ pub fn hand_back(pins: &PinLayout) -> Result<HandedBack, HandoffError> {
     let maps = Maps::open_pinned(pins)?;
     let all = flows::read(&maps)?;
     drop(maps);
-    let (entries, unanswered): (Vec<_>, Vec<_>) = all
-        .iter()
-        .partition(|flow| flow.proto != PROTO_TCP || flow.flags & ct_flags::SEEN_REPLY != 0);
+    let (entries, unanswered): (Vec<_>, Vec<_>) = all.iter().partition(|flow| handed(flow));
     done.unanswered = unanswered.len();
     // Before any entry is written: without a nat chain netfilter would not
     // translate them until kube-proxy's rules are back.
@@ -104,6 +109,18 @@ pub fn hand_back(pins: &PinLayout) -> Result<HandedBack, HandoffError> {
         .map(|(i, e)| (*entries[i], e.to_string()))
         .collect();
     Ok(done)
+}
+
+/// Whether `flow` is handed to netfilter: not a TCP connection or SCTP
+/// association its backend never answered, nor an association whose
+/// verification tags are not both known (netfilter would call its packets
+/// invalid, and kube-proxy drops those).
+fn handed(flow: &Flow) -> bool {
+    match flow.proto {
+        PROTO_TCP => flow.flags & ct_flags::SEEN_REPLY != 0,
+        PROTO_SCTP => flow.flags & ct_flags::SEEN_REPLY != 0 && !flow.vtags_be.contains(&0),
+        _ => true,
+    }
 }
 
 /// Writes the flow's entry, removing what would clash with it first.
@@ -139,12 +156,28 @@ pub fn entry_of(flow: &Flow) -> Entry {
     } else {
         (UDP_S, None)
     };
+    let closed = flow.flags & ct_flags::CLOSING != 0;
+    let (timeout_s, sctp) = if flow.proto == PROTO_SCTP {
+        let (timeout_s, state) = if closed {
+            (SCTP_CLOSED_S, SCTP_CONNTRACK_CLOSED)
+        } else {
+            (SCTP_ESTABLISHED_S, SCTP_CONNTRACK_ESTABLISHED)
+        };
+        let info = SctpInfo {
+            state,
+            vtags_be: flow.vtags_be,
+        };
+        (timeout_s, Some(info))
+    } else {
+        (timeout_s, None)
+    };
     Entry {
         orig: tuple(flow.proto, flow.client, flow.frontend),
         reply: tuple(flow.proto, flow.backend, seen_by_backend),
         status: STATUS,
         timeout_s,
         tcp_state,
+        sctp,
         mark: 0,
     }
 }
@@ -168,5 +201,47 @@ fn tuple(proto: u8, src: SocketAddr, dst: SocketAddr) -> Tuple {
         dst: dst.ip(),
         sport: src.port(),
         dport: dst.port(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sctp_flow(flags: u8, vtags_be: [u32; 2]) -> Flow {
+        Flow {
+            proto: PROTO_SCTP,
+            client: "10.0.0.2:40000".parse().unwrap(),
+            frontend: "10.96.0.30:3868".parse().unwrap(),
+            backend: "10.244.1.5:3869".parse().unwrap(),
+            source: None,
+            flags,
+            vtags_be,
+        }
+    }
+
+    /// An association is handed over with both its tags, as netfilter's
+    /// established (or, ended, closed) state; one whose tags are not both
+    /// known, or never answered, is not.
+    #[test]
+    fn sctp_associations_are_handed_over_with_their_tags() {
+        let answered = ct_flags::SEEN_REPLY | ct_flags::ASSURED;
+        let flow = sctp_flow(answered, [7, 9]);
+        assert!(handed(&flow), "{flow}");
+        let entry = entry_of(&flow);
+        assert_eq!(
+            entry.sctp,
+            Some(SctpInfo {
+                state: SCTP_CONNTRACK_ESTABLISHED,
+                vtags_be: [7, 9]
+            })
+        );
+        assert_eq!(entry.timeout_s, SCTP_ESTABLISHED_S);
+        assert_eq!(entry.tcp_state, None);
+        let ended = entry_of(&sctp_flow(answered | ct_flags::CLOSING, [7, 9]));
+        assert_eq!(ended.sctp.map(|s| s.state), Some(SCTP_CONNTRACK_CLOSED));
+        assert_eq!(ended.timeout_s, SCTP_CLOSED_S);
+        assert!(!handed(&sctp_flow(answered, [7, 0])), "reply tag unknown");
+        assert!(!handed(&sctp_flow(0, [0, 9])), "never answered");
     }
 }

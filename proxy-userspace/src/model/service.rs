@@ -6,8 +6,8 @@
 use std::{collections::HashSet, net::IpAddr};
 
 use super::{
-    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, ModelConfig, ModelError, Modelled,
-    NoEndpointAction, NodeInfo, Scope, ServicePortName,
+    BackendAddr, Cidr, Frontend, FrontendKey, FrontendKind, LbAlgorithm, ModelConfig, ModelError,
+    Modelled, NoEndpointAction, NodeInfo, Scope, ServicePortName,
     address_policy::{AddressCheck, Reason, Refusal, RefusedAddress},
     claims::{AddressClaims, Rank},
     compact::{CompactService, Slice},
@@ -130,6 +130,7 @@ pub(super) fn frontends(
     let mut out = Output {
         frontends: Vec::new(),
         affinity_timeout_s: parsed.affinity_timeout_s,
+        lb_algorithm: parsed.lb_algorithm,
         source_ranges: parsed.source_ranges.to_vec(),
     };
     let (mut refusals, refused) = refused_addresses(parsed, &families, &check);
@@ -330,6 +331,7 @@ fn policy_set(sets: &Categorized, local: bool) -> PolicySet<'_> {
 struct Output {
     frontends: Vec<Frontend>,
     affinity_timeout_s: Option<u32>,
+    lb_algorithm: Option<LbAlgorithm>,
     source_ranges: Vec<Cidr>,
 }
 
@@ -360,6 +362,7 @@ impl Output {
                 NoEndpointAction::Reject
             },
             affinity_timeout_s: self.affinity_timeout_s,
+            lb_algorithm: self.lb_algorithm,
             // The firewall of a LoadBalancer IP: ranges of its own family.
             source_ranges: if kind == FrontendKind::LoadBalancer {
                 self.source_ranges

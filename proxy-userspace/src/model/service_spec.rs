@@ -11,7 +11,7 @@ use k8s_openapi::{
 };
 
 use super::{
-    Cidr, Protocol,
+    Cidr, LbAlgorithm, Protocol,
     family::{Family, parse_ip},
     intern::intern,
     types::parse_protocol,
@@ -21,6 +21,9 @@ use super::{
 const DEFAULT_AFFINITY_TIMEOUT_S: i32 = 10_800;
 /// `MaxClientIPServiceAffinitySeconds`: the API server rejects more.
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
+/// The annotation choosing a Service's load-balancing algorithm over
+/// `--lb-algorithm` (`random` or `maglev`).
+pub const LB_ALGORITHM_ANNOTATION: &str = "ebpf-proxy.io/lb-algorithm";
 
 /// A service port, checked.
 #[expect(
@@ -49,6 +52,9 @@ pub(super) struct Parsed {
     pub(super) internal_local: bool,
     pub(super) external_local: bool,
     pub(super) affinity_timeout_s: Option<u32>,
+    /// Its `ebpf-proxy.io/lb-algorithm`, when that names one: None leaves
+    /// the choice to `--lb-algorithm`.
+    pub(super) lb_algorithm: Option<LbAlgorithm>,
     /// Unchecked: only the health check uses it, and a bad one must not
     /// cost the Service its frontends.
     pub(super) health_check_node_port: Option<i32>,
@@ -147,8 +153,33 @@ pub(super) fn parse(service: &Service, spec: &ServiceSpec) -> Result<Option<Pars
         )?,
         external_local,
         affinity_timeout_s: affinity_timeout(spec)?,
+        lb_algorithm: lb_algorithm(service),
         health_check_node_port: spec.health_check_node_port,
     }))
+}
+
+/// The Service's `ebpf-proxy.io/lb-algorithm`. A value that names no
+/// algorithm is warned about and left to `--lb-algorithm`: it costs the
+/// Service nothing else.
+fn lb_algorithm(service: &Service) -> Option<LbAlgorithm> {
+    let meta = &service.metadata;
+    let text = meta.annotations.as_ref()?.get(LB_ALGORITHM_ANNOTATION)?;
+    match text.parse() {
+        Ok(algorithm) => Some(algorithm),
+        Err(e) => {
+            tracing::warn!(
+                service = format!(
+                    "{}/{}",
+                    meta.namespace.as_deref().unwrap_or("default"),
+                    meta.name.as_deref().unwrap_or_default()
+                ),
+                annotation = LB_ALGORITHM_ANNOTATION,
+                value = %text,
+                "{e}; using --lb-algorithm's"
+            );
+            None
+        }
+    }
 }
 
 /// The frontends a Service of these sizes makes, as `service::frontends`

@@ -1600,3 +1600,68 @@ fn is_ours_follows_kube_proxy_label_filters() {
         assert_eq!(is_ours(labels.as_ref(), config), want, "is_ours: {name}");
     }
 }
+
+/// A log kept in memory, for the warnings a test expects.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn the_lb_algorithm_annotation_chooses_and_a_bad_one_is_warned_about() {
+    let annotated = |value: &str| {
+        let value = value.to_owned();
+        svc(move |s| {
+            s.metadata.annotations = Some(
+                [(service_spec::LB_ALGORITHM_ANNOTATION.to_owned(), value)]
+                    .into_iter()
+                    .collect(),
+            );
+            node_port(s);
+        })
+    };
+    let node = node("node-a", None);
+    let slices = [http_slice("web-1", &[ep("10.0.0.1")])];
+    let slices: Vec<Slice> = slices.iter().map(Slice::from).collect();
+    let slices: Vec<&Slice> = slices.iter().collect();
+    let algorithms = |service: &Service| {
+        let frontends =
+            service_frontends(service, &slices, &node, &ModelConfig::default()).unwrap();
+        assert_eq!(frontends.len(), 2, "the ClusterIP and the NodePort");
+        frontends.iter().map(|f| f.lb_algorithm).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        algorithms(&annotated("maglev")),
+        [Some(LbAlgorithm::Maglev); 2]
+    );
+    assert_eq!(
+        algorithms(&annotated("random")),
+        [Some(LbAlgorithm::Random); 2]
+    );
+    assert_eq!(algorithms(&svc(node_port)), [None; 2], "no annotation");
+
+    // A bad value: warned about, naming the Service and the value, and left
+    // to the flag; the Service keeps its frontends.
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let bad = annotated("Maglev!");
+    let got = tracing::subscriber::with_default(subscriber, || algorithms(&bad));
+    assert_eq!(got, [None; 2]);
+    let text = String::from_utf8(log.0.lock().expect("log lock").clone()).expect("UTF-8 log");
+    for part in ["WARN", "demo/web", "ebpf-proxy.io/lb-algorithm", "Maglev!"] {
+        assert!(text.contains(part), "the warning names {part:?}: {text}");
+    }
+}

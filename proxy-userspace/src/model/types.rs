@@ -2,6 +2,8 @@
 
 use std::{fmt, net::IpAddr};
 
+pub use crate::maglev::LbAlgorithm;
+
 /// L4 protocol of a frontend or backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
@@ -229,6 +231,8 @@ pub struct Frontend {
     /// frontends that have them: only clients inside one are served, the
     /// rest are dropped (kube-proxy's firewall chain). Empty means everyone.
     pub source_ranges: Vec<Cidr>,
+    /// The Service's `ebpf-proxy.io/lb-algorithm`; None: `--lb-algorithm`'s.
+    pub lb_algorithm: Option<LbAlgorithm>,
 }
 
 impl Frontend {
@@ -256,6 +260,7 @@ impl Frontend {
             no_endpoints: NoEndpointAction::Reject,
             affinity_timeout_s: None,
             source_ranges: Vec::new(),
+            lb_algorithm: None,
         }
     }
 }

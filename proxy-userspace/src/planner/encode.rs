@@ -15,6 +15,7 @@ use proxy_common::{
     source_range_prefix, v4_mapped,
 };
 
+use crate::maglev::BackendName;
 use crate::model::{BackendAddr, Cidr, FrontendKey, Protocol, Scope, ServicePortName};
 
 /// One entry of the `SOURCE_RANGES` trie: (prefix length, key).
@@ -105,6 +106,17 @@ pub fn backend(b: &BackendAddr) -> Backend {
         port_be: b.port.to_be(),
         proto: b.protocol.number(),
         flags,
+    }
+}
+
+/// A backend as every node names it, for its place in a Maglev table:
+/// what `backend` encodes less the flags, which are node-local (`LOCAL`) or
+/// change with the endpoint's state.
+pub fn backend_name(b: &BackendAddr) -> BackendName {
+    BackendName {
+        addr_be: addr_words(b.ip),
+        port_be: b.port.to_be(),
+        proto: b.protocol.number(),
     }
 }
 

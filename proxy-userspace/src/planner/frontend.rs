@@ -3,7 +3,7 @@
 //! flip of its service entry leaves is undone, so the frontend stays as it
 //! was; what the flip leaves unreferenced is deleted only after it.
 
-use std::sync::Arc;
+use std::{collections::HashSet, sync::Arc};
 
 use proxy_common::BackendSlotKey;
 
@@ -38,6 +38,7 @@ impl Planner {
             self.flush_first(batch.as_deref_mut(), store);
         }
         let (ids, fresh) = self.backend_ids(fe);
+        let ids = self.slots(fe, ids);
         let (service_id, unnamed) = self.service_id(fe, prev.as_ref());
         let name = if unnamed {
             self.service_name_write(fe, service_id)
@@ -137,8 +138,8 @@ impl Planner {
             if new_slot_set.is_some() {
                 self.slot_sets_in_use.remove(&p.value.slot_set);
             }
-            for id in p.backend_ids.iter().filter(|id| !ids.contains(id)) {
-                self.departed.push(self.departure(p.value.service_id, *id));
+            for id in departed_ids(&p.backend_ids, &ids) {
+                self.departed.push(self.departure(p.value.service_id, id));
             }
             cleanup.extend(self.release_backends(&p.backend_ids));
             cleanup.extend(match p.service.as_ref() {
@@ -179,9 +180,9 @@ impl Planner {
             })?;
         self.frontends.remove(key);
         self.slot_sets_in_use.remove(&prev.value.slot_set);
-        for id in &prev.backend_ids {
+        for id in departed_ids(&prev.backend_ids, &[]) {
             self.departed
-                .push(self.departure(prev.value.service_id, *id));
+                .push(self.departure(prev.value.service_id, id));
         }
         let mut cleanup: Vec<MapOp> = (0..prev.backend_ids.len())
             .map(|slot| MapOp::DeleteSlot {
@@ -203,4 +204,15 @@ impl Planner {
         });
         Ok(1 + self.apply_cleanup(cleanup, store))
     }
+}
+
+/// The ids of `before`'s slots that none of `after`'s hold, each once: a
+/// Maglev table holds each backend's id in thousands of slots.
+fn departed_ids(before: &[u32], after: &[u32]) -> Vec<u32> {
+    let mut seen: HashSet<u32> = after.iter().copied().collect();
+    before
+        .iter()
+        .copied()
+        .filter(|id| seen.insert(*id))
+        .collect()
 }

@@ -9,6 +9,7 @@ use proxy_common::{Backend, ServiceKey, ServiceValue};
 
 use super::{backends::Backends, encode::SourceRangeEntry, ops::MapOp};
 use crate::{
+    maglev::LbConfig,
     model::{FrontendKey, ServicePortName},
     source::ObjectKey,
 };
@@ -64,6 +65,8 @@ pub struct Planner {
     /// (service id, backend id) pairs that left a backend set since the
     /// last `take_departed`: their flows and affinity need cleaning.
     pub(super) departed: Vec<Departed>,
+    /// `--lb-algorithm` and the Maglev table every node shares.
+    pub(super) lb: LbConfig,
 }
 
 /// A backend that left a service's backend set.

@@ -24,6 +24,7 @@
 
 mod adopt;
 mod backends;
+mod balance;
 mod batch;
 mod cleanup;
 pub mod encode;
@@ -63,6 +64,12 @@ impl Planner {
     /// backends are returned as deletes.
     pub fn adopt(stored: &StoredState) -> (Self, Vec<MapOp>) {
         Self::from_stored(stored)
+    }
+
+    /// Balances frontends with `lb` from now on: a frontend changes
+    /// algorithm or table when it is next programmed.
+    pub fn balance_with(&mut self, lb: crate::maglev::LbConfig) {
+        self.lb = lb;
     }
 
     /// Backends that left a service since the last call.

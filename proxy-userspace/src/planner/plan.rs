@@ -58,8 +58,9 @@ impl Planner {
             count: ids.len() as u32,
             flags: service_flags_of(fe, !ranges.is_empty()),
             affinity_timeout_s: fe.affinity_timeout_s.unwrap_or(0),
-            _pad: 0,
+            hash_seed: 0,
         };
+        self.mark_maglev(fe, &mut value);
         let no_ranges = BTreeSet::new();
         let prev_ranges = prev.map_or(&no_ranges, |p| &p.source_ranges);
 

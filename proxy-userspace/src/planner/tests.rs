@@ -778,3 +778,147 @@ fn service_ids_stay_below_the_counted_bound_while_one_is_free() {
         "a freed id below the bound goes to the next port, though one past it is held: {ids:?}"
     );
 }
+
+fn maglev_config(algorithm: crate::maglev::LbAlgorithm) -> crate::maglev::LbConfig {
+    crate::maglev::LbConfig {
+        algorithm,
+        table_size: 251,
+        hash_seed: 7,
+    }
+}
+
+fn external(vip: u8, backends: &[u8]) -> Frontend {
+    Frontend {
+        kind: FrontendKind::ExternalIp,
+        ..frontend(vip, backends)
+    }
+}
+
+/// The table a node should hold for `fe`: built from the backends' names.
+fn expected_table(fe: &Frontend, lb: crate::maglev::LbConfig) -> Vec<String> {
+    let named: Vec<_> = fe
+        .backends
+        .iter()
+        .map(|b| (encode::backend_name(b), b.host_port()))
+        .collect();
+    crate::maglev::build(&named, lb.table_size, lb.hash_seed)
+}
+
+#[test]
+fn maglev_frontends_hold_their_table_and_cluster_ips_stay_random() {
+    use crate::maglev::LbAlgorithm;
+    let lb = maglev_config(LbAlgorithm::Maglev);
+    let mut p = Planner::new();
+    p.balance_with(lb);
+    let mut s = CheckingStore::default();
+    let ext = external(1, &[11, 12, 13]);
+    let cluster = frontend(2, &[11, 12, 13]);
+    sync(&mut p, &mut s, "svc", &[ext.clone(), cluster.clone()]);
+
+    let value = s.state.services[&encode::service_key(&ext.key)];
+    assert_eq!(
+        value.count, 251,
+        "an external frontend's slots are its table"
+    );
+    assert_ne!(value.flags & service_flags::MAGLEV, 0, "flagged Maglev");
+    assert_eq!(value.hash_seed, 7, "the seed goes to the datapath");
+    assert_eq!(
+        stored_backends(&s.state, &ext).unwrap(),
+        expected_table(&ext, lb)
+    );
+    let value = s.state.services[&encode::service_key(&cluster.key)];
+    assert_eq!(
+        value.flags & service_flags::MAGLEV,
+        0,
+        "a ClusterIP is random"
+    );
+    assert_eq!(
+        stored_backends(&s.state, &cluster).unwrap(),
+        expected_backends(&cluster)
+    );
+
+    // The Service's annotation wins over the flag, both ways.
+    let mut random = ext.clone();
+    random.lb_algorithm = Some(LbAlgorithm::Random);
+    sync(&mut p, &mut s, "svc", std::slice::from_ref(&random));
+    assert_eq!(
+        stored_backends(&s.state, &random).unwrap(),
+        expected_backends(&random)
+    );
+    p.balance_with(maglev_config(LbAlgorithm::Random));
+    let mut maglev = ext.clone();
+    maglev.lb_algorithm = Some(LbAlgorithm::Maglev);
+    sync(&mut p, &mut s, "svc", std::slice::from_ref(&maglev));
+    assert_eq!(
+        stored_backends(&s.state, &maglev).unwrap(),
+        expected_table(&maglev, lb)
+    );
+}
+
+#[test]
+fn nodes_that_gave_backends_other_ids_hold_the_same_table() {
+    let lb = maglev_config(crate::maglev::LbAlgorithm::Maglev);
+    let fe = external(1, &[21, 22, 23, 24, 25]);
+    let mut a = (Planner::new(), CheckingStore::default());
+    a.0.balance_with(lb);
+    sync(&mut a.0, &mut a.1, "svc", std::slice::from_ref(&fe));
+
+    // Node b saw another Service first (other ids) and the endpoints in
+    // another order.
+    let mut b = (Planner::new(), CheckingStore::default());
+    b.0.balance_with(lb);
+    sync(&mut b.0, &mut b.1, "other", &[frontend(9, &[25, 23, 30])]);
+    let mut reversed = fe.clone();
+    reversed.backends.reverse();
+    sync(&mut b.0, &mut b.1, "svc", std::slice::from_ref(&reversed));
+    assert_ne!(
+        a.1.state.backends.keys().collect::<BTreeSet<_>>(),
+        b.1.state.backends.keys().collect::<BTreeSet<_>>(),
+        "the nodes' ids differ"
+    );
+    assert_eq!(
+        stored_backends(&a.1.state, &fe),
+        stored_backends(&b.1.state, &fe)
+    );
+
+    // A restart adopts the table and, the set unchanged, writes nothing.
+    let (mut adopted, garbage) = Planner::adopt(&a.1.state);
+    adopted.balance_with(lb);
+    assert!(garbage.is_empty(), "garbage after adoption: {garbage:?}");
+    assert_eq!(
+        sync(&mut adopted, &mut a.1, "svc", std::slice::from_ref(&fe)),
+        0
+    );
+}
+
+#[test]
+fn a_backend_leaving_a_table_departs_once_and_the_table_is_swapped_whole() {
+    let lb = maglev_config(crate::maglev::LbAlgorithm::Maglev);
+    let mut p = Planner::new();
+    p.balance_with(lb);
+    let mut s = CheckingStore::default();
+    let fe = external(1, &[11, 12, 13, 14]);
+    sync(&mut p, &mut s, "svc", std::slice::from_ref(&fe));
+    let before = s.state.services[&encode::service_key(&fe.key)].slot_set;
+    p.take_departed();
+
+    let fewer = external(1, &[11, 12, 14]);
+    sync(&mut p, &mut s, "svc", std::slice::from_ref(&fewer));
+    let value = s.state.services[&encode::service_key(&fe.key)];
+    assert_ne!(value.slot_set, before, "a new table, flipped in one write");
+    assert_eq!(
+        stored_backends(&s.state, &fewer).unwrap(),
+        expected_table(&fewer, lb)
+    );
+    let departed = p.take_departed();
+    assert_eq!(departed.len(), 1, "13 departs once: {departed:?}");
+    assert_eq!(
+        departed[0].backend.map(|b| encode::backend_string(&b)),
+        Some("10.0.0.13:8080".to_owned())
+    );
+    assert_eq!(
+        s.state.slots.len(),
+        251,
+        "the old table's slots are deleted after the flip"
+    );
+}

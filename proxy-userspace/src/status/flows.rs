@@ -6,12 +6,13 @@
 //! addresses as four numbers (docs/operations.md, "Reading the maps").
 
 use std::{
+    collections::HashMap,
     fmt,
     net::{IpAddr, Ipv4Addr, SocketAddr},
 };
 
 use aya::maps::IterableMap;
-use proxy_common::{Ct6Key, Ct6Value, CtKey, CtValue, ct_dir, ct_flags, map_names};
+use proxy_common::{Ct6Key, Ct6Value, CtKey, CtValue, PROTO_SCTP, ct_dir, ct_flags, map_names};
 
 use crate::{
     datapath::{
@@ -33,6 +34,10 @@ pub struct Flow {
     pub source: Option<SocketAddr>,
     /// `ct_flags`.
     pub flags: u8,
+    /// Of an SCTP flow, the verification tags its client's and its
+    /// backend's packets carry, as on the wire (0: not known); 0 for other
+    /// protocols.
+    pub vtags_be: [u32; 2],
 }
 
 impl Flow {
@@ -53,6 +58,7 @@ impl Flow {
             source: (value.flags & ct_flags::TWO_SIDED != 0)
                 .then(|| v4(value.alt_addr_be, value.alt_port_be)),
             flags: value.flags,
+            vtags_be: [sctp_tag(key.proto, value.tcp_max_ack), 0],
         })
     }
 
@@ -87,7 +93,41 @@ impl Flow {
             source: (value.flags & ct_flags::TWO_SIDED != 0)
                 .then(|| v6(&value.alt_addr_be, value.alt_port_be)),
             flags: value.flags,
+            vtags_be: [sctp_tag(key.proto, value.tcp_max_ack), 0],
         })
+    }
+}
+
+/// An entry's verification tag, where it holds one (an SCTP flow's).
+fn sctp_tag(proto: u8, word: u32) -> u32 {
+    if proto == PROTO_SCTP { word } else { 0 }
+}
+
+/// The SCTP reply entries' tags, by the reply's own socket pair (from the
+/// backend, to what it sees as the client).
+type ReplyTags = HashMap<(SocketAddr, SocketAddr), u32>;
+
+/// Notes `key`'s entry's tag in `tags` when it is an SCTP reply entry.
+fn note_reply_tag(
+    tags: &mut ReplyTags,
+    proto: u8,
+    dir: u8,
+    src: SocketAddr,
+    dst: SocketAddr,
+    tag: u32,
+) {
+    if proto == PROTO_SCTP && dir == ct_dir::REPLY {
+        tags.insert((src, dst), tag);
+    }
+}
+
+/// Fills in each SCTP flow's reply tag from its reply entry's.
+fn with_reply_tags(flows: &mut [Flow], tags: &ReplyTags) {
+    for flow in flows.iter_mut().filter(|f| f.proto == PROTO_SCTP) {
+        let seen_by_backend = flow.source.unwrap_or(flow.client);
+        if let Some(tag) = tags.get(&(flow.backend, seen_by_backend)) {
+            flow.vtags_be[1] = *tag;
+        }
     }
 }
 
@@ -130,12 +170,23 @@ impl fmt::Display for Flow {
 /// Every translated flow in the pinned conntrack maps, IPv4 (`CONNTRACK`
 /// and `CT_NEW`) then IPv6 (`CONNTRACK6` and `CT_NEW6`), each sorted.
 pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
+    let mut tags = ReplyTags::new();
     let mut v4 = Vec::new();
     for (name, map) in [
         (map_names::CONNTRACK, maps.conntrack.map()),
         (map_names::CT_NEW, maps.ct_new.map()),
     ] {
         batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
+            for (k, v) in keys.iter().zip(values) {
+                let v4 = |addr_be: u32, port_be: u16| {
+                    SocketAddr::new(
+                        IpAddr::V4(Ipv4Addr::from(addr_be.to_ne_bytes())),
+                        u16::from_be(port_be),
+                    )
+                };
+                let (src, dst) = (v4(k.src_be, k.sport_be), v4(k.dst_be, k.dport_be));
+                note_reply_tag(&mut tags, k.proto, v.dir, src, dst, v.tcp_max_ack);
+            }
             v4.extend(
                 keys.iter()
                     .zip(values)
@@ -153,17 +204,29 @@ pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
         let Some(map) = map else {
             continue;
         };
-        batch::for_each_chunk(map.map(), batch::CHUNK, |keys: &[Ct6Key], values| {
-            v6.extend(
-                keys.iter()
-                    .zip(values)
-                    .filter_map(|(k, v)| Flow::of_v6(k, v)),
-            );
-        })
+        batch::for_each_chunk(
+            map.map(),
+            batch::CHUNK,
+            |keys: &[Ct6Key], values: &[Ct6Value]| {
+                for (k, v) in keys.iter().zip(values) {
+                    let v6 = |addr_be: &[u32; 4], port_be: u16| {
+                        SocketAddr::new(encode::words_addr(addr_be), u16::from_be(port_be))
+                    };
+                    let (src, dst) = (v6(&k.src_be, k.sport_be), v6(&k.dst_be, k.dport_be));
+                    note_reply_tag(&mut tags, k.proto, v.dir, src, dst, v.tcp_max_ack);
+                }
+                v6.extend(
+                    keys.iter()
+                        .zip(values)
+                        .filter_map(|(k, v)| Flow::of_v6(k, v)),
+                );
+            },
+        )
         .map_err(batch_error(name))?;
     }
     v6.sort();
     v4.extend(v6);
+    with_reply_tags(&mut v4, &tags);
     Ok(v4)
 }
 

@@ -97,7 +97,8 @@ pub struct FrontendReport {
     pub kind: &'static str,
     /// `affinity`, `source-ranges`, `in-cluster` (the entry of clients of
     /// the cluster, under a Local external traffic policy),
-    /// `no-endpoints-reject`, `no-endpoints-drop`.
+    /// `no-endpoints-reject`, `no-endpoints-drop`, `maglev` (new flows
+    /// pick by the Maglev table its slots hold).
     pub flags: Vec<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_timeout_s: Option<u32>,
@@ -277,6 +278,9 @@ fn frontend(
     let affinity = value.flags & service_flags::AFFINITY != 0;
     if affinity {
         flags.push("affinity");
+    }
+    if value.flags & service_flags::MAGLEV != 0 {
+        flags.push("maglev");
     }
     let mut source_ranges = Vec::new();
     if value.flags & service_flags::SOURCE_RANGES != 0 {
@@ -561,7 +565,7 @@ mod tests {
             } else {
                 0
             },
-            _pad: 0,
+            hash_seed: 0,
         };
         let lb = key(v4(192, 0, 2, 10), 80, PROTO_TCP, scope::ANY);
         for (k, v) in [

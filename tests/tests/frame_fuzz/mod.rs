@@ -262,6 +262,7 @@ fn programmed(fe: &Fe) -> Frontend {
                 .collect(),
             None => Vec::new(),
         },
+        lb_algorithm: None,
     }
 }
 

@@ -1144,14 +1144,9 @@ mod tests {
         });
     }
 
-    /// Entries that cannot be conntrack entries are refused with what is
-    /// wrong, before anything reaches the kernel; what the kernel refuses
-    /// comes back as its errno.
-    /// An SCTP entry without its state and tags, and a TCP one with
-    /// them, are refused before ctnetlink sees them.
-    #[test]
-    fn sctp_state_goes_with_sctp_alone() {
-        let tcp = Entry {
+    /// A DNAT entry of a TCP connection that ctnetlink takes.
+    fn valid_tcp_entry() -> Entry {
+        Entry {
             orig: tuple(IPPROTO_TCP, "127.0.0.1", 40000, "10.96.0.10", 80),
             reply: tuple(IPPROTO_TCP, "10.244.1.5", 8080, "127.0.0.1", 40000),
             status: 0,
@@ -1159,7 +1154,14 @@ mod tests {
             tcp_state: None,
             sctp: None,
             mark: 0,
-        };
+        }
+    }
+
+    /// An SCTP entry without its state and tags, and a TCP one with
+    /// them, are refused before ctnetlink sees them.
+    #[test]
+    fn sctp_state_goes_with_sctp_alone() {
+        let tcp = valid_tcp_entry();
         let sctp = |t: Tuple| Tuple {
             proto: IPPROTO_SCTP,
             ..t
@@ -1189,18 +1191,13 @@ mod tests {
         }
     }
 
+    /// Entries that cannot be conntrack entries are refused with what is
+    /// wrong, before anything reaches the kernel; what the kernel refuses
+    /// comes back as its errno.
     #[test]
     fn hostile_entries_are_refused() {
         in_netns(|| {
-            let good = Entry {
-                orig: tuple(IPPROTO_TCP, "127.0.0.1", 40000, "10.96.0.10", 80),
-                reply: tuple(IPPROTO_TCP, "10.244.1.5", 8080, "127.0.0.1", 40000),
-                status: 0,
-                timeout_s: 60,
-                tcp_state: None,
-                sctp: None,
-                mark: 0,
-            };
+            let good = valid_tcp_entry();
             let refused = |entry: Entry, needle: &str| {
                 let err = create(&entry).expect_err(needle);
                 assert!(matches!(err, ConntrackError::Invalid(_)), "{err:?}");

@@ -1463,6 +1463,9 @@ pub mod counter {
     /// A slot or backend lookup missed (agent mid-update); passed.
     pub const LOOKUP_MISS: u32 = 7;
     /// Packet to a frontend whose protocol the datapath does not handle.
+    /// Every protocol a frontend can have is translated now (SCTP was the
+    /// last): never counted, kept so that what reads it by name still finds
+    /// it.
     pub const UNSUPPORTED_PROTO: u32 = 8;
     /// New hairpin flow (a backend reaching itself through its service).
     pub const HAIRPIN: u32 = 9;

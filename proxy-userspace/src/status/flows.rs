@@ -44,19 +44,13 @@ impl Flow {
     /// The flow of a forward entry of `CONNTRACK` or `CT_NEW`; None for a
     /// reply entry.
     pub fn of_v4(key: &CtKey, value: &CtValue) -> Option<Flow> {
-        let v4 = |addr_be: u32, port_be: u16| {
-            SocketAddr::new(
-                IpAddr::V4(Ipv4Addr::from(addr_be.to_ne_bytes())),
-                u16::from_be(port_be),
-            )
-        };
         (value.dir == ct_dir::FORWARD).then(|| Flow {
             proto: key.proto,
-            client: v4(key.src_be, key.sport_be),
-            frontend: v4(key.dst_be, key.dport_be),
-            backend: v4(value.nat_addr_be, value.nat_port_be),
+            client: socket_v4(key.src_be, key.sport_be),
+            frontend: socket_v4(key.dst_be, key.dport_be),
+            backend: socket_v4(value.nat_addr_be, value.nat_port_be),
             source: (value.flags & ct_flags::TWO_SIDED != 0)
-                .then(|| v4(value.alt_addr_be, value.alt_port_be)),
+                .then(|| socket_v4(value.alt_addr_be, value.alt_port_be)),
             flags: value.flags,
             vtags_be: [sctp_tag(key.proto, value.tcp_max_ack), 0],
         })
@@ -82,20 +76,30 @@ impl Flow {
 
     /// The flow of a forward entry of `CONNTRACK6`; None for a reply entry.
     pub fn of_v6(key: &Ct6Key, value: &Ct6Value) -> Option<Flow> {
-        let v6 = |addr_be: &[u32; 4], port_be: u16| {
-            SocketAddr::new(encode::words_addr(addr_be), u16::from_be(port_be))
-        };
         (value.dir == ct_dir::FORWARD).then(|| Flow {
             proto: key.proto,
-            client: v6(&key.src_be, key.sport_be),
-            frontend: v6(&key.dst_be, key.dport_be),
-            backend: v6(&value.nat_addr_be, value.nat_port_be),
+            client: socket_v6(&key.src_be, key.sport_be),
+            frontend: socket_v6(&key.dst_be, key.dport_be),
+            backend: socket_v6(&value.nat_addr_be, value.nat_port_be),
             source: (value.flags & ct_flags::TWO_SIDED != 0)
-                .then(|| v6(&value.alt_addr_be, value.alt_port_be)),
+                .then(|| socket_v6(&value.alt_addr_be, value.alt_port_be)),
             flags: value.flags,
             vtags_be: [sctp_tag(key.proto, value.tcp_max_ack), 0],
         })
     }
+}
+
+/// A socket address of an IPv4 conntrack key or entry (network order).
+fn socket_v4(addr_be: u32, port_be: u16) -> SocketAddr {
+    SocketAddr::new(
+        IpAddr::V4(Ipv4Addr::from(addr_be.to_ne_bytes())),
+        u16::from_be(port_be),
+    )
+}
+
+/// A socket address of an IPv6 conntrack key or entry (network order).
+fn socket_v6(addr_be: &[u32; 4], port_be: u16) -> SocketAddr {
+    SocketAddr::new(encode::words_addr(addr_be), u16::from_be(port_be))
 }
 
 /// An entry's verification tag, where it holds one (an SCTP flow's).
@@ -178,13 +182,10 @@ pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
     ] {
         batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
             for (k, v) in keys.iter().zip(values) {
-                let v4 = |addr_be: u32, port_be: u16| {
-                    SocketAddr::new(
-                        IpAddr::V4(Ipv4Addr::from(addr_be.to_ne_bytes())),
-                        u16::from_be(port_be),
-                    )
-                };
-                let (src, dst) = (v4(k.src_be, k.sport_be), v4(k.dst_be, k.dport_be));
+                let (src, dst) = (
+                    socket_v4(k.src_be, k.sport_be),
+                    socket_v4(k.dst_be, k.dport_be),
+                );
                 note_reply_tag(&mut tags, k.proto, v.dir, src, dst, v.tcp_max_ack);
             }
             v4.extend(
@@ -209,10 +210,10 @@ pub fn read(maps: &Maps) -> Result<Vec<Flow>, MapsError> {
             batch::CHUNK,
             |keys: &[Ct6Key], values: &[Ct6Value]| {
                 for (k, v) in keys.iter().zip(values) {
-                    let v6 = |addr_be: &[u32; 4], port_be: u16| {
-                        SocketAddr::new(encode::words_addr(addr_be), u16::from_be(port_be))
-                    };
-                    let (src, dst) = (v6(&k.src_be, k.sport_be), v6(&k.dst_be, k.dport_be));
+                    let (src, dst) = (
+                        socket_v6(&k.src_be, k.sport_be),
+                        socket_v6(&k.dst_be, k.dport_be),
+                    );
                     note_reply_tag(&mut tags, k.proto, v.dir, src, dst, v.tcp_max_ack);
                 }
                 v6.extend(

@@ -18,12 +18,12 @@ use proxy_common::{
 use crate::{
     conntrack::{self, NewFlow},
     family::{Family, V4, V6},
-    flow_cache, frontend,
+    flow_cache,
+    frontend::{self, Frontend},
     hook::Hook,
     maps::{count, node_flags},
     nat::NatOf,
-    packet::frag,
-    packet::{ETH_HLEN, FlowOf, read},
+    packet::{ETH_HLEN, FlowOf, frag, read},
     packet6::{IPV6_HLEN, NEXTHDR_DEST},
     pipeline::PipelineFamily,
 };
@@ -183,17 +183,22 @@ impl DsrFamily for V6 {
 /// frontend, whose backend is on another node (`remote`), goes by direct
 /// server return: `--lb-mode dsr` for TCP and UDP, or `hybrid` for TCP,
 /// on a packet with no options or extension headers before which to put
-/// the carrier, unless every flow is masqueraded. SCTP is SNATed: its
+/// the carrier, unless every flow is masqueraded. Not for a client in the
+/// cluster (`Frontend::inside`: its pod CIDRs, or this node's pods, whose
+/// answers from the backend's node would come from this node's own
+/// NodePort address, which input routing here drops as martian): those
+/// are SNATed as before. SCTP is SNATed: its
 /// associations are tracked by tags that only both directions show.
 #[inline(always)]
-pub fn sends<F: DsrFamily>(flow: &FlowOf<F::Addr>, svc_flags: u32, remote: bool) -> bool {
+pub fn sends<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: &Frontend, remote: bool) -> bool {
+    if !remote || frontend.inside || frontend.svc.flags & service_flags::EXTERNAL == 0 {
+        return false;
+    }
     let flags = node_flags();
     flags & node_config_flags::DSR != 0
         && flags & node_config_flags::MASQUERADE_ALL == 0
         && (flow.proto == PROTO_TCP
             || flow.proto == PROTO_UDP && flags & node_config_flags::DSR_TCP_ONLY == 0)
-        && svc_flags & service_flags::EXTERNAL != 0
-        && remote
         && F::plain(flow)
 }
 

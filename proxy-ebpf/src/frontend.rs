@@ -22,6 +22,9 @@ pub struct Frontend {
     /// The flow's destination is an address of this node (a NodePort, or an
     /// external address the node holds): replies leave from it.
     pub on_node: bool,
+    /// The frontend is external and its client in-cluster (as the caller's
+    /// `in_cluster` said): never sent by direct server return.
+    pub inside: bool,
 }
 
 /// The frontend of a packet to `dst_be`:`dport_be` of `proto`, of either
@@ -56,6 +59,7 @@ pub fn lookup_frontend_of<A: FlowAddr>(
             key: own,
             on_node: svc.flags & service_flags::EXTERNAL != 0 && node_flags().is_some(),
             svc,
+            inside: false,
         }
     } else {
         if node_flags()? & node_addr_flags::NODEPORT == 0 {
@@ -69,6 +73,7 @@ pub fn lookup_frontend_of<A: FlowAddr>(
             key,
             svc: lookup(key)?,
             on_node: true,
+            inside: false,
         }
     };
     Some(for_client(frontend, in_cluster))
@@ -88,12 +93,14 @@ pub fn lookup_nodeport(
         key,
         svc: lookup(key)?,
         on_node: true,
+        inside: false,
     };
     Some(for_client(frontend, in_cluster))
 }
 
 /// The frontend's in-cluster entry for an in-cluster client, where it has
-/// one: it exists only where it differs (externalTrafficPolicy Local).
+/// one: it exists only where it differs (externalTrafficPolicy Local); in
+/// either case marked `inside`.
 #[inline(always)]
 fn for_client(frontend: Frontend, in_cluster: impl FnOnce() -> bool) -> Frontend {
     if frontend.svc.flags & service_flags::EXTERNAL != 0 && in_cluster() {
@@ -105,9 +112,14 @@ fn for_client(frontend: Frontend, in_cluster: impl FnOnce() -> bool) -> Frontend
             return Frontend {
                 key: internal,
                 svc,
+                inside: true,
                 ..frontend
             };
         }
+        return Frontend {
+            inside: true,
+            ..frontend
+        };
     }
     frontend
 }

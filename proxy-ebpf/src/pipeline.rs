@@ -266,7 +266,7 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
     // over both families").
     let hairpin = backend_be == flow.src_be;
     let remote = backend.flags & backend_flags::LOCAL == 0;
-    let direct = !hairpin && dsr::sends::<F>(flow, svc.flags, remote);
+    let direct = !hairpin && dsr::sends::<F>(flow, frontend, remote);
     let snat = !hairpin && !direct && masquerades::<F, H>(ctx, flow, svc.flags, &backend);
     match F::new_source(hairpin, snat) {
         Source::Node(node) => {

@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
+pub mod dsr;
 pub mod ip_summed;
 pub mod maglev;
 pub mod netfilter_ct;
@@ -91,6 +92,10 @@ pub mod map_names {
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
+    /// The program array `tc_ingress` and `tc_ingress6` tail-call into
+    /// for a packet another node sent by direct server return
+    /// (`TC_DSR_IPV4`, `TC_DSR_IPV6`).
+    pub const TC_DSR: &str = "TC_DSR";
     /// The rate limit of rejects (`RejectLimit`). Never pinned, so not in
     /// `ALL`: each agent writes its own at load.
     pub const REJECT_LIMIT: &str = "REJECT_LIMIT";
@@ -187,6 +192,10 @@ pub mod datapath_log {
 
 /// The slot of `program_names::XDP_INGRESS6` in `map_names::XDP_NEXT`.
 pub const XDP_NEXT_IPV6: u32 = 0;
+/// The slot of `program_names::TC_DSR` in `map_names::TC_DSR`.
+pub const TC_DSR_IPV4: u32 = 0;
+/// The slot of `program_names::TC_DSR6` in `map_names::TC_DSR`.
+pub const TC_DSR_IPV6: u32 = 1;
 
 /// Program names in the object file.
 pub mod program_names {
@@ -207,6 +216,14 @@ pub mod program_names {
     /// untouched to `TC_INGRESS6`; with its slot empty, `XDP_INGRESS`
     /// passes IPv6 to tc itself.
     pub const XDP_INGRESS6: &str = "xdp_ingress6";
+    /// tc for an IPv4 packet another node sent here by direct server
+    /// return (its frontend in an IP option): never attached, reached by a
+    /// tail call from `TC_INGRESS` (slot `TC_DSR_IPV4` of
+    /// `map_names::TC_DSR`), with a stack and a verifier budget of its own.
+    pub const TC_DSR: &str = "tc_dsr";
+    /// `TC_DSR` for IPv6 (its frontend in a destination options header),
+    /// from `TC_INGRESS6` (slot `TC_DSR_IPV6`).
+    pub const TC_DSR6: &str = "tc_dsr6";
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
     /// Only the conntrack work of a new flow: the packet parsed and the two
@@ -919,7 +936,10 @@ pub mod ct_flags {
     pub const SNAT: u8 = 1 << 3;
     /// After translation the packet's source is an address of this node,
     /// which the stack would drop as martian: it is routed by a FIB lookup
-    /// and redirected instead.
+    /// and redirected instead. On a forward entry without `TWO_SIDED` (the
+    /// client's address kept), the flow goes by direct server return: its
+    /// packets carry their frontend to the backend's node (`dsr`), and its
+    /// replies never come back here.
     pub const REDIRECT: u8 = 1 << 4;
     /// `alt_*` is in use: the other address of the packet is rewritten too.
     pub const TWO_SIDED: u8 = HAIRPIN | SNAT;
@@ -1395,6 +1415,16 @@ pub mod node_config_flags {
     /// ClusterIP where it has a local traffic detector. In `NODE_CONFIG` for
     /// IPv4, in `NODE_CONFIG6` for IPv6 (each family's detector is its own).
     pub const MASQUERADE_OFF_CLUSTER: u32 = 1 << 3;
+    /// Direct server return (`--lb-mode dsr`): a new flow from outside to
+    /// an external frontend whose backend is on another node keeps the
+    /// client's address. It is DNATed and sent to the backend's node with
+    /// the frontend in an IP option (`dsr`), whose replies then leave
+    /// straight to the client. The option is also what this node accepts
+    /// from others. In `NODE_CONFIG` for both families.
+    pub const DSR: u32 = 1 << 4;
+    /// With `DSR`, only TCP flows go by direct server return; UDP's are
+    /// SNATed (`--lb-mode hybrid`).
+    pub const DSR_TCP_ONLY: u32 = 1 << 5;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)
@@ -1563,7 +1593,18 @@ pub mod counter {
     /// someone who guessed the association's addresses and ports. Dropped,
     /// as netfilter marks it invalid and kube-proxy drops invalid packets.
     pub const DROP_SCTP_VTAG: u32 = 36;
-    pub const COUNT: u32 = 37;
+    /// New flow from outside to a backend on another node sent by direct
+    /// server return (`node_config_flags::DSR`): DNATed with the client's
+    /// address kept, the frontend carried in an IP option (`dsr`).
+    pub const DSR_NEW: u32 = 37;
+    /// Flow a backend's node took from the DSR option of a packet another
+    /// node sent: its backend's replies leave here, from the frontend.
+    pub const DSR_LEARNT: u32 = 38;
+    /// Packet with a DSR option this node refused: the frontend it names is
+    /// not an external frontend here, or DSR is off on this node. Passed
+    /// untranslated (to a pod that then answers from its own address).
+    pub const DSR_REFUSED: u32 = 39;
+    pub const COUNT: u32 = 40;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1605,6 +1646,9 @@ pub mod counter {
         "drop_unallocated",
         "reject_undefined_port",
         "drop_sctp_vtag",
+        "dsr_new",
+        "dsr_learnt",
+        "dsr_refused",
     ];
 }
 

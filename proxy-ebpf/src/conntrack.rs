@@ -234,6 +234,15 @@ pub fn translation<A: Copy>(entry: &CtValueOf<A>, flow: &FlowOf<A>) -> NatOf<A> 
         }
     }
     nat.redirect = entry.flags & ct_flags::REDIRECT != 0;
+    // A forward entry sent by the datapath with the client's address kept
+    // is direct server return's (`ct_flags::REDIRECT`). Bit arithmetic: a
+    // branch here would split every known flow's path in two for the
+    // verifier, from here to the packet's end.
+    let flags = entry.flags;
+    let redirect = (flags / ct_flags::REDIRECT) & 1;
+    let one_sided = !((flags / ct_flags::HAIRPIN) | (flags / ct_flags::SNAT)) & 1;
+    let forward = (entry.dir ^ ct_dir::REPLY) & 1;
+    nat.dsr = redirect & one_sided & forward;
     nat
 }
 
@@ -261,11 +270,20 @@ pub fn touch<F: Family>(
     let mut flags = old_flags;
     if entry.dir == ct_dir::REPLY {
         flags |= ct_flags::SEEN_REPLY;
-    } else if flags & ct_flags::SEEN_REPLY != 0
-        && flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
-        && (flow.proto != PROTO_TCP || flow.tcp_flags & TCP_ACK != 0)
-    {
-        flags |= ct_flags::ASSURED;
+    } else {
+        // A flow sent by direct server return is answered through another
+        // node, never here: its client speaking again after its first
+        // packet (a TCP client's ACK after the backend's SYN-ACK) is the
+        // reply it shows.
+        if nat.dsr != 0 && flow.tcp_flags & TCP_SYN == 0 {
+            flags |= ct_flags::SEEN_REPLY;
+        }
+        if flags & ct_flags::SEEN_REPLY != 0
+            && flow.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+            && (flow.proto != PROTO_TCP || flow.tcp_flags & TCP_ACK != 0)
+        {
+            flags |= ct_flags::ASSURED;
+        }
     }
     if flow.proto == PROTO_TCP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         flags = closed::<F>(flags, entry.dir, flow, nat, found.unassured);

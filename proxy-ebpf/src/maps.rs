@@ -116,6 +116,13 @@ pub static REJECT_LIMIT: Array<RejectLimit, 1> = Array::new();
 #[btf_map]
 pub static XDP_NEXT: ProgramArray<1> = ProgramArray::new();
 
+/// Direct server return's packets from other nodes, at tc: slot
+/// `proxy_common::TC_DSR_IPV4`, `tc_dsr`; `TC_DSR_IPV6`, `tc_dsr6`. Filled by
+/// the agent at load, never pinned, as `XDP_NEXT`: with a slot empty, such
+/// packets pass untranslated, as if no node sent by direct server return.
+#[btf_map]
+pub static TC_DSR: ProgramArray<2> = ProgramArray::new();
+
 /// Room for the largest temporaries of conntrack's writes (see `Scratch`),
 /// one map per family. Never pinned: they hold nothing from one packet to
 /// the next.

@@ -38,6 +38,11 @@ pub struct NatOf<A> {
     /// The new source is an address of this node: the packet must be routed
     /// by a FIB lookup and redirected, as the stack would drop it.
     pub redirect: bool,
+    /// 1 for direct server return: the packet keeps the client's address
+    /// and carries its frontend to the backend's node (`crate::dsr`);
+    /// redirected too. A number, not a bool, so that it is worked out and
+    /// used without branches where it can be (see `conntrack::translation`).
+    pub dsr: u8,
 }
 
 impl<A: Copy> NatOf<A> {
@@ -50,6 +55,7 @@ impl<A: Copy> NatOf<A> {
             dst_be: flow.dst_be,
             dport_be: flow.dport_be,
             redirect: false,
+            dsr: 0,
         }
     }
 

@@ -30,6 +30,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, NewFlow},
+    dsr,
     event_log::Event,
     family::V4,
     flow_cache, frag,
@@ -148,6 +149,13 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
                 || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
+        if dsr::may_carry::<F>(flow) {
+            // Maybe sent here by direct server return, to a backend of
+            // this node: keyed by the frontend its carrier names, in a
+            // program of its own (`crate::dsr`), so that the verifier
+            // walks none of this one's paths again for it.
+            return Ok(ctx.dsr(F::DSR_SLOT));
+        }
         return Ok(unserved::<F, H>(ctx, flow, prefilter::Block::Unread));
     };
     if flow.proto == PROTO_SCTP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
@@ -257,7 +265,9 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
     // went past the verifier's limit (docs/architecture.md, "One pipeline
     // over both families").
     let hairpin = backend_be == flow.src_be;
-    let snat = !hairpin && masquerades::<F, H>(ctx, flow, svc.flags, &backend);
+    let remote = backend.flags & backend_flags::LOCAL == 0;
+    let direct = !hairpin && dsr::sends::<F>(flow, svc.flags, remote);
+    let snat = !hairpin && !direct && masquerades::<F, H>(ctx, flow, svc.flags, &backend);
     match F::new_source(hairpin, snat) {
         Source::Node(node) => {
             nf.kind = if hairpin {
@@ -296,6 +306,15 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
             nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
             conntrack::create::<F>(flow, &nf, now);
             count(counter::HAIRPIN);
+        }
+        Source::Keep if direct => {
+            nf.nat.redirect = true;
+            nf.nat.dsr = 1;
+            if let Err(exit) = route_first::<F, H>(ctx, flow, &nf.nat) {
+                return exit;
+            }
+            conntrack::create::<F>(flow, &nf, now);
+            count(counter::DSR_NEW);
         }
         Source::Keep => {
             nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
@@ -426,12 +445,20 @@ fn route_first<F: PipelineFamily, H: Verdicts>(
     if !nat.redirect {
         return Ok(());
     }
-    match route::first::<F, H>(ctx, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be) {
+    // XDP cannot grow the packet by the carrier in place: tc sends it.
+    if H::XDP && nat.dsr != 0 {
+        count(counter::XDP_TO_TC);
+        return Err(Ok(H::PASS));
+    }
+    // Arithmetic, not a branch: the verifier keeps one path.
+    let room = F::ROOM * u16::from(nat.dsr);
+    match route::first::<F, H>(ctx, flow.l4_off, flow.proto, room, &nat.src_be, &nat.dst_be) {
         Ahead::Go => Ok(()),
         Ahead::ToTc => Err(Ok(H::PASS)),
         Ahead::TooBig(mtu) => {
+            // The client is told what is left once the carrier is in.
             F::log(Event::TooBig, flow);
-            Err(Err(mtu))
+            Err(Err(mtu.saturating_sub(room)))
         }
         Ahead::Unroutable => {
             F::log(Event::NoRoute, flow);
@@ -466,6 +493,16 @@ fn finish<F: PipelineFamily, H: Verdicts>(
             count(counter::XDP_TRANSLATED);
         }
         return H::PASS;
+    }
+    // The carrier goes in last: the rewrite's offsets are the packet's as
+    // it came. XDP never gets here with one (`route_first`).
+    if let Some(tc) = ctx.tc()
+        && nat.dsr != 0
+        && F::carry(tc, flow).is_err()
+    {
+        count(counter::DROP_REWRITE);
+        F::log(Event::Rewrite, flow);
+        return H::DROP;
     }
     count(counter::REDIRECT);
     ctx.send::<F>(flow, nat)

@@ -122,7 +122,8 @@ pub enum Ahead {
 }
 
 /// Routes a translated packet of `proto` from `src` to `dst`, whose
-/// transport header starts at `l4_off`, before anything is written or
+/// transport header starts at `l4_off` and which will grow by `room` bytes
+/// (direct server return's carrier), before anything is written or
 /// created, both families and both hooks: XDP sends only back out of the
 /// interface it came in on to a resolved neighbour.
 #[inline(always)]
@@ -130,10 +131,12 @@ pub fn first<F: Family, H: Hook>(
     ctx: &H,
     l4_off: usize,
     proto: u8,
+    room: u16,
     src: &F::Addr,
     dst: &F::Addr,
 ) -> Ahead {
-    let hop = lookup::<F, H>(ctx, proto, src, dst, network_len(ctx, l4_off, proto));
+    let len = network_len(ctx, l4_off, proto).saturating_add(room);
+    let hop = lookup::<F, H>(ctx, proto, src, dst, len);
     if H::XDP {
         return match hop {
             Hop::Via {

@@ -15,7 +15,7 @@ use crate::{
     family::Family,
     hook::Hook,
     icmp_error::{self, ErrorFamily},
-    maps::{XDP_NEXT, count},
+    maps::{TC_DSR, XDP_NEXT, count},
     nat::NatOf,
     packet::FlowOf,
     reject::{self, ResetFamily},
@@ -32,6 +32,11 @@ pub trait Verdicts: Hook {
 
     /// Not this program's family: handed on to the other family's program.
     fn next(&self) -> Self::Verdict;
+
+    /// A packet another node sent by direct server return: handed on to
+    /// the family's `tc_dsr` program (`crate::dsr`), in slot `slot` of
+    /// `TC_DSR`; XDP leaves it to tc.
+    fn dsr(&self, slot: u32) -> Self::Verdict;
 
     /// An ICMP message at `at`: translated back if it is an error about a
     /// translated flow (`icmp_error`).
@@ -64,6 +69,18 @@ impl Verdicts for TcContext {
     #[inline(always)]
     fn next(&self) -> i32 {
         TCX_NEXT
+    }
+
+    /// A tail call, inlined into the entry program's own frame, as
+    /// `XdpContext::next` is. It returns only when the slot is empty (the
+    /// agent could not load the program, or has gone): the packet then
+    /// goes on untranslated, counted.
+    #[inline(always)]
+    fn dsr(&self, slot: u32) -> i32 {
+        // SAFETY: a tail call with this program's own context.
+        unsafe { TC_DSR.tail_call(self, slot) };
+        count(counter::DSR_REFUSED);
+        TC_ACT_OK
     }
 
     #[inline(always)]
@@ -117,6 +134,12 @@ impl Verdicts for XdpContext {
         // returns when it fails (an empty slot: `xdp_ingress6` was not
         // loaded, or its agent has gone), and then IPv6 is left to tc.
         unsafe { XDP_NEXT.tail_call(self, XDP_NEXT_IPV6) };
+        xdp_action::XDP_PASS
+    }
+
+    #[inline(always)]
+    fn dsr(&self, _slot: u32) -> u32 {
+        count(counter::XDP_TO_TC);
         xdp_action::XDP_PASS
     }
 

@@ -115,6 +115,8 @@ pub struct AgentConfig {
     pub detect_local: DetectLocal,
     /// SNAT every new flow to a Service to the node (`--masquerade-all`).
     pub masquerade_all: bool,
+    /// How external flows to backends on other nodes go (`--lb-mode`).
+    pub lb_mode: crate::planner::node::LbMode,
     pub xdp_mode: XdpModeSetting,
     /// Where XDP goes (`--xdp-interfaces`); None: the uplinks found.
     pub xdp_interfaces: Option<Vec<String>>,
@@ -147,6 +149,13 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let started = Instant::now();
     let mut datapath = Datapath::load_with_sizes(pins, config.map_sizes())?;
     log_program_loads(&datapath, started);
+    if config.lb_mode != crate::planner::node::LbMode::Snat && !datapath.dsr_loaded() {
+        // `tc_dsr`'s load error was said already; SNAT would still serve.
+        warn!(
+            lb_mode = ?config.lb_mode,
+            "direct server return asked for, but this node cannot take other nodes' flows: flows it sends by direct server return are served only by nodes that can"
+        );
+    }
     let (mut node, mut adoption) = node_maps_at_start(&datapath, &config)?;
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());
@@ -378,6 +387,7 @@ fn node_maps_at_start(
             },
         )
         .with_masquerade_all(config.masquerade_all)
+        .with_lb_mode(config.lb_mode)
         .with_ct_source_share(config.ct_source_share),
     );
     let adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);

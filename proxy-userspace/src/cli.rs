@@ -441,6 +441,14 @@ pub struct RunArgs {
     /// have the same; the default is fixed (0x6d61676c).
     #[arg(long, value_name = "SEED", default_value = "0x6d61676c", value_parser = parse_hash_seed)]
     pub maglev_hash_seed: u32,
+    /// How an external flow (NodePort, ExternalIP, LoadBalancer IP) to a
+    /// backend on another node goes: `snat` (to the node's address, as
+    /// kube-proxy does), `dsr` (direct server return: the backend sees the
+    /// client's address and its node answers the client itself) or
+    /// `hybrid` (DSR for TCP, SNAT for UDP). Every node must have the same
+    /// (docs/architecture.md, "Direct server return").
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = crate::planner::node::LbMode::Snat)]
+    pub lb_mode: crate::planner::node::LbMode,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]

@@ -185,6 +185,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         service_cidrs: args.service_cluster_ip_range.to_vec(),
         detect_local: args.detect_local.clone(),
         masquerade_all: args.masquerade_all,
+        lb_mode: args.lb_mode,
         xdp_mode: args.xdp_mode,
         xdp_interfaces: args.xdp_interfaces,
         node_ip: args.node_ip.unwrap_or_default(),

@@ -10,6 +10,7 @@ use proxy_common::{Backend, CtKeyOf, counter, is_v4_mapped};
 
 use crate::{
     conntrack::{self, SnatFamily},
+    dsr::DsrFamily,
     family::{V4, V6},
     hook::Hook,
     icmp_error::ErrorFamily,
@@ -37,7 +38,7 @@ pub enum Source<A> {
 }
 
 /// A family, as the pipeline writes it once over both.
-pub trait PipelineFamily: ErrorFamily + ResetFamily + SnatFamily + Traced {
+pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + SnatFamily + Traced {
     /// The packet's flow, or the hook's verdict for a packet the pipeline
     /// does not handle (another family's, ICMP, malformed), counted where
     /// that is tc's to do.
@@ -52,7 +53,7 @@ pub trait PipelineFamily: ErrorFamily + ResetFamily + SnatFamily + Traced {
     fn key<'a>(
         flow: &FlowOf<Self::Addr>,
         slot: &'a mut Self::KeySlot,
-    ) -> Option<&'a CtKeyOf<Self::Addr>>;
+    ) -> Option<&'a mut CtKeyOf<Self::Addr>>;
 
     /// A backend's address, if it is of this family: the planner gives
     /// each family's frontends that family's endpoints, so another is a
@@ -93,7 +94,7 @@ impl PipelineFamily for V4 {
     type KeySlot = CtKeyOf<u32>;
 
     #[inline(always)]
-    fn key<'a>(flow: &FlowOf<u32>, slot: &'a mut CtKeyOf<u32>) -> Option<&'a CtKeyOf<u32>> {
+    fn key<'a>(flow: &FlowOf<u32>, slot: &'a mut CtKeyOf<u32>) -> Option<&'a mut CtKeyOf<u32>> {
         *slot = conntrack::flow_key(flow);
         Some(slot)
     }
@@ -163,14 +164,14 @@ impl PipelineFamily for V6 {
     type KeySlot = ();
 
     #[inline(always)]
-    fn key<'a>(flow: &FlowOf<[u32; 4]>, _slot: &'a mut ()) -> Option<&'a CtKeyOf<[u32; 4]>> {
+    fn key<'a>(flow: &FlowOf<[u32; 4]>, _slot: &'a mut ()) -> Option<&'a mut CtKeyOf<[u32; 4]>> {
         let key = FLOW_KEY6.get_ptr_mut(0)?;
         // SAFETY: this CPU's entry, used by nothing else while this program
         // runs (tc and XDP run one program at a time on a CPU, neither
         // interrupting the other).
         unsafe {
             *key = conntrack::flow_key(flow);
-            Some(&*key)
+            Some(&mut *key)
         }
     }
 

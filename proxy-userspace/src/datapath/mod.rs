@@ -32,6 +32,7 @@ pub mod reject_limit;
 pub mod resize;
 pub mod service_counters;
 pub(crate) mod sys;
+mod tc_dsr;
 mod write_behind;
 mod xdp_next;
 
@@ -205,6 +206,9 @@ pub struct Datapath {
     /// `XDP_NEXT`, held for as long as the programs run (see `xdp_next`);
     /// None when `xdp_ingress6` could not be loaded.
     xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+    /// `TC_DSR`, held likewise (see `tc_dsr`); None when its programs could
+    /// not be loaded.
+    tc_dsr: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
     /// What each program's load cost, in load order (see `program_load`).
     program_loads: Vec<ProgramLoad>,
 }
@@ -311,6 +315,7 @@ impl Datapath {
         tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
         // Before anything is attached (see `xdp_next`).
         let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf, &mut loads);
+        let tc_dsr = tc_dsr::fill_or_warn(&mut ebpf, &mut loads);
         reject_limit::write_node_limits(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
@@ -358,6 +363,7 @@ impl Datapath {
             resize,
             resize6,
             xdp_next,
+            tc_dsr,
             program_loads: loads,
         })
     }
@@ -517,6 +523,12 @@ impl Datapath {
     /// Whether `xdp_ingress6` is in `xdp_ingress`'s hand-on slot.
     pub fn xdp6_loaded(&self) -> bool {
         self.xdp_next.is_some()
+    }
+
+    /// Whether `tc_dsr` and `tc_dsr6` are in their slots: flows other
+    /// nodes send here by direct server return are served.
+    pub fn dsr_loaded(&self) -> bool {
+        self.tc_dsr.is_some()
     }
 
     /// The floor programs once `load_floors` has loaded them, for use next

@@ -25,6 +25,33 @@ use super::{
 };
 use crate::model::Cidr;
 
+/// How an external flow to a backend on another node leaves the entry node
+/// (`--lb-mode`; docs/architecture.md, "Direct server return").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbMode {
+    /// SNATed to the node's address, as kube-proxy does: replies come back
+    /// through it.
+    #[default]
+    Snat,
+    /// Direct server return: the client's address kept, the backend's node
+    /// answering the client itself (`node_config_flags::DSR`).
+    Dsr,
+    /// Direct server return for TCP, SNAT for UDP
+    /// (`node_config_flags::DSR_TCP_ONLY`).
+    Hybrid,
+}
+
+impl LbMode {
+    /// The `NODE_CONFIG` flags it sets.
+    pub fn flags(self) -> u32 {
+        match self {
+            LbMode::Snat => 0,
+            LbMode::Dsr => node_config_flags::DSR,
+            LbMode::Hybrid => node_config_flags::DSR | node_config_flags::DSR_TCP_ONLY,
+        }
+    }
+}
+
 /// What the agent wants the node-level maps to hold. `None` leaves a map as
 /// it is: until the first look at the interfaces, the node addresses and
 /// SNAT address adopted from the pins keep serving NodePorts.
@@ -40,6 +67,8 @@ pub struct DesiredNode {
     pub netfilter_flows: bool,
     /// `--masquerade-all` (`node_config_flags::MASQUERADE_ALL`).
     pub masquerade_all: bool,
+    /// `--lb-mode`.
+    pub lb_mode: LbMode,
     /// Off-cluster clients of a ClusterIP are SNATed, per family (IPv4,
     /// IPv6): where a local traffic detector of the family is configured
     /// (`node_config_flags::MASQUERADE_OFF_CLUSTER`).
@@ -66,6 +95,7 @@ impl DesiredNode {
             cluster_cidrs: cluster_cidrs.iter().map(cluster_cidr).collect(),
             netfilter_flows: false,
             masquerade_all: false,
+            lb_mode: LbMode::Snat,
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
             ct_source_share: 0,
@@ -141,6 +171,12 @@ impl DesiredNode {
         self
     }
 
+    /// How external flows to backends on other nodes go (`--lb-mode`).
+    pub fn with_lb_mode(mut self, mode: LbMode) -> Self {
+        self.lb_mode = mode;
+        self
+    }
+
     /// The pod CIDRs whose clients are in-cluster (`CLUSTER_CIDRS`), where
     /// they follow the Node (`--detect-local-mode NodeCIDR`).
     pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {
@@ -187,6 +223,7 @@ impl DesiredNode {
             node_config_flags::MASQUERADE_OFF_CLUSTER,
             self.masquerade_off_cluster.0,
         );
+        config.flags |= self.lb_mode.flags();
         self.config = Some(config);
         let mut config6 = node_config6(node6);
         set_flag(

@@ -1,0 +1,299 @@
+//! Direct server return, both ends (docs/architecture.md, "Direct server
+//! return"). The entry node DNATs a flow from outside to a backend on
+//! another node, keeps the client's address, and adds the frontend the
+//! client addressed to each packet (`carry`: an IP option, an IPv6
+//! destination options header, `proxy_common::dsr`). The backend's node
+//! keys the packet by that frontend (`carried`), as if the client had sent
+//! it there, so that its conntrack holds the same flow the entry node's
+//! does: the first such packet creates it (`arrived`), its backend's
+//! replies leave from the frontend straight to the client, and if the
+//! network later brings the client's packets to this node directly, they
+//! find the flow.
+
+use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use proxy_common::{
+    PROTO_TCP, PROTO_UDP, counter, csum::fold, dsr, node_config_flags, service_flags,
+};
+
+use crate::{
+    conntrack::{self, NewFlow},
+    family::{Family, V4, V6},
+    flow_cache, frontend,
+    hook::Hook,
+    maps::{count, node_flags},
+    nat::NatOf,
+    packet::frag,
+    packet::{ETH_HLEN, FlowOf, read},
+    packet6::{IPV6_HLEN, NEXTHDR_DEST},
+    pipeline::PipelineFamily,
+};
+
+/// `BPF_ADJ_ROOM_NET`: room made between the network header (its first 20
+/// or 40 bytes) and what follows.
+const BPF_ADJ_ROOM_NET: u32 = 0;
+const IPV4_HLEN: usize = 20;
+const IPV4_TOT_LEN_OFF: usize = 2;
+const IPV4_CSUM_OFF: usize = 10;
+const IPV6_PAYLOAD_LEN_OFF: usize = 4;
+const IPV6_NEXT_HDR_OFF: usize = 6;
+
+/// Direct server return as each family carries it.
+pub trait DsrFamily: Family {
+    /// The bytes the carrier adds to each packet.
+    const ROOM: u16;
+
+    /// The family's `tc_dsr` program's slot in `TC_DSR`.
+    const DSR_SLOT: u32;
+
+    /// The packet's flow, parsed again in `tc_dsr`, where what the parser
+    /// skips needs nothing more than to pass (not `PipelineFamily::parse`,
+    /// which would then be called twice and no longer inlined).
+    fn reparse(ctx: &TcContext) -> Option<FlowOf<Self::Addr>>;
+
+    /// Whether the packet has no options or extension headers, the only
+    /// packets the entry node adds the carrier to.
+    fn plain(flow: &FlowOf<Self::Addr>) -> bool;
+
+    /// Whether the packet's headers before the transport's are as long as
+    /// with the carrier.
+    fn carrier_sized(flow: &FlowOf<Self::Addr>) -> bool;
+
+    /// Adds the carrier naming `flow`'s frontend (its destination as the
+    /// client sent it) to the translated packet (tc only).
+    fn carry(ctx: &TcContext, flow: &FlowOf<Self::Addr>) -> Result<(), i64>;
+
+    /// The frontend the packet's carrier names, if it carries one.
+    fn carried<H: Hook>(ctx: &H, flow: &FlowOf<Self::Addr>) -> Option<(Self::Addr, u16)>;
+}
+
+impl DsrFamily for V4 {
+    const ROOM: u16 = dsr::IPV4_OPT_LEN as u16;
+    const DSR_SLOT: u32 = proxy_common::TC_DSR_IPV4;
+
+    #[inline(always)]
+    fn reparse(ctx: &TcContext) -> Option<FlowOf<u32>> {
+        crate::packet::parse(ctx).ok()
+    }
+
+    #[inline(always)]
+    fn plain(flow: &FlowOf<u32>) -> bool {
+        flow.l4_off == ETH_HLEN + IPV4_HLEN
+    }
+
+    #[inline(always)]
+    fn carrier_sized(flow: &FlowOf<u32>) -> bool {
+        flow.l4_off == ETH_HLEN + IPV4_HLEN + dsr::IPV4_OPT_LEN
+    }
+
+    /// The option goes after the 20-byte header; the header checksum takes
+    /// the option, the new IHL and total length at once. The region's sum
+    /// stays what it was (a valid header sums to zero, and the kernel zeroes
+    /// the room it makes), so a `CHECKSUM_COMPLETE` sum still holds; the
+    /// transport checksum covers none of it.
+    #[inline(always)]
+    fn carry(ctx: &TcContext, flow: &FlowOf<u32>) -> Result<(), i64> {
+        let word0: u16 = ctx.load(ETH_HLEN)?;
+        let tot_len_be: u16 = ctx.load(ETH_HLEN + IPV4_TOT_LEN_OFF)?;
+        let opt = dsr::ipv4_option(flow.dst_be, flow.dport_be);
+        ctx.adjust_room(i32::from(Self::ROOM), BPF_ADJ_ROOM_NET, 0)?;
+        ctx.store(ETH_HLEN + IPV4_HLEN, &opt, 0)?;
+        let mut first = word0.to_ne_bytes();
+        first[0] = (first[0] & 0xf0) | ((IPV4_HLEN + dsr::IPV4_OPT_LEN) / 4) as u8;
+        ctx.store(ETH_HLEN, &first, 0)?;
+        let tot_len = u16::from_be(tot_len_be).wrapping_add(Self::ROOM).to_be();
+        ctx.store(ETH_HLEN + IPV4_TOT_LEN_OFF, &tot_len, 0)?;
+        let delta = dsr::ipv4_grown_csum_delta(word0, tot_len_be, &opt);
+        // Size 0: `to` is a difference to add.
+        ctx.l3_csum_replace(ETH_HLEN + IPV4_CSUM_OFF, 0, u64::from(fold(delta)), 0)
+    }
+
+    #[inline(always)]
+    fn carried<H: Hook>(ctx: &H, flow: &FlowOf<u32>) -> Option<(u32, u16)> {
+        if flow.l4_off != ETH_HLEN + IPV4_HLEN + dsr::IPV4_OPT_LEN {
+            return None;
+        }
+        let (data, data_end) = ctx.bounds();
+        let opt: [u8; dsr::IPV4_OPT_LEN] = read(data, data_end, ETH_HLEN + IPV4_HLEN)?;
+        dsr::ipv4_frontend(&opt)
+    }
+}
+
+impl DsrFamily for V6 {
+    const ROOM: u16 = dsr::IPV6_EXT_LEN as u16;
+    const DSR_SLOT: u32 = proxy_common::TC_DSR_IPV6;
+
+    #[inline(always)]
+    fn reparse(ctx: &TcContext) -> Option<FlowOf<[u32; 4]>> {
+        crate::packet6::parse(ctx).ok()
+    }
+
+    #[inline(always)]
+    fn plain(flow: &FlowOf<[u32; 4]>) -> bool {
+        flow.l4_off == ETH_HLEN + IPV6_HLEN
+    }
+
+    #[inline(always)]
+    fn carrier_sized(flow: &FlowOf<[u32; 4]>) -> bool {
+        flow.l4_off == ETH_HLEN + IPV6_HLEN + dsr::IPV6_EXT_LEN
+    }
+
+    /// The destination options header goes right after the IPv6 header,
+    /// where RFC 8200 puts one meant for the final destination. The
+    /// transport checksum's pseudo-header counts the upper layer's length,
+    /// which stays the same; `skb->csum` is kept by the stores.
+    #[inline(always)]
+    fn carry(ctx: &TcContext, flow: &FlowOf<[u32; 4]>) -> Result<(), i64> {
+        use crate::family::BPF_F_RECOMPUTE_CSUM;
+        let next: u8 = ctx.load(ETH_HLEN + IPV6_NEXT_HDR_OFF)?;
+        let payload_len_be: u16 = ctx.load(ETH_HLEN + IPV6_PAYLOAD_LEN_OFF)?;
+        ctx.adjust_room(i32::from(Self::ROOM), BPF_ADJ_ROOM_NET, 0)?;
+        let ext = dsr::ipv6_dest_opts(next, &flow.dst_be, flow.dport_be);
+        ctx.store(ETH_HLEN + IPV6_HLEN, &ext, BPF_F_RECOMPUTE_CSUM)?;
+        ctx.store(
+            ETH_HLEN + IPV6_NEXT_HDR_OFF,
+            &NEXTHDR_DEST,
+            BPF_F_RECOMPUTE_CSUM,
+        )?;
+        let payload_len = u16::from_be(payload_len_be)
+            .wrapping_add(Self::ROOM)
+            .to_be();
+        ctx.store(
+            ETH_HLEN + IPV6_PAYLOAD_LEN_OFF,
+            &payload_len,
+            BPF_F_RECOMPUTE_CSUM,
+        )
+    }
+
+    #[inline(always)]
+    fn carried<H: Hook>(ctx: &H, flow: &FlowOf<[u32; 4]>) -> Option<([u32; 4], u16)> {
+        if flow.l4_off != ETH_HLEN + IPV6_HLEN + dsr::IPV6_EXT_LEN {
+            return None;
+        }
+        let (data, data_end) = ctx.bounds();
+        let next: u8 = read(data, data_end, ETH_HLEN + IPV6_NEXT_HDR_OFF)?;
+        if next != NEXTHDR_DEST {
+            return None;
+        }
+        let ext: [u8; dsr::IPV6_EXT_LEN] = read(data, data_end, ETH_HLEN + IPV6_HLEN)?;
+        dsr::ipv6_frontend(&ext).map(|(addr, port, _)| (addr, port))
+    }
+}
+
+/// Whether a new flow of `flow` from outside to `svc_flags`' external
+/// frontend, whose backend is on another node (`remote`), goes by direct
+/// server return: `--lb-mode dsr` for TCP and UDP, or `hybrid` for TCP,
+/// on a packet with no options or extension headers before which to put
+/// the carrier, unless every flow is masqueraded. SCTP is SNATed: its
+/// associations are tracked by tags that only both directions show.
+#[inline(always)]
+pub fn sends<F: DsrFamily>(flow: &FlowOf<F::Addr>, svc_flags: u32, remote: bool) -> bool {
+    let flags = node_flags();
+    flags & node_config_flags::DSR != 0
+        && flags & node_config_flags::MASQUERADE_ALL == 0
+        && (flow.proto == PROTO_TCP
+            || flow.proto == PROTO_UDP && flags & node_config_flags::DSR_TCP_ONLY == 0)
+        && svc_flags & service_flags::EXTERNAL != 0
+        && remote
+        && F::plain(flow)
+}
+
+/// The frontend a packet from another node names, when this node takes
+/// the carrier: DSR on here, and the packet not from one of this node's
+/// pods (only entry nodes write it).
+#[inline(always)]
+pub fn may_carry<F: DsrFamily>(flow: &FlowOf<F::Addr>) -> bool {
+    F::carrier_sized(flow) && node_flags() & node_config_flags::DSR != 0
+}
+
+#[inline(always)]
+pub fn accepted<F: DsrFamily, H: Hook>(ctx: &H, flow: &FlowOf<F::Addr>) -> Option<(F::Addr, u16)> {
+    if node_flags() & node_config_flags::DSR == 0 || frontend::local_iface(ctx.ingress_ifindex()) {
+        return None;
+    }
+    F::carried(ctx, flow)
+}
+
+/// `tc_dsr` and `tc_dsr6`: a packet another node sent here by direct
+/// server return (`Verdicts::dsr`), parsed again, keyed by the frontend its
+/// carrier names: its flow's entries touched as any packet's are, or
+/// created if it has none (`arrived`). The packet goes on as it came: the
+/// entry node translated it. A later fragment has nothing to add.
+#[inline(always)]
+pub fn handle<F: PipelineFamily>(ctx: &TcContext) -> i32 {
+    let Some(flow) = F::reparse(ctx) else {
+        return TC_ACT_OK;
+    };
+    if flow.frag == frag::LATER {
+        return TC_ACT_OK;
+    }
+    let Some((frontend, port_be)) = accepted::<F, TcContext>(ctx, &flow) else {
+        return TC_ACT_OK;
+    };
+    let mut slot = F::KeySlot::default();
+    let Some(key) = F::key(&flow, &mut slot) else {
+        return TC_ACT_OK;
+    };
+    key.dst_be = frontend;
+    key.dport_be = port_be;
+    let now = conntrack::now_ns();
+    let stamp = flow_cache::stamp(key, flow.tcp_flags);
+    let known = conntrack::known::<F>(key, &stamp, &flow, now);
+    if known.entry.is_null() {
+        arrived::<F>(&flow, frontend, port_be, now);
+        return TC_ACT_OK;
+    }
+    // SAFETY: see `Known::entry`; read before `seen`, which may move it.
+    let entry = unsafe { &*known.entry };
+    let nat = conntrack::translation(entry, &flow);
+    conntrack::seen::<F>(
+        key,
+        &stamp,
+        known.found.as_ref(),
+        &flow,
+        &nat,
+        entry.dir,
+        now,
+    );
+    TC_ACT_OK
+}
+
+/// The first packet here of a flow another node sent by direct server
+/// return, to `frontend`:`port` as its carrier says, DNATed there to the
+/// packet's destination (this node's backend): both conntrack entries are
+/// created as if the client had sent it here, the reply entry routed by
+/// the datapath, since its source (the frontend) is no address this
+/// node's pod interfaces route. A frontend that is not an external one
+/// here is refused, counted: the carrier would otherwise let anyone give a
+/// pod's replies any source. The packet itself goes on as it is.
+#[inline(always)]
+fn arrived<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: F::Addr, port_be: u16, now: u64) {
+    let Some(found) = frontend::lookup_frontend_of(&frontend, port_be, flow.proto, || false)
+        .or_else(|| frontend::lookup_nodeport(port_be, flow.proto, || false))
+    else {
+        count(counter::DSR_REFUSED);
+        return;
+    };
+    if found.svc.flags & service_flags::EXTERNAL == 0 {
+        count(counter::DSR_REFUSED);
+        return;
+    }
+    let sent = FlowOf {
+        dst_be: frontend,
+        dport_be: port_be,
+        ..*flow
+    };
+    let nf = NewFlow {
+        nat: NatOf {
+            dst_be: flow.dst_be,
+            dport_be: flow.dport_be,
+            ..NatOf::identity(&sent)
+        },
+        backend_id: 0,
+        service_id: found.svc.service_id,
+        kind: 0,
+        reply_redirect: true,
+        path_mtu: 0,
+    };
+    conntrack::create::<F>(&sent, &nf, now);
+    count(counter::DSR_LEARNT);
+}

@@ -149,13 +149,6 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
                 || frontend::local_iface(ctx.ingress_ifindex())
         })
     else {
-        if dsr::may_carry::<F>(flow) {
-            // Maybe sent here by direct server return, to a backend of
-            // this node: keyed by the frontend its carrier names, in a
-            // program of its own (`crate::dsr`), so that the verifier
-            // walks none of this one's paths again for it.
-            return Ok(ctx.dsr(F::DSR_SLOT));
-        }
         return Ok(unserved::<F, H>(ctx, flow, prefilter::Block::Unread));
     };
     if flow.proto == PROTO_SCTP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
@@ -167,13 +160,20 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
 }
 
 /// A packet no frontend answers: passed, or if it is for a service CIDR,
-/// dropped or rejected (`service_cidr`).
+/// dropped or rejected (`service_cidr`). One that may carry a direct
+/// server return option (to a backend of this node, from the node that
+/// DNATed it) is keyed by the frontend the option names, in a program of
+/// its own (`crate::dsr`), so that the verifier walks none of this one's
+/// paths again for it: the test costs other packets one comparison.
 #[inline(always)]
 fn unserved<F: PipelineFamily, H: Verdicts>(
     ctx: &H,
     flow: &FlowOf<F::Addr>,
     block: prefilter::Block,
 ) -> H::Verdict {
+    if dsr::may_carry::<F>(flow) {
+        return ctx.dsr(F::DSR_SLOT);
+    }
     match service_cidr::unserved(flow, block, H::XDP) {
         Unserved::Pass => H::PASS,
         Unserved::Drop => {

@@ -3567,13 +3567,25 @@ fn segment(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16), flags: u8, payload: usize
 
 /// Checks that `out` (verdict `ret`) is the "fragmentation needed"
 /// answering `sent` (to `frontend`, from `client`): from the frontend, the
-/// route's MTU of 1280, quoting the IP header and 8 bytes of the packet as
+/// route's MTU of 1280 (`assert_frag_needed_of`: another), quoting the IP header and 8 bytes of the packet as
 /// the client sent it, sent back where it came from.
 fn assert_frag_needed(
     (ret, out): (u32, &[u8]),
     sent: &[u8],
     client: (Ipv4Addr, u16),
     frontend: (Ipv4Addr, u16),
+    what: &str,
+) {
+    assert_frag_needed_of((ret, out), sent, client, frontend, 1280, what);
+}
+
+/// `assert_frag_needed` with a next-hop MTU of `mtu`.
+fn assert_frag_needed_of(
+    (ret, out): (u32, &[u8]),
+    sent: &[u8],
+    client: (Ipv4Addr, u16),
+    frontend: (Ipv4Addr, u16),
+    mtu: u16,
     what: &str,
 ) {
     assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
@@ -3592,7 +3604,7 @@ fn assert_frag_needed(
     );
     assert_eq!(
         &out[34 + 6..34 + 8],
-        &1280u16.to_be_bytes(),
+        &mtu.to_be_bytes(),
         "{what}: the next-hop MTU field"
     );
     assert_eq!(
@@ -4272,5 +4284,296 @@ fn trace_records_service_cidr_drops_and_rejects_without_a_service() {
             record(verdict::REJECTED, 0, 44_002, VIP, 81),
         ],
         "the records of a trace"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Direct server return on hand-built frames: the entry node's side (a remote
+// backend keeps the client's address, the frontend carried in an IP option)
+// and the backend node's (`tc_dsr`, reached by a tail call).
+
+/// A pod of the fixture's node (node A's pod CIDR), for the backend node's
+/// side.
+const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 1, 1, 10);
+/// A LoadBalancer IP whose one backend is `LOCAL_POD`: what another node
+/// sends here by direct server return.
+const LB_LOCAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 60, 12);
+
+/// Programs `LB_LOCAL_IP`:80 -> `LOCAL_POD`:8080 on `nf`'s node.
+fn add_local_lb(nf: &mut NodeFixture) {
+    let mut lb = frontend(
+        LB_LOCAL_IP,
+        80,
+        Protocol::Tcp,
+        &[LOCAL_POD],
+        8080,
+        NoEndpointAction::Reject,
+    );
+    lb.kind = FrontendKind::LoadBalancer;
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: "lb-local".into(),
+    };
+    let out = nf
+        .fx
+        .planner
+        .sync_service(&owner, &[lb], &mut nf.fx.datapath.maps);
+    assert!(
+        out.errors.is_empty(),
+        "programming {LB_LOCAL_IP}: {:?}",
+        out.errors
+    );
+}
+
+/// `node_fixture` with `flags` (`node_config_flags`) set, DSR among them.
+fn dsr_node_fixture(flags: u32) -> NodeFixture {
+    let mut nf = node_fixture();
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: node_config(
+                proxy_common::SNAT_PORT_MIN,
+                proxy_common::SNAT_PORT_MAX,
+                flags,
+            ),
+        })
+        .expect("node config");
+    nf
+}
+
+/// `frame` with the DSR option naming `frontend` after its IPv4 header, as
+/// the entry node writes it.
+fn with_dsr_option(frame: &[u8], frontend: (Ipv4Addr, u16)) -> Vec<u8> {
+    let opt =
+        proxy_common::dsr::ipv4_option(u32::from_ne_bytes(frontend.0.octets()), frontend.1.to_be());
+    let mut f = frame[..34].to_vec();
+    f.extend_from_slice(&opt);
+    f.extend_from_slice(&frame[34..]);
+    f[14] = 0x47;
+    let tot = u16::from_be_bytes([f[16], f[17]]) + 8;
+    f[16..18].copy_from_slice(&tot.to_be_bytes());
+    f[24..26].copy_from_slice(&[0, 0]);
+    let c = frame::csum(&f[14..42], 0);
+    f[24..26].copy_from_slice(&c.to_be_bytes());
+    f
+}
+
+/// The frontend the DSR option of `out` names, and `out` parsed (every
+/// checksum checked) as it would be without the option: panics if the
+/// header does not carry exactly that option, with a right checksum.
+fn dsr_carried(out: &[u8], what: &str) -> ((Ipv4Addr, u16), frame::Parsed) {
+    assert!(out.len() >= 42, "{what}: frame of {} bytes", out.len());
+    assert_eq!(
+        out[14], 0x47,
+        "{what}: IHL must be 7 (20 bytes + the option)"
+    );
+    assert_eq!(
+        frame::csum(&out[14..42], 0),
+        0,
+        "{what}: the IPv4 header checksum (over the option too) is wrong"
+    );
+    let opt: [u8; 8] = out[34..42].try_into().unwrap();
+    let (addr, port) = proxy_common::dsr::ipv4_frontend(&opt)
+        .unwrap_or_else(|| panic!("{what}: not the DSR option: {opt:02x?}"));
+    let mut plain = out[..34].to_vec();
+    plain.extend_from_slice(&out[42..]);
+    plain[14] = 0x45;
+    let tot = u16::from_be_bytes([plain[16], plain[17]]) - 8;
+    plain[16..18].copy_from_slice(&tot.to_be_bytes());
+    plain[24..26].copy_from_slice(&[0, 0]);
+    let c = frame::csum(&plain[14..34], 0);
+    plain[24..26].copy_from_slice(&c.to_be_bytes());
+    (
+        (Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port)),
+        parse_checked(&plain, what),
+    )
+}
+
+/// With `--lb-mode dsr`, a NodePort flow to a remote backend is DNATed with
+/// the client's address kept, the NodePort carried in the option, and sent
+/// to the backend's node by tc (XDP leaves it to tc untouched); so is every
+/// later packet. A LoadBalancer IP's flow carries the LB IP. `hybrid` does
+/// the same for TCP. No SNAT port is taken.
+#[test]
+fn dsr_keeps_the_client_and_carries_the_frontend_to_the_backends_node() {
+    for (mode, flags) in [
+        ("dsr", proxy_common::node_config_flags::DSR),
+        (
+            "hybrid",
+            proxy_common::node_config_flags::DSR | proxy_common::node_config_flags::DSR_TCP_ONLY,
+        ),
+    ] {
+        let nf = dsr_node_fixture(flags);
+        for (i, frontend) in [(NODE_IP, NODE_PORT), (LB_IP, 80)].into_iter().enumerate() {
+            let what = format!("{mode}, {}:{}", frontend.0, frontend.1);
+            let sport = 43000 + i as u16;
+            let syn = tcp(OUTSIDE, sport, frontend.0, frontend.1, frame::SYN);
+            let (ret, out) = run_xdp(&nf, &syn);
+            assert_eq!(
+                (ret, &out),
+                (XDP_PASS, &syn),
+                "{what}: XDP must leave a DSR flow to tc untouched"
+            );
+            for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
+                let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
+                let (ret, out) = run_tc_on_uplink(&nf, &input);
+                let what = format!("{what}, {packet}");
+                assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
+                assert_eq!(out.len(), input.len() + 8, "{what}: length");
+                let (carried, p) = dsr_carried(&out, &what);
+                assert_eq!(carried, frontend, "{what}: the frontend carried");
+                assert_eq!(
+                    (p.src, p.sport, p.dst, p.dport),
+                    (OUTSIDE, sport, REMOTE_POD, 8080),
+                    "{what}: the client's address kept, DNATed to the backend"
+                );
+                assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
+                assert_eq!(out[22], input[22] - 1, "{what}: TTL taken down by one");
+            }
+        }
+        assert_eq!(counter(&nf.fx, "dsr_new"), 2, "{mode}: dsr_new");
+        assert_eq!(counter(&nf.fx, "snat_new"), 0, "{mode}: snat_new");
+    }
+}
+
+/// Without DSR (the default), the same flow is SNATed as kube-proxy does:
+/// the control of the test above.
+#[test]
+fn without_dsr_a_remote_backends_flow_is_snated() {
+    let nf = node_fixture();
+    let (ret, out) = run_tc_on_uplink(&nf, &tcp(OUTSIDE, 43100, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "verdict");
+    let p = parse_checked(&out, "SNATed SYN");
+    assert_eq!((p.src, p.dst), (NODE_IP, REMOTE_POD), "SNAT, not DSR");
+    assert_eq!(counter(&nf.fx, "dsr_new"), 0, "dsr_new");
+}
+
+/// The carrier's 8 bytes count against the route's MTU: with a route of
+/// MTU 1280 to the backend's node, a segment of 1,272 bytes goes (1,280
+/// with the option); one of 1,273 with DF is answered "fragmentation
+/// needed" quoting it as the client sent it, with an MTU of 1,272, so
+/// that the client's next segments fit with the option in.
+#[test]
+fn a_dsr_packet_too_long_for_the_option_is_answered_with_the_mtu_less_the_option() {
+    let nf = dsr_node_fixture(proxy_common::node_config_flags::DSR);
+    nf.ns
+        .ip(&[
+            "route",
+            "replace",
+            "10.1.2.0/24",
+            "via",
+            "192.168.50.2",
+            "mtu",
+            "lock",
+            "1280",
+        ])
+        .expect("a route of MTU 1280 to the remote pods");
+    let client = (OUTSIDE, 47200);
+    let lb = (LB_IP, 80);
+    let (ret, _) = run_tc_on_uplink(&nf, &tcp(client.0, client.1, lb.0, lb.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "SYN to the LB IP: verdict");
+    let fits = segment(client, lb, frame::ACK, 1272 - 40);
+    let (ret, out) = run_tc_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_REDIRECT, "a 1,272-byte segment: verdict");
+    assert_eq!(out.len(), 14 + 1280, "a 1,272-byte segment with the option");
+    dsr_carried(&out, "a 1,272-byte segment");
+    let long = segment(client, lb, frame::ACK, 1273 - 40);
+    let (ret, out) = run_tc_on_uplink(&nf, &long);
+    assert_frag_needed_of((ret, &out), &long, client, lb, 1272, "a 1,273-byte segment");
+    assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");
+}
+
+/// The backend's node: the first packet carrying the option creates the
+/// flow keyed by the frontend it names (`tc_dsr`), and goes on as it came;
+/// the backend's reply leaves from the frontend straight to the client; a
+/// later packet of the flow touches it. When the network then brings the
+/// client's packets here directly, to the frontend, the flow learnt sends
+/// them to the same backend. A carrier naming no frontend of this node is
+/// refused, counted, and its flow's replies go untranslated; so is every
+/// carrier while DSR is off here.
+#[test]
+fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
+    let mut nf = dsr_node_fixture(proxy_common::node_config_flags::DSR);
+    add_local_lb(&mut nf);
+    let lb = (LB_LOCAL_IP, 80);
+    let sent = with_dsr_option(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::SYN), lb);
+    let (ret, out) = run_xdp(&nf, &sent);
+    assert_eq!((ret, &out), (XDP_PASS, &sent), "XDP leaves it to tc");
+    let (ret, out) = run_tc_on_uplink(&nf, &sent);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &sent),
+        "the SYN goes on as it came"
+    );
+    assert_eq!(counter(&nf.fx, "dsr_learnt"), 1, "dsr_learnt");
+
+    let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44000, frame::SYN | frame::ACK);
+    let (ret, out) = run_tc_on_uplink(&nf, &reply);
+    assert_eq!(ret, TC_ACT_REDIRECT, "the backend's reply: verdict");
+    let r = parse_checked(&out, "the backend's reply");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (LB_LOCAL_IP, 80, OUTSIDE, 44000),
+        "the reply must come from the frontend, to the client"
+    );
+    assert_eq!(
+        macs(&out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "straight to the client"
+    );
+
+    let established = counter(&nf.fx, "dnat_established");
+    let ack = with_dsr_option(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::ACK), lb);
+    let (ret, out) = run_tc_on_uplink(&nf, &ack);
+    assert_eq!((ret, &out), (TC_ACT_OK, &ack), "the ACK goes on as it came");
+    assert_eq!(
+        counter(&nf.fx, "dnat_established"),
+        established + 1,
+        "the ACK found its flow"
+    );
+    assert_eq!(counter(&nf.fx, "dsr_learnt"), 1, "learnt once");
+
+    let direct = tcp(OUTSIDE, 44000, LB_LOCAL_IP, 80, frame::ACK);
+    let (ret, out) = run_tc_on_uplink(&nf, &direct);
+    assert_eq!(ret, TC_ACT_OK, "the client's packet arriving here: verdict");
+    let p = parse_checked(&out, "the client's packet arriving here");
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport),
+        (OUTSIDE, 44000, LOCAL_POD, 8080),
+        "moved here by the network, the flow keeps its backend"
+    );
+
+    let forged = with_dsr_option(
+        &tcp(OUTSIDE, 44001, LOCAL_POD, 8080, frame::SYN),
+        (Ipv4Addr::new(203, 0, 113, 9), 4444),
+    );
+    let (ret, out) = run_tc_on_uplink(&nf, &forged);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &forged),
+        "a refused carrier passes"
+    );
+    assert_eq!(counter(&nf.fx, "dsr_refused"), 1, "dsr_refused");
+    let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44001, frame::SYN | frame::ACK);
+    let (ret, out) = run_tc_on_uplink(&nf, &reply);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &reply),
+        "the reply of a refused carrier's flow must go untranslated"
+    );
+
+    let mut off = node_fixture();
+    add_local_lb(&mut off);
+    let sent = with_dsr_option(&tcp(OUTSIDE, 44002, LOCAL_POD, 8080, frame::SYN), lb);
+    let (ret, out) = run_tc_on_uplink(&off, &sent);
+    assert_eq!((ret, &out), (TC_ACT_OK, &sent), "DSR off: passed");
+    assert_eq!(counter(&off.fx, "dsr_learnt"), 0, "DSR off: dsr_learnt");
+    let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44002, frame::SYN | frame::ACK);
+    let (ret, out) = run_tc_on_uplink(&off, &reply);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &reply),
+        "DSR off: the reply untranslated"
     );
 }

@@ -648,8 +648,20 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
     exchange_on_all(&world, &mut sessions, "through node a");
 
     let vip = web_ip::<F>();
+    let b_before = world.counter(1, "dsr_new");
     F::reroute_via(&world.cluster, CLIENT1.0, vip, "b").expect("move the route to node b");
     exchange_on_all(&world, &mut sessions, "after the route moved to node b");
+    // Node b never saw the flows to dsr-a1: it took each up mid-stream and sent
+    // it back to node a by DSR. That they count shows the route did move.
+    let picked_up = world.counter(1, "dsr_new") - b_before;
+    assert!(
+        picked_up >= on(&sessions, POD_A.0) as u64,
+        "{what}: after the route moved, node b counted {picked_up} new DSR flows for {} \
+         connections to {} it had never seen; {}",
+        on(&sessions, POD_A.0),
+        POD_A.0,
+        world.counters()
+    );
 
     F::reroute_via(&world.cluster, CLIENT1.0, vip, "a").expect("move the route back to node a");
     exchange_on_all(
@@ -662,10 +674,22 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
     world.agents[0].cleanup().expect("cleaning up agent a");
     world.agents[0] = world.start("a");
     world.wait_served("node a's agent restarted");
+    let a_before = world.counter(0, "dsr_new");
     exchange_on_all(
         &world,
         &mut sessions,
         "after node a's agent restarted without its conntrack",
+    );
+    // The new agent's conntrack is empty: the connections to dsr-b1 are new
+    // flows to it, sent by DSR again.
+    let picked_up = world.counter(0, "dsr_new") - a_before;
+    assert!(
+        picked_up >= on(&sessions, POD_B.0) as u64,
+        "{what}: node a's new agent counted {picked_up} new DSR flows for {} connections to \
+         {} it had lost; {}",
+        on(&sessions, POD_B.0),
+        POD_B.0,
+        world.counters()
     );
 }
 

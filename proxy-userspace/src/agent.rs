@@ -142,6 +142,18 @@ impl AgentConfig {
     }
 }
 
+/// Says, beside `tc_dsr`'s load error, what it means where direct server
+/// return was asked for: this node cannot take the flows other nodes send
+/// it that way.
+fn warn_without_dsr(datapath: &Datapath, lb_mode: crate::planner::node::LbMode) {
+    if lb_mode != crate::planner::node::LbMode::Snat && !datapath.dsr_loaded() {
+        warn!(
+            ?lb_mode,
+            "direct server return asked for, but this node cannot take other nodes' flows sent that way"
+        );
+    }
+}
+
 /// Runs until SIGTERM or SIGINT. On exit the datapath stays as it is:
 /// pinned maps and links keep serving traffic, and the next start adopts them.
 pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
@@ -149,13 +161,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
     let started = Instant::now();
     let mut datapath = Datapath::load_with_sizes(pins, config.map_sizes())?;
     log_program_loads(&datapath, started);
-    if config.lb_mode != crate::planner::node::LbMode::Snat && !datapath.dsr_loaded() {
-        // `tc_dsr`'s load error was said already; SNAT would still serve.
-        warn!(
-            lb_mode = ?config.lb_mode,
-            "direct server return asked for, but this node cannot take other nodes' flows: flows it sends by direct server return are served only by nodes that can"
-        );
-    }
+    warn_without_dsr(&datapath, config.lb_mode);
     let (mut node, mut adoption) = node_maps_at_start(&datapath, &config)?;
     node.sync(&mut datapath.maps, Instant::now());
     attach_socket_hooks(&mut datapath, config.cgroup_root.as_deref());

@@ -596,6 +596,30 @@ mod tests {
     }
 
     #[test]
+    fn lb_mode_defaults_to_snat_and_takes_dsr_and_hybrid() {
+        use crate::planner::node::LbMode;
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).map(|cli| {
+                match cli.command {
+                    Command::Run(run) => run.lb_mode,
+                    other => panic!("not a run command: {other:?}"),
+                }
+            })
+        };
+        assert_eq!(parse(&[]).expect("default"), LbMode::Snat);
+        assert_eq!(parse(&["--lb-mode", "dsr"]).expect("dsr"), LbMode::Dsr);
+        assert_eq!(
+            parse(&["--lb-mode", "hybrid"]).expect("hybrid"),
+            LbMode::Hybrid
+        );
+        let err = parse(&["--lb-mode", "ipip"]).expect_err("an unknown mode");
+        assert!(
+            err.to_string().contains("snat, dsr, hybrid"),
+            "the error names the modes: {err}"
+        );
+    }
+
+    #[test]
     fn maglev_flags_default_to_random_and_refuse_bad_tables() {
         use crate::maglev::{DEFAULT_HASH_SEED, DEFAULT_TABLE_SIZE, LbAlgorithm, LbConfig};
         let parse = |args: &[&str]| {

@@ -10,6 +10,10 @@
 //!
 //! - `ebpf-proxy XDP`: the agent on both nodes with `--xdp-mode native`;
 //! - `ebpf-proxy tc`: the same with `--xdp-mode off`;
+//! - `ebpf-proxy DSR`: `--xdp-mode native --lb-mode dsr` on both nodes: node a keeps
+//!   client1's address and sends the flow to node b with the NodePort in an IP option
+//!   (through tc: XDP leaves DSR flows to it); the backend's replies leave node b straight
+//!   to client1, never crossing node a;
 //! - `kube-proxy iptables`: kube-proxy's iptables-mode nat table with NodePorts
 //!   (tests/src/iptables.rs: KUBE-NODEPORTS, KUBE-EXT, KUBE-MARK-MASQ and the
 //!   masquerade in KUBE-POSTROUTING) loaded on both nodes with `iptables-restore`, no
@@ -38,8 +42,10 @@
 //! with RST, its latency from the start of connect to the response; the modes built
 //! first, then measured in interleaved rounds (the order rotating each round); rates
 //! and percentiles over all rounds, ratios the median of per-round ratios. After the
-//! rounds, node a's counters of the ebpf-proxy modes are read and reported: the XDP
-//! mode must show packets XDP sent itself (`xdp_tx`), or the run fails; so it does
+//! rounds, node a's counters of the ebpf-proxy modes are read and reported, and so is
+//! what node a's uplink carried per connection (packets and bytes in and out, from its
+//! interface counters after the warm-up and after the rounds): the entry node's work
+//! per connection, which DSR halves. The XDP mode must show packets XDP sent itself (`xdp_tx`), or the run fails; so it does
 //! when an ebpf-proxy mode loses more than 1% of its connections (after the result
 //! files are written).
 //!
@@ -102,17 +108,18 @@ const MAX_FAILURE_RATE: f64 = 0.01;
 enum Mode {
     Xdp,
     Tc,
+    Dsr,
     Iptables,
     Direct,
 }
 
 impl Mode {
-    const ALL: [Mode; 4] = [Mode::Direct, Mode::Iptables, Mode::Tc, Mode::Xdp];
+    const ALL: [Mode; 5] = [Mode::Direct, Mode::Iptables, Mode::Tc, Mode::Xdp, Mode::Dsr];
 
     /// The agent's `--xdp-mode`, for the ebpf-proxy modes.
     fn xdp_mode(self) -> Option<&'static str> {
         match self {
-            Mode::Xdp => Some("native"),
+            Mode::Xdp | Mode::Dsr => Some("native"),
             Mode::Tc => Some("off"),
             Mode::Iptables | Mode::Direct => None,
         }
@@ -127,6 +134,7 @@ impl BenchMode for Mode {
         match self {
             Mode::Xdp => "ebpf-proxy XDP",
             Mode::Tc => "ebpf-proxy tc",
+            Mode::Dsr => "ebpf-proxy DSR",
             Mode::Iptables => "kube-proxy iptables",
             Mode::Direct => "no LB (routed)",
         }
@@ -136,6 +144,7 @@ impl BenchMode for Mode {
         match self {
             Mode::Xdp => "xdp",
             Mode::Tc => "tc",
+            Mode::Dsr => "dsr",
             Mode::Iptables => "iptables",
             Mode::Direct => "direct",
         }
@@ -386,10 +395,16 @@ impl World {
                     .context("route back to client1 via node a")?;
                 world.targets = vec![SocketAddrV4::new(BACKEND.1, TARGET_PORT)];
             }
-            Mode::Xdp | Mode::Tc => {
+            Mode::Xdp | Mode::Tc | Mode::Dsr => {
                 let manifests = ManifestDir::create(world.cluster.stem())?;
                 manifests.write("services.yaml", &set.yaml(node_b.ns.name()))?;
-                let args = ["--xdp-mode", mode.xdp_mode().expect("an ebpf-proxy mode")];
+                let lb_mode = if mode == Mode::Dsr { "dsr" } else { "snat" };
+                let args = [
+                    "--xdp-mode",
+                    mode.xdp_mode().expect("an ebpf-proxy mode"),
+                    "--lb-mode",
+                    lb_mode,
+                ];
                 for node in [node_a, node_b] {
                     let started = Instant::now();
                     let agent = Agent::start_with(&node.ns, manifests.path(), &args)
@@ -467,6 +482,27 @@ impl World {
         Ok(())
     }
 
+    /// What node a's uplink has carried: packets and bytes, received plus sent.
+    fn node_a_uplink(&self) -> Result<(u64, u64)> {
+        let out = self
+            .cluster
+            .node("a")
+            .ns
+            .ip(&["-s", "-j", "link", "show", UPLINK])
+            .context("node a's uplink counters")?;
+        let links: serde_json::Value = serde_json::from_str(&out).context("ip -j link")?;
+        let stats = &links[0]["stats64"];
+        let field = |dir: &str, what: &str| {
+            stats[dir][what]
+                .as_u64()
+                .with_context(|| format!("no {dir} {what} in {stats}"))
+        };
+        Ok((
+            field("rx", "packets")? + field("tx", "packets")?,
+            field("rx", "bytes")? + field("tx", "bytes")?,
+        ))
+    }
+
     /// Node a's non-zero datapath counters, for the ebpf-proxy modes.
     fn counters(&self) -> Result<Option<Vec<(&'static str, u64)>>> {
         let Some(agent) = self.agents.first() else {
@@ -493,6 +529,9 @@ struct NodeA {
     /// Node a's non-zero counters after the rounds (warm-up included), for the
     /// ebpf-proxy modes.
     counters: Option<Vec<(&'static str, u64)>>,
+    /// Packets and bytes node a's uplink carried (in plus out) per connection
+    /// of the rounds.
+    per_connection: (f64, f64),
 }
 
 /// All modes at one S ran interleaved.
@@ -528,10 +567,12 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
         }
         worlds.push(world);
     }
+    let mut uplink_before = Vec::new();
     for world in &worlds {
         world
             .warm_up()
             .with_context(|| format!("warm up {}", world.mode.label()))?;
+        uplink_before.push(world.node_a_uplink()?);
     }
     let series = interleaved(cfg.rounds, worlds.len(), 1, |w, _| {
         worlds[w]
@@ -540,8 +581,14 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             .with_context(|| format!("measure {}", worlds[w].mode.label()))
     })?;
     let mut out = Vec::new();
-    for (world, mut series) in worlds.iter().zip(series) {
+    for ((world, mut series), before) in worlds.iter().zip(series).zip(uplink_before) {
         let series = series.pop().expect("one kind of exchange");
+        let after = world.node_a_uplink()?;
+        let connections = (series.ok + series.failed).max(1) as f64;
+        let per_connection = (
+            (after.0 - before.0) as f64 / connections,
+            (after.1 - before.1) as f64 / connections,
+        );
         if series.failed > 0 {
             eprintln!(
                 "warning: S = {services}, {}: {} of {} connections failed: {:?}",
@@ -568,6 +615,7 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             detail: NodeA {
                 node_ports: set.node_ports,
                 counters,
+                per_connection,
             },
         });
     }
@@ -663,15 +711,42 @@ impl Report<'_> {
                 self.results.rate_vs(tc, Mode::Iptables),
             ));
         }
+        for &services in &cfg.sizes {
+            let Some(dsr) = self.results.find(services, Mode::Dsr) else {
+                continue;
+            };
+            out.push_str(&format!(
+                "- S = {services}: DSR rate {} tc's (SNAT), {} iptables', {} the no-LB limit; \
+                 DSR p99 {} tc's\n",
+                self.results.rate_vs(dsr, Mode::Tc),
+                self.results.rate_vs(dsr, Mode::Iptables),
+                self.results.rate_vs(dsr, Mode::Direct),
+                self.results.p99_vs(dsr, Mode::Tc),
+            ));
+        }
+        out.push_str(
+            "\nWhat node a's uplink carried per connection of the rounds (packets and \
+             bytes, in plus out): the entry node's share of each connection. With SNAT \
+             every packet of both directions crosses it twice; with DSR only the \
+             client's:\n\n| Services | mode | packets / conn | bytes / conn |\n|---:|---|---:|---:|\n",
+        );
+        for s in self.results {
+            out.push_str(&format!(
+                "| {} | {} | {:.1} | {:.0} |\n",
+                s.services,
+                s.mode.label(),
+                s.detail.per_connection.0,
+                s.detail.per_connection.1
+            ));
+        }
         out.push_str(
             "\nTime to program the Services on node a (agent start to healthy / \
              iptables-restore):\n\n",
         );
-        out.push_str(
-            &self
-                .results
-                .programming_markdown(&cfg.sizes, &[Mode::Xdp, Mode::Tc, Mode::Iptables]),
-        );
+        out.push_str(&self.results.programming_markdown(
+            &cfg.sizes,
+            &[Mode::Xdp, Mode::Tc, Mode::Dsr, Mode::Iptables],
+        ));
         out.push_str(
             "\nNode a's datapath counters after the rounds (warm-up included; non-zero \
              ones). `xdp_tx` counts packets XDP translated and sent on itself, both \
@@ -711,6 +786,10 @@ impl Report<'_> {
                     json!({
                         "node_ports": s.detail.node_ports,
                         "vs_tc": self.results.rate_vs(s, Mode::Tc).json(),
+                        "node_a_uplink_per_connection": {
+                            "packets": s.detail.per_connection.0,
+                            "bytes": s.detail.per_connection.1,
+                        },
                         "node_a_counters": s.detail.counters.as_ref().map(|c| {
                             c.iter()
                                 .map(|(n, v)| (n.to_string(), json!(v)))
@@ -740,7 +819,8 @@ impl Report<'_> {
     fn check(&self) -> Result<()> {
         let mut problems = Vec::new();
         for s in self.results {
-            if matches!(s.mode, Mode::Xdp | Mode::Tc) && s.series.failure_rate() > MAX_FAILURE_RATE
+            if matches!(s.mode, Mode::Xdp | Mode::Tc | Mode::Dsr)
+                && s.series.failure_rate() > MAX_FAILURE_RATE
             {
                 problems.push(format!(
                     "S = {}, {}: {:.2}% of connections failed ({} of {}: {:?})",
@@ -750,6 +830,14 @@ impl Report<'_> {
                     s.series.failed,
                     s.series.failed + s.series.ok,
                     s.series.errors
+                ));
+            }
+            if s.mode == Mode::Dsr && s.detail.counter("dsr_new") == 0 {
+                problems.push(format!(
+                    "S = {}, {}: node a sent no flow by DSR (dsr_new 0; counters {:?})",
+                    s.services,
+                    s.mode.label(),
+                    s.detail.counters
                 ));
             }
             if s.mode == Mode::Xdp && s.detail.counter("xdp_tx") == 0 {

@@ -3984,3 +3984,213 @@ fn trace_records_of_ipv6_new_flows_and_rejects_while_switched_on_only() {
     run(&fx, &tcp(CLIENT, 43_020, VIP, 80, frame::SYN));
     assert_eq!(drain(), [], "records after the trace ended");
 }
+
+// ---------------------------------------------------------------------------
+// Direct server return over IPv6: the frontend carried in a destination
+// options header right after the IPv6 header.
+
+/// A LoadBalancer IP whose one backend is `LOCAL_POD`: what another node
+/// sends here by direct server return.
+const LB_LOCAL_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x60, 0, 0, 0, 0, 0x12);
+
+/// `node_fixture` with direct server return on (`node_config_flags::DSR`,
+/// in IPv4's `NODE_CONFIG` for both families) and `LB_LOCAL_IP`.
+fn dsr_node_fixture() -> NodeFixture {
+    use proxy_userspace::planner::{MapOp, MapStore, node};
+    let mut nf = node_fixture();
+    let mut config = node::node_config(None, false);
+    config.flags |= proxy_common::node_config_flags::DSR;
+    nf.fx
+        .datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig { config })
+        .expect("node config");
+    let lb = external(
+        FrontendKind::LoadBalancer,
+        LB_LOCAL_IP,
+        80,
+        &[LOCAL_POD],
+        true,
+    );
+    program(&mut nf.fx, "lb-local", &lb);
+    nf
+}
+
+/// `frame` with the DSR destination options header naming `frontend`
+/// after its IPv6 header, as the entry node writes it.
+fn with_dsr_dest_opts(frame: &[u8], frontend: (Ipv6Addr, u16)) -> Vec<u8> {
+    let addr = frontend.0.octets();
+    let words: [u32; 4] =
+        std::array::from_fn(|i| u32::from_ne_bytes(addr[4 * i..4 * i + 4].try_into().unwrap()));
+    let ext = proxy_common::dsr::ipv6_dest_opts(frame[20], &words, frontend.1.to_be());
+    let mut f = frame[..54].to_vec();
+    f.extend_from_slice(&ext);
+    f.extend_from_slice(&frame[54..]);
+    f[20] = DEST_OPTS;
+    let len = u16::from_be_bytes([f[18], f[19]]) + 24;
+    f[18..20].copy_from_slice(&len.to_be_bytes());
+    f
+}
+
+/// The frontend the DSR header of `out` names, and `out` parsed (its
+/// transport checksum checked).
+fn dsr_carried6(out: &[u8], what: &str) -> ((Ipv6Addr, u16), frame::Parsed6) {
+    assert_eq!(
+        out[20], DEST_OPTS,
+        "{what}: no destination options header first"
+    );
+    let ext: [u8; 24] = out[54..78].try_into().unwrap();
+    let (words, port, next) = proxy_common::dsr::ipv6_frontend(&ext)
+        .unwrap_or_else(|| panic!("{what}: not the DSR header: {ext:02x?}"));
+    assert_eq!(next, frame::TCP, "{what}: the header after it");
+    let mut addr = [0u8; 16];
+    for (i, w) in words.iter().enumerate() {
+        addr[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    (
+        (Ipv6Addr::from(addr), u16::from_be(port)),
+        parse_checked6(out, what),
+    )
+}
+
+/// With DSR, an IPv6 NodePort or LoadBalancer flow to a remote backend is
+/// DNATed with the client's address kept and the frontend carried, sent to
+/// the backend's node by tc; XDP leaves it to tc untouched.
+#[test]
+fn dsr_keeps_the_ipv6_client_and_carries_the_frontend() {
+    let nf = dsr_node_fixture();
+    for (i, frontend) in [(NODE_IP, NODE_PORT), (LB_IP, 80)].into_iter().enumerate() {
+        let what = format!("[{}]:{}", frontend.0, frontend.1);
+        let sport = 43000 + i as u16;
+        let syn = tcp(OUTSIDE, sport, frontend.0, frontend.1, frame::SYN);
+        let (ret, out) = run_xdp(&nf, &syn);
+        assert_eq!((ret, &out), (XDP_PASS, &syn), "{what}: XDP leaves it to tc");
+        for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
+            let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
+            let (ret, out) = run_on_uplink(&nf, &input);
+            let what = format!("{what}, {packet}");
+            assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
+            assert_eq!(out.len(), input.len() + 24, "{what}: length");
+            let (carried, p) = dsr_carried6(&out, &what);
+            assert_eq!(carried, frontend, "{what}: the frontend carried");
+            assert_eq!(
+                (p.src, p.sport, p.dst, p.dport),
+                (OUTSIDE, sport, REMOTE_POD, 8080),
+                "{what}: the client's address kept, DNATed to the backend"
+            );
+            assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
+            assert_eq!(out[HOP_LIMIT], input[HOP_LIMIT] - 1, "{what}: hop limit");
+        }
+    }
+    assert_eq!(ncounter(&nf, "dsr_new"), 2, "dsr_new");
+    assert_eq!(ncounter(&nf, "snat_new"), 0, "snat_new");
+}
+
+/// The carrier's 24 bytes count against the route's MTU: with a route of
+/// MTU 1280 to the backend's node, a packet of 1,256 bytes goes (1,280 with
+/// the header); one of 1,257 is answered "packet too big" with an MTU of
+/// 1,256, quoting it as the client sent it.
+#[test]
+fn an_ipv6_dsr_packet_too_long_for_the_header_is_answered_with_the_mtu_less_it() {
+    let nf = dsr_node_fixture();
+    nf.ns
+        .ip(&[
+            "-6",
+            "route",
+            "replace",
+            "fd00:10:2::/64",
+            "via",
+            "2001:db8:50::2",
+            "mtu",
+            "lock",
+            "1280",
+        ])
+        .expect("a route of MTU 1280 to the remote pods");
+    let client = (OUTSIDE, 47200);
+    let lb = (LB_IP, 80);
+    let (ret, _) = run_on_uplink(&nf, &tcp(client.0, client.1, lb.0, lb.1, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "SYN to the LB IP: verdict");
+    let fits = segment(client, lb, 1256 - 60);
+    let (ret, out) = run_on_uplink(&nf, &fits);
+    assert_eq!(ret, TC_ACT_REDIRECT, "a 1,256-byte packet: verdict");
+    assert_eq!(out.len(), 14 + 1280, "a 1,256-byte packet with the header");
+    dsr_carried6(&out, "a 1,256-byte packet");
+    let long = segment(client, lb, 1257 - 60);
+    let (ret, out) = run_on_uplink(&nf, &long);
+    assert_eq!(ret, TC_ACT_REDIRECT, "a 1,257-byte packet: verdict");
+    let e = parse_checked_icmp6_error(&out, "a 1,257-byte packet");
+    assert_eq!(
+        (e.src, e.dst, e.icmp_type, e.code, e.param),
+        (LB_IP, OUTSIDE, 2, 0, 1256),
+        "a 1,257-byte packet: packet too big from the frontend, MTU less the header"
+    );
+    assert_eq!(
+        quote_of(&out),
+        &long[14..14 + 60],
+        "the quote as the client sent it"
+    );
+    assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
+}
+
+/// The backend's node over IPv6: the first packet carrying the header
+/// creates the flow keyed by the frontend it names, the backend's reply
+/// leaves from the frontend straight to the client, later packets find the
+/// flow, and the client's packets arriving here directly go to the same
+/// backend. A header naming no frontend here is refused, counted.
+#[test]
+fn dsr_ipv6_backends_node_learns_the_flow_and_answers_from_the_frontend() {
+    let nf = dsr_node_fixture();
+    let lb = (LB_LOCAL_IP, 80);
+    let sent = with_dsr_dest_opts(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::SYN), lb);
+    let (ret, out) = run_on_uplink(&nf, &sent);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &sent),
+        "the SYN goes on as it came"
+    );
+    assert_eq!(ncounter(&nf, "dsr_learnt"), 1, "dsr_learnt");
+
+    let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44000, frame::SYN | frame::ACK);
+    let (ret, out) = run_on_uplink(&nf, &reply);
+    assert_eq!(ret, TC_ACT_REDIRECT, "the backend's reply: verdict");
+    let r = parse_checked6(&out, "the backend's reply");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (LB_LOCAL_IP, 80, OUTSIDE, 44000),
+        "the reply must come from the frontend, to the client"
+    );
+    assert_eq!(
+        macs(&out),
+        (OUTSIDE_MAC, UPLINK_MAC),
+        "straight to the client"
+    );
+
+    let established = ncounter(&nf, "dnat_established");
+    let ack = with_dsr_dest_opts(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::ACK), lb);
+    let (ret, out) = run_on_uplink(&nf, &ack);
+    assert_eq!((ret, &out), (TC_ACT_OK, &ack), "the ACK goes on as it came");
+    assert_eq!(
+        ncounter(&nf, "dnat_established"),
+        established + 1,
+        "the ACK found its flow"
+    );
+
+    let direct = tcp(OUTSIDE, 44000, LB_LOCAL_IP, 80, frame::ACK);
+    let (ret, out) = run_on_uplink(&nf, &direct);
+    assert_eq!(ret, TC_ACT_OK, "the client's packet arriving here: verdict");
+    let p = parse_checked6(&out, "the client's packet arriving here");
+    assert_eq!(
+        (p.src, p.sport, p.dst, p.dport),
+        (OUTSIDE, 44000, LOCAL_POD, 8080),
+        "moved here by the network, the flow keeps its backend"
+    );
+
+    let forged = with_dsr_dest_opts(
+        &tcp(OUTSIDE, 44001, LOCAL_POD, 8080, frame::SYN),
+        (Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 9), 4444),
+    );
+    let (ret, out) = run_on_uplink(&nf, &forged);
+    assert_eq!((ret, &out), (TC_ACT_OK, &forged), "a refused header passes");
+    assert_eq!(ncounter(&nf, "dsr_refused"), 1, "dsr_refused");
+    assert_eq!(ncounter(&nf, "dsr_learnt"), 1, "learnt once");
+}

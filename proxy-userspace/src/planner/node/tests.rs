@@ -471,3 +471,38 @@ fn service_cidrs_and_cluster_ips_follow_the_desired_state() {
     assert_eq!(store.state.node, expected(&store.state.node, &want));
     assert!(planner.in_sync(&want));
 }
+
+#[test]
+fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
+    use proxy_common::node_config_flags::{DSR, DSR_TCP_ONLY, MASQUERADE_ALL};
+    for (mode, want_flags) in [
+        (LbMode::Snat, 0),
+        (LbMode::Dsr, DSR),
+        (LbMode::Hybrid, DSR | DSR_TCP_ONLY),
+    ] {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        let mut want = desired(&[1], &[], &[], 30)
+            .with_lb_mode(mode)
+            .with_masquerade_all(true);
+        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+        assert!(planner.sync(&want, &mut store).failed.is_none());
+        let node = &store.state.node;
+        assert_eq!(
+            node.config.flags & (DSR | DSR_TCP_ONLY),
+            want_flags,
+            "--lb-mode {mode:?}: NODE_CONFIG's flags {:#x}",
+            node.config.flags
+        );
+        assert_ne!(
+            node.config.flags & MASQUERADE_ALL,
+            0,
+            "--lb-mode {mode:?} left --masquerade-all's flag alone"
+        );
+        assert_eq!(
+            node.config6.flags & (DSR | DSR_TCP_ONLY),
+            0,
+            "IPv6's config holds no DSR flag: IPv4's is read for both"
+        );
+    }
+}

@@ -28,7 +28,8 @@
 //!   their /24 on `eth0` and no route to the pod CIDRs, like hosts outside a cluster;
 //!   [`Client::route_via`] / [`Cluster::route_via`] give them a route to a
 //!   LoadBalancer IP or ExternalIP through a chosen node ([`Client::route_via6`] /
-//!   [`Cluster::route_via6`] for IPv6).
+//!   [`Cluster::route_via6`] for IPv6), and [`Cluster::reroute_via`] /
+//!   [`Cluster::reroute_via6`] move it to another node.
 //! - Node and client uplinks checksum on transmit (`ethtool -K eth0 tx off`), so
 //!   frames on the bridge carry complete checksums, as on a physical wire; XDP, which
 //!   has no socket buffer, can only update complete ones.
@@ -190,6 +191,24 @@ impl Client {
             .ip(&["-6", "route", "add", dest, "via", &gateway.to_string()])
             .map(drop)
             .with_context(|| format!("{}: route {dest} via {gateway}", self.name))
+    }
+
+    /// `ip route replace <dest> via <gateway>`: moves a route of
+    /// [`Client::route_via`] to another node at once, as an ECMP change or a load
+    /// balancer failing over moves a client's flows.
+    pub fn reroute_via(&self, dest: &str, gateway: Ipv4Addr) -> Result<()> {
+        self.ns
+            .ip(&["route", "replace", dest, "via", &gateway.to_string()])
+            .map(drop)
+            .with_context(|| format!("{}: reroute {dest} via {gateway}", self.name))
+    }
+
+    /// [`Client::reroute_via`] for IPv6: `ip -6 route replace <dest> via <gateway>`.
+    pub fn reroute_via6(&self, dest: &str, gateway: Ipv6Addr) -> Result<()> {
+        self.ns
+            .ip(&["-6", "route", "replace", dest, "via", &gateway.to_string()])
+            .map(drop)
+            .with_context(|| format!("{}: reroute {dest} via {gateway}", self.name))
     }
 }
 
@@ -366,6 +385,18 @@ impl Cluster {
     /// `fd00:60::10/128`) through node `node`'s IPv6 address.
     pub fn route_via6(&self, client: &str, dest: &str, node: &str) -> Result<()> {
         self.client(client).route_via6(dest, self.node(node).ip6)
+    }
+
+    /// Moves client `client`'s route to `dest` (given by [`Cluster::route_via`]) to
+    /// node `node`'s address.
+    pub fn reroute_via(&self, client: &str, dest: &str, node: &str) -> Result<()> {
+        self.client(client).reroute_via(dest, self.node(node).ip)
+    }
+
+    /// Moves client `client`'s route to `dest` (given by [`Cluster::route_via6`]) to
+    /// node `node`'s IPv6 address.
+    pub fn reroute_via6(&self, client: &str, dest: &str, node: &str) -> Result<()> {
+        self.client(client).reroute_via6(dest, self.node(node).ip6)
     }
 
     /// The node called `name`; panics if there is none (a bug in the test).

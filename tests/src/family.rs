@@ -87,6 +87,10 @@ pub trait Family: iptables::Family + Into<IpAddr> {
     /// of the family.
     fn route_via(cluster: &Cluster, client: &str, dest: Self, node: &str) -> anyhow::Result<()>;
 
+    /// Moves `client`'s route to `dest` (given by [`Family::route_via`]) to node
+    /// `node`'s address of the family.
+    fn reroute_via(cluster: &Cluster, client: &str, dest: Self, node: &str) -> anyhow::Result<()>;
+
     /// The `--node-ip` of an agent on `node` of the two-node world, if the family's
     /// scenarios give one: over IPv4 the agent finds the node's address itself, and
     /// its status shows what it found; over IPv6 it is told both of the node's
@@ -213,6 +217,10 @@ impl Family for Ipv4Addr {
         cluster.route_via(client, &format!("{dest}/{}", Self::HOST_PREFIX), node)
     }
 
+    fn reroute_via(cluster: &Cluster, client: &str, dest: Self, node: &str) -> anyhow::Result<()> {
+        cluster.reroute_via(client, &format!("{dest}/{}", Self::HOST_PREFIX), node)
+    }
+
     fn node_ip_arg(_: &ClusterNode) -> Option<String> {
         None
     }
@@ -302,6 +310,10 @@ impl Family for Ipv6Addr {
 
     fn route_via(cluster: &Cluster, client: &str, dest: Self, node: &str) -> anyhow::Result<()> {
         cluster.route_via6(client, &format!("{dest}/{}", Self::HOST_PREFIX), node)
+    }
+
+    fn reroute_via(cluster: &Cluster, client: &str, dest: Self, node: &str) -> anyhow::Result<()> {
+        cluster.reroute_via6(client, &format!("{dest}/{}", Self::HOST_PREFIX), node)
     }
 
     fn node_ip_arg(node: &ClusterNode) -> Option<String> {

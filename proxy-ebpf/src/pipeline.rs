@@ -14,8 +14,11 @@
 //! it came in on (or passed to the stack translated); everything else is
 //! left untouched to tc. ICMP errors quoting a translated flow's packet are
 //! translated back (`icmp_error`); every other ICMP message passes
-//! untouched. SCTP passes untranslated, counted when it was meant for a
-//! frontend. A later fragment takes its first fragment's ports and its
+//! untouched. SCTP is translated as TCP and UDP are, its associations
+//! tracked by verification tag (`conntrack::sctp`). With direct server
+//! return, an external flow to a backend on another node keeps its client
+//! and carries its frontend there, and a packet another node sent so is
+//! handed to `tc_dsr` (`crate::dsr`). A later fragment takes its first fragment's ports and its
 //! flow's translation, or passes, counted (`frag`). Established flows are
 //! served from this CPU's flow cache (`flow_cache`), new ones start in
 //! `CT_NEW` (`conntrack`), and rare events go to the datapath log.

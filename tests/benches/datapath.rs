@@ -93,6 +93,13 @@ const EXTERNAL_IPS: [Ipv4Addr; 2] = [
     Ipv4Addr::new(192, 168, 99, 2),
 ];
 const ESTABLISHED_TRACED: &str = "established flow, trace running";
+/// An established flow to the Maglev ExternalIP: conntrack answers it
+/// before the table is read, so it should cost what a random frontend's
+/// does (`ESTABLISHED`).
+const ESTABLISHED_MAGLEV: &str = "established flow, ExternalIP (Maglev)";
+/// Where the Maglev ExternalIP's established flows take their client
+/// ports, past the ClusterIP's (`FLOWS` from the hook's own first port).
+const MAGLEV_PORTS_FROM: u16 = 500;
 
 /// The pinned `TRACE_ON` and `TRACE_EVENTS` of the loaded datapath, for the
 /// cases with a trace running.
@@ -482,6 +489,12 @@ fn measure_hook(
 ) -> Vec<Case> {
     datapath.load_floors().expect("loading the floor programs");
     let (ests, replies) = establish(datapath, hook, target, client_port);
+    let (maglev_ests, _) = establish(
+        datapath,
+        hook,
+        EXTERNAL_IPS[1],
+        client_port + MAGLEV_PORTS_FROM,
+    );
 
     let floor = of_hook(hook, datapath.floors().expect("floor programs loaded"));
     let ct_pair = of_hook(
@@ -518,6 +531,7 @@ fn measure_hook(
             },
             &mut |i| ns(program, &externals[0][i], 1),
             &mut |i| ns(program, &externals[1][i], 1),
+            &mut |i| ns(program, &maglev_ests[i % maglev_ests.len()], 1),
         ],
     );
     let repeated_of = paired(
@@ -533,6 +547,7 @@ fn measure_hook(
                     .borrow_mut()
                     .running(0, || ns(program, &ests[i % ests.len()], repeat))
             },
+            &mut |i| ns(program, &maglev_ests[i % maglev_ests.len()], repeat),
         ],
     );
     // The pair program's entries go again, so that the conntrack map fills
@@ -558,6 +573,7 @@ fn measure_hook(
         ESTABLISHED_TRACED,
         NEW_FLOW_EXTERNAL,
         NEW_FLOW_MAGLEV,
+        ESTABLISHED_MAGLEV,
     ];
     // New flows have no repeated measurement (the first run creates them).
     let mut repeated = repeated_of.into_iter();

@@ -179,16 +179,15 @@ impl DsrFamily for V6 {
     }
 }
 
-/// Whether a new flow of `flow` from outside to `svc_flags`' external
-/// frontend, whose backend is on another node (`remote`), goes by direct
-/// server return: `--lb-mode dsr` for TCP and UDP, or `hybrid` for TCP,
+/// Whether a new flow of `flow` to `frontend`, an external one, whose
+/// backend is on another node (`remote`), goes by direct server return: `--lb-mode dsr` for TCP and UDP, or `hybrid` for TCP,
 /// on a packet with no options or extension headers before which to put
 /// the carrier, unless every flow is masqueraded. Not for a client in the
 /// cluster (`Frontend::inside`: its pod CIDRs, or this node's pods, whose
 /// answers from the backend's node would come from this node's own
 /// NodePort address, which input routing here drops as martian): those
-/// are SNATed as before. SCTP is SNATed: its
-/// associations are tracked by tags that only both directions show.
+/// are SNATed as before. SCTP is SNATed: its associations are tracked by
+/// tags that only both directions show.
 #[inline(always)]
 pub fn sends<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: &Frontend, remote: bool) -> bool {
     if !remote || frontend.inside || frontend.svc.flags & service_flags::EXTERNAL == 0 {
@@ -202,14 +201,17 @@ pub fn sends<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: &Frontend, remote: 
         && F::plain(flow)
 }
 
-/// The frontend a packet from another node names, when this node takes
-/// the carrier: DSR on here, and the packet not from one of this node's
-/// pods (only entry nodes write it).
+/// Whether a packet no frontend answers may carry a frontend from
+/// another node: its headers before the transport's are the carrier's
+/// length, and DSR is on here. What `tc_dsr` then asks (`accepted`).
 #[inline(always)]
 pub fn may_carry<F: DsrFamily>(flow: &FlowOf<F::Addr>) -> bool {
     F::carrier_sized(flow) && node_flags() & node_config_flags::DSR != 0
 }
 
+/// The frontend a packet from another node names, when this node takes
+/// the carrier: DSR on here, and the packet not from one of this node's
+/// pods (only entry nodes write it).
 #[inline(always)]
 pub fn accepted<F: DsrFamily, H: Hook>(ctx: &H, flow: &FlowOf<F::Addr>) -> Option<(F::Addr, u16)> {
     if node_flags() & node_config_flags::DSR == 0 || frontend::local_iface(ctx.ingress_ifindex()) {

@@ -3,14 +3,14 @@
 //! another node, keeps the client's address, and adds the frontend the
 //! client addressed to each packet (`carry`: an IP option, an IPv6
 //! destination options header, `proxy_common::dsr`). The backend's node
-//! keys the packet by that frontend (`carried`), as if the client had sent
-//! it there, so that its conntrack holds the same flow the entry node's
+//! keys the packet by that frontend (`carried`, in `tc_dsr`:
+//! `pipeline::dsr_arrival`), as if the client had sent it there, so that its conntrack holds the same flow the entry node's
 //! does: the first such packet creates it (`arrived`), its backend's
 //! replies leave from the frontend straight to the client, and if the
 //! network later brings the client's packets to this node directly, they
 //! find the flow.
 
-use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use proxy_common::{
     PROTO_TCP, PROTO_UDP, counter, csum::fold, dsr, node_config_flags, service_flags,
 };
@@ -18,14 +18,12 @@ use proxy_common::{
 use crate::{
     conntrack::{self, NewFlow},
     family::{Family, V4, V6},
-    flow_cache,
     frontend::{self, Frontend},
     hook::Hook,
     maps::{count, node_flags},
     nat::NatOf,
-    packet::{ETH_HLEN, FlowOf, frag, read},
+    packet::{ETH_HLEN, FlowOf, read},
     packet6::{IPV6_HLEN, NEXTHDR_DEST},
-    pipeline::PipelineFamily,
 };
 
 /// `BPF_ADJ_ROOM_NET`: room made between the network header (its first 20
@@ -220,50 +218,6 @@ pub fn accepted<F: DsrFamily, H: Hook>(ctx: &H, flow: &FlowOf<F::Addr>) -> Optio
     F::carried(ctx, flow)
 }
 
-/// `tc_dsr` and `tc_dsr6`: a packet another node sent here by direct
-/// server return (`Verdicts::dsr`), parsed again, keyed by the frontend its
-/// carrier names: its flow's entries touched as any packet's are, or
-/// created if it has none (`arrived`). The packet goes on as it came: the
-/// entry node translated it. A later fragment has nothing to add.
-#[inline(always)]
-pub fn handle<F: PipelineFamily>(ctx: &TcContext) -> i32 {
-    let Some(flow) = F::reparse(ctx) else {
-        return TC_ACT_OK;
-    };
-    if flow.frag == frag::LATER {
-        return TC_ACT_OK;
-    }
-    let Some((frontend, port_be)) = accepted::<F, TcContext>(ctx, &flow) else {
-        return TC_ACT_OK;
-    };
-    let mut slot = F::KeySlot::default();
-    let Some(key) = F::key(&flow, &mut slot) else {
-        return TC_ACT_OK;
-    };
-    key.dst_be = frontend;
-    key.dport_be = port_be;
-    let now = conntrack::now_ns();
-    let stamp = flow_cache::stamp(key, flow.tcp_flags);
-    let known = conntrack::known::<F>(key, &stamp, &flow, now);
-    if known.entry.is_null() {
-        arrived::<F>(&flow, frontend, port_be, now);
-        return TC_ACT_OK;
-    }
-    // SAFETY: see `Known::entry`; read before `seen`, which may move it.
-    let entry = unsafe { &*known.entry };
-    let nat = conntrack::translation(entry, &flow);
-    conntrack::seen::<F>(
-        key,
-        &stamp,
-        known.found.as_ref(),
-        &flow,
-        &nat,
-        entry.dir,
-        now,
-    );
-    TC_ACT_OK
-}
-
 /// The first packet here of a flow another node sent by direct server
 /// return, to `frontend`:`port` as its carrier says, DNATed there to the
 /// packet's destination (this node's backend): both conntrack entries are
@@ -273,7 +227,7 @@ pub fn handle<F: PipelineFamily>(ctx: &TcContext) -> i32 {
 /// here is refused, counted: the carrier would otherwise let anyone give a
 /// pod's replies any source. The packet itself goes on as it is.
 #[inline(always)]
-fn arrived<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: F::Addr, port_be: u16, now: u64) {
+pub fn arrived<F: DsrFamily>(flow: &FlowOf<F::Addr>, frontend: F::Addr, port_be: u16, now: u64) {
     let Some(found) = frontend::lookup_frontend_of(&frontend, port_be, flow.proto, || false)
         .or_else(|| frontend::lookup_nodeport(port_be, flow.proto, || false))
     else {

@@ -81,16 +81,16 @@ pub fn tc_ingress6(ctx: TcContext) -> i32 {
 
 /// tc for an IPv4 packet another node sent here by direct server return,
 /// reached from `tc_ingress` only, by a tail call through `TC_DSR` (see
-/// `dsr`): its flow learnt or touched, the packet passed on as it came.
+/// `dsr` and `pipeline::dsr_arrival`): its flow learnt or touched, the packet passed on as it came.
 #[classifier]
 pub fn tc_dsr(ctx: TcContext) -> i32 {
-    dsr::handle::<V4>(&ctx)
+    pipeline::dsr_arrival::<V4>(&ctx)
 }
 
 /// `tc_dsr` for IPv6, from `tc_ingress6`.
 #[classifier]
 pub fn tc_dsr6(ctx: TcContext) -> i32 {
-    dsr::handle::<V6>(&ctx)
+    pipeline::dsr_arrival::<V6>(&ctx)
 }
 
 /// XDP on uplinks: the north-south fast path, before any socket buffer

@@ -25,6 +25,7 @@
 
 mod family;
 
+use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
 pub use family::PipelineFamily;
 use proxy_common::{
     Backend, CtKeyOf, FlowAddr, PROTO_SCTP, backend_flags, counter, ct_flags, node_config_flags,
@@ -160,6 +161,50 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         return Ok(H::PASS);
     }
     new_flow::<F, H>(ctx, flow, &frontend, now)
+}
+
+/// `tc_dsr` and `tc_dsr6`: a packet another node sent here by direct
+/// server return (`Verdicts::dsr`), parsed again, keyed by the frontend its
+/// carrier names: its flow's entries touched as any packet's are, or
+/// created if it has none (`dsr::arrived`). The packet goes on as it came: the
+/// entry node translated it. A later fragment has nothing to add.
+#[inline(always)]
+pub fn dsr_arrival<F: PipelineFamily>(ctx: &TcContext) -> i32 {
+    let Some(flow) = F::reparse(ctx) else {
+        return TC_ACT_OK;
+    };
+    if flow.frag == LATER {
+        return TC_ACT_OK;
+    }
+    let Some((frontend, port_be)) = dsr::accepted::<F, TcContext>(ctx, &flow) else {
+        return TC_ACT_OK;
+    };
+    let mut slot = F::KeySlot::default();
+    let Some(key) = F::key(&flow, &mut slot) else {
+        return TC_ACT_OK;
+    };
+    key.dst_be = frontend;
+    key.dport_be = port_be;
+    let now = conntrack::now_ns();
+    let stamp = flow_cache::stamp(key, flow.tcp_flags);
+    let known = conntrack::known::<F>(key, &stamp, &flow, now);
+    if known.entry.is_null() {
+        dsr::arrived::<F>(&flow, frontend, port_be, now);
+        return TC_ACT_OK;
+    }
+    // SAFETY: see `Known::entry`; read before `seen`, which may move it.
+    let entry = unsafe { &*known.entry };
+    let nat = conntrack::translation(entry, &flow);
+    conntrack::seen::<F>(
+        key,
+        &stamp,
+        known.found.as_ref(),
+        &flow,
+        &nat,
+        entry.dir,
+        now,
+    );
+    TC_ACT_OK
 }
 
 /// A packet no frontend answers: passed, or if it is for a service CIDR,

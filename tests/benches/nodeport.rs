@@ -832,21 +832,19 @@ impl Report<'_> {
                     s.series.errors
                 ));
             }
-            if s.mode == Mode::Dsr && s.detail.counter("dsr_new") == 0 {
-                problems.push(format!(
-                    "S = {}, {}: node a sent no flow by DSR (dsr_new 0; counters {:?})",
-                    s.services,
-                    s.mode.label(),
-                    s.detail.counters
-                ));
-            }
-            if s.mode == Mode::Xdp && s.detail.counter("xdp_tx") == 0 {
-                problems.push(format!(
-                    "S = {}, {}: XDP sent no packet itself (xdp_tx 0; counters {:?})",
-                    s.services,
-                    s.mode.label(),
-                    s.detail.counters
-                ));
+            // The counter that shows the mode did its own work on node a.
+            for (mode, counter, what) in [
+                (Mode::Dsr, "dsr_new", "node a sent no flow by DSR"),
+                (Mode::Xdp, "xdp_tx", "XDP sent no packet itself"),
+            ] {
+                if s.mode == mode && s.detail.counter(counter) == 0 {
+                    problems.push(format!(
+                        "S = {}, {}: {what} ({counter} 0; counters {:?})",
+                        s.services,
+                        s.mode.label(),
+                        s.detail.counters
+                    ));
+                }
             }
         }
         if !problems.is_empty() {

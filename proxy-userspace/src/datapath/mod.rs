@@ -26,6 +26,7 @@ pub mod pin_root;
 pub mod pins;
 pub mod prefilter;
 pub mod prefilter_rebuild;
+mod program_array;
 pub mod program_load;
 pub mod refusal_records;
 pub mod reject_limit;
@@ -712,6 +713,7 @@ trait Load {
     fn is_loaded(&self) -> bool;
     fn load_now(&mut self) -> Result<(), aya::programs::ProgramError>;
     fn info(&self) -> Result<aya::programs::ProgramInfo, aya::programs::ProgramError>;
+    fn fd(&self) -> Result<&aya::programs::ProgramFd, aya::programs::ProgramError>;
 }
 
 /// aya gives each program type its own `load` and `info`, with no trait over
@@ -729,6 +731,10 @@ macro_rules! impl_load {
 
             fn info(&self) -> Result<aya::programs::ProgramInfo, aya::programs::ProgramError> {
                 <$program>::info(self)
+            }
+
+            fn fd(&self) -> Result<&aya::programs::ProgramFd, aya::programs::ProgramError> {
+                <$program>::fd(self)
             }
         }
     )*};

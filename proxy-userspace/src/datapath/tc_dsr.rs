@@ -13,25 +13,10 @@ use aya::{
 };
 use proxy_common::{TC_DSR_IPV4, TC_DSR_IPV6, map_names, program_names};
 
-use super::ProgramLoad;
-
-#[derive(Debug, thiserror::Error)]
-pub enum TcDsrError {
-    #[error("the eBPF object has no {} map", map_names::TC_DSR)]
-    NoMap,
-    #[error("{name}: {source}", name = map_names::TC_DSR)]
-    Map {
-        #[from]
-        source: aya::maps::MapError,
-    },
-    #[error("loading {name}: {source}")]
-    Program {
-        name: &'static str,
-        source: aya::programs::ProgramError,
-    },
-    #[error("the eBPF object has no {0} program")]
-    NoProgram(&'static str),
-}
+use super::{
+    ProgramLoad,
+    program_array::{self, ProgramArrayError},
+};
 
 /// Loads both programs (noting the loads in `loads`) and puts them in
 /// their slots. The array returned must be kept for as long as the
@@ -39,25 +24,17 @@ pub enum TcDsrError {
 pub fn fill(
     ebpf: &mut Ebpf,
     loads: &mut Vec<ProgramLoad>,
-) -> Result<ProgramArray<MapData>, TcDsrError> {
-    let map = ebpf.take_map(map_names::TC_DSR).ok_or(TcDsrError::NoMap)?;
-    let mut array = ProgramArray::try_from(map)?;
-    for (name, slot) in [
-        (program_names::TC_DSR, TC_DSR_IPV4),
-        (program_names::TC_DSR6, TC_DSR_IPV6),
-    ] {
-        let failed = |source| TcDsrError::Program { name, source };
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .ok_or(TcDsrError::NoProgram(name))?
-            .try_into()
-            .map_err(failed)?;
-        super::load_noting(program, name, loads).map_err(failed)?;
-        array.set(slot, program.fd().map_err(failed)?, 0)?;
-    }
-    Ok(array)
+) -> Result<ProgramArray<MapData>, ProgramArrayError> {
+    program_array::fill::<SchedClassifier>(
+        ebpf,
+        map_names::TC_DSR,
+        &[
+            (program_names::TC_DSR, TC_DSR_IPV4),
+            (program_names::TC_DSR6, TC_DSR_IPV6),
+        ],
+        loads,
+    )
 }
-
 /// `fill`; on failure the slots left empty are said once, and the agent
 /// goes on: every other flow is served as before.
 pub fn fill_or_warn(

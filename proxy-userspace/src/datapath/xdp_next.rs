@@ -18,25 +18,10 @@ use aya::{
 };
 use proxy_common::{XDP_NEXT_IPV6, map_names, program_names};
 
-use super::ProgramLoad;
-
-#[derive(Debug, thiserror::Error)]
-pub enum XdpNextError {
-    #[error("the eBPF object has no {} map", map_names::XDP_NEXT)]
-    NoMap,
-    #[error("{name}: {source}", name = map_names::XDP_NEXT)]
-    Map {
-        #[from]
-        source: aya::maps::MapError,
-    },
-    #[error("loading {name}: {source}", name = program_names::XDP_INGRESS6)]
-    Program {
-        #[from]
-        source: aya::programs::ProgramError,
-    },
-    #[error("the eBPF object has no {} program", program_names::XDP_INGRESS6)]
-    NoProgram,
-}
+use super::{
+    ProgramLoad,
+    program_array::{self, ProgramArrayError},
+};
 
 /// Loads `xdp_ingress6` (noting the load in `loads`) and puts it in its
 /// slot. The array returned must be kept for as long as the programs run:
@@ -44,18 +29,13 @@ pub enum XdpNextError {
 pub fn fill(
     ebpf: &mut Ebpf,
     loads: &mut Vec<ProgramLoad>,
-) -> Result<ProgramArray<MapData>, XdpNextError> {
-    let map = ebpf
-        .take_map(map_names::XDP_NEXT)
-        .ok_or(XdpNextError::NoMap)?;
-    let mut array = ProgramArray::try_from(map)?;
-    let program: &mut Xdp = ebpf
-        .program_mut(program_names::XDP_INGRESS6)
-        .ok_or(XdpNextError::NoProgram)?
-        .try_into()?;
-    super::load_noting(program, program_names::XDP_INGRESS6, loads)?;
-    array.set(XDP_NEXT_IPV6, program.fd()?, 0)?;
-    Ok(array)
+) -> Result<ProgramArray<MapData>, ProgramArrayError> {
+    program_array::fill::<Xdp>(
+        ebpf,
+        map_names::XDP_NEXT,
+        &[(program_names::XDP_INGRESS6, XDP_NEXT_IPV6)],
+        loads,
+    )
 }
 
 /// `fill`; on failure (a kernel or verifier that refuses `xdp_ingress6`) the

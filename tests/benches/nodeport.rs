@@ -45,9 +45,12 @@
 //! rounds, node a's counters of the ebpf-proxy modes are read and reported, and so is
 //! what node a's uplink carried per connection (packets and bytes in and out, from its
 //! interface counters after the warm-up and after the rounds): the entry node's work
-//! per connection, which DSR halves. The XDP mode must show packets XDP sent itself (`xdp_tx`), or the run fails; so it does
-//! when an ebpf-proxy mode loses more than 1% of its connections (after the result
-//! files are written).
+//! per connection, which DSR halves. Then a few more rounds of the ebpf-proxy modes
+//! alone, with the kernel's BPF run-time statistics on, time node a's programs: the
+//! entry node's datapath CPU per connection. The XDP mode must show packets XDP sent
+//! itself (`xdp_tx`), and every ebpf-proxy mode a timing of node a's programs, or the
+//! run fails; so it does when an ebpf-proxy mode loses more than 1% of its connections
+//! (after the result files are written).
 //!
 //! Everything is bounded: fixed durations, a cap on exchanges per thread, 1 s I/O
 //! timeouts; traffic only ever goes to addresses inside the benchmark's namespaces.
@@ -61,12 +64,15 @@
 mod common;
 
 use std::{
+    collections::HashSet,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
+use aya::maps::MapData;
+use aya_obj::generated::bpf_prog_type;
 use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
 use ebpf_proxy_tests::{
     NotYet, Protocol,
@@ -103,6 +109,9 @@ const WARMUP: usize = 60;
 const FIRST_ANSWER: Duration = Duration::from_secs(10);
 /// An ebpf-proxy mode losing more connections than this fails the run.
 const MAX_FAILURE_RATE: f64 = 0.01;
+/// Rounds per ebpf-proxy mode of the phase that times node a's programs, after the
+/// measured rounds (see [`datapath_time`]).
+const CPU_ROUNDS: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -503,6 +512,49 @@ impl World {
         ))
     }
 
+    /// What node a's packet programs have run so far: XDP and tc programs (the tail-called
+    /// ones among them) that use any of the maps pinned under its agent's root (node b's
+    /// agent has maps of its own), runs and run time summed per hook. The socket hooks
+    /// are left out: they sit on the machine's one cgroup and so also run for client1's
+    /// connects, which in a cluster are not the node's. The kernel counts only while its
+    /// statistics are on ([`datapath_time`]). None for the modes without an agent.
+    fn node_a_programs(&self) -> Result<Option<HookTimes>> {
+        let Some(agent) = self.agents.first() else {
+            return Ok(None);
+        };
+        let maps_dir = PinLayout::new(agent.bpf_root()).maps_dir();
+        let mut map_ids = HashSet::new();
+        for entry in
+            std::fs::read_dir(&maps_dir).with_context(|| format!("list {}", maps_dir.display()))?
+        {
+            let path = entry?.path();
+            let id = MapData::from_pin(&path)
+                .and_then(|map| map.info())
+                .with_context(|| format!("the id of {}", path.display()))?
+                .id();
+            map_ids.insert(id);
+        }
+        let mut times = HookTimes::default();
+        for info in aya::programs::loaded_programs() {
+            let info = info.context("list the loaded BPF programs")?;
+            let hook = match info.program_type() {
+                bpf_prog_type::BPF_PROG_TYPE_XDP => &mut times.xdp,
+                bpf_prog_type::BPF_PROG_TYPE_SCHED_CLS => &mut times.tc,
+                _ => continue,
+            };
+            let uses_node_a = info
+                .map_ids()
+                .context("a program's map ids")?
+                .is_some_and(|ids| ids.iter().any(|id| map_ids.contains(id)));
+            if uses_node_a {
+                times.programs += 1;
+                hook.runs += info.run_count();
+                hook.ns += u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
+            }
+        }
+        Ok(Some(times))
+    }
+
     /// Node a's non-zero datapath counters, for the ebpf-proxy modes.
     fn counters(&self) -> Result<Option<Vec<(&'static str, u64)>>> {
         let Some(agent) = self.agents.first() else {
@@ -532,6 +584,69 @@ struct NodeA {
     /// Packets and bytes node a's uplink carried (in plus out) per connection
     /// of the rounds.
     per_connection: (f64, f64),
+    /// Node a's BPF programs' work in the timing phase, for the ebpf-proxy modes.
+    datapath: Option<DatapathTime>,
+}
+
+/// Runs and run time of a set of BPF programs, as the kernel counts them.
+#[derive(Debug, Clone, Copy, Default)]
+struct ProgramTime {
+    runs: u64,
+    ns: u64,
+}
+
+impl ProgramTime {
+    fn since(self, before: ProgramTime) -> ProgramTime {
+        ProgramTime {
+            runs: self.runs.saturating_sub(before.runs),
+            ns: self.ns.saturating_sub(before.ns),
+        }
+    }
+
+    fn add(&mut self, other: ProgramTime) {
+        self.runs += other.runs;
+        self.ns += other.ns;
+    }
+}
+
+/// Node a's packet programs, by hook.
+#[derive(Debug, Clone, Copy, Default)]
+struct HookTimes {
+    /// How many programs were found (those using node a's maps).
+    programs: u32,
+    xdp: ProgramTime,
+    tc: ProgramTime,
+}
+
+/// Node a's packet programs over the connections of the timing phase.
+#[derive(Debug, Clone, Copy, Default)]
+struct DatapathTime {
+    programs: u32,
+    connections: u64,
+    xdp: ProgramTime,
+    tc: ProgramTime,
+}
+
+impl DatapathTime {
+    fn per_connection(&self, x: u64) -> f64 {
+        x as f64 / self.connections.max(1) as f64
+    }
+
+    fn runs(&self) -> u64 {
+        self.xdp.runs + self.tc.runs
+    }
+
+    fn ns(&self) -> u64 {
+        self.xdp.ns + self.tc.ns
+    }
+
+    fn ns_per_connection(&self) -> f64 {
+        self.per_connection(self.ns())
+    }
+
+    fn ns_per_run(&self) -> f64 {
+        self.ns() as f64 / self.runs().max(1) as f64
+    }
 }
 
 /// All modes at one S ran interleaved.
@@ -580,8 +695,11 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             .closed_loop(cfg.threads, cfg.segment)
             .with_context(|| format!("measure {}", worlds[w].mode.label()))
     })?;
+    let datapath = datapath_time(cfg, &worlds)?;
     let mut out = Vec::new();
-    for ((world, mut series), before) in worlds.iter().zip(series).zip(uplink_before) {
+    for (((world, mut series), before), datapath) in
+        worlds.iter().zip(series).zip(uplink_before).zip(datapath)
+    {
         let series = series.pop().expect("one kind of exchange");
         let after = world.node_a_uplink()?;
         let connections = (series.ok + series.failed).max(1) as f64;
@@ -616,6 +734,7 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
                 node_ports: set.node_ports,
                 counters,
                 per_connection,
+                datapath,
             },
         });
     }
@@ -623,6 +742,53 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     // The worlds drop here, agents and namespaces with them, before the next S is
     // built.
     Ok(out)
+}
+
+/// The entry node's datapath CPU per connection: node a's BPF programs' run time
+/// over [`CPU_ROUNDS`] more rounds of each ebpf-proxy mode, interleaved, with the
+/// kernel's run-time statistics on (`BPF_ENABLE_STATS`) for this phase only. The
+/// measured rounds run without them: they cost each program run two clock reads,
+/// which kube-proxy's and the routed modes would not pay. None for those modes.
+fn datapath_time(cfg: &Config, worlds: &[World]) -> Result<Vec<Option<DatapathTime>>> {
+    let mut times: Vec<Option<DatapathTime>> = worlds
+        .iter()
+        .map(|w| (!w.agents.is_empty()).then(DatapathTime::default))
+        .collect();
+    // Statistics stay on while this descriptor is open, and go off when it is
+    // dropped, also on an error.
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("turn on the kernel's BPF run-time statistics (BPF_ENABLE_STATS)")?;
+    for _ in 0..CPU_ROUNDS {
+        for (world, time) in worlds.iter().zip(&mut times) {
+            let Some(time) = time else {
+                continue;
+            };
+            check_interrupted()?;
+            let label = world.mode.label();
+            let before = world.node_a_programs()?.context("node a's agent")?;
+            let sample = world
+                .load()
+                .closed_loop(cfg.threads, cfg.segment)
+                .with_context(|| format!("time {label}'s programs"))?;
+            let after = world.node_a_programs()?.context("node a's agent")?;
+            time.programs = after.programs;
+            time.connections += sample.ok + sample.failed();
+            time.xdp.add(after.xdp.since(before.xdp));
+            time.tc.add(after.tc.since(before.tc));
+        }
+    }
+    for (world, time) in worlds.iter().zip(&times) {
+        if let Some(t) = time {
+            eprintln!(
+                "{}: node a's {} programs ran {:.1} times and {:.0} ns per connection",
+                world.mode.label(),
+                t.programs,
+                t.per_connection(t.runs()),
+                t.ns_per_connection()
+            );
+        }
+    }
+    Ok(times)
 }
 
 // ---------------------------------------------------------------------------
@@ -739,8 +905,57 @@ impl Report<'_> {
                 s.detail.per_connection.1
             ));
         }
+        out.push_str(&format!(
+            "\nThe entry node's datapath CPU per connection: node a's packet programs (the \
+             XDP and tc programs using its agent's maps, the tail-called ones among them), \
+             their runs and run time as the kernel counts them, over {CPU_ROUNDS} \
+             more rounds of each ebpf-proxy mode after the measured ones, with the \
+             kernel's BPF statistics on for those rounds only (they cost every run two \
+             clock reads). The kernel's own forwarding of each packet (routing, the \
+             veth) comes on top, in proportion to the packets above; it has no \
+             per-namespace account here:\n\n\
+             | Services | mode | runs / conn (XDP + tc) | ns / conn | of which XDP | of which tc | ns / run | connections |\n\
+             |---:|---|---:|---:|---:|---:|---:|---:|\n"
+        ));
+        for s in self.results {
+            let Some(t) = &s.detail.datapath else {
+                continue;
+            };
+            out.push_str(&format!(
+                "| {} | {} | {:.1} + {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {} |\n",
+                s.services,
+                s.mode.label(),
+                t.per_connection(t.xdp.runs),
+                t.per_connection(t.tc.runs),
+                t.ns_per_connection(),
+                t.per_connection(t.xdp.ns),
+                t.per_connection(t.tc.ns),
+                t.ns_per_run(),
+                t.connections
+            ));
+        }
+        for &services in &cfg.sizes {
+            let time = |mode| {
+                self.results
+                    .find(services, mode)
+                    .and_then(|s| s.detail.datapath)
+            };
+            if let (Some(dsr), Some(tc)) = (time(Mode::Dsr), time(Mode::Tc)) {
+                out.push_str(&format!(
+                    "\n- S = {services}: DSR's entry node spends {:.2}x the datapath time \
+                     per connection of SNAT through tc",
+                    dsr.ns_per_connection() / tc.ns_per_connection().max(1.0)
+                ));
+                if let Some(xdp) = time(Mode::Xdp) {
+                    out.push_str(&format!(
+                        ", {:.2}x SNAT through XDP's",
+                        dsr.ns_per_connection() / xdp.ns_per_connection().max(1.0)
+                    ));
+                }
+            }
+        }
         out.push_str(
-            "\nTime to program the Services on node a (agent start to healthy / \
+            "\n\nTime to program the Services on node a (agent start to healthy / \
              iptables-restore):\n\n",
         );
         out.push_str(&self.results.programming_markdown(
@@ -790,6 +1005,16 @@ impl Report<'_> {
                             "packets": s.detail.per_connection.0,
                             "bytes": s.detail.per_connection.1,
                         },
+                        "node_a_datapath_per_connection": s.detail.datapath.map(|t| json!({
+                            "programs": t.programs,
+                            "connections": t.connections,
+                            "xdp_runs": t.per_connection(t.xdp.runs),
+                            "tc_runs": t.per_connection(t.tc.runs),
+                            "ns": t.ns_per_connection(),
+                            "xdp_ns": t.per_connection(t.xdp.ns),
+                            "tc_ns": t.per_connection(t.tc.ns),
+                            "ns_per_run": t.ns_per_run(),
+                        })),
                         "node_a_counters": s.detail.counters.as_ref().map(|c| {
                             c.iter()
                                 .map(|(n, v)| (n.to_string(), json!(v)))
@@ -814,8 +1039,9 @@ impl Report<'_> {
         })
     }
 
-    /// Fails the run when XDP did not do the XDP mode's work or an ebpf-proxy mode
-    /// lost more than [`MAX_FAILURE_RATE`] of its connections.
+    /// Fails the run when XDP did not do the XDP mode's work, node a's programs were
+    /// not timed, or an ebpf-proxy mode lost more than [`MAX_FAILURE_RATE`] of its
+    /// connections.
     fn check(&self) -> Result<()> {
         let mut problems = Vec::new();
         for s in self.results {
@@ -830,6 +1056,17 @@ impl Report<'_> {
                     s.series.failed,
                     s.series.failed + s.series.ok,
                     s.series.errors
+                ));
+            }
+            // An empty timing (no program found, or statistics that did not count)
+            // would report a datapath that costs nothing.
+            if let Some(t) = &s.detail.datapath
+                && (t.programs == 0 || t.runs() == 0 || t.ns() == 0 || t.connections == 0)
+            {
+                problems.push(format!(
+                    "S = {}, {}: node a's programs were not timed ({t:?})",
+                    s.services,
+                    s.mode.label()
                 ));
             }
             // The counter that shows the mode did its own work on node a.

@@ -433,6 +433,12 @@ fn ipv6_dsr_backend_on_the_other_node_sees_the_client_and_its_replies_bypass_the
     backend_sees_the_client_and_replies_bypass_the_entry_node::<Ipv6Addr>("off");
 }
 
+#[test]
+fn ipv6_dsr_backend_on_the_other_node_sees_the_client_and_its_replies_bypass_the_entry_node_native_xdp()
+ {
+    backend_sees_the_client_and_replies_bypass_the_entry_node::<Ipv6Addr>("native");
+}
+
 /// The control: `--lb-mode snat`, everything else the same. The backend on node
 /// b sees node a's address, node a translates every reply and its uplink carries
 /// the whole download: the measurements of the DSR tests tell the modes apart.
@@ -481,9 +487,11 @@ fn backend_sees_the_client_and_replies_bypass_the_entry_node<F: Family>(xdp_mode
     let (client1, node_a) = (client1_ip::<F>(), world.node_ip("a"));
     let what = format!("{} dsr --xdp-mode {xdp_mode}", F::NAME);
     let dsr_before = world.counter(0, "dsr_new");
+    let xdp_before = world.counter(0, "xdp_to_tc");
     let replies = world.replies(&format!("{what}: TCP"), |ns| {
         tcp_request(ns, web::<F>(), TIMEOUT)
     });
+    xdp_handed_dsr_flows_to_tc(&world, &what, xdp_before);
     let wrong: Vec<String> = replies
         .iter()
         .filter(|r| r.peer.peer_ip() != client1)
@@ -594,6 +602,12 @@ fn ipv6_dsr_connections_survive_the_route_moving_to_the_other_node_and_an_agent_
     connections_survive_a_route_change_and_a_restart::<Ipv6Addr>("off");
 }
 
+#[test]
+fn ipv6_dsr_connections_survive_the_route_moving_to_the_other_node_and_an_agent_restart_native_xdp()
+{
+    connections_survive_a_route_change_and_a_restart::<Ipv6Addr>("native");
+}
+
 /// Held connections through node a, [`SESSIONS_EACH`] or more on each backend;
 /// every one answers a line, with the backend that greeted it, after each step:
 /// the route moved to node b (node b never saw the flows to dsr-a1; it learnt
@@ -645,7 +659,9 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
         on(&sessions, POD_A.0),
         POD_A.0
     );
+    let xdp_before = world.counter(0, "xdp_to_tc");
     exchange_on_all(&world, &mut sessions, "through node a");
+    xdp_handed_dsr_flows_to_tc(&world, &what, xdp_before);
 
     let vip = web_ip::<F>();
     let b_before = world.counter(1, "dsr_new");
@@ -689,6 +705,22 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
          {} it had lost; {}",
         on(&sessions, POD_B.0),
         POD_B.0,
+        world.counters()
+    );
+}
+
+/// With native XDP, node a's XDP program must have met the DSR flows and left them
+/// to tc (`xdp_to_tc`), which grows the packet: else the native variants would show
+/// nothing the tc-only ones do not.
+#[track_caller]
+fn xdp_handed_dsr_flows_to_tc<F: Family>(world: &World<F>, what: &str, before: u64) {
+    if world.xdp_mode != "native" {
+        return;
+    }
+    let handed = world.counter(0, "xdp_to_tc") - before;
+    assert!(
+        handed > 0,
+        "{what}: node a's XDP handed no packet to tc (xdp_to_tc +0): did XDP run?; {}",
         world.counters()
     );
 }

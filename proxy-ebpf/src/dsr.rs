@@ -10,9 +10,14 @@
 //! network later brings the client's packets to this node directly, they
 //! find the flow.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{
+    helpers::bpf_xdp_adjust_head,
+    programs::{TcContext, XdpContext},
+};
 use proxy_common::{
-    PROTO_TCP, PROTO_UDP, counter, csum::fold, dsr, node_config_flags, service_flags,
+    PROTO_TCP, PROTO_UDP, counter,
+    csum::{self, fold},
+    dsr, node_config_flags, service_flags,
 };
 
 use crate::{
@@ -60,6 +65,10 @@ pub trait DsrFamily: Family {
     /// client sent it) to the translated packet (tc only).
     fn carry(ctx: &TcContext, flow: &FlowOf<Self::Addr>) -> Result<(), i64>;
 
+    /// `carry` at XDP: the same bytes, written in place after the packet's
+    /// head has moved to make room (`grow_at_xdp`).
+    fn carry_xdp(ctx: &XdpContext, flow: &FlowOf<Self::Addr>) -> Result<(), ()>;
+
     /// The frontend the packet's carrier names, if it carries one.
     fn carried<H: Hook>(ctx: &H, flow: &FlowOf<Self::Addr>) -> Option<(Self::Addr, u16)>;
 }
@@ -103,6 +112,33 @@ impl DsrFamily for V4 {
         let delta = dsr::ipv4_grown_csum_delta(word0, tot_len_be, &opt);
         // Size 0: `to` is a difference to add.
         ctx.l3_csum_replace(ETH_HLEN + IPV4_CSUM_OFF, 0, u64::from(fold(delta)), 0)
+    }
+
+    #[inline(always)]
+    fn carry_xdp(ctx: &XdpContext, flow: &FlowOf<u32>) -> Result<(), ()> {
+        const HEAD: usize = ETH_HLEN + IPV4_HLEN;
+        let data = grow_at_xdp::<HEAD>(ctx, dsr::IPV4_OPT_LEN)?;
+        if data + HEAD + dsr::IPV4_OPT_LEN > ctx.data_end() {
+            return Err(());
+        }
+        let ip = data + ETH_HLEN;
+        let opt = dsr::ipv4_option(flow.dst_be, flow.dport_be);
+        // SAFETY: inside the packet, as checked above; unaligned access is
+        // allowed as in `packet::read`.
+        unsafe {
+            let word0 = (ip as *const u16).read();
+            let tot_len_be = ((ip + IPV4_TOT_LEN_OFF) as *const u16).read();
+            let csum_at = (ip + IPV4_CSUM_OFF) as *mut u16;
+            let delta = dsr::ipv4_grown_csum_delta(word0, tot_len_be, &opt);
+            csum_at.write(csum::apply(csum_at.read(), delta));
+            let mut first = word0.to_ne_bytes();
+            first[0] = (first[0] & 0xf0) | ((IPV4_HLEN + dsr::IPV4_OPT_LEN) / 4) as u8;
+            (ip as *mut u16).write(u16::from_ne_bytes(first));
+            let tot_len = u16::from_be(tot_len_be).wrapping_add(Self::ROOM).to_be();
+            ((ip + IPV4_TOT_LEN_OFF) as *mut u16).write(tot_len);
+            ((ip + IPV4_HLEN) as *mut [u8; dsr::IPV4_OPT_LEN]).write(opt);
+        }
+        Ok(())
     }
 
     #[inline(always)]
@@ -163,6 +199,30 @@ impl DsrFamily for V6 {
     }
 
     #[inline(always)]
+    fn carry_xdp(ctx: &XdpContext, flow: &FlowOf<[u32; 4]>) -> Result<(), ()> {
+        const HEAD: usize = ETH_HLEN + IPV6_HLEN;
+        let data = grow_at_xdp::<HEAD>(ctx, dsr::IPV6_EXT_LEN)?;
+        if data + HEAD + dsr::IPV6_EXT_LEN > ctx.data_end() {
+            return Err(());
+        }
+        let ip = data + ETH_HLEN;
+        // SAFETY: inside the packet, as checked above; unaligned access is
+        // allowed as in `packet::read`.
+        unsafe {
+            let next = ((ip + IPV6_NEXT_HDR_OFF) as *const u8).read();
+            let payload_len_be = ((ip + IPV6_PAYLOAD_LEN_OFF) as *const u16).read();
+            let ext = dsr::ipv6_dest_opts(next, &flow.dst_be, flow.dport_be);
+            ((ip + IPV6_HLEN) as *mut [u8; dsr::IPV6_EXT_LEN]).write(ext);
+            ((ip + IPV6_NEXT_HDR_OFF) as *mut u8).write(NEXTHDR_DEST);
+            let payload_len = u16::from_be(payload_len_be)
+                .wrapping_add(Self::ROOM)
+                .to_be();
+            ((ip + IPV6_PAYLOAD_LEN_OFF) as *mut u16).write(payload_len);
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
     fn carried<H: Hook>(ctx: &H, flow: &FlowOf<[u32; 4]>) -> Option<([u32; 4], u16)> {
         if flow.l4_off != ETH_HLEN + IPV6_HLEN + dsr::IPV6_EXT_LEN {
             return None;
@@ -175,6 +235,39 @@ impl DsrFamily for V6 {
         let ext: [u8; dsr::IPV6_EXT_LEN] = read(data, data_end, ETH_HLEN + IPV6_HLEN)?;
         dsr::ipv6_frontend(&ext).map(|(addr, port, _)| (addr, port))
     }
+}
+
+/// Makes `room` bytes between the packet's first `HEAD` bytes (its
+/// Ethernet and network headers) and the rest at XDP, which cannot insert:
+/// the head moves `room` bytes earlier (`bpf_xdp_adjust_head`, into the
+/// headroom every XDP driver keeps) and the headers are copied down to it,
+/// leaving the room where they ended. The packet's new start, every
+/// pointer taken before being void.
+#[inline(always)]
+fn grow_at_xdp<const HEAD: usize>(ctx: &XdpContext, room: usize) -> Result<usize, ()> {
+    // SAFETY: the helper takes the program's own context.
+    if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(room as i32)) } != 0 {
+        return Err(());
+    }
+    let (data, data_end) = (ctx.data(), ctx.data_end());
+    if data + room + HEAD > data_end {
+        return Err(());
+    }
+    // Front to back, 4 bytes at a time then the rest: each word lands
+    // `room` (8 or 24) bytes before where it is read, below every word
+    // still to be read.
+    let mut i = 0;
+    while i + 4 <= HEAD {
+        // SAFETY: both inside the packet, as checked above.
+        unsafe { ((data + i) as *mut u32).write(((data + room + i) as *const u32).read()) };
+        i += 4;
+    }
+    while i < HEAD {
+        // SAFETY: as above.
+        unsafe { ((data + i) as *mut u8).write(((data + room + i) as *const u8).read()) };
+        i += 1;
+    }
+    Ok(data)
 }
 
 /// Whether a new flow of `flow` to `frontend`, an external one, whose

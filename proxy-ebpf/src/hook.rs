@@ -34,6 +34,10 @@ pub trait Hook: EbpfContext {
     /// The socket buffer's context at tc, for what only tc can do; None at
     /// XDP. Known per hook at compile time: code that asks holds no branch.
     fn tc(&self) -> Option<&TcContext>;
+
+    /// The packet's context at XDP, for what only XDP does (moving the
+    /// packet's head); None at tc. Known per hook at compile time, as `tc`.
+    fn xdp(&self) -> Option<&XdpContext>;
 }
 
 impl Hook for TcContext {
@@ -71,6 +75,11 @@ impl Hook for TcContext {
     fn tc(&self) -> Option<&TcContext> {
         Some(self)
     }
+
+    #[inline(always)]
+    fn xdp(&self) -> Option<&XdpContext> {
+        None
+    }
 }
 
 impl Hook for XdpContext {
@@ -104,5 +113,10 @@ impl Hook for XdpContext {
     #[inline(always)]
     fn tc(&self) -> Option<&TcContext> {
         None
+    }
+
+    #[inline(always)]
+    fn xdp(&self) -> Option<&XdpContext> {
+        Some(self)
     }
 }

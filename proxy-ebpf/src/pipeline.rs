@@ -493,11 +493,6 @@ fn route_first<F: PipelineFamily, H: Verdicts>(
     if !nat.redirect {
         return Ok(());
     }
-    // XDP cannot grow the packet by the carrier in place: tc sends it.
-    if H::XDP && nat.dsr != 0 {
-        count(counter::XDP_TO_TC);
-        return Err(Ok(H::PASS));
-    }
     // Arithmetic, not a branch: the verifier keeps one path.
     let room = F::ROOM * u16::from(nat.dsr);
     match route::first::<F, H>(ctx, flow.l4_off, flow.proto, room, &nat.src_be, &nat.dst_be) {
@@ -512,6 +507,18 @@ fn route_first<F: PipelineFamily, H: Verdicts>(
             F::log(Event::NoRoute, flow);
             Err(Ok(H::DROP))
         }
+    }
+}
+
+/// Adds the DSR carrier to a translated packet, by the hook's own means.
+#[inline(always)]
+fn carry<F: PipelineFamily, H: Verdicts>(ctx: &H, flow: &FlowOf<F::Addr>) -> Result<(), ()> {
+    if let Some(tc) = ctx.tc() {
+        return F::carry(tc, flow).map_err(|_| ());
+    }
+    match ctx.xdp() {
+        Some(xdp) => F::carry_xdp(xdp, flow),
+        None => Err(()),
     }
 }
 
@@ -543,11 +550,8 @@ fn finish<F: PipelineFamily, H: Verdicts>(
         return H::PASS;
     }
     // The carrier goes in last: the rewrite's offsets are the packet's as
-    // it came. XDP never gets here with one (`route_first`).
-    if let Some(tc) = ctx.tc()
-        && nat.dsr != 0
-        && F::carry(tc, flow).is_err()
-    {
+    // it came.
+    if nat.dsr != 0 && carry::<F, H>(ctx, flow).is_err() {
         count(counter::DROP_REWRITE);
         F::log(Event::Rewrite, flow);
         return H::DROP;

@@ -12,7 +12,7 @@
 //! - `ebpf-proxy tc`: the same with `--xdp-mode off`;
 //! - `ebpf-proxy DSR`: `--xdp-mode native --lb-mode dsr` on both nodes: node a keeps
 //!   client1's address and sends the flow to node b with the NodePort in an IP option
-//!   (through tc: XDP leaves DSR flows to it); the backend's replies leave node b straight
+//!   (XDP adds it and sends the packet itself); the backend's replies leave node b straight
 //!   to client1, never crossing node a;
 //! - `kube-proxy iptables`: kube-proxy's iptables-mode nat table with NodePorts
 //!   (tests/src/iptables.rs: KUBE-NODEPORTS, KUBE-EXT, KUBE-MARK-MASQ and the
@@ -1072,6 +1072,7 @@ impl Report<'_> {
             // The counter that shows the mode did its own work on node a.
             for (mode, counter, what) in [
                 (Mode::Dsr, "dsr_new", "node a sent no flow by DSR"),
+                (Mode::Dsr, "xdp_tx", "XDP sent no DSR packet itself"),
                 (Mode::Xdp, "xdp_tx", "XDP sent no packet itself"),
             ] {
                 if s.mode == mode && s.detail.counter(counter) == 0 {

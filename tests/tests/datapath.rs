@@ -4392,9 +4392,9 @@ fn dsr_carried(out: &[u8], what: &str) -> ((Ipv4Addr, u16), frame::Parsed) {
 
 /// With `--lb-mode dsr`, a NodePort flow to a remote backend is DNATed with
 /// the client's address kept, the NodePort carried in the option, and sent
-/// to the backend's node by tc (XDP leaves it to tc untouched); so is every
-/// later packet. A LoadBalancer IP's flow carries the LB IP. `hybrid` does
-/// the same for TCP. No SNAT port is taken.
+/// to the backend's node, by XDP (which moves the packet's head to make
+/// room) as by tc; so is every later packet. A LoadBalancer IP's flow
+/// carries the LB IP. `hybrid` does the same for TCP. No SNAT port is taken.
 #[test]
 fn dsr_keeps_the_client_and_carries_the_frontend_to_the_backends_node() {
     for (mode, flags) in [
@@ -4405,34 +4405,45 @@ fn dsr_keeps_the_client_and_carries_the_frontend_to_the_backends_node() {
         ),
     ] {
         let nf = dsr_node_fixture(flags);
-        for (i, frontend) in [(NODE_IP, NODE_PORT), (LB_IP, 80)].into_iter().enumerate() {
-            let what = format!("{mode}, {}:{}", frontend.0, frontend.1);
-            let sport = 43000 + i as u16;
-            let syn = tcp(OUTSIDE, sport, frontend.0, frontend.1, frame::SYN);
-            let (ret, out) = run_xdp(&nf, &syn);
-            assert_eq!(
-                (ret, &out),
-                (XDP_PASS, &syn),
-                "{what}: XDP must leave a DSR flow to tc untouched"
-            );
-            for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
-                let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
-                let (ret, out) = run_tc_on_uplink(&nf, &input);
-                let what = format!("{what}, {packet}");
-                assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
-                assert_eq!(out.len(), input.len() + 8, "{what}: length");
-                let (carried, p) = dsr_carried(&out, &what);
-                assert_eq!(carried, frontend, "{what}: the frontend carried");
-                assert_eq!(
-                    (p.src, p.sport, p.dst, p.dport),
-                    (OUTSIDE, sport, REMOTE_POD, 8080),
-                    "{what}: the client's address kept, DNATed to the backend"
-                );
-                assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
-                assert_eq!(out[22], input[22] - 1, "{what}: TTL taken down by one");
+        let mut sport = 43000;
+        for frontend in [(NODE_IP, NODE_PORT), (LB_IP, 80)] {
+            for hook in ["xdp", "tc"] {
+                sport += 1;
+                let what = format!("{mode}, {}:{}, {hook}", frontend.0, frontend.1);
+                for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
+                    let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
+                    let (ret, out) = if hook == "xdp" {
+                        run_xdp(&nf, &input)
+                    } else {
+                        run_tc_on_uplink(&nf, &input)
+                    };
+                    let what = format!("{what}, {packet}");
+                    let sent = if hook == "xdp" {
+                        XDP_REDIRECT
+                    } else {
+                        TC_ACT_REDIRECT
+                    };
+                    assert_eq!(ret, sent, "{what}: verdict");
+                    assert_eq!(out.len(), input.len() + 8, "{what}: length");
+                    let (carried, p) = dsr_carried(&out, &what);
+                    assert_eq!(carried, frontend, "{what}: the frontend carried");
+                    assert_eq!(
+                        (p.src, p.sport, p.dst, p.dport),
+                        (OUTSIDE, sport, REMOTE_POD, 8080),
+                        "{what}: the client's address kept, DNATed to the backend"
+                    );
+                    assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
+                    assert_eq!(out[22], input[22] - 1, "{what}: TTL taken down by one");
+                }
             }
         }
-        assert_eq!(counter(&nf.fx, "dsr_new"), 2, "{mode}: dsr_new");
+        assert_eq!(counter(&nf.fx, "dsr_new"), 4, "{mode}: dsr_new");
+        assert_eq!(
+            counter(&nf.fx, "xdp_tx"),
+            4,
+            "{mode}: xdp_tx (XDP's SYNs and ACKs)"
+        );
+        assert_eq!(counter(&nf.fx, "xdp_to_tc"), 0, "{mode}: xdp_to_tc");
         assert_eq!(counter(&nf.fx, "snat_new"), 0, "{mode}: snat_new");
     }
 }
@@ -4478,7 +4489,17 @@ fn a_dsr_packet_too_long_for_the_option_is_answered_with_the_mtu_less_the_option
     assert_eq!(ret, TC_ACT_REDIRECT, "a 1,272-byte segment: verdict");
     assert_eq!(out.len(), 14 + 1280, "a 1,272-byte segment with the option");
     dsr_carried(&out, "a 1,272-byte segment");
+    let (ret, out) = run_xdp(&nf, &fits);
+    assert_eq!(ret, XDP_REDIRECT, "a 1,272-byte segment at XDP: verdict");
+    assert_eq!(out.len(), 14 + 1280, "a 1,272-byte segment at XDP");
+    dsr_carried(&out, "a 1,272-byte segment at XDP");
     let long = segment(client, lb, frame::ACK, 1273 - 40);
+    // XDP cannot answer: tc does, with the packet as it came.
+    assert_eq!(
+        run_xdp(&nf, &long),
+        (XDP_PASS, long.clone()),
+        "a 1,273-byte segment at XDP: left to tc untouched"
+    );
     let (ret, out) = run_tc_on_uplink(&nf, &long);
     assert_frag_needed_of((ret, &out), &long, client, lb, 1272, "a 1,273-byte segment");
     assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");

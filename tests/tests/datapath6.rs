@@ -4055,34 +4055,42 @@ fn dsr_carried6(out: &[u8], what: &str) -> ((Ipv6Addr, u16), frame::Parsed6) {
 
 /// With DSR, an IPv6 NodePort or LoadBalancer flow to a remote backend is
 /// DNATed with the client's address kept and the frontend carried, sent to
-/// the backend's node by tc; XDP leaves it to tc untouched.
+/// the backend's node by XDP (which moves the packet's head to make room)
+/// as by tc.
 #[test]
 fn dsr_keeps_the_ipv6_client_and_carries_the_frontend() {
     let nf = dsr_node_fixture();
-    for (i, frontend) in [(NODE_IP, NODE_PORT), (LB_IP, 80)].into_iter().enumerate() {
-        let what = format!("[{}]:{}", frontend.0, frontend.1);
-        let sport = 43000 + i as u16;
-        let syn = tcp(OUTSIDE, sport, frontend.0, frontend.1, frame::SYN);
-        let (ret, out) = run_xdp(&nf, &syn);
-        assert_eq!((ret, &out), (XDP_PASS, &syn), "{what}: XDP leaves it to tc");
-        for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
-            let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
-            let (ret, out) = run_on_uplink(&nf, &input);
-            let what = format!("{what}, {packet}");
-            assert_eq!(ret, TC_ACT_REDIRECT, "{what}: verdict");
-            assert_eq!(out.len(), input.len() + 24, "{what}: length");
-            let (carried, p) = dsr_carried6(&out, &what);
-            assert_eq!(carried, frontend, "{what}: the frontend carried");
-            assert_eq!(
-                (p.src, p.sport, p.dst, p.dport),
-                (OUTSIDE, sport, REMOTE_POD, 8080),
-                "{what}: the client's address kept, DNATed to the backend"
-            );
-            assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
-            assert_eq!(out[HOP_LIMIT], input[HOP_LIMIT] - 1, "{what}: hop limit");
+    let mut sport = 43000;
+    for frontend in [(NODE_IP, NODE_PORT), (LB_IP, 80)] {
+        for hook in ["xdp", "tc"] {
+            sport += 1;
+            let what = format!("[{}]:{}, {hook}", frontend.0, frontend.1);
+            for (packet, flags) in [("SYN", frame::SYN), ("ACK", frame::ACK)] {
+                let input = tcp(OUTSIDE, sport, frontend.0, frontend.1, flags);
+                let (ret, out, sent) = if hook == "xdp" {
+                    let (ret, out) = run_xdp(&nf, &input);
+                    (ret, out, XDP_REDIRECT)
+                } else {
+                    let (ret, out) = run_on_uplink(&nf, &input);
+                    (ret, out, TC_ACT_REDIRECT)
+                };
+                let what = format!("{what}, {packet}");
+                assert_eq!(ret, sent, "{what}: verdict");
+                assert_eq!(out.len(), input.len() + 24, "{what}: length");
+                let (carried, p) = dsr_carried6(&out, &what);
+                assert_eq!(carried, frontend, "{what}: the frontend carried");
+                assert_eq!(
+                    (p.src, p.sport, p.dst, p.dport),
+                    (OUTSIDE, sport, REMOTE_POD, 8080),
+                    "{what}: the client's address kept, DNATed to the backend"
+                );
+                assert_eq!(macs(&out), (PEER_MAC, UPLINK_MAC), "{what}: to node B");
+                assert_eq!(out[HOP_LIMIT], input[HOP_LIMIT] - 1, "{what}: hop limit");
+            }
         }
     }
-    assert_eq!(ncounter(&nf, "dsr_new"), 2, "dsr_new");
+    assert_eq!(ncounter(&nf, "dsr_new"), 4, "dsr_new");
+    assert_eq!(ncounter(&nf, "xdp_tx"), 4, "xdp_tx (XDP's SYNs and ACKs)");
     assert_eq!(ncounter(&nf, "snat_new"), 0, "snat_new");
 }
 
@@ -4115,7 +4123,17 @@ fn an_ipv6_dsr_packet_too_long_for_the_header_is_answered_with_the_mtu_less_it()
     assert_eq!(ret, TC_ACT_REDIRECT, "a 1,256-byte packet: verdict");
     assert_eq!(out.len(), 14 + 1280, "a 1,256-byte packet with the header");
     dsr_carried6(&out, "a 1,256-byte packet");
+    let (ret, out) = run_xdp(&nf, &fits);
+    assert_eq!(ret, XDP_REDIRECT, "a 1,256-byte packet at XDP: verdict");
+    assert_eq!(out.len(), 14 + 1280, "a 1,256-byte packet at XDP");
+    dsr_carried6(&out, "a 1,256-byte packet at XDP");
     let long = segment(client, lb, 1257 - 60);
+    // XDP cannot answer: tc does, with the packet as it came.
+    assert_eq!(
+        run_xdp(&nf, &long),
+        (XDP_PASS, long.clone()),
+        "a 1,257-byte packet at XDP: left to tc untouched"
+    );
     let (ret, out) = run_on_uplink(&nf, &long);
     assert_eq!(ret, TC_ACT_REDIRECT, "a 1,257-byte packet: verdict");
     let e = parse_checked_icmp6_error(&out, "a 1,257-byte packet");

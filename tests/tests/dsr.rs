@@ -487,11 +487,11 @@ fn backend_sees_the_client_and_replies_bypass_the_entry_node<F: Family>(xdp_mode
     let (client1, node_a) = (client1_ip::<F>(), world.node_ip("a"));
     let what = format!("{} dsr --xdp-mode {xdp_mode}", F::NAME);
     let dsr_before = world.counter(0, "dsr_new");
-    let xdp_before = world.counter(0, "xdp_to_tc");
+    let xdp_before = world.counter(0, "xdp_tx");
     let replies = world.replies(&format!("{what}: TCP"), |ns| {
         tcp_request(ns, web::<F>(), TIMEOUT)
     });
-    xdp_handed_dsr_flows_to_tc(&world, &what, xdp_before);
+    xdp_sent_dsr_flows(&world, &what, xdp_before);
     let wrong: Vec<String> = replies
         .iter()
         .filter(|r| r.peer.peer_ip() != client1)
@@ -659,9 +659,9 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
         on(&sessions, POD_A.0),
         POD_A.0
     );
-    let xdp_before = world.counter(0, "xdp_to_tc");
+    let xdp_before = world.counter(0, "xdp_tx");
     exchange_on_all(&world, &mut sessions, "through node a");
-    xdp_handed_dsr_flows_to_tc(&world, &what, xdp_before);
+    xdp_sent_dsr_flows(&world, &what, xdp_before);
 
     let vip = web_ip::<F>();
     let b_before = world.counter(1, "dsr_new");
@@ -709,18 +709,18 @@ fn connections_survive_a_route_change_and_a_restart<F: Family>(xdp_mode: &'stati
     );
 }
 
-/// With native XDP, node a's XDP program must have met the DSR flows and left them
-/// to tc (`xdp_to_tc`), which grows the packet: else the native variants would show
-/// nothing the tc-only ones do not.
+/// With native XDP, node a's XDP program must have sent the DSR flows' packets
+/// itself (`xdp_tx`), carrier in: else the native variants would show nothing the
+/// tc-only ones do not.
 #[track_caller]
-fn xdp_handed_dsr_flows_to_tc<F: Family>(world: &World<F>, what: &str, before: u64) {
+fn xdp_sent_dsr_flows<F: Family>(world: &World<F>, what: &str, before: u64) {
     if world.xdp_mode != "native" {
         return;
     }
-    let handed = world.counter(0, "xdp_to_tc") - before;
+    let sent = world.counter(0, "xdp_tx") - before;
     assert!(
-        handed > 0,
-        "{what}: node a's XDP handed no packet to tc (xdp_to_tc +0): did XDP run?; {}",
+        sent > 0,
+        "{what}: node a's XDP sent no packet itself (xdp_tx +0); {}",
         world.counters()
     );
 }

@@ -208,21 +208,21 @@ pub fn dsr_arrival<F: PipelineFamily>(ctx: &TcContext) -> i32 {
 }
 
 /// A packet no frontend answers: passed, or if it is for a service CIDR,
-/// dropped or rejected (`service_cidr`). One that may carry a direct
+/// dropped or rejected (`service_cidr`). One passed that may carry a direct
 /// server return option (to a backend of this node, from the node that
 /// DNATed it) is keyed by the frontend the option names, in a program of
 /// its own (`crate::dsr`), so that the verifier walks none of this one's
-/// paths again for it: the test costs other packets one comparison.
+/// paths again for it: the test costs other packets one comparison. Asked
+/// after the service CIDRs, so that options of the carrier's length do not
+/// take a packet to an unallocated address past their drop.
 #[inline(always)]
 fn unserved<F: PipelineFamily, H: Verdicts>(
     ctx: &H,
     flow: &FlowOf<F::Addr>,
     block: prefilter::Block,
 ) -> H::Verdict {
-    if dsr::may_carry::<F>(flow) {
-        return ctx.dsr(F::DSR_SLOT);
-    }
     match service_cidr::unserved(flow, block, H::XDP) {
+        Unserved::Pass if dsr::may_carry::<F>(flow) => ctx.dsr(F::DSR_SLOT),
         Unserved::Pass => H::PASS,
         Unserved::Drop => {
             // Left before its key was built (`translate`).

@@ -4505,6 +4505,57 @@ fn a_dsr_packet_too_long_for_the_option_is_answered_with_the_mtu_less_the_option
     assert_eq!(counter(&nf.fx, "too_big"), 1, "too_big");
 }
 
+/// With DSR on, a packet whose options are the carrier's length is first a
+/// packet like any other: to an unallocated address of a service CIDR it is
+/// dropped, at tc and at XDP, not handed to `tc_dsr` (which passes what it
+/// refuses); a ClusterIP's undefined port is still rejected.
+#[test]
+fn with_dsr_on_a_carrier_sized_packet_to_an_unallocated_service_address_is_still_dropped() {
+    let mut nf = dsr_node_fixture(proxy_common::node_config_flags::DSR);
+    let claimed = Ipv4Addr::new(10, 96, 0, 7);
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["10.96.0.0/16"],
+        &[IpAddr::V4(claimed)],
+        &[],
+    );
+    let unallocated = Ipv4Addr::new(10, 96, 0, 99);
+    let sent = with_dsr_option(
+        &tcp(OUTSIDE, 44100, unallocated, 80, frame::SYN),
+        (LB_IP, 80),
+    );
+    let (ret, _) = run_tc_on_uplink(&nf, &sent);
+    assert_eq!(
+        ret, TC_ACT_SHOT,
+        "tc: an unallocated address, carrier-sized options"
+    );
+    let (ret, _) = run_xdp(&nf, &sent);
+    assert_eq!(
+        ret, XDP_DROP,
+        "XDP: an unallocated address, carrier-sized options"
+    );
+    assert_eq!(counter(&nf.fx, "drop_unallocated"), 2, "drop_unallocated");
+    let sent = with_dsr_option(&tcp(OUTSIDE, 44101, claimed, 81, frame::SYN), (LB_IP, 80));
+    let (ret, _) = run_tc_on_uplink(&nf, &sent);
+    assert_eq!(
+        ret, TC_ACT_REDIRECT,
+        "tc: a claimed address's undefined port: rejected"
+    );
+    assert_eq!(
+        counter(&nf.fx, "reject_undefined_port"),
+        1,
+        "reject_undefined_port"
+    );
+    assert_eq!(
+        (
+            counter(&nf.fx, "dsr_learnt"),
+            counter(&nf.fx, "dsr_refused")
+        ),
+        (0, 0),
+        "none of them reached tc_dsr"
+    );
+}
+
 /// The backend's node: the first packet carrying the option creates the
 /// flow keyed by the frontend it names (`tc_dsr`), and goes on as it came;
 /// the backend's reply leaves from the frontend straight to the client; a

@@ -4150,6 +4150,43 @@ fn an_ipv6_dsr_packet_too_long_for_the_header_is_answered_with_the_mtu_less_it()
     assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
 }
 
+/// With DSR on, an IPv6 packet whose extension headers are the carrier's
+/// length is first a packet like any other: to an unallocated address of a
+/// service CIDR it is dropped by tc (XDP, which walks no extension header,
+/// leaves it to tc), not handed to `tc_dsr6`, which passes what it refuses.
+#[test]
+fn with_dsr_on_a_carrier_sized_ipv6_packet_to_an_unallocated_service_address_is_still_dropped() {
+    let mut nf = dsr_node_fixture();
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["fd00:96::/112"],
+        &[IpAddr::V6(VIP)],
+        &[],
+    );
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99);
+    let sent = with_dsr_dest_opts(
+        &tcp(OUTSIDE, 44100, unallocated, 80, frame::SYN),
+        (LB_IP, 80),
+    );
+    let (ret, _) = run_on_uplink(&nf, &sent);
+    assert_eq!(
+        ret, TC_ACT_SHOT,
+        "tc: an unallocated address, carrier-sized header"
+    );
+    // XDP walks no extension header: it leaves the packet to tc, as it came.
+    assert_eq!(
+        run_xdp(&nf, &sent),
+        (XDP_PASS, sent.clone()),
+        "XDP: a packet with a destination options header, left to tc"
+    );
+    assert_eq!(ncounter(&nf, "drop_unallocated"), 1, "drop_unallocated");
+    assert_eq!(
+        (ncounter(&nf, "dsr_learnt"), ncounter(&nf, "dsr_refused")),
+        (0, 0),
+        "neither reached tc_dsr6"
+    );
+}
+
 /// The backend's node over IPv6: the first packet carrying the header
 /// creates the flow keyed by the frontend it names, the backend's reply
 /// leaves from the frontend straight to the client, later packets find the

@@ -95,19 +95,21 @@ pub struct Found<A> {
 }
 
 /// The live entry for this packet's tuple, if any: assured flows first.
+/// `reopened` is left as `lookup_in` says.
 #[inline(always)]
 pub fn lookup<F: Family>(
     key: &CtKeyOf<F::Addr>,
     flow: &FlowOf<F::Addr>,
     now: u64,
+    reopened: &mut u16,
 ) -> Option<Found<F::Addr>> {
-    if let Some(ptr) = lookup_in::<F>(F::conntrack(), key, flow, now) {
+    if let Some(ptr) = lookup_in::<F>(F::conntrack(), key, flow, now, reopened) {
         return Some(Found {
             ptr,
             unassured: false,
         });
     }
-    lookup_in::<F>(F::ct_new(), key, flow, now).map(|ptr| Found {
+    lookup_in::<F>(F::ct_new(), key, flow, now, reopened).map(|ptr| Found {
         ptr,
         unassured: true,
     })
@@ -122,6 +124,10 @@ pub struct Known<A> {
     pub entry: *const CtValueOf<A>,
     /// The entry in its map (None for a copy, which `seen` leaves alone).
     pub found: Option<Found<A>>,
+    /// The source port (network order) a closed flow of this tuple was
+    /// translated to, given up by the SYN that opened the tuple again
+    /// (`lookup_in`): the new flow's first choice. 0: none.
+    pub reopened_port_be: u16,
 }
 
 /// The live entry for this packet: the flow cache's copy first (see
@@ -134,16 +140,21 @@ pub fn known<F: Family>(
     now: u64,
 ) -> Known<F::Addr> {
     let copy = flow_cache::get::<F>(key, stamp, now);
+    let mut reopened_port_be = 0;
     let found = match copy {
         Some(_) => None,
-        None => lookup::<F>(key, flow, now),
+        None => lookup::<F>(key, flow, now, &mut reopened_port_be),
     };
     let entry = match (&copy, &found) {
         (Some(copy), _) => *copy,
         (None, Some(found)) => found.ptr.cast_const(),
         (None, None) => core::ptr::null(),
     };
-    Known { entry, found }
+    Known {
+        entry,
+        found,
+        reopened_port_be,
+    }
 }
 
 /// What a packet of a known flow, about to go as `nat` says, leaves behind:
@@ -178,13 +189,17 @@ pub fn seen<F: Family>(
 /// closing TCP entry hit by a SYN, or SCTP's by an INIT: the ports are
 /// being reused by a new connection, which may not be ours at all (a client
 /// connecting straight to a pod from the port it just used for the
-/// service); the stale entry is removed so its replies go untranslated.
+/// service). The old flow goes whole, as netfilter kills a closed entry a
+/// SYN opens again: its reply entry too (`reopen`), which would otherwise
+/// hold a SNAT port until it expired beside the new flow's own; that port
+/// is left in `reopened` for the new flow.
 #[inline(always)]
 fn lookup_in<F: Family>(
     map: &Conntrack<F::Addr>,
     key: &CtKeyOf<F::Addr>,
     flow: &FlowOf<F::Addr>,
     now: u64,
+    reopened: &mut u16,
 ) -> Option<*mut CtValueOf<F::Addr>> {
     let ptr = map.get_ptr_mut(key)?;
     // SAFETY: a valid map value pointer for the duration of this program.
@@ -196,10 +211,66 @@ fn lookup_in<F: Family>(
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
+        *reopened = reopen::<F>(map, key, entry, flow.proto);
         remove::<F>(map, key);
         return None;
     }
     Some(ptr)
+}
+
+/// Removes the reply entry of the closed flow whose forward entry is
+/// `forward` (at `key`, in `map`), if it is still that flow's: its tuple
+/// may have gone to another flow since (`port_free`). Returns the source
+/// port the flow was given (network order) when it was two-sided and its
+/// reply entry was its own, else 0: the same client port may then have
+/// the same SNAT port, as netfilter keeps a reopened tuple's translation
+/// when it is still unique, and late packets of the old flow reach the
+/// client they were for.
+#[inline(always)]
+fn reopen<F: Family>(
+    map: &Conntrack<F::Addr>,
+    key: &CtKeyOf<F::Addr>,
+    forward: &CtValueOf<F::Addr>,
+    proto: u8,
+) -> u16 {
+    if forward.dir != ct_dir::FORWARD {
+        return 0;
+    }
+    let Some(scratch) = scratch::<F>() else {
+        return 0;
+    };
+    scratch.key = CtKeyOf::new(
+        forward.nat_addr_be,
+        forward.alt_addr_be,
+        forward.nat_port_be,
+        forward.alt_port_be,
+        proto,
+    );
+    let own = map
+        .get_ptr(&scratch.key)
+        // SAFETY: a pointer the map lookup returned, valid for this
+        // program's run.
+        .is_some_and(|r| answers(unsafe { &*r }, key));
+    if !own {
+        return 0;
+    }
+    remove::<F>(map, &scratch.key);
+    if forward.flags & ct_flags::TWO_SIDED != 0 {
+        forward.alt_port_be
+    } else {
+        0
+    }
+}
+
+/// Whether reply entry `reply` rewrites its packets back to the client and
+/// frontend of forward key `forward_key`: whether it is that flow's.
+#[inline(always)]
+fn answers<A: FlowAddr>(reply: &CtValueOf<A>, forward_key: &CtKeyOf<A>) -> bool {
+    reply.dir == ct_dir::REPLY
+        && reply.alt_addr_be.same(&forward_key.src_be)
+        && reply.alt_port_be == forward_key.sport_be
+        && reply.nat_addr_be.same(&forward_key.dst_be)
+        && reply.nat_port_be == forward_key.dport_be
 }
 
 /// Removes `key`'s entry from `map`, and every CPU's cached copy of it:
@@ -628,23 +699,54 @@ pub fn create<F: Family>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64
 /// and IPv6's hairpin), choosing its source port in `min..=max` (host
 /// order): the reply entry is inserted only if no live flow holds that
 /// (backend, node address, port) tuple, assured or not, so two flows never
-/// share one. The port is left in `nf.nat.sport_be`. False when every try
-/// was taken.
+/// share one. The port its client port's closed flow had (`reopened_be`,
+/// network order, 0: none; see `Known`) is tried first, then random ones.
+/// The port is left in `nf.nat.sport_be`. False when every try was taken.
 #[inline(always)]
 pub fn create_snat<F: SnatFamily>(
     flow: &FlowOf<F::Addr>,
     nf: &mut NewFlow<F::Addr>,
     min: u16,
     max: u16,
+    reopened_be: u16,
     now: u64,
 ) -> bool {
     let Some(scratch) = scratch::<F>() else {
         return false;
     };
-    let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
     // The reply entry is the same whatever the port.
     reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
-    let mut claimed = false;
+    let Some(port_be) = claim_port::<F>(flow.proto, min, max, reopened_be, now) else {
+        return false;
+    };
+    nf.nat.sport_be = port_be;
+    if !insert_forward::<F>(flow, nf, scratch) {
+        count(counter::CT_INSERT_FAILED);
+        F::log(Event::CtInsertFailed, flow);
+    }
+    count(counter::CT_NEW_FLOW);
+    true
+}
+
+/// A port of `min..=max` (host order) claimed for the reply entry in this
+/// CPU's `Scratch` (`try_port`), network order: `reopened_be` if it is in
+/// the range and free, else the first of `SNAT_TRIES` random tries free.
+#[inline(always)]
+fn claim_port<F: SnatFamily>(
+    proto: u8,
+    min: u16,
+    max: u16,
+    reopened_be: u16,
+    now: u64,
+) -> Option<u16> {
+    let reopened = u16::from_be(reopened_be);
+    if reopened_be != 0
+        && (min..=max).contains(&reopened)
+        && F::try_port(u64::from(proto), now, u64::from(reopened_be)) != 0
+    {
+        return Some(reopened_be);
+    }
+    let span = u32::from(max).saturating_sub(u32::from(min)) + 1;
     for try_ in 0..SNAT_TRIES {
         // SAFETY: a helper that takes no pointers and has no preconditions.
         let port = u32::from(min) + slot_for(unsafe { bpf_get_prandom_u32() }, span);
@@ -652,26 +754,11 @@ pub fn create_snat<F: SnatFamily>(
         // The last try may take the port of a flow never answered (see
         // `try_port`).
         let reclaim = u64::from(try_ == SNAT_TRIES - 1);
-        if F::try_port(
-            u64::from(flow.proto),
-            now,
-            u64::from(port_be) | reclaim << 16,
-        ) != 0
-        {
-            nf.nat.sport_be = port_be;
-            claimed = true;
-            break;
+        if F::try_port(u64::from(proto), now, u64::from(port_be) | reclaim << 16) != 0 {
+            return Some(port_be);
         }
     }
-    if !claimed {
-        return false;
-    }
-    if !insert_forward::<F>(flow, nf, scratch) {
-        count(counter::CT_INSERT_FAILED);
-        F::log(Event::CtInsertFailed, flow);
-    }
-    count(counter::CT_NEW_FLOW);
-    true
+    None
 }
 
 /// A family's try at a SNAT port (`try_port`), as a function of its own.

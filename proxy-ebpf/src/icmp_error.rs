@@ -189,7 +189,9 @@ pub fn handle<F: ErrorFamily, R>(
         frag_id_be: 0,
     };
     let key = conntrack::flow_key(flow);
-    let Some(found) = conntrack::lookup::<F>(&key, flow, conntrack::now_ns()) else {
+    // No SYN: no closed flow is opened again.
+    let mut reopened = 0;
+    let Some(found) = conntrack::lookup::<F>(&key, flow, conntrack::now_ns(), &mut reopened) else {
         return Verdict::Pass;
     };
     // SAFETY: a valid map value pointer for the duration of this program.

@@ -160,7 +160,7 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         // starts one (its peer has none to end through this frontend).
         return Ok(H::PASS);
     }
-    new_flow::<F, H>(ctx, flow, &frontend, now)
+    new_flow::<F, H>(ctx, flow, &frontend, known.reopened_port_be, now)
 }
 
 /// `tc_dsr` and `tc_dsr6`: a packet another node sent here by direct
@@ -262,16 +262,33 @@ pub fn conntrack_pair<H: Hook>(ctx: &H) {
     }
 }
 
+/// A new flow refused for want of a free SNAT port: counted (on the node
+/// and its Service), logged and dropped.
+#[inline(always)]
+fn snat_exhausted<F: PipelineFamily, H: Verdicts>(
+    service_id: u32,
+    flow: &FlowOf<F::Addr>,
+) -> H::Verdict {
+    count(counter::SNAT_EXHAUSTED);
+    service_counters::snat_exhausted(service_id);
+    F::log(Event::SnatExhausted, flow);
+    trace::dropped::<F>(H::XDP, reason::SNAT_EXHAUSTED, service_id, flow);
+    H::DROP
+}
+
 /// The first packet of a flow to `frontend`: source ranges, then the
 /// backend, then the client's source (`PipelineFamily::new_source`): kept,
 /// or this node's address for a flow from outside to a backend elsewhere
 /// (externalTrafficPolicy Cluster) and, over IPv6, for a hairpin flow,
-/// which over IPv4 takes a fixed address.
+/// which over IPv4 takes a fixed address. A SNATed flow whose tuple a
+/// closed flow had takes that flow's port if it can (`reopened_be`, see
+/// `conntrack::Known`).
 #[inline(always)]
 fn new_flow<F: PipelineFamily, H: Verdicts>(
     ctx: &H,
     flow: &FlowOf<F::Addr>,
     frontend: &Frontend,
+    reopened_be: u16,
     now: u64,
 ) -> Result<H::Verdict, u16> {
     if netfilters::<F, H>(ctx, flow) {
@@ -334,13 +351,10 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
                 &mut nf,
                 config.snat_port_min,
                 config.snat_port_max,
+                reopened_be,
                 now,
             ) {
-                count(counter::SNAT_EXHAUSTED);
-                service_counters::snat_exhausted(svc.service_id);
-                F::log(Event::SnatExhausted, flow);
-                trace::dropped::<F>(H::XDP, reason::SNAT_EXHAUSTED, svc.service_id, flow);
-                return Ok(H::DROP);
+                return Ok(snat_exhausted::<F, H>(svc.service_id, flow));
             }
             count(if hairpin {
                 counter::HAIRPIN

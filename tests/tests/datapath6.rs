@@ -3340,6 +3340,59 @@ fn snat_ports_exhaust_then_come_back_from_closed_flows_at_xdp() {
     snat_ports_exhaust_then_come_back(run_xdp, (XDP_REDIRECT, XDP_DROP), 43000, "XDP");
 }
 
+/// IPv6's reopened client port as IPv4's (`datapath.rs`): a connection
+/// from the port of one its client just reset, inside that flow's closing
+/// timeout, ends the old flow whole and takes its SNAT port again, where
+/// the old flow's reply entry used to hold it beside the new flow's. One
+/// SNAT port makes every choice certain: without that, the second
+/// connection finds its only port held and is dropped.
+#[test]
+fn a_client_port_opened_again_takes_its_reset_flows_snat_port() {
+    let _cpu = stay_on_this_cpu();
+    let mut nf = node_fixture();
+    snat_range(&mut nf, 1024, 1024);
+    let client = |nf: &NodeFixture, flags: u8, what: &str| {
+        let (ret, out) = run_on_uplink(nf, &tcp(OUTSIDE, 47000, NODE_IP, NODE_PORT, flags));
+        assert_eq!(
+            ret,
+            TC_ACT_REDIRECT,
+            "{what}: not SNATed and sent on (snat_exhausted {})",
+            ncounter(nf, "snat_exhausted")
+        );
+        parse_checked6(&out, what).sport
+    };
+    for round in 0..3 {
+        let port = client(&nf, frame::SYN, &format!("connection {round}'s SYN"));
+        assert_eq!(port, 1024, "connection {round}'s SNAT port");
+        let answer = tcp(REMOTE_POD, 8080, NODE_IP, 1024, frame::SYN | frame::ACK);
+        let (ret, out) = run_on_uplink(&nf, &answer);
+        assert_eq!(ret, TC_ACT_REDIRECT, "connection {round}'s SYN-ACK");
+        let r = parse_checked6(&out, "SYN-ACK");
+        assert_eq!(
+            (r.dst, r.dport),
+            (OUTSIDE, 47000),
+            "connection {round}'s SYN-ACK went elsewhere"
+        );
+        client(&nf, frame::ACK, &format!("connection {round}'s ACK"));
+        client(
+            &nf,
+            frame::RST | frame::ACK,
+            &format!("connection {round}'s RST"),
+        );
+    }
+    assert_eq!(ncounter(&nf, "snat_exhausted"), 0);
+    assert_eq!(
+        entries6(&nf.fx),
+        (2, 0),
+        "(assured, unassured) entries: only the last connection's two should be left"
+    );
+    let (ret, _) = run_on_uplink(&nf, &tcp(OUTSIDE, 47001, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(
+        ret, TC_ACT_SHOT,
+        "another client port took the SNAT port of a flow reset just now"
+    );
+}
+
 /// `frame` with its hop limit one down, as the program routed it on.
 fn one_hop_on(frame: &[u8]) -> Vec<u8> {
     let mut f = frame.to_vec();

@@ -2732,10 +2732,12 @@ fn snat_port_holders(nf: &NodeFixture) -> (usize, usize) {
 /// connections inside one `CLOSE` timeout. Each reset flow holds its SNAT
 /// port for that timeout; a client port used again before then must not
 /// leave its old flow's port held beside its new one, or the range fills
-/// and random tries miss (`snat_exhausted`). A workload of seconds: run on
-/// its own, `--ignored`; it prints what holds the ports.
+/// and random tries miss (`snat_exhausted`). What is certain is asserted
+/// exactly: no port held by an older flow of a reused client port, one held
+/// by each client port's latest flow. A fresh port is still drawn at random
+/// (16 tries) while the range fills to half, which misses about once in
+/// 100,000 draws: a miss or two is allowed, counted, and printed.
 #[test]
-#[ignore = "20,000 connections: seconds of test runs, run on its own"]
 fn the_nodeport_bench_workload_never_runs_out_of_snat_ports() {
     let mut nf = node_fixture();
     // No flow's closing timeout passes while the workload runs.
@@ -2752,7 +2754,11 @@ fn the_nodeport_bench_workload_never_runs_out_of_snat_ports() {
                     Some(port) => {
                         ports.insert(client_port, port);
                     }
-                    None => dropped += 1,
+                    None => {
+                        // Its earlier flow ended with this SYN: no port is its.
+                        dropped += 1;
+                        ports.remove(&client_port);
+                    }
                 }
             }
             (dropped, ports)
@@ -2767,19 +2773,21 @@ fn the_nodeport_bench_workload_never_runs_out_of_snat_ports() {
         client_ports.len()
     );
     assert_eq!(
-        (dropped, exhausted),
-        (0, 0),
-        "connections dropped for want of a SNAT port ({own} ports held by latest flows, \
-         {orphaned} by older flows of reused client ports)"
-    );
-    assert_eq!(
         orphaned, 0,
-        "SNAT ports still held by flows whose client port opened a new connection"
+        "SNAT ports still held by flows whose client port opened a new connection \
+         ({own} held by latest flows; {dropped} connections dropped, snat_exhausted {exhausted})"
+    );
+    assert!(
+        dropped == exhausted && dropped <= 2,
+        "{dropped} connections dropped, snat_exhausted {exhausted}: more than random tries \
+         miss at half the range ({own} ports held by latest flows)"
     );
     assert_eq!(
-        (ports.len(), own),
-        (client_ports.len(), client_ports.len()),
-        "(client ports whose latest connection got a SNAT port, reply entries holding one)"
+        own,
+        ports.len(),
+        "reply entries holding a SNAT port, against client ports whose latest connection got \
+         one ({} client ports)",
+        client_ports.len()
     );
 }
 

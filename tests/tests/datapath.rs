@@ -2750,15 +2750,12 @@ fn the_nodeport_bench_workload_never_runs_out_of_snat_ports() {
             let mut dropped = 0;
             let mut ports = std::collections::HashMap::new();
             for &client_port in client_ports.iter().cycle().take(connections) {
-                match reset_connection(&nf, client_port) {
-                    Some(port) => {
-                        ports.insert(client_port, port);
-                    }
-                    None => {
-                        // Its earlier flow ended with this SYN: no port is its.
-                        dropped += 1;
-                        ports.remove(&client_port);
-                    }
+                if let Some(port) = reset_connection(&nf, client_port) {
+                    ports.insert(client_port, port);
+                } else {
+                    // Its earlier flow ended with this SYN: no port is its.
+                    dropped += 1;
+                    ports.remove(&client_port);
                 }
             }
             (dropped, ports)

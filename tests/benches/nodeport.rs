@@ -695,13 +695,24 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             .closed_loop(cfg.threads, cfg.segment)
             .with_context(|| format!("measure {}", worlds[w].mode.label()))
     })?;
+    // Read before the timing phase, whose connections the rounds' do not count.
+    let mut after_rounds = Vec::new();
+    for world in &worlds {
+        let counters = world
+            .counters()
+            .with_context(|| format!("{} counters", world.mode.label()))?;
+        after_rounds.push((world.node_a_uplink()?, counters));
+    }
     let datapath = datapath_time(cfg, &worlds)?;
     let mut out = Vec::new();
-    for (((world, mut series), before), datapath) in
-        worlds.iter().zip(series).zip(uplink_before).zip(datapath)
+    for ((((world, mut series), before), (after, counters)), datapath) in worlds
+        .iter()
+        .zip(series)
+        .zip(uplink_before)
+        .zip(after_rounds)
+        .zip(datapath)
     {
         let series = series.pop().expect("one kind of exchange");
-        let after = world.node_a_uplink()?;
         let connections = (series.ok + series.failed).max(1) as f64;
         let per_connection = (
             (after.0 - before.0) as f64 / connections,
@@ -716,9 +727,6 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
                 series.errors
             );
         }
-        let counters = world
-            .counters()
-            .with_context(|| format!("{} counters", world.mode.label()))?;
         if let Some(counters) = &counters {
             eprintln!(
                 "S = {services}, {}: node a's counters {counters:?}",

@@ -383,11 +383,17 @@ pub fn touch<F: Family>(
         entry.tcp_max_ack
     };
     if found.unassured && flags & ct_flags::ASSURED != 0 {
-        if promote::<F>(key, ptr, flags, max_ack, scratch, flow, now) {
-            count(counter::CT_ASSURED);
-            return;
+        match promote::<F>(key, ptr, flags, max_ack, scratch, flow, now) {
+            Promoted::Moved => {
+                count(counter::CT_ASSURED);
+                return;
+            }
+            // Another CPU moved the flow since this packet's lookup: the
+            // entry `ptr` points at may be gone, even reused by another
+            // flow, and is not written.
+            Promoted::Taken => return,
+            Promoted::Stays => flags &= !ct_flags::ASSURED,
         }
-        flags &= !ct_flags::ASSURED;
     }
     // SAFETY: as above; racing writers only store equal or newer values of
     // monotonic fields.
@@ -479,10 +485,27 @@ fn closed<F: Family>(
     })
 }
 
+/// What became of a flow `promote` was asked to move.
+enum Promoted {
+    /// Moved to `CONNTRACK` by this packet.
+    Moved,
+    /// Moved by another CPU's packet since this one found it in `CT_NEW`.
+    Taken,
+    /// Left where it was.
+    Stays,
+}
+
 /// Moves both entries of the flow whose forward entry is `entry` (at `key`,
-/// its flags now `flags`) from `CT_NEW` to `CONNTRACK`, reply entry (at
-/// `scratch.key`) first, as `create` orders them. False when the flow stays
-/// where it was.
+/// its flags now `flags`) from `CT_NEW` to `CONNTRACK`. Two packets of the
+/// flow may find it in `CT_NEW` at once on two CPUs (at tc, the client's
+/// ACK of the handshake and its request, sent from different CPUs): one
+/// moves it, and the other must neither move it again nor read or write
+/// the `CT_NEW` entries, which the first removes and which a preallocated
+/// map hands to the next insert at once. The forward entry is inserted
+/// first, into an empty key only: that insert is the claim, and what
+/// either copy read is checked to be the flow's before it is used. The
+/// reply entry (at `scratch.key`) follows; until it is in, replies find
+/// its `CT_NEW` copy.
 #[inline(always)]
 fn promote<F: Family>(
     key: &CtKeyOf<F::Addr>,
@@ -492,43 +515,88 @@ fn promote<F: Family>(
     scratch: &mut Scratch<F::Addr>,
     flow: &FlowOf<F::Addr>,
     now: u64,
-) -> bool {
-    let Some(reply) = F::ct_new().get_ptr(&scratch.key) else {
-        // Its reply entry was evicted: the flow could not go on anyway.
-        return false;
-    };
+) -> Promoted {
     let share = ct_source_share();
     if share != 0 && !within_share::<F>(&key.src_be, share) {
         count(counter::CT_SHARE_REFUSED);
-        return false;
+        return Promoted::Stays;
     }
-    // SAFETY: map value pointers valid for this program's run.
-    unsafe {
-        scratch.value = *reply;
-        scratch.value.flags |= ct_flags::ASSURED;
-        scratch.value.last_seen_ns = now;
-    }
-    let reply_in = insert_over::<F>(&scratch.key, &scratch.value);
-    // SAFETY: as above.
+    // SAFETY: map value pointers valid for this program's run (their
+    // contents checked below: another CPU may have removed and reused
+    // them).
     unsafe {
         scratch.value = *entry;
-        scratch.value.flags = flags;
-        scratch.value.tcp_max_ack = max_ack;
-        scratch.value.last_seen_ns = now;
     }
-    if !reply_in || !insert_over::<F>(key, &scratch.value) {
-        count(counter::CT_INSERT_FAILED);
-        F::log(Event::CtInsertFailed, flow);
-        return false;
+    if !replies_to(&scratch.value, &scratch.key) {
+        return Promoted::Taken;
+    }
+    scratch.value.flags = flags;
+    scratch.value.tcp_max_ack = max_ack;
+    scratch.value.last_seen_ns = now;
+    match claim::<F>(key, &scratch.value, flow.proto, now) {
+        Promoted::Moved => {}
+        other => {
+            if matches!(other, Promoted::Stays) {
+                count(counter::CT_INSERT_FAILED);
+                F::log(Event::CtInsertFailed, flow);
+            }
+            return other;
+        }
     }
     // Never copied into the flow cache (only `CONNTRACK`'s entries are),
     // so nothing to invalidate.
     let _ = F::ct_new().remove(key);
-    let _ = F::ct_new().remove(&scratch.key);
+    // With its reply entry evicted, replies find none, in either map.
+    if let Some(reply) = F::ct_new().get_ptr(&scratch.key) {
+        // SAFETY: as above.
+        unsafe {
+            scratch.value = *reply;
+        }
+        if answers(&scratch.value, key) {
+            scratch.value.flags |= ct_flags::ASSURED;
+            scratch.value.last_seen_ns = now;
+            if insert_over::<F>(&scratch.key, &scratch.value) {
+                let _ = F::ct_new().remove(&scratch.key);
+            } else {
+                // Its `CT_NEW` entry goes on answering for it.
+                count(counter::CT_INSERT_FAILED);
+                F::log(Event::CtInsertFailed, flow);
+            }
+        }
+    }
     if share != 0 {
         charge::<F>(&key.src_be);
     }
-    true
+    Promoted::Moved
+}
+
+/// Inserts forward entry `value` into `CONNTRACK` at `key` for `promote`:
+/// Moved when it went in, Taken when a live flow already holds the key
+/// (the same flow, moved by another CPU since this packet's lookup, which
+/// found none there), Stays when the insert failed. An expired flow holding
+/// the key is overwritten, and its copies voided.
+#[inline(always)]
+fn claim<F: Family>(
+    key: &CtKeyOf<F::Addr>,
+    value: &CtValueOf<F::Addr>,
+    proto: u8,
+    now: u64,
+) -> Promoted {
+    if F::conntrack().insert(key, value, BPF_NOEXIST).is_ok() {
+        return Promoted::Moved;
+    }
+    match F::conntrack().get_ptr(key) {
+        // SAFETY: a pointer the map lookup returned, valid for this
+        // program's run.
+        Some(old) if !expired(unsafe { &*old }, proto, now) => Promoted::Taken,
+        _ => {
+            if F::conntrack().insert(key, value, BPF_ANY).is_err() {
+                return Promoted::Stays;
+            }
+            flow_cache::invalidate(key);
+            Promoted::Moved
+        }
+    }
 }
 
 /// Whether `client` holds fewer assured flows than `share`.

@@ -109,9 +109,30 @@ pub fn lookup<F: Family>(
             unassured: false,
         });
     }
-    lookup_in::<F>(F::ct_new(), key, flow, now, reopened).map(|ptr| Found {
+    if let Some(ptr) = lookup_in::<F>(F::ct_new(), key, flow, now, reopened) {
+        return Some(Found {
+            ptr,
+            unassured: true,
+        });
+    }
+    // Another CPU may have moved the flow between the two lookups: it
+    // inserts into `CONNTRACK` before it removes from `CT_NEW`, so a flow
+    // missed in both is in `CONNTRACK` now. Without this second look, the
+    // client's request racing its ACK of the handshake (at tc, sent from
+    // another CPU) started a new flow, with a new SNAT port, which the
+    // backend answered with a reset. A SYN starts flows and never moves
+    // one, and is not asked again.
+    if flow.tcp_flags & TCP_SYN != 0 {
+        return None;
+    }
+    let ptr = F::conntrack().get_ptr_mut(key)?;
+    // SAFETY: a valid map value pointer for the duration of this program.
+    if expired(unsafe { &*ptr }, flow.proto, now) {
+        return None;
+    }
+    Some(Found {
         ptr,
-        unassured: true,
+        unassured: false,
     })
 }
 

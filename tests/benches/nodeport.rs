@@ -1048,8 +1048,8 @@ impl Report<'_> {
     }
 
     /// Fails the run when XDP did not do the XDP mode's work, node a's programs were
-    /// not timed, or an ebpf-proxy mode lost more than [`MAX_FAILURE_RATE`] of its
-    /// connections.
+    /// not timed, a flow was assured twice, or an ebpf-proxy mode lost more than
+    /// [`MAX_FAILURE_RATE`] of its connections.
     fn check(&self) -> Result<()> {
         let mut problems = Vec::new();
         for s in self.results {
@@ -1073,6 +1073,19 @@ impl Report<'_> {
             {
                 problems.push(format!(
                     "S = {}, {}: node a's programs were not timed ({t:?})",
+                    s.services,
+                    s.mode.label()
+                ));
+            }
+            // A flow is assured once: more assured than new flows means two CPUs
+            // moved one flow, the race that reset connections at tc.
+            let (new, assured) = (
+                s.detail.counter("ct_new_flow"),
+                s.detail.counter("ct_assured"),
+            );
+            if assured > new {
+                problems.push(format!(
+                    "S = {}, {}: ct_assured {assured} above ct_new_flow {new}",
                     s.services,
                     s.mode.label()
                 ));

@@ -60,21 +60,28 @@ pub fn ipv4_frontend(opt: &[u8; IPV4_OPT_LEN]) -> Option<(u32, u16)> {
     ))
 }
 
-/// What inserting `opt` after a 20-byte IPv4 header adds to the header
-/// checksum's one's complement sum: the version and length byte (5 words
-/// to 7), the total length (8 more bytes) and the option's own words.
-/// `word0` is the header's first 16 bits and `tot_len_be` its total
-/// length, both as they were in the packet.
+/// A 20-byte IPv4 header's first 16 bits and total length (network order)
+/// once the option follows it: IHL 5 words to 7, 8 bytes longer. `word0`
+/// and `tot_len_be` are both as they were in the packet, as read from it.
 #[inline(always)]
-pub fn ipv4_grown_csum_delta(word0: u16, tot_len_be: u16, opt: &[u8; IPV4_OPT_LEN]) -> u64 {
-    use crate::csum::delta16;
+pub fn ipv4_grown_fields(word0: u16, tot_len_be: u16) -> (u16, u16) {
     // The IHL is the low nibble of the first byte, which sits first in
     // memory whatever the host's order.
     let mut first = word0.to_ne_bytes();
-    first[0] = (first[0] & 0xf0) | 7;
+    first[0] = (first[0] & 0xf0) | ((20 + IPV4_OPT_LEN) / 4) as u8;
     let tot_len = u16::from_be(tot_len_be).wrapping_add(IPV4_OPT_LEN as u16);
-    let mut delta =
-        delta16(word0, u16::from_ne_bytes(first)) + delta16(tot_len_be, tot_len.to_be());
+    (u16::from_ne_bytes(first), tot_len.to_be())
+}
+
+/// What inserting `opt` after a 20-byte IPv4 header adds to the header
+/// checksum's one's complement sum: the fields `ipv4_grown_fields` changes
+/// and the option's own words. `word0` is the header's first 16 bits and
+/// `tot_len_be` its total length, both as they were in the packet.
+#[inline(always)]
+pub fn ipv4_grown_csum_delta(word0: u16, tot_len_be: u16, opt: &[u8; IPV4_OPT_LEN]) -> u64 {
+    use crate::csum::delta16;
+    let (grown_word0, grown_tot_len_be) = ipv4_grown_fields(word0, tot_len_be);
+    let mut delta = delta16(word0, grown_word0) + delta16(tot_len_be, grown_tot_len_be);
     let mut i = 0;
     while i < IPV4_OPT_LEN {
         delta += u64::from(u16::from_ne_bytes([opt[i], opt[i + 1]]));

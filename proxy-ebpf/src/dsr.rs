@@ -104,11 +104,9 @@ impl DsrFamily for V4 {
         let opt = dsr::ipv4_option(flow.dst_be, flow.dport_be);
         ctx.adjust_room(i32::from(Self::ROOM), BPF_ADJ_ROOM_NET, 0)?;
         ctx.store(ETH_HLEN + IPV4_HLEN, &opt, 0)?;
-        let mut first = word0.to_ne_bytes();
-        first[0] = (first[0] & 0xf0) | ((IPV4_HLEN + dsr::IPV4_OPT_LEN) / 4) as u8;
-        ctx.store(ETH_HLEN, &first, 0)?;
-        let tot_len = u16::from_be(tot_len_be).wrapping_add(Self::ROOM).to_be();
-        ctx.store(ETH_HLEN + IPV4_TOT_LEN_OFF, &tot_len, 0)?;
+        let (grown_word0, grown_tot_len_be) = dsr::ipv4_grown_fields(word0, tot_len_be);
+        ctx.store(ETH_HLEN, &grown_word0, 0)?;
+        ctx.store(ETH_HLEN + IPV4_TOT_LEN_OFF, &grown_tot_len_be, 0)?;
         let delta = dsr::ipv4_grown_csum_delta(word0, tot_len_be, &opt);
         // Size 0: `to` is a difference to add.
         ctx.l3_csum_replace(ETH_HLEN + IPV4_CSUM_OFF, 0, u64::from(fold(delta)), 0)
@@ -131,11 +129,9 @@ impl DsrFamily for V4 {
             let csum_at = (ip + IPV4_CSUM_OFF) as *mut u16;
             let delta = dsr::ipv4_grown_csum_delta(word0, tot_len_be, &opt);
             csum_at.write(csum::apply(csum_at.read(), delta));
-            let mut first = word0.to_ne_bytes();
-            first[0] = (first[0] & 0xf0) | ((IPV4_HLEN + dsr::IPV4_OPT_LEN) / 4) as u8;
-            (ip as *mut u16).write(u16::from_ne_bytes(first));
-            let tot_len = u16::from_be(tot_len_be).wrapping_add(Self::ROOM).to_be();
-            ((ip + IPV4_TOT_LEN_OFF) as *mut u16).write(tot_len);
+            let (grown_word0, grown_tot_len_be) = dsr::ipv4_grown_fields(word0, tot_len_be);
+            (ip as *mut u16).write(grown_word0);
+            ((ip + IPV4_TOT_LEN_OFF) as *mut u16).write(grown_tot_len_be);
             ((ip + IPV4_HLEN) as *mut [u8; dsr::IPV4_OPT_LEN]).write(opt);
         }
         Ok(())

@@ -55,9 +55,12 @@
 //! Namespaces, servers and agents are removed on drop, also on an error or Ctrl-C.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench e2e -- [--quick] [--out DIR]
-//! [--sizes 10,1000] [--rounds N] [--threads N]` (root; the agent binary from `cargo
-//! xtask build` or $`EBPF_PROXY_BIN`). Prints markdown tables and writes `e2e.md` and
-//! `e2e.json` to DIR (default bench/results).
+//! [--sizes 10,1000] [--rounds N] [--threads N] [--generic-xdp-on-pods]` (root; the
+//! agent binary from `cargo xtask build` or $`EBPF_PROXY_BIN`). Prints markdown tables
+//! and writes `e2e.md` and `e2e.json` to DIR (default bench/results).
+//! `--generic-xdp-on-pods` puts the agent's XDP, in generic mode, on the pods'
+//! host-side veths: a run with it beside one without is what generic XDP on pod
+//! traffic costs end to end.
 
 mod common;
 
@@ -331,6 +334,11 @@ struct Config {
     /// before it starts.
     rr_segment: Duration,
     threads: usize,
+    /// `--generic-xdp-on-pods`: the agent runs generic XDP on the pods'
+    /// host-side veths (as it did by default where they carry a global
+    /// address, before `--xdp-mode auto` kept XDP to native uplinks), so that
+    /// a run beside one without says what generic XDP on pod traffic costs.
+    generic_xdp_on_pods: bool,
 }
 
 impl Config {
@@ -350,6 +358,7 @@ impl Config {
                 udp_segment: Duration::from_millis(75),
                 rr_segment: Duration::from_millis(100),
                 threads,
+                generic_xdp_on_pods: false,
             }
         } else {
             Config {
@@ -360,6 +369,7 @@ impl Config {
                 udp_segment: Duration::from_millis(150),
                 rr_segment: Duration::from_millis(200),
                 threads,
+                generic_xdp_on_pods: false,
             }
         }
     }
@@ -382,10 +392,12 @@ fn main() {
 }
 
 /// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
-/// `--threads N`. Anything else (cargo passes `--bench`) is ignored.
+/// `--threads N`, `--generic-xdp-on-pods`. Anything else (cargo passes
+/// `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
     args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
+    cfg.generic_xdp_on_pods = args.flag("--generic-xdp-on-pods");
     Ok((cfg, args.out_dir()?))
 }
 
@@ -542,7 +554,8 @@ struct World {
 }
 
 impl World {
-    fn build(mode: Mode, set: &ServiceSet, threads: usize) -> Result<World> {
+    fn build(mode: Mode, set: &ServiceSet, cfg: &Config) -> Result<World> {
+        let threads = cfg.threads;
         let mut pods = vec![CLIENT];
         pods.extend_from_slice(&BACKENDS);
         let topology = Topology::routed(&pods).context("build the routed topology")?;
@@ -595,13 +608,15 @@ impl World {
                 // The client threads are this process's: its cgroup is where a
                 // node's processes would be, below the root the agent hooks by
                 // default. The pods' sockets run the hooks too, and are left to tc.
-                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?;
-                let agent = Agent::start_with(
-                    node,
-                    manifests.path(),
-                    &["--cgroup-root", &cgroup.display().to_string()],
-                )
-                .context("start the ebpf-proxy agent")?;
+                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?.display().to_string();
+                let pod_ifs = world.topology.pods().iter().map(|p| p.host_if.as_str());
+                let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
+                let mut args = vec!["--cgroup-root", &cgroup];
+                if cfg.generic_xdp_on_pods {
+                    args.extend(["--xdp-mode", "generic", "--xdp-interfaces", &pod_ifs]);
+                }
+                let agent = Agent::start_with(node, manifests.path(), &args)
+                    .context("start the ebpf-proxy agent")?;
                 world.agent = Some(agent);
                 world.manifests = Some(manifests);
             }
@@ -724,7 +739,7 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
     let mut worlds = Vec::new();
     for mode in Mode::ALL {
         check_interrupted()?;
-        let world = World::build(mode, &set, cfg.threads)
+        let world = World::build(mode, &set, cfg)
             .with_context(|| format!("set up {}", mode.label()))?;
         match world.programming {
             Some(d) => eprintln!(
@@ -1024,6 +1039,13 @@ impl Report<'_> {
                 ""
             }
         ));
+        if cfg.generic_xdp_on_pods {
+            out.push_str(
+                "\nebpf-proxy runs generic XDP on the pods' host-side veths \
+                 (`--generic-xdp-on-pods`: `--xdp-mode generic --xdp-interfaces` naming them), \
+                 where by default tc alone handles pod traffic.\n",
+            );
+        }
         for exchange in EXCHANGES {
             let (title, unit) = exchange.title();
             out.push_str(&format!(
@@ -1160,6 +1182,7 @@ impl Report<'_> {
             "machine": self.machine.json(),
             "load_average_before_after": [self.load.0, self.load.1],
             "quick": cfg.quick,
+            "generic_xdp_on_pods": cfg.generic_xdp_on_pods,
             "client_threads": cfg.threads,
             "rounds": cfg.rounds,
             "tcp_segment_s": cfg.tcp_segment.as_secs_f64(),

@@ -63,6 +63,8 @@
 //! traffic costs end to end.
 
 mod common;
+#[path = "common/program_time.rs"]
+mod program_time;
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -92,6 +94,7 @@ use nix::{
     sys::socket::{setsockopt, sockopt},
     unistd::Pid,
 };
+use program_time::HookTimes;
 use serde_json::json;
 
 use ebpf_proxy_tests::topology::{
@@ -415,13 +418,18 @@ fn run(cfg: &Config, out_dir: &Path) -> Result<()> {
         cfg.threads, cfg.sizes, cfg.rounds, cfg.tcp_segment, cfg.udp_segment, cfg.rr_segment
     );
     let mut results = Vec::new();
+    let mut costs = Vec::new();
     for &services in &cfg.sizes {
-        results.extend(measure_size(cfg, services).with_context(|| format!("S = {services}"))?);
+        let (stats, cost) =
+            measure_size(cfg, services).with_context(|| format!("S = {services}"))?;
+        results.extend(stats);
+        costs.extend(cost);
     }
     let report = Report {
         cfg,
         machine: &machine,
         results: &results,
+        costs: &costs,
         load: (load_before, load_average()),
     };
     common::write_results(out_dir, "e2e", &report.markdown(), &report.json())
@@ -608,7 +616,9 @@ impl World {
                 // The client threads are this process's: its cgroup is where a
                 // node's processes would be, below the root the agent hooks by
                 // default. The pods' sockets run the hooks too, and are left to tc.
-                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?.display().to_string();
+                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?
+                    .display()
+                    .to_string();
                 let pod_ifs = world.topology.pods().iter().map(|p| p.host_if.as_str());
                 let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
                 let mut args = vec!["--cgroup-root", &cgroup];
@@ -734,13 +744,13 @@ impl World {
 /// Everything measured for one mode, protocol and S, over all rounds.
 type Stats = common::Stats<Mode, Exchange>;
 
-fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
+fn measure_size(cfg: &Config, services: u32) -> Result<(Vec<Stats>, Vec<ConnectionCost>)> {
     let set = ServiceSet::new(services);
     let mut worlds = Vec::new();
     for mode in Mode::ALL {
         check_interrupted()?;
-        let world = World::build(mode, &set, cfg)
-            .with_context(|| format!("set up {}", mode.label()))?;
+        let world =
+            World::build(mode, &set, cfg).with_context(|| format!("set up {}", mode.label()))?;
         match world.programming {
             Some(d) => eprintln!(
                 "S = {services}: {} ready, Services programmed in {d:.2?}",
@@ -785,9 +795,142 @@ fn measure_size(cfg: &Config, services: u32) -> Result<Vec<Stats>> {
             });
         }
     }
+    let costs = connection_costs(cfg, services, &worlds)?;
     eprintln!("S = {services}: measured");
     // The worlds drop here, agent and namespaces with them, before the next S is built.
-    Ok(out)
+    Ok((out, costs))
+}
+
+// ---------------------------------------------------------------------------
+// What a connection costs the machine
+
+/// Rounds of the phase that measures each mode's CPU per connection, after the
+/// measured rounds (see [`connection_costs`]).
+const CPU_ROUNDS: usize = 4;
+
+/// The exchange whose cost [`connection_costs`] measures: a new TCP connection from
+/// the pod, over IPv4.
+const COSTED: Exchange = EXCHANGES[0];
+
+/// What the new connections of [`COSTED`] cost the machine in one mode.
+#[derive(Debug, Clone, Copy)]
+struct ConnectionCost {
+    services: u32,
+    mode: Mode,
+    connections: u64,
+    /// Every CPU's busy time over this mode's segments of the phase: the client, the
+    /// servers, the node's stack, the load balancer.
+    busy_ns: u64,
+    /// The agent's packet programs over the same segments (ebpf-proxy only).
+    programs: Option<HookTimes>,
+}
+
+impl ConnectionCost {
+    fn per_connection(&self, ns: u64) -> f64 {
+        ns as f64 / self.connections.max(1) as f64
+    }
+}
+
+/// The machine's CPU time per new connection in each mode, and the ebpf-proxy
+/// agent's packet programs' share of it: [`CPU_ROUNDS`] more rounds of [`COSTED`],
+/// the modes interleaved, with the kernel's BPF run-time statistics on
+/// (`BPF_ENABLE_STATS`) for this phase only. The measured rounds run without them:
+/// they add two clock reads to each program run, which the other modes would not
+/// pay. The gap between a mode's CPU per connection and the no-LB mode's is what
+/// that mode costs; for ebpf-proxy, the programs' time says how much of the gap is
+/// the datapath's own and how much is elsewhere (the hook, caches, the stack).
+fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec<ConnectionCost>> {
+    let mut costs: Vec<ConnectionCost> = worlds
+        .iter()
+        .map(|w| ConnectionCost {
+            services,
+            mode: w.mode,
+            connections: 0,
+            busy_ns: 0,
+            programs: w.agent.as_ref().map(|_| HookTimes::default()),
+        })
+        .collect();
+    // Statistics stay on while this descriptor is open, and go off when it is
+    // dropped, also on an error.
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
+        .context("turn on the kernel's BPF run-time statistics (BPF_ENABLE_STATS)")?;
+    for _ in 0..CPU_ROUNDS {
+        for (world, cost) in worlds.iter().zip(&mut costs) {
+            check_interrupted()?;
+            let programs = |world: &World| {
+                world
+                    .agent
+                    .as_ref()
+                    .map(|a| program_time::agent_programs(a.bpf_root()))
+                    .transpose()
+            };
+            let before = (programs(world)?, machine_busy_ns()?);
+            let sample = world
+                .closed_loop(COSTED, cfg.threads, cfg.segment(COSTED))
+                .with_context(|| format!("cost {} {}", world.mode.label(), COSTED.key()))?;
+            let after = (programs(world)?, machine_busy_ns()?);
+            cost.connections += sample.ok + sample.failed();
+            cost.busy_ns += after.1.saturating_sub(before.1);
+            if let (Some(total), Some(before), Some(after)) =
+                (&mut cost.programs, before.0, after.0)
+            {
+                total.add(after.since(before));
+            }
+        }
+    }
+    for cost in &costs {
+        if cost.connections == 0 {
+            bail!("{}: no connection in the cost phase", cost.mode.label());
+        }
+        if let Some(p) = cost.programs
+            && (p.programs == 0 || p.runs() == 0 || p.ns() == 0)
+        {
+            bail!(
+                "{}: the agent's packet programs were not timed ({p:?}): BPF statistics off?",
+                cost.mode.label()
+            );
+        }
+        eprintln!(
+            "S = {services}, {}: {:.1} µs of CPU per connection{}",
+            cost.mode.label(),
+            cost.per_connection(cost.busy_ns) / 1e3,
+            cost.programs.map_or(String::new(), |p| format!(
+                ", the agent's {} packet programs ran {:.1} times and {:.0} ns of it, its socket \
+                 hooks {:.0} ns",
+                p.programs,
+                cost.per_connection(p.runs()),
+                cost.per_connection(p.ns()),
+                cost.per_connection(p.sock.ns)
+            ))
+        );
+    }
+    Ok(costs)
+}
+
+/// The CPU time every CPU of the machine has spent busy (user, nice, system,
+/// interrupts, soft interrupts, steal) since boot, in nanoseconds, from
+/// `/proc/stat`'s clock ticks (`USER_HZ`, 100 a second on the architectures this runs
+/// on).
+fn machine_busy_ns() -> Result<u64> {
+    const NS_PER_TICK: u64 = 10_000_000;
+    let stat = std::fs::read_to_string("/proc/stat").context("read /proc/stat")?;
+    let Some(cpu) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        bail!("/proc/stat has no `cpu` line");
+    };
+    let ticks: Vec<u64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .map(|t| {
+            t.parse()
+                .with_context(|| format!("/proc/stat's cpu line: {t:?}"))
+        })
+        .collect::<Result<_>>()?;
+    // user nice system idle iowait irq softirq steal: all but idle and iowait.
+    let busy: u64 = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .map(|&i| ticks.get(i).copied().unwrap_or(0))
+        .sum();
+    Ok(busy * NS_PER_TICK)
 }
 
 // ---------------------------------------------------------------------------
@@ -987,6 +1130,7 @@ struct Report<'a> {
     cfg: &'a Config,
     machine: &'a Machine,
     results: &'a [Stats],
+    costs: &'a [ConnectionCost],
     /// /proc/loadavg's 1-minute figure before and after the run.
     load: (String, String),
 }
@@ -1067,7 +1211,52 @@ impl Report<'_> {
                 .results
                 .programming_markdown(&cfg.sizes, &[Mode::Ebpf, Mode::Iptables, Mode::Nftables]),
         );
+        out.push_str(&self.costs_markdown());
         out.push_str(&self.targets_markdown());
+        out
+    }
+
+    /// The machine's CPU per new connection in each mode, and the ebpf-proxy agent's
+    /// packet programs' part of it ([`connection_costs`]).
+    fn costs_markdown(&self) -> String {
+        let mut out = format!(
+            "\n### CPU per new connection ({}, {CPU_ROUNDS} more rounds)\n\n\
+             Every CPU's busy time (`/proc/stat`) over the segments of each mode, per \
+             connection; beside it, for ebpf-proxy, what its XDP and tc programs ran and \
+             what its socket hooks took (the pod's connect() runs them too, as a pod's does \
+             under the root cgroup they attach to by default), as the kernel's BPF \
+             statistics count them (on for these rounds only: two clock reads a run \
+             more).\n\n\
+             | Services | mode | connections | CPU µs per connection | more than no LB, µs | \
+             packet program runs per connection | their ns per connection | ns per run | \
+             socket hooks' ns per connection |\n\
+             |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
+            COSTED.title().0
+        );
+        for c in self.costs {
+            let cpu = c.per_connection(c.busy_ns) / 1e3;
+            let direct = self
+                .costs
+                .iter()
+                .find(|d| d.services == c.services && d.mode == Mode::Direct)
+                .map_or(f64::NAN, |d| d.per_connection(d.busy_ns) / 1e3);
+            let programs = c.programs.map_or("- | - | - | -".to_owned(), |p| {
+                format!(
+                    "{:.1} | {:.0} | {:.0} | {:.0}",
+                    c.per_connection(p.runs()),
+                    c.per_connection(p.ns()),
+                    p.ns() as f64 / p.runs().max(1) as f64,
+                    c.per_connection(p.sock.ns)
+                )
+            });
+            out.push_str(&format!(
+                "| {} | {} | {} | {cpu:.1} | {:+.1} | {programs} |\n",
+                c.services,
+                c.mode.label(),
+                c.connections,
+                cpu - direct
+            ));
+        }
         out
     }
 
@@ -1190,6 +1379,15 @@ impl Report<'_> {
             "rr_segment_s": cfg.rr_segment.as_secs_f64(),
             "endpoints_per_service": ENDPOINTS,
             "results": rows,
+            "connection_costs": self.costs.iter().map(|c| json!({
+                "services": c.services,
+                "mode": c.mode.label(),
+                "connections": c.connections,
+                "cpu_ns_per_connection": c.per_connection(c.busy_ns),
+                "program_runs_per_connection": c.programs.map(|p| c.per_connection(p.runs())),
+                "program_ns_per_connection": c.programs.map(|p| c.per_connection(p.ns())),
+                "socket_hook_ns_per_connection": c.programs.map(|p| c.per_connection(p.sock.ns)),
+            })).collect::<Vec<_>>(),
         })
     }
 }

@@ -62,17 +62,16 @@
 //! and `nodeport.json` to DIR (default bench/results).
 
 mod common;
+#[path = "common/program_time.rs"]
+mod program_time;
 
 use std::{
-    collections::HashSet,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
-use aya::maps::MapData;
-use aya_obj::generated::bpf_prog_type;
 use common::{Args, BenchMode, Machine, Rows, check_interrupted, interleaved, load_average};
 use ebpf_proxy_tests::{
     NotYet, Protocol,
@@ -86,6 +85,7 @@ use ebpf_proxy_tests::{
     topology::one_node,
     wait_for,
 };
+use program_time::HookTimes;
 use proxy_userspace::datapath::{Maps, PinLayout};
 use serde_json::json;
 
@@ -522,37 +522,7 @@ impl World {
         let Some(agent) = self.agents.first() else {
             return Ok(None);
         };
-        let maps_dir = PinLayout::new(agent.bpf_root()).maps_dir();
-        let mut map_ids = HashSet::new();
-        for entry in
-            std::fs::read_dir(&maps_dir).with_context(|| format!("list {}", maps_dir.display()))?
-        {
-            let path = entry?.path();
-            let id = MapData::from_pin(&path)
-                .and_then(|map| map.info())
-                .with_context(|| format!("the id of {}", path.display()))?
-                .id();
-            map_ids.insert(id);
-        }
-        let mut times = HookTimes::default();
-        for info in aya::programs::loaded_programs() {
-            let info = info.context("list the loaded BPF programs")?;
-            let hook = match info.program_type() {
-                bpf_prog_type::BPF_PROG_TYPE_XDP => &mut times.xdp,
-                bpf_prog_type::BPF_PROG_TYPE_SCHED_CLS => &mut times.tc,
-                _ => continue,
-            };
-            let uses_node_a = info
-                .map_ids()
-                .context("a program's map ids")?
-                .is_some_and(|ids| ids.iter().any(|id| map_ids.contains(id)));
-            if uses_node_a {
-                times.programs += 1;
-                hook.runs += info.run_count();
-                hook.ns += u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
-            }
-        }
-        Ok(Some(times))
+        program_time::agent_programs(agent.bpf_root()).map(Some)
     }
 
     /// Node a's non-zero datapath counters, for the ebpf-proxy modes.
@@ -588,43 +558,11 @@ struct NodeA {
     datapath: Option<DatapathTime>,
 }
 
-/// Runs and run time of a set of BPF programs, as the kernel counts them.
-#[derive(Debug, Clone, Copy, Default)]
-struct ProgramTime {
-    runs: u64,
-    ns: u64,
-}
-
-impl ProgramTime {
-    fn since(self, before: ProgramTime) -> ProgramTime {
-        ProgramTime {
-            runs: self.runs.saturating_sub(before.runs),
-            ns: self.ns.saturating_sub(before.ns),
-        }
-    }
-
-    fn add(&mut self, other: ProgramTime) {
-        self.runs += other.runs;
-        self.ns += other.ns;
-    }
-}
-
-/// Node a's packet programs, by hook.
-#[derive(Debug, Clone, Copy, Default)]
-struct HookTimes {
-    /// How many programs were found (those using node a's maps).
-    programs: u32,
-    xdp: ProgramTime,
-    tc: ProgramTime,
-}
-
 /// Node a's packet programs over the connections of the timing phase.
 #[derive(Debug, Clone, Copy, Default)]
 struct DatapathTime {
-    programs: u32,
     connections: u64,
-    xdp: ProgramTime,
-    tc: ProgramTime,
+    hooks: HookTimes,
 }
 
 impl DatapathTime {
@@ -633,11 +571,11 @@ impl DatapathTime {
     }
 
     fn runs(&self) -> u64 {
-        self.xdp.runs + self.tc.runs
+        self.hooks.runs()
     }
 
     fn ns(&self) -> u64 {
-        self.xdp.ns + self.tc.ns
+        self.hooks.ns()
     }
 
     fn ns_per_connection(&self) -> f64 {
@@ -779,10 +717,8 @@ fn datapath_time(cfg: &Config, worlds: &[World]) -> Result<Vec<Option<DatapathTi
                 .closed_loop(cfg.threads, cfg.segment)
                 .with_context(|| format!("time {label}'s programs"))?;
             let after = world.node_a_programs()?.context("node a's agent")?;
-            time.programs = after.programs;
             time.connections += sample.ok + sample.failed();
-            time.xdp.add(after.xdp.since(before.xdp));
-            time.tc.add(after.tc.since(before.tc));
+            time.hooks.add(after.since(before));
         }
     }
     for (world, time) in worlds.iter().zip(&times) {
@@ -790,7 +726,7 @@ fn datapath_time(cfg: &Config, worlds: &[World]) -> Result<Vec<Option<DatapathTi
             eprintln!(
                 "{}: node a's {} programs ran {:.1} times and {:.0} ns per connection",
                 world.mode.label(),
-                t.programs,
+                t.hooks.programs,
                 t.per_connection(t.runs()),
                 t.ns_per_connection()
             );
@@ -933,11 +869,11 @@ impl Report<'_> {
                 "| {} | {} | {:.1} + {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {} |\n",
                 s.services,
                 s.mode.label(),
-                t.per_connection(t.xdp.runs),
-                t.per_connection(t.tc.runs),
+                t.per_connection(t.hooks.xdp.runs),
+                t.per_connection(t.hooks.tc.runs),
                 t.ns_per_connection(),
-                t.per_connection(t.xdp.ns),
-                t.per_connection(t.tc.ns),
+                t.per_connection(t.hooks.xdp.ns),
+                t.per_connection(t.hooks.tc.ns),
                 t.ns_per_run(),
                 t.connections
             ));
@@ -1014,13 +950,13 @@ impl Report<'_> {
                             "bytes": s.detail.per_connection.1,
                         },
                         "node_a_datapath_per_connection": s.detail.datapath.map(|t| json!({
-                            "programs": t.programs,
+                            "programs": t.hooks.programs,
                             "connections": t.connections,
-                            "xdp_runs": t.per_connection(t.xdp.runs),
-                            "tc_runs": t.per_connection(t.tc.runs),
+                            "xdp_runs": t.per_connection(t.hooks.xdp.runs),
+                            "tc_runs": t.per_connection(t.hooks.tc.runs),
                             "ns": t.ns_per_connection(),
-                            "xdp_ns": t.per_connection(t.xdp.ns),
-                            "tc_ns": t.per_connection(t.tc.ns),
+                            "xdp_ns": t.per_connection(t.hooks.xdp.ns),
+                            "tc_ns": t.per_connection(t.hooks.tc.ns),
                             "ns_per_run": t.ns_per_run(),
                         })),
                         "node_a_counters": s.detail.counters.as_ref().map(|c| {
@@ -1069,7 +1005,7 @@ impl Report<'_> {
             // An empty timing (no program found, or statistics that did not count)
             // would report a datapath that costs nothing.
             if let Some(t) = &s.detail.datapath
-                && (t.programs == 0 || t.runs() == 0 || t.ns() == 0 || t.connections == 0)
+                && (t.hooks.programs == 0 || t.runs() == 0 || t.ns() == 0 || t.connections == 0)
             {
                 problems.push(format!(
                     "S = {}, {}: node a's programs were not timed ({t:?})",

@@ -55,9 +55,13 @@
 //! Namespaces, servers and agents are removed on drop, also on an error or Ctrl-C.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench e2e -- [--quick] [--out DIR]
-//! [--sizes 10,1000] [--rounds N] [--threads N] [--generic-xdp-on-pods]` (root; the
-//! agent binary from `cargo xtask build` or $`EBPF_PROXY_BIN`). Prints markdown tables
-//! and writes `e2e.md` and `e2e.json` to DIR (default bench/results).
+//! [--sizes 10,1000] [--rounds N] [--threads N] [--generic-xdp-on-pods]
+//! [--exchanges pod-tcp,pod-udp]` (root; the agent binary from `cargo xtask build` or
+//! $`EBPF_PROXY_BIN`). Prints markdown tables and writes `e2e.md` and `e2e.json` to DIR
+//! (default bench/results). `--exchanges` measures only the exchanges named (their
+//! keys as in `e2e.json`; `pod-tcp` always), so that agents older than some of them
+//! (IPv6 at tc, the node's socket hooks on a given cgroup) can be measured when
+//! bisecting a change in the ratios.
 //! `--generic-xdp-on-pods` puts the agent's XDP, in generic mode, on the pods'
 //! host-side veths: a run with it beside one without is what generic XDP on pod
 //! traffic costs end to end.
@@ -342,6 +346,9 @@ struct Config {
     /// address, before `--xdp-mode auto` kept XDP to native uplinks), so that
     /// a run beside one without says what generic XDP on pod traffic costs.
     generic_xdp_on_pods: bool,
+    /// The exchanges measured: all of [`EXCHANGES`], or those `--exchanges` names
+    /// (for agents older than some of them, when bisecting a change in the ratios).
+    exchanges: Vec<Exchange>,
 }
 
 impl Config {
@@ -362,6 +369,7 @@ impl Config {
                 rr_segment: Duration::from_millis(100),
                 threads,
                 generic_xdp_on_pods: false,
+                exchanges: EXCHANGES.to_vec(),
             }
         } else {
             Config {
@@ -373,6 +381,7 @@ impl Config {
                 rr_segment: Duration::from_millis(200),
                 threads,
                 generic_xdp_on_pods: false,
+                exchanges: EXCHANGES.to_vec(),
             }
         }
     }
@@ -395,12 +404,32 @@ fn main() {
 }
 
 /// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
-/// `--threads N`, `--generic-xdp-on-pods`. Anything else (cargo passes
-/// `--bench`) is ignored.
+/// `--threads N`, `--generic-xdp-on-pods`, `--exchanges KEY,KEY`. Anything else
+/// (cargo passes `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
     args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
     cfg.generic_xdp_on_pods = args.flag("--generic-xdp-on-pods");
+    if let Some(keys) = args.value("--exchanges")? {
+        let keys: Vec<&str> = keys.split(',').map(str::trim).collect();
+        if let Some(unknown) = keys
+            .iter()
+            .find(|k| !EXCHANGES.iter().any(|x| x.key() == **k))
+        {
+            let known: Vec<String> = EXCHANGES.iter().map(|x| x.key()).collect();
+            bail!(
+                "--exchanges: no exchange {unknown:?} (known: {})",
+                known.join(", ")
+            );
+        }
+        cfg.exchanges.retain(|x| keys.contains(&x.key().as_str()));
+    }
+    if !cfg.exchanges.contains(&COSTED) {
+        bail!(
+            "--exchanges must include {}, whose cost is measured",
+            COSTED.key()
+        );
+    }
     Ok((cfg, args.out_dir()?))
 }
 
@@ -761,21 +790,21 @@ fn measure_size(cfg: &Config, services: u32) -> Result<(Vec<Stats>, Vec<Connecti
         worlds.push(world);
     }
     for world in &worlds {
-        for exchange in EXCHANGES {
+        for &exchange in &cfg.exchanges {
             world
                 .warm_up(exchange)
                 .with_context(|| format!("warm up {}", world.mode.label()))?;
         }
     }
-    let series = interleaved(cfg.rounds, worlds.len(), EXCHANGES.len(), |w, x| {
-        let (world, exchange) = (&worlds[w], EXCHANGES[x]);
+    let series = interleaved(cfg.rounds, worlds.len(), cfg.exchanges.len(), |w, x| {
+        let (world, exchange) = (&worlds[w], cfg.exchanges[x]);
         world
             .closed_loop(exchange, cfg.threads, cfg.segment(exchange))
             .with_context(|| format!("measure {} {}", world.mode.label(), exchange.key()))
     })?;
     let mut out = Vec::new();
     for (world, kinds) in worlds.iter().zip(series) {
-        for (exchange, series) in EXCHANGES.into_iter().zip(kinds) {
+        for (&exchange, series) in cfg.exchanges.iter().zip(kinds) {
             if series.failed > 0 {
                 eprintln!(
                     "warning: S = {services}, {} {}: {} of {} exchanges failed: {:?}",
@@ -1190,7 +1219,14 @@ impl Report<'_> {
                  where by default tc alone handles pod traffic.\n",
             );
         }
-        for exchange in EXCHANGES {
+        if cfg.exchanges.len() < EXCHANGES.len() {
+            let keys: Vec<String> = cfg.exchanges.iter().map(|x| x.key()).collect();
+            out.push_str(&format!(
+                "\nOnly these exchanges: {} (`--exchanges`).\n",
+                keys.join(", ")
+            ));
+        }
+        for &exchange in &cfg.exchanges {
             let (title, unit) = exchange.title();
             out.push_str(&format!(
                 "\n### {title}\n\n\
@@ -1372,6 +1408,7 @@ impl Report<'_> {
             "load_average_before_after": [self.load.0, self.load.1],
             "quick": cfg.quick,
             "generic_xdp_on_pods": cfg.generic_xdp_on_pods,
+            "exchanges": cfg.exchanges.iter().map(|x| x.key()).collect::<Vec<_>>(),
             "client_threads": cfg.threads,
             "rounds": cfg.rounds,
             "tcp_segment_s": cfg.tcp_segment.as_secs_f64(),

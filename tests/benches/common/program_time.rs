@@ -3,9 +3,12 @@
 //! use the agent's pinned maps. Shared by the benches that time a datapath on real
 //! packets (`nodeport`, `e2e`).
 
-use std::{collections::HashSet, path::Path};
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use aya::maps::MapData;
 use aya_obj::generated::bpf_prog_type;
 use proxy_userspace::datapath::PinLayout;
@@ -76,17 +79,21 @@ impl HookTimes {
 /// there (another agent on the machine has maps of its own), by hook. The kernel counts
 /// only while its statistics are on (`aya::sys::enable_stats`).
 pub fn agent_programs(bpf_root: &Path) -> Result<HookTimes> {
-    let maps_dir = PinLayout::new(bpf_root).maps_dir();
     let mut map_ids = HashSet::new();
-    for entry in
-        std::fs::read_dir(&maps_dir).with_context(|| format!("list {}", maps_dir.display()))?
-    {
-        let path = entry?.path();
-        let id = MapData::from_pin(&path)
-            .and_then(|map| map.info())
-            .with_context(|| format!("the id of {}", path.display()))?
-            .id();
-        map_ids.insert(id);
+    for maps_dir in maps_dirs(bpf_root)? {
+        for entry in
+            std::fs::read_dir(&maps_dir).with_context(|| format!("list {}", maps_dir.display()))?
+        {
+            let path = entry?.path();
+            let id = MapData::from_pin(&path)
+                .and_then(|map| map.info())
+                .with_context(|| format!("the id of {}", path.display()))?
+                .id();
+            map_ids.insert(id);
+        }
+    }
+    if map_ids.is_empty() {
+        bail!("no map pinned under {}", bpf_root.display());
     }
     let mut times = HookTimes::default();
     for info in aya::programs::loaded_programs() {
@@ -109,4 +116,29 @@ pub fn agent_programs(bpf_root: &Path) -> Result<HookTimes> {
         }
     }
     Ok(times)
+}
+
+/// The directories of map pins under `bpf_root`: this layout's
+/// ([`PinLayout::maps_dir`]), or the `maps` directories of an older agent's layout
+/// when a bench measures one.
+fn maps_dirs(bpf_root: &Path) -> Result<Vec<PathBuf>> {
+    let current = PinLayout::new(bpf_root).maps_dir();
+    if current.is_dir() {
+        return Ok(vec![current]);
+    }
+    let mut dirs = Vec::new();
+    let mut pending = vec![bpf_root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).with_context(|| format!("list {}", dir.display()))? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                if entry.file_name() == "maps" {
+                    dirs.push(entry.path());
+                } else {
+                    pending.push(entry.path());
+                }
+            }
+        }
+    }
+    Ok(dirs)
 }

@@ -739,6 +739,15 @@ impl World {
     /// One exchange at a time (for established connections, one connection at a time
     /// with a few requests on each): the mode must answer every one and reach all three
     /// backends.
+    /// What the agent's programs have run so far (`program_time::agent_programs`);
+    /// None for the modes without an agent.
+    fn agent_programs(&self) -> Result<Option<HookTimes>> {
+        self.agent
+            .as_ref()
+            .map(|a| program_time::agent_programs(a.bpf_root()))
+            .transpose()
+    }
+
     fn warm_up(&self, exchange: Exchange) -> Result<()> {
         let load = self.load(exchange);
         let (sample, expected) = match exchange.kind {
@@ -886,18 +895,11 @@ fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec
     for _ in 0..CPU_ROUNDS {
         for (world, cost) in worlds.iter().zip(&mut costs) {
             check_interrupted()?;
-            let programs = |world: &World| {
-                world
-                    .agent
-                    .as_ref()
-                    .map(|a| program_time::agent_programs(a.bpf_root()))
-                    .transpose()
-            };
-            let before = (programs(world)?, machine_busy_ns()?);
+            let before = (world.agent_programs()?, machine_busy_ns()?);
             let sample = world
                 .closed_loop(COSTED, cfg.threads, cfg.segment(COSTED))
                 .with_context(|| format!("cost {} {}", world.mode.label(), COSTED.key()))?;
-            let after = (programs(world)?, machine_busy_ns()?);
+            let after = (world.agent_programs()?, machine_busy_ns()?);
             cost.connections += sample.ok + sample.failed();
             cost.busy_ns += after.1.saturating_sub(before.1);
             if let (Some(total), Some(before), Some(after)) =
@@ -1281,7 +1283,7 @@ impl Report<'_> {
                     "{:.1} | {:.0} | {:.0} | {:.0}",
                     c.per_connection(p.runs()),
                     c.per_connection(p.ns()),
-                    p.ns() as f64 / p.runs().max(1) as f64,
+                    p.ns_per_run(),
                     c.per_connection(p.sock.ns)
                 )
             });

@@ -583,7 +583,7 @@ impl DatapathTime {
     }
 
     fn ns_per_run(&self) -> f64 {
-        self.ns() as f64 / self.runs().max(1) as f64
+        self.hooks.ns_per_run()
     }
 }
 

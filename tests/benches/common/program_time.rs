@@ -73,6 +73,11 @@ impl HookTimes {
     pub fn ns(&self) -> u64 {
         self.xdp.ns + self.tc.ns
     }
+
+    /// The packet programs' mean time a run.
+    pub fn ns_per_run(&self) -> f64 {
+        self.ns() as f64 / self.runs().max(1) as f64
+    }
 }
 
 /// The programs of the agent pinned under `bpf_root`: those that use any map pinned

@@ -127,19 +127,53 @@ pub fn turned_away(
     sport_be: u16,
     proto: u8,
 ) -> Option<Block> {
-    let holds = |bit: u32| {
-        let (w, mask) = word_and_mask(bit);
-        word(w).is_none_or(|w| w & mask != 0)
-    };
+    let block = unkeyed_destination(&word, dst_be, dport_be, proto)?;
+    if holds(&word, bit(src_be, sport_be, proto, side::FROM)) || holds(&word, port_bit(dport_be)) {
+        return None;
+    }
+    Some(block)
+}
+
+/// `Some`, with what its destination's block said, when no frontend may
+/// have a packet's destination: neither its key's bit nor its port's (a
+/// NodePort's) is set. Asked where conntrack knows no flow of a packet
+/// the prefilter passed, before the frontend lookups, which it answers for
+/// where the packet passed for its source alone (a backend pod's reply to
+/// a client that reached it by its pod IP). What `turned_away` found of the
+/// destination is asked again rather than carried through the conntrack
+/// path, where one more value the verifier tracks multiplies the states it
+/// walks (docs/architecture.md, "The prefilter").
+#[inline(always)]
+#[must_use]
+pub fn for_no_frontend(
+    word: impl Fn(u32) -> Option<u64>,
+    dst_be: &[u32; 4],
+    dport_be: u16,
+    proto: u8,
+) -> Option<Block> {
+    let block = unkeyed_destination(&word, dst_be, dport_be, proto)?;
+    if holds(&word, port_bit(dport_be)) {
+        return None;
+    }
+    Some(block)
+}
+
+/// `Some`, with what its block said of the service CIDRs, when the
+/// destination's own key has no bit set: its block's word first, whose
+/// frontends bit gates the hashed key.
+#[inline(always)]
+fn unkeyed_destination(
+    word: &impl Fn(u32) -> Option<u64>,
+    dst_be: &[u32; 4],
+    dport_be: u16,
+    proto: u8,
+) -> Option<Block> {
     let block = block_bit(dst_be);
     let (w, cidr) = word_and_mask(block);
     let block_word = word(w)?;
     // `frontends_bit(dst_be)`, without hashing the block again.
     let (_, frontends) = word_and_mask(block ^ 1);
-    if block_word & frontends != 0 && holds(bit(dst_be, dport_be, proto, side::TO)) {
-        return None;
-    }
-    if holds(bit(src_be, sport_be, proto, side::FROM)) || holds(port_bit(dport_be)) {
+    if block_word & frontends != 0 && holds(word, bit(dst_be, dport_be, proto, side::TO)) {
         return None;
     }
     Some(if block_word & cidr != 0 {
@@ -147,6 +181,13 @@ pub fn turned_away(
     } else {
         Block::NoCidr
     })
+}
+
+/// Whether `bit` is set, a word that cannot be read taken as all set.
+#[inline(always)]
+fn holds(word: &impl Fn(u32) -> Option<u64>, bit: u32) -> bool {
+    let (w, mask) = word_and_mask(bit);
+    word(w).is_none_or(|w| w & mask != 0)
 }
 
 /// The bit of the key (`addr_be` as `ServiceKey` and `Backend` hold

@@ -147,13 +147,22 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         // conntrack entry gone since): a later fragment never starts one.
         return Ok(untracked_fragment::<F, H>(flow));
     }
-    let Some(frontend) =
-        frontend::lookup_frontend_of(&flow.dst_be, flow.dport_be, flow.proto, || {
-            frontend::in_cluster(flow.src_be.mapped())
-                || frontend::local_iface(ctx.ingress_ifindex())
-        })
-    else {
-        return Ok(unserved::<F, H>(ctx, flow, prefilter::Block::Unread));
+    // The prefilter passed a packet conntrack does not know either for its
+    // destination or, as a pod's reply to a client that reached it by its
+    // pod IP, for its source: for the second its bits answer for the
+    // frontend lookups, as they do for a packet from no backend.
+    let (frontend, block) = match prefilter::for_no_frontend(flow) {
+        Some(block) => (None, block),
+        None => (
+            frontend::lookup_frontend_of(&flow.dst_be, flow.dport_be, flow.proto, || {
+                frontend::in_cluster(flow.src_be.mapped())
+                    || frontend::local_iface(ctx.ingress_ifindex())
+            }),
+            prefilter::Block::Unread,
+        ),
+    };
+    let Some(frontend) = frontend else {
+        return Ok(unserved::<F, H>(ctx, flow, block));
     };
     if flow.proto == PROTO_SCTP && flow.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
         // An ABORT or SHUTDOWN COMPLETE ends an association; it never

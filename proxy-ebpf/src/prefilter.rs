@@ -25,6 +25,18 @@ pub fn turned_away<A: FlowAddr>(flow: &FlowOf<A>) -> Option<Block> {
     )
 }
 
+/// `Some` when no frontend may have `flow`'s destination, with what its
+/// block said (`proxy_common::prefilter::for_no_frontend`).
+#[inline(always)]
+pub fn for_no_frontend<A: FlowAddr>(flow: &FlowOf<A>) -> Option<Block> {
+    proxy_common::prefilter::for_no_frontend(
+        |word| PREFILTER.get(word).copied(),
+        &flow.dst_be.mapped(),
+        flow.dport_be,
+        flow.proto,
+    )
+}
+
 /// Whether `bit` is set.
 #[inline(always)]
 pub fn holds(bit: u32) -> bool {

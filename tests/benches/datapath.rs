@@ -71,6 +71,11 @@ const NEW_FLOW: &str = "new flow";
 /// flow's cost that its two conntrack inserts take by themselves.
 const CT_PAIR: &str = "its 2 conntrack inserts alone";
 const ESTABLISHED: &str = "established flow";
+/// A backend pod's packet from its serving port to a client that reached
+/// it directly, by its pod IP (pod to pod, no Service): for no frontend and
+/// the reply of no translated flow, but from a backend's address and port,
+/// so the prefilter cannot turn it away and conntrack must answer for it.
+const FROM_BACKEND: &str = "from a backend, no flow";
 /// The same two with `ebpf-proxy trace` running: `TRACE_ON` ahead of the
 /// clock and the ring buffer drained after each run.
 const NEW_FLOW_TRACED: &str = "new flow, trace running";
@@ -477,6 +482,45 @@ fn establish(
     (ests, replies)
 }
 
+/// `FROM_BACKEND`'s frames: from the first Service's backends' serving
+/// port to the client, one client port each, which no flow has.
+fn from_backends() -> Vec<Vec<u8>> {
+    (0..FLOWS)
+        .map(|k| tcp(backend_ip(0, u32::from(k)), 8080, CLIENT, 1000 + k, 0x10))
+        .collect()
+}
+
+/// `from_backends` over IPv6.
+fn from_backends6() -> Vec<Vec<u8>> {
+    (0..FLOWS)
+        .map(|k| {
+            tcp6(
+                backend_ip6(0, u32::from(k)),
+                8080,
+                CLIENT6,
+                1000 + k,
+                frames::ACK,
+            )
+        })
+        .collect()
+}
+
+/// IPv6's "not a service" frames: to an address no frontend or backend
+/// has.
+fn others6() -> Vec<Vec<u8>> {
+    (0..FLOWS)
+        .map(|k| {
+            tcp6(
+                CLIENT6,
+                1000 + k,
+                Ipv6Addr::new(0xfd00, 1, 2, 3, 0, 0, 0, 4),
+                80,
+                frames::ACK,
+            )
+        })
+        .collect()
+}
+
 /// The cases of one hook at one size: `program` against `floor`.
 fn measure_hook(
     datapath: &mut Datapath,
@@ -506,6 +550,7 @@ fn measure_hook(
     let others: Vec<_> = (0..FLOWS)
         .map(|k| tcp(CLIENT, 1000 + k, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10))
         .collect();
+    let from_backends = from_backends();
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
 
     let singles_of = paired(
@@ -514,6 +559,7 @@ fn measure_hook(
         &mut [
             &mut |_| ns(floor, &floor_frame, 1),
             &mut |i| ns(program, &others[i % others.len()], 1),
+            &mut |i| ns(program, &from_backends[i % from_backends.len()], 1),
             &mut |i| ns(program, &news[i], 1),
             &mut |i| ns(ct_pair, &pairs[i], 1),
             &mut |i| ns(program, &ests[i % ests.len()], 1),
@@ -540,6 +586,7 @@ fn measure_hook(
         &mut [
             &mut |_| ns(floor, &floor_frame, repeat),
             &mut |i| ns(program, &others[i % others.len()], repeat),
+            &mut |i| ns(program, &from_backends[i % from_backends.len()], repeat),
             &mut |i| ns(program, &ests[i % ests.len()], repeat),
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
             &mut |i| {
@@ -565,6 +612,7 @@ fn measure_hook(
     let names = [
         "empty program",
         "not a service",
+        FROM_BACKEND,
         NEW_FLOW,
         CT_PAIR,
         ESTABLISHED,
@@ -699,17 +747,7 @@ fn measure6(
         )
     };
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
-    let others: Vec<_> = (0..FLOWS)
-        .map(|k| {
-            tcp6(
-                CLIENT6,
-                1000 + k,
-                Ipv6Addr::new(0xfd00, 1, 2, 3, 0, 0, 0, 4),
-                80,
-                frames::ACK,
-            )
-        })
-        .collect();
+    let (others, from_backends) = (others6(), from_backends6());
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
     let singles_of = paired(
         singles,
@@ -717,6 +755,7 @@ fn measure6(
         &mut [
             &mut |_| ns(floor, &floor_frame, 1),
             &mut |i| ns(program, &others[i % others.len()], 1),
+            &mut |i| ns(program, &from_backends[i % from_backends.len()], 1),
             &mut |i| ns(program, &news[i], 1),
             &mut |i| ns(program, &ests[i % ests.len()], 1),
             &mut |i| ns(program, &replies[i % replies.len()], 1),
@@ -728,6 +767,7 @@ fn measure6(
         &mut [
             &mut |_| ns(floor, &floor_frame, repeat),
             &mut |i| ns(program, &others[i % others.len()], repeat),
+            &mut |i| ns(program, &from_backends[i % from_backends.len()], repeat),
             &mut |i| ns(program, &ests[i % ests.len()], repeat),
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
         ],
@@ -735,6 +775,7 @@ fn measure6(
     let names = [
         "empty program",
         "not a service",
+        FROM_BACKEND,
         NEW_FLOW,
         ESTABLISHED,
         "reply (reverse NAT)",

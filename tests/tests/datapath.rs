@@ -2078,6 +2078,26 @@ fn macs(frame: &[u8]) -> ([u8; 6], [u8; 6]) {
     )
 }
 
+/// A backend's connection from its serving port to a NodePort on the
+/// node's address: the prefilter passes it for its source, conntrack does
+/// not know it, and the NodePort's port bit sends it to the frontends,
+/// which translate it.
+#[test]
+fn a_backends_connection_from_its_serving_port_to_a_nodeport_is_translated() {
+    let nf = node_fixture();
+    let syn = tcp(REMOTE_POD, 8080, NODE_IP, NODE_PORT, frame::SYN);
+    let (_, out) = run_tc_on_uplink(&nf, &syn);
+    let p = parse_checked(
+        &out,
+        "a backend's SYN from its serving port to the NodePort",
+    );
+    assert_eq!(
+        (p.dst, p.dport),
+        (REMOTE_POD, 8080),
+        "a backend's SYN from its serving port to the NodePort was not sent to the backend"
+    );
+}
+
 /// ETP Cluster, remote backend: XDP SNATs to the node and DNATs to the pod,
 /// routes the frame itself (next hop's MAC, TTL down by one) and sends it back
 /// out; the reply is reverse-translated to the client the same way.
@@ -3997,6 +4017,44 @@ fn assured_flow(fx: &Fixture, sport: u16) -> Ipv4Addr {
     );
     run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
     backend
+}
+
+/// A backend's packet from its serving port that conntrack does not know
+/// (its reply to a client that reached it by its pod IP, no Service)
+/// passes untouched and leaves no entry, though the prefilter passes it
+/// for its source; from that same address and port, a connection to a
+/// ClusterIP is still translated: the prefilter's bits of the destination
+/// decide whether the frontends are looked up.
+#[test]
+fn a_backends_packet_conntrack_does_not_know_passes_and_its_own_connections_are_translated() {
+    let fx = fixture();
+    let backend = BACKENDS[0];
+    let reply = tcp(backend, 8080, CLIENT, 41900, frame::ACK);
+    let (ret, out) = run(&fx, &reply);
+    assert_eq!(
+        (ret, &out),
+        (TC_ACT_OK, &reply),
+        "a backend's packet to a client that reached it directly was not passed untouched"
+    );
+    let key = ct_key(backend, 8080, CLIENT, 41900, proxy_common::PROTO_TCP);
+    let maps = &fx.datapath.maps;
+    assert!(
+        maps.ct_new.get(&key, 0).is_err() && maps.conntrack.get(&key, 0).is_err(),
+        "the passed packet left a conntrack entry"
+    );
+
+    let syn = tcp(backend, 8080, VIP, 80, frame::SYN);
+    let (_, out) = run(&fx, &syn);
+    let p = parse_checked(
+        &out,
+        "a backend's SYN from its serving port to the ClusterIP",
+    );
+    assert!(
+        BACKENDS.contains(&p.dst) && p.dport == 8080,
+        "a backend's connection from its serving port to the ClusterIP went to {}:{}",
+        p.dst,
+        p.dport
+    );
 }
 
 /// The prefilter's bits of a Service that went are cleared by a rebuild,

@@ -2893,7 +2893,7 @@ fn tcp_state_is_tracked_per_direction_and_inside_the_window() {
     };
     from_client(
         frame::RST | frame::ACK,
-        c + 1 - 100_000,
+        (c + 1).wrapping_sub(100_000),
         "client's stale RST",
     );
     from_backend(frame::RST | frame::ACK, b - 1, "backend's stale RST");

@@ -343,7 +343,7 @@ mod tests {
     /// untranslated.
     #[test]
     fn every_frontend_and_backend_passes_the_datapaths_question() {
-        use proxy_common::prefilter::{Block, frontends_bit, turned_away};
+        use proxy_common::prefilter::{Block, for_no_frontend, frontends_bit, turned_away};
         let v4 = |a: u8, b: u8, c: u8, d: u8| v4_mapped(u32::from_ne_bytes([a, b, c, d]));
         let v6 = |last: u32| {
             [
@@ -389,7 +389,15 @@ mod tests {
                 None,
                 "a packet to {key:?} was turned away"
             );
+            assert_eq!(
+                for_no_frontend(read(&bits), &dst, key.port_be, 6),
+                None,
+                "a packet to {key:?} would skip the frontend lookups"
+            );
         }
+        // From a backend to a client: for no frontend (its port no
+        // NodePort's either), so a packet conntrack does not know is passed
+        // without the frontend lookups.
         for backend in &backends {
             assert_eq!(
                 turned_away(
@@ -402,6 +410,11 @@ mod tests {
                 ),
                 None,
                 "a reply from {backend:?} was turned away"
+            );
+            assert_eq!(
+                for_no_frontend(read(&bits), &client, 40_000, 6),
+                Some(Block::NoCidr),
+                "a reply from {backend:?} unknown to conntrack would be looked up as a frontend's"
             );
         }
         assert_eq!(

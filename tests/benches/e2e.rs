@@ -739,15 +739,6 @@ impl World {
     /// One exchange at a time (for established connections, one connection at a time
     /// with a few requests on each): the mode must answer every one and reach all three
     /// backends.
-    /// What the agent's programs have run so far (`program_time::agent_programs`);
-    /// None for the modes without an agent.
-    fn agent_programs(&self) -> Result<Option<HookTimes>> {
-        self.agent
-            .as_ref()
-            .map(|a| program_time::agent_programs(a.bpf_root()))
-            .transpose()
-    }
-
     fn warm_up(&self, exchange: Exchange) -> Result<()> {
         let load = self.load(exchange);
         let (sample, expected) = match exchange.kind {
@@ -773,6 +764,15 @@ impl World {
             );
         }
         Ok(())
+    }
+
+    /// What the agent's programs have run so far (`program_time::agent_programs`);
+    /// None for the modes without an agent.
+    fn agent_programs(&self) -> Result<Option<HookTimes>> {
+        self.agent
+            .as_ref()
+            .map(|a| program_time::agent_programs(a.bpf_root()))
+            .transpose()
     }
 }
 
@@ -940,10 +940,9 @@ fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec
 
 /// The CPU time every CPU of the machine has spent busy (user, nice, system,
 /// interrupts, soft interrupts, steal) since boot, in nanoseconds, from
-/// `/proc/stat`'s clock ticks (`USER_HZ`, 100 a second on the architectures this runs
-/// on).
+/// `/proc/stat`'s clock ticks (`common::clock_ticks_per_second`).
 fn machine_busy_ns() -> Result<u64> {
-    const NS_PER_TICK: u64 = 10_000_000;
+    let ns_per_tick = 1e9 / common::clock_ticks_per_second()?;
     let stat = std::fs::read_to_string("/proc/stat").context("read /proc/stat")?;
     let Some(cpu) = stat.lines().find(|l| l.starts_with("cpu ")) else {
         bail!("/proc/stat has no `cpu` line");
@@ -961,7 +960,7 @@ fn machine_busy_ns() -> Result<u64> {
         .iter()
         .map(|&i| ticks.get(i).copied().unwrap_or(0))
         .sum();
-    Ok(busy * NS_PER_TICK)
+    Ok((busy as f64 * ns_per_tick) as u64)
 }
 
 // ---------------------------------------------------------------------------

@@ -72,14 +72,6 @@ fn cpu_ticks(pid: u32) -> Result<u64> {
     Ok(field(11)? + field(12)?)
 }
 
-fn clock_ticks_per_second() -> Result<f64> {
-    let out = Command::new("getconf").arg("CLK_TCK").output()?;
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .context("getconf CLK_TCK")
-}
-
 fn rss_mib(pid: u32) -> Result<f64> {
     let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib: f64 = status
@@ -92,7 +84,7 @@ fn rss_mib(pid: u32) -> Result<f64> {
 
 fn measure_idle(pid: u32, window: Duration) -> Result<Idle> {
     thread::sleep(SETTLE);
-    let hz = clock_ticks_per_second()?;
+    let hz = common::clock_ticks_per_second()?;
     let before = cpu_ticks(pid)?;
     let started = Instant::now();
     thread::sleep(window);

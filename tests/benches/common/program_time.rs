@@ -57,6 +57,8 @@ impl HookTimes {
         }
     }
 
+    /// Adds `other`'s runs and run time; the programs found are `other`'s count, the
+    /// later sample's, since a count of programs does not add up over samples.
     pub fn add(&mut self, other: HookTimes) {
         self.programs = other.programs;
         self.xdp.add(other.xdp);

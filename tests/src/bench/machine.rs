@@ -45,6 +45,20 @@ impl Machine {
     }
 }
 
+/// The clock ticks a second `/proc`'s CPU times count in (`USER_HZ`, as `getconf
+/// CLK_TCK` reports it).
+pub fn clock_ticks_per_second() -> anyhow::Result<f64> {
+    use anyhow::Context;
+    let out = Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .context("run getconf CLK_TCK")?;
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .context("getconf CLK_TCK")
+}
+
 /// /proc/loadavg's 1-minute figure.
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")

@@ -321,7 +321,16 @@ pub fn translation<A: Copy>(entry: &CtValueOf<A>, flow: &FlowOf<A>) -> NatOf<A> 
         nat.src_be = entry.nat_addr_be;
         nat.sport_be = entry.nat_port_be;
         if two_sided {
-            nat.dst_be = entry.alt_addr_be;
+            // SAFETY: a map value's field into a local, which cannot overlap.
+            // Assigned, it was a memmove, a call to a byte loop here
+            // (docs/architecture.md, "No calls on a packet's path").
+            unsafe {
+                core::ptr::copy_nonoverlapping(
+                    &raw const entry.alt_addr_be,
+                    &raw mut nat.dst_be,
+                    1,
+                );
+            }
             nat.dport_be = entry.alt_port_be;
         }
     }
@@ -544,9 +553,10 @@ fn promote<F: Family>(
     }
     // SAFETY: map value pointers valid for this program's run (their
     // contents checked below: another CPU may have removed and reused
-    // them).
+    // them), of two maps, so never overlapping. Copied, not assigned: see
+    // `translation`.
     unsafe {
-        scratch.value = *entry;
+        core::ptr::copy_nonoverlapping(entry, &raw mut scratch.value, 1);
     }
     if !replies_to(&scratch.value, &scratch.key) {
         return Promoted::Taken;
@@ -571,7 +581,7 @@ fn promote<F: Family>(
     if let Some(reply) = F::ct_new().get_ptr(&scratch.key) {
         // SAFETY: as above.
         unsafe {
-            scratch.value = *reply;
+            core::ptr::copy_nonoverlapping(reply, &raw mut scratch.value, 1);
         }
         if answers(&scratch.value, key) {
             scratch.value.flags |= ct_flags::ASSURED;

@@ -110,12 +110,14 @@ pub fn put<F: Family>(
         return;
     }
     if let Some(slot) = F::flow_cache().get_ptr_mut(stamp.slot) {
-        // SAFETY: as in `get`. Written field by field: a whole entry built
-        // first would take its size again on the stack (112 bytes for
-        // IPv6), which has no room for it.
+        // SAFETY: as in `get`; the entry is `CONNTRACK`'s, another map's
+        // memory than the slot's. Written field by field: a whole entry
+        // built first would take its size again on the stack (112 bytes for
+        // IPv6), which has no room for it. The value copied, not assigned:
+        // see `conntrack::translation`.
         unsafe {
             (*slot).key = *key;
-            (*slot).value = *entry;
+            core::ptr::copy_nonoverlapping(entry, &raw mut (*slot).value, 1);
             (*slot).value.last_seen_ns = now;
             (*slot).slot_gen = stamp.slot_gen;
             (*slot).epoch = stamp.epoch;

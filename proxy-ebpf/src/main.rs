@@ -1,6 +1,12 @@
 //! ebpf-proxy kernel programs. Entry points are thin: they run the
 //! pipeline (`pipeline`), written once over the family and the hook, whose
 //! decisions are carried out in the hook's terms (`verdict`).
+//!
+//! The packet programs are `#[inline(always)]` under their program macro,
+//! which otherwise leaves the body a function of its own that the entry
+//! calls: a BPF-to-BPF call and its return on every packet, 6-7 ns where
+//! the kernel returns through a thunk (docs/architecture.md, "No calls on
+//! a packet's path").
 #![no_std]
 #![no_main]
 #![expect(
@@ -63,6 +69,7 @@ use family::{V4, V6};
 /// loads it without that read otherwise). The agent checks these at start
 /// (proxy-userspace's `datapath::kernel_version`).
 #[classifier]
+#[inline(always)]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
     pipeline::handle::<V4, _>(&ctx)
 }
@@ -75,6 +82,7 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 ///
 /// Linux 6.6 for tcx, as `tc_ingress`.
 #[classifier]
+#[inline(always)]
 pub fn tc_ingress6(ctx: TcContext) -> i32 {
     pipeline::handle::<V6, _>(&ctx)
 }
@@ -100,6 +108,7 @@ pub fn tc_dsr6(ctx: TcContext) -> i32 {
 /// Linux 5.9 for its bpf link; generic XDP works on any interface, native
 /// XDP where the driver has it. Helpers as `tc_ingress`.
 #[xdp]
+#[inline(always)]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     pipeline::handle::<V4, _>(&ctx)
 }
@@ -110,6 +119,7 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
 ///
 /// Linux 5.9, as `xdp_ingress`.
 #[xdp]
+#[inline(always)]
 pub fn xdp_ingress6(ctx: XdpContext) -> u32 {
     pipeline::handle::<V6, _>(&ctx)
 }

@@ -154,13 +154,16 @@ pub static ROUTE: PerCpuArray<Route, 1> = PerCpuArray::new();
 
 /// What `ROUTE` holds: the FIB query and its answer (egress interface,
 /// MACs), and whether the next hop's MACs were known (1) or are left to
-/// the kernel to resolve (0).
-#[repr(C)]
+/// the kernel to resolve (0). Aligned to 8 and a whole number of words, so
+/// that `route::lookup` clears it a word at a time.
+#[repr(C, align(8))]
 pub struct Route {
     pub fib: bpf_fib_lookup,
     pub resolved: u32,
     pub _pad: u32,
 }
+
+const _: () = assert!(size_of::<Route>().is_multiple_of(8));
 
 /// The conntrack key of the packet `tc_ingress6` is handling, built here
 /// rather than on its stack (40 bytes the call chain has no room for), for

@@ -239,8 +239,11 @@ pub extern "C" fn trace_record6(
         (*r).client_port_be = key.sport_be;
         (*r).frontend_port_be = key.dport_be;
         (*r).backend_port_be = backend_port_be as u16;
-        (*r).client_be = key.src_be;
-        (*r).frontend_be = key.dst_be;
+        // Copies, not assignments: between two maps' memory an assignment
+        // is a memmove, a call to a byte loop here (docs/architecture.md,
+        // "No calls on a packet's path").
+        core::ptr::copy_nonoverlapping(&raw const key.src_be, &raw mut (*r).client_be, 1);
+        core::ptr::copy_nonoverlapping(&raw const key.dst_be, &raw mut (*r).frontend_be, 1);
         (*r).backend_be = [
             backend_lo as u32,
             (backend_lo >> 32) as u32,

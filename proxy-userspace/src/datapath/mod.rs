@@ -22,6 +22,8 @@ pub mod kernel_btf;
 pub mod kernel_version;
 pub mod maps;
 pub mod netfilter_ct;
+#[cfg(test)]
+mod packet_calls;
 pub mod pin_root;
 pub mod pins;
 pub mod prefilter;

@@ -4,8 +4,8 @@
 //!
 //! The packet programs are `#[inline(always)]` under their program macro,
 //! which otherwise leaves the body a function of its own that the entry
-//! calls: a BPF-to-BPF call and its return on every packet, 6-7 ns where
-//! the kernel returns through a thunk (docs/architecture.md, "No calls on
+//! calls: a BPF-to-BPF call and its return on every packet, 6-8 ns on a
+//! kernel that returns through a thunk (docs/architecture.md, "No calls on
 //! a packet's path").
 #![no_std]
 #![no_main]

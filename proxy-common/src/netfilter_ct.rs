@@ -53,6 +53,3 @@ pub const OPTS_SIZE: u32 = 12;
 /// `bpf_ct_opts.netns_id` for the packet's own network namespace
 /// (`BPF_F_CURRENT_NETNS`).
 pub const CURRENT_NETNS: i32 = -1;
-/// `bpf_ct_opts.dir` of a tuple that matched an entry's original direction
-/// (`IP_CT_DIR_ORIGINAL`).
-pub const DIR_ORIGINAL: u8 = 0;

@@ -6,8 +6,7 @@ use aya_ebpf::{EbpfContext, btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
     PROTO_TCP, PROTO_UDP,
     netfilter_ct::{
-        CURRENT_NETNS, DIR_ORIGINAL, LOOKUP_MAGIC, OPTS_SIZE, RELEASE_MAGIC, TUPLE_V4_SIZE,
-        TUPLE_V6_SIZE,
+        CURRENT_NETNS, LOOKUP_MAGIC, OPTS_SIZE, RELEASE_MAGIC, TUPLE_V4_SIZE, TUPLE_V6_SIZE,
     },
 };
 
@@ -46,8 +45,8 @@ pub fn may_be_netfilters(proto: u8, tcp_flags: u8) -> bool {
     proto == PROTO_UDP || (proto == PROTO_TCP && tcp_flags & TCP_SYN == 0)
 }
 
-/// Whether netfilter's conntrack has an entry whose original direction is
-/// this IPv4 tuple (addresses and ports as on the wire).
+/// Whether netfilter's conntrack has an entry with this IPv4 tuple
+/// (addresses and ports as on the wire) in either direction (see `ask`).
 #[inline(always)]
 pub fn has_v4<C: EbpfContext>(
     ctx: &C,
@@ -140,6 +139,9 @@ fn ask<C: EbpfContext>(ctx: &C, lookup: *mut Lookup, proto: u8, tuple_size: u32)
             lateout("r0") found,
         );
     }
-    // SAFETY: as above; the kernel wrote the direction the tuple matched in.
-    found != 0 && unsafe { (*opts).dir } == DIR_ORIGINAL
+    // Either direction: the original is a flow netfilter translates, the
+    // reply an answer to one it masqueraded, whose port, picked at random
+    // (kube-proxy's nftables mode masquerades fully-random), may be a
+    // NodePort's: taken for a new flow to it, that answer was DNATed away.
+    found != 0
 }

@@ -69,8 +69,9 @@ pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + SnatFamily + T
     /// and come back through this node.
     fn new_source(hairpin: bool, snat: bool) -> Source<Self::Addr>;
 
-    /// Whether netfilter's conntrack has an entry whose original direction
-    /// is `flow`'s tuple (tc only).
+    /// Whether netfilter's conntrack has an entry with `flow`'s tuple in
+    /// either direction (tc only): a flow it translates, or the answer to
+    /// one it masqueraded (`netfilter_ct`).
     fn netfilter_has<H: Hook>(ctx: &H, flow: &FlowOf<Self::Addr>) -> bool;
 }
 

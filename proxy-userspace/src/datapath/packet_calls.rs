@@ -81,16 +81,15 @@ fn no_code_calls_a_memory_function() {
             if let Ok(name) = symbol.name()
                 && MEMORY_FUNCTIONS.contains(&name)
             {
-                let section = section.name().unwrap_or("?");
                 let caller = file
                     .symbols()
                     .filter(|s| {
                         s.kind() == SymbolKind::Text
-                            && s.section_index() == Some(section_index(&file, section))
+                            && s.section_index() == Some(section.index())
                             && (s.address()..s.address() + s.size()).contains(&offset)
                     })
                     .find_map(|s| s.name().ok().map(str::to_owned))
-                    .unwrap_or_else(|| format!("{section}+{offset:#x}"));
+                    .unwrap_or_else(|| format!("{}+{offset:#x}", section.name().unwrap_or("?")));
                 calls.push(format!("{caller} calls {name}"));
             }
         }
@@ -99,10 +98,4 @@ fn no_code_calls_a_memory_function() {
         calls.is_empty(),
         "code calling a byte loop where a copy or fill could be inline: {calls:?}"
     );
-}
-
-fn section_index(file: &object::File<'_>, name: &str) -> object::SectionIndex {
-    file.section_by_name(name)
-        .map(|s| s.index())
-        .expect("a section the relocation came from")
 }

@@ -1,16 +1,21 @@
 //! Whether netfilter translates a flow: kube-proxy's flows, which tc leaves
-//! to netfilter once this datapath has taken over (the sequence, and why:
-//! `proxy_common::netfilter_ct`).
+//! to netfilter once this datapath has taken over, and answers to flows
+//! netfilter masqueraded to a port of the node's own frontends (the
+//! sequence, and why: `proxy_common::netfilter_ct`).
 
-use aya_ebpf::{EbpfContext, btf_maps::PerCpuArray, macros::btf_map};
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{
     PROTO_TCP, PROTO_UDP,
     netfilter_ct::{
         CURRENT_NETNS, LOOKUP_MAGIC, OPTS_SIZE, RELEASE_MAGIC, TUPLE_V4_SIZE, TUPLE_V6_SIZE,
+        XDP_LOOKUP_MAGIC,
     },
 };
 
-use crate::packet::TCP_SYN;
+use crate::{
+    hook::Hook,
+    packet::{TCP_ACK, TCP_SYN},
+};
 
 /// The lookup's arguments: `struct bpf_sock_tuple` (IPv4's or IPv6's) and
 /// `struct bpf_ct_opts`, in a map of their own rather than on the stack,
@@ -37,19 +42,20 @@ struct Opts {
 static NF_LOOKUP: PerCpuArray<Lookup, 1> = PerCpuArray::new();
 
 /// Whether a packet of this protocol and TCP flags to a frontend, with no
-/// flow here, may belong to a flow netfilter translates: one that does not
-/// start a flow (a TCP SYN starts one, whatever netfilter remembers of an
-/// earlier use of its tuple).
+/// flow here, may belong to a flow netfilter translates or masqueraded: one
+/// that does not start a flow. A TCP SYN without ACK starts one, whatever
+/// netfilter remembers of an earlier use of its tuple; a SYN-ACK is the
+/// first answer of a connection netfilter masqueraded.
 #[inline(always)]
 pub fn may_be_netfilters(proto: u8, tcp_flags: u8) -> bool {
-    proto == PROTO_UDP || (proto == PROTO_TCP && tcp_flags & TCP_SYN == 0)
+    proto == PROTO_UDP || (proto == PROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN)
 }
 
 /// Whether netfilter's conntrack has an entry with this IPv4 tuple
 /// (addresses and ports as on the wire) in either direction (see `ask`).
 #[inline(always)]
-pub fn has_v4<C: EbpfContext>(
-    ctx: &C,
+pub fn has_v4<H: Hook>(
+    ctx: &H,
     proto: u8,
     src_be: u32,
     dst_be: u32,
@@ -72,8 +78,8 @@ pub fn has_v4<C: EbpfContext>(
 
 /// `has_v4` for an IPv6 tuple.
 #[inline(always)]
-pub fn has_v6<C: EbpfContext>(
-    ctx: &C,
+pub fn has_v6<H: Hook>(
+    ctx: &H,
     proto: u8,
     src_be: &[u32; 4],
     dst_be: &[u32; 4],
@@ -100,8 +106,10 @@ fn ports(sport_be: u16, dport_be: u16) -> u32 {
     u32::from(sport_be) | (u32::from(dport_be) << 16)
 }
 
+/// The kernel's answer through the hook's own lookup kfunc
+/// (`bpf_skb_ct_lookup` at tc, `bpf_xdp_ct_lookup` at XDP).
 #[inline(always)]
-fn ask<C: EbpfContext>(ctx: &C, lookup: *mut Lookup, proto: u8, tuple_size: u32) -> bool {
+fn ask<H: Hook>(ctx: &H, lookup: *mut Lookup, proto: u8, tuple_size: u32) -> bool {
     // SAFETY: this CPU's entry (see `has_v4`); the options are written
     // whole before each call, as the kernel refuses nonzero reserved bytes.
     let (tuple, opts) = unsafe {
@@ -121,23 +129,42 @@ fn ask<C: EbpfContext>(ctx: &C, lookup: *mut Lookup, proto: u8, tuple_size: u32)
     // SAFETY: two kfunc calls the verifier checks against the kernel's BTF
     // (the lookup's reference is released on the one path that has it);
     // their arguments point into this CPU's map entry, of the sizes given;
-    // registers a call clobbers are declared so.
+    // registers a call clobbers are declared so. One block per hook, as
+    // an operand cannot name the hook's magic: the other is compiled out.
     unsafe {
-        core::arch::asm!(
-            "call {lookup}",
-            "if r0 == 0 goto +3",
-            "r1 = r0",
-            "call {release}",
-            "r0 = 1",
-            lookup = const LOOKUP_MAGIC,
-            release = const RELEASE_MAGIC,
-            inout("r1") ctx.as_ptr() => _,
-            inout("r2") tuple => _,
-            inout("r3") u64::from(tuple_size) => _,
-            inout("r4") opts => _,
-            inout("r5") u64::from(OPTS_SIZE) => _,
-            lateout("r0") found,
-        );
+        if H::XDP {
+            core::arch::asm!(
+                "call {lookup}",
+                "if r0 == 0 goto +3",
+                "r1 = r0",
+                "call {release}",
+                "r0 = 1",
+                lookup = const XDP_LOOKUP_MAGIC,
+                release = const RELEASE_MAGIC,
+                inout("r1") ctx.as_ptr() => _,
+                inout("r2") tuple => _,
+                inout("r3") u64::from(tuple_size) => _,
+                inout("r4") opts => _,
+                inout("r5") u64::from(OPTS_SIZE) => _,
+                lateout("r0") found,
+            );
+        } else {
+            core::arch::asm!(
+                "call {lookup}",
+                "if r0 == 0 goto +3",
+                "r1 = r0",
+                "call {release}",
+                "r0 = 1",
+                lookup = const LOOKUP_MAGIC,
+                release = const RELEASE_MAGIC,
+                inout("r1") ctx.as_ptr() => _,
+                inout("r2") tuple => _,
+                inout("r3") u64::from(tuple_size) => _,
+                inout("r4") opts => _,
+                inout("r5") u64::from(OPTS_SIZE) => _,
+                lateout("r0") found,
+            );
+        }
     }
     // Either direction: the original is a flow netfilter translates, the
     // reply an answer to one it masqueraded, whose port, picked at random

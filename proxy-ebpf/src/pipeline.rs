@@ -300,7 +300,7 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
     reopened_be: u16,
     now: u64,
 ) -> Result<H::Verdict, u16> {
-    if netfilters::<F, H>(ctx, flow) {
+    if netfilters::<F, H>(ctx, flow, frontend) {
         return Ok(H::PASS);
     }
     if let Some(verdict) = refused::<F, H>(ctx, flow, frontend) {
@@ -468,23 +468,33 @@ fn masquerades<F: PipelineFamily, H: Verdicts>(
 }
 
 /// Whether the packet is left to the stack as a flow netfilter translates
-/// (kube-proxy's, after a takeover): at tc when netfilter knows its tuple,
-/// at XDP for tc to ask, since only tc can (the lookup kfunc takes a socket
-/// buffer). False while no such flow may live.
+/// (kube-proxy's, after a takeover) or as the answer to a flow it
+/// masqueraded: when netfilter knows its tuple, asked through the hook's
+/// own lookup kfunc (XDP passes it on to tc, which asks again and counts
+/// it). Asked for a frontend on this node's own address at all times: the
+/// answer to a flow masqueraded to one of its ports (a CNI's
+/// `--random-fully` masquerade may pick a NodePort's) reaches that
+/// frontend, where kube-proxy's rules never see it (conntrack takes it as
+/// the reply first). Asked for other frontends only while kube-proxy's
+/// flows may live.
 #[inline(always)]
-fn netfilters<F: PipelineFamily, H: Verdicts>(ctx: &H, flow: &FlowOf<F::Addr>) -> bool {
-    if node_flags() & node_config_flags::NETFILTER_FLOWS == 0
-        || !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+fn netfilters<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    frontend: &Frontend,
+) -> bool {
+    if !netfilter_ct::may_be_netfilters(flow.proto, flow.tcp_flags)
+        || (!frontend.on_node && node_flags() & node_config_flags::NETFILTER_FLOWS == 0)
     {
         return false;
     }
-    if H::XDP {
-        count(counter::XDP_TO_TC);
-        return true;
-    }
     let theirs = F::netfilter_has(ctx, flow);
     if theirs {
-        count(counter::NETFILTER_PASS);
+        count(if H::XDP {
+            counter::XDP_TO_TC
+        } else {
+            counter::NETFILTER_PASS
+        });
     }
     theirs
 }

@@ -396,7 +396,7 @@ pub fn apply_with_node_ports<A: Family>(
 }
 
 /// `nft -f -` of `input` in `ns`.
-fn load(ns: &NetNs, input: &str) -> Result<()> {
+pub fn load(ns: &NetNs, input: &str) -> Result<()> {
     let mut cmd = ns.command("nft");
     cmd.args(["-f", "-"])
         .stdin(Stdio::piped())

@@ -2146,6 +2146,80 @@ fn xdp_nodeport_snat_both_ways() {
     assert_eq!(counter(&nf.fx, "xdp_tx"), 3);
 }
 
+/// A TCP segment other than a SYN to a NodePort that no flow here knows may be the
+/// answer to a flow netfilter masqueraded to the NodePort's port (or a flow of a
+/// socket of the node's own on it), and XDP and tc ask the kernel's conntrack, each
+/// through its own kfunc. Unknown to netfilter too, it is translated as a new flow,
+/// as ever; once netfilter holds its tuple as a flow's reply, an ACK and a SYN-ACK
+/// of it are left untouched: by XDP to tc (`xdp_to_tc`), by tc to netfilter
+/// (`netfilter_pass`); a SYN of the same tuple still starts a flow here.
+#[test]
+fn a_node_port_segment_no_flow_knows_is_asked_of_netfilter() {
+    use proxy_userspace::adopt::conntrack as kernel_ct;
+    const THEIRS: u16 = 7000;
+    let nf = node_fixture();
+    let (ret, out) = run_xdp(&nf, &tcp(OUTSIDE, 41500, NODE_IP, NODE_PORT, frame::ACK));
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "an ACK to the NodePort netfilter does not know: XDP verdict"
+    );
+    let p = parse_checked(&out, "ACK netfilter does not know");
+    assert_eq!((p.src, p.dst, p.dport), (NODE_IP, REMOTE_POD, 8080));
+
+    let orig = kernel_ct::Tuple {
+        proto: 6,
+        src: IpAddr::V4(NODE_IP),
+        dst: IpAddr::V4(OUTSIDE),
+        sport: NODE_PORT,
+        dport: THEIRS,
+    };
+    nf.ns
+        .run(|| {
+            kernel_ct::create(&kernel_ct::Entry {
+                orig,
+                reply: orig.inverted(),
+                status: 0,
+                timeout_s: 60,
+                tcp_state: None,
+                sctp: None,
+                mark: 0,
+            })
+        })
+        .expect("run in the node namespace")
+        .unwrap_or_else(|e| panic!("netfilter's entry for {orig:?}: {e}"));
+    for (i, (what, flags)) in [("ACK", frame::ACK), ("SYN-ACK", frame::SYN | frame::ACK)]
+        .into_iter()
+        .enumerate()
+    {
+        let answer = tcp(OUTSIDE, THEIRS, NODE_IP, NODE_PORT, flags);
+        let (ret, out) = run_xdp(&nf, &answer);
+        assert_eq!(
+            (ret, out == answer),
+            (XDP_PASS, true),
+            "{what} netfilter has as a reply, at XDP: verdict, and whether it is untouched"
+        );
+        let (ret, out) = run_tc_on_uplink(&nf, &answer);
+        assert_eq!(
+            (ret, out == answer),
+            (TC_ACT_OK, true),
+            "{what} netfilter has as a reply, at tc: verdict, and whether it is untouched"
+        );
+        let passed = i as u64 + 1;
+        assert_eq!(
+            (
+                counter(&nf.fx, "xdp_to_tc"),
+                counter(&nf.fx, "netfilter_pass")
+            ),
+            (passed, passed),
+            "{what}: left to tc by XDP, and to netfilter by tc"
+        );
+    }
+    let (ret, out) = run_tc_on_uplink(&nf, &tcp(OUTSIDE, THEIRS, NODE_IP, NODE_PORT, frame::SYN));
+    assert_eq!(ret, TC_ACT_REDIRECT, "a SYN of netfilter's tuple: verdict");
+    assert_eq!(parse_checked(&out, "SYN").dst, REMOTE_POD);
+    assert_eq!(counter(&nf.fx, "netfilter_pass"), 2, "a SYN is never asked");
+}
+
 /// The same flow through tc (XDP off): translated alike, and redirected.
 #[test]
 fn tc_fallback_nodeport_snat_both_ways() {

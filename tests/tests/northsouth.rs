@@ -251,3 +251,13 @@ fn nodeport_addresses_primary_serves_the_primary_address_only() {
         }
     }
 }
+
+#[test]
+fn masqueraded_answers_to_a_node_port_tc_only() {
+    scenario::masqueraded_answers_to_a_node_port::<Ipv4Addr>(Path::TcOnly);
+}
+
+#[test]
+fn masqueraded_answers_to_a_node_port_native_xdp() {
+    scenario::masqueraded_answers_to_a_node_port::<Ipv4Addr>(Path::Native);
+}

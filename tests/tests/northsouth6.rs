@@ -141,3 +141,13 @@ fn ipv6_off_cluster_clients_of_a_cluster_ip_are_masqueraded_tc_only() {
 fn ipv6_local_policy_bridge_interface_tc_only() {
     scenario::local_policy::<Ipv6Addr>(Path::TcOnly, LocalDetector::BridgeInterface);
 }
+
+#[test]
+fn ipv6_masqueraded_answers_to_a_node_port_tc_only() {
+    scenario::masqueraded_answers_to_a_node_port::<Ipv6Addr>(Path::TcOnly);
+}
+
+#[test]
+fn ipv6_masqueraded_answers_to_a_node_port_native_xdp() {
+    scenario::masqueraded_answers_to_a_node_port::<Ipv6Addr>(Path::Native);
+}

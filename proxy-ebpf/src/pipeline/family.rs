@@ -70,7 +70,7 @@ pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + SnatFamily + T
     fn new_source(hairpin: bool, snat: bool) -> Source<Self::Addr>;
 
     /// Whether netfilter's conntrack has an entry with `flow`'s tuple in
-    /// either direction (tc only): a flow it translates, or the answer to
+    /// either direction: a flow it translates, or the answer to
     /// one it masqueraded (`netfilter_ct`).
     fn netfilter_has<H: Hook>(ctx: &H, flow: &FlowOf<Self::Addr>) -> bool;
 }

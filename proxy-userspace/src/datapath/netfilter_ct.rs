@@ -1,5 +1,5 @@
-//! Completes tc's questions to netfilter's conntrack before the object is
-//! loaded (the sequence and why it exists: `proxy_common::netfilter_ct`):
+//! Completes the packet programs' questions to netfilter's conntrack (tc's
+//! and XDP's) before the object is loaded (the sequence and why it exists: `proxy_common::netfilter_ct`):
 //! the kfuncs' ids come from the running kernel's BTF. Where the kernel
 //! lacks them (no `nf_conntrack`, or built as a module, whose BTF the
 //! loader does not pass), every question is answered "no": flows kube-proxy
@@ -7,7 +7,8 @@
 //! the takeover existed, and the agent says so.
 
 use proxy_common::netfilter_ct::{
-    LEN, LOOKUP_KFUNC, LOOKUP_MAGIC, RELEASE_AT, RELEASE_KFUNC, RELEASE_MAGIC,
+    LEN, LOOKUP_KFUNC, LOOKUP_MAGIC, RELEASE_AT, RELEASE_KFUNC, RELEASE_MAGIC, XDP_LOOKUP_KFUNC,
+    XDP_LOOKUP_MAGIC,
 };
 
 use super::{
@@ -18,8 +19,12 @@ use super::{
 /// How the questions are completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lookup {
-    /// Through the kfuncs with these BTF ids.
-    Kfuncs { lookup: u32, release: u32 },
+    /// Through the kfuncs with these BTF ids (`xdp_lookup`: XDP's lookup).
+    Kfuncs {
+        lookup: u32,
+        xdp_lookup: u32,
+        release: u32,
+    },
     /// Never asked: every answer is "not netfilter's".
     Absent,
 }
@@ -27,9 +32,14 @@ pub enum Lookup {
 impl std::fmt::Display for Lookup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Lookup::Kfuncs { lookup, release } => write!(
+            Lookup::Kfuncs {
+                lookup,
+                xdp_lookup,
+                release,
+            } => write!(
                 f,
-                "through {LOOKUP_KFUNC} (BTF id {lookup}) and {RELEASE_KFUNC} ({release})"
+                "through {LOOKUP_KFUNC} (BTF id {lookup}), {XDP_LOOKUP_KFUNC} ({xdp_lookup}) \
+                 and {RELEASE_KFUNC} ({release})"
             ),
             Lookup::Absent => f.write_str(
                 "not asked: this kernel's BTF has no conntrack kfuncs, so flows kube-proxy \
@@ -48,6 +58,7 @@ impl Lookup {
     pub fn from_btf(btf: &Btf) -> Result<Lookup, BtfError> {
         Ok(Lookup::Kfuncs {
             lookup: btf.id_of(kernel_btf::kind::FUNC, LOOKUP_KFUNC)?,
+            xdp_lookup: btf.id_of(kernel_btf::kind::FUNC, XDP_LOOKUP_KFUNC)?,
             release: btf.id_of(kernel_btf::kind::FUNC, RELEASE_KFUNC)?,
         })
     }
@@ -59,20 +70,51 @@ pub enum PatchError {
         "a conntrack question in the object (the sequence proxy_common::netfilter_ct describes): {0}"
     )]
     Sequence(#[from] SequenceError),
-    #[error("the eBPF object has no conntrack question: it was built from other sources")]
-    NoLookup,
+    #[error("the eBPF object has no conntrack question at {0}: it was built from other sources")]
+    NoLookup(&'static str),
 }
 
 /// Completes every question in `object` (an ELF object's bytes) as `lookup`
 /// says; returns how many there were.
 pub fn complete(object: &mut [u8], lookup: Lookup) -> Result<usize, PatchError> {
-    let found = complete_each(object, call(0, LOOKUP_MAGIC), LEN, is_template, |seq| {
-        fill(seq, lookup);
-    })?;
-    if found == 0 {
-        return Err(PatchError::NoLookup);
+    let mut found = 0;
+    for hook in [Hook::Tc, Hook::Xdp] {
+        let asked = complete_each(
+            object,
+            call(0, hook.magic()),
+            LEN,
+            |seq| is_template(seq, hook),
+            |seq| fill(seq, lookup, hook),
+        )?;
+        if asked == 0 {
+            return Err(PatchError::NoLookup(hook.name()));
+        }
+        found += asked;
     }
     Ok(found)
+}
+
+/// The hook a question is asked at: which lookup kfunc it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hook {
+    Tc,
+    Xdp,
+}
+
+impl Hook {
+    fn magic(self) -> i32 {
+        match self {
+            Hook::Tc => LOOKUP_MAGIC,
+            Hook::Xdp => XDP_LOOKUP_MAGIC,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Hook::Tc => "tc",
+            Hook::Xdp => "XDP",
+        }
+    }
 }
 
 /// `BPF_ALU64` | `BPF_MOV` | `BPF_X`
@@ -80,9 +122,9 @@ const MOV_REG: u8 = 0xbf;
 
 /// The sequence as the compiler leaves it: the registers are fixed by the
 /// asm block (r0, r1).
-fn template() -> [[u8; INSN]; LEN] {
+fn template(hook: Hook) -> [[u8; INSN]; LEN] {
     [
-        call(0, LOOKUP_MAGIC),
+        call(0, hook.magic()),
         insn(op::JEQ_IMM, 0, 3, 0),
         // dst r1, src r0.
         insn(MOV_REG, 0x01, 0, 0),
@@ -91,14 +133,22 @@ fn template() -> [[u8; INSN]; LEN] {
     ]
 }
 
-fn is_template(seq: &[u8]) -> bool {
-    seq.chunks(INSN).zip(template()).all(|(a, b)| a == b)
+fn is_template(seq: &[u8], hook: Hook) -> bool {
+    seq.chunks(INSN).zip(template(hook)).all(|(a, b)| a == b)
 }
 
-fn fill(seq: &mut [u8], lookup: Lookup) {
+fn fill(seq: &mut [u8], lookup: Lookup, hook: Hook) {
     let mut put = |at: usize, i: [u8; INSN]| seq[at * INSN..][..INSN].copy_from_slice(&i);
     match lookup {
-        Lookup::Kfuncs { lookup, release } => {
+        Lookup::Kfuncs {
+            lookup,
+            xdp_lookup,
+            release,
+        } => {
+            let lookup = match hook {
+                Hook::Tc => lookup,
+                Hook::Xdp => xdp_lookup,
+            };
             put(0, call(op::PSEUDO_KFUNC_CALL, lookup as i32));
             put(RELEASE_AT, call(op::PSEUDO_KFUNC_CALL, release as i32));
         }
@@ -124,45 +174,55 @@ mod tests {
 
     #[test]
     fn every_question_in_the_object_is_completed() {
-        let template = template().concat();
-        let before = positions(EBPF_OBJECT, &template);
-        // tc_ingress and tc_ingress6 ask; XDP never does.
+        // tc_ingress and tc_ingress6 ask at tc, xdp_ingress and
+        // xdp_ingress6 at XDP, each with its hook's lookup.
+        let sites = |bytes: &[u8], hook| positions(bytes, &template(hook).concat());
+        let (tc, xdp) = (sites(EBPF_OBJECT, Hook::Tc), sites(EBPF_OBJECT, Hook::Xdp));
         assert!(
-            before.len() >= 2,
-            "the object has {} conntrack questions, expected one per tc program",
-            before.len()
+            tc.len() >= 2 && xdp.len() >= 2,
+            "the object has {} conntrack questions at tc and {} at XDP, expected one per \
+             program of each",
+            tc.len(),
+            xdp.len()
         );
         let mut out = EBPF_OBJECT.to_vec();
         let n = complete(
             &mut out,
             Lookup::Kfuncs {
                 lookup: 111,
+                xdp_lookup: 333,
                 release: 222,
             },
         )
         .expect("complete");
-        assert_eq!(n, before.len(), "questions completed vs sequences");
-        for at in before {
-            assert_eq!(&out[at..at + INSN], &call(2, 111), "lookup call at {at}");
-            assert_eq!(
-                &out[at + RELEASE_AT * INSN..][..INSN],
-                &call(2, 222),
-                "release call at {at}"
-            );
+        assert_eq!(n, tc.len() + xdp.len(), "questions completed vs sequences");
+        for (sites, lookup) in [(tc, 111), (xdp, 333)] {
+            for at in sites {
+                assert_eq!(&out[at..at + INSN], &call(2, lookup), "lookup call at {at}");
+                assert_eq!(
+                    &out[at + RELEASE_AT * INSN..][..INSN],
+                    &call(2, 222),
+                    "release call at {at}"
+                );
+            }
         }
         let changed = EBPF_OBJECT.iter().zip(&out).filter(|(a, b)| a != b).count();
         assert!(changed <= n * 2 * INSN, "{changed} bytes changed for {n}");
 
         let mut absent = EBPF_OBJECT.to_vec();
         complete(&mut absent, Lookup::Absent).expect("complete");
-        assert!(positions(&absent, &call(0, LOOKUP_MAGIC)).is_empty());
-        assert!(positions(&absent, &call(0, RELEASE_MAGIC)).is_empty());
+        for magic in [LOOKUP_MAGIC, XDP_LOOKUP_MAGIC, RELEASE_MAGIC] {
+            assert!(
+                positions(&absent, &call(0, magic)).is_empty(),
+                "{magic:#x} left"
+            );
+        }
     }
 
     #[test]
     fn a_sequence_the_compiler_changed_is_refused_by_name() {
         let mut bytes = EBPF_OBJECT.to_vec();
-        let at = positions(&bytes, &template().concat())[0];
+        let at = positions(&bytes, &template(Hook::Xdp).concat())[0];
         // `r0 = 1` becomes `r0 = 2`.
         bytes[at + 4 * INSN + 4] = 2;
         let e = complete(&mut bytes, Lookup::Absent)

@@ -29,7 +29,7 @@ use ebpf_proxy_tests::{
     flood::BURST,
     manifest::{ManifestDir, Service, ServiceType, TrafficPolicy},
     netns::NetNs,
-    require_root,
+    nftables, require_root,
     servers::{TcpServer, UdpServer},
     stats::chi_square_uniform,
     wait_for, wait_until,
@@ -950,6 +950,85 @@ pub fn masquerade_all<F: Family>(path: Path) {
     assert!(
         fx.counter(0, "snat_new") >= 3,
         "{path:?}: node A SNATed fewer than the three new flows; {}",
+        fx.counters()
+    );
+}
+
+/// The answer to a flow netfilter masqueraded to one of node A's NodePorts is
+/// the masqueraded flow's, as kube-proxy's node leaves it (conntrack takes it as
+/// the reply before any NAT rule): a pod on A reaches servers outside through a
+/// rule of node A's that SNATs its flows to A's address and a NodePort (as a CNI's
+/// `--random-fully` masquerade may pick one), and gets their answers, UDP and
+/// TCP (whose first answer is a SYN-ACK), where node A's frontend would have taken
+/// each answer for a new flow to the NodePort and sent it to a backend.
+pub fn masqueraded_answers_to_a_node_port<F: Family>(path: Path) {
+    const UDP_OUT: u16 = 7000;
+    const TCP_OUT: u16 = 7001;
+    let fx = Fixture::<F>::new(path);
+    let node_a = fx.node_ip("a");
+    let client1 = F::uplink(CLIENT1.1);
+    fx.publish(
+        &web::<F>("web"),
+        &[(F::pod(LOCAL_BACKEND.1), "a"), (F::pod(BACKEND.1), "b")],
+    );
+    fx.reply_within("client1", F::addr(node_a, NODE_PORT), "NodePort on A");
+    let outside = fx.client("client1");
+    let _servers = (
+        UdpServer::start(outside, "outside", UDP_OUT).expect("UDP server outside"),
+        TcpServer::start(outside, "outside", TCP_OUT).expect("TCP server outside"),
+    );
+    let (family, node) = (F::NFT_FAMILY, F::addr(node_a, 0).to_string());
+    let node = node.strip_suffix(":0").expect("a socket address at port 0");
+    let rules = format!(
+        "table {family} fixed_masquerade {{\n\
+         \tchain postrouting {{\n\
+         \t\ttype nat hook postrouting priority srcnat; policy accept;\n\
+         \t\t{family} daddr {client1} udp dport {UDP_OUT} snat to {node}:{UDP_NODE_PORT}\n\
+         \t\t{family} daddr {client1} tcp dport {TCP_OUT} snat to {node}:{NODE_PORT}\n\
+         \t}}\n\
+         }}\n"
+    );
+    nftables::load(&fx.cluster.node("a").ns, &rules)
+        .unwrap_or_else(|e| panic!("node A's masquerade rule: {e:#}"));
+    let pod = &fx.cluster.pod(LOCAL_BACKEND.0).ns;
+    let passed_before = fx.counter(0, "netfilter_pass");
+    let new_before = fx.counter(0, "dnat_new");
+    for (what, outcome, port) in [
+        (
+            "UDP",
+            udp_request(pod, F::addr(client1, UDP_OUT), TIMEOUT),
+            UDP_NODE_PORT,
+        ),
+        (
+            "TCP",
+            tcp_request(pod, F::addr(client1, TCP_OUT), TIMEOUT),
+            NODE_PORT,
+        ),
+    ] {
+        let Outcome::Reply(reply) = outcome else {
+            panic!(
+                "{path:?}: {what} from a pod on A to a server outside, masqueraded to A's \
+                 NodePort {port}: {outcome} (its answer taken for a new flow to the NodePort?); \
+                 {}",
+                fx.counters()
+            );
+        };
+        assert_eq!(
+            (reply.backend.as_str(), reply.peer),
+            ("outside", F::addr(node_a, port)),
+            "{path:?}: {what}: who answered, and whom the server outside saw"
+        );
+    }
+    let passed = fx.counter(0, "netfilter_pass") - passed_before;
+    assert!(
+        passed >= 2,
+        "{path:?}: node A left {passed} packets to netfilter, fewer than the two answers; {}",
+        fx.counters()
+    );
+    assert_eq!(
+        fx.counter(0, "dnat_new"),
+        new_before,
+        "{path:?}: node A took an answer for a new flow; {}",
         fx.counters()
     );
 }

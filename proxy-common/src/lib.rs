@@ -1149,8 +1149,11 @@ pub struct Clock {
 /// A copy is only good while nothing that could have changed its entry has
 /// happened since it was taken; `FLOW_GEN` counts those events. Its slot
 /// `s < FLOW_CACHE_SLOTS` is bumped by the datapath whenever it removes or
-/// overwrites a conntrack entry whose key falls in cache slot `s`; slot
-/// `FLOW_GEN_EPOCH` by the agent after it removes entries. A copy records
+/// overwrites a conntrack entry whose key falls in cache slot `s`, and
+/// after it creates one (a flow's two entries, once both are in); slot
+/// `FLOW_GEN_EPOCH` by the agent after it removes entries or adds any. A
+/// slot may also hold an absent copy: that conntrack had no live entry for
+/// its key (`FLOW_CACHE_ABSENT`), under the same counters. A copy records
 /// both counters as they were read *before* the conntrack lookup it copies,
 /// and is used only while both are unchanged, for at most
 /// `ct_timeout::REFRESH_NS` (so the entry's own timestamp keeps being
@@ -1168,6 +1171,17 @@ pub struct FlowCacheEntryOf<A> {
     /// `FLOW_GEN[FLOW_GEN_EPOCH]` before the lookup (its low half).
     pub epoch: u32,
 }
+
+/// The bit flipped in an absent copy's `key.proto`: the slot says that
+/// conntrack had no live entry for the key with the protocol unflipped, and
+/// its `value` holds nothing but `last_seen_ns` (when it was written). A
+/// packet from a backend's port that no flow knows (its pod answering a
+/// client that reached it by its pod IP) finds it where it would otherwise
+/// take three hash lookups. No protocol conntrack tracks is another's with
+/// this bit flipped (TCP, UDP, SCTP: 6, 17, 132), so a reader that knows
+/// no absent copies (an older agent's programs, on the pinned maps) never
+/// matches one.
+pub const FLOW_CACHE_ABSENT: u8 = 0x80;
 
 /// A copy of an IPv4 flow's entry, in `FLOW_CACHE`.
 pub type FlowCacheEntry = FlowCacheEntryOf<u32>;

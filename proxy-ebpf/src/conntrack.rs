@@ -31,7 +31,7 @@ use proxy_common::{
 use crate::{
     event_log::Event,
     family::{Family, V4, V6},
-    flow_cache,
+    flow_cache::{self, Cached},
     maps::{CLOCK, Conntrack, Scratch, count, ct_source_share, expired},
     nat::NatOf,
     packet::{FlowOf, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
@@ -160,16 +160,22 @@ pub fn known<F: Family>(
     flow: &FlowOf<F::Addr>,
     now: u64,
 ) -> Known<F::Addr> {
-    let copy = flow_cache::get::<F>(key, stamp, now);
+    let cached = flow_cache::get::<F>(key, stamp, now);
     let mut reopened_port_be = 0;
-    let found = match copy {
-        Some(_) => None,
-        None => lookup::<F>(key, flow, now, &mut reopened_port_be),
+    let found = match cached {
+        Cached::Unknown => {
+            let found = lookup::<F>(key, flow, now, &mut reopened_port_be);
+            if found.is_none() {
+                flow_cache::put_absent::<F>(key, stamp, now);
+            }
+            found
+        }
+        Cached::Copy(_) | Cached::Absent => None,
     };
-    let entry = match (&copy, &found) {
-        (Some(copy), _) => *copy,
-        (None, Some(found)) => found.ptr.cast_const(),
-        (None, None) => core::ptr::null(),
+    let entry = match (&cached, &found) {
+        (Cached::Copy(copy), _) => *copy,
+        (_, Some(found)) => found.ptr.cast_const(),
+        _ => core::ptr::null(),
     };
     Known {
         entry,
@@ -749,9 +755,14 @@ fn insert_forward<F: Family>(
         sctp::first_tags(flow).0
     };
     scratch.other_key = flow_key(flow);
-    F::ct_new()
+    let inserted = F::ct_new()
         .insert(&scratch.other_key, &scratch.value, BPF_ANY)
-        .is_ok()
+        .is_ok();
+    // Both entries are in now (the reply entry went first): the copies
+    // that said they were absent go (`flow_cache::put_absent`).
+    flow_cache::invalidate(&scratch.key);
+    flow_cache::invalidate(&scratch.other_key);
+    inserted
 }
 
 /// This CPU's `Scratch` of the family, or None (never: the map has its one

@@ -10,7 +10,8 @@
 use core::intrinsics::AtomicOrdering;
 
 use proxy_common::{
-    CtKeyOf, CtValueOf, FLOW_GEN_EPOCH, FlowAddr, ct_flags, ct_timeout, flow_cache_slot,
+    CtKeyOf, CtValueOf, FLOW_CACHE_ABSENT, FLOW_GEN_EPOCH, FlowAddr, ct_flags, ct_timeout,
+    flow_cache_slot,
 };
 
 use crate::{
@@ -66,26 +67,70 @@ fn stamp_slot(slot: u32, tcp_flags: u8) -> Stamp {
     }
 }
 
-/// This CPU's copy of `key`'s conntrack entry, when it is still good for
-/// this packet: a pointer into this CPU's slot, valid for this program's
-/// run, rather than a copy on the stack.
+/// What this CPU's cache says of a packet's flow.
+pub enum Cached<A> {
+    /// A good copy of its entry: a pointer into this CPU's slot, valid for
+    /// this program's run, rather than a copy on the stack.
+    Copy(*const CtValueOf<A>),
+    /// Good word that conntrack has no live entry for it
+    /// (`proxy_common::FLOW_CACHE_ABSENT`).
+    Absent,
+    /// Nothing good: conntrack is asked.
+    Unknown,
+}
+
+/// This CPU's word on `key`'s conntrack entry, when it is still good for
+/// this packet.
 #[inline(always)]
-pub fn get<F: Family>(
-    key: &CtKeyOf<F::Addr>,
-    stamp: &Stamp,
-    now: u64,
-) -> Option<*const CtValueOf<F::Addr>> {
+pub fn get<F: Family>(key: &CtKeyOf<F::Addr>, stamp: &Stamp, now: u64) -> Cached<F::Addr> {
     if !stamp.usable {
-        return None;
+        return Cached::Unknown;
     }
+    let Some(copy) = F::flow_cache().get_ptr(stamp.slot) else {
+        return Cached::Unknown;
+    };
     // SAFETY: this CPU's slot; only programs on this CPU write it, and they
     // do not run nested.
-    let copy = unsafe { &*F::flow_cache().get_ptr(stamp.slot)? };
-    let good = copy.key.same(key)
+    let copy = unsafe { &*copy };
+    // The key's fields but its protocol, whose high bit tells an absent
+    // copy from a copy of an entry.
+    let good = copy.key.src_be.same(&key.src_be)
+        && copy.key.dst_be.same(&key.dst_be)
+        && copy.key.sport_be == key.sport_be
+        && copy.key.dport_be == key.dport_be
         && copy.slot_gen == stamp.slot_gen
         && copy.epoch == stamp.epoch
         && now.wrapping_sub(copy.value.last_seen_ns) < ct_timeout::REFRESH_NS;
-    good.then_some(&raw const copy.value)
+    if !good {
+        Cached::Unknown
+    } else if copy.key.proto == key.proto {
+        Cached::Copy(&raw const copy.value)
+    } else if copy.key.proto == key.proto ^ FLOW_CACHE_ABSENT {
+        Cached::Absent
+    } else {
+        Cached::Unknown
+    }
+}
+
+/// Keeps an absent copy of `key` (`proxy_common::FLOW_CACHE_ABSENT`):
+/// conntrack, asked after `stamp` was read, had no live entry for it. A
+/// flow created for it since bumps its slot (`invalidate`), which voids
+/// the copy.
+#[inline(always)]
+pub fn put_absent<F: Family>(key: &CtKeyOf<F::Addr>, stamp: &Stamp, now: u64) {
+    if !stamp.usable {
+        return;
+    }
+    if let Some(slot) = F::flow_cache().get_ptr_mut(stamp.slot) {
+        // SAFETY: as in `get`.
+        unsafe {
+            (*slot).key = *key;
+            (*slot).key.proto = key.proto ^ FLOW_CACHE_ABSENT;
+            (*slot).value.last_seen_ns = now;
+            (*slot).slot_gen = stamp.slot_gen;
+            (*slot).epoch = stamp.epoch;
+        }
+    }
 }
 
 /// Keeps a copy of `*entry`, an assured entry of `CONNTRACK` just found
@@ -126,7 +171,8 @@ pub fn put<F: Family>(
 }
 
 /// Voids every CPU's copy of `key`'s entry: called once the datapath has
-/// removed or overwritten that entry.
+/// removed or overwritten that entry, or created it (voiding absent
+/// copies).
 #[inline(always)]
 pub fn invalidate<A: FlowAddr>(key: &CtKeyOf<A>) {
     bump_slot(flow_cache_slot(key));

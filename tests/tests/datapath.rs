@@ -376,6 +376,68 @@ fn hairpin_flows_are_snated_both_ways() {
     assert_eq!(counter(&fx, "hairpin"), 1);
 }
 
+/// A packet from a backend's address and port that no flow knows (its pod answering
+/// a client that reached it by its pod IP) passes untouched, again and again; this
+/// CPU's flow cache then remembers its key as absent. A flow created afterwards with
+/// that key as its reply voids what the cache remembered: its answers are translated
+/// back, UDP (the first datagram's answer) and TCP (the ACKs after the handshake,
+/// which use the cache, where the SYN-ACK does not).
+#[test]
+fn a_flow_created_after_its_answers_were_seen_without_one_is_translated() {
+    let fx = fixture();
+    // One CPU throughout: the cache that remembered the keys as absent is the
+    // one the answers would find.
+    let _cpu = stay_on_this_cpu();
+    let untouched = |frame: &[u8], what: &str| {
+        for i in 0..3 {
+            let (ret, out) = run(&fx, frame);
+            assert_eq!(
+                (ret, out == frame),
+                (TC_ACT_OK, true),
+                "{what}, time {i}: verdict, and whether it is untouched"
+            );
+        }
+    };
+    for backend in BACKENDS {
+        untouched(
+            &udp(backend, 5353, CLIENT, 40555, false),
+            &format!("a datagram from {backend}:5353 with no flow"),
+        );
+        untouched(
+            &tcp(backend, 8080, CLIENT, 40556, frame::ACK),
+            &format!("an ACK from {backend}:8080 with no flow"),
+        );
+    }
+
+    let (_, out) = run(&fx, &udp(CLIENT, 40555, VIP, 53, false));
+    let backend = parse_checked(&out, "the client's datagram").dst;
+    let (_, out) = run(&fx, &udp(backend, 5353, CLIENT, 40555, false));
+    let r = parse_checked(&out, "the backend's answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, 53, CLIENT, 40555),
+        "the answer of a UDP flow created after that answer's key was seen without one"
+    );
+
+    let (_, out) = run(&fx, &tcp(CLIENT, 40556, VIP, 80, frame::SYN));
+    let backend = parse_checked(&out, "SYN").dst;
+    let (_, out) = run(
+        &fx,
+        &tcp(backend, 8080, CLIENT, 40556, frame::SYN | frame::ACK),
+    );
+    assert_eq!(parse_checked(&out, "SYN-ACK").src, VIP);
+    run(&fx, &tcp(CLIENT, 40556, VIP, 80, frame::ACK));
+    for i in 0..3 {
+        let (_, out) = run(&fx, &tcp(backend, 8080, CLIENT, 40556, frame::ACK));
+        let r = parse_checked(&out, "the backend's ACK");
+        assert_eq!(
+            (r.src, r.sport, r.dst, r.dport),
+            (VIP, 80, CLIENT, 40556),
+            "the backend's ACK {i} of a connection created after its key was seen without one"
+        );
+    }
+}
+
 /// A backend leaving the service takes its UDP flows with it (the next
 /// datagram is balanced anew instead of blackholed), while a TCP connection
 /// to it keeps going until it ends.

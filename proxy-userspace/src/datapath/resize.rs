@@ -163,7 +163,7 @@ fn pinned_capacity(pin: &Path) -> Result<u32, ResizeError> {
 /// no unassured flows). Returns how many went in.
 pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
     const BPF_NOEXIST: u64 = 1;
-    flows
+    let carried = flows
         .into_iter()
         .map(|(key, value)| {
             let assured = CtValue {
@@ -173,7 +173,21 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
             (key, assured)
         })
         .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
-        .count()
+        .count();
+    carried_in(maps, carried)
+}
+
+/// Voids the flow cache's absent copies of the flows just carried in, which
+/// the programs running since the load may have taken (a packet of such a
+/// flow before its entry came). One that outlives a failed bump is good
+/// for a second at most (`proxy_common::FLOW_CACHE_ABSENT`).
+fn carried_in(maps: &mut Maps, carried: usize) -> usize {
+    if carried > 0
+        && let Err(e) = maps.bump_flow_epoch()
+    {
+        tracing::warn!(error = %e, carried, "voiding the flow cache after carrying flows in");
+    }
+    carried
 }
 
 /// `carry_in` for IPv6 flows, into `CONNTRACK6`, assured as IPv4's are
@@ -183,7 +197,7 @@ pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Va
     let Some(map) = &mut maps.conntrack6 else {
         return 0;
     };
-    flows
+    let carried = flows
         .into_iter()
         .map(|(key, value)| {
             let assured = Ct6Value {
@@ -193,7 +207,8 @@ pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Va
             (key, assured)
         })
         .filter(|(key, value)| map.insert(key, value, BPF_NOEXIST).is_ok())
-        .count()
+        .count();
+    carried_in(maps, carried)
 }
 
 #[cfg(test)]

@@ -106,6 +106,30 @@ fn ports(sport_be: u16, dport_be: u16) -> u32 {
     u32::from(sport_be) | (u32::from(dport_be) << 16)
 }
 
+/// The sequence of `proxy_common::netfilter_ct` with the lookup's
+/// placeholder `$magic`: 1 when netfilter has an entry, 0 when not.
+macro_rules! lookup_sequence {
+    ($magic:expr, $ctx:expr, $tuple:expr, $tuple_size:expr, $opts:expr) => {{
+        let found: u64;
+        core::arch::asm!(
+            "call {lookup}",
+            "if r0 == 0 goto +3",
+            "r1 = r0",
+            "call {release}",
+            "r0 = 1",
+            lookup = const $magic,
+            release = const RELEASE_MAGIC,
+            inout("r1") $ctx.as_ptr() => _,
+            inout("r2") $tuple => _,
+            inout("r3") u64::from($tuple_size) => _,
+            inout("r4") $opts => _,
+            inout("r5") u64::from(OPTS_SIZE) => _,
+            lateout("r0") found,
+        );
+        found
+    }};
+}
+
 /// The kernel's answer through the hook's own lookup kfunc
 /// (`bpf_skb_ct_lookup` at tc, `bpf_xdp_ct_lookup` at XDP).
 #[inline(always)]
@@ -125,47 +149,18 @@ fn ask<H: Hook>(ctx: &H, lookup: *mut Lookup, proto: u8, tuple_size: u32) -> boo
             core::ptr::addr_of_mut!((*lookup).opts),
         )
     };
-    let found: u64;
     // SAFETY: two kfunc calls the verifier checks against the kernel's BTF
     // (the lookup's reference is released on the one path that has it);
     // their arguments point into this CPU's map entry, of the sizes given;
-    // registers a call clobbers are declared so. One block per hook, as
+    // registers a call clobbers are declared so. One sequence per hook, as
     // an operand cannot name the hook's magic: the other is compiled out.
-    unsafe {
+    let found = unsafe {
         if H::XDP {
-            core::arch::asm!(
-                "call {lookup}",
-                "if r0 == 0 goto +3",
-                "r1 = r0",
-                "call {release}",
-                "r0 = 1",
-                lookup = const XDP_LOOKUP_MAGIC,
-                release = const RELEASE_MAGIC,
-                inout("r1") ctx.as_ptr() => _,
-                inout("r2") tuple => _,
-                inout("r3") u64::from(tuple_size) => _,
-                inout("r4") opts => _,
-                inout("r5") u64::from(OPTS_SIZE) => _,
-                lateout("r0") found,
-            );
+            lookup_sequence!(XDP_LOOKUP_MAGIC, ctx, tuple, tuple_size, opts)
         } else {
-            core::arch::asm!(
-                "call {lookup}",
-                "if r0 == 0 goto +3",
-                "r1 = r0",
-                "call {release}",
-                "r0 = 1",
-                lookup = const LOOKUP_MAGIC,
-                release = const RELEASE_MAGIC,
-                inout("r1") ctx.as_ptr() => _,
-                inout("r2") tuple => _,
-                inout("r3") u64::from(tuple_size) => _,
-                inout("r4") opts => _,
-                inout("r5") u64::from(OPTS_SIZE) => _,
-                lateout("r0") found,
-            );
+            lookup_sequence!(LOOKUP_MAGIC, ctx, tuple, tuple_size, opts)
         }
-    }
+    };
     // Either direction: the original is a flow netfilter translates, the
     // reply an answer to one it masqueraded, whose port, picked at random
     // (kube-proxy's nftables mode masquerades fully-random), may be a

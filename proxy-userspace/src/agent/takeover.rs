@@ -47,6 +47,13 @@ pub fn finish(datapath: &mut Datapath) {
             "retired the datapath of an older layout version"
         );
     }
+    // An older agent's programs on these same maps, until their links were
+    // taken over, created flows without voiding the flow cache's absent
+    // copies (`proxy_common::FLOW_CACHE_ABSENT`), which lapse within a
+    // second anyway: voided at once.
+    if let Err(e) = datapath.maps.bump_flow_epoch() {
+        warn!(error = %e, "voiding the flow cache after the takeover");
+    }
 }
 
 #[cfg(test)]

@@ -2420,6 +2420,66 @@ fn run_xdp(nf: &NodeFixture, input: &[u8]) -> (u32, Vec<u8>) {
     run_xdp_on(nf, nf.uplink_index, input)
 }
 
+/// IPv6's flow cache remembers a miss as IPv4's does (`FLOW_CACHE6`): answers from a
+/// backend's address and port that no flow knows pass untouched again and again; a
+/// flow created afterwards with that key as its reply voids what was remembered, and
+/// its answers are translated back, UDP and the ACKs of TCP after the handshake.
+#[test]
+fn a_flow_created_after_its_answers_were_seen_without_one_is_translated() {
+    let fx = fixture();
+    // One CPU throughout: the cache that remembered the keys as absent is the
+    // one the answers would find.
+    let _cpu = stay_on_this_cpu();
+    let untouched = |frame: &[u8], what: &str| {
+        for i in 0..3 {
+            let (ret, out) = run(&fx, frame);
+            assert_eq!(
+                (ret, out == frame),
+                (TC_ACT_OK, true),
+                "{what}, time {i}: verdict, and whether it is untouched"
+            );
+        }
+    };
+    for backend in BACKENDS {
+        untouched(
+            &udp(backend, 5353, CLIENT, 40555),
+            &format!("a datagram from [{backend}]:5353 with no flow"),
+        );
+        untouched(
+            &tcp(backend, 8080, CLIENT, 40556, frame::ACK),
+            &format!("an ACK from [{backend}]:8080 with no flow"),
+        );
+    }
+
+    let (_, out) = run(&fx, &udp(CLIENT, 40555, VIP, 53));
+    let backend = parse_checked6(&out, "the client's datagram").dst;
+    let (_, out) = run(&fx, &udp(backend, 5353, CLIENT, 40555));
+    let r = parse_checked6(&out, "the backend's answer");
+    assert_eq!(
+        (r.src, r.sport, r.dst, r.dport),
+        (VIP, 53, CLIENT, 40555),
+        "the answer of a UDP flow created after that answer's key was seen without one"
+    );
+
+    let (_, out) = run(&fx, &tcp(CLIENT, 40556, VIP, 80, frame::SYN));
+    let backend = parse_checked6(&out, "SYN").dst;
+    let (_, out) = run(
+        &fx,
+        &tcp(backend, 8080, CLIENT, 40556, frame::SYN | frame::ACK),
+    );
+    assert_eq!(parse_checked6(&out, "SYN-ACK").src, VIP);
+    run(&fx, &tcp(CLIENT, 40556, VIP, 80, frame::ACK));
+    for i in 0..3 {
+        let (_, out) = run(&fx, &tcp(backend, 8080, CLIENT, 40556, frame::ACK));
+        let r = parse_checked6(&out, "the backend's ACK");
+        assert_eq!(
+            (r.src, r.sport, r.dst, r.dport),
+            (VIP, 80, CLIENT, 40556),
+            "the backend's ACK {i} of a connection created after its key was seen without one"
+        );
+    }
+}
+
 /// ETP Cluster, remote backend, at XDP: the SYN is SNATed to the node and
 /// DNATed to the pod, routed by the program (the peer node's MAC, hop limit
 /// down by one) and sent back out of the uplink; the reply comes back from

@@ -8,13 +8,13 @@
 //! datapath has no flow for, and that does not start one (a TCP segment
 //! other than a SYN without ACK, or any UDP datagram), is such a flow's
 //! when netfilter has an entry for its tuple: the datapath then leaves it
-//! to the stack untouched (counter `netfilter_pass` at tc; XDP, which
-//! asks too, leaves it to tc), where picking a backend
-//! afresh would break the connection (docs/operations.md, "Taking over from
-//! kube-proxy"). The programs ask for this while kube-proxy's flows may
-//! live (`node_config_flags::NETFILTER_FLOWS`), and always for a frontend
-//! on the node's own address, which the answer to a flow netfilter
-//! masqueraded to one of its ports reaches.
+//! to the stack untouched (counter `netfilter_pass` at tc; XDP, which asks
+//! too, leaves it to tc), where picking a backend afresh would break the
+//! connection (docs/operations.md, "Taking over from kube-proxy"). The
+//! programs ask for this while kube-proxy's flows may live
+//! (`node_config_flags::NETFILTER_FLOWS`), and always for a frontend on the
+//! node's own address, which the answer to a flow netfilter masqueraded to
+//! one of its ports reaches.
 //!
 //! The kernel's `bpf_skb_ct_lookup` and `bpf_ct_release` kfuncs answer,
 //! named by their BTF ids in the running kernel, so the programs carry this
@@ -28,12 +28,13 @@
 //! 4  r0 = 1
 //! ```
 //!
-//! XDP's programs carry the same sequence with `XDP_LOOKUP_MAGIC` at 0, for
-//! `bpf_xdp_ct_lookup`, which takes an `xdp_md` and otherwise the same
-//! arguments. The agent writes the kfuncs' ids into 0 and 3, or, where the kernel
-//! lacks them, turns both into `r0 = 0`: the sequence then always answers
-//! "not netfilter's", as a datapath without this check did. The magics are
-//! helper numbers no kernel has: an unpatched object fails to load.
+//! XDP's programs carry the same sequence with `XDP_LOOKUP_MAGIC` at 0,
+//! for `bpf_xdp_ct_lookup`, which takes an `xdp_md` and otherwise the same
+//! arguments. The agent writes the kfuncs' ids into 0 and 3, or, where the
+//! kernel lacks them, turns both into `r0 = 0`: the sequence then always
+//! answers "not netfilter's", as a datapath without this check did. The
+//! magics are helper numbers no kernel has: an unpatched object fails to
+//! load.
 
 /// Placeholder helper number of instruction 0.
 pub const LOOKUP_MAGIC: i32 = 0x0e5b_c5a2;

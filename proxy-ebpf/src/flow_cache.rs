@@ -72,8 +72,9 @@ pub enum Cached<A> {
     /// A good copy of its entry: a pointer into this CPU's slot, valid for
     /// this program's run, rather than a copy on the stack.
     Copy(*const CtValueOf<A>),
-    /// Good word that conntrack has no live entry for it
-    /// (`proxy_common::FLOW_CACHE_ABSENT`).
+    /// An absent copy (`proxy_common::FLOW_CACHE_ABSENT`): conntrack had
+    /// no live entry for it when this CPU last asked, and no flow has been
+    /// created for it since.
     Absent,
     /// Nothing good: conntrack is asked.
     Unknown,

@@ -66,7 +66,7 @@ pub fn has_v4<H: Hook>(
         return false;
     };
     // SAFETY: this CPU's entry, used by nothing else while this program
-    // runs (tc runs one program at a time on a CPU).
+    // runs (the packet programs run one at a time on a CPU, never nested).
     unsafe {
         let tuple = &mut (*lookup).tuple;
         tuple[0] = src_be;

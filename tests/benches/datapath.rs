@@ -74,8 +74,13 @@ const ESTABLISHED: &str = "established flow";
 /// A backend pod's packet from its serving port to a client that reached
 /// it directly, by its pod IP (pod to pod, no Service): for no frontend and
 /// the reply of no translated flow, but from a backend's address and port,
-/// so the prefilter cannot turn it away and conntrack must answer for it.
+/// so the prefilter cannot turn it away: conntrack answers for its first
+/// packet, the flow cache's absent copy for the next ones.
 const FROM_BACKEND: &str = "from a backend, no flow";
+/// At tc an IPv6 packet runs `tc_ingress` before `tc_ingress6`, which
+/// hands on what is not IPv4: that first program alone, on a packet for no
+/// Service (the tc6 rows are `tc_ingress6`'s alone).
+const HANDED_ON: &str = "handed on by tc_ingress first";
 /// The same two with `ebpf-proxy trace` running: `TRACE_ON` ahead of the
 /// clock and the ring buffer drained after each run.
 const NEW_FLOW_TRACED: &str = "new flow, trace running";
@@ -749,7 +754,12 @@ fn measure6(
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
     let (others, from_backends) = (others6(), from_backends6());
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
-    let singles_of = paired(
+    // At tc an IPv6 packet meets `tc_ingress` first, which hands it on
+    // (`TCX_NEXT`) to `tc_ingress6`: that program's share, measured on its
+    // own (tcx's step from one program to the next is in neither).
+    let ipv4_first = Prog::Tc(datapath.tc_program());
+    let handed_on = |i: usize, repeat: u32| ns(ipv4_first, &others[i % others.len()], repeat);
+    let mut singles_of = paired(
         singles,
         || ns(floor, &floor_frame, 1),
         &mut [
@@ -761,7 +771,7 @@ fn measure6(
             &mut |i| ns(program, &replies[i % replies.len()], 1),
         ],
     );
-    let repeated_of = paired(
+    let mut repeated_of = paired(
         rounds,
         || ns(floor, &floor_frame, repeat),
         &mut [
@@ -772,6 +782,19 @@ fn measure6(
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
         ],
     );
+    // XDP's IPv6 rows have `xdp_ingress` in them already (its tail call).
+    if hook == "tc6" {
+        singles_of.extend(paired(
+            singles,
+            || ns(floor, &floor_frame, 1),
+            &mut [&mut |i| handed_on(i, 1)],
+        ));
+        repeated_of.extend(paired(
+            rounds,
+            || ns(floor, &floor_frame, repeat),
+            &mut [&mut |i| handed_on(i, repeat)],
+        ));
+    }
     let names = [
         "empty program",
         "not a service",
@@ -779,6 +802,7 @@ fn measure6(
         NEW_FLOW,
         ESTABLISHED,
         "reply (reverse NAT)",
+        HANDED_ON,
     ];
     let mut repeated = repeated_of.into_iter();
     names

@@ -696,6 +696,34 @@ fn dst6(frame: &[u8]) -> Ipv6Addr {
         .into()
 }
 
+/// `FLOWS` established IPv6 flows to `target` from client ports
+/// `first_port..`, as [`establish`] makes IPv4's: their client's packets and
+/// their backends' answers.
+fn establish6(
+    datapath: &mut Datapath,
+    target: Ipv6Addr,
+    first_port: u16,
+) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
+    for port in first_port..first_port + FLOWS {
+        let est = tcp6(CLIENT6, port, target, 80, frames::ACK);
+        let (_, out) = Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        let backend = dst6(&out);
+        let reply = tcp6(backend, 8080, CLIENT6, port, frames::ACK);
+        Prog::Tc(datapath.tc6_program()).run(&reply, 1);
+        Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        ests.push(est);
+        replies.push(reply);
+        mirrors.push(ct6_key(CLIENT6, port, target, 80));
+        mirrors.push(ct6_key(backend, 8080, CLIENT6, port));
+    }
+    for key in mirrors {
+        add_mirror6(datapath, key);
+    }
+    admit_mirrors(datapath);
+    (ests, replies)
+}
+
 /// IPv6 at `hook` (`tc6`: `tc_ingress6`; `xdp6`: `xdp_ingress` and its tail call
 /// to `xdp_ingress6`) at one size, as [`measure_hook`] measures IPv4: the empty
 /// program of the hook as its floor, on IPv6 frames. No conntrack-pair reference:
@@ -719,23 +747,7 @@ fn measure6(
         })
         .collect();
     datapath.load_floors().expect("loading the floor programs");
-    let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
-    for port in FIRST_PORT..FIRST_PORT + FLOWS {
-        let est = tcp6(CLIENT6, port, target, 80, frames::ACK);
-        let (_, out) = Prog::Tc(datapath.tc6_program()).run(&est, 1);
-        let backend = dst6(&out);
-        let reply = tcp6(backend, 8080, CLIENT6, port, frames::ACK);
-        Prog::Tc(datapath.tc6_program()).run(&reply, 1);
-        Prog::Tc(datapath.tc6_program()).run(&est, 1);
-        ests.push(est);
-        replies.push(reply);
-        mirrors.push(ct6_key(CLIENT6, port, target, 80));
-        mirrors.push(ct6_key(backend, 8080, CLIENT6, port));
-    }
-    for key in mirrors {
-        add_mirror6(datapath, key);
-    }
-    admit_mirrors(datapath);
+    let (ests, replies) = establish6(datapath, target, FIRST_PORT);
     let (floor, program) = if hook == "tc6" {
         (
             Prog::Tc(datapath.floors().expect("floor programs loaded").0),

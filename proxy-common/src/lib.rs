@@ -909,14 +909,15 @@ impl<A: FlowAddr> CtKeyOf<A> {
         }
     }
 
-    /// Whether two keys are equal (see `FlowAddr::same`).
+    /// Whether two keys have the same addresses and ports (see
+    /// `FlowAddr::same`); their protocols are the caller's to compare (the
+    /// flow cache tells its absent copies by theirs, `FLOW_CACHE_ABSENT`).
     #[inline(always)]
-    pub fn same(&self, other: &Self) -> bool {
+    pub fn same_ends(&self, other: &Self) -> bool {
         self.src_be.same(&other.src_be)
             && self.dst_be.same(&other.dst_be)
             && self.sport_be == other.sport_be
             && self.dport_be == other.dport_be
-            && self.proto == other.proto
     }
 }
 

@@ -93,12 +93,9 @@ pub fn get<F: Family>(key: &CtKeyOf<F::Addr>, stamp: &Stamp, now: u64) -> Cached
     // SAFETY: this CPU's slot; only programs on this CPU write it, and they
     // do not run nested.
     let copy = unsafe { &*copy };
-    // The key's fields but its protocol, whose high bit tells an absent
-    // copy from a copy of an entry.
-    let good = copy.key.src_be.same(&key.src_be)
-        && copy.key.dst_be.same(&key.dst_be)
-        && copy.key.sport_be == key.sport_be
-        && copy.key.dport_be == key.dport_be
+    // The protocol apart: its high bit tells an absent copy from a copy of
+    // an entry.
+    let good = copy.key.same_ends(key)
         && copy.slot_gen == stamp.slot_gen
         && copy.epoch == stamp.epoch
         && now.wrapping_sub(copy.value.last_seen_ns) < ct_timeout::REFRESH_NS;

@@ -1,10 +1,11 @@
 //! Completes the packet programs' questions to netfilter's conntrack (tc's
-//! and XDP's) before the object is loaded (the sequence and why it exists: `proxy_common::netfilter_ct`):
-//! the kfuncs' ids come from the running kernel's BTF. Where the kernel
-//! lacks them (no `nf_conntrack`, or built as a module, whose BTF the
-//! loader does not pass), every question is answered "no": flows kube-proxy
-//! translated are then taken as new ones on their next packet, as before
-//! the takeover existed, and the agent says so.
+//! and XDP's) before the object is loaded (the sequence and why it exists:
+//! `proxy_common::netfilter_ct`): the kfuncs' ids come from the running
+//! kernel's BTF. Where the kernel lacks them (no `nf_conntrack`, or built
+//! as a module, whose BTF the loader does not pass), every question is
+//! answered "no": flows kube-proxy translated are then taken as new ones on
+//! their next packet, as before the takeover existed, and the agent says
+//! so.
 
 use proxy_common::netfilter_ct::{
     LEN, LOOKUP_KFUNC, LOOKUP_MAGIC, RELEASE_AT, RELEASE_KFUNC, RELEASE_MAGIC, XDP_LOOKUP_KFUNC,

@@ -1440,6 +1440,14 @@ pub mod node_config_flags {
     /// With `DSR`, only TCP flows go by direct server return; UDP's are
     /// SNATed (`--lb-mode hybrid`).
     pub const DSR_TCP_ONLY: u32 = 1 << 5;
+    /// Pods' TCP `connect()`s to ClusterIPs are sent to a backend by the
+    /// socket hooks too, as the node's are, and their packets carry the
+    /// backend's address from the first one: no translation at tc and no
+    /// conntrack entry (`--socket-lb-pods`). Only ClusterIPs without
+    /// session affinity, and never with `MASQUERADE_ALL`: the hook knows
+    /// no client address to keep affinity by or to masquerade. A pod is
+    /// taken as in-cluster. In `NODE_CONFIG` for both families.
+    pub const SOCKET_LB_PODS: u32 = 1 << 6;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)

@@ -32,9 +32,14 @@
 //! socket sent to an IPv4-mapped backend is noted in `SOCK_NOTES`, by the
 //! IPv4 address, beside the notes of IPv4 sockets.
 //!
-//! Only sockets of the node's own network namespace: pods' sockets sit in
-//! cgroups below the same root, but their packets are translated at tc, with
-//! the client address kept.
+//! Sockets of the node's own network namespace, and with `--socket-lb-pods`
+//! (`node_config_flags::SOCKET_LB_PODS`) the TCP `connect()`s of pods (every
+//! other namespace: pods' sockets sit in cgroups below the same root) to
+//! ClusterIPs without session affinity. A pod's other sockets, and every
+//! pod socket without that flag, are translated at tc with the client
+//! address kept. A pod's datagrams stay tc's because the agent closes only
+//! its own namespace's UDP sockets whose backend leaves; a pod's TCP
+//! connection to a departed backend ends as it would under kube-proxy.
 
 use core::ffi::c_void;
 
@@ -46,7 +51,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Backend, PROTO_TCP, PROTO_UDP, SockAddr, SockNoteOf, SockNotesOf, SockNotesRecordOf,
+    Backend, FlowAddr, PROTO_TCP, PROTO_UDP, SockAddr, SockNoteOf, SockNotesOf, SockNotesRecordOf,
     is_v4_mapped, node_config_flags, service_flags, sock_counter, sock_note, v4_mapped,
 };
 
@@ -54,7 +59,7 @@ use crate::{
     conntrack,
     family::{Family, V4, V6},
     frontend::{self, Frontend},
-    maps::{HOST_NETNS, SOCK_NOTES, SOCK_NOTES6, count_sock, node_addr6, node_config},
+    maps::{HOST_NETNS, SOCK_NOTES, SOCK_NOTES6, count_sock, node_addr6, node_config, node_flags},
     service_counters,
 };
 
@@ -303,22 +308,26 @@ pub fn sendmsg<F: SockFamily>(ctx: &SockAddrContext) -> i32 {
 /// that a resolver that checks whom it asked takes the answer.
 #[inline(always)]
 pub fn recvmsg<F: SockFamily>(ctx: &SockAddrContext) -> i32 {
-    show_frontend::<F>(ctx)
+    show_frontend::<F>(ctx, false)
 }
 
 /// `getpeername()` of a socket of the node that `connect` sent to a
 /// backend: the frontend, as a connection DNATed by kube-proxy shows.
 #[inline(always)]
 pub fn getpeername<F: SockFamily>(ctx: &SockAddrContext) -> i32 {
-    show_frontend::<F>(ctx)
+    show_frontend::<F>(ctx, true)
 }
 
 /// Replaces the address the kernel reports, a backend this socket was
-/// sent to in a frontend's place, by that frontend.
+/// sent to in a frontend's place, by that frontend. Pods' sockets only where
+/// `pods` says (`getpeername`): the hooks never send a pod's datagrams, and
+/// a look into every pod datagram's socket would cost each its storage read.
 #[inline(always)]
-fn show_frontend<F: SockFamily>(ctx: &SockAddrContext) -> i32 {
-    if !node_socket(ctx) {
-        return ALLOW;
+fn show_frontend<F: SockFamily>(ctx: &SockAddrContext, pods: bool) -> i32 {
+    match owner(ctx) {
+        Owner::Node => {}
+        Owner::Pod if pods => {}
+        Owner::Pod | Owner::Other => return ALLOW,
     }
     let (addr_be, port_be) = F::user_addr(ctx);
     if let Some((frontend_be, frontend_port_be)) = F::noted_frontend(ctx, &addr_be, port_be) {
@@ -384,13 +393,46 @@ fn keep<A: SockAddr>(notes: &mut [SockNoteOf<A>], note: SockNoteOf<A>) {
     *kept = SockNoteOf { how, ..note };
 }
 
-/// Whether the socket is in the node's network namespace (never, until the
-/// agent has said which that is).
+/// Whose socket a hook sees, as far as the hooks go (see the module doc).
+enum Owner {
+    /// The node's network namespace.
+    Node,
+    /// Another namespace, a pod's, with `SOCKET_LB_PODS` set.
+    Pod,
+    /// Any socket before the agent has said which namespace is the node's,
+    /// and a pod's without `SOCKET_LB_PODS`.
+    Other,
+}
+
 #[inline(always)]
-fn node_socket(ctx: &SockAddrContext) -> bool {
+fn owner(ctx: &SockAddrContext) -> Owner {
     let host = HOST_NETNS.get(0).copied().unwrap_or(0);
+    if host == 0 {
+        return Owner::Other;
+    }
     // SAFETY: a sock_addr context is a valid argument of this helper.
-    host != 0 && unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host
+    if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host {
+        Owner::Node
+    } else if node_flags() & node_config_flags::SOCKET_LB_PODS != 0 {
+        Owner::Pod
+    } else {
+        Owner::Other
+    }
+}
+
+/// The ClusterIP a pod's TCP connection to `dst_be:dport_be` may be sent
+/// to a backend of at `connect()`: one without session affinity (the hook
+/// has no client address to keep it by), and none while every flow is to
+/// be masqueraded, which only tc can do. An ExternalIP, LoadBalancer IP or
+/// NodePort stays tc's, as does everything else a pod sends.
+#[inline(always)]
+fn pod_frontend<A: FlowAddr>(dst_be: &A, dport_be: u16) -> Option<Frontend> {
+    if node_flags() & node_config_flags::MASQUERADE_ALL != 0 {
+        return None;
+    }
+    let frontend = frontend::lookup_frontend_of(dst_be, dport_be, PROTO_TCP, || true)?;
+    let tc_only = service_flags::EXTERNAL | service_flags::AFFINITY;
+    (frontend.svc.flags & tc_only == 0).then_some(frontend)
 }
 
 /// Whether `addr_be` is in `127.0.0.0/8`.
@@ -410,15 +452,20 @@ fn translate<F: SockFamily>(ctx: &SockAddrContext, counted: u32, how: u32) -> i3
         p if p == u32::from(PROTO_UDP) => PROTO_UDP,
         _ => return ALLOW,
     };
-    if !node_socket(ctx) {
-        return ALLOW;
-    }
     let (dst_be, dport_be) = F::user_addr(ctx);
-    // The node is its own client: in the cluster, as kube-proxy sends
-    // locally started connections to every endpoint (`--src-type LOCAL`),
-    // and one client to session affinity and source ranges, by the node's
-    // address.
-    let Some((frontend, client_be)) = F::frontend_of(&dst_be, dport_be, proto) else {
+    let found = match owner(ctx) {
+        // The node is its own client: in the cluster, as kube-proxy sends
+        // locally started connections to every endpoint (`--src-type
+        // LOCAL`), and one client to session affinity and source ranges, by
+        // the node's address.
+        Owner::Node => F::frontend_of(&dst_be, dport_be, proto),
+        // A pod's frontend asks nothing of its client (`pod_frontend`).
+        Owner::Pod if proto == PROTO_TCP && how == sock_note::CONNECTED => {
+            pod_frontend(&dst_be, dport_be).map(|frontend| (frontend, [0; 4]))
+        }
+        Owner::Pod | Owner::Other => None,
+    };
+    let Some((frontend, client_be)) = found else {
         return ALLOW;
     };
     let backend = match pick(&frontend, client_be) {

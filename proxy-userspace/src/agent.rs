@@ -117,6 +117,9 @@ pub struct AgentConfig {
     pub masquerade_all: bool,
     /// How external flows to backends on other nodes go (`--lb-mode`).
     pub lb_mode: crate::planner::node::LbMode,
+    /// Whose connections the socket hooks send to a backend
+    /// (`--socket-lb-pods`).
+    pub socket_lb: crate::planner::node::SocketLb,
     pub xdp_mode: XdpModeSetting,
     /// Where XDP goes (`--xdp-interfaces`); None: the uplinks found.
     pub xdp_interfaces: Option<Vec<String>>,
@@ -394,6 +397,7 @@ fn node_maps_at_start(
         )
         .with_masquerade_all(config.masquerade_all)
         .with_lb_mode(config.lb_mode)
+        .with_socket_lb(config.socket_lb)
         .with_ct_source_share(config.ct_source_share),
     );
     let adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);

@@ -449,6 +449,14 @@ pub struct RunArgs {
     /// (docs/architecture.md, "Direct server return").
     #[arg(long, value_name = "MODE", value_enum, default_value_t = crate::planner::node::LbMode::Snat)]
     pub lb_mode: crate::planner::node::LbMode,
+    /// Pods' TCP connections to ClusterIPs (without session affinity) are
+    /// sent to a backend at `connect()` by the socket hooks, as the node's
+    /// own are, rather than translated packet by packet at tc. Off by
+    /// default: a sidecar proxy that intercepts a pod's connections by
+    /// their ClusterIP would see the backend's address instead
+    /// (docs/architecture.md, "Pods' connections at `connect()`").
+    #[arg(long, num_args = 0..=1, default_value = "false", default_missing_value = "true", value_parser = parse_go_bool)]
+    pub socket_lb_pods: bool,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]

@@ -6,7 +6,9 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs, StatusOutput},
     config,
     datapath::{self, PinLayout},
-    kube_proxy_argv, logging, privileges, settle, status, trace,
+    kube_proxy_argv, logging,
+    planner::node::SocketLb,
+    privileges, settle, status, trace,
 };
 
 /// The command line, read as kube-proxy's too (the binary called as
@@ -186,6 +188,11 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         detect_local: args.detect_local.clone(),
         masquerade_all: args.masquerade_all,
         lb_mode: args.lb_mode,
+        socket_lb: if args.socket_lb_pods {
+            SocketLb::NodeAndPods
+        } else {
+            SocketLb::Node
+        },
         xdp_mode: args.xdp_mode,
         xdp_interfaces: args.xdp_interfaces,
         node_ip: args.node_ip.unwrap_or_default(),

@@ -55,7 +55,7 @@
 //! Namespaces, servers and agents are removed on drop, also on an error or Ctrl-C.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench e2e -- [--quick] [--out DIR]
-//! [--sizes 10,1000] [--rounds N] [--threads N] [--generic-xdp-on-pods]
+//! [--sizes 10,1000] [--rounds N] [--threads N] [--generic-xdp-on-pods] [--socket-lb-pods]
 //! [--exchanges pod-tcp,pod-udp]` (root; the agent binary from `cargo xtask build` or
 //! $`EBPF_PROXY_BIN`). Prints markdown tables and writes `e2e.md` and `e2e.json` to DIR
 //! (default bench/results). `--exchanges` measures only the exchanges named (their
@@ -65,6 +65,9 @@
 //! `--generic-xdp-on-pods` puts the agent's XDP, in generic mode, on the pods'
 //! host-side veths: a run with it beside one without is what generic XDP on pod
 //! traffic costs end to end.
+//! `--socket-lb-pods` runs the agent with that flag: the client pod's TCP connections
+//! to the ClusterIP go to a backend at `connect()`, where by default tc translates
+//! them; its UDP stays tc's.
 
 mod common;
 #[path = "common/program_time.rs"]
@@ -346,6 +349,9 @@ struct Config {
     /// address, before `--xdp-mode auto` kept XDP to native uplinks), so that
     /// a run beside one without says what generic XDP on pod traffic costs.
     generic_xdp_on_pods: bool,
+    /// `--socket-lb-pods`: the agent sends the pods' TCP connections to
+    /// ClusterIPs to a backend at `connect()`.
+    socket_lb_pods: bool,
     /// The exchanges measured: all of [`EXCHANGES`], or those `--exchanges` names
     /// (for agents older than some of them, when bisecting a change in the ratios).
     exchanges: Vec<Exchange>,
@@ -369,6 +375,7 @@ impl Config {
                 rr_segment: Duration::from_millis(100),
                 threads,
                 generic_xdp_on_pods: false,
+                socket_lb_pods: false,
                 exchanges: EXCHANGES.to_vec(),
             }
         } else {
@@ -381,6 +388,7 @@ impl Config {
                 rr_segment: Duration::from_millis(200),
                 threads,
                 generic_xdp_on_pods: false,
+                socket_lb_pods: false,
                 exchanges: EXCHANGES.to_vec(),
             }
         }
@@ -404,12 +412,13 @@ fn main() {
 }
 
 /// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
-/// `--threads N`, `--generic-xdp-on-pods`, `--exchanges KEY,KEY`. Anything else
+/// `--threads N`, `--generic-xdp-on-pods`, `--socket-lb-pods`, `--exchanges KEY,KEY`. Anything else
 /// (cargo passes `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
     args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
     cfg.generic_xdp_on_pods = args.flag("--generic-xdp-on-pods");
+    cfg.socket_lb_pods = args.flag("--socket-lb-pods");
     if let Some(keys) = args.value("--exchanges")? {
         let keys: Vec<&str> = keys.split(',').map(str::trim).collect();
         if let Some(unknown) = keys
@@ -644,7 +653,9 @@ impl World {
                 manifests.write("services.yaml", &set.yaml())?;
                 // The client threads are this process's: its cgroup is where a
                 // node's processes would be, below the root the agent hooks by
-                // default. The pods' sockets run the hooks too, and are left to tc.
+                // default. The pods' sockets run the hooks too, and are left to tc
+                // (their TCP connections to the ClusterIP not, with
+                // `--socket-lb-pods`).
                 let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?
                     .display()
                     .to_string();
@@ -653,6 +664,9 @@ impl World {
                 let mut args = vec!["--cgroup-root", &cgroup];
                 if cfg.generic_xdp_on_pods {
                     args.extend(["--xdp-mode", "generic", "--xdp-interfaces", &pod_ifs]);
+                }
+                if cfg.socket_lb_pods {
+                    args.push("--socket-lb-pods");
                 }
                 let agent = Agent::start_with(node, manifests.path(), &args)
                     .context("start the ebpf-proxy agent")?;
@@ -1220,6 +1234,13 @@ impl Report<'_> {
                  where by default tc alone handles pod traffic.\n",
             );
         }
+        if cfg.socket_lb_pods {
+            out.push_str(
+                "\nebpf-proxy runs with `--socket-lb-pods`: the client pod's TCP connections \
+                 to the ClusterIP go to a backend at `connect()`, where by default tc \
+                 translates them; its UDP is tc's either way.\n",
+            );
+        }
         if cfg.exchanges.len() < EXCHANGES.len() {
             let keys: Vec<String> = cfg.exchanges.iter().map(|x| x.key()).collect();
             out.push_str(&format!(
@@ -1409,6 +1430,7 @@ impl Report<'_> {
             "load_average_before_after": [self.load.0, self.load.1],
             "quick": cfg.quick,
             "generic_xdp_on_pods": cfg.generic_xdp_on_pods,
+            "socket_lb_pods": cfg.socket_lb_pods,
             "exchanges": cfg.exchanges.iter().map(|x| x.key()).collect::<Vec<_>>(),
             "client_threads": cfg.threads,
             "rounds": cfg.rounds,

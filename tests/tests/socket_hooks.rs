@@ -238,6 +238,37 @@ fn the_nodes_connections_to_localhost_node_ports_reach_backends() {
 }
 
 #[test]
+fn pods_tcp_connections_go_at_connect_with_socket_lb_pods() {
+    scenario::pods_tcp_connections_go_at_connect::<Ipv4Addr>();
+}
+
+/// `--masquerade-all` beside `--socket-lb-pods`: a pod's connections stay tc's, which
+/// alone masquerades them, so the backend sees the node's address.
+#[test]
+fn pods_tcp_connections_stay_tcs_with_masquerade_all() {
+    use ebpf_proxy_tests::family::Family;
+    let (sb, cgroup) = scenario::hooked_sandbox_with::<Ipv4Addr>(
+        &[scenario::web::<Ipv4Addr>(&Ipv4Addr::backend_ips())],
+        &["--socket-lb-pods", "--masquerade-all"],
+    );
+    let http = std::net::SocketAddr::from(Ipv4Addr::http(Ipv4Addr::cluster_ip()));
+    let node = Ipv4Addr::node_prefix();
+    let before = sb.counter("dnat_new");
+    for i in 0..3 {
+        scenario::tcp_from(&sb, &sb.client().ns, &cgroup, http, &node, i);
+    }
+    assert_eq!(
+        (
+            sb.counter("sock_connect_translated"),
+            sb.counter("dnat_new")
+        ),
+        (0, before + 3),
+        "(connect hook, tc's new flows) after 3 connections of the pod with \
+         --masquerade-all: tc's alone"
+    );
+}
+
+#[test]
 fn the_nodes_sockets_show_the_frontend_as_their_peer() {
     scenario::the_nodes_sockets_show_the_frontend_as_their_peer::<Ipv4Addr>();
 }

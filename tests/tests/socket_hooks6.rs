@@ -38,6 +38,11 @@ fn the_nodes_ipv6_sockets_reach_an_ipv6_service() {
 }
 
 #[test]
+fn pods_ipv6_tcp_connections_go_at_connect_with_socket_lb_pods() {
+    scenario::pods_tcp_connections_go_at_connect::<Ipv6Addr>();
+}
+
+#[test]
 fn the_nodes_ipv6_sockets_show_the_frontend_as_their_peer() {
     scenario::the_nodes_sockets_show_the_frontend_as_their_peer::<Ipv6Addr>();
 }

@@ -52,6 +52,18 @@ impl LbMode {
     }
 }
 
+/// Whose connections the socket hooks send to a backend at `connect()`
+/// (docs/architecture.md, "Pods' connections at `connect()`").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SocketLb {
+    /// The node's own, every one to a frontend: pods' are tc's.
+    #[default]
+    Node,
+    /// Pods' TCP connections to ClusterIPs too (`--socket-lb-pods`,
+    /// `node_config_flags::SOCKET_LB_PODS`).
+    NodeAndPods,
+}
+
 /// What the agent wants the node-level maps to hold. `None` leaves a map as
 /// it is: until the first look at the interfaces, the node addresses and
 /// SNAT address adopted from the pins keep serving NodePorts.
@@ -69,6 +81,8 @@ pub struct DesiredNode {
     pub masquerade_all: bool,
     /// `--lb-mode`.
     pub lb_mode: LbMode,
+    /// `--socket-lb-pods`.
+    pub socket_lb: SocketLb,
     /// Off-cluster clients of a ClusterIP are SNATed, per family (IPv4,
     /// IPv6): where a local traffic detector of the family is configured
     /// (`node_config_flags::MASQUERADE_OFF_CLUSTER`).
@@ -96,6 +110,7 @@ impl DesiredNode {
             netfilter_flows: false,
             masquerade_all: false,
             lb_mode: LbMode::Snat,
+            socket_lb: SocketLb::Node,
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
             ct_source_share: 0,
@@ -177,6 +192,13 @@ impl DesiredNode {
         self
     }
 
+    /// Whose connections go to a backend at `connect()`
+    /// (`--socket-lb-pods`).
+    pub fn with_socket_lb(mut self, socket_lb: SocketLb) -> Self {
+        self.socket_lb = socket_lb;
+        self
+    }
+
     /// The pod CIDRs whose clients are in-cluster (`CLUSTER_CIDRS`), where
     /// they follow the Node (`--detect-local-mode NodeCIDR`).
     pub fn set_cluster_cidrs(&mut self, cidrs: &[Cidr]) {
@@ -224,6 +246,11 @@ impl DesiredNode {
             self.masquerade_off_cluster.0,
         );
         config.flags |= self.lb_mode.flags();
+        set_flag(
+            &mut config,
+            node_config_flags::SOCKET_LB_PODS,
+            self.socket_lb == SocketLb::NodeAndPods,
+        );
         self.config = Some(config);
         let mut config6 = node_config6(node6);
         set_flag(

@@ -43,6 +43,14 @@ use proxy_userspace::{
 /// and the agent running with its socket hooks on a cgroup of the test's own,
 /// returned with the cgroup.
 pub fn hooked_sandbox<F: Family>(manifests: &[(&str, String)]) -> (Sandbox, TestCgroup) {
+    hooked_sandbox_with::<F>(manifests, &[])
+}
+
+/// [`hooked_sandbox`], the agent started with `args` too.
+pub fn hooked_sandbox_with<F: Family>(
+    manifests: &[(&str, String)],
+    args: &[&str],
+) -> (Sandbox, TestCgroup) {
     require_root().expect("privileged test");
     let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
     F::give_node_its_address(&sb.topology().node).expect("the node's address of the family");
@@ -51,8 +59,11 @@ pub fn hooked_sandbox<F: Family>(manifests: &[(&str, String)]) -> (Sandbox, Test
     }
     let cgroup = TestCgroup::create(sb.topology().stem()).expect("a cgroup of the test's own");
     let root = cgroup.path().display().to_string();
-    sb.start_agent_with(&["--cgroup-root", &root])
-        .expect("start the agent");
+    let args: Vec<&str> = ["--cgroup-root", root.as_str()]
+        .into_iter()
+        .chain(args.iter().copied())
+        .collect();
+    sb.start_agent_with(&args).expect("start the agent");
     (sb, cgroup)
 }
 
@@ -167,15 +178,20 @@ pub fn tcp_from_the_node(
     node: &str,
     i: usize,
 ) -> String {
+    tcp_from(sb, &sb.topology().node, cgroup, target, node, i)
+}
+
+/// [`tcp_from_the_node`] from namespace `ns`, whose address starts with `client`.
+pub fn tcp_from(
+    sb: &Sandbox,
+    ns: &NetNs,
+    cgroup: &TestCgroup,
+    target: SocketAddr,
+    client: &str,
+    i: usize,
+) -> String {
     // `<peer> <backend> <address the backend saw>`
-    let words = run_in(
-        sb,
-        &sb.topology().node,
-        cgroup,
-        env!("CARGO_BIN_EXE_tcp-peer"),
-        target,
-        &[],
-    );
+    let words = run_in(sb, ns, cgroup, env!("CARGO_BIN_EXE_tcp-peer"), target, &[]);
     assert_eq!(words.len(), 3, "tcp-peer {target} printed {words:?}");
     assert_eq!(
         words[0],
@@ -188,8 +204,8 @@ pub fn tcp_from_the_node(
         "connection {i} to {target} reached {words:?}, no backend"
     );
     assert!(
-        words[2].starts_with(node),
-        "connection {i} to {target}: the backend saw {}, not the node's address {node}",
+        words[2].starts_with(client),
+        "connection {i} to {target}: the backend saw {}, not the client's address {client}",
         words[2]
     );
     words[1].clone()
@@ -397,6 +413,100 @@ pub fn the_nodes_own_connections_reach_backends<F: Family>() -> (Sandbox, TestCg
 
     status_shows_the_frontends::<F>(&sb, empty_ip);
     (sb, cgroup)
+}
+
+/// (p) With `--socket-lb-pods`, a pod's TCP connections to a ClusterIP go to a
+/// backend at `connect()`: `getpeername()` shows the ClusterIP, the backend sees the
+/// pod's own address, they spread over the backends, the hook counts each and tc
+/// translates none. What stays tc's: the pod's datagrams, connected or not, answered
+/// from the ClusterIP by tc's reverse translation, and its connections to a ClusterIP
+/// with ClientIP affinity, all to one backend.
+pub fn pods_tcp_connections_go_at_connect<F: Family>() {
+    let sticky_ip = F::vip(20);
+    let (sb, cgroup) = hooked_sandbox_with::<F>(
+        &[
+            web::<F>(&F::backend_ips()),
+            (
+                "sticky.yaml",
+                F::yaml(
+                    &F::service("test", "sticky", sticky_ip)
+                        .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+                        .session_affinity(SessionAffinity::ClientIp {
+                            timeout_seconds: None,
+                        }),
+                    &F::backend_ips(),
+                ),
+            ),
+        ],
+        &["--socket-lb-pods"],
+    );
+    let pod = &sb.client().ns;
+    let me = F::addr(F::pod(CLIENT.1), 0).to_string();
+    let me = me.strip_suffix('0').unwrap_or(&me);
+    let http: SocketAddr = F::http(F::cluster_ip()).into();
+    let counters = |sb: &Sandbox| {
+        [
+            "sock_connect_translated",
+            "sock_sendmsg_translated",
+            "dnat_new",
+        ]
+        .map(|name| sb.counter(name))
+    };
+    let before = counters(&sb);
+    let reached: BTreeSet<String> = (0..20)
+        .map(|i| tcp_from(&sb, pod, &cgroup, http, me, i))
+        .collect();
+    assert!(
+        reached.len() >= 2,
+        "20 connections from the pod's {} sockets to {http} all reached {reached:?}",
+        F::NAME
+    );
+    assert_eq!(
+        counters(&sb),
+        [before[0] + 20, before[1], before[2]],
+        "{}: [connect hook, sendmsg hook, tc's new flows] after 20 TCP connections of \
+         the pod: the hook must send each, tc none",
+        F::NAME
+    );
+
+    let dns: SocketAddr = F::dns(F::cluster_ip()).into();
+    let words = run_in(
+        &sb,
+        pod,
+        &cgroup,
+        env!("CARGO_BIN_EXE_udp-sendto"),
+        dns,
+        &[],
+    );
+    assert!(
+        words.len() == 4 && words[1].starts_with(me) && words[3] == dns.to_string(),
+        "{}: a datagram of the pod's unconnected socket to {dns}: answered {words:?}",
+        F::NAME
+    );
+    let mut udp = ConnectedUdp::start(pod, &cgroup, dns);
+    assert!(
+        udp.backend().is_some(),
+        "{}: the pod's connected UDP socket to {dns} got no answer",
+        F::NAME
+    );
+    assert_eq!(udp.peer(), dns.to_string(), "getpeername() of that socket");
+    let sticky: SocketAddr = F::http(sticky_ip).into();
+    let stuck: BTreeSet<String> = (0..6)
+        .map(|i| tcp_from(&sb, pod, &cgroup, sticky, me, i))
+        .collect();
+    assert_eq!(
+        stuck.len(),
+        1,
+        "{}: ClientIP affinity: the pod's connections to {sticky} reached {stuck:?}",
+        F::NAME
+    );
+    assert_eq!(
+        counters(&sb),
+        [before[0] + 20, before[1], before[2] + 8],
+        "{}: [connect hook, sendmsg hook, tc's new flows] after the pod's two UDP \
+         sockets and 6 connections to a Service with affinity: all tc's",
+        F::NAME
+    );
 }
 
 /// (i) A socket of the node that the hook connected to a backend shows the frontend

@@ -506,3 +506,34 @@ fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
         );
     }
 }
+
+#[test]
+fn socket_lb_pods_sets_its_flag_in_the_ipv4_config_both_families_read() {
+    use proxy_common::node_config_flags::{MASQUERADE_ALL, SOCKET_LB_PODS};
+    for (socket_lb, on) in [(SocketLb::Node, false), (SocketLb::NodeAndPods, true)] {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        let mut want = desired(&[1], &[], &[], 30)
+            .with_socket_lb(socket_lb)
+            .with_masquerade_all(true);
+        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+        assert!(planner.sync(&want, &mut store).failed.is_none());
+        let node = &store.state.node;
+        assert_eq!(
+            node.config.flags & SOCKET_LB_PODS != 0,
+            on,
+            "{socket_lb:?}: NODE_CONFIG's flags {:#x}",
+            node.config.flags
+        );
+        assert_ne!(
+            node.config.flags & MASQUERADE_ALL,
+            0,
+            "{socket_lb:?} left --masquerade-all's flag alone"
+        );
+        assert_eq!(
+            node.config6.flags & SOCKET_LB_PODS,
+            0,
+            "IPv6's config holds no such flag: IPv4's is read for both"
+        );
+    }
+}

@@ -76,6 +76,17 @@ pub fn web<F: Family>(backends: &[F]) -> (&'static str, String) {
     ("web.yaml", F::yaml(&service, backends))
 }
 
+/// `test/sticky` of family `F` on ClusterIP `ip` (`http` 80/TCP -> 8080) with ClientIP
+/// affinity and every backend ready, as `sticky.yaml`.
+pub fn sticky<F: Family>(ip: F) -> (&'static str, String) {
+    let service = F::service("test", "sticky", ip)
+        .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
+        .session_affinity(SessionAffinity::ClientIp {
+            timeout_seconds: None,
+        });
+    ("sticky.yaml", F::yaml(&service, &F::backend_ips()))
+}
+
 /// `program target args..` from the tests' binaries, run in `cgroup` in `ns`; its
 /// stdout split into words, or a panic that says what failed.
 pub fn run_in(
@@ -334,17 +345,7 @@ pub fn the_nodes_own_connections_reach_backends<F: Family>() -> (Sandbox, TestCg
     let empty_ip = F::vip(30);
     let (sb, cgroup) = hooked_sandbox::<F>(&[
         web::<F>(&F::backend_ips()),
-        (
-            "sticky.yaml",
-            F::yaml(
-                &F::service("test", "sticky", sticky_ip)
-                    .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
-                    .session_affinity(SessionAffinity::ClientIp {
-                        timeout_seconds: None,
-                    }),
-                &F::backend_ips(),
-            ),
-        ),
+        sticky::<F>(sticky_ip),
         (
             "empty.yaml",
             F::yaml(
@@ -424,20 +425,7 @@ pub fn the_nodes_own_connections_reach_backends<F: Family>() -> (Sandbox, TestCg
 pub fn pods_tcp_connections_go_at_connect<F: Family>() {
     let sticky_ip = F::vip(20);
     let (sb, cgroup) = hooked_sandbox_with::<F>(
-        &[
-            web::<F>(&F::backend_ips()),
-            (
-                "sticky.yaml",
-                F::yaml(
-                    &F::service("test", "sticky", sticky_ip)
-                        .port("http", TCP_SERVICE_PORT, Protocol::Tcp, TCP_PORT)
-                        .session_affinity(SessionAffinity::ClientIp {
-                            timeout_seconds: None,
-                        }),
-                    &F::backend_ips(),
-                ),
-            ),
-        ],
+        &[web::<F>(&F::backend_ips()), sticky::<F>(sticky_ip)],
         &["--socket-lb-pods"],
     );
     let pod = &sb.client().ns;

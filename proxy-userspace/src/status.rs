@@ -66,6 +66,10 @@ pub struct NodeReport {
     pub snat: Option<Snat>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub localhost_nodeports: Option<bool>,
+    /// Whether pods' TCP connections to ClusterIPs go to a backend at
+    /// `connect()` (`--socket-lb-pods`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_lb_pods: Option<bool>,
     /// None where the pins have no `NODE_CONFIG6`; "none" as JSON null
     /// inside `Some` is the node without an IPv6 address.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -289,6 +293,8 @@ fn node(
         }),
         localhost_nodeports: config
             .map(|c| c.flags & proxy_common::node_config_flags::LOCALHOST_NODEPORTS != 0),
+        socket_lb_pods: config
+            .map(|c| c.flags & proxy_common::node_config_flags::SOCKET_LB_PODS != 0),
         ipv6_address,
         clock_tick_ns,
         attached,
@@ -351,6 +357,17 @@ fn node_text(node: &NodeReport) -> String {
             out,
             "localhost NodePorts: {}",
             if localhost { "on" } else { "off" }
+        );
+    }
+    if let Some(pods) = node.socket_lb_pods {
+        let _ = writeln!(
+            out,
+            "pods' TCP connections to ClusterIPs: {}",
+            if pods {
+                "at connect() (--socket-lb-pods)"
+            } else {
+                "at tc"
+            }
         );
     }
     let _ = match node.ipv6_address {

@@ -88,6 +88,7 @@ use common::{
 use ebpf_proxy_tests::{
     Protocol,
     agent::{self, Agent},
+    cgroup::{Entered, TestCgroup},
     iptables::{self, KubeService, KubeService6},
     load::{IO_TIMEOUT, Load, MAX_PER_SEGMENT, Sample},
     manifest::{ManifestDir, Service},
@@ -587,6 +588,9 @@ struct World {
     agent: Option<Agent>,
     _backends: Vec<PooledBackend>,
     manifests: Option<ManifestDir>,
+    /// Where the agent's socket hooks attach, which this process enters for
+    /// the world's segments alone (`World::enter`).
+    cgroup: Option<TestCgroup>,
     topology: Topology,
     /// Time to program the Services: agent start to healthy, `iptables-restore` or
     /// `nft -f`.
@@ -620,6 +624,7 @@ impl World {
             agent: None,
             _backends: backends,
             manifests: None,
+            cgroup: None,
             topology,
             programming: None,
             targets: Vec::new(),
@@ -651,14 +656,17 @@ impl World {
             Mode::Ebpf => {
                 let manifests = ManifestDir::create(world.topology.stem())?;
                 manifests.write("services.yaml", &set.yaml())?;
-                // The client threads are this process's: its cgroup is where a
-                // node's processes would be, below the root the agent hooks by
-                // default. The pods' sockets run the hooks too, and are left to tc
-                // (their TCP connections to the ClusterIP not, with
-                // `--socket-lb-pods`).
-                let cgroup = ebpf_proxy_tests::cgroup::own_cgroup()?
-                    .display()
-                    .to_string();
+                // The client threads are this process's, which enters this cgroup
+                // for the world's segments (`World::enter`): there its pods' sockets
+                // run the hooks too, as a pod's do below the root the agent hooks
+                // by default, and are left to tc (their TCP connections to the
+                // ClusterIP not, with `--socket-lb-pods`). The other modes' sockets
+                // never run them: with `--socket-lb-pods` the hooks would send
+                // their connections to the ClusterIP (the same addresses in every
+                // world) to a backend.
+                let hooked = TestCgroup::create(world.topology.stem())?;
+                let cgroup = hooked.path().display().to_string();
+                world.cgroup = Some(hooked);
                 let pod_ifs = world.topology.pods().iter().map(|p| p.host_if.as_str());
                 let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
                 let mut args = vec!["--cgroup-root", &cgroup];
@@ -743,6 +751,7 @@ impl World {
     /// `threads` clients for `segment`: a new flow per exchange, or request/response on
     /// connections each thread opens before the segment starts.
     fn closed_loop(&self, exchange: Exchange, threads: usize, segment: Duration) -> Result<Sample> {
+        let _inside = self.enter()?;
         let load = self.load(exchange);
         match exchange.kind {
             Kind::New => load.closed_loop(threads, segment),
@@ -750,10 +759,16 @@ impl World {
         }
     }
 
+    /// This process inside the world's cgroup, if it has one, until the guard drops.
+    fn enter(&self) -> Result<Option<Entered>> {
+        self.cgroup.as_ref().map(TestCgroup::enter).transpose()
+    }
+
     /// One exchange at a time (for established connections, one connection at a time
     /// with a few requests on each): the mode must answer every one and reach all three
     /// backends.
     fn warm_up(&self, exchange: Exchange) -> Result<()> {
+        let _inside = self.enter()?;
         let load = self.load(exchange);
         let (sample, expected) = match exchange.kind {
             Kind::New => (load.sequential(WARMUP)?, WARMUP),

@@ -60,6 +60,35 @@ impl TestCgroup {
         }
         cmd
     }
+
+    /// Moves this whole process (every thread) into the cgroup until the
+    /// guard drops, then back to the cgroup it was in: the sockets it
+    /// creates meanwhile are this cgroup's, and run the hooks attached here.
+    pub fn enter(&self) -> Result<Entered> {
+        let home = own_cgroup()?;
+        move_here(&self.path)?;
+        Ok(Entered { home })
+    }
+}
+
+/// While it lives, this process is in a [`TestCgroup`] ([`TestCgroup::enter`]).
+#[derive(Debug)]
+pub struct Entered {
+    home: PathBuf,
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        if let Err(e) = move_here(&self.home) {
+            eprintln!("warning: {e:#}");
+        }
+    }
+}
+
+/// Moves this process into the cgroup at `dir` ("0" is the writer's process).
+fn move_here(dir: &Path) -> Result<()> {
+    let procs = dir.join("cgroup.procs");
+    std::fs::write(&procs, "0\n").with_context(|| format!("moving into {}", procs.display()))
 }
 
 /// The cgroup v2 hierarchy where the agent looks by default: a unified

@@ -105,6 +105,12 @@ fn the_nodes_own_connections_reach_backends_through_the_socket_hook() {
         "tc did not translate the pod's connection"
     );
 
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("pods' TCP connections to ClusterIPs: at tc"),
+        "status does not say pods' connections are tc's by default:\n{status}"
+    );
+
     // Outside the cgroup the hook sees nothing: the ClusterIP leads nowhere.
     let out = bash_in(&sb.topology().node, None, &tcp);
     assert!(
@@ -265,6 +271,11 @@ fn pods_tcp_connections_stay_tcs_with_masquerade_all() {
         (0, before + 3),
         "(connect hook, tc's new flows) after 3 connections of the pod with \
          --masquerade-all: tc's alone"
+    );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("pods' TCP connections to ClusterIPs: at connect() (--socket-lb-pods)"),
+        "status does not show the flag, which --masquerade-all overrides:\n{status}"
     );
 }
 

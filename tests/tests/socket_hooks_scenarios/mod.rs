@@ -495,6 +495,11 @@ pub fn pods_tcp_connections_go_at_connect<F: Family>() {
          sockets and 6 connections to a Service with affinity: all tc's",
         F::NAME
     );
+    let status = sb.agent().status().expect("status");
+    assert!(
+        status.contains("pods' TCP connections to ClusterIPs: at connect() (--socket-lb-pods)"),
+        "status does not say where pods' connections go:\n{status}"
+    );
 }
 
 /// (i) A socket of the node that the hook connected to a backend shows the frontend

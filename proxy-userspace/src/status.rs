@@ -329,22 +329,9 @@ fn service_cidrs(maps: &Maps) -> Result<Option<ServiceCidrs>, MapsError> {
     Ok(Some(report))
 }
 
-/// The node's part as text, a line each, but for the count of frontends
-/// and backends, which heads the report.
-fn node_text(node: &NodeReport) -> String {
-    let mut out = String::new();
-    let addresses: Vec<String> = node
-        .addresses
-        .iter()
-        .map(|a| {
-            if a.nodeports {
-                format!("{} (NodePorts)", a.address)
-            } else {
-                a.address.to_string()
-            }
-        })
-        .collect();
-    let _ = writeln!(out, "node addresses: {}", addresses.join(", "));
+/// What `NODE_CONFIG` says, a line each: the SNAT address and ports, and
+/// where the socket hooks act.
+fn node_config_text(node: &NodeReport, out: &mut String) {
     if let Some(snat) = &node.snat {
         let _ = writeln!(
             out,
@@ -370,6 +357,25 @@ fn node_text(node: &NodeReport) -> String {
             }
         );
     }
+}
+
+/// The node's part as text, a line each, but for the count of frontends
+/// and backends, which heads the report.
+fn node_text(node: &NodeReport) -> String {
+    let mut out = String::new();
+    let addresses: Vec<String> = node
+        .addresses
+        .iter()
+        .map(|a| {
+            if a.nodeports {
+                format!("{} (NodePorts)", a.address)
+            } else {
+                a.address.to_string()
+            }
+        })
+        .collect();
+    let _ = writeln!(out, "node addresses: {}", addresses.join(", "));
+    node_config_text(node, &mut out);
     let _ = match node.ipv6_address {
         Some(None) => writeln!(out, "node IPv6 address: none"),
         Some(Some(addr)) => writeln!(out, "node IPv6 address: {addr}"),

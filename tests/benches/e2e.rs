@@ -653,34 +653,7 @@ impl World {
         let started = Instant::now();
         match mode {
             Mode::Direct => {}
-            Mode::Ebpf => {
-                let manifests = ManifestDir::create(world.topology.stem())?;
-                manifests.write("services.yaml", &set.yaml())?;
-                // The client threads are this process's, which enters this cgroup
-                // for the world's segments (`World::enter`): there its pods' sockets
-                // run the hooks too, as a pod's do below the root the agent hooks
-                // by default, and are left to tc (their TCP connections to the
-                // ClusterIP not, with `--socket-lb-pods`). The other modes' sockets
-                // never run them: with `--socket-lb-pods` the hooks would send
-                // their connections to the ClusterIP (the same addresses in every
-                // world) to a backend.
-                let hooked = TestCgroup::create(world.topology.stem())?;
-                let cgroup = hooked.path().display().to_string();
-                world.cgroup = Some(hooked);
-                let pod_ifs = world.topology.pods().iter().map(|p| p.host_if.as_str());
-                let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
-                let mut args = vec!["--cgroup-root", &cgroup];
-                if cfg.generic_xdp_on_pods {
-                    args.extend(["--xdp-mode", "generic", "--xdp-interfaces", &pod_ifs]);
-                }
-                if cfg.socket_lb_pods {
-                    args.push("--socket-lb-pods");
-                }
-                let agent = Agent::start_with(node, manifests.path(), &args)
-                    .context("start the ebpf-proxy agent")?;
-                world.agent = Some(agent);
-                world.manifests = Some(manifests);
-            }
+            Mode::Ebpf => world.start_agent(set, cfg)?,
             Mode::Iptables => {
                 iptables::apply(node, &set.kube())
                     .context("load kube-proxy's iptables rules (iptables-restore)")?;
@@ -720,6 +693,38 @@ impl World {
             world.pods.push((ip, pods(ip, TCP_PORT)));
         }
         Ok(world)
+    }
+
+    /// The agent on the world's node, on a manifest directory of `set`, its socket
+    /// hooks on a cgroup of the world's own.
+    fn start_agent(&mut self, set: &ServiceSet, cfg: &Config) -> Result<()> {
+        let manifests = ManifestDir::create(self.topology.stem())?;
+        manifests.write("services.yaml", &set.yaml())?;
+        // The client threads are this process's, which enters this cgroup
+        // for the world's segments (`World::enter`): there its pods' sockets
+        // run the hooks too, as a pod's do below the root the agent hooks
+        // by default, and are left to tc (their TCP connections to the
+        // ClusterIP not, with `--socket-lb-pods`). The other modes' sockets
+        // never run them: with `--socket-lb-pods` the hooks would send
+        // their connections to the ClusterIP (the same addresses in every
+        // world) to a backend.
+        let hooked = TestCgroup::create(self.topology.stem())?;
+        let cgroup = hooked.path().display().to_string();
+        self.cgroup = Some(hooked);
+        let pod_ifs = self.topology.pods().iter().map(|p| p.host_if.as_str());
+        let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
+        let mut args = vec!["--cgroup-root", &cgroup];
+        if cfg.generic_xdp_on_pods {
+            args.extend(["--xdp-mode", "generic", "--xdp-interfaces", &pod_ifs]);
+        }
+        if cfg.socket_lb_pods {
+            args.push("--socket-lb-pods");
+        }
+        let agent = Agent::start_with(&self.topology.node, manifests.path(), &args)
+            .context("start the ebpf-proxy agent")?;
+        self.agent = Some(agent);
+        self.manifests = Some(manifests);
+        Ok(())
     }
 
     /// What the client sends where for `exchange`.

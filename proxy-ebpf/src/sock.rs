@@ -397,10 +397,11 @@ fn keep<A: SockAddr>(notes: &mut [SockNoteOf<A>], note: SockNoteOf<A>) {
 enum Owner {
     /// The node's network namespace.
     Node,
-    /// Another namespace, a pod's, with `SOCKET_LB_PODS` set.
+    /// Another namespace, a pod's, with `SOCKET_LB_PODS` set and not
+    /// `MASQUERADE_ALL` (every flow masqueraded, which only tc can do).
     Pod,
     /// Any socket before the agent has said which namespace is the node's,
-    /// and a pod's without `SOCKET_LB_PODS`.
+    /// and a pod's otherwise.
     Other,
 }
 
@@ -413,7 +414,9 @@ fn owner(ctx: &SockAddrContext) -> Owner {
     // SAFETY: a sock_addr context is a valid argument of this helper.
     if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } == host {
         Owner::Node
-    } else if node_flags() & node_config_flags::SOCKET_LB_PODS != 0 {
+    } else if node_flags() & (node_config_flags::SOCKET_LB_PODS | node_config_flags::MASQUERADE_ALL)
+        == node_config_flags::SOCKET_LB_PODS
+    {
         Owner::Pod
     } else {
         Owner::Other
@@ -422,14 +425,10 @@ fn owner(ctx: &SockAddrContext) -> Owner {
 
 /// The ClusterIP a pod's TCP connection to `dst_be:dport_be` may be sent
 /// to a backend of at `connect()`: one without session affinity (the hook
-/// has no client address to keep it by), and none while every flow is to
-/// be masqueraded, which only tc can do. An ExternalIP, LoadBalancer IP or
+/// has no client address to keep it by). An ExternalIP, LoadBalancer IP or
 /// NodePort stays tc's, as does everything else a pod sends.
 #[inline(always)]
 fn pod_frontend<A: FlowAddr>(dst_be: &A, dport_be: u16) -> Option<Frontend> {
-    if node_flags() & node_config_flags::MASQUERADE_ALL != 0 {
-        return None;
-    }
     let frontend = frontend::lookup_frontend_of(dst_be, dport_be, PROTO_TCP, || true)?;
     let tc_only = service_flags::EXTERNAL | service_flags::AFFINITY;
     (frontend.svc.flags & tc_only == 0).then_some(frontend)

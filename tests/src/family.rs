@@ -60,7 +60,12 @@ pub trait Family: iptables::Family + Into<IpAddr> {
     /// How a socket address shows the node's address, up to its port:
     /// `10.100.0.1:`, `[fd00:100::1]:`.
     fn node_prefix() -> String {
-        let addr = Self::addr(Self::node_ip(), 0).to_string();
+        Self::prefix(Self::node_ip())
+    }
+
+    /// How a socket address shows `ip`, up to its port.
+    fn prefix(ip: Self) -> String {
+        let addr = Self::addr(ip, 0).to_string();
         addr.strip_suffix('0').unwrap_or(&addr).to_owned()
     }
 

@@ -429,8 +429,7 @@ pub fn pods_tcp_connections_go_at_connect<F: Family>() {
         &["--socket-lb-pods"],
     );
     let pod = &sb.client().ns;
-    let me = F::addr(F::pod(CLIENT.1), 0).to_string();
-    let me = me.strip_suffix('0').unwrap_or(&me);
+    let me = &F::prefix(F::pod(CLIENT.1));
     let http: SocketAddr = F::http(F::cluster_ip()).into();
     let counters = |sb: &Sandbox| {
         [

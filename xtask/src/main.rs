@@ -5,6 +5,7 @@
 mod demo;
 mod image;
 mod netfilter_tools;
+mod profile;
 mod setup;
 
 use std::{
@@ -68,6 +69,20 @@ enum Cmd {
         #[arg(long)]
         source: Option<String>,
     },
+    /// Sample every CPU with perf for a while and say where the agent's running
+    /// packet programs spend their time, by source line, and which kernel functions
+    /// they call from where (needs root, `perf` and a running agent).
+    Profile {
+        /// How long to sample.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// A program to profile (repeatable; default: every packet program).
+        #[arg(long = "program")]
+        programs: Vec<String>,
+        /// How many lines and called functions to print per program.
+        #[arg(long, default_value_t = 25)]
+        top: usize,
+    },
     /// Set up, build, and run every unit and integration test (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -103,6 +118,19 @@ fn main() -> Result<()> {
             let bin = image::build_agent(arch)?;
             image::build(&bin, &image::Options { arch, source }).map(|_| ())
         }
+        Cmd::Profile {
+            seconds,
+            programs,
+            top,
+        } => profile::run(&profile::Options {
+            seconds,
+            programs: if programs.is_empty() {
+                profile::PACKET_PROGRAMS.map(String::from).to_vec()
+            } else {
+                programs
+            },
+            top,
+        }),
         Cmd::Test { args } => test(&args),
         Cmd::Bench { quick } => bench(quick),
     }

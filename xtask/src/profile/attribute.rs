@@ -156,7 +156,7 @@ pub fn parse_samples(text: &str) -> Vec<Vec<Frame>> {
 pub struct Profile {
     /// Samples anywhere in the program or in what it called.
     pub samples: u64,
-    /// Samples at its own instructions, by line (`Line::place`, with its text).
+    /// Samples at its own instructions, by line (`Line::described`, with its text).
     pub own: HashMap<(String, String), u64>,
     /// Samples in kernel functions it called: by function, and the line of the call.
     pub called: HashMap<(String, String), u64>,

@@ -472,6 +472,18 @@ fn service_cidrs_and_cluster_ips_follow_the_desired_state() {
     assert!(planner.in_sync(&want));
 }
 
+/// The node maps a sync of one IPv4 address and `--masquerade-all` writes,
+/// with `setting` applied to what is wanted: for the tests of one
+/// `NODE_CONFIG` flag beside `MASQUERADE_ALL`'s.
+fn synced_with_masquerade_all(setting: impl FnOnce(DesiredNode) -> DesiredNode) -> NodeState {
+    let mut store = CheckingStore::default();
+    let mut planner = NodePlanner::default();
+    let mut want = setting(desired(&[1], &[], &[], 30)).with_masquerade_all(true);
+    want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+    assert!(planner.sync(&want, &mut store).failed.is_none());
+    store.state.node
+}
+
 #[test]
 fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
     use proxy_common::node_config_flags::{DSR, DSR_TCP_ONLY, MASQUERADE_ALL};
@@ -480,14 +492,7 @@ fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
         (LbMode::Dsr, DSR),
         (LbMode::Hybrid, DSR | DSR_TCP_ONLY),
     ] {
-        let mut store = CheckingStore::default();
-        let mut planner = NodePlanner::default();
-        let mut want = desired(&[1], &[], &[], 30)
-            .with_lb_mode(mode)
-            .with_masquerade_all(true);
-        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
-        assert!(planner.sync(&want, &mut store).failed.is_none());
-        let node = &store.state.node;
+        let node = &synced_with_masquerade_all(|want| want.with_lb_mode(mode));
         assert_eq!(
             node.config.flags & (DSR | DSR_TCP_ONLY),
             want_flags,
@@ -511,14 +516,7 @@ fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
 fn socket_lb_pods_sets_its_flag_in_the_ipv4_config_both_families_read() {
     use proxy_common::node_config_flags::{MASQUERADE_ALL, SOCKET_LB_PODS};
     for (socket_lb, on) in [(SocketLb::Node, false), (SocketLb::NodeAndPods, true)] {
-        let mut store = CheckingStore::default();
-        let mut planner = NodePlanner::default();
-        let mut want = desired(&[1], &[], &[], 30)
-            .with_socket_lb(socket_lb)
-            .with_masquerade_all(true);
-        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
-        assert!(planner.sync(&want, &mut store).failed.is_none());
-        let node = &store.state.node;
+        let node = &synced_with_masquerade_all(|want| want.with_socket_lb(socket_lb));
         assert_eq!(
             node.config.flags & SOCKET_LB_PODS != 0,
             on,

@@ -138,7 +138,10 @@ impl Btf {
         read_u32(&self.data, off).expect("inside a checked record")
     }
 
-    fn name(&self, name_off: u32) -> &[u8] {
+    /// The string at `name_off` of the strings section, without its NUL
+    /// (empty past the section's end): a type's name, or a line info
+    /// record's file or source line.
+    pub fn string(&self, name_off: u32) -> &[u8] {
         let strings = &self.data[self.strings.clone()];
         let rest = strings.get(name_off as usize..).unwrap_or_default();
         &rest[..rest.iter().position(|b| *b == 0).unwrap_or(rest.len())]
@@ -155,7 +158,7 @@ impl Btf {
             .find(|&id| {
                 let at = self.types[id as usize];
                 self.kind(id).map(|(k, _)| k) == Some(kind)
-                    && self.name(self.u32_at(at)) == name.as_bytes()
+                    && self.string(self.u32_at(at)) == name.as_bytes()
             })
             .ok_or_else(|| BtfError::NotFound {
                 what: match kind {
@@ -209,7 +212,7 @@ impl Btf {
             } else {
                 (offset, 0)
             };
-            let name = self.name(name_off);
+            let name = self.string(name_off);
             if name == member {
                 return Some(Field {
                     bit_offset: base + bit_offset,

@@ -34,7 +34,7 @@ pub mod refusal_records;
 pub mod reject_limit;
 pub mod resize;
 pub mod service_counters;
-pub(crate) mod sys;
+pub mod sys;
 mod tc_dsr;
 mod write_behind;
 mod xdp_next;

@@ -1,5 +1,6 @@
 //! The bpf(2) system call, for the few commands aya does not wrap (link
-//! detach, batched map operations).
+//! detach, batched map operations; `cargo xtask profile`'s program info and
+//! BTF).
 
 use std::io;
 

@@ -3,13 +3,13 @@
 //! `BPF_OBJ_GET_INFO_BY_FD` gives it with the JIT's address of each record).
 
 use std::{
-    ffi::CStr,
     mem::size_of,
     os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
 };
 
 use anyhow::{Context, Result, bail};
-use aya_obj::generated::{bpf_btf_info, bpf_cmd, bpf_line_info, bpf_prog_info, btf_header};
+use aya_obj::generated::{bpf_btf_info, bpf_cmd, bpf_line_info, bpf_prog_info};
+use proxy_userspace::datapath::{kernel_btf::Btf, sys};
 
 use super::attribute::{Function, Line, Program};
 
@@ -29,22 +29,6 @@ struct IdAttr {
     open_flags: u32,
 }
 
-fn bpf<T>(cmd: bpf_cmd, attr: &mut T) -> std::io::Result<i64> {
-    // SAFETY: `attr` is a live, writable `bpf_attr` prefix of its own size for `cmd`.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd as libc::c_long,
-            std::ptr::from_mut(attr).cast::<libc::c_void>(),
-            size_of::<T>(),
-        )
-    };
-    if ret < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(ret)
-}
-
 /// `BPF_OBJ_GET_INFO_BY_FD` into `info`, whose pointers the kernel fills.
 fn info_by_fd<T>(fd: impl AsFd, info: &mut T) -> std::io::Result<()> {
     let mut attr = InfoAttr {
@@ -52,7 +36,9 @@ fn info_by_fd<T>(fd: impl AsFd, info: &mut T) -> std::io::Result<()> {
         info_len: size_of::<T>() as u32,
         info: std::ptr::from_mut(info) as u64,
     };
-    bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(|_| ())
+    // SAFETY: the command's member of `bpf_attr`; `info` is a live info struct
+    // of the size given, whose array pointers (if any) the caller sized.
+    unsafe { sys::bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD as libc::c_long, &mut attr) }.map(|_| ())
 }
 
 /// Every loaded program named one of `names`, with its JIT images and line info.
@@ -116,13 +102,8 @@ fn program(fd: impl AsFd + Copy, id: u32, name: &str) -> Result<Program> {
     if ksyms.contains(&0) {
         bail!("the kernel hides the JIT's addresses (kernel.kptr_restrict, or not root)");
     }
-    let strings = btf_strings(counts.btf_id).context("read the program's BTF")?;
-    let text = |off: u32| -> String {
-        strings
-            .get(off as usize..)
-            .and_then(|s| CStr::from_bytes_until_nul(s).ok())
-            .map_or_else(String::new, |s| s.to_string_lossy().trim().to_string())
-    };
+    let btf = program_btf(counts.btf_id).context("read the program's BTF")?;
+    let text = |off: u32| String::from_utf8_lossy(btf.string(off)).trim().to_string();
     let functions = ksyms
         .iter()
         .zip(&lens)
@@ -143,14 +124,16 @@ fn program(fd: impl AsFd + Copy, id: u32, name: &str) -> Result<Program> {
     Ok(Program::new(id, name.to_string(), functions, lines))
 }
 
-/// The string section of BTF object `id`.
-fn btf_strings(id: u32) -> Result<Vec<u8>> {
+/// BTF object `id`, parsed.
+fn program_btf(id: u32) -> Result<Btf> {
     let mut attr = IdAttr {
         id,
         next_id: 0,
         open_flags: 0,
     };
-    let raw = bpf(bpf_cmd::BPF_BTF_GET_FD_BY_ID, &mut attr).context("BPF_BTF_GET_FD_BY_ID")?;
+    // SAFETY: the command's member of `bpf_attr`, which holds no pointer.
+    let raw = unsafe { sys::bpf(bpf_cmd::BPF_BTF_GET_FD_BY_ID as libc::c_long, &mut attr) }
+        .context("BPF_BTF_GET_FD_BY_ID")?;
     // SAFETY: a descriptor the kernel just returned, owned by nothing else.
     let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
     // SAFETY: a plain C struct, valid all zeros.
@@ -162,16 +145,7 @@ fn btf_strings(id: u32) -> Result<Vec<u8>> {
     info.btf_size = blob.len() as u32;
     info.btf = blob.as_mut_ptr() as u64;
     info_by_fd(&fd, &mut info).context("BPF_OBJ_GET_INFO_BY_FD of the BTF, with its data")?;
-    if blob.len() < size_of::<btf_header>() {
-        bail!("BTF of {} bytes, shorter than its header", blob.len());
-    }
-    // SAFETY: at least a header's bytes; read unaligned.
-    let header: btf_header = unsafe { std::ptr::read_unaligned(blob.as_ptr().cast()) };
-    let start = header.hdr_len as usize + header.str_off as usize;
-    let end = start + header.str_len as usize;
-    blob.get(start..end)
-        .map(<[u8]>::to_vec)
-        .with_context(|| format!("BTF strings at {start}..{end} of {} bytes", blob.len()))
+    Ok(Btf::parse(blob)?)
 }
 
 #[cfg(test)]

@@ -1544,7 +1544,8 @@ pub mod counter {
     /// did not translate (not a Service's, or it arrived before its first
     /// fragment, or the first one's entry expired): passed as it is.
     pub const FRAG_UNTRACKED: u32 = 17;
-    /// A new flow's entries made (in `CT_NEW` or `CT_NEW6`).
+    /// A new flow's entries made (in `CT_NEW` or `CT_NEW6`; or where
+    /// `CT_REOPENED` says).
     pub const CT_NEW_FLOW: u32 = 18;
     /// A flow assured and moved to `CONNTRACK` (`CONNTRACK6`).
     pub const CT_ASSURED: u32 = 19;
@@ -1627,7 +1628,13 @@ pub mod counter {
     /// not an external frontend here, or DSR is off on this node. Passed
     /// untranslated (to a pod that then answers from its own address).
     pub const DSR_REFUSED: u32 = 39;
-    pub const COUNT: u32 = 40;
+    /// A new TCP flow whose entries went into `CONNTRACK` (`CONNTRACK6`),
+    /// in the room its client port's closed flow left there when the SYN
+    /// removed both of that flow's entries: assured in place by its
+    /// handshake, never moved (counted in `CT_NEW_FLOW` too, never in
+    /// `CT_ASSURED`).
+    pub const CT_REOPENED: u32 = 40;
+    pub const COUNT: u32 = 41;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1672,6 +1679,7 @@ pub mod counter {
         "dsr_new",
         "dsr_learnt",
         "dsr_refused",
+        "ct_reopened",
     ];
 }
 

@@ -14,6 +14,15 @@
 //! established flow's packets cost what they did with one map. IPv6 flows
 //! live in `CONNTRACK6` and `CT_NEW6` by the same rules.
 //!
+//! One new flow starts in `CONNTRACK`: a TCP SYN opening again the tuple of
+//! a closed flow whose two entries it removed there (`reopen`, `create`),
+//! as a busy client reuses its ports while its last connections' entries
+//! are closing. It takes the room its old flow left, so `CONNTRACK` does
+//! not grow and a flood still evicts only unassured flows; and it is never
+//! moved, which spares it the two inserts into `CT_NEW`, the lookups that
+//! miss `CONNTRACK` first, and the move (bench/README.md, "Where a
+//! connection's program time goes").
+//!
 //! Entries are read in place and built in this CPU's `Scratch`, never
 //! copied to the stack: IPv6's program has room for little more than one
 //! entry, and IPv4's for a few dozen bytes.
@@ -90,7 +99,9 @@ pub fn flow_key<A: FlowAddr>(flow: &FlowOf<A>) -> CtKeyOf<A> {
 /// A live entry found for a packet's tuple, in its map.
 pub struct Found<A> {
     pub ptr: *mut CtValueOf<A>,
-    /// The entry is in `CT_NEW`: its flow is not assured yet.
+    /// The entry is in `CT_NEW`: its flow is not assured yet, and moves
+    /// when it is. (An entry of `CONNTRACK` may be of a flow not assured
+    /// yet, a reopened tuple's, which never moves.)
     pub unassured: bool,
 }
 
@@ -185,10 +196,10 @@ pub fn known<F: Family>(
 }
 
 /// What a packet of a known flow, about to go as `nat` says, leaves behind:
-/// its entry touched (`touch`) and, for an assured flow, copied into the
+/// its entry touched (`touch`) and, for a flow of `CONNTRACK`, copied into the
 /// flow cache; counted by direction (`dir`, read before `touch`, which may
-/// move the entry). Unassured flows are not cached: their entries move when
-/// they are assured.
+/// move the entry). `CT_NEW`'s flows are not cached: their entries move
+/// when they are assured.
 #[inline(always)]
 pub fn seen<F: Family>(
     key: &CtKeyOf<F::Addr>,
@@ -219,7 +230,8 @@ pub fn seen<F: Family>(
 /// service). The old flow goes whole, as netfilter kills a closed entry a
 /// SYN opens again: its reply entry too (`reopen`), which would otherwise
 /// hold a SNAT port until it expired beside the new flow's own; that port
-/// is left in `reopened` for the new flow.
+/// is left in `reopened` for the new flow. A TCP flow that goes whole from
+/// `CONNTRACK` leaves its room there to the new one (`Scratch::room_key`).
 #[inline(always)]
 fn lookup_in<F: Family>(
     map: &Conntrack<F::Addr>,
@@ -253,6 +265,13 @@ fn lookup_in<F: Family>(
 /// the same SNAT port, as netfilter keeps a reopened tuple's translation
 /// when it is still unique, and late packets of the old flow reach the
 /// client they were for.
+///
+/// A TCP flow of `CONNTRACK` whose reply entry goes here goes whole (its
+/// caller removes the forward entry next): its key is left in this CPU's
+/// `Scratch::room_key`, for the new flow the SYN starts (`create`). In
+/// that scratch rather than returned, because the verifier reads nothing
+/// a map holds as a known value: one it knew to differ would split every
+/// path from here to the new flow in two, `tc_ingress6`'s past its limit.
 #[inline(always)]
 fn reopen<F: Family>(
     map: &Conntrack<F::Addr>,
@@ -282,6 +301,9 @@ fn reopen<F: Family>(
         return 0;
     }
     remove::<F>(map, &scratch.key);
+    if proto == PROTO_TCP && core::ptr::eq(map, F::conntrack()) {
+        scratch.room_key = *key;
+    }
     if forward.flags & ct_flags::TWO_SIDED != 0 {
         forward.alt_port_be
     } else {
@@ -740,7 +762,22 @@ fn insert_forward<F: Family>(
     nf: &NewFlow<F::Addr>,
     scratch: &mut Scratch<F::Addr>,
 ) -> bool {
-    let value = &mut scratch.value;
+    forward_entry(flow, nf, &mut scratch.value);
+    scratch.other_key = flow_key(flow);
+    let inserted = F::ct_new()
+        .insert(&scratch.other_key, &scratch.value, BPF_ANY)
+        .is_ok();
+    // Both entries are in now (the reply entry went first): the copies
+    // that said they were absent go (`flow_cache::put_absent`).
+    flow_cache::invalidate(&scratch.key);
+    flow_cache::invalidate(&scratch.other_key);
+    inserted
+}
+
+/// Turns `value`, the reply entry of `nf` (`reply_entry`), into its
+/// forward entry.
+#[inline(always)]
+fn forward_entry<A: FlowAddr>(flow: &FlowOf<A>, nf: &NewFlow<A>, value: &mut CtValueOf<A>) {
     value.nat_addr_be = nf.nat.dst_be;
     value.alt_addr_be = nf.nat.src_be;
     value.nat_port_be = nf.nat.dport_be;
@@ -754,15 +791,6 @@ fn insert_forward<F: Family>(
     } else {
         sctp::first_tags(flow).0
     };
-    scratch.other_key = flow_key(flow);
-    let inserted = F::ct_new()
-        .insert(&scratch.other_key, &scratch.value, BPF_ANY)
-        .is_ok();
-    // Both entries are in now (the reply entry went first): the copies
-    // that said they were absent go (`flow_cache::put_absent`).
-    flow_cache::invalidate(&scratch.key);
-    flow_cache::invalidate(&scratch.other_key);
-    inserted
 }
 
 /// This CPU's `Scratch` of the family, or None (never: the map has its one
@@ -783,18 +811,40 @@ fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
 /// `CT_NEW` holds for their keys: the packet's own, which its lookup just
 /// found absent, expired or removed, and an unassured flow of another
 /// client port clashing on the backend side.
+///
+/// A TCP flow whose SYN removed both entries of its tuple's closed flow
+/// from `CONNTRACK` (`reopen`, `Scratch::room_key`) is created there
+/// instead, in the room they left, overwriting a clash there as `CT_NEW`'s
+/// inserts do, and is never moved. The room is taken once. Its client's
+/// share (`ct_source_share`) is neither asked nor charged: the flow takes
+/// the place of one of the client's own that the share counted, and the
+/// agent's recount counts what `CONNTRACK` holds.
+///
+/// Both entries are built in this CPU's `Scratch` and inserted by a global
+/// function (`CreateFamily::insert_pair`), which the verifier checks once
+/// on its own: inlined, the choice of map split every path to a new flow
+/// in two, and `tc_ingress6` went past the verifier's limit.
 #[inline(always)]
-pub fn create<F: Family>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64) {
+pub fn create<F: CreateFamily>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64) {
     let failed = match scratch::<F>() {
         Some(scratch) => {
             reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
-            if F::conntrack().get_ptr(&scratch.key).is_some() {
-                remove::<F>(F::conntrack(), &scratch.key);
+            // SAFETY: two fields of one struct, which cannot overlap.
+            // Copied, not assigned: see `translation`.
+            unsafe {
+                core::ptr::copy_nonoverlapping(
+                    &raw const scratch.value,
+                    &raw mut scratch.other_value,
+                    1,
+                );
             }
-            let reply_failed = F::ct_new()
-                .insert(&scratch.key, &scratch.value, BPF_ANY)
-                .is_err();
-            !insert_forward::<F>(flow, nf, scratch) || reply_failed
+            forward_entry(flow, nf, &mut scratch.other_value);
+            scratch.other_key = flow_key(flow);
+            let room = scratch.room_key.same_ends(&scratch.other_key)
+                && scratch.room_key.proto == flow.proto;
+            // A key of protocol 0 is no flow's.
+            scratch.room_key.proto = 0;
+            F::insert_pair(u64::from(room)) == 0
         }
         None => true,
     };
@@ -813,7 +863,7 @@ pub fn create<F: Family>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64
 /// network order, 0: none; see `Known`) is tried first, then random ones.
 /// The port is left in `nf.nat.sport_be`. False when every try was taken.
 #[inline(always)]
-pub fn create_snat<F: SnatFamily>(
+pub fn create_snat<F: CreateFamily>(
     flow: &FlowOf<F::Addr>,
     nf: &mut NewFlow<F::Addr>,
     min: u16,
@@ -842,7 +892,7 @@ pub fn create_snat<F: SnatFamily>(
 /// CPU's `Scratch` (`try_port`), network order: `reopened_be` if it is in
 /// the range and free, else the first of `SNAT_TRIES` random tries free.
 #[inline(always)]
-fn claim_port<F: SnatFamily>(
+fn claim_port<F: CreateFamily>(
     proto: u8,
     min: u16,
     max: u16,
@@ -871,24 +921,39 @@ fn claim_port<F: SnatFamily>(
     None
 }
 
-/// A family's try at a SNAT port (`try_port`), as a function of its own.
-pub trait SnatFamily: Family {
+/// What a family's new flows call as functions of their own: the try at a
+/// SNAT port (`try_port`) and the inserts of a flow's two entries
+/// (`insert_pair`).
+pub trait CreateFamily: Family {
     /// `try_port` of this family, `port` holding the port (network order)
     /// and, in bit 16, whether it may reclaim.
     fn try_port(proto: u64, now: u64, port: u64) -> u32;
+
+    /// `insert_pair` of this family, into `CONNTRACK` when `room` is 1.
+    fn insert_pair(room: u64) -> u32;
 }
 
-impl SnatFamily for V4 {
+impl CreateFamily for V4 {
     #[inline(always)]
     fn try_port(proto: u64, now: u64, port: u64) -> u32 {
         snat_try_port(proto, now, port)
     }
+
+    #[inline(always)]
+    fn insert_pair(room: u64) -> u32 {
+        ct_insert_pair(room)
+    }
 }
 
-impl SnatFamily for V6 {
+impl CreateFamily for V6 {
     #[inline(always)]
     fn try_port(proto: u64, now: u64, port: u64) -> u32 {
         snat_try_port6(proto, now, port)
+    }
+
+    #[inline(always)]
+    fn insert_pair(room: u64) -> u32 {
+        ct_insert_pair6(room)
     }
 }
 
@@ -910,6 +975,55 @@ pub extern "C" fn snat_try_port(proto: u64, now: u64, port: u64) -> u32 {
 #[unsafe(link_section = ".text")]
 pub extern "C" fn snat_try_port6(proto: u64, now: u64, port: u64) -> u32 {
     try_port::<V6>(proto as u8, now, port as u16, port >> 16 != 0)
+}
+
+/// `insert_pair` of IPv4, global as `snat_try_port` is.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn ct_insert_pair(room: u64) -> u32 {
+    insert_pair::<V4>(room != 0)
+}
+
+/// `insert_pair` of IPv6, as `ct_insert_pair`.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn ct_insert_pair6(room: u64) -> u32 {
+    insert_pair::<V6>(room != 0)
+}
+
+/// Inserts the new flow `create` built in this CPU's `Scratch`: its reply
+/// entry (`key`, `value`) first, so that once packets are translated their
+/// answers already find their way back, then its forward entry
+/// (`other_key`, `other_value`). Into `CT_NEW`, where an assured flow
+/// holding the reply entry's key in `CONNTRACK` goes first; into
+/// `CONNTRACK` with `room`, overwriting it there. Either way the copies
+/// that said the keys were absent, or were of what `CONNTRACK` held there,
+/// go (`flow_cache::put_absent`). 1 when both went in.
+#[inline(always)]
+fn insert_pair<F: Family>(room: bool) -> u32 {
+    let Some(scratch) = scratch::<F>() else {
+        return 0;
+    };
+    let map = if room {
+        F::conntrack()
+    } else {
+        if F::conntrack().get_ptr(&scratch.key).is_some() {
+            remove::<F>(F::conntrack(), &scratch.key);
+        }
+        F::ct_new()
+    };
+    let reply = map.insert(&scratch.key, &scratch.value, BPF_ANY).is_ok();
+    let forward = map
+        .insert(&scratch.other_key, &scratch.other_value, BPF_ANY)
+        .is_ok();
+    flow_cache::invalidate(&scratch.key);
+    flow_cache::invalidate(&scratch.other_key);
+    if room {
+        count(counter::CT_REOPENED);
+    }
+    u32::from(reply && forward)
 }
 
 /// Claims `port_be` for the reply entry in this CPU's `Scratch`

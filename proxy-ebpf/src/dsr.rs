@@ -22,7 +22,7 @@ use proxy_common::{
 
 use crate::{
     conntrack::{self, NewFlow},
-    family::{Family, V4, V6},
+    family::{V4, V6},
     frontend::{self, Frontend},
     hook::Hook,
     maps::{count, node_flags},
@@ -41,7 +41,7 @@ const IPV6_PAYLOAD_LEN_OFF: usize = 4;
 const IPV6_NEXT_HDR_OFF: usize = 6;
 
 /// Direct server return as each family carries it.
-pub trait DsrFamily: Family {
+pub trait DsrFamily: conntrack::CreateFamily {
     /// The bytes the carrier adds to each packet.
     const ROOM: u16;
 

@@ -144,6 +144,13 @@ pub struct Scratch<A> {
     pub key: CtKeyOf<A>,
     pub other_key: CtKeyOf<A>,
     pub value: CtValueOf<A>,
+    /// A new flow's forward entry, at `other_key`, beside its reply entry
+    /// in `value` (`conntrack::create`).
+    pub other_value: CtValueOf<A>,
+    /// The key of the closed flow whose entries the last SYN to open a
+    /// tuple again removed from `CONNTRACK`: the room its new flow starts
+    /// in (`conntrack::create`), taken once (its protocol then 0).
+    pub room_key: CtKeyOf<A>,
 }
 
 /// The route of the packet being handled, both families (see `crate::route`):

@@ -11,6 +11,7 @@ pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
 pub const FIN: u8 = 0x01;
 pub const RST: u8 = 0x04;
+pub const PSH: u8 = 0x08;
 
 pub fn csum(data: &[u8], initial: u32) -> u16 {
     let mut sum = initial;

@@ -3315,6 +3315,216 @@ fn a_flood_of_new_flows_leaves_established_flows_alone() {
     );
 }
 
+/// A client opening a new connection from the port of one it just reset,
+/// while that flow's entries are closing in `CONNTRACK`, starts the new flow
+/// in the room they leave there: its SYN removes both closed entries and
+/// puts the new flow's two in their place, none goes through `CT_NEW`, none
+/// is moved when the handshake assures the flow (`ct_assured` stays), and
+/// `CONNTRACK` holds as many entries as before. The new flow is translated
+/// both ways, and its retransmitted SYN keeps its backend. Where the closed
+/// flow's reply entry is no longer its own (rewritten here behind the
+/// datapath's back, as only a test would), the SYN leaves no room, and the
+/// new flow starts in `CT_NEW` as any does. A client at its share of
+/// `CONNTRACK` (`ct_source_share`) takes the room of its own closed flow
+/// as well, and holds no more flows than before.
+#[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario, read top to bottom, over one loaded datapath"
+)]
+fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
+    let mut fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let key = |sport: u16| ct_key(CLIENT, sport, VIP, 80, proxy_common::PROTO_TCP);
+    let reply_key = |backend: Ipv4Addr, sport: u16| {
+        ct_key(backend, 8080, CLIENT, sport, proxy_common::PROTO_TCP)
+    };
+    // SYN, SYN-ACK, ACK through the ClusterIP: the backend.
+    let connect = |fx: &Fixture, sport: u16, what: &str| {
+        let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+        assert_eq!(ret, TC_ACT_OK, "{what}: SYN verdict");
+        let backend = parse_checked(&out, &format!("{what}: SYN")).dst;
+        assert!(BACKENDS.contains(&backend), "{what}: SYN sent to {backend}");
+        let (_, out) = run(
+            fx,
+            &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+        );
+        let answer = parse_checked(&out, &format!("{what}: SYN-ACK"));
+        assert_eq!(
+            (answer.src, answer.sport),
+            (VIP, 80),
+            "{what}: the SYN-ACK was not translated back"
+        );
+        let (_, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+        assert_eq!(
+            parse_checked(&out, &format!("{what}: ACK")).dst,
+            backend,
+            "{what}: the ACK went elsewhere"
+        );
+        backend
+    };
+    let reset = |fx: &Fixture, sport: u16| {
+        let (ret, _) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::RST | frame::ACK));
+        assert_eq!(ret, TC_ACT_OK, "client port {sport}: RST verdict");
+        let entry = fx.datapath.maps.conntrack.get(&key(sport), 0);
+        assert!(
+            entry
+                .as_ref()
+                .is_ok_and(|e| e.flags & ct_flags::CLOSING != 0),
+            "client port {sport}: the reset flow is not closing in CONNTRACK: {entry:?}"
+        );
+    };
+    let in_maps = |fx: &Fixture, k: &proxy_common::CtKey| {
+        (
+            fx.datapath.maps.conntrack.get(k, 0).ok(),
+            fx.datapath.maps.ct_new.get(k, 0).is_ok(),
+        )
+    };
+
+    // An open connection beside the one reset and opened again.
+    let other = connect(&fx, 43_001, "the other connection");
+    let first = connect(&fx, 43_000, "the first connection");
+    reset(&fx, 43_000);
+    let (assured, entries) = (counter(&fx, "ct_assured"), ct_len(&fx));
+    assert_eq!((assured, entries), (2, 4), "(ct_assured, entries) before");
+
+    let (_, out) = run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    let second = parse_checked(&out, "the reopening SYN").dst;
+    assert!(
+        BACKENDS.contains(&second),
+        "the reopening SYN went to {second}"
+    );
+    let (forward, forward_in_ct_new) = in_maps(&fx, &key(43_000));
+    let forward = forward.unwrap_or_else(|| {
+        panic!(
+            "the reopened flow's forward entry is not in CONNTRACK (in CT_NEW: {forward_in_ct_new})"
+        )
+    });
+    assert!(
+        !forward_in_ct_new,
+        "the reopened flow's forward entry is in CT_NEW too"
+    );
+    assert_eq!(
+        forward.flags & (ct_flags::CLOSING | ct_flags::ASSURED | ct_flags::SEEN_REPLY),
+        0,
+        "the reopened flow's forward entry is the closed flow's: {forward:?}"
+    );
+    let (reply, reply_in_ct_new) = in_maps(&fx, &reply_key(second, 43_000));
+    assert!(
+        reply.is_some() && !reply_in_ct_new,
+        "the reopened flow's reply entry: in CONNTRACK {}, in CT_NEW {reply_in_ct_new}",
+        reply.is_some()
+    );
+    if second != first {
+        assert_eq!(
+            in_maps(&fx, &reply_key(first, 43_000)),
+            (None, false),
+            "the closed flow's reply entry outlived the reopening SYN"
+        );
+    }
+    let (_, out) = run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    assert_eq!(
+        parse_checked(&out, "the retransmitted SYN").dst,
+        second,
+        "a retransmitted SYN of the reopened flow changed its backend"
+    );
+    let (_, out) = run(
+        &fx,
+        &tcp(second, 8080, CLIENT, 43_000, frame::SYN | frame::ACK),
+    );
+    let answer = parse_checked(&out, "the reopened flow's SYN-ACK");
+    assert_eq!(
+        (answer.src, answer.sport),
+        (VIP, 80),
+        "the reopened flow's SYN-ACK"
+    );
+    for flags in [frame::ACK, frame::ACK | frame::PSH] {
+        let (_, out) = run(&fx, &tcp(CLIENT, 43_000, VIP, 80, flags));
+        assert_eq!(
+            parse_checked(&out, "the reopened flow's data").dst,
+            second,
+            "the reopened flow's packet with flags {flags:#x} went elsewhere"
+        );
+    }
+    let (_, out) = run(&fx, &tcp(second, 8080, CLIENT, 43_000, frame::ACK));
+    assert_eq!(parse_checked(&out, "the reopened flow's answer").src, VIP);
+    let forward = fx
+        .datapath
+        .maps
+        .conntrack
+        .get(&key(43_000), 0)
+        .expect("the reopened flow's forward entry after its handshake");
+    assert_ne!(forward.flags & ct_flags::ASSURED, 0, "{forward:?}");
+    assert_eq!(
+        (
+            counter(&fx, "ct_assured"),
+            ct_len(&fx),
+            counter(&fx, "ct_reopened")
+        ),
+        (assured, entries, 1),
+        "(ct_assured, entries, ct_reopened): the reopened flow was moved, or left more entries than its closed one"
+    );
+    let (_, out) = run(&fx, &tcp(CLIENT, 43_001, VIP, 80, frame::ACK));
+    assert_eq!(parse_checked(&out, "the other connection").dst, other);
+
+    // No room: the closed flow's reply entry is another client port's now.
+    reset(&fx, 43_000);
+    let reply = reply_key(second, 43_000);
+    let mut theirs = fx
+        .datapath
+        .maps
+        .conntrack
+        .get(&reply, 0)
+        .expect("the closed flow's reply entry");
+    theirs.alt_port_be = 43_002u16.to_be();
+    fx.datapath
+        .maps
+        .conntrack
+        .insert(reply, theirs, 0)
+        .expect("rewriting the reply entry");
+    run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    assert!(
+        matches!(in_maps(&fx, &key(43_000)), (None, true)),
+        "a SYN that removed one closed entry started its flow in CONNTRACK"
+    );
+
+    // A share of 1 flow, which the client holds (43_001, as the reaper's
+    // recount finds): that flow's port opened again takes its room all the
+    // same, and the client holds no more than before, so a new port's flow
+    // stays in CT_NEW, unassured.
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: proxy_common::NodeConfig {
+                ct_source_share: 1,
+                ..node_config(1024, 65535, 0)
+            },
+        })
+        .expect("a share of 1");
+    proxy_userspace::housekeeping::ct_sources::recount(
+        &mut fx.datapath.maps,
+        conntrack::monotonic_ns(),
+    )
+    .expect("the recount");
+    reset(&fx, 43_001);
+    let again = connect(&fx, 43_001, "the other connection opened again");
+    let (forward, forward_in_ct_new) = in_maps(&fx, &key(43_001));
+    assert!(
+        forward.is_some_and(|f| f.flags & ct_flags::ASSURED != 0) && !forward_in_ct_new,
+        "at its share, a client's reopened port did not take its closed flow's room \
+         (in CT_NEW: {forward_in_ct_new})"
+    );
+    assert!(BACKENDS.contains(&again));
+    let refused = counter(&fx, "ct_share_refused");
+    connect(&fx, 43_004, "a connection past the share");
+    assert!(
+        matches!(in_maps(&fx, &key(43_004)), (None, true)),
+        "a client at its share, whose reopened port took a room, had a new port's flow assured"
+    );
+    assert!(counter(&fx, "ct_share_refused") > refused);
+    assert_eq!(counter(&fx, "ct_reopened"), 2, "ct_reopened");
+}
+
 /// A TCP flow that saw its SYN-ACK but never the client's ACK (a half-open
 /// flow, as a SYN flood from spoofed clients leaves) keeps the handshake's
 /// timeout, not the established one: with a 1 s SYN timeout its entries are

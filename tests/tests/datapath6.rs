@@ -288,6 +288,59 @@ fn tcp_syn_is_dnated_and_the_reply_reverse_natted() {
     assert_eq!(flows, 2, "a flow has an entry per direction in CONNTRACK6");
 }
 
+/// IPv6's client port opened again while its reset flow is closing, as
+/// IPv4's (`datapath.rs`): the new flow starts in `CONNTRACK6`, in the
+/// room its closed flow's two entries leave there, is never moved
+/// (`ct_assured` stays), and is translated both ways.
+#[test]
+fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
+    let fx = fixture();
+    round_trip(&fx, frame::TCP, 80, 8080, 41_002);
+    let (ret, _) = run(&fx, &tcp(CLIENT, 41_002, VIP, 80, frame::RST | frame::ACK));
+    assert_eq!(ret, TC_ACT_OK, "the client's RST: verdict");
+    let key = ct6_key(CLIENT, 41_002, VIP, 80, frame::TCP);
+    let in_conntrack6 = |fx: &Fixture| {
+        fx.datapath
+            .maps
+            .conntrack6
+            .as_ref()
+            .expect("CONNTRACK6 is loaded")
+            .get(&key, 0)
+            .ok()
+    };
+    let closed = in_conntrack6(&fx).expect("the reset flow's forward entry");
+    assert_ne!(
+        closed.flags & proxy_common::ct_flags::CLOSING,
+        0,
+        "{closed:?}"
+    );
+    let before = (counter(&fx, "ct_assured"), entries6(&fx));
+    assert_eq!(
+        before,
+        (1, (2, 0)),
+        "(ct_assured, (assured, unassured entries))"
+    );
+
+    round_trip(&fx, frame::TCP, 80, 8080, 41_002);
+    let forward = in_conntrack6(&fx).expect("the reopened flow's forward entry in CONNTRACK6");
+    assert_eq!(
+        forward.flags & proxy_common::ct_flags::CLOSING,
+        0,
+        "{forward:?}"
+    );
+    assert_ne!(
+        forward.flags & proxy_common::ct_flags::ASSURED,
+        0,
+        "{forward:?}"
+    );
+    assert_eq!(
+        (counter(&fx, "ct_assured"), entries6(&fx)),
+        before,
+        "(ct_assured, entries) after the reopened connection's handshake: moved, or more entries"
+    );
+    assert_eq!(counter(&fx, "ct_reopened"), 1, "ct_reopened");
+}
+
 #[test]
 fn udp_is_translated_both_ways() {
     let fx = fixture();

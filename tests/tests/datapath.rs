@@ -3492,15 +3492,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     // recount finds): that flow's port opened again takes its room all the
     // same, and the client holds no more than before, so a new port's flow
     // stays in CT_NEW, unassured.
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetNodeConfig {
-            config: proxy_common::NodeConfig {
-                ct_source_share: 1,
-                ..node_config(1024, 65535, 0)
-            },
-        })
-        .expect("a share of 1");
+    set_ct_source_share(&mut fx, 1);
     proxy_userspace::housekeeping::ct_sources::recount(
         &mut fx.datapath.maps,
         conntrack::monotonic_ns(),
@@ -3733,6 +3725,20 @@ fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
     assert_eq!(counter(&fx, "ct_out_of_window"), 4);
 }
 
+/// Gives each client a share of `share` assured flows
+/// (`--conntrack-max-per-source`), SNAT as `node_config` has it.
+fn set_ct_source_share(fx: &mut Fixture, share: u32) {
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: proxy_common::NodeConfig {
+                ct_source_share: share,
+                ..node_config(1024, 65535, 0)
+            },
+        })
+        .unwrap_or_else(|e| panic!("a share of {share}: {e}"));
+}
+
 /// A client that completes handshakes past its share of assured flows
 /// (`--conntrack-max-per-source`, 2 here) keeps them working, but
 /// unassured in `CT_NEW` (counted `ct_share_refused`), where they can only
@@ -3743,15 +3749,7 @@ fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
 fn a_client_past_its_share_of_conntrack_stays_unassured() {
     use proxy_userspace::housekeeping::ct_sources;
     let mut fx = fixture();
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetNodeConfig {
-            config: proxy_common::NodeConfig {
-                ct_source_share: 2,
-                ..node_config(1024, 65535, 0)
-            },
-        })
-        .expect("a share of 2");
+    set_ct_source_share(&mut fx, 2);
     let other_client = Ipv4Addr::new(10, 200, 0, 77);
     let connect = |fx: &Fixture, client: Ipv4Addr, sport: u16| {
         let (ret, out) = run(fx, &tcp(client, sport, VIP, 80, frame::SYN));

@@ -36,12 +36,24 @@ fn main() {
         println!("cargo:warning=EBPF_PROXY_SKIP_EBPF_BUILD set: the agent has no eBPF object");
         return;
     }
-    assert!(
-        Path::new(BPF_RUSTC).exists(),
-        "{BPF_RUSTC} not found: the eBPF object is built with Debian's rustc-web and its \
-         prebuilt BPF core. Run `cargo xtask setup` (or apt-get install rustc-web \
-         libstd-rust-web-dev-bpf; cargo install bpf-linker@0.10.0 --locked)."
-    );
+    // A fresh machine has neither: `cargo xtask setup`, which installs
+    // them, is itself built against this crate, so it must build without
+    // them. The object is left empty (the agent then says why at load),
+    // and a path that never exists makes cargo run this script again on
+    // every build until the toolchain is there.
+    if let Some(missing) = missing_toolchain() {
+        std::fs::write(&object, b"").expect("write empty object");
+        println!(
+            "cargo:rerun-if-changed={}",
+            out_dir.join("ebpf-toolchain-missing").display()
+        );
+        println!(
+            "cargo:warning={missing} not found: this build carries no eBPF object. Run `cargo \
+             xtask setup` (or apt-get install rustc-web libstd-rust-web-dev-bpf; cargo install \
+             bpf-linker@0.10.0 --locked), then build again."
+        );
+        return;
+    }
 
     let target_dir = out_dir.join("ebpf-target");
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -91,4 +103,15 @@ fn main() {
     let built = target_dir.join(TARGET).join("release").join("proxy-ebpf");
     std::fs::copy(&built, &object)
         .unwrap_or_else(|e| panic!("copying {} to {}: {e}", built.display(), object.display()));
+}
+
+/// The first tool of the eBPF build that is not installed: Debian's
+/// rustc-web at `BPF_RUSTC`, or `bpf-linker` on `PATH`.
+fn missing_toolchain() -> Option<&'static str> {
+    if !Path::new(BPF_RUSTC).exists() {
+        return Some(BPF_RUSTC);
+    }
+    let on_path = env::var_os("PATH")
+        .is_some_and(|path| env::split_paths(&path).any(|dir| dir.join("bpf-linker").is_file()));
+    (!on_path).then_some("bpf-linker")
 }

@@ -186,6 +186,20 @@ fn counter(fx: &Fixture, name: &str) -> u64 {
         .map_or_else(|| panic!("no counter {name}"), |(_, v)| v)
 }
 
+/// The counters that are not zero, for a failure's message: what the
+/// programs did with the packets so far.
+fn counters_set(fx: &Fixture) -> String {
+    fx.datapath
+        .maps
+        .counters()
+        .expect("reading counters")
+        .into_iter()
+        .filter(|(_, v)| *v != 0)
+        .map(|(n, v)| format!("{n}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn spec(src: Ipv6Addr, sport: u16, dst: Ipv6Addr, dport: u16, proto: u8, flags: u8) -> Spec6 {
     Spec6 {
         src,
@@ -2604,7 +2618,8 @@ fn xdp_local_backend_dnat_and_the_reply_sent_back() {
     assert_eq!(
         (p.src, p.sport, p.dst, p.dport),
         (OUTSIDE, 45100, LOCAL_POD, 8080),
-        "datagram to a local backend must be DNATed only"
+        "datagram to a local backend must be DNATed only; counters: {}",
+        counters_set(&nf.fx)
     );
     let (ret, out) = run_xdp(&nf, &udp(LOCAL_POD, 8080, OUTSIDE, 45100));
     assert_eq!(ret, XDP_REDIRECT, "answer from the node's address: verdict");

@@ -57,7 +57,7 @@ pub static EBPF_OBJECT: &[u8] =
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     #[error(
-        "this binary carries no eBPF object (built with EBPF_PROXY_SKIP_EBPF_BUILD); rebuild with `cargo xtask build`"
+        "this binary carries no eBPF object (built without the eBPF toolchain, or with EBPF_PROXY_SKIP_EBPF_BUILD): run `cargo xtask setup`, then rebuild with `cargo xtask build`"
     )]
     NoObject,
     #[error(

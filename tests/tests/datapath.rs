@@ -3517,6 +3517,54 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     assert_eq!(counter(&fx, "ct_reopened"), 2, "ct_reopened");
 }
 
+/// Only an assured flow's room in `CONNTRACK` is taken by its port opened
+/// again: a flow reset before its handshake completed leaves its entries
+/// in `CT_NEW`, and the SYN that opens its tuple again starts the new flow
+/// there too, unassured, so that a client cycling SYN and RST on its ports
+/// never reaches `CONNTRACK` without completing a handshake.
+#[test]
+fn a_client_port_reset_before_its_handshake_opens_again_in_ct_new() {
+    let fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let key = ct_key(CLIENT, 43_100, VIP, 80, proxy_common::PROTO_TCP);
+    let where_is = || {
+        (
+            fx.datapath.maps.conntrack.get(&key, 0).is_ok(),
+            fx.datapath.maps.ct_new.get(&key, 0).ok().map(|e| e.flags),
+        )
+    };
+    for round in 0..3 {
+        let (ret, out) = run(&fx, &tcp(CLIENT, 43_100, VIP, 80, frame::SYN));
+        assert_eq!(ret, TC_ACT_OK, "SYN {round}: verdict");
+        let to = parse_checked(&out, &format!("SYN {round}")).dst;
+        assert!(BACKENDS.contains(&to), "SYN {round} sent to {to}");
+        if round == 0 {
+            run(&fx, &tcp(to, 8080, CLIENT, 43_100, frame::SYN | frame::ACK));
+        }
+        let (in_conntrack, in_ct_new) = where_is();
+        assert!(
+            !in_conntrack && in_ct_new.is_some(),
+            "SYN {round}: the flow's forward entry in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new:?}"
+        );
+        run(&fx, &tcp(CLIENT, 43_100, VIP, 80, frame::RST | frame::ACK));
+        let (in_conntrack, in_ct_new) = where_is();
+        assert!(
+            !in_conntrack && in_ct_new.is_some_and(|f| f & ct_flags::CLOSING != 0),
+            "RST {round}: the reset flow is not closing in CT_NEW alone \
+             (in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new:?})"
+        );
+    }
+    assert_eq!(
+        (
+            counter(&fx, "ct_reopened"),
+            counter(&fx, "ct_assured"),
+            fx.datapath.maps.conntrack.keys().count()
+        ),
+        (0, 0, 0),
+        "(ct_reopened, ct_assured, CONNTRACK's entries): an unassured flow's port opened again reached CONNTRACK"
+    );
+}
+
 /// A TCP flow that saw its SYN-ACK but never the client's ACK (a half-open
 /// flow, as a SYN flood from spoofed clients leaves) keeps the handshake's
 /// timeout, not the established one: with a 1 s SYN timeout its entries are

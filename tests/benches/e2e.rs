@@ -1340,9 +1340,9 @@ impl Report<'_> {
 
     /// The end-to-end targets (twice iptables' connection rate, a lower p99, within
     /// 10% of no load balancer and then within 5%, request/response on established
-    /// connections and pod to pod against no load balancer) at 10,000 Services, or at the largest S measured with a
-    /// note that it is not 10,000. Judged on the paired per-round medians; the
-    /// quartiles say how firm each verdict is.
+    /// connections and pod to pod against no load balancer) at 10,000 Services, or
+    /// at the largest S measured with a note that it is not 10,000. Judged on the
+    /// paired per-round medians; the quartiles say how firm each verdict is.
     fn targets_markdown(&self) -> String {
         let Some(&largest) = self.cfg.sizes.iter().max() else {
             return String::new();

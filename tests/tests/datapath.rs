@@ -3374,12 +3374,6 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
             "client port {sport}: the reset flow is not closing in CONNTRACK: {entry:?}"
         );
     };
-    let in_maps = |fx: &Fixture, k: &proxy_common::CtKey| {
-        (
-            fx.datapath.maps.conntrack.get(k, 0).ok(),
-            fx.datapath.maps.ct_new.get(k, 0).is_ok(),
-        )
-    };
 
     // An open connection beside the one reset and opened again.
     let other = connect(&fx, 43_001, "the other connection");
@@ -3394,14 +3388,14 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         BACKENDS.contains(&second),
         "the reopening SYN went to {second}"
     );
-    let (forward, forward_in_ct_new) = in_maps(&fx, &key(43_000));
+    let (forward, forward_in_ct_new) = ct_entries(&fx, &key(43_000));
     let forward = forward.unwrap_or_else(|| {
         panic!(
-            "the reopened flow's forward entry is not in CONNTRACK (in CT_NEW: {forward_in_ct_new})"
+            "the reopened flow's forward entry is not in CONNTRACK (in CT_NEW: {forward_in_ct_new:?})"
         )
     });
     assert!(
-        !forward_in_ct_new,
+        forward_in_ct_new.is_none(),
         "the reopened flow's forward entry is in CT_NEW too"
     );
     assert_eq!(
@@ -3409,16 +3403,15 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         0,
         "the reopened flow's forward entry is the closed flow's: {forward:?}"
     );
-    let (reply, reply_in_ct_new) = in_maps(&fx, &reply_key(second, 43_000));
+    let (reply, reply_in_ct_new) = ct_entries(&fx, &reply_key(second, 43_000));
     assert!(
-        reply.is_some() && !reply_in_ct_new,
-        "the reopened flow's reply entry: in CONNTRACK {}, in CT_NEW {reply_in_ct_new}",
-        reply.is_some()
+        reply.is_some() && reply_in_ct_new.is_none(),
+        "the reopened flow's reply entry: in CONNTRACK {reply:?}, in CT_NEW {reply_in_ct_new:?}"
     );
     if second != first {
         assert_eq!(
-            in_maps(&fx, &reply_key(first, 43_000)),
-            (None, false),
+            ct_entries(&fx, &reply_key(first, 43_000)),
+            (None, None),
             "the closed flow's reply entry outlived the reopening SYN"
         );
     }
@@ -3484,7 +3477,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         .expect("rewriting the reply entry");
     run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
     assert!(
-        matches!(in_maps(&fx, &key(43_000)), (None, true)),
+        matches!(ct_entries(&fx, &key(43_000)), (None, Some(_))),
         "a SYN that removed one closed entry started its flow in CONNTRACK"
     );
 
@@ -3500,17 +3493,17 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     .expect("the recount");
     reset(&fx, 43_001);
     let again = connect(&fx, 43_001, "the other connection opened again");
-    let (forward, forward_in_ct_new) = in_maps(&fx, &key(43_001));
+    let (forward, forward_in_ct_new) = ct_entries(&fx, &key(43_001));
     assert!(
-        forward.is_some_and(|f| f.flags & ct_flags::ASSURED != 0) && !forward_in_ct_new,
+        forward.is_some_and(|f| f.flags & ct_flags::ASSURED != 0) && forward_in_ct_new.is_none(),
         "at its share, a client's reopened port did not take its closed flow's room \
-         (in CT_NEW: {forward_in_ct_new})"
+         (in CT_NEW: {forward_in_ct_new:?})"
     );
     assert!(BACKENDS.contains(&again));
     let refused = counter(&fx, "ct_share_refused");
     connect(&fx, 43_004, "a connection past the share");
     assert!(
-        matches!(in_maps(&fx, &key(43_004)), (None, true)),
+        matches!(ct_entries(&fx, &key(43_004)), (None, Some(_))),
         "a client at its share, whose reopened port took a room, had a new port's flow assured"
     );
     assert!(counter(&fx, "ct_share_refused") > refused);
@@ -3527,12 +3520,6 @@ fn a_client_port_reset_before_its_handshake_opens_again_in_ct_new() {
     let fx = fixture();
     let _cpu = stay_on_this_cpu();
     let key = ct_key(CLIENT, 43_100, VIP, 80, proxy_common::PROTO_TCP);
-    let where_is = || {
-        (
-            fx.datapath.maps.conntrack.get(&key, 0).is_ok(),
-            fx.datapath.maps.ct_new.get(&key, 0).ok().map(|e| e.flags),
-        )
-    };
     for round in 0..3 {
         let (ret, out) = run(&fx, &tcp(CLIENT, 43_100, VIP, 80, frame::SYN));
         assert_eq!(ret, TC_ACT_OK, "SYN {round}: verdict");
@@ -3541,17 +3528,17 @@ fn a_client_port_reset_before_its_handshake_opens_again_in_ct_new() {
         if round == 0 {
             run(&fx, &tcp(to, 8080, CLIENT, 43_100, frame::SYN | frame::ACK));
         }
-        let (in_conntrack, in_ct_new) = where_is();
+        let (in_conntrack, in_ct_new) = ct_entries(&fx, &key);
         assert!(
-            !in_conntrack && in_ct_new.is_some(),
-            "SYN {round}: the flow's forward entry in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new:?}"
+            in_conntrack.is_none() && in_ct_new.is_some(),
+            "SYN {round}: the flow's forward entry in CONNTRACK {in_conntrack:?}, in CT_NEW {in_ct_new:?}"
         );
         run(&fx, &tcp(CLIENT, 43_100, VIP, 80, frame::RST | frame::ACK));
-        let (in_conntrack, in_ct_new) = where_is();
+        let (in_conntrack, in_ct_new) = ct_entries(&fx, &key);
         assert!(
-            !in_conntrack && in_ct_new.is_some_and(|f| f & ct_flags::CLOSING != 0),
+            in_conntrack.is_none() && in_ct_new.is_some_and(|e| e.flags & ct_flags::CLOSING != 0),
             "RST {round}: the reset flow is not closing in CT_NEW alone \
-             (in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new:?})"
+             (in CONNTRACK {in_conntrack:?}, in CT_NEW {in_ct_new:?})"
         );
     }
     assert_eq!(
@@ -3818,8 +3805,8 @@ fn a_client_past_its_share_of_conntrack_stays_unassured() {
     };
     let assured = |fx: &Fixture, client: Ipv4Addr, sport: u16| {
         let key = ct_key(client, sport, VIP, 80, proxy_common::PROTO_TCP);
-        let in_conntrack = fx.datapath.maps.conntrack.get(&key, 0).is_ok();
-        let in_ct_new = fx.datapath.maps.ct_new.get(&key, 0).is_ok();
+        let (in_conntrack, in_ct_new) = ct_entries(fx, &key);
+        let (in_conntrack, in_ct_new) = (in_conntrack.is_some(), in_ct_new.is_some());
         assert!(
             in_conntrack != in_ct_new,
             "{client}:{sport}: in CONNTRACK {in_conntrack}, in CT_NEW {in_ct_new}"
@@ -3876,6 +3863,17 @@ const ICMP_FRAG_NEEDED: (u8, u8, u16) = (3, 4, 1400);
 const ICMP_TTL_EXCEEDED: (u8, u8, u16) = (11, 0, 0);
 
 /// Entries in both conntrack maps.
+/// `key`'s entries in `CONNTRACK` and in `CT_NEW`: where its flow lives.
+fn ct_entries(
+    fx: &Fixture,
+    key: &proxy_common::CtKey,
+) -> (Option<proxy_common::CtValue>, Option<proxy_common::CtValue>) {
+    (
+        fx.datapath.maps.conntrack.get(key, 0).ok(),
+        fx.datapath.maps.ct_new.get(key, 0).ok(),
+    )
+}
+
 fn ct_len(fx: &Fixture) -> usize {
     fx.datapath.maps.conntrack.keys().count() + fx.datapath.maps.ct_new.keys().count()
 }

@@ -76,6 +76,9 @@ pub mod map_names {
     /// The prefilter's bit array (`prefilter`), mapped into the agent's
     /// memory: 64-bit words.
     pub const PREFILTER: &str = "PREFILTER";
+    /// The prefilter's marks of flows' reply keys (`prefilter::flows`),
+    /// mapped into the agent's memory: 64-bit words of byte slots.
+    pub const PREFILTER_FLOWS: &str = "PREFILTER_FLOWS";
     /// The Service port each service id stands for (`ServiceName`): read
     /// by `ebpf-proxy status` only, no program looks at it.
     pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
@@ -106,7 +109,7 @@ pub mod map_names {
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 19] = [
+    pub const LATER: [&str; 20] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -120,6 +123,7 @@ pub mod map_names {
         FLOW_CACHE6,
         LOCAL_IFACES,
         PREFILTER,
+        PREFILTER_FLOWS,
         SERVICE_NAMES,
         SERVICE_CIDRS,
         SERVICE_REFUSALS,
@@ -131,7 +135,7 @@ pub mod map_names {
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 36] = [
+    pub const ALL: [&str; 37] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -163,6 +167,7 @@ pub mod map_names {
         CT_SOURCES,
         CT_SOURCES6,
         PREFILTER,
+        PREFILTER_FLOWS,
         SERVICE_NAMES,
         SERVICE_CIDRS,
         SERVICE_REFUSALS,
@@ -435,7 +440,7 @@ pub const MAX_FRAGMENTS: u32 = 8192;
 /// `BPF_F_NO_PREALLOC`, for the map definitions.
 pub const MAP_F_NO_PREALLOC: usize = 1;
 /// `BPF_F_MMAPABLE`: an array the agent maps into its memory and writes
-/// without a system call (`PREFILTER`).
+/// without a system call (`PREFILTER`, `PREFILTER_FLOWS`).
 pub const MAP_F_MMAPABLE: usize = 1 << 10;
 
 /// Largest backend set one frontend may have (a slot index is below this).

@@ -44,6 +44,7 @@ use crate::{
     maps::{CLOCK, Conntrack, Scratch, count, ct_source_share, expired},
     nat::NatOf,
     packet::{FlowOf, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    prefilter,
 };
 
 const BPF_ANY: u64 = 0;
@@ -1020,6 +1021,7 @@ fn insert_pair<F: Family>(room: bool) -> u32 {
         .is_ok();
     flow_cache::invalidate(&scratch.key);
     flow_cache::invalidate(&scratch.other_key);
+    prefilter::mark_reply(&scratch.key);
     if room {
         count(counter::CT_REOPENED);
     }
@@ -1050,6 +1052,11 @@ fn try_port<F: Family>(proto: u8, now: u64, port_be: u16, reclaim: bool) -> u32 
         taken = F::ct_new()
             .insert(&scratch.key, &scratch.value, BPF_NOEXIST)
             .is_err();
+    }
+    if !taken {
+        // The claimed entry is the flow's reply entry: `create_snat`
+        // inserts its forward entry next and never this one again.
+        prefilter::mark_reply(&scratch.key);
     }
     u32::from(!taken)
 }

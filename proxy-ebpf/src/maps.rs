@@ -73,6 +73,13 @@ pub static BACKENDS: HashMap<u32, Backend, { MAX_BACKENDS as usize }, MAP_F_NO_P
 #[btf_map]
 pub static PREFILTER: Array<u64, { prefilter::WORDS as usize }, MAP_F_MMAPABLE> = Array::new();
 
+/// The prefilter's marks of flows' reply keys (`crate::prefilter`): set by
+/// the datapath as it inserts flows, cleared by the agent through its own
+/// mapping of the array.
+#[btf_map]
+pub static PREFILTER_FLOWS: Array<u64, { prefilter::flows::WORDS as usize }, MAP_F_MMAPABLE> =
+    Array::new();
+
 /// A conntrack map of either family (see `crate::conntrack`).
 pub type Conntrack<A> = LruHashMap<CtKeyOf<A>, CtValueOf<A>, { MAX_CONNTRACK as usize }>;
 

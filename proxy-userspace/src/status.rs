@@ -88,6 +88,11 @@ pub struct NodeReport {
     /// None where the pins have none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefilter_bits_set: Option<u32>,
+    /// Slots the prefilter's flow marks hold marked, of
+    /// `proxy_common::prefilter::flows::SLOTS`; None where the pins have
+    /// none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefilter_flow_slots_marked: Option<u32>,
     /// What `SERVICE_CIDRS` holds; None where the pins have none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_cidrs: Option<ServiceCidrs>,
@@ -304,6 +309,10 @@ fn node(
         socket_notes: socket_notes(pins),
         map_fill,
         prefilter_bits_set: maps.prefilter.as_ref().map(|p| p.ones()),
+        prefilter_flow_slots_marked: maps
+            .prefilter_flows
+            .as_ref()
+            .map(crate::datapath::prefilter_flows::FlowMarks::marked),
         service_cidrs: service_cidrs(maps)?,
         counters,
     })
@@ -429,6 +438,14 @@ fn node_text(node: &NodeReport) -> String {
             out,
             "prefilter: {ones} of {bits} bits set ({:.2}%)",
             100.0 * f64::from(ones) / f64::from(bits)
+        );
+    }
+    if let Some(marked) = node.prefilter_flow_slots_marked {
+        let slots = proxy_common::prefilter::flows::SLOTS;
+        let _ = writeln!(
+            out,
+            "prefilter flow marks: {marked} of {slots} slots marked ({:.2}%)",
+            100.0 * f64::from(marked) / f64::from(slots)
         );
     }
     if let Some(cidrs) = &node.service_cidrs {

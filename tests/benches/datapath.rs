@@ -73,9 +73,10 @@ const CT_PAIR: &str = "its 2 conntrack inserts alone";
 const ESTABLISHED: &str = "established flow";
 /// A backend pod's packet from its serving port to a client that reached
 /// it directly, by its pod IP (pod to pod, no Service): for no frontend and
-/// the reply of no translated flow, but from a backend's address and port,
-/// so the prefilter cannot turn it away: conntrack answers for its first
-/// packet, the flow cache's absent copy for the next ones.
+/// the reply of no translated flow, from a backend's address and port. No
+/// flow marked its tuple, so the prefilter turns it away as it does a
+/// packet of no Service; where a mark of another tuple shares its slot,
+/// conntrack answers for it.
 const FROM_BACKEND: &str = "from a backend, no flow";
 /// At tc an IPv6 packet runs `tc_ingress` before `tc_ingress6`, which
 /// hands on what is not IPv4: that first program alone, on a packet for no
@@ -903,6 +904,11 @@ fn main() {
     let _cleanup = Cleanup(pins.clone());
     let mut datapath =
         Datapath::load(pins.clone()).expect("loading the datapath (root, bpffs mounted?)");
+    // The flows' marks as the agent's housekeeping leaves them once its
+    // programs run: what conntrack holds, so that every flow a test makes
+    // must mark its own replies.
+    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
     let trace = RefCell::new(Trace::open(&pins));
     let mut planner = Planner::new();
     install_externals(&mut planner, &mut datapath);

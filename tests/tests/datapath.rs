@@ -100,6 +100,11 @@ fn fixture_loaded(
         let _ = proxy_userspace::datapath::cleanup(&pins);
         panic!("loading the datapath under {}: {e}", root.display())
     });
+    // The flows' marks as the agent's housekeeping leaves them once its
+    // programs run: what conntrack holds, so that every flow a test makes
+    // must mark its own replies.
+    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
     let mut fixture = Fixture {
         datapath,
         pins,
@@ -4411,10 +4416,10 @@ fn assured_flow(fx: &Fixture, sport: u16) -> Ipv4Addr {
 
 /// A backend's packet from its serving port that conntrack does not know
 /// (its reply to a client that reached it by its pod IP, no Service)
-/// passes untouched and leaves no entry, though the prefilter passes it
-/// for its source; from that same address and port, a connection to a
-/// ClusterIP is still translated: the prefilter's bits of the destination
-/// decide whether the frontends are looked up.
+/// passes untouched and leaves no entry: the prefilter turns it away, as
+/// no flow marked its tuple; from that same address and port, a
+/// connection to a ClusterIP is still translated: the prefilter's bits of
+/// the destination decide whether the frontends are looked up.
 #[test]
 fn a_backends_packet_conntrack_does_not_know_passes_and_its_own_connections_are_translated() {
     let fx = fixture();
@@ -4444,6 +4449,179 @@ fn a_backends_packet_conntrack_does_not_know_passes_and_its_own_connections_are_
         "a backend's connection from its serving port to the ClusterIP went to {}:{}",
         p.dst,
         p.dport
+    );
+}
+
+/// The slot of a flow's reply key in the prefilter's flows' array.
+fn reply_slot(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> u32 {
+    let addr = |ip: Ipv4Addr| proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets()));
+    proxy_common::prefilter::flows::slot(
+        &addr(src),
+        sport.to_be(),
+        &addr(dst),
+        dport.to_be(),
+        proxy_common::PROTO_TCP,
+    )
+}
+
+fn flow_marks(fx: &Fixture) -> &proxy_userspace::datapath::prefilter_flows::FlowMarks {
+    fx.datapath
+        .maps
+        .prefilter_flows
+        .as_ref()
+        .expect("the datapath has flow marks")
+}
+
+/// A flow's replies pass the prefilter by the mark its SYN left on their
+/// tuple, and by nothing else: a flow put into conntrack behind the
+/// datapath's back, unmarked, has its reply turned away untranslated
+/// until a refresh of the marks reads it from conntrack; once it is gone
+/// from conntrack, two refreshes clear its mark. Opening the marks passes
+/// everything; a refresh whose read of conntrack fails leaves its half
+/// marked whole.
+#[test]
+fn a_flows_replies_pass_the_prefilter_by_its_mark_alone() {
+    use proxy_userspace::datapath::prefilter_rebuild;
+    let mut fx = fixture();
+    assert!(
+        !flow_marks(&fx).is_marked(reply_slot(BACKENDS[0], 8080, CLIENT, 42_100)),
+        "a settled array marked a tuple no flow has"
+    );
+    let backend = assured_flow(&fx, 42_100);
+    assert!(
+        flow_marks(&fx).is_marked(reply_slot(backend, 8080, CLIENT, 42_100)),
+        "the SYN's flow left its reply's tuple unmarked"
+    );
+    let reply = tcp(backend, 8080, CLIENT, 42_100, frame::ACK);
+    let (_, out) = run(&fx, &reply);
+    assert_eq!(
+        parse_checked(&out, "the flow's reply").src,
+        VIP,
+        "the marked flow's reply was not translated back"
+    );
+
+    // The same flow's two entries again for another client port, written
+    // here: the datapath never saw its SYN.
+    let proto = proxy_common::PROTO_TCP;
+    let conntrack = &mut fx.datapath.maps.conntrack;
+    let forward = conntrack
+        .get(&ct_key(CLIENT, 42_100, VIP, 80, proto), 0)
+        .expect("the assured flow's entry in CONNTRACK");
+    conntrack
+        .insert(ct_key(CLIENT, 42_101, VIP, 80, proto), forward, 0)
+        .expect("writing the unmarked flow's entry");
+    let mut value = conntrack
+        .get(&ct_key(backend, 8080, CLIENT, 42_100, proto), 0)
+        .expect("the assured flow's reply entry in CONNTRACK");
+    value.alt_port_be = 42_101u16.to_be();
+    let unmarked_key = ct_key(backend, 8080, CLIENT, 42_101, proto);
+    conntrack
+        .insert(unmarked_key, value, 0)
+        .expect("writing the unmarked flow's reply entry");
+    let slot = reply_slot(backend, 8080, CLIENT, 42_101);
+    assert!(
+        !flow_marks(&fx).is_marked(slot),
+        "the written flow's tuple shares a slot with another: pick another port"
+    );
+    let reply = tcp(backend, 8080, CLIENT, 42_101, frame::ACK);
+    assert_eq!(
+        run(&fx, &reply),
+        (TC_ACT_OK, reply.clone()),
+        "an unmarked flow's reply was not turned away untouched: the prefilter let it through for something other than its mark"
+    );
+
+    prefilter_rebuild::refresh_flows(&fx.datapath.maps)
+        .expect("refreshing the flow marks")
+        .expect("the datapath has flow marks");
+    assert!(
+        flow_marks(&fx).is_marked(slot),
+        "a refresh left a flow in CONNTRACK unmarked"
+    );
+    let (_, out) = run(&fx, &reply);
+    assert_eq!(
+        parse_checked(&out, "the written flow's reply, marked").src,
+        VIP,
+        "the written flow's reply was not translated once marked"
+    );
+
+    fx.datapath
+        .maps
+        .conntrack
+        .remove(&unmarked_key)
+        .expect("removing the written reply entry");
+    prefilter_rebuild::settle_flows(&fx.datapath.maps).expect("settling the flow marks");
+    let marks = flow_marks(&fx);
+    assert!(
+        !marks.is_marked(slot),
+        "two refreshes kept a gone flow's mark"
+    );
+    assert!(
+        marks.is_marked(reply_slot(backend, 8080, CLIENT, 42_100)),
+        "two refreshes cleared a live flow's mark"
+    );
+
+    marks.open();
+    assert_eq!(
+        marks.marked(),
+        proxy_common::prefilter::flows::SLOTS,
+        "opened marks left slots unmarked"
+    );
+    prefilter_rebuild::settle_flows(&fx.datapath.maps).expect("settling the flow marks");
+    let failed = marks.refresh(|_| Err("a read of conntrack that fails"));
+    assert!(failed.is_err(), "a failed read was reported as a refresh");
+    assert_eq!(
+        marks.marked(),
+        proxy_common::prefilter::flows::SLOTS,
+        "a refresh whose read failed left its half with slots unmarked"
+    );
+}
+
+/// Refreshes of the flow marks, run without pause on another thread while
+/// new flows start here, never leave a flow's reply unmarked: each new
+/// flow's tuple is marked right after its SYN, and its reply translated.
+/// Flows start until eight refreshes have run beside them.
+#[test]
+fn refreshes_beside_new_flows_never_unmark_a_live_flow() {
+    use proxy_userspace::datapath::prefilter_rebuild;
+    const REFRESHES: u32 = 8;
+    let fx = fixture();
+    let marks = flow_marks(&fx);
+    let refreshes = AtomicU32::new(0);
+    let flows = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while refreshes.load(Ordering::Relaxed) < REFRESHES {
+                prefilter_rebuild::refresh_flows(&fx.datapath.maps)
+                    .expect("refreshing the flow marks");
+                refreshes.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let mut flows = 0u32;
+        for sport in (20_000u16..60_000).cycle() {
+            if refreshes.load(Ordering::Relaxed) >= REFRESHES {
+                break;
+            }
+            let (_, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
+            let backend = parse_checked(&out, "DNATed SYN").dst;
+            assert!(
+                marks.is_marked(reply_slot(backend, 8080, CLIENT, sport)),
+                "flow from port {sport}: its reply's tuple unmarked right after its SYN"
+            );
+            let (_, out) = run(
+                &fx,
+                &tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK),
+            );
+            assert_eq!(
+                parse_checked(&out, "SYN-ACK").src,
+                VIP,
+                "flow from port {sport}: its SYN-ACK was not translated back"
+            );
+            flows += 1;
+        }
+        flows
+    });
+    assert!(
+        flows > 2 * REFRESHES,
+        "only {flows} flows started beside {REFRESHES} refreshes: the test did not test them"
     );
 }
 

@@ -107,10 +107,16 @@ fn loaded(
     pins: &PinLayout,
     load: Result<Datapath, proxy_userspace::datapath::DatapathError>,
 ) -> Datapath {
-    load.unwrap_or_else(|e| {
+    let datapath = load.unwrap_or_else(|e| {
         let _ = proxy_userspace::datapath::cleanup(pins);
         panic!("loading the datapath under {}: {e}", pins.root().display())
-    })
+    });
+    // The flows' marks as the agent's housekeeping leaves them once its
+    // programs run: what conntrack holds, so that every flow a test makes
+    // must mark its own replies.
+    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
+    datapath
 }
 
 /// The fixture on `datapath`, loaded on `pins`, with the test's IPv6

@@ -89,6 +89,11 @@ fn node(first: &[Frontend], order: &[Ipv4Addr]) -> Node {
         let _ = proxy_userspace::datapath::cleanup(&pins);
         panic!("loading the datapath under {}: {e}", root.display())
     });
+    // The flows' marks as the agent's housekeeping leaves them once its
+    // programs run: what conntrack holds, so that every flow a test makes
+    // must mark its own replies.
+    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
     let mut node = Node {
         datapath,
         pins,

@@ -23,6 +23,7 @@ use std::{
 use super::{
     pins::PinLayout,
     prefilter::{self, Prefilter, PrefilterError},
+    prefilter_flows::FlowMarks,
     service_counters::{self, ServiceCountersError},
     write_behind::{self, RunError, RunWriter},
 };
@@ -177,6 +178,9 @@ pub struct Maps {
     /// The prefilter's bits, mapped (`prefilter`), shared with the thread
     /// that writes batches behind the sync; absent like `csum_states`.
     pub prefilter: Option<Arc<Prefilter>>,
+    /// The prefilter's marks of flows, mapped (`prefilter_flows`); absent
+    /// like `csum_states`.
+    pub prefilter_flows: Option<FlowMarks>,
     /// The Service port of each service id (`SERVICE_NAMES`); absent like
     /// `csum_states`.
     pub service_names: Option<HashMap<MapData, u32, ServiceName>>,
@@ -222,8 +226,8 @@ impl Maps {
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
             HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
-            SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICE_REFUSALS, SERVICES,
-            SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            PREFILTER_FLOWS, SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICE_REFUSALS,
+            SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -252,11 +256,15 @@ impl Maps {
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
             prefilter: later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
-                .map(|array| {
-                    use aya::maps::IterableMap;
-                    Prefilter::map(array.map()).map(Arc::new)
-                })
+                .map(|array| Prefilter::map(array).map(Arc::new))
                 .transpose()?,
+            prefilter_flows: later(
+                get(PREFILTER_FLOWS),
+                PREFILTER_FLOWS,
+                Array::<MapData, u64>::try_from,
+            )?
+            .map(FlowMarks::map)
+            .transpose()?,
             service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
             service_cidrs: later(get(SERVICE_CIDRS), SERVICE_CIDRS, LpmTrie::try_from)?,
             service_refusals: later(get(SERVICE_REFUSALS), SERVICE_REFUSALS, HashMap::try_from)?,

@@ -27,6 +27,7 @@ mod packet_calls;
 pub mod pin_root;
 pub mod pins;
 pub mod prefilter;
+pub mod prefilter_flows;
 pub mod prefilter_rebuild;
 mod program_array;
 pub mod program_load;

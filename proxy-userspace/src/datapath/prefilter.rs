@@ -20,9 +20,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::MapData;
+use aya::maps::{Array, IterableMap, MapData};
 use proxy_common::{
-    Backend, ServiceKey,
+    Backend, ServiceKey, map_names,
     prefilter::{
         BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, port_bit, side, to_bits,
         word_and_mask,
@@ -32,17 +32,118 @@ use proxy_common::{
 
 use crate::planner::{MapOp, encode::ClusterCidrEntry};
 
-/// Why the array could not be mapped.
+/// Why an array could not be mapped.
 #[derive(Debug, thiserror::Error)]
 pub enum PrefilterError {
-    #[error("map PREFILTER: {0}")]
-    Info(#[source] aya::maps::MapError),
+    #[error("map {name}: {source}")]
+    Info {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
     #[error(
-        "map PREFILTER holds {entries} entries of {value_size} bytes, where this agent's holds {WORDS} of 8: refused"
+        "map {name} holds {entries} entries of {value_size} bytes, where this agent's holds {words} of 8: refused"
     )]
-    Layout { entries: u32, value_size: u32 },
-    #[error("mapping PREFILTER into memory: {0}")]
-    Mmap(#[source] std::io::Error),
+    Layout {
+        name: &'static str,
+        entries: u32,
+        value_size: u32,
+        words: u32,
+    },
+    #[error("mapping {name} into memory: {source}")]
+    Mmap {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// An array of 64-bit words created with `BPF_F_MMAPABLE`, mapped into
+/// this process read and write: the prefilter's arrays. It keeps the map's
+/// descriptor open: programs loaded later (the benchmarks' reference
+/// programs) are relocated against it.
+pub struct MappedWords {
+    words: NonNull<AtomicU64>,
+    len: usize,
+    _array: Array<MapData, u64>,
+}
+
+// SAFETY: the mapping is shared memory the kernel's programs read too;
+// every access from here is atomic.
+unsafe impl Send for MappedWords {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for MappedWords {}
+
+impl std::fmt::Debug for MappedWords {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedWords")
+            .field("words", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MappedWords {
+    /// Maps `array` (named `name`), which must hold `words` words.
+    pub fn map(
+        array: Array<MapData, u64>,
+        name: &'static str,
+        words: u32,
+    ) -> Result<Self, PrefilterError> {
+        let map = array.map();
+        let info = map
+            .info()
+            .map_err(|source| PrefilterError::Info { name, source })?;
+        if info.max_entries() != words || info.value_size() != 8 {
+            return Err(PrefilterError::Layout {
+                name,
+                entries: info.max_entries(),
+                value_size: info.value_size(),
+                words,
+            });
+        }
+        let len = words as usize;
+        // SAFETY: a shared mapping of the map's whole value area, which
+        // the kernel allows for an array created with BPF_F_MMAPABLE; it is
+        // unmapped on drop and only ever accessed as atomics.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len * size_of::<u64>(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(PrefilterError::Mmap {
+                name,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let words = NonNull::new(addr.cast::<AtomicU64>()).ok_or_else(|| PrefilterError::Mmap {
+            name,
+            source: std::io::Error::other("mmap returned null"),
+        })?;
+        Ok(Self {
+            words,
+            len,
+            _array: array,
+        })
+    }
+
+    /// The words, for as long as the mapping lives.
+    pub fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `len` words, mapped for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unused past this point.
+        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len * size_of::<u64>()) };
+    }
 }
 
 /// Removals after which the bits are rebuilt at the next reap, however
@@ -54,7 +155,7 @@ const REBUILD_PERIOD: Duration = Duration::from_mins(1);
 /// The mapped array.
 #[derive(Debug)]
 pub struct Prefilter {
-    words: NonNull<AtomicU64>,
+    words: MappedWords,
     /// Held by each landing of entries that need bits, and by rebuilds.
     lock: Mutex<()>,
     /// Frontends and backends removed since the last rebuild.
@@ -62,44 +163,11 @@ pub struct Prefilter {
     last_rebuild: Mutex<Instant>,
 }
 
-// SAFETY: the mapping is shared memory the kernel's programs read too;
-// every access from here is atomic.
-unsafe impl Send for Prefilter {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Prefilter {}
-
-const BYTES: usize = WORDS as usize * size_of::<u64>();
-
 impl Prefilter {
-    /// Maps `map` (`map_names::PREFILTER`) into memory, read and write.
-    pub fn map(map: &MapData) -> Result<Self, PrefilterError> {
-        let info = map.info().map_err(PrefilterError::Info)?;
-        if info.max_entries() != WORDS || info.value_size() != 8 {
-            return Err(PrefilterError::Layout {
-                entries: info.max_entries(),
-                value_size: info.value_size(),
-            });
-        }
-        // SAFETY: a shared mapping of the map's whole value area, which
-        // the kernel allows for an array created with BPF_F_MMAPABLE; it is
-        // unmapped on drop and only ever accessed as atomics.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(PrefilterError::Mmap(std::io::Error::last_os_error()));
-        }
-        let words = NonNull::new(addr.cast::<AtomicU64>())
-            .ok_or_else(|| PrefilterError::Mmap(std::io::Error::other("mmap returned null")))?;
+    /// Maps `array` (`map_names::PREFILTER`) into memory, read and write.
+    pub fn map(array: Array<MapData, u64>) -> Result<Self, PrefilterError> {
         Ok(Self {
-            words,
+            words: MappedWords::map(array, map_names::PREFILTER, WORDS)?,
             lock: Mutex::new(()),
             removed: AtomicUsize::new(0),
             last_rebuild: Mutex::new(Instant::now()),
@@ -107,8 +175,7 @@ impl Prefilter {
     }
 
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `WORDS` words, mapped for as long as `self` lives.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr(), WORDS as usize) }
+        self.words.words()
     }
 
     /// The lock landings and rebuilds hold.
@@ -187,13 +254,6 @@ impl Prefilter {
     }
 }
 
-impl Drop for Prefilter {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unused past this point.
-        unsafe { libc::munmap(self.words.as_ptr().cast(), BYTES) };
-    }
-}
-
 /// Lands `write`, entries that `ops` describe, with their bits set first:
 /// under the lock, so no rebuild reads the maps in between. Without a
 /// prefilter (the pins of an older agent), `write` alone.
@@ -235,7 +295,8 @@ fn is_node_port(key: &ServiceKey) -> bool {
     key.addr_be == [0; 4] || key.addr_be == v4_mapped(0)
 }
 
-/// The bit of a backend: the source key of its replies.
+/// The bit of a backend: the source key of its replies, which only the
+/// programs of earlier agents read (`proxy_common::prefilter`).
 pub fn backend_bit(backend: &Backend) -> u32 {
     bit(&backend.addr_be, backend.port_be, backend.proto, side::FROM)
 }
@@ -335,14 +396,13 @@ mod tests {
     }
 
     /// What a frontend sets is what the datapath asks for: a packet to any
-    /// frontend, NodePorts on either family included, or from any backend,
-    /// passes the prefilter once its entries' bits are set as a landing
-    /// sets them (`admit`); a packet to another address of a ClusterIP's
+    /// frontend, NodePorts on either family included, passes the prefilter
+    /// once its entries' bits are set as a landing sets them (`admit`); a packet to another address of a ClusterIP's
     /// block is turned away with the block's service CIDR bit as the agent
     /// set it. A frontend's own bit without its block's is a packet passed
     /// untranslated.
     #[test]
-    fn every_frontend_and_backend_passes_the_datapaths_question() {
+    fn every_frontend_passes_the_datapaths_question() {
         use proxy_common::prefilter::{Block, for_no_frontend, frontends_bit, turned_away};
         let v4 = |a: u8, b: u8, c: u8, d: u8| v4_mapped(u32::from_ne_bytes([a, b, c, d]));
         let v6 = |last: u32| {
@@ -360,18 +420,9 @@ mod tests {
             key(v6(0x12cd), 80),
             key([0; 4], 30443),
         ];
-        let backends = [v4(10, 244, 1, 5), v6(0x1_0005)].map(|addr_be| Backend {
-            addr_be,
-            port_be: 8080u16.to_be(),
-            proto: 6,
-            flags: 0,
-        });
         let mut bits = Bits::new();
         for key in &frontends {
             service_bits(key, |b| bits.set(b));
-        }
-        for backend in &backends {
-            bits.set(backend_bit(backend));
         }
         bits.set(block_bit(&frontends[0].addr_be));
         fn read(bits: &Bits) -> impl Fn(u32) -> Option<u64> + '_ {
@@ -385,7 +436,15 @@ mod tests {
                 key.addr_be
             };
             assert_eq!(
-                turned_away(read(&bits), &dst, key.port_be, &client, 40_000, 6),
+                turned_away(
+                    read(&bits),
+                    |_| false,
+                    &dst,
+                    key.port_be,
+                    &client,
+                    40_000,
+                    6
+                ),
                 None,
                 "a packet to {key:?} was turned away"
             );
@@ -395,31 +454,10 @@ mod tests {
                 "a packet to {key:?} would skip the frontend lookups"
             );
         }
-        // From a backend to a client: for no frontend (its port no
-        // NodePort's either), so a packet conntrack does not know is passed
-        // without the frontend lookups.
-        for backend in &backends {
-            assert_eq!(
-                turned_away(
-                    read(&bits),
-                    &client,
-                    40_000,
-                    &backend.addr_be,
-                    backend.port_be,
-                    6
-                ),
-                None,
-                "a reply from {backend:?} was turned away"
-            );
-            assert_eq!(
-                for_no_frontend(read(&bits), &client, 40_000, 6),
-                Some(Block::NoCidr),
-                "a reply from {backend:?} unknown to conntrack would be looked up as a frontend's"
-            );
-        }
         assert_eq!(
             turned_away(
                 read(&bits),
+                |_| false,
                 &v4(10, 96, 0, 99),
                 80u16.to_be(),
                 &client,
@@ -434,6 +472,7 @@ mod tests {
         assert_eq!(
             turned_away(
                 read(&bits),
+                |_| false,
                 &frontends[0].addr_be,
                 frontends[0].port_be,
                 &client,
@@ -443,6 +482,65 @@ mod tests {
             Some(Block::Cidr),
             "the ClusterIP's key was asked for without its block's frontends bit"
         );
+    }
+
+    /// A reply from a backend, either family, passes the prefilter once its
+    /// flow marked its tuple, and not for its backend's bit, which a landing
+    /// still sets for the programs of earlier agents; unknown to conntrack,
+    /// it is for no frontend, so it skips the frontend lookups.
+    #[test]
+    fn a_backends_reply_passes_for_its_flows_mark_alone() {
+        use proxy_common::prefilter::{Block, flows, for_no_frontend, turned_away};
+        let client = v4_mapped(u32::from_ne_bytes([10, 244, 2, 7]));
+        let backends = [
+            v4_mapped(u32::from_ne_bytes([10, 244, 1, 5])),
+            [
+                u32::from_be(0xfd00_0010),
+                0,
+                u32::from_be(0x96),
+                0x1_0005u32.to_be(),
+            ],
+        ]
+        .map(|addr_be| Backend {
+            addr_be,
+            port_be: 8080u16.to_be(),
+            proto: 6,
+            flags: 0,
+        });
+        let mut bits = Bits::new();
+        for backend in &backends {
+            bits.set(backend_bit(backend));
+        }
+        let read = |w: u32| bits.0.get(w as usize).copied();
+        for backend in &backends {
+            let reply = flows::slot(&backend.addr_be, backend.port_be, &client, 40_000, 6);
+            let ask = |marked: &dyn Fn(u32) -> bool| {
+                turned_away(
+                    read,
+                    marked,
+                    &client,
+                    40_000,
+                    &backend.addr_be,
+                    backend.port_be,
+                    6,
+                )
+            };
+            assert_eq!(
+                ask(&|slot| slot == reply),
+                None,
+                "a marked reply from {backend:?} was turned away"
+            );
+            assert_eq!(
+                ask(&|_| false),
+                Some(Block::NoCidr),
+                "an unmarked packet from {backend:?} passed for its backend's bit"
+            );
+            assert_eq!(
+                for_no_frontend(read, &client, 40_000, 6),
+                Some(Block::NoCidr),
+                "a reply from {backend:?} unknown to conntrack would be looked up as a frontend's"
+            );
+        }
     }
 
     /// Every address of a service CIDR finds its block's bit set, a /12 as

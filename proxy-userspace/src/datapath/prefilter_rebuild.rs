@@ -6,13 +6,14 @@ use aya::maps::{IterableMap, MapData};
 use bytemuck::Pod;
 use proxy_common::{
     Backend, CtKeyOf, CtValueOf, FlowAddr, ServiceKey, ServiceValue, ct_dir, map_names,
-    prefilter::{BITS, bit, side, to_bits},
+    prefilter::{BITS, bit, flows, side, to_bits},
 };
 
 use super::{
     batch,
     maps::{Maps, MapsError, batch_error, wrap},
     prefilter::{Bits, backend_bit, service_bits, service_cidr_bits},
+    prefilter_flows::Refreshed,
 };
 
 /// What a rebuild left.
@@ -89,8 +90,14 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
 /// `rebuild` at load: an array created just now (or pinned by an agent
 /// older than the maps' contents) knows nothing of what the maps hold.
 /// Where the maps cannot be read, every bit is set: each packet then takes
-/// the full path, as without a prefilter, until the next rebuild.
+/// the full path, as without a prefilter, until the next rebuild. The
+/// flows' marks are opened whole: the programs of an earlier agent on
+/// these pins may go on making flows unmarked until this agent's are
+/// attached, after which `refresh_flows` clears what no flow needs.
 pub fn write_at_load(maps: &Maps) {
+    if let Some(marks) = &maps.prefilter_flows {
+        marks.open();
+    }
     match rebuild(maps) {
         Ok(Some(rebuilt)) => tracing::debug!(
             fill = rebuilt.fill(),
@@ -111,7 +118,8 @@ pub fn write_at_load(maps: &Maps) {
 
 /// The keys of the flows in one conntrack map: a forward entry's
 /// destination (the frontend the client sent to), a reply entry's source
-/// (the backend answering).
+/// (the backend answering, for the programs of earlier agents; this
+/// agent's datapath asks the flows' marks).
 fn flows<A>(map: &MapData, name: &'static str, bits: &mut Bits) -> Result<(), MapsError>
 where
     A: FlowAddr,
@@ -139,4 +147,71 @@ where
         },
     )
     .map_err(batch_error(name))
+}
+
+/// Refreshes one half of the flows' marks (`FlowMarks::refresh`) from the
+/// reply entries both families' conntrack maps hold: `CT_NEW` before
+/// `CONNTRACK`, as a flow assured meanwhile lands in `CONNTRACK` before it
+/// leaves `CT_NEW`, so that one of the two reads sees it. `None` where the
+/// maps have no marks (the pins of an older agent).
+pub fn refresh_flows(maps: &Maps) -> Result<Option<Refreshed>, MapsError> {
+    let Some(marks) = &maps.prefilter_flows else {
+        return Ok(None);
+    };
+    marks
+        .refresh(|mark| {
+            reply_slots::<u32>(maps.ct_new.map(), map_names::CT_NEW, mark)?;
+            reply_slots::<u32>(maps.conntrack.map(), map_names::CONNTRACK, mark)?;
+            if let Some(map) = &maps.ct_new6 {
+                reply_slots::<[u32; 4]>(map.map(), map_names::CT_NEW6, mark)?;
+            }
+            if let Some(map) = &maps.conntrack6 {
+                reply_slots::<[u32; 4]>(map.map(), map_names::CONNTRACK6, mark)?;
+            }
+            Ok(())
+        })
+        .map(Some)
+}
+
+/// Calls `mark` with the slot of every reply entry's key in one conntrack
+/// map, as the datapath marks it (`proxy_common::prefilter::flows`).
+fn reply_slots<A>(
+    map: &MapData,
+    name: &'static str,
+    mark: &mut dyn FnMut(u32),
+) -> Result<(), MapsError>
+where
+    A: FlowAddr,
+    CtKeyOf<A>: Pod,
+    CtValueOf<A>: Pod,
+{
+    batch::for_each_chunk(
+        map,
+        batch::CHUNK,
+        |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
+            for (key, value) in keys.iter().zip(values) {
+                if value.dir != ct_dir::FORWARD {
+                    mark(flows::slot(
+                        &key.src_be.mapped(),
+                        key.sport_be,
+                        &key.dst_be.mapped(),
+                        key.dport_be,
+                        key.proto,
+                    ));
+                }
+            }
+        },
+    )
+    .map_err(batch_error(name))
+}
+
+/// Both halves of the flows' marks refreshed, one after the other: the
+/// marks then hold what conntrack holds and no more. For a datapath whose
+/// programs run only the packets its caller hands them (`BPF_PROG_TEST_RUN`
+/// in tests and benchmarks); the agent refreshes from its housekeeping,
+/// once its programs are attached.
+pub fn settle_flows(maps: &Maps) -> Result<(), MapsError> {
+    refresh_flows(maps)?;
+    refresh_flows(maps)?;
+    Ok(())
 }

@@ -72,6 +72,40 @@ pub fn reap_conntrack(datapath: &mut Datapath) {
         Err(e) => warn!(error = %e, "recounting clients' assured flows"),
     }
     rebuild_prefilter(datapath);
+    refresh_flow_marks(datapath);
+}
+
+/// The prefilter's flow marks refreshed where due (`FlowMarks::refresh_due`):
+/// both halves at once where they were opened, one otherwise. Only once
+/// this agent's programs are attached: until then an earlier agent's may
+/// still be making flows it does not mark. A failure is logged, and the
+/// half it was refreshing left marked whole.
+pub fn refresh_flow_marks(datapath: &mut Datapath) {
+    if datapath.attached().next().is_none() && datapath.xdp_attached().next().is_none() {
+        return;
+    }
+    let Some(marks) = &datapath.maps.prefilter_flows else {
+        return;
+    };
+    let rounds = if marks.owed() { 2 } else { 1 };
+    for _ in 0..rounds {
+        if !marks.refresh_due() {
+            return;
+        }
+        match prefilter_rebuild::refresh_flows(&datapath.maps) {
+            Ok(Some(refreshed)) => debug!(
+                half = refreshed.half,
+                live = refreshed.live,
+                marked = refreshed.marked,
+                "prefilter's flow marks refreshed from conntrack"
+            ),
+            Ok(None) => {}
+            Err(e) => {
+                warn!(error = %e, "refreshing the prefilter's flow marks");
+                return;
+            }
+        }
+    }
 }
 
 /// The prefilter's bits written again once enough frontends and backends

@@ -252,6 +252,23 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
         "{entries} entries in {assured} and {unassured}, fewer than the {flows} flows \
          (distinct client ports) make:\n{status}"
     );
+    // The flow marks the load opened were refreshed once the programs were
+    // attached, and every flow marked its reply.
+    let marks = status
+        .lines()
+        .find_map(|l| l.strip_prefix("prefilter flow marks: "))
+        .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"));
+    let marked: u64 = marks
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable flow marks line {marks:?}"));
+    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
+    assert!(
+        (flows..slots).contains(&marked),
+        "{marked} of {slots} flow slots marked for {flows} flows: the marks opened at load \
+         were never refreshed, or flows went unmarked:\n{status}"
+    );
 }
 
 /// Fragmented UDP through a ClusterIP, both ways, as kube-proxy's rules serve it

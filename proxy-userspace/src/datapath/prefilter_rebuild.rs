@@ -126,23 +126,39 @@ where
     CtKeyOf<A>: Pod,
     CtValueOf<A>: Pod,
 {
+    each_entry::<A>(map, name, |key, value| {
+        if value.dir == ct_dir::FORWARD {
+            for bit in to_bits(&key.dst_be.mapped(), key.dport_be, key.proto) {
+                bits.set(bit);
+            }
+        } else {
+            bits.set(bit(
+                &key.src_be.mapped(),
+                key.sport_be,
+                key.proto,
+                side::FROM,
+            ));
+        }
+    })
+}
+
+/// Calls `f` with each entry of one conntrack map, read in batches.
+fn each_entry<A>(
+    map: &MapData,
+    name: &'static str,
+    mut f: impl FnMut(&CtKeyOf<A>, &CtValueOf<A>),
+) -> Result<(), MapsError>
+where
+    A: FlowAddr,
+    CtKeyOf<A>: Pod,
+    CtValueOf<A>: Pod,
+{
     batch::for_each_chunk(
         map,
         batch::CHUNK,
         |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
             for (key, value) in keys.iter().zip(values) {
-                if value.dir == ct_dir::FORWARD {
-                    for bit in to_bits(&key.dst_be.mapped(), key.dport_be, key.proto) {
-                        bits.set(bit);
-                    }
-                } else {
-                    bits.set(bit(
-                        &key.src_be.mapped(),
-                        key.sport_be,
-                        key.proto,
-                        side::FROM,
-                    ));
-                }
+                f(key, value);
             }
         },
     )
@@ -185,24 +201,17 @@ where
     CtKeyOf<A>: Pod,
     CtValueOf<A>: Pod,
 {
-    batch::for_each_chunk(
-        map,
-        batch::CHUNK,
-        |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
-            for (key, value) in keys.iter().zip(values) {
-                if value.dir != ct_dir::FORWARD {
-                    mark(flows::slot(
-                        &key.src_be.mapped(),
-                        key.sport_be,
-                        &key.dst_be.mapped(),
-                        key.dport_be,
-                        key.proto,
-                    ));
-                }
-            }
-        },
-    )
-    .map_err(batch_error(name))
+    each_entry::<A>(map, name, |key, value| {
+        if value.dir != ct_dir::FORWARD {
+            mark(flows::slot(
+                &key.src_be.mapped(),
+                key.sport_be,
+                &key.dst_be.mapped(),
+                key.dport_be,
+                key.proto,
+            ));
+        }
+    })
 }
 
 /// Both halves of the flows' marks refreshed, one after the other: the

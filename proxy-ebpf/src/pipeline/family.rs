@@ -9,7 +9,7 @@
 use proxy_common::{Backend, CtKeyOf, counter, is_v4_mapped};
 
 use crate::{
-    conntrack::{self, CreateFamily},
+    conntrack,
     dsr::DsrFamily,
     family::{V4, V6},
     hook::Hook,
@@ -38,7 +38,7 @@ pub enum Source<A> {
 }
 
 /// A family, as the pipeline writes it once over both.
-pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + CreateFamily + Traced {
+pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + Traced {
     /// The packet's flow, or the hook's verdict for a packet the pipeline
     /// does not handle (another family's, ICMP, malformed), counted where
     /// that is tc's to do.

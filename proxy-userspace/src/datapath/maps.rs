@@ -276,6 +276,15 @@ impl Maps {
         })
     }
 
+    /// Opens the prefilter's flow marks (`FlowMarks::open`) where the maps
+    /// have them: wherever conntrack may hold flows the datapath did not
+    /// mark. The housekeeping's refreshes clear what no flow needs.
+    pub fn open_flow_marks(&self) {
+        if let Some(marks) = &self.prefilter_flows {
+            marks.open();
+        }
+    }
+
     /// Tells the socket hook which network namespace is the node's.
     pub fn set_host_netns(&mut self, cookie: u64) -> Result<(), MapsError> {
         let map = self.host_netns.as_mut().ok_or(MapsError::Missing {

@@ -397,10 +397,10 @@ mod tests {
 
     /// What a frontend sets is what the datapath asks for: a packet to any
     /// frontend, NodePorts on either family included, passes the prefilter
-    /// once its entries' bits are set as a landing sets them (`admit`); a packet to another address of a ClusterIP's
-    /// block is turned away with the block's service CIDR bit as the agent
-    /// set it. A frontend's own bit without its block's is a packet passed
-    /// untranslated.
+    /// once its entries' bits are set as a landing sets them (`admit`); a
+    /// packet to another address of a ClusterIP's block is turned away with
+    /// the block's service CIDR bit as the agent set it. A frontend's own
+    /// bit without its block's is a packet passed untranslated.
     #[test]
     fn every_frontend_passes_the_datapaths_question() {
         use proxy_common::prefilter::{Block, for_no_frontend, frontends_bit, turned_away};

@@ -95,9 +95,7 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
 /// these pins may go on making flows unmarked until this agent's are
 /// attached, after which `refresh_flows` clears what no flow needs.
 pub fn write_at_load(maps: &Maps) {
-    if let Some(marks) = &maps.prefilter_flows {
-        marks.open();
-    }
+    maps.open_flow_marks();
     match rebuild(maps) {
         Ok(Some(rebuilt)) => tracing::debug!(
             fill = rebuilt.fill(),

@@ -163,7 +163,9 @@ fn pinned_capacity(pin: &Path) -> Result<u32, ResizeError> {
 /// no unassured flows). Returns how many went in.
 pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue)>) -> usize {
     const BPF_NOEXIST: u64 = 1;
-    open_flow_marks(maps);
+    // Before flows go in that the datapath did not mark, so that their
+    // replies pass from the first.
+    maps.open_flow_marks();
     let carried = flows
         .into_iter()
         .map(|(key, value)| {
@@ -176,15 +178,6 @@ pub fn carry_in(maps: &mut Maps, flows: impl IntoIterator<Item = (CtKey, CtValue
         .filter(|(key, value)| maps.conntrack.insert(key, value, BPF_NOEXIST).is_ok())
         .count();
     carried_in(maps, carried)
-}
-
-/// Opens the prefilter's flow marks before flows go in that the datapath
-/// did not mark, so that their replies pass from the first; the
-/// housekeeping's refreshes clear what no flow needs.
-fn open_flow_marks(maps: &Maps) {
-    if let Some(marks) = &maps.prefilter_flows {
-        marks.open();
-    }
 }
 
 /// Voids the flow cache's absent copies of the flows just carried in, which
@@ -204,7 +197,9 @@ fn carried_in(maps: &mut Maps, carried: usize) -> usize {
 /// (an older map held IPv6 flows assured or not).
 pub fn carry_in6(maps: &mut Maps, flows: impl IntoIterator<Item = (Ct6Key, Ct6Value)>) -> usize {
     const BPF_NOEXIST: u64 = 1;
-    open_flow_marks(maps);
+    // Before flows go in that the datapath did not mark, so that their
+    // replies pass from the first.
+    maps.open_flow_marks();
     let Some(map) = &mut maps.conntrack6 else {
         return 0;
     };

@@ -419,13 +419,49 @@ fn render_fills(fills: &[(u32, u32)]) -> String {
 
 /// The mirrors' packets are for no frontend and from no backend: the
 /// prefilter learns them as it learns any flow it did not see start, by a
-/// rebuild from conntrack, or it would pass them untranslated after the
-/// first run.
+/// rebuild from conntrack (a forward mirror's destination key) and a
+/// refresh of the flows' marks (a reply mirror's tuple), or it would pass
+/// them untranslated after the first run (`ping_pongs` checks it does not).
 fn admit_mirrors(datapath: &Datapath) {
     proxy_userspace::datapath::prefilter_rebuild::rebuild(&datapath.maps)
         .expect("rebuilding the prefilter")
         .expect("the datapath has a prefilter");
+    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
 }
+
+/// Checks that each of `frames` ping-pongs under `prog` as the repeated
+/// runs need: translated by one run, back as it was after two (checksums
+/// aside, whose two zeros an incremental update may swap). A frame that
+/// passed untouched would have its row measure another path.
+fn ping_pongs(prog: Prog, frames: Frames, checksums: [usize; 2], what: &str) {
+    let masked = |f: &[u8]| {
+        let mut f = f.to_vec();
+        for at in checksums {
+            f[at..at + 2].fill(0);
+        }
+        f
+    };
+    for (i, frame) in frames.iter().enumerate() {
+        let (_, once) = prog.run(frame, 1);
+        let (_, twice) = prog.run(frame, 2);
+        assert_ne!(
+            masked(&once),
+            masked(frame),
+            "{what} {i}: one run left it untranslated, so its repeated runs would not measure a translation"
+        );
+        assert_eq!(
+            masked(&twice),
+            masked(frame),
+            "{what} {i}: two runs did not bring it back, so its repeated runs would not ping-pong"
+        );
+    }
+}
+
+/// Where `ping_pongs` finds the checksums of an IPv4 TCP frame (IP header
+/// and TCP, no options), and of an IPv6 one.
+const CHECKSUMS: [usize; 2] = [14 + 10, 14 + 20 + 16];
+const CHECKSUMS6: [usize; 2] = [14 + 40 + 16, 14 + 40 + 16];
 
 fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16) -> CtKey {
     let addr = |ip: Ipv4Addr| u32::from_ne_bytes(ip.octets());
@@ -552,6 +588,9 @@ fn measure_hook(
         datapath.ct_pairs().expect("conntrack pair programs loaded"),
     );
     let program = program(datapath, hook);
+    ping_pongs(program, &ests, CHECKSUMS, "established flow");
+    ping_pongs(program, &replies, CHECKSUMS, "reply");
+    ping_pongs(program, &maglev_ests, CHECKSUMS, "established Maglev flow");
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
     let others: Vec<_> = (0..FLOWS)
         .map(|k| tcp(CLIENT, 1000 + k, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10))
@@ -764,6 +803,8 @@ fn measure6(
             Prog::Xdp(datapath.xdp_program()),
         )
     };
+    ping_pongs(program, &ests, CHECKSUMS6, "established IPv6 flow");
+    ping_pongs(program, &replies, CHECKSUMS6, "IPv6 reply");
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
     let (others, from_backends) = (others6(), from_backends6());
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;

@@ -8,7 +8,9 @@
 //! - its destination (`side::TO`): a frontend's address and port, read
 //!   only where its destination's block may hold a frontend
 //!   (`frontends_bit`);
-//! - its destination port (`port_bit`), where a NodePort has that port;
+//! - its destination port (`port_bit`), where a NodePort has that port,
+//!   read only where its destination's block may hold an address of this
+//!   node that serves NodePorts (`nodeports_bit`);
 //! - its whole tuple, in the flows' array (`flows`): the key of a flow's
 //!   reply entry, which the datapath marks as it inserts the flow, so that
 //!   the replies of translated flows pass and nothing else a backend sends
@@ -100,6 +102,22 @@ pub const fn to_bits(addr_be: &[u32; 4], port_be: u16, proto: u8) -> [u32; 2] {
     ]
 }
 
+/// The bit that says an address of this node that serves NodePorts (a
+/// `NODE_ADDRS` entry with `node_addr_flags::NODEPORT`) may be in
+/// `addr_be`'s block of 256, without which the datapath never reads a
+/// NodePort's port bit for a packet to it: so that the packets to every
+/// other block, most of a node's that are for no Service, skip that read.
+/// Set before the entry lands, as a frontend's bits are. In the word of
+/// the block's `block_bit` and `frontends_bit`, read anyway; a bit of its
+/// own, so that a packet to a node address reads the port's bit and not a
+/// hashed destination key as well. Another block's bits or a key's may
+/// share its place: each only ever sends a packet the longer way.
+#[inline(always)]
+#[must_use]
+pub const fn nodeports_bit(addr_be: &[u32; 4]) -> u32 {
+    block_bit(addr_be) ^ 2
+}
+
 /// What the prefilter read of a packet's destination block, carried to
 /// the service CIDRs' question, which would otherwise read it again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,9 +140,10 @@ pub enum Block {
 /// marked, a slot it cannot read taken as marked.
 ///
 /// The destination's block word first: it gates the hashed destination
-/// key, and its service CIDR bit is wanted anyway whenever the answer is
-/// no. Then the packet's own tuple in the flows' array, then the NodePort
-/// bit. A packet for no Service pays two hashes and three reads.
+/// key and the NodePort bit, and its service CIDR bit is wanted anyway
+/// whenever the answer is no. Then the packet's own tuple in the flows'
+/// array. A packet for no Service, to a block that holds no frontend and
+/// no NodePort address, pays two hashes and two reads.
 #[inline(always)]
 #[must_use]
 pub fn turned_away(
@@ -137,9 +156,7 @@ pub fn turned_away(
     proto: u8,
 ) -> Option<Block> {
     let block = unkeyed_destination(&word, dst_be, dport_be, proto)?;
-    if marked(flows::slot(src_be, sport_be, dst_be, dport_be, proto))
-        || holds(&word, port_bit(dport_be))
-    {
+    if marked(flows::slot(src_be, sport_be, dst_be, dport_be, proto)) {
         return None;
     }
     Some(block)
@@ -162,16 +179,12 @@ pub fn for_no_frontend(
     dport_be: u16,
     proto: u8,
 ) -> Option<Block> {
-    let block = unkeyed_destination(&word, dst_be, dport_be, proto)?;
-    if holds(&word, port_bit(dport_be)) {
-        return None;
-    }
-    Some(block)
+    unkeyed_destination(&word, dst_be, dport_be, proto)
 }
 
-/// `Some`, with what its block said of the service CIDRs, when the
-/// destination's own key has no bit set: its block's word first, whose
-/// frontends bit gates the hashed key.
+/// `Some`, with what its block said of the service CIDRs, when neither
+/// the destination's own key nor its port's (a NodePort's) has its bit
+/// set: its block's word first, whose frontends bit gates both.
 #[inline(always)]
 fn unkeyed_destination(
     word: &impl Fn(u32) -> Option<u64>,
@@ -182,9 +195,13 @@ fn unkeyed_destination(
     let block = block_bit(dst_be);
     let (w, cidr) = word_and_mask(block);
     let block_word = word(w)?;
-    // `frontends_bit(dst_be)`, without hashing the block again.
+    // `frontends_bit(dst_be)` and `nodeports_bit(dst_be)`, without hashing
+    // the block again.
     let (_, frontends) = word_and_mask(block ^ 1);
-    if block_word & frontends != 0 && holds(word, bit(dst_be, dport_be, proto, side::TO)) {
+    let (_, nodeports) = word_and_mask(block ^ 2);
+    if (block_word & frontends != 0 && holds(word, bit(dst_be, dport_be, proto, side::TO)))
+        || (block_word & nodeports != 0 && holds(word, port_bit(dport_be)))
+    {
         return None;
     }
     Some(if block_word & cidr != 0 {
@@ -385,14 +402,20 @@ mod tests {
     #[test]
     fn a_blocks_frontends_bit_is_its_cidr_bits_neighbour_in_one_word() {
         for addr in [[0; 4], [u32::MAX; 4], v4_mapped(0x0a60_000a)] {
-            let (block, frontends) = (block_bit(&addr), frontends_bit(&addr));
-            assert_ne!(block, frontends, "{addr:?}: one bit for both");
-            assert_eq!(
-                word_and_mask(block).0,
-                word_and_mask(frontends).0,
-                "{addr:?}: bits {block} and {frontends} in two words"
-            );
-            assert!(frontends >= PORTS, "{addr:?}: a port's bit");
+            let block = block_bit(&addr);
+            for (name, other) in [
+                ("frontends", frontends_bit(&addr)),
+                ("NodePorts", nodeports_bit(&addr)),
+            ] {
+                assert_ne!(block, other, "{addr:?}: one bit for the CIDRs' and {name}'");
+                assert_eq!(
+                    word_and_mask(block).0,
+                    word_and_mask(other).0,
+                    "{addr:?}: the CIDRs' bit {block} and {name}' {other} in two words"
+                );
+                assert!(other >= PORTS, "{addr:?}: {name}' bit is a port's");
+            }
+            assert_ne!(frontends_bit(&addr), nodeports_bit(&addr));
         }
         let addr = v4_mapped(u32::from_ne_bytes([10, 96, 0, 10]));
         let other = v4_mapped(u32::from_ne_bytes([10, 96, 0, 200]));
@@ -443,8 +466,9 @@ mod tests {
 
     /// Each of the three keys alone lets a packet through; the destination
     /// key only with its block's `frontends_bit`, which `to_bits` sets
-    /// with it; a packet none of them has is turned away with what its
-    /// block said of the service CIDRs.
+    /// with it, and the port's only with its block's `nodeports_bit`, set
+    /// for an address that serves NodePorts; a packet none of them
+    /// has is turned away with what its block said of the service CIDRs.
     #[test]
     fn a_packet_is_turned_away_only_when_none_of_its_keys_is_set() {
         let ip = |a: u8, b: u8, c: u8, d: u8| v4_mapped(u32::from_ne_bytes([a, b, c, d]));
@@ -491,11 +515,17 @@ mod tests {
             Some(Block::NoCidr),
             "a backend's packet of no flow, passed for the backend's bit"
         );
-        let words = array(&[port_bit(30080u16.to_be())]);
+        let node = ip(192, 168, 1, 5);
+        let words = array(&[port_bit(30080u16.to_be()), nodeports_bit(&node)]);
+        assert_eq!(
+            ask(&words, node, 30080, client, 40_000),
+            None,
+            "to a NodePort on an address that serves NodePorts"
+        );
         assert_eq!(
             ask(&words, backend, 30080, client, 40_000),
-            None,
-            "to a NodePort"
+            Some(Block::NoCidr),
+            "a NodePort's port was read for a block with no NodePort address"
         );
         let words = array(&[block_bit(&cluster_ip)]);
         assert_eq!(

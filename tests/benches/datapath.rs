@@ -521,6 +521,9 @@ fn establish(
         add_mirror(datapath, key);
     }
     admit_mirrors(datapath);
+    let prog = program(datapath, hook);
+    ping_pongs(prog, &ests, CHECKSUMS, "established flow");
+    ping_pongs(prog, &replies, CHECKSUMS, "reply");
     (ests, replies)
 }
 
@@ -588,9 +591,6 @@ fn measure_hook(
         datapath.ct_pairs().expect("conntrack pair programs loaded"),
     );
     let program = program(datapath, hook);
-    ping_pongs(program, &ests, CHECKSUMS, "established flow");
-    ping_pongs(program, &replies, CHECKSUMS, "reply");
-    ping_pongs(program, &maglev_ests, CHECKSUMS, "established Maglev flow");
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
     let others: Vec<_> = (0..FLOWS)
         .map(|k| tcp(CLIENT, 1000 + k, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10))

@@ -2165,6 +2165,65 @@ fn a_backends_connection_from_its_serving_port_to_a_nodeport_is_translated() {
     );
 }
 
+/// A NodePort's port bit is read only for a destination whose block holds
+/// an address serving NodePorts (`proxy_common::prefilter::nodeports_bit`),
+/// which the node's `NODE_ADDRS` entries set as they land and a rebuild sets
+/// again from the map: after a rebuild the NodePort is still translated at
+/// XDP and tc, while a packet with its port to another address of no
+/// frontend is turned away before the port's bit is read.
+#[test]
+fn a_node_port_is_served_after_a_prefilter_rebuild() {
+    use proxy_userspace::datapath::prefilter_rebuild;
+    let nf = node_fixture();
+    let prefilter = nf
+        .fx
+        .datapath
+        .maps
+        .prefilter
+        .as_ref()
+        .expect("the datapath has a prefilter");
+    let node_bit = proxy_common::prefilter::nodeports_bit(&proxy_common::v4_mapped(
+        u32::from_ne_bytes(NODE_IP.octets()),
+    ));
+    assert!(
+        prefilter.holds(node_bit),
+        "the node address's NODE_ADDRS entry landed without its block's bit"
+    );
+    prefilter_rebuild::rebuild(&nf.fx.datapath.maps)
+        .expect("rebuilding the prefilter")
+        .expect("the datapath has a prefilter");
+    assert!(
+        prefilter.holds(node_bit),
+        "a rebuild cleared the bit of the node address's block"
+    );
+    let syn = tcp(OUTSIDE, 41050, NODE_IP, NODE_PORT, frame::SYN);
+    let (ret, out) = run_xdp(&nf, &syn);
+    assert_eq!(
+        ret, XDP_REDIRECT,
+        "NodePort SYN after a rebuild: XDP verdict"
+    );
+    let p = parse_checked(&out, "NodePort SYN after a rebuild");
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (NODE_IP, REMOTE_POD, 8080),
+        "the NodePort SYN after a rebuild was not SNATed and DNATed at XDP"
+    );
+    let (_, out) = run_tc_on_uplink(&nf, &tcp(OUTSIDE, 41051, NODE_IP, NODE_PORT, frame::SYN));
+    let p = parse_checked(&out, "NodePort SYN after a rebuild, tc");
+    assert_eq!(
+        (p.dst, p.dport),
+        (REMOTE_POD, 8080),
+        "the NodePort SYN after a rebuild was not DNATed at tc"
+    );
+    let elsewhere = tcp(OUTSIDE, 41052, REMOTE_POD, NODE_PORT, frame::SYN);
+    let (ret, out) = run_xdp(&nf, &elsewhere);
+    assert_eq!(
+        (ret, out.as_slice()),
+        (XDP_PASS, elsewhere.as_slice()),
+        "a packet with the NodePort's port to a pod address was not passed untouched"
+    );
+}
+
 /// ETP Cluster, remote backend: XDP SNATs to the node and DNATs to the pod,
 /// routes the frame itself (next hop's MAC, TTL down by one) and sends it back
 /// out; the reply is reverse-translated to the client the same way.

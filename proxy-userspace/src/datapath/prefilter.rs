@@ -22,10 +22,10 @@ use std::{
 
 use aya::maps::{Array, IterableMap, MapData};
 use proxy_common::{
-    Backend, ServiceKey, map_names,
+    Backend, NodeAddr, NodeAddrKey, ServiceKey, map_names, node_addr_flags,
     prefilter::{
-        BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, port_bit, side, to_bits,
-        word_and_mask,
+        BLOCK_PREFIX, MAX_BLOCKS, WIDE_BIT, WORDS, bit, block_bit, nodeports_bit, port_bit, side,
+        to_bits, word_and_mask,
     },
     v4_mapped,
 };
@@ -189,9 +189,15 @@ impl Prefilter {
             MapOp::PutService { key, .. } => service_bits(key, |bit| self.set(bit)),
             MapOp::PutBackend { backend, .. } => self.set(backend_bit(backend)),
             MapOp::PutServiceCidr { entry, .. } => service_cidr_bits(entry, |bit| self.set(bit)),
+            MapOp::PutNodeAddr { key, value } => {
+                if let Some(bit) = node_addr_bit(key, value) {
+                    self.set(bit);
+                }
+            }
             MapOp::DeleteService { .. }
             | MapOp::DeleteBackend { .. }
-            | MapOp::DeleteServiceCidr { .. } => {
+            | MapOp::DeleteServiceCidr { .. }
+            | MapOp::DeleteNodeAddr { .. } => {
                 self.removed.fetch_add(1, Ordering::Relaxed);
             }
             _ => {}
@@ -289,6 +295,13 @@ pub fn service_bits(key: &ServiceKey, mut set: impl FnMut(u32)) {
             .into_iter()
             .for_each(set);
     }
+}
+
+/// The bit of a `NODE_ADDRS` entry: for an address that serves NodePorts,
+/// its block's `nodeports_bit`, without which the datapath never reads a
+/// NodePort's port bit for packets to it.
+pub fn node_addr_bit(key: &NodeAddrKey, value: &NodeAddr) -> Option<u32> {
+    (value.flags & node_addr_flags::NODEPORT != 0).then(|| nodeports_bit(&key.addr_be))
 }
 
 fn is_node_port(key: &ServiceKey) -> bool {
@@ -425,16 +438,33 @@ mod tests {
             service_bits(key, |b| bits.set(b));
         }
         bits.set(block_bit(&frontends[0].addr_be));
+        // The node's addresses, as their `NODE_ADDRS` entries land: the
+        // first serves NodePorts, the second not.
+        let (node, other) = (v4(192, 0, 2, 1), v4(198, 51, 100, 1));
+        for (addr, flags) in [(node, node_addr_flags::NODEPORT), (other, 0)] {
+            if let Some(b) = node_addr_bit(&NodeAddrKey { addr_be: addr }, &NodeAddr { flags }) {
+                bits.set(b);
+            }
+        }
         fn read(bits: &Bits) -> impl Fn(u32) -> Option<u64> + '_ {
             |w| bits.0.get(w as usize).copied()
         }
         let client = v4(10, 244, 2, 7);
+        assert_eq!(
+            turned_away(
+                read(&bits),
+                |_| false,
+                &other,
+                30080u16.to_be(),
+                &client,
+                40_000,
+                6
+            ),
+            Some(Block::NoCidr),
+            "a NodePort's port was asked at an address that serves none"
+        );
         for key in &frontends {
-            let dst = if is_node_port(key) {
-                v4(192, 0, 2, 1)
-            } else {
-                key.addr_be
-            };
+            let dst = if is_node_port(key) { node } else { key.addr_be };
             assert_eq!(
                 turned_away(
                     read(&bits),

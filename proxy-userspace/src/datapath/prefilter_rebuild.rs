@@ -12,7 +12,7 @@ use proxy_common::{
 use super::{
     batch,
     maps::{Maps, MapsError, batch_error, wrap},
-    prefilter::{Bits, backend_bit, service_bits, service_cidr_bits},
+    prefilter::{Bits, backend_bit, node_addr_bit, service_bits, service_cidr_bits},
     prefilter_flows::Refreshed,
 };
 
@@ -34,7 +34,8 @@ impl Rebuilt {
 }
 
 /// Writes the array again from what the maps hold now: every frontend,
-/// every backend, the blocks of the service CIDRs and ClusterIPs, and the
+/// every backend, the blocks of the node's NodePort addresses, of the
+/// service CIDRs and of the ClusterIPs, and the
 /// keys of every flow in both families' conntrack maps (a flow's forward
 /// entry names its frontend, with its block's `frontends_bit`, its reply
 /// entry its backend). Under the lock throughout, so no frontend or backend goes, and
@@ -66,6 +67,12 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
         },
     )
     .map_err(batch_error(map_names::BACKENDS))?;
+    for entry in &maps.node_addrs {
+        let (key, value) = entry.map_err(wrap(map_names::NODE_ADDRS))?;
+        if let Some(bit) = node_addr_bit(&key, &value) {
+            bits.set(bit);
+        }
+    }
     if let Some(map) = &maps.service_cidrs {
         for key in map.keys() {
             let key = key.map_err(wrap(map_names::SERVICE_CIDRS))?;

@@ -61,8 +61,11 @@ pub const BLOCK_PREFIX: u8 = 120;
 /// /104); a wider one sets `WIDE_BIT` instead.
 pub const MAX_BLOCKS: u64 = 1 << 16;
 /// Set when some service CIDR is too wide for its blocks' bits: every
-/// packet the prefilter passes then asks `SERVICE_CIDRS`. The bit of port
-/// 0, which no NodePort has.
+/// IPv6 packet the prefilter turns away then asks `SERVICE_CIDRS`. IPv4's
+/// programs do not read it: the agent sets the bits of every IPv4 block
+/// of a range however many they are (2^24 at most), so that an IPv4 packet
+/// for no Service reads one word fewer. The bit of port 0, which no
+/// NodePort has.
 pub const WIDE_BIT: u32 = 0;
 
 /// The bit of the block of 256 addresses `addr_be` (IPv4 mapped) is in.

@@ -7,8 +7,9 @@
 //! prefilter's no, and after a frontend lookup that missed. The prefilter's
 //! block bits (`proxy_common::prefilter::block_bit`) keep the trie lookup
 //! off every other packet: only one to a block of 256 addresses that a
-//! service CIDR or a ClusterIP is in, or any while a service CIDR is too
-//! wide for its blocks' bits (`WIDE_BIT`), asks `SERVICE_CIDRS`.
+//! service CIDR or a ClusterIP is in, or any IPv6 packet while a service
+//! CIDR is too wide for its blocks' bits (`WIDE_BIT`), asks
+//! `SERVICE_CIDRS`.
 
 use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map, maps::lpm_trie::Key};
 use proxy_common::{
@@ -49,7 +50,9 @@ pub fn unserved<A: FlowAddr>(flow: &FlowOf<A>, block: Block, xdp: bool) -> Unser
         Block::NoCidr => false,
         Block::Unread => prefilter::holds(block_bit(&dst)),
     };
-    if !in_block && !prefilter::holds(WIDE_BIT) {
+    // The agent sets every IPv4 block's bit, however wide the range
+    // (`WIDE_BIT` is for IPv6's alone): an IPv4 packet reads no more.
+    if !in_block && (size_of::<A>() == size_of::<u32>() || !prefilter::holds(WIDE_BIT)) {
         return Unserved::Pass;
     }
     // The trie's key is built in this CPU's slot of `CIDR_KEY`, not on the

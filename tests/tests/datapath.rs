@@ -4872,6 +4872,39 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     assert_eq!(counter(&fx, "drop_unallocated"), 3);
 }
 
+/// A service CIDR wider than an IPv4 /8 (more blocks of 256 than
+/// `MAX_BLOCKS`): IPv4's programs do not read `WIDE_BIT`, so the agent sets
+/// every one of its blocks' bits, and an unallocated address anywhere in
+/// it is dropped at tc and at XDP, while an address past it passes.
+#[test]
+fn a_service_cidr_wider_than_a_slash_8_drops_its_unallocated_addresses() {
+    let mut nf = node_fixture();
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["10.0.0.0/7"],
+        &[IpAddr::V4(VIP)],
+        &[],
+    );
+    for (i, addr) in [Ipv4Addr::new(10, 1, 2, 3), Ipv4Addr::new(11, 255, 0, 9)]
+        .into_iter()
+        .enumerate()
+    {
+        let port = 40300 + 2 * i as u16;
+        let (ret, _) = run(&nf.fx, &tcp(CLIENT, port, addr, 80, frame::SYN));
+        assert_eq!(ret, TC_ACT_SHOT, "{addr} in 10.0.0.0/7, unallocated, at tc");
+        let (ret, _) = run_xdp(&nf, &tcp(CLIENT, port + 1, addr, 80, frame::SYN));
+        assert_eq!(ret, XDP_DROP, "{addr} in 10.0.0.0/7, unallocated, at XDP");
+    }
+    assert_eq!(counter(&nf.fx, "drop_unallocated"), 4);
+    let past = tcp(CLIENT, 40310, Ipv4Addr::new(12, 0, 0, 1), 80, frame::SYN);
+    let (ret, out) = run(&nf.fx, &past);
+    assert_eq!(
+        (ret, out),
+        (TC_ACT_OK, past),
+        "an address past the range was not passed untouched"
+    );
+}
+
 /// At XDP an unallocated address is dropped there; an undefined port of a
 /// ClusterIP is left to tc, which sends the reject (counted there).
 #[test]

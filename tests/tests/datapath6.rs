@@ -3986,6 +3986,35 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     assert_eq!(ncounter(&nf, "too_big"), 1, "too_big");
 }
 
+/// An IPv6 service CIDR wider than a /104 sets `WIDE_BIT` rather than its
+/// blocks' bits: every IPv6 packet the prefilter turns away then asks the
+/// trie, so an unallocated address of a /64 is dropped at tc and at XDP,
+/// and one outside it passes.
+#[test]
+fn a_wide_ipv6_service_cidr_drops_its_unallocated_addresses() {
+    let mut nf = node_fixture();
+    write_service_cidrs(
+        &mut nf.fx.datapath.maps,
+        &["fd00:96::/64"],
+        &[IpAddr::V6(VIP)],
+        &[],
+    );
+    let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0x1234, 0, 0, 0x99);
+    let (ret, _) = run(&nf.fx, &tcp(CLIENT, 43400, unallocated, 80, frame::SYN));
+    assert_eq!(ret, TC_ACT_SHOT, "{unallocated} in fd00:96::/64 at tc");
+    let (ret, _) = run_xdp(&nf, &tcp(CLIENT, 43401, unallocated, 80, frame::SYN));
+    assert_eq!(ret, XDP_DROP, "{unallocated} in fd00:96::/64 at XDP");
+    assert_eq!(counter(&nf.fx, "drop_unallocated"), 2);
+    let outside = Ipv6Addr::new(0xfd00, 0x97, 0, 0, 0, 0, 0, 1);
+    let past = tcp(CLIENT, 43402, outside, 80, frame::SYN);
+    let (ret, out) = run(&nf.fx, &past);
+    assert_eq!(
+        (ret, out),
+        (TC_ACT_OK, past),
+        "an address outside the range was not passed untouched"
+    );
+}
+
 /// IPv6's service CIDRs, as IPv4's
 /// (`service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports`):
 /// an unallocated address of one dropped, at tc and at XDP; a ClusterIP's

@@ -316,21 +316,51 @@ pub fn backend_bit(backend: &Backend) -> u32 {
 
 /// Calls `set` with the bits of a `SERVICE_CIDRS` entry: the block bit of
 /// each block of 256 addresses it covers, or `WIDE_BIT` where it covers
-/// more than `MAX_BLOCKS` of them.
+/// more than `MAX_BLOCKS` of them. IPv4's programs never read `WIDE_BIT`:
+/// the blocks of an entry's IPv4 addresses (`::ffff:0:0/96`) are set
+/// however many they are, 2^24 at most (a range that wide is a
+/// misconfiguration, whose cost is this one loop rather than a read on
+/// every packet). `WIDE_BIT` is set for them too, for the programs of an
+/// earlier agent during an upgrade.
 pub fn service_cidr_bits((prefix_len, key): &ClusterCidrEntry, mut set: impl FnMut(u32)) {
     let prefix = (*prefix_len).min(128);
     if prefix >= u32::from(BLOCK_PREFIX) {
         set(block_bit(&key.addr_be));
         return;
     }
-    let blocks = 1u64 << (u32::from(BLOCK_PREFIX) - prefix).min(63);
-    if blocks > MAX_BLOCKS {
-        set(WIDE_BIT);
-        return;
-    }
     // The words hold their bytes in network order: as bytes, one big-endian
     // number, which the blocks count up from.
     let base = u128::from_be_bytes(bytemuck::cast(key.addr_be));
+    let blocks = 1u64 << (u32::from(BLOCK_PREFIX) - prefix).min(63);
+    if blocks <= MAX_BLOCKS {
+        set_blocks(base, blocks, &mut set);
+        return;
+    }
+    set(WIDE_BIT);
+    if let Some((base, blocks)) = ipv4_part(base, prefix) {
+        set_blocks(base, blocks, &mut set);
+    }
+}
+
+/// IPv4-mapped addresses, `::ffff:0:0/96`, as one big-endian number.
+const V4_MAPPED: u128 = 0xffff << 32;
+
+/// The first block and the number of blocks of the IPv4 addresses
+/// (`V4_MAPPED`) in the range `base`/`prefix` (128-bit), if it has any.
+fn ipv4_part(base: u128, prefix: u32) -> Option<(u128, u64)> {
+    let host_bits = 128 - prefix;
+    let network = |addr: u128| addr.checked_shr(host_bits).unwrap_or(0);
+    if prefix >= 96 {
+        // Inside one /96: all IPv4 or none.
+        (base >> 32 == V4_MAPPED >> 32).then(|| (base, 1u64 << (u32::from(BLOCK_PREFIX) - prefix)))
+    } else {
+        // Wider than a /96: all of IPv4 or none of it.
+        (network(base) == network(V4_MAPPED)).then_some((V4_MAPPED, 1 << 24))
+    }
+}
+
+/// Sets the block bit of `blocks` blocks of 256 from `base` on.
+fn set_blocks(base: u128, blocks: u64, set: &mut impl FnMut(u32)) {
     for block in 0..blocks {
         let addr: [u32; 4] = bytemuck::cast((base + (u128::from(block) << 8)).to_be_bytes());
         set(block_bit(&addr));
@@ -576,7 +606,7 @@ mod tests {
     /// Every address of a service CIDR finds its block's bit set, a /12 as
     /// a /28; an address outside it finds none of the CIDR's bits (here,
     /// where they are few, by their count); a CIDR of more than
-    /// `MAX_BLOCKS` blocks sets `WIDE_BIT` alone.
+    /// `MAX_BLOCKS` blocks sets `WIDE_BIT`, alone over IPv6.
     #[test]
     fn a_service_cidr_sets_the_block_bit_of_each_of_its_addresses() {
         use crate::{model::Cidr, planner::encode::cluster_cidr};
@@ -608,7 +638,25 @@ mod tests {
         assert!(v6.contains(&block_bit(&addr("fd00:10:96::12cd"))));
         assert!(!v6.contains(&WIDE_BIT));
         assert_eq!(bits_of("fd00:10:96::/64"), [WIDE_BIT].into());
-        assert_eq!(bits_of("10.0.0.0/7"), [WIDE_BIT].into());
         assert_eq!(bits_of("10.0.0.0/8").len(), 65_536);
+        // IPv4's programs do not read WIDE_BIT: a wider IPv4 range sets
+        // each of its blocks' bits as well.
+        let v4_wide = bits_of("10.0.0.0/7");
+        assert!(v4_wide.contains(&WIDE_BIT), "10.0.0.0/7: no WIDE_BIT");
+        for ip in ["10.0.0.1", "10.200.3.4", "11.255.255.255"] {
+            assert!(
+                v4_wide.contains(&block_bit(&addr(ip))),
+                "{ip} in 10.0.0.0/7"
+            );
+        }
+        assert!(!v4_wide.contains(&block_bit(&addr("12.0.0.1"))));
+        // An IPv6 range holding all of IPv4's mapped addresses sets all of
+        // IPv4's blocks; one holding none, none.
+        let all = bits_of("::/80");
+        for ip in ["0.0.0.1", "10.96.0.1", "255.255.255.255"] {
+            assert!(all.contains(&block_bit(&addr(ip))), "{ip} in ::/80");
+        }
+        assert_eq!(bits_of("::/81"), [WIDE_BIT].into());
+        assert_eq!(bits_of("fd00::/8"), [WIDE_BIT].into());
     }
 }

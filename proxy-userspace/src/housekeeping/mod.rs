@@ -26,7 +26,7 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use crate::{
-    datapath::{Datapath, prefilter_rebuild},
+    datapath::{Datapath, prefilter_flows::FlowMarks, prefilter_rebuild},
     planner::Departed,
 };
 
@@ -105,6 +105,23 @@ pub fn refresh_flow_marks(datapath: &mut Datapath) {
                 return;
             }
         }
+    }
+}
+
+/// The refresh the flows' marks owe since they were opened (at load, after
+/// a carry), once this agent's programs are attached: asked after each
+/// interface pass, which is where they are. Whether a refresh is due for
+/// marks that owe none is the reap's question (`refresh_flow_marks`),
+/// which counts the marked slots, a pass over the 4 MiB array: not one to
+/// ask at every interface change.
+pub fn settle_owed_flow_marks(datapath: &mut Datapath) {
+    if datapath
+        .maps
+        .prefilter_flows
+        .as_ref()
+        .is_some_and(FlowMarks::owed)
+    {
+        refresh_flow_marks(datapath);
     }
 }
 

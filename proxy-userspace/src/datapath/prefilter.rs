@@ -337,7 +337,7 @@ pub fn service_cidr_bits((prefix_len, key): &ClusterCidrEntry, mut set: impl FnM
         return;
     }
     set(WIDE_BIT);
-    if let Some((base, blocks)) = ipv4_part(base, prefix) {
+    if let Some((base, blocks)) = ipv4_part(base, prefix, blocks) {
         set_blocks(base, blocks, &mut set);
     }
 }
@@ -346,17 +346,20 @@ pub fn service_cidr_bits((prefix_len, key): &ClusterCidrEntry, mut set: impl FnM
 const V4_MAPPED: u128 = 0xffff << 32;
 
 /// The first block and the number of blocks of the IPv4 addresses
-/// (`V4_MAPPED`) in the range `base`/`prefix` (128-bit), if it has any.
-fn ipv4_part(base: u128, prefix: u32) -> Option<(u128, u64)> {
-    let host_bits = 128 - prefix;
-    let network = |addr: u128| addr.checked_shr(host_bits).unwrap_or(0);
-    if prefix >= 96 {
-        // Inside one /96: all IPv4 or none.
-        (base >> 32 == V4_MAPPED >> 32).then(|| (base, 1u64 << (u32::from(BLOCK_PREFIX) - prefix)))
-    } else {
-        // Wider than a /96: all of IPv4 or none of it.
-        (network(base) == network(V4_MAPPED)).then_some((V4_MAPPED, 1 << 24))
+/// (`V4_MAPPED`) in the range `base`/`prefix` (128-bit) of `blocks`
+/// blocks, if it has any: all of the range where it lies inside the /96,
+/// all of IPv4 where it holds the /96. Both hold when the two agree on
+/// the bits the narrower of them fixes.
+fn ipv4_part(base: u128, prefix: u32, blocks: u64) -> Option<(u128, u64)> {
+    let fixed = |addr: u128| addr.checked_shr(128 - prefix.min(96)).unwrap_or(0);
+    if fixed(base) != fixed(V4_MAPPED) {
+        return None;
     }
+    Some(if prefix >= 96 {
+        (base, blocks)
+    } else {
+        (V4_MAPPED, 1 << 24)
+    })
 }
 
 /// Sets the block bit of `blocks` blocks of 256 from `base` on.
@@ -653,9 +656,13 @@ mod tests {
         // An IPv6 range holding all of IPv4's mapped addresses holds all of
         // IPv4's 2^24 blocks (set as the /7's are, here only counted); one
         // holding none, none.
-        assert_eq!(ipv4_part(0, 80), Some((V4_MAPPED, 1 << 24)), "::/80");
-        assert_eq!(ipv4_part(0, 0), Some((V4_MAPPED, 1 << 24)), "::/0");
-        assert_eq!(ipv4_part(0, 81), None, "::/81");
+        assert_eq!(
+            ipv4_part(0, 80, 1 << 40),
+            Some((V4_MAPPED, 1 << 24)),
+            "::/80"
+        );
+        assert_eq!(ipv4_part(0, 0, 1 << 63), Some((V4_MAPPED, 1 << 24)), "::/0");
+        assert_eq!(ipv4_part(0, 81, 1 << 39), None, "::/81");
         assert_eq!(bits_of("::/81"), [WIDE_BIT].into());
         assert_eq!(bits_of("fd00::/8"), [WIDE_BIT].into());
     }

@@ -7,6 +7,7 @@ mod image;
 mod netfilter_tools;
 mod profile;
 mod setup;
+mod test_lanes;
 
 use std::{
     os::unix::process::CommandExt,
@@ -250,14 +251,33 @@ fn test(extra: &[String]) -> Result<()> {
     // Everything the tests run is built first: with the workspace's test
     // dependencies in the build, cargo links the agent binary again, and
     // tests/image.rs must find the image of that binary, not of the one above.
-    run_status(cargo().args(TEST).arg("--no-run"))?;
+    let built = cargo()
+        .args(TEST)
+        .args(["--no-run", "--message-format=json-render-diagnostics"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot start cargo test --no-run")?;
+    if !built.status.success() {
+        bail!("cargo test --no-run failed ({})", built.status);
+    }
     image::build(&bin, &image::Options::default())?;
-    // --no-fail-fast: one failing test binary must not hide the results of the others.
-    run_status(
-        cargo()
-            .args(TEST)
-            .arg("--no-fail-fast")
-            .args(extra)
-            .env(agent::BIN_ENV, &bin),
-    )
+    if !extra.is_empty() {
+        // --no-fail-fast: one failing test binary must not hide the results of the others.
+        return run_status(
+            cargo()
+                .args(TEST)
+                .arg("--no-fail-fast")
+                .args(extra)
+                .env(agent::BIN_ENV, &bin),
+        );
+    }
+    let binaries = test_lanes::from_cargo_messages(
+        &String::from_utf8_lossy(&built.stdout),
+        &workspace_root(),
+    )?;
+    let lanes = test_lanes::run(binaries, test_lanes::LANES, &[(agent::BIN_ENV, &bin)]);
+    // The doc tests (compile checks of the examples in doc comments), which
+    // no executable of the build holds.
+    let docs = run_status(cargo().args(TEST).arg("--doc").env(agent::BIN_ENV, &bin));
+    lanes.and(docs)
 }

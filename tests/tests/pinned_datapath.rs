@@ -3,8 +3,9 @@
 //! the agent exits until `cleanup`, an agent of a newer layout retires an older one's
 //! datapath (an upgrade in place), a new `--conntrack-max` resizes conntrack with its
 //! flows, an agent restarted on the pins takes over the tcx links with `tc_ingress6`
-//! still after `tc_ingress`, the pinned maps dump with field names, and `status
-//! --flows` shows the flows in conntrack, IPv6's as `[addr]:port`.
+//! still after `tc_ingress`, the pinned maps dump with field names, `status
+//! --flows` shows the flows in conntrack, IPv6's as `[addr]:port`, and the flow marks
+//! a load opens are refreshed as soon as the programs attach.
 //!
 //! Every test builds its own namespaces, bpffs root and manifest directory, so they run
 //! in parallel; everything is removed on drop, also when a test fails.
@@ -621,4 +622,69 @@ fn conntrack6_entry(
         });
     eprintln!("CONNTRACK6 entry of {src} -> {dst}: {entry}");
     entry.clone()
+}
+
+/// The flow marks a load opens (every slot marked, so that no flow the marks do not
+/// know yet is turned away) are refreshed as soon as this agent's programs attach,
+/// by the interface pass that attaches them, not only by the conntrack reap's next
+/// tick (every 10 s; its first, at start, finds nothing attached and leaves them). A
+/// node with no interface but `lo` at start, then one: the marks stay opened while
+/// nothing is attached, and are down to what conntrack holds (nothing) once tc is on
+/// the new interface, within a few seconds of the agent's start, well before the
+/// reap's second tick.
+#[test]
+fn the_marks_opened_at_load_are_refreshed_when_the_programs_attach() {
+    use ebpf_proxy_tests::{
+        agent::Agent,
+        eventually,
+        manifest::ManifestDir,
+        netns::{NetNs, unique_stem},
+    };
+    ebpf_proxy_tests::require_root().expect("privileged test");
+    let stem = unique_stem();
+    let node = NetNs::create(&format!("{stem}-node")).expect("node namespace");
+    let manifests = ManifestDir::create(&stem).expect("manifest dir");
+    let started = std::time::Instant::now();
+    let agent = Agent::start(&node, manifests.path()).expect("agent on a node with only lo");
+    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
+    let marked = |status: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("prefilter flow marks: "))
+            .and_then(|l| l.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"))
+    };
+    let status = agent.status().expect("status");
+    assert!(
+        !status.contains("tc-ingress-"),
+        "a tc link with no interface but lo:\n{status}"
+    );
+    assert_eq!(
+        marked(&status),
+        slots,
+        "the marks opened at load were refreshed with no program attached:\n{status}"
+    );
+    // A veth pair, both ends in the node (this kernel has no dummy interfaces).
+    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
+        .expect("an interface");
+    for end in ["d0", "d1"] {
+        node.ip(&["link", "set", end, "up"]).expect("up");
+    }
+    eventually(
+        "tc on the new interface and the opened marks refreshed",
+        Duration::from_secs(6),
+        || {
+            let status = agent.status().map_err(|e| format!("{e:#}"))?;
+            let now = marked(&status);
+            if status.contains("tc-ingress-d0") && now < slots {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{now} of {slots} slots marked, {:.1} s after the agent's start \
+                     (the reap's second tick at 10 s):\n{status}",
+                    started.elapsed().as_secs_f64()
+                ))
+            }
+        },
+    );
 }

@@ -178,6 +178,11 @@ fn build() -> Result<PathBuf> {
     // proxy-userspace's build script builds the eBPF object with /usr/bin/rustc and
     // bpf-linker and embeds it.
     run_status(cargo().args(["build", "--release", "-p", "proxy-userspace"]))?;
+    built_agent()
+}
+
+/// The agent binary a release build just made.
+fn built_agent() -> Result<PathBuf> {
     let bin = target_dir().join("release/ebpf-proxy");
     if !bin.is_file() {
         bail!(
@@ -237,8 +242,7 @@ fn bench(quick: bool) -> Result<()> {
 fn test(extra: &[String]) -> Result<()> {
     require_root()
         .context("the integration tests build network namespaces and load BPF programs")?;
-    let bin = build()?;
-    ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
+    setup::run()?;
     // proxy-ebpf targets bpfel-unknown-none (no_std, no_main) and is built by
     // proxy-userspace's build script; it cannot be compiled for the host.
     const TEST: [&str; 5] = [
@@ -248,9 +252,11 @@ fn test(extra: &[String]) -> Result<()> {
         "proxy-ebpf",
         "--release",
     ];
-    // Everything the tests run is built first: with the workspace's test
-    // dependencies in the build, cargo links the agent binary again, and
-    // tests/image.rs must find the image of that binary, not of the one above.
+    // Everything the tests run is built first, the agent binary included
+    // (proxy-userspace's own tests run it), with the features the workspace's
+    // test dependencies unify: a separate `cargo build` of the agent would
+    // compile every crate whose features differ twice, a third of a fresh
+    // build, and tests/image.rs must find the image of the binary the tests run.
     let built = cargo()
         .args(TEST)
         .args(["--no-run", "--message-format=json-render-diagnostics"])
@@ -260,6 +266,8 @@ fn test(extra: &[String]) -> Result<()> {
     if !built.status.success() {
         bail!("cargo test --no-run failed ({})", built.status);
     }
+    let bin = built_agent()?;
+    ebpf_proxy_tests::remove_stale_state(Some(&bin))?;
     image::build(&bin, &image::Options::default())?;
     if !extra.is_empty() {
         // --no-fail-fast: one failing test binary must not hide the results of the others.

@@ -255,8 +255,8 @@ fn test(extra: &[String]) -> Result<()> {
     // Everything the tests run is built first, the agent binary included
     // (proxy-userspace's own tests run it), with the features the workspace's
     // test dependencies unify: a separate `cargo build` of the agent would
-    // compile every crate whose features differ twice, a third of a fresh
-    // build, and tests/image.rs must find the image of the binary the tests run.
+    // compile every crate whose features differ (kube, rustls, the agent)
+    // twice, and tests/image.rs must find the image of the binary the tests run.
     let built = cargo()
         .args(TEST)
         .args(["--no-run", "--message-format=json-render-diagnostics"])

@@ -3,7 +3,8 @@
 //! scraped before and after an EndpointSlice change (carrying the
 //! `last-change-trigger-time` annotation) and traffic through the ClusterIP. The
 //! counters, sync and programming metrics move as the traffic and the change did,
-//! and `promtool check metrics` accepts both expositions.
+//! `promtool check metrics` accepts both expositions, and the collector's own
+//! descriptors of the maps add no second mapping of the prefilter's arrays.
 //!
 //! Needs root (namespaces, BPF), the release binary (`cargo xtask build`) and
 //! `promtool` (Debian's `prometheus`, which `cargo xtask setup` installs).
@@ -241,5 +242,33 @@ fn metrics_move_with_traffic_and_changes() {
         "no interface listed:\n{}",
         after.text
     );
+
+    // The collector reads the maps through descriptors of its own, but leaves
+    // the prefilter's arrays to the sync loop's one mapping of each: every
+    // mapping puts all of an array's pages in the agent's resident memory.
+    let pid = agent.pid().expect("the agent's pid");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("the agent's mappings");
+    for (name, words) in [
+        ("PREFILTER", proxy_common::prefilter::WORDS),
+        ("PREFILTER_FLOWS", proxy_common::prefilter::flows::WORDS),
+    ] {
+        let bytes = u64::from(words) * 8;
+        let mappings = maps
+            .lines()
+            .filter(|l| l.contains("anon_inode:bpf-map"))
+            .filter(|l| {
+                let range = l.split(' ').next().unwrap_or_default();
+                let (start, end) = range.split_once('-').unwrap_or_default();
+                let size = u64::from_str_radix(end, 16)
+                    .ok()
+                    .zip(u64::from_str_radix(start, 16).ok());
+                size.is_some_and(|(end, start)| end - start == bytes)
+            })
+            .count();
+        assert_eq!(
+            mappings, 1,
+            "{name} ({bytes} bytes) is mapped {mappings} times into the agent:\n{maps}"
+        );
+    }
     drop(agent);
 }

@@ -125,6 +125,14 @@ fn socket_storage<V: Pod>(map: Map) -> Result<MapData, MapError> {
     }
 }
 
+/// Whether `Maps` maps the prefilter's arrays into memory (`Prefilter`,
+/// `FlowMarks`), or leaves them to a holder that does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Arrays {
+    Mapped,
+    Unmapped,
+}
+
 /// Every map of the datapath.
 pub struct Maps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
@@ -176,10 +184,11 @@ pub struct Maps {
     /// (`LOCAL_IFACES`); absent like `csum_states`.
     pub local_ifaces: Option<HashMap<MapData, u32, u32>>,
     /// The prefilter's bits, mapped (`prefilter`), shared with the thread
-    /// that writes batches behind the sync; absent like `csum_states`.
+    /// that writes batches behind the sync; absent like `csum_states`, and
+    /// where opened unmapped (`open_pinned_unmapped`).
     pub prefilter: Option<Arc<Prefilter>>,
     /// The prefilter's marks of flows, mapped (`prefilter_flows`); absent
-    /// like `csum_states`.
+    /// as `prefilter` is.
     pub prefilter_flows: Option<FlowMarks>,
     /// The Service port of each service id (`SERVICE_NAMES`); absent like
     /// `csum_states`.
@@ -202,12 +211,25 @@ impl Maps {
         let take = |name: &'static str| -> Result<Map, MapsError> {
             ebpf.take_map(name).ok_or(MapsError::Missing { name })
         };
-        Self::from_maps(take)
+        Self::from_maps(take, Arrays::Mapped)
     }
 
     /// Opens the pinned maps of a running (or exited) agent, without loading
     /// anything: for inspection and tests.
     pub fn open_pinned(pins: &PinLayout) -> Result<Self, MapsError> {
+        Self::open_pinned_with(pins, Arrays::Mapped)
+    }
+
+    /// `open_pinned`, the prefilter's arrays left unmapped (`prefilter` and
+    /// `prefilter_flows` None): for a reader that never asks them, such as
+    /// the metrics' collector, beside the sync loop's own maps. Each mapping
+    /// of the two arrays counts their 5 MiB in the agent's resident memory
+    /// again (the kernel maps every page of an array at once).
+    pub fn open_pinned_unmapped(pins: &PinLayout) -> Result<Self, MapsError> {
+        Self::open_pinned_with(pins, Arrays::Unmapped)
+    }
+
+    fn open_pinned_with(pins: &PinLayout, arrays: Arrays) -> Result<Self, MapsError> {
         let open = |name: &'static str| -> Result<Map, MapsError> {
             let path = pins.map(name);
             if map_names::LATER.contains(&name) && !path.exists() {
@@ -216,11 +238,12 @@ impl Maps {
             let data = MapData::from_pin(path).map_err(wrap(name))?;
             Map::from_map_data(data).map_err(wrap(name))
         };
-        Self::from_maps(open)
+        Self::from_maps(open, arrays)
     }
 
     fn from_maps(
         mut get: impl FnMut(&'static str) -> Result<Map, MapsError>,
+        arrays: Arrays,
     ) -> Result<Self, MapsError> {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
@@ -255,16 +278,24 @@ impl Maps {
             sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
-            prefilter: later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
-                .map(|array| Prefilter::map(array).map(Arc::new))
+            prefilter: match arrays {
+                Arrays::Mapped => {
+                    later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
+                        .map(|array| Prefilter::map(array).map(Arc::new))
+                        .transpose()?
+                }
+                Arrays::Unmapped => None,
+            },
+            prefilter_flows: match arrays {
+                Arrays::Mapped => later(
+                    get(PREFILTER_FLOWS),
+                    PREFILTER_FLOWS,
+                    Array::<MapData, u64>::try_from,
+                )?
+                .map(FlowMarks::map)
                 .transpose()?,
-            prefilter_flows: later(
-                get(PREFILTER_FLOWS),
-                PREFILTER_FLOWS,
-                Array::<MapData, u64>::try_from,
-            )?
-            .map(FlowMarks::map)
-            .transpose()?,
+                Arrays::Unmapped => None,
+            },
             service_names: later(get(SERVICE_NAMES), SERVICE_NAMES, HashMap::try_from)?,
             service_cidrs: later(get(SERVICE_CIDRS), SERVICE_CIDRS, LpmTrie::try_from)?,
             service_refusals: later(get(SERVICE_REFUSALS), SERVICE_REFUSALS, HashMap::try_from)?,

@@ -82,7 +82,7 @@ impl DatapathCollector {
         interfaces: InterfaceModes,
     ) -> Result<Self, crate::datapath::maps::MapsError> {
         Ok(DatapathCollector {
-            maps: Maps::open_pinned(pins)?,
+            maps: Maps::open_pinned_unmapped(pins)?,
             service_counters,
             pins: pins.clone(),
             sync,

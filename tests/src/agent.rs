@@ -367,6 +367,21 @@ impl Agent {
             .ok_or_else(|| anyhow!("no counter {name} in the status:\n{status}"))
     }
 
+    /// The datapath's counters that are not zero, as `status` lists them
+    /// (`name: value, ...`), for failure messages; what went wrong instead
+    /// where the status cannot be read.
+    pub fn nonzero_counters(&self) -> String {
+        match self.status() {
+            Ok(status) => status
+                .lines()
+                .filter_map(|l| l.strip_prefix("counter "))
+                .filter(|l| !l.ends_with(": 0"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Err(e) => format!("(no status: {e:#})"),
+        }
+    }
+
     /// Polls /healthz until it answers 200; fails early if the agent exits.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
         let child = self

@@ -58,7 +58,6 @@ use ebpf_proxy_tests::{
     servers::{TcpServer, UdpServer},
     wait_for,
 };
-use proxy_userspace::datapath::{Maps, PinLayout};
 
 const POD_A: (&str, Ipv4Addr) = ("dsr-a1", Ipv4Addr::new(10, 1, 1, 10));
 const POD_B: (&str, Ipv4Addr) = ("dsr-b1", Ipv4Addr::new(10, 1, 2, 10));
@@ -253,12 +252,8 @@ impl<F: Family> World<F> {
     /// Both nodes' non-zero counters, for messages.
     fn counters(&self) -> String {
         let mut out = String::new();
-        for (n, agent) in self.agents.iter().enumerate() {
-            let counters: Vec<(&str, u64)> = Maps::open_pinned(&PinLayout::new(agent.bpf_root()))
-                .and_then(|m| m.counters())
-                .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
-                .unwrap_or_default();
-            out.push_str(&format!("node {}: {counters:?}; ", ["a", "b"][n]));
+        for (agent, node) in self.agents.iter().zip(["a", "b"]) {
+            out.push_str(&format!("node {node}: {}; ", agent.nonzero_counters()));
         }
         out
     }

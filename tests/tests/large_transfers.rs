@@ -38,7 +38,6 @@ use ebpf_proxy_tests::{
     offloads, require_root, snmp,
     topology::{GATEWAY, GATEWAY6},
 };
-use proxy_userspace::datapath::{Maps, PinLayout};
 
 /// The client pod on node a.
 const POD: (&str, Ipv4Addr) = ("pod-a", Ipv4Addr::new(10, 1, 1, 20));
@@ -232,11 +231,10 @@ impl<F: Family> World<F> {
     fn diagnosis(&self) -> String {
         let mut out = String::new();
         for (agent, node) in self.agents.iter().zip(["a", "b"]) {
-            let counters: Vec<(&str, u64)> = Maps::open_pinned(&PinLayout::new(agent.bpf_root()))
-                .and_then(|m| m.counters())
-                .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
-                .unwrap_or_default();
-            out.push_str(&format!("\n  node {node} counters: {counters:?}"));
+            out.push_str(&format!(
+                "\n  node {node} counters: {}",
+                agent.nonzero_counters()
+            ));
         }
         let mut namespaces: Vec<(&str, &NetNs)> = vec![
             ("node a", &self.cluster.node("a").ns),

@@ -43,18 +43,6 @@ const LONG: usize = 1200;
 /// (protocol unreachable; over IPv6 a parameter problem, unknown next header).
 const ICMP_ERRORS: [&str; 2] = ["IcmpOutDestUnreachs", "Icmp6OutParmProblems"];
 
-/// The agent's counters that are not zero, for failure messages.
-fn nonzero(agent: &Agent) -> String {
-    match agent.status() {
-        Ok(status) => status
-            .lines()
-            .filter(|l| l.starts_with("counter ") && !l.ends_with(": 0"))
-            .collect::<Vec<_>>()
-            .join(", "),
-        Err(e) => format!("(no status: {e:#})"),
-    }
-}
-
 /// The sum of `names` in `ns`'s SNMP counters.
 fn icmp_errors(ns: &NetNs) -> u64 {
     let all = snmp::read(ns).unwrap_or_else(|e| panic!("SNMP counters of {}: {e:#}", ns.name()));
@@ -215,7 +203,7 @@ fn cluster_ip<F: Family>() {
         .write("sctp.yaml", &F::yaml(&service, &[F::pod(backend.1)]))
         .expect("write manifest");
     let agent = Agent::start_with(&topology.node, manifests.path(), &[]).expect("start the agent");
-    let counters = || nonzero(&agent);
+    let counters = || agent.nonzero_counters();
 
     let client_ns = &topology.pod(one_node::CLIENT.0).ns;
     let server_ns = &topology.pod(backend.0).ns;
@@ -367,8 +355,8 @@ fn node_port<F: Family>(xdp: &str) {
     let counters = || {
         format!(
             "node a: {}; node b: {}",
-            nonzero(&agents[0]),
-            nonzero(&agents[1])
+            agents[0].nonzero_counters(),
+            agents[1].nonzero_counters()
         )
     };
 

@@ -67,12 +67,7 @@ pub fn serving<F: Family>(clients: &[(&str, Ipv4Addr)], agent_args: &[&str]) -> 
 
 /// The agent's non-zero counters, for failure messages.
 pub fn counters_text(sb: &Sandbox) -> String {
-    let maps = Maps::open_pinned(&PinLayout::new(sb.agent().bpf_root()));
-    let counters: Vec<(&str, u64)> = maps
-        .and_then(|m| m.counters())
-        .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
-        .unwrap_or_default();
-    format!("{counters:?}")
+    sb.agent().nonzero_counters()
 }
 
 /// A UDP socket of family `F` in `ns` connected to `to`, with the request timeout.

@@ -166,13 +166,8 @@ impl<F: Family> Fixture<F> {
     /// The non-zero counters of both nodes, for failure messages.
     pub fn counters(&self) -> String {
         let mut out = String::new();
-        for (n, agent) in self.agents.iter().enumerate() {
-            let maps = Maps::open_pinned(&PinLayout::new(agent.bpf_root()));
-            let counters: Vec<(&str, u64)> = maps
-                .and_then(|m| m.counters())
-                .map(|c| c.into_iter().filter(|(_, v)| *v > 0).collect())
-                .unwrap_or_default();
-            out.push_str(&format!("node {}: {counters:?}; ", ["a", "b"][n]));
+        for (agent, node) in self.agents.iter().zip(["a", "b"]) {
+            out.push_str(&format!("node {node}: {}; ", agent.nonzero_counters()));
         }
         out
     }

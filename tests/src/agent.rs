@@ -533,6 +533,18 @@ impl Drop for Agent {
     }
 }
 
+/// The flow slots a `status` output shows marked (its "prefilter flow marks"
+/// line), None where it has no readable such line.
+pub fn marked_flow_slots(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("prefilter flow marks: "))?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// What an agent of a test leaves once stopped and cleaned up: its bpffs root
 /// is removed, and its log too, after printing it if the test failed.
 pub fn leave_nothing_behind(bpf_root: &Path, log_path: &Path, log: impl FnOnce() -> String) {

@@ -648,10 +648,7 @@ fn the_marks_opened_at_load_are_refreshed_when_the_programs_attach() {
     let agent = Agent::start(&node, manifests.path()).expect("agent on a node with only lo");
     let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
     let marked = |status: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("prefilter flow marks: "))
-            .and_then(|l| l.split(' ').next()?.parse().ok())
+        ebpf_proxy_tests::agent::marked_flow_slots(status)
             .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"))
     };
     let status = agent.status().expect("status");

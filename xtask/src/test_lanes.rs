@@ -48,14 +48,14 @@ pub fn from_cargo_messages(messages: &str, workspace: &Path) -> Result<Vec<TestB
         let Some(exe) = message["executable"].as_str() else {
             continue;
         };
-        let field = |name: &str| {
-            message["target"][name]
+        fn field<'a>(value: &'a Value, name: &str, exe: &str) -> Result<&'a Path> {
+            value[name]
                 .as_str()
-                .or_else(|| message[name].as_str())
+                .map(Path::new)
                 .with_context(|| format!("cargo's artifact message for {exe} has no {name}"))
-        };
-        let src = Path::new(field("src_path")?);
-        let manifest = Path::new(field("manifest_path")?);
+        }
+        let src = field(&message["target"], "src_path", exe)?;
+        let manifest = field(&message, "manifest_path", exe)?;
         let binary = TestBinary {
             name: src
                 .strip_prefix(workspace)
@@ -89,12 +89,13 @@ struct Ran {
 /// (one failing binary must not hide the others' results).
 pub fn run(binaries: Vec<TestBinary>, lanes: usize, env: &[(&str, &Path)]) -> Result<()> {
     let total = binaries.len();
+    let lanes = lanes.max(1);
     let started = Instant::now();
     let queue = Mutex::new(VecDeque::from(binaries));
     let (done, finished) = mpsc::channel::<Result<Ran>>();
     let mut failed = Vec::new();
     std::thread::scope(|scope| {
-        for _ in 0..lanes.max(1) {
+        for _ in 0..lanes {
             let (queue, done) = (&queue, done.clone());
             scope.spawn(move || {
                 while let Some(binary) = queue.lock().ok().and_then(|mut q| q.pop_front()) {
@@ -129,8 +130,7 @@ pub fn run(binaries: Vec<TestBinary>, lanes: usize, env: &[(&str, &Path)]) -> Re
         }
     });
     println!(
-        "{total} test binaries, {} lanes, {:.1} s",
-        lanes.max(1),
+        "{total} test binaries, {lanes} lanes, {:.1} s",
         started.elapsed().as_secs_f64()
     );
     if !failed.is_empty() {

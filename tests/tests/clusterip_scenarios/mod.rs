@@ -249,15 +249,8 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
     );
     // The flow marks the load opened were refreshed once the programs were
     // attached, and every flow marked its reply.
-    let marks = status
-        .lines()
-        .find_map(|l| l.strip_prefix("prefilter flow marks: "))
-        .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"));
-    let marked: u64 = marks
-        .split(' ')
-        .next()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("unreadable flow marks line {marks:?}"));
+    let marked = ebpf_proxy_tests::agent::marked_flow_slots(&status)
+        .unwrap_or_else(|| panic!("status shows no readable prefilter flow marks:\n{status}"));
     let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
     assert!(
         (flows..slots).contains(&marked),

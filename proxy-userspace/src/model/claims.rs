@@ -9,6 +9,7 @@ use std::{cmp::Ordering, net::IpAddr, sync::Arc};
 
 use hashbrown::HashMap;
 use k8s_openapi::jiff::Timestamp;
+use smallvec::SmallVec;
 
 use super::{
     CompactService, FrontendKind, ModelConfig, Protocol, ProxyLabels, family::Family, is_ours_by,
@@ -35,7 +36,7 @@ impl Rank {
         Some(Rank {
             created: service.created,
             namespace: service.namespace_arc(),
-            name: service.name.as_deref()?.into(),
+            name: Arc::clone(service.name.as_ref()?),
         })
     }
 }
@@ -91,6 +92,11 @@ struct Claim {
     load_balancer: bool,
 }
 
+/// The Services holding a ClusterIP: held inline, since the API server
+/// gives each address to one Service (a vector's first push would make
+/// room for four, 224 bytes per Service).
+type Owners = SmallVec<[Rank; 1]>;
+
 /// The cluster's addresses as the address policy reads them.
 #[derive(Debug, Default)]
 pub struct AddressClaims {
@@ -98,7 +104,7 @@ pub struct AddressClaims {
     /// the address is that Service's wherever it is programmed. The
     /// Services holding it (the API server gives each to one; manifests
     /// may not).
-    cluster_ips: HashMap<IpAddr, Vec<Rank>>,
+    cluster_ips: HashMap<IpAddr, Owners>,
     /// Moves each time an address joins or leaves `cluster_ips`, so that
     /// the agent copies the set out only when it changed.
     cluster_ips_generation: u64,
@@ -116,7 +122,7 @@ impl AddressClaims {
     pub fn cluster_ip_owners(&self, ip: IpAddr) -> &[Rank] {
         self.cluster_ips
             .get(&ip.to_canonical())
-            .map_or(&[], Vec::as_slice)
+            .map_or(&[], Owners::as_slice)
     }
 
     /// Every ClusterIP some Service holds, with the Services holding it,

@@ -113,7 +113,9 @@ impl From<EndpointSlice> for Slice {
 pub struct CompactService {
     /// As given: empty when unset ("default" is applied where it is read).
     namespace: Arc<str>,
-    pub(super) name: Option<Box<str>>,
+    /// Shared with the rank of each address it claims
+    /// ([`super::claims::Rank`]).
+    pub(super) name: Option<Arc<str>>,
     pub(super) labels: ProxyLabels,
     /// spec.type is LoadBalancer: only such a Service has a health check.
     pub(super) load_balancer: bool,
@@ -198,7 +200,7 @@ impl From<&Service> for CompactService {
         let meta = &service.metadata;
         CompactService {
             namespace: intern(meta.namespace.as_deref().unwrap_or_default()),
-            name: meta.name.as_deref().map(Box::from),
+            name: meta.name.as_deref().map(Arc::from),
             labels: ProxyLabels::of(meta.labels.as_ref()),
             load_balancer: service
                 .spec

@@ -3,7 +3,7 @@
 //! same, the older Service winning an address whatever order the agent
 //! learns of the two in, and the budget counted from the spec's sizes.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 use k8s_openapi::api::core::v1::Service;
 use proptest::prelude::*;
@@ -234,6 +234,52 @@ fn another_services_cluster_ip_is_refused_in_both_families_via_external_ips_and_
         let own = modelled(&victim, &claims, &ModelConfig::default());
         assert!(own.refusals.is_empty(), "{:?}", own.refusals);
     }
+}
+
+#[test]
+fn a_cluster_ip_two_services_hold_stays_theirs_until_both_are_gone() {
+    // The API server gives each ClusterIP to one Service; manifests may
+    // give one to two. Each holder is an owner until it leaves.
+    let mut claims = AddressClaims::default();
+    let first = compact(service_json("a", "first", "10.96.0.10", &[], Some(1)));
+    let second = compact(service_json("b", "second", "10.96.0.10", &[], Some(2)));
+    claims.add(&first);
+    claims.add(&second);
+    let owners = claims.cluster_ip_owners(ip("10.96.0.10"));
+    let names: Vec<&str> = owners.iter().map(|r| &*r.name).collect();
+    assert_eq!(names, ["first", "second"], "both hold the ClusterIP");
+    assert!(
+        Arc::ptr_eq(&owners[0].name, first.name.as_ref().expect("named")),
+        "the rank shares the Service's name rather than copying it"
+    );
+
+    let claimant = compact(service_json(
+        "c",
+        "claimant",
+        "10.96.0.20",
+        &["10.96.0.10"],
+        None,
+    ));
+    claims.remove(&first);
+    let got = modelled(&claimant, &claims, &ModelConfig::default());
+    assert_eq!(
+        reasons(&got),
+        vec![(Reason::ClusterIp, Some(ip("10.96.0.10")))],
+        "still the second Service's ClusterIP once the first left"
+    );
+    assert!(
+        got.refusals[0].detail.contains("b/second"),
+        "{}",
+        got.refusals[0].detail
+    );
+    claims.remove(&second);
+    let got = modelled(&claimant, &claims, &ModelConfig::default());
+    assert_eq!(
+        external_addresses(&got),
+        vec![ip("10.96.0.10")],
+        "nobody's ClusterIP once both left: {:?}",
+        got.refusals
+    );
 }
 
 #[test]

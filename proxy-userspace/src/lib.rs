@@ -13,6 +13,7 @@ pub mod datapath;
 mod detect_local;
 mod health_check_server;
 pub mod healthz;
+pub mod heap;
 pub mod housekeeping;
 mod http;
 mod http_limits;

@@ -6,7 +6,7 @@ use proxy_userspace::{
     cli::{Cli, Command, RunArgs, StatusOutput},
     config,
     datapath::{self, PinLayout},
-    kube_proxy_argv, logging,
+    heap, kube_proxy_argv, logging,
     planner::node::SocketLb,
     privileges, settle, status, trace,
 };
@@ -48,11 +48,7 @@ fn warn_kube_proxy_flags(args: &RunArgs, settled: Option<settle::Settled>) {
 }
 
 fn main() -> anyhow::Result<()> {
-    // One malloc arena: the agent is a handful of threads doing little
-    // allocation after the initial listing, and per-thread arenas would keep
-    // that listing's freed memory resident several times over.
-    // SAFETY: called before any thread exists.
-    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
+    heap::tune();
     let (cli, merged, settled) = command_line()?;
     logging::init(cli.log_format)?;
     if let Some(merged) = merged {

@@ -91,6 +91,21 @@ fn reasons(modelled: &Modelled) -> Vec<(Reason, Option<IpAddr>)> {
         .collect()
 }
 
+/// `got`'s one refusal is of `address` as the ClusterIP of `owner`, whom
+/// its detail names.
+fn assert_cluster_ip_refusal(got: &Modelled, address: &str, owner: &str, context: &str) {
+    assert_eq!(
+        reasons(got),
+        vec![(Reason::ClusterIp, Some(ip(address)))],
+        "{context}"
+    );
+    assert!(
+        got.refusals[0].detail.contains(owner),
+        "{context}: the refusal names {owner}: {}",
+        got.refusals[0].detail
+    );
+}
+
 fn ip(text: &str) -> IpAddr {
     text.parse().expect("an address")
 }
@@ -218,15 +233,11 @@ fn another_services_cluster_ip_is_refused_in_both_families_via_external_ips_and_
                 vec![ip(legal)],
                 "{victim_ip} via {how}: only the legal address is programmed"
             );
-            assert_eq!(
-                reasons(&got),
-                vec![(Reason::ClusterIp, Some(ip(victim_ip)))],
-                "{victim_ip} via {how}"
-            );
-            assert!(
-                got.refusals[0].detail.contains("kube-system/kube-dns"),
-                "the refusal names the ClusterIP's Service: {}",
-                got.refusals[0].detail
+            assert_cluster_ip_refusal(
+                &got,
+                victim_ip,
+                "kube-system/kube-dns",
+                &format!("{victim_ip} via {how}"),
             );
             claims.remove(&attacker);
         }
@@ -262,15 +273,11 @@ fn a_cluster_ip_two_services_hold_stays_theirs_until_both_are_gone() {
     ));
     claims.remove(&first);
     let got = modelled(&claimant, &claims, &ModelConfig::default());
-    assert_eq!(
-        reasons(&got),
-        vec![(Reason::ClusterIp, Some(ip("10.96.0.10")))],
-        "still the second Service's ClusterIP once the first left"
-    );
-    assert!(
-        got.refusals[0].detail.contains("b/second"),
-        "{}",
-        got.refusals[0].detail
+    assert_cluster_ip_refusal(
+        &got,
+        "10.96.0.10",
+        "b/second",
+        "still the second Service's ClusterIP once the first left",
     );
     claims.remove(&second);
     let got = modelled(&claimant, &claims, &ModelConfig::default());

@@ -11,10 +11,7 @@ use std::{
 };
 
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
-use k8s_openapi::{
-    api::{core::v1::Node, core::v1::Service},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
+use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use tracing::{debug, warn};
 
 use crate::{
@@ -302,7 +299,7 @@ impl ClusterState {
 
     fn apply_object(&mut self, object: Object, changes: &mut Changes) {
         match object {
-            Object::Service(service) => self.put_service(&service, changes),
+            Object::Service(service) => self.put_service(service, changes),
             Object::EndpointSlice(slice) => self.put_slice(*slice, changes),
             Object::Node(node) => self.put_node(Some(&node), changes),
             Object::ServiceCidr(object) => self.put_service_cidr(&object),
@@ -345,16 +342,11 @@ impl ClusterState {
         for object in objects {
             match (kind, object) {
                 (Kind::Service, Object::Service(service)) => {
-                    if service
-                        .metadata
-                        .name
-                        .as_deref()
-                        .is_some_and(|n| !n.is_empty())
-                    {
+                    if let Some(key) = ObjectKey::of_service(&service) {
                         if stored_before > 0 {
-                            listed.extend(key_of(&service.metadata));
+                            listed.insert(key);
                         }
-                        self.put_service(&service, changes);
+                        self.put_service(service, changes);
                     }
                 }
                 (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
@@ -421,16 +413,15 @@ impl ClusterState {
         model::forget_unused_strings();
     }
 
-    fn put_service(&mut self, service: &Service, changes: &mut Changes) {
-        let Some(key) = key_of(&service.metadata) else {
+    fn put_service(&mut self, mut service: Box<CompactService>, changes: &mut Changes) {
+        let Some(key) = ObjectKey::of_service(&service) else {
             warn!("service without a name; ignored");
             return;
         };
-        let mut service = CompactService::from(service);
         if service.shed_over(self.frontend_budget) {
             debug!(service = %key, frontends = service.frontend_count(), "over its frontend budget: its external addresses are not kept");
         }
-        if self.services.get(&key).map(|s| &**s) == Some(&service) {
+        if self.services.get(&key) == Some(&service) {
             return;
         }
         let mut touched = AddressClaims::addresses_of(&service);
@@ -439,7 +430,7 @@ impl ClusterState {
             self.claims.remove(old);
         }
         self.claims.add(&service);
-        self.services.insert(key.clone(), Box::new(service));
+        self.services.insert(key.clone(), service);
         self.mark_claimants(&touched, Some(&key), changes);
         changes.services.insert(key);
     }
@@ -627,7 +618,7 @@ fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
 
 fn describe(object: &Object) -> String {
     let (kind, key) = match object {
-        Object::Service(s) => ("Service", key_of(&s.metadata)),
+        Object::Service(s) => ("Service", ObjectKey::of_service(s)),
         Object::EndpointSlice(s) => ("EndpointSlice", slice_key(s)),
         Object::Node(n) => ("Node", key_of(&n.metadata)),
         Object::ServiceCidr(c) => {
@@ -645,7 +636,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use k8s_openapi::api::{
-        core::v1::{ServicePort, ServiceSpec},
+        core::v1::{Service, ServicePort, ServiceSpec},
         discovery::v1::EndpointSlice,
     };
 
@@ -666,7 +657,7 @@ mod tests {
     }
 
     fn service(name: &str, cluster_ip: &str) -> Object {
-        Object::Service(Box::new(Service {
+        Object::service(&Service {
             metadata: meta("demo", name, &[]),
             spec: Some(ServiceSpec {
                 cluster_ip: Some(cluster_ip.to_owned()),
@@ -678,7 +669,7 @@ mod tests {
                 ..Default::default()
             }),
             ..Default::default()
-        }))
+        })
     }
 
     fn slice(name: &str, service: &str, ips: &[&str]) -> Object {

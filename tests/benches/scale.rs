@@ -631,7 +631,7 @@ fn sync_cpu(services: u32) -> Result<f64> {
     for i in 0..services {
         let svc: Service = serde_json::from_value(service_json(i))?;
         let slice: EndpointSlice = serde_json::from_value(slice_json(i, node, 0))?;
-        svc_objects.push(Object::service(svc));
+        svc_objects.push(Object::service(&svc));
         slice_objects.push(Object::slice(&slice));
     }
     let now = Instant::now();
@@ -686,21 +686,21 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
         decoded_objects.push((svc, slice));
     }
     let decoded = sub(live(), start);
-    // As the source hands them on.
-    let mut svc_objects = Vec::with_capacity(services as usize);
-    let mut slice_objects = Vec::with_capacity(services as usize);
-    for (svc, slice) in decoded_objects {
-        svc_objects.push(Object::service(svc));
-        slice_objects.push(Object::slice(&slice));
-    }
-
-    // The Services alone, in a state of their own, then both kinds: each
-    // state's bytes are what dropping it frees.
+    // As the source hands them on: the Services alone, in a state of
+    // their own, then both kinds; each state's bytes are what dropping it
+    // frees. Each state gets Services of its own making: a clone would
+    // share their names with the first.
+    let listing = |decoded: &[(Service, EndpointSlice)]| -> Vec<Object> {
+        decoded
+            .iter()
+            .map(|(svc, _)| Object::service(svc))
+            .collect()
+    };
     let services_only = {
         let mut state = ClusterState::new(node);
         state.apply(SourceEvent::Replace {
             kind: Kind::Service,
-            objects: svc_objects.clone(),
+            objects: listing(&decoded_objects),
         });
         state
     };
@@ -708,12 +708,16 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
     let mut state = ClusterState::new(node);
     state.apply(SourceEvent::Replace {
         kind: Kind::Service,
-        objects: svc_objects,
+        objects: listing(&decoded_objects),
     });
     state.apply(SourceEvent::Replace {
         kind: Kind::EndpointSlice,
-        objects: slice_objects,
+        objects: decoded_objects
+            .iter()
+            .map(|(_, slice)| Object::slice(slice))
+            .collect(),
     });
+    drop(decoded_objects);
     drop(texts);
 
     let config = ModelConfig::default();

@@ -18,7 +18,7 @@ use std::time::Duration;
 use apiserver::{ApiServer, Logs};
 use ebpf_proxy_tests::fuzz::Rng;
 use proxy_userspace::{
-    model::{self, ModelConfig, ModelError, NodeInfo},
+    model::{ModelConfig, ModelError, NodeInfo},
     source::{Object, SourceEvent, kube as kube_source},
 };
 use serde_json::{Value, json};
@@ -136,9 +136,7 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
                 })
                 .unwrap_or_else(|| panic!("seed {seed}: the source stopped\n{}", logs.text()));
             match event {
-                SourceEvent::Apply(Object::Service(s))
-                    if s.metadata.name.as_deref() == Some(mark.as_str()) =>
-                {
+                SourceEvent::Apply(Object::Service(s)) if s.name() == Some(mark.as_str()) => {
                     break;
                 }
                 SourceEvent::Apply(Object::EndpointSlice(s)) if *s.name == *mark => {
@@ -169,8 +167,8 @@ async fn mutated_api_objects_are_delivered_or_skipped_by_name() {
                 let refs: Vec<_> = slices.iter().collect();
                 let modelled = std::panic::catch_unwind(|| {
                     (
-                        model::service_frontends(&s, &refs, &node, &config),
-                        model::service_health_check(&s, &refs, &node, &config),
+                        s.frontends(&refs, &node, &config),
+                        s.health_check(&refs, &node, &config),
                     )
                 })
                 .unwrap_or_else(|_| panic!("seed {seed}: the model panicked on {object}"));

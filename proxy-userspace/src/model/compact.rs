@@ -7,14 +7,10 @@
 //! endpoint before any of its strings; kept this way it is 48. The numbers
 //! per Service are in bench/results/scale.md.
 
-use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc, time::SystemTime};
 
 use k8s_openapi::{
-    api::{
-        core::v1::{LoadBalancerStatus, Service, ServiceStatus},
-        discovery::v1::EndpointSlice,
-    },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    api::{core::v1::Service, discovery::v1::EndpointSlice},
     jiff::Timestamp,
 };
 
@@ -147,6 +143,16 @@ impl CompactService {
         }
     }
 
+    /// Its namespace as given: empty when unset.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// Its name, if it has one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
     /// Its namespace as given, shared.
     pub(super) fn namespace_arc(&self) -> Arc<str> {
         Arc::clone(&self.namespace)
@@ -167,13 +173,28 @@ impl CompactService {
         self.uid.as_deref()
     }
 
+    /// Its ClusterIPs as checked, primary family first; none when its spec
+    /// has nothing to program or cannot be.
+    pub fn cluster_ips(&self) -> &[IpAddr] {
+        self.parsed().map_or(&[], |parsed| &parsed.cluster_ips)
+    }
+
+    /// Its externalIPs as checked (none once shed: [`Self::shed_over`]).
+    pub fn external_ips(&self) -> &[IpAddr] {
+        self.parsed().map_or(&[], |parsed| &parsed.external_ips)
+    }
+
+    fn parsed(&self) -> Option<&Parsed> {
+        match &self.spec {
+            Some(Ok(Some(parsed))) => Some(parsed),
+            _ => None,
+        }
+    }
+
     /// The frontends it asks for, counted from the sizes of its spec (0
     /// when it has none to program).
     pub fn frontend_count(&self) -> u64 {
-        match &self.spec {
-            Some(Ok(Some(parsed))) => parsed.frontend_count,
-            _ => 0,
-        }
+        self.parsed().map_or(0, |parsed| parsed.frontend_count)
     }
 
     /// Drops its external addresses when it asks for more than
@@ -225,46 +246,5 @@ impl From<&Service> for CompactService {
 impl From<Service> for CompactService {
     fn from(service: Service) -> Self {
         CompactService::from(&service)
-    }
-}
-
-/// The Service with only what the model and the metrics read: its name,
-/// namespace, uid, creation time and proxy labels, its spec less the pod
-/// selector, and its load balancer ingress. The rest (annotations, owner references,
-/// conditions, the API server's bookkeeping) can be most of its size.
-pub fn compact_service(service: Service) -> Service {
-    let Service {
-        metadata,
-        mut spec,
-        status,
-    } = service;
-    let labels: BTreeMap<String, String> = metadata
-        .labels
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| k == LABEL_HEADLESS || k == LABEL_SERVICE_PROXY_NAME)
-        .collect();
-    if let Some(spec) = spec.as_mut() {
-        spec.selector = None;
-    }
-    Service {
-        metadata: ObjectMeta {
-            name: metadata.name,
-            namespace: metadata.namespace,
-            uid: metadata.uid,
-            creation_timestamp: metadata.creation_timestamp,
-            labels: (!labels.is_empty()).then_some(labels),
-            ..ObjectMeta::default()
-        },
-        spec,
-        status: status.and_then(|s| {
-            let ingress = s.load_balancer.and_then(|lb| lb.ingress)?;
-            Some(ServiceStatus {
-                load_balancer: Some(LoadBalancerStatus {
-                    ingress: Some(ingress),
-                }),
-                ..ServiceStatus::default()
-            })
-        }),
     }
 }

@@ -49,7 +49,7 @@ pub use address_policy::{
     DEFAULT_MAX_FRONTENDS_PER_SERVICE, Reason, Refusal, RefusedAddress, special_address,
 };
 pub use claims::{AddressClaims, Rank};
-pub use compact::{CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice, compact_service};
+pub use compact::{CompactService, LAST_CHANGE_TRIGGER_TIME, ProxyLabels, Slice};
 pub use health_check::{HealthCheck, service_health_check};
 pub use intern::{forget_unused_strings, intern};
 use k8s_openapi::api::core::v1::Service;

@@ -438,9 +438,9 @@ fn the_older_service_wins_an_address_and_the_loser_gets_it_once_the_winner_goes(
     for order in [[0, 1], [1, 0]] {
         let mut state = ClusterState::new("node-a");
         for i in order {
-            state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
+            state.apply(SourceEvent::Apply(Object::service(&decode(
                 services[i].clone(),
-            )))));
+            ))));
         }
         assert_eq!(holders(&state, &services), vec![1], "order {order:?}");
         let changes = state.apply(SourceEvent::Delete {
@@ -458,9 +458,7 @@ fn the_older_service_wins_an_address_and_the_loser_gets_it_once_the_winner_goes(
     let b = service_json("bbb", "x", "10.96.1.2", &["203.0.113.50"], None);
     let mut state = ClusterState::new("node-a");
     for s in [&b, &a] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
-            s.clone(),
-        )))));
+        state.apply(SourceEvent::Apply(Object::service(&decode(s.clone()))));
     }
     assert_eq!(holders(&state, &[a, b]), vec![0]);
 }
@@ -472,9 +470,7 @@ fn a_conflict_is_per_port_and_protocol() {
     let second = service_json("b", "second", "10.96.1.2", &["203.0.113.50"], Some(2));
     let mut state = ClusterState::new("node-a");
     for s in [&first, &second] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
-            s.clone(),
-        )))));
+        state.apply(SourceEvent::Apply(Object::service(&decode(s.clone()))));
     }
     let key = key_of(&second);
     let got = state
@@ -531,9 +527,7 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
         }
         let mut state = ClusterState::new("node-a");
         for s in [&older, younger] {
-            state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
-                s.clone(),
-            )))));
+            state.apply(SourceEvent::Apply(Object::service(&decode(s.clone()))));
         }
         let key = key_of(younger);
         let got = state
@@ -551,9 +545,7 @@ fn a_claim_that_is_not_programmed_wins_nothing() {
     let mut older = other_proxy;
     older["metadata"]["labels"] = json!({});
     for s in [&older, &young] {
-        state.apply(SourceEvent::Apply(Object::Service(Box::new(decode(
-            s.clone(),
-        )))));
+        state.apply(SourceEvent::Apply(Object::service(&decode(s.clone()))));
     }
     assert_eq!(holders(&state, &[older, young]), vec![0]);
 }
@@ -577,7 +569,7 @@ proptest! {
         let objects = || -> Vec<Object> {
             order
                 .iter()
-                .map(|i| Object::Service(Box::new(decode(services[*i].clone()))))
+                .map(|i| Object::service(&decode(services[*i].clone())))
                 .collect()
         };
         if as_listing {

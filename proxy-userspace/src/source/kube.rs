@@ -256,7 +256,7 @@ trait Watched:
 impl Watched for Service {
     const KIND: Kind = Kind::Service;
     fn into_object(self: Box<Self>) -> Object {
-        Object::service(*self)
+        Object::service(&self)
     }
 }
 
@@ -699,7 +699,11 @@ mod tests {
     fn summary(events: &[SourceEvent]) -> Vec<String> {
         fn name(object: &Object) -> String {
             let meta = match object {
-                Object::Service(s) => &s.metadata,
+                Object::Service(s) => {
+                    return ObjectKey::of_service(s)
+                        .map(|k| k.to_string())
+                        .unwrap_or_default();
+                }
                 Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
                 Object::Node(n) => &n.metadata,
                 Object::ServiceCidr(c) => return c.name.clone(),

@@ -10,7 +10,7 @@ use k8s_openapi::api::{
 };
 use tracing::warn;
 
-use crate::model::{Cidr, Slice, compact_service};
+use crate::model::{Cidr, CompactService, Slice};
 
 /// The kinds of object a source delivers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -29,6 +29,17 @@ pub struct ObjectKey {
     pub name: String,
 }
 
+impl ObjectKey {
+    /// A Service's key, when it has a name.
+    pub fn of_service(service: &CompactService) -> Option<ObjectKey> {
+        let name = service.name().filter(|n| !n.is_empty())?;
+        Some(ObjectKey {
+            namespace: service.namespace().to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
 impl std::fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.namespace.is_empty() {
@@ -44,7 +55,7 @@ impl std::fmt::Display for ObjectKey {
 /// listing is never held in the API's form.
 #[derive(Clone, Debug)]
 pub enum Object {
-    Service(Box<Service>),
+    Service(Box<CompactService>),
     EndpointSlice(Box<Slice>),
     Node(Box<Node>),
     ServiceCidr(Box<ServiceCidrRanges>),
@@ -59,8 +70,8 @@ pub struct ServiceCidrRanges {
 
 impl Object {
     /// A Service, reduced to what the model reads.
-    pub fn service(service: Service) -> Object {
-        Object::Service(Box::new(compact_service(service)))
+    pub fn service(service: &Service) -> Object {
+        Object::Service(Box::new(CompactService::from(service)))
     }
 
     /// A `ServiceCIDR`, reduced to its ranges; one that does not parse

@@ -210,13 +210,13 @@ fn decode<T: serde::de::DeserializeOwned>(value: Value) -> T {
 }
 
 fn service(name: &str, cluster_ip: &str) -> Object {
-    Object::Service(Box::new(decode::<Service>(json!({
+    Object::service(&decode::<Service>(json!({
         "metadata": {"name": name, "namespace": "demo"},
         "spec": {
             "type": "ClusterIP", "clusterIP": cluster_ip, "clusterIPs": [cluster_ip],
             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
         },
-    }))))
+    })))
 }
 
 /// A slice of `service` with ready endpoints at `ips`, each hinted for the
@@ -517,10 +517,10 @@ fn state_with(objects: Vec<Object>) -> ClusterState {
 }
 
 fn object_service(name: &str, spec: &Value) -> Object {
-    Object::Service(Box::new(decode::<Service>(json!({
+    Object::service(&decode::<Service>(json!({
         "metadata": {"name": name, "namespace": "demo"},
         "spec": spec,
-    }))))
+    })))
 }
 
 #[test]
@@ -988,7 +988,7 @@ fn claiming(
     external_ips: &[&str],
     created: u32,
 ) -> Object {
-    Object::Service(Box::new(decode::<Service>(json!({
+    Object::service(&decode::<Service>(json!({
         "metadata": {
             "name": name, "namespace": namespace,
             "creationTimestamp": format!("2024-01-01T00:00:{created:02}Z"),
@@ -998,7 +998,7 @@ fn claiming(
             "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
             "externalIPs": external_ips,
         },
-    }))))
+    })))
 }
 
 fn slice_in(namespace: &str, service: &str, ip: &str) -> Object {

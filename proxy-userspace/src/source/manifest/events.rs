@@ -34,7 +34,7 @@ impl Manifests {
         if kinds.contains(&Kind::Service) {
             events.push(SourceEvent::Replace {
                 kind: Kind::Service,
-                objects: services.into_iter().map(Object::service).collect(),
+                objects: services.iter().map(Object::service).collect(),
             });
         }
         if kinds.contains(&Kind::EndpointSlice) {
@@ -66,11 +66,7 @@ impl Manifests {
         if sent.is_none_or(|s| s.services != self.services) {
             events.push(SourceEvent::Replace {
                 kind: Kind::Service,
-                objects: self
-                    .services
-                    .iter()
-                    .map(|s| Object::service(s.clone()))
-                    .collect(),
+                objects: self.services.iter().map(Object::service).collect(),
             });
         }
         if sent.is_none_or(|s| s.endpoint_slices != self.endpoint_slices) {

@@ -243,7 +243,10 @@ mod tests {
             } => objects
                 .iter()
                 .map(|o| match o {
-                    Object::Service(s) => s.spec.as_ref().unwrap().cluster_ip.clone().unwrap(),
+                    Object::Service(s) => match s.cluster_ips() {
+                        [ip] => ip.to_string(),
+                        ips => panic!("a Service with one ClusterIP has {ips:?}"),
+                    },
                     other => panic!("not a service in a Service listing: {other:?}"),
                 })
                 .collect(),

@@ -299,7 +299,13 @@ impl ClusterState {
 
     fn apply_object(&mut self, object: Object, changes: &mut Changes) {
         match object {
-            Object::Service(service) => self.put_service(service, changes),
+            Object::Service(service) => {
+                if let Some(key) = ObjectKey::of_service(&service) {
+                    self.put_service(key, service, changes);
+                } else {
+                    warn!("service without a name; ignored");
+                }
+            }
             Object::EndpointSlice(slice) => self.put_slice(*slice, changes),
             Object::Node(node) => self.put_node(Some(&node), changes),
             Object::ServiceCidr(object) => self.put_service_cidr(&object),
@@ -344,9 +350,9 @@ impl ClusterState {
                 (Kind::Service, Object::Service(service)) => {
                     if let Some(key) = ObjectKey::of_service(&service) {
                         if stored_before > 0 {
-                            listed.insert(key);
+                            listed.insert(key.clone());
                         }
-                        self.put_service(service, changes);
+                        self.put_service(key, service, changes);
                     }
                 }
                 (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
@@ -413,11 +419,13 @@ impl ClusterState {
         model::forget_unused_strings();
     }
 
-    fn put_service(&mut self, mut service: Box<CompactService>, changes: &mut Changes) {
-        let Some(key) = ObjectKey::of_service(&service) else {
-            warn!("service without a name; ignored");
-            return;
-        };
+    /// Stores `service` under `key`, its [`ObjectKey::of_service`].
+    fn put_service(
+        &mut self,
+        key: ObjectKey,
+        mut service: Box<CompactService>,
+        changes: &mut Changes,
+    ) {
         if service.shed_over(self.frontend_budget) {
             debug!(service = %key, frontends = service.frontend_count(), "over its frontend budget: its external addresses are not kept");
         }

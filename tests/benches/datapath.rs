@@ -386,32 +386,121 @@ fn add_mirror(datapath: &mut Datapath, key: CtKey) {
         .expect("inserting the mirror entry");
 }
 
-/// The prefilter's bits set, of its hashed ones (the NodePorts' port bits
-/// aside: this bench has none).
-fn prefilter_ones(datapath: &Datapath) -> u32 {
-    datapath
+/// Tuples sampled at each size for the prefilter's chance passes.
+const CHANCE_SAMPLES: u32 = 200_000;
+
+/// What the prefilter holds at one size.
+struct Fill {
+    size: u32,
+    /// Bits set, of its hashed ones (the NodePorts' port bits aside: this
+    /// bench has none).
+    ones: u32,
+    /// The share of packets for no Service that pass it by chance.
+    chance: f64,
+    /// The same with every backend's source bit set, as an agent keeps
+    /// them from its load until its programs are attached (the only time
+    /// an earlier agent's programs, which read them, may run), and as an
+    /// agent kept them always before: the bits set, and the share.
+    with_sources: (u32, f64),
+}
+
+/// The prefilter at `size` Services (`install_both`'s): its bits, and the
+/// share of packets for no Service that pass it by chance and take the full
+/// path after all, sampled: TCP between two pod addresses
+/// (10.128.0.0/9, where the backends are), random ports, asked as the
+/// datapath asks (`proxy_common::prefilter::turned_away`, over the array
+/// and the flows' marks as they are).
+fn fill(datapath: &Datapath, size: u32) -> Fill {
+    use proxy_common::prefilter::{WORDS, turned_away, word_and_mask};
+    use proxy_userspace::datapath::prefilter::backend_bit;
+    let prefilter = datapath
         .maps
         .prefilter
         .as_ref()
-        .expect("the datapath has a prefilter")
-        .ones()
+        .expect("the datapath has a prefilter");
+    let marks = datapath
+        .maps
+        .prefilter_flows
+        .as_ref()
+        .expect("the datapath has flow marks");
+    let mut words: Vec<u64> = (0..WORDS)
+        .map(|w| prefilter.word(w).expect("a word of the array"))
+        .collect();
+    let chance = |words: &[u64]| {
+        // splitmix64: the same tuples at every size and in every run.
+        let mut state = 0x5eed_u64;
+        let mut next = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let pod =
+            |r: u64| proxy_common::v4_mapped((0x0a80_0000 | (r as u32 & 0x007f_ffff)).to_be());
+        let passed = (0..CHANCE_SAMPLES)
+            .filter(|_| {
+                let (a, b) = (next(), next());
+                turned_away(
+                    |w| words.get(w as usize).copied(),
+                    |slot| marks.is_marked(slot),
+                    &pod(a),
+                    (a >> 32) as u16,
+                    &pod(b),
+                    (b >> 32) as u16,
+                    6,
+                )
+                .is_none()
+            })
+            .count();
+        passed as f64 / f64::from(CHANCE_SAMPLES)
+    };
+    let measured = chance(&words);
+    let addrs = (0..size).flat_map(|i| {
+        (0..ENDPOINTS)
+            .flat_map(move |k| [IpAddr::V4(backend_ip(i, k)), IpAddr::V6(backend_ip6(i, k))])
+    });
+    for addr in addrs {
+        let (word, mask) = word_and_mask(backend_bit(&proxy_common::Backend {
+            addr_be: match addr {
+                IpAddr::V4(v4) => proxy_common::v4_mapped(u32::from_ne_bytes(v4.octets())),
+                IpAddr::V6(v6) => bytemuck::cast(v6.octets()),
+            },
+            port_be: 8080u16.to_be(),
+            proto: 6,
+            flags: 0,
+        }));
+        words[word as usize] |= mask;
+    }
+    let ones = |words: &[u64]| words.iter().map(|w| w.count_ones()).sum::<u32>();
+    Fill {
+        size,
+        ones: prefilter.ones(),
+        chance: measured,
+        with_sources: (ones(&words), chance(&words)),
+    }
 }
 
-/// What the prefilter holds at each size: the chance that a packet for no
-/// Service finds a bit set by chance and takes the full path after all
-/// (two hashed probes, its destination's and its source's). The rows'
-/// "not a service" is a packet that finds none: measured over several
-/// ports, the median over them.
-fn render_fills(fills: &[(u32, u32)]) -> String {
+/// What the prefilter holds at each size. The rows' "not a service" is a
+/// packet that passes none of its probes: measured over several ports,
+/// the median over them.
+fn render_fills(fills: &[Fill]) -> String {
     let hashed = f64::from(proxy_common::prefilter::BITS - proxy_common::prefilter::PORTS);
     let mut s = String::from("\n");
-    for (size, ones) in fills {
-        let fill = f64::from(*ones) / hashed;
+    for f in fills {
+        let (ones_kept, chance_kept) = f.with_sources;
         s.push_str(&format!(
-            "Prefilter at {size} services: {ones} bits set, {:.2}% of its hashed bits: a packet \
-             for no Service takes the full path by chance with a probability of about {:.2}%\n",
-            fill * 100.0,
-            (1.0 - (1.0 - fill).powi(2)) * 100.0
+            "Prefilter at {} services: {} bits set, {:.2}% of its hashed bits; a packet for no \
+             Service (TCP between pod addresses, {CHANCE_SAMPLES} sampled) passes it by chance \
+             and takes the full path {:.2}% of the time. With backends' source bits, which an \
+             agent keeps from its load until its programs are attached: {ones_kept} bits \
+             ({:.2}%), {:.2}% of the time\n",
+            f.size,
+            f.ones,
+            f64::from(f.ones) / hashed * 100.0,
+            f.chance * 100.0,
+            f64::from(ones_kept) / hashed * 100.0,
+            chance_kept * 100.0
         ));
     }
     s
@@ -426,7 +515,7 @@ fn admit_mirrors(datapath: &Datapath) {
     proxy_userspace::datapath::prefilter_rebuild::rebuild(&datapath.maps)
         .expect("rebuilding the prefilter")
         .expect("the datapath has a prefilter");
-    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
         .expect("settling the prefilter's flow marks");
 }
 
@@ -948,7 +1037,7 @@ fn main() {
     // The flows' marks as the agent's housekeeping leaves them once its
     // programs run: what conntrack holds, so that every flow a test makes
     // must mark its own replies.
-    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
         .expect("settling the prefilter's flow marks");
     let trace = RefCell::new(Trace::open(&pins));
     let mut planner = Planner::new();
@@ -970,7 +1059,7 @@ fn main() {
             (&mut installed, &mut installed6),
             size,
         );
-        fills.push((size, prefilter_ones(&datapath)));
+        fills.push(fill(&datapath, size));
         // Target a service in the middle of what is installed.
         let target = vip(size / 2);
         for (hook, client_port) in [("tc", 2000u16), ("xdp", 3000u16)] {

@@ -103,7 +103,7 @@ fn fixture_loaded(
     // The flows' marks as the agent's housekeeping leaves them once its
     // programs run: what conntrack holds, so that every flow a test makes
     // must mark its own replies.
-    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
         .expect("settling the prefilter's flow marks");
     let mut fixture = Fixture {
         datapath,
@@ -4611,7 +4611,7 @@ fn a_flows_replies_pass_the_prefilter_by_its_mark_alone() {
         .conntrack
         .remove(&unmarked_key)
         .expect("removing the written reply entry");
-    prefilter_rebuild::settle_flows(&fx.datapath.maps).expect("settling the flow marks");
+    prefilter_rebuild::settle(&fx.datapath.maps).expect("settling the flow marks");
     let marks = flow_marks(&fx);
     assert!(
         !marks.is_marked(slot),
@@ -4628,7 +4628,7 @@ fn a_flows_replies_pass_the_prefilter_by_its_mark_alone() {
         proxy_common::prefilter::flows::SLOTS,
         "opened marks left slots unmarked"
     );
-    prefilter_rebuild::settle_flows(&fx.datapath.maps).expect("settling the flow marks");
+    prefilter_rebuild::settle(&fx.datapath.maps).expect("settling the flow marks");
     let failed = marks.refresh(|_| Err("a read of conntrack that fails"));
     assert!(failed.is_err(), "a failed read was reported as a refresh");
     assert_eq!(
@@ -4764,6 +4764,155 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
         (ret, &out),
         (TC_ACT_OK, &syn),
         "a new connection to a frontend that went was not passed untouched"
+    );
+}
+
+/// The bit of a backend's replies' source key, TCP, on `port`.
+fn source_bit(ip: Ipv4Addr, port: u16) -> u32 {
+    proxy_userspace::datapath::prefilter::backend_bit(&proxy_common::Backend {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
+        port_be: port.to_be(),
+        proto: frame::TCP,
+        flags: 0,
+    })
+}
+
+fn prefilter_of(datapath: &Datapath) -> &proxy_userspace::datapath::prefilter::Prefilter {
+    datapath
+        .maps
+        .prefilter
+        .as_ref()
+        .expect("the datapath has a prefilter")
+}
+
+/// Programs Service `test/name`, `vip`:80/TCP to `backend`:8080.
+fn land_service(fx: &mut Fixture, name: &str, vip: Ipv4Addr, backend: Ipv4Addr) {
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: name.into(),
+    };
+    let service = frontend(
+        vip,
+        80,
+        Protocol::Tcp,
+        &[backend],
+        8080,
+        NoEndpointAction::Reject,
+    );
+    let out = fx
+        .planner
+        .sync_service(&owner, &[service], &mut fx.datapath.maps);
+    assert!(
+        out.errors.is_empty(),
+        "programming {name}: {:?}",
+        out.errors
+    );
+}
+
+/// Backends' source bits, which only an earlier agent's programs read, are
+/// set from a load until they are retired (the agent retires them once its
+/// programs are attached), and by no landing or rebuild after: a new
+/// backend then sets only its frontend's bits. A flow from before goes on
+/// being translated both ways, its replies passing by their flow's mark.
+#[test]
+fn backend_source_bits_are_kept_from_a_load_until_retired() {
+    use proxy_userspace::datapath::{prefilter::service_bit, prefilter_rebuild};
+    let mut fx = fixture();
+    let flow_backend = assured_flow(&fx, 41900);
+    assert!(
+        !prefilter_of(&fx.datapath).keeps_sources()
+            && BACKENDS
+                .iter()
+                .all(|b| !prefilter_of(&fx.datapath).holds(source_bit(*b, 8080))),
+        "the fixture's datapath was settled, and keeps backends' source bits still"
+    );
+
+    // A second load on the same pins, as an upgrade's: the earlier
+    // programs may still be attached, so the bits are back. The fixture's
+    // planner writes the same pinned maps, through its prefilter.
+    fx.datapath = Datapath::load(fx.pins.clone()).expect("loading again on the same pins");
+    assert!(
+        prefilter_of(&fx.datapath).keeps_sources(),
+        "a load keeps no source bits"
+    );
+    for backend in BACKENDS {
+        assert!(
+            prefilter_of(&fx.datapath).holds(source_bit(backend, 8080)),
+            "the load's rebuild left out backend {backend}:8080's source bit"
+        );
+    }
+    let (early, late) = (Ipv4Addr::new(10, 244, 9, 1), Ipv4Addr::new(10, 244, 9, 2));
+    land_service(&mut fx, "early", Ipv4Addr::new(10, 96, 9, 1), early);
+    assert!(
+        prefilter_of(&fx.datapath).holds(source_bit(early, 8080)),
+        "a backend landed before the retirement did not set its source bit"
+    );
+
+    let retired = prefilter_rebuild::retire_sources(&fx.datapath.maps)
+        .expect("retiring the source bits")
+        .expect("the datapath has a prefilter that kept them");
+    assert!(
+        retired.changed > 0,
+        "the retirement cleared nothing: {retired:?}"
+    );
+    for backend in BACKENDS.into_iter().chain([early]) {
+        assert!(
+            !prefilter_of(&fx.datapath).holds(source_bit(backend, 8080)),
+            "backend {backend}:8080's source bit outlived the retirement"
+        );
+    }
+    assert_eq!(
+        prefilter_rebuild::retire_sources(&fx.datapath.maps).expect("retiring again"),
+        None,
+        "a second retirement found source bits kept"
+    );
+
+    land_service(&mut fx, "late", Ipv4Addr::new(10, 96, 9, 2), late);
+    let late_key = proxy_common::ServiceKey {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes([10, 96, 9, 2])),
+        port_be: 80u16.to_be(),
+        proto: frame::TCP,
+        scope: proxy_common::scope::ANY,
+    };
+    let late_bits = |fx: &Fixture| {
+        let prefilter = prefilter_of(&fx.datapath);
+        (
+            prefilter.holds(service_bit(&late_key)),
+            prefilter.holds(source_bit(late, 8080)),
+        )
+    };
+    assert_eq!(
+        late_bits(&fx),
+        (true, false),
+        "a backend landed after the retirement: (its frontend's bit, its source bit) set"
+    );
+    prefilter_rebuild::rebuild(&fx.datapath.maps)
+        .expect("rebuilding the prefilter")
+        .expect("the datapath has a prefilter");
+    assert!(
+        !prefilter_of(&fx.datapath).holds(source_bit(flow_backend, 8080))
+            && late_bits(&fx) == (true, false),
+        "a rebuild after the retirement set a backend's source bit again"
+    );
+
+    // The load opened every flow mark; the housekeeping's refreshes leave
+    // what conntrack holds.
+    for _ in 0..2 {
+        prefilter_rebuild::refresh_flows(&fx.datapath.maps).expect("refreshing the flow marks");
+    }
+    let (_, out) = run(&fx, &tcp(CLIENT, 41900, VIP, 80, frame::ACK));
+    let p = parse_checked(&out, "established packet after the retirement");
+    assert_eq!(
+        (p.dst, p.dport),
+        (flow_backend, 8080),
+        "the flow from before lost its backend"
+    );
+    let (_, out) = run(&fx, &tcp(flow_backend, 8080, CLIENT, 41900, frame::ACK));
+    let r = parse_checked(&out, "reply after the retirement");
+    assert_eq!(
+        (r.src, r.sport),
+        (VIP, 80),
+        "the flow's reply after the retirement was not translated back"
     );
 }
 

@@ -92,7 +92,7 @@ fn node(first: &[Frontend], order: &[Ipv4Addr]) -> Node {
     // The flows' marks as the agent's housekeeping leaves them once its
     // programs run: what conntrack holds, so that every flow a test makes
     // must mark its own replies.
-    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
         .expect("settling the prefilter's flow marks");
     let mut node = Node {
         datapath,

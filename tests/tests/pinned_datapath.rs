@@ -685,3 +685,96 @@ fn the_marks_opened_at_load_are_refreshed_when_the_programs_attach() {
         },
     );
 }
+
+/// Backends' source bits in the prefilter, which only an earlier agent's programs
+/// read, are kept while none of this agent's programs is attached (an earlier
+/// agent's may still be, on these pins), and cleared once tc is on an interface,
+/// within a few seconds of the agent's start, well before the reap's second tick.
+/// A node with no interface but `lo` at start, `test/web`'s backends programmed,
+/// then an interface.
+#[test]
+fn backend_source_bits_go_once_the_programs_attach() {
+    use ebpf_proxy_tests::{
+        agent::Agent,
+        eventually,
+        manifest::ManifestDir,
+        netns::{NetNs, unique_stem},
+    };
+    use proxy_userspace::datapath::{maps::Maps, prefilter::backend_bit};
+    ebpf_proxy_tests::require_root().expect("privileged test");
+    let stem = unique_stem();
+    let node = NetNs::create(&format!("{stem}-node")).expect("node namespace");
+    let manifests = ManifestDir::create(&stem).expect("manifest dir");
+    manifests
+        .write(
+            "web.yaml",
+            &web_service(CLUSTER_IP).yaml(Some(&backend_ips())),
+        )
+        .expect("write manifest");
+    let started = std::time::Instant::now();
+    let agent = Agent::start(&node, manifests.path()).expect("agent on a node with only lo");
+    let maps = Maps::open_pinned(&PinLayout::new(agent.bpf_root())).expect("the agent's maps");
+    let prefilter = maps.prefilter.as_ref().expect("the pins have a prefilter");
+    // Each backend's bit for both of its ports.
+    let sources: Vec<(String, u32)> = backend_ips()
+        .into_iter()
+        .flat_map(|ip| {
+            [(TCP_PORT, 6u8), (UDP_PORT, 17u8)].map(move |(port, proto)| (ip, port, proto))
+        })
+        .map(|(ip, port, proto)| {
+            let bit = backend_bit(&proxy_common::Backend {
+                addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
+                port_be: port.to_be(),
+                proto,
+                flags: 0,
+            });
+            (format!("{ip}:{port}/{proto}"), bit)
+        })
+        .collect();
+    let set = || -> Vec<&str> {
+        sources
+            .iter()
+            .filter(|(_, bit)| prefilter.holds(*bit))
+            .map(|(what, _)| what.as_str())
+            .collect()
+    };
+    eventually(
+        "test/web's backends programmed, with their source bits",
+        Duration::from_secs(6),
+        || {
+            if set().len() == sources.len() {
+                Ok(())
+            } else {
+                Err(format!("source bits set: {:?} of {sources:?}", set()))
+            }
+        },
+    );
+    let status = agent.status().expect("status");
+    assert!(
+        !status.contains("tc-ingress-"),
+        "a tc link with no interface but lo:\n{status}"
+    );
+    // A veth pair, both ends in the node (this kernel has no dummy interfaces).
+    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
+        .expect("an interface");
+    for end in ["d0", "d1"] {
+        node.ip(&["link", "set", end, "up"]).expect("up");
+    }
+    eventually(
+        "tc on the new interface and the source bits cleared",
+        Duration::from_secs(6),
+        || {
+            let status = agent.status().map_err(|e| format!("{e:#}"))?;
+            let left = set();
+            if status.contains("tc-ingress-d0") && left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "source bits still set {left:?}, {:.1} s after the agent's start (the reap's \
+                     second tick at 10 s):\n{status}",
+                    started.elapsed().as_secs_f64()
+                ))
+            }
+        },
+    );
+}

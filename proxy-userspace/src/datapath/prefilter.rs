@@ -4,18 +4,19 @@
 //!
 //! Bits are set before the frontend or backend that needs them lands
 //! ([`Prefilter::landing`]), and cleared only by a rebuild (`prefilter_rebuild`), which writes
-//! the whole array again from what the maps hold: frontends, backends, and
-//! both ends of every flow in conntrack, so that a flow outlives its
-//! Service as it does in kube-proxy's conntrack. Landings and rebuilds
-//! hold one lock, so a rebuild never reads the maps between a bit's
-//! setting and its entry's landing.
+//! the whole array again from what the maps hold: frontends and the
+//! destination of every flow in conntrack, so that a flow outlives its
+//! Service as it does in kube-proxy's conntrack, and backends' source bits
+//! until this agent's programs are attached (`Prefilter::keeps_sources`).
+//! Landings and rebuilds hold one lock, so a rebuild never reads the maps
+//! between a bit's setting and its entry's landing.
 
 use std::{
     os::fd::{AsFd, AsRawFd},
     ptr::NonNull,
     sync::{
         Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -161,6 +162,12 @@ pub struct Prefilter {
     /// Frontends and backends removed since the last rebuild.
     removed: AtomicUsize,
     last_rebuild: Mutex<Instant>,
+    /// Whether backends' source bits (`backend_bit`) are kept: from the
+    /// load until this agent's programs have replaced an earlier agent's,
+    /// the only readers of those bits (`retire_sources`). At 100,000
+    /// Services x 10 endpoints they are nine set bits in ten, each a chance
+    /// that a packet for no Service takes the full path.
+    sources: AtomicBool,
 }
 
 impl Prefilter {
@@ -171,7 +178,20 @@ impl Prefilter {
             lock: Mutex::new(()),
             removed: AtomicUsize::new(0),
             last_rebuild: Mutex::new(Instant::now()),
+            sources: AtomicBool::new(true),
         })
+    }
+
+    /// Whether backends' source bits are still kept (see `retire_sources`).
+    pub fn keeps_sources(&self) -> bool {
+        self.sources.load(Ordering::Relaxed)
+    }
+
+    /// Stops keeping backends' source bits, under the lock of the rebuild
+    /// that clears those set (`prefilter_rebuild::retire_sources`), so
+    /// that every landing after it leaves them out.
+    pub fn retire_sources(&self, _held: &MutexGuard<'_, ()>) {
+        self.sources.store(false, Ordering::Relaxed);
     }
 
     fn words(&self) -> &[AtomicU64] {
@@ -187,7 +207,9 @@ impl Prefilter {
     fn admit(&self, op: &MapOp) {
         match op {
             MapOp::PutService { key, .. } => service_bits(key, |bit| self.set(bit)),
-            MapOp::PutBackend { backend, .. } => self.set(backend_bit(backend)),
+            MapOp::PutBackend { backend, .. } if self.keeps_sources() => {
+                self.set(backend_bit(backend));
+            }
             MapOp::PutServiceCidr { entry, .. } => service_cidr_bits(entry, |bit| self.set(bit)),
             MapOp::PutNodeAddr { key, value } => {
                 if let Some(bit) = node_addr_bit(key, value) {
@@ -207,6 +229,13 @@ impl Prefilter {
     fn set(&self, bit: u32) {
         let (word, mask) = word_and_mask(bit);
         self.words()[word as usize].fetch_or(mask, Ordering::Relaxed);
+    }
+
+    /// Word `word` of the array, as the datapath reads it.
+    pub fn word(&self, word: u32) -> Option<u64> {
+        self.words()
+            .get(word as usize)
+            .map(|w| w.load(Ordering::Relaxed))
     }
 
     /// Whether `bit` is set.
@@ -549,7 +578,8 @@ mod tests {
 
     /// A reply from a backend, either family, passes the prefilter once its
     /// flow marked its tuple, and not for its backend's bit, which a landing
-    /// still sets for the programs of earlier agents; unknown to conntrack,
+    /// sets for the programs of earlier agents until this agent's are
+    /// attached; unknown to conntrack,
     /// it is for no frontend, so it skips the frontend lookups.
     #[test]
     fn a_backends_reply_passes_for_its_flows_mark_alone() {

@@ -34,18 +34,36 @@ impl Rebuilt {
 }
 
 /// Writes the array again from what the maps hold now: every frontend,
-/// every backend, the blocks of the node's NodePort addresses, of the
-/// service CIDRs and of the ClusterIPs, and the
-/// keys of every flow in both families' conntrack maps (a flow's forward
-/// entry names its frontend, with its block's `frontends_bit`, its reply
-/// entry its backend). Under the lock throughout, so no frontend or backend goes, and
-/// none lands, while the maps are read. `None` where the maps have no
-/// prefilter (the pins of an older agent).
+/// the blocks of the node's NodePort addresses, of the service CIDRs and
+/// of the ClusterIPs, and the keys of every flow in both families'
+/// conntrack maps (a flow's forward entry names its frontend, with its
+/// block's `frontends_bit`); while the prefilter keeps them
+/// (`Prefilter::keeps_sources`), every backend's source bit and every
+/// reply entry's too. Under the lock throughout, so no frontend or backend
+/// goes, and none lands, while the maps are read. `None` where the maps
+/// have no prefilter (the pins of an older agent).
 pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
+    write(maps, false)
+}
+
+/// `rebuild` without backends' source bits, which the prefilter stops
+/// keeping as it ends: for once this agent's programs have replaced an
+/// earlier agent's on every interface, as only those read the bits. `None`
+/// where there is no prefilter or it keeps none already. On an error the
+/// bits stay as they were, kept, and the next call tries again.
+pub fn retire_sources(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
+    match &maps.prefilter {
+        Some(prefilter) if prefilter.keeps_sources() => write(maps, true),
+        _ => Ok(None),
+    }
+}
+
+fn write(maps: &Maps, retire: bool) -> Result<Option<Rebuilt>, MapsError> {
     let Some(prefilter) = &maps.prefilter else {
         return Ok(None);
     };
     let held = prefilter.hold();
+    let sources = prefilter.keeps_sources() && !retire;
     let mut bits = Bits::new();
     batch::for_each_chunk(
         maps.services.map(),
@@ -57,16 +75,18 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
         },
     )
     .map_err(batch_error(map_names::SERVICES))?;
-    batch::for_each_chunk(
-        maps.backends.map(),
-        batch::CHUNK,
-        |_: &[u32], backends: &[Backend]| {
-            for backend in backends {
-                bits.set(backend_bit(backend));
-            }
-        },
-    )
-    .map_err(batch_error(map_names::BACKENDS))?;
+    if sources {
+        batch::for_each_chunk(
+            maps.backends.map(),
+            batch::CHUNK,
+            |_: &[u32], backends: &[Backend]| {
+                for backend in backends {
+                    bits.set(backend_bit(backend));
+                }
+            },
+        )
+        .map_err(batch_error(map_names::BACKENDS))?;
+    }
     for entry in &maps.node_addrs {
         let (key, value) = entry.map_err(wrap(map_names::NODE_ADDRS))?;
         if let Some(bit) = node_addr_bit(&key, &value) {
@@ -79,15 +99,23 @@ pub fn rebuild(maps: &Maps) -> Result<Option<Rebuilt>, MapsError> {
             service_cidr_bits(&(key.prefix_len(), key.data()), |bit| bits.set(bit));
         }
     }
-    flows::<u32>(maps.conntrack.map(), map_names::CONNTRACK, &mut bits)?;
-    flows::<u32>(maps.ct_new.map(), map_names::CT_NEW, &mut bits)?;
+    flows::<u32>(
+        maps.conntrack.map(),
+        map_names::CONNTRACK,
+        sources,
+        &mut bits,
+    )?;
+    flows::<u32>(maps.ct_new.map(), map_names::CT_NEW, sources, &mut bits)?;
     if let Some(map) = &maps.conntrack6 {
-        flows::<[u32; 4]>(map.map(), map_names::CONNTRACK6, &mut bits)?;
+        flows::<[u32; 4]>(map.map(), map_names::CONNTRACK6, sources, &mut bits)?;
     }
     if let Some(map) = &maps.ct_new6 {
-        flows::<[u32; 4]>(map.map(), map_names::CT_NEW6, &mut bits)?;
+        flows::<[u32; 4]>(map.map(), map_names::CT_NEW6, sources, &mut bits)?;
     }
     let changed = prefilter.replace(&bits, &held);
+    if retire {
+        prefilter.retire_sources(&held);
+    }
     Ok(Some(Rebuilt {
         ones: bits.ones(),
         changed,
@@ -122,10 +150,15 @@ pub fn write_at_load(maps: &Maps) {
 }
 
 /// The keys of the flows in one conntrack map: a forward entry's
-/// destination (the frontend the client sent to), a reply entry's source
-/// (the backend answering, for the programs of earlier agents; this
-/// agent's datapath asks the flows' marks).
-fn flows<A>(map: &MapData, name: &'static str, bits: &mut Bits) -> Result<(), MapsError>
+/// destination (the frontend the client sent to) and, with `sources`, a
+/// reply entry's source (the backend answering, for the programs of
+/// earlier agents; this agent's datapath asks the flows' marks).
+fn flows<A>(
+    map: &MapData,
+    name: &'static str,
+    sources: bool,
+    bits: &mut Bits,
+) -> Result<(), MapsError>
 where
     A: FlowAddr,
     CtKeyOf<A>: Pod,
@@ -136,7 +169,7 @@ where
             for bit in to_bits(&key.dst_be.mapped(), key.dport_be, key.proto) {
                 bits.set(bit);
             }
-        } else {
+        } else if sources {
             bits.set(bit(
                 &key.src_be.mapped(),
                 key.sport_be,
@@ -219,13 +252,15 @@ where
     })
 }
 
-/// Both halves of the flows' marks refreshed, one after the other: the
-/// marks then hold what conntrack holds and no more. For a datapath whose
-/// programs run only the packets its caller hands them (`BPF_PROG_TEST_RUN`
-/// in tests and benchmarks); the agent refreshes from its housekeeping,
-/// once its programs are attached.
-pub fn settle_flows(maps: &Maps) -> Result<(), MapsError> {
+/// The prefilter as the agent's housekeeping leaves it once its programs
+/// run: both halves of the flows' marks refreshed, one after the other, so
+/// that the marks hold what conntrack holds and no more, and backends'
+/// source bits retired. For a datapath whose programs run only the packets
+/// its caller hands them (`BPF_PROG_TEST_RUN` in tests and benchmarks); the
+/// agent does both from its housekeeping, once its programs are attached.
+pub fn settle(maps: &Maps) -> Result<(), MapsError> {
     refresh_flows(maps)?;
     refresh_flows(maps)?;
+    retire_sources(maps)?;
     Ok(())
 }

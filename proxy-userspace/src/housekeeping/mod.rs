@@ -11,7 +11,9 @@
 //!   connected to a departed backend, found through the hooks' notes and
 //!   closed;
 //! - the prefilter's bits of departed frontends and backends cleared, by a
-//!   rebuild from what the maps hold (`rebuild_prefilter`);
+//!   rebuild from what the maps hold (`rebuild_prefilter`), and backends'
+//!   source bits once no earlier agent's programs read them
+//!   (`retire_source_bits`);
 //! - `upgrade`: the datapaths of other layout versions retired, their flows
 //!   kept.
 
@@ -73,6 +75,33 @@ pub fn reap_conntrack(datapath: &mut Datapath) {
     }
     rebuild_prefilter(datapath);
     refresh_flow_marks(datapath);
+    retire_source_bits(datapath);
+}
+
+/// Whether this agent's programs are attached anywhere: from then on no
+/// earlier agent's run on these pins (each interface pass attaches to
+/// every interface, taking over the links it finds).
+fn programs_attached(datapath: &Datapath) -> bool {
+    datapath.attached().next().is_some() || datapath.xdp_attached().next().is_some()
+}
+
+/// The prefilter's backend source bits cleared (`prefilter_rebuild::retire_sources`)
+/// once this agent's programs are attached: only an earlier agent's
+/// programs read them. Asked after each interface pass and at each reap;
+/// a failure is logged, the bits kept, and the next asking tries again.
+pub fn retire_source_bits(datapath: &mut Datapath) {
+    if !programs_attached(datapath) {
+        return;
+    }
+    match prefilter_rebuild::retire_sources(&datapath.maps) {
+        Ok(Some(rebuilt)) => info!(
+            fill = rebuilt.fill(),
+            words_changed = rebuilt.changed,
+            "prefilter rebuilt without backends' source bits, which only earlier agents' programs read"
+        ),
+        Ok(None) => {}
+        Err(e) => warn!(error = %e, "clearing the prefilter's backend source bits"),
+    }
 }
 
 /// The prefilter's flow marks refreshed where due (`FlowMarks::refresh_due`):
@@ -81,7 +110,7 @@ pub fn reap_conntrack(datapath: &mut Datapath) {
 /// still be making flows it does not mark. A failure is logged, and the
 /// half it was refreshing left marked whole.
 pub fn refresh_flow_marks(datapath: &mut Datapath) {
-    if datapath.attached().next().is_none() && datapath.xdp_attached().next().is_none() {
+    if !programs_attached(datapath) {
         return;
     }
     let Some(marks) = &datapath.maps.prefilter_flows else {

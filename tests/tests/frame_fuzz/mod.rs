@@ -273,7 +273,7 @@ pub fn fixture() -> Fixture {
     // The flows' marks as the agent's housekeeping leaves them once its
     // programs run: what conntrack holds, so that every flow a test makes
     // must mark its own replies.
-    proxy_userspace::datapath::prefilter_rebuild::settle_flows(&datapath.maps)
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
         .expect("settling the prefilter's flow marks");
     // Every frame's own verdict is the property, not the node's budget of
     // rejects (`rejects_are_held_to_the_icmp_error_budget` shows that): a

@@ -78,6 +78,13 @@ const ESTABLISHED: &str = "established flow";
 /// packet of no Service; where a mark of another tuple shares its slot,
 /// conntrack answers for it.
 const FROM_BACKEND: &str = "from a backend, no flow";
+/// A packet for no Service that the prefilter passes by chance (its
+/// destination key's bit and its block's set by other keys, as the bench's
+/// sampled share of such packets are: see `fill`), so that it pays the full
+/// path, every lookup of which misses: what each of those costs.
+const CHANCE_PASS: &str = "not a service, passed by chance";
+/// `CHANCE_PASS`'s destination, in a block of no frontend of the bench.
+const CHANCE_DST: Ipv4Addr = Ipv4Addr::new(10, 9, 9, 9);
 /// At tc an IPv6 packet runs `tc_ingress` before `tc_ingress6`, which
 /// hands on what is not IPv4: that first program alone, on a packet for no
 /// Service (the tc6 rows are `tc_ingress6`'s alone).
@@ -395,23 +402,28 @@ struct Fill {
     /// Bits set, of its hashed ones (the NodePorts' port bits aside: this
     /// bench has none).
     ones: u32,
-    /// The share of packets for no Service that pass it by chance.
+    /// The share of packets for no Service whose destination probes pass
+    /// by chance: the array's own share of the full path.
     chance: f64,
     /// The same with every backend's source bit set, as an agent keeps
     /// them from its load until its programs are attached (the only time
     /// an earlier agent's programs, which read them, may run), and as an
     /// agent kept them always before: the bits set, and the share.
     with_sources: (u32, f64),
+    /// The flows' marks: the share of their slots marked (by the bench's
+    /// own flows so far, live in conntrack), and the share of packets for
+    /// no Service that pass by chance in all, marks included.
+    marks: (f64, f64),
 }
 
 /// The prefilter at `size` Services (`install_both`'s): its bits, and the
 /// share of packets for no Service that pass it by chance and take the full
 /// path after all, sampled: TCP between two pod addresses
 /// (10.128.0.0/9, where the backends are), random ports, asked as the
-/// datapath asks (`proxy_common::prefilter::turned_away`, over the array
-/// and the flows' marks as they are).
+/// datapath asks (`proxy_common::prefilter::turned_away`), over the array
+/// alone and with the flows' marks as they are.
 fn fill(datapath: &Datapath, size: u32) -> Fill {
-    use proxy_common::prefilter::{WORDS, turned_away, word_and_mask};
+    use proxy_common::prefilter::{WORDS, flows::SLOTS, turned_away, word_and_mask};
     use proxy_userspace::datapath::prefilter::backend_bit;
     let prefilter = datapath
         .maps
@@ -426,7 +438,7 @@ fn fill(datapath: &Datapath, size: u32) -> Fill {
     let mut words: Vec<u64> = (0..WORDS)
         .map(|w| prefilter.word(w).expect("a word of the array"))
         .collect();
-    let chance = |words: &[u64]| {
+    let chance = |words: &[u64], marked: &dyn Fn(u32) -> bool| {
         // splitmix64: the same tuples at every size and in every run.
         let mut state = 0x5eed_u64;
         let mut next = || {
@@ -443,7 +455,7 @@ fn fill(datapath: &Datapath, size: u32) -> Fill {
                 let (a, b) = (next(), next());
                 turned_away(
                     |w| words.get(w as usize).copied(),
-                    |slot| marks.is_marked(slot),
+                    marked,
                     &pod(a),
                     (a >> 32) as u16,
                     &pod(b),
@@ -455,7 +467,9 @@ fn fill(datapath: &Datapath, size: u32) -> Fill {
             .count();
         passed as f64 / f64::from(CHANCE_SAMPLES)
     };
-    let measured = chance(&words);
+    let unmarked = |_: u32| false;
+    let measured = chance(&words, &unmarked);
+    let in_all = chance(&words, &|slot| marks.is_marked(slot));
     let addrs = (0..size).flat_map(|i| {
         (0..ENDPOINTS)
             .flat_map(move |k| [IpAddr::V4(backend_ip(i, k)), IpAddr::V6(backend_ip6(i, k))])
@@ -477,33 +491,61 @@ fn fill(datapath: &Datapath, size: u32) -> Fill {
         size,
         ones: prefilter.ones(),
         chance: measured,
-        with_sources: (ones(&words), chance(&words)),
+        with_sources: (ones(&words), chance(&words, &unmarked)),
+        marks: (f64::from(marks.marked()) / f64::from(SLOTS), in_all),
     }
 }
 
 /// What the prefilter holds at each size. The rows' "not a service" is a
 /// packet that passes none of its probes: measured over several ports,
-/// the median over them.
+/// the median over them; "passed by chance" one whose destination probes
+/// pass (`CHANCE_PASS`).
 fn render_fills(fills: &[Fill]) -> String {
     let hashed = f64::from(proxy_common::prefilter::BITS - proxy_common::prefilter::PORTS);
     let mut s = String::from("\n");
     for f in fills {
         let (ones_kept, chance_kept) = f.with_sources;
+        let (marked, in_all) = f.marks;
         s.push_str(&format!(
-            "Prefilter at {} services: {} bits set, {:.2}% of its hashed bits; a packet for no \
-             Service (TCP between pod addresses, {CHANCE_SAMPLES} sampled) passes it by chance \
-             and takes the full path {:.2}% of the time. With backends' source bits, which an \
-             agent keeps from its load until its programs are attached: {ones_kept} bits \
-             ({:.2}%), {:.2}% of the time\n",
+            "Prefilter at {} services: {} bits set ({:.2}% of its hashed bits), {ones_kept} \
+             ({:.2}%) with backends' source bits, which an agent keeps from its load until its \
+             programs are attached. Of {CHANCE_SAMPLES} TCP tuples between pod addresses, the \
+             array passes {:.3}% by chance ({:.3}% with the source bits); with the flows' marks \
+             ({:.2}% of their slots marked, by the bench's own flows so far) {:.3}% in all\n",
             f.size,
             f.ones,
             f64::from(f.ones) / hashed * 100.0,
-            f.chance * 100.0,
             f64::from(ones_kept) / hashed * 100.0,
-            chance_kept * 100.0
+            f.chance * 100.0,
+            chance_kept * 100.0,
+            marked * 100.0,
+            in_all * 100.0
         ));
     }
     s
+}
+
+/// `CHANCE_PASS`'s frames, to `CHANCE_DST`:80 from one client port each,
+/// once the bits a frontend there would set (its key's and its block's
+/// `frontends_bit`) are set without a frontend: a chance collision, until
+/// the next rebuild, which clears them.
+fn chances(datapath: &Datapath) -> Vec<Vec<u8>> {
+    use proxy_userspace::{datapath::prefilter::landing, planner::MapOp};
+    let key = proxy_common::ServiceKey {
+        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(CHANCE_DST.octets())),
+        port_be: 80u16.to_be(),
+        proto: 6,
+        scope: proxy_common::scope::ANY,
+    };
+    let value = bytemuck::Zeroable::zeroed();
+    landing(
+        datapath.maps.prefilter.as_deref(),
+        &[MapOp::PutService { key, value }],
+        || (),
+    );
+    (0..FLOWS)
+        .map(|k| tcp(CLIENT, 1000 + k, CHANCE_DST, 80, 0x10))
+        .collect()
 }
 
 /// The mirrors' packets are for no frontend and from no backend: the
@@ -616,6 +658,14 @@ fn establish(
     (ests, replies)
 }
 
+/// The "not a service" frames: to an address no frontend or backend has,
+/// from one client port each.
+fn others() -> Vec<Vec<u8>> {
+    (0..FLOWS)
+        .map(|k| tcp(CLIENT, 1000 + k, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10))
+        .collect()
+}
+
 /// `FROM_BACKEND`'s frames: from the first Service's backends' serving
 /// port to the client, one client port each, which no flow has.
 fn from_backends() -> Vec<Vec<u8>> {
@@ -681,10 +731,7 @@ fn measure_hook(
     );
     let program = program(datapath, hook);
     let floor_frame = tcp(CLIENT, 1000, target, 80, 0x10);
-    let others: Vec<_> = (0..FLOWS)
-        .map(|k| tcp(CLIENT, 1000 + k, Ipv4Addr::new(10, 1, 2, 3), 80, 0x10))
-        .collect();
-    let from_backends = from_backends();
+    let (others, from_backends, chances) = (others(), from_backends(), chances(datapath));
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
 
     let singles_of = paired(
@@ -694,6 +741,7 @@ fn measure_hook(
             &mut |_| ns(floor, &floor_frame, 1),
             &mut |i| ns(program, &others[i % others.len()], 1),
             &mut |i| ns(program, &from_backends[i % from_backends.len()], 1),
+            &mut |i| ns(program, &chances[i % chances.len()], 1),
             &mut |i| ns(program, &news[i], 1),
             &mut |i| ns(ct_pair, &pairs[i], 1),
             &mut |i| ns(program, &ests[i % ests.len()], 1),
@@ -721,6 +769,7 @@ fn measure_hook(
             &mut |_| ns(floor, &floor_frame, repeat),
             &mut |i| ns(program, &others[i % others.len()], repeat),
             &mut |i| ns(program, &from_backends[i % from_backends.len()], repeat),
+            &mut |i| ns(program, &chances[i % chances.len()], repeat),
             &mut |i| ns(program, &ests[i % ests.len()], repeat),
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
             &mut |i| {
@@ -747,6 +796,7 @@ fn measure_hook(
         "empty program",
         "not a service",
         FROM_BACKEND,
+        CHANCE_PASS,
         NEW_FLOW,
         CT_PAIR,
         ESTABLISHED,

@@ -4687,6 +4687,26 @@ fn refreshes_beside_new_flows_never_unmark_a_live_flow() {
     );
 }
 
+/// `CLIENT`:`sport`'s flow to `VIP`:80 (`assured_flow`) still goes to
+/// `backend`:8080, and its reply comes back from `VIP`:80.
+fn translated_both_ways(fx: &Fixture, sport: u16, backend: Ipv4Addr, when: &str) {
+    let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
+    assert_eq!(ret, TC_ACT_OK, "the flow's packet {when}");
+    let p = parse_checked(&out, &format!("the flow's packet {when}"));
+    assert_eq!(
+        (p.dst, p.dport),
+        (backend, 8080),
+        "the flow's packet {when} was not sent to its backend"
+    );
+    let (_, out) = run(fx, &tcp(backend, 8080, CLIENT, sport, frame::ACK));
+    let r = parse_checked(&out, &format!("the flow's reply {when}"));
+    assert_eq!(
+        (r.src, r.sport),
+        (VIP, 80),
+        "the flow's reply {when} was not translated back"
+    );
+}
+
 /// The prefilter's bits of a Service that went are cleared by a rebuild,
 /// except where a flow in conntrack still needs them: that flow goes on
 /// being translated both ways, as a flow outlives its Service in
@@ -4743,20 +4763,11 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
         "VIP:80/TCP still has a flow in conntrack, and the rebuild cleared its bit"
     );
 
-    let (ret, out) = run(&fx, &tcp(CLIENT, 41700, VIP, 80, frame::ACK));
-    assert_eq!(ret, TC_ACT_OK);
-    let p = parse_checked(&out, "established packet after its Service went");
-    assert_eq!(
-        (p.dst, p.dport),
-        (backend, 8080),
-        "the flow's packet after the rebuild was not sent to its backend"
-    );
-    let (_, out) = run(&fx, &tcp(backend, 8080, CLIENT, 41700, frame::ACK));
-    let r = parse_checked(&out, "reply after its Service went");
-    assert_eq!(
-        (r.src, r.sport),
-        (VIP, 80),
-        "the flow's reply after the rebuild was not translated back"
+    translated_both_ways(
+        &fx,
+        41700,
+        backend,
+        "after its Service went and the rebuild",
     );
     let syn = tcp(CLIENT, 41701, VIP, 80, frame::SYN);
     let (ret, out) = run(&fx, &syn);
@@ -4900,20 +4911,7 @@ fn backend_source_bits_are_kept_from_a_load_until_retired() {
     for _ in 0..2 {
         prefilter_rebuild::refresh_flows(&fx.datapath.maps).expect("refreshing the flow marks");
     }
-    let (_, out) = run(&fx, &tcp(CLIENT, 41900, VIP, 80, frame::ACK));
-    let p = parse_checked(&out, "established packet after the retirement");
-    assert_eq!(
-        (p.dst, p.dport),
-        (flow_backend, 8080),
-        "the flow from before lost its backend"
-    );
-    let (_, out) = run(&fx, &tcp(flow_backend, 8080, CLIENT, 41900, frame::ACK));
-    let r = parse_checked(&out, "reply after the retirement");
-    assert_eq!(
-        (r.src, r.sport),
-        (VIP, 80),
-        "the flow's reply after the retirement was not translated back"
-    );
+    translated_both_ways(&fx, 41900, flow_backend, "after the retirement");
 }
 
 /// Pins that lack the prefilter (an older agent's) get one at load,

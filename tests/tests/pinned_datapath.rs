@@ -624,6 +624,27 @@ fn conntrack6_entry(
     entry.clone()
 }
 
+/// The status of `agent`, on a node with no interface but `lo`: it shows no tc
+/// link.
+fn no_tc_link(agent: &ebpf_proxy_tests::agent::Agent) -> String {
+    let status = agent.status().expect("status");
+    assert!(
+        !status.contains("tc-ingress-"),
+        "a tc link with no interface but lo:\n{status}"
+    );
+    status
+}
+
+/// Gives `node` its first interface, `d0`: a veth pair, both ends in the node
+/// (this kernel has no dummy interfaces).
+fn first_interface(node: &ebpf_proxy_tests::netns::NetNs) {
+    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
+        .expect("an interface");
+    for end in ["d0", "d1"] {
+        node.ip(&["link", "set", end, "up"]).expect("up");
+    }
+}
+
 /// The flow marks a load opens (every slot marked, so that no flow the marks do not
 /// know yet is turned away) are refreshed as soon as this agent's programs attach,
 /// by the interface pass that attaches them, not only by the conntrack reap's next
@@ -651,22 +672,13 @@ fn the_marks_opened_at_load_are_refreshed_when_the_programs_attach() {
         ebpf_proxy_tests::agent::marked_flow_slots(status)
             .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"))
     };
-    let status = agent.status().expect("status");
-    assert!(
-        !status.contains("tc-ingress-"),
-        "a tc link with no interface but lo:\n{status}"
-    );
+    let status = no_tc_link(&agent);
     assert_eq!(
         marked(&status),
         slots,
         "the marks opened at load were refreshed with no program attached:\n{status}"
     );
-    // A veth pair, both ends in the node (this kernel has no dummy interfaces).
-    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
-        .expect("an interface");
-    for end in ["d0", "d1"] {
-        node.ip(&["link", "set", end, "up"]).expect("up");
-    }
+    first_interface(&node);
     eventually(
         "tc on the new interface and the opened marks refreshed",
         Duration::from_secs(6),
@@ -749,17 +761,8 @@ fn backend_source_bits_go_once_the_programs_attach() {
             }
         },
     );
-    let status = agent.status().expect("status");
-    assert!(
-        !status.contains("tc-ingress-"),
-        "a tc link with no interface but lo:\n{status}"
-    );
-    // A veth pair, both ends in the node (this kernel has no dummy interfaces).
-    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
-        .expect("an interface");
-    for end in ["d0", "d1"] {
-        node.ip(&["link", "set", end, "up"]).expect("up");
-    }
+    no_tc_link(&agent);
+    first_interface(&node);
     eventually(
         "tc on the new interface and the source bits cleared",
         Duration::from_secs(6),

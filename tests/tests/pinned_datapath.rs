@@ -624,88 +624,19 @@ fn conntrack6_entry(
     entry.clone()
 }
 
-/// The status of `agent`, on a node with no interface but `lo`: it shows no tc
-/// link.
-fn no_tc_link(agent: &ebpf_proxy_tests::agent::Agent) -> String {
-    let status = agent.status().expect("status");
-    assert!(
-        !status.contains("tc-ingress-"),
-        "a tc link with no interface but lo:\n{status}"
-    );
-    status
-}
-
-/// Gives `node` its first interface, `d0`: a veth pair, both ends in the node
-/// (this kernel has no dummy interfaces).
-fn first_interface(node: &ebpf_proxy_tests::netns::NetNs) {
-    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
-        .expect("an interface");
-    for end in ["d0", "d1"] {
-        node.ip(&["link", "set", end, "up"]).expect("up");
-    }
-}
-
-/// The flow marks a load opens (every slot marked, so that no flow the marks do not
-/// know yet is turned away) are refreshed as soon as this agent's programs attach,
-/// by the interface pass that attaches them, not only by the conntrack reap's next
-/// tick (every 10 s; its first, at start, finds nothing attached and leaves them). A
-/// node with no interface but `lo` at start, then one: the marks stay opened while
-/// nothing is attached, and are down to what conntrack holds (nothing) once tc is on
-/// the new interface, within a few seconds of the agent's start, well before the
-/// reap's second tick.
+/// What a load owes until this agent's programs attach is settled by the interface
+/// pass that attaches them, not only by the conntrack reap's next tick (every 10 s;
+/// its first, at start, finds nothing attached and leaves it): the flow marks it
+/// opens (every slot marked, so that no flow the marks do not know yet is turned
+/// away) are refreshed, and backends' source bits in the prefilter, which only an
+/// earlier agent's programs read, are cleared. A node with no interface but `lo` at
+/// start and `test/web`'s backends programmed, then one: the marks stay opened and
+/// the source bits set while nothing is attached (an earlier agent's programs may
+/// still be, on these pins); once tc is on the new interface the marks are down to
+/// what conntrack holds (nothing) and the source bits gone, within a few seconds of
+/// the agent's start, well before the reap's second tick.
 #[test]
-fn the_marks_opened_at_load_are_refreshed_when_the_programs_attach() {
-    use ebpf_proxy_tests::{
-        agent::Agent,
-        eventually,
-        manifest::ManifestDir,
-        netns::{NetNs, unique_stem},
-    };
-    ebpf_proxy_tests::require_root().expect("privileged test");
-    let stem = unique_stem();
-    let node = NetNs::create(&format!("{stem}-node")).expect("node namespace");
-    let manifests = ManifestDir::create(&stem).expect("manifest dir");
-    let started = std::time::Instant::now();
-    let agent = Agent::start(&node, manifests.path()).expect("agent on a node with only lo");
-    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
-    let marked = |status: &str| -> u64 {
-        ebpf_proxy_tests::agent::marked_flow_slots(status)
-            .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"))
-    };
-    let status = no_tc_link(&agent);
-    assert_eq!(
-        marked(&status),
-        slots,
-        "the marks opened at load were refreshed with no program attached:\n{status}"
-    );
-    first_interface(&node);
-    eventually(
-        "tc on the new interface and the opened marks refreshed",
-        Duration::from_secs(6),
-        || {
-            let status = agent.status().map_err(|e| format!("{e:#}"))?;
-            let now = marked(&status);
-            if status.contains("tc-ingress-d0") && now < slots {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{now} of {slots} slots marked, {:.1} s after the agent's start \
-                     (the reap's second tick at 10 s):\n{status}",
-                    started.elapsed().as_secs_f64()
-                ))
-            }
-        },
-    );
-}
-
-/// Backends' source bits in the prefilter, which only an earlier agent's programs
-/// read, are kept while none of this agent's programs is attached (an earlier
-/// agent's may still be, on these pins), and cleared once tc is on an interface,
-/// within a few seconds of the agent's start, well before the reap's second tick.
-/// A node with no interface but `lo` at start, `test/web`'s backends programmed,
-/// then an interface.
-#[test]
-fn backend_source_bits_go_once_the_programs_attach() {
+fn what_a_load_owes_is_settled_when_the_programs_attach() {
     use ebpf_proxy_tests::{
         agent::Agent,
         eventually,
@@ -750,6 +681,11 @@ fn backend_source_bits_go_once_the_programs_attach() {
             .map(|(what, _)| what.as_str())
             .collect()
     };
+    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
+    let marked = |status: &str| -> u64 {
+        ebpf_proxy_tests::agent::marked_flow_slots(status)
+            .unwrap_or_else(|| panic!("status shows no prefilter flow marks:\n{status}"))
+    };
     eventually(
         "test/web's backends programmed, with their source bits",
         Duration::from_secs(6),
@@ -761,20 +697,34 @@ fn backend_source_bits_go_once_the_programs_attach() {
             }
         },
     );
-    no_tc_link(&agent);
-    first_interface(&node);
+    let status = agent.status().expect("status");
+    assert!(
+        !status.contains("tc-ingress-"),
+        "a tc link with no interface but lo:\n{status}"
+    );
+    assert_eq!(
+        marked(&status),
+        slots,
+        "the marks opened at load were refreshed with no program attached:\n{status}"
+    );
+    // A veth pair, both ends in the node (this kernel has no dummy interfaces).
+    node.ip(&["link", "add", "d0", "type", "veth", "peer", "name", "d1"])
+        .expect("an interface");
+    for end in ["d0", "d1"] {
+        node.ip(&["link", "set", end, "up"]).expect("up");
+    }
     eventually(
-        "tc on the new interface and the source bits cleared",
+        "tc on the new interface, the opened marks refreshed and the source bits cleared",
         Duration::from_secs(6),
         || {
             let status = agent.status().map_err(|e| format!("{e:#}"))?;
-            let left = set();
-            if status.contains("tc-ingress-d0") && left.is_empty() {
+            let (now, left) = (marked(&status), set());
+            if status.contains("tc-ingress-d0") && now < slots && left.is_empty() {
                 Ok(())
             } else {
                 Err(format!(
-                    "source bits still set {left:?}, {:.1} s after the agent's start (the reap's \
-                     second tick at 10 s):\n{status}",
+                    "{now} of {slots} slots marked, source bits still set {left:?}, {:.1} s \
+                     after the agent's start (the reap's second tick at 10 s):\n{status}",
                     started.elapsed().as_secs_f64()
                 ))
             }

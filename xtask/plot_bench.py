@@ -41,15 +41,18 @@ if isinstance(rows, dict):
     rows = rows["rows"]
 if rows:
     hooks = list(dict.fromkeys(r.get("hook", "tc") for r in rows))
-    # One colour per case across the panels (tc_ingress6 has no conntrack-pair case).
+    # One colour per case across the panels (tc_ingress6 has no conntrack-pair case),
+    # from 20 of them: the default cycle's 10 would repeat past the tenth case.
     all_cases = list(dict.fromkeys(c["case"] for r in rows for c in r["cases"]))
+    colours = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(hooks), figsize=(6 * len(hooks), 5), squeeze=False)
     for ax, hook in zip(axes[0], hooks):
         of_hook = [r for r in rows if r.get("hook", "tc") == hook]
         services = [r["services"] for r in of_hook]
         for case in [c["case"] for c in of_hook[0]["cases"]]:
             ns = [next(c["single_ns"] for c in r["cases"] if c["case"] == case) for r in of_hook]
-            ax.plot(services, ns, marker="o", label=case, color=f"C{all_cases.index(case)}")
+            ax.plot(services, ns, marker="o", label=case,
+                    color=colours(all_cases.index(case) % colours.N))
         ax.set_ylabel("ns per packet (median of single runs, BPF_PROG_TEST_RUN)")
         program = {"tc6": "tc_ingress6 (IPv6)", "xdp6": "xdp_ingress6 (IPv6)"}.get(hook, f"{hook}_ingress")
         style(ax, f"ebpf-proxy {program} per-packet cost",
@@ -59,7 +62,7 @@ if rows:
 for name, title, keep in [
     ("e2e", "ClusterIP, short TCP connections (client pod, routed node)",
      lambda r: r.get("proto") == "tcp" and r.get("client", "pod") == "pod"
-     and r.get("family", "ipv4") == "ipv4"),
+     and r.get("family", "ipv4") == "ipv4" and r.get("exchange", "new") == "new"),
     ("nodeport", "NodePort, short TCP connections (outside client, SNAT to node B)",
      lambda r: True),
 ]:

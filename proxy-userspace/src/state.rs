@@ -11,7 +11,7 @@ use std::{
 };
 
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
-use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+use k8s_openapi::api::core::v1::Node;
 use tracing::{debug, warn};
 
 use crate::{
@@ -358,7 +358,7 @@ impl ClusterState {
                 (Kind::EndpointSlice, Object::EndpointSlice(slice)) => {
                     if !slice.name.is_empty() {
                         if stored_before > 0 {
-                            listed.extend(slice_key(&slice));
+                            listed.extend(ObjectKey::of_slice(&slice));
                         }
                         self.put_slice(*slice, changes);
                     }
@@ -395,7 +395,7 @@ impl ClusterState {
                     .slices
                     .table
                     .iter()
-                    .filter_map(slice_key)
+                    .filter_map(ObjectKey::of_slice)
                     .filter(|k| !listed.contains(k))
                     .collect();
                 for key in gone {
@@ -481,7 +481,7 @@ impl ClusterState {
         let Some(owner) = owner_of(&slice) else {
             // kube-proxy cannot tell which Service such a slice serves
             // either, and ignores it.
-            if let Some(key) = slice_key(&slice) {
+            if let Some(key) = ObjectKey::of_slice(&slice) {
                 debug!(slice = %key, "endpointslice without the {LABEL_SERVICE_NAME} label; ignored");
             }
             self.remove_slice_named(&slice.namespace, &slice.name, changes);
@@ -609,31 +609,14 @@ fn owner_of(slice: &Slice) -> Option<ObjectKey> {
     })
 }
 
-fn slice_key(slice: &Slice) -> Option<ObjectKey> {
-    (!slice.name.is_empty()).then(|| ObjectKey {
-        namespace: slice.namespace.to_string(),
-        name: slice.name.to_string(),
-    })
-}
-
-fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
-    let name = metadata.name.as_deref().filter(|n| !n.is_empty())?;
-    Some(ObjectKey {
-        namespace: metadata.namespace.clone().unwrap_or_default(),
-        name: name.to_owned(),
-    })
-}
-
 fn describe(object: &Object) -> String {
-    let (kind, key) = match object {
-        Object::Service(s) => ("Service", ObjectKey::of_service(s)),
-        Object::EndpointSlice(s) => ("EndpointSlice", slice_key(s)),
-        Object::Node(n) => ("Node", key_of(&n.metadata)),
-        Object::ServiceCidr(c) => {
-            return format!("ServiceCIDR {}", c.name);
-        }
+    let kind = match object {
+        Object::Service(_) => "Service",
+        Object::EndpointSlice(_) => "EndpointSlice",
+        Object::Node(_) => "Node",
+        Object::ServiceCidr(_) => "ServiceCIDR",
     };
-    match key {
+    match object.key() {
         Some(key) => format!("{kind} {key}"),
         None => format!("{kind} <unnamed>"),
     }
@@ -643,9 +626,12 @@ fn describe(object: &Object) -> String {
 mod tests {
     use std::collections::BTreeMap;
 
-    use k8s_openapi::api::{
-        core::v1::{Service, ServicePort, ServiceSpec},
-        discovery::v1::EndpointSlice,
+    use k8s_openapi::{
+        api::{
+            core::v1::{Service, ServicePort, ServiceSpec},
+            discovery::v1::EndpointSlice,
+        },
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
     };
 
     use super::*;

@@ -180,24 +180,13 @@ fn kind_of(event: &SourceEvent) -> Kind {
     }
 }
 
+/// An object's key; a `ServiceCIDR`'s name with its ranges.
 fn object_name(object: &Object) -> String {
-    let meta = match object {
-        Object::Service(s) => {
-            return ObjectKey::of_service(s)
-                .map(|k| k.to_string())
-                .unwrap_or_default();
-        }
-        Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
-        Object::Node(n) => &n.metadata,
-        Object::ServiceCidr(c) => {
-            let cidrs: Vec<String> = c.cidrs.iter().map(ToString::to_string).collect();
-            return format!("{}={}", c.name, cidrs.join(","));
-        }
-    };
-    match meta.namespace.as_deref() {
-        Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or_default()),
-        None => meta.name.clone().unwrap_or_default(),
+    if let Object::ServiceCidr(c) = object {
+        let cidrs: Vec<String> = c.cidrs.iter().map(ToString::to_string).collect();
+        return format!("{}={}", c.name, cidrs.join(","));
     }
+    object.key().map(|k| k.to_string()).unwrap_or_default()
 }
 
 /// `Replace Service [demo/a, demo/b]`, `Apply Service demo/a`,

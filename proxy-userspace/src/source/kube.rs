@@ -423,20 +423,12 @@ enum Received {
 }
 
 fn receive<K: Watched>(object: Lenient<K>) -> Received {
-    let key = key_of(object.meta());
+    let key = ObjectKey::of_meta(object.meta());
     match (object, key) {
         (Lenient::Valid(object), Some(key)) => Received::Valid(key, object.into_object()),
         (Lenient::Valid(_), None) => Received::Malformed(None, "metadata.name is missing".into()),
         (Lenient::Malformed { reason, .. }, key) => Received::Malformed(key, reason),
     }
-}
-
-fn key_of(metadata: &ObjectMeta) -> Option<ObjectKey> {
-    let name = metadata.name.as_deref().filter(|n| !n.is_empty())?;
-    Some(ObjectKey {
-        namespace: metadata.namespace.clone().unwrap_or_default(),
-        name: name.to_owned(),
-    })
 }
 
 fn describe(key: Option<&ObjectKey>) -> String {
@@ -523,7 +515,7 @@ impl Follower {
             },
             Event::Delete(object) => {
                 // A deleted object goes whether or not it decodes.
-                let Some(key) = key_of(object.meta()) else {
+                let Some(key) = ObjectKey::of_meta(object.meta()) else {
                     self.malformed(None, "deleted without metadata.name".into());
                     return Vec::new();
                 };
@@ -698,17 +690,7 @@ mod tests {
     /// "Delete demo/a".
     fn summary(events: &[SourceEvent]) -> Vec<String> {
         fn name(object: &Object) -> String {
-            let meta = match object {
-                Object::Service(s) => {
-                    return ObjectKey::of_service(s)
-                        .map(|k| k.to_string())
-                        .unwrap_or_default();
-                }
-                Object::EndpointSlice(s) => return format!("{}/{}", s.namespace, s.name),
-                Object::Node(n) => &n.metadata,
-                Object::ServiceCidr(c) => return c.name.clone(),
-            };
-            key_of(meta).map(|k| k.to_string()).unwrap_or_default()
+            object.key().map(|k| k.to_string()).unwrap_or_default()
         }
         events
             .iter()
@@ -747,7 +729,7 @@ mod tests {
             panic!("spec.ports as a string must not decode");
         };
         assert_eq!(
-            key_of(&metadata),
+            ObjectKey::of_meta(&metadata),
             Some(key("broken")),
             "the key survives a bad spec"
         );
@@ -764,7 +746,11 @@ mod tests {
         })) else {
             panic!("labels as a string must not decode");
         };
-        assert_eq!(key_of(&metadata), Some(key("odd")), "name from raw strings");
+        assert_eq!(
+            ObjectKey::of_meta(&metadata),
+            Some(key("odd")),
+            "name from raw strings"
+        );
         assert_eq!(metadata.resource_version.as_deref(), Some("9"));
     }
 
@@ -838,7 +824,11 @@ mod tests {
         let ::kube::core::WatchEvent::Added(Lenient::Malformed { metadata, .. }) = event else {
             panic!("deep labels must not decode: {event:?}");
         };
-        assert_eq!(key_of(&metadata), Some(key("x")), "named from its strings");
+        assert_eq!(
+            ObjectKey::of_meta(&metadata),
+            Some(key("x")),
+            "named from its strings"
+        );
     }
 
     fn apply(value: Value) -> Event<Lenient<Service>> {

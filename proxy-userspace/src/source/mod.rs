@@ -5,8 +5,12 @@
 pub mod kube;
 pub mod manifest;
 
-use k8s_openapi::api::{
-    core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR,
+use k8s_openapi::{
+    api::{
+        core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use tracing::warn;
 
@@ -35,6 +39,23 @@ impl ObjectKey {
         let name = service.name().filter(|n| !n.is_empty())?;
         Some(ObjectKey {
             namespace: service.namespace().to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    /// An EndpointSlice's key, when it has a name.
+    pub fn of_slice(slice: &Slice) -> Option<ObjectKey> {
+        (!slice.name.is_empty()).then(|| ObjectKey {
+            namespace: slice.namespace.to_string(),
+            name: slice.name.to_string(),
+        })
+    }
+
+    /// The key an API object's metadata gives, when it has a name.
+    pub fn of_meta(metadata: &ObjectMeta) -> Option<ObjectKey> {
+        let name = metadata.name.as_deref().filter(|n| !n.is_empty())?;
+        Some(ObjectKey {
+            namespace: metadata.namespace.clone().unwrap_or_default(),
             name: name.to_owned(),
         })
     }
@@ -96,6 +117,20 @@ impl Object {
     /// An EndpointSlice, reduced to what the model reads.
     pub fn slice(slice: &EndpointSlice) -> Object {
         Object::EndpointSlice(Box::new(Slice::from(slice)))
+    }
+
+    /// The object's key, when it has a name (a `ServiceCIDR`'s is its name
+    /// alone: it has no namespace).
+    pub fn key(&self) -> Option<ObjectKey> {
+        match self {
+            Object::Service(s) => ObjectKey::of_service(s),
+            Object::EndpointSlice(s) => ObjectKey::of_slice(s),
+            Object::Node(n) => ObjectKey::of_meta(&n.metadata),
+            Object::ServiceCidr(c) => (!c.name.is_empty()).then(|| ObjectKey {
+                namespace: String::new(),
+                name: c.name.clone(),
+            }),
+        }
     }
 }
 

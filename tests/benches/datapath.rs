@@ -424,7 +424,7 @@ struct Fill {
 /// alone and with the flows' marks as they are.
 fn fill(datapath: &Datapath, size: u32) -> Fill {
     use proxy_common::prefilter::{WORDS, flows::SLOTS, turned_away, word_and_mask};
-    use proxy_userspace::datapath::prefilter::backend_bit;
+    use proxy_userspace::{datapath::prefilter::backend_bit, planner::encode::addr_words};
     let prefilter = datapath
         .maps
         .prefilter
@@ -476,10 +476,7 @@ fn fill(datapath: &Datapath, size: u32) -> Fill {
     });
     for addr in addrs {
         let (word, mask) = word_and_mask(backend_bit(&proxy_common::Backend {
-            addr_be: match addr {
-                IpAddr::V4(v4) => proxy_common::v4_mapped(u32::from_ne_bytes(v4.octets())),
-                IpAddr::V6(v6) => bytemuck::cast(v6.octets()),
-            },
+            addr_be: addr_words(addr),
             port_be: 8080u16.to_be(),
             proto: 6,
             flags: 0,
@@ -530,9 +527,12 @@ fn render_fills(fills: &[Fill]) -> String {
 /// `frontends_bit`) are set without a frontend: a chance collision, until
 /// the next rebuild, which clears them.
 fn chances(datapath: &Datapath) -> Vec<Vec<u8>> {
-    use proxy_userspace::{datapath::prefilter::landing, planner::MapOp};
+    use proxy_userspace::{
+        datapath::prefilter::landing,
+        planner::{MapOp, encode::addr_words},
+    };
     let key = proxy_common::ServiceKey {
-        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(CHANCE_DST.octets())),
+        addr_be: addr_words(IpAddr::V4(CHANCE_DST)),
         port_be: 80u16.to_be(),
         proto: 6,
         scope: proxy_common::scope::ANY,

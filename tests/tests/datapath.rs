@@ -19,7 +19,7 @@ use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
     model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
-    planner::{MapOp, MapStore, Planner},
+    planner::{MapOp, MapStore, Planner, encode::addr_words},
     source::ObjectKey,
 };
 use service_counts::{service_id_of, service_totals};
@@ -4717,20 +4717,12 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
     use proxy_userspace::datapath::{prefilter::service_bit, prefilter_rebuild};
     let mut fx = fixture();
     let backend = assured_flow(&fx, 41700);
-    let key = |vip: Ipv4Addr, port: u16, proto: u8| proxy_common::ServiceKey {
-        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(vip.octets())),
-        port_be: port.to_be(),
-        proto,
-        scope: proxy_common::scope::ANY,
-    };
-    let (tcp_key, udp_key) = (key(VIP, 80, frame::TCP), key(VIP, 53, frame::UDP));
+    let (tcp_key, udp_key) = (
+        service_key(VIP, 80, frame::TCP),
+        service_key(VIP, 53, frame::UDP),
+    );
     let holds = |fx: &Fixture, k: &proxy_common::ServiceKey| {
-        fx.datapath
-            .maps
-            .prefilter
-            .as_ref()
-            .expect("the datapath has a prefilter")
-            .holds(service_bit(k))
+        prefilter_of(&fx.datapath).holds(service_bit(k))
     };
     assert!(
         holds(&fx, &tcp_key) && holds(&fx, &udp_key),
@@ -4781,7 +4773,7 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
 /// The bit of a backend's replies' source key, TCP, on `port`.
 fn source_bit(ip: Ipv4Addr, port: u16) -> u32 {
     proxy_userspace::datapath::prefilter::backend_bit(&proxy_common::Backend {
-        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
+        addr_be: addr_words(IpAddr::V4(ip)),
         port_be: port.to_be(),
         proto: frame::TCP,
         flags: 0,
@@ -4796,28 +4788,26 @@ fn prefilter_of(datapath: &Datapath) -> &proxy_userspace::datapath::prefilter::P
         .expect("the datapath has a prefilter")
 }
 
-/// Programs Service `test/name`, `vip`:80/TCP to `backend`:8080.
-fn land_service(fx: &mut Fixture, name: &str, vip: Ipv4Addr, backend: Ipv4Addr) {
-    let owner = ObjectKey {
-        namespace: "test".into(),
-        name: name.into(),
-    };
-    let service = frontend(
+/// Service `vip`:80/TCP to `backend`:8080, for `reprogram`.
+fn to_one_backend(vip: Ipv4Addr, backend: Ipv4Addr) -> Frontend {
+    frontend(
         vip,
         80,
         Protocol::Tcp,
         &[backend],
         8080,
         NoEndpointAction::Reject,
-    );
-    let out = fx
-        .planner
-        .sync_service(&owner, &[service], &mut fx.datapath.maps);
-    assert!(
-        out.errors.is_empty(),
-        "programming {name}: {:?}",
-        out.errors
-    );
+    )
+}
+
+/// The key of frontend `vip`:`port` over `proto`.
+fn service_key(vip: Ipv4Addr, port: u16, proto: u8) -> proxy_common::ServiceKey {
+    proxy_common::ServiceKey {
+        addr_be: addr_words(IpAddr::V4(vip)),
+        port_be: port.to_be(),
+        proto,
+        scope: proxy_common::scope::ANY,
+    }
 }
 
 /// Backends' source bits, which only an earlier agent's programs read, are
@@ -4853,7 +4843,12 @@ fn backend_source_bits_are_kept_from_a_load_until_retired() {
         );
     }
     let (early, late) = (Ipv4Addr::new(10, 244, 9, 1), Ipv4Addr::new(10, 244, 9, 2));
-    land_service(&mut fx, "early", Ipv4Addr::new(10, 96, 9, 1), early);
+    let late_vip = Ipv4Addr::new(10, 96, 9, 2);
+    reprogram(
+        &mut fx,
+        "early",
+        to_one_backend(Ipv4Addr::new(10, 96, 9, 1), early),
+    );
     assert!(
         prefilter_of(&fx.datapath).holds(source_bit(early, 8080)),
         "a backend landed before the retirement did not set its source bit"
@@ -4878,13 +4873,8 @@ fn backend_source_bits_are_kept_from_a_load_until_retired() {
         "a second retirement found source bits kept"
     );
 
-    land_service(&mut fx, "late", Ipv4Addr::new(10, 96, 9, 2), late);
-    let late_key = proxy_common::ServiceKey {
-        addr_be: proxy_common::v4_mapped(u32::from_ne_bytes([10, 96, 9, 2])),
-        port_be: 80u16.to_be(),
-        proto: frame::TCP,
-        scope: proxy_common::scope::ANY,
-    };
+    reprogram(&mut fx, "late", to_one_backend(late_vip, late));
+    let late_key = service_key(late_vip, 80, frame::TCP);
     let late_bits = |fx: &Fixture| {
         let prefilter = prefilter_of(&fx.datapath);
         (

@@ -643,7 +643,10 @@ fn what_a_load_owes_is_settled_when_the_programs_attach() {
         manifest::ManifestDir,
         netns::{NetNs, unique_stem},
     };
-    use proxy_userspace::datapath::{maps::Maps, prefilter::backend_bit};
+    use proxy_userspace::{
+        datapath::{maps::Maps, prefilter::backend_bit},
+        planner::encode::addr_words,
+    };
     ebpf_proxy_tests::require_root().expect("privileged test");
     let stem = unique_stem();
     let node = NetNs::create(&format!("{stem}-node")).expect("node namespace");
@@ -666,7 +669,7 @@ fn what_a_load_owes_is_settled_when_the_programs_attach() {
         })
         .map(|(ip, port, proto)| {
             let bit = backend_bit(&proxy_common::Backend {
-                addr_be: proxy_common::v4_mapped(u32::from_ne_bytes(ip.octets())),
+                addr_be: addr_words(ip.into()),
                 port_be: port.to_be(),
                 proto,
                 flags: 0,

@@ -33,6 +33,11 @@
 //! verifying it) and the instructions the verifier went through, with the
 //! wall time of the whole `Datapath::load`.
 //!
+//! For profiling one case (`cargo xtask profile` beside it): `--hold HOOK:CASE
+//! [--hold-seconds N]` installs the first size, then runs only that case (HOOK `tc`,
+//! `xdp`, `tc6` or `xdp6`; CASE `established`, `reply` or `not-a-service`) for N
+//! seconds (default 30), and measures nothing else.
+//!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
 //! (root). Prints markdown tables and writes `datapath.md` and
 //! `datapath.json` to DIR (`rows`: the per-packet rows; `load`: the load
@@ -44,7 +49,7 @@ mod wire;
 use std::{
     cell::RefCell,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -1075,20 +1080,14 @@ fn main() {
     };
     let (repeat, rounds, singles) = params;
 
+    if let Some(what) = args.value("--hold").expect("--hold") {
+        let seconds = args.number("--hold-seconds").expect("--hold-seconds");
+        return hold(what, sizes[0], seconds);
+    }
     let loads = measure_loads(if quick { 2 } else { LOADS });
-    let root = PathBuf::from(format!(
-        "/sys/fs/bpf/ebpf-proxy-bench-{}",
-        std::process::id()
-    ));
-    let pins = PinLayout::new(&root);
+    let pins = bench_pins();
     let _cleanup = Cleanup(pins.clone());
-    let mut datapath =
-        Datapath::load(pins.clone()).expect("loading the datapath (root, bpffs mounted?)");
-    // The flows' marks as the agent's housekeeping leaves them once its
-    // programs run: what conntrack holds, so that every flow a test makes
-    // must mark its own replies.
-    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
-        .expect("settling the prefilter's flow marks");
+    let mut datapath = open(&pins);
     let trace = RefCell::new(Trace::open(&pins));
     let mut planner = Planner::new();
     install_externals(&mut planner, &mut datapath);
@@ -1167,6 +1166,77 @@ fn main() {
     table.push_str(&render_loads(&loads));
     println!("{table}");
     write_results(&out_dir, &table, &json(&rows, &loads, &wire.json()));
+}
+
+/// The pins of this run's datapath.
+fn bench_pins() -> PinLayout {
+    PinLayout::new(format!(
+        "/sys/fs/bpf/ebpf-proxy-bench-{}",
+        std::process::id()
+    ))
+}
+
+/// The datapath every case runs on, on `pins`, with the flows' marks as the
+/// agent's housekeeping leaves them once its programs run: what conntrack
+/// holds, so that every flow a test makes must mark its own replies.
+fn open(pins: &PinLayout) -> Datapath {
+    let datapath =
+        Datapath::load(pins.clone()).expect("loading the datapath (root, bpffs mounted?)");
+    proxy_userspace::datapath::prefilter_rebuild::settle(&datapath.maps)
+        .expect("settling the prefilter's flow marks");
+    datapath
+}
+
+/// `--hold HOOK:CASE`: runs that case alone for `seconds`, so that a profiler
+/// sampling the machine meanwhile sees its path only.
+/// Services are `size`, `seconds` default to 30.
+fn hold(what: &str, size: u32, seconds: Option<usize>) {
+    let seconds = Duration::from_secs(seconds.unwrap_or(30) as u64);
+    let pins = bench_pins();
+    let _cleanup = Cleanup(pins.clone());
+    let datapath = &mut open(&pins);
+    install_both(&mut Planner::new(), datapath, (&mut 0, &mut 0), size);
+    let (hook, case) = what
+        .split_once(':')
+        .unwrap_or_else(|| panic!("--hold {what:?}: expected HOOK:CASE"));
+    let frames = match (hook, case) {
+        ("tc" | "xdp", "not-a-service") => others(),
+        ("tc6" | "xdp6", "not-a-service") => others6(),
+        ("tc" | "xdp", "established" | "reply") => {
+            let hook = if hook == "tc" { "tc" } else { "xdp" };
+            let (ests, replies) = establish(datapath, hook, vip(size / 2), 2000);
+            if case == "reply" { replies } else { ests }
+        }
+        ("tc6" | "xdp6", "established" | "reply") => {
+            let (ests, replies) = establish6(datapath, vip6(size / 2), 4000);
+            if case == "reply" { replies } else { ests }
+        }
+        _ => panic!(
+            "--hold {what:?}: HOOK is tc, xdp, tc6 or xdp6; CASE is established, reply or \
+             not-a-service"
+        ),
+    };
+    let program = match hook {
+        "tc" | "xdp" => program(datapath, hook),
+        "tc6" => Prog::Tc(datapath.tc6_program()),
+        _ => Prog::Xdp(datapath.xdp_program()),
+    };
+    eprintln!(
+        "holding {hook} {case} at {size} services for {} s: profile it now",
+        seconds.as_secs()
+    );
+    let start = Instant::now();
+    let (mut runs, mut ns) = (0u64, 0.0);
+    while start.elapsed() < seconds {
+        for frame in &frames {
+            ns += program.run(frame, 10_000).0.as_nanos() as f64;
+            runs += 1;
+        }
+    }
+    eprintln!(
+        "{hook} {case}: {:.1} ns a packet on average",
+        ns / runs as f64
+    );
 }
 
 /// The hooks on the wire (`wire`) with `services` Services installed, on a packet

@@ -1094,13 +1094,22 @@ fn port_free<F: Family>(
     // client may have opened a newer connection from the same port since,
     // whose forward entry has the same key and another SNAT port.
     if old.dir == ct_dir::REPLY {
-        scratch.other_key = CtKeyOf::new(
-            old.alt_addr_be,
-            old.nat_addr_be,
-            old.alt_port_be,
-            old.nat_port_be,
-            proto,
-        );
+        // `CtKeyOf::new(old.alt_addr_be, old.nat_addr_be, ...)`, written in
+        // place: built whole, the key's addresses took 32 bytes of this
+        // function's stack, which `tc_ingress6`'s frame, its caller's, has
+        // to leave room for (512 bytes for both).
+        let other = &mut scratch.other_key;
+        // SAFETY: another map's value than the scratch's, which the copies
+        // write; neither overlaps the other.
+        unsafe {
+            core::ptr::copy_nonoverlapping(&raw const old.alt_addr_be, &raw mut other.src_be, 1);
+            core::ptr::copy_nonoverlapping(&raw const old.nat_addr_be, &raw mut other.dst_be, 1);
+        }
+        other.sport_be = old.alt_port_be;
+        other.dport_be = old.nat_port_be;
+        other.proto = proto;
+        other._pad0 = 0;
+        other._pad1 = 0;
         let still_old = map
             .get_ptr(&scratch.other_key)
             // SAFETY: a pointer the map lookup returned, valid for this

@@ -1187,18 +1187,25 @@ fn open(pins: &PinLayout) -> Datapath {
     datapath
 }
 
-/// `--hold HOOK:CASE`: runs that case alone for `seconds`, so that a profiler
-/// sampling the machine meanwhile sees its path only.
-/// Services are `size`, `seconds` default to 30.
+/// `--hold HOOK:CASE`: runs that case alone at `size` Services for `seconds`
+/// (30 unless given), so that a profiler sampling the machine meanwhile sees
+/// its path only.
 fn hold(what: &str, size: u32, seconds: Option<usize>) {
+    const HOOKS: [&str; 4] = ["tc", "xdp", "tc6", "xdp6"];
+    const CASES: [&str; 3] = ["established", "reply", "not-a-service"];
     let seconds = Duration::from_secs(seconds.unwrap_or(30) as u64);
+    let (hook, case) = what
+        .split_once(':')
+        .filter(|(hook, case)| HOOKS.contains(hook) && CASES.contains(case))
+        .unwrap_or_else(|| {
+            panic!(
+                "--hold {what:?}: expected HOOK:CASE, HOOK one of {HOOKS:?}, CASE one of {CASES:?}"
+            )
+        });
     let pins = bench_pins();
     let _cleanup = Cleanup(pins.clone());
     let datapath = &mut open(&pins);
     install_both(&mut Planner::new(), datapath, (&mut 0, &mut 0), size);
-    let (hook, case) = what
-        .split_once(':')
-        .unwrap_or_else(|| panic!("--hold {what:?}: expected HOOK:CASE"));
     let frames = match (hook, case) {
         ("tc" | "xdp", "not-a-service") => others(),
         ("tc6" | "xdp6", "not-a-service") => others6(),
@@ -1211,10 +1218,7 @@ fn hold(what: &str, size: u32, seconds: Option<usize>) {
             let (ests, replies) = establish6(datapath, vip6(size / 2), 4000);
             if case == "reply" { replies } else { ests }
         }
-        _ => panic!(
-            "--hold {what:?}: HOOK is tc, xdp, tc6 or xdp6; CASE is established, reply or \
-             not-a-service"
-        ),
+        _ => unreachable!("checked above"),
     };
     let program = match hook {
         "tc" | "xdp" => program(datapath, hook),

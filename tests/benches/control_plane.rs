@@ -82,12 +82,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+    ebpf_proxy_tests::process::rss_kib(pid).unwrap_or(0)
 }
 
 /// What one departure costs the agent when conntrack is full of flows.

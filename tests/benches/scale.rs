@@ -53,7 +53,7 @@ use ebpf_proxy_tests::{
     agent::Agent,
     iptables::{self, KubeService},
     netns::{NetNs, unique_stem},
-    wait_for, wait_until,
+    process, wait_for, wait_until,
 };
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use proxy_common::{ServiceKey, ServiceValue, map_names::SERVICES};
@@ -170,15 +170,6 @@ fn frontend_key(i: u32) -> ServiceKey {
         proto: proxy_common::PROTO_TCP,
         scope: proxy_common::scope::ANY,
     }
-}
-
-fn status_kib(pid: u32, field: &str) -> Result<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -430,8 +421,8 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     let lists_to_programmed = lists_to_programmed(&agent.log());
     // The sync's aftermath (allocator trims, the first rescans) is not the steady state.
     thread::sleep(Duration::from_secs(2));
-    let rss = status_kib(pid, "VmRSS:")? as f64 / 1024.0;
-    let hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
+    let rss = process::status_kib(pid, "VmRSS:")? as f64 / 1024.0;
+    let hwm = process::status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     eprintln!(
         "{services}: programmed {start_to_programmed:?}, {lists_to_programmed:?} s after the lists (sync {initial_sync:.3} s, CPU {initial_sync_cpu:?} s, load {load:.2}, {phases:?}), RSS {rss:.1} MiB, peak {hwm:.1} MiB"
     );
@@ -503,7 +494,7 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
         .iter()
         .filter(|s| s.frontends_changed > 0)
         .count();
-    let burst_hwm = status_kib(pid, "VmHWM:")? as f64 / 1024.0;
+    let burst_hwm = process::status_kib(pid, "VmHWM:")? as f64 / 1024.0;
     drop(map);
     drop(agent);
     drop(server);

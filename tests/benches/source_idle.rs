@@ -73,13 +73,7 @@ fn cpu_ticks(pid: u32) -> Result<u64> {
 }
 
 fn rss_mib(pid: u32) -> Result<f64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmRSS in /proc/PID/status")?;
-    Ok(kib / 1024.0)
+    Ok(ebpf_proxy_tests::process::rss_kib(pid)? as f64 / 1024.0)
 }
 
 fn measure_idle(pid: u32, window: Duration) -> Result<Idle> {

@@ -30,6 +30,7 @@ pub mod manifest_check;
 pub mod netns;
 pub mod nftables;
 pub mod offloads;
+pub mod process;
 pub mod sandbox;
 pub mod sctp;
 pub mod servers;

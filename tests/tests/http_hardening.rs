@@ -132,12 +132,7 @@ fn slowloris(n: usize, to: SocketAddrV4, from: impl Fn(usize) -> Ipv4Addr) -> Ve
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("agent status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS")
+    ebpf_proxy_tests::process::rss_kib(pid).unwrap_or_else(|e| panic!("the agent's RSS: {e:#}"))
 }
 
 /// Whether the server has closed `conn` (EOF or reset) within `within`.

@@ -12,7 +12,6 @@
 use ebpf_proxy_apiserver as apiserver;
 
 use std::{
-    fs,
     net::{Ipv4Addr, SocketAddrV4},
     time::Duration,
 };
@@ -65,14 +64,8 @@ impl PolicyAgent for KubeAgent {
     }
 
     fn rss_kib(&self) -> u64 {
-        let status = fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .expect("the agent's /proc status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|kib| kib.parse().ok())
-            .unwrap_or_else(|| panic!("no VmRSS in the agent's status:\n{status}"))
+        ebpf_proxy_tests::process::rss_kib(self.pid())
+            .unwrap_or_else(|e| panic!("the agent's RSS: {e:#}"))
     }
 
     fn refused(&self, reason: &str) -> Option<String> {

@@ -436,12 +436,27 @@ impl Agent {
     /// since the mark.
     #[track_caller]
     pub fn wait_synced_since(&self, mark: usize, within: Duration) -> Duration {
+        self.wait_synced_file_since(mark, "", within)
+    }
+
+    /// [`Agent::wait_synced_since`] for a change of the manifest file named
+    /// `file` (its path ends so) in particular: a change of another file
+    /// read since the mark (a Node the test wrote earlier) does not count.
+    #[track_caller]
+    pub fn wait_synced_file_since(&self, mark: usize, file: &str, within: Duration) -> Duration {
         crate::eventually("the agent syncing a manifest change", within, || {
             let log = self.log();
             let since = log.get(mark..).unwrap_or_default();
             let read = since
-                .find("manifests changed")
-                .ok_or_else(|| format!("no change read yet; its log since:\n{since}"))?;
+                .match_indices("manifests changed")
+                .map(|(at, _)| at)
+                .find(|&at| {
+                    let line = since[at..].lines().next().unwrap_or_default();
+                    file.is_empty() || line.contains(&format!("{file}\""))
+                })
+                .ok_or_else(|| {
+                    format!("no change of {file:?} read yet; its log since:\n{since}")
+                })?;
             // The text format's `synced ops=…`, or the JSON format's message.
             let synced = since[read..]
                 .lines()

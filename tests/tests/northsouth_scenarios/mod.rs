@@ -149,12 +149,17 @@ impl<F: Family> Fixture<F> {
             .zip(&names)
             .map(|((ip, _), name)| (*ip, name.as_str()))
             .collect();
+        let file = format!("{}.yaml", service.name);
+        let marks: Vec<usize> = self.agents.iter().map(Agent::log_mark).collect();
         self.manifests
-            .write(
-                &format!("{}.yaml", service.name),
-                &F::yaml_on_nodes(service, &on_nodes),
-            )
+            .write(&file, &F::yaml_on_nodes(service, &on_nodes))
             .expect("write manifest");
+        // Both nodes have it in their maps before the scenario asks either:
+        // a node asked before its sync answers as if it had no Service (its
+        // stack refuses a NodePort that should have been dropped).
+        for (agent, mark) in self.agents.iter().zip(marks) {
+            agent.wait_synced_file_since(mark, &format!("/{file}"), SYNC_WAIT);
+        }
     }
 
     pub fn counter(&self, node: usize, name: &str) -> u64 {

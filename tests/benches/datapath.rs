@@ -619,9 +619,14 @@ fn of_hook<'a>(hook: &str, (tc, xdp): (&'a SchedClassifier, &'a Xdp)) -> Prog<'a
     }
 }
 
-/// The program of `hook`.
+/// The program of `hook`: at `tc6` `tc_ingress6`, at `xdp6` `xdp_ingress`, which
+/// hands IPv6 on to `xdp_ingress6` by its tail call.
 fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
-    of_hook(hook, (datapath.tc_program(), datapath.xdp_program()))
+    match hook {
+        "tc" => Prog::Tc(datapath.tc_program()),
+        "tc6" => Prog::Tc(datapath.tc6_program()),
+        _ => Prog::Xdp(datapath.xdp_program()),
+    }
 }
 
 /// Frames, one a run.
@@ -632,7 +637,7 @@ type Frames<'a> = &'a [Vec<u8>];
 /// shares its conntrack hash bucket.
 fn establish(
     datapath: &mut Datapath,
-    hook: &'static str,
+    hook: &str,
     target: Ipv4Addr,
     client_port: u16,
 ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
@@ -932,21 +937,17 @@ fn measure6(
         .collect();
     datapath.load_floors().expect("loading the floor programs");
     let (ests, replies) = establish6(datapath, target, FIRST_PORT);
-    let (floor, program) = if hook == "tc6" {
-        (
-            Prog::Tc(datapath.floors().expect("floor programs loaded").0),
-            Prog::Tc(datapath.tc6_program()),
-        )
+    assert!(
+        hook == "tc6" || datapath.xdp6_loaded(),
+        "xdp_ingress6 is not loaded: the xdp6 rows would measure xdp_ingress alone"
+    );
+    let floors = datapath.floors().expect("floor programs loaded");
+    let floor = if hook == "tc6" {
+        Prog::Tc(floors.0)
     } else {
-        assert!(
-            datapath.xdp6_loaded(),
-            "xdp_ingress6 is not loaded: the xdp6 rows would measure xdp_ingress alone"
-        );
-        (
-            Prog::Xdp(datapath.floors().expect("floor programs loaded").1),
-            Prog::Xdp(datapath.xdp_program()),
-        )
+        Prog::Xdp(floors.1)
     };
+    let program = program(datapath, hook);
     ping_pongs(program, &ests, CHECKSUMS6, "established IPv6 flow");
     ping_pongs(program, &replies, CHECKSUMS6, "IPv6 reply");
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
@@ -1210,7 +1211,6 @@ fn hold(what: &str, size: u32, seconds: Option<usize>) {
         ("tc" | "xdp", "not-a-service") => others(),
         ("tc6" | "xdp6", "not-a-service") => others6(),
         ("tc" | "xdp", "established" | "reply") => {
-            let hook = if hook == "tc" { "tc" } else { "xdp" };
             let (ests, replies) = establish(datapath, hook, vip(size / 2), 2000);
             if case == "reply" { replies } else { ests }
         }
@@ -1220,11 +1220,7 @@ fn hold(what: &str, size: u32, seconds: Option<usize>) {
         }
         _ => unreachable!("checked above"),
     };
-    let program = match hook {
-        "tc" | "xdp" => program(datapath, hook),
-        "tc6" => Prog::Tc(datapath.tc6_program()),
-        _ => Prog::Xdp(datapath.xdp_program()),
-    };
+    let program = program(datapath, hook);
     eprintln!(
         "holding {hook} {case} at {size} services for {} s: profile it now",
         seconds.as_secs()

@@ -440,8 +440,8 @@ impl Agent {
     }
 
     /// [`Agent::wait_synced_since`] for a change of the manifest file named
-    /// `file` (its path ends so) in particular: a change of another file
-    /// read since the mark (a Node the test wrote earlier) does not count.
+    /// `file` (`web.yaml`) in particular: a change of another file read
+    /// since the mark (a Node the test wrote earlier) does not count.
     #[track_caller]
     pub fn wait_synced_file_since(&self, mark: usize, file: &str, within: Duration) -> Duration {
         crate::eventually("the agent syncing a manifest change", within, || {
@@ -452,7 +452,7 @@ impl Agent {
                 .map(|(at, _)| at)
                 .find(|&at| {
                     let line = since[at..].lines().next().unwrap_or_default();
-                    file.is_empty() || line.contains(&format!("{file}\""))
+                    file.is_empty() || line.contains(&format!("/{file}\""))
                 })
                 .ok_or_else(|| {
                     format!("no change of {file:?} read yet; its log since:\n{since}")

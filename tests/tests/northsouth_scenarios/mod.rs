@@ -158,7 +158,7 @@ impl<F: Family> Fixture<F> {
         // a node asked before its sync answers as if it had no Service (its
         // stack refuses a NodePort that should have been dropped).
         for (agent, mark) in self.agents.iter().zip(marks) {
-            agent.wait_synced_file_since(mark, &format!("/{file}"), SYNC_WAIT);
+            agent.wait_synced_file_since(mark, &file, SYNC_WAIT);
         }
     }
 

@@ -95,6 +95,10 @@ pub mod map_names {
     /// The program array `xdp_ingress` tail-calls into (`XDP_NEXT_IPV6`).
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
+    /// The program array `tc_ingress` tail-calls into for every frame that
+    /// is not IPv4 (`TC_NEXT_IPV6`). Never pinned, so not in `ALL`: each
+    /// agent fills its own at load.
+    pub const TC_NEXT: &str = "TC_NEXT";
     /// The program array `tc_ingress` and `tc_ingress6` tail-call into
     /// for a packet another node sent by direct server return
     /// (`TC_DSR_IPV4`, `TC_DSR_IPV6`).
@@ -197,6 +201,8 @@ pub mod datapath_log {
 
 /// The slot of `program_names::XDP_INGRESS6` in `map_names::XDP_NEXT`.
 pub const XDP_NEXT_IPV6: u32 = 0;
+/// The slot of `program_names::TC_INGRESS6` in `map_names::TC_NEXT`.
+pub const TC_NEXT_IPV6: u32 = 0;
 /// The slot of `program_names::TC_DSR` in `map_names::TC_DSR`.
 pub const TC_DSR_IPV4: u32 = 0;
 /// The slot of `program_names::TC_DSR6` in `map_names::TC_DSR`.
@@ -205,8 +211,11 @@ pub const TC_DSR_IPV6: u32 = 1;
 /// Program names in the object file.
 pub mod program_names {
     pub const TC_INGRESS: &str = "tc_ingress";
-    /// tc ingress for IPv6, attached after `TC_INGRESS` on the same
-    /// interfaces: `TC_INGRESS` hands on every frame that is not IPv4.
+    /// tc ingress for IPv6: reached by a tail call from `TC_INGRESS` (slot
+    /// `TC_NEXT_IPV6` of `map_names::TC_NEXT`) for every frame that is not
+    /// IPv4, and attached after `TC_INGRESS` on the same interfaces, which
+    /// runs it when that slot is empty (between one agent's exit and the
+    /// next one's load).
     pub const TC_INGRESS6: &str = "tc_ingress6";
     /// A tc program that only passes: the floor of per-packet cost
     /// benchmarks on the machine they run on.

@@ -74,9 +74,10 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
     pipeline::handle::<V4, _>(&ctx)
 }
 
-/// tc ingress for IPv6, on the same interfaces as `tc_ingress` and after
-/// it in their tcx chains: `tc_ingress` hands on whatever is not IPv4
-/// (`verdict::Verdicts::next`). The same pipeline as `tc_ingress`'s, in a
+/// tc ingress for IPv6, reached from `tc_ingress` by a tail call through
+/// `TC_NEXT` for whatever is not IPv4 (`verdict::Verdicts::next`), and
+/// attached after it in the same interfaces' tcx chains, where it runs
+/// when that slot is empty. The same pipeline as `tc_ingress`'s, in a
 /// program of its own, so that each family has its own stack and verifier
 /// budget (see `pipeline`).
 ///

@@ -15,7 +15,7 @@ use crate::{
     family::Family,
     hook::Hook,
     icmp_error::{self, ErrorFamily},
-    maps::{TC_DSR, XDP_NEXT, count},
+    maps::{TC_DSR, TC_NEXT, XDP_NEXT, count},
     nat::NatOf,
     packet::FlowOf,
     reject::{self, ResetFamily},
@@ -59,15 +59,24 @@ pub const TCX_NEXT: i32 = -1;
 
 /// `XDP_NEXT`'s slot of `xdp_ingress6`.
 const XDP_NEXT_IPV6: u32 = proxy_common::XDP_NEXT_IPV6;
+/// `TC_NEXT`'s slot of `tc_ingress6`.
+const TC_NEXT_IPV6: u32 = proxy_common::TC_NEXT_IPV6;
 
 impl Verdicts for TcContext {
     type Verdict = i32;
     const PASS: i32 = TC_ACT_OK;
     const DROP: i32 = TC_ACT_SHOT;
 
-    /// `TC_ACT_OK` would end the tcx chain before `tc_ingress6`.
+    /// A tail call to `tc_ingress6` through `TC_NEXT`, inlined into
+    /// `tc_ingress`'s own frame, as `XdpContext::next` is: the frame goes
+    /// on without a second program run from the tcx chain. It returns only
+    /// when the slot is empty (no agent holds the array), and then the frame
+    /// goes down the chain to the `tc_ingress6` attached after this
+    /// program, which `TC_ACT_OK` would skip.
     #[inline(always)]
     fn next(&self) -> i32 {
+        // SAFETY: a tail call with this program's own context.
+        unsafe { TC_NEXT.tail_call(self, TC_NEXT_IPV6) };
         TCX_NEXT
     }
 

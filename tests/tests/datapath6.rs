@@ -308,6 +308,85 @@ fn tcp_syn_is_dnated_and_the_reply_reverse_natted() {
     assert_eq!(flows, 2, "a flow has an entry per direction in CONNTRACK6");
 }
 
+/// What the tc hook's first program does with IPv6: `tc_ingress` hands it
+/// to `tc_ingress6` by its tail call (`TC_NEXT`), so one program run from
+/// tcx translates it, as `tc_ingress6` itself does; with the slot empty
+/// (no agent holds the array) it hands the frame on down the chain instead,
+/// untouched, to the `tc_ingress6` linked after it.
+#[test]
+fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
+    let fx = fixture();
+    assert!(
+        fx.datapath.tc6_handed_on(),
+        "tc_ingress6 is not in TC_NEXT after the load"
+    );
+    let syn = tcp(CLIENT, 41100, VIP, 80, frame::SYN);
+    let (ret, out) = run_on(fx.datapath.tc_program(), &syn);
+    assert_eq!(ret, TC_ACT_OK, "SYN through tc_ingress: verdict {ret}");
+    let p = parse_checked6(&out, "SYN through tc_ingress");
+    assert!(
+        BACKENDS.contains(&p.dst) && p.dport == 8080,
+        "SYN through tc_ingress went to [{}]:{}, not a backend: the tail call was not taken",
+        p.dst,
+        p.dport
+    );
+    assert_eq!(counter(&fx, "dnat_new"), 1, "new flows after the SYN");
+
+    empty_tc_next(&fx);
+    let next = tcp(CLIENT, 41101, VIP, 80, frame::SYN);
+    let (ret, out) = run_on(fx.datapath.tc_program(), &next);
+    assert_eq!(
+        (ret, out.as_slice()),
+        (TCX_NEXT, next.as_slice()),
+        "with TC_NEXT empty, tc_ingress must hand the frame on down the chain untouched"
+    );
+    assert_eq!(
+        counter(&fx, "dnat_new"),
+        1,
+        "tc_ingress translated with its slot empty"
+    );
+    let (ret, out) = run(&fx, &next);
+    assert_eq!(
+        ret, TC_ACT_OK,
+        "the same SYN through tc_ingress6: verdict {ret}"
+    );
+    let p = parse_checked6(&out, "the same SYN through tc_ingress6");
+    assert!(
+        BACKENDS.contains(&p.dst),
+        "tc_ingress6 sent [{}]:{} to no backend",
+        p.dst,
+        p.dport
+    );
+}
+
+/// Empties `TC_NEXT`'s slot, as the kernel does once the agent holding the
+/// array is gone: found through `tc_ingress`'s own maps, as `bpftool` would.
+fn empty_tc_next(fx: &Fixture) {
+    use aya::maps::{Map, MapData, ProgramArray};
+    let info = fx
+        .datapath
+        .tc_program()
+        .info()
+        .expect("tc_ingress's program info");
+    let ids = info
+        .map_ids()
+        .expect("tc_ingress's map ids")
+        .expect("the kernel lists a program's maps");
+    let map = ids
+        .into_iter()
+        .map(|id| MapData::from_id(id).expect("a map of tc_ingress by its id"))
+        .find(|m| {
+            m.info()
+                .is_ok_and(|i| i.name_as_str() == Some(proxy_common::map_names::TC_NEXT))
+        })
+        .expect("tc_ingress uses no map named TC_NEXT");
+    let mut array =
+        ProgramArray::try_from(Map::ProgramArray(map)).expect("TC_NEXT as a program array");
+    array
+        .clear_index(&proxy_common::TC_NEXT_IPV6)
+        .expect("emptying TC_NEXT's slot");
+}
+
 /// IPv6's client port opened again while its reset flow is closing, as
 /// IPv4's (`datapath.rs`): the new flow starts in `CONNTRACK6`, in the
 /// room its closed flow's two entries leave there, is never moved
@@ -764,15 +843,6 @@ fn neighbour_discovery_and_other_icmpv6_pass_untouched() {
         0,
         "ICMPv6 counted as malformed"
     );
-}
-
-#[test]
-fn tc_ingress_hands_ipv6_on_to_the_next_program() {
-    let fx = fixture();
-    let syn = tcp(CLIENT, 44000, VIP, 80, frame::SYN);
-    let (ret, out) = run_on(fx.datapath.tc_program(), &syn);
-    assert_eq!(ret, TCX_NEXT, "tc_ingress's verdict on IPv6");
-    assert_eq!(out, syn, "tc_ingress modified an IPv6 packet");
 }
 
 /// `--conntrack-max` sizes `CONNTRACK6` as it sizes `CONNTRACK`: a pinned map

@@ -37,6 +37,7 @@ pub mod resize;
 pub mod service_counters;
 pub mod sys;
 mod tc_dsr;
+mod tc_next;
 mod write_behind;
 mod xdp_next;
 
@@ -207,14 +208,32 @@ pub struct Datapath {
     resize: Option<resize::Resize>,
     /// The same for `CONNTRACK6`.
     resize6: Option<resize::Resize>,
-    /// `XDP_NEXT`, held for as long as the programs run (see `xdp_next`);
-    /// None when `xdp_ingress6` could not be loaded.
-    xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
-    /// `TC_DSR`, held likewise (see `tc_dsr`); None when its programs could
-    /// not be loaded.
-    tc_dsr: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+    tail_calls: TailCalls,
     /// What each program's load cost, in load order (see `program_load`).
     program_loads: Vec<ProgramLoad>,
+}
+
+/// The program arrays the entry programs tail-call into: each filled
+/// before anything is attached and held for as long as the programs run,
+/// since dropping one empties it. None where the array could not be
+/// filled, which each module says the cost of.
+struct TailCalls {
+    /// `XDP_NEXT` (see `xdp_next`): `xdp_ingress6`.
+    xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+    /// `TC_DSR` (see `tc_dsr`): `tc_dsr`, `tc_dsr6`.
+    tc_dsr: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+    /// `TC_NEXT` (see `tc_next`): `tc_ingress6`.
+    tc_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
+}
+
+impl TailCalls {
+    fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>) -> TailCalls {
+        TailCalls {
+            xdp_next: xdp_next::fill_or_leave_to_tc(ebpf, loads),
+            tc_dsr: tc_dsr::fill_or_warn(ebpf, loads),
+            tc_next: tc_next::fill_or_chain(ebpf),
+        }
+    }
 }
 
 impl Datapath {
@@ -317,9 +336,7 @@ impl Datapath {
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
-        // Before anything is attached (see `xdp_next`).
-        let xdp_next = xdp_next::fill_or_leave_to_tc(&mut ebpf, &mut loads);
-        let tc_dsr = tc_dsr::fill_or_warn(&mut ebpf, &mut loads);
+        let tail_calls = TailCalls::fill(&mut ebpf, &mut loads);
         reject_limit::write_node_limits(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
@@ -366,8 +383,7 @@ impl Datapath {
             netfilter_ct: lookup,
             resize,
             resize6,
-            xdp_next,
-            tc_dsr,
+            tail_calls,
             program_loads: loads,
         })
     }
@@ -526,13 +542,19 @@ impl Datapath {
 
     /// Whether `xdp_ingress6` is in `xdp_ingress`'s hand-on slot.
     pub fn xdp6_loaded(&self) -> bool {
-        self.xdp_next.is_some()
+        self.tail_calls.xdp_next.is_some()
+    }
+
+    /// Whether `tc_ingress6` is in `tc_ingress`'s hand-on slot (else IPv6
+    /// runs both programs of the tcx chain).
+    pub fn tc6_handed_on(&self) -> bool {
+        self.tail_calls.tc_next.is_some()
     }
 
     /// Whether `tc_dsr` and `tc_dsr6` are in their slots: flows other
     /// nodes send here by direct server return are served.
     pub fn dsr_loaded(&self) -> bool {
-        self.tc_dsr.is_some()
+        self.tail_calls.tc_dsr.is_some()
     }
 
     /// The floor programs once `load_floors` has loaded them, for use next

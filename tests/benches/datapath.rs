@@ -1,10 +1,10 @@
 //! Per-packet cost of the tc and XDP programs, through `BPF_PROG_TEST_RUN`, at
 //! growing numbers of installed services (10 endpoints each), each against a
 //! do-nothing program of the same hook measured in the same run. Every Service is
-//! dual-stack: the IPv6 programs (`tc_ingress6`, rows of hook `tc6`; `xdp_ingress`
-//! handing IPv6 on to `xdp_ingress6` by its tail call, rows of hook `xdp6`) are
-//! measured on IPv6 frames to the IPv6 ClusterIPs against the same empty program of
-//! their hook, fed the same IPv6 frames.
+//! dual-stack: the IPv6 programs (`tc_ingress` handing IPv6 on to `tc_ingress6` by its
+//! tail call, rows of hook `tc6`; `xdp_ingress` to `xdp_ingress6`, rows of hook `xdp6`)
+//! are measured on IPv6 frames to the IPv6 ClusterIPs against the same empty program of
+//! their hook, fed the same IPv6 frames: what an IPv6 packet pays at the hook.
 //!
 //! Two methods, both reported:
 //! - `repeat`: one packet run `REPEAT` times in the kernel; the kernel's
@@ -36,7 +36,9 @@
 //! For profiling one case (`cargo xtask profile` beside it): `--hold HOOK:CASE
 //! [--hold-seconds N]` installs the first size, then runs only that case (HOOK `tc`,
 //! `xdp`, `tc6` or `xdp6`; CASE `established`, `reply` or `not-a-service`) for N
-//! seconds (default 30), and measures nothing else.
+//! seconds (default 30), and measures nothing else. `--wire` installs the first size
+//! and measures only the hooks on the wire (`wire`), printing their table: for
+//! comparing two builds' real-packet costs run after run.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench datapath -- [--quick] [--sizes N,..] [--out DIR]`
 //! (root). Prints markdown tables and writes `datapath.md` and
@@ -90,10 +92,6 @@ const FROM_BACKEND: &str = "from a backend, no flow";
 const CHANCE_PASS: &str = "not a service, passed by chance";
 /// `CHANCE_PASS`'s destination, in a block of no frontend of the bench.
 const CHANCE_DST: Ipv4Addr = Ipv4Addr::new(10, 9, 9, 9);
-/// At tc an IPv6 packet runs `tc_ingress` before `tc_ingress6`, which
-/// hands on what is not IPv4: that first program alone, on a packet for no
-/// Service (the tc6 rows are `tc_ingress6`'s alone).
-const HANDED_ON: &str = "handed on by tc_ingress first";
 /// The same two with `ebpf-proxy trace` running: `TRACE_ON` ahead of the
 /// clock and the ring buffer drained after each run.
 const NEW_FLOW_TRACED: &str = "new flow, trace running";
@@ -619,12 +617,12 @@ fn of_hook<'a>(hook: &str, (tc, xdp): (&'a SchedClassifier, &'a Xdp)) -> Prog<'a
     }
 }
 
-/// The program of `hook`: at `tc6` `tc_ingress6`, at `xdp6` `xdp_ingress`, which
-/// hands IPv6 on to `xdp_ingress6` by its tail call.
+/// The program an IPv6 packet meets first at `hook` as at its IPv4 twin: at `tc6`
+/// `tc_ingress`, at `xdp6` `xdp_ingress`, each handing IPv6 on to its IPv6 program
+/// by a tail call.
 fn program<'a>(datapath: &'a Datapath, hook: &str) -> Prog<'a> {
     match hook {
-        "tc" => Prog::Tc(datapath.tc_program()),
-        "tc6" => Prog::Tc(datapath.tc6_program()),
+        "tc" | "tc6" => Prog::Tc(datapath.tc_program()),
         _ => Prog::Xdp(datapath.xdp_program()),
     }
 }
@@ -896,11 +894,11 @@ fn establish6(
     let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
     for port in first_port..first_port + FLOWS {
         let est = tcp6(CLIENT6, port, target, 80, frames::ACK);
-        let (_, out) = Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        let (_, out) = program(datapath, "tc6").run(&est, 1);
         let backend = dst6(&out);
         let reply = tcp6(backend, 8080, CLIENT6, port, frames::ACK);
-        Prog::Tc(datapath.tc6_program()).run(&reply, 1);
-        Prog::Tc(datapath.tc6_program()).run(&est, 1);
+        program(datapath, "tc6").run(&reply, 1);
+        program(datapath, "tc6").run(&est, 1);
         ests.push(est);
         replies.push(reply);
         mirrors.push(ct6_key(CLIENT6, port, target, 80));
@@ -913,8 +911,8 @@ fn establish6(
     (ests, replies)
 }
 
-/// IPv6 at `hook` (`tc6`: `tc_ingress6`; `xdp6`: `xdp_ingress` and its tail call
-/// to `xdp_ingress6`) at one size, as [`measure_hook`] measures IPv4: the empty
+/// IPv6 at `hook` (`tc6`: `tc_ingress` and its tail call to `tc_ingress6`; `xdp6`:
+/// `xdp_ingress` and its tail call to `xdp_ingress6`) at one size, as [`measure_hook`] measures IPv4: the empty
 /// program of the hook as its floor, on IPv6 frames. No conntrack-pair reference:
 /// that program is IPv4's.
 fn measure6(
@@ -938,8 +936,13 @@ fn measure6(
     datapath.load_floors().expect("loading the floor programs");
     let (ests, replies) = establish6(datapath, target, FIRST_PORT);
     assert!(
-        hook == "tc6" || datapath.xdp6_loaded(),
-        "xdp_ingress6 is not loaded: the xdp6 rows would measure xdp_ingress alone"
+        if hook == "tc6" {
+            datapath.tc6_handed_on()
+        } else {
+            datapath.xdp6_loaded()
+        },
+        "{hook}: the IPv6 program is not in its hand-on slot: the rows would measure the \
+         IPv4 program's hand-on alone"
     );
     let floors = datapath.floors().expect("floor programs loaded");
     let floor = if hook == "tc6" {
@@ -953,12 +956,7 @@ fn measure6(
     let floor_frame = tcp6(CLIENT6, 1000, target, 80, frames::ACK);
     let (others, from_backends) = (others6(), from_backends6());
     let ns = |prog: Prog, frame: &[u8], repeat: u32| prog.run(frame, repeat).0.as_nanos() as f64;
-    // At tc an IPv6 packet meets `tc_ingress` first, which hands it on
-    // (`TCX_NEXT`) to `tc_ingress6`: that program's share, measured on its
-    // own (tcx's step from one program to the next is in neither).
-    let ipv4_first = Prog::Tc(datapath.tc_program());
-    let handed_on = |i: usize, repeat: u32| ns(ipv4_first, &others[i % others.len()], repeat);
-    let mut singles_of = paired(
+    let singles_of = paired(
         singles,
         || ns(floor, &floor_frame, 1),
         &mut [
@@ -970,7 +968,7 @@ fn measure6(
             &mut |i| ns(program, &replies[i % replies.len()], 1),
         ],
     );
-    let mut repeated_of = paired(
+    let repeated_of = paired(
         rounds,
         || ns(floor, &floor_frame, repeat),
         &mut [
@@ -981,19 +979,6 @@ fn measure6(
             &mut |i| ns(program, &replies[i % replies.len()], repeat),
         ],
     );
-    // XDP's IPv6 rows have `xdp_ingress` in them already (its tail call).
-    if hook == "tc6" {
-        singles_of.extend(paired(
-            singles,
-            || ns(floor, &floor_frame, 1),
-            &mut [&mut |i| handed_on(i, 1)],
-        ));
-        repeated_of.extend(paired(
-            rounds,
-            || ns(floor, &floor_frame, repeat),
-            &mut [&mut |i| handed_on(i, repeat)],
-        ));
-    }
     let names = [
         "empty program",
         "not a service",
@@ -1001,7 +986,6 @@ fn measure6(
         NEW_FLOW,
         ESTABLISHED,
         "reply (reverse NAT)",
-        HANDED_ON,
     ];
     let mut repeated = repeated_of.into_iter();
     names
@@ -1084,6 +1068,9 @@ fn main() {
     if let Some(what) = args.value("--hold").expect("--hold") {
         let seconds = args.number("--hold-seconds").expect("--hold-seconds");
         return hold(what, sizes[0], seconds);
+    }
+    if args.flag("--wire") {
+        return wire_alone(sizes[0], quick);
     }
     let loads = measure_loads(if quick { 2 } else { LOADS });
     let pins = bench_pins();
@@ -1239,12 +1226,29 @@ fn hold(what: &str, size: u32, seconds: Option<usize>) {
     );
 }
 
+/// `--wire`: the hooks on the wire alone, at `size` Services, printed.
+fn wire_alone(size: u32, quick: bool) {
+    let pins = bench_pins();
+    let _cleanup = Cleanup(pins.clone());
+    let datapath = &mut open(&pins);
+    install_both(&mut Planner::new(), datapath, (&mut 0, &mut 0), size);
+    println!("{}", on_the_wire(datapath, size, quick).render());
+}
+
 /// The hooks on the wire (`wire`) with `services` Services installed, on a packet
-/// not for any of them: pod to pod, a backend's address and port.
+/// not for any of them: pod to pod, a backend's address and port (over IPv6, to an
+/// address no frontend or backend has).
 fn on_the_wire(datapath: &mut Datapath, services: u32, quick: bool) -> wire::Wire {
     let not_a_service = tcp(CLIENT, 40_000, backend_ip(0, 0), 8080, 0x10);
+    let not_a_service6 = &others6()[0];
     let rounds = if quick { 100 } else { 300 };
-    wire::measure(datapath, services, &not_a_service, rounds, 4_096)
+    wire::measure(
+        datapath,
+        services,
+        (&not_a_service, not_a_service6),
+        rounds,
+        4_096,
+    )
 }
 
 /// `datapath.md` (`table`) and `datapath.json` (`json`) in `out_dir`.
@@ -1480,7 +1484,7 @@ fn render(rows: &[Row], repeat: u32) -> String {
     s.push_str(&format!(
         "Per-packet cost of tc_ingress and xdp_ingress, and of tc_ingress6 and xdp_ingress6 \
          (hooks `tc6`, `xdp6`: IPv6 frames to the Services' IPv6 ClusterIPs, against the same \
-         empty program of the hook; at XDP through xdp_ingress's tail call) \
+         empty program of the hook; at both hooks through the IPv4 program's tail call) \
          (BPF_PROG_TEST_RUN, ns per packet; \
          `single` = median of one-packet runs, `x{repeat}` = median of kernel averages over \
          {repeat} runs of one packet, established flows as a ping-pong pair; ratio = median of \

@@ -13,16 +13,26 @@
 //! (the wire itself), tc ingress, generic XDP and native XDP (veth's own, which takes
 //! the frame out of its socket buffer), each with the empty program of the hook and
 //! with the datapath's (`tc_ingress`, `xdp_ingress`), on one TCP segment that is not
-//! for any Service (pod to pod: most of a node's packets). Rounds send a burst
-//! through each pair in turn, so that every case sees the machine as the others did;
-//! figures are medians over rounds, ratios medians of per-round ratios.
+//! for any Service (pod to pod: most of a node's packets). IPv6's cases send the same
+//! segment over IPv6 through tc: nothing, the empty program, and the agent's layout
+//! (`tc_ingress`, `tc_ingress6` linked after it), once with `tc_ingress` handing IPv6
+//! to `tc_ingress6` by its tail call and once with `TC_NEXT`'s slot empty, as between
+//! two agents, so that the frame goes on down tcx's chain: what the tail call saves.
+//! Rounds send a burst through each pair in turn, so that every case sees the machine
+//! as the others did; figures are medians over rounds, ratios medians of per-round
+//! ratios.
 
 use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     time::Instant,
 };
 
+use aya::{
+    maps::{Map, MapData, ProgramArray},
+    programs::ProgramFd,
+};
 use ebpf_proxy_tests::netns::{NetNs, unique_stem};
+use proxy_common::{TC_NEXT_IPV6, map_names};
 use proxy_userspace::datapath::Datapath;
 
 /// The batch of one `sendmmsg`.
@@ -47,15 +57,60 @@ impl Hook {
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// What runs at the hook.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Run {
+    /// The hook's empty program.
+    Empty,
+    /// The datapath's program; over IPv6 at tc, `tc_ingress` and its tail
+    /// call to `tc_ingress6`.
+    Datapath,
+    /// IPv6 at tc with `TC_NEXT`'s slot empty: `tc_ingress`, then the
+    /// `tc_ingress6` linked after it.
+    Chained,
+}
+
 struct Case {
+    family: Family,
     hook: Hook,
-    /// The datapath's program (else the hook's empty one).
-    datapath: bool,
+    run: Run,
 }
 
 impl Case {
+    const fn v4(hook: Hook, run: Run) -> Case {
+        Case {
+            family: Family::V4,
+            hook,
+            run,
+        }
+    }
+
+    const fn v6(hook: Hook, run: Run) -> Case {
+        Case {
+            family: Family::V6,
+            hook,
+            run,
+        }
+    }
+
     fn name(&self) -> String {
-        match (self.hook, self.datapath) {
+        if self.family == Family::V6 {
+            return match (self.hook, self.run) {
+                (Hook::None, _) => "IPv6: no program".into(),
+                (_, Run::Empty) => "IPv6: tc: empty program".into(),
+                (_, Run::Datapath) => "IPv6: tc: tc_ingress, tail call to tc_ingress6".into(),
+                (_, Run::Chained) => {
+                    "IPv6: tc: tc_ingress, then tc_ingress6 down the tcx chain".into()
+                }
+            };
+        }
+        match (self.hook, self.run != Run::Empty) {
             (Hook::None, _) => "no program".into(),
             (hook, true) => format!(
                 "{}: {}",
@@ -71,35 +126,18 @@ impl Case {
     }
 }
 
-const CASES: [Case; 7] = [
-    Case {
-        hook: Hook::None,
-        datapath: false,
-    },
-    Case {
-        hook: Hook::Tc,
-        datapath: false,
-    },
-    Case {
-        hook: Hook::Tc,
-        datapath: true,
-    },
-    Case {
-        hook: Hook::Generic,
-        datapath: false,
-    },
-    Case {
-        hook: Hook::Generic,
-        datapath: true,
-    },
-    Case {
-        hook: Hook::Native,
-        datapath: false,
-    },
-    Case {
-        hook: Hook::Native,
-        datapath: true,
-    },
+const CASES: [Case; 11] = [
+    Case::v4(Hook::None, Run::Empty),
+    Case::v4(Hook::Tc, Run::Empty),
+    Case::v4(Hook::Tc, Run::Datapath),
+    Case::v4(Hook::Generic, Run::Empty),
+    Case::v4(Hook::Generic, Run::Datapath),
+    Case::v4(Hook::Native, Run::Empty),
+    Case::v4(Hook::Native, Run::Datapath),
+    Case::v6(Hook::None, Run::Empty),
+    Case::v6(Hook::Tc, Run::Empty),
+    Case::v6(Hook::Tc, Run::Datapath),
+    Case::v6(Hook::Tc, Run::Chained),
 ];
 
 /// The result: per case, its median ns per packet, its median added to no
@@ -280,19 +318,22 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
     const BPF_TCX_INGRESS: u32 = 46;
     const XDP_FLAGS_SKB_MODE: u32 = 1 << 1;
     const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+    /// Appended at the end of the interface's tcx chain.
+    const BPF_F_AFTER: u32 = 1 << 4;
     let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
-    let tc = |datapath_program: bool| {
-        if datapath_program {
-            datapath.tc_program().fd().expect("tc fd").as_fd()
-        } else {
+    let tc = |run: Run| {
+        if run == Run::Empty {
             tc_floor.fd().expect("tc floor fd").as_fd()
+        } else {
+            datapath.tc_program().fd().expect("tc fd").as_fd()
         }
     };
-    let xdp = |datapath_program: bool| {
-        if datapath_program {
-            datapath.xdp_program().fd().expect("xdp fd").as_fd()
-        } else {
+    let tc6 = datapath.tc6_program().fd().expect("tc6 fd").as_fd();
+    let xdp = |run: Run| {
+        if run == Run::Empty {
             xdp_floor.fd().expect("xdp floor fd").as_fd()
+        } else {
+            datapath.xdp_program().fd().expect("xdp fd").as_fd()
         }
     };
     let mut sockets = Vec::new();
@@ -315,13 +356,18 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
         tx.ip(&["link", "set", &s, "up"]).expect("up");
         rx.ip(&["link", "set", &r, "up"]).expect("up");
         let index = ifindex(rx, &r);
-        let how = match case.hook {
-            Hook::None => None,
-            Hook::Tc => Some((tc(case.datapath), BPF_TCX_INGRESS, 0)),
-            Hook::Generic => Some((xdp(case.datapath), BPF_XDP, XDP_FLAGS_SKB_MODE)),
-            Hook::Native => Some((xdp(case.datapath), BPF_XDP, XDP_FLAGS_DRV_MODE)),
+        let mut how = match case.hook {
+            Hook::None => vec![],
+            Hook::Tc => vec![(tc(case.run), BPF_TCX_INGRESS, BPF_F_AFTER)],
+            Hook::Generic => vec![(xdp(case.run), BPF_XDP, XDP_FLAGS_SKB_MODE)],
+            Hook::Native => vec![(xdp(case.run), BPF_XDP, XDP_FLAGS_DRV_MODE)],
         };
-        if let Some((prog, kind, flags)) = how {
+        // The agent's layout at tc: `tc_ingress6` after `tc_ingress`, which
+        // runs it only when `TC_NEXT`'s slot is empty.
+        if case.family == Family::V6 && case.hook == Hook::Tc && case.run != Run::Empty {
+            how.push((tc6, BPF_TCX_INGRESS, BPF_F_AFTER));
+        }
+        for (prog, kind, flags) in how {
             links.push(
                 rx.run(|| link_create(prog, index, kind, flags))
                     .expect("entering the receiver's namespace"),
@@ -332,12 +378,59 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
     (sockets, links)
 }
 
-/// Measures every case over `rounds` rounds of a burst of `frames` frames each,
-/// `datapath` holding `services` Services.
+/// `tc_ingress`'s hand-on array (`TC_NEXT`), opened again by its id as
+/// `bpftool` would, so that the IPv6 cases can empty and fill its slot: the
+/// datapath holds its own descriptor, for as long as it runs.
+struct HandOn {
+    array: ProgramArray<MapData>,
+    tc6: ProgramFd,
+}
+
+impl HandOn {
+    fn open(datapath: &Datapath) -> HandOn {
+        let info = datapath.tc_program().info().expect("tc_ingress's info");
+        let map = info
+            .map_ids()
+            .expect("tc_ingress's map ids")
+            .expect("the kernel lists a program's maps")
+            .into_iter()
+            .map(|id| MapData::from_id(id).expect("a map of tc_ingress by its id"))
+            .find(|m| {
+                m.info()
+                    .is_ok_and(|i| i.name_as_str() == Some(map_names::TC_NEXT))
+            })
+            .expect("tc_ingress uses no TC_NEXT");
+        let array = ProgramArray::try_from(Map::ProgramArray(map)).expect("TC_NEXT");
+        let tc6 = datapath
+            .tc6_program()
+            .fd()
+            .expect("tc6 fd")
+            .try_clone()
+            .expect("a descriptor of tc_ingress6");
+        HandOn { array, tc6 }
+    }
+
+    /// Fills the slot (`true`) or empties it, for the case about to run.
+    fn set(&mut self, on: bool) {
+        if on {
+            self.array
+                .set(TC_NEXT_IPV6, &self.tc6, 0)
+                .expect("filling TC_NEXT");
+        } else {
+            self.array
+                .clear_index(&TC_NEXT_IPV6)
+                .expect("emptying TC_NEXT");
+        }
+    }
+}
+
+/// Measures every case over `rounds` rounds of a burst of `frames` frames each
+/// (`frame` over IPv4, `frame6` over IPv6), `datapath` holding `services`
+/// Services.
 pub fn measure(
     datapath: &mut Datapath,
     services: u32,
-    frame: &[u8],
+    (frame, frame6): (&[u8], &[u8]),
     rounds: usize,
     frames: usize,
 ) -> Wire {
@@ -346,6 +439,7 @@ pub fn measure(
     let tx = NetNs::create(&format!("{stem}-wtx")).expect("sender namespace");
     let rx = NetNs::create(&format!("{stem}-wrx")).expect("receiver namespace");
     let (sockets, links) = pairs(datapath, &tx, &rx);
+    let mut hand_on = HandOn::open(datapath);
     let before: Vec<u64> = (0..CASES.len())
         .map(|i| rx_packets(&rx, &format!("r{i}")))
         .collect();
@@ -357,12 +451,22 @@ pub fn measure(
                 // Round 0 warms up (caches, the veths' queues, the flow cache) and
                 // is left out.
                 for round in 0..=rounds {
-                    for (i, socket) in sockets.iter().enumerate() {
+                    for (i, (socket, case)) in sockets.iter().zip(&CASES).enumerate() {
+                        let frame = match case.family {
+                            Family::V4 => frame,
+                            Family::V6 => frame6,
+                        };
+                        if case.run == Run::Chained {
+                            hand_on.set(false);
+                        }
                         let started = Instant::now();
                         send(socket.as_fd(), frame, frames);
                         let ns = started.elapsed().as_nanos() as f64 / frames as f64;
                         if round > 0 {
                             samples[i].push(ns);
+                        }
+                        if case.run == Run::Chained {
+                            hand_on.set(true);
                         }
                     }
                 }
@@ -375,13 +479,19 @@ pub fn measure(
         .sum();
     drop(links);
     let sent = (CASES.len() * (rounds + 1) * frames) as u64;
-    let reference = CASES
-        .iter()
-        .position(|c| c.hook == Hook::Tc && c.datapath)
-        .expect("tc_ingress is a case");
+    // Each family's rows against its own: no program, and the datapath at tc.
+    let of_family = |family: Family, hook: Hook, run: Run| {
+        CASES
+            .iter()
+            .position(|c| c.family == family && c.hook == hook && c.run == run)
+            .expect("a case of each family")
+    };
     let per_round = |i: usize, f: &dyn Fn(f64, f64, f64) -> f64| -> f64 {
+        let family = CASES[i].family;
+        let none = of_family(family, Hook::None, Run::Empty);
+        let reference = of_family(family, Hook::Tc, Run::Datapath);
         let mut v: Vec<f64> = (0..rounds)
-            .map(|r| f(samples[i][r], samples[0][r], samples[reference][r]))
+            .map(|r| f(samples[i][r], samples[none][r], samples[reference][r]))
             .collect();
         median(&mut v)
     };
@@ -422,9 +532,10 @@ impl Wire {
              on it, and dropped after it by the stack (not addressed to it); ns per packet \
              of the sender's wall time, all on its CPU (the veth's softirq runs as each \
              send returns), {} rounds of a burst of {} frames through each pair in turn, \
-             medians over rounds; `added` = over no program in the same round; `vs tc` = \
-             per-round ratio to `tc_ingress`. {:.1}% of the frames sent were counted by \
-             the receiving ends.\n\n",
+             medians over rounds; `added` = over no program of the same family in the same \
+             round; `vs tc` = per-round ratio to `tc_ingress` on the same family (IPv6: by \
+             its tail call). {:.1}% of the frames sent were counted by the receiving \
+             ends.\n\n",
             self.services,
             self.rounds,
             self.frames,
@@ -447,6 +558,16 @@ impl Wire {
              empty programs {:.0} ns (generic XDP) and {:.0} ns (tc) added; native XDP on the \
              veth {:.2}x tc_ingress ({:.0} ns added).\n",
             generic.3, generic.2, tc.2, generic_empty.2, tc_empty.2, native.3, native.2
+        ));
+        let tail = self.find("IPv6: tc: tc_ingress, tail call to tc_ingress6");
+        let chained = self.find("IPv6: tc: tc_ingress, then tc_ingress6 down the tcx chain");
+        let empty6 = self.find("IPv6: tc: empty program");
+        s.push_str(&format!(
+            "\nIPv6 at tc, same segment: the agent's programs added {:.0} ns over no program \
+             with tc_ingress's tail call to tc_ingress6, {:.0} ns down tcx's chain (TC_NEXT \
+             empty, as between two agents: {:.2}x the tail call), the empty program {:.0} \
+             ns.\n",
+            tail.2, chained.2, chained.3, empty6.2
         ));
         s
     }

@@ -45,6 +45,12 @@
 //! endpoints each at addresses that exist nowhere; only their rules and map entries
 //! matter.
 //!
+//! After the measured rounds, a few more with the kernel's BPF statistics on say what
+//! one new TCP connection from the pod, and one pod-to-pod request/response, cost the
+//! machine's CPUs in each mode, and how much of that was the agent's packet programs:
+//! for traffic to no Service, a few hundred nanoseconds of programs against the
+//! microseconds the stack takes, a figure the rate's noise would hide.
+//!
 //! Rates and percentiles are over all rounds. The ratios between modes are the median
 //! of per-round ratios: two segments of one round run within a second or two of each
 //! other, so their ratio is spared most of the drift and of the bursts of other work a
@@ -235,6 +241,14 @@ impl Exchange {
         match self.ip {
             Ip::V4 => format!("{}-{what}", self.client.key()),
             Ip::V6 => format!("{}-{what}6", self.client.key()),
+        }
+    }
+
+    /// What one of it is, for the tables of what it costs.
+    fn unit(self) -> &'static str {
+        match (self.kind, self.proto) {
+            (Kind::New, Protocol::Tcp) => "connection",
+            _ => "request/response",
         }
     }
 
@@ -816,7 +830,7 @@ impl World {
 /// Everything measured for one mode, protocol and S, over all rounds.
 type Stats = common::Stats<Mode, Exchange>;
 
-fn measure_size(cfg: &Config, services: u32) -> Result<(Vec<Stats>, Vec<ConnectionCost>)> {
+fn measure_size(cfg: &Config, services: u32) -> Result<(Vec<Stats>, Vec<ExchangeCost>)> {
     let set = ServiceSet::new(services);
     let mut worlds = Vec::new();
     for mode in Mode::ALL {
@@ -867,29 +881,47 @@ fn measure_size(cfg: &Config, services: u32) -> Result<(Vec<Stats>, Vec<Connecti
             });
         }
     }
-    let costs = connection_costs(cfg, services, &worlds)?;
+    let costs = exchange_costs(cfg, services, &worlds)?;
     eprintln!("S = {services}: measured");
     // The worlds drop here, agent and namespaces with them, before the next S is built.
     Ok((out, costs))
 }
 
 // ---------------------------------------------------------------------------
-// What a connection costs the machine
+// What an exchange costs the machine
 
-/// Rounds of the phase that measures each mode's CPU per connection, after the
-/// measured rounds (see [`connection_costs`]).
+/// Rounds of the phase that measures each mode's CPU per exchange, after the
+/// measured rounds (see [`exchange_costs`]).
 const CPU_ROUNDS: usize = 4;
 
-/// The exchange whose cost [`connection_costs`] measures: a new TCP connection from
-/// the pod, over IPv4.
+/// The exchange whose cost [`exchange_costs`] always measures: a new TCP connection
+/// from the pod, over IPv4.
 const COSTED: Exchange = EXCHANGES[0];
 
-/// What the new connections of [`COSTED`] cost the machine in one mode.
+/// The exchanges [`exchange_costs`] measures: [`COSTED`], and the pod-to-pod
+/// request/response of each family the run measures, which tell what the agent
+/// costs traffic that is not its own with less noise than its rate does (a few
+/// hundred nanoseconds of programs against the stack's microseconds).
+fn costed(cfg: &Config) -> Vec<Exchange> {
+    std::iter::once(COSTED)
+        .chain(
+            cfg.exchanges
+                .iter()
+                .copied()
+                .filter(|x| x.kind == Kind::PodToPod),
+        )
+        .collect()
+}
+
+/// What the exchanges of one kind (a new connection, a request/response) cost the
+/// machine in one mode.
 #[derive(Debug, Clone, Copy)]
-struct ConnectionCost {
+struct ExchangeCost {
     services: u32,
     mode: Mode,
-    connections: u64,
+    exchange: Exchange,
+    /// Exchanges made, answered or not.
+    count: u64,
     /// Every CPU's busy time over this mode's segments of the phase: the client, the
     /// servers, the node's stack, the load balancer.
     busy_ns: u64,
@@ -897,29 +929,33 @@ struct ConnectionCost {
     programs: Option<HookTimes>,
 }
 
-impl ConnectionCost {
-    fn per_connection(&self, ns: u64) -> f64 {
-        ns as f64 / self.connections.max(1) as f64
+impl ExchangeCost {
+    fn per_exchange(&self, ns: u64) -> f64 {
+        ns as f64 / self.count.max(1) as f64
     }
 }
 
-/// The machine's CPU time per new connection in each mode, and the ebpf-proxy
-/// agent's packet programs' share of it: [`CPU_ROUNDS`] more rounds of [`COSTED`],
-/// the modes interleaved, with the kernel's BPF run-time statistics on
+/// The machine's CPU time per exchange in each mode, and the ebpf-proxy agent's
+/// packet programs' share of it: [`CPU_ROUNDS`] more rounds of each [`costed`]
+/// exchange, the modes interleaved, with the kernel's BPF run-time statistics on
 /// (`BPF_ENABLE_STATS`) for this phase only. The measured rounds run without them:
 /// they add two clock reads to each program run, which the other modes would not
-/// pay. The gap between a mode's CPU per connection and the no-LB mode's is what
-/// that mode costs; for ebpf-proxy, the programs' time says how much of the gap is
-/// the datapath's own and how much is elsewhere (the hook, caches, the stack).
-fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec<ConnectionCost>> {
-    let mut costs: Vec<ConnectionCost> = worlds
+/// pay. The gap between a mode's CPU per exchange and the no-LB mode's is what that
+/// mode costs; for ebpf-proxy, the programs' time says how much of the gap is the
+/// datapath's own and how much is elsewhere (the hook, caches, the stack).
+fn exchange_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec<ExchangeCost>> {
+    let exchanges = costed(cfg);
+    let mut costs: Vec<ExchangeCost> = exchanges
         .iter()
-        .map(|w| ConnectionCost {
-            services,
-            mode: w.mode,
-            connections: 0,
-            busy_ns: 0,
-            programs: w.agent.as_ref().map(|_| HookTimes::default()),
+        .flat_map(|&exchange| {
+            worlds.iter().map(move |w| ExchangeCost {
+                services,
+                mode: w.mode,
+                exchange,
+                count: 0,
+                busy_ns: 0,
+                programs: w.agent.as_ref().map(|_| HookTimes::default()),
+            })
         })
         .collect();
     // Statistics stay on while this descriptor is open, and go off when it is
@@ -927,14 +963,15 @@ fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("turn on the kernel's BPF run-time statistics (BPF_ENABLE_STATS)")?;
     for _ in 0..CPU_ROUNDS {
-        for (world, cost) in worlds.iter().zip(&mut costs) {
+        for (world, cost) in worlds.iter().cycle().zip(&mut costs) {
+            let exchange = cost.exchange;
             check_interrupted()?;
             let before = (world.agent_programs()?, machine_busy_ns()?);
             let sample = world
-                .closed_loop(COSTED, cfg.threads, cfg.segment(COSTED))
-                .with_context(|| format!("cost {} {}", world.mode.label(), COSTED.key()))?;
+                .closed_loop(exchange, cfg.threads, cfg.segment(exchange))
+                .with_context(|| format!("cost {} {}", world.mode.label(), exchange.key()))?;
             let after = (world.agent_programs()?, machine_busy_ns()?);
-            cost.connections += sample.ok + sample.failed();
+            cost.count += sample.ok + sample.failed();
             cost.busy_ns += after.1.saturating_sub(before.1);
             if let (Some(total), Some(before), Some(after)) =
                 (&mut cost.programs, before.0, after.0)
@@ -944,28 +981,36 @@ fn connection_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec
         }
     }
     for cost in &costs {
-        if cost.connections == 0 {
-            bail!("{}: no connection in the cost phase", cost.mode.label());
+        let unit = cost.exchange.unit();
+        if cost.count == 0 {
+            bail!(
+                "{}, {}: no {unit} in the cost phase",
+                cost.mode.label(),
+                cost.exchange.key()
+            );
         }
         if let Some(p) = cost.programs
             && (p.programs == 0 || p.runs() == 0 || p.ns() == 0)
         {
             bail!(
-                "{}: the agent's packet programs were not timed ({p:?}): BPF statistics off?",
-                cost.mode.label()
+                "{}, {}: the agent's packet programs were not timed ({p:?}): BPF statistics \
+                 off?",
+                cost.mode.label(),
+                cost.exchange.key()
             );
         }
         eprintln!(
-            "S = {services}, {}: {:.1} µs of CPU per connection{}",
+            "S = {services}, {}, {}: {:.1} µs of CPU per {unit}{}",
             cost.mode.label(),
-            cost.per_connection(cost.busy_ns) / 1e3,
+            cost.exchange.key(),
+            cost.per_exchange(cost.busy_ns) / 1e3,
             cost.programs.map_or(String::new(), |p| format!(
                 ", the agent's {} packet programs ran {:.1} times and {:.0} ns of it, its socket \
                  hooks {:.0} ns",
                 p.programs,
-                cost.per_connection(p.runs()),
-                cost.per_connection(p.ns()),
-                cost.per_connection(p.sock.ns)
+                cost.per_exchange(p.runs()),
+                cost.per_exchange(p.ns()),
+                cost.per_exchange(p.sock.ns)
             ))
         );
     }
@@ -1194,7 +1239,7 @@ struct Report<'a> {
     cfg: &'a Config,
     machine: &'a Machine,
     results: &'a [Stats],
-    costs: &'a [ConnectionCost],
+    costs: &'a [ExchangeCost],
     /// /proc/loadavg's 1-minute figure before and after the run.
     load: (String, String),
 }
@@ -1294,48 +1339,66 @@ impl Report<'_> {
         out
     }
 
-    /// The machine's CPU per new connection in each mode, and the ebpf-proxy agent's
-    /// packet programs' part of it ([`connection_costs`]).
+    /// The machine's CPU per exchange in each mode, and the ebpf-proxy agent's
+    /// packet programs' part of it ([`exchange_costs`]): a table per exchange costed.
     fn costs_markdown(&self) -> String {
-        let mut out = format!(
-            "\n### CPU per new connection ({}, {CPU_ROUNDS} more rounds)\n\n\
-             Every CPU's busy time (`/proc/stat`) over the segments of each mode, per \
-             connection; beside it, for ebpf-proxy, what its XDP and tc programs ran and \
-             what its socket hooks took (the pod's connect() runs them too, as a pod's does \
-             under the root cgroup they attach to by default), as the kernel's BPF \
-             statistics count them (on for these rounds only: two clock reads a run \
-             more).\n\n\
-             | Services | mode | connections | CPU µs per connection | more than no LB, µs | \
-             packet program runs per connection | their ns per connection | ns per run | \
-             socket hooks' ns per connection |\n\
-             |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
-            COSTED.title().0
-        );
+        let mut out = String::new();
+        let mut exchanges: Vec<Exchange> = Vec::new();
         for c in self.costs {
-            let cpu = c.per_connection(c.busy_ns) / 1e3;
-            let direct = self
-                .costs
-                .iter()
-                .find(|d| d.services == c.services && d.mode == Mode::Direct)
-                .map_or(f64::NAN, |d| d.per_connection(d.busy_ns) / 1e3);
-            let programs = c.programs.map_or("- | - | - | -".to_owned(), |p| {
-                format!(
-                    "{:.1} | {:.0} | {:.0} | {:.0}",
-                    c.per_connection(p.runs()),
-                    c.per_connection(p.ns()),
-                    p.ns_per_run(),
-                    c.per_connection(p.sock.ns)
-                )
-            });
+            if !exchanges.contains(&c.exchange) {
+                exchanges.push(c.exchange);
+            }
+        }
+        for exchange in exchanges {
+            let unit = exchange.unit();
             out.push_str(&format!(
-                "| {} | {} | {} | {cpu:.1} | {:+.1} | {programs} |\n",
-                c.services,
-                c.mode.label(),
-                c.connections,
-                cpu - direct
+                "\n### CPU per {unit} ({}, {CPU_ROUNDS} more rounds)\n\n\
+                 Every CPU's busy time (`/proc/stat`) over the segments of each mode, per \
+                 {unit}; beside it, for ebpf-proxy, what its XDP and tc programs ran, their \
+                 time as a share of the no-LB node's CPU per {unit}, and what its socket \
+                 hooks took (the pod's connect() runs them too, as a pod's does under the root \
+                 cgroup they attach to by default), as the kernel's BPF statistics count them \
+                 (on for these rounds only: two clock reads a run more).\n\n\
+                 | Services | mode | exchanges | CPU µs per {unit} | more than no LB, µs | \
+                 packet program runs per {unit} | their ns per {unit} | ns per run | of no \
+                 LB's CPU | socket hooks' ns per {unit} |\n\
+                 |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+                exchange.title().0
             ));
+            for c in self.costs.iter().filter(|c| c.exchange == exchange) {
+                let cpu = c.per_exchange(c.busy_ns) / 1e3;
+                let direct = self.direct_cpu_us(c);
+                let programs = c.programs.map_or("- | - | - | - | -".to_owned(), |p| {
+                    format!(
+                        "{:.1} | {:.0} | {:.0} | {:.1}% | {:.0}",
+                        c.per_exchange(p.runs()),
+                        c.per_exchange(p.ns()),
+                        p.ns_per_run(),
+                        c.per_exchange(p.ns()) / 1e3 / direct * 100.0,
+                        c.per_exchange(p.sock.ns)
+                    )
+                });
+                out.push_str(&format!(
+                    "| {} | {} | {} | {cpu:.1} | {:+.1} | {programs} |\n",
+                    c.services,
+                    c.mode.label(),
+                    c.count,
+                    cpu - direct
+                ));
+            }
         }
         out
+    }
+
+    /// The no-LB node's CPU per exchange, in µs, beside cost `c` (same size and
+    /// exchange); NaN when it was not measured.
+    fn direct_cpu_us(&self, c: &ExchangeCost) -> f64 {
+        self.costs
+            .iter()
+            .find(|d| {
+                d.services == c.services && d.exchange == c.exchange && d.mode == Mode::Direct
+            })
+            .map_or(f64::NAN, |d| d.per_exchange(d.busy_ns) / 1e3)
     }
 
     /// The end-to-end targets (twice iptables' connection rate, a lower p99, within
@@ -1415,10 +1478,11 @@ impl Report<'_> {
             let vs_direct = self.results.rate_vs(ebpf, Mode::Direct);
             out.push_str(&format!(
                 "- {what}, at least {least:.2}x the no-LB node: {vs_direct}: {} (kube-proxy \
-                 iptables {}, nftables {})\n",
+                 iptables {}, nftables {}){}\n",
                 verdict(vs_direct.median >= least),
                 self.results.rate_vs(ipt, Mode::Direct),
                 self.results.rate_vs(nft, Mode::Direct),
+                self.programs_share(largest, exchange),
             ));
         }
         let failed: u64 = self.results.iter().map(|s| s.series.failed).sum();
@@ -1428,6 +1492,28 @@ impl Report<'_> {
             ));
         }
         out
+    }
+
+    /// What the agent's packet programs took of one `exchange` at `services`, as
+    /// "; ..." for a target's line, where the cost phase measured it: the same
+    /// question as the rate's, asked of the machine's CPU, where it is not lost in
+    /// the rounds' noise.
+    fn programs_share(&self, services: u32, exchange: Exchange) -> String {
+        let Some((c, p)) = self
+            .costs
+            .iter()
+            .filter(|c| c.services == services && c.exchange == exchange)
+            .find_map(|c| Some((c, c.programs?)))
+        else {
+            return String::new();
+        };
+        let ns = c.per_exchange(p.ns());
+        format!(
+            "; the agent's packet programs took {ns:.0} ns of each {}, {:.1}% of the no-LB \
+             node's CPU for one",
+            exchange.unit(),
+            ns / 1e3 / self.direct_cpu_us(c) * 100.0
+        )
     }
 
     fn json(&self) -> serde_json::Value {
@@ -1462,14 +1548,16 @@ impl Report<'_> {
             "rr_segment_s": cfg.rr_segment.as_secs_f64(),
             "endpoints_per_service": ENDPOINTS,
             "results": rows,
-            "connection_costs": self.costs.iter().map(|c| json!({
+            "exchange_costs": self.costs.iter().map(|c| json!({
                 "services": c.services,
                 "mode": c.mode.label(),
-                "connections": c.connections,
-                "cpu_ns_per_connection": c.per_connection(c.busy_ns),
-                "program_runs_per_connection": c.programs.map(|p| c.per_connection(p.runs())),
-                "program_ns_per_connection": c.programs.map(|p| c.per_connection(p.ns())),
-                "socket_hook_ns_per_connection": c.programs.map(|p| c.per_connection(p.sock.ns)),
+                "exchange": c.exchange.key(),
+                "unit": c.exchange.unit(),
+                "count": c.count,
+                "cpu_ns_per_exchange": c.per_exchange(c.busy_ns),
+                "program_runs_per_exchange": c.programs.map(|p| c.per_exchange(p.runs())),
+                "program_ns_per_exchange": c.programs.map(|p| c.per_exchange(p.ns())),
+                "socket_hook_ns_per_exchange": c.programs.map(|p| c.per_exchange(p.sock.ns)),
             })).collect::<Vec<_>>(),
         })
     }

@@ -4,6 +4,7 @@
 //! of every output frame recomputed from scratch (tests/src/frames.rs).
 //! Needs root (it loads BPF programs and pins maps).
 
+mod hand_on;
 mod node_maps;
 mod service_counts;
 
@@ -19,6 +20,7 @@ use ebpf_proxy_tests::frames::{
     icmp6_error, parse_checked_icmp6_error, parse_checked6, reassemble6,
 };
 use ebpf_proxy_tests::sctp;
+use hand_on::HandOn;
 use node_maps::write_service_cidrs;
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
@@ -332,7 +334,8 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
     );
     assert_eq!(counter(&fx, "dnat_new"), 1, "new flows after the SYN");
 
-    empty_tc_next(&fx);
+    // As the kernel leaves it once the agent holding the array is gone.
+    HandOn::open(&fx.datapath).set(false);
     let next = tcp(CLIENT, 41101, VIP, 80, frame::SYN);
     let (ret, out) = run_on(fx.datapath.tc_program(), &next);
     assert_eq!(
@@ -357,34 +360,6 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
         p.dst,
         p.dport
     );
-}
-
-/// Empties `TC_NEXT`'s slot, as the kernel does once the agent holding the
-/// array is gone: found through `tc_ingress`'s own maps, as `bpftool` would.
-fn empty_tc_next(fx: &Fixture) {
-    use aya::maps::{Map, MapData, ProgramArray};
-    let info = fx
-        .datapath
-        .tc_program()
-        .info()
-        .expect("tc_ingress's program info");
-    let ids = info
-        .map_ids()
-        .expect("tc_ingress's map ids")
-        .expect("the kernel lists a program's maps");
-    let map = ids
-        .into_iter()
-        .map(|id| MapData::from_id(id).expect("a map of tc_ingress by its id"))
-        .find(|m| {
-            m.info()
-                .is_ok_and(|i| i.name_as_str() == Some(proxy_common::map_names::TC_NEXT))
-        })
-        .expect("tc_ingress uses no map named TC_NEXT");
-    let mut array =
-        ProgramArray::try_from(Map::ProgramArray(map)).expect("TC_NEXT as a program array");
-    array
-        .clear_index(&proxy_common::TC_NEXT_IPV6)
-        .expect("emptying TC_NEXT's slot");
 }
 
 /// IPv6's client port opened again while its reset flow is closing, as

@@ -22,17 +22,16 @@
 //! as the others did; figures are medians over rounds, ratios medians of per-round
 //! ratios.
 
+#[path = "../../tests/hand_on/mod.rs"]
+mod hand_on;
+
 use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     time::Instant,
 };
 
-use aya::{
-    maps::{Map, MapData, ProgramArray},
-    programs::ProgramFd,
-};
 use ebpf_proxy_tests::netns::{NetNs, unique_stem};
-use proxy_common::{TC_NEXT_IPV6, map_names};
+use hand_on::HandOn;
 use proxy_userspace::datapath::Datapath;
 
 /// The batch of one `sendmmsg`.
@@ -376,52 +375,6 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
         sockets.push(sender(tx, &s));
     }
     (sockets, links)
-}
-
-/// `tc_ingress`'s hand-on array (`TC_NEXT`), opened again by its id as
-/// `bpftool` would, so that the IPv6 cases can empty and fill its slot: the
-/// datapath holds its own descriptor, for as long as it runs.
-struct HandOn {
-    array: ProgramArray<MapData>,
-    tc6: ProgramFd,
-}
-
-impl HandOn {
-    fn open(datapath: &Datapath) -> HandOn {
-        let info = datapath.tc_program().info().expect("tc_ingress's info");
-        let map = info
-            .map_ids()
-            .expect("tc_ingress's map ids")
-            .expect("the kernel lists a program's maps")
-            .into_iter()
-            .map(|id| MapData::from_id(id).expect("a map of tc_ingress by its id"))
-            .find(|m| {
-                m.info()
-                    .is_ok_and(|i| i.name_as_str() == Some(map_names::TC_NEXT))
-            })
-            .expect("tc_ingress uses no TC_NEXT");
-        let array = ProgramArray::try_from(Map::ProgramArray(map)).expect("TC_NEXT");
-        let tc6 = datapath
-            .tc6_program()
-            .fd()
-            .expect("tc6 fd")
-            .try_clone()
-            .expect("a descriptor of tc_ingress6");
-        HandOn { array, tc6 }
-    }
-
-    /// Fills the slot (`true`) or empties it, for the case about to run.
-    fn set(&mut self, on: bool) {
-        if on {
-            self.array
-                .set(TC_NEXT_IPV6, &self.tc6, 0)
-                .expect("filling TC_NEXT");
-        } else {
-            self.array
-                .clear_index(&TC_NEXT_IPV6)
-                .expect("emptying TC_NEXT");
-        }
-    }
 }
 
 /// Measures every case over `rounds` rounds of a burst of `frames` frames each

@@ -963,6 +963,7 @@ fn exchange_costs(cfg: &Config, services: u32, worlds: &[World]) -> Result<Vec<E
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime)
         .context("turn on the kernel's BPF run-time statistics (BPF_ENABLE_STATS)")?;
     for _ in 0..CPU_ROUNDS {
+        // `costs` holds each exchange's worlds in the order of `worlds`.
         for (world, cost) in worlds.iter().cycle().zip(&mut costs) {
             let exchange = cost.exchange;
             check_interrupted()?;

@@ -912,9 +912,9 @@ fn establish6(
 }
 
 /// IPv6 at `hook` (`tc6`: `tc_ingress` and its tail call to `tc_ingress6`; `xdp6`:
-/// `xdp_ingress` and its tail call to `xdp_ingress6`) at one size, as [`measure_hook`] measures IPv4: the empty
-/// program of the hook as its floor, on IPv6 frames. No conntrack-pair reference:
-/// that program is IPv4's.
+/// `xdp_ingress` and its tail call to `xdp_ingress6`) at one size, as
+/// [`measure_hook`] measures IPv4: the empty program of the hook as its floor, on
+/// IPv6 frames. No conntrack-pair reference: that program is IPv4's.
 fn measure6(
     datapath: &mut Datapath,
     hook: &str,

@@ -231,7 +231,7 @@ impl TailCalls {
         TailCalls {
             xdp_next: xdp_next::fill_or_leave_to_tc(ebpf, loads),
             tc_dsr: tc_dsr::fill_or_warn(ebpf, loads),
-            tc_next: tc_next::fill_or_chain(ebpf),
+            tc_next: tc_next::fill_or_chain(ebpf, loads),
         }
     }
 }

@@ -1,8 +1,8 @@
 //! A program array filled at load: each program loaded and put in its slot
 //! before anything that tail-calls into it is attached (`xdp_next`,
-//! `tc_dsr`). Never pinned: the kernel empties a program array when the last
-//! reference to it other than a program's goes, so the array returned is
-//! held for as long as the programs run.
+//! `tc_dsr`, `tc_next`). Never pinned: the kernel empties a program array
+//! when the last reference to it other than a program's goes, so the array
+//! returned is held for as long as the programs run.
 
 use aya::{
     Ebpf,
@@ -31,7 +31,8 @@ pub enum ProgramArrayError {
 }
 
 /// Takes the array `map` and puts each of `programs` (name, slot), of type
-/// `P`, in its slot, loading it first (noted in `loads`).
+/// `P`, in its slot, loading it first (noted in `loads`) unless it is
+/// loaded already.
 pub fn fill<P>(
     ebpf: &mut Ebpf,
     map: &'static str,

@@ -16,33 +16,33 @@ use aya::{
 };
 use proxy_common::{TC_NEXT_IPV6, map_names, program_names};
 
-use super::program_array::ProgramArrayError;
+use super::{
+    ProgramLoad,
+    program_array::{self, ProgramArrayError},
+};
 
-/// Puts `tc_ingress6`, loaded with the object, in its slot. The array
-/// returned must be kept for as long as the programs run: dropping it
-/// empties the slot.
-pub fn fill(ebpf: &mut Ebpf) -> Result<ProgramArray<MapData>, ProgramArrayError> {
-    let map = map_names::TC_NEXT;
-    let name = program_names::TC_INGRESS6;
-    let in_map = |source| ProgramArrayError::Map { name: map, source };
-    let taken = ebpf.take_map(map).ok_or(ProgramArrayError::NoMap(map))?;
-    let mut array = ProgramArray::try_from(taken).map_err(in_map)?;
-    let program: &SchedClassifier = ebpf
-        .program(name)
-        .ok_or(ProgramArrayError::NoProgram(name))?
-        .try_into()
-        .map_err(|source| ProgramArrayError::Program { name, source })?;
-    let fd = program
-        .fd()
-        .map_err(|source| ProgramArrayError::Program { name, source })?;
-    array.set(TC_NEXT_IPV6, fd, 0).map_err(in_map)?;
-    Ok(array)
+/// Puts `tc_ingress6`, which the object's load has loaded already (it is
+/// attached too), in its slot. The array returned must be kept for as long
+/// as the programs run: dropping it empties the slot.
+pub fn fill(
+    ebpf: &mut Ebpf,
+    loads: &mut Vec<ProgramLoad>,
+) -> Result<ProgramArray<MapData>, ProgramArrayError> {
+    program_array::fill::<SchedClassifier>(
+        ebpf,
+        map_names::TC_NEXT,
+        &[(program_names::TC_INGRESS6, TC_NEXT_IPV6)],
+        loads,
+    )
 }
 
 /// `fill`; on failure IPv6 goes on down the tcx chain to `tc_ingress6`:
 /// said once, and the agent goes on.
-pub fn fill_or_chain(ebpf: &mut Ebpf) -> Option<ProgramArray<MapData>> {
-    fill(ebpf)
+pub fn fill_or_chain(
+    ebpf: &mut Ebpf,
+    loads: &mut Vec<ProgramLoad>,
+) -> Option<ProgramArray<MapData>> {
+    fill(ebpf, loads)
         .inspect_err(|e| {
             tracing::warn!(
                 error = %e,

@@ -1344,13 +1344,7 @@ impl Report<'_> {
     /// packet programs' part of it ([`exchange_costs`]): a table per exchange costed.
     fn costs_markdown(&self) -> String {
         let mut out = String::new();
-        let mut exchanges: Vec<Exchange> = Vec::new();
-        for c in self.costs {
-            if !exchanges.contains(&c.exchange) {
-                exchanges.push(c.exchange);
-            }
-        }
-        for exchange in exchanges {
+        for exchange in costed(self.cfg) {
             let unit = exchange.unit();
             out.push_str(&format!(
                 "\n### CPU per {unit} ({}, {CPU_ROUNDS} more rounds)\n\n\

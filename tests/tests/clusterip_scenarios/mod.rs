@@ -11,7 +11,7 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
@@ -206,6 +206,16 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
             _ => None,
         })
         .collect();
+    // The flow-mark slots of the flows' reply keys (backend's port to the
+    // client's): two flows may share one, so the marks are counted against
+    // the distinct slots, not the flows.
+    let reply_slots: BTreeSet<u32> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Reply(r) => Some(reply_slot::<F>(r)),
+            _ => None,
+        })
+        .collect();
     let mut tally = Tally::default();
     for outcome in outcomes {
         tally.record(outcome);
@@ -251,12 +261,61 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
     // attached, and every flow marked its reply.
     let marked = ebpf_proxy_tests::agent::marked_flow_slots(&status)
         .unwrap_or_else(|| panic!("status shows no readable prefilter flow marks:\n{status}"));
-    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    let maps = Maps::open_pinned(&pins).expect("opening the agent's pinned maps");
+    let marks = maps
+        .prefilter_flows
+        .as_ref()
+        .expect("the agent pins the prefilter's flow marks");
+    let unmarked: Vec<u32> = reply_slots
+        .iter()
+        .copied()
+        .filter(|&slot| !marks.is_marked(slot))
+        .collect();
     assert!(
-        (flows..slots).contains(&marked),
-        "{marked} of {slots} flow slots marked for {flows} flows: the marks opened at load \
-         were never refreshed, or flows went unmarked:\n{status}"
+        unmarked.is_empty(),
+        "{} of the {} slots of the {flows} flows' reply keys are unmarked ({unmarked:?}): \
+         their answers would be turned away by the prefilter's flow check",
+        unmarked.len(),
+        reply_slots.len()
     );
+    let slots = u64::from(proxy_common::prefilter::flows::SLOTS);
+    let replies = reply_slots.len() as u64;
+    assert!(
+        (replies..slots).contains(&marked),
+        "{marked} of {slots} flow slots marked for {flows} flows, whose reply keys take \
+         {replies} slots: the marks opened at load were never refreshed, or flows went \
+         unmarked:\n{status}"
+    );
+}
+
+/// The prefilter flow slot of the reply key of the flow `reply` answered:
+/// from the backend's port to the client's address the backend saw.
+fn reply_slot<F: Family>(reply: &Reply<F::Addr>) -> u32 {
+    // The address as `ServiceKey` holds it: bytes in network order, IPv4
+    // mapped.
+    let words = |ip: IpAddr| -> [u32; 4] {
+        let v6 = match ip {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+            IpAddr::V6(v6) => v6,
+        };
+        let o = v6.octets();
+        std::array::from_fn(|i| {
+            u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+        })
+    };
+    let backend = backend_names()
+        .iter()
+        .position(|name| *name == reply.backend)
+        .unwrap_or_else(|| panic!("an answer from {:?}, not a backend", reply.backend));
+    let client: SocketAddr = reply.peer.into();
+    proxy_common::prefilter::flows::slot(
+        &words(F::backend_ips()[backend].into()),
+        UDP_PORT.to_be(),
+        &words(client.ip()),
+        client.port().to_be(),
+        proxy_common::PROTO_UDP,
+    )
 }
 
 /// Fragmented UDP through a ClusterIP, both ways, as kube-proxy's rules serve it

@@ -29,17 +29,14 @@ pub mod pins;
 pub mod prefilter;
 pub mod prefilter_flows;
 pub mod prefilter_rebuild;
-mod program_array;
 pub mod program_load;
 pub mod refusal_records;
 pub mod reject_limit;
 pub mod resize;
 pub mod service_counters;
 pub mod sys;
-mod tc_dsr;
-mod tc_next;
+mod tail_calls;
 mod write_behind;
-mod xdp_next;
 
 use std::{os::unix::fs::DirBuilderExt, path::Path, time::Instant};
 
@@ -50,6 +47,7 @@ use aya::{
 };
 use proxy_common::{DEFAULT_SERVICE_COUNTERS, MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
+use self::tail_calls::TailCalls;
 pub use self::{maps::Maps, pins::PinLayout, program_load::ProgramLoad};
 
 /// The eBPF object built by build.rs from proxy-ebpf.
@@ -211,29 +209,6 @@ pub struct Datapath {
     tail_calls: TailCalls,
     /// What each program's load cost, in load order (see `program_load`).
     program_loads: Vec<ProgramLoad>,
-}
-
-/// The program arrays the entry programs tail-call into: each filled
-/// before anything is attached and held for as long as the programs run,
-/// since dropping one empties it. None where the array could not be
-/// filled, which each module says the cost of.
-struct TailCalls {
-    /// `XDP_NEXT` (see `xdp_next`): `xdp_ingress6`.
-    xdp_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
-    /// `TC_DSR` (see `tc_dsr`): `tc_dsr`, `tc_dsr6`.
-    tc_dsr: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
-    /// `TC_NEXT` (see `tc_next`): `tc_ingress6`.
-    tc_next: Option<aya::maps::ProgramArray<aya::maps::MapData>>,
-}
-
-impl TailCalls {
-    fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>) -> TailCalls {
-        TailCalls {
-            xdp_next: xdp_next::fill_or_leave_to_tc(ebpf, loads),
-            tc_dsr: tc_dsr::fill_or_warn(ebpf, loads),
-            tc_next: tc_next::fill_or_chain(ebpf, loads),
-        }
-    }
 }
 
 impl Datapath {
@@ -542,19 +517,19 @@ impl Datapath {
 
     /// Whether `xdp_ingress6` is in `xdp_ingress`'s hand-on slot.
     pub fn xdp6_loaded(&self) -> bool {
-        self.tail_calls.xdp_next.is_some()
+        self.tail_calls.xdp_ingress6()
     }
 
     /// Whether `tc_ingress6` is in `tc_ingress`'s hand-on slot (else IPv6
     /// runs both programs of the tcx chain).
     pub fn tc6_handed_on(&self) -> bool {
-        self.tail_calls.tc_next.is_some()
+        self.tail_calls.tc_ingress6()
     }
 
     /// Whether `tc_dsr` and `tc_dsr6` are in their slots: flows other
     /// nodes send here by direct server return are served.
     pub fn dsr_loaded(&self) -> bool {
-        self.tail_calls.tc_dsr.is_some()
+        self.tail_calls.dsr()
     }
 
     /// The floor programs once `load_floors` has loaded them, for use next

@@ -51,7 +51,8 @@ pub fn monotonic_ns() -> u64 {
 /// backends. One pass over each map, only when something departed, read in
 /// chunks: the sync that reports the departure waits for it, and a table of
 /// 200,000 flows read an entry at a time (two system calls each) held it
-/// for most of a second.
+/// for most of a second. The conntrack maps are passed over only when a
+/// departed backend's flows may be in them (`flows_to_remove`).
 pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, MapsError> {
     let mut swept = Swept::default();
     if departed.is_empty() {
@@ -61,6 +62,39 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
         .iter()
         .map(|d| (d.service_id, d.backend_id))
         .collect();
+    if flows_to_remove(departed) {
+        swept.conntrack = purge_departed_flows(maps, &gone)?;
+    }
+    let doomed = batch::keys_where(
+        maps.affinity.map(),
+        batch::CHUNK,
+        |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
+    )
+    .map_err(batch_error(map_names::AFFINITY))?;
+    if swept.conntrack > 0 {
+        maps.bump_flow_epoch()?;
+    }
+    swept.affinity =
+        batch::delete(maps.affinity.map(), &doomed).map_err(batch_error(map_names::AFFINITY))?;
+    Ok(swept)
+}
+
+/// Whether a departed backend's flows may be in conntrack for
+/// `purge_departed` to remove: only UDP and SCTP flows go, so when every
+/// departed backend served TCP, none can, and the pass over the conntrack
+/// maps, which walks every bucket of each whatever they hold (about 2 ms
+/// at the default sizes), is skipped. A departure whose backend the planner
+/// no longer knows is passed over.
+fn flows_to_remove(departed: &[Departed]) -> bool {
+    departed
+        .iter()
+        .any(|d| d.backend.is_none_or(|b| b.proto != PROTO_TCP))
+}
+
+/// The conntrack half of `purge_departed`: the UDP and SCTP entries of the
+/// `gone` (service id, backend id) pairs, from every conntrack map.
+fn purge_departed_flows(maps: &mut Maps, gone: &HashSet<(u32, u32)>) -> Result<usize, MapsError> {
+    let mut purged = 0;
     let departed_flow = |v: &CtValue| gone.contains(&(v.service_id, v.backend_id));
     for (name, map) in [
         (map_names::CONNTRACK, &mut maps.conntrack),
@@ -76,7 +110,7 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
             // doomed, so this costs little next to the pass.
             let still = map.get(&key, 0).is_ok_and(|v| departed_flow(&v));
             if still && map.remove(&key).is_ok() {
-                swept.conntrack += 1;
+                purged += 1;
             }
         }
     }
@@ -96,22 +130,11 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
             // Looked at again, as above.
             let still = map.get(&key, 0).is_ok_and(|v| departed_flow(&v));
             if still && map.remove(&key).is_ok() {
-                swept.conntrack += 1;
+                purged += 1;
             }
         }
     }
-    let doomed = batch::keys_where(
-        maps.affinity.map(),
-        batch::CHUNK,
-        |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
-    )
-    .map_err(batch_error(map_names::AFFINITY))?;
-    if swept.conntrack > 0 {
-        maps.bump_flow_epoch()?;
-    }
-    swept.affinity =
-        batch::delete(maps.affinity.map(), &doomed).map_err(batch_error(map_names::AFFINITY))?;
-    Ok(swept)
+    Ok(purged)
 }
 
 /// Removes conntrack entries idle past their timeout, assured or not. Each
@@ -190,4 +213,43 @@ fn reap_expired6(
     })
     .map_err(&batch_error)?;
     failed.map_or(Ok(reaped), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{Backend, PROTO_SCTP, PROTO_UDP, v4_mapped};
+
+    use super::*;
+
+    fn departed(proto: Option<u8>) -> Departed {
+        Departed {
+            service_id: 7,
+            backend_id: 9,
+            backend: proto.map(|proto| Backend {
+                addr_be: v4_mapped(0x0a01_0002_u32.to_be()),
+                port_be: 8080u16.to_be(),
+                proto,
+                flags: 0,
+            }),
+        }
+    }
+
+    #[test]
+    fn conntrack_is_passed_over_only_for_backends_whose_flows_go() {
+        let tcp = departed(Some(PROTO_TCP));
+        assert!(
+            !flows_to_remove(&[tcp, tcp]),
+            "departed TCP backends leave their flows: no pass over conntrack"
+        );
+        for (what, other) in [
+            ("a UDP backend", departed(Some(PROTO_UDP))),
+            ("an SCTP backend", departed(Some(PROTO_SCTP))),
+            ("a backend the planner no longer knows", departed(None)),
+        ] {
+            assert!(
+                flows_to_remove(&[tcp, other]),
+                "{what} among departed TCP ones: its flows must be looked for"
+            );
+        }
+    }
 }

@@ -161,6 +161,41 @@ pub fn tcp_request_from_port_here<A: Peer>(
     addr: A,
     timeout: Duration,
 ) -> Outcome<A> {
+    match connect_from_port(local_port, addr, timeout) {
+        Ok(stream) => read_greeting(stream, timeout),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+/// [`tcp_request_from_port_here`], the connection closed with a RST (`SO_LINGER`
+/// 0), as a load generator closes its connections to stay out of `TIME_WAIT`: the
+/// same port may then connect to the same destination again at once.
+pub fn tcp_request_from_port_reset_here<A: Peer>(
+    local_port: u16,
+    addr: A,
+    timeout: Duration,
+) -> Outcome<A> {
+    let stream = connect_from_port(local_port, addr, timeout).and_then(|stream| {
+        let linger = nix::libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger)?;
+        Ok(stream)
+    });
+    match stream {
+        Ok(stream) => read_greeting(stream, timeout),
+        Err(e) => Outcome::from_io(&e),
+    }
+}
+
+/// A TCP connection to `addr` from `local_port`, with `SO_REUSEADDR`; a connect that
+/// takes longer than `timeout` fails with `TimedOut`.
+fn connect_from_port<A: Peer>(
+    local_port: u16,
+    addr: A,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
     use std::os::fd::AsRawFd;
 
     use nix::sys::{
@@ -170,35 +205,28 @@ pub fn tcp_request_from_port_here<A: Peer>(
         },
         time::{TimeVal, TimeValLike},
     };
-    let attempt = || -> io::Result<TcpStream> {
-        let mut local = A::any();
-        local.set_port(local_port);
-        let family = match local {
-            SocketAddr::V4(_) => AddressFamily::Inet,
-            SocketAddr::V6(_) => AddressFamily::Inet6,
-        };
-        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-        setsockopt(&fd, sockopt::ReuseAddr, &true)?;
-        // A blocking connect gives up after SO_SNDTIMEO (with EINPROGRESS).
-        setsockopt(
-            &fd,
-            sockopt::SendTimeout,
-            &TimeVal::milliseconds(timeout.as_millis() as i64),
-        )?;
-        bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
-        let remote: SocketAddr = addr.into();
-        match connect(fd.as_raw_fd(), &SockaddrStorage::from(remote)) {
-            Ok(()) => {}
-            Err(nix::errno::Errno::EINPROGRESS) => {
-                return Err(io::Error::new(ErrorKind::TimedOut, "connect timed out"));
-            }
-            Err(e) => return Err(e.into()),
-        }
-        Ok(TcpStream::from(fd))
+    let mut local = A::any();
+    local.set_port(local_port);
+    let family = match local {
+        SocketAddr::V4(_) => AddressFamily::Inet,
+        SocketAddr::V6(_) => AddressFamily::Inet6,
     };
-    match attempt() {
-        Ok(stream) => read_greeting(stream, timeout),
-        Err(e) => Outcome::from_io(&e),
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    // A blocking connect gives up after SO_SNDTIMEO (with EINPROGRESS).
+    setsockopt(
+        &fd,
+        sockopt::SendTimeout,
+        &TimeVal::milliseconds(timeout.as_millis() as i64),
+    )?;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
+    let remote: SocketAddr = addr.into();
+    match connect(fd.as_raw_fd(), &SockaddrStorage::from(remote)) {
+        Ok(()) => Ok(TcpStream::from(fd)),
+        Err(nix::errno::Errno::EINPROGRESS) => {
+            Err(io::Error::new(ErrorKind::TimedOut, "connect timed out"))
+        }
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -60,6 +60,11 @@ fn direct_connection_reusing_a_service_flows_port_is_left_alone() {
 }
 
 #[test]
+fn tcp_port_reused_at_once_after_a_reset_is_answered() {
+    scenario::tcp_port_reused_at_once_after_a_reset_is_answered::<Ipv4Addr>();
+}
+
+#[test]
 fn pod_created_after_the_agent_started_is_served() {
     scenario::pod_created_after_the_agent_started_is_served::<Ipv4Addr>();
 }

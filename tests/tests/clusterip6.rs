@@ -89,6 +89,11 @@ fn ipv6_direct_connection_reusing_a_service_flows_port_is_left_alone() {
 }
 
 #[test]
+fn ipv6_tcp_port_reused_at_once_after_a_reset_is_answered() {
+    scenario::tcp_port_reused_at_once_after_a_reset_is_answered::<Ipv6Addr>();
+}
+
+#[test]
 fn ipv6_pod_created_after_the_agent_started_is_served() {
     scenario::pod_created_after_the_agent_started_is_served::<Ipv6Addr>();
 }

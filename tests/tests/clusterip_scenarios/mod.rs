@@ -21,7 +21,8 @@ use ebpf_proxy_tests::{
     agent::SYNC_DEADLINE,
     client::{
         Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
-        tcp_request_from_port_here, tcp_tally, udp_request, udp_sized_request, udp_tally,
+        tcp_request_from_port_here, tcp_request_from_port_reset_here, tcp_tally, udp_request,
+        udp_sized_request, udp_tally,
     },
     eventually_value,
     family::Family,
@@ -1009,6 +1010,44 @@ pub fn direct_connection_reusing_a_service_flows_port_is_left_alone<F: Family>()
     ));
     assert_eq!(direct.backend, first.backend);
     assert_eq!(direct.peer.peer_ip(), F::pod(CLIENT.1));
+}
+
+/// A client that closes each connection with a RST, as a load generator does to stay
+/// out of `TIME_WAIT`, may open the next one from the same port to the same ClusterIP
+/// at once: the same tuple, while the last flow's entries are closed but not yet gone.
+/// Every connection must be answered from that port, as kube-proxy's conntrack
+/// answers it: the SYN starts a flow, never finds a backend still holding the last.
+pub fn tcp_port_reused_at_once_after_a_reset_is_answered<F: Family>() {
+    const CONNECTIONS: usize = 200;
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let port = 40_321;
+    let outcomes: Vec<Outcome<F::Addr>> = sb
+        .client()
+        .ns
+        .run(|| {
+            (0..CONNECTIONS)
+                .map(|_| tcp_request_from_port_reset_here(port, F::http(F::cluster_ip()), TIMEOUT))
+                .collect()
+        })
+        .expect("client namespace");
+    let client = F::addr(F::pod(CLIENT.1), port);
+    let failed: Vec<String> = outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, outcome)| match outcome {
+            Outcome::Reply(reply) if reply.peer == client => None,
+            other => Some(format!("#{i}: {other}")),
+        })
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {CONNECTIONS} {} connections to the ClusterIP from port {port}, each closed \
+         with a RST and the next opened at once, were not answered from that port: \
+         {failed:?}\ncounters: {}",
+        failed.len(),
+        F::NAME,
+        counters_text(&sb)
+    );
 }
 
 /// A pod whose interface appears after the agent started reaches the ClusterIP: the

@@ -175,8 +175,10 @@ pub fn tcp_request_from_port_reset_here<A: Peer>(
     addr: A,
     timeout: Duration,
 ) -> Outcome<A> {
+    use nix::libc;
+
     let stream = connect_from_port(local_port, addr, timeout).and_then(|stream| {
-        let linger = nix::libc::linger {
+        let linger = libc::linger {
             l_onoff: 1,
             l_linger: 0,
         };

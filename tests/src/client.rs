@@ -133,10 +133,7 @@ impl<A: fmt::Display> fmt::Display for Outcome<A> {
 /// One TCP request from the calling thread's namespace: connect, read the greeting,
 /// close.
 pub fn tcp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
-    match TcpStream::connect_timeout(&addr.into(), timeout) {
-        Ok(stream) => read_greeting(stream, timeout),
-        Err(e) => Outcome::from_io(&e),
-    }
+    read_greeting(TcpStream::connect_timeout(&addr.into(), timeout), timeout)
 }
 
 /// [`tcp_request_here`], the client speaking first as most protocols do: it sends a
@@ -147,10 +144,7 @@ pub fn tcp_request_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
 pub fn tcp_request_speaking_first_here<A: Peer>(addr: A, timeout: Duration) -> Outcome<A> {
     let stream = TcpStream::connect_timeout(&addr.into(), timeout)
         .and_then(|mut stream| stream.write_all(b"hello\n").map(|()| stream));
-    match stream {
-        Ok(stream) => read_greeting(stream, timeout),
-        Err(e) => Outcome::from_io(&e),
-    }
+    read_greeting(stream, timeout)
 }
 
 /// [`tcp_request_here`] from a fixed local port. The socket has `SO_REUSEADDR`, so a
@@ -161,10 +155,7 @@ pub fn tcp_request_from_port_here<A: Peer>(
     addr: A,
     timeout: Duration,
 ) -> Outcome<A> {
-    match connect_from_port(local_port, addr, timeout) {
-        Ok(stream) => read_greeting(stream, timeout),
-        Err(e) => Outcome::from_io(&e),
-    }
+    read_greeting(connect_from_port(local_port, addr, timeout), timeout)
 }
 
 /// [`tcp_request_from_port_here`], the connection closed with a RST (`SO_LINGER`
@@ -185,10 +176,7 @@ pub fn tcp_request_from_port_reset_here<A: Peer>(
         nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger)?;
         Ok(stream)
     });
-    match stream {
-        Ok(stream) => read_greeting(stream, timeout),
-        Err(e) => Outcome::from_io(&e),
-    }
+    read_greeting(stream, timeout)
 }
 
 /// A TCP connection to `addr` from `local_port`, with `SO_REUSEADDR`; a connect that
@@ -232,10 +220,13 @@ fn connect_from_port<A: Peer>(
     }
 }
 
-fn read_greeting<A: Peer>(stream: TcpStream, timeout: Duration) -> Outcome<A> {
-    if let Err(e) = stream.set_read_timeout(Some(timeout)) {
-        return Outcome::from_io(&e);
-    }
+/// The greeting read from a connection, or what failed: its connect (`stream`'s
+/// error) or the read.
+fn read_greeting<A: Peer>(stream: io::Result<TcpStream>, timeout: Duration) -> Outcome<A> {
+    let stream = match stream.and_then(|s| s.set_read_timeout(Some(timeout)).map(|()| s)) {
+        Ok(stream) => stream,
+        Err(e) => return Outcome::from_io(&e),
+    };
     let mut line = String::new();
     match BufReader::new(stream).read_line(&mut line) {
         Ok(0) => Outcome::Failed("connection closed without a greeting".into()),

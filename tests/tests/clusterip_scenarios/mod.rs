@@ -11,7 +11,7 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
@@ -34,7 +34,10 @@ use ebpf_proxy_tests::{
     stats::{ChiSquare, chi_square_uniform},
     topology::one_node::{BACKENDS, CLIENT, IPT_CLIENT, TCP_PORT, UDP_PORT, backend_names},
 };
-use proxy_userspace::datapath::{Maps, PinLayout};
+use proxy_userspace::{
+    datapath::{Maps, PinLayout},
+    planner::encode::addr_words,
+};
 
 /// Significance level of the distribution tests: a correct datapath fails its
 /// check about once in a thousand runs (and so does the iptables reference).
@@ -293,27 +296,15 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
 /// The prefilter flow slot of the reply key of the flow `reply` answered:
 /// from the backend's port to the client's address the backend saw.
 fn reply_slot<F: Family>(reply: &Reply<F::Addr>) -> u32 {
-    // The address as `ServiceKey` holds it: bytes in network order, IPv4
-    // mapped.
-    let words = |ip: IpAddr| -> [u32; 4] {
-        let v6 = match ip {
-            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
-            IpAddr::V6(v6) => v6,
-        };
-        let o = v6.octets();
-        std::array::from_fn(|i| {
-            u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
-        })
-    };
     let backend = backend_names()
         .iter()
         .position(|name| *name == reply.backend)
         .unwrap_or_else(|| panic!("an answer from {:?}, not a backend", reply.backend));
     let client: SocketAddr = reply.peer.into();
     proxy_common::prefilter::flows::slot(
-        &words(F::backend_ips()[backend].into()),
+        &addr_words(F::backend_ips()[backend].into()),
         UDP_PORT.to_be(),
-        &words(client.ip()),
+        &addr_words(client.ip()),
         client.port().to_be(),
         proxy_common::PROTO_UDP,
     )

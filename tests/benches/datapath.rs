@@ -892,13 +892,14 @@ fn establish6(
     first_port: u16,
 ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
     let (mut ests, mut replies, mut mirrors) = (Vec::new(), Vec::new(), Vec::new());
+    let tc6 = program(datapath, "tc6");
     for port in first_port..first_port + FLOWS {
         let est = tcp6(CLIENT6, port, target, 80, frames::ACK);
-        let (_, out) = program(datapath, "tc6").run(&est, 1);
+        let (_, out) = tc6.run(&est, 1);
         let backend = dst6(&out);
         let reply = tcp6(backend, 8080, CLIENT6, port, frames::ACK);
-        program(datapath, "tc6").run(&reply, 1);
-        program(datapath, "tc6").run(&est, 1);
+        tc6.run(&reply, 1);
+        tc6.run(&est, 1);
         ests.push(est);
         replies.push(reply);
         mirrors.push(ct6_key(CLIENT6, port, target, 80));

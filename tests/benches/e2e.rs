@@ -1369,7 +1369,7 @@ impl Report<'_> {
                         c.per_exchange(p.runs()),
                         c.per_exchange(p.ns()),
                         p.ns_per_run(),
-                        c.per_exchange(p.ns()) / 1e3 / direct * 100.0,
+                        self.share_of_direct(c, c.per_exchange(p.ns())),
                         c.per_exchange(p.sock.ns)
                     )
                 });
@@ -1394,6 +1394,11 @@ impl Report<'_> {
                 d.services == c.services && d.exchange == c.exchange && d.mode == Mode::Direct
             })
             .map_or(f64::NAN, |d| d.per_exchange(d.busy_ns) / 1e3)
+    }
+
+    /// `ns` of one exchange of cost `c`, in percent of the no-LB node's CPU for one.
+    fn share_of_direct(&self, c: &ExchangeCost, ns: f64) -> f64 {
+        ns / 1e3 / self.direct_cpu_us(c) * 100.0
     }
 
     /// The end-to-end targets (twice iptables' connection rate, a lower p99, within
@@ -1507,7 +1512,7 @@ impl Report<'_> {
             "; the agent's packet programs took {ns:.0} ns of each {}, {:.1}% of the no-LB \
              node's CPU for one",
             exchange.unit(),
-            ns / 1e3 / self.direct_cpu_us(c) * 100.0
+            self.share_of_direct(c, ns)
         )
     }
 

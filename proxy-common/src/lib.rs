@@ -946,8 +946,10 @@ pub mod ct_flags {
     /// Hairpin flow: the client is its own backend, and the flow is SNATed
     /// to the hairpin address (`alt_*` is in use).
     pub const HAIRPIN: u8 = 1 << 2;
-    /// External flow to a backend on another node, SNATed to this node's
-    /// address (`alt_*` is in use).
+    /// The flow's source is rewritten (`alt_*` is in use): to this node's
+    /// address for an external flow to a backend on another node, or to
+    /// another port of the client's own address for a flow whose tuple
+    /// clashed at its backend with another flow's (`counter::CT_PORT_REMAPPED`).
     pub const SNAT: u8 = 1 << 3;
     /// After translation the packet's source is an address of this node,
     /// which the stack would drop as martian: it is routed by a FIB lookup
@@ -1648,7 +1650,14 @@ pub mod counter {
     /// handshake, never moved (counted in `CT_NEW_FLOW` too, never in
     /// `CT_ASSURED`).
     pub const CT_REOPENED: u32 = 40;
-    pub const COUNT: u32 = 41;
+    /// A new flow whose client's address and port a live flow of another
+    /// client tuple already had at the same backend (the client reached it
+    /// from that port through another frontend, or at its pod IP): its
+    /// source port changed, as netfilter's NAT changes a clashing tuple's,
+    /// so that the backend sees two connections (counted in `CT_NEW_FLOW`
+    /// too).
+    pub const CT_PORT_REMAPPED: u32 = 41;
+    pub const COUNT: u32 = 42;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1694,6 +1703,7 @@ pub mod counter {
         "dsr_learnt",
         "dsr_refused",
         "ct_reopened",
+        "ct_port_remapped",
     ];
 }
 

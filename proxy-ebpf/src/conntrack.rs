@@ -811,7 +811,10 @@ fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
 /// goes: the older flow loses, as one map overwrote it. Both overwrite what
 /// `CT_NEW` holds for their keys: the packet's own, which its lookup just
 /// found absent, expired or removed, and an unassured flow of another
-/// client port clashing on the backend side.
+/// client port clashing on the backend side. (Only flows whose source is
+/// not the client's own come here: hairpin and direct server return. A
+/// client's own flow goes through `create_kept`, which never overwrites a
+/// live clash.)
 ///
 /// A TCP flow whose SYN removed both entries of its tuple's closed flow
 /// from `CONNTRACK` (`reopen`, `Scratch::room_key`) is created there
@@ -827,7 +830,80 @@ fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
 /// in two, and `tc_ingress6` went past the verifier's limit.
 #[inline(always)]
 pub fn create<F: CreateFamily>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, now: u64) {
-    let failed = match scratch::<F>() {
+    create_pair::<F>(flow, nf, now, 0);
+}
+
+/// `create` for a flow whose client's address and port are kept (a pod's
+/// flow to a ClusterIP), unless a live flow of another client tuple
+/// already has that address and port at the same backend: the client
+/// reached the backend from the same port through another frontend (Linux
+/// hands one local port to connections to different destinations). Both
+/// would be one connection to the backend, whose socket of the older would
+/// answer the newer's SYN with a challenge ACK, and what followed would
+/// reset the older. So the newer flow's source port is changed, as
+/// netfilter's NAT changes a clashing tuple's (`client_ports`; the port
+/// its client port's closed flow was given, `reopened_be`, first), and
+/// the flow is two-sided (`ct_flags::SNAT`, its own address kept),
+/// counted `ct_port_remapped`. The source port its packets leave with
+/// (network order), or None when no port was free.
+///
+/// The port is claimed here, through the global `try_port`, as
+/// `create_snat` claims one: a global function calling it would nest a
+/// third frame under the program's, past the 512 bytes of stack they share.
+#[inline(always)]
+pub fn create_kept<F: CreateFamily>(
+    flow: &FlowOf<F::Addr>,
+    nf: &NewFlow<F::Addr>,
+    reopened_be: u16,
+    now: u64,
+) -> Option<u16> {
+    if create_pair::<F>(flow, nf, now, KEEP) != PAIR_CLASH {
+        return Some(flow.sport_be);
+    }
+    let (min, max) = client_ports(flow.sport_be);
+    let port_be = claim_port(flow.proto, min, max, reopened_be, now, F::try_port)?;
+    let outcome = F::insert_pair(REMAPPED | u64::from(port_be) << 16, now);
+    created::<F>(flow, outcome);
+    Some(port_be)
+}
+
+/// The source ports a clashing flow's port is changed within (host order),
+/// netfilter's for its client's port (`nf_nat_l4proto_unique_tuple`): a
+/// privileged port stays privileged, below 512 or above, and any other
+/// takes one of 1024-65535.
+#[inline(always)]
+fn client_ports(sport_be: u16) -> (u16, u16) {
+    match u16::from_be(sport_be) {
+        0..512 => (1, 511),
+        512..1024 => (600, 1023),
+        _ => (1024, 65535),
+    }
+}
+
+/// `insert_pair`'s `how`: the flow starts in its closed flow's room
+/// (`ROOM`); it keeps its client's port unless that clashes (`KEEP`,
+/// `create_kept`); its reply entry is in at the port in bits 16-31, its
+/// forward entry is to follow (`REMAPPED`).
+const ROOM: u64 = 1;
+const KEEP: u64 = 2;
+const REMAPPED: u64 = 4;
+
+/// What `insert_pair` returns: both entries in, an insert failed, or
+/// (with `KEEP`) a clash found and nothing written.
+const PAIR_FAILED: u32 = 0;
+const PAIR_INSERTED: u32 = 1;
+const PAIR_CLASH: u32 = 2;
+
+/// `create` with `insert_pair`'s `how` (less `ROOM`, which this finds):
+/// `insert_pair`'s result, counted unless a clash.
+#[inline(always)]
+fn create_pair<F: CreateFamily>(
+    flow: &FlowOf<F::Addr>,
+    nf: &NewFlow<F::Addr>,
+    now: u64,
+    how: u64,
+) -> u32 {
+    let outcome = match scratch::<F>() {
         Some(scratch) => {
             reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
             // SAFETY: two fields of one struct, which cannot overlap.
@@ -845,11 +921,21 @@ pub fn create<F: CreateFamily>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, no
                 && scratch.room_key.proto == flow.proto;
             // A key of protocol 0 is no flow's.
             scratch.room_key.proto = 0;
-            F::insert_pair(u64::from(room)) == 0
+            F::insert_pair(how | u64::from(room), now)
         }
-        None => true,
+        None => PAIR_FAILED,
     };
-    if failed {
+    if outcome != PAIR_CLASH {
+        created::<F>(flow, outcome);
+    }
+    outcome
+}
+
+/// Counts a new flow of `flow` whose entries `insert_pair` wrote with
+/// `outcome`.
+#[inline(always)]
+fn created<F: Family>(flow: &FlowOf<F::Addr>, outcome: u32) {
+    if outcome == PAIR_FAILED {
         count(counter::CT_INSERT_FAILED);
         F::log(Event::CtInsertFailed, flow);
     }
@@ -877,7 +963,7 @@ pub fn create_snat<F: CreateFamily>(
     };
     // The reply entry is the same whatever the port.
     reply_entry(flow, nf, now, &mut scratch.key, &mut scratch.value);
-    let Some(port_be) = claim_port::<F>(flow.proto, min, max, reopened_be, now) else {
+    let Some(port_be) = claim_port(flow.proto, min, max, reopened_be, now, F::try_port) else {
         return false;
     };
     nf.nat.sport_be = port_be;
@@ -890,20 +976,22 @@ pub fn create_snat<F: CreateFamily>(
 }
 
 /// A port of `min..=max` (host order) claimed for the reply entry in this
-/// CPU's `Scratch` (`try_port`), network order: `reopened_be` if it is in
-/// the range and free, else the first of `SNAT_TRIES` random tries free.
+/// CPU's `Scratch` by `try_at` (`try_port`'s arguments as the global
+/// functions take them), network order: `reopened_be` if it is in the
+/// range and free, else the first of `SNAT_TRIES` random tries free.
 #[inline(always)]
-fn claim_port<F: CreateFamily>(
+fn claim_port(
     proto: u8,
     min: u16,
     max: u16,
     reopened_be: u16,
     now: u64,
+    try_at: impl Fn(u64, u64, u64) -> u32,
 ) -> Option<u16> {
     let reopened = u16::from_be(reopened_be);
     if reopened_be != 0
         && (min..=max).contains(&reopened)
-        && F::try_port(u64::from(proto), now, u64::from(reopened_be)) != 0
+        && try_at(u64::from(proto), now, u64::from(reopened_be)) != 0
     {
         return Some(reopened_be);
     }
@@ -915,7 +1003,7 @@ fn claim_port<F: CreateFamily>(
         // The last try may take the port of a flow never answered (see
         // `try_port`).
         let reclaim = u64::from(try_ == SNAT_TRIES - 1);
-        if F::try_port(u64::from(proto), now, u64::from(port_be) | reclaim << 16) != 0 {
+        if try_at(u64::from(proto), now, u64::from(port_be) | reclaim << 16) != 0 {
             return Some(port_be);
         }
     }
@@ -930,8 +1018,8 @@ pub trait CreateFamily: Family {
     /// and, in bit 16, whether it may reclaim.
     fn try_port(proto: u64, now: u64, port: u64) -> u32;
 
-    /// `insert_pair` of this family, into `CONNTRACK` when `room` is 1.
-    fn insert_pair(room: u64) -> u32;
+    /// `insert_pair` of this family.
+    fn insert_pair(how: u64, now: u64) -> u32;
 }
 
 impl CreateFamily for V4 {
@@ -941,8 +1029,8 @@ impl CreateFamily for V4 {
     }
 
     #[inline(always)]
-    fn insert_pair(room: u64) -> u32 {
-        ct_insert_pair(room)
+    fn insert_pair(how: u64, now: u64) -> u32 {
+        ct_insert_pair(how, now)
     }
 }
 
@@ -953,8 +1041,8 @@ impl CreateFamily for V6 {
     }
 
     #[inline(always)]
-    fn insert_pair(room: u64) -> u32 {
-        ct_insert_pair6(room)
+    fn insert_pair(how: u64, now: u64) -> u32 {
+        ct_insert_pair6(how, now)
     }
 }
 
@@ -982,16 +1070,16 @@ pub extern "C" fn snat_try_port6(proto: u64, now: u64, port: u64) -> u32 {
 #[inline(never)]
 #[unsafe(no_mangle)]
 #[unsafe(link_section = ".text")]
-pub extern "C" fn ct_insert_pair(room: u64) -> u32 {
-    insert_pair::<V4>(room != 0)
+pub extern "C" fn ct_insert_pair(how: u64, now: u64) -> u32 {
+    insert_pair::<V4>(how, now)
 }
 
 /// `insert_pair` of IPv6, as `ct_insert_pair`.
 #[inline(never)]
 #[unsafe(no_mangle)]
 #[unsafe(link_section = ".text")]
-pub extern "C" fn ct_insert_pair6(room: u64) -> u32 {
-    insert_pair::<V6>(room != 0)
+pub extern "C" fn ct_insert_pair6(how: u64, now: u64) -> u32 {
+    insert_pair::<V6>(how, now)
 }
 
 /// Inserts the new flow `create` built in this CPU's `Scratch`: its reply
@@ -999,18 +1087,36 @@ pub extern "C" fn ct_insert_pair6(room: u64) -> u32 {
 /// answers already find their way back, then its forward entry
 /// (`other_key`, `other_value`). Into `CT_NEW`, where an assured flow
 /// holding the reply entry's key in `CONNTRACK` goes first; into
-/// `CONNTRACK` with `room`, overwriting it there. Either way the copies
+/// `CONNTRACK` with `ROOM`, overwriting it there. Either way the copies
 /// that said the keys were absent, or were of what `CONNTRACK` held there,
-/// go (`flow_cache::put_absent`). 1 when both went in.
+/// go (`flow_cache::put_absent`). With `KEEP`, a live flow of another
+/// client tuple holding the reply entry's key in either map is not
+/// overwritten: nothing is written, and the reply entry is made two-sided
+/// for `create_kept` to claim another port with. With `REMAPPED`, that
+/// claim's forward entry (`remapped`).
 #[inline(always)]
-fn insert_pair<F: Family>(room: bool) -> u32 {
+fn insert_pair<F: Family>(how: u64, now: u64) -> u32 {
     let Some(scratch) = scratch::<F>() else {
-        return 0;
+        return PAIR_FAILED;
     };
+    if how & REMAPPED != 0 {
+        return remapped::<F>(scratch, (how >> 16) as u16);
+    }
+    let assured = F::conntrack().get_ptr(&scratch.key);
+    if how & KEEP != 0
+        && (assured.is_some_and(|held| another_flows(held, scratch, now))
+            || F::ct_new()
+                .get_ptr(&scratch.key)
+                .is_some_and(|held| another_flows(held, scratch, now)))
+    {
+        scratch.value.flags |= ct_flags::SNAT;
+        return PAIR_CLASH;
+    }
+    let room = how & ROOM != 0;
     let map = if room {
         F::conntrack()
     } else {
-        if F::conntrack().get_ptr(&scratch.key).is_some() {
+        if assured.is_some() {
             remove::<F>(F::conntrack(), &scratch.key);
         }
         F::ct_new()
@@ -1025,7 +1131,59 @@ fn insert_pair<F: Family>(room: bool) -> u32 {
     if room {
         count(counter::CT_REOPENED);
     }
-    u32::from(reply && forward)
+    if reply && forward {
+        PAIR_INSERTED
+    } else {
+        PAIR_FAILED
+    }
+}
+
+/// Whether `held`, an entry at the reply key in this CPU's `Scratch`
+/// (`key`), is live and another flow's than the one whose forward key is
+/// `other_key`. An expired entry, or the flow's own reply entry, is
+/// overwritten as before.
+#[inline(always)]
+fn another_flows<A: FlowAddr>(held: *const CtValueOf<A>, scratch: &Scratch<A>, now: u64) -> bool {
+    // SAFETY: a valid map value pointer for the duration of this program.
+    let held = unsafe { &*held };
+    !expired(held, scratch.key.proto, now) && !answers(held, &scratch.other_key)
+}
+
+/// Inserts the forward entry of the flow in this CPU's `Scratch` whose
+/// reply entry `create_kept` claimed at `port_be`: two-sided, that port
+/// its source. Its key is the reply entry's client and frontend: the
+/// claim may have used `other_key`.
+#[inline(always)]
+fn remapped<F: Family>(scratch: &mut Scratch<F::Addr>, port_be: u16) -> u32 {
+    let forward_key = &mut scratch.other_key;
+    // SAFETY: fields of two distinct fields of the scratch, which cannot
+    // overlap.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            &raw const scratch.value.alt_addr_be,
+            &raw mut forward_key.src_be,
+            1,
+        );
+        core::ptr::copy_nonoverlapping(
+            &raw const scratch.value.nat_addr_be,
+            &raw mut forward_key.dst_be,
+            1,
+        );
+    }
+    forward_key.sport_be = scratch.value.alt_port_be;
+    forward_key.dport_be = scratch.value.nat_port_be;
+    forward_key.proto = scratch.key.proto;
+    forward_key._pad0 = 0;
+    forward_key._pad1 = 0;
+    scratch.other_value.flags |= ct_flags::SNAT;
+    scratch.other_value.alt_port_be = port_be;
+    let forward = F::ct_new()
+        .insert(&scratch.other_key, &scratch.other_value, BPF_ANY)
+        .is_ok();
+    flow_cache::invalidate(&scratch.key);
+    flow_cache::invalidate(&scratch.other_key);
+    count(counter::CT_PORT_REMAPPED);
+    if forward { PAIR_INSERTED } else { PAIR_FAILED }
 }
 
 /// Claims `port_be` for the reply entry in this CPU's `Scratch`

@@ -389,7 +389,10 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
         }
         Source::Keep => {
             nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
-            conntrack::create::<F>(flow, &nf, now);
+            let Some(sport_be) = conntrack::create_kept::<F>(flow, &nf, reopened_be, now) else {
+                return Ok(snat_exhausted::<F, H>(svc.service_id, flow));
+            };
+            nf.nat.sport_be = sport_be;
         }
     }
     count(counter::DNAT_NEW);

@@ -453,6 +453,27 @@ impl<A: Peer> TcpSession<A> {
         let stream = ns
             .run(|| TcpStream::connect_timeout(&addr.into(), timeout))?
             .with_context(|| format!("connect to {addr} from {}", ns.name()))?;
+        Self::greeted(stream, addr, timeout)
+    }
+
+    /// [`TcpSession::open`] from `local_port`, bound with `SO_REUSEADDR`: another
+    /// connection to another destination may hold that port too.
+    pub fn open_from_port(
+        ns: &NetNs,
+        local_port: u16,
+        addr: A,
+        timeout: Duration,
+    ) -> Result<TcpSession<A>> {
+        let stream = ns
+            .run(|| connect_from_port(local_port, addr, timeout))?
+            .with_context(|| {
+                format!("connect to {addr} from port {local_port} in {}", ns.name())
+            })?;
+        Self::greeted(stream, addr, timeout)
+    }
+
+    /// The session on `stream`, connected to `addr`, once its greeting is read.
+    fn greeted(stream: TcpStream, addr: A, timeout: Duration) -> Result<TcpSession<A>> {
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
         let mut reader = BufReader::new(stream.try_clone()?);

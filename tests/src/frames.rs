@@ -125,6 +125,7 @@ fn assert_sctp_checksum(l4: &[u8], what: &str) {
     );
 }
 
+#[derive(Debug)]
 pub struct Parsed {
     pub src: Ipv4Addr,
     pub dst: Ipv4Addr,

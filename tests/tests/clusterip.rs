@@ -60,6 +60,11 @@ fn direct_connection_reusing_a_service_flows_port_is_left_alone() {
 }
 
 #[test]
+fn one_client_port_to_two_services_on_one_backend_stays_two_connections() {
+    scenario::one_client_port_to_two_services_on_one_backend_stays_two_connections::<Ipv4Addr>();
+}
+
+#[test]
 fn tcp_port_reused_at_once_after_a_reset_is_answered() {
     scenario::tcp_port_reused_at_once_after_a_reset_is_answered::<Ipv4Addr>();
 }

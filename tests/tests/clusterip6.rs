@@ -89,6 +89,11 @@ fn ipv6_direct_connection_reusing_a_service_flows_port_is_left_alone() {
 }
 
 #[test]
+fn ipv6_one_client_port_to_two_services_on_one_backend_stays_two_connections() {
+    scenario::one_client_port_to_two_services_on_one_backend_stays_two_connections::<Ipv6Addr>();
+}
+
+#[test]
 fn ipv6_tcp_port_reused_at_once_after_a_reset_is_answered() {
     scenario::tcp_port_reused_at_once_after_a_reset_is_answered::<Ipv6Addr>();
 }

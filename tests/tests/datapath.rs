@@ -381,6 +381,114 @@ fn hairpin_flows_are_snated_both_ways() {
     assert_eq!(counter(&fx, "hairpin"), 1);
 }
 
+/// One client port reaching the same backend through two frontends (Linux hands a
+/// connecting socket's port to connections to other destinations): the second flow's
+/// tuple at the backend would be the first's, so it is given another source port (of
+/// the client's own address, in the client port's class, as netfilter's NAT picks
+/// one), both ways, and the first flow keeps its entries and its translation. TCP with
+/// the first flow assured, UDP with it unanswered, and a privileged port.
+#[test]
+fn a_flow_clashing_at_its_backend_gets_another_source_port() {
+    let mut fx = fixture();
+    let pod = BACKENDS[0];
+    let twin = Ipv4Addr::new(10, 96, 0, 50);
+    let (udp_a, udp_b) = (Ipv4Addr::new(10, 96, 0, 51), Ipv4Addr::new(10, 96, 0, 52));
+    let one = |vip, port, proto, target| {
+        frontend(vip, port, proto, &[pod], target, NoEndpointAction::Reject)
+    };
+    reprogram(&mut fx, "twin", one(twin, 80, Protocol::Tcp, 8080));
+    reprogram(&mut fx, "udp-a", one(udp_a, 53, Protocol::Udp, 5353));
+    reprogram(&mut fx, "udp-b", one(udp_b, 53, Protocol::Udp, 5353));
+
+    for (client_port, class) in [(44_000u16, 1024..=65535u16), (700, 600..=1023)] {
+        let (_, out) = run(&fx, &tcp(CLIENT, client_port, HAIRPIN_VIP, 80, frame::SYN));
+        let first = parse_checked(&out, "the first flow's SYN");
+        assert_eq!(
+            (first.src, first.sport, first.dst),
+            (CLIENT, client_port, pod)
+        );
+        run(
+            &fx,
+            &tcp(pod, 8080, CLIENT, client_port, frame::SYN | frame::ACK),
+        );
+        run(&fx, &tcp(CLIENT, client_port, HAIRPIN_VIP, 80, frame::ACK));
+
+        let (_, out) = run(&fx, &tcp(CLIENT, client_port, twin, 80, frame::SYN));
+        let second = parse_checked(&out, "the clashing flow's SYN");
+        assert!(
+            second.src == CLIENT
+                && second.dst == pod
+                && second.sport != client_port
+                && class.contains(&second.sport),
+            "the clashing flow's SYN left as {second:?}: want {CLIENT} from a port of \
+             {class:?} other than {client_port}, to {pod}"
+        );
+        let (_, out) = run(
+            &fx,
+            &tcp(pod, 8080, CLIENT, second.sport, frame::SYN | frame::ACK),
+        );
+        let answer = parse_checked(&out, "the clashing flow's SYN-ACK");
+        assert_eq!(
+            (answer.src, answer.sport, answer.dst, answer.dport),
+            (twin, 80, CLIENT, client_port),
+            "the clashing flow's SYN-ACK, back to the client's own port"
+        );
+        let (_, out) = run(&fx, &tcp(CLIENT, client_port, twin, 80, frame::ACK));
+        assert_eq!(
+            parse_checked(&out, "the clashing flow's ACK").sport,
+            second.sport,
+            "the clashing flow's next packet"
+        );
+        let (_, out) = run(&fx, &tcp(CLIENT, client_port, HAIRPIN_VIP, 80, frame::ACK));
+        let again = parse_checked(&out, "the first flow's next packet");
+        assert_eq!(
+            (again.sport, again.dst),
+            (client_port, pod),
+            "the first flow"
+        );
+        let (_, out) = run(&fx, &tcp(pod, 8080, CLIENT, client_port, frame::ACK));
+        let back = parse_checked(&out, "the first flow's answer");
+        assert_eq!(
+            (back.src, back.dport),
+            (HAIRPIN_VIP, client_port),
+            "the first flow's answer was taken for the clashing flow's"
+        );
+        let forward = ct_entries(
+            &fx,
+            &ct_key(CLIENT, client_port, twin, 80, proxy_common::PROTO_TCP),
+        );
+        let forward = forward
+            .0
+            .or(forward.1)
+            .expect("the clashing flow's forward entry");
+        assert!(
+            forward.flags & ct_flags::SNAT != 0
+                && u16::from_be(forward.alt_port_be) == second.sport
+                && forward.alt_addr_be == u32::from_ne_bytes(CLIENT.octets()),
+            "the clashing flow's forward entry {forward:?}"
+        );
+    }
+
+    let (_, out) = run(&fx, &udp(CLIENT, 5000, udp_a, 53, false));
+    assert_eq!(parse_checked(&out, "the first datagram").sport, 5000);
+    let (_, out) = run(&fx, &udp(CLIENT, 5000, udp_b, 53, false));
+    let second = parse_checked(&out, "the clashing datagram");
+    assert!(
+        second.dst == pod && second.sport != 5000 && second.sport >= 1024,
+        "the clashing datagram left as {second:?}"
+    );
+    for (port, vip) in [(second.sport, udp_b), (5000, udp_a)] {
+        let (_, out) = run(&fx, &udp(pod, 5353, CLIENT, port, false));
+        let answer = parse_checked(&out, "an answer");
+        assert_eq!(
+            (answer.src, answer.sport, answer.dport),
+            (vip, 53, 5000),
+            "the answer to port {port}"
+        );
+    }
+    assert_eq!(counter(&fx, "ct_port_remapped"), 3, "ct_port_remapped");
+}
+
 /// A packet from a backend's address and port that no flow knows (its pod answering
 /// a client that reached it by its pod IP) passes untouched, again and again; this
 /// CPU's flow cache then remembers its key as absent. A flow created afterwards with

@@ -1003,6 +1003,74 @@ pub fn direct_connection_reusing_a_service_flows_port_is_left_alone<F: Family>()
     assert_eq!(direct.peer.peer_ip(), F::pod(CLIENT.1));
 }
 
+/// Two Services whose one endpoint is the same pod, and a client that reaches both
+/// from one local port while the first connection is still open (Linux hands a
+/// connecting socket's port to connections to other destinations; here both sockets
+/// bind it with `SO_REUSEADDR`). Translated as they are, both would be one tuple at
+/// the backend, whose socket of the first would answer the second's SYN with a
+/// challenge ACK, and the first would be reset by what followed. kube-proxy's
+/// netfilter gives the second connection another source port at the backend; so
+/// must ebpf-proxy, and both connections must go on.
+pub fn one_client_port_to_two_services_on_one_backend_stays_two_connections<F: Family>() {
+    require_root().expect("privileged test");
+    let mut sb =
+        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    let backend = &F::backend_ips()[..1];
+    let (first_vip, second_vip) = (F::vip(61), F::vip(62));
+    for (name, vip) in [("first", first_vip), ("second", second_vip)] {
+        sb.manifests()
+            .write(&format!("{name}.yaml"), &F::yaml(&web(name, vip), backend))
+            .expect("write manifest");
+    }
+    sb.start_agent_on_manifests().expect("start the agent");
+    let ns = &sb.client().ns;
+    let port = 40_555;
+    let client = F::addr(F::pod(CLIENT.1), port);
+    let mut first = TcpSession::open_from_port(ns, port, F::http(first_vip), TIMEOUT)
+        .unwrap_or_else(|e| panic!("{} connection to the first Service: {e:#}", F::NAME));
+    assert_eq!(
+        first.greeting.peer, client,
+        "the backend saw the first connection from another port"
+    );
+    let mut second = TcpSession::open_from_port(ns, port, F::http(second_vip), TIMEOUT)
+        .unwrap_or_else(|e| {
+            panic!(
+                "{} connection to the second Service from port {port}, which a connection \
+                 to the first holds at the same backend: {e:#}\ncounters: {}",
+                F::NAME,
+                counters_text(&sb)
+            )
+        });
+    for (what, session) in [("first", &mut first), ("second", &mut second)] {
+        for round in 0..3 {
+            let answer = session.exchange(what).unwrap_or_else(|e| {
+                panic!(
+                    "{} exchange {round} on the {what} connection: {e:#}\ncounters: {}",
+                    F::NAME,
+                    counters_text(&sb)
+                )
+            });
+            assert!(
+                answer.ends_with(what),
+                "the {what} connection's answer {answer:?}"
+            );
+        }
+    }
+    assert!(
+        second.greeting.peer.peer_ip() == F::pod(CLIENT.1) && second.greeting.peer != client,
+        "the backend saw the second connection from {}, want the client's address and \
+         another port than the first's {client}",
+        second.greeting.peer
+    );
+    let remapped = sb.counter("ct_port_remapped");
+    assert_eq!(
+        remapped,
+        1,
+        "ct_port_remapped; counters: {}",
+        counters_text(&sb)
+    );
+}
+
 /// A client that closes each connection with a RST, as a load generator does to stay
 /// out of `TIME_WAIT`, may open the next one from the same port to the same ClusterIP
 /// at once: the same tuple, while the last flow's entries are closed but not yet gone.

@@ -174,6 +174,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .read_service_state()
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
+    planner.note_affinity_entries(datapath.maps.affinity_held());
     planner.count_ids_below(config.service_counters);
     planner.balance_with(config.lb);
     info!(
@@ -508,8 +509,8 @@ impl SyncTarget for Datapath {
         &mut self.maps
     }
 
-    fn clean_departed(&mut self, departed: &[Departed]) {
-        housekeeping::clean_departed(self, departed);
+    fn clean_departed(&mut self, departed: &[Departed], affinity_seen: bool) {
+        housekeeping::clean_departed(self, departed, affinity_seen);
     }
 }
 

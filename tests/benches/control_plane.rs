@@ -150,7 +150,7 @@ fn departure_with_flows(
             .unwrap_or_else(|e| panic!("filling conntrack, entry {i} of {flows}: {e}"));
     }
     let t = Instant::now();
-    let swept = conntrack::purge_departed(&mut datapath.maps, &departed).expect("purging");
+    let swept = conntrack::purge_departed(&mut datapath.maps, &departed, true).expect("purging");
     let purge = t.elapsed();
     assert_eq!(
         swept.conntrack, departed_flows as usize,

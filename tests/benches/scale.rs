@@ -597,7 +597,7 @@ impl SyncTarget for Discard {
     fn store(&mut self) -> &mut Discard {
         self
     }
-    fn clean_departed(&mut self, _: &[Departed]) {}
+    fn clean_departed(&mut self, _: &[Departed], _: bool) {}
 }
 
 /// CPU time of this thread.

@@ -603,7 +603,7 @@ fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
         2,
         "one backend left two service ports: {departed:?}"
     );
-    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed, true).expect("purge");
     assert_eq!(
         swept.conntrack, 2,
         "the UDP flow's two entries must go, the TCP ones stay"
@@ -771,7 +771,15 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
             NoEndpointAction::Reject,
         )
     };
+    assert!(
+        !fx.planner.affinity_seen() && !fx.datapath.maps.affinity_held(),
+        "affinity seen, or held, before any frontend had it"
+    );
     reprogram(&mut fx, "sticky", sticky(&BACKENDS));
+    assert!(
+        fx.planner.affinity_seen(),
+        "a sticky frontend programmed, affinity unseen"
+    );
     let leaving = BACKENDS[0];
     let mut picks = Vec::new();
     for i in 1..=30u8 {
@@ -791,9 +799,12 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
         "each client's first connection records its pick"
     );
 
+    assert!(fx.datapath.maps.affinity_held(), "entries made, none held");
     reprogram(&mut fx, "sticky", sticky(&BACKENDS[1..]));
     let departed = fx.planner.take_departed();
-    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed).expect("purge");
+    let swept =
+        conntrack::purge_departed(&mut fx.datapath.maps, &departed, fx.planner.affinity_seen())
+            .expect("purge");
     assert_eq!(
         (swept.affinity, swept.conntrack),
         (stuck_to_leaving, 0),

@@ -66,9 +66,10 @@ use crate::{
 pub trait SyncTarget {
     type Store: MapStore;
     fn store(&mut self) -> &mut Self::Store;
-    /// Backends left their Services: their flows, affinity entries and the
-    /// node's sockets connected to them go.
-    fn clean_departed(&mut self, departed: &[Departed]);
+    /// Backends left their Services: their flows, affinity entries (when
+    /// `AFFINITY` may hold any: `Planner::affinity_seen`) and the node's
+    /// sockets connected to them go.
+    fn clean_departed(&mut self, departed: &[Departed], affinity_seen: bool);
 }
 
 /// What a sync leaves to the agent, outside the maps: the health check
@@ -547,7 +548,7 @@ impl SyncLoop {
     /// the agent's servers.
     fn follow_ups<T: SyncTarget>(&mut self, planner: &mut Planner, target: &mut T) -> FollowUps {
         let departed = planner.take_departed();
-        target.clean_departed(&departed);
+        target.clean_departed(&departed, planner.affinity_seen());
         FollowUps {
             departed: departed.len(),
             health_checks: self.health_checks.take_changed(),

@@ -324,6 +324,12 @@ impl Maps {
         map.set(0, cookie, 0).map_err(wrap(map_names::HOST_NETNS))
     }
 
+    /// Whether `AFFINITY` holds an entry (`Planner::note_affinity_entries`).
+    /// One that cannot be read counts as one.
+    pub fn affinity_held(&self) -> bool {
+        self.affinity.keys().next().is_some()
+    }
+
     /// Voids every copy the datapath's flow cache holds: called after
     /// conntrack entries were removed from here, so that no CPU goes on
     /// translating a removed flow from its copy. The agent is the epoch's

@@ -52,8 +52,15 @@ pub fn monotonic_ns() -> u64 {
 /// chunks: the sync that reports the departure waits for it, and a table of
 /// 200,000 flows read an entry at a time (two system calls each) held it
 /// for most of a second. The conntrack maps are passed over only when a
-/// departed backend's flows may be in them (`flows_to_remove`).
-pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, MapsError> {
+/// departed backend's flows may be in them (`flows_to_remove`), and
+/// `AFFINITY` only when it may hold entries (`affinity_seen`, the planner's
+/// `affinity_seen`): a pass walks every bucket, 65,536 at the default
+/// size, whatever the map holds.
+pub fn purge_departed(
+    maps: &mut Maps,
+    departed: &[Departed],
+    affinity_seen: bool,
+) -> Result<Swept, MapsError> {
     let mut swept = Swept::default();
     if departed.is_empty() {
         return Ok(swept);
@@ -65,17 +72,19 @@ pub fn purge_departed(maps: &mut Maps, departed: &[Departed]) -> Result<Swept, M
     if flows_to_remove(departed) {
         swept.conntrack = purge_departed_flows(maps, &gone)?;
     }
-    let doomed = batch::keys_where(
-        maps.affinity.map(),
-        batch::CHUNK,
-        |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
-    )
-    .map_err(batch_error(map_names::AFFINITY))?;
     if swept.conntrack > 0 {
         maps.bump_flow_epoch()?;
     }
-    swept.affinity =
-        batch::delete(maps.affinity.map(), &doomed).map_err(batch_error(map_names::AFFINITY))?;
+    if affinity_seen {
+        let doomed = batch::keys_where(
+            maps.affinity.map(),
+            batch::CHUNK,
+            |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
+        )
+        .map_err(batch_error(map_names::AFFINITY))?;
+        swept.affinity = batch::delete(maps.affinity.map(), &doomed)
+            .map_err(batch_error(map_names::AFFINITY))?;
+    }
     Ok(swept)
 }
 

@@ -35,11 +35,12 @@ use crate::{
 /// How often idle conntrack entries are reaped.
 pub const REAP_PERIOD: Duration = Duration::from_secs(10);
 
-/// Backends left their Services: their UDP flows and affinity entries go,
-/// and the node's sockets the hooks connected to them are closed, so the
-/// next datagram finds a live backend. A failure is logged.
-pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed]) {
-    match conntrack::purge_departed(&mut datapath.maps, departed) {
+/// Backends left their Services: their UDP flows and affinity entries go
+/// (the latter when `AFFINITY` may hold any, `affinity_seen`), and the
+/// node's sockets the hooks connected to them are closed, so the next
+/// datagram finds a live backend. A failure is logged.
+pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed], affinity_seen: bool) {
+    match conntrack::purge_departed(&mut datapath.maps, departed, affinity_seen) {
         Ok(swept) if swept != conntrack::Swept::default() => info!(
             udp_flows = swept.conntrack,
             affinities = swept.affinity,

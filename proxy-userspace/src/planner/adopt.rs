@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeSet, hash::BuildHasher, sync::Arc};
 
-use proxy_common::{BackendSlotKey, ServiceName};
+use proxy_common::{BackendSlotKey, ServiceName, service_flags};
 
 use super::{
     encode,
@@ -49,6 +49,7 @@ impl Planner {
                     planner.backends.acquire(*id);
                 }
             }
+            planner.affinity_seen |= value.flags & service_flags::AFFINITY != 0;
             planner.frontends.insert(
                 fkey,
                 Applied {

@@ -5,7 +5,7 @@
 
 use std::{collections::HashSet, sync::Arc};
 
-use proxy_common::BackendSlotKey;
+use proxy_common::{BackendSlotKey, service_flags};
 
 use super::{
     batch::Batch,
@@ -148,6 +148,7 @@ impl Planner {
             });
         }
         let cleaned = self.apply_cleanup(cleanup, store);
+        self.affinity_seen |= value.flags & service_flags::AFFINITY != 0;
         self.frontends.insert(
             fe.key,
             Applied {

@@ -67,6 +67,14 @@ pub struct Planner {
     pub(super) departed: Vec<Departed>,
     /// `--lb-algorithm` and the Maglev table every node shares.
     pub(super) lb: LbConfig,
+    /// Whether `AFFINITY` may hold entries: a frontend with session
+    /// affinity was programmed or adopted, or the map held entries when the
+    /// agent started (`note_affinity_entries`). Never cleared: an entry
+    /// outlives its Service's affinity being turned off. Until then, a
+    /// departure's purge skips its pass over `AFFINITY`
+    /// (`housekeeping::conntrack::purge_departed`), which walks every
+    /// bucket whatever the map holds.
+    pub(super) affinity_seen: bool,
 }
 
 /// A backend that left a service's backend set.

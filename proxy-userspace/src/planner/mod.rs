@@ -77,6 +77,19 @@ impl Planner {
         std::mem::take(&mut self.departed)
     }
 
+    /// Whether `AFFINITY` may hold entries, which departed backends' must
+    /// leave: once a frontend with session affinity was programmed or
+    /// adopted, or the map was found holding entries.
+    pub fn affinity_seen(&self) -> bool {
+        self.affinity_seen
+    }
+
+    /// Whether `AFFINITY` was found holding entries (at the start, from an
+    /// earlier agent whose Services had affinity then).
+    pub fn note_affinity_entries(&mut self, held: bool) {
+        self.affinity_seen |= held;
+    }
+
     /// Hands out service ids below `bound` (the size of the datapath's
     /// Service counters) while one is free, so that every Service port
     /// is counted while there are fewer than that.

@@ -922,3 +922,47 @@ fn a_backend_leaving_a_table_departs_once_and_the_table_is_swapped_whole() {
         "the old table's slots are deleted after the flip"
     );
 }
+
+/// `AFFINITY` can hold entries only once a frontend with session affinity was
+/// programmed (or adopted, or the map found holding entries): until then a
+/// departure's purge may skip its pass over the map; from then on it may not,
+/// even after that affinity is gone, since its entries outlive it.
+#[test]
+fn affinity_is_seen_once_a_frontend_has_it_and_stays_seen() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    sync(&mut p, &mut s, "plain", &[frontend(1, &[1, 2])]);
+    sync(&mut p, &mut s, "plain", &[frontend(1, &[2])]);
+    assert!(
+        !p.affinity_seen(),
+        "seen with no frontend ever having affinity"
+    );
+    let sticky = Frontend {
+        affinity_timeout_s: Some(10_800),
+        ..frontend(2, &[3])
+    };
+    sync(&mut p, &mut s, "sticky", std::slice::from_ref(&sticky));
+    assert!(p.affinity_seen(), "not seen once a frontend had affinity");
+    sync(&mut p, &mut s, "sticky", &[]);
+    assert!(p.affinity_seen(), "forgotten once the frontend went");
+
+    let (adopted, _) = Planner::adopt(&s.state);
+    assert!(
+        !adopted.affinity_seen(),
+        "adopted maps without an affinity frontend (only `plain` is left)"
+    );
+    sync(&mut p, &mut s, "sticky", std::slice::from_ref(&sticky));
+    let (adopted, _) = Planner::adopt(&s.state);
+    assert!(
+        adopted.affinity_seen(),
+        "adopted an affinity frontend unseen"
+    );
+    let mut fresh = Planner::new();
+    fresh.note_affinity_entries(false);
+    assert!(
+        !fresh.affinity_seen(),
+        "an empty map noted as holding entries"
+    );
+    fresh.note_affinity_entries(true);
+    assert!(fresh.affinity_seen(), "entries noted, unseen");
+}

@@ -90,7 +90,7 @@ impl SyncTarget for TestTarget {
         &mut self.maps
     }
 
-    fn clean_departed(&mut self, departed: &[Departed]) {
+    fn clean_departed(&mut self, departed: &[Departed], _: bool) {
         self.departed.extend_from_slice(departed);
     }
 }

@@ -1155,26 +1155,11 @@ fn another_flows<A: FlowAddr>(held: *const CtValueOf<A>, scratch: &Scratch<A>, n
 /// claim may have used `other_key`.
 #[inline(always)]
 fn remapped<F: Family>(scratch: &mut Scratch<F::Addr>, port_be: u16) -> u32 {
-    let forward_key = &mut scratch.other_key;
-    // SAFETY: fields of two distinct fields of the scratch, which cannot
-    // overlap.
-    unsafe {
-        core::ptr::copy_nonoverlapping(
-            &raw const scratch.value.alt_addr_be,
-            &raw mut forward_key.src_be,
-            1,
-        );
-        core::ptr::copy_nonoverlapping(
-            &raw const scratch.value.nat_addr_be,
-            &raw mut forward_key.dst_be,
-            1,
-        );
-    }
-    forward_key.sport_be = scratch.value.alt_port_be;
-    forward_key.dport_be = scratch.value.nat_port_be;
-    forward_key.proto = scratch.key.proto;
-    forward_key._pad0 = 0;
-    forward_key._pad1 = 0;
+    forward_key_into(
+        &raw const scratch.value,
+        scratch.key.proto,
+        &mut scratch.other_key,
+    );
     scratch.other_value.flags |= ct_flags::SNAT;
     scratch.other_value.alt_port_be = port_be;
     let forward = F::ct_new()
@@ -1252,22 +1237,7 @@ fn port_free<F: Family>(
     // client may have opened a newer connection from the same port since,
     // whose forward entry has the same key and another SNAT port.
     if old.dir == ct_dir::REPLY {
-        // `CtKeyOf::new(old.alt_addr_be, old.nat_addr_be, ...)`, written in
-        // place: built whole, the key's addresses took 32 bytes of this
-        // function's stack, which `tc_ingress6`'s frame, its caller's, has
-        // to leave room for (512 bytes for both).
-        let other = &mut scratch.other_key;
-        // SAFETY: another map's value than the scratch's, which the copies
-        // write; neither overlaps the other.
-        unsafe {
-            core::ptr::copy_nonoverlapping(&raw const old.alt_addr_be, &raw mut other.src_be, 1);
-            core::ptr::copy_nonoverlapping(&raw const old.nat_addr_be, &raw mut other.dst_be, 1);
-        }
-        other.sport_be = old.alt_port_be;
-        other.dport_be = old.nat_port_be;
-        other.proto = proto;
-        other._pad0 = 0;
-        other._pad1 = 0;
+        forward_key_into(old, proto, &mut scratch.other_key);
         let still_old = map
             .get_ptr(&scratch.other_key)
             // SAFETY: a pointer the map lookup returned, valid for this
@@ -1279,6 +1249,27 @@ fn port_free<F: Family>(
     }
     remove::<F>(map, &scratch.key);
     true
+}
+
+/// Writes into `key` the forward key of the flow whose reply entry is
+/// `reply` (its client and frontend, `alt_*` and `nat_*`), of `proto`:
+/// `CtKeyOf::new(alt_addr_be, nat_addr_be, ...)` written in place, since
+/// built whole the key's addresses took 32 bytes of its caller's stack,
+/// which `tc_ingress6`'s frame has to leave room for (512 bytes for all).
+/// A pointer, as `reply` may be a field of the scratch `key` is in.
+#[inline(always)]
+fn forward_key_into<A: FlowAddr>(reply: *const CtValueOf<A>, proto: u8, key: &mut CtKeyOf<A>) {
+    // SAFETY: `reply` is a valid entry, a map's value or the scratch's
+    // `value`, another field than `key`: the copies do not overlap.
+    unsafe {
+        core::ptr::copy_nonoverlapping(&raw const (*reply).alt_addr_be, &raw mut key.src_be, 1);
+        core::ptr::copy_nonoverlapping(&raw const (*reply).nat_addr_be, &raw mut key.dst_be, 1);
+        key.sport_be = (*reply).alt_port_be;
+        key.dport_be = (*reply).nat_port_be;
+    }
+    key.proto = proto;
+    key._pad0 = 0;
+    key._pad1 = 0;
 }
 
 /// Whether the SNATed flow of forward entry `forward` is the one whose

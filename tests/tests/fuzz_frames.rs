@@ -32,8 +32,16 @@ fn random_and_mutated_frames_are_passed_dropped_rejected_or_translated_right() {
     // A run that never reached the interesting paths would show nothing:
     // each outcome the universe offers must have happened.
     let t = &report.tally;
-    let plain = |snat, hairpin| Outcome::Forward { snat, hairpin };
-    let reply = |snat, hairpin| Outcome::Reply { snat, hairpin };
+    let plain = |snat, hairpin| Outcome::Forward {
+        snat,
+        hairpin,
+        remapped: false,
+    };
+    let reply = |snat, hairpin| Outcome::Reply {
+        snat,
+        hairpin,
+        remapped: false,
+    };
     for (hook, outcome) in [
         (Hook::Tc, Outcome::Untouched),
         (Hook::Xdp, Outcome::Untouched),

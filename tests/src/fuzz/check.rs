@@ -439,14 +439,31 @@ fn translation(
     consistent(u, &ti, &to)
 }
 
+/// The ports a client's port may be changed to when its flow's tuple at the
+/// backend is another flow's (netfilter's classes: below 512, below 1024,
+/// the rest; docs/architecture.md, "Two flows on one backend tuple").
+fn remap_ports(client_port: u16) -> std::ops::RangeInclusive<u16> {
+    match client_port {
+        0..512 => 1..=511,
+        512..1024 => 600..=1023,
+        _ => 1024..=65535,
+    }
+}
+
 /// The translation `ti` -> `to` follows the programmed frontends.
 fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
     if let Some(fe) = u.frontend(ti.proto, ti.dst, ti.dport) {
         let hairpin = to.src == u.hairpin_src && to.dst == ti.src && to.sport == ti.sport;
         let snat = fe.snat && to.src == u.node_ip && u.snat_ports.contains(&to.sport);
         let plain = to.src == ti.src && to.sport == ti.sport;
-        if fe.backends.contains(&(to.dst, to.dport)) && (plain || hairpin || snat) {
-            return Ok(Outcome::Forward { snat, hairpin });
+        let remapped =
+            to.src == ti.src && to.sport != ti.sport && remap_ports(ti.sport).contains(&to.sport);
+        if fe.backends.contains(&(to.dst, to.dport)) && (plain || hairpin || snat || remapped) {
+            return Ok(Outcome::Forward {
+                snat,
+                hairpin,
+                remapped,
+            });
         }
     }
     for fe in u.served_by(ti.proto, ti.src, ti.sport) {
@@ -456,8 +473,14 @@ fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
         let hairpin = ti.dst == u.hairpin_src && to.dst == ti.src && to.dport == ti.dport;
         let snat = fe.snat && ti.dst == u.node_ip && u.snat_ports.contains(&ti.dport);
         let plain = to.dst == ti.dst && to.dport == ti.dport;
-        if plain || hairpin || snat {
-            return Ok(Outcome::Reply { snat, hairpin });
+        let remapped =
+            to.dst == ti.dst && to.dport != ti.dport && remap_ports(to.dport).contains(&ti.dport);
+        if plain || hairpin || snat || remapped {
+            return Ok(Outcome::Reply {
+                snat,
+                hairpin,
+                remapped,
+            });
         }
     }
     Err(format!(

@@ -212,15 +212,18 @@ pub enum Outcome {
     Reset,
     PortUnreachable,
     /// Sent to a backend of the frontend it addressed (SNATed to the node:
-    /// `snat`; the hairpin source: `hairpin`).
+    /// `snat`; the hairpin source: `hairpin`; the client's address with
+    /// another port, its tuple at the backend another flow's: `remapped`).
     Forward {
         snat: bool,
         hairpin: bool,
+        remapped: bool,
     },
     /// A backend's answer, made to come from the frontend.
     Reply {
         snat: bool,
         hairpin: bool,
+        remapped: bool,
     },
     /// An IP fragment translated at the IP level.
     Fragment,
@@ -242,25 +245,34 @@ impl fmt::Display for Outcome {
             Outcome::IcmpError => f.write_str("an ICMP error about a flow, translated"),
             Outcome::IcmpErrorDropped(r) => write!(f, "an ICMP error, translated, dropped: {r:?}"),
             Outcome::PortUnreachable => f.write_str("rejected: ICMP port unreachable"),
-            Outcome::Forward { snat, hairpin } => write!(
+            Outcome::Forward {
+                snat,
+                hairpin,
+                remapped,
+            } => write!(
                 f,
                 "translated to a backend{}",
-                side(*snat, *hairpin, " (SNAT)", " (hairpin)")
+                side(*snat, *hairpin, *remapped)
             ),
-            Outcome::Reply { snat, hairpin } => write!(
+            Outcome::Reply {
+                snat,
+                hairpin,
+                remapped,
+            } => write!(
                 f,
                 "reply translated back{}",
-                side(*snat, *hairpin, " (SNAT)", " (hairpin)")
+                side(*snat, *hairpin, *remapped)
             ),
             Outcome::Fragment => f.write_str("fragment translated"),
         }
     }
 }
 
-fn side(snat: bool, hairpin: bool, s: &'static str, h: &'static str) -> &'static str {
-    match (snat, hairpin) {
-        (true, _) => s,
-        (_, true) => h,
+fn side(snat: bool, hairpin: bool, remapped: bool) -> &'static str {
+    match (snat, hairpin, remapped) {
+        (true, _, _) => " (SNAT)",
+        (_, true, _) => " (hairpin)",
+        (_, _, true) => " (port remapped)",
         _ => "",
     }
 }
@@ -431,7 +443,8 @@ mod tests {
             tc_check(&input, verdict::TC_ACT_OK, &good),
             Ok(Outcome::Forward {
                 snat: false,
-                hairpin: false
+                hairpin: false,
+                remapped: false,
             })
         );
         let mut bad_l4 = good.clone();

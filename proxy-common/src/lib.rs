@@ -975,6 +975,20 @@ pub mod ct_flags {
     pub const FIN_BOTH: u8 = FIN_FORWARD | FIN_REPLY;
 }
 
+/// The source ports (host order, inclusive) a client's port `sport` is
+/// changed within when its flow's tuple at the backend is another live
+/// flow's (`counter::CT_PORT_REMAPPED`): netfilter's classes for it
+/// (`nf_nat_l4proto_unique_tuple`), a privileged port staying privileged,
+/// below 512 or above, any other taking one of 1024-65535.
+#[inline(always)]
+pub fn remap_ports(sport: u16) -> (u16, u16) {
+    match sport {
+        0..512 => (1, 511),
+        512..1024 => (600, 1023),
+        _ => (1024, 65535),
+    }
+}
+
 /// For a FORWARD entry, `nat_*` is the backend the flow was sent to and
 /// `alt_*` the source it is given (SNAT or hairpin); for a REPLY entry,
 /// `nat_*` is the frontend the client addressed (what replies are rewritten

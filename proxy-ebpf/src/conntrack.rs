@@ -841,7 +841,7 @@ pub fn create<F: CreateFamily>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, no
 /// would be one connection to the backend, whose socket of the older would
 /// answer the newer's SYN with a challenge ACK, and what followed would
 /// reset the older. So the newer flow's source port is changed, as
-/// netfilter's NAT changes a clashing tuple's (`client_ports`; the port
+/// netfilter's NAT changes a clashing tuple's (`proxy_common::remap_ports`; the port
 /// its client port's closed flow was given, `reopened_be`, first), and
 /// the flow is two-sided (`ct_flags::SNAT`, its own address kept),
 /// counted `ct_port_remapped`. The source port its packets leave with
@@ -860,24 +860,11 @@ pub fn create_kept<F: CreateFamily>(
     if create_pair::<F>(flow, nf, now, KEEP) != PAIR_CLASH {
         return Some(flow.sport_be);
     }
-    let (min, max) = client_ports(flow.sport_be);
+    let (min, max) = proxy_common::remap_ports(u16::from_be(flow.sport_be));
     let port_be = claim_port(flow.proto, min, max, reopened_be, now, F::try_port)?;
     let outcome = F::insert_pair(REMAPPED | u64::from(port_be) << 16, now);
     created::<F>(flow, outcome);
     Some(port_be)
-}
-
-/// The source ports a clashing flow's port is changed within (host order),
-/// netfilter's for its client's port (`nf_nat_l4proto_unique_tuple`): a
-/// privileged port stays privileged, below 512 or above, and any other
-/// takes one of 1024-65535.
-#[inline(always)]
-fn client_ports(sport_be: u16) -> (u16, u16) {
-    match u16::from_be(sport_be) {
-        0..512 => (1, 511),
-        512..1024 => (600, 1023),
-        _ => (1024, 65535),
-    }
 }
 
 /// `insert_pair`'s `how`: the flow starts in its closed flow's room

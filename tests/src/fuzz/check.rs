@@ -439,15 +439,11 @@ fn translation(
     consistent(u, &ti, &to)
 }
 
-/// The ports a client's port may be changed to when its flow's tuple at the
-/// backend is another flow's (netfilter's classes: below 512, below 1024,
-/// the rest; docs/architecture.md, "Two flows on one backend tuple").
-fn remap_ports(client_port: u16) -> std::ops::RangeInclusive<u16> {
-    match client_port {
-        0..512 => 1..=511,
-        512..1024 => 600..=1023,
-        _ => 1024..=65535,
-    }
+/// Whether `port` is one a client's port `client_port` may be changed to when
+/// its flow's tuple at the backend is another flow's.
+fn remap_port(client_port: u16, port: u16) -> bool {
+    let (min, max) = proxy_common::remap_ports(client_port);
+    (min..=max).contains(&port)
 }
 
 /// The translation `ti` -> `to` follows the programmed frontends.
@@ -456,8 +452,7 @@ fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
         let hairpin = to.src == u.hairpin_src && to.dst == ti.src && to.sport == ti.sport;
         let snat = fe.snat && to.src == u.node_ip && u.snat_ports.contains(&to.sport);
         let plain = to.src == ti.src && to.sport == ti.sport;
-        let remapped =
-            to.src == ti.src && to.sport != ti.sport && remap_ports(ti.sport).contains(&to.sport);
+        let remapped = to.src == ti.src && to.sport != ti.sport && remap_port(ti.sport, to.sport);
         if fe.backends.contains(&(to.dst, to.dport)) && (plain || hairpin || snat || remapped) {
             return Ok(Outcome::Forward {
                 snat,
@@ -473,8 +468,7 @@ fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
         let hairpin = ti.dst == u.hairpin_src && to.dst == ti.src && to.dport == ti.dport;
         let snat = fe.snat && ti.dst == u.node_ip && u.snat_ports.contains(&ti.dport);
         let plain = to.dst == ti.dst && to.dport == ti.dport;
-        let remapped =
-            to.dst == ti.dst && to.dport != ti.dport && remap_ports(to.dport).contains(&ti.dport);
+        let remapped = to.dst == ti.dst && to.dport != ti.dport && remap_port(to.dport, ti.dport);
         if plain || hairpin || snat || remapped {
             return Ok(Outcome::Reply {
                 snat,

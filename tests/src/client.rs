@@ -166,17 +166,22 @@ pub fn tcp_request_from_port_reset_here<A: Peer>(
     addr: A,
     timeout: Duration,
 ) -> Outcome<A> {
+    let stream = connect_from_port(local_port, addr, timeout)
+        .and_then(|stream| reset_on_close(&stream).map(|()| stream));
+    read_greeting(stream, timeout)
+}
+
+/// Makes closing `stream` send a RST (`SO_LINGER` 0) and leave no `TIME_WAIT`, as
+/// a load generator's connections close.
+pub fn reset_on_close(stream: &TcpStream) -> io::Result<()> {
     use nix::libc;
 
-    let stream = connect_from_port(local_port, addr, timeout).and_then(|stream| {
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger)?;
-        Ok(stream)
-    });
-    read_greeting(stream, timeout)
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    nix::sys::socket::setsockopt(stream, nix::sys::socket::sockopt::Linger, &linger)?;
+    Ok(())
 }
 
 /// A TCP connection to `addr` from `local_port`, with `SO_REUSEADDR`; a connect that

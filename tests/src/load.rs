@@ -12,10 +12,8 @@ use std::{
 };
 
 use anyhow::{Result, anyhow};
-use nix::libc;
-use nix::sys::socket::{setsockopt, sockopt};
 
-use crate::{Protocol, bench::interrupt::INTERRUPTED, netns::NetNs};
+use crate::{Protocol, bench::interrupt::INTERRUPTED, client::reset_on_close, netns::NetNs};
 
 /// What the client sends; a [`crate::servers::PooledBackend`] answers it with its name.
 pub const REQUEST: &[u8] = b"ping\n";
@@ -180,12 +178,7 @@ fn worker(
 fn tcp_exchange(target: SocketAddr, buf: &mut [u8]) -> Result<usize, Failure> {
     let mut stream =
         TcpStream::connect_timeout(&target, IO_TIMEOUT).map_err(|e| ("connect", e.kind()))?;
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    setsockopt(&stream, sockopt::Linger, &linger)
-        .map_err(|e| ("SO_LINGER", std::io::Error::from(e).kind()))?;
+    reset_on_close(&stream).map_err(|e| ("SO_LINGER", e.kind()))?;
     stream
         .set_read_timeout(Some(IO_TIMEOUT))
         .map_err(|e| ("SO_RCVTIMEO", e.kind()))?;

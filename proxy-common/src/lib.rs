@@ -948,8 +948,9 @@ pub mod ct_flags {
     pub const HAIRPIN: u8 = 1 << 2;
     /// The flow's source is rewritten (`alt_*` is in use): to this node's
     /// address for an external flow to a backend on another node, or to
-    /// another port of the client's own address for a flow whose tuple
-    /// clashed at its backend with another flow's (`counter::CT_PORT_REMAPPED`).
+    /// another port of its source address (the client's own, or with
+    /// `HAIRPIN` the hairpin address) for a flow whose tuple clashed at its
+    /// backend with another flow's (`counter::CT_PORT_REMAPPED`).
     pub const SNAT: u8 = 1 << 3;
     /// After translation the packet's source is an address of this node,
     /// which the stack would drop as martian: it is routed by a FIB lookup
@@ -1664,12 +1665,12 @@ pub mod counter {
     /// handshake, never moved (counted in `CT_NEW_FLOW` too, never in
     /// `CT_ASSURED`).
     pub const CT_REOPENED: u32 = 40;
-    /// A new flow whose client's address and port a live flow of another
-    /// client tuple already had at the same backend (the client reached it
-    /// from that port through another frontend, or at its pod IP): its
-    /// source port changed, as netfilter's NAT changes a clashing tuple's,
-    /// so that the backend sees two connections (counted in `CT_NEW_FLOW`
-    /// too).
+    /// A new flow whose source address and port (its client's; an IPv4
+    /// hairpin flow's, the hairpin address and the pod's port) a live flow
+    /// of another client tuple already had at the same backend (the client
+    /// reached it from that port through another frontend): its source
+    /// port changed, as netfilter's NAT changes a clashing tuple's, so that
+    /// the backend sees two connections (counted in `CT_NEW_FLOW` too).
     pub const CT_PORT_REMAPPED: u32 = 41;
     pub const COUNT: u32 = 42;
     /// Entries of the `COUNTERS` map: room for counters added later without

@@ -811,10 +811,10 @@ fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
 /// goes: the older flow loses, as one map overwrote it. Both overwrite what
 /// `CT_NEW` holds for their keys: the packet's own, which its lookup just
 /// found absent, expired or removed, and an unassured flow of another
-/// client port clashing on the backend side. (Only flows whose source is
-/// not the client's own come here: hairpin and direct server return. A
-/// client's own flow goes through `create_kept`, which never overwrites a
-/// live clash.)
+/// client port clashing on the backend side. (Only direct server return's
+/// flows come here, which cannot change their port: the backend answers
+/// their client straight. A flow that keeps its client's port otherwise
+/// goes through `create_kept`, which never overwrites a live clash.)
 ///
 /// A TCP flow whose SYN removed both entries of its tuple's closed flow
 /// from `CONNTRACK` (`reopen`, `Scratch::room_key`) is created there
@@ -833,17 +833,18 @@ pub fn create<F: CreateFamily>(flow: &FlowOf<F::Addr>, nf: &NewFlow<F::Addr>, no
     create_pair::<F>(flow, nf, now, 0);
 }
 
-/// `create` for a flow whose client's address and port are kept (a pod's
-/// flow to a ClusterIP), unless a live flow of another client tuple
-/// already has that address and port at the same backend: the client
-/// reached the backend from the same port through another frontend (Linux
+/// `create` for a flow whose client's port is kept (a pod's flow to a
+/// ClusterIP, its address kept too; IPv4's hairpin flow, from the hairpin
+/// address), unless a live flow of another client tuple already has that
+/// source address and port at the same backend: the client reached the
+/// backend from the same port through another frontend (Linux
 /// hands one local port to connections to different destinations). Both
 /// would be one connection to the backend, whose socket of the older would
 /// answer the newer's SYN with a challenge ACK, and what followed would
 /// reset the older. So the newer flow's source port is changed, as
 /// netfilter's NAT changes a clashing tuple's (`proxy_common::remap_ports`; the port
 /// its client port's closed flow was given, `reopened_be`, first), and
-/// the flow is two-sided (`ct_flags::SNAT`, its own address kept),
+/// the flow is two-sided (`ct_flags::SNAT`, its source address kept),
 /// counted `ct_port_remapped`. The source port its packets leave with
 /// (network order), or None when no port was free.
 ///

@@ -342,7 +342,8 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
     let remote = backend.flags & backend_flags::LOCAL == 0;
     let direct = !hairpin && dsr::sends::<F>(flow, frontend, remote);
     let snat = !hairpin && !direct && masquerades::<F, H>(ctx, flow, svc.flags, &backend);
-    match F::new_source(hairpin, snat) {
+    let source = F::new_source(hairpin, snat);
+    match source {
         Source::Node(node) => {
             nf.kind = if hairpin {
                 ct_flags::HAIRPIN
@@ -371,13 +372,6 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
                 counter::SNAT_NEW
             });
         }
-        Source::Fixed(addr) => {
-            nf.kind = ct_flags::HAIRPIN;
-            nf.nat.src_be = addr;
-            nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
-            conntrack::create::<F>(flow, &nf, now);
-            count(counter::HAIRPIN);
-        }
         Source::Keep if direct => {
             nf.nat.redirect = true;
             nf.nat.dsr = 1;
@@ -387,12 +381,10 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
             conntrack::create::<F>(flow, &nf, now);
             count(counter::DSR_NEW);
         }
-        Source::Keep => {
-            nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
-            let Some(sport_be) = conntrack::create_kept::<F>(flow, &nf, reopened_be, now) else {
+        Source::Fixed(_) | Source::Keep => {
+            if !keep_port::<F, H>(ctx, flow, &mut nf, source, reopened_be, now) {
                 return Ok(snat_exhausted::<F, H>(svc.service_id, flow));
-            };
-            nf.nat.sport_be = sport_be;
+            }
         }
     }
     count(counter::DNAT_NEW);
@@ -405,6 +397,41 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
         nf.nat.dport_be,
     );
     Ok(finish::<F, H>(ctx, flow, &nf.nat, now))
+}
+
+/// Creates the new flow `nf` of `flow` whose client's port is kept unless it
+/// clashes at the backend (`conntrack::create_kept`): from the client's own
+/// address, or from a hairpin flow's fixed one (IPv4's `Source::Fixed`),
+/// which keeps the port as the client's address does and clashes as it
+/// does. False when it clashed and no other port was free.
+#[inline(always)]
+fn keep_port<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    nf: &mut NewFlow<F::Addr>,
+    source: Source<F::Addr>,
+    reopened_be: u16,
+    now: u64,
+) -> bool {
+    // Never `Fixed` over IPv6, whose hairpin flows take the node's
+    // address: the hairpin count is asked of `source`, not of `hairpin`,
+    // so that its program has no such branch for the verifier to walk.
+    let fixed = if let Source::Fixed(addr) = source {
+        nf.kind = ct_flags::HAIRPIN;
+        nf.nat.src_be = addr;
+        true
+    } else {
+        false
+    };
+    nf.path_mtu = route::path_mtu::<F, H>(ctx, flow.proto, &nf.nat.src_be, &nf.nat.dst_be);
+    let Some(sport_be) = conntrack::create_kept::<F>(flow, nf, reopened_be, now) else {
+        return false;
+    };
+    nf.nat.sport_be = sport_be;
+    if fixed {
+        count(counter::HAIRPIN);
+    }
+    true
 }
 
 /// What becomes of a new flow `frontend` refuses: a client outside its

@@ -41,7 +41,7 @@ use crate::{
         server::MetricsError,
     },
     model::{Cidr, ModelConfig},
-    planner::{Departed, Planner, node::DesiredNode},
+    planner::{AffinityPurge, Departed, Planner, node::DesiredNode},
     source::{SourceEvent, kube as kube_source, manifest},
     state::ClusterState,
 };
@@ -174,7 +174,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .read_service_state()
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
-    planner.note_affinity_entries(datapath.maps.affinity_held());
+    planner.note_affinity_entries(datapath.maps.affinity_service_ids());
     planner.count_ids_below(config.service_counters);
     planner.balance_with(config.lb);
     info!(
@@ -509,8 +509,8 @@ impl SyncTarget for Datapath {
         &mut self.maps
     }
 
-    fn clean_departed(&mut self, departed: &[Departed], affinity_seen: bool) {
-        housekeeping::clean_departed(self, departed, affinity_seen);
+    fn clean_departed(&mut self, departed: &[Departed], affinity: &AffinityPurge) -> bool {
+        housekeeping::clean_departed(self, departed, affinity)
     }
 }
 

@@ -34,7 +34,7 @@ use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     housekeeping::conntrack,
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
-    planner::Planner,
+    planner::{AffinityPurge, Planner},
     source::ObjectKey,
 };
 
@@ -150,7 +150,13 @@ fn departure_with_flows(
             .unwrap_or_else(|e| panic!("filling conntrack, entry {i} of {flows}: {e}"));
     }
     let t = Instant::now();
-    let swept = conntrack::purge_departed(&mut datapath.maps, &departed, true).expect("purging");
+    // As for a Service with session affinity: `AFFINITY` passed over too.
+    let affinity = AffinityPurge {
+        dropped: Vec::new(),
+        departed: true,
+    };
+    let swept =
+        conntrack::purge_departed(&mut datapath.maps, &departed, &affinity).expect("purging");
     let purge = t.elapsed();
     assert_eq!(
         swept.conntrack, departed_flows as usize,

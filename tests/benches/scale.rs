@@ -28,8 +28,10 @@
 //! plotted into `scale.svg` beside the tables.
 //!
 //! Usage: `cargo bench -p ebpf-proxy-tests --bench scale -- [--quick] [--out DIR]
-//! [--sizes 1000,10000] [--heap-sizes 10000] [--in-process-only]` (root;
-//! `--in-process-only` stops after the in-process measures, writing nothing).
+//! [--sizes 1000,10000] [--heap-sizes 10000] [--in-process-only]
+//! [--sticky-service]` (root; `--in-process-only` stops after the in-process
+//! measures, writing nothing; `--sticky-service` gives one Service, never one
+//! of those changed, ClientIP session affinity).
 
 mod common;
 
@@ -61,7 +63,7 @@ use proxy_userspace::{
     agent::sync::{SyncLoop, SyncTarget},
     healthz::Health,
     model::ModelConfig,
-    planner::{Departed, MapOp, MapStore, Planner, StoredState},
+    planner::{AffinityPurge, Departed, MapOp, MapStore, Planner, StoredState},
     source::{Kind, Object, ObjectKey, SourceEvent},
     state::ClusterState,
 };
@@ -140,8 +142,13 @@ fn name(i: u32) -> String {
     format!("svc-{i}")
 }
 
-fn service_json(i: u32) -> Value {
-    apiserver::service(NAMESPACE, &name(i), &vip(i).to_string())
+/// Service `i`; with ClientIP session affinity if `sticky`.
+fn service_json(i: u32, sticky: bool) -> Value {
+    let mut service = apiserver::service(NAMESPACE, &name(i), &vip(i).to_string());
+    if sticky {
+        service["spec"]["sessionAffinity"] = json!("ClientIP");
+    }
+    service
 }
 
 fn slice_json(i: u32, node: &str, generation: u32) -> Value {
@@ -389,7 +396,7 @@ struct Row {
     clippy::too_many_lines,
     reason = "one measurement's steps in the order they run, sharing one agent and its API server"
 )]
-fn measure(services: u32, changes: u32) -> Result<Row> {
+fn measure(services: u32, changes: u32, sticky: bool) -> Result<Row> {
     let stem = unique_stem();
     let node = NetNs::create(&format!("{stem}-scale"))?;
     node.ip(&["link", "set", "lo", "up"])?;
@@ -397,7 +404,10 @@ fn measure(services: u32, changes: u32) -> Result<Row> {
     server.set_history_limit(100_000);
     server.apply(apiserver::node(node.name(), None));
     for i in 0..services {
-        server.apply(service_json(i));
+        // Service 1 is never one of the changes' (spread at a stride of 2 or
+        // more): what a change to a Service without affinity costs on a
+        // cluster where another has it.
+        server.apply(service_json(i, sticky && i == 1));
         server.apply(slice_json(i, node.name(), 0));
     }
     let started = Instant::now();
@@ -597,7 +607,9 @@ impl SyncTarget for Discard {
     fn store(&mut self) -> &mut Discard {
         self
     }
-    fn clean_departed(&mut self, _: &[Departed], _: bool) {}
+    fn clean_departed(&mut self, _: &[Departed], _: &AffinityPurge) -> bool {
+        true
+    }
 }
 
 /// CPU time of this thread.
@@ -620,7 +632,7 @@ fn sync_cpu(services: u32) -> Result<f64> {
     let mut svc_objects = Vec::with_capacity(services as usize);
     let mut slice_objects = Vec::with_capacity(services as usize);
     for i in 0..services {
-        let svc: Service = serde_json::from_value(service_json(i))?;
+        let svc: Service = serde_json::from_value(service_json(i, false))?;
         let slice: EndpointSlice = serde_json::from_value(slice_json(i, node, 0))?;
         svc_objects.push(Object::service(&svc));
         slice_objects.push(Object::slice(&slice));
@@ -664,7 +676,7 @@ fn heap_by_structure(services: u32) -> Result<Heap> {
     let texts: Vec<(String, String)> = (0..services)
         .map(|i| {
             (
-                service_json(i).to_string(),
+                service_json(i, false).to_string(),
                 slice_json(i, node, 0).to_string(),
             )
         })
@@ -777,7 +789,7 @@ fn main() {
         }
         let mut rows = Vec::new();
         for &services in &sizes {
-            rows.push(measure(services, changes)?);
+            rows.push(measure(services, changes, args.flag("--sticky-service"))?);
             eprintln!("{:?}", rows.last());
         }
 

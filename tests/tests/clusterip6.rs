@@ -94,6 +94,13 @@ fn ipv6_one_client_port_to_two_services_on_one_backend_stays_two_connections() {
 }
 
 #[test]
+fn ipv6_a_pod_reaching_itself_from_one_port_through_two_services_stays_two_connections() {
+    scenario::a_pod_reaching_itself_from_one_port_through_two_services_stays_two_connections::<
+        Ipv6Addr,
+    >();
+}
+
+#[test]
 fn ipv6_tcp_port_reused_at_once_after_a_reset_is_answered() {
     scenario::tcp_port_reused_at_once_after_a_reset_is_answered::<Ipv6Addr>();
 }

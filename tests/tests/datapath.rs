@@ -19,7 +19,7 @@ use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
     model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
-    planner::{MapOp, MapStore, Planner, encode::addr_words},
+    planner::{AffinityPurge, MapOp, MapStore, Planner, encode::addr_words},
     source::ObjectKey,
 };
 use service_counts::{service_id_of, service_totals};
@@ -381,6 +381,70 @@ fn hairpin_flows_are_snated_both_ways() {
     assert_eq!(counter(&fx, "hairpin"), 1);
 }
 
+/// A pod reaching itself from one port through two frontends: both hairpin flows would
+/// be one tuple at the pod (the hairpin address, that port), so the second is given
+/// another port of the client port's class, both ways, and the first keeps its own.
+#[test]
+fn a_hairpin_flow_clashing_at_its_backend_gets_another_source_port() {
+    let mut fx = fixture();
+    let pod = BACKENDS[0];
+    let twin = Ipv4Addr::new(10, 96, 0, 53);
+    reprogram(
+        &mut fx,
+        "twin",
+        frontend(
+            twin,
+            80,
+            Protocol::Tcp,
+            &[pod],
+            8080,
+            NoEndpointAction::Reject,
+        ),
+    );
+    let (_, out) = run(&fx, &tcp(pod, 43000, HAIRPIN_VIP, 80, frame::SYN));
+    let first = parse_checked(&out, "the first hairpin SYN");
+    assert_eq!(
+        (first.src, first.sport, first.dst),
+        (HAIRPIN_SRC, 43000, pod)
+    );
+    run(
+        &fx,
+        &tcp(pod, 8080, HAIRPIN_SRC, 43000, frame::SYN | frame::ACK),
+    );
+    run(&fx, &tcp(pod, 43000, HAIRPIN_VIP, 80, frame::ACK));
+
+    let (_, out) = run(&fx, &tcp(pod, 43000, twin, 80, frame::SYN));
+    let second = parse_checked(&out, "the clashing hairpin SYN");
+    assert!(
+        second.src == HAIRPIN_SRC
+            && second.dst == pod
+            && second.sport >= 1024
+            && second.sport != 43000,
+        "the clashing hairpin SYN left as {second:?}: want {HAIRPIN_SRC} from a port of \
+         1024-65535 other than 43000, to {pod}"
+    );
+    for (port, vip, what) in [
+        (second.sport, twin, "the clashing flow's answer"),
+        (43000, HAIRPIN_VIP, "the first flow's answer"),
+    ] {
+        let (_, out) = run(&fx, &tcp(pod, 8080, HAIRPIN_SRC, port, frame::ACK));
+        let answer = parse_checked(&out, what);
+        assert_eq!(
+            (answer.src, answer.sport, answer.dst, answer.dport),
+            (vip, 80, pod, 43000),
+            "{what}, sent to port {port}"
+        );
+    }
+    let (_, out) = run(&fx, &tcp(pod, 43000, HAIRPIN_VIP, 80, frame::ACK));
+    assert_eq!(
+        parse_checked(&out, "the first flow's next packet").sport,
+        43000,
+        "the first flow's next packet"
+    );
+    assert_eq!(counter(&fx, "ct_port_remapped"), 1, "ct_port_remapped");
+    assert_eq!(counter(&fx, "hairpin"), 2, "hairpin");
+}
+
 /// One client port reaching the same backend through two frontends (Linux hands a
 /// connecting socket's port to connections to other destinations): the second flow's
 /// tuple at the backend would be the first's, so it is given another source port (of
@@ -603,7 +667,12 @@ fn departed_backend_loses_its_udp_flows_but_not_its_tcp_connections() {
         2,
         "one backend left two service ports: {departed:?}"
     );
-    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed, true).expect("purge");
+    let swept = conntrack::purge_departed(
+        &mut fx.datapath.maps,
+        &departed,
+        &fx.planner.take_affinity_purge(&departed),
+    )
+    .expect("purge");
     assert_eq!(
         swept.conntrack, 2,
         "the UDP flow's two entries must go, the TCP ones stay"
@@ -772,14 +841,10 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
         )
     };
     assert!(
-        !fx.planner.affinity_seen() && !fx.datapath.maps.affinity_held(),
-        "affinity seen, or held, before any frontend had it"
+        fx.datapath.maps.affinity_service_ids().is_empty(),
+        "affinity held before any frontend had it"
     );
     reprogram(&mut fx, "sticky", sticky(&BACKENDS));
-    assert!(
-        fx.planner.affinity_seen(),
-        "a sticky frontend programmed, affinity unseen"
-    );
     let leaving = BACKENDS[0];
     let mut picks = Vec::new();
     for i in 1..=30u8 {
@@ -799,12 +864,16 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
         "each client's first connection records its pick"
     );
 
-    assert!(fx.datapath.maps.affinity_held(), "entries made, none held");
+    assert_eq!(
+        fx.datapath.maps.affinity_service_ids().len(),
+        1,
+        "entries made: one Service's"
+    );
     reprogram(&mut fx, "sticky", sticky(&BACKENDS[1..]));
     let departed = fx.planner.take_departed();
+    let affinity = fx.planner.take_affinity_purge(&departed);
     let swept =
-        conntrack::purge_departed(&mut fx.datapath.maps, &departed, fx.planner.affinity_seen())
-            .expect("purge");
+        conntrack::purge_departed(&mut fx.datapath.maps, &departed, &affinity).expect("purge");
     assert_eq!(
         (swept.affinity, swept.conntrack),
         (stuck_to_leaving, 0),
@@ -823,6 +892,66 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
             "client {client} lost its affinity when another backend left"
         );
     }
+}
+
+/// A Service whose session affinity goes off loses its affinity entries at the end
+/// of that sync, as kube-proxy's `recent` lists go with its rules: turned on again,
+/// its clients are balanced afresh, none sent back to a backend it had before by an
+/// entry left over. Another Service's entries stay.
+#[test]
+fn affinity_turned_off_takes_its_entries_and_only_those() {
+    let mut fx = fixture();
+    let sticky = |vip: Ipv4Addr, on: bool| Frontend {
+        affinity_timeout_s: on.then_some(10_800),
+        ..frontend(
+            vip,
+            8443,
+            Protocol::Tcp,
+            &BACKENDS,
+            8443,
+            NoEndpointAction::Reject,
+        )
+    };
+    let other = Ipv4Addr::new(10, 96, 0, 54);
+    reprogram(&mut fx, "sticky", sticky(VIP, true));
+    reprogram(&mut fx, "other", sticky(other, true));
+    let _ = fx.planner.take_departed();
+    for i in 1..=10u8 {
+        let client = Ipv4Addr::new(10, 200, 1, i);
+        for vip in [VIP, other] {
+            run(&fx, &tcp(client, 40000, vip, 8443, frame::SYN));
+        }
+    }
+    let held = |fx: &Fixture| fx.datapath.maps.affinity.keys().count();
+    assert_eq!(held(&fx), 20, "each client's pick, for each Service");
+
+    reprogram(&mut fx, "sticky", sticky(VIP, false));
+    let departed = fx.planner.take_departed();
+    let affinity = fx.planner.take_affinity_purge(&departed);
+    assert_eq!(
+        (affinity.dropped.len(), affinity.departed, departed.len()),
+        (1, false, 0),
+        "affinity off, no backend departed: {affinity:?}"
+    );
+    let swept =
+        conntrack::purge_departed(&mut fx.datapath.maps, &departed, &affinity).expect("purge");
+    assert_eq!(
+        (swept.affinity, held(&fx)),
+        (10, 10),
+        "the entries removed, and those left (the other Service's)"
+    );
+    assert_eq!(
+        fx.datapath.maps.affinity_service_ids().len(),
+        1,
+        "the other Service's entries stay"
+    );
+    reprogram(&mut fx, "sticky", sticky(VIP, true));
+    let departed = fx.planner.take_departed();
+    assert_eq!(
+        fx.planner.take_affinity_purge(&departed),
+        AffinityPurge::default(),
+        "affinity on again: nothing to purge"
+    );
 }
 
 fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {

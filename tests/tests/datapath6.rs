@@ -916,7 +916,12 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
         2,
         "one backend left two service ports: {departed:?}"
     );
-    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed, true).expect("purge");
+    let swept = conntrack::purge_departed(
+        &mut fx.datapath.maps,
+        &departed,
+        &fx.planner.take_affinity_purge(&departed),
+    )
+    .expect("purge");
     assert_eq!(
         swept.conntrack, 2,
         "the UDP flow's two entries must go, the TCP ones stay"
@@ -3149,7 +3154,12 @@ fn a_departed_backend_voids_its_cached_udp_flow() {
         out.errors
     );
     let departed = fx.planner.take_departed();
-    let swept = conntrack::purge_departed(&mut fx.datapath.maps, &departed, true).expect("purge");
+    let swept = conntrack::purge_departed(
+        &mut fx.datapath.maps,
+        &departed,
+        &fx.planner.take_affinity_purge(&departed),
+    )
+    .expect("purge");
     assert_eq!(swept.conntrack, 2, "the UDP flow's two entries go");
     let now = send(&fx, "datagram after the purge");
     assert!(

@@ -28,8 +28,9 @@ use crate::{
 pub enum Source<A> {
     /// The client's own: the backend answers it.
     Keep,
-    /// A fixed address, the client's port kept: routed by the stack, which
-    /// hands the backend's reply back (IPv4's hairpin).
+    /// A fixed address, the client's port kept unless that clashes at the
+    /// backend (`conntrack::create_kept`): routed by the stack, which hands
+    /// the backend's reply back (IPv4's hairpin).
     Fixed(A),
     /// The node's address and a port of the SNAT range: sent by the
     /// datapath itself, since the stack would refuse its own address as a

@@ -56,7 +56,7 @@ use crate::{
     healthz::Health,
     metrics::{PolicyMetrics, ProxyMetrics, SyncStats, kube_proxy::Trigger},
     model::{HealthCheck, ModelConfig},
-    planner::{Departed, MapStore, PlanError, Planner},
+    planner::{AffinityPurge, Departed, MapStore, PlanError, Planner},
     retry::backoff,
     source::{ObjectKey, SourceEvent},
     state::ClusterState,
@@ -66,10 +66,11 @@ use crate::{
 pub trait SyncTarget {
     type Store: MapStore;
     fn store(&mut self) -> &mut Self::Store;
-    /// Backends left their Services: their flows, affinity entries (when
-    /// `AFFINITY` may hold any: `Planner::affinity_seen`) and the node's
-    /// sockets connected to them go.
-    fn clean_departed(&mut self, departed: &[Departed], affinity_seen: bool);
+    /// Backends left their Services: their flows, affinity entries (where
+    /// their Service has affinity) and the node's sockets connected to
+    /// them go; and the affinity entries of the service ids in
+    /// `affinity.dropped`. False when the purge of the maps failed.
+    fn clean_departed(&mut self, departed: &[Departed], affinity: &AffinityPurge) -> bool;
 }
 
 /// What a sync leaves to the agent, outside the maps: the health check
@@ -548,7 +549,12 @@ impl SyncLoop {
     /// the agent's servers.
     fn follow_ups<T: SyncTarget>(&mut self, planner: &mut Planner, target: &mut T) -> FollowUps {
         let departed = planner.take_departed();
-        target.clean_departed(&departed, planner.affinity_seen());
+        let affinity = planner.take_affinity_purge(&departed);
+        if (!departed.is_empty() || affinity.needed())
+            && !target.clean_departed(&departed, &affinity)
+        {
+            planner.retry_affinity_purge(&affinity);
+        }
         FollowUps {
             departed: departed.len(),
             health_checks: self.health_checks.take_changed(),

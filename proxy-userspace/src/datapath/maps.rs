@@ -16,6 +16,7 @@ use proxy_common::{
 };
 
 use std::{
+    collections::BTreeSet,
     os::fd::{AsFd, BorrowedFd},
     sync::Arc,
 };
@@ -324,10 +325,16 @@ impl Maps {
         map.set(0, cookie, 0).map_err(wrap(map_names::HOST_NETNS))
     }
 
-    /// Whether `AFFINITY` holds an entry (`Planner::note_affinity_entries`).
-    /// One that cannot be read counts as one.
-    pub fn affinity_held(&self) -> bool {
-        self.affinity.keys().next().is_some()
+    /// The service ids `AFFINITY` holds entries of
+    /// (`Planner::note_affinity_entries`): one pass over its keys, at the
+    /// start. A key that cannot be read is passed over: its entry is reaped
+    /// once idle past its timeout.
+    pub fn affinity_service_ids(&self) -> BTreeSet<u32> {
+        self.affinity
+            .keys()
+            .filter_map(Result::ok)
+            .map(|key| key.service_id)
+            .collect()
     }
 
     /// Voids every copy the datapath's flow cache holds: called after

@@ -29,7 +29,7 @@ use crate::{
         batch,
         maps::{Maps, MapsError, batch_error},
     },
-    planner::Departed,
+    planner::{AffinityPurge, Departed},
 };
 
 /// What a sweep removed.
@@ -47,22 +47,23 @@ pub fn monotonic_ns() -> u64 {
     })
 }
 
-/// Removes the UDP conntrack entries and the affinity entries of departed
-/// backends. One pass over each map, only when something departed, read in
-/// chunks: the sync that reports the departure waits for it, and a table of
-/// 200,000 flows read an entry at a time (two system calls each) held it
-/// for most of a second. The conntrack maps are passed over only when a
-/// departed backend's flows may be in them (`flows_to_remove`), and
-/// `AFFINITY` only when it may hold entries (`affinity_seen`, the planner's
-/// `affinity_seen`): a pass walks every bucket, 65,536 at the default
-/// size, whatever the map holds.
+/// Removes the UDP conntrack entries of departed backends, and the
+/// affinity entries `affinity` names: the departed backends' (where their
+/// Service has affinity) and every entry of the service ids whose affinity
+/// went off. One pass over each map, only when it has something to lose,
+/// read in chunks: the sync that reports the departure waits for it, and a
+/// table of 200,000 flows read an entry at a time (two system calls each)
+/// held it for most of a second. The conntrack maps are passed over only
+/// when a departed backend's flows may be in them (`flows_to_remove`), and
+/// `AFFINITY` only when `affinity` asks (`AffinityPurge::needed`): a pass
+/// walks every bucket, 65,536 at the default size, whatever the map holds.
 pub fn purge_departed(
     maps: &mut Maps,
     departed: &[Departed],
-    affinity_seen: bool,
+    affinity: &AffinityPurge,
 ) -> Result<Swept, MapsError> {
     let mut swept = Swept::default();
-    if departed.is_empty() {
+    if departed.is_empty() && !affinity.needed() {
         return Ok(swept);
     }
     let gone: HashSet<(u32, u32)> = departed
@@ -75,11 +76,15 @@ pub fn purge_departed(
     if swept.conntrack > 0 {
         maps.bump_flow_epoch()?;
     }
-    if affinity_seen {
+    if affinity.needed() {
+        let dropped: HashSet<u32> = affinity.dropped.iter().copied().collect();
         let doomed = batch::keys_where(
             maps.affinity.map(),
             batch::CHUNK,
-            |k: &AffinityKey, v: &AffinityValue| gone.contains(&(k.service_id, v.backend_id)),
+            |k: &AffinityKey, v: &AffinityValue| {
+                dropped.contains(&k.service_id)
+                    || (affinity.departed && gone.contains(&(k.service_id, v.backend_id)))
+            },
         )
         .map_err(batch_error(map_names::AFFINITY))?;
         swept.affinity = batch::delete(maps.affinity.map(), &doomed)

@@ -29,25 +29,41 @@ use tracing::{debug, info, warn};
 
 use crate::{
     datapath::{Datapath, prefilter_flows::FlowMarks, prefilter_rebuild},
-    planner::Departed,
+    planner::{AffinityPurge, Departed},
 };
 
 /// How often idle conntrack entries are reaped.
 pub const REAP_PERIOD: Duration = Duration::from_secs(10);
 
 /// Backends left their Services: their UDP flows and affinity entries go
-/// (the latter when `AFFINITY` may hold any, `affinity_seen`), and the
-/// node's sockets the hooks connected to them are closed, so the next
-/// datagram finds a live backend. A failure is logged.
-pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed], affinity_seen: bool) {
-    match conntrack::purge_departed(&mut datapath.maps, departed, affinity_seen) {
-        Ok(swept) if swept != conntrack::Swept::default() => info!(
-            udp_flows = swept.conntrack,
-            affinities = swept.affinity,
-            "removed flows and affinity of departed backends"
-        ),
-        Ok(_) => {}
-        Err(e) => warn!(error = %e, "cleaning flows of departed backends"),
+/// (the latter where their Service has affinity), and the node's sockets
+/// the hooks connected to them are closed, so the next datagram finds a
+/// live backend; and so do the affinity entries of Services whose affinity
+/// went off (`affinity.dropped`). A failure is logged; false when the
+/// maps' purge failed.
+pub fn clean_departed(
+    datapath: &mut Datapath,
+    departed: &[Departed],
+    affinity: &AffinityPurge,
+) -> bool {
+    let purged = match conntrack::purge_departed(&mut datapath.maps, departed, affinity) {
+        Ok(swept) => {
+            if swept != conntrack::Swept::default() {
+                info!(
+                    udp_flows = swept.conntrack,
+                    affinities = swept.affinity,
+                    "removed flows of departed backends and affinity entries"
+                );
+            }
+            true
+        }
+        Err(e) => {
+            warn!(error = %e, "cleaning flows of departed backends and affinity entries");
+            false
+        }
+    };
+    if departed.is_empty() {
+        return purged;
     }
     let pins = datapath.pins();
     match sock_diag::close_departed(&pins.sock_notes(), &pins.sock_notes6(), departed) {
@@ -57,6 +73,7 @@ pub fn clean_departed(datapath: &mut Datapath, departed: &[Departed], affinity_s
         }
         Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
     }
+    purged
 }
 
 /// Removes conntrack entries idle past their timeout, then counts each

@@ -4,7 +4,7 @@
 
 use std::{collections::BTreeSet, hash::BuildHasher, sync::Arc};
 
-use proxy_common::{BackendSlotKey, ServiceName, service_flags};
+use proxy_common::{BackendSlotKey, ServiceName};
 
 use super::{
     encode,
@@ -49,8 +49,7 @@ impl Planner {
                     planner.backends.acquire(*id);
                 }
             }
-            planner.affinity_seen |= value.flags & service_flags::AFFINITY != 0;
-            planner.frontends.insert(
+            planner.insert_applied(
                 fkey,
                 Applied {
                     key: *key,

@@ -5,7 +5,7 @@
 
 use std::{collections::HashSet, sync::Arc};
 
-use proxy_common::{BackendSlotKey, service_flags};
+use proxy_common::BackendSlotKey;
 
 use super::{
     batch::Batch,
@@ -148,8 +148,7 @@ impl Planner {
             });
         }
         let cleaned = self.apply_cleanup(cleanup, store);
-        self.affinity_seen |= value.flags & service_flags::AFFINITY != 0;
-        self.frontends.insert(
+        self.insert_applied(
             fe.key,
             Applied {
                 key,
@@ -179,7 +178,7 @@ impl Planner {
                 owner: (**owner).clone(),
                 source,
             })?;
-        self.frontends.remove(key);
+        self.remove_applied(key);
         self.slot_sets_in_use.remove(&prev.value.slot_set);
         for id in departed_ids(&prev.backend_ids, &[]) {
             self.departed

@@ -117,7 +117,7 @@ impl Planner {
     /// Undoes the bookkeeping of a gathered frontend whose writes did not
     /// all land; returns the deletes of what it alone held.
     fn forget_unwritten(&mut self, key: &FrontendKey, owner: &ObjectKey) -> Vec<MapOp> {
-        let Some(applied) = self.frontends.remove(key) else {
+        let Some(applied) = self.remove_applied(key) else {
             return Vec::new();
         };
         self.slot_sets_in_use.remove(&applied.value.slot_set);

@@ -5,9 +5,9 @@
 use std::{collections::BTreeSet, sync::Arc};
 
 use hashbrown::HashMap;
-use proxy_common::{Backend, ServiceKey, ServiceValue};
+use proxy_common::{Backend, ServiceKey, ServiceValue, service_flags};
 
-use super::{backends::Backends, encode::SourceRangeEntry, ops::MapOp};
+use super::{affinity::AffinityLedger, backends::Backends, encode::SourceRangeEntry, ops::MapOp};
 use crate::{
     maglev::LbConfig,
     model::{FrontendKey, ServicePortName},
@@ -67,14 +67,10 @@ pub struct Planner {
     pub(super) departed: Vec<Departed>,
     /// `--lb-algorithm` and the Maglev table every node shares.
     pub(super) lb: LbConfig,
-    /// Whether `AFFINITY` may hold entries: a frontend with session
-    /// affinity was programmed or adopted, or the map held entries when the
-    /// agent started (`note_affinity_entries`). Never cleared: an entry
-    /// outlives its Service's affinity being turned off. Until then, a
-    /// departure's purge skips its pass over `AFFINITY`
-    /// (`housekeeping::conntrack::purge_departed`), which walks every
-    /// bucket whatever the map holds.
-    pub(super) affinity_seen: bool,
+    /// The frontends with session affinity per service id, kept by
+    /// `insert_applied` and `remove_applied`: which ids' `AFFINITY` entries
+    /// go after a sync.
+    pub(super) affinity: AffinityLedger,
 }
 
 /// A backend that left a service's backend set.
@@ -86,4 +82,31 @@ pub struct Departed {
     /// perhaps given to another backend; None for an id the planner holds
     /// no entry of.
     pub backend: Option<Backend>,
+}
+
+impl Planner {
+    /// Records `applied` as frontend `key`'s, in place of what it had.
+    pub(super) fn insert_applied(&mut self, key: FrontendKey, applied: Applied) {
+        if has_affinity(&applied) {
+            self.affinity.add(applied.value.service_id);
+        }
+        if let Some(old) = self.frontends.insert(key, applied)
+            && has_affinity(&old)
+        {
+            self.affinity.remove(old.value.service_id);
+        }
+    }
+
+    /// Forgets frontend `key`, returning what it had.
+    pub(super) fn remove_applied(&mut self, key: &FrontendKey) -> Option<Applied> {
+        let old = self.frontends.remove(key)?;
+        if has_affinity(&old) {
+            self.affinity.remove(old.value.service_id);
+        }
+        Some(old)
+    }
+}
+
+fn has_affinity(applied: &Applied) -> bool {
+    applied.value.flags & service_flags::AFFINITY != 0
 }

@@ -23,6 +23,7 @@
 //! write is an `ops::MapOp`, in the maps' encoding (`encode`).
 
 mod adopt;
+mod affinity;
 mod backends;
 mod balance;
 mod batch;
@@ -39,6 +40,7 @@ mod plan;
 mod service;
 mod stored;
 
+pub use affinity::AffinityPurge;
 pub use batch::{Batch, Unwritten};
 pub use encode::SourceRangeEntry;
 pub use ledger::{Departed, Planner};
@@ -77,17 +79,25 @@ impl Planner {
         std::mem::take(&mut self.departed)
     }
 
-    /// Whether `AFFINITY` may hold entries, which departed backends' must
-    /// leave: once a frontend with session affinity was programmed or
-    /// adopted, or the map was found holding entries.
-    pub fn affinity_seen(&self) -> bool {
-        self.affinity_seen
+    /// What `AFFINITY` loses after this sync, whose departed backends are
+    /// `departed` (`take_departed`): the entries of the service ids whose
+    /// session affinity went off or whose last frontend went, and those of
+    /// the departed backends, where their Service has affinity.
+    pub fn take_affinity_purge(&mut self, departed: &[Departed]) -> AffinityPurge {
+        self.affinity.take(departed.iter().map(|d| d.service_id))
     }
 
-    /// Whether `AFFINITY` was found holding entries (at the start, from an
-    /// earlier agent whose Services had affinity then).
-    pub fn note_affinity_entries(&mut self, held: bool) {
-        self.affinity_seen |= held;
+    /// A purge `take_affinity_purge` handed out did not land: its dropped
+    /// ids go at the next one.
+    pub fn retry_affinity_purge(&mut self, purge: &AffinityPurge) {
+        self.affinity.retry(&purge.dropped);
+    }
+
+    /// The service ids `AFFINITY` held entries of at the start (from an
+    /// earlier agent): those no frontend with session affinity takes up by
+    /// the end of the next sync go then.
+    pub fn note_affinity_entries(&mut self, service_ids: impl IntoIterator<Item = u32>) {
+        self.affinity.found(service_ids);
     }
 
     /// Hands out service ids below `bound` (the size of the datapath's

@@ -923,46 +923,78 @@ fn a_backend_leaving_a_table_departs_once_and_the_table_is_swapped_whole() {
     );
 }
 
-/// `AFFINITY` can hold entries only once a frontend with session affinity was
-/// programmed (or adopted, or the map found holding entries): until then a
-/// departure's purge may skip its pass over the map; from then on it may not,
-/// even after that affinity is gone, since its entries outlive it.
+/// `AFFINITY` is read after a sync only for what it may hold: the entries of a
+/// departed backend whose Service has affinity, and every entry of a service id
+/// whose affinity went off, whose last frontend went, or which the map held at
+/// the start with no frontend with affinity to take it up; a purge that failed is
+/// asked for again.
 #[test]
-fn affinity_is_seen_once_a_frontend_has_it_and_stays_seen() {
+fn affinity_purges_follow_the_frontends_with_affinity() {
     let mut p = Planner::new();
     let mut s = CheckingStore::default();
+    let purge = |p: &mut Planner| {
+        let departed = p.take_departed();
+        p.take_affinity_purge(&departed)
+    };
+    let purge_of = |dropped: Vec<u32>, departed: bool| AffinityPurge { dropped, departed };
+    let sticky_id = |s: &CheckingStore| {
+        s.state
+            .services
+            .values()
+            .find(|v| v.flags & service_flags::AFFINITY != 0)
+            .expect("the sticky frontend")
+            .service_id
+    };
     sync(&mut p, &mut s, "plain", &[frontend(1, &[1, 2])]);
     sync(&mut p, &mut s, "plain", &[frontend(1, &[2])]);
-    assert!(
-        !p.affinity_seen(),
-        "seen with no frontend ever having affinity"
+    assert_eq!(
+        purge(&mut p),
+        AffinityPurge::default(),
+        "a backend left a Service without affinity"
     );
-    let sticky = Frontend {
+    let sticky = |backends: &[u8]| Frontend {
         affinity_timeout_s: Some(10_800),
-        ..frontend(2, &[3])
+        ..frontend(2, backends)
     };
-    sync(&mut p, &mut s, "sticky", std::slice::from_ref(&sticky));
-    assert!(p.affinity_seen(), "not seen once a frontend had affinity");
+    sync(&mut p, &mut s, "sticky", &[sticky(&[3])]);
+    let id = sticky_id(&s);
+    sync(&mut p, &mut s, "sticky", &[sticky(&[4])]);
+    assert_eq!(
+        purge(&mut p),
+        purge_of(vec![], true),
+        "a backend left a Service with affinity"
+    );
+    sync(&mut p, &mut s, "sticky", &[frontend(2, &[4])]);
+    assert_eq!(
+        purge(&mut p),
+        purge_of(vec![id], false),
+        "affinity turned off"
+    );
+    sync(&mut p, &mut s, "sticky", &[sticky(&[4])]);
+    let id = sticky_id(&s);
     sync(&mut p, &mut s, "sticky", &[]);
-    assert!(p.affinity_seen(), "forgotten once the frontend went");
+    assert_eq!(
+        purge(&mut p),
+        purge_of(vec![id], false),
+        "the sticky Service went: its id's entries go"
+    );
+    assert_eq!(purge(&mut p), AffinityPurge::default(), "asked for once");
 
-    let (adopted, _) = Planner::adopt(&s.state);
-    assert!(
-        !adopted.affinity_seen(),
-        "adopted maps without an affinity frontend (only `plain` is left)"
+    sync(&mut p, &mut s, "sticky", &[sticky(&[4])]);
+    let id = sticky_id(&s);
+    let (mut adopted, _) = Planner::adopt(&s.state);
+    adopted.note_affinity_entries([id, 999]);
+    let found = purge(&mut adopted);
+    assert_eq!(
+        found,
+        purge_of(vec![999], false),
+        "entries found at the start: only those of no frontend with affinity go"
     );
-    sync(&mut p, &mut s, "sticky", std::slice::from_ref(&sticky));
-    let (adopted, _) = Planner::adopt(&s.state);
-    assert!(
-        adopted.affinity_seen(),
-        "adopted an affinity frontend unseen"
+    adopted.retry_affinity_purge(&found);
+    assert_eq!(
+        purge(&mut adopted),
+        purge_of(vec![999], false),
+        "a failed purge, asked for again"
     );
-    let mut fresh = Planner::new();
-    fresh.note_affinity_entries(false);
-    assert!(
-        !fresh.affinity_seen(),
-        "an empty map noted as holding entries"
-    );
-    fresh.note_affinity_entries(true);
-    assert!(fresh.affinity_seen(), "entries noted, unseen");
+    assert_eq!(purge(&mut adopted), AffinityPurge::default());
 }

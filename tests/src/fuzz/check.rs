@@ -449,10 +449,12 @@ fn remap_port(client_port: u16, port: u16) -> bool {
 /// The translation `ti` -> `to` follows the programmed frontends.
 fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
     if let Some(fe) = u.frontend(ti.proto, ti.dst, ti.dport) {
-        let hairpin = to.src == u.hairpin_src && to.dst == ti.src && to.sport == ti.sport;
+        let kept = to.sport == ti.sport;
+        let port_remapped = !kept && remap_port(ti.sport, to.sport);
+        let hairpin = to.src == u.hairpin_src && to.dst == ti.src && (kept || port_remapped);
         let snat = fe.snat && to.src == u.node_ip && u.snat_ports.contains(&to.sport);
-        let plain = to.src == ti.src && to.sport == ti.sport;
-        let remapped = to.src == ti.src && to.sport != ti.sport && remap_port(ti.sport, to.sport);
+        let plain = to.src == ti.src && kept;
+        let remapped = (to.src == ti.src || hairpin) && port_remapped;
         if fe.backends.contains(&(to.dst, to.dport)) && (plain || hairpin || snat || remapped) {
             return Ok(Outcome::Forward {
                 snat,
@@ -465,10 +467,12 @@ fn consistent(u: &Universe, ti: &Tuple, to: &Tuple) -> Result<Outcome, String> {
         if (to.src, to.sport) != (fe.addr, fe.port) {
             continue;
         }
-        let hairpin = ti.dst == u.hairpin_src && to.dst == ti.src && to.dport == ti.dport;
+        let kept = to.dport == ti.dport;
+        let port_remapped = !kept && remap_port(to.dport, ti.dport);
+        let hairpin = ti.dst == u.hairpin_src && to.dst == ti.src && (kept || port_remapped);
         let snat = fe.snat && ti.dst == u.node_ip && u.snat_ports.contains(&ti.dport);
-        let plain = to.dst == ti.dst && to.dport == ti.dport;
-        let remapped = to.dst == ti.dst && to.dport != ti.dport && remap_port(to.dport, ti.dport);
+        let plain = to.dst == ti.dst && kept;
+        let remapped = (to.dst == ti.dst || hairpin) && port_remapped;
         if plain || hairpin || snat || remapped {
             return Ok(Outcome::Reply {
                 snat,

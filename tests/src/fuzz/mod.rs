@@ -212,8 +212,9 @@ pub enum Outcome {
     Reset,
     PortUnreachable,
     /// Sent to a backend of the frontend it addressed (SNATed to the node:
-    /// `snat`; the hairpin source: `hairpin`; the client's address with
-    /// another port, its tuple at the backend another flow's: `remapped`).
+    /// `snat`; the hairpin source: `hairpin`; the client's address or the
+    /// hairpin source with another port, its tuple at the backend another
+    /// flow's: `remapped`).
     Forward {
         snat: bool,
         hairpin: bool,
@@ -271,6 +272,7 @@ impl fmt::Display for Outcome {
 fn side(snat: bool, hairpin: bool, remapped: bool) -> &'static str {
     match (snat, hairpin, remapped) {
         (true, _, _) => " (SNAT)",
+        (_, true, true) => " (hairpin, port remapped)",
         (_, true, _) => " (hairpin)",
         (_, _, true) => " (port remapped)",
         _ => "",

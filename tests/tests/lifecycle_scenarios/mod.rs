@@ -114,6 +114,24 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
         &sb,
         &F::yaml(&service::<F>(SessionAffinity::None), &F::backend_ips()),
     );
+    // The client's entry goes with the affinity, as kube-proxy's `recent` list goes
+    // with its rules: switched back on, the client is balanced afresh.
+    eventually(
+        "the Service's affinity entries purged once its affinity went off",
+        SYNC_DEADLINE * 10,
+        || {
+            let status = sb.agent().status().map_err(|e| format!("{e:#}"))?;
+            let fill = status
+                .lines()
+                .find(|l| l.starts_with("map fill AFFINITY: "))
+                .ok_or_else(|| format!("no AFFINITY fill in the status:\n{status}"))?;
+            if fill.starts_with("map fill AFFINITY: 0 of") {
+                Ok(())
+            } else {
+                Err(fill.to_owned())
+            }
+        },
+    );
     // Uniform picks among 3 repeat one backend 15 times with probability 3^-14.
     let off = connect_n(ns, client::<F>(), vip, STICKY_RUN);
     assert!(

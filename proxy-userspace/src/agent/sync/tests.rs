@@ -81,6 +81,9 @@ impl MapStore for TestMaps {
 struct TestTarget {
     maps: TestMaps,
     departed: Vec<Departed>,
+    /// The affinity purges asked for, and whether they fail.
+    affinity: Vec<AffinityPurge>,
+    purge_fails: bool,
 }
 
 impl SyncTarget for TestTarget {
@@ -90,8 +93,10 @@ impl SyncTarget for TestTarget {
         &mut self.maps
     }
 
-    fn clean_departed(&mut self, departed: &[Departed], _: bool) {
+    fn clean_departed(&mut self, departed: &[Departed], affinity: &AffinityPurge) -> bool {
         self.departed.extend_from_slice(departed);
+        self.affinity.push(affinity.clone());
+        !self.purge_fails
     }
 }
 
@@ -771,6 +776,108 @@ fn follow_ups_hand_departed_backends_to_the_target_once() {
     let again = agent.sync.follow_ups(&mut agent.planner, &mut agent.target);
     assert_eq!(again.departed, 0, "handed on once");
     assert_eq!(agent.target.departed.len(), 1);
+}
+
+/// A Service whose session affinity goes off loses its `AFFINITY` entries at
+/// the end of that sync (kube-proxy's `recent` lists go with their rules), and a
+/// purge that failed is asked for again at the next sync; a backend leaving a
+/// Service without affinity asks for no pass over the map.
+#[test]
+fn affinity_turned_off_purges_its_entries_and_a_failed_purge_is_retried() {
+    let mut agent = Agent::fresh().listed();
+    let sticky = |on: bool| {
+        let mut svc = decode::<Service>(json!({
+            "metadata": {"name": "web", "namespace": "demo"},
+            "spec": {
+                "type": "ClusterIP", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10"],
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+            },
+        }));
+        if on {
+            svc.spec.as_mut().expect("a spec").session_affinity = Some("ClientIP".into());
+        }
+        SourceEvent::Apply(Object::service(&svc))
+    };
+    let service_id = |agent: &Agent| {
+        let key = encode::service_key(&FrontendKey {
+            ip: "10.96.0.10".parse().expect("an address"),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::Any,
+        });
+        agent.target.maps.maps.services[&key].service_id
+    };
+    let last = |agent: &Agent| agent.target.affinity.last().cloned().unwrap_or_default();
+
+    agent.event(SourceEvent::Apply(slice(
+        "web-1",
+        "web",
+        &plain(&["10.0.0.1"]),
+    )));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(
+        last(&agent),
+        AffinityPurge::default(),
+        "a backend left a Service without affinity: no pass over AFFINITY"
+    );
+    agent.event(sticky(true));
+    agent.advance(Duration::from_secs(1));
+    let id = service_id(&agent);
+    agent.event(SourceEvent::Apply(slice(
+        "web-1",
+        "web",
+        &plain(&["10.0.0.2"]),
+    )));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(
+        last(&agent),
+        AffinityPurge {
+            dropped: vec![],
+            departed: true
+        },
+        "a backend left a Service with affinity"
+    );
+
+    agent.target.purge_fails = true;
+    agent.event(sticky(false));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(service_id(&agent), id, "the Service port kept its id");
+    assert_eq!(
+        last(&agent),
+        AffinityPurge {
+            dropped: vec![id],
+            departed: false
+        },
+        "affinity turned off: its entries go"
+    );
+    agent.target.purge_fails = false;
+    agent.event(SourceEvent::Apply(slice(
+        "zoned-1",
+        "zoned",
+        &[("10.0.1.1", Some("zone-a"))],
+    )));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(
+        last(&agent),
+        AffinityPurge {
+            dropped: vec![id],
+            departed: false
+        },
+        "the failed purge, asked for again at the next sync"
+    );
+    let asked = agent.target.affinity.len();
+    agent.event(SourceEvent::Apply(slice(
+        "zoned-1",
+        "zoned",
+        &[("10.0.1.2", Some("zone-b"))],
+    )));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(agent.target.affinity.len(), asked + 1);
+    assert_eq!(
+        last(&agent),
+        AffinityPurge::default(),
+        "a purge that landed is not asked for again"
+    );
 }
 
 #[test]

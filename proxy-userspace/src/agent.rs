@@ -174,7 +174,12 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .read_service_state()
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
-    planner.note_affinity_entries(datapath.maps.affinity_service_ids());
+    match datapath.maps.affinity_service_ids() {
+        Ok(ids) => planner.note_affinity_entries(ids),
+        // Entries of Services without affinity then go only once idle past
+        // their timeout (the reaper).
+        Err(e) => warn!(error = %e, "reading which Services AFFINITY holds entries of"),
+    }
     planner.count_ids_below(config.service_counters);
     planner.balance_with(config.lb);
     info!(

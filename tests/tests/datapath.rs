@@ -841,7 +841,11 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
         )
     };
     assert!(
-        fx.datapath.maps.affinity_service_ids().is_empty(),
+        fx.datapath
+            .maps
+            .affinity_service_ids()
+            .expect("AFFINITY read")
+            .is_empty(),
         "affinity held before any frontend had it"
     );
     reprogram(&mut fx, "sticky", sticky(&BACKENDS));
@@ -865,7 +869,11 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
     );
 
     assert_eq!(
-        fx.datapath.maps.affinity_service_ids().len(),
+        fx.datapath
+            .maps
+            .affinity_service_ids()
+            .expect("AFFINITY read")
+            .len(),
         1,
         "entries made: one Service's"
     );
@@ -941,7 +949,11 @@ fn affinity_turned_off_takes_its_entries_and_only_those() {
         "the entries removed, and those left (the other Service's)"
     );
     assert_eq!(
-        fx.datapath.maps.affinity_service_ids().len(),
+        fx.datapath
+            .maps
+            .affinity_service_ids()
+            .expect("AFFINITY read")
+            .len(),
         1,
         "the other Service's entries stay"
     );

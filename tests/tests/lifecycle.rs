@@ -122,3 +122,8 @@ fn backend_reaches_itself_through_its_service_and_others_keep_their_address() {
         );
     }
 }
+
+#[test]
+fn affinity_entries_outliving_their_services_affinity_go_at_the_next_start() {
+    scenario::affinity_entries_outliving_their_services_affinity_go_at_the_next_start::<Ipv4Addr>();
+}

@@ -48,3 +48,8 @@ fn ipv6_affinity_holds_on_terminating_fallback_endpoints() {
 fn ipv6_stuck_client_moves_when_its_backend_stops_being_ready_or_is_removed() {
     scenario::stuck_client_moves_when_its_backend_stops_being_ready_or_is_removed::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_affinity_entries_outliving_their_services_affinity_go_at_the_next_start() {
+    scenario::affinity_entries_outliving_their_services_affinity_go_at_the_next_start::<Ipv6Addr>();
+}

@@ -4,7 +4,7 @@
 use aya::{
     Pod,
     maps::{
-        Array, HashMap, Map, MapData, MapError, PerCpuArray, SkStorage,
+        Array, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, SkStorage,
         lpm_trie::{Key, LpmTrie},
     },
 };
@@ -326,15 +326,20 @@ impl Maps {
     }
 
     /// The service ids `AFFINITY` holds entries of
-    /// (`Planner::note_affinity_entries`): one pass over its keys, at the
-    /// start. A key that cannot be read is passed over: its entry is reaped
-    /// once idle past its timeout.
-    pub fn affinity_service_ids(&self) -> BTreeSet<u32> {
-        self.affinity
-            .keys()
-            .filter_map(Result::ok)
-            .map(|key| key.service_id)
-            .collect()
+    /// (`Planner::note_affinity_entries`): one pass over the map at the
+    /// start, read in chunks (a full map, one key at a time, is 65,536
+    /// system calls).
+    pub fn affinity_service_ids(&self) -> Result<BTreeSet<u32>, MapsError> {
+        let mut ids = BTreeSet::new();
+        super::batch::for_each_chunk(
+            IterableMap::map(&self.affinity),
+            super::batch::CHUNK,
+            |keys: &[AffinityKey], _: &[AffinityValue]| {
+                ids.extend(keys.iter().map(|key| key.service_id));
+            },
+        )
+        .map_err(batch_error(map_names::AFFINITY))?;
+        Ok(ids)
     }
 
     /// Voids every copy the datapath's flow cache holds: called after

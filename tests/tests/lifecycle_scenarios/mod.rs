@@ -20,7 +20,7 @@ use std::{
 use ebpf_proxy_tests::{
     Protocol,
     affinity::{AFFINITY_TIMEOUT_S, STICKY_RUN, affinity_run, connect_n, distinct},
-    agent::SYNC_DEADLINE,
+    agent::{Agent, SYNC_DEADLINE},
     client::{Reply, TIMEOUT, TcpSession},
     eventually,
     family::Family,
@@ -119,17 +119,9 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
     eventually(
         "the Service's affinity entries purged once its affinity went off",
         SYNC_DEADLINE * 10,
-        || {
-            let status = sb.agent().status().map_err(|e| format!("{e:#}"))?;
-            let fill = status
-                .lines()
-                .find(|l| l.starts_with("map fill AFFINITY: "))
-                .ok_or_else(|| format!("no AFFINITY fill in the status:\n{status}"))?;
-            if fill.starts_with("map fill AFFINITY: 0 of") {
-                Ok(())
-            } else {
-                Err(fill.to_owned())
-            }
+        || match affinity_fill(sb.agent())? {
+            0 => Ok(()),
+            n => Err(format!("{n} entries still")),
         },
     );
     // Uniform picks among 3 repeat one backend 15 times with probability 3^-14.
@@ -169,6 +161,56 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
          balanced to another backend: {}",
         run.rounds.len(),
         run.summary()
+    );
+}
+
+/// The fill of `AFFINITY` in `agent`'s status: `map fill AFFINITY: N of ...`.
+fn affinity_fill(agent: &Agent) -> Result<u64, String> {
+    let status = agent.status().map_err(|e| format!("{e:#}"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("map fill AFFINITY: "))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| format!("no AFFINITY fill in the status:\n{status}"))
+}
+
+/// Affinity turned off while no agent ran (between one's stop and the next's start):
+/// the entries the first left in the pinned `AFFINITY` map go at the next agent's
+/// first sync, since no frontend with affinity takes them up; turned on again, the
+/// Service's clients are balanced afresh rather than sent back where they were.
+pub fn affinity_entries_outliving_their_services_affinity_go_at_the_next_start<F: Family>() {
+    let vip = F::http(F::cluster_ip());
+    let mut sb = sandbox_with(
+        &[CLIENT],
+        &BACKENDS,
+        &F::yaml(&service::<F>(client_ip(None)), &F::backend_ips()),
+    );
+    connect_n(&sb.client().ns, client::<F>(), vip, 3);
+    assert_eq!(
+        affinity_fill(sb.agent()),
+        Ok(1),
+        "the client's affinity entry"
+    );
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &F::yaml(&service::<F>(SessionAffinity::None), &F::backend_ips()),
+        )
+        .expect("rewrite manifest");
+    let next = sb
+        .agent_on_the_same_root(&[])
+        .expect("the next agent, on the same pins");
+    eventually(
+        "the entry left by the first agent, of a Service that no longer has affinity, \
+         purged by the next",
+        SYNC_DEADLINE * 10,
+        || match affinity_fill(&next)? {
+            0 => Ok(()),
+            n => Err(format!("{n} entries still")),
+        },
     );
 }
 

@@ -148,6 +148,17 @@ impl AgentConfig {
 /// Says, beside `tc_dsr`'s load error, what it means where direct server
 /// return was asked for: this node cannot take the flows other nodes send
 /// it that way.
+/// Tells `planner` which service ids the pinned `AFFINITY` holds entries
+/// of, so that those of Services without affinity go after the first sync.
+fn note_affinity_entries(datapath: &Datapath, planner: &mut Planner) {
+    match datapath.maps.affinity_service_ids() {
+        Ok(ids) => planner.note_affinity_entries(ids),
+        // Entries of Services without affinity then go only once idle past
+        // their timeout (the reaper).
+        Err(e) => warn!(error = %e, "reading which Services AFFINITY holds entries of"),
+    }
+}
+
 fn warn_without_dsr(datapath: &Datapath, lb_mode: crate::planner::node::LbMode) {
     if lb_mode != crate::planner::node::LbMode::Snat && !datapath.dsr_loaded() {
         warn!(
@@ -174,12 +185,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
         .read_service_state()
         .map_err(AgentError::Adopt)?;
     let (mut planner, garbage) = Planner::adopt(&stored);
-    match datapath.maps.affinity_service_ids() {
-        Ok(ids) => planner.note_affinity_entries(ids),
-        // Entries of Services without affinity then go only once idle past
-        // their timeout (the reaper).
-        Err(e) => warn!(error = %e, "reading which Services AFFINITY holds entries of"),
-    }
+    note_affinity_entries(&datapath, &mut planner);
     planner.count_ids_below(config.service_counters);
     planner.balance_with(config.lb);
     info!(

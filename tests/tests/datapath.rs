@@ -840,12 +840,9 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
             NoEndpointAction::Reject,
         )
     };
-    assert!(
-        fx.datapath
-            .maps
-            .affinity_service_ids()
-            .expect("AFFINITY read")
-            .is_empty(),
+    assert_eq!(
+        affinity_services(&fx),
+        0,
         "affinity held before any frontend had it"
     );
     reprogram(&mut fx, "sticky", sticky(&BACKENDS));
@@ -868,15 +865,7 @@ fn departed_backend_takes_its_affinity_entries_and_only_those() {
         "each client's first connection records its pick"
     );
 
-    assert_eq!(
-        fx.datapath
-            .maps
-            .affinity_service_ids()
-            .expect("AFFINITY read")
-            .len(),
-        1,
-        "entries made: one Service's"
-    );
+    assert_eq!(affinity_services(&fx), 1, "entries made: one Service's");
     reprogram(&mut fx, "sticky", sticky(&BACKENDS[1..]));
     let departed = fx.planner.take_departed();
     let affinity = fx.planner.take_affinity_purge(&departed);
@@ -949,11 +938,7 @@ fn affinity_turned_off_takes_its_entries_and_only_those() {
         "the entries removed, and those left (the other Service's)"
     );
     assert_eq!(
-        fx.datapath
-            .maps
-            .affinity_service_ids()
-            .expect("AFFINITY read")
-            .len(),
+        affinity_services(&fx),
         1,
         "the other Service's entries stay"
     );
@@ -964,6 +949,15 @@ fn affinity_turned_off_takes_its_entries_and_only_those() {
         AffinityPurge::default(),
         "affinity on again: nothing to purge"
     );
+}
+
+/// How many Services `AFFINITY` holds entries of.
+fn affinity_services(fx: &Fixture) -> usize {
+    fx.datapath
+        .maps
+        .affinity_service_ids()
+        .expect("AFFINITY read")
+        .len()
 }
 
 fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {

@@ -550,9 +550,7 @@ impl SyncLoop {
     fn follow_ups<T: SyncTarget>(&mut self, planner: &mut Planner, target: &mut T) -> FollowUps {
         let departed = planner.take_departed();
         let affinity = planner.take_affinity_purge(&departed);
-        if (!departed.is_empty() || affinity.needed())
-            && !target.clean_departed(&departed, &affinity)
-        {
+        if !target.clean_departed(&departed, &affinity) {
             planner.retry_affinity_purge(&affinity);
         }
         FollowUps {

@@ -62,9 +62,6 @@ pub fn clean_departed(
             false
         }
     };
-    if departed.is_empty() {
-        return purged;
-    }
     let pins = datapath.pins();
     match sock_diag::close_departed(&pins.sock_notes(), &pins.sock_notes6(), departed) {
         Ok(0) => {}

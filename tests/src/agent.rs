@@ -560,6 +560,22 @@ pub fn marked_flow_slots(status: &str) -> Option<u64> {
         .ok()
 }
 
+/// The entries a `status` output shows map `map` holding (its "map fill MAP: N
+/// of ..." line), None where it has no readable such line.
+pub fn map_fill(status: &str, map: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("map fill ")?
+                .strip_prefix(map)?
+                .strip_prefix(": ")
+        })?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// What an agent of a test leaves once stopped and cleaned up: its bpffs root
 /// is removed, and its log too, after printing it if the test failed.
 pub fn leave_nothing_behind(bpf_root: &Path, log_path: &Path, log: impl FnOnce() -> String) {

@@ -18,7 +18,7 @@ use std::{
 
 use ebpf_proxy_tests::{
     Protocol,
-    agent::SYNC_DEADLINE,
+    agent::{SYNC_DEADLINE, map_fill},
     client::{
         Outcome, Peer, Reply, TIMEOUT, Tally, TcpSession, assert_all_replied_from, tcp_request,
         tcp_request_from_port_here, tcp_request_from_port_reset_here, tcp_tally, udp_request,
@@ -243,16 +243,8 @@ pub fn udp_reaches_backends_with_client_address<F: Family>() {
     // unassured map, or in the assured one once a socket's port came round again.
     let status = sb.agent().status().expect("ebpf-proxy status");
     let entries_of = |map: &str| -> u64 {
-        let prefix = format!("map fill {map}: ");
-        let fill = status
-            .lines()
-            .find(|l| l.starts_with(&prefix))
-            .unwrap_or_else(|| panic!("status shows no {map} fill:\n{status}"));
-        fill[prefix.len()..]
-            .split(' ')
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("unreadable fill line {fill:?}"))
+        map_fill(&status, map)
+            .unwrap_or_else(|| panic!("status shows no readable {map} fill:\n{status}"))
     };
     let [assured, unassured] = F::CONNTRACK_MAPS;
     let entries = entries_of(assured) + entries_of(unassured);

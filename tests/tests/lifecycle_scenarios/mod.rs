@@ -20,7 +20,7 @@ use std::{
 use ebpf_proxy_tests::{
     Protocol,
     affinity::{AFFINITY_TIMEOUT_S, STICKY_RUN, affinity_run, connect_n, distinct},
-    agent::{Agent, SYNC_DEADLINE},
+    agent::{Agent, SYNC_DEADLINE, map_fill},
     client::{Reply, TIMEOUT, TcpSession},
     eventually,
     family::Family,
@@ -167,11 +167,7 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
 /// The fill of `AFFINITY` in `agent`'s status: `map fill AFFINITY: N of ...`.
 fn affinity_fill(agent: &Agent) -> Result<u64, String> {
     let status = agent.status().map_err(|e| format!("{e:#}"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("map fill AFFINITY: "))
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|n| n.parse().ok())
+    map_fill(&status, "AFFINITY")
         .ok_or_else(|| format!("no AFFINITY fill in the status:\n{status}"))
 }
 

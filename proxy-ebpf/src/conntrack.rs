@@ -15,13 +15,14 @@
 //! live in `CONNTRACK6` and `CT_NEW6` by the same rules.
 //!
 //! One new flow starts in `CONNTRACK`: a TCP SYN opening again the tuple of
-//! a closed flow whose two entries it removed there (`reopen`, `create`),
-//! as a busy client reuses its ports while its last connections' entries
-//! are closing. It takes the room its old flow left, so `CONNTRACK` does
-//! not grow and a flood still evicts only unassured flows; and it is never
-//! moved, which spares it the two inserts into `CT_NEW`, the lookups that
-//! miss `CONNTRACK` first, and the move (bench/README.md, "Where a
-//! connection's program time goes").
+//! a closed flow there, whose reply entry it removed and whose forward
+//! entry it voided (`reopen`, `create`), as a busy client reuses its ports
+//! while its last connections' entries are closing. It takes the room its
+//! old flow left, its forward entry written over the old one in place, so
+//! `CONNTRACK` does not grow and a flood still evicts only unassured
+//! flows; and it is never moved, which spares it the two inserts into
+//! `CT_NEW`, the lookups that miss `CONNTRACK` first, and the move
+//! (bench/README.md, "Where a connection's program time goes").
 //!
 //! Entries are read in place and built in this CPU's `Scratch`, never
 //! copied to the stack: IPv6's program has room for little more than one
@@ -109,7 +110,7 @@ pub struct Found<A> {
 /// The live entry for this packet's tuple, if any: assured flows first.
 /// `reopened` is left as `lookup_in` says.
 #[inline(always)]
-pub fn lookup<F: Family>(
+pub fn lookup<F: CreateFamily>(
     key: &CtKeyOf<F::Addr>,
     flow: &FlowOf<F::Addr>,
     now: u64,
@@ -166,7 +167,7 @@ pub struct Known<A> {
 /// The live entry for this packet: the flow cache's copy first (see
 /// `Known`).
 #[inline(always)]
-pub fn known<F: Family>(
+pub fn known<F: CreateFamily>(
     key: &CtKeyOf<F::Addr>,
     stamp: &flow_cache::Stamp,
     flow: &FlowOf<F::Addr>,
@@ -229,12 +230,13 @@ pub fn seen<F: Family>(
 /// being reused by a new connection, which may not be ours at all (a client
 /// connecting straight to a pod from the port it just used for the
 /// service). The old flow goes whole, as netfilter kills a closed entry a
-/// SYN opens again: its reply entry too (`reopen`), which would otherwise
-/// hold a SNAT port until it expired beside the new flow's own; that port
-/// is left in `reopened` for the new flow. A TCP flow that goes whole from
-/// `CONNTRACK` leaves its room there to the new one (`Scratch::room_key`).
+/// SYN opens again (`reopen`): its forward entry voided, its reply entry
+/// removed, which would otherwise hold a SNAT port until it expired beside
+/// the new flow's own; that port is left in `reopened` for the new flow. A
+/// TCP flow that goes whole from `CONNTRACK` leaves its room there to the
+/// new one (`Scratch::room_key`).
 #[inline(always)]
-fn lookup_in<F: Family>(
+fn lookup_in<F: CreateFamily>(
     map: &Conntrack<F::Addr>,
     key: &CtKeyOf<F::Addr>,
     flow: &FlowOf<F::Addr>,
@@ -251,41 +253,68 @@ fn lookup_in<F: Family>(
         && entry.flags & ct_flags::CLOSING != 0
         && flow.tcp_flags & (TCP_SYN | TCP_RST) == TCP_SYN
     {
-        *reopened = reopen::<F>(map, key, entry, flow.proto);
-        remove::<F>(map, key);
+        *reopened = reopen::<F>(map, key, ptr, flow.proto);
         return None;
     }
     Some(ptr)
 }
 
-/// Removes the reply entry of the closed flow whose forward entry is
-/// `forward` (at `key`, in `map`), if it is still that flow's: its tuple
-/// may have gone to another flow since (`port_free`). Returns the source
-/// port the flow was given (network order) when it was two-sided and its
-/// reply entry was its own, else 0: the same client port may then have
-/// the same SNAT port, as netfilter keeps a reopened tuple's translation
-/// when it is still unique, and late packets of the old flow reach the
-/// client they were for.
+/// Ends the closed flow whose forward entry is at `ptr` (at `key`, in
+/// `map`), hit by a SYN opening its tuple again: that entry is voided in
+/// place (`void`), and its reply entry removed if it is still that
+/// flow's (its tuple may have gone to another flow since, `port_free`).
+/// Returns the source port the flow was given (network order) when it was
+/// two-sided and its reply entry was its own, else 0: the same client port
+/// may then have the same SNAT port, as netfilter keeps a reopened tuple's
+/// translation when it is still unique, and late packets of the old flow
+/// reach the client they were for.
 ///
-/// A TCP flow of `CONNTRACK` whose reply entry goes here goes whole (its
-/// caller removes the forward entry next): its key is left in this CPU's
-/// `Scratch::room_key`, for the new flow the SYN starts (`create`). In
-/// that scratch rather than returned, because the verifier reads nothing
-/// a map holds as a known value: one it knew to differ would split every
-/// path from here to the new flow in two, `tc_ingress6`'s past its limit.
+/// A TCP flow of `CONNTRACK` whose reply entry goes leaves its room there
+/// to the new flow the SYN starts (`create`): its key is left in this
+/// CPU's `Scratch::room_key`, and the new flow is written over its voided
+/// forward entry, which has the new flow's own key, in place
+/// (`overwrite`): a remove and an insert into a preallocated LRU map each
+/// put a node back on its free lists or take one off, where a write in
+/// place does neither (bench/README.md, "A reopened flow written over its
+/// closed one").
+///
+/// The entry and its key are copied into that scratch, and the rest is
+/// done by a global function (`CreateFamily::reopen`), which the verifier
+/// checks once on its own: inlined, its branches split every path from
+/// here to the new flow, `tc_ingress6`'s near its limit.
 #[inline(always)]
-fn reopen<F: Family>(
+fn reopen<F: CreateFamily>(
     map: &Conntrack<F::Addr>,
     key: &CtKeyOf<F::Addr>,
-    forward: &CtValueOf<F::Addr>,
+    ptr: *mut CtValueOf<F::Addr>,
     proto: u8,
 ) -> u16 {
-    if forward.dir != ct_dir::FORWARD {
-        return 0;
-    }
     let Some(scratch) = scratch::<F>() else {
         return 0;
     };
+    scratch.room_key = *key;
+    // SAFETY: a valid map value pointer for this program's run, and this
+    // CPU's scratch, which cannot overlap it. Copied, not assigned: see
+    // `translation`.
+    unsafe { core::ptr::copy_nonoverlapping(ptr, &raw mut scratch.value, 1) };
+    void::<F>(map, key, ptr);
+    let in_conntrack = core::ptr::eq(map, F::conntrack());
+    F::reopen(u64::from(in_conntrack), u64::from(proto)) as u16
+}
+
+/// `reopen`'s part out of line, on the closed flow's forward entry and key
+/// as `reopen` left them in this CPU's `Scratch` (`value`, `room_key`), in
+/// `CONNTRACK` or (`in_conntrack` false) `CT_NEW`: its reply entry removed
+/// if it is its own, the room left or not (`room_key`'s protocol 0: none).
+/// Each map is asked at a call site of its own: a site that may see either
+/// map is not inlined by the verifier, and a lookup there went through the
+/// helper's indirect call.
+#[inline(always)]
+fn reopen_rest<F: Family>(in_conntrack: bool, proto: u8) -> u16 {
+    let Some(scratch) = scratch::<F>() else {
+        return 0;
+    };
+    let forward = &scratch.value;
     scratch.key = CtKeyOf::new(
         forward.nat_addr_be,
         forward.alt_addr_be,
@@ -293,22 +322,53 @@ fn reopen<F: Family>(
         forward.alt_port_be,
         proto,
     );
+    let own = forward.dir == ct_dir::FORWARD
+        && if in_conntrack {
+            remove_own_reply::<F>(F::conntrack(), scratch)
+        } else {
+            remove_own_reply::<F>(F::ct_new(), scratch)
+        };
+    if !own || !in_conntrack || proto != PROTO_TCP {
+        scratch.room_key.proto = 0;
+    }
+    if own && forward.flags & ct_flags::TWO_SIDED != 0 {
+        forward.alt_port_be
+    } else {
+        0
+    }
+}
+
+/// Removes the entry at `scratch.key` from `map` if it is the reply entry
+/// of the flow whose forward key is `scratch.room_key`; whether it was.
+#[inline(always)]
+fn remove_own_reply<F: Family>(map: &Conntrack<F::Addr>, scratch: &Scratch<F::Addr>) -> bool {
     let own = map
         .get_ptr(&scratch.key)
         // SAFETY: a pointer the map lookup returned, valid for this
         // program's run.
-        .is_some_and(|r| answers(unsafe { &*r }, key));
-    if !own {
-        return 0;
+        .is_some_and(|r| answers(unsafe { &*r }, &scratch.room_key));
+    if own {
+        remove::<F>(map, &scratch.key);
     }
-    remove::<F>(map, &scratch.key);
-    if proto == PROTO_TCP && core::ptr::eq(map, F::conntrack()) {
-        scratch.room_key = *key;
-    }
-    if forward.flags & ct_flags::TWO_SIDED != 0 {
-        forward.alt_port_be
-    } else {
-        0
+    own
+}
+
+/// Makes the entry at `ptr` (at `key`, in `map`) count as absent, in
+/// place: a closed entry last seen at the clock's start, expired once the
+/// clock is past the closing timeouts (two minutes after boot at most by
+/// default, long before an agent runs), and every CPU's cached copy of it
+/// voided. Every reader takes it for no entry (`expired`) and every writer
+/// overwrites it: the new flow of its tuple (`overwrite`; in `CT_NEW`
+/// `insert_pair`'s and `insert_forward`'s inserts at its key; a move to
+/// `CONNTRACK`, `claim`), else the reaper removes it. So a SYN whose new
+/// flow is not created (refused, left to netfilter) leaves no live entry
+/// of the closed flow behind.
+#[inline(always)]
+fn void<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>, ptr: *mut CtValueOf<F::Addr>) {
+    // SAFETY: a valid map value pointer for the duration of this program.
+    unsafe { (*ptr).last_seen_ns = 0 };
+    if core::ptr::eq(map, F::conntrack()) {
+        flow_cache::invalidate(key);
     }
 }
 
@@ -464,12 +524,13 @@ pub fn touch<F: Family>(
     if flags == old_flags {
         return;
     }
-    let map = if found.unassured {
-        F::ct_new()
+    // Each map looked up at a call site of its own (see `reopen_rest`).
+    let other = if found.unassured {
+        F::ct_new().get_ptr_mut(&scratch.key)
     } else {
-        F::conntrack()
+        F::conntrack().get_ptr_mut(&scratch.key)
     };
-    if let Some(p) = map.get_ptr_mut(&scratch.key) {
+    if let Some(p) = other {
         // SAFETY: as above.
         unsafe {
             (*p).flags |= flags
@@ -520,16 +581,15 @@ fn closed<F: Family>(
         return flags;
     };
     scratch.key = other_key(flow, nat);
-    let map = if unassured {
-        F::ct_new()
+    // Each map looked up at a call site of its own (see `reopen_rest`).
+    let receiver = if unassured {
+        F::ct_new().get_ptr(&scratch.key)
     } else {
-        F::conntrack()
+        F::conntrack().get_ptr(&scratch.key)
     };
     // SAFETY: a pointer the map lookup returned, valid for this program's
     // run.
-    let receiver_max_ack = map
-        .get_ptr(&scratch.key)
-        .map_or(0, |p| unsafe { (*p).tcp_max_ack });
+    let receiver_max_ack = receiver.map_or(0, |p| unsafe { (*p).tcp_max_ack });
     let step = tcp_close_step(
         flags,
         dir,
@@ -816,10 +876,11 @@ fn scratch<F: Family>() -> Option<&'static mut Scratch<F::Addr>> {
 /// their client straight. A flow that keeps its client's port otherwise
 /// goes through `create_kept`, which never overwrites a live clash.)
 ///
-/// A TCP flow whose SYN removed both entries of its tuple's closed flow
-/// from `CONNTRACK` (`reopen`, `Scratch::room_key`) is created there
-/// instead, in the room they left, overwriting a clash there as `CT_NEW`'s
-/// inserts do, and is never moved. The room is taken once. Its client's
+/// A TCP flow whose SYN ended its tuple's closed flow in `CONNTRACK`
+/// (`reopen`, `Scratch::room_key`) is created there instead, in the room
+/// it left, its forward entry over the voided one, its reply entry
+/// overwriting a clash there as `CT_NEW`'s inserts do, and is never moved.
+/// The room is taken once. Its client's
 /// share (`ct_source_share`) is neither asked nor charged: the flow takes
 /// the place of one of the client's own that the share counted, and the
 /// agent's recount counts what `CONNTRACK` holds.
@@ -1008,6 +1069,9 @@ pub trait CreateFamily: Family {
 
     /// `insert_pair` of this family.
     fn insert_pair(how: u64, now: u64) -> u32;
+
+    /// `reopen_rest` of this family.
+    fn reopen(in_conntrack: u64, proto: u64) -> u32;
 }
 
 impl CreateFamily for V4 {
@@ -1020,6 +1084,11 @@ impl CreateFamily for V4 {
     fn insert_pair(how: u64, now: u64) -> u32 {
         ct_insert_pair(how, now)
     }
+
+    #[inline(always)]
+    fn reopen(in_conntrack: u64, proto: u64) -> u32 {
+        ct_reopen(in_conntrack, proto)
+    }
 }
 
 impl CreateFamily for V6 {
@@ -1031,6 +1100,11 @@ impl CreateFamily for V6 {
     #[inline(always)]
     fn insert_pair(how: u64, now: u64) -> u32 {
         ct_insert_pair6(how, now)
+    }
+
+    #[inline(always)]
+    fn reopen(in_conntrack: u64, proto: u64) -> u32 {
+        ct_reopen6(in_conntrack, proto)
     }
 }
 
@@ -1070,12 +1144,31 @@ pub extern "C" fn ct_insert_pair6(how: u64, now: u64) -> u32 {
     insert_pair::<V6>(how, now)
 }
 
+/// `reopen_rest` of IPv4, global as `snat_try_port` is.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn ct_reopen(in_conntrack: u64, proto: u64) -> u32 {
+    u32::from(reopen_rest::<V4>(in_conntrack != 0, proto as u8))
+}
+
+/// `reopen_rest` of IPv6, as `ct_reopen`.
+#[inline(never)]
+#[unsafe(no_mangle)]
+#[unsafe(link_section = ".text")]
+pub extern "C" fn ct_reopen6(in_conntrack: u64, proto: u64) -> u32 {
+    u32::from(reopen_rest::<V6>(in_conntrack != 0, proto as u8))
+}
+
 /// Inserts the new flow `create` built in this CPU's `Scratch`: its reply
 /// entry (`key`, `value`) first, so that once packets are translated their
 /// answers already find their way back, then its forward entry
 /// (`other_key`, `other_value`). Into `CT_NEW`, where an assured flow
 /// holding the reply entry's key in `CONNTRACK` goes first; into
-/// `CONNTRACK` with `ROOM`, overwriting it there. Either way the copies
+/// `CONNTRACK` with `ROOM` if the closed flow's forward entry that
+/// `reopen` voided is still there, the new one written over it first
+/// (`overwrite`), and the reply entry overwriting what `CONNTRACK` holds
+/// at its key. Either way the copies
 /// that said the keys were absent, or were of what `CONNTRACK` held there,
 /// go (`flow_cache::put_absent`). With `KEEP`, a live flow of another
 /// client tuple holding the reply entry's key in either map is not
@@ -1100,19 +1193,28 @@ fn insert_pair<F: Family>(how: u64, now: u64) -> u32 {
         scratch.value.flags |= ct_flags::SNAT;
         return PAIR_CLASH;
     }
-    let room = how & ROOM != 0;
-    let map = if room {
-        F::conntrack()
+    let room =
+        how & ROOM != 0 && overwrite::<F>(&scratch.other_key, &raw const scratch.other_value);
+    // Each map inserted into at a call site of its own: the verifier
+    // calls a site that may see either map through the helper's indirect
+    // call, where it calls one map's own insert directly.
+    let (reply, forward) = if room {
+        let reply = F::conntrack()
+            .insert(&scratch.key, &scratch.value, BPF_ANY)
+            .is_ok();
+        (reply, true)
     } else {
         if assured.is_some() {
             remove::<F>(F::conntrack(), &scratch.key);
         }
-        F::ct_new()
+        let reply = F::ct_new()
+            .insert(&scratch.key, &scratch.value, BPF_ANY)
+            .is_ok();
+        let forward = F::ct_new()
+            .insert(&scratch.other_key, &scratch.other_value, BPF_ANY)
+            .is_ok();
+        (reply, forward)
     };
-    let reply = map.insert(&scratch.key, &scratch.value, BPF_ANY).is_ok();
-    let forward = map
-        .insert(&scratch.other_key, &scratch.other_value, BPF_ANY)
-        .is_ok();
     flow_cache::invalidate(&scratch.key);
     flow_cache::invalidate(&scratch.other_key);
     prefilter::mark_reply(&scratch.key);
@@ -1124,6 +1226,36 @@ fn insert_pair<F: Family>(how: u64, now: u64) -> u32 {
     } else {
         PAIR_FAILED
     }
+}
+
+/// Writes `value` over `CONNTRACK`'s entry at `key` if it is one that
+/// `reopen` voided for the new flow of its tuple (its clock 0), in place:
+/// the room the new flow takes. False, writing nothing, when there is
+/// none: the entry is gone (evicted, reaped, or never voided: a SYN whose
+/// flow was not created left its `Scratch::room_key` behind) or another's.
+/// Written before the reply entry, with nothing between this lookup and
+/// the write that could hand its node to another entry on this CPU; the
+/// reply entry follows at once, long before an answer to anything the
+/// forward entry translates can come back. Only a straggler of the same
+/// tuple reads the entry meanwhile (one client socket sends it at a time,
+/// and this SYN is its newest): it finds the voided entry, the new one, or
+/// for the instant of the write a mix of the closed flow's translation
+/// and the new one's, of the same Service.
+#[inline(always)]
+fn overwrite<F: Family>(key: &CtKeyOf<F::Addr>, value: *const CtValueOf<F::Addr>) -> bool {
+    let Some(entry) = F::conntrack().get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: a valid map value pointer for this program's run, and this
+    // CPU's scratch, which cannot overlap it. Copied, not assigned: see
+    // `translation`.
+    unsafe {
+        if (*entry).last_seen_ns != 0 {
+            return false;
+        }
+        core::ptr::copy_nonoverlapping(value, entry, 1);
+    }
+    true
 }
 
 /// Whether `held`, an entry at the reply key in this CPU's `Scratch`

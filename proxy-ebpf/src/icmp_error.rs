@@ -40,7 +40,7 @@ use proxy_common::{
 use crate::{
     conntrack,
     event_log::Event,
-    family::{Family, V4, V6},
+    family::{V4, V6},
     maps::count,
     nat::NatOf,
     packet::{
@@ -74,7 +74,7 @@ pub enum Verdict<R> {
 /// What differs between the families' ICMP errors: which messages are
 /// errors, the error's and the quote's IP headers, and which checksums an
 /// address change reaches (IPv4's header checksums; ICMPv6's pseudo-header).
-pub trait ErrorFamily: Family {
+pub trait ErrorFamily: conntrack::CreateFamily {
     /// ICMP's protocol number: ICMP or ICMPv6.
     const ICMP: u8;
 

@@ -162,9 +162,11 @@ pub struct Scratch<A> {
     /// A new flow's forward entry, at `other_key`, beside its reply entry
     /// in `value` (`conntrack::create`).
     pub other_value: CtValueOf<A>,
-    /// The key of the closed flow whose entries the last SYN to open a
-    /// tuple again removed from `CONNTRACK`: the room its new flow starts
-    /// in (`conntrack::create`), taken once (its protocol then 0).
+    /// The key of the closed flow of `CONNTRACK` that the last SYN to open
+    /// a tuple again ended there (its reply entry removed, its forward
+    /// entry voided): the room its new flow starts in (`conntrack::create`),
+    /// taken once (its protocol then 0). Also where `conntrack::reopen`
+    /// hands that key to its out-of-line part.
     pub room_key: CtKeyOf<A>,
 }
 

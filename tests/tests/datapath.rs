@@ -14,7 +14,7 @@ use std::{
 
 use aya::programs::{TestRun, TestRunOptions};
 use node_maps::write_service_cidrs;
-use proxy_common::{TraceRecord, ct_flags, map_names};
+use proxy_common::{CtValue, TraceRecord, ct_flags, map_names};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
     housekeeping::conntrack,
@@ -728,7 +728,7 @@ impl Drop for CpuGuard {
 #[test]
 fn a_conntrack_map_of_another_size_is_replaced_with_its_flows() {
     use aya::maps::{HashMap, MapData, MapInfo};
-    use proxy_common::{CtKey, CtValue, ct_dir};
+    use proxy_common::{CtKey, ct_dir};
 
     let pins = PinLayout::new(unique_root("ebpf-proxy-resize"));
     struct Unpin(PinLayout);
@@ -3273,7 +3273,7 @@ fn reaper_removes_exactly_the_expired_entries_of_a_large_table() {
     const N: u32 = 10_000;
     for i in 0..N {
         let seen = if i % 2 == 0 { 1 } else { now };
-        let value = proxy_common::CtValue {
+        let value = CtValue {
             last_seen_ns: seen,
             ..Default::default()
         };
@@ -3618,12 +3618,11 @@ fn a_flood_of_new_flows_leaves_established_flows_alone() {
         "new flows counted: {}",
         counter(&fx, "ct_new_flow")
     );
-    let assured =
-        proxy_userspace::datapath::batch::count::<proxy_common::CtKey, proxy_common::CtValue>(
-            aya::maps::IterableMap::map(&fx.datapath.maps.conntrack),
-            proxy_userspace::datapath::batch::CHUNK,
-        )
-        .expect("counting CONNTRACK");
+    let assured = proxy_userspace::datapath::batch::count::<proxy_common::CtKey, CtValue>(
+        aya::maps::IterableMap::map(&fx.datapath.maps.conntrack),
+        proxy_userspace::datapath::batch::CHUNK,
+    )
+    .expect("counting CONNTRACK");
     assert_eq!(
         assured,
         2 * 151,
@@ -3633,8 +3632,9 @@ fn a_flood_of_new_flows_leaves_established_flows_alone() {
 
 /// A client opening a new connection from the port of one it just reset,
 /// while that flow's entries are closing in `CONNTRACK`, starts the new flow
-/// in the room they leave there: its SYN removes both closed entries and
-/// puts the new flow's two in their place, none goes through `CT_NEW`, none
+/// in the room they leave there: its SYN removes the closed reply entry and
+/// voids the closed forward entry, the new flow's reply entry goes in and its
+/// forward entry is written over the voided one, none goes through `CT_NEW`, none
 /// is moved when the handshake assures the flow (`ct_assured` stays), and
 /// `CONNTRACK` holds as many entries as before. The new flow is translated
 /// both ways, and its retransmitted SYN keeps its backend. Where the closed
@@ -3792,9 +3792,23 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         .insert(reply, theirs, 0)
         .expect("rewriting the reply entry");
     run(&fx, &tcp(CLIENT, 43_000, VIP, 80, frame::SYN));
+    // The closed flow's forward entry stays in `CONNTRACK`, voided (its
+    // clock 0: expired), until the flow's move or the reaper overwrites or
+    // removes it.
+    let entries = ct_entries(&fx, &key(43_000));
     assert!(
-        matches!(ct_entries(&fx, &key(43_000)), (None, Some(_))),
-        "a SYN that removed one closed entry started its flow in CONNTRACK"
+        matches!(
+            entries,
+            (
+                None | Some(CtValue {
+                    last_seen_ns: 0,
+                    ..
+                }),
+                Some(_)
+            )
+        ),
+        "a SYN that left no room started its flow in CONNTRACK, or left the closed flow's \
+         forward entry live there: {entries:?}"
     );
 
     // A share of 1 flow, which the client holds (43_001, as the reaper's
@@ -3824,6 +3838,99 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     );
     assert!(counter(&fx, "ct_share_refused") > refused);
     assert_eq!(counter(&fx, "ct_reopened"), 2, "ct_reopened");
+}
+
+/// A SYN opening again a closed flow's tuple voids that flow's forward
+/// entry in place for the new flow to be written over (`conntrack::reopen`).
+/// Where no new flow follows (its Service has lost its endpoints, and the
+/// SYN is rejected), the voided entry is taken for none: the client's next
+/// packet on that tuple is refused as a packet of no flow to that Service
+/// is (dropped: no SYN, nothing to reset), never sent to the closed flow's
+/// backend; the reaper removes the entry; and the tuple,
+/// opened once the Service has endpoints again, starts a flow as any new
+/// one does.
+#[test]
+fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() {
+    let mut fx = fixture();
+    let _cpu = stay_on_this_cpu();
+    let key = ct_key(CLIENT, 43_300, VIP, 80, proxy_common::PROTO_TCP);
+    let (_, out) = run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::SYN));
+    let first = parse_checked(&out, "the first SYN").dst;
+    run(
+        &fx,
+        &tcp(first, 8080, CLIENT, 43_300, frame::SYN | frame::ACK),
+    );
+    run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::ACK));
+    run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::RST | frame::ACK));
+    assert!(
+        matches!(ct_entries(&fx, &key), (Some(e), None) if e.flags & ct_flags::CLOSING != 0),
+        "the reset flow is not closing in CONNTRACK: {:?}",
+        ct_entries(&fx, &key)
+    );
+    let owner = ObjectKey {
+        namespace: "test".into(),
+        name: "svc0".into(),
+    };
+    let resync = |fx: &mut Fixture, backends: &[Ipv4Addr]| {
+        let fe = frontend(
+            VIP,
+            80,
+            Protocol::Tcp,
+            backends,
+            8080,
+            NoEndpointAction::Reject,
+        );
+        let out = fx
+            .planner
+            .sync_service(&owner, std::slice::from_ref(&fe), &mut fx.datapath.maps);
+        assert!(
+            out.errors.is_empty(),
+            "resyncing {}: {:?}",
+            fe.key,
+            out.errors
+        );
+    };
+    resync(&mut fx, &[]);
+
+    let rejects = counter(&fx, "reject");
+    let (ret, out) = run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::SYN));
+    let p = parse_checked(&out, "the answer to the SYN");
+    assert_eq!(
+        (ret, p.src, p.dst),
+        (TC_ACT_REDIRECT, VIP, CLIENT),
+        "the SYN on the closed flow's tuple, its Service without endpoints, was not rejected \
+         (sent to {}; the closed flow's backend was {first})",
+        p.dst
+    );
+    let (ret, out) = run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::ACK));
+    assert_eq!(
+        ret,
+        TC_ACT_SHOT,
+        "the ACK after it, a packet of no flow to a Service without endpoints, was not refused \
+         (sent to {}; the closed flow's backend was {first})",
+        parse_checked(&out, "the ACK").dst
+    );
+    assert_eq!(counter(&fx, "reject"), rejects + 2, "reject");
+    let reaped =
+        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    assert_eq!(
+        (reaped, ct_entries(&fx, &key), ct_len(&fx)),
+        (1, (None, None), 0),
+        "(reaped, the tuple's entries, entries left): the voided entry outlived the reaper"
+    );
+
+    resync(&mut fx, &BACKENDS);
+    let (ret, out) = run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::SYN));
+    let to = parse_checked(&out, "the SYN once the Service has endpoints again").dst;
+    assert!(
+        ret == TC_ACT_OK && BACKENDS.contains(&to),
+        "the SYN once the Service has endpoints again: verdict {ret}, sent to {to}"
+    );
+    assert!(
+        matches!(ct_entries(&fx, &key), (None, Some(_))),
+        "the new flow did not start in CT_NEW: {:?}",
+        ct_entries(&fx, &key)
+    );
 }
 
 /// Only an assured flow's room in `CONNTRACK` is taken by its port opened
@@ -4178,18 +4285,15 @@ const ICMP_PORT_UNREACHABLE: (u8, u8, u16) = (3, 3, 0);
 const ICMP_FRAG_NEEDED: (u8, u8, u16) = (3, 4, 1400);
 const ICMP_TTL_EXCEEDED: (u8, u8, u16) = (11, 0, 0);
 
-/// Entries in both conntrack maps.
 /// `key`'s entries in `CONNTRACK` and in `CT_NEW`: where its flow lives.
-fn ct_entries(
-    fx: &Fixture,
-    key: &proxy_common::CtKey,
-) -> (Option<proxy_common::CtValue>, Option<proxy_common::CtValue>) {
+fn ct_entries(fx: &Fixture, key: &proxy_common::CtKey) -> (Option<CtValue>, Option<CtValue>) {
     (
         fx.datapath.maps.conntrack.get(key, 0).ok(),
         fx.datapath.maps.ct_new.get(key, 0).ok(),
     )
 }
 
+/// Entries in both conntrack maps.
 fn ct_len(fx: &Fixture) -> usize {
     fx.datapath.maps.conntrack.keys().count() + fx.datapath.maps.ct_new.keys().count()
 }

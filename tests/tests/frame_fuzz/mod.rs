@@ -27,7 +27,7 @@ use ebpf_proxy_tests::{
     netns::{NetNs, unique_stem},
     topology::{one_node, two_node},
 };
-use proxy_common::{CtKey, CtValue, counter, ct_dir, ct_flags};
+use proxy_common::{CtKey, CtTimeouts, CtValue, counter, ct_dir, ct_flags};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
     model::{
@@ -392,16 +392,26 @@ fn translate(t: &Tuple, entry: &CtValue) -> (Tuple, bool) {
     (out, entry.flags & ct_flags::REDIRECT != 0)
 }
 
+/// Whether `entry`, of a flow of `proto`, is live: the datapath takes an
+/// expired entry for none, as it does the closed flow's entry a SYN opening
+/// its tuple again voided in place (its clock 0) until the new flow is
+/// written over it.
+fn live(entry: &CtValue, proto: u8) -> bool {
+    !entry.expired(
+        proto,
+        proxy_userspace::housekeeping::conntrack::monotonic_ns(),
+        &CtTimeouts::DEFAULT,
+    )
+}
+
 impl Conntrack for Table<'_> {
     fn translation(&self, t: &Tuple) -> Option<(Tuple, bool)> {
         // Assured flows first, as the datapath looks them up.
         let maps = &self.0.maps;
         let key = ct_key(t);
-        let entry = maps
-            .conntrack
-            .get(&key, 0)
-            .or_else(|_| maps.ct_new.get(&key, 0))
-            .ok()?;
+        let entry = [&maps.conntrack, &maps.ct_new]
+            .into_iter()
+            .find_map(|map| map.get(&key, 0).ok().filter(|e| live(e, key.proto)))?;
         Some(translate(t, &entry))
     }
 
@@ -420,7 +430,9 @@ impl Conntrack for Table<'_> {
             .iter()
             .chain(maps.ct_new.iter())
             .filter_map(Result::ok)
-            .filter(|(k, _)| k.proto == proto && k.src_be == src_be && k.dst_be == dst_be)
+            .filter(|(k, v)| {
+                k.proto == proto && k.src_be == src_be && k.dst_be == dst_be && live(v, proto)
+            })
             .map(|(k, v)| {
                 let t = Tuple {
                     proto,

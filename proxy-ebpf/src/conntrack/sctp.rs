@@ -66,15 +66,16 @@ fn other_tag<F: Family>(
         return 0;
     };
     scratch.key = other_key(flow, nat);
-    let map = if found.unassured {
-        F::ct_new()
+    // Each map looked up at a call site of its own (see
+    // `conntrack::reopen_rest`).
+    let other = if found.unassured {
+        F::ct_new().get_ptr(&scratch.key)
     } else {
-        F::conntrack()
+        F::conntrack().get_ptr(&scratch.key)
     };
     // SAFETY: a pointer the map lookup returned, valid for this program's
     // run.
-    map.get_ptr(&scratch.key)
-        .map_or(0, |p| unsafe { (*p).tcp_max_ack })
+    other.map_or(0, |p| unsafe { (*p).tcp_max_ack })
 }
 
 /// Records the Initiate Tag of the INIT or INIT ACK `flow` (at `found`,
@@ -91,12 +92,14 @@ where
         return;
     };
     scratch.key = other_key(flow, nat);
-    let map = if found.unassured {
-        F::ct_new()
+    // Each map looked up at a call site of its own (see
+    // `conntrack::reopen_rest`).
+    let other = if found.unassured {
+        F::ct_new().get_ptr_mut(&scratch.key)
     } else {
-        F::conntrack()
+        F::conntrack().get_ptr_mut(&scratch.key)
     };
-    if let Some(p) = map.get_ptr_mut(&scratch.key) {
+    if let Some(p) = other {
         // SAFETY: as above; a racing writer stores the same tag.
         unsafe { (*p).tcp_max_ack = flow.sctp_initiate_tag_be() };
         flow_cache::invalidate(&scratch.key);

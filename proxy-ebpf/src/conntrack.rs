@@ -291,7 +291,7 @@ fn reopen<F: CreateFamily>(
     proto: u8,
 ) -> u16 {
     // Voided first, whatever follows: `reopen_rest` reads none of what
-    // that changes.
+    // that changes (the FIN bits and the clock).
     void::<F>(map, key, ptr);
     let Some(scratch) = scratch::<F>() else {
         return 0;
@@ -356,11 +356,11 @@ fn remove_own_reply<F: Family>(map: &Conntrack<F::Addr>, scratch: &Scratch<F::Ad
     own
 }
 
-/// Makes the entry at `ptr` (at `key`, in `map`) count as absent, in
-/// place: a closed entry last seen at the clock's start, expired once the
-/// clock is past the closing timeouts (two minutes after boot at most by
-/// default, long before an agent runs), and every CPU's cached copy of it
-/// voided. Every reader takes it for no entry (`expired`) and every writer
+/// Makes the closed entry at `ptr` (at `key`, in `map`) count as absent, in
+/// place: reset rather than closed by FINs (`CtTimeouts::tcp_close_ns`, a
+/// fixed 10 s, where `TIME_WAIT` is 120 s) and last seen at the clock's
+/// start, so expired once the node has been up for 10 s, long before an
+/// agent runs; every CPU's cached copy of it voided. Every reader takes it for no entry (`expired`) and every writer
 /// overwrites it: the new flow of its tuple (`overwrite`; in `CT_NEW`
 /// `insert_pair`'s and `insert_forward`'s inserts at its key; a move to
 /// `CONNTRACK`, `claim`), else the reaper removes it. So a SYN whose new
@@ -369,7 +369,10 @@ fn remove_own_reply<F: Family>(map: &Conntrack<F::Addr>, scratch: &Scratch<F::Ad
 #[inline(always)]
 fn void<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>, ptr: *mut CtValueOf<F::Addr>) {
     // SAFETY: a valid map value pointer for the duration of this program.
-    unsafe { (*ptr).last_seen_ns = 0 };
+    unsafe {
+        (*ptr).flags &= !ct_flags::FIN_BOTH;
+        (*ptr).last_seen_ns = 0;
+    }
     if core::ptr::eq(map, F::conntrack()) {
         flow_cache::invalidate(key);
     }

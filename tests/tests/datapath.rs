@@ -3840,8 +3840,10 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     assert_eq!(counter(&fx, "ct_reopened"), 2, "ct_reopened");
 }
 
-/// A SYN opening again a closed flow's tuple voids that flow's forward
-/// entry in place for the new flow to be written over (`conntrack::reopen`).
+/// A SYN opening again the tuple of a flow closed by FINs each way voids
+/// that flow's forward entry in place for the new flow to be written over
+/// (`conntrack::reopen`): last seen at the clock's start, with a reset
+/// flow's timeout rather than `TIME_WAIT`'s.
 /// Where no new flow follows (its Service has lost its endpoints, and the
 /// SYN is rejected), the voided entry is taken for none: the client's next
 /// packet on that tuple is refused as a packet of no flow to that Service
@@ -3861,10 +3863,15 @@ fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() 
         &tcp(first, 8080, CLIENT, 43_300, frame::SYN | frame::ACK),
     );
     run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::ACK));
-    run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::RST | frame::ACK));
+    run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::FIN | frame::ACK));
+    run(
+        &fx,
+        &tcp(first, 8080, CLIENT, 43_300, frame::FIN | frame::ACK),
+    );
+    let closed = ct_flags::CLOSING | ct_flags::FIN_BOTH;
     assert!(
-        matches!(ct_entries(&fx, &key), (Some(e), None) if e.flags & ct_flags::CLOSING != 0),
-        "the reset flow is not closing in CONNTRACK: {:?}",
+        matches!(ct_entries(&fx, &key), (Some(e), None) if e.flags & closed == closed),
+        "the flow closed by FINs each way is not closing in CONNTRACK: {:?}",
         ct_entries(&fx, &key)
     );
     let owner = ObjectKey {
@@ -3911,6 +3918,16 @@ fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() 
         parse_checked(&out, "the ACK").dst
     );
     assert_eq!(counter(&fx, "reject"), rejects + 2, "reject");
+    // Voided: a reset flow's timeout (10 s, where TIME_WAIT's is 120 s),
+    // last seen at the clock's start, so expired on any node up 10 s.
+    assert!(
+        matches!(
+            ct_entries(&fx, &key),
+            (Some(e), None) if e.last_seen_ns == 0 && e.flags & closed == ct_flags::CLOSING
+        ),
+        "the closed flow's forward entry was not voided: {:?}",
+        ct_entries(&fx, &key)
+    );
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
     assert_eq!(

@@ -373,9 +373,7 @@ fn void<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>, ptr: *mut C
         (*ptr).flags &= !ct_flags::FIN_BOTH;
         (*ptr).last_seen_ns = 0;
     }
-    if core::ptr::eq(map, F::conntrack()) {
-        flow_cache::invalidate(key);
-    }
+    void_copies::<F>(map, key);
 }
 
 /// Whether reply entry `reply` rewrites its packets back to the client and
@@ -389,15 +387,21 @@ fn answers<A: FlowAddr>(reply: &CtValueOf<A>, forward_key: &CtKeyOf<A>) -> bool 
         && reply.nat_port_be == forward_key.dport_be
 }
 
-/// Removes `key`'s entry from `map`, and every CPU's cached copy of it:
-/// only `CONNTRACK`'s entries are ever copied, so `CT_NEW`'s removals void
-/// none.
+/// Voids every CPU's cached copy of `key`'s entry in `map`: only
+/// `CONNTRACK`'s entries are ever copied.
 #[inline(always)]
-fn remove<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>) {
-    let _ = map.remove(key);
+fn void_copies<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>) {
     if core::ptr::eq(map, F::conntrack()) {
         flow_cache::invalidate(key);
     }
+}
+
+/// Removes `key`'s entry from `map`, and every CPU's cached copy of it
+/// (`void_copies`).
+#[inline(always)]
+fn remove<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>) {
+    let _ = map.remove(key);
+    void_copies::<F>(map, key);
 }
 
 /// What a packet of a known flow becomes.

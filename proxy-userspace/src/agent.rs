@@ -145,9 +145,6 @@ impl AgentConfig {
     }
 }
 
-/// Says, beside `tc_dsr`'s load error, what it means where direct server
-/// return was asked for: this node cannot take the flows other nodes send
-/// it that way.
 /// Tells `planner` which service ids the pinned `AFFINITY` holds entries
 /// of, so that those of Services without affinity go after the first sync.
 fn note_affinity_entries(datapath: &Datapath, planner: &mut Planner) {
@@ -159,6 +156,9 @@ fn note_affinity_entries(datapath: &Datapath, planner: &mut Planner) {
     }
 }
 
+/// Says, beside `tc_dsr`'s load error, what it means where direct server
+/// return was asked for: this node cannot take the flows other nodes send
+/// it that way.
 fn warn_without_dsr(datapath: &Datapath, lb_mode: crate::planner::node::LbMode) {
     if lb_mode != crate::planner::node::LbMode::Snat && !datapath.dsr_loaded() {
         warn!(

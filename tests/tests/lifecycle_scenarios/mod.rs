@@ -119,10 +119,7 @@ pub fn client_ip_affinity_sticks_switches_and_expires<F: Family>() {
     eventually(
         "the Service's affinity entries purged once its affinity went off",
         SYNC_DEADLINE * 10,
-        || match affinity_fill(sb.agent())? {
-            0 => Ok(()),
-            n => Err(format!("{n} entries still")),
-        },
+        || affinity_emptied(sb.agent()),
     );
     // Uniform picks among 3 repeat one backend 15 times with probability 3^-14.
     let off = connect_n(ns, client::<F>(), vip, STICKY_RUN);
@@ -171,6 +168,15 @@ fn affinity_fill(agent: &Agent) -> Result<u64, String> {
         .ok_or_else(|| format!("no AFFINITY fill in the status:\n{status}"))
 }
 
+/// Ok once `agent`'s status shows `AFFINITY` empty; else how many entries
+/// it still holds.
+fn affinity_emptied(agent: &Agent) -> Result<(), String> {
+    match affinity_fill(agent)? {
+        0 => Ok(()),
+        n => Err(format!("{n} entries still")),
+    }
+}
+
 /// Affinity turned off while no agent ran (between one's stop and the next's start):
 /// the entries the first left in the pinned `AFFINITY` map go at the next agent's
 /// first sync, since no frontend with affinity takes them up; turned on again, the
@@ -203,10 +209,7 @@ pub fn affinity_entries_outliving_their_services_affinity_go_at_the_next_start<F
         "the entry left by the first agent, of a Service that no longer has affinity, \
          purged by the next",
         SYNC_DEADLINE * 10,
-        || match affinity_fill(&next)? {
-            0 => Ok(()),
-            n => Err(format!("{n} entries still")),
-        },
+        || affinity_emptied(&next),
     );
 }
 

@@ -21,6 +21,8 @@
 //!    go of it meanwhile (the older Service, or a ClusterIP, won it);
 //! 4. the [`sweep`] of what no Service claims;
 //! 5. `follow_ups`: departed backends' flows and sockets, health checks;
+//!    a purge that failed is owed, and tried again on the loop's timer
+//!    ([`purge`]);
 //! 6. `mark_readiness`: /healthz learns the maps hold everything.
 //!
 //! A Service whose map write fails stays pending and is retried by the
@@ -36,6 +38,7 @@ use std::{
 use tracing::{info, info_span, warn};
 
 mod first_sync;
+mod purge;
 mod refusals;
 mod retry;
 mod service;
@@ -46,6 +49,7 @@ pub use refusals::{EVENT_QUEUE, ServiceEvent};
 
 use self::{
     first_sync::FirstSync,
+    purge::Purges,
     refusals::Refusals,
     retry::Retries,
     service::{HealthChecks, ServiceOutcome, Unsettled, desired_frontends, plan_service},
@@ -69,7 +73,8 @@ pub trait SyncTarget {
     /// Backends left their Services: their flows, affinity entries (where
     /// their Service has affinity) and the node's sockets connected to
     /// them go; and the affinity entries of the service ids in
-    /// `affinity.dropped`. False when the purge of the maps failed.
+    /// `affinity.dropped`. False when any of it failed: all of it is
+    /// tried again (`purge`), which removes nothing twice.
     fn clean_departed(&mut self, departed: &[Departed], affinity: &AffinityPurge) -> bool;
 }
 
@@ -157,6 +162,8 @@ pub struct SyncLoop {
     first_queued: Option<Instant>,
     retries: Retries,
     sweeper: Sweeper,
+    /// Departed backends whose purge failed, tried again on a timer.
+    purges: Purges,
     health: Health,
     stats: Arc<SyncStats>,
     metrics: ProxyMetrics,
@@ -180,6 +187,7 @@ impl SyncLoop {
             first_queued: None,
             retries: Retries::default(),
             sweeper: Sweeper::default(),
+            purges: Purges::default(),
             health,
             stats: Arc::default(),
             metrics: ProxyMetrics::default(),
@@ -307,6 +315,7 @@ impl SyncLoop {
             .into_iter()
             .chain(self.retries.next_due())
             .chain(self.sweeper.wakeup())
+            .chain(self.purges.wakeup())
             .min()
     }
 
@@ -369,7 +378,7 @@ impl SyncLoop {
         if first {
             self.first_sync.finish();
         }
-        let follow_ups = self.follow_ups(planner, target);
+        let follow_ups = self.follow_ups(now, planner, target);
         self.record(&tally);
         // Everything queued was tried, whatever the writes came to: /livez
         // leaves the failures to the retries.
@@ -382,6 +391,7 @@ impl SyncLoop {
             frontends_changed = tally.frontends_changed,
             failed = tally.failed,
             pending = self.pending(),
+            departures_owed = self.purges.owed(),
             frontends = planner.frontend_count(),
             elapsed_us = started.elapsed().as_micros() as u64,
             cpu_us = thread_cpu_time().saturating_sub(cpu_started).as_micros() as u64,
@@ -545,16 +555,26 @@ impl SyncLoop {
     }
 
     /// What follows a sync outside the service maps: the departed backends'
-    /// flows and sockets (through the target), and the health checks for
-    /// the agent's servers.
-    fn follow_ups<T: SyncTarget>(&mut self, planner: &mut Planner, target: &mut T) -> FollowUps {
-        let departed = planner.take_departed();
+    /// flows and sockets (through the target), with those a failed purge
+    /// still owes once due, and the health checks for the agent's servers.
+    fn follow_ups<T: SyncTarget>(
+        &mut self,
+        now: Instant,
+        planner: &mut Planner,
+        target: &mut T,
+    ) -> FollowUps {
+        let fresh = planner.take_departed();
+        let departed = self.purges.due(now, fresh, planner);
         let affinity = planner.take_affinity_purge(&departed);
-        if !target.clean_departed(&departed, &affinity) {
+        let landed = (departed.is_empty() && !affinity.needed())
+            || target.clean_departed(&departed, &affinity);
+        if !landed {
             planner.retry_affinity_purge(&affinity);
         }
+        let count = departed.len();
+        self.purges.settle(now, departed, landed);
         FollowUps {
-            departed: departed.len(),
+            departed: count,
             health_checks: self.health_checks.take_changed(),
         }
     }

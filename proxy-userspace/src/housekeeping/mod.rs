@@ -39,8 +39,9 @@ pub const REAP_PERIOD: Duration = Duration::from_secs(10);
 /// (the latter where their Service has affinity), and the node's sockets
 /// the hooks connected to them are closed, so the next datagram finds a
 /// live backend; and so do the affinity entries of Services whose affinity
-/// went off (`affinity.dropped`). A failure is logged; false when the
-/// maps' purge failed.
+/// went off (`affinity.dropped`). A failure is logged; false when either
+/// the maps' purge or the sockets' closing failed, for the sync loop to
+/// try all of it again.
 pub fn clean_departed(
     datapath: &mut Datapath,
     departed: &[Departed],
@@ -68,7 +69,10 @@ pub fn clean_departed(
         Ok(closed) => {
             info!("closed {closed} UDP sockets of the node connected to departed backends");
         }
-        Err(e) => warn!(error = %e, "closing the node's UDP sockets of departed backends"),
+        Err(e) => {
+            warn!(error = %e, "closing the node's UDP sockets of departed backends");
+            return false;
+        }
     }
     purged
 }

@@ -48,6 +48,8 @@ pub use ops::{Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, writ
 pub use outcome::{PlanError, SyncOutcome};
 pub use stored::{NodeState, StoredState};
 
+use std::collections::HashSet;
+
 use crate::{model::Frontend, source::ObjectKey};
 
 impl Planner {
@@ -77,6 +79,38 @@ impl Planner {
     /// Backends that left a service since the last call.
     pub fn take_departed(&mut self) -> Vec<Departed> {
         std::mem::take(&mut self.departed)
+    }
+
+    /// Of `departed`, those whose backend is still out of its Service: no
+    /// frontend of the service id holds the backend's id, nor its address,
+    /// port and protocol under a new id (its old one was freed while it was
+    /// out). A purge tried again after a failure spares a backend that
+    /// rejoined since, and another given its id that joined: their flows
+    /// are live.
+    pub fn still_departed(&self, mut departed: Vec<Departed>) -> Vec<Departed> {
+        let services: HashSet<u32> = departed.iter().map(|d| d.service_id).collect();
+        let mut ids = HashSet::new();
+        let mut endpoints = HashSet::new();
+        for applied in self.frontends.values() {
+            let service_id = applied.value.service_id;
+            if !services.contains(&service_id) {
+                continue;
+            }
+            for id in &applied.backend_ids {
+                if ids.insert((service_id, *id))
+                    && let Some(b) = self.backends.backend_of(*id)
+                {
+                    endpoints.insert((service_id, b.addr_be, b.port_be, b.proto));
+                }
+            }
+        }
+        departed.retain(|d| {
+            !ids.contains(&(d.service_id, d.backend_id))
+                && d.backend.is_none_or(|b| {
+                    !endpoints.contains(&(d.service_id, b.addr_be, b.port_be, b.proto))
+                })
+        });
+        departed
     }
 
     /// What `AFFINITY` loses after this sync, whose departed backends are

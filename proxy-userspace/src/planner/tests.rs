@@ -923,6 +923,77 @@ fn a_backend_leaving_a_table_departs_once_and_the_table_is_swapped_whole() {
     );
 }
 
+/// A departure owed by a failed purge is still owed only while its backend
+/// is out of its Service: back under the same id (held meanwhile by another
+/// Service) or under a new one, it is not; another Service's backends and
+/// the departures of other Services do not count.
+#[test]
+fn a_departure_is_still_owed_until_its_backend_rejoins_its_service() {
+    let mut p = Planner::new();
+    let mut s = CheckingStore::default();
+    // 12 is also svc2's, so its id outlives its departure from svc1; 13 is
+    // svc1's alone, so its id is freed.
+    sync(&mut p, &mut s, "svc1", &[frontend(1, &[11, 12, 13])]);
+    sync(&mut p, &mut s, "svc2", &[frontend(2, &[12, 14])]);
+    p.take_departed();
+    sync(&mut p, &mut s, "svc1", &[frontend(1, &[11])]);
+    let departed = p.take_departed();
+    let names = |departed: &[Departed]| -> Vec<String> {
+        let mut names: Vec<String> = departed
+            .iter()
+            .filter_map(|d| d.backend.map(|b| encode::backend_string(&b)))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&departed), ["10.0.0.12:8080", "10.0.0.13:8080"]);
+    assert_eq!(
+        names(&p.still_departed(departed.clone())),
+        ["10.0.0.12:8080", "10.0.0.13:8080"],
+        "both still out of svc1 (12 still in svc2 does not count)"
+    );
+
+    sync(&mut p, &mut s, "svc1", &[frontend(1, &[11, 12, 13])]);
+    let rejoined = p.take_departed();
+    assert!(rejoined.is_empty(), "nothing left: {rejoined:?}");
+    let id_of = |s: &CheckingStore, name: &str| -> Vec<u32> {
+        s.state
+            .backends
+            .iter()
+            .filter(|(_, b)| encode::backend_string(b) == name)
+            .map(|(id, _)| *id)
+            .collect()
+    };
+    let departed_id = |name: &str| -> Vec<u32> {
+        departed
+            .iter()
+            .filter(|d| {
+                d.backend
+                    .is_some_and(|b| encode::backend_string(&b) == name)
+            })
+            .map(|d| d.backend_id)
+            .collect()
+    };
+    assert_eq!(id_of(&s, "10.0.0.12:8080"), departed_id("10.0.0.12:8080"));
+    assert_ne!(
+        id_of(&s, "10.0.0.13:8080"),
+        departed_id("10.0.0.13:8080"),
+        "13 came back under a new id"
+    );
+    assert_eq!(
+        names(&p.still_departed(departed.clone())),
+        Vec::<String>::new(),
+        "both back in svc1: 12 under its own id, 13 under a new one"
+    );
+
+    sync(&mut p, &mut s, "svc1", &[frontend(1, &[11, 13])]);
+    assert_eq!(
+        names(&p.still_departed(departed)),
+        ["10.0.0.12:8080"],
+        "12 out again"
+    );
+}
+
 /// `AFFINITY` is read after a sync only for what it may hold: the entries of a
 /// departed backend whose Service has affinity, and every entry of a service id
 /// whose affinity went off, whose last frontend went, or which the map held at

@@ -773,9 +773,103 @@ fn follow_ups_hand_departed_backends_to_the_target_once() {
         .collect();
     assert_eq!(gone, ["10.0.0.2"], "the backend that left web");
 
-    let again = agent.sync.follow_ups(&mut agent.planner, &mut agent.target);
+    let again = agent
+        .sync
+        .follow_ups(agent.now, &mut agent.planner, &mut agent.target);
     assert_eq!(again.departed, 0, "handed on once");
     assert_eq!(agent.target.departed.len(), 1);
+}
+
+/// The backend addresses of `departed`.
+fn addresses(departed: &[Departed]) -> BTreeSet<String> {
+    departed
+        .iter()
+        .filter_map(|d| d.backend)
+        .map(|b| Ipv4Addr::from(b.addr_be[3].to_ne_bytes()).to_string())
+        .collect()
+}
+
+/// A purge of departed backends that failed is owed: tried again on the
+/// loop's own timer, backed off as a failed write is, with no event to
+/// wake the loop, until it lands; a backend that rejoined its Service
+/// meanwhile is left out of it, its flows live again.
+#[test]
+fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_backend() {
+    let mut agent = Agent::fresh();
+    agent.event(listing(Kind::Service, vec![service("web", "10.96.0.10")]));
+    agent.event(listing(
+        Kind::EndpointSlice,
+        vec![slice(
+            "web-1",
+            "web",
+            &plain(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+        )],
+    ));
+    agent.event(listing(Kind::Node, vec![node("zone-a")]));
+    agent.advance(Duration::from_secs(1));
+    assert_eq!(agent.sync.wakeup(), None, "programmed: nothing due");
+
+    agent.target.purge_fails = true;
+    agent.event(SourceEvent::Apply(slice(
+        "web-1",
+        "web",
+        &plain(&["10.0.0.1"]),
+    )));
+    let synced = agent.sync.wakeup().expect("the change is due");
+    agent.advance(Duration::from_millis(50));
+    assert_eq!(
+        addresses(&agent.target.departed),
+        BTreeSet::from(["10.0.0.2".into(), "10.0.0.3".into()]),
+        "the two that left are handed to the purge, which fails"
+    );
+    assert_eq!(agent.sync.purges.owed(), 2);
+    assert_eq!(
+        agent.sync.wakeup(),
+        Some(synced + RETRY_INITIAL),
+        "the failed purge is due again on the loop's timer"
+    );
+
+    // 10.0.0.2 comes back before the retry; the sync that programs it
+    // purges nothing (the owed purge is not due yet).
+    agent.event(SourceEvent::Apply(slice(
+        "web-1",
+        "web",
+        &plain(&["10.0.0.1", "10.0.0.2"]),
+    )));
+    agent.target.departed.clear();
+    agent.advance(Duration::from_millis(20));
+    assert_eq!(
+        agent.served("10.96.0.10"),
+        Some(vec!["10.0.0.1".into(), "10.0.0.2".into()])
+    );
+    assert!(agent.target.departed.is_empty(), "not due: nothing handed");
+
+    // Due, still failing: only 10.0.0.3 is purged again, then backed off.
+    agent.advance(synced + RETRY_INITIAL - agent.now);
+    assert_eq!(
+        addresses(&agent.target.departed),
+        BTreeSet::from(["10.0.0.3".into()]),
+        "the retry spares 10.0.0.2, back in web"
+    );
+    assert_eq!(
+        agent.sync.wakeup(),
+        Some(agent.now + RETRY_INITIAL * 2),
+        "the second failure backs off"
+    );
+
+    agent.target.purge_fails = false;
+    agent.target.departed.clear();
+    agent.advance(RETRY_INITIAL * 2);
+    assert_eq!(
+        addresses(&agent.target.departed),
+        BTreeSet::from(["10.0.0.3".into()]),
+        "handed once more, and it lands"
+    );
+    assert_eq!(agent.sync.purges.owed(), 0);
+    assert_eq!(agent.sync.wakeup(), None, "landed: no timer");
+    agent.target.departed.clear();
+    agent.advance(Duration::from_secs(10));
+    assert!(agent.target.departed.is_empty(), "never handed again");
 }
 
 /// A Service whose session affinity goes off loses its `AFFINITY` entries at

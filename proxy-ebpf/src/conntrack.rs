@@ -231,10 +231,10 @@ pub fn seen<F: Family>(
 /// connecting straight to a pod from the port it just used for the
 /// service). The old flow goes whole, as netfilter kills a closed entry a
 /// SYN opens again (`reopen`): its forward entry voided, its reply entry
-/// removed, which would otherwise hold a SNAT port until it expired beside
-/// the new flow's own; that port is left in `reopened` for the new flow. A
-/// TCP flow that goes whole from `CONNTRACK` leaves its room there to the
-/// new one (`Scratch::room_key`).
+/// voided or removed, which would otherwise hold a SNAT port until it
+/// expired beside the new flow's own; that port is left in `reopened` for
+/// the new flow. A TCP flow that goes whole from `CONNTRACK` leaves its
+/// room there to the new one (`Scratch::room_key`).
 #[inline(always)]
 fn lookup_in<F: CreateFamily>(
     map: &Conntrack<F::Addr>,
@@ -261,22 +261,24 @@ fn lookup_in<F: CreateFamily>(
 
 /// Ends the closed flow whose forward entry is at `ptr` (at `key`, in
 /// `map`), hit by a SYN opening its tuple again: that entry is voided in
-/// place (`void`), and its reply entry removed if it is still that
-/// flow's (its tuple may have gone to another flow since, `port_free`).
+/// place (`void`), and its reply entry voided or removed if it is still
+/// that flow's (its tuple may have gone to another flow since,
+/// `port_free`).
 /// Returns the source port the flow was given (network order) when it was
 /// two-sided and its reply entry was its own, else 0: the same client port
 /// may then have the same SNAT port, as netfilter keeps a reopened tuple's
 /// translation when it is still unique, and late packets of the old flow
 /// reach the client they were for.
 ///
-/// A TCP flow of `CONNTRACK` whose reply entry goes leaves its room there
-/// to the new flow the SYN starts (`create`): its key is left in this
-/// CPU's `Scratch::room_key`, and the new flow is written over its voided
-/// forward entry, which has the new flow's own key, in place
-/// (`overwrite`): a remove and an insert into a preallocated LRU map each
-/// put a node back on its free lists or take one off, where a write in
-/// place does neither (bench/README.md, "A reopened flow written over its
-/// closed one").
+/// A TCP flow of `CONNTRACK` whose reply entry is its own leaves its room
+/// there to the new flow the SYN starts (`create`): both keys are left in
+/// this CPU's `Scratch` (`room_key`, `room_reply_key`), and the new flow
+/// is written over its voided forward entry, which has the new flow's own
+/// key, in place (`overwrite`), and over its voided reply entry too when
+/// the same backend is picked again (`reply_in_room`): a remove and an
+/// insert into a preallocated LRU map each put a node back on its free
+/// lists or take one off, where a write in place does neither
+/// (bench/README.md, "A reopened flow written over its closed one").
 ///
 /// The entry and its key are copied into that scratch, and the rest is
 /// done by a global function (`CreateFamily::reopen`), which the verifier
@@ -307,11 +309,14 @@ fn reopen<F: CreateFamily>(
 
 /// `reopen`'s part out of line, on the closed flow's forward entry and key
 /// as `reopen` left them in this CPU's `Scratch` (`value`, `room_key`), in
-/// `CONNTRACK` or (`in_conntrack` false) `CT_NEW`: its reply entry removed
-/// if it is its own, the room left or not (`room_key`'s protocol 0: none).
-/// Each map is asked at a call site of its own: a site that may see either
-/// map is not inlined by the verifier, and a lookup there went through the
-/// helper's indirect call.
+/// `CONNTRACK` or (`in_conntrack` false) `CT_NEW`: its reply entry ended if
+/// it is its own, the room left or not (`room_key`'s protocol 0: none).
+/// Where the room is left, the reply entry is voided in place and its key
+/// kept (`room_reply_key`), for the new flow's reply entry to be written
+/// over when the same backend is picked again (`insert_pair`); elsewhere it
+/// is removed. Each map is asked at a call site of its own: a site that may
+/// see either map is not inlined by the verifier, and a lookup there went
+/// through the helper's indirect call.
 #[inline(always)]
 fn reopen_rest<F: Family>(in_conntrack: bool, proto: u8) -> u16 {
     let Some(scratch) = scratch::<F>() else {
@@ -325,13 +330,16 @@ fn reopen_rest<F: Family>(in_conntrack: bool, proto: u8) -> u16 {
         forward.alt_port_be,
         proto,
     );
+    let room = in_conntrack && proto == PROTO_TCP;
     let own = forward.dir == ct_dir::FORWARD
         && if in_conntrack {
-            remove_own_reply::<F>(F::conntrack(), scratch)
+            end_own_reply::<F>(F::conntrack(), scratch, room)
         } else {
-            remove_own_reply::<F>(F::ct_new(), scratch)
+            end_own_reply::<F>(F::ct_new(), scratch, false)
         };
-    if !own || !in_conntrack || proto != PROTO_TCP {
+    if own && room {
+        scratch.room_reply_key = scratch.key;
+    } else {
         scratch.room_key.proto = 0;
     }
     if own && forward.flags & ct_flags::TWO_SIDED != 0 {
@@ -341,19 +349,30 @@ fn reopen_rest<F: Family>(in_conntrack: bool, proto: u8) -> u16 {
     }
 }
 
-/// Removes the entry at `scratch.key` from `map` if it is the reply entry
-/// of the flow whose forward key is `scratch.room_key`; whether it was.
+/// Ends the entry at `scratch.key` in `map` if it is the reply entry of the
+/// flow whose forward key is `scratch.room_key`: voided in place (`void`)
+/// where the new flow takes that flow's room (`keep`), else removed;
+/// whether it was.
 #[inline(always)]
-fn remove_own_reply<F: Family>(map: &Conntrack<F::Addr>, scratch: &Scratch<F::Addr>) -> bool {
-    let own = map
-        .get_ptr(&scratch.key)
-        // SAFETY: a pointer the map lookup returned, valid for this
-        // program's run.
-        .is_some_and(|r| answers(unsafe { &*r }, &scratch.room_key));
-    if own {
+fn end_own_reply<F: Family>(
+    map: &Conntrack<F::Addr>,
+    scratch: &Scratch<F::Addr>,
+    keep: bool,
+) -> bool {
+    let Some(reply) = map.get_ptr_mut(&scratch.key) else {
+        return false;
+    };
+    // SAFETY: a pointer the map lookup returned, valid for this program's
+    // run.
+    if !answers(unsafe { &*reply }, &scratch.room_key) {
+        return false;
+    }
+    if keep {
+        void::<F>(map, &scratch.key, reply);
+    } else {
         remove::<F>(map, &scratch.key);
     }
-    own
+    true
 }
 
 /// Makes the closed entry at `ptr` (at `key`, in `map`) count as absent, in
@@ -369,8 +388,11 @@ fn remove_own_reply<F: Family>(map: &Conntrack<F::Addr>, scratch: &Scratch<F::Ad
 #[inline(always)]
 fn void<F: Family>(map: &Conntrack<F::Addr>, key: &CtKeyOf<F::Addr>, ptr: *mut CtValueOf<F::Addr>) {
     // SAFETY: a valid map value pointer for the duration of this program.
+    // `CLOSING` is the forward entry's already (the SYN's lookup asked);
+    // set for the reply entry, which a packet of the flow's last exchange
+    // may not have reached.
     unsafe {
-        (*ptr).flags &= !ct_flags::FIN_BOTH;
+        (*ptr).flags = ((*ptr).flags & !ct_flags::FIN_BOTH) | ct_flags::CLOSING;
         (*ptr).last_seen_ns = 0;
     }
     void_copies::<F>(map, key);
@@ -1178,7 +1200,8 @@ pub extern "C" fn ct_reopen6(in_conntrack: u64, proto: u64) -> u32 {
 /// while the closed flow's forward entry that `reopen` voided is still in
 /// `CONNTRACK`, the new forward entry is written over it first
 /// (`overwrite`, which says why that order is safe), and the reply entry
-/// inserted there, overwriting what `CONNTRACK` holds at its key. Either way the copies
+/// put there (`reply_in_room`), overwriting what `CONNTRACK` holds at its
+/// key. Either way the copies
 /// that said the keys were absent, or were of what `CONNTRACK` held there,
 /// go (`flow_cache::put_absent`). With `KEEP`, a live flow of another
 /// client tuple holding the reply entry's key in either map is not
@@ -1209,10 +1232,7 @@ fn insert_pair<F: Family>(how: u64, now: u64) -> u32 {
     // calls a site that may see either map through the helper's indirect
     // call, where it calls one map's own insert directly.
     let (reply, forward) = if room {
-        let reply = F::conntrack()
-            .insert(&scratch.key, &scratch.value, BPF_ANY)
-            .is_ok();
-        (reply, true)
+        (reply_in_room::<F>(scratch), true)
     } else {
         if assured.is_some() {
             remove::<F>(F::conntrack(), &scratch.key);
@@ -1240,7 +1260,8 @@ fn insert_pair<F: Family>(how: u64, now: u64) -> u32 {
 
 /// Writes `value` over `CONNTRACK`'s entry at `key` if it is one that
 /// `reopen` voided for the new flow of its tuple (its clock 0), in place:
-/// the room the new flow takes. False, writing nothing, when there is
+/// the room the new flow takes (its reply entry's, `reply_in_room`, where
+/// the key is the same). False, writing nothing, when there is
 /// none: the entry is gone (evicted, reaped, or never voided: a SYN whose
 /// flow was not created left its `Scratch::room_key` behind) or another's.
 /// Written before the reply entry, with nothing between this lookup and
@@ -1266,6 +1287,34 @@ fn overwrite<F: Family>(key: &CtKeyOf<F::Addr>, value: *const CtValueOf<F::Addr>
         core::ptr::copy_nonoverlapping(value, entry, 1);
     }
     true
+}
+
+/// Puts the new flow's reply entry (`key`, `value` in this CPU's `Scratch`)
+/// into `CONNTRACK`, in the room of the closed flow it follows: written over
+/// that flow's voided reply entry in place when the key is the same (the
+/// same backend picked again), as its forward entry was (`overwrite`);
+/// otherwise inserted, the voided one removed first if it is still there
+/// (a live entry another CPU wrote at its key since is not). Whether it
+/// went in.
+#[inline(always)]
+fn reply_in_room<F: Family>(scratch: &Scratch<F::Addr>) -> bool {
+    let old = &scratch.room_reply_key;
+    let same = scratch.key.same_ends(old) && scratch.key.proto == old.proto;
+    if same {
+        if overwrite::<F>(&scratch.key, &raw const scratch.value) {
+            return true;
+        }
+    } else if F::conntrack()
+        .get_ptr(old)
+        // SAFETY: a pointer the map lookup returned, valid for this
+        // program's run.
+        .is_some_and(|e| unsafe { (*e).last_seen_ns } == 0)
+    {
+        remove::<F>(F::conntrack(), old);
+    }
+    F::conntrack()
+        .insert(&scratch.key, &scratch.value, BPF_ANY)
+        .is_ok()
 }
 
 /// Whether `held`, an entry at the reply key in this CPU's `Scratch`

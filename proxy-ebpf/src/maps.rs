@@ -163,11 +163,16 @@ pub struct Scratch<A> {
     /// in `value` (`conntrack::create`).
     pub other_value: CtValueOf<A>,
     /// The key of the closed flow of `CONNTRACK` that the last SYN to open
-    /// a tuple again ended there (its reply entry removed, its forward
-    /// entry voided): the room its new flow starts in (`conntrack::create`),
-    /// taken once (its protocol then 0). Also where `conntrack::reopen`
-    /// hands that key to its out-of-line part.
+    /// a tuple again ended there (both its entries voided): the room its
+    /// new flow starts in (`conntrack::create`), taken once (its protocol
+    /// then 0). Also where `conntrack::reopen` hands that key to its
+    /// out-of-line part.
     pub room_key: CtKeyOf<A>,
+    /// The key of that closed flow's reply entry, voided beside its forward
+    /// entry: the new flow's reply entry is written over it in place when
+    /// it has the same key (the same backend picked again), else it is
+    /// removed as the new one goes in (`conntrack::insert_pair`).
+    pub room_reply_key: CtKeyOf<A>,
 }
 
 /// The route of the packet being handled, both families (see `crate::route`):

@@ -3776,6 +3776,50 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     let (_, out) = run(&fx, &tcp(CLIENT, 43_001, VIP, 80, frame::ACK));
     assert_eq!(parse_checked(&out, "the other connection").dst, other);
 
+    // The port reset and opened again until its new flow has had the
+    // closed one's backend (its reply entry written over the voided one in
+    // place) and another (the voided one removed, the new one inserted):
+    // either way translated both ways, and nothing left behind.
+    let (mut before, mut same, mut moved, mut cycles) = (second, 0, 0, 0);
+    while (same == 0 || moved == 0) && cycles < 60 {
+        reset(&fx, 43_000);
+        let now = connect(&fx, 43_000, "the port opened again");
+        cycles += 1;
+        if now == before {
+            same += 1;
+        } else {
+            moved += 1;
+            assert_eq!(
+                ct_entries(&fx, &reply_key(before, 43_000)),
+                (None, None),
+                "cycle {cycles}: the closed flow's reply entry (to {before}) outlived the flow to {now}"
+            );
+        }
+        let reply = fx
+            .datapath
+            .maps
+            .conntrack
+            .get(&reply_key(now, 43_000), 0)
+            .unwrap_or_else(|e| panic!("cycle {cycles}: no reply entry of the flow to {now}: {e}"));
+        assert!(
+            reply.last_seen_ns != 0 && reply.flags & ct_flags::CLOSING == 0,
+            "cycle {cycles}: the flow to {now} (before: {before}) has the closed flow's reply entry: {reply:?}"
+        );
+        assert_eq!(
+            (counter(&fx, "ct_assured"), ct_len(&fx)),
+            (assured, entries),
+            "cycle {cycles}: (ct_assured, entries): the flow to {now} (before: {before}) was moved, \
+             or left more entries than its closed one"
+        );
+        before = now;
+    }
+    assert!(
+        same > 0 && moved > 0,
+        "in {cycles} cycles, {same} reopened flows had the closed one's backend and {moved} another"
+    );
+    assert_eq!(counter(&fx, "ct_reopened"), 1 + cycles, "ct_reopened");
+    let second = before;
+
     // No room: the closed flow's reply entry is another client port's now.
     reset(&fx, 43_000);
     let reply = reply_key(second, 43_000);
@@ -3837,7 +3881,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         "a client at its share, whose reopened port took a room, had a new port's flow assured"
     );
     assert!(counter(&fx, "ct_share_refused") > refused);
-    assert_eq!(counter(&fx, "ct_reopened"), 2, "ct_reopened");
+    assert_eq!(counter(&fx, "ct_reopened"), 2 + cycles, "ct_reopened");
 }
 
 /// A SYN opening again the tuple of a flow closed by FINs each way voids
@@ -3918,22 +3962,32 @@ fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() 
         parse_checked(&out, "the ACK").dst
     );
     assert_eq!(counter(&fx, "reject"), rejects + 2, "reject");
-    // Voided: a reset flow's timeout (10 s, where TIME_WAIT's is 120 s),
-    // last seen at the clock's start, so expired on any node up 10 s.
-    assert!(
-        matches!(
-            ct_entries(&fx, &key),
-            (Some(e), None) if e.last_seen_ns == 0 && e.flags & closed == ct_flags::CLOSING
-        ),
-        "the closed flow's forward entry was not voided: {:?}",
-        ct_entries(&fx, &key)
-    );
+    // Both entries voided: a reset flow's timeout (10 s, where TIME_WAIT's
+    // is 120 s), last seen at the clock's start, so expired on any node up
+    // 10 s.
+    let reply_key = ct_key(first, 8080, CLIENT, 43_300, proxy_common::PROTO_TCP);
+    for (what, key) in [("forward", &key), ("reply", &reply_key)] {
+        assert!(
+            matches!(
+                ct_entries(&fx, key),
+                (Some(e), None) if e.last_seen_ns == 0 && e.flags & closed == ct_flags::CLOSING
+            ),
+            "the closed flow's {what} entry was not voided: {:?}",
+            ct_entries(&fx, key)
+        );
+    }
     let reaped =
         conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
     assert_eq!(
-        (reaped, ct_entries(&fx, &key), ct_len(&fx)),
-        (1, (None, None), 0),
-        "(reaped, the tuple's entries, entries left): the voided entry outlived the reaper"
+        (
+            reaped,
+            ct_entries(&fx, &key),
+            ct_entries(&fx, &reply_key),
+            ct_len(&fx)
+        ),
+        (2, (None, None), (None, None), 0),
+        "(reaped, the tuple's entries, its reply entries, entries left): a voided entry outlived \
+         the reaper"
     );
 
     resync(&mut fx, &BACKENDS);

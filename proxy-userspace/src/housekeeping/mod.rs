@@ -40,8 +40,8 @@ pub const REAP_PERIOD: Duration = Duration::from_secs(10);
 /// the hooks connected to them are closed, so the next datagram finds a
 /// live backend; and so do the affinity entries of Services whose affinity
 /// went off (`affinity.dropped`). A failure is logged; false when either
-/// the maps' purge or the sockets' closing failed, for the sync loop to
-/// try all of it again.
+/// the maps' purge or the sockets' closing failed (but for a kernel that
+/// cannot close sockets), for the sync loop to try all of it again.
 pub fn clean_departed(
     datapath: &mut Datapath,
     departed: &[Departed],
@@ -71,7 +71,11 @@ pub fn clean_departed(
         }
         Err(e) => {
             warn!(error = %e, "closing the node's UDP sockets of departed backends");
-            return false;
+            // A kernel that cannot close sockets never will: the purge is
+            // not tried again for them.
+            if !e.unsupported() {
+                return false;
+            }
         }
     }
     purged

@@ -111,6 +111,14 @@ pub enum SockDiagError {
     Notes(#[from] SockNotesError),
 }
 
+impl SockDiagError {
+    /// The kernel cannot close sockets at all (built without
+    /// `CONFIG_INET_DIAG_DESTROY`): asking again would fail the same way.
+    pub fn unsupported(&self) -> bool {
+        matches!(self, SockDiagError::Destroy(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP))
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 struct NlMsgHdr {
@@ -421,6 +429,22 @@ fn read<T: Pod>(buf: &[u8]) -> Result<T, SockDiagError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a kernel's refusal to close any socket is final: every other
+    /// failure is worth another try.
+    #[test]
+    fn only_a_kernel_without_sock_destroy_is_unsupported() {
+        let errno = |code| io::Error::from_raw_os_error(code);
+        assert!(SockDiagError::Destroy(errno(libc::EOPNOTSUPP)).unsupported());
+        for e in [
+            SockDiagError::Destroy(errno(libc::EBUSY)),
+            SockDiagError::Dump(errno(libc::EOPNOTSUPP)),
+            SockDiagError::Open(errno(libc::EMFILE)),
+            SockDiagError::Truncated { len: 3 },
+        ] {
+            assert!(!e.unsupported(), "{e} taken for final");
+        }
+    }
 
     #[test]
     fn structs_have_the_kernels_sizes() {

@@ -81,35 +81,26 @@ impl Planner {
         std::mem::take(&mut self.departed)
     }
 
-    /// Of `departed`, those whose backend is still out of its Service: no
-    /// frontend of the service id holds the backend's id, nor its address,
-    /// port and protocol under a new id (its old one was freed while it was
-    /// out). A purge tried again after a failure spares a backend that
-    /// rejoined since, and another given its id that joined: their flows
-    /// are live.
+    /// Of `departed`, those a purge tried again after a failure still owes:
+    /// those whose backend id none of the service id's frontends holds
+    /// again. A backend back under the same id (another Service held it
+    /// meanwhile), or another given the id that joined, has live flows
+    /// under it, which the purge must spare. One back under a new id is
+    /// still owed: its flows under the old id are from before it left, and
+    /// go as kube-proxy's cleanup would have removed them then (a purge by
+    /// id would otherwise never reach them).
     pub fn still_departed(&self, mut departed: Vec<Departed>) -> Vec<Departed> {
         let services: HashSet<u32> = departed.iter().map(|d| d.service_id).collect();
-        let mut ids = HashSet::new();
-        let mut endpoints = HashSet::new();
-        for applied in self.frontends.values() {
-            let service_id = applied.value.service_id;
-            if !services.contains(&service_id) {
-                continue;
-            }
-            for id in &applied.backend_ids {
-                if ids.insert((service_id, *id))
-                    && let Some(b) = self.backends.backend_of(*id)
-                {
-                    endpoints.insert((service_id, b.addr_be, b.port_be, b.proto));
-                }
-            }
-        }
-        departed.retain(|d| {
-            !ids.contains(&(d.service_id, d.backend_id))
-                && d.backend.is_none_or(|b| {
-                    !endpoints.contains(&(d.service_id, b.addr_be, b.port_be, b.proto))
-                })
-        });
+        let serving: HashSet<(u32, u32)> = self
+            .frontends
+            .values()
+            .filter(|applied| services.contains(&applied.value.service_id))
+            .flat_map(|applied| {
+                let service_id = applied.value.service_id;
+                applied.backend_ids.iter().map(move |id| (service_id, *id))
+            })
+            .collect();
+        departed.retain(|d| !serving.contains(&(d.service_id, d.backend_id)));
         departed
     }
 

@@ -923,12 +923,13 @@ fn a_backend_leaving_a_table_departs_once_and_the_table_is_swapped_whole() {
     );
 }
 
-/// A departure owed by a failed purge is still owed only while its backend
-/// is out of its Service: back under the same id (held meanwhile by another
-/// Service) or under a new one, it is not; another Service's backends and
+/// A departure owed by a failed purge is still owed while its backend id is
+/// out of its Service: a backend back under the same id (held meanwhile by
+/// another Service) is not, one back under a new id is (its flows under
+/// the old id are from before it left); another Service's backends and
 /// the departures of other Services do not count.
 #[test]
-fn a_departure_is_still_owed_until_its_backend_rejoins_its_service() {
+fn a_departure_is_still_owed_until_its_backend_id_rejoins_its_service() {
     let mut p = Planner::new();
     let mut s = CheckingStore::default();
     // 12 is also svc2's, so its id outlives its departure from svc1; 13 is
@@ -982,14 +983,14 @@ fn a_departure_is_still_owed_until_its_backend_rejoins_its_service() {
     );
     assert_eq!(
         names(&p.still_departed(departed.clone())),
-        Vec::<String>::new(),
-        "both back in svc1: 12 under its own id, 13 under a new one"
+        ["10.0.0.13:8080"],
+        "12 back in svc1 under its own id is spared; 13's old id is still owed"
     );
 
     sync(&mut p, &mut s, "svc1", &[frontend(1, &[11, 13])]);
     assert_eq!(
         names(&p.still_departed(departed)),
-        ["10.0.0.12:8080"],
+        ["10.0.0.12:8080", "10.0.0.13:8080"],
         "12 out again"
     );
 }

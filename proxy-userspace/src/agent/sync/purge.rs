@@ -2,8 +2,9 @@
 //! flows, affinity entries and the node's sockets connected to them) owed
 //! until it lands. One that failed is tried again on the loop's own timer,
 //! backed off as a failed write is ([`Retry`]), together with whatever
-//! departs meanwhile; a backend that rejoined its Service by then is
-//! spared, since its flows are live again (`Planner::still_departed`).
+//! departs meanwhile; a backend back in its Service by then under the same
+//! id is spared, since its flows under that id are live again
+//! (`Planner::still_departed`).
 
 use std::{collections::HashMap, time::Instant};
 
@@ -37,8 +38,8 @@ impl Purges {
     }
 
     /// The departures to purge at `now`: `fresh` (this sync's), and the
-    /// owed ones once their retry is due, less those whose backend is back
-    /// in its Service.
+    /// owed ones once their retry is due, less those whose backend id is
+    /// back in its Service.
     pub fn due(&mut self, now: Instant, fresh: Vec<Departed>, planner: &Planner) -> Vec<Departed> {
         if !self.retry.is_some_and(|r| r.is_due(now)) || self.owed.is_empty() {
             return fresh;

@@ -792,18 +792,25 @@ fn addresses(departed: &[Departed]) -> BTreeSet<String> {
 /// A purge of departed backends that failed is owed: tried again on the
 /// loop's own timer, backed off as a failed write is, with no event to
 /// wake the loop, until it lands; a backend that rejoined its Service
-/// meanwhile is left out of it, its flows live again.
+/// under the same backend id meanwhile (another Service held the id) is
+/// left out of it, its flows under that id live again.
 #[test]
 fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_backend() {
     let mut agent = Agent::fresh();
-    agent.event(listing(Kind::Service, vec![service("web", "10.96.0.10")]));
+    agent.event(listing(
+        Kind::Service,
+        vec![service("web", "10.96.0.10"), service("api", "10.96.0.11")],
+    ));
     agent.event(listing(
         Kind::EndpointSlice,
-        vec![slice(
-            "web-1",
-            "web",
-            &plain(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
-        )],
+        vec![
+            slice(
+                "web-1",
+                "web",
+                &plain(&["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            ),
+            slice("api-1", "api", &plain(&["10.0.0.2"])),
+        ],
     ));
     agent.event(listing(Kind::Node, vec![node("zone-a")]));
     agent.advance(Duration::from_secs(1));
@@ -829,8 +836,9 @@ fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_back
         "the failed purge is due again on the loop's timer"
     );
 
-    // 10.0.0.2 comes back before the retry; the sync that programs it
-    // purges nothing (the owed purge is not due yet).
+    // 10.0.0.2 comes back before the retry, under the id api kept for it;
+    // the sync that programs it purges nothing (the owed purge is not due
+    // yet).
     agent.event(SourceEvent::Apply(slice(
         "web-1",
         "web",

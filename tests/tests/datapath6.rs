@@ -365,7 +365,8 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
 /// IPv6's client port opened again while its reset flow is closing, as
 /// IPv4's (`datapath.rs`): the new flow starts in `CONNTRACK6`, in the
 /// room its closed flow's two entries leave there, is never moved
-/// (`ct_assured` stays), and is translated both ways.
+/// (`ct_assured` stays), and is translated both ways, whether its backend
+/// is the closed flow's or another.
 #[test]
 fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     let fx = fixture();
@@ -413,6 +414,38 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
         "(ct_assured, entries) after the reopened connection's handshake: moved, or more entries"
     );
     assert_eq!(counter(&fx, "ct_reopened"), 1, "ct_reopened");
+
+    // Reset and opened again until a new flow has had the closed one's
+    // backend (its reply entry written over the voided one in place) and
+    // another (the voided one removed): translated both ways either way
+    // (`round_trip`), and no entry left over.
+    let (mut last, mut same, mut moved, mut cycles) = (forward.nat_addr_be, 0, 0, 0);
+    while (same == 0 || moved == 0) && cycles < 60 {
+        let (ret, _) = run(&fx, &tcp(CLIENT, 41_002, VIP, 80, frame::RST | frame::ACK));
+        assert_eq!(ret, TC_ACT_OK, "cycle {cycles}: the client's RST: verdict");
+        round_trip(&fx, frame::TCP, 80, 8080, 41_002);
+        cycles += 1;
+        let now = in_conntrack6(&fx)
+            .unwrap_or_else(|| panic!("cycle {cycles}: no forward entry in CONNTRACK6"))
+            .nat_addr_be;
+        if now == last {
+            same += 1;
+        } else {
+            moved += 1;
+        }
+        assert_eq!(
+            (counter(&fx, "ct_assured"), entries6(&fx)),
+            before,
+            "cycle {cycles}: (ct_assured, entries): the flow to {now:?} (before: {last:?}) was \
+             moved, or left more entries than its closed one"
+        );
+        last = now;
+    }
+    assert!(
+        same > 0 && moved > 0,
+        "in {cycles} cycles, {same} reopened flows had the closed one's backend and {moved} another"
+    );
+    assert_eq!(counter(&fx, "ct_reopened"), 1 + cycles, "ct_reopened");
 }
 
 #[test]

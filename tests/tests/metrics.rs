@@ -234,6 +234,7 @@ fn metrics_move_with_traffic_and_changes() {
         "the default --conntrack-max, two entries a connection"
     );
     assert_eq!(after.get("ebpf_proxy_map_writes_pending", &[]), 0.0);
+    assert_eq!(after.get("ebpf_proxy_departed_purges_pending", &[]), 0.0);
     assert!(
         after
             .sum("ebpf_proxy_interface_xdp_mode", &[])

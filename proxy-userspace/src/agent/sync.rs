@@ -595,6 +595,9 @@ impl SyncLoop {
         self.stats
             .pending
             .store(self.pending() as u64, Ordering::Relaxed);
+        self.stats
+            .departures_owed
+            .store(self.purges.owed() as u64, Ordering::Relaxed);
     }
 
     /// /readyz learns the first sync ran and the datapath is attached, and

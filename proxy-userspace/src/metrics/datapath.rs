@@ -245,6 +245,12 @@ impl Collector for DatapathCollector {
             "Frontends whose last write failed, waiting for their retry",
             sync.pending.load(Ordering::Relaxed) as i64,
         )?;
+        encode_gauge(
+            &mut encoder,
+            "ebpf_proxy_departed_purges_pending",
+            "Backends that left their Services whose purge (UDP and SCTP flows, affinity entries, the node's sockets connected to them) failed, waiting for its retry",
+            sync.departures_owed.load(Ordering::Relaxed) as i64,
+        )?;
         Ok(())
     }
 }

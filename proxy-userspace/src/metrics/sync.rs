@@ -17,4 +17,7 @@ pub struct SyncStats {
     /// Frontends whose last write failed, waiting for their retry (and
     /// stale frontends whose removal failed).
     pub pending: AtomicU64,
+    /// Departed backends whose purge (flows, affinity entries, sockets)
+    /// failed, waiting for its retry.
+    pub departures_owed: AtomicU64,
 }

@@ -830,6 +830,12 @@ fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_back
         "the two that left are handed to the purge, which fails"
     );
     assert_eq!(agent.sync.purges.owed(), 2);
+    let gauge = agent.sync.stats();
+    assert_eq!(
+        gauge.departures_owed.load(Ordering::Relaxed),
+        2,
+        "ebpf_proxy_departed_purges_pending"
+    );
     assert_eq!(
         agent.sync.wakeup(),
         Some(synced + RETRY_INITIAL),
@@ -874,6 +880,7 @@ fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_back
         "handed once more, and it lands"
     );
     assert_eq!(agent.sync.purges.owed(), 0);
+    assert_eq!(gauge.departures_owed.load(Ordering::Relaxed), 0);
     assert_eq!(agent.sync.wakeup(), None, "landed: no timer");
     agent.target.departed.clear();
     agent.advance(Duration::from_secs(10));

@@ -80,7 +80,8 @@ pub struct Departed {
     pub backend_id: u32,
     /// Its address, port and protocol, taken before the id is released and
     /// perhaps given to another backend; None for an id the planner holds
-    /// no entry of.
+    /// no entry of, and for a purge owed after the backend came back under
+    /// another id (`Planner::still_departed`).
     pub backend: Option<Backend>,
 }
 

@@ -86,21 +86,37 @@ impl Planner {
     /// again. A backend back under the same id (another Service held it
     /// meanwhile), or another given the id that joined, has live flows
     /// under it, which the purge must spare. One back under a new id is
-    /// still owed: its flows under the old id are from before it left, and
-    /// go as kube-proxy's cleanup would have removed them then (a purge by
-    /// id would otherwise never reach them).
+    /// still owed its flows under the old id, which date from before it
+    /// left and go as kube-proxy's cleanup would have removed them then (a
+    /// purge by id would otherwise never reach them); but not the closing
+    /// of the node's sockets connected to it, which goes by address and
+    /// would reach those connected since: its address is dropped
+    /// (`backend` None), which the flows' purge does not need.
     pub fn still_departed(&self, mut departed: Vec<Departed>) -> Vec<Departed> {
         let services: HashSet<u32> = departed.iter().map(|d| d.service_id).collect();
-        let serving: HashSet<(u32, u32)> = self
-            .frontends
-            .values()
-            .filter(|applied| services.contains(&applied.value.service_id))
-            .flat_map(|applied| {
-                let service_id = applied.value.service_id;
-                applied.backend_ids.iter().map(move |id| (service_id, *id))
-            })
-            .collect();
-        departed.retain(|d| !serving.contains(&(d.service_id, d.backend_id)));
+        let mut ids = HashSet::new();
+        let mut endpoints = HashSet::new();
+        for applied in self.frontends.values() {
+            let service_id = applied.value.service_id;
+            if !services.contains(&service_id) {
+                continue;
+            }
+            for id in &applied.backend_ids {
+                if ids.insert((service_id, *id))
+                    && let Some(b) = self.backends.backend_of(*id)
+                {
+                    endpoints.insert((service_id, b.addr_be, b.port_be, b.proto));
+                }
+            }
+        }
+        departed.retain(|d| !ids.contains(&(d.service_id, d.backend_id)));
+        for d in &mut departed {
+            if d.backend
+                .is_some_and(|b| endpoints.contains(&(d.service_id, b.addr_be, b.port_be, b.proto)))
+            {
+                d.backend = None;
+            }
+        }
         departed
     }
 

@@ -861,9 +861,13 @@ fn a_failed_departed_purge_is_retried_on_the_loops_timer_sparing_a_rejoined_back
     // Due, still failing: only 10.0.0.3 is purged again, then backed off.
     agent.advance(synced + RETRY_INITIAL - agent.now);
     assert_eq!(
-        addresses(&agent.target.departed),
-        BTreeSet::from(["10.0.0.3".into()]),
-        "the retry spares 10.0.0.2, back in web"
+        (
+            addresses(&agent.target.departed),
+            agent.target.departed.len()
+        ),
+        (BTreeSet::from(["10.0.0.3".into()]), 1),
+        "the retry spares 10.0.0.2, back in web: {:?}",
+        agent.target.departed
     );
     assert_eq!(
         agent.sync.wakeup(),

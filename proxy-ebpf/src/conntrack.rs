@@ -15,14 +15,14 @@
 //! live in `CONNTRACK6` and `CT_NEW6` by the same rules.
 //!
 //! One new flow starts in `CONNTRACK`: a TCP SYN opening again the tuple of
-//! a closed flow there, whose reply entry it removed and whose forward
-//! entry it voided (`reopen`, `create`), as a busy client reuses its ports
-//! while its last connections' entries are closing. It takes the room its
-//! old flow left, its forward entry written over the old one in place, so
-//! `CONNTRACK` does not grow and a flood still evicts only unassured
-//! flows; and it is never moved, which spares it the two inserts into
-//! `CT_NEW`, the lookups that miss `CONNTRACK` first, and the move
-//! (bench/README.md, "Where a connection's program time goes").
+//! a closed flow there, whose two entries it voided (`reopen`, `create`),
+//! as a busy client reuses its ports while its last connections' entries
+//! are closing. It takes the room its old flow left, its forward entry
+//! written over the old one in place (and its reply entry too where the
+//! backend is the same), so `CONNTRACK` does not grow and a flood still
+//! evicts only unassured flows; and it is never moved, which spares it the
+//! two inserts into `CT_NEW`, the lookups that miss `CONNTRACK` first, and
+//! the move (bench/README.md, "Where a connection's program time goes").
 //!
 //! Entries are read in place and built in this CPU's `Scratch`, never
 //! copied to the stack: IPv6's program has room for little more than one
@@ -379,8 +379,9 @@ fn end_own_reply<F: Family>(
 /// place: reset rather than closed by FINs (`CtTimeouts::tcp_close_ns`, a
 /// fixed 10 s, where `TIME_WAIT` is 120 s) and last seen at the clock's
 /// start, so expired once the node has been up for 10 s, long before an
-/// agent runs; every CPU's cached copy of it voided. Every reader takes it for no entry (`expired`) and every writer
-/// overwrites it: the new flow of its tuple (`overwrite`; in `CT_NEW`
+/// agent runs; every CPU's cached copy of it voided. Every reader takes it
+/// for no entry (`expired`) and every writer overwrites it: the new flow of
+/// its tuple (`overwrite`, `reply_in_room`; in `CT_NEW`
 /// `insert_pair`'s and `insert_forward`'s inserts at its key; a move to
 /// `CONNTRACK`, `claim`), else the reaper removes it. So a SYN whose new
 /// flow is not created (refused, left to netfilter) leaves no live entry

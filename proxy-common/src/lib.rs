@@ -46,6 +46,10 @@ pub mod map_names {
     /// (`--detect-local-mode BridgeInterface` or `InterfaceNamePrefix`):
     /// ifindex to 1.
     pub const LOCAL_IFACES: &str = "LOCAL_IFACES";
+    /// The interfaces a translated packet may be sent through straight into
+    /// a pod's namespace (`node_config_flags::HOST_ROUTING_BPF`): the
+    /// host-side veths of pods, ifindex to 1.
+    pub const POD_IFACES: &str = "POD_IFACES";
     pub const CLOCK: &str = "CLOCK";
     pub const FLOW_CACHE: &str = "FLOW_CACHE";
     pub const FLOW_GEN: &str = "FLOW_GEN";
@@ -113,7 +117,7 @@ pub mod map_names {
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 20] = [
+    pub const LATER: [&str; 21] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -134,12 +138,13 @@ pub mod map_names {
         SERVICE_COUNTERS,
         TRACE_ON,
         TRACE_EVENTS,
+        POD_IFACES,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 37] = [
+    pub const ALL: [&str; 38] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -177,6 +182,7 @@ pub mod map_names {
         SERVICE_REFUSALS,
         TRACE_ON,
         TRACE_EVENTS,
+        POD_IFACES,
     ];
 }
 
@@ -441,6 +447,8 @@ pub const MAX_SERVICE_CIDRS: u32 = 2 * MAX_SERVICES + 64;
 /// Entries of `LOCAL_IFACES`: a bridge, or every pod's host-side interface
 /// of a node.
 pub const MAX_LOCAL_IFACES: u32 = 4096;
+/// Entries of `POD_IFACES`: every pod's host-side interface of a node.
+pub const MAX_POD_IFACES: u32 = 4096;
 /// Fragmented datagrams in flight whose ports `FRAGMENTS` remembers (an
 /// LRU map: the oldest go first; a datagram's fragments arrive within
 /// microseconds of each other).
@@ -1479,6 +1487,14 @@ pub mod node_config_flags {
     /// no client address to keep affinity by or to masquerade. A pod is
     /// taken as in-cluster. In `NODE_CONFIG` for both families.
     pub const SOCKET_LB_PODS: u32 = 1 << 6;
+    /// A packet tc translated (a new or known flow's, either direction,
+    /// the client's address kept) whose route leads into a pod of this
+    /// node (its egress is one of `POD_IFACES`) is sent straight into the
+    /// pod's namespace (`bpf_redirect_peer`), not through the node's
+    /// forwarding: no netfilter `FORWARD` or `POSTROUTING`, no qdisc on the
+    /// pod's host-side interface (`--host-routing bpf`). In `NODE_CONFIG`
+    /// for both families.
+    pub const HOST_ROUTING_BPF: u32 = 1 << 7;
 }
 
 /// Default SNAT source port range: below the NodePort range (30000-32767)
@@ -1672,7 +1688,11 @@ pub mod counter {
     /// port changed, as netfilter's NAT changes a clashing tuple's, so that
     /// the backend sees two connections (counted in `CT_NEW_FLOW` too).
     pub const CT_PORT_REMAPPED: u32 = 41;
-    pub const COUNT: u32 = 42;
+    /// A translated packet sent straight into a pod of this node
+    /// (`node_config_flags::HOST_ROUTING_BPF`), not through the node's
+    /// forwarding.
+    pub const TO_POD: u32 = 42;
+    pub const COUNT: u32 = 43;
     /// Entries of the `COUNTERS` map: room for counters added later without
     /// a new layout version.
     pub const SLOTS: u32 = 64;
@@ -1719,6 +1739,7 @@ pub mod counter {
         "dsr_refused",
         "ct_reopened",
         "ct_port_remapped",
+        "to_pod",
     ];
 }
 

@@ -11,10 +11,11 @@ use proxy_common::{
     Ct6Key, CtKeyOf, CtTimeouts, CtValueOf, DEFAULT_SERVICE_COUNTERS, FLOW_CACHE_SLOTS,
     FlowCacheEntryOf, FragKey, FragValue, MAP_F_MMAPABLE, MAP_F_NO_PREALLOC, MAX_AFFINITY,
     MAX_BACKEND_SLOTS, MAX_BACKENDS, MAX_CLUSTER_CIDRS, MAX_CONNTRACK, MAX_CT_SOURCES,
-    MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_REFUSALS, MAX_SERVICE_CIDRS, MAX_SERVICES,
-    MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord, RejectLimit,
-    ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNotes, SockNotes6, SourceRangeKey,
-    WireView, clock_slot, counter, ip_summed, prefilter, sock_counter,
+    MAX_FRAGMENTS, MAX_LOCAL_IFACES, MAX_NODE_ADDRS, MAX_POD_IFACES, MAX_REFUSALS,
+    MAX_SERVICE_CIDRS, MAX_SERVICES, MAX_SOURCE_RANGES, NodeAddr, NodeAddrKey, NodeConfig,
+    RefusalKey, RefusalRecord, RejectLimit, ServiceCounters, ServiceKey, ServiceName, ServiceValue,
+    SockNotes, SockNotes6, SourceRangeKey, WireView, clock_slot, counter, ip_summed, prefilter,
+    sock_counter,
 };
 
 #[btf_map]
@@ -306,6 +307,12 @@ pub fn node_flags6() -> u32 {
 /// interface local traffic detectors): ifindex to 1.
 #[btf_map]
 pub static LOCAL_IFACES: HashMap<u32, u32, { MAX_LOCAL_IFACES as usize }> = HashMap::new();
+
+/// The host-side interfaces of this node's pods, whose peer is the pod's
+/// own interface: where a translated packet may be sent straight into the
+/// pod (`route::to_pod`). Ifindex to 1.
+#[btf_map]
+pub static POD_IFACES: HashMap<u32, u32, { MAX_POD_IFACES as usize }> = HashMap::new();
 
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =

@@ -607,10 +607,7 @@ fn finish<F: PipelineFamily, H: Verdicts>(
         return H::DROP;
     }
     if !nat.redirect {
-        if H::XDP {
-            count(counter::XDP_TRANSLATED);
-        }
-        return H::PASS;
+        return ctx.onward::<F>(flow, nat);
     }
     // The carrier goes in last: the rewrite's offsets are the packet's as
     // it came.

@@ -12,6 +12,12 @@
 //! it. The answer stays in this CPU's `ROUTE` entry until the packet is
 //! sent (`forward`, `send_tc`): nothing in between looks up another route.
 //!
+//! With `--host-routing bpf` (`node_config_flags::HOST_ROUTING_BPF`) tc
+//! also sends on a translated packet the stack would forward, where its
+//! route leads into a pod of this node (`to_pod`): straight into the pod's
+//! namespace, past the node's forwarding and its second pass through a
+//! CPU's backlog (docs/architecture.md, "Host routing").
+//!
 //! The length given to the FIB is what the path has to carry: the packet's
 //! network length, or for a GSO or GRO packet the length of each segment it
 //! will be cut into, as the stack's own forwarding check counts it. The
@@ -22,20 +28,21 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
+    bindings::TC_ACT_OK,
     bindings::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
         TC_ACT_REDIRECT, TC_ACT_SHOT,
     },
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
 };
-use proxy_common::{PROTO_TCP, counter};
+use proxy_common::{PROTO_TCP, counter, node_config_flags};
 
 use crate::{
     event_log::Event,
     family::Family,
     hook::Hook,
-    maps::{ROUTE, Route, count},
+    maps::{POD_IFACES, ROUTE, Route, count, node_flags},
     packet::ETH_HLEN,
 };
 
@@ -278,6 +285,47 @@ pub fn send_tc<F: Family>(ctx: &TcContext, proto: u8, src: &F::Addr, dst: &F::Ad
     } else {
         no_route()
     }
+}
+
+/// A translated tc packet of `proto` from `src` to `dst` that the stack
+/// would forward (its transport header at `l4_off`): with
+/// `HOST_ROUTING_BPF`, one whose route leads out of one of `POD_IFACES` to
+/// a resolved neighbour goes straight into that pod's namespace, routed as
+/// the stack would route it (one off its TTL or hop limit, the next hop's
+/// MACs). Every other packet is passed to the stack untouched by this, so
+/// that it answers what only it answers: a spent TTL, a packet longer than
+/// its route's MTU, a neighbour to resolve, a route elsewhere.
+#[inline(always)]
+pub fn to_pod<F: Family>(
+    ctx: &TcContext,
+    l4_off: usize,
+    proto: u8,
+    src: &F::Addr,
+    dst: &F::Addr,
+) -> i32 {
+    if node_flags() & node_config_flags::HOST_ROUTING_BPF == 0 {
+        return TC_ACT_OK;
+    }
+    let len = network_len(ctx, l4_off, proto);
+    let Hop::Via {
+        ifindex,
+        resolved: true,
+    } = lookup::<F, TcContext>(ctx, proto, src, dst, len)
+    else {
+        return TC_ACT_OK;
+    };
+    if POD_IFACES.get_ptr(&ifindex).is_none() {
+        return TC_ACT_OK;
+    }
+    // `decrement_hops` writes nothing to a packet it refuses.
+    if forward::<F>(ctx.data(), ctx.data_end()).is_err() {
+        return TC_ACT_OK;
+    }
+    count(counter::TO_POD);
+    // SAFETY: takes an interface index and flags, no pointers. The kernel
+    // drops the packet if the interface has no peer in another namespace:
+    // `POD_IFACES` holds only veths whose peer is (the agent's `pod_ifaces`).
+    unsafe { bpf_redirect_peer(ifindex, 0) as i32 }
 }
 
 /// A packet whose TTL or hop limit is spent: dropped, as a router drops it.

@@ -52,6 +52,11 @@ pub trait Verdicts: Hook {
     /// node, which the stack would not forward, to the next hop that
     /// `route::lookup` found before anything was written.
     fn send<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> Self::Verdict;
+
+    /// Sends on a translated packet the stack forwards: passed to it, or at
+    /// tc, with `--host-routing bpf`, straight into a pod of this node
+    /// (`route::to_pod`).
+    fn onward<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> Self::Verdict;
 }
 
 /// tcx: run the next program in the chain; from the last one, a pass.
@@ -126,6 +131,11 @@ impl Verdicts for TcContext {
     fn send<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> i32 {
         route::send_tc::<F>(self, flow.proto, &nat.src_be, &nat.dst_be)
     }
+
+    #[inline(always)]
+    fn onward<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> i32 {
+        route::to_pod::<F>(self, flow.l4_off, flow.proto, &nat.src_be, &nat.dst_be)
+    }
 }
 
 impl Verdicts for XdpContext {
@@ -198,5 +208,12 @@ impl Verdicts for XdpContext {
                 xdp_action::XDP_DROP
             }
         }
+    }
+
+    /// Passed to the stack translated, counted.
+    #[inline(always)]
+    fn onward<F: Family>(&self, _flow: &FlowOf<F::Addr>, _nat: &NatOf<F::Addr>) -> u32 {
+        count(counter::XDP_TRANSLATED);
+        xdp_action::XDP_PASS
     }
 }

@@ -120,6 +120,8 @@ pub struct AgentConfig {
     /// Whose connections the socket hooks send to a backend
     /// (`--socket-lb-pods`).
     pub socket_lb: crate::planner::node::SocketLb,
+    /// How translated packets reach this node's pods (`--host-routing`).
+    pub host_routing: crate::planner::node::HostRouting,
     pub xdp_mode: XdpModeSetting,
     /// Where XDP goes (`--xdp-interfaces`); None: the uplinks found.
     pub xdp_interfaces: Option<Vec<String>>,
@@ -413,6 +415,7 @@ fn node_maps_at_start(
         .with_masquerade_all(config.masquerade_all)
         .with_lb_mode(config.lb_mode)
         .with_socket_lb(config.socket_lb)
+        .with_host_routing(config.host_routing)
         .with_ct_source_share(config.ct_source_share),
     );
     let adoption = Adoption::start(pinned_flag, config.keep_kube_proxy_rules);
@@ -571,6 +574,13 @@ fn apply_snapshot(
 ) {
     attach_all(datapath, &snapshot.interfaces);
     node.set_local_ifaces(config.detect_local.local_interfaces(&snapshot.interfaces));
+    node.set_pod_ifaces(
+        snapshot
+            .pods
+            .iter()
+            .filter_map(|name| snapshot.interfaces.get(name).copied())
+            .collect(),
+    );
     apply_xdp(datapath, snapshot, config);
     let ips = node::node_addresses(config.node_ip, &snapshot.addrs);
     node.set_interfaces(

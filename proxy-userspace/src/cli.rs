@@ -457,6 +457,16 @@ pub struct RunArgs {
     /// (docs/architecture.md, "Pods' connections at `connect()`").
     #[arg(long, num_args = 0..=1, default_value = "false", default_missing_value = "true", value_parser = parse_go_bool)]
     pub socket_lb_pods: bool,
+    /// How a packet translated at tc reaches a pod of this node: `stack`
+    /// (routed and forwarded by the node, through netfilter's `FORWARD` and
+    /// `POSTROUTING` and the pod interface's qdisc, as kube-proxy's
+    /// translated packets go) or `bpf` (sent from tc straight into the pod's
+    /// namespace where its route leads out of a pod's host-side veth:
+    /// faster, but past those hooks, so not with a network policy or
+    /// bandwidth limit enforced there; docs/architecture.md, "Host
+    /// routing").
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = crate::planner::node::HostRouting::Stack)]
+    pub host_routing: crate::planner::node::HostRouting,
     /// kube-proxy's flags without a meaning here (`IGNORED`): taken with
     /// kube-proxy's value syntax, named in one warning at start.
     #[command(flatten)]

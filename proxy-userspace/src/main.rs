@@ -189,6 +189,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         } else {
             SocketLb::Node
         },
+        host_routing: args.host_routing,
         xdp_mode: args.xdp_mode,
         xdp_interfaces: args.xdp_interfaces,
         node_ip: args.node_ip.unwrap_or_default(),

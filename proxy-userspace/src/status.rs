@@ -57,6 +57,28 @@ struct Report<'a> {
 }
 
 /// The node's part of the report: what is not any one Service's.
+/// `--host-routing` as `config` and `POD_IFACES` hold it.
+fn host_routing(maps: &Maps, config: &proxy_common::NodeConfig) -> HostRoutingReport {
+    HostRoutingReport {
+        mode: if config.flags & proxy_common::node_config_flags::HOST_ROUTING_BPF != 0 {
+            "bpf"
+        } else {
+            "stack"
+        },
+        pod_interfaces: maps.pod_ifaces.as_ref().map_or(0, |m| m.keys().count()),
+    }
+}
+
+/// `--host-routing` as the maps hold it.
+#[derive(Debug, Serialize)]
+pub struct HostRoutingReport {
+    /// `stack` or `bpf` (`node_config_flags::HOST_ROUTING_BPF`).
+    pub mode: &'static str,
+    /// `POD_IFACES`' entries: the interfaces translated packets may be
+    /// sent through into a pod.
+    pub pod_interfaces: usize,
+}
+
 #[derive(Debug, Serialize)]
 pub struct NodeReport {
     pub frontends: usize,
@@ -70,6 +92,10 @@ pub struct NodeReport {
     /// `connect()` (`--socket-lb-pods`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_lb_pods: Option<bool>,
+    /// How translated packets reach this node's pods (`--host-routing`):
+    /// `stack` or `bpf`, with the pod interfaces the datapath sends into.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_routing: Option<HostRoutingReport>,
     /// None where the pins have no `NODE_CONFIG6`; "none" as JSON null
     /// inside `Some` is the node without an IPv6 address.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -300,6 +326,7 @@ fn node(
             .map(|c| c.flags & proxy_common::node_config_flags::LOCALHOST_NODEPORTS != 0),
         socket_lb_pods: config
             .map(|c| c.flags & proxy_common::node_config_flags::SOCKET_LB_PODS != 0),
+        host_routing: config.map(|c| host_routing(maps, &c)),
         ipv6_address,
         clock_tick_ns,
         attached,
@@ -364,6 +391,13 @@ fn node_config_text(node: &NodeReport, out: &mut String) {
             } else {
                 "at tc"
             }
+        );
+    }
+    if let Some(routing) = &node.host_routing {
+        let _ = writeln!(
+            out,
+            "host routing: {} ({} pod interfaces known)",
+            routing.mode, routing.pod_interfaces
         );
     }
 }

@@ -359,6 +359,17 @@ struct Config {
     /// before it starts.
     rr_segment: Duration,
     threads: usize,
+    /// How ebpf-proxy's agent runs, where an experiment asks for other than
+    /// its defaults.
+    agent: AgentVariant,
+    /// The exchanges measured: all of [`EXCHANGES`], or those `--exchanges` names
+    /// (for agents older than some of them, when bisecting a change in the ratios).
+    exchanges: Vec<Exchange>,
+}
+
+/// The agent's settings an experiment changes (`parse_args`).
+#[derive(Debug, Clone, Copy, Default)]
+struct AgentVariant {
     /// `--generic-xdp-on-pods`: the agent runs generic XDP on the pods'
     /// host-side veths (as it did by default where they carry a global
     /// address, before `--xdp-mode auto` kept XDP to native uplinks), so that
@@ -367,9 +378,9 @@ struct Config {
     /// `--socket-lb-pods`: the agent sends the pods' TCP connections to
     /// ClusterIPs to a backend at `connect()`.
     socket_lb_pods: bool,
-    /// The exchanges measured: all of [`EXCHANGES`], or those `--exchanges` names
-    /// (for agents older than some of them, when bisecting a change in the ratios).
-    exchanges: Vec<Exchange>,
+    /// `--host-routing-bpf`: the agent runs with `--host-routing bpf`, its
+    /// translated packets sent from tc straight into the pods.
+    host_routing_bpf: bool,
 }
 
 impl Config {
@@ -389,8 +400,7 @@ impl Config {
                 udp_segment: Duration::from_millis(75),
                 rr_segment: Duration::from_millis(100),
                 threads,
-                generic_xdp_on_pods: false,
-                socket_lb_pods: false,
+                agent: AgentVariant::default(),
                 exchanges: EXCHANGES.to_vec(),
             }
         } else {
@@ -402,8 +412,7 @@ impl Config {
                 udp_segment: Duration::from_millis(150),
                 rr_segment: Duration::from_millis(200),
                 threads,
-                generic_xdp_on_pods: false,
-                socket_lb_pods: false,
+                agent: AgentVariant::default(),
                 exchanges: EXCHANGES.to_vec(),
             }
         }
@@ -427,13 +436,15 @@ fn main() {
 }
 
 /// `--quick`, `--out DIR`, and for experiments `--sizes 10,1000`, `--rounds N`,
-/// `--threads N`, `--generic-xdp-on-pods`, `--socket-lb-pods`, `--exchanges KEY,KEY`. Anything else
+/// `--threads N`, `--generic-xdp-on-pods`, `--socket-lb-pods`, `--host-routing-bpf`,
+/// `--exchanges KEY,KEY`. Anything else
 /// (cargo passes `--bench`) is ignored.
 fn parse_args(args: &Args) -> Result<(Config, std::path::PathBuf)> {
     let mut cfg = Config::new(args.flag("--quick"));
     args.overrides(&mut cfg.sizes, &mut cfg.rounds, &mut cfg.threads)?;
-    cfg.generic_xdp_on_pods = args.flag("--generic-xdp-on-pods");
-    cfg.socket_lb_pods = args.flag("--socket-lb-pods");
+    cfg.agent.generic_xdp_on_pods = args.flag("--generic-xdp-on-pods");
+    cfg.agent.socket_lb_pods = args.flag("--socket-lb-pods");
+    cfg.agent.host_routing_bpf = args.flag("--host-routing-bpf");
     if let Some(keys) = args.value("--exchanges")? {
         let keys: Vec<&str> = keys.split(',').map(str::trim).collect();
         if let Some(unknown) = keys
@@ -728,11 +739,14 @@ impl World {
         let pod_ifs = self.topology.pods().iter().map(|p| p.host_if.as_str());
         let pod_ifs = pod_ifs.collect::<Vec<_>>().join(",");
         let mut args = vec!["--cgroup-root", &cgroup];
-        if cfg.generic_xdp_on_pods {
+        if cfg.agent.generic_xdp_on_pods {
             args.extend(["--xdp-mode", "generic", "--xdp-interfaces", &pod_ifs]);
         }
-        if cfg.socket_lb_pods {
+        if cfg.agent.socket_lb_pods {
             args.push("--socket-lb-pods");
+        }
+        if cfg.agent.host_routing_bpf {
+            args.extend(["--host-routing", "bpf"]);
         }
         let agent = Agent::start_with(&self.topology.node, manifests.path(), &args)
             .context("start the ebpf-proxy agent")?;
@@ -1293,18 +1307,25 @@ impl Report<'_> {
                 ""
             }
         ));
-        if cfg.generic_xdp_on_pods {
+        if cfg.agent.generic_xdp_on_pods {
             out.push_str(
                 "\nebpf-proxy runs generic XDP on the pods' host-side veths \
                  (`--generic-xdp-on-pods`: `--xdp-mode generic --xdp-interfaces` naming them), \
                  where by default tc alone handles pod traffic.\n",
             );
         }
-        if cfg.socket_lb_pods {
+        if cfg.agent.socket_lb_pods {
             out.push_str(
                 "\nebpf-proxy runs with `--socket-lb-pods`: the client pod's TCP connections \
                  to the ClusterIP go to a backend at `connect()`, where by default tc \
                  translates them; its UDP is tc's either way.\n",
+            );
+        }
+        if cfg.agent.host_routing_bpf {
+            out.push_str(
+                "\nebpf-proxy runs with `--host-routing bpf`: the packets tc translates go \
+                 from tc straight into the pod they are for, where by default the node's \
+                 stack forwards them.\n",
             );
         }
         if cfg.exchanges.len() < EXCHANGES.len() {
@@ -1538,8 +1559,9 @@ impl Report<'_> {
             "machine": self.machine.json(),
             "load_average_before_after": [self.load.0, self.load.1],
             "quick": cfg.quick,
-            "generic_xdp_on_pods": cfg.generic_xdp_on_pods,
-            "socket_lb_pods": cfg.socket_lb_pods,
+            "generic_xdp_on_pods": cfg.agent.generic_xdp_on_pods,
+            "socket_lb_pods": cfg.agent.socket_lb_pods,
+            "host_routing_bpf": cfg.agent.host_routing_bpf,
             "exchanges": cfg.exchanges.iter().map(|x| x.key()).collect::<Vec<_>>(),
             "client_threads": cfg.threads,
             "rounds": cfg.rounds,

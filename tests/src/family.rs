@@ -33,6 +33,9 @@ pub trait Family: iptables::Family + Into<IpAddr> {
     const UNSPECIFIED: Self;
     /// The sysctl of the kernel's ICMP error rate limit.
     const ICMP_RATELIMIT: &'static str;
+    /// The SNMP counter (`ebpf_proxy_tests::snmp`) of the datagrams a
+    /// namespace's stack forwarded.
+    const FORWARDED: &'static str;
     /// The agent's conntrack maps of the family, as its status names them: the
     /// assured flows' and the unassured ones'.
     const CONNTRACK_MAPS: [&'static str; 2];
@@ -183,6 +186,7 @@ impl Family for Ipv4Addr {
     const IPTABLES: &'static str = "iptables";
     const UNSPECIFIED: Self = Ipv4Addr::UNSPECIFIED;
     const ICMP_RATELIMIT: &'static str = "net.ipv4.icmp_ratelimit";
+    const FORWARDED: &'static str = "IpForwDatagrams";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK", "CT_NEW"];
     const STATUS_NODE_IP: &'static str = "node addresses: ";
     const HOST_PREFIX: u8 = 32;
@@ -275,6 +279,7 @@ impl Family for Ipv6Addr {
     const IPTABLES: &'static str = "ip6tables";
     const UNSPECIFIED: Self = Ipv6Addr::UNSPECIFIED;
     const ICMP_RATELIMIT: &'static str = "net.ipv6.icmp.ratelimit";
+    const FORWARDED: &'static str = "Ip6OutForwDatagrams";
     const CONNTRACK_MAPS: [&'static str; 2] = ["CONNTRACK6", "CT_NEW6"];
     const STATUS_NODE_IP: &'static str = "node IPv6 address: ";
     const HOST_PREFIX: u8 = 128;

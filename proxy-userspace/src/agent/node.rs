@@ -79,6 +79,12 @@ impl NodeMaps {
         self.desired.set_local_ifaces(ifindexes);
     }
 
+    /// The host-side interfaces of this node's pods (kept only with
+    /// `--host-routing bpf`); written at the next `sync`.
+    pub fn set_pod_ifaces(&mut self, ifindexes: std::collections::BTreeSet<u32>) {
+        self.desired.set_pod_ifaces(ifindexes);
+    }
+
     /// SNATs off-cluster clients of a ClusterIP, per family; written at the
     /// next `sync`.
     pub fn set_masquerade_off_cluster(&mut self, v4: bool, v6: bool) {

@@ -39,6 +39,9 @@ pub struct Snapshot {
     /// partial checksums (to be finished on transmit, which a veth never
     /// does), which native XDP cannot see or finish.
     pub veths: BTreeSet<String>,
+    /// The selected interfaces that are pods' host-side veths ([`is_pod`]):
+    /// where `--host-routing bpf` sends translated packets into the pod.
+    pub pods: BTreeSet<String>,
     /// The mode an XDP program runs in on each selected interface that has
     /// one, as the kernel reports it (`native`, `generic`, `offload`,
     /// `multiple`): ours or another's.
@@ -124,13 +127,17 @@ async fn snapshot(
         let master_kind = link
             .master
             .map(|m| by_ifindex.get(&m).and_then(|l| l.kind.clone()));
-        if is_uplink(
+        let uplink = is_uplink(
             link.kind.as_ref(),
             master_kind.as_ref().map(Option::as_ref),
             by_index.contains_key(&link.index),
             routes.contains(&link.index),
-        ) {
+        );
+        if uplink {
             snapshot.uplinks.insert(link.name.clone());
+        }
+        if is_pod(link.kind.as_ref(), link.peer_elsewhere, link.master, uplink) {
+            snapshot.pods.insert(link.name.clone());
         }
     }
     snapshot.addrs = by_index.into_values().flatten().collect();
@@ -257,6 +264,20 @@ fn covers(net: IpAddr, len: u8, ip: IpAddr) -> bool {
     }
 }
 
+/// Whether an interface is a pod's host-side veth, whose peer is the pod's
+/// own interface: a veth whose peer is in another namespace, enslaved to
+/// nothing (a bridge's port is not where the FIB sends a packet) and not
+/// one of the node's uplinks (a kind-style node's way out, past which the
+/// node's `POSTROUTING` may masquerade what leaves).
+pub fn is_pod(
+    kind: Option<&InfoKind>,
+    peer_elsewhere: bool,
+    master: Option<u32>,
+    uplink: bool,
+) -> bool {
+    kind == Some(&InfoKind::Veth) && peer_elsewhere && master.is_none() && !uplink
+}
+
 /// What the link dump says of one interface.
 struct Link {
     name: String,
@@ -265,6 +286,8 @@ struct Link {
     kind: Option<InfoKind>,
     /// The ifindex of the bridge, bond or VRF it is enslaved to.
     master: Option<u32>,
+    /// Its peer (a veth's) is in another network namespace.
+    peer_elsewhere: bool,
     /// The mode of the XDP program attached to it, if any.
     xdp: Option<&'static str>,
 }
@@ -280,12 +303,14 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<Vec<Link>, InterfacesError> 
             flags: msg.header.flags,
             kind: None,
             master: None,
+            peer_elsewhere: false,
             xdp: None,
         };
         for a in &msg.attributes {
             match a {
                 LinkAttribute::IfName(n) => link.name.clone_from(n),
                 LinkAttribute::Controller(m) if *m != 0 => link.master = Some(*m),
+                LinkAttribute::LinkNetNsId(_) => link.peer_elsewhere = true,
                 LinkAttribute::LinkInfo(infos) => {
                     link.kind = infos.iter().find_map(|i| match i {
                         LinkInfo::Kind(k) => Some(k.clone()),
@@ -382,6 +407,20 @@ const IFNAMSIZ: usize = 16;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pods_are_unenslaved_veths_whose_peer_is_in_another_namespace() {
+        assert!(is_pod(Some(&InfoKind::Veth), true, None, false));
+        // Both ends here: the kernel would drop a packet sent to its peer.
+        assert!(!is_pod(Some(&InfoKind::Veth), false, None, false));
+        // A bridge's port: the FIB sends to the bridge.
+        assert!(!is_pod(Some(&InfoKind::Veth), true, Some(3), false));
+        // A kind-style node's own way out.
+        assert!(!is_pod(Some(&InfoKind::Veth), true, None, true));
+        for kind in [None, Some(InfoKind::Bridge), Some(InfoKind::Vxlan)] {
+            assert!(!is_pod(kind.as_ref(), true, None, false), "{kind:?}");
+        }
+    }
 
     #[test]
     fn uplinks_are_the_nodes_own_links_with_an_address_and_a_way_out() {

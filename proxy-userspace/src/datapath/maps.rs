@@ -28,7 +28,9 @@ use super::{
     service_counters::{self, ServiceCountersError},
     write_behind::{self, RunError, RunWriter},
 };
-use crate::planner::{Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases};
+use crate::planner::{
+    IfaceSet, Landing, MapOp, MapStore, NodeState, PhaseFailure, Phases, apply_phases,
+};
 
 /// Why a map could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +186,9 @@ pub struct Maps {
     /// Interfaces whose packets come from this node's pods
     /// (`LOCAL_IFACES`); absent like `csum_states`.
     pub local_ifaces: Option<HashMap<MapData, u32, u32>>,
+    /// The host-side interfaces of this node's pods (`POD_IFACES`); absent
+    /// like `csum_states`.
+    pub pod_ifaces: Option<HashMap<MapData, u32, u32>>,
     /// The prefilter's bits, mapped (`prefilter`), shared with the thread
     /// that writes batches behind the sync; absent like `csum_states`, and
     /// where opened unmapped (`open_pinned_unmapped`).
@@ -249,7 +254,7 @@ impl Maps {
         use map_names::{
             AFFINITY, BACKEND_SLOTS, BACKENDS, CLOCK, CLUSTER_CIDRS, CONNTRACK, CONNTRACK6,
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
-            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, PREFILTER,
+            HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, POD_IFACES, PREFILTER,
             PREFILTER_FLOWS, SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICE_REFUSALS,
             SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
@@ -279,6 +284,7 @@ impl Maps {
             sock_notes6: later(get(SOCK_NOTES6), SOCK_NOTES6, socket_storage::<SockNotes6>)?,
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
+            pod_ifaces: later(get(POD_IFACES), POD_IFACES, HashMap::try_from)?,
             prefilter: match arrays {
                 Arrays::Mapped => {
                     later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
@@ -318,6 +324,21 @@ impl Maps {
     }
 
     /// Tells the socket hook which network namespace is the node's.
+    /// The interfaces map `set`, where these pins have it.
+    fn ifaces(&self, set: IfaceSet) -> Option<&HashMap<MapData, u32, u32>> {
+        match set {
+            IfaceSet::Local => self.local_ifaces.as_ref(),
+            IfaceSet::Pod => self.pod_ifaces.as_ref(),
+        }
+    }
+
+    fn ifaces_mut(&mut self, set: IfaceSet) -> Option<&mut HashMap<MapData, u32, u32>> {
+        match set {
+            IfaceSet::Local => self.local_ifaces.as_mut(),
+            IfaceSet::Pod => self.pod_ifaces.as_mut(),
+        }
+    }
+
     pub fn set_host_netns(&mut self, cookie: u64) -> Result<(), MapsError> {
         let map = self.host_netns.as_mut().ok_or(MapsError::Missing {
             name: map_names::HOST_NETNS,
@@ -453,11 +474,13 @@ impl Maps {
                     .insert((key.prefix_len(), key.data()), kind);
             }
         }
-        if let Some(map) = &self.local_ifaces {
-            for key in map.keys() {
-                state
-                    .local_ifaces
-                    .insert(key.map_err(wrap(map_names::LOCAL_IFACES))?);
+        for set in IfaceSet::ALL {
+            if let Some(map) = self.ifaces(set) {
+                for key in map.keys() {
+                    state
+                        .ifaces_mut(set)
+                        .insert(key.map_err(wrap(set.map_name()))?);
+                }
             }
         }
         Ok(state)
@@ -619,15 +642,15 @@ impl Maps {
                 Some(map) => map.remove(&Key::new(entry.0, entry.1)),
                 None => Ok(()),
             },
-            MapOp::PutLocalIface { ifindex } => match &mut self.local_ifaces {
+            MapOp::PutIface { set, ifindex } => match self.ifaces_mut(*set) {
                 Some(map) => map.insert(ifindex, 1, 0),
                 None => {
                     return Err(MapsError::Missing {
-                        name: map_names::LOCAL_IFACES,
+                        name: set.map_name(),
                     });
                 }
             },
-            MapOp::DeleteLocalIface { ifindex } => match &mut self.local_ifaces {
+            MapOp::DeleteIface { set, ifindex } => match self.ifaces_mut(*set) {
                 Some(map) => map.remove(ifindex),
                 None => Ok(()),
             },

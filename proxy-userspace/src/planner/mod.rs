@@ -44,7 +44,9 @@ pub use affinity::AffinityPurge;
 pub use batch::{Batch, Unwritten};
 pub use encode::SourceRangeEntry;
 pub use ledger::{Departed, Planner};
-pub use ops::{Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, write_phases};
+pub use ops::{
+    IfaceSet, Landing, MapOp, MapStore, PhaseFailure, Phases, apply_phases, write_phases,
+};
 pub use outcome::{PlanError, SyncOutcome};
 pub use stored::{NodeState, StoredState};
 

@@ -20,7 +20,7 @@ use proxy_common::{
 
 use super::{
     encode::{ClusterCidrEntry, addr_words, cluster_cidr},
-    ops::{MapOp, MapStore},
+    ops::{IfaceSet, MapOp, MapStore},
     stored::NodeState,
 };
 use crate::model::Cidr;
@@ -50,6 +50,21 @@ impl LbMode {
             LbMode::Hybrid => node_config_flags::DSR | node_config_flags::DSR_TCP_ONLY,
         }
     }
+}
+
+/// How a packet tc translated reaches a pod of this node (`--host-routing`;
+/// docs/architecture.md, "Host routing").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostRouting {
+    /// Through the node's stack, as kube-proxy's translated packets go:
+    /// routed and forwarded there, through netfilter's `FORWARD` and
+    /// `POSTROUTING` and the pod interface's qdisc.
+    #[default]
+    Stack,
+    /// Straight into the pod's namespace from tc, where its route leads out
+    /// of a pod's host-side veth (`node_config_flags::HOST_ROUTING_BPF`,
+    /// `POD_IFACES`).
+    Bpf,
 }
 
 /// Whose connections the socket hooks send to a backend at `connect()`
@@ -89,6 +104,10 @@ pub struct DesiredNode {
     pub masquerade_off_cluster: (bool, bool),
     /// `LOCAL_IFACES`.
     pub local_ifaces: BTreeSet<u32>,
+    /// `POD_IFACES`: kept empty unless `host_routing` is `Bpf`.
+    pub pod_ifaces: BTreeSet<u32>,
+    /// `--host-routing`.
+    pub host_routing: HostRouting,
     /// `NodeConfig::ct_source_share` (`--conntrack-max-per-source`).
     pub ct_source_share: u32,
     /// `SERVICE_CIDRS`: the service CIDRs (`service_cidr::RANGE`) and the
@@ -113,6 +132,8 @@ impl DesiredNode {
             socket_lb: SocketLb::Node,
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
+            pod_ifaces: BTreeSet::new(),
+            host_routing: HostRouting::Stack,
             ct_source_share: 0,
             service_cidrs: BTreeMap::new(),
             service_ranges: BTreeSet::new(),
@@ -173,6 +194,24 @@ impl DesiredNode {
         self.local_ifaces = ifindexes;
     }
 
+    /// The host-side interfaces of this node's pods (`POD_IFACES`), held
+    /// only where packets are sent into pods straight (`HostRouting::Bpf`):
+    /// with the stack routing, the map stays empty.
+    pub fn set_pod_ifaces(&mut self, ifindexes: BTreeSet<u32>) {
+        self.pod_ifaces = match self.host_routing {
+            HostRouting::Bpf => ifindexes,
+            HostRouting::Stack => BTreeSet::new(),
+        };
+    }
+
+    /// The interfaces map `set` should hold.
+    pub fn ifaces(&self, set: IfaceSet) -> &BTreeSet<u32> {
+        match set {
+            IfaceSet::Local => &self.local_ifaces,
+            IfaceSet::Pod => &self.pod_ifaces,
+        }
+    }
+
     /// The most assured flows one client address may hold
     /// (`--conntrack-max-per-source`; 0: no share).
     pub fn with_ct_source_share(mut self, share: u32) -> Self {
@@ -189,6 +228,12 @@ impl DesiredNode {
     /// How external flows to backends on other nodes go (`--lb-mode`).
     pub fn with_lb_mode(mut self, mode: LbMode) -> Self {
         self.lb_mode = mode;
+        self
+    }
+
+    /// How translated packets reach this node's pods (`--host-routing`).
+    pub fn with_host_routing(mut self, host_routing: HostRouting) -> Self {
+        self.host_routing = host_routing;
         self
     }
 
@@ -250,6 +295,11 @@ impl DesiredNode {
             &mut config,
             node_config_flags::SOCKET_LB_PODS,
             self.socket_lb == SocketLb::NodeAndPods,
+        );
+        set_flag(
+            &mut config,
+            node_config_flags::HOST_ROUTING_BPF,
+            self.host_routing == HostRouting::Bpf,
         );
         self.config = Some(config);
         let mut config6 = node_config6(node6);
@@ -324,18 +374,17 @@ impl NodePlanner {
                 .filter(|entry| !desired.service_cidrs.contains_key(entry))
                 .map(|entry| MapOp::DeleteServiceCidr { entry: *entry }),
         );
-        puts.extend(
-            desired
-                .local_ifaces
-                .difference(&applied.local_ifaces)
-                .map(|ifindex| MapOp::PutLocalIface { ifindex: *ifindex }),
-        );
-        deletes.extend(
-            applied
-                .local_ifaces
-                .difference(&desired.local_ifaces)
-                .map(|ifindex| MapOp::DeleteLocalIface { ifindex: *ifindex }),
-        );
+        for set in IfaceSet::ALL {
+            let (want, have) = (desired.ifaces(set), applied.ifaces(set));
+            puts.extend(
+                want.difference(have)
+                    .map(|&ifindex| MapOp::PutIface { set, ifindex }),
+            );
+            deletes.extend(
+                have.difference(want)
+                    .map(|&ifindex| MapOp::DeleteIface { set, ifindex }),
+            );
+        }
         if let Some(addrs) = &desired.addrs {
             puts.extend(
                 addrs
@@ -409,11 +458,11 @@ impl NodePlanner {
             MapOp::DeleteServiceCidr { entry } => {
                 applied.service_cidrs.remove(entry);
             }
-            MapOp::PutLocalIface { ifindex } => {
-                applied.local_ifaces.insert(*ifindex);
+            MapOp::PutIface { set, ifindex } => {
+                applied.ifaces_mut(*set).insert(*ifindex);
             }
-            MapOp::DeleteLocalIface { ifindex } => {
-                applied.local_ifaces.remove(ifindex);
+            MapOp::DeleteIface { set, ifindex } => {
+                applied.ifaces_mut(*set).remove(ifindex);
             }
             MapOp::PutNodeAddr { key, value } => {
                 applied.addrs.insert(*key, *value);

@@ -88,14 +88,45 @@ pub enum MapOp {
     DeleteServiceCidr {
         entry: ClusterCidrEntry,
     },
-    /// `LOCAL_IFACES`: packets arriving on `ifindex` come from this node's
-    /// pods.
-    PutLocalIface {
+    /// `LOCAL_IFACES` or `POD_IFACES` (`set`) holds `ifindex`.
+    PutIface {
+        set: IfaceSet,
         ifindex: u32,
     },
-    DeleteLocalIface {
+    DeleteIface {
+        set: IfaceSet,
         ifindex: u32,
     },
+}
+
+/// The maps that are sets of this node's interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IfaceSet {
+    /// `LOCAL_IFACES`: packets arriving on it come from this node's pods
+    /// (an interface local traffic detector).
+    Local,
+    /// `POD_IFACES`: a pod's host-side interface, where a translated packet
+    /// may go straight into the pod (`--host-routing bpf`).
+    Pod,
+}
+
+impl IfaceSet {
+    pub const ALL: [IfaceSet; 2] = [IfaceSet::Local, IfaceSet::Pod];
+
+    /// The map's name.
+    pub fn map_name(self) -> &'static str {
+        match self {
+            IfaceSet::Local => proxy_common::map_names::LOCAL_IFACES,
+            IfaceSet::Pod => proxy_common::map_names::POD_IFACES,
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            IfaceSet::Local => "local",
+            IfaceSet::Pod => "pod",
+        }
+    }
 }
 
 impl MapOp {
@@ -110,7 +141,7 @@ impl MapOp {
                 | MapOp::DeleteNodeAddr { .. }
                 | MapOp::DeleteClusterCidr { .. }
                 | MapOp::DeleteServiceCidr { .. }
-                | MapOp::DeleteLocalIface { .. }
+                | MapOp::DeleteIface { .. }
         )
     }
 }
@@ -180,9 +211,11 @@ impl fmt::Display for MapOp {
                 "delete service CIDR entry {}",
                 cluster_cidr_string(entry)
             ),
-            MapOp::PutLocalIface { ifindex } => write!(f, "write local interface {ifindex}"),
-            MapOp::DeleteLocalIface { ifindex } => {
-                write!(f, "delete local interface {ifindex}")
+            MapOp::PutIface { set, ifindex } => {
+                write!(f, "write {} interface {ifindex}", set.noun())
+            }
+            MapOp::DeleteIface { set, ifindex } => {
+                write!(f, "delete {} interface {ifindex}", set.noun())
             }
         }
     }

@@ -15,7 +15,7 @@ use proxy_common::{
 
 use super::{
     encode::{ClusterCidrEntry, SourceRangeEntry, service_key_string},
-    ops::{MapOp, MapStore},
+    ops::{IfaceSet, MapOp, MapStore},
 };
 
 /// What the node-level maps hold, or should.
@@ -32,6 +32,25 @@ pub struct NodeState {
     pub service_cidrs: BTreeMap<ClusterCidrEntry, u32>,
     /// `LOCAL_IFACES`: ifindexes.
     pub local_ifaces: BTreeSet<u32>,
+    /// `POD_IFACES`: ifindexes.
+    pub pod_ifaces: BTreeSet<u32>,
+}
+
+impl NodeState {
+    /// The interfaces map `set` holds.
+    pub fn ifaces(&self, set: IfaceSet) -> &BTreeSet<u32> {
+        match set {
+            IfaceSet::Local => &self.local_ifaces,
+            IfaceSet::Pod => &self.pod_ifaces,
+        }
+    }
+
+    pub fn ifaces_mut(&mut self, set: IfaceSet) -> &mut BTreeSet<u32> {
+        match set {
+            IfaceSet::Local => &mut self.local_ifaces,
+            IfaceSet::Pod => &mut self.pod_ifaces,
+        }
+    }
 }
 
 /// The content of the service maps, as read back from the kernel (for
@@ -104,11 +123,11 @@ impl MapStore for StoredState {
             MapOp::DeleteServiceCidr { entry } => {
                 self.node.service_cidrs.remove(entry);
             }
-            MapOp::PutLocalIface { ifindex } => {
-                self.node.local_ifaces.insert(*ifindex);
+            MapOp::PutIface { set, ifindex } => {
+                self.node.ifaces_mut(*set).insert(*ifindex);
             }
-            MapOp::DeleteLocalIface { ifindex } => {
-                self.node.local_ifaces.remove(ifindex);
+            MapOp::DeleteIface { set, ifindex } => {
+                self.node.ifaces_mut(*set).remove(ifindex);
             }
         }
         Ok(())

@@ -1189,3 +1189,77 @@ pub fn pod_created_after_the_agent_started_is_served<F: Family>() {
         start.elapsed()
     );
 }
+
+/// With `--host-routing bpf`, the translated packets of TCP connections and
+/// UDP exchanges to a ClusterIP, both ways, go from tc straight into the pod
+/// they are for: counted `to_pod`, not one forwarded by the node's stack,
+/// every answer still from a backend to the client's own address. With the
+/// default routing the stack forwards them all and none goes so. Each world
+/// first makes a few exchanges, so that the node knows its pods' neighbour
+/// entries: a packet to a pod the FIB has no neighbour entry for yet is
+/// left to the stack, which resolves it.
+pub fn host_routing_bpf_sends_translated_packets_straight_into_pods<F: Family>() {
+    const EXCHANGES: u64 = 24;
+    for bpf in [true, false] {
+        let args: &[&str] = if bpf { &["--host-routing", "bpf"] } else { &[] };
+        let mode = if bpf { "bpf" } else { "stack" };
+        let sb = serving::<F>(&[CLIENT], args);
+        let node = &sb.topology().node;
+        let forwarded = || {
+            ebpf_proxy_tests::snmp::read(node)
+                .unwrap_or_else(|e| panic!("SNMP counters of the node: {e:#}"))
+                .get(F::FORWARDED)
+                .copied()
+                .unwrap_or_else(|| panic!("no {} in the node's SNMP counters", F::FORWARDED))
+        };
+        let exchange = |tally: &mut Tally<F::Addr>| {
+            let ns = &sb.client().ns;
+            tally.record(tcp_request(ns, F::http(F::cluster_ip()), TIMEOUT));
+            tally.record(udp_request(ns, F::dns(F::cluster_ip()), TIMEOUT));
+        };
+        let mut warm = Tally::default();
+        for _ in 0..EXCHANGES {
+            exchange(&mut warm);
+        }
+        let (forwarded_before, to_pod_before) = (forwarded(), sb.counter("to_pod"));
+        let mut tally = Tally::default();
+        for _ in 0..EXCHANGES {
+            exchange(&mut tally);
+        }
+        let what = format!(
+            "TCP and UDP to the {} ClusterIP, --host-routing {mode}",
+            F::NAME
+        );
+        assert_all_replied_from(F::pod(CLIENT.1), &what, &tally);
+        let to_pod = sb.counter("to_pod") - to_pod_before;
+        let by_stack = forwarded() - forwarded_before;
+        let status = sb.agent().status().expect("ebpf-proxy status");
+        // A connection's SYN, ACK, request and FIN one way, SYN-ACK,
+        // answer and FIN the other; a datagram and its answer.
+        let least = EXCHANGES * (7 + 2);
+        if bpf {
+            assert!(
+                to_pod >= least && by_stack == 0,
+                "{what}: {to_pod} packets sent into pods (at least {least} expected), \
+                 {by_stack} forwarded by the node's stack (0 expected); counters: {}",
+                counters_text(&sb)
+            );
+            assert!(
+                status.contains("host routing: bpf (4 pod interfaces known)"),
+                "{what}: the status should say so and count the client's and the three \
+                 backends' interfaces:\n{status}"
+            );
+        } else {
+            assert!(
+                to_pod == 0 && by_stack >= least,
+                "{what}: {to_pod} packets sent into pods (0 expected), {by_stack} forwarded \
+                 by the node's stack (at least {least} expected); counters: {}",
+                counters_text(&sb)
+            );
+            assert!(
+                status.contains("host routing: stack (0 pod interfaces known)"),
+                "{what}: the status should say so, with no pod interface kept:\n{status}"
+            );
+        }
+    }
+}

@@ -78,6 +78,7 @@ fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
         cluster_cidrs: d.cluster_cidrs.clone(),
         service_cidrs: d.service_cidrs.clone(),
         local_ifaces: d.local_ifaces.clone(),
+        pod_ifaces: d.pod_ifaces.clone(),
     }
 }
 
@@ -509,6 +510,50 @@ fn lb_mode_sets_the_dsr_flags_in_the_ipv4_config_both_families_read() {
             0,
             "IPv6's config holds no DSR flag: IPv4's is read for both"
         );
+    }
+}
+
+#[test]
+fn host_routing_bpf_sets_its_flag_and_keeps_the_pod_interfaces_the_stack_has_none_of() {
+    use proxy_common::node_config_flags::{HOST_ROUTING_BPF, MASQUERADE_ALL};
+    for (routing, on) in [(HostRouting::Stack, false), (HostRouting::Bpf, true)] {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        let mut want = desired(&[1], &[], &[], 30)
+            .with_masquerade_all(true)
+            .with_host_routing(routing);
+        want.set_pod_ifaces([5, 8].into());
+        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+        assert!(planner.sync(&want, &mut store).failed.is_none());
+        let node = &store.state.node;
+        assert_eq!(
+            node.config.flags & HOST_ROUTING_BPF != 0,
+            on,
+            "{routing:?}: NODE_CONFIG's flags {:#x}",
+            node.config.flags
+        );
+        assert_ne!(node.config.flags & MASQUERADE_ALL, 0, "{routing:?}");
+        assert_eq!(
+            node.config6.flags & HOST_ROUTING_BPF,
+            0,
+            "IPv4's is read for both"
+        );
+        let kept: BTreeSet<u32> = if on { [5, 8].into() } else { BTreeSet::new() };
+        assert_eq!(node.pod_ifaces, kept, "{routing:?}: POD_IFACES");
+        assert!(
+            node.local_ifaces.is_empty(),
+            "{routing:?}: LOCAL_IFACES untouched"
+        );
+        // A pod gone, another come: one write, one delete (none for the stack).
+        want.set_pod_ifaces([8, 11].into());
+        let outcome = planner.sync(&want, &mut store);
+        assert!(outcome.failed.is_none());
+        assert_eq!(
+            outcome.ops,
+            if on { 2 } else { 0 },
+            "{routing:?}: ops of the change"
+        );
+        assert_eq!(store.state.node, expected(&NodeState::default(), &want));
     }
 }
 

@@ -28,10 +28,9 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
-    bindings::TC_ACT_OK,
     bindings::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
-        TC_ACT_REDIRECT, TC_ACT_SHOT,
+        TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,

@@ -56,7 +56,6 @@ struct Report<'a> {
     flows: Option<Vec<serde_json::Value>>,
 }
 
-/// The node's part of the report: what is not any one Service's.
 /// `--host-routing` as `config` and `POD_IFACES` hold it.
 fn host_routing(maps: &Maps, config: &proxy_common::NodeConfig) -> HostRoutingReport {
     HostRoutingReport {
@@ -79,6 +78,7 @@ pub struct HostRoutingReport {
     pub pod_interfaces: usize,
 }
 
+/// The node's part of the report: what is not any one Service's.
 #[derive(Debug, Serialize)]
 pub struct NodeReport {
     pub frontends: usize,

@@ -53,7 +53,7 @@ mod trace;
 mod verdict;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, xdp_action},
+    bindings::xdp_action,
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
@@ -220,7 +220,7 @@ pub extern "C" fn sock_notes6_dump(ctx: *mut core::ffi::c_void) -> i32 {
 /// Never attached.
 #[classifier]
 pub fn tc_pass(_ctx: TcContext) -> i32 {
-    TC_ACT_OK
+    verdict::TCX_NEXT
 }
 
 /// The XDP floor, as `tc_pass` is for tc.
@@ -234,7 +234,7 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
 #[classifier]
 pub fn tc_ct_pair(ctx: TcContext) -> i32 {
     pipeline::conntrack_pair(&ctx);
-    TC_ACT_OK
+    verdict::TCX_NEXT
 }
 
 /// The XDP twin of `tc_ct_pair`.

@@ -25,7 +25,7 @@
 
 mod family;
 
-use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 pub use family::PipelineFamily;
 use proxy_common::{
     Backend, CtKeyOf, FlowAddr, PROTO_SCTP, backend_flags, counter, ct_flags, node_config_flags,
@@ -51,7 +51,7 @@ use crate::{
     route::{self, Ahead},
     service_cidr::{self, Unserved},
     service_counters, trace,
-    verdict::Verdicts,
+    verdict::{TCX_NEXT, Verdicts},
 };
 use family::Source;
 
@@ -180,17 +180,17 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
 #[inline(always)]
 pub fn dsr_arrival<F: PipelineFamily>(ctx: &TcContext) -> i32 {
     let Some(flow) = F::reparse(ctx) else {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     };
     if flow.frag == LATER {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     }
     let Some((frontend, port_be)) = dsr::accepted::<F, TcContext>(ctx, &flow) else {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     };
     let mut slot = F::KeySlot::default();
     let Some(key) = F::key(&flow, &mut slot) else {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     };
     key.dst_be = frontend;
     key.dport_be = port_be;
@@ -199,7 +199,7 @@ pub fn dsr_arrival<F: PipelineFamily>(ctx: &TcContext) -> i32 {
     let known = conntrack::known::<F>(key, &stamp, &flow, now);
     if known.entry.is_null() {
         dsr::arrived::<F>(&flow, frontend, port_be, now);
-        return TC_ACT_OK;
+        return TCX_NEXT;
     }
     // SAFETY: see `Known::entry`; read before `seen`, which may move it.
     let entry = unsafe { &*known.entry };
@@ -213,7 +213,7 @@ pub fn dsr_arrival<F: PipelineFamily>(ctx: &TcContext) -> i32 {
         entry.dir,
         now,
     );
-    TC_ACT_OK
+    TCX_NEXT
 }
 
 /// A packet no frontend answers: passed, or if it is for a service CIDR,

@@ -30,7 +30,7 @@ use core::mem::size_of;
 use aya_ebpf::{
     bindings::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS,
-        TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT,
+        TC_ACT_REDIRECT, TC_ACT_SHOT,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
@@ -43,6 +43,7 @@ use crate::{
     hook::Hook,
     maps::{POD_IFACES, ROUTE, Route, count, node_flags},
     packet::ETH_HLEN,
+    verdict::TCX_NEXT,
 };
 
 const UDP_HLEN: usize = 8;
@@ -303,7 +304,7 @@ pub fn to_pod<F: Family>(
     dst: &F::Addr,
 ) -> i32 {
     if node_flags() & node_config_flags::HOST_ROUTING_BPF == 0 {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     }
     let len = network_len(ctx, l4_off, proto);
     let Hop::Via {
@@ -311,14 +312,14 @@ pub fn to_pod<F: Family>(
         resolved: true,
     } = lookup::<F, TcContext>(ctx, proto, src, dst, len)
     else {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     };
     if POD_IFACES.get_ptr(&ifindex).is_none() {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     }
     // `decrement_hops` writes nothing to a packet it refuses.
     if forward::<F>(ctx.data(), ctx.data_end()).is_err() {
-        return TC_ACT_OK;
+        return TCX_NEXT;
     }
     count(counter::TO_POD);
     // SAFETY: takes an interface index and flags, no pointers. The kernel

@@ -5,7 +5,7 @@
 //! to tc, which runs the same pipeline.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    bindings::{TC_ACT_SHOT, xdp_action},
     programs::{TcContext, XdpContext},
 };
 use proxy_common::{PROTO_TCP, counter};
@@ -59,7 +59,14 @@ pub trait Verdicts: Hook {
     fn onward<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> Self::Verdict;
 }
 
-/// tcx: run the next program in the chain; from the last one, a pass.
+/// tcx: run the next program in the chain, then the interface's legacy tc
+/// filters; from the last of them, a pass. Every packet tc passes goes on
+/// so, translated or not, where `TC_ACT_OK` would end the interface's tc
+/// processing: other programs on the same interfaces, a CNI's or an
+/// operator's (the `bandwidth` plugin's egress limit, a policer, a
+/// mirror), see what they would see without the agent, as kube-proxy
+/// never stood between them (docs/architecture.md, "Where programs
+/// attach").
 pub const TCX_NEXT: i32 = -1;
 
 /// `XDP_NEXT`'s slot of `xdp_ingress6`.
@@ -69,15 +76,14 @@ const TC_NEXT_IPV6: u32 = proxy_common::TC_NEXT_IPV6;
 
 impl Verdicts for TcContext {
     type Verdict = i32;
-    const PASS: i32 = TC_ACT_OK;
+    const PASS: i32 = TCX_NEXT;
     const DROP: i32 = TC_ACT_SHOT;
 
     /// A tail call to `tc_ingress6` through `TC_NEXT`, inlined into
     /// `tc_ingress`'s own frame, as `XdpContext::next` is: the frame goes
     /// on without a second program run from the tcx chain. It returns only
-    /// when the slot is empty (no agent holds the array), and then the frame
-    /// goes down the chain to the `tc_ingress6` attached after this
-    /// program, which `TC_ACT_OK` would skip.
+    /// when the slot is empty (the agent could not fill it, said at its
+    /// start): the frame then goes on untranslated.
     #[inline(always)]
     fn next(&self) -> i32 {
         // SAFETY: a tail call with this program's own context.
@@ -94,7 +100,7 @@ impl Verdicts for TcContext {
         // SAFETY: a tail call with this program's own context.
         unsafe { TC_DSR.tail_call(self, slot) };
         count(counter::DSR_REFUSED);
-        TC_ACT_OK
+        TCX_NEXT
     }
 
     #[inline(always)]
@@ -103,7 +109,7 @@ impl Verdicts for TcContext {
             route::send_tc::<F>(self, error.proto, &nat.src_be, &nat.dst_be)
         };
         match icmp_error::handle::<F, _>(self, at, send) {
-            icmp_error::Verdict::Pass => TC_ACT_OK,
+            icmp_error::Verdict::Pass => TCX_NEXT,
             icmp_error::Verdict::Drop => TC_ACT_SHOT,
             icmp_error::Verdict::Sent(verdict) => verdict,
         }

@@ -234,9 +234,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
             Some(event) = ev_rx.recv() => sync.on_event(&mut state, event, Instant::now()),
             Some(snapshot) = if_rx.recv() => {
                 apply_snapshot(&mut datapath, &mut node, &snapshot, &config);
-                // Owed since the load, once the programs are attached.
-                housekeeping::settle_owed_flow_marks(&mut datapath);
-                housekeeping::retire_source_bits(&mut datapath);
+                housekeeping::after_interface_pass(&mut datapath);
                 sync.on_interface_addresses(&mut state, &snapshot.addrs, Instant::now());
                 interface_modes.set(datapath.attached(), datapath.xdp_attached());
                 sync.interfaces_applied(Instant::now());

@@ -101,3 +101,8 @@ fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses() {
 fn host_routing_bpf_sends_translated_packets_straight_into_pods() {
     scenario::host_routing_bpf_sends_translated_packets_straight_into_pods::<Ipv4Addr>();
 }
+
+#[test]
+fn other_tc_filters_see_every_packet() {
+    scenario::other_tc_filters_see_every_packet::<Ipv4Addr>();
+}

@@ -601,3 +601,8 @@ fn the_service_cidr_refuses_undefined_ports_and_drops_unallocated_addresses() {
 fn ipv6_host_routing_bpf_sends_translated_packets_straight_into_pods() {
     scenario::host_routing_bpf_sends_translated_packets_straight_into_pods::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_other_tc_filters_see_every_packet() {
+    scenario::other_tc_filters_see_every_packet::<Ipv6Addr>();
+}

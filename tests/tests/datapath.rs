@@ -24,7 +24,9 @@ use proxy_userspace::{
 };
 use service_counts::{service_id_of, service_totals};
 
-const TC_ACT_OK: u32 = 0;
+/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+/// next program and legacy filters, as the kernel's test run reports it.
+const TC_PASS: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
@@ -313,7 +315,7 @@ fn dnat_then_established_then_reverse_nat_through_the_checksum_helper() {
 fn dnat_established_reverse_nat(fx: &Fixture) {
     let syn = tcp(CLIENT, 40000, VIP, 80, frame::SYN);
     let (ret, out) = run(fx, &syn);
-    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
+    assert_eq!(ret, TC_PASS, "SYN to the ClusterIP: verdict");
     let p = parse_checked(&out, "DNATed SYN");
     assert!(
         BACKENDS.contains(&p.dst),
@@ -330,7 +332,7 @@ fn dnat_established_reverse_nat(fx: &Fixture) {
     // Every later packet of the flow goes to the same backend.
     for _ in 0..20 {
         let (ret, out) = run(fx, &tcp(CLIENT, 40000, VIP, 80, frame::ACK));
-        assert_eq!(ret, TC_ACT_OK);
+        assert_eq!(ret, TC_PASS);
         let q = parse_checked(&out, "established packet");
         assert_eq!(q.dst, backend, "an established flow changed backend");
     }
@@ -339,7 +341,7 @@ fn dnat_established_reverse_nat(fx: &Fixture) {
     // The backend's reply is rewritten to come from the ClusterIP.
     let reply = tcp(backend, 8080, CLIENT, 40000, frame::SYN | frame::ACK);
     let (ret, out) = run(fx, &reply);
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     let r = parse_checked(&out, "reverse-NATed reply");
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -357,7 +359,7 @@ fn hairpin_flows_are_snated_both_ways() {
     let fx = fixture();
     let pod = BACKENDS[0];
     let (ret, out) = run(&fx, &tcp(pod, 43000, HAIRPIN_VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     let p = parse_checked(&out, "hairpin SYN");
     assert_eq!(
         (p.src, p.sport, p.dst, p.dport),
@@ -368,7 +370,7 @@ fn hairpin_flows_are_snated_both_ways() {
         &fx,
         &tcp(pod, 8080, HAIRPIN_SRC, 43000, frame::SYN | frame::ACK),
     );
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     let r = parse_checked(&out, "hairpin reply");
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -570,7 +572,7 @@ fn a_flow_created_after_its_answers_were_seen_without_one_is_translated() {
             let (ret, out) = run(&fx, frame);
             assert_eq!(
                 (ret, out == frame),
-                (TC_ACT_OK, true),
+                (TC_PASS, true),
                 "{what}, time {i}: verdict, and whether it is untouched"
             );
         }
@@ -1007,7 +1009,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
     let sport = 41500;
     let dst = |fx: &Fixture, flags: u8, what: &str| {
         let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, flags));
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         parse_checked(&out, what).dst
     };
     let first = dst(&fx, frame::SYN, "SYN");
@@ -1017,7 +1019,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         &fx,
         &tcp(first, 8080, CLIENT, sport, frame::SYN | frame::ACK),
     );
-    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    assert_eq!(ret, TC_PASS, "SYN-ACK: verdict");
     assert_eq!(dst(&fx, frame::ACK, "ACK assuring the flow"), first);
     assert_eq!(dst(&fx, frame::ACK, "ACK taking the copy"), first);
     assert_eq!(dst(&fx, frame::ACK, "ACK from the copy"), first);
@@ -1099,7 +1101,7 @@ fn conntrack_pair_programs_make_both_entries_and_nothing_else() {
             run_program(xdp_pair, &input)
         }
         .unwrap_or_else(|e| panic!("{hook} conntrack pair program: {e}"));
-        let pass = if hook == "tc" { TC_ACT_OK } else { XDP_PASS };
+        let pass = if hook == "tc" { TC_PASS } else { XDP_PASS };
         assert_eq!(verdict, pass, "{hook}: verdict");
         assert_eq!(out, input, "{hook}: the packet was changed");
         // A new flow's entries, not assured yet.
@@ -1202,7 +1204,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
         );
         let (ret, out) = run(&fx, &init);
-        assert_eq!(ret, TC_ACT_OK, "{case}: INIT verdict");
+        assert_eq!(ret, TC_PASS, "{case}: INIT verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: DNATed INIT"));
         assert!(
             BACKENDS.contains(&p.dst),
@@ -1249,7 +1251,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"cookie"))],
         );
         let (ret, out) = run(&fx, &init_ack);
-        assert_eq!(ret, TC_ACT_OK, "{case}: INIT ACK verdict");
+        assert_eq!(ret, TC_PASS, "{case}: INIT ACK verdict");
         let (r, s) = sctp_out(&out, &format!("{case}: reverse-NATed INIT ACK"));
         assert_eq!(
             (r.src, r.sport, r.dst, r.dport, s.vtag),
@@ -1278,7 +1280,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             "{case}: the COOKIE ECHO under another tag not counted drop_sctp_vtag"
         );
         let (ret, out) = run(&fx, &echo(tag_z));
-        assert_eq!(ret, TC_ACT_OK, "{case}: COOKIE ECHO verdict");
+        assert_eq!(ret, TC_PASS, "{case}: COOKIE ECHO verdict");
         let (p, _) = sctp_out(&out, &format!("{case}: COOKIE ECHO"));
         assert_eq!(
             ((p.dst, p.dport), p.src),
@@ -1288,7 +1290,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
 
         // A long DATA each way: the checksum update over 1,400 bytes.
         let (ret, out) = run(&fx, &sctp_frame(client, fe, tag_z, &[long_data(1)]));
-        assert_eq!(ret, TC_ACT_OK, "{case}: long DATA verdict");
+        assert_eq!(ret, TC_PASS, "{case}: long DATA verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: long DATA"));
         assert_eq!(
             ((p.dst, p.dport), s.chunks[0].body.len()),
@@ -1299,7 +1301,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &fx,
             &sctp_frame(backend, client, tag_a, &[sctp::sack(1), long_data(1)]),
         );
-        assert_eq!(ret, TC_ACT_OK, "{case}: long SACK and DATA reply verdict");
+        assert_eq!(ret, TC_PASS, "{case}: long SACK and DATA reply verdict");
         let (r, _) = sctp_out(&out, &format!("{case}: long reply"));
         assert_eq!(
             (r.src, r.sport),
@@ -1318,7 +1320,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             ),
         );
         assert_eq!(
-            ret, TC_ACT_OK,
+            ret, TC_PASS,
             "{case}: an ABORT with the T bit under the client's own tag {tag_a:#x} must pass"
         );
         let (p, s) = sctp_out(&out, &format!("{case}: ABORT"));
@@ -1360,7 +1362,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
                 &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
             ),
         );
-        assert_eq!(ret, TC_ACT_OK, "{what}: INIT verdict");
+        assert_eq!(ret, TC_PASS, "{what}: INIT verdict");
         let (p, _) = sctp_out(&out, &format!("{what}: INIT"));
         let backend = (p.dst, p.dport);
         let (ret, out) = run(
@@ -1373,7 +1375,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
             ),
         );
         assert_eq!(
-            ret, TC_ACT_OK,
+            ret, TC_PASS,
             "{what}: an INIT ACK under the INIT's Initiate Tag {tag_a:#x}"
         );
         sctp_out(&out, &format!("{what}: INIT ACK"));
@@ -1390,17 +1392,14 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
             &[sctp::chunk(sctp::chunk::ABORT, sctp::chunk::FLAG_T, &[])],
         ),
     );
-    assert_eq!(
-        ret, TC_ACT_OK,
-        "ABORT with the T bit under the client's tag"
-    );
+    assert_eq!(ret, TC_PASS, "ABORT with the T bit under the client's tag");
     std::thread::sleep(Duration::from_millis(20));
     let new = counter(&fx, "dnat_new");
     let (ret, _) = run(
         &fx,
         &sctp_frame(client, fe, 0xbbbb_0001, &[sctp::data(2, b"late")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "DATA of the aborted association");
+    assert_eq!(ret, TC_PASS, "DATA of the aborted association");
     assert_eq!(
         counter(&fx, "dnat_new"),
         new + 1,
@@ -1442,7 +1441,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
         ),
     );
     assert_eq!(
-        ret, TC_ACT_OK,
+        ret, TC_PASS,
         "a SHUTDOWN COMPLETE with the T bit under the backend's own tag"
     );
     let (r, _) = sctp_out(&out, "SHUTDOWN COMPLETE");
@@ -1453,7 +1452,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
         &fx,
         &sctp_frame(client, fe, 0xbbbb_0002, &[sctp::data(2, b"late")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "DATA of the completed association");
+    assert_eq!(ret, TC_PASS, "DATA of the completed association");
     assert_eq!(
         counter(&fx, "dnat_new"),
         new + 1,
@@ -1475,7 +1474,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &fx,
         &sctp_frame(client, fe, tag_z, &[sctp::data(7, b"mid-way")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "the first DATA met mid-way");
+    assert_eq!(ret, TC_PASS, "the first DATA met mid-way");
     let (p, _) = sctp_out(&out, "DATA met mid-way");
     assert!(BACKENDS.contains(&p.dst), "sent to {}", p.dst);
     assert_eq!(counter(&fx, "dnat_new"), new + 1, "a flow from a DATA");
@@ -1484,7 +1483,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &fx,
         &sctp_frame(client, fe, tag_z, &[sctp::data(8, b"more")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "a DATA under the flow's tag");
+    assert_eq!(ret, TC_PASS, "a DATA under the flow's tag");
     assert_eq!(sctp_out(&out, "second DATA").0.dst, backend.0);
     let drops = counter(&fx, "drop_sctp_vtag");
     let (ret, _) = run(
@@ -1502,7 +1501,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &sctp_frame(backend, client, 0x0bad_cafe, &[sctp::sack(8)]),
     );
     assert_eq!(
-        ret, TC_ACT_OK,
+        ret, TC_PASS,
         "the backend's SACK of an association met mid-way"
     );
     let (r, _) = sctp_out(&out, "SACK met mid-way");
@@ -1531,7 +1530,7 @@ fn malformed_sctp_is_not_translated() {
         let input = frame::build_sctp(CLIENT, VIP, bytes);
         let malformed = counter(&fx, "pass_malformed");
         let (ret, out) = run(&fx, &input);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         assert_eq!(out, input, "{what}: the packet was modified");
         assert_eq!(
             counter(&fx, "pass_malformed"),
@@ -1789,7 +1788,7 @@ fn malformed_sctp_through_xdp_then_tc_is_counted_once() {
     let (ret, out) = run_tc_on_uplink(&nf, &input);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &input),
+        (TC_PASS, &input),
         "tc must pass malformed SCTP untouched"
     );
     assert_eq!(
@@ -1826,7 +1825,7 @@ fn a_malformed_frame_through_xdp_then_tc_is_counted_once() {
     let (ret, out) = run(&nf.fx, &malformed);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &malformed),
+        (TC_PASS, &malformed),
         "tc must pass a malformed frame untouched"
     );
     assert_eq!(
@@ -1927,7 +1926,7 @@ fn udp_checksums_stay_valid_and_zero_stays_zero_through_the_checksum_helper() {
 
 fn udp_checksums(fx: &Fixture) {
     let (ret, out) = run(fx, &udp(CLIENT, 5000, VIP, 53, false));
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     let p = parse_checked(&out, "DNATed UDP");
     assert!(
         BACKENDS.contains(&p.dst) && p.dport == 5353,
@@ -1937,7 +1936,7 @@ fn udp_checksums(fx: &Fixture) {
     );
 
     let (ret, out) = run(fx, &udp(CLIENT, 5001, VIP, 53, true));
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     let p = parse_checked(&out, "DNATed UDP without checksum");
     assert!(BACKENDS.contains(&p.dst));
     assert_eq!(
@@ -2109,7 +2108,7 @@ fn non_service_and_malformed_packets_pass_untouched() {
         let (ret, out) = try_run(&fx, &input).unwrap_or_else(|e| panic!("{what}: {e}"));
         // What is not IPv4 goes on to tc_ingress6 by its tail call, which
         // passes what is not IPv6 either: a pass all the same.
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict {ret}");
+        assert_eq!(ret, TC_PASS, "{what}: verdict {ret}");
         assert_eq!(out, input, "{what}: the packet was modified");
     }
     assert!(
@@ -2134,7 +2133,7 @@ fn new_flows_spread_uniformly_in_the_kernel() {
         let sport = 1024 + (i % 60000) as u16;
         let src = Ipv4Addr::from(u32::from(CLIENT) + i / 60000);
         let (ret, out) = run(&fx, &tcp(src, sport, VIP, 80, frame::SYN));
-        assert_eq!(ret, TC_ACT_OK);
+        assert_eq!(ret, TC_PASS);
         let p = parse_checked(&out, "DNATed SYN");
         let k = BACKENDS
             .iter()
@@ -2579,7 +2578,7 @@ fn a_node_port_segment_no_flow_knows_is_asked_of_netfilter() {
         let (ret, out) = run_tc_on_uplink(&nf, &answer);
         assert_eq!(
             (ret, out == answer),
-            (TC_ACT_OK, true),
+            (TC_PASS, true),
             "{what} netfilter has as a reply, at tc: verdict, and whether it is untouched"
         );
         let passed = i as u64 + 1;
@@ -2691,7 +2690,7 @@ fn nodeport_addresses_outside_the_flag_serve_no_node_ports() {
     let (ret, out) = run_xdp(&nf, &syn);
     assert_eq!((ret, out.as_slice()), (XDP_PASS, syn.as_slice()), "XDP");
     let (ret, out) = run_tc_on_uplink(&nf, &syn);
-    assert_eq!((ret, out.as_slice()), (TC_ACT_OK, syn.as_slice()), "tc");
+    assert_eq!((ret, out.as_slice()), (TC_PASS, syn.as_slice()), "tc");
     let (ret, _) = run_xdp(&nf, &tcp(OUTSIDE, 44001, LB_IP, 80, frame::SYN));
     assert_eq!(
         ret, XDP_REDIRECT,
@@ -2730,7 +2729,7 @@ fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
         let (ret, out) = run_tc_on_uplink(&nf, &syn);
         assert_eq!(
             (ret, out.as_slice()),
-            (TC_ACT_OK, syn.as_slice()),
+            (TC_PASS, syn.as_slice()),
             "tc translated a packet from outside to {dst}:{NODE_PORT}"
         );
     }
@@ -3367,13 +3366,13 @@ fn fragmented_udp_is_translated_by_its_first_fragment_both_ways() {
     let fx = fixture();
     let request = fragmented(frame::UDP, (CLIENT, 40000), (VIP, 53), 3000, 0x4242);
     assert_eq!(request.len(), 3, "3,000 bytes in 1,480-byte fragments");
-    let out = run_fragments(&request, TC_ACT_OK, "request", |f| run(&fx, f));
+    let out = run_fragments(&request, TC_PASS, "request", |f| run(&fx, f));
     let p = parse_checked(&frame::reassemble(&out, "request"), "reassembled request");
     assert!(BACKENDS.contains(&p.dst), "request sent to {}", p.dst);
     assert_eq!((p.src, p.sport, p.dport), (CLIENT, 40000, 5353));
 
     let answer = fragmented(frame::UDP, (p.dst, 5353), (CLIENT, 40000), 3000, 0x0077);
-    let out = run_fragments(&answer, TC_ACT_OK, "answer", |f| run(&fx, f));
+    let out = run_fragments(&answer, TC_PASS, "answer", |f| run(&fx, f));
     let r = parse_checked(&frame::reassemble(&out, "answer"), "reassembled answer");
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -3398,7 +3397,7 @@ fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted
     let (ret, out) = run(&fx, &early[1]);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &early[1]),
+        (TC_PASS, &early[1]),
         "a later fragment before its first one"
     );
     assert_eq!(counter(&fx, "frag_untracked"), 1);
@@ -3421,7 +3420,7 @@ fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted
         let (ret, out) = run(&fx, f);
         assert_eq!(
             (ret, &out),
-            (TC_ACT_OK, f),
+            (TC_PASS, f),
             "fragment {i} of a datagram to no Service"
         );
     }
@@ -3436,7 +3435,7 @@ fn fragmented_hairpin_flows_are_snated_both_ways() {
     let fx = fixture();
     let pod = BACKENDS[0];
     let request = fragmented(frame::TCP, (pod, 40100), (HAIRPIN_VIP, 80), 3000, 0x5151);
-    let out = run_fragments(&request, TC_ACT_OK, "hairpin request", |f| run(&fx, f));
+    let out = run_fragments(&request, TC_PASS, "hairpin request", |f| run(&fx, f));
     let p = parse_checked(
         &frame::reassemble(&out, "hairpin request"),
         "hairpin request",
@@ -3453,7 +3452,7 @@ fn fragmented_hairpin_flows_are_snated_both_ways() {
         3000,
         0x5252,
     );
-    let out = run_fragments(&answer, TC_ACT_OK, "hairpin answer", |f| run(&fx, f));
+    let out = run_fragments(&answer, TC_PASS, "hairpin answer", |f| run(&fx, f));
     let r = parse_checked(&frame::reassemble(&out, "hairpin answer"), "hairpin answer");
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -3658,7 +3657,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     // SYN, SYN-ACK, ACK through the ClusterIP: the backend.
     let connect = |fx: &Fixture, sport: u16, what: &str| {
         let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
-        assert_eq!(ret, TC_ACT_OK, "{what}: SYN verdict");
+        assert_eq!(ret, TC_PASS, "{what}: SYN verdict");
         let backend = parse_checked(&out, &format!("{what}: SYN")).dst;
         assert!(BACKENDS.contains(&backend), "{what}: SYN sent to {backend}");
         let (_, out) = run(
@@ -3681,7 +3680,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     };
     let reset = |fx: &Fixture, sport: u16| {
         let (ret, _) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::RST | frame::ACK));
-        assert_eq!(ret, TC_ACT_OK, "client port {sport}: RST verdict");
+        assert_eq!(ret, TC_PASS, "client port {sport}: RST verdict");
         let entry = fx.datapath.maps.conntrack.get(&key(sport), 0);
         assert!(
             entry
@@ -3994,7 +3993,7 @@ fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() 
     let (ret, out) = run(&fx, &tcp(CLIENT, 43_300, VIP, 80, frame::SYN));
     let to = parse_checked(&out, "the SYN once the Service has endpoints again").dst;
     assert!(
-        ret == TC_ACT_OK && BACKENDS.contains(&to),
+        ret == TC_PASS && BACKENDS.contains(&to),
         "the SYN once the Service has endpoints again: verdict {ret}, sent to {to}"
     );
     assert!(
@@ -4016,7 +4015,7 @@ fn a_client_port_reset_before_its_handshake_opens_again_in_ct_new() {
     let key = ct_key(CLIENT, 43_100, VIP, 80, proxy_common::PROTO_TCP);
     for round in 0..3 {
         let (ret, out) = run(&fx, &tcp(CLIENT, 43_100, VIP, 80, frame::SYN));
-        assert_eq!(ret, TC_ACT_OK, "SYN {round}: verdict");
+        assert_eq!(ret, TC_PASS, "SYN {round}: verdict");
         let to = parse_checked(&out, &format!("SYN {round}")).dst;
         assert!(BACKENDS.contains(&to), "SYN {round} sent to {to}");
         if round == 0 {
@@ -4105,14 +4104,14 @@ fn handshake_with_seqs(fx: &Fixture, sport: u16, c: u32, b: u32) -> Ipv4Addr {
         fx,
         &frame::with_seq_ack(&tcp(CLIENT, sport, VIP, 80, frame::SYN), c, 0),
     );
-    assert_eq!(ret, TC_ACT_OK, "SYN: verdict");
+    assert_eq!(ret, TC_PASS, "SYN: verdict");
     let backend = parse_checked(&out, "SYN").dst;
     let syn_ack = tcp(backend, 8080, CLIENT, sport, frame::SYN | frame::ACK);
     let (ret, _) = run(fx, &frame::with_seq_ack(&syn_ack, b, c + 1));
-    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    assert_eq!(ret, TC_PASS, "SYN-ACK: verdict");
     let ack = tcp(CLIENT, sport, VIP, 80, frame::ACK);
     let (ret, _) = run(fx, &frame::with_seq_ack(&ack, c + 1, b + 1));
-    assert_eq!(ret, TC_ACT_OK, "ACK: verdict");
+    assert_eq!(ret, TC_PASS, "ACK: verdict");
     backend
 }
 
@@ -4141,7 +4140,7 @@ fn a_half_closed_flow_keeps_its_translation_until_both_sides_close() {
     let backend = handshake_with_seqs(&fx, sport, c, b);
     let fin = tcp(CLIENT, sport, VIP, 80, frame::FIN | frame::ACK);
     let (ret, out) = run(&fx, &frame::with_seq_ack(&fin, c + 1, b + 1));
-    assert_eq!(ret, TC_ACT_OK, "client's FIN: verdict");
+    assert_eq!(ret, TC_PASS, "client's FIN: verdict");
     assert_eq!(parse_checked(&out, "client's FIN").dst, backend);
     assert_eq!(
         forward_flags(&fx, sport) & (ct_flags::FIN_BOTH | ct_flags::CLOSING),
@@ -4161,7 +4160,7 @@ fn a_half_closed_flow_keeps_its_translation_until_both_sides_close() {
         });
         data = frame::with_seq_ack(&data, seq, c + 2);
         let (ret, out) = run(fx, &data);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         let p = parse_checked(&out, what);
         (p.src, p.sport)
     };
@@ -4231,7 +4230,7 @@ fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
     for (n, (what, send)) in (1..).zip(forged) {
         assert_eq!(
             send(),
-            TC_ACT_OK,
+            TC_PASS,
             "{what}: verdict (passed on, for the endpoint to judge)"
         );
         assert_eq!(counter(&fx, "ct_out_of_window"), n, "{what}: not counted");
@@ -4243,13 +4242,13 @@ fn an_rst_outside_the_window_is_counted_and_leaves_the_flow() {
         );
     }
     let (ret, out) = run(&fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     assert_eq!(
         parse_checked(&out, "data after the forged RSTs").dst,
         backend,
         "the flow lost its backend"
     );
-    assert_eq!(backend_rst(b + 1), TC_ACT_OK, "backend's RST in the window");
+    assert_eq!(backend_rst(b + 1), TC_PASS, "backend's RST in the window");
     assert!(closing(&fx), "an RST inside the window must close the flow");
     assert_eq!(counter(&fx, "ct_out_of_window"), 4);
 }
@@ -4282,15 +4281,15 @@ fn a_client_past_its_share_of_conntrack_stays_unassured() {
     let other_client = Ipv4Addr::new(10, 200, 0, 77);
     let connect = |fx: &Fixture, client: Ipv4Addr, sport: u16| {
         let (ret, out) = run(fx, &tcp(client, sport, VIP, 80, frame::SYN));
-        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} SYN: verdict");
+        assert_eq!(ret, TC_PASS, "{client}:{sport} SYN: verdict");
         let backend = parse_checked(&out, "SYN").dst;
         let (ret, _) = run(
             fx,
             &tcp(backend, 8080, client, sport, frame::SYN | frame::ACK),
         );
-        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} SYN-ACK: verdict");
+        assert_eq!(ret, TC_PASS, "{client}:{sport} SYN-ACK: verdict");
         let (ret, out) = run(fx, &tcp(client, sport, VIP, 80, frame::ACK));
-        assert_eq!(ret, TC_ACT_OK, "{client}:{sport} ACK: verdict");
+        assert_eq!(ret, TC_PASS, "{client}:{sport} ACK: verdict");
         assert_eq!(
             parse_checked(&out, "ACK").dst,
             backend,
@@ -4317,7 +4316,7 @@ fn a_client_past_its_share_of_conntrack_stays_unassured() {
     );
     assert!(counter(&fx, "ct_share_refused") >= 1);
     let (ret, out) = run(&fx, &tcp(CLIENT, 42002, VIP, 80, frame::ACK));
-    assert_eq!(ret, TC_ACT_OK);
+    assert_eq!(ret, TC_PASS);
     assert_ne!(
         parse_checked(&out, "the unassured flow's data").dst,
         VIP,
@@ -4408,7 +4407,7 @@ fn icmp_errors_about_a_clusterip_flow_quote_the_clusterip() {
     ];
     for (i, (what, input, (src, quoted))) in cases.iter().enumerate() {
         let (ret, out) = run(&fx, input);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         assert_eq!(out.len(), input.len(), "{what}: length changed");
         let e = frame::parse_checked_icmp_error(&out, what);
         assert_eq!(
@@ -4429,7 +4428,7 @@ fn icmp_errors_about_a_clusterip_flow_quote_the_clusterip() {
     let (_, reply) = run(&fx, &reply);
     let input = frame::icmp_error(CLIENT, VIP, ICMP_PORT_UNREACHABLE, &reply, 1000);
     let (ret, out) = run(&fx, &input);
-    assert_eq!(ret, TC_ACT_OK, "the client's error: verdict");
+    assert_eq!(ret, TC_PASS, "the client's error: verdict");
     let e = frame::parse_checked_icmp_error(&out, "the client's error");
     assert_eq!(
         (e.src, e.dst, e.quoted),
@@ -4455,7 +4454,7 @@ fn icmp_errors_about_a_hairpin_flow_come_back_from_the_frontend() {
     ] {
         let input = frame::icmp_error(from, HAIRPIN_SRC, kind, &out, 1000);
         let (ret, got) = run(&fx, &input);
-        assert_eq!(ret, TC_ACT_OK, "{what} about a hairpin flow: verdict");
+        assert_eq!(ret, TC_PASS, "{what} about a hairpin flow: verdict");
         let e = frame::parse_checked_icmp_error(&got, what);
         assert_eq!(
             (e.src, e.dst, e.icmp_type, e.code, e.quoted),
@@ -4529,11 +4528,7 @@ fn other_icmp_passes_untouched() {
     ];
     for (what, input) in &untouched {
         let (ret, out) = run(&fx, input);
-        assert_eq!(
-            (ret, &out),
-            (TC_ACT_OK, input),
-            "{what}: must pass untouched"
-        );
+        assert_eq!((ret, &out), (TC_PASS, input), "{what}: must pass untouched");
     }
     assert_eq!(counter(&fx, "icmp_error_translated"), 0, "nothing counted");
 
@@ -4569,7 +4564,7 @@ fn icmp_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
         "XDP leaves the error to tc"
     );
     let (ret, tc_out) = run_tc_on_uplink(&nf, &from_router);
-    assert_eq!(ret, TC_ACT_OK, "the router's error: tc verdict");
+    assert_eq!(ret, TC_PASS, "the router's error: tc verdict");
     let e = frame::parse_checked_icmp_error(&tc_out, "the router's error");
     assert_eq!(
         (e.src, e.dst, e.icmp_type, e.code, e.quoted),
@@ -4859,7 +4854,7 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     let client = (CLIENT, 47200);
     let vip = (VIP, 80);
     let (ret, out) = run_tc_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
+    assert_eq!(ret, TC_PASS, "SYN to the ClusterIP: verdict");
     let backend = parse_checked(&out, "DNATed SYN").dst;
     assert!(BACKENDS.contains(&backend), "SYN sent to {backend}");
 
@@ -4877,7 +4872,7 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
 
     let fits = segment(client, vip, frame::ACK, 1280 - 40);
     let (ret, out) = run_tc_on_uplink(&nf, &fits);
-    assert_eq!(ret, TC_ACT_OK, "a 1,280-byte segment: verdict");
+    assert_eq!(ret, TC_PASS, "a 1,280-byte segment: verdict");
     assert_eq!(parse_checked(&out, "a 1,280-byte segment").dst, backend);
 
     let long = segment(client, vip, frame::ACK, 1281 - 40);
@@ -4914,7 +4909,7 @@ fn a_backends_packet_conntrack_does_not_know_passes_and_its_own_connections_are_
     let (ret, out) = run(&fx, &reply);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &reply),
+        (TC_PASS, &reply),
         "a backend's packet to a client that reached it directly was not passed untouched"
     );
     let key = ct_key(backend, 8080, CLIENT, 41900, proxy_common::PROTO_TCP);
@@ -5012,7 +5007,7 @@ fn a_flows_replies_pass_the_prefilter_by_its_mark_alone() {
     let reply = tcp(backend, 8080, CLIENT, 42_101, frame::ACK);
     assert_eq!(
         run(&fx, &reply),
-        (TC_ACT_OK, reply.clone()),
+        (TC_PASS, reply.clone()),
         "an unmarked flow's reply was not turned away untouched: the prefilter let it through for something other than its mark"
     );
 
@@ -5115,7 +5110,7 @@ fn refreshes_beside_new_flows_never_unmark_a_live_flow() {
 /// `backend`:8080, and its reply comes back from `VIP`:80.
 fn translated_both_ways(fx: &Fixture, sport: u16, backend: Ipv4Addr, when: &str) {
     let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::ACK));
-    assert_eq!(ret, TC_ACT_OK, "the flow's packet {when}");
+    assert_eq!(ret, TC_PASS, "the flow's packet {when}");
     let p = parse_checked(&out, &format!("the flow's packet {when}"));
     assert_eq!(
         (p.dst, p.dport),
@@ -5189,7 +5184,7 @@ fn a_prefilter_rebuild_clears_what_went_and_keeps_what_flows_still_use() {
     let (ret, out) = run(&fx, &syn);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &syn),
+        (TC_PASS, &syn),
         "a new connection to a frontend that went was not passed untouched"
     );
 }
@@ -5374,7 +5369,7 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     let unallocated = Ipv4Addr::new(10, 96, 0, 99);
     let outside = Ipv4Addr::new(10, 97, 0, 1);
     let (ret, _) = run(&fx, &tcp(CLIENT, 40100, unallocated, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "no service CIDR known yet: passed");
+    assert_eq!(ret, TC_PASS, "no service CIDR known yet: passed");
 
     let foreign = Ipv4Addr::new(10, 96, 0, 98);
     write_service_cidrs(
@@ -5412,20 +5407,20 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     assert_eq!(counter(&fx, "reject_undefined_port"), 2);
 
     let (ret, out) = run(&fx, &tcp(CLIENT, 40105, VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "the Service's own port is translated");
+    assert_eq!(ret, TC_PASS, "the Service's own port is translated");
     let p = parse_checked(&out, "DNATed SYN");
     assert!(BACKENDS.contains(&p.dst), "DNATed to {}", p.dst);
     let (ret, out) = run(&fx, &tcp(CLIENT, 40106, outside, 80, frame::SYN));
     assert_eq!(
         (ret, parse_checked(&out, "outside").dst),
-        (TC_ACT_OK, outside),
+        (TC_PASS, outside),
         "outside the CIDRs: passed untouched"
     );
 
     let (ret, out) = run(&fx, &tcp(CLIENT, 40108, foreign, 80, frame::SYN));
     assert_eq!(
         (ret, parse_checked(&out, "foreign").dst),
-        (TC_ACT_OK, foreign),
+        (TC_PASS, foreign),
         "another proxy's ClusterIP: passed untouched, for that proxy"
     );
 
@@ -5464,7 +5459,7 @@ fn a_service_cidr_wider_than_a_slash_8_drops_its_unallocated_addresses() {
     let (ret, out) = run(&nf.fx, &past);
     assert_eq!(
         (ret, out),
-        (TC_ACT_OK, past),
+        (TC_PASS, past),
         "an address past the range was not passed untouched"
     );
 }
@@ -5511,14 +5506,14 @@ fn service_counters_count_each_way_and_each_refusal_at_tc() {
     );
     let syn = tcp(CLIENT, 41800, VIP, 80, frame::SYN);
     let (ret, out) = run(&fx, &syn);
-    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP");
+    assert_eq!(ret, TC_PASS, "SYN to the ClusterIP");
     let backend = parse_checked(&out, "DNATed SYN").dst;
     let ack = tcp(CLIENT, 41800, VIP, 80, frame::ACK);
     for _ in 0..5 {
-        assert_eq!(run(&fx, &ack).0, TC_ACT_OK, "an established packet");
+        assert_eq!(run(&fx, &ack).0, TC_PASS, "an established packet");
     }
     let reply = tcp(backend, 8080, CLIENT, 41800, frame::SYN | frame::ACK);
-    assert_eq!(run(&fx, &reply).0, TC_ACT_OK, "the backend's reply");
+    assert_eq!(run(&fx, &reply).0, TC_PASS, "the backend's reply");
     let ip = |frame: &[u8]| frame.len() as u64 - 14;
     let got = service_totals(&fx.datapath.maps, web);
     assert_eq!(
@@ -5678,7 +5673,7 @@ fn trace_records_new_flows_rejects_and_drops_while_switched_on_only() {
 
     on.set(0, u64::MAX, 0).expect("switching the trace on");
     let (ret, out) = run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "the new flow passes translated");
+    assert_eq!(ret, TC_PASS, "the new flow passes translated");
     let backend = parse_checked(&out, "the new flow").dst;
     let (ret, _) = run(&fx, &tcp(CLIENT, 43_011, EMPTY_VIP, 80, frame::SYN));
     assert_ne!(ret, TC_ACT_SHOT, "a reject is sent, not dropped");
@@ -6082,11 +6077,7 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
     let (ret, out) = run_xdp(&nf, &sent);
     assert_eq!((ret, &out), (XDP_PASS, &sent), "XDP leaves it to tc");
     let (ret, out) = run_tc_on_uplink(&nf, &sent);
-    assert_eq!(
-        (ret, &out),
-        (TC_ACT_OK, &sent),
-        "the SYN goes on as it came"
-    );
+    assert_eq!((ret, &out), (TC_PASS, &sent), "the SYN goes on as it came");
     assert_eq!(counter(&nf.fx, "dsr_learnt"), 1, "dsr_learnt");
 
     let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44000, frame::SYN | frame::ACK);
@@ -6107,7 +6098,7 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
     let established = counter(&nf.fx, "dnat_established");
     let ack = with_dsr_option(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::ACK), lb);
     let (ret, out) = run_tc_on_uplink(&nf, &ack);
-    assert_eq!((ret, &out), (TC_ACT_OK, &ack), "the ACK goes on as it came");
+    assert_eq!((ret, &out), (TC_PASS, &ack), "the ACK goes on as it came");
     assert_eq!(
         counter(&nf.fx, "dnat_established"),
         established + 1,
@@ -6117,7 +6108,7 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
 
     let direct = tcp(OUTSIDE, 44000, LB_LOCAL_IP, 80, frame::ACK);
     let (ret, out) = run_tc_on_uplink(&nf, &direct);
-    assert_eq!(ret, TC_ACT_OK, "the client's packet arriving here: verdict");
+    assert_eq!(ret, TC_PASS, "the client's packet arriving here: verdict");
     let p = parse_checked(&out, "the client's packet arriving here");
     assert_eq!(
         (p.src, p.sport, p.dst, p.dport),
@@ -6130,17 +6121,13 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
         (Ipv4Addr::new(203, 0, 113, 9), 4444),
     );
     let (ret, out) = run_tc_on_uplink(&nf, &forged);
-    assert_eq!(
-        (ret, &out),
-        (TC_ACT_OK, &forged),
-        "a refused carrier passes"
-    );
+    assert_eq!((ret, &out), (TC_PASS, &forged), "a refused carrier passes");
     assert_eq!(counter(&nf.fx, "dsr_refused"), 1, "dsr_refused");
     let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44001, frame::SYN | frame::ACK);
     let (ret, out) = run_tc_on_uplink(&nf, &reply);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &reply),
+        (TC_PASS, &reply),
         "the reply of a refused carrier's flow must go untranslated"
     );
 
@@ -6148,13 +6135,13 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
     add_local_lb(&mut off);
     let sent = with_dsr_option(&tcp(OUTSIDE, 44002, LOCAL_POD, 8080, frame::SYN), lb);
     let (ret, out) = run_tc_on_uplink(&off, &sent);
-    assert_eq!((ret, &out), (TC_ACT_OK, &sent), "DSR off: passed");
+    assert_eq!((ret, &out), (TC_PASS, &sent), "DSR off: passed");
     assert_eq!(counter(&off.fx, "dsr_learnt"), 0, "DSR off: dsr_learnt");
     let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44002, frame::SYN | frame::ACK);
     let (ret, out) = run_tc_on_uplink(&off, &reply);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &reply),
+        (TC_PASS, &reply),
         "DSR off: the reply untranslated"
     );
 }

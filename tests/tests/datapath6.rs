@@ -31,11 +31,11 @@ use proxy_userspace::{
 };
 use service_counts::{service_id_of, service_totals};
 
-const TC_ACT_OK: u32 = 0;
+/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+/// next program and legacy filters, as the kernel's test run reports it.
+const TC_PASS: u32 = u32::MAX;
 const SCTP: u8 = 132;
 const TC_ACT_REDIRECT: u32 = 7;
-/// tcx's "next program" (-1), as the kernel's test run reports it.
-const TCX_NEXT: u32 = u32::MAX;
 
 const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x11);
 const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
@@ -244,7 +244,7 @@ fn round_trip(fx: &Fixture, proto: u8, port: u16, target: u16, sport: u16) {
         udp(CLIENT, sport, VIP, port)
     };
     let (ret, out) = run(fx, &first);
-    assert_eq!(ret, TC_ACT_OK, "{name} first packet: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "{name} first packet: verdict {ret}");
     let p = parse_checked6(&out, &format!("{name} first packet"));
     assert!(
         BACKENDS.contains(&p.dst),
@@ -265,7 +265,7 @@ fn round_trip(fx: &Fixture, proto: u8, port: u16, target: u16, sport: u16) {
         udp(backend, target, CLIENT, sport)
     };
     let (ret, out) = run(fx, &answer);
-    assert_eq!(ret, TC_ACT_OK, "{name} answer: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "{name} answer: verdict {ret}");
     let r = parse_checked6(&out, &format!("{name} answer"));
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -310,13 +310,12 @@ fn tcp_syn_is_dnated_and_the_reply_reverse_natted() {
     assert_eq!(flows, 2, "a flow has an entry per direction in CONNTRACK6");
 }
 
-/// What the tc hook's first program does with IPv6: `tc_ingress` hands it
-/// to `tc_ingress6` by its tail call (`TC_NEXT`), so one program run from
-/// tcx translates it, as `tc_ingress6` itself does; with the slot empty
-/// (no agent holds the array) it hands the frame on down the chain instead,
-/// untouched, to the `tc_ingress6` linked after it.
+/// What the tc hook's one program does with IPv6: `tc_ingress` hands it to
+/// `tc_ingress6` by its tail call (`TC_NEXT`), so one program run from tcx
+/// translates it, as `tc_ingress6` itself does; with the slot empty (the
+/// agent could not fill it) it hands the frame on untouched.
 #[test]
-fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
+fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_on_untouched() {
     let fx = fixture();
     assert!(
         fx.datapath.tc6_handed_on(),
@@ -324,7 +323,7 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
     );
     let syn = tcp(CLIENT, 41100, VIP, 80, frame::SYN);
     let (ret, out) = run_on(fx.datapath.tc_program(), &syn);
-    assert_eq!(ret, TC_ACT_OK, "SYN through tc_ingress: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "SYN through tc_ingress: verdict {ret}");
     let p = parse_checked6(&out, "SYN through tc_ingress");
     assert!(
         BACKENDS.contains(&p.dst) && p.dport == 8080,
@@ -340,8 +339,8 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
     let (ret, out) = run_on(fx.datapath.tc_program(), &next);
     assert_eq!(
         (ret, out.as_slice()),
-        (TCX_NEXT, next.as_slice()),
-        "with TC_NEXT empty, tc_ingress must hand the frame on down the chain untouched"
+        (TC_PASS, next.as_slice()),
+        "with TC_NEXT empty, tc_ingress must hand the frame on untouched"
     );
     assert_eq!(
         counter(&fx, "dnat_new"),
@@ -350,7 +349,7 @@ fn tc_ingress_hands_ipv6_to_tc_ingress6_by_its_tail_call_else_down_the_chain() {
     );
     let (ret, out) = run(&fx, &next);
     assert_eq!(
-        ret, TC_ACT_OK,
+        ret, TC_PASS,
         "the same SYN through tc_ingress6: verdict {ret}"
     );
     let p = parse_checked6(&out, "the same SYN through tc_ingress6");
@@ -372,7 +371,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     let fx = fixture();
     round_trip(&fx, frame::TCP, 80, 8080, 41_002);
     let (ret, _) = run(&fx, &tcp(CLIENT, 41_002, VIP, 80, frame::RST | frame::ACK));
-    assert_eq!(ret, TC_ACT_OK, "the client's RST: verdict");
+    assert_eq!(ret, TC_PASS, "the client's RST: verdict");
     let key = ct6_key(CLIENT, 41_002, VIP, 80, frame::TCP);
     let in_conntrack6 = |fx: &Fixture| {
         fx.datapath
@@ -422,7 +421,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     let (mut last, mut same, mut moved, mut cycles) = (forward.nat_addr_be, 0, 0, 0);
     while (same == 0 || moved == 0) && cycles < 60 {
         let (ret, _) = run(&fx, &tcp(CLIENT, 41_002, VIP, 80, frame::RST | frame::ACK));
-        assert_eq!(ret, TC_ACT_OK, "cycle {cycles}: the client's RST: verdict");
+        assert_eq!(ret, TC_PASS, "cycle {cycles}: the client's RST: verdict");
         round_trip(&fx, frame::TCP, 80, 8080, 41_002);
         cycles += 1;
         let now = in_conntrack6(&fx)
@@ -640,7 +639,7 @@ fn extension_headers_before_tcp_are_walked() {
     let mut s = spec(CLIENT, 43000, VIP, 80, frame::TCP, frame::SYN);
     s.ext = vec![HOP_BY_HOP, DEST_OPTS, FRAGMENT];
     let (ret, out) = run(&fx, &build6(&s));
-    assert_eq!(ret, TC_ACT_OK, "verdict {ret}");
+    assert_eq!(ret, TC_PASS, "verdict {ret}");
     let p = parse_checked6(&out, "SYN behind three extension headers");
     assert!(
         BACKENDS.contains(&p.dst),
@@ -654,7 +653,7 @@ fn extension_headers_before_tcp_are_walked() {
     s.sport = 43001;
     s.ext = vec![DEST_OPTS, AUTH];
     let (ret, out) = run(&fx, &build6(&s));
-    assert_eq!(ret, TC_ACT_OK, "behind AH: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "behind AH: verdict {ret}");
     let p = parse_checked6(&out, "SYN behind options and AH");
     assert!(
         BACKENDS.contains(&p.dst) && (p.sport, p.dport) == (43001, 8080),
@@ -670,7 +669,7 @@ fn extension_headers_before_tcp_are_walked() {
     let (ret, out) = run(&fx, &long);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &long),
+        (TC_PASS, &long),
         "a chain of five headers passes untouched"
     );
     assert_eq!(
@@ -687,7 +686,7 @@ fn extension_headers_before_tcp_are_walked() {
     let (ret, out) = run(&fx, &later);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &later),
+        (TC_PASS, &later),
         "a later fragment without its first passes untouched"
     );
     assert_eq!(
@@ -721,7 +720,7 @@ fn run_fragments(fx: &Fixture, fragments: &[Vec<u8>], what: &str) -> Vec<Vec<u8>
         .enumerate()
         .map(|(i, f)| {
             let (ret, out) = run(fx, f);
-            assert_eq!(ret, TC_ACT_OK, "{what} fragment {i}: verdict {ret}");
+            assert_eq!(ret, TC_PASS, "{what} fragment {i}: verdict {ret}");
             out
         })
         .collect()
@@ -772,7 +771,7 @@ fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted
     let (ret, out) = run(&fx, &early[1]);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &early[1]),
+        (TC_PASS, &early[1]),
         "a later fragment before its first one"
     );
     assert_eq!(counter(&fx, "frag_untracked"), 1, "the early fragment");
@@ -793,7 +792,7 @@ fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted
     let (ret, out) = run(&fx, &stranger[1]);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &stranger[1]),
+        (TC_PASS, &stranger[1]),
         "a later fragment of another datagram between the same hosts"
     );
 
@@ -803,7 +802,7 @@ fn later_fragments_without_a_translated_first_one_pass_untouched_and_are_counted
         let (ret, out) = run(&fx, f);
         assert_eq!(
             (ret, &out),
-            (TC_ACT_OK, f),
+            (TC_PASS, f),
             "fragment {i} of a datagram to no Service"
         );
     }
@@ -843,7 +842,7 @@ fn neighbour_discovery_and_other_icmpv6_pass_untouched() {
     ];
     for (what, input) in cases {
         let (ret, out) = run(&fx, &input);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict {ret}");
+        assert_eq!(ret, TC_PASS, "{what}: verdict {ret}");
         assert_eq!(out, input, "{what}: the packet was modified");
     }
     assert_eq!(
@@ -1025,7 +1024,7 @@ fn a_packet_to_an_external_ipv6_frontend_is_translated() {
         let dnat_before = counter(&fx, "dnat_new");
         let sport = 45000 + i as u16;
         let (ret, out) = run(&fx, &tcp(CLIENT, sport, external, 80, frame::SYN));
-        assert_eq!(ret, TC_ACT_OK, "{:?} frontend: verdict {ret}", fe.kind);
+        assert_eq!(ret, TC_PASS, "{:?} frontend: verdict {ret}", fe.kind);
         let p = parse_checked6(&out, &format!("{:?} SYN", fe.kind));
         assert!(
             BACKENDS.contains(&p.dst) && p.dport == 8080,
@@ -1128,7 +1127,7 @@ fn a_packet_too_big_from_a_router_reaches_the_client_quoting_the_cluster_ip() {
     let backend = parse_checked6(&sent, "SYN").dst;
     let error = icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, &sent, QUOTE_MAX);
     let (ret, out) = run(&fx, &error);
-    assert_eq!(ret, TC_ACT_OK, "packet too big: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "packet too big: verdict {ret}");
     let got = parse_checked_icmp6_error(&out, "packet too big");
     assert_eq!(
         got,
@@ -1163,7 +1162,7 @@ fn a_port_unreachable_about_a_udp_flow_is_translated_both_ways() {
         &fx,
         &icmp6_error(backend, CLIENT, PORT_UNREACHABLE, &sent, QUOTE_MAX),
     );
-    assert_eq!(ret, TC_ACT_OK, "the backend's error: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "the backend's error: verdict {ret}");
     let got = parse_checked_icmp6_error(&out, "the backend's port unreachable");
     assert_eq!(
         (got.src, got.dst, got.icmp_type, got.code),
@@ -1186,7 +1185,7 @@ fn a_port_unreachable_about_a_udp_flow_is_translated_both_ways() {
         &fx,
         &icmp6_error(CLIENT, VIP, PORT_UNREACHABLE, &received, QUOTE_MAX),
     );
-    assert_eq!(ret, TC_ACT_OK, "the client's error: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "the client's error: verdict {ret}");
     let got = parse_checked_icmp6_error(&out, "the client's port unreachable");
     assert_eq!(
         (got.src, got.dst),
@@ -1244,7 +1243,7 @@ fn icmpv6_errors_quoting_no_translated_flow_pass_untouched() {
     ];
     for (what, error) in cases {
         let (ret, out) = run(&fx, &error);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict {ret}");
+        assert_eq!(ret, TC_PASS, "{what}: verdict {ret}");
         assert_eq!(out, error, "{what}: the error was modified");
     }
     assert_eq!(
@@ -1277,7 +1276,7 @@ fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
         &fx,
         &icmp6_error(backend, CLIENT, PORT_UNREACHABLE, &sent, QUOTE_MAX),
     );
-    assert_eq!(ret, TC_ACT_OK, "port unreachable: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "port unreachable: verdict {ret}");
     let got = parse_checked_icmp6_error(&out, "port unreachable quoting options");
     assert_eq!(
         (got.src, got.dst, got.quoted),
@@ -1295,7 +1294,7 @@ fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
     let first = &out[0];
     let error = icmp6_error(ROUTER, CLIENT, PACKET_TOO_BIG, first, QUOTE_MAX);
     let (ret, translated) = run(&fx, &error);
-    assert_eq!(ret, TC_ACT_OK, "packet too big: verdict {ret}");
+    assert_eq!(ret, TC_PASS, "packet too big: verdict {ret}");
     let got = parse_checked_icmp6_error(&translated, "packet too big quoting a first fragment");
     assert_eq!(
         (got.src, got.dst, got.param, got.quoted),
@@ -1312,7 +1311,7 @@ fn errors_quoting_extension_headers_or_a_first_fragment_are_translated() {
     let (ret, passed) = run(&fx, &later);
     assert_eq!(
         (ret, &passed),
-        (TC_ACT_OK, &later),
+        (TC_PASS, &later),
         "an error quoting a later fragment passes untouched"
     );
     assert_eq!(
@@ -1422,7 +1421,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
         );
         let (ret, out) = run(&fx, &init);
-        assert_eq!(ret, TC_ACT_OK, "{case}: INIT verdict");
+        assert_eq!(ret, TC_PASS, "{case}: INIT verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: DNATed INIT"));
         assert!(
             BACKENDS.contains(&p.dst),
@@ -1469,7 +1468,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &[sctp::init(sctp::chunk::INIT_ACK, tag_z, 1, Some(b"cookie"))],
         );
         let (ret, out) = run(&fx, &init_ack);
-        assert_eq!(ret, TC_ACT_OK, "{case}: INIT ACK verdict");
+        assert_eq!(ret, TC_PASS, "{case}: INIT ACK verdict");
         let (r, s) = sctp_out(&out, &format!("{case}: reverse-NATed INIT ACK"));
         assert_eq!(
             (r.src, r.sport, r.dst, r.dport, s.vtag),
@@ -1498,7 +1497,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             "{case}: the COOKIE ECHO under another tag not counted drop_sctp_vtag"
         );
         let (ret, out) = run(&fx, &echo(tag_z));
-        assert_eq!(ret, TC_ACT_OK, "{case}: COOKIE ECHO verdict");
+        assert_eq!(ret, TC_PASS, "{case}: COOKIE ECHO verdict");
         let (p, _) = sctp_out(&out, &format!("{case}: COOKIE ECHO"));
         assert_eq!(
             ((p.dst, p.dport), p.src),
@@ -1508,7 +1507,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
 
         // A long DATA each way: the checksum update over 1,400 bytes.
         let (ret, out) = run(&fx, &sctp_frame(client, fe, tag_z, &[long_data(1)]));
-        assert_eq!(ret, TC_ACT_OK, "{case}: long DATA verdict");
+        assert_eq!(ret, TC_PASS, "{case}: long DATA verdict");
         let (p, s) = sctp_out(&out, &format!("{case}: long DATA"));
         assert_eq!(
             ((p.dst, p.dport), s.chunks[0].body.len()),
@@ -1519,7 +1518,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             &fx,
             &sctp_frame(backend, client, tag_a, &[sctp::sack(1), long_data(1)]),
         );
-        assert_eq!(ret, TC_ACT_OK, "{case}: long SACK and DATA reply verdict");
+        assert_eq!(ret, TC_PASS, "{case}: long SACK and DATA reply verdict");
         let (r, _) = sctp_out(&out, &format!("{case}: long reply"));
         assert_eq!(
             (r.src, r.sport),
@@ -1538,7 +1537,7 @@ fn sctp_association_through_a_cluster_ip_at_tc() {
             ),
         );
         assert_eq!(
-            ret, TC_ACT_OK,
+            ret, TC_PASS,
             "{case}: an ABORT with the T bit under the client's own tag {tag_a:#x} must pass"
         );
         let (p, s) = sctp_out(&out, &format!("{case}: ABORT"));
@@ -1580,7 +1579,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
                 &[sctp::init(sctp::chunk::INIT, tag_a, 1, None)],
             ),
         );
-        assert_eq!(ret, TC_ACT_OK, "{what}: INIT verdict");
+        assert_eq!(ret, TC_PASS, "{what}: INIT verdict");
         let (p, _) = sctp_out(&out, &format!("{what}: INIT"));
         let backend = (p.dst, p.dport);
         let (ret, out) = run(
@@ -1593,7 +1592,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
             ),
         );
         assert_eq!(
-            ret, TC_ACT_OK,
+            ret, TC_PASS,
             "{what}: an INIT ACK under the INIT's Initiate Tag {tag_a:#x}"
         );
         sctp_out(&out, &format!("{what}: INIT ACK"));
@@ -1610,17 +1609,14 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
             &[sctp::chunk(sctp::chunk::ABORT, sctp::chunk::FLAG_T, &[])],
         ),
     );
-    assert_eq!(
-        ret, TC_ACT_OK,
-        "ABORT with the T bit under the client's tag"
-    );
+    assert_eq!(ret, TC_PASS, "ABORT with the T bit under the client's tag");
     std::thread::sleep(Duration::from_millis(20));
     let new = counter(&fx, "dnat_new");
     let (ret, _) = run(
         &fx,
         &sctp_frame(client, fe, 0xbbbb_0001, &[sctp::data(2, b"late")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "DATA of the aborted association");
+    assert_eq!(ret, TC_PASS, "DATA of the aborted association");
     assert_eq!(
         counter(&fx, "dnat_new"),
         new + 1,
@@ -1662,7 +1658,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
         ),
     );
     assert_eq!(
-        ret, TC_ACT_OK,
+        ret, TC_PASS,
         "a SHUTDOWN COMPLETE with the T bit under the backend's own tag"
     );
     let (r, _) = sctp_out(&out, "SHUTDOWN COMPLETE");
@@ -1673,7 +1669,7 @@ fn an_sctp_abort_or_shutdown_complete_ends_the_association() {
         &fx,
         &sctp_frame(client, fe, 0xbbbb_0002, &[sctp::data(2, b"late")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "DATA of the completed association");
+    assert_eq!(ret, TC_PASS, "DATA of the completed association");
     assert_eq!(
         counter(&fx, "dnat_new"),
         new + 1,
@@ -1695,7 +1691,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &fx,
         &sctp_frame(client, fe, tag_z, &[sctp::data(7, b"mid-way")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "the first DATA met mid-way");
+    assert_eq!(ret, TC_PASS, "the first DATA met mid-way");
     let (p, _) = sctp_out(&out, "DATA met mid-way");
     assert!(BACKENDS.contains(&p.dst), "sent to {}", p.dst);
     assert_eq!(counter(&fx, "dnat_new"), new + 1, "a flow from a DATA");
@@ -1704,7 +1700,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &fx,
         &sctp_frame(client, fe, tag_z, &[sctp::data(8, b"more")]),
     );
-    assert_eq!(ret, TC_ACT_OK, "a DATA under the flow's tag");
+    assert_eq!(ret, TC_PASS, "a DATA under the flow's tag");
     assert_eq!(sctp_out(&out, "second DATA").0.dst, backend.0);
     let drops = counter(&fx, "drop_sctp_vtag");
     let (ret, _) = run(
@@ -1722,7 +1718,7 @@ fn an_sctp_association_met_mid_way_takes_its_first_packets_tag() {
         &sctp_frame(backend, client, 0x0bad_cafe, &[sctp::sack(8)]),
     );
     assert_eq!(
-        ret, TC_ACT_OK,
+        ret, TC_PASS,
         "the backend's SACK of an association met mid-way"
     );
     let (r, _) = sctp_out(&out, "SACK met mid-way");
@@ -1751,7 +1747,7 @@ fn malformed_sctp_is_not_translated() {
         let input = frame::build_sctp6(CLIENT, VIP, bytes);
         let malformed = counter(&fx, "pass_malformed");
         let (ret, out) = run(&fx, &input);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         assert_eq!(out, input, "{what}: the packet was modified");
         assert_eq!(
             counter(&fx, "pass_malformed"),
@@ -2011,7 +2007,7 @@ fn malformed_sctp_through_xdp_then_tc_is_counted_once() {
     let (ret, out) = run_on_uplink(&nf, &input);
     assert_eq!(
         (ret, &out),
-        (TC_ACT_OK, &input),
+        (TC_PASS, &input),
         "tc must pass malformed SCTP untouched"
     );
     assert_eq!(
@@ -2388,7 +2384,7 @@ fn nodeport_to_a_local_backend_is_dnated_only() {
     let nf = node_fixture();
     let syn = tcp(OUTSIDE, 41001, NODE_IP, LOCAL_NODE_PORT, frame::SYN);
     let (ret, out) = run_on_uplink(&nf, &syn);
-    assert_eq!(ret, TC_ACT_OK, "NodePort SYN with a local backend: verdict");
+    assert_eq!(ret, TC_PASS, "NodePort SYN with a local backend: verdict");
     let p = parse_checked6(&out, "DNATed SYN");
     assert_eq!(
         (p.src, p.sport, p.dst, p.dport),
@@ -2507,7 +2503,7 @@ fn hairpin_flows_take_the_node_address_and_the_reply_is_restored() {
     );
     let reply = tcp(LOCAL_POD, 8080, NODE_IP, p.sport, frame::SYN | frame::ACK);
     let (ret, out) = run_on_uplink(&nf, &reply);
-    assert_eq!(ret, TC_ACT_OK, "hairpin reply: verdict");
+    assert_eq!(ret, TC_PASS, "hairpin reply: verdict");
     let r = parse_checked6(&out, "hairpin reply");
     assert_eq!(
         (r.src, r.sport, r.dst, r.dport),
@@ -2591,7 +2587,7 @@ fn a_flow_created_after_its_answers_were_seen_without_one_is_translated() {
             let (ret, out) = run(&fx, frame);
             assert_eq!(
                 (ret, out == frame),
-                (TC_ACT_OK, true),
+                (TC_PASS, true),
                 "{what}, time {i}: verdict, and whether it is untouched"
             );
         }
@@ -2974,7 +2970,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
     let sport = 41500;
     let dst = |fx: &Fixture, flags: u8, what: &str| {
         let (ret, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, flags));
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         let p = parse_checked6(&out, what);
         assert_eq!((p.src, p.sport, p.dport), (CLIENT, sport, 8080), "{what}");
         p.dst
@@ -2986,7 +2982,7 @@ fn flow_cache_serves_established_packets_until_its_entry_changes() {
         &fx,
         &tcp(first, 8080, CLIENT, sport, frame::SYN | frame::ACK),
     );
-    assert_eq!(ret, TC_ACT_OK, "SYN-ACK: verdict");
+    assert_eq!(ret, TC_PASS, "SYN-ACK: verdict");
     let answer = parse_checked6(&out, "SYN-ACK");
     assert_eq!(
         (answer.src, answer.sport),
@@ -3080,20 +3076,20 @@ fn tcp_state_is_tracked_per_direction_and_inside_the_window() {
     let (sport, c, b) = (41720u16, 3_000u32, 8_000_000u32);
     let with = |frame: Vec<u8>, seq: u32, ack: u32| frame::with_seq_ack(&frame, seq, ack);
     let (ret, out) = run(&fx, &with(tcp(CLIENT, sport, VIP, 80, frame::SYN), c, 0));
-    assert_eq!(ret, TC_ACT_OK, "SYN: verdict");
+    assert_eq!(ret, TC_PASS, "SYN: verdict");
     let backend = parse_checked6(&out, "SYN").dst;
     let from_backend = |flags: u8, seq: u32, what: &str| {
         let (ret, out) = run(
             &fx,
             &with(tcp(backend, 8080, CLIENT, sport, flags), seq, c + 1),
         );
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         let p = parse_checked6(&out, what);
         (p.src, p.sport)
     };
     let from_client = |flags: u8, seq: u32, what: &str| {
         let (ret, _) = run(&fx, &with(tcp(CLIENT, sport, VIP, 80, flags), seq, b + 1));
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
     };
     from_backend(frame::SYN | frame::ACK, b, "SYN-ACK");
     from_client(frame::ACK, c + 1, "ACK");
@@ -3155,7 +3151,7 @@ fn a_departed_backend_voids_its_cached_udp_flow() {
     let sport = 7100;
     let send = |fx: &Fixture, what: &str| {
         let (ret, out) = run(fx, &udp(CLIENT, sport, VIP, 53));
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         let p = parse_checked6(&out, what);
         assert_eq!((p.src, p.sport, p.dport), (CLIENT, sport, 5353), "{what}");
         p.dst
@@ -3353,7 +3349,7 @@ fn rare_events_are_logged_with_ipv6_addresses() {
     // A debug event, below the level: not logged.
     let early = fragmented((CLIENT, 42002), (VIP, 53), 3000, 0x7777);
     let (ret, _) = run(&fx, &early[1]);
-    assert_eq!(ret, TC_ACT_OK, "untracked later fragment: verdict");
+    assert_eq!(ret, TC_PASS, "untracked later fragment: verdict");
     assert_eq!(
         counter(&fx, "frag_untracked"),
         1,
@@ -3654,7 +3650,7 @@ fn icmpv6_errors_about_a_snated_nodeport_flow_reach_the_outside_client() {
     );
     let redirects = ncounter(&nf, "redirect");
     let (ret, tc_out) = run_on_uplink(&nf, &from_router);
-    assert_eq!(ret, TC_ACT_OK, "the router's error: tc verdict");
+    assert_eq!(ret, TC_PASS, "the router's error: tc verdict");
     let e = parse_checked_icmp6_error(&tc_out, "the router's error");
     assert_eq!(
         e,
@@ -3827,7 +3823,7 @@ fn icmpv6_errors_about_a_hairpin_flow_come_back_from_the_frontend() {
     {
         let input = icmp6_error(from, NODE_IP, kind, &out, QUOTE_MAX);
         let (ret, got) = run_on_uplink(&nf, &input);
-        assert_eq!(ret, TC_ACT_OK, "{what}: verdict");
+        assert_eq!(ret, TC_PASS, "{what}: verdict");
         let e = parse_checked_icmp6_error(&got, what);
         assert_eq!(
             (e.src, e.dst, e.icmp_type, e.param, e.quoted),
@@ -3861,7 +3857,7 @@ fn a_local_backends_icmpv6_error_about_a_nodeport_flow_is_routed_from_the_node()
     let nf = node_fixture();
     let syn = tcp(OUTSIDE, 41301, NODE_IP, LOCAL_NODE_PORT, frame::SYN);
     let (ret, out) = run_on_uplink(&nf, &syn);
-    assert_eq!(ret, TC_ACT_OK, "SYN to a local backend: verdict");
+    assert_eq!(ret, TC_PASS, "SYN to a local backend: verdict");
     assert_eq!(parse_checked6(&out, "DNATed SYN").dst, LOCAL_POD);
     let redirects = ncounter(&nf, "redirect");
     let input = icmp6_error(LOCAL_POD, OUTSIDE, PORT_UNREACHABLE, &out, QUOTE_MAX);
@@ -4047,7 +4043,7 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
     let client = (LOCAL_POD, 41500);
     let vip = (VIP, 80);
     let (ret, out) = run_on_uplink(&nf, &tcp(client.0, client.1, vip.0, vip.1, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "SYN to the ClusterIP: verdict");
+    assert_eq!(ret, TC_PASS, "SYN to the ClusterIP: verdict");
     let backend = parse_checked6(&out, "DNATed SYN").dst;
     assert!(BACKENDS.contains(&backend), "SYN sent to {backend}");
 
@@ -4065,7 +4061,7 @@ fn a_cluster_ip_flow_keeps_its_route_mtu_and_longer_packets_are_answered() {
 
     let fits = segment(client, vip, 1280 - 40 - 20);
     let (ret, out) = run_on_uplink(&nf, &fits);
-    assert_eq!(ret, TC_ACT_OK, "a 1,280-byte segment: verdict");
+    assert_eq!(ret, TC_PASS, "a 1,280-byte segment: verdict");
     assert_eq!(parse_checked6(&out, "a 1,280-byte segment").dst, backend);
 
     let long = segment(client, vip, 1281 - 40 - 20);
@@ -4098,7 +4094,7 @@ fn a_wide_ipv6_service_cidr_drops_its_unallocated_addresses() {
     let (ret, out) = run(&nf.fx, &past);
     assert_eq!(
         (ret, out),
-        (TC_ACT_OK, past),
+        (TC_PASS, past),
         "an address outside the range was not passed untouched"
     );
 }
@@ -4113,7 +4109,7 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     let mut nf = node_fixture();
     let unallocated = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x99);
     let (ret, _) = run(&nf.fx, &tcp(CLIENT, 43100, unallocated, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "no service CIDR known yet: passed");
+    assert_eq!(ret, TC_PASS, "no service CIDR known yet: passed");
 
     write_service_cidrs(
         &mut nf.fx.datapath.maps,
@@ -4151,7 +4147,7 @@ fn service_cidrs_drop_unallocated_addresses_and_reject_undefined_ports() {
     assert_eq!(counter(&nf.fx, "reject_undefined_port"), 2);
 
     let (ret, out) = run(&nf.fx, &tcp(CLIENT, 43105, VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "the Service's own port is translated");
+    assert_eq!(ret, TC_PASS, "the Service's own port is translated");
     let syn = parse_checked6(&out, "DNATed SYN");
     assert!(BACKENDS.contains(&syn.dst), "DNATed to {}", syn.dst);
 }
@@ -4238,7 +4234,7 @@ fn trace_records_of_ipv6_new_flows_and_rejects_while_switched_on_only() {
 
     on.set(0, u64::MAX, 0).expect("switching the trace on");
     let (ret, out) = run(&fx, &tcp(CLIENT, 43_010, VIP, 80, frame::SYN));
-    assert_eq!(ret, TC_ACT_OK, "the new flow passes translated");
+    assert_eq!(ret, TC_PASS, "the new flow passes translated");
     let backend = parse_checked6(&out, "the new flow").dst;
     let (ret, _) = run(&fx, &tcp(CLIENT, 43_011, EMPTY_VIP, 80, frame::SYN));
     assert_eq!(ret, TC_ACT_REDIRECT, "the reject goes back to the client");
@@ -4502,11 +4498,7 @@ fn dsr_ipv6_backends_node_learns_the_flow_and_answers_from_the_frontend() {
     let lb = (LB_LOCAL_IP, 80);
     let sent = with_dsr_dest_opts(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::SYN), lb);
     let (ret, out) = run_on_uplink(&nf, &sent);
-    assert_eq!(
-        (ret, &out),
-        (TC_ACT_OK, &sent),
-        "the SYN goes on as it came"
-    );
+    assert_eq!((ret, &out), (TC_PASS, &sent), "the SYN goes on as it came");
     assert_eq!(ncounter(&nf, "dsr_learnt"), 1, "dsr_learnt");
 
     let reply = tcp(LOCAL_POD, 8080, OUTSIDE, 44000, frame::SYN | frame::ACK);
@@ -4527,7 +4519,7 @@ fn dsr_ipv6_backends_node_learns_the_flow_and_answers_from_the_frontend() {
     let established = ncounter(&nf, "dnat_established");
     let ack = with_dsr_dest_opts(&tcp(OUTSIDE, 44000, LOCAL_POD, 8080, frame::ACK), lb);
     let (ret, out) = run_on_uplink(&nf, &ack);
-    assert_eq!((ret, &out), (TC_ACT_OK, &ack), "the ACK goes on as it came");
+    assert_eq!((ret, &out), (TC_PASS, &ack), "the ACK goes on as it came");
     assert_eq!(
         ncounter(&nf, "dnat_established"),
         established + 1,
@@ -4536,7 +4528,7 @@ fn dsr_ipv6_backends_node_learns_the_flow_and_answers_from_the_frontend() {
 
     let direct = tcp(OUTSIDE, 44000, LB_LOCAL_IP, 80, frame::ACK);
     let (ret, out) = run_on_uplink(&nf, &direct);
-    assert_eq!(ret, TC_ACT_OK, "the client's packet arriving here: verdict");
+    assert_eq!(ret, TC_PASS, "the client's packet arriving here: verdict");
     let p = parse_checked6(&out, "the client's packet arriving here");
     assert_eq!(
         (p.src, p.sport, p.dst, p.dport),
@@ -4549,7 +4541,7 @@ fn dsr_ipv6_backends_node_learns_the_flow_and_answers_from_the_frontend() {
         (Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 9), 4444),
     );
     let (ret, out) = run_on_uplink(&nf, &forged);
-    assert_eq!((ret, &out), (TC_ACT_OK, &forged), "a refused header passes");
+    assert_eq!((ret, &out), (TC_PASS, &forged), "a refused header passes");
     assert_eq!(ncounter(&nf, "dsr_refused"), 1, "dsr_refused");
     assert_eq!(ncounter(&nf, "dsr_learnt"), 1, "learnt once");
 }

@@ -33,7 +33,9 @@ use proxy_userspace::{
     source::ObjectKey,
 };
 
-const TC_ACT_OK: u32 = 0;
+/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+/// next program and legacy filters, as the kernel's test run reports it.
+const TC_PASS: u32 = u32::MAX;
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 10);
 const PORT: u16 = 80;
 const TARGET: u16 = 8080;
@@ -150,7 +152,7 @@ fn pick(node: &Node, client: Ipv4Addr, sport: u16) -> Ipv4Addr {
         .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN: {e}"));
     out.truncate(result.data_size_out as usize);
     assert_eq!(
-        result.return_value, TC_ACT_OK,
+        result.return_value, TC_PASS,
         "SYN from {client}:{sport}: verdict"
     );
     let p = parse_checked(&out, "DNATed SYN");

@@ -2,8 +2,9 @@
 //! one-node world (docs/architecture.md, "Test topologies"): it keeps serving after
 //! the agent exits until `cleanup`, an agent of a newer layout retires an older one's
 //! datapath (an upgrade in place), a new `--conntrack-max` resizes conntrack with its
-//! flows, an agent restarted on the pins takes over the tcx links with `tc_ingress6`
-//! still after `tc_ingress`, the pinned maps dump with field names, `status
+//! flows, one tc program per interface serves both families while no agent runs and
+//! across restarts (an earlier release's second link detached), the pinned maps dump
+//! with field names, `status
 //! --flows` shows the flows in conntrack, IPv6's as `[addr]:port`, and the flow marks
 //! a load opens are refreshed as soon as the programs attach.
 //!
@@ -17,7 +18,7 @@ use std::{
     time::Duration,
 };
 
-use aya::programs::{SchedClassifier, TcAttachType};
+use aya::programs::{LinkOrder, SchedClassifier, TcAttachType, links::FdLink, tc::TcAttachOptions};
 use ebpf_proxy_tests::{
     Protocol,
     client::{
@@ -409,13 +410,14 @@ fn tcx_chain(sb: &Sandbox, ifname: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every pod interface runs `tc_ingress` and then `tc_ingress6`, and nothing else,
-/// and the client reaches the IPv4 and the IPv6 ClusterIP, keeping its address.
+/// Every pod interface runs `tc_ingress`, and nothing else (IPv6 reaches
+/// `tc_ingress6` through `TC_NEXT`), and the client reaches the IPv4 and the IPv6
+/// ClusterIP, keeping its address.
 fn both_families_serve(sb: &Sandbox, what: &str) {
     for pod in sb.topology().pods() {
         assert_eq!(
             tcx_chain(sb, &pod.host_if),
-            ["tc_ingress", "tc_ingress6"],
+            ["tc_ingress"],
             "{what}: the tcx ingress chain of {} (pod {})",
             pod.host_if,
             pod.name
@@ -452,55 +454,120 @@ fn both_families_world() -> Sandbox {
     sb
 }
 
-/// An agent started on the pins an earlier one left (a restart, an upgrade in place)
-/// takes over its tcx links, each keeping its place: `tc_ingress6` still runs after
-/// `tc_ingress`, which hands it what is not IPv4, and both ClusterIPs serve. Also when
-/// the earlier agent's `tc_ingress` link is gone from the client's interface (its pin
-/// lost) while its `tc_ingress6` link is there: the new agent attaches `tc_ingress`
-/// anew, which puts it last, and then `tc_ingress6` anew after it. Left first,
-/// `tc_ingress6` would pass the client's IPv4 frames before `tc_ingress` saw them.
+/// The pinned `TC_NEXT` arrays under `pins` (`PinLayout::tc_next`).
+fn tc_next_pins(pins: &PinLayout) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(pins.tail_calls_dir())
+        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    found.sort();
+    found
+}
+
+/// The id of the program in slot 0 of the program array pinned at `array`.
+fn program_in_slot0(array: &std::path::Path) -> u32 {
+    let run = Command::new("bpftool")
+        .args(["-j", "map", "lookup", "pinned"])
+        .arg(array)
+        .args(["key", "0", "0", "0", "0"])
+        .output()
+        .expect("run bpftool");
+    let out = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(
+        run.status.success(),
+        "bpftool map lookup of {}: {}",
+        array.display(),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_str(&out)
+        .unwrap_or_else(|e| panic!("bpftool's lookup of {}: {e}: {out}", array.display()));
+    let bytes: Vec<u8> = json["value"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no value in {}'s slot 0: {out}", array.display()))
+        .iter()
+        .map(|b| {
+            u8::from_str_radix(b.as_str().unwrap_or("").trim_start_matches("0x"), 16)
+                .unwrap_or_else(|e| panic!("a byte of {}'s slot 0: {e}: {out}", array.display()))
+        })
+        .collect();
+    u32::from_le_bytes(bytes[..4].try_into().expect("a program id is 4 bytes"))
+}
+
+/// One tc program per interface: `tc_ingress`, which hands IPv6 to `tc_ingress6`
+/// through `TC_NEXT`. The array is pinned, so both families are still served while
+/// no agent runs; a restarted agent takes the links over and then unpins the older
+/// array, which its programs no longer read. An earlier release linked `tc_ingress6`
+/// after `tc_ingress` (pinned `tc-ingress6-<interface>`), where it would now run on
+/// every packet `tc_ingress` hands on down the chain, IPv6 ones a second time: the
+/// agent detaches such a link and says so.
 #[test]
-fn a_restart_taking_over_the_links_keeps_tc_ingress6_after_tc_ingress() {
+fn one_tc_program_per_interface_serves_both_families_across_restarts() {
     let mut sb = both_families_world();
     assert_eq!(sb.client().ip6, pod_ip6(CLIENT.1));
     both_families_serve(&sb, "the first agent");
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    let first = tc_next_pins(&pins);
+    assert_eq!(first.len(), 1, "one pinned TC_NEXT expected: {first:?}");
 
     let status = sb.agent_mut().terminate().expect("stop the agent");
     assert!(status.success(), "the agent exited with {status}");
-    let mut restarted = sb
+    // What the exit releases, the kernel may release a moment later.
+    thread::sleep(Duration::from_millis(200));
+    both_families_serve(&sb, "while no agent runs");
+
+    // An earlier release's layout on the client's interface: `tc_ingress6` (the
+    // one in the pinned array's slot) linked after `tc_ingress`.
+    let client_if = sb.client().host_if.clone();
+    let older_pin = pins.tc_ingress6_link(&client_if);
+    let program_pin = pins.root().join("older-tc_ingress6");
+    let id = program_in_slot0(&first[0]);
+    bpftool(&["prog", "pin", "id", &id.to_string()], &program_pin);
+    sb.topology()
+        .node
+        .run(|| -> anyhow::Result<()> {
+            let mut older = SchedClassifier::from_pin(&program_pin)?;
+            let link = older.attach_with_options(
+                &client_if,
+                TcAttachType::Ingress,
+                TcAttachOptions::TcxOrder(LinkOrder::last()),
+            )?;
+            FdLink::try_from(older.take_link(link)?)?.pin(&older_pin)?;
+            Ok(())
+        })
+        .expect("entering the node's namespace")
+        .expect("linking tc_ingress6 after tc_ingress, as an earlier release did");
+    std::fs::remove_file(&program_pin).expect("unpinning tc_ingress6");
+    assert_eq!(
+        tcx_chain(&sb, &client_if),
+        ["tc_ingress", "tc_ingress6"],
+        "{client_if} as an earlier release left it"
+    );
+
+    let restarted = sb
         .agent_on_the_same_root(&[])
         .expect("restart on the same root");
     let log = restarted.log();
     assert!(
-        log.matches("took over pinned tc link").count() >= 2 * sb.topology().pods().len(),
-        "the restarted agent did not take over both links of every pod's interface:\n{log}"
-    );
-    both_families_serve(&sb, "after a restart that took over the links");
-
-    let status = restarted.terminate().expect("stop the restarted agent");
-    assert!(status.success(), "the restarted agent exited with {status}");
-    let client_if = sb.client().host_if.clone();
-    let pin = PinLayout::new(sb.agent().bpf_root()).tc_ingress_link(&client_if);
-    bpftool(&["link", "detach", "pinned"], &pin);
-    std::fs::remove_file(&pin).expect("removing the tc_ingress link's pin");
-    assert_eq!(
-        tcx_chain(&sb, &client_if),
-        ["tc_ingress6"],
-        "{client_if} after its tc_ingress link was detached"
-    );
-    let third = sb
-        .agent_on_the_same_root(&[])
-        .expect("start again on the same root");
-    both_families_serve(
-        &sb,
-        "after a restart that found tc_ingress's link of the client gone",
+        log.matches("took over pinned tc link").count() >= sb.topology().pods().len(),
+        "the restarted agent did not take over every pod interface's link:\n{log}"
     );
     assert!(
-        third
-            .log()
-            .contains("a taken-over tc link runs before the program it must follow"),
-        "the agent did not say it moved the client's tc_ingress6 link:\n{}",
-        third.log()
+        log.contains("detached an earlier release's link") && !older_pin.exists(),
+        "the restarted agent did not detach and unpin {}:\n{log}",
+        older_pin.display()
+    );
+    both_families_serve(&sb, "after a restart that took over the links");
+    ebpf_proxy_tests::eventually(
+        "the restarted agent's TC_NEXT pinned alone",
+        Duration::from_secs(10),
+        || {
+            let now = tc_next_pins(&pins);
+            match now.as_slice() {
+                [own] if *own != first[0] => Ok(()),
+                _ => Err(format!(
+                    "pinned TC_NEXT arrays {now:?}; the first agent's was {first:?}"
+                )),
+            }
+        },
     );
 }
 

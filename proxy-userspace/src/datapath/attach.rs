@@ -5,7 +5,7 @@
 use std::{io, os::fd::AsFd, path::Path};
 
 use aya::programs::{
-    CgroupAttachMode, CgroupSockAddr, LinkOrder, ProgramId, SchedClassifier, TcAttachType, Xdp,
+    CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType, Xdp,
     links::{FdLink, LinkError, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
     xdp::{XdpLink, XdpMode},
@@ -116,53 +116,22 @@ pub fn attach_tc_ingress(
     Ok(Attachment { ifindex })
 }
 
-/// `attach_tc_ingress` for `program`, which must run after the program
-/// `first` (by id) in `ifname`'s chain, as `tc_ingress6` after
-/// `tc_ingress`: `first` hands it what `first` does not take. A link of an
-/// earlier run keeps its place when taken over, which is after `first`'s
-/// unless `first`'s own link was attached anew since (its pin lost: a new
-/// link goes last), behind this one. Then this program would see every
-/// frame first and pass what is not its own without `first` ever seeing
-/// it, so its link is detached and attached anew after `first`; IPv6
-/// frames pass untranslated for that moment.
-pub fn attach_tc_ingress_after(
-    program: &mut SchedClassifier,
-    ifname: &str,
-    ifindex: u32,
-    pin: &Path,
-    first: u32,
-) -> Result<Attachment, AttachError> {
-    let err = |source| AttachError::Attach {
-        ifname: ifname.to_string(),
-        source,
-    };
-    let after = || {
-        // SAFETY: `first` is the id of a program this agent holds loaded.
-        LinkOrder::after_program_id(unsafe { ProgramId::new(first) })
-    };
-    let attachment = attach_tc_ingress(program, ifname, ifindex, pin, after())?;
-    let own = program.info().map_err(err)?.id();
-    let chain = tcx_ingress_ids(ifindex).map_err(|source| AttachError::Open {
-        path: format!("the tcx ingress chain of {ifname}"),
-        source,
-    })?;
-    let position = |id: u32| chain.iter().position(|p| *p == id);
-    if let (Some(mine), Some(theirs)) = (position(own), position(first))
-        && mine < theirs
-    {
-        tracing::warn!(
-            ifname,
-            pin = %pin.display(),
-            "a taken-over tc link runs before the program it must follow; attaching it anew after it"
-        );
-        super::detach::detach_pinned_link(pin).map_err(|source| AttachError::Open {
-            path: pin.display().to_string(),
-            source,
-        })?;
-        let _ = std::fs::remove_file(pin);
-        return attach_tc_ingress(program, ifname, ifindex, pin, after());
+/// Detaches and unpins the link pinned at `pin`, if there is one: a link
+/// of an earlier release this one no longer makes. A failure is said; the
+/// link then goes with its interface or its pin.
+pub fn detach_older_link(pin: &Path) {
+    if !pin.exists() {
+        return;
     }
-    Ok(attachment)
+    if let Err(e) = super::detach::detach_pinned_link(pin) {
+        tracing::warn!(pin = %pin.display(), error = %e, "detaching an earlier release's link");
+    }
+    match std::fs::remove_file(pin) {
+        Ok(()) => tracing::info!(pin = %pin.display(), "detached an earlier release's link"),
+        Err(e) => {
+            tracing::warn!(pin = %pin.display(), error = %e, "unpinning an earlier release's link");
+        }
+    }
 }
 
 /// Replaces the program in a pinned link of an earlier run. None when there
@@ -285,55 +254,6 @@ fn take_over_xdp(program: &mut Xdp, pin: &Path) -> Option<aya::programs::xdp::Xd
             tracing::warn!(pin = %pin.display(), error = %e, "pinned XDP link is dead; attaching anew");
             let _ = std::fs::remove_file(pin);
             None
-        }
-    }
-}
-
-/// The ids of the programs in `ifindex`'s tcx ingress chain, in order
-/// (`BPF_PROG_QUERY`, which needs `CAP_NET_ADMIN` alone). aya's
-/// `query_tcx` also opens each program by id, which needs `CAP_SYS_ADMIN`:
-/// the DaemonSet does not grant it, and the running agent has no use for
-/// more than the ids.
-fn tcx_ingress_ids(ifindex: u32) -> io::Result<Vec<u32>> {
-    const BPF_PROG_QUERY: libc::c_long = 16;
-    const BPF_TCX_INGRESS: u32 = 46;
-    /// The `query` member of `union bpf_attr`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct QueryAttr {
-        target_ifindex: u32,
-        attach_type: u32,
-        query_flags: u32,
-        attach_flags: u32,
-        prog_ids: u64,
-        count: u32,
-        _pad: u32,
-        prog_attach_flags: u64,
-        link_ids: u64,
-        link_attach_flags: u64,
-        revision: u64,
-    }
-    let mut ids = vec![0u32; 64];
-    loop {
-        let mut attr = QueryAttr {
-            target_ifindex: ifindex,
-            attach_type: BPF_TCX_INGRESS,
-            prog_ids: ids.as_mut_ptr() as u64,
-            count: ids.len() as u32,
-            ..Default::default()
-        };
-        // SAFETY: `prog_ids` has room for `count` ids, which is all the
-        // kernel writes there; the other pointers are null.
-        match unsafe { super::sys::bpf(BPF_PROG_QUERY, &mut attr) } {
-            Ok(_) => {
-                ids.truncate(attr.count as usize);
-                return Ok(ids);
-            }
-            // More programs than room: the kernel said how many.
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
-                ids = vec![0u32; (attr.count as usize).max(ids.len() * 2)];
-            }
-            Err(e) => return Err(e),
         }
     }
 }

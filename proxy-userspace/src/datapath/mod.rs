@@ -99,7 +99,12 @@ pub enum DatapathError {
 /// they exist, so that one made by someone else in their place meanwhile is
 /// seen too.
 fn make_pin_dirs(pins: &PinLayout) -> Result<(), DatapathError> {
-    let mut kept = vec![pins.maps_dir(), pins.links_dir(), pins.iters_dir()];
+    let mut kept = vec![
+        pins.maps_dir(),
+        pins.links_dir(),
+        pins.iters_dir(),
+        pins.tail_calls_dir(),
+    ];
     for dir in &kept {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -311,7 +316,7 @@ impl Datapath {
         };
         tracing::info!("tc's read of socket buffers' checksum state: {read}");
         tracing::info!("tc's questions to the kernel's conntrack: {lookup}");
-        let tail_calls = TailCalls::fill(&mut ebpf, &mut loads);
+        let tail_calls = TailCalls::fill(&mut ebpf, &mut loads, &pins);
         reject_limit::write_node_limits(&mut ebpf);
         unpin_retired(&pins);
         let mut maps = Maps::take(&mut ebpf)?;
@@ -444,13 +449,6 @@ impl Datapath {
             .expect("tc6 program is loaded in Datapath::load")
     }
 
-    fn tc6_program_mut(&mut self) -> &mut SchedClassifier {
-        self.ebpf
-            .program_mut(program_names::TC_INGRESS6)
-            .and_then(|p| p.try_into().ok())
-            .expect("tc6 program is loaded in Datapath::load")
-    }
-
     fn tc_program_mut(&mut self) -> &mut SchedClassifier {
         self.ebpf
             .program_mut(program_names::TC_INGRESS)
@@ -482,19 +480,18 @@ impl Datapath {
             &path,
             LinkOrder::default(),
         )?;
-        // After tc_ingress, which hands it what is not IPv4.
-        let first = self
-            .tc_program()
-            .info()
-            .map_err(|source| AttachError::Attach {
-                ifname: ifname.to_string(),
-                source,
-            })?
-            .id();
-        let path6 = self.pins.tc_ingress6_link(ifname);
-        attach::attach_tc_ingress_after(self.tc6_program_mut(), ifname, ifindex, &path6, first)?;
+        // An earlier release linked tc_ingress6 after it, where it would now
+        // run on every packet tc_ingress hands on, IPv6 ones a second time.
+        attach::detach_older_link(&self.pins.tc_ingress6_link(ifname));
         self.attached.insert(ifname.to_string(), attachment);
         Ok(())
+    }
+
+    /// Unpins the `TC_NEXT` arrays of earlier agents (see `tail_calls`):
+    /// asked once this agent's programs have taken the links over, which no
+    /// longer read them. How many went.
+    pub fn retire_older_tc_next(&self) -> usize {
+        self.tail_calls.retire_older_tc_next(&self.pins)
     }
 
     /// Forgets an interface that is gone; its links died with it, and their
@@ -521,7 +518,7 @@ impl Datapath {
     }
 
     /// Whether `tc_ingress6` is in `tc_ingress`'s hand-on slot (else IPv6
-    /// runs both programs of the tcx chain).
+    /// Services are not served at tc).
     pub fn tc6_handed_on(&self) -> bool {
         self.tail_calls.tc_ingress6()
     }
@@ -801,7 +798,12 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     // Links are detached before their pins go, so that no packet is
     // translated once this returns (see detach.rs).
     detach::detach_links_in(&pins.links_dir());
-    for dir in [pins.links_dir(), pins.maps_dir(), pins.iters_dir()] {
+    for dir in [
+        pins.links_dir(),
+        pins.maps_dir(),
+        pins.iters_dir(),
+        pins.tail_calls_dir(),
+    ] {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 std::fs::remove_file(entry.path())?;

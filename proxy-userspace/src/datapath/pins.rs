@@ -3,6 +3,9 @@
 //! ```text
 //! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
 //! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
+//! <root>/v<LAYOUT_VERSION>/tail_calls/TC_NEXT-<id> `tc_ingress`'s IPv6 hand-on
+//!                                                array, one per agent until
+//!                                                the next takes over
 //! <root>/v<LAYOUT_VERSION>/links/cgroup-<hook>  the socket hooks' links
 //! <root>/v<LAYOUT_VERSION>/iters/SOCK_NOTES      reading it lists the socket
 //!                                                hooks' notes (`sock_notes`)
@@ -77,6 +80,17 @@ impl PinLayout {
         Self::links_in(&self.versioned())
     }
 
+    /// Where the pinned `TC_NEXT` arrays are (`tail_calls`).
+    pub fn tail_calls_dir(&self) -> PathBuf {
+        self.versioned().join("tail_calls")
+    }
+
+    /// The pin of the `TC_NEXT` array of id `id`.
+    pub fn tc_next(&self, id: u32) -> PathBuf {
+        self.tail_calls_dir()
+            .join(format!("{}-{id}", proxy_common::map_names::TC_NEXT))
+    }
+
     pub fn iters_dir(&self) -> PathBuf {
         self.versioned().join("iters")
     }
@@ -100,7 +114,8 @@ impl PinLayout {
         self.links_dir().join(format!("tc-ingress-{ifname}"))
     }
 
-    /// The link of `tc_ingress6` on `ifname`, after `tc_ingress_link`'s.
+    /// Where earlier releases linked `tc_ingress6` on `ifname`, after
+    /// `tc_ingress_link`'s: removed where found (`Datapath::attach`).
     pub fn tc_ingress6_link(&self, ifname: &str) -> PathBuf {
         self.links_dir().join(format!("tc-ingress6-{ifname}"))
     }

@@ -11,27 +11,34 @@
 //!   direct server return. Empty, such packets pass untranslated, counted
 //!   `dsr_refused`, and the flows another node sends here that way break:
 //!   a node without them says so at start.
-//! - `TC_NEXT`: `tc_ingress6`, for what is not IPv4 at tc, so that an IPv6
-//!   frame costs one program run from tcx rather than two (bench/README.md,
-//!   "IPv6 at tc by a tail call"). `tc_ingress6` is attached after
-//!   `tc_ingress` all the same: empty, `tc_ingress` hands IPv6 on down its
-//!   tcx chain, which costs that run and nothing else.
+//! - `TC_NEXT`: `tc_ingress6`, for what is not IPv4 at tc, which is how IPv6
+//!   reaches its program there: `tc_ingress` is the one program the agent
+//!   links into an interface's tcx chain, and hands on down the chain
+//!   (`TCX_NEXT`) every packet it does not take, so a second program there
+//!   would run on every IPv4 packet as well (docs/architecture.md,
+//!   "Where programs attach").
 //!
-//! No array is pinned. The kernel empties a program array when the last
-//! reference to it other than a program's goes (here, the agent's
-//! descriptor): once the agent exits, each behaves as empty until the next
-//! agent's programs take over.
+//! The kernel empties a program array when the last reference to it other
+//! than a program's goes (a descriptor or a pin). `XDP_NEXT` and `TC_DSR`
+//! are held by the agent alone: once it exits, each behaves as empty until
+//! the next agent's programs take over. `TC_NEXT` is also pinned, under a
+//! name of its own (`PinLayout::tc_next`, by the array's id), so that the
+//! `tc_ingress` it serves goes on translating IPv6 while no agent runs;
+//! the next agent pins its own beside it and unpins the older ones once
+//! its programs have taken the links over (`retire_older_tc_next`).
+
+use std::path::{Path, PathBuf};
 
 use aya::{
     Ebpf,
-    maps::{MapData, ProgramArray},
+    maps::{Map, MapData, ProgramArray},
     programs::{Program, ProgramError, SchedClassifier, Xdp},
 };
 use proxy_common::{
     TC_DSR_IPV4, TC_DSR_IPV6, TC_NEXT_IPV6, XDP_NEXT_IPV6, map_names, program_names,
 };
 
-use super::{Load, ProgramLoad};
+use super::{Load, PinLayout, ProgramLoad};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TailCallError {
@@ -49,6 +56,12 @@ pub enum TailCallError {
     },
     #[error("the eBPF object has no {0} program")]
     NoProgram(&'static str),
+    #[error("pinning {name} at {path}: {source}")]
+    Pin {
+        name: &'static str,
+        path: String,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// The arrays, held for as long as the programs run, since dropping one
@@ -58,17 +71,21 @@ pub struct TailCalls {
     xdp_next: Option<ProgramArray<MapData>>,
     tc_dsr: Option<ProgramArray<MapData>>,
     tc_next: Option<ProgramArray<MapData>>,
+    /// Where `tc_next` is pinned, when it could be.
+    tc_next_pin: Option<PathBuf>,
 }
 
 impl TailCalls {
-    /// Fills the three arrays, noting each program's load in `loads`.
-    pub fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>) -> TailCalls {
+    /// Fills the three arrays, noting each program's load in `loads`, and
+    /// pins `TC_NEXT` under `pins`.
+    pub fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>, pins: &PinLayout) -> TailCalls {
         let xdp_next = fill::<Xdp>(
             ebpf,
             map_names::XDP_NEXT,
             &[(program_names::XDP_INGRESS6, XDP_NEXT_IPV6)],
             loads,
         )
+        .map(|(array, _)| array)
         .inspect_err(|e| {
             tracing::warn!(
                 error = %e,
@@ -84,6 +101,7 @@ impl TailCalls {
             ],
             loads,
         )
+        .map(|(array, _)| array)
         .inspect_err(|e| {
             tracing::error!(
                 error = %e,
@@ -97,16 +115,40 @@ impl TailCalls {
             loads,
         )
         .inspect_err(|e| {
-            tracing::warn!(
+            tracing::error!(
                 error = %e,
-                "tc_ingress cannot hand IPv6 to tc_ingress6 by a tail call: IPv6 runs both programs of the tcx chain"
+                "tc_ingress cannot hand IPv6 to tc_ingress6: IPv6 Services are not served at tc"
             );
+        });
+        let tc_next_pin = tc_next.as_ref().ok().and_then(|(_, id)| {
+            let path = pins.tc_next(*id);
+            pin_by_id(*id, &path)
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        error = %e,
+                        "IPv6 at tc is not translated from this agent's exit until the next agent's programs take over"
+                    );
+                })
+                .ok()
+                .map(|()| path)
         });
         TailCalls {
             xdp_next: xdp_next.ok(),
             tc_dsr: tc_dsr.ok(),
-            tc_next: tc_next.ok(),
+            tc_next: tc_next.ok().map(|(array, _)| array),
+            tc_next_pin,
         }
+    }
+
+    /// Unpins every `TC_NEXT` under `pins` but this agent's: the arrays of
+    /// earlier agents, which served their `tc_ingress` on links this
+    /// agent's programs have now taken over. Returns how many went; one
+    /// that cannot be removed is said and tried again next time.
+    pub fn retire_older_tc_next(&self, pins: &PinLayout) -> usize {
+        let Some(own) = &self.tc_next_pin else {
+            return 0;
+        };
+        retire_other_pins(&pins.tail_calls_dir(), own)
     }
 
     /// Whether `xdp_ingress6` is in its slot.
@@ -127,19 +169,23 @@ impl TailCalls {
 
 /// Takes the array `map` and puts each of `programs` (name, slot), of type
 /// `P`, in its slot, loading it first (noted in `loads`) unless it is
-/// loaded already.
+/// loaded already. With the array, the kernel's id of it.
 fn fill<P>(
     ebpf: &mut Ebpf,
     map: &'static str,
     programs: &[(&'static str, u32)],
     loads: &mut Vec<ProgramLoad>,
-) -> Result<ProgramArray<MapData>, TailCallError>
+) -> Result<(ProgramArray<MapData>, u32), TailCallError>
 where
     P: Load,
     for<'a> &'a mut P: TryFrom<&'a mut Program, Error = ProgramError>,
 {
     let in_map = |source| TailCallError::Map { name: map, source };
     let taken = ebpf.take_map(map).ok_or(TailCallError::NoMap(map))?;
+    let id = match &taken {
+        Map::ProgramArray(data) => data.info().map_err(in_map)?.id(),
+        _ => return Err(TailCallError::NoMap(map)),
+    };
     let mut array = ProgramArray::try_from(taken).map_err(in_map)?;
     for &(name, slot) in programs {
         let failed = |source| TailCallError::Program { name, source };
@@ -153,5 +199,37 @@ where
             .set(slot, program.fd().map_err(failed)?, 0)
             .map_err(in_map)?;
     }
-    Ok(array)
+    Ok((array, id))
+}
+
+/// Pins the map of id `id` at `path`, through a descriptor of its own.
+fn pin_by_id(id: u32, path: &Path) -> Result<(), TailCallError> {
+    let failed = |source: Box<dyn std::error::Error + Send + Sync>| TailCallError::Pin {
+        name: map_names::TC_NEXT,
+        path: path.display().to_string(),
+        source,
+    };
+    let data = MapData::from_id(id).map_err(|e| failed(e.into()))?;
+    let _ = std::fs::remove_file(path);
+    data.pin(path).map_err(|e| failed(e.into()))
+}
+
+/// Removes every pin in `dir` but `own`; how many went.
+fn retire_other_pins(dir: &Path, own: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut retired = 0;
+    for path in entries.flatten().map(|e| e.path()) {
+        if path == own {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => retired += 1,
+            Err(e) => {
+                tracing::warn!(pin = %path.display(), error = %e, "unpinning an earlier agent's TC_NEXT");
+            }
+        }
+    }
+    retired
 }

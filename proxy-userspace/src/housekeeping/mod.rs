@@ -14,6 +14,8 @@
 //!   rebuild from what the maps hold (`rebuild_prefilter`), and backends'
 //!   source bits once no earlier agent's programs read them
 //!   (`retire_source_bits`);
+//! - earlier agents' pinned `TC_NEXT` arrays, once their `tc_ingress` runs
+//!   nowhere (`retire_older_tc_next`);
 //! - `upgrade`: the datapaths of other layout versions retired, their flows
 //!   kept.
 
@@ -124,6 +126,33 @@ pub fn retire_source_bits(datapath: &mut Datapath) {
         ),
         Ok(None) => {}
         Err(e) => warn!(error = %e, "clearing the prefilter's backend source bits"),
+    }
+}
+
+/// What an interface pass lets go, once it has attached this agent's
+/// programs: the flow marks owed since the load settled, the backends'
+/// source bits cleared and the earlier agents' `TC_NEXT` arrays unpinned,
+/// none of which this agent's programs need and an earlier agent's may.
+pub fn after_interface_pass(datapath: &mut Datapath) {
+    settle_owed_flow_marks(datapath);
+    retire_source_bits(datapath);
+    retire_older_tc_next(datapath);
+}
+
+/// The `TC_NEXT` arrays of earlier agents unpinned once this agent's
+/// programs are attached (`Datapath::retire_older_tc_next`): until then an
+/// earlier agent's `tc_ingress` still hands IPv6 to its own. Asked after
+/// each interface pass; a pin that cannot go is said and tried again.
+pub fn retire_older_tc_next(datapath: &Datapath) {
+    if !programs_attached(datapath) {
+        return;
+    }
+    let retired = datapath.retire_older_tc_next();
+    if retired > 0 {
+        info!(
+            retired,
+            "unpinned earlier agents' TC_NEXT, whose tc_ingress no longer runs"
+        );
     }
 }
 

@@ -14,16 +14,12 @@
 //! the frame out of its socket buffer), each with the empty program of the hook and
 //! with the datapath's (`tc_ingress`, `xdp_ingress`), on one TCP segment that is not
 //! for any Service (pod to pod: most of a node's packets). IPv6's cases send the same
-//! segment over IPv6 through tc: nothing, the empty program, and the agent's layout
-//! (`tc_ingress`, `tc_ingress6` linked after it), once with `tc_ingress` handing IPv6
-//! to `tc_ingress6` by its tail call and once with `TC_NEXT`'s slot empty, as between
-//! two agents, so that the frame goes on down tcx's chain: what the tail call saves.
-//! Rounds send a burst through each pair in turn, so that every case sees the machine
+//! segment over IPv6 through tc: nothing, the empty program, and the agent's
+//! `tc_ingress`, which hands IPv6 to `tc_ingress6` by its tail call. Every program
+//! at tc, the empty one too, passes with tcx's `TCX_NEXT`, as the agent's do, so that
+//! the interface's legacy tc runs after it. Rounds send a burst through each pair in turn, so that every case sees the machine
 //! as the others did; figures are medians over rounds, ratios medians of per-round
 //! ratios.
-
-#[path = "../../tests/hand_on/mod.rs"]
-mod hand_on;
 
 use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
@@ -31,7 +27,6 @@ use std::{
 };
 
 use ebpf_proxy_tests::netns::{NetNs, unique_stem};
-use hand_on::HandOn;
 use proxy_userspace::datapath::Datapath;
 
 /// The batch of one `sendmmsg`.
@@ -70,9 +65,6 @@ enum Run {
     /// The datapath's program; over IPv6 at tc, `tc_ingress` and its tail
     /// call to `tc_ingress6`.
     Datapath,
-    /// IPv6 at tc with `TC_NEXT`'s slot empty: `tc_ingress`, then the
-    /// `tc_ingress6` linked after it.
-    Chained,
 }
 
 struct Case {
@@ -104,9 +96,6 @@ impl Case {
                 (Hook::None, _) => "IPv6: no program".into(),
                 (_, Run::Empty) => "IPv6: tc: empty program".into(),
                 (_, Run::Datapath) => "IPv6: tc: tc_ingress, tail call to tc_ingress6".into(),
-                (_, Run::Chained) => {
-                    "IPv6: tc: tc_ingress, then tc_ingress6 down the tcx chain".into()
-                }
             };
         }
         match (self.hook, self.run != Run::Empty) {
@@ -125,7 +114,7 @@ impl Case {
     }
 }
 
-const CASES: [Case; 11] = [
+const CASES: [Case; 10] = [
     Case::v4(Hook::None, Run::Empty),
     Case::v4(Hook::Tc, Run::Empty),
     Case::v4(Hook::Tc, Run::Datapath),
@@ -136,7 +125,6 @@ const CASES: [Case; 11] = [
     Case::v6(Hook::None, Run::Empty),
     Case::v6(Hook::Tc, Run::Empty),
     Case::v6(Hook::Tc, Run::Datapath),
-    Case::v6(Hook::Tc, Run::Chained),
 ];
 
 /// The result: per case, its median ns per packet, its median added to no
@@ -327,7 +315,6 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
             datapath.tc_program().fd().expect("tc fd").as_fd()
         }
     };
-    let tc6 = datapath.tc6_program().fd().expect("tc6 fd").as_fd();
     let xdp = |run: Run| {
         if run == Run::Empty {
             xdp_floor.fd().expect("xdp floor fd").as_fd()
@@ -355,17 +342,12 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
         tx.ip(&["link", "set", &s, "up"]).expect("up");
         rx.ip(&["link", "set", &r, "up"]).expect("up");
         let index = ifindex(rx, &r);
-        let mut how = match case.hook {
+        let how = match case.hook {
             Hook::None => vec![],
             Hook::Tc => vec![(tc(case.run), BPF_TCX_INGRESS, BPF_F_AFTER)],
             Hook::Generic => vec![(xdp(case.run), BPF_XDP, XDP_FLAGS_SKB_MODE)],
             Hook::Native => vec![(xdp(case.run), BPF_XDP, XDP_FLAGS_DRV_MODE)],
         };
-        // The agent's layout at tc: `tc_ingress6` after `tc_ingress`, which
-        // runs it only when `TC_NEXT`'s slot is empty.
-        if case.family == Family::V6 && case.hook == Hook::Tc && case.run != Run::Empty {
-            how.push((tc6, BPF_TCX_INGRESS, BPF_F_AFTER));
-        }
         for (prog, kind, flags) in how {
             links.push(
                 rx.run(|| link_create(prog, index, kind, flags))
@@ -392,7 +374,6 @@ pub fn measure(
     let tx = NetNs::create(&format!("{stem}-wtx")).expect("sender namespace");
     let rx = NetNs::create(&format!("{stem}-wrx")).expect("receiver namespace");
     let (sockets, links) = pairs(datapath, &tx, &rx);
-    let mut hand_on = HandOn::open(datapath);
     let before: Vec<u64> = (0..CASES.len())
         .map(|i| rx_packets(&rx, &format!("r{i}")))
         .collect();
@@ -409,17 +390,11 @@ pub fn measure(
                             Family::V4 => frame,
                             Family::V6 => frame6,
                         };
-                        if case.run == Run::Chained {
-                            hand_on.set(false);
-                        }
                         let started = Instant::now();
                         send(socket.as_fd(), frame, frames);
                         let ns = started.elapsed().as_nanos() as f64 / frames as f64;
                         if round > 0 {
                             samples[i].push(ns);
-                        }
-                        if case.run == Run::Chained {
-                            hand_on.set(true);
                         }
                     }
                 }
@@ -513,14 +488,11 @@ impl Wire {
             generic.3, generic.2, tc.2, generic_empty.2, tc_empty.2, native.3, native.2
         ));
         let tail = self.find("IPv6: tc: tc_ingress, tail call to tc_ingress6");
-        let chained = self.find("IPv6: tc: tc_ingress, then tc_ingress6 down the tcx chain");
         let empty6 = self.find("IPv6: tc: empty program");
         s.push_str(&format!(
             "\nIPv6 at tc, same segment: the agent's programs added {:.0} ns over no program \
-             with tc_ingress's tail call to tc_ingress6, {:.0} ns down tcx's chain (TC_NEXT \
-             empty, as between two agents: {:.2}x the tail call), the empty program {:.0} \
-             ns.\n",
-            tail.2, chained.2, chained.3, empty6.2
+             (tc_ingress's tail call to tc_ingress6), the empty program {:.0} ns.\n",
+            tail.2, empty6.2
         ));
         s
     }

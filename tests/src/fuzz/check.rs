@@ -3,7 +3,7 @@
 
 use super::{
     Conntrack, DropReason, Hook, ICMP, Outcome, Tuple, Universe,
-    frame::{ETH_HLEN, ETH_P_IP, View, be16, ip_residual, l4_residual, view},
+    frame::{ETH_HLEN, View, be16, ip_residual, l4_residual, view},
     verdict,
 };
 use crate::frames::{TCP, UDP, csum};
@@ -17,24 +17,9 @@ pub fn check(
     verdict: u32,
     output: &[u8],
 ) -> Result<Outcome, String> {
-    use verdict::{
-        TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, TCX_NEXT, XDP_DROP, XDP_PASS, XDP_REDIRECT,
-    };
-    if hook == Hook::Tc && verdict == TCX_NEXT {
-        let ipv4 = input.len() < ETH_HLEN || be16(input, 12) == ETH_P_IP;
-        return if ipv4 {
-            Err(
-                "an IPv4 frame (or one too short for an ethertype) handed on to the next program"
-                    .into(),
-            )
-        } else if output != input {
-            Err("a frame handed on to the next program was changed".into())
-        } else {
-            Ok(Outcome::Untouched)
-        };
-    }
+    use verdict::{TC_ACT_REDIRECT, TC_ACT_SHOT, TCX_NEXT, XDP_DROP, XDP_PASS, XDP_REDIRECT};
     let (pass, drop, redirect) = match hook {
-        Hook::Tc => (TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT),
+        Hook::Tc => (TCX_NEXT, TC_ACT_SHOT, TC_ACT_REDIRECT),
         Hook::Xdp => (XDP_PASS, XDP_DROP, XDP_REDIRECT),
     };
     if verdict == drop {

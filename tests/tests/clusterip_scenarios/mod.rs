@@ -1263,3 +1263,101 @@ pub fn host_routing_bpf_sends_translated_packets_straight_into_pods<F: Family>()
         }
     }
 }
+
+/// Packets the legacy tc ingress filter of `tc_count_every_packet` on
+/// `ifname` in `node` redirected: its action's `Sent ... pkt`.
+fn tc_filter_packets(node: &NetNs, ifname: &str) -> u64 {
+    let out = ebpf_proxy_tests::run_cmd(
+        node.command("tc")
+            .args(["-s", "filter", "show", "dev", ifname, "ingress"]),
+    )
+    .unwrap_or_else(|e| panic!("reading the tc filter of {ifname}: {e:#}"));
+    out.split("Sent ")
+        .nth(1)
+        .and_then(|s| s.split(" pkt").next())
+        .and_then(|s| s.split_whitespace().nth(2))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no packet count in the tc filter of {ifname}:\n{out}"))
+}
+
+/// Puts on `ifname` what the CNI `bandwidth` plugin puts on a pod's
+/// host-side interface to limit its egress: an `ingress` qdisc whose `u32`
+/// filter matches every packet and redirects it through an `ifb` device of
+/// its own, from which it goes on into the stack (the plugin then shapes
+/// the `ifb`'s queue). The filter's action counts what it saw
+/// (`tc_filter_packets`).
+fn tc_count_every_packet(node: &NetNs, ifname: &str) {
+    let ifb = format!("i{ifname}");
+    node.ip(&["link", "add", "name", &ifb, "type", "ifb"])
+        .and_then(|_| node.ip(&["link", "set", "dev", &ifb, "up"]))
+        .unwrap_or_else(|e| panic!("an ifb device for {ifname}: {e:#}"));
+    for args in [
+        &["qdisc", "add", "dev", ifname, "ingress"][..],
+        &[
+            "filter", "add", "dev", ifname, "parent", "ffff:", "protocol", "all", "prio", "1",
+            "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", &ifb,
+        ],
+    ] {
+        ebpf_proxy_tests::run_cmd(node.command("tc").args(args))
+            .unwrap_or_else(|e| panic!("setting up a tc filter on {ifname}: {e:#}"));
+    }
+}
+
+/// The agent's tc programs leave the interfaces' other tc users their turn:
+/// a packet it does not drop, reject or redirect goes on down the tcx
+/// chain (`TCX_NEXT`), to the programs after it and to the legacy tc
+/// filters, which kube-proxy never stood between. A legacy ingress filter
+/// on the client's and the backends' host-side interfaces, as the CNI
+/// `bandwidth` plugin's, sees every packet of connections and datagrams
+/// to the ClusterIP and of connections straight to a pod, and the agent
+/// translates them all the same.
+pub fn other_tc_filters_see_every_packet<F: Family>() {
+    const EXCHANGES: u64 = 12;
+    let sb = serving::<F>(&[CLIENT], &[]);
+    let node = &sb.topology().node;
+    let client_if = sb.client().host_if.clone();
+    let backend_ifs: Vec<String> = backend_names()
+        .iter()
+        .map(|b| sb.pod(b).host_if.clone())
+        .collect();
+    for ifname in std::iter::once(&client_if).chain(&backend_ifs) {
+        tc_count_every_packet(node, ifname);
+    }
+    let dnat_before = sb.counter("dnat_new");
+    let ns = &sb.client().ns;
+    let pod = F::pod(BACKENDS[0].1);
+    let mut tally = Tally::default();
+    let mut direct = Tally::default();
+    for _ in 0..EXCHANGES {
+        tally.record(tcp_request(ns, F::http(F::cluster_ip()), TIMEOUT));
+        tally.record(udp_request(ns, F::dns(F::cluster_ip()), TIMEOUT));
+        direct.record(tcp_request(ns, F::addr(pod, TCP_PORT), TIMEOUT));
+    }
+    let what = format!("TCP and UDP to the {} ClusterIP", F::NAME);
+    assert_all_replied_from(F::pod(CLIENT.1), &what, &tally);
+    assert_all_replied_from(F::pod(CLIENT.1), "TCP straight to a pod", &direct);
+    let dnat = sb.counter("dnat_new") - dnat_before;
+    assert!(
+        dnat >= 2 * EXCHANGES,
+        "{what}: {dnat} new flows translated, at least {} expected; counters: {}",
+        2 * EXCHANGES,
+        counters_text(&sb)
+    );
+    // Each connection's SYN, ACK, request and FIN (or RST) from the client,
+    // SYN-ACK, answer and FIN (or RST) back; a datagram each way.
+    let sent = tc_filter_packets(node, &client_if);
+    let least_sent = EXCHANGES * (4 + 1 + 4);
+    let answered: u64 = backend_ifs
+        .iter()
+        .map(|ifname| tc_filter_packets(node, ifname))
+        .sum();
+    let least_answered = EXCHANGES * (3 + 1 + 3);
+    assert!(
+        sent >= least_sent && answered >= least_answered,
+        "{what} and straight to a pod: the legacy tc filters counted {sent} packets from the \
+         client (at least {least_sent} expected) and {answered} from the backends (at least \
+         {least_answered}): the agent's programs ended the interfaces' tc processing; \
+         counters: {}",
+        counters_text(&sb)
+    );
+}

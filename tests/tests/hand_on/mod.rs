@@ -1,8 +1,7 @@
 //! `tc_ingress`'s hand-on to `tc_ingress6` (`TC_NEXT`), reached from outside
 //! the agent as `bpftool` would reach it, by the program's own map ids, so
 //! that tests and benches can empty and fill its slot as the kernel and the
-//! agent do: between agents the slot is empty and IPv6 goes down the tcx
-//! chain instead.
+//! agent do: where the agent could not fill it, IPv6 passes untouched.
 
 use aya::{
     maps::{Map, MapData, ProgramArray},

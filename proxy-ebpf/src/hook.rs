@@ -9,6 +9,16 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 
+/// tcx: run the next program in the chain, then the interface's legacy tc
+/// filters; from the last of them, a pass. Every packet tc passes goes on
+/// so, translated or not, where `TC_ACT_OK` would end the interface's tc
+/// processing: other programs on the same interfaces, a CNI's or an
+/// operator's (the `bandwidth` plugin's egress limit, a policer, a
+/// mirror), see what they would see without the agent, as kube-proxy
+/// never stood between them (docs/architecture.md, "Where programs
+/// attach").
+pub const TCX_NEXT: i32 = -1;
+
 /// A hook the per-packet pipeline runs at.
 pub trait Hook: EbpfContext {
     /// True at XDP: no socket buffer, so every packet write is direct, and

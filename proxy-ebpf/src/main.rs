@@ -220,7 +220,7 @@ pub extern "C" fn sock_notes6_dump(ctx: *mut core::ffi::c_void) -> i32 {
 /// Never attached.
 #[classifier]
 pub fn tc_pass(_ctx: TcContext) -> i32 {
-    verdict::TCX_NEXT
+    hook::TCX_NEXT
 }
 
 /// The XDP floor, as `tc_pass` is for tc.
@@ -234,7 +234,7 @@ pub fn xdp_pass(_ctx: XdpContext) -> u32 {
 #[classifier]
 pub fn tc_ct_pair(ctx: TcContext) -> i32 {
     pipeline::conntrack_pair(&ctx);
-    verdict::TCX_NEXT
+    hook::TCX_NEXT
 }
 
 /// The XDP twin of `tc_ct_pair`.

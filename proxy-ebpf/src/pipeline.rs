@@ -39,7 +39,7 @@ use crate::{
     family::V4,
     flow_cache, frag,
     frontend::{self, Frontend},
-    hook::Hook,
+    hook::{Hook, TCX_NEXT},
     maps::{count, node_config, node_flags},
     nat::NatOf,
     netfilter_ct,
@@ -51,7 +51,7 @@ use crate::{
     route::{self, Ahead},
     service_cidr::{self, Unserved},
     service_counters, trace,
-    verdict::{TCX_NEXT, Verdicts},
+    verdict::Verdicts,
 };
 use family::Source;
 

@@ -40,10 +40,9 @@ use proxy_common::{PROTO_TCP, counter, node_config_flags};
 use crate::{
     event_log::Event,
     family::Family,
-    hook::Hook,
+    hook::{Hook, TCX_NEXT},
     maps::{POD_IFACES, ROUTE, Route, count, node_flags},
     packet::ETH_HLEN,
-    verdict::TCX_NEXT,
 };
 
 const UDP_HLEN: usize = 8;

@@ -13,7 +13,7 @@ use proxy_common::{PROTO_TCP, counter};
 use crate::{
     event_log::Event,
     family::Family,
-    hook::Hook,
+    hook::{Hook, TCX_NEXT},
     icmp_error::{self, ErrorFamily},
     maps::{TC_DSR, TC_NEXT, XDP_NEXT, count},
     nat::NatOf,
@@ -58,16 +58,6 @@ pub trait Verdicts: Hook {
     /// (`route::to_pod`).
     fn onward<F: Family>(&self, flow: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>) -> Self::Verdict;
 }
-
-/// tcx: run the next program in the chain, then the interface's legacy tc
-/// filters; from the last of them, a pass. Every packet tc passes goes on
-/// so, translated or not, where `TC_ACT_OK` would end the interface's tc
-/// processing: other programs on the same interfaces, a CNI's or an
-/// operator's (the `bandwidth` plugin's egress limit, a policer, a
-/// mirror), see what they would see without the agent, as kube-proxy
-/// never stood between them (docs/architecture.md, "Where programs
-/// attach").
-pub const TCX_NEXT: i32 = -1;
 
 /// `XDP_NEXT`'s slot of `xdp_ingress6`.
 const XDP_NEXT_IPV6: u32 = proxy_common::XDP_NEXT_IPV6;

@@ -281,16 +281,23 @@ fn dump(sb: &Sandbox, name: &str) -> serde_json::Value {
 
 /// `bpftool ARGS PIN`'s output; a panic with its error where it fails.
 fn bpftool(args: &[&str], pin: &std::path::Path) -> String {
+    bpftool_on(args, pin, &[])
+}
+
+/// `bpftool ARGS PIN AFTER`'s output; a panic with its error where it fails.
+fn bpftool_on(args: &[&str], pin: &std::path::Path, after: &[&str]) -> String {
     let out = Command::new("bpftool")
         .args(args)
         .arg(pin)
+        .args(after)
         .output()
         .expect("run bpftool");
     assert!(
         out.status.success(),
-        "bpftool {} {}: {}",
+        "bpftool {} {} {}: {}",
         args.join(" "),
         pin.display(),
+        after.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -465,18 +472,10 @@ fn tc_next_pins(pins: &PinLayout) -> Vec<std::path::PathBuf> {
 
 /// The id of the program in slot 0 of the program array pinned at `array`.
 fn program_in_slot0(array: &std::path::Path) -> u32 {
-    let run = Command::new("bpftool")
-        .args(["-j", "map", "lookup", "pinned"])
-        .arg(array)
-        .args(["key", "0", "0", "0", "0"])
-        .output()
-        .expect("run bpftool");
-    let out = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert!(
-        run.status.success(),
-        "bpftool map lookup of {}: {}",
-        array.display(),
-        String::from_utf8_lossy(&run.stderr)
+    let out = bpftool_on(
+        &["-j", "map", "lookup", "pinned"],
+        array,
+        &["key", "0", "0", "0", "0"],
     );
     let json: serde_json::Value = serde_json::from_str(&out)
         .unwrap_or_else(|e| panic!("bpftool's lookup of {}: {e}: {out}", array.display()));

@@ -99,12 +99,7 @@ pub enum DatapathError {
 /// they exist, so that one made by someone else in their place meanwhile is
 /// seen too.
 fn make_pin_dirs(pins: &PinLayout) -> Result<(), DatapathError> {
-    let mut kept = vec![
-        pins.maps_dir(),
-        pins.links_dir(),
-        pins.iters_dir(),
-        pins.tail_calls_dir(),
-    ];
+    let mut kept = pins.dirs().to_vec();
     for dir in &kept {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -798,12 +793,7 @@ pub fn cleanup(pins: &PinLayout) -> std::io::Result<Vec<String>> {
     // Links are detached before their pins go, so that no packet is
     // translated once this returns (see detach.rs).
     detach::detach_links_in(&pins.links_dir());
-    for dir in [
-        pins.links_dir(),
-        pins.maps_dir(),
-        pins.iters_dir(),
-        pins.tail_calls_dir(),
-    ] {
+    for dir in pins.dirs() {
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 std::fs::remove_file(entry.path())?;

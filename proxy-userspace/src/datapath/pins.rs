@@ -80,6 +80,17 @@ impl PinLayout {
         Self::links_in(&self.versioned())
     }
 
+    /// This version's directories of pins, links first: what the agent
+    /// makes at load and `cleanup` empties.
+    pub fn dirs(&self) -> [PathBuf; 4] {
+        [
+            self.links_dir(),
+            self.maps_dir(),
+            self.iters_dir(),
+            self.tail_calls_dir(),
+        ]
+    }
+
     /// Where the pinned `TC_NEXT` arrays are (`tail_calls`).
     pub fn tail_calls_dir(&self) -> PathBuf {
         self.versioned().join("tail_calls")

@@ -100,12 +100,12 @@ pub mod map_names {
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
     /// The program array `tc_ingress` tail-calls into for every frame that
-    /// is not IPv4 (`TC_NEXT_IPV6`). Never pinned, so not in `ALL`: each
-    /// agent fills its own at load.
+    /// is not IPv4 (`TC_NEXT_IPV6`). Not in `ALL`: each agent fills its
+    /// own at load and pins it under a name of its own (by the array's id).
     pub const TC_NEXT: &str = "TC_NEXT";
     /// The program array `tc_ingress` and `tc_ingress6` tail-call into
     /// for a packet another node sent by direct server return
-    /// (`TC_DSR_IPV4`, `TC_DSR_IPV6`).
+    /// (`TC_DSR_IPV4`, `TC_DSR_IPV6`). Not in `ALL`, as `TC_NEXT`.
     pub const TC_DSR: &str = "TC_DSR";
     /// The rate limit of rejects (`RejectLimit`). Never pinned, so not in
     /// `ALL`: each agent writes its own at load.

@@ -257,6 +257,7 @@ pub async fn run(config: AgentConfig) -> Result<(), AgentError> {
                 node.sync(&mut datapath.maps, Instant::now());
             }
             _ = reap.tick() => {
+                retry_attaches(&mut datapath, &interface_modes);
                 housekeeping::reap_conntrack(&mut datapath);
                 if adoption.check() {
                     node.set_netfilter_flows(false);
@@ -737,9 +738,32 @@ pub fn serves_loopback(nodeport_addresses: &[Cidr]) -> bool {
             .any(|c| c.contains(IpAddr::V4(Ipv4Addr::LOCALHOST)))
 }
 
+/// Attaches tc again where an interface pass could not
+/// (`Datapath::retry_attaches`), and follows what lands as a pass is
+/// followed. Asked at each reap.
+fn retry_attaches(datapath: &mut Datapath, modes: &InterfaceModes) {
+    let mut landed = false;
+    for (name, outcome) in datapath.retry_attaches() {
+        match outcome {
+            Ok(()) => {
+                info!(interface = %name, "attached on a retry");
+                landed = true;
+            }
+            Err(e) => {
+                warn!(error = %e, "interface still without the datapath; tried again at the next reap");
+            }
+        }
+    }
+    if landed {
+        housekeeping::after_interface_pass(datapath);
+        modes.set(datapath.attached(), datapath.xdp_attached());
+    }
+}
+
 fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
     let gone: Vec<String> = datapath
         .attached()
+        .chain(datapath.tc_pending())
         .filter(|name| !ifaces.contains_key(*name))
         .map(str::to_string)
         .collect();
@@ -750,7 +774,10 @@ fn attach_all(datapath: &mut Datapath, ifaces: &Interfaces) {
     for (name, index) in ifaces {
         match datapath.attach(name, *index) {
             Ok(()) => {}
-            Err(e) => error!(error = %e, "interface left without the datapath"),
+            Err(e) => error!(
+                error = %e,
+                "interface left without the datapath; tried again at each reap"
+            ),
         }
     }
 }

@@ -31,6 +31,7 @@ pub mod netns;
 pub mod nftables;
 pub mod offloads;
 pub mod process;
+pub mod raw_bpf;
 pub mod sandbox;
 pub mod sctp;
 pub mod servers;

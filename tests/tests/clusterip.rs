@@ -106,3 +106,8 @@ fn host_routing_bpf_sends_translated_packets_straight_into_pods() {
 fn other_tc_filters_see_every_packet() {
     scenario::other_tc_filters_see_every_packet::<Ipv4Addr>();
 }
+
+#[test]
+fn a_failed_attach_is_retried_until_it_lands() {
+    scenario::a_failed_attach_is_retried_until_it_lands::<Ipv4Addr>();
+}

@@ -606,3 +606,8 @@ fn ipv6_host_routing_bpf_sends_translated_packets_straight_into_pods() {
 fn ipv6_other_tc_filters_see_every_packet() {
     scenario::other_tc_filters_see_every_packet::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_a_failed_attach_is_retried_until_it_lands() {
+    scenario::a_failed_attach_is_retried_until_it_lands::<Ipv6Addr>();
+}

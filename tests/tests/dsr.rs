@@ -603,6 +603,53 @@ fn ipv6_dsr_connections_survive_the_route_moving_to_the_other_node_and_an_agent_
     connections_survive_a_route_change_and_a_restart::<Ipv6Addr>("native");
 }
 
+/// Node b's agent stopped, as for an upgrade: its pinned `tc_ingress` goes on
+/// handing the packets node a sends by DSR to `tc_dsr` through its pinned
+/// `TC_DSR`, so new connections through node a to dsr-b1 still see the client and
+/// get their answers as the ExternalIP, each learnt from its carrier
+/// (`dsr_learnt`).
+#[test]
+fn dsr_flows_start_while_the_backend_nodes_agent_is_down_tc_only() {
+    flows_start_while_the_backend_nodes_agent_is_down::<Ipv4Addr>();
+}
+
+/// The same over IPv6 (`tc_dsr6`, through `tc_ingress6`).
+#[test]
+fn ipv6_dsr_flows_start_while_the_backend_nodes_agent_is_down_tc_only() {
+    flows_start_while_the_backend_nodes_agent_is_down::<Ipv6Addr>();
+}
+
+fn flows_start_while_the_backend_nodes_agent_is_down<F: Family>() {
+    let mut world = World::<F>::new(LbMode::Dsr, "off");
+    let status = world.agents[1]
+        .terminate()
+        .expect("stopping node b's agent");
+    assert!(status.success(), "node b's agent exited with {status}");
+    let learnt_before = world.counter(1, "dsr_learnt");
+    let what = format!("{} dsr, node b's agent stopped", F::NAME);
+    let replies = world.replies(&what, |ns| tcp_request(ns, web::<F>(), TIMEOUT));
+    let client1 = client1_ip::<F>();
+    let wrong: Vec<String> = replies
+        .iter()
+        .filter(|r| r.peer.peer_ip() != client1)
+        .map(|r| format!("{} saw {}", r.backend, r.peer))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{what}: every backend sees client1 {client1}: {wrong:?}; {}",
+        world.counters()
+    );
+    let remote = replies.iter().filter(|r| r.backend == POD_B.0).count() as u64;
+    let learnt = world.counter(1, "dsr_learnt") - learnt_before;
+    assert!(
+        learnt >= remote,
+        "{what}: node b learnt {learnt} flows from node a's carrier for {remote} connections \
+         answered by {}; {}",
+        POD_B.0,
+        world.counters()
+    );
+}
+
 /// Held connections through node a, [`SESSIONS_EACH`] or more on each backend;
 /// every one answers a line, with the backend that greeted it, after each step:
 /// the route moved to node b (node b never saw the flows to dsr-a1; it learnt

@@ -3,7 +3,8 @@
 //! the agent exits until `cleanup`, an agent of a newer layout retires an older one's
 //! datapath (an upgrade in place), a new `--conntrack-max` resizes conntrack with its
 //! flows, one tc program per interface serves both families while no agent runs and
-//! across restarts (an earlier release's second link detached), the pinned maps dump
+//! across restarts (an earlier release's second link detached), an earlier agent's
+//! program arrays stay pinned while its `tc_ingress` runs anywhere, the pinned maps dump
 //! with field names, `status
 //! --flows` shows the flows in conntrack, IPv6's as `[addr]:port`, and the flow marks
 //! a load opens are refreshed as soon as the programs attach.
@@ -461,13 +462,46 @@ fn both_families_world() -> Sandbox {
     sb
 }
 
-/// The pinned `TC_NEXT` arrays under `pins` (`PinLayout::tc_next`).
-fn tc_next_pins(pins: &PinLayout) -> Vec<std::path::PathBuf> {
+/// The pinned program arrays `map` (`TC_NEXT`, `TC_DSR`) under `pins`
+/// (`PinLayout::tail_call`).
+fn tail_call_pins(pins: &PinLayout, map: &str) -> Vec<std::path::PathBuf> {
+    let prefix = format!("{map}-");
     let mut found: Vec<_> = std::fs::read_dir(pins.tail_calls_dir())
-        .map(|entries| entries.flatten().map(|e| e.path()).collect())
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(&prefix))
+                })
+                .collect()
+        })
         .unwrap_or_default();
     found.sort();
     found
+}
+
+/// Every pinned program array under `pins`, `TC_NEXT`'s then `TC_DSR`'s.
+fn tail_calls_pinned(pins: &PinLayout) -> Vec<std::path::PathBuf> {
+    let mut all = tail_call_pins(pins, "TC_NEXT");
+    all.extend(tail_call_pins(pins, "TC_DSR"));
+    all
+}
+
+/// Waits until the pinned program arrays under `pins` are one `TC_NEXT` and one
+/// `TC_DSR`, none of them among `earlier`'s.
+fn one_agents_arrays_pinned(pins: &PinLayout, earlier: &[std::path::PathBuf], what: &str) {
+    ebpf_proxy_tests::eventually(what, Duration::from_secs(25), || {
+        let now = tail_calls_pinned(pins);
+        match now.as_slice() {
+            [next, dsr] if !earlier.contains(next) && !earlier.contains(dsr) => Ok(()),
+            _ => Err(format!(
+                "pinned program arrays {now:?}; the earlier agent's were {earlier:?}"
+            )),
+        }
+    });
 }
 
 /// The id of the program in slot 0 of the program array pinned at `array`.
@@ -494,18 +528,24 @@ fn program_in_slot0(array: &std::path::Path) -> u32 {
 /// One tc program per interface: `tc_ingress`, which hands IPv6 to `tc_ingress6`
 /// through `TC_NEXT`. The array is pinned, so both families are still served while
 /// no agent runs; a restarted agent takes the links over and then unpins the older
-/// array, which its programs no longer read. An earlier release linked `tc_ingress6`
+/// arrays, whose `tc_ingress` is then linked nowhere. An earlier release linked `tc_ingress6`
 /// after `tc_ingress` (pinned `tc-ingress6-<interface>`), where it would now run on
 /// every packet `tc_ingress` hands on down the chain, IPv6 ones a second time: the
-/// agent detaches such a link and says so.
+/// agent detaches such a link and says so, and unpins that release's `TC_NEXT-<id>`.
 #[test]
 fn one_tc_program_per_interface_serves_both_families_across_restarts() {
     let mut sb = both_families_world();
     assert_eq!(sb.client().ip6, pod_ip6(CLIENT.1));
     both_families_serve(&sb, "the first agent");
     let pins = PinLayout::new(sb.agent().bpf_root());
-    let first = tc_next_pins(&pins);
+    let first = tail_call_pins(&pins, "TC_NEXT");
     assert_eq!(first.len(), 1, "one pinned TC_NEXT expected: {first:?}");
+    let first_arrays = tail_calls_pinned(&pins);
+    assert_eq!(
+        first_arrays.len(),
+        2,
+        "one pinned TC_NEXT and one TC_DSR expected: {first_arrays:?}"
+    );
 
     let status = sb.agent_mut().terminate().expect("stop the agent");
     assert!(status.success(), "the agent exited with {status}");
@@ -535,6 +575,13 @@ fn one_tc_program_per_interface_serves_both_families_across_restarts() {
         .expect("entering the node's namespace")
         .expect("linking tc_ingress6 after tc_ingress, as an earlier release did");
     std::fs::remove_file(&program_pin).expect("unpinning tc_ingress6");
+    // And the name that release gave its pinned `TC_NEXT` (the array's id, not
+    // its reader's): gone once the restarted agent's programs are attached.
+    let older_array = pins.tail_calls_dir().join("TC_NEXT-1");
+    bpftool(
+        &["map", "pin", "pinned", &first[0].display().to_string()],
+        &older_array,
+    );
     assert_eq!(
         tcx_chain(&sb, &client_if),
         ["tc_ingress", "tc_ingress6"],
@@ -555,18 +602,77 @@ fn one_tc_program_per_interface_serves_both_families_across_restarts() {
         older_pin.display()
     );
     both_families_serve(&sb, "after a restart that took over the links");
-    ebpf_proxy_tests::eventually(
-        "the restarted agent's TC_NEXT pinned alone",
-        Duration::from_secs(10),
-        || {
-            let now = tc_next_pins(&pins);
-            match now.as_slice() {
-                [own] if *own != first[0] => Ok(()),
-                _ => Err(format!(
-                    "pinned TC_NEXT arrays {now:?}; the first agent's was {first:?}"
-                )),
-            }
-        },
+    one_agents_arrays_pinned(
+        &pins,
+        &first_arrays,
+        "the restarted agent's TC_NEXT and TC_DSR pinned alone",
+    );
+}
+
+/// An earlier agent's `tc_ingress` still linked where the next agent has not taken
+/// the link over (here an interface it is told to leave alone, `--interfaces`; as
+/// where a takeover failed and waits for its retry) goes on handing IPv6 to its own
+/// `tc_ingress6`: the earlier agent's `TC_NEXT` and `TC_DSR` stay pinned while it is
+/// linked anywhere. Once that interface is gone, the running agent unpins them at
+/// its next reap, with the capabilities it keeps once serving.
+#[test]
+fn an_earlier_agents_arrays_stay_pinned_while_its_tc_ingress_runs() {
+    let mut sb = both_families_world();
+    let pins = PinLayout::new(sb.agent().bpf_root());
+    let first = tail_calls_pinned(&pins);
+    assert_eq!(
+        first.len(),
+        2,
+        "one pinned TC_NEXT and one TC_DSR expected: {first:?}"
+    );
+    let status = sb.agent_mut().terminate().expect("stop the agent");
+    assert!(status.success(), "the agent exited with {status}");
+
+    let client_if = sb.client().host_if.clone();
+    let others: Vec<String> = sb
+        .topology()
+        .pods()
+        .iter()
+        .map(|p| p.host_if.clone())
+        .filter(|name| *name != client_if)
+        .collect();
+    let partial = sb
+        .agent_on_the_same_root(&["--interfaces", &others.join(",")])
+        .expect("restart on the same root, the client's interface left alone");
+    let log = partial.log();
+    assert!(
+        log.matches("took over pinned tc link").count() >= others.len(),
+        "the restarted agent did not take over {others:?}:\n{log}"
+    );
+    // Longer than a reap (10 s), which asks again, as every interface pass does.
+    thread::sleep(Duration::from_secs(12));
+    let now = tail_calls_pinned(&pins);
+    assert!(
+        first.iter().all(|p| now.contains(p)),
+        "the first agent's arrays {first:?} were unpinned while its tc_ingress still runs \
+         on {client_if}: pinned now {now:?}\n{}",
+        partial.log()
+    );
+    both_families_serve(
+        &sb,
+        "the client's interface left to the first agent's tc_ingress",
+    );
+
+    sb.topology()
+        .node
+        .ip(&["link", "del", &client_if])
+        .unwrap_or_else(|e| panic!("deleting {client_if}: {e:#}"));
+    one_agents_arrays_pinned(
+        &pins,
+        &first,
+        "the first agent's arrays unpinned once its tc_ingress is linked nowhere",
+    );
+    assert!(
+        partial
+            .log()
+            .contains("unpinned earlier agents' program arrays"),
+        "the restarted agent did not say it unpinned the first agent's arrays:\n{}",
+        partial.log()
     );
 }
 

@@ -257,3 +257,52 @@ fn take_over_xdp(program: &mut Xdp, pin: &Path) -> Option<aya::programs::xdp::Xd
         }
     }
 }
+
+/// The ids of the programs in `ifindex`'s tcx ingress chain, in order
+/// (`BPF_PROG_QUERY`, which needs `CAP_NET_ADMIN` alone). aya's
+/// `query_tcx` also opens each program by id, which needs `CAP_SYS_ADMIN`:
+/// the DaemonSet does not grant it, and the running agent has no use for
+/// more than the ids.
+pub fn tcx_ingress_ids(ifindex: u32) -> io::Result<Vec<u32>> {
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    const BPF_TCX_INGRESS: u32 = 46;
+    /// The `query` member of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct QueryAttr {
+        target_ifindex: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        count: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    let mut ids = vec![0u32; 64];
+    loop {
+        let mut attr = QueryAttr {
+            target_ifindex: ifindex,
+            attach_type: BPF_TCX_INGRESS,
+            prog_ids: ids.as_mut_ptr() as u64,
+            count: ids.len() as u32,
+            ..Default::default()
+        };
+        // SAFETY: `prog_ids` has room for `count` ids, which is all the
+        // kernel writes there; the other pointers are null.
+        match unsafe { super::sys::bpf(BPF_PROG_QUERY, &mut attr) } {
+            Ok(_) => {
+                ids.truncate(attr.count as usize);
+                return Ok(ids);
+            }
+            // More programs than room: the kernel said how many.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                ids = vec![0u32; (attr.count as usize).max(ids.len() * 2)];
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

@@ -47,6 +47,7 @@ use aya::{
 };
 use proxy_common::{DEFAULT_SERVICE_COUNTERS, MAX_CONNTRACK, MAX_CT_NEW, map_names, program_names};
 
+pub use self::tail_calls::TailCallError;
 use self::tail_calls::TailCalls;
 pub use self::{maps::Maps, pins::PinLayout, program_load::ProgramLoad};
 
@@ -195,6 +196,9 @@ pub struct Datapath {
     pins: PinLayout,
     pub maps: Maps,
     attached: std::collections::BTreeMap<String, attach::Attachment>,
+    /// Interfaces tc could not be attached to: name -> ifindex, tried
+    /// again by `retry_attaches`.
+    tc_pending: std::collections::BTreeMap<String, u32>,
     /// Interfaces with XDP: name -> (ifindex, mode).
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
     /// Interfaces XDP is not tried on again: name -> ifindex (`decline_xdp`).
@@ -352,6 +356,7 @@ impl Datapath {
             pins,
             maps,
             attached: std::collections::BTreeMap::default(),
+            tc_pending: std::collections::BTreeMap::default(),
             xdp_attached: std::collections::BTreeMap::default(),
             xdp_declined: std::collections::BTreeMap::default(),
             ip_summed: read,
@@ -474,7 +479,11 @@ impl Datapath {
             ifindex,
             &path,
             LinkOrder::default(),
-        )?;
+        )
+        .inspect_err(|_| {
+            self.tc_pending.insert(ifname.to_string(), ifindex);
+        })?;
+        self.tc_pending.remove(ifname);
         // An earlier release linked tc_ingress6 after it, where it would now
         // run on every packet tc_ingress hands on, IPv6 ones a second time.
         attach::detach_older_link(&self.pins.tc_ingress6_link(ifname));
@@ -482,17 +491,42 @@ impl Datapath {
         Ok(())
     }
 
-    /// Unpins the `TC_NEXT` arrays of earlier agents (see `tail_calls`):
-    /// asked once this agent's programs have taken the links over, which no
-    /// longer read them. How many went.
-    pub fn retire_older_tc_next(&self) -> usize {
-        self.tail_calls.retire_older_tc_next(&self.pins)
+    /// Unpins the program arrays of earlier agents whose `tc_ingress` is
+    /// linked nowhere any more (see `tail_calls`); `attached`, whether this
+    /// agent's programs are. How many went.
+    pub fn retire_unread_tail_calls(&self, attached: bool) -> Result<usize, TailCallError> {
+        self.tail_calls.retire_unread(&self.pins, attached)
+    }
+
+    /// Names of the interfaces tc could not be attached to, waiting for
+    /// `retry_attaches`.
+    pub fn tc_pending(&self) -> impl Iterator<Item = &str> {
+        self.tc_pending.keys().map(String::as_str)
+    }
+
+    /// Attaches tc again to each interface an attach failed on (`attach`),
+    /// which only an interface pass would try again otherwise: the pass
+    /// comes when the interfaces change. Each one's outcome.
+    pub fn retry_attaches(&mut self) -> Vec<(String, Result<(), AttachError>)> {
+        let pending: Vec<(String, u32)> = self
+            .tc_pending
+            .iter()
+            .map(|(name, index)| (name.clone(), *index))
+            .collect();
+        pending
+            .into_iter()
+            .map(|(name, index)| {
+                let outcome = self.attach(&name, index);
+                (name, outcome)
+            })
+            .collect()
     }
 
     /// Forgets an interface that is gone; its links died with it, and their
     /// pins are removed.
     pub fn forget(&mut self, ifname: &str) {
         self.attached.remove(ifname);
+        self.tc_pending.remove(ifname);
         let _ = std::fs::remove_file(self.pins.tc_ingress_link(ifname));
         let _ = std::fs::remove_file(self.pins.tc_ingress6_link(ifname));
         self.xdp_declined.remove(ifname);

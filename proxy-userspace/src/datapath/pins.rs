@@ -3,9 +3,11 @@
 //! ```text
 //! <root>/v<LAYOUT_VERSION>/maps/<MAP>            pinned maps
 //! <root>/v<LAYOUT_VERSION>/links/tc-ingress-<if> pinned tc links
-//! <root>/v<LAYOUT_VERSION>/tail_calls/TC_NEXT-<id> `tc_ingress`'s IPv6 hand-on
-//!                                                array, one per agent until
-//!                                                the next takes over
+//! <root>/v<LAYOUT_VERSION>/tail_calls/<MAP>-of-tc_ingress-<id>
+//!                                                the program arrays (`TC_NEXT`,
+//!                                                `TC_DSR`) the `tc_ingress` of
+//!                                                that program id reads, kept
+//!                                                while it is linked
 //! <root>/v<LAYOUT_VERSION>/links/cgroup-<hook>  the socket hooks' links
 //! <root>/v<LAYOUT_VERSION>/iters/SOCK_NOTES      reading it lists the socket
 //!                                                hooks' notes (`sock_notes`)
@@ -17,6 +19,10 @@
 use std::path::{Path, PathBuf};
 
 use proxy_common::LAYOUT_VERSION;
+
+/// Between a program array's name and the id of the `tc_ingress` that
+/// reads it, in its pin's name (`PinLayout::tail_call`).
+const TAIL_CALL_READER: &str = "-of-tc_ingress-";
 
 /// Default `--bpf-root`.
 pub const DEFAULT_BPF_ROOT: &str = "/sys/fs/bpf/ebpf-proxy";
@@ -96,10 +102,18 @@ impl PinLayout {
         self.versioned().join("tail_calls")
     }
 
-    /// The pin of the `TC_NEXT` array of id `id`.
-    pub fn tc_next(&self, id: u32) -> PathBuf {
+    /// The pin of the program array `map` (`TC_NEXT`, `TC_DSR`) that the
+    /// `tc_ingress` of id `tc_ingress` reads.
+    pub fn tail_call(&self, map: &str, tc_ingress: u32) -> PathBuf {
         self.tail_calls_dir()
-            .join(format!("{}-{id}", proxy_common::map_names::TC_NEXT))
+            .join(format!("{map}{TAIL_CALL_READER}{tc_ingress}"))
+    }
+
+    /// The id of the `tc_ingress` that reads the program array pinned as
+    /// `name` in `tail_calls_dir` (`tail_call`); None for a name of another
+    /// form, such as an earlier release's `TC_NEXT-<array id>`.
+    pub fn tail_call_reader(name: &str) -> Option<u32> {
+        name.split_once(TAIL_CALL_READER)?.1.parse().ok()
     }
 
     pub fn iters_dir(&self) -> PathBuf {
@@ -146,4 +160,24 @@ impl PinLayout {
 pub fn is_bpffs(path: &Path) -> bool {
     const BPF_FS_MAGIC: i64 = 0xcafe4a11;
     nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == BPF_FS_MAGIC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tail_call_pin_names_the_tc_ingress_that_reads_it() {
+        let pins = PinLayout::new("/sys/fs/bpf/x");
+        let pin = pins.tail_call("TC_DSR", 4242);
+        let name = pin
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("a file name");
+        assert_eq!(name, "TC_DSR-of-tc_ingress-4242");
+        assert_eq!(pin.parent(), Some(pins.tail_calls_dir().as_path()));
+        assert_eq!(PinLayout::tail_call_reader(name), Some(4242));
+        // An earlier release named the array itself: no reader to ask about.
+        assert_eq!(PinLayout::tail_call_reader("TC_NEXT-117961"), None);
+    }
 }

@@ -19,15 +19,22 @@
 //!   "Where programs attach").
 //!
 //! The kernel empties a program array when the last reference to it other
-//! than a program's goes (a descriptor or a pin). `XDP_NEXT` and `TC_DSR`
-//! are held by the agent alone: once it exits, each behaves as empty until
-//! the next agent's programs take over. `TC_NEXT` is also pinned, under a
-//! name of its own (`PinLayout::tc_next`, by the array's id), so that the
-//! `tc_ingress` it serves goes on translating IPv6 while no agent runs;
-//! the next agent pins its own beside it and unpins the older ones once
-//! its programs have taken the links over (`retire_older_tc_next`).
+//! than a program's goes (a descriptor or a pin). `XDP_NEXT` is held by
+//! the agent alone: once it exits, IPv6 passes XDP to tc until the next
+//! agent's programs take over. `TC_NEXT` and `TC_DSR` are also pinned,
+//! each under a name of its own (`PinLayout::tail_call`: the array's name
+//! and the program id of the `tc_ingress` that reads it), so that that
+//! `tc_ingress` goes on translating IPv6 and learning direct server return
+//! flows while no agent runs. The next agent pins its own beside them, and
+//! unpins an older one once the `tc_ingress` its name gives is in no
+//! interface's tcx chain (`retire_unread`): not before this agent's
+//! programs have taken over every link that ran it, however long a takeover
+//! takes to land, nor while it runs on an interface the agent was told to
+//! leave alone.
 
 use std::path::{Path, PathBuf};
+
+use std::collections::HashSet;
 
 use aya::{
     Ebpf,
@@ -62,6 +69,15 @@ pub enum TailCallError {
         path: String,
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    #[error("the id of the loaded tc_ingress: {0}")]
+    Reader(#[source] ProgramError),
+    #[error("listing the node's interfaces: {0}")]
+    Interfaces(#[source] nix::Error),
+    #[error("reading the tcx ingress chain of {ifname}: {source}")]
+    Linked {
+        ifname: String,
+        source: std::io::Error,
+    },
 }
 
 /// The arrays, held for as long as the programs run, since dropping one
@@ -71,13 +87,13 @@ pub struct TailCalls {
     xdp_next: Option<ProgramArray<MapData>>,
     tc_dsr: Option<ProgramArray<MapData>>,
     tc_next: Option<ProgramArray<MapData>>,
-    /// Where `tc_next` is pinned, when it could be.
-    tc_next_pin: Option<PathBuf>,
+    /// Where `tc_next` and `tc_dsr` are pinned, those that could be.
+    own_pins: Vec<PathBuf>,
 }
 
 impl TailCalls {
     /// Fills the three arrays, noting each program's load in `loads`, and
-    /// pins `TC_NEXT` under `pins`.
+    /// pins `TC_NEXT` and `TC_DSR` under `pins`.
     pub fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>, pins: &PinLayout) -> TailCalls {
         let xdp_next = fill::<Xdp>(
             ebpf,
@@ -85,7 +101,6 @@ impl TailCalls {
             &[(program_names::XDP_INGRESS6, XDP_NEXT_IPV6)],
             loads,
         )
-        .map(|(array, _)| array)
         .inspect_err(|e| {
             tracing::warn!(
                 error = %e,
@@ -101,7 +116,6 @@ impl TailCalls {
             ],
             loads,
         )
-        .map(|(array, _)| array)
         .inspect_err(|e| {
             tracing::error!(
                 error = %e,
@@ -120,35 +134,88 @@ impl TailCalls {
                 "tc_ingress cannot hand IPv6 to tc_ingress6: IPv6 Services are not served at tc"
             );
         });
-        let tc_next_pin = tc_next.as_ref().ok().and_then(|(_, id)| {
-            let path = pins.tc_next(*id);
-            pin_by_id(*id, &path)
-                .inspect_err(|e| {
-                    tracing::warn!(
-                        error = %e,
-                        "IPv6 at tc is not translated from this agent's exit until the next agent's programs take over"
-                    );
-                })
-                .ok()
-                .map(|()| path)
-        });
+        let reader = ebpf
+            .program(program_names::TC_INGRESS)
+            .ok_or(TailCallError::NoProgram(program_names::TC_INGRESS))
+            .and_then(|p| p.info().map_err(TailCallError::Reader))
+            .map(|info| info.id());
+        let own_pins = [
+            (
+                &tc_next,
+                map_names::TC_NEXT,
+                "IPv6 at tc is not translated from this agent's exit until the next agent's programs take over",
+            ),
+            (
+                &tc_dsr,
+                map_names::TC_DSR,
+                "flows other nodes send here by direct server return are not served from this agent's exit until the next agent's programs take over",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(filled, map, unpinned)| {
+            let (_, id) = filled.as_ref().ok()?;
+            let pinned = reader.as_ref().map_err(|e| TailCallError::Pin {
+                name: map,
+                path: pins.tail_calls_dir().display().to_string(),
+                source: e.to_string().into(),
+            });
+            let path = pinned.and_then(|reader| {
+                let path = pins.tail_call(map, *reader);
+                pin_by_id(map, *id, &path).map(|()| path)
+            });
+            path.inspect_err(|e| tracing::warn!(error = %e, "{unpinned}")).ok()
+        })
+        .collect();
         TailCalls {
-            xdp_next: xdp_next.ok(),
-            tc_dsr: tc_dsr.ok(),
+            xdp_next: xdp_next.ok().map(|(array, _)| array),
+            tc_dsr: tc_dsr.ok().map(|(array, _)| array),
             tc_next: tc_next.ok().map(|(array, _)| array),
-            tc_next_pin,
+            own_pins,
         }
     }
 
-    /// Unpins every `TC_NEXT` under `pins` but this agent's: the arrays of
-    /// earlier agents, which served their `tc_ingress` on links this
-    /// agent's programs have now taken over. Returns how many went; one
-    /// that cannot be removed is said and tried again next time.
-    pub fn retire_older_tc_next(&self, pins: &PinLayout) -> usize {
-        let Some(own) = &self.tc_next_pin else {
-            return 0;
+    /// Unpins every program array under `pins` but this agent's whose
+    /// `tc_ingress` (named in its pin, `PinLayout::tail_call`) is linked
+    /// into no tcx ingress chain of this namespace: the arrays of earlier
+    /// agents whose programs no longer run anywhere. An earlier release's
+    /// pin, which names the array and not its reader, goes once `attached`
+    /// (this agent's programs are), as that release had it. Returns how
+    /// many went. An error reading the chains keeps every pin (asked again
+    /// later); a pin that cannot be removed is said and kept.
+    pub fn retire_unread(&self, pins: &PinLayout, attached: bool) -> Result<usize, TailCallError> {
+        let older: Vec<PathBuf> = match std::fs::read_dir(pins.tail_calls_dir()) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|path| !self.own_pins.contains(path))
+                .collect(),
+            Err(_) => return Ok(0),
         };
-        retire_other_pins(&pins.tail_calls_dir(), own)
+        if older.is_empty() {
+            return Ok(0);
+        }
+        let linked = linked_tc_programs()?;
+        let mut retired = 0;
+        for path in older {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            let unread = match PinLayout::tail_call_reader(name) {
+                Some(reader) => !linked.contains(&reader),
+                None => attached,
+            };
+            if !unread {
+                continue;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => retired += 1,
+                Err(e) => {
+                    tracing::warn!(pin = %path.display(), error = %e, "unpinning an earlier agent's program array");
+                }
+            }
+        }
+        Ok(retired)
     }
 
     /// Whether `xdp_ingress6` is in its slot.
@@ -202,10 +269,11 @@ where
     Ok((array, id))
 }
 
-/// Pins the map of id `id` at `path`, through a descriptor of its own.
-fn pin_by_id(id: u32, path: &Path) -> Result<(), TailCallError> {
+/// Pins the map `name` of id `id` at `path`, through a descriptor of its
+/// own.
+fn pin_by_id(name: &'static str, id: u32, path: &Path) -> Result<(), TailCallError> {
     let failed = |source: Box<dyn std::error::Error + Send + Sync>| TailCallError::Pin {
-        name: map_names::TC_NEXT,
+        name,
         path: path.display().to_string(),
         source,
     };
@@ -214,22 +282,23 @@ fn pin_by_id(id: u32, path: &Path) -> Result<(), TailCallError> {
     data.pin(path).map_err(|e| failed(e.into()))
 }
 
-/// Removes every pin in `dir` but `own`; how many went.
-fn retire_other_pins(dir: &Path, own: &Path) -> usize {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    let mut retired = 0;
-    for path in entries.flatten().map(|e| e.path()) {
-        if path == own {
-            continue;
-        }
-        match std::fs::remove_file(&path) {
-            Ok(()) => retired += 1,
-            Err(e) => {
-                tracing::warn!(pin = %path.display(), error = %e, "unpinning an earlier agent's TC_NEXT");
+/// The ids of the programs linked into the tcx ingress chain of any
+/// interface of this network namespace. An interface gone between the
+/// listing and its query has none.
+fn linked_tc_programs() -> Result<HashSet<u32>, TailCallError> {
+    let mut linked = HashSet::new();
+    let ifaces = nix::net::if_::if_nameindex().map_err(TailCallError::Interfaces)?;
+    for iface in &ifaces {
+        match super::attach::tcx_ingress_ids(iface.index()) {
+            Ok(ids) => linked.extend(ids),
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+            Err(source) => {
+                return Err(TailCallError::Linked {
+                    ifname: iface.name().to_string_lossy().into_owned(),
+                    source,
+                });
             }
         }
     }
-    retired
+    Ok(linked)
 }

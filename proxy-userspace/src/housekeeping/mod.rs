@@ -14,8 +14,8 @@
 //!   rebuild from what the maps hold (`rebuild_prefilter`), and backends'
 //!   source bits once no earlier agent's programs read them
 //!   (`retire_source_bits`);
-//! - earlier agents' pinned `TC_NEXT` arrays, once their `tc_ingress` runs
-//!   nowhere (`retire_older_tc_next`);
+//! - earlier agents' pinned `TC_NEXT` and `TC_DSR` arrays, once their
+//!   `tc_ingress` runs nowhere (`retire_unread_tail_calls`);
 //! - `upgrade`: the datapaths of other layout versions retired, their flows
 //!   kept.
 
@@ -85,7 +85,8 @@ pub fn clean_departed(
 
 /// Removes conntrack entries idle past their timeout, then counts each
 /// client's assured flows again (`ct_sources`), then rebuilds the
-/// prefilter where it is due.
+/// prefilter where it is due, and lets go of what earlier agents' programs
+/// no longer read.
 pub fn reap_conntrack(datapath: &mut Datapath) {
     let now = conntrack::monotonic_ns();
     match conntrack::reap_expired(&mut datapath.maps, now) {
@@ -101,6 +102,7 @@ pub fn reap_conntrack(datapath: &mut Datapath) {
     rebuild_prefilter(datapath);
     refresh_flow_marks(datapath);
     retire_source_bits(datapath);
+    retire_unread_tail_calls(datapath);
 }
 
 /// Whether this agent's programs are attached anywhere: from then on no
@@ -131,28 +133,27 @@ pub fn retire_source_bits(datapath: &mut Datapath) {
 
 /// What an interface pass lets go, once it has attached this agent's
 /// programs: the flow marks owed since the load settled, the backends'
-/// source bits cleared and the earlier agents' `TC_NEXT` arrays unpinned,
+/// source bits cleared and the earlier agents' program arrays unpinned,
 /// none of which this agent's programs need and an earlier agent's may.
 pub fn after_interface_pass(datapath: &mut Datapath) {
     settle_owed_flow_marks(datapath);
     retire_source_bits(datapath);
-    retire_older_tc_next(datapath);
+    retire_unread_tail_calls(datapath);
 }
 
-/// The `TC_NEXT` arrays of earlier agents unpinned once this agent's
-/// programs are attached (`Datapath::retire_older_tc_next`): until then an
-/// earlier agent's `tc_ingress` still hands IPv6 to its own. Asked after
-/// each interface pass; a pin that cannot go is said and tried again.
-pub fn retire_older_tc_next(datapath: &Datapath) {
-    if !programs_attached(datapath) {
-        return;
-    }
-    let retired = datapath.retire_older_tc_next();
-    if retired > 0 {
-        info!(
+/// The `TC_NEXT` and `TC_DSR` arrays of earlier agents unpinned once their
+/// `tc_ingress` is linked nowhere (`Datapath::retire_unread_tail_calls`):
+/// until then it still runs somewhere, and hands IPv6 and direct server
+/// return arrivals to them. Asked after
+/// each interface pass and at each reap; what cannot go yet is asked again.
+pub fn retire_unread_tail_calls(datapath: &Datapath) {
+    match datapath.retire_unread_tail_calls(programs_attached(datapath)) {
+        Ok(0) => {}
+        Ok(retired) => info!(
             retired,
-            "unpinned earlier agents' TC_NEXT, whose tc_ingress no longer runs"
-        );
+            "unpinned earlier agents' program arrays, which no linked tc program reads"
+        ),
+        Err(e) => warn!(error = %e, "earlier agents' program arrays kept"),
     }
 }
 

@@ -26,7 +26,10 @@ use std::{
     time::Instant,
 };
 
-use ebpf_proxy_tests::netns::{NetNs, unique_stem};
+use ebpf_proxy_tests::{
+    netns::{NetNs, unique_stem},
+    raw_bpf::{BPF_F_AFTER, BPF_TCX_INGRESS, link_create},
+};
 use proxy_userspace::datapath::Datapath;
 
 /// The batch of one `sendmmsg`.
@@ -135,44 +138,6 @@ pub struct Wire {
     frames: usize,
     services: u32,
     delivered: f64,
-}
-
-/// `BPF_LINK_CREATE`: `prog` on `ifindex` (of the calling thread's namespace) as
-/// `attach_type` with `flags`; the link lasts as long as the descriptor.
-fn link_create(prog: BorrowedFd<'_>, ifindex: u32, attach_type: u32, flags: u32) -> OwnedFd {
-    const BPF_LINK_CREATE: libc::c_long = 28;
-    #[repr(C)]
-    struct LinkCreate {
-        prog_fd: u32,
-        target_ifindex: u32,
-        attach_type: u32,
-        flags: u32,
-        rest: [u64; 6],
-    }
-    let attr = LinkCreate {
-        prog_fd: prog.as_raw_fd() as u32,
-        target_ifindex: ifindex,
-        attach_type,
-        flags,
-        rest: [0; 6],
-    };
-    // SAFETY: `attr` is a valid `link_create` member of `union bpf_attr`, of the
-    // size passed; the kernel reads it and returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &raw const attr,
-            size_of::<LinkCreate>(),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "BPF_LINK_CREATE (type {attach_type}, flags {flags}): {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: a descriptor the kernel just made for us alone.
-    unsafe { OwnedFd::from_raw_fd(fd as i32) }
 }
 
 /// `ifname`'s received packets, as `ip -s link` counts them.
@@ -302,11 +267,8 @@ fn median(v: &mut [f64]) -> f64 {
 /// sending into each pair.
 fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<OwnedFd>) {
     const BPF_XDP: u32 = 37;
-    const BPF_TCX_INGRESS: u32 = 46;
     const XDP_FLAGS_SKB_MODE: u32 = 1 << 1;
     const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
-    /// Appended at the end of the interface's tcx chain.
-    const BPF_F_AFTER: u32 = 1 << 4;
     let (tc_floor, xdp_floor) = datapath.floors().expect("floor programs loaded");
     let tc = |run: Run| {
         if run == Run::Empty {
@@ -351,7 +313,10 @@ fn pairs(datapath: &Datapath, tx: &NetNs, rx: &NetNs) -> (Vec<OwnedFd>, Vec<Owne
         for (prog, kind, flags) in how {
             links.push(
                 rx.run(|| link_create(prog, index, kind, flags))
-                    .expect("entering the receiver's namespace"),
+                    .expect("entering the receiver's namespace")
+                    .unwrap_or_else(|e| {
+                        panic!("BPF_LINK_CREATE (type {kind}, flags {flags}): {e}")
+                    }),
             );
         }
         sockets.push(sender(tx, &s));

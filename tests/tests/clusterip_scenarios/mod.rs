@@ -12,9 +12,12 @@ use std::{
     collections::BTreeSet,
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddr, UdpSocket},
+    os::fd::{AsFd, OwnedFd},
     thread,
     time::{Duration, Instant},
 };
+
+use aya::programs::{SchedClassifier, TcAttachType};
 
 use ebpf_proxy_tests::{
     Protocol,
@@ -29,6 +32,7 @@ use ebpf_proxy_tests::{
     iptables,
     manifest::Service,
     netns::NetNs,
+    raw_bpf::{BPF_F_AFTER, BPF_TCX_INGRESS, link_create, load_tc_next},
     require_root,
     sandbox::Sandbox,
     stats::{ChiSquare, chi_square_uniform},
@@ -1360,4 +1364,102 @@ pub fn other_tc_filters_see_every_packet<F: Family>() {
          counters: {}",
         counters_text(&sb)
     );
+}
+
+/// The programs in the tcx ingress chain of the node's interface `ifname`, by
+/// name.
+fn tcx_chain(node: &NetNs, ifname: &str) -> Vec<String> {
+    node.run(|| SchedClassifier::query_tcx(ifname, TcAttachType::Ingress))
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("querying the tcx chain of {ifname}: {e}"))
+        .1
+        .iter()
+        .map(|p| p.name_as_str().unwrap_or("?").to_owned())
+        .collect()
+}
+
+/// The most programs a tcx chain holds (the kernel's `bpf_mprog_max()`,
+/// `BPF_MPROG_MAX` less the slot that ends the array).
+const TCX_CHAIN_MAX: usize = 63;
+
+/// An interface the agent cannot attach tc to (here the client's, its tcx chain
+/// already full of another tc user's programs) is said at the interface pass and
+/// tried again at each reap (10 s), not left alone until the interfaces change:
+/// once one of those programs goes, the agent's lands on the next retry, and the
+/// client reaches the ClusterIP, which it could not before.
+pub fn a_failed_attach_is_retried_until_it_lands<F: Family>() {
+    require_root().expect("privileged test");
+    let mut sb =
+        Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("the one-node world");
+    sb.manifests()
+        .write(
+            "web.yaml",
+            &F::yaml(&web("web", F::cluster_ip()), &F::backend_ips()),
+        )
+        .expect("write manifest");
+    let client_if = sb.client().host_if.clone();
+    let mut others: Vec<(OwnedFd, OwnedFd)> = sb
+        .topology()
+        .node
+        .run(|| -> std::io::Result<Vec<(OwnedFd, OwnedFd)>> {
+            let index = nix::net::if_::if_nametoindex(client_if.as_str())?;
+            (0..TCX_CHAIN_MAX)
+                .map(|i| {
+                    let prog = load_tc_next(&format!("other_tc_{i}"))?;
+                    let link = link_create(prog.as_fd(), index, BPF_TCX_INGRESS, BPF_F_AFTER)?;
+                    Ok((prog, link))
+                })
+                .collect()
+        })
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("filling the tcx chain of {client_if}: {e}"));
+    sb.start_agent_with(&[]).expect("start the agent");
+    let node = &sb.topology().node;
+    let log = sb.agent().log();
+    assert!(
+        log.contains("interface left without the datapath") && log.contains(&client_if),
+        "the agent did not say it could not attach to {client_if}, whose tcx chain is \
+         full:\n{log}"
+    );
+    assert!(
+        !tcx_chain(node, &client_if).contains(&"tc_ingress".to_owned()),
+        "tc_ingress in the full tcx chain of {client_if}"
+    );
+    let ns = &sb.client().ns;
+    let before = tcp_request(ns, F::http(F::cluster_ip()), TIMEOUT);
+    assert!(
+        !matches!(before, Outcome::Reply(_)),
+        "the {} ClusterIP answered the client before the agent's tc program was on its \
+         interface: {before}",
+        F::NAME
+    );
+
+    others.pop();
+    ebpf_proxy_tests::eventually(
+        "the agent's tc program attached on a retry",
+        Duration::from_secs(30),
+        || {
+            let chain = tcx_chain(node, &client_if);
+            if chain.last().map(String::as_str) == Some("tc_ingress") {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the tcx chain of {client_if} ends {:?}",
+                    chain.last()
+                ))
+            }
+        },
+    );
+    assert!(
+        sb.agent().log().contains("attached on a retry"),
+        "the agent did not say it attached on a retry:\n{}",
+        sb.agent().log()
+    );
+    let tally = tcp_tally(ns, F::http(F::cluster_ip()), 10, TIMEOUT).expect("TCP tally");
+    assert_all_replied_from(
+        F::pod(CLIENT.1),
+        &format!("the {} ClusterIP after the retry", F::NAME),
+        &tally,
+    );
+    drop(others);
 }

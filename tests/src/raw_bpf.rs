@@ -1,0 +1,108 @@
+//! bpf(2) commands aya does not offer the tests: links made straight from a
+//! program descriptor (`BPF_LINK_CREATE`), and programs loaded from a handful
+//! of instructions, where a test needs programs of its own in an interface's
+//! hooks and the datapath's object would be far too heavy to load that often.
+
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+/// `BPF_TCX_INGRESS`, the attach type of a tcx ingress link.
+pub const BPF_TCX_INGRESS: u32 = 46;
+
+/// A tcx link's flag: at the end of the interface's chain.
+pub const BPF_F_AFTER: u32 = 1 << 4;
+
+/// `BPF_LINK_CREATE`: `prog` on `ifindex` (of the calling thread's namespace) as
+/// `attach_type` with `flags`; the link lasts as long as the descriptor.
+pub fn link_create(
+    prog: BorrowedFd<'_>,
+    ifindex: u32,
+    attach_type: u32,
+    flags: u32,
+) -> std::io::Result<OwnedFd> {
+    const BPF_LINK_CREATE: libc::c_long = 28;
+    #[repr(C)]
+    struct LinkCreate {
+        prog_fd: u32,
+        target_ifindex: u32,
+        attach_type: u32,
+        flags: u32,
+        rest: [u64; 6],
+    }
+    let attr = LinkCreate {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_ifindex: ifindex,
+        attach_type,
+        flags,
+        rest: [0; 6],
+    };
+    // SAFETY: `attr` is a valid `link_create` member of `union bpf_attr`, of the
+    // size passed; the kernel reads it and returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &raw const attr,
+            size_of::<LinkCreate>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just made for us alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Loads a tc program (`BPF_PROG_TYPE_SCHED_CLS`) named `name` that hands every
+/// packet on down the chain (`TCX_NEXT`, -1) and does nothing else: a
+/// stand-in for another tc user's program.
+pub fn load_tc_next(name: &str) -> std::io::Result<OwnedFd> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+    // r0 = -1 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT).
+    let insns: [u64; 2] = [0xffff_ffff_0000_00b7, 0x0000_0000_0000_0095];
+    let license = c"GPL";
+    #[repr(C)]
+    struct ProgLoad {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        prog_name: [u8; 16],
+    }
+    let mut prog_name = [0u8; 16];
+    for (slot, byte) in prog_name.iter_mut().zip(name.bytes().take(15)) {
+        *slot = byte;
+    }
+    let attr = ProgLoad {
+        prog_type: BPF_PROG_TYPE_SCHED_CLS,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        log_level: 0,
+        log_size: 0,
+        log_buf: 0,
+        kern_version: 0,
+        prog_flags: 0,
+        prog_name,
+    };
+    // SAFETY: `attr` is a valid `prog_load` member of `union bpf_attr`, of the
+    // size passed; the instructions and license it points to outlive the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_LOAD,
+            &raw const attr,
+            size_of::<ProgLoad>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor the kernel just made for us alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}

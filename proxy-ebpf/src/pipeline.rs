@@ -352,9 +352,20 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
             };
             nf.nat.src_be = node;
             nf.nat.redirect = true;
-            if let Err(exit) = route_first::<F, H>(ctx, flow, &nf.nat) {
-                return exit;
-            }
+        }
+        Source::Keep if direct => {
+            nf.nat.redirect = true;
+            nf.nat.dsr = 1;
+        }
+        Source::Fixed(_) | Source::Keep => {}
+    }
+    // One route for the flows the datapath sends itself, before their
+    // entries exist; the verifier walks it once rather than once an arm.
+    if let Err(exit) = route_first::<F, H>(ctx, flow, &nf.nat) {
+        return exit;
+    }
+    match source {
+        Source::Node(_) => {
             let config = node_config();
             if !conntrack::create_snat::<F>(
                 flow,
@@ -373,11 +384,6 @@ fn new_flow<F: PipelineFamily, H: Verdicts>(
             });
         }
         Source::Keep if direct => {
-            nf.nat.redirect = true;
-            nf.nat.dsr = 1;
-            if let Err(exit) = route_first::<F, H>(ctx, flow, &nf.nat) {
-                return exit;
-            }
             conntrack::create::<F>(flow, &nf, now);
             count(counter::DSR_NEW);
         }

@@ -32,9 +32,10 @@
 //! takes to land, nor while it runs on an interface the agent was told to
 //! leave alone.
 
-use std::path::{Path, PathBuf};
-
-use std::collections::HashSet;
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
 
 use aya::{
     Ebpf,
@@ -138,7 +139,14 @@ impl TailCalls {
             .program(program_names::TC_INGRESS)
             .ok_or(TailCallError::NoProgram(program_names::TC_INGRESS))
             .and_then(|p| p.info().map_err(TailCallError::Reader))
-            .map(|info| info.id());
+            .map(|info| info.id())
+            .inspect_err(|e| {
+                tracing::warn!(
+                    error = %e,
+                    "TC_NEXT and TC_DSR not pinned: from this agent's exit until the next agent's programs take over, IPv6 at tc is not translated and direct server return arrivals are not learnt"
+                );
+            })
+            .ok();
         let own_pins = [
             (
                 &tc_next,
@@ -154,16 +162,11 @@ impl TailCalls {
         .into_iter()
         .filter_map(|(filled, map, unpinned)| {
             let (_, id) = filled.as_ref().ok()?;
-            let pinned = reader.as_ref().map_err(|e| TailCallError::Pin {
-                name: map,
-                path: pins.tail_calls_dir().display().to_string(),
-                source: e.to_string().into(),
-            });
-            let path = pinned.and_then(|reader| {
-                let path = pins.tail_call(map, *reader);
-                pin_by_id(map, *id, &path).map(|()| path)
-            });
-            path.inspect_err(|e| tracing::warn!(error = %e, "{unpinned}")).ok()
+            let path = pins.tail_call(map, reader?);
+            pin_by_id(map, *id, &path)
+                .inspect_err(|e| tracing::warn!(error = %e, "{unpinned}"))
+                .ok()
+                .map(|()| path)
         })
         .collect();
         TailCalls {

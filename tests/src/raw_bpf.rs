@@ -35,21 +35,8 @@ pub fn link_create(
         flags,
         rest: [0; 6],
     };
-    // SAFETY: `attr` is a valid `link_create` member of `union bpf_attr`, of the
-    // size passed; the kernel reads it and returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_CREATE,
-            &raw const attr,
-            size_of::<LinkCreate>(),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a descriptor the kernel just made for us alone.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: a valid `link_create` member of `union bpf_attr`.
+    unsafe { bpf_fd(BPF_LINK_CREATE, &attr) }
 }
 
 /// Loads a tc program (`BPF_PROG_TYPE_SCHED_CLS`) named `name` that hands every
@@ -90,16 +77,21 @@ pub fn load_tc_next(name: &str) -> std::io::Result<OwnedFd> {
         prog_flags: 0,
         prog_name,
     };
-    // SAFETY: `attr` is a valid `prog_load` member of `union bpf_attr`, of the
-    // size passed; the instructions and license it points to outlive the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_LOAD,
-            &raw const attr,
-            size_of::<ProgLoad>(),
-        )
-    };
+    // SAFETY: a valid `prog_load` member of `union bpf_attr`, whose
+    // instructions and license outlive the call.
+    unsafe { bpf_fd(BPF_PROG_LOAD, &attr) }
+}
+
+/// Runs bpf(2) command `cmd`, which returns a new descriptor, with `attr`.
+///
+/// # Safety
+///
+/// `attr` must be the command's member of `union bpf_attr`, every pointer in it
+/// valid for what the command reads through it.
+unsafe fn bpf_fd<A>(cmd: libc::c_long, attr: &A) -> std::io::Result<OwnedFd> {
+    // SAFETY: as the caller promised; the kernel reads no more than the size
+    // passed, and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_ref(attr), size_of::<A>()) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }

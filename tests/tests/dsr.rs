@@ -293,6 +293,25 @@ impl<F: Family> World<F> {
         replies
     }
 
+    /// Panics unless the backend of every one of `replies` saw `client` as its
+    /// peer, naming those that saw another.
+    #[track_caller]
+    fn assert_every_backend_saw(&self, replies: &[Reply<F::Addr>], client: F, what: &str) {
+        let wrong: Vec<String> = replies
+            .iter()
+            .filter(|r| r.peer.peer_ip() != client)
+            .map(|r| format!("{} saw {}", r.backend, r.peer))
+            .collect();
+        assert!(
+            wrong.is_empty(),
+            "{what}: {} of {} did not show the backend client1's address {client}: \
+             {wrong:?}; {}",
+            wrong.len(),
+            replies.len(),
+            self.counters()
+        );
+    }
+
     /// Downloads [`BULK`] bytes from dsr-b1 through node a and says what node a
     /// and node b did meanwhile.
     #[track_caller]
@@ -487,24 +506,16 @@ fn backend_sees_the_client_and_replies_bypass_the_entry_node<F: Family>(xdp_mode
         tcp_request(ns, web::<F>(), TIMEOUT)
     });
     xdp_sent_dsr_flows(&world, &what, xdp_before);
-    let wrong: Vec<String> = replies
-        .iter()
-        .filter(|r| r.peer.peer_ip() != client1)
-        .map(|r| format!("{} saw {}", r.backend, r.peer))
-        .collect();
     eprintln!(
         "{what}: {} connections through node a, {} to {}",
         replies.len(),
         replies.iter().filter(|r| r.backend == POD_B.0).count(),
         POD_B.0
     );
-    assert!(
-        wrong.is_empty(),
-        "{what}: {} of {} connections through node a did not show the backend client1's \
-         address {client1} (node a is {node_a}): {wrong:?}; {}",
-        wrong.len(),
-        replies.len(),
-        world.counters()
+    world.assert_every_backend_saw(
+        &replies,
+        client1,
+        &format!("{what}: connections through node a (node a is {node_a})"),
     );
     let dsr_new = world.counter(0, "dsr_new") - dsr_before;
     assert!(
@@ -562,19 +573,7 @@ fn dsr_udp_to_the_other_nodes_backend_keeps_the_client_address_tc_only() {
     let world = World::<Ipv4Addr>::new(LbMode::Dsr, "off");
     let client1 = client1_ip::<Ipv4Addr>();
     let replies = world.replies("dsr: UDP", |ns| udp_request(ns, dns::<Ipv4Addr>(), TIMEOUT));
-    let wrong: Vec<String> = replies
-        .iter()
-        .filter(|r| r.peer.peer_ip() != client1)
-        .map(|r| format!("{} saw {}", r.backend, r.peer))
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "dsr: {} of {} UDP requests through node a did not show the backend client1's \
-         address {client1}: {wrong:?}; {}",
-        wrong.len(),
-        replies.len(),
-        world.counters()
-    );
+    world.assert_every_backend_saw(&replies, client1, "dsr: UDP requests through node a");
 }
 
 // ---------------------------------------------------------------------------
@@ -628,17 +627,7 @@ fn flows_start_while_the_backend_nodes_agent_is_down<F: Family>() {
     let learnt_before = world.counter(1, "dsr_learnt");
     let what = format!("{} dsr, node b's agent stopped", F::NAME);
     let replies = world.replies(&what, |ns| tcp_request(ns, web::<F>(), TIMEOUT));
-    let client1 = client1_ip::<F>();
-    let wrong: Vec<String> = replies
-        .iter()
-        .filter(|r| r.peer.peer_ip() != client1)
-        .map(|r| format!("{} saw {}", r.backend, r.peer))
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "{what}: every backend sees client1 {client1}: {wrong:?}; {}",
-        world.counters()
-    );
+    world.assert_every_backend_saw(&replies, client1_ip::<F>(), &what);
     let remote = replies.iter().filter(|r| r.backend == POD_B.0).count() as u64;
     let learnt = world.counter(1, "dsr_learnt") - learnt_before;
     assert!(
@@ -817,16 +806,7 @@ fn hybrid_mode_returns_tcp_directly_and_snats_udp_tc_only() {
     let tcp = world.replies("hybrid: TCP", |ns| {
         tcp_request(ns, web::<Ipv4Addr>(), TIMEOUT)
     });
-    let wrong: Vec<String> = tcp
-        .iter()
-        .filter(|r| r.peer.peer_ip() != client1)
-        .map(|r| format!("{} saw {}", r.backend, r.peer))
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "hybrid: TCP through node a is DSR, every backend sees client1 {client1}: {wrong:?}; {}",
-        world.counters()
-    );
+    world.assert_every_backend_saw(&tcp, client1, "hybrid: TCP through node a, DSR");
     let dsr_new = world.counter(0, "dsr_new") - before.0;
 
     let udp = world.replies("hybrid: UDP", |ns| {

@@ -50,6 +50,12 @@ pub mod map_names {
     /// a pod's namespace (`node_config_flags::HOST_ROUTING_BPF`): the
     /// host-side veths of pods, ifindex to 1.
     pub const POD_IFACES: &str = "POD_IFACES";
+    /// The pods' host-side veths that carry a qdisc (the CNI `bandwidth`
+    /// plugin's limits, an operator's shaping or filters), ifindex to 1:
+    /// left out of `POD_IFACES`, and a packet arriving on one is never
+    /// redirected, so that the stack's path through its qdiscs and legacy
+    /// tc filters is kept (`node_config_flags::HOST_ROUTING_BPF`).
+    pub const SHAPED_IFACES: &str = "SHAPED_IFACES";
     pub const CLOCK: &str = "CLOCK";
     pub const FLOW_CACHE: &str = "FLOW_CACHE";
     pub const FLOW_GEN: &str = "FLOW_GEN";
@@ -117,7 +123,7 @@ pub mod map_names {
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
     /// Maps added to this layout after its first agents: pins of such an
     /// agent lack them, and readers of its pins do without.
-    pub const LATER: [&str; 21] = [
+    pub const LATER: [&str; 22] = [
         CSUM_STATES,
         HOST_NETNS,
         SOCK_COUNTERS,
@@ -139,12 +145,13 @@ pub mod map_names {
         TRACE_ON,
         TRACE_EVENTS,
         POD_IFACES,
+        SHAPED_IFACES,
     ];
     /// Maps earlier agents of this layout pinned and this one has no more:
     /// the agent unpins them at load. `SOCK_REVNAT` (an LRU hash keyed by
     /// socket cookie) gave way to `SOCK_NOTES`, which TCP churn cannot evict.
     pub const RETIRED: [&str; 1] = ["SOCK_REVNAT"];
-    pub const ALL: [&str; 38] = [
+    pub const ALL: [&str; 39] = [
         SERVICES,
         BACKEND_SLOTS,
         BACKENDS,
@@ -183,6 +190,7 @@ pub mod map_names {
         TRACE_ON,
         TRACE_EVENTS,
         POD_IFACES,
+        SHAPED_IFACES,
     ];
 }
 

@@ -314,6 +314,11 @@ pub static LOCAL_IFACES: HashMap<u32, u32, { MAX_LOCAL_IFACES as usize }> = Hash
 #[btf_map]
 pub static POD_IFACES: HashMap<u32, u32, { MAX_POD_IFACES as usize }> = HashMap::new();
 
+/// `map_names::SHAPED_IFACES`: pods' host-side veths whose qdiscs and
+/// legacy tc filters the stack's path must keep.
+#[btf_map]
+pub static SHAPED_IFACES: HashMap<u32, u32, { MAX_POD_IFACES as usize }> = HashMap::new();
+
 #[btf_map]
 pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { MAX_SOURCE_RANGES as usize }> =
     LpmTrie::new();

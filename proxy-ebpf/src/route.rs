@@ -41,7 +41,7 @@ use crate::{
     event_log::Event,
     family::Family,
     hook::{Hook, TCX_NEXT},
-    maps::{POD_IFACES, ROUTE, Route, count, node_flags},
+    maps::{POD_IFACES, ROUTE, Route, SHAPED_IFACES, count, node_flags},
     packet::ETH_HLEN,
 };
 
@@ -289,9 +289,9 @@ pub fn send_tc<F: Family>(ctx: &TcContext, proto: u8, src: &F::Addr, dst: &F::Ad
 /// A translated tc packet of `proto` from `src` to `dst` that the stack
 /// would forward (its transport header at `l4_off`): with
 /// `HOST_ROUTING_BPF`, one whose route leads out of one of `POD_IFACES` to
-/// a resolved neighbour goes straight into that pod's namespace, routed as
-/// the stack would route it (one off its TTL or hop limit, the next hop's
-/// MACs). Every other packet is passed to the stack untouched by this, so
+/// a resolved neighbour, and that did not arrive on one of `SHAPED_IFACES`,
+/// goes straight into that pod's namespace, routed as the stack would route
+/// it (one off its TTL or hop limit, the next hop's MACs). Every other packet is passed to the stack untouched by this, so
 /// that it answers what only it answers: a spent TTL, a packet longer than
 /// its route's MTU, a neighbour to resolve, a route elsewhere.
 #[inline(always)]
@@ -313,7 +313,13 @@ pub fn to_pod<F: Family>(
     else {
         return TCX_NEXT;
     };
-    if POD_IFACES.get_ptr(&ifindex).is_none() {
+    // A redirect from tcx skips the rest of the arrival interface's tc
+    // (its legacy filters: the `bandwidth` plugin's egress limit) as the
+    // peer redirect skips the pod interface's qdisc: neither way through
+    // a shaped pod's interface.
+    if POD_IFACES.get_ptr(&ifindex).is_none()
+        || SHAPED_IFACES.get_ptr(&ctx.ingress_ifindex()).is_some()
+    {
         return TCX_NEXT;
     }
     // `decrement_hops` writes nothing to a packet it refuses.

@@ -573,13 +573,13 @@ fn apply_snapshot(
 ) {
     attach_all(datapath, &snapshot.interfaces);
     node.set_local_ifaces(config.detect_local.local_interfaces(&snapshot.interfaces));
-    node.set_pod_ifaces(
-        snapshot
-            .pods
+    let ifindexes = |names: &std::collections::BTreeSet<String>| {
+        names
             .iter()
             .filter_map(|name| snapshot.interfaces.get(name).copied())
-            .collect(),
-    );
+            .collect()
+    };
+    node.set_pod_ifaces(ifindexes(&snapshot.pods), &ifindexes(&snapshot.shaped));
     apply_xdp(datapath, snapshot, config);
     let ips = node::node_addresses(config.node_ip, &snapshot.addrs);
     node.set_interfaces(

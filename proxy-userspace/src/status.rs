@@ -65,6 +65,7 @@ fn host_routing(maps: &Maps, config: &proxy_common::NodeConfig) -> HostRoutingRe
             "stack"
         },
         pod_interfaces: maps.pod_ifaces.as_ref().map_or(0, |m| m.keys().count()),
+        shaped_interfaces: maps.shaped_ifaces.as_ref().map_or(0, |m| m.keys().count()),
     }
 }
 
@@ -76,6 +77,9 @@ pub struct HostRoutingReport {
     /// `POD_IFACES`' entries: the interfaces translated packets may be
     /// sent through into a pod.
     pub pod_interfaces: usize,
+    /// `SHAPED_IFACES`' entries: the pod interfaces with a qdisc, whose
+    /// packets keep the stack's path both ways.
+    pub shaped_interfaces: usize,
 }
 
 /// The node's part of the report: what is not any one Service's.
@@ -396,8 +400,8 @@ fn node_config_text(node: &NodeReport, out: &mut String) {
     if let Some(routing) = &node.host_routing {
         let _ = writeln!(
             out,
-            "host routing: {} ({} pod interfaces known)",
-            routing.mode, routing.pod_interfaces
+            "host routing: {} ({} pod interfaces known, {} with a qdisc left to the stack)",
+            routing.mode, routing.pod_interfaces, routing.shaped_interfaces
         );
     }
 }

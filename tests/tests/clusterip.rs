@@ -111,3 +111,8 @@ fn other_tc_filters_see_every_packet() {
 fn a_failed_attach_is_retried_until_it_lands() {
     scenario::a_failed_attach_is_retried_until_it_lands::<Ipv4Addr>();
 }
+
+#[test]
+fn host_routing_leaves_shaped_pods_to_the_stack() {
+    scenario::host_routing_leaves_shaped_pods_to_the_stack::<Ipv4Addr>();
+}

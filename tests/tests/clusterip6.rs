@@ -611,3 +611,8 @@ fn ipv6_other_tc_filters_see_every_packet() {
 fn ipv6_a_failed_attach_is_retried_until_it_lands() {
     scenario::a_failed_attach_is_retried_until_it_lands::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_host_routing_leaves_shaped_pods_to_the_stack() {
+    scenario::host_routing_leaves_shaped_pods_to_the_stack::<Ipv6Addr>();
+}

@@ -79,10 +79,15 @@ impl NodeMaps {
         self.desired.set_local_ifaces(ifindexes);
     }
 
-    /// The host-side interfaces of this node's pods (kept only with
-    /// `--host-routing bpf`); written at the next `sync`.
-    pub fn set_pod_ifaces(&mut self, ifindexes: std::collections::BTreeSet<u32>) {
-        self.desired.set_pod_ifaces(ifindexes);
+    /// The host-side interfaces of this node's pods, and which of them
+    /// carry a qdisc (kept only with `--host-routing bpf`); written at the
+    /// next `sync`.
+    pub fn set_pod_ifaces(
+        &mut self,
+        pods: std::collections::BTreeSet<u32>,
+        shaped: &std::collections::BTreeSet<u32>,
+    ) {
+        self.desired.set_pod_ifaces(pods, shaped);
     }
 
     /// SNATs off-cluster clients of a ClusterIP, per family; written at the

@@ -13,12 +13,14 @@ use rtnetlink::{
     RouteMessageBuilder,
     constants::{
         RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE, RTMGRP_LINK,
+        RTMGRP_TC,
     },
     new_connection,
     packet_route::{
         address::{AddressAttribute, AddressScope},
         link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkXdp, XdpAttached},
         route::{RouteAddress, RouteAttribute, RouteHeader, RouteType},
+        tc::TcAttribute,
     },
     sys::{AsyncSocket, SocketAddr},
 };
@@ -42,6 +44,9 @@ pub struct Snapshot {
     /// The selected interfaces that are pods' host-side veths ([`is_pod`]):
     /// where `--host-routing bpf` sends translated packets into the pod.
     pub pods: BTreeSet<String>,
+    /// Those of `pods` that carry a qdisc ([`qdisc_ifindexes`]), which
+    /// `--host-routing bpf` leaves to the stack's path both ways.
+    pub shaped: BTreeSet<String>,
     /// The mode an XDP program runs in on each selected interface that has
     /// one, as the kernel reports it (`native`, `generic`, `offload`,
     /// `multiple`): ours or another's.
@@ -114,6 +119,7 @@ async fn snapshot(
         }
     }
     let routes = routes_out(handle, &prefixes).await?;
+    let qdiscs = qdisc_ifindexes(handle).await?;
     let by_ifindex: BTreeMap<u32, &Link> = links.iter().map(|l| (l.index, l)).collect();
     let mut snapshot = Snapshot::default();
     for link in links.iter().filter(|l| selection.wants(&l.name, l.flags)) {
@@ -138,10 +144,33 @@ async fn snapshot(
         }
         if is_pod(link.kind.as_ref(), link.peer_elsewhere, link.master, uplink) {
             snapshot.pods.insert(link.name.clone());
+            if qdiscs.contains(&link.index) {
+                snapshot.shaped.insert(link.name.clone());
+            }
         }
     }
     snapshot.addrs = by_index.into_values().flatten().collect();
     Ok(snapshot)
+}
+
+/// The ifindexes with a qdisc of their own: any but the `noqueue` a veth
+/// starts with, such as the CNI `bandwidth` plugin's `tbf` (the pod's
+/// ingress limit) and `ingress` (its egress limit, a legacy tc filter
+/// redirecting through an `ifb`), or an operator's. A packet the datapath
+/// redirects past such an interface would skip them.
+async fn qdisc_ifindexes(handle: &rtnetlink::Handle) -> Result<BTreeSet<u32>, InterfacesError> {
+    let mut found = BTreeSet::new();
+    let mut qdiscs = handle.qdisc().get().execute();
+    while let Some(msg) = qdiscs.try_next().await? {
+        let own = msg
+            .attributes
+            .iter()
+            .any(|a| matches!(a, TcAttribute::Kind(kind) if kind != "noqueue"));
+        if own && let Ok(index) = u32::try_from(msg.header.index) {
+            found.insert(index);
+        }
+    }
+    Ok(found)
 }
 
 /// Whether an interface is one of the node's uplinks, where XDP pays:
@@ -336,7 +365,7 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<Vec<Link>, InterfacesError> 
     Ok(out)
 }
 
-/// Sends a snapshot now and after every link, address or route change (and every
+/// Sends a snapshot now and after every link, address, route or qdisc change (and every
 /// `resync` as a safety net against lost netlink messages).
 pub async fn watch(
     selection: Selection,
@@ -354,7 +383,8 @@ pub async fn watch(
                 | RTMGRP_IPV4_IFADDR
                 | RTMGRP_IPV6_IFADDR
                 | RTMGRP_IPV4_ROUTE
-                | RTMGRP_IPV6_ROUTE,
+                | RTMGRP_IPV6_ROUTE
+                | RTMGRP_TC,
         ))
         .map_err(InterfacesError::Subscribe)?;
     let task = tokio::spawn(connection);

@@ -189,6 +189,9 @@ pub struct Maps {
     /// The host-side interfaces of this node's pods (`POD_IFACES`); absent
     /// like `csum_states`.
     pub pod_ifaces: Option<HashMap<MapData, u32, u32>>,
+    /// Those of them that carry a qdisc (`SHAPED_IFACES`); absent like
+    /// `csum_states`.
+    pub shaped_ifaces: Option<HashMap<MapData, u32, u32>>,
     /// The prefilter's bits, mapped (`prefilter`), shared with the thread
     /// that writes batches behind the sync; absent like `csum_states`, and
     /// where opened unmapped (`open_pinned_unmapped`).
@@ -256,7 +259,7 @@ impl Maps {
             COUNTERS, CSUM_STATES, CT_NEW, CT_NEW6, CT_SOURCES, CT_SOURCES6, CT_TIMEOUTS, FLOW_GEN,
             HOST_NETNS, LOCAL_IFACES, NODE_ADDRS, NODE_CONFIG, NODE_CONFIG6, POD_IFACES, PREFILTER,
             PREFILTER_FLOWS, SERVICE_CIDRS, SERVICE_COUNTERS, SERVICE_NAMES, SERVICE_REFUSALS,
-            SERVICES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
+            SERVICES, SHAPED_IFACES, SOCK_COUNTERS, SOCK_NOTES, SOCK_NOTES6, SOURCE_RANGES,
         };
         Ok(Self {
             services: HashMap::try_from(get(SERVICES)?).map_err(wrap(SERVICES))?,
@@ -285,6 +288,7 @@ impl Maps {
             node_config6: later(get(NODE_CONFIG6), NODE_CONFIG6, Array::try_from)?,
             local_ifaces: later(get(LOCAL_IFACES), LOCAL_IFACES, HashMap::try_from)?,
             pod_ifaces: later(get(POD_IFACES), POD_IFACES, HashMap::try_from)?,
+            shaped_ifaces: later(get(SHAPED_IFACES), SHAPED_IFACES, HashMap::try_from)?,
             prefilter: match arrays {
                 Arrays::Mapped => {
                     later(get(PREFILTER), PREFILTER, Array::<MapData, u64>::try_from)?
@@ -329,6 +333,7 @@ impl Maps {
         match set {
             IfaceSet::Local => self.local_ifaces.as_ref(),
             IfaceSet::Pod => self.pod_ifaces.as_ref(),
+            IfaceSet::Shaped => self.shaped_ifaces.as_ref(),
         }
     }
 
@@ -336,6 +341,7 @@ impl Maps {
         match set {
             IfaceSet::Local => self.local_ifaces.as_mut(),
             IfaceSet::Pod => self.pod_ifaces.as_mut(),
+            IfaceSet::Shaped => self.shaped_ifaces.as_mut(),
         }
     }
 

@@ -106,6 +106,8 @@ pub struct DesiredNode {
     pub local_ifaces: BTreeSet<u32>,
     /// `POD_IFACES`: kept empty unless `host_routing` is `Bpf`.
     pub pod_ifaces: BTreeSet<u32>,
+    /// `SHAPED_IFACES`: kept empty unless `host_routing` is `Bpf`.
+    pub shaped_ifaces: BTreeSet<u32>,
     /// `--host-routing`.
     pub host_routing: HostRouting,
     /// `NodeConfig::ct_source_share` (`--conntrack-max-per-source`).
@@ -133,6 +135,7 @@ impl DesiredNode {
             masquerade_off_cluster: (false, false),
             local_ifaces: BTreeSet::new(),
             pod_ifaces: BTreeSet::new(),
+            shaped_ifaces: BTreeSet::new(),
             host_routing: HostRouting::Stack,
             ct_source_share: 0,
             service_cidrs: BTreeMap::new(),
@@ -194,13 +197,14 @@ impl DesiredNode {
         self.local_ifaces = ifindexes;
     }
 
-    /// The host-side interfaces of this node's pods (`POD_IFACES`), held
-    /// only where packets are sent into pods straight (`HostRouting::Bpf`):
-    /// with the stack routing, the map stays empty.
-    pub fn set_pod_ifaces(&mut self, ifindexes: BTreeSet<u32>) {
-        self.pod_ifaces = match self.host_routing {
-            HostRouting::Bpf => ifindexes,
-            HostRouting::Stack => BTreeSet::new(),
+    /// The host-side interfaces of this node's pods, those of them that
+    /// carry a qdisc in `shaped` (`SHAPED_IFACES`) and the others in
+    /// `POD_IFACES`, held only where packets are sent into pods straight
+    /// (`HostRouting::Bpf`): with the stack routing, both maps stay empty.
+    pub fn set_pod_ifaces(&mut self, pods: BTreeSet<u32>, shaped: &BTreeSet<u32>) {
+        (self.pod_ifaces, self.shaped_ifaces) = match self.host_routing {
+            HostRouting::Bpf => pods.into_iter().partition(|i| !shaped.contains(i)),
+            HostRouting::Stack => (BTreeSet::new(), BTreeSet::new()),
         };
     }
 
@@ -209,6 +213,7 @@ impl DesiredNode {
         match set {
             IfaceSet::Local => &self.local_ifaces,
             IfaceSet::Pod => &self.pod_ifaces,
+            IfaceSet::Shaped => &self.shaped_ifaces,
         }
     }
 

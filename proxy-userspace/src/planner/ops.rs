@@ -108,16 +108,20 @@ pub enum IfaceSet {
     /// `POD_IFACES`: a pod's host-side interface, where a translated packet
     /// may go straight into the pod (`--host-routing bpf`).
     Pod,
+    /// `SHAPED_IFACES`: a pod's host-side interface that carries a qdisc,
+    /// whose packets keep the stack's path both ways.
+    Shaped,
 }
 
 impl IfaceSet {
-    pub const ALL: [IfaceSet; 2] = [IfaceSet::Local, IfaceSet::Pod];
+    pub const ALL: [IfaceSet; 3] = [IfaceSet::Local, IfaceSet::Pod, IfaceSet::Shaped];
 
     /// The map's name.
     pub fn map_name(self) -> &'static str {
         match self {
             IfaceSet::Local => proxy_common::map_names::LOCAL_IFACES,
             IfaceSet::Pod => proxy_common::map_names::POD_IFACES,
+            IfaceSet::Shaped => proxy_common::map_names::SHAPED_IFACES,
         }
     }
 
@@ -125,6 +129,7 @@ impl IfaceSet {
         match self {
             IfaceSet::Local => "local",
             IfaceSet::Pod => "pod",
+            IfaceSet::Shaped => "shaped",
         }
     }
 }

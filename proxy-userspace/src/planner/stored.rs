@@ -34,6 +34,8 @@ pub struct NodeState {
     pub local_ifaces: BTreeSet<u32>,
     /// `POD_IFACES`: ifindexes.
     pub pod_ifaces: BTreeSet<u32>,
+    /// `SHAPED_IFACES`: ifindexes.
+    pub shaped_ifaces: BTreeSet<u32>,
 }
 
 impl NodeState {
@@ -42,6 +44,7 @@ impl NodeState {
         match set {
             IfaceSet::Local => &self.local_ifaces,
             IfaceSet::Pod => &self.pod_ifaces,
+            IfaceSet::Shaped => &self.shaped_ifaces,
         }
     }
 
@@ -49,6 +52,7 @@ impl NodeState {
         match set {
             IfaceSet::Local => &mut self.local_ifaces,
             IfaceSet::Pod => &mut self.pod_ifaces,
+            IfaceSet::Shaped => &mut self.shaped_ifaces,
         }
     }
 }

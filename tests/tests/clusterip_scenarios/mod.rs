@@ -1249,7 +1249,9 @@ pub fn host_routing_bpf_sends_translated_packets_straight_into_pods<F: Family>()
                 counters_text(&sb)
             );
             assert!(
-                status.contains("host routing: bpf (4 pod interfaces known)"),
+                status.contains(
+                    "host routing: bpf (4 pod interfaces known, 0 with a qdisc left to the stack)"
+                ),
                 "{what}: the status should say so and count the client's and the three \
                  backends' interfaces:\n{status}"
             );
@@ -1261,7 +1263,9 @@ pub fn host_routing_bpf_sends_translated_packets_straight_into_pods<F: Family>()
                 counters_text(&sb)
             );
             assert!(
-                status.contains("host routing: stack (0 pod interfaces known)"),
+                status.contains(
+                    "host routing: stack (0 pod interfaces known, 0 with a qdisc left to the stack)"
+                ),
                 "{what}: the status should say so, with no pod interface kept:\n{status}"
             );
         }
@@ -1316,17 +1320,31 @@ fn tc_count_every_packet(node: &NetNs, ifname: &str) {
 /// to the ClusterIP and of connections straight to a pod, and the agent
 /// translates them all the same.
 pub fn other_tc_filters_see_every_packet<F: Family>() {
-    const EXCHANGES: u64 = 12;
     let sb = serving::<F>(&[CLIENT], &[]);
+    let filtered = filter_every_pod_interface(&sb);
+    filters_see_every_packet::<F>(&sb, &filtered);
+}
+
+/// The `bandwidth` plugin's setup (`tc_count_every_packet`) on the client's and
+/// the backends' host-side interfaces; their names, the client's first.
+fn filter_every_pod_interface(sb: &Sandbox) -> Vec<String> {
     let node = &sb.topology().node;
-    let client_if = sb.client().host_if.clone();
-    let backend_ifs: Vec<String> = backend_names()
-        .iter()
-        .map(|b| sb.pod(b).host_if.clone())
+    let filtered: Vec<String> = std::iter::once(sb.client().host_if.clone())
+        .chain(backend_names().iter().map(|b| sb.pod(b).host_if.clone()))
         .collect();
-    for ifname in std::iter::once(&client_if).chain(&backend_ifs) {
+    for ifname in &filtered {
         tc_count_every_packet(node, ifname);
     }
+    filtered
+}
+
+/// TCP and UDP to the ClusterIP and TCP straight to a pod, every packet seen by
+/// the legacy filters on `filtered` (the client's interface, then the
+/// backends') and translated by the agent all the same.
+fn filters_see_every_packet<F: Family>(sb: &Sandbox, filtered: &[String]) {
+    const EXCHANGES: u64 = 12;
+    let node = &sb.topology().node;
+    let (client_if, backend_ifs) = filtered.split_first().expect("the client's interface");
     let dnat_before = sb.counter("dnat_new");
     let ns = &sb.client().ns;
     let pod = F::pod(BACKENDS[0].1);
@@ -1345,11 +1363,11 @@ pub fn other_tc_filters_see_every_packet<F: Family>() {
         dnat >= 2 * EXCHANGES,
         "{what}: {dnat} new flows translated, at least {} expected; counters: {}",
         2 * EXCHANGES,
-        counters_text(&sb)
+        counters_text(sb)
     );
     // Each connection's SYN, ACK, request and FIN (or RST) from the client,
     // SYN-ACK, answer and FIN (or RST) back; a datagram each way.
-    let sent = tc_filter_packets(node, &client_if);
+    let sent = tc_filter_packets(node, client_if);
     let least_sent = EXCHANGES * (4 + 1 + 4);
     let answered: u64 = backend_ifs
         .iter()
@@ -1360,10 +1378,49 @@ pub fn other_tc_filters_see_every_packet<F: Family>() {
         sent >= least_sent && answered >= least_answered,
         "{what} and straight to a pod: the legacy tc filters counted {sent} packets from the \
          client (at least {least_sent} expected) and {answered} from the backends (at least \
-         {least_answered}): the agent's programs ended the interfaces' tc processing; \
+         {least_answered}): the agent's programs ended the interfaces' tc processing or \
+         redirected packets past it; \
+         counters: {}",
+        counters_text(sb)
+    );
+}
+
+/// With `--host-routing bpf`, a pod whose host-side interface carries a qdisc
+/// (the CNI `bandwidth` plugin's, here on the client and every backend) keeps the
+/// stack's path both ways: tc redirects no packet arriving on it (which would
+/// skip its legacy filters, the pod's egress limit) nor into it (which would skip
+/// its qdisc, the pod's ingress limit). Its filters see every packet, `to_pod`
+/// does not move, and `ebpf-proxy status` counts those interfaces apart.
+pub fn host_routing_leaves_shaped_pods_to_the_stack<F: Family>() {
+    let sb = serving::<F>(&[CLIENT], &["--host-routing", "bpf"]);
+    let filtered = filter_every_pod_interface(&sb);
+    let want = format!(
+        "host routing: bpf (0 pod interfaces known, {} with a qdisc left to the stack)",
+        filtered.len()
+    );
+    // The agent follows qdiscs as they come (rtnetlink's tc group); what it
+    // said is checked after the traffic, which tells more when it is wrong.
+    let said = ebpf_proxy_tests::wait_for(Duration::from_secs(10), ebpf_proxy_tests::POLL, || {
+        let status = sb.agent().status().map_err(|e| format!("{e:#}"))?;
+        if status.contains(&want) {
+            Ok(())
+        } else {
+            Err(status)
+        }
+    });
+    let to_pod_before = sb.counter("to_pod");
+    filters_see_every_packet::<F>(&sb, &filtered);
+    let to_pod = sb.counter("to_pod") - to_pod_before;
+    assert_eq!(
+        to_pod,
+        0,
+        "packets sent into a pod by a redirect, past a shaped interface's qdisc or filters; \
          counters: {}",
         counters_text(&sb)
     );
+    if let Err(status) = said {
+        panic!("ebpf-proxy status did not say {want:?}:\n{status}");
+    }
 }
 
 /// The programs in the tcx ingress chain of the node's interface `ifname`, by

@@ -79,6 +79,7 @@ fn expected(base: &NodeState, d: &DesiredNode) -> NodeState {
         service_cidrs: d.service_cidrs.clone(),
         local_ifaces: d.local_ifaces.clone(),
         pod_ifaces: d.pod_ifaces.clone(),
+        shaped_ifaces: d.shaped_ifaces.clone(),
     }
 }
 
@@ -522,7 +523,7 @@ fn host_routing_bpf_sets_its_flag_and_keeps_the_pod_interfaces_the_stack_has_non
         let mut want = desired(&[1], &[], &[], 30)
             .with_masquerade_all(true)
             .with_host_routing(routing);
-        want.set_pod_ifaces([5, 8].into());
+        want.set_pod_ifaces([5, 8].into(), &BTreeSet::new());
         want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
         assert!(planner.sync(&want, &mut store).failed.is_none());
         let node = &store.state.node;
@@ -545,12 +546,49 @@ fn host_routing_bpf_sets_its_flag_and_keeps_the_pod_interfaces_the_stack_has_non
             "{routing:?}: LOCAL_IFACES untouched"
         );
         // A pod gone, another come: one write, one delete (none for the stack).
-        want.set_pod_ifaces([8, 11].into());
+        want.set_pod_ifaces([8, 11].into(), &BTreeSet::new());
         let outcome = planner.sync(&want, &mut store);
         assert!(outcome.failed.is_none());
         assert_eq!(
             outcome.ops,
             if on { 2 } else { 0 },
+            "{routing:?}: ops of the change"
+        );
+        assert_eq!(store.state.node, expected(&NodeState::default(), &want));
+    }
+}
+
+/// A pod interface that carries a qdisc is held in `SHAPED_IFACES` and not in
+/// `POD_IFACES` (no packet goes into it or out of it by a redirect), and moves
+/// between them as its qdisc comes and goes; with the stack routing neither map
+/// holds anything.
+#[test]
+fn shaped_pod_interfaces_are_held_apart_from_the_pod_interfaces() {
+    for (routing, on) in [(HostRouting::Stack, false), (HostRouting::Bpf, true)] {
+        let mut store = CheckingStore::default();
+        let mut planner = NodePlanner::default();
+        let mut want = desired(&[1], &[], &[], 30).with_host_routing(routing);
+        want.set_pod_ifaces([5, 8, 11].into(), &[8, 42].into());
+        want.set_interfaces(&[IpAddr::V4(ip(1))], &[], Some(ip(1)), None, true);
+        assert!(planner.sync(&want, &mut store).failed.is_none());
+        let node = &store.state.node;
+        let (pods, shaped): (BTreeSet<u32>, BTreeSet<u32>) = if on {
+            ([5, 11].into(), [8].into())
+        } else {
+            (BTreeSet::new(), BTreeSet::new())
+        };
+        assert_eq!(node.pod_ifaces, pods, "{routing:?}: POD_IFACES");
+        assert_eq!(
+            node.shaped_ifaces, shaped,
+            "{routing:?}: SHAPED_IFACES (42 is no pod's)"
+        );
+        // 8's qdisc gone, 5 shaped: two moves, each a delete and a write.
+        want.set_pod_ifaces([5, 8, 11].into(), &[5].into());
+        let outcome = planner.sync(&want, &mut store);
+        assert!(outcome.failed.is_none());
+        assert_eq!(
+            outcome.ops,
+            if on { 4 } else { 0 },
             "{routing:?}: ops of the change"
         );
         assert_eq!(store.state.node, expected(&NodeState::default(), &want));

@@ -291,9 +291,10 @@ pub fn send_tc<F: Family>(ctx: &TcContext, proto: u8, src: &F::Addr, dst: &F::Ad
 /// `HOST_ROUTING_BPF`, one whose route leads out of one of `POD_IFACES` to
 /// a resolved neighbour, and that did not arrive on one of `SHAPED_IFACES`,
 /// goes straight into that pod's namespace, routed as the stack would route
-/// it (one off its TTL or hop limit, the next hop's MACs). Every other packet is passed to the stack untouched by this, so
-/// that it answers what only it answers: a spent TTL, a packet longer than
-/// its route's MTU, a neighbour to resolve, a route elsewhere.
+/// it (one off its TTL or hop limit, the next hop's MACs). Every other
+/// packet is passed to the stack untouched by this, so that it answers what
+/// only it answers: a spent TTL, a packet longer than its route's MTU, a
+/// neighbour to resolve, a route elsewhere, a shaped pod's qdiscs.
 #[inline(always)]
 pub fn to_pod<F: Family>(
     ctx: &TcContext,

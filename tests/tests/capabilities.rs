@@ -27,7 +27,7 @@ use ebpf_proxy_tests::{
     wait_for, wait_until,
 };
 use proxy_userspace::{
-    datapath::EBPF_OBJECT,
+    datapath::{EBPF_OBJECT, PinLayout},
     privileges::{REQUIRED, effective, explain, missing_from, shed::Sets},
 };
 
@@ -250,6 +250,27 @@ fn the_daemonsets_capabilities_suffice_to_serve() {
     }
 
     an_interface_added_later_is_attached(&fx, &agent);
+    // The program arrays `tc_ingress` reads stay pinned (so that it serves
+    // IPv6 and DSR arrivals while no agent runs): pinned through the agent's
+    // own descriptors, as opening them by id would need CAP_SYS_ADMIN.
+    let dir = PinLayout::new(agent.bpf_root()).tail_calls_dir();
+    let mut pinned: Vec<String> = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    pinned.sort();
+    assert!(
+        pinned.len() == 2
+            && pinned[0].starts_with("TC_DSR-of-tc_ingress-")
+            && pinned[1].starts_with("TC_NEXT-of-tc_ingress-"),
+        "with {caps:?}, the pinned program arrays in {} are {pinned:?}, not TC_DSR's and \
+         TC_NEXT's:\n{}",
+        dir.display(),
+        agent.log()
+    );
     let log = agent.log();
     assert!(
         !log.contains("Operation not permitted") && !log.contains("EPERM"),
@@ -320,7 +341,7 @@ fn without<T: Send>(drop: &[Capability], f: impl FnOnce() -> T + Send) -> T {
 /// the test fails.
 struct TestPins {
     root: std::path::PathBuf,
-    pins: proxy_userspace::datapath::PinLayout,
+    pins: PinLayout,
 }
 
 impl TestPins {
@@ -331,7 +352,7 @@ impl TestPins {
             std::process::id(),
             N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
-        let pins = proxy_userspace::datapath::PinLayout::new(&root);
+        let pins = PinLayout::new(&root);
         TestPins { root, pins }
     }
 }

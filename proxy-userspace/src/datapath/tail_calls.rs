@@ -96,11 +96,31 @@ impl TailCalls {
     /// Fills the three arrays, noting each program's load in `loads`, and
     /// pins `TC_NEXT` and `TC_DSR` under `pins`.
     pub fn fill(ebpf: &mut Ebpf, loads: &mut Vec<ProgramLoad>, pins: &PinLayout) -> TailCalls {
+        // The pins' names give the `tc_ingress` that reads the arrays.
+        let reader = ebpf
+            .program(program_names::TC_INGRESS)
+            .ok_or(TailCallError::NoProgram(program_names::TC_INGRESS))
+            .and_then(|p| p.info().map_err(TailCallError::Reader))
+            .map(|info| info.id())
+            .inspect_err(|e| {
+                tracing::warn!(
+                    error = %e,
+                    "TC_NEXT and TC_DSR not pinned: from this agent's exit until the next agent's programs take over, IPv6 at tc is not translated and direct server return arrivals are not learnt"
+                );
+            })
+            .ok();
+        let pin_at = |map: &'static str, unpinned: &'static str| {
+            reader.map(|reader| PinAt {
+                path: pins.tail_call(map, reader),
+                unpinned,
+            })
+        };
         let xdp_next = fill::<Xdp>(
             ebpf,
             map_names::XDP_NEXT,
             &[(program_names::XDP_INGRESS6, XDP_NEXT_IPV6)],
             loads,
+            None,
         )
         .inspect_err(|e| {
             tracing::warn!(
@@ -116,6 +136,10 @@ impl TailCalls {
                 (program_names::TC_DSR6, TC_DSR_IPV6),
             ],
             loads,
+            pin_at(
+                map_names::TC_DSR,
+                "flows other nodes send here by direct server return are not served from this agent's exit until the next agent's programs take over",
+            ),
         )
         .inspect_err(|e| {
             tracing::error!(
@@ -128,6 +152,10 @@ impl TailCalls {
             map_names::TC_NEXT,
             &[(program_names::TC_INGRESS6, TC_NEXT_IPV6)],
             loads,
+            pin_at(
+                map_names::TC_NEXT,
+                "IPv6 at tc is not translated from this agent's exit until the next agent's programs take over",
+            ),
         )
         .inspect_err(|e| {
             tracing::error!(
@@ -135,40 +163,10 @@ impl TailCalls {
                 "tc_ingress cannot hand IPv6 to tc_ingress6: IPv6 Services are not served at tc"
             );
         });
-        let reader = ebpf
-            .program(program_names::TC_INGRESS)
-            .ok_or(TailCallError::NoProgram(program_names::TC_INGRESS))
-            .and_then(|p| p.info().map_err(TailCallError::Reader))
-            .map(|info| info.id())
-            .inspect_err(|e| {
-                tracing::warn!(
-                    error = %e,
-                    "TC_NEXT and TC_DSR not pinned: from this agent's exit until the next agent's programs take over, IPv6 at tc is not translated and direct server return arrivals are not learnt"
-                );
-            })
-            .ok();
-        let own_pins = [
-            (
-                &tc_next,
-                map_names::TC_NEXT,
-                "IPv6 at tc is not translated from this agent's exit until the next agent's programs take over",
-            ),
-            (
-                &tc_dsr,
-                map_names::TC_DSR,
-                "flows other nodes send here by direct server return are not served from this agent's exit until the next agent's programs take over",
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(filled, map, unpinned)| {
-            let (_, id) = filled.as_ref().ok()?;
-            let path = pins.tail_call(map, reader?);
-            pin_by_id(map, *id, &path)
-                .inspect_err(|e| tracing::warn!(error = %e, "{unpinned}"))
-                .ok()
-                .map(|()| path)
-        })
-        .collect();
+        let own_pins = [&tc_next, &tc_dsr]
+            .into_iter()
+            .filter_map(|filled| filled.as_ref().ok()?.1.clone())
+            .collect();
         TailCalls {
             xdp_next: xdp_next.ok().map(|(array, _)| array),
             tc_dsr: tc_dsr.ok().map(|(array, _)| array),
@@ -237,26 +235,31 @@ impl TailCalls {
     }
 }
 
+/// Where to pin an array, and what its being unpinned costs once the
+/// agent exits (said where the pin fails).
+struct PinAt {
+    path: PathBuf,
+    unpinned: &'static str,
+}
+
 /// Takes the array `map` and puts each of `programs` (name, slot), of type
 /// `P`, in its slot, loading it first (noted in `loads`) unless it is
-/// loaded already. With the array, the kernel's id of it.
+/// loaded already; then pins it as `pin` says, if it says. With the array,
+/// where it was pinned: a failed pin is said and leaves it unpinned.
 fn fill<P>(
     ebpf: &mut Ebpf,
     map: &'static str,
     programs: &[(&'static str, u32)],
     loads: &mut Vec<ProgramLoad>,
-) -> Result<(ProgramArray<MapData>, u32), TailCallError>
+    pin: Option<PinAt>,
+) -> Result<(ProgramArray<MapData>, Option<PathBuf>), TailCallError>
 where
     P: Load,
     for<'a> &'a mut P: TryFrom<&'a mut Program, Error = ProgramError>,
 {
     let in_map = |source| TailCallError::Map { name: map, source };
-    let taken = ebpf.take_map(map).ok_or(TailCallError::NoMap(map))?;
-    let id = match &taken {
-        Map::ProgramArray(data) => data.info().map_err(in_map)?.id(),
-        _ => return Err(TailCallError::NoMap(map)),
-    };
-    let mut array = ProgramArray::try_from(taken).map_err(in_map)?;
+    let mut taken = ebpf.take_map(map).ok_or(TailCallError::NoMap(map))?;
+    let mut array = ProgramArray::try_from(&mut taken).map_err(in_map)?;
     for &(name, slot) in programs {
         let failed = |source| TailCallError::Program { name, source };
         let program: &mut P = ebpf
@@ -269,20 +272,25 @@ where
             .set(slot, program.fd().map_err(failed)?, 0)
             .map_err(in_map)?;
     }
-    Ok((array, id))
+    let pinned = pin.and_then(|at| {
+        pin_map(&taken, map, &at.path)
+            .inspect_err(|e| tracing::warn!(error = %e, "{}", at.unpinned))
+            .ok()
+            .map(|()| at.path)
+    });
+    Ok((ProgramArray::try_from(taken).map_err(in_map)?, pinned))
 }
 
-/// Pins the map `name` of id `id` at `path`, through a descriptor of its
-/// own.
-fn pin_by_id(name: &'static str, id: u32, path: &Path) -> Result<(), TailCallError> {
-    let failed = |source: Box<dyn std::error::Error + Send + Sync>| TailCallError::Pin {
+/// Pins `map`, named `name`, at `path`, in place of anything pinned there,
+/// through the descriptor the agent holds: opening it again by its id
+/// would need `CAP_SYS_ADMIN`, which the DaemonSet does not grant.
+fn pin_map(map: &Map, name: &'static str, path: &Path) -> Result<(), TailCallError> {
+    let _ = std::fs::remove_file(path);
+    map.pin(path).map_err(|e| TailCallError::Pin {
         name,
         path: path.display().to_string(),
-        source,
-    };
-    let data = MapData::from_id(id).map_err(|e| failed(e.into()))?;
-    let _ = std::fs::remove_file(path);
-    data.pin(path).map_err(|e| failed(e.into()))
+        source: e.into(),
+    })
 }
 
 /// The ids of the programs linked into the tcx ingress chain of any

@@ -107,7 +107,8 @@ pub mod map_names {
     pub const XDP_NEXT: &str = "XDP_NEXT";
     /// The program array `tc_ingress` tail-calls into for every frame that
     /// is not IPv4 (`TC_NEXT_IPV6`). Not in `ALL`: each agent fills its
-    /// own at load and pins it under a name of its own (by the array's id).
+    /// own at load and pins it under a name of its own (by the program id
+    /// of the `tc_ingress` that reads it).
     pub const TC_NEXT: &str = "TC_NEXT";
     /// The program array `tc_ingress` and `tc_ingress6` tail-call into
     /// for a packet another node sent by direct server return

@@ -508,12 +508,8 @@ impl Datapath {
     /// which only an interface pass would try again otherwise: the pass
     /// comes when the interfaces change. Each one's outcome.
     pub fn retry_attaches(&mut self) -> Vec<(String, Result<(), AttachError>)> {
-        let pending: Vec<(String, u32)> = self
-            .tc_pending
-            .iter()
-            .map(|(name, index)| (name.clone(), *index))
-            .collect();
-        pending
+        // `attach` puts back each one that fails again.
+        std::mem::take(&mut self.tc_pending)
             .into_iter()
             .map(|(name, index)| {
                 let outcome = self.attach(&name, index);

@@ -97,7 +97,7 @@ impl PinLayout {
         ]
     }
 
-    /// Where the pinned `TC_NEXT` arrays are (`tail_calls`).
+    /// Where the pinned `TC_NEXT` and `TC_DSR` arrays are (`tail_calls`).
     pub fn tail_calls_dir(&self) -> PathBuf {
         self.versioned().join("tail_calls")
     }

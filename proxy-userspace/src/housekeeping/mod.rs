@@ -144,8 +144,8 @@ pub fn after_interface_pass(datapath: &mut Datapath) {
 /// The `TC_NEXT` and `TC_DSR` arrays of earlier agents unpinned once their
 /// `tc_ingress` is linked nowhere (`Datapath::retire_unread_tail_calls`):
 /// until then it still runs somewhere, and hands IPv6 and direct server
-/// return arrivals to them. Asked after
-/// each interface pass and at each reap; what cannot go yet is asked again.
+/// return arrivals to them. Asked after each interface pass and at each
+/// reap; what cannot go yet is asked again.
 pub fn retire_unread_tail_calls(datapath: &Datapath) {
     match datapath.retire_unread_tail_calls(programs_attached(datapath)) {
         Ok(0) => {}

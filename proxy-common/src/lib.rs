@@ -106,9 +106,10 @@ pub mod map_names {
     /// Never pinned, so not in `ALL`: each agent fills its own at load.
     pub const XDP_NEXT: &str = "XDP_NEXT";
     /// The program array `tc_ingress` tail-calls into for every frame that
-    /// is not IPv4 (`TC_NEXT_IPV6`). Not in `ALL`: each agent fills its
-    /// own at load and pins it under a name of its own (by the program id
-    /// of the `tc_ingress` that reads it).
+    /// is not IPv4 (`TC_NEXT_IPV6`), and `tc_ingress6` for a new flow
+    /// (`TC_NEXT_NEW6`). Not in `ALL`: each agent fills its own at load
+    /// and pins it under a name of its own (by the program id of the
+    /// `tc_ingress` that reads it).
     pub const TC_NEXT: &str = "TC_NEXT";
     /// The program array `tc_ingress` and `tc_ingress6` tail-call into
     /// for a packet another node sent by direct server return
@@ -218,6 +219,8 @@ pub mod datapath_log {
 pub const XDP_NEXT_IPV6: u32 = 0;
 /// The slot of `program_names::TC_INGRESS6` in `map_names::TC_NEXT`.
 pub const TC_NEXT_IPV6: u32 = 0;
+/// The slot of `program_names::TC_NEW6` in `map_names::TC_NEXT`.
+pub const TC_NEXT_NEW6: u32 = 1;
 /// The slot of `program_names::TC_DSR` in `map_names::TC_DSR`.
 pub const TC_DSR_IPV4: u32 = 0;
 /// The slot of `program_names::TC_DSR6` in `map_names::TC_DSR`.
@@ -253,6 +256,13 @@ pub mod program_names {
     /// `TC_DSR` for IPv6 (its frontend in a destination options header),
     /// from `TC_INGRESS6` (slot `TC_DSR_IPV6`).
     pub const TC_DSR6: &str = "tc_dsr6";
+    /// The first packet of a new IPv6 flow at tc: never attached, reached
+    /// by a tail call from `TC_INGRESS6` (slot `TC_NEXT_NEW6` of
+    /// `map_names::TC_NEXT`) once conntrack knows no flow of the packet
+    /// and a frontend has it, with a verifier budget of its own:
+    /// `TC_INGRESS6` with a new flow's paths inline came within a tenth of
+    /// the verifier's limit.
+    pub const TC_NEW6: &str = "tc_new6";
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
     /// Only the conntrack work of a new flow: the packet parsed and the two

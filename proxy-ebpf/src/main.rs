@@ -96,6 +96,15 @@ pub fn tc_dsr(ctx: TcContext) -> i32 {
     pipeline::dsr_arrival::<V4>(&ctx)
 }
 
+/// The first packet of a new IPv6 flow at tc, reached from `tc_ingress6`
+/// only, by a tail call through `TC_NEXT` (see
+/// `pipeline::new_flow_apart`).
+#[classifier]
+#[inline(always)]
+pub fn tc_new6(ctx: TcContext) -> i32 {
+    pipeline::new_flow_apart::<V6>(&ctx)
+}
+
 /// `tc_dsr` for IPv6, from `tc_ingress6`.
 #[classifier]
 pub fn tc_dsr6(ctx: TcContext) -> i32 {

@@ -124,13 +124,13 @@ pub static REJECT_LIMIT: Array<RejectLimit, 1> = Array::new();
 #[btf_map]
 pub static XDP_NEXT: ProgramArray<1> = ProgramArray::new();
 
-/// The programs `tc_ingress` hands frames on to by a tail call: at
-/// `proxy_common::TC_NEXT_IPV6`, `tc_ingress6`. Filled by the agent at
-/// load, never pinned, as `XDP_NEXT`: with the slot empty, `tc_ingress`
-/// hands the frame on down its tcx chain instead, to the `tc_ingress6`
-/// attached after it (docs/architecture.md, "IPv6").
+/// The programs tc hands frames on to by a tail call: at
+/// `proxy_common::TC_NEXT_IPV6`, `tc_ingress6`, for `tc_ingress`; at
+/// `TC_NEXT_NEW6`, `tc_new6`, for `tc_ingress6`. Filled by the agent at
+/// load and pinned (docs/architecture.md, "IPv6"): with a slot empty, the
+/// frame goes on untranslated.
 #[btf_map]
-pub static TC_NEXT: ProgramArray<1> = ProgramArray::new();
+pub static TC_NEXT: ProgramArray<2> = ProgramArray::new();
 
 /// Direct server return's packets from other nodes, at tc: slot
 /// `proxy_common::TC_DSR_IPV4`, `tc_dsr`; `TC_DSR_IPV6`, `tc_dsr6`. Filled by

@@ -147,6 +147,24 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         // conntrack entry gone since): a later fragment never starts one.
         return Ok(untracked_fragment::<F, H>(flow));
     }
+    // IPv6 at tc serves it in a program of its own, which the verifier
+    // walks apart (`PipelineFamily::NEW_FLOW_APART`).
+    if F::NEW_FLOW_APART && !H::XDP {
+        return Ok(hand_off::<F, H>(ctx, flow, known.reopened_port_be, now));
+    }
+    first_packet::<F, H>(ctx, flow, known.reopened_port_be, now)
+}
+
+/// The verdict for a packet the prefilter passed that conntrack does not
+/// know: a new flow's, if a frontend has it, else what becomes of a packet
+/// no frontend answers.
+#[inline(always)]
+fn first_packet<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    reopened_be: u16,
+    now: u64,
+) -> Result<H::Verdict, u16> {
     // The prefilter passed a packet conntrack does not know either for its
     // destination or, as a pod's reply to a client that reached it by its
     // pod IP, for its source: for the second its bits answer for the
@@ -169,7 +187,77 @@ fn tracked<F: PipelineFamily, H: Verdicts>(
         // starts one (its peer has none to end through this frontend).
         return Ok(H::PASS);
     }
-    new_flow::<F, H>(ctx, flow, &frontend, known.reopened_port_be, now)
+    new_flow::<F, H>(ctx, flow, &frontend, reopened_be, now)
+}
+
+/// What a program hands its family's program for new flows
+/// (`PipelineFamily::NEW_FLOW_APART`): the packet's flow as it parsed it,
+/// the source port a closed flow of its tuple left (`conntrack::Known`),
+/// and the clock. The flow is handed on, not parsed again: read from a
+/// map, its fields are values the verifier knows nothing of, so that it
+/// walks the new flow's paths once, where after a parse it would walk
+/// them once for each of the parser's outcomes.
+#[derive(Clone, Copy)]
+pub struct Handoff<A> {
+    flow: FlowOf<A>,
+    reopened_be: u16,
+    now: u64,
+}
+
+/// Hands a packet conntrack does not know on to the family's program for
+/// new flows (`Verdicts::new_flow_apart`), its `Handoff` in this CPU's
+/// room (`PipelineFamily::handoff`).
+#[inline(always)]
+fn hand_off<F: PipelineFamily, H: Verdicts>(
+    ctx: &H,
+    flow: &FlowOf<F::Addr>,
+    reopened_be: u16,
+    now: u64,
+) -> H::Verdict {
+    let Some(slot) = F::handoff() else {
+        count(counter::LOOKUP_MISS);
+        return H::PASS;
+    };
+    // SAFETY: this CPU's room, which nothing else uses while this program
+    // and the one it calls run (`PipelineFamily::handoff`).
+    unsafe {
+        *slot = Handoff {
+            flow: *flow,
+            reopened_be,
+            now,
+        };
+    }
+    ctx.new_flow_apart()
+}
+
+/// `tc_new6`: a packet its family's tc program handed on (`hand_off`),
+/// served as `tracked` would have served it (`first_packet`), a packet
+/// longer than its route's MTU answered as `handle` answers it. A program
+/// of its own so that the verifier walks a new flow's many paths
+/// (frontend, backend, source, route, inserts, rewrite) apart from the
+/// rest of the family's (bench/README.md, "A new IPv6 flow at tc in a
+/// program of its own"). The transport header's offset is bounded again as
+/// the parser bounds it, for the verifier: every read at it is checked
+/// against the packet's end all the same.
+#[inline(always)]
+pub fn new_flow_apart<F: PipelineFamily>(ctx: &TcContext) -> i32 {
+    let Some(handoff) = F::handoff() else {
+        return TCX_NEXT;
+    };
+    // SAFETY: this CPU's room, written by the program that called this one
+    // (`PipelineFamily::handoff`).
+    let Handoff {
+        flow,
+        reopened_be,
+        now,
+    } = unsafe { *handoff };
+    if flow.l4_off > F::MAX_L4_OFF || flow.frag == LATER {
+        return TCX_NEXT;
+    }
+    match first_packet::<F, TcContext>(ctx, &flow, reopened_be, now) {
+        Ok(verdict) => verdict,
+        Err(mtu) => ctx.too_big::<F>(mtu),
+    }
 }
 
 /// `tc_dsr` and `tc_dsr6`: a packet another node sent here by direct

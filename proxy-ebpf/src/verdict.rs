@@ -38,6 +38,11 @@ pub trait Verdicts: Hook {
     /// `TC_DSR`; XDP leaves it to tc.
     fn dsr(&self, slot: u32) -> Self::Verdict;
 
+    /// The first packet of a new flow, handed on to the family's program
+    /// for new flows (`tc_new6`, in `TC_NEXT`) with what it needs in this
+    /// CPU's handoff (`pipeline::hand_off`). tc only: XDP finishes its new
+    /// flows itself.
+    fn new_flow_apart(&self) -> Self::Verdict;
     /// An ICMP message at `at`: translated back if it is an error about a
     /// translated flow (`icmp_error`).
     fn icmp_error<F: ErrorFamily>(&self, at: F::IcmpAt) -> Self::Verdict;
@@ -63,6 +68,8 @@ pub trait Verdicts: Hook {
 const XDP_NEXT_IPV6: u32 = proxy_common::XDP_NEXT_IPV6;
 /// `TC_NEXT`'s slot of `tc_ingress6`.
 const TC_NEXT_IPV6: u32 = proxy_common::TC_NEXT_IPV6;
+/// `TC_NEXT`'s slot of `tc_new6`.
+const TC_NEXT_NEW6: u32 = proxy_common::TC_NEXT_NEW6;
 
 impl Verdicts for TcContext {
     type Verdict = i32;
@@ -93,6 +100,17 @@ impl Verdicts for TcContext {
         TCX_NEXT
     }
 
+    /// A tail call, inlined into the entry program's own frame, as `dsr`
+    /// is. It returns only when the slot is empty (the agent could not load
+    /// the program): the packet then goes on untranslated, counted as a
+    /// slot that missed, and its retransmission tries again.
+    #[inline(always)]
+    fn new_flow_apart(&self) -> i32 {
+        // SAFETY: a tail call with this program's own context.
+        unsafe { TC_NEXT.tail_call(self, TC_NEXT_NEW6) };
+        count(counter::LOOKUP_MISS);
+        TCX_NEXT
+    }
     #[inline(always)]
     fn icmp_error<F: ErrorFamily>(&self, at: F::IcmpAt) -> i32 {
         let send = |error: &FlowOf<F::Addr>, nat: &NatOf<F::Addr>| {
@@ -155,6 +173,12 @@ impl Verdicts for XdpContext {
     #[inline(always)]
     fn dsr(&self, _slot: u32) -> u32 {
         count(counter::XDP_TO_TC);
+        xdp_action::XDP_PASS
+    }
+    /// Never reached: XDP finishes its new flows itself
+    /// (`PipelineFamily::NEW_FLOW_APART` is asked of tc alone).
+    #[inline(always)]
+    fn new_flow_apart(&self) -> u32 {
         xdp_action::XDP_PASS
     }
 

@@ -6145,3 +6145,46 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
         "DSR off: the reply untranslated"
     );
 }
+
+/// Every packet program verifies in at most half the verifier's limit of a
+/// million processed instructions. A program past the limit does not load
+/// at all, and what the verifier walks grows with each path a change adds
+/// and differs from one kernel to the next: half leaves room for both.
+/// `tc_ingress6` had come to 887,090 before a new flow's paths went to a
+/// program of their own (`tc_new6`, docs/architecture.md, "One pipeline
+/// over both families").
+#[test]
+fn every_packet_program_verifies_well_within_the_kernels_limit() {
+    use proxy_common::program_names::{
+        TC_DSR, TC_DSR6, TC_INGRESS, TC_INGRESS6, TC_NEW6, XDP_INGRESS, XDP_INGRESS6,
+    };
+    const HALF: u32 = 500_000;
+    let fx = fixture();
+    let loads = fx.datapath.program_loads();
+    let counted: Vec<(&str, Option<u32>)> =
+        loads.iter().map(|l| (l.name, l.verified_insns)).collect();
+    for name in [
+        TC_INGRESS,
+        TC_INGRESS6,
+        TC_NEW6,
+        XDP_INGRESS,
+        XDP_INGRESS6,
+        TC_DSR,
+        TC_DSR6,
+    ] {
+        let insns = counted
+            .iter()
+            .find(|(loaded, _)| *loaded == name)
+            .unwrap_or_else(|| panic!("{name} was not loaded; loads: {counted:?}"))
+            .1
+            .unwrap_or_else(|| {
+                panic!(
+                    "{name}: the kernel kept no count of verified instructions (Linux 5.16 does)"
+                )
+            });
+        assert!(
+            insns <= HALF,
+            "{name}: {insns} verified instructions, more than half the verifier's limit ({HALF}); all: {counted:?}"
+        );
+    }
+}

@@ -16,9 +16,10 @@ use attribute::{Profile, Program};
 use ebpf_proxy_tests::require_root;
 
 /// The agent's packet programs, which `--program` defaults to.
-pub const PACKET_PROGRAMS: [&str; 6] = [
+pub const PACKET_PROGRAMS: [&str; 7] = [
     "tc_ingress",
     "tc_ingress6",
+    "tc_new6",
     "xdp_ingress",
     "xdp_ingress6",
     "tc_dsr",

@@ -6,7 +6,10 @@
 //! The rest (records, logs, conntrack, NAT, routes, errors) it reaches
 //! through the traits of the layers below, which `PipelineFamily` gathers.
 
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use proxy_common::{Backend, CtKeyOf, counter, is_v4_mapped};
+
+use super::Handoff;
 
 use crate::{
     conntrack,
@@ -22,6 +25,11 @@ use crate::{
     trace::Traced,
     verdict::Verdicts,
 };
+
+/// IPv6's room for a new flow's `Handoff`, one per CPU
+/// (`PipelineFamily::handoff`).
+#[btf_map]
+static HANDOFF6: PerCpuArray<Handoff<[u32; 4]>, 1> = PerCpuArray::new();
 
 /// The source a new flow's packets take where the client's cannot stay
 /// (`PipelineFamily::new_source`).
@@ -40,6 +48,20 @@ pub enum Source<A> {
 
 /// A family, as the pipeline writes it once over both.
 pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + Traced {
+    /// Whether tc hands a new flow of this family on to a program of its
+    /// own (`Verdicts::new_flow_apart`) rather than serving it inline:
+    /// IPv6's, whose tc program would otherwise come within a tenth of the
+    /// verifier's limit of a million instructions, a new flow's paths most
+    /// of them. XDP serves its new flows inline either way.
+    const NEW_FLOW_APART: bool;
+
+    /// This CPU's room for the `Handoff` of a new flow
+    /// (`NEW_FLOW_APART`): written just before the tail call and read by
+    /// the program it calls, on the same CPU, before anything else can run
+    /// there (tc runs one program at a time on a CPU). None for a family
+    /// that serves its new flows inline.
+    fn handoff() -> Option<*mut Handoff<Self::Addr>>;
+
     /// The packet's flow, or the hook's verdict for a packet the pipeline
     /// does not handle (another family's, ICMP, malformed), counted where
     /// that is tc's to do.
@@ -77,6 +99,13 @@ pub trait PipelineFamily: DsrFamily + ErrorFamily + ResetFamily + Traced {
 }
 
 impl PipelineFamily for V4 {
+    const NEW_FLOW_APART: bool = false;
+
+    #[inline(always)]
+    fn handoff() -> Option<*mut Handoff<u32>> {
+        None
+    }
+
     #[inline(always)]
     fn parse<H: Verdicts>(ctx: &H) -> Result<FlowOf<u32>, H::Verdict> {
         packet::parse(ctx).map_err(|skip| match skip {
@@ -142,6 +171,13 @@ impl PipelineFamily for V4 {
 }
 
 impl PipelineFamily for V6 {
+    const NEW_FLOW_APART: bool = true;
+
+    #[inline(always)]
+    fn handoff() -> Option<*mut Handoff<[u32; 4]>> {
+        HANDOFF6.get_ptr_mut(0)
+    }
+
     #[inline(always)]
     fn parse<H: Verdicts>(ctx: &H) -> Result<FlowOf<[u32; 4]>, H::Verdict> {
         packet6::parse(ctx).map_err(|skip| match skip {

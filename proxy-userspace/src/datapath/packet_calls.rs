@@ -7,15 +7,16 @@
 
 use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget, SymbolKind};
 use proxy_common::program_names::{
-    TC_DSR, TC_DSR6, TC_INGRESS, TC_INGRESS6, XDP_INGRESS, XDP_INGRESS6,
+    TC_DSR, TC_DSR6, TC_INGRESS, TC_INGRESS6, TC_NEW6, XDP_INGRESS, XDP_INGRESS6,
 };
 
 use super::EBPF_OBJECT;
 
 /// The programs every packet (or every packet of a kind) runs.
-const PACKET_PROGRAMS: [&str; 6] = [
+const PACKET_PROGRAMS: [&str; 7] = [
     TC_INGRESS,
     TC_INGRESS6,
+    TC_NEW6,
     XDP_INGRESS,
     XDP_INGRESS6,
     TC_DSR,

@@ -16,7 +16,8 @@
 //!   links into an interface's tcx chain, and hands on down the chain
 //!   (`TCX_NEXT`) every packet it does not take, so a second program there
 //!   would run on every IPv4 packet as well (docs/architecture.md,
-//!   "Where programs attach").
+//!   "Where programs attach"). And `tc_new6`, which `tc_ingress6` hands a
+//!   new flow's first packet to. Empty, IPv6 at tc goes untranslated.
 //!
 //! The kernel empties a program array when the last reference to it other
 //! than a program's goes (a descriptor or a pin). `XDP_NEXT` is held by
@@ -43,7 +44,7 @@ use aya::{
     programs::{Program, ProgramError, SchedClassifier, Xdp},
 };
 use proxy_common::{
-    TC_DSR_IPV4, TC_DSR_IPV6, TC_NEXT_IPV6, XDP_NEXT_IPV6, map_names, program_names,
+    TC_DSR_IPV4, TC_DSR_IPV6, TC_NEXT_IPV6, TC_NEXT_NEW6, XDP_NEXT_IPV6, map_names, program_names,
 };
 
 use super::{Load, PinLayout, ProgramLoad};
@@ -150,7 +151,10 @@ impl TailCalls {
         let tc_next = fill::<SchedClassifier>(
             ebpf,
             map_names::TC_NEXT,
-            &[(program_names::TC_INGRESS6, TC_NEXT_IPV6)],
+            &[
+                (program_names::TC_INGRESS6, TC_NEXT_IPV6),
+                (program_names::TC_NEW6, TC_NEXT_NEW6),
+            ],
             loads,
             pin_at(
                 map_names::TC_NEXT,
@@ -224,7 +228,7 @@ impl TailCalls {
         self.xdp_next.is_some()
     }
 
-    /// Whether `tc_ingress6` is in its slot.
+    /// Whether `tc_ingress6` and `tc_new6` are in their slots.
     pub fn tc_ingress6(&self) -> bool {
         self.tc_next.is_some()
     }

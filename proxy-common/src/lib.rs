@@ -263,6 +263,18 @@ pub mod program_names {
     /// `TC_INGRESS6` with a new flow's paths inline came within a tenth of
     /// the verifier's limit.
     pub const TC_NEW6: &str = "tc_new6";
+    /// The programs every packet (or every packet of a kind) runs: what
+    /// the agent's profile samples by default, and what must stay one
+    /// function each, within the verifier's limit.
+    pub const PACKET: [&str; 7] = [
+        TC_INGRESS,
+        TC_INGRESS6,
+        TC_NEW6,
+        XDP_INGRESS,
+        XDP_INGRESS6,
+        TC_DSR,
+        TC_DSR6,
+    ];
     /// The XDP floor, as `TC_PASS` is for tc.
     pub const XDP_PASS: &str = "xdp_pass";
     /// Only the conntrack work of a new flow: the packet parsed and the two

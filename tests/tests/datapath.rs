@@ -6155,23 +6155,12 @@ fn dsr_backends_node_learns_the_flow_and_answers_from_the_frontend() {
 /// over both families").
 #[test]
 fn every_packet_program_verifies_well_within_the_kernels_limit() {
-    use proxy_common::program_names::{
-        TC_DSR, TC_DSR6, TC_INGRESS, TC_INGRESS6, TC_NEW6, XDP_INGRESS, XDP_INGRESS6,
-    };
     const HALF: u32 = 500_000;
     let fx = fixture();
     let loads = fx.datapath.program_loads();
     let counted: Vec<(&str, Option<u32>)> =
         loads.iter().map(|l| (l.name, l.verified_insns)).collect();
-    for name in [
-        TC_INGRESS,
-        TC_INGRESS6,
-        TC_NEW6,
-        XDP_INGRESS,
-        XDP_INGRESS6,
-        TC_DSR,
-        TC_DSR6,
-    ] {
+    for name in proxy_common::program_names::PACKET {
         let insns = counted
             .iter()
             .find(|(loaded, _)| *loaded == name)

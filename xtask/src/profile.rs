@@ -16,15 +16,7 @@ use attribute::{Profile, Program};
 use ebpf_proxy_tests::require_root;
 
 /// The agent's packet programs, which `--program` defaults to.
-pub const PACKET_PROGRAMS: [&str; 7] = [
-    "tc_ingress",
-    "tc_ingress6",
-    "tc_new6",
-    "xdp_ingress",
-    "xdp_ingress6",
-    "tc_dsr",
-    "tc_dsr6",
-];
+pub use proxy_common::program_names::PACKET as PACKET_PROGRAMS;
 
 /// What to sample, for how long, and how much to print.
 pub struct Options {

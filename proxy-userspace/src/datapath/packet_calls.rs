@@ -6,22 +6,9 @@
 //! change of code or toolchain can undo either without a sign.
 
 use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget, SymbolKind};
-use proxy_common::program_names::{
-    TC_DSR, TC_DSR6, TC_INGRESS, TC_INGRESS6, TC_NEW6, XDP_INGRESS, XDP_INGRESS6,
-};
+use proxy_common::program_names::PACKET as PACKET_PROGRAMS;
 
 use super::EBPF_OBJECT;
-
-/// The programs every packet (or every packet of a kind) runs.
-const PACKET_PROGRAMS: [&str; 7] = [
-    TC_INGRESS,
-    TC_INGRESS6,
-    TC_NEW6,
-    XDP_INGRESS,
-    XDP_INGRESS6,
-    TC_DSR,
-    TC_DSR6,
-];
 
 /// The memory functions the compiler calls where it does not expand a copy
 /// or a fill in place; on BPF, byte loops from `compiler_builtins`.

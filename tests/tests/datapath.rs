@@ -24,11 +24,9 @@ use proxy_userspace::{
 };
 use service_counts::{service_id_of, service_totals};
 
-/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
-/// next program and legacy filters, as the kernel's test run reports it.
-const TC_PASS: u32 = u32::MAX;
-const TC_ACT_SHOT: u32 = 2;
-const TC_ACT_REDIRECT: u32 = 7;
+// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+// next program and legacy filters, as the kernel's test run reports it.
+use ebpf_proxy_tests::fuzz::verdict::{TC_ACT_REDIRECT, TC_ACT_SHOT, TCX_NEXT as TC_PASS};
 
 const CLIENT: Ipv4Addr = one_node::CLIENT.1;
 const VIP: Ipv4Addr = one_node::CLUSTER_IP;

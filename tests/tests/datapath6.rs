@@ -31,11 +31,10 @@ use proxy_userspace::{
 };
 use service_counts::{service_id_of, service_totals};
 
-/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
-/// next program and legacy filters, as the kernel's test run reports it.
-const TC_PASS: u32 = u32::MAX;
+// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+// next program and legacy filters, as the kernel's test run reports it.
+use ebpf_proxy_tests::fuzz::verdict::{TC_ACT_REDIRECT, TC_ACT_SHOT, TCX_NEXT as TC_PASS};
 const SCTP: u8 = 132;
-const TC_ACT_REDIRECT: u32 = 7;
 
 const CLIENT: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0, 0, 0, 0, 0, 0x11);
 const VIP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
@@ -1055,7 +1054,6 @@ fn a_packet_to_an_external_ipv6_frontend_is_translated() {
 // veth pair) with permanent neighbour entries, so that the program's FIB
 // lookups have one fixed answer.
 
-const TC_ACT_SHOT: u32 = 2;
 const NODE_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 1);
 const PEER_NODE: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 2);
 const OUTSIDE: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x50, 0, 0, 0, 0, 0x100);

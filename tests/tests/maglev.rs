@@ -33,9 +33,9 @@ use proxy_userspace::{
     source::ObjectKey,
 };
 
-/// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
-/// next program and legacy filters, as the kernel's test run reports it.
-const TC_PASS: u32 = u32::MAX;
+// How tc passes a packet: tcx's `TCX_NEXT` (-1), on to the interface's
+// next program and legacy filters, as the kernel's test run reports it.
+use ebpf_proxy_tests::fuzz::verdict::TCX_NEXT as TC_PASS;
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 10);
 const PORT: u16 = 80;
 const TARGET: u16 = 8080;

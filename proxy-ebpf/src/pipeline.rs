@@ -236,9 +236,11 @@ fn hand_off<F: PipelineFamily, H: Verdicts>(
 /// of its own so that the verifier walks a new flow's many paths
 /// (frontend, backend, source, route, inserts, rewrite) apart from the
 /// rest of the family's (bench/README.md, "A new IPv6 flow at tc in a
-/// program of its own"). The transport header's offset is bounded again as
-/// the parser bounds it, for the verifier: every read at it is checked
-/// against the packet's end all the same.
+/// program of its own"). What the handoff holds is taken as unchecked, as
+/// the program can run with whatever was left there: the transport
+/// header's offset is bounded again as the parser bounds it (for the
+/// verifier; every read at it is checked against the packet's end all the
+/// same), and a later fragment, which never starts a flow, is refused.
 #[inline(always)]
 pub fn new_flow_apart<F: PipelineFamily>(ctx: &TcContext) -> i32 {
     let Some(handoff) = F::handoff() else {

@@ -1507,10 +1507,21 @@ pub fn a_failed_attach_is_retried_until_it_lands<F: Family>() {
             }
         },
     );
-    assert!(
-        sb.agent().log().contains("attached on a retry"),
-        "the agent did not say it attached on a retry:\n{}",
-        sb.agent().log()
+    // The agent says so just after the attach the chain shows, which a
+    // poll of the chain can see first.
+    ebpf_proxy_tests::eventually(
+        "the agent saying it attached on a retry",
+        Duration::from_secs(5),
+        || {
+            let log = sb.agent().log();
+            if log.contains("attached on a retry") {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the agent did not say it attached on a retry:\n{log}"
+                ))
+            }
+        },
     );
     let tally = tcp_tally(ns, F::http(F::cluster_ip()), 10, TIMEOUT).expect("TCP tally");
     assert_all_replied_from(

@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod csum;
+pub mod ct_reap;
 pub mod dsr;
 pub mod ip_summed;
 pub mod maglev;
@@ -287,6 +288,10 @@ pub mod program_names {
     /// Samples both kernel clocks into `CLOCK[SAMPLE]`, run by the agent
     /// through `BPF_PROG_TEST_RUN` to calibrate the datapath clock.
     pub const CLOCK_PROBE: &str = "clock_probe";
+    /// Removes the conntrack entries the agent's reaper read as expired,
+    /// each only if it still is (`ct_reap`). Never attached: run through
+    /// `BPF_PROG_TEST_RUN`.
+    pub const CT_REAP: &str = "ct_reap";
     /// cgroup `connect4` hook: connections that start on the node itself
     /// (host-network pods, node agents), which never cross tc ingress, get
     /// their frontend replaced by a backend at `connect()`.

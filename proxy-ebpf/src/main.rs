@@ -28,6 +28,7 @@
 )]
 
 mod conntrack;
+mod ct_reap;
 mod dsr;
 mod event_log;
 mod family;
@@ -258,6 +259,15 @@ pub fn xdp_ct_pair(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn clock_probe(_ctx: XdpContext) -> u32 {
     conntrack::sample_clocks();
+    xdp_action::XDP_PASS
+}
+
+/// Removes the conntrack entries the agent's reaper read as expired, each
+/// only if it still is (see `ct_reap`). Never attached: run through
+/// `BPF_PROG_TEST_RUN`.
+#[xdp]
+pub fn ct_reap(ctx: XdpContext) -> u32 {
+    ct_reap::reap(&ctx);
     xdp_action::XDP_PASS
 }
 

@@ -541,8 +541,15 @@ impl RunArgs {
 
     /// The conntrack timeouts these flags ask for; a zero is kube-proxy's
     /// "leave as is", the kernel's own default here.
+    /// Each is at least `MIN_IDLE_TIMEOUT` (see there).
     pub fn ct_timeouts(&self) -> proxy_common::CtTimeouts {
-        let or = |d: Duration, kernel: Duration| if d.is_zero() { kernel } else { d };
+        let or = |d: Duration, kernel: Duration| {
+            if d.is_zero() {
+                kernel
+            } else {
+                d.max(MIN_IDLE_TIMEOUT)
+            }
+        };
         let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         proxy_common::CtTimeouts {
             tcp_syn_ns: proxy_common::ct_timeout::TCP_SYN_NS,
@@ -556,11 +563,38 @@ impl RunArgs {
             )),
             tcp_time_wait_ns: proxy_common::ct_timeout::TCP_TIME_WAIT_NS,
             tcp_close_ns: proxy_common::ct_timeout::TCP_CLOSE_NS,
-            // Zero means "never written" in the map; a second is the floor.
-            udp_ns: ns(or(self.conntrack_udp_timeout, UDP_TIMEOUT).max(Duration::from_secs(1))),
+            udp_ns: ns(or(self.conntrack_udp_timeout, UDP_TIMEOUT)),
         }
     }
+
+    /// The timeout flags given below `MIN_IDLE_TIMEOUT`, which
+    /// `ct_timeouts` raises to it: (flag, value given).
+    pub fn raised_timeouts(&self) -> Vec<(&'static str, Duration)> {
+        [
+            (
+                "--conntrack-tcp-timeout-established",
+                self.conntrack_tcp_timeout_established,
+            ),
+            (
+                "--conntrack-tcp-timeout-close-wait",
+                self.conntrack_tcp_timeout_close_wait,
+            ),
+            ("--conntrack-udp-timeout", self.conntrack_udp_timeout),
+        ]
+        .into_iter()
+        .filter(|(_, d)| !d.is_zero() && *d < MIN_IDLE_TIMEOUT)
+        .collect()
+    }
 }
+
+/// The shortest idle timeout a flow is given. The datapath refreshes a
+/// flow's entries at most once a second (`ct_timeout::REFRESH_NS`), each
+/// direction's by its own packets, so an entry may read a second older
+/// than its flow's last packet: with a timeout of a second or less, a flow
+/// sending all the time expired between two refreshes, and its answers
+/// went untranslated. At 3 s, a flow whose packets come less than 2 s apart
+/// in each direction lives on.
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// `nf_conntrack_tcp_timeout_established`'s default.
 const KERNEL_TCP_ESTABLISHED: Duration = Duration::from_hours(120);
@@ -881,6 +915,50 @@ mod tests {
             secs(timeouts(&["--conntrack-tcp-timeout-close-wait=0s"]).tcp_close_wait_ns),
             60,
             "0: the kernel's 60 s"
+        );
+    }
+
+    #[test]
+    fn idle_timeouts_below_three_seconds_are_raised_to_three() {
+        let run = |args: &[&str]| {
+            let cli =
+                Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
+            let Command::Run(run) = cli.command else {
+                panic!("not a run command");
+            };
+            run
+        };
+        let short = run(&[
+            "--conntrack-udp-timeout=1s",
+            "--conntrack-tcp-timeout-close-wait=500ms",
+            "--conntrack-tcp-timeout-established=2s",
+        ]);
+        let t = short.ct_timeouts();
+        assert_eq!(
+            (t.udp_ns, t.tcp_close_wait_ns, t.tcp_established_ns),
+            (3_000_000_000, 3_000_000_000, 3_000_000_000),
+            "1 s, 500 ms and 2 s are each raised to 3 s"
+        );
+        assert_eq!(
+            short.raised_timeouts(),
+            [
+                (
+                    "--conntrack-tcp-timeout-established",
+                    Duration::from_secs(2)
+                ),
+                (
+                    "--conntrack-tcp-timeout-close-wait",
+                    Duration::from_millis(500)
+                ),
+                ("--conntrack-udp-timeout", Duration::from_secs(1)),
+            ],
+            "every flag raised is named with the value given"
+        );
+        let fine = run(&["--conntrack-udp-timeout=3s"]);
+        assert_eq!(fine.ct_timeouts().udp_ns, 3_000_000_000, "3 s stays 3 s");
+        assert!(
+            fine.raised_timeouts().is_empty(),
+            "neither 3 s nor the defaults are raised"
         );
     }
 

@@ -150,6 +150,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("--init-only: nothing to prepare ahead of the agent; exiting");
         return Ok(());
     }
+    for (flag, given) in args.raised_timeouts() {
+        tracing::warn!(
+            flag,
+            given = ?given,
+            raised_to = ?proxy_userspace::cli::MIN_IDLE_TIMEOUT,
+            "idle timeout raised: the datapath refreshes a flow's entries once a second, so a \
+             shorter timeout would expire flows still sending"
+        );
+    }
     let ct_timeouts = args.ct_timeouts();
     let conntrack_entries = args.conntrack_entries();
     let ct_source_share = args.ct_source_share();

@@ -163,8 +163,11 @@ fn departure_with_flows(
         "the purge must remove the leaving endpoint's flows and no other"
     );
     let t = Instant::now();
-    let reaped =
-        conntrack::reap_expired(&mut datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    let reaped = {
+        let (maps, reap) = datapath.conntrack_reaping();
+        conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns())
+    }
+    .expect("reaping");
     let reap_pass = t.elapsed();
     assert_eq!(
         reaped, 0,

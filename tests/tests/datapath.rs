@@ -975,6 +975,13 @@ fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {
     );
 }
 
+/// The agent's reap of expired conntrack entries at `now`, on the fixture's
+/// datapath; how many it removed.
+fn reap_expired(fx: &mut Fixture, now: u64) -> usize {
+    let (maps, reap) = fx.datapath.conntrack_reaping();
+    conntrack::reap_expired(maps, &reap, now).expect("reaping")
+}
+
 fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> proxy_common::CtKey {
     proxy_common::CtKey::new(
         u32::from_ne_bytes(src.octets()),
@@ -1896,8 +1903,7 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     );
     // The point: the 1 s UDP timeout set above runs out (a sleep only overshoots).
     std::thread::sleep(Duration::from_millis(1_300));
-    let reaped =
-        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    let reaped = reap_expired(&mut fx, conntrack::monotonic_ns());
     assert_eq!(
         reaped, 2,
         "both entries of the idle UDP flow must be reaped"
@@ -3257,6 +3263,93 @@ fn the_nodeport_bench_workload_never_runs_out_of_snat_ports() {
     );
 }
 
+/// The reaper's removals go through `ct_reap`, which removes an entry only if it is
+/// still expired: an entry a new flow took since the reaper read it as expired (here,
+/// one live when handed over) stays, in each of the four conntrack maps; an expired
+/// one goes; a key with no entry is passed over. More keys than one frame carries
+/// (`ct_reap::MAX_KEYS`) go in several runs.
+#[test]
+fn the_reapers_removal_spares_an_entry_that_is_live_again() {
+    use proxy_common::{Ct6Key, Ct6Value, ct_reap};
+    let mut fx = fixture();
+    let now = conntrack::monotonic_ns();
+    let value = |last_seen_ns| CtValue {
+        last_seen_ns,
+        ..Default::default()
+    };
+    let value6 = |last_seen_ns| Ct6Value {
+        last_seen_ns,
+        ..Default::default()
+    };
+    let key = |i: u32| ct_key(Ipv4Addr::from(0x0a64_0000 + i), 40000, VIP, 80, 17);
+    let key6 = |i: u32| {
+        Ct6Key::new(
+            [0xfd00_0000u32.to_be(), 0, 0, (0x100 + i).to_be()],
+            [0xfd00_0000u32.to_be(), 0, 0, 0x80u32.to_be()],
+            40000u16.to_be(),
+            80u16.to_be(),
+            17,
+        )
+    };
+    // Key 0 live, keys 1..=150 expired, key 151 never inserted.
+    const EXPIRED: u32 = 150;
+    let maps = &mut fx.datapath.maps;
+    for i in 0..=EXPIRED {
+        let seen = if i == 0 { now } else { 1 };
+        maps.conntrack
+            .insert(key(i), value(seen), 0)
+            .expect("insert");
+        maps.ct_new.insert(key(i), value(seen), 0).expect("insert");
+        let conntrack6 = maps.conntrack6.as_mut().expect("CONNTRACK6");
+        conntrack6.insert(key6(i), value6(seen), 0).expect("insert");
+        let ct_new6 = maps.ct_new6.as_mut().expect("CT_NEW6");
+        ct_new6.insert(key6(i), value6(seen), 0).expect("insert");
+    }
+    let keys: Vec<_> = (0..=EXPIRED + 1).map(key).collect();
+    let keys6: Vec<_> = (0..=EXPIRED + 1).map(key6).collect();
+    let (_, reap) = fx.datapath.conntrack_reaping();
+    let removed = [
+        reap.remove_expired(ct_reap::map::CONNTRACK, &keys, now),
+        reap.remove_expired(ct_reap::map::CT_NEW, &keys, now),
+        reap.remove_expired(ct_reap::map::CONNTRACK6, &keys6, now),
+        reap.remove_expired(ct_reap::map::CT_NEW6, &keys6, now),
+    ]
+    .map(|r| r.expect("ct_reap runs"));
+    assert_eq!(
+        removed, [EXPIRED as usize; 4],
+        "CONNTRACK, CT_NEW, CONNTRACK6, CT_NEW6: each should lose its {EXPIRED} expired \
+         entries, and neither the live one nor the key with no entry"
+    );
+    let maps = &fx.datapath.maps;
+    let left = (
+        maps.conntrack
+            .keys()
+            .map(|k| k.expect("key"))
+            .collect::<Vec<_>>(),
+        maps.ct_new
+            .keys()
+            .map(|k| k.expect("key"))
+            .collect::<Vec<_>>(),
+        maps.conntrack6
+            .as_ref()
+            .expect("CONNTRACK6")
+            .keys()
+            .map(|k| k.expect("key"))
+            .collect::<Vec<_>>(),
+        maps.ct_new6
+            .as_ref()
+            .expect("CT_NEW6")
+            .keys()
+            .map(|k| k.expect("key"))
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(
+        left,
+        (vec![key(0)], vec![key(0)], vec![key6(0)], vec![key6(0)]),
+        "only the live entry should be left in each map"
+    );
+}
+
 /// The reaper reads and deletes conntrack in batches. Over more entries than a
 /// batch holds, expired and live interleaved, exactly the expired ones go; and
 /// a batch delete naming keys already gone skips them and deletes the rest.
@@ -3280,7 +3373,7 @@ fn reaper_removes_exactly_the_expired_entries_of_a_large_table() {
             .insert(key(i), value, 0)
             .expect("insert");
     }
-    let reaped = conntrack::reap_expired(&mut fx.datapath.maps, now).expect("reaping");
+    let reaped = reap_expired(&mut fx, now);
     assert_eq!(
         reaped,
         N as usize / 2,
@@ -3973,8 +4066,7 @@ fn a_reopening_syn_that_starts_no_flow_leaves_no_live_entry_of_the_closed_one() 
             ct_entries(&fx, key)
         );
     }
-    let reaped =
-        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    let reaped = reap_expired(&mut fx, conntrack::monotonic_ns());
     assert_eq!(
         (
             reaped,
@@ -4073,8 +4165,7 @@ fn a_half_open_flow_expires_with_the_handshake_timeout() {
     handshake(&fx, 44_001, true);
     // The point: the half-open flow's 1 s timeout set above runs out.
     std::thread::sleep(Duration::from_millis(1500));
-    let reaped =
-        conntrack::reap_expired(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("reaping");
+    let reaped = reap_expired(&mut fx, conntrack::monotonic_ns());
     assert_eq!(
         reaped, 2,
         "the half-open flow's two entries, and only those"

@@ -981,10 +981,10 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
         unassured
     };
     assert_eq!(flows6(&fx), expected, "entries before reaping");
-    let reaped = conntrack::reap_expired(
-        &mut fx.datapath.maps,
-        conntrack::monotonic_ns() + 61_000_000_000,
-    )
+    let reaped = {
+        let (maps, reap) = fx.datapath.conntrack_reaping();
+        conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns() + 61_000_000_000)
+    }
     .expect("reaping");
     assert_eq!(reaped, expected, "expired IPv6 entries reaped");
     assert_eq!(flows6(&fx), 0, "entries left after reaping");

@@ -127,3 +127,8 @@ fn backend_reaches_itself_through_its_service_and_others_keep_their_address() {
 fn affinity_entries_outliving_their_services_affinity_go_at_the_next_start() {
     scenario::affinity_entries_outliving_their_services_affinity_go_at_the_next_start::<Ipv4Addr>();
 }
+
+#[test]
+fn udp_flow_sending_every_300ms_outlives_a_1s_timeout() {
+    scenario::udp_flow_sending_every_300ms_outlives_a_1s_timeout::<Ipv4Addr>();
+}

@@ -53,3 +53,8 @@ fn ipv6_stuck_client_moves_when_its_backend_stops_being_ready_or_is_removed() {
 fn ipv6_affinity_entries_outliving_their_services_affinity_go_at_the_next_start() {
     scenario::affinity_entries_outliving_their_services_affinity_go_at_the_next_start::<Ipv6Addr>();
 }
+
+#[test]
+fn ipv6_udp_flow_sending_every_300ms_outlives_a_1s_timeout() {
+    scenario::udp_flow_sending_every_300ms_outlives_a_1s_timeout::<Ipv6Addr>();
+}

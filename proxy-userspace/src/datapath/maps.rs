@@ -61,6 +61,8 @@ pub enum MapsError {
     Prefilter(#[from] PrefilterError),
     #[error(transparent)]
     ServiceCounters(#[from] ServiceCountersError),
+    #[error(transparent)]
+    Reap(#[from] super::ct_reap::CtReapError),
 }
 
 pub(crate) fn wrap(name: &'static str) -> impl FnOnce(MapError) -> MapsError {

@@ -12,6 +12,7 @@ mod btf_names;
 mod btf_section;
 mod btf_wire;
 pub mod clock;
+pub mod ct_reap;
 pub(crate) mod detach;
 pub mod event_log;
 pub mod host;
@@ -171,6 +172,7 @@ fn load_object(
     loaded::<SchedClassifier>(&mut ebpf, program_names::TC_INGRESS6, loads)?;
     loaded::<Xdp>(&mut ebpf, program_names::XDP_INGRESS, loads)?;
     loaded::<Xdp>(&mut ebpf, program_names::CLOCK_PROBE, loads)?;
+    loaded::<Xdp>(&mut ebpf, program_names::CT_REAP, loads)?;
     for (name, _) in SOCKET_HOOKS {
         loaded::<CgroupSockAddr>(&mut ebpf, name, loads)?;
     }
@@ -565,6 +567,16 @@ impl Datapath {
         let tc: &SchedClassifier = self.ebpf.program(tc)?.try_into().ok()?;
         let xdp: &Xdp = self.ebpf.program(xdp)?.try_into().ok()?;
         (tc.fd().is_ok() && xdp.fd().is_ok()).then_some((tc, xdp))
+    }
+
+    /// The maps, and the program that removes conntrack entries still
+    /// expired (`ct_reap`), for the reaper to use together.
+    pub fn conntrack_reaping(&mut self) -> (&mut Maps, ct_reap::CtReap<'_>) {
+        let program = self
+            .ebpf
+            .program(program_names::CT_REAP)
+            .and_then(|p| p.try_into().ok());
+        (&mut self.maps, ct_reap::CtReap(program))
     }
 
     /// The programs that only create a flow's two conntrack entries

@@ -19,14 +19,16 @@
 use std::collections::HashSet;
 
 use aya::maps::IterableMap;
-use aya::maps::{HashMap, MapData};
+use aya::maps::MapData;
 use proxy_common::{
-    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtTimeouts, CtValue, PROTO_TCP, map_names,
+    AffinityKey, AffinityValue, Ct6Key, Ct6Value, CtKey, CtKeyOf, CtTimeouts, CtValue, CtValueOf,
+    PROTO_TCP, ct_reap, map_names,
 };
 
 use crate::{
     datapath::{
         batch,
+        ct_reap::CtReap,
         maps::{Maps, MapsError, batch_error},
     },
     planner::{AffinityPurge, Departed},
@@ -152,44 +154,40 @@ fn purge_departed_flows(maps: &mut Maps, gone: &HashSet<(u32, u32)>) -> Result<u
 }
 
 /// Removes conntrack entries idle past their timeout, assured or not. Each
-/// map is read in chunks and each chunk's expired entries are deleted at
-/// once, before the next chunk is read: a new connection that reuses an
-/// expired entry's tuple in that window (one system call wide) would lose
-/// its fresh entry, so the window is kept that narrow rather than the whole
-/// pass wide.
-pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
+/// map is read in chunks, and each chunk's expired entries are handed to
+/// the datapath's `ct_reap` (`reap`), which removes each only if it is
+/// still expired: a new flow may have taken an expired entry's tuple since
+/// the chunk was read, and a removal by key would take its fresh entry
+/// with it (docs/architecture.md, "Conntrack's reaper").
+pub fn reap_expired(maps: &mut Maps, reap: &CtReap, now_ns: u64) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
     let mut reaped = 0;
     let mut failed = None;
-    for (name, map) in [
-        (map_names::CONNTRACK, maps.conntrack.map()),
-        (map_names::CT_NEW, maps.ct_new.map()),
+    for (name, which, map) in [
+        (
+            map_names::CONNTRACK,
+            ct_reap::map::CONNTRACK,
+            maps.conntrack.map(),
+        ),
+        (map_names::CT_NEW, ct_reap::map::CT_NEW, maps.ct_new.map()),
     ] {
-        let batch_error = batch_error(name);
-        let mut doomed: Vec<CtKey> = Vec::with_capacity(batch::CHUNK);
-        batch::for_each_chunk(map, batch::CHUNK, |keys: &[CtKey], values: &[CtValue]| {
-            doomed.clear();
-            doomed.extend(
-                keys.iter()
-                    .zip(values)
-                    .filter(|(k, v)| v.expired(k.proto, now_ns, &timeouts))
-                    .map(|(k, _)| *k),
-            );
-            match batch::delete(map, &doomed) {
-                Ok(n) => reaped += n,
-                Err(e) => failed = Some(batch_error(e)),
-            }
-        })
-        .map_err(&batch_error)?;
+        match reap_map::<u32>(name, which, map, reap, now_ns, &timeouts) {
+            Ok(n) => reaped += n,
+            Err(e) => failed = Some(e),
+        }
     }
-    for (name, map) in [
-        (map_names::CONNTRACK6, &maps.conntrack6),
-        (map_names::CT_NEW6, &maps.ct_new6),
+    for (name, which, map) in [
+        (
+            map_names::CONNTRACK6,
+            ct_reap::map::CONNTRACK6,
+            &maps.conntrack6,
+        ),
+        (map_names::CT_NEW6, ct_reap::map::CT_NEW6, &maps.ct_new6),
     ] {
         let Some(map) = map else {
             continue;
         };
-        match reap_expired6(name, map, now_ns, &timeouts) {
+        match reap_map::<[u32; 4]>(name, which, map.map(), reap, now_ns, &timeouts) {
             Ok(n) => reaped += n,
             Err(e) => failed = Some(e),
         }
@@ -200,31 +198,40 @@ pub fn reap_expired(maps: &mut Maps, now_ns: u64) -> Result<usize, MapsError> {
     failed.map_or(Ok(reaped), Err)
 }
 
-/// `reap_expired` for an IPv6 conntrack map, `name`.
-fn reap_expired6(
+/// `reap_expired` for one conntrack map, `name` (`which` to `ct_reap`).
+fn reap_map<A>(
     name: &'static str,
-    map: &HashMap<MapData, Ct6Key, Ct6Value>,
+    which: u32,
+    map: &MapData,
+    reap: &CtReap,
     now_ns: u64,
     timeouts: &CtTimeouts,
-) -> Result<usize, MapsError> {
+) -> Result<usize, MapsError>
+where
+    CtKeyOf<A>: bytemuck::Pod,
+    CtValueOf<A>: bytemuck::Pod,
+{
     let batch_error = batch_error(name);
-    let map = map.map();
     let mut reaped = 0;
     let mut failed = None;
-    let mut doomed: Vec<Ct6Key> = Vec::with_capacity(batch::CHUNK);
-    batch::for_each_chunk(map, batch::CHUNK, |keys: &[Ct6Key], values: &[Ct6Value]| {
-        doomed.clear();
-        doomed.extend(
-            keys.iter()
-                .zip(values)
-                .filter(|(k, v)| v.expired(k.proto, now_ns, timeouts))
-                .map(|(k, _)| *k),
-        );
-        match batch::delete(map, &doomed) {
-            Ok(n) => reaped += n,
-            Err(e) => failed = Some(batch_error(e)),
-        }
-    })
+    let mut doomed: Vec<CtKeyOf<A>> = Vec::with_capacity(batch::CHUNK);
+    batch::for_each_chunk(
+        map,
+        batch::CHUNK,
+        |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
+            doomed.clear();
+            doomed.extend(
+                keys.iter()
+                    .zip(values)
+                    .filter(|(k, v)| v.expired(k.proto, now_ns, timeouts))
+                    .map(|(k, _)| *k),
+            );
+            match reap.remove_expired(which, &doomed, now_ns) {
+                Ok(n) => reaped += n,
+                Err(e) => failed = Some(MapsError::from(e)),
+            }
+        },
+    )
     .map_err(&batch_error)?;
     failed.map_or(Ok(reaped), Err)
 }

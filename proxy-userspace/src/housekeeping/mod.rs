@@ -89,7 +89,8 @@ pub fn clean_departed(
 /// no longer read.
 pub fn reap_conntrack(datapath: &mut Datapath) {
     let now = conntrack::monotonic_ns();
-    match conntrack::reap_expired(&mut datapath.maps, now) {
+    let (maps, reap) = datapath.conntrack_reaping();
+    match conntrack::reap_expired(maps, &reap, now) {
         Ok(0) => {}
         Ok(n) => debug!(entries = n, "reaped idle conntrack entries"),
         Err(e) => warn!(error = %e, "reaping conntrack"),

@@ -689,3 +689,61 @@ pub fn stuck_client_moves_when_its_backend_stops_being_ready_or_is_removed<F: Fa
          should move to the last ready backend and stay there: {last:?}"
     );
 }
+
+/// A UDP flow that sends every 300 ms under `--conntrack-udp-timeout 1s` lives on:
+/// the agent raises the timeout to 3 s (`cli::MIN_IDLE_TIMEOUT`), since the datapath
+/// refreshes each direction's entry at most once a second. With 1 s in force, the
+/// reply entry read expired before any reply could refresh it: the flow's answers went
+/// untranslated, a second at a time.
+pub fn udp_flow_sending_every_300ms_outlives_a_1s_timeout<F: Family>() {
+    let family = F::NAME;
+    let svc = service::<F>(SessionAffinity::None);
+    require_root().expect("privileged test");
+    let mut sb = Sandbox::new(&[CLIENT], &BACKENDS, TCP_PORT, UDP_PORT).expect("sandbox");
+    sb.manifests()
+        .write("web.yaml", &F::yaml(&svc, &F::backend_ips()))
+        .expect("write manifest");
+    sb.start_agent_with(&["--conntrack-udp-timeout", "1s"])
+        .expect("start the agent");
+    let new_flows = sb.counter("ct_new_flow");
+    let answers = sb
+        .client()
+        .ns
+        .run(|| -> std::io::Result<Vec<Option<String>>> {
+            let s = UdpSocket::bind(F::any(0))?;
+            s.connect::<SocketAddr>(F::dns(F::cluster_ip()).into())?;
+            s.set_read_timeout(Some(Duration::from_millis(250)))?;
+            let mut buf = [0u8; 2048];
+            let mut answers = Vec::new();
+            for n in 0..20 {
+                let sent = Instant::now();
+                s.send(format!("ping {n}\n").as_bytes())?;
+                answers.push(match s.recv(&mut buf) {
+                    Ok(len) => Some(
+                        Reply::<F::Addr>::parse(&String::from_utf8_lossy(&buf[..len]))
+                            .expect("well-formed answer")
+                            .backend,
+                    ),
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                        None
+                    }
+                    Err(e) => return Err(e),
+                });
+                thread::sleep(Duration::from_millis(300).saturating_sub(sent.elapsed()));
+            }
+            Ok(answers)
+        })
+        .expect("client namespace")
+        .expect("UDP exchanges");
+    let backends: BTreeSet<_> = answers.iter().flatten().collect();
+    assert!(
+        answers.iter().all(Option::is_some) && backends.len() == 1,
+        "{family}: 20 datagrams 300 ms apart over 6 s, one flow under a timeout raised to 3 s, \
+         should all be answered by one backend; answers (None: lost): {answers:?}"
+    );
+    assert_eq!(
+        sb.counter("ct_new_flow") - new_flows,
+        1,
+        "{family}: the flow should have been created once, never again as expired"
+    );
+}

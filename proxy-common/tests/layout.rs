@@ -17,7 +17,7 @@ use proxy_common::{
     FragValue, LAYOUT_VERSION, NodeAddr, NodeAddrKey, NodeConfig, RefusalKey, RefusalRecord,
     RejectLimit, ServiceCounters, ServiceKey, ServiceName, ServiceValue, SockNote, SockNote6,
     SockNotes, SockNotes6, SockNotes6Record, SockNotesRecord, SourceRangeKey, TraceRecord,
-    WireView,
+    WireView, ct_reap::Header,
 };
 
 /// The layout version the table below describes.
@@ -128,6 +128,8 @@ fn table() -> Vec<Layout> {
         SockNotes6: 320, 4 { notes: 0 }
         SockNotesRecord: 136, 8 { cookie: 0, notes: 8 }
         SockNotes6Record: 328, 8 { cookie: 0, notes: 8 }
+        // Never pinned: the frame the agent hands its own `ct_reap`.
+        Header: 24, 8 { now_ns: 0, map: 8, keys: 12, removed: 16, _pad: 20 }
     }
 }
 

@@ -886,16 +886,18 @@ mod tests {
         }
     }
 
+    /// `ebpf-proxy run` with `args`, parsed.
+    fn run_args(args: &[&str]) -> RunArgs {
+        let cli = Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
+        let Command::Run(run) = cli.command else {
+            panic!("not a run command");
+        };
+        *run
+    }
+
     #[test]
     fn close_wait_is_kube_proxys_and_the_closed_states_netfilters() {
-        let timeouts = |args: &[&str]| {
-            let cli =
-                Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
-            let Command::Run(run) = cli.command else {
-                panic!("not a run command");
-            };
-            run.ct_timeouts()
-        };
+        let timeouts = |args: &[&str]| run_args(args).ct_timeouts();
         let secs = |ns: u64| Duration::from_nanos(ns).as_secs();
         let default = timeouts(&[]);
         assert_eq!(
@@ -920,15 +922,7 @@ mod tests {
 
     #[test]
     fn idle_timeouts_below_three_seconds_are_raised_to_three() {
-        let run = |args: &[&str]| {
-            let cli =
-                Cli::try_parse_from(["ebpf-proxy", "run"].iter().chain(args)).expect("parses");
-            let Command::Run(run) = cli.command else {
-                panic!("not a run command");
-            };
-            run
-        };
-        let short = run(&[
+        let short = run_args(&[
             "--conntrack-udp-timeout=1s",
             "--conntrack-tcp-timeout-close-wait=500ms",
             "--conntrack-tcp-timeout-established=2s",
@@ -954,7 +948,7 @@ mod tests {
             ],
             "every flag raised is named with the value given"
         );
-        let fine = run(&["--conntrack-udp-timeout=3s"]);
+        let fine = run_args(&["--conntrack-udp-timeout=3s"]);
         assert_eq!(fine.ct_timeouts().udp_ns, 3_000_000_000, "3 s stays 3 s");
         assert!(
             fine.raised_timeouts().is_empty(),

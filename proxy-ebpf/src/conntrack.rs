@@ -475,9 +475,12 @@ pub fn translation<A: Copy>(entry: &CtValueOf<A>, flow: &FlowOf<A>) -> NatOf<A> 
 /// the handshake) assures it, and an unassured flow then moves to
 /// `CONNTRACK`; a TCP FIN or RST inside the window closes its direction or
 /// the flow (`tcp_close_step`), one outside it is counted and changes
-/// nothing. State changes are copied to the other direction's entry, so
-/// both age alike; timestamps and the highest acknowledgment number are
-/// refreshed at most once a second, to spare a write per packet.
+/// nothing. Timestamps and the highest acknowledgment number are
+/// refreshed at most once a second, to spare a write per packet; each
+/// refresh and each state change is copied to the other direction's entry,
+/// so that both age alike and a flow lives while either direction sends,
+/// as netfilter's one entry does (a client sending one way no longer keeps
+/// a fresh forward entry over an expired reply entry).
 #[inline(always)]
 pub fn touch<F: Family>(
     key: &CtKeyOf<F::Addr>,
@@ -553,9 +556,6 @@ pub fn touch<F: Family>(
         (*ptr).flags = flags;
         (*ptr).tcp_max_ack = max_ack;
         (*ptr).last_seen_ns = now;
-    }
-    if flags == old_flags {
-        return;
     }
     // Each map looked up at a call site of its own (see `reopen_rest`).
     let other = if found.unassured {

@@ -1916,6 +1916,39 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     );
 }
 
+/// A flow lives while either direction sends, as netfilter's one entry does: a client
+/// sending one way refreshes its flow's reply entry with its own (once a second), so
+/// that an answer coming after the timeout from the flow's start, but within it of
+/// the client's last datagram, is still translated back.
+#[test]
+fn a_client_sending_one_way_keeps_its_flows_reply_entry_alive() {
+    let mut fx = fixture();
+    let timeouts = proxy_common::CtTimeouts {
+        udp_ns: 2_000_000_000,
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetCtTimeouts { timeouts })
+        .expect("setting timeouts");
+    let (_, out) = run(&fx, &udp(CLIENT, 7200, VIP, 53, false));
+    let backend = parse_checked(&out, "the flow's first datagram").dst;
+    // Past the once-a-second refresh, so that this datagram refreshes the entries;
+    // then past the 2 s timeout counted from the flow's start, not from this one.
+    std::thread::sleep(Duration::from_millis(1_200));
+    run(&fx, &udp(CLIENT, 7200, VIP, 53, false));
+    std::thread::sleep(Duration::from_millis(1_200));
+    let rev_nat = counter(&fx, "rev_nat");
+    let (_, out) = run(&fx, &udp(backend, 5353, CLIENT, 7200, false));
+    let answer = parse_checked(&out, "the backend's answer");
+    assert_eq!(
+        (answer.src, answer.sport, counter(&fx, "rev_nat") - rev_nat),
+        (VIP, 53, 1),
+        "an answer 2.4 s into a flow whose client sent 1.2 s ago (timeout 2 s) should come \
+         from the ClusterIP, reverse-NATed"
+    );
+}
+
 #[test]
 fn udp_checksums_stay_valid_and_zero_stays_zero() {
     udp_checksums(&fixture());

@@ -588,12 +588,11 @@ impl RunArgs {
 }
 
 /// The shortest idle timeout a flow is given. The datapath refreshes a
-/// flow's entries at most once a second (`ct_timeout::REFRESH_NS`), each
-/// direction's by its own packets, so an entry may read a second older
-/// than its flow's last packet: with a timeout of a second or less, a flow
-/// sending all the time expired between two refreshes, and its answers
-/// went untranslated. At 3 s, a flow whose packets come less than 2 s apart
-/// in each direction lives on.
+/// flow's entries at most once a second (`ct_timeout::REFRESH_NS`), so an
+/// entry may read a second older than its flow's last packet: with a
+/// timeout of a second or less, a flow sending all the time expired
+/// between two refreshes, and its answers went untranslated. At 3 s, a
+/// flow whose packets come less than 2 s apart lives on.
 pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// `nf_conntrack_tcp_timeout_established`'s default.

@@ -1886,14 +1886,7 @@ fn datapath_clock_is_calibrated_to_the_monotonic_clock() {
 #[test]
 fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     let mut fx = fixture();
-    let timeouts = proxy_common::CtTimeouts {
-        udp_ns: 1_000_000_000,
-        ..proxy_common::CtTimeouts::DEFAULT
-    };
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetCtTimeouts { timeouts })
-        .expect("setting timeouts");
+    set_udp_timeout(&mut fx, 1_000_000_000);
     run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
     run(&fx, &udp(CLIENT, 7100, VIP, 53, false));
     assert_eq!(
@@ -1916,6 +1909,18 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     );
 }
 
+/// Conntrack's UDP idle timeout set to `ns`, the others left at their defaults.
+fn set_udp_timeout(fx: &mut Fixture, ns: u64) {
+    let timeouts = proxy_common::CtTimeouts {
+        udp_ns: ns,
+        ..proxy_common::CtTimeouts::DEFAULT
+    };
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetCtTimeouts { timeouts })
+        .expect("setting timeouts");
+}
+
 /// A flow lives while either direction sends, as netfilter's one entry does: a client
 /// sending one way refreshes its flow's reply entry with its own (once a second), so
 /// that an answer coming after the timeout from the flow's start, but within it of
@@ -1923,14 +1928,7 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
 #[test]
 fn a_client_sending_one_way_keeps_its_flows_reply_entry_alive() {
     let mut fx = fixture();
-    let timeouts = proxy_common::CtTimeouts {
-        udp_ns: 2_000_000_000,
-        ..proxy_common::CtTimeouts::DEFAULT
-    };
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetCtTimeouts { timeouts })
-        .expect("setting timeouts");
+    set_udp_timeout(&mut fx, 2_000_000_000);
     let (_, out) = run(&fx, &udp(CLIENT, 7200, VIP, 53, false));
     let backend = parse_checked(&out, "the flow's first datagram").dst;
     // Past the once-a-second refresh, so that this datagram refreshes the entries;

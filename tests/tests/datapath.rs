@@ -1909,16 +1909,23 @@ fn configured_udp_timeout_expires_flows_in_datapath_and_reaper() {
     );
 }
 
-/// Conntrack's UDP idle timeout set to `ns`, the others left at their defaults.
-fn set_udp_timeout(fx: &mut Fixture, ns: u64) {
-    let timeouts = proxy_common::CtTimeouts {
-        udp_ns: ns,
-        ..proxy_common::CtTimeouts::DEFAULT
-    };
+/// Conntrack's timeouts set to `timeouts`, as the agent sets them.
+fn set_timeouts(fx: &mut Fixture, timeouts: proxy_common::CtTimeouts) {
     fx.datapath
         .maps
         .apply(&MapOp::SetCtTimeouts { timeouts })
-        .expect("setting timeouts");
+        .expect("setting the timeouts");
+}
+
+/// Conntrack's UDP idle timeout set to `ns`, the others left at their defaults.
+fn set_udp_timeout(fx: &mut Fixture, ns: u64) {
+    set_timeouts(
+        fx,
+        proxy_common::CtTimeouts {
+            udp_ns: ns,
+            ..proxy_common::CtTimeouts::DEFAULT
+        },
+    );
 }
 
 /// A flow lives while either direction sends, as netfilter's one entry does: a client
@@ -2779,15 +2786,14 @@ fn a_packet_from_outside_to_a_loopback_address_is_never_a_node_port() {
 /// FIN each way) and `CLOSE` (after an RST).
 fn closed_timeouts(fx: &mut Fixture, time_wait: Duration, close: Duration) {
     let ns = |d: Duration| u64::try_from(d.as_nanos()).expect("a short timeout");
-    let timeouts = proxy_common::CtTimeouts {
-        tcp_time_wait_ns: ns(time_wait),
-        tcp_close_ns: ns(close),
-        ..proxy_common::CtTimeouts::DEFAULT
-    };
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetCtTimeouts { timeouts })
-        .expect("setting the timeouts");
+    set_timeouts(
+        fx,
+        proxy_common::CtTimeouts {
+            tcp_time_wait_ns: ns(time_wait),
+            tcp_close_ns: ns(close),
+            ..proxy_common::CtTimeouts::DEFAULT
+        },
+    );
 }
 
 /// SNAT ports run out, and come back once their flows close: a reset flow
@@ -4173,14 +4179,13 @@ fn a_client_port_reset_before_its_handshake_opens_again_in_ct_new() {
 #[test]
 fn a_half_open_flow_expires_with_the_handshake_timeout() {
     let mut fx = fixture();
-    let timeouts = proxy_common::CtTimeouts {
-        tcp_syn_ns: 1_000_000_000,
-        ..proxy_common::CtTimeouts::DEFAULT
-    };
-    fx.datapath
-        .maps
-        .apply(&MapOp::SetCtTimeouts { timeouts })
-        .expect("setting the timeouts");
+    set_timeouts(
+        &mut fx,
+        proxy_common::CtTimeouts {
+            tcp_syn_ns: 1_000_000_000,
+            ..proxy_common::CtTimeouts::DEFAULT
+        },
+    );
     let handshake = |fx: &Fixture, sport: u16, ack: bool| {
         let (_, out) = run(fx, &tcp(CLIENT, sport, VIP, 80, frame::SYN));
         let backend = parse_checked(&out, "SYN").dst;

@@ -32,7 +32,7 @@ use ebpf_proxy_tests::{
 use proxy_common::{CtKey, CtValue, PROTO_UDP, ct_dir};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout},
-    housekeeping::conntrack,
+    housekeeping::{conntrack, ct_sources},
     model::{BackendAddr, Frontend, Protocol, ServicePortName},
     planner::{AffinityPurge, Planner},
     source::ObjectKey,
@@ -165,7 +165,10 @@ fn departure_with_flows(
     let t = Instant::now();
     let reaped = {
         let (maps, reap) = datapath.conntrack_reaping();
-        conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns())
+        let mut tally = ct_sources::Tally::default();
+        let reaped = conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns(), &mut tally);
+        ct_sources::write(&mut datapath.maps, &tally).expect("writing the clients' counts");
+        reaped
     }
     .expect("reaping");
     let reap_pass = t.elapsed();

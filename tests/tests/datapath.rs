@@ -17,7 +17,7 @@ use node_maps::write_service_cidrs;
 use proxy_common::{CtValue, TraceRecord, ct_flags, map_names};
 use proxy_userspace::{
     datapath::{Datapath, PinLayout, ip_summed},
-    housekeeping::conntrack,
+    housekeeping::{conntrack, ct_sources},
     model::{BackendAddr, Frontend, FrontendKind, NoEndpointAction, Protocol, ServicePortName},
     planner::{AffinityPurge, MapOp, MapStore, Planner, encode::addr_words},
     source::ObjectKey,
@@ -976,10 +976,14 @@ fn reprogram(fx: &mut Fixture, name: &str, fe: Frontend) {
 }
 
 /// The agent's reap of expired conntrack entries at `now`, on the fixture's
-/// datapath; how many it removed.
+/// datapath, and its write of the clients' counts it took on the way
+/// (`ct_sources`); how many entries it removed.
 fn reap_expired(fx: &mut Fixture, now: u64) -> usize {
     let (maps, reap) = fx.datapath.conntrack_reaping();
-    conntrack::reap_expired(maps, &reap, now).expect("reaping")
+    let mut tally = ct_sources::Tally::default();
+    let reaped = conntrack::reap_expired(maps, &reap, now, &mut tally).expect("reaping");
+    ct_sources::write(&mut fx.datapath.maps, &tally).expect("writing the clients' counts");
+    reaped
 }
 
 fn ct_key(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, proto: u8) -> proxy_common::CtKey {
@@ -3987,11 +3991,7 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     // same, and the client holds no more than before, so a new port's flow
     // stays in CT_NEW, unassured.
     set_ct_source_share(&mut fx, 1);
-    proxy_userspace::housekeeping::ct_sources::recount(
-        &mut fx.datapath.maps,
-        conntrack::monotonic_ns(),
-    )
-    .expect("the recount");
+    reap_expired(&mut fx, conntrack::monotonic_ns());
     reset(&fx, 43_001);
     let again = connect(&fx, 43_001, "the other connection opened again");
     let (forward, forward_in_ct_new) = ct_entries(&fx, &key(43_001));
@@ -4400,7 +4400,6 @@ fn set_ct_source_share(fx: &mut Fixture, share: u32) {
 /// flows gone, its next flow is assured again.
 #[test]
 fn a_client_past_its_share_of_conntrack_stays_unassured() {
-    use proxy_userspace::housekeeping::ct_sources;
     let mut fx = fixture();
     set_ct_source_share(&mut fx, 2);
     let other_client = Ipv4Addr::new(10, 200, 0, 77);
@@ -4460,7 +4459,11 @@ fn a_client_past_its_share_of_conntrack_stays_unassured() {
         .conntrack
         .remove(&key)
         .expect("removing a flow's forward entry");
-    ct_sources::recount(&mut fx.datapath.maps, conntrack::monotonic_ns()).expect("the recount");
+    assert_eq!(
+        reap_expired(&mut fx, conntrack::monotonic_ns()),
+        0,
+        "the reaper removed a live flow"
+    );
     let held = fx
         .datapath
         .maps

@@ -446,6 +446,84 @@ fn a_client_port_opened_again_starts_its_flow_where_the_closed_one_was() {
     assert_eq!(counter(&fx, "ct_reopened"), 1 + cycles, "ct_reopened");
 }
 
+/// IPv6's flows hold their client's share of `CONNTRACK6`
+/// (`--conntrack-max-per-source`, counted in `CT_SOURCES6`) as IPv4's do
+/// (`datapath.rs`): a flow past it stays unassured in `CT_NEW6`, still
+/// translated; the reaper's pass counts the client's assured flows as it
+/// reads `CONNTRACK6` and writes the count over the datapath's; and once a
+/// flow of the client's has gone, its next flow is assured.
+#[test]
+fn a_client_past_its_share_of_conntrack6_stays_unassured() {
+    use proxy_userspace::{
+        housekeeping::ct_sources,
+        planner::{MapOp, MapStore, node},
+    };
+    let mut fx = fixture();
+    fx.datapath
+        .maps
+        .apply(&MapOp::SetNodeConfig {
+            config: proxy_common::NodeConfig {
+                ct_source_share: 1,
+                ..node::node_config(None, false)
+            },
+        })
+        .expect("a share of 1");
+    let held = |fx: &Fixture| match fx.datapath.maps.ct_sources6.get(&words(CLIENT), 0) {
+        Ok(held) => held,
+        Err(aya::maps::MapError::KeyNotFound) => 0,
+        Err(e) => panic!("reading the client's count in CT_SOURCES6: {e}"),
+    };
+    let reap = |fx: &mut Fixture| {
+        let mut tally = ct_sources::Tally::default();
+        let (maps, reap) = fx.datapath.conntrack_reaping();
+        let reaped = conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns(), &mut tally)
+            .expect("reaping");
+        assert_eq!(reaped, 0, "the reaper removed a live flow");
+        ct_sources::write(&mut fx.datapath.maps, &tally).expect("writing the clients' counts");
+    };
+    round_trip(&fx, frame::TCP, 80, 8080, 41_100);
+    round_trip(&fx, frame::TCP, 80, 8080, 41_101);
+    assert_eq!(
+        (held(&fx), entries6(&fx)),
+        (1, (2, 2)),
+        "(count, (assured, unassured entries)) with a share of 1 and two flows"
+    );
+    assert!(counter(&fx, "ct_share_refused") >= 1);
+
+    fx.datapath
+        .maps
+        .ct_sources6
+        .insert(words(CLIENT), 9, 0)
+        .expect("writing the client's count");
+    reap(&mut fx);
+    assert_eq!(held(&fx), 1, "the client's count after the reaper's pass");
+
+    fx.datapath
+        .maps
+        .conntrack6
+        .as_mut()
+        .expect("CONNTRACK6 is loaded")
+        .remove(&ct6_key(CLIENT, 41_100, VIP, 80, frame::TCP))
+        .expect("removing the assured flow's forward entry");
+    reap(&mut fx);
+    assert_eq!(
+        held(&fx),
+        0,
+        "the client's count once its assured flow went"
+    );
+    round_trip(&fx, frame::TCP, 80, 8080, 41_102);
+    assert!(
+        fx.datapath
+            .maps
+            .conntrack6
+            .as_ref()
+            .expect("CONNTRACK6 is loaded")
+            .get(&ct6_key(CLIENT, 41_102, VIP, 80, frame::TCP), 0)
+            .is_ok(),
+        "back under its share, the client's next flow was not assured"
+    );
+}
+
 #[test]
 fn udp_is_translated_both_ways() {
     let fx = fixture();
@@ -983,7 +1061,12 @@ fn departed_backend_purge_and_reaper_walk_conntrack6() {
     assert_eq!(flows6(&fx), expected, "entries before reaping");
     let reaped = {
         let (maps, reap) = fx.datapath.conntrack_reaping();
-        conntrack::reap_expired(maps, &reap, conntrack::monotonic_ns() + 61_000_000_000)
+        conntrack::reap_expired(
+            maps,
+            &reap,
+            conntrack::monotonic_ns() + 61_000_000_000,
+            &mut proxy_userspace::housekeeping::ct_sources::Tally::default(),
+        )
     }
     .expect("reaping");
     assert_eq!(reaped, expected, "expired IPv6 entries reaped");

@@ -16,7 +16,7 @@
 //! Either removal is followed by a bump of the flow cache's epoch, which
 //! voids the copies of entries that CPUs keep (`proxy_common::FlowCacheEntry`).
 
-use std::collections::HashSet;
+use std::{collections::HashSet, hash::Hash};
 
 use aya::maps::IterableMap;
 use aya::maps::MapData;
@@ -31,6 +31,7 @@ use crate::{
         ct_reap::CtReap,
         maps::{Maps, MapsError, batch_error},
     },
+    housekeeping::ct_sources::{FamilyTally, Tally},
     planner::{AffinityPurge, Departed},
 };
 
@@ -158,36 +159,56 @@ fn purge_departed_flows(maps: &mut Maps, gone: &HashSet<(u32, u32)>) -> Result<u
 /// the datapath's `ct_reap` (`reap`), which removes each only if it is
 /// still expired: a new flow may have taken an expired entry's tuple since
 /// the chunk was read, and a removal by key would take its fresh entry
-/// with it (docs/architecture.md, "Conntrack's reaper").
-pub fn reap_expired(maps: &mut Maps, reap: &CtReap, now_ns: u64) -> Result<usize, MapsError> {
+/// with it (docs/architecture.md, "Conntrack's reaper"). The clients' live
+/// assured flows are counted into `tally` from the same chunks of
+/// `CONNTRACK` and `CONNTRACK6` (`ct_sources`), which spares a second pass
+/// over each.
+pub fn reap_expired(
+    maps: &mut Maps,
+    reap: &CtReap,
+    now_ns: u64,
+    tally: &mut Tally,
+) -> Result<usize, MapsError> {
     let timeouts = maps.ct_timeouts()?;
     let mut reaped = 0;
     let mut failed = None;
-    for (name, which, map) in [
+    for (name, which, map, tally) in [
         (
             map_names::CONNTRACK,
             ct_reap::map::CONNTRACK,
             maps.conntrack.map(),
+            Some(&mut tally.v4),
         ),
-        (map_names::CT_NEW, ct_reap::map::CT_NEW, maps.ct_new.map()),
+        (
+            map_names::CT_NEW,
+            ct_reap::map::CT_NEW,
+            maps.ct_new.map(),
+            None,
+        ),
     ] {
-        match reap_map::<u32>(name, which, map, reap, now_ns, &timeouts) {
+        match reap_map::<u32>(name, which, map, reap, now_ns, &timeouts, tally) {
             Ok(n) => reaped += n,
             Err(e) => failed = Some(e),
         }
     }
-    for (name, which, map) in [
+    for (name, which, map, tally) in [
         (
             map_names::CONNTRACK6,
             ct_reap::map::CONNTRACK6,
             &maps.conntrack6,
+            Some(&mut tally.v6),
         ),
-        (map_names::CT_NEW6, ct_reap::map::CT_NEW6, &maps.ct_new6),
+        (
+            map_names::CT_NEW6,
+            ct_reap::map::CT_NEW6,
+            &maps.ct_new6,
+            None,
+        ),
     ] {
         let Some(map) = map else {
             continue;
         };
-        match reap_map::<[u32; 4]>(name, which, map.map(), reap, now_ns, &timeouts) {
+        match reap_map::<[u32; 4]>(name, which, map.map(), reap, now_ns, &timeouts, tally) {
             Ok(n) => reaped += n,
             Err(e) => failed = Some(e),
         }
@@ -198,7 +219,9 @@ pub fn reap_expired(maps: &mut Maps, reap: &CtReap, now_ns: u64) -> Result<usize
     failed.map_or(Ok(reaped), Err)
 }
 
-/// `reap_expired` for one conntrack map, `name` (`which` to `ct_reap`).
+/// `reap_expired` for one conntrack map, `name` (`which` to `ct_reap`),
+/// its chunks counted into `tally` too where there is one, which is told
+/// when the map was read whole.
 fn reap_map<A>(
     name: &'static str,
     which: u32,
@@ -206,8 +229,10 @@ fn reap_map<A>(
     reap: &CtReap,
     now_ns: u64,
     timeouts: &CtTimeouts,
+    mut tally: Option<&mut FamilyTally<A>>,
 ) -> Result<usize, MapsError>
 where
+    A: Copy + Eq + Hash,
     CtKeyOf<A>: bytemuck::Pod,
     CtValueOf<A>: bytemuck::Pod,
 {
@@ -219,6 +244,9 @@ where
         map,
         batch::CHUNK,
         |keys: &[CtKeyOf<A>], values: &[CtValueOf<A>]| {
+            if let Some(tally) = tally.as_deref_mut() {
+                tally.add(keys, values, now_ns, timeouts);
+            }
             doomed.clear();
             doomed.extend(
                 keys.iter()
@@ -233,6 +261,9 @@ where
         },
     )
     .map_err(&batch_error)?;
+    if let Some(tally) = tally {
+        tally.mark_whole();
+    }
     failed.map_or(Ok(reaped), Err)
 }
 

@@ -5,8 +5,8 @@
 //!
 //! - `conntrack`: the flows and affinity of departed backends purged, idle
 //!   flows reaped, flows carried into this agent's conntrack;
-//! - `ct_sources`: each client's count of assured flows, taken again after
-//!   each reap;
+//! - `ct_sources`: each client's count of open assured flows, taken again
+//!   as each reap reads conntrack;
 //! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
 //!   connected to a departed backend, found through the hooks' notes and
 //!   closed;
@@ -83,19 +83,20 @@ pub fn clean_departed(
     purged
 }
 
-/// Removes conntrack entries idle past their timeout, then counts each
-/// client's assured flows again (`ct_sources`), then rebuilds the
-/// prefilter where it is due, and lets go of what earlier agents' programs
-/// no longer read.
+/// Removes conntrack entries idle past their timeout, counting each
+/// client's open assured flows as it goes, then writes the counts
+/// (`ct_sources`), then rebuilds the prefilter where it is due, and lets go
+/// of what earlier agents' programs no longer read.
 pub fn reap_conntrack(datapath: &mut Datapath) {
     let now = conntrack::monotonic_ns();
     let (maps, reap) = datapath.conntrack_reaping();
-    match conntrack::reap_expired(maps, &reap, now) {
+    let mut tally = ct_sources::Tally::default();
+    match conntrack::reap_expired(maps, &reap, now, &mut tally) {
         Ok(0) => {}
         Ok(n) => debug!(entries = n, "reaped idle conntrack entries"),
         Err(e) => warn!(error = %e, "reaping conntrack"),
     }
-    match ct_sources::recount(&mut datapath.maps, now) {
+    match ct_sources::write(&mut datapath.maps, &tally) {
         Ok(0) => {}
         Ok(n) => debug!(clients = n, "recounted clients' assured flows"),
         Err(e) => warn!(error = %e, "recounting clients' assured flows"),

@@ -632,6 +632,17 @@ fn apply_xdp(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentConfig)
         }
         match datapath.attach_xdp(name, index, setting) {
             Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
+            Err(e) if !e.unsupported() => {
+                if datapath.defer_xdp(name, index, setting) {
+                    warn!(
+                        interface = %name,
+                        error = %e,
+                        "XDP not attached (another program's XDP in the way?); tc ingress alone \
+                         handles this interface's north-south traffic until it is, tried again \
+                         at each reap"
+                    );
+                }
+            }
             Err(e) => {
                 datapath.decline_xdp(name, index);
                 if setting == XdpModeSetting::Native {
@@ -739,7 +750,8 @@ pub fn serves_loopback(nodeport_addresses: &[Cidr]) -> bool {
 }
 
 /// Attaches tc again where an interface pass could not
-/// (`Datapath::retry_attaches`), and follows what lands as a pass is
+/// (`Datapath::retry_attaches`), and XDP where it failed for a reason that
+/// may pass (`Datapath::retry_xdp`), and follows what lands as a pass is
 /// followed. Asked at each reap.
 fn retry_attaches(datapath: &mut Datapath, modes: &InterfaceModes) {
     let mut landed = false;
@@ -752,6 +764,23 @@ fn retry_attaches(datapath: &mut Datapath, modes: &InterfaceModes) {
             Err(e) => {
                 warn!(error = %e, "interface still without the datapath; tried again at the next reap");
             }
+        }
+    }
+    for (name, outcome) in datapath.retry_xdp() {
+        match outcome {
+            Ok(mode) => {
+                info!(interface = %name, mode, "XDP attached on a retry");
+                landed = true;
+            }
+            Err(e) if e.unsupported() => warn!(
+                interface = %name,
+                error = %e,
+                "XDP cannot be attached in this mode; tc ingress alone handles this interface's \
+                 north-south traffic"
+            ),
+            // Logged when it first failed; an operator's own XDP program
+            // may hold the interface for good.
+            Err(e) => tracing::debug!(interface = %name, error = %e, "XDP still not attached"),
         }
     }
     if landed {

@@ -11,6 +11,12 @@ pub const BPF_TCX_INGRESS: u32 = 46;
 /// A tcx link's flag: at the end of the interface's chain.
 pub const BPF_F_AFTER: u32 = 1 << 4;
 
+/// `BPF_XDP`, the attach type of an XDP link.
+pub const BPF_XDP: u32 = 37;
+
+/// An XDP link's flag: in the driver (native XDP).
+pub const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+
 /// `BPF_LINK_CREATE`: `prog` on `ifindex` (of the calling thread's namespace) as
 /// `attach_type` with `flags`; the link lasts as long as the descriptor.
 pub fn link_create(
@@ -43,10 +49,27 @@ pub fn link_create(
 /// packet on down the chain (`TCX_NEXT`, -1) and does nothing else: a
 /// stand-in for another tc user's program.
 pub fn load_tc_next(name: &str) -> std::io::Result<OwnedFd> {
-    const BPF_PROG_LOAD: libc::c_long = 5;
     const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
-    // r0 = -1 (BPF_ALU64 | BPF_MOV | BPF_K); exit (BPF_JMP | BPF_EXIT).
-    let insns: [u64; 2] = [0xffff_ffff_0000_00b7, 0x0000_0000_0000_0095];
+    load_returning(BPF_PROG_TYPE_SCHED_CLS, -1, name)
+}
+
+/// Loads an XDP program (`BPF_PROG_TYPE_XDP`) named `name` that passes every
+/// packet (`XDP_PASS`, 2) and does nothing else: a stand-in for another XDP
+/// user's program.
+pub fn load_xdp_pass(name: &str) -> std::io::Result<OwnedFd> {
+    const BPF_PROG_TYPE_XDP: u32 = 6;
+    load_returning(BPF_PROG_TYPE_XDP, 2, name)
+}
+
+/// Loads a program of type `prog_type` named `name` that returns `verdict`.
+fn load_returning(prog_type: u32, verdict: i32, name: &str) -> std::io::Result<OwnedFd> {
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    // r0 = verdict (BPF_ALU64 | BPF_MOV | BPF_K, the immediate in the high
+    // 32 bits); exit (BPF_JMP | BPF_EXIT).
+    let insns: [u64; 2] = [
+        (u64::from(verdict as u32) << 32) | 0xb7,
+        0x0000_0000_0000_0095,
+    ];
     let license = c"GPL";
     #[repr(C)]
     struct ProgLoad {
@@ -66,7 +89,7 @@ pub fn load_tc_next(name: &str) -> std::io::Result<OwnedFd> {
         *slot = byte;
     }
     let attr = ProgLoad {
-        prog_type: BPF_PROG_TYPE_SCHED_CLS,
+        prog_type,
         insn_cnt: insns.len() as u32,
         insns: insns.as_ptr() as u64,
         license: license.as_ptr() as u64,

@@ -340,3 +340,58 @@ fn earlier_generic_links_are_detached_by_the_default() {
     drop(agent);
     drop(earlier);
 }
+
+/// An uplink whose native XDP hook another program holds (here a link of the test's
+/// own, as an operator's filter or another tool would leave one): the agent's attach
+/// fails (`EBUSY`), which it says once, and tc handles the uplink meanwhile; once the
+/// other program goes, the agent attaches its XDP (at the interface pass the change
+/// sets off, else at its next reap, every 10 s), where it used to give the uplink up
+/// for good.
+#[test]
+fn xdp_held_by_another_program_is_attached_once_it_goes() {
+    use std::os::fd::AsFd;
+
+    use ebpf_proxy_tests::raw_bpf::{BPF_XDP, XDP_FLAGS_DRV_MODE, link_create, load_xdp_pass};
+
+    let node = Node::new();
+    let other = node
+        .ns
+        .run(|| {
+            let index = nix::net::if_::if_nametoindex(UPLINK)?;
+            let prog = load_xdp_pass("other_xdp")?;
+            let link = link_create(prog.as_fd(), index, BPF_XDP, XDP_FLAGS_DRV_MODE)?;
+            Ok::<_, std::io::Error>((prog, link))
+        })
+        .expect("entering the node's namespace")
+        .unwrap_or_else(|e| panic!("another program's native XDP on {UPLINK}: {e}"));
+    node.wait_for("the other program's XDP", &[(UPLINK, Some("xdp"))]);
+    let agent = node.agent(&["--xdp-mode", "native"]);
+    eventually("the attach that failed, logged", WAIT, || {
+        let log = agent.log();
+        if log.contains("tried again at each reap") && log.contains(UPLINK) {
+            Ok(())
+        } else {
+            Err("not logged yet".into())
+        }
+    });
+    assert_tc_everywhere(&agent);
+    let status = agent.status().expect("status");
+    assert!(
+        !status.contains("xdp-eth0"),
+        "an XDP link of the agent's pinned while another program holds the hook:\n{status}"
+    );
+
+    drop(other);
+    node.wait_for("no XDP once the other program went", &[(UPLINK, None)]);
+    eventually(
+        "the agent's XDP on the uplink",
+        Duration::from_secs(25),
+        || {
+            let status = agent.status().map_err(|e| e.to_string())?;
+            match node.xdp(UPLINK) {
+                Some(mode) if mode == "xdp" && status.contains("xdp-eth0") => Ok(()),
+                mode => Err(format!("{UPLINK} has {mode:?}; status:\n{status}")),
+            }
+        },
+    );
+}

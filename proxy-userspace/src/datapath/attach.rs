@@ -40,6 +40,29 @@ pub enum AttachError {
     },
 }
 
+impl AttachError {
+    /// Whether the kernel refused the attach as one the interface cannot
+    /// take at all in that mode (no native XDP in its driver, an MTU or
+    /// setting XDP cannot work with): `EOPNOTSUPP`, the kernel's own
+    /// `ENOTSUPP` (524) or `EINVAL`. Anything else (another program's XDP
+    /// link or program in the way, `EBUSY`; memory) may pass, and is worth
+    /// another try.
+    pub fn unsupported(&self) -> bool {
+        const ENOTSUPP: i32 = 524;
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = source {
+            if let Some(io) = e.downcast_ref::<io::Error>() {
+                return matches!(
+                    io.raw_os_error(),
+                    Some(libc::EOPNOTSUPP | libc::EINVAL | ENOTSUPP)
+                );
+            }
+            source = e.source();
+        }
+        false
+    }
+}
+
 /// Attaches a socket hook (`connect4`, `sendmsg4`, `recvmsg4`, `getpeername4`) to the
 /// cgroup directory `cgroup` through a pinned bpf link at `pin`. Linux 5.7 for cgroup
 /// links; the hooks themselves 4.17, 4.18, 5.2 and 5.8 (`kernel_version`). A link pinned by an earlier run gets

@@ -205,6 +205,9 @@ pub struct Datapath {
     xdp_attached: std::collections::BTreeMap<String, (u32, &'static str)>,
     /// Interfaces XDP is not tried on again: name -> ifindex (`decline_xdp`).
     xdp_declined: std::collections::BTreeMap<String, u32>,
+    /// Interfaces XDP failed on for a reason that may pass: name ->
+    /// (ifindex, mode), tried again by `retry_xdp` (`defer_xdp`).
+    xdp_pending: std::collections::BTreeMap<String, (u32, XdpModeSetting)>,
     ip_summed: ip_summed::Read,
     /// How tc asks netfilter's conntrack about flows kube-proxy translated.
     netfilter_ct: netfilter_ct::Lookup,
@@ -361,6 +364,7 @@ impl Datapath {
             tc_pending: std::collections::BTreeMap::default(),
             xdp_attached: std::collections::BTreeMap::default(),
             xdp_declined: std::collections::BTreeMap::default(),
+            xdp_pending: std::collections::BTreeMap::default(),
             ip_summed: read,
             netfilter_ct: lookup,
             resize,
@@ -640,6 +644,7 @@ impl Datapath {
     /// run has not taken it over: an interface that is not to have XDP
     /// (any more, or in that mode) loses it.
     pub fn forget_xdp(&mut self, ifname: &str) {
+        self.xdp_pending.remove(ifname);
         let path = self.pins.xdp_link(ifname);
         if self.xdp_attached.remove(ifname).is_some() || path.exists() {
             if let Err(e) = detach::detach_pinned_link(&path) {
@@ -666,6 +671,39 @@ impl Datapath {
     /// Whether XDP was declined on `ifname` at `ifindex` ([`Datapath::decline_xdp`]).
     pub fn xdp_declined(&self, ifname: &str, ifindex: u32) -> bool {
         self.xdp_declined.get(ifname) == Some(&ifindex)
+    }
+
+    /// Notes that XDP failed on `ifname` (ifindex `ifindex`, in mode
+    /// `setting`) for a reason that may pass, for `retry_xdp` to try it
+    /// again. True the first time, so that it is logged once.
+    pub fn defer_xdp(&mut self, ifname: &str, ifindex: u32, setting: XdpModeSetting) -> bool {
+        self.xdp_pending
+            .insert(ifname.to_string(), (ifindex, setting))
+            .is_none_or(|(index, _)| index != ifindex)
+    }
+
+    /// Tries XDP again on each interface `defer_xdp` noted: what landed, in
+    /// which mode, or failed again, by interface. One that failed again is
+    /// kept for the next try, unless the kernel now says it cannot have
+    /// XDP in that mode at all (`AttachError::unsupported`): then it is
+    /// declined.
+    pub fn retry_xdp(&mut self) -> Vec<(String, Result<&'static str, AttachError>)> {
+        std::mem::take(&mut self.xdp_pending)
+            .into_iter()
+            .map(|(name, (index, setting))| {
+                let outcome = self.attach_xdp(&name, index, setting);
+                match &outcome {
+                    Ok(_) => {}
+                    Err(e) if e.unsupported() => {
+                        self.decline_xdp(&name, index);
+                    }
+                    Err(_) => {
+                        self.xdp_pending.insert(name.clone(), (index, setting));
+                    }
+                }
+                (name, outcome)
+            })
+            .collect()
     }
 }
 

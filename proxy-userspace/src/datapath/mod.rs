@@ -619,6 +619,8 @@ impl Datapath {
         let mode = attach::attach_xdp(program, ifname, ifindex, setting, &path)?;
         self.xdp_attached
             .insert(ifname.to_string(), (ifindex, mode));
+        // Landed, at an interface pass or a retry: nothing is owed.
+        self.xdp_pending.remove(ifname);
         Ok(mode)
     }
 

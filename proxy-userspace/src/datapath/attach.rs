@@ -329,3 +329,48 @@ pub fn tcx_ingress_ids(ifindex: u32) -> io::Result<Vec<u32>> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An attach that failed with `errno`, as aya reports a failed
+    /// `bpf_link_create`.
+    fn failed_with(errno: i32) -> AttachError {
+        AttachError::Attach {
+            ifname: "eth0".into(),
+            source: aya::programs::ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_link_create",
+                io_error: io::Error::from_raw_os_error(errno),
+            }),
+        }
+    }
+
+    #[test]
+    fn only_what_the_interface_cannot_take_is_unsupported() {
+        for (errno, unsupported) in [
+            (libc::EOPNOTSUPP, true),
+            (524, true),
+            (libc::EINVAL, true),
+            (libc::EBUSY, false),
+            (libc::ENOMEM, false),
+            (libc::EEXIST, false),
+        ] {
+            assert_eq!(
+                failed_with(errno).unsupported(),
+                unsupported,
+                "errno {errno}"
+            );
+        }
+        let pin = AttachError::Open {
+            path: "/sys/fs/bpf/x".into(),
+            source: io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+        };
+        assert!(pin.unsupported(), "an errno under any variant");
+        let no_errno = AttachError::Attach {
+            ifname: "eth0".into(),
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        };
+        assert!(!no_errno.unsupported(), "no errno: worth another try");
+    }
+}

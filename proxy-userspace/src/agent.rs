@@ -632,20 +632,19 @@ fn apply_xdp(datapath: &mut Datapath, snapshot: &Snapshot, config: &AgentConfig)
         }
         match datapath.attach_xdp(name, index, setting) {
             Ok(mode) => tracing::debug!(interface = %name, mode, "XDP attached"),
-            Err(e) if !e.unsupported() => {
-                if datapath.defer_xdp(name, index, setting) {
-                    warn!(
-                        interface = %name,
-                        error = %e,
-                        "XDP not attached (another program's XDP in the way?); tc ingress alone \
-                         handles this interface's north-south traffic until it is, tried again \
-                         at each reap"
-                    );
-                }
-            }
             Err(e) => {
-                datapath.decline_xdp(name, index);
-                if setting == XdpModeSetting::Native {
+                let first = datapath.xdp_failed(name, index, setting, &e);
+                if !e.unsupported() {
+                    if first {
+                        warn!(
+                            interface = %name,
+                            error = %e,
+                            "XDP not attached (another program's XDP in the way?); tc ingress \
+                             alone handles this interface's north-south traffic until it is, \
+                             tried again at each reap and interface change"
+                        );
+                    }
+                } else if setting == XdpModeSetting::Native {
                     warn!(
                         interface = %name,
                         error = %e,

@@ -206,7 +206,7 @@ pub struct Datapath {
     /// Interfaces XDP is not tried on again: name -> ifindex (`decline_xdp`).
     xdp_declined: std::collections::BTreeMap<String, u32>,
     /// Interfaces XDP failed on for a reason that may pass: name ->
-    /// (ifindex, mode), tried again by `retry_xdp` (`defer_xdp`).
+    /// (ifindex, mode), tried again by `retry_xdp` (`xdp_failed`).
     xdp_pending: std::collections::BTreeMap<String, (u32, XdpModeSetting)>,
     ip_summed: ip_summed::Read,
     /// How tc asks netfilter's conntrack about flows kube-proxy translated.
@@ -667,6 +667,8 @@ impl Datapath {
     /// time, so that it is logged once; an interface created anew under the
     /// same name (another ifindex) is tried again.
     pub fn decline_xdp(&mut self, ifname: &str, ifindex: u32) -> bool {
+        // Declined is never owed.
+        self.xdp_pending.remove(ifname);
         self.xdp_declined.insert(ifname.to_string(), ifindex) != Some(ifindex)
     }
 
@@ -675,33 +677,37 @@ impl Datapath {
         self.xdp_declined.get(ifname) == Some(&ifindex)
     }
 
-    /// Notes that XDP failed on `ifname` (ifindex `ifindex`, in mode
-    /// `setting`) for a reason that may pass, for `retry_xdp` to try it
-    /// again. True the first time, so that it is logged once.
-    pub fn defer_xdp(&mut self, ifname: &str, ifindex: u32, setting: XdpModeSetting) -> bool {
+    /// Notes an XDP attach on `ifname` (ifindex `ifindex`, in mode
+    /// `setting`) that failed with `error`: declined for good where the
+    /// interface cannot take XDP in that mode (`AttachError::unsupported`),
+    /// else owed, for `retry_xdp` to try again. The one place either is
+    /// decided, for an interface pass and a retry alike. True the first
+    /// time for this ifindex, so that it is logged once.
+    pub fn xdp_failed(
+        &mut self,
+        ifname: &str,
+        ifindex: u32,
+        setting: XdpModeSetting,
+        error: &AttachError,
+    ) -> bool {
+        if error.unsupported() {
+            return self.decline_xdp(ifname, ifindex);
+        }
         self.xdp_pending
             .insert(ifname.to_string(), (ifindex, setting))
             .is_none_or(|(index, _)| index != ifindex)
     }
 
-    /// Tries XDP again on each interface `defer_xdp` noted: what landed, in
-    /// which mode, or failed again, by interface. One that failed again is
-    /// kept for the next try, unless the kernel now says it cannot have
-    /// XDP in that mode at all (`AttachError::unsupported`): then it is
-    /// declined.
+    /// Tries XDP again on each interface `xdp_failed` left owed: what
+    /// landed, in which mode, or failed again, by interface, each failure
+    /// noted again (`xdp_failed`).
     pub fn retry_xdp(&mut self) -> Vec<(String, Result<&'static str, AttachError>)> {
         std::mem::take(&mut self.xdp_pending)
             .into_iter()
             .map(|(name, (index, setting))| {
                 let outcome = self.attach_xdp(&name, index, setting);
-                match &outcome {
-                    Ok(_) => {}
-                    Err(e) if e.unsupported() => {
-                        self.decline_xdp(&name, index);
-                    }
-                    Err(_) => {
-                        self.xdp_pending.insert(name.clone(), (index, setting));
-                    }
+                if let Err(e) = &outcome {
+                    self.xdp_failed(&name, index, setting, e);
                 }
                 (name, outcome)
             })

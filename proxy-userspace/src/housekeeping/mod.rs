@@ -5,7 +5,7 @@
 //!
 //! - `conntrack`: the flows and affinity of departed backends purged, idle
 //!   flows reaped, flows carried into this agent's conntrack;
-//! - `ct_sources`: each client's count of open assured flows, taken again
+//! - `ct_sources`: each client's count of live assured flows, taken again
 //!   as each reap reads conntrack;
 //! - `sock_diag` and `sock_notes`: the node's UDP sockets the socket hooks
 //!   connected to a departed backend, found through the hooks' notes and
@@ -84,7 +84,7 @@ pub fn clean_departed(
 }
 
 /// Removes conntrack entries idle past their timeout, counting each
-/// client's open assured flows as it goes, then writes the counts
+/// client's live assured flows as it goes, then writes the counts
 /// (`ct_sources`), then rebuilds the prefilter where it is due, and lets go
 /// of what earlier agents' programs no longer read.
 pub fn reap_conntrack(datapath: &mut Datapath) {
